@@ -1,0 +1,246 @@
+"""Clients of an engine. One protocol, several implementations (vLLM's EngineCoreClient idea).
+
+`ConnectionEngine` speaks the worker protocol (engine/worker.py) over any multiprocessing
+Connection: `ProcessEngine` spawns a worker process per engine; the tensor-parallel sidecar client
+(engine/tp/client.py) connects to torchrun's rank 0 over an authenticated loopback socket. The UI,
+the bucket board, the CLI and the bench only ever use this interface.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from engine.errors import EngineCrashed, ShowcaseError
+from engine.protocol import BucketInfo, BucketKey, EngineKey, GenerateRequest, GenerateResult, StepProgress
+
+log = logging.getLogger(__name__)
+
+
+class ConnectionEngine:
+    """An engine behind a Connection: submit requests, stream progress, mirror bucket states."""
+
+    kind = "process"
+
+    def __init__(self, key: EngineKey):
+        self.key = key
+        self.conn = None
+        self.ready = threading.Event()
+        self.info: dict = {}
+        self.error: ShowcaseError | None = None  # why it is down (load failure, crash)
+        self.started_at = time.time()
+        self._buckets: dict[BucketKey, BucketInfo] = {}
+        self._pending: dict[str, tuple[Future, Callable | None]] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self.on_down: Callable[[ConnectionEngine], None] | None = None
+
+    # -- connection ------------------------------------------------------------------------------
+    def attach(self, conn) -> None:
+        self.conn = conn
+        threading.Thread(target=self._read, name=f"engine-read-{self.key}", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError, ConnectionResetError):
+                break
+            except Exception as exc:  # a message we cannot unpickle: report, keep reading
+                log.error("bad message from %s: %s", self.key, exc)
+                continue
+            self._dispatch(message)
+        self._went_down()
+
+    def _dispatch(self, message) -> None:
+        kind = message[0]
+        if kind == "bucket":
+            info: BucketInfo = message[1]
+            with self._lock:
+                self._buckets[info.bucket] = info
+        elif kind == "progress":
+            progress: StepProgress = message[1]
+            entry = self._pending.get(progress.request_id)
+            if entry and entry[1]:
+                try:
+                    entry[1](progress)
+                except Exception:
+                    log.exception("progress callback failed")
+        elif kind == "result":
+            result: GenerateResult = message[1]
+            self._finish(result.request_id, result=result)
+        elif kind == "error":
+            self._finish(message[1], error=message[2])
+        elif kind == "ready":
+            self.info = message[1]
+            with self._lock:
+                for info in self.info.get("buckets", []):
+                    self._buckets[info.bucket] = info
+            self.ready.set()
+        elif kind == "fatal":
+            self.error = message[1]
+            self.ready.set()
+
+    def _finish(self, request_id: str, result=None, error=None) -> None:
+        with self._lock:
+            entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return
+        if error is not None:
+            entry[0].set_exception(error)
+        else:
+            entry[0].set_result(result)
+
+    def describe_exit(self) -> str:
+        return "the engine connection closed"
+
+    def _went_down(self) -> None:
+        if self.error is None and not self._closed:
+            self.error = EngineCrashed(f"engine {self.key} stopped: {self.describe_exit()}")
+        self.ready.set()
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for request_id, (future, _) in pending.items():
+            if not future.done():
+                future.set_exception(EngineCrashed(
+                    f"request {request_id} failed: engine {self.key} stopped while running it "
+                    f"({self.describe_exit()}); it is being restarted, please retry"))
+        if self.on_down and not self._closed:
+            self.on_down(self)
+
+    def send(self, *message) -> None:
+        if self.conn is None or not self.alive:
+            raise self.error or EngineCrashed(f"engine {self.key} is not running")
+        with self._send_lock:
+            try:
+                self.conn.send(message)
+            except (OSError, BrokenPipeError) as exc:
+                raise EngineCrashed(f"engine {self.key} is not reachable: {exc}") from None
+
+    # -- the engine interface --------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.error is None and not self._closed
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        if not self.ready.wait(timeout):
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def submit(self, request: GenerateRequest, on_progress: Callable[[StepProgress], None] | None = None) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._pending[request.request_id] = (future, on_progress)
+        try:
+            self.send("generate", request)
+        except ShowcaseError as exc:
+            self._finish(request.request_id, error=exc)
+        return future
+
+    def generate(self, request: GenerateRequest, on_progress=None, timeout: float | None = None) -> GenerateResult:
+        future = self.submit(request, on_progress)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            self.cancel(request.request_id)
+            raise EngineCrashed(f"request {request.request_id} took longer than {timeout}s and was cancelled") from None
+
+    def cancel(self, request_id: str) -> None:
+        try:
+            self.send("cancel", request_id)
+        except ShowcaseError:
+            pass
+
+    def warm(self, bucket: BucketKey | None = None) -> None:
+        self.send("warm", bucket)
+
+    def buckets(self) -> list[BucketInfo]:
+        with self._lock:
+            return sorted(self._buckets.values(), key=lambda i: (i.bucket.mode, i.bucket.size))
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def status(self) -> dict:
+        state = "down" if self.error else ("ready" if self.ready.is_set() else "loading")
+        return {
+            "engine": str(self.key),
+            "kind": self.kind,
+            "state": state,
+            "error": str(self.error) if self.error else None,
+            "load_s": self.info.get("load_s"),
+            "notices": self.info.get("notices", []),
+            "modes": self.info.get("modes", []),
+            "pending": self.pending(),
+            "buckets": [b.as_dict() for b in self.buckets()],
+        }
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            if self.conn is not None:
+                with self._send_lock:
+                    self.conn.send(("shutdown",))
+        except Exception:
+            pass
+
+
+class ProcessEngine(ConnectionEngine):
+    """One worker process per engine (spawned, so CUDA/Neuron/TPU initialise cleanly in it)."""
+
+    def __init__(self, config, env: dict[str, str] | None = None):
+        super().__init__(config.key)
+        self.config = config
+        self.env = env or {}
+        self.process = None
+
+    def start(self) -> ProcessEngine:
+        from engine.worker import worker_main
+
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=worker_main, args=(self.config, child, self.env), name=f"engine-{self.key}", daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.attach(parent)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return super().alive and self.process is not None and self.process.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def describe_exit(self) -> str:
+        if self.process is None:
+            return "never started"
+        self.process.join(timeout=2)
+        code = self.process.exitcode
+        if code is None:
+            return "connection lost"
+        return f"worker process exited with code {code}" + (" (killed by a signal)" if code < 0 else "")
+
+    def close(self, timeout: float = 5.0) -> None:
+        super().close()
+        if self.process is None:
+            return
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(2)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(2)

@@ -1,0 +1,50 @@
+"""Errors every entry point (CLI, UI, API, sidecar) turns into a clear message.
+
+Each error says what went wrong *and* what to change. They are plain picklable exceptions so a
+worker process or the torchrun sidecar can send them back unchanged.
+"""
+
+from __future__ import annotations
+
+
+class ShowcaseError(Exception):
+    """Base class: `str(err)` is the message shown to users."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self):  # keep subclasses picklable across processes
+        return (self.__class__, (self.message,))
+
+
+class InvalidRequest(ShowcaseError, ValueError):
+    """The request itself is wrong (size, steps, prompt, unknown name ...)."""
+
+
+class DeviceUnavailable(ShowcaseError):
+    """The device is absent on this machine; the message says why."""
+
+
+class UnsupportedCombination(ShowcaseError):
+    """The device cannot do this precision or mode."""
+
+
+class ModelLoadError(ShowcaseError):
+    """The model could not be loaded (missing path, offline Hub id, remote code ...)."""
+
+
+class EngineBusy(ShowcaseError):
+    """The queue is full; retry later."""
+
+
+class EngineCrashed(ShowcaseError):
+    """The worker process (or a sidecar rank) died; the request did not finish."""
+
+
+class Cancelled(ShowcaseError):
+    """The run was cancelled between steps."""
+
+
+class DeviceOutOfMemory(ShowcaseError):
+    """The device ran out of memory; memory was released and the engine keeps serving."""

@@ -1,0 +1,212 @@
+"""The engine manager: one engine per (model, device, precision, tp), started on demand.
+
+Everything user-facing goes through here: it validates up front (so bad input is answered at once
+with what to change), starts and restarts engines, routes requests and reports every bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+
+from engine import devices, settings
+from engine.client import ConnectionEngine, ProcessEngine
+from engine.errors import EngineBusy, InvalidRequest, ShowcaseError
+from engine.presets import ModelPreset, get_preset, load_presets
+from engine.protocol import BucketKey, EngineKey, GenerateResult, Size
+from engine.recipes import EngineOptions
+from engine.runner import EngineConfig
+from engine.validation import build_request, check_precision
+
+log = logging.getLogger(__name__)
+
+RESTART_WINDOW_S = 60.0
+MAX_RESTARTS_IN_WINDOW = 3
+
+
+class EngineManager:
+    def __init__(
+        self,
+        cache_dir: Path | None = None,
+        options: EngineOptions | None = None,
+        allowed_roots: list[Path] | None = None,
+        extra_presets: dict[str, ModelPreset] | None = None,
+        auto_restart: bool = True,
+    ):
+        self.cache_dir = Path(cache_dir) if cache_dir else settings.cache_dir()
+        self.options = options or EngineOptions()
+        self.allowed_roots = [Path(r) for r in (allowed_roots or settings.model_roots())]
+        self.presets: dict[str, ModelPreset] = {**load_presets(), **(extra_presets or {})}
+        self.auto_restart = auto_restart
+        self._engines: dict[EngineKey, ConnectionEngine] = {}
+        self._options: dict[EngineKey, EngineOptions] = {}
+        self._restarts: dict[EngineKey, list[float]] = {}
+        self._lock = threading.RLock()
+        self._closing = False
+
+    # -- lookup and validation -------------------------------------------------------------------
+    def preset(self, name: str) -> ModelPreset:
+        if name in self.presets:
+            return self.presets[name]
+        return get_preset(name)  # raises InvalidRequest listing the presets
+
+    def make_key(self, preset: str, device: str, precision: str, tp: int = 1) -> EngineKey:
+        """Validate and resolve an engine key ("auto" -> the best available device)."""
+        p = self.preset(preset)
+        check_precision(precision)
+        spec = devices.resolve_device(device)  # InvalidRequest / DeviceUnavailable with the reason
+        devices.plan_precision(spec, precision)  # UnsupportedCombination with the reason
+        if not isinstance(tp, int) or tp < 1:
+            raise InvalidRequest(f"tp must be a whole number >= 1, got {tp!r}")
+        if tp > 1 and not p.tp:
+            raise InvalidRequest(f"preset {p.name} has no tensor-parallel plan; use tp=1")
+        if tp < p.min_tp:
+            raise InvalidRequest(f"preset {p.name} needs tensor parallel over at least {p.min_tp} ranks (--tp {p.min_tp})")
+        return EngineKey(p.name, spec.name, precision, tp)
+
+    def engine_options(self, key: EngineKey) -> EngineOptions:
+        """Manager defaults, then the preset's per-device options (e.g. CPU offload on one v6e)."""
+        base = self._options.get(key, self.options)
+        preset_options = self.preset(key.preset).options.get(key.device, {})
+        return dataclasses.replace(base, **preset_options) if preset_options else base
+
+    # -- engines ---------------------------------------------------------------------------------
+    def engine(self, key: EngineKey, options: EngineOptions | None = None) -> ConnectionEngine:
+        """The engine for a key, started if needed (returns at once; it may still be loading)."""
+        with self._lock:
+            if self._closing:
+                raise ShowcaseError("the server is shutting down")
+            if options is not None:
+                self._options[key] = options
+            engine = self._engines.get(key)
+            if engine is not None and engine.alive:
+                return engine
+            if engine is not None and not engine.ready.is_set():
+                return engine  # still loading
+            engine = self._start(key)
+            self._engines[key] = engine
+            return engine
+
+    def _start(self, key: EngineKey) -> ConnectionEngine:
+        options = self.engine_options(key)
+        if key.tp > 1:
+            from engine.tp.client import SidecarEngine
+
+            engine = SidecarEngine(self._config(key, options)).start()
+        else:
+            spec = devices.get_device(key.device)
+            env = dict(spec.environment(self.cache_dir))
+            for mode in options.warm_modes:
+                env.update(devices.mode_environment(spec, mode))
+            engine = ProcessEngine(self._config(key, options), env=env).start()
+        engine.on_down = self._on_down
+        log.info("started engine %s", key)
+        return engine
+
+    def _config(self, key: EngineKey, options: EngineOptions) -> EngineConfig:
+        return EngineConfig(
+            key=key,
+            preset=self.preset(key.preset),
+            options=options,
+            cache_dir=str(self.cache_dir),
+            allowed_roots=tuple(str(r) for r in self.allowed_roots),
+        )
+
+    def _on_down(self, engine: ConnectionEngine) -> None:
+        """Restart a crashed engine in the background (bounded, so a crash loop stops)."""
+        if self._closing or not self.auto_restart or not engine.info:
+            return  # a load failure is not retried: its error stays on the board
+        now = time.time()
+        recent = [t for t in self._restarts.get(engine.key, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= MAX_RESTARTS_IN_WINDOW:
+            log.error("engine %s crashed %d times in %ds; not restarting", engine.key, len(recent), RESTART_WINDOW_S)
+            return
+        self._restarts[engine.key] = [*recent, now]
+        log.warning("engine %s went down (%s); restarting", engine.key, engine.error)
+
+        def restart():
+            with self._lock:
+                if self._closing or self._engines.get(engine.key) is not engine:
+                    return
+                self._engines[engine.key] = self._start(engine.key)
+
+        threading.Thread(target=restart, daemon=True).start()
+
+    def restart(self, key: EngineKey) -> ConnectionEngine:
+        with self._lock:
+            old = self._engines.pop(key, None)
+        if old is not None:
+            old.close()
+        return self.engine(key)
+
+    def engines(self) -> list[ConnectionEngine]:
+        with self._lock:
+            return list(self._engines.values())
+
+    # -- requests --------------------------------------------------------------------------------
+    def generate(
+        self,
+        *,
+        preset: str,
+        device: str = "auto",
+        precision: str = "fp32",
+        mode: str = "eager",
+        size: str | Size | None = None,
+        width=None,
+        height=None,
+        prompt: str = "",
+        negative_prompt: str | None = None,
+        steps=None,
+        guidance=None,
+        seed=0,
+        tp: int = 1,
+        snap: bool = True,
+        on_cold: str = "eager",
+        on_progress=None,
+        timeout: float | None = None,
+        on_submit=None,
+    ) -> GenerateResult:
+        """Validate, route and run one request; raises a ShowcaseError with what to change."""
+        key = self.make_key(preset, device, precision, tp)
+        p = self.preset(key.preset)
+        if size is not None:
+            parsed = size if isinstance(size, Size) else Size.parse(size)
+            width, height = parsed.width, parsed.height
+        if width is None or height is None:
+            width, height = p.buckets[0].width, p.buckets[0].height
+        spec = devices.get_device(key.device)
+        mode_notices = devices.check_mode(spec, mode)
+        request, notices = build_request(
+            p, prompt=prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
+            guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold,
+        )
+        engine = self.engine(key)
+        if engine.pending() >= self.engine_options(key).max_queue:
+            raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")
+        engine.wait_ready(timeout=600)
+        future = engine.submit(request, on_progress)
+        if on_submit:
+            on_submit(engine, request)
+        result: GenerateResult = future.result(timeout)
+        extra = tuple(mode_notices) + tuple(notices)
+        return dataclasses.replace(result, notices=extra + result.notices) if extra else result
+
+    def warm(self, preset: str, device: str, precision: str, mode: str = "compile", size: str | None = None,
+             tp: int = 1) -> None:
+        key = self.make_key(preset, device, precision, tp)
+        engine = self.engine(key)
+        engine.wait_ready(timeout=600)
+        engine.warm(BucketKey(mode, Size.parse(size)) if size else None)
+
+    def status(self) -> list[dict]:
+        return [engine.status() for engine in self.engines()]
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closing = True
+            engines, self._engines = list(self._engines.values()), {}
+        for engine in engines:
+            engine.close()

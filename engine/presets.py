@@ -1,0 +1,244 @@
+"""Model and resolution presets (data in presets/*.toml) and request routing to buckets.
+
+Routing is a pure function that mirrors the pipelines' own limits (sizes divisible by
+vae_scale_factor * 2), so it is tested with parametrised cases and needs no model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field, replace
+from functools import cache
+from pathlib import Path
+
+from engine import settings
+from engine.errors import InvalidRequest, ModelLoadError
+from engine.protocol import Size
+
+MAX_SIDE = 4096
+# pipeline class (model_index.json "_class_name") -> (family, denoiser, alignment, cfg, negative_prompt)
+PIPELINE_FAMILIES: dict[str, tuple[str, str, int, bool, bool]] = {
+    "FluxPipeline": ("flux", "transformer", 16, False, False),
+    "Flux2Pipeline": ("flux", "transformer", 16, False, False),
+    "Flux2KleinPipeline": ("flux", "transformer", 16, False, False),
+    "StableDiffusion3Pipeline": ("sd3", "transformer", 16, True, True),
+    "StableDiffusionXLPipeline": ("sdxl", "unet", 8, True, True),
+    "StableDiffusionPipeline": ("default", "unet", 8, True, True),
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    pipeline: str
+    source: str
+    family: str
+    denoiser: str
+    steps: int
+    guidance: float
+    buckets: tuple[Size, ...]
+    alignment: int
+    cfg: bool = False
+    negative_prompt: bool = False
+    tp: bool = False
+    tp_text_encoder: bool = False
+    min_tp: int = 1
+    description: str = ""
+    repeated_blocks: tuple[str, ...] = ()
+    advice: dict = field(default_factory=dict, hash=False, compare=False)
+    options: dict = field(default_factory=dict, hash=False, compare=False)
+    denoiser_config: dict | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def embedded(self) -> str | None:
+        """Name of the tiny pipeline engine/tiny.py builds, or None for a real model."""
+        return self.source.removeprefix("embedded:") if self.source.startswith("embedded:") else None
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "pipeline": self.pipeline,
+            "source": self.source,
+            "denoiser": self.denoiser,
+            "steps": self.steps,
+            "guidance": self.guidance,
+            "buckets": [str(b) for b in self.buckets],
+            "alignment": self.alignment,
+            "negative_prompt": self.negative_prompt,
+            "tp": self.tp,
+            "description": self.description,
+            "advice": dict(self.advice),
+        }
+
+
+@cache
+def _family_buckets() -> dict[str, tuple[Size, ...]]:
+    data = tomllib.loads((settings.PRESETS_DIR / "resolutions.toml").read_text())
+    return {fam: tuple(Size.parse(s) for s in d["buckets"]) for fam, d in data.items()}
+
+
+def family_buckets(family: str) -> tuple[Size, ...]:
+    table = _family_buckets()
+    return table.get(family, table["default"])
+
+
+def _check_buckets(name: str, buckets: tuple[Size, ...], alignment: int) -> None:
+    for b in buckets:
+        if b.width % alignment or b.height % alignment:
+            raise ValueError(f"preset {name}: bucket {b} is not divisible by its alignment {alignment}")
+
+
+@cache
+def load_presets() -> dict[str, ModelPreset]:
+    data = tomllib.loads((settings.PRESETS_DIR / "models.toml").read_text())
+    presets = {}
+    for name, d in data.items():
+        buckets = tuple(Size.parse(s) for s in d.get("buckets", ())) or family_buckets(d["family"])
+        _check_buckets(name, buckets, d["alignment"])
+        presets[name] = ModelPreset(
+            name=name,
+            pipeline=d["pipeline"],
+            source=d["source"],
+            family=d["family"],
+            denoiser=d["denoiser"],
+            steps=int(d["steps"]),
+            guidance=float(d["guidance"]),
+            buckets=buckets,
+            alignment=int(d["alignment"]),
+            cfg=bool(d.get("cfg", False)),
+            negative_prompt=bool(d.get("negative_prompt", False)),
+            tp=bool(d.get("tp", False)),
+            tp_text_encoder=bool(d.get("tp_text_encoder", False)),
+            min_tp=int(d.get("min_tp", 1)),
+            description=d.get("description", ""),
+            repeated_blocks=tuple(d.get("repeated_blocks", ())),
+            advice=dict(d.get("advice", {})),
+            options=dict(d.get("options", {})),
+            denoiser_config=d.get("denoiser_config"),
+        )
+    return presets
+
+
+def get_preset(name: str) -> ModelPreset:
+    presets = load_presets()
+    if name not in presets:
+        raise InvalidRequest(f"unknown preset {name!r}; choose one of: {', '.join(presets)}")
+    return presets[name]
+
+
+def preset_for_model(ref: str, allowed_roots: list[Path] | None = None, buckets: str | None = None) -> ModelPreset:
+    """A preset for any local diffusers folder or Hub id (`--model`), buckets from its family.
+
+    Local folders must lie under one of `allowed_roots` (the configured model roots) so a web user
+    cannot point the server at arbitrary paths. Remote code is never trusted: a model_index.json that
+    names a custom pipeline is refused.
+    """
+    ref = str(ref).strip()
+    path = Path(ref).expanduser()
+    if path.exists() or ref.startswith((".", "/", "~")):
+        index = _local_model_index(path, allowed_roots)
+        source = str(path.resolve())
+    elif _HUB_ID.match(ref):
+        index = _hub_model_index(ref)
+        source = ref
+    else:
+        raise InvalidRequest(f"model {ref!r} is neither an existing local folder nor a Hub id like 'org/name'")
+    cls = index.get("_class_name", "")
+    if isinstance(cls, list) or "custom_pipeline" in index or cls not in PIPELINE_FAMILIES:
+        raise ModelLoadError(
+            f"model {ref!r} uses pipeline {cls!r}, which needs remote code or is not supported; "
+            f"supported pipelines: {', '.join(PIPELINE_FAMILIES)} (remote code is never trusted)"
+        )
+    family, denoiser, alignment, cfg, negative = PIPELINE_FAMILIES[cls]
+    bucket_sizes = (
+        tuple(Size.parse(s) for s in buckets.split(",")) if buckets else family_buckets(family)
+    )
+    _check_buckets(ref, bucket_sizes, alignment)
+    default_steps = 4 if "schnell" in ref.lower() or "klein" in ref.lower() else 28
+    return ModelPreset(
+        name=ref,
+        pipeline=cls,
+        source=source,
+        family=family,
+        denoiser=denoiser,
+        steps=default_steps,
+        guidance=0.0 if "schnell" in ref.lower() else 3.5,
+        buckets=bucket_sizes,
+        alignment=alignment,
+        cfg=cfg,
+        negative_prompt=negative,
+        tp=denoiser == "transformer",
+        description=f"{cls} from {ref}",
+    )
+
+
+def check_local_path(path: Path, allowed_roots: list[Path] | None) -> Path:
+    resolved = path.expanduser().resolve()
+    roots = [r.resolve() for r in (allowed_roots if allowed_roots is not None else settings.model_roots())]
+    if not any(resolved == r or resolved.is_relative_to(r) for r in roots):
+        allowed = ", ".join(str(r) for r in roots) or "(none configured)"
+        raise ModelLoadError(
+            f"local model path {str(path)!r} is outside the allowed model roots {allowed}; "
+            "add its parent with --model-root or SHOWCASE_MODEL_ROOTS"
+        )
+    if not resolved.is_dir():
+        raise ModelLoadError(f"local model path {str(path)!r} does not exist or is not a folder")
+    return resolved
+
+
+def _local_model_index(path: Path, allowed_roots: list[Path] | None) -> dict:
+    folder = check_local_path(path, allowed_roots)
+    index = folder / "model_index.json"
+    if not index.is_file():
+        raise ModelLoadError(f"{str(path)!r} is not a diffusers pipeline folder (no model_index.json)")
+    return json.loads(index.read_text())
+
+
+def _hub_model_index(repo_id: str) -> dict:
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(repo_id, "model_index.json")).read_text())
+    except Exception as exc:  # offline, gated, missing: all mean "can't load this here"
+        hint = "it is not in the local Hugging Face cache and the Hub is offline" if settings.hf_offline() else str(exc)
+        raise ModelLoadError(
+            f"cannot reach Hub model {repo_id!r}: {hint}; download it first (huggingface-cli download) "
+            "or pass a local folder"
+        ) from None
+
+
+def route_size(preset: ModelPreset, width, height, snap: bool = True) -> tuple[Size, tuple[str, ...]]:
+    """Map a requested size to one of the preset's buckets.
+
+    An exact bucket is used as is. Otherwise, with `snap`, the nearest bucket wins: closest aspect
+    ratio (log scale) first, then closest pixel count; without `snap` the size is refused with the list.
+    """
+    sizes = ", ".join(str(b) for b in preset.buckets)
+    try:
+        w, h = int(width), int(height)
+        if w != float(width) or h != float(height):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidRequest(f"size {width}x{height} must be whole pixels; pick one of: {sizes}") from None
+    if not (0 < w <= MAX_SIDE and 0 < h <= MAX_SIDE):
+        raise InvalidRequest(f"size {w}x{h} is outside 1..{MAX_SIDE} pixels a side; pick one of: {sizes}")
+    requested = Size(w, h)
+    if requested in preset.buckets:
+        return requested, ()
+    if not snap:
+        raise InvalidRequest(f"size {requested} is not a bucket of {preset.name}; pick one of: {sizes}")
+
+    def distance(b: Size) -> tuple[float, float]:
+        return (abs(math.log(b.width / b.height) - math.log(w / h)), abs(math.log(b.pixels / requested.pixels)))
+
+    best = min(preset.buckets, key=distance)
+    return best, (f"size {requested} snapped to the nearest bucket {best}",)
+
+
+def with_buckets(preset: ModelPreset, buckets: list[Size]) -> ModelPreset:
+    _check_buckets(preset.name, tuple(buckets), preset.alignment)
+    return replace(preset, buckets=tuple(buckets))

@@ -1,0 +1,143 @@
+"""Optimisation recipes as small named steps driven by one options object (flux-fast's `optimize()`).
+
+Each step is a function that changes the pipeline (or the compile settings) and returns a notice
+saying what it did; each has a test that it took effect. Device differences come from the device
+spec, never from `if device == ...` here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Per-engine options; every field is one named step below (or a compile setting)."""
+
+    cpu_offload: bool = False  # enable_model_cpu_offload(); then only regional compile is possible
+    channels_last: bool = False  # UNet / VAE convolutions in channels_last memory format
+    fuse_qkv: bool = False  # fuse_qkv_projections() on the denoiser
+    inductor_flags: bool | None = None  # flux-fast inductor flags; None = on where the device is CUDA
+    max_autotune: bool = False  # torch.compile mode="max-autotune" (inductor devices only)
+    dynamic: bool = False  # dynamic=True + use_duck_shape=False (not on static-shape devices)
+    compile_vae: bool = True  # compile vae.decode too in "compile" mode
+    int8: bool = False  # torchao dynamic int8 activation + int8 weight quantisation of the denoiser
+    warm_modes: tuple[str, ...] = ("compile",)  # modes whose buckets warm at start-up
+    warm_sizes: tuple[str, ...] | None = None  # None: every bucket of the preset; () none
+    warm_steps: int = 2
+    max_queue: int = 16  # pending requests per engine before "busy, retry"
+    # Test hooks for fault injection ("compile_fail", "oom", "crash"); never set by the UI.
+    inject_faults: tuple[str, ...] = field(default=())
+
+
+def _denoiser(pipe, name: str):
+    return getattr(pipe, name)
+
+
+def step_channels_last(pipe, denoiser_name: str) -> str:
+    changed = []
+    for name in ("unet", "vae"):
+        module = getattr(pipe, name, None)
+        if module is not None and _has_conv(module):
+            module.to(memory_format=torch.channels_last)
+            changed.append(name)
+    return f"channels_last on {', '.join(changed) or 'nothing (no conv modules)'}"
+
+
+def _has_conv(module) -> bool:
+    return any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
+
+
+def step_fuse_qkv(pipe, denoiser_name: str) -> str:
+    denoiser = _denoiser(pipe, denoiser_name)
+    if not hasattr(denoiser, "fuse_qkv_projections"):
+        return f"fuse_qkv skipped: {type(denoiser).__name__} has no fuse_qkv_projections()"
+    denoiser.fuse_qkv_projections()
+    fused = sum(1 for m in denoiser.modules() if getattr(m, "fused_projections", False))
+    return f"fused QKV projections in {fused} attention modules"
+
+
+def step_int8(pipe, denoiser_name: str) -> str:
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+    except ImportError:
+        from engine.errors import UnsupportedCombination
+
+        raise UnsupportedCombination("int8 needs torchao: pip install 'diffusion-showcase[quant]'") from None
+    quantize_(_denoiser(pipe, denoiser_name), Int8DynamicActivationInt8WeightConfig())
+    return "int8 dynamic activation + int8 weight quantisation (torchao) on the denoiser"
+
+
+# Load-time steps in the order they apply. Offload / .to(device) come after these (in the runner).
+LOAD_STEPS = (
+    ("fuse_qkv", step_fuse_qkv),
+    ("channels_last", step_channels_last),
+    ("int8", step_int8),
+)
+
+
+def apply_load_steps(pipe, denoiser_name: str, options: EngineOptions) -> list[str]:
+    notices = []
+    for name, step in LOAD_STEPS:
+        if getattr(options, name):
+            notices.append(step(pipe, denoiser_name))
+            log.info("recipe %s: %s", name, notices[-1])
+    return notices
+
+
+INDUCTOR_FLAGS = {
+    # flux-fast / the seed's max-speed flags
+    "conv_1x1_as_mm": True,
+    "coordinate_descent_tuning": True,
+    "epilogue_fusion": False,
+    "coordinate_descent_check_all_directions": True,
+}
+
+
+def apply_inductor_flags(options: EngineOptions, device_spec) -> list[str]:
+    wanted = options.inductor_flags
+    if wanted is None:
+        wanted = device_spec.name == "cuda"
+    if not wanted or device_spec.compile_backend != "inductor":
+        return []
+    import torch._inductor.config as inductor_config
+
+    for key, value in INDUCTOR_FLAGS.items():
+        setattr(inductor_config, key, value)
+    return ["inductor flags: " + ", ".join(f"{k}={v}" for k, v in INDUCTOR_FLAGS.items())]
+
+
+def compile_kwargs(options: EngineOptions, device_spec, fullgraph: bool = True) -> tuple[dict, list[str]]:
+    """torch.compile arguments for this device and options, with notices for what was downgraded."""
+    notices = []
+    kwargs = {"backend": device_spec.compile_backend, "fullgraph": fullgraph}
+    if options.dynamic and device_spec.static_shapes:
+        notices.append(f"dynamic shapes are not possible on {device_spec.name} (static-shape compiler); using static")
+    if options.dynamic and not device_spec.static_shapes:
+        import torch.fx.experimental._config as fx_config
+
+        fx_config.use_duck_shape = False  # distinct sizes must not be unified (design.md §1)
+        kwargs["dynamic"] = True
+    else:
+        kwargs["dynamic"] = False
+    if options.max_autotune:
+        if device_spec.compile_backend == "inductor":
+            kwargs["mode"] = "max-autotune"
+        else:
+            notices.append(f"max-autotune is an inductor mode; {device_spec.name} compiles with {device_spec.compile_backend}")
+    return kwargs, notices
+
+
+def raise_recompile_limit(n_graphs: int) -> int:
+    """Each bucket is one more graph of the same code object; with fullgraph=True the 9th raises."""
+    import torch._dynamo.config as dynamo_config
+
+    limit = max(dynamo_config.recompile_limit, n_graphs + 8)
+    dynamo_config.recompile_limit = limit
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * limit)
+    return limit

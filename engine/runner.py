@@ -1,0 +1,468 @@
+"""One pipeline on one device: loading, per-bucket compiled graphs, warm-up and timed runs.
+
+A `PipelineRunner` lives inside a worker process (engine/worker.py) or a tensor-parallel rank
+(engine/tp/). Weights load once per (model, device, precision); every mode is a *variant* of the
+same weights:
+
+- eager:    the loaded pipeline itself, never compiled, so it can serve while a bucket compiles;
+- compile:  `torch.compile(denoiser)` (an OptimizedModule wrapping the same module) and a compiled
+            `vae.decode` on a shallow VAE copy;
+- regional: `compile_repeated_blocks` on a structural clone of the denoiser whose Parameters are the
+            very same tensors (compile_repeated_blocks works in place, and eager must stay eager);
+- defer-and-fuse: the eager variant run under torch_tpu's DEFER_AND_FUSE eager mode.
+
+A bucket is (mode, size): one compiled graph of the variant's module at that static shape.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import io
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from engine import devices, recipes, settings
+from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
+from engine.presets import ModelPreset, check_local_path, route_size
+from engine.protocol import (
+    BucketInfo,
+    BucketKey,
+    BucketState,
+    EngineKey,
+    GenerateRequest,
+    GenerateResult,
+    Size,
+    StepProgress,
+    Timings,
+)
+from engine.recipes import EngineOptions
+
+log = logging.getLogger(__name__)
+
+COMPILED_MODES = ("compile", "regional", "defer-and-fuse")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a worker needs to build its runner; picklable, sent once at start."""
+
+    key: EngineKey
+    preset: ModelPreset
+    options: EngineOptions = field(default_factory=EngineOptions)
+    cache_dir: str = ""
+    allowed_roots: tuple[str, ...] = ()
+
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else settings.cache_dir()
+
+
+# --- compile accounting per thread --------------------------------------------------------------
+# Dynamo's compile-start callback runs in the compiling thread, so counting per thread tells a
+# request how many graphs *it* compiled, even while the warm-up thread compiles other buckets.
+_compiles_by_thread: dict[int, int] = {}
+_compile_counter_installed = False
+
+
+def _install_compile_counter() -> None:
+    global _compile_counter_installed
+    if _compile_counter_installed:
+        return
+    from torch._dynamo.callback import on_compile_start
+
+    @on_compile_start
+    def _count(_args) -> None:
+        tid = threading.get_ident()
+        _compiles_by_thread[tid] = _compiles_by_thread.get(tid, 0) + 1
+
+    _compile_counter_installed = True
+
+
+def compiles_in_this_thread() -> int:
+    return _compiles_by_thread.get(threading.get_ident(), 0)
+
+
+# --- variants -----------------------------------------------------------------------------------
+def clone_module_tree(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module tree whose Parameters and buffers are the same tensors (no extra weight memory).
+
+    Used for regional compile: `compile_repeated_blocks` sets `_compiled_call_impl` on each block in
+    place, so it works on the clone and the eager original stays eager.
+    """
+    clone = copy.copy(module)
+    clone._modules = OrderedDict(
+        (name, clone_module_tree(child) if child is not None else None) for name, child in module._modules.items()
+    )
+    for hooks in ("_forward_hooks", "_forward_pre_hooks"):
+        setattr(clone, hooks, OrderedDict(getattr(module, hooks)))
+    return clone
+
+
+class _RunClock:
+    """Marks of one run: start, denoise loop start (scheduler.set_timesteps), each step end."""
+
+    def __init__(self, spec: devices.DeviceSpec):
+        self.spec = spec
+        self.start = time.perf_counter()
+        self.loop_start: float | None = None
+        self.step_ends: list[float] = []
+
+    def mark_loop_start(self) -> None:
+        self.spec.synchronize()
+        self.loop_start = time.perf_counter()
+
+    def mark_step_end(self) -> float:
+        self.spec.synchronize()  # device-synchronised per-step latency
+        now = time.perf_counter()
+        prev = self.step_ends[-1] if self.step_ends else (self.loop_start or self.start)
+        self.step_ends.append(now)
+        return (now - prev) * 1000
+
+    def timings(self, end: float) -> Timings:
+        loop_start = self.loop_start or self.start
+        edges = [loop_start, *self.step_ends]
+        steps = tuple((b - a) * 1000 for a, b in zip(edges, edges[1:], strict=False))
+        last = self.step_ends[-1] if self.step_ends else loop_start
+        return Timings(
+            step_ms=steps,
+            encode_ms=(loop_start - self.start) * 1000,
+            denoise_ms=(last - loop_start) * 1000,
+            decode_ms=(end - last) * 1000,
+            total_ms=(end - self.start) * 1000,
+        )
+
+
+class BucketBoard:
+    """Thread-safe bucket states; every change is pushed to `listener` (the worker sends it on)."""
+
+    def __init__(self, key: EngineKey, listener: Callable[[BucketInfo], None] | None = None):
+        self.key = key
+        self.listener = listener
+        self._lock = threading.Lock()
+        self._infos: dict[BucketKey, BucketInfo] = {}
+        self._warm_events: dict[BucketKey, threading.Event] = {}
+
+    def add(self, bucket: BucketKey, state: BucketState = BucketState.COLD) -> None:
+        with self._lock:
+            if bucket in self._infos:
+                return
+        self.update(bucket, state=state)
+
+    def get(self, bucket: BucketKey) -> BucketInfo | None:
+        with self._lock:
+            return self._infos.get(bucket)
+
+    def all(self) -> list[BucketInfo]:
+        with self._lock:
+            return sorted(self._infos.values(), key=lambda i: (i.bucket.mode, i.bucket.size))
+
+    def event(self, bucket: BucketKey) -> threading.Event:
+        with self._lock:
+            return self._warm_events.setdefault(bucket, threading.Event())
+
+    def update(self, bucket: BucketKey, **changes) -> BucketInfo:
+        with self._lock:
+            info = self._infos.get(bucket) or BucketInfo(self.key, bucket, BucketState.COLD)
+            info = replace(info, updated_at=time.time(), **changes)
+            self._infos[bucket] = info
+            event = self._warm_events.setdefault(bucket, threading.Event())
+            if info.state in (BucketState.WARM, BucketState.FAILED):
+                event.set()
+            else:
+                event.clear()
+        if self.listener:
+            self.listener(info)
+        return info
+
+    def served(self, bucket: BucketKey) -> None:
+        info = self.get(bucket)
+        self.update(bucket, requests_served=(info.requests_served if info else 0) + 1)
+
+
+class PipelineRunner:
+    def __init__(self, config: EngineConfig, listener: Callable[[BucketInfo], None] | None = None):
+        self.config = config
+        self.preset = config.preset
+        self.options = config.options
+        self.spec = devices.resolve_device(config.key.device)
+        self.precision = devices.plan_precision(self.spec, config.key.precision)
+        self.board = BucketBoard(config.key, listener)
+        self.notices: list[str] = list(self.precision.notices)
+        self.pipe = None
+        self.load_s: float | None = None
+        self._variants: dict[str, object] = {}
+        self._variant_lock = threading.Lock()
+        self._run_lock = threading.Lock()  # one request on the device at a time (warm-up runs apart)
+        self._tls = threading.local()
+        for mode in self.modes():
+            for size in self.preset.buckets:
+                self.board.add(BucketKey(mode, size), BucketState.WARM if mode == "eager" else BucketState.COLD)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def modes(self) -> tuple[str, ...]:
+        """Modes this engine can run: the device's, minus what its options rule out."""
+        modes = [m for m in self.spec.modes]
+        if self.options.cpu_offload and "compile" in modes:
+            modes.remove("compile")  # offload hooks cannot be traced (seed: compile only the repeated blocks)
+        return tuple(modes)
+
+    def check_mode(self, mode: str) -> tuple[str, ...]:
+        notices = devices.check_mode(self.spec, mode)
+        if mode not in self.modes():
+            raise UnsupportedCombination(
+                f"mode {mode!r} is not available on this engine ({self.config.key}): "
+                f"CPU offload is on, so only {', '.join(self.modes())} can run"
+            )
+        return notices
+
+    def resolve_source(self) -> str:
+        preset, cache = self.preset, self.config.cache_path()
+        if preset.embedded:
+            from engine.tiny import ensure_tiny_pipeline
+
+            return str(ensure_tiny_pipeline(preset.embedded, settings.models_dir(cache)))
+        if Path(preset.source).is_absolute():
+            roots = [Path(r) for r in self.config.allowed_roots] or None
+            return str(check_local_path(Path(preset.source), roots))
+        return preset.source
+
+    def load(self) -> float:
+        import diffusers
+
+        start = time.perf_counter()
+        env = devices.apply_environment(self.spec, self.config.cache_path())
+        log.info("environment in force: %s", env)
+        devices.apply_precision(self.precision)
+        _install_compile_counter()
+        recipes.raise_recompile_limit(len(self.modes()) * len(self.preset.buckets) * 2)
+        pipeline_cls = getattr(diffusers, self.preset.pipeline)
+        source = self.resolve_source()
+        try:
+            pipe = pipeline_cls.from_pretrained(source, dtype=self.precision.dtype, trust_remote_code=False)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(
+                f"could not load {self.preset.name!r} from {source!r}: {str(exc).splitlines()[0]}; "
+                "check the path, or download the model first when offline"
+            ) from None
+        pipe.set_progress_bar_config(disable=True)
+        if self.preset.repeated_blocks:
+            getattr(pipe, self.preset.denoiser)._repeated_blocks = list(self.preset.repeated_blocks)
+        self.notices += recipes.apply_load_steps(pipe, self.preset.denoiser, self.options)
+        if self.options.cpu_offload:
+            pipe.enable_model_cpu_offload(device=self.spec.torch_device)
+            self.notices.append("model CPU offload: each model moves to the device only while it runs")
+        else:
+            pipe.to(self.spec.torch_device)
+        self.notices += recipes.apply_inductor_flags(self.options, self.spec)
+        self.pipe = pipe
+        self._variants["eager"] = pipe
+        self.load_s = time.perf_counter() - start
+        log.info("loaded %s in %.2fs", self.config.key, self.load_s)
+        return self.load_s
+
+    def variant(self, mode: str):
+        """The pipeline object for a mode (built once; compiled modules compile lazily per shape)."""
+        with self._variant_lock:
+            if mode in self._variants:
+                return self._variants[mode]
+            base = self.pipe
+            if mode == "defer-and-fuse":
+                pipe = base  # same modules; the eager mode is switched per run (devices.enter_eager_mode)
+            else:
+                pipe = copy.copy(base)
+                denoiser = getattr(base, self.preset.denoiser)
+                fullgraph = "compile_fail" not in self.options.inject_faults
+                kwargs, notices = recipes.compile_kwargs(self.options, self.spec, fullgraph=fullgraph)
+                self.notices += notices
+                if mode == "compile":
+                    compiled = torch.compile(denoiser, **kwargs)
+                    object.__setattr__(pipe, self.preset.denoiser, compiled)
+                    if self.options.compile_vae:
+                        vae = copy.copy(base.vae)  # shallow: same weights, own attribute dict
+                        vae.decode = torch.compile(base.vae.decode, **{**kwargs, "fullgraph": False})
+                        object.__setattr__(pipe, "vae", vae)
+                elif mode == "regional":
+                    clone = clone_module_tree(denoiser)
+                    try:
+                        clone.compile_repeated_blocks(**kwargs)
+                    except ValueError as exc:
+                        raise UnsupportedCombination(
+                            f"regional compile is not possible for {type(denoiser).__name__}: {exc}; "
+                            "use mode 'compile'"
+                        ) from None
+                    object.__setattr__(pipe, self.preset.denoiser, clone)
+                else:
+                    raise InvalidRequest(f"unknown mode {mode!r}")
+            self._variants[mode] = pipe
+            return pipe
+
+    # -- running ---------------------------------------------------------------------------------
+    def _call(self, pipe, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None):
+        """One pipeline call on a private copy (own scheduler: schedulers keep per-run state)."""
+        run = copy.copy(pipe)
+        scheduler = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
+        clock = _RunClock(self.spec)
+        original_set_timesteps = scheduler.set_timesteps
+
+        @functools.wraps(original_set_timesteps)  # pipelines inspect its signature (sigmas=, mu=)
+        def set_timesteps(*args, **kwargs):
+            result = original_set_timesteps(*args, **kwargs)
+            clock.mark_loop_start()
+            return result
+
+        scheduler.set_timesteps = set_timesteps
+        object.__setattr__(run, "scheduler", scheduler)
+        cancelled_at = []
+
+        def on_step_end(p, i, t, callback_kwargs):
+            step_ms = clock.mark_step_end()
+            if on_step:
+                on_step(StepProgress(request.request_id, i + 1, request.steps, step_ms))
+            if cancel is not None and cancel.is_set() and not cancelled_at:
+                cancelled_at.append(i + 1)
+                p._interrupt = True
+            return {}
+
+        kwargs = dict(
+            prompt=request.prompt,
+            height=request.height,
+            width=request.width,
+            num_inference_steps=request.steps,
+            guidance_scale=request.guidance,
+            generator=torch.Generator("cpu").manual_seed(request.seed),
+            callback_on_step_end=on_step_end,
+            output_type="pil",
+        )
+        if request.negative_prompt and self.preset.negative_prompt:
+            kwargs["negative_prompt"] = request.negative_prompt
+        devices.enter_eager_mode(self.spec, request.mode)  # TPU: strict eager or defer-and-fuse; no-op elsewhere
+        with torch.inference_mode():
+            image = run(**kwargs).images[0]
+        end = time.perf_counter()
+        return image, clock.timings(end), (cancelled_at[0] if cancelled_at else None)
+
+    def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None) -> GenerateResult:
+        """Run one request. At a warm bucket this compiles nothing; elsewhere it runs eagerly or waits."""
+        notices = list(self.check_mode(request.mode))
+        size, snapped = route_size(self.preset, request.width, request.height, snap=True)
+        notices += snapped
+        request = request.replace(width=size.width, height=size.height)
+        bucket = request.bucket
+        info = self.board.get(bucket)
+        eager_fallback = False
+        if request.mode != "eager":
+            if info is None or info.state != BucketState.WARM:
+                if request.on_cold == "wait":
+                    if info is None or info.state in (BucketState.COLD, BucketState.FAILED):
+                        self.warm_bucket(bucket)  # compile here, in this request
+                    self.board.event(bucket).wait()
+                    info = self.board.get(bucket)
+                if info is None or info.state != BucketState.WARM:
+                    eager_fallback = True
+                    state = info.state.value if info else "cold"
+                    reason = f": {info.error}" if info and info.error else ""
+                    notices.append(f"bucket {bucket} is {state}{reason}; served eagerly on the same weights")
+        pipe = self.variant("eager" if eager_fallback else request.mode)
+        if eager_fallback:
+            request_for_run = request.replace(mode="eager")
+        else:
+            request_for_run = request
+        with self._run_lock:
+            if "oom" in self.options.inject_faults and request.prompt == "__inject_oom__":
+                raise self._out_of_memory(torch.OutOfMemoryError("injected out-of-memory"))
+            self.spec.reset_peak_memory()
+            compiles_before = compiles_in_this_thread()
+            try:
+                image, timings, cancelled_at = self._call(pipe, request_for_run, on_step, cancel)
+            except torch.OutOfMemoryError as exc:
+                raise self._out_of_memory(exc) from None
+            recompiles = compiles_in_this_thread() - compiles_before
+            peak = self.spec.peak_memory_bytes()
+        if cancelled_at is not None:
+            raise Cancelled(f"request {request.request_id} cancelled after step {cancelled_at} of {request.steps}")
+        self.board.served(bucket)
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return GenerateResult(
+            request_id=request.request_id,
+            engine=self.config.key,
+            bucket=bucket,
+            image_png=buf.getvalue(),
+            timings=timings,
+            warm=not eager_fallback,
+            eager_fallback=eager_fallback,
+            recompiles=recompiles,
+            peak_memory_bytes=peak,
+            notices=tuple(notices),
+            seed=request.seed,
+            steps=request.steps,
+        )
+
+    def _out_of_memory(self, exc: Exception) -> DeviceOutOfMemory:
+        gc.collect()
+        if hasattr(torch, self.spec.name) and hasattr(getattr(torch, self.spec.name), "empty_cache"):
+            getattr(torch, self.spec.name).empty_cache()
+        return DeviceOutOfMemory(
+            f"{self.spec.name} ran out of memory ({exc}); memory was released. "
+            "Pick a smaller size, fewer steps, bf16/fp16, or CPU offload"
+        )
+
+    # -- warm-up ---------------------------------------------------------------------------------
+    def warm_request(self, bucket: BucketKey, guidance: float | None = None) -> GenerateRequest:
+        return GenerateRequest(
+            prompt="warm-up",
+            width=bucket.size.width,
+            height=bucket.size.height,
+            steps=self.options.warm_steps,
+            guidance=self.preset.guidance if guidance is None else guidance,
+            seed=0,
+            mode=bucket.mode,
+            request_id=f"warm-{bucket}",
+        )
+
+    def warm_guidances(self) -> tuple[float, ...]:
+        # With classifier-free guidance, guidance <= 1 halves the denoiser batch: a second shape.
+        # Warm both so changing guidance never recompiles.
+        g = self.preset.guidance
+        return (g, 1.0) if self.preset.cfg and g > 1.0 else (g,)
+
+    def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
+        """Compile and warm one bucket: first call compiles (compile_s), second is the warm-up run."""
+        if bucket.mode not in COMPILED_MODES:
+            return self.board.update(bucket, state=BucketState.WARM)
+        try:
+            self.check_mode(bucket.mode)
+            if bucket.size not in self.preset.buckets:
+                raise InvalidRequest(f"{bucket.size} is not a bucket of {self.preset.name}")
+        except Exception as exc:
+            return self.board.update(bucket, state=BucketState.FAILED, error=str(exc))
+        self.board.update(bucket, state=BucketState.COMPILING, error=None)
+        try:
+            pipe = self.variant(bucket.mode)
+            start = time.perf_counter()
+            for guidance in self.warm_guidances():
+                self._call(pipe, self.warm_request(bucket, guidance))
+            compile_s = time.perf_counter() - start
+            start = time.perf_counter()
+            self._call(pipe, self.warm_request(bucket))
+            warmup_s = time.perf_counter() - start
+        except Exception as exc:  # a failed compile must leave eager serving
+            log.warning("bucket %s failed to compile: %s", bucket, exc)
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            return self.board.update(bucket, state=BucketState.FAILED, error=reason[:500])
+        return self.board.update(bucket, state=BucketState.WARM, compile_s=compile_s, warmup_s=warmup_s)
+
+    def buckets_to_warm(self) -> list[BucketKey]:
+        """The configured start-up warm list, most-used size first (the preset's order)."""
+        sizes = self.preset.buckets
+        if self.options.warm_sizes is not None:
+            sizes = tuple(Size.parse(s) for s in self.options.warm_sizes)
+        return [BucketKey(m, s) for s in sizes for m in self.options.warm_modes if m in self.modes()]

@@ -1,0 +1,54 @@
+"""Every environment variable the project reads, in one place.
+
+Flags on the command line override these; these override the defaults below.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PRESETS_DIR = REPO_ROOT / "presets"
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def cache_dir() -> Path:
+    """Persistent folder for tiny models, inductor / NEFF caches and outputs (`--cache-dir`)."""
+    default = Path(_env("XDG_CACHE_HOME", str(Path.home() / ".cache"))) / "diffusion-showcase"
+    return Path(_env("SHOWCASE_CACHE_DIR", str(default))).expanduser()
+
+
+def models_dir(root: Path | None = None) -> Path:
+    """Where the embedded tiny pipelines are built (once) and loaded from."""
+    return (root or cache_dir()) / "models"
+
+
+def model_roots() -> list[Path]:
+    """Local model folders a user may serve with --model (colon-separated SHOWCASE_MODEL_ROOTS)."""
+    raw = _env("SHOWCASE_MODEL_ROOTS")
+    roots = [Path(p).expanduser().resolve() for p in raw.split(os.pathsep)] if raw else []
+    return roots
+
+
+def hf_offline() -> bool:
+    return _env("HF_HUB_OFFLINE", "0") not in ("0", "false", "False")
+
+
+def server_defaults() -> dict:
+    """Defaults for app.py (each has a flag of the same name)."""
+    return {
+        "host": _env("SHOWCASE_HOST", "127.0.0.1"),
+        "port": int(_env("SHOWCASE_PORT", "7860")),
+        "preset": _env("SHOWCASE_PRESET", "tiny-flux"),
+        "device": _env("SHOWCASE_DEVICE", "auto"),
+        "precision": _env("SHOWCASE_PRECISION", "fp32"),
+        "mode": _env("SHOWCASE_MODE", "compile"),
+        "warm": _env("SHOWCASE_WARM", "all"),
+        "queue_size": int(_env("SHOWCASE_QUEUE_SIZE", "64")),
+        "auth": _env("SHOWCASE_AUTH"),  # "user:password"
+    }

@@ -1,0 +1,109 @@
+"""Validation of every user-facing input, shared by the CLI, the UI handlers and the API.
+
+Each check raises InvalidRequest with a message that says what to change; nothing here touches a
+model, so the server answers bad input at once and keeps serving.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engine.errors import InvalidRequest
+from engine.presets import ModelPreset, route_size
+from engine.protocol import MODES, PRECISIONS, GenerateRequest
+
+MAX_PROMPT_CHARS = 4000
+LONG_PROMPT_WORDS = 60  # ~77 CLIP tokens: beyond this the CLIP encoders see only the start
+MAX_STEPS = 200
+MAX_GUIDANCE = 50.0
+MAX_SEED = 2**63 - 1
+ON_COLD = ("eager", "wait")
+
+
+def _number(name: str, value, kind=float):
+    if isinstance(value, bool) or value is None:
+        raise InvalidRequest(f"{name} must be a number, got {value!r}")
+    try:
+        number = kind(value)
+        if kind is int and float(value) != number:
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidRequest(f"{name} must be a {'whole number' if kind is int else 'number'}, got {value!r}") from None
+    if kind is float and not math.isfinite(number):
+        raise InvalidRequest(f"{name} must be finite, got {value!r}")
+    return number
+
+
+def check_choice(name: str, value, choices) -> str:
+    if value not in choices:
+        raise InvalidRequest(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
+    return value
+
+
+def check_prompt(name: str, prompt) -> tuple[str, tuple[str, ...]]:
+    if prompt is None:
+        prompt = ""
+    if not isinstance(prompt, str):
+        raise InvalidRequest(f"{name} must be text, got {type(prompt).__name__}")
+    if "\x00" in prompt:
+        raise InvalidRequest(f"{name} contains a NUL character; remove it")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise InvalidRequest(f"{name} is {len(prompt)} characters; shorten it to at most {MAX_PROMPT_CHARS}")
+    notices = []
+    if name == "prompt" and not prompt.strip():
+        notices.append("empty prompt: the image is unconditioned")
+    if len(prompt.split()) > LONG_PROMPT_WORDS:
+        notices.append(f"{name} is long ({len(prompt.split())} words): text encoders read only their token "
+                       "limit (77 tokens for CLIP) and the rest is truncated")
+    return prompt, tuple(notices)
+
+
+def build_request(
+    preset: ModelPreset,
+    *,
+    prompt,
+    width,
+    height,
+    steps=None,
+    guidance=None,
+    seed=0,
+    mode: str = "eager",
+    negative_prompt=None,
+    snap: bool = True,
+    on_cold: str = "eager",
+) -> tuple[GenerateRequest, tuple[str, ...]]:
+    """A validated, routed GenerateRequest plus the notices to show with its result."""
+    check_choice("mode", mode, MODES)
+    check_choice("on_cold", on_cold, ON_COLD)
+    prompt, notices = check_prompt("prompt", prompt)
+    negative, neg_notices = check_prompt("negative_prompt", negative_prompt)
+    notices += neg_notices
+    if negative and not preset.negative_prompt:
+        notices += (f"{preset.pipeline} takes no negative prompt; it was ignored",)
+        negative = ""
+    steps = preset.steps if steps is None else _number("steps", steps, int)
+    if not 1 <= steps <= MAX_STEPS:
+        raise InvalidRequest(f"steps must be between 1 and {MAX_STEPS}, got {steps}")
+    guidance = preset.guidance if guidance is None else _number("guidance", guidance)
+    if not 0.0 <= guidance <= MAX_GUIDANCE:
+        raise InvalidRequest(f"guidance must be between 0 and {MAX_GUIDANCE}, got {guidance}")
+    seed = _number("seed", seed, int)
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidRequest(f"seed must be between 0 and {MAX_SEED}, got {seed}")
+    size, size_notices = route_size(preset, width, height, snap=snap)
+    request = GenerateRequest(
+        prompt=prompt,
+        negative_prompt=negative or None,
+        width=size.width,
+        height=size.height,
+        steps=steps,
+        guidance=guidance,
+        seed=seed,
+        mode=mode,
+        on_cold=on_cold,
+    )
+    return request, notices + size_notices
+
+
+def check_precision(precision: str) -> str:
+    return check_choice("precision", precision, PRECISIONS)

@@ -1,0 +1,176 @@
+"""The worker process that owns one engine's pipeline (one per (model, device, precision)).
+
+Why a process: compiling holds the GIL for seconds (design.md §2 measured 7 s stalls), and a crash in
+a device backend must not take the web server down. The worker speaks a small message protocol over
+a `multiprocessing` Connection; the tensor-parallel sidecar's rank 0 runs this same loop behind an
+authenticated loopback socket, so clients cannot tell the two apart.
+
+Inside the worker, the serve loop (main thread) owns the request queue and runs one request at a
+time; a warm-up thread compiles queued buckets so that requests keep being served (eagerly at cold
+buckets) while a bucket compiles.
+
+Messages to the worker:  ("generate", GenerateRequest) ("warm", BucketKey | None) ("cancel", id)
+                         ("shutdown",)
+Messages from it:        ("ready", dict) ("bucket", BucketInfo) ("progress", StepProgress)
+                         ("result", GenerateResult) ("error", request_id, exception) ("fatal", exception)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import traceback
+
+from engine.errors import EngineBusy, ShowcaseError
+from engine.protocol import BucketKey, BucketState, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLoop:
+    def __init__(self, conn, runner, max_queue: int = 16):
+        self.conn = conn
+        self.runner = runner
+        self.max_queue = max_queue
+        self._send_lock = threading.Lock()
+        self._requests: queue.Queue = queue.Queue()
+        self._cancels: dict[str, threading.Event] = {}
+        self._warm_list: list[BucketKey] = []
+        self._warm_cv = threading.Condition()
+        self._size_hits: dict = {}
+        self._stop = threading.Event()
+
+    def send(self, *message) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(message)
+            except (OSError, EOFError, BrokenPipeError):
+                self._stop.set()
+
+    # -- receiving (its own thread, so cancel and warm arrive while a request runs) ---------------
+    def _receive(self) -> None:
+        while not self._stop.is_set():
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break  # the client is gone
+            kind = message[0]
+            if kind == "generate":
+                request: GenerateRequest = message[1]
+                if self._requests.qsize() >= self.max_queue:
+                    self.send("error", request.request_id, EngineBusy(
+                        f"engine {self.runner.config.key} has {self.max_queue} requests waiting; retry in a few seconds"))
+                    continue
+                self._cancels[request.request_id] = threading.Event()
+                self._size_hits[request.size] = self._size_hits.get(request.size, 0) + 1
+                self._requests.put(request)
+            elif kind == "cancel":
+                self._cancels.setdefault(message[1], threading.Event()).set()
+            elif kind == "warm":
+                self.queue_warm(message[1])
+            elif kind == "shutdown":
+                break
+        self._stop.set()
+        self._requests.put(None)
+        with self._warm_cv:
+            self._warm_cv.notify_all()
+
+    # -- warm-up ---------------------------------------------------------------------------------
+    def queue_warm(self, bucket: BucketKey | None) -> None:
+        buckets = self.runner.buckets_to_warm() if bucket is None else [bucket]
+        with self._warm_cv:
+            for b in buckets:
+                info = self.runner.board.get(b)
+                if b in self._warm_list or (info and info.state in (BucketState.WARM, BucketState.COMPILING)):
+                    continue
+                self.runner.board.update(b, state=BucketState.QUEUED, error=None)
+                self._warm_list.append(b)
+            self._warm_cv.notify()
+
+    def _next_warm(self) -> BucketKey | None:
+        with self._warm_cv:
+            while not self._warm_list and not self._stop.is_set():
+                self._warm_cv.wait(0.5)
+            if self._stop.is_set():
+                return None
+            # Most-requested size first; ties keep the configured (preset) order.
+            best = max(self._warm_list, key=lambda b: (self._size_hits.get(b.size, 0), -self._warm_list.index(b)))
+            self._warm_list.remove(best)
+            return best
+
+    def _warm_forever(self) -> None:
+        while (bucket := self._next_warm()) is not None:
+            info = self.runner.board.get(bucket)
+            if info and info.state == BucketState.WARM:
+                continue
+            self.runner.warm_bucket(bucket)
+
+    # -- serving ---------------------------------------------------------------------------------
+    def _serve_one(self, request: GenerateRequest) -> None:
+        cancel = self._cancels.setdefault(request.request_id, threading.Event())
+        crash = "crash" in self.runner.options.inject_faults and request.prompt == "__inject_crash__"
+
+        def on_step(progress):
+            self.send("progress", progress)
+            if crash:
+                os._exit(17)  # injected fault: the worker dies mid-request
+
+        try:
+            if cancel.is_set():
+                from engine.errors import Cancelled
+
+                raise Cancelled(f"request {request.request_id} cancelled before it started")
+            result = self.runner.generate(request, on_step=on_step, cancel=cancel)
+            self.send("result", result)
+        except ShowcaseError as exc:
+            self.send("error", request.request_id, exc)
+        except Exception as exc:  # never let one request kill the worker
+            log.exception("request %s failed", request.request_id)
+            self.send("error", request.request_id, ShowcaseError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._cancels.pop(request.request_id, None)
+
+    def run(self) -> None:
+        receiver = threading.Thread(target=self._receive, name="worker-receive", daemon=True)
+        receiver.start()
+        warmer = threading.Thread(target=self._warm_forever, name="worker-warm", daemon=True)
+        warmer.start()
+        while not self._stop.is_set():
+            request = self._requests.get()
+            if request is None:
+                break
+            self._serve_one(request)
+
+
+def worker_main(config, conn, env: dict[str, str]) -> None:
+    """Entry point of the spawned worker process."""
+    os.environ.update(env)  # before torch is imported: TORCHINDUCTOR_CACHE_DIR, TORCH_TPU_DEFER_AND_FUSE ...
+    logging.basicConfig(level=os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"),
+                        format=f"[worker {config.key}] %(levelname)s %(name)s: %(message)s")
+    from engine.runner import PipelineRunner
+
+    loop = None
+    try:
+        runner = PipelineRunner(config, listener=lambda info: loop and loop.send("bucket", info))
+        loop = WorkerLoop(conn, runner, max_queue=config.options.max_queue)
+        runner.load()
+        loop.send("ready", {
+            "pid": os.getpid(),
+            "load_s": runner.load_s,
+            "notices": list(runner.notices),
+            "modes": list(runner.modes()),
+            "buckets": runner.board.all(),
+        })
+    except Exception as exc:
+        err = exc if isinstance(exc, ShowcaseError) else ShowcaseError(f"{type(exc).__name__}: {exc}")
+        log.error("worker failed to start: %s\n%s", exc, traceback.format_exc())
+        try:
+            conn.send(("fatal", err))
+        finally:
+            conn.close()
+        return
+    loop.queue_warm(None)
+    loop.run()
+    conn.close()

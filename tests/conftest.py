@@ -1,0 +1,48 @@
+"""Shared fixtures: one persistent cache folder, tiny models built once, one engine manager per session.
+
+The cache folder (<repo>/.cache/test) persists between runs on the same machine, like a real
+deployment's --cache-dir: tiny models are built once and inductor's cache is reused.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TEST_CACHE = Path(os.environ.get("SHOWCASE_TEST_CACHE", REPO / ".cache" / "test"))
+
+# Before anything imports torch or huggingface_hub: offline, quiet, caches in the test folder.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ["SHOWCASE_CACHE_DIR"] = str(TEST_CACHE)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(TEST_CACHE / "inductor"))
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    return TEST_CACHE
+
+
+@pytest.fixture(scope="session")
+def tiny_models(cache_dir) -> dict[str, Path]:
+    """Every embedded tiny pipeline, built once (rebuilt only if the cache is wiped)."""
+    from engine.settings import models_dir
+    from engine.tiny import TINY_PRESETS, ensure_tiny_pipeline
+
+    return {name: ensure_tiny_pipeline(name, models_dir(cache_dir)) for name in TINY_PRESETS}
+
+
+@pytest.fixture(scope="session")
+def manager(cache_dir, tiny_models):
+    """A session-wide engine manager with no start-up warm-up (tests warm what they need)."""
+    from engine.manager import EngineManager
+    from engine.recipes import EngineOptions
+
+    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
+    yield m
+    m.shutdown()
