@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -35,6 +36,7 @@ class ConnectionEngine:
         self.error: ShowcaseError | None = None  # why it is down (load failure, crash)
         self.started_at = time.time()
         self._buckets: dict[BucketKey, BucketInfo] = {}
+        self.bucket_events: deque[BucketInfo] = deque(maxlen=500)  # recent state changes, oldest first
         self._pending: dict[str, tuple[Future, Callable | None]] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -64,6 +66,7 @@ class ConnectionEngine:
             info: BucketInfo = message[1]
             with self._lock:
                 self._buckets[info.bucket] = info
+                self.bucket_events.append(info)
         elif kind == "progress":
             progress: StepProgress = message[1]
             entry = self._pending.get(progress.request_id)

@@ -132,7 +132,9 @@ class DeviceSpec:
     memory_source: str = ""
     # Hooks: the few things that really differ between devices. Plain functions, so a spec
     # stays data and a test can build a spec with fakes.
-    probe_fn: Callable[[], Availability] = field(default=lambda: Availability(True), repr=False, compare=False)
+    probe_fn: Callable[[], Availability] = field(
+        default=lambda: Availability(True), repr=False, compare=False
+    )
     precision_fn: Callable[[str], PrecisionPlan] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     sync_fn: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     reset_peak_fn: Callable[[], None] | None = field(default=None, repr=False, compare=False)
@@ -427,7 +429,9 @@ def _cuda_precision(precision: str) -> PrecisionPlan:
         except TypeError:
             native = torch.cuda.is_bf16_supported()
         if not native:
-            raise _Refusal(f"{_cuda_name()} has no native bf16 (needs compute capability 8.0+)", ("fp16", "fp32"))
+            raise _Refusal(
+                f"{_cuda_name()} has no native bf16 (needs compute capability 8.0+)", ("fp16", "fp32")
+            )
     return _plan(precision)
 
 
@@ -449,7 +453,9 @@ def _mps_probe() -> Availability:
             "Apple silicon Mac (macOS 12.3+)",
         )
     if not mps.is_available():
-        return Availability(False, "PyTorch has MPS but the GPU is not available: needs macOS 12.3+ on Apple silicon")
+        return Availability(
+            False, "PyTorch has MPS but the GPU is not available: needs macOS 12.3+ on Apple silicon"
+        )
     return Availability(True)
 
 
@@ -501,7 +507,8 @@ def _xpu_probe() -> Availability:
     if xpu.is_available() and xpu.device_count() > 0:
         return Availability(True)
     return Availability(
-        False, "PyTorch has XPU support but no Intel GPU is visible: check the GPU driver / Level Zero runtime"
+        False,
+        "PyTorch has XPU support but no Intel GPU is visible: check the GPU driver / Level Zero runtime",
     )
 
 
@@ -556,7 +563,9 @@ def _neuron_probe() -> Availability:
                 "the torch-neuronx on PyPI is a placeholder, not TorchNeuron (its import fails: "
                 f"{text.strip()[:120] or type(exc).__name__}): pip uninstall torch-neuronx, then {NEURON_INDEX_HINT}",
             )
-        return Availability(False, f"importing torch_neuronx failed ({type(exc).__name__}: {text}); {NEURON_INDEX_HINT}")
+        return Availability(
+            False, f"importing torch_neuronx failed ({type(exc).__name__}: {text}); {NEURON_INDEX_HINT}"
+        )
     found = _accelerator_probe("neuron")
     if found is not None:
         return found
@@ -810,7 +819,11 @@ def precision_support(spec: DeviceSpec) -> dict[str, dict]:
         except UnsupportedCombination as err:
             table[precision] = {"status": "refused", "runs_as": None, "reason": str(err)}
         except Exception as err:  # a failing device query must not break the report
-            table[precision] = {"status": "unknown", "runs_as": None, "reason": f"{type(err).__name__}: {err}"}
+            table[precision] = {
+                "status": "unknown",
+                "runs_as": None,
+                "reason": f"{type(err).__name__}: {err}",
+            }
         else:
             status = "downgraded" if plan.downgraded else "ok"
             table[precision] = {"status": status, "runs_as": plan.precision, "notices": list(plan.notices)}
@@ -830,7 +843,9 @@ def check_mode(spec: DeviceSpec, mode: str) -> tuple[str, ...]:
             )
         else:
             reason = f"{spec.name} runs only {', '.join(spec.modes)}"
-        raise UnsupportedCombination(f"mode {key!r} is not supported on {spec.label} [{spec.name}]: {reason}.")
+        raise UnsupportedCombination(
+            f"mode {key!r} is not supported on {spec.label} [{spec.name}]: {reason}."
+        )
     return spec.mode_notes_fn(key) if spec.mode_notes_fn else ()
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from engine import devices, settings
@@ -44,6 +45,7 @@ class EngineManager:
         self._engines: dict[EngineKey, ConnectionEngine] = {}
         self._options: dict[EngineKey, EngineOptions] = {}
         self._restarts: dict[EngineKey, list[float]] = {}
+        self._running: dict[str, ConnectionEngine] = {}  # request id -> engine, for cancel()
         self._lock = threading.RLock()
         self._closing = False
 
@@ -188,11 +190,26 @@ class EngineManager:
             raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")
         engine.wait_ready(timeout=600)
         future = engine.submit(request, on_progress)
+        self._running[request.request_id] = engine
         if on_submit:
-            on_submit(engine, request)
-        result: GenerateResult = future.result(timeout)
+            on_submit(request.request_id)
+        try:
+            result: GenerateResult = future.result(timeout)
+        except FutureTimeout:
+            engine.cancel(request.request_id)
+            raise EngineBusy(f"request {request.request_id} did not finish within {timeout}s and was cancelled") from None
+        finally:
+            self._running.pop(request.request_id, None)
         extra = tuple(mode_notices) + tuple(notices)
         return dataclasses.replace(result, notices=extra + result.notices) if extra else result
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a running request between steps (it then fails with Cancelled). False if unknown."""
+        engine = self._running.get(request_id)
+        if engine is None:
+            return False
+        engine.cancel(request_id)
+        return True
 
     def warm(self, preset: str, device: str, precision: str, mode: str = "compile", size: str | None = None,
              tp: int = 1) -> None:

@@ -82,6 +82,8 @@ class BucketInfo:
     warmup_s: float | None = None
     requests_served: int = 0
     updated_at: float = 0.0
+    cache_hits: int = 0  # inductor FX-graph cache hits while compiling (a restart warms from cache)
+    cache_misses: int = 0
 
     def as_dict(self) -> dict:
         return {
@@ -97,6 +99,8 @@ class BucketInfo:
             "compile_s": self.compile_s,
             "warmup_s": self.warmup_s,
             "requests_served": self.requests_served,
+            "cache_hits": self.cache_hits,
+            "cache_misses": self.cache_misses,
         }
 
 

@@ -90,6 +90,35 @@ def compiles_in_this_thread() -> int:
     return _compiles_by_thread.get(threading.get_ident(), 0)
 
 
+def _failing_backend(graph_module, example_inputs):
+    """Injected fault (tests): a compiler backend that always fails."""
+    raise RuntimeError("injected compile failure")
+
+
+def _cache_counters() -> tuple[int, int]:
+    """Compile-cache hits and misses so far in this process (AOTAutograd + inductor FX-graph caches)."""
+    from torch._dynamo.utils import counters
+
+    aot, inductor = counters["aot_autograd"], counters["inductor"]
+    hits = aot["autograd_cache_hit"] + inductor["fxgraph_cache_hit"]
+    misses = aot["autograd_cache_miss"] + inductor["fxgraph_cache_miss"]
+    return hits, misses
+
+
+def describe_failure(exc: BaseException, limit: int = 500) -> str:
+    """One line for the board: the error and, if different, its root cause (dynamo wraps errors)."""
+
+    def line(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".strip()
+
+    root = exc
+    while (nxt := getattr(root, "inner_exception", None) or root.__cause__) is not None and nxt is not root:
+        root = nxt
+    text = line(exc) if root is exc else f"{line(exc)} (cause: {line(root)})"
+    return text[:limit]
+
+
 # --- variants -----------------------------------------------------------------------------------
 def clone_module_tree(module: torch.nn.Module) -> torch.nn.Module:
     """A new module tree whose Parameters and buffers are the same tensors (no extra weight memory).
@@ -279,9 +308,10 @@ class PipelineRunner:
             else:
                 pipe = copy.copy(base)
                 denoiser = getattr(base, self.preset.denoiser)
-                fullgraph = "compile_fail" not in self.options.inject_faults
-                kwargs, notices = recipes.compile_kwargs(self.options, self.spec, fullgraph=fullgraph)
+                kwargs, notices = recipes.compile_kwargs(self.options, self.spec)
                 self.notices += notices
+                if "compile_fail" in self.options.inject_faults:
+                    kwargs["backend"] = _failing_backend
                 if mode == "compile":
                     compiled = torch.compile(denoiser, **kwargs)
                     object.__setattr__(pipe, self.preset.denoiser, compiled)
@@ -447,6 +477,7 @@ class PipelineRunner:
         self.board.update(bucket, state=BucketState.COMPILING, error=None)
         try:
             pipe = self.variant(bucket.mode)
+            hits_before, misses_before = _cache_counters()
             start = time.perf_counter()
             for guidance in self.warm_guidances():
                 self._call(pipe, self.warm_request(bucket, guidance))
@@ -456,9 +487,10 @@ class PipelineRunner:
             warmup_s = time.perf_counter() - start
         except Exception as exc:  # a failed compile must leave eager serving
             log.warning("bucket %s failed to compile: %s", bucket, exc)
-            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            return self.board.update(bucket, state=BucketState.FAILED, error=reason[:500])
-        return self.board.update(bucket, state=BucketState.WARM, compile_s=compile_s, warmup_s=warmup_s)
+            return self.board.update(bucket, state=BucketState.FAILED, error=describe_failure(exc))
+        hits, misses = _cache_counters()
+        return self.board.update(bucket, state=BucketState.WARM, compile_s=compile_s, warmup_s=warmup_s,
+                                 cache_hits=hits - hits_before, cache_misses=misses - misses_before)
 
     def buckets_to_warm(self) -> list[BucketKey]:
         """The configured start-up warm list, most-used size first (the preset's order)."""

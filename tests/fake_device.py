@@ -16,7 +16,8 @@ What it is:
   subclass (`__tensor_flatten__`), so torch.compile (Dynamo + AOTAutograd) handles it.
 * Python kernels for the factory ops (`empty.memory_format`, `empty_strided`) registered for the
   PrivateUse1 dispatch key, so `torch.zeros(..., device="neuron")` and `cpu_tensor.to("neuron")`
-  create fake-device tensors.
+  create fake-device tensors, and for `_copy_from` (`torch.tensor(data, device="neuron")` copies
+  through the backend with the Python key excluded).
 * A torch.compile backend under the device name (aot_eager underneath) that, like the real
   Neuron/TPU backends, refuses dynamic shapes, and counts compiles (`mod.compile_count`).
 * A process-group backend ("neuron" and "neuron_dist" for neuron, "tpu_dist" for tpu) that is
@@ -26,8 +27,10 @@ What it is:
 * Strict devices: an op mixing a fake-device tensor with a non-scalar CPU tensor raises
   "Expected all tensors to be on the same device", as a real accelerator would.
 
-For "tpu" it also mimics torch_tpu: `torch.tpu.is_available()` raises (as on torch >= 2.11),
-and `torch.tpu.EagerMode` / `eager_mode` / `set_eager_mode` exist.
+For "tpu" it also mimics torch_tpu: `torch.tpu.is_available()` called from user code raises (as
+on torch >= 2.11; torch's own callers such as torch.accelerator.is_available() and Dynamo still get
+an answer, or nothing could compile), and `torch.tpu.EagerMode` / `eager_mode` / `set_eager_mode`
+exist (TORCH_TPU_DEFER_AND_FUSE=1 at install time starts it in DEFER_AND_FUSE).
 
 Limits: the rename of PrivateUse1 works once per process (a second name raises), so every fake
 device needs its own process; no `torch.Generator("neuron")` (needs C++ hooks: use CPU
@@ -157,54 +160,74 @@ def _make_tensor_class(name: str, memory: _Memory, strict: bool):
 
         @classmethod
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            originals: dict[int, object] = {}  # id(what the CPU op sees) -> what the caller passed
-            seen_fake = False
-            cpu_operands: list[torch.Tensor] = []
+            return run_on_cpu(func, args, kwargs or {})
 
-            def unwrap(x):
-                nonlocal seen_fake
-                if isinstance(x, FakeDeviceTensor):
-                    seen_fake = True
-                    originals[id(x._elem)] = x
-                    return x._elem
-                if isinstance(x, torch.Tensor):
-                    if x.device.type == name:
-                        # A plain tensor on this device only exists inside torch.compile tracing
-                        # (fake tensors from factory calls); move it explicitly so the graph stays
-                        # correct when it runs for real.
-                        return x.to("cpu")
-                    originals[id(x)] = x
-                    if x.dim() > 0:
-                        cpu_operands.append(x)
-                    return x
-                if isinstance(x, torch.device) and x.type == name:
-                    return torch.device("cpu")
+    aten = torch.ops.aten
+    copy_ops = {aten._copy_from.default, aten._copy_from_and_resize.default}
+
+    def run_on_cpu(func, args, kwargs):
+        """Run `func` on the CPU tensors behind every fake-device tensor; wrap what comes back."""
+        originals: dict[int, object] = {}  # id(what the CPU op sees) -> what the caller passed
+        seen_fake = False
+        cpu_operands: list[torch.Tensor] = []
+
+        def unwrap(x):
+            nonlocal seen_fake
+            if isinstance(x, FakeDeviceTensor):
+                seen_fake = True
+                originals[id(x._elem)] = x
+                return x._elem
+            if isinstance(x, torch.Tensor):
+                if x.device.type == name:
+                    # A plain tensor on this device only exists inside torch.compile tracing
+                    # (fake tensors from factory calls); move it explicitly so the graph stays
+                    # correct when it runs for real.
+                    return x.to("cpu")
+                originals[id(x)] = x
+                if x.dim() > 0:
+                    cpu_operands.append(x)
                 return x
+            if isinstance(x, torch.device) and x.type == name:
+                return torch.device("cpu")
+            return x
 
-            cpu_args = tree_map(unwrap, args)
-            cpu_kwargs = tree_map(unwrap, kwargs)
-            op_name = func._schema.name
-            if strict and seen_fake and cpu_operands and op_name not in _MIXING_OK and not op_name.startswith("c10d::"):
-                raise RuntimeError(
-                    f"Expected all tensors to be on the same device, but found at least two devices, "
-                    f"{device} and cpu! (fake device, op {func})"
-                )
-            out = func(*cpu_args, **cpu_kwargs)
+        cpu_args = tree_map(unwrap, args)
+        cpu_kwargs = tree_map(unwrap, kwargs)
+        op_name = func._schema.name
+        if (
+            strict
+            and seen_fake
+            and cpu_operands
+            and op_name not in _MIXING_OK
+            and not op_name.startswith("c10d::")
+        ):
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, "
+                f"{device} and cpu! (fake device, op {func})"
+            )
+        if func in copy_ops:  # device-copy primitives have no CPU kernel: they are a copy_
+            src, dst = cpu_args[0], cpu_args[1]
+            if func is aten._copy_from_and_resize.default:
+                dst.resize_(src.shape)
+            dst.copy_(src)
+            return args[1]
+        out = func(*cpu_args, **cpu_kwargs)
 
-            target = kwargs.get("device")
-            to_device = target is None or torch.device(target).type == name
+        target = kwargs.get("device")
+        to_device = target is None or torch.device(target).type == name
 
-            def wrap(x):
-                if not isinstance(x, torch.Tensor):
-                    return x
-                if id(x) in originals:  # in-place / out= result: hand back the caller's object
-                    return originals[id(x)]
-                if to_device and x.device.type == "cpu" and not isinstance(x, FakeDeviceTensor):
-                    return FakeDeviceTensor(x)
+        def wrap(x):
+            if not isinstance(x, torch.Tensor):
                 return x
+            if id(x) in originals:  # in-place / out= result: hand back the caller's object
+                return originals[id(x)]
+            if to_device and x.device.type == "cpu" and not isinstance(x, FakeDeviceTensor):
+                return FakeDeviceTensor(x)
+            return x
 
-            return tree_map(wrap, out)
+        return tree_map(wrap, out)
+
+    FakeDeviceTensor.run_on_cpu = staticmethod(run_on_cpu)
 
     FakeDeviceTensor.__name__ = FakeDeviceTensor.__qualname__ = f"Fake{name.capitalize()}Tensor"
     return FakeDeviceTensor
@@ -293,7 +316,9 @@ def _make_device_module(name: str, memory: _Memory, device_count: int) -> types.
 
 
 def _register_factories(name: str, tensor_cls, lib) -> None:
-    def empty_memory_format(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    def empty_memory_format(
+        size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None
+    ):
         return tensor_cls(torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format))
 
     def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
@@ -302,13 +327,19 @@ def _register_factories(name: str, tensor_cls, lib) -> None:
     lib.impl("empty.memory_format", empty_memory_format, "PrivateUse1")
     lib.impl("empty_strided", empty_strided, "PrivateUse1")
 
+    # Normally the Python key (the subclass's __torch_dispatch__) sees every op first, but some
+    # C++ paths exclude it: torch.tensor(data, device=...) copies into the new tensor through
+    # aten::_copy_from on the backend itself. (A Python *fallback* for PrivateUse1 would cover
+    # everything, but torch 2.13 asserts "func != nullptr" on it.)
+    for op in ("_copy_from", "_copy_from_and_resize"):
+        overload = getattr(torch.ops.aten, op).default
+        lib.impl(op, lambda *args, _op=overload, **kw: tensor_cls.run_on_cpu(_op, args, kw), "PrivateUse1")
+
 
 def _register_compile_backend(name: str, mod: types.ModuleType) -> None:
     import torch._dynamo
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+    from torch._dynamo.backends import registry
 
-    if name in _BACKENDS:  # torch_tpu registers "tpu" on import, even without a chip
-        return
     aot_eager = torch._dynamo.lookup_backend("aot_eager")
 
     def backend(gm, example_inputs, **kwargs):
@@ -328,7 +359,11 @@ def _register_compile_backend(name: str, mod: types.ModuleType) -> None:
         mod.compiled_graphs.append(len(gm.graph.nodes))
         return aot_eager(gm, example_inputs, **kwargs)
 
-    register_backend(compiler_fn=backend, name=name)
+    # Replace, not just register: an installed torch_tpu provides a real "tpu" backend (entry
+    # point), which cannot compile fake-device tensors. _COMPILER_FNS wins over entry points.
+    backend._tags = ()
+    registry._COMPILER_FNS[name] = backend
+    registry._BACKENDS[name] = None
 
 
 def _register_process_group(name: str) -> tuple[str, ...]:
@@ -348,7 +383,9 @@ def _register_process_group(name: str) -> tuple[str, ...]:
     return names
 
 
-def install_fake_device(name: str = "neuron", *, device_count: int = 1, strict: bool = True) -> types.ModuleType:
+def install_fake_device(
+    name: str = "neuron", *, device_count: int = 1, strict: bool = True
+) -> types.ModuleType:
     """Make `name` a working CPU-backed accelerator in this process; return its device module.
 
     Idempotent for the same name; a different name in the same process raises (PrivateUse1 can be

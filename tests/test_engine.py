@@ -1,0 +1,192 @@
+"""The engine end to end on the tiny models: worker processes, buckets, warm-up, faults.
+
+Compiles are what cost time here (a cold regional bucket ~10 s on 2 cores, a full one ~60 s), so
+these tests use regional buckets and share one engine per module.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import wait
+
+import pytest
+
+from engine.client import ProcessEngine
+from engine.errors import Cancelled, DeviceOutOfMemory, EngineCrashed
+from engine.manager import EngineManager
+from engine.presets import get_preset
+from engine.protocol import BucketKey, BucketState, EngineKey, GenerateRequest, Size
+from engine.recipes import EngineOptions
+from engine.runner import EngineConfig
+
+KEY = EngineKey("tiny-flux", "cpu", "fp32")
+
+
+def start_engine(cache_dir, key=KEY, **options) -> ProcessEngine:
+    options.setdefault("warm_sizes", ())
+    config = EngineConfig(key, get_preset(key.preset), EngineOptions(**options), str(cache_dir))
+    engine = ProcessEngine(config, env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}).start()
+    assert engine.wait_ready(timeout=300)
+    return engine
+
+
+def request(**fields) -> GenerateRequest:
+    base = dict(prompt="a red fox", width=64, height=64, steps=4, guidance=3.5, seed=0, mode="eager")
+    return GenerateRequest(**{**base, **fields})
+
+
+def wait_state(engine, bucket, states, timeout=300.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = next((b for b in engine.buckets() if b.bucket == bucket), None)
+        if info and info.state in states:
+            return info
+        time.sleep(0.05)
+    raise AssertionError(f"{bucket} never reached {states}: {info}")
+
+
+@pytest.fixture(scope="module")
+def engine(cache_dir, tiny_models):
+    e = start_engine(cache_dir, inject_faults=("oom",))
+    yield e
+    e.close()
+
+
+def test_eager_result_carries_every_timing_and_is_deterministic(engine):
+    a = engine.generate(request(seed=7), timeout=120)
+    b = engine.generate(request(seed=7, request_id="again"), timeout=120)
+    c = engine.generate(request(seed=8), timeout=120)
+    assert a.image_png == b.image_png  # same seed and settings: bit-identical
+    assert a.image_png != c.image_png
+    assert a.image().size == (64, 64)
+    t = a.timings
+    assert len(t.step_ms) == 4 and all(ms > 0 for ms in t.step_ms)
+    assert t.encode_ms > 0 and t.denoise_ms > 0 and t.decode_ms > 0
+    assert abs(t.encode_ms + t.denoise_ms + t.decode_ms - t.total_ms) < 1.0
+    d = a.as_dict()
+    for field in ("warm", "eager_fallback", "recompiles", "peak_memory_bytes", "bucket", "timings"):
+        assert field in d
+    assert a.warm and not a.eager_fallback and a.recompiles == 0
+
+
+def test_background_warmup_states_then_warm_hit_without_recompiles(engine):
+    bucket = BucketKey("regional", Size(64, 64))
+    engine.warm(bucket)
+    info = wait_state(engine, bucket, {BucketState.WARM, BucketState.FAILED})
+    assert info.state == BucketState.WARM, info.error
+    assert info.compile_s > 0 and info.warmup_s > 0
+    states = [e.state for e in engine.bucket_events if e.bucket == bucket]
+    assert states.index(BucketState.QUEUED) < states.index(BucketState.COMPILING) < states.index(BucketState.WARM)
+
+    hit = engine.generate(request(mode="regional"), timeout=120)
+    assert hit.warm and not hit.eager_fallback and hit.recompiles == 0
+    # Steps, prompt, seed and guidance never recompile.
+    other = engine.generate(request(mode="regional", steps=6, prompt="a blue bird", seed=3, guidance=7.0), timeout=120)
+    assert other.warm and other.recompiles == 0 and len(other.timings.step_ms) == 6
+    served = next(b for b in engine.buckets() if b.bucket == bucket).requests_served
+    assert served >= 2
+
+
+def test_cold_bucket_serves_eagerly_while_compiling_or_waits(engine):
+    bucket = BucketKey("regional", Size(128, 128))
+    engine.warm(bucket)
+    fallback = engine.generate(request(mode="regional", width=128, height=128), timeout=120)
+    assert fallback.eager_fallback and not fallback.warm
+    assert any("served eagerly" in n for n in fallback.notices)
+    waited = engine.generate(request(mode="regional", width=128, height=128, on_cold="wait"), timeout=300)
+    assert waited.warm and not waited.eager_fallback
+
+
+def test_concurrent_requests_are_queued_without_cross_talk(engine):
+    seeds = [11, 12, 13, 14, 15]
+    expected = {s: engine.generate(request(seed=s), timeout=120).image_png for s in seeds}
+    futures = {s: engine.submit(request(seed=s)) for s in seeds * 2}
+    wait(list(futures.values()), timeout=120)
+    for s, future in futures.items():
+        assert future.result().image_png == expected[s]
+
+
+def test_cancel_stops_between_steps_and_engine_keeps_serving(engine):
+    started = threading.Event()
+    req = request(steps=200, width=128, height=128)
+    future = engine.submit(req, on_progress=lambda p: started.set())
+    assert started.wait(60)
+    t0 = time.time()
+    engine.cancel(req.request_id)
+    with pytest.raises(Cancelled, match="cancelled after step"):
+        future.result(timeout=60)
+    assert time.time() - t0 < 5
+    assert engine.generate(request(seed=1), timeout=120).image().size == (64, 64)
+
+
+def test_injected_out_of_memory_is_a_clear_error_and_engine_keeps_serving(engine):
+    with pytest.raises(DeviceOutOfMemory, match="memory was released"):
+        engine.generate(request(prompt="__inject_oom__"), timeout=120)
+    assert engine.generate(request(seed=2), timeout=120).image().size == (64, 64)
+
+
+def test_failed_compile_shows_the_reason_and_eager_still_serves(cache_dir, tiny_models):
+    engine = start_engine(cache_dir, inject_faults=("compile_fail",))
+    try:
+        bucket = BucketKey("regional", Size(64, 64))
+        engine.warm(bucket)
+        info = wait_state(engine, bucket, {BucketState.FAILED, BucketState.WARM}, timeout=120)
+        assert info.state == BucketState.FAILED and "injected compile failure" in info.error
+        result = engine.generate(request(mode="regional"), timeout=120)
+        assert result.eager_fallback and any("injected compile failure" in n for n in result.notices)
+    finally:
+        engine.close()
+
+
+def test_killed_worker_fails_the_request_then_restarts(cache_dir, tiny_models):
+    manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=(), inject_faults=("crash",)))
+    try:
+        first = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
+        old_pid = manager.engine(KEY).pid
+        t0 = time.time()
+        with pytest.raises(EngineCrashed, match="exited with code"):
+            manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64",
+                             prompt="__inject_crash__", timeout=60)
+        assert time.time() - t0 < 10
+        deadline = time.time() + 60
+        while manager.engine(KEY).pid == old_pid and time.time() < deadline:
+            time.sleep(0.1)
+        again = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
+        assert again.image_png == first.image_png
+        assert manager.engine(KEY).pid != old_pid
+    finally:
+        manager.shutdown()
+    assert all(not e.alive for e in manager.engines())
+
+
+def test_restart_warms_from_the_persistent_cache(tmp_path, tiny_models):
+    """A fresh process with the same cache folder compiles from cache; a cold one misses."""
+    timings = []
+    for attempt in ("cold", "restart"):
+        engine = start_engine(tmp_path)
+        try:
+            bucket = BucketKey("regional", Size(64, 64))
+            engine.warm(bucket)
+            info = wait_state(engine, bucket, {BucketState.WARM, BucketState.FAILED})
+            assert info.state == BucketState.WARM, info.error
+            timings.append((attempt, info.compile_s, info.cache_hits, info.cache_misses))
+        finally:
+            engine.close()
+    (_, cold_s, cold_hits, cold_misses), (_, warm_s, warm_hits, warm_misses) = timings
+    print(f"regional compile: cold {cold_s:.1f}s, restart {warm_s:.1f}s")
+    assert cold_misses > 0 and cold_hits == 0
+    assert warm_hits > 0 and warm_misses == 0
+
+
+def test_manager_validates_before_starting_anything(cache_dir):
+    from engine.errors import DeviceUnavailable, InvalidRequest
+
+    manager = EngineManager(cache_dir=cache_dir)
+    with pytest.raises(InvalidRequest, match="unknown preset"):
+        manager.generate(preset="nope", device="cpu")
+    with pytest.raises((DeviceUnavailable, InvalidRequest)):
+        manager.generate(preset="tiny-flux", device="neuron")
+    with pytest.raises(InvalidRequest, match="unknown precision"):
+        manager.generate(preset="tiny-flux", device="cpu", precision="fp8")
+    assert manager.engines() == []

@@ -1,0 +1,116 @@
+"""Each optimisation option is one named step; each test checks that it took effect."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import devices, recipes
+from engine.errors import UnsupportedCombination
+from engine.presets import get_preset
+from engine.protocol import EngineKey
+from engine.recipes import EngineOptions
+from engine.runner import EngineConfig, PipelineRunner, clone_module_tree
+
+
+def make_runner(cache_dir, preset="tiny-flux", precision="fp32", **options) -> PipelineRunner:
+    config = EngineConfig(EngineKey(preset, "cpu", precision), get_preset(preset), EngineOptions(**options),
+                          str(cache_dir))
+    runner = PipelineRunner(config)
+    runner.load()
+    return runner
+
+
+def test_fuse_qkv_fuses_attention_projections(cache_dir, tiny_models):
+    runner = make_runner(cache_dir, fuse_qkv=True)
+    fused = [m for m in runner.pipe.transformer.modules() if getattr(m, "fused_projections", False)]
+    assert fused
+    assert any("fused QKV" in n for n in runner.notices)
+
+
+def test_channels_last_on_unet_and_vae(cache_dir, tiny_models):
+    runner = make_runner(cache_dir, preset="tiny-sdxl", channels_last=True)
+    conv = next(m for m in runner.pipe.unet.modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not conv.weight.is_contiguous()
+
+
+def test_cpu_offload_installs_hooks_and_rules_out_full_compile(cache_dir, tiny_models):
+    runner = make_runner(cache_dir, cpu_offload=True)
+    assert hasattr(runner.pipe.text_encoder, "_hf_hook")
+    assert "compile" not in runner.modes() and "regional" in runner.modes()
+    with pytest.raises(UnsupportedCombination, match="CPU offload"):
+        runner.check_mode("compile")
+
+
+def test_int8_needs_torchao_or_quantizes(cache_dir, tiny_models):
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        with pytest.raises(UnsupportedCombination, match="torchao"):
+            make_runner(cache_dir, int8=True)
+    else:
+        runner = make_runner(cache_dir, int8=True)
+        assert any("int8" in n for n in runner.notices)
+
+
+def test_inductor_flags_default_on_for_cuda_only(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    cpu, cuda = devices.get_device("cpu"), devices.get_device("cuda")
+    assert recipes.apply_inductor_flags(EngineOptions(), cpu) == []
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
+    notices = recipes.apply_inductor_flags(EngineOptions(), cuda)
+    assert notices and inductor_config.coordinate_descent_tuning is True
+    assert inductor_config.epilogue_fusion is False
+
+
+def test_compile_kwargs_per_device_and_option():
+    cpu, tpu = devices.get_device("cpu"), devices.get_device("tpu")
+    kwargs, _ = recipes.compile_kwargs(EngineOptions(), cpu)
+    assert kwargs == {"backend": "inductor", "fullgraph": True, "dynamic": False}
+    kwargs, _ = recipes.compile_kwargs(EngineOptions(max_autotune=True, dynamic=True), cpu)
+    assert kwargs["mode"] == "max-autotune" and kwargs["dynamic"] is True
+    import torch.fx.experimental._config as fx_config
+
+    assert fx_config.use_duck_shape is False
+    kwargs, notices = recipes.compile_kwargs(EngineOptions(dynamic=True, max_autotune=True), tpu)
+    assert kwargs["backend"] == "tpu" and kwargs["dynamic"] is False and "mode" not in kwargs
+    assert any("static" in n for n in notices) and any("max-autotune" in n for n in notices)
+
+
+def test_recompile_limit_covers_every_bucket():
+    import torch._dynamo.config as dynamo_config
+
+    limit = recipes.raise_recompile_limit(40)
+    assert dynamo_config.recompile_limit >= 40 and limit >= 48
+
+
+def test_variants_share_weights_and_keep_eager_eager(cache_dir, tiny_models):
+    runner = make_runner(cache_dir, compile_vae=False)
+    base = runner.pipe.transformer
+    compiled = runner.variant("compile")
+    assert compiled.transformer._orig_mod is base
+    assert compiled.vae is runner.pipe.vae  # compile_vae=False leaves the VAE alone
+    regional = runner.variant("regional").transformer
+    assert regional is not base
+    assert {p.data_ptr() for p in regional.parameters()} == {p.data_ptr() for p in base.parameters()}
+    blocks = [m for m in regional.modules() if type(m).__name__ in base._repeated_blocks]
+    assert blocks and all(m._compiled_call_impl is not None for m in blocks)
+    assert all(m._compiled_call_impl is None for m in base.modules())
+
+
+def test_compile_vae_wraps_decode_on_a_copy(cache_dir, tiny_models):
+    runner = make_runner(cache_dir)
+    variant = runner.variant("compile")
+    assert variant.vae is not runner.pipe.vae
+    assert variant.vae.decode is not runner.pipe.vae.decode
+    assert "decode" not in runner.pipe.vae.__dict__
+
+
+def test_clone_module_tree_is_structural():
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    clone = clone_module_tree(module)
+    assert clone[1] is not module[1] and clone[1][0].weight is module[1][0].weight
+    clone[1][0].register_forward_hook(lambda *a: None)
+    assert not module[1][0]._forward_hooks

@@ -1,0 +1,154 @@
+"""The System panel's data: devices (and why others are missing), versions, caches, environment.
+
+No gradio here. Secrets never leave this module: any variable whose name looks like a credential
+is listed as set but its value is replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from ui.views import fmt_bytes
+
+PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "gradio", "gradio_client", "torch_tpu",
+            "torch-neuronx", "torchao")
+# Variables that change how torch, the compilers, the Hub and the server behave.
+ENV_PREFIXES = ("TORCH", "PYTORCH", "TORCHINDUCTOR", "CUDA", "HIP", "ROCM", "XLA", "TPU", "NEURON", "HF_",
+                "HUGGINGFACE", "GRADIO_", "SHOWCASE_", "OMP_", "MKL_", "TRANSFORMERS_", "DIFFUSERS_",
+                "TOKENIZERS_", "XDG_CACHE_HOME")
+SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|AUTH|CREDENTIAL|API_?KEY|PRIVATE", re.IGNORECASE)
+HIDDEN = "(set; value hidden)"
+SIZE_BUDGET_S = 2.0  # a huge cache folder is reported as "at least" rather than stalling the panel
+
+
+def redact(name: str, value: str) -> str:
+    return HIDDEN if SECRET.search(name) else value
+
+
+def environment_in_force(extra: dict[str, str] | None = None, environ=None) -> dict[str, str]:
+    """The relevant variables of this process plus what worker processes get (`extra`), redacted."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES)}
+    for k, v in (extra or {}).items():
+        env.setdefault(k, v)
+    return {k: redact(k, v) for k, v in sorted(env.items())}
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def folder_size(path: Path, budget_s: float = SIZE_BUDGET_S) -> tuple[int, bool]:
+    """(bytes, complete): stops counting after budget_s so the panel never stalls on a huge cache."""
+    total, deadline, stack = 0, time.monotonic() + budget_s, [Path(path)]
+    while stack:
+        if time.monotonic() > deadline:
+            return total, False
+        current = stack.pop()
+        try:
+            with os.scandir(current) as it:
+                for entry in it:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(Path(entry.path))
+                        elif entry.is_file(follow_symlinks=False):
+                            total += entry.stat(follow_symlinks=False).st_size
+                    except OSError:
+                        continue
+        except OSError:
+            continue
+    return total, True
+
+
+def cache_folders(cache_dir: Path, environ=None) -> list[dict]:
+    environ = os.environ if environ is None else environ
+    cache_dir = Path(cache_dir)
+    folders = {
+        "cache dir (--cache-dir)": cache_dir,
+        "tiny models": cache_dir / "models",
+        "inductor (TORCHINDUCTOR_CACHE_DIR)": Path(environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir / "inductor"),
+        "neuron NEFF (TORCH_NEURONX_NEFF_CACHE_DIR)": Path(environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
+                                                          or cache_dir / "neff"),
+    }
+    try:
+        from huggingface_hub import constants
+
+        folders["Hugging Face hub cache"] = Path(constants.HF_HUB_CACHE)
+    except Exception:
+        pass
+    if environ.get("GRADIO_TEMP_DIR"):
+        folders["gradio outputs (GRADIO_TEMP_DIR)"] = Path(environ["GRADIO_TEMP_DIR"])
+    rows = []
+    for label, path in folders.items():
+        if path.exists():
+            size, complete = folder_size(path)
+            size_text = fmt_bytes(size) if complete else f"at least {fmt_bytes(size)}"
+        else:
+            size_text = "not created yet"
+        rows.append({"folder": label, "path": str(path), "size": size_text})
+    return rows
+
+
+def system_report(manager, devices_report: list[dict]) -> dict:
+    worker_env: dict[str, str] = {}
+    for d in devices_report:
+        if d.get("available"):
+            worker_env.update(d.get("environment") or {})
+    return {
+        "devices": [
+            {"name": d["name"], "label": d["label"], "available": d["available"], "auto": d.get("auto", False),
+             "reason": d.get("reason", ""), "compile_backend": d.get("compile_backend"),
+             "static_shapes": d.get("static_shapes"), "modes": d.get("modes", []), "memory": d.get("memory", "")}
+            for d in devices_report
+        ],
+        "versions": versions(),
+        "caches": cache_folders(manager.cache_dir),
+        "environment": environment_in_force(worker_env),
+        "engines": [
+            {"engine": e["engine"], "state": e["state"], "load_s": e.get("load_s"), "notices": e.get("notices", []),
+             "error": e.get("error")}
+            for e in manager.status()
+        ],
+    }
+
+
+def _md_escape(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def system_markdown(report: dict) -> str:
+    lines = ["### Devices", "", "| device | available | compile backend | modes | why not / memory |", "|---|---|---|---|---|"]
+    for d in report["devices"]:
+        avail = ("yes (auto)" if d["auto"] else "yes") if d["available"] else "no"
+        why = d["memory"] if d["available"] else d["reason"]
+        lines.append(f"| {d['name']} — {_md_escape(d['label'])} | {avail} | {d['compile_backend']} | "
+                     f"{', '.join(d['modes'])} | {_md_escape(why)} |")
+    lines += ["", "### Software", "", "| package | version |", "|---|---|"]
+    lines += [f"| {k} | {_md_escape(v)} |" for k, v in report["versions"].items()]
+    lines += ["", "### Cache folders", "", "| folder | path | size |", "|---|---|---|"]
+    lines += [f"| {c['folder']} | `{_md_escape(c['path'])}` | {c['size']} |" for c in report["caches"]]
+    lines += ["", "### Environment in force", ""]
+    if report["environment"]:
+        lines += ["| variable | value |", "|---|---|"]
+        lines += [f"| `{k}` | `{_md_escape(v)}` |" for k, v in report["environment"].items()]
+    else:
+        lines.append("(none of the relevant variables is set)")
+    if report["engines"]:
+        lines += ["", "### Loaded engines", "", "| engine | state | load s | notices |", "|---|---|---|---|"]
+        for e in report["engines"]:
+            notes = "; ".join(e["notices"]) or (e["error"] or "")
+            load = f"{e['load_s']:.2f}" if e.get("load_s") else ""
+            lines.append(f"| {e['engine']} | {e['state']} | {load} | {_md_escape(notes)} |")
+    return "\n".join(lines)

@@ -1,0 +1,293 @@
+"""Pure data shaping for the UI: engine results and states in, rows and labels out.
+
+Nothing here imports gradio or torch, so every function is tested without a server, and the
+speedup helper can move to engine/ once the CLI benchmark wants it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+BOARD_COLUMNS = [
+    "engine", "device", "precision", "mode", "size", "state", "reason",
+    "compile s", "warm-up s", "served",
+]
+STATS_COLUMNS = ["metric", "value"]
+STEP_COLUMNS = ["step", "step_ms"]
+COMPARE_STEP_COLUMNS = ["step", "step_ms", "config"]
+SPEEDUP_COLUMNS = [
+    "config", "bucket", "median step ms", "total ms", "speedup (step)", "speedup (total)",
+    "compile s", "warm-up s", "break-even images",
+]
+COST_COLUMNS = ["config", "state", "compile s", "warm-up s", "cache hits", "waited s", "error"]
+
+
+def fmt_ms(value) -> str:
+    return "—" if value is None else f"{value:.1f} ms"
+
+
+def fmt_s(value) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def fmt_bytes(value) -> str:
+    if value is None:
+        return "not reported by this device"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(value)
+
+
+# -- one run ---------------------------------------------------------------------------------------
+def step_rows(result: dict | None) -> list[dict]:
+    """One point per denoising step: {"step": 1-based, "step_ms": ms} (empty before the first step)."""
+    if not result:
+        return []
+    steps = (result.get("timings") or {}).get("step_ms") or []
+    return [{"step": i + 1, "step_ms": float(ms)} for i, ms in enumerate(steps)]
+
+
+def bucket_verdict(result: dict) -> str:
+    if result.get("mode") == "eager":
+        return "eager (no compiled graph asked for)"
+    if result.get("warm"):
+        return f"warm: the {result.get('mode')} graph of bucket {result.get('bucket')} served it"
+    if result.get("eager_fallback"):
+        return f"eager fallback: bucket {result.get('mode')}:{result.get('bucket')} was not warm yet"
+    return "—"
+
+
+def stats_rows(result: dict | None) -> list[list[str]]:
+    """The stats table of one run (also of a run still in progress: {"running": True, ...})."""
+    if not result:
+        return []
+    t = result.get("timings") or {}
+    steps = t.get("step_ms") or []
+    if result.get("running"):
+        rows = [
+            ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"],
+            ["progress", f"step {len(steps)} of {result.get('steps', '?')}"],
+        ]
+        if steps:
+            rows.append(["first step / median step",
+                         f"{fmt_ms(steps[0])} / {fmt_ms(statistics.median(steps))}"])
+        return rows
+    notices = result.get("notices") or []
+    its = t.get("steps_per_s")
+    return [
+        ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"],
+        ["encode", fmt_ms(t.get("encode_ms"))],
+        ["denoise", f"{fmt_ms(t.get('denoise_ms'))} ({len(steps)} steps)"],
+        ["decode", fmt_ms(t.get("decode_ms"))],
+        ["total", fmt_ms(t.get("total_ms"))],
+        ["first step / median step", f"{fmt_ms(t.get('first_step_ms'))} / {fmt_ms(t.get('median_step_ms'))}"],
+        ["it/s", "—" if its is None else f"{its:.2f}"],
+        ["bucket", bucket_verdict(result)],
+        ["recompiles", str(result.get("recompiles", 0))],
+        ["peak memory", fmt_bytes(result.get("peak_memory_bytes"))],
+        ["seed", str(result.get("seed", ""))],
+        ["notices", "; ".join(notices) if notices else "—"],
+    ]
+
+
+# -- bucket board ----------------------------------------------------------------------------------
+def board_rows(status: list[dict]) -> list[list]:
+    """Every bucket of every engine; an engine without buckets yet (loading / down) gets one row."""
+    rows: list[list] = []
+    for engine in status:
+        name = engine.get("engine", "")
+        preset_device = name.split("@", 1)
+        device_precision = preset_device[1].split("/", 1) if len(preset_device) > 1 else ["", ""]
+        device = device_precision[0]
+        precision = device_precision[1].split(" ", 1)[0] if len(device_precision) > 1 else ""
+        if engine.get("state") != "ready" or not engine.get("buckets"):
+            state = engine.get("state", "")
+            reason = engine.get("error") or ("loading weights" if state == "loading" else "")
+            rows.append([name, device, precision, "", "", f"engine {state}", reason or "", "", "", ""])
+            if state != "ready":
+                continue
+        for b in engine.get("buckets", []):
+            reason = b.get("error") or ""
+            if b.get("state") == "warm" and b.get("cache_hits"):
+                reason = reason or f"{b['cache_hits']} compile-cache hits"
+            rows.append([
+                name, b.get("device", device), b.get("precision", precision), b.get("mode", ""),
+                b.get("size", ""), b.get("state", ""), reason, fmt_s(b.get("compile_s")),
+                fmt_s(b.get("warmup_s")), b.get("requests_served", 0),
+            ])
+    return rows
+
+
+def find_bucket(status: list[dict], engine: str, mode: str, size: str) -> dict | None:
+    for e in status:
+        if e.get("engine") != engine:
+            continue
+        for b in e.get("buckets", []):
+            if b.get("mode") == mode and b.get("size") == size:
+                return b
+    return None
+
+
+def engine_state(status: list[dict], engine: str) -> dict | None:
+    return next((e for e in status if e.get("engine") == engine), None)
+
+
+def size_label(size: str, mode: str, engine: dict | None) -> str:
+    """"128x128 · warm": what a request at this bucket gets now."""
+    if mode == "eager":
+        return f"{size} · eager"
+    if engine is None:
+        return f"{size} · not loaded"
+    if engine.get("state") == "loading":
+        return f"{size} · loading"
+    if engine.get("state") == "down":
+        return f"{size} · engine down"
+    for b in engine.get("buckets", []):
+        if b.get("mode") == mode and b.get("size") == size:
+            return f"{size} · {b.get('state')}"
+    return f"{size} · cold"
+
+
+def size_choices(sizes: list[str], mode: str, engine: dict | None) -> list[tuple[str, str]]:
+    return [(size_label(s, mode, engine), s) for s in sizes]
+
+
+def engine_line(engine_name: str | None, engine: dict | None, error: str | None = None) -> str:
+    """One status line for the engine the Generate settings point at."""
+    if error:
+        return f"⚠️ {error}"
+    if engine is None:
+        return f"⏳ engine **{engine_name}** is starting…"
+    state = engine.get("state")
+    if state == "loading":
+        return f"⏳ engine **{engine_name}** is loading its weights (the page keeps working)…"
+    if state == "down":
+        return f"⛔ engine **{engine_name}** is down: {engine.get('error')}"
+    buckets = engine.get("buckets", [])
+    counts: dict[str, int] = {}
+    for b in buckets:
+        if b.get("mode") != "eager":
+            counts[b["state"]] = counts.get(b["state"], 0) + 1
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    load = engine.get("load_s")
+    loaded = f" · loaded in {load:.1f} s" if load else ""
+    return f"✅ engine **{engine_name}** ready{loaded} · compiled buckets: {summary or 'none'}"
+
+
+# -- devices ---------------------------------------------------------------------------------------
+def device_choices(report: list[dict]) -> list[tuple[str, str]]:
+    """"auto (→ cpu)", then every registry device; unavailable ones marked with the reason."""
+    auto = next((d["name"] for d in report if d.get("auto")), None)
+    choices = [(f"auto (→ {auto})" if auto else "auto", "auto")]
+    for d in report:
+        if d.get("available"):
+            label = f"{d['name']} · {d['label']}"
+        else:
+            reason = (d.get("reason") or "unavailable").split(":")[0]
+            label = f"{d['name']} · unavailable: {reason}"
+        choices.append((label, d["name"]))
+    return choices
+
+
+def device_notes(report: list[dict]) -> str:
+    lines = []
+    for d in report:
+        if d.get("available"):
+            lines.append(f"- **{d['name']}** ({d['label']}): available · compile backend `{d['compile_backend']}` · "
+                         f"modes {', '.join(d.get('modes', []))}")
+        else:
+            lines.append(f"- **{d['name']}** ({d['label']}): unavailable — {d.get('reason')}")
+    return "\n".join(lines)
+
+
+# -- comparison ------------------------------------------------------------------------------------
+def config_label(device: str, precision: str, mode: str) -> str:
+    return f"{device}/{precision}/{mode}"
+
+
+def compare_step_rows(results: list[dict]) -> list[dict]:
+    rows = []
+    for r in results:
+        if r.get("error"):
+            continue
+        for row in step_rows(r):
+            rows.append({**row, "config": r.get("config", "")})
+    return rows
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def speedup_table(results: list[dict]) -> list[dict]:
+    """Speedup of each run against eager on the same engine (model, device, precision).
+
+    `results` are GenerateResult.as_dict() objects, optionally with "config", "compile_s" and
+    "warmup_s" added (and "error" for a configuration that failed). The baseline of a run is the
+    eager run of the same engine; without one the speedup is None. Break-even: images after which
+    the compile cost is paid back by the faster total (None when it never is).
+    """
+    baselines: dict[str, dict] = {}
+    for r in results:
+        if not r.get("error") and r.get("mode") == "eager" and r.get("engine") not in baselines:
+            baselines[r["engine"]] = r
+    rows = []
+    for r in results:
+        row = {
+            "config": r.get("config") or config_label(r.get("device", "?"), r.get("precision", "?"), r.get("mode", "?")),
+            "bucket": r.get("bucket"),
+            "median_step_ms": None, "total_ms": None, "speedup_step": None, "speedup_total": None,
+            "compile_s": r.get("compile_s"), "warmup_s": r.get("warmup_s"), "break_even_images": None,
+            "error": r.get("error"),
+        }
+        if r.get("error"):
+            rows.append(row)
+            continue
+        t = r.get("timings") or {}
+        row["median_step_ms"] = t.get("median_step_ms")
+        row["total_ms"] = t.get("total_ms")
+        base = baselines.get(r.get("engine"))
+        if base is not None:
+            bt = base.get("timings") or {}
+            if bt.get("median_step_ms") and t.get("median_step_ms"):
+                row["speedup_step"] = bt["median_step_ms"] / t["median_step_ms"]
+            if bt.get("total_ms") and t.get("total_ms"):
+                row["speedup_total"] = bt["total_ms"] / t["total_ms"]
+                saved_s = (bt["total_ms"] - t["total_ms"]) / 1000
+                cost = (r.get("compile_s") or 0) + (r.get("warmup_s") or 0)
+                if r.get("mode") != "eager" and saved_s > 0 and cost > 0:
+                    row["break_even_images"] = math.ceil(cost / saved_s)
+        rows.append(row)
+    return rows
+
+
+def speedup_display_rows(rows: list[dict]) -> list[list]:
+    def x(v):
+        return "—" if v is None else f"{v:.2f}×"
+
+    out = []
+    for r in rows:
+        if r.get("error"):
+            out.append([r["config"], r.get("bucket") or "", f"failed: {r['error']}", "", "", "", "", "", ""])
+            continue
+        out.append([
+            r["config"], r.get("bucket") or "", fmt_ms(r["median_step_ms"]), fmt_ms(r["total_ms"]),
+            x(r["speedup_step"]), x(r["speedup_total"]), fmt_s(r["compile_s"]), fmt_s(r["warmup_s"]),
+            "" if r["break_even_images"] is None else str(r["break_even_images"]),
+        ])
+    return out
+
+
+def cost_rows(results: list[dict]) -> list[list]:
+    out = []
+    for r in results:
+        out.append([
+            r.get("config", ""), r.get("bucket_state") or ("failed" if r.get("error") else ""),
+            fmt_s(r.get("compile_s")), fmt_s(r.get("warmup_s")), r.get("cache_hits") or "",
+            fmt_s(r.get("waited_s")), r.get("error") or "",
+        ])
+    return out
