@@ -14,6 +14,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from engine import devices, settings
+from engine.caches import prepare_cache_dir
 from engine.client import ConnectionEngine, ProcessEngine
 from engine.errors import EngineBusy, InvalidRequest, ShowcaseError
 from engine.presets import ModelPreset, get_preset, load_presets
@@ -37,7 +38,8 @@ class EngineManager:
         extra_presets: dict[str, ModelPreset] | None = None,
         auto_restart: bool = True,
     ):
-        self.cache_dir = Path(cache_dir) if cache_dir else settings.cache_dir()
+        self.cache = prepare_cache_dir(Path(cache_dir) if cache_dir else settings.cache_dir())
+        self.cache_dir = self.cache.path
         self.options = options or EngineOptions()
         self.allowed_roots = [Path(r) for r in (allowed_roots or settings.model_roots())]
         self.presets: dict[str, ModelPreset] = {**load_presets(), **(extra_presets or {})}
@@ -100,9 +102,9 @@ class EngineManager:
             engine = SidecarEngine(self._config(key, options)).start()
         else:
             spec = devices.get_device(key.device)
-            env = dict(spec.environment(self.cache_dir))
-            for mode in options.warm_modes:
-                env.update(devices.mode_environment(spec, mode))
+            mode = "defer-and-fuse" if "defer-and-fuse" in options.warm_modes else None
+            env = devices.worker_environment(spec, self.cache_dir, mode=mode)
+            env.update(self.cache.worker_env())
             engine = ProcessEngine(self._config(key, options), env=env).start()
         engine.on_down = self._on_down
         log.info("started engine %s", key)

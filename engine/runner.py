@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engine import devices, recipes, settings
+from engine import caches, devices, recipes, settings
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
 from engine.presets import ModelPreset, check_local_path, route_size
 from engine.protocol import (
@@ -263,6 +263,15 @@ class PipelineRunner:
             return str(check_local_path(Path(preset.source), roots))
         return preset.source
 
+    # Hooks for subclasses (engine/tp/runner.py: each rank loads its shard onto its own device).
+    def load_device(self) -> str:
+        """Where the pipeline's components go (`pipe.to(...)`, offload target)."""
+        return self.spec.torch_device
+
+    def component_overrides(self, source: str) -> dict:
+        """Components loaded separately and handed to the pipeline's from_pretrained (e.g. sharded ones)."""
+        return {}
+
     def load(self) -> float:
         import diffusers
 
@@ -275,7 +284,9 @@ class PipelineRunner:
         pipeline_cls = getattr(diffusers, self.preset.pipeline)
         source = self.resolve_source()
         try:
-            pipe = pipeline_cls.from_pretrained(source, dtype=self.precision.dtype, trust_remote_code=False)
+            pipe = pipeline_cls.from_pretrained(
+                source, dtype=self.precision.dtype, trust_remote_code=False, **self.component_overrides(source)
+            )
         except (OSError, ValueError) as exc:
             raise ModelLoadError(
                 f"could not load {self.preset.name!r} from {source!r}: {str(exc).splitlines()[0]}; "
@@ -286,10 +297,10 @@ class PipelineRunner:
             getattr(pipe, self.preset.denoiser)._repeated_blocks = list(self.preset.repeated_blocks)
         self.notices += recipes.apply_load_steps(pipe, self.preset.denoiser, self.options)
         if self.options.cpu_offload:
-            pipe.enable_model_cpu_offload(device=self.spec.torch_device)
+            pipe.enable_model_cpu_offload(device=self.load_device())
             self.notices.append("model CPU offload: each model moves to the device only while it runs")
         else:
-            pipe.to(self.spec.torch_device)
+            pipe.to(self.load_device())
         self.notices += recipes.apply_inductor_flags(self.options, self.spec)
         self.pipe = pipe
         self._variants["eager"] = pipe
@@ -479,8 +490,7 @@ class PipelineRunner:
             pipe = self.variant(bucket.mode)
             hits_before, misses_before = _cache_counters()
             start = time.perf_counter()
-            for guidance in self.warm_guidances():
-                self._call(pipe, self.warm_request(bucket, guidance))
+            self._compile_bucket(pipe, bucket)
             compile_s = time.perf_counter() - start
             start = time.perf_counter()
             self._call(pipe, self.warm_request(bucket))
@@ -491,6 +501,22 @@ class PipelineRunner:
         hits, misses = _cache_counters()
         return self.board.update(bucket, state=BucketState.WARM, compile_s=compile_s, warmup_s=warmup_s,
                                  cache_hits=hits - hits_before, cache_misses=misses - misses_before)
+
+    def _compile_bucket(self, pipe, bucket: BucketKey) -> None:
+        """First calls at the bucket's shapes compile; a corrupt on-disk cache gets one retry without it."""
+        try:
+            for guidance in self.warm_guidances():
+                self._call(pipe, self.warm_request(bucket, guidance))
+        except Exception as exc:
+            if not caches.compile_caches_enabled():
+                raise
+            notice = (f"compiling {bucket} failed with the on-disk compile cache on ({describe_failure(exc, 200)}); "
+                      "retrying without the cache")
+            log.warning(notice)
+            self.notices.append(notice)
+            caches.disable_compile_caches()
+            for guidance in self.warm_guidances():
+                self._call(pipe, self.warm_request(bucket, guidance))
 
     def buckets_to_warm(self) -> list[BucketKey]:
         """The configured start-up warm list, most-used size first (the preset's order)."""

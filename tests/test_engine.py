@@ -178,6 +178,32 @@ def test_restart_warms_from_the_persistent_cache(tmp_path, tiny_models):
     assert cold_misses > 0 and cold_hits == 0
     assert warm_hits > 0 and warm_misses == 0
 
+    # A corrupt cache (every file overwritten with garbage) must not stop the bucket from warming.
+    for f in (tmp_path / "inductor").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\x00garbage" * 7)
+    engine = start_engine(tmp_path)
+    try:
+        bucket = BucketKey("regional", Size(64, 64))
+        engine.warm(bucket)
+        info = wait_state(engine, bucket, {BucketState.WARM, BucketState.FAILED})
+        assert info.state == BucketState.WARM, info.error
+        assert engine.generate(request(mode="regional"), timeout=120).warm
+    finally:
+        engine.close()
+
+
+def test_unwritable_cache_folder_warns_and_runs_without_it(tmp_path, tiny_models):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    manager = EngineManager(cache_dir=blocker / "cache", options=EngineOptions(warm_sizes=()))
+    try:
+        assert not manager.cache.persistent and "not writable" in manager.cache.notices[0]
+        result = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
+        assert result.image().size == (64, 64)
+    finally:
+        manager.shutdown()
+
 
 def test_manager_validates_before_starting_anything(cache_dir):
     from engine.errors import DeviceUnavailable, InvalidRequest

@@ -1,0 +1,72 @@
+"""The persistent cache folder: tiny models, inductor and NEFF caches (`--cache-dir`).
+
+An unwritable or corrupt cache must never stop the app: it warns and runs without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Inductor's own switches for its on-disk caches (read when a compile starts).
+CACHE_OFF_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+
+
+@dataclass(frozen=True)
+class CacheDir:
+    path: Path
+    persistent: bool  # False: a temporary fallback, compiled graphs will not survive a restart
+    notices: tuple[str, ...] = field(default=())
+
+    def worker_env(self) -> dict[str, str]:
+        return {} if self.persistent else dict(CACHE_OFF_ENV)
+
+
+def prepare_cache_dir(path: Path) -> CacheDir:
+    """Create the folder and prove it is writable; otherwise fall back to a temporary one."""
+    path = Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+        return CacheDir(path, True)
+    except OSError as exc:
+        fallback = Path(tempfile.mkdtemp(prefix="diffusion-showcase-"))
+        notice = (f"cache folder {path} is not writable ({exc.strerror or exc}); running without a persistent "
+                  f"cache in {fallback}: compiled graphs will not survive a restart. Fix it or pass --cache-dir")
+        log.warning(notice)
+        return CacheDir(fallback, False, (notice,))
+
+
+def disable_compile_caches() -> None:
+    """Turn inductor's on-disk caches off in this process (after a corrupt cache broke a compile)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
+
+
+def compile_caches_enabled() -> bool:
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    return bool(inductor_config.fx_graph_cache or functorch_config.enable_autograd_cache)
+
+
+def folder_sizes(root: Path) -> dict[str, int]:
+    """Bytes under each top-level folder of the cache (for the System panel)."""
+    sizes = {}
+    root = Path(root)
+    if not root.is_dir():
+        return sizes
+    for child in sorted(root.iterdir()):
+        if child.is_dir():
+            sizes[child.name] = sum(f.stat().st_size for f in child.rglob("*") if f.is_file() and not f.is_symlink())
+    return sizes

@@ -1,0 +1,192 @@
+"""torchrun command lines and environments for the tensor-parallel sidecar (pure functions).
+
+Nothing here starts a process, probes a device or imports a vendor package (the TPU launch environment
+comes from a function that is looked up only for tpu and can be injected), so tests check the argv and
+the environment for every device without hardware.
+
+argv is always a list for `subprocess.Popen(argv)` without a shell. The few values a user can choose
+(rank count, node count, node rank, rendezvous endpoint) are validated here before they reach argv.
+
+Single node: `--standalone` (a private c10d rendezvous on a free port, so several sidecars and test runs
+never collide). Several nodes: the *static* rendezvous (`--rdzv-backend static --rdzv-endpoint HOST:PORT
+--node-rank K`), because it honours --node-rank: node 0 is the app's machine, so global rank 0 — the one
+that serves the loopback socket — is always local to the app. Run `node_command(...)` on the other nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from engine import devices
+from engine.errors import InvalidRequest, UnsupportedCombination
+
+SIDECAR_MODULE = "engine.tp.sidecar"
+# Rank 0 reads the per-launch token from this file (0600); the token never appears on a command line.
+TOKEN_FILE_VAR = "SHOWCASE_TP_TOKEN_FILE"
+# How often torchrun checks its ranks: a dead rank tears the group down within about this long.
+MONITOR_INTERVAL_S = 0.2
+MAX_RANKS = 4096
+_ENDPOINT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?):(\d{1,5})$")
+
+# Collective timeout (seconds). Short enough that a wedged collective fails instead of hanging for
+# gloo's 30 minutes; longer on static-shape compilers, whose first call of a graph can compile for
+# minutes on one rank while the others already wait in its first collective.
+DIST_TIMEOUT_S = 180
+DIST_TIMEOUT_STATIC_SHAPES_S = 1800
+
+
+def dist_timeout_s(spec: devices.DeviceSpec) -> int:
+    return DIST_TIMEOUT_STATIC_SHAPES_S if spec.static_shapes else DIST_TIMEOUT_S
+
+
+def check_rdzv_endpoint(endpoint: str) -> str:
+    text = str(endpoint).strip()
+    m = _ENDPOINT.match(text)
+    if not m or not 0 < int(m.group(1)) < 65536:
+        raise InvalidRequest(f"rendezvous endpoint {endpoint!r} is not HOST:PORT (e.g. 10.0.0.1:29500)")
+    return text
+
+
+def check_tp_device(spec: devices.DeviceSpec) -> None:
+    if not spec.tensor_parallel or not spec.dist_backend or not spec.mesh_device_type:
+        raise UnsupportedCombination(
+            f"tensor parallel is not available on {spec.label} [{spec.name}]: no collective backend drives it; "
+            "use tp=1 or another device"
+        )
+
+
+def _check_counts(nproc: int, nnodes: int, node_rank: int) -> None:
+    for name, value, low in (("nproc", nproc, 1), ("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidRequest(f"{name} must be a whole number >= {low}, got {value!r}")
+    if nproc * nnodes > MAX_RANKS:
+        raise InvalidRequest(f"{nproc} x {nnodes} ranks is more than {MAX_RANKS}")
+    if node_rank >= nnodes:
+        raise InvalidRequest(f"node_rank {node_rank} must be below nnodes {nnodes}")
+
+
+def tpu_launch_env(nnodes: int, nproc_per_node: int, set_env: Callable | None = None) -> dict[str, str]:
+    """The variables torch_tpu wants for a multi-chip launch, without changing this process's environment.
+
+    `torch.tpu.distributed.set_tpu_launch_env(nnodes=, nproc_per_node=)` writes them into os.environ
+    (and may also return them); the app must not keep them, so os.environ is restored and the difference
+    (plus anything returned) is what the sidecar gets.
+    """
+    if set_env is None:
+        import torch
+
+        tpu = getattr(torch, "tpu", None)
+        set_env = getattr(getattr(tpu, "distributed", None), "set_tpu_launch_env", None)
+        if set_env is None:
+            raise UnsupportedCombination(
+                "torch.tpu.distributed.set_tpu_launch_env is missing: install torch-tpu>=0.2.0 on a Cloud TPU VM "
+                f"({devices.TPU_INSTALL_HINT})"
+            )
+    before = dict(os.environ)
+    try:
+        returned = set_env(nnodes=nnodes, nproc_per_node=nproc_per_node)
+        after = dict(os.environ)
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    env = {k: v for k, v in after.items() if before.get(k) != v}
+    if isinstance(returned, Mapping):
+        env.update({str(k): str(v) for k, v in returned.items()})
+    return env
+
+
+def sidecar_environment(
+    spec: devices.DeviceSpec,
+    cache_dir: Path,
+    *,
+    nproc: int,
+    nnodes: int = 1,
+    warm_modes: Sequence[str] = (),
+    base: Mapping[str, str] | None = None,
+    tpu_env: Callable | None = None,
+) -> dict[str, str]:
+    """The full environment torchrun (and so every rank, before it imports torch) starts with."""
+    mode = "defer-and-fuse" if "defer-and-fuse" in warm_modes else None
+    env = devices.worker_environment(spec, Path(cache_dir), mode=mode, base=base)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # rank logs reach the sidecar log as they happen
+    if spec.name == "tpu":
+        env.update(tpu_launch_env(nnodes, nproc, tpu_env))
+    return env
+
+
+def torchrun_argv(
+    nproc: int,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    sidecar_args: Sequence[str] = (),
+    python: str | None = None,
+) -> list[str]:
+    _check_counts(nproc, nnodes, node_rank)
+    argv = [python or sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        argv.append("--standalone")
+    else:
+        if rdzv_endpoint is None:
+            raise InvalidRequest(f"{nnodes} nodes need a rendezvous endpoint HOST:PORT on node 0 (--rdzv-endpoint)")
+        argv += [
+            f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}",
+            "--rdzv-backend=static",
+            f"--rdzv-endpoint={check_rdzv_endpoint(rdzv_endpoint)}",
+        ]
+    argv += ["--max-restarts=0", f"--monitor-interval={MONITOR_INTERVAL_S}", "-m", SIDECAR_MODULE]
+    for arg in sidecar_args:
+        if not isinstance(arg, str) or "\x00" in arg:
+            raise InvalidRequest(f"sidecar argument {arg!r} is not a plain string")
+        argv.append(arg)
+    return argv
+
+
+def build_launch(
+    spec: devices.DeviceSpec,
+    nproc: int,
+    nnodes: int = 1,
+    rdzv: str | None = None,
+    *,
+    node_rank: int = 0,
+    cache_dir: Path | None = None,
+    sidecar_args: Sequence[str] = (),
+    warm_modes: Sequence[str] = (),
+    base_env: Mapping[str, str] | None = None,
+    python: str | None = None,
+    tpu_env: Callable | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) that start the sidecar's ranks on this node: `torchrun --nproc-per-node=N ... -m
+    engine.tp.sidecar ...`. The process-group backend and mesh device type come from the device spec
+    inside the ranks; here the device decides the environment (compile caches, the TPU launch env)."""
+    check_tp_device(spec)
+    from engine import settings
+
+    argv = torchrun_argv(
+        nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, sidecar_args=sidecar_args, python=python
+    )
+    env = sidecar_environment(
+        spec, cache_dir or settings.cache_dir(), nproc=nproc, nnodes=nnodes, warm_modes=warm_modes,
+        base=base_env, tpu_env=tpu_env,
+    )
+    return argv, env
+
+
+def node_command(
+    spec: devices.DeviceSpec, nproc: int, nnodes: int, rdzv: str, node_rank: int, python: str = "python"
+) -> list[str]:
+    """argv to run on node `node_rank` (>= 1) of a multi-node sidecar: its ranks follow rank 0 and need
+    neither the token (only rank 0 listens) nor the config (rank 0 broadcasts it)."""
+    check_tp_device(spec)
+    if node_rank < 1:
+        raise InvalidRequest("node 0 is the app's own node; node_command is for nodes 1 and above")
+    return torchrun_argv(
+        nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, python=python,
+        sidecar_args=["--device", spec.name],
+    )
