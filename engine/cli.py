@@ -59,7 +59,7 @@ def make_manager(args, options: EngineOptions):
     extra = {}
     if args.model:
         model_path = Path(args.model).expanduser()
-        if model_path.exists():
+        if model_path.exists() or args.model.startswith((".", "/", "~")):
             roots.append(model_path.resolve().parent)  # a path typed on the command line is allowed
         preset = preset_for_model(args.model, roots, buckets=args.buckets)
         extra[preset.name] = preset

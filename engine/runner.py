@@ -385,8 +385,9 @@ class PipelineRunner:
         if request.negative_prompt and self.preset.negative_prompt:
             kwargs["negative_prompt"] = request.negative_prompt
         devices.enter_eager_mode(self.spec, request.mode)  # TPU: strict eager or defer-and-fuse; no-op elsewhere
-        with torch.inference_mode():
-            image = run(**kwargs).images[0]
+        # The pipelines run under no_grad already; inference_mode is avoided on purpose: out-of-tree
+        # backends (and the fake PrivateUse1 device in tests) cannot version inference tensors.
+        image = run(**kwargs).images[0]
         end = time.perf_counter()
         return image, clock.timings(end), (cancelled_at[0] if cancelled_at else None)
 

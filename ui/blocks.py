@@ -94,7 +94,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
                             step_plot = gr.LinePlot(x="step", y="step_ms", title="Per-step latency of this run",
                                                     x_title="step", y_title="ms", height=280, elem_id="step-plot")
                         stats = gr.Dataframe(headers=views.STATS_COLUMNS, interactive=False, label="Timings",
-                                             elem_id="stats", wrap=True)
+                                             elem_id="stats", wrap=True, column_widths=["32%", "68%"])
                         with gr.Accordion("Timings JSON (the CLI's --json)", open=False):
                             timings = gr.JSON(elem_id="timings-json")
 
@@ -134,7 +134,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
                                                    elem_id="c-guidance")
                         c_seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="c-seed")
                         available = [r["name"] for r in report if r.get("available")]
-                        c_devices = gr.CheckboxGroup(views.device_choices(report)[1:], value=available[:1],
+                        c_devices = gr.CheckboxGroup(views.device_choices(report, short=True)[1:], value=available[:1],
                                                      label="Devices", elem_id="c-devices")
                         c_precisions = gr.CheckboxGroup(list(PRECISIONS), value=[d.precision], label="Precisions",
                                                         elem_id="c-precisions")
@@ -180,6 +180,9 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
             control.change(h.select_engine, [preset_dd, device_dd, precision_dd, mode_dd, size_dd],
                            [engine_line, size_dd, mode_dd], **fast)
 
+        # The engine the settings point at starts with the page (app.py has usually started it already).
+        demo.load(h.select_engine, [preset_dd, device_dd, precision_dd, mode_dd, size_dd],
+                  [engine_line, size_dd, mode_dd], **fast)
         timer = gr.Timer(d.poll_s)
         tick_io = dict(inputs=[preset_dd, device_dd, precision_dd, mode_dd, tick_state],
                        outputs=[board, engine_line, size_dd, board_engine, tick_state])

@@ -158,14 +158,14 @@ def size_choices(sizes: list[str], mode: str, engine: dict | None) -> list[tuple
 def engine_line(engine_name: str | None, engine: dict | None, error: str | None = None) -> str:
     """One status line for the engine the Generate settings point at."""
     if error:
-        return f"⚠️ {error}"
+        return f"**Unavailable:** {error}"
     if engine is None:
-        return f"⏳ engine **{engine_name}** is starting…"
+        return f"**Not loaded:** engine {engine_name} starts on first use"
     state = engine.get("state")
     if state == "loading":
-        return f"⏳ engine **{engine_name}** is loading its weights (the page keeps working)…"
+        return f"**Loading** engine {engine_name}: its worker is loading the weights (the page keeps working)…"
     if state == "down":
-        return f"⛔ engine **{engine_name}** is down: {engine.get('error')}"
+        return f"**Down:** engine {engine_name}: {engine.get('error')}"
     buckets = engine.get("buckets", [])
     counts: dict[str, int] = {}
     for b in buckets:
@@ -174,12 +174,13 @@ def engine_line(engine_name: str | None, engine: dict | None, error: str | None 
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     load = engine.get("load_s")
     loaded = f" · loaded in {load:.1f} s" if load else ""
-    return f"✅ engine **{engine_name}** ready{loaded} · compiled buckets: {summary or 'none'}"
+    return f"**Ready:** engine {engine_name}{loaded} · compiled buckets: {summary or 'none'}"
 
 
 # -- devices ---------------------------------------------------------------------------------------
-def device_choices(report: list[dict]) -> list[tuple[str, str]]:
-    """"auto (→ cpu)", then every registry device; unavailable ones marked with the reason."""
+def device_choices(report: list[dict], short: bool = False) -> list[tuple[str, str]]:
+    """"auto (→ cpu)", then every registry device; unavailable ones marked with the reason
+    (`short`: just "unavailable"; the System tab and the Generate tab's notes say why)."""
     auto = next((d["name"] for d in report if d.get("auto")), None)
     choices = [(f"auto (→ {auto})" if auto else "auto", "auto")]
     for d in report:
@@ -187,7 +188,7 @@ def device_choices(report: list[dict]) -> list[tuple[str, str]]:
             label = f"{d['name']} · {d['label']}"
         else:
             reason = (d.get("reason") or "unavailable").split(":")[0]
-            label = f"{d['name']} · unavailable: {reason}"
+            label = f"{d['name']} · unavailable" if short else f"{d['name']} · unavailable: {reason}"
         choices.append((label, d["name"]))
     return choices
 

@@ -1,0 +1,351 @@
+"""The app's side of the tensor-parallel sidecar: `SidecarEngine(config).start()` is a ConnectionEngine.
+
+start() checks up front that the model splits N ways (when it is on local disk), writes a per-launch HMAC
+token and the engine config into a private folder (0700 folder, 0600 files: nothing secret on a command
+line), starts `torchrun` in its own session (engine/tp/launch.py builds argv and environment; no shell),
+and returns at once; a thread connects to rank 0's loopback socket as soon as rank 0 listens. From then on
+it is the ordinary worker protocol, so the manager, the board, the bench and the CLI cannot tell it from a
+single-device worker.
+
+Faults: if a rank dies, torchrun tears the group down (rank 0 usually first reports EngineCrashed for the
+request in flight), rank 0's socket closes, the reader sees EOF and the engine goes "down" with torchrun's
+root cause (which rank, which exit code/signal) and the log path; the manager restarts it. close() asks
+for a clean shutdown, then SIGTERMs torchrun's process group (torchrun forwards it to the ranks, which run
+in their own sessions), then SIGKILLs whatever is left; ranks also exit by themselves when torchrun or the
+app is gone (engine/tp/group.py watch_parents).
+
+By hand: `python -m engine.tp.client ADDRESS_FILE --prompt ...` talks to a sidecar started with
+`python -m engine.tp.sidecar` (it prints the address file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pickle
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from engine import devices, settings
+from engine.client import ConnectionEngine
+from engine.errors import EngineCrashed, InvalidRequest, ModelLoadError
+from engine.protocol import EngineKey
+from engine.tp import launch
+
+log = logging.getLogger(__name__)
+
+KEEP_LOGS = 20
+
+
+def resolve_local_source(config) -> str:
+    """The model folder the ranks will load, when it is local (embedded tiny models are built here once)."""
+    from engine.presets import check_local_path
+
+    preset = config.preset
+    if preset.embedded:
+        from engine.tiny import ensure_tiny_pipeline
+
+        return str(ensure_tiny_pipeline(preset.embedded, settings.models_dir(config.cache_path())))
+    if Path(preset.source).is_absolute():
+        roots = [Path(r) for r in config.allowed_roots] or None
+        return str(check_local_path(Path(preset.source), roots))
+    return preset.source
+
+
+_ROOT_FIELDS = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.+?)\s*$")
+
+
+def root_cause(log_text: str) -> str | None:
+    """torchrun's "Root Cause (first observed failure)" as one line: which rank, exit code, signal."""
+    if "Root Cause" not in log_text:
+        return None
+    section = log_text.split("Root Cause", 1)[1].split("=====", 1)[0]
+    fields = {}
+    for line in section.splitlines():
+        m = _ROOT_FIELDS.match(line)
+        if m and m.group(1) not in fields:
+            fields[m.group(1)] = m.group(2)
+    if not fields:
+        return None
+    text = f"rank {fields.get('rank', '?')} failed first (exit code {fields.get('exitcode', '?')})"
+    tb = fields.get("traceback", "")
+    if tb and not tb.startswith("To enable traceback"):
+        text += f": {tb}"
+    return text
+
+
+class SidecarEngine(ConnectionEngine):
+    """One tensor-parallel engine: torchrun with key.tp ranks, rank 0 behind an authenticated socket."""
+
+    kind = "tp-sidecar"
+
+    def __init__(
+        self,
+        config,
+        *,
+        nnodes: int = 1,
+        rdzv_endpoint: str | None = None,
+        dump_dir: str | Path | None = None,
+        dist_timeout: float | None = None,
+        connect_timeout: float = 300.0,
+        env: dict[str, str] | None = None,
+    ):
+        super().__init__(config.key)
+        self.config = config
+        self.nnodes = nnodes
+        self.rdzv_endpoint = rdzv_endpoint
+        self.dump_dir = Path(dump_dir) if dump_dir else None
+        self.dist_timeout = dist_timeout
+        self.connect_timeout = connect_timeout
+        self.extra_env = dict(env or {})
+        self.process: subprocess.Popen | None = None
+        self.workdir: Path | None = None
+        self.log_path: Path | None = None
+        self._log_file = None
+        self._token = b""
+        self._exit_note: str | None = None
+
+    # -- launch ----------------------------------------------------------------------------------
+    def plan_launch(self) -> tuple[list[str], dict[str, str]]:
+        """argv and environment for this node's ranks (no process is started)."""
+        spec = devices.get_device(self.key.device)
+        tp = self.key.tp
+        if self.nnodes < 1 or tp % self.nnodes:
+            raise InvalidRequest(f"tp={tp} ranks cannot be spread evenly over {self.nnodes} nodes")
+        assert self.workdir is not None
+        args = [
+            "--config", str(self.workdir / "config.pkl"),
+            "--device", spec.name,
+            "--address-file", str(self.workdir / "address.json"),
+            "--parent-pid", str(os.getpid()),
+        ]
+        if self.dump_dir is not None:
+            args += ["--dump-dir", str(self.dump_dir)]
+        if self.dist_timeout:
+            args += ["--dist-timeout", str(self.dist_timeout)]
+        argv, env = launch.build_launch(
+            spec, tp // self.nnodes, self.nnodes, self.rdzv_endpoint, cache_dir=self.config.cache_path(),
+            sidecar_args=args, warm_modes=self.config.options.warm_modes,
+        )
+        env.update(self.extra_env)
+        env[launch.TOKEN_FILE_VAR] = str(self.workdir / "token")
+        return argv, env
+
+    def start(self) -> SidecarEngine:
+        from engine.tp.plan import check_split_if_local
+        from engine.tp.sidecar import write_private
+
+        spec = devices.get_device(self.key.device)
+        launch.check_tp_device(spec)
+        check_split_if_local(self.config.preset, resolve_local_source(self.config), self.key.tp)
+        self.workdir = Path(tempfile.mkdtemp(prefix="showcase-tp-"))  # 0700
+        self._token = secrets.token_hex(32).encode()
+        write_private(self.workdir / "token", self._token)
+        write_private(self.workdir / "config.pkl", pickle.dumps(self.config))
+        argv, env = self.plan_launch()
+        self.log_path = self._new_log_path()
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - torchrun writes to it for its lifetime
+        log.info("starting tensor-parallel sidecar %s: %s (log %s)", self.key, argv, self.log_path)
+        self.process = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: killpg on close, no terminal signals
+        )
+        threading.Thread(target=self._connect, name=f"tp-connect-{self.key}", daemon=True).start()
+        return self
+
+    def _new_log_path(self) -> Path:
+        folder = self.config.cache_path() / "logs"
+        folder.mkdir(parents=True, exist_ok=True)
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(self.key)).strip("-")
+        old = sorted(folder.glob("tp-*.log"), key=lambda p: p.stat().st_mtime)
+        for path in old[: max(0, len(old) - KEEP_LOGS + 1)]:
+            path.unlink(missing_ok=True)
+        return folder / f"tp-{slug}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(2)}.log"
+
+    def _connect(self) -> None:
+        from multiprocessing import AuthenticationError
+        from multiprocessing.connection import Client
+
+        address_file = self.workdir / "address.json"
+        deadline = time.monotonic() + self.connect_timeout
+        while not self._closed:
+            if address_file.exists():
+                try:
+                    info = json.loads(address_file.read_text())
+                    conn = Client((info["host"], int(info["port"])), authkey=self._token)
+                except (OSError, ValueError, KeyError, AuthenticationError) as exc:
+                    self._fail_start(EngineCrashed(f"could not connect to the sidecar's rank 0: {exc}"))
+                    return
+                self.attach(conn)
+                return
+            if self.process.poll() is not None:
+                self._fail_start(ModelLoadError(
+                    f"tensor-parallel sidecar {self.key} exited before rank 0 listened ({self.describe_exit()})"))
+                return
+            if time.monotonic() > deadline:
+                self._fail_start(EngineCrashed(
+                    f"tensor-parallel sidecar {self.key}: rank 0 did not listen within {self.connect_timeout:.0f}s "
+                    f"(log: {self.log_path})"))
+                self._stop_process()
+                return
+            time.sleep(0.05)
+
+    def _fail_start(self, error) -> None:
+        if self.error is None and not self._closed:
+            self.error = error
+        self.ready.set()
+
+    # -- state -----------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return super().alive and self.process is not None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def rank_pids(self) -> list[int]:
+        return list(self.info.get("rank_pids", []))
+
+    def describe_exit(self) -> str:
+        if self._exit_note is not None:
+            return self._exit_note
+        if self.process is None:
+            return "never started"
+        try:
+            code = self.process.wait(timeout=3)  # torchrun tears the other ranks down, then exits
+        except subprocess.TimeoutExpired:
+            code = None
+        parts = ["the connection to rank 0 closed" if code is None else f"torchrun exited with code {code}"]
+        try:
+            cause = root_cause(self.log_path.read_text(errors="replace")) if self.log_path else None
+        except OSError:
+            cause = None
+        if cause:
+            parts.append(cause)
+        parts.append(f"log: {self.log_path}")
+        self._exit_note = "; ".join(parts)
+        return self._exit_note
+
+    def status(self) -> dict:
+        status = super().status()
+        status.update({
+            "tp": self.key.tp,
+            "nnodes": self.nnodes,
+            "pid": self.pid,
+            "ranks": self.info.get("ranks", []),
+            "log": str(self.log_path) if self.log_path else None,
+        })
+        return status
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def close(self, timeout: float = 10.0) -> None:
+        super().close()  # asks rank 0 for a clean shutdown
+        if self.process is not None and self.process.poll() is None:
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._stop_process()
+        self._kill_leftover_ranks()
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _stop_process(self) -> None:
+        """SIGTERM torchrun's process group (torchrun forwards it to the ranks), then SIGKILL."""
+        for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            if self.process.poll() is not None:
+                return
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+
+    def _kill_leftover_ranks(self) -> None:
+        """Ranks run in their own sessions; after torchrun is gone, SIGKILL any of *our* ranks still alive
+        (checked by command line, so a reused pid is never hit). They also exit on their own (watch_parents)."""
+        for pid in self.rank_pids():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"engine.tp.sidecar" in cmdline:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def connect(address_file: str | Path, timeout: float = 600.0) -> ConnectionEngine:
+    """Attach to a sidecar started by hand (`python -m engine.tp.sidecar`): the address file it printed
+    names the port and the token file."""
+    from multiprocessing.connection import Client
+
+    info = json.loads(Path(address_file).read_text())
+    token = Path(info["token_file"]).read_bytes()
+    engine = ConnectionEngine(EngineKey("?", "?", "?", 0))
+    engine.kind = "tp-sidecar"
+    engine.attach(Client((info["host"], int(info["port"])), authkey=token))
+    engine.wait_ready(timeout)
+    if "key" in engine.info:
+        engine.key = engine.info["key"]
+    return engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.errors import ShowcaseError
+    from engine.protocol import GenerateRequest, Size
+
+    p = argparse.ArgumentParser(prog="python -m engine.tp.client",
+                                description="Send one request to a sidecar started with python -m engine.tp.sidecar")
+    p.add_argument("address_file", type=Path)
+    p.add_argument("--prompt", default="a red fox in the snow")
+    p.add_argument("--size", default="64x64")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--guidance", type=float, default=3.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", default="eager")
+    p.add_argument("--out", default=None)
+    p.add_argument("--shutdown", action="store_true", help="stop the sidecar afterwards (default: leave it serving)")
+    args = p.parse_args(argv)
+    try:
+        engine = connect(args.address_file)
+        size = Size.parse(args.size)
+        result = engine.generate(GenerateRequest(prompt=args.prompt, width=size.width, height=size.height,
+                                                 steps=args.steps, guidance=args.guidance, seed=args.seed,
+                                                 mode=args.mode, on_cold="wait"))
+    except ShowcaseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.as_dict()))
+    if args.out:
+        Path(args.out).write_bytes(result.image_png)
+    if args.shutdown:
+        engine.close()  # asks the sidecar to exit
+    else:
+        engine.conn.close()  # just disconnect: a sidecar started by hand waits for the next client
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""TensorParallelRunner: a PipelineRunner whose every operation runs on all ranks in the same order.
+
+Why operations are broadcast: the sharded denoiser runs collectives, and collectives issued from two
+threads of one rank deadlock (or pair up with the wrong peer call). WorkerLoop (engine/worker.py) serves
+requests on one thread and warms buckets on another, so on rank 0 both `generate()` and `warm_bucket()`
+take one operation lock, broadcast an operation descriptor on the control group, then run; followers
+loop on receiving descriptors (`follow()`) and run exactly the same calls.
+
+Consequences, by design:
+- Eager fallback while compiling is *serialized* under tensor parallel: a request that arrives while a
+  bucket compiles waits for that compile to finish (it then usually finds the bucket warm), instead of
+  running eagerly alongside it as a single-device engine does.
+- Every decision that depends on rank-local state is taken on rank 0 before broadcasting: size routing,
+  and "wait for a cold bucket" becomes an explicit warm operation followed by the request.
+- Cancel is synchronised at step ends: rank 0 broadcasts its cancel flag after every step, so all ranks
+  stop after the same step.
+- After each operation the ranks compare outcomes on the control group. A warm-up that failed on some rank
+  marks the bucket failed on all of them (eager keeps serving). A request that ended differently on
+  different ranks, or a status check that fails because a rank is gone, leaves the group in an unknown
+  state: the runner is `broken`, the request fails with EngineCrashed, and the sidecar exits so that torchrun
+  tears it down and the app restarts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from engine.errors import EngineCrashed
+from engine.presets import route_size
+from engine.protocol import BucketInfo, BucketKey, BucketState, GenerateRequest, GenerateResult
+from engine.runner import PipelineRunner
+from engine.tp import plan
+from engine.tp.group import HEARTBEAT_S, RankGroup, cpu_adjustments
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN = ("shutdown",)
+PING = ("ping",)
+
+
+class TensorParallelRunner(PipelineRunner):
+    def __init__(self, config, group: RankGroup, listener=None, dump_dir: str | Path | None = None):
+        notices = []
+        if config.options.cpu_offload:
+            # Each rank holds only its shard, and diffusers refuses offload hooks on a sharded model.
+            config = replace(config, options=replace(config.options, cpu_offload=False))
+            notices.append("CPU offload is off under tensor parallel: each rank holds only its shard")
+        super().__init__(config, listener)
+        self.notices += notices
+        self.group = group
+        self.dump_dir = Path(dump_dir) if dump_dir else None
+        self.broken: str | None = None
+        self._op_lock = threading.Lock()
+        self._last_op = time.monotonic()
+        self._stopped = False
+        self._dump_path: Path | None = None
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load_device(self) -> str:
+        return str(self.group.device)
+
+    def component_overrides(self, source: str) -> dict:
+        """The sharded components: each rank reads only its slice of the safetensors."""
+        import diffusers
+        from diffusers import TensorParallelConfig
+
+        n = self.group.world_size
+        plan.check_split(self.preset, source, n)
+        index = plan._index(source)
+        name = self.preset.denoiser
+        cls = getattr(diffusers, index[name][1])
+        dtype = self.precision.dtype
+        with cpu_adjustments(self.spec):
+            denoiser = cls.from_pretrained(
+                source, subfolder=name, dtype=dtype, parallel_config=TensorParallelConfig(mesh=self.group.mesh)
+            )
+        overrides = {name: denoiser}
+        sharded = [f"{name} ({cls.__name__})"]
+        if self.preset.tp_text_encoder:
+            import transformers
+            from transformers import DistributedConfig
+
+            te_cls = getattr(transformers, index["text_encoder"][1])
+            # transformers' own TP; `device_mesh` is what the seed passes (transformers 5.24 builds an
+            # equivalent mesh over the same ranks and device type from the process group).
+            overrides["text_encoder"] = te_cls.from_pretrained(
+                source, subfolder="text_encoder", dtype=dtype,
+                distributed_config=DistributedConfig(tp_plan="auto"), device_mesh=self.group.mesh,
+            )
+            sharded.append(f"text_encoder ({te_cls.__name__})")
+        self.notices.append(
+            f"tensor parallel over {n} ranks ({self.spec.dist_backend}, DeviceMesh({self.spec.mesh_device_type!r})): "
+            f"{', '.join(sharded)} sharded; other components whole on each rank"
+        )
+        return overrides
+
+    def load(self) -> float:
+        load_s = super().load()
+        if self.dump_dir is not None and self.group.leader:
+            self._install_dump_hook()
+        return load_s
+
+    def _install_dump_hook(self) -> None:
+        """Test/debug hook: rank 0 also saves each request's decoded float image (HxWx3 in [0, 1]) as
+        <request_id>.npy, so TP output can be compared with one process numerically, not as PNG bytes."""
+        import numpy as np
+
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        processor = self.pipe.image_processor  # shared by every variant (they are shallow copies)
+        postprocess = processor.postprocess
+
+        def dumping_postprocess(image, output_type="pil", **kwargs):
+            if self._dump_path is None or output_type not in ("pil", "np") or not isinstance(image, torch.Tensor):
+                return postprocess(image, output_type=output_type, **kwargs)
+            array = postprocess(image, output_type="np", **kwargs)
+            np.save(self._dump_path, array[0])
+            return processor.numpy_to_pil(array) if output_type == "pil" else array
+
+        processor.postprocess = dumping_postprocess
+
+    # -- rank 0: operations ----------------------------------------------------------------------
+    def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None) -> GenerateResult:
+        if not self.group.leader:
+            raise RuntimeError("only rank 0 takes requests; followers run broadcast operations")
+        with self._op_lock:
+            self._raise_if_broken()
+            self.check_mode(request.mode)  # refused on rank 0, never broadcast
+            size, _ = route_size(self.preset, request.width, request.height, snap=True)
+            request = request.replace(width=size.width, height=size.height)
+            info = self.board.get(request.bucket)
+            if request.mode != "eager" and request.on_cold == "wait" and (info is None or info.state != BucketState.WARM):
+                self._run_op(("warm", request.bucket))  # compile here, on every rank, then serve
+            # Never "wait" inside the operation: a rank-local wait would desynchronise the group.
+            return self._run_op(("generate", request.replace(on_cold="eager")), on_step=on_step, cancel=cancel)
+
+    def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
+        if not self.group.leader:
+            return PipelineRunner.warm_bucket(self, bucket)
+        with self._op_lock:
+            self._raise_if_broken()
+            info = self.board.get(bucket)
+            if info is not None and info.state == BucketState.WARM:
+                return info
+            return self._run_op(("warm", bucket))
+
+    def _run_op(self, op, on_step=None, cancel=None):
+        self._broadcast(op)
+        return self._execute(op, on_step, cancel)
+
+    def _broadcast(self, op) -> None:
+        import torch.distributed as dist
+
+        try:
+            dist.broadcast_object_list([op], src=0, group=self.group.control)
+        except Exception as exc:
+            self._break(f"could not hand {op[0]!r} to the other ranks ({_first_line(exc)})")
+        self._last_op = time.monotonic()
+
+    def stop_followers(self) -> None:
+        """Clean shutdown: tell the followers to exit (best effort; a broken group is torn down anyway)."""
+        with self._op_lock:
+            self._stopped = True
+            if self.broken:
+                return
+            try:
+                self._broadcast(SHUTDOWN)
+            except EngineCrashed:
+                pass
+
+    def start_heartbeat(self, interval_s: float = HEARTBEAT_S) -> None:
+        """Followers wait for the next operation on the control group, whose timeout is long but finite."""
+
+        def beat() -> None:
+            while not self._stopped and not self.broken:
+                time.sleep(min(interval_s, 5.0))
+                if time.monotonic() - self._last_op < interval_s:
+                    continue
+                with self._op_lock:
+                    if self._stopped or self.broken:
+                        return
+                    try:
+                        self._broadcast(PING)
+                    except EngineCrashed:
+                        return
+
+        threading.Thread(target=beat, name="tp-heartbeat", daemon=True).start()
+
+    # -- followers -------------------------------------------------------------------------------
+    def follow(self) -> int:
+        """Run rank 0's operations until it says shutdown. Returns the process exit code."""
+        import torch.distributed as dist
+
+        while True:
+            box = [None]
+            try:
+                dist.broadcast_object_list(box, src=0, group=self.group.control)
+            except Exception as exc:
+                log.error("lost rank 0 while waiting for an operation: %s", _first_line(exc))
+                return 4
+            op = box[0]
+            if op == SHUTDOWN:
+                return 0
+            if op == PING:
+                continue
+            try:
+                self._execute(op)
+            except EngineCrashed:
+                return 4
+            except Exception:
+                pass  # the same outcome was reported to the client by rank 0
+
+    # -- every rank ------------------------------------------------------------------------------
+    def _execute(self, op, on_step=None, cancel=None):
+        kind = op[0]
+        result, error = None, None
+        try:
+            if kind == "generate":
+                result = self._generate_synced(op[1], on_step, cancel)
+            elif kind == "warm":
+                result = PipelineRunner.warm_bucket(self, op[1])
+            else:
+                raise RuntimeError(f"unknown tensor-parallel operation {kind!r}")
+        except Exception as exc:
+            error = exc
+        if kind == "warm" and result is not None:
+            status = (result.state.value, result.error)
+        else:
+            status = ("error", type(error).__name__) if error is not None else ("ok", None)
+        statuses = self._gather(status, kind)
+        if kind == "warm" and error is None:
+            result = self._reconcile_warm(op[1], statuses) or result
+        elif len(set(statuses)) > 1:
+            detail = "; ".join(f"rank {r}: {s[0]}{' ' + str(s[1]) if s[1] else ''}" for r, s in enumerate(statuses))
+            self._break(f"the ranks ended {kind!r} differently ({detail})")
+        if error is not None:
+            raise error
+        return result
+
+    def _generate_synced(self, request: GenerateRequest, on_step, cancel):
+        import torch.distributed as dist
+
+        cancel = cancel if cancel is not None else threading.Event()
+        control = self.group.control
+
+        def step(progress):
+            if on_step is not None:
+                on_step(progress)
+            flag = torch.tensor([1 if cancel.is_set() else 0], dtype=torch.uint8)
+            dist.broadcast(flag, src=0, group=control)  # every rank stops after the same step
+            if flag.item():
+                cancel.set()
+
+        if self.dump_dir is not None and self.group.leader:
+            self._dump_path = self.dump_dir / f"{request.request_id}.npy"
+        try:
+            return PipelineRunner.generate(self, request, on_step=step, cancel=cancel)
+        finally:
+            self._dump_path = None
+
+    def _gather(self, status, kind: str) -> list:
+        import torch.distributed as dist
+
+        statuses = [None] * self.group.world_size
+        try:
+            dist.all_gather_object(statuses, status, group=self.group.control)
+        except Exception as exc:
+            self._break(f"a rank stopped answering during {kind!r} ({_first_line(exc)})")
+        return statuses
+
+    def _reconcile_warm(self, bucket: BucketKey, statuses) -> BucketInfo | None:
+        failed = [(r, s) for r, s in enumerate(statuses) if s[0] != BucketState.WARM.value]
+        if not failed or len(failed) == len(statuses) and len(set(statuses)) == 1:
+            return None
+        rank, (state, error) = failed[0]
+        return self.board.update(bucket, state=BucketState.FAILED, error=f"rank {rank}: {state}: {error}"[:500])
+
+    def _raise_if_broken(self) -> None:
+        if self.broken:
+            raise EngineCrashed(f"tensor-parallel engine {self.config.key} is down: {self.broken}")
+
+    def _break(self, reason: str):
+        self.broken = reason
+        log.error("tensor-parallel group broken: %s", reason)
+        raise EngineCrashed(
+            f"tensor-parallel engine {self.config.key} failed: {reason}; the sidecar is going down and "
+            "will be restarted, please retry"
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]

@@ -1,0 +1,231 @@
+"""UI handlers called directly on the tiny models, plus the pure view helpers (no server, no browser)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import gradio as gr
+import pytest
+
+from ui import views
+from ui.handlers import Handlers, UIDefaults
+from ui.system import HIDDEN, environment_in_force, system_markdown
+
+
+class RecordingProgress:
+    """Stands in for gr.Progress: records every update."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, progress, desc=None, total=None, unit="steps"):
+        self.calls.append((progress, desc))
+
+
+@pytest.fixture(scope="module")
+def handlers(manager):
+    return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+
+
+def run_generate(handlers, **overrides):
+    args = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32",
+                mode="eager", size="64x64", steps=4, guidance=3.5, seed=0, on_cold="eager")
+    args.update(overrides)
+    progress = RecordingProgress()
+    outputs = list(handlers.generate(**args, request=None, progress=progress))
+    return outputs, progress
+
+
+# -- pure views ------------------------------------------------------------------------------------
+def result_dict(engine="tiny-flux@cpu/fp32", mode="eager", median=10.0, total=100.0, **extra):
+    return {"engine": engine, "device": "cpu", "precision": "fp32", "mode": mode, "bucket": "64x64",
+            "timings": {"step_ms": [median] * 4, "median_step_ms": median, "total_ms": total}, **extra}
+
+
+def test_speedup_table_against_eager_of_the_same_engine():
+    rows = views.speedup_table([
+        result_dict(config="cpu/fp32/eager", median=10.0, total=100.0),
+        result_dict(config="cpu/fp32/regional", mode="regional", median=5.0, total=60.0, compile_s=8.0, warmup_s=0.0),
+        result_dict(engine="tiny-flux@cpu/bf16", config="cpu/bf16/compile", mode="compile", median=4.0, total=50.0),
+        {"config": "tpu/fp32/eager", "error": "tpu is not available"},
+    ])
+    eager, regional, other_engine, failed = rows
+    assert eager["speedup_step"] == pytest.approx(1.0)
+    assert regional["speedup_step"] == pytest.approx(2.0)
+    assert regional["speedup_total"] == pytest.approx(100 / 60)
+    assert regional["break_even_images"] == 200  # 8 s compile / 0.04 s saved per image
+    assert other_engine["speedup_step"] is None  # no eager run of tiny-flux@cpu/bf16 to compare with
+    assert failed["error"] == "tpu is not available" and failed["speedup_step"] is None
+    display = views.speedup_display_rows(rows)
+    assert display[1][4] == "2.00×" and "failed" in display[3][2]
+    assert all(len(r) == len(views.SPEEDUP_COLUMNS) for r in display)
+
+
+def test_board_rows_show_loading_engines_and_every_bucket():
+    status = [
+        {"engine": "tiny-sd3@cpu/bf16", "state": "loading", "buckets": []},
+        {"engine": "tiny-flux@cpu/fp32", "state": "ready", "buckets": [
+            {"device": "cpu", "precision": "fp32", "mode": "regional", "size": "64x64", "state": "warm",
+             "compile_s": 9.5, "warmup_s": 0.2, "requests_served": 3, "cache_hits": 6},
+            {"device": "cpu", "precision": "fp32", "mode": "compile", "size": "128x128", "state": "failed",
+             "error": "BackendCompilerFailed: boom"},
+        ]},
+    ]
+    rows = views.board_rows(status)
+    assert rows[0][:3] == ["tiny-sd3@cpu/bf16", "cpu", "bf16"] and rows[0][5] == "engine loading"
+    assert rows[1][3:6] == ["regional", "64x64", "warm"] and rows[1][7] == "9.50" and rows[1][9] == 3
+    assert rows[2][5] == "failed" and "boom" in rows[2][6]
+    assert all(len(r) == len(views.BOARD_COLUMNS) for r in rows)
+    engine = status[1]
+    assert views.size_label("64x64", "regional", engine) == "64x64 · warm"
+    assert views.size_label("128x128", "regional", engine) == "128x128 · cold"
+    assert views.size_label("64x64", "eager", None) == "64x64 · eager"
+    assert views.size_label("64x64", "compile", status[0]) == "64x64 · loading"
+
+
+def test_device_choices_list_every_device_and_mark_unavailable_ones():
+    report = [
+        {"name": "cuda", "label": "GPU", "available": False, "reason": "no CUDA build: install one"},
+        {"name": "cpu", "label": "CPU", "available": True, "auto": True},
+    ]
+    choices = views.device_choices(report)
+    assert choices[0] == ("auto (→ cpu)", "auto")
+    assert ("cuda · unavailable: no CUDA build", "cuda") in choices
+    assert ("cpu · CPU", "cpu") in choices
+
+
+def test_secrets_are_never_shown(monkeypatch):
+    env = {"HF_TOKEN": "hf_abc", "SHOWCASE_AUTH": "me:pw", "GRADIO_SECRET_X": "s", "HF_HUB_OFFLINE": "1",
+           "TORCHINDUCTOR_CACHE_DIR": "/c/inductor", "HOME": "/root", "MY_PASSWORD": "x"}
+    shown = environment_in_force({"TORCH_NEURONX_NEFF_CACHE_DIR": "/c/neff"}, environ=env)
+    assert shown["HF_TOKEN"] == HIDDEN and shown["SHOWCASE_AUTH"] == HIDDEN and shown["GRADIO_SECRET_X"] == HIDDEN
+    assert shown["TORCHINDUCTOR_CACHE_DIR"] == "/c/inductor" and shown["TORCH_NEURONX_NEFF_CACHE_DIR"] == "/c/neff"
+    assert "HOME" not in shown and "MY_PASSWORD" not in shown  # unrelated variables are not listed at all
+
+
+# -- handlers on the tiny model --------------------------------------------------------------------
+def test_generate_streams_progress_and_returns_image_and_timings(handlers):
+    outputs, progress = run_generate(handlers, steps=4, seed=7)
+    image, timings = outputs[-1]
+    assert image.size == (64, 64)
+    assert len(timings["timings"]["step_ms"]) == 4
+    assert timings["seed"] == 7 and timings["bucket"] == "64x64" and timings["engine"] == "tiny-flux@cpu/fp32"
+    steps_seen = [p for p, _ in progress.calls if isinstance(p, tuple)]
+    assert steps_seen == [(1, 4), (2, 4), (3, 4), (4, 4)]  # the bar advances once per step
+    plot, stats = handlers.render_run(timings)
+    assert list(plot["step"]) == [1, 2, 3, 4]
+    table = dict(stats.values.tolist())
+    assert set(table) >= {"encode", "denoise", "decode", "total", "first step / median step", "it/s", "bucket",
+                          "recompiles", "peak memory", "notices"}
+    assert table["bucket"].startswith("eager")
+
+
+def test_partial_results_render_while_running(handlers):
+    partial = {"running": True, "engine": "tiny-flux@cpu/fp32", "mode": "eager", "bucket": "64x64", "steps": 4,
+               "timings": {"step_ms": [5.0, 4.0]}}
+    plot, stats = handlers.render_run(partial)
+    assert len(plot) == 2 and "step 2 of 4" in stats.values.tolist()[1][1]
+
+
+def test_compiled_mode_at_a_cold_bucket_is_served_eagerly_with_a_notice(handlers):
+    outputs, _ = run_generate(handlers, mode="compile", size="128x64", steps=2)
+    _, timings = outputs[-1]
+    assert timings["eager_fallback"] is True and timings["warm"] is False
+    assert any("served eagerly" in n for n in timings["notices"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"device": "tpu"}, "not available"),
+    ({"size": "big"}, "WIDTHxHEIGHT"),
+    ({"steps": 0}, "steps must be between"),
+    ({"preset": "nope"}, "unknown preset"),
+])
+def test_bad_requests_raise_gradio_errors_with_the_engine_message(handlers, overrides, message):
+    with pytest.raises(gr.Error, match=message):
+        run_generate(handlers, **overrides)
+
+
+def test_cancel_stops_a_run_between_steps(handlers):
+    progress = RecordingProgress()
+    gen = handlers.generate("fox", "", "tiny-flux", "cpu", "fp32", "eager", "64x64", 60, 3.5, 0, "eager",
+                            request=None, progress=progress)
+    outputs = []
+    consumer = threading.Thread(target=lambda: outputs.extend(gen))
+    consumer.start()
+    deadline = time.monotonic() + 60
+    while not any(isinstance(p, tuple) for p, _ in progress.calls) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert handlers.cancel(None).startswith("cancel")
+    consumer.join(60)
+    image, timings = outputs[-1]
+    assert image is None and timings["cancelled"] is True
+    assert len(timings["timings"]["step_ms"]) < 60
+    # the engine keeps serving
+    outputs, _ = run_generate(handlers, steps=1)
+    assert outputs[-1][1]["cancelled"] is False
+
+
+def test_warm_validates_then_returns_at_once(handlers):
+    with pytest.raises(gr.Error, match="not a bucket"):
+        handlers.warm("tiny-flux", "cpu", "fp32", "regional", "96x96")
+    with pytest.raises(gr.Error, match="no warm-up"):
+        handlers.warm("tiny-flux", "cpu", "fp32", "eager", "64x64")
+    with pytest.raises(gr.Error, match="defer-and-fuse"):
+        handlers.warm("tiny-flux", "cpu", "fp32", "defer-and-fuse", "64x64")
+    start = time.perf_counter()
+    queued = handlers.warm("tiny-flux", "cpu", "fp32", "regional", "64x64")  # compiles in the worker
+    assert time.perf_counter() - start < 1.0
+    assert queued == {"engine": "tiny-flux@cpu/fp32", "mode": "regional", "queued": ["64x64"]}
+
+
+def test_tick_fills_the_board_and_skips_unchanged_outputs(handlers):
+    board, line, sizes, engines, state = handlers.tick("tiny-flux", "cpu", "fp32", "compile", {})
+    assert "tiny-flux@cpu/fp32" in list(board["engine"])
+    assert "Ready" in line
+    assert any(label.startswith("64x64 · ") for label, _ in sizes["choices"])
+    assert "tiny-flux@cpu/fp32" in engines["choices"]
+    again = handlers.tick("tiny-flux", "cpu", "fp32", "compile", state)
+    assert again[1] == gr.skip() and again[3] == gr.skip()
+
+
+def test_select_engine_reports_an_unavailable_device_without_blocking(handlers):
+    start = time.perf_counter()
+    line, _sizes, modes = handlers.select_engine("tiny-flux", "tpu", "fp32", "compile", "64x64")
+    assert time.perf_counter() - start < 1.0
+    assert "not available" in line
+    assert "defer-and-fuse" in modes["choices"]  # the device's own modes
+
+
+def test_compare_runs_each_configuration_and_builds_the_speedup_table(handlers):
+    progress = RecordingProgress()
+    outputs = list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 3, ["cpu"], ["fp32"], ["eager", "compile"],
+                                    False, request=None, progress=progress))
+    gallery, payload = outputs[-1]
+    assert len(gallery) == 2
+    configs = [r["config"] for r in payload["results"]]
+    assert configs == ["cpu/fp32/eager", "cpu/fp32/compile"]
+    assert all(len(r["timings"]["step_ms"]) == 2 for r in payload["results"])
+    assert payload["speedup"][0]["speedup_step"] == pytest.approx(1.0)
+    plot, speed, costs = handlers.render_compare(payload)
+    assert set(plot["config"]) == set(configs) and len(plot) == 4
+    assert len(speed) == 2 and len(costs) == 2
+    assert progress.calls[-1][0] == (4, 4)  # one bar over every configuration's steps
+
+
+@pytest.mark.parametrize("modes", [["eager"], ["eager", "compile", "regional", "defer-and-fuse", "eager"]])
+def test_compare_needs_two_to_four_configurations(handlers, modes):
+    precisions = ["fp32"] if len(modes) == 1 else ["fp32", "bf16"]
+    with pytest.raises(gr.Error, match="2–4 configurations"):
+        list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 0, ["cpu"], precisions, modes, False))
+
+
+def test_system_panel_lists_devices_versions_caches(handlers, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_should_never_show")
+    report = handlers.system(refresh=False)
+    assert {d["name"] for d in report["devices"]} >= {"cpu", "cuda", "tpu", "neuron", "mps", "xpu"}
+    assert all(d["reason"] for d in report["devices"] if not d["available"])
+    assert {"torch", "diffusers", "gradio"} <= set(report["versions"])
+    assert any(c["folder"].startswith("inductor") for c in report["caches"])
+    text = system_markdown(report)
+    assert "hf_should_never_show" not in text and "HF_TOKEN" in text
