@@ -337,7 +337,8 @@ def markdown_report(report: dict) -> str:
     cfg = report.get("config", {})
     title = f"## Benchmark: {cfg.get('preset')} on {cfg.get('device')} ({report.get('kind')})"
     machine = (
-        f"{m.get('cpu_model')} ({m.get('cpu_count')} cores, {m.get('cpus_usable')} usable"
+        f"{m.get('cpu_model')} ({m.get('cpu_count')} cores, {m.get('cpus_usable')} usable, "
+        f"{m.get('torch_threads')} torch threads"
         f"{', load ' + m['loadavg'] if m.get('loadavg') else ''})"
         f"{'; GPU ' + m['gpu'] if m.get('gpu') else ''}; torch {m.get('torch')}, diffusers {m.get('diffusers')}, "
         f"Python {m.get('python')}; {m.get('date')}"
@@ -403,6 +404,8 @@ def machine_info(device: str | None = None) -> dict:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": None,
     }
+    if "torch" in sys.modules:
+        info["torch_threads"] = sys.modules["torch"].get_num_threads()
     if device and device.startswith("cuda") and "torch" in sys.modules:
         torch = sys.modules["torch"]
         try:
@@ -469,6 +472,8 @@ class BenchPlan:
     time_budget_s: float | None = None
     out: Path | None = None
     force: bool = False
+    threads: int | None = None
+    engine_args: tuple[str, ...] = ()  # engine flags passed on to probe children
     command: str = ""
 
 
@@ -483,6 +488,19 @@ def _inductor_cache_state(spec, cache_dir: Path) -> tuple[str | None, int]:
     if not folder or not Path(folder).is_dir():
         return folder, 0
     return folder, sum(len(files) for _, _, files in os.walk(folder))
+
+
+def _quiet_loading() -> None:
+    """No per-component loading bars from diffusers/transformers: the bench has its own bar."""
+    try:
+        import diffusers.utils.logging as dlog
+
+        dlog.disable_progress_bar()
+        import transformers.utils.logging as tlog
+
+        tlog.disable_progress_bar()
+    except Exception:
+        pass
 
 
 def _prime_compiler(spec) -> float:
@@ -540,7 +558,11 @@ def run_pipeline_bench(plan: BenchPlan) -> dict:
     from engine.runner import EngineConfig, PipelineRunner
 
     spec = devices.resolve_device(plan.device)
+    # The cache folder first: importing a pipeline module makes inductor pin its default cache folder
+    # in os.environ, after which apply_environment's setdefault would no longer take effect.
+    devices.apply_environment(spec, plan.cache_dir)
     getattr(diffusers, plan.preset.pipeline)  # import the pipeline module now, not inside the timed load
+    _quiet_loading()
     notes: list[str] = []
 
     configs = [(p, m, s) for p in plan.precisions for s in plan.sizes for m in plan.modes]
@@ -802,6 +824,7 @@ def run_cache_probe(plan: BenchPlan, device: str, mode: str, bar=None) -> dict:
         sys.executable, "-m", "engine", "bench", "--_compile-probe", "--preset", plan.preset.name,
         "--device", device, "--precisions", precision, "--modes", mode, "--sizes", str(size),
         "--cache-dir", str(plan.cache_dir), *plan.model_args,
+        *(["--threads", str(plan.threads)] if plan.threads else []), *plan.engine_args,
     ]
     env = {**os.environ, INDUCTOR_CACHE_VAR: str(folder)}
     out: dict = {"mode": mode, "precision": precision, "size": str(size), "cache_dir": str(folder)}
@@ -1055,13 +1078,13 @@ def run_denoiser_bench(plan: BenchPlan) -> dict:
             "architecture (presets with one: "
             + ", ".join(p for p, v in _presets_with_config().items() if v) + ")"
         )
+    spec = devices.resolve_device(plan.device)
+    env = devices.apply_environment(spec, plan.cache_dir)  # before diffusers' model modules load (see above)
     cfg = {**preset.denoiser_config, **(plan.config_override or {})}
     cls = denoiser_class(preset.pipeline)
-    spec = devices.resolve_device(plan.device)
     text_len = plan.text_len or DEFAULT_TEXT_LEN.get(preset.pipeline, 77)
     batch = 2 if preset.cfg and preset.guidance > 1.0 else 1  # classifier-free guidance doubles the batch
     notes: list[str] = []
-    env = devices.apply_environment(spec, plan.cache_dir)
     cache_folder, cache_files = _inductor_cache_state(spec, plan.cache_dir)
     _install_compile_counter()
     recipes.raise_recompile_limit(len(plan.modes) * len(plan.sizes) * len(plan.precisions) * 2)
@@ -1362,6 +1385,17 @@ def _load_override(text: str | None) -> dict | None:
     return value
 
 
+def _engine_flags(args) -> tuple[str, ...]:
+    """The engine flags of this command line, for a probe child to compile the same way."""
+    flags = []
+    for name in ("fuse_qkv", "channels_last", "cpu_offload", "max_autotune", "dynamic", "no_compile_vae", "int8"):
+        if getattr(args, name, False):
+            flags.append("--" + name.replace("_", "-"))
+    if args.inductor_flags is not None:
+        flags.append("--inductor-flags" if args.inductor_flags else "--no-inductor-flags")
+    return tuple(flags)
+
+
 def plan_from_args(args) -> BenchPlan:
     from engine import devices, settings
     from engine.cli import options_from_args
@@ -1411,6 +1445,7 @@ def plan_from_args(args) -> BenchPlan:
         model_args=tuple(model_args), random_weights=bool(args.random_weights), config_override=_load_override(args.denoiser_config_override),
         text_len=args.text_len, matmul_roofline=args.matmul_roofline, warmup_calls=args.warmup_calls,
         time_budget_s=args.time_budget, out=Path(args.out) if args.out else None, force=args.force,
+        threads=args.threads, engine_args=_engine_flags(args),
         command="python -m engine " + " ".join(a for a in sys.argv[1:] if a) if sys.argv else "",
     )
 
@@ -1424,6 +1459,10 @@ def run_bench(plan: BenchPlan) -> dict:
 
 
 def cmd_bench(args) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args._compile_probe:
         return cmd_compile_probe(args)
     plan = plan_from_args(args)
@@ -1475,6 +1514,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="denoiser forwards after the compiling one, before timing (random weights)")
     b.add_argument("--time-budget", type=float, default=None,
                    help="seconds: skip configurations not started by then (random weights)")
+    b.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's, one per core); on a shared machine 1 avoids "
+                        "OpenMP spin-wait stalls that inflate latency many times")
     b.add_argument("--force", action="store_true", help="build the denoiser even if it looks too big for memory")
     b.add_argument("--no-chart", action="store_true")
     b.add_argument("--no-progress", action="store_true")

@@ -78,3 +78,13 @@ def test_bad_input_is_a_clear_error(args, message):
     proc = run_cli("generate", "--device", "cpu", *args, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_any_local_diffusers_folder_can_be_served(tiny_models, cache_dir):
+    """--model takes a local diffusers folder; the pipeline class comes from its model_index.json."""
+    proc = run_cli("generate", "--model", str(tiny_models["tiny-sdxl"]), "--buckets", "64x64,128x128",
+                   "--device", "cpu", "--size", "64x64", "--steps", "2", "--mode", "eager", "--json",
+                   "--cache-dir", str(cache_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = last_json(proc.stdout)
+    assert result["preset"].endswith("tiny-sdxl") and len(result["timings"]["step_ms"]) == 2

@@ -1,0 +1,129 @@
+"""The app's API through gradio_client against a launched server (one per module, tiny models)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from gradio_client import Client
+from PIL import Image
+
+from ui import build_demo, launch_kwargs
+from ui.handlers import UIDefaults
+
+GOOD = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32",
+            mode="eager", size="64x64", steps=3, guidance=3.5, seed=11)
+WATCHED = "128x64"  # the regional bucket this module warms (the browser tests warm another one)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(manager):
+    demo = build_demo(manager, UIDefaults(device="cpu", mode="eager"), queue_size=8)
+    port = free_port()
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, ssr_mode=False, quiet=True,
+                **launch_kwargs())
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def client(app_url):
+    return Client(app_url, verbose=False)
+
+
+def test_every_action_has_a_stable_api_name(client):
+    names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
+    assert {"/generate", "/status", "/warm", "/compare", "/cancel", "/restart", "/system"} <= names
+    params = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/generate"]["parameters"]
+    assert [p["parameter_name"] for p in params][:10] == list(GOOD)
+
+
+def test_generate_returns_the_image_and_the_timings_json(client):
+    image_path, timings = client.predict(**GOOD, api_name="/generate")
+    with Image.open(image_path) as image:
+        assert image.size == (64, 64)
+    assert len(timings["timings"]["step_ms"]) == 3  # one per step
+    assert set(timings) >= {"request_id", "engine", "mode", "bucket", "seed", "steps", "warm", "eager_fallback",
+                            "recompiles", "peak_memory_bytes", "notices", "timings"}
+    assert timings["seed"] == 11 and timings["engine"] == "tiny-flux@cpu/fp32"
+
+
+def test_a_bad_request_gets_a_clear_error_and_the_next_one_succeeds(client):
+    with pytest.raises(Exception, match="not available"):
+        client.predict(**{**GOOD, "device": "tpu"}, api_name="/generate")
+    with pytest.raises(Exception, match="WIDTHxHEIGHT"):
+        client.predict(**{**GOOD, "size": "huge"}, api_name="/generate")
+    _, timings = client.predict(**GOOD, api_name="/generate")
+    assert len(timings["timings"]["step_ms"]) == 3
+
+
+def test_status_lists_every_bucket_and_its_state(client):
+    status = client.predict(api_name="/status")
+    engine = next(e for e in status if e["engine"] == "tiny-flux@cpu/fp32")
+    assert engine["state"] == "ready"
+    buckets = {(b["mode"], b["size"]): b["state"] for b in engine["buckets"]}
+    assert buckets[("eager", "64x64")] == "warm"
+    assert {state for state in buckets.values()} <= {"cold", "queued", "compiling", "warm", "failed"}
+    assert {size for _, size in buckets} == {"64x64", "128x128", "64x128", "128x64"}
+
+
+def test_status_answers_within_a_second_while_a_bucket_compiles(client):
+    queued = client.predict(preset="tiny-flux", device="cpu", precision="fp32", mode="regional", size=WATCHED,
+                            api_name="/warm")
+    assert queued["queued"] == [WATCHED]
+    latencies, states = [], []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        start = time.perf_counter()
+        status = client.predict(api_name="/status")
+        latencies.append(time.perf_counter() - start)
+        engine = next(e for e in status if e["engine"] == "tiny-flux@cpu/fp32")
+        bucket = next(b for b in engine["buckets"] if b["mode"] == "regional" and b["size"] == WATCHED)
+        states.append(bucket["state"])
+        if bucket["state"] in ("warm", "failed"):
+            break
+        time.sleep(0.2)
+    print(f"/status while compiling: {len(latencies)} polls, max {max(latencies) * 1000:.0f} ms, "
+          f"median {sorted(latencies)[len(latencies) // 2] * 1000:.0f} ms; states {sorted(set(states))}")
+    assert states[-1] == "warm", bucket
+    assert bucket["compile_s"] > 0 and bucket["warmup_s"] is not None
+    assert max(latencies) < 1.0
+
+
+def test_generate_at_the_warm_bucket_compiles_nothing(client):
+    _, timings = client.predict(**{**GOOD, "mode": "regional", "size": WATCHED}, api_name="/generate")
+    assert timings["warm"] is True and timings["eager_fallback"] is False and timings["recompiles"] == 0
+
+
+def test_compare_returns_images_and_a_speedup_table(client):
+    gallery, payload = client.predict(
+        prompt="a red fox", preset="tiny-flux", size=WATCHED, steps=3, guidance=3.5, seed=1, devices=["cpu"],
+        precisions=["fp32"], modes=["eager", "regional"], wait_for_warm=True, api_name="/compare")
+    assert len(gallery) == 2
+    results = {r["config"]: r for r in payload["results"]}
+    assert results["cpu/fp32/regional"]["warm"] is True
+    assert results["cpu/fp32/regional"]["compile_s"] > 0
+    speedups = {row["config"]: row for row in payload["speedup"]}
+    assert speedups["cpu/fp32/eager"]["speedup_step"] == pytest.approx(1.0)
+    assert speedups["cpu/fp32/regional"]["speedup_step"] > 0
+
+
+def test_warm_refuses_what_cannot_be_warmed(client):
+    with pytest.raises(Exception, match="not a bucket"):
+        client.predict(preset="tiny-flux", device="cpu", precision="fp32", mode="regional", size="96x96",
+                       api_name="/warm")
+
+
+def test_system_never_shows_secrets(client, monkeypatch):
+    monkeypatch.setenv("SHOWCASE_AUTH", "admin:hunter2")  # read per request: the server is in this process
+    report = client.predict(api_name="/system")
+    assert report["environment"]["SHOWCASE_AUTH"] == "(set; value hidden)"
+    assert "hunter2" not in str(report)
+    assert any(d["name"] == "cpu" and d["available"] for d in report["devices"])
