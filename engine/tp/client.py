@@ -62,26 +62,50 @@ def resolve_local_source(config) -> str:
     return preset.source
 
 
-_ROOT_FIELDS = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.+?)\s*$")
+_FAILURE_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)\b(.*?)$")
+# Exit codes of engine/tp/sidecar.py ranks that are a *consequence* of another rank's failure.
+_CONSEQUENCES = {3: "could not load", 4: "left the broken group", 5: "saw torchrun or the app go away"}
+
+
+def rank_failures(log_text: str) -> list[tuple[int, int]]:
+    """(rank, exit code) of every failed rank in torchrun's ChildFailedError report (all sections)."""
+    if "FAILED" not in log_text:
+        return []
+    report = log_text.rsplit("FAILED", 1)[1]
+    found: dict[int, int] = {}
+    rank = None
+    for line in report.splitlines():
+        m = _FAILURE_FIELD.match(line)
+        if not m:
+            continue
+        if m.group(1) == "rank":
+            rank = int(m.group(2))
+        elif rank is not None:
+            found.setdefault(rank, int(m.group(2)))
+            rank = None
+    return sorted(found.items())
 
 
 def root_cause(log_text: str) -> str | None:
-    """torchrun's "Root Cause (first observed failure)" as one line: which rank, exit code, signal."""
-    if "Root Cause" not in log_text:
+    """Which rank failed and how, the real cause first: torchrun's own "first observed failure" often
+    names rank 0, which only exited because another rank had died."""
+    failures = rank_failures(log_text)
+    if not failures:
         return None
-    section = log_text.split("Root Cause", 1)[1].split("=====", 1)[0]
-    fields = {}
-    for line in section.splitlines():
-        m = _ROOT_FIELDS.match(line)
-        if m and m.group(1) not in fields:
-            fields[m.group(1)] = m.group(2)
-    if not fields:
-        return None
-    text = f"rank {fields.get('rank', '?')} failed first (exit code {fields.get('exitcode', '?')})"
-    tb = fields.get("traceback", "")
-    if tb and not tb.startswith("To enable traceback"):
-        text += f": {tb}"
-    return text
+
+    def describe(rank: int, code: int) -> str:
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"rank {rank} was killed by {name}"
+        if code in _CONSEQUENCES:
+            return f"rank {rank} {_CONSEQUENCES[code]} (exit code {code})"
+        return f"rank {rank} exited with code {code}"
+
+    ordered = sorted(failures, key=lambda f: (f[1] in _CONSEQUENCES, f[0]))
+    return "; ".join(describe(rank, code) for rank, code in ordered)
 
 
 class SidecarEngine(ConnectionEngine):
@@ -204,6 +228,7 @@ class SidecarEngine(ConnectionEngine):
         if self.error is None and not self._closed:
             self.error = error
         self.ready.set()
+        self._reap()
 
     # -- state -----------------------------------------------------------------------------------
     @property
@@ -249,23 +274,36 @@ class SidecarEngine(ConnectionEngine):
         return status
 
     # -- shutdown --------------------------------------------------------------------------------
+    def _went_down(self) -> None:
+        super()._went_down()  # fails pending requests, records why, lets the manager restart
+        self._reap()  # a crashed engine is dropped by the manager without close(): clean up here
+
+    def _reap(self) -> None:
+        """Make sure nothing of this launch is left: torchrun, its ranks, the private folder, the log handle."""
+        if self.process is not None and self.process.poll() is None:
+            self._stop_process()
+        self._kill_leftover_ranks()
+        if self._log_file is not None and not self._log_file.closed:
+            self._log_file.close()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
     def close(self, timeout: float = 10.0) -> None:
+        connected = self.conn is not None
         super().close()  # asks rank 0 for a clean shutdown
         if self.process is not None and self.process.poll() is None:
+            if not connected:  # still starting: nobody to ask
+                self._stop_process()
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self._stop_process()
-        self._kill_leftover_ranks()
         if self.conn is not None:
             try:
                 self.conn.close()
             except OSError:
                 pass
-        if self._log_file is not None:
-            self._log_file.close()
-        if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        self._reap()
 
     def _stop_process(self) -> None:
         """SIGTERM torchrun's process group (torchrun forwards it to the ranks), then SIGKILL."""

@@ -12,8 +12,8 @@ Consequences, by design:
   running eagerly alongside it as a single-device engine does.
 - Every decision that depends on rank-local state is taken on rank 0 before broadcasting: size routing,
   and "wait for a cold bucket" becomes an explicit warm operation followed by the request.
-- Cancel is synchronised at step ends: rank 0 broadcasts its cancel flag after every step, so all ranks
-  stop after the same step.
+- Cancel is synchronised at step ends: rank 0 broadcasts its cancel flag after every step and every rank
+  (rank 0 included) acts only on the broadcast value, so all ranks stop after the same step.
 - After each operation the ranks compare outcomes on the control group. A warm-up that failed on some rank
   marks the bucket failed on all of them (eager keeps serving). A request that ended differently on
   different ranks, or a status check that fails because a rank is gone, leaves the group in an unknown
@@ -24,6 +24,7 @@ Consequences, by design:
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import replace
@@ -97,6 +98,10 @@ class TensorParallelRunner(PipelineRunner):
         self.notices.append(
             f"tensor parallel over {n} ranks ({self.spec.dist_backend}, DeviceMesh({self.spec.mesh_device_type!r})): "
             f"{', '.join(sharded)} sharded; other components whole on each rank"
+        )
+        self.notices.append(
+            "tensor parallel runs one operation at a time on all ranks: a request that arrives while a bucket "
+            "compiles waits for the compile instead of running eagerly alongside it"
         )
         return overrides
 
@@ -245,21 +250,25 @@ class TensorParallelRunner(PipelineRunner):
     def _generate_synced(self, request: GenerateRequest, on_step, cancel):
         import torch.distributed as dist
 
-        cancel = cancel if cancel is not None else threading.Event()
+        # The runner stops on `synced`, never on the live `cancel` (set by rank 0's receive thread at any
+        # moment): rank 0 broadcasts the live flag at each step end and every rank, rank 0 included, acts on
+        # the broadcast value, so all of them stop after the same step.
+        live = cancel if cancel is not None else threading.Event()
+        synced = threading.Event()
         control = self.group.control
 
         def step(progress):
             if on_step is not None:
                 on_step(progress)
-            flag = torch.tensor([1 if cancel.is_set() else 0], dtype=torch.uint8)
-            dist.broadcast(flag, src=0, group=control)  # every rank stops after the same step
+            flag = torch.tensor([1 if live.is_set() else 0], dtype=torch.uint8)
+            dist.broadcast(flag, src=0, group=control)
             if flag.item():
-                cancel.set()
+                synced.set()
 
         if self.dump_dir is not None and self.group.leader:
             self._dump_path = self.dump_dir / f"{request.request_id}.npy"
         try:
-            return PipelineRunner.generate(self, request, on_step=step, cancel=cancel)
+            return PipelineRunner.generate(self, request, on_step=step, cancel=synced)
         finally:
             self._dump_path = None
 
@@ -295,4 +304,7 @@ class TensorParallelRunner(PipelineRunner):
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+    text = text.splitlines()[0] if text else ""
+    text = text.split(" This is typically caused by")[0]  # gloo's boilerplate after the actual error
+    text = re.sub(r"^\[[^\]]*/gloo/[^\]]*\]\s*", "", text)  # and its source location
+    return f"{type(exc).__name__}: {text}"[:300]

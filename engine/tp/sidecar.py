@@ -24,11 +24,11 @@ import os
 import pickle
 import secrets
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 log = logging.getLogger("engine.tp.sidecar")
@@ -136,19 +136,24 @@ def _read_token() -> tuple[bytes, Path]:
     return token_path.read_bytes(), token_path
 
 
-def _listen(port: int, address_file: Path | None):
+def _listen(port: int, address_file: Path | None, parent_pid: int | None = None):
     """Bind rank 0's socket before loading, so the client can connect (and see a load failure) early."""
     from multiprocessing.connection import Listener
 
     token, token_path = _read_token()
     listener = Listener(("127.0.0.1", port), authkey=token)
+    if parent_pid:  # launched by the app, which keeps the token in memory: none left on disk
+        token_path.unlink(missing_ok=True)
     host, bound = listener.address
     info = {"host": host, "port": bound, "token_file": str(token_path), "pid": os.getpid()}
     if address_file is None:
         address_file = token_path.with_name("address.json")
     write_private(Path(address_file), json.dumps(info).encode())
-    print(f"[tp sidecar] rank 0 listening on {host}:{bound} (HMAC token in {token_path}); connect with:\n"
-          f"  python -m engine.tp.client {address_file} --prompt 'a red fox' --out out.png", flush=True)
+    if parent_pid:
+        print(f"[tp sidecar] rank 0 listening on {host}:{bound} for the app (pid {parent_pid})", flush=True)
+    else:
+        print(f"[tp sidecar] rank 0 listening on {host}:{bound} (HMAC token in {token_path}); connect with:\n"
+              f"  python -m engine.tp.client {address_file} --prompt 'a red fox' --out out.png", flush=True)
     return listener
 
 
@@ -195,7 +200,7 @@ def rank_main(args) -> None:
     config = None
     if rank == 0:
         config = config_from_args(args, world)
-        listener = _listen(args.port, args.address_file)
+        listener = _listen(args.port, args.address_file, args.parent_pid)
         threading.Thread(target=_accept, args=(listener, conn_box, connected), daemon=True).start()
         device = config.key.device
     else:
@@ -215,8 +220,6 @@ def rank_main(args) -> None:
     except Exception as exc:
         log.exception("load failed")
         error = exc
-    import socket
-
     me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(group.device),
           "error": None if error is None else (str(error) if isinstance(error, ShowcaseError)
                                                else f"{type(error).__name__}: {error}")}
@@ -251,20 +254,24 @@ def rank_main(args) -> None:
     # hand: after a client disconnects without asking for shutdown, wait for the next one.
     serve_again = args.parent_pid is None
     first_client = True
+    if failed:
+        first = failed[0]
+        err = error if (isinstance(error, ShowcaseError) and first["rank"] == 0) else ModelLoadError(
+            f"rank {first['rank']} of {world} could not load {config.key}: {first['error']}")
+        print(f"[tp sidecar] load failed: {err}", file=sys.stderr, flush=True)
+        # The app's client connects as soon as rank 0 listens; by hand, nobody may be connected yet.
+        if connected.wait(timeout=30 if args.parent_pid else 0.5) and conn_box:
+            conn = conn_box.pop()
+            try:
+                conn.send(("fatal", err))
+            finally:
+                conn.close()
+        _exit(EXIT_LOAD)
     while True:
         connected.wait()
         if not conn_box:
             _exit(EXIT_BROKEN)
         conn = _TrackedConnection(conn_box.pop())
-        if failed:
-            first = failed[0]
-            err = error if (isinstance(error, ShowcaseError) and first["rank"] == 0) else ModelLoadError(
-                f"rank {first['rank']} of {world} could not load {config.key}: {first['error']}")
-            try:
-                conn.send(("fatal", err))
-            finally:
-                conn.close()
-            _exit(EXIT_LOAD)
         loop = SidecarLoop(conn, runner, max_queue=config.options.max_queue)
         loop.send("ready", {
             "pid": os.getpid(),
@@ -378,6 +385,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Let a slow start show where it is when -v is given.
-    _t0 = time.perf_counter()
     sys.exit(main())

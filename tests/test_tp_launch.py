@@ -1,0 +1,232 @@
+"""Tensor-parallel launch and split checks without starting anything: argv, environment, errors.
+
+Neuron and TPU are checked for the commands and environment they produce (no hardware here; the TPU
+launch environment function is mocked).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import devices
+from engine.errors import InvalidRequest, UnsupportedCombination
+from engine.presets import get_preset
+from engine.tp import launch
+from engine.tp.client import root_cause
+from engine.tp.plan import TensorParallelSplitError, check_split
+
+CACHE = Path("/srv/showcase-cache")
+
+
+def _tail(argv: list[str]) -> list[str]:
+    return argv[argv.index(launch.SIDECAR_MODULE) + 1:]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "xpu", "neuron", "tpu"])
+def test_single_node_argv(device, monkeypatch):
+    monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(distributed=types.SimpleNamespace(
+        set_tpu_launch_env=lambda nnodes, nproc_per_node: {})), raising=False)
+    spec = devices.get_device(device)
+    argv, env = launch.build_launch(spec, 4, cache_dir=CACHE, sidecar_args=["--device", device], python="/py",
+                                    base_env={})
+    assert argv[:4] == ["/py", "-m", "torch.distributed.run", "--nproc-per-node=4"]
+    assert "--standalone" in argv  # a private rendezvous on a free port
+    assert "--max-restarts=0" in argv  # a dead rank ends the group; the app decides about restarts
+    assert argv[-4:-2] == ["-m", launch.SIDECAR_MODULE] and _tail(argv) == ["--device", device]
+    assert all(isinstance(a, str) for a in argv)
+    assert env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_cpu_and_gpu_environment_sets_the_inductor_cache_before_torch_starts():
+    for device in ("cpu", "cuda", "xpu"):
+        _, env = launch.build_launch(devices.get_device(device), 2, cache_dir=CACHE, base_env={})
+        assert env[devices.INDUCTOR_CACHE_VAR] == str(CACHE / "inductor")
+        assert devices.NEFF_CACHE_VAR not in env
+
+
+def test_user_exports_win_over_defaults():
+    _, env = launch.build_launch(devices.get_device("cpu"), 2, cache_dir=CACHE,
+                                 base_env={devices.INDUCTOR_CACHE_VAR: "/mine", "KEEP": "1"})
+    assert env[devices.INDUCTOR_CACHE_VAR] == "/mine" and env["KEEP"] == "1"
+
+
+def test_neuron_environment_keeps_compiled_neffs():
+    argv, env = launch.build_launch(devices.get_device("neuron"), 8, cache_dir=CACHE, base_env={})
+    assert "--nproc-per-node=8" in argv  # one process per NeuronCore
+    assert env[devices.NEFF_CACHE_VAR] == str(CACHE / "neff")
+    assert devices.INDUCTOR_CACHE_VAR not in env
+
+
+def test_tpu_environment_comes_from_torch_tpu_and_does_not_leak(monkeypatch):
+    calls = []
+
+    def set_tpu_launch_env(nnodes, nproc_per_node):
+        calls.append((nnodes, nproc_per_node))
+        os.environ["TPU_PROCESS_BOUNDS"] = f"{nproc_per_node},1,1"
+        os.environ["TPU_VISIBLE_CHIPS"] = ",".join(str(i) for i in range(nproc_per_node))
+        return {"TPU_PROCESS_PORT": "8476"}
+
+    monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(
+        distributed=types.SimpleNamespace(set_tpu_launch_env=set_tpu_launch_env)), raising=False)
+    monkeypatch.delenv("TPU_PROCESS_BOUNDS", raising=False)
+    monkeypatch.delenv("TPU_VISIBLE_CHIPS", raising=False)
+    before = dict(os.environ)
+    argv, env = launch.build_launch(devices.get_device("tpu"), 4, cache_dir=CACHE, base_env={},
+                                    warm_modes=("defer-and-fuse",))
+    assert calls == [(1, 4)]
+    assert env["TPU_PROCESS_BOUNDS"] == "4,1,1" and env["TPU_VISIBLE_CHIPS"] == "0,1,2,3"
+    assert env["TPU_PROCESS_PORT"] == "8476"
+    assert env[devices.TPU_DEFER_AND_FUSE_VAR] == "1"  # read once at start-up, so it goes in the environment
+    assert dict(os.environ) == before  # the app's own environment is untouched
+    assert "--nproc-per-node=4" in argv
+
+
+def test_tpu_without_torch_tpu_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(torch, "tpu", None, raising=False)
+    with pytest.raises(UnsupportedCombination, match="torch-tpu"):
+        launch.build_launch(devices.get_device("tpu"), 2, cache_dir=CACHE, base_env={})
+
+
+def test_multi_node_uses_static_rendezvous_so_rank_0_is_on_node_0():
+    spec = devices.get_device("cuda")
+    argv, _ = launch.build_launch(spec, 8, 2, "10.0.0.1:29500", cache_dir=CACHE, base_env={},
+                                  sidecar_args=["--config", "/x/config.pkl", "--device", "cuda"])
+    assert {"--nnodes=2", "--node-rank=0", "--rdzv-backend=static", "--rdzv-endpoint=10.0.0.1:29500"} <= set(argv)
+    assert "--standalone" not in argv
+    other = launch.node_command(spec, 8, 2, "10.0.0.1:29500", 1)
+    assert "--node-rank=1" in other and "--nproc-per-node=8" in other
+    assert _tail(other) == ["--device", "cuda"]  # no token, no config: rank 0 broadcasts the config
+
+
+@pytest.mark.parametrize("endpoint", ["10.0.0.1", "host:99999", "$(reboot):1", "a b:1", "host:-1", ""])
+def test_bad_rendezvous_endpoints_are_refused(endpoint):
+    with pytest.raises(InvalidRequest):
+        launch.build_launch(devices.get_device("cuda"), 2, 2, endpoint, cache_dir=CACHE, base_env={})
+
+
+@pytest.mark.parametrize("kwargs", [dict(nproc=0), dict(nproc="2"), dict(nproc=2, nnodes=2),
+                                    dict(nproc=2, nnodes=2, node_rank=2, rdzv_endpoint="h:1")])
+def test_bad_counts_are_refused(kwargs):
+    with pytest.raises(InvalidRequest):
+        launch.torchrun_argv(**kwargs)
+
+
+def test_user_text_stays_one_argv_element():
+    prompt_like = "a; rm -rf / && echo $(id) `x` 'q'"
+    argv = launch.torchrun_argv(2, sidecar_args=["--preset", prompt_like])
+    assert argv[-1] == prompt_like  # a list for Popen: no shell ever parses it
+    with pytest.raises(InvalidRequest):
+        launch.torchrun_argv(2, sidecar_args=["a\x00b"])
+
+
+def test_device_without_collectives_is_refused():
+    with pytest.raises(UnsupportedCombination, match="mps"):
+        launch.build_launch(devices.get_device("mps"), 2, cache_dir=CACHE, base_env={})
+
+
+def test_dist_timeout_is_longer_for_static_shape_compilers():
+    assert launch.dist_timeout_s(devices.get_device("cpu")) < launch.dist_timeout_s(devices.get_device("neuron"))
+
+
+# -- split checks ----------------------------------------------------------------------------------
+def test_split_check_passes_for_two_ranks(tiny_models):
+    check_split(get_preset("tiny-flux"), str(tiny_models["tiny-flux"]), 2)
+    check_split(get_preset("tiny-flux2-klein"), str(tiny_models["tiny-flux2-klein"]), 2)
+
+
+def test_split_check_names_module_and_n(tiny_models):
+    with pytest.raises(TensorParallelSplitError, match=r"transformer \(FluxTransformer2DModel\) over 3 ranks.*4 attention heads"):
+        check_split(get_preset("tiny-flux"), str(tiny_models["tiny-flux"]), 3)
+
+
+def test_split_check_covers_the_text_encoder(tiny_models):
+    from dataclasses import replace
+
+    preset = replace(get_preset("tiny-flux2-klein"), tp_text_encoder=True)
+    check_split(preset, str(tiny_models["tiny-flux2-klein"]), 2)
+    # The tiny Qwen3 has 2 heads: the transformer (4 heads) splits 4 ways, the text encoder does not.
+    with pytest.raises(TensorParallelSplitError, match=r"text_encoder \(Qwen3ForCausalLM\) over 4 ranks"):
+        check_split(preset, str(tiny_models["tiny-flux2-klein"]), 4)
+
+
+def test_split_check_needs_safetensors(tiny_models, tmp_path):
+    src = tiny_models["tiny-flux"]
+    (tmp_path / "transformer").mkdir()
+    shutil.copy(src / "model_index.json", tmp_path)
+    shutil.copy(src / "transformer" / "config.json", tmp_path / "transformer")
+    (tmp_path / "transformer" / "diffusion_pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(TensorParallelSplitError, match="safetensors"):
+        check_split(get_preset("tiny-flux"), str(tmp_path), 2)
+
+
+def test_preset_without_tp_plan_is_refused(tiny_models):
+    with pytest.raises(TensorParallelSplitError, match="tiny-sdxl"):
+        check_split(get_preset("tiny-sdxl"), str(tiny_models["tiny-sdxl"]), 2)
+
+
+def test_sidecar_engine_refuses_an_impossible_split_before_starting_anything(cache_dir, tiny_models):
+    from engine.protocol import EngineKey
+    from engine.runner import EngineConfig
+    from engine.tp.client import SidecarEngine
+
+    config = EngineConfig(key=EngineKey("tiny-flux", "cpu", "fp32", 3), preset=get_preset("tiny-flux"),
+                          cache_dir=str(cache_dir))
+    engine = SidecarEngine(config)
+    with pytest.raises(TensorParallelSplitError, match="over 3 ranks"):
+        engine.start()
+    assert engine.process is None
+
+
+# -- the by-hand entry points ----------------------------------------------------------------------
+def test_sidecar_help_and_printed_command(capsys):
+    from engine.tp import sidecar
+
+    help_text = sidecar.build_parser().format_help()
+    assert "how to connect" in help_text and "--rdzv-endpoint" in help_text
+    assert sidecar.main(["--device", "cuda", "--tp", "4", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29500",
+                         "--preset", "flux2-dev", "--print-command"]) == 0
+    out = capsys.readouterr().out
+    assert "node 0" in out and "node 1" in out and "--node-rank=1" in out and "token" not in out
+
+
+def test_root_cause_names_the_rank_that_died():
+    log = """
+[W] ... ChildFailedError
+============================================================
+engine.tp.sidecar FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2025-01-01_00:00:01
+  host      : box
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 12)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 12
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2025-01-01_00:00:00
+  host      : box
+  rank      : 0 (local_rank: 0)
+  exitcode  : 4 (pid: 11)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+    # torchrun's "first observed failure" is rank 0, which only left the group: the killed rank comes first.
+    assert root_cause(log) == "rank 1 was killed by SIGKILL; rank 0 left the broken group (exit code 4)"
+    assert root_cause("nothing to see") is None
+
+
+def test_token_and_config_files_are_private(tmp_path):
+    from engine.tp.sidecar import write_private
+
+    path = write_private(tmp_path / "token", b"secret")
+    assert path.stat().st_mode & 0o777 == 0o600 and path.read_bytes() == b"secret"
