@@ -21,6 +21,7 @@ import functools
 import gc
 import io
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -518,6 +519,16 @@ class PipelineRunner:
             caches.disable_compile_caches()
             for guidance in self.warm_guidances():
                 self._call(pipe, self.warm_request(bucket, guidance))
+
+    def ready_info(self) -> dict:
+        """What a worker announces once loaded (the protocol's "ready" message)."""
+        return {
+            "pid": os.getpid(),
+            "load_s": self.load_s,
+            "notices": list(self.notices),
+            "modes": list(self.modes()),
+            "buckets": self.board.all(),
+        }
 
     def buckets_to_warm(self) -> list[BucketKey]:
         """The configured start-up warm list, most-used size first (the preset's order)."""

@@ -156,13 +156,7 @@ def worker_main(config, conn, env: dict[str, str]) -> None:
         runner = PipelineRunner(config, listener=lambda info: loop and loop.send("bucket", info))
         loop = WorkerLoop(conn, runner, max_queue=config.options.max_queue)
         runner.load()
-        loop.send("ready", {
-            "pid": os.getpid(),
-            "load_s": runner.load_s,
-            "notices": list(runner.notices),
-            "modes": list(runner.modes()),
-            "buckets": runner.board.all(),
-        })
+        loop.send("ready", runner.ready_info())
     except Exception as exc:
         err = exc if isinstance(exc, ShowcaseError) else ShowcaseError(f"{type(exc).__name__}: {exc}")
         log.error("worker failed to start: %s\n%s", exc, traceback.format_exc())

@@ -274,11 +274,7 @@ def rank_main(args) -> None:
         conn = _TrackedConnection(conn_box.pop())
         loop = SidecarLoop(conn, runner, max_queue=config.options.max_queue)
         loop.send("ready", {
-            "pid": os.getpid(),
-            "load_s": runner.load_s,
-            "notices": list(runner.notices),
-            "modes": list(runner.modes()),
-            "buckets": runner.board.all(),
+            **runner.ready_info(),
             "key": config.key,
             "tp": world,
             "ranks": ranks,
