@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import pytest
 from gradio_client import Client
+from gradio_client.exceptions import AuthenticationError
 from PIL import Image
 
 from ui import build_demo, launch_kwargs
@@ -62,6 +64,31 @@ def test_a_bad_request_gets_a_clear_error_and_the_next_one_succeeds(client):
         client.predict(**{**GOOD, "size": "huge"}, api_name="/generate")
     _, timings = client.predict(**GOOD, api_name="/generate")
     assert len(timings["timings"]["step_ms"]) == 3
+
+
+def test_generate_streams_progress_and_cancel_stops_it(client):
+    job = client.submit(**{**GOOD, "steps": 80}, api_name="/generate")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # gr.Progress reaches the client as progress_data
+        progress = job.status().progress_data
+        if progress and progress[0].index:
+            break
+        time.sleep(0.05)
+    assert progress and progress[0].length == 80 and progress[0].unit == "steps"
+    client.predict(api_name="/cancel")
+    image, timings = job.result(timeout=60)
+    assert image is None and timings["cancelled"] is True
+    assert len(timings["timings"]["step_ms"]) < 80
+
+
+def test_no_files_are_served_beyond_the_outputs(app_url):
+    import urllib.error
+    import urllib.request
+
+    for path in ("/etc/passwd", str(Path(__file__).resolve())):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{app_url}gradio_api/file={path}", timeout=5)
+        assert err.value.code in (403, 404)
 
 
 def test_status_lists_every_bucket_and_its_state(client):
@@ -127,3 +154,67 @@ def test_system_never_shows_secrets(client, monkeypatch):
     assert report["environment"]["SHOWCASE_AUTH"] == "(set; value hidden)"
     assert "hunter2" not in str(report)
     assert any(d["name"] == "cpu" and d["available"] for d in report["devices"])
+
+
+# -- app.py ----------------------------------------------------------------------------------------
+def test_app_flags_default_to_a_private_local_server(monkeypatch):
+    import app
+
+    for name in ("SHOWCASE_HOST", "SHOWCASE_PORT", "GRADIO_SERVER_NAME", "GRADIO_SERVER_PORT", "SHOWCASE_AUTH"):
+        monkeypatch.delenv(name, raising=False)
+    args = app.build_parser().parse_args([])
+    assert (args.host, args.port, args.share, args.auth) == ("127.0.0.1", 7860, False, None)
+    assert (args.preset, args.device, args.precision, args.mode) == ("tiny-flux", "auto", "fp32", "compile")
+    assert app.warm_sizes("all") is None and app.warm_sizes("none") == () and app.warm_sizes("64x64") == ("64x64",)
+    assert app.parse_auth("me:pa:ss") == ("me", "pa:ss")
+    with pytest.raises(SystemExit):
+        app.parse_auth("nopassword")
+
+
+def test_app_serves_behind_auth_and_exits_cleanly_on_sigterm(cache_dir, tiny_models):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    import psutil
+
+    repo = Path(__file__).resolve().parent.parent
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "app.py", "--port", str(port), "--device", "cpu", "--mode", "regional", "--warm", "none",
+         "--cache-dir", str(cache_dir), "--auth", "viewer:s3cret"],
+        cwd=repo, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.5)
+        with pytest.raises(AuthenticationError, match="credentials were not provided"):
+            Client(url, verbose=False)  # no login, no API
+        client = Client(url, auth=("viewer", "s3cret"), verbose=False)
+        while time.monotonic() < deadline:  # the default engine was started at launch, in the background
+            status = client.predict(api_name="/status")
+            if status and status[0]["state"] == "ready":
+                break
+            time.sleep(0.5)
+        assert status[0]["engine"] == "tiny-flux@cpu/fp32" and status[0]["state"] == "ready"
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert workers, "the engine runs in a worker process"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"orphaned worker processes: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

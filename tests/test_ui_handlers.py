@@ -58,7 +58,7 @@ def test_speedup_table_against_eager_of_the_same_engine():
     assert other_engine["speedup_step"] is None  # no eager run of tiny-flux@cpu/bf16 to compare with
     assert failed["error"] == "tpu is not available" and failed["speedup_step"] is None
     display = views.speedup_display_rows(rows)
-    assert display[1][4] == "2.00×" and "failed" in display[3][2]
+    assert display[1][3] == "2.00×" and "failed" in display[3][1]
     assert all(len(r) == len(views.SPEEDUP_COLUMNS) for r in display)
 
 
@@ -179,7 +179,8 @@ def test_warm_validates_then_returns_at_once(handlers):
     assert queued == {"engine": "tiny-flux@cpu/fp32", "mode": "regional", "queued": ["64x64"]}
 
 
-def test_tick_fills_the_board_and_skips_unchanged_outputs(handlers):
+def test_tick_fills_the_board_and_skips_unchanged_outputs(handlers, manager):
+    manager.engine(manager.make_key("tiny-flux", "cpu", "fp32")).wait_ready(timeout=120)
     board, line, sizes, engines, state = handlers.tick("tiny-flux", "cpu", "fp32", "compile", {})
     assert "tiny-flux@cpu/fp32" in list(board["engine"])
     assert "Ready" in line
@@ -208,7 +209,8 @@ def test_compare_runs_each_configuration_and_builds_the_speedup_table(handlers):
     assert all(len(r["timings"]["step_ms"]) == 2 for r in payload["results"])
     assert payload["speedup"][0]["speedup_step"] == pytest.approx(1.0)
     plot, speed, costs = handlers.render_compare(payload)
-    assert set(plot["config"]) == set(configs) and len(plot) == 4
+    assert set(plot["value"]["config"]) == set(configs) and len(plot["value"]) == 4
+    assert plot["colors_in_legend"] == configs and set(plot["color_map"]) == set(configs)  # redraws the legend
     assert len(speed) == 2 and len(costs) == 2
     assert progress.calls[-1][0] == (4, 4)  # one bar over every configuration's steps
 

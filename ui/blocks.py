@@ -150,8 +150,10 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
                                                object_fit="contain")
                         c_plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
                                              x_title="step", y_title="ms", height=280, elem_id="c-plot")
-                        c_speed = gr.Dataframe(headers=views.SPEEDUP_COLUMNS, interactive=False, wrap=True,
-                                               label="Speedup against eager (same engine)", elem_id="c-speedup")
+                        c_speed = gr.Dataframe(headers=views.SPEEDUP_COLUMNS, interactive=False,
+                                               label="Speedup against eager on the same engine", elem_id="c-speedup")
+                        gr.Markdown("× step: eager median step ÷ this median step; × total: the same for the whole "
+                                    "image; break-even: images until the compile and warm-up cost is paid back.")
                         c_costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
                                                label="Compile and warm-up costs", elem_id="c-costs")
                         with gr.Accordion("Results JSON", open=False):
@@ -171,8 +173,8 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
             concurrency_limit=device_slots, show_progress="full", show_progress_on=[image],
         )
         timings.change(h.render_run, timings, [step_plot, stats], **fast)
-        cancel_btn.click(h.cancel, None, None, api_name="cancel", concurrency_limit=None, show_progress="hidden")
-        c_cancel_btn.click(h.cancel, None, None, api_visibility="private", concurrency_limit=None,
+        cancel_btn.click(h.cancel_clicked, None, None, api_name="cancel", concurrency_limit=None, show_progress="hidden")
+        c_cancel_btn.click(h.cancel_clicked, None, None, api_visibility="private", concurrency_limit=None,
                            show_progress="hidden")
 
         preset_dd.change(h.preset_defaults, preset_dd, [negative, steps, guidance], **fast)

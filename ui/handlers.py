@@ -145,7 +145,7 @@ class Handlers:
             key = self.key_for(preset, device, precision)
             self.manager.engine(key)
         except ShowcaseError as exc:
-            gr.Warning(str(exc))
+            gr.Warning(str(exc), duration=6)
             line = views.engine_line(None, None, error=str(exc))
             return line, gr.update(choices=views.size_choices(sizes, mode, None)), mode_update
         status = self.manager.status()
@@ -227,20 +227,24 @@ class Handlers:
         engine = self.manager.engine(key)
         thread = threading.Thread(target=work, name=f"ui-run-{session[:8]}", daemon=True)
         thread.start()
-        loading_shown = False
+        stepping = False
         try:
             while True:
                 try:
                     kind, payload = events.get(timeout=0.25)
                 except queue.Empty:
+                    if stepping:
+                        continue
                     if not engine.ready.is_set():
-                        progress(0, desc=f"{desc_prefix}loading engine {key}…")
-                        loading_shown = True
-                    elif loading_shown or run.request_id is None:
-                        progress(0, desc=f"{desc_prefix}waiting for engine {key}…")
-                        loading_shown = False
+                        desc = f"loading engine {key} (a new model, device or precision)…"
+                    elif run.request_id is None:
+                        desc = f"waiting for engine {key}…"
+                    else:  # submitted: earlier requests run first, or it waits for its bucket's compile
+                        desc = f"queued on {key} (earlier requests, or the bucket's compile with on_cold=wait)…"
+                    progress((offset, grand_total) if grand_total else 0, desc=desc_prefix + desc)
                     continue
                 if kind == "step":
+                    stepping = True
                     total = grand_total or payload.total
                     progress((offset + payload.step, total), desc=f"{desc_prefix}step {payload.step}/{payload.total}",
                              unit="steps")
@@ -295,7 +299,7 @@ class Handlers:
                     result = payload
                     yield result.image(), result.as_dict()
         except Cancelled as exc:
-            gr.Warning(str(exc), title="Cancelled")
+            gr.Warning(str(exc), title="Cancelled", duration=4)
             yield None, dict(partial, running=False, cancelled=True, message=str(exc))
         except Exception as exc:
             raise to_gradio_error(exc) from None
@@ -311,6 +315,10 @@ class Handlers:
         if request_id and self.manager.cancel(request_id):
             return f"cancelling {request_id}"
         return "cancel requested"
+
+    def cancel_clicked(self, request: gr.Request = None) -> None:
+        """The Cancel buttons and /cancel (the run's own output then says it was cancelled)."""
+        self.cancel(request)
 
     # -- warm ------------------------------------------------------------------------------------
     def warm(self, preset: str, device: str, precision: str, mode: str = "compile", size: str = "") -> dict:
@@ -353,10 +361,9 @@ class Handlers:
         if match is None:
             raise gr.Error("pick a loaded engine first (the board lists them)", title="Invalid request")
         result = self.warm(match.key.preset, match.key.device, match.key.precision, mode, size)
-        gr.Info(f"queued warm-up of {mode} {', '.join(result['queued'])} on {result['engine']}")
-        return result
+        gr.Info(f"queued warm-up of {mode} {', '.join(result['queued'])} on {result['engine']}", duration=3)
 
-    def restart(self, engine: str) -> dict:
+    def restart(self, engine: str) -> None:
         match = next((e for e in self.manager.engines() if str(e.key) == engine), None)
         if match is None:
             raise gr.Error(f"no loaded engine named {engine!r}", title="Invalid request")
@@ -364,7 +371,7 @@ class Handlers:
             self.manager.restart(match.key)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
-        return {"engine": engine, "restarted": True}
+        gr.Info(f"restarting {engine}: its worker loads again and re-warms from the compile cache", duration=4)
 
     def board_select(self, evt: gr.SelectData):
         """Clicking a board row fills the warm controls with its engine, mode and size."""
@@ -403,8 +410,8 @@ class Handlers:
         results: list[dict] = []
         gallery: list[tuple] = []
 
-        def payload():
-            return {"results": results, "speedup": views.speedup_table(results)}
+        def payload(done: bool = False):
+            return {"configs": configs, "done": done, "results": results, "speedup": views.speedup_table(results)}
 
         for index, config in enumerate(configs):
             with run.lock:
@@ -426,7 +433,7 @@ class Handlers:
                         result = item
             except ShowcaseError as exc:
                 if isinstance(exc, Cancelled):
-                    gr.Warning(str(exc), title="Cancelled")
+                    gr.Warning(str(exc), title="Cancelled", duration=4)
                 results.append({"config": config, "error": str(exc)})
                 yield gallery, payload()
                 continue
@@ -442,6 +449,7 @@ class Handlers:
             gallery.append((result.image(), f"{config} · {result.timings.total_ms:.0f} ms"
                             + (" · eager fallback" if result.eager_fallback else "")))
             yield gallery, payload()
+        yield gallery, payload(done=True)
         if all(r.get("error") for r in results):
             raise gr.Error("every configuration failed: " + "; ".join(f"{r['config']}: {r['error']}" for r in results),
                            title="Compare failed")
@@ -477,8 +485,21 @@ class Handlers:
         return plot, stats
 
     def render_compare(self, payload: dict | None):
-        results = (payload or {}).get("results", [])
-        plot = pd.DataFrame(views.compare_step_rows(results), columns=views.COMPARE_STEP_COLUMNS)
+        """Tables after every configuration; the plot once, when the comparison is done.
+
+        A LinePlot rebuilds its colour scale only when certain props change, not when a new series
+        arrives in the data (design.md §4). Measured in Chromium: updating colors_in_legend rebuilds it
+        (color_map alone does not), but two rebuilds in quick succession race and the older one can
+        win, so the plot is drawn once per comparison, with every series.
+        """
+        payload = payload or {}
+        results = payload.get("results", [])
+        frame = pd.DataFrame(views.compare_step_rows(results), columns=views.COMPARE_STEP_COLUMNS)
+        if payload.get("done", True):
+            series = list(dict.fromkeys(frame["config"]))
+            plot = gr.update(value=frame, colors_in_legend=series, color_map=views.series_colors(series))
+        else:
+            plot = gr.skip()
         speed = pd.DataFrame(views.speedup_display_rows(views.speedup_table(results)), columns=views.SPEEDUP_COLUMNS)
         costs = pd.DataFrame(views.cost_rows(results), columns=views.COST_COLUMNS)
         return plot, speed, costs

@@ -97,7 +97,7 @@ def cache_folders(cache_dir: Path, environ=None) -> list[dict]:
             size_text = fmt_bytes(size) if complete else f"at least {fmt_bytes(size)}"
         else:
             size_text = "not created yet"
-        rows.append({"folder": label, "path": str(path), "size": size_text})
+        rows.append({"folder": label, "location": str(path), "size": size_text})  # not "path": clients read that as a file
     return rows
 
 
@@ -138,7 +138,7 @@ def system_markdown(report: dict) -> str:
     lines += ["", "### Software", "", "| package | version |", "|---|---|"]
     lines += [f"| {k} | {_md_escape(v)} |" for k, v in report["versions"].items()]
     lines += ["", "### Cache folders", "", "| folder | path | size |", "|---|---|---|"]
-    lines += [f"| {c['folder']} | `{_md_escape(c['path'])}` | {c['size']} |" for c in report["caches"]]
+    lines += [f"| {c['folder']} | `{_md_escape(c['location'])}` | {c['size']} |" for c in report["caches"]]
     lines += ["", "### Environment in force", ""]
     if report["environment"]:
         lines += ["| variable | value |", "|---|---|"]

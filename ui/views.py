@@ -16,10 +16,8 @@ BOARD_COLUMNS = [
 STATS_COLUMNS = ["metric", "value"]
 STEP_COLUMNS = ["step", "step_ms"]
 COMPARE_STEP_COLUMNS = ["step", "step_ms", "config"]
-SPEEDUP_COLUMNS = [
-    "config", "bucket", "median step ms", "total ms", "speedup (step)", "speedup (total)",
-    "compile s", "warm-up s", "break-even images",
-]
+SPEEDUP_COLUMNS = ["config", "median step", "total", "× step", "× total", "compile s", "warm-up s", "break-even"]
+SERIES_PALETTE = ("#6366f1", "#f97316", "#10b981", "#ef4444", "#0ea5e9", "#a855f7")
 COST_COLUMNS = ["config", "state", "compile s", "warm-up s", "cache hits", "waited s", "error"]
 
 
@@ -209,6 +207,10 @@ def config_label(device: str, precision: str, mode: str) -> str:
     return f"{device}/{precision}/{mode}"
 
 
+def series_colors(names: list[str]) -> dict[str, str]:
+    return {name: SERIES_PALETTE[i % len(SERIES_PALETTE)] for i, name in enumerate(names)}
+
+
 def compare_step_rows(results: list[dict]) -> list[dict]:
     rows = []
     for r in results:
@@ -273,10 +275,10 @@ def speedup_display_rows(rows: list[dict]) -> list[list]:
     out = []
     for r in rows:
         if r.get("error"):
-            out.append([r["config"], r.get("bucket") or "", f"failed: {r['error']}", "", "", "", "", "", ""])
+            out.append([r["config"], f"failed: {r['error']}", "", "", "", "", "", ""])
             continue
         out.append([
-            r["config"], r.get("bucket") or "", fmt_ms(r["median_step_ms"]), fmt_ms(r["total_ms"]),
+            r["config"], fmt_ms(r["median_step_ms"]), fmt_ms(r["total_ms"]),
             x(r["speedup_step"]), x(r["speedup_total"]), fmt_s(r["compile_s"]), fmt_s(r["warmup_s"]),
             "" if r["break_even_images"] is None else str(r["break_even_images"]),
         ])
