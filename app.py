@@ -25,14 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.cli import add_engine_arguments
 
     d = settings.server_defaults()
-    # Hugging Face Spaces (and other hosts) tell Gradio where to bind through GRADIO_SERVER_NAME/PORT;
-    # an explicit SHOWCASE_HOST/PORT or flag still wins.
-    host = d["host"] if os.environ.get("SHOWCASE_HOST") else os.environ.get("GRADIO_SERVER_NAME") or d["host"]
-    port = d["port"] if os.environ.get("SHOWCASE_PORT") else int(os.environ.get("GRADIO_SERVER_PORT") or d["port"])
     p = argparse.ArgumentParser(prog="app.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s = p.add_argument_group("server")
-    s.add_argument("--host", default=host, help="interface to bind (default 127.0.0.1; $SHOWCASE_HOST)")
-    s.add_argument("--port", type=int, default=port, help="port (default 7860; $SHOWCASE_PORT)")
+    s.add_argument("--host", default=d["host"], help="interface to bind (default 127.0.0.1; $SHOWCASE_HOST)")
+    s.add_argument("--port", type=int, default=d["port"], help="port (default 7860; $SHOWCASE_PORT)")
     s.add_argument("--share", action="store_true", help="opt in to a public gradio.live share link")
     s.add_argument("--auth", default=d["auth"], metavar="USER:PASS",
                    help="require this login (Gradio's own auth; $SHOWCASE_AUTH)")
@@ -45,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default=d["device"], help="device or 'auto' ($SHOWCASE_DEVICE)")
     e.add_argument("--precision", default=d["precision"], help="fp32, tf32, bf16 or fp16 ($SHOWCASE_PRECISION)")
     e.add_argument("--mode", default=d["mode"], help="eager, compile, regional, defer-and-fuse ($SHOWCASE_MODE)")
+    e.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel over N ranks for the default engine (a torchrun sidecar)")
     e.add_argument("--warm", default=d["warm"],
                    help="buckets to pre-warm at start-up in --mode: 'all', 'none' or e.g. '64x64,128x128' "
                         "($SHOWCASE_WARM)")
@@ -76,7 +74,7 @@ def parse_auth(value: str | None) -> tuple[str, str] | None:
 def prewarm(manager, args) -> None:
     """Start the default engine now; its worker loads the weights and warms the buckets by itself."""
     try:
-        key = manager.make_key(args.preset, args.device, args.precision)
+        key = manager.make_key(args.preset, args.device, args.precision, args.tp)
         manager.engine(key)
         log.info("pre-warming %s (%s buckets: %s)", key, args.mode, args.warm)
     except Exception as exc:  # the UI still starts and shows the reason
@@ -115,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         threading.Thread(target=prewarm, args=(manager, args), name="prewarm", daemon=True).start()
-        defaults = UIDefaults(preset=args.preset, device=args.device, precision=args.precision, mode=args.mode)
+        defaults = UIDefaults(preset=args.preset, device=args.device, precision=args.precision, mode=args.mode,
+                              tp=args.tp)
         demo = build_demo(manager, defaults, queue_size=args.queue_size)
         demo.launch(
             server_name=args.host,

@@ -41,9 +41,11 @@ def hf_offline() -> bool:
 
 def server_defaults() -> dict:
     """Defaults for app.py (each has a flag of the same name)."""
+    # Hugging Face Spaces (and other hosts) say where to bind through GRADIO_SERVER_NAME/PORT;
+    # an explicit SHOWCASE_HOST/PORT still wins.
     return {
-        "host": _env("SHOWCASE_HOST", "127.0.0.1"),
-        "port": int(_env("SHOWCASE_PORT", "7860")),
+        "host": _env("SHOWCASE_HOST", _env("GRADIO_SERVER_NAME", "127.0.0.1")),
+        "port": int(_env("SHOWCASE_PORT", _env("GRADIO_SERVER_PORT", "7860"))),
         "preset": _env("SHOWCASE_PRESET", "tiny-flux"),
         "device": _env("SHOWCASE_DEVICE", "auto"),
         "precision": _env("SHOWCASE_PRECISION", "fp32"),

@@ -140,6 +140,8 @@ def test_compiled_mode_at_a_cold_bucket_is_served_eagerly_with_a_notice(handlers
     ({"size": "big"}, "WIDTHxHEIGHT"),
     ({"steps": 0}, "steps must be between"),
     ({"preset": "nope"}, "unknown preset"),
+    ({"preset": "tiny-sd3", "tp": 2}, "no tensor-parallel plan"),
+    ({"tp": 0}, "tp must be a whole number"),
 ])
 def test_bad_requests_raise_gradio_errors_with_the_engine_message(handlers, overrides, message):
     with pytest.raises(gr.Error, match=message):

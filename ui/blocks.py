@@ -80,6 +80,8 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
                         with gr.Row():
                             seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
                             randomize = gr.Checkbox(False, label="New random seed each run", elem_id="randomize")
+                        tp_dd = gr.Dropdown([1, 2, 4, 8], value=d.tp, label="Tensor-parallel ranks "
+                                            "(>1: torchrun sidecar; presets with a TP plan)", elem_id="tp")
                         on_cold = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")],
                                            value=d.on_cold, label="At a bucket that is not warm yet", elem_id="on-cold")
                         with gr.Row():
@@ -167,7 +169,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
         # -- events ------------------------------------------------------------------------------
         fast = dict(concurrency_limit=None, api_visibility="private", show_progress="hidden")
         gen_inputs = [prompt, negative, preset_dd, device_dd, precision_dd, mode_dd, size_dd, steps, guidance, seed,
-                      on_cold]
+                      on_cold, tp_dd]
         generate_btn.click(h.randomize_seed, [seed, randomize], seed, queue=False, api_visibility="private").then(
             h.generate, gen_inputs, [image, timings], api_name="generate", concurrency_id=ENGINE_QUEUE,
             concurrency_limit=device_slots, show_progress="full", show_progress_on=[image],
@@ -178,15 +180,15 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
                            show_progress="hidden")
 
         preset_dd.change(h.preset_defaults, preset_dd, [negative, steps, guidance], **fast)
-        for control in (preset_dd, device_dd, precision_dd, mode_dd):
-            control.change(h.select_engine, [preset_dd, device_dd, precision_dd, mode_dd, size_dd],
+        for control in (preset_dd, device_dd, precision_dd, mode_dd, tp_dd):
+            control.change(h.select_engine, [preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd],
                            [engine_line, size_dd, mode_dd], **fast)
 
         # The engine the settings point at starts with the page (app.py has usually started it already).
-        demo.load(h.select_engine, [preset_dd, device_dd, precision_dd, mode_dd, size_dd],
+        demo.load(h.select_engine, [preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd],
                   [engine_line, size_dd, mode_dd], **fast)
         timer = gr.Timer(d.poll_s)
-        tick_io = dict(inputs=[preset_dd, device_dd, precision_dd, mode_dd, tick_state],
+        tick_io = dict(inputs=[preset_dd, device_dd, precision_dd, mode_dd, tick_state, tp_dd],
                        outputs=[board, engine_line, size_dd, board_engine, tick_state])
         timer.tick(h.tick, **tick_io, **fast)
         demo.load(h.tick, **tick_io, **fast)

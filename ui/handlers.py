@@ -46,6 +46,7 @@ class UIDefaults:
     precision: str = "fp32"
     mode: str = "compile"
     on_cold: str = "eager"
+    tp: int = 1
     poll_s: float = 1.0
 
 
@@ -85,14 +86,18 @@ class Handlers:
             self._devices_report = engine_devices.devices_report()
         return self._devices_report
 
-    def key_for(self, preset: str, device: str, precision: str):
+    def key_for(self, preset: str, device: str, precision: str, tp=1):
         """EngineKey for the settings, or raise the ShowcaseError saying why not (memoised)."""
-        cache_key = (preset, device, precision)
+        try:
+            tp = 1 if tp in (None, "") else int(tp)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"tp must be a whole number >= 1, got {tp!r}") from None
+        cache_key = (preset, device, precision, tp)
         with self._lock:
             found = self._keys.get(cache_key)
         if found is None:
             try:
-                found = self.manager.make_key(preset, device, precision)
+                found = self.manager.make_key(preset, device, precision, tp)
             except ShowcaseError as exc:
                 found = exc
             with self._lock:
@@ -132,7 +137,7 @@ class Handlers:
             gr.update(value=p.guidance),
         )
 
-    def select_engine(self, preset: str, device: str, precision: str, mode: str, size: str | None = None):
+    def select_engine(self, preset: str, device: str, precision: str, mode: str, size: str | None = None, tp=1):
         """Settings that need another engine start it now (in the background) and say it is loading.
 
         Returns (engine status line, size choices, mode choices). Never blocks: manager.engine()
@@ -142,7 +147,7 @@ class Handlers:
         mode_update = gr.update(choices=modes, value=mode if mode in modes else "eager")
         sizes = self.preset_sizes(preset)
         try:
-            key = self.key_for(preset, device, precision)
+            key = self.key_for(preset, device, precision, tp)
             self.manager.engine(key)
         except ShowcaseError as exc:
             gr.Warning(str(exc), duration=6)
@@ -163,7 +168,7 @@ class Handlers:
     def board_frame(self, status: list[dict] | None = None) -> pd.DataFrame:
         return pd.DataFrame(views.board_rows(self.status() if status is None else status), columns=views.BOARD_COLUMNS)
 
-    def tick(self, preset, device, precision, mode, last: dict | None):
+    def tick(self, preset, device, precision, mode, last: dict | None, tp=1):
         """The gr.Timer poll: bucket board, engine line, size labels and the board's engine list.
 
         Outputs that did not change are skipped, so an open dropdown is not redrawn every second.
@@ -172,7 +177,7 @@ class Handlers:
         status = self.status()
         rows = views.board_rows(status)
         try:
-            key = str(self.key_for(preset, device, precision))
+            key = str(self.key_for(preset, device, precision, tp))
             line = views.engine_line(key, views.engine_state(status, key))
             engine = views.engine_state(status, key)
         except ShowcaseError as exc:
@@ -223,7 +228,7 @@ class Handlers:
             finally:
                 finished.set()
 
-        key = self.key_for(kwargs["preset"], kwargs["device"], kwargs["precision"])
+        key = self.key_for(kwargs["preset"], kwargs["device"], kwargs["precision"], kwargs.get("tp", 1))
         engine = self.manager.engine(key)
         thread = threading.Thread(target=work, name=f"ui-run-{session[:8]}", daemon=True)
         thread.start()
@@ -264,8 +269,8 @@ class Handlers:
                 run.request_id = None
 
     def generate(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
-                 on_cold="eager", request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
-        """One image. Streams (image, timings) — a partial timings dict per step, then the result's
+                 on_cold="eager", tp=1, request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
+        """One image (tp > 1: on the tensor-parallel torchrun sidecar with that many ranks). Streams (image, timings) — a partial timings dict per step, then the result's
         as_dict() (the CLI's --json). Cancel ends it with cancelled=true and no image."""
         session = _session(request)
         run = self._runs.setdefault(session, _Run())
@@ -277,7 +282,8 @@ class Handlers:
             on_cold=on_cold or self.defaults.on_cold,
         )
         try:
-            key = self.key_for(preset, device, precision)
+            key = self.key_for(preset, device, precision, tp)
+            kwargs["tp"] = key.tp
             size_text = str(Size.parse(size)) if size else ""
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
@@ -321,13 +327,13 @@ class Handlers:
         self.cancel(request)
 
     # -- warm ------------------------------------------------------------------------------------
-    def warm(self, preset: str, device: str, precision: str, mode: str = "compile", size: str = "") -> dict:
+    def warm(self, preset: str, device: str, precision: str, mode: str = "compile", size: str = "", tp=1) -> dict:
         """Queue compile + warm-up of one bucket (size 'WxH') or of every bucket (size '' or 'all').
 
         Returns at once; the board shows the bucket going queued -> compiling -> warm.
         """
         try:
-            key = self.key_for(preset, device, precision)
+            key = self.key_for(preset, device, precision, tp)
             p = self.manager.preset(key.preset)
             engine_devices.check_mode(engine_devices.get_device(key.device), mode)
             if mode == "eager":
@@ -360,7 +366,7 @@ class Handlers:
         match = next((e for e in self.manager.engines() if str(e.key) == engine), None)
         if match is None:
             raise gr.Error("pick a loaded engine first (the board lists them)", title="Invalid request")
-        result = self.warm(match.key.preset, match.key.device, match.key.precision, mode, size)
+        result = self.warm(match.key.preset, match.key.device, match.key.precision, mode, size, tp=match.key.tp)
         gr.Info(f"queued warm-up of {mode} {', '.join(result['queued'])} on {result['engine']}", duration=3)
 
     def restart(self, engine: str) -> None:
