@@ -96,15 +96,31 @@ def _group(row: dict) -> tuple:
     return (row.get("preset"), row.get("device"), row.get("precision"), str(row.get("size")))
 
 
+def _normalize(r: dict) -> dict:
+    """Accept GenerateResult.as_dict() too (timings nested, size under "bucket")."""
+    if "step_ms_median" in r or "timings" not in r:
+        return r
+    t = r.get("timings") or {}
+    return {
+        **r,
+        "size": r.get("size") or r.get("bucket"),
+        "step_ms_median": t.get("median_step_ms"),
+        "image_ms_median": t.get("total_ms"),
+    }
+
+
 def speedup_table(results: list[dict], baseline_mode: str = BASELINE_MODE) -> list[dict]:
     """Rows of the speedup table, one per configuration, in the order given.
 
     Each input needs `precision`, `mode`, `size` and `step_ms_median` (`image_ms_median` and the
-    other RESULT_FIELDS are used when present). Speedups compare against `baseline_mode` at the same
-    (preset, device, precision, size): `speedup_vs_eager` is eager step time / this step time
-    (> 1 means faster). `speedup_vs_fp32_eager` compares against fp32 eager at the same size, so
-    a precision's gain shows too. Pure: safe to call from the UI on stored JSON.
+    other RESULT_FIELDS are used when present); GenerateResult.as_dict() objects work as well.
+    Speedups compare against `baseline_mode` at the same (preset, device, precision, size):
+    `speedup_vs_eager` is eager step time / this step time (> 1 means faster).
+    `speedup_vs_fp32_eager` compares against fp32 eager at the same size, so a precision's gain
+    shows too. `break_even_images`: requests after which compile + warm-up time is paid back by the
+    faster image (None when it never is). Pure: safe to call from the UI on stored JSON.
     """
+    results = [_normalize(r) for r in results]
     base = {_group(r): r for r in results if r.get("mode") == baseline_mode and not r.get("error")}
     fp32 = {
         (r.get("preset"), r.get("device"), str(r.get("size"))): r
@@ -139,13 +155,24 @@ def speedup_table(results: list[dict], baseline_mode: str = BASELINE_MODE) -> li
             else _ratio(r.get("first_request_ms"), image),
             "recompiles": r.get("recompiles"),
             "peak_memory_bytes": r.get("peak_memory_bytes"),
+            "break_even_images": _break_even(r, b),
             "error": r.get("error"),
         }
-        for extra in ("tflops", "matmul_fraction", "flops_per_step"):
+        for extra in ("tflops", "matmul_fraction", "flops_per_step", "compile_cache_hits", "compile_cache_misses"):
             if r.get(extra) is not None:
                 row[extra] = r[extra]
         rows.append(row)
     return rows
+
+
+def _break_even(r: dict, base: dict | None) -> int | None:
+    if not base or r.get("mode") == BASELINE_MODE or r.get("error"):
+        return None
+    saved_ms = (base.get("image_ms_median") or 0) - (r.get("image_ms_median") or 0)
+    cost_s = (r.get("compile_s") or 0) + (r.get("warmup_s") or 0)
+    if saved_ms <= 0 or cost_s <= 0 or r.get("image_ms_median") is None:
+        return None
+    return math.ceil(cost_s * 1000 / saved_ms)
 
 
 @dataclass(frozen=True)
@@ -291,8 +318,10 @@ def _fmt(value, digits: int = 2, unit: str = "") -> str:
 def markdown_table(rows: list[dict]) -> str:
     """The speedup table as Markdown (columns for TFLOP/s appear when the rows have them)."""
     has_flops = any(r.get("tflops") is not None for r in rows)
+    has_cache = any(r.get("compile_cache_hits") is not None for r in rows)
     header = [
-        "precision", "mode", "size", "load s", "compile s", "warm-up s", "first req ms",
+        "precision", "mode", "size", "load s", "compile s", *(["FX cache hit/miss"] if has_cache else []),
+        "warm-up s", "first req ms",
         "step ms median", "step ms p90", "image ms", "img/s", "speedup vs eager", "vs fp32 eager",
         "recompiles", "peak MiB",
     ]
@@ -306,7 +335,10 @@ def markdown_table(rows: list[dict]) -> str:
             peak = r.get("peak_memory_bytes")
             cells = [
                 r["precision"], r["mode"], r["size"],
-                _fmt(r.get("load_s")), _fmt(r.get("compile_s"), 1), _fmt(r.get("warmup_s"), 2),
+                _fmt(r.get("load_s")), _fmt(r.get("compile_s"), 1),
+                *([f"{r['compile_cache_hits']}/{r['compile_cache_misses']}"
+                   if r.get("compile_cache_hits") is not None else "—"] if has_cache else []),
+                _fmt(r.get("warmup_s"), 2),
                 _fmt(r.get("first_request_ms"), 1), _fmt(r.get("step_ms_median"), 2),
                 _fmt(r.get("step_ms_p90"), 2), _fmt(r.get("image_ms_median"), 1),
                 _fmt(r.get("images_per_s"), 1), _fmt(r.get("speedup_vs_eager"), 2, "×"),
@@ -315,7 +347,8 @@ def markdown_table(rows: list[dict]) -> str:
             ]
             if has_flops:
                 frac = r.get("matmul_fraction")
-                cells += [_fmt(r.get("tflops"), 1), _fmt(frac * 100 if frac is not None else None, 0, "%")]
+                tf = r.get("tflops")
+                cells += [f"{tf:.3g}" if tf is not None else "—", _fmt(frac * 100 if frac is not None else None, 1, "%")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -510,7 +543,7 @@ def _prime_compiler(spec) -> float:
 
     start = time.perf_counter()
     fn = torch.compile(lambda x: torch.nn.functional.gelu(x * 2.0 + 1.0), backend=spec.compile_backend)
-    with torch.inference_mode():
+    with torch.no_grad():
         fn(torch.ones(8, device=spec.torch_device))
     spec.synchronize()
     return time.perf_counter() - start
@@ -551,16 +584,18 @@ def _apply_speedups(results: list[dict]) -> None:
 
 
 def run_pipeline_bench(plan: BenchPlan) -> dict:
+    from engine import devices
+
+    spec = devices.resolve_device(plan.device)
+    # The cache folder first: importing torch._dynamo (diffusers does, at import) pins inductor's
+    # default folder (/tmp/torchinductor_<user>) in os.environ, after which apply_environment's
+    # setdefault no longer takes effect.
+    devices.apply_environment(spec, plan.cache_dir)
     import diffusers
 
-    from engine import devices
     from engine.protocol import BucketKey, BucketState, EngineKey, GenerateRequest
     from engine.runner import EngineConfig, PipelineRunner
 
-    spec = devices.resolve_device(plan.device)
-    # The cache folder first: importing a pipeline module makes inductor pin its default cache folder
-    # in os.environ, after which apply_environment's setdefault would no longer take effect.
-    devices.apply_environment(spec, plan.cache_dir)
     getattr(diffusers, plan.preset.pipeline)  # import the pipeline module now, not inside the timed load
     _quiet_loading()
     notes: list[str] = []
@@ -634,6 +669,9 @@ def run_pipeline_bench(plan: BenchPlan) -> dict:
                 if info.state != BucketState.WARM:
                     r["error"] = info.error or f"bucket is {info.state.value}"
                 r["compile_s"], r["warmup_s"] = info.compile_s, info.warmup_s
+                # FX-graph cache hits/misses while compiling: says whether compile_s was cold or cached.
+                r["compile_cache_hits"] = getattr(info, "cache_hits", None)
+                r["compile_cache_misses"] = getattr(info, "cache_misses", None)
             else:
                 start = time.perf_counter()
                 runner.generate(request(engine_mode, size, seed=0, steps=runner.options.warm_steps, rid="warm"))
@@ -782,16 +820,17 @@ def measure_engine_overhead(runner, mode: str, size, steps: int, pairs: int, pro
         nonlocal bare_recompiles
         before = compiles_in_this_thread()
         start = time.perf_counter()
-        # inference_mode as the engine uses: the compiled graphs were traced under it.
-        with torch.inference_mode():
-            pipe(prompt=prompt, height=size.height, width=size.width, num_inference_steps=steps,
-                 guidance_scale=guidance, generator=torch.Generator("cpu").manual_seed(seed), output_type="pil")
+        # Exactly what a user writes (the pipeline's own no_grad, as in the engine): any different grad
+        # mode (e.g. inference_mode) would fail the graphs' guards and recompile.
+        pipe(prompt=prompt, height=size.height, width=size.width, num_inference_steps=steps,
+             guidance_scale=guidance, generator=torch.Generator("cpu").manual_seed(seed), output_type="pil")
         spec.synchronize()
         bare_ms.append((time.perf_counter() - start) * 1000)
         bare_recompiles += compiles_in_this_thread() - before
 
     bare_call(0)  # the bare path's own first call (e.g. lazy state on the shared scheduler), untimed
     bare_ms.clear()
+    first_call_recompiles, bare_recompiles = bare_recompiles, 0
     for i in range(pairs):
         if bar:
             bar.set_postfix_str(f"engine overhead {i + 1}/{pairs}")
@@ -807,6 +846,7 @@ def measure_engine_overhead(runner, mode: str, size, steps: int, pairs: int, pro
         "bare_ms_median": b,
         "ratio": _ratio(e, b),
         "bare_recompiles": bare_recompiles,
+        "bare_first_call_recompiles": first_call_recompiles,
         "engine_ms": [round(x, 4) for x in engine_ms],
         "bare_ms": [round(x, 4) for x in bare_ms],
         "note": f"{mode} {size}, {pairs} interleaved pairs; engine adds a pipeline copy, its own scheduler, "
@@ -884,6 +924,8 @@ def cmd_compile_probe(args) -> int:
         pass
     print(PROBE_MARK + json.dumps({
         "compile_s": info.compile_s,
+        "cache_hits": getattr(info, "cache_hits", None),
+        "cache_misses": getattr(info, "cache_misses", None),
         "warmup_s": info.warmup_s,
         "state": info.state.value,
         "error": info.error,
@@ -1110,6 +1152,15 @@ def run_denoiser_bench(plan: BenchPlan) -> dict:
         flops[str(size)] = {"analytic": analytic, "counted": counted, "used": analytic or counted}
     extras["flops_per_step"] = flops
 
+    # The roofline first (seconds), so a run cut short by a time limit still has it. Each precision is
+    # compared with the matmul rate in its own dtype on this machine.
+    if plan.matmul_roofline:
+        extras["matmul"] = {}
+        for precision in plan.precisions:
+            bar.set_postfix_str(f"matmul roofline {precision}")
+            extras["matmul"][precision] = measure_matmul_rate(spec, devices.plan_precision(spec, precision).dtype)
+        bar.update()
+
     budget_hit = False
     for precision in plan.precisions:
         plan_p = devices.plan_precision(spec, precision)
@@ -1156,11 +1207,15 @@ def run_denoiser_bench(plan: BenchPlan) -> dict:
                     r["error"] = f"skipped: time budget of {plan.time_budget_s:.0f}s spent"
                     budget_hit = True
                     bar.update(1 + plan.runs * plan.steps)
+                    checkpoint()
                     continue
                 bar.set_postfix_str(f"{precision} {mode} {size}: compile + warm-up")
                 try:
                     fn = _denoiser_variant(model, mode, plan.options, spec, clone_module_tree)
                     _measure_denoiser(fn, inputs, mode, plan, spec, r, bar, compiles_in_this_thread)
+                    rate = (extras.get("matmul") or {}).get(precision, {}).get("tflops")
+                    if r.get("tflops") is not None and rate:
+                        r["matmul_fraction"] = r["tflops"] / rate
                 except Exception as exc:
                     log.warning("%s %s %s failed: %s", precision, mode, size, exc)
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -1170,14 +1225,6 @@ def run_denoiser_bench(plan: BenchPlan) -> dict:
         if spec.name == "cuda":
             torch.cuda.empty_cache()
 
-    if plan.matmul_roofline:
-        bar.set_postfix_str("matmul roofline")
-        dtype = devices.plan_precision(spec, plan.precisions[0]).dtype
-        extras["matmul"] = measure_matmul_rate(spec, dtype)
-        bar.update()
-        for r in results:
-            if r.get("tflops") is not None and extras["matmul"]["tflops"]:
-                r["matmul_fraction"] = r["tflops"] / extras["matmul"]["tflops"]
     bar.close()
     _apply_speedups(results)
     notes += [
@@ -1237,7 +1284,7 @@ def _measure_denoiser(fn, inputs: dict, mode: str, plan: BenchPlan, spec, r: dic
         spec.synchronize()
         return (time.perf_counter() - start) * 1000
 
-    with torch.inference_mode():
+    with torch.no_grad():  # as the pipelines run their denoiser
         spec.reset_peak_memory()
         r["compile_s"] = step() / 1000 if mode != "eager" else None
         warm = [step() for _ in range(plan.warmup_calls + (1 if mode == "eager" else 0))]
@@ -1291,7 +1338,7 @@ def _assemble(plan: BenchPlan, kind: str, results: list[dict], extras: dict, not
         "targets": targets,
         "missed": [t["key"] for t in missed],
         "extras": extras,
-        "notes": list(notes),
+        "notes": list(dict.fromkeys(notes)),
         **more,
     }
     return report

@@ -274,11 +274,13 @@ class PipelineRunner:
         return {}
 
     def load(self) -> float:
-        import diffusers
-
         start = time.perf_counter()
+        # Before diffusers is imported: importing it pulls in torch._dynamo, which fixes
+        # TORCHINDUCTOR_CACHE_DIR to /tmp when unset, and the persistent cache would be ignored.
         env = devices.apply_environment(self.spec, self.config.cache_path())
         log.info("environment in force: %s", env)
+        import diffusers
+
         devices.apply_precision(self.precision)
         _install_compile_counter()
         recipes.raise_recompile_limit(len(self.modes()) * len(self.preset.buckets) * 2)
@@ -433,7 +435,7 @@ class PipelineRunner:
             raise Cancelled(f"request {request.request_id} cancelled after step {cancelled_at} of {request.steps}")
         self.board.served(bucket)
         buf = io.BytesIO()
-        image.save(buf, format="PNG")
+        image.save(buf, format="PNG", compress_level=1)  # lossless; level 6 costs ~0.25 s at 1024²
         return GenerateResult(
             request_id=request.request_id,
             engine=self.config.key,
