@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -233,3 +234,42 @@ def test_cli_generate_with_tp(cache_dir, tiny_models, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '"tp": 2' in proc.stdout and out.stat().st_size > 0
+
+
+def test_sidecar_socket_is_loopback_and_refuses_a_wrong_token(flux_tp):
+    """Rank 0 listens on 127.0.0.1 only and answers nobody without this launch's token."""
+    import json
+    import socket
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    engine, _ = flux_tp
+    info = json.loads((engine.workdir / "address.json").read_text())
+    assert info["host"] == "127.0.0.1"
+    address = (info["host"], int(info["port"]))
+    outcome = []
+
+    def intrude():
+        try:
+            Client(address, authkey=b"not-the-launch-token").send(("generate", None))
+            outcome.append("accepted")
+        except (AuthenticationError, ConnectionError, EOFError, OSError) as exc:
+            outcome.append(type(exc).__name__)
+
+    thread = threading.Thread(target=intrude, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert outcome and outcome[0] != "accepted", f"a client without the token got {outcome or 'no answer'}"
+    try:  # a raw client speaking garbage gets nothing and does not break the sidecar
+        with socket.create_connection(address, timeout=2) as raw:
+            raw.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            raw.settimeout(2)
+            try:
+                raw.recv(1024)
+            except (TimeoutError, OSError):
+                pass
+    except OSError:
+        pass  # refused outright: also fine
+    assert engine.alive
+    result = engine.generate(_request("after-wrong-token", seed=5), timeout=120)
+    assert result.image().size == (64, 64)

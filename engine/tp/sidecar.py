@@ -157,12 +157,16 @@ def _listen(port: int, address_file: Path | None, parent_pid: int | None = None)
     return listener
 
 
-def _accept(listener, box: list, done: threading.Event) -> None:
+def _accept(listener, box: list, done: threading.Event, only_one: bool = False) -> None:
+    """Accept the next client that knows the token. `only_one` (launched by the app): then close the
+    socket, so any later connection is refused outright instead of waiting in the backlog."""
     from multiprocessing import AuthenticationError
 
     while True:
         try:
             box.append(listener.accept())
+            if only_one:
+                listener.close()
             break
         except AuthenticationError:
             log.warning("refused a connection with a wrong token")
@@ -201,7 +205,8 @@ def rank_main(args) -> None:
     if rank == 0:
         config = config_from_args(args, world)
         listener = _listen(args.port, args.address_file, args.parent_pid)
-        threading.Thread(target=_accept, args=(listener, conn_box, connected), daemon=True).start()
+        threading.Thread(target=_accept, args=(listener, conn_box, connected, args.parent_pid is not None),
+                         daemon=True).start()
         device = config.key.device
     else:
         device = args.device  # the launcher passes the config's device to every rank
