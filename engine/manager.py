@@ -17,7 +17,7 @@ from engine import devices, settings
 from engine.caches import prepare_cache_dir
 from engine.client import ConnectionEngine, ProcessEngine
 from engine.errors import EngineBusy, InvalidRequest, ShowcaseError
-from engine.presets import ModelPreset, get_preset, load_presets
+from engine.presets import ModelPreset, get_preset, load_presets, looks_like_model_ref, preset_for_model
 from engine.protocol import BucketKey, EngineKey, GenerateResult, Size
 from engine.recipes import EngineOptions
 from engine.runner import EngineConfig
@@ -53,9 +53,17 @@ class EngineManager:
 
     # -- lookup and validation -------------------------------------------------------------------
     def preset(self, name: str) -> ModelPreset:
+        """A preset by name, or any Hub id / local diffusers folder under the allowed model roots."""
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidRequest(f"preset must be a name; choose one of: {', '.join(self.presets)}")
         if name in self.presets:
             return self.presets[name]
-        return get_preset(name)  # raises InvalidRequest listing the presets
+        if not looks_like_model_ref(name):
+            return get_preset(name)  # raises InvalidRequest listing the presets
+        preset = preset_for_model(name, self.allowed_roots)  # ModelLoadError says why not
+        with self._lock:
+            self.presets.setdefault(preset.name, preset)
+        return self.presets[preset.name]
 
     def make_key(self, preset: str, device: str, precision: str, tp: int = 1) -> EngineKey:
         """Validate and resolve an engine key ("auto" -> the best available device)."""

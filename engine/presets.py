@@ -130,6 +130,11 @@ def get_preset(name: str) -> ModelPreset:
     return presets[name]
 
 
+def looks_like_model_ref(ref: str) -> bool:
+    """A Hub id ('org/name') or a filesystem path rather than a preset name."""
+    return "/" in ref or ref.startswith((".", "~"))
+
+
 def preset_for_model(ref: str, allowed_roots: list[Path] | None = None, buckets: str | None = None) -> ModelPreset:
     """A preset for any local diffusers folder or Hub id (`--model`), buckets from its family.
 

@@ -435,7 +435,8 @@ class PipelineRunner:
             raise Cancelled(f"request {request.request_id} cancelled after step {cancelled_at} of {request.steps}")
         self.board.served(bucket)
         buf = io.BytesIO()
-        image.save(buf, format="PNG", compress_level=1)  # lossless; level 6 costs ~0.25 s at 1024²
+        image.save(buf, format="PNG", compress_level=1,  # lossless; level 6 costs ~0.25 s at 1024²
+                   pnginfo=self._png_info(request))
         return GenerateResult(
             request_id=request.request_id,
             engine=self.config.key,
@@ -450,6 +451,21 @@ class PipelineRunner:
             seed=request.seed,
             steps=request.steps,
         )
+
+    def _png_info(self, request: GenerateRequest):
+        """Generation parameters in the PNG (tEXt), request id included: every file is unique, so two
+        identical images never share one cached file in a web server (Gradio names files by content)."""
+        import json
+
+        from PIL.PngImagePlugin import PngInfo
+
+        info = PngInfo()
+        info.add_text("diffusion-showcase", json.dumps({
+            "request_id": request.request_id, "engine": str(self.config.key), "mode": request.mode,
+            "size": str(request.size), "seed": request.seed, "steps": request.steps, "guidance": request.guidance,
+            "prompt": request.prompt, "negative_prompt": request.negative_prompt,
+        }))
+        return info
 
     def _out_of_memory(self, exc: Exception) -> DeviceOutOfMemory:
         gc.collect()

@@ -6,6 +6,7 @@ these tests use regional buckets and share one engine per module.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import wait
@@ -57,8 +58,9 @@ def test_eager_result_carries_every_timing_and_is_deterministic(engine):
     a = engine.generate(request(seed=7), timeout=120)
     b = engine.generate(request(seed=7, request_id="again"), timeout=120)
     c = engine.generate(request(seed=8), timeout=120)
-    assert a.image_png == b.image_png  # same seed and settings: bit-identical
-    assert a.image_png != c.image_png
+    assert a.image().tobytes() == b.image().tobytes()  # same seed and settings: bit-identical pixels
+    assert a.image().tobytes() != c.image().tobytes()
+    assert json.loads(a.image().info["diffusion-showcase"])["seed"] == 7  # parameters travel in the PNG
     assert a.image().size == (64, 64)
     t = a.timings
     assert len(t.step_ms) == 4 and all(ms > 0 for ms in t.step_ms)
@@ -100,11 +102,11 @@ def test_cold_bucket_serves_eagerly_while_compiling_or_waits(engine):
 
 def test_concurrent_requests_are_queued_without_cross_talk(engine):
     seeds = [11, 12, 13, 14, 15]
-    expected = {s: engine.generate(request(seed=s), timeout=120).image_png for s in seeds}
+    expected = {s: engine.generate(request(seed=s), timeout=120).image().tobytes() for s in seeds}
     futures = {s: engine.submit(request(seed=s)) for s in seeds * 2}
     wait(list(futures.values()), timeout=120)
     for s, future in futures.items():
-        assert future.result().image_png == expected[s]
+        assert future.result().image().tobytes() == expected[s]
 
 
 def test_cancel_stops_between_steps_and_engine_keeps_serving(engine):
@@ -153,7 +155,7 @@ def test_killed_worker_fails_the_request_then_restarts(cache_dir, tiny_models):
         while manager.engine(KEY).pid == old_pid and time.time() < deadline:
             time.sleep(0.1)
         again = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
-        assert again.image_png == first.image_png
+        assert again.image().tobytes() == first.image().tobytes()
         assert manager.engine(KEY).pid != old_pid
     finally:
         manager.shutdown()

@@ -22,6 +22,9 @@ CSS = """
 #board { font-variant-numeric: tabular-nums; }
 """
 ENGINE_QUEUE = "engines"  # generate and compare share one queue: they occupy the devices
+# The /generate API's parameters, in the handler's order (Handlers.generate).
+GENERATE_API_PARAMS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "steps",
+                       "guidance", "seed", "on_cold", "tp")
 
 
 def launch_kwargs(theme: str | None = None) -> dict:
@@ -63,7 +66,8 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
                         negative = gr.Textbox(label="Negative prompt", lines=1, visible=preset.negative_prompt,
                                               elem_id="negative-prompt")
                         with gr.Row():
-                            preset_dd = gr.Dropdown(h.preset_names(), value=preset.name, label="Model preset",
+                            preset_dd = gr.Dropdown(h.preset_names(), value=preset.name, allow_custom_value=True,
+                                                    label="Model preset (or a Hub id / local diffusers folder)",
                                                     elem_id="preset")
                             device_dd = gr.Dropdown(views.device_choices(report), value=d.device, label="Device",
                                                     elem_id="device")
@@ -166,14 +170,31 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
                 refresh_btn = gr.Button("Refresh", size="sm", elem_id="system-refresh")
                 system_md = gr.Markdown("Loading…", elem_id="system")
 
+        # -- API-only inputs -----------------------------------------------------------------
+        # /generate takes every parameter as plain text, so *our* validation answers bad input
+        # with the field's name and what to change (Gradio's slider/dropdown checks say neither).
+        with gr.Column(visible=False):
+            api_defaults = {"prompt": DEFAULT_PROMPT, "preset": preset.name, "device": d.device,
+                            "precision": d.precision, "mode": d.mode, "seed": "0", "on_cold": d.on_cold,
+                            "tp": str(d.tp)}  # size/steps/guidance: "" means the preset's default
+            api_inputs = [gr.Textbox(value=api_defaults.get(name, ""), visible=False, label=name)
+                          for name in GENERATE_API_PARAMS]
+            api_image = gr.Image(type="pil", format="png", visible=False)
+            api_timings = gr.JSON(visible=False)
+            api_button = gr.Button(visible=False)
+
+
         # -- events ------------------------------------------------------------------------------
         fast = dict(concurrency_limit=None, api_visibility="private", show_progress="hidden")
         gen_inputs = [prompt, negative, preset_dd, device_dd, precision_dd, mode_dd, size_dd, steps, guidance, seed,
                       on_cold, tp_dd]
         generate_btn.click(h.randomize_seed, [seed, randomize], seed, queue=False, api_visibility="private").then(
-            h.generate, gen_inputs, [image, timings], api_name="generate", concurrency_id=ENGINE_QUEUE,
+            h.generate, gen_inputs, [image, timings], api_name="generate_ui", api_visibility="private",
+            concurrency_id=ENGINE_QUEUE,
             concurrency_limit=device_slots, show_progress="full", show_progress_on=[image],
         )
+        api_button.click(h.generate, api_inputs, [api_image, api_timings], api_name="generate",
+                         concurrency_id=ENGINE_QUEUE, concurrency_limit=device_slots)
         timings.change(h.render_run, timings, [step_plot, stats], **fast)
         cancel_btn.click(h.cancel_clicked, None, None, api_name="cancel", concurrency_limit=None, show_progress="hidden")
         c_cancel_btn.click(h.cancel_clicked, None, None, api_visibility="private", concurrency_limit=None,

@@ -276,9 +276,13 @@ class Handlers:
         run = self._runs.setdefault(session, _Run())
         with run.lock:
             run.cancelled = False
+        def given(value):  # the API sends text; "" (or nothing) means the preset's default
+            return None if value is None or (isinstance(value, str) and not value.strip()) else value
+
         kwargs = dict(
             preset=preset, device=device, precision=precision, mode=mode, size=size or None, prompt=prompt,
-            negative_prompt=negative_prompt or None, steps=steps, guidance=guidance, seed=seed,
+            negative_prompt=negative_prompt or None, steps=given(steps), guidance=given(guidance),
+            seed=0 if given(seed) is None else seed,
             on_cold=on_cold or self.defaults.on_cold,
         )
         try:

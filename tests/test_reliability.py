@@ -1,0 +1,288 @@
+"""Issue 6: bad input, load, faults and access through the app's public API (gradio_client).
+
+Every loop here is bounded in count and time and talks to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from gradio_client import Client
+from PIL import Image
+
+from engine.manager import EngineManager
+from engine.recipes import EngineOptions
+from ui import build_demo, launch_kwargs
+from ui.handlers import UIDefaults
+
+REPO = Path(__file__).resolve().parent.parent
+GOOD = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32",
+            mode="eager", size="64x64", steps=3, guidance=3.5, seed=11)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(manager, queue_size: int):
+    demo = build_demo(manager, UIDefaults(device="cpu", mode="eager"), queue_size=queue_size)
+    port = free_port()
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, ssr_mode=False, quiet=True,
+                **launch_kwargs())
+    return demo, f"http://127.0.0.1:{port}/"
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    """An allowed model root holding a folder that asks for remote code and one that is no pipeline."""
+    root = tmp_path_factory.mktemp("model-root")
+    (root / "remote-code").mkdir()
+    (root / "remote-code" / "model_index.json").write_text(
+        json.dumps({"_class_name": ["my_module", "MyPipeline"], "_diffusers_version": "0.42.1"}))
+    (root / "not-a-pipeline").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def manager_and_url(cache_dir, tiny_models, model_root):
+    manager = EngineManager(cache_dir=cache_dir, allowed_roots=[model_root],
+                            options=EngineOptions(warm_sizes=(), max_queue=64, inject_faults=()))
+    demo, url = launch(manager, queue_size=64)
+    yield manager, url
+    demo.close()
+    manager.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(manager_and_url):
+    return Client(manager_and_url[1], verbose=False)
+
+
+def generate(client, **overrides):
+    return client.predict(**{**GOOD, **overrides}, api_name="/generate")
+
+
+def bad_inputs(model_root: Path):
+    """(overrides, words the error must contain) — at least 40 kinds of bad input."""
+    return [
+        ({"prompt": "x" * 5000}, "shorten"),
+        ({"prompt": "nul\x00byte"}, "NUL"),
+        ({"negative_prompt": "y" * 5000}, "shorten"),
+        ({"size": "0x0"}, "outside"),
+        ({"size": "-64x64"}, "outside"),
+        ({"size": "abc"}, "WIDTHxHEIGHT"),
+        ({"size": "64x"}, "WIDTHxHEIGHT"),
+        ({"size": "99999x99999"}, "outside"),
+        ({"size": "64.5x64"}, "WIDTHxHEIGHT"),
+        ({"steps": 0}, "steps"),
+        ({"steps": -3}, "steps"),
+        ({"steps": 100000}, "steps"),
+        ({"steps": 2.5}, "steps"),
+        ({"steps": "ten"}, "steps"),
+        ({"guidance": -1}, "guidance"),
+        ({"guidance": 1e9}, "guidance"),
+        ({"guidance": "inf"}, "finite"),
+        ({"guidance": "nan"}, "finite"),
+        ({"guidance": "lots"}, "guidance"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "abc"}, "seed"),
+        ({"preset": "nope"}, "unknown preset"),
+        ({"preset": ""}, "preset"),
+        ({"preset": "../../etc"}, "outside the allowed model roots"),
+        ({"preset": "/definitely/not/a/model"}, "outside the allowed model roots"),
+        ({"preset": str(model_root / "missing")}, "does not exist"),
+        ({"preset": str(model_root / "remote-code")}, "remote code is never trusted"),
+        ({"preset": str(model_root / "not-a-pipeline")}, "no model_index.json"),
+        ({"preset": "someone/not-a-cached-model"}, "cannot reach Hub model"),
+        ({"device": "nope"}, "unknown device"),
+        ({"device": "tpu"}, "tpu"),
+        ({"device": "neuron"}, "neuron"),
+        ({"device": "cuda"}, "cuda"),
+        ({"device": "mps"}, "mps"),
+        ({"device": "xpu"}, "xpu"),
+        ({"precision": "fp8"}, "unknown precision"),
+        ({"precision": ""}, "precision"),
+        ({"mode": "turbo"}, "unknown mode"),
+        ({"mode": "defer-and-fuse"}, "defer-and-fuse"),
+        ({"preset": "tiny-sd3", "tp": 2}, "no tensor-parallel plan"),
+        ({"tp": -1}, "tp must be"),
+        ({"on_cold": "later"}, "on_cold"),
+    ]
+
+
+def test_forty_bad_requests_get_clear_errors_then_a_good_one_succeeds(client, model_root):
+    cases = bad_inputs(model_root)
+    assert len(cases) >= 40
+    for overrides, words in cases:
+        started = time.monotonic()
+        with pytest.raises(Exception) as info:  # noqa: PT011 - gradio_client raises AppError with the message
+            generate(client, **overrides)
+        message = str(info.value)
+        assert words.lower() in message.lower(), f"{overrides}: {message}"
+        assert "Traceback" not in message
+        assert time.monotonic() - started < 30, f"{overrides} took too long to be refused"
+    image, timings = generate(client)
+    assert timings["bucket"] == "64x64" and len(timings["timings"]["step_ms"]) == 3
+    assert Path(image).is_file()
+
+
+def test_twenty_clients_times_ten_requests_no_failures_no_cross_talk(manager_and_url, client):
+    manager, url = manager_and_url
+    seeds = [101, 102, 103, 104, 105]
+    reference = {s: Image.open(generate(client, seed=s)[0]).tobytes() for s in seeds}
+    app = psutil.Process()
+
+    def tree_rss() -> int:
+        procs = [app, *app.children(recursive=True)]
+        return sum(p.memory_info().rss for p in procs if p.is_running())
+
+    for s in seeds:  # warm-up round: every code path once
+        generate(client, seed=s)
+    rss_warm = tree_rss()
+    failures, mismatches, done = [], [], []
+    deadline = time.monotonic() + 600
+
+    def worker(index: int) -> None:
+        c = Client(url, verbose=False)
+        for i in range(10):
+            if time.monotonic() > deadline:
+                failures.append((index, i, "out of time"))
+                return
+            seed = seeds[(index + i) % len(seeds)]
+            try:
+                image, _ = generate(c, seed=seed)
+            except Exception as exc:  # noqa: BLE001 - counted, the test fails below
+                failures.append((index, i, str(exc)))
+                continue
+            if Image.open(image).tobytes() != reference[seed]:
+                mismatches.append((index, i, seed))
+            done.append(1)
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(20)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=max(1.0, deadline - time.monotonic()))
+    elapsed = time.monotonic() - started
+    rss_after = tree_rss()
+    print(f"200 requests in {elapsed:.1f}s; app+workers RSS {rss_warm / 2**20:.0f} MiB after warm-up, "
+          f"{rss_after / 2**20:.0f} MiB after 200 requests")
+    assert not failures, failures[:5]
+    assert not mismatches, mismatches[:5]
+    assert len(done) == 200
+    # Stated bound: within 25% + 200 MiB of the footprint after warm-up (no per-request leak).
+    assert rss_after <= rss_warm * 1.25 + 200 * 2**20
+
+
+def test_a_full_queue_answers_busy_instead_of_hanging(manager_and_url):
+    manager, _ = manager_and_url
+    demo, url = launch(manager, queue_size=1)
+    try:
+        c = Client(url, verbose=False)
+        jobs = [c.submit(**{**GOOD, "steps": 200, "size": "128x128", "seed": k}, api_name="/generate")
+                for k in range(5)]
+        messages = []
+        deadline = time.monotonic() + 60
+        for job in jobs:
+            try:
+                job.result(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001
+                messages.append(str(exc))
+        assert any("full" in m.lower() or "busy" in m.lower() for m in messages), messages
+    finally:
+        c.predict(api_name="/cancel")
+        demo.close()
+
+
+def test_a_killed_worker_fails_its_request_quickly_then_the_next_succeeds(manager_and_url, client):
+    manager, _ = manager_and_url
+    generate(client)  # the engine is up
+    from engine.protocol import EngineKey
+
+    engine = manager.engine(EngineKey("tiny-flux", "cpu", "fp32"))
+    pid = engine.pid
+    job = client.submit(**{**GOOD, "steps": 200, "size": "128x128"}, api_name="/generate")
+    deadline = time.monotonic() + 60
+    while not manager._running and time.monotonic() < deadline:  # the request reached the worker
+        time.sleep(0.02)
+    time.sleep(0.3)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(Exception, match="stopped|restart"):
+        job.result(timeout=30)
+    assert time.monotonic() - killed_at < 10
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            image, timings = generate(client)
+            break
+        except Exception:  # noqa: BLE001 - the worker is restarting
+            time.sleep(0.5)
+    assert timings["bucket"] == "64x64" and manager.engine(EngineKey("tiny-flux", "cpu", "fp32")).pid != pid
+
+
+def test_sigterm_with_a_tensor_parallel_sidecar_leaves_no_processes(cache_dir, tiny_models):
+    """SIGTERM shuts down gracefully: no worker, torchrun or rank process survives. HF_TOKEN never leaks."""
+    port = free_port()
+    secret = "hf_never_log_this_token_123"
+    proc = subprocess.Popen(
+        [sys.executable, "app.py", "--port", str(port), "--device", "cpu", "--mode", "eager", "--warm", "none",
+         "--tp", "2", "--cache-dir", str(cache_dir), "-v"],
+        cwd=REPO, env={**os.environ, "HF_TOKEN": secret, "GRADIO_ANALYTICS_ENABLED": "False"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 240
+        client = None
+        while time.monotonic() < deadline and client is None:
+            try:
+                client = Client(url, verbose=False)
+            except Exception:  # noqa: BLE001 - not listening yet
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.5)
+        status = []
+        while time.monotonic() < deadline:
+            status = client.predict(api_name="/status")
+            if status and status[0]["state"] in ("ready", "down"):
+                break
+            time.sleep(0.5)
+        assert status[0]["state"] == "ready", status
+        assert status[0]["engine"].endswith("tp2")
+        system = json.dumps(client.predict(api_name="/system"))
+        assert secret not in system
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert any("torchrun" in " ".join(p.cmdline()) or "engine.tp.sidecar" in " ".join(p.cmdline())
+                   for p in family if p.is_running())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        _, alive = psutil.wait_procs(family, timeout=15)
+        assert not alive, [p.cmdline() for p in alive]
+        output = proc.stdout.read()
+        assert secret not in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_default_server_is_private():
+    import app
+
+    args = app.build_parser().parse_args([])
+    assert args.host == "127.0.0.1" and args.share is False and args.auth is None
