@@ -60,6 +60,10 @@ class EngineKey:
         tp = f" tp{self.tp}" if self.tp > 1 else ""
         return f"{self.preset}@{self.device}/{self.precision}{tp}"
 
+    def as_dict(self) -> dict:
+        return {"engine": str(self), "preset": self.preset, "device": self.device, "precision": self.precision,
+                "tp": self.tp}
+
 
 @dataclass(frozen=True, order=True)
 class BucketKey:
@@ -87,11 +91,7 @@ class BucketInfo:
 
     def as_dict(self) -> dict:
         return {
-            "engine": str(self.engine),
-            "preset": self.engine.preset,
-            "device": self.engine.device,
-            "precision": self.engine.precision,
-            "tp": self.engine.tp,
+            **self.engine.as_dict(),
             "mode": self.bucket.mode,
             "size": str(self.bucket.size),
             "state": self.state.value,
@@ -184,11 +184,7 @@ class GenerateResult:
         t = self.timings
         return {
             "request_id": self.request_id,
-            "engine": str(self.engine),
-            "preset": self.engine.preset,
-            "device": self.engine.device,
-            "precision": self.engine.precision,
-            "tp": self.engine.tp,
+            **self.engine.as_dict(),
             "mode": self.bucket.mode,
             "bucket": str(self.bucket.size),
             "seed": self.seed,

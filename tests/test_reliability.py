@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,11 +17,11 @@ from pathlib import Path
 import psutil
 import pytest
 from gradio_client import Client
+from helpers import free_port, launch_demo
 from PIL import Image
 
 from engine.manager import EngineManager
 from engine.recipes import EngineOptions
-from ui import build_demo, launch_kwargs
 from ui.handlers import UIDefaults
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,18 +29,8 @@ GOOD = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="
             mode="eager", size="64x64", steps=3, guidance=3.5, seed=11)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(manager, queue_size: int):
-    demo = build_demo(manager, UIDefaults(device="cpu", mode="eager"), queue_size=queue_size)
-    port = free_port()
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, ssr_mode=False, quiet=True,
-                **launch_kwargs())
-    return demo, f"http://127.0.0.1:{port}/"
+    return launch_demo(manager, UIDefaults(device="cpu", mode="eager"), queue_size=queue_size)
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
 import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AuthenticationError
+from helpers import free_port, launch_demo
 from PIL import Image
 
-from ui import build_demo, launch_kwargs
 from ui.handlers import UIDefaults
 
 GOOD = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32",
@@ -19,19 +18,10 @@ GOOD = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="
 WATCHED = "128x64"  # the regional bucket this module warms (the browser tests warm another one)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_url(manager):
-    demo = build_demo(manager, UIDefaults(device="cpu", mode="eager"), queue_size=8)
-    port = free_port()
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, ssr_mode=False, quiet=True,
-                **launch_kwargs())
-    yield f"http://127.0.0.1:{port}/"
+    demo, url = launch_demo(manager, UIDefaults(device="cpu", mode="eager"))
+    yield url
     demo.close()
 
 

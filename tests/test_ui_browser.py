@@ -7,13 +7,12 @@ generate, switch bucket, warm a bucket on the board, compare. Screenshots land i
 from __future__ import annotations
 
 import re
-import socket
 import time
 from pathlib import Path
 
 import pytest
+from helpers import launch_demo
 
-from ui import build_demo, launch_kwargs
 from ui.handlers import UIDefaults
 
 pytestmark = pytest.mark.browser
@@ -29,19 +28,10 @@ if not CHROMIUM.exists():
     pytest.skip("Chromium is missing: run `make browser` (apt-get install -y chromium)", allow_module_level=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_url(manager):
-    demo = build_demo(manager, UIDefaults(), queue_size=8)  # the real defaults: auto device, compile mode
-    port = free_port()
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, ssr_mode=False, quiet=True,
-                **launch_kwargs())
-    yield f"http://127.0.0.1:{port}/"
+    demo, url = launch_demo(manager, UIDefaults())  # the real defaults: auto device, compile mode
+    yield url
     demo.close()
 
 
