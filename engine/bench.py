@@ -797,10 +797,9 @@ def measure_engine_overhead(runner, mode: str, size, steps: int, pairs: int, pro
                             bar=None) -> dict:
     """runner.generate(request) vs calling the same (compiled) pipeline object directly with the same
     arguments, interleaved (the order alternates each pair), wall time around each call; medians."""
-    import torch
 
     from engine.protocol import GenerateRequest
-    from engine.runner import compiles_in_this_thread
+    from engine.runner import compiles_in_this_thread, pipeline_call_kwargs
 
     pipe = runner.variant(mode)
     spec = runner.spec
@@ -822,8 +821,9 @@ def measure_engine_overhead(runner, mode: str, size, steps: int, pairs: int, pro
         start = time.perf_counter()
         # Exactly what a user writes (the pipeline's own no_grad, as in the engine): any different grad
         # mode (e.g. inference_mode) would fail the graphs' guards and recompile.
-        pipe(prompt=prompt, height=size.height, width=size.width, num_inference_steps=steps,
-             guidance_scale=guidance, generator=torch.Generator("cpu").manual_seed(seed), output_type="pil")
+        request = GenerateRequest(prompt=prompt, width=size.width, height=size.height, steps=steps,
+                                  guidance=guidance, seed=seed, mode=mode)
+        pipe(**pipeline_call_kwargs(runner.preset, pipe, request))
         spec.synchronize()
         bare_ms.append((time.perf_counter() - start) * 1000)
         bare_recompiles += compiles_in_this_thread() - before

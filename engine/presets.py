@@ -47,6 +47,7 @@ class ModelPreset:
     tp: bool = False
     tp_text_encoder: bool = False
     min_tp: int = 1
+    max_sequence_length: int | None = None  # T5/LLM text tokens (None: the pipeline's default)
     description: str = ""
     repeated_blocks: tuple[str, ...] = ()
     advice: dict = field(default_factory=dict, hash=False, compare=False)
@@ -114,6 +115,7 @@ def load_presets() -> dict[str, ModelPreset]:
             tp=bool(d.get("tp", False)),
             tp_text_encoder=bool(d.get("tp_text_encoder", False)),
             min_tp=int(d.get("min_tp", 1)),
+            max_sequence_length=d.get("max_sequence_length"),
             description=d.get("description", ""),
             repeated_blocks=tuple(d.get("repeated_blocks", ())),
             advice=dict(d.get("advice", {})),

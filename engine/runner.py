@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import inspect
 import io
 import logging
 import os
@@ -118,6 +119,25 @@ def describe_failure(exc: BaseException, limit: int = 500) -> str:
         root = nxt
     text = line(exc) if root is exc else f"{line(exc)} (cause: {line(root)})"
     return text[:limit]
+
+
+def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, output_type: str = "pil") -> dict:
+    """The pipeline call for a request — what the engine runs, and what a bare diffusers call must pass
+    to be compared with it (bench, TP tests). A CPU generator makes seeds mean the same on every device."""
+    kwargs = dict(
+        prompt=request.prompt,
+        height=request.height,
+        width=request.width,
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        output_type=output_type,
+    )
+    if request.negative_prompt and preset.negative_prompt:
+        kwargs["negative_prompt"] = request.negative_prompt
+    if preset.max_sequence_length and "max_sequence_length" in inspect.signature(pipe.__call__).parameters:
+        kwargs["max_sequence_length"] = preset.max_sequence_length
+    return kwargs
 
 
 # --- variants -----------------------------------------------------------------------------------
@@ -375,18 +395,8 @@ class PipelineRunner:
                 p._interrupt = True
             return {}
 
-        kwargs = dict(
-            prompt=request.prompt,
-            height=request.height,
-            width=request.width,
-            num_inference_steps=request.steps,
-            guidance_scale=request.guidance,
-            generator=torch.Generator("cpu").manual_seed(request.seed),
-            callback_on_step_end=on_step_end,
-            output_type="pil",
-        )
-        if request.negative_prompt and self.preset.negative_prompt:
-            kwargs["negative_prompt"] = request.negative_prompt
+        kwargs = pipeline_call_kwargs(self.preset, run, request)
+        kwargs["callback_on_step_end"] = on_step_end
         devices.enter_eager_mode(self.spec, request.mode)  # TPU: strict eager or defer-and-fuse; no-op elsewhere
         # The pipelines run under no_grad already; inference_mode is avoided on purpose: out-of-tree
         # backends (and the fake PrivateUse1 device in tests) cannot version inference tensors.

@@ -27,7 +27,7 @@ from engine.errors import EngineCrashed
 from engine.presets import get_preset
 from engine.protocol import EngineKey, GenerateRequest
 from engine.recipes import EngineOptions
-from engine.runner import EngineConfig
+from engine.runner import EngineConfig, pipeline_call_kwargs
 from engine.tp.client import SidecarEngine
 
 TOLERANCE = 1e-4
@@ -54,9 +54,7 @@ def _reference(tiny_models, preset: str, request: GenerateRequest) -> np.ndarray
     pipe = getattr(diffusers, get_preset(preset).pipeline).from_pretrained(tiny_models[preset])
     pipe.set_progress_bar_config(disable=True)
     with torch.inference_mode():
-        out = pipe(prompt=request.prompt, height=request.height, width=request.width,
-                   num_inference_steps=request.steps, guidance_scale=request.guidance,
-                   generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np")
+        out = pipe(**pipeline_call_kwargs(get_preset(preset), pipe, request, output_type="np"))
     return out.images[0]
 
 
