@@ -47,7 +47,8 @@ def test_speedup_table_against_eager_of_the_same_engine():
     rows = views.speedup_table([
         result_dict(config="cpu/fp32/eager", median=10.0, total=100.0),
         result_dict(config="cpu/fp32/regional", mode="regional", median=5.0, total=60.0, compile_s=8.0, warmup_s=0.0),
-        result_dict(engine="tiny-flux@cpu/bf16", config="cpu/bf16/compile", mode="compile", median=4.0, total=50.0),
+        result_dict(engine="tiny-flux@cpu/bf16", precision="bf16", config="cpu/bf16/compile", mode="compile",
+                    median=4.0, total=50.0),
         {"config": "tpu/fp32/eager", "error": "tpu is not available"},
     ])
     eager, regional, other_engine, failed = rows

@@ -6,7 +6,6 @@ speedup helper can move to engine/ once the CLI benchmark wants it.
 
 from __future__ import annotations
 
-import math
 import statistics
 
 BOARD_COLUMNS = [
@@ -227,44 +226,29 @@ def _median(values) -> float | None:
 
 
 def speedup_table(results: list[dict]) -> list[dict]:
-    """Speedup of each run against eager on the same engine (model, device, precision).
+    """The Compare tab's speedup rows, computed by the benchmark's own speedup_table (engine/bench.py),
+    so the UI, the CLI bench and docs/benchmarks.md agree.
 
     `results` are GenerateResult.as_dict() objects, optionally with "config", "compile_s" and
-    "warmup_s" added (and "error" for a configuration that failed). The baseline of a run is the
-    eager run of the same engine; without one the speedup is None. Break-even: images after which
-    the compile cost is paid back by the faster total (None when it never is).
+    "warmup_s" added (and "error" for a configuration that failed). The baseline is the eager run of
+    the same engine and size; without one the speedup is None.
     """
-    baselines: dict[str, dict] = {}
-    for r in results:
-        if not r.get("error") and r.get("mode") == "eager" and r.get("engine") not in baselines:
-            baselines[r["engine"]] = r
+    from engine.bench import speedup_table as bench_speedup_table
+
     rows = []
-    for r in results:
-        row = {
+    for r, b in zip(results, bench_speedup_table(results), strict=True):
+        rows.append({
             "config": r.get("config") or config_label(r.get("device", "?"), r.get("precision", "?"), r.get("mode", "?")),
             "bucket": r.get("bucket"),
-            "median_step_ms": None, "total_ms": None, "speedup_step": None, "speedup_total": None,
-            "compile_s": r.get("compile_s"), "warmup_s": r.get("warmup_s"), "break_even_images": None,
+            "median_step_ms": b.get("step_ms_median"),
+            "total_ms": b.get("image_ms_median"),
+            "speedup_step": b.get("speedup_vs_eager"),
+            "speedup_total": b.get("speedup_image_vs_eager"),
+            "compile_s": r.get("compile_s"),
+            "warmup_s": r.get("warmup_s"),
+            "break_even_images": b.get("break_even_images"),
             "error": r.get("error"),
-        }
-        if r.get("error"):
-            rows.append(row)
-            continue
-        t = r.get("timings") or {}
-        row["median_step_ms"] = t.get("median_step_ms")
-        row["total_ms"] = t.get("total_ms")
-        base = baselines.get(r.get("engine"))
-        if base is not None:
-            bt = base.get("timings") or {}
-            if bt.get("median_step_ms") and t.get("median_step_ms"):
-                row["speedup_step"] = bt["median_step_ms"] / t["median_step_ms"]
-            if bt.get("total_ms") and t.get("total_ms"):
-                row["speedup_total"] = bt["total_ms"] / t["total_ms"]
-                saved_s = (bt["total_ms"] - t["total_ms"]) / 1000
-                cost = (r.get("compile_s") or 0) + (r.get("warmup_s") or 0)
-                if r.get("mode") != "eager" and saved_s > 0 and cost > 0:
-                    row["break_even_images"] = math.ceil(cost / saved_s)
-        rows.append(row)
+        })
     return rows
 
 
