@@ -47,6 +47,15 @@ def wait_state(engine, bucket, states, timeout=300.0):
     raise AssertionError(f"{bucket} never reached {states}: {info}")
 
 
+def warm_regional_64(engine):
+    """Warm the regional 64x64 bucket and wait until it is warm (the cheapest compile here)."""
+    bucket = BucketKey("regional", Size(64, 64))
+    engine.warm(bucket)
+    info = wait_state(engine, bucket, {BucketState.WARM, BucketState.FAILED})
+    assert info.state == BucketState.WARM, info.error
+    return info
+
+
 @pytest.fixture(scope="module")
 def engine(cache_dir, tiny_models):
     e = start_engine(cache_dir, inject_faults=("oom",))
@@ -168,10 +177,7 @@ def test_restart_warms_from_the_persistent_cache(tmp_path, tiny_models):
     for attempt in ("cold", "restart"):
         engine = start_engine(tmp_path)
         try:
-            bucket = BucketKey("regional", Size(64, 64))
-            engine.warm(bucket)
-            info = wait_state(engine, bucket, {BucketState.WARM, BucketState.FAILED})
-            assert info.state == BucketState.WARM, info.error
+            info = warm_regional_64(engine)
             timings.append((attempt, info.compile_s, info.cache_hits, info.cache_misses))
         finally:
             engine.close()
@@ -186,10 +192,7 @@ def test_restart_warms_from_the_persistent_cache(tmp_path, tiny_models):
             f.write_bytes(b"\x00garbage" * 7)
     engine = start_engine(tmp_path)
     try:
-        bucket = BucketKey("regional", Size(64, 64))
-        engine.warm(bucket)
-        info = wait_state(engine, bucket, {BucketState.WARM, BucketState.FAILED})
-        assert info.state == BucketState.WARM, info.error
+        warm_regional_64(engine)
         assert engine.generate(request(mode="regional"), timeout=120).warm
     finally:
         engine.close()
