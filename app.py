@@ -22,7 +22,7 @@ log = logging.getLogger("app")
 
 def build_parser() -> argparse.ArgumentParser:
     from engine import settings
-    from engine.cli import add_engine_arguments
+    from engine.flags import add_engine_arguments
 
     d = settings.server_defaults()
     p = argparse.ArgumentParser(prog="app.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,14 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
 
-    from engine.cli import make_manager, options_from_args
     from engine.errors import ShowcaseError
-    from engine.runner import COMPILED_MODES
+    from engine.flags import make_manager, options_from_args
+    from engine.protocol import Mode
 
     try:
         sizes = warm_sizes(args.warm)
         auth = parse_auth(args.auth)
-        modes = (args.mode,) if args.mode in COMPILED_MODES else ()
+        mode = Mode.parse(args.mode, "mode")
+        modes = (mode,) if mode.compiled else ()
         manager = make_manager(args, options_from_args(args, warm_sizes=sizes, warm_modes=modes))
     except ShowcaseError as exc:
         print(f"error: {exc}", file=sys.stderr)

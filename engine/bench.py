@@ -593,8 +593,8 @@ def run_pipeline_bench(plan: BenchPlan) -> dict:
     devices.apply_environment(spec, plan.cache_dir)
     import diffusers
 
-    from engine.protocol import BucketKey, BucketState, EngineKey, GenerateRequest
-    from engine.runner import EngineConfig, PipelineRunner
+    from engine.protocol import BucketKey, BucketState, EngineConfig, EngineKey, GenerateRequest
+    from engine.runner import PipelineRunner
 
     getattr(diffusers, plan.preset.pipeline)  # import the pipeline module now, not inside the timed load
     _quiet_loading()
@@ -904,8 +904,8 @@ def cmd_compile_probe(args) -> int:
     """Child side of the persistent-cache probe: load, compile one bucket, print one JSON line."""
     plan = plan_from_args(args)
     from engine import devices
-    from engine.protocol import BucketKey, EngineKey
-    from engine.runner import EngineConfig, PipelineRunner
+    from engine.protocol import BucketKey, EngineConfig, EngineKey
+    from engine.runner import PipelineRunner
 
     spec = devices.resolve_device(plan.device)
     mode, extra = _engine_for(plan.modes[0])
@@ -1432,21 +1432,10 @@ def _load_override(text: str | None) -> dict | None:
     return value
 
 
-def _engine_flags(args) -> tuple[str, ...]:
-    """The engine flags of this command line, for a probe child to compile the same way."""
-    flags = []
-    for name in ("fuse_qkv", "channels_last", "cpu_offload", "max_autotune", "dynamic", "no_compile_vae", "int8"):
-        if getattr(args, name, False):
-            flags.append("--" + name.replace("_", "-"))
-    if args.inductor_flags is not None:
-        flags.append("--inductor-flags" if args.inductor_flags else "--no-inductor-flags")
-    return tuple(flags)
-
-
 def plan_from_args(args) -> BenchPlan:
     from engine import devices, settings
-    from engine.cli import options_from_args
     from engine.errors import InvalidRequest
+    from engine.flags import engine_flags_argv, options_from_args
     from engine.presets import get_preset, preset_for_model, route_size
     from engine.protocol import Size
 
@@ -1492,7 +1481,7 @@ def plan_from_args(args) -> BenchPlan:
         model_args=tuple(model_args), random_weights=bool(args.random_weights), config_override=_load_override(args.denoiser_config_override),
         text_len=args.text_len, matmul_roofline=args.matmul_roofline, warmup_calls=args.warmup_calls,
         time_budget_s=args.time_budget, out=Path(args.out) if args.out else None, force=args.force,
-        threads=args.threads, engine_args=_engine_flags(args),
+        threads=args.threads, engine_args=engine_flags_argv(args),
         command="python -m engine " + " ".join(a for a in sys.argv[1:] if a) if sys.argv else "",
     )
 
@@ -1525,7 +1514,7 @@ def cmd_bench(args) -> int:
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` on the CLI's subparsers (engine/cli.py calls this)."""
-    from engine.cli import add_engine_arguments
+    from engine.flags import add_engine_arguments
 
     b = subparsers.add_parser(
         "bench",

@@ -1,6 +1,7 @@
 """Headless command line: `python -m engine {generate,devices,presets,bench}`.
 
-The argument helpers here are shared with app.py so both accept the same engine flags.
+Sub-commands come from one table (`COMMANDS`); each module registers its own parser. Importing this
+module (and `--help`, `presets`) never imports torch: sub-commands import what they need when they run.
 """
 
 from __future__ import annotations
@@ -11,60 +12,9 @@ import logging
 import sys
 from pathlib import Path
 
-from engine import settings
 from engine.errors import ShowcaseError
-from engine.recipes import EngineOptions
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--cache-dir", type=Path, default=None,
-                   help="persistent folder for tiny models and compile caches (default: $SHOWCASE_CACHE_DIR or ~/.cache/diffusion-showcase)")
-    g.add_argument("--model", default=None, help="serve any Hub id or local diffusers folder (buckets from its family)")
-    g.add_argument("--model-root", action="append", default=[], type=Path,
-                   help="a folder local models may be loaded from (repeatable)")
-    g.add_argument("--buckets", default=None, help="comma-separated WxH buckets for --model")
-    g.add_argument("--fuse-qkv", action="store_true", help="fuse the denoiser's QKV projections")
-    g.add_argument("--channels-last", action="store_true", help="channels_last for UNet/VAE convolutions")
-    g.add_argument("--cpu-offload", action="store_true", help="model CPU offload (then only regional compile)")
-    g.add_argument("--max-autotune", action="store_true", help="torch.compile mode=max-autotune (inductor)")
-    g.add_argument("--dynamic", action="store_true", help="dynamic-shape compile where the device allows")
-    g.add_argument("--no-compile-vae", action="store_true", help="compile mode leaves vae.decode eager")
-    g.add_argument("--inductor-flags", action=argparse.BooleanOptionalAction, default=None,
-                   help="flux-fast inductor flags (default: on for CUDA)")
-    g.add_argument("--int8", action="store_true", help="torchao int8 dynamic quantisation of the denoiser")
-
-
-def options_from_args(args, **overrides) -> EngineOptions:
-    values = dict(
-        fuse_qkv=args.fuse_qkv,
-        channels_last=args.channels_last,
-        cpu_offload=args.cpu_offload,
-        max_autotune=args.max_autotune,
-        dynamic=args.dynamic,
-        compile_vae=not args.no_compile_vae,
-        inductor_flags=args.inductor_flags,
-        int8=args.int8,
-    )
-    values.update(overrides)
-    return EngineOptions(**values)
-
-
-def make_manager(args, options: EngineOptions):
-    from engine.manager import EngineManager
-    from engine.presets import preset_for_model
-
-    cache_dir = args.cache_dir or settings.cache_dir()
-    roots = [*settings.model_roots(), *[r.resolve() for r in args.model_root]]
-    extra = {}
-    if args.model:
-        model_path = Path(args.model).expanduser()
-        if model_path.exists() or args.model.startswith((".", "/", "~")):
-            roots.append(model_path.resolve().parent)  # a path typed on the command line is allowed
-        preset = preset_for_model(args.model, roots, buckets=args.buckets)
-        extra[preset.name] = preset
-        args.preset = preset.name
-    return EngineManager(cache_dir=cache_dir, options=options, allowed_roots=roots, extra_presets=extra)
+from engine.flags import add_engine_arguments, make_manager, options_from_args
+from engine.protocol import Mode, OnCold
 
 
 def cmd_generate(args) -> int:
@@ -72,10 +22,11 @@ def cmd_generate(args) -> int:
 
     size = Size.parse(args.size) if args.size else None
     # A one-shot run warms only the bucket it needs, and waits for it unless --on-cold eager.
-    manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(args.mode,)))
+    mode = Mode.parse(args.mode, "mode")
+    manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(mode,)))
     try:
         result = manager.generate(
-            preset=args.preset, device=args.device, precision=args.precision, mode=args.mode, size=size,
+            preset=args.preset, device=args.device, precision=args.precision, mode=mode, size=size,
             prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
             seed=args.seed, tp=args.tp, snap=not args.no_snap, on_cold=args.on_cold,
         )
@@ -123,16 +74,12 @@ def cmd_presets(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate one image and print its timings")
     g.add_argument("--preset", default="tiny-flux")
     g.add_argument("--device", default="auto")
     g.add_argument("--precision", default="fp32")
-    g.add_argument("--mode", default="eager")
+    g.add_argument("--mode", default="eager", help=", ".join(Mode.values()))
     g.add_argument("--size", default=None, help="WIDTHxHEIGHT (snapped to the nearest bucket unless --no-snap)")
     g.add_argument("--no-snap", action="store_true", help="refuse sizes that are not a bucket")
     g.add_argument("--steps", type=int, default=None)
@@ -140,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--prompt", default="a red fox in the snow")
     g.add_argument("--negative-prompt", default=None)
-    g.add_argument("--on-cold", choices=("wait", "eager"), default="wait",
+    g.add_argument("--on-cold", choices=OnCold.values(), default=OnCold.WAIT.value,
                    help="at a bucket that is not compiled yet: wait for the compile, or run eagerly")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel over N ranks (torchrun sidecar)")
     g.add_argument("--out", default=None, help="write the PNG here")
@@ -148,20 +95,38 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(g)
     g.set_defaults(func=cmd_generate)
 
+
+def add_devices_parser(sub) -> None:
     d = sub.add_parser("devices", help="list devices: available, or why not")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_devices)
 
+
+def add_presets_parser(sub) -> None:
     p = sub.add_parser("presets", help="list model presets and their buckets")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_presets)
 
-    try:
-        from engine.bench import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+
+# Every sub-command: "module:function" that adds its parser. Imported when the parser is built; an
+# ImportError there is a bug and is raised, never hidden.
+COMMANDS = (
+    "engine.cli:add_generate_parser",
+    "engine.cli:add_devices_parser",
+    "engine.cli:add_presets_parser",
+    "engine.bench:add_bench_parser",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for entry in COMMANDS:
+        module, function = entry.split(":")
+        getattr(importlib.import_module(module), function)(sub)
     return parser
 
 

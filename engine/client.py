@@ -18,7 +18,28 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from engine.errors import EngineCrashed, ShowcaseError
-from engine.protocol import BucketInfo, BucketKey, EngineKey, GenerateRequest, GenerateResult, StepProgress
+from engine.protocol import (
+    BucketChanged,
+    BucketInfo,
+    BucketKey,
+    Cancel,
+    EngineKey,
+    EngineReady,
+    Fatal,
+    Fault,
+    FromEngine,
+    Generate,
+    GenerateRequest,
+    GenerateResult,
+    InjectFault,
+    Progress,
+    Ready,
+    RequestFailed,
+    Shutdown,
+    StepProgress,
+    Warm,
+    dispatch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +53,7 @@ class ConnectionEngine:
         self.key = key
         self.conn = None
         self.ready = threading.Event()
-        self.info: dict = {}
+        self.info: EngineReady | None = None
         self.error: ShowcaseError | None = None  # why it is down (load failure, crash)
         self.started_at = time.time()
         self._buckets: dict[BucketKey, BucketInfo] = {}
@@ -48,7 +69,18 @@ class ConnectionEngine:
         self.conn = conn
         threading.Thread(target=self._read, name=f"engine-read-{self.key}", daemon=True).start()
 
+    def _handlers(self) -> dict:
+        return {
+            FromEngine.BUCKET: self._on_bucket,
+            FromEngine.PROGRESS: self._on_progress,
+            FromEngine.RESULT: lambda m: self._finish(m.result.request_id, result=m.result),
+            FromEngine.ERROR: self._on_error,
+            FromEngine.READY: self._on_ready,
+            FromEngine.FATAL: self._on_fatal,
+        }
+
     def _read(self) -> None:
+        handlers = self._handlers()
         while True:
             try:
                 message = self.conn.recv()
@@ -57,38 +89,38 @@ class ConnectionEngine:
             except Exception as exc:  # a message we cannot unpickle: report, keep reading
                 log.error("bad message from %s: %s", self.key, exc)
                 continue
-            self._dispatch(message)
+            dispatch(message, handlers, log, f"engine {self.key}")  # unknown kinds are logged there
         self._went_down()
 
-    def _dispatch(self, message) -> None:
-        kind = message[0]
-        if kind == "bucket":
-            info: BucketInfo = message[1]
-            with self._lock:
+    def _on_bucket(self, message: BucketChanged) -> None:
+        with self._lock:
+            self._buckets[message.info.bucket] = message.info
+            self.bucket_events.append(message.info)
+
+    def _on_progress(self, message: Progress) -> None:
+        entry = self._pending.get(message.progress.request_id)
+        if entry and entry[1]:
+            try:
+                entry[1](message.progress)
+            except Exception:
+                log.exception("progress callback failed")
+
+    def _on_error(self, message: RequestFailed) -> None:
+        if message.request_id is None:  # the engine could not handle a message that was not a request
+            log.error("engine %s refused a message: %s", self.key, message.error)
+            return
+        self._finish(message.request_id, error=message.error)
+
+    def _on_ready(self, message: Ready) -> None:
+        self.info = message.ready
+        with self._lock:
+            for info in self.info.buckets:
                 self._buckets[info.bucket] = info
-                self.bucket_events.append(info)
-        elif kind == "progress":
-            progress: StepProgress = message[1]
-            entry = self._pending.get(progress.request_id)
-            if entry and entry[1]:
-                try:
-                    entry[1](progress)
-                except Exception:
-                    log.exception("progress callback failed")
-        elif kind == "result":
-            result: GenerateResult = message[1]
-            self._finish(result.request_id, result=result)
-        elif kind == "error":
-            self._finish(message[1], error=message[2])
-        elif kind == "ready":
-            self.info = message[1]
-            with self._lock:
-                for info in self.info.get("buckets", []):
-                    self._buckets[info.bucket] = info
-            self.ready.set()
-        elif kind == "fatal":
-            self.error = message[1]
-            self.ready.set()
+        self.ready.set()
+
+    def _on_fatal(self, message: Fatal) -> None:
+        self.error = message.error
+        self.ready.set()
 
     def _finish(self, request_id: str, result=None, error=None) -> None:
         with self._lock:
@@ -117,7 +149,7 @@ class ConnectionEngine:
         if self.on_down and not self._closed:
             self.on_down(self)
 
-    def send(self, *message) -> None:
+    def send(self, message) -> None:
         if self.conn is None or not self.alive:
             raise self.error or EngineCrashed(f"engine {self.key} is not running")
         with self._send_lock:
@@ -143,7 +175,7 @@ class ConnectionEngine:
         with self._lock:
             self._pending[request.request_id] = (future, on_progress)
         try:
-            self.send("generate", request)
+            self.send(Generate(request))
         except ShowcaseError as exc:
             self._finish(request.request_id, error=exc)
         return future
@@ -158,12 +190,16 @@ class ConnectionEngine:
 
     def cancel(self, request_id: str) -> None:
         try:
-            self.send("cancel", request_id)
+            self.send(Cancel(request_id))
         except ShowcaseError:
             pass
 
     def warm(self, bucket: BucketKey | None = None) -> None:
-        self.send("warm", bucket)
+        self.send(Warm(bucket))
+
+    def inject_fault(self, fault: Fault) -> None:
+        """Tests: arm a one-shot fault (the engine must have been started with fault_injection=True)."""
+        self.send(InjectFault(Fault(fault)))
 
     def buckets(self) -> list[BucketInfo]:
         with self._lock:
@@ -180,9 +216,9 @@ class ConnectionEngine:
             "kind": self.kind,
             "state": state,
             "error": str(self.error) if self.error else None,
-            "load_s": self.info.get("load_s"),
-            "notices": self.info.get("notices", []),
-            "modes": self.info.get("modes", []),
+            "load_s": self.info.load_s if self.info else None,
+            "notices": list(self.info.notices) if self.info else [],
+            "modes": [str(m) for m in self.info.modes] if self.info else [],
             "pending": self.pending(),
             "buckets": [b.as_dict() for b in self.buckets()],
         }
@@ -192,7 +228,7 @@ class ConnectionEngine:
         try:
             if self.conn is not None:
                 with self._send_lock:
-                    self.conn.send(("shutdown",))
+                    self.conn.send(Shutdown())
         except Exception:
             pass
 

@@ -38,18 +38,18 @@ from pathlib import Path
 import torch
 
 from engine.errors import DeviceUnavailable, InvalidRequest, UnsupportedCombination
-from engine.protocol import MODES, PRECISIONS
+from engine.protocol import Mode, Precision
 
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 
 # Weights dtype per precision. "tf32" keeps fp32 weights and only lets matmuls/convs use TF32.
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "tf32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
+DTYPES: dict[Precision, torch.dtype] = {
+    Precision.FP32: torch.float32,
+    Precision.TF32: torch.float32,
+    Precision.BF16: torch.bfloat16,
+    Precision.FP16: torch.float16,
 }
 
 # Environment variables (defaults; a value the user already exported always wins).
@@ -93,7 +93,8 @@ class PrecisionPlan:
 
 
 def _plan(requested: str, effective: str | None = None, *notices: str) -> PrecisionPlan:
-    effective = effective or requested
+    requested = Precision(requested)
+    effective = Precision(effective or requested)
     return PrecisionPlan(
         precision=effective,
         dtype=DTYPES[effective],
@@ -648,7 +649,7 @@ def _tpu_mode_notes(mode: str) -> tuple[str, ...]:
 # Registry
 # ----------------------------------------------------------------------------------------------
 
-_COMMON_MODES = ("eager", "compile", "regional")
+_COMMON_MODES = (Mode.EAGER, Mode.COMPILE, Mode.REGIONAL)
 
 
 def registry() -> dict[str, DeviceSpec]:
@@ -678,7 +679,7 @@ def registry() -> dict[str, DeviceSpec]:
             static_shapes=True,
             dist_backend="tpu_dist",
             mesh_device_type="tpu",
-            modes=(*_COMMON_MODES, "defer-and-fuse"),
+            modes=(*_COMMON_MODES, Mode.DEFER_AND_FUSE),
             memory_source="torch.tpu.max_memory_allocated where torch_tpu provides it, else not reported",
             probe_fn=_tpu_probe,
             precision_fn=_tpu_precision,
@@ -796,9 +797,7 @@ def plan_precision(spec: DeviceSpec, precision: str) -> PrecisionPlan:
 
     Refusal -> UnsupportedCombination naming the reason and what to pick instead.
     """
-    key = str(precision).strip().lower()
-    if key not in PRECISIONS:
-        raise InvalidRequest(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    key = Precision.parse(precision, "precision")
     rule = spec.precision_fn or _plan
     try:
         return rule(key)
@@ -813,7 +812,7 @@ def precision_support(spec: DeviceSpec) -> dict[str, dict]:
     """For each precision: what it runs as on `spec` ("ok", "downgraded" or "refused", with the
     notice or reason). Rules may query the device, so call it for available devices only."""
     table: dict[str, dict] = {}
-    for precision in PRECISIONS:
+    for precision in Precision:
         try:
             plan = plan_precision(spec, precision)
         except UnsupportedCombination as err:
@@ -832,9 +831,7 @@ def precision_support(spec: DeviceSpec) -> dict[str, dict]:
 
 def check_mode(spec: DeviceSpec, mode: str) -> tuple[str, ...]:
     """Notices for running `mode` on `spec`; raises if the device cannot run it at all."""
-    key = str(mode).strip().lower()
-    if key not in MODES:
-        raise InvalidRequest(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    key = Mode.parse(mode, "mode")
     if key not in spec.modes:
         if key == "defer-and-fuse":
             reason = (

@@ -16,12 +16,20 @@ from pathlib import Path
 from engine import devices, settings
 from engine.caches import prepare_cache_dir
 from engine.client import ConnectionEngine, ProcessEngine
-from engine.errors import EngineBusy, InvalidRequest, ShowcaseError
-from engine.presets import ModelPreset, get_preset, load_presets, looks_like_model_ref, preset_for_model
-from engine.protocol import BucketKey, EngineKey, GenerateResult, Size
-from engine.recipes import EngineOptions
-from engine.runner import EngineConfig
-from engine.validation import build_request, check_precision
+from engine.errors import EngineBusy, ShowcaseError
+from engine.protocol import (
+    BucketKey,
+    EngineConfig,
+    EngineKey,
+    EngineOptions,
+    GenerateResult,
+    Mode,
+    ModelPreset,
+    OnCold,
+    Size,
+)
+from engine.resolve import Catalog
+from engine.validation import build_request
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +49,9 @@ class EngineManager:
         self.cache = prepare_cache_dir(Path(cache_dir) if cache_dir else settings.cache_dir())
         self.cache_dir = self.cache.path
         self.options = options or EngineOptions()
-        self.allowed_roots = [Path(r) for r in (allowed_roots or settings.model_roots())]
-        self.presets: dict[str, ModelPreset] = {**load_presets(), **(extra_presets or {})}
+        self.catalog = Catalog(allowed_roots, extra_presets)
+        self.allowed_roots = self.catalog.allowed_roots
+        self.presets = self.catalog.presets
         self.auto_restart = auto_restart
         self._engines: dict[EngineKey, ConnectionEngine] = {}
         self._options: dict[EngineKey, EngineOptions] = {}
@@ -54,36 +63,15 @@ class EngineManager:
     # -- lookup and validation -------------------------------------------------------------------
     def preset(self, name: str) -> ModelPreset:
         """A preset by name, or any Hub id / local diffusers folder under the allowed model roots."""
-        if not isinstance(name, str) or not name.strip():
-            raise InvalidRequest(f"preset must be a name; choose one of: {', '.join(self.presets)}")
-        if name in self.presets:
-            return self.presets[name]
-        if not looks_like_model_ref(name):
-            return get_preset(name)  # raises InvalidRequest listing the presets
-        preset = preset_for_model(name, self.allowed_roots)  # ModelLoadError says why not
-        with self._lock:
-            self.presets.setdefault(preset.name, preset)
-        return self.presets[preset.name]
+        return self.catalog.preset(name)
 
     def make_key(self, preset: str, device: str, precision: str, tp: int = 1) -> EngineKey:
         """Validate and resolve an engine key ("auto" -> the best available device)."""
-        p = self.preset(preset)
-        check_precision(precision)
-        spec = devices.resolve_device(device)  # InvalidRequest / DeviceUnavailable with the reason
-        devices.plan_precision(spec, precision)  # UnsupportedCombination with the reason
-        if not isinstance(tp, int) or tp < 1:
-            raise InvalidRequest(f"tp must be a whole number >= 1, got {tp!r}")
-        if tp > 1 and not p.tp:
-            raise InvalidRequest(f"preset {p.name} has no tensor-parallel plan; use tp=1")
-        if tp < p.min_tp:
-            raise InvalidRequest(f"preset {p.name} needs tensor parallel over at least {p.min_tp} ranks (--tp {p.min_tp})")
-        return EngineKey(p.name, spec.name, precision, tp)
+        return self.catalog.make_key(preset, device, precision, tp)
 
     def engine_options(self, key: EngineKey) -> EngineOptions:
-        """Manager defaults, then the preset's per-device options (e.g. CPU offload on one v6e)."""
-        base = self._options.get(key, self.options)
-        preset_options = self.preset(key.preset).options.get(key.device, {})
-        return dataclasses.replace(base, **preset_options) if preset_options else base
+        """Manager defaults (or the options an engine was started with), then the preset's per-device ones."""
+        return self.catalog.options_for(key, self._options.get(key, self.options))
 
     # -- engines ---------------------------------------------------------------------------------
     def engine(self, key: EngineKey, options: EngineOptions | None = None) -> ConnectionEngine:
@@ -110,7 +98,7 @@ class EngineManager:
             engine = SidecarEngine(self._config(key, options)).start()
         else:
             spec = devices.get_device(key.device)
-            mode = "defer-and-fuse" if "defer-and-fuse" in options.warm_modes else None
+            mode = Mode.DEFER_AND_FUSE if Mode.DEFER_AND_FUSE in options.warm_modes else None
             env = devices.worker_environment(spec, self.cache_dir, mode=mode)
             env.update(self.cache.worker_env())
             engine = ProcessEngine(self._config(key, options), env=env).start()
@@ -119,13 +107,7 @@ class EngineManager:
         return engine
 
     def _config(self, key: EngineKey, options: EngineOptions) -> EngineConfig:
-        return EngineConfig(
-            key=key,
-            preset=self.preset(key.preset),
-            options=options,
-            cache_dir=str(self.cache_dir),
-            allowed_roots=tuple(str(r) for r in self.allowed_roots),
-        )
+        return self.catalog.config(key, options, self.cache_dir)
 
     def _on_down(self, engine: ConnectionEngine) -> None:
         """Restart a crashed engine in the background (bounded, so a crash loop stops)."""
@@ -165,7 +147,7 @@ class EngineManager:
         preset: str,
         device: str = "auto",
         precision: str = "fp32",
-        mode: str = "eager",
+        mode: str | Mode = Mode.EAGER,
         size: str | Size | None = None,
         width=None,
         height=None,
@@ -176,7 +158,7 @@ class EngineManager:
         seed=0,
         tp: int = 1,
         snap: bool = True,
-        on_cold: str = "eager",
+        on_cold: str | OnCold = OnCold.EAGER,
         on_progress=None,
         timeout: float | None = None,
         on_submit=None,
@@ -189,12 +171,11 @@ class EngineManager:
             width, height = parsed.width, parsed.height
         if width is None or height is None:
             width, height = p.buckets[0].width, p.buckets[0].height
-        spec = devices.get_device(key.device)
-        mode_notices = devices.check_mode(spec, mode)
         request, notices = build_request(
             p, prompt=prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
             guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold,
         )
+        devices.check_mode(devices.get_device(key.device), request.mode)  # refused here; its notices come with the result
         engine = self.engine(key)
         if engine.pending() >= self.engine_options(key).max_queue:
             raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")
@@ -210,8 +191,7 @@ class EngineManager:
             raise EngineBusy(f"request {request.request_id} did not finish within {timeout}s and was cancelled") from None
         finally:
             self._running.pop(request.request_id, None)
-        extra = tuple(mode_notices) + tuple(notices)
-        return dataclasses.replace(result, notices=extra + result.notices) if extra else result
+        return dataclasses.replace(result, notices=tuple(notices) + result.notices) if notices else result
 
     def cancel(self, request_id: str) -> bool:
         """Stop a running request between steps (it then fails with Cancelled). False if unknown."""
@@ -221,12 +201,13 @@ class EngineManager:
         engine.cancel(request_id)
         return True
 
-    def warm(self, preset: str, device: str, precision: str, mode: str = "compile", size: str | None = None,
+    def warm(self, preset: str, device: str, precision: str, mode: str = Mode.COMPILE, size: str | None = None,
              tp: int = 1) -> None:
         key = self.make_key(preset, device, precision, tp)
+        bucket = BucketKey(Mode.parse(mode, "mode"), Size.parse(size)) if size else None
         engine = self.engine(key)
         engine.wait_ready(timeout=600)
-        engine.warm(BucketKey(mode, Size.parse(size)) if size else None)
+        engine.warm(bucket)
 
     def status(self) -> list[dict]:
         return [engine.status() for engine in self.engines()]

@@ -10,13 +10,12 @@ import json
 import math
 import re
 import tomllib
-from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
 from engine import settings
 from engine.errors import InvalidRequest, ModelLoadError
-from engine.protocol import Size
+from engine.protocol import ModelPreset, Size
 
 MAX_SIDE = 4096
 # pipeline class (model_index.json "_class_name") -> (family, denoiser, alignment, cfg, negative_prompt)
@@ -29,51 +28,6 @@ PIPELINE_FAMILIES: dict[str, tuple[str, str, int, bool, bool]] = {
     "StableDiffusionPipeline": ("default", "unet", 8, True, True),
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclass(frozen=True)
-class ModelPreset:
-    name: str
-    pipeline: str
-    source: str
-    family: str
-    denoiser: str
-    steps: int
-    guidance: float
-    buckets: tuple[Size, ...]
-    alignment: int
-    cfg: bool = False
-    negative_prompt: bool = False
-    tp: bool = False
-    tp_text_encoder: bool = False
-    min_tp: int = 1
-    max_sequence_length: int | None = None  # T5/LLM text tokens (None: the pipeline's default)
-    description: str = ""
-    repeated_blocks: tuple[str, ...] = ()
-    advice: dict = field(default_factory=dict, hash=False, compare=False)
-    options: dict = field(default_factory=dict, hash=False, compare=False)
-    denoiser_config: dict | None = field(default=None, hash=False, compare=False)
-
-    @property
-    def embedded(self) -> str | None:
-        """Name of the tiny pipeline engine/tiny.py builds, or None for a real model."""
-        return self.source.removeprefix("embedded:") if self.source.startswith("embedded:") else None
-
-    def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "pipeline": self.pipeline,
-            "source": self.source,
-            "denoiser": self.denoiser,
-            "steps": self.steps,
-            "guidance": self.guidance,
-            "buckets": [str(b) for b in self.buckets],
-            "alignment": self.alignment,
-            "negative_prompt": self.negative_prompt,
-            "tp": self.tp,
-            "description": self.description,
-            "advice": dict(self.advice),
-        }
 
 
 @cache
@@ -244,8 +198,3 @@ def route_size(preset: ModelPreset, width, height, snap: bool = True) -> tuple[S
 
     best = min(preset.buckets, key=distance)
     return best, (f"size {requested} snapped to the nearest bucket {best}",)
-
-
-def with_buckets(preset: ModelPreset, buckets: list[Size]) -> ModelPreset:
-    _check_buckets(preset.name, tuple(buckets), preset.alignment)
-    return replace(preset, buckets=tuple(buckets))

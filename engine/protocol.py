@@ -1,8 +1,13 @@
-"""Typed, frozen messages shared by every engine implementation.
+"""The one contract between the app, the engines and the tensor-parallel sidecar.
 
-The same objects travel unchanged to an in-process runner, a worker process per device and the
-torchrun tensor-parallel sidecar (they are plain dataclasses, so they pickle). Callers only ever see
-these types; nothing here imports torch or gradio.
+Everything that crosses a process boundary is defined here as a frozen dataclass or an enum: the
+vocabularies (precision, mode, on-cold policy), the records (sizes, keys, bucket states, requests,
+results, timings), the engine's configuration (`EngineConfig`, `EngineOptions`, `ModelPreset`), and
+the messages of the worker protocol (client <-> engine) and of the tensor-parallel operations (rank 0
+-> every rank). The same objects travel unchanged to a worker process per device and to the torchrun
+sidecar (they pickle), so callers only ever see these types.
+
+Nothing here imports torch or gradio: `app.py --help` and `python -m engine presets` stay fast.
 """
 
 from __future__ import annotations
@@ -11,9 +16,60 @@ import dataclasses
 import enum
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-MODES = ("eager", "compile", "regional", "defer-and-fuse")
+from engine import settings
+from engine.errors import InvalidRequest, ShowcaseError
+
+
+class _Choice(enum.StrEnum):
+    """A closed vocabulary; `parse` turns user text into a member or names the valid choices."""
+
+    @classmethod
+    def parse(cls, value, what: str | None = None):
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise InvalidRequest(f"unknown {what or cls.__name__.lower()} {value!r}: choose one of {choices}") from None
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+class Precision(_Choice):
+    FP32 = "fp32"
+    TF32 = "tf32"  # fp32 weights; matmuls/convs may use TF32
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class Mode(_Choice):
+    EAGER = "eager"
+    COMPILE = "compile"  # torch.compile of the whole denoiser (+ vae.decode)
+    REGIONAL = "regional"  # compile_repeated_blocks: only the repeated transformer blocks
+    DEFER_AND_FUSE = "defer-and-fuse"  # TorchTPU's optimized eager mode
+
+    @property
+    def compiled(self) -> bool:
+        """Its buckets need a compile / warm-up before a request there is 'warm'."""
+        return self is not Mode.EAGER
+
+
+class OnCold(_Choice):
+    """What a request at a bucket that is not warm yet does."""
+
+    EAGER = "eager"  # serve now, eagerly, on the same weights
+    WAIT = "wait"  # wait for the bucket's compile
+
+
+def _coerce(record, name: str, vocabulary: type[_Choice]) -> None:
+    """Frozen records take plain strings at construction (CLI, JSON, tests) and hold the enum member."""
+    value = getattr(record, name)
+    if not isinstance(value, vocabulary):
+        object.__setattr__(record, name, vocabulary.parse(value, name))
 
 
 class BucketState(enum.StrEnum):
@@ -31,8 +87,6 @@ class Size:
 
     @classmethod
     def parse(cls, text: str) -> Size:
-        from engine.errors import InvalidRequest
-
         try:
             w, h = str(text).lower().replace(" ", "").split("x")
             return cls(int(w), int(h))
@@ -53,24 +107,31 @@ class EngineKey:
 
     preset: str
     device: str
-    precision: str
+    precision: Precision
     tp: int = 1
+
+    def __post_init__(self):
+        if self.precision != "?":  # "?": a client that has not heard the engine's Ready yet
+            _coerce(self, "precision", Precision)
 
     def __str__(self) -> str:
         tp = f" tp{self.tp}" if self.tp > 1 else ""
         return f"{self.preset}@{self.device}/{self.precision}{tp}"
 
     def as_dict(self) -> dict:
-        return {"engine": str(self), "preset": self.preset, "device": self.device, "precision": self.precision,
-                "tp": self.tp}
+        return {"engine": str(self), "preset": self.preset, "device": self.device,
+                "precision": str(self.precision), "tp": self.tp}
 
 
 @dataclass(frozen=True, order=True)
 class BucketKey:
     """One compiled graph per (mode, size) of an engine."""
 
-    mode: str
+    mode: Mode
     size: Size
+
+    def __post_init__(self):
+        _coerce(self, "mode", Mode)
 
     def __str__(self) -> str:
         return f"{self.mode}:{self.size}"
@@ -92,7 +153,7 @@ class BucketInfo:
     def as_dict(self) -> dict:
         return {
             **self.engine.as_dict(),
-            "mode": self.bucket.mode,
+            "mode": str(self.bucket.mode),
             "size": str(self.bucket.size),
             "state": self.state.value,
             "error": self.error,
@@ -104,6 +165,105 @@ class BucketInfo:
         }
 
 
+# ------------------------------------------------------------------------------------------------
+# Model presets (data; engine/presets.py loads them from presets/*.toml and routes sizes)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    pipeline: str
+    source: str
+    family: str
+    denoiser: str
+    steps: int
+    guidance: float
+    buckets: tuple[Size, ...]
+    alignment: int
+    cfg: bool = False
+    negative_prompt: bool = False
+    tp: bool = False
+    tp_text_encoder: bool = False
+    min_tp: int = 1
+    max_sequence_length: int | None = None  # T5/LLM text tokens (None: the pipeline's default)
+    description: str = ""
+    repeated_blocks: tuple[str, ...] = ()
+    advice: dict = field(default_factory=dict, hash=False, compare=False)
+    options: dict = field(default_factory=dict, hash=False, compare=False)
+    denoiser_config: dict | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def embedded(self) -> str | None:
+        """Name of the tiny pipeline engine/tiny.py builds, or None for a real model."""
+        return self.source.removeprefix("embedded:") if self.source.startswith("embedded:") else None
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "pipeline": self.pipeline,
+            "source": self.source,
+            "denoiser": self.denoiser,
+            "steps": self.steps,
+            "guidance": self.guidance,
+            "buckets": [str(b) for b in self.buckets],
+            "alignment": self.alignment,
+            "negative_prompt": self.negative_prompt,
+            "tp": self.tp,
+            "description": self.description,
+            "advice": dict(self.advice),
+        }
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine configuration (plain data, sent once to a worker or the sidecar)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Per-engine options; every field is one named recipe step (engine/recipes.py) or a setting."""
+
+    cpu_offload: bool = False  # enable_model_cpu_offload(); then only regional compile is possible
+    channels_last: bool = False  # UNet / VAE convolutions in channels_last memory format
+    fuse_qkv: bool = False  # fuse_qkv_projections() on the denoiser
+    inductor_flags: bool | None = None  # flux-fast inductor flags; None = the device's default
+    max_autotune: bool = False  # torch.compile mode="max-autotune" (inductor devices only)
+    dynamic: bool = False  # dynamic=True + use_duck_shape=False (not on static-shape devices)
+    compile_vae: bool = True  # compile vae.decode too in "compile" mode
+    int8: bool = False  # torchao dynamic int8 activation + int8 weight quantisation of the denoiser
+    warm_modes: tuple[Mode, ...] = (Mode.COMPILE,)  # modes whose buckets warm at start-up
+    warm_sizes: tuple[str, ...] | None = None  # None: every bucket of the preset; () none
+    warm_steps: int = 2
+    max_queue: int = 16  # pending requests per engine before "busy, retry"
+    # Tests only: accept InjectFault messages (one-shot faults armed from outside) and make every
+    # compile fail. Never set by the UI or the CLI.
+    fault_injection: bool = False
+    fail_compiles: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "warm_modes", tuple(Mode.parse(m, "mode") for m in self.warm_modes))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a worker needs to build its runner; picklable, sent once at start."""
+
+    key: EngineKey
+    preset: ModelPreset
+    options: EngineOptions = field(default_factory=EngineOptions)
+    cache_dir: str = ""
+    allowed_roots: tuple[str, ...] = ()
+
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else settings.cache_dir()
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests and results
+# ------------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt: str
@@ -112,11 +272,14 @@ class GenerateRequest:
     steps: int
     guidance: float
     seed: int
-    mode: str = "eager"
+    mode: Mode = Mode.EAGER
     negative_prompt: str | None = None
-    # At a cold/compiling bucket: "eager" serves now on the same weights, "wait" waits for the graph.
-    on_cold: str = "eager"
+    on_cold: OnCold = OnCold.EAGER
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def __post_init__(self):
+        _coerce(self, "mode", Mode)
+        _coerce(self, "on_cold", OnCold)
 
     @property
     def size(self) -> Size:
@@ -128,6 +291,15 @@ class GenerateRequest:
 
     def replace(self, **changes) -> GenerateRequest:
         return dataclasses.replace(self, **changes)
+
+
+def median(values) -> float | None:
+    """Median of a sequence of numbers (None when empty)."""
+    s = sorted(values)
+    if not s:
+        return None
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 @dataclass(frozen=True)
@@ -144,11 +316,7 @@ class Timings:
 
     @property
     def median_step_ms(self) -> float | None:
-        if not self.step_ms:
-            return None
-        s = sorted(self.step_ms)
-        mid = len(s) // 2
-        return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+        return median(self.step_ms)
 
     @property
     def steps_per_s(self) -> float | None:
@@ -185,7 +353,7 @@ class GenerateResult:
         return {
             "request_id": self.request_id,
             **self.engine.as_dict(),
-            "mode": self.bucket.mode,
+            "mode": str(self.bucket.mode),
             "bucket": str(self.bucket.size),
             "seed": self.seed,
             "steps": self.steps,
@@ -216,3 +384,173 @@ class StepProgress:
     step: int  # 1-based
     total: int
     step_ms: float
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """What an engine announces once its weights are loaded."""
+
+    key: EngineKey
+    pid: int
+    load_s: float | None
+    notices: tuple[str, ...] = ()
+    modes: tuple[Mode, ...] = ()
+    buckets: tuple[BucketInfo, ...] = ()
+    # Tensor-parallel sidecars only: every rank (rank, host, pid, device) and the collective backend.
+    tp: int = 1
+    ranks: tuple[dict, ...] = ()
+    backend: str = ""
+
+    @property
+    def rank_pids(self) -> tuple[int, ...]:
+        return tuple(r["pid"] for r in self.ranks)
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker protocol: messages between a client (engine/client.py) and an engine (engine/worker.py)
+# ------------------------------------------------------------------------------------------------
+
+
+class ToEngine(enum.StrEnum):
+    GENERATE = "generate"
+    CANCEL = "cancel"
+    WARM = "warm"
+    SHUTDOWN = "shutdown"
+    INJECT_FAULT = "inject_fault"  # tests only; refused unless EngineOptions.fault_injection
+
+
+class FromEngine(enum.StrEnum):
+    READY = "ready"
+    FATAL = "fatal"  # the engine could not start; it exits
+    BUCKET = "bucket"
+    PROGRESS = "progress"
+    RESULT = "result"
+    ERROR = "error"  # one request failed; the engine keeps serving
+
+
+class Fault(enum.StrEnum):
+    """One-shot faults a test can arm in an engine started with fault_injection=True."""
+
+    OOM = "oom"  # the next request raises the device's out-of-memory error
+    CRASH = "crash"  # the worker process dies at the next request's first step
+
+
+@dataclass(frozen=True)
+class Generate:
+    KIND: ClassVar = ToEngine.GENERATE
+    request: GenerateRequest
+
+
+@dataclass(frozen=True)
+class Cancel:
+    KIND: ClassVar = ToEngine.CANCEL
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Warm:
+    KIND: ClassVar = ToEngine.WARM
+    bucket: BucketKey | None  # None: the engine's start-up warm list
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    KIND: ClassVar = ToEngine.SHUTDOWN
+
+
+@dataclass(frozen=True)
+class InjectFault:
+    KIND: ClassVar = ToEngine.INJECT_FAULT
+    fault: Fault
+
+
+@dataclass(frozen=True)
+class Ready:
+    KIND: ClassVar = FromEngine.READY
+    ready: EngineReady
+
+
+@dataclass(frozen=True)
+class Fatal:
+    KIND: ClassVar = FromEngine.FATAL
+    error: ShowcaseError
+
+
+@dataclass(frozen=True)
+class BucketChanged:
+    KIND: ClassVar = FromEngine.BUCKET
+    info: BucketInfo
+
+
+@dataclass(frozen=True)
+class Progress:
+    KIND: ClassVar = FromEngine.PROGRESS
+    progress: StepProgress
+
+
+@dataclass(frozen=True)
+class Result:
+    KIND: ClassVar = FromEngine.RESULT
+    result: GenerateResult
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    KIND: ClassVar = FromEngine.ERROR
+    request_id: str | None  # None: a message that was not a request could not be handled
+    error: ShowcaseError
+
+
+def kind_of(message) -> enum.StrEnum | None:
+    """The message's kind, or None for anything that is not a protocol message."""
+    return getattr(type(message), "KIND", None)
+
+
+def dispatch(message, handlers: dict, log, peer: str) -> bool:
+    """Run `handlers[kind](message)`. An unknown message is logged and False returned, so the caller
+    can answer it (never silently dropped)."""
+    handler = handlers.get(kind_of(message))
+    if handler is None:
+        log.error("unknown message from %s: %r", peer, type(message).__name__)
+        return False
+    handler(message)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensor-parallel operations (rank 0 broadcasts each one; every rank runs it in the same order)
+# ------------------------------------------------------------------------------------------------
+
+
+class TPOpKind(enum.StrEnum):
+    GENERATE = "generate"
+    WARM = "warm"
+    PING = "ping"  # keeps the followers' control-group wait alive when idle
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True)
+class TPOp:
+    kind: TPOpKind
+    request: GenerateRequest | None = None
+    bucket: BucketKey | None = None
+
+
+class RankExit(enum.IntEnum):
+    """Exit codes of a sidecar rank (and of the by-hand launcher)."""
+
+    OK = 0
+    USAGE = 2  # bad arguments
+    LOAD_FAILED = 3  # the model failed to load on some rank (rank 0 told the client)
+    GROUP_BROKEN = 4  # a rank died or the ranks disagreed; the in-flight request failed
+    ORPHANED = 5  # torchrun or the app that launched the sidecar went away
+    INJECTED_CRASH = 17  # tests: Fault.CRASH
+
+    @property
+    def consequence(self) -> str | None:
+        """For exits caused by *another* rank's failure: what this rank did (None otherwise)."""
+        return {
+            RankExit.LOAD_FAILED: "could not load",
+            RankExit.GROUP_BROKEN: "left the broken group",
+            RankExit.ORPHANED: "saw torchrun or the app go away",
+        }.get(self)

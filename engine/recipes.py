@@ -8,31 +8,12 @@ spec, never from `if device == ...` here.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
+from engine.protocol import EngineOptions
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Per-engine options; every field is one named step below (or a compile setting)."""
-
-    cpu_offload: bool = False  # enable_model_cpu_offload(); then only regional compile is possible
-    channels_last: bool = False  # UNet / VAE convolutions in channels_last memory format
-    fuse_qkv: bool = False  # fuse_qkv_projections() on the denoiser
-    inductor_flags: bool | None = None  # flux-fast inductor flags; None = on where the device is CUDA
-    max_autotune: bool = False  # torch.compile mode="max-autotune" (inductor devices only)
-    dynamic: bool = False  # dynamic=True + use_duck_shape=False (not on static-shape devices)
-    compile_vae: bool = True  # compile vae.decode too in "compile" mode
-    int8: bool = False  # torchao dynamic int8 activation + int8 weight quantisation of the denoiser
-    warm_modes: tuple[str, ...] = ("compile",)  # modes whose buckets warm at start-up
-    warm_sizes: tuple[str, ...] | None = None  # None: every bucket of the preset; () none
-    warm_steps: int = 2
-    max_queue: int = 16  # pending requests per engine before "busy, retry"
-    # Test hooks for fault injection ("compile_fail", "oom", "crash"); never set by the UI.
-    inject_faults: tuple[str, ...] = field(default=())
 
 
 def _denoiser(pipe, name: str):

@@ -27,45 +27,34 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 
-from engine import caches, devices, recipes, settings
+from engine import caches, devices, recipes
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
-from engine.presets import ModelPreset, check_local_path, route_size
+from engine.faults import FaultHooks
+from engine.presets import route_size
 from engine.protocol import (
     BucketInfo,
     BucketKey,
     BucketState,
+    EngineConfig,
     EngineKey,
+    EngineReady,
+    Fault,
     GenerateRequest,
     GenerateResult,
+    Mode,
+    ModelPreset,
+    OnCold,
     Size,
     StepProgress,
     Timings,
 )
-from engine.recipes import EngineOptions
+from engine.resolve import resolve_source
 
 log = logging.getLogger(__name__)
-
-COMPILED_MODES = ("compile", "regional", "defer-and-fuse")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything a worker needs to build its runner; picklable, sent once at start."""
-
-    key: EngineKey
-    preset: ModelPreset
-    options: EngineOptions = field(default_factory=EngineOptions)
-    cache_dir: str = ""
-    allowed_roots: tuple[str, ...] = ()
-
-    def cache_path(self) -> Path:
-        return Path(self.cache_dir) if self.cache_dir else settings.cache_dir()
-
 
 # --- compile accounting per thread --------------------------------------------------------------
 # Dynamo's compile-start callback runs in the compiling thread, so counting per thread tells a
@@ -93,7 +82,7 @@ def compiles_in_this_thread() -> int:
 
 
 def _failing_backend(graph_module, example_inputs):
-    """Injected fault (tests): a compiler backend that always fails."""
+    """Tests (EngineOptions.fail_compiles): a compiler backend that always fails."""
     raise RuntimeError("injected compile failure")
 
 
@@ -159,6 +148,26 @@ def clone_module_tree(module: torch.nn.Module) -> torch.nn.Module:
     for hooks in ("_forward_hooks", "_forward_pre_hooks"):
         setattr(clone, hooks, OrderedDict(getattr(module, hooks)))
     return clone
+
+
+def compile_denoiser(denoiser: torch.nn.Module, mode: Mode, compile_kwargs: dict) -> torch.nn.Module:
+    """The denoiser of a compiled mode, over the same weights (the engine and the bench both use it).
+
+    compile: an OptimizedModule wrapping the module; regional: `compile_repeated_blocks` on a
+    structural clone, because it compiles in place and the eager original must stay eager.
+    """
+    if mode is Mode.COMPILE:
+        return torch.compile(denoiser, **compile_kwargs)
+    if mode is Mode.REGIONAL:
+        clone = clone_module_tree(denoiser)
+        try:
+            clone.compile_repeated_blocks(**compile_kwargs)
+        except ValueError as exc:
+            raise UnsupportedCombination(
+                f"regional compile is not possible for {type(denoiser).__name__}: {exc}; use mode 'compile'"
+            ) from None
+        return clone
+    raise InvalidRequest(f"mode {mode!r} has no compiled denoiser")
 
 
 class _RunClock:
@@ -253,23 +262,24 @@ class PipelineRunner:
         self.notices: list[str] = list(self.precision.notices)
         self.pipe = None
         self.load_s: float | None = None
-        self._variants: dict[str, object] = {}
+        self._variants: dict[Mode, object] = {}
         self._variant_lock = threading.Lock()
         self._run_lock = threading.Lock()  # one request on the device at a time (warm-up runs apart)
-        self._mode_notices: dict[str, tuple[str, ...]] = {}
+        self._mode_notices: dict[Mode, tuple[str, ...]] = {}
+        self.faults = FaultHooks()  # tests arm one-shot faults through the worker protocol
         for mode in self.modes():
             for size in self.preset.buckets:
-                self.board.add(BucketKey(mode, size), BucketState.WARM if mode == "eager" else BucketState.COLD)
+                self.board.add(BucketKey(mode, size), BucketState.COLD if mode.compiled else BucketState.WARM)
 
     # -- set-up ----------------------------------------------------------------------------------
-    def modes(self) -> tuple[str, ...]:
+    def modes(self) -> tuple[Mode, ...]:
         """Modes this engine can run: the device's, minus what its options rule out."""
         modes = [m for m in self.spec.modes]
-        if self.options.cpu_offload and "compile" in modes:
-            modes.remove("compile")  # offload hooks cannot be traced (seed: compile only the repeated blocks)
+        if self.options.cpu_offload and Mode.COMPILE in modes:
+            modes.remove(Mode.COMPILE)  # offload hooks cannot be traced (seed: compile only the repeated blocks)
         return tuple(modes)
 
-    def check_mode(self, mode: str) -> tuple[str, ...]:
+    def check_mode(self, mode: Mode) -> tuple[str, ...]:
         if mode in self._mode_notices:  # checked on every request: remember the answer per mode
             return self._mode_notices[mode]
         notices = devices.check_mode(self.spec, mode)
@@ -280,17 +290,6 @@ class PipelineRunner:
             )
         self._mode_notices[mode] = notices
         return notices
-
-    def resolve_source(self) -> str:
-        preset, cache = self.preset, self.config.cache_path()
-        if preset.embedded:
-            from engine.tiny import ensure_tiny_pipeline
-
-            return str(ensure_tiny_pipeline(preset.embedded, settings.models_dir(cache)))
-        if Path(preset.source).is_absolute():
-            roots = [Path(r) for r in self.config.allowed_roots] or None
-            return str(check_local_path(Path(preset.source), roots))
-        return preset.source
 
     # Hooks for subclasses (engine/tp/runner.py: each rank loads its shard onto its own device).
     def load_device(self) -> str:
@@ -313,7 +312,7 @@ class PipelineRunner:
         _install_compile_counter()
         recipes.raise_recompile_limit(len(self.modes()) * len(self.preset.buckets) * 2)
         pipeline_cls = getattr(diffusers, self.preset.pipeline)
-        source = self.resolve_source()
+        source = resolve_source(self.config)
         try:
             pipe = pipeline_cls.from_pretrained(
                 source, dtype=self.precision.dtype, trust_remote_code=False, **self.component_overrides(source)
@@ -334,47 +333,34 @@ class PipelineRunner:
             pipe.to(self.load_device())
         self.notices += recipes.apply_inductor_flags(self.options, self.spec)
         self.pipe = pipe
-        self._variants["eager"] = pipe
+        self._variants[Mode.EAGER] = pipe
         # A pristine scheduler that never runs: each request gets a copy (schedulers keep per-run state).
         self._scheduler_template = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
         self.load_s = time.perf_counter() - start
         log.info("loaded %s in %.2fs", self.config.key, self.load_s)
         return self.load_s
 
-    def variant(self, mode: str):
+    def variant(self, mode: Mode):
         """The pipeline object for a mode (built once; compiled modules compile lazily per shape)."""
         with self._variant_lock:
             if mode in self._variants:
                 return self._variants[mode]
             base = self.pipe
-            if mode == "defer-and-fuse":
+            if mode is Mode.DEFER_AND_FUSE:
                 pipe = base  # same modules; the eager mode is switched per run (devices.enter_eager_mode)
             else:
-                pipe = copy.copy(base)
-                denoiser = getattr(base, self.preset.denoiser)
-                kwargs, notices = recipes.compile_kwargs(self.options, self.spec)
+                options = replace(self.options, fail_compiles=False)
+                kwargs, notices = recipes.compile_kwargs(options, self.spec)
                 self.notices += notices
-                if "compile_fail" in self.options.inject_faults:
+                if self.options.fail_compiles:
                     kwargs["backend"] = _failing_backend
-                if mode == "compile":
-                    compiled = torch.compile(denoiser, **kwargs)
-                    object.__setattr__(pipe, self.preset.denoiser, compiled)
-                    if self.options.compile_vae:
-                        vae = copy.copy(base.vae)  # shallow: same weights, own attribute dict
-                        vae.decode = torch.compile(base.vae.decode, **{**kwargs, "fullgraph": False})
-                        object.__setattr__(pipe, "vae", vae)
-                elif mode == "regional":
-                    clone = clone_module_tree(denoiser)
-                    try:
-                        clone.compile_repeated_blocks(**kwargs)
-                    except ValueError as exc:
-                        raise UnsupportedCombination(
-                            f"regional compile is not possible for {type(denoiser).__name__}: {exc}; "
-                            "use mode 'compile'"
-                        ) from None
-                    object.__setattr__(pipe, self.preset.denoiser, clone)
-                else:
-                    raise InvalidRequest(f"unknown mode {mode!r}")
+                pipe = copy.copy(base)
+                denoiser = compile_denoiser(getattr(base, self.preset.denoiser), mode, kwargs)
+                object.__setattr__(pipe, self.preset.denoiser, denoiser)
+                if mode is Mode.COMPILE and self.options.compile_vae:
+                    vae = copy.copy(base.vae)  # shallow: same weights, own attribute dict
+                    vae.decode = torch.compile(base.vae.decode, **{**kwargs, "fullgraph": False})
+                    object.__setattr__(pipe, "vae", vae)
             self._variants[mode] = pipe
             return pipe
 
@@ -423,9 +409,9 @@ class PipelineRunner:
         bucket = request.bucket
         info = self.board.get(bucket)
         eager_fallback = False
-        if request.mode != "eager":
+        if request.mode.compiled:
             if info is None or info.state != BucketState.WARM:
-                if request.on_cold == "wait":
+                if request.on_cold is OnCold.WAIT:
                     if info is None or info.state in (BucketState.COLD, BucketState.FAILED):
                         self.warm_bucket(bucket)  # compile here, in this request
                     self.board.event(bucket).wait()
@@ -435,13 +421,10 @@ class PipelineRunner:
                     state = info.state.value if info else "cold"
                     reason = f": {info.error}" if info and info.error else ""
                     notices.append(f"bucket {bucket} is {state}{reason}; served eagerly on the same weights")
-        pipe = self.variant("eager" if eager_fallback else request.mode)
-        if eager_fallback:
-            request_for_run = request.replace(mode="eager")
-        else:
-            request_for_run = request
+        pipe = self.variant(Mode.EAGER if eager_fallback else request.mode)
+        request_for_run = request.replace(mode=Mode.EAGER) if eager_fallback else request
         with self._run_lock:
-            if "oom" in self.options.inject_faults and request.prompt == "__inject_oom__":
+            if self.faults.take(Fault.OOM):
                 raise self._out_of_memory(torch.OutOfMemoryError("injected out-of-memory"))
             self.spec.reset_peak_memory()
             compiles_before = compiles_in_this_thread()
@@ -517,7 +500,7 @@ class PipelineRunner:
 
     def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
         """Compile and warm one bucket: first call compiles (compile_s), second is the warm-up run."""
-        if bucket.mode not in COMPILED_MODES:
+        if not bucket.mode.compiled:
             return self.board.update(bucket, state=BucketState.WARM)
         try:
             self.check_mode(bucket.mode)
@@ -558,15 +541,10 @@ class PipelineRunner:
             for guidance in self.warm_guidances():
                 self._call(pipe, self.warm_request(bucket, guidance))
 
-    def ready_info(self) -> dict:
-        """What a worker announces once loaded (the protocol's "ready" message)."""
-        return {
-            "pid": os.getpid(),
-            "load_s": self.load_s,
-            "notices": list(self.notices),
-            "modes": list(self.modes()),
-            "buckets": self.board.all(),
-        }
+    def ready_info(self) -> EngineReady:
+        """What a worker announces once loaded (the protocol's Ready message)."""
+        return EngineReady(key=self.config.key, pid=os.getpid(), load_s=self.load_s, notices=tuple(self.notices),
+                           modes=self.modes(), buckets=tuple(self.board.all()))
 
     def buckets_to_warm(self) -> list[BucketKey]:
         """The configured start-up warm list, most-used size first (the preset's order)."""

@@ -9,15 +9,14 @@ from __future__ import annotations
 import math
 
 from engine.errors import InvalidRequest
-from engine.presets import ModelPreset, route_size
-from engine.protocol import MODES, PRECISIONS, GenerateRequest
+from engine.presets import route_size
+from engine.protocol import GenerateRequest, Mode, ModelPreset, OnCold, Precision
 
 MAX_PROMPT_CHARS = 4000
 LONG_PROMPT_WORDS = 60  # ~77 CLIP tokens: beyond this the CLIP encoders see only the start
 MAX_STEPS = 200
 MAX_GUIDANCE = 50.0
 MAX_SEED = 2**63 - 1
-ON_COLD = ("eager", "wait")
 
 
 def _number(name: str, value, kind=float):
@@ -32,12 +31,6 @@ def _number(name: str, value, kind=float):
     if kind is float and not math.isfinite(number):
         raise InvalidRequest(f"{name} must be finite, got {value!r}")
     return number
-
-
-def check_choice(name: str, value, choices) -> str:
-    if value not in choices:
-        raise InvalidRequest(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
-    return value
 
 
 def check_prompt(name: str, prompt) -> tuple[str, tuple[str, ...]]:
@@ -67,14 +60,14 @@ def build_request(
     steps=None,
     guidance=None,
     seed=0,
-    mode: str = "eager",
+    mode: str | Mode = Mode.EAGER,
     negative_prompt=None,
     snap: bool = True,
-    on_cold: str = "eager",
+    on_cold: str | OnCold = OnCold.EAGER,
 ) -> tuple[GenerateRequest, tuple[str, ...]]:
     """A validated, routed GenerateRequest plus the notices to show with its result."""
-    check_choice("mode", mode, MODES)
-    check_choice("on_cold", on_cold, ON_COLD)
+    mode = Mode.parse(mode, "mode")
+    on_cold = OnCold.parse(on_cold, "on_cold")
     prompt, notices = check_prompt("prompt", prompt)
     negative, neg_notices = check_prompt("negative_prompt", negative_prompt)
     notices += neg_notices
@@ -105,5 +98,5 @@ def build_request(
     return request, notices + size_notices
 
 
-def check_precision(precision: str) -> str:
-    return check_choice("precision", precision, PRECISIONS)
+def check_precision(precision: str) -> Precision:
+    return Precision.parse(precision, "precision")

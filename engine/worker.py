@@ -1,18 +1,15 @@
 """The worker process that owns one engine's pipeline (one per (model, device, precision)).
 
-Why a process: compiling holds the GIL for seconds (design.md §2 measured 7 s stalls), and a crash in
-a device backend must not take the web server down. The worker speaks a small message protocol over
-a `multiprocessing` Connection; the tensor-parallel sidecar's rank 0 runs this same loop behind an
+Why a process: compiling holds the GIL for seconds (7 s stalls were measured on a 2-core machine),
+and a crash in a device backend must not take the web server down. The worker speaks the typed
+message protocol of engine/protocol.py (`Generate`, `Cancel`, `Warm`, `Shutdown`, `InjectFault` in;
+`Ready`, `Fatal`, `BucketChanged`, `Progress`, `Result`, `RequestFailed` out) over a
+`multiprocessing` Connection; the tensor-parallel sidecar's rank 0 runs this same loop behind an
 authenticated loopback socket, so clients cannot tell the two apart.
 
 Inside the worker, the serve loop (main thread) owns the request queue and runs one request at a
 time; a warm-up thread compiles queued buckets so that requests keep being served (eagerly at cold
-buckets) while a bucket compiles.
-
-Messages to the worker:  ("generate", GenerateRequest) ("warm", BucketKey | None) ("cancel", id)
-                         ("shutdown",)
-Messages from it:        ("ready", dict) ("bucket", BucketInfo) ("progress", StepProgress)
-                         ("result", GenerateResult) ("error", request_id, exception) ("fatal", exception)
+buckets) while a bucket compiles. A receiver thread takes cancel and warm at any time.
 """
 
 from __future__ import annotations
@@ -23,8 +20,24 @@ import queue
 import threading
 import traceback
 
-from engine.errors import EngineBusy, ShowcaseError
-from engine.protocol import BucketKey, BucketState, GenerateRequest
+from engine.errors import Cancelled, EngineBusy, InvalidRequest, ShowcaseError
+from engine.protocol import (
+    BucketChanged,
+    BucketKey,
+    BucketState,
+    Fatal,
+    Fault,
+    Generate,
+    GenerateRequest,
+    InjectFault,
+    Progress,
+    RankExit,
+    Ready,
+    RequestFailed,
+    Result,
+    ToEngine,
+    dispatch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +55,7 @@ class WorkerLoop:
         self._size_hits: dict = {}
         self._stop = threading.Event()
 
-    def send(self, *message) -> None:
+    def send(self, message) -> None:
         with self._send_lock:
             try:
                 self.conn.send(message)
@@ -50,32 +63,50 @@ class WorkerLoop:
                 self._stop.set()
 
     # -- receiving (its own thread, so cancel and warm arrive while a request runs) ---------------
+    def _handlers(self) -> dict:
+        return {
+            ToEngine.GENERATE: self._on_generate,
+            ToEngine.CANCEL: lambda m: self._cancels.setdefault(m.request_id, threading.Event()).set(),
+            ToEngine.WARM: lambda m: self.queue_warm(m.bucket),
+            ToEngine.SHUTDOWN: lambda m: self._stop.set(),
+            ToEngine.INJECT_FAULT: self._on_inject_fault,
+        }
+
     def _receive(self) -> None:
+        handlers = self._handlers()
+        peer = f"the client of {self.runner.config.key}"
         while not self._stop.is_set():
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
                 break  # the client is gone
-            kind = message[0]
-            if kind == "generate":
-                request: GenerateRequest = message[1]
-                if self._requests.qsize() >= self.max_queue:
-                    self.send("error", request.request_id, EngineBusy(
-                        f"engine {self.runner.config.key} has {self.max_queue} requests waiting; retry in a few seconds"))
-                    continue
-                self._cancels[request.request_id] = threading.Event()
-                self._size_hits[request.size] = self._size_hits.get(request.size, 0) + 1
-                self._requests.put(request)
-            elif kind == "cancel":
-                self._cancels.setdefault(message[1], threading.Event()).set()
-            elif kind == "warm":
-                self.queue_warm(message[1])
-            elif kind == "shutdown":
-                break
+            except Exception as exc:  # a message we cannot unpickle: answer, keep reading
+                log.error("unreadable message from %s: %s", peer, exc)
+                self.send(RequestFailed(None, ShowcaseError(f"unreadable message: {exc}")))
+                continue
+            if not dispatch(message, handlers, log, peer):
+                self.send(RequestFailed(getattr(message, "request_id", None),
+                                        ShowcaseError(f"unknown message {type(message).__name__!r}")))
         self._stop.set()
         self._requests.put(None)
         with self._warm_cv:
             self._warm_cv.notify_all()
+
+    def _on_generate(self, message: Generate) -> None:
+        request = message.request
+        if self._requests.qsize() >= self.max_queue:
+            self.send(RequestFailed(request.request_id, EngineBusy(
+                f"engine {self.runner.config.key} has {self.max_queue} requests waiting; retry in a few seconds")))
+            return
+        self._cancels[request.request_id] = threading.Event()
+        self._size_hits[request.size] = self._size_hits.get(request.size, 0) + 1
+        self._requests.put(request)
+
+    def _on_inject_fault(self, message: InjectFault) -> None:
+        if not self.runner.options.fault_injection:
+            self.send(RequestFailed(None, InvalidRequest("fault injection is off in this engine")))
+            return
+        self.runner.faults.arm(message.fault)
 
     # -- warm-up ---------------------------------------------------------------------------------
     def queue_warm(self, bucket: BucketKey | None) -> None:
@@ -110,25 +141,23 @@ class WorkerLoop:
     # -- serving ---------------------------------------------------------------------------------
     def _serve_one(self, request: GenerateRequest) -> None:
         cancel = self._cancels.setdefault(request.request_id, threading.Event())
-        crash = "crash" in self.runner.options.inject_faults and request.prompt == "__inject_crash__"
+        crash = self.runner.faults.take(Fault.CRASH)
 
         def on_step(progress):
-            self.send("progress", progress)
+            self.send(Progress(progress))
             if crash:
-                os._exit(17)  # injected fault: the worker dies mid-request
+                os._exit(RankExit.INJECTED_CRASH)  # armed by a test: the worker dies mid-request
 
         try:
             if cancel.is_set():
-                from engine.errors import Cancelled
-
                 raise Cancelled(f"request {request.request_id} cancelled before it started")
             result = self.runner.generate(request, on_step=on_step, cancel=cancel)
-            self.send("result", result)
+            self.send(Result(result))
         except ShowcaseError as exc:
-            self.send("error", request.request_id, exc)
+            self.send(RequestFailed(request.request_id, exc))
         except Exception as exc:  # never let one request kill the worker
             log.exception("request %s failed", request.request_id)
-            self.send("error", request.request_id, ShowcaseError(f"{type(exc).__name__}: {exc}"))
+            self.send(RequestFailed(request.request_id, ShowcaseError(f"{type(exc).__name__}: {exc}")))
         finally:
             self._cancels.pop(request.request_id, None)
 
@@ -153,15 +182,15 @@ def worker_main(config, conn, env: dict[str, str]) -> None:
 
     loop = None
     try:
-        runner = PipelineRunner(config, listener=lambda info: loop and loop.send("bucket", info))
+        runner = PipelineRunner(config, listener=lambda info: loop and loop.send(BucketChanged(info)))
         loop = WorkerLoop(conn, runner, max_queue=config.options.max_queue)
         runner.load()
-        loop.send("ready", runner.ready_info())
+        loop.send(Ready(runner.ready_info()))
     except Exception as exc:
         err = exc if isinstance(exc, ShowcaseError) else ShowcaseError(f"{type(exc).__name__}: {exc}")
         log.error("worker failed to start: %s\n%s", exc, traceback.format_exc())
         try:
-            conn.send(("fatal", err))
+            conn.send(Fatal(err))
         finally:
             conn.close()
         return

@@ -41,7 +41,7 @@ def tiny_models(cache_dir) -> dict[str, Path]:
 def manager(cache_dir, tiny_models):
     """A session-wide engine manager with no start-up warm-up (tests warm what they need)."""
     from engine.manager import EngineManager
-    from engine.recipes import EngineOptions
+    from engine.protocol import EngineOptions
 
     m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
     yield m

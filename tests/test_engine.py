@@ -17,9 +17,16 @@ from engine.client import ProcessEngine
 from engine.errors import Cancelled, DeviceOutOfMemory, EngineCrashed
 from engine.manager import EngineManager
 from engine.presets import get_preset
-from engine.protocol import BucketKey, BucketState, EngineKey, GenerateRequest, Size
-from engine.recipes import EngineOptions
-from engine.runner import EngineConfig
+from engine.protocol import (
+    BucketKey,
+    BucketState,
+    EngineConfig,
+    EngineKey,
+    EngineOptions,
+    Fault,
+    GenerateRequest,
+    Size,
+)
 
 KEY = EngineKey("tiny-flux", "cpu", "fp32")
 
@@ -58,7 +65,7 @@ def warm_regional_64(engine):
 
 @pytest.fixture(scope="module")
 def engine(cache_dir, tiny_models):
-    e = start_engine(cache_dir, inject_faults=("oom",))
+    e = start_engine(cache_dir, fault_injection=True)
     yield e
     e.close()
 
@@ -132,13 +139,14 @@ def test_cancel_stops_between_steps_and_engine_keeps_serving(engine):
 
 
 def test_injected_out_of_memory_is_a_clear_error_and_engine_keeps_serving(engine):
+    engine.inject_fault(Fault.OOM)  # one-shot: the next request runs out of memory
     with pytest.raises(DeviceOutOfMemory, match="memory was released"):
-        engine.generate(request(prompt="__inject_oom__"), timeout=120)
+        engine.generate(request(), timeout=120)
     assert engine.generate(request(seed=2), timeout=120).image().size == (64, 64)
 
 
 def test_failed_compile_shows_the_reason_and_eager_still_serves(cache_dir, tiny_models):
-    engine = start_engine(cache_dir, inject_faults=("compile_fail",))
+    engine = start_engine(cache_dir, fail_compiles=True)
     try:
         bucket = BucketKey("regional", Size(64, 64))
         engine.warm(bucket)
@@ -151,14 +159,15 @@ def test_failed_compile_shows_the_reason_and_eager_still_serves(cache_dir, tiny_
 
 
 def test_killed_worker_fails_the_request_then_restarts(cache_dir, tiny_models):
-    manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=(), inject_faults=("crash",)))
+    manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=(), fault_injection=True))
     try:
         first = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
         old_pid = manager.engine(KEY).pid
         t0 = time.time()
+        manager.engine(KEY).inject_fault(Fault.CRASH)  # one-shot: the next request kills the worker
         with pytest.raises(EngineCrashed, match="exited with code"):
-            manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64",
-                             prompt="__inject_crash__", timeout=60)
+            manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok",
+                             timeout=60)
         assert time.time() - t0 < 10
         deadline = time.time() + 60
         while manager.engine(KEY).pid == old_pid and time.time() < deadline:

@@ -27,8 +27,9 @@ SCRIPT = textwrap.dedent(
     from engine import devices
     from engine.presets import get_preset
     from engine.protocol import BucketKey, BucketState, EngineKey, GenerateRequest, Size
-    from engine.recipes import EngineOptions
-    from engine.runner import EngineConfig, PipelineRunner
+    from engine.protocol import EngineOptions
+    from engine.protocol import EngineConfig
+    from engine.runner import PipelineRunner
 
     def runner(device):
         key = EngineKey("tiny-flux", device, "fp32")

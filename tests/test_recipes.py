@@ -8,9 +8,8 @@ import torch
 from engine import devices, recipes
 from engine.errors import UnsupportedCombination
 from engine.presets import get_preset
-from engine.protocol import EngineKey
-from engine.recipes import EngineOptions
-from engine.runner import EngineConfig, PipelineRunner, clone_module_tree
+from engine.protocol import EngineConfig, EngineKey, EngineOptions
+from engine.runner import PipelineRunner, clone_module_tree
 
 
 def make_runner(cache_dir, preset="tiny-flux", precision="fp32", **options) -> PipelineRunner:

@@ -21,7 +21,7 @@ from helpers import free_port, launch_demo
 from PIL import Image
 
 from engine.manager import EngineManager
-from engine.recipes import EngineOptions
+from engine.protocol import EngineOptions
 from ui.handlers import UIDefaults
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def model_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def manager_and_url(cache_dir, tiny_models, model_root):
     manager = EngineManager(cache_dir=cache_dir, allowed_roots=[model_root],
-                            options=EngineOptions(warm_sizes=(), max_queue=64, inject_faults=()))
+                            options=EngineOptions(warm_sizes=(), max_queue=64))
     demo, url = launch(manager, queue_size=64)
     yield manager, url
     demo.close()

@@ -25,9 +25,8 @@ import pytest
 
 from engine.errors import EngineCrashed
 from engine.presets import get_preset
-from engine.protocol import EngineKey, GenerateRequest
-from engine.recipes import EngineOptions
-from engine.runner import EngineConfig, pipeline_call_kwargs
+from engine.protocol import EngineConfig, EngineKey, EngineOptions, GenerateRequest
+from engine.runner import pipeline_call_kwargs
 from engine.tp.client import SidecarEngine
 
 TOLERANCE = 1e-4
@@ -142,7 +141,7 @@ def test_flux2_klein_tp_with_sharded_text_encoder_matches_one_process(cache_dir,
     engine = SidecarEngine(_config(cache_dir, "tiny-flux2-klein", tp_text_encoder=True), dump_dir=tmp_path).start()
     try:
         engine.wait_ready(300)
-        assert any("text_encoder (Qwen3ForCausalLM)" in n for n in engine.info["notices"])
+        assert any("text_encoder (Qwen3ForCausalLM)" in n for n in engine.info.notices)
         request = _request("klein-eager", guidance=1.0)
         result = engine.generate(request, timeout=120)
     finally:

@@ -171,8 +171,7 @@ def test_preset_without_tp_plan_is_refused(tiny_models):
 
 
 def test_sidecar_engine_refuses_an_impossible_split_before_starting_anything(cache_dir, tiny_models):
-    from engine.protocol import EngineKey
-    from engine.runner import EngineConfig
+    from engine.protocol import EngineConfig, EngineKey
     from engine.tp.client import SidecarEngine
 
     config = EngineConfig(key=EngineKey("tiny-flux", "cpu", "fp32", 3), preset=get_preset("tiny-flux"),
@@ -226,7 +225,7 @@ Root Cause (first observed failure):
 
 
 def test_token_and_config_files_are_private(tmp_path):
-    from engine.tp.sidecar import write_private
+    from engine.tp.tokens import write_private
 
     path = write_private(tmp_path / "token", b"secret")
     assert path.stat().st_mode & 0o777 == 0o600 and path.read_bytes() == b"secret"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gradio as gr
 
 from engine.errors import ShowcaseError
-from engine.protocol import MODES, PRECISIONS
+from engine.protocol import Mode, Precision
 from ui import views
 from ui.handlers import Handlers, UIDefaults
 
@@ -72,7 +72,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
                             device_dd = gr.Dropdown(views.device_choices(report), value=d.device, label="Device",
                                                     elem_id="device")
                         with gr.Row():
-                            precision_dd = gr.Dropdown(list(PRECISIONS), value=d.precision, label="Precision",
+                            precision_dd = gr.Dropdown(list(Precision.values()), value=d.precision, label="Precision",
                                                        elem_id="precision")
                             mode_dd = gr.Dropdown(modes, value=d.mode if d.mode in modes else "eager", label="Mode",
                                                   elem_id="mode")
@@ -113,7 +113,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
                                      label="Bucket board")
                 with gr.Row():
                     board_engine = gr.Dropdown([], label="Engine", elem_id="board-engine", allow_custom_value=True)
-                    board_mode = gr.Dropdown([m for m in MODES if m != "eager"], value="regional", label="Mode",
+                    board_mode = gr.Dropdown([m for m in Mode.values() if m != "eager"], value="regional", label="Mode",
                                              elem_id="board-mode")
                     board_size = gr.Dropdown(sizes, value=sizes[0], label="Size", allow_custom_value=True,
                                              elem_id="board-size")
@@ -142,9 +142,9 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
                         available = [r["name"] for r in report if r.get("available")]
                         c_devices = gr.CheckboxGroup(views.device_choices(report, short=True)[1:], value=available[:1],
                                                      label="Devices", elem_id="c-devices")
-                        c_precisions = gr.CheckboxGroup(list(PRECISIONS), value=[d.precision], label="Precisions",
+                        c_precisions = gr.CheckboxGroup(list(Precision.values()), value=[d.precision], label="Precisions",
                                                         elem_id="c-precisions")
-                        c_modes = gr.CheckboxGroup(list(MODES), value=["eager", "regional"], label="Modes",
+                        c_modes = gr.CheckboxGroup(list(Mode.values()), value=["eager", "regional"], label="Modes",
                                                    elem_id="c-modes")
                         c_wait = gr.Checkbox(True, label="Wait for compiled buckets (their compile cost is "
                                              "measured); off: cold buckets run eagerly", elem_id="c-wait")

@@ -22,7 +22,7 @@ import pandas as pd
 
 from engine import devices as engine_devices
 from engine.errors import Cancelled, DeviceUnavailable, InvalidRequest, ShowcaseError, UnsupportedCombination
-from engine.protocol import MODES, PRECISIONS, Size
+from engine.protocol import Mode, Precision, Size
 from ui import views
 from ui.system import system_markdown, system_report
 
@@ -122,7 +122,7 @@ class Handlers:
             try:
                 return list(engine_devices.get_device(device).modes)
             except ShowcaseError:
-                return list(MODES)
+                return list(Mode.values())
 
     # -- settings --------------------------------------------------------------------------------
     def preset_defaults(self, preset: str):
@@ -388,7 +388,7 @@ class Handlers:
         row = getattr(evt, "row_value", None) or []
         if len(row) < 5 or not row[0]:
             return gr.skip(), gr.skip(), gr.skip()
-        mode = row[3] if row[3] in MODES and row[3] != "eager" else gr.skip()
+        mode = row[3] if row[3] in Mode.values() and row[3] != "eager" else gr.skip()
         size = row[4] if row[4] else gr.skip()
         return row[0], mode, size
 
@@ -410,8 +410,8 @@ class Handlers:
                 f"pick {MIN_CONFIGS}–{MAX_CONFIGS} configurations (device × precision × mode); "
                 f"these choices make {len(configs)}", title="Invalid request")
         for p in precisions:
-            if p not in PRECISIONS:
-                raise gr.Error(f"unknown precision {p!r}; choose from {', '.join(PRECISIONS)}", title="Invalid request")
+            if p not in Precision.values():
+                raise gr.Error(f"unknown precision {p!r}; choose from {', '.join(Precision.values())}", title="Invalid request")
         try:
             size_text = str(Size.parse(size)) if size else str(self.manager.preset(preset).buckets[0])
         except ShowcaseError as exc:

@@ -36,35 +36,20 @@ import threading
 import time
 from pathlib import Path
 
-from engine import devices, settings
+from engine import devices
 from engine.client import ConnectionEngine
 from engine.errors import EngineCrashed, InvalidRequest, ModelLoadError
-from engine.protocol import EngineKey
+from engine.protocol import EngineKey, RankExit
+from engine.resolve import resolve_source
 from engine.tp import launch
+from engine.tp.tokens import new_token, read_address, write_private
 
 log = logging.getLogger(__name__)
 
 KEEP_LOGS = 20
 
 
-def resolve_local_source(config) -> str:
-    """The model folder the ranks will load, when it is local (embedded tiny models are built here once)."""
-    from engine.presets import check_local_path
-
-    preset = config.preset
-    if preset.embedded:
-        from engine.tiny import ensure_tiny_pipeline
-
-        return str(ensure_tiny_pipeline(preset.embedded, settings.models_dir(config.cache_path())))
-    if Path(preset.source).is_absolute():
-        roots = [Path(r) for r in config.allowed_roots] or None
-        return str(check_local_path(Path(preset.source), roots))
-    return preset.source
-
-
 _FAILURE_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)\b(.*?)$")
-# Exit codes of engine/tp/sidecar.py ranks that are a *consequence* of another rank's failure.
-_CONSEQUENCES = {3: "could not load", 4: "left the broken group", 5: "saw torchrun or the app go away"}
 
 
 def rank_failures(log_text: str) -> list[tuple[int, int]]:
@@ -86,6 +71,14 @@ def rank_failures(log_text: str) -> list[tuple[int, int]]:
     return sorted(found.items())
 
 
+def _consequence(code: int) -> str | None:
+    """What a rank did because *another* rank failed (RankExit.consequence), None for a root cause."""
+    try:
+        return RankExit(code).consequence
+    except ValueError:
+        return None
+
+
 def root_cause(log_text: str) -> str | None:
     """Which rank failed and how, the real cause first: torchrun's own "first observed failure" often
     names rank 0, which only exited because another rank had died."""
@@ -100,11 +93,12 @@ def root_cause(log_text: str) -> str | None:
             except ValueError:
                 name = f"signal {-code}"
             return f"rank {rank} was killed by {name}"
-        if code in _CONSEQUENCES:
-            return f"rank {rank} {_CONSEQUENCES[code]} (exit code {code})"
+        consequence = _consequence(code)
+        if consequence:
+            return f"rank {rank} {consequence} (exit code {code})"
         return f"rank {rank} exited with code {code}"
 
-    ordered = sorted(failures, key=lambda f: (f[1] in _CONSEQUENCES, f[0]))
+    ordered = sorted(failures, key=lambda f: (_consequence(f[1]) is not None, f[0]))
     return "; ".join(describe(rank, code) for rank, code in ordered)
 
 
@@ -167,13 +161,12 @@ class SidecarEngine(ConnectionEngine):
 
     def start(self) -> SidecarEngine:
         from engine.tp.plan import check_split_if_local
-        from engine.tp.sidecar import write_private
 
         spec = devices.get_device(self.key.device)
         launch.check_tp_device(spec)
-        check_split_if_local(self.config.preset, resolve_local_source(self.config), self.key.tp)
+        check_split_if_local(self.config.preset, resolve_source(self.config), self.key.tp)
         self.workdir = Path(tempfile.mkdtemp(prefix="showcase-tp-"))  # 0700
-        self._token = secrets.token_hex(32).encode()
+        self._token = new_token()
         write_private(self.workdir / "token", self._token)
         write_private(self.workdir / "config.pkl", pickle.dumps(self.config))
         argv, env = self.plan_launch()
@@ -240,7 +233,7 @@ class SidecarEngine(ConnectionEngine):
         return self.process.pid if self.process else None
 
     def rank_pids(self) -> list[int]:
-        return list(self.info.get("rank_pids", []))
+        return list(self.info.rank_pids) if self.info else []
 
     def describe_exit(self) -> str:
         if self._exit_note is not None:
@@ -268,7 +261,7 @@ class SidecarEngine(ConnectionEngine):
             "tp": self.key.tp,
             "nnodes": self.nnodes,
             "pid": self.pid,
-            "ranks": self.info.get("ranks", []),
+            "ranks": list(self.info.ranks) if self.info else [],
             "log": str(self.log_path) if self.log_path else None,
         })
         return status
@@ -339,20 +332,18 @@ def connect(address_file: str | Path, timeout: float = 600.0) -> ConnectionEngin
     names the port and the token file."""
     from multiprocessing.connection import Client
 
-    info = json.loads(Path(address_file).read_text())
-    token = Path(info["token_file"]).read_bytes()
+    host, port, token = read_address(Path(address_file))
     engine = ConnectionEngine(EngineKey("?", "?", "?", 0))
     engine.kind = "tp-sidecar"
-    engine.attach(Client((info["host"], int(info["port"])), authkey=token))
+    engine.attach(Client((host, port), authkey=token))
     engine.wait_ready(timeout)
-    if "key" in engine.info:
-        engine.key = engine.info["key"]
+    engine.key = engine.info.key
     return engine
 
 
 def main(argv: list[str] | None = None) -> int:
     from engine.errors import ShowcaseError
-    from engine.protocol import GenerateRequest, Size
+    from engine.protocol import GenerateRequest, Mode, OnCold, Size
 
     p = argparse.ArgumentParser(prog="python -m engine.tp.client",
                                 description="Send one request to a sidecar started with python -m engine.tp.sidecar")
@@ -369,9 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = connect(args.address_file)
         size = Size.parse(args.size)
+        mode = Mode.parse(args.mode, "mode")
         result = engine.generate(GenerateRequest(prompt=args.prompt, width=size.width, height=size.height,
                                                  steps=args.steps, guidance=args.guidance, seed=args.seed,
-                                                 mode=args.mode, on_cold="wait"))
+                                                 mode=mode, on_cold=OnCold.WAIT))
     except ShowcaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

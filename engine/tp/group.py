@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import devices
+from engine.protocol import RankExit
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,6 @@ def watch_parents(app_pid: int | None, interval_s: float = 1.0) -> None:
             time.sleep(interval_s)
             if os.getppid() != parent or not app_alive():
                 log.error("sidecar parent (torchrun pid %d / app pid %s) is gone; rank exits", parent, app_pid)
-                os._exit(5)
+                os._exit(RankExit.ORPHANED)
 
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()

@@ -34,15 +34,25 @@ import torch
 
 from engine.errors import EngineCrashed
 from engine.presets import route_size
-from engine.protocol import BucketInfo, BucketKey, BucketState, GenerateRequest, GenerateResult
+from engine.protocol import (
+    BucketInfo,
+    BucketKey,
+    BucketState,
+    GenerateRequest,
+    GenerateResult,
+    OnCold,
+    RankExit,
+    TPOp,
+    TPOpKind,
+)
 from engine.runner import PipelineRunner
 from engine.tp import plan
 from engine.tp.group import HEARTBEAT_S, RankGroup, cpu_adjustments
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN = ("shutdown",)
-PING = ("ping",)
+SHUTDOWN = TPOp(TPOpKind.SHUTDOWN)
+PING = TPOp(TPOpKind.PING)
 
 
 class TensorParallelRunner(PipelineRunner):
@@ -139,10 +149,11 @@ class TensorParallelRunner(PipelineRunner):
             size, _ = route_size(self.preset, request.width, request.height, snap=True)
             request = request.replace(width=size.width, height=size.height)
             info = self.board.get(request.bucket)
-            if request.mode != "eager" and request.on_cold == "wait" and (info is None or info.state != BucketState.WARM):
-                self._run_op(("warm", request.bucket))  # compile here, on every rank, then serve
+            if request.mode.compiled and request.on_cold is OnCold.WAIT and (info is None or info.state != BucketState.WARM):
+                self._run_op(TPOp(TPOpKind.WARM, bucket=request.bucket))  # compile here, on every rank, then serve
             # Never "wait" inside the operation: a rank-local wait would desynchronise the group.
-            return self._run_op(("generate", request.replace(on_cold="eager")), on_step=on_step, cancel=cancel)
+            op = TPOp(TPOpKind.GENERATE, request=request.replace(on_cold=OnCold.EAGER))
+            return self._run_op(op, on_step=on_step, cancel=cancel)
 
     def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
         if not self.group.leader:
@@ -152,7 +163,7 @@ class TensorParallelRunner(PipelineRunner):
             info = self.board.get(bucket)
             if info is not None and info.state == BucketState.WARM:
                 return info
-            return self._run_op(("warm", bucket))
+            return self._run_op(TPOp(TPOpKind.WARM, bucket=bucket))
 
     def _run_op(self, op, on_step=None, cancel=None):
         self._broadcast(op)
@@ -164,7 +175,7 @@ class TensorParallelRunner(PipelineRunner):
         try:
             dist.broadcast_object_list([op], src=0, group=self.group.control)
         except Exception as exc:
-            self._break(f"could not hand {op[0]!r} to the other ranks ({_first_line(exc)})")
+            self._break(f"could not hand {op.kind!r} to the other ranks ({_first_line(exc)})")
         self._last_op = time.monotonic()
 
     def stop_followers(self) -> None:
@@ -197,7 +208,7 @@ class TensorParallelRunner(PipelineRunner):
         threading.Thread(target=beat, name="tp-heartbeat", daemon=True).start()
 
     # -- followers -------------------------------------------------------------------------------
-    def follow(self) -> int:
+    def follow(self) -> RankExit:
         """Run rank 0's operations until it says shutdown. Returns the process exit code."""
         import torch.distributed as dist
 
@@ -207,39 +218,39 @@ class TensorParallelRunner(PipelineRunner):
                 dist.broadcast_object_list(box, src=0, group=self.group.control)
             except Exception as exc:
                 log.error("lost rank 0 while waiting for an operation: %s", _first_line(exc))
-                return 4
+                return RankExit.GROUP_BROKEN
             op = box[0]
             if op == SHUTDOWN:
-                return 0
+                return RankExit.OK
             if op == PING:
                 continue
             try:
                 self._execute(op)
             except EngineCrashed:
-                return 4
+                return RankExit.GROUP_BROKEN
             except Exception:
                 pass  # the same outcome was reported to the client by rank 0
 
     # -- every rank ------------------------------------------------------------------------------
-    def _execute(self, op, on_step=None, cancel=None):
-        kind = op[0]
+    def _execute(self, op: TPOp, on_step=None, cancel=None):
+        kind = op.kind
         result, error = None, None
         try:
-            if kind == "generate":
-                result = self._generate_synced(op[1], on_step, cancel)
-            elif kind == "warm":
-                result = PipelineRunner.warm_bucket(self, op[1])
+            if kind is TPOpKind.GENERATE:
+                result = self._generate_synced(op.request, on_step, cancel)
+            elif kind is TPOpKind.WARM:
+                result = PipelineRunner.warm_bucket(self, op.bucket)
             else:
                 raise RuntimeError(f"unknown tensor-parallel operation {kind!r}")
         except Exception as exc:
             error = exc
-        if kind == "warm" and result is not None:
+        if kind is TPOpKind.WARM and result is not None:
             status = (result.state.value, result.error)
         else:
             status = ("error", type(error).__name__) if error is not None else ("ok", None)
         statuses = self._gather(status, kind)
-        if kind == "warm" and error is None:
-            result = self._reconcile_warm(op[1], statuses) or result
+        if kind is TPOpKind.WARM and error is None:
+            result = self._reconcile_warm(op.bucket, statuses) or result
         elif len(set(statuses)) > 1:
             detail = "; ".join(f"rank {r}: {s[0]}{' ' + str(s[1]) if s[1] else ''}" for r, s in enumerate(statuses))
             self._break(f"the ranks ended {kind!r} differently ({detail})")

@@ -9,20 +9,18 @@ Run without torchrun it is a by-hand launcher for debugging: it builds the torch
 (engine/tp/launch.py), writes a token file, starts the ranks in the foreground and prints how to connect.
 `--print-command` only prints the argv (and, with --nnodes > 1, the command for the other nodes).
 
-Exit codes (each rank): 0 clean shutdown; 2 bad arguments; 3 the model failed to load on some rank
-(rank 0 reported it to the client as a "fatal" message); 4 the group broke (a rank died or the ranks
-disagreed; the in-flight request failed with EngineCrashed); 5 torchrun or the app went away;
-17 injected crash (tests).
+Exit codes (each rank): `engine.protocol.RankExit` -- OK 0 clean shutdown; USAGE 2 bad arguments;
+LOAD_FAILED 3 the model failed to load on some rank (rank 0 reported it to the client as `Fatal`);
+GROUP_BROKEN 4 a rank died or the ranks disagreed (the in-flight request failed with EngineCrashed);
+ORPHANED 5 torchrun or the app went away; INJECTED_CRASH 17 (tests).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import pickle
-import secrets
 import shlex
 import socket
 import subprocess
@@ -31,9 +29,10 @@ import tempfile
 import threading
 from pathlib import Path
 
-log = logging.getLogger("engine.tp.sidecar")
+from engine.protocol import EngineConfig, EngineOptions, Fatal, Mode, RankExit, Ready, Shutdown
+from engine.tp.tokens import new_token, write_address, write_private
 
-EXIT_OK, EXIT_USAGE, EXIT_LOAD, EXIT_BROKEN = 0, 2, 3, 4
+log = logging.getLogger("engine.tp.sidecar")
 
 EPILOG = """\
 how to connect (the sidecar prints this again once rank 0 listens):
@@ -86,32 +85,19 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def write_private(path: Path, data: bytes) -> Path:
-    """Create `path` readable by this user only (0600), atomically."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-    return path
-
-
-def config_from_args(args, world_size: int):
-    from engine.recipes import EngineOptions
-    from engine.runner import EngineConfig
-
+def config_from_args(args, world_size: int) -> EngineConfig:
     if args.config is not None:
         config = pickle.loads(Path(args.config).read_bytes())  # written 0600 by our own launcher
     else:
         from engine import settings
-        from engine.manager import EngineManager
+        from engine.resolve import Catalog
 
         cache = args.cache_dir or settings.cache_dir()
-        manager = EngineManager(cache_dir=cache, auto_restart=False)  # validation only; starts nothing
-        key = manager.make_key(args.preset, args.device, args.precision, max(world_size, 2))
-        options = EngineOptions(warm_modes=tuple(args.warm), warm_sizes=None if args.warm else ())
-        config = EngineConfig(key=key, preset=manager.preset(key.preset), options=options, cache_dir=str(cache),
-                              allowed_roots=tuple(str(r) for r in manager.allowed_roots))
+        catalog = Catalog()
+        key = catalog.make_key(args.preset, args.device, args.precision, max(world_size, 2))
+        warm_modes = tuple(Mode.parse(m, "mode") for m in args.warm)
+        options = EngineOptions(warm_modes=warm_modes, warm_sizes=None if warm_modes else ())
+        config = catalog.config(key, options, cache)
     if not isinstance(config, EngineConfig):
         raise SystemExit(f"{args.config} does not hold an EngineConfig")
     if config.key.tp != world_size:
@@ -132,7 +118,7 @@ def _read_token() -> tuple[bytes, Path]:
         return Path(path).read_bytes(), Path(path)
     # Started with torchrun by hand: make a token, readable by this user only.
     folder = Path(tempfile.mkdtemp(prefix="showcase-tp-"))
-    token_path = write_private(folder / "token", secrets.token_hex(32).encode())
+    token_path = write_private(folder / "token", new_token())
     return token_path.read_bytes(), token_path
 
 
@@ -145,10 +131,9 @@ def _listen(port: int, address_file: Path | None, parent_pid: int | None = None)
     if parent_pid:  # launched by the app, which keeps the token in memory: none left on disk
         token_path.unlink(missing_ok=True)
     host, bound = listener.address
-    info = {"host": host, "port": bound, "token_file": str(token_path), "pid": os.getpid()}
     if address_file is None:
         address_file = token_path.with_name("address.json")
-    write_private(Path(address_file), json.dumps(info).encode())
+    write_address(Path(address_file), host, bound, token_path)
     if parent_pid:
         print(f"[tp sidecar] rank 0 listening on {host}:{bound} for the app (pid {parent_pid})", flush=True)
     else:
@@ -183,57 +168,29 @@ def _exit(code: int) -> None:
     os._exit(code)  # inductor's compile workers and daemon threads must not keep a rank alive
 
 
-def rank_main(args) -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    logging.basicConfig(level=logging.INFO if args.verbose else os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"),
-                        format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
-    from engine.tp.group import watch_parents
+class _Rank0Server:
+    """Rank 0's socket: bound before loading (so a client sees a load failure early), one client at a time."""
 
-    watch_parents(args.parent_pid)
+    def __init__(self, args):
+        self.listener = _listen(args.port, args.address_file, args.parent_pid)
+        self.conn_box: list = []
+        self.connected = threading.Event()
+        # Started by the app (--parent-pid): one client, then the socket closes (later connections are refused).
+        self.accept_next(only_one=args.parent_pid is not None)
 
-    import torch.distributed as dist
-
-    from engine import devices
-    from engine.errors import ModelLoadError, ShowcaseError
-    from engine.tp.group import init_group
-    from engine.tp.launch import dist_timeout_s
-    from engine.tp.runner import TensorParallelRunner
-    from engine.worker import WorkerLoop
-
-    listener, conn_box, connected = None, [], threading.Event()
-    config = None
-    if rank == 0:
-        config = config_from_args(args, world)
-        listener = _listen(args.port, args.address_file, args.parent_pid)
-        threading.Thread(target=_accept, args=(listener, conn_box, connected, args.parent_pid is not None),
+    def accept_next(self, only_one: bool = False) -> None:
+        self.connected.clear()
+        threading.Thread(target=_accept, args=(self.listener, self.conn_box, self.connected, only_one),
                          daemon=True).start()
-        device = config.key.device
-    else:
-        device = args.device  # the launcher passes the config's device to every rank
-    spec = devices.resolve_device(device)
-    group = init_group(spec, args.dist_timeout or dist_timeout_s(spec))
-    box = [config]
-    dist.broadcast_object_list(box, src=0, group=group.control)  # nodes >= 1 get rank 0's config
-    config = box[0]
 
-    loop = None
-    error = None
-    try:
-        runner = TensorParallelRunner(config, group, listener=lambda info: loop and loop.send("bucket", info),
-                                      dump_dir=args.dump_dir)
-        runner.load()
-    except Exception as exc:
-        log.exception("load failed")
-        error = exc
-    me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(group.device),
-          "error": None if error is None else (str(error) if isinstance(error, ShowcaseError)
-                                               else f"{type(error).__name__}: {error}")}
-    ranks = [None] * world
-    dist.all_gather_object(ranks, me, group=group.control)
-    failed = [r for r in ranks if r["error"]]
+    def wait_client(self, timeout: float | None = None):
+        if self.connected.wait(timeout) and self.conn_box:
+            return _TrackedConnection(self.conn_box.pop())
+        return None
 
-    if rank != 0:
-        _exit(EXIT_LOAD if failed else runner.follow())
+
+def _make_sidecar_loop(runner, conn, max_queue: int):
+    from engine.worker import WorkerLoop
 
     class SidecarLoop(WorkerLoop):
         """WorkerLoop on rank 0; stops serving as soon as the group is broken."""
@@ -255,37 +212,65 @@ def rank_main(args) -> None:
                 if runner.broken:
                     self._halt()
 
-    # Started by the app (--parent-pid): one client, and its disconnect ends the sidecar. Started by
-    # hand: after a client disconnects without asking for shutdown, wait for the next one.
-    serve_again = args.parent_pid is None
+    return SidecarLoop(conn, runner, max_queue=max_queue)
+
+
+def _load_on_every_rank(config, group, rank: int, world: int, dump_dir, box: list):
+    """Load this rank's shard; gather every rank's outcome. Returns (runner, error, ranks)."""
+    import torch.distributed as dist
+
+    from engine.errors import ShowcaseError
+    from engine.protocol import BucketChanged
+    from engine.tp.runner import TensorParallelRunner
+
+    runner, error = None, None
+    try:
+        runner = TensorParallelRunner(config, group, listener=lambda info: box and box[0].send(BucketChanged(info)),
+                                      dump_dir=dump_dir)
+        runner.load()
+    except Exception as exc:
+        log.exception("load failed")
+        error = exc
+    me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(group.device),
+          "error": None if error is None else (str(error) if isinstance(error, ShowcaseError)
+                                               else f"{type(error).__name__}: {error}")}
+    ranks = [None] * world
+    dist.all_gather_object(ranks, me, group=group.control)
+    return runner, error, ranks
+
+
+def _report_load_failure(server: _Rank0Server, error, ranks, config, from_app: bool) -> None:
+    from engine.errors import ModelLoadError, ShowcaseError
+
+    first = next(r for r in ranks if r["error"])
+    err = error if (isinstance(error, ShowcaseError) and first["rank"] == 0) else ModelLoadError(
+        f"rank {first['rank']} of {len(ranks)} could not load {config.key}: {first['error']}")
+    print(f"[tp sidecar] load failed: {err}", file=sys.stderr, flush=True)
+    # The app's client connects as soon as rank 0 listens; by hand, nobody may be connected yet.
+    conn = server.wait_client(timeout=30 if from_app else 0.5)
+    if conn is not None:
+        try:
+            conn.send(Fatal(err))
+        finally:
+            conn.close()
+
+
+def _serve(server: _Rank0Server, runner, config, ranks, spec, from_app: bool, box: list) -> RankExit:
+    """Serve clients until shutdown; by hand, a client that disconnects without asking for shutdown is
+    followed by the next one. Returns how the rank exits."""
+    from engine.protocol import EngineReady
+
     first_client = True
-    if failed:
-        first = failed[0]
-        err = error if (isinstance(error, ShowcaseError) and first["rank"] == 0) else ModelLoadError(
-            f"rank {first['rank']} of {world} could not load {config.key}: {first['error']}")
-        print(f"[tp sidecar] load failed: {err}", file=sys.stderr, flush=True)
-        # The app's client connects as soon as rank 0 listens; by hand, nobody may be connected yet.
-        if connected.wait(timeout=30 if args.parent_pid else 0.5) and conn_box:
-            conn = conn_box.pop()
-            try:
-                conn.send(("fatal", err))
-            finally:
-                conn.close()
-        _exit(EXIT_LOAD)
     while True:
-        connected.wait()
-        if not conn_box:
-            _exit(EXIT_BROKEN)
-        conn = _TrackedConnection(conn_box.pop())
-        loop = SidecarLoop(conn, runner, max_queue=config.options.max_queue)
-        loop.send("ready", {
-            **runner.ready_info(),
-            "key": config.key,
-            "tp": world,
-            "ranks": ranks,
-            "rank_pids": [r["pid"] for r in ranks],
-            "backend": spec.dist_backend,
-        })
+        conn = server.wait_client()
+        if conn is None:
+            return RankExit.GROUP_BROKEN
+        loop = _make_sidecar_loop(runner, conn, config.options.max_queue)
+        box[:] = [loop]
+        ready = runner.ready_info()
+        loop.send(Ready(EngineReady(key=config.key, pid=ready.pid, load_s=ready.load_s, notices=ready.notices,
+                                    modes=ready.modes, buckets=ready.buckets, tp=len(ranks), ranks=tuple(ranks),
+                                    backend=spec.dist_backend)))
         if first_client:
             runner.start_heartbeat()
             loop.queue_warm(None)
@@ -293,19 +278,59 @@ def rank_main(args) -> None:
         loop.run()
         conn.close()
         if runner.broken:
-            _exit(EXIT_BROKEN)
-        if conn.shutdown_requested or not serve_again:
-            break
+            return RankExit.GROUP_BROKEN
+        if conn.shutdown_requested or from_app:
+            return RankExit.OK
         print("[tp sidecar] client disconnected; waiting for the next one", flush=True)
-        connected.clear()
-        threading.Thread(target=_accept, args=(listener, conn_box, connected), daemon=True).start()
-    listener.close()
+        server.accept_next()
+
+
+def rank_main(args) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    logging.basicConfig(level=logging.INFO if args.verbose else os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"),
+                        format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
+    from engine.tp.group import watch_parents
+
+    watch_parents(args.parent_pid)
+
+    import torch.distributed as dist
+
+    from engine import devices
+    from engine.tp.group import init_group
+    from engine.tp.launch import dist_timeout_s
+
+    server, config = None, None
+    if rank == 0:
+        config = config_from_args(args, world)
+        server = _Rank0Server(args)
+        device = config.key.device
+    else:
+        device = args.device  # the launcher passes the config's device to every rank
+    spec = devices.resolve_device(device)
+    group = init_group(spec, args.dist_timeout or dist_timeout_s(spec))
+    shared = [config]
+    dist.broadcast_object_list(shared, src=0, group=group.control)  # nodes >= 1 get rank 0's config
+    config = shared[0]
+
+    loop_box: list = []  # rank 0's current WorkerLoop: bucket changes go to its client
+    runner, error, ranks = _load_on_every_rank(config, group, rank, world, args.dump_dir, loop_box)
+    failed = any(r["error"] for r in ranks)
+    if rank != 0:
+        _exit(RankExit.LOAD_FAILED if failed else runner.follow())
+    from_app = args.parent_pid is not None
+    if failed:
+        _report_load_failure(server, error, ranks, config, from_app)
+        _exit(RankExit.LOAD_FAILED)
+    code = _serve(server, runner, config, ranks, spec, from_app, loop_box)
+    if code is not RankExit.OK:
+        _exit(code)
+    server.listener.close()
     runner.stop_followers()
     try:
         dist.destroy_process_group()
     except Exception:
         pass
-    _exit(EXIT_OK)
+    _exit(RankExit.OK)
 
 
 class _TrackedConnection:
@@ -317,7 +342,7 @@ class _TrackedConnection:
 
     def recv(self):
         message = self._conn.recv()
-        if isinstance(message, tuple) and message[:1] == ("shutdown",):
+        if isinstance(message, Shutdown):
             self.shutdown_requested = True
         return message
 
@@ -355,14 +380,14 @@ def launcher_main(args) -> int:
                                  sidecar_args=sidecar_args, warm_modes=args.warm)
     except ShowcaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return RankExit.USAGE
     print("node 0 (this machine, rank 0):\n  " + shlex.join(argv))
     for node in range(1, args.nnodes):
         other = node_command(spec, args.tp, args.nnodes, args.rdzv_endpoint, node, python="python")
         print(f"node {node}:\n  " + shlex.join(other))
     if args.print_command:
-        return EXIT_OK
-    token_path = write_private(folder / "token", secrets.token_hex(32).encode())
+        return RankExit.OK
+    token_path = write_private(folder / "token", new_token())
     env[TOKEN_FILE_VAR] = str(token_path)
     proc = subprocess.Popen(argv, env=env)  # foreground: Ctrl-C reaches torchrun, which stops the ranks
     try:
@@ -379,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if under_torchrun():
         rank_main(args)
-        return EXIT_OK  # not reached: rank_main exits
+        return RankExit.OK  # not reached: rank_main exits
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     return launcher_main(args)

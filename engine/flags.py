@@ -1,0 +1,80 @@
+"""The engine flags, defined once: the CLI sub-commands, app.py and the bench all take them.
+
+Nothing here imports torch, so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine import settings
+from engine.protocol import EngineOptions
+
+# (flag, EngineOptions field, help) for the plain on/off recipe flags.
+_SWITCHES = (
+    ("--fuse-qkv", "fuse_qkv", "fuse the denoiser's QKV projections"),
+    ("--channels-last", "channels_last", "channels_last for UNet/VAE convolutions"),
+    ("--cpu-offload", "cpu_offload", "model CPU offload (then only regional compile)"),
+    ("--max-autotune", "max_autotune", "torch.compile mode=max-autotune (inductor)"),
+    ("--dynamic", "dynamic", "dynamic-shape compile where the device allows"),
+    ("--int8", "int8", "torchao int8 dynamic quantisation of the denoiser"),
+)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--cache-dir", type=Path, default=None,
+                   help="persistent folder for tiny models and compile caches (default: $SHOWCASE_CACHE_DIR or "
+                        "~/.cache/diffusion-showcase)")
+    g.add_argument("--model", default=None, help="serve any Hub id or local diffusers folder (buckets from its family)")
+    g.add_argument("--model-root", action="append", default=[], type=Path,
+                   help="a folder local models may be loaded from (repeatable)")
+    g.add_argument("--buckets", default=None, help="comma-separated WxH buckets for --model")
+    for flag, _, help_text in _SWITCHES:
+        g.add_argument(flag, action="store_true", help=help_text)
+    g.add_argument("--no-compile-vae", action="store_true", help="compile mode leaves vae.decode eager")
+    g.add_argument("--inductor-flags", action=argparse.BooleanOptionalAction, default=None,
+                   help="flux-fast inductor flags (default: on for CUDA)")
+
+
+def options_from_args(args, **overrides) -> EngineOptions:
+    values = {field: getattr(args, field) for _, field, _ in _SWITCHES}
+    values.update(compile_vae=not args.no_compile_vae, inductor_flags=args.inductor_flags)
+    values.update(overrides)
+    return EngineOptions(**values)
+
+
+def engine_flags_argv(args) -> tuple[str, ...]:
+    """The recipe flags of a parsed command line as argv again (for a child process that must match)."""
+    flags = [flag for flag, field, _ in _SWITCHES if getattr(args, field, False)]
+    if getattr(args, "no_compile_vae", False):
+        flags.append("--no-compile-vae")
+    if args.inductor_flags is not None:
+        flags.append("--inductor-flags" if args.inductor_flags else "--no-inductor-flags")
+    return tuple(flags)
+
+
+def model_roots_from_args(args) -> list[Path]:
+    """SHOWCASE_MODEL_ROOTS + --model-root, plus the parent of a --model path typed on the command line."""
+    roots = [*settings.model_roots(), *[Path(r).resolve() for r in args.model_root]]
+    if args.model:
+        model_path = Path(args.model).expanduser()
+        if model_path.exists() or args.model.startswith((".", "/", "~")):
+            roots.append(model_path.resolve().parent)
+    return roots
+
+
+def make_manager(args, options: EngineOptions):
+    """An EngineManager for a command line (--model becomes a preset of its own)."""
+    from engine.manager import EngineManager
+    from engine.presets import preset_for_model
+
+    roots = model_roots_from_args(args)
+    extra = {}
+    if args.model:
+        preset = preset_for_model(args.model, roots, buckets=args.buckets)
+        extra[preset.name] = preset
+        args.preset = preset.name
+    return EngineManager(cache_dir=args.cache_dir or settings.cache_dir(), options=options, allowed_roots=roots,
+                         extra_presets=extra)

@@ -1,0 +1,76 @@
+"""Presets, engine keys and configs resolved from user input: shared by the manager and the sidecar.
+
+`Catalog` knows the presets (the shipped ones, plus any Hub id or local folder a user may name) and
+turns (preset, device, precision, tp) into a validated `EngineKey` and an `EngineConfig`. It starts
+nothing, so the tensor-parallel sidecar resolves its own config with it without an EngineManager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+from engine import settings
+from engine.errors import InvalidRequest
+from engine.presets import check_local_path, get_preset, load_presets, looks_like_model_ref, preset_for_model
+from engine.protocol import EngineConfig, EngineKey, EngineOptions, ModelPreset
+from engine.validation import check_precision
+
+
+class Catalog:
+    def __init__(self, allowed_roots: list[Path] | None = None, extra_presets: dict[str, ModelPreset] | None = None):
+        self.allowed_roots = [Path(r) for r in (allowed_roots if allowed_roots is not None else settings.model_roots())]
+        self.presets: dict[str, ModelPreset] = {**load_presets(), **(extra_presets or {})}
+        self._lock = threading.Lock()
+
+    def preset(self, name: str) -> ModelPreset:
+        """A preset by name, or any Hub id / local diffusers folder under the allowed model roots."""
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidRequest(f"preset must be a name; choose one of: {', '.join(self.presets)}")
+        if name in self.presets:
+            return self.presets[name]
+        if not looks_like_model_ref(name):
+            return get_preset(name)  # raises InvalidRequest listing the presets
+        preset = preset_for_model(name, self.allowed_roots)  # ModelLoadError says why not
+        with self._lock:
+            self.presets.setdefault(preset.name, preset)
+        return self.presets[preset.name]
+
+    def make_key(self, preset: str, device: str, precision: str, tp: int = 1) -> EngineKey:
+        """Validate and resolve an engine key ("auto" -> the best available device)."""
+        from engine import devices  # imports torch: only when a key is really made
+
+        p = self.preset(preset)
+        precision = check_precision(precision)
+        spec = devices.resolve_device(device)  # InvalidRequest / DeviceUnavailable with the reason
+        devices.plan_precision(spec, precision)  # UnsupportedCombination with the reason
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise InvalidRequest(f"tp must be a whole number >= 1, got {tp!r}")
+        if tp > 1 and not p.tp:
+            raise InvalidRequest(f"preset {p.name} has no tensor-parallel plan; use tp=1")
+        if tp < p.min_tp:
+            raise InvalidRequest(f"preset {p.name} needs tensor parallel over at least {p.min_tp} ranks (--tp {p.min_tp})")
+        return EngineKey(p.name, spec.name, precision, tp)
+
+    def options_for(self, key: EngineKey, base: EngineOptions) -> EngineOptions:
+        """`base`, then the preset's per-device options (e.g. CPU offload on one v6e)."""
+        preset_options = self.preset(key.preset).options.get(key.device, {})
+        return dataclasses.replace(base, **preset_options) if preset_options else base
+
+    def config(self, key: EngineKey, options: EngineOptions, cache_dir: Path) -> EngineConfig:
+        return EngineConfig(key=key, preset=self.preset(key.preset), options=options, cache_dir=str(cache_dir),
+                            allowed_roots=tuple(str(r) for r in self.allowed_roots))
+
+
+def resolve_source(config: EngineConfig) -> str:
+    """What from_pretrained loads: an embedded tiny model (built here once), a checked local folder, or a Hub id."""
+    preset = config.preset
+    if preset.embedded:
+        from engine.tiny import ensure_tiny_pipeline
+
+        return str(ensure_tiny_pipeline(preset.embedded, settings.models_dir(config.cache_path())))
+    if Path(preset.source).is_absolute():
+        roots = [Path(r) for r in config.allowed_roots] or None
+        return str(check_local_path(Path(preset.source), roots))
+    return preset.source
