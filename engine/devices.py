@@ -131,6 +131,11 @@ class DeviceSpec:
     tensor_parallel: bool = True  # whether dist_backend/mesh_device_type can run a TP group
     # What peak_memory_bytes() reports (shown in describe()).
     memory_source: str = ""
+    inductor_flags_default: bool = False  # flux-fast's inductor flags on unless the user says otherwise
+    cuda_graphs: bool = False  # torch.compile's reduce-overhead / max-autotune replay CUDA graphs here
+    # Square matmul sizes that reach this device's peak rate (the bench's roofline probe).
+    matmul_probe_sizes: tuple[int, ...] = (256, 512, 1024)
+    matmul_probe_iters: int = 20
     # Hooks: the few things that really differ between devices. Plain functions, so a spec
     # stays data and a test can build a spec with fakes.
     probe_fn: Callable[[], Availability] = field(
@@ -142,6 +147,9 @@ class DeviceSpec:
     peak_fn: Callable[[], int | None] | None = field(default=None, repr=False, compare=False)
     memory_source_fn: Callable[[], str] | None = field(default=None, repr=False, compare=False)
     mode_notes_fn: Callable[[str], tuple[str, ...]] | None = field(default=None, repr=False, compare=False)
+    # (free, total) bytes of the device's memory, None where the device reports nothing.
+    memory_info_fn: Callable[[], tuple[int, int] | None] | None = field(default=None, repr=False, compare=False)
+    device_name_fn: Callable[[], str | None] | None = field(default=None, repr=False, compare=False)
 
     # -- availability ---------------------------------------------------------------------------
     def probe(self) -> Availability:
@@ -178,6 +186,32 @@ class DeviceSpec:
 
     def describe_memory(self) -> str:
         return self.memory_source_fn() if self.memory_source_fn else self.memory_source
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) bytes of device memory (host RAM for cpu); None where unknown. Never raises."""
+        fn = self.memory_info_fn or (lambda: _module_mem_get_info(self.name))
+        try:
+            value = fn()
+        except Exception:
+            logger.debug("memory_info on %s failed", self.name, exc_info=True)
+            return None
+        return (int(value[0]), int(value[1])) if value else None
+
+    def device_name(self) -> str | None:
+        """The hardware's own name (e.g. the GPU model), None where unknown. Never raises."""
+        try:
+            return self.device_name_fn() if self.device_name_fn else None
+        except Exception:
+            return None
+
+    def empty_cache(self) -> None:
+        """Return cached allocator blocks to the device (after an out-of-memory error). Never raises."""
+        mod = _device_module(self.name)
+        try:
+            if mod is not None and hasattr(mod, "empty_cache"):
+                mod.empty_cache()
+        except Exception:
+            logger.debug("empty_cache on %s failed", self.name, exc_info=True)
 
     # -- environment ----------------------------------------------------------------------------
     def environment(self, cache_dir: Path, mode: str | None = None) -> dict[str, str]:
@@ -270,6 +304,13 @@ def _module_reset_peak(name: str) -> None:
         torch.accelerator.reset_peak_memory_stats()
 
 
+def _module_mem_get_info(name: str) -> tuple[int, int] | None:
+    mod = _device_module(name)
+    if mod is not None and hasattr(mod, "mem_get_info"):
+        return tuple(mod.mem_get_info())
+    return None
+
+
 def _module_peak(name: str) -> int | None:
     mod = _device_module(name)
     if mod is not None and hasattr(mod, "max_memory_allocated"):
@@ -317,6 +358,25 @@ def _cpu_peak() -> int | None:
     except Exception:
         return None
     return int(rss) if sys.platform == "darwin" else int(rss) * 1024  # bytes on macOS, kB elsewhere
+
+
+def _cpu_memory_info() -> tuple[int, int] | None:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return vm.available, vm.total
+
+
+def _cpu_name() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or None
 
 
 def _cpu_memory_source() -> str:
@@ -434,6 +494,11 @@ def _cuda_precision(precision: str) -> PrecisionPlan:
                 f"{_cuda_name()} has no native bf16 (needs compute capability 8.0+)", ("fp16", "fp32")
             )
     return _plan(precision)
+
+
+def _mps_memory_info() -> tuple[int, int] | None:
+    total = int(torch.mps.recommended_max_memory())
+    return max(0, total - int(torch.mps.driver_allocated_memory())), total
 
 
 def _cuda_memory_source() -> str:
@@ -668,8 +733,12 @@ def registry() -> dict[str, DeviceSpec]:
             mesh_device_type="cuda",
             modes=_COMMON_MODES,
             memory_source=_cuda_memory_source(),
+            inductor_flags_default=True,
+            cuda_graphs=True,
+            matmul_probe_sizes=(4096, 8192, 16384),
             probe_fn=_cuda_probe,
             precision_fn=_cuda_precision,
+            device_name_fn=_cuda_name,
         ),
         DeviceSpec(
             name="tpu",
@@ -730,6 +799,7 @@ def registry() -> dict[str, DeviceSpec]:
             reset_peak_fn=lambda: None,
             peak_fn=_mps_peak,
             mode_notes_fn=_mps_mode_notes,
+            memory_info_fn=_mps_memory_info,
         ),
         DeviceSpec(
             name="cpu",
@@ -747,6 +817,9 @@ def registry() -> dict[str, DeviceSpec]:
             peak_fn=_cpu_peak,
             memory_source_fn=_cpu_memory_source,
             mode_notes_fn=_cpu_mode_notes,
+            matmul_probe_iters=5,  # a CPU matmul takes milliseconds, not microseconds
+            memory_info_fn=_cpu_memory_info,
+            device_name_fn=_cpu_name,
         ),
     ]
     return {spec.name: spec for spec in specs}

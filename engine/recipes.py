@@ -83,7 +83,7 @@ INDUCTOR_FLAGS = {
 def apply_inductor_flags(options: EngineOptions, device_spec) -> list[str]:
     wanted = options.inductor_flags
     if wanted is None:
-        wanted = device_spec.name == "cuda"
+        wanted = device_spec.inductor_flags_default
     if not wanted or device_spec.compile_backend != "inductor":
         return []
     import torch._inductor.config as inductor_config

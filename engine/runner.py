@@ -156,9 +156,9 @@ def compile_denoiser(denoiser: torch.nn.Module, mode: Mode, compile_kwargs: dict
     compile: an OptimizedModule wrapping the module; regional: `compile_repeated_blocks` on a
     structural clone, because it compiles in place and the eager original must stay eager.
     """
-    if mode is Mode.COMPILE:
+    if mode == Mode.COMPILE:
         return torch.compile(denoiser, **compile_kwargs)
-    if mode is Mode.REGIONAL:
+    if mode == Mode.REGIONAL:
         clone = clone_module_tree(denoiser)
         try:
             clone.compile_repeated_blocks(**compile_kwargs)
@@ -342,6 +342,7 @@ class PipelineRunner:
 
     def variant(self, mode: Mode):
         """The pipeline object for a mode (built once; compiled modules compile lazily per shape)."""
+        mode = Mode.parse(mode, "mode")
         with self._variant_lock:
             if mode in self._variants:
                 return self._variants[mode]
@@ -472,8 +473,7 @@ class PipelineRunner:
 
     def _out_of_memory(self, exc: Exception) -> DeviceOutOfMemory:
         gc.collect()
-        if hasattr(torch, self.spec.name) and hasattr(getattr(torch, self.spec.name), "empty_cache"):
-            getattr(torch, self.spec.name).empty_cache()
+        self.spec.empty_cache()
         return DeviceOutOfMemory(
             f"{self.spec.name} ran out of memory ({exc}); memory was released. "
             "Pick a smaller size, fewer steps, bf16/fp16, or CPU offload"

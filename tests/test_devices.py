@@ -18,7 +18,7 @@ import torch
 from engine import devices as D
 from engine.devices import Availability
 from engine.errors import DeviceUnavailable, InvalidRequest, UnsupportedCombination
-from engine.protocol import MODES, PRECISIONS
+from engine.protocol import Mode, Precision
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["cuda", "tpu", "neuron", "xpu", "mps", "cpu"]
@@ -467,7 +467,7 @@ def test_precision_support_table():
         "notices": ["TPUs have no TF32: running fp32."],
     }
     assert table["bf16"]["status"] == "ok"
-    assert set(table) == set(PRECISIONS)
+    assert set(table) == set(Precision)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,7 +492,7 @@ def test_modes():
         D.check_mode(tpu, "turbo")
     for spec in D.registry().values():
         for mode in spec.modes:
-            assert mode in MODES
+            assert mode in Mode.values()
             D.check_mode(spec, mode)
 
 
