@@ -48,3 +48,12 @@ class Cancelled(ShowcaseError):
 
 class DeviceOutOfMemory(ShowcaseError):
     """The device ran out of memory; memory was released and the engine keeps serving."""
+
+
+class BudgetExceeded(ShowcaseError):
+    """Starting this engine would exceed the host's memory budget or engine count; nothing was unloaded
+    that was in use. The message names the budget, the need and what to do instead."""
+
+
+class NotAllowed(ShowcaseError):
+    """The host does not let visitors do this (public mode); the message says what they may do."""

@@ -387,6 +387,22 @@ class StepProgress:
 
 
 @dataclass(frozen=True)
+class Footprint:
+    """What one engine holds. `device_bytes` is what counts against its device's budget: the weights plus
+    the peak of a run on an accelerator; on cpu the process's resident memory (host RAM is the device)."""
+
+    device_bytes: int
+    host_rss_bytes: int
+    weights_bytes: int
+    measured: bool = True  # False: an estimate made before loading
+
+    def as_dict(self) -> dict:
+        gib = 2**30
+        return {"device_gib": round(self.device_bytes / gib, 3), "host_rss_gib": round(self.host_rss_bytes / gib, 3),
+                "weights_gib": round(self.weights_bytes / gib, 3), "measured": self.measured}
+
+
+@dataclass(frozen=True)
 class EngineReady:
     """What an engine announces once its weights are loaded."""
 
@@ -400,6 +416,7 @@ class EngineReady:
     tp: int = 1
     ranks: tuple[dict, ...] = ()
     backend: str = ""
+    footprint: Footprint | None = None
 
     @property
     def rank_pids(self) -> tuple[int, ...]:
@@ -417,6 +434,7 @@ class ToEngine(enum.StrEnum):
     WARM = "warm"
     SHUTDOWN = "shutdown"
     INJECT_FAULT = "inject_fault"  # tests only; refused unless EngineOptions.fault_injection
+    COMPILE_GRANTED = "compile_granted"  # the host's compile scheduler lets the engine compile a bucket
 
 
 class FromEngine(enum.StrEnum):
@@ -426,6 +444,9 @@ class FromEngine(enum.StrEnum):
     PROGRESS = "progress"
     RESULT = "result"
     ERROR = "error"  # one request failed; the engine keeps serving
+    COMPILE_WANTED = "compile_wanted"  # the engine asks the host's scheduler for a compile slot
+    COMPILE_FINISHED = "compile_finished"  # ... and gives it back
+    FOOTPRINT = "footprint"  # its memory footprint changed (after a warm-up)
 
 
 class Fault(enum.StrEnum):
@@ -462,6 +483,33 @@ class Shutdown:
 class InjectFault:
     KIND: ClassVar = ToEngine.INJECT_FAULT
     fault: Fault
+
+
+@dataclass(frozen=True)
+class CompileGranted:
+    KIND: ClassVar = ToEngine.COMPILE_GRANTED
+    bucket: BucketKey
+
+
+@dataclass(frozen=True)
+class CompileWanted:
+    KIND: ClassVar = FromEngine.COMPILE_WANTED
+    bucket: BucketKey
+    waiting: int = 0  # requests blocked on it (on_cold=wait)
+    hits: int = 0  # requests that asked for it so far
+    startup_rank: int | None = None  # its place in the engine's start-up warm list
+
+
+@dataclass(frozen=True)
+class CompileFinished:
+    KIND: ClassVar = FromEngine.COMPILE_FINISHED
+    bucket: BucketKey
+
+
+@dataclass(frozen=True)
+class FootprintChanged:
+    KIND: ClassVar = FromEngine.FOOTPRINT
+    footprint: Footprint
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,402 @@
+"""`python -m engine soak`: many simulated visitors against a real app process, measured.
+
+It starts `app.py` (its own process group) with the host's flags, waits for the default engine's
+first bucket to be warm, measures that bucket's idle latency, then lets N visitors loose for a given
+time through the public API only (gradio_client, one session each). Each visitor picks preset ×
+precision × mode × size at random from what the host offers, sometimes cancels, sometimes sends bad
+input. A probe visitor keeps asking for the warm bucket, so its latency while other buckets compile
+is measured against its idle median. Meanwhile the resident memory of the app and all its children
+is sampled. At the end the app gets SIGTERM and every process it ever had must be gone.
+
+Printed: requests answered ok / with a clear error / failed or hung, peak RSS against the budget,
+engines loaded and evicted, compiles run, p50/p95 of warm-bucket requests vs idle, orphans. Exit 1
+when a request failed or hung or a process was orphaned.
+
+The visitors talk HTTP through gradio_client (the client library, not gradio itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine import settings
+from engine.budget import GIB, parse_size
+
+log = logging.getLogger(__name__)
+
+REPO = settings.REPO_ROOT
+# Errors a visitor can cause on purpose, and the words the answer must contain to count as clear.
+BAD_INPUTS = (
+    ({"steps": "-3"}, "steps"),
+    ({"size": "99999x99999"}, "outside"),
+    ({"size": "abc"}, "WIDTHxHEIGHT"),
+    ({"preset": "no-such-preset"}, "preset"),
+    ({"preset": "black-forest-labs/FLUX.1-dev"}, ""),  # a Hub id: refused in public mode, offline otherwise
+    ({"preset": "/etc"}, ""),
+    ({"precision": "fp8"}, "precision"),
+    ({"mode": "turbo"}, "mode"),
+    ({"prompt": "x" * 5000}, "shorten"),
+    ({"guidance": "nan"}, "guidance"),
+)
+GENERIC_ERRORS = {"", "error", "none", "internal server error"}
+
+
+@dataclass
+class Outcome:
+    kind: str  # ok | clear | failed | hung | cancelled
+    seconds: float
+    detail: str = ""
+    warm: bool | None = None
+    config: str = ""
+    probe: bool = False
+    compiling: bool = False  # a compile was running on the host when it started
+
+
+@dataclass
+class SoakReport:
+    outcomes: list[Outcome] = field(default_factory=list)
+    idle_s: list[float] = field(default_factory=list)
+    peak_rss: int = 0
+    rss_samples: int = 0
+    pids_seen: set[int] = field(default_factory=set)
+    orphans: list[int] = field(default_factory=list)
+    exit_s: float | None = None
+    status: dict = field(default_factory=dict)
+
+    def counts(self) -> dict[str, int]:
+        kinds = ("ok", "cancelled", "clear", "failed", "hung")
+        return {k: sum(1 for o in self.outcomes if o.kind == k) for k in kinds}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+class Soak:
+    def __init__(self, args):
+        self.args = args
+        self.report = SoakReport()
+        self.stop = threading.Event()
+        self.app: subprocess.Popen | None = None
+        self.url = ""
+        self.compiling = threading.Event()  # the app reports a compile running
+        self.presets = [p for p in args.presets.split(",") if p] if args.presets else ["tiny-flux"]
+        self.precisions = args.precisions.split(",")
+        self.modes = args.modes.split(",")
+        self.rng = random.Random(args.seed)
+
+    # -- the app -----------------------------------------------------------------------------------
+    def start_app(self) -> None:
+        port = _free_port()
+        argv = [sys.executable, str(REPO / "app.py"), "--port", str(port), "--device", self.args.device,
+                "--preset", self.presets[0], "--warm", self.args.warm, "--mode", self.args.probe_mode,
+                "--memory-budget", self.args.memory_budget, "--compile-jobs", str(self.args.compile_jobs)]
+        if self.args.public:
+            argv += ["--public", "--presets", ",".join(self.presets), "--precisions", ",".join(self.precisions),
+                     "--modes", ",".join(self.modes)]
+        if self.args.cache_dir:
+            argv += ["--cache-dir", str(self.args.cache_dir)]
+        argv += self.args.app_arg
+        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+        log_path = Path(self.args.out or "artifacts/soak") / "app.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.app_log = open(log_path, "wb")  # noqa: SIM115 - the app writes to it while it lives
+        self.app = subprocess.Popen(argv, env=env, stdout=self.app_log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}/"
+        print(f"[soak] app pid {self.app.pid} at {self.url} (log {log_path})", flush=True)
+
+    def client(self):
+        from gradio_client import Client
+
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                return Client(self.url, verbose=False)
+            except Exception:
+                if self.app.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the app did not come up (exit code {self.app.poll()}); see the app log") from None
+                time.sleep(0.5)
+
+    # -- sampling ----------------------------------------------------------------------------------
+    def sample_memory(self) -> None:
+        import psutil
+
+        root = psutil.Process(self.app.pid)
+        while not self.stop.is_set():
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            total = 0
+            for p in procs:
+                try:
+                    total += p.memory_info().rss
+                    self.report.pids_seen.add(p.pid)
+                except psutil.NoSuchProcess:
+                    pass
+            self.report.peak_rss = max(self.report.peak_rss, total)
+            self.report.rss_samples += 1
+            time.sleep(0.25)
+
+    def watch_compiles(self, client) -> None:
+        while not self.stop.is_set():
+            try:
+                system = client.predict(api_name="/system")
+                running = (system.get("compiles") or {}).get("running") or []
+                self.compiling.set() if running else self.compiling.clear()
+            except Exception:
+                pass
+            time.sleep(0.5)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def request(self, client, params: dict, *, probe: bool = False, cancel_after: float | None = None) -> Outcome:
+        config = f"{params['preset']}/{params['precision']}/{params['mode']}/{params['size']}"
+        compiling = self.compiling.is_set()
+        start = time.monotonic()
+        try:
+            job = client.submit(**params, api_name="/generate")
+            if cancel_after is not None:
+                time.sleep(cancel_after)
+                job.cancel()
+                client.predict(api_name="/cancel")
+                try:
+                    job.result(timeout=self.args.hang_s)
+                except Exception:
+                    pass
+                return Outcome("cancelled", time.monotonic() - start, config=config)
+            _, timings = job.result(timeout=self.args.hang_s)
+            return Outcome("ok", time.monotonic() - start, warm=bool(timings.get("warm")), config=config,
+                           probe=probe, compiling=compiling)
+        except TimeoutError as exc:
+            return Outcome("hung", time.monotonic() - start, f"no answer in {self.args.hang_s}s: {exc}", config=config)
+        except Exception as exc:
+            text = str(exc).strip()
+            kind = "failed" if text.lower() in GENERIC_ERRORS or "Traceback" in text else "clear"
+            if "timed out" in text.lower() or "timeout" in type(exc).__name__.lower():
+                kind = "hung"
+            return Outcome(kind, time.monotonic() - start, f"{type(exc).__name__}: {text[:300]}", config=config,
+                           probe=probe)
+
+    def random_params(self) -> tuple[dict, str]:
+        params = dict(prompt="a red circle on a blue background", negative_prompt="",
+                      preset=self.rng.choice(self.presets), device=self.args.device,
+                      precision=self.rng.choice(self.precisions), mode=self.rng.choice(self.modes),
+                      size=self.rng.choice(self.args.sizes.split(",")), steps=str(self.rng.randint(2, 4)),
+                      guidance="", seed=str(self.rng.randint(0, 1000)), on_cold="eager", tp="1")
+        expect = ""
+        if self.rng.random() < self.args.bad_rate:
+            bad, expect = self.rng.choice(BAD_INPUTS)
+            params.update(bad)
+        return params, expect
+
+    def visitor(self, index: int, deadline: float) -> None:
+        client = self.client()
+        rng = random.Random(self.args.seed + index)
+        while time.monotonic() < deadline and not self.stop.is_set():
+            params, _ = self.random_params()
+            cancel_after = rng.uniform(0.05, 0.5) if rng.random() < self.args.cancel_rate else None
+            outcome = self.request(client, params, cancel_after=cancel_after)
+            self.report.outcomes.append(outcome)
+            time.sleep(rng.uniform(0.0, self.args.think_s))
+
+    def probe_params(self) -> dict:
+        return dict(prompt="a red circle on a blue background", negative_prompt="", preset=self.presets[0],
+                    device=self.args.device, precision=self.precisions[0], mode=self.args.probe_mode,
+                    size=self.args.sizes.split(",")[0], steps="2", guidance="", seed="1", on_cold="eager", tp="1")
+
+    def probe(self, deadline: float) -> None:
+        client = self.client()
+        while time.monotonic() < deadline and not self.stop.is_set():
+            self.report.outcomes.append(self.request(client, self.probe_params(), probe=True))
+            time.sleep(self.args.probe_interval)
+
+    def wait_warm_probe(self, client) -> None:
+        """Until the probe's bucket is warm (the default engine compiles it at start-up)."""
+        deadline = time.monotonic() + self.args.warm_timeout
+        while time.monotonic() < deadline:
+            _, timings = client.predict(**self.probe_params(), api_name="/generate")
+            if timings.get("warm"):
+                return
+            time.sleep(1.0)
+        raise RuntimeError(f"the probe bucket was not warm within {self.args.warm_timeout}s")
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self) -> SoakReport:
+        self.start_app()
+        sampler = threading.Thread(target=self.sample_memory, daemon=True)
+        sampler.start()
+        try:
+            client = self.client()
+            self.wait_warm_probe(client)
+            for _ in range(self.args.idle_runs):
+                start = time.monotonic()
+                client.predict(**self.probe_params(), api_name="/generate")
+                self.report.idle_s.append(time.monotonic() - start)
+            threading.Thread(target=self.watch_compiles, args=(self.client(),), daemon=True).start()
+            deadline = time.monotonic() + self.args.duration
+            threads = [threading.Thread(target=self.visitor, args=(i, deadline)) for i in range(self.args.visitors)]
+            threads.append(threading.Thread(target=self.probe, args=(deadline,)))
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(self.args.duration + self.args.hang_s + 30)
+            try:
+                self.report.status = {"engines": client.predict(api_name="/status"),
+                                      "system": client.predict(api_name="/system")}
+            except Exception as exc:
+                self.report.status = {"error": str(exc)}
+        finally:
+            self.stop.set()
+            self.shutdown_app()
+        return self.report
+
+    def shutdown_app(self) -> None:
+        import psutil
+
+        if self.app is None:
+            return
+        start = time.monotonic()
+        if self.app.poll() is None:
+            self.app.send_signal(signal.SIGTERM)
+        try:
+            self.app.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        self.report.exit_s = time.monotonic() - start
+        time.sleep(max(0.0, 10.0 - self.report.exit_s))  # every child has 10 s from SIGTERM to be gone
+        for pid in sorted(self.report.pids_seen - {self.app.pid}):
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    self.report.orphans.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if self.app.poll() is None:
+            self.report.orphans.append(self.app.pid)
+        try:
+            os.killpg(self.app.pid, signal.SIGKILL)  # leave nothing behind, whatever the verdict
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.app_log.close()
+
+
+def summarize(report: SoakReport, args) -> dict:
+    counts = report.counts()
+    probe = [o.seconds for o in report.outcomes if o.probe and o.kind == "ok" and o.warm]
+    probe_compiling = [o.seconds for o in report.outcomes if o.probe and o.kind == "ok" and o.warm and o.compiling]
+    warm_all = [o.seconds for o in report.outcomes if o.kind == "ok" and o.warm and not o.probe]
+    idle = statistics.median(report.idle_s) if report.idle_s else None
+    budget = parse_size(args.memory_budget)
+    engines = report.status.get("engines") or []
+    system = report.status.get("system") or {}
+    host = system.get("host") or {}
+    compiles = system.get("compiles") or {}
+    p95 = _percentile(probe, 0.95)
+    p95_c = _percentile(probe_compiling, 0.95)
+    summary = {
+        "visitors": args.visitors, "duration_s": args.duration, "requests": len(report.outcomes), **counts,
+        "failed_or_hung": counts["failed"] + counts["hung"],
+        "peak_rss_gib": round(report.peak_rss / GIB, 3), "budget_gib": round(budget / GIB, 3) if budget else None,
+        "rss_target_gib": round((budget + GIB) / GIB, 3) if budget else None,
+        "engines_loaded_at_end": sum(1 for e in engines if e.get("state") not in ("evicted",)),
+        "engines_started": host.get("engines_started"), "engines_evicted": host.get("evictions"),
+        "compiles_run": compiles.get("finished"),
+        "idle_median_s": idle, "probe_p50_s": _percentile(probe, 0.5), "probe_p95_s": p95,
+        "probe_p95_while_compiling_s": p95_c, "probe_samples_while_compiling": len(probe_compiling),
+        "p95_over_idle": round(p95 / idle, 2) if p95 and idle else None,
+        "p95_while_compiling_over_idle": round(p95_c / idle, 2) if p95_c and idle else None,
+        "warm_requests_p50_s": _percentile(warm_all, 0.5), "warm_requests_p95_s": _percentile(warm_all, 0.95),
+        "exit_s": round(report.exit_s, 2) if report.exit_s is not None else None,
+        "orphans": report.orphans,
+        "failures": [o.detail for o in report.outcomes if o.kind in ("failed", "hung")][:10],
+    }
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    def fmt(v, unit=""):
+        return "—" if v is None else (f"{v:.3f}{unit}" if isinstance(v, float) else f"{v}{unit}")
+
+    print(f"\nsoak: {s['visitors']} visitors x {s['duration_s']} s, {s['requests']} requests")
+    print(f"  answered ok {s['ok']}, cancelled {s['cancelled']}, clear error {s['clear']}, "
+          f"failed {s['failed']}, hung {s['hung']}")
+    print(f"  peak RSS app+workers {fmt(s['peak_rss_gib'], ' GiB')} (budget {fmt(s['budget_gib'], ' GiB')}, "
+          f"target <= {fmt(s['rss_target_gib'], ' GiB')})")
+    print(f"  engines started {fmt(s['engines_started'])}, evicted {fmt(s['engines_evicted'])}, "
+          f"loaded at the end {s['engines_loaded_at_end']}; compiles run {fmt(s['compiles_run'])}")
+    print(f"  warm-bucket probe: idle median {fmt(s['idle_median_s'], ' s')}, p50 {fmt(s['probe_p50_s'], ' s')}, "
+          f"p95 {fmt(s['probe_p95_s'], ' s')} ({fmt(s['p95_over_idle'], 'x')} idle); while compiling p95 "
+          f"{fmt(s['probe_p95_while_compiling_s'], ' s')} ({fmt(s['p95_while_compiling_over_idle'], 'x')}, "
+          f"{s['probe_samples_while_compiling']} samples)")
+    print(f"  app exit after SIGTERM {fmt(s['exit_s'], ' s')}; orphan processes {len(s['orphans'])}")
+    for f in s["failures"]:
+        print(f"  failure: {f}")
+
+
+def build_parser(sub=None) -> argparse.ArgumentParser:
+    kwargs = dict(description=__doc__.split("\n\n")[0])
+    p = sub.add_parser("soak", help="simulated visitors against a real app process", **kwargs) if sub else \
+        argparse.ArgumentParser(prog="python -m engine soak", **kwargs)
+    p.add_argument("--visitors", type=int, default=4)
+    p.add_argument("--duration", type=float, default=180.0, help="seconds of visitor traffic")
+    p.add_argument("--memory-budget", default="3GiB")
+    p.add_argument("--compile-jobs", type=int, default=1)
+    p.add_argument("--presets", default="tiny-flux,tiny-sd3")
+    p.add_argument("--precisions", default="fp32,bf16,fp16")
+    p.add_argument("--modes", default="eager,compile,regional")
+    p.add_argument("--sizes", default="64x64,128x128,64x128,128x64")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--probe-mode", default="regional", help="mode of the warm bucket the probe visitor measures")
+    p.add_argument("--warm", default="64x64", help="app.py --warm for the default engine")
+    p.add_argument("--public", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--cancel-rate", type=float, default=0.1)
+    p.add_argument("--bad-rate", type=float, default=0.1)
+    p.add_argument("--think-s", type=float, default=1.0, help="a visitor waits up to this long between requests")
+    p.add_argument("--probe-interval", type=float, default=0.5)
+    p.add_argument("--idle-runs", type=int, default=15)
+    p.add_argument("--hang-s", type=float, default=300.0, help="a request without an answer this long is hung")
+    p.add_argument("--warm-timeout", type=float, default=600.0)
+    p.add_argument("--cache-dir", type=Path, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="artifacts/soak", help="folder for soak.json and the app log")
+    p.add_argument("--app-arg", action="append", default=[], help="extra app.py argument (repeatable)")
+    p.set_defaults(func=cmd_soak)
+    return p
+
+
+def add_soak_parser(sub) -> None:
+    build_parser(sub)
+
+
+def cmd_soak(args) -> int:
+    report = Soak(args).run()
+    summary = summarize(report, args)
+    print_summary(summary)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "soak.json").write_text(json.dumps(summary, indent=2))
+    return 1 if summary["failed_or_hung"] or summary["orphans"] else 0
