@@ -91,6 +91,12 @@ NEURON_SCRIPT = textwrap.dedent(
         ref = model(x)
     spec = D.get_device("neuron")
 
+    @check("bind_local_device")
+    def _():
+        # The runtime's current core, whatever the local rank: the fake has one core, so a
+        # set_device(3) would raise "invalid neuron device index 3".
+        return [str(spec.bind_local_device(3)), str(spec.bind_local_device(0)), mod.current_device()]
+
     @check("eager_matches_cpu")
     def _():
         spec.reset_peak_memory()
@@ -212,6 +218,10 @@ TPU_SCRIPT = textwrap.dedent(
             return str(exc)
         raise AssertionError("torch.tpu.is_available() did not raise")
 
+    @check("bind_local_device")
+    def _():
+        return [str(spec.bind_local_device(2)), spec.tp_load_context().__class__.__name__]
+
     @check("eager_mode")
     def _():
         return [D.enter_eager_mode(spec, "defer-and-fuse"), torch.tpu.eager_mode.name,
@@ -325,6 +335,10 @@ def test_registry_probe_and_resolve(neuron):
     assert available and reason == "" and resolved == "neuron" and auto == "neuron"
 
 
+def test_rank_binds_the_runtime_core_not_the_local_rank(neuron):
+    assert _ok(neuron, "bind_local_device") == ["neuron:0", "neuron:0", 0]
+
+
 def test_module_to_device_matches_cpu(neuron):
     err, peak, syncs = _ok(neuron, "eager_matches_cpu")
     assert err < 1e-5
@@ -396,6 +410,7 @@ def test_two_ranks_over_gloo(tmp_path):
 def test_fake_tpu(tpu):
     assert _ok(tpu, "probe") == [True, "tpu"]
     assert "torch.accelerator" in _ok(tpu, "is_available_raises_like_torch_tpu")
+    assert _ok(tpu, "bind_local_device") == ["tpu:0", "nullcontext"]
     assert _ok(tpu, "eager_mode") == ["DEFER_AND_FUSE", "DEFER_AND_FUSE", "DEFER_NEVER", "DEFER_NEVER"]
     err, compiles, backend, mesh_type = _ok(tpu, "compile_and_mesh")
     assert err < 1e-5 and compiles == 1 and backend == "tpu_dist" and mesh_type == "tpu"

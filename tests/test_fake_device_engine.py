@@ -1,4 +1,4 @@
-"""The device-generic engine path on a fake PrivateUse1 "neuron" device (design.md §3).
+"""The device-generic engine path on a fake PrivateUse1 "neuron" device: no runner code knows the device.
 
 The same PipelineRunner that serves CPU loads a tiny pipeline onto "neuron", runs it eagerly and
 compiles a bucket with the "neuron" compile backend (static shapes). It runs in a subprocess

@@ -1,13 +1,17 @@
 """Tensor-parallel launch and split checks without starting anything: argv, environment, errors.
 
 Neuron and TPU are checked for the commands and environment they produce (no hardware here; the TPU
-launch environment function is mocked).
+launch environment function is mocked). The device hooks the launch and the ranks use (launch_env,
+bind_local_device through init_group, tp_load_context) are checked for every device.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import types
 from pathlib import Path
 
@@ -17,11 +21,12 @@ import torch
 from engine import devices
 from engine.errors import InvalidRequest, UnsupportedCombination
 from engine.presets import get_preset
-from engine.tp import launch
+from engine.tp import launch, plan
 from engine.tp.client import root_cause
 from engine.tp.plan import TensorParallelSplitError, check_split
 
 CACHE = Path("/srv/showcase-cache")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tail(argv: list[str]) -> list[str]:
@@ -87,6 +92,76 @@ def test_tpu_environment_comes_from_torch_tpu_and_does_not_leak(monkeypatch):
     assert "--nproc-per-node=4" in argv
 
 
+def test_tpu_eager_warm_mode_starts_ranks_without_defer_and_fuse():
+    env = launch.sidecar_environment(devices.get_device("tpu"), CACHE, nproc=2, warm_modes=("eager", "compile"),
+                                     base={devices.TPU_DEFER_AND_FUSE_VAR: "1"}, tpu_env=lambda **kw: {})
+    assert devices.TPU_DEFER_AND_FUSE_VAR not in env  # strict eager even when the parent exported it
+
+
+@pytest.mark.parametrize("device", list(devices.registry()))
+def test_launch_env_comes_only_from_devices_that_need_one(device):
+    calls = []
+
+    def set_env(nnodes, nproc_per_node):
+        calls.append((nnodes, nproc_per_node))
+        os.environ["SHOWCASE_TEST_LAUNCH_VAR"] = "set"
+        return {"TPU_PROCESS_PORT": 8476}
+
+    env = devices.get_device(device).launch_env(2, 4, set_env=set_env)
+    if device == "tpu":
+        assert calls == [(2, 4)] and env == {"SHOWCASE_TEST_LAUNCH_VAR": "set", "TPU_PROCESS_PORT": "8476"}
+    else:
+        assert calls == [] and env == {}
+    assert "SHOWCASE_TEST_LAUNCH_VAR" not in os.environ
+    if devices.get_device(device).tensor_parallel:
+        _, launched = launch.build_launch(devices.get_device(device), 4, 2, "10.0.0.1:29500", cache_dir=CACHE,
+                                          base_env={}, tpu_env=set_env)
+        assert ("SHOWCASE_TEST_LAUNCH_VAR" in launched) is (device == "tpu")
+
+
+def test_tpu_launch_env_keeps_its_old_name():
+    env = launch.tpu_launch_env(1, 2, set_env=lambda nnodes, nproc_per_node: {"TPU_VISIBLE_CHIPS": "0,1"})
+    assert env == {"TPU_VISIBLE_CHIPS": "0,1"}
+
+
+def test_cpu_adjustments_is_the_device_load_context():
+    import diffusers.hooks.tensor_parallel as tp_hooks
+
+    from engine.tp.group import cpu_adjustments
+
+    with cpu_adjustments(devices.get_device("cpu")):
+        assert "cpu" in tp_hooks._SUPPORTED_TP_DEVICES
+    with cpu_adjustments(devices.get_device("cuda")):
+        assert "cpu" not in tp_hooks._SUPPORTED_TP_DEVICES
+    assert "cpu" not in tp_hooks._SUPPORTED_TP_DEVICES
+
+
+def test_init_group_binds_the_device_through_the_spec():
+    """One real gloo rank: init_group takes the device from spec.bind_local_device, the rest from the spec."""
+    code = textwrap.dedent(
+        """
+        import json, os, socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="3")
+        import torch.distributed as dist
+        from engine import devices
+        from engine.tp.group import init_group
+        group = init_group(devices.get_device("cpu"), 60)
+        try:
+            print("RESULT " + json.dumps([str(group.device), group.local_rank, group.world_size,
+                                          group.mesh.device_type, dist.get_backend()]))
+        finally:
+            dist.destroy_process_group()
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, proc.stderr[-3000:]
+    assert line == 'RESULT ["cpu", 3, 1, "cpu", "gloo"]'
+
+
 def test_tpu_without_torch_tpu_says_what_to_install(monkeypatch):
     monkeypatch.setattr(torch, "tpu", None, raising=False)
     with pytest.raises(UnsupportedCombination, match="torch-tpu"):
@@ -135,9 +210,27 @@ def test_dist_timeout_is_longer_for_static_shape_compilers():
 
 
 # -- split checks ----------------------------------------------------------------------------------
-def test_split_check_passes_for_two_ranks(tiny_models):
-    check_split(get_preset("tiny-flux"), str(tiny_models["tiny-flux"]), 2)
-    check_split(get_preset("tiny-flux2-klein"), str(tiny_models["tiny-flux2-klein"]), 2)
+@pytest.fixture
+def checked(monkeypatch):
+    """The split checks that ran to the end (each raises when the split is impossible)."""
+    ran = []
+    for name in ("check_transformer", "check_text_encoder"):
+        real = getattr(plan, name)
+
+        def spy(source, subfolder, cls_name, tp, real=real):
+            real(source, subfolder, cls_name, tp)
+            ran.append((subfolder, cls_name, tp))
+
+        monkeypatch.setattr(plan, name, spy)
+    return ran
+
+
+def test_split_check_passes_for_two_ranks(tiny_models, checked):
+    for preset in ("tiny-flux", "tiny-flux2-klein"):
+        assert plan.check_split_if_local(get_preset(preset), str(tiny_models[preset]), 2) is True
+    assert checked == [("transformer", "FluxTransformer2DModel", 2), ("transformer", "Flux2Transformer2DModel", 2)]
+    check_split(get_preset("tiny-flux"), str(tiny_models["tiny-flux"]), 1)  # one rank: nothing to split
+    assert len(checked) == 2
 
 
 def test_split_check_names_module_and_n(tiny_models):
@@ -145,11 +238,12 @@ def test_split_check_names_module_and_n(tiny_models):
         check_split(get_preset("tiny-flux"), str(tiny_models["tiny-flux"]), 3)
 
 
-def test_split_check_covers_the_text_encoder(tiny_models):
+def test_split_check_covers_the_text_encoder(tiny_models, checked):
     from dataclasses import replace
 
     preset = replace(get_preset("tiny-flux2-klein"), tp_text_encoder=True)
     check_split(preset, str(tiny_models["tiny-flux2-klein"]), 2)
+    assert checked == [("transformer", "Flux2Transformer2DModel", 2), ("text_encoder", "Qwen3ForCausalLM", 2)]
     # The tiny Qwen3 has 2 heads: the transformer (4 heads) splits 4 ways, the text encoder does not.
     with pytest.raises(TensorParallelSplitError, match=r"text_encoder \(Qwen3ForCausalLM\) over 4 ranks"):
         check_split(preset, str(tiny_models["tiny-flux2-klein"]), 4)

@@ -1,8 +1,8 @@
 """torchrun command lines and environments for the tensor-parallel sidecar (pure functions).
 
-Nothing here starts a process, probes a device or imports a vendor package (the TPU launch environment
-comes from a function that is looked up only for tpu and can be injected), so tests check the argv and
-the environment for every device without hardware.
+Nothing here starts a process, probes a device or imports a vendor package (a device that needs launch
+variables, like tpu, supplies them through its spec's `launch_env`, whose vendor function can be
+injected), so tests check the argv and the environment for every device without hardware.
 
 argv is always a list for `subprocess.Popen(argv)` without a shell. The few values a user can choose
 (rank count, node count, node rank, rendezvous endpoint) are validated here before they reach argv.
@@ -15,7 +15,6 @@ that serves the loopback socket — is always local to the app. Run `node_comman
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -70,33 +69,9 @@ def _check_counts(nproc: int, nnodes: int, node_rank: int) -> None:
 
 
 def tpu_launch_env(nnodes: int, nproc_per_node: int, set_env: Callable | None = None) -> dict[str, str]:
-    """The variables torch_tpu wants for a multi-chip launch, without changing this process's environment.
-
-    `torch.tpu.distributed.set_tpu_launch_env(nnodes=, nproc_per_node=)` writes them into os.environ
-    (and may also return them); the app must not keep them, so os.environ is restored and the difference
-    (plus anything returned) is what the sidecar gets.
-    """
-    if set_env is None:
-        import torch
-
-        tpu = getattr(torch, "tpu", None)
-        set_env = getattr(getattr(tpu, "distributed", None), "set_tpu_launch_env", None)
-        if set_env is None:
-            raise UnsupportedCombination(
-                "torch.tpu.distributed.set_tpu_launch_env is missing: install torch-tpu>=0.2.0 on a Cloud TPU VM "
-                f"({devices.TPU_INSTALL_HINT})"
-            )
-    before = dict(os.environ)
-    try:
-        returned = set_env(nnodes=nnodes, nproc_per_node=nproc_per_node)
-        after = dict(os.environ)
-    finally:
-        os.environ.clear()
-        os.environ.update(before)
-    env = {k: v for k, v in after.items() if before.get(k) != v}
-    if isinstance(returned, Mapping):
-        env.update({str(k): str(v) for k, v in returned.items()})
-    return env
+    """torch_tpu's multi-chip launch variables, os.environ left as it was (see engine.devices.tpu.launch_env;
+    `sidecar_environment` asks the spec, so every device's own launch variables are included)."""
+    return devices.tpu.launch_env(nnodes, nproc_per_node, set_env)
 
 
 def sidecar_environment(
@@ -109,12 +84,15 @@ def sidecar_environment(
     base: Mapping[str, str] | None = None,
     tpu_env: Callable | None = None,
 ) -> dict[str, str]:
-    """The full environment torchrun (and so every rank, before it imports torch) starts with."""
-    mode = "defer-and-fuse" if "defer-and-fuse" in warm_modes else None
+    """The full environment torchrun (and so every rank, before it imports torch) starts with.
+
+    The ranks start once, for all their warm modes, so a mode whose runtime reads a variable at start-up
+    (tpu's defer-and-fuse) gets it when it is among `warm_modes`. `tpu_env` replaces the vendor's launch-variable
+    function of a device that has one (tests)."""
+    mode = next((m for m in warm_modes if devices.mode_environment(spec, m)), None)
     env = devices.worker_environment(spec, Path(cache_dir), mode=mode, base=base)
     env.setdefault("PYTHONUNBUFFERED", "1")  # rank logs reach the sidecar log as they happen
-    if spec.name == "tpu":
-        env.update(tpu_launch_env(nnodes, nproc, tpu_env))
+    env.update(spec.launch_env(nnodes, nproc, set_env=tpu_env))
     return env
 
 
@@ -164,7 +142,7 @@ def build_launch(
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) that start the sidecar's ranks on this node: `torchrun --nproc-per-node=N ... -m
     engine.tp.sidecar ...`. The process-group backend and mesh device type come from the device spec
-    inside the ranks; here the device decides the environment (compile caches, the TPU launch env)."""
+    inside the ranks; here the device decides the environment (compile caches, its launch variables)."""
     check_tp_device(spec)
     from engine import settings
 

@@ -1,0 +1,90 @@
+"""The process environment a device needs: compile-cache folders, mode variables, the eager-mode switch.
+
+Two kinds of variables, both read from the spec's data (`cache_env`, `mode_env`):
+
+* defaults (compile caches in the persistent cache folder): the user's exports always win;
+* mode variables, forced: some runtimes read a variable once, when they are loaded (torch_tpu's
+  TORCH_TPU_DEFER_AND_FUSE, at `import torch` through backend autoload), so a worker process must be
+  *started* with it, and a worker for another mode must be started without it.
+
+`apply_environment` changes os.environ: the engine runs one device per worker process, so it is applied
+once, in that worker, before any model is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.devices.spec import DeviceSpec
+
+logger = logging.getLogger(__name__)
+
+
+def device_environment(spec: DeviceSpec, cache_dir: Path, mode: str | None = None) -> dict[str, str]:
+    """Environment variables `spec` needs, as defaults; with `mode`, plus that mode's forced variables.
+
+    Compile caches go to the persistent cache folder: inductor's default is under /tmp and Neuron's NEFF
+    cache is wiped on reboot, so every restart would recompile for minutes.
+    """
+    cache_dir = Path(cache_dir)
+    env = {var: str(cache_dir / folder) for var, folder in spec.cache_env}
+    env.update(mode_environment(spec, mode) if mode else {})
+    return env
+
+
+def mode_environment(spec: DeviceSpec, mode: str | None) -> dict[str, str]:
+    """Variables a *worker process* must be started with for `mode` (forced, not defaults)."""
+    return {var: value for wanted, var, value in spec.mode_env if mode is not None and wanted == mode}
+
+
+def worker_environment(
+    spec: DeviceSpec, cache_dir: Path, mode: str | None = None, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The complete environment for a worker process serving `spec` in `mode`.
+
+    `base` (default os.environ) + the device's defaults where unset + the mode's forced variables. A mode
+    variable of this device that `mode` does not set is removed, so e.g. "eager" on tpu is really strict
+    eager even when the parent exported TORCH_TPU_DEFER_AND_FUSE.
+    """
+    env = dict(os.environ if base is None else base)
+    for key, value in spec.environment(cache_dir).items():
+        env.setdefault(key, value)
+    forced = mode_environment(spec, mode)
+    for _, var, _ in spec.mode_env:
+        if var not in forced:
+            env.pop(var, None)
+    env.update(forced)
+    return env
+
+
+def apply_environment(spec: DeviceSpec, cache_dir: Path, mode: str | None = None) -> dict[str, str]:
+    """os.environ.setdefault for spec.environment(); create the cache folders; return what is in force.
+
+    Call before the first compile (inductor and Neuron read their cache dirs lazily). A mode variable set
+    here only helps a process whose runtime has not read it yet: in a running process use
+    enter_eager_mode().
+    """
+    wanted = spec.environment(cache_dir, mode=mode)
+    in_force: dict[str, str] = {}
+    for key, value in wanted.items():
+        os.environ.setdefault(key, value)
+        in_force[key] = os.environ[key]
+        if key.endswith("_DIR"):
+            try:
+                Path(in_force[key]).mkdir(parents=True, exist_ok=True)
+            except OSError:
+                logger.warning("could not create %s=%s", key, in_force[key])
+    return in_force
+
+
+def enter_eager_mode(spec: DeviceSpec, mode: str) -> str | None:
+    """Switch the device runtime's eager mode for this process to what `mode` needs (TorchTPU: strict
+    eager for "eager", deferred-and-fused for "defer-and-fuse"). Returns the runtime mode set; None
+    (no-op) on devices without such a switch and for modes it does not concern.
+    """
+    return spec.eager_mode_fn(mode) if spec.eager_mode_fn else None
