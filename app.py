@@ -46,6 +46,33 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--warm", default=d["warm"],
                    help="buckets to pre-warm at start-up in --mode: 'all', 'none' or e.g. '64x64,128x128' "
                         "($SHOWCASE_WARM)")
+    h = p.add_argument_group("hosting (a Space or a shared box: see README 'Hosting')")
+    h.add_argument("--public", action=argparse.BooleanOptionalAction, default=d["public"],
+                   help="hosting mode: visitors choose only what the host offers, host operations need "
+                        "--admin-token ($SHOWCASE_PUBLIC=1)")
+    h.add_argument("--presets", default=d["presets"],
+                   help="comma-separated presets visitors may choose (public mode; default: --preset only; "
+                        "$SHOWCASE_PRESETS)")
+    h.add_argument("--precisions", default=d["precisions"],
+                   help="comma-separated precisions visitors may choose (public mode; default: all; $SHOWCASE_PRECISIONS)")
+    h.add_argument("--modes", default=d["modes"],
+                   help="comma-separated modes visitors may choose (public mode; default: all; $SHOWCASE_MODES)")
+    h.add_argument("--admin-token", default=d["admin_token"],
+                   help="secret that unlocks host operations (restart, warm everything, load past the budget) "
+                        "in public mode ($SHOWCASE_ADMIN_TOKEN; never logged)")
+    h.add_argument("--memory-budget", default=d["memory_budget"], metavar="SIZE",
+                   help="memory the engines of one device may hold, e.g. 3GiB (default: 50%% of RAM for cpu, "
+                        "90%% of free memory for accelerators; $SHOWCASE_MEMORY_BUDGET)")
+    h.add_argument("--max-engines", type=int, default=d["max_engines"],
+                   help="engines per device at once (default per device kind: cpu 4, cuda/xpu 3, mps 2, "
+                        "neuron/tpu 1; $SHOWCASE_MAX_ENGINES)")
+    h.add_argument("--compile-jobs", type=int, default=d["compile_jobs"],
+                   help="bucket compiles at once on this host (default: one per 4 cores, at least 1; "
+                        "$SHOWCASE_COMPILE_JOBS)")
+    h.add_argument("--idle-unload", type=float, default=d["idle_unload"], metavar="SECONDS",
+                   help="unload an engine nobody used for this long (default: off; $SHOWCASE_IDLE_UNLOAD)")
+    h.add_argument("--public-evict-after", type=float, default=60.0, metavar="SECONDS",
+                   help="public mode: a visitor's request may unload an idle engine only after this long unused")
     add_engine_arguments(p)
     return p
 
@@ -60,6 +87,24 @@ def warm_sizes(spec: str) -> tuple[str, ...] | None:
     if spec in ("none", ""):
         return ()
     return tuple(str(Size.parse(s)) for s in spec.split(","))
+
+
+def _choices(text: str | None, parse) -> tuple | None:
+    return tuple(parse(t) for t in text.split(",") if t.strip()) if text else None
+
+
+def host_policy(args):
+    """What visitors may do: everything on a developer's machine; the host's lists in public mode."""
+    from engine.manager import HostPolicy
+    from engine.protocol import Mode, Precision
+
+    if not args.public:
+        return HostPolicy()
+    presets = _choices(args.presets, str.strip) or (args.preset,)
+    return HostPolicy(public=True, presets=presets,
+                      precisions=_choices(args.precisions, lambda t: Precision.parse(t, "precision")),
+                      modes=_choices(args.modes, lambda t: Mode.parse(t, "mode")),
+                      evict_idle_after_s=args.public_evict_after)
 
 
 def parse_auth(value: str | None) -> tuple[str, str] | None:
@@ -87,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
 
+    from engine.budget import parse_size
     from engine.errors import ShowcaseError
     from engine.flags import make_manager, options_from_args
     from engine.protocol import Mode
@@ -96,7 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         auth = parse_auth(args.auth)
         mode = Mode.parse(args.mode, "mode")
         modes = (mode,) if mode.compiled else ()
-        manager = make_manager(args, options_from_args(args, warm_sizes=sizes, warm_modes=modes))
+        if args.public and not (args.admin_token or auth):
+            log.warning("public mode without --admin-token or --auth: host operations (restart, warm all) are off")
+        manager = make_manager(
+            args, options_from_args(args, warm_sizes=sizes, warm_modes=modes),
+            memory_budget=parse_size(args.memory_budget), max_engines=args.max_engines,
+            compile_jobs=args.compile_jobs, idle_unload_s=args.idle_unload, policy=host_policy(args))
+        try:
+            manager.default_key = manager.make_key(args.preset, args.device, args.precision, args.tp)
+        except ShowcaseError as exc:  # the UI still starts and shows the reason
+            log.warning("default engine %s/%s/%s: %s", args.preset, args.device, args.precision, exc)
     except ShowcaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -115,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         threading.Thread(target=prewarm, args=(manager, args), name="prewarm", daemon=True).start()
         defaults = UIDefaults(preset=args.preset, device=args.device, precision=args.precision, mode=args.mode,
-                              tp=args.tp)
+                              tp=args.tp, admin_token=args.admin_token)
         demo = build_demo(manager, defaults, queue_size=args.queue_size)
         demo.launch(
             server_name=args.host,

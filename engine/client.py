@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import signal
 import threading
 import time
 from collections import deque
@@ -23,10 +25,15 @@ from engine.protocol import (
     BucketInfo,
     BucketKey,
     Cancel,
+    CompileFinished,
+    CompileGranted,
+    CompileWanted,
     EngineKey,
     EngineReady,
     Fatal,
     Fault,
+    Footprint,
+    FootprintChanged,
     FromEngine,
     Generate,
     GenerateRequest,
@@ -63,6 +70,13 @@ class ConnectionEngine:
         self._send_lock = threading.Lock()
         self._closed = False
         self.on_down: Callable[[ConnectionEngine], None] | None = None
+        # The host's compile scheduler (engine/manager.py): without one, every compile is granted at once.
+        self.compile_gate: Callable[[ConnectionEngine, CompileWanted], None] | None = None
+        self.on_compile_finished: Callable[[ConnectionEngine, BucketKey], None] | None = None
+        self.on_ready: Callable[[ConnectionEngine], None] | None = None
+        self.footprint: Footprint | None = None
+        self.last_used = time.monotonic()  # for least-recently-used eviction
+        self.evictable = True  # False: an engine the app attached to but does not own
 
     # -- connection ------------------------------------------------------------------------------
     def attach(self, conn) -> None:
@@ -77,6 +91,9 @@ class ConnectionEngine:
             FromEngine.ERROR: self._on_error,
             FromEngine.READY: self._on_ready,
             FromEngine.FATAL: self._on_fatal,
+            FromEngine.COMPILE_WANTED: self._on_compile_wanted,
+            FromEngine.COMPILE_FINISHED: self._on_compile_finished,
+            FromEngine.FOOTPRINT: self._on_footprint,
         }
 
     def _read(self) -> None:
@@ -113,16 +130,37 @@ class ConnectionEngine:
 
     def _on_ready(self, message: Ready) -> None:
         self.info = message.ready
+        self.footprint = message.ready.footprint
         with self._lock:
             for info in self.info.buckets:
                 self._buckets[info.bucket] = info
         self.ready.set()
+        if self.on_ready is not None:
+            self.on_ready(self)
+
+    def _on_compile_wanted(self, message: CompileWanted) -> None:
+        if self.compile_gate is None:
+            self.grant_compile(message.bucket)
+        else:
+            self.compile_gate(self, message)
+
+    def _on_compile_finished(self, message: CompileFinished) -> None:
+        if self.on_compile_finished is not None:
+            self.on_compile_finished(self, message.bucket)
+
+    def _on_footprint(self, message: FootprintChanged) -> None:
+        self.footprint = message.footprint
+
+    def grant_compile(self, bucket: BucketKey) -> None:
+        """The scheduler's answer: the engine may compile `bucket` now."""
+        self.send(CompileGranted(bucket))
 
     def _on_fatal(self, message: Fatal) -> None:
         self.error = message.error
         self.ready.set()
 
     def _finish(self, request_id: str, result=None, error=None) -> None:
+        self.last_used = time.monotonic()
         with self._lock:
             entry = self._pending.pop(request_id, None)
         if entry is None:
@@ -172,6 +210,7 @@ class ConnectionEngine:
 
     def submit(self, request: GenerateRequest, on_progress: Callable[[StepProgress], None] | None = None) -> Future:
         future: Future = Future()
+        self.last_used = time.monotonic()
         with self._lock:
             self._pending[request.request_id] = (future, on_progress)
         try:
@@ -208,6 +247,10 @@ class ConnectionEngine:
     def pending(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    def busy(self) -> bool:
+        """A request is running or queued in it, or someone waits for it to load: never evict it now."""
+        return self.pending() > 0 or not self.ready.is_set()
 
     def status(self) -> dict:
         state = "down" if self.error else ("ready" if self.ready.is_set() else "loading")
@@ -272,14 +315,19 @@ class ProcessEngine(ConnectionEngine):
             return "connection lost"
         return f"worker process exited with code {code}" + (" (killed by a signal)" if code < 0 else "")
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 3.0) -> None:
+        """Ask the worker to shut down; after `timeout`, kill its process group (the worker made itself a
+        group leader, so its compiler processes go with it)."""
         super().close()
         if self.process is None:
             return
         self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(2)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(2)
+        pgid = self.process.pid
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(pgid, sig)  # also whatever it started (inductor's compile workers, gcc)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.process.join(1.0)
+            if not self.process.is_alive():
+                break

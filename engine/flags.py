@@ -65,8 +65,9 @@ def model_roots_from_args(args) -> list[Path]:
     return roots
 
 
-def make_manager(args, options: EngineOptions):
-    """An EngineManager for a command line (--model becomes a preset of its own)."""
+def make_manager(args, options: EngineOptions, **hosting):
+    """An EngineManager for a command line (--model becomes a preset of its own); `hosting`: the budget,
+    compile-scheduler and policy arguments of EngineManager."""
     from engine.manager import EngineManager
     from engine.presets import preset_for_model
 
@@ -77,4 +78,4 @@ def make_manager(args, options: EngineOptions):
         extra[preset.name] = preset
         args.preset = preset.name
     return EngineManager(cache_dir=args.cache_dir or settings.cache_dir(), options=options, allowed_roots=roots,
-                         extra_presets=extra)
+                         extra_presets=extra, **hosting)

@@ -1,40 +1,77 @@
-"""The engine manager: one engine per (model, device, precision, tp), started on demand.
+"""The engine manager: one engine per (model, device, precision, tp), started on demand, within budget.
 
 Everything user-facing goes through here: it validates up front (so bad input is answered at once
-with what to change), starts and restarts engines, routes requests and reports every bucket.
+with what to change), applies the host's policy (what visitors may choose in public mode), keeps the
+engines of each device within a memory budget and an engine count (evicting the least recently used
+idle engines; never a busy one), schedules compiles host-wide, starts and restarts engines, routes
+requests and reports every bucket -- including evicted engines and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
+import statistics
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine import devices, settings
+from engine import budget, devices, settings
 from engine.caches import prepare_cache_dir
 from engine.client import ConnectionEngine, ProcessEngine
-from engine.errors import EngineBusy, ShowcaseError
+from engine.errors import BudgetExceeded, EngineBusy, InvalidRequest, NotAllowed, ShowcaseError
+from engine.presets import looks_like_model_ref
 from engine.protocol import (
     BucketKey,
     EngineConfig,
     EngineKey,
     EngineOptions,
+    Footprint,
     GenerateResult,
     Mode,
     ModelPreset,
     OnCold,
+    Precision,
     Size,
 )
-from engine.resolve import Catalog
+from engine.resolve import Catalog, resolve_source
+from engine.scheduler import CompileScheduler
 from engine.validation import build_request
 
 log = logging.getLogger(__name__)
 
 RESTART_WINDOW_S = 60.0
 MAX_RESTARTS_IN_WINDOW = 3
+CLOSE_TIMEOUT_S = 3.0  # a worker asked to shut down gets this long before its process group is killed
+ACTIVATION_SHARE = 0.25  # before an engine has run: activations estimated as this share of its weights
+
+
+class Caller(enum.StrEnum):
+    HOST = "host"  # the CLI, the host's own scripts, an admin with the token
+    VISITOR = "visitor"  # anyone on the web page or the public API
+
+
+@dataclass(frozen=True)
+class HostPolicy:
+    """What visitors may do. Without `public`, a developer's machine: visitors may do anything the host can."""
+
+    public: bool = False
+    presets: tuple[str, ...] | None = None  # visitors choose only these (None: every shipped preset)
+    precisions: tuple[Precision, ...] | None = None
+    modes: tuple[Mode, ...] | None = None
+    # Public mode: loading an engine may evict an idle one only if nobody used it for this long.
+    evict_idle_after_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Eviction:
+    key: EngineKey
+    reason: str
+    at: float
+    footprint: Footprint | None
 
 
 class EngineManager:
@@ -45,6 +82,13 @@ class EngineManager:
         allowed_roots: list[Path] | None = None,
         extra_presets: dict[str, ModelPreset] | None = None,
         auto_restart: bool = True,
+        *,
+        memory_budget: int | None = None,
+        max_engines: int | None = None,
+        compile_jobs: int | None = None,
+        idle_unload_s: float | None = None,
+        policy: HostPolicy | None = None,
+        default_key: EngineKey | None = None,
     ):
         self.cache = prepare_cache_dir(Path(cache_dir) if cache_dir else settings.cache_dir())
         self.cache_dir = self.cache.path
@@ -53,41 +97,193 @@ class EngineManager:
         self.allowed_roots = self.catalog.allowed_roots
         self.presets = self.catalog.presets
         self.auto_restart = auto_restart
+        self.policy = policy or HostPolicy()
+        self.default_key = default_key
+        self.memory_budget = memory_budget
+        self.max_engines = max_engines
+        self.idle_unload_s = idle_unload_s
+        self.scheduler = CompileScheduler(compile_jobs or settings.default_compile_jobs())
+        self._budgets: dict[str, budget.DeviceBudget] = {}
         self._engines: dict[EngineKey, ConnectionEngine] = {}
         self._options: dict[EngineKey, EngineOptions] = {}
         self._restarts: dict[EngineKey, list[float]] = {}
+        self._footprints: dict[EngineKey, Footprint] = {}  # measured, remembered across evictions
+        self._evicted: dict[EngineKey, Eviction] = {}
         self._running: dict[str, ConnectionEngine] = {}  # request id -> engine, for cancel()
         self._lock = threading.RLock()
+        self._admission = threading.Lock()  # one engine admitted (planned, room made, started) at a time
         self._closing = False
+        self.engines_started = 0
+        self.evictions = 0
+        if idle_unload_s:
+            threading.Thread(target=self._unload_idle_forever, name="idle-unload", daemon=True).start()
 
     # -- lookup and validation -------------------------------------------------------------------
     def preset(self, name: str) -> ModelPreset:
         """A preset by name, or any Hub id / local diffusers folder under the allowed model roots."""
         return self.catalog.preset(name)
 
-    def make_key(self, preset: str, device: str, precision: str, tp: int = 1) -> EngineKey:
-        """Validate and resolve an engine key ("auto" -> the best available device)."""
+    def make_key(self, preset: str, device: str, precision: str, tp: int = 1,
+                 caller: Caller = Caller.HOST) -> EngineKey:
+        """Validate and resolve an engine key ("auto" -> the best available device); in public mode a
+        visitor may only pick what the host offers."""
+        if caller is Caller.VISITOR:
+            self._check_visitor_choice(preset=preset, precision=precision)
         return self.catalog.make_key(preset, device, precision, tp)
 
+    def _check_visitor_choice(self, *, preset=None, precision=None, mode=None) -> None:
+        p = self.policy
+        if not p.public:
+            return
+        offered = self.visitor_presets()
+        if preset is not None:
+            if isinstance(preset, str) and looks_like_model_ref(preset):
+                raise NotAllowed(f"this server does not load Hub ids or local folders ({preset!r}); "
+                                 f"choose one of its presets: {', '.join(offered)}")
+            if preset not in offered:
+                raise NotAllowed(f"preset {preset!r} is not offered here; choose one of: {', '.join(offered)}")
+        if precision is not None and p.precisions is not None:
+            choice = Precision.parse(precision, "precision")
+            if choice not in p.precisions:
+                raise NotAllowed(f"precision {choice} is not offered here; choose one of: "
+                                 f"{', '.join(map(str, p.precisions))}")
+        if mode is not None and p.modes is not None:
+            choice = Mode.parse(mode, "mode")
+            if choice not in p.modes:
+                raise NotAllowed(f"mode {choice} is not offered here; choose one of: {', '.join(map(str, p.modes))}")
+
+    def visitor_presets(self) -> list[str]:
+        """The presets visitors may pick (public mode: the host's list)."""
+        if self.policy.public and self.policy.presets is not None:
+            return [p for p in self.policy.presets if p in self.presets]
+        return list(self.presets)
+
     def engine_options(self, key: EngineKey) -> EngineOptions:
-        """Manager defaults (or the options an engine was started with), then the preset's per-device ones."""
-        return self.catalog.options_for(key, self._options.get(key, self.options))
+        """Manager defaults (or the options an engine was started with), then the preset's per-device ones.
+        Only the default engine warms a start-up list; others compile only what requests ask for."""
+        base = self._options.get(key)
+        if base is None:
+            base = self.options if self._is_default(key) else dataclasses.replace(self.options, warm_sizes=())
+        return self.catalog.options_for(key, base)
+
+    def _is_default(self, key: EngineKey) -> bool:
+        return self.default_key is None or key == self.default_key
+
+    # -- budgets ---------------------------------------------------------------------------------
+    def device_budget(self, device: str) -> budget.DeviceBudget:
+        with self._lock:
+            if device not in self._budgets:
+                spec = devices.get_device(device)
+                if self.memory_budget is not None:
+                    limit, source = self.memory_budget, "--memory-budget"
+                else:
+                    limit, source = spec.default_memory_budget()
+                count = self.max_engines if self.max_engines is not None else spec.max_engines
+                self._budgets[device] = budget.DeviceBudget(device, limit, count,
+                                                            source + ("" if self.max_engines is None else
+                                                                      "; --max-engines"))
+            return self._budgets[device]
+
+    def footprint_of(self, engine: ConnectionEngine) -> Footprint:
+        """What an engine counts against its budget: measured once loaded, estimated before."""
+        return engine.footprint or self._footprints.get(engine.key) or self.estimate(engine.key)
+
+    def estimate(self, key: EngineKey) -> Footprint:
+        if key in self._footprints:
+            return self._footprints[key]
+        spec = devices.get_device(key.device)
+        try:
+            source = Path(resolve_source(self.catalog.config(key, self.options, self.cache_dir)))
+            weights = budget.weights_bytes(source, key.precision) if source.is_dir() else 0
+        except ShowcaseError:
+            weights = 0
+        weights //= max(1, key.tp)  # each rank holds its shard (the rest is replicated: an underestimate)
+        overhead = self._measured_overhead(key.device) or spec.process_overhead_bytes
+        return budget.estimate(weights, overhead, ACTIVATION_SHARE)
+
+    def _measured_overhead(self, device: str) -> int | None:
+        """What a process of this device measured beyond its weights (the median over loaded engines)."""
+        seen = [f.device_bytes - f.weights_bytes for k, f in self._footprints.items() if k.device == device]
+        return int(statistics.median(seen)) if seen else None
+
+    def _residents(self, device: str, exclude: ConnectionEngine | None = None) -> list[budget.Resident]:
+        with self._lock:
+            engines = [e for e in self._engines.values() if e.key.device == device and e is not exclude]
+        return [budget.Resident(str(e.key), self.footprint_of(e).device_bytes, e.busy(), e.last_used,
+                                evictable=e.evictable) for e in engines]
+
+    def _make_room(self, key: EngineKey, need: int, caller: Caller, exclude=None) -> None:
+        """Evict least-recently-used idle engines so `need` fits; raise BudgetExceeded when it cannot."""
+        limits = self.device_budget(key.device)
+        residents = self._residents(key.device, exclude)
+        if caller is Caller.VISITOR and self.policy.public:
+            # A visitor may only push out engines nobody has used for a while ("the budget is full").
+            cutoff = time.monotonic() - self.policy.evict_idle_after_s
+            residents = [dataclasses.replace(r, busy=r.busy or r.last_used > cutoff) for r in residents]
+        plan = budget.plan_room(need, limits, residents)
+        if not plan.fits:
+            loaded = [str(k) for k in self._engines if k.device == key.device]
+            hint = ("pick one of the loaded engines (" + ", ".join(loaded) + "), " if loaded else "") + \
+                "a smaller precision (bf16/fp16 halve the weights), or ask the host for a bigger budget " \
+                "(--memory-budget / --max-engines)"
+            if caller is Caller.VISITOR and self.policy.public:
+                hint += f"; engines idle for {self.policy.evict_idle_after_s:.0f} s make room by themselves"
+            raise BudgetExceeded(
+                f"engine {key} needs about {need / budget.GIB:.2f} GiB but the {key.device} budget "
+                f"({limits.describe()}) has no room: {plan.reason}. Try {hint}")
+        for name in plan.evict:
+            victim = next((e for e in self.engines() if str(e.key) == name), None)
+            if victim is not None:
+                self._evict(victim, f"evicted (least recently used, idle) to make room for {key}")
+
+    def _evict(self, engine: ConnectionEngine, reason: str) -> None:
+        with self._lock:
+            if self._engines.get(engine.key) is not engine:
+                return
+            del self._engines[engine.key]
+            if engine.footprint is not None:
+                self._footprints[engine.key] = engine.footprint
+            self._evicted[engine.key] = Eviction(engine.key, reason, time.time(), engine.footprint)
+            self.evictions += 1
+        self.scheduler.drop_engine(engine)
+        log.info("engine %s: %s", engine.key, reason)
+        engine.close()  # waits until its processes are gone, so the memory is really free
+
+    def _unload_idle_forever(self) -> None:
+        while not self._closing:
+            time.sleep(min(5.0, max(0.5, self.idle_unload_s / 4)))
+            cutoff = time.monotonic() - self.idle_unload_s
+            for engine in self.engines():
+                if engine.ready.is_set() and not engine.busy() and engine.last_used < cutoff and engine.evictable:
+                    self._evict(engine, f"unloaded after {self.idle_unload_s:.0f} s idle (--idle-unload)")
 
     # -- engines ---------------------------------------------------------------------------------
-    def engine(self, key: EngineKey, options: EngineOptions | None = None) -> ConnectionEngine:
-        """The engine for a key, started if needed (returns at once; it may still be loading)."""
+    def engine(self, key: EngineKey, options: EngineOptions | None = None,
+               caller: Caller = Caller.HOST) -> ConnectionEngine:
+        """The engine for a key, started if needed (returns once it is admitted; it may still be loading)."""
         with self._lock:
             if self._closing:
                 raise ShowcaseError("the server is shutting down")
             if options is not None:
                 self._options[key] = options
             engine = self._engines.get(key)
-            if engine is not None and engine.alive:
+            if engine is not None and (engine.alive or not engine.ready.is_set()):
                 return engine
-            if engine is not None and not engine.ready.is_set():
-                return engine  # still loading
-            engine = self._start(key)
-            self._engines[key] = engine
+        if caller is Caller.VISITOR and self.policy.public and key.tp > 1:
+            raise NotAllowed(f"{key} is not loaded, and starting a tensor-parallel engine is up to the host")
+        with self._admission:
+            with self._lock:
+                engine = self._engines.get(key)
+                if engine is not None and (engine.alive or not engine.ready.is_set()):
+                    return engine
+            self._make_room(key, self.estimate(key).device_bytes, caller)
+            with self._lock:
+                if self._closing:
+                    raise ShowcaseError("the server is shutting down")
+                engine = self._start(key)
+                self._engines[key] = engine
+                self._evicted.pop(key, None)
+                self.engines_started += 1
             return engine
 
     def _start(self, key: EngineKey) -> ConnectionEngine:
@@ -102,15 +298,48 @@ class EngineManager:
             env = devices.worker_environment(spec, self.cache_dir, mode=mode)
             env.update(self.cache.worker_env())
             engine = ProcessEngine(self._config(key, options), env=env).start()
-        engine.on_down = self._on_down
+        self._attach(engine)
         log.info("started engine %s", key)
         return engine
+
+    def _attach(self, engine: ConnectionEngine) -> None:
+        engine.on_down = self._on_down
+        engine.compile_gate = self._compile_wanted
+        engine.on_compile_finished = self.scheduler.finished
+        engine.on_ready = self._on_ready
+
+    def _compile_wanted(self, engine: ConnectionEngine, wish) -> None:
+        startup = wish.startup_rank if self._is_default(engine.key) else None
+        self.scheduler.want(engine, wish.bucket, waiting=wish.waiting, hits=wish.hits, startup_rank=startup)
+
+    def _on_ready(self, engine: ConnectionEngine) -> None:
+        """Loaded: remember what it really costs, and keep the device within budget."""
+        if engine.footprint is None:
+            return
+        self._footprints[engine.key] = engine.footprint
+        threading.Thread(target=self._settle_budget, args=(engine,), name="budget-settle", daemon=True).start()
+
+    def _settle_budget(self, engine: ConnectionEngine) -> None:
+        limits = self.device_budget(engine.key.device)
+        with self._admission:
+            residents = self._residents(engine.key.device, exclude=engine)
+            used = sum(r.footprint for r in residents) + engine.footprint.device_bytes
+            if limits.bytes is None or used <= limits.bytes:
+                return
+            try:
+                self._make_room(engine.key, engine.footprint.device_bytes, Caller.HOST, exclude=engine)
+            except BudgetExceeded as exc:
+                log.warning("engine %s measured %.2f GiB, over budget: unloading it", engine.key,
+                            engine.footprint.device_bytes / budget.GIB)
+                engine.error = exc
+                self._evict(engine, f"unloaded right after loading: {exc}")
 
     def _config(self, key: EngineKey, options: EngineOptions) -> EngineConfig:
         return self.catalog.config(key, options, self.cache_dir)
 
     def _on_down(self, engine: ConnectionEngine) -> None:
         """Restart a crashed engine in the background (bounded, so a crash loop stops)."""
+        self.scheduler.drop_engine(engine)
         if self._closing or not self.auto_restart or not engine.info:
             return  # a load failure is not retried: its error stays on the board
         now = time.time()
@@ -133,6 +362,7 @@ class EngineManager:
         with self._lock:
             old = self._engines.pop(key, None)
         if old is not None:
+            self.scheduler.drop_engine(old)
             old.close()
         return self.engine(key)
 
@@ -162,9 +392,12 @@ class EngineManager:
         on_progress=None,
         timeout: float | None = None,
         on_submit=None,
+        caller: Caller = Caller.HOST,
     ) -> GenerateResult:
         """Validate, route and run one request; raises a ShowcaseError with what to change."""
-        key = self.make_key(preset, device, precision, tp)
+        key = self.make_key(preset, device, precision, tp, caller=caller)
+        if caller is Caller.VISITOR:
+            self._check_visitor_choice(mode=mode)
         p = self.preset(key.preset)
         if size is not None:
             parsed = size if isinstance(size, Size) else Size.parse(size)
@@ -176,7 +409,7 @@ class EngineManager:
             guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold,
         )
         devices.check_mode(devices.get_device(key.device), request.mode)  # refused here; its notices come with the result
-        engine = self.engine(key)
+        engine = self.engine(key, caller=caller)
         if engine.pending() >= self.engine_options(key).max_queue:
             raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")
         engine.wait_ready(timeout=600)
@@ -202,19 +435,66 @@ class EngineManager:
         return True
 
     def warm(self, preset: str, device: str, precision: str, mode: str = Mode.COMPILE, size: str | None = None,
-             tp: int = 1) -> None:
-        key = self.make_key(preset, device, precision, tp)
+             tp: int = 1, caller: Caller = Caller.HOST) -> None:
+        """Queue a bucket's compile (or the start-up list). Visitors in public mode: one bucket of an engine
+        that is already loaded (theirs)."""
+        key = self.make_key(preset, device, precision, tp, caller=caller)
         bucket = BucketKey(Mode.parse(mode, "mode"), Size.parse(size)) if size else None
-        engine = self.engine(key)
+        if caller is Caller.VISITOR and self.policy.public:
+            self._check_visitor_choice(mode=mode)
+            if bucket is None:
+                raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
+            if bucket.size not in self.preset(key.preset).buckets:
+                raise InvalidRequest(f"{bucket.size} is not a bucket of {key.preset}")
+            with self._lock:
+                if key not in self._engines:
+                    raise NotAllowed(f"{key} is not loaded; generate with it first, then warm its buckets")
+        engine = self.engine(key, caller=caller)
         engine.wait_ready(timeout=600)
         engine.warm(bucket)
 
     def status(self) -> list[dict]:
-        return [engine.status() for engine in self.engines()]
+        with self._lock:
+            evicted = list(self._evicted.values())
+        rows = [engine.status() for engine in self.engines()]
+        for engine, row in zip(self.engines(), rows, strict=False):
+            row["footprint"] = self.footprint_of(engine).as_dict()
+        rows += [{"engine": str(e.key), "kind": "evicted", "state": "evicted", "error": e.reason,
+                  "evicted_at": e.at, "pending": 0, "buckets": [], "modes": [], "notices": [],
+                  "footprint": e.footprint.as_dict() if e.footprint else None} for e in evicted]
+        return rows
+
+    def host_status(self) -> dict:
+        """Budgets, use, evictions and the compile scheduler: the host's view (/system, the soak)."""
+        per_device = {}
+        for device in sorted({e.key.device for e in self.engines()} | set(self._budgets)):
+            limits = self.device_budget(device)
+            residents = self._residents(device)
+            per_device[device] = {
+                "budget_gib": None if limits.bytes is None else round(limits.bytes / budget.GIB, 3),
+                "max_engines": limits.max_engines, "source": limits.source,
+                "used_gib": round(sum(r.footprint for r in residents) / budget.GIB, 3), "engines": len(residents),
+            }
+        p = self.policy
+        return {
+            "devices": per_device,
+            "engines_started": self.engines_started,
+            "evictions": self.evictions,
+            "compiles": self.scheduler.snapshot(),
+            "idle_unload_s": self.idle_unload_s,
+            "policy": {"public": p.public, "presets": self.visitor_presets(),
+                       "precisions": [str(x) for x in p.precisions] if p.precisions else None,
+                       "modes": [str(x) for x in p.modes] if p.modes else None,
+                       "evict_idle_after_s": p.evict_idle_after_s},
+        }
 
     def shutdown(self) -> None:
+        """Stop every engine at once: ask, wait CLOSE_TIMEOUT_S, then kill their process groups."""
         with self._lock:
             self._closing = True
             engines, self._engines = list(self._engines.values()), {}
-        for engine in engines:
-            engine.close()
+        threads = [threading.Thread(target=e.close, name=f"close-{e.key}", daemon=True) for e in engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(CLOSE_TIMEOUT_S + 5)

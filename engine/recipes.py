@@ -102,7 +102,7 @@ def compile_kwargs(options: EngineOptions, device_spec, fullgraph: bool = True) 
     if options.dynamic and not device_spec.static_shapes:
         import torch.fx.experimental._config as fx_config
 
-        fx_config.use_duck_shape = False  # distinct sizes must not be unified (design.md §1)
+        fx_config.use_duck_shape = False  # distinct sizes must not be unified into one symbol
         kwargs["dynamic"] = True
     else:
         kwargs["dynamic"] = False

@@ -43,6 +43,7 @@ from engine.protocol import (
     EngineKey,
     EngineReady,
     Fault,
+    Footprint,
     GenerateRequest,
     GenerateResult,
     Mode,
@@ -267,6 +268,8 @@ class PipelineRunner:
         self._run_lock = threading.Lock()  # one request on the device at a time (warm-up runs apart)
         self._mode_notices: dict[Mode, tuple[str, ...]] = {}
         self.faults = FaultHooks()  # tests arm one-shot faults through the worker protocol
+        self._weights_bytes: int | None = None
+        self._peak_bytes: int | None = None
         for mode in self.modes():
             for size in self.preset.buckets:
                 self.board.add(BucketKey(mode, size), BucketState.COLD if mode.compiled else BucketState.WARM)
@@ -413,8 +416,10 @@ class PipelineRunner:
         if request.mode.compiled:
             if info is None or info.state != BucketState.WARM:
                 if request.on_cold is OnCold.WAIT:
-                    if info is None or info.state in (BucketState.COLD, BucketState.FAILED):
-                        self.warm_bucket(bucket)  # compile here, in this request
+                    # A worker asks the host's scheduler first (engine/worker.py); used alone, a runner
+                    # compiles here, in this request. A failed bucket is not retried on every request.
+                    if info is None or info.state == BucketState.COLD:
+                        self.warm_bucket(bucket)
                     self.board.event(bucket).wait()
                     info = self.board.get(bucket)
                 if info is None or info.state != BucketState.WARM:
@@ -544,7 +549,41 @@ class PipelineRunner:
     def ready_info(self) -> EngineReady:
         """What a worker announces once loaded (the protocol's Ready message)."""
         return EngineReady(key=self.config.key, pid=os.getpid(), load_s=self.load_s, notices=tuple(self.notices),
-                           modes=self.modes(), buckets=tuple(self.board.all()))
+                           modes=self.modes(), buckets=tuple(self.board.all()), footprint=self.footprint())
+
+    def weights_bytes(self) -> int:
+        if self._weights_bytes is None:
+            seen, total = set(), 0
+            for component in self.pipe.components.values():
+                if isinstance(component, torch.nn.Module):
+                    for tensor in (*component.parameters(), *component.buffers()):
+                        if id(tensor) not in seen:
+                            seen.add(id(tensor))
+                            total += tensor.numel() * tensor.element_size()
+            self._weights_bytes = total
+        return self._weights_bytes
+
+    def measure_peak(self) -> None:
+        """One eager step at the largest bucket: the activation peak a request can reach (budgeting)."""
+        largest = max(self.preset.buckets, key=lambda s: s.pixels)
+        request = self.warm_request(BucketKey(Mode.EAGER, largest)).replace(steps=1, request_id="footprint")
+        self.spec.reset_peak_memory()
+        with self._run_lock:
+            self._call(self.pipe, request)
+        self._peak_bytes = self.spec.peak_memory_bytes()
+
+    def footprint(self) -> Footprint:
+        """What this engine holds: device memory (weights + the measured run peak; the resident memory
+        where host RAM is the device) and the process's resident memory."""
+        import psutil
+
+        rss = psutil.Process().memory_info().rss
+        weights = self.weights_bytes()
+        if self.spec.host_memory_is_device_memory:
+            device = max(rss, self._peak_bytes or 0)
+        else:
+            device = max(weights, self._peak_bytes or 0) + self.spec.process_overhead_bytes
+        return Footprint(device_bytes=int(device), host_rss_bytes=int(rss), weights_bytes=int(weights))
 
     def buckets_to_warm(self) -> list[BucketKey]:
         """The configured start-up warm list, most-used size first (the preset's order)."""

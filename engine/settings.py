@@ -53,4 +53,20 @@ def server_defaults() -> dict:
         "warm": _env("SHOWCASE_WARM", "all"),
         "queue_size": int(_env("SHOWCASE_QUEUE_SIZE", "64")),
         "auth": _env("SHOWCASE_AUTH"),  # "user:password"
+        # hosting
+        "public": _env("SHOWCASE_PUBLIC", "0") not in ("0", "false", "False", "no"),
+        "presets": _env("SHOWCASE_PRESETS"),  # comma-separated: what visitors may choose in public mode
+        "precisions": _env("SHOWCASE_PRECISIONS"),
+        "modes": _env("SHOWCASE_MODES"),
+        "admin_token": _env("SHOWCASE_ADMIN_TOKEN"),
+        "memory_budget": _env("SHOWCASE_MEMORY_BUDGET"),  # e.g. "3GiB"; default: per device (see README)
+        "max_engines": _env("SHOWCASE_MAX_ENGINES"),
+        "compile_jobs": _env("SHOWCASE_COMPILE_JOBS"),
+        "idle_unload": _env("SHOWCASE_IDLE_UNLOAD"),  # seconds; off by default
     }
+
+
+def default_compile_jobs() -> int:
+    """Compiles at once on this host: compiling is CPU-bound (tracing, inductor, the C++/Triton compilers),
+    so one per four cores, at least one: a 2-core box compiles one bucket at a time."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))

@@ -124,18 +124,6 @@ def test_tpu_launch_env_keeps_its_old_name():
     assert env == {"TPU_VISIBLE_CHIPS": "0,1"}
 
 
-def test_cpu_adjustments_is_the_device_load_context():
-    import diffusers.hooks.tensor_parallel as tp_hooks
-
-    from engine.tp.group import cpu_adjustments
-
-    with cpu_adjustments(devices.get_device("cpu")):
-        assert "cpu" in tp_hooks._SUPPORTED_TP_DEVICES
-    with cpu_adjustments(devices.get_device("cuda")):
-        assert "cpu" not in tp_hooks._SUPPORTED_TP_DEVICES
-    assert "cpu" not in tp_hooks._SUPPORTED_TP_DEVICES
-
-
 def test_init_group_binds_the_device_through_the_spec():
     """One real gloo rank: init_group takes the device from spec.bind_local_device, the rest from the spec."""
     code = textwrap.dedent(

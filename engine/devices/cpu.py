@@ -171,6 +171,10 @@ def spec() -> DeviceSpec:
         mesh_device_type=NAME,
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL),
         matmul_probe_iters=5,  # a CPU matmul takes milliseconds, not microseconds
+        host_memory_is_device_memory=True,
+        budget_share=0.5,
+        max_engines=4,
+        process_overhead_bytes=700 * 2**20,  # a worker with torch, diffusers and a tiny model: ~0.6-0.7 GiB RSS
         cache_env=INDUCTOR_CACHE_ENV,
         probe_fn=lambda: Availability(True),
         precision_fn=precision,

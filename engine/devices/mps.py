@@ -87,6 +87,7 @@ def spec() -> DeviceSpec:
         mesh_device_type="",
         tensor_parallel=False,
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL),
+        max_engines=2,  # unified memory is shared with everything else on the Mac
         memory_source="torch.mps.current_allocated_memory at the end of the run (MPS keeps no peak)",
         cache_env=INDUCTOR_CACHE_ENV,
         probe_fn=probe,

@@ -92,6 +92,7 @@ def spec() -> DeviceSpec:
         dist_backend="neuron",
         mesh_device_type=NAME,
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL),
+        max_engines=1,  # the runtime gives each core/chip to one process
         memory_source="torch.neuron.max_memory_allocated where torch_neuronx provides it, else not reported",
         cache_env=((NEFF_CACHE_VAR, "neff"),),
         probe_fn=probe,

@@ -122,6 +122,16 @@ class DeviceSpec:
     # (mode, variable, value): forced in a worker process started for that mode, removed from workers
     # started for any other mode (a runtime that reads it once at start-up cannot be switched later).
     mode_env: tuple[tuple[Mode, str, str], ...] = ()
+    # Hosting (engine/manager.py keeps each device's engines within a budget):
+    # - the default budget is `budget_share` of the device's free memory at start-up (of its total
+    #   where host RAM is the device: other programs come and go, the app must leave room for them);
+    # - at most `max_engines` engines at once (Neuron and TPU runtimes give a core/chip to one process);
+    # - before an engine has run, a process on this device is assumed to cost `process_overhead_bytes`
+    #   beyond its weights (cpu: torch + diffusers in a worker's resident memory; GPUs: the context).
+    host_memory_is_device_memory: bool = False
+    budget_share: float = 0.9
+    max_engines: int = 3
+    process_overhead_bytes: int = 512 * 2**20
 
     # Hooks: the few things that really differ between devices.
     probe_fn: Callable[[], Availability] = _hook(lambda: Availability(True))
@@ -188,6 +198,16 @@ class DeviceSpec:
             logger.debug("memory_info on %s failed", self.name, exc_info=True)
             return None
         return (int(value[0]), int(value[1])) if value else None
+
+    def default_memory_budget(self) -> tuple[int | None, str]:
+        """(bytes, how they were chosen): the share of free memory (of total RAM on cpu); None when the
+        device reports no memory (then only the engine count bounds it)."""
+        info = self.memory_info()
+        if info is None:
+            return None, f"{self.name} reports no memory: bounded by engine count only"
+        free, total = info
+        base, what = (total, "RAM") if self.host_memory_is_device_memory else (free, "free memory at start-up")
+        return int(base * self.budget_share), f"default: {self.budget_share:.0%} of {what}"
 
     def device_name(self) -> str | None:
         """The hardware's own name (e.g. the GPU model), None where unknown. Never raises."""

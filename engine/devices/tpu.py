@@ -152,6 +152,7 @@ def spec() -> DeviceSpec:
         dist_backend="tpu_dist",
         mesh_device_type=NAME,
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL, Mode.DEFER_AND_FUSE),
+        max_engines=1,  # the runtime gives each core/chip to one process
         memory_source="torch.tpu.max_memory_allocated where torch_tpu provides it, else not reported",
         mode_env=((Mode.DEFER_AND_FUSE, TPU_DEFER_AND_FUSE_VAR, "1"),),
         probe_fn=probe,

@@ -11,7 +11,6 @@ Two groups:
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
@@ -58,12 +57,6 @@ def init_group(spec: devices.DeviceSpec, timeout_s: float) -> RankGroup:
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
     log.info("rank %d/%d: backend %s, mesh %s, device %s", rank, world, spec.dist_backend, mesh, device)
     return RankGroup(spec, rank, world, local_rank, device, mesh, control)
-
-
-def cpu_adjustments(spec: devices.DeviceSpec) -> contextlib.AbstractContextManager:
-    """The device's load-time adjustments for a tensor-parallel load (`spec.tp_load_context()`: diffusers'
-    CPU gaps on cpu, nothing elsewhere). Kept under its old name for engine/tp/runner.py."""
-    return spec.tp_load_context()
 
 
 def watch_parents(app_pid: int | None, interval_s: float = 1.0) -> None:

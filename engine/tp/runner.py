@@ -47,7 +47,7 @@ from engine.protocol import (
 )
 from engine.runner import PipelineRunner
 from engine.tp import plan
-from engine.tp.group import HEARTBEAT_S, RankGroup, cpu_adjustments
+from engine.tp.group import HEARTBEAT_S, RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class TensorParallelRunner(PipelineRunner):
         name = self.preset.denoiser
         cls = getattr(diffusers, index[name][1])
         dtype = self.precision.dtype
-        with cpu_adjustments(self.spec):
+        with self.spec.tp_load_context():  # diffusers 0.42.1 needs two adjustments to shard on cpu
             denoiser = cls.from_pretrained(
                 source, subfolder=name, dtype=dtype, parallel_config=TensorParallelConfig(mesh=self.group.mesh)
             )
