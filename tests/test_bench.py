@@ -1,12 +1,15 @@
-"""The benchmark: pure table/ratio/target functions on hand-made results, the analytic Flux FLOP count
-against torch's FlopCounterMode, the random-weights denoiser path on tiny configs, the persistent-cache
-probe's child processes, and one cheap end-to-end `python -m engine bench` run on the tiny model.
+"""The benchmark: pure table/ratio/target functions on hand-made results, the package's import
+boundaries (no torch where the CLI parser and the UI import it), the bench-mode table, the analytic
+Flux FLOP count against torch's FlopCounterMode, the random-weights denoiser path on tiny configs
+(its variants built by the engine's own compile_denoiser), the persistent-cache probe's child
+processes, and one cheap end-to-end `python -m engine bench` run on the tiny model.
 
 No timing assertions: timings on a shared CPU are noise; only structure and invariants are checked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,8 +17,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from engine import bench
+from engine import bench, devices, runner
+from engine.bench import denoiser
+from engine.bench.cache_probe import run_cache_probe
+from engine.bench.plan import plan_from_args
+from engine.bench.run import run_bench
+from engine.errors import UnsupportedCombination
+from engine.protocol import EngineOptions, Mode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,10 +72,36 @@ HAND_MADE = [
 # ---- pure functions ------------------------------------------------------------------------------
 
 
-def test_import_has_no_torch_side_effects():
-    code = "import sys, engine.bench; print(sorted(m for m in ('torch', 'gradio', 'diffusers') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
-    assert out.stdout.strip() == "[]"
+HEAVY = ("torch", "gradio", "diffusers", "matplotlib")
+
+
+def _heavy_modules_after(code: str) -> list[str]:
+    """Run `code` in a fresh interpreter; which heavy modules did it import?"""
+    probe = f"{code}\nimport json, sys; print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", ["engine.bench", "engine.bench.stats", "engine.bench.report", "engine.bench.cli"])
+def test_import_has_no_torch_side_effects(module):
+    assert _heavy_modules_after(f"import {module}") == []
+
+
+def test_presets_command_builds_the_bench_parser_without_torch():
+    # engine/cli.py builds every sub-command's parser, the bench's included, for any command.
+    code = "from engine.cli import main\nassert main(['presets']) == 0"
+    assert _heavy_modules_after(code) == []
+
+
+def test_every_bench_mode_maps_to_an_engine_mode():
+    assert set(Mode.values()) <= set(bench.BENCH_MODES)
+    for name in bench.BENCH_MODES:
+        mode = bench.MODE_TABLE[name]
+        assert isinstance(mode.engine, Mode) and mode.name == name
+        dataclasses.replace(EngineOptions(), **mode.overrides)  # overrides are EngineOptions fields
+    assert bench.COMPILED_MODES == tuple(n for n in bench.BENCH_MODES if bench.MODE_TABLE[n].engine.compiled)
+    assert bench.MODE_TABLE["max-autotune"].engine is Mode.COMPILE
+    assert bench.MODE_TABLE["max-autotune"].overrides == {"max_autotune": True}
 
 
 def test_median_and_p90():
@@ -153,7 +189,7 @@ def test_ratios_and_targets_on_hand_made_results():
 def test_markdown_report_marks_missed_targets():
     ratios = bench.compute_ratios(HAND_MADE, {})
     report = {
-        "kind": "pipeline", "machine": bench.machine_info("cpu"), "config": {"preset": "tiny-flux", "device": "cpu"},
+        "kind": "pipeline", "machine": bench.machine_info(devices.get_device("cpu")), "config": {"preset": "tiny-flux", "device": "cpu"},
         "command": "python -m engine bench", "table": bench.speedup_table(HAND_MADE),
         "targets": bench.evaluate_targets(ratios, "pipeline"), "notes": ["a note"],
     }
@@ -169,13 +205,44 @@ def test_flux_flops_analytic_matches_flop_counter():
 
     for guidance_embeds, size, text_len in ((True, Size(64, 64), 8), (False, Size(128, 64), 5)):
         cfg = {**TINY_FLUX, "in_channels": 64, "patch_size": 1, "guidance_embeds": guidance_embeds}
-        counted = bench.count_flops_meta(FluxTransformer2DModel, cfg, "FluxPipeline", size, text_len, 1, 3.5)
-        assert counted == bench.flux_step_flops(cfg, size.width, size.height, text_len)
+        counted = denoiser.count_flops_meta(FluxTransformer2DModel, cfg, "FluxPipeline", size, text_len, 1, 3.5)
+        assert counted == denoiser.flux_step_flops(cfg, size.width, size.height, text_len)
     # the full FLUX.1-dev step at 1024x1024 (analytic only: nothing is built)
     from engine.presets import get_preset
 
-    full = bench.flux_step_flops(get_preset("flux1-dev").denoiser_config, 1024, 1024, 512)
+    full = denoiser.flux_step_flops(get_preset("flux1-dev").denoiser_config, 1024, 1024, 512)
     assert 7.3e13 < full < 7.6e13
+
+
+def test_denoiser_variants_are_built_by_the_engines_compile_denoiser(monkeypatch):
+    calls = []
+
+    def fake_compile_denoiser(module, mode, compile_kwargs):
+        calls.append((module, mode, compile_kwargs))
+        return "compiled"
+
+    monkeypatch.setattr(runner, "compile_denoiser", fake_compile_denoiser)
+    model, cpu = torch.nn.Linear(2, 2), devices.get_device("cpu")
+    assert denoiser.denoiser_variant(model, "eager", EngineOptions(), cpu)[0] is model
+    assert calls == []
+    for name, engine_mode in (("compile", Mode.COMPILE), ("regional", Mode.REGIONAL), ("max-autotune", Mode.COMPILE)):
+        variant, kwargs, _ = denoiser.denoiser_variant(model, name, EngineOptions(), cpu)
+        assert variant == "compiled" and calls[-1][0] is model and calls[-1][1] is engine_mode
+        assert calls[-1][2] == kwargs and kwargs["backend"] == cpu.compile_backend
+        # max-autotune is compile with the option on: the compile kwargs carry it, nothing else does
+        assert (kwargs.get("mode") == "max-autotune") == (name == "max-autotune")
+    with pytest.raises(UnsupportedCombination, match="no denoiser-only variant"):
+        denoiser.denoiser_variant(model, "defer-and-fuse", EngineOptions(), cpu)
+
+
+def test_device_differences_come_from_the_spec():
+    spec = dataclasses.replace(devices.get_device("cpu"), matmul_probe_sizes=(8, 16), matmul_probe_iters=2)
+    rate = denoiser.measure_matmul_rate(spec, torch.float32)
+    assert [row["n"] for row in rate["sizes"]] == [8, 16] and rate["tflops"] > 0
+    # an accelerator names itself through the spec's hook; the cpu device's name is the host CPU's
+    gpu = dataclasses.replace(devices.get_device("cpu"), device_name_fn=lambda: "Fake GPU 9000")
+    assert bench.machine_info(gpu)["gpu"] == "Fake GPU 9000"
+    assert bench.machine_info(devices.get_device("cpu"))["gpu"] is None
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -185,7 +252,7 @@ def _plan(argv: list[str]):
     from engine.cli import build_parser
 
     args = build_parser().parse_args(["bench", *argv])
-    return bench.plan_from_args(args)
+    return plan_from_args(args)
 
 
 @pytest.mark.parametrize(
@@ -200,7 +267,7 @@ def test_random_weights_denoiser_with_tiny_config(preset, override, cache_dir, t
         "--denoiser-config-override", json.dumps(override), "--cache-dir", str(cache_dir), "--out", str(tmp_path),
         *(["--fuse-qkv", "--matmul-roofline"] if preset == "flux1-dev" else []),
     ])
-    report = bench.run_bench(plan)
+    report = run_bench(plan)
     paths = bench.write_outputs(report, tmp_path, chart=False)
     assert report["kind"] == "denoiser"
     (r,) = report["results"]
@@ -223,7 +290,7 @@ def test_random_weights_refuses_a_preset_without_config(cache_dir):
     plan = _plan(["--random-weights", "--preset", "tiny-flux", "--device", "cpu", "--modes", "eager",
                   "--no-progress", "--cache-dir", str(cache_dir)])
     with pytest.raises(InvalidRequest, match="denoiser_config"):
-        bench.run_bench(plan)
+        run_bench(plan)
 
 
 def test_cache_probe_child_sees_its_own_inductor_cache(cache_dir, tiny_models):
@@ -231,7 +298,7 @@ def test_cache_probe_child_sees_its_own_inductor_cache(cache_dir, tiny_models):
     # child imports torch, the folder removed after), not a compile time.
     plan = _plan(["--preset", "tiny-flux", "--device", "cpu", "--precisions", "fp32", "--sizes", "64x64",
                   "--cache-dir", str(cache_dir), "--threads", "1"])
-    probe = bench.run_cache_probe(plan, "cpu", "eager")
+    probe = run_cache_probe(plan, "cpu", "eager")
     assert "error" not in probe, probe
     for label in ("cold", "warm"):
         child = probe[f"{label}_child"]
@@ -282,7 +349,7 @@ def test_time_budget_skips_configurations_and_keeps_them_in_the_report(cache_dir
         "--denoiser-config-override", json.dumps(TINY_FLUX), "--time-budget", "1e-9", "--no-progress",
         "--cache-dir", str(cache_dir), "--out", str(tmp_path),
     ])
-    report = bench.run_bench(plan)
+    report = run_bench(plan)
     assert [r["error"].startswith("skipped: time budget") for r in report["results"]] == [True, True]
     assert any("time budget" in n for n in report["notes"])
     assert json.loads((tmp_path / "bench.json").read_text())["partial"] is True  # checkpoint written

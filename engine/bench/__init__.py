@@ -1,0 +1,59 @@
+"""Benchmark: what each mode and precision buys, measured side by side in one run.
+
+`python -m engine bench` measures every (precision, mode, size) configuration of one model in one
+process, so the ratios compare numbers taken on the same machine in the same minutes. It prints a
+Markdown table and a list of ratios against their targets (a target the code does not reach is
+printed as MISSED, never hidden), and writes `bench.json`, `bench.md` and `bench.png` to `--out`.
+
+Two kinds of run:
+
+* pipeline (default, pipeline.py): the real engine path, with the engine overhead (engine request vs
+  a bare diffusers call) and the persistent compile cache (cache_probe.py: cold vs filled cache in
+  fresh child processes) measured too.
+* denoiser (`--random-weights`, denoiser.py): the preset's real denoiser architecture with random
+  weights, fed random inputs of the bucket's shapes. No download, real shapes: the GPU run.
+
+The rest: modes.py (the bench's mode vocabulary), plan.py (a run as data, from the command line),
+cli.py (the sub-command's parser), run.py (plan -> measure -> report), stats.py (statistics, speedup
+table, ratios, targets), report.py (Markdown, bench.json, chart), measure.py (what the measuring
+paths share).
+
+Importing this package imports no torch (engine/cli.py registers the parser for every sub-command,
+and the UI's Compare tab uses the pure statistics): only what runs a measurement imports it.
+"""
+
+from engine.bench.cli import add_bench_parser, cmd_bench
+from engine.bench.modes import BASELINE_MODE, BENCH_MODES, COMPILED_MODES, MODE_TABLE
+from engine.bench.report import machine_info, markdown_report, markdown_table, markdown_targets, write_outputs
+from engine.bench.stats import (
+    RESULT_FIELDS,
+    TARGETS,
+    Target,
+    compute_ratios,
+    evaluate_targets,
+    median,
+    p90,
+    speedup_table,
+)
+
+__all__ = [
+    "BASELINE_MODE",
+    "BENCH_MODES",
+    "COMPILED_MODES",
+    "MODE_TABLE",
+    "RESULT_FIELDS",
+    "TARGETS",
+    "Target",
+    "add_bench_parser",
+    "cmd_bench",
+    "compute_ratios",
+    "evaluate_targets",
+    "machine_info",
+    "markdown_report",
+    "markdown_table",
+    "markdown_targets",
+    "median",
+    "p90",
+    "speedup_table",
+    "write_outputs",
+]

@@ -1,0 +1,72 @@
+"""The `bench` sub-command: its parser, registered by engine/cli.py's COMMANDS table.
+
+engine/cli.py imports this whenever it builds any parser (`python -m engine presets`, `--help`), so
+this module imports no torch: `cmd_bench` hands over to engine/bench/run.py, which does, only when
+`bench` actually runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.bench.modes import BENCH_MODES
+from engine.flags import add_engine_arguments
+from engine.protocol import Precision
+
+DESCRIPTION = "Benchmark: what each mode and precision buys, measured side by side in one run."
+
+
+def cmd_bench(args) -> int:
+    # Imported here, not at the top: it imports torch, which building the parser must not.
+    from engine.bench import run
+
+    return run.main(args)
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `bench` on the CLI's subparsers (engine/cli.py calls this)."""
+    b = subparsers.add_parser(
+        "bench",
+        help="measure every mode x precision x size side by side; print ratios against targets",
+        description=DESCRIPTION,
+    )
+    b.add_argument("--preset", default="tiny-flux")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--modes", default="eager,compile,regional",
+                   help=f"comma-separated, from {', '.join(BENCH_MODES)} (max-autotune = full compile "
+                        "with mode='max-autotune')")
+    b.add_argument("--precisions", default="fp32", help=f"comma-separated: {','.join(Precision.values())}")
+    b.add_argument("--sizes", default=None, help="comma-separated WxH buckets (default: the preset's first)")
+    b.add_argument("--steps", type=int, default=None, help="denoising steps per image (default: the preset's)")
+    b.add_argument("--runs", type=int, default=10, help="timed requests (images) per configuration")
+    b.add_argument("--out", default="artifacts/bench", help="folder for bench.json, bench.md, bench.png")
+    b.add_argument("--prompt", default="a red fox in the snow")
+    b.add_argument("--overhead-runs", type=int, default=None,
+                   help="interleaved engine/bare pairs for the engine-overhead ratio (default: 2 x --runs; 0 = skip)")
+    b.add_argument("--cache-probe", default="compile", choices=("compile", "regional", "off"),
+                   help="mode whose cold vs cached compile is measured in fresh processes (off = skip; the "
+                        "cold compile of a full tiny-flux bucket takes about a minute on 2 CPU cores)")
+    b.add_argument("--probe-timeout", type=float, default=900.0, help="seconds per probe process")
+    b.add_argument("--random-weights", action="store_true",
+                   help="benchmark the denoiser alone, built from the preset's denoiser_config with random "
+                        "weights (no download; real shapes)")
+    b.add_argument("--denoiser-config-override", default=None,
+                   help="JSON object (or @file) merged into denoiser_config, e.g. a tiny config for tests")
+    b.add_argument("--text-len", type=int, default=None, help="text tokens fed to the denoiser (random weights)")
+    b.add_argument("--matmul-roofline", action="store_true",
+                   help="measure the dense matmul rate in the first precision and report each step's share")
+    b.add_argument("--warmup-calls", type=int, default=2,
+                   help="denoiser forwards after the compiling one, before timing (random weights)")
+    b.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: skip configurations not started by then (random weights)")
+    b.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's, one per core); on a shared machine 1 avoids "
+                        "OpenMP spin-wait stalls that inflate latency many times")
+    b.add_argument("--force", action="store_true", help="build the denoiser even if it looks too big for memory")
+    b.add_argument("--no-chart", action="store_true")
+    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--strict", action="store_true", help="exit 1 when a target is MISSED")
+    b.add_argument("--_compile-probe", action="store_true", help=argparse.SUPPRESS)
+    add_engine_arguments(b)
+    b.set_defaults(func=cmd_bench)
+    return b

@@ -1,0 +1,40 @@
+"""Running a benchmark: measure what a plan describes (pipeline or denoiser path), assemble the report,
+and the `bench` command's body (engine/bench/cli.py hands over to `main` once the command runs).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from engine import devices
+from engine.bench.cache_probe import cmd_compile_probe
+from engine.bench.denoiser import run_denoiser_bench
+from engine.bench.pipeline import run_pipeline_bench
+from engine.bench.plan import BenchPlan, plan_from_args
+from engine.bench.report import assemble_report, markdown_report, write_outputs
+
+
+def run_bench(plan: BenchPlan) -> dict:
+    """Run the benchmark a plan describes and return the report (also what the UI could call)."""
+    measured = run_denoiser_bench(plan) if plan.random_weights else run_pipeline_bench(plan)
+    kind = measured.pop("kind")
+    results, extras, notes = measured.pop("results"), measured.pop("extras"), measured.pop("notes")
+    return assemble_report(plan, devices.get_device(plan.device), kind, results, extras, notes, **measured)
+
+
+def main(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args._compile_probe:
+        return cmd_compile_probe(args)
+    plan = plan_from_args(args)
+    report = run_bench(plan)
+    paths = write_outputs(report, plan.out, chart=not args.no_chart) if plan.out else {}
+    print(markdown_report(report))
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}", file=sys.stderr)
+    if args.strict and report["missed"]:
+        return 1
+    return 0
