@@ -438,12 +438,13 @@ class EngineManager:
              tp: int = 1, caller: Caller = Caller.HOST) -> None:
         """Queue a bucket's compile (or the start-up list). Visitors in public mode: one bucket of an engine
         that is already loaded (theirs)."""
+        visitor = caller is Caller.VISITOR and self.policy.public
+        if visitor and not size:
+            raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
         key = self.make_key(preset, device, precision, tp, caller=caller)
         bucket = BucketKey(Mode.parse(mode, "mode"), Size.parse(size)) if size else None
-        if caller is Caller.VISITOR and self.policy.public:
+        if visitor:
             self._check_visitor_choice(mode=mode)
-            if bucket is None:
-                raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
             if bucket.size not in self.preset(key.preset).buckets:
                 raise InvalidRequest(f"{bucket.size} is not a bucket of {key.preset}")
             with self._lock:

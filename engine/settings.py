@@ -70,3 +70,13 @@ def default_compile_jobs() -> int:
     """Compiles at once on this host: compiling is CPU-bound (tracing, inductor, the C++/Triton compilers),
     so one per four cores, at least one: a 2-core box compiles one bucket at a time."""
     return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def compile_niceness() -> int:
+    """CPU priority of an engine's compile thread (19 = lowest; 0 = like the requests it runs beside)."""
+    return int(_env("SHOWCASE_COMPILE_NICENESS", "19"))
+
+
+def switch_interval_s() -> float:
+    """The worker's interpreter thread switch interval (see engine/worker.py)."""
+    return float(_env("SHOWCASE_SWITCH_INTERVAL", "0.0005"))

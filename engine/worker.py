@@ -29,6 +29,7 @@ import sys
 import threading
 import traceback
 
+from engine import settings
 from engine.errors import Cancelled, EngineBusy, InvalidRequest, ShowcaseError
 from engine.protocol import (
     BucketChanged,
@@ -57,19 +58,19 @@ from engine.protocol import (
 
 log = logging.getLogger(__name__)
 
-# The interpreter hands the GIL to a waiting thread after this long (default 5 ms). A request thread
-# re-acquires the GIL after every torch op; behind a compiling thread each of those waits up to the
-# interval, which made a 50 ms request take seconds. 0.5 ms keeps the hand-offs short.
-SWITCH_INTERVAL_S = 0.0005
-COMPILE_NICENESS = 19
+# The interpreter hands the GIL to a waiting thread after sys.getswitchinterval() (default 5 ms). A
+# request thread re-acquires the GIL after every torch op; behind a compiling thread each of those waits
+# up to the interval, which made a 50 ms request take seconds. The worker uses
+# settings.switch_interval_s() (0.5 ms) to keep the hand-offs short.
 
 
-def lower_this_thread_priority(niceness: int = COMPILE_NICENESS) -> bool:
+def lower_this_thread_priority(niceness: int | None = None) -> bool:
     """Linux: nice only the calling thread (and the compiler processes it starts, which inherit it)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         tid = threading.get_native_id()
+        niceness = settings.compile_niceness() if niceness is None else niceness
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), niceness))
         return True
     except OSError:
@@ -139,7 +140,9 @@ class WorkerLoop:
         with self._lock:
             self._hits[bucket] = self._hits.get(bucket, 0) + 1
         if request.mode.compiled and not self._is_warm(bucket):
-            self.want(bucket)  # served eagerly now (or it waits), compiled for the next request
+            # Served eagerly now (or it waits), compiled for the next request. A failed bucket is retried
+            # only when someone asks to warm it, not on every request.
+            self.want(bucket, retry_failed=False)
         self._requests.put(request)
 
     def _on_cancel(self, message: Cancel) -> None:
@@ -169,12 +172,13 @@ class WorkerLoop:
         for rank, bucket in enumerate(self.runner.buckets_to_warm()):
             self.want(bucket, startup_rank=rank)
 
-    def want(self, bucket: BucketKey, startup_rank: int | None = None) -> None:
+    def want(self, bucket: BucketKey, startup_rank: int | None = None, retry_failed: bool = True) -> None:
         """Ask the host's scheduler for a compile of `bucket` (again: updates its priority)."""
         if not bucket.mode.compiled:
             return
         info = self.runner.board.get(bucket)
-        if info is not None and info.state in (BucketState.WARM, BucketState.COMPILING):
+        skip = {BucketState.WARM, BucketState.COMPILING} | (set() if retry_failed else {BucketState.FAILED})
+        if info is not None and info.state in skip:
             return
         with self._lock:
             new = bucket not in self._wanted
@@ -213,7 +217,7 @@ class WorkerLoop:
             info = self.runner.board.get(bucket)
             if info is not None and info.state == BucketState.FAILED:
                 return  # it already failed: the runner serves eagerly with the reason
-            self.want(bucket)
+            self.want(bucket, retry_failed=False)
             event = self.runner.board.event(bucket)
             while not event.wait(0.2):
                 if cancel.is_set() or self._stop.is_set():
@@ -247,7 +251,7 @@ class WorkerLoop:
             self._cancels.pop(request.request_id, None)
 
     def run(self) -> None:
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        sys.setswitchinterval(settings.switch_interval_s())
         receiver = threading.Thread(target=self._receive, name="worker-receive", daemon=True)
         receiver.start()
         warmer = threading.Thread(target=self._warm_forever, name="worker-warm", daemon=True)

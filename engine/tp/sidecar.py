@@ -273,7 +273,7 @@ def _serve(server: _Rank0Server, runner, config, ranks, spec, from_app: bool, bo
                                     backend=spec.dist_backend)))
         if first_client:
             runner.start_heartbeat()
-            loop.queue_warm(None)
+            loop.queue_startup_warm()
             first_client = False
         loop.run()
         conn.close()

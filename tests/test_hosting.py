@@ -1,0 +1,234 @@
+"""Shared hosting: budgets and eviction, the host-wide compile scheduler, what visitors may do.
+
+The planning parts are pure and tested directly; one manager test runs real worker processes on the
+tiny models to show eviction, refusal and reload end to end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine import budget
+from engine.budget import GIB, MIB, DeviceBudget, Resident, plan_room
+from engine.errors import BudgetExceeded, Cancelled, InvalidRequest, NotAllowed
+from engine.manager import Caller, EngineManager, HostPolicy
+from engine.protocol import BucketKey, EngineKey, EngineOptions, Mode, Precision, Size
+from engine.scheduler import CompileScheduler
+
+
+# -- budget planning ----------------------------------------------------------------------------
+def _r(name, gib, busy=False, used=0.0, evictable=True):
+    return Resident(name, int(gib * GIB), busy, used, evictable)
+
+
+def test_room_is_made_by_evicting_least_recently_used_idle_engines_first():
+    residents = [_r("a", 1, used=30), _r("b", 1, used=10), _r("c", 1, used=20)]
+    plan = plan_room(int(1.5 * GIB), DeviceBudget("cpu", 3 * GIB, 8), residents)
+    assert plan.fits and plan.evict == ("b", "c")  # b is the oldest, then c; a stays
+    assert plan.used_after == int(2.5 * GIB)
+
+
+def test_a_busy_engine_is_never_evicted_and_the_refusal_says_why():
+    residents = [_r("busy-one", 2, busy=True, used=0), _r("idle-one", 0.5, used=5)]
+    plan = plan_room(2 * GIB, DeviceBudget("cpu", 3 * GIB, 8), residents)
+    assert not plan.fits and plan.evict == ()
+    assert "busy-one" in plan.reason and "GiB" in plan.reason
+
+
+def test_engine_count_limit_evicts_even_when_bytes_fit():
+    plan = plan_room(1, DeviceBudget("cpu", 100 * GIB, 2), [_r("a", 0.1, used=2), _r("b", 0.1, used=1)])
+    assert plan.fits and plan.evict == ("b",)
+
+
+def test_a_model_bigger_than_the_whole_budget_is_refused_without_evicting_anything():
+    plan = plan_room(5 * GIB, DeviceBudget("cpu", 3 * GIB, 8), [_r("a", 1)])
+    assert not plan.fits and plan.evict == () and "more than the whole budget" in plan.reason
+
+
+def test_no_byte_limit_means_only_the_count_bounds():
+    plan = plan_room(10**15, DeviceBudget("tpu", None, 1), [])
+    assert plan.fits
+
+
+@pytest.mark.parametrize("text,expected", [("3GiB", 3 * GIB), ("512MiB", 512 * MIB), ("2.5G", int(2.5 * GIB)),
+                                           ("1000000", 1000000), ("", None)])
+def test_memory_sizes_parse(text, expected):
+    assert budget.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "3 parsecs", "0"])
+def test_bad_memory_sizes_say_what_to_write(text):
+    with pytest.raises(InvalidRequest, match="e.g. '3GiB'"):
+        budget.parse_size(text)
+
+
+def test_weights_are_counted_from_safetensors_headers(tiny_models):
+    params = budget.safetensors_parameters(tiny_models["tiny-flux"])
+    assert params > 100_000
+    assert budget.weights_bytes(tiny_models["tiny-flux"], "bf16") == 2 * params
+    assert budget.weights_bytes(tiny_models["tiny-flux"], "fp32") == 4 * params
+
+
+# -- compile scheduling --------------------------------------------------------------------------
+class FakeEngine:
+    def __init__(self, name):
+        self.key = name
+        self.granted: list[BucketKey] = []
+
+    def grant_compile(self, bucket):
+        self.granted.append(bucket)
+
+
+def _b(mode, size):
+    return BucketKey(Mode(mode), Size.parse(size))
+
+
+def test_scheduler_runs_at_most_jobs_compiles_and_orders_by_demand():
+    scheduler = CompileScheduler(jobs=1)
+    default, other = FakeEngine("default"), FakeEngine("other")
+    scheduler.want(default, _b("compile", "64x64"), startup_rank=0)  # granted at once: the slot is free
+    assert default.granted == [_b("compile", "64x64")]
+    scheduler.want(default, _b("compile", "128x128"), startup_rank=1)  # start-up list, later
+    scheduler.want(other, _b("regional", "64x64"), hits=3)  # requested 3 times
+    scheduler.want(other, _b("regional", "128x64"), waiting=1)  # a request waits for it: first
+    assert len(scheduler.snapshot()["running"]) == 1
+    scheduler.finished(default, _b("compile", "64x64"))
+    assert other.granted == [_b("regional", "128x64")]
+    scheduler.finished(other, _b("regional", "128x64"))
+    assert other.granted[-1] == _b("regional", "64x64")  # most requested before the start-up list
+    scheduler.finished(other, _b("regional", "64x64"))
+    assert default.granted[-1] == _b("compile", "128x128")
+
+
+def test_an_evicted_engines_queued_compiles_are_dropped_and_its_slot_freed():
+    scheduler = CompileScheduler(jobs=1)
+    gone, waiting = FakeEngine("gone"), FakeEngine("waiting")
+    scheduler.want(gone, _b("compile", "64x64"))
+    scheduler.want(gone, _b("compile", "128x128"))
+    scheduler.want(waiting, _b("regional", "64x64"))
+    assert scheduler.drop_engine(gone) == 1  # the queued one; the running one's slot is freed too
+    assert waiting.granted == [_b("regional", "64x64")]
+    assert all(q["engine"] != "gone" for q in scheduler.snapshot()["queued"])
+
+
+def test_two_jobs_run_two_compiles_at_once():
+    scheduler = CompileScheduler(jobs=2)
+    a, b, c = FakeEngine("a"), FakeEngine("b"), FakeEngine("c")
+    for engine in (a, b, c):
+        scheduler.want(engine, _b("compile", "64x64"))
+    assert [len(e.granted) for e in (a, b, c)] == [1, 1, 0]
+
+
+# -- what visitors may do ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def public_manager(cache_dir, tiny_models):
+    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()),
+                      policy=HostPolicy(public=True, presets=("tiny-flux", "tiny-sd3"),
+                                        precisions=(Precision.FP32, Precision.BF16),
+                                        modes=(Mode.EAGER, Mode.REGIONAL)))
+    yield m
+    m.shutdown()
+
+
+@pytest.mark.parametrize("overrides,words", [
+    ({"preset": "black-forest-labs/FLUX.1-dev"}, "does not load Hub ids"),
+    ({"preset": "/etc"}, "does not load Hub ids or local folders"),
+    ({"preset": "./models"}, "does not load Hub ids or local folders"),
+    ({"preset": "tiny-sdxl"}, "not offered here; choose one of: tiny-flux, tiny-sd3"),
+    ({"precision": "fp16"}, "precision fp16 is not offered"),
+    ({"mode": "compile"}, "mode compile is not offered"),
+])
+def test_public_mode_refuses_what_the_host_does_not_offer(public_manager, overrides, words):
+    request = dict(preset="tiny-flux", device="cpu", precision="fp32", mode="eager", size="64x64", steps=1)
+    with pytest.raises(NotAllowed, match=words):
+        public_manager.generate(**{**request, **overrides}, caller=Caller.VISITOR)
+    assert not public_manager.engines()  # nothing was loaded for a refused request
+
+
+def test_public_mode_lets_the_host_do_what_visitors_cannot(public_manager):
+    with pytest.raises(NotAllowed, match="up to the host"):
+        public_manager.warm("tiny-flux", "cpu", "fp32", caller=Caller.VISITOR)  # every bucket
+    with pytest.raises(NotAllowed, match="not loaded"):
+        public_manager.warm("tiny-flux", "cpu", "fp32", mode="regional", size="64x64", caller=Caller.VISITOR)
+    assert public_manager.visitor_presets() == ["tiny-flux", "tiny-sd3"]
+
+
+def test_without_public_mode_visitors_keep_every_choice(cache_dir, tiny_models):
+    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
+    try:
+        m.make_key("tiny-sdxl", "cpu", "fp16", caller=Caller.VISITOR)  # any preset, any precision
+        m._check_visitor_choice(mode="compile")
+    finally:
+        m.shutdown()
+
+
+# -- a manager within its budget: real workers ---------------------------------------------------
+KEYS = [("tiny-flux", "fp32"), ("tiny-flux", "bf16"), ("tiny-sd3", "fp32")]
+
+
+def test_engines_stay_within_the_engine_count_lru_idle_ones_go_and_come_back(cache_dir, tiny_models):
+    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()), max_engines=2)
+    try:
+        for preset, precision in KEYS[:2]:
+            m.generate(preset=preset, device="cpu", precision=precision, size="64x64", steps=1)
+        first = EngineKey("tiny-flux", "cpu", "fp32")
+        assert {e.key for e in m.engines()} == {first, EngineKey("tiny-flux", "cpu", "bf16")}
+        assert all(m.footprint_of(e).measured for e in m.engines())  # reported once loaded
+        m.generate(preset="tiny-sd3", device="cpu", precision="fp32", size="64x64", steps=1)
+        keys = {e.key for e in m.engines()}
+        assert first not in keys and len(keys) == 2  # the least recently used idle engine went
+        evicted = [row for row in m.status() if row["state"] == "evicted"]
+        assert [row["engine"] for row in evicted] == [str(first)]
+        assert "least recently used" in evicted[0]["error"] and "tiny-sd3" in evicted[0]["error"]
+        # The next request reloads it (evicting the then least recently used one).
+        m.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", steps=1)
+        assert first in {e.key for e in m.engines()} and m.host_status()["evictions"] == 2
+    finally:
+        m.shutdown()
+
+
+def test_a_busy_engine_is_kept_and_the_new_one_refused_with_what_to_do(cache_dir, tiny_models):
+    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()), max_engines=1)
+    try:
+        started, submitted, outcome = threading.Event(), [], []
+
+        def long_request():
+            try:
+                m.generate(preset="tiny-flux", device="cpu", precision="fp32", size="128x128", steps=150,
+                           on_progress=lambda p: started.set(), on_submit=submitted.append)
+            except Cancelled as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        assert started.wait(120)
+        t0 = time.monotonic()
+        with pytest.raises(BudgetExceeded) as refused:
+            m.generate(preset="tiny-sd3", device="cpu", precision="fp32", size="64x64", steps=1)
+        assert time.monotonic() - t0 < 5  # refused at once, not after waiting
+        text = str(refused.value)
+        assert "tiny-flux@cpu/fp32" in text and "1-engine limit" in text
+        assert "pick one of the loaded engines" in text and "--max-engines" in text
+        assert m.cancel(submitted[0])
+        worker.join(120)
+        assert outcome and "cancelled after step" in str(outcome[0])
+        assert [e.key.preset for e in m.engines()] == ["tiny-flux"]  # nothing running was lost
+    finally:
+        m.shutdown()
+
+
+def test_idle_engines_unload_after_the_idle_timeout(cache_dir, tiny_models):
+    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()), idle_unload_s=2.0)
+    try:
+        m.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", steps=1)
+        deadline = time.monotonic() + 30
+        while m.engines() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not m.engines()
+        row = next(r for r in m.status() if r["state"] == "evicted")
+        assert "idle" in row["error"] and "--idle-unload" in row["error"]
+    finally:
+        m.shutdown()
