@@ -115,6 +115,7 @@ COMMANDS = (
     "engine.cli:add_devices_parser",
     "engine.cli:add_presets_parser",
     "engine.bench:add_bench_parser",
+    "engine.soak:add_soak_parser",
 )
 
 

@@ -302,6 +302,25 @@ class EngineManager:
         log.info("started engine %s", key)
         return engine
 
+    def adopt(self, engine: ConnectionEngine) -> ConnectionEngine:
+        """Serve an engine the app did not start (a tensor-parallel sidecar attached with --tp-address):
+        same board, timings, cancel and compile scheduling; counted in its device's budget, but never
+        evicted or restarted by the app (it belongs to whoever started it). `engine` must be ready."""
+        if engine.info is None:
+            raise ShowcaseError("an engine is adopted once it has said it is ready")
+        engine.key = engine.info.key
+        engine.evictable = False
+        self._attach(engine)
+        with self._lock:
+            self._engines[engine.key] = engine
+            self._evicted.pop(engine.key, None)
+            if engine.info.preset is not None:  # a sidecar may serve a model this app has no preset for
+                self.presets.setdefault(engine.key.preset, engine.info.preset)
+        if engine.footprint is not None:
+            self._footprints[engine.key] = engine.footprint
+        log.info("adopted engine %s (%s)", engine.key, engine.kind)
+        return engine
+
     def _attach(self, engine: ConnectionEngine) -> None:
         engine.on_down = self._on_down
         engine.compile_gate = self._compile_wanted
@@ -340,6 +359,8 @@ class EngineManager:
     def _on_down(self, engine: ConnectionEngine) -> None:
         """Restart a crashed engine in the background (bounded, so a crash loop stops)."""
         self.scheduler.drop_engine(engine)
+        if not engine.evictable:
+            return  # adopted: its owner restarts it; the board shows it down with the reason
         if self._closing or not self.auto_restart or not engine.info:
             return  # a load failure is not retried: its error stays on the board
         now = time.time()

@@ -417,6 +417,7 @@ class EngineReady:
     ranks: tuple[dict, ...] = ()
     backend: str = ""
     footprint: Footprint | None = None
+    preset: ModelPreset | None = None  # what it serves (an app attaching to a sidecar may not know it)
 
     @property
     def rank_pids(self) -> tuple[int, ...]:

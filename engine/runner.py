@@ -549,7 +549,8 @@ class PipelineRunner:
     def ready_info(self) -> EngineReady:
         """What a worker announces once loaded (the protocol's Ready message)."""
         return EngineReady(key=self.config.key, pid=os.getpid(), load_s=self.load_s, notices=tuple(self.notices),
-                           modes=self.modes(), buckets=tuple(self.board.all()), footprint=self.footprint())
+                           modes=self.modes(), buckets=tuple(self.board.all()), footprint=self.footprint(),
+                           preset=self.preset)
 
     def weights_bytes(self) -> int:
         if self._weights_bytes is None:

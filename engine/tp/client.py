@@ -281,7 +281,7 @@ class SidecarEngine(ConnectionEngine):
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 3.0) -> None:
         connected = self.conn is not None
         super().close()  # asks rank 0 for a clean shutdown
         if self.process is not None and self.process.poll() is None:
@@ -300,7 +300,7 @@ class SidecarEngine(ConnectionEngine):
 
     def _stop_process(self) -> None:
         """SIGTERM torchrun's process group (torchrun forwards it to the ranks), then SIGKILL."""
-        for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
             if self.process.poll() is not None:
                 return
             try:
