@@ -74,6 +74,7 @@ class ConnectionEngine:
         self.compile_gate: Callable[[ConnectionEngine, CompileWanted], None] | None = None
         self.on_compile_finished: Callable[[ConnectionEngine, BucketKey], None] | None = None
         self.on_ready: Callable[[ConnectionEngine], None] | None = None
+        self.on_footprint: Callable[[ConnectionEngine], None] | None = None
         self.footprint: Footprint | None = None
         self.last_used = time.monotonic()  # for least-recently-used eviction
         self.evictable = True  # False: an engine the app attached to but does not own
@@ -150,6 +151,8 @@ class ConnectionEngine:
 
     def _on_footprint(self, message: FootprintChanged) -> None:
         self.footprint = message.footprint
+        if self.on_footprint is not None:
+            self.on_footprint(self)
 
     def grant_compile(self, bucket: BucketKey) -> None:
         """The scheduler's answer: the engine may compile `bucket` now."""

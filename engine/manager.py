@@ -326,6 +326,7 @@ class EngineManager:
         engine.compile_gate = self._compile_wanted
         engine.on_compile_finished = self.scheduler.finished
         engine.on_ready = self._on_ready
+        engine.on_footprint = self._on_footprint
 
     def _compile_wanted(self, engine: ConnectionEngine, wish) -> None:
         startup = wish.startup_rank if self._is_default(engine.key) else None
@@ -336,9 +337,14 @@ class EngineManager:
         if engine.footprint is None:
             return
         self._footprints[engine.key] = engine.footprint
-        threading.Thread(target=self._settle_budget, args=(engine,), name="budget-settle", daemon=True).start()
+        threading.Thread(target=self._settle_budget, args=(engine, True), name="budget-settle", daemon=True).start()
 
-    def _settle_budget(self, engine: ConnectionEngine) -> None:
+    def _on_footprint(self, engine: ConnectionEngine) -> None:
+        """It grew (compiled graphs, their code): make room by evicting idle others, never itself."""
+        self._footprints[engine.key] = engine.footprint
+        threading.Thread(target=self._settle_budget, args=(engine, False), name="budget-settle", daemon=True).start()
+
+    def _settle_budget(self, engine: ConnectionEngine, just_loaded: bool) -> None:
         limits = self.device_budget(engine.key.device)
         with self._admission:
             residents = self._residents(engine.key.device, exclude=engine)
@@ -348,6 +354,10 @@ class EngineManager:
             try:
                 self._make_room(engine.key, engine.footprint.device_bytes, Caller.HOST, exclude=engine)
             except BudgetExceeded as exc:
+                if not just_loaded or not engine.evictable:
+                    log.warning("engine %s grew to %.2f GiB: %s over budget until an engine is idle", engine.key,
+                                engine.footprint.device_bytes / budget.GIB, engine.key.device)
+                    return
                 log.warning("engine %s measured %.2f GiB, over budget: unloading it", engine.key,
                             engine.footprint.device_bytes / budget.GIB)
                 engine.error = exc
