@@ -72,6 +72,8 @@ def load_presets() -> dict[str, ModelPreset]:
             max_sequence_length=d.get("max_sequence_length"),
             description=d.get("description", ""),
             repeated_blocks=tuple(d.get("repeated_blocks", ())),
+            fidelity=d.get("fidelity"),
+            examples=tuple(d.get("examples", ())),
             advice=dict(d.get("advice", {})),
             options=dict(d.get("options", {})),
             denoiser_config=d.get("denoiser_config"),

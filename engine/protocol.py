@@ -189,6 +189,10 @@ class ModelPreset:
     max_sequence_length: int | None = None  # T5/LLM text tokens (None: the pipeline's default)
     description: str = ""
     repeated_blocks: tuple[str, ...] = ()
+    # A checker that scores images against prompts from the pixels alone ("shapes": engine/shapes/),
+    # for a model trained on a closed grammar; None: only drift between configurations is measured.
+    fidelity: str | None = None
+    examples: tuple[str, ...] = ()  # prompts this model draws well (the UI offers them)
     advice: dict = field(default_factory=dict, hash=False, compare=False)
     options: dict = field(default_factory=dict, hash=False, compare=False)
     denoiser_config: dict | None = field(default=None, hash=False, compare=False)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import devices
+from engine.bench import quality
 from engine.bench.cache_probe import run_cache_probe
 from engine.bench.measure import build_runner, error_text, inductor_cache_state, progress
 from engine.bench.modes import COMPILED_MODES, MODE_TABLE
@@ -191,6 +192,31 @@ def _timed_runs(run: _Run, live: list[Config]) -> None:
         finish_result(run.results[c], steps_by[c], images_by[c])
 
 
+def _quality(run: _Run, live: list[Config]) -> None:
+    """Drift against eager fp32 (and fidelity where the model has a checker) on the same fixed samples."""
+    plan = run.plan
+    if plan.quality_samples <= 0 or not live:
+        return
+    prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=7, fallback=plan.prompt)
+    seeds = [1000 + i for i in range(len(prompts))]
+
+    def draw(config: Config, prompt: str, seed: int) -> bytes:
+        precision, mode, size = config
+        runner, engine_mode = run.engine(precision, mode)
+        request = run.request(engine_mode, size, seed=seed).replace(prompt=prompt)
+        run.bar.set_postfix_str(f"quality {precision} {mode} {size}")
+        return runner.generate(request).image_png
+
+    for config, row in quality.measure(live, draw, prompts, seeds, plan.preset).items():
+        run.results[config].update(row)
+    if quality.fidelity_checker(plan.preset) is None:
+        return
+    held = quality.sample_prompts(plan.preset, plan.quality_samples, seed=11, fallback=plan.prompt, held_out=True)
+    references = [c for c in live if (c[0], c[1]) == quality.REFERENCE]
+    for config, row in quality.measure(references, draw, held, seeds, plan.preset).items():
+        run.results[config]["fidelity_held_out"] = row.get("fidelity")
+
+
 def _overhead_config(live: list[Config]) -> Config | None:
     for wanted in OVERHEAD_PREFERENCE:
         for c in live:
@@ -271,6 +297,7 @@ def run_pipeline_bench(plan: BenchPlan) -> dict:
     live = [c for c in configs if not run.results[c]["error"]]
     _first_requests(run, live)
     _timed_runs(run, live)
+    _quality(run, live)
     run.bar.update((1 + plan.runs) * (len(configs) - len(live)))  # the steps failed configurations skipped
     ordered = [run.results[c] for c in configs]
     apply_speedups(ordered)

@@ -50,6 +50,9 @@ class BenchPlan:
     threads: int | None = None
     engine_args: tuple[str, ...] = ()  # engine flags passed on to probe children
     command: str = ""
+    # Images per configuration for drift (and fidelity, for a model with a checker); 0 = skip.
+    quality_samples: int = 3
+
 
     def configs(self) -> list[tuple[str, str, Size]]:
         """Every (precision, mode, size), in the order results are reported."""
@@ -122,5 +125,7 @@ def plan_from_args(args) -> BenchPlan:
         text_len=args.text_len, matmul_roofline=args.matmul_roofline, warmup_calls=args.warmup_calls,
         time_budget_s=args.time_budget, out=Path(args.out) if args.out else None, force=args.force,
         threads=args.threads, engine_args=engine_flags_argv(args),
+        quality_samples=(args.quality_samples if args.quality_samples is not None
+                         else 100 if preset.fidelity else 3),
         command="python -m engine " + " ".join(a for a in sys.argv[1:] if a) if sys.argv else "",
     )

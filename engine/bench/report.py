@@ -17,6 +17,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from engine.bench.quality import fmt_drift
 from engine.bench.stats import compute_ratios, evaluate_targets, speedup_table
 
 
@@ -42,6 +43,12 @@ def markdown_table(rows: list[dict]) -> str:
     ]
     if has_flops:
         header += ["TFLOP/s", "of matmul"]
+    has_drift = any(r.get("drift_max_diff") is not None for r in rows)
+    has_fidelity = any(r.get("fidelity") is not None for r in rows)
+    if has_drift:
+        header += ["drift vs fp32 eager (PSNR / max px)"]
+    if has_fidelity:
+        header += ["fidelity", "held-out"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         if r.get("error"):
@@ -64,6 +71,12 @@ def markdown_table(rows: list[dict]) -> str:
                 frac = r.get("matmul_fraction")
                 tf = r.get("tflops")
                 cells += [f"{tf:.3g}" if tf is not None else "—", fmt(frac * 100 if frac is not None else None, 1, "%")]
+            if has_drift:
+                cells.append(fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff")))
+            if has_fidelity:
+                fid, held = r.get("fidelity"), r.get("fidelity_held_out")
+                cells += [fmt(fid * 100 if fid is not None else None, 0, "%"),
+                          fmt(held * 100 if held is not None else None, 0, "%")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

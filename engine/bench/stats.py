@@ -22,6 +22,9 @@ RESULT_FIELDS = (
     "speedup_vs_eager", "speedup_image_vs_eager", "warm_hit_ratio",
     "recompiles", "peak_memory_bytes", "error",
 )
+# engine/bench/quality.py: what each configuration draws against eager fp32 (absent when not measured)
+QUALITY_FIELDS = ("drift_psnr_db", "drift_max_diff", "fidelity", "fidelity_held_out", "quality_samples")
+RESULT_FIELDS += QUALITY_FIELDS
 
 
 def empty_result(kind: str, plan, precision: str, mode: str, size) -> dict:
@@ -136,6 +139,7 @@ def speedup_table(results: list[dict], baseline_mode: str = BASELINE_MODE) -> li
             "peak_memory_bytes": r.get("peak_memory_bytes"),
             "break_even_images": _break_even(r, b),
             "error": r.get("error"),
+            **{k: r.get(k) for k in QUALITY_FIELDS if k in r},
         }
         for extra in ("tflops", "matmul_fraction", "flops_per_step", "compile_cache_hits", "compile_cache_misses"):
             if r.get(extra) is not None:
@@ -176,6 +180,15 @@ TARGETS: tuple[Target, ...] = (
     Target("compile_speedup", "compile speedup over eager: eager step / compiled step", ">=", 1.4, ("denoiser",)),
     Target("matmul_fraction", "best compiled step's TFLOP/s / measured matmul TFLOP/s", ">=", 0.8, ("denoiser",)),
     Target("recompiles", "graphs compiled during the timed runs (must be 0)", "<=", 0, ("pipeline", "denoiser")),
+    Target("drift_compile", "drift of fp32 compile vs fp32 eager, worst sample: PSNR dB", ">=", 40.0, ("pipeline",)),
+    Target("fidelity_first_bucket", "fidelity, eager fp32, the preset's first bucket", ">=", 0.95, ("pipeline",)),
+    Target("fidelity_other_buckets", "fidelity, eager fp32, every other bucket (worst)", ">=", 0.85, ("pipeline",)),
+    Target("fidelity_held_out", "fidelity on held-out combinations, eager fp32 (worst bucket)", ">=", 0.80,
+           ("pipeline",)),
+    Target("fidelity_gap", "fidelity lost vs eager fp32 by any other configuration (points, worst)", "<=", 0.02,
+           ("pipeline",)),
+    Target("image_ms_reference", "one image, eager fp32, the first bucket: median ms (model with a checker)", "<=",
+           100.0, ("pipeline",)),
 )
 
 
@@ -202,6 +215,41 @@ def _summary(values: list[dict], note: str = "") -> dict:
         "values": values,
         "note": note,
     }
+
+
+def _value(values: list[dict], pick=min, note: str = "") -> dict:
+    """A target computed as the worst (pick) of per-configuration values."""
+    if not values:
+        return {"value": None, "n": 0, "values": [], "note": note}
+    worst = pick(values, key=lambda v: v["value"])
+    return {"value": worst["value"], "n": len(values), "values": values,
+            "note": note or f"worst: {worst['precision']} {worst['mode']} {worst['size']}"}
+
+
+def _quality_ratios(ok: list[dict]) -> dict[str, dict]:
+    """Drift and fidelity targets from the quality columns (engine/bench/quality.py)."""
+    def entry(r, value):
+        return {"precision": r["precision"], "size": str(r["size"]), "mode": r["mode"], "value": value}
+
+    # Identical images (no PSNR) count as the best possible value.
+    drift = [entry(r, r["drift_psnr_db"] if r["drift_psnr_db"] is not None else float("inf")) for r in ok
+             if r.get("drift_max_diff") is not None and r["mode"] == Mode.COMPILE and r["precision"] == "fp32"]
+    out = {"drift_compile": _value(drift)}
+    refs = [r for r in ok if r["precision"] == "fp32" and r["mode"] == Mode.EAGER and r.get("fidelity") is not None]
+    if not refs:
+        return out
+    first = refs[0]
+    out["fidelity_first_bucket"] = _value([entry(first, first["fidelity"])])
+    out["fidelity_other_buckets"] = _value([entry(r, r["fidelity"]) for r in refs[1:]])
+    out["fidelity_held_out"] = _value([entry(r, r["fidelity_held_out"]) for r in refs
+                                       if r.get("fidelity_held_out") is not None])
+    by_size = {str(r["size"]): r["fidelity"] for r in refs}
+    gaps = [entry(r, by_size[str(r["size"])] - r["fidelity"]) for r in ok
+            if r.get("fidelity") is not None and str(r["size"]) in by_size and r not in refs]
+    out["fidelity_gap"] = _value(gaps, pick=max)
+    if first.get("image_ms_median") is not None:
+        out["image_ms_reference"] = _value([entry(first, first["image_ms_median"])])
+    return out
 
 
 def compute_ratios(results: list[dict], extras: dict | None = None) -> dict[str, dict]:
@@ -243,6 +291,7 @@ def compute_ratios(results: list[dict], extras: dict | None = None) -> dict[str,
     total = sum(int(r.get("recompiles") or 0) for r in ok)
     ratios["recompiles"] = {"value": float(total) if ok else None, "n": len(ok), "values": [], "note": "sum"}
 
+    ratios.update(_quality_ratios(ok))
     overhead = extras.get("engine_overhead") or {}
     ratios["engine_overhead"] = {
         "value": overhead.get("ratio"), "n": overhead.get("pairs", 0), "values": [],

@@ -1,0 +1,102 @@
+"""Quality next to speed: what each configuration draws, against the reference configuration.
+
+Two measures, for every configuration of a bench run:
+
+- **drift**, for any model: the same prompt, seed, size and steps drawn by this configuration and by
+  the reference (eager, fp32, same size); PSNR in dB (higher is closer; None for identical images, so
+  the JSON stays standard) and the largest pixel difference out of 255, over a few fixed samples (the
+  worst sample kept).
+- **fidelity**, for a model trained on a closed grammar (a preset with `fidelity = "shapes"`): the
+  share of images whose background colour, object colour and shape a pixel-only checker reads as the
+  prompt says (engine/shapes/fidelity.py), over seeded random prompts of the grammar.
+
+Pure functions here are shared with the UI's Compare tab (`image_drift`); torch is not imported.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from collections.abc import Callable
+
+import numpy as np
+from PIL import Image
+
+REFERENCE = ("fp32", "eager")  # (precision, mode) every drift is measured against
+
+
+def to_array(image) -> np.ndarray:
+    """HxWx3 uint8 from a PIL image, PNG bytes or an array."""
+    if isinstance(image, bytes | bytearray):
+        image = Image.open(io.BytesIO(image))
+    if isinstance(image, Image.Image):
+        image = np.asarray(image.convert("RGB"))
+    return np.asarray(image, dtype=np.uint8)
+
+
+def image_drift(image, reference) -> dict:
+    """PSNR (dB) and the largest per-pixel difference (0-255) of `image` against `reference`."""
+    a, b = to_array(image).astype(np.float64), to_array(reference).astype(np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"images of different sizes: {a.shape} vs {b.shape}")
+    mse = float(np.mean((a - b) ** 2))
+    psnr = None if mse == 0 else 10 * math.log10(255.0**2 / mse)
+    return {"psnr_db": psnr, "max_diff": int(np.max(np.abs(a - b)))}
+
+
+def worst_drift(drifts: list[dict]) -> dict:
+    """The worst sample: the lowest PSNR and the largest pixel difference over the samples."""
+    if not drifts:
+        return {"psnr_db": None, "max_diff": None}
+    psnrs = [d["psnr_db"] for d in drifts if d["psnr_db"] is not None]
+    return {"psnr_db": min(psnrs) if psnrs else None, "max_diff": max(d["max_diff"] for d in drifts)}
+
+
+def fmt_drift(psnr_db, max_diff) -> str:
+    """'identical', '48.2 dB / 6' (PSNR / largest pixel difference), or '—' when not measured."""
+    if max_diff is None:
+        return "—"
+    if max_diff == 0:
+        return "identical"
+    return f"{psnr_db:.1f} dB / {max_diff}"
+
+
+def sample_prompts(preset, n: int, seed: int, fallback: str, held_out: bool = False) -> list[str]:
+    """`n` prompts for quality samples: random prompts of the model's grammar (seeded; training prompts,
+    or the held-out ones), else the bench's own prompt each time."""
+    if preset.fidelity == "shapes":
+        from engine.shapes.grammar import HELD_OUT, training_prompts
+
+        pool = list(HELD_OUT if held_out else training_prompts())
+        rng = random.Random(seed)
+        return [rng.choice(pool).text for _ in range(n)]
+    return [fallback] * n
+
+
+def fidelity_checker(preset) -> Callable | None:
+    """(image, prompt) -> correct?, for presets whose model draws a closed grammar; None otherwise."""
+    if preset.fidelity == "shapes":
+        from engine.shapes.fidelity import check
+
+        return lambda image, prompt: check(to_array(image), prompt).correct
+    return None
+
+
+def measure(configs: list, draw: Callable, prompts: list[str], seeds: list[int], preset) -> dict:
+    """For every configuration (precision, mode, size): drift against the reference configuration of the
+    same size and, where the preset has a checker, fidelity. `draw(config, prompt, seed)` -> PNG bytes."""
+    checker = fidelity_checker(preset)
+    images = {c: [draw(c, p, s) for p, s in zip(prompts, seeds, strict=True)] for c in configs}
+    out = {}
+    for c in configs:
+        precision, mode, size = c
+        ref = images.get((REFERENCE[0], REFERENCE[1], size))
+        drift = worst_drift([image_drift(a, b) for a, b in zip(images[c], ref, strict=True)]) if ref else \
+            {"psnr_db": None, "max_diff": None}
+        row = {"drift_psnr_db": drift["psnr_db"], "drift_max_diff": drift["max_diff"], "quality_samples": len(prompts)}
+        if checker is not None:
+            right = sum(checker(img, p) for img, p in zip(images[c], prompts, strict=True))
+            row["fidelity"] = right / len(prompts)
+        out[c] = row
+    return out

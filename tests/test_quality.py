@@ -1,0 +1,79 @@
+"""Drift and fidelity: the bench's quality columns and targets (engine/bench/quality.py), no model needed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from engine.bench import quality
+from engine.bench.stats import compute_ratios, evaluate_targets, speedup_table
+
+
+def _img(value, size=(8, 8)):
+    return np.full((*size, 3), value, dtype=np.uint8)
+
+
+def test_identical_images_have_no_psnr_and_zero_difference():
+    d = quality.image_drift(_img(10), _img(10))
+    assert d == {"psnr_db": None, "max_diff": 0}
+    assert quality.fmt_drift(**{"psnr_db": None, "max_diff": 0}) == "identical"
+
+
+def test_psnr_and_max_difference_follow_the_pixels():
+    a = _img(100)
+    b = a.copy()
+    b[0, 0, 0] = 110  # one channel of one pixel off by 10
+    d = quality.image_drift(a, b)
+    mse = 100 / a.size
+    assert d["max_diff"] == 10 and d["psnr_db"] == pytest.approx(10 * math.log10(255**2 / mse))
+    assert quality.fmt_drift(d["psnr_db"], d["max_diff"]).endswith("dB / 10")
+
+
+def test_the_worst_sample_is_kept():
+    worst = quality.worst_drift([{"psnr_db": 60.0, "max_diff": 1}, {"psnr_db": 41.0, "max_diff": 9},
+                                 {"psnr_db": None, "max_diff": 0}])
+    assert worst == {"psnr_db": 41.0, "max_diff": 9}
+
+
+def test_images_of_different_sizes_are_an_error():
+    with pytest.raises(ValueError, match="different sizes"):
+        quality.image_drift(_img(0, (8, 8)), _img(0, (8, 16)))
+
+
+def test_measure_compares_every_configuration_with_eager_fp32_of_its_size():
+    configs = [("fp32", "eager", "64x64"), ("fp32", "compile", "64x64"), ("bf16", "eager", "64x64")]
+    offsets = {"eager": 0, "compile": 1}
+
+    def draw(config, prompt, seed):
+        precision, mode, _ = config
+        return _img(100 + offsets[mode] + (3 if precision == "bf16" else 0))
+
+    preset = type("P", (), {"fidelity": None})()
+    rows = quality.measure(configs, draw, ["p", "p"], [1, 2], preset)
+    assert rows[configs[0]]["drift_max_diff"] == 0
+    assert rows[configs[1]]["drift_max_diff"] == 1 and rows[configs[2]]["drift_max_diff"] == 3
+    assert "fidelity" not in rows[configs[0]]  # no checker for this model
+
+
+def _row(precision, mode, size, **kw):
+    return {"precision": precision, "mode": mode, "size": size, "step_ms_median": 1.0, "image_ms_median": 50.0,
+            **kw}
+
+
+def test_quality_targets_are_met_or_missed_from_the_columns():
+    rows = [
+        _row("fp32", "eager", "64x64", drift_psnr_db=None, drift_max_diff=0, fidelity=0.97, fidelity_held_out=0.85),
+        _row("fp32", "compile", "64x64", drift_psnr_db=45.0, drift_max_diff=2, fidelity=0.96),
+        _row("bf16", "eager", "64x64", drift_psnr_db=38.0, drift_max_diff=9, fidelity=0.93),
+        _row("fp32", "eager", "128x128", drift_psnr_db=None, drift_max_diff=0, fidelity=0.84, fidelity_held_out=0.9),
+    ]
+    status = {t["key"]: t["status"] for t in evaluate_targets(compute_ratios(rows))}
+    assert status["drift_compile"] == "met"  # 45 dB >= 40
+    assert status["fidelity_first_bucket"] == "met"  # 97 %
+    assert status["fidelity_other_buckets"] == "MISSED"  # 84 % < 85 %
+    assert status["fidelity_held_out"] == "met"  # worst 85 % >= 80 %
+    assert status["fidelity_gap"] == "MISSED"  # bf16 lost 4 points
+    assert status["image_ms_reference"] == "met"
+    assert speedup_table(rows)[2]["drift_max_diff"] == 9  # the columns reach the table (UI, JSON)
