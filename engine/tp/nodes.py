@@ -288,9 +288,9 @@ def explain_exit(plan: NodePlan, code: int | None, log_text: str, joined: set[in
             f"across machines) and the port is open between the nodes (firewall, security group); the node "
             f"starts within --join-timeout (raise it for slow machines)")
     cause = root_cause(log_text)
-    broken = re.findall(r"\[tp sidecar\] group broken: (.+)", log_text)
-    if broken:
-        return code or 1, f"{me}: the sidecar stopped: {broken[-1].strip()}" + (f" ({cause})" if cause else "")
+    said = re.findall(r"\[tp sidecar\] (group broken|load failed): (.+)", log_text)  # the ranks' own words
+    if said:
+        return code or 1, f"{me}: the sidecar stopped: {said[-1][1].strip()}" + (f" ({cause})" if cause else "")
     if cause:
         return code or 1, f"{me}: the sidecar stopped: {cause}"
     if plan.node_rank > 0:

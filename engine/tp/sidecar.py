@@ -258,6 +258,22 @@ class _Rank0Server:
             pass
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
 def _exit(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
@@ -517,6 +533,10 @@ def rank_main(args) -> None:
     failed = any(r["error"] for r in ranks)
     if rank != 0:
         if failed:
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node: this node's launcher explains it
+                first = next(r for r in ranks if r["error"])
+                print(f"[tp sidecar] load failed: {refused or first['error']} (rank {first['rank']}, node "
+                      f"{first.get('node')}, host {first.get('host')})", file=sys.stderr, flush=True)
             _exit(RankExit.USAGE if refused else RankExit.LOAD_FAILED)
         print(f"[tp sidecar] node {node} rank {rank}: loaded; following rank 0 (node 0, host {ranks[0]['host']})",
               flush=True)
@@ -531,7 +551,15 @@ def rank_main(args) -> None:
         _exit(RankExit.USAGE if refused else RankExit.LOAD_FAILED)
     from engine.tp.liveness import describe_rank
 
-    runner.who_is_gone = lambda: ", ".join(describe_rank(ranks, r) for r in liveness.silent_ranks()) or None
+
+    def who_is_gone() -> str | None:
+        # Ranks on node 0 run next to rank 0: their process says it at once (torchrun on this node tears the
+        # group down within a fraction of a second, too soon for heartbeats). Other nodes: their heartbeats.
+        gone = [r["rank"] for r in ranks if r["node"] == 0 and r["rank"] != 0 and not _pid_alive(r["pid"])]
+        gone = gone or liveness.silent_ranks()
+        return ", ".join(describe_rank(ranks, r) for r in gone) or None
+
+    runner.who_is_gone = who_is_gone
     if not from_app:
         runner.restart_hint = ("the sidecar stops: restart it on every node (an app attached with --tp-address "
                                "re-attaches by itself), then retry")
