@@ -260,16 +260,16 @@ def test_restarted_sidecar_is_reattached_and_sigterm_on_node_0_leaves_nothing(cl
 def test_a_node_that_never_joins_times_out_naming_it(cache_dir, tiny_models, tmp_path):
     nodes = Nodes(cache_dir, tmp_path)
     started = time.monotonic()
-    nodes.start(nodes=(0,), join_timeout=5)
+    nodes.start(nodes=(0,), join_timeout=3)
     try:
         code = nodes.procs[0].wait(90)
     finally:
         nodes.stop_all()
     took = time.monotonic() - started
     out = nodes.log(0)
-    print(f"node 1 never joined: node 0 gave up after {took:.1f} s (--join-timeout 5)")
+    print(f"node 1 never joined: node 0 gave up after {took:.1f} s (--join-timeout 3)")
     assert code == 6, out[-3000:]
-    assert "node 1 never joined the rendezvous at 127.0.0.1:" in out and "within 5 s (--join-timeout)" in out
+    assert "node 1 never joined the rendezvous at 127.0.0.1:" in out and "within 3 s (--join-timeout)" in out
     assert "on node 1 run:\n    python -m engine.tp.sidecar" in out and "--node-rank 1" in out
     assert "firewall" in out
     assert json.loads(nodes.address_file.read_text())["state"] == "stopped"
@@ -330,6 +330,8 @@ def test_launcher_explains_how_a_node_ended():
     assert code == JOIN_TIMEOUT_EXIT and "node 2 never joined" in text and "--node-rank 2" in text
     code, text = explain_exit(plan, 1, timeout, joined=None)
     assert code == JOIN_TIMEOUT_EXIT and "1 node(s) never joined" in text
+    code, text = explain_exit(plan, 1, timeout.replace("2/3", "1/3"), joined=None)
+    assert "nodes 1, 2 never joined" in text and "--node-rank 1" in text and "--node-rank 2" in text
     broken = "[tp sidecar] group broken: rank 2 (node 2, host b, pid 9) is gone (...)\n"
     assert "rank 2 (node 2, host b, pid 9) is gone" in explain_exit(plan, 1, broken)[1]
     assert explain_exit(plan, -15, "", stopped_by="SIGTERM") == (0, "node 0: stopped (SIGTERM); its ranks are gone")

@@ -148,8 +148,9 @@ def plan_node(args) -> NodePlan:
             plan.address_file = plan.workdir / "address.json"
         if plan.address_file is not None:
             rank_args += ["--address-file", str(plan.address_file)]
-            if plan.token_file is None:
-                plan.token_file = plan.address_file.with_suffix(".token")
+            if plan.token_file is None:  # next to it: flux.json -> flux.token (never the address file itself)
+                token = plan.address_file.with_suffix(".token")
+                plan.token_file = token if token != plan.address_file else token.with_name(token.name + ".key")
         if args.dump_dir:
             rank_args += ["--dump-dir", str(args.dump_dir)]
     if args.verbose:
@@ -273,6 +274,8 @@ def explain_exit(plan: NodePlan, code: int | None, log_text: str, joined: set[in
     if plan.node_rank == 0 and timed_out:
         m = _JOINED.search(log_text)
         missing = sorted(set(range(plan.nnodes)) - joined) if joined else None
+        if not missing and m and int(m.group(1)) == 1:  # only node 0 itself: every other node is missing
+            missing = list(range(1, plan.nnodes))
         if not missing:
             count = (plan.nnodes - int(m.group(1))) if m else None
             missing_text = f"{count} node(s)" if count else "some nodes"
