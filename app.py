@@ -2,6 +2,7 @@
 
     python app.py                      # tiny-flux on the best device, compile mode, http://127.0.0.1:7860
     python app.py --device cpu --precision bf16 --warm 64x64 --auth user:secret
+    python app.py --tp-address /srv/tp/flux2.json   # serve a sidecar started on its nodes (docs/multinode.md)
 
 Every flag falls back to an environment variable (engine/settings.py server_defaults()), then to
 the built-in default. Engine workers are spawned processes that re-import this file, so nothing
@@ -43,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mode", default=d["mode"], help="eager, compile, regional, defer-and-fuse ($SHOWCASE_MODE)")
     e.add_argument("--tp", type=int, default=1,
                    help="tensor parallel over N ranks for the default engine (a torchrun sidecar)")
+    e.add_argument("--tp-address", default=None, metavar="FILE",
+                   help="serve a running tensor-parallel sidecar as the default engine: FILE is the address file "
+                        "its node 0 wrote (python -m engine.tp.sidecar ... --address-file FILE; the token is read "
+                        "from the 0600 file it names). It may span several machines; the app never starts, "
+                        "restarts or stops it, shows it down with the reason when it stops, and re-attaches when "
+                        "it is back")
     e.add_argument("--warm", default=d["warm"],
                    help="buckets to pre-warm at start-up in --mode: 'all', 'none' or e.g. '64x64,128x128' "
                         "($SHOWCASE_WARM)")
@@ -126,6 +133,27 @@ def prewarm(manager, args) -> None:
         log.warning("could not start the default engine: %s", exc)
 
 
+ATTACH_WAIT_S = 15.0  # at start-up, how long to wait for an attached sidecar before the UI comes up without it
+UI_TP_CHOICES = (1, 2, 4, 8)  # the UI's tensor-parallel dropdown (ui/blocks.py); other counts: the API
+
+
+def attach_sidecar(manager, args):
+    """--tp-address: attach (and keep re-attaching) to a sidecar the host started. Once attached within
+    ATTACH_WAIT_S its engine is the default one. Returns (attacher, its key or None)."""
+    from engine.tp.attach import SidecarAttacher
+
+    attacher = SidecarAttacher(manager, args.tp_address).start()
+    engine = attacher.wait_attached(ATTACH_WAIT_S)
+    if engine is None:
+        # The UI keeps the flags' defaults meanwhile: pointing it at the sidecar's key before the engine is
+        # adopted would make the manager start a local engine under that key.
+        log.warning("not attached to the sidecar yet (%s); the app keeps trying every few seconds",
+                    attacher.last_error or "still connecting")
+        return attacher, None
+    manager.default_key = engine.key
+    return attacher, engine.key
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported
     args = build_parser().parse_args(argv)
@@ -161,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     from ui import UIDefaults, build_demo, launch_kwargs
 
     demo = None
+    attacher = None
+    if args.tp_address:
+        attacher, key = attach_sidecar(manager, args)
+        if key is not None and key.tp in UI_TP_CHOICES:
+            args.preset, args.device, args.precision, args.tp = key.preset, key.device, str(key.precision), key.tp
+        elif key is not None:
+            log.warning("the sidecar %s has %d ranks, not one of the UI's tensor-parallel choices %s: request it "
+                        "through the API (/generate with tp=%d)", key, key.tp, UI_TP_CHOICES, key.tp)
 
     def on_sigterm(signum, frame):
         # Raised in the main thread (inside launch's wait loop), so the finally below runs.
@@ -168,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        threading.Thread(target=prewarm, args=(manager, args), name="prewarm", daemon=True).start()
+        if attacher is None:  # with --tp-address the sidecar is the default engine: nothing to start here
+            threading.Thread(target=prewarm, args=(manager, args), name="prewarm", daemon=True).start()
         defaults = UIDefaults(preset=args.preset, device=args.device, precision=args.precision, mode=args.mode,
                               tp=args.tp, admin_token=args.admin_token)
         demo = build_demo(manager, defaults, queue_size=args.queue_size)
@@ -186,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         log.info("shutting down engines")
+        if attacher is not None:
+            attacher.stop()  # an attached sidecar is only disconnected: it keeps running for the next app
         manager.shutdown()
         if demo is not None:
             demo.close()

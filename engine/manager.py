@@ -267,14 +267,16 @@ class EngineManager:
             if options is not None:
                 self._options[key] = options
             engine = self._engines.get(key)
-            if engine is not None and (engine.alive or not engine.ready.is_set()):
+            # An adopted engine that is down stays the answer (its error says why): the app must not start
+            # its own engine under that key, nor a local sidecar in place of one that spans several machines.
+            if engine is not None and (engine.alive or not engine.ready.is_set() or not engine.evictable):
                 return engine
         if caller is Caller.VISITOR and self.policy.public and key.tp > 1:
             raise NotAllowed(f"{key} is not loaded, and starting a tensor-parallel engine is up to the host")
         with self._admission:
             with self._lock:
                 engine = self._engines.get(key)
-                if engine is not None and (engine.alive or not engine.ready.is_set()):
+                if engine is not None and (engine.alive or not engine.ready.is_set() or not engine.evictable):
                     return engine
             self._make_room(key, self.estimate(key).device_bytes, caller)
             with self._lock:
@@ -391,6 +393,10 @@ class EngineManager:
 
     def restart(self, key: EngineKey) -> ConnectionEngine:
         with self._lock:
+            adopted = self._engines.get(key)
+            if adopted is not None and not adopted.evictable:
+                raise NotAllowed(f"engine {key} was not started by this app (an attached sidecar): restart it where "
+                                 "it runs; the app re-attaches by itself")
             old = self._engines.pop(key, None)
         if old is not None:
             self.scheduler.drop_engine(old)

@@ -156,6 +156,26 @@ def test_tpu_without_torch_tpu_says_what_to_install(monkeypatch):
         launch.build_launch(devices.get_device("tpu"), 2, cache_dir=CACHE, base_env={})
 
 
+def test_join_timeout_reaches_the_static_rendezvous():
+    argv = launch.torchrun_argv(8, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500", join_timeout=120)
+    assert "--rdzv-conf=timeout=120" in argv and "--node-rank=1" in argv
+    assert not any(a.startswith("--rdzv-conf") for a in launch.torchrun_argv(2))  # standalone: none
+    for bad in (0, -5, "10", True, 10**9):
+        with pytest.raises(InvalidRequest):
+            launch.torchrun_argv(8, nnodes=2, rdzv_endpoint="h:1", join_timeout=bad)
+
+
+@pytest.mark.parametrize("host", ["10.0.0.1", "gpu-a.internal", "0.0.0.0", "localhost"])
+def test_listen_hosts_are_checked(host):
+    assert launch.check_listen_host(host) == host
+
+
+@pytest.mark.parametrize("host", ["", "a b", "$(id)", "10.0.0.1;rm", "::1", "[::1]", "http://x", "-x"])
+def test_bad_listen_hosts_are_refused(host):
+    with pytest.raises(InvalidRequest):
+        launch.check_listen_host(host)
+
+
 def test_multi_node_uses_static_rendezvous_so_rank_0_is_on_node_0():
     spec = devices.get_device("cuda")
     argv, _ = launch.build_launch(spec, 8, 2, "10.0.0.1:29500", cache_dir=CACHE, base_env={},
@@ -268,12 +288,20 @@ def test_sidecar_engine_refuses_an_impossible_split_before_starting_anything(cac
 def test_sidecar_help_and_printed_command(capsys):
     from engine.tp import sidecar
 
-    help_text = sidecar.build_parser().format_help()
-    assert "how to connect" in help_text and "--rdzv-endpoint" in help_text
+    help_text = " ".join(sidecar.build_parser().format_help().split())
+    assert "--rdzv-endpoint" in help_text and "--tp-address" in help_text
+    assert "ranks on EACH node" in help_text and "not in all" in help_text  # --tp is per node, said plainly
     assert sidecar.main(["--device", "cuda", "--tp", "4", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29500",
-                         "--preset", "flux2-dev", "--print-command"]) == 0
+                         "--preset", "flux2-dev", "--precision", "bf16", "--print-command"]) == 0
     out = capsys.readouterr().out
-    assert "node 0" in out and "node 1" in out and "--node-rank=1" in out and "token" not in out
+    assert "node 0" in out and "node 1" in out and "token" not in out
+    node_1 = next(line for line in out.splitlines() if "--node-rank 1" in line).split()
+    assert node_1[:3] == ["python", "-m", "engine.tp.sidecar"]  # the same one command, not a torchrun line
+    for flag, value in (("--preset", "flux2-dev"), ("--precision", "bf16"), ("--device", "cuda"), ("--tp", "4"),
+                        ("--nnodes", "2"), ("--rdzv-endpoint", "10.0.0.1:29500")):
+        assert node_1[node_1.index(flag) + 1] == value, flag
+    assert "--join-timeout" in node_1
+    assert "--node-rank=0" in out and "--rdzv-conf=timeout=600" in out  # node 0's own torchrun argv
 
 
 def test_root_cause_names_the_rank_that_died():

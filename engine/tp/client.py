@@ -15,7 +15,8 @@ in their own sessions), then SIGKILLs whatever is left; ranks also exit by thems
 app is gone (engine/tp/group.py watch_parents).
 
 By hand: `python -m engine.tp.client ADDRESS_FILE --prompt ...` talks to a sidecar started with
-`python -m engine.tp.sidecar` (it prints the address file).
+`python -m engine.tp.sidecar` (it prints the address file); `app.py --tp-address ADDRESS_FILE` serves one
+(engine/tp/attach.py), on one machine or spanning several (engine/tp/nodes.py).
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from pathlib import Path
 from engine import devices
 from engine.client import ConnectionEngine
 from engine.errors import EngineCrashed, InvalidRequest, ModelLoadError
-from engine.protocol import EngineKey, RankExit
+from engine.protocol import RankExit
 from engine.resolve import resolve_source
 from engine.tp import launch
-from engine.tp.tokens import new_token, read_address, write_private
+from engine.tp.tokens import new_token, write_private
 
 log = logging.getLogger(__name__)
 
@@ -329,16 +330,10 @@ class SidecarEngine(ConnectionEngine):
 
 def connect(address_file: str | Path, timeout: float = 600.0) -> ConnectionEngine:
     """Attach to a sidecar started by hand (`python -m engine.tp.sidecar`): the address file it printed
-    names the port and the token file."""
-    from multiprocessing.connection import Client
+    names the port and the token file. See engine/tp/attach.py for what each failure says."""
+    from engine.tp.attach import connect as attach
 
-    host, port, token = read_address(Path(address_file))
-    engine = ConnectionEngine(EngineKey("?", "?", "?", 0))
-    engine.kind = "tp-sidecar"
-    engine.attach(Client((host, port), authkey=token))
-    engine.wait_ready(timeout)
-    engine.key = engine.info.key
-    return engine
+    return attach(address_file, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,9 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_bytes(result.image_png)
     if args.shutdown:
-        engine.close()  # asks the sidecar to exit
+        engine.shutdown_sidecar()  # asks the sidecar to exit
     else:
-        engine.conn.close()  # just disconnect: a sidecar started by hand waits for the next client
+        engine.close()  # just disconnect: a sidecar started by hand waits for the next client
     return 0
 
 

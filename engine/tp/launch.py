@@ -9,8 +9,11 @@ argv is always a list for `subprocess.Popen(argv)` without a shell. The few valu
 
 Single node: `--standalone` (a private c10d rendezvous on a free port, so several sidecars and test runs
 never collide). Several nodes: the *static* rendezvous (`--rdzv-backend static --rdzv-endpoint HOST:PORT
---node-rank K`), because it honours --node-rank: node 0 is the app's machine, so global rank 0 — the one
-that serves the loopback socket — is always local to the app. Run `node_command(...)` on the other nodes.
+--node-rank K`), because it honours --node-rank: global rank 0 — the one that serves the socket — is always
+on node 0. Static rendezvous is a TCPStore that node 0's torchrun hosts on the endpoint's port; it waits
+`--rdzv-conf timeout=S` seconds (torchrun's default: 900) for every node's torchrun to connect, then fails
+with "Timed out after S seconds waiting for clients. J/N clients joined" (the sidecar's `--join-timeout`
+sets S and names the missing nodes). `sidecar_command(...)` is the one command to run on node K.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ _ENDPOINT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,25
 # minutes on one rank while the others already wait in its first collective.
 DIST_TIMEOUT_S = 180
 DIST_TIMEOUT_STATIC_SHAPES_S = 1800
+# How long node 0 waits for the other nodes to join (and they for node 0): nodes are started by hand, on
+# machines that may still be pulling an image, so minutes; a short one makes a slow node look missing.
+JOIN_TIMEOUT_S = 600
+# torchrun waits this long (default 30) for ranks to exit after SIGTERM before it SIGKILLs them.
+SHUTDOWN_TIMEOUT_S = 5
+_HOST = re.compile(r"^(?:[0-9A-Fa-f:.]+|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?)$")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def dist_timeout_s(spec: devices.DeviceSpec) -> int:
@@ -48,6 +58,22 @@ def check_rdzv_endpoint(endpoint: str) -> str:
     if not m or not 0 < int(m.group(1)) < 65536:
         raise InvalidRequest(f"rendezvous endpoint {endpoint!r} is not HOST:PORT (e.g. 10.0.0.1:29500)")
     return text
+
+
+def check_listen_host(host: str) -> str:
+    """rank 0's `--listen` interface: an IP address or a host name, nothing a shell or a URL could misread."""
+    text = str(host).strip()
+    if ":" in text:
+        raise InvalidRequest(f"--listen {host!r}: rank 0 listens on IPv4 only; give an IPv4 address or a host name")
+    if not text or not _HOST.match(text) or len(text) > 253:
+        raise InvalidRequest(f"--listen {host!r} is not an IP address or host name (e.g. 10.0.0.1)")
+    return text
+
+
+def check_join_timeout(seconds) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 1 <= seconds <= 7 * 24 * 3600:
+        raise InvalidRequest(f"--join-timeout must be between 1 second and a week, got {seconds!r}")
+    return float(seconds)
 
 
 def check_tp_device(spec: devices.DeviceSpec) -> None:
@@ -92,6 +118,7 @@ def sidecar_environment(
     mode = next((m for m in warm_modes if devices.mode_environment(spec, m)), None)
     env = devices.worker_environment(spec, Path(cache_dir), mode=mode, base=base)
     env.setdefault("PYTHONUNBUFFERED", "1")  # rank logs reach the sidecar log as they happen
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))  # SIGTERM: ranks gone in seconds
     env.update(spec.launch_env(nnodes, nproc, set_env=tpu_env))
     return env
 
@@ -104,6 +131,7 @@ def torchrun_argv(
     rdzv_endpoint: str | None = None,
     sidecar_args: Sequence[str] = (),
     python: str | None = None,
+    join_timeout: float | None = None,
 ) -> list[str]:
     _check_counts(nproc, nnodes, node_rank)
     argv = [python or sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
@@ -118,6 +146,8 @@ def torchrun_argv(
             "--rdzv-backend=static",
             f"--rdzv-endpoint={check_rdzv_endpoint(rdzv_endpoint)}",
         ]
+        if join_timeout is not None:
+            argv.append(f"--rdzv-conf=timeout={int(round(check_join_timeout(join_timeout)))}")
     argv += ["--max-restarts=0", f"--monitor-interval={MONITOR_INTERVAL_S}", "-m", SIDECAR_MODULE]
     for arg in sidecar_args:
         if not isinstance(arg, str) or "\x00" in arg:
@@ -139,6 +169,7 @@ def build_launch(
     base_env: Mapping[str, str] | None = None,
     python: str | None = None,
     tpu_env: Callable | None = None,
+    join_timeout: float | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) that start the sidecar's ranks on this node: `torchrun --nproc-per-node=N ... -m
     engine.tp.sidecar ...`. The process-group backend and mesh device type come from the device spec
@@ -147,7 +178,8 @@ def build_launch(
     from engine import settings
 
     argv = torchrun_argv(
-        nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, sidecar_args=sidecar_args, python=python
+        nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, sidecar_args=sidecar_args, python=python,
+        join_timeout=join_timeout,
     )
     env = sidecar_environment(
         spec, cache_dir or settings.cache_dir(), nproc=nproc, nnodes=nnodes, warm_modes=warm_modes,
@@ -168,3 +200,37 @@ def node_command(
         nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, python=python,
         sidecar_args=["--device", spec.name],
     )
+
+
+def sidecar_command(
+    spec: devices.DeviceSpec,
+    *,
+    preset: str,
+    precision: str,
+    nproc: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv: str | None = None,
+    join_timeout: float | None = None,
+    extra: Sequence[str] = (),
+    python: str = "python",
+) -> list[str]:
+    """The one command node `node_rank` runs: `python -m engine.tp.sidecar ... --node-rank K`. It carries
+    everything that node needs (preset and precision too, so its ranks can check they joined the sidecar they
+    were meant for) and never the token: only rank 0, on node 0, listens. `extra` are further flags as
+    (already validated) argv elements."""
+    check_tp_device(spec)
+    _check_counts(nproc, nnodes, node_rank)
+    argv = [python, "-m", SIDECAR_MODULE, "--preset", preset, "--device", spec.name, "--precision", precision,
+            "--tp", str(nproc)]
+    if nnodes > 1:
+        if rdzv is None:
+            raise InvalidRequest(f"{nnodes} nodes need a rendezvous endpoint HOST:PORT on node 0 (--rdzv-endpoint)")
+        argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", check_rdzv_endpoint(rdzv)]
+        if join_timeout is not None:
+            argv += ["--join-timeout", f"{check_join_timeout(join_timeout):g}"]
+    for arg in extra:
+        if not isinstance(arg, str) or "\x00" in arg:
+            raise InvalidRequest(f"sidecar argument {arg!r} is not a plain string")
+        argv.append(arg)
+    return argv

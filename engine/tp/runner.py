@@ -18,7 +18,8 @@ Consequences, by design:
   marks the bucket failed on all of them (eager keeps serving). A request that ended differently on
   different ranks, or a status check that fails because a rank is gone, leaves the group in an unknown
   state: the runner is `broken`, the request fails with EngineCrashed, and the sidecar exits so that torchrun
-  tears it down and the app restarts it.
+  tears it down and the app restarts it (a sidecar started by hand is restarted by its host). The message
+  names the rank that is gone, with its node, host and pid (engine/tp/liveness.py tells which).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ class TensorParallelRunner(PipelineRunner):
         self.group = group
         self.dump_dir = Path(dump_dir) if dump_dir else None
         self.broken: str | None = None
+        # Set by the sidecar: who_is_gone() names the ranks that stopped (liveness), restart_hint ends the
+        # message of a broken group (the app restarts a sidecar it launched; a host restarts its own).
+        self.who_is_gone = None
+        self.restart_hint = "the sidecar is going down and will be restarted, please retry"
+        self.current_request: str | None = None  # the request the ranks run now (rank 0)
         self._op_lock = threading.Lock()
         self._last_op = time.monotonic()
         self._stopped = False
@@ -153,7 +159,11 @@ class TensorParallelRunner(PipelineRunner):
                 self._run_op(TPOp(TPOpKind.WARM, bucket=request.bucket))  # compile here, on every rank, then serve
             # Never "wait" inside the operation: a rank-local wait would desynchronise the group.
             op = TPOp(TPOpKind.GENERATE, request=request.replace(on_cold=OnCold.EAGER))
-            return self._run_op(op, on_step=on_step, cancel=cancel)
+            self.current_request = request.request_id
+            try:
+                return self._run_op(op, on_step=on_step, cancel=cancel)
+            finally:
+                self.current_request = None
 
     def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
         if not self.group.leader:
@@ -175,7 +185,7 @@ class TensorParallelRunner(PipelineRunner):
         try:
             dist.broadcast_object_list([op], src=0, group=self.group.control)
         except Exception as exc:
-            self._break(f"could not hand {op.kind!r} to the other ranks ({_first_line(exc)})")
+            self._break(f"could not hand '{op.kind}' to the other ranks ({_first_line(exc)})")
         self._last_op = time.monotonic()
 
     def stop_followers(self) -> None:
@@ -253,7 +263,7 @@ class TensorParallelRunner(PipelineRunner):
             result = self._reconcile_warm(op.bucket, statuses) or result
         elif len(set(statuses)) > 1:
             detail = "; ".join(f"rank {r}: {s[0]}{' ' + str(s[1]) if s[1] else ''}" for r, s in enumerate(statuses))
-            self._break(f"the ranks ended {kind!r} differently ({detail})")
+            self._break(f"the ranks ended '{kind}' differently ({detail})")
         if error is not None:
             raise error
         return result
@@ -290,7 +300,7 @@ class TensorParallelRunner(PipelineRunner):
         try:
             dist.all_gather_object(statuses, status, group=self.group.control)
         except Exception as exc:
-            self._break(f"a rank stopped answering during {kind!r} ({_first_line(exc)})")
+            self._break(f"a rank stopped answering during '{kind}' ({_first_line(exc)})")
         return statuses
 
     def _reconcile_warm(self, bucket: BucketKey, statuses) -> BucketInfo | None:
@@ -305,12 +315,17 @@ class TensorParallelRunner(PipelineRunner):
             raise EngineCrashed(f"tensor-parallel engine {self.config.key} is down: {self.broken}")
 
     def _break(self, reason: str):
-        self.broken = reason
+        gone = None
+        if self.who_is_gone is not None and self.broken is None:
+            try:
+                gone = self.who_is_gone()
+            except Exception as exc:  # noqa: BLE001 - naming the rank is a courtesy; the failure stands
+                log.warning("could not tell which rank is gone: %s", exc)
+        if gone:
+            reason = f"{gone} is gone ({reason})"
+        self.broken = self.broken or reason
         log.error("tensor-parallel group broken: %s", reason)
-        raise EngineCrashed(
-            f"tensor-parallel engine {self.config.key} failed: {reason}; the sidecar is going down and "
-            "will be restarted, please retry"
-        )
+        raise EngineCrashed(f"tensor-parallel engine {self.config.key} failed: {reason}; {self.restart_hint}")
 
 
 def _first_line(exc: BaseException) -> str:

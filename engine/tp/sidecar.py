@@ -1,18 +1,20 @@
-"""The tensor-parallel sidecar: `torchrun --nproc-per-node=N -m engine.tp.sidecar ...`.
+"""The tensor-parallel sidecar: one command per node, or `torchrun ... -m engine.tp.sidecar`.
 
 Under torchrun (RANK is set) every process is one rank: it joins the process group for its device, loads
-its shard, and then rank 0 serves the engine protocol of engine/worker.py on 127.0.0.1 behind an HMAC
-token (multiprocessing.connection, the token read from the 0600 file named by $SHOWCASE_TP_TOKEN_FILE),
-while the other ranks follow rank 0's operations.
+its shard, and then rank 0 serves the engine protocol of engine/worker.py behind an HMAC token
+(multiprocessing.connection; the token read from the 0600 file named by $SHOWCASE_TP_TOKEN_FILE), on
+127.0.0.1 unless the host passes `--listen`, while the other ranks follow rank 0's operations.
 
-Run without torchrun it is a by-hand launcher for debugging: it builds the torchrun command
-(engine/tp/launch.py), writes a token file, starts the ranks in the foreground and prints how to connect.
-`--print-command` only prints the argv (and, with --nnodes > 1, the command for the other nodes).
+Run without torchrun it is the launcher a host runs once per node (engine/tp/nodes.py): node 0 writes the
+token and the address file, starts its ranks and serves; every other node joins node 0's rendezvous.
+`--print-command` only prints the commands.
 
-Exit codes (each rank): `engine.protocol.RankExit` -- OK 0 clean shutdown; USAGE 2 bad arguments;
-LOAD_FAILED 3 the model failed to load on some rank (rank 0 reported it to the client as `Fatal`);
-GROUP_BROKEN 4 a rank died or the ranks disagreed (the in-flight request failed with EngineCrashed);
-ORPHANED 5 torchrun or the app went away; INJECTED_CRASH 17 (tests).
+Exit codes (each rank): `engine.protocol.RankExit` -- OK 0 clean shutdown; USAGE 2 bad arguments, or the
+nodes were started for different engines; LOAD_FAILED 3 the model failed to load on some rank (rank 0
+reported it to the client as `Fatal`); GROUP_BROKEN 4 a rank died or the ranks disagreed (the in-flight
+request failed with EngineCrashed naming the rank, node and host); ORPHANED 5 torchrun, the app or node 0
+went away; INJECTED_CRASH 17 (tests). The launcher exits with its torchrun's code, or JOIN_TIMEOUT (6)
+when the nodes did not all join in time.
 """
 
 from __future__ import annotations
@@ -21,58 +23,87 @@ import argparse
 import logging
 import os
 import pickle
-import shlex
+import queue
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
-from engine.protocol import EngineConfig, EngineOptions, Fatal, Mode, RankExit, Ready, Shutdown
-from engine.tp.tokens import new_token, write_address, write_private
+from engine.protocol import EngineConfig, EngineOptions, Fatal, Mode, RankExit, Ready, RequestFailed, Shutdown
+from engine.tp.tokens import new_token, read_token, write_address, write_private
 
 log = logging.getLogger("engine.tp.sidecar")
 
 EPILOG = """\
-how to connect (the sidecar prints this again once rank 0 listens):
-  python -m engine.tp.client ADDRESS_FILE --prompt "a red fox" --out fox.png
-or from Python:
-  from engine.tp.client import connect
-  engine = connect("ADDRESS_FILE"); engine.wait_ready(600)
-  engine.generate(GenerateRequest(...))
+--tp is the number of ranks on EACH node (torchrun's --nproc-per-node), not in all: the engine has
+--tp x --nnodes ranks, and its engine key says the total (2 nodes x 8 GPUs: tp16).
 
-examples:
+one machine:
   python -m engine.tp.sidecar --preset tiny-flux --device cpu --tp 2
-  python -m engine.tp.sidecar --preset flux2-dev --device cuda --tp 8 --precision bf16
-  python -m engine.tp.sidecar --preset flux2-dev --device cuda --tp 8 --nnodes 2 \\
-      --rdzv-endpoint 10.0.0.1:29500 --print-command      # prints the command for node 1
-  torchrun --standalone --nproc-per-node=2 -m engine.tp.sidecar --preset tiny-flux --device cpu
+several machines (run one command per node; node 0 prints the exact command for the others):
+  node 0:  python -m engine.tp.sidecar --preset flux2-dev --device cuda --precision bf16 --tp 8 \\
+               --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29500 --address-file /srv/tp/flux2.json
+  node 1:  python -m engine.tp.sidecar --preset flux2-dev --device cuda --precision bf16 --tp 8 \\
+               --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:29500
+  (10.0.0.1:29500 is node 0's address and a free port on it, reachable from every node)
+
+serve it in the app (on node 0; the token is read from the file the address file names):
+  python app.py --tp-address /srv/tp/flux2.json
+or send one request:
+  python -m engine.tp.client /srv/tp/flux2.json --prompt "a red fox" --out fox.png
+
+rank 0 listens on 127.0.0.1 only. --listen HOST opens it to the network (then --token-file is required:
+make one with `python -m engine.tp.tokens FILE` and copy it to the app's machine over a secure channel);
+keep HOST on a private network: the token authenticates, it does not encrypt. See docs/multinode.md.
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.tp.launch import JOIN_TIMEOUT_S
+    from engine.tp.liveness import NODE_TIMEOUT_S
+
     p = argparse.ArgumentParser(
         prog="python -m engine.tp.sidecar",
-        description="Tensor-parallel engine sidecar (torchrun). Without torchrun: start one by hand.",
+        description="Tensor-parallel engine sidecar (torchrun): run it once on every node; node 0 serves.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", type=Path, default=None,
                    help="pickled EngineConfig written by the app (0600); otherwise built from the flags below")
-    p.add_argument("--preset", default="tiny-flux")
+    p.add_argument("--preset", default=None, help="model preset (default tiny-flux); the same on every node")
     p.add_argument("--device", default="auto", help="cpu, cuda, xpu, neuron, tpu (or auto)")
-    p.add_argument("--precision", default="fp32")
+    p.add_argument("--precision", default=None, help="fp32 (default), tf32, bf16, fp16; the same on every node")
     p.add_argument("--warm", action="append", default=[], metavar="MODE",
                    help="warm every bucket of MODE at start (repeatable; default: none)")
-    p.add_argument("--cache-dir", type=Path, default=None)
-    p.add_argument("--tp", type=int, default=2, help="ranks per node (launcher mode)")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT on node 0, for --nnodes > 1")
-    p.add_argument("--print-command", action="store_true", help="print the torchrun argv and exit")
-    p.add_argument("--port", type=int, default=0, help="rank 0's loopback port (default: a free one)")
-    p.add_argument("--address-file", type=Path, default=None, help="rank 0 writes {host, port, token_file} here")
+    p.add_argument("--cache-dir", type=Path, default=None, help="this node's cache folder (models, compiles)")
+    p.add_argument("--tp", type=int, default=2,
+                   help="ranks on EACH node (torchrun --nproc-per-node), not in all: the engine has "
+                        "--tp x --nnodes ranks (default 2)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines the engine spans (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's place, 0 .. nnodes-1; node 0 serves, the others join it (default 0)")
+    p.add_argument("--rdzv-endpoint", default=None,
+                   help="HOST:PORT on node 0 that every node reaches, for --nnodes > 1 (the same on every node)")
+    p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_S, metavar="SECONDS",
+                   help=f"how long node 0 waits for the other nodes to join, and they for node 0 "
+                        f"(default {JOIN_TIMEOUT_S} s)")
+    p.add_argument("--node-timeout", type=float, default=NODE_TIMEOUT_S, metavar="SECONDS",
+                   help=f"a rank silent (no heartbeat) this long is declared gone: the request in flight fails "
+                        f"naming its node and the sidecar stops (default {NODE_TIMEOUT_S:g} s)")
+    p.add_argument("--print-command", action="store_true", help="print the commands and exit")
+    p.add_argument("--listen", default=None, metavar="HOST",
+                   help="node 0: the interface rank 0 listens on (default 127.0.0.1, this machine only); "
+                        "needs --token-file; keep it on a private network")
+    p.add_argument("--port", type=int, default=0, help="rank 0's port (default: a free one)")
+    p.add_argument("--address-file", type=Path, default=None,
+                   help="node 0: rank 0 writes {host, port, token_file, ...} here (0600; the token is in a "
+                        "separate 0600 file next to it); app.py --tp-address reads it")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help="node 0: a long-lived token (0600, made with python -m engine.tp.tokens FILE) instead of "
+                        "a new one per launch; required with --listen")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the app) is gone")
     p.add_argument("--dist-timeout", type=float, default=None, help="collective timeout in seconds")
     p.add_argument("--dump-dir", type=Path, default=None,
@@ -94,15 +125,13 @@ def config_from_args(args, world_size: int) -> EngineConfig:
 
         cache = args.cache_dir or settings.cache_dir()
         catalog = Catalog()
-        key = catalog.make_key(args.preset, args.device, args.precision, max(world_size, 2))
+        key = catalog.make_key(args.preset or "tiny-flux", args.device, args.precision or "fp32", max(world_size, 2))
         warm_modes = tuple(Mode.parse(m, "mode") for m in args.warm)
         options = EngineOptions(warm_modes=warm_modes, warm_sizes=None if warm_modes else ())
         config = catalog.config(key, options, cache)
     if not isinstance(config, EngineConfig):
         raise SystemExit(f"{args.config} does not hold an EngineConfig")
     if config.key.tp != world_size:
-        from dataclasses import replace
-
         config = replace(config, key=replace(config.key, tp=world_size))
     return config
 
@@ -115,50 +144,134 @@ def _read_token() -> tuple[bytes, Path]:
 
     path = os.environ.get(TOKEN_FILE_VAR)
     if path:
-        return Path(path).read_bytes(), Path(path)
+        return read_token(Path(path), private=False), Path(path)
     # Started with torchrun by hand: make a token, readable by this user only.
     folder = Path(tempfile.mkdtemp(prefix="showcase-tp-"))
     token_path = write_private(folder / "token", new_token())
     return token_path.read_bytes(), token_path
 
 
-def _listen(port: int, address_file: Path | None, parent_pid: int | None = None):
-    """Bind rank 0's socket before loading, so the client can connect (and see a load failure) early."""
-    from multiprocessing.connection import Listener
-
-    token, token_path = _read_token()
-    listener = Listener(("127.0.0.1", port), authkey=token)
-    if parent_pid:  # launched by the app, which keeps the token in memory: none left on disk
-        token_path.unlink(missing_ok=True)
-    host, bound = listener.address
-    if address_file is None:
-        address_file = token_path.with_name("address.json")
-    write_address(Path(address_file), host, bound, token_path)
-    if parent_pid:
-        print(f"[tp sidecar] rank 0 listening on {host}:{bound} for the app (pid {parent_pid})", flush=True)
-    else:
-        print(f"[tp sidecar] rank 0 listening on {host}:{bound} (HMAC token in {token_path}); connect with:\n"
-              f"  python -m engine.tp.client {address_file} --prompt 'a red fox' --out out.png", flush=True)
-    return listener
+def _describe_peer(peer) -> str:
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
 
 
-def _accept(listener, box: list, done: threading.Event, only_one: bool = False) -> None:
-    """Accept the next client that knows the token. `only_one` (launched by the app): then close the
-    socket, so any later connection is refused outright instead of waiting in the backlog."""
-    from multiprocessing import AuthenticationError
+class _Rank0Server:
+    """Rank 0's socket: bound before loading (so a client sees a load failure early). One app at a time: a
+    second one is answered at once with EngineBusy saying who is attached (never left in the listen
+    backlog); started by the app itself (--parent-pid), the socket closes after its one client."""
 
-    while True:
+    def __init__(self, args, config: EngineConfig):
+        from multiprocessing.connection import Listener
+
+        from engine.tp.launch import check_listen_host
+
+        self.token, token_path = _read_token()
+        host = check_listen_host(args.listen) if args.listen else "127.0.0.1"
+        self.listener = Listener((host, args.port))  # no authkey here: wire.authenticate_incoming, with a deadline
+        self.only_one = args.parent_pid is not None
+        if self.only_one:  # launched by the app, which keeps the token in memory: none left on disk
+            token_path.unlink(missing_ok=True)
+        bound_host, self.port = self.listener.address
+        self.host = socket.gethostname() if bound_host in ("0.0.0.0", "") else bound_host
+        address_file = Path(args.address_file) if args.address_file else token_path.with_name("address.json")
+        write_address(address_file, self.host, self.port, token_path,
+                      engine={**config.key.as_dict(), "precision": str(config.key.precision)})
+        self._clients: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._current: str | None = None  # who is being served (peer and since when)
+        self._queued = False
+        if self.only_one:
+            print(f"[tp sidecar] rank 0 listening on {self.host}:{self.port} for the app (pid {args.parent_pid})",
+                  flush=True)
+        else:
+            print(f"[tp sidecar] rank 0 listening on {self.host}:{self.port} (address file {address_file}, "
+                  f"HMAC token in {token_path}); serve it with:\n  python app.py --tp-address {address_file}\n"
+                  f"or send one request:\n  python -m engine.tp.client {address_file} --prompt 'a red fox' "
+                  "--out out.png", flush=True)
+        threading.Thread(target=self._accept_forever, name="tp-accept", daemon=True).start()
+
+    def _accept_forever(self) -> None:
+        from multiprocessing import AuthenticationError
+
+        from engine.errors import EngineBusy
+        from engine.tp.wire import authenticate_incoming
+
+        while True:
+            try:
+                conn = self.listener.accept()
+                peer = _describe_peer(self.listener.last_accepted)
+            except OSError as exc:
+                if not self.only_one:
+                    log.error("listener failed: %s", exc)
+                    self._clients.put(None)
+                return
+            try:
+                authenticate_incoming(conn, self.token)
+            except AuthenticationError:
+                log.warning("refused a connection from %s with a wrong token", peer)
+                conn.close()
+                continue
+            except (OSError, EOFError) as exc:
+                log.warning("dropped a connection from %s that did not authenticate: %s", peer, exc)
+                conn.close()
+                continue
+            with self._lock:
+                busy = self._current if self._current is not None else ("a client" if self._queued else None)
+                if busy is None:
+                    self._queued = True
+                    self._clients.put((conn, peer))
+            if busy is not None:
+                log.warning("refused %s: already serving %s", peer, busy)
+                try:
+                    conn.send(Fatal(EngineBusy(
+                        f"the tensor-parallel sidecar at {self.host}:{self.port} already serves an app ({busy}); it "
+                        "serves one app at a time: stop or disconnect that app first, or start another sidecar")))
+                except OSError:
+                    pass
+                conn.close()
+                continue
+            if self.only_one:
+                self.listener.close()  # any later connection is refused outright
+                return
+
+    def wait_client(self, timeout: float | None = None):
         try:
-            box.append(listener.accept())
-            if only_one:
-                listener.close()
-            break
-        except AuthenticationError:
-            log.warning("refused a connection with a wrong token")
-        except OSError as exc:
-            log.error("listener failed: %s", exc)
-            break
-    done.set()
+            item = self._clients.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is None:
+            return None
+        conn, peer = item
+        with self._lock:
+            self._queued = False
+            self._current = f"connected from {peer} since {time.strftime('%H:%M:%S')}"
+        return _TrackedConnection(conn)
+
+    def release(self) -> None:
+        with self._lock:
+            self._current = None
+
+    def close(self) -> None:
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
 
 
 def _exit(code: int) -> None:
@@ -168,41 +281,20 @@ def _exit(code: int) -> None:
     os._exit(code)  # inductor's compile workers and daemon threads must not keep a rank alive
 
 
-class _Rank0Server:
-    """Rank 0's socket: bound before loading (so a client sees a load failure early), one client at a time."""
-
-    def __init__(self, args):
-        self.listener = _listen(args.port, args.address_file, args.parent_pid)
-        self.conn_box: list = []
-        self.connected = threading.Event()
-        # Started by the app (--parent-pid): one client, then the socket closes (later connections are refused).
-        self.accept_next(only_one=args.parent_pid is not None)
-
-    def accept_next(self, only_one: bool = False) -> None:
-        self.connected.clear()
-        threading.Thread(target=_accept, args=(self.listener, self.conn_box, self.connected, only_one),
-                         daemon=True).start()
-
-    def wait_client(self, timeout: float | None = None):
-        if self.connected.wait(timeout) and self.conn_box:
-            return _TrackedConnection(self.conn_box.pop())
-        return None
-
-
 def _make_sidecar_loop(runner, conn, max_queue: int):
     from engine.worker import WorkerLoop
 
     class SidecarLoop(WorkerLoop):
         """WorkerLoop on rank 0; stops serving as soon as the group is broken."""
 
-        def _halt(self) -> None:
+        def halt(self) -> None:
             self._stop.set()
             self._requests.put(None)
 
         def _serve_one(self, request) -> None:
             super()._serve_one(request)
             if runner.broken:
-                self._halt()
+                self.halt()
 
         def _warm_forever(self) -> None:
             try:
@@ -210,28 +302,78 @@ def _make_sidecar_loop(runner, conn, max_queue: int):
             except Exception as exc:
                 log.error("warm-up stopped: %s", exc)
                 if runner.broken:
-                    self._halt()
+                    self.halt()
 
     return SidecarLoop(conn, runner, max_queue=max_queue)
 
 
-def _load_on_every_rank(config, group, rank: int, world: int, dump_dir, box: list):
-    """Load this rank's shard; gather every rank's outcome. Returns (runner, error, ranks)."""
+def _node_claims(args, config: EngineConfig, lead: dict) -> str | None:
+    """On every rank: was this node started for the engine node 0 serves? (preset, precision, device, ranks
+    per node). The launcher passes them; a rank started by hand or by the app's node command may not."""
+    from engine.protocol import Precision
+
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    if node == 0:
+        return None
+    me = f"node {node} (host {socket.gethostname()})"
+    key = config.key
+    if args.preset is not None and args.preset not in (key.preset, config.preset.name, config.preset.source):
+        return f"{me} was started with --preset {args.preset} but node 0 serves {key.preset}"
+    if args.precision is not None:
+        try:
+            mine = str(Precision.parse(args.precision, "precision"))
+        except Exception:  # noqa: BLE001
+            mine = args.precision
+        if mine != str(key.precision):
+            return f"{me} was started with --precision {mine} but node 0 serves {key.precision}"
+    from engine import devices
+
+    try:
+        mine = devices.get_device(args.device).name if args.device != "auto" else key.device
+    except Exception:  # noqa: BLE001
+        mine = args.device
+    if mine != key.device:
+        return f"{me} was started with --device {mine} but node 0 serves on {key.device}"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if lead.get("local_world") is not None and local != lead["local_world"]:
+        return f"{me} runs {local} ranks but node 0 runs {lead['local_world']}: give every node the same --tp"
+    return None
+
+
+def _check_nodes(args, config, lead: dict, group) -> str | None:
+    """Every rank learns whether any node was started for another engine, before anything loads."""
     import torch.distributed as dist
 
-    from engine.errors import ShowcaseError
+    problem = _node_claims(args, config, lead)
+    problems = [None] * group.world_size
+    dist.all_gather_object(problems, problem, group=group.control)
+    found = next((p for p in problems if p), None)
+    return None if found is None else f"{found}: start every node with the same --preset, --precision, --device and --tp"
+
+
+def _load_on_every_rank(config, group, rank: int, world: int, dump_dir, box: list, refused: str | None = None):
+    """Load this rank's shard (unless the nodes disagree); gather every rank's outcome and whereabouts.
+    Returns (runner, error, ranks)."""
+    import torch.distributed as dist
+
+    from engine.errors import InvalidRequest, ShowcaseError
     from engine.protocol import BucketChanged
     from engine.tp.runner import TensorParallelRunner
 
     runner, error = None, None
-    try:
-        runner = TensorParallelRunner(config, group, listener=lambda info: box and box[0].send(BucketChanged(info)),
-                                      dump_dir=dump_dir)
-        runner.load()
-    except Exception as exc:
-        log.exception("load failed")
-        error = exc
-    me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(group.device),
+    if refused:
+        error = InvalidRequest(refused)
+    else:
+        try:
+            runner = TensorParallelRunner(config, group,
+                                          listener=lambda info: box and box[0].send(BucketChanged(info)),
+                                          dump_dir=dump_dir)
+            runner.load()
+        except Exception as exc:
+            log.exception("load failed")
+            error = exc
+    me = {"rank": rank, "node": int(os.environ.get("GROUP_RANK", "0")), "host": socket.gethostname(),
+          "pid": os.getpid(), "device": str(group.device),
           "error": None if error is None else (str(error) if isinstance(error, ShowcaseError)
                                                else f"{type(error).__name__}: {error}")}
     ranks = [None] * world
@@ -239,12 +381,17 @@ def _load_on_every_rank(config, group, rank: int, world: int, dump_dir, box: lis
     return runner, error, ranks
 
 
-def _report_load_failure(server: _Rank0Server, error, ranks, config, from_app: bool) -> None:
-    from engine.errors import ModelLoadError, ShowcaseError
+def _report_load_failure(server: _Rank0Server, error, ranks, config, from_app: bool, refused: str | None) -> None:
+    from engine.errors import InvalidRequest, ModelLoadError, ShowcaseError
 
     first = next(r for r in ranks if r["error"])
-    err = error if (isinstance(error, ShowcaseError) and first["rank"] == 0) else ModelLoadError(
-        f"rank {first['rank']} of {len(ranks)} could not load {config.key}: {first['error']}")
+    if refused:
+        err = InvalidRequest(refused)
+    elif isinstance(error, ShowcaseError) and first["rank"] == 0:
+        err = error
+    else:
+        err = ModelLoadError(f"rank {first['rank']} of {len(ranks)} (node {first.get('node', 0)}, host "
+                             f"{first.get('host')}) could not load {config.key}: {first['error']}")
     print(f"[tp sidecar] load failed: {err}", file=sys.stderr, flush=True)
     # The app's client connects as soon as rank 0 listens; by hand, nobody may be connected yet.
     conn = server.wait_client(timeout=30 if from_app else 0.5)
@@ -255,7 +402,59 @@ def _report_load_failure(server: _Rank0Server, error, ranks, config, from_app: b
             conn.close()
 
 
-def _serve(server: _Rank0Server, runner, config, ranks, spec, from_app: bool, box: list) -> RankExit:
+class _Guard:
+    """Rank 0 going down on its own: a rank stopped beating (liveness), or the group broke while idle (a
+    failed heartbeat operation). Tells the client (the request in flight fails naming the node; `Fatal`
+    puts the reason on the app's board) and exits, so torchrun and the other nodes follow."""
+
+    def __init__(self, runner, box: list, ranks: list):
+        self.runner = runner
+        self.box = box
+        self.ranks = ranks
+        self._once = threading.Lock()
+
+    def error(self, reason: str):
+        from engine.errors import EngineCrashed
+
+        return EngineCrashed(f"tensor-parallel engine {self.runner.config.key} failed: {reason}; "
+                             f"{self.runner.restart_hint}")
+
+    def go_down(self, reason: str) -> None:
+        if not self._once.acquire(blocking=False):
+            return
+        self.runner.broken = self.runner.broken or reason
+        err = self.error(reason)
+        loop = self.box[0] if self.box else None
+        if loop is not None:
+            request_id = self.runner.current_request
+            if request_id:
+                loop.send(RequestFailed(request_id, err))
+            loop.send(Fatal(err))
+        print(f"[tp sidecar] group broken: {reason}", file=sys.stderr, flush=True)
+        _exit(RankExit.GROUP_BROKEN)
+
+    def on_silent(self, silent: list[int], seconds: float) -> None:
+        from engine.tp.liveness import describe_rank
+
+        names = ", ".join(describe_rank(self.ranks, r) for r in silent)
+        self.go_down(f"{names} sent no heartbeat for {seconds:.0f} s (--node-timeout)")
+
+    def watch_idle_breaks(self) -> None:
+        def run() -> None:
+            since = None
+            while True:
+                time.sleep(1.0)
+                if self.runner.broken and not self.runner._op_lock.locked():
+                    since = since or time.monotonic()
+                    if time.monotonic() - since > 2.0:  # the serve loop did not take it down itself
+                        self.go_down(self.runner.broken)
+                else:
+                    since = None
+
+        threading.Thread(target=run, name="tp-broken-guard", daemon=True).start()
+
+
+def _serve(server: _Rank0Server, runner, config, ranks, spec, from_app: bool, box: list, guard: _Guard) -> RankExit:
     """Serve clients until shutdown; by hand, a client that disconnects without asking for shutdown is
     followed by the next one. Returns how the rank exits."""
     from engine.protocol import EngineReady
@@ -276,56 +475,107 @@ def _serve(server: _Rank0Server, runner, config, ranks, spec, from_app: bool, bo
             loop.queue_startup_warm()
             first_client = False
         loop.run()
-        conn.close()
         if runner.broken:
+            print(f"[tp sidecar] group broken: {runner.broken}", file=sys.stderr, flush=True)
+            loop.send(Fatal(guard.error(runner.broken)))  # the board shows why, not just "connection closed"
+            conn.close()
             return RankExit.GROUP_BROKEN
+        conn.close()
+        server.release()
         if conn.shutdown_requested or from_app:
             return RankExit.OK
         print("[tp sidecar] client disconnected; waiting for the next one", flush=True)
-        server.accept_next()
 
 
 def rank_main(args) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    node = int(os.environ.get("GROUP_RANK", "0"))
     logging.basicConfig(level=logging.INFO if args.verbose else os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"),
-                        format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
+                        format=f"[tp rank {rank} node {node}] %(levelname)s %(name)s: %(message)s")
     from engine.tp.group import watch_parents
 
     watch_parents(args.parent_pid)
 
     import torch.distributed as dist
 
-    from engine import devices
+    from engine import devices, settings
     from engine.tp.group import init_group
     from engine.tp.launch import dist_timeout_s
+    from engine.tp.liveness import Liveness
 
     server, config = None, None
     if rank == 0:
         config = config_from_args(args, world)
-        server = _Rank0Server(args)
+        server = _Rank0Server(args, config)
         device = config.key.device
     else:
         device = args.device  # the launcher passes the config's device to every rank
     spec = devices.resolve_device(device)
     group = init_group(spec, args.dist_timeout or dist_timeout_s(spec))
-    shared = [config]
-    dist.broadcast_object_list(shared, src=0, group=group.control)  # nodes >= 1 get rank 0's config
-    config = shared[0]
+    liveness = Liveness(rank, world, args.node_timeout)
+
+    def node_0_gone(seconds: float) -> None:
+        print(f"[tp sidecar] node {node} rank {rank}: node 0's rendezvous store "
+              f"({os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}) has been unreachable for "
+              f"{seconds:.0f} s: node 0 is gone; this rank exits", file=sys.stderr, flush=True)
+        _exit(RankExit.ORPHANED)
+
+    liveness.start(on_store_lost=None if rank == 0 else node_0_gone)
+    shared = [config, {"local_world": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}]
+    dist.broadcast_object_list(shared, src=0, group=group.control)  # other nodes get rank 0's config
+    config, lead = shared
+    if node != 0:  # each machine has its own disk: models and compile caches come from this node's cache
+        config = replace(config, cache_dir=str(args.cache_dir or settings.cache_dir()))
+    refused = _check_nodes(args, config, lead, group)
 
     loop_box: list = []  # rank 0's current WorkerLoop: bucket changes go to its client
-    runner, error, ranks = _load_on_every_rank(config, group, rank, world, args.dump_dir, loop_box)
+    runner, error, ranks = _load_on_every_rank(config, group, rank, world, args.dump_dir, loop_box, refused)
     failed = any(r["error"] for r in ranks)
     if rank != 0:
-        _exit(RankExit.LOAD_FAILED if failed else runner.follow())
+        if failed:
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node: this node's launcher explains it
+                first = next(r for r in ranks if r["error"])
+                print(f"[tp sidecar] load failed: {refused or first['error']} (rank {first['rank']}, node "
+                      f"{first.get('node')}, host {first.get('host')})", file=sys.stderr, flush=True)
+            _exit(RankExit.USAGE if refused else RankExit.LOAD_FAILED)
+        print(f"[tp sidecar] node {node} rank {rank}: loaded; following rank 0 (node 0, host {ranks[0]['host']})",
+              flush=True)
+        code = runner.follow()
+        if code is RankExit.GROUP_BROKEN:
+            print(f"[tp sidecar] group broken: node {node} rank {rank} lost rank 0 (node 0, host {ranks[0]['host']}): "
+                  f"{runner.broken or 'node 0 stopped or cannot be reached'}", file=sys.stderr, flush=True)
+        _exit(code)
     from_app = args.parent_pid is not None
     if failed:
-        _report_load_failure(server, error, ranks, config, from_app)
-        _exit(RankExit.LOAD_FAILED)
-    code = _serve(server, runner, config, ranks, spec, from_app, loop_box)
+        _report_load_failure(server, error, ranks, config, from_app, refused)
+        _exit(RankExit.USAGE if refused else RankExit.LOAD_FAILED)
+    from engine.tp.liveness import describe_rank
+
+
+    def who_is_gone() -> str | None:
+        # Ranks on node 0 run next to rank 0: their process says it at once (torchrun on this node tears the
+        # group down within a fraction of a second, too soon for heartbeats). Other nodes: their heartbeats.
+        gone = [r["rank"] for r in ranks if r["node"] == 0 and r["rank"] != 0 and not _pid_alive(r["pid"])]
+        gone = gone or liveness.silent_ranks()
+        return ", ".join(describe_rank(ranks, r) for r in gone) or None
+
+    runner.who_is_gone = who_is_gone
+    if not from_app:
+        runner.restart_hint = ("the sidecar stops: restart it on every node (an app attached with --tp-address "
+                               "re-attaches by itself), then retry")
+    guard = _Guard(runner, loop_box, ranks)
+    if world > 1:
+        liveness.watch(guard.on_silent)
+    guard.watch_idle_breaks()
+    nodes = sorted({r["node"] for r in ranks})
+    print(f"[tp sidecar] loaded {config.key} on {world} ranks over {len(nodes)} node(s): "
+          + ", ".join(describe_rank(ranks, r["rank"]) for r in ranks), flush=True)
+    code = _serve(server, runner, config, ranks, spec, from_app, loop_box, guard)
     if code is not RankExit.OK:
         _exit(code)
-    server.listener.close()
+    server.close()
     runner.stop_followers()
+    liveness.stop()
     try:
         dist.destroy_process_group()
     except Exception:
@@ -353,53 +603,6 @@ class _TrackedConnection:
         self._conn.close()
 
 
-# --------------------------------------------------------------------------------------------------
-# by-hand launcher
-# --------------------------------------------------------------------------------------------------
-def launcher_main(args) -> int:
-    from engine import devices, settings
-    from engine.errors import ShowcaseError
-    from engine.tp.launch import TOKEN_FILE_VAR, build_launch, node_command
-
-    try:
-        cache = args.cache_dir or settings.cache_dir()
-        spec = devices.get_device(args.device) if args.print_command else devices.resolve_device(args.device)
-        sidecar_args = ["--device", spec.name, "--preset", args.preset, "--precision", args.precision,
-                        "--cache-dir", str(cache)]
-        folder = None
-        if not args.print_command:  # printed commands: rank 0 makes its own token and address file
-            folder = Path(tempfile.mkdtemp(prefix="showcase-tp-"))
-            sidecar_args += ["--address-file", str(folder / "address.json")]
-        for mode in args.warm:
-            sidecar_args += ["--warm", mode]
-        if args.dump_dir:
-            sidecar_args += ["--dump-dir", str(args.dump_dir)]
-        if args.dist_timeout:
-            sidecar_args += ["--dist-timeout", str(args.dist_timeout)]
-        argv, env = build_launch(spec, args.tp, args.nnodes, args.rdzv_endpoint, cache_dir=cache,
-                                 sidecar_args=sidecar_args, warm_modes=args.warm)
-    except ShowcaseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return RankExit.USAGE
-    print("node 0 (this machine, rank 0):\n  " + shlex.join(argv))
-    for node in range(1, args.nnodes):
-        other = node_command(spec, args.tp, args.nnodes, args.rdzv_endpoint, node, python="python")
-        print(f"node {node}:\n  " + shlex.join(other))
-    if args.print_command:
-        return RankExit.OK
-    token_path = write_private(folder / "token", new_token())
-    env[TOKEN_FILE_VAR] = str(token_path)
-    proc = subprocess.Popen(argv, env=env)  # foreground: Ctrl-C reaches torchrun, which stops the ranks
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait()
-    finally:
-        for name in ("token", "address.json"):
-            (folder / name).unlink(missing_ok=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if under_torchrun():
@@ -407,8 +610,13 @@ def main(argv: list[str] | None = None) -> int:
         return RankExit.OK  # not reached: rank_main exits
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    return launcher_main(args)
+    from engine.tp.nodes import launcher_main
+
+    return launcher_main(args, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)  # torch's interpreter teardown took seconds here; the launcher is done

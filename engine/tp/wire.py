@@ -1,0 +1,81 @@
+"""Rank 0's socket: HMAC-authenticated multiprocessing connections, with deadlines and keepalive.
+
+Why not `Listener(authkey=...)` / `Client(authkey=...)` as they are: both authenticate with blocking reads
+and no deadline, so one peer that connects and says nothing stalls rank 0's accept loop for good (every
+later client then hangs too), and a client dialling a socket nobody accepts on waits forever. Here the
+handshake (multiprocessing's own challenge/response, the same bytes as Listener/Client) runs with a
+receive/send timeout on the socket, which is then lifted; TCP keepalive makes a peer whose machine
+vanished show up as a closed connection within about a minute instead of never.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+HANDSHAKE_S = 10.0
+
+
+def _sock_of(conn: Connection) -> socket.socket:
+    return socket.socket(fileno=os.dup(conn.fileno()))  # a second handle on the same socket, for options
+
+
+def set_io_timeout(conn: Connection, seconds: float) -> None:
+    """Receive and send timeout of the socket under `conn` (0: none). A blocking read past it raises OSError."""
+    whole = int(seconds)
+    tv = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
+    with _sock_of(conn) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def keepalive(conn: Connection, idle_s: int = 30, interval_s: int = 10, count: int = 3) -> None:
+    with _sock_of(conn) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", count)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def hang_up(conn: Connection) -> None:
+    """Close so that the peer sees it now: a plain close() while another thread of this process is blocked
+    reading the same socket sends nothing until that read returns (Linux), so shut the socket down first."""
+    try:
+        with _sock_of(conn) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        conn.close()
+    except OSError:
+        pass
+
+
+def authenticate_incoming(conn: Connection, token: bytes, timeout_s: float = HANDSHAKE_S) -> None:
+    """Server side (what Listener.accept does), within `timeout_s`. Raises AuthenticationError (wrong
+    token) or OSError/EOFError (silent or gone peer)."""
+    set_io_timeout(conn, timeout_s)
+    deliver_challenge(conn, token)
+    answer_challenge(conn, token)
+    set_io_timeout(conn, 0)
+    keepalive(conn)
+
+
+def dial(host: str, port: int, token: bytes, timeout_s: float = HANDSHAKE_S) -> Connection:
+    """Client side (what multiprocessing.connection.Client does), connect and handshake within `timeout_s`.
+    Raises ConnectionRefusedError, AuthenticationError, TimeoutError/OSError."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    sock.settimeout(None)  # a Connection needs a blocking socket; the deadline comes from the socket options
+    conn = Connection(sock.detach())
+    try:
+        set_io_timeout(conn, timeout_s)
+        answer_challenge(conn, token)
+        deliver_challenge(conn, token)
+        set_io_timeout(conn, 0)
+        keepalive(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
