@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from gradio_client.exceptions import AuthenticationError
 from helpers import free_port, launch_demo
 from PIL import Image
 
+from engine.errors import Cancelled
 from ui.handlers import UIDefaults
 
 GOOD = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32",
@@ -69,6 +71,34 @@ def test_generate_streams_progress_and_cancel_stops_it(client):
     image, timings = job.result(timeout=60)
     assert image is None and timings["cancelled"] is True
     assert len(timings["timings"]["step_ms"]) < 80
+
+
+def test_job_cancel_stops_the_engine_request_between_steps(client, manager, monkeypatch):
+    """gradio_client's own job.cancel(): Gradio closes the handler, which cancels the engine request."""
+    outcomes, real = [], manager.generate
+
+    def spy(**kwargs):  # how each engine request the UI makes ends
+        try:
+            outcomes.append(real(**kwargs))
+        except Exception as exc:
+            outcomes.append(exc)
+            raise
+        return outcomes[-1]
+
+    monkeypatch.setattr(manager, "generate", spy)
+    job = client.submit(**{**GOOD, "steps": 200}, api_name="/generate")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not ((p := job.status().progress_data) and p[0].index):
+        time.sleep(0.05)
+    cancelled_at = time.monotonic()
+    job.cancel()
+    while not outcomes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert isinstance(outcomes[0], Cancelled), outcomes
+    assert int(re.search(r"after step (\d+) of 200", str(outcomes[0])).group(1)) < 200
+    print(f"job.cancel(): the engine request ended {time.monotonic() - cancelled_at:.2f} s later")
+    _, timings = client.predict(**GOOD, api_name="/generate")  # the engine keeps serving
+    assert len(timings["timings"]["step_ms"]) == 3
 
 
 def test_no_files_are_served_beyond_the_outputs(app_url):

@@ -7,12 +7,14 @@ generate, switch bucket, warm a bucket on the board, compare. Screenshots land i
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from helpers import launch_demo
 
+from engine.errors import Cancelled
 from ui.handlers import UIDefaults
 
 pytestmark = pytest.mark.browser
@@ -111,6 +113,39 @@ def test_generate_shows_the_image_and_one_plot_point_per_step(page):
     assert stats["total"].endswith("ms")
 
 
+def spy_on_generate(manager, monkeypatch) -> tuple[list, threading.Event]:
+    """How each engine request the UI makes ends (result or exception), and an event set once the first
+    one is submitted to its engine."""
+    outcomes, submitted, real = [], threading.Event(), manager.generate
+
+    def spy(on_submit=None, **kwargs):
+        def submit(request_id):
+            on_submit(request_id)
+            submitted.set()
+
+        try:
+            outcomes.append(real(on_submit=submit, **kwargs))
+        except Exception as exc:
+            outcomes.append(exc)
+            raise
+        return outcomes[-1]
+
+    monkeypatch.setattr(manager, "generate", spy)
+    return outcomes, submitted
+
+
+def stopped_early(outcomes: list, steps: int, timeout: float = 60) -> str:
+    """The first engine request's end: Cancelled before its last step (its message is returned)."""
+    deadline = time.monotonic() + timeout
+    while not outcomes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert outcomes and isinstance(outcomes[0], Cancelled), outcomes
+    message = str(outcomes[0])
+    ran = re.search(rf"after step (\d+) of {steps}", message)
+    assert "before it started" in message or (ran and int(ran.group(1)) < steps), message
+    return message
+
+
 def test_switching_bucket_generates_at_that_size(page):
     choose(page, "size", "128x128")
     page.click("#generate-btn")
@@ -124,6 +159,33 @@ def test_switching_bucket_generates_at_that_size(page):
     labels = page.eval_on_selector_all("#size [role=option]", "os => os.map(o => o.getAttribute('aria-label'))")
     page.keyboard.press("Escape")
     assert len(labels) == 4 and all(re.match(r"^\d+x\d+ · (cold|queued|compiling|warm|failed)$", s) for s in labels)
+
+
+def test_cancel_stops_the_run_between_steps(page, manager, monkeypatch):
+    """The Cancel button (Gradio's cancels=) closes the handler, which cancels the engine request.
+
+    Clicked as soon as the request reaches its engine, at 128x128 (the bucket picked above): a tiny
+    model steps so fast that, later in a run, the page's progress updates can keep a headless browser
+    on a busy machine from taking the click before the run is over.
+    """
+    outcomes, submitted = spy_on_generate(manager, monkeypatch)
+    steps = page.locator("#steps input[type=number]")
+    steps.fill("200")
+    steps.press("Enter")
+    page.click("#generate-btn")
+    assert submitted.wait(120)
+    clicked = time.monotonic()
+    page.click("#cancel-btn")
+    message = stopped_early(outcomes, 200)
+    print(f"Cancel: the engine request ended {time.monotonic() - clicked:.2f} s after the click: {message}")
+    # The page shows the run cancelled: a toast, no image, the stats of what ran without a progress row.
+    page.locator("[data-testid='toast-body']", has_text="Cancelled").first.wait_for()
+    page.wait_for_function("document.querySelector('#stats').innerText.includes('denoise')")
+    assert "progress" not in page.inner_text("#stats")
+    assert page.locator("#output-image img").count() == 0
+    close_toasts(page)
+    steps.fill("5")
+    steps.press("Enter")
 
 
 def test_an_unavailable_device_is_refused_with_its_reason(page):
@@ -192,6 +254,61 @@ def test_compare_shows_latencies_speedups_and_images_side_by_side(page):
     assert costs["cpu/fp32/regional"][1] == "warm" and float(costs["cpu/fp32/regional"][2]) > 0
     close_toasts(page)
     page.screenshot(path=str(ARTIFACTS / "ui_compare.png"), full_page=True)
+
+
+def test_compare_cancel_stops_the_comparison(page, manager, monkeypatch):
+    """Cancel while the first configuration's request waits in its engine's queue: it never runs, nor
+    does the second configuration, and the page shows both cancelled.
+
+    Requests that are not the page's keep the engine busy until the page's request is cancelled, so the
+    test does not depend on how fast a headless browser on a busy machine takes the click.
+    """
+    blockers: list[str] = []
+    cancelled: list[str] = []
+    real_cancel = manager.cancel
+
+    def occupy_the_engine():
+        try:
+            manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="128x128", steps=200,
+                             prompt="a busy engine", on_submit=blockers.append)
+        except Cancelled:
+            pass
+
+    busy = [threading.Thread(target=occupy_the_engine, daemon=True) for _ in range(3)]
+    for thread in busy:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while len(blockers) < len(busy) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert len(blockers) == len(busy), "the engine never took the blocking requests"
+        monkeypatch.setattr(manager, "cancel", lambda request_id: cancelled.append(request_id) or
+                            real_cancel(request_id))
+        outcomes, submitted = spy_on_generate(manager, monkeypatch)
+        steps = page.locator("#c-steps input[type=number]")
+        steps.fill("200")
+        steps.press("Enter")
+        page.click("#compare-btn")
+        assert submitted.wait(60)  # the first configuration's request is queued behind the blockers
+        page.click("#c-cancel-btn")
+        while not cancelled and time.monotonic() < deadline + 60:  # Gradio closed the handler
+            time.sleep(0.05)
+        assert cancelled, "the Cancel button did not stop the comparison"
+    finally:
+        for request_id in blockers:
+            real_cancel(request_id)
+        for thread in busy:
+            thread.join(60)
+    assert "before it started" in stopped_early(outcomes, 200)
+    page.locator("[data-testid='toast-body']", has_text="Cancelled").first.wait_for()
+    page.wait_for_function(
+        "document.querySelector('#c-costs').innerText.includes('cancelled before it started')")
+    costs = {r[0]: r[-1] for r in table_rows(page, "c-costs")}
+    assert costs == {"cpu/fp32/eager": "cancelled", "cpu/fp32/regional": "cancelled before it started"}
+    assert len(outcomes) == 1  # the second configuration never reached the engine
+    close_toasts(page)
+    steps.fill("4")
+    steps.press("Enter")
 
 
 def test_system_tab_shows_devices_and_no_secrets(page):

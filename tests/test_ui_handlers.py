@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from types import SimpleNamespace
 
 import gradio as gr
 import pytest
 
+from engine.errors import Cancelled, EngineCrashed
+from engine.protocol import EngineKey, StepProgress
 from ui import views
+from ui.generate import PARTIAL_EVERY_S, GenerateHandlers
 from ui.handlers import Handlers, UIDefaults
+from ui.runs import HEARTBEAT_S
 from ui.system import HIDDEN, environment_in_force, system_markdown
 
 
@@ -26,6 +32,22 @@ class RecordingProgress:
 @pytest.fixture(scope="module")
 def handlers(manager):
     return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+
+
+def spy_generate(manager, monkeypatch) -> list:
+    """How each manager.generate call ends (its result or its exception), in the order they end."""
+    outcomes, real = [], manager.generate
+
+    def spy(**kwargs):
+        try:
+            outcomes.append(real(**kwargs))
+        except Exception as exc:
+            outcomes.append(exc)
+            raise
+        return outcomes[-1]
+
+    monkeypatch.setattr(manager, "generate", spy)
+    return outcomes
 
 
 def run_generate(handlers, **overrides):
@@ -167,6 +189,112 @@ def test_cancel_stops_a_run_between_steps(handlers):
     # the engine keeps serving
     outputs, _ = run_generate(handlers, steps=1)
     assert outputs[-1][1]["cancelled"] is False
+
+
+def test_closing_the_handler_cancels_the_engine_request_between_steps(handlers, manager, monkeypatch):
+    """What Gradio does on the Cancel button (cancels=), job.cancel() or a closed tab: close the generator."""
+    outcomes = spy_generate(manager, monkeypatch)
+    gen = handlers.generate("fox", "", "tiny-flux", "cpu", "fp32", "eager", "64x64", 200, 3.5, 0, "eager",
+                            request=None, progress=RecordingProgress())
+    for _image, timings in gen:
+        if timings.get("running") and timings["timings"]["step_ms"]:
+            break  # a partial with steps: the run is stepping
+    gen.close()
+    deadline = time.monotonic() + 30
+    while not outcomes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert isinstance(outcomes[0], Cancelled), outcomes
+    assert int(re.search(r"after step (\d+) of 200", str(outcomes[0])).group(1)) < 200
+    assert handlers.runs.cancel("default") == "nothing to cancel"  # the run left the /cancel registry
+    outputs, _ = run_generate(handlers, steps=1)  # the engine keeps serving
+    assert outputs[-1][1]["cancelled"] is False
+
+
+class ScriptedManager:
+    """Stands in for EngineManager: an engine that loads until `loaded` is set, then `script` runs."""
+
+    presets: dict = {}
+
+    def __init__(self, script=None):
+        self.loaded, self.submitted = threading.Event(), threading.Event()
+        self.cancelled: list[str] = []
+        self.script = script
+
+    def make_key(self, preset, device, precision, tp=1):
+        return EngineKey(preset, device, precision, tp)
+
+    def engine(self, key):
+        return SimpleNamespace(ready=self.loaded)
+
+    def generate(self, *, on_progress, on_submit, **kwargs):
+        self.loaded.wait(30)
+        on_submit("req-1")
+        self.submitted.set()
+        if self.script:
+            return self.script(on_progress)
+        deadline = time.monotonic() + 30
+        while "req-1" not in self.cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise Cancelled("request req-1 cancelled before it started")
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+        return True
+
+
+def test_a_handler_closed_while_its_engine_loads_cancels_the_request_once_submitted():
+    manager = ScriptedManager()
+    h = GenerateHandlers(manager, UIDefaults(device="cpu"))
+    gen = h.generate("fox", "", "tiny-flux", "cpu", "fp32", "eager", "64x64", 4, 3.5, 0, request=None,
+                     progress=RecordingProgress())
+    assert next(gen)[1]["running"] is True  # the page shows the run from its start
+    started = time.monotonic()
+    assert next(gen) == (gr.skip(), gr.skip())  # a heartbeat while the engine loads: Gradio can close it
+    assert time.monotonic() - started < HEARTBEAT_S + 1.0
+    gen.close()
+    manager.loaded.set()
+    assert manager.submitted.wait(10)
+    deadline = time.monotonic() + 5
+    while not manager.cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert manager.cancelled == ["req-1"]
+
+
+def test_a_failure_mid_run_settles_the_partial_so_it_is_not_shown_as_cancelled():
+    def crash_after_two_steps(on_progress):
+        for step in (1, 2):
+            on_progress(StepProgress("req-1", step, 4, 5.0))
+            time.sleep(PARTIAL_EVERY_S + 0.05)  # so every step is streamed
+        raise EngineCrashed("engine tiny-flux@cpu/fp32 stopped: worker process exited with code 9")
+
+    manager = ScriptedManager(crash_after_two_steps)
+    manager.loaded.set()
+    h = GenerateHandlers(manager, UIDefaults(device="cpu"))
+    outputs = []
+    with pytest.raises(gr.Error, match="exited with code 9"):
+        for out in h.generate("fox", "", "tiny-flux", "cpu", "fp32", "eager", "64x64", 4, 3.5, 0,
+                              request=None, progress=RecordingProgress()):
+            outputs.append(out)
+    partials = [t for _, t in outputs if "timings" in t]  # not the heartbeats
+    assert partials[0]["running"] is True and len(partials) >= 3  # the start, then a partial per step
+    assert partials[-1]["running"] is False and "code 9" in partials[-1]["error"]
+    assert h.generate_ended(partials[-1]) == (gr.skip(), gr.skip())  # settled: not taken for a cancel
+
+
+def test_after_a_cancel_the_last_partial_is_shown_cancelled(handlers):
+    partial = {"running": True, "engine": "tiny-flux@cpu/fp32", "mode": "eager", "bucket": "64x64",
+               "steps": 60, "timings": {"step_ms": [5.0, 4.0, 4.0]}}
+    image, timings = handlers.generate_ended(partial)
+    assert image is None and timings["cancelled"] is True and timings["running"] is False
+    assert timings["message"] == "cancelled after step 3 of 60"
+    assert handlers.generate_ended({"engine": "x", "timings": {"step_ms": [1.0]}}) == (gr.skip(), gr.skip())
+    configs = ["cpu/fp32/eager", "cpu/fp32/compile", "cpu/bf16/eager"]
+    done = handlers.compare_ended({"configs": configs, "done": False,
+                                   "results": [result_dict(config="cpu/fp32/eager")]})
+    assert done["done"] is True
+    assert [r.get("error") for r in done["results"]] == [None, "cancelled", "cancelled before it started"]
+    assert len(done["speedup"]) == 3
+    assert handlers.compare_ended({"configs": [], "done": True, "results": []}) == gr.skip()
 
 
 def test_warm_validates_then_returns_at_once(handlers):

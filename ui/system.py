@@ -1,7 +1,8 @@
-"""The System panel's data: devices (and why others are missing), versions, caches, environment.
+"""The System tab and /system: devices (and why others are missing), versions, caches, environment.
 
-No gradio here. Secrets never leave this module: any variable whose name looks like a credential
-is listed as set but its value is replaced.
+The report is plain data (system_report), drawn as Markdown (system_markdown). Secrets never leave
+this module: any variable whose name looks like a credential is listed as set but its value is
+replaced.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+import gradio as gr
+
+from ui.common import FAST, HandlerBase
 from ui.views import fmt_bytes
 
 PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "gradio", "gradio_client", "torch_tpu",
@@ -78,7 +82,8 @@ def cache_folders(cache_dir: Path, environ=None) -> list[dict]:
     folders = {
         "cache dir (--cache-dir)": cache_dir,
         "tiny models": cache_dir / "models",
-        "inductor (TORCHINDUCTOR_CACHE_DIR)": Path(environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir / "inductor"),
+        "inductor (TORCHINDUCTOR_CACHE_DIR)": Path(environ.get("TORCHINDUCTOR_CACHE_DIR")
+                                                   or cache_dir / "inductor"),
         "neuron NEFF (TORCH_NEURONX_NEFF_CACHE_DIR)": Path(environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
                                                           or cache_dir / "neff"),
     }
@@ -97,7 +102,8 @@ def cache_folders(cache_dir: Path, environ=None) -> list[dict]:
             size_text = fmt_bytes(size) if complete else f"at least {fmt_bytes(size)}"
         else:
             size_text = "not created yet"
-        rows.append({"folder": label, "location": str(path), "size": size_text})  # not "path": clients read that as a file
+        # "location", not "path": clients read a "path" key as a file
+        rows.append({"folder": label, "location": str(path), "size": size_text})
     return rows
 
 
@@ -108,17 +114,18 @@ def system_report(manager, devices_report: list[dict]) -> dict:
             worker_env.update(d.get("environment") or {})
     return {
         "devices": [
-            {"name": d["name"], "label": d["label"], "available": d["available"], "auto": d.get("auto", False),
-             "reason": d.get("reason", ""), "compile_backend": d.get("compile_backend"),
-             "static_shapes": d.get("static_shapes"), "modes": d.get("modes", []), "memory": d.get("memory", "")}
+            {"name": d["name"], "label": d["label"], "available": d["available"],
+             "auto": d.get("auto", False), "reason": d.get("reason", ""),
+             "compile_backend": d.get("compile_backend"), "static_shapes": d.get("static_shapes"),
+             "modes": d.get("modes", []), "memory": d.get("memory", "")}
             for d in devices_report
         ],
         "versions": versions(),
         "caches": cache_folders(manager.cache_dir),
         "environment": environment_in_force(worker_env),
         "engines": [
-            {"engine": e["engine"], "state": e["state"], "load_s": e.get("load_s"), "notices": e.get("notices", []),
-             "error": e.get("error")}
+            {"engine": e["engine"], "state": e["state"], "load_s": e.get("load_s"),
+             "notices": e.get("notices", []), "error": e.get("error")}
             for e in manager.status()
         ],
     }
@@ -129,7 +136,8 @@ def _md_escape(text) -> str:
 
 
 def system_markdown(report: dict) -> str:
-    lines = ["### Devices", "", "| device | available | compile backend | modes | why not / memory |", "|---|---|---|---|---|"]
+    lines = ["### Devices", "", "| device | available | compile backend | modes | why not / memory |",
+             "|---|---|---|---|---|"]
     for d in report["devices"]:
         avail = ("yes (auto)" if d["auto"] else "yes") if d["available"] else "no"
         why = d["memory"] if d["available"] else d["reason"]
@@ -152,3 +160,29 @@ def system_markdown(report: dict) -> str:
             load = f"{e['load_s']:.2f}" if e.get("load_s") else ""
             lines.append(f"| {e['engine']} | {e['state']} | {load} | {_md_escape(notes)} |")
     return "\n".join(lines)
+
+
+class SystemHandlers(HandlerBase):
+    def system(self, refresh: bool = True) -> dict:
+        """The report; `refresh` probes the devices again (the Refresh button)."""
+        return system_report(self.manager, self.devices_report(refresh=refresh))
+
+    def system_panel(self) -> str:
+        return system_markdown(self.system(refresh=False))
+
+    def system_refresh(self) -> str:
+        return system_markdown(self.system(refresh=True))
+
+    def system_api(self) -> dict:
+        """Devices (and why others are missing), versions, cache folders, environment in force."""
+        return self.system(refresh=False)
+
+
+def build(h: SystemHandlers) -> None:
+    """The tab (inside gr.Tabs), drawn when it is opened; and the /system API."""
+    with gr.Tab("System", id="system") as tab:
+        refresh_btn = gr.Button("Refresh", size="sm", elem_id="system-refresh")
+        panel = gr.Markdown("Loading…", elem_id="system")
+        gr.api(h.system_api, api_name="system", concurrency_limit=None)
+    tab.select(h.system_panel, None, panel, **FAST)
+    refresh_btn.click(h.system_refresh, None, panel, **FAST)

@@ -1,7 +1,7 @@
 """Pure data shaping for the UI: engine results and states in, rows and labels out.
 
-Nothing here imports gradio or torch, so every function is tested without a server, and the
-speedup helper can move to engine/ once the CLI benchmark wants it.
+Nothing here imports gradio or torch, so every function is tested without a server. The speedup
+rows come from the benchmark's own speedup_table, imported on first use.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ BOARD_COLUMNS = [
 STATS_COLUMNS = ["metric", "value"]
 STEP_COLUMNS = ["step", "step_ms"]
 COMPARE_STEP_COLUMNS = ["step", "step_ms", "config"]
-SPEEDUP_COLUMNS = ["config", "median step", "total", "× step", "× total", "compile s", "warm-up s", "break-even"]
+SPEEDUP_COLUMNS = ["config", "median step", "total", "× step", "× total", "compile s", "warm-up s",
+                   "break-even"]
 SERIES_PALETTE = ("#6366f1", "#f97316", "#10b981", "#ef4444", "#0ea5e9", "#a855f7")
 COST_COLUMNS = ["config", "state", "compile s", "warm-up s", "cache hits", "waited s", "error"]
 
@@ -160,7 +161,8 @@ def engine_line(engine_name: str | None, engine: dict | None, error: str | None 
         return f"**Not loaded:** engine {engine_name} starts on first use"
     state = engine.get("state")
     if state == "loading":
-        return f"**Loading** engine {engine_name}: its worker is loading the weights (the page keeps working)…"
+        return (f"**Loading** engine {engine_name}: its worker is loading the weights "
+                "(the page keeps working)…")
     if state == "down":
         return f"**Down:** engine {engine_name}: {engine.get('error')}"
     buckets = engine.get("buckets", [])
@@ -194,8 +196,8 @@ def device_notes(report: list[dict]) -> str:
     lines = []
     for d in report:
         if d.get("available"):
-            lines.append(f"- **{d['name']}** ({d['label']}): available · compile backend `{d['compile_backend']}` · "
-                         f"modes {', '.join(d.get('modes', []))}")
+            lines.append(f"- **{d['name']}** ({d['label']}): available · "
+                         f"compile backend `{d['compile_backend']}` · modes {', '.join(d.get('modes', []))}")
         else:
             lines.append(f"- **{d['name']}** ({d['label']}): unavailable — {d.get('reason')}")
     return "\n".join(lines)
@@ -220,13 +222,8 @@ def compare_step_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
-def _median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def speedup_table(results: list[dict]) -> list[dict]:
-    """The Compare tab's speedup rows, computed by the benchmark's own speedup_table (engine/bench.py),
+    """The Compare tab's speedup rows, computed by the benchmark's own speedup_table (engine.bench),
     so the UI, the CLI bench and docs/benchmarks.md agree.
 
     `results` are GenerateResult.as_dict() objects, optionally with "config", "compile_s" and
@@ -238,7 +235,8 @@ def speedup_table(results: list[dict]) -> list[dict]:
     rows = []
     for r, b in zip(results, bench_speedup_table(results), strict=True):
         rows.append({
-            "config": r.get("config") or config_label(r.get("device", "?"), r.get("precision", "?"), r.get("mode", "?")),
+            "config": r.get("config")
+            or config_label(r.get("device", "?"), r.get("precision", "?"), r.get("mode", "?")),
             "bucket": r.get("bucket"),
             "median_step_ms": b.get("step_ms_median"),
             "total_ms": b.get("image_ms_median"),

@@ -1,0 +1,172 @@
+"""How the UI is put together: one module per tab, the public API, Gradio's own cancels, import boundaries.
+
+No server and no engine process: the Blocks are built and their config is read.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import gradio as gr
+import pytest
+
+from ui import buckets, build_demo, compare, generate, system
+from ui.buckets import BucketsHandlers
+from ui.common import UIDefaults
+from ui.compare import CompareHandlers
+from ui.generate import GENERATE_API_PARAMS, GenerateHandlers
+from ui.system import SystemHandlers
+
+UI = Path(__file__).resolve().parent.parent / "ui"
+PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "system"}
+TAB_IDS = {
+    "generate": {"prompt", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
+                 "guidance", "seed", "randomize", "tp", "on-cold", "generate-btn", "cancel-btn",
+                 "output-image", "step-plot", "stats", "timings-json"},
+    "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",
+                "restart-btn"},
+    "compare": {"c-prompt", "c-preset", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
+                "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
+                "c-speedup", "c-costs", "c-json"},
+    "system": {"system-refresh", "system"},
+}
+TAB_APIS = {"generate": {"generate"}, "buckets": {"status", "warm", "restart"}, "compare": {"compare"},
+            "system": {"system"}}
+
+
+def elem_ids(demo: gr.Blocks) -> set[str]:
+    return {c["props"]["elem_id"] for c in demo.config["components"] if c["props"].get("elem_id")}
+
+
+def public_apis(demo: gr.Blocks) -> set[str]:
+    return {d["api_name"] for d in demo.config["dependencies"] if d["api_visibility"] == "public"}
+
+
+def dependencies_on(demo: gr.Blocks, elem_id: str, event: str) -> list[dict]:
+    ids = {c["id"] for c in demo.config["components"] if c["props"].get("elem_id") == elem_id}
+    return [d for d in demo.config["dependencies"]
+            if any(t[0] in ids and t[1] == event for t in d["targets"])]
+
+
+def by_name(demo: gr.Blocks, api_name: str) -> dict:
+    return next(d for d in demo.config["dependencies"] if d["api_name"] == api_name)
+
+
+@pytest.fixture(scope="module")
+def demo(manager):
+    return build_demo(manager, UIDefaults(device="cpu", mode="eager"))
+
+
+def build_tab(name, manager):
+    """One tab's module built alone, in its own Blocks, with only its own handler class."""
+    defaults = UIDefaults(device="cpu", mode="eager")
+    with gr.Blocks() as blocks:
+        line = gr.Markdown()
+        with gr.Tabs():
+            if name == "generate":
+                generate.build(GenerateHandlers(manager, defaults), blocks, line)
+            elif name == "buckets":
+                buckets.build(BucketsHandlers(manager, defaults))
+            elif name == "compare":
+                compare.build(CompareHandlers(manager, defaults))
+            else:
+                system.build(SystemHandlers(manager, defaults))
+    return blocks
+
+
+@pytest.mark.parametrize("name", sorted(TAB_IDS))
+def test_each_tab_module_builds_alone_with_its_own_handlers(manager, name):
+    blocks = build_tab(name, manager)
+    assert elem_ids(blocks) == TAB_IDS[name]
+    assert public_apis(blocks) == TAB_APIS[name]
+
+
+def test_the_app_has_the_tabs_element_ids_and_exactly_the_public_api(demo):
+    tabs = [c["props"]["label"] for c in demo.config["components"] if c["type"] == "tabitem"]
+    assert tabs == ["Generate", "Buckets", "Compare", "System"]
+    assert elem_ids(demo) == set().union(*TAB_IDS.values()) | {"engine-line"}
+    assert public_apis(demo) == PUBLIC_API
+    params = demo.get_api_info()["named_endpoints"]["/generate"]["parameters"]
+    assert tuple(p["parameter_name"] for p in params) == GENERATE_API_PARAMS
+    cancel = demo.get_api_info()["named_endpoints"]["/cancel"]
+    assert cancel["parameters"] == [] and cancel["returns"] == []  # as before: no inputs, no outputs
+
+
+def test_cancel_buttons_use_gradio_cancels_on_their_tab_run(demo):
+    fn_index = {d["api_name"]: d["id"] for d in demo.config["dependencies"]}
+    for button, run in (("cancel-btn", "generate_ui"), ("c-cancel-btn", "compare")):
+        deps = dependencies_on(demo, button, "click")
+        assert [d["cancels"] for d in deps if d["cancels"]] == [[fn_index[run]]]
+        assert not any(d["backend_fn"] for d in deps)  # nothing of ours runs: Gradio closes the handler
+        ended = by_name(demo, {"generate_ui": "generate_ended", "compare": "compare_ended"}[run])
+        # chained with .then: the page runs it once the cancelled run is closed, and settles its outputs
+        assert ended["trigger_after"] == fn_index[run] and not ended["trigger_only_on_success"]
+
+
+def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
+    select = [d for d in demo.config["dependencies"] if (d["api_name"] or "").startswith("select_engine")]
+    assert len(select) == 1
+    assert sorted(t[1] for t in select[0]["targets"]) == ["change"] * 5 + ["load"]
+    tick = [d for d in demo.config["dependencies"] if (d["api_name"] or "").startswith("tick")]
+    assert len(tick) == 1 and sorted(t[1] for t in tick[0]["targets"]) == ["load", "tick"]
+
+
+# -- module boundaries -----------------------------------------------------------------------------
+# The UI reaches the engine through the manager it is given (EngineManager at most for type hints), the
+# typed protocol and the error classes. Two exceptions, each in one module: ui/common.py asks
+# engine.devices what the manager cannot tell (the device report, a device's modes), and ui/views.py
+# reuses the benchmark's speedup_table so the UI and the bench agree.
+ALLOWED_ENGINE_IMPORTS = {
+    "engine.protocol": None, "engine.errors": None, "engine.manager": {"EngineManager"},
+    "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
+    "engine.bench": {"speedup_table"},
+}
+ONLY_IN = {"engine.devices": "common.py", "engine.bench": "views.py"}
+TAB_MODULES = ("generate", "buckets", "compare", "system")
+
+
+def imports(path: Path) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) for every import in a file, lazy ones included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [(node.module, a.name) for a in node.names]
+            if node.module in ("engine", "ui"):  # `from engine import devices` imports engine.devices
+                found += [(f"{node.module}.{a.name}", None) for a in node.names]
+    return found
+
+
+def attribute_uses(path: Path, alias: str) -> set[str]:
+    return {n.attr for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == alias}
+
+
+@pytest.mark.parametrize("path", sorted(UI.glob("*.py")), ids=lambda p: p.name)
+def test_ui_modules_use_only_the_engines_contract(path):
+    for module, name in imports(path):
+        if module == "engine" or not module.startswith("engine."):
+            continue
+        assert module in ALLOWED_ENGINE_IMPORTS, f"{path.name} imports {module}"
+        allowed = ALLOWED_ENGINE_IMPORTS[module]
+        if allowed is not None and name is not None:
+            assert name in allowed, f"{path.name} imports {module}.{name}"
+    for module, owner in ONLY_IN.items():
+        if any(m == module for m, _ in imports(path)):
+            assert path.name == owner, f"{path.name} imports {module}"
+    if ("engine.devices", None) in imports(path):
+        assert attribute_uses(path, "engine_devices") <= ALLOWED_ENGINE_IMPORTS["engine.devices"]
+    if path.name == "views.py":  # pure formatting: testable without a server
+        assert not any(m.split(".")[0] == "gradio" for m, _ in imports(path))
+    if path.stem in TAB_MODULES:  # tabs share ui.common / ui.runs / ui.views, never each other
+        assert not {f"ui.{t}" for t in TAB_MODULES if t != path.stem} & {m for m, _ in imports(path)}
+    assert "design.md" not in path.read_text()
+
+
+def test_the_generate_api_params_match_the_handler():
+    import inspect
+
+    params = list(inspect.signature(GenerateHandlers.generate).parameters)[1:len(GENERATE_API_PARAMS) + 1]
+    assert tuple(params) == GENERATE_API_PARAMS

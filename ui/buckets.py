@@ -1,0 +1,182 @@
+"""The Buckets tab: every bucket of every loaded engine, warm-up and restart; /status, /warm, /restart.
+
+Bucket and engine states come from manager.status(), which only reads states the worker processes
+pushed, so polling it stays fast while a bucket compiles. Warm-ups run in the engine's worker; the
+handlers return at once and the board shows the bucket going queued -> compiling -> warm.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import gradio as gr
+import pandas as pd
+
+from engine.errors import InvalidRequest, ShowcaseError
+from engine.protocol import Mode, Size
+from ui import views
+from ui.common import FAST, HandlerBase, to_gradio_error
+
+log = logging.getLogger(__name__)
+
+
+class BucketsHandlers(HandlerBase):
+    def tick(self, preset, device, precision, mode, last: dict | None, tp=1):
+        """The shared timer's poll: the bucket board and its engine list, and, from the same status
+        read, the header's engine line and the Generate tab's size labels.
+
+        Outputs that did not change are skipped, so an open dropdown is not redrawn every second.
+        """
+        last = dict(last or {})
+        status = self.manager.status()
+        rows = views.board_rows(status)
+        try:
+            key = str(self.key_for(preset, device, precision, tp))
+            engine = views.engine_state(status, key)
+            line = views.engine_line(key, engine)
+        except ShowcaseError as exc:
+            line, engine = views.engine_line(None, None, error=str(exc)), None
+        sizes = views.size_choices(self.preset_sizes(preset), mode, engine)
+        engines = [e["engine"] for e in status]
+
+        def changed(name, value):
+            if last.get(name) == value:
+                return False
+            last[name] = value
+            return True
+
+        board = pd.DataFrame(rows, columns=views.BOARD_COLUMNS) if changed("board", repr(rows)) else gr.skip()
+        line_out = line if changed("line", line) else gr.skip()
+        size_out = gr.update(choices=sizes) if changed("sizes", repr(sizes)) else gr.skip()
+        engines_out = gr.update(choices=engines) if changed("engines", repr(engines)) else gr.skip()
+        return board, line_out, size_out, engines_out, last
+
+    def warm(self, preset: str, device: str, precision: str, mode: str = "compile", size: str = "",
+             tp=1) -> dict:
+        """Queue compile + warm-up of one bucket (size 'WxH') or of every bucket (size '' or 'all')."""
+        try:
+            key = self.key_for(preset, device, precision, tp)
+            p = self.manager.preset(key.preset)
+            self.check_mode(key.device, mode)
+            if mode == "eager":
+                raise InvalidRequest("eager buckets need no warm-up; pick mode compile or regional")
+            if size and size != "all":
+                wanted = Size.parse(size)
+                if wanted not in p.buckets:
+                    raise InvalidRequest(f"{wanted} is not a bucket of {p.name}; buckets: "
+                                         f"{', '.join(str(b) for b in p.buckets)}")
+                sizes = [str(wanted)]
+            else:
+                sizes = [str(b) for b in p.buckets]
+            self.manager.engine(key)
+        except ShowcaseError as exc:
+            raise to_gradio_error(exc) from None
+
+        def work() -> None:
+            for s in sizes:
+                try:
+                    self.manager.warm(key.preset, key.device, key.precision, mode=mode, size=s, tp=key.tp)
+                except ShowcaseError as exc:
+                    log.warning("warm-up of %s %s:%s failed: %s", key, mode, s, exc)
+                    return
+
+        threading.Thread(target=work, name=f"ui-warm-{key}", daemon=True).start()
+        return {"engine": str(key), "mode": mode, "queued": sizes}
+
+    def _loaded(self, engine: str):
+        """The loaded engine the board names `engine`, or None."""
+        return next((e for e in self.manager.engines() if str(e.key) == engine), None)
+
+    def warm_from_board(self, engine: str, mode: str, size: str = "all"):
+        """The board's Warm buttons (Warm all passes no size)."""
+        match = self._loaded(engine)
+        if match is None:
+            raise gr.Error("pick a loaded engine first (the board lists them)", title="Invalid request")
+        key = match.key
+        result = self.warm(key.preset, key.device, key.precision, mode, size, tp=key.tp)
+        gr.Info(f"queued warm-up of {mode} {', '.join(result['queued'])} on {result['engine']}", duration=3)
+
+    def restart(self, engine: str) -> None:
+        match = self._loaded(engine)
+        if match is None:
+            raise gr.Error(f"no loaded engine named {engine!r}", title="Invalid request")
+        try:
+            self.manager.restart(match.key)
+        except ShowcaseError as exc:
+            raise to_gradio_error(exc) from None
+        gr.Info(f"restarting {engine}: its worker loads again and re-warms from the compile cache",
+                duration=4)
+
+    def board_select(self, evt: gr.SelectData):
+        """Clicking a board row fills the warm controls with its engine, mode and size."""
+        row = getattr(evt, "row_value", None) or []
+        if len(row) < 5 or not row[0]:
+            return gr.skip(), gr.skip(), gr.skip()
+        mode = row[3] if row[3] in Mode.values() and row[3] != "eager" else gr.skip()
+        size = row[4] if row[4] else gr.skip()
+        return row[0], mode, size
+
+    def board_sizes(self, engine: str):
+        """The picked engine's buckets for the Size dropdown."""
+        preset = (engine or "").split("@", 1)[0]
+        return gr.update(choices=self.preset_sizes(preset) if preset in self.manager.presets else [])
+
+    # -- typed API endpoints (gr.api derives their schema from these hints) -----------------------
+    def status_api(self) -> list[dict]:
+        """Every engine (state, load time, notices) and every bucket with its state, compile s, warm-up s."""
+        return self.manager.status()
+
+    def warm_api(self, preset: str, device: str, precision: str, mode: str = "compile",
+                 size: str = "") -> dict:
+        """Compile and warm one bucket ('WxH') or all of them ('' / 'all'); returns at once."""
+        return self.warm(preset, device, precision, mode, size)
+
+    def restart_api(self, preset: str, device: str, precision: str) -> dict:
+        """Restart an engine (a new worker process; its buckets warm again from the compile cache)."""
+        try:
+            key = self.key_for(preset, device, precision)
+            self.manager.restart(key)
+        except ShowcaseError as exc:
+            raise to_gradio_error(exc) from None
+        return {"engine": str(key), "restarted": True}
+
+
+@dataclass
+class BucketsTab:
+    """What the shared timer refreshes (build_demo wires it)."""
+
+    board: gr.Dataframe
+    engine: gr.Dropdown
+
+
+def build(h: BucketsHandlers) -> BucketsTab:
+    """The tab (inside gr.Tabs), its events, and the /status, /warm and /restart APIs."""
+    sizes = [str(s) for s in h.default_preset().buckets]
+    with gr.Tab("Buckets", id="buckets"):
+        gr.Markdown("Every bucket of every loaded engine, refreshed every second. "
+                    "Click a row to pick it, then warm it (compile + warm-up run in the engine's "
+                    "worker process; the page keeps working).")
+        board = gr.Dataframe(headers=views.BOARD_COLUMNS, interactive=False, elem_id="board", wrap=True,
+                             label="Bucket board")
+        with gr.Row():
+            engine = gr.Dropdown([], label="Engine", elem_id="board-engine", allow_custom_value=True)
+            mode = gr.Dropdown([m for m in Mode.values() if m != "eager"], value="regional", label="Mode",
+                               elem_id="board-mode")
+            size = gr.Dropdown(sizes, value=sizes[0], label="Size", allow_custom_value=True,
+                               elem_id="board-size")
+        with gr.Row():
+            warm_btn = gr.Button("Warm bucket", variant="primary", elem_id="warm-btn")
+            warm_all_btn = gr.Button("Warm all buckets", elem_id="warm-all-btn")
+            restart_btn = gr.Button("Restart engine", elem_id="restart-btn")
+        gr.api(h.status_api, api_name="status", concurrency_limit=None)
+        gr.api(h.warm_api, api_name="warm", concurrency_limit=None)
+        gr.api(h.restart_api, api_name="restart", concurrency_limit=None)
+
+    board.select(h.board_select, None, [engine, mode, size], **FAST)
+    engine.change(h.board_sizes, engine, size, **FAST)
+    warm_btn.click(h.warm_from_board, [engine, mode, size], None, **FAST)
+    warm_all_btn.click(h.warm_from_board, [engine, mode], None, **FAST)
+    restart_btn.click(h.restart, engine, None, api_name="restart_from_board", **FAST)
+    return BucketsTab(board, engine)

@@ -1,0 +1,141 @@
+"""What every tab's handlers share: defaults, error mapping, the caller's session, engine lookups.
+
+The UI reaches the engine through the EngineManager it is given, the typed protocol and the
+engine's error classes. Devices are looked up in engine.devices, here only, because the manager
+has no device query of its own. Each tab's handlers subclass HandlerBase (ui/handlers.py
+combines them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import gradio as gr
+
+from engine import devices as engine_devices
+from engine.errors import DeviceUnavailable, InvalidRequest, ShowcaseError, UnsupportedCombination
+from engine.protocol import Mode
+from ui.runs import RunRegistry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROMPT = "a red fox in the snow, golden hour"
+ENGINE_QUEUE = "engines"  # generate and compare share one queue: they occupy the devices
+# UI-only events (redraws, settings, polls): never queued behind a run, no API, no spinner.
+FAST = dict(concurrency_limit=None, api_visibility="private", show_progress="hidden")
+
+ERROR_TITLES = {
+    InvalidRequest: "Invalid request",
+    DeviceUnavailable: "Device unavailable",
+    UnsupportedCombination: "Not supported on this device",
+}
+
+
+@dataclass(frozen=True)
+class UIDefaults:
+    preset: str = "tiny-flux"
+    device: str = "auto"
+    precision: str = "fp32"
+    mode: str = "compile"
+    on_cold: str = "eager"
+    tp: int = 1
+    poll_s: float = 1.0
+
+
+def to_gradio_error(exc: Exception) -> gr.Error:
+    """The engine's own message, titled by its kind; anything else is logged as a bug."""
+    if isinstance(exc, ShowcaseError):
+        title = next((t for cls, t in ERROR_TITLES.items() if isinstance(exc, cls)), type(exc).__name__)
+        return gr.Error(str(exc), title=title, print_exception=False)
+    log.exception("unexpected error in a UI handler", exc_info=exc)
+    return gr.Error(f"internal error ({type(exc).__name__}): {exc}; the server keeps serving",
+                    print_exception=False)
+
+
+def session_id(request: gr.Request | None) -> str:
+    """The browser tab's or gradio_client's session ("default" when a test calls a handler directly)."""
+    return getattr(request, "session_hash", None) or "default"
+
+
+class HandlerBase:
+    """The manager, the UI defaults, memoised lookups and the runs in flight (for /cancel)."""
+
+    def __init__(self, manager, defaults: UIDefaults | None = None):
+        self.manager = manager
+        self.defaults = defaults or UIDefaults()
+        self.runs = RunRegistry(manager)
+        self._keys: dict[tuple, object] = {}  # (preset, device, precision, tp) -> EngineKey or ShowcaseError
+        self._devices_report: list[dict] | None = None
+        self._lock = threading.Lock()
+
+    # -- lookups (memoised: device probes do not change while the server runs) -------------------
+    def devices_report(self, refresh: bool = False) -> list[dict]:
+        if self._devices_report is None or refresh:
+            self._devices_report = engine_devices.devices_report()
+        return self._devices_report
+
+    def device_slots(self) -> int:
+        """Handler slots for runs: one request at a time per device runs in its worker, so this many
+        keep every available device busy while further requests wait in Gradio's queue."""
+        return max(1, sum(1 for r in self.devices_report() if r.get("available")))
+
+    def key_for(self, preset: str, device: str, precision: str, tp=1):
+        """EngineKey for the settings, or raise the ShowcaseError saying why not (memoised)."""
+        try:
+            tp = 1 if tp in (None, "") else int(tp)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"tp must be a whole number >= 1, got {tp!r}") from None
+        cache_key = (preset, device, precision, tp)
+        with self._lock:
+            found = self._keys.get(cache_key)
+        if found is None:
+            try:
+                found = self.manager.make_key(preset, device, precision, tp)
+            except ShowcaseError as exc:
+                found = exc
+            with self._lock:
+                self._keys[cache_key] = found
+        if isinstance(found, ShowcaseError):
+            raise found
+        return found
+
+    def default_preset(self):
+        """The defaults' preset, or the first one when that name does not resolve."""
+        try:
+            return self.manager.preset(self.defaults.preset)
+        except ShowcaseError:
+            return next(iter(self.manager.presets.values()))
+
+    def preset_names(self) -> list[str]:
+        return list(self.manager.presets)
+
+    def preset_sizes(self, preset: str) -> list[str]:
+        try:
+            return [str(s) for s in self.manager.preset(preset).buckets]
+        except ShowcaseError:
+            return []
+
+    def check_mode(self, device: str, mode: str) -> None:
+        """Raise the ShowcaseError saying why `device` cannot run `mode` (e.g. defer-and-fuse off TPU)."""
+        engine_devices.check_mode(engine_devices.get_device(device), mode)
+
+    def device_modes(self, device: str) -> list[str]:
+        try:
+            return list(engine_devices.resolve_device(device).modes)
+        except ShowcaseError:
+            try:
+                return list(engine_devices.get_device(device).modes)
+            except ShowcaseError:
+                return list(Mode.values())
+
+    # -- /cancel ---------------------------------------------------------------------------------
+    def cancel(self, request: gr.Request = None) -> str:
+        """Stop this session's runs between steps (or before they start, if their engine is loading)."""
+        return self.runs.cancel(session_id(request))
+
+    def cancel_api(self, request: gr.Request):  # no return hint: /cancel returns nothing, as it always did
+        """Cancel the caller's own /generate or /compare between steps; the run then returns with
+        cancelled=true. (gradio_client's job.cancel() stops one job the way the Cancel buttons do.)"""
+        log.info("/cancel: %s", self.cancel(request))

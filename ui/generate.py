@@ -1,0 +1,231 @@
+"""The Generate tab: one image with live per-step timings, and the /generate API.
+
+/generate takes every parameter as plain text (hidden components), so *our* validation answers bad
+input with the field's name and what to change (Gradio's slider/dropdown checks say neither).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from contextlib import closing
+from dataclasses import dataclass
+
+import gradio as gr
+import pandas as pd
+
+from engine.errors import Cancelled, ShowcaseError
+from engine.protocol import Precision, Size
+from ui import views
+from ui.common import DEFAULT_PROMPT, ENGINE_QUEUE, FAST, HandlerBase, session_id, to_gradio_error
+
+MAX_UI_SEED = 2**31 - 1  # browsers hold integers exactly only up to 2**53; keep seeds readable
+PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one redraws the plot)
+# The /generate API's parameters, in the handler's order (GenerateHandlers.generate).
+GENERATE_API_PARAMS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "steps",
+                       "guidance", "seed", "on_cold", "tp")
+
+
+class GenerateHandlers(HandlerBase):
+    # -- settings --------------------------------------------------------------------------------
+    def preset_defaults(self, preset: str):
+        """Preset changed: negative prompt shown only where the pipeline takes one; its steps/guidance."""
+        try:
+            p = self.manager.preset(preset)
+        except ShowcaseError as exc:
+            raise to_gradio_error(exc) from None
+        return gr.update(visible=p.negative_prompt), gr.update(value=p.steps), gr.update(value=p.guidance)
+
+    def select_engine(self, preset: str, device: str, precision: str, mode: str, size: str | None = None,
+                      tp=1):
+        """Settings that need another engine start it now (in the background) and say it is loading.
+
+        Returns (engine status line, size choices, mode choices). Never blocks: manager.engine()
+        only spawns the worker process.
+        """
+        modes = self.device_modes(device)
+        mode_update = gr.update(choices=modes, value=mode if mode in modes else "eager")
+        sizes = self.preset_sizes(preset)
+        try:
+            key = self.key_for(preset, device, precision, tp)
+            self.manager.engine(key)
+        except ShowcaseError as exc:
+            gr.Warning(str(exc), duration=6)
+            line = views.engine_line(None, None, error=str(exc))
+            return line, gr.update(choices=views.size_choices(sizes, mode, None)), mode_update
+        engine = views.engine_state(self.manager.status(), str(key))
+        size_update = gr.update(choices=views.size_choices(sizes, mode, engine))
+        if size not in sizes and sizes:
+            size_update = gr.update(choices=views.size_choices(sizes, mode, engine), value=sizes[0])
+        return views.engine_line(str(key), engine), size_update, mode_update
+
+    def randomize_seed(self, seed, randomize: bool):
+        return random.randint(0, MAX_UI_SEED) if randomize else seed
+
+    # -- the run ---------------------------------------------------------------------------------
+    def generate(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
+                 on_cold="eager", tp=1, request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
+        """One image (tp > 1: on the tensor-parallel torchrun sidecar with that many ranks).
+
+        Streams (image, timings): a partial timings dict ("running": true) at the start and at most
+        every PARTIAL_EVERY_S, then the result's as_dict() (the CLI's --json). /cancel ends it with
+        cancelled=true and no image; a failure settles the partial (running=false) before the error.
+        """
+        def given(value):  # the API sends text; "" (or nothing) means the preset's default
+            return None if value is None or (isinstance(value, str) and not value.strip()) else value
+
+        kwargs = dict(
+            preset=preset, device=device, precision=precision, mode=mode, size=size or None, prompt=prompt,
+            negative_prompt=negative_prompt or None, steps=given(steps), guidance=given(guidance),
+            seed=0 if given(seed) is None else seed,
+            on_cold=on_cold or self.defaults.on_cold,
+        )
+        try:
+            key = self.key_for(preset, device, precision, tp)
+            kwargs["tp"] = key.tp
+            size_text = str(Size.parse(size)) if size else ""
+        except ShowcaseError as exc:
+            raise to_gradio_error(exc) from None
+        partial = {"running": True, "engine": str(key), "preset": key.preset, "device": key.device,
+                   "precision": key.precision, "mode": mode, "bucket": size_text, "steps": steps,
+                   "timings": {"step_ms": []}}
+        progress(0, desc=f"queued on {key}")
+        last_sent = 0.0
+        with self.runs.open(session_id(request)) as run, \
+                closing(self.runs.stream(run, key, progress, **kwargs)) as stream:
+            try:
+                yield gr.skip(), dict(partial, timings={"step_ms": []})  # the page shows this run from now on
+                for kind, payload in stream:
+                    if kind == "wait":
+                        yield gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
+                    elif kind == "step":
+                        partial["timings"]["step_ms"].append(payload.step_ms)
+                        partial["steps"] = payload.total
+                        now = time.monotonic()
+                        if now - last_sent >= PARTIAL_EVERY_S and payload.step < payload.total:
+                            last_sent = now
+                            step_ms = list(partial["timings"]["step_ms"])
+                            yield gr.skip(), dict(partial, timings=dict(step_ms=step_ms))
+                    else:
+                        yield payload.image(), payload.as_dict()
+            except Cancelled as exc:
+                gr.Warning(str(exc), title="Cancelled", duration=4)
+                yield None, dict(partial, running=False, cancelled=True, message=str(exc))
+            except Exception as exc:
+                # settled, so generate_ended does not take it for a cancel
+                yield gr.skip(), dict(partial, running=False, error=str(exc))
+                raise to_gradio_error(exc) from None
+
+    def generate_ended(self, timings: dict | None):
+        """After the Generate event, however it ended. A partial still "running" means Gradio closed
+        the handler (the Cancel button; a result or a failure settles it): show it cancelled, as
+        /cancel does."""
+        if not (timings or {}).get("running"):
+            return gr.skip(), gr.skip()
+        message = f"cancelled after step {len(timings['timings']['step_ms'])} of {timings.get('steps')}"
+        gr.Warning(message, title="Cancelled", duration=4)
+        return None, dict(timings, running=False, cancelled=True, message=message)
+
+    def render_run(self, result: dict | None):
+        """Per-step plot and stats table of one run (also of a partial, still-running result)."""
+        plot = pd.DataFrame(views.step_rows(result), columns=views.STEP_COLUMNS)
+        stats = pd.DataFrame(views.stats_rows(result), columns=views.STATS_COLUMNS)
+        return plot, stats
+
+
+@dataclass
+class GenerateTab:
+    """The settings the shared timer reads and writes (build_demo wires it)."""
+
+    preset: gr.Dropdown
+    device: gr.Dropdown
+    precision: gr.Dropdown
+    mode: gr.Dropdown
+    size: gr.Dropdown
+    tp: gr.Dropdown
+
+
+def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> GenerateTab:
+    """The tab (inside gr.Tabs) and its events; `engine_line` is the header's engine status."""
+    d = h.defaults
+    preset = h.default_preset()
+    report = h.devices_report()
+    sizes = [str(s) for s in preset.buckets]
+    modes = h.device_modes(d.device)
+    with gr.Tab("Generate", id="generate"):
+        with gr.Row():
+            with gr.Column(scale=2, min_width=320):
+                prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=2, elem_id="prompt")
+                negative = gr.Textbox(label="Negative prompt", lines=1, visible=preset.negative_prompt,
+                                      elem_id="negative-prompt")
+                with gr.Row():
+                    preset_dd = gr.Dropdown(h.preset_names(), value=preset.name, allow_custom_value=True,
+                                            label="Model preset (or a Hub id / local diffusers folder)",
+                                            elem_id="preset")
+                    device_dd = gr.Dropdown(views.device_choices(report), value=d.device, label="Device",
+                                            elem_id="device")
+                with gr.Row():
+                    precision_dd = gr.Dropdown(list(Precision.values()), value=d.precision, label="Precision",
+                                               elem_id="precision")
+                    mode_dd = gr.Dropdown(modes, value=d.mode if d.mode in modes else "eager", label="Mode",
+                                          elem_id="mode")
+                size_dd = gr.Dropdown(views.size_choices(sizes, d.mode, None), value=sizes[0],
+                                      label="Resolution bucket", allow_custom_value=True, elem_id="size")
+                steps = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="steps")
+                guidance = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
+                                     elem_id="guidance")
+                with gr.Row():
+                    seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
+                    randomize = gr.Checkbox(False, label="New random seed each run", elem_id="randomize")
+                tp_dd = gr.Dropdown([1, 2, 4, 8], value=d.tp, label="Tensor-parallel ranks "
+                                    "(>1: torchrun sidecar; presets with a TP plan)", elem_id="tp")
+                on_cold = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")],
+                                   value=d.on_cold, label="At a bucket that is not warm yet",
+                                   elem_id="on-cold")
+                with gr.Row():
+                    generate_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn")
+                    cancel_btn = gr.Button("Cancel", variant="stop", elem_id="cancel-btn")
+                with gr.Accordion("Devices on this machine", open=False):
+                    gr.Markdown(views.device_notes(report))
+            with gr.Column(scale=3, min_width=420):
+                with gr.Row(equal_height=True):
+                    image = gr.Image(label="Image", type="pil", format="png", interactive=False, height=300,
+                                     elem_id="output-image", buttons=["download"])
+                    step_plot = gr.LinePlot(x="step", y="step_ms", title="Per-step latency of this run",
+                                            x_title="step", y_title="ms", height=280, elem_id="step-plot")
+                stats = gr.Dataframe(headers=views.STATS_COLUMNS, interactive=False, label="Timings",
+                                     elem_id="stats", wrap=True, column_widths=["32%", "68%"])
+                with gr.Accordion("Timings JSON (the CLI's --json)", open=False):
+                    timings = gr.JSON(elem_id="timings-json")
+
+        # /generate: the same handler on hidden text inputs (see the module docstring).
+        with gr.Column(visible=False):
+            api_defaults = {"prompt": DEFAULT_PROMPT, "preset": preset.name, "device": d.device,
+                            "precision": d.precision, "mode": d.mode, "seed": "0", "on_cold": d.on_cold,
+                            "tp": str(d.tp)}  # size/steps/guidance: "" means the preset's default
+            api_inputs = [gr.Textbox(value=api_defaults.get(name, ""), visible=False, label=name)
+                          for name in GENERATE_API_PARAMS]
+            api_image = gr.Image(type="pil", format="png", visible=False)
+            api_timings = gr.JSON(visible=False)
+            api_button = gr.Button(visible=False)
+
+    run_io = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=h.device_slots())
+    inputs = [prompt, negative, preset_dd, device_dd, precision_dd, mode_dd, size_dd, steps, guidance, seed,
+              on_cold, tp_dd]
+    seeded = generate_btn.click(h.randomize_seed, [seed, randomize], seed, queue=False,
+                                api_visibility="private")
+    run = seeded.then(h.generate, inputs, [image, timings], api_name="generate_ui", api_visibility="private",
+                      show_progress="full", show_progress_on=[image], **run_io)
+    # Gradio closes the running handler; closing it cancels the engine request between steps.
+    cancel_btn.click(None, cancels=[run])
+    run.then(h.generate_ended, timings, [image, timings], **FAST)
+    api_button.click(h.generate, api_inputs, [api_image, api_timings], api_name="generate", **run_io)
+    timings.change(h.render_run, timings, [step_plot, stats], **FAST)
+
+    preset_dd.change(h.preset_defaults, preset_dd, [negative, steps, guidance], **FAST)
+    # The engine the settings point at starts with the page (app.py has usually started it already).
+    engine_settings = [preset_dd, device_dd, precision_dd, mode_dd, tp_dd]
+    gr.on([c.change for c in engine_settings] + [demo.load], h.select_engine,
+          [preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd], [engine_line, size_dd, mode_dd],
+          **FAST)
+    return GenerateTab(preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd)

@@ -1,0 +1,138 @@
+"""Engine requests started by UI handlers: streaming their steps, and stopping them.
+
+manager.generate blocks until the worker answers, so each request runs in a thread while the
+handler (a generator) streams its StepProgress to gr.Progress and to its outputs.
+
+Two things stop a run, both between steps:
+- Gradio closes the handler's generator: a Cancel button (`cancels=[event]`), gradio_client's
+  job.cancel(), a closed browser tab. Gradio can only close a generator at a yield, so `stream`
+  yields a heartbeat at least every HEARTBEAT_S, also while the engine loads or the request waits
+  in its queue; closing it cancels the engine request, or, not submitted yet, cancels it the
+  moment it is submitted.
+- the /cancel API: gradio_client callers name no event, so the session's runs are registered
+  here; the engine request is cancelled and the handler returns the cancelled result.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+HEARTBEAT_S = 0.5  # about the longest a handler goes without a yield, i.e. without a chance to be closed
+POLL_S = 0.25  # how often a waiting run's progress text is refreshed
+
+
+@dataclass(eq=False)
+class Run:
+    """One handler call's engine requests (compare makes several, one after another)."""
+
+    request_id: str | None = None
+    cancelled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def submitted(self, manager, request_id: str) -> None:
+        with self.lock:
+            self.request_id = request_id
+            cancel_now = self.cancelled
+        if cancel_now:  # stopped while its engine was still loading
+            manager.cancel(request_id)
+
+    def stop(self, manager) -> str | None:
+        """Mark the run cancelled and cancel its engine request; returns that request's id if one ran."""
+        with self.lock:
+            self.cancelled = True
+            request_id = self.request_id
+        return request_id if request_id and manager.cancel(request_id) else None
+
+
+class RunRegistry:
+    def __init__(self, manager):
+        self.manager = manager
+        self._sessions: dict[str, set[Run]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def open(self, session: str) -> Iterator[Run]:
+        """A run registered under the caller's session for as long as its handler runs."""
+        run = Run()
+        with self._lock:
+            self._sessions.setdefault(session, set()).add(run)
+        try:
+            yield run
+        finally:
+            with self._lock:
+                runs = self._sessions.get(session, set())
+                runs.discard(run)
+                if not runs:
+                    self._sessions.pop(session, None)
+
+    def cancel(self, session: str) -> str:
+        with self._lock:
+            runs = list(self._sessions.get(session, ()))
+        if not runs:
+            return "nothing to cancel"
+        stopped = [request_id for run in runs if (request_id := run.stop(self.manager))]
+        return f"cancelling {', '.join(stopped)}" if stopped else "cancel requested"
+
+    def stream(self, run: Run, key, progress, desc_prefix: str = "", offset: int = 0,
+               grand_total: int | None = None, **kwargs):
+        """Run manager.generate(**kwargs) on engine `key` in a thread; yield ("step", StepProgress),
+        ("wait", None) heartbeats, then ("done", GenerateResult). Raises the run's exception.
+
+        Closing this generator (GeneratorExit at a yield) stops the engine request.
+        """
+        events: queue.Queue = queue.Queue()
+
+        def work() -> None:
+            try:
+                result = self.manager.generate(
+                    on_progress=lambda p: events.put(("step", p)),
+                    on_submit=lambda request_id: run.submitted(self.manager, request_id), **kwargs)
+                events.put(("done", result))
+            except BaseException as exc:  # noqa: BLE001 - handed to the handler thread
+                events.put(("error", exc))
+
+        engine = self.manager.engine(key)
+        threading.Thread(target=work, name=f"ui-run-{key}", daemon=True).start()
+        stepping = answered = False
+        last_yield = time.monotonic()
+        try:
+            while True:
+                try:
+                    kind, payload = events.get(timeout=POLL_S)
+                except queue.Empty:
+                    if not stepping:
+                        if not engine.ready.is_set():
+                            desc = f"loading engine {key} (a new model, device or precision)…"
+                        elif run.request_id is None:
+                            desc = f"waiting for engine {key}…"
+                        else:  # submitted: earlier requests run first, or it waits for its bucket's compile
+                            desc = (f"queued on {key} (earlier requests, or the bucket's compile with "
+                                    "on_cold=wait)…")
+                        progress((offset, grand_total) if grand_total else 0, desc=desc_prefix + desc)
+                    if time.monotonic() - last_yield >= HEARTBEAT_S:
+                        last_yield = time.monotonic()
+                        yield "wait", None
+                    continue
+                if kind in ("done", "error"):
+                    answered = True
+                if kind == "error":
+                    raise payload
+                if kind == "step":
+                    stepping = True
+                    total = grand_total or payload.total
+                    progress((offset + payload.step, total),
+                             desc=f"{desc_prefix}step {payload.step}/{payload.total}", unit="steps")
+                last_yield = time.monotonic()
+                yield kind, payload
+                if kind == "done":
+                    return
+        finally:
+            if not answered:  # closed before the engine answered: stop the request
+                run.stop(self.manager)
+            with run.lock:
+                run.request_id = None
