@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if attacher is None:  # with --tp-address the sidecar is the default engine: nothing to start here
             threading.Thread(target=prewarm, args=(manager, args), name="prewarm", daemon=True).start()
         defaults = UIDefaults(preset=args.preset, device=args.device, precision=args.precision, mode=args.mode,
-                              tp=args.tp)
+                              tp=args.tp, admin_token=args.admin_token)
         demo = build_demo(manager, defaults, queue_size=args.queue_size)
         demo.launch(
             server_name=args.host,

@@ -165,7 +165,7 @@ class Soak:
         while not self.stop.is_set():
             try:
                 system = client.predict(api_name="/system")
-                running = (system.get("compiles") or {}).get("running") or []
+                running = ((system.get("host") or {}).get("compiles") or {}).get("running") or []
                 self.compiling.set() if running else self.compiling.clear()
             except Exception:
                 pass
@@ -313,7 +313,7 @@ def summarize(report: SoakReport, args) -> dict:
     engines = report.status.get("engines") or []
     system = report.status.get("system") or {}
     host = system.get("host") or {}
-    compiles = system.get("compiles") or {}
+    compiles = host.get("compiles") or {}
     p95 = _percentile(probe, 0.95)
     p95_c = _percentile(probe_compiling, 0.95)
     summary = {

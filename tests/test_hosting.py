@@ -232,3 +232,103 @@ def test_idle_engines_unload_after_the_idle_timeout(cache_dir, tiny_models):
         assert "idle" in row["error"] and "--idle-unload" in row["error"]
     finally:
         m.shutdown()
+
+
+# -- the public app, through its API ---------------------------------------------------------------
+ADMIN = "a-long-admin-token-for-tests"
+GOOD = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32",
+            mode="eager", size="64x64", steps="2", guidance="", seed="1", on_cold="eager", tp="1")
+
+
+@pytest.fixture(scope="module")
+def public_app(public_manager):
+    from gradio_client import Client
+    from helpers import launch_demo
+
+    from ui import UIDefaults
+
+    demo, url = launch_demo(public_manager, UIDefaults(device="cpu", mode="eager", admin_token=ADMIN))
+    yield public_manager, url, Client(url, verbose=False)
+    demo.close()
+
+
+@pytest.mark.parametrize("overrides,words", [
+    ({"preset": "black-forest-labs/FLUX.1-dev"}, "does not load Hub ids"),
+    ({"preset": "/etc"}, "Hub ids or local folders"),
+    ({"preset": "tiny-sdxl"}, "not offered here"),
+    ({"precision": "fp16"}, "not offered here"),
+])
+def test_public_api_refuses_models_and_choices_the_host_does_not_offer(public_app, overrides, words):
+    _, _, client = public_app
+    with pytest.raises(Exception, match=words):
+        client.predict(**{**GOOD, **overrides}, api_name="/generate")
+
+
+def test_restart_is_the_hosts_hidden_operation(public_app):
+    manager, _, client = public_app
+    assert "/restart" not in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    client.predict(**GOOD, api_name="/generate")  # loads tiny-flux fp32 for this visitor
+    pid = manager.engines()[0].pid
+    # Undocumented: callable with positional arguments (preset, device, precision, admin_token).
+    with pytest.raises(Exception, match="up to the host"):
+        client.predict("tiny-flux", "cpu", "fp32", "", api_name="/restart")
+    with pytest.raises(Exception, match="up to the host"):
+        client.predict("tiny-flux", "cpu", "fp32", "wrong", api_name="/restart")
+    assert manager.engines()[0].pid == pid  # nobody else's request was interrupted
+    assert client.predict("tiny-flux", "cpu", "fp32", ADMIN, api_name="/restart")["restarted"]
+
+
+def test_a_visitor_warms_one_bucket_of_their_own_engine_only(public_app):
+    from gradio_client import Client
+
+    _, url, client = public_app
+    client.predict(**GOOD, api_name="/generate")  # this session's engine: tiny-flux@cpu/fp32
+    queued = client.predict(preset="tiny-flux", device="cpu", precision="fp32", mode="regional", size="64x64",
+                            api_name="/warm")
+    assert queued["queued"] == ["64x64"]
+    with pytest.raises(Exception, match="up to the host"):
+        client.predict(preset="tiny-flux", device="cpu", precision="fp32", mode="regional", size="",
+                       api_name="/warm")
+    stranger = Client(url, verbose=False)  # another visitor, who has not used this engine
+    with pytest.raises(Exception, match="not the engine you are using"):
+        stranger.predict(preset="tiny-flux", device="cpu", precision="fp32", mode="regional", size="128x128",
+                         api_name="/warm")
+
+
+def test_one_running_request_per_visitor_a_second_one_waits_in_the_queue(public_app):
+    """With one device, the engines' queue runs one request at a time: a visitor's second request waits
+    in Gradio's queue (its position shown) until their first is done, and never runs beside it."""
+    from gradio_client.utils import Status
+
+    _, _, client = public_app
+    long = client.submit(**{**GOOD, "steps": "150", "size": "128x128"}, api_name="/generate")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            isinstance(o, dict) and o.get("running") for out in long.outputs() for o in out[1:]):
+        time.sleep(0.1)
+    second = client.submit(**GOOD, api_name="/generate")
+    time.sleep(1.0)
+    status = second.status()
+    assert status.code in (Status.IN_QUEUE, Status.STARTING) and not second.done(), status
+    client.predict(api_name="/cancel")  # this visitor's own running request
+    long.result(timeout=120)
+    _, timings = second.result(timeout=120)
+    assert timings["steps"] == 2
+
+
+def test_a_sessions_second_run_is_refused_while_one_runs():
+    """Where several devices let runs start together, public mode refuses a visitor's second one."""
+    from engine.errors import EngineBusy
+    from ui.runs import RunRegistry
+
+    runs = RunRegistry(manager=None)
+    with runs.open("visitor-a", exclusive=True):
+        with pytest.raises(EngineBusy, match="already have a request running"):
+            with runs.open("visitor-a", exclusive=True):
+                pass
+        with runs.open("visitor-b", exclusive=True):  # another visitor is not affected
+            pass
+        with runs.open("visitor-a"):  # without public mode: no limit
+            pass
+    with runs.open("visitor-a", exclusive=True):  # free again once the first ended
+        pass

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import gradio as gr
 import pandas as pd
 
-from engine.errors import InvalidRequest, ShowcaseError
+from engine.errors import InvalidRequest, NotAllowed, ShowcaseError
+from engine.manager import Caller
 from engine.protocol import Mode, Size
 from ui import views
 from ui.common import FAST, HandlerBase, to_gradio_error
@@ -54,10 +55,17 @@ class BucketsHandlers(HandlerBase):
         return board, line_out, size_out, engines_out, last
 
     def warm(self, preset: str, device: str, precision: str, mode: str = "compile", size: str = "",
-             tp=1) -> dict:
-        """Queue compile + warm-up of one bucket (size 'WxH') or of every bucket (size '' or 'all')."""
+             tp=1, caller: Caller = Caller.HOST, request: gr.Request | None = None) -> dict:
+        """Queue compile + warm-up of one bucket (size 'WxH') or of every bucket (size '' or 'all').
+        Public mode, a visitor: one bucket of the engine they are using, nothing else."""
         try:
-            key = self.key_for(preset, device, precision, tp)
+            key = self.key_for(preset, device, precision, tp, caller=caller)
+            if caller is Caller.VISITOR and self.public:
+                if not size or size == "all":
+                    raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
+                if key != self.current_engine(request):
+                    raise NotAllowed(f"{key} is not the engine you are using; you may warm buckets of the engine "
+                                     "your last request ran on (other engines are up to the host)")
             p = self.manager.preset(key.preset)
             self.check_mode(key.device, mode)
             if mode == "eager":
@@ -70,14 +78,15 @@ class BucketsHandlers(HandlerBase):
                 sizes = [str(wanted)]
             else:
                 sizes = [str(b) for b in p.buckets]
-            self.manager.engine(key)
+            self.manager.engine(key, caller=caller)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
 
         def work() -> None:
             for s in sizes:
                 try:
-                    self.manager.warm(key.preset, key.device, key.precision, mode=mode, size=s, tp=key.tp)
+                    self.manager.warm(key.preset, key.device, key.precision, mode=mode, size=s, tp=key.tp,
+                                      caller=caller)
                 except ShowcaseError as exc:
                     log.warning("warm-up of %s %s:%s failed: %s", key, mode, s, exc)
                     return
@@ -89,16 +98,27 @@ class BucketsHandlers(HandlerBase):
         """The loaded engine the board names `engine`, or None."""
         return next((e for e in self.manager.engines() if str(e.key) == engine), None)
 
-    def warm_from_board(self, engine: str, mode: str, size: str = "all"):
+    def warm_from_board(self, engine: str, mode: str, size: str = "all", admin_token: str = "",
+                        request: gr.Request = None):
         """The board's Warm buttons (Warm all passes no size)."""
         match = self._loaded(engine)
         if match is None:
             raise gr.Error("pick a loaded engine first (the board lists them)", title="Invalid request")
         key = match.key
-        result = self.warm(key.preset, key.device, key.precision, mode, size, tp=key.tp)
+        result = self.warm(key.preset, key.device, key.precision, mode, size, tp=key.tp,
+                           caller=self.caller(request, admin_token), request=request)
         gr.Info(f"queued warm-up of {mode} {', '.join(result['queued'])} on {result['engine']}", duration=3)
 
-    def restart(self, engine: str) -> None:
+    def warm_all_from_board(self, engine: str, mode: str, admin_token: str = "", request: gr.Request = None):
+        self.warm_from_board(engine, mode, "all", admin_token, request)
+
+    def _check_host(self, caller: Caller, what: str) -> None:
+        if self.public and caller is not Caller.HOST:
+            raise to_gradio_error(NotAllowed(f"{what} is up to the host on this server (it interrupts other "
+                                             "visitors); it needs the admin token"))
+
+    def restart(self, engine: str, admin_token: str = "", request: gr.Request = None) -> None:
+        self._check_host(self.caller(request, admin_token), "restarting an engine")
         match = self._loaded(engine)
         if match is None:
             raise gr.Error(f"no loaded engine named {engine!r}", title="Invalid request")
@@ -129,14 +149,20 @@ class BucketsHandlers(HandlerBase):
         return self.manager.status()
 
     def warm_api(self, preset: str, device: str, precision: str, mode: str = "compile",
-                 size: str = "") -> dict:
-        """Compile and warm one bucket ('WxH') or all of them ('' / 'all'); returns at once."""
-        return self.warm(preset, device, precision, mode, size)
+                 size: str = "", admin_token: str = "", request: gr.Request = None) -> dict:
+        """Compile and warm one bucket ('WxH') or all of them ('' / 'all'); returns at once. On a public
+        server a visitor may warm one bucket of the engine they are using; the rest needs admin_token."""
+        return self.warm(preset, device, precision, mode, size, caller=self.caller(request, admin_token),
+                         request=request)
 
-    def restart_api(self, preset: str, device: str, precision: str) -> dict:
-        """Restart an engine (a new worker process; its buckets warm again from the compile cache)."""
+    def restart_api(self, preset: str, device: str, precision: str, admin_token: str = "",
+                    request: gr.Request = None) -> dict:
+        """Restart an engine (a new worker process; its buckets warm again from the compile cache). On a
+        public server: the host's, with admin_token."""
+        caller = self.caller(request, admin_token)
+        self._check_host(caller, "restarting an engine")
         try:
-            key = self.key_for(preset, device, precision)
+            key = self.key_for(preset, device, precision, caller=caller)
             self.manager.restart(key)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
@@ -170,13 +196,17 @@ def build(h: BucketsHandlers) -> BucketsTab:
             warm_btn = gr.Button("Warm bucket", variant="primary", elem_id="warm-btn")
             warm_all_btn = gr.Button("Warm all buckets", elem_id="warm-all-btn")
             restart_btn = gr.Button("Restart engine", elem_id="restart-btn")
+        # Public mode: warming everything and restarting are the host's (they interrupt other visitors).
+        admin_token = gr.Textbox(label="Admin token (host operations on this public server)", type="password",
+                                 visible=h.public, elem_id="admin-token")
         gr.api(h.status_api, api_name="status", concurrency_limit=None)
         gr.api(h.warm_api, api_name="warm", concurrency_limit=None)
-        gr.api(h.restart_api, api_name="restart", concurrency_limit=None)
+        gr.api(h.restart_api, api_name="restart", concurrency_limit=None,
+               api_visibility="undocumented" if h.public else "public")
 
     board.select(h.board_select, None, [engine, mode, size], **FAST)
     engine.change(h.board_sizes, engine, size, **FAST)
-    warm_btn.click(h.warm_from_board, [engine, mode, size], None, **FAST)
-    warm_all_btn.click(h.warm_from_board, [engine, mode], None, **FAST)
-    restart_btn.click(h.restart, engine, None, api_name="restart_from_board", **FAST)
+    warm_btn.click(h.warm_from_board, [engine, mode, size, admin_token], None, **FAST)
+    warm_all_btn.click(h.warm_all_from_board, [engine, mode, admin_token], None, **FAST)
+    restart_btn.click(h.restart, [engine, admin_token], None, api_name="restart_from_board", **FAST)
     return BucketsTab(board, engine)

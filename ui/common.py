@@ -8,6 +8,7 @@ combines them).
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 from dataclasses import dataclass
@@ -15,8 +16,17 @@ from dataclasses import dataclass
 import gradio as gr
 
 from engine import devices as engine_devices
-from engine.errors import DeviceUnavailable, InvalidRequest, ShowcaseError, UnsupportedCombination
-from engine.protocol import Mode
+from engine.errors import (
+    BudgetExceeded,
+    DeviceUnavailable,
+    EngineBusy,
+    InvalidRequest,
+    NotAllowed,
+    ShowcaseError,
+    UnsupportedCombination,
+)
+from engine.manager import Caller
+from engine.protocol import Mode, Precision
 from ui.runs import RunRegistry
 
 log = logging.getLogger(__name__)
@@ -30,6 +40,9 @@ ERROR_TITLES = {
     InvalidRequest: "Invalid request",
     DeviceUnavailable: "Device unavailable",
     UnsupportedCombination: "Not supported on this device",
+    NotAllowed: "Not offered on this server",
+    BudgetExceeded: "No room on this server",
+    EngineBusy: "Busy",
 }
 
 
@@ -42,6 +55,7 @@ class UIDefaults:
     on_cold: str = "eager"
     tp: int = 1
     poll_s: float = 1.0
+    admin_token: str | None = None  # public mode: unlocks host operations (restart, warm everything)
 
 
 def to_gradio_error(exc: Exception) -> gr.Error:
@@ -66,7 +80,8 @@ class HandlerBase:
         self.manager = manager
         self.defaults = defaults or UIDefaults()
         self.runs = RunRegistry(manager)
-        self._keys: dict[tuple, object] = {}  # (preset, device, precision, tp) -> EngineKey or ShowcaseError
+        self._keys: dict[tuple, object] = {}  # (preset, device, precision, tp, caller) -> EngineKey or error
+        self._current: dict[str, object] = {}  # session -> the EngineKey of its last request (public: its own)
         self._devices_report: list[dict] | None = None
         self._lock = threading.Lock()
 
@@ -81,18 +96,41 @@ class HandlerBase:
         keep every available device busy while further requests wait in Gradio's queue."""
         return max(1, sum(1 for r in self.devices_report() if r.get("available")))
 
-    def key_for(self, preset: str, device: str, precision: str, tp=1):
+    # -- who is asking ------------------------------------------------------------------------------
+    @property
+    def public(self) -> bool:
+        return self.manager.policy.public
+
+    def caller(self, request: gr.Request | None = None, admin_token: str | None = None) -> Caller:
+        """HOST with the admin token or a Gradio login (--auth); everyone else is a VISITOR (which only
+        matters in public mode: without it visitors may do what the host can)."""
+        token = self.defaults.admin_token
+        if admin_token and token and hmac.compare_digest(str(admin_token).encode(), token.encode()):
+            return Caller.HOST
+        if getattr(request, "username", None):
+            return Caller.HOST
+        return Caller.VISITOR
+
+    def remember_engine(self, request: gr.Request | None, key) -> None:
+        with self._lock:
+            self._current[session_id(request)] = key
+
+    def current_engine(self, request: gr.Request | None):
+        with self._lock:
+            return self._current.get(session_id(request))
+
+    def key_for(self, preset: str, device: str, precision: str, tp=1, caller: Caller = Caller.VISITOR):
         """EngineKey for the settings, or raise the ShowcaseError saying why not (memoised)."""
         try:
             tp = 1 if tp in (None, "") else int(tp)
         except (TypeError, ValueError):
             raise InvalidRequest(f"tp must be a whole number >= 1, got {tp!r}") from None
-        cache_key = (preset, device, precision, tp)
+        cache_key = (preset, device, precision, tp, caller)
         with self._lock:
             found = self._keys.get(cache_key)
         if found is None:
             try:
-                found = self.manager.make_key(preset, device, precision, tp)
+                found = self.manager.make_key(preset, device, precision, tp, caller=caller)
             except ShowcaseError as exc:
                 found = exc
             with self._lock:
@@ -109,7 +147,12 @@ class HandlerBase:
             return next(iter(self.manager.presets.values()))
 
     def preset_names(self) -> list[str]:
-        return list(self.manager.presets)
+        """The presets a visitor may pick (public mode: the host's list)."""
+        return self.manager.visitor_presets()
+
+    def precision_choices(self) -> list[str]:
+        offered = self.manager.policy.precisions if self.public else None
+        return [str(p) for p in offered] if offered else list(Precision.values())
 
     def preset_sizes(self, preset: str) -> list[str]:
         try:
@@ -122,13 +165,16 @@ class HandlerBase:
         engine_devices.check_mode(engine_devices.get_device(device), mode)
 
     def device_modes(self, device: str) -> list[str]:
+        """The modes the device runs (public mode: of those, the ones the host offers)."""
         try:
-            return list(engine_devices.resolve_device(device).modes)
+            modes = list(engine_devices.resolve_device(device).modes)
         except ShowcaseError:
             try:
-                return list(engine_devices.get_device(device).modes)
+                modes = list(engine_devices.get_device(device).modes)
             except ShowcaseError:
-                return list(Mode.values())
+                modes = list(Mode.values())
+        offered = self.manager.policy.modes if self.public else None
+        return [str(m) for m in modes if not offered or m in offered]
 
     # -- /cancel ---------------------------------------------------------------------------------
     def cancel(self, request: gr.Request = None) -> str:

@@ -7,7 +7,7 @@ bench and docs/benchmarks.md agree.
 from __future__ import annotations
 
 import time
-from contextlib import closing
+from contextlib import ExitStack, closing
 from itertools import product
 
 import gradio as gr
@@ -60,7 +60,12 @@ class CompareHandlers(HandlerBase):
             return {"configs": configs, "done": done, "results": results,
                     "speedup": views.speedup_table(results)}
 
-        with self.runs.open(session_id(request)) as run:
+        caller = self.caller(request)
+        with ExitStack() as stack:
+            try:  # public mode: one running request per visitor
+                run = stack.enter_context(self.runs.open(session_id(request), exclusive=self.public))
+            except ShowcaseError as exc:
+                raise to_gradio_error(exc) from None
             yield gallery, payload()  # the page shows this comparison from now on
             for index, config in enumerate(configs):
                 if run.cancelled:
@@ -70,10 +75,10 @@ class CompareHandlers(HandlerBase):
                 started = last_yield = time.perf_counter()
                 result = None
                 try:
-                    key = self.key_for(preset, device, precision)
+                    key = self.key_for(preset, device, precision, caller=caller)
                     with closing(self.runs.stream(
                         run, key, progress, desc_prefix=f"{config}: ", offset=index * steps_total,
-                        grand_total=len(configs) * steps_total,
+                        grand_total=len(configs) * steps_total, caller=caller,
                         preset=preset, device=device, precision=precision, mode=mode, size=size_text,
                         prompt=prompt, negative_prompt=None, steps=steps_total, guidance=guidance, seed=seed,
                         on_cold="wait" if wait_for_warm else "eager",

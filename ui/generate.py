@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import random
 import time
-from contextlib import closing
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 
 import gradio as gr
 import pandas as pd
 
 from engine.errors import Cancelled, ShowcaseError
-from engine.protocol import Precision, Size
+from engine.protocol import Size
 from ui import views
 from ui.common import DEFAULT_PROMPT, ENGINE_QUEUE, FAST, HandlerBase, session_id, to_gradio_error
 
@@ -48,7 +48,7 @@ class GenerateHandlers(HandlerBase):
         sizes = self.preset_sizes(preset)
         try:
             key = self.key_for(preset, device, precision, tp)
-            self.manager.engine(key)
+            self.manager.engine(key, caller=self.caller())
         except ShowcaseError as exc:
             gr.Warning(str(exc), duration=6)
             line = views.engine_line(None, None, error=str(exc))
@@ -80,19 +80,25 @@ class GenerateHandlers(HandlerBase):
             seed=0 if given(seed) is None else seed,
             on_cold=on_cold or self.defaults.on_cold,
         )
+        caller = self.caller(request)
         try:
-            key = self.key_for(preset, device, precision, tp)
+            key = self.key_for(preset, device, precision, tp, caller=caller)
             kwargs["tp"] = key.tp
             size_text = str(Size.parse(size)) if size else ""
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
+        self.remember_engine(request, key)
         partial = {"running": True, "engine": str(key), "preset": key.preset, "device": key.device,
                    "precision": key.precision, "mode": mode, "bucket": size_text, "steps": steps,
                    "timings": {"step_ms": []}}
         progress(0, desc=f"queued on {key}")
         last_sent = 0.0
-        with self.runs.open(session_id(request)) as run, \
-                closing(self.runs.stream(run, key, progress, **kwargs)) as stream:
+        with ExitStack() as stack:
+            try:  # public mode: one running request per visitor
+                run = stack.enter_context(self.runs.open(session_id(request), exclusive=self.public))
+            except ShowcaseError as exc:
+                raise to_gradio_error(exc) from None
+            stream = stack.enter_context(closing(self.runs.stream(run, key, progress, caller=caller, **kwargs)))
             try:
                 yield gr.skip(), dict(partial, timings={"step_ms": []})  # the page shows this run from now on
                 for kind, payload in stream:
@@ -159,13 +165,14 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
                 negative = gr.Textbox(label="Negative prompt", lines=1, visible=preset.negative_prompt,
                                       elem_id="negative-prompt")
                 with gr.Row():
-                    preset_dd = gr.Dropdown(h.preset_names(), value=preset.name, allow_custom_value=True,
-                                            label="Model preset (or a Hub id / local diffusers folder)",
+                    preset_dd = gr.Dropdown(h.preset_names(), value=preset.name, allow_custom_value=not h.public,
+                                            label="Model preset" if h.public else
+                                            "Model preset (or a Hub id / local diffusers folder)",
                                             elem_id="preset")
                     device_dd = gr.Dropdown(views.device_choices(report), value=d.device, label="Device",
                                             elem_id="device")
                 with gr.Row():
-                    precision_dd = gr.Dropdown(list(Precision.values()), value=d.precision, label="Precision",
+                    precision_dd = gr.Dropdown(h.precision_choices(), value=d.precision, label="Precision",
                                                elem_id="precision")
                     mode_dd = gr.Dropdown(modes, value=d.mode if d.mode in modes else "eager", label="Mode",
                                           elem_id="mode")

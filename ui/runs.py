@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from engine.errors import EngineBusy
+
 HEARTBEAT_S = 0.5  # about the longest a handler goes without a yield, i.e. without a chance to be closed
 POLL_S = 0.25  # how often a waiting run's progress text is refreshed
 
@@ -56,10 +58,14 @@ class RunRegistry:
         self._lock = threading.Lock()
 
     @contextmanager
-    def open(self, session: str) -> Iterator[Run]:
-        """A run registered under the caller's session for as long as its handler runs."""
+    def open(self, session: str, exclusive: bool = False) -> Iterator[Run]:
+        """A run registered under the caller's session for as long as its handler runs. `exclusive`
+        (public mode): one running request per session, a second is refused at once."""
         run = Run()
         with self._lock:
+            if exclusive and self._sessions.get(session):
+                raise EngineBusy("you already have a request running: wait for it to finish or press Cancel "
+                                 "(one request per visitor at a time on this server)")
             self._sessions.setdefault(session, set()).add(run)
         try:
             yield run
@@ -79,7 +85,7 @@ class RunRegistry:
         return f"cancelling {', '.join(stopped)}" if stopped else "cancel requested"
 
     def stream(self, run: Run, key, progress, desc_prefix: str = "", offset: int = 0,
-               grand_total: int | None = None, **kwargs):
+               grand_total: int | None = None, caller=None, **kwargs):
         """Run manager.generate(**kwargs) on engine `key` in a thread; yield ("step", StepProgress),
         ("wait", None) heartbeats, then ("done", GenerateResult). Raises the run's exception.
 
@@ -91,12 +97,12 @@ class RunRegistry:
             try:
                 result = self.manager.generate(
                     on_progress=lambda p: events.put(("step", p)),
-                    on_submit=lambda request_id: run.submitted(self.manager, request_id), **kwargs)
+                    on_submit=lambda request_id: run.submitted(self.manager, request_id), caller=caller, **kwargs)
                 events.put(("done", result))
             except BaseException as exc:  # noqa: BLE001 - handed to the handler thread
                 events.put(("error", exc))
 
-        engine = self.manager.engine(key)
+        engine = self.manager.engine(key, caller=caller)
         threading.Thread(target=work, name=f"ui-run-{key}", daemon=True).start()
         stepping = answered = False
         last_yield = time.monotonic()

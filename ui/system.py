@@ -125,9 +125,11 @@ def system_report(manager, devices_report: list[dict]) -> dict:
         "environment": environment_in_force(worker_env),
         "engines": [
             {"engine": e["engine"], "state": e["state"], "load_s": e.get("load_s"),
-             "notices": e.get("notices", []), "error": e.get("error")}
+             "notices": e.get("notices", []), "error": e.get("error"), "footprint": e.get("footprint")}
             for e in manager.status()
         ],
+        # budgets and use per device, engines started and evicted, the compile scheduler, the policy
+        "host": manager.host_status(),
     }
 
 
