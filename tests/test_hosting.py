@@ -332,3 +332,25 @@ def test_a_sessions_second_run_is_refused_while_one_runs():
             pass
     with runs.open("visitor-a", exclusive=True):  # free again once the first ended
         pass
+
+
+# -- the soak, short ----------------------------------------------------------------------------------
+def test_soak_two_visitors_nothing_fails_or_hangs_and_nothing_is_left_behind(cache_dir, tiny_models, tmp_path):
+    """`python -m engine soak` in its short form: a real app process, 2 random visitors for 40 s (bad
+    input and cancels included), a warm-bucket probe; then SIGTERM. Every request is answered (ok or a
+    clear error), none fails or hangs, and no process outlives the app."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "soak"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "soak", "--visitors", "2", "--duration", "40", "--memory-budget", "3GiB",
+         "--idle-runs", "5", "--cache-dir", str(cache_dir), "--out", str(out), "--hang-s", "240"],
+        capture_output=True, text=True, timeout=900)
+    summary = json.loads((out / "soak.json").read_text())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["failed_or_hung"] == 0 and summary["orphans"] == [], summary
+    assert summary["ok"] > 0 and summary["requests"] >= summary["ok"] + summary["clear"]
+    assert summary["exit_s"] is not None and summary["exit_s"] < 10
+    assert summary["peak_rss_gib"] <= summary["rss_target_gib"], summary

@@ -91,10 +91,18 @@ class HandlerBase:
             self._devices_report = engine_devices.devices_report()
         return self._devices_report
 
-    def device_slots(self) -> int:
-        """Handler slots for runs: one request at a time per device runs in its worker, so this many
-        keep every available device busy while further requests wait in Gradio's queue."""
-        return max(1, sum(1 for r in self.devices_report() if r.get("available")))
+    def run_slots(self) -> int:
+        """Handlers that may run requests at once: one per engine the devices may hold (each engine runs
+        one request at a time in its worker, so requests for different engines never wait for each
+        other in Gradio's queue; beyond this they wait there with their position shown)."""
+        slots = 0
+        for r in self.devices_report():
+            if r.get("available"):
+                try:
+                    slots += self.manager.device_budget(r["name"]).max_engines
+                except ShowcaseError:
+                    slots += 1
+        return max(1, slots)
 
     # -- who is asking ------------------------------------------------------------------------------
     @property

@@ -202,7 +202,7 @@ def build(h: CompareHandlers) -> None:
     run = compare_btn.click(
         h.compare, [prompt, preset_dd, size, steps, guidance, seed, devices, precisions, modes, wait],
         [gallery, results], api_name="compare", concurrency_id=ENGINE_QUEUE,
-        concurrency_limit=h.device_slots(), show_progress="full", show_progress_on=[gallery],
+        concurrency_limit=h.run_slots(), show_progress="full", show_progress_on=[gallery],
     )
     # Gradio closes the running handler; closing it cancels the engine request between steps.
     cancel_btn.click(None, cancels=[run])

@@ -216,7 +216,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
             api_timings = gr.JSON(visible=False)
             api_button = gr.Button(visible=False)
 
-    run_io = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=h.device_slots())
+    run_io = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots())
     inputs = [prompt, negative, preset_dd, device_dd, precision_dd, mode_dd, size_dd, steps, guidance, seed,
               on_cold, tp_dd]
     seeded = generate_btn.click(h.randomize_seed, [seed, randomize], seed, queue=False,
