@@ -105,7 +105,7 @@ class WorkerLoop:
             ToEngine.GENERATE: self._on_generate,
             ToEngine.CANCEL: self._on_cancel,
             ToEngine.WARM: self._on_warm,
-            ToEngine.SHUTDOWN: lambda message: self._stop.set(),
+            ToEngine.SHUTDOWN: self._on_shutdown,
             ToEngine.INJECT_FAULT: self._on_inject_fault,
             ToEngine.COMPILE_GRANTED: self._on_granted,
         }
@@ -144,6 +144,12 @@ class WorkerLoop:
             # only when someone asks to warm it, not on every request.
             self.want(bucket, retry_failed=False)
         self._requests.put(request)
+
+    def _on_shutdown(self, message) -> None:
+        """Stop now: the running request stops at its next step (its client is going away too)."""
+        self._stop.set()
+        for event in list(self._cancels.values()):
+            event.set()
 
     def _on_cancel(self, message: Cancel) -> None:
         self._cancels.setdefault(message.request_id, threading.Event()).set()
