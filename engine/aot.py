@@ -343,6 +343,17 @@ def build_package(module: torch.nn.Module, args: tuple, kwargs: dict, inductor_c
     torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=inductor_configs)
 
 
+def compile_module(module: torch.nn.Module, args: tuple, kwargs: dict, inductor_configs: dict, folder: Path):
+    """Build a package of `module` in `folder` and load it on the module's own tensors (the denoiser bench)."""
+    path = Path(folder) / PACKAGE
+    build_package(module, args, kwargs, inductor_configs, path)
+    package = torch._inductor.aoti_load_package(str(path))
+    constants = constants_of(module)
+    package.load_constants({n: constants[n] for n in package.get_constant_fqns()}, check_full_update=True,
+                           user_managed=True)
+    return package
+
+
 def load_package(folder: Path, constants: dict[str, torch.Tensor]):
     """Load a committed package and point it at `constants`; PackageError when it must not be used."""
     folder = Path(folder)
