@@ -282,12 +282,17 @@ class PipelineRunner:
     # -- set-up ----------------------------------------------------------------------------------
     def modes(self) -> tuple[Mode, ...]:
         """Modes this engine can run: the device's, minus what its options rule out."""
-        modes = [m for m in self.spec.modes]
-        if self.options.cpu_offload:
+        return tuple(m for m in self.spec.modes if not self._excluded(m))
+
+    def _excluded(self, mode: Mode) -> str:
+        """Why this engine's options rule `mode` out ("" when they do not)."""
+        if self.options.cpu_offload and mode in (Mode.COMPILE, Mode.AOT):
             # Offload hooks cannot be traced (seed: compile only the repeated blocks), and an aot package
             # points at weights that offload moves between devices.
-            modes = [m for m in modes if m not in (Mode.COMPILE, Mode.AOT)]
-        return tuple(modes)
+            return "CPU offload is on"
+        if mode is Mode.AOT and self.config.key.tp > 1:
+            return "a tensor-parallel engine's weights are sharded DTensors, which aot packages do not take"
+        return ""
 
     def check_mode(self, mode: Mode) -> tuple[str, ...]:
         if mode in self._mode_notices:  # checked on every request: remember the answer per mode
@@ -297,7 +302,7 @@ class PipelineRunner:
         if mode not in self.modes():
             raise UnsupportedCombination(
                 f"mode {mode!r} is not available on this engine ({self.config.key}): "
-                f"CPU offload is on, so only {', '.join(self.modes())} can run"
+                f"{self._excluded(Mode.parse(mode, 'mode'))}, so only {', '.join(self.modes())} can run"
             )
         self._mode_notices[mode] = notices
         return notices

@@ -120,8 +120,9 @@ def mode_notes(mode: str) -> tuple[str, ...]:
     if mode in (Mode.COMPILE, Mode.REGIONAL, Mode.AOT) and not find_cxx():
         return (
             "torch.compile (inductor) on CPU needs a C++ compiler and none was found on PATH: "
-            "install g++ (build-essential) or set CXX, or compiling will fail"
-            + (" (loading an existing aot package needs none)." if mode == Mode.AOT else "."),
+            "install g++ (build-essential) or set CXX, or compiling will fail."
+            + (" Loading an aot package runs inductor's CPU instruction-set probe, a tiny C++ build, too."
+               if mode == Mode.AOT else ""),
         )
     return ()
 
