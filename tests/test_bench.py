@@ -425,8 +425,8 @@ def test_table_shows_the_attention_backend_and_aot_origin():
 
 def test_cuda_graphs_bench_mode_is_refused_off_cuda_with_the_reason():
     model, cpu = torch.nn.Linear(2, 2), devices.get_device("cpu")
-    variant, kwargs, _ = denoiser.denoiser_variant(model, "cuda-graphs", EngineOptions(), cpu)
-    assert "mode" not in kwargs  # no CUDA graphs on this device: a plain full compile
+    with pytest.raises(UnsupportedCombination, match="CUDA graphs .* need a CUDA GPU"):
+        denoiser.denoiser_variant(model, "cuda-graphs", EngineOptions(), cpu)
     graphs = dataclasses.replace(cpu, cuda_graphs=True)
     assert denoiser.denoiser_variant(model, "cuda-graphs", EngineOptions(), graphs)[1]["mode"] == "reduce-overhead"
     neuron = dataclasses.replace(devices.get_device("neuron"), probe_fn=lambda: devices.Availability(True))

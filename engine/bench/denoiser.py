@@ -206,6 +206,7 @@ def denoiser_variant(model: torch.nn.Module, mode: str, options, spec: DeviceSpe
     if not bench_mode.compiled:
         return model, {}, []
     options = dataclasses.replace(options, **bench_mode.overrides)
+    graph_notices = recipes.cuda_graphs_notices(options, spec, bench_mode.engine)  # refused off CUDA, as the engine does
     if bench_mode.engine is Mode.AOT:
         if Mode.AOT not in spec.modes:
             raise UnsupportedCombination(f"mode aot is not offered on {spec.name}: {spec.aot_refusal}")
@@ -220,7 +221,7 @@ def denoiser_variant(model: torch.nn.Module, mode: str, options, spec: DeviceSpe
             package = aot.compile_module(model, (), inputs, recipes.aot_inductor_configs(options, spec), Path(folder))
         return package, {"aot_build_s": time.perf_counter() - start}, []
     kwargs, notices = recipes.compile_kwargs(options, spec, mode=bench_mode.engine)
-    return runner.compile_denoiser(model, bench_mode.engine, kwargs), kwargs, notices
+    return runner.compile_denoiser(model, bench_mode.engine, kwargs), kwargs, notices + graph_notices
 
 
 def _measure_denoiser(fn, inputs: dict, mode: str, cuda_graphs: bool, plan: BenchPlan, spec: DeviceSpec,
