@@ -226,10 +226,14 @@ class PackageStore:
         shutil.rmtree(folder, ignore_errors=True)
 
     def prune(self, slot: Path) -> None:
+        """Keep the newest KEEP_PER_SLOT keys of a slot; drop builds a killed process left half done."""
         kept = sorted((d for d in slot.iterdir() if (d / MANIFEST).is_file()),
                       key=lambda d: (d / MANIFEST).stat().st_mtime, reverse=True)
         for old in kept[KEEP_PER_SLOT:]:
             shutil.rmtree(old, ignore_errors=True)
+        for staging in slot.glob(".*.building-*"):
+            if time.time() - staging.stat().st_mtime > 24 * 3600:
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 # --- calls -----------------------------------------------------------------------------------------
