@@ -548,6 +548,12 @@ class AotEngine:
             raise
         self.store.commit(staging, key, signature=call_signature(args, kwargs), build_s=time.perf_counter() - start)
 
+    def remove_packages(self, size: Size) -> None:
+        """Delete this engine's packages for a size (every batch shape), so the next warm-up builds them."""
+        for guidance in self.runner.warm_guidances():
+            for kind, batch in ((DENOISER, self.batch(guidance)), (VAE, 1)):
+                self.store.remove(self.store.folder(self.package_key(kind, size, batch)))
+
     def _install(self, kind: str, package, manifest: dict) -> None:
         target = self.denoiser if kind == DENOISER else self.decoder
         target.packages[manifest["signature"]] = package
@@ -579,9 +585,7 @@ def export_packages(config, sizes: tuple[Size, ...] | None = None, rebuild: bool
         bar.set_postfix_str(str(size))
         if rebuild:
             runner.variant(Mode.AOT)
-            for guidance in runner.warm_guidances():
-                for kind, batch in ((DENOISER, runner._aot.batch(guidance)), (VAE, 1)):
-                    runner._aot.store.remove(runner._aot.store.folder(runner._aot.package_key(kind, size, batch)))
+            runner._aot.remove_packages(size)
         start = time.perf_counter()
         info = runner.warm_bucket(bucket)
         rows.append({"bucket": str(bucket), "state": info.state.value, "origin": info.origin, "error": info.error,
@@ -591,17 +595,25 @@ def export_packages(config, sizes: tuple[Size, ...] | None = None, rebuild: bool
     return rows
 
 
+class _NullBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _bar(total: int, enabled: bool, desc: str):
+    """A tqdm bar on stderr (stdout carries the command's answer), or one that does nothing."""
     import sys
 
     try:
         from tqdm import tqdm
     except ImportError:
-        enabled = False
+        return _NullBar()
     if not enabled:
-        class _Null:
-            def update(self, n=1): ...
-            def set_postfix_str(self, text): ...
-            def close(self): ...
-        return _Null()
+        return _NullBar()
     return tqdm(total=total, file=sys.stderr, desc=desc, unit="bucket", dynamic_ncols=True)
