@@ -1,4 +1,4 @@
-"""Headless command line: `python -m engine {generate,devices,presets,bench}`.
+"""Headless command line: `python -m engine {generate,devices,presets,attention,export,bench,soak}`.
 
 Sub-commands come from one table (`COMMANDS`); each module registers its own parser. Importing this
 module (and `--help`, `presets`) never imports torch: sub-commands import what they need when they run.
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import ShowcaseError
-from engine.flags import add_engine_arguments, make_manager, options_from_args
+from engine.flags import add_engine_arguments, make_manager, model_roots_from_args, options_from_args
 from engine.protocol import Mode, OnCold
 
 
@@ -74,6 +74,55 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_attention(args) -> int:
+    from engine import attention, devices
+
+    spec = devices.resolve_device(args.device) if args.device == devices.AUTO else devices.get_device(args.device)
+    available = spec.probe()
+    precision = devices.plan_precision(spec, args.precision).precision if available.available else args.precision
+    rows = attention.attention_table(spec, precision)
+    if args.json:
+        print(json.dumps({"device": spec.name, "available": available.available, "reason": available.reason,
+                          "precision": str(precision), "backends": rows}, indent=2))
+        return 0
+    print(f"attention backends on {spec.label} [{spec.name}] in {precision}"
+          + ("" if available.available else f" (device not available here: {available.reason})"))
+    print(attention.format_table(rows))
+    return 0
+
+
+def cmd_export(args) -> int:
+    """Build the aot packages of an engine's buckets ahead of time (a Docker build step, a Space's start-up, CI)."""
+    from engine import aot, caches, settings
+    from engine.presets import preset_for_model
+    from engine.protocol import Size
+    from engine.resolve import Catalog
+
+    roots = model_roots_from_args(args)
+    extra = {}
+    if args.model:
+        preset = preset_for_model(args.model, roots, buckets=args.buckets)
+        extra[preset.name] = preset
+        args.preset = preset.name
+    catalog = Catalog(roots, extra)
+    key = catalog.make_key(args.preset, args.device, args.precision)
+    cache = caches.prepare_cache_dir(args.cache_dir or settings.cache_dir())
+    for notice in cache.notices:
+        print(f"warning: {notice}", file=sys.stderr)
+    options = catalog.options_for(key, options_from_args(args, warm_sizes=(), warm_modes=()))
+    config = catalog.config(key, options, cache.path)
+    sizes = tuple(Size.parse(s) for s in args.sizes.split(",") if s.strip()) if args.sizes else None
+    rows = aot.export_packages(config, sizes, rebuild=args.rebuild, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            what = r["origin"] if r["state"] == "warm" else f"{r['state']}: {r['error']}"
+            print(f"{r['bucket']:16s} {what}  ({r['seconds']:.1f} s)")
+        print(f"packages in {config.cache_path() / 'aot'}")
+    return 0 if all(r["state"] == "warm" for r in rows) else 1
+
+
 def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate one image and print its timings")
     g.add_argument("--preset", default="tiny-flux")
@@ -108,12 +157,35 @@ def add_presets_parser(sub) -> None:
     p.set_defaults(func=cmd_presets)
 
 
+def add_attention_parser(sub) -> None:
+    a = sub.add_parser("attention", help="list diffusers attention backends: which can run here, and why not")
+    a.add_argument("--device", default="auto")
+    a.add_argument("--precision", default="bf16", help="flash, cuDNN, sage and FA3 kernels take bf16/fp16 only")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_attention)
+
+
+def add_export_parser(sub) -> None:
+    e = sub.add_parser("export", help="build the aot (AOTInductor) packages of an engine's buckets ahead of time")
+    e.add_argument("--preset", default="tiny-flux")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--precision", default="fp32")
+    e.add_argument("--sizes", default=None, help="comma-separated WxH buckets (default: every bucket of the preset)")
+    e.add_argument("--rebuild", action="store_true", help="build even where a valid package exists")
+    e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--json", action="store_true", help="print one JSON list, a row per bucket")
+    add_engine_arguments(e)  # options that change the graph (--fuse-qkv, --attention-backend, ...) must match the app's
+    e.set_defaults(func=cmd_export)
+
+
 # Every sub-command: "module:function" that adds its parser. Imported when the parser is built; an
 # ImportError there is a bug and is raised, never hidden.
 COMMANDS = (
     "engine.cli:add_generate_parser",
     "engine.cli:add_devices_parser",
     "engine.cli:add_presets_parser",
+    "engine.cli:add_attention_parser",
+    "engine.cli:add_export_parser",
     "engine.bench:add_bench_parser",
     "engine.soak:add_soak_parser",
 )

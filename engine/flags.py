@@ -19,6 +19,8 @@ _SWITCHES = (
     ("--max-autotune", "max_autotune", "torch.compile mode=max-autotune (inductor)"),
     ("--dynamic", "dynamic", "dynamic-shape compile where the device allows"),
     ("--int8", "int8", "torchao int8 dynamic quantisation of the denoiser"),
+    ("--cuda-graphs", "cuda_graphs", "CUDA graphs: compile with mode=reduce-overhead, aot with triton.cudagraphs "
+                                     "(CUDA only)"),
 )
 
 
@@ -36,11 +38,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-compile-vae", action="store_true", help="compile mode leaves vae.decode eager")
     g.add_argument("--inductor-flags", action=argparse.BooleanOptionalAction, default=None,
                    help="flux-fast inductor flags (default: on for CUDA)")
+    g.add_argument("--attention-backend", default="native", metavar="NAME",
+                   help="diffusers attention backend of the denoiser (native, _native_flash, flex, flash, _flash_3_hub, "
+                        "sage, ...); `python -m engine attention` lists which can run here and why not")
 
 
 def options_from_args(args, **overrides) -> EngineOptions:
     values = {field: getattr(args, field) for _, field, _ in _SWITCHES}
-    values.update(compile_vae=not args.no_compile_vae, inductor_flags=args.inductor_flags)
+    values.update(compile_vae=not args.no_compile_vae, inductor_flags=args.inductor_flags,
+                  attention_backend=getattr(args, "attention_backend", None) or "native")
     values.update(overrides)
     return EngineOptions(**values)
 
@@ -52,6 +58,9 @@ def engine_flags_argv(args) -> tuple[str, ...]:
         flags.append("--no-compile-vae")
     if args.inductor_flags is not None:
         flags.append("--inductor-flags" if args.inductor_flags else "--no-inductor-flags")
+    backend = getattr(args, "attention_backend", None) or "native"
+    if backend != "native":
+        flags += ["--attention-backend", backend]
     return tuple(flags)
 
 

@@ -51,6 +51,7 @@ class Mode(_Choice):
     COMPILE = "compile"  # torch.compile of the whole denoiser (+ vae.decode)
     REGIONAL = "regional"  # compile_repeated_blocks: only the repeated transformer blocks
     DEFER_AND_FUSE = "defer-and-fuse"  # TorchTPU's optimized eager mode
+    AOT = "aot"  # AOTInductor package per bucket (torch.export + aoti), loaded in seconds, weights shared
 
     @property
     def compiled(self) -> bool:
@@ -149,6 +150,9 @@ class BucketInfo:
     updated_at: float = 0.0
     cache_hits: int = 0  # inductor FX-graph cache hits while compiling (a restart warms from cache)
     cache_misses: int = 0
+    # Where a warm bucket's graph came from, when that is news: aot says "loaded from package" or
+    # "built now" (with what it replaced: a stale or corrupt package). None for the other modes.
+    origin: str | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -162,6 +166,7 @@ class BucketInfo:
             "requests_served": self.requests_served,
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
+            "origin": self.origin,
         }
 
 
@@ -239,6 +244,10 @@ class EngineOptions:
     warm_modes: tuple[Mode, ...] = (Mode.COMPILE,)  # modes whose buckets warm at start-up
     warm_sizes: tuple[str, ...] | None = None  # None: every bucket of the preset; () none
     warm_steps: int = 2
+    # diffusers attention backend set on the denoiser (engine/attention.py lists each one, usable or why not)
+    attention_backend: str = "native"
+    # torch.compile mode="reduce-overhead" (CUDA graphs) for compile; triton.cudagraphs for aot. CUDA only.
+    cuda_graphs: bool = False
     max_queue: int = 16  # pending requests per engine before "busy, retry"
     # Tests only: accept InjectFault messages (one-shot faults armed from outside) and make every
     # compile fail. Never set by the UI or the CLI.

@@ -11,7 +11,8 @@ import logging
 
 import torch
 
-from engine.protocol import EngineOptions
+from engine.errors import UnsupportedCombination
+from engine.protocol import EngineOptions, Mode
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,50 @@ def apply_inductor_flags(options: EngineOptions, device_spec) -> list[str]:
     return ["inductor flags: " + ", ".join(f"{k}={v}" for k, v in INDUCTOR_FLAGS.items())]
 
 
-def compile_kwargs(options: EngineOptions, device_spec, fullgraph: bool = True) -> tuple[dict, list[str]]:
-    """torch.compile arguments for this device and options, with notices for what was downgraded."""
+# Modes whose graphs replay as CUDA graphs with --cuda-graphs (regional compiles many small regions, where
+# one graph per block would add more launches than it saves).
+CUDA_GRAPH_MODES = (Mode.COMPILE, Mode.AOT)
+
+
+def cuda_graphs_notices(options: EngineOptions, device_spec, mode: Mode) -> list[str]:
+    """What --cuda-graphs does for `mode` on this device; UnsupportedCombination where it cannot."""
+    if not options.cuda_graphs or not mode.compiled:
+        return []
+    if mode not in CUDA_GRAPH_MODES:
+        return [f"CUDA graphs apply to {' and '.join(CUDA_GRAPH_MODES)}; {mode} runs without them"]
+    if not device_spec.cuda_graphs:
+        raise UnsupportedCombination(
+            f"CUDA graphs (--cuda-graphs) need a CUDA GPU; {device_spec.label} [{device_spec.name}] cannot record "
+            f"them. Run {mode} without --cuda-graphs, or on cuda")
+    how = 'mode="reduce-overhead"' if mode is Mode.COMPILE else "triton.cudagraphs in the package"
+    return [f"CUDA graphs: {mode} replays each step as one graph ({how}); the step callback reads cloned outputs"]
+
+
+def cuda_graphs_active(options: EngineOptions, device_spec, mode) -> bool:
+    return bool(options.cuda_graphs and device_spec.cuda_graphs and mode in CUDA_GRAPH_MODES)
+
+
+def graph_safe_outputs(callback_kwargs: dict) -> dict:
+    """A step callback's view of the step under CUDA graphs: the next replay overwrites graph outputs in
+    place, so the tensors handed on (the latents) are cloned, and the next call starts a new graph step."""
+    cloned = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in callback_kwargs.items()}
+    torch.compiler.cudagraph_mark_step_begin()
+    return cloned
+
+
+def aot_inductor_configs(options: EngineOptions, device_spec) -> dict:
+    """inductor settings an AOTInductor package is compiled with (the global inductor flags apply too)."""
+    configs = {"aot_inductor.package_constants_in_so": False}  # weights stay out: one copy, the engine's
+    if options.max_autotune and device_spec.compile_backend == "inductor":
+        configs["max_autotune"] = True
+    if cuda_graphs_active(options, device_spec, Mode.AOT):
+        configs["triton.cudagraphs"] = True
+    return configs
+
+
+def compile_kwargs(options: EngineOptions, device_spec, fullgraph: bool = True,
+                   mode: Mode = Mode.COMPILE) -> tuple[dict, list[str]]:
+    """torch.compile arguments for this device, options and engine mode, with notices for what was downgraded."""
     notices = []
     kwargs = {"backend": device_spec.compile_backend, "fullgraph": fullgraph}
     if options.dynamic and device_spec.static_shapes:
@@ -111,6 +154,8 @@ def compile_kwargs(options: EngineOptions, device_spec, fullgraph: bool = True) 
             kwargs["mode"] = "max-autotune"
         else:
             notices.append(f"max-autotune is an inductor mode; {device_spec.name} compiles with {device_spec.compile_backend}")
+    elif cuda_graphs_active(options, device_spec, mode):
+        kwargs["mode"] = "reduce-overhead"  # CUDA graphs (max-autotune records them as well)
     return kwargs, notices
 
 

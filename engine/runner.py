@@ -9,7 +9,10 @@ same weights:
             `vae.decode` on a shallow VAE copy;
 - regional: `compile_repeated_blocks` on a structural clone of the denoiser whose Parameters are the
             very same tensors (compile_repeated_blocks works in place, and eager must stay eager);
-- defer-and-fuse: the eager variant run under torch_tpu's DEFER_AND_FUSE eager mode.
+- defer-and-fuse: the eager variant run under torch_tpu's DEFER_AND_FUSE eager mode;
+- aot:      the denoiser (and vae.decode) dispatch to one AOTInductor package per bucket and batch shape,
+            loaded from the cache folder or built there, every package on the engine's own weights
+            (engine/aot.py).
 
 A bucket is (mode, size): one compiled graph of the variant's module at that static shape.
 """
@@ -31,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from engine import caches, devices, recipes
+from engine import attention, caches, devices, recipes
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
 from engine.faults import FaultHooks
 from engine.presets import route_size
@@ -270,6 +273,8 @@ class PipelineRunner:
         self.faults = FaultHooks()  # tests arm one-shot faults through the worker protocol
         self._weights_bytes: int | None = None
         self._peak_bytes: int | None = None
+        self.source: str | None = None  # what from_pretrained loaded (aot package keys name the model by it)
+        self._aot = None  # engine/aot.py AotEngine, built with the aot variant
         for mode in self.modes():
             for size in self.preset.buckets:
                 self.board.add(BucketKey(mode, size), BucketState.COLD if mode.compiled else BucketState.WARM)
@@ -277,19 +282,27 @@ class PipelineRunner:
     # -- set-up ----------------------------------------------------------------------------------
     def modes(self) -> tuple[Mode, ...]:
         """Modes this engine can run: the device's, minus what its options rule out."""
-        modes = [m for m in self.spec.modes]
-        if self.options.cpu_offload and Mode.COMPILE in modes:
-            modes.remove(Mode.COMPILE)  # offload hooks cannot be traced (seed: compile only the repeated blocks)
-        return tuple(modes)
+        return tuple(m for m in self.spec.modes if not self._excluded(m))
+
+    def _excluded(self, mode: Mode) -> str:
+        """Why this engine's options rule `mode` out ("" when they do not)."""
+        if self.options.cpu_offload and mode in (Mode.COMPILE, Mode.AOT):
+            # Offload hooks cannot be traced (seed: compile only the repeated blocks), and an aot package
+            # points at weights that offload moves between devices.
+            return "CPU offload is on"
+        if mode is Mode.AOT and self.config.key.tp > 1:
+            return "a tensor-parallel engine's weights are sharded DTensors, which aot packages do not take"
+        return ""
 
     def check_mode(self, mode: Mode) -> tuple[str, ...]:
         if mode in self._mode_notices:  # checked on every request: remember the answer per mode
             return self._mode_notices[mode]
         notices = devices.check_mode(self.spec, mode)
+        notices += tuple(recipes.cuda_graphs_notices(self.options, self.spec, Mode.parse(mode, "mode")))
         if mode not in self.modes():
             raise UnsupportedCombination(
                 f"mode {mode!r} is not available on this engine ({self.config.key}): "
-                f"CPU offload is on, so only {', '.join(self.modes())} can run"
+                f"{self._excluded(Mode.parse(mode, 'mode'))}, so only {', '.join(self.modes())} can run"
             )
         self._mode_notices[mode] = notices
         return notices
@@ -305,6 +318,8 @@ class PipelineRunner:
 
     def load(self) -> float:
         start = time.perf_counter()
+        # An attention backend this device cannot run is refused before any weights load.
+        attention.check_backend(self.options.attention_backend, self.spec, self.precision.precision)
         # Before diffusers is imported: importing it pulls in torch._dynamo, which fixes
         # TORCHINDUCTOR_CACHE_DIR to /tmp when unset, and the persistent cache would be ignored.
         env = devices.apply_environment(self.spec, self.config.cache_path())
@@ -315,7 +330,7 @@ class PipelineRunner:
         _install_compile_counter()
         recipes.raise_recompile_limit(len(self.modes()) * len(self.preset.buckets) * 2)
         pipeline_cls = getattr(diffusers, self.preset.pipeline)
-        source = resolve_source(self.config)
+        source = self.source = resolve_source(self.config)
         try:
             pipe = pipeline_cls.from_pretrained(
                 source, dtype=self.precision.dtype, trust_remote_code=False, **self.component_overrides(source)
@@ -334,6 +349,8 @@ class PipelineRunner:
             self.notices.append("model CPU offload: each model moves to the device only while it runs")
         else:
             pipe.to(self.load_device())
+        self.notices += attention.apply_backend(getattr(pipe, self.preset.denoiser), self.options.attention_backend,
+                                                self.spec, self.precision.precision)
         self.notices += recipes.apply_inductor_flags(self.options, self.spec)
         self.pipe = pipe
         self._variants[Mode.EAGER] = pipe
@@ -352,9 +369,14 @@ class PipelineRunner:
             base = self.pipe
             if mode is Mode.DEFER_AND_FUSE:
                 pipe = base  # same modules; the eager mode is switched per run (devices.enter_eager_mode)
+            elif mode is Mode.AOT:
+                from engine import aot
+
+                self._aot = aot.AotEngine(self, recipes.aot_inductor_configs(self.options, self.spec))
+                pipe = self._aot.pipe
             else:
                 options = replace(self.options, fail_compiles=False)
-                kwargs, notices = recipes.compile_kwargs(options, self.spec)
+                kwargs, notices = recipes.compile_kwargs(options, self.spec, mode=mode)
                 self.notices += notices
                 if self.options.fail_compiles:
                     kwargs["backend"] = _failing_backend
@@ -385,15 +407,19 @@ class PipelineRunner:
         scheduler.set_timesteps = set_timesteps
         object.__setattr__(run, "scheduler", scheduler)
         cancelled_at = []
+        graphs = recipes.cuda_graphs_active(self.options, self.spec, request.mode)
 
         def on_step_end(p, i, t, callback_kwargs):
+            # With CUDA graphs the next replay overwrites this step's graph outputs: the step's tensors are
+            # cloned before anything reads them, and the next denoiser call starts a new graph step.
+            outputs = recipes.graph_safe_outputs(callback_kwargs) if graphs else {}
             step_ms = clock.mark_step_end()
             if on_step:
                 on_step(StepProgress(request.request_id, i + 1, request.steps, step_ms))
             if cancel is not None and cancel.is_set() and not cancelled_at:
                 cancelled_at.append(i + 1)
                 p._interrupt = True
-            return {}
+            return outputs
 
         kwargs = pipeline_call_kwargs(self.preset, run, request)
         kwargs["callback_on_step_end"] = on_step_end
@@ -434,12 +460,16 @@ class PipelineRunner:
                 raise self._out_of_memory(torch.OutOfMemoryError("injected out-of-memory"))
             self.spec.reset_peak_memory()
             compiles_before = compiles_in_this_thread()
+            aot_before = self._aot.counters()[1] if self._aot and request_for_run.mode is Mode.AOT else None
             try:
                 image, timings, cancelled_at = self._call(pipe, request_for_run, on_step, cancel)
             except torch.OutOfMemoryError as exc:
                 raise self._out_of_memory(exc) from None
             recompiles = compiles_in_this_thread() - compiles_before
             peak = self.spec.peak_memory_bytes()
+            if aot_before is not None and self._aot.counters()[1] > aot_before:
+                notices.append(f"aot: a call at {bucket} matched no package (not the exported shapes or "
+                               "arguments) and ran eagerly")
         if cancelled_at is not None:
             raise Cancelled(f"request {request.request_id} cancelled after step {cancelled_at} of {request.steps}")
         self.board.served(bucket)
@@ -513,25 +543,34 @@ class PipelineRunner:
                 raise InvalidRequest(f"{bucket.size} is not a bucket of {self.preset.name}")
         except Exception as exc:
             return self.board.update(bucket, state=BucketState.FAILED, error=str(exc))
-        self.board.update(bucket, state=BucketState.COMPILING, error=None)
+        self.board.update(bucket, state=BucketState.COMPILING, error=None, origin=None)
         try:
             pipe = self.variant(bucket.mode)
             hits_before, misses_before = _cache_counters()
             start = time.perf_counter()
-            self._compile_bucket(pipe, bucket)
+            origin = self._compile_bucket(pipe, bucket)
             compile_s = time.perf_counter() - start
             start = time.perf_counter()
+            aot_misses = self._aot.counters()[1] if bucket.mode is Mode.AOT else 0
             self._call(pipe, self.warm_request(bucket))
             warmup_s = time.perf_counter() - start
+            if bucket.mode is Mode.AOT and self._aot.counters()[1] > aot_misses:
+                raise RuntimeError("the warm-up run matched no aot package (the pipeline calls the denoiser or "
+                                   "decoder with other arguments than were exported)")
         except Exception as exc:  # a failed compile must leave eager serving
             log.warning("bucket %s failed to compile: %s", bucket, exc)
             return self.board.update(bucket, state=BucketState.FAILED, error=describe_failure(exc))
         hits, misses = _cache_counters()
         return self.board.update(bucket, state=BucketState.WARM, compile_s=compile_s, warmup_s=warmup_s,
-                                 cache_hits=hits - hits_before, cache_misses=misses - misses_before)
+                                 cache_hits=hits - hits_before, cache_misses=misses - misses_before, origin=origin)
 
-    def _compile_bucket(self, pipe, bucket: BucketKey) -> None:
-        """First calls at the bucket's shapes compile; a corrupt on-disk cache gets one retry without it."""
+    def _compile_bucket(self, pipe, bucket: BucketKey) -> str | None:
+        """First calls at the bucket's shapes compile; a corrupt on-disk cache gets one retry without it.
+        aot: load the bucket's packages, building what is missing (returns where they came from)."""
+        if bucket.mode is Mode.AOT:
+            origin, notices = self._aot.warm(bucket, report=lambda text: self.board.update(bucket, origin=text))
+            self.notices += notices
+            return origin
         try:
             for guidance in self.warm_guidances():
                 self._call(pipe, self.warm_request(bucket, guidance))
@@ -545,6 +584,7 @@ class PipelineRunner:
             caches.disable_compile_caches()
             for guidance in self.warm_guidances():
                 self._call(pipe, self.warm_request(bucket, guidance))
+        return None
 
     def ready_info(self) -> EngineReady:
         """What a worker announces once loaded (the protocol's Ready message)."""

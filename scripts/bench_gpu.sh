@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# GPU benchmark in one go (<= 8 minutes on a lent H200; see docs/benchmarks.md, "GPU run"):
+# GPU benchmark in one go (<= 9 minutes on a lent H200; see docs/benchmarks.md, "GPU run"):
 # a FLUX.1-dev-sized transformer (presets/models.toml denoiser_config, random weights: no download) at
-# 1024x1024, 28 steps, bf16, fused QKV: eager vs compile vs regional vs max-autotune, each step's
-# achieved TFLOP/s against the bf16 matmul rate measured on the same GPU.
+# 1024x1024, 28 steps, bf16, fused QKV: eager vs compile vs CUDA graphs (compile, mode="reduce-overhead")
+# vs regional vs max-autotune, each step's achieved TFLOP/s against the bf16 matmul rate measured on the
+# same GPU; then an FA3 row (full compile with the _flash_3_hub or _flash_3 attention backend) when this
+# machine can run FA3, else the reason, from `python -m engine attention`.
 #
 #   bash scripts/bench_gpu.sh wheelhouse   # on the dev machine, once: diffusers + what it needs -> .whl/
 #   bash scripts/bench_gpu.sh [extra bench flags]
 #                                          # on the GPU machine: installs diffusers from .whl/ (the
 #                                          # device has torch and transformers, no diffusers, no network),
 #                                          # runs the bench, writes $OUT/bench-gpu/{bench.json,bench.md,...}
+#                                          # and $OUT/bench-gpu-fa3/
+#   bash scripts/bench_gpu.sh aot          # a second call: eager vs aot (AOTInductor package: export +
+#                                          # AOT compile of the full transformer, minutes) -> $OUT/bench-gpu-aot/
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl
@@ -38,12 +43,50 @@ fi
 "$PY" -c "import sys, torch, diffusers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, 'gpu', torch.cuda.get_device_name())" | tee "$OUT_DIR/versions.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv > "$OUT_DIR/nvidia-smi.txt" 2>&1 || true
 
-# Hard limit 450 s (start-up and the transfer of $OUT fit in the rest of 8 minutes); no mode starts
-# after 330 s; every finished mode is written to bench.json as soon as it is measured.
-timeout --signal=INT --kill-after=20 450 "$PY" -m engine bench --random-weights --preset flux1-dev \
-  --device cuda --precisions bf16 --modes eager,compile,regional,max-autotune --fuse-qkv \
-  --sizes 1024x1024 --steps 28 --runs 2 --matmul-roofline --time-budget 330 \
-  --cache-dir /tmp/showcase-cache --out "$OUT_DIR" --no-progress "$@" 2>&1 | tee "$OUT_DIR/bench.log"
+COMMON=(--random-weights --preset flux1-dev --device cuda --precisions bf16 --fuse-qkv --sizes 1024x1024
+        --steps 28 --runs 2 --cache-dir /tmp/showcase-cache --no-progress)
+
+if [ "${1:-}" = aot ]; then
+  shift
+  # Eager, then the AOTInductor package of the transformer (constants outside the package, loaded on the
+  # model's own weights); hard limit 540 s.
+  AOT_DIR="${OUT:-artifacts}/bench-gpu-aot"
+  mkdir -p "$AOT_DIR"
+  timeout --signal=INT --kill-after=20 540 "$PY" -m engine bench "${COMMON[@]}" --modes eager,compile,aot \
+    --time-budget 420 --out "$AOT_DIR" "$@" 2>&1 | tee "$AOT_DIR/bench.log"
+  rc=${PIPESTATUS[0]}
+  echo "aot bench exited $rc"
+  exit "$rc"
+fi
+
+# Main run: hard limit 390 s; no mode starts after 270 s; every finished mode is written to bench.json as
+# soon as it is measured. cuda-graphs comes right after compile (same compile plus CUDA graph capture);
+# max-autotune, the most expensive compile, last.
+timeout --signal=INT --kill-after=20 390 "$PY" -m engine bench "${COMMON[@]}" \
+  --modes eager,compile,cuda-graphs,regional,max-autotune --matmul-roofline --time-budget 270 \
+  --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/bench.log"
 rc=${PIPESTATUS[0]}
 echo "bench exited $rc (124/130 = stopped by the time limit; bench.json holds the modes that finished)"
+
+# FA3 row: which FA3 backend can run here (kernels package + Hub download, or an FA3 build), else why not.
+FA3_DIR="${OUT:-artifacts}/bench-gpu-fa3"
+mkdir -p "$FA3_DIR"
+"$PY" -m engine attention --device cuda --precision bf16 --json > "$FA3_DIR/attention.json" 2> "$FA3_DIR/attention.err"
+FA3=$("$PY" - "$FA3_DIR/attention.json" <<'PYEOF'
+import json, sys
+rows = {r["name"]: r for r in json.load(open(sys.argv[1]))["backends"]}
+usable = [n for n in ("_flash_3_hub", "_flash_3") if rows.get(n, {}).get("usable")]
+print(usable[0] if usable else "")
+for n in ("_flash_3_hub", "_flash_3"):
+    print(f"{n}: {'usable' if rows.get(n, {}).get('usable') else rows.get(n, {}).get('reason')}", file=sys.stderr)
+PYEOF
+)
+if [ -n "$FA3" ]; then
+  timeout --signal=INT --kill-after=20 150 "$PY" -m engine bench "${COMMON[@]}" --modes compile \
+    --attention-backend "$FA3" --time-budget 60 --out "$FA3_DIR" 2>&1 | tee "$FA3_DIR/bench.log"
+  echo "FA3 ($FA3) bench exited ${PIPESTATUS[0]}"
+else
+  echo "FA3 row skipped: no FA3 attention backend can run here (reasons in $FA3_DIR/attention.json)" \
+    | tee "$FA3_DIR/skipped.txt"
+fi
 exit "$rc"

@@ -354,3 +354,95 @@ def test_time_budget_skips_configurations_and_keeps_them_in_the_report(cache_dir
     assert any("time budget" in n for n in report["notes"])
     assert json.loads((tmp_path / "bench.json").read_text())["partial"] is True  # checkpoint written
     assert {t["status"] for t in report["targets"]} == {"n/a"}
+
+
+# ---- aot, CUDA graphs and attention backends in the bench (additions) ------------------------------
+
+
+def test_bench_modes_include_aot_and_cuda_graphs():
+    assert bench.MODE_TABLE["aot"].engine is Mode.AOT and "aot" in bench.COMPILED_MODES
+    assert bench.MODE_TABLE["cuda-graphs"].engine is Mode.COMPILE
+    assert bench.MODE_TABLE["cuda-graphs"].overrides == {"cuda_graphs": True}
+
+
+def _cold_start_children(ready_aot=6.0, rss_growth=1.05, first=21.0):
+    def child(mode, ready, warm, origin=None):
+        buckets = [{"size": s, "state": "warm", "origin": origin, "error": None,
+                    "rss": int(600e6 * (1 + i * (rss_growth - 1) / 3))}
+                   for i, s in enumerate(("64x64", "128x128", "64x128", "128x64"))]
+        return {"mode": mode, "ready_s": ready, "warm_s": warm, "load_s": 1.0, "startup_s": 4.0, "buckets": buckets,
+                "rss_loaded": int(580e6), "warm_compiles": 0, "inductor_cache_files": 0}
+
+    aot = child("aot", ready_aot, 1.0, "loaded from package")
+    aot.update(first_request_ms={"64x64": first, "128x128": 30.0, "64x128": 25.0, "128x64": 25.0},
+               steady_ms={"64x64": 20.0, "128x128": 30.0, "64x128": 25.0, "128x64": 25.0}, request_recompiles=0)
+    return {"compile_empty": child("compile", 200.0, 195.0), "compile_filled": child("compile", 25.0, 20.0),
+            "aot": aot, "export_s": 400.0}
+
+
+def test_aot_ratios_and_cold_start_targets():
+    from engine.bench.cold_start import _ratios
+
+    results = [dict(r) for r in HAND_MADE] + [_result("fp32", "aot", "64x64", 2.1, compile_s=1.2, first_request_ms=19.0,
+                                                      origin="loaded from package")]
+    cold = _cold_start_children()
+    _ratios(cold)
+    assert cold["ratios"]["aot_cold_start_empty"] == pytest.approx(6 / 200)
+    assert cold["ratios"]["aot_cold_start_filled"] == pytest.approx(6 / 25)
+    assert cold["ratios"]["aot_warmup_filled"] == pytest.approx(1 / 20)
+    assert cold["ratios"]["aot_first_request"] == pytest.approx(1.0)  # median over buckets (1.05, 1, 1, 1)
+    assert "worst 64x64" in cold["notes"]["aot_first_request"]
+    assert cold["ratios"]["aot_memory"] == pytest.approx(1.05)
+    targets = {t["key"]: t for t in bench.evaluate_targets(bench.compute_ratios(results, {"cold_start": cold}))}
+    assert targets["aot_step"]["value"] == pytest.approx(2.1 / 2.0) and targets["aot_step"]["status"] == "met"
+    for key in ("aot_cold_start_empty", "aot_cold_start_filled", "aot_warmup_filled", "aot_first_request",
+                "aot_memory", "aot_recompiles"):
+        assert targets[key]["status"] == "met", key
+
+    slow = _cold_start_children(ready_aot=15.0, rss_growth=1.3, first=40.0)
+    slow["aot"]["first_request_ms"].update({"128x128": 60.0, "64x128": 50.0})  # three of four buckets slow
+    _ratios(slow)
+    targets = {t["key"]: t for t in bench.evaluate_targets(bench.compute_ratios(results, {"cold_start": slow}))}
+    assert {k for k, t in targets.items() if t["status"] == "MISSED" and k.startswith("aot")} == {
+        "aot_cold_start_filled", "aot_memory", "aot_first_request"}
+    # A bucket that was built rather than loaded is an error of the probe, never a fast "cold start".
+    built = _cold_start_children()
+    built["aot"]["buckets"][1]["origin"] = "built now"
+    _ratios(built)
+    assert "ratios" not in built and "128x128 was not loaded from a package" in built["error"]
+    targets = {t["key"]: t for t in bench.evaluate_targets(bench.compute_ratios(results, {"cold_start": built}))}
+    assert targets["aot_cold_start_empty"]["status"] == "n/a" and "not loaded" in targets["aot_cold_start_empty"]["note"]
+
+
+def test_table_shows_the_attention_backend_and_aot_origin():
+    rows = bench.speedup_table([_result("fp32", "eager", "64x64", 8.0, attention_backend="_native_math"),
+                                _result("fp32", "aot", "64x64", 2.0, origin="loaded from package")])
+    assert rows[0]["attention_backend"] == "_native_math" and rows[1]["attention_backend"] == "native"
+    table = bench.markdown_table(rows)
+    assert "| attention |" in table and "_native_math" in table and "loaded from package" in table
+    assert "attention_backend" in bench.RESULT_FIELDS and "origin" in bench.RESULT_FIELDS
+
+
+def test_cuda_graphs_bench_mode_is_refused_off_cuda_with_the_reason():
+    model, cpu = torch.nn.Linear(2, 2), devices.get_device("cpu")
+    with pytest.raises(UnsupportedCombination, match="CUDA graphs .* need a CUDA GPU"):
+        denoiser.denoiser_variant(model, "cuda-graphs", EngineOptions(), cpu)
+    graphs = dataclasses.replace(cpu, cuda_graphs=True)
+    assert denoiser.denoiser_variant(model, "cuda-graphs", EngineOptions(), graphs)[1]["mode"] == "reduce-overhead"
+    neuron = dataclasses.replace(devices.get_device("neuron"), probe_fn=lambda: devices.Availability(True))
+    with pytest.raises(UnsupportedCombination, match="NEFF"):
+        denoiser.denoiser_variant(model, "aot", EngineOptions(), neuron, inputs={})
+
+
+@pytest.mark.slow
+def test_random_weights_denoiser_aot_package(cache_dir, tmp_path):
+    plan = _plan([
+        "--random-weights", "--preset", "flux1-dev", "--device", "cpu", "--modes", "eager,aot", "--precisions", "fp32",
+        "--sizes", "64x64", "--steps", "2", "--runs", "1", "--text-len", "8", "--no-progress",
+        "--denoiser-config-override", json.dumps(TINY_FLUX), "--cache-dir", str(cache_dir), "--out", str(tmp_path),
+    ])
+    report = run_bench(plan)
+    eager, packaged = report["results"]
+    assert packaged["error"] is None, packaged["error"]
+    assert packaged["mode"] == "aot" and packaged["compile_s"] > 0 and packaged["recompiles"] == 0
+    assert packaged["step_ms_median"] > 0

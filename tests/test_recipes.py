@@ -113,3 +113,108 @@ def test_clone_module_tree_is_structural():
     assert clone[1] is not module[1] and clone[1][0].weight is module[1][0].weight
     clone[1][0].register_forward_hook(lambda *a: None)
     assert not module[1][0]._forward_hooks
+
+
+# ---- CUDA graphs ----------------------------------------------------------------------------------
+
+
+def test_cuda_graphs_refused_off_cuda_and_configured_where_graphs_exist():
+    import dataclasses
+
+    from engine.protocol import Mode
+
+    cpu, options = devices.get_device("cpu"), EngineOptions(cuda_graphs=True)
+    for mode in (Mode.COMPILE, Mode.AOT):
+        with pytest.raises(UnsupportedCombination, match="CUDA graphs .* need a CUDA GPU"):
+            recipes.cuda_graphs_notices(options, cpu, mode)
+    assert recipes.cuda_graphs_notices(options, cpu, Mode.EAGER) == []
+    assert "regional runs without them" in recipes.cuda_graphs_notices(options, cpu, Mode.REGIONAL)[0]
+    assert recipes.cuda_graphs_notices(EngineOptions(), cpu, Mode.COMPILE) == []
+    assert "reduce-overhead" in recipes.cuda_graphs_notices(options, devices.get_device("cuda"), Mode.COMPILE)[0]
+
+    graphs = dataclasses.replace(cpu, cuda_graphs=True)  # a device that records CUDA graphs
+    assert recipes.compile_kwargs(options, graphs, mode=Mode.COMPILE)[0]["mode"] == "reduce-overhead"
+    assert "mode" not in recipes.compile_kwargs(options, graphs, mode=Mode.REGIONAL)[0]
+    assert "mode" not in recipes.compile_kwargs(EngineOptions(), graphs)[0]
+    assert "mode" not in recipes.compile_kwargs(options, cpu)[0]
+    both = EngineOptions(cuda_graphs=True, max_autotune=True)
+    assert recipes.compile_kwargs(both, graphs)[0]["mode"] == "max-autotune"  # records CUDA graphs too
+    assert recipes.aot_inductor_configs(options, graphs)["triton.cudagraphs"] is True
+    assert "triton.cudagraphs" not in recipes.aot_inductor_configs(options, cpu)
+    assert recipes.aot_inductor_configs(EngineOptions(), cpu) == {"aot_inductor.package_constants_in_so": False}
+
+
+def test_runner_refuses_cuda_graphs_off_cuda_and_keeps_other_modes(cache_dir):
+    config = EngineConfig(EngineKey("tiny-flux", "cpu", "fp32"), get_preset("tiny-flux"),
+                          EngineOptions(cuda_graphs=True), str(cache_dir))
+    runner = PipelineRunner(config)  # nothing loads: the refusal comes first
+    for mode in ("compile", "aot"):
+        with pytest.raises(UnsupportedCombination, match="CUDA graphs"):
+            runner.check_mode(mode)
+    assert runner.check_mode("eager") == ()
+    assert any("without them" in n for n in runner.check_mode("regional"))
+
+
+class _FakeScheduler:
+    def set_timesteps(self, num_inference_steps=None, **kwargs):
+        self.timesteps = list(range(num_inference_steps))
+
+
+class _FakePipe:
+    """Runs its step callback as a diffusers pipeline does: each step's latents are a fresh output (as a CUDA
+    graph replay's would be), and the callback's returned latents replace them."""
+
+    def __init__(self):
+        self.steps = []
+        self._interrupt = False
+
+    def __call__(self, prompt, height, width, num_inference_steps, guidance_scale, generator, output_type,
+                 callback_on_step_end):
+        from types import SimpleNamespace
+
+        from PIL import Image
+
+        self.scheduler.set_timesteps(num_inference_steps)
+        latents = torch.zeros(1, 4)
+        for i in range(num_inference_steps):
+            if self._interrupt:
+                break
+            output = latents + 1
+            returned = callback_on_step_end(self, i, i, {"latents": output}).pop("latents", output)
+            self.steps.append((output, returned))
+            latents = returned
+        return SimpleNamespace(images=[Image.new("RGB", (8, 8))])
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_step_callback_reads_cloned_outputs_under_cuda_graphs(cache_dir, monkeypatch, cuda_graphs):
+    import dataclasses
+    import threading
+
+    from engine.protocol import GenerateRequest
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    config = EngineConfig(EngineKey("tiny-flux", "cpu", "fp32"), get_preset("tiny-flux"),
+                          EngineOptions(cuda_graphs=cuda_graphs), str(cache_dir))
+    runner = PipelineRunner(config)
+    runner.spec = dataclasses.replace(runner.spec, cuda_graphs=True)  # mock: a device that records graphs
+    runner._scheduler_template = _FakeScheduler()
+    pipe, progress, cancel = _FakePipe(), [], threading.Event()
+    req = GenerateRequest(prompt="x", width=64, height=64, steps=5, guidance=3.5, seed=0, mode="compile")
+
+    def on_step(p):
+        progress.append(p)
+        if p.step == 3:
+            cancel.set()
+
+    _, timings, cancelled_at = runner._call(pipe, req, on_step=on_step, cancel=cancel)
+    assert cancelled_at == 3 and len(pipe.steps) == 3  # cancel still stops between steps
+    assert [p.step for p in progress] == [1, 2, 3] and all(p.step_ms > 0 for p in progress)
+    assert len(timings.step_ms) == 3
+    for output, returned in pipe.steps:
+        assert torch.equal(output, returned)
+        assert (returned.data_ptr() != output.data_ptr()) is cuda_graphs  # a clone only under CUDA graphs
+    assert len(marks) == (3 if cuda_graphs else 0)  # each step ends a graph step
+    eager = runner._call(_FakePipe(), req.replace(mode="eager"))  # eager never replays graphs
+    assert len(marks) == (3 if cuda_graphs else 0) and eager[2] is None

@@ -34,7 +34,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--device", default="auto")
     b.add_argument("--modes", default="eager,compile,regional",
                    help=f"comma-separated, from {', '.join(BENCH_MODES)} (max-autotune = full compile "
-                        "with mode='max-autotune')")
+                        "with mode='max-autotune'; cuda-graphs = full compile with mode='reduce-overhead'; aot = "
+                        "AOTInductor packages, built once into the cache folder)")
     b.add_argument("--precisions", default="fp32", help=f"comma-separated: {','.join(Precision.values())}")
     b.add_argument("--sizes", default=None, help="comma-separated WxH buckets (default: the preset's first)")
     b.add_argument("--steps", type=int, default=None, help="denoising steps per image (default: the preset's)")
@@ -50,6 +51,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="mode whose cold vs cached compile is measured in fresh processes (off = skip; the "
                         "cold compile of a full tiny-flux bucket takes about a minute on 2 CPU cores)")
     b.add_argument("--probe-timeout", type=float, default=900.0, help="seconds per probe process")
+    b.add_argument("--cold-start-probe", default="auto", choices=("auto", "on", "off"),
+                   help="time until every bucket of the preset is warm in fresh processes: compile with an empty "
+                        "and a filled inductor cache, then aot with packages built by `python -m engine export` "
+                        "(auto: on when --modes has aot; the empty-cache compile and the export take minutes)")
+    b.add_argument("--cold-start-runs", type=int, default=5,
+                   help="steady requests per bucket in the cold-start probe's aot process")
     b.add_argument("--random-weights", action="store_true",
                    help="benchmark the denoiser alone, built from the preset's denoiser_config with random "
                         "weights (no download; real shapes)")
@@ -70,6 +77,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--strict", action="store_true", help="exit 1 when a target is MISSED")
     b.add_argument("--_compile-probe", action="store_true", help=argparse.SUPPRESS)
+    b.add_argument("--_cold-start-child", action="store_true", help=argparse.SUPPRESS)
     add_engine_arguments(b)
     b.set_defaults(func=cmd_bench)
     return b

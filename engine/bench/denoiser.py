@@ -19,6 +19,7 @@ import logging
 import time
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -47,7 +48,7 @@ DEFAULT_TEXT_LEN = {"FluxPipeline": 512, "StableDiffusion3Pipeline": 333, "Stabl
 VAE_SCALE = 8
 # Engine modes that have a denoiser-only variant (defer-and-fuse switches the TPU runtime's eager
 # mode for a whole pipeline run; it has no module of its own).
-VARIANT_MODES = (Mode.EAGER, Mode.COMPILE, Mode.REGIONAL)
+VARIANT_MODES = (Mode.EAGER, Mode.COMPILE, Mode.REGIONAL, Mode.AOT)
 # torch.compile modes that replay CUDA graphs where the device has them: each step must be marked.
 CUDA_GRAPH_COMPILE_MODES = ("max-autotune", "reduce-overhead")
 
@@ -193,16 +194,34 @@ def measure_matmul_rate(spec: DeviceSpec, dtype, sizes: tuple[int, ...] | None =
     return {"dtype": str(dtype).replace("torch.", ""), "tflops": best, "sizes": rows}
 
 
-def denoiser_variant(model: torch.nn.Module, mode: str, options, spec: DeviceSpec) -> tuple[object, dict, list[str]]:
+def denoiser_variant(model: torch.nn.Module, mode: str, options, spec: DeviceSpec,
+                     inputs: dict | None = None) -> tuple[object, dict, list[str]]:
     """The denoiser a bench mode runs, built as the engine builds it (`runner.compile_denoiser`), with
-    the torch.compile arguments the mode's options give on this device, and their notices."""
+    the torch.compile arguments the mode's options give on this device, and their notices. aot: an
+    AOTInductor package exported at `inputs`, built in a temporary folder and loaded on the model's
+    own weights (`aot_build_s` in the returned kwargs)."""
     bench_mode = MODE_TABLE[mode]
     if bench_mode.engine not in VARIANT_MODES:
         raise UnsupportedCombination(f"mode {mode!r} has no denoiser-only variant")
     if not bench_mode.compiled:
         return model, {}, []
-    kwargs, notices = recipes.compile_kwargs(dataclasses.replace(options, **bench_mode.overrides), spec)
-    return runner.compile_denoiser(model, bench_mode.engine, kwargs), kwargs, notices
+    options = dataclasses.replace(options, **bench_mode.overrides)
+    graph_notices = recipes.cuda_graphs_notices(options, spec, bench_mode.engine)  # refused off CUDA, as the engine does
+    if bench_mode.engine is Mode.AOT:
+        if Mode.AOT not in spec.modes:
+            raise UnsupportedCombination(f"mode aot is not offered on {spec.name}: {spec.aot_refusal}")
+        if inputs is None:
+            raise UnsupportedCombination("mode aot needs the bucket's example inputs to export the denoiser")
+        import tempfile
+
+        from engine import aot
+
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="showcase-bench-aot-") as folder:
+            package = aot.compile_module(model, (), inputs, recipes.aot_inductor_configs(options, spec), Path(folder))
+        return package, {"aot_build_s": time.perf_counter() - start}, []
+    kwargs, notices = recipes.compile_kwargs(options, spec, mode=bench_mode.engine)
+    return runner.compile_denoiser(model, bench_mode.engine, kwargs), kwargs, notices + graph_notices
 
 
 def _measure_denoiser(fn, inputs: dict, mode: str, cuda_graphs: bool, plan: BenchPlan, spec: DeviceSpec,
@@ -344,10 +363,12 @@ def _measure_config(run: _Run, model, precision: str, mode: str, size: Size, inp
     """One (precision, mode, size): build the variant, measure it; a failure is recorded, not raised."""
     run.bar.set_postfix_str(f"{precision} {mode} {size}: compile + warm-up")
     try:
-        fn, kwargs, notices = denoiser_variant(model, mode, run.plan.options, run.spec)
+        fn, kwargs, notices = denoiser_variant(model, mode, run.plan.options, run.spec, inputs)
         run.notes.extend(notices)
         cuda_graphs = run.spec.cuda_graphs and kwargs.get("mode") in CUDA_GRAPH_COMPILE_MODES
         _measure_denoiser(fn, inputs, mode, cuda_graphs, run.plan, run.spec, r, run.bar)
+        if kwargs.get("aot_build_s") is not None:  # export + AOT compile happened before the first forward
+            r["compile_s"] = kwargs["aot_build_s"] + (r["compile_s"] or 0)
         rate = (run.extras.get("matmul") or {}).get(precision, {}).get("tflops")
         if r.get("tflops") is not None and rate:
             r["matmul_fraction"] = r["tflops"] / rate

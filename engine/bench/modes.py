@@ -2,7 +2,7 @@
 
 A bench mode is what `--modes` accepts and what the results are labelled with. Most are the engine's
 own modes; a bench-only one runs an engine mode with some `EngineOptions` changed (max-autotune is
-mode compile with `torch.compile(mode="max-autotune")`), so the pipeline path builds one more engine
+mode compile with `torch.compile(mode="max-autotune")`, cuda-graphs with `mode="reduce-overhead"`), so the pipeline path builds one more engine
 with those options and the denoiser path asks `recipes.compile_kwargs` for them. Defined here once, as
 data, so the parser, planning, both measuring paths and the ratios all speak of the same modes.
 
@@ -37,6 +37,7 @@ class BenchMode:
 # Bench-only configurations: name -> (engine mode, option overrides).
 BENCH_ONLY: dict[str, tuple[Mode, dict]] = {
     "max-autotune": (Mode.COMPILE, {"max_autotune": True}),
+    "cuda-graphs": (Mode.COMPILE, {"cuda_graphs": True}),  # mode="reduce-overhead"; refused off CUDA
 }
 
 MODE_TABLE: dict[str, BenchMode] = {

@@ -6,7 +6,8 @@ compile here) before any timed request; the first request at each pre-warmed buc
 requests, round-robin over all configurations with the starting configuration rotating each round,
 so drift in a shared machine's load hits every configuration alike; the engine overhead (engine
 request vs a bare diffusers call on the same compiled pipeline, interleaved); the persistent-cache
-probe (engine/bench/cache_probe.py).
+probe (engine/bench/cache_probe.py); the cold-start probe (engine/bench/cold_start.py: fresh processes
+warming every bucket, compile vs aot packages).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from engine import devices
 from engine.bench import quality
 from engine.bench.cache_probe import run_cache_probe
+from engine.bench.cold_start import COLD_START_STEPS, run_cold_start_probe
 from engine.bench.measure import build_runner, error_text, inductor_cache_state, progress
 from engine.bench.modes import COMPILED_MODES, MODE_TABLE
 from engine.bench.plan import BenchPlan
@@ -143,6 +145,7 @@ def _warm_buckets(run: _Run, configs: list[Config]) -> None:
                 r["compile_s"], r["warmup_s"] = info.compile_s, info.warmup_s
                 # FX-graph cache hits/misses while compiling: says whether compile_s was cold or cached.
                 r["compile_cache_hits"], r["compile_cache_misses"] = info.cache_hits, info.cache_misses
+                r["origin"] = info.origin  # aot: loaded from a package, or built now
             else:
                 start = time.perf_counter()
                 runner.generate(run.request(engine_mode, size, seed=0, steps=runner.options.warm_steps, rid="warm"))
@@ -249,6 +252,16 @@ def _cache_probe(run: _Run) -> dict:
     return run_cache_probe(run.plan, run.spec.name, run.plan.cache_probe, run.bar)
 
 
+def _cold_start_probe(run: _Run) -> dict:
+    """Fresh processes warming every bucket: compile (empty / filled inductor cache) against aot packages."""
+    if not run.plan.cold_start_probe:
+        return {"skipped": "--cold-start-probe off (auto: on with mode aot)"}
+    if Mode.AOT not in run.spec.modes:
+        run.bar.update(COLD_START_STEPS)
+        return {"skipped": f"{run.spec.name} has no aot mode: {run.spec.aot_refusal}"}
+    return run_cold_start_probe(run.plan, run.spec.name, run.bar)
+
+
 def _notes(plan: BenchPlan, spec: DeviceSpec, startup_s: float | None, cache_folder: str | None,
            cache_files: int) -> list[str]:
     if spec.compile_backend == "inductor":
@@ -272,6 +285,12 @@ def _notes(plan: BenchPlan, spec: DeviceSpec, startup_s: float | None, cache_fol
         f"peak memory: {spec.describe_memory() or 'device peak'}",
         "speedups compare against eager at the same precision and size, measured in the same run",
     ]
+    if Mode.AOT in plan.modes:
+        notes.append("aot: compile s = loading the bucket's AOTInductor packages (denoiser per batch shape, and the "
+                     "VAE decoder) from the cache folder, or building them (origin column); weights are the "
+                     "engine's, shared by every package")
+    if plan.options.attention_backend != "native":
+        notes.append(f"attention backend {plan.options.attention_backend} in every configuration (column attention)")
     if Mode.COMPILE in plan.modes and plan.options.compile_vae:
         notes.append("mode compile also compiles vae.decode (engine default); regional compiles the denoiser's "
                      "repeated blocks only")
@@ -283,7 +302,7 @@ def run_pipeline_bench(plan: BenchPlan) -> dict:
     configs = plan.configs()
     n_engines = len({_Run.engine_id(p, m) for p, m, _ in configs})
     total = (n_engines + len(configs) * (2 + plan.runs) + 2 * plan.overhead_pairs
-             + (2 if plan.cache_probe != "off" else 0))
+             + (2 if plan.cache_probe != "off" else 0) + (COLD_START_STEPS if plan.cold_start_probe else 0))
     run = _Run(plan, spec, progress(total, plan.progress, f"bench {plan.preset.name}@{spec.name}"))
 
     _load_engines(run, configs)
@@ -301,7 +320,8 @@ def run_pipeline_bench(plan: BenchPlan) -> dict:
     run.bar.update((1 + plan.runs) * (len(configs) - len(live)))  # the steps failed configurations skipped
     ordered = [run.results[c] for c in configs]
     apply_speedups(ordered)
-    extras = {"engine_overhead": _engine_overhead(run, live), "cache_probe": _cache_probe(run)}
+    extras = {"engine_overhead": _engine_overhead(run, live), "cache_probe": _cache_probe(run),
+              "cold_start": _cold_start_probe(run)}
     run.bar.set_postfix_str("done")
     run.bar.close()
     return {

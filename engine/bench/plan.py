@@ -35,6 +35,8 @@ class BenchPlan:
     prompt: str = "a red fox in the snow"
     overhead_pairs: int = 20
     cache_probe: str = "compile"  # mode the persistent-cache probe compiles, or "off"
+    cold_start_probe: bool = False  # fresh processes: compile (empty / filled cache) vs aot with packages
+    cold_start_runs: int = 5
     probe_timeout_s: float = 900.0
     progress: bool = True
     model_args: tuple[str, ...] = ()  # --model/--buckets/--model-root passed on to probe children
@@ -115,11 +117,14 @@ def plan_from_args(args) -> BenchPlan:
     if steps < 1 or args.runs < 1:
         raise InvalidRequest("--steps and --runs must be at least 1")
     overhead = args.overhead_runs if args.overhead_runs is not None else 2 * args.runs
+    cold = getattr(args, "cold_start_probe", "off")
+    cold_start = (cold == "on" or (cold == "auto" and "aot" in modes)) and not args.random_weights
     return BenchPlan(
         preset=preset, device=spec.name, modes=modes, precisions=precisions, sizes=sizes, steps=steps,
         runs=args.runs, options=options_from_args(args, warm_sizes=(), warm_modes=()), cache_dir=cache_dir,
         allowed_roots=tuple(str(r) for r in roots), prompt=args.prompt, overhead_pairs=overhead,
         cache_probe=args.cache_probe, probe_timeout_s=args.probe_timeout, progress=not args.no_progress,
+        cold_start_probe=cold_start, cold_start_runs=getattr(args, "cold_start_runs", 5),
         model_args=tuple(model_args), random_weights=bool(args.random_weights),
         config_override=_load_override(args.denoiser_config_override),
         text_len=args.text_len, matmul_roofline=args.matmul_roofline, warmup_calls=args.warmup_calls,

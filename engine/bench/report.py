@@ -35,8 +35,10 @@ def markdown_table(rows: list[dict]) -> str:
     """The speedup table as Markdown (columns for TFLOP/s appear when the rows have them)."""
     has_flops = any(r.get("tflops") is not None for r in rows)
     has_cache = any(r.get("compile_cache_hits") is not None for r in rows)
+    has_origin = any(r.get("origin") for r in rows)
     header = [
-        "precision", "mode", "size", "load s", "compile s", *(["FX cache hit/miss"] if has_cache else []),
+        "precision", "mode", "size", "attention", "load s", "compile s",
+        *(["FX cache hit/miss"] if has_cache else []), *(["origin"] if has_origin else []),
         "warm-up s", "first req ms",
         "step ms median", "step ms p90", "image ms", "img/s", "speedup vs eager", "vs fp32 eager",
         "recompiles", "peak MiB",
@@ -51,15 +53,18 @@ def markdown_table(rows: list[dict]) -> str:
         header += ["fidelity", "held-out"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
+        attention = r.get("attention_backend") or "native"
         if r.get("error"):
-            cells = [r["precision"], r["mode"], r["size"], "error: " + str(r["error"])[:80]] + [""] * (len(header) - 4)
+            cells = ([r["precision"], r["mode"], r["size"], attention, "error: " + str(r["error"])[:80]]
+                     + [""] * (len(header) - 5))
         else:
             peak = r.get("peak_memory_bytes")
             cells = [
-                r["precision"], r["mode"], r["size"],
+                r["precision"], r["mode"], r["size"], attention,
                 fmt(r.get("load_s")), fmt(r.get("compile_s"), 1),
                 *([f"{r['compile_cache_hits']}/{r['compile_cache_misses']}"
                    if r.get("compile_cache_hits") is not None else "—"] if has_cache else []),
+                *([r.get("origin") or "—"] if has_origin else []),
                 fmt(r.get("warmup_s"), 2),
                 fmt(r.get("first_request_ms"), 1), fmt(r.get("step_ms_median"), 2),
                 fmt(r.get("step_ms_p90"), 2), fmt(r.get("image_ms_median"), 1),

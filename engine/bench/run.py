@@ -10,6 +10,7 @@ import torch
 
 from engine import devices
 from engine.bench.cache_probe import cmd_compile_probe
+from engine.bench.cold_start import cmd_cold_start_child
 from engine.bench.denoiser import run_denoiser_bench
 from engine.bench.pipeline import run_pipeline_bench
 from engine.bench.plan import BenchPlan, plan_from_args
@@ -29,6 +30,8 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     if args._compile_probe:
         return cmd_compile_probe(args)
+    if args._cold_start_child:
+        return cmd_cold_start_child(args)
     plan = plan_from_args(args)
     report = run_bench(plan)
     paths = write_outputs(report, plan.out, chart=not args.no_chart) if plan.out else {}

@@ -16,7 +16,7 @@ from engine.protocol import Mode
 
 # Fields every configuration's result carries (tests check them; the UI may rely on them).
 RESULT_FIELDS = (
-    "kind", "preset", "device", "precision", "mode", "size", "steps", "runs",
+    "kind", "preset", "device", "precision", "mode", "size", "steps", "runs", "attention_backend", "origin",
     "load_s", "compile_s", "warmup_s", "first_request_ms",
     "step_ms_median", "step_ms_p90", "image_ms_median", "image_ms_p90", "images_per_s",
     "speedup_vs_eager", "speedup_image_vs_eager", "warm_hit_ratio",
@@ -31,7 +31,8 @@ def empty_result(kind: str, plan, precision: str, mode: str, size) -> dict:
     """A configuration's result before it is measured: every RESULT_FIELD, None where not known yet."""
     r = {f: None for f in RESULT_FIELDS}
     r.update(kind=kind, preset=plan.preset.name, device=plan.device, precision=precision, mode=mode,
-             size=str(size), steps=plan.steps, runs=plan.runs, recompiles=0, notices=[], samples={})
+             size=str(size), steps=plan.steps, runs=plan.runs, recompiles=0, notices=[], samples={},
+             attention_backend=plan.options.attention_backend)
     return r
 
 
@@ -120,6 +121,8 @@ def speedup_table(results: list[dict], baseline_mode: str = BASELINE_MODE) -> li
             "precision": r.get("precision"),
             "mode": r.get("mode"),
             "size": str(r.get("size")),
+            "attention_backend": r.get("attention_backend") or "native",
+            "origin": r.get("origin"),
             "steps": r.get("steps"),
             "load_s": r.get("load_s"),
             "compile_s": r.get("compile_s"),
@@ -189,7 +192,25 @@ TARGETS: tuple[Target, ...] = (
            ("pipeline",)),
     Target("image_ms_reference", "one image, eager fp32, the first bucket: median ms (model with a checker)", "<=",
            100.0, ("pipeline",)),
+    Target("aot_step", "aot / full compile: steady step time", "<=", 1.1, ("pipeline", "denoiser")),
+    Target("aot_cold_start_empty", "cold start, process start -> every bucket warm: aot with packages / compile "
+           "with an empty inductor cache", "<=", 0.1, ("pipeline",)),
+    Target("aot_cold_start_filled", "cold start, process start -> every bucket warm: aot with packages / compile "
+           "with a filled inductor cache", "<=", 0.5, ("pipeline",)),
+    Target("aot_warmup_filled", "warm-up only, engine loaded -> every bucket warm: aot with packages / compile "
+           "with a filled inductor cache", "<=", 0.5, ("pipeline",)),
+    Target("aot_first_request", "aot: first request at a bucket loaded from a package / its steady per-image "
+           "median (median over buckets, fresh process)", "<=", 1.25, ("pipeline",)),
+    Target("aot_memory", "aot: process memory with every bucket's package loaded / with one (weights shared)",
+           "<=", 1.1, ("pipeline",)),
+    Target("aot_recompiles", "aot: graphs compiled in the fresh process (loading, warm-up, timed runs; must be 0)",
+           "<=", 0, ("pipeline",)),
 )
+
+
+# Ratios the cold-start probe (engine/bench/cold_start.py) measures in fresh processes.
+COLD_START_KEYS = ("aot_cold_start_empty", "aot_cold_start_filled", "aot_warmup_filled", "aot_first_request",
+                   "aot_memory", "aot_recompiles")
 
 
 def _pair_ratios(results: list[dict], num_modes, den_mode: str, field: str, invert: bool = False) -> list[dict]:
@@ -277,6 +298,7 @@ def compute_ratios(results: list[dict], extras: dict | None = None) -> dict[str,
     ratios["regional_step"] = _summary(_pair_ratios(ok, regional, full, "step_ms_median"))
     ratios["compiled_vs_eager_step"] = _summary(_pair_ratios(ok, (full,), eager, "step_ms_median"))
     ratios["compile_speedup"] = _summary(_pair_ratios(ok, (full,), eager, "step_ms_median", invert=True))
+    ratios["aot_step"] = _summary(_pair_ratios(ok, (Mode.AOT,), full, "step_ms_median"))
     fractions = [
         {"precision": r["precision"], "size": str(r["size"]), "mode": r["mode"], "value": r["matmul_fraction"]}
         for r in ok
@@ -302,6 +324,11 @@ def compute_ratios(results: list[dict], extras: dict | None = None) -> dict[str,
         "value": probe.get("ratio"), "n": 1 if probe.get("ratio") is not None else 0, "values": [],
         "note": probe.get("note", probe.get("skipped", "")),
     }
+    cold = extras.get("cold_start") or {}
+    for key in COLD_START_KEYS:
+        value = (cold.get("ratios") or {}).get(key)
+        ratios[key] = {"value": value, "n": 1 if value is not None else 0, "values": [],
+                       "note": (cold.get("notes") or {}).get(key, cold.get("error") or cold.get("skipped", ""))}
     return ratios
 
 

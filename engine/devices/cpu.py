@@ -117,12 +117,24 @@ def find_cxx() -> str | None:
 
 
 def mode_notes(mode: str) -> tuple[str, ...]:
-    if mode in (Mode.COMPILE, Mode.REGIONAL) and not find_cxx():
+    if mode in (Mode.COMPILE, Mode.REGIONAL, Mode.AOT) and not find_cxx():
         return (
             "torch.compile (inductor) on CPU needs a C++ compiler and none was found on PATH: "
-            "install g++ (build-essential) or set CXX, or compiling will fail.",
+            "install g++ (build-essential) or set CXX, or compiling will fail."
+            + (" Loading an aot package runs inductor's CPU instruction-set probe, a tiny C++ build, too."
+               if mode == Mode.AOT else ""),
         )
     return ()
+
+
+def aot_target() -> str:
+    """An AOTInductor package for CPU is C++ built for one instruction set: the vector ISA inductor picked
+    (avx512, avx2, neon, ...) on this machine's architecture."""
+    import platform
+
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return f"{platform.machine()} {pick_vec_isa() or 'no-vec'}"
 
 
 # -- tensor parallel --------------------------------------------------------------------------------
@@ -169,7 +181,9 @@ def spec() -> DeviceSpec:
         static_shapes=False,
         dist_backend="gloo",  # CPU tensor parallel is a correctness harness, not a speed-up
         mesh_device_type=NAME,
-        modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL),
+        modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL, Mode.AOT),
+        # SDPA's flash kernel has a CPU implementation; flex attention runs too (measured, torch 2.13).
+        attention_kernels=("sdpa", "sdpa-flash", "flex"),
         matmul_probe_iters=5,  # a CPU matmul takes milliseconds, not microseconds
         host_memory_is_device_memory=True,
         budget_share=0.5,
@@ -187,4 +201,5 @@ def spec() -> DeviceSpec:
         device_name_fn=device_name,
         bind_fn=bind_local_device,
         tp_load_context_fn=tp_load_context,
+        aot_target_fn=aot_target,
     )

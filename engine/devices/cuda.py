@@ -95,6 +95,28 @@ def precision(requested: str) -> PrecisionPlan:
     return make_plan(requested)
 
 
+def capability() -> tuple[int, int] | None:
+    if is_rocm():
+        return None  # gfx architectures are not compute capabilities; ROCm kernels check their own
+    return tuple(torch.cuda.get_device_capability(torch.cuda.current_device()))
+
+
+def aot_target() -> str:
+    """A package holds kernels for one GPU architecture and links one CUDA/ROCm runtime."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if is_rocm():
+        return f"{props.name} {getattr(props, 'gcnArchName', '')} rocm {torch.version.hip}"
+    return f"{props.name} sm_{props.major}{props.minor} cuda {torch.version.cuda}"
+
+
+def attention_kernels() -> tuple[str, ...]:
+    """Which attention kernel families exist for this build's GPUs (engine/attention.py)."""
+    if is_rocm():  # no cuDNN, FA3, sage or xformers builds for ROCm; AMD's CK flash kernel from the Hub
+        return ("sdpa", "sdpa-flash", "sdpa-efficient", "flex", "flash-attn", "hub-rocm")
+    return ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex", "flash-attn", "flash-attn-3", "hub",
+            "sage", "xformers")
+
+
 def spec() -> DeviceSpec:
     # Built per registry() call: the label follows the torch build in use.
     return DeviceSpec(
@@ -105,7 +127,8 @@ def spec() -> DeviceSpec:
         static_shapes=False,
         dist_backend="nccl",  # RCCL on ROCm, under the same name
         mesh_device_type=NAME,
-        modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL),
+        modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL, Mode.AOT),
+        attention_kernels=attention_kernels(),
         memory_source="torch.cuda.max_memory_allocated (tensors only, excludes the caching allocator's reserve)",
         inductor_flags_default=True,
         cuda_graphs=True,
@@ -114,5 +137,7 @@ def spec() -> DeviceSpec:
         probe_fn=probe,
         precision_fn=precision,
         device_name_fn=device_name,
+        aot_target_fn=aot_target,
+        capability_fn=capability,
         # bind_fn None: one process per GPU, picked by LOCAL_RANK (torch.cuda.set_device)
     )

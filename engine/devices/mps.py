@@ -75,6 +75,13 @@ def mode_notes(mode: str) -> tuple[str, ...]:
     return ()
 
 
+# Why mode aot is not offered here (DeviceSpec.aot_refusal).
+MPS_AOT_REFUSAL = (
+    "AOTInductor packages for Apple GPUs (MPS) are experimental in PyTorch and not built here; use mode "
+    "compile (its graphs persist in the inductor cache)"
+)
+
+
 def spec() -> DeviceSpec:
     return DeviceSpec(
         name=NAME,
@@ -87,7 +94,8 @@ def spec() -> DeviceSpec:
         mesh_device_type="",
         tensor_parallel=False,
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL),
-        max_engines=2,  # unified memory is shared with everything else on the Mac
+        max_engines=2,
+        aot_refusal=MPS_AOT_REFUSAL,  # unified memory is shared with everything else on the Mac
         memory_source="torch.mps.current_allocated_memory at the end of the run (MPS keeps no peak)",
         cache_env=INDUCTOR_CACHE_ENV,
         probe_fn=probe,

@@ -82,6 +82,14 @@ def bind_local_device(local_rank: int) -> torch.device:
     return accelerator.runtime_assigned_device(NAME, NAME)
 
 
+# Why mode aot is not offered here (DeviceSpec.aot_refusal).
+NEURON_AOT_REFUSAL = (
+    "AOTInductor emits C++/Triton code, which Trainium cannot run. Neuron's own ahead-of-time path is the"
+    " NEFF cache: mode compile stores each bucket's compiled NEFF under the cache folder "
+    "(TORCH_NEURONX_NEFF_CACHE_DIR), so a restart loads it instead of recompiling"
+)
+
+
 def spec() -> DeviceSpec:
     return DeviceSpec(
         name=NAME,
@@ -92,6 +100,7 @@ def spec() -> DeviceSpec:
         dist_backend="neuron",
         mesh_device_type=NAME,
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL),
+        aot_refusal=NEURON_AOT_REFUSAL,
         max_engines=1,  # the runtime gives each core/chip to one process
         memory_source="torch.neuron.max_memory_allocated where torch_neuronx provides it, else not reported",
         cache_env=((NEFF_CACHE_VAR, "neff"),),

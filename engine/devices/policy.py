@@ -26,7 +26,7 @@ MODE_HINTS: dict[Mode, tuple[str, str]] = {
     Mode.DEFER_AND_FUSE: ("TorchTPU's optimized eager mode", "compile or regional for fused graphs"),
 }
 
-_COMPILED = (Mode.COMPILE, Mode.REGIONAL)
+_COMPILED = (Mode.COMPILE, Mode.REGIONAL, Mode.AOT)
 
 
 def plan_precision(spec: DeviceSpec, precision: str) -> PrecisionPlan:
@@ -71,7 +71,9 @@ def check_mode(spec: DeviceSpec, mode: str) -> tuple[str, ...]:
     key = Mode.parse(mode, "mode")
     if key not in spec.modes:
         hint = MODE_HINTS.get(key)
-        if hint:
+        if key is Mode.AOT and spec.aot_refusal:
+            reason = spec.aot_refusal
+        elif hint:
             from engine.devices.registry import registry  # the registry imports every device module
 
             what, instead = hint

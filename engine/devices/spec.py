@@ -113,6 +113,12 @@ class DeviceSpec:
     memory_source: str = ""
     inductor_flags_default: bool = False  # flux-fast's inductor flags on unless the user says otherwise
     cuda_graphs: bool = False  # torch.compile's reduce-overhead / max-autotune replay CUDA graphs here
+    # AOTInductor packages (mode aot): a device that can build and load them lists Mode.AOT in `modes`;
+    # one that cannot says why here (its own ahead-of-time path, or an untested backend).
+    aot_refusal: str = ""
+    # Kernel families of diffusers' attention backends this device can run (engine/attention.py maps each
+    # backend to one): "sdpa" everywhere; fused SDPA kernels, flash-attn, sage, xformers, hub kernels on GPUs.
+    attention_kernels: tuple[str, ...] = ("sdpa",)
     # Square matmul sizes that reach this device's peak rate (the bench's roofline probe).
     matmul_probe_sizes: tuple[int, ...] = (256, 512, 1024)
     matmul_probe_iters: int = 20
@@ -152,6 +158,11 @@ class DeviceSpec:
     launch_env_fn: Callable[[int, int, Callable | None], dict[str, str]] | None = _hook()
     # mode -> the runtime eager mode switched to in this process, None if nothing to switch (None: no switch).
     eager_mode_fn: Callable[[str], str | None] | None = _hook()
+    # () -> what a compiled AOTInductor package is bound to on this device (CPU vector ISA; GPU model,
+    # compute capability and CUDA/ROCm version): part of every package key (None: the device's name only).
+    aot_target_fn: Callable[[], str] | None = _hook()
+    # () -> (major, minor) compute capability, None where the notion does not apply (attention backends).
+    capability_fn: Callable[[], tuple[int, int] | None] | None = _hook()
 
     # -- availability ---------------------------------------------------------------------------
     def probe(self) -> Availability:
@@ -225,6 +236,17 @@ class DeviceSpec:
         except Exception:
             logger.debug("empty_cache on %s failed", self.name, exc_info=True)
 
+    def aot_target(self) -> str:
+        """What an AOTInductor package built here is bound to (a different target must rebuild it)."""
+        return self.aot_target_fn() if self.aot_target_fn else self.name
+
+    def capability(self) -> tuple[int, int] | None:
+        """Compute capability (major, minor) where it applies; None elsewhere or when it cannot be read."""
+        try:
+            return self.capability_fn() if self.capability_fn else None
+        except Exception:
+            return None
+
     # -- tensor parallel ------------------------------------------------------------------------
     def bind_local_device(self, local_rank: int) -> torch.device:
         """Make this process's device current for rank `local_rank` on its node and return it.
@@ -275,6 +297,9 @@ class DeviceSpec:
             "mesh_device_type": self.mesh_device_type,
             "tensor_parallel": self.tensor_parallel,
             "modes": list(self.modes),
+            "aot": {"available": Mode.AOT in self.modes, "reason": self.aot_refusal},
+            "cuda_graphs": self.cuda_graphs,
+            "attention_kernels": list(self.attention_kernels),
             "precisions": precision_support(self) if avail.available else None,
             "memory": self.describe_memory(),
             "environment": env,

@@ -142,6 +142,13 @@ def bind_local_device(local_rank: int) -> torch.device:
     return accelerator.runtime_assigned_device(NAME, NAME)
 
 
+# Why mode aot is not offered here (DeviceSpec.aot_refusal).
+TPU_AOT_REFUSAL = (
+    "AOTInductor emits C++/Triton code, which a TPU cannot run. TorchTPU compiles through its own backend"
+    " (mode compile, static shapes) and offers defer-and-fuse; use one of those"
+)
+
+
 def spec() -> DeviceSpec:
     return DeviceSpec(
         name=NAME,
@@ -152,6 +159,7 @@ def spec() -> DeviceSpec:
         dist_backend="tpu_dist",
         mesh_device_type=NAME,
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL, Mode.DEFER_AND_FUSE),
+        aot_refusal=TPU_AOT_REFUSAL,
         max_engines=1,  # the runtime gives each core/chip to one process
         memory_source="torch.tpu.max_memory_allocated where torch_tpu provides it, else not reported",
         mode_env=((Mode.DEFER_AND_FUSE, TPU_DEFER_AND_FUSE_VAR, "1"),),

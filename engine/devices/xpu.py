@@ -46,6 +46,13 @@ def precision(requested: str) -> PrecisionPlan:
     return make_plan(requested)
 
 
+# Why mode aot is not offered here (DeviceSpec.aot_refusal).
+XPU_AOT_REFUSAL = (
+    "AOTInductor packages are built and tested for cpu and cuda here, not yet for Intel GPUs; use mode "
+    "compile (its graphs persist in the inductor cache)"
+)
+
+
 def spec() -> DeviceSpec:
     return DeviceSpec(
         name=NAME,
@@ -56,6 +63,7 @@ def spec() -> DeviceSpec:
         dist_backend="xccl",
         mesh_device_type=NAME,
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL),
+        aot_refusal=XPU_AOT_REFUSAL,
         memory_source="torch.xpu.max_memory_allocated (tensors only)",
         cache_env=INDUCTOR_CACHE_ENV,
         probe_fn=probe,
