@@ -391,7 +391,14 @@ class EngineManager:
 
         threading.Thread(target=restart, daemon=True).start()
 
-    def restart(self, key: EngineKey) -> ConnectionEngine:
+    def restart(self, key: EngineKey, options: EngineOptions | None = None) -> ConnectionEngine:
+        """A new worker for `key` (with `options`, e.g. another attention backend, when given)."""
+        if options is not None:
+            from engine import attention
+
+            attention.check_backend(options.attention_backend, devices.get_device(key.device), key.precision)
+            with self._lock:
+                self._options[key] = options
         with self._lock:
             adopted = self._engines.get(key)
             if adopted is not None and not adopted.evictable:

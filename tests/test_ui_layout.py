@@ -25,7 +25,8 @@ TAB_IDS = {
                  "guidance", "seed", "randomize", "tp", "on-cold", "generate-btn", "cancel-btn",
                  "output-image", "step-plot", "stats", "timings-json"},
     "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",
-                "restart-btn"},
+                "restart-btn", "admin-token", "attention-backend", "cuda-graphs", "restart-options-btn",
+                "attention-table"},
     "compare": {"c-prompt", "c-preset", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
                 "c-speedup", "c-costs", "c-json"},
@@ -114,15 +115,17 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 
 # -- module boundaries -----------------------------------------------------------------------------
 # The UI reaches the engine through the manager it is given (EngineManager at most for type hints), the
-# typed protocol and the error classes. Two exceptions, each in one module: ui/common.py asks
-# engine.devices what the manager cannot tell (the device report, a device's modes), and ui/views.py
+# typed protocol and the error classes. Exceptions, each in one module: ui/common.py asks
+# engine.devices and engine.attention what the manager cannot tell (the device report, a device's
+# modes, the attention backends that can run), and ui/views.py
 # reuses the benchmark's speedup_table so the UI and the bench agree.
 ALLOWED_ENGINE_IMPORTS = {
-    "engine.protocol": None, "engine.errors": None, "engine.manager": {"EngineManager"},
+    "engine.protocol": None, "engine.errors": None, "engine.manager": {"EngineManager", "Caller"},
+    "engine.attention": {"attention_table", "DEFAULT"},
     "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
     "engine.bench": {"speedup_table"},
 }
-ONLY_IN = {"engine.devices": "common.py", "engine.bench": "views.py"}
+ONLY_IN = {"engine.devices": "common.py", "engine.attention": "common.py", "engine.bench": "views.py"}
 TAB_MODULES = ("generate", "buckets", "compare", "system")
 
 

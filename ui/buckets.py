@@ -7,6 +7,7 @@ handlers return at once and the board shows the bucket going queued -> compiling
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from engine.errors import InvalidRequest, NotAllowed, ShowcaseError
 from engine.manager import Caller
 from engine.protocol import Mode, Size
 from ui import views
-from ui.common import FAST, HandlerBase, to_gradio_error
+from ui.common import DEFAULT_ATTENTION, FAST, HandlerBase, to_gradio_error
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +135,40 @@ class BucketsHandlers(HandlerBase):
         row = getattr(evt, "row_value", None) or []
         if len(row) < 5 or not row[0]:
             return gr.skip(), gr.skip(), gr.skip()
-        mode = row[3] if row[3] in Mode.values() and row[3] != "eager" else gr.skip()
+        picked = str(row[3]).split(" · ", 1)[0]  # "aot · loaded from package" -> "aot"
+        mode = picked if picked in Mode.values() and picked != "eager" else gr.skip()
         size = row[4] if row[4] else gr.skip()
         return row[0], mode, size
+
+    # -- engine options (attention backend, CUDA graphs): a restart with them ------------------------
+    def engine_options_view(self, engine: str):
+        """The picked engine's attention backends (each usable or why not) and whether CUDA graphs exist."""
+        match = self._loaded(engine)
+        if match is None:
+            return (gr.update(choices=[DEFAULT_ATTENTION], value=DEFAULT_ATTENTION),
+                    "Pick a loaded engine to see which attention backends can run on it.", gr.update(visible=False))
+        rows = self.attention_rows(match.key)
+        current = self.manager.engine_options(match.key)
+        choices = [(r["name"] if r["usable"] else f"{r['name']} (cannot run: {r['reason']})", r["name"])
+                   for r in rows]
+        return (gr.update(choices=choices, value=current.attention_backend), views.attention_markdown(rows),
+                gr.update(visible=self.cuda_graphs_possible(match.key.device), value=current.cuda_graphs))
+
+    def restart_with_options(self, engine: str, backend: str, cuda_graphs: bool, admin_token: str = "",
+                             request: gr.Request = None) -> None:
+        """Restart the engine with another attention backend / CUDA graphs (an engine-wide setting)."""
+        self._check_host(self.caller(request, admin_token), "changing an engine's options")
+        match = self._loaded(engine)
+        if match is None:
+            raise gr.Error(f"no loaded engine named {engine!r}", title="Invalid request")
+        options = dataclasses.replace(self.manager.engine_options(match.key), attention_backend=backend or "native",
+                                      cuda_graphs=bool(cuda_graphs))
+        try:
+            self.manager.restart(match.key, options=options)
+        except ShowcaseError as exc:
+            raise to_gradio_error(exc) from None
+        gr.Info(f"restarting {engine} with attention backend {options.attention_backend}"
+                + (", CUDA graphs" if options.cuda_graphs else ""), duration=4)
 
     def board_sizes(self, engine: str):
         """The picked engine's buckets for the Size dropdown."""
@@ -197,6 +229,15 @@ def build(h: BucketsHandlers) -> BucketsTab:
             warm_all_btn = gr.Button("Warm all buckets", elem_id="warm-all-btn")
             restart_btn = gr.Button("Restart engine", elem_id="restart-btn")
         # Public mode: warming everything and restarting are the host's (they interrupt other visitors).
+        with gr.Accordion("Engine options: attention backend, CUDA graphs (restarts the engine)", open=False):
+            with gr.Row():
+                backend = gr.Dropdown([DEFAULT_ATTENTION], value=DEFAULT_ATTENTION, label="Attention backend",
+                                      elem_id="attention-backend")
+                cuda_graphs = gr.Checkbox(False, label="CUDA graphs (reduce-overhead)", visible=False,
+                                          elem_id="cuda-graphs")
+                options_btn = gr.Button("Restart engine with these options", elem_id="restart-options-btn")
+            backends_md = gr.Markdown("Pick a loaded engine to see which attention backends can run on it.",
+                                      elem_id="attention-table")
         admin_token = gr.Textbox(label="Admin token (host operations on this public server)", type="password",
                                  visible=h.public, elem_id="admin-token")
         gr.api(h.status_api, api_name="status", concurrency_limit=None)
@@ -206,6 +247,8 @@ def build(h: BucketsHandlers) -> BucketsTab:
 
     board.select(h.board_select, None, [engine, mode, size], **FAST)
     engine.change(h.board_sizes, engine, size, **FAST)
+    engine.change(h.engine_options_view, engine, [backend, backends_md, cuda_graphs], **FAST)
+    options_btn.click(h.restart_with_options, [engine, backend, cuda_graphs, admin_token], None, **FAST)
     warm_btn.click(h.warm_from_board, [engine, mode, size, admin_token], None, **FAST)
     warm_all_btn.click(h.warm_all_from_board, [engine, mode, admin_token], None, **FAST)
     restart_btn.click(h.restart, [engine, admin_token], None, api_name="restart_from_board", **FAST)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from engine import devices as engine_devices
+from engine.attention import attention_table
 from engine.errors import (
     BudgetExceeded,
     DeviceUnavailable,
@@ -167,6 +168,13 @@ class HandlerBase:
             return [str(s) for s in self.manager.preset(preset).buckets]
         except ShowcaseError:
             return []
+
+    def attention_rows(self, key) -> list[dict]:
+        """Every attention backend for an engine's device and precision: usable, or why not."""
+        return attention_table(engine_devices.get_device(key.device), str(key.precision))
+
+    def cuda_graphs_possible(self, device: str) -> bool:
+        return engine_devices.get_device(device).cuda_graphs
 
     def check_mode(self, device: str, mode: str) -> None:
         """Raise the ShowcaseError saying why `device` cannot run `mode` (e.g. defer-and-fuse off TPU)."""

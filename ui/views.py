@@ -111,12 +111,24 @@ def board_rows(status: list[dict]) -> list[list]:
             reason = b.get("error") or ""
             if b.get("state") == "warm" and b.get("cache_hits"):
                 reason = reason or f"{b['cache_hits']} compile-cache hits"
+            mode = b.get("mode", "")
+            if b.get("origin"):  # aot: "loaded from package" / "built now"
+                mode = f"{mode} · {b['origin']}"
             rows.append([
-                name, b.get("device", device), b.get("precision", precision), b.get("mode", ""),
+                name, b.get("device", device), b.get("precision", precision), mode,
                 b.get("size", ""), b.get("state", ""), reason, fmt_s(b.get("compile_s")),
                 fmt_s(b.get("warmup_s")), b.get("requests_served", 0),
             ])
     return rows
+
+
+def attention_markdown(rows: list[dict]) -> str:
+    """Every attention backend for the picked engine: can it run here, and why not."""
+    lines = ["| backend | runs here | why not / note |", "|---|---|---|"]
+    for r in rows:
+        why = (r.get("reason") or r.get("note") or r.get("summary") or "").replace("|", "\\|")
+        lines.append(f"| `{r['name']}` | {'yes' if r.get('usable') else 'no'} | {why} |")
+    return "\n".join(lines)
 
 
 def find_bucket(status: list[dict], engine: str, mode: str, size: str) -> dict | None:
