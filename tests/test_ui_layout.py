@@ -124,8 +124,10 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.attention": {"attention_table", "DEFAULT"},
     "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
     "engine.bench": {"speedup_table"},
+    "engine.bench.quality": {"fidelity_checker", "fmt_drift", "image_drift"},
 }
-ONLY_IN = {"engine.devices": "common.py", "engine.attention": "common.py", "engine.bench": "views.py"}
+ONLY_IN = {"engine.devices": "common.py", "engine.attention": "common.py", "engine.bench": "views.py",
+           "engine.bench.quality": "views.py"}
 TAB_MODULES = ("generate", "buckets", "compare", "system")
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from engine import devices as engine_devices
+from engine.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401 - the tabs import it from here
 from engine.attention import attention_table
 from engine.errors import (
     BudgetExceeded,

@@ -105,9 +105,15 @@ class CompareHandlers(HandlerBase):
                 if bucket:
                     entry.update(compile_s=bucket.get("compile_s"), warmup_s=bucket.get("warmup_s"),
                                  bucket_state=bucket.get("state"), cache_hits=bucket.get("cache_hits"))
+                image = result.image()
+                first_image = next((g[0] for g in gallery), None)
+                quality = views.image_quality(image, first_image, self.manager.preset(key.preset), prompt)
+                entry.update(quality)
                 results.append(entry)
-                gallery.append((result.image(), f"{config} · {result.timings.total_ms:.0f} ms"
-                                + (" · eager fallback" if result.eager_fallback else "")))
+                caption = " · ".join(filter(None, [
+                    config, f"{result.timings.total_ms:.0f} ms", "eager fallback" if result.eager_fallback else "",
+                    views.quality_caption(quality)]))
+                gallery.append((image, caption))
                 yield gallery, payload()
         yield gallery, payload(done=True)
         if all(r.get("error") for r in results):

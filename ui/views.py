@@ -234,6 +234,32 @@ def compare_step_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
+def image_quality(image, first_image, preset, prompt: str) -> dict:
+    """What the Compare tab shows under an image: drift against the first configuration's image (PSNR,
+    largest pixel difference) and, for a model with a pixel checker (the embedded shapes model), whether
+    it drew the prompt. Computed by the bench's own functions, so the UI and the bench agree."""
+    from engine.bench.quality import fidelity_checker, fmt_drift, image_drift
+
+    out: dict = {}
+    if first_image is not None:
+        drift = image_drift(image, first_image)
+        out.update(drift_psnr_db=drift["psnr_db"], drift_max_diff=drift["max_diff"],
+                   drift=fmt_drift(drift["psnr_db"], drift["max_diff"]))
+    checker = fidelity_checker(preset)
+    if checker is not None:
+        out["fidelity"] = bool(checker(image, prompt))
+    return out
+
+
+def quality_caption(quality: dict) -> str:
+    parts = []
+    if "drift" in quality:
+        parts.append(f"drift vs first: {quality['drift']}")
+    if "fidelity" in quality:
+        parts.append("draws the prompt ✓" if quality["fidelity"] else "does not draw the prompt ✗")
+    return " · ".join(parts)
+
+
 def speedup_table(results: list[dict]) -> list[dict]:
     """The Compare tab's speedup rows, computed by the benchmark's own speedup_table (engine.bench),
     so the UI, the CLI bench and docs/benchmarks.md agree.
