@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from engine.progress import progress_bar
 from engine.protocol import BucketKey, Mode, Size
 
 log = logging.getLogger(__name__)
@@ -576,7 +577,7 @@ def export_packages(config, sizes: tuple[Size, ...] | None = None, rebuild: bool
     runner = PipelineRunner(config)
     runner.check_mode(Mode.AOT)  # neuron / tpu: refused with the reason before anything loads
     sizes = tuple(sizes or config.preset.buckets)
-    bar = _bar(len(sizes), progress, f"export {config.key}")
+    bar = progress_bar(len(sizes), progress, f"export {config.key}", unit="bucket")
     bar.set_postfix_str("load")
     runner.load()
     rows = []
@@ -595,25 +596,3 @@ def export_packages(config, sizes: tuple[Size, ...] | None = None, rebuild: bool
     return rows
 
 
-class _NullBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix_str(self, text: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _bar(total: int, enabled: bool, desc: str):
-    """A tqdm bar on stderr (stdout carries the command's answer), or one that does nothing."""
-    import sys
-
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NullBar()
-    if not enabled:
-        return _NullBar()
-    return tqdm(total=total, file=sys.stderr, desc=desc, unit="bucket", dynamic_ncols=True)

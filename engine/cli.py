@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import ShowcaseError
-from engine.flags import add_engine_arguments, make_manager, model_roots_from_args, options_from_args
+from engine.flags import add_engine_arguments, make_manager, options_from_args, presets_from_args
 from engine.protocol import Mode, OnCold
 
 
@@ -94,17 +94,10 @@ def cmd_attention(args) -> int:
 def cmd_export(args) -> int:
     """Build the aot packages of an engine's buckets ahead of time (a Docker build step, a Space's start-up, CI)."""
     from engine import aot, caches, settings
-    from engine.presets import preset_for_model
     from engine.protocol import Size
     from engine.resolve import Catalog
 
-    roots = model_roots_from_args(args)
-    extra = {}
-    if args.model:
-        preset = preset_for_model(args.model, roots, buckets=args.buckets)
-        extra[preset.name] = preset
-        args.preset = preset.name
-    catalog = Catalog(roots, extra)
+    catalog = Catalog(*presets_from_args(args))
     key = catalog.make_key(args.preset, args.device, args.precision)
     cache = caches.prepare_cache_dir(args.cache_dir or settings.cache_dir())
     for notice in cache.notices:

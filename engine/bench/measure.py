@@ -2,44 +2,26 @@
 start, how a failed configuration is recorded, and the engine a bench mode runs on (the pipeline
 bench and the persistent-cache probe's child build it the same way).
 
-Only the measuring modules import this: it imports torch (through the runner), and tqdm.
+Only the measuring modules import this: it imports torch (through the runner).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 from engine.bench.modes import BenchMode
 from engine.devices import INDUCTOR_CACHE_VAR, DeviceSpec
+from engine.progress import progress_bar
 from engine.protocol import EngineConfig, EngineKey
 from engine.resolve import resolve_source
 from engine.runner import PipelineRunner
 
-try:
-    from tqdm import tqdm
-except ImportError:  # the bar is a convenience: without tqdm the bench runs silently
-    tqdm = None
-
-
-class _NullBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix_str(self, text: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
 
 def progress(total: int, enabled: bool, desc: str):
     """A tqdm bar on stderr (stdout carries the report), or one that does nothing."""
-    if not enabled or tqdm is None:
-        return _NullBar()
-    return tqdm(total=total, file=sys.stderr, desc=desc, unit="step", dynamic_ncols=True, leave=True)
+    return progress_bar(total, enabled, desc)
 
 
 def inductor_cache_state(spec, cache_dir: Path) -> tuple[str | None, int]:
