@@ -22,7 +22,7 @@ from PIL import Image
 
 from engine.manager import EngineManager
 from engine.protocol import EngineOptions
-from ui.handlers import UIDefaults
+from ui.handlers import Handlers, UIDefaults
 
 REPO = Path(__file__).resolve().parent.parent
 GOOD = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32",
@@ -181,10 +181,11 @@ def test_twenty_clients_times_ten_requests_no_failures_no_cross_talk(manager_and
 def test_a_full_queue_answers_busy_instead_of_hanging(manager_and_url):
     manager, _ = manager_and_url
     demo, url = launch(manager, queue_size=1)
+    slots = Handlers(manager).run_slots()  # handlers that run at once; one more waits in the queue
     try:
         c = Client(url, verbose=False)
         jobs = [c.submit(**{**GOOD, "steps": 200, "size": "128x128", "seed": k}, api_name="/generate")
-                for k in range(5)]
+                for k in range(slots + 3)]
         messages = []
         deadline = time.monotonic() + 60
         for job in jobs:

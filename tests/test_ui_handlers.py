@@ -11,6 +11,7 @@ import gradio as gr
 import pytest
 
 from engine.errors import Cancelled, EngineCrashed
+from engine.manager import HostPolicy
 from engine.protocol import EngineKey, StepProgress
 from ui import views
 from ui.generate import PARTIAL_EVERY_S, GenerateHandlers
@@ -214,16 +215,17 @@ class ScriptedManager:
     """Stands in for EngineManager: an engine that loads until `loaded` is set, then `script` runs."""
 
     presets: dict = {}
+    policy = HostPolicy()
 
     def __init__(self, script=None):
         self.loaded, self.submitted = threading.Event(), threading.Event()
         self.cancelled: list[str] = []
         self.script = script
 
-    def make_key(self, preset, device, precision, tp=1):
+    def make_key(self, preset, device, precision, tp=1, caller=None):
         return EngineKey(preset, device, precision, tp)
 
-    def engine(self, key):
+    def engine(self, key, caller=None):
         return SimpleNamespace(ready=self.loaded)
 
     def generate(self, *, on_progress, on_submit, **kwargs):
