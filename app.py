@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "$SHOWCASE_COMPILE_JOBS)")
     h.add_argument("--idle-unload", type=float, default=d["idle_unload"], metavar="SECONDS",
                    help="unload an engine nobody used for this long (default: off; $SHOWCASE_IDLE_UNLOAD)")
+    h.add_argument("--worker-threads", type=int, default=d["worker_threads"], metavar="N",
+                   help="compute threads per cpu engine (default: cores / --max-engines, at least 1; "
+                        "$SHOWCASE_WORKER_THREADS)")
     h.add_argument("--public-evict-after", type=float, default=60.0, metavar="SECONDS",
                    help="public mode: a visitor's request may unload an idle engine only after this long unused")
     add_engine_arguments(p)
@@ -175,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         manager = make_manager(
             args, options_from_args(args, warm_sizes=sizes, warm_modes=modes),
             memory_budget=parse_size(args.memory_budget), max_engines=args.max_engines,
-            compile_jobs=args.compile_jobs, idle_unload_s=args.idle_unload, policy=host_policy(args))
+            compile_jobs=args.compile_jobs, idle_unload_s=args.idle_unload, policy=host_policy(args),
+            worker_threads=args.worker_threads)
         try:
             manager.default_key = manager.make_key(args.preset, args.device, args.precision, args.tp)
         except ShowcaseError as exc:  # the UI still starts and shows the reason

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import os
 import statistics
 import threading
 import time
@@ -89,6 +90,7 @@ class EngineManager:
         idle_unload_s: float | None = None,
         policy: HostPolicy | None = None,
         default_key: EngineKey | None = None,
+        worker_threads: int | None = None,
     ):
         self.cache = prepare_cache_dir(Path(cache_dir) if cache_dir else settings.cache_dir())
         self.cache_dir = self.cache.path
@@ -102,6 +104,7 @@ class EngineManager:
         self.memory_budget = memory_budget
         self.max_engines = max_engines
         self.idle_unload_s = idle_unload_s
+        self.worker_threads = worker_threads
         self.scheduler = CompileScheduler(compile_jobs or settings.default_compile_jobs())
         self._budgets: dict[str, budget.DeviceBudget] = {}
         self._engines: dict[EngineKey, ConnectionEngine] = {}
@@ -299,6 +302,9 @@ class EngineManager:
             mode = Mode.DEFER_AND_FUSE if Mode.DEFER_AND_FUSE in options.warm_modes else None
             env = devices.worker_environment(spec, self.cache_dir, mode=mode)
             env.update(self.cache.worker_env())
+            threads = self.worker_threads_for(spec)
+            if threads:  # a value the user exported wins
+                env.setdefault("OMP_NUM_THREADS", str(threads))
             engine = ProcessEngine(self._config(key, options), env=env).start()
         self._attach(engine)
         log.info("started engine %s", key)
@@ -322,6 +328,17 @@ class EngineManager:
             self._footprints[engine.key] = engine.footprint
         log.info("adopted engine %s (%s)", engine.key, engine.kind)
         return engine
+
+    def worker_threads_for(self, spec) -> int | None:
+        """Compute threads per worker where the device is the host's CPU: its cores shared by the engines
+        the budget allows (--worker-threads overrides). Several workers each spinning on every core
+        made a 50 ms request take 200-500 ms on a busy 2-core box (OpenMP threads waiting for a core
+        another process holds); one thread each kept it at 50 ms. None on accelerators."""
+        if not spec.host_memory_is_device_memory:
+            return None
+        if self.worker_threads:
+            return self.worker_threads
+        return max(1, (os.cpu_count() or 1) // self.device_budget(spec.name).max_engines)
 
     def _attach(self, engine: ConnectionEngine) -> None:
         engine.on_down = self._on_down

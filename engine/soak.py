@@ -18,6 +18,7 @@ The visitors talk HTTP through gradio_client (the client library, not gradio its
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -332,8 +333,18 @@ def summarize(report: SoakReport, args) -> dict:
         "exit_s": round(report.exit_s, 2) if report.exit_s is not None else None,
         "orphans": report.orphans,
         "failures": [o.detail for o in report.outcomes if o.kind in ("failed", "hung")][:10],
+        # What the clear errors said, most frequent first (bad input on purpose, budget refusals, ...).
+        "clear_errors": collections.Counter(_gist(o.detail) for o in report.outcomes if o.kind == "clear")
+        .most_common(8),
+        "host": host,
     }
     return summary
+
+
+def _gist(detail: str) -> str:
+    """An error's kind and first words, so the summary can count alike errors together."""
+    text = detail.split(": ", 1)[-1]
+    return " ".join(text.split()[:8])
 
 
 def print_summary(s: dict) -> None:
@@ -354,6 +365,8 @@ def print_summary(s: dict) -> None:
     print(f"  app exit after SIGTERM {fmt(s['exit_s'], ' s')}; orphan processes {len(s['orphans'])}")
     for f in s["failures"]:
         print(f"  failure: {f}")
+    for gist, count in s["clear_errors"]:
+        print(f"  clear error x{count}: {gist}")
 
 
 def build_parser(sub=None) -> argparse.ArgumentParser:
