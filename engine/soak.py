@@ -64,6 +64,7 @@ class Outcome:
     config: str = ""
     probe: bool = False
     compiling: bool = False  # a compile was running on the host when it started
+    engine_s: float | None = None  # the engine's own time for it (total_ms), without the web round trip
 
 
 @dataclass
@@ -163,10 +164,11 @@ class Soak:
             time.sleep(0.25)
 
     def watch_compiles(self, client) -> None:
+        """Is a bucket compiling anywhere? From /status (cheap: states the workers pushed)."""
         while not self.stop.is_set():
             try:
-                system = client.predict(api_name="/system")
-                running = ((system.get("host") or {}).get("compiles") or {}).get("running") or []
+                engines = client.predict(api_name="/status")
+                running = any(b.get("state") == "compiling" for e in engines for b in e.get("buckets", []))
                 self.compiling.set() if running else self.compiling.clear()
             except Exception:
                 pass
@@ -189,8 +191,9 @@ class Soak:
                     pass
                 return Outcome("cancelled", time.monotonic() - start, config=config)
             _, timings = job.result(timeout=self.args.hang_s)
+            engine_ms = (timings.get("timings") or {}).get("total_ms")
             return Outcome("ok", time.monotonic() - start, warm=bool(timings.get("warm")), config=config,
-                           probe=probe, compiling=compiling)
+                           probe=probe, compiling=compiling, engine_s=engine_ms / 1000 if engine_ms else None)
         except TimeoutError as exc:
             return Outcome("hung", time.monotonic() - start, f"no answer in {self.args.hang_s}s: {exc}", config=config)
         except Exception as exc:
@@ -309,6 +312,7 @@ def summarize(report: SoakReport, args) -> dict:
     probe = [o.seconds for o in report.outcomes if o.probe and o.kind == "ok" and o.warm]
     probe_compiling = [o.seconds for o in report.outcomes if o.probe and o.kind == "ok" and o.warm and o.compiling]
     warm_all = [o.seconds for o in report.outcomes if o.kind == "ok" and o.warm and not o.probe]
+    probe_engine = [o.engine_s for o in report.outcomes if o.probe and o.kind == "ok" and o.warm and o.engine_s]
     idle = statistics.median(report.idle_s) if report.idle_s else None
     budget = parse_size(args.memory_budget)
     engines = report.status.get("engines") or []
@@ -330,6 +334,7 @@ def summarize(report: SoakReport, args) -> dict:
         "p95_over_idle": round(p95 / idle, 2) if p95 and idle else None,
         "p95_while_compiling_over_idle": round(p95_c / idle, 2) if p95_c and idle else None,
         "warm_requests_p50_s": _percentile(warm_all, 0.5), "warm_requests_p95_s": _percentile(warm_all, 0.95),
+        "probe_engine_p50_s": _percentile(probe_engine, 0.5), "probe_engine_p95_s": _percentile(probe_engine, 0.95),
         "exit_s": round(report.exit_s, 2) if report.exit_s is not None else None,
         "orphans": report.orphans,
         "failures": [o.detail for o in report.outcomes if o.kind in ("failed", "hung")][:10],
@@ -362,6 +367,8 @@ def print_summary(s: dict) -> None:
           f"p95 {fmt(s['probe_p95_s'], ' s')} ({fmt(s['p95_over_idle'], 'x')} idle); while compiling p95 "
           f"{fmt(s['probe_p95_while_compiling_s'], ' s')} ({fmt(s['p95_while_compiling_over_idle'], 'x')}, "
           f"{s['probe_samples_while_compiling']} samples)")
+    print(f"  probe's engine time (without the web round trip): p50 {fmt(s['probe_engine_p50_s'], ' s')}, "
+          f"p95 {fmt(s['probe_engine_p95_s'], ' s')}")
     print(f"  app exit after SIGTERM {fmt(s['exit_s'], ' s')}; orphan processes {len(s['orphans'])}")
     for f in s["failures"]:
         print(f"  failure: {f}")

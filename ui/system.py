@@ -76,7 +76,23 @@ def folder_size(path: Path, budget_s: float = SIZE_BUDGET_S) -> tuple[int, bool]
     return total, True
 
 
+_SIZES_TTL_S = 30.0
+_sizes_memo: dict = {}
+
+
 def cache_folders(cache_dir: Path, environ=None) -> list[dict]:
+    """Every cache folder and its size; sizes are remembered for 30 s (walking a big cache costs seconds
+    of CPU that polling clients must not take from the engines)."""
+    key = (str(cache_dir), id(environ))
+    memo = _sizes_memo.get(key)
+    if memo and time.monotonic() - memo[0] < _SIZES_TTL_S:
+        return memo[1]
+    rows = _cache_folders(cache_dir, environ)
+    _sizes_memo[key] = (time.monotonic(), rows)
+    return rows
+
+
+def _cache_folders(cache_dir: Path, environ=None) -> list[dict]:
     environ = os.environ if environ is None else environ
     cache_dir = Path(cache_dir)
     folders = {
