@@ -103,7 +103,11 @@ class Soak:
         self.stop = threading.Event()
         self.app: subprocess.Popen | None = None
         self.url = ""
-        self.compiling = threading.Event()  # the app reports a compile running
+        import multiprocessing as mp
+
+        # The app reports a compile running: shared with the client processes.
+        self.compiling_shared = mp.get_context("spawn").Event()
+        self.compiling = self.compiling_shared
         self.presets = [p for p in args.presets.split(",") if p] if args.presets else ["tiny-flux"]
         self.precisions = args.precisions.split(",")
         self.modes = args.modes.split(",")
@@ -138,8 +142,9 @@ class Soak:
             try:
                 return Client(self.url, verbose=False)
             except Exception:
-                if self.app.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the app did not come up (exit code {self.app.poll()}); see the app log") from None
+                gone = self.app is not None and self.app.poll() is not None  # None in a client process
+                if gone or time.monotonic() > deadline:
+                    raise RuntimeError(f"the app at {self.url} did not come up; see the app log") from None
                 time.sleep(0.5)
 
     # -- sampling ----------------------------------------------------------------------------------
@@ -216,14 +221,14 @@ class Soak:
             params.update(bad)
         return params, expect
 
-    def visitor(self, index: int, deadline: float) -> None:
+    def visitor(self, index: int, deadline: float, out) -> None:
         client = self.client()
         rng = random.Random(self.args.seed + index)
-        while time.monotonic() < deadline and not self.stop.is_set():
+        self.rng = random.Random(self.args.seed * 1000 + index)
+        while time.time() < deadline:
             params, _ = self.random_params()
             cancel_after = rng.uniform(0.05, 0.5) if rng.random() < self.args.cancel_rate else None
-            outcome = self.request(client, params, cancel_after=cancel_after)
-            self.report.outcomes.append(outcome)
+            out.put(self.request(client, params, cancel_after=cancel_after))
             time.sleep(rng.uniform(0.0, self.args.think_s))
 
     def probe_params(self) -> dict:
@@ -231,10 +236,10 @@ class Soak:
                     device=self.args.device, precision=self.precisions[0], mode=self.args.probe_mode,
                     size=self.args.sizes.split(",")[0], steps="2", guidance="", seed="1", on_cold="eager", tp="1")
 
-    def probe(self, deadline: float) -> None:
+    def probe(self, deadline: float, out) -> None:
         client = self.client()
-        while time.monotonic() < deadline and not self.stop.is_set():
-            self.report.outcomes.append(self.request(client, self.probe_params(), probe=True))
+        while time.time() < deadline:
+            out.put(self.request(client, self.probe_params(), probe=True))
             time.sleep(self.args.probe_interval)
 
     def wait_warm_probe(self, client) -> None:
@@ -260,13 +265,7 @@ class Soak:
                 client.predict(**self.probe_params(), api_name="/generate")
                 self.report.idle_s.append(time.monotonic() - start)
             threading.Thread(target=self.watch_compiles, args=(self.client(),), daemon=True).start()
-            deadline = time.monotonic() + self.args.duration
-            threads = [threading.Thread(target=self.visitor, args=(i, deadline)) for i in range(self.args.visitors)]
-            threads.append(threading.Thread(target=self.probe, args=(deadline,)))
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(self.args.duration + self.args.hang_s + 30)
+            self.run_clients()
             try:
                 self.report.status = {"engines": client.predict(api_name="/status"),
                                       "system": client.predict(api_name="/system")}
@@ -276,6 +275,37 @@ class Soak:
             self.stop.set()
             self.shutdown_app()
         return self.report
+
+    def run_clients(self) -> None:
+        """Every visitor, and the probe, in a process of its own (as separate browsers are): in one
+        process their client threads would queue for one interpreter lock and the probe would measure
+        that, not the server."""
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        deadline = time.time() + self.args.duration
+        roles = [("visitor", i) for i in range(self.args.visitors)] + [("probe", 0)]
+        procs = [ctx.Process(target=_client_main, args=(role, i, self.url, self.args, deadline, self.compiling_shared,
+                                                         out), daemon=True) for role, i in roles]
+        for p in procs:
+            p.start()
+        finished = 0
+        hard_stop = deadline + self.args.hang_s + 60
+        while finished < len(procs) and time.time() < hard_stop:
+            try:
+                item = out.get(timeout=1.0)
+            except Exception:
+                finished = sum(1 for p in procs if not p.is_alive())
+                continue
+            if item is None:
+                finished += 1
+            else:
+                self.report.outcomes.append(item)
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
 
     def shutdown_app(self) -> None:
         import psutil
@@ -305,6 +335,20 @@ class Soak:
         except (ProcessLookupError, PermissionError):
             pass
         self.app_log.close()
+
+
+def _client_main(role: str, index: int, url: str, args, deadline: float, compiling, out) -> None:
+    """One visitor (or the probe) in its own process: requests until `deadline` (wall clock), each
+    outcome put on `out`, then None."""
+    soak = Soak(args)
+    soak.url, soak.compiling = url, compiling
+    try:
+        if role == "probe":
+            soak.probe(deadline, out)
+        else:
+            soak.visitor(index, deadline, out)
+    finally:
+        out.put(None)
 
 
 def summarize(report: SoakReport, args) -> dict:
