@@ -322,6 +322,7 @@ class Timings:
     denoise_ms: float
     decode_ms: float
     total_ms: float
+    queued_ms: float = 0.0  # waited in the engine's queue (earlier requests, a compile it waited for)
 
     @property
     def first_step_ms(self) -> float | None:
@@ -385,6 +386,7 @@ class GenerateResult:
                 "denoise_ms": t.denoise_ms,
                 "decode_ms": t.decode_ms,
                 "total_ms": t.total_ms,
+                "queued_ms": t.queued_ms,
             },
         }
 

@@ -22,11 +22,13 @@ what a Warm message names.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
 import sys
 import threading
+import time
 import traceback
 
 from engine import settings
@@ -91,6 +93,7 @@ class WorkerLoop:
         self._hits: dict[BucketKey, int] = {}
         self._waiting: dict[BucketKey, int] = {}
         self._stop = threading.Event()
+        self._received: dict[str, float] = {}  # request id -> when it arrived (its queue time)
 
     def send(self, message) -> None:
         with self._send_lock:
@@ -136,6 +139,7 @@ class WorkerLoop:
                 f"engine {self.runner.config.key} has {self.max_queue} requests waiting; retry in a few seconds")))
             return
         self._cancels[request.request_id] = threading.Event()
+        self._received[request.request_id] = time.perf_counter()
         bucket = request.bucket
         with self._lock:
             self._hits[bucket] = self._hits.get(bucket, 0) + 1
@@ -246,8 +250,11 @@ class WorkerLoop:
                 raise Cancelled(f"request {request.request_id} cancelled before it started")
             if request.mode.compiled and request.on_cold is OnCold.WAIT and not self._is_warm(request.bucket):
                 self._await_compile(request, cancel)
+            received = self._received.pop(request.request_id, None)
+            queued_ms = (time.perf_counter() - received) * 1000 if received is not None else 0.0
             result = self.runner.generate(request, on_step=on_step, cancel=cancel)
-            self.send(Result(result))
+            self.send(Result(dataclasses.replace(result, timings=dataclasses.replace(result.timings,
+                                                                                     queued_ms=queued_ms))))
         except ShowcaseError as exc:
             self.send(RequestFailed(request.request_id, exc))
         except Exception as exc:  # never let one request kill the worker
@@ -255,6 +262,7 @@ class WorkerLoop:
             self.send(RequestFailed(request.request_id, ShowcaseError(f"{type(exc).__name__}: {exc}")))
         finally:
             self._cancels.pop(request.request_id, None)
+            self._received.pop(request.request_id, None)
 
     def run(self) -> None:
         sys.setswitchinterval(settings.switch_interval_s())

@@ -34,6 +34,7 @@ from ui.runs import RunRegistry
 log = logging.getLogger(__name__)
 
 DEFAULT_PROMPT = "a red fox in the snow, golden hour"
+RUNS_PER_ENGINE = 4  # handler slots per engine the devices may hold (see HandlerBase.run_slots)
 ENGINE_QUEUE = "engines"  # generate and compare share one queue: they occupy the devices
 # UI-only events (redraws, settings, polls): never queued behind a run, no API, no spinner.
 FAST = dict(concurrency_limit=None, api_visibility="private", show_progress="hidden")
@@ -94,9 +95,10 @@ class HandlerBase:
         return self._devices_report
 
     def run_slots(self) -> int:
-        """Handlers that may run requests at once: one per engine the devices may hold (each engine runs
-        one request at a time in its worker, so requests for different engines never wait for each
-        other in Gradio's queue; beyond this they wait there with their position shown)."""
+        """Handlers that may run requests at once. Each engine runs one request at a time in its worker
+        and queues the rest (up to its max_queue), so Gradio's own queue only has to keep the app's
+        threads bounded: RUNS_PER_ENGINE per engine the devices may hold. Fewer slots made a request
+        for an idle engine wait in Gradio's queue behind requests queued on another engine."""
         slots = 0
         for r in self.devices_report():
             if r.get("available"):
@@ -104,7 +106,7 @@ class HandlerBase:
                     slots += self.manager.device_budget(r["name"]).max_engines
                 except ShowcaseError:
                     slots += 1
-        return max(1, slots)
+        return max(1, slots) * RUNS_PER_ENGINE
 
     # -- who is asking ------------------------------------------------------------------------------
     @property
