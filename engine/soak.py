@@ -188,7 +188,8 @@ class Soak:
             job = client.submit(**params, api_name="/generate")
             if cancel_after is not None:
                 time.sleep(cancel_after)
-                job.cancel()
+                # The app's /cancel: synchronous and scoped to this visitor's session (gradio_client's
+                # job.cancel() posts its cancel later, from a thread, where it can meet the next request).
                 client.predict(api_name="/cancel")
                 try:
                     job.result(timeout=self.args.hang_s)
