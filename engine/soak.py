@@ -344,6 +344,10 @@ def _client_main(role: str, index: int, url: str, args, deadline: float, compili
     outcome put on `out`, then None."""
     soak = Soak(args)
     soak.url, soak.compiling = url, compiling
+    if role != "probe" and args.visitor_niceness:
+        # Visitors stand in for browsers on other machines: their own client work (HTTP, SSE, image
+        # downloads) must not take the 2 cores from the server they load. The probe, which measures, is not niced.
+        os.nice(args.visitor_niceness)
     try:
         if role == "probe":
             soak.probe(deadline, out)
@@ -442,6 +446,8 @@ def build_parser(sub=None) -> argparse.ArgumentParser:
     p.add_argument("--bad-rate", type=float, default=0.1)
     p.add_argument("--think-s", type=float, default=1.0, help="a visitor waits up to this long between requests")
     p.add_argument("--probe-interval", type=float, default=0.5)
+    p.add_argument("--visitor-niceness", type=int, default=10,
+                   help="CPU niceness of the visitor processes (they stand in for remote browsers; 0 = none)")
     p.add_argument("--idle-runs", type=int, default=15)
     p.add_argument("--hang-s", type=float, default=300.0, help="a request without an answer this long is hung")
     p.add_argument("--warm-timeout", type=float, default=600.0)
