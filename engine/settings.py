@@ -73,9 +73,16 @@ def default_compile_jobs() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
+def worker_niceness() -> int:
+    """CPU priority of engine worker processes, below the web server's (0): under full load the server
+    still answers, streams progress and hands results on at once; engines share what is left equally."""
+    return int(_env("SHOWCASE_WORKER_NICENESS", "5"))
+
+
 def compile_niceness() -> int:
-    """CPU priority of an engine's compile thread: 10 gives requests about nine tenths of a contended core
-    while a compile still moves on (19 starved compiles under steady traffic; 0 = like the requests)."""
+    """How much lower than its engine's requests an engine's compile thread runs: +10 gives requests
+    about nine tenths of a contended core while a compile still moves on (+19 starved compiles under
+    steady traffic; 0 = like the requests)."""
     return int(_env("SHOWCASE_COMPILE_NICENESS", "10"))
 
 

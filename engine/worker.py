@@ -66,14 +66,15 @@ log = logging.getLogger(__name__)
 # settings.switch_interval_s() (0.5 ms) to keep the hand-offs short.
 
 
-def lower_this_thread_priority(niceness: int | None = None) -> bool:
-    """Linux: nice only the calling thread (and the compiler processes it starts, which inherit it)."""
+def lower_this_thread_priority(by: int | None = None) -> bool:
+    """Linux: nice only the calling thread (and the compiler processes it starts, which inherit it),
+    `by` steps below the process (settings.compile_niceness())."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         tid = threading.get_native_id()
-        niceness = settings.compile_niceness() if niceness is None else niceness
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), niceness))
+        by = settings.compile_niceness() if by is None else by
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
         return True
     except OSError:
         return False
@@ -282,6 +283,10 @@ def worker_main(config, conn, env: dict[str, str]) -> None:
     os.environ.update(env)  # before torch is imported: TORCHINDUCTOR_CACHE_DIR, TORCH_TPU_DEFER_AND_FUSE ...
     try:
         os.setsid()  # its own process group: the app stops the worker *and* its compiler processes at once
+    except OSError:
+        pass
+    try:
+        os.nice(settings.worker_niceness())  # below the web server: it answers first under full load
     except OSError:
         pass
     logging.basicConfig(level=os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"),
