@@ -3,34 +3,33 @@
 The result is an ordinary diffusers FluxPipeline folder, so the app loads it like any Hub model. Training is
 reproducible from the repo (`python -m engine.train_embedded`): fixed seeds, step-based schedules (a
 stage stopped by --minutes resumes from its checkpoint to the same end point), checkpoints under a cache
-folder, and the data rendered by `engine.shapes.grammar` (no data set on disk).
+folder, and data rendered on the fly by `engine.shapes.grammar` (no data set on disk).
 
-Stages:
+Stages (independent: `--stage all` runs them one after the other; they may also run side by side):
 
 1. vae: a x4 AutoencoderKL (3 blocks: 64x64 pixels -> 16x16 latents -> 8x8 Flux tokens, enough positions
-   for geometry). Fully convolutional (no mid-block attention), so it is trained on 64x64 images only: half
-   whole 64x64 renders, half 64x64 crops of 128x128 renders (the larger objects of the 128 buckets). Loss
-   L1 + MSE + an edge term (image gradients, which keep corners sharp) + a small KL. Afterwards each latent
-   channel is standardised by folding its measured mean/std into quant_conv and post_quant_conv, and the
-   remaining global mean/std become shift_factor/scaling_factor (the pipeline applies them).
-2. transformer: a FluxTransformer2DModel trained with rectified flow on pre-encoded latents of every
-   bucket (one bucket per batch, batch sizes giving equal image tokens), text embeddings precomputed by
-   the pipeline's own `encode_prompt` with the preset's max_sequence_length. Half the noise levels are the
-   exact sigmas the scheduler uses at the default step count, half logit-normal through the same shift,
-   so training matches inference. A slice of the latent pool is re-rendered every step (fresh positions
-   and sizes without paying the encoder for every sample). EMA weights are what ships.
+   for geometry) over the semantic latent space of `engine.shapes.latents` (coverage, colours, shape
+   code). The encoder regresses the analytic latents; the decoder renders the clean image from them,
+   mostly corrupted, so it snaps an approximate blob to the exact shape (L1 + MSE + an edge term on image
+   gradients, which keeps corners). shift_factor/scaling_factor normalise the latents (measured).
+2. transformer: a FluxTransformer2DModel trained with rectified flow on analytic latents of fresh random
+   scenes of every bucket (one bucket per batch, batch sizes giving equal image tokens), text embeddings
+   precomputed by the pipeline's own `encode_prompt` with the preset's max_sequence_length. Half the
+   noise levels are the exact sigmas the scheduler uses at the default step count, half logit-normal
+   through the same shift, so training matches inference. EMA weights are what ships. Data parallel over
+   single-threaded processes.
 3. export: the pipeline (frozen random CLIP + T5 from engine.tiny, trained VAE, EMA transformer, the
    scheduler) saved with save_pretrained in float16 safetensors.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.shapes import grammar
+from engine.shapes import latents as semantic
 from engine.shapes.fidelity import check
 
 logger = logging.getLogger(__name__)
@@ -66,23 +66,21 @@ class Settings:
     processes: int = 2  # data-parallel transformer training, one thread each
     # VAE
     vae_steps: int = 1500
-    vae_batch: int = 16
+    vae_batch: int = 16  # at 64x64; fewer images at the larger buckets (same pixels)
     vae_lr: float = 2e-3
-    vae_kl: float = 1e-6
     vae_edge: float = 1.0
+    vae_clean_share: float = 0.25  # decoder inputs left uncorrupted
     # transformer
     depth: tuple[int, int] = (2, 2)  # double-stream, single-stream blocks
     heads: int = 2
     head_dim: int = 64
-    steps: int = 2800
+    steps: int = 5500
     tokens_per_batch: int = 4096  # image tokens: batch 64 at 64x64, 32 at 64x128, 16 at 128x128
     bucket_weights: tuple[float, ...] = (0.5, 0.2, 0.15, 0.15)  # 64x64 has the strictest target
     lr: float = 1e-3
     warmup: int = 300
     ema: float = 0.998
     discrete_sigma_share: float = 0.5
-    pool_per_bucket: tuple[int, ...] = (2048, 512, 1024, 1024)  # initial; refreshed every step
-    refresh_per_step: int = 16  # pool entries re-rendered per step (in 64x64 units, all processes)
     eval_every: int = 500
     checkpoint_every: int = 250
 
@@ -104,9 +102,11 @@ def build_vae(seed: int):
         latent_channels=LATENT_CHANNELS,
         norm_num_groups=8,
         sample_size=64,
-        mid_block_add_attention=False,  # fully convolutional: trains on 64x64, works at every bucket
-        use_quant_conv=True,  # 1x1 convs that hold the per-channel latent standardisation
-        use_post_quant_conv=True,
+        # Global context: the encoder must read the object's colour and kind into fields that cover the
+        # whole image, and the decoder must see a whole blob to snap it to a shape.
+        mid_block_add_attention=True,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
     )
 
 
@@ -208,20 +208,9 @@ def _log_jsonl(path: Path, record: dict) -> None:
 # --------------------------------------------------------------------------------------------------
 # Stage 1: VAE.
 # --------------------------------------------------------------------------------------------------
-def _random_prompts(n: int, generator: torch.Generator, prompts=None) -> tuple[torch.Tensor, ...]:
-    prompts = prompts or grammar.all_prompts()
-    picks = torch.randint(0, len(prompts), (n,), generator=generator)
-    return grammar.prompt_indices([prompts[int(i)] for i in picks])
-
-
-def vae_batch(n: int, generator: torch.Generator) -> torch.Tensor:
-    """n 64x64 images: half whole 64x64 renders, half random 64x64 crops of 128x128 renders."""
-    half = n // 2
-    small = grammar.render_batch(*_random_prompts(half, generator), 64, 64, generator)
-    big = grammar.render_batch(*_random_prompts(n - half, generator), 128, 128, generator)
-    offsets = torch.randint(0, 65, (n - half, 2), generator=generator)
-    crops = torch.stack([img[:, y : y + 64, x : x + 64] for img, (x, y) in zip(big, offsets.tolist(), strict=True)])
-    return torch.cat([small, crops])
+def _random_prompts(n: int, generator: torch.Generator, prompts=None) -> list:
+    prompts = prompts or grammar.training_prompts()
+    return [prompts[int(i)] for i in torch.randint(0, len(prompts), (n,), generator=generator)]
 
 
 def _edge_loss(recon: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -230,22 +219,39 @@ def _edge_loss(recon: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (dx(recon) - dx(target)).abs().mean() + (dy(recon) - dy(target)).abs().mean()
 
 
+def _bucket_batch(settings: Settings, generator: torch.Generator, base: int) -> tuple[int, int, int]:
+    """A random bucket (by settings.bucket_weights) and a batch size with the pixels of `base` 64x64 images."""
+    bucket = int(torch.multinomial(torch.tensor(settings.bucket_weights), 1, generator=generator))
+    width, height = BUCKETS[bucket]
+    return width, height, max(1, base * 64 * 64 // (width * height))
+
+
 @torch.no_grad()
-def vae_fidelity(vae, n_per_bucket: int = 64, seed: int = 1234, buckets=BUCKETS) -> dict[str, float]:
-    """Share of checker-correct reconstructions (posterior mean -> decode) per bucket."""
+def vae_fidelity(vae, n_per_bucket: int = 64, seed: int = 1234, buckets=BUCKETS, corrupted: bool = False):
+    """Share of checker-correct reconstructions per bucket: image -> encoder mode -> decoder; or, with
+    `corrupted`, analytic latents -> corrupt -> decoder (how well the decoder snaps approximate latents)."""
     generator = torch.Generator().manual_seed(seed)
     result = {}
     for width, height in buckets:
-        prompts = [grammar.all_prompts()[int(i)] for i in torch.randint(0, 168, (n_per_bucket,), generator=generator)]
-        images = grammar.render_batch(*grammar.prompt_indices(prompts), width, height, generator)
-        recon = torch.cat([vae.decode(vae.encode(chunk).latent_dist.mode()).sample for chunk in images.split(32)])
+        prompts = _random_prompts(n_per_bucket, generator, grammar.all_prompts())
+        images, z = semantic.scenes(prompts, width, height, generator)
+        if corrupted:
+            z = semantic.corrupt(z, generator, clean_share=0.0)
+        else:
+            z = torch.cat([vae.encode(chunk).latent_dist.mode() for chunk in images.split(32)])
+        recon = torch.cat([vae.decode(chunk).sample for chunk in z.split(32)])
         pil = grammar.to_pil(recon)
-        result[f"{width}x{height}"] = sum(check(i, p).correct for i, p in zip(pil, prompts, strict=True)) / len(pil)
+        result[f"{width}x{height}"] = sum(
+            check(i, p).correct for i, p in zip(pil, prompts, strict=True)
+        ) / len(pil)
     return result
 
 
 def train_vae(settings: Settings, cache: Path, minutes: float | None = None) -> Path:
-    """Train (or resume) the VAE; returns the folder of the finished, standardised VAE."""
+    """Train (or resume) the VAE; returns the folder of the finished VAE.
+
+    Encoder: regress the analytic latents (mean) with a near-deterministic posterior. Decoder: render the
+    clean image from the analytic latents, corrupted for most samples (semantic.corrupt)."""
     out = cache / "vae"
     if (out / "config.json").is_file():
         logger.info("VAE already trained: %s", out)
@@ -259,25 +265,13 @@ def train_vae(settings: Settings, cache: Path, minutes: float | None = None) -> 
         vae.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
         step, elapsed = state["step"], state["elapsed"]
         logger.info("resuming VAE at step %d", step)
-    else:
-        torch.manual_seed(settings.seed + 2)  # posterior sampling noise
     log_path = cache / "vae-log.jsonl"
 
     def checkpoint():
-        _save(
-            ckpt_path,
-            {
-                "model": vae.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "generator": generator.get_state(),
-                "torch_rng": torch.get_rng_state(),
-                "step": step,
-                "elapsed": elapsed,
-            },
-        )
+        state = {"model": vae.state_dict(), "optimizer": optimizer.state_dict()}
+        _save(ckpt_path, {**state, "generator": generator.get_state(), "step": step, "elapsed": elapsed})
 
     vae.train()
     started = time.perf_counter()
@@ -285,26 +279,29 @@ def train_vae(settings: Settings, cache: Path, minutes: float | None = None) -> 
     while step < settings.vae_steps:
         for group in optimizer.param_groups:
             group["lr"] = settings.vae_lr * _lr_factor(step, settings.vae_steps, 100)
-        images = vae_batch(settings.vae_batch, generator)
+        width, height, n = _bucket_batch(settings, generator, settings.vae_batch)
+        images, z = semantic.scenes(_random_prompts(n, generator), width, height, generator)
         posterior = vae.encode(images).latent_dist
-        recon = vae.decode(posterior.sample()).sample
+        encode = F.mse_loss(posterior.mean, z) + 1e-3 * (posterior.logvar + 10).pow(2).mean()
+        recon = vae.decode(semantic.corrupt(z, generator, settings.vae_clean_share)).sample
         rec = F.l1_loss(recon, images) + F.mse_loss(recon, images)
         edge = _edge_loss(recon, images)
-        kl = posterior.kl().mean()
-        loss = rec + settings.vae_edge * edge + settings.vae_kl * kl
+        loss = rec + settings.vae_edge * edge + encode
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         optimizer.step()
         step += 1
         bar.update(1)
-        bar.set_postfix(rec=f"{rec.item():.4f}", edge=f"{edge.item():.4f}", kl=f"{kl.item():.0f}")
+        bar.set_postfix(rec=f"{rec.item():.4f}", edge=f"{edge.item():.4f}", enc=f"{encode.item():.4f}")
         if step % settings.checkpoint_every == 0 or step == settings.vae_steps:
             elapsed_now = elapsed + time.perf_counter() - started
-            record = {"step": step, "rec": rec.item(), "edge": edge.item(), "kl": kl.item(), "minutes": elapsed_now / 60}
+            record = {"step": step, "rec": rec.item(), "edge": edge.item(), "encode": encode.item()}
+            record["minutes"] = elapsed_now / 60
             if step % settings.eval_every == 0 or step == settings.vae_steps:
                 vae.eval()
-                record["fidelity"] = vae_fidelity(vae, 32, buckets=BUCKETS[:2])
+                record["reconstructed"] = vae_fidelity(vae, 32, buckets=BUCKETS[:2])
+                record["from_corrupted"] = vae_fidelity(vae, 32, buckets=BUCKETS[:2], corrupted=True)
                 vae.train()
                 bar.write(f"vae step {step}: {record}")
             _log_jsonl(log_path, record)
@@ -315,55 +312,35 @@ def train_vae(settings: Settings, cache: Path, minutes: float | None = None) -> 
                 raise TimeoutError(f"VAE stage stopped at step {step} (--minutes); rerun with --resume")
     bar.close()
     vae.eval()
-    standardise_latents(vae, generator)
-    final = vae_fidelity(vae, 200)
-    logger.info("VAE reconstructions checker-correct: %s", final)
+    set_scaling(vae)
+    final = {
+        "reconstructed": vae_fidelity(vae, 200),
+        "from_corrupted": vae_fidelity(vae, 200, corrupted=True),
+    }
+    logger.info("VAE checker-correct: %s", final)
     _log_jsonl(log_path, {"step": step, "final_fidelity": final, "minutes": elapsed / 60})
     vae.save_pretrained(out, safe_serialization=True)
     return out
 
 
-@torch.no_grad()
-def _latent_sample(vae, generator: torch.Generator, per_bucket: int = 256) -> list[torch.Tensor]:
-    latents = []
+@cache
+def latent_scaling() -> tuple[float, float]:
+    """(shift_factor, scaling_factor): the measured mean and 1/std of the latents over all buckets (the
+    pipeline divides by the scale and adds the shift before decoding). Measured on the analytic latents
+    with a fixed seed, so the VAE and the transformer stages agree without waiting for each other."""
+    generator = torch.Generator().manual_seed(4321)
+    values = []
     for width, height in BUCKETS:
-        images = grammar.render_batch(*_random_prompts(per_bucket, generator), width, height, generator)
-        latents += [vae.encode(chunk).latent_dist.mode() for chunk in images.split(64)]
-    return latents
+        prompts = _random_prompts(256, generator, grammar.all_prompts())
+        values.append(semantic.scenes(prompts, width, height, generator)[1].flatten())
+    values = torch.cat(values)
+    return round(float(values.mean()), 4), round(float(1 / values.std()), 4)
 
 
-@torch.no_grad()
-def standardise_latents(vae, generator: torch.Generator) -> None:
-    """Fold each latent channel's mean/std into quant_conv (encoder side) and post_quant_conv (decoder
-    side), so the diffusion model sees balanced channels. Channels whose posterior noise exceeds their
-    spread carry nothing the decoder uses (the KL term emptied them); they are pinned to 0 on both sides,
-    so the transformer is not asked to predict arbitrary encoder values there. Then the remaining global
-    statistics of the live channels become shift_factor/scaling_factor, exactly as measured."""
-    latents = _latent_sample(vae, generator)
-    channels = torch.cat([z.permute(1, 0, 2, 3).flatten(1) for z in latents], dim=1)
-    mean, std = channels.mean(1), channels.std(1)
-    logger.info("latent channel means %s, stds %s", mean.numpy().round(3), std.numpy().round(3))
-    c = LATENT_CHANNELS
-    q, p = vae.quant_conv, vae.post_quant_conv
-    q.weight[:c] /= std.view(c, 1, 1, 1)
-    q.bias[:c] = (q.bias[:c] - mean) / std
-    q.bias[c:] -= 2 * std.log()  # log-variance of (z - mean) / std
-    # post_quant_conv(z) = W z + b with z = std * z' + mean
-    p.bias += (p.weight[:, :, 0, 0] @ mean).view(-1)
-    p.weight *= std.view(1, c, 1, 1)
-
-    images = grammar.render_batch(*_random_prompts(256, generator), 64, 64, generator)
-    noise = vae.encode(images).latent_dist.std.mean(dim=(0, 2, 3))
-    dead = noise > 1.0
-    logger.info("posterior std per standardised channel %s; pinned to 0: %s", noise.numpy().round(2), dead.nonzero().flatten().tolist())
-    q.weight[:c][dead] = 0
-    q.bias[:c][dead] = 0
-    p.weight[:, dead] = 0
-
-    live = torch.cat([z[:, ~dead].flatten() for z in _latent_sample(vae, generator, 64)])
-    shift, scale = float(live.mean()), float(1 / live.std())
-    vae.register_to_config(shift_factor=round(shift, 4), scaling_factor=round(scale, 4))
-    logger.info("after standardising: shift_factor %.4f, scaling_factor %.4f", shift, scale)
+def set_scaling(vae) -> None:
+    shift, scale = latent_scaling()
+    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    logger.info("latents: shift_factor %.4f, scaling_factor %.4f", shift, scale)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,7 +372,9 @@ def prompt_embeddings(cache: Path) -> dict[str, torch.Tensor]:
         transformer=None,
     )
     texts = [p.text for p in grammar.all_prompts()]
-    embeds, pooled, text_ids = pipe.encode_prompt(texts, prompt_2=None, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    embeds, pooled, text_ids = pipe.encode_prompt(
+        texts, prompt_2=None, max_sequence_length=MAX_SEQUENCE_LENGTH
+    )
     result = {"embeds": embeds.float(), "pooled": pooled.float(), "text_ids": text_ids.float()}
     _save(path, result)
     return result
@@ -403,7 +382,11 @@ def prompt_embeddings(cache: Path) -> dict[str, torch.Tensor]:
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
     b, c, h, w = latents.shape
-    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+    return (
+        latents.view(b, c, h // 2, 2, w // 2, 2)
+        .permute(0, 2, 4, 1, 3, 5)
+        .reshape(b, (h // 2) * (w // 2), c * 4)
+    )
 
 
 def unpack(packed: torch.Tensor, width: int, height: int, scale: int = 4) -> torch.Tensor:
@@ -420,49 +403,14 @@ def image_ids(width: int, height: int, scale: int = 4) -> torch.Tensor:
     return ids.reshape(h * w, 3)
 
 
-class LatentPool:
-    """Pre-encoded, normalised latents per bucket with their prompt indices; a few entries are replaced by
-    fresh renders every step, so the data keeps growing at a small encoder cost."""
-
-    def __init__(self, vae, settings: Settings, generator: torch.Generator, state: dict | None = None):
-        self.vae = vae
-        self.generator = generator
-        self.prompt_ids = [grammar.all_prompts().index(p) for p in grammar.training_prompts()]
-        if state is not None:
-            self.latents, self.prompts = state["latents"], state["prompts"]
-            return
-        self.latents, self.prompts = [], []
-        for (width, height), n in zip(BUCKETS, settings.pool_per_bucket, strict=True):
-            latents, prompts = [], []
-            for start in tqdm(range(0, n, 256), desc=f"encoding {width}x{height}", leave=False):
-                z, p = self.encode(width, height, min(256, n - start))
-                latents.append(z)
-                prompts.append(p)
-            self.latents.append(torch.cat(latents))
-            self.prompts.append(torch.cat(prompts))
-
-    @torch.no_grad()
-    def encode(self, width: int, height: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        picks = torch.tensor(self.prompt_ids)[torch.randint(0, len(self.prompt_ids), (n,), generator=self.generator)]
-        prompts = [grammar.all_prompts()[int(i)] for i in picks]
-        images = grammar.render_batch(*grammar.prompt_indices(prompts), width, height, self.generator)
-        cfg = self.vae.config
-        z = torch.cat([self.vae.encode(chunk).latent_dist.mode() for chunk in images.split(64)])
-        return ((z - cfg.shift_factor) * cfg.scaling_factor).to(torch.float16), picks
-
-    def refresh(self, bucket: int, n: int) -> None:
-        width, height = BUCKETS[bucket]
-        z, p = self.encode(width, height, n)
-        where = torch.randint(0, len(self.latents[bucket]), (n,), generator=self.generator)
-        self.latents[bucket][where] = z
-        self.prompts[bucket][where] = p
-
-    def batch(self, bucket: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        where = torch.randint(0, len(self.latents[bucket]), (n,), generator=self.generator)
-        return self.latents[bucket][where].float(), self.prompts[bucket][where]
-
-    def state(self) -> dict:
-        return {"latents": self.latents, "prompts": self.prompts}
+def latent_batch(prompt_ids: list[int], width: int, height: int, generator: torch.Generator) -> torch.Tensor:
+    """Normalised analytic latents (what the decoder reads) of fresh random scenes: unlimited data."""
+    prompts = [grammar.all_prompts()[i] for i in prompt_ids]
+    colours, shapes, backgrounds = grammar.prompt_indices(prompts)
+    boxes = grammar.sample_boxes(len(prompts), width, height, generator)
+    z = semantic.semantic_latents(colours, shapes, backgrounds, boxes, width, height)
+    shift, scale = latent_scaling()
+    return (z - shift) * scale
 
 
 def call_transformer(transformer, packed, sigma, embeds, pooled, txt_ids, img_ids):
@@ -480,7 +428,17 @@ def call_transformer(transformer, packed, sigma, embeds, pooled, txt_ids, img_id
 
 
 @torch.no_grad()
-def sample(transformer, vae, text: dict, prompt_ids, width, height, generator, steps=DEFAULT_STEPS, dtype=torch.float32):
+def sample(
+    transformer,
+    vae,
+    text: dict,
+    prompt_ids,
+    width,
+    height,
+    generator,
+    steps=DEFAULT_STEPS,
+    dtype=torch.float32,
+):
     """FluxPipeline's denoising loop without the pipeline (for quick evaluations during training)."""
     n = len(prompt_ids)
     h, w = height // 4, width // 4
@@ -490,13 +448,17 @@ def sample(transformer, vae, text: dict, prompt_ids, width, height, generator, s
     embeds, pooled = text["embeds"][prompt_ids].to(dtype), text["pooled"][prompt_ids].to(dtype)
     txt_ids, img_ids = text["text_ids"], image_ids(width, height)
     for i in range(steps):
-        v = call_transformer(transformer, packed, sigmas[i].expand(n).to(dtype), embeds, pooled, txt_ids, img_ids)
+        v = call_transformer(
+            transformer, packed, sigmas[i].expand(n).to(dtype), embeds, pooled, txt_ids, img_ids
+        )
         packed = (packed.float() + (sigmas[i + 1] - sigmas[i]) * v.float()).to(dtype)
     latents = unpack(packed, width, height) / vae.config.scaling_factor + vae.config.shift_factor
     return torch.cat([vae.decode(chunk.to(vae.dtype)).sample for chunk in latents.split(32)]).float()
 
 
-def generation_fidelity(transformer, vae, text, prompts, width, height, seed: int, steps=DEFAULT_STEPS) -> float:
+def generation_fidelity(
+    transformer, vae, text, prompts, width, height, seed: int, steps=DEFAULT_STEPS
+) -> float:
     generator = torch.Generator().manual_seed(seed)
     ids = torch.tensor([grammar.all_prompts().index(p) for p in prompts])
     images = grammar.to_pil(sample(transformer, vae, text, ids, width, height, generator, steps))
@@ -521,7 +483,9 @@ class _Group:
             return
         import torch.distributed as dist
 
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in parameters])
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in parameters]
+        )
         dist.all_reduce(flat)
         flat /= self.world
         offset = 0
@@ -539,7 +503,9 @@ class _Group:
         return bool(tensor.item())
 
 
-def _transformer_worker(rank: int, world: int, settings: Settings, cache: Path, vae_path: Path, minutes, store):
+def _transformer_worker(
+    rank: int, world: int, settings: Settings, cache: Path, vae_path: Path, minutes, store
+):
     torch.set_num_threads(settings.threads)
     if world > 1:
         import torch.distributed as dist
@@ -548,13 +514,14 @@ def _transformer_worker(rank: int, world: int, settings: Settings, cache: Path, 
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     group = _Group(rank, world)
-    vae = load_vae(vae_path)
     text = prompt_embeddings(cache)
     ckpt_path = cache / "transformer.ckpt"
-    data_path = cache / f"transformer-data-{rank}.ckpt"  # this rank's pool and generator
+    data_path = cache / f"transformer-data-{rank}.ckpt"  # this rank's data generator
     transformer = build_transformer(settings, settings.seed + 10)  # same seed: identical replicas
     parameters = list(transformer.parameters())
-    logger.info("transformer: %.2f M parameters, %d process(es)", sum(p.numel() for p in parameters) / 1e6, world)
+    logger.info(
+        "transformer: %.2f M parameters, %d process(es)", sum(p.numel() for p in parameters) / 1e6, world
+    )
     ema = build_transformer(settings, settings.seed + 10).eval().requires_grad_(False)
     ema.load_state_dict(transformer.state_dict())
     optimizer = torch.optim.AdamW(parameters, lr=settings.lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -570,11 +537,8 @@ def _transformer_worker(rank: int, world: int, settings: Settings, cache: Path, 
         logger.info("resuming transformer at step %d", step)
     del state
     started = time.perf_counter()
-    pool_settings = dataclasses.replace(settings, pool_per_bucket=tuple(n // world for n in settings.pool_per_bucket))
-    pool = LatentPool(vae, pool_settings, generator, data["pool"] if data else None)
-    if data is None:
-        logger.info("latent pool encoded in %.0fs", time.perf_counter() - started)
     del data
+    training_ids = [grammar.all_prompts().index(p) for p in grammar.training_prompts()]
     log_path = cache / "transformer-log.jsonl"
     disc_sigmas = inference_sigmas()
     txt_ids = text["text_ids"]
@@ -582,7 +546,7 @@ def _transformer_worker(rank: int, world: int, settings: Settings, cache: Path, 
     weights = torch.tensor(settings.bucket_weights)
 
     def checkpoint():
-        _save(data_path, {"generator": generator.get_state(), "pool": pool.state(), "step": step})
+        _save(data_path, {"generator": generator.get_state(), "step": step})
         if rank == 0:
             _save(
                 ckpt_path,
@@ -606,9 +570,9 @@ def _transformer_worker(rank: int, world: int, settings: Settings, cache: Path, 
         bucket = int(torch.multinomial(weights, 1, generator=generator))
         tokens = ids_per_bucket[bucket].shape[0]
         n = max(1, settings.tokens_per_batch // tokens // world)
-        pool.refresh(bucket, max(1, settings.refresh_per_step * 64 // tokens // world))
-        x0, prompt_ids = pool.batch(bucket, n)
-        x0 = pack(x0)
+        picks = torch.randint(0, len(training_ids), (n,), generator=generator)
+        prompt_ids = torch.tensor([training_ids[int(i)] for i in picks])
+        x0 = pack(latent_batch(prompt_ids.tolist(), *BUCKETS[bucket], generator))
         # Noise levels: a share exactly the inference sigmas, the rest logit-normal through the same shift.
         discrete = torch.rand(n, generator=generator) < settings.discrete_sigma_share
         continuous = shift_sigma(torch.sigmoid(torch.randn(n, generator=generator)))
@@ -641,13 +605,18 @@ def _transformer_worker(rank: int, world: int, settings: Settings, cache: Path, 
                     "loss": float(np.mean(losses[-settings.checkpoint_every :])),
                     "minutes": elapsed_now / 60,
                 }
+                vae = None
                 if step % settings.eval_every == 0 or step == settings.steps:
+                    vae = _vae_for_evaluation(settings, cache)
+                if vae is not None:
                     prompts = _eval_prompts(48, 7)
                     record["fidelity_64"] = generation_fidelity(ema, vae, text, prompts, 64, 64, seed=7)
                     prompts = _eval_prompts(16, 8)
                     record["fidelity_64x128"] = generation_fidelity(ema, vae, text, prompts, 64, 128, seed=8)
                     prompts = _eval_prompts(24, 9, held_out=True)
-                    record["fidelity_held_out_64"] = generation_fidelity(ema, vae, text, prompts, 64, 64, seed=9)
+                    record["fidelity_held_out_64"] = generation_fidelity(
+                        ema, vae, text, prompts, 64, 64, seed=9
+                    )
                     bar.write(f"transformer step {step}: {record}")
                 _log_jsonl(log_path, record)
             elapsed, started = elapsed_now, time.perf_counter()
@@ -660,6 +629,19 @@ def _transformer_worker(rank: int, world: int, settings: Settings, cache: Path, 
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+def _vae_for_evaluation(settings: Settings, cache: Path):
+    """The finished VAE, else the VAE stage's latest checkpoint (the stages may run side by side), else None.
+    Only the logged evaluations use it; training never reads the VAE."""
+    if (cache / "vae" / "config.json").is_file():
+        return load_vae(cache / "vae")
+    if (state := _load(cache / "vae.ckpt")) is None:
+        return None
+    vae = build_vae(settings.seed)
+    vae.load_state_dict(state["model"])
+    set_scaling(vae)
+    return vae.eval()
 
 
 def train_transformer(settings: Settings, cache: Path, vae_path: Path, minutes: float | None = None):
@@ -681,7 +663,7 @@ def train_transformer(settings: Settings, cache: Path, vae_path: Path, minutes: 
         raise TimeoutError(f"transformer stage stopped at step {state['step']} (--minutes); rerun to resume")
     ema = build_transformer(settings, settings.seed + 10).eval()
     ema.load_state_dict(state["ema"])
-    return ema, load_vae(vae_path)
+    return ema, (load_vae(vae_path) if (vae_path / "config.json").is_file() else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -724,7 +706,9 @@ def run(
     torch.set_num_threads(settings.threads)
     cache = Path(cache)
     if not resume:
-        for name in ("vae.ckpt", "transformer.ckpt", "vae-log.jsonl", "transformer-log.jsonl"):
+        for path in cache.glob("*.ckpt"):
+            path.unlink()
+        for name in ("vae-log.jsonl", "transformer-log.jsonl"):
             (cache / name).unlink(missing_ok=True)
         if (cache / "vae" / "config.json").is_file() and stage in ("vae", "all"):
             import shutil
@@ -740,6 +724,9 @@ def run(
     if stage in ("transformer", "all"):
         remaining = None if minutes is None else minutes - (time.perf_counter() - started) / 60
         transformer, vae = train_transformer(settings, cache, vae_path, remaining)
+        if vae is None:
+            logger.warning("the VAE stage has not finished; export later with --stage export")
+            return
     elif stage == "export":
         state = _load(cache / "transformer.ckpt")
         if state is None:
@@ -749,4 +736,10 @@ def run(
         vae = load_vae(vae_path)
     else:
         return
-    export(transformer.eval(), vae, out, settings, {"wall_minutes_this_run": (time.perf_counter() - started) / 60})
+    export(
+        transformer.eval(),
+        vae,
+        out,
+        settings,
+        {"wall_minutes_this_run": (time.perf_counter() - started) / 60},
+    )
