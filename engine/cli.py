@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.errors import ShowcaseError
 from engine.flags import add_engine_arguments, make_manager, options_from_args, presets_from_args
-from engine.protocol import Mode, OnCold
+from engine.protocol import DEFAULT_PRESET, Mode, OnCold
 
 
 def cmd_generate(args) -> int:
@@ -25,9 +25,10 @@ def cmd_generate(args) -> int:
     mode = Mode.parse(args.mode, "mode")
     manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(mode,)))
     try:
+        prompt = args.prompt if args.prompt is not None else manager.preset(args.preset).example_prompt
         result = manager.generate(
             preset=args.preset, device=args.device, precision=args.precision, mode=mode, size=size,
-            prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
+            prompt=prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
             seed=args.seed, tp=args.tp, snap=not args.no_snap, on_cold=args.on_cold,
         )
     finally:
@@ -118,7 +119,7 @@ def cmd_export(args) -> int:
 
 def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate one image and print its timings")
-    g.add_argument("--preset", default="tiny-flux")
+    g.add_argument("--preset", default=DEFAULT_PRESET)
     g.add_argument("--device", default="auto")
     g.add_argument("--precision", default="fp32")
     g.add_argument("--mode", default="eager", help=", ".join(Mode.values()))
@@ -127,7 +128,7 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--steps", type=int, default=None)
     g.add_argument("--guidance", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--prompt", default="a red fox in the snow")
+    g.add_argument("--prompt", default=None, help="default: the preset's first example prompt")
     g.add_argument("--negative-prompt", default=None)
     g.add_argument("--on-cold", choices=OnCold.values(), default=OnCold.WAIT.value,
                    help="at a bucket that is not compiled yet: wait for the compile, or run eagerly")
@@ -160,7 +161,7 @@ def add_attention_parser(sub) -> None:
 
 def add_export_parser(sub) -> None:
     e = sub.add_parser("export", help="build the aot (AOTInductor) packages of an engine's buckets ahead of time")
-    e.add_argument("--preset", default="tiny-flux")
+    e.add_argument("--preset", default=DEFAULT_PRESET)
     e.add_argument("--device", default="auto")
     e.add_argument("--precision", default="fp32")
     e.add_argument("--sizes", default=None, help="comma-separated WxH buckets (default: every bucket of the preset)")

@@ -175,6 +175,11 @@ class BucketInfo:
 # ------------------------------------------------------------------------------------------------
 
 
+DEFAULT_PRESET = settings.DEFAULT_PRESET  # part of the contract: the UI's starting preset
+# For models with no example prompts (random-weight tiny pipelines, Hub models).
+GENERIC_PROMPT = "a red fox in the snow, golden hour"
+
+
 @dataclass(frozen=True)
 class ModelPreset:
     name: str
@@ -207,6 +212,16 @@ class ModelPreset:
         """Name of the tiny pipeline engine/tiny.py builds, or None for a real model."""
         return self.source.removeprefix("embedded:") if self.source.startswith("embedded:") else None
 
+    @property
+    def bundled(self) -> str | None:
+        """Folder inside this repository ("repo:models/tiny-shapes": the trained embedded model), or None."""
+        return self.source.removeprefix("repo:") if self.source.startswith("repo:") else None
+
+    @property
+    def example_prompt(self) -> str:
+        """The prompt a form starts with: the first example (one the model draws well), else a generic one."""
+        return self.examples[0] if self.examples else GENERIC_PROMPT
+
     def describe(self) -> dict:
         return {
             "name": self.name,
@@ -220,6 +235,7 @@ class ModelPreset:
             "negative_prompt": self.negative_prompt,
             "tp": self.tp,
             "description": self.description,
+            "examples": list(self.examples),
             "advice": dict(self.advice),
         }
 

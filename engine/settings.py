@@ -10,6 +10,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PRESETS_DIR = REPO_ROOT / "presets"
+# The embedded default: a tiny model trained by this project (models/tiny-shapes) that draws its prompts.
+DEFAULT_PRESET = "tiny-shapes"
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -46,7 +48,7 @@ def server_defaults() -> dict:
     return {
         "host": _env("SHOWCASE_HOST", _env("GRADIO_SERVER_NAME", "127.0.0.1")),
         "port": int(_env("SHOWCASE_PORT", _env("GRADIO_SERVER_PORT", "7860"))),
-        "preset": _env("SHOWCASE_PRESET", "tiny-flux"),
+        "preset": _env("SHOWCASE_PRESET", DEFAULT_PRESET),
         "device": _env("SHOWCASE_DEVICE", "auto"),
         "precision": _env("SHOWCASE_PRECISION", "fp32"),
         "mode": _env("SHOWCASE_MODE", "compile"),

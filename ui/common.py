@@ -28,12 +28,11 @@ from engine.errors import (
     UnsupportedCombination,
 )
 from engine.manager import Caller
-from engine.protocol import Mode, Precision
+from engine.protocol import DEFAULT_PRESET, Mode, Precision
 from ui.runs import RunRegistry
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROMPT = "a red fox in the snow, golden hour"
 RUNS_PER_ENGINE = 4  # handler slots per engine the devices may hold (see HandlerBase.run_slots)
 ENGINE_QUEUE = "engines"  # generate and compare share one queue: they occupy the devices
 # UI-only events (redraws, settings, polls): never queued behind a run, no API, no spinner.
@@ -51,7 +50,7 @@ ERROR_TITLES = {
 
 @dataclass(frozen=True)
 class UIDefaults:
-    preset: str = "tiny-flux"
+    preset: str = DEFAULT_PRESET
     device: str = "auto"
     precision: str = "fp32"
     mode: str = "compile"

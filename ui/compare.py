@@ -16,7 +16,7 @@ import pandas as pd
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size
 from ui import views
-from ui.common import DEFAULT_PROMPT, ENGINE_QUEUE, FAST, HandlerBase, session_id, to_gradio_error
+from ui.common import ENGINE_QUEUE, FAST, HandlerBase, session_id, to_gradio_error
 from ui.runs import HEARTBEAT_S
 
 MIN_CONFIGS, MAX_CONFIGS = 2, 4
@@ -167,7 +167,7 @@ def build(h: CompareHandlers) -> None:
                     "(device × precision × mode), one after another.")
         with gr.Row():
             with gr.Column(scale=2, min_width=320):
-                prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=2, elem_id="c-prompt")
+                prompt = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="c-prompt")
                 with gr.Row():
                     preset_dd = gr.Dropdown(h.preset_names(), value=preset.name, label="Model preset",
                                             elem_id="c-preset")

@@ -17,7 +17,7 @@ import pandas as pd
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Size
 from ui import views
-from ui.common import DEFAULT_PROMPT, ENGINE_QUEUE, FAST, HandlerBase, session_id, to_gradio_error
+from ui.common import ENGINE_QUEUE, FAST, HandlerBase, session_id, to_gradio_error
 
 MAX_UI_SEED = 2**31 - 1  # browsers hold integers exactly only up to 2**53; keep seeds readable
 PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one redraws the plot)
@@ -161,7 +161,10 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
     with gr.Tab("Generate", id="generate"):
         with gr.Row():
             with gr.Column(scale=2, min_width=320):
-                prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=2, elem_id="prompt")
+                prompt = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="prompt")
+                if preset.examples:  # prompts the default model draws well (its grammar)
+                    gr.Examples([[e] for e in preset.examples], inputs=[prompt],
+                                label=f"Prompts {preset.name} can draw", elem_id="examples")
                 negative = gr.Textbox(label="Negative prompt", lines=1, visible=preset.negative_prompt,
                                       elem_id="negative-prompt")
                 with gr.Row():
@@ -207,7 +210,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
 
         # /generate: the same handler on hidden text inputs (see the module docstring).
         with gr.Column(visible=False):
-            api_defaults = {"prompt": DEFAULT_PROMPT, "preset": preset.name, "device": d.device,
+            api_defaults = {"prompt": preset.example_prompt, "preset": preset.name, "device": d.device,
                             "precision": d.precision, "mode": d.mode, "seed": "0", "on_cold": d.on_cold,
                             "tp": str(d.tp)}  # size/steps/guidance: "" means the preset's default
             api_inputs = [gr.Textbox(value=api_defaults.get(name, ""), visible=False, label=name)
