@@ -453,11 +453,26 @@ def _flux_dev_scheduler():
     )
 
 
-def _build_flux():
-    from diffusers import FluxPipeline, FluxTransformer2DModel
-
+def flux_text_encoders() -> tuple:
+    """FLUX.1's text side: (CLIP, its tokenizer, T5, its tokenizer), tiny, random and seeded."""
     text_encoder, tokenizer = build_clip(seed=1, with_projection=False)
     text_encoder_2, tokenizer_2 = build_t5(seed=2)
+    return text_encoder, tokenizer, text_encoder_2, tokenizer_2
+
+
+def flux_pipeline(scheduler, vae, transformer, text_encoders: tuple):
+    """A FluxPipeline from its parts (`text_encoders` as flux_text_encoders returns them)."""
+    from diffusers import FluxPipeline
+
+    text_encoder, tokenizer, text_encoder_2, tokenizer_2 = text_encoders
+    return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
+
+
+def _build_flux():
+    from diffusers import FluxTransformer2DModel
+
+    text_encoders = flux_text_encoders()
     # FLUX.1 latents: 16 channels, packed 2x2 -> in_channels 64; shift/scale as FLUX.1's VAE.
     vae = build_vae(
         seed=3,
@@ -480,15 +495,7 @@ def _build_flux():
         guidance_embeds=False,
         axes_dims_rope=(4, 6, 6),  # must sum to attention_head_dim
     ).eval()
-    return FluxPipeline(
-        scheduler=_flux_dev_scheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        transformer=transformer,
-    )
+    return flux_pipeline(_flux_dev_scheduler(), vae, transformer, text_encoders)
 
 
 def _build_flux2_klein():

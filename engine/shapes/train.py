@@ -52,7 +52,6 @@ DEFAULT_STEPS = 8
 SHIFT = 3.0  # fixed (use_dynamic_shifting=False): one sigma schedule for every bucket
 LATENT_CHANNELS = 8
 VAE_BLOCKS = (16, 32, 64)  # 3 blocks -> vae_scale_factor 4
-TEXT_SEEDS = (1, 2)  # engine.tiny's tiny-flux seeds for CLIP and T5 (frozen random encoders)
 DEFAULT_OUT = Path("models/tiny-shapes")
 DEFAULT_CACHE = Path(".cache/train-embedded")
 
@@ -142,30 +141,20 @@ def build_scheduler():
 
 
 def build_text_encoders():
-    """engine.tiny's frozen random CLIP and T5, rounded through float16 first: that is how they are
+    """engine.tiny's frozen random FLUX.1 CLIP and T5, rounded through float16 first: that is how they are
     stored, so the embeddings trained on are exactly the ones the shipped pipeline computes in fp32."""
-    from engine.tiny import build_clip, build_t5
+    from engine.tiny import flux_text_encoders
 
-    text_encoder, tokenizer = build_clip(seed=TEXT_SEEDS[0], with_projection=False)
-    text_encoder_2, tokenizer_2 = build_t5(seed=TEXT_SEEDS[1])
-    for model in (text_encoder, text_encoder_2):
+    encoders = flux_text_encoders()
+    for model in (encoders[0], encoders[2]):
         model.to(torch.float16).to(torch.float32)
-    return text_encoder, tokenizer, text_encoder_2, tokenizer_2
+    return encoders
 
 
 def assemble_pipeline(vae, transformer):
-    from diffusers import FluxPipeline
+    from engine.tiny import flux_pipeline
 
-    text_encoder, tokenizer, text_encoder_2, tokenizer_2 = build_text_encoders()
-    return FluxPipeline(
-        scheduler=build_scheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        transformer=transformer,
-    )
+    return flux_pipeline(build_scheduler(), vae, transformer, build_text_encoders())
 
 
 def inference_sigmas(steps: int = DEFAULT_STEPS) -> torch.Tensor:
@@ -359,18 +348,7 @@ def prompt_embeddings(cache: Path) -> dict[str, torch.Tensor]:
     path = cache / "prompt-embeddings.pt"
     if (cached := _load(path)) is not None:
         return cached
-    from diffusers import FluxPipeline
-
-    text_encoder, tokenizer, text_encoder_2, tokenizer_2 = build_text_encoders()
-    pipe = FluxPipeline(
-        scheduler=build_scheduler(),
-        vae=None,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        transformer=None,
-    )
+    pipe = assemble_pipeline(vae=None, transformer=None)  # the text encoders only
     texts = [p.text for p in grammar.all_prompts()]
     embeds, pooled, text_ids = pipe.encode_prompt(
         texts, prompt_2=None, max_sequence_length=MAX_SEQUENCE_LENGTH
