@@ -77,3 +77,13 @@ def test_quality_targets_are_met_or_missed_from_the_columns():
     assert status["fidelity_gap"] == "MISSED"  # bf16 lost 4 points
     assert status["image_ms_reference"] == "met"
     assert speedup_table(rows)[2]["drift_max_diff"] == 9  # the columns reach the table (UI, JSON)
+
+
+def test_the_shapes_checker_scores_grammar_prompts_and_skips_others():
+    from engine.shapes.grammar import render
+
+    checker = quality.fidelity_checker(type("P", (), {"fidelity": "shapes"})())
+    drawn = np.asarray(render("a yellow triangle on a purple background", 64, 64, rng=3))
+    assert checker(drawn, "a yellow triangle on a purple background") is True
+    assert checker(drawn, "a yellow square on a purple background") is False
+    assert checker(drawn, "a red fox in the snow") is None  # outside the grammar: nothing to score

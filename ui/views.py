@@ -247,7 +247,7 @@ def image_quality(image, first_image, preset, prompt: str) -> dict:
                    drift=fmt_drift(drift["psnr_db"], drift["max_diff"]))
     checker = fidelity_checker(preset)
     if checker is not None:
-        out["fidelity"] = bool(checker(image, prompt))
+        out["fidelity"] = checker(image, prompt)  # None: the prompt is outside the model's grammar
     return out
 
 
@@ -255,8 +255,10 @@ def quality_caption(quality: dict) -> str:
     parts = []
     if "drift" in quality:
         parts.append(f"drift vs first: {quality['drift']}")
-    if "fidelity" in quality:
+    if quality.get("fidelity") is not None:
         parts.append("draws the prompt ✓" if quality["fidelity"] else "does not draw the prompt ✗")
+    elif "fidelity" in quality:
+        parts.append("fidelity: the prompt is outside the model's grammar (see its examples)")
     return " · ".join(parts)
 
 

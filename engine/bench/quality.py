@@ -75,11 +75,13 @@ def sample_prompts(preset, n: int, seed: int, fallback: str, held_out: bool = Fa
 
 
 def fidelity_checker(preset) -> Callable | None:
-    """(image, prompt) -> correct?, for presets whose model draws a closed grammar; None otherwise."""
+    """(image, prompt) -> correct? (None for a prompt outside the grammar: nothing to score), for presets
+    whose model draws a closed grammar; None for other presets."""
     if preset.fidelity == "shapes":
         from engine.shapes.fidelity import check
+        from engine.shapes.grammar import parse_prompt
 
-        return lambda image, prompt: check(to_array(image), prompt).correct
+        return lambda image, prompt: check(to_array(image), prompt).correct if parse_prompt(prompt) else None
     return None
 
 
