@@ -108,7 +108,7 @@ class Soak:
         # The app reports a compile running: shared with the client processes.
         self.compiling_shared = mp.get_context("spawn").Event()
         self.compiling = self.compiling_shared
-        self.presets = [p for p in args.presets.split(",") if p] if args.presets else ["tiny-flux"]
+        self.presets = [p for p in args.presets.split(",") if p] if args.presets else [settings.DEFAULT_PRESET]
         self.precisions = args.precisions.split(",")
         self.modes = args.modes.split(",")
         self.rng = random.Random(args.seed)
@@ -434,7 +434,8 @@ def build_parser(sub=None) -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=180.0, help="seconds of visitor traffic")
     p.add_argument("--memory-budget", default="3GiB")
     p.add_argument("--compile-jobs", type=int, default=1)
-    p.add_argument("--presets", default="tiny-flux,tiny-sd3")
+    p.add_argument("--presets", default=f"{settings.DEFAULT_PRESET},tiny-sd3",
+                   help="what visitors may pick (the first is the app's default engine, the probe's)")
     p.add_argument("--precisions", default="fp32,bf16,fp16")
     p.add_argument("--modes", default="eager,compile,regional")
     p.add_argument("--sizes", default="64x64,128x128,64x128,128x64")
