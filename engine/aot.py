@@ -47,7 +47,6 @@ from pathlib import Path
 
 import torch
 
-from engine.progress import progress_bar
 from engine.protocol import BucketKey, Mode, Size
 
 log = logging.getLogger(__name__)
@@ -565,34 +564,3 @@ class AotEngine:
         if self.decoder is not None:
             hits, misses = hits + self.decoder.hits, misses + self.decoder.misses
         return hits, misses
-
-
-# --- ahead of time -------------------------------------------------------------------------------
-def export_packages(config, sizes: tuple[Size, ...] | None = None, rebuild: bool = False,
-                    progress: bool = True) -> list[dict]:
-    """`python -m engine export`: load the engine once and warm each aot bucket, which loads a valid package
-    (checked) or builds it. Returns one row per bucket: state, origin, seconds, error."""
-    from engine.runner import PipelineRunner
-
-    runner = PipelineRunner(config)
-    runner.check_mode(Mode.AOT)  # neuron / tpu: refused with the reason before anything loads
-    sizes = tuple(sizes or config.preset.buckets)
-    bar = progress_bar(len(sizes), progress, f"export {config.key}", unit="bucket")
-    bar.set_postfix_str("load")
-    runner.load()
-    rows = []
-    for size in sizes:
-        bucket = BucketKey(Mode.AOT, size)
-        bar.set_postfix_str(str(size))
-        if rebuild:
-            runner.variant(Mode.AOT)
-            runner._aot.remove_packages(size)
-        start = time.perf_counter()
-        info = runner.warm_bucket(bucket)
-        rows.append({"bucket": str(bucket), "state": info.state.value, "origin": info.origin, "error": info.error,
-                     "seconds": time.perf_counter() - start, "compile_s": info.compile_s})
-        bar.update()
-    bar.close()
-    return rows
-
-

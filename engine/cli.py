@@ -94,7 +94,7 @@ def cmd_attention(args) -> int:
 
 def cmd_export(args) -> int:
     """Build the aot packages of an engine's buckets ahead of time (a Docker build step, a Space's start-up, CI)."""
-    from engine import aot, caches, settings
+    from engine import caches, runner, settings
     from engine.protocol import Size
     from engine.resolve import Catalog
 
@@ -106,7 +106,7 @@ def cmd_export(args) -> int:
     options = catalog.options_for(key, options_from_args(args, warm_sizes=(), warm_modes=()))
     config = catalog.config(key, options, cache.path)
     sizes = tuple(Size.parse(s) for s in args.sizes.split(",") if s.strip()) if args.sizes else None
-    rows = aot.export_packages(config, sizes, rebuild=args.rebuild, progress=not args.no_progress)
+    rows = runner.export_aot_packages(config, sizes, rebuild=args.rebuild, progress=not args.no_progress)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

@@ -38,6 +38,7 @@ from engine import attention, caches, devices, recipes
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
 from engine.faults import FaultHooks
 from engine.presets import route_size
+from engine.progress import progress_bar
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -632,3 +633,32 @@ class PipelineRunner:
         if self.options.warm_sizes is not None:
             sizes = tuple(Size.parse(s) for s in self.options.warm_sizes)
         return [BucketKey(m, s) for s in sizes for m in self.options.warm_modes if m in self.modes()]
+
+
+# --- ahead of time -------------------------------------------------------------------------------
+def export_aot_packages(config, sizes: tuple[Size, ...] | None = None, rebuild: bool = False,
+                    progress: bool = True) -> list[dict]:
+    """`python -m engine export`: load the engine once and warm each aot bucket, which loads a valid package
+    (checked) or builds it. Returns one row per bucket: state, origin, seconds, error."""
+    runner = PipelineRunner(config)
+    runner.check_mode(Mode.AOT)  # neuron / tpu: refused with the reason before anything loads
+    sizes = tuple(sizes or config.preset.buckets)
+    bar = progress_bar(len(sizes), progress, f"export {config.key}", unit="bucket")
+    bar.set_postfix_str("load")
+    runner.load()
+    rows = []
+    for size in sizes:
+        bucket = BucketKey(Mode.AOT, size)
+        bar.set_postfix_str(str(size))
+        if rebuild:
+            runner.variant(Mode.AOT)
+            runner._aot.remove_packages(size)
+        start = time.perf_counter()
+        info = runner.warm_bucket(bucket)
+        rows.append({"bucket": str(bucket), "state": info.state.value, "origin": info.origin, "error": info.error,
+                     "seconds": time.perf_counter() - start, "compile_s": info.compile_s})
+        bar.update()
+    bar.close()
+    return rows
+
+

@@ -34,7 +34,7 @@ from engine.protocol import (
     Mode,
     Size,
 )
-from engine.runner import PipelineRunner
+from engine.runner import PipelineRunner, export_aot_packages
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = EngineKey("tiny-flux", "cpu", "fp32")
@@ -311,12 +311,12 @@ def test_aot_refused_on_neuron_and_tpu_with_the_reason(name, words, cache_dir, m
     with pytest.raises(UnsupportedCombination, match=words):
         devices.check_mode(fake, "aot")
     assert isinstance(devices.check_mode(fake, "compile"), tuple)  # the other modes keep working
-    assert fake.describe()["aot"] == {"available": False, "reason": fake.aot_refusal}
+    assert devices.describe_device(fake)["aot"] == {"available": False, "reason": fake.aot_refusal}
     monkeypatch.setattr(devices, "resolve_device", lambda _name: fake)
     config = EngineConfig(EngineKey("tiny-flux", name, "fp32"), get_preset("tiny-flux"), EngineOptions(),
                           str(cache_dir))
     with pytest.raises(UnsupportedCombination, match=words):
-        aot.export_packages(config, progress=False)  # refused before anything loads
+        export_aot_packages(config, progress=False)  # refused before anything loads
     r = PipelineRunner(config)
     assert r.check_mode("eager") == ()
     with pytest.raises(UnsupportedCombination, match=words):

@@ -523,8 +523,8 @@ def test_environment_defaults(tmp_path):
     assert tpu.environment(tmp_path) == {}
     assert tpu.environment(tmp_path, mode="defer-and-fuse") == {"TORCH_TPU_DEFER_AND_FUSE": "1"}
     assert (
-        D.mode_environment(tpu, "eager") == {}
-        and D.mode_environment(D.get_device("cpu"), "defer-and-fuse") == {}
+        tpu.mode_environment("eager") == {}
+        and D.get_device("cpu").mode_environment("defer-and-fuse") == {}
     )
 
 
@@ -617,7 +617,7 @@ def test_cpu_memory_and_sync():
     cpu.reset_peak_memory()
     peak = cpu.peak_memory_bytes()
     assert isinstance(peak, int) and peak > 0
-    assert "RSS" in cpu.describe()["memory"]
+    assert "RSS" in D.describe_device(cpu)["memory"]
 
 
 def test_memory_where_device_reports_nothing(monkeypatch):

@@ -11,7 +11,8 @@ of the spec (tests/test_devices.py scans the sources for `spec.name == ...` and 
 Layout:
 
     spec.py         DeviceSpec, Availability, PrecisionPlan: the record and its hook methods
-    registry.py     registry(), get_device, resolve_device, device_names, devices_report; `auto` order
+    registry.py     registry(), get_device, resolve_device, device_names; `auto` order
+    report.py       describe_device, devices_report (what `python -m engine devices` prints)
     policy.py       plan_precision, precision_support, check_mode, apply_precision
     environment.py  compile-cache and mode variables, worker_environment, apply_environment, enter_eager_mode
     accelerator.py  the generic path through torch.<name> / torch.accelerator when a spec has no hook
@@ -39,12 +40,12 @@ from engine.devices.cuda import TORCH_BUILDS_HINT
 from engine.devices.environment import (
     apply_environment,
     enter_eager_mode,
-    mode_environment,
     worker_environment,
 )
 from engine.devices.neuron import NEFF_CACHE_VAR, NEURON_INDEX_HINT
 from engine.devices.policy import MODE_HINTS, apply_precision, check_mode, plan_precision, precision_support
-from engine.devices.registry import AUTO, device_names, devices_report, get_device, registry, resolve_device
+from engine.devices.registry import AUTO, device_names, get_device, registry, resolve_device
+from engine.devices.report import describe_device, devices_report
 from engine.devices.spec import (
     DTYPES,
     INDUCTOR_CACHE_VAR,
@@ -74,11 +75,11 @@ __all__ = [
     "apply_precision",
     "check_mode",
     "device_names",
+    "describe_device",
     "devices_report",
     "enter_eager_mode",
     "get_device",
     "make_plan",
-    "mode_environment",
     "plan_precision",
     "precision_support",
     "registry",

@@ -10,7 +10,18 @@ Python-registered backend does not have.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Availability:
+    """A device probe's answer (defined here, the lowest module of the package, so spec and every
+    device module can use it without an import cycle)."""
+
+    available: bool
+    reason: str = ""  # when unavailable: why, and what to install or do
 
 
 def device_module(name: str):
@@ -37,8 +48,6 @@ def registered_accelerator() -> str | None:
 def accelerator_probe(name: str):
     """If torch already has `name` as its accelerator (backend autoload, or a test's fake device), ask
     its device module: an Availability; None if `name` is not registered."""
-    from engine.devices.spec import Availability  # spec imports this module: resolve at call time
-
     if registered_accelerator() != name:
         return None
     mod = device_module(name)

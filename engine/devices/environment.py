@@ -25,23 +25,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def device_environment(spec: DeviceSpec, cache_dir: Path, mode: str | None = None) -> dict[str, str]:
-    """Environment variables `spec` needs, as defaults; with `mode`, plus that mode's forced variables.
-
-    Compile caches go to the persistent cache folder: inductor's default is under /tmp and Neuron's NEFF
-    cache is wiped on reboot, so every restart would recompile for minutes.
-    """
-    cache_dir = Path(cache_dir)
-    env = {var: str(cache_dir / folder) for var, folder in spec.cache_env}
-    env.update(mode_environment(spec, mode) if mode else {})
-    return env
-
-
-def mode_environment(spec: DeviceSpec, mode: str | None) -> dict[str, str]:
-    """Variables a *worker process* must be started with for `mode` (forced, not defaults)."""
-    return {var: value for wanted, var, value in spec.mode_env if mode is not None and wanted == mode}
-
-
 def worker_environment(
     spec: DeviceSpec, cache_dir: Path, mode: str | None = None, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
@@ -54,7 +37,7 @@ def worker_environment(
     env = dict(os.environ if base is None else base)
     for key, value in spec.environment(cache_dir).items():
         env.setdefault(key, value)
-    forced = mode_environment(spec, mode)
+    forced = spec.mode_environment(mode)
     for _, var, _ in spec.mode_env:
         if var not in forced:
             env.pop(var, None)

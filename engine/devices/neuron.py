@@ -13,8 +13,7 @@ import importlib
 import torch
 
 from engine.devices import accelerator
-from engine.devices.policy import static_shape_notes
-from engine.devices.spec import Availability, DeviceSpec, PrecisionPlan, make_plan
+from engine.devices.spec import Availability, DeviceSpec, PrecisionPlan, make_plan, static_shape_notes
 from engine.protocol import Mode, Precision
 
 NAME = "neuron"

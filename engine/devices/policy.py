@@ -26,7 +26,6 @@ MODE_HINTS: dict[Mode, tuple[str, str]] = {
     Mode.DEFER_AND_FUSE: ("TorchTPU's optimized eager mode", "compile or regional for fused graphs"),
 }
 
-_COMPILED = (Mode.COMPILE, Mode.REGIONAL, Mode.AOT)
 
 
 def plan_precision(spec: DeviceSpec, precision: str) -> PrecisionPlan:
@@ -83,13 +82,6 @@ def check_mode(spec: DeviceSpec, mode: str) -> tuple[str, ...]:
             reason = f"{spec.name} runs only {', '.join(spec.modes)}"
         raise UnsupportedCombination(f"mode {str(key)!r} is not supported on {spec.label} [{spec.name}]: {reason}.")
     return spec.mode_notes_fn(key) if spec.mode_notes_fn else ()
-
-
-def static_shape_notes(mode: str) -> tuple[str, ...]:
-    """Mode notes of a static-shape compiler (Neuron, TPU)."""
-    if mode in _COMPILED:
-        return ("static shapes: each new image size compiles once (dynamic=False); seen sizes are reused.",)
-    return ()
 
 
 def apply_precision(plan: PrecisionPlan) -> None:

@@ -56,13 +56,3 @@ def resolve_device(name: str) -> DeviceSpec:
     if not avail.available:
         raise DeviceUnavailable(f"{spec.label} [{spec.name}] is not available: {avail.reason}")
     return spec
-
-
-def devices_report() -> list[dict]:
-    """What `python -m engine devices --json` prints: every device, best-first, with the reason
-    an absent one is absent, and which one `auto` picks."""
-    rows = [spec.describe() for spec in registry().values()]
-    auto = next((row["name"] for row in rows if row["available"]), None)
-    for row in rows:
-        row["auto"] = row["name"] == auto
-    return rows

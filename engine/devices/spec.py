@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engine.devices import accelerator
-from engine.devices.environment import device_environment
+from engine.devices.accelerator import Availability
 from engine.protocol import Mode, Precision
 
 logger = logging.getLogger(__name__)
@@ -48,12 +48,6 @@ INDUCTOR_CACHE_ENV = ((INDUCTOR_CACHE_VAR, "inductor"),)
 
 
 @dataclass(frozen=True)
-class Availability:
-    available: bool
-    reason: str = ""  # when unavailable: why, and what to install or do
-
-
-@dataclass(frozen=True)
 class PrecisionPlan:
     precision: str  # what will actually run (may differ from what was asked: see notices)
     dtype: torch.dtype  # weights / activations dtype
@@ -64,6 +58,13 @@ class PrecisionPlan:
     @property
     def downgraded(self) -> bool:
         return bool(self.requested) and self.requested != self.precision
+
+
+def static_shape_notes(mode: str) -> tuple[str, ...]:
+    """Mode notes of a static-shape compiler (Neuron, TPU)."""
+    if mode in (Mode.COMPILE, Mode.REGIONAL, Mode.AOT):
+        return ("static shapes: each new image size compiles once (dynamic=False); seen sizes are reused.",)
+    return ()
 
 
 def make_plan(requested: str, effective: str | None = None, *notices: str) -> PrecisionPlan:
@@ -109,7 +110,7 @@ class DeviceSpec:
     mesh_device_type: str  # DeviceMesh device type ("" = none)
     modes: tuple[Mode, ...]  # modes it can run
     tensor_parallel: bool = True  # whether dist_backend/mesh_device_type can run a TP group
-    # What peak_memory_bytes() reports (shown in describe()).
+    # What peak_memory_bytes() reports (shown by report.describe_device).
     memory_source: str = ""
     inductor_flags_default: bool = False  # flux-fast's inductor flags on unless the user says otherwise
     cuda_graphs: bool = False  # torch.compile's reduce-overhead / max-autotune replay CUDA graphs here
@@ -273,36 +274,13 @@ class DeviceSpec:
     def environment(self, cache_dir: Path, mode: str | None = None) -> dict[str, str]:
         """Environment variables this device needs, as defaults (the user's exports win); with `mode`,
         plus the variables a worker for that mode must start with (see environment.py)."""
-        return device_environment(self, cache_dir, mode)
+        # Compile caches go to the persistent cache folder: inductor's default is under /tmp and Neuron's
+        # NEFF cache is wiped on reboot, so every restart would recompile for minutes.
+        env = {var: str(Path(cache_dir) / folder) for var, folder in self.cache_env}
+        env.update(self.mode_environment(mode))
+        return env
 
-    # -- report ---------------------------------------------------------------------------------
-    def describe(self) -> dict:
-        """JSON-able: every field, plus available/reason (this probes the device)."""
-        from engine.devices.policy import precision_support
+    def mode_environment(self, mode: str | None) -> dict[str, str]:
+        """Variables a *worker process* must be started with for `mode` (forced, not defaults)."""
+        return {var: value for wanted, var, value in self.mode_env if mode is not None and wanted == mode}
 
-        avail = self.probe()
-        try:
-            from engine.settings import cache_dir
-
-            env = self.environment(cache_dir())
-        except Exception:  # a bad cache setting must not hide the device list
-            env = {}
-        return {
-            "name": self.name,
-            "label": self.label,
-            "torch_device": self.torch_device,
-            "compile_backend": self.compile_backend,
-            "static_shapes": self.static_shapes,
-            "dist_backend": self.dist_backend,
-            "mesh_device_type": self.mesh_device_type,
-            "tensor_parallel": self.tensor_parallel,
-            "modes": list(self.modes),
-            "aot": {"available": Mode.AOT in self.modes, "reason": self.aot_refusal},
-            "cuda_graphs": self.cuda_graphs,
-            "attention_kernels": list(self.attention_kernels),
-            "precisions": precision_support(self) if avail.available else None,
-            "memory": self.describe_memory(),
-            "environment": env,
-            "available": avail.available,
-            "reason": avail.reason,
-        }

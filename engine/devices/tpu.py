@@ -17,8 +17,14 @@ from collections.abc import Callable, Mapping
 import torch
 
 from engine.devices import accelerator
-from engine.devices.policy import static_shape_notes
-from engine.devices.spec import Availability, DeviceSpec, PrecisionPlan, Refusal, make_plan
+from engine.devices.spec import (
+    Availability,
+    DeviceSpec,
+    PrecisionPlan,
+    Refusal,
+    make_plan,
+    static_shape_notes,
+)
 from engine.errors import UnsupportedCombination
 from engine.protocol import Mode, Precision
 

@@ -115,7 +115,7 @@ def sidecar_environment(
     The ranks start once, for all their warm modes, so a mode whose runtime reads a variable at start-up
     (tpu's defer-and-fuse) gets it when it is among `warm_modes`. `tpu_env` replaces the vendor's launch-variable
     function of a device that has one (tests)."""
-    mode = next((m for m in warm_modes if devices.mode_environment(spec, m)), None)
+    mode = next((m for m in warm_modes if spec.mode_environment(m)), None)
     env = devices.worker_environment(spec, Path(cache_dir), mode=mode, base=base)
     env.setdefault("PYTHONUNBUFFERED", "1")  # rank logs reach the sidecar log as they happen
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))  # SIGTERM: ranks gone in seconds
