@@ -41,7 +41,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=None, help="denoising steps per image (default: the preset's)")
     b.add_argument("--runs", type=int, default=10, help="timed requests (images) per configuration")
     b.add_argument("--out", default="artifacts/bench", help="folder for bench.json, bench.md, bench.png")
-    b.add_argument("--prompt", default="a red fox in the snow")
+    b.add_argument("--prompt", default=None, help="prompt of the timed runs (default: the preset's first example)")
     b.add_argument("--quality-samples", type=int, default=None,
                    help="images per configuration for drift against eager fp32 (and fidelity, for a model "
                         "with a checker); default 100 for such a model, else 3; 0 = skip")

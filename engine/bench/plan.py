@@ -122,7 +122,7 @@ def plan_from_args(args) -> BenchPlan:
     return BenchPlan(
         preset=preset, device=spec.name, modes=modes, precisions=precisions, sizes=sizes, steps=steps,
         runs=args.runs, options=options_from_args(args, warm_sizes=(), warm_modes=()), cache_dir=cache_dir,
-        allowed_roots=tuple(str(r) for r in roots), prompt=args.prompt, overhead_pairs=overhead,
+        allowed_roots=tuple(str(r) for r in roots), prompt=args.prompt or preset.example_prompt, overhead_pairs=overhead,
         cache_probe=args.cache_probe, probe_timeout_s=args.probe_timeout, progress=not args.no_progress,
         cold_start_probe=cold_start, cold_start_runs=getattr(args, "cold_start_runs", 5),
         model_args=tuple(model_args), random_weights=bool(args.random_weights),
