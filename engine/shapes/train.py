@@ -5,7 +5,8 @@ reproducible from the repo (`python -m engine.train_embedded`): fixed seeds, ste
 stage stopped by --minutes resumes from its checkpoint to the same end point), checkpoints under a cache
 folder, and data rendered on the fly by `engine.shapes.grammar` (no data set on disk).
 
-Stages (independent: `--stage all` runs them one after the other; they may also run side by side):
+Stages (`--stage all` runs them one after the other; vae and transformer are independent and may also run
+side by side):
 
 1. vae: a x4 AutoencoderKL (3 blocks: 64x64 pixels -> 16x16 latents -> 8x8 Flux tokens, enough positions
    for geometry) over the semantic latent space of `engine.shapes.latents` (coverage, colours, shape
@@ -50,7 +51,7 @@ BUCKETS: tuple[tuple[int, int], ...] = ((64, 64), (128, 128), (64, 128), (128, 6
 MAX_SEQUENCE_LENGTH = 24  # the longest prompt is 24 T5 tokens with </s> (measured in tests)
 DEFAULT_STEPS = 8
 SHIFT = 3.0  # fixed (use_dynamic_shifting=False): one sigma schedule for every bucket
-LATENT_CHANNELS = 8
+LATENT_CHANNELS = semantic.CHANNELS
 VAE_BLOCKS = (16, 32, 64)  # 3 blocks -> vae_scale_factor 4
 DEFAULT_OUT = Path("models/tiny-shapes")
 DEFAULT_CACHE = Path(".cache/train-embedded")
@@ -64,7 +65,7 @@ class Settings:
     threads: int = 1
     processes: int = 2  # data-parallel transformer training, one thread each
     # VAE
-    vae_steps: int = 1500
+    vae_steps: int = 1000
     vae_batch: int = 16  # at 64x64; fewer images at the larger buckets (same pixels)
     vae_lr: float = 2e-3
     vae_edge: float = 1.0
@@ -73,7 +74,7 @@ class Settings:
     depth: tuple[int, int] = (2, 2)  # double-stream, single-stream blocks
     heads: int = 2
     head_dim: int = 64
-    steps: int = 5500
+    steps: int = 3000
     tokens_per_batch: int = 4096  # image tokens: batch 64 at 64x64, 32 at 64x128, 16 at 128x128
     bucket_weights: tuple[float, ...] = (0.5, 0.2, 0.15, 0.15)  # 64x64 has the strictest target
     lr: float = 1e-3
@@ -417,7 +418,16 @@ def sample(
     steps=DEFAULT_STEPS,
     dtype=torch.float32,
 ):
-    """FluxPipeline's denoising loop without the pipeline (for quick evaluations during training)."""
+    """FluxPipeline's denoising loop and decode without the pipeline (quick evaluations during training)."""
+    latents = sample_latents(transformer, vae.config, text, prompt_ids, width, height, generator, steps, dtype)
+    return torch.cat([vae.decode(chunk.to(vae.dtype)).sample for chunk in latents.split(32)]).float()
+
+
+@torch.no_grad()
+def sample_latents(
+    transformer, vae_config, text: dict, prompt_ids, width, height, generator, steps=DEFAULT_STEPS, dtype=torch.float32
+):
+    """FluxPipeline's denoising loop: the latents it hands the decoder (unscaled, shifted back)."""
     n = len(prompt_ids)
     h, w = height // 4, width // 4
     latents = torch.randn((n, LATENT_CHANNELS, h, w), generator=generator).to(dtype)
@@ -430,8 +440,7 @@ def sample(
             transformer, packed, sigmas[i].expand(n).to(dtype), embeds, pooled, txt_ids, img_ids
         )
         packed = (packed.float() + (sigmas[i + 1] - sigmas[i]) * v.float()).to(dtype)
-    latents = unpack(packed, width, height) / vae.config.scaling_factor + vae.config.shift_factor
-    return torch.cat([vae.decode(chunk.to(vae.dtype)).sample for chunk in latents.split(32)]).float()
+    return unpack(packed.float(), width, height) / vae_config.scaling_factor + vae_config.shift_factor
 
 
 def generation_fidelity(
@@ -622,8 +631,8 @@ def _vae_for_evaluation(settings: Settings, cache: Path):
     return vae.eval()
 
 
-def train_transformer(settings: Settings, cache: Path, vae_path: Path, minutes: float | None = None):
-    """Train (or resume) the transformer in `settings.processes` processes; returns (EMA transformer, vae)."""
+def train_transformer(settings: Settings, cache: Path, vae_path: Path, minutes: float | None = None) -> None:
+    """Train (or resume) the transformer in `settings.processes` processes (checkpoint: transformer.ckpt)."""
     prompt_embeddings(cache)  # computed once, before the workers start
     world = settings.processes
     if world == 1:
@@ -639,9 +648,15 @@ def train_transformer(settings: Settings, cache: Path, vae_path: Path, minutes: 
     state = _load(cache / "transformer.ckpt")
     if state["step"] < settings.steps:
         raise TimeoutError(f"transformer stage stopped at step {state['step']} (--minutes); rerun to resume")
-    ema = build_transformer(settings, settings.seed + 10).eval()
-    ema.load_state_dict(state["ema"])
-    return ema, (load_vae(vae_path) if (vae_path / "config.json").is_file() else None)
+
+
+def _trained_transformer(settings: Settings, cache: Path):
+    state = _load(cache / "transformer.ckpt")
+    if state is None:
+        raise FileNotFoundError(f"no transformer checkpoint in {cache}; run --stage transformer first")
+    transformer = build_transformer(settings, settings.seed + 10)
+    transformer.load_state_dict(state["ema"])
+    return transformer.eval()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -695,29 +710,12 @@ def run(
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "settings.json").write_text(json.dumps(asdict(settings), indent=2))
     started = time.perf_counter()
-    if stage in ("vae", "all"):
-        vae_path = train_vae(settings, cache, minutes)
-    else:
-        vae_path = cache / "vae"
+    vae_path = train_vae(settings, cache, minutes) if stage in ("vae", "all") else cache / "vae"
     if stage in ("transformer", "all"):
         remaining = None if minutes is None else minutes - (time.perf_counter() - started) / 60
-        transformer, vae = train_transformer(settings, cache, vae_path, remaining)
-        if vae is None:
-            logger.warning("the VAE stage has not finished; export later with --stage export")
-            return
-    elif stage == "export":
-        state = _load(cache / "transformer.ckpt")
-        if state is None:
-            raise FileNotFoundError(f"no transformer checkpoint in {cache}")
-        transformer = build_transformer(settings, settings.seed + 10)
-        transformer.load_state_dict(state["ema"])
-        vae = load_vae(vae_path)
-    else:
-        return
-    export(
-        transformer.eval(),
-        vae,
-        out,
-        settings,
-        {"wall_minutes_this_run": (time.perf_counter() - started) / 60},
-    )
+        train_transformer(settings, cache, vae_path, remaining)
+    if stage in ("export", "all"):
+        if not (vae_path / "config.json").is_file():
+            raise FileNotFoundError(f"no trained VAE in {vae_path}; run --stage vae first")
+        export(_trained_transformer(settings, cache), load_vae(vae_path), out, settings,
+               {"wall_minutes_this_run": (time.perf_counter() - started) / 60})
