@@ -74,7 +74,7 @@ class Settings:
     depth: tuple[int, int] = (2, 2)  # double-stream, single-stream blocks
     heads: int = 2
     head_dim: int = 64
-    steps: int = 3000
+    steps: int = 2000
     tokens_per_batch: int = 4096  # image tokens: batch 64 at 64x64, 32 at 64x128, 16 at 128x128
     bucket_weights: tuple[float, ...] = (0.5, 0.2, 0.15, 0.15)  # 64x64 has the strictest target
     lr: float = 1e-3
