@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -494,6 +495,7 @@ def _transformer_worker(
     rank: int, world: int, settings: Settings, cache: Path, vae_path: Path, minutes, store
 ):
     torch.set_num_threads(settings.threads)
+    parent = os.getppid()  # spawned workers outlive a killed parent: they check it every step and stop
     if world > 1:
         import torch.distributed as dist
 
@@ -551,6 +553,8 @@ def _transformer_worker(
     bar = tqdm(total=settings.steps, initial=step, desc="transformer", dynamic_ncols=True, disable=rank != 0)
     losses: list[float] = []
     while step < settings.steps:
+        if os.getppid() != parent:
+            raise SystemExit(f"transformer worker {rank}: the training process is gone; stopping")
         lr = settings.lr * _lr_factor(step, settings.steps, settings.warmup)
         for g in optimizer.param_groups:
             g["lr"] = lr
