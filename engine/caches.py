@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,33 @@ def disable_compile_caches() -> None:
 
     inductor_config.fx_graph_cache = False
     functorch_config.enable_autograd_cache = False
+
+
+_ARTIFACT = re.compile(r"(/[^\s:'\"]+\.(?:so|pt2|pkl|json))")
+
+
+def remove_corrupt_artifacts(exc: BaseException, cache_root: Path | str | None = None) -> list[str]:
+    """Delete the compile-cache files a failure names (e.g. "ImportError: <cache>/ab/x.main.so: file too
+    short", left by a process killed mid-write). Turning the FX graph cache off is not enough: inductor's
+    C++ code cache finds the same file by its hash and loads it again. Only files under the inductor cache
+    folder are touched. Returns what was removed."""
+    root = Path(cache_root or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "").resolve()
+    if not str(root) or not root.is_dir():
+        return []
+    texts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        texts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    removed = []
+    for path in {Path(m) for text in texts for m in _ARTIFACT.findall(text)}:
+        try:
+            if path.resolve().is_relative_to(root) and path.is_file():
+                path.unlink()
+                removed.append(str(path))
+        except OSError as err:
+            log.warning("could not remove the corrupt cache file %s: %s", path, err)
+    return removed
 
 
 def compile_caches_enabled() -> bool:

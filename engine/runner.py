@@ -578,8 +578,9 @@ class PipelineRunner:
         except Exception as exc:
             if not caches.compile_caches_enabled():
                 raise
+            removed = caches.remove_corrupt_artifacts(exc)
             notice = (f"compiling {bucket} failed with the on-disk compile cache on ({describe_failure(exc, 200)}); "
-                      "retrying without the cache")
+                      f"retrying without the cache{f' (removed {len(removed)} corrupt file(s))' if removed else ''}")
             log.warning(notice)
             self.notices.append(notice)
             caches.disable_compile_caches()

@@ -20,3 +20,19 @@ def launch_demo(manager, defaults=None, queue_size: int = 8):
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, ssr_mode=False, quiet=True,
                 **launch_kwargs())
     return demo, f"http://127.0.0.1:{port}/"
+
+
+def spy_generate(manager, monkeypatch) -> list:
+    """How each manager.generate call ends (its result or its exception), in the order they end."""
+    outcomes, real = [], manager.generate
+
+    def spy(**kwargs):
+        try:
+            outcomes.append(real(**kwargs))
+        except Exception as exc:
+            outcomes.append(exc)
+            raise
+        return outcomes[-1]
+
+    monkeypatch.setattr(manager, "generate", spy)
+    return outcomes

@@ -276,3 +276,26 @@ def test_default_server_is_private():
 
     args = app.build_parser().parse_args([])
     assert args.host == "127.0.0.1" and args.share is False and args.auth is None
+
+
+def test_a_truncated_compiled_module_in_the_cache_is_removed_before_the_retry(tmp_path):
+    """A process killed while inductor wrote its C++ module leaves a 0-byte .so that inductor's code cache
+    would load again by its hash, even with the FX graph cache off: the retry removes what the error names,
+    and only inside the inductor cache folder."""
+    from engine.caches import remove_corrupt_artifacts
+
+    cache = tmp_path / "inductor"
+    corrupt = cache / "3c" / "c3cgetv7q3e4.main.so"
+    corrupt.parent.mkdir(parents=True)
+    corrupt.write_bytes(b"")
+    outside = tmp_path / "elsewhere.so"
+    outside.write_bytes(b"keep")
+    try:
+        try:
+            raise ImportError(f"{corrupt}: file too short")
+        except ImportError as cause:
+            raise RuntimeError(f"InductorError: ImportError (also {outside}: file too short)") from cause
+    except RuntimeError as exc:
+        removed = remove_corrupt_artifacts(exc, cache)
+    assert removed == [str(corrupt)] and not corrupt.exists() and outside.exists()
+    assert remove_corrupt_artifacts(RuntimeError("no path here"), cache) == []

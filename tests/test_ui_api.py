@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AuthenticationError
-from helpers import free_port, launch_demo
+from helpers import free_port, launch_demo, spy_generate
 from PIL import Image
 
 from engine.errors import Cancelled
@@ -75,17 +75,7 @@ def test_generate_streams_progress_and_cancel_stops_it(client):
 
 def test_job_cancel_stops_the_engine_request_between_steps(client, manager, monkeypatch):
     """gradio_client's own job.cancel(): Gradio closes the handler, which cancels the engine request."""
-    outcomes, real = [], manager.generate
-
-    def spy(**kwargs):  # how each engine request the UI makes ends
-        try:
-            outcomes.append(real(**kwargs))
-        except Exception as exc:
-            outcomes.append(exc)
-            raise
-        return outcomes[-1]
-
-    monkeypatch.setattr(manager, "generate", spy)
+    outcomes = spy_generate(manager, monkeypatch)  # how each engine request the UI makes ends
     job = client.submit(**{**GOOD, "steps": 200}, api_name="/generate")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not ((p := job.status().progress_data) and p[0].index):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 import pytest
+from helpers import spy_generate
 
 from engine.errors import Cancelled, EngineCrashed
 from engine.manager import HostPolicy
@@ -33,22 +34,6 @@ class RecordingProgress:
 @pytest.fixture(scope="module")
 def handlers(manager):
     return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
-
-
-def spy_generate(manager, monkeypatch) -> list:
-    """How each manager.generate call ends (its result or its exception), in the order they end."""
-    outcomes, real = [], manager.generate
-
-    def spy(**kwargs):
-        try:
-            outcomes.append(real(**kwargs))
-        except Exception as exc:
-            outcomes.append(exc)
-            raise
-        return outcomes[-1]
-
-    monkeypatch.setattr(manager, "generate", spy)
-    return outcomes
 
 
 def run_generate(handlers, **overrides):
