@@ -258,7 +258,7 @@ def _quality_ratios(ok: list[dict]) -> dict[str, dict]:
     out = {"drift_compile": _value(drift)}
     refs = [r for r in ok if r["precision"] == "fp32" and r["mode"] == Mode.EAGER and r.get("fidelity") is not None]
     if not refs:  # no pixel checker for this model: the fidelity targets are n/a
-        note = "the model has no pixel checker (only the embedded shapes model has)"
+        note = "the model has no pixel checker (a preset with fidelity = \"shapes\" has one)"
         out.update({k: _value([], note=note) for k in ("fidelity_first_bucket", "fidelity_other_buckets",
                                                          "fidelity_held_out", "fidelity_gap", "image_ms_reference")})
         return out
