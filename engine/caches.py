@@ -62,9 +62,10 @@ def remove_corrupt_artifacts(exc: BaseException, cache_root: Path | str | None =
     short", left by a process killed mid-write). Turning the FX graph cache off is not enough: inductor's
     C++ code cache finds the same file by its hash and loads it again. Only files under the inductor cache
     folder are touched. Returns what was removed."""
-    root = Path(cache_root or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "").resolve()
-    if not str(root) or not root.is_dir():
+    folder = cache_root or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder or not Path(folder).is_dir():  # no known cache folder: touch nothing (not the cwd)
         return []
+    root = Path(folder).resolve()
     texts, seen = [], set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

@@ -299,3 +299,13 @@ def test_a_truncated_compiled_module_in_the_cache_is_removed_before_the_retry(tm
         removed = remove_corrupt_artifacts(exc, cache)
     assert removed == [str(corrupt)] and not corrupt.exists() and outside.exists()
     assert remove_corrupt_artifacts(RuntimeError("no path here"), cache) == []
+
+
+def test_without_a_known_inductor_cache_nothing_is_removed(tmp_path, monkeypatch):
+    from engine.caches import remove_corrupt_artifacts
+
+    stray = tmp_path / "x.main.so"
+    stray.write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert remove_corrupt_artifacts(ImportError(f"{stray}: file too short")) == [] and stray.exists()

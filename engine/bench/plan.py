@@ -17,7 +17,7 @@ from engine.bench.modes import BENCH_MODES
 from engine.errors import InvalidRequest
 from engine.flags import engine_flags_argv, model_roots_from_args, options_from_args
 from engine.presets import get_preset, preset_for_model, route_size
-from engine.protocol import EngineOptions, ModelPreset, Size
+from engine.protocol import GENERIC_PROMPT, EngineOptions, ModelPreset, Size
 
 
 @dataclass
@@ -32,7 +32,7 @@ class BenchPlan:
     options: EngineOptions
     cache_dir: Path
     allowed_roots: tuple[str, ...] = ()
-    prompt: str = "a red fox in the snow"
+    prompt: str = GENERIC_PROMPT
     overhead_pairs: int = 20
     cache_probe: str = "compile"  # mode the persistent-cache probe compiles, or "off"
     cold_start_probe: bool = False  # fresh processes: compile (empty / filled cache) vs aot with packages
