@@ -65,12 +65,14 @@ class Outcome:
     probe: bool = False
     compiling: bool = False  # a compile was running on the host when it started
     engine_s: float | None = None  # in the engine: its queue + its run (queued_ms + total_ms), no web
+    handler_s: float | None = None  # in the app's handler: dispatch + engine (the rest is the web side)
 
 
 @dataclass
 class SoakReport:
     outcomes: list[Outcome] = field(default_factory=list)
     idle_s: list[float] = field(default_factory=list)
+    idle_handler_s: list[float] = field(default_factory=list)
     peak_rss: int = 0
     rss_samples: int = 0
     pids_seen: set[int] = field(default_factory=set)
@@ -81,6 +83,20 @@ class SoakReport:
     def counts(self) -> dict[str, int]:
         kinds = ("ok", "cancelled", "clear", "failed", "hung")
         return {k: sum(1 for o in self.outcomes if o.kind == k) for k in kinds}
+
+
+def _settle_event_stream(client, timeout: float = 2.0) -> None:
+    """Wait (briefly) until gradio_client has read the server's close of the session's event stream.
+
+    gradio_client keeps one event stream per session; the server closes it right after the session's last
+    event completes. A request submitted before the client's reader thread has read that close is attached
+    to the closing stream and ends in a bare CancelledError although the server runs it (seen once in 558
+    soak requests: the visitors are niced, so their reader threads run late on a loaded machine). A browser
+    does not share that client, so the soak waits for the close instead of counting the client's race as a
+    server failure."""
+    deadline = time.monotonic() + timeout
+    while getattr(client, "stream_open", False) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _free_port() -> int:
@@ -183,6 +199,7 @@ class Soak:
     def request(self, client, params: dict, *, probe: bool = False, cancel_after: float | None = None) -> Outcome:
         config = f"{params['preset']}/{params['precision']}/{params['mode']}/{params['size']}"
         compiling = self.compiling.is_set()
+        _settle_event_stream(client)
         start = time.monotonic()
         try:
             job = client.submit(**params, api_name="/generate")
@@ -199,8 +216,10 @@ class Soak:
             _, timings = job.result(timeout=self.args.hang_s)
             t = timings.get("timings") or {}
             engine_ms = (t.get("total_ms") or 0) + (t.get("queued_ms") or 0) or None
+            handler_ms = timings.get("handler_ms")
             return Outcome("ok", time.monotonic() - start, warm=bool(timings.get("warm")), config=config,
-                           probe=probe, compiling=compiling, engine_s=engine_ms / 1000 if engine_ms else None)
+                           probe=probe, compiling=compiling, engine_s=engine_ms / 1000 if engine_ms else None,
+                           handler_s=handler_ms / 1000 if handler_ms else None)
         except TimeoutError as exc:
             return Outcome("hung", time.monotonic() - start, f"no answer in {self.args.hang_s}s: {exc}", config=config)
         except Exception as exc:
@@ -227,10 +246,15 @@ class Soak:
         client = self.client()
         rng = random.Random(self.args.seed + index)
         self.rng = random.Random(self.args.seed * 1000 + index)
+        previous = None
         while time.time() < deadline:
             params, _ = self.random_params()
             cancel_after = rng.uniform(0.05, 0.5) if rng.random() < self.args.cancel_rate else None
-            out.put(self.request(client, params, cancel_after=cancel_after))
+            outcome = self.request(client, params, cancel_after=cancel_after)
+            if outcome.kind == "failed" and previous is not None:  # what came just before, to explain it
+                outcome.detail += f" [visitor {index}'s previous request: {previous.kind}, {previous.config}]"
+            out.put(outcome)
+            previous = outcome
             time.sleep(rng.uniform(0.0, self.args.think_s))
 
     def probe_params(self) -> dict:
@@ -264,8 +288,10 @@ class Soak:
             self.wait_warm_probe(client)
             for _ in range(self.args.idle_runs):
                 start = time.monotonic()
-                client.predict(**self.probe_params(), api_name="/generate")
+                _, timings = client.predict(**self.probe_params(), api_name="/generate")
                 self.report.idle_s.append(time.monotonic() - start)
+                if timings.get("handler_ms"):
+                    self.report.idle_handler_s.append(timings["handler_ms"] / 1000)
             threading.Thread(target=self.watch_compiles, args=(self.client(),), daemon=True).start()
             self.run_clients()
             try:
@@ -363,6 +389,7 @@ def summarize(report: SoakReport, args) -> dict:
     probe_compiling = [o.seconds for o in report.outcomes if o.probe and o.kind == "ok" and o.warm and o.compiling]
     warm_all = [o.seconds for o in report.outcomes if o.kind == "ok" and o.warm and not o.probe]
     probe_engine = [o.engine_s for o in report.outcomes if o.probe and o.kind == "ok" and o.warm and o.engine_s]
+    probe_handler = [o.handler_s for o in report.outcomes if o.probe and o.kind == "ok" and o.warm and o.handler_s]
     idle = statistics.median(report.idle_s) if report.idle_s else None
     budget = parse_size(args.memory_budget)
     engines = report.status.get("engines") or []
@@ -385,6 +412,9 @@ def summarize(report: SoakReport, args) -> dict:
         "p95_while_compiling_over_idle": round(p95_c / idle, 2) if p95_c and idle else None,
         "warm_requests_p50_s": _percentile(warm_all, 0.5), "warm_requests_p95_s": _percentile(warm_all, 0.95),
         "probe_engine_p50_s": _percentile(probe_engine, 0.5), "probe_engine_p95_s": _percentile(probe_engine, 0.95),
+        "idle_handler_median_s": statistics.median(report.idle_handler_s) if report.idle_handler_s else None,
+        "probe_handler_p50_s": _percentile(probe_handler, 0.5),
+        "probe_handler_p95_s": _percentile(probe_handler, 0.95),
         "exit_s": round(report.exit_s, 2) if report.exit_s is not None else None,
         "orphans": report.orphans,
         "failures": [o.detail for o in report.outcomes if o.kind in ("failed", "hung")][:10],
@@ -419,6 +449,8 @@ def print_summary(s: dict) -> None:
           f"{s['probe_samples_while_compiling']} samples)")
     print(f"  probe's time in the engine (queue + run, no web round trip): p50 {fmt(s['probe_engine_p50_s'], ' s')}, "
           f"p95 {fmt(s['probe_engine_p95_s'], ' s')}")
+    print(f"  probe's time in the app's handler (dispatch + engine): idle median {fmt(s['idle_handler_median_s'], ' s')}, "
+          f"p50 {fmt(s['probe_handler_p50_s'], ' s')}, p95 {fmt(s['probe_handler_p95_s'], ' s')}")
     print(f"  app exit after SIGTERM {fmt(s['exit_s'], ' s')}; orphan processes {len(s['orphans'])}")
     for f in s["failures"]:
         print(f"  failure: {f}")

@@ -92,6 +92,7 @@ class GenerateHandlers(HandlerBase):
                    "precision": key.precision, "mode": mode, "bucket": size_text, "steps": steps,
                    "timings": {"step_ms": []}}
         progress(0, desc=f"queued on {key}")
+        entered = time.perf_counter()
         last_sent = 0.0
         with ExitStack() as stack:
             try:  # public mode: one running request per visitor
@@ -113,7 +114,10 @@ class GenerateHandlers(HandlerBase):
                             step_ms = list(partial["timings"]["step_ms"])
                             yield gr.skip(), dict(partial, timings=dict(step_ms=step_ms))
                     else:
-                        yield payload.image(), payload.as_dict()
+                        # handler_ms: the app's own share of the round trip (dispatch + engine), which the
+                        # soak tells apart from the web side (queue, events, transfer)
+                        done = dict(payload.as_dict(), handler_ms=round((time.perf_counter() - entered) * 1000, 1))
+                        yield payload.image(), done
             except Cancelled as exc:
                 gr.Warning(str(exc), title="Cancelled", duration=4)
                 yield None, dict(partial, running=False, cancelled=True, message=str(exc))

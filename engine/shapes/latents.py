@@ -1,30 +1,31 @@
 """The latent space of the shapes VAE: semantic channels, defined analytically from the scene.
 
-What was tried, and why it is this: with a freely learned latent space the transformer had to paint the
-encoder's edge codes and still drew blobs after 200k samples. With a sharp mask channel (the share of each
-latent cell the object covers) it wrote every constant field right (colours, shape code: 100 % after 2,000
-steps) but drew the mask as a blob. With two linear ramps (the cell's position relative to the object) it
-placed objects well (70-80 % after 1,250 steps, read with the exact rules), but the GroupNorm decoder of
-an AutoencoderKL could not learn to threshold absolute ramp values (0 % after 750 steps). So the geometry
-channel is a *soft signed distance*: smooth enough for the transformer (it changes over a quarter of the
-object's side), and a mask the decoder reads by its sign. The 8 channels (at 1/4 resolution):
+The 12 channels (at 1/4 resolution), in units of U = 64 pixels:
 
-    0      shape: -d / BAND clipped to [-1, 1], with d the signed distance from the cell's centre to the
-           outline of the object (in units of its side; negative inside): +1 deep inside, -1 far away, 0
-           on the outline
-    1..3   object colour RGB in [-1, 1], the same everywhere
-    4..6   background colour RGB in [-1, 1], the same everywhere
-    7      shape code (circle -1, square 0, triangle +1), the same everywhere
+    0, 1   the cell's own position: x = (pixel x of the cell centre) / U - 1, y likewise (from the top left)
+    2, 3   the object's centre, same units, the same everywhere
+    4      the object's side / U - 0.8, the same everywhere
+    5..7   object colour RGB in [-1, 1], the same everywhere
+    8..10  background colour RGB in [-1, 1], the same everywhere
+    11     shape code (circle -1, square 0, triangle +1), the same everywhere
 
-The decoder is trained to render the clean image from these channels, also when they are corrupted
-(warped, blurred, eroded or dilated, noisy; noisy colours and codes), so an approximate outline still gives
-a clean shape of the coded kind in palette colours. The encoder learns to produce the channels from pixels
-(reconstructions and image-to-image); the transformer trains on the analytic latents directly.
+Why this: every channel the transformer writes is either a constant over the image or the cell's own
+position, so it never has to draw a coherent outline; the geometry is the decoder's job, and the decoder
+(convolutional, per pixel after upsampling) gets everything it needs at every pixel: where the pixel is,
+where the object is and how big, what kind. What was tried before, on this machine: a freely learned
+latent space (the transformer drew blobs after 200k samples); a sharp mask channel (every constant field
+right 100 % of the time after 2,000 steps, the mask a blob: 21 %); two linear ramps relative to the object
+(70-80 % after 1,250 steps, but a GroupNorm decoder cannot threshold absolute values); a soft signed
+distance (the decoder learned it, the transformer slowly: 8 % after 750 steps). The constant fields were
+the one part the transformer always got right, so here the whole scene is constant fields.
+
+The decoder is diffusers' AutoencoderTiny (no normalisation layers: it reads absolute values). It is trained
+to render the clean image also from corrupted latents (noisy, slightly wrong fields), so approximate
+latents still give a clean shape of the coded kind in palette colours. The encoder learns to produce the
+channels from pixels (image-to-image); the transformer trains on the analytic latents directly.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -32,27 +33,20 @@ import torch.nn.functional as F
 from engine.shapes import grammar
 
 SCALE = 4  # pixels per latent cell (vae_scale_factor)
-CHANNELS = 8
-BAND = 0.25  # the shape channel goes from +1 to -1 over d in [-BAND, BAND] (units of the object's side)
+CHANNELS = 12
+UNIT = 64.0  # pixels per latent unit of position and size
+SIZE_OFFSET = 0.8
 SHAPE_CODES = torch.tensor([-1.0, 0.0, 1.0])  # circle, square, triangle
+GEOMETRY = slice(0, 5)
+CONSTANTS = slice(2, 12)  # the channels that are the same everywhere
+BACKGROUND = slice(8, 11)
 
 
-def signed_distance(shapes: torch.Tensor, boxes: torch.Tensor, width: int, height: int, scale: int = SCALE):
-    """(n, height/scale, width/scale): signed distance (units of the side, negative inside) from each cell's
-    centre to the outline of the object of kind `shapes` in `boxes` (x0, y0, side)."""
-    n = len(boxes)
-    h, w = height // scale, width // scale
-    x0, y0, side = (boxes[:, i].float().view(n, 1, 1) for i in range(3))
-    xs = ((torch.arange(w, dtype=torch.float32) + 0.5) * scale).view(1, 1, w)
-    ys = ((torch.arange(h, dtype=torch.float32) + 0.5) * scale).view(1, h, 1)
-    u = ((xs - x0) / side - 0.5).expand(n, h, w)  # box centre at 0, the box is [-1/2, 1/2]^2
-    v = ((ys - y0) / side - 0.5).expand(n, h, w)
-    circle = (u**2 + v**2).sqrt() - 0.5
-    square = torch.maximum(u.abs(), v.abs()) - 0.5
-    # upright triangle, apex (0, -1/2), base on v = 1/2: the base, and the two sides |u| = (v + 1/2) / 2
-    triangle = torch.maximum(v - 0.5, (2 * u.abs() - v - 0.5) / math.sqrt(5))
-    kind = shapes.view(-1, 1, 1)
-    return torch.where(kind == 0, circle, torch.where(kind == 1, square, triangle))
+def position_grid(width: int, height: int, scale: int = SCALE) -> torch.Tensor:
+    """(2, height/scale, width/scale): channels 0 and 1, the cell centres in latent units."""
+    xs = ((torch.arange(width // scale, dtype=torch.float32) + 0.5) * scale) / UNIT - 1
+    ys = ((torch.arange(height // scale, dtype=torch.float32) + 0.5) * scale) / UNIT - 1
+    return torch.stack(torch.meshgrid(ys, xs, indexing="ij")[::-1])
 
 
 def semantic_latents(
@@ -63,14 +57,19 @@ def semantic_latents(
     width: int,
     height: int,
 ) -> torch.Tensor:
-    """Latents (n, 8, height/4, width/4) of scenes given as index tensors and boxes (x0, y0, side)."""
-    shape = (-signed_distance(shapes, boxes, width, height) / BAND).clamp(-1, 1).unsqueeze(1)
-    n, _, h, w = shape.shape
+    """Latents (n, 12, height/4, width/4) of scenes given as index tensors and boxes (x0, y0, side)."""
+    n = len(boxes)
+    x0, y0, side = (boxes[:, i].float() for i in range(3))
+    geometry = torch.stack(
+        [(x0 + side / 2) / UNIT - 1, (y0 + side / 2) / UNIT - 1, side / UNIT - SIZE_OFFSET], dim=1
+    )
     palette = grammar.palette()
-    fields = torch.cat(
-        [palette[colours], palette[backgrounds], SHAPE_CODES[shapes].unsqueeze(1)], dim=1
-    ).view(n, 7, 1, 1)
-    return torch.cat([shape, fields.expand(n, 7, h, w)], dim=1)
+    constants = torch.cat(
+        [geometry, palette[colours], palette[backgrounds], SHAPE_CODES[shapes].unsqueeze(1)], dim=1
+    )
+    grid = position_grid(width, height)
+    h, w = grid.shape[1:]
+    return torch.cat([grid.expand(n, 2, h, w), constants.view(n, 10, 1, 1).expand(n, 10, h, w)], dim=1)
 
 
 def scenes(prompts, width: int, height: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,41 +80,43 @@ def scenes(prompts, width: int, height: int, generator: torch.Generator) -> tupl
     return images, semantic_latents(colours, shapes, backgrounds, boxes, width, height)
 
 
-def _smooth_field(
-    n: int, h: int, w: int, amplitude: torch.Tensor, generator: torch.Generator
-) -> torch.Tensor:
-    """A smooth random displacement field (n, h, w, 2) in grid_sample units, `amplitude` in cells."""
-    coarse = torch.randn(n, 2, 3, 3, generator=generator)
-    field = F.interpolate(coarse, size=(h, w), mode="bicubic", align_corners=True)
-    scale = torch.tensor([2.0 / w, 2.0 / h]).view(1, 2, 1, 1)
-    return (field * amplitude.view(-1, 1, 1, 1) * scale).permute(0, 2, 3, 1)
+def read_scene(latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What latents say, read with the exact rules (no decoder): per image the median of each constant
+    field, snapped to the nearest palette colour / shape code / whole pixel. Returns index tensors
+    (colours, shapes, backgrounds) and boxes (x0, y0, side). Used to score a transformer on its own."""
+    fields = latents[:, CONSTANTS].flatten(2).median(dim=2).values
+    side = ((fields[:, 2] + SIZE_OFFSET) * UNIT).round().clamp(min=1)
+    x0 = ((fields[:, 0] + 1) * UNIT - side / 2).round()
+    y0 = ((fields[:, 1] + 1) * UNIT - side / 2).round()
+    palette = grammar.palette()
+    colours = torch.cdist(fields[:, 3:6], palette).argmin(dim=1)
+    backgrounds = torch.cdist(fields[:, 6:9], palette).argmin(dim=1)
+    shapes = (fields[:, 9:10] - SHAPE_CODES.view(1, 3)).abs().argmin(dim=1)
+    return colours, shapes, backgrounds, torch.stack([x0, y0, side], dim=1).long()
+
+
+def render_exact(latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """Images (n, 3, height, width) in [-1, 1] drawn from latents by the exact rules (see read_scene)."""
+    colours, shapes, backgrounds, boxes = read_scene(latents)
+    return grammar.render_batch(colours, shapes, backgrounds, width, height, boxes=boxes)
 
 
 def corrupt(latents: torch.Tensor, generator: torch.Generator, clean_share: float = 0.25) -> torch.Tensor:
     """Approximate versions of clean latents, as an imperfect generator would produce them: the decoder
-    learns to turn them back into the clean image."""
-    n, _, h, w = latents.shape
-    u = lambda lo, hi: lo + (hi - lo) * torch.rand(n, generator=generator)  # noqa: E731
-    coverage = (latents[:, :1] + 1) / 2  # the shape channel as a [0, 1] soft mask
-    # Warp: a smooth deformation of the blob (wobbly outlines, slightly wrong proportions).
-    ys, xs = torch.meshgrid(torch.linspace(-1, 1, h), torch.linspace(-1, 1, w), indexing="ij")
-    grid = torch.stack([xs, ys], dim=-1).expand(n, h, w, 2)
-    grid = grid + _smooth_field(n, h, w, u(0.0, 1.8), generator)
-    coverage = F.grid_sample(coverage, grid, mode="bilinear", padding_mode="border", align_corners=True)
-    # Blur, then a random contrast/threshold change (erodes or dilates, hardens or softens edges).
-    blurred = F.avg_pool2d(F.pad(coverage, (1, 1, 1, 1), mode="replicate"), 3, stride=1)
-    mix = u(0.0, 1.0).view(-1, 1, 1, 1)
-    coverage = mix * blurred + (1 - mix) * coverage
-    gain, bias = u(0.6, 1.8).view(-1, 1, 1, 1), u(-0.15, 0.15).view(-1, 1, 1, 1)
-    coverage = ((coverage - 0.5) * gain + 0.5 + bias).clamp(0, 1)
-    # Lumps and dents (smooth noise), then fine noise.
-    lumps = F.interpolate(torch.randn(n, 1, 4, 4, generator=generator), size=(h, w), mode="bicubic")
-    noise = u(0.0, 0.15).view(-1, 1, 1, 1) * torch.randn(coverage.shape, generator=generator)
-    coverage = coverage * 2 - 1 + u(0.0, 0.3).view(-1, 1, 1, 1) * lumps + noise
-    # Constant fields: an offset per image and a little per-cell noise.
-    fields = latents[:, 1:]
-    fields = fields + 0.08 * torch.randn(n, 7, 1, 1, generator=generator)
-    fields = fields + u(0.0, 0.1).view(-1, 1, 1, 1) * torch.randn(fields.shape, generator=generator)
-    corrupted = torch.cat([coverage, fields], dim=1)
+    learns to turn them back into the clean image (the scene the median of each field describes)."""
+    n, c, h, w = latents.shape
+    u = lambda lo, hi: lo + (hi - lo) * torch.rand(n, generator=generator).view(-1, 1, 1, 1)  # noqa: E731
+    # Smooth, low-frequency disagreement between cells (a field that is not quite constant).
+    lumps = F.interpolate(torch.randn(n, c, 3, 3, generator=generator), size=(h, w), mode="bicubic")
+    lumps = lumps - lumps.flatten(2).mean(dim=2).view(n, c, 1, 1)
+    corrupted = latents + u(0.0, 0.02) * lumps
+    # Fine per-cell noise, larger on the colours and the code (the decoder snaps them to the palette).
+    scale = torch.ones(c)
+    scale[5:] = 3.0
+    corrupted = corrupted + u(0.0, 0.015) * scale.view(1, c, 1, 1) * torch.randn(latents.shape, generator=generator)
+    # Colours and code off by a constant (the nearest palette entry and code still win).
+    offsets = torch.zeros(n, c, 1, 1)
+    offsets[:, 5:] = 0.06 * torch.randn(n, c - 5, 1, 1, generator=generator)
+    corrupted = corrupted + offsets
     keep = (torch.rand(n, generator=generator) < clean_share).view(-1, 1, 1, 1)
     return torch.where(keep, latents, corrupted)
