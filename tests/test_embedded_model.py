@@ -111,18 +111,21 @@ def test_checker_tells_the_shapes_apart_by_geometry():
 # The semantic latent space.
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("width, height", BUCKETS)
-def test_the_signed_distance_is_negative_exactly_inside_the_rendered_shape(width, height):
+def test_the_latents_describe_the_scene_exactly_also_when_corrupted(width, height):
+    """Read with the exact rules, the analytic latents give back the rendered image pixel for pixel; so do
+    the corrupted latents the decoder learns to clean up (the corruption never changes the scene)."""
     import torch
 
     from engine.shapes import latents
 
     generator = torch.Generator().manual_seed(0)
     prompts = [all_prompts()[i] for i in torch.randint(0, len(all_prompts()), (64,), generator=generator)]
-    colours, shapes, backgrounds = grammar.prompt_indices(prompts)
-    boxes = grammar.sample_boxes(64, width, height, generator)
-    distance = latents.signed_distance(shapes, boxes, width, height, scale=1)  # at every pixel centre
-    assert torch.equal(distance <= 0, grammar.shape_masks(shapes, boxes, width, height))
-    z = latents.semantic_latents(colours, shapes, backgrounds, boxes, width, height)
+    images, z = latents.scenes(prompts, width, height, generator)
     assert z.shape == (64, latents.CHANNELS, height // latents.SCALE, width // latents.SCALE)
-    assert z.abs().max() <= 1 and torch.equal(z[:, 7, 0, 0], latents.SHAPE_CODES[shapes])
-
+    assert z.abs().max() <= 1
+    assert torch.equal(latents.render_exact(z, width, height), images)
+    corrupted = latents.corrupt(z, generator, clean_share=0.0)
+    assert not torch.equal(corrupted, z)
+    assert torch.equal(latents.render_exact(corrupted, width, height), images)
+    # The position channels are the cells' own coordinates, the same in every image.
+    assert torch.equal(z[:, :2], latents.position_grid(width, height).expand(64, 2, *z.shape[2:]))
