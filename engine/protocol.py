@@ -213,6 +213,11 @@ class ModelPreset:
         return self.source.removeprefix("embedded:") if self.source.startswith("embedded:") else None
 
     @property
+    def bundled(self) -> str | None:
+        """Folder inside this repository ("repo:models/tiny-shapes": the trained embedded model), or None."""
+        return self.source.removeprefix("repo:") if self.source.startswith("repo:") else None
+
+    @property
     def example_prompt(self) -> str:
         """The prompt a form starts with: the first example (one the model draws well), else a generic one."""
         return self.examples[0] if self.examples else GENERIC_PROMPT

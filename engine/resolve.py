@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from engine import settings
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, ModelLoadError
 from engine.presets import check_local_path, get_preset, load_presets, looks_like_model_ref, preset_for_model
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, ModelPreset
 from engine.validation import check_precision
@@ -70,6 +70,13 @@ def resolve_source(config: EngineConfig) -> str:
         from engine.tiny import ensure_tiny_pipeline
 
         return str(ensure_tiny_pipeline(preset.embedded, settings.models_dir(config.cache_path())))
+    if preset.bundled:
+        folder = settings.REPO_ROOT / preset.bundled
+        if not (folder / "model_index.json").is_file():
+            raise ModelLoadError(f"preset {preset.name}: its model folder {folder} is missing or incomplete; "
+                                 "restore it from the repository (git checkout -- models) or rebuild it with "
+                                 "`python -m engine.train_embedded`")
+        return str(folder)
     if Path(preset.source).is_absolute():
         roots = [Path(r) for r in config.allowed_roots] or None
         return str(check_local_path(Path(preset.source), roots))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PRESETS_DIR = REPO_ROOT / "presets"
-# The embedded default (random weights; the trained shapes model is not shipped yet: docs/embedded-model.md).
-DEFAULT_PRESET = "tiny-flux"
+# The embedded default: a tiny model trained by this project (models/tiny-shapes) that draws its prompts.
+DEFAULT_PRESET = "tiny-shapes"
 
 
 def _env(name: str, default: str | None = None) -> str | None:

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine import settings
@@ -504,4 +504,6 @@ def cmd_soak(args) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "soak.json").write_text(json.dumps(summary, indent=2))
+        # every request, for a closer look (e.g. where the probe's round trip went: handler_s, engine_s)
+        (out / "outcomes.jsonl").write_text("".join(json.dumps(asdict(o)) + "\n" for o in report.outcomes))
     return 1 if summary["failed_or_hung"] or summary["orphans"] else 0

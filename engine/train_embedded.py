@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.train_embedded", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=train.DEFAULT_OUT, help="diffusers folder to write")
     parser.add_argument("--cache", type=Path, default=train.DEFAULT_CACHE, help="checkpoints and logs")
-    parser.add_argument("--stage", choices=("vae", "transformer", "export", "all"), default="all")
+    parser.add_argument("--stage", choices=("vae", "transformer", "tune", "export", "all"), default="all")
     parser.add_argument(
         "--resume", action=argparse.BooleanOptionalAction, default=True, help="continue from checkpoints"
     )

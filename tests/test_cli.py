@@ -81,6 +81,21 @@ def test_bad_input_is_a_clear_error(args, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_the_default_draws_its_example_prompt(tmp_path, cache_dir):
+    """No --preset, no --prompt: the trained embedded model (committed in models/) draws the preset's first
+    example prompt, as the pixel checker reads it."""
+    from engine.shapes.fidelity import check
+
+    out = tmp_path / "default.png"
+    proc = run_cli("generate", "--device", "cpu", "--size", "64x64", "--out", str(out), "--json",
+                   "--cache-dir", str(cache_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = last_json(proc.stdout)
+    assert result["preset"] == "tiny-shapes" and len(result["timings"]["step_ms"]) == 8
+    reading = check(Image.open(out), "a red circle on a blue background")
+    assert reading.correct, reading
+
+
 def test_any_local_diffusers_folder_can_be_served(tiny_models, cache_dir):
     """--model takes a local diffusers folder; the pipeline class comes from its model_index.json."""
     proc = run_cli("generate", "--model", str(tiny_models["tiny-sdxl"]), "--buckets", "64x64,128x128",

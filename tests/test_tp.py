@@ -27,6 +27,7 @@ from engine.errors import EngineCrashed
 from engine.presets import get_preset
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, GenerateRequest
 from engine.runner import pipeline_call_kwargs
+from engine.settings import REPO_ROOT
 from engine.tp.client import SidecarEngine
 
 TOLERANCE = 1e-4
@@ -50,7 +51,8 @@ def _reference(tiny_models, preset: str, request: GenerateRequest) -> np.ndarray
     import diffusers
     import torch
 
-    pipe = getattr(diffusers, get_preset(preset).pipeline).from_pretrained(tiny_models[preset])
+    folder = tiny_models.get(preset) or REPO_ROOT / get_preset(preset).bundled  # tiny-shapes is committed
+    pipe = getattr(diffusers, get_preset(preset).pipeline).from_pretrained(folder, dtype=torch.float32)  # the shapes model is stored in fp16
     pipe.set_progress_bar_config(disable=True)
     with torch.inference_mode():
         out = pipe(**pipeline_call_kwargs(get_preset(preset), pipe, request, output_type="np"))
@@ -150,6 +152,28 @@ def test_flux2_klein_tp_with_sharded_text_encoder_matches_one_process(cache_dir,
     print(f"tiny-flux2-klein TP (transformer + text encoder) eager: max abs diff {diff:.2e}, "
           f"median step {result.timings.median_step_ms:.1f} ms")
     assert diff <= TOLERANCE
+
+
+def test_embedded_shapes_model_tp_draws_the_same_picture(cache_dir, tiny_models, tmp_path):
+    """The trained default over 2 ranks: the image equals the single process (<= 2/255) and still draws
+    its prompt."""
+    from engine.shapes.fidelity import check
+
+    prompt = "a yellow triangle on a purple background"
+    engine = SidecarEngine(_config(cache_dir, "tiny-shapes"), dump_dir=tmp_path).start()
+    try:
+        engine.wait_ready(300)
+        request = replace(_request("shapes-eager", steps=8, guidance=1.0), prompt=prompt)
+        result = engine.generate(request, timeout=120)
+    finally:
+        engine.close()
+    tp_image = np.load(tmp_path / "shapes-eager.npy")
+    diff = np.abs(tp_image - _reference(tiny_models, "tiny-shapes", request)).max()
+    print(f"tiny-shapes TP eager: max abs diff {diff * 255:.3f}/255, median step {result.timings.median_step_ms:.1f} ms")
+    assert diff <= 2 / 255
+    from PIL import Image
+
+    assert check(Image.fromarray((tp_image * 255).round().astype(np.uint8)), prompt).correct
 
 
 def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):

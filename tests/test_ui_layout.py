@@ -21,7 +21,7 @@ from ui.system import SystemHandlers
 UI = Path(__file__).resolve().parent.parent / "ui"
 PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "system"}
 TAB_IDS = {
-    "generate": {"prompt", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
+    "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
                  "guidance", "seed", "randomize", "tp", "on-cold", "generate-btn", "cancel-btn",
                  "output-image", "step-plot", "stats", "timings-json"},
     "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",

@@ -95,6 +95,11 @@ def read_scene(latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return colours, shapes, backgrounds, torch.stack([x0, y0, side], dim=1).long()
 
 
+def read_scene_background(latents: torch.Tensor) -> torch.Tensor:
+    """(n, 3, 1, 1): the palette background colour latents say (read_scene), in [-1, 1]."""
+    return grammar.palette()[read_scene(latents)[2]].view(-1, 3, 1, 1)
+
+
 def render_exact(latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
     """Images (n, 3, height, width) in [-1, 1] drawn from latents by the exact rules (see read_scene)."""
     colours, shapes, backgrounds, boxes = read_scene(latents)
