@@ -85,6 +85,53 @@ class SoakReport:
         return {k: sum(1 for o in self.outcomes if o.kind == k) for k in kinds}
 
 
+class BrowserProbe:
+    """The probe's client: what the page's JavaScript does for one /generate, and nothing more.
+
+    gradio_client waits on a job with 50 ms sleeps in two threads per request and handles every stream
+    message in Python; on a 2-core host that also runs the app and four visitors, that client work is
+    starved along with the app and its delays land in the measured round trip. The probe measures the
+    server, so it speaks the queue protocol directly: POST queue/join, read the session's event stream
+    until its request completes, then fetch the image as a browser does. (--probe-client gradio_client
+    measures with gradio_client instead.)"""
+
+    def __init__(self, client, timeout: float):
+        import httpx
+
+        self.base = client.src_prefixed  # ".../gradio_api/"
+        dependencies = client.config["dependencies"]
+        self.fn_index = next(d.get("id", i) for i, d in enumerate(dependencies) if d.get("api_name") == "generate")
+        info = client.view_api(print_info=False, return_format="dict")
+        self.names = [p["parameter_name"] for p in info["named_endpoints"]["/generate"]["parameters"]]
+        self.http = httpx.Client(timeout=timeout)
+
+    def predict(self, params: dict) -> dict:
+        """The timings dict of one /generate (raises RuntimeError with the server's message on an error)."""
+        import uuid
+
+        session = uuid.uuid4().hex[:11]
+        payload = {"data": [params[name] for name in self.names], "fn_index": self.fn_index,
+                   "session_hash": session, "event_data": None, "trigger_id": None}
+        joined = self.http.post(self.base + "queue/join", json=payload)
+        joined.raise_for_status()
+        event_id = joined.json()["event_id"]
+        with self.http.stream("GET", self.base + "queue/data", params={"session_hash": session}) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                message = json.loads(line[5:])
+                if message.get("event_id") != event_id or message.get("msg") != "process_completed":
+                    continue
+                output = message.get("output") or {}
+                if not message.get("success"):
+                    raise RuntimeError(output.get("error") or "error")
+                image, timings = output["data"][:2]
+                if isinstance(image, dict) and image.get("url"):
+                    self.http.get(image["url"]).raise_for_status()
+                return timings
+        raise RuntimeError("the event stream ended before the request completed")
+
+
 def _settle_event_stream(client, timeout: float = 2.0) -> None:
     """Wait (briefly) until gradio_client has read the server's close of the session's event stream.
 
@@ -196,12 +243,16 @@ class Soak:
             time.sleep(0.5)
 
     # -- requests ----------------------------------------------------------------------------------
-    def request(self, client, params: dict, *, probe: bool = False, cancel_after: float | None = None) -> Outcome:
+    def request(self, client, params: dict, *, probe: bool = False, cancel_after: float | None = None,
+                browser: BrowserProbe | None = None) -> Outcome:
         config = f"{params['preset']}/{params['precision']}/{params['mode']}/{params['size']}"
         compiling = self.compiling.is_set()
         _settle_event_stream(client)
         start = time.monotonic()
         try:
+            if browser is not None:
+                timings = browser.predict(params)
+                return self._answered(timings, start, config, probe, compiling)
             job = client.submit(**params, api_name="/generate")
             if cancel_after is not None:
                 time.sleep(cancel_after)
@@ -214,12 +265,7 @@ class Soak:
                     pass
                 return Outcome("cancelled", time.monotonic() - start, config=config)
             _, timings = job.result(timeout=self.args.hang_s)
-            t = timings.get("timings") or {}
-            engine_ms = (t.get("total_ms") or 0) + (t.get("queued_ms") or 0) or None
-            handler_ms = timings.get("handler_ms")
-            return Outcome("ok", time.monotonic() - start, warm=bool(timings.get("warm")), config=config,
-                           probe=probe, compiling=compiling, engine_s=engine_ms / 1000 if engine_ms else None,
-                           handler_s=handler_ms / 1000 if handler_ms else None)
+            return self._answered(timings, start, config, probe, compiling)
         except TimeoutError as exc:
             return Outcome("hung", time.monotonic() - start, f"no answer in {self.args.hang_s}s: {exc}", config=config)
         except Exception as exc:
@@ -229,6 +275,18 @@ class Soak:
                 kind = "hung"
             return Outcome(kind, time.monotonic() - start, f"{type(exc).__name__}: {text[:300]}", config=config,
                            probe=probe)
+
+    @staticmethod
+    def _answered(timings: dict, start: float, config: str, probe: bool, compiling: bool) -> Outcome:
+        t = timings.get("timings") or {}
+        engine_ms = (t.get("total_ms") or 0) + (t.get("queued_ms") or 0) or None
+        handler_ms = timings.get("handler_ms")
+        return Outcome("ok", time.monotonic() - start, warm=bool(timings.get("warm")), config=config,
+                       probe=probe, compiling=compiling, engine_s=engine_ms / 1000 if engine_ms else None,
+                       handler_s=handler_ms / 1000 if handler_ms else None)
+
+    def browser_probe(self, client) -> BrowserProbe | None:
+        return BrowserProbe(client, self.args.hang_s) if self.args.probe_client == "browser" else None
 
     def random_params(self) -> tuple[dict, str]:
         params = dict(prompt="a red circle on a blue background", negative_prompt="",
@@ -264,8 +322,9 @@ class Soak:
 
     def probe(self, deadline: float, out) -> None:
         client = self.client()
+        browser = self.browser_probe(client)
         while time.time() < deadline:
-            out.put(self.request(client, self.probe_params(), probe=True))
+            out.put(self.request(client, self.probe_params(), probe=True, browser=browser))
             time.sleep(self.args.probe_interval)
 
     def wait_warm_probe(self, client) -> None:
@@ -286,9 +345,13 @@ class Soak:
         try:
             client = self.client()
             self.wait_warm_probe(client)
+            browser = self.browser_probe(client)  # idle runs measure with the probe's own client
             for _ in range(self.args.idle_runs):
                 start = time.monotonic()
-                _, timings = client.predict(**self.probe_params(), api_name="/generate")
+                if browser is not None:
+                    timings = browser.predict(self.probe_params())
+                else:
+                    _, timings = client.predict(**self.probe_params(), api_name="/generate")
                 self.report.idle_s.append(time.monotonic() - start)
                 if timings.get("handler_ms"):
                     self.report.idle_handler_s.append(timings["handler_ms"] / 1000)
@@ -479,6 +542,9 @@ def build_parser(sub=None) -> argparse.ArgumentParser:
     p.add_argument("--bad-rate", type=float, default=0.1)
     p.add_argument("--think-s", type=float, default=1.0, help="a visitor waits up to this long between requests")
     p.add_argument("--probe-interval", type=float, default=0.5)
+    p.add_argument("--probe-client", choices=("browser", "gradio_client"), default="browser",
+                   help="how the probe talks to the app: the queue protocol directly, as a page does, or "
+                        "through gradio_client (whose polling threads add their own delays on a busy host)")
     p.add_argument("--visitor-niceness", type=int, default=10,
                    help="CPU niceness of the visitor processes (they stand in for remote browsers; 0 = none)")
     p.add_argument("--idle-runs", type=int, default=15)
