@@ -13,6 +13,7 @@ from helpers import free_port, launch_demo, spy_generate
 from PIL import Image
 
 from engine.errors import Cancelled
+from engine.settings import DEFAULT_PRESET
 from ui.handlers import UIDefaults
 
 GOOD = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32",
@@ -181,7 +182,7 @@ def test_app_flags_default_to_a_private_local_server(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     args = app.build_parser().parse_args([])
     assert (args.host, args.port, args.share, args.auth) == ("127.0.0.1", 7860, False, None)
-    assert (args.preset, args.device, args.precision, args.mode) == ("tiny-flux", "auto", "fp32", "compile")
+    assert (args.preset, args.device, args.precision, args.mode) == (DEFAULT_PRESET, "auto", "fp32", "compile")
     assert app.warm_sizes("all") is None and app.warm_sizes("none") == () and app.warm_sizes("64x64") == ("64x64",)
     assert app.parse_auth("me:pa:ss") == ("me", "pa:ss")
     with pytest.raises(SystemExit):
@@ -224,7 +225,7 @@ def test_app_serves_behind_auth_and_exits_cleanly_on_sigterm(cache_dir, tiny_mod
             if status and status[0]["state"] == "ready":
                 break
             time.sleep(0.5)
-        assert status[0]["engine"] == "tiny-flux@cpu/fp32" and status[0]["state"] == "ready"
+        assert status[0]["engine"] == f"{DEFAULT_PRESET}@cpu/fp32" and status[0]["state"] == "ready"
         workers = psutil.Process(proc.pid).children(recursive=True)
         assert workers, "the engine runs in a worker process"
         proc.send_signal(signal.SIGTERM)

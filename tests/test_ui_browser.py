@@ -15,6 +15,8 @@ import pytest
 from helpers import launch_demo
 
 from engine.errors import Cancelled
+from engine.presets import get_preset
+from engine.settings import DEFAULT_PRESET
 from ui.handlers import UIDefaults
 
 pytestmark = pytest.mark.browser
@@ -247,7 +249,8 @@ def test_compare_shows_latencies_speedups_and_images_side_by_side(page):
     assert set(speedups) == {"cpu/fp32/eager", "cpu/fp32/regional"}
     assert speedups["cpu/fp32/eager"][3] == "1.00×"
     assert speedups["cpu/fp32/regional"][3].endswith("×")
-    assert sorted(plot_points(page, "c-plot")) == [4, 4]  # both series drawn, one point per step
+    steps = get_preset(DEFAULT_PRESET).steps  # the form starts with the default preset's steps
+    assert sorted(plot_points(page, "c-plot")) == [steps, steps]  # both series drawn, one point per step
     legend = page.eval_on_selector_all("#c-plot g.role-legend-label text", "ts => ts.map(t => t.textContent)")
     assert sorted(legend) == ["cpu/fp32/eager", "cpu/fp32/regional"]  # the legend grew with the second series
     costs = {r[0]: r for r in table_rows(page, "c-costs")}
@@ -269,7 +272,7 @@ def test_compare_cancel_stops_the_comparison(page, manager, monkeypatch):
 
     def occupy_the_engine():
         try:
-            manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="128x128", steps=200,
+            manager.generate(preset=DEFAULT_PRESET, device="cpu", precision="fp32", size="128x128", steps=200,
                              prompt="a busy engine", on_submit=blockers.append)
         except Cancelled:
             pass
