@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -248,7 +249,7 @@ def vae_fidelity(vae, n_per_bucket: int = 64, seed: int = 1234, buckets=BUCKETS,
 
 
 def _balanced_loss(recon: torch.Tensor, images: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
-    """L1 + MSE averaged over the object's pixels and over the background's separately, plus the edge term.
+    """L1 + MSE averaged over the object's pixels and over the background's separately.
     A plain mean lets the background (most pixels) win: the decoder first learns to paint it alone and
     stays there for hundreds of steps (measured: 0 % of objects drawn after 250 steps, ~5 % after 200 with
     the balanced loss, which keeps climbing)."""
@@ -523,7 +524,7 @@ def transformer_fidelity(transformer, text, n: int = 48, seed: int = 7) -> dict[
     from engine.shapes.latents import render_exact
 
     shift, scale = latent_scaling()
-    config = type("Scaling", (), {"shift_factor": shift, "scaling_factor": scale})
+    config = SimpleNamespace(shift_factor=shift, scaling_factor=scale)  # what sample_latents reads of a VAE config
     result = {}
     for (width, height), held_out in [*((bucket, False) for bucket in BUCKETS), ((64, 64), True)]:
         prompts = _eval_prompts(n if (width, height) == (64, 64) else n // 2, seed, held_out)
@@ -575,7 +576,7 @@ class _Group:
 
 
 def _transformer_worker(
-    rank: int, world: int, settings: Settings, cache: Path, vae_path: Path, minutes, store
+    rank: int, world: int, settings: Settings, cache: Path, minutes, store
 ):
     torch.set_num_threads(settings.threads)
     parent = os.getppid()  # spawned workers outlive a killed parent: they check it every step and stop
@@ -711,10 +712,10 @@ def _vae_for_evaluation(settings: Settings, cache: Path):
     return vae.eval()
 
 
-def train_transformer(settings: Settings, cache: Path, vae_path: Path, minutes: float | None = None) -> None:
+def train_transformer(settings: Settings, cache: Path, minutes: float | None = None) -> None:
     """Train (or resume) the transformer in `settings.processes` processes (checkpoint: transformer.ckpt)."""
     prompt_embeddings(cache)  # computed once, before the workers start
-    _spawn(_transformer_worker, settings, (settings, cache, vae_path, minutes))
+    _spawn(_transformer_worker, settings, (settings, cache, minutes))
     state = _load(cache / "transformer.ckpt")
     if state["step"] < settings.steps:
         raise TimeoutError(f"transformer stage stopped at step {state['step']} (--minutes); rerun to resume")
@@ -856,7 +857,7 @@ def run(
     vae_path = train_vae(settings, cache, minutes) if stage in ("vae", "all") else cache / "vae"
     if stage in ("transformer", "all"):
         remaining = None if minutes is None else minutes - (time.perf_counter() - started) / 60
-        train_transformer(settings, cache, vae_path, remaining)
+        train_transformer(settings, cache, remaining)
     if stage in ("tune", "all"):
         if not (vae_path / "config.json").is_file():
             raise FileNotFoundError(f"no trained VAE in {vae_path}; run --stage vae first")
