@@ -37,7 +37,6 @@ CHANNELS = 12
 UNIT = 64.0  # pixels per latent unit of position and size
 SIZE_OFFSET = 0.8
 SHAPE_CODES = torch.tensor([-1.0, 0.0, 1.0])  # circle, square, triangle
-GEOMETRY = slice(0, 5)
 CONSTANTS = slice(2, 12)  # the channels that are the same everywhere
 BACKGROUND = slice(8, 11)
 
