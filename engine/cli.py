@@ -182,6 +182,7 @@ COMMANDS = (
     "engine.cli:add_export_parser",
     "engine.bench:add_bench_parser",
     "engine.soak:add_soak_parser",
+    "engine.bench.contention:add_contention_parser",
 )
 
 

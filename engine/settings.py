@@ -88,6 +88,17 @@ def compile_niceness() -> int:
     return int(_env("SHOWCASE_COMPILE_NICENESS", "10"))
 
 
+def short_request_ms() -> float:
+    """cpu engines: requests expected to run this long or less keep the worker's priority; longer ones run
+    two nice steps lower per doubling (engine/priority.py). 0 turns the ordering off."""
+    return float(_env("SHOWCASE_SHORT_REQUEST_MS", "100"))
+
+
+def compile_yields() -> bool:
+    """Whether a worker's compile thread steps aside while a request runs (engine/worker.py)."""
+    return _env("SHOWCASE_COMPILE_YIELD", "1") not in ("0", "false", "no", "off")
+
+
 def switch_interval_s() -> float:
     """The worker's interpreter thread switch interval (see engine/worker.py)."""
     return float(_env("SHOWCASE_SWITCH_INTERVAL", "0.0005"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import json
 import logging
 import os
@@ -64,8 +65,11 @@ class Outcome:
     config: str = ""
     probe: bool = False
     compiling: bool = False  # a compile was running on the host when it started
+    engine_compiling: bool = False  # ... in the probe's own engine (its worker process)
     engine_s: float | None = None  # in the engine: its queue + its run (queued_ms + total_ms), no web
     handler_s: float | None = None  # in the app's handler: dispatch + engine (the rest is the web side)
+    queued_s: float | None = None  # of engine_s, waiting in the engine's queue (behind another request)
+    client_race: bool = False  # gradio_client lost the first try to its event-stream race; sent again
 
 
 @dataclass
@@ -96,6 +100,8 @@ class BrowserProbe:
     measures with gradio_client instead.)"""
 
     def __init__(self, client, timeout: float):
+        import uuid
+
         import httpx
 
         self.base = client.src_prefixed  # ".../gradio_api/"
@@ -104,12 +110,13 @@ class BrowserProbe:
         info = client.view_api(print_info=False, return_format="dict")
         self.names = [p["parameter_name"] for p in info["named_endpoints"]["/generate"]["parameters"]]
         self.http = httpx.Client(timeout=timeout)
+        # One session for the page's life, as the page's client makes it: the server builds a session's
+        # state (a config per block: ~17 ms of the event loop's time for this UI) once, not per request.
+        self.session = uuid.uuid4().hex[:11]
 
     def predict(self, params: dict) -> dict:
         """The timings dict of one /generate (raises RuntimeError with the server's message on an error)."""
-        import uuid
-
-        session = uuid.uuid4().hex[:11]
+        session = self.session
         payload = {"data": [params[name] for name in self.names], "fn_index": self.fn_index,
                    "session_hash": session, "event_data": None, "trigger_id": None}
         joined = self.http.post(self.base + "queue/join", json=payload)
@@ -171,6 +178,7 @@ class Soak:
         # The app reports a compile running: shared with the client processes.
         self.compiling_shared = mp.get_context("spawn").Event()
         self.compiling = self.compiling_shared
+        self.engine_compiling = mp.get_context("spawn").Event()  # in the probe's engine
         self.presets = [p for p in args.presets.split(",") if p] if args.presets else [settings.DEFAULT_PRESET]
         self.precisions = args.precisions.split(",")
         self.modes = args.modes.split(",")
@@ -236,8 +244,11 @@ class Soak:
         while not self.stop.is_set():
             try:
                 engines = client.predict(api_name="/status")
-                running = any(b.get("state") == "compiling" for e in engines for b in e.get("buckets", []))
+                running = [e.get("engine", "") for e in engines
+                           if any(b.get("state") == "compiling" for b in e.get("buckets", []))]
                 self.compiling.set() if running else self.compiling.clear()
+                own = any(e.startswith(f"{self.presets[0]}@") and e.endswith(f"/{self.precisions[0]}") for e in running)
+                self.engine_compiling.set() if own else self.engine_compiling.clear()
             except Exception:
                 pass
             time.sleep(0.5)
@@ -254,18 +265,28 @@ class Soak:
                 timings = browser.predict(params)
                 return self._answered(timings, start, config, probe, compiling)
             job = client.submit(**params, api_name="/generate")
-            if cancel_after is not None:
-                time.sleep(cancel_after)
-                # The app's /cancel: synchronous and scoped to this visitor's session (gradio_client's
-                # job.cancel() posts its cancel later, from a thread, where it can meet the next request).
-                client.predict(api_name="/cancel")
+            if cancel_after is None:
                 try:
-                    job.result(timeout=self.args.hang_s)
-                except Exception:
-                    pass
-                return Outcome("cancelled", time.monotonic() - start, config=config)
-            _, timings = job.result(timeout=self.args.hang_s)
-            return self._answered(timings, start, config, probe, compiling)
+                    _, timings = job.result(timeout=self.args.hang_s)
+                    return self._answered(timings, start, config, probe, compiling)
+                except concurrent.futures.CancelledError:
+                    # Nobody cancelled it: gradio_client attached it to the session's event stream as the
+                    # server closed that stream (see _settle_event_stream; ~1 in 800 requests on a loaded
+                    # 2-core box, after an error answer). Sent again once, and counted apart, not hidden.
+                    _settle_event_stream(client, timeout=10.0)
+                    _, timings = client.submit(**params, api_name="/generate").result(timeout=self.args.hang_s)
+                    outcome = self._answered(timings, start, config, probe, compiling)
+                    outcome.client_race = True
+                    return outcome
+            time.sleep(cancel_after)
+            # The app's /cancel: synchronous and scoped to this visitor's session (gradio_client's
+            # job.cancel() posts its cancel later, from a thread, where it can meet the next request).
+            client.predict(api_name="/cancel")
+            try:
+                job.result(timeout=self.args.hang_s)
+            except Exception:
+                pass
+            return Outcome("cancelled", time.monotonic() - start, config=config)
         except TimeoutError as exc:
             return Outcome("hung", time.monotonic() - start, f"no answer in {self.args.hang_s}s: {exc}", config=config)
         except Exception as exc:
@@ -283,7 +304,8 @@ class Soak:
         handler_ms = timings.get("handler_ms")
         return Outcome("ok", time.monotonic() - start, warm=bool(timings.get("warm")), config=config,
                        probe=probe, compiling=compiling, engine_s=engine_ms / 1000 if engine_ms else None,
-                       handler_s=handler_ms / 1000 if handler_ms else None)
+                       handler_s=handler_ms / 1000 if handler_ms else None,
+                       queued_s=(t.get("queued_ms") or 0) / 1000)
 
     def browser_probe(self, client) -> BrowserProbe | None:
         return BrowserProbe(client, self.args.hang_s) if self.args.probe_client == "browser" else None
@@ -324,7 +346,10 @@ class Soak:
         client = self.client()
         browser = self.browser_probe(client)
         while time.time() < deadline:
-            out.put(self.request(client, self.probe_params(), probe=True, browser=browser))
+            own_engine_compiling = self.engine_compiling.is_set()
+            outcome = self.request(client, self.probe_params(), probe=True, browser=browser)
+            outcome.engine_compiling = own_engine_compiling
+            out.put(outcome)
             time.sleep(self.args.probe_interval)
 
     def wait_warm_probe(self, client) -> None:
@@ -377,8 +402,8 @@ class Soak:
         out = ctx.Queue()
         deadline = time.time() + self.args.duration
         roles = [("visitor", i) for i in range(self.args.visitors)] + [("probe", 0)]
-        procs = [ctx.Process(target=_client_main, args=(role, i, self.url, self.args, deadline, self.compiling_shared,
-                                                         out), daemon=True) for role, i in roles]
+        procs = [ctx.Process(target=_client_main, args=(role, i, self.url, self.args, deadline,
+                                                         (self.compiling_shared, self.engine_compiling), out), daemon=True) for role, i in roles]
         for p in procs:
             p.start()
         finished = 0
@@ -432,7 +457,7 @@ def _client_main(role: str, index: int, url: str, args, deadline: float, compili
     """One visitor (or the probe) in its own process: requests until `deadline` (wall clock), each
     outcome put on `out`, then None."""
     soak = Soak(args)
-    soak.url, soak.compiling = url, compiling
+    soak.url, (soak.compiling, soak.engine_compiling) = url, compiling
     if role != "probe" and args.visitor_niceness:
         # Visitors stand in for browsers on other machines: their own client work (HTTP, SSE, image
         # downloads) must not take the 2 cores from the server they load. The probe, which measures, is not niced.
@@ -464,6 +489,7 @@ def summarize(report: SoakReport, args) -> dict:
     summary = {
         "visitors": args.visitors, "duration_s": args.duration, "requests": len(report.outcomes), **counts,
         "failed_or_hung": counts["failed"] + counts["hung"],
+        "client_race_retries": sum(o.client_race for o in report.outcomes),
         "peak_rss_gib": round(report.peak_rss / GIB, 3), "budget_gib": round(budget / GIB, 3) if budget else None,
         "rss_target_gib": round((budget + GIB) / GIB, 3) if budget else None,
         "engines_loaded_at_end": sum(1 for e in engines if e.get("state") not in ("evicted",)),
@@ -501,7 +527,8 @@ def print_summary(s: dict) -> None:
 
     print(f"\nsoak: {s['visitors']} visitors x {s['duration_s']} s, {s['requests']} requests")
     print(f"  answered ok {s['ok']}, cancelled {s['cancelled']}, clear error {s['clear']}, "
-          f"failed {s['failed']}, hung {s['hung']}")
+          f"failed {s['failed']}, hung {s['hung']}; sent again after gradio_client's stream race "
+          f"{s['client_race_retries']}")
     print(f"  peak RSS app+workers {fmt(s['peak_rss_gib'], ' GiB')} (budget {fmt(s['budget_gib'], ' GiB')}, "
           f"target <= {fmt(s['rss_target_gib'], ' GiB')})")
     print(f"  engines started {fmt(s['engines_started'])}, evicted {fmt(s['engines_evicted'])}, "

@@ -7,13 +7,15 @@ sidecar's rank 0 runs this same loop behind an authenticated loopback socket, so
 the two apart.
 
 Inside the worker:
-- the serve loop (main thread) owns the request queue and runs one request at a time;
+- the serve loop (main thread) owns the request queue and runs one request at a time; on a cpu device a
+  request expected to run long runs on a thread niced by its expected time (engine/priority.py), so
+  short requests of other engines sharing the cores go first;
 - a receiver thread takes cancel, warm and compile grants at any time;
 - a warm-up thread compiles buckets, one at a time and only when the host's compile scheduler grants
   it (`CompileWanted` -> `CompileGranted` -> `CompileFinished`), so a host compiles at most
   `--compile-jobs` buckets at once. It runs at the lowest CPU priority (its compiler subprocesses
-  inherit it) and the interpreter switches threads often, so requests at warm buckets keep their
-  latency while it compiles.
+  inherit it), steps aside while a request runs (`YieldToRequests`) and the interpreter switches
+  threads often, so requests at warm buckets keep their latency while it compiles.
 
 Which buckets it wants compiled: the start-up warm list (the default engine's), any bucket a request
 asked for in a compiled mode (served eagerly meanwhile, or waiting for it with on_cold=wait), and
@@ -23,6 +25,7 @@ what a Warm message names.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import queue
@@ -33,6 +36,7 @@ import traceback
 
 from engine import settings
 from engine.errors import Cancelled, EngineBusy, InvalidRequest, ShowcaseError
+from engine.priority import RunCost
 from engine.protocol import (
     BucketChanged,
     BucketKey,
@@ -80,7 +84,58 @@ def lower_this_thread_priority(by: int | None = None) -> bool:
         return False
 
 
+def fx_tracing() -> bool:
+    """Whether some thread is inside a torch.fx symbolic trace (torch not imported: no)."""
+    fx = sys.modules.get("torch.fx._symbolic_trace")
+    return bool(fx is not None and fx.is_fx_tracing())
+
+
+class YieldToRequests:
+    """Lets the compile thread step aside while a request runs in the same worker.
+
+    Compiling holds the GIL most of the time, partly in C calls the switch interval cannot cut short
+    (fake-tensor propagation, pattern matching, garbage collection). A request re-acquires the GIL after
+    every torch op, so a 66 ms request at a warm bucket took up to 0.54 s (p95) while its worker compiled.
+    The compile thread installs `hook` as its profile function: at every Python function call, while a
+    request runs, it waits (without the GIL) for the request to end. It waits at most `max_wait_s` per
+    request: a request that needs something the compile thread holds (a lock, the import lock) then
+    gets it, so this can delay a request but never deadlock it."""
+
+    def __init__(self, max_wait_s: float = 0.5):
+        self.max_wait_s = max_wait_s
+        self._idle = threading.Event()
+        self._idle.set()
+        self._request = 0  # the running (or last) request's number
+        self._gave_up_on = -1  # the request whose wait ran out: the compile thread runs beside it
+
+    def request_started(self) -> None:
+        self._request += 1
+        self._idle.clear()
+        # The compile thread may be inside a torch.fx symbolic trace, which patches torch.nn.Module.__call__
+        # for every thread until it ends: a request run then fails ("module is not installed as a
+        # submodule"). The hook lets a trace under way finish (it never pauses inside one, and pauses
+        # before the next); the request starts after it.
+        deadline = time.monotonic() + 10 * self.max_wait_s
+        while fx_tracing() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def request_ended(self) -> None:
+        self._idle.set()
+
+    def wait_idle(self, timeout: float) -> bool:
+        return self._idle.wait(timeout)
+
+    def hook(self, frame, event, arg) -> None:
+        if event != "call" or self._idle.is_set() or self._gave_up_on == self._request or fx_tracing():
+            return
+        request = self._request
+        if not self._idle.wait(self.max_wait_s):
+            self._gave_up_on = request
+
+
 class WorkerLoop:
+    compile_steps_aside = True  # the compile thread waits while a request runs (YieldToRequests)
+
     def __init__(self, conn, runner, max_queue: int = 16):
         self.conn = conn
         self.runner = runner
@@ -95,6 +150,10 @@ class WorkerLoop:
         self._waiting: dict[BucketKey, int] = {}
         self._stop = threading.Event()
         self._received: dict[str, float] = {}  # request id -> when it arrived (its queue time)
+        self.compile_yield = YieldToRequests()
+        # Only where the engines compute on the host's shared cores (an accelerator does the work elsewhere).
+        self.run_cost = RunCost(settings.short_request_ms(), max_extra=settings.compile_niceness() - 2) \
+            if runner.spec.host_memory_is_device_memory else None
 
     def send(self, message) -> None:
         with self._send_lock:
@@ -205,6 +264,8 @@ class WorkerLoop:
     # -- warm-up ---------------------------------------------------------------------------------
     def _warm_forever(self) -> None:
         lower_this_thread_priority()
+        if self.compile_steps_aside and settings.compile_yields():
+            sys.setprofile(self.compile_yield.hook)  # this thread only
         while not self._stop.is_set():
             bucket = self._granted.get()
             if bucket is None or self._stop.is_set():
@@ -215,8 +276,18 @@ class WorkerLoop:
                 if wanted and not self._is_warm(bucket):
                     self.runner.warm_bucket(bucket)
                     self.send(FootprintChanged(self.runner.footprint()))
+                    self._collect_garbage()
             finally:
                 self.send(CompileFinished(bucket))
+
+    def _collect_garbage(self) -> None:
+        """A compile leaves many objects; the garbage collector's full passes over them (and over the model)
+        held the GIL for up to 0.5 s, in whichever thread allocated last: a request's. Collect now, when
+        no request runs, and freeze what survives (the compiled graphs stay for the engine's life), so
+        later full passes only walk what is new."""
+        self.compile_yield.wait_idle(timeout=5.0)
+        gc.collect()
+        gc.freeze()
 
     # -- serving ---------------------------------------------------------------------------------
     def _await_compile(self, request: GenerateRequest, cancel: threading.Event) -> None:
@@ -253,7 +324,14 @@ class WorkerLoop:
                 self._await_compile(request, cancel)
             received = self._received.pop(request.request_id, None)
             queued_ms = (time.perf_counter() - received) * 1000 if received is not None else 0.0
-            result = self.runner.generate(request, on_step=on_step, cancel=cancel)
+            self.compile_yield.request_started()
+            try:
+                result = self.runner.generate(request, on_step=on_step, cancel=cancel)
+            finally:
+                self.compile_yield.request_ended()
+            if self.run_cost is not None:
+                self.run_cost.record(self._variant(request.mode, result.warm), result.bucket.size, result.steps,
+                                     result.timings.total_ms)
             self.send(Result(dataclasses.replace(result, timings=dataclasses.replace(result.timings,
                                                                                      queued_ms=queued_ms))))
         except ShowcaseError as exc:
@@ -265,6 +343,33 @@ class WorkerLoop:
             self._cancels.pop(request.request_id, None)
             self._received.pop(request.request_id, None)
 
+    @staticmethod
+    def _variant(mode, warm: bool) -> str:
+        """What computes a request: its mode's compiled graph, or eager (eager mode, or not warm yet)."""
+        return str(mode) if mode.compiled and warm else "eager"
+
+    def _extra_niceness(self, request: GenerateRequest) -> int:
+        if self.run_cost is None:
+            return 0
+        warm = self._is_warm(request.bucket) or (request.mode.compiled and request.on_cold is OnCold.WAIT)
+        return self.run_cost.extra_niceness(self._variant(request.mode, warm), request.bucket.size, request.steps)
+
+    def _serve(self, request: GenerateRequest) -> None:
+        """Serve on this thread, or on a fresh one niced for a long request (a thread cannot raise its own
+        priority again without privileges; a new thread starts at this one's)."""
+        extra = self._extra_niceness(request)
+        if extra == 0:
+            self._serve_one(request)
+            return
+
+        def serve_niced():
+            lower_this_thread_priority(extra)
+            self._serve_one(request)
+
+        thread = threading.Thread(target=serve_niced, name=f"worker-serve-nice{extra}", daemon=True)
+        thread.start()
+        thread.join()
+
     def run(self) -> None:
         sys.setswitchinterval(settings.switch_interval_s())
         receiver = threading.Thread(target=self._receive, name="worker-receive", daemon=True)
@@ -275,7 +380,7 @@ class WorkerLoop:
             request = self._requests.get()
             if request is None:
                 break
-            self._serve_one(request)
+            self._serve(request)
 
 
 def worker_main(config, conn, env: dict[str, str]) -> None:
@@ -299,6 +404,8 @@ def worker_main(config, conn, env: dict[str, str]) -> None:
         loop = WorkerLoop(conn, runner, max_queue=config.options.max_queue)
         runner.load()
         runner.measure_peak()  # the footprint it reports counts a real run, not just the weights
+        gc.collect()
+        gc.freeze()  # the model and libraries live as long as the worker: later collections skip them
         loop.send(Ready(runner.ready_info()))
     except Exception as exc:
         err = exc if isinstance(exc, ShowcaseError) else ShowcaseError(f"{type(exc).__name__}: {exc}")

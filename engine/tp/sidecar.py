@@ -285,7 +285,15 @@ def _make_sidecar_loop(runner, conn, max_queue: int):
     from engine.worker import WorkerLoop
 
     class SidecarLoop(WorkerLoop):
-        """WorkerLoop on rank 0; stops serving as soon as the group is broken."""
+        """WorkerLoop on rank 0; stops serving as soon as the group is broken. Requests run on the serve
+        thread at one priority, and compiles do not pause for them: the other ranks compute in step with
+        rank 0 (a paused warm-up would hold them all in a collective)."""
+
+        compile_steps_aside = False
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.run_cost = None
 
         def halt(self) -> None:
             self._stop.set()

@@ -1,0 +1,128 @@
+"""`python -m engine contention`: a warm bucket's latency while its own worker compiles other buckets.
+
+One engine (a real worker process, as the app runs it) warms one bucket, measures requests there idle,
+then queues compiles of other buckets of the same engine (with an empty compile cache, so they really
+compile) and keeps asking for the warm bucket until they are done or `--duration` runs out. By default
+it does this twice, side by side in one run: with the compile thread stepping aside while a request runs
+(the worker's default) and without (`SHOWCASE_COMPILE_YIELD=0`), each in a fresh compile cache.
+
+Printed per run: idle median and p95, p50/p95 while compiling, p95 ÷ idle median (target ≤ 2), the
+compile seconds of each bucket (what stepping aside costs the compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from engine import settings
+
+TARGET = 2.0
+
+
+def _p95(values: list[float]) -> float:
+    s = sorted(values)
+    return s[round(0.95 * (len(s) - 1))]
+
+
+def measure(args, yields: bool) -> dict:
+    from engine.manager import EngineManager
+    from engine.protocol import EngineOptions
+
+    os.environ["SHOWCASE_COMPILE_YIELD"] = "1" if yields else "0"  # the worker reads it when it starts
+    cache = tempfile.mkdtemp(prefix="contention-")
+    manager = EngineManager(cache_dir=cache, options=EngineOptions(warm_sizes=()))
+    request = dict(preset=args.preset, device=args.device, precision=args.precision, prompt="a red circle",
+                   steps=args.steps)
+    try:
+        manager.generate(**request, mode=args.mode, size=args.size, on_cold="wait")
+
+        def timed() -> float:
+            start = time.perf_counter()
+            result = manager.generate(**request, mode=args.mode, size=args.size)
+            if not result.warm:
+                raise RuntimeError(f"{args.mode} {args.size} was not warm")
+            return (time.perf_counter() - start) * 1000
+
+        idle = [timed() for _ in range(args.idle_runs)]
+        others = [s for s in manager.preset(args.preset).buckets if str(s) != args.size]
+        for size in others:
+            manager.warm(args.preset, args.device, args.precision, mode=args.compile_mode, size=str(size))
+
+        def compiling_rows() -> list[dict]:
+            return [b for e in manager.status() for b in e.get("buckets", [])
+                    if b["mode"] == args.compile_mode and b["size"] != args.size]
+
+        busy: list[float] = []
+        start = time.monotonic()
+        while time.monotonic() - start < args.duration:
+            if busy and not any(b["state"] in ("queued", "compiling") for b in compiling_rows()):
+                break
+            busy.append(timed())
+            time.sleep(args.gap_s)
+        elapsed = time.monotonic() - start
+        compiles = {b["size"]: (b["state"], b["compile_s"]) for b in compiling_rows()}
+    finally:
+        manager.shutdown()
+    idle_median = statistics.median(idle)
+    return {
+        "compile_yields": yields,
+        "idle_median_ms": idle_median,
+        "idle_p95_ms": _p95(idle),
+        "compiling_p50_ms": statistics.median(busy),
+        "compiling_p95_ms": _p95(busy),
+        "p95_over_idle": _p95(busy) / idle_median,
+        "samples": len(busy),
+        "compiling_phase_s": elapsed,
+        "compiles": compiles,
+    }
+
+
+def print_run(row: dict) -> None:
+    label = "compile thread steps aside" if row["compile_yields"] else "compile thread runs beside requests"
+    ratio = row["p95_over_idle"]
+    print(f"{label}:")
+    print(f"  idle: median {row['idle_median_ms']:.1f} ms, p95 {row['idle_p95_ms']:.1f} ms")
+    print(f"  while compiling ({row['samples']} requests over {row['compiling_phase_s']:.0f} s): "
+          f"p50 {row['compiling_p50_ms']:.1f} ms, p95 {row['compiling_p95_ms']:.1f} ms = {ratio:.2f} x idle "
+          f"(target <= {TARGET:g}: {'met' if ratio <= TARGET else 'MISSED'})")
+    for size, (state, seconds) in row["compiles"].items():
+        print(f"  compile {size}: {state}" + (f", {seconds:.1f} s" if seconds else ""))
+
+
+def main(args) -> int:
+    rows = [measure(args, yields=True)]
+    if args.compare:
+        rows.append(measure(args, yields=False))
+    for row in rows:
+        print_run(row)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "contention.json").write_text(json.dumps(rows, indent=2))
+    return 0 if rows[0]["p95_over_idle"] <= TARGET or not args.strict else 1
+
+
+def add_contention_parser(sub) -> None:
+    c = sub.add_parser("contention", help="a warm bucket's latency while its worker compiles other buckets",
+                       description=__doc__.split("\n\n")[0])
+    c.add_argument("--preset", default="tiny-flux")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--precision", default="fp32")
+    c.add_argument("--mode", default="regional", help="mode of the warm bucket that is measured")
+    c.add_argument("--size", default="64x64", help="the warm bucket")
+    c.add_argument("--compile-mode", default="compile", help="mode of the buckets compiled meanwhile")
+    c.add_argument("--steps", type=int, default=2)
+    c.add_argument("--idle-runs", type=int, default=20)
+    c.add_argument("--gap-s", type=float, default=0.05, help="pause between requests")
+    c.add_argument("--duration", type=float, default=240.0, help="longest compiling phase (seconds)")
+    c.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure with SHOWCASE_COMPILE_YIELD=0, side by side")
+    c.add_argument("--out", default=str(settings.REPO_ROOT / "artifacts" / "contention"))
+    c.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
+    c.set_defaults(func=main)

@@ -1,0 +1,271 @@
+"""Shorter requests first on shared CPU cores: the cost estimate and the niced serving thread."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from engine.priority import RunCost
+from engine.protocol import (
+    BucketInfo,
+    BucketKey,
+    BucketState,
+    EngineKey,
+    GenerateRequest,
+    GenerateResult,
+    Mode,
+    Result,
+    Size,
+    Timings,
+)
+from engine.worker import WorkerLoop, YieldToRequests
+
+SMALL, BIG = Size(64, 64), Size(128, 128)
+
+
+def test_no_runs_yet_means_no_estimate_and_no_penalty():
+    cost = RunCost(short_ms=100, max_extra=8)
+    assert cost.expected_ms("eager", SMALL, 4) is None
+    assert cost.extra_niceness("eager", SMALL, 4) == 0
+
+
+def test_short_requests_keep_priority_and_long_ones_run_below_them():
+    cost = RunCost(short_ms=100, max_extra=8)
+    cost.record("eager", SMALL, steps=2, total_ms=80)  # 40 ms a step
+    assert cost.expected_ms("eager", SMALL, 2) == pytest.approx(80)
+    assert cost.extra_niceness("eager", SMALL, 2) == 0  # 80 ms
+    assert cost.extra_niceness("eager", SMALL, 4) == 8  # 160 ms
+    assert cost.extra_niceness("eager", SMALL, 1000) == 8
+
+
+def test_the_least_contended_run_is_the_estimate():
+    cost = RunCost(short_ms=100, max_extra=8)
+    cost.record("eager", SMALL, steps=2, total_ms=300)  # ran beside others
+    cost.record("eager", SMALL, steps=2, total_ms=60)
+    cost.record("eager", SMALL, steps=2, total_ms=200)
+    assert cost.expected_ms("eager", SMALL, 2) == pytest.approx(60)
+
+
+def test_an_unseen_size_scales_by_pixels_and_variants_are_apart():
+    cost = RunCost(short_ms=100, max_extra=8)
+    cost.record("eager", SMALL, steps=1, total_ms=50)
+    assert cost.expected_ms("eager", BIG, 1) == pytest.approx(200)  # 4 × the pixels
+    assert cost.expected_ms("regional", SMALL, 1) is None  # the compiled graph's cost is its own
+    cost.record("regional", SMALL, steps=1, total_ms=20)
+    assert cost.expected_ms("regional", SMALL, 3) == pytest.approx(60)
+
+
+def test_zero_short_ms_turns_the_ordering_off():
+    cost = RunCost(short_ms=0, max_extra=8)
+    cost.record("eager", SMALL, steps=1, total_ms=10_000)
+    assert cost.extra_niceness("eager", SMALL, 1) == 0
+
+
+# -- the worker's serve loop --------------------------------------------------------------------
+
+
+class _Board:
+    def __init__(self, warm: set[BucketKey]):
+        self.warm = warm
+
+    def get(self, bucket):
+        state = BucketState.WARM if bucket in self.warm or not bucket.mode.compiled else BucketState.COLD
+        return BucketInfo(EngineKey("p", "cpu", "fp32"), bucket, state)
+
+
+class _Runner:
+    """Runs nothing: reports the niceness of the thread it was called on and a fixed cost per step."""
+
+    def __init__(self, ms_per_step: dict[str, float], warm: set[BucketKey]):
+        self.spec = SimpleNamespace(host_memory_is_device_memory=True)
+        self.config = SimpleNamespace(key=EngineKey("p", "cpu", "fp32"))
+        self.board = _Board(warm)
+        self.faults = SimpleNamespace(take=lambda fault: False)
+        self.ms_per_step = ms_per_step
+        self.niceness: list[int] = []
+        self.threads: list[int] = []
+
+    def generate(self, request, on_step=None, cancel=None):
+        self.niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        self.threads.append(threading.get_ident())
+        warm = request.bucket in self.board.warm or not request.mode.compiled
+        variant = str(request.mode) if request.mode.compiled and warm else "eager"
+        total = self.ms_per_step[variant] * request.steps
+        timings = Timings(step_ms=(), encode_ms=0, denoise_ms=total, decode_ms=0, total_ms=total)
+        return GenerateResult(
+            request.request_id,
+            self.config.key,
+            request.bucket,
+            b"",
+            timings,
+            warm=warm,
+            eager_fallback=not warm,
+            recompiles=0,
+            peak_memory_bytes=None,
+            steps=request.steps,
+        )
+
+
+class _Conn:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+
+def _request(mode: Mode, steps: int) -> GenerateRequest:
+    return GenerateRequest("a red circle", 64, 64, steps=steps, guidance=0.0, seed=0, mode=mode)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_a_long_request_runs_on_a_niced_thread_and_a_short_one_at_the_workers_priority(monkeypatch):
+    monkeypatch.setenv("SHOWCASE_SHORT_REQUEST_MS", "100")
+    monkeypatch.setenv("SHOWCASE_COMPILE_NICENESS", "10")
+    regional = BucketKey(Mode.REGIONAL, SMALL)
+    runner = _Runner({"eager": 100.0, "regional": 20.0}, warm={regional})
+    conn = _Conn()
+    loop = WorkerLoop(conn, runner)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    loop._serve(_request(Mode.EAGER, 4))  # nothing known yet: at the worker's priority
+    loop._serve(_request(Mode.REGIONAL, 2))  # first of its variant: likewise
+    loop._serve(_request(Mode.EAGER, 4))  # 400 ms expected: long
+    loop._serve(_request(Mode.REGIONAL, 2))  # 40 ms expected: short
+    loop._serve(_request(Mode.COMPILE, 2))  # compile mode, bucket cold: served eagerly, 200 ms
+
+    here = threading.get_ident()
+    assert [n - base for n in runner.niceness] == [0, 0, min(19 - base, 8), 0, min(19 - base, 8)]
+    assert [t == here for t in runner.threads] == [True, True, False, True, False]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the serve thread is untouched
+    assert sum(isinstance(m, Result) for m in conn.sent) == 5
+
+
+def test_accelerator_engines_do_not_order_by_niceness():
+    runner = _Runner({"eager": 1000.0}, warm=set())
+    runner.spec.host_memory_is_device_memory = False
+    loop = WorkerLoop(_Conn(), runner)
+    assert loop.run_cost is None
+    loop._serve(_request(Mode.EAGER, 4))
+    loop._serve(_request(Mode.EAGER, 4))
+    assert runner.threads == [threading.get_ident()] * 2
+
+
+# -- the compile thread steps aside while a request runs ----------------------------------------
+
+def _count_to(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += abs(i)  # a C call per step: the hook sees it, only Python calls make it wait
+        total += _one()
+    return total
+
+
+def _one() -> int:
+    return 1
+
+
+def _compile_like(yielder: YieldToRequests, progress: list, stop: threading.Event) -> None:
+    sys.setprofile(yielder.hook)
+    try:
+        while not stop.is_set():
+            _count_to(100)
+            progress.append(1)
+    finally:
+        sys.setprofile(None)
+
+
+def test_the_compile_thread_waits_while_a_request_runs_and_resumes_after():
+    yielder = YieldToRequests(max_wait_s=5.0)
+    progress: list = []
+    stop = threading.Event()
+    compiler = threading.Thread(target=_compile_like, args=(yielder, progress, stop), daemon=True)
+    compiler.start()
+    try:
+        while len(progress) < 5:
+            time.sleep(0.01)
+        yielder.request_started()
+        time.sleep(0.05)  # the compile thread reaches its next Python call and waits there
+        during = len(progress)
+        time.sleep(0.3)
+        assert len(progress) - during <= 1  # at most the pass that was under way when the request began
+        yielder.request_ended()
+        deadline = time.monotonic() + 5
+        while len(progress) <= during + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(progress) > during + 1  # it goes on once the request is done
+    finally:
+        stop.set()
+        yielder.request_ended()
+        compiler.join(5)
+
+
+def test_a_compile_thread_never_waits_more_than_its_bound_per_request():
+    """A request that needs something the compile thread holds gets it after max_wait_s: no deadlock."""
+    yielder = YieldToRequests(max_wait_s=0.2)
+    held = threading.Lock()
+    progress: list = []
+    stop = threading.Event()
+
+    def compile_holding_a_lock():
+        with held:
+            _compile_like(yielder, progress, stop)
+
+    yielder.request_started()
+    compiler = threading.Thread(target=compile_holding_a_lock, daemon=True)
+    compiler.start()
+    time.sleep(0.05)
+    start = time.monotonic()
+    while len(progress) < 3:  # past its bound the compile thread runs beside this request
+        assert time.monotonic() - start < 5, "the compile thread never went on"
+        time.sleep(0.01)
+    stop.set()
+    assert held.acquire(timeout=5)  # the request gets the lock once the compile thread lets go of it
+    held.release()
+    yielder.request_ended()
+    compiler.join(5)
+
+
+def test_a_request_waits_for_an_fx_trace_under_way_which_is_never_paused():
+    """torch.fx's symbolic tracer patches torch.nn.Module.__call__ for every thread while it traces: a
+    request run inside that window fails, and pausing the compile thread there would make sure it did."""
+    import torch.fx._symbolic_trace as fx
+
+    yielder = YieldToRequests(max_wait_s=5.0)
+    inside, release, finished = threading.Event(), threading.Event(), threading.Event()
+    marks: dict[str, float] = {}
+
+    def trace_like():
+        sys.setprofile(yielder.hook)
+        fx._is_fx_tracing_flag = True
+        try:
+            inside.set()
+            release.wait(5)
+            _count_to(100)  # Python calls inside the trace while a request waits: none may pause
+        finally:
+            marks["trace_ended"] = time.monotonic()
+            fx._is_fx_tracing_flag = False
+            sys.setprofile(None)
+        finished.set()
+
+    def request():
+        yielder.request_started()
+        marks["request_started"] = time.monotonic()
+
+    compiler = threading.Thread(target=trace_like, daemon=True)
+    compiler.start()
+    assert inside.wait(5)
+    requester = threading.Thread(target=request, daemon=True)
+    requester.start()
+    time.sleep(0.1)
+    assert "request_started" not in marks  # it waits while the trace is under way
+    release.set()
+    assert finished.wait(5)  # the trace ran to its end with the request pending: never paused inside
+    requester.join(5)
+    assert marks["request_started"] >= marks["trace_ended"]
+    yielder.request_ended()
