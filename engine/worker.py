@@ -86,8 +86,8 @@ def lower_this_thread_priority(by: int | None = None) -> bool:
 
 def fx_tracing() -> bool:
     """Whether some thread is inside a torch.fx symbolic trace (torch not imported: no)."""
-    fx = sys.modules.get("torch.fx._symbolic_trace")
-    return bool(fx is not None and fx.is_fx_tracing())
+    fx = sys.modules.get("torch.fx._symbolic_trace")  # its flag: is_fx_tracing() warns on every process's first call
+    return bool(fx is not None and getattr(fx, "_is_fx_tracing_flag", False))
 
 
 class YieldToRequests:

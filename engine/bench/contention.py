@@ -66,7 +66,8 @@ def measure(args, yields: bool) -> dict:
             busy.append(timed())
             time.sleep(args.gap_s)
         elapsed = time.monotonic() - start
-        compiles = {b["size"]: (b["state"], b["compile_s"]) for b in compiling_rows()}
+        compiles = {b["size"]: (b["state"], b["compile_s"], b["cache_hits"], b["cache_misses"])
+                    for b in compiling_rows()}
     finally:
         manager.shutdown()
     idle_median = statistics.median(idle)
@@ -91,8 +92,9 @@ def print_run(row: dict) -> None:
     print(f"  while compiling ({row['samples']} requests over {row['compiling_phase_s']:.0f} s): "
           f"p50 {row['compiling_p50_ms']:.1f} ms, p95 {row['compiling_p95_ms']:.1f} ms = {ratio:.2f} x idle "
           f"(target <= {TARGET:g}: {'met' if ratio <= TARGET else 'MISSED'})")
-    for size, (state, seconds) in row["compiles"].items():
-        print(f"  compile {size}: {state}" + (f", {seconds:.1f} s" if seconds else ""))
+    for size, (state, seconds, hits, misses) in row["compiles"].items():
+        print(f"  compile {size}: {state}" + (f", {seconds:.1f} s (FX graph cache hits/misses {hits}/{misses})"
+                                              if seconds else ""))
 
 
 def main(args) -> int:
