@@ -88,10 +88,12 @@ class _Runner:
         self.faults = SimpleNamespace(take=lambda fault: False)
         self.ms_per_step = ms_per_step
         self.niceness: list[int] = []
+        self.batch: list[bool] = []
         self.threads: list[int] = []
 
     def generate(self, request, on_step=None, cancel=None):
         self.niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        self.batch.append(os.sched_getscheduler(0) == os.SCHED_BATCH)  # 0: the calling thread
         self.threads.append(threading.get_ident())
         warm = request.bucket in self.board.warm or not request.mode.compiled
         variant = str(request.mode) if request.mode.compiled and warm else "eager"
@@ -142,6 +144,7 @@ def test_a_long_request_runs_on_a_niced_thread_and_a_short_one_at_the_workers_pr
     here = threading.get_ident()
     assert [n - base for n in runner.niceness] == [0, 0, min(19 - base, 8), 0, min(19 - base, 8)]
     assert [t == here for t in runner.threads] == [True, True, False, True, False]
+    assert runner.batch == [False, False, True, False, True]  # long ones do not preempt short ones on waking
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the serve thread is untouched
     assert sum(isinstance(m, Result) for m in conn.sent) == 5
 
