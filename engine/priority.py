@@ -1,18 +1,16 @@
 """Shorter requests first where engines share the host's CPU cores.
 
-On a cpu device every engine's requests are computed by the same few cores. With four visitors'
-engines busy on a 2-core box, the kernel shares the cores equally, so a 50 ms request at a warm bucket
-took 2.5 × as long as idle while slower requests (eager fall-backs at buckets still compiling, bigger
-sizes, more steps) ran beside it. Each worker therefore runs a request on a thread niced by how long the
-request is expected to run: up to `short_ms` at the worker's own priority, `max_extra` nice steps lower
-beyond (8 steps: ~5.6 × less CPU weight; each step is ~1.25 ×). The kernel's weighted fair sharing then
-approximates shortest-job-first across processes without a host-wide lock: a short request gets most of
-a contended core, a long one still always moves (weights, not strict priority) and shares fairly with
-the other long ones, and the compile thread stays below every request.
-
-Measured in the soak (4 visitors, 2 cores): bfloat16 and float16 requests on cpu cost 150-550 ms each
-(no fast half-precision matmul), float32 ones 40-120 ms; two nice steps per doubling past 100 ms left
-a 50 ms request at ~2 × its idle time beside them, one "long" class far below it did better.
+On a cpu device every engine's requests are computed by the same few cores, and the kernel shares them
+equally: in the soak (4 visitors, 2 cores) bfloat16 and float16 requests cost 150-550 ms each on cpu (no
+fast half-precision matmul) while float32 ones cost 40-120 ms, and a short request ran beside the long
+ones at an equal share. Each worker therefore runs a request on a thread niced by how long the request is
+expected to run: up to `short_ms` at the worker's own priority, `max_extra` nice steps lower beyond
+(8 steps: ~5.6 × less CPU weight; each step is ~1.25 ×) and as a batch thread (no wake-up preemption).
+The kernel's weighted fair sharing then approximates shortest-job-first across processes without a
+host-wide lock: a short request gets most of a contended core, a long one still always moves (weights,
+not strict priority) and shares fairly with the other long ones, and the compile thread stays below every
+request. It cannot order equally short requests of different visitors, and should not; its effect on the
+soak's p95 was within run-to-run noise on this 2-core box (docs/hosting.md).
 
 Expected run time: the best (least contended) milliseconds per step seen at the same bucket in the same
 variant (the compiled graph, or eager: a compiled mode's bucket that is not warm yet is served eagerly),
