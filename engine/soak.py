@@ -453,6 +453,19 @@ class Soak:
         self.app_log.close()
 
 
+def lower_visitor_priority(niceness: int) -> None:
+    """Nice this visitor process, in a way Linux's autogroup scheduling honours: where autogroup is on, the
+    CPU is shared between sessions first and niceness counts only inside a session, so the visitor moves
+    to a session of its own and lowers that session's weight (/proc/self/autogroup; raising it needs no
+    privilege)."""
+    os.nice(niceness)
+    try:
+        os.setsid()
+        Path("/proc/self/autogroup").write_text(str(niceness))
+    except OSError:
+        pass  # not Linux, or no autogroup: the process niceness above is what counts
+
+
 def _client_main(role: str, index: int, url: str, args, deadline: float, compiling, out) -> None:
     """One visitor (or the probe) in its own process: requests until `deadline` (wall clock), each
     outcome put on `out`, then None."""
@@ -461,7 +474,7 @@ def _client_main(role: str, index: int, url: str, args, deadline: float, compili
     if role != "probe" and args.visitor_niceness:
         # Visitors stand in for browsers on other machines: their own client work (HTTP, SSE, image
         # downloads) must not take the 2 cores from the server they load. The probe, which measures, is not niced.
-        os.nice(args.visitor_niceness)
+        lower_visitor_priority(args.visitor_niceness)
     try:
         if role == "probe":
             soak.probe(deadline, out)

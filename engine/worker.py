@@ -92,6 +92,21 @@ def lower_this_thread_priority(by: int | None = None) -> bool:
     return True
 
 
+def join_own_process_group() -> None:
+    """Make this process the leader of a new process group, so the app stops the worker *and* its compiler
+    processes at once (killpg), in the app's session.
+
+    Not a new session (setsid): Linux's autogroup scheduling (on by default in most desktop and VM kernels,
+    /proc/sys/kernel/sched_autogroup_enabled) shares the CPU equally between sessions first and honours
+    niceness only inside one. A worker in a session of its own got as much CPU as the web server and
+    every other worker whatever its niceness: a long bf16 request took as much of the cores as a short
+    warm one, and four busy workers left the web server a fifth."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+
+
 def fx_tracing() -> bool:
     """Whether some thread is inside a torch.fx symbolic trace (torch not imported: no)."""
     fx = sys.modules.get("torch.fx._symbolic_trace")  # its flag: is_fx_tracing() warns on every process's first call
@@ -394,10 +409,7 @@ class WorkerLoop:
 def worker_main(config, conn, env: dict[str, str]) -> None:
     """Entry point of the spawned worker process."""
     os.environ.update(env)  # before torch is imported: TORCHINDUCTOR_CACHE_DIR, TORCH_TPU_DEFER_AND_FUSE ...
-    try:
-        os.setsid()  # its own process group: the app stops the worker *and* its compiler processes at once
-    except OSError:
-        pass
+    join_own_process_group()
     try:
         os.nice(settings.worker_niceness())  # below the web server: it answers first under full load
     except OSError:

@@ -7,6 +7,7 @@ these tests use regional buckets and share one engine per module.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from concurrent.futures import wait
@@ -86,6 +87,14 @@ def test_eager_result_carries_every_timing_and_is_deterministic(engine):
     for field in ("warm", "eager_fallback", "recompiles", "peak_memory_bytes", "bucket", "timings"):
         assert field in d
     assert a.warm and not a.eager_fallback and a.recompiles == 0
+
+
+def test_the_worker_leads_its_own_process_group_inside_the_apps_session(engine):
+    """killpg stops the worker with its compiler processes; staying in the app's session keeps the worker
+    in the app's scheduling autogroup on Linux, where its niceness (below the web server's) then counts."""
+    assert os.getpgid(engine.pid) == engine.pid != os.getpgid(0)
+    assert os.getsid(engine.pid) == os.getsid(0)
+    assert os.getpriority(os.PRIO_PROCESS, engine.pid) > os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def test_background_warmup_states_then_warm_hit_without_recompiles(engine):

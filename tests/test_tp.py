@@ -97,6 +97,8 @@ def test_flux_tp_eager_matches_one_process(flux_tp, tiny_models):
     status = engine.status()
     assert status["state"] == "ready" and status["kind"] == "tp-sidecar" and status["tp"] == 2
     assert [r["rank"] for r in status["ranks"]] == [0, 1]
+    # its own process group (stopped as one) in this session (the same scheduling autogroup as the app)
+    assert os.getpgid(engine.process.pid) == engine.process.pid and os.getsid(engine.process.pid) == os.getsid(0)
     assert any("transformer (FluxTransformer2DModel) sharded" in n for n in status["notices"])
     request = _request("flux-eager")
     result = engine.generate(request, timeout=120)

@@ -176,7 +176,9 @@ class SidecarEngine(ConnectionEngine):
         log.info("starting tensor-parallel sidecar %s: %s (log %s)", self.key, argv, self.log_path)
         self.process = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: killpg on close, no terminal signals
+            # Its own process group (killpg on close, no terminal signals) in the app's session: a session
+            # of its own would be a scheduling autogroup of its own (see engine.worker.join_own_process_group).
+            process_group=0,
         )
         threading.Thread(target=self._connect, name=f"tp-connect-{self.key}", daemon=True).start()
         return self
