@@ -2,15 +2,18 @@
 
 On a cpu device every engine's requests are computed by the same few cores, and the kernel shares them
 equally: in the soak (4 visitors, 2 cores) bfloat16 and float16 requests cost 150-550 ms each on cpu (no
-fast half-precision matmul) while float32 ones cost 40-120 ms, and a short request ran beside the long
-ones at an equal share. Each worker therefore runs a request on a thread niced by how long the request is
-expected to run: up to `short_ms` at the worker's own priority, `max_extra` nice steps lower beyond
-(8 steps: ~5.6 × less CPU weight; each step is ~1.25 ×) and as a batch thread (no wake-up preemption).
-The kernel's weighted fair sharing then approximates shortest-job-first across processes without a
-host-wide lock: a short request gets most of a contended core, a long one still always moves (weights,
-not strict priority) and shares fairly with the other long ones, and the compile thread stays below every
-request. It cannot order equally short requests of different visitors, and should not; its effect on the
-soak's p95 was within run-to-run noise on this 2-core box (docs/hosting.md).
+fast half-precision matmul), float32 ones 25-160 ms, and a short request ran beside the long ones at an
+equal share. Each worker therefore runs a request on a thread niced by how long the request is expected
+to run: up to `short_ms` at the worker's own priority, then two nice steps lower per doubling (each step is
+~1.25 × less CPU weight, so the weight falls roughly as expected time^-0.64), at most `max_extra` steps,
+and as a batch thread (no wake-up preemption). The kernel's weighted fair sharing then approximates
+shortest-job-first across processes without a host-wide lock: a short request gets most of a contended
+core, a long one still always moves (weights, not strict priority), equally long ones share fairly, and
+the compile thread stays below every request. Requests of the same expected length are not ordered.
+
+This only works while the workers share one scheduling group with each other and the web server: on
+Linux with autogroup scheduling, sessions share the CPU equally first and niceness counts only inside a
+session, so workers stay in the app's session (engine.worker.join_own_process_group).
 
 Expected run time: the best (least contended) milliseconds per step seen at the same bucket in the same
 variant (the compiled graph, or eager: a compiled mode's bucket that is not warm yet is served eagerly),
@@ -53,8 +56,9 @@ class RunCost:
         return None if per_step is None else per_step * steps
 
     def extra_niceness(self, variant: str, size: Size, steps: int) -> int:
-        """Nice steps to add for this request: 0 up to short_ms, max_extra beyond."""
+        """Nice steps to add for this request: 0 up to short_ms, then 2 per doubling, at most max_extra."""
         expected = self.expected_ms(variant, size, steps)
         if self.short_ms <= 0 or expected is None or expected <= self.short_ms:
             return 0
-        return self.max_extra
+        doublings = math.ceil(math.log2(expected / self.short_ms))
+        return min(self.max_extra, 2 * doublings)

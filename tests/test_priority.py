@@ -34,13 +34,17 @@ def test_no_runs_yet_means_no_estimate_and_no_penalty():
     assert cost.extra_niceness("eager", SMALL, 4) == 0
 
 
-def test_short_requests_keep_priority_and_long_ones_run_below_them():
+def test_short_requests_keep_priority_and_longer_ones_run_two_steps_lower_per_doubling():
     cost = RunCost(short_ms=100, max_extra=8)
     cost.record("eager", SMALL, steps=2, total_ms=80)  # 40 ms a step
     assert cost.expected_ms("eager", SMALL, 2) == pytest.approx(80)
     assert cost.extra_niceness("eager", SMALL, 2) == 0  # 80 ms
-    assert cost.extra_niceness("eager", SMALL, 4) == 8  # 160 ms
-    assert cost.extra_niceness("eager", SMALL, 1000) == 8
+    assert cost.extra_niceness("eager", SMALL, 4) == 2  # 160 ms: up to one doubling
+    assert cost.extra_niceness("eager", SMALL, 5) == 2  # 200 ms
+    assert cost.extra_niceness("eager", SMALL, 6) == 4  # 240 ms: up to two
+    assert cost.extra_niceness("eager", SMALL, 16) == 6  # 640 ms: up to three
+    assert cost.extra_niceness("eager", SMALL, 21) == 8  # 840 ms
+    assert cost.extra_niceness("eager", SMALL, 1000) == 8  # never past max_extra
 
 
 def test_the_least_contended_run_is_the_estimate():
@@ -137,12 +141,12 @@ def test_a_long_request_runs_on_a_niced_thread_and_a_short_one_at_the_workers_pr
 
     loop._serve(_request(Mode.EAGER, 4))  # nothing known yet: at the worker's priority
     loop._serve(_request(Mode.REGIONAL, 2))  # first of its variant: likewise
-    loop._serve(_request(Mode.EAGER, 4))  # 400 ms expected: long
+    loop._serve(_request(Mode.EAGER, 4))  # 400 ms expected: long (two doublings)
     loop._serve(_request(Mode.REGIONAL, 2))  # 40 ms expected: short
-    loop._serve(_request(Mode.COMPILE, 2))  # compile mode, bucket cold: served eagerly, 200 ms
+    loop._serve(_request(Mode.COMPILE, 2))  # compile mode, bucket cold: served eagerly, 200 ms (one doubling)
 
     here = threading.get_ident()
-    assert [n - base for n in runner.niceness] == [0, 0, min(19 - base, 8), 0, min(19 - base, 8)]
+    assert [n - base for n in runner.niceness] == [0, 0, min(19 - base, 4), 0, min(19 - base, 2)]
     assert [t == here for t in runner.threads] == [True, True, False, True, False]
     assert runner.batch == [False, False, True, False, True]  # long ones do not preempt short ones on waking
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the serve thread is untouched
