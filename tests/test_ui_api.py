@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -22,15 +23,47 @@ WATCHED = "128x64"  # the regional bucket this module warms (the browser tests w
 
 
 @pytest.fixture(scope="module")
-def app_url(manager):
+def app(manager):
     demo, url = launch_demo(manager, UIDefaults(device="cpu", mode="eager"))
-    yield url
+    yield demo, url
     demo.close()
+
+
+@pytest.fixture(scope="module")
+def app_url(app):
+    return app[1]
 
 
 @pytest.fixture(scope="module")
 def client(app_url):
     return Client(app_url, verbose=False)
+
+
+def test_gradio_queue_statistics_are_off_so_an_event_costs_the_same_however_old_the_server(app, client):
+    """Gradio's queue rebuilt a DataFrame of its last 10,000 events after every event (each page's board
+    tick is one); the app turns that off, and Gradio's /monitoring dashboard with it."""
+    import httpx
+
+    demo, url = app
+    for _ in range(3):
+        client.predict(api_name="/status")
+    queue = demo._queue
+    assert queue.ANALYTICS_MAX_EVENTS == 1 and len(queue.event_analytics) <= 1
+    assert queue.cached_event_analytics_summary == {"functions": {}}  # never computed
+    assert httpx.get(url + "monitoring").status_code == 403
+
+
+def test_a_host_who_configured_gradio_queue_statistics_keeps_them(monkeypatch):
+    from ui.blocks import QUEUE_STATISTICS_OFF, launch_kwargs, queue_statistics_off
+
+    for name in QUEUE_STATISTICS_OFF:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GRADIO_ANALYTICS_MAX_EVENTS", "500")
+    assert queue_statistics_off() is False
+    assert "GRADIO_ANALYTICS_CACHE_FREQUENCY" not in os.environ and os.environ["GRADIO_ANALYTICS_MAX_EVENTS"] == "500"
+    assert launch_kwargs()["enable_monitoring"] is True
+    monkeypatch.delenv("GRADIO_ANALYTICS_MAX_EVENTS")
+    assert queue_statistics_off() is True and launch_kwargs()["enable_monitoring"] is False
 
 
 def test_every_action_has_a_stable_api_name(client):

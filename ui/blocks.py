@@ -7,6 +7,8 @@ UI-only events (timer ticks, redraws, settings changes) are private.
 
 from __future__ import annotations
 
+import os
+
 import gradio as gr
 
 from ui import buckets, compare, generate, system
@@ -23,15 +25,36 @@ CSS = """
 """
 
 
+# Gradio's queue rebuilds a pandas DataFrame of its last GRADIO_ANALYTICS_MAX_EVENTS (10,000) events after
+# every event, for its /monitoring dashboard, in a thread that holds the interpreter lock while it runs:
+# O(events) per event, so a server slows down as it ages, and each open page's once-a-second board tick
+# is an event. It was the app's largest CPU item after the event loop itself in a profile of the soak
+# (4 visitors, 2 cores). The board and /system show what a host needs; a host who wants Gradio's
+# dashboard sets these variables itself (then monitoring stays on).
+QUEUE_STATISTICS_OFF = {"GRADIO_ANALYTICS_CACHE_FREQUENCY": str(10**9), "GRADIO_ANALYTICS_MAX_EVENTS": "1"}
+
+
+def queue_statistics_off() -> bool:
+    """Turn Gradio's per-event queue statistics off, unless the host configured them; True if off."""
+    if any(name in os.environ for name in QUEUE_STATISTICS_OFF):
+        return False
+    os.environ.update(QUEUE_STATISTICS_OFF)
+    return True
+
+
 def launch_kwargs(theme: str | None = None) -> dict:
-    """Gradio 6 takes theme and css in launch(), not Blocks()."""
-    return {"theme": theme or gr.themes.Soft(), "css": CSS}
+    """Gradio 6 takes theme and css in launch(), not Blocks(). Its /monitoring dashboard is off while its
+    statistics are (build_demo turns them off unless the host set them)."""
+    monitoring = os.environ.get("GRADIO_ANALYTICS_CACHE_FREQUENCY") != QUEUE_STATISTICS_OFF[
+        "GRADIO_ANALYTICS_CACHE_FREQUENCY"]
+    return {"theme": theme or gr.themes.Soft(), "css": CSS, "enable_monitoring": monitoring}
 
 
 def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64,
                handlers: Handlers | None = None) -> gr.Blocks:
     """The app. `queue_size` bounds waiting events (beyond it users are told the queue is full)."""
     h = handlers or Handlers(manager, defaults)
+    queue_statistics_off()  # read by Gradio's queue when demo.queue() creates it
     with gr.Blocks(title="Diffusion Showcase", delete_cache=(900, 3600), analytics_enabled=False) as demo:
         gr.Markdown(
             "# ⚡ Diffusion Showcase\n"
