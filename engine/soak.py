@@ -205,8 +205,13 @@ class Soak:
         log_path = Path(self.args.out or "artifacts/soak") / "app.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.app_log = open(log_path, "wb")  # noqa: SIM115 - the app writes to it while it lives
-        self.app = subprocess.Popen(argv, env=env, stdout=self.app_log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        # Its own process group (the orphan check kills the group), in the soak's session: where Linux's
+        # autogroup scheduling is on, CPU is shared between sessions first, and the probe, which stands in
+        # for a browser on another machine, would queue for a core behind the app's own compile thread
+        # (nice 15 inside the app's session, a full share outside it). In one session the probe's client
+        # runs at the web server's priority, above the workers and their compiles, as a remote browser's
+        # CPU would be; the visitors move to niced sessions of their own (lower_visitor_priority).
+        self.app = subprocess.Popen(argv, env=env, stdout=self.app_log, stderr=subprocess.STDOUT, process_group=0)
         self.url = f"http://127.0.0.1:{port}/"
         print(f"[soak] app pid {self.app.pid} at {self.url} (log {log_path})", flush=True)
 
@@ -229,11 +234,13 @@ class Soak:
 
         lower_this_thread_priority(10)  # the harness must not take the cores from what it measures
         root = psutil.Process(self.app.pid)
+        procs, listed = [root], 0.0
         while not self.stop.is_set():
-            try:
-                procs = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                return
+            if time.monotonic() - listed > 2.0:  # listing the tree walks all of /proc: not every sample
+                try:
+                    procs, listed = [root, *root.children(recursive=True)], time.monotonic()
+                except psutil.NoSuchProcess:
+                    return
             total = 0
             for p in procs:
                 try:
@@ -442,6 +449,10 @@ class Soak:
 
         if self.app is None:
             return
+        try:  # the sampler lists the tree every 2 s: whatever started since counts too
+            self.report.pids_seen.update(p.pid for p in psutil.Process(self.app.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
         start = time.monotonic()
         if self.app.poll() is None:
             self.app.send_signal(signal.SIGTERM)
