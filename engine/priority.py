@@ -10,6 +10,9 @@ and as a batch thread (no wake-up preemption). The kernel's weighted fair sharin
 shortest-job-first across processes without a host-wide lock: a short request gets most of a contended
 core, a long one still always moves (weights, not strict priority), equally long ones share fairly, and
 the compile thread stays below every request. Requests of the same expected length are not ordered.
+Tried and dropped: long requests as SCHED_IDLE (CPU only when nothing else wants it): a warm 28 ms
+request's run-queue wait in the soak did not fall (p95 37 ms vs 24 ms with weights; what it waits for is
+the web server and other short work, not long requests), and SCHED_IDLE can starve.
 
 This only works while the workers share one scheduling group with each other and the web server: on
 Linux with autogroup scheduling, sessions share the CPU equally first and niceness counts only inside a

@@ -91,7 +91,7 @@ def compile_niceness() -> int:
 def short_request_ms() -> float:
     """cpu engines: requests expected to run this long or less keep the worker's priority; longer ones run
     two nice steps lower per doubling (engine/priority.py). 0 turns the ordering off."""
-    return float(_env("SHOWCASE_SHORT_REQUEST_MS", "25"))
+    return float(_env("SHOWCASE_SHORT_REQUEST_MS", "100"))
 
 
 def compile_yields() -> bool:

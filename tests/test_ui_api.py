@@ -53,6 +53,14 @@ def test_gradio_queue_statistics_are_off_so_an_event_costs_the_same_however_old_
     assert httpx.get(url + "monitoring").status_code == 403
 
 
+def test_gradio_queue_polls_every_few_milliseconds_not_every_one(app):
+    """Fails if Gradio renames the attribute (the app would silently poll every millisecond again)."""
+    from ui.blocks import QUEUE_POLL_S
+
+    demo, _ = app
+    assert demo._queue.sleep_when_free == QUEUE_POLL_S
+
+
 def test_a_host_who_configured_gradio_queue_statistics_keeps_them(monkeypatch):
     from ui.blocks import QUEUE_STATISTICS_OFF, launch_kwargs, queue_statistics_off
 
