@@ -101,6 +101,9 @@ class GenerateHandlers(HandlerBase):
                 raise to_gradio_error(exc) from None
             stream = stack.enter_context(closing(self.runs.stream(run, key, progress, caller=caller, **kwargs)))
             try:
+                # The engine request first, then the page's first update: that update is a round trip
+                # through Gradio's event loop, which a busy server makes wait.
+                next(stream)  # ("started", None)
                 yield gr.skip(), dict(partial, timings={"step_ms": []})  # the page shows this run from now on
                 for kind, payload in stream:
                     if kind == "wait":

@@ -86,8 +86,9 @@ class RunRegistry:
 
     def stream(self, run: Run, key, progress, desc_prefix: str = "", offset: int = 0,
                grand_total: int | None = None, caller=None, **kwargs):
-        """Run manager.generate(**kwargs) on engine `key` in a thread; yield ("step", StepProgress),
-        ("wait", None) heartbeats, then ("done", GenerateResult). Raises the run's exception.
+        """Run manager.generate(**kwargs) on engine `key` in a thread; yield ("started", None) as soon as
+        that thread runs, ("step", StepProgress), ("wait", None) heartbeats, then ("done", GenerateResult).
+        Raises the run's exception.
 
         Closing this generator (GeneratorExit at a yield) stops the engine request.
         """
@@ -107,6 +108,7 @@ class RunRegistry:
         stepping = answered = False
         last_yield = time.monotonic()
         try:
+            yield "started", None  # the caller may tell the page now: the request is already on its way
             while True:
                 try:
                     kind, payload = events.get(timeout=POLL_S)
