@@ -14,6 +14,7 @@ import enum
 import logging
 import os
 import statistics
+import tempfile
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -25,6 +26,7 @@ from engine.caches import prepare_cache_dir
 from engine.client import ConnectionEngine, ProcessEngine
 from engine.errors import BudgetExceeded, EngineBusy, InvalidRequest, NotAllowed, ShowcaseError
 from engine.presets import looks_like_model_ref
+from engine.priority import ShortRunSlots
 from engine.protocol import (
     BucketKey,
     EngineConfig,
@@ -106,6 +108,8 @@ class EngineManager:
         self.idle_unload_s = idle_unload_s
         self.worker_threads = worker_threads
         self.scheduler = CompileScheduler(compile_jobs or settings.default_compile_jobs())
+        self._short_runs: ShortRunSlots | None = None  # made with the first engine on the host's cores
+        self._short_run_slot: dict[int, int] = {}  # id(engine) -> its slot on that board
         self._budgets: dict[str, budget.DeviceBudget] = {}
         self._engines: dict[EngineKey, ConnectionEngine] = {}
         self._options: dict[EngineKey, EngineOptions] = {}
@@ -248,7 +252,7 @@ class EngineManager:
                 self._footprints[engine.key] = engine.footprint
             self._evicted[engine.key] = Eviction(engine.key, reason, time.time(), engine.footprint)
             self.evictions += 1
-        self.scheduler.drop_engine(engine)
+        self._drop_engine(engine)
         log.info("engine %s: %s", engine.key, reason)
         engine.close()  # waits until its processes are gone, so the memory is really free
 
@@ -305,10 +309,33 @@ class EngineManager:
             threads = self.worker_threads_for(spec)
             if threads:  # a value the user exported wins
                 env.setdefault("OMP_NUM_THREADS", str(threads))
+            board = self._short_run_board() if spec.host_memory_is_device_memory else None
+            if board is not None:
+                env["SHOWCASE_SHORT_RUNS"] = board.env_value()
             engine = ProcessEngine(self._config(key, options), env=env).start()
+            if board is not None:
+                self._short_run_slot[id(engine)] = board.slot
         self._attach(engine)
         log.info("started engine %s", key)
         return engine
+
+    def _short_run_board(self):
+        """A slot on the host's board of engines running a short request (engine/priority.py ShortRuns)."""
+        with self._lock:
+            if self._short_runs is None:
+                try:
+                    self._short_runs = ShortRunSlots(tempfile.gettempdir())
+                except OSError as exc:
+                    log.warning("no board of short requests (%s): cpu requests are ordered by niceness alone", exc)
+                    return None
+            return self._short_runs.take()
+
+    def _drop_engine(self, engine: ConnectionEngine) -> None:
+        """An engine is gone or going: its queued compiles are dropped, its slot on the short-run board freed."""
+        self.scheduler.drop_engine(engine)
+        slot = self._short_run_slot.pop(id(engine), None)
+        if slot is not None and self._short_runs is not None:
+            self._short_runs.release(slot)
 
     def adopt(self, engine: ConnectionEngine) -> ConnectionEngine:
         """Serve an engine the app did not start (a tensor-parallel sidecar attached with --tp-address):
@@ -387,7 +414,7 @@ class EngineManager:
 
     def _on_down(self, engine: ConnectionEngine) -> None:
         """Restart a crashed engine in the background (bounded, so a crash loop stops)."""
-        self.scheduler.drop_engine(engine)
+        self._drop_engine(engine)
         if not engine.evictable:
             return  # adopted: its owner restarts it; the board shows it down with the reason
         if self._closing or not self.auto_restart or not engine.info:
@@ -423,7 +450,7 @@ class EngineManager:
                                  "it runs; the app re-attaches by itself")
             old = self._engines.pop(key, None)
         if old is not None:
-            self.scheduler.drop_engine(old)
+            self._drop_engine(old)
             old.close()
         return self.engine(key)
 
@@ -560,3 +587,5 @@ class EngineManager:
             t.start()
         for t in threads:
             t.join(CLOSE_TIMEOUT_S + 5)
+        if self._short_runs is not None:
+            self._short_runs.remove()

@@ -27,7 +27,10 @@ An engine that has run nothing yet gives no estimate: its requests run at the wo
 from __future__ import annotations
 
 import math
+import os
 import threading
+import time
+from pathlib import Path
 
 from engine.protocol import Size
 
@@ -65,3 +68,107 @@ class RunCost:
             return 0
         doublings = math.ceil(math.log2(expected / self.short_ms))
         return min(self.max_extra, 2 * doublings)
+
+
+class ShortRuns:
+    """Which engines on this host are running a short request right now, so that long requests elsewhere
+    step aside between their steps (shortest-first across processes, which niceness only approximates).
+
+    Niceness shares a contended core by weight: a warm 28 ms request beside a long one at 4-8 nice steps
+    lower still lost a fifth to a half of its core, and more where the long one ran on the other core of a
+    2-core box (caches and memory bandwidth are shared). A long request now also waits, before each of its
+    steps, while another engine runs a short one (at most `max_wait_s` per step, so it always moves on):
+    the short one has the cores to itself but for the step already under way.
+
+    One byte per engine in a small shared file (`SLOTS` of them): each worker writes only its own byte, so
+    no lock is needed; the manager hands out the slots and clears one when its engine goes away (a worker
+    killed mid-request must not leave its byte set)."""
+
+    SLOTS = 64
+    POLL_S = 0.002
+
+    def __init__(self, path: str | Path, slot: int, max_wait_s: float = 0.5):
+        import mmap
+
+        if not 0 <= slot < self.SLOTS:
+            raise ValueError(f"slot {slot} is outside 0..{self.SLOTS - 1}")
+        self.path, self.slot, self.max_wait_s = Path(path), slot, max_wait_s
+        with open(self.path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), self.SLOTS)
+        self.waited_s = 0.0  # how long this engine's long requests have stepped aside (the board shows it)
+
+    @classmethod
+    def create_file(cls, folder: str | Path) -> Path:
+        """A new, cleared board file in `folder`."""
+        import tempfile
+
+        fd, name = tempfile.mkstemp(prefix="showcase-short-runs-", dir=folder)  # one per manager
+        with os.fdopen(fd, "wb") as f:
+            f.write(bytes(cls.SLOTS))
+        return Path(name)
+
+    @classmethod
+    def from_env(cls, value: str | None) -> ShortRuns | None:
+        """From SHOWCASE_SHORT_RUNS ("path:slot", set by the manager for engines on the host's cores)."""
+        if not value:
+            return None
+        path, _, slot = value.rpartition(":")
+        try:
+            return cls(path, int(slot))
+        except (OSError, ValueError):
+            return None  # no board: requests are still ordered by niceness alone
+
+    def env_value(self) -> str:
+        return f"{self.path}:{self.slot}"
+
+    def set_running(self, running: bool) -> None:
+        self._map[self.slot] = 1 if running else 0
+
+    def clear(self, slot: int) -> None:
+        self._map[slot] = 0
+
+    def others_running(self) -> bool:
+        marks = self._map[:]
+        return marks.count(0) < self.SLOTS - marks[self.slot]
+
+    def step_aside(self, cancel: threading.Event | None = None) -> float:
+        """Wait while another engine runs a short request (at most max_wait_s, or until cancelled);
+        returns the seconds waited."""
+        if not self.others_running():
+            return 0.0
+        start = time.monotonic()
+        deadline = start + self.max_wait_s
+        while self.others_running() and time.monotonic() < deadline and not (cancel and cancel.is_set()):
+            time.sleep(self.POLL_S)
+        waited = time.monotonic() - start
+        self.waited_s += waited
+        return waited
+
+
+class ShortRunSlots:
+    """The manager's side of ShortRuns: one board file for the host, a slot per engine on its cores."""
+
+    def __init__(self, folder: str | Path):
+        self.path = ShortRuns.create_file(folder)
+        self._board = ShortRuns(self.path, 0)
+        self._lock = threading.Lock()
+        self._taken: set[int] = set()
+
+    def take(self) -> ShortRuns | None:
+        """A cleared slot for a new engine, or None when all are taken (its requests use niceness alone)."""
+        with self._lock:
+            slot = next((s for s in range(ShortRuns.SLOTS) if s not in self._taken), None)
+            if slot is None:
+                return None
+            self._taken.add(slot)
+            self._board.clear(slot)
+            return ShortRuns(self.path, slot)
+
+    def release(self, slot: int) -> None:
+        """Its engine is gone: the byte is cleared (the worker may have died with a short request running)."""
+        with self._lock:
+            self._taken.discard(slot)
+            self._board.clear(slot)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)

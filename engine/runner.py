@@ -274,6 +274,7 @@ class PipelineRunner:
         self.faults = FaultHooks()  # tests arm one-shot faults through the worker protocol
         self._weights_bytes: int | None = None
         self._peak_bytes: int | None = None
+        self.measured_run: tuple[Size, float] | None = None  # the measuring run: its size and milliseconds
         self.source: str | None = None  # what from_pretrained loaded (aot package keys name the model by it)
         self._aot = None  # engine/aot.py AotEngine, built with the aot variant
         for mode in self.modes():
@@ -612,7 +613,9 @@ class PipelineRunner:
         request = self.warm_request(BucketKey(Mode.EAGER, largest)).replace(steps=1, request_id="footprint")
         self.spec.reset_peak_memory()
         with self._run_lock:
+            start = time.perf_counter()
             self._call(self.pipe, request)
+            self.measured_run = (largest, (time.perf_counter() - start) * 1000)
         self._peak_bytes = self.spec.peak_memory_bytes()
 
     def footprint(self) -> Footprint:

@@ -99,6 +99,12 @@ def compile_yields() -> bool:
     return _env("SHOWCASE_COMPILE_YIELD", "1") not in ("0", "false", "no", "off")
 
 
+def long_requests_step_aside() -> bool:
+    """cpu engines: whether a long request waits before each step while another engine runs a short one
+    (engine/priority.py ShortRuns)."""
+    return _env("SHOWCASE_STEP_ASIDE", "1") not in ("0", "false", "no", "off")
+
+
 def switch_interval_s() -> float:
     """The worker's interpreter thread switch interval (see engine/worker.py)."""
     return float(_env("SHOWCASE_SWITCH_INTERVAL", "0.0005"))

@@ -94,15 +94,16 @@ class SoakReport:
         return {k: sum(1 for o in self.outcomes if o.kind == k) for k in kinds}
 
 
-class BrowserProbe:
-    """The probe's client: what the page's JavaScript does for one /generate, and nothing more.
+class PageClient:
+    """What the page's JavaScript does for one call, and nothing more: the probe's client, and the soak's
+    own /status reads.
 
     gradio_client waits on a job with 50 ms sleeps in two threads per request and handles every stream
     message in Python; on a 2-core host that also runs the app and four visitors, that client work is
-    starved along with the app and its delays land in the measured round trip. The probe measures the
-    server, so it speaks the queue protocol directly: POST queue/join, read the session's event stream
-    until its request completes, then fetch the image as a browser does. (--probe-client gradio_client
-    measures with gradio_client instead.)"""
+    starved along with the app and its delays land in the measured round trip (and, for the soak's own
+    reads, its CPU is taken from the app it measures). This client speaks the queue protocol directly:
+    POST queue/join, read the session's event stream until the call completes, then fetch the image as a
+    browser does. (--probe-client gradio_client measures with gradio_client instead.)"""
 
     def __init__(self, client, timeout: float):
         import uuid
@@ -111,18 +112,19 @@ class BrowserProbe:
 
         self.base = client.src_prefixed  # ".../gradio_api/"
         dependencies = client.config["dependencies"]
-        self.fn_index = next(d.get("id", i) for i, d in enumerate(dependencies) if d.get("api_name") == "generate")
-        info = client.view_api(print_info=False, return_format="dict")
-        self.names = [p["parameter_name"] for p in info["named_endpoints"]["/generate"]["parameters"]]
+        self.fn_index = {d.get("api_name"): d.get("id", i) for i, d in enumerate(dependencies) if d.get("api_name")}
+        info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+        self.names = {api.lstrip("/"): [p["parameter_name"] for p in e["parameters"]] for api, e in info.items()}
         self.http = httpx.Client(timeout=timeout)
         # One session for the page's life, as the page's client makes it: the server builds a session's
         # state (a config per block: ~17 ms of the event loop's time for this UI) once, not per request.
         self.session = uuid.uuid4().hex[:11]
 
-    def predict(self, params: dict) -> dict:
-        """The timings dict of one /generate (raises RuntimeError with the server's message on an error)."""
+    def call(self, api_name: str, params: dict | None = None) -> list:
+        """The output data of one call (raises RuntimeError with the server's message on an error)."""
+        params = params or {}
         session = self.session
-        payload = {"data": [params[name] for name in self.names], "fn_index": self.fn_index,
+        payload = {"data": [params[name] for name in self.names[api_name]], "fn_index": self.fn_index[api_name],
                    "session_hash": session, "event_data": None, "trigger_id": None}
         joined = self.http.post(self.base + "queue/join", json=payload)
         joined.raise_for_status()
@@ -137,11 +139,15 @@ class BrowserProbe:
                 output = message.get("output") or {}
                 if not message.get("success"):
                     raise RuntimeError(output.get("error") or "error")
-                image, timings = output["data"][:2]
-                if isinstance(image, dict) and image.get("url"):
-                    self.http.get(image["url"]).raise_for_status()
-                return timings
-        raise RuntimeError("the event stream ended before the request completed")
+                return output["data"]
+        raise RuntimeError("the event stream ended before the call completed")
+
+    def predict(self, params: dict) -> dict:
+        """The timings dict of one /generate, its image fetched as the page does."""
+        image, timings = self.call("generate", params)[:2]
+        if isinstance(image, dict) and image.get("url"):
+            self.http.get(image["url"]).raise_for_status()
+        return timings
 
 
 def _settle_event_stream(client, timeout: float = 2.0) -> None:
@@ -156,6 +162,33 @@ def _settle_event_stream(client, timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
     while getattr(client, "stream_open", False) and time.monotonic() < deadline:
         time.sleep(0.005)
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants, from each task's /proc children list (psutil's recursive children
+    walks all of /proc: 11 % of a core every 2 s on a loaded box). [] once `root` is gone."""
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        found.append(pid)
+        for tid in tasks:
+            try:
+                todo += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+            except (OSError, ValueError):
+                pass
+    return found
+
+
+def resident_bytes(pid: int) -> int | None:
+    """Resident memory of a process (None once it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _free_port() -> int:
@@ -230,34 +263,30 @@ class Soak:
 
     # -- sampling ----------------------------------------------------------------------------------
     def sample_memory(self) -> None:
-        import psutil
-
         lower_this_thread_priority(10)  # the harness must not take the cores from what it measures
-        root = psutil.Process(self.app.pid)
-        procs, listed = [root], 0.0
+        pids, listed = [self.app.pid], 0.0
         while not self.stop.is_set():
-            if time.monotonic() - listed > 2.0:  # listing the tree walks all of /proc: not every sample
-                try:
-                    procs, listed = [root, *root.children(recursive=True)], time.monotonic()
-                except psutil.NoSuchProcess:
+            if time.monotonic() - listed > 2.0:  # the tree changes slowly: list it every 2 s
+                pids, listed = process_tree(self.app.pid), time.monotonic()
+                if not pids:
                     return
             total = 0
-            for p in procs:
-                try:
-                    total += p.memory_info().rss
-                    self.report.pids_seen.add(p.pid)
-                except psutil.NoSuchProcess:
-                    pass
+            for pid in pids:
+                rss = resident_bytes(pid)
+                if rss is not None:
+                    total += rss
+                    self.report.pids_seen.add(pid)
             self.report.peak_rss = max(self.report.peak_rss, total)
             self.report.rss_samples += 1
             time.sleep(0.25)
 
-    def watch_compiles(self, client) -> None:
-        """Is a bucket compiling anywhere? From /status (cheap: states the workers pushed)."""
+    def watch_compiles(self, page: PageClient) -> None:
+        """Is a bucket compiling anywhere? From /status (cheap: states the workers pushed), read as a page
+        reads it (gradio_client's polling threads cost the soak's process 12 % of a core)."""
         lower_this_thread_priority(10)
         while not self.stop.is_set():
             try:
-                engines = client.predict(api_name="/status")
+                engines = page.call("status")[0]
                 running = [e.get("engine", "") for e in engines
                            if any(b.get("state") == "compiling" for b in e.get("buckets", []))]
                 self.compiling.set() if running else self.compiling.clear()
@@ -269,7 +298,7 @@ class Soak:
 
     # -- requests ----------------------------------------------------------------------------------
     def request(self, client, params: dict, *, probe: bool = False, cancel_after: float | None = None,
-                browser: BrowserProbe | None = None) -> Outcome:
+                browser: PageClient | None = None) -> Outcome:
         config = f"{params['preset']}/{params['precision']}/{params['mode']}/{params['size']}"
         compiling = self.compiling.is_set()
         _settle_event_stream(client)
@@ -328,8 +357,8 @@ class Soak:
                        handler_s=handler_ms / 1000 if handler_ms else None,
                        queued_s=(t.get("queued_ms") or 0) / 1000)
 
-    def browser_probe(self, client) -> BrowserProbe | None:
-        return BrowserProbe(client, self.args.hang_s) if self.args.probe_client == "browser" else None
+    def browser_probe(self, client) -> PageClient | None:
+        return PageClient(client, self.args.hang_s) if self.args.probe_client == "browser" else None
 
     def random_params(self) -> tuple[dict, str]:
         params = dict(prompt="a red circle on a blue background", negative_prompt="",
@@ -401,7 +430,7 @@ class Soak:
                 self.report.idle_s.append(time.monotonic() - start)
                 if timings.get("handler_ms"):
                     self.report.idle_handler_s.append(timings["handler_ms"] / 1000)
-            threading.Thread(target=self.watch_compiles, args=(self.client(),), daemon=True).start()
+            threading.Thread(target=self.watch_compiles, args=(PageClient(client, 30.0),), daemon=True).start()
             self.run_clients()
             try:
                 self.report.status = {"engines": client.predict(api_name="/status"),
@@ -616,7 +645,7 @@ def build_parser(sub=None) -> argparse.ArgumentParser:
     p.add_argument("--probe-client", choices=("browser", "gradio_client"), default="browser",
                    help="how the probe talks to the app: the queue protocol directly, as a page does, or "
                         "through gradio_client (whose polling threads add their own delays on a busy host)")
-    p.add_argument("--visitor-niceness", type=int, default=10,
+    p.add_argument("--visitor-niceness", type=int, default=19,
                    help="CPU niceness of the visitor processes (they stand in for remote browsers; 0 = none)")
     p.add_argument("--idle-runs", type=int, default=15)
     p.add_argument("--hang-s", type=float, default=300.0, help="a request without an answer this long is hung")

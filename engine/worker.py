@@ -36,7 +36,7 @@ import traceback
 
 from engine import settings
 from engine.errors import Cancelled, EngineBusy, InvalidRequest, ShowcaseError
-from engine.priority import RunCost
+from engine.priority import RunCost, ShortRuns
 from engine.protocol import (
     BucketChanged,
     BucketKey,
@@ -90,6 +90,26 @@ def lower_this_thread_priority(by: int | None = None) -> bool:
     except (OSError, AttributeError):
         pass  # the niceness alone still holds
     return True
+
+
+def run_on_lowered_thread(fn, by: int, name: str):
+    """fn() on a new thread `by` nice steps below this one (Linux; elsewhere at this priority): its
+    result, or its exception raised here."""
+    outcome: dict = {}
+
+    def target() -> None:
+        lower_this_thread_priority(by)
+        try:
+            outcome["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the calling thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
 
 
 def join_own_process_group() -> None:
@@ -177,6 +197,17 @@ class WorkerLoop:
         # Only where the engines compute on the host's shared cores (an accelerator does the work elsewhere).
         self.run_cost = RunCost(settings.short_request_ms(), max_extra=settings.compile_niceness() - 2) \
             if runner.spec.host_memory_is_device_memory else None
+        # The host's board of engines running a short request (set by the manager for cpu engines)
+        self.short_runs = ShortRuns.from_env(os.environ.get("SHOWCASE_SHORT_RUNS")) \
+            if self.run_cost is not None and settings.long_requests_step_aside() else None
+
+    def learn_from_measuring_run(self) -> None:
+        """The load's one eager step at the largest bucket is a first estimate of eager requests' cost, so an
+        engine's first requests are not taken for short ones (encode and decode counted as that step's: an
+        overestimate, which later runs replace; RunCost keeps the least)."""
+        if self.run_cost is not None and self.runner.measured_run is not None:
+            size, ms = self.runner.measured_run
+            self.run_cost.record("eager", size, 1, ms)
 
     def send(self, message) -> None:
         with self._send_lock:
@@ -331,14 +362,20 @@ class WorkerLoop:
             with self._lock:
                 self._waiting[bucket] -= 1
 
-    def _serve_one(self, request: GenerateRequest) -> None:
+    def _serve_one(self, request: GenerateRequest, long: bool = False) -> None:
+        """Serve one request; a `long` one steps aside before each step while another engine runs a
+        short one (ShortRuns), a short one tells the others it runs."""
         cancel = self._cancels.setdefault(request.request_id, threading.Event())
         crash = self.runner.faults.take(Fault.CRASH)
+        board = self.short_runs
+        step_aside = board.step_aside if board is not None and long else None
 
         def on_step(progress):
             self.send(Progress(progress))
             if crash:
                 os._exit(RankExit.INJECTED_CRASH)  # armed by a test: the worker dies mid-request
+            if step_aside is not None and progress.step < progress.total:
+                step_aside(cancel)
 
         try:
             if cancel.is_set():
@@ -348,9 +385,16 @@ class WorkerLoop:
             received = self._received.pop(request.request_id, None)
             queued_ms = (time.perf_counter() - received) * 1000 if received is not None else 0.0
             self.compile_yield.request_started()
+            announce = board is not None and not long
+            if announce:
+                board.set_running(True)
             try:
+                if step_aside is not None:
+                    step_aside(cancel)  # before its first step too
                 result = self.runner.generate(request, on_step=on_step, cancel=cancel)
             finally:
+                if announce:
+                    board.set_running(False)
                 self.compile_yield.request_ended()
             if self.run_cost is not None:
                 self.run_cost.record(self._variant(request.mode, result.warm), result.bucket.size, result.steps,
@@ -387,7 +431,7 @@ class WorkerLoop:
 
         def serve_niced():
             lower_this_thread_priority(extra)
-            self._serve_one(request)
+            self._serve_one(request, long=True)
 
         thread = threading.Thread(target=serve_niced, name=f"worker-serve-nice{extra}", daemon=True)
         thread.start()
@@ -416,17 +460,28 @@ def worker_main(config, conn, env: dict[str, str]) -> None:
         pass
     logging.basicConfig(level=os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"),
                         format=f"[worker {config.key}] %(levelname)s %(name)s: %(message)s")
-    from engine.runner import PipelineRunner
+    made: dict = {}
 
-    loop = None
-    try:
-        runner = PipelineRunner(config, listener=lambda info: loop and loop.send(BucketChanged(info)))
-        loop = WorkerLoop(conn, runner, max_queue=config.options.max_queue)
+    def load() -> None:
+        from engine.runner import PipelineRunner
+
+        runner = PipelineRunner(config, listener=lambda info: made.get("loop") and made["loop"].send(BucketChanged(info)))
+        made["loop"] = WorkerLoop(conn, runner, max_queue=config.options.max_queue)
         runner.load()
         runner.measure_peak()  # the footprint it reports counts a real run, not just the weights
+        made["loop"].learn_from_measuring_run()
         gc.collect()
         gc.freeze()  # the model and libraries live as long as the worker: later collections skip them
-        loop.send(Ready(runner.ready_info()))
+
+    try:
+        # Loading (imports, weights, one measuring run: seconds of CPU) is background work like a compile:
+        # on a thread as far below this worker's requests as its compiles, so engines loading for new
+        # visitors do not slow the warm requests of loaded ones (in the soak, the probe's first ~20
+        # requests, while three engines loaded, were its slowest: p50 0.13-0.16 s against 0.09 s).
+        # The serving thread (this one) keeps the worker's priority.
+        run_on_lowered_thread(load, settings.compile_niceness(), name="worker-load")
+        loop = made["loop"]
+        loop.send(Ready(loop.runner.ready_info()))
     except Exception as exc:
         err = exc if isinstance(exc, ShowcaseError) else ShowcaseError(f"{type(exc).__name__}: {exc}")
         log.error("worker failed to start: %s\n%s", exc, traceback.format_exc())

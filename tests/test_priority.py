@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.priority import RunCost
+from engine.priority import RunCost, ShortRuns, ShortRunSlots
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -21,6 +21,7 @@ from engine.protocol import (
     Mode,
     Result,
     Size,
+    StepProgress,
     Timings,
 )
 from engine.worker import WorkerLoop, YieldToRequests
@@ -94,6 +95,10 @@ class _Runner:
         self.niceness: list[int] = []
         self.policy: list[int] = []
         self.threads: list[int] = []
+        self.step_at: list[list[float]] = []  # per request: when each step ended
+        self.announced: list[bool] = []  # per request: its own byte on the short-run board while it ran
+        self.short_runs: ShortRuns | None = None
+        self.measured_run: tuple[Size, float] | None = None  # the load's measuring run
 
     def generate(self, request, on_step=None, cancel=None):
         self.niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
@@ -102,6 +107,13 @@ class _Runner:
         warm = request.bucket in self.board.warm or not request.mode.compiled
         variant = str(request.mode) if request.mode.compiled and warm else "eager"
         total = self.ms_per_step[variant] * request.steps
+        if self.short_runs is not None:
+            self.announced.append(self.short_runs._map[self.short_runs.slot] == 1)
+        self.step_at.append([])
+        for step in range(1, request.steps + 1):
+            self.step_at[-1].append(time.monotonic())
+            if on_step is not None:
+                on_step(StepProgress(request.request_id, step, request.steps, 1.0))
         timings = Timings(step_ms=(), encode_ms=0, denoise_ms=total, decode_ms=0, total_ms=total)
         return GenerateResult(
             request.request_id,
@@ -154,6 +166,20 @@ def test_a_long_request_runs_on_a_niced_thread_and_a_short_one_at_the_workers_pr
     assert sum(isinstance(m, Result) for m in conn.sent) == 5
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_the_loads_measuring_run_is_the_first_estimate_so_a_new_engines_long_requests_are_niced(monkeypatch):
+    monkeypatch.setenv("SHOWCASE_SHORT_REQUEST_MS", "100")
+    runner = _Runner({"eager": 100.0}, warm=set())
+    runner.measured_run = (BIG, 120.0)  # one eager step at 128x128 took 120 ms while loading
+    loop = WorkerLoop(_Conn(), runner)
+    loop.learn_from_measuring_run()
+    assert loop.run_cost.expected_ms("eager", SMALL, 10) == pytest.approx(300.0)  # a quarter of the pixels
+    loop._serve(_request(Mode.EAGER, 10))  # its very first request: known to be long
+    assert runner.threads[-1] != threading.get_ident()
+    loop._serve(_request(Mode.EAGER, 1))  # 30 ms: short
+    assert runner.threads[-1] == threading.get_ident()
+
+
 def test_accelerator_engines_do_not_order_by_niceness():
     runner = _Runner({"eager": 1000.0}, warm=set())
     runner.spec.host_memory_is_device_memory = False
@@ -162,6 +188,84 @@ def test_accelerator_engines_do_not_order_by_niceness():
     loop._serve(_request(Mode.EAGER, 4))
     loop._serve(_request(Mode.EAGER, 4))
     assert runner.threads == [threading.get_ident()] * 2
+
+
+# -- long requests step aside while another engine runs a short one -----------------------------
+def test_the_short_run_board_makes_long_requests_wait_for_short_ones_elsewhere_within_a_bound(tmp_path):
+    slots = ShortRunSlots(tmp_path)
+    short, long = slots.take(), slots.take()
+    assert (short.slot, long.slot) == (0, 1)
+    long.max_wait_s = 0.3
+    assert long.step_aside() == 0.0  # nothing short runs
+    long.set_running(True)
+    assert long.step_aside() == 0.0  # its own byte does not count
+    long.set_running(False)
+
+    short.set_running(True)
+    threading.Timer(0.1, short.set_running, args=(False,)).start()
+    waited = long.step_aside()
+    assert 0.08 <= waited < 0.3  # until the short one ended
+
+    short.set_running(True)
+    assert 0.3 <= long.step_aside() < 0.5  # never more than its bound per step
+    cancel = threading.Event()
+    threading.Timer(0.05, cancel.set).start()
+    assert long.step_aside(cancel) < 0.25  # a cancel ends the wait
+
+    slots.release(short.slot)  # its engine died with the byte set: cleared
+    assert not long.others_running()
+    assert slots.take().slot == 0  # and the slot is free again
+    again = ShortRuns.from_env(long.env_value())
+    assert again.slot == 1 and ShortRuns.from_env("") is None and ShortRuns.from_env("/nonexistent/x:3") is None
+    slots.remove()
+    assert not slots.path.exists()
+
+
+def test_a_long_request_waits_between_its_steps_while_another_engine_runs_a_short_one(monkeypatch, tmp_path):
+    monkeypatch.setenv("SHOWCASE_SHORT_REQUEST_MS", "100")
+    slots = ShortRunSlots(tmp_path)
+    elsewhere = slots.take()
+    mine = slots.take()
+    monkeypatch.setenv("SHOWCASE_SHORT_RUNS", mine.env_value())
+    regional = BucketKey(Mode.REGIONAL, SMALL)
+    runner = _Runner({"eager": 100.0, "regional": 20.0}, warm={regional})
+    loop = WorkerLoop(_Conn(), runner)
+    assert loop.short_runs is not None and loop.short_runs.slot == mine.slot
+    runner.short_runs = loop.short_runs
+    loop.short_runs.max_wait_s = 5.0
+    loop._serve(_request(Mode.EAGER, 4))  # learn the costs (nothing known: served as short)
+    loop._serve(_request(Mode.REGIONAL, 2))
+    assert runner.announced == [True, True]  # a short request marks its byte while it runs...
+    assert not elsewhere.others_running()  # ...and clears it after
+
+    elsewhere.set_running(True)  # another engine runs a short request for 0.2 s
+    threading.Timer(0.2, elsewhere.set_running, args=(False,)).start()
+    started = time.monotonic()
+    loop._serve(_request(Mode.EAGER, 4))  # 400 ms expected: long
+    steps = runner.step_at[-1]
+    assert runner.announced[-1] is False  # a long one does not
+    assert steps[0] - started >= 0.18  # it waited before its first step, until the short one ended
+    assert steps[-1] - steps[0] < 0.1  # then ran its steps without waiting
+
+    elsewhere.set_running(True)
+    started = time.monotonic()
+    loop._serve(_request(Mode.REGIONAL, 2))  # short: never waits for other short ones
+    assert runner.step_at[-1][0] - started < 0.1
+    elsewhere.set_running(False)
+    slots.remove()
+
+
+def test_without_the_board_or_off_requests_are_ordered_by_niceness_alone(monkeypatch, tmp_path):
+    slots = ShortRunSlots(tmp_path)
+    monkeypatch.setenv("SHOWCASE_SHORT_RUNS", slots.take().env_value())
+    monkeypatch.setenv("SHOWCASE_STEP_ASIDE", "0")
+    assert WorkerLoop(_Conn(), _Runner({"eager": 1.0}, warm=set())).short_runs is None
+    monkeypatch.delenv("SHOWCASE_STEP_ASIDE")
+    accelerator = _Runner({"eager": 1.0}, warm=set())
+    accelerator.spec.host_memory_is_device_memory = False
+    assert WorkerLoop(_Conn(), accelerator).short_runs is None  # an accelerator's requests share no cores
+    assert WorkerLoop(_Conn(), _Runner({"eager": 1.0}, warm=set())).short_runs is not None
+    slots.remove()
 
 
 # -- the compile thread steps aside while a request runs ----------------------------------------
@@ -277,3 +381,22 @@ def test_a_request_waits_for_an_fx_trace_under_way_which_is_never_paused():
     requester.join(5)
     assert marks["request_started"] >= marks["trace_ended"]
     yielder.request_ended()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_loading_runs_on_a_thread_below_the_serving_one_and_hands_back_its_result_or_error():
+    """A worker loads its pipeline (imports, weights, a measuring run) as far below its requests as its
+    compiles, so engines loading for new visitors do not slow loaded engines' requests."""
+    from engine.worker import run_on_lowered_thread
+
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = run_on_lowered_thread(lambda: (os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+                                          threading.get_ident()), 3, name="load")
+    assert seen[0] == min(19, here + 3) and seen[1] != threading.get_ident()
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == here  # the caller keeps its own
+
+    def broken():
+        raise ValueError("no weights")
+
+    with pytest.raises(ValueError, match="no weights"):
+        run_on_lowered_thread(broken, 3, name="load")
