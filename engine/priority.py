@@ -27,7 +27,9 @@ An engine that has run nothing yet gives no estimate: its requests run at the wo
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -88,20 +90,15 @@ class ShortRuns:
     POLL_S = 0.002
 
     def __init__(self, path: str | Path, slot: int, max_wait_s: float = 0.5):
-        import mmap
-
         if not 0 <= slot < self.SLOTS:
             raise ValueError(f"slot {slot} is outside 0..{self.SLOTS - 1}")
         self.path, self.slot, self.max_wait_s = Path(path), slot, max_wait_s
         with open(self.path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), self.SLOTS)
-        self.waited_s = 0.0  # how long this engine's long requests have stepped aside (the board shows it)
 
     @classmethod
     def create_file(cls, folder: str | Path) -> Path:
         """A new, cleared board file in `folder`."""
-        import tempfile
-
         fd, name = tempfile.mkstemp(prefix="showcase-short-runs-", dir=folder)  # one per manager
         with os.fdopen(fd, "wb") as f:
             f.write(bytes(cls.SLOTS))
@@ -140,9 +137,7 @@ class ShortRuns:
         deadline = start + self.max_wait_s
         while self.others_running() and time.monotonic() < deadline and not (cancel and cancel.is_set()):
             time.sleep(self.POLL_S)
-        waited = time.monotonic() - start
-        self.waited_s += waited
-        return waited
+        return time.monotonic() - start
 
 
 class ShortRunSlots:
