@@ -462,7 +462,7 @@ def worker_main(config, conn, env: dict[str, str]) -> None:
                         format=f"[worker {config.key}] %(levelname)s %(name)s: %(message)s")
     made: dict = {}
 
-    def load() -> None:
+    def load() -> WorkerLoop:
         from engine.runner import PipelineRunner
 
         runner = PipelineRunner(config, listener=lambda info: made.get("loop") and made["loop"].send(BucketChanged(info)))
@@ -472,15 +472,15 @@ def worker_main(config, conn, env: dict[str, str]) -> None:
         made["loop"].learn_from_measuring_run()
         gc.collect()
         gc.freeze()  # the model and libraries live as long as the worker: later collections skip them
+        return made["loop"]
 
     try:
         # Loading (imports, weights, one measuring run: seconds of CPU) is background work like a compile:
         # on a thread as far below this worker's requests as its compiles, so engines loading for new
         # visitors do not slow the warm requests of loaded ones (in the soak, the probe's first ~20
-        # requests, while three engines loaded, were its slowest: p50 0.13-0.16 s against 0.09 s).
+        # requests, while three engines loaded, were its slowest: p50 0.12-0.16 s against 0.09 s).
         # The serving thread (this one) keeps the worker's priority.
-        run_on_lowered_thread(load, settings.compile_niceness(), name="worker-load")
-        loop = made["loop"]
+        loop = run_on_lowered_thread(load, settings.compile_niceness(), name="worker-load")
         loop.send(Ready(loop.runner.ready_info()))
     except Exception as exc:
         err = exc if isinstance(exc, ShowcaseError) else ShowcaseError(f"{type(exc).__name__}: {exc}")
