@@ -69,6 +69,7 @@ class ConnectionEngine:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._closed = False
+        self._reader: threading.Thread | None = None  # the one thread that reads, and closes, `conn`
         self.on_down: Callable[[ConnectionEngine], None] | None = None
         # The host's compile scheduler (engine/manager.py): without one, every compile is granted at once.
         self.compile_gate: Callable[[ConnectionEngine, CompileWanted], None] | None = None
@@ -82,7 +83,21 @@ class ConnectionEngine:
     # -- connection ------------------------------------------------------------------------------
     def attach(self, conn) -> None:
         self.conn = conn
-        threading.Thread(target=self._read, name=f"engine-read-{self.key}", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name=f"engine-read-{self.key}", daemon=True)
+        self._reader.start()
+
+    def hang_up(self) -> None:
+        """End the connection now. Only the reader thread closes the handle: closing it under a read in flight
+        frees its descriptor number, the next socket this process opens gets that number, and the old read
+        then takes the new socket's bytes (a handshake elsewhere fails with "bad message length"). Shutting
+        the socket down wakes the reader with end-of-file, and the reader closes it on its way out."""
+        from engine.tp.wire import shut_down
+
+        if self.conn is None:
+            return
+        shut_down(self.conn)
+        if self._reader is None:
+            self.conn.close()
 
     def _handlers(self) -> dict:
         return {
@@ -108,6 +123,10 @@ class ConnectionEngine:
                 log.error("bad message from %s: %s", self.key, exc)
                 continue
             dispatch(message, handlers, log, f"engine {self.key}")  # unknown kinds are logged there
+        try:
+            self.conn.close()  # here and nowhere else while this thread runs: see hang_up
+        except OSError:
+            pass
         self._went_down()
 
     def _on_bucket(self, message: BucketChanged) -> None:

@@ -228,6 +228,39 @@ def test_unwritable_cache_folder_warns_and_runs_without_it(tmp_path, tiny_models
         manager.shutdown()
 
 
+def test_hang_up_leaves_the_close_to_the_reader_thread():
+    """Closing a connection while its reader thread is inside a read frees the descriptor number; the next
+    socket the process opens gets it and the old read takes that socket's bytes (CI saw a sidecar handshake
+    fail with "bad message length" right after an attach was refused). So hang_up only shuts the socket
+    down, which wakes the reader, and the reader closes it."""
+    from multiprocessing import Pipe
+
+    from engine.client import ConnectionEngine
+
+    ours, peer = Pipe(duplex=True)
+    closed_by = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(ours, name)
+
+        def close(self):
+            closed_by.append(threading.current_thread().name)
+            ours.close()
+
+    engine = ConnectionEngine(KEY)
+    engine.attach(Spy())
+    time.sleep(0.2)  # the reader is blocked in recv
+    engine._closed = True
+    engine.hang_up()
+    with pytest.raises(EOFError):
+        peer.recv()  # the peer sees the hang-up at once, not when the reader gets round to it
+    engine._reader.join(5)
+    assert not engine._reader.is_alive()
+    assert closed_by == [engine._reader.name]
+    assert ours.closed
+
+
 def test_manager_validates_before_starting_anything(cache_dir):
     from engine.errors import DeviceUnavailable, InvalidRequest
 

@@ -140,11 +140,8 @@ class AttachedSidecar(ConnectionEngine):
 
     def close(self, timeout: float | None = None) -> None:
         """Disconnect (the sidecar belongs to whoever started it; it waits for the next app)."""
-        from engine.tp.wire import hang_up
-
         self._closed = True
-        if self.conn is not None:
-            hang_up(self.conn)
+        self.hang_up()
 
     def shutdown_sidecar(self) -> None:
         """Ask the sidecar itself to stop (the by-hand client's --shutdown)."""

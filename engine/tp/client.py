@@ -294,11 +294,7 @@ class SidecarEngine(ConnectionEngine):
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self._stop_process()
-        if self.conn is not None:
-            try:
-                self.conn.close()
-            except OSError:
-                pass
+        self.hang_up()
         self._reap()
 
     def _stop_process(self) -> None:

@@ -39,17 +39,14 @@ def keepalive(conn: Connection, idle_s: int = 30, interval_s: int = 10, count: i
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def hang_up(conn: Connection) -> None:
-    """Close so that the peer sees it now: a plain close() while another thread of this process is blocked
-    reading the same socket sends nothing until that read returns (Linux), so shut the socket down first."""
+def shut_down(conn: Connection) -> None:
+    """End the connection for both sides now, without closing the handle: the peer sees it at once, and a
+    thread of this process blocked reading it wakes with end-of-file (a plain close() sends nothing while
+    such a read is in flight, on Linux). Whoever reads the connection closes it afterwards."""
     try:
         with _sock_of(conn) as sock:
             sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    try:
-        conn.close()
-    except OSError:
+    except OSError:  # already closed
         pass
 
 
