@@ -195,7 +195,7 @@ def test_the_short_run_board_makes_long_requests_wait_for_short_ones_elsewhere_w
     slots = ShortRunSlots(tmp_path)
     short, long = slots.take(), slots.take()
     assert (short.slot, long.slot) == (0, 1)
-    long.max_wait_s = 0.3
+    long.max_wait_s = 2.0  # far above what the waits below take, so a wait that ends early ended for its reason
     assert long.step_aside() == 0.0  # nothing short runs
     long.set_running(True)
     assert long.step_aside() == 0.0  # its own byte does not count
@@ -204,13 +204,14 @@ def test_the_short_run_board_makes_long_requests_wait_for_short_ones_elsewhere_w
     short.set_running(True)
     threading.Timer(0.1, short.set_running, args=(False,)).start()
     waited = long.step_aside()
-    assert 0.08 <= waited < 0.3  # until the short one ended
+    assert 0.08 <= waited < 1.5  # until the short one ended (a loaded machine may fire the timer late)
 
     short.set_running(True)
-    assert 0.3 <= long.step_aside() < 0.5  # never more than its bound per step
     cancel = threading.Event()
     threading.Timer(0.05, cancel.set).start()
-    assert long.step_aside(cancel) < 0.25  # a cancel ends the wait
+    assert long.step_aside(cancel) < 1.5  # a cancel ends the wait
+    long.max_wait_s = 0.3
+    assert 0.3 <= long.step_aside() < 1.0  # never more than its bound per step
 
     slots.release(short.slot)  # its engine died with the byte set: cleared
     assert not long.others_running()
@@ -245,12 +246,12 @@ def test_a_long_request_waits_between_its_steps_while_another_engine_runs_a_shor
     steps = runner.step_at[-1]
     assert runner.announced[-1] is False  # a long one does not
     assert steps[0] - started >= 0.18  # it waited before its first step, until the short one ended
-    assert steps[-1] - steps[0] < 0.1  # then ran its steps without waiting
+    assert steps[-1] - steps[0] < 0.5  # then ran its steps without waiting (each would wait up to 5 s)
 
     elsewhere.set_running(True)
     started = time.monotonic()
     loop._serve(_request(Mode.REGIONAL, 2))  # short: never waits for other short ones
-    assert runner.step_at[-1][0] - started < 0.1
+    assert runner.step_at[-1][0] - started < 1.0  # a wait would last its 5 s bound
     elsewhere.set_running(False)
     slots.remove()
 
