@@ -450,8 +450,65 @@ class WorkerLoop:
             self._serve(request)
 
 
+class BestEffortOutput:
+    """A worker's stdout/stderr: the app's, until a write to it fails (the app's log pipe closed, its
+    terminal gone); from then on output is dropped. A worker's output is diagnostics only, and a failed
+    write must not fail what wrote it: tqdm's loading bar inside from_pretrained raised BrokenPipeError
+    and the engine failed to load."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if self._stream is not None:
+            try:
+                return self._stream.write(text)
+            except (OSError, ValueError):  # broken pipe, closed file
+                self._stream = None
+        return len(text)
+
+    def flush(self) -> None:
+        if self._stream is not None:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._stream = None
+
+    def isatty(self) -> bool:
+        return self._stream is not None and self._stream.isatty()
+
+    def __getattr__(self, name):  # encoding, errors, fileno ...: what libraries ask of a stream
+        return getattr(self._stream if self._stream is not None else sys.__stderr__, name)
+
+
 def worker_main(config, conn, env: dict[str, str]) -> None:
-    """Entry point of the spawned worker process."""
+    """Entry point of the spawned worker process. It never returns: it leaves with os._exit, so the
+    interpreter's shutdown never runs here. That shutdown freezes the daemon threads (compile, warm-up,
+    loading) wherever they are, and finalisers that then need a lock one of them held wait forever: a
+    worker whose load failed hung in tqdm's __del__ and outlived its app."""
+    code = 1
+    try:
+        _serve_engine(config, conn, env)
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported, then the process ends
+        traceback.print_exc()
+    finally:
+        try:
+            conn.close()
+        except OSError:
+            pass
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        # A compile may still be running in the warm-up thread: leave now rather than wait for it.
+        os._exit(code)
+
+
+def _serve_engine(config, conn, env: dict[str, str]) -> None:
+    sys.stdout, sys.stderr = BestEffortOutput(sys.stdout), BestEffortOutput(sys.stderr)
     os.environ.update(env)  # before torch is imported: TORCHINDUCTOR_CACHE_DIR, TORCH_TPU_DEFER_AND_FUSE ...
     join_own_process_group()
     try:
@@ -487,12 +544,8 @@ def worker_main(config, conn, env: dict[str, str]) -> None:
         log.error("worker failed to start: %s\n%s", exc, traceback.format_exc())
         try:
             conn.send(Fatal(err))
-        finally:
-            conn.close()
+        except OSError:
+            pass  # the app is gone: nobody to tell
         return
     loop.queue_startup_warm()
     loop.run()
-    conn.close()
-    logging.shutdown()
-    # A compile may still be running in the warm-up thread: leave now rather than wait for it.
-    os._exit(0)

@@ -6,6 +6,7 @@ these tests use regional buckets and share one engine per module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -259,6 +260,58 @@ def test_hang_up_leaves_the_close_to_the_reader_thread():
     assert not engine._reader.is_alive()
     assert closed_by == [engine._reader.name]
     assert ours.closed
+
+
+@contextlib.contextmanager
+def stderr_nobody_reads():
+    """fd 2 is a pipe whose reading end is closed (an app whose log pipe or terminal went away), for
+    processes started inside the block."""
+    read_end, write_end = os.pipe()
+    saved = os.dup(2)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    os.close(read_end)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def test_a_worker_whose_output_pipe_broke_still_loads_and_serves(cache_dir, tiny_models):
+    """A worker's output is diagnostics: tqdm's loading bar writing into a broken pipe made from_pretrained
+    fail ("Broken pipe"), and the failed worker then hung in tqdm's finaliser and outlived its app."""
+    with stderr_nobody_reads():
+        engine = ProcessEngine(EngineConfig(KEY, get_preset(KEY.preset), EngineOptions(warm_sizes=()),
+                                            str(cache_dir))).start()
+    try:
+        assert engine.wait_ready(timeout=300) and engine.error is None
+        assert engine.generate(request(steps=1), timeout=120).image().size == (64, 64)
+    finally:
+        engine.close()
+
+
+def test_a_worker_whose_load_failed_exits_by_itself(cache_dir, tiny_models, tmp_path, monkeypatch):
+    """After its Fatal the worker leaves at once, even if nobody closes it (its app died)."""
+    import shutil
+
+    from engine.presets import preset_for_model
+
+    broken = shutil.copytree(tiny_models["tiny-flux"], tmp_path / "broken-flux")
+    for weights in (broken / "transformer").glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:2000])
+    monkeypatch.setenv("SHOWCASE_MODEL_ROOTS", str(tmp_path))
+    preset = preset_for_model(str(broken), allowed_roots=[tmp_path])
+    config = EngineConfig(EngineKey(preset.name, "cpu", "fp32"), preset, EngineOptions(warm_sizes=()), str(cache_dir))
+    with stderr_nobody_reads():
+        engine = ProcessEngine(config, env={"SHOWCASE_MODEL_ROOTS": str(tmp_path)}).start()
+    try:
+        with pytest.raises(Exception, match="could not load"):
+            engine.wait_ready(timeout=300)
+        engine.process.join(20)
+        assert engine.process.exitcode == 0, "the worker did not leave after its load failed"
+    finally:
+        engine.close()
 
 
 def test_manager_validates_before_starting_anything(cache_dir):
