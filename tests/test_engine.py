@@ -291,7 +291,7 @@ def test_a_worker_whose_output_pipe_broke_still_loads_and_serves(cache_dir, tiny
         engine.close()
 
 
-def test_a_worker_whose_load_failed_exits_by_itself(cache_dir, tiny_models, tmp_path, monkeypatch):
+def test_a_worker_whose_load_failed_exits_by_itself(cache_dir, tiny_models, tmp_path):
     """After its Fatal the worker leaves at once, even if nobody closes it (its app died)."""
     import shutil
 
@@ -300,7 +300,6 @@ def test_a_worker_whose_load_failed_exits_by_itself(cache_dir, tiny_models, tmp_
     broken = shutil.copytree(tiny_models["tiny-flux"], tmp_path / "broken-flux")
     for weights in (broken / "transformer").glob("*.safetensors"):
         weights.write_bytes(weights.read_bytes()[:2000])
-    monkeypatch.setenv("SHOWCASE_MODEL_ROOTS", str(tmp_path))
     preset = preset_for_model(str(broken), allowed_roots=[tmp_path])
     config = EngineConfig(EngineKey(preset.name, "cpu", "fp32"), preset, EngineOptions(warm_sizes=()), str(cache_dir))
     with stderr_nobody_reads():
