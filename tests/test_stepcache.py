@@ -267,6 +267,8 @@ def test_through_the_manager_and_a_worker(manager):
     assert tuple(p.step for p in progress if p.cached) == result.cached_steps
     with pytest.raises(InvalidRequest, match="valid forms"):
         manager.generate(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT, step_cache="fast")
+    engines = len(manager.engines())
     with pytest.raises(UnsupportedCombination, match="one graph"):
-        manager.generate(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT, mode="compile",
+        manager.generate(preset="tiny-shapes", device="cpu", precision="int8wo", prompt=PROMPT, mode="compile",
                          step_cache="first-block")
+    assert len(manager.engines()) == engines  # refused before an int8wo engine started
