@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "$SHOWCASE_WORKER_THREADS)")
     h.add_argument("--public-evict-after", type=float, default=60.0, metavar="SECONDS",
                    help="public mode: a visitor's request may unload an idle engine only after this long unused")
+    h.add_argument("--client-events", type=int, default=d["client_events"], metavar="N",
+                   help="requests one client (its address) may have waiting or running at once (default: 8 in "
+                        "public mode, unbounded otherwise; 0: unbounded; $SHOWCASE_CLIENT_EVENTS)")
+    h.add_argument("--trusted-proxies", default=d["trusted_proxies"], metavar="NETS",
+                   help="comma-separated addresses/networks of reverse proxies whose X-Forwarded-For names the "
+                        "client (default: none, the connection's address is the client; $SHOWCASE_TRUSTED_PROXIES)")
     add_engine_arguments(p)
     return p
 
@@ -115,6 +121,22 @@ def host_policy(args):
                       precisions=_choices(args.precisions, lambda t: Precision.parse(t, "precision")),
                       modes=_choices(args.modes, lambda t: Mode.parse(t, "mode")),
                       evict_idle_after_s=args.public_evict_after)
+
+
+def edge_config(args):
+    """The web edge's bounds (ui/edge.py) from the flags."""
+    from ui.edge import CLIENT_EVENTS, EdgeConfig, parse_proxies
+
+    events = args.client_events
+    if events is None:
+        events = CLIENT_EVENTS if args.public else None
+    elif int(events) <= 0:
+        events = None
+    try:
+        proxies = parse_proxies(args.trusted_proxies)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    return EdgeConfig(client_events=None if events is None else int(events), trusted_proxies=proxies)
 
 
 def parse_auth(value: str | None) -> tuple[str, str] | None:
@@ -212,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             threading.Thread(target=prewarm, args=(manager, args), name="prewarm", daemon=True).start()
         defaults = UIDefaults(preset=args.preset, device=args.device, precision=args.precision, mode=args.mode,
                               tp=args.tp, admin_token=args.admin_token)
-        demo = build_demo(manager, defaults, queue_size=args.queue_size)
+        demo = build_demo(manager, defaults, queue_size=args.queue_size, edge=edge_config(args))
         demo.launch(
             server_name=args.host,
             server_port=args.port,
@@ -220,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             auth=auth,
             allowed_paths=None,  # serve nothing beyond the app's own outputs
             ssr_mode=False,
-            show_error=True,
-            **launch_kwargs(args.theme),
+            show_error=False,  # only the app's own gr.Error messages reach a visitor (ui/common.py)
+            **launch_kwargs(args.theme, demo),
         )
     except KeyboardInterrupt:
         pass

@@ -115,10 +115,11 @@ class RoomPlan:
     reason: str = ""  # when it does not fit: why, in words
 
 
-def plan_room(need: int, budget: DeviceBudget, residents: list[Resident]) -> RoomPlan:
+def plan_room(need: int, budget: DeviceBudget, residents: list[Resident], reserved: int = 0) -> RoomPlan:
     """Which idle engines to evict (least recently used first) so that `need` more bytes and one more
-    engine fit in `budget`. Busy engines are never chosen."""
-    used = sum(r.footprint for r in residents)
+    engine fit in `budget`. Busy engines are never chosen. `reserved`: bytes held by what is no engine
+    (the web server's own memory, on a device whose memory is the host's)."""
+    used = reserved + sum(r.footprint for r in residents)
     count = len(residents)
     candidates = sorted((r for r in residents if not r.busy and r.evictable), key=lambda r: r.last_used)
     evict: list[str] = []
@@ -141,6 +142,7 @@ def plan_room(need: int, budget: DeviceBudget, residents: list[Resident]) -> Roo
         reason = f"{count} engines that cannot be unloaded now ({', '.join(busy)}) already use the " \
                  f"{budget.max_engines}-engine limit"
     else:
-        reason = (f"the engines that cannot be unloaded now ({', '.join(busy) or 'none'}) hold "
+        held = f" and the web server ({reserved / GIB:.2f} GiB)" if reserved else ""
+        reason = (f"the engines that cannot be unloaded now ({', '.join(busy) or 'none'}){held} hold "
                   f"{used / GIB:.2f} GiB, leaving {(budget.bytes - used) / GIB:.2f} GiB")
     return RoomPlan(False, (), used, reason)

@@ -219,6 +219,18 @@ class EngineManager:
         return [budget.Resident(str(e.key), self.footprint_of(e).device_bytes, e.busy(), e.last_used,
                                 evictable=e.evictable) for e in engines]
 
+    def app_bytes(self, device: str) -> int:
+        """What this process (the web server, its sessions and queues) holds of `device`'s budget: its
+        resident memory where the device's memory is the host's (cpu), else nothing."""
+        try:
+            if not devices.get_device(device).host_memory_is_device_memory:
+                return 0
+            import psutil
+
+            return psutil.Process().memory_info().rss
+        except Exception:  # an unknown device or no /proc: count nothing rather than refuse
+            return 0
+
     def _make_room(self, key: EngineKey, need: int, caller: Caller, exclude=None) -> None:
         """Evict least-recently-used idle engines so `need` fits; raise BudgetExceeded when it cannot."""
         limits = self.device_budget(key.device)
@@ -227,7 +239,7 @@ class EngineManager:
             # A visitor may only push out engines nobody has used for a while ("the budget is full").
             cutoff = time.monotonic() - self.policy.evict_idle_after_s
             residents = [dataclasses.replace(r, busy=r.busy or r.last_used > cutoff) for r in residents]
-        plan = budget.plan_room(need, limits, residents)
+        plan = budget.plan_room(need, limits, residents, reserved=self.app_bytes(key.device))
         if not plan.fits:
             loaded = [str(k) for k in self._engines if k.device == key.device]
             hint = ("pick one of the loaded engines (" + ", ".join(loaded) + "), " if loaded else "") + \
@@ -318,6 +330,14 @@ class EngineManager:
         self._attach(engine)
         log.info("started engine %s", key)
         return engine
+
+    def worker_cache_env(self, device: str) -> dict[str, str]:
+        """The cache variables a worker of `device` is started with (/system shows these, not the app's)."""
+        spec = devices.get_device(device)
+        env = devices.worker_environment(spec, self.cache_dir)
+        env.update(self.cache.worker_env())
+        names = {var for var, _ in spec.cache_env} | set(self.cache.worker_env())
+        return {name: env[name] for name in sorted(names) if name in env}
 
     def _short_run_board(self):
         """A slot on the host's board of engines running a short request (engine/priority.py ShortRuns)."""
@@ -501,8 +521,14 @@ class EngineManager:
         if engine.pending() >= self.engine_options(key).max_queue:
             raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")
         engine.wait_ready(timeout=600)
-        future = engine.submit(request, on_progress)
+        # Registered before it is sent, so a cancel in between reaches the engine (it keeps cancels of
+        # requests it has not received yet).
         self._running[request.request_id] = engine
+        try:
+            future = engine.submit(request, on_progress)
+        except BaseException:
+            self._running.pop(request.request_id, None)
+            raise
         if on_submit:
             on_submit(request.request_id)
         try:
@@ -559,10 +585,13 @@ class EngineManager:
         for device in sorted({e.key.device for e in self.engines()} | set(self._budgets)):
             limits = self.device_budget(device)
             residents = self._residents(device)
+            app = self.app_bytes(device)
             per_device[device] = {
                 "budget_gib": None if limits.bytes is None else round(limits.bytes / budget.GIB, 3),
                 "max_engines": limits.max_engines, "source": limits.source,
-                "used_gib": round(sum(r.footprint for r in residents) / budget.GIB, 3), "engines": len(residents),
+                "used_gib": round((app + sum(r.footprint for r in residents)) / budget.GIB, 3),
+                "engines": len(residents),
+                "web_server_gib": round(app / budget.GIB, 3),  # counted in used_gib
             }
         p = self.policy
         return {

@@ -66,6 +66,8 @@ def server_defaults() -> dict:
         "compile_jobs": _env("SHOWCASE_COMPILE_JOBS"),
         "idle_unload": _env("SHOWCASE_IDLE_UNLOAD"),  # seconds; off by default
         "worker_threads": _env("SHOWCASE_WORKER_THREADS"),  # cpu engines: compute threads each
+        "client_events": _env("SHOWCASE_CLIENT_EVENTS"),  # public mode: events one client may hold
+        "trusted_proxies": _env("SHOWCASE_TRUSTED_PROXIES"),  # whose X-Forwarded-For names the client
     }
 
 

@@ -11,14 +11,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_demo(manager, defaults=None, queue_size: int = 8):
+def launch_demo(manager, defaults=None, queue_size: int = 8, edge=None):
     """Build and launch the app in this process on a free loopback port; returns (demo, url)."""
     from ui import build_demo, launch_kwargs
 
-    demo = build_demo(manager, defaults, queue_size=queue_size)
+    demo = build_demo(manager, defaults, queue_size=queue_size, edge=edge)
     port = free_port()
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, ssr_mode=False, quiet=True,
-                **launch_kwargs())
+                **launch_kwargs(demo=demo))
     return demo, f"http://127.0.0.1:{port}/"
 
 

@@ -17,7 +17,7 @@ import pandas as pd
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Size
 from ui import views
-from ui.common import ENGINE_QUEUE, FAST, HandlerBase, session_id, to_gradio_error
+from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 
 MAX_UI_SEED = 2**31 - 1  # browsers hold integers exactly only up to 2**53; keep seeds readable
 PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one redraws the plot)
@@ -96,7 +96,7 @@ class GenerateHandlers(HandlerBase):
         last_sent = 0.0
         with ExitStack() as stack:
             try:  # public mode: one running request per visitor
-                run = stack.enter_context(self.runs.open(session_id(request), exclusive=self.public))
+                run = stack.enter_context(self.open_run(request))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
             stream = stack.enter_context(closing(self.runs.stream(run, key, progress, caller=caller, **kwargs)))
