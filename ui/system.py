@@ -118,6 +118,9 @@ def cache_folders(manager, device_names: list[str], environ=None) -> list[dict]:
     return rows
 
 
+CACHE_LABELS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TORCH_NEURONX_NEFF_CACHE_DIR": "neuron NEFF"}
+
+
 def worker_cache_env(manager, device_names: list[str]) -> dict[str, str]:
     """The cache variables the workers of these devices are started with (the manager's CacheDir)."""
     env: dict[str, str] = {}
@@ -140,7 +143,7 @@ def _cache_folders(manager, device_names: list[str], environ=None) -> list[dict]
     }
     for var, value in worker_cache_env(manager, device_names).items():
         if var.endswith("_DIR"):
-            folders[f"workers' {var}"] = Path(value)
+            folders[f"{CACHE_LABELS.get(var, var)} (workers' {var})"] = Path(value)
         else:
             folders[f"workers' {var}={value}"] = None  # a switch, e.g. the compile caches turned off
     try:
