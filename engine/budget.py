@@ -12,9 +12,7 @@ The planning here is pure (no processes), so eviction order and refusals are tes
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,24 +63,11 @@ def parse_size(text: str | int | float | None) -> int | None:
 
 
 def safetensors_parameters(folder: Path) -> int:
-    """Elements stored in every *.safetensors under `folder` (read from the headers only)."""
-    total = 0
-    for path in Path(folder).rglob("*.safetensors"):
-        try:
-            with open(path, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
-        except (OSError, ValueError, struct.error) as exc:
-            log.warning("could not read the safetensors header of %s: %s", path, exc)
-            continue
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            count = 1
-            for dim in entry.get("shape", []):
-                count *= int(dim)
-            total += count
-    return total
+    """Elements stored in every *.safetensors under `folder` (read from the headers only). A corrupt header
+    raises CorruptWeights naming the component (its length is bounded by the file's size, never trusted)."""
+    from engine.weights import parameter_count, read_header
+
+    return sum(parameter_count(read_header(path)) for path in sorted(Path(folder).rglob("*.safetensors")))
 
 
 def weights_bytes(folder: Path, precision: str) -> int:

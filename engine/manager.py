@@ -43,6 +43,7 @@ from engine.protocol import (
 from engine.resolve import Catalog, resolve_source
 from engine.scheduler import CompileScheduler
 from engine.validation import build_request
+from engine.weights import CorruptWeights
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,8 @@ class EngineManager:
         try:
             source = Path(resolve_source(self.catalog.config(key, self.options, self.cache_dir)))
             weights = budget.weights_bytes(source, key.precision) if source.is_dir() else 0
+        except CorruptWeights:
+            raise  # the load would fail the same way: say which component now
         except ShowcaseError:
             weights = 0
         weights //= max(1, key.tp)  # each rank holds its shard (the rest is replicated: an underestimate)

@@ -567,8 +567,10 @@ class PipelineRunner:
                                  cache_hits=hits - hits_before, cache_misses=misses - misses_before, origin=origin)
 
     def _compile_bucket(self, pipe, bucket: BucketKey) -> str | None:
-        """First calls at the bucket's shapes compile; a corrupt on-disk cache gets one retry without it.
-        aot: load the bucket's packages, building what is missing (returns where they came from)."""
+        """First calls at the bucket's shapes compile. A cache that cannot be written (read-only, full) moves
+        compiles to a temporary cache; a corrupt one has its broken files removed and the compile runs again
+        without the on-disk caches. Returns what the board says about where the graph came from. aot: load
+        the bucket's packages, building what is missing."""
         if bucket.mode is Mode.AOT:
             origin, notices = self._aot.warm(bucket, report=lambda text: self.board.update(bucket, origin=text))
             self.notices += notices
@@ -576,18 +578,33 @@ class PipelineRunner:
         try:
             for guidance in self.warm_guidances():
                 self._call(pipe, self.warm_request(bucket, guidance))
+            return None
         except Exception as exc:
-            if not caches.compile_caches_enabled():
-                raise
-            removed = caches.remove_corrupt_artifacts(exc)
-            notice = (f"compiling {bucket} failed with the on-disk compile cache on ({describe_failure(exc, 200)}); "
-                      f"retrying without the cache{f' (removed {len(removed)} corrupt file(s))' if removed else ''}")
-            log.warning(notice)
+            if caches.unwritable_cause(exc) is not None:
+                origin = self._move_cache(bucket, exc)
+            else:
+                removed = caches.remove_corrupt_artifacts(exc)
+                if not caches.compile_caches_enabled() and not removed:
+                    raise
+                notice = (f"compiling {bucket} failed with the on-disk compile cache ({describe_failure(exc, 200)}); "
+                          f"retrying without the cache"
+                          f"{f' (removed {len(removed)} corrupt file(s))' if removed else ''}")
+                log.warning(notice)
+                self.notices.append(notice)
+                caches.disable_compile_caches()
+                origin = None
+        for guidance in self.warm_guidances():
+            self._call(pipe, self.warm_request(bucket, guidance))
+        return origin
+
+    def _move_cache(self, bucket: BucketKey, exc: BaseException) -> str:
+        """Compiles go to a temporary cache from now on; the notice goes on the engine and the bucket."""
+        _, notice = caches.switch_to_temporary_compile_cache(caches.unwritable_cause(exc))
+        if notice not in self.notices:
             self.notices.append(notice)
-            caches.disable_compile_caches()
-            for guidance in self.warm_guidances():
-                self._call(pipe, self.warm_request(bucket, guidance))
-        return None
+        origin = "compiled in a temporary cache (the cache folder cannot be written)"
+        self.board.update(bucket, origin=origin)
+        return origin
 
     def ready_info(self) -> EngineReady:
         """What a worker announces once loaded (the protocol's Ready message)."""

@@ -18,6 +18,7 @@ Run: .venv/bin/python -m pytest tests/test_tp_multinode.py -q -x   (about three 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -73,10 +74,10 @@ class Nodes:
                 "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
                 "--cache-dir", str(self.cache_dir), *extra]
 
-    def start(self, nodes=(0, 1), join_timeout: float = 120, tag: str = "") -> int:
+    def start(self, nodes=(0, 1), join_timeout: float = 120, tag: str = "", node_env=None) -> int:
         port = free_port()
-        env = {**os.environ, "SHOWCASE_CACHE_DIR": str(self.cache_dir)}
         for node in nodes:
+            env = {**os.environ, "SHOWCASE_CACHE_DIR": str(self.cache_dir), **((node_env or {}).get(node, {}))}
             extra = ["--join-timeout", str(join_timeout)]
             if node == 0:
                 extra += ["--address-file", str(self.address_file)]
@@ -176,6 +177,75 @@ def test_two_nodes_serve_the_app_and_match_one_process(cluster, tiny_models):
     assert sd3["engine"] == "tiny-sd3@cpu/fp32"
     token = Path(json.loads(nodes.address_file.read_text())["token_file"]).read_text().strip()
     assert token not in json.dumps(client.predict(api_name="/status"))  # never shown
+
+
+# Loaded first by every process of a node (on PYTHONPATH): holds back node 0's build lock, and records who
+# took it, so the rank on node 1 builds the tiny model.
+_LOCK_HOOK = """
+import fcntl, os, time
+_flock = fcntl.flock
+def _hooked(fd, op):
+    number = fd if isinstance(fd, int) else fd.fileno()
+    try:
+        name = os.readlink(f"/proc/self/fd/{number}")
+    except OSError:
+        name = ""
+    if op & fcntl.LOCK_EX and name.endswith(".tiny-flux.lock") and "GROUP_RANK" in os.environ:
+        time.sleep(float(os.environ.get("SHOWCASE_TEST_LOCK_DELAY", "0")))
+        result = _flock(fd, op)
+        with open(os.environ["SHOWCASE_TEST_LOCK_LOG"], "a") as log:
+            log.write(os.environ["GROUP_RANK"] + "\\n")
+        return result
+    return _flock(fd, op)
+fcntl.flock = _hooked
+"""
+
+
+def test_a_model_built_by_node_1_serves_the_single_process_image(tiny_models, tmp_path):
+    """Two nodes share one empty cache folder and node 1's rank wins the build lock: a rank other than global
+    rank 0 used to save configs without weights (transformers saves on rank 0 only) and mark them complete."""
+    from engine.presets import get_preset
+    from engine.tp.attach import SidecarNotRunning, connect
+    from engine.validation import build_request
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_LOCK_HOOK)
+    lock_log = tmp_path / "locks.txt"
+    path = os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", str(REPO))])
+    env = {node: {"PYTHONPATH": path, "SHOWCASE_TEST_LOCK_LOG": str(lock_log),
+                  "SHOWCASE_TEST_LOCK_DELAY": "5" if node == 0 else "0"} for node in (0, 1)}
+    cache = tmp_path / "shared-cache"
+    nodes = Nodes(cache, tmp_path)
+    started = time.monotonic()
+    nodes.start(node_env=env)
+    engine = None
+    try:
+        def attached():
+            try:
+                return connect(nodes.address_file, timeout=240)
+            except SidecarNotRunning:
+                return None
+
+        engine = _wait(attached, 240, 1.0)
+        assert engine, f"{nodes.log(0)[-3000:]}\n{nodes.log(1)[-2000:]}"
+        ready_s = time.monotonic() - started
+        assert lock_log.read_text().split()[0] == "1"  # node 1's rank built the model
+        request, _ = build_request(get_preset("tiny-flux"), prompt=TP["prompt"], negative_prompt=None, width=64,
+                                   height=64, steps=TP["steps"], guidance=TP["guidance"], seed=TP["seed"],
+                                   mode="eager", snap=True, on_cold="eager")
+        result = engine.generate(request, timeout=120)
+        image = np.asarray(Image.open(io.BytesIO(result.image_png)).convert("RGB"))
+        diff = int(np.abs(image.astype(int) - _reference(tiny_models, TP).astype(int)).max())
+        print(f"node 1 built the model: ready after {ready_s:.1f} s, max pixel diff {diff}/255 vs one process")
+        assert diff <= 2
+        from engine.tiny import check_pipeline_folder
+
+        assert check_pipeline_folder(cache / "models" / "tiny-flux") is None
+    finally:
+        if engine is not None:
+            engine.close()
+        nodes.stop_all()
 
 
 def test_app_help_names_the_flag():
