@@ -43,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--precision", default=d["precision"], help="fp32, tf32, bf16 or fp16 ($SHOWCASE_PRECISION)")
     e.add_argument("--mode", default=d["mode"], help="eager, compile, regional, defer-and-fuse ($SHOWCASE_MODE)")
     e.add_argument("--tp", type=int, default=1,
-                   help="tensor parallel over N ranks for the default engine (a torchrun sidecar)")
+                   help="run the default engine over N ranks (a torchrun sidecar)")
+    e.add_argument("--parallel", choices=("tensor", "ulysses", "ring"), default="tensor",
+                   help="how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring "
+                        "(context parallel: whole transformer on each rank, tokens split)")
     e.add_argument("--tp-address", default=None, metavar="FILE",
                    help="serve a running tensor-parallel sidecar as the default engine: FILE is the address file "
                         "its node 0 wrote (python -m engine.tp.sidecar ... --address-file FILE; the token is read "
@@ -151,7 +154,7 @@ def parse_auth(value: str | None) -> tuple[str, str] | None:
 def prewarm(manager, args) -> None:
     """Start the default engine now; its worker loads the weights and warms the buckets by itself."""
     try:
-        key = manager.make_key(args.preset, args.device, args.precision, args.tp)
+        key = manager.make_key(args.preset, args.device, args.precision, args.tp, parallel=args.parallel)
         manager.engine(key)
         log.info("pre-warming %s (%s buckets: %s)", key, args.mode, args.warm)
     except Exception as exc:  # the UI still starts and shows the reason
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             compile_jobs=args.compile_jobs, idle_unload_s=args.idle_unload, policy=host_policy(args),
             worker_threads=args.worker_threads)
         try:
-            manager.default_key = manager.make_key(args.preset, args.device, args.precision, args.tp)
+            manager.default_key = manager.make_key(args.preset, args.device, args.precision, args.tp,
+                                                   parallel=args.parallel)
         except ShowcaseError as exc:  # the UI still starts and shows the reason
             log.warning("default engine %s/%s/%s: %s", args.preset, args.device, args.precision, exc)
     except ShowcaseError as exc:
@@ -220,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         attacher, key = attach_sidecar(manager, args)
         if key is not None and key.tp in UI_TP_CHOICES:
             args.preset, args.device, args.precision, args.tp = key.preset, key.device, str(key.precision), key.tp
+            args.parallel = str(key.parallel)
         elif key is not None:
             log.warning("the sidecar %s has %d ranks, not one of the UI's tensor-parallel choices %s: request it "
                         "through the API (/generate with tp=%d)", key, key.tp, UI_TP_CHOICES, key.tp)
@@ -233,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if attacher is None:  # with --tp-address the sidecar is the default engine: nothing to start here
             threading.Thread(target=prewarm, args=(manager, args), name="prewarm", daemon=True).start()
         defaults = UIDefaults(preset=args.preset, device=args.device, precision=args.precision, mode=args.mode,
-                              tp=args.tp, admin_token=args.admin_token)
+                              tp=args.tp, parallel=args.parallel, admin_token=args.admin_token)
         demo = build_demo(manager, defaults, queue_size=args.queue_size, edge=edge_config(args))
         demo.launch(
             server_name=args.host,

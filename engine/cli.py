@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.errors import ShowcaseError
 from engine.flags import add_engine_arguments, make_manager, options_from_args, presets_from_args
-from engine.protocol import DEFAULT_PRESET, Mode, OnCold
+from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel
 
 
 def cmd_generate(args) -> int:
@@ -29,7 +29,7 @@ def cmd_generate(args) -> int:
         result = manager.generate(
             preset=args.preset, device=args.device, precision=args.precision, mode=mode, size=size,
             prompt=prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
-            seed=args.seed, tp=args.tp, snap=not args.no_snap, on_cold=args.on_cold,
+            seed=args.seed, tp=args.tp, parallel=args.parallel, snap=not args.no_snap, on_cold=args.on_cold,
         )
     finally:
         manager.shutdown()
@@ -132,7 +132,10 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--negative-prompt", default=None)
     g.add_argument("--on-cold", choices=OnCold.values(), default=OnCold.WAIT.value,
                    help="at a bucket that is not compiled yet: wait for the compile, or run eagerly")
-    g.add_argument("--tp", type=int, default=1, help="tensor parallel over N ranks (torchrun sidecar)")
+    g.add_argument("--tp", type=int, default=1, help="run the engine over N ranks (torchrun sidecar)")
+    g.add_argument("--parallel", choices=Parallel.values(), default=Parallel.TENSOR.value,
+                   help="how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring "
+                        "(context parallel: tokens split)")
     g.add_argument("--out", default=None, help="write the PNG here")
     g.add_argument("--json", action="store_true", help="print one JSON object with the timings")
     add_engine_arguments(g)

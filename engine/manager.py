@@ -132,12 +132,12 @@ class EngineManager:
         return self.catalog.preset(name)
 
     def make_key(self, preset: str, device: str, precision: str, tp: int = 1,
-                 caller: Caller = Caller.HOST) -> EngineKey:
+                 caller: Caller = Caller.HOST, parallel: str = "tensor") -> EngineKey:
         """Validate and resolve an engine key ("auto" -> the best available device); in public mode a
         visitor may only pick what the host offers."""
         if caller is Caller.VISITOR:
             self._check_visitor_choice(preset=preset, precision=precision)
-        return self.catalog.make_key(preset, device, precision, tp)
+        return self.catalog.make_key(preset, device, precision, tp, parallel)
 
     def _check_visitor_choice(self, *, preset=None, precision=None, mode=None) -> None:
         p = self.policy
@@ -207,7 +207,8 @@ class EngineManager:
             raise  # the load would fail the same way: say which component now
         except ShowcaseError:
             weights = 0
-        weights //= max(1, key.tp)  # each rank holds its shard (the rest is replicated: an underestimate)
+        if key.parallel == "tensor":  # context parallel keeps the whole denoiser on every rank
+            weights //= max(1, key.tp)  # each rank holds its shard (the rest is replicated: an underestimate)
         overhead = self._measured_overhead(key.device) or spec.process_overhead_bytes
         return budget.estimate(weights, overhead, ACTIVATION_SHARE)
 
@@ -498,6 +499,7 @@ class EngineManager:
         guidance=None,
         seed=0,
         tp: int = 1,
+        parallel: str = "tensor",
         snap: bool = True,
         on_cold: str | OnCold = OnCold.EAGER,
         on_progress=None,
@@ -506,7 +508,7 @@ class EngineManager:
         caller: Caller = Caller.HOST,
     ) -> GenerateResult:
         """Validate, route and run one request; raises a ShowcaseError with what to change."""
-        key = self.make_key(preset, device, precision, tp, caller=caller)
+        key = self.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
         if caller is Caller.VISITOR:
             self._check_visitor_choice(mode=mode)
         p = self.preset(key.preset)
@@ -552,13 +554,13 @@ class EngineManager:
         return True
 
     def warm(self, preset: str, device: str, precision: str, mode: str = Mode.COMPILE, size: str | None = None,
-             tp: int = 1, caller: Caller = Caller.HOST) -> None:
+             tp: int = 1, caller: Caller = Caller.HOST, parallel: str = "tensor") -> None:
         """Queue a bucket's compile (or the start-up list). Visitors in public mode: one bucket of an engine
         that is already loaded (theirs)."""
         visitor = caller is Caller.VISITOR and self.policy.public
         if visitor and not size:
             raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
-        key = self.make_key(preset, device, precision, tp, caller=caller)
+        key = self.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
         bucket = BucketKey(Mode.parse(mode, "mode"), Size.parse(size)) if size else None
         if visitor:
             self._check_visitor_choice(mode=mode)
