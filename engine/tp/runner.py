@@ -103,8 +103,6 @@ class TensorParallelRunner(PipelineRunner):
         """The sharded components: each rank reads only its slice of the safetensors (tensor parallel only;
         context parallel loads the whole pipeline and splits the tokens after the load)."""
         if self.parallel.context:
-            from engine.tp import plan
-
             self.notices += plan.check_layout(self.preset, source, self.group.world_size, self.parallel,
                                               self.options.attention_backend, self.spec)
             return {}
