@@ -186,6 +186,7 @@ COMMANDS = (
     "engine.bench:add_bench_parser",
     "engine.soak:add_soak_parser",
     "engine.bench.contention:add_contention_parser",
+    "engine.bench.context_parallel:add_cp_bench_parser",
 )
 
 

@@ -154,17 +154,8 @@ class TensorParallelRunner(PipelineRunner):
         return load_s
 
     def _enable_context_parallel(self) -> None:
-        """After the attention backend is set (diffusers checks it): the ring x ulysses mesh over every rank."""
-        from diffusers import ContextParallelConfig
-        from torch.distributed.device_mesh import DeviceMesh
-
         n = self.group.world_size
-        layout = plan.CONTEXT_LAYOUTS[self.parallel]
-        shape = (n, 1) if self.parallel is Parallel.RING else (1, n)
-        mesh = DeviceMesh(self.spec.mesh_device_type, torch.arange(n).view(*shape), mesh_dim_names=("ring", "ulysses"))
-        config = ContextParallelConfig(**{layout.degree_field: n}, mesh=mesh)
-        with self.spec.tp_load_context():  # the same CPU adjustment as the sharded load (rank % device_count())
-            getattr(self.pipe, self.preset.denoiser).enable_parallelism(config=config)
+        shape = enable_context_parallel(getattr(self.pipe, self.preset.denoiser), self.spec, self.parallel, n)
         self.notices.append(
             f"context parallel ({self.parallel}) over {n} ranks ({self.spec.dist_backend}, "
             f"DeviceMesh({self.spec.mesh_device_type!r}, ring x ulysses = {shape[0]} x {shape[1]}))")
@@ -385,6 +376,20 @@ class TensorParallelRunner(PipelineRunner):
         self.broken = self.broken or reason
         log.error("tensor-parallel group broken: %s", reason)
         raise EngineCrashed(f"tensor-parallel engine {self.config.key} failed: {reason}; {self.restart_hint}")
+
+
+def enable_context_parallel(denoiser, spec, parallel: Parallel, n: int) -> tuple[int, int]:
+    """`enable_parallelism` over all `n` ranks of the initialised process group, after the attention backend
+    is set (diffusers checks it). Returns the (ring, ulysses) mesh shape."""
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import DeviceMesh
+
+    layout = plan.CONTEXT_LAYOUTS[Parallel.parse(parallel, "parallel")]
+    shape = (n, 1) if parallel == Parallel.RING else (1, n)
+    mesh = DeviceMesh(spec.mesh_device_type, torch.arange(n).view(*shape), mesh_dim_names=("ring", "ulysses"))
+    with spec.tp_load_context():  # the same CPU adjustment as the sharded load (rank % device_count())
+        denoiser.enable_parallelism(config=ContextParallelConfig(**{layout.degree_field: n}, mesh=mesh))
+    return shape
 
 
 def _rehook_context_parallel(clone, original) -> None:
