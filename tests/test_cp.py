@@ -244,3 +244,47 @@ def test_the_ui_offers_each_layout_and_the_cli_and_launchers_take_the_flag():
     assert plan.engine["parallel"] == "ulysses"
     for command in plan.commands.values():  # every node's ranks, and their claims, name the layout
         assert command[command.index("--parallel") + 1] == "ulysses"
+
+
+# -- two nodes (one rank each) on this machine, attached like `app.py --tp-address` ----------------------
+def test_two_nodes_in_ulysses_serve_the_manager_and_sigterm_stops_both(cache_dir, tiny_models, tmp_path):
+    import signal
+
+    from test_tp_multinode import Nodes
+    from test_tp_multinode import _gone as _psutil_gone
+    from test_tp_multinode import _reference as _uint8_reference
+    from test_tp_multinode import _wait as _wait_for
+
+    from engine.manager import EngineManager
+    from engine.tp.attach import SidecarAttacher
+
+    class UlyssesNodes(Nodes):
+        def command(self, node: int, port: int, *extra: str) -> list[str]:
+            return super().command(node, port, "--parallel", "ulysses", *extra)
+
+    nodes = UlyssesNodes(cache_dir, tmp_path)
+    nodes.start()
+    manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
+    attacher = SidecarAttacher(manager, nodes.address_file).start()
+    try:
+        ready = _wait_for(lambda: any(s["engine"] == "tiny-flux@cpu/fp32 ulysses2" and s["state"] == "ready"
+                                      for s in manager.status()), 180, 0.5)
+        assert ready, f"{attacher.last_error}\n{nodes.log(0)[-3000:]}\n{nodes.log(1)[-2000:]}"
+        engine = next(e for e in manager.engines() if str(e.key) == "tiny-flux@cpu/fp32 ulysses2")
+        assert "serves tiny-flux fp32 on cpu, ulysses2 over 2 nodes" in nodes.log(0)
+        args = dict(prompt="a red fox in the snow", steps=4, guidance=3.5, seed=7)
+        result = manager.generate(preset=PRESET, device="cpu", precision="fp32", tp=2, parallel="ulysses",
+                                  mode="eager", size="64x64", **args)
+        assert result.engine == engine.key and len(result.timings.step_ms) == 4
+        png = np.asarray(result.image().convert("RGB"), dtype=np.int16)
+        assert np.abs(png - _uint8_reference(tiny_models, args).astype(np.int16)).max() <= 1
+        family = nodes.family(0) + nodes.family(1)
+        stopped_at = time.monotonic()
+        nodes.procs[0].send_signal(signal.SIGTERM)
+        gone = _wait_for(lambda: all(_psutil_gone(p) for p in family), 10, 0.05)
+        print(f"ulysses2 over 2 nodes: SIGTERM on node 0, every process gone after {time.monotonic() - stopped_at:.2f} s")
+        assert gone, [(p.pid, p.cmdline()) for p in family if not _psutil_gone(p)]
+    finally:
+        attacher.stop()
+        manager.shutdown()
+        nodes.stop_all()
