@@ -288,3 +288,38 @@ def test_two_nodes_in_ulysses_serve_the_manager_and_sigterm_stops_both(cache_dir
         attacher.stop()
         manager.shutdown()
         nodes.stop_all()
+
+
+def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
+    import threading
+    from types import SimpleNamespace
+
+    import gradio as gr
+    from test_ui_handlers import RecordingProgress
+
+    from engine.errors import EngineBusy
+    from engine.manager import HostPolicy
+    from ui.common import UIDefaults
+    from ui.generate import GenerateHandlers
+
+    class Recorder:
+        presets, policy, calls = {}, HostPolicy(), []
+
+        def make_key(self, preset, device, precision, tp=1, caller=None, parallel="tensor"):
+            return EngineKey(preset, device, precision, tp, parallel)
+
+        def engine(self, key, caller=None):
+            return SimpleNamespace(ready=threading.Event())
+
+        def generate(self, **kwargs):
+            self.calls.append(kwargs)
+            raise EngineBusy("recorded")
+
+    manager = Recorder()
+    handlers = GenerateHandlers(manager, UIDefaults(device="cpu", tp=2, parallel="ulysses"))
+    run = handlers.generate("fox", "", PRESET, "cpu", "fp32", "eager", "64x64", 4, 3.5, 0, "eager", "2 · ring",
+                            request=None, progress=RecordingProgress())
+    assert next(run)[1]["engine"] == "tiny-flux@cpu/fp32 ring2"
+    with pytest.raises(gr.Error, match="recorded"):
+        list(run)
+    assert manager.calls[0]["tp"] == 2 and manager.calls[0]["parallel"] == "ring"
