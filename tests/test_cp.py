@@ -5,6 +5,8 @@
   compile and regional; the PNG the app gets differs from one process's by at most one level per pixel.
 - Its board and timings have the shape of a tensor-parallel engine's; cancel stops every rank at the same
   step; aot is refused with the reason.
+- Two node launchers (one rank each, `--parallel ulysses`) attached like `app.py --tp-address` serve the same
+  image; SIGTERM on node 0 leaves no process within 10 s. The UI's "2 · ring" choice reaches the manager.
 - Refused up front, before torchrun starts: Ring with the native attention backend (no log-sum-exp), degrees
   that do not divide the heads or the tokens, and attention backends without a context-parallel path here.
 
