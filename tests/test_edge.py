@@ -168,7 +168,7 @@ def test_a_cancel_sent_right_after_submit_stops_the_request(app):
     assert not timings.get("cancelled") and len(timings["timings"]["step_ms"]) == 2, timings
 
 
-def test_a_cancel_stops_runs_that_joined_before_it_and_one_sent_just_after_it():
+def test_a_cancel_that_found_nothing_stops_the_one_run_it_meant():
     from ui.runs import CANCEL_AHEAD_S
 
     runs = RunRegistry(manager=None)
@@ -177,9 +177,12 @@ def test_a_cancel_stops_runs_that_joined_before_it_and_one_sent_just_after_it():
     with runs.open("s", exclusive=True, joined_at=before) as run:
         assert run.cancelled  # joined before the cancel, started after it
     with runs.open("s", exclusive=True, joined_at=time.monotonic()) as run:
+        assert not run.cancelled  # one cancel that found nothing stops one run: it was spent above
+    runs.cancel("u")
+    with runs.open("u", exclusive=True, joined_at=time.monotonic()) as run:
         assert run.cancelled  # its join reached the server just after the cancel
-    with runs.open("s", exclusive=True, joined_at=time.monotonic()) as run:
-        assert not run.cancelled  # one cancel, one run
+    with runs.open("u", exclusive=True, joined_at=time.monotonic()) as run:
+        assert not run.cancelled
     runs.cancel("t")
     with runs.open("t", joined_at=time.monotonic() + CANCEL_AHEAD_S + 1) as run:
         assert not run.cancelled  # long after the cancel
