@@ -209,7 +209,8 @@ class GpuRunner:
         for info in changes.values():
             yield "bucket", info
 
-    def _generate_here(self, runner, remote: bool, request: GenerateRequest, cancel, info: BucketInfo | None):
+    def _generate_here(self, runner, remote: bool, request: GenerateRequest, cancel, info: BucketInfo | None,
+                       on_step=None):
         if remote and info is not None:
             apply_info(runner, info)  # the app's view of the bucket (a reused ZeroGPU process may lag behind)
         if (request.mode is Mode.AOT and info is not None and info.state == BucketState.WARM
@@ -217,6 +218,11 @@ class GpuRunner:
             runner.variant(Mode.AOT)
             if install_committed(runner, info.bucket.size):
                 self._installed.add(info.bucket.size)
+        if not remote and on_step is not None:
+            # Same process: on the calling thread, progress straight to the caller. A thread per request
+            # would give each its own OpenMP pool on cpu (pools of finished threads kept spinning).
+            yield "result", runner.generate(request, on_step=on_step, cancel=cancel)
+            return
         events: queue.Queue = queue.Queue()
 
         def run():
@@ -254,9 +260,10 @@ class GpuRunner:
         self.gpu.watch_cancel(flag, cancel, done)
         info = runner.board.get(request.bucket)
         result = None
+        payload = (request, flag, info) if self.gpu.forks else (request, flag, info, on_step or (lambda p: None))
         try:
             events = self.gpu.call(self._task, f"generate {request.bucket}", self.duration_for(request),
-                                   "generate", (request, flag, info), self._owner)
+                                   "generate", payload, self._owner)
             for kind, value in events:
                 if kind == "progress" and on_step is not None:
                     on_step(value)
@@ -326,10 +333,11 @@ class InProcessEngine(ConnectionEngine):
 
     kind = "inprocess"
 
-    def __init__(self, config, gpu: GpuCalls | None = None):
+    def __init__(self, config, gpu: GpuCalls | None = None, threads: int | None = None):
         check_inprocess_key(config.key)
         super().__init__(config.key)
         self.config = config
+        self.threads = threads  # cpu: compute threads, as a worker gets (the manager's share of the cores)
         self.gpu = gpu or make_gpu_calls()
         self.runner: GpuRunner | None = None
         self._thread: threading.Thread | None = None
@@ -359,6 +367,12 @@ class InProcessEngine(ConnectionEngine):
                 made["loop"].send(BucketChanged(info))
 
         def load() -> InProcessLoop:
+            if self.threads:
+                import torch
+
+                # Process-wide, as OMP_NUM_THREADS is for a worker: more compute threads than this share
+                # spin against the web server and each other (a 68 ms image took 2.7 s on a busy 2-core box).
+                torch.set_num_threads(self.threads)
             runner = InProcessRunner(self.config, listener=listener)
             self.runner = gpu_runner = GpuRunner(runner, self.gpu)
             made["loop"] = loop = InProcessLoop(conn, gpu_runner, max_queue=self.config.options.max_queue)

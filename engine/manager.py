@@ -326,7 +326,8 @@ class EngineManager:
         if self.runtime == "inprocess":
             from engine.inprocess import InProcessEngine
 
-            engine = InProcessEngine(self._config(key, options)).start()
+            engine = InProcessEngine(self._config(key, options),
+                                     threads=self.worker_threads_for(devices.get_device(key.device))).start()
         elif key.tp > 1:
             from engine.tp.client import SidecarEngine
 
