@@ -113,8 +113,14 @@ def cmd_export(args) -> int:
         for r in rows:
             what = r["origin"] if r["state"] == "warm" else f"{r['state']}: {r['error']}"
             print(f"{r['bucket']:16s} {what}  ({r['seconds']:.1f} s)")
-        print(f"packages in {config.cache_path() / 'aot'}")
-    return 0 if all(r["state"] == "warm" for r in rows) else 1
+        print(f"packages in {settings.aot_dir() or config.cache_path() / 'aot'}")
+    ok = all(r["state"] == "warm" for r in rows)
+    if ok and args.push_to:
+        from engine import aot_hub
+
+        url = aot_hub.push_packages(args.push_to, settings.aot_dir() or config.cache_path() / "aot", preset=key.preset)
+        print(f"pushed to {args.push_to}: {url}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 def add_generate_parser(sub) -> None:
@@ -171,6 +177,9 @@ def add_export_parser(sub) -> None:
     e.add_argument("--rebuild", action="store_true", help="build even where a valid package exists")
     e.add_argument("--no-progress", action="store_true")
     e.add_argument("--json", action="store_true", help="print one JSON list, a row per bucket")
+    e.add_argument("--push-to", default=None, metavar="REPO_ID",
+                   help="then upload the preset's packages to this Hub model repo (created private; token: $HF_TOKEN); "
+                        "the app downloads them with --aot-repo")
     add_engine_arguments(e)  # options that change the graph (--fuse-qkv, --attention-backend, ...) must match the app's
     e.set_defaults(func=cmd_export)
 

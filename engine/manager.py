@@ -24,7 +24,14 @@ from pathlib import Path
 from engine import budget, devices, settings
 from engine.caches import prepare_cache_dir
 from engine.client import ConnectionEngine, ProcessEngine
-from engine.errors import BudgetExceeded, EngineBusy, InvalidRequest, NotAllowed, ShowcaseError
+from engine.errors import (
+    BudgetExceeded,
+    EngineBusy,
+    InvalidRequest,
+    NotAllowed,
+    ShowcaseError,
+    UnsupportedCombination,
+)
 from engine.presets import looks_like_model_ref
 from engine.priority import ShortRunSlots
 from engine.protocol import (
@@ -94,6 +101,7 @@ class EngineManager:
         policy: HostPolicy | None = None,
         default_key: EngineKey | None = None,
         worker_threads: int | None = None,
+        runtime: str = "workers",
     ):
         self.cache = prepare_cache_dir(Path(cache_dir) if cache_dir else settings.cache_dir())
         self.cache_dir = self.cache.path
@@ -108,6 +116,9 @@ class EngineManager:
         self.max_engines = max_engines
         self.idle_unload_s = idle_unload_s
         self.worker_threads = worker_threads
+        if runtime not in ("workers", "inprocess"):
+            raise ShowcaseError(f"runtime {runtime!r}: use workers or inprocess")
+        self.runtime = runtime  # inprocess: engines in this process, device work in GPU calls (engine/inprocess.py)
         self.scheduler = CompileScheduler(compile_jobs or settings.default_compile_jobs())
         self._short_runs: ShortRunSlots | None = None  # made with the first engine on the host's cores
         self._short_run_slot: dict[int, int] = {}  # id(engine) -> its slot on that board
@@ -313,7 +324,12 @@ class EngineManager:
 
     def _start(self, key: EngineKey) -> ConnectionEngine:
         options = self.engine_options(key)
-        if key.tp > 1:
+        if self.runtime == "inprocess":
+            from engine.inprocess import InProcessEngine
+
+            engine = InProcessEngine(self._config(key, options),
+                                     threads=self.worker_threads_for(devices.get_device(key.device))).start()
+        elif key.tp > 1:
             from engine.tp.client import SidecarEngine
 
             engine = SidecarEngine(self._config(key, options)).start()
@@ -522,6 +538,7 @@ class EngineManager:
             guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold,
         )
         devices.check_mode(devices.get_device(key.device), request.mode)  # refused here; its notices come with the result
+        self._check_runtime(key, request.mode)
         engine = self.engine(key, caller=caller)
         if engine.pending() >= self.engine_options(key).max_queue:
             raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")
@@ -569,9 +586,20 @@ class EngineManager:
             with self._lock:
                 if key not in self._engines:
                     raise NotAllowed(f"{key} is not loaded; generate with it first, then warm its buckets")
+        self._check_runtime(key, bucket.mode if bucket else None)
         engine = self.engine(key, caller=caller)
         engine.wait_ready(timeout=600)
         engine.warm(bucket)
+
+    def _check_runtime(self, key: EngineKey, mode: Mode | None) -> None:
+        """What the in-process runtime cannot run is refused before an engine starts, with the reason."""
+        if self.runtime != "inprocess":
+            return
+        from engine.inprocess import REFUSED_MODES, check_inprocess_key
+
+        check_inprocess_key(key)
+        if mode in REFUSED_MODES:
+            raise UnsupportedCombination(f"mode {mode}: {REFUSED_MODES[mode]}")
 
     def status(self) -> list[dict]:
         with self._lock:

@@ -205,12 +205,19 @@ TARGETS: tuple[Target, ...] = (
            "<=", 1.1, ("pipeline",)),
     Target("aot_recompiles", "aot: graphs compiled in the fresh process (loading, warm-up, timed runs; must be 0)",
            "<=", 0, ("pipeline",)),
+    Target("inprocess_first_image", "in-process runtime / worker runtime: process start -> first image (eager)",
+           "<=", 1.0, ("pipeline",)),
+    Target("inprocess_steady", "in-process runtime / worker runtime: steady per-image median (eager)", "<=", 1.05,
+           ("pipeline",)),
+    Target("inprocess_aot_cold_start", "in-process runtime with aot packages: process start -> every bucket warm / "
+           "compile with an empty inductor cache", "<=", 0.1, ("pipeline",)),
 )
 
 
 # Ratios the cold-start probe (engine/bench/cold_start.py) measures in fresh processes.
 COLD_START_KEYS = ("aot_cold_start_empty", "aot_cold_start_filled", "aot_warmup_filled", "aot_first_request",
-                   "aot_memory", "aot_recompiles")
+                   "aot_memory", "aot_recompiles", "inprocess_first_image", "inprocess_steady",
+                   "inprocess_aot_cold_start")
 
 
 def _pair_ratios(results: list[dict], num_modes, den_mode: str, field: str, invert: bool = False) -> list[dict]:
