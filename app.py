@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.flags import add_engine_arguments
 
     d = settings.server_defaults()
-    p = argparse.ArgumentParser(prog="app.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s = p.add_argument_group("server")
     s.add_argument("--host", default=d["host"], help="interface to bind (default 127.0.0.1; $SHOWCASE_HOST)")
     s.add_argument("--port", type=int, default=d["port"], help="port (default 7860; $SHOWCASE_PORT)")

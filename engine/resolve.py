@@ -80,7 +80,7 @@ def resolve_source(config: EngineConfig) -> str:
 
         return str(ensure_tiny_pipeline(preset.embedded, settings.models_dir(config.cache_path())))
     if preset.bundled:
-        folder = settings.REPO_ROOT / preset.bundled
+        folder = settings.data_path(preset.bundled)
         if not (folder / "model_index.json").is_file():
             raise ModelLoadError(f"preset {preset.name}: its model folder {folder} is missing or incomplete; "
                                  "restore it from the repository (git checkout -- models) or rebuild it with "

@@ -6,12 +6,23 @@ Flags on the command line override these; these override the defaults below.
 from __future__ import annotations
 
 import os
+from importlib.resources import files
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PRESETS_DIR = REPO_ROOT / "presets"
+# The folder holding the engine package: the checkout, or site-packages once installed.
+REPO_ROOT = Path(str(files("engine"))).resolve().parent
 # The embedded default: a tiny model trained by this project (models/tiny-shapes) that draws its prompts.
 DEFAULT_PRESET = "tiny-shapes"
+
+
+def data_path(relative: str | Path) -> Path:
+    """A file or folder the app ships as data ("presets", "models/tiny-shapes"): inside the installed engine
+    package (a wheel carries them under engine/_data: setup.py), else at the checkout's root."""
+    bundled = Path(str(files("engine"))) / "_data" / relative
+    return bundled if bundled.exists() else REPO_ROOT / relative
+
+
+PRESETS_DIR = data_path("presets")
 
 
 def _env(name: str, default: str | None = None) -> str | None:

@@ -27,7 +27,7 @@ from engine.errors import EngineCrashed
 from engine.presets import get_preset
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, GenerateRequest
 from engine.runner import pipeline_call_kwargs
-from engine.settings import REPO_ROOT
+from engine.settings import data_path
 from engine.tp.client import SidecarEngine
 
 TOLERANCE = 1e-4
@@ -51,7 +51,7 @@ def _reference(tiny_models, preset: str, request: GenerateRequest) -> np.ndarray
     import diffusers
     import torch
 
-    folder = tiny_models.get(preset) or REPO_ROOT / get_preset(preset).bundled  # tiny-shapes is committed
+    folder = tiny_models.get(preset) or data_path(get_preset(preset).bundled)  # tiny-shapes is committed
     pipe = getattr(diffusers, get_preset(preset).pipeline).from_pretrained(folder, dtype=torch.float32)  # the shapes model is stored in fp16
     pipe.set_progress_bar_config(disable=True)
     with torch.inference_mode():

@@ -78,7 +78,7 @@ def _model_config(preset, cls) -> dict:
 
         folder = ensure_tiny_pipeline(preset.embedded, settings.models_dir(settings.cache_dir()))
     elif preset.bundled:
-        folder = settings.REPO_ROOT / preset.bundled
+        folder = settings.data_path(preset.bundled)
     else:
         raise SystemExit(f"{preset.name} has no denoiser_config and is not a local model: nothing to build offline")
     return {k: v for k, v in cls.load_config(folder, subfolder=preset.denoiser).items() if not k.startswith("_")}
