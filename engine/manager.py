@@ -13,7 +13,6 @@ import dataclasses
 import enum
 import logging
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -32,6 +31,7 @@ from engine.errors import (
     ShowcaseError,
     UnsupportedCombination,
 )
+from engine.metrics import median
 from engine.presets import looks_like_model_ref
 from engine.priority import ShortRunSlots
 from engine.protocol import (
@@ -226,7 +226,7 @@ class EngineManager:
     def _measured_overhead(self, device: str) -> int | None:
         """What a process of this device measured beyond its weights (the median over loaded engines)."""
         seen = [f.device_bytes - f.weights_bytes for k, f in self._footprints.items() if k.device == device]
-        return int(statistics.median(seen)) if seen else None
+        return int(median(seen)) if seen else None
 
     def _residents(self, device: str, exclude: ConnectionEngine | None = None) -> list[budget.Resident]:
         with self._lock:

@@ -22,6 +22,7 @@ from typing import ClassVar
 
 from engine import settings
 from engine.errors import InvalidRequest, ShowcaseError
+from engine.metrics import median
 
 
 class _Choice(enum.StrEnum):
@@ -359,15 +360,6 @@ class GenerateRequest:
 
     def replace(self, **changes) -> GenerateRequest:
         return dataclasses.replace(self, **changes)
-
-
-def median(values) -> float | None:
-    """Median of a sequence of numbers (None when empty)."""
-    s = sorted(values)
-    if not s:
-        return None
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 @dataclass(frozen=True)

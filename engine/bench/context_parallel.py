@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.metrics import median
+
 RESULT_FILE = "cp-bench.json"
 
 
@@ -122,11 +124,6 @@ def _set_threads(torch, args) -> None:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.tp))
 
 
-def _median(values):
-    s = sorted(values)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
-
-
 # -- a torchrun rank ------------------------------------------------------------------------------------
 def _rank_main(args) -> int:
     torch, preset, cls, cfg, spec, dtype, sizes, text_len = _setup(args)
@@ -149,7 +146,7 @@ def _rank_main(args) -> int:
             if group.leader:
                 name = f"{mode}-{size}"
                 torch.save(out.float().cpu(), args.rank_side / f"{name}.pt")
-                results.append({"mode": mode, "size": str(size), "median_ms": _median(times), "step_ms": times})
+                results.append({"mode": mode, "size": str(size), "median_ms": median(times), "step_ms": times})
     if group.leader:
         (args.rank_side / "ranks.json").write_text(json.dumps(
             {"results": results, "threads_per_rank": torch.get_num_threads(), "backend": spec.dist_backend}))
@@ -200,7 +197,7 @@ def cmd_cp_bench(args) -> int:
         for size in sizes:
             inputs = denoiser_inputs(preset.pipeline, cfg, size, text_len, 1, spec.torch_device, dtype)
             times, out = _time(torch, fn, inputs, spec, args.runs)
-            single[f"{mode}-{size}"] = (_median(times), out.float().cpu())
+            single[f"{mode}-{size}"] = (median(times), out.float().cpu())
     threads = torch.get_num_threads()
     del model
     with tempfile.TemporaryDirectory(prefix="cp-bench-") as tmp:

@@ -8,10 +8,10 @@ table the CLI prints. It imports no torch and nothing heavy: a test checks it.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 
 from engine.bench.modes import BASELINE_MODE, COMPILED_MODES
+from engine.metrics import median, p90
 from engine.protocol import Mode
 
 # Fields every configuration's result carries (tests check them; the UI may rely on them).
@@ -53,21 +53,6 @@ def apply_speedups(results: list[dict]) -> None:
     for r, row in zip(results, speedup_table(results), strict=True):
         for key in ("speedup_vs_eager", "speedup_image_vs_eager", "speedup_vs_fp32_eager"):
             r[key] = row[key]
-
-
-def median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return float(statistics.median(values)) if values else None
-
-
-def p90(values) -> float | None:
-    """90th percentile (linear interpolation between order statistics)."""
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    if len(values) == 1:
-        return float(values[0])
-    return float(statistics.quantiles(values, n=10, method="inclusive")[-1])
 
 
 def ratio(a, b) -> float | None:
