@@ -18,10 +18,10 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import poll, process_gone
 
 from engine.errors import EngineCrashed
 from engine.presets import get_preset
@@ -59,23 +59,6 @@ def _reference(tiny_models, preset: str, request: GenerateRequest) -> np.ndarray
     return out.images[0]
 
 
-def _gone(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited
-
-
-def _wait(predicate, timeout: float, step: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
-
-
 def _processes(engine: SidecarEngine) -> list[int]:
     return [engine.pid, *engine.rank_pids()]
 
@@ -89,7 +72,7 @@ def flux_tp(cache_dir, tiny_models, tmp_path_factory):
         yield engine, dump
     finally:
         engine.close()
-    assert _wait(lambda: all(_gone(pid) for pid in _processes(engine)), 15)
+    assert poll(lambda: all(process_gone(pid) for pid in _processes(engine)), 15)
 
 
 def test_flux_tp_eager_matches_one_process(flux_tp, tiny_models):
@@ -203,7 +186,7 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
         with pytest.raises(EngineCrashed) as crashed:
             future.result(60)
         detect_s = time.monotonic() - killed_at[0]
-        assert _wait(lambda: engine.status()["state"] == "down", 10)
+        assert poll(lambda: engine.status()["state"] == "down", 10)
         down_s = time.monotonic() - killed_at[0]
         print(f"killed rank 1: request failed after {detect_s:.2f} s, board down after {down_s:.2f} s: "
               f"{crashed.value}; board: {engine.status()['error']}")
@@ -212,11 +195,11 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
         # Named: by rank 0 ("rank 1 (node 0, host h, pid p) is gone") or, when torchrun tore the group down first,
         # from its report ("rank 1 was killed by SIGKILL").
         assert "rank 1 (node 0" in str(crashed.value) or "rank 1 was killed by SIGKILL" in str(crashed.value)
-        assert _wait(lambda: all(_gone(pid) for pid in _processes(engine)), 15)
-        assert _wait(lambda: not engine.workdir.exists(), 10)  # no token or config left behind
+        assert poll(lambda: all(process_gone(pid) for pid in _processes(engine)), 15)
+        assert poll(lambda: not engine.workdir.exists(), 10)  # no token or config left behind
 
         # Automatic restart (the engine had been ready, so manager._on_down starts a new sidecar).
-        assert _wait(lambda: manager.engines() and manager.engines()[0] is not engine, 10)
+        assert poll(lambda: manager.engines() and manager.engines()[0] is not engine, 10)
         restarted = manager.engines()[0]
         seen.append(restarted)
         restarted.wait_ready(300)
@@ -230,7 +213,7 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
     finally:
         manager.shutdown()
     pids = [pid for e in seen for pid in _processes(e) if pid]
-    assert _wait(lambda: all(_gone(pid) for pid in pids), 15), "stray sidecar processes after shutdown"
+    assert poll(lambda: all(process_gone(pid) for pid in pids), 15), "stray sidecar processes after shutdown"
     assert not any(e.workdir.exists() for e in seen)
 
 
@@ -248,7 +231,7 @@ def test_load_failure_on_the_ranks_is_reported_not_hung(cache_dir, tiny_models, 
         assert engine.status()["state"] == "down"
     finally:
         engine.close()
-    assert _wait(lambda: all(_gone(pid) for pid in _processes(engine)), 15)
+    assert poll(lambda: all(process_gone(pid) for pid in _processes(engine)), 15)
 
 
 def test_cli_generate_with_tp(cache_dir, tiny_models, tmp_path):
