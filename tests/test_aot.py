@@ -37,6 +37,8 @@ from engine.protocol import (
 )
 from engine.runner import PipelineRunner, export_aot_packages
 
+pytestmark = pytest.mark.slow  # builds and loads AOTInductor packages
+
 REPO = Path(__file__).resolve().parent.parent
 KEY = EngineKey("tiny-flux", "cpu", "fp32")
 BUCKET = BucketKey(Mode.AOT, Size(64, 64))

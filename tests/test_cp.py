@@ -27,6 +27,8 @@ from engine.errors import Cancelled, InvalidRequest, UnsupportedCombination
 from engine.presets import get_preset
 from engine.protocol import EngineKey, EngineOptions, Parallel, parse_ranks, ranks_choice
 
+pytestmark = pytest.mark.slow  # starts torchrun context-parallel sidecars
+
 TOLERANCE = 1 / 255
 PRESET = "tiny-flux"
 

@@ -30,6 +30,8 @@ from engine.protocol import (
     Size,
 )
 
+pytestmark = pytest.mark.slow  # starts worker processes and compiles buckets
+
 KEY = EngineKey("tiny-flux", "cpu", "fp32")
 
 

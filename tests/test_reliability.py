@@ -24,6 +24,8 @@ from engine.manager import EngineManager
 from engine.protocol import EngineOptions
 from ui.handlers import Handlers, UIDefaults
 
+pytestmark = pytest.mark.slow  # launches the app and drives real engines through its API
+
 REPO = Path(__file__).resolve().parent.parent
 GOOD = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32",
             mode="eager", size="64x64", steps=3, guidance=3.5, seed=11)

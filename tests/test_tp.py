@@ -30,6 +30,8 @@ from engine.runner import pipeline_call_kwargs
 from engine.settings import data_path
 from engine.tp.client import SidecarEngine
 
+pytestmark = pytest.mark.slow  # starts torchrun tensor-parallel sidecars
+
 TOLERANCE = 1e-4
 PROMPT = "a red fox in the snow"
 

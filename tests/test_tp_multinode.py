@@ -35,6 +35,8 @@ from gradio_client import Client
 from helpers import free_port, launch_demo, poll, process_gone
 from PIL import Image
 
+pytestmark = pytest.mark.slow  # starts two-node torchrun sidecars and the app
+
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "a red fox in the snow"
 TP = dict(prompt=PROMPT, negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32", mode="eager",
