@@ -21,7 +21,8 @@ from functools import partialmethod
 
 import numpy as np
 import pytest
-from test_tp import _gone, _reference, _request, _wait
+from helpers import poll, process_gone
+from test_tp import _reference, _request
 
 from engine.errors import Cancelled, InvalidRequest, UnsupportedCombination
 from engine.presets import get_preset
@@ -51,7 +52,7 @@ def cp(cache_dir, tiny_models, tmp_path_factory):
         finally:
             pids = [engine.pid, *engine.rank_pids()]
             manager.shutdown()
-    assert _wait(lambda: all(_gone(pid) for pid in pids), 15)
+    assert poll(lambda: all(process_gone(pid) for pid in pids), 15)
 
 
 def _generate(manager, request, **kwargs):
@@ -255,9 +256,7 @@ def test_two_nodes_in_ulysses_serve_the_manager_and_sigterm_stops_both(cache_dir
     import signal
 
     from test_tp_multinode import Nodes
-    from test_tp_multinode import _gone as _psutil_gone
     from test_tp_multinode import _reference as _uint8_reference
-    from test_tp_multinode import _wait as _wait_for
 
     from engine.manager import EngineManager
     from engine.tp.attach import SidecarAttacher
@@ -271,7 +270,7 @@ def test_two_nodes_in_ulysses_serve_the_manager_and_sigterm_stops_both(cache_dir
     manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
     attacher = SidecarAttacher(manager, nodes.address_file).start()
     try:
-        ready = _wait_for(lambda: any(s["engine"] == "tiny-flux@cpu/fp32 ulysses2" and s["state"] == "ready"
+        ready = poll(lambda: any(s["engine"] == "tiny-flux@cpu/fp32 ulysses2" and s["state"] == "ready"
                                       for s in manager.status()), 180, 0.5)
         assert ready, f"{attacher.last_error}\n{nodes.log(0)[-3000:]}\n{nodes.log(1)[-2000:]}"
         engine = next(e for e in manager.engines() if str(e.key) == "tiny-flux@cpu/fp32 ulysses2")
@@ -285,9 +284,9 @@ def test_two_nodes_in_ulysses_serve_the_manager_and_sigterm_stops_both(cache_dir
         family = nodes.family(0) + nodes.family(1)
         stopped_at = time.monotonic()
         nodes.procs[0].send_signal(signal.SIGTERM)
-        gone = _wait_for(lambda: all(_psutil_gone(p) for p in family), 10, 0.05)
+        gone = poll(lambda: all(process_gone(p) for p in family), 10, 0.05)
         print(f"ulysses2 over 2 nodes: SIGTERM on node 0, every process gone after {time.monotonic() - stopped_at:.2f} s")
-        assert gone, [(p.pid, p.cmdline()) for p in family if not _psutil_gone(p)]
+        assert gone, [(p.pid, p.cmdline()) for p in family if not process_gone(p)]
     finally:
         attacher.stop()
         manager.shutdown()

@@ -118,6 +118,7 @@ def direct(cache_dir, tiny_models):
     engine.close()
 
 
+@pytest.mark.slow
 def test_in_process_serves_the_embedded_default_like_a_worker(manager, direct):
     from engine.protocol import Mode
 
@@ -152,6 +153,7 @@ def test_the_manager_refuses_what_cannot_run_in_process(cache_dir, tiny_models):
         m.shutdown()
 
 
+@pytest.mark.slow
 def test_a_forked_gpu_call_loses_nothing(direct, cache_dir):
     """Weights (same image), progress and result back, the duration asked for, cancel across the fork."""
     from engine.errors import Cancelled
@@ -206,6 +208,7 @@ sys.stdout.buffer.write(b"RESULT " + json.dumps({"state": info.state.value, "ori
 """
 
 
+@pytest.mark.slow
 def test_aot_buckets_build_in_a_forked_call_and_load_in_a_fresh_process(cache_dir, tiny_models, tmp_path, monkeypatch):
     from engine.protocol import BucketKey, BucketState, Mode, Size
 
