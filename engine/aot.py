@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from engine import settings
 from engine.protocol import BucketKey, Mode, Size
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,25 @@ class PackageStore:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        self.clean_interrupted()
+
+    def clean_interrupted(self) -> list[Path]:
+        """Remove staging folders whose builder is gone (killed or stopped mid-build): their name carries
+        the builder's pid. A live builder's folder, even another process's, is left alone."""
+        removed = []
+        if not self.root.is_dir():
+            return removed
+        for staging in self.root.glob("*/*/.*.building-*"):
+            try:
+                pid = int(staging.name.rsplit(".building-", 1)[1].split("-")[0])
+            except (IndexError, ValueError):
+                pid = None
+            if pid is None or not _pid_alive(pid):
+                shutil.rmtree(staging, ignore_errors=True)
+                removed.append(staging)
+        if removed:
+            log.info("removed %d interrupted aot build(s)", len(removed))
+        return removed
 
     def slot(self, key: dict) -> Path:
         name = f"{key['kind']}-{key['device']}-{key['precision']}-{key['size']}-b{key['batch']}"
@@ -231,9 +251,22 @@ class PackageStore:
                       key=lambda d: (d / MANIFEST).stat().st_mtime, reverse=True)
         for old in kept[KEEP_PER_SLOT:]:
             shutil.rmtree(old, ignore_errors=True)
-        for staging in slot.glob(".*.building-*"):
-            if time.time() - staging.stat().st_mtime > 24 * 3600:
-                shutil.rmtree(staging, ignore_errors=True)
+        self.clean_interrupted()
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 # --- calls -----------------------------------------------------------------------------------------
@@ -423,7 +456,7 @@ class AotEngine:
     def __init__(self, runner, inductor_configs: dict):
         self.runner = runner
         self.inductor_configs = inductor_configs
-        self.store = PackageStore(runner.config.cache_path() / "aot")
+        self.store = PackageStore(settings.aot_dir() or runner.config.cache_path() / "aot")
         base = runner.pipe
         self.denoiser_name = runner.preset.denoiser
         self.real_denoiser = getattr(base, self.denoiser_name)

@@ -12,9 +12,7 @@ The planning here is pure (no processes), so eviction order and refusals are tes
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,24 +63,11 @@ def parse_size(text: str | int | float | None) -> int | None:
 
 
 def safetensors_parameters(folder: Path) -> int:
-    """Elements stored in every *.safetensors under `folder` (read from the headers only)."""
-    total = 0
-    for path in Path(folder).rglob("*.safetensors"):
-        try:
-            with open(path, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
-        except (OSError, ValueError, struct.error) as exc:
-            log.warning("could not read the safetensors header of %s: %s", path, exc)
-            continue
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            count = 1
-            for dim in entry.get("shape", []):
-                count *= int(dim)
-            total += count
-    return total
+    """Elements stored in every *.safetensors under `folder` (read from the headers only). A corrupt header
+    raises CorruptWeights naming the component (its length is bounded by the file's size, never trusted)."""
+    from engine.weights import parameter_count, read_header
+
+    return sum(parameter_count(read_header(path)) for path in sorted(Path(folder).rglob("*.safetensors")))
 
 
 def weights_bytes(folder: Path, precision: str) -> int:
@@ -115,10 +100,11 @@ class RoomPlan:
     reason: str = ""  # when it does not fit: why, in words
 
 
-def plan_room(need: int, budget: DeviceBudget, residents: list[Resident]) -> RoomPlan:
+def plan_room(need: int, budget: DeviceBudget, residents: list[Resident], reserved: int = 0) -> RoomPlan:
     """Which idle engines to evict (least recently used first) so that `need` more bytes and one more
-    engine fit in `budget`. Busy engines are never chosen."""
-    used = sum(r.footprint for r in residents)
+    engine fit in `budget`. Busy engines are never chosen. `reserved`: bytes held by what is no engine
+    (the web server's own memory, on a device whose memory is the host's)."""
+    used = reserved + sum(r.footprint for r in residents)
     count = len(residents)
     candidates = sorted((r for r in residents if not r.busy and r.evictable), key=lambda r: r.last_used)
     evict: list[str] = []
@@ -141,6 +127,7 @@ def plan_room(need: int, budget: DeviceBudget, residents: list[Resident]) -> Roo
         reason = f"{count} engines that cannot be unloaded now ({', '.join(busy)}) already use the " \
                  f"{budget.max_engines}-engine limit"
     else:
-        reason = (f"the engines that cannot be unloaded now ({', '.join(busy) or 'none'}) hold "
+        held = f" and the web server ({reserved / GIB:.2f} GiB)" if reserved else ""
+        reason = (f"the engines that cannot be unloaded now ({', '.join(busy) or 'none'}){held} hold "
                   f"{used / GIB:.2f} GiB, leaving {(budget.bytes - used) / GIB:.2f} GiB")
     return RoomPlan(False, (), used, reason)

@@ -5,6 +5,7 @@ An unwritable or corrupt cache must never stop the app: it warns and runs withou
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -55,24 +56,42 @@ def disable_compile_caches() -> None:
 
 
 _ARTIFACT = re.compile(r"(/[^\s:'\"]+\.(?:so|pt2|pkl|json))")
+_ELF_MAGIC = b"\x7fELF"
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    found, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        found.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _broken_library(path: Path) -> bool:
+    """A compiled module that cannot be a shared library: empty, cut short, or not ELF."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) != _ELF_MAGIC
+    except OSError:
+        return False
 
 
 def remove_corrupt_artifacts(exc: BaseException, cache_root: Path | str | None = None) -> list[str]:
     """Delete the compile-cache files a failure names (e.g. "ImportError: <cache>/ab/x.main.so: file too
-    short", left by a process killed mid-write). Turning the FX graph cache off is not enough: inductor's
-    C++ code cache finds the same file by its hash and loads it again. Only files under the inductor cache
-    folder are touched. Returns what was removed."""
+    short", left by a process killed mid-write), and every compiled module under the cache that is not a
+    shared library at all (a failure's message does not always name the file, and turning the FX graph cache
+    off is not enough: inductor's C++ code cache finds the same file by its hash and loads it again). Only
+    files under the inductor cache folder are touched. Returns what was removed."""
     folder = cache_root or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not folder or not Path(folder).is_dir():  # no known cache folder: touch nothing (not the cwd)
         return []
     root = Path(folder).resolve()
-    texts, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        texts.append(str(exc))
-        exc = exc.__cause__ or exc.__context__
+    texts = [str(e) for e in _chain(exc)]
+    named = {Path(m) for text in texts for m in _ARTIFACT.findall(text)}
+    broken = {path for path in root.rglob("*.so") if path.is_file() and _broken_library(path)}
     removed = []
-    for path in {Path(m) for text in texts for m in _ARTIFACT.findall(text)}:
+    for path in sorted(named | broken):
         try:
             if path.resolve().is_relative_to(root) and path.is_file():
                 path.unlink()
@@ -80,6 +99,51 @@ def remove_corrupt_artifacts(exc: BaseException, cache_root: Path | str | None =
         except OSError as err:
             log.warning("could not remove the corrupt cache file %s: %s", path, err)
     return removed
+
+
+# What a cache that cannot take more files raises: read-only, full, over quota, no permission.
+UNWRITABLE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM})
+
+
+def unwritable_cause(exc: BaseException) -> OSError | None:
+    """The OSError in `exc`'s chain that says the cache cannot be written, if any."""
+    return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno in UNWRITABLE_ERRNOS), None)
+
+
+def switch_to_temporary_compile_cache(reason: OSError) -> tuple[Path, str]:
+    """The compile cache cannot be written any more: compile in a fresh temporary folder instead (for the
+    rest of this process), with inductor's on-disk caches and precompiled headers off. Returns the folder
+    and the notice to show."""
+    import torch._inductor.config as inductor_config
+
+    candidates = [os.environ.get("TMPDIR"), "/dev/shm", None]  # None: the system default
+    folder = None
+    for base in candidates:
+        try:
+            folder = Path(tempfile.mkdtemp(prefix="showcase-inductor-", dir=base))
+            break
+        except OSError:
+            continue
+    if folder is None:
+        raise reason
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    disable_compile_caches()
+    inductor_config.cpp_cache_precompile_headers = False
+    inductor_config.aot_inductor.precompile_headers = False
+    set_precompiled_header_dir(folder / "precompiled_headers")
+    notice = (f"the compile cache cannot be written ({reason.strerror or reason}); compiling in a temporary "
+              "cache instead: compiled graphs will not survive a restart. Free space or fix the cache folder")
+    log.warning(notice)
+    return folder, notice
+
+
+def set_precompiled_header_dir(folder: Path) -> None:
+    """Where inductor writes its precompiled C++ headers (over 100 MB). Inductor fixes the folder at import
+    from the temporary directory, not from its cache folder: point it into the cache."""
+    import torch._inductor.codecache as codecache
+
+    codecache._HEADER_DIR = str(folder)
+    codecache._HEADER_LOCK_DIR = str(Path(folder) / "locks")
 
 
 def compile_caches_enabled() -> bool:

@@ -101,15 +101,28 @@ def preset_for_model(ref: str, allowed_roots: list[Path] | None = None, buckets:
     names a custom pipeline is refused.
     """
     ref = str(ref).strip()
-    path = Path(ref).expanduser()
-    if path.exists() or ref.startswith((".", "/", "~")):
-        index = _local_model_index(path, allowed_roots)
-        source = str(path.resolve())
+    shown = ref if len(ref) <= 80 else ref[:77] + "..."
+
+    def unreadable(exc: Exception) -> InvalidRequest:  # ~nosuchuser, a name too long for the file system
+        return InvalidRequest(f"model {shown!r} is not a readable local folder ({getattr(exc, 'strerror', None) or exc}); "
+                              "name a preset, a Hub id like 'org/name' or a folder under the model roots")
+
+    try:
+        path = Path(ref).expanduser()
+        local = path.exists() or ref.startswith((".", "/", "~"))
+    except (RuntimeError, OSError) as exc:
+        raise unreadable(exc) from None
+    if local:
+        try:
+            index = _local_model_index(path, allowed_roots)
+            source = str(path.resolve())
+        except OSError as exc:
+            raise unreadable(exc) from None
     elif _HUB_ID.match(ref):
         index = _hub_model_index(ref)
         source = ref
     else:
-        raise InvalidRequest(f"model {ref!r} is neither an existing local folder nor a Hub id like 'org/name'")
+        raise InvalidRequest(f"model {shown!r} is neither an existing local folder nor a Hub id like 'org/name'")
     cls = index.get("_class_name", "")
     if isinstance(cls, list) or "custom_pipeline" in index or cls not in PIPELINE_FAMILIES:
         raise ModelLoadError(

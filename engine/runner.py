@@ -459,8 +459,9 @@ class PipelineRunner:
         notices += stepcache.check_step_cache(request.step_cache, self.preset, self.spec, request.mode)
         if request.step_cache.enabled and self.config.key.tp > 1:
             # Each rank's hooks would decide alone which steps to skip; ranks that disagree hang the collectives.
-            raise UnsupportedCombination(f"step cache {request.step_cache} is not available on a tensor-parallel "
-                                         f"engine ({self.config.key}): run it on a single-device engine")
+            raise UnsupportedCombination(f"step cache {request.step_cache} is not available on a multi-rank engine "
+                                         f"({self.config.key}, tensor or context parallel): run it on a "
+                                         "single-device engine")
         size, snapped = route_size(self.preset, request.width, request.height, snap=True)
         notices += snapped
         request = request.replace(width=size.width, height=size.height)
@@ -497,7 +498,7 @@ class PipelineRunner:
                         lambda p, v: self._call(p, request_for_run.replace(request_id="calibrate"), cached=v))
                     notices += cache_notices
                     pipe = cached.pipe
-                image, timings, cancelled_at = self._call(pipe, request_for_run, on_step, cancel, cached)
+                image, timings, cancelled_at = self._call(pipe, request_for_run, on_step, cancel, cached=cached)
             except torch.OutOfMemoryError as exc:
                 raise self._out_of_memory(exc) from None
             recompiles = compiles_in_this_thread() - compiles_before
@@ -604,8 +605,10 @@ class PipelineRunner:
                                  cache_hits=hits - hits_before, cache_misses=misses - misses_before, origin=origin)
 
     def _compile_bucket(self, pipe, bucket: BucketKey) -> str | None:
-        """First calls at the bucket's shapes compile; a corrupt on-disk cache gets one retry without it.
-        aot: load the bucket's packages, building what is missing (returns where they came from)."""
+        """First calls at the bucket's shapes compile. A cache that cannot be written (read-only, full) moves
+        compiles to a temporary cache; a corrupt one has its broken files removed and the compile runs again
+        without the on-disk caches. Returns what the board says about where the graph came from. aot: load
+        the bucket's packages, building what is missing."""
         if bucket.mode is Mode.AOT:
             origin, notices = self._aot.warm(bucket, report=lambda text: self.board.update(bucket, origin=text))
             self.notices += notices
@@ -613,18 +616,33 @@ class PipelineRunner:
         try:
             for guidance in self.warm_guidances():
                 self._call(pipe, self.warm_request(bucket, guidance))
+            return None
         except Exception as exc:
-            if not caches.compile_caches_enabled():
-                raise
-            removed = caches.remove_corrupt_artifacts(exc)
-            notice = (f"compiling {bucket} failed with the on-disk compile cache on ({describe_failure(exc, 200)}); "
-                      f"retrying without the cache{f' (removed {len(removed)} corrupt file(s))' if removed else ''}")
-            log.warning(notice)
+            if caches.unwritable_cause(exc) is not None:
+                origin = self._move_cache(bucket, exc)
+            else:
+                removed = caches.remove_corrupt_artifacts(exc)
+                if not caches.compile_caches_enabled() and not removed:
+                    raise
+                notice = (f"compiling {bucket} failed with the on-disk compile cache ({describe_failure(exc, 200)}); "
+                          f"retrying without the cache"
+                          f"{f' (removed {len(removed)} corrupt file(s))' if removed else ''}")
+                log.warning(notice)
+                self.notices.append(notice)
+                caches.disable_compile_caches()
+                origin = None
+        for guidance in self.warm_guidances():
+            self._call(pipe, self.warm_request(bucket, guidance))
+        return origin
+
+    def _move_cache(self, bucket: BucketKey, exc: BaseException) -> str:
+        """Compiles go to a temporary cache from now on; the notice goes on the engine and the bucket."""
+        _, notice = caches.switch_to_temporary_compile_cache(caches.unwritable_cause(exc))
+        if notice not in self.notices:
             self.notices.append(notice)
-            caches.disable_compile_caches()
-            for guidance in self.warm_guidances():
-                self._call(pipe, self.warm_request(bucket, guidance))
-        return None
+        origin = "compiled in a temporary cache (the cache folder cannot be written)"
+        self.board.update(bucket, origin=origin)
+        return origin
 
     def ready_info(self) -> EngineReady:
         """What a worker announces once loaded (the protocol's Ready message)."""

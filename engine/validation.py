@@ -19,18 +19,52 @@ MAX_GUIDANCE = 50.0
 MAX_SEED = 2**63 - 1
 
 
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _whole(value) -> int:
+    """A whole number from an int, a float with no fraction or text ("12", "12.0", "9223372036854775807"):
+    text is read exactly (float() would round seeds above 2**53)."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if len(text) > 40:
+            raise ValueError
+        try:
+            return int(text)
+        except ValueError:
+            number = float(text)  # "12.0", "1e3"
+            if not number.is_integer():
+                raise ValueError from None
+            return int(number)
+    raise TypeError
+
+
 def _number(name: str, value, kind=float):
     if isinstance(value, bool) or value is None:
-        raise InvalidRequest(f"{name} must be a number, got {value!r}")
+        raise InvalidRequest(f"{name} must be a number, got {_shown(value)}")
     try:
-        number = kind(value)
-        if kind is int and float(value) != number:
-            raise ValueError
+        number = _whole(value) if kind is int else kind(value)
     except (TypeError, ValueError, OverflowError):
-        raise InvalidRequest(f"{name} must be a {'whole number' if kind is int else 'number'}, got {value!r}") from None
+        value = _shown(value)
+        raise InvalidRequest(f"{name} must be a {'whole number' if kind is int else 'number'}, got {value}") from None
     if kind is float and not math.isfinite(number):
-        raise InvalidRequest(f"{name} must be finite, got {value!r}")
+        raise InvalidRequest(f"{name} must be finite, got {_shown(value)}")
     return number
+
+
+def check_steps(steps) -> int:
+    steps = _number("steps", steps, int)
+    if not 1 <= steps <= MAX_STEPS:
+        raise InvalidRequest(f"steps must be between 1 and {MAX_STEPS}, got {steps}")
+    return steps
 
 
 def check_prompt(name: str, prompt) -> tuple[str, tuple[str, ...]]:
@@ -40,6 +74,11 @@ def check_prompt(name: str, prompt) -> tuple[str, tuple[str, ...]]:
         raise InvalidRequest(f"{name} must be text, got {type(prompt).__name__}")
     if "\x00" in prompt:
         raise InvalidRequest(f"{name} contains a NUL character; remove it")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate (half of a UTF-16 pair): tokenizers fail on it
+        raise InvalidRequest(f"{name} contains an invalid character at position {exc.start} (a lone UTF-16 "
+                             "surrogate); remove it") from None
     if len(prompt) > MAX_PROMPT_CHARS:
         raise InvalidRequest(f"{name} is {len(prompt)} characters; shorten it to at most {MAX_PROMPT_CHARS}")
     notices = []
@@ -76,9 +115,7 @@ def build_request(
     if negative and not preset.negative_prompt:
         notices += (f"{preset.pipeline} takes no negative prompt; it was ignored",)
         negative = ""
-    steps = preset.steps if steps is None else _number("steps", steps, int)
-    if not 1 <= steps <= MAX_STEPS:
-        raise InvalidRequest(f"steps must be between 1 and {MAX_STEPS}, got {steps}")
+    steps = preset.steps if steps is None else check_steps(steps)
     guidance = preset.guidance if guidance is None else _number("guidance", guidance)
     if not 0.0 <= guidance <= MAX_GUIDANCE:
         raise InvalidRequest(f"guidance must be between 0 and {MAX_GUIDANCE}, got {guidance}")

@@ -62,6 +62,7 @@ from engine.protocol import (
     dispatch,
 )
 
+EARLY_CANCELS_KEPT = 256  # cancels for requests not received yet (a cancel overtaking its request)
 log = logging.getLogger(__name__)
 
 # The interpreter hands the GIL to a waiting thread after sys.getswitchinterval() (default 5 ms). A
@@ -186,6 +187,7 @@ class WorkerLoop:
         self._send_lock = threading.Lock()
         self._requests: queue.Queue = queue.Queue()
         self._cancels: dict[str, threading.Event] = {}
+        self._early_cancels: dict[str, bool] = {}  # cancels of requests not received yet (insertion order)
         self._lock = threading.Lock()
         self._wanted: dict[BucketKey, int | None] = {}  # bucket -> start-up rank (None: asked for by a request)
         self._granted: queue.Queue = queue.Queue()
@@ -252,7 +254,9 @@ class WorkerLoop:
             self.send(RequestFailed(request.request_id, EngineBusy(
                 f"engine {self.runner.config.key} has {self.max_queue} requests waiting; retry in a few seconds")))
             return
-        self._cancels[request.request_id] = threading.Event()
+        self._cancels[request.request_id] = event = threading.Event()
+        if self._early_cancels.pop(request.request_id, None):  # its cancel was sent before it
+            event.set()
         self._received[request.request_id] = time.perf_counter()
         bucket = request.bucket
         with self._lock:
@@ -270,7 +274,14 @@ class WorkerLoop:
             event.set()
 
     def _on_cancel(self, message: Cancel) -> None:
-        self._cancels.setdefault(message.request_id, threading.Event()).set()
+        event = self._cancels.get(message.request_id)
+        if event is not None:
+            event.set()
+            return
+        # Not received yet (or long finished): kept, bounded, in case its Generate follows.
+        self._early_cancels[message.request_id] = True
+        while len(self._early_cancels) > EARLY_CANCELS_KEPT:
+            self._early_cancels.pop(next(iter(self._early_cancels)))
 
     def _on_warm(self, message: Warm) -> None:
         if message.bucket is None:

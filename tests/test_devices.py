@@ -549,7 +549,7 @@ def test_worker_environment(tmp_path):
     base = {"TORCH_TPU_DEFER_AND_FUSE": "1"}
     assert "TORCH_TPU_DEFER_AND_FUSE" not in D.worker_environment(tpu, tmp_path, "eager", base=base)
     env = D.worker_environment(cpu, tmp_path, "compile", base={"TORCHINDUCTOR_CACHE_DIR": "/x"})
-    assert env == {"TORCHINDUCTOR_CACHE_DIR": "/x"}
+    assert env == {"TORCHINDUCTOR_CACHE_DIR": "/x", "TMPDIR": str(tmp_path / "tmp")}  # temp files in the cache
 
 
 def test_enter_eager_mode(monkeypatch):
@@ -769,7 +769,7 @@ def test_environment_is_data_on_the_spec(tmp_path):
                         cache_env=(("X_CACHE_DIR", "x"),), mode_env=((Mode.EAGER, "X_STRICT", "1"),))
     assert fake.environment(tmp_path) == {"X_CACHE_DIR": str(tmp_path / "x")}
     assert D.worker_environment(fake, tmp_path, Mode.EAGER, base={}) == {
-        "X_CACHE_DIR": str(tmp_path / "x"), "X_STRICT": "1"}
+        "X_CACHE_DIR": str(tmp_path / "x"), "X_STRICT": "1", "TMPDIR": str(tmp_path / "tmp")}
     assert "X_STRICT" not in D.worker_environment(fake, tmp_path, Mode.COMPILE, base={"X_STRICT": "1"})
 
 

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_runner
 
 from engine import devices, recipes
 from engine.errors import UnsupportedCombination
 from engine.presets import get_preset
 from engine.protocol import EngineConfig, EngineKey, EngineOptions
 from engine.runner import PipelineRunner, clone_module_tree
-
-
-def make_runner(cache_dir, preset="tiny-flux", precision="fp32", **options) -> PipelineRunner:
-    config = EngineConfig(EngineKey(preset, "cpu", precision), get_preset(preset), EngineOptions(**options),
-                          str(cache_dir))
-    runner = PipelineRunner(config)
-    runner.load()
-    return runner
 
 
 def test_fuse_qkv_fuses_attention_projections(cache_dir, tiny_models):

@@ -40,7 +40,7 @@ def test_single_node_argv(device, monkeypatch):
     spec = devices.get_device(device)
     argv, env = launch.build_launch(spec, 4, cache_dir=CACHE, sidecar_args=["--device", device], python="/py",
                                     base_env={})
-    assert argv[:4] == ["/py", "-m", "torch.distributed.run", "--nproc-per-node=4"]
+    assert argv[:5] == ["/py", "-m", launch.TORCHRUN_MODULE, "--store-host=127.0.0.1", "--nproc-per-node=4"]
     assert "--standalone" in argv  # a private rendezvous on a free port
     assert "--max-restarts=0" in argv  # a dead rank ends the group; the app decides about restarts
     assert argv[-4:-2] == ["-m", launch.SIDECAR_MODULE] and _tail(argv) == ["--device", device]

@@ -18,6 +18,7 @@ Run: .venv/bin/python -m pytest tests/test_tp_multinode.py -q -x   (about three 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -31,8 +32,10 @@ import numpy as np
 import psutil
 import pytest
 from gradio_client import Client
-from helpers import free_port, launch_demo
+from helpers import free_port, launch_demo, poll, process_gone
 from PIL import Image
+
+pytestmark = pytest.mark.slow  # starts two-node torchrun sidecars and the app
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "a red fox in the snow"
@@ -42,21 +45,6 @@ SD3 = dict(TP, preset="tiny-sd3", tp="1", steps=2)
 ENGINE = "tiny-flux@cpu/fp32 tp2"
 
 
-def _wait(predicate, timeout: float, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    return predicate()
-
-
-def _gone(p: psutil.Process) -> bool:
-    try:
-        return p.status() == psutil.STATUS_ZOMBIE  # exited, waiting to be reaped
-    except psutil.NoSuchProcess:
-        return True
 
 
 class Nodes:
@@ -73,10 +61,10 @@ class Nodes:
                 "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
                 "--cache-dir", str(self.cache_dir), *extra]
 
-    def start(self, nodes=(0, 1), join_timeout: float = 120, tag: str = "") -> int:
+    def start(self, nodes=(0, 1), join_timeout: float = 120, tag: str = "", node_env=None) -> int:
         port = free_port()
-        env = {**os.environ, "SHOWCASE_CACHE_DIR": str(self.cache_dir)}
         for node in nodes:
+            env = {**os.environ, "SHOWCASE_CACHE_DIR": str(self.cache_dir), **((node_env or {}).get(node, {}))}
             extra = ["--join-timeout", str(join_timeout)]
             if node == 0:
                 extra += ["--address-file", str(self.address_file)]
@@ -148,7 +136,7 @@ def cluster(cache_dir, tiny_models, tmp_path_factory):
     demo, url = launch_demo(manager, UIDefaults(device="cpu", mode="eager"))
     try:
         client = Client(url, verbose=False)
-        row = _wait(lambda: (r := _engine_row(client)) and r["state"] == "ready" and r, 180, 0.5)
+        row = poll(lambda: (r := _engine_row(client)) and r["state"] == "ready" and r, 180, 0.5)
         assert row, f"not attached: {attacher.last_error}\n{nodes.log(0)[-3000:]}\n{nodes.log(1)[-2000:]}"
         yield nodes, attacher, client
     finally:
@@ -176,6 +164,75 @@ def test_two_nodes_serve_the_app_and_match_one_process(cluster, tiny_models):
     assert sd3["engine"] == "tiny-sd3@cpu/fp32"
     token = Path(json.loads(nodes.address_file.read_text())["token_file"]).read_text().strip()
     assert token not in json.dumps(client.predict(api_name="/status"))  # never shown
+
+
+# Loaded first by every process of a node (on PYTHONPATH): holds back node 0's build lock, and records who
+# took it, so the rank on node 1 builds the tiny model.
+_LOCK_HOOK = """
+import fcntl, os, time
+_flock = fcntl.flock
+def _hooked(fd, op):
+    number = fd if isinstance(fd, int) else fd.fileno()
+    try:
+        name = os.readlink(f"/proc/self/fd/{number}")
+    except OSError:
+        name = ""
+    if op & fcntl.LOCK_EX and name.endswith(".tiny-flux.lock") and "GROUP_RANK" in os.environ:
+        time.sleep(float(os.environ.get("SHOWCASE_TEST_LOCK_DELAY", "0")))
+        result = _flock(fd, op)
+        with open(os.environ["SHOWCASE_TEST_LOCK_LOG"], "a") as log:
+            log.write(os.environ["GROUP_RANK"] + "\\n")
+        return result
+    return _flock(fd, op)
+fcntl.flock = _hooked
+"""
+
+
+def test_a_model_built_by_node_1_serves_the_single_process_image(tiny_models, tmp_path):
+    """Two nodes share one empty cache folder and node 1's rank wins the build lock: a rank other than global
+    rank 0 used to save configs without weights (transformers saves on rank 0 only) and mark them complete."""
+    from engine.presets import get_preset
+    from engine.tp.attach import SidecarNotRunning, connect
+    from engine.validation import build_request
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_LOCK_HOOK)
+    lock_log = tmp_path / "locks.txt"
+    path = os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", str(REPO))])
+    env = {node: {"PYTHONPATH": path, "SHOWCASE_TEST_LOCK_LOG": str(lock_log),
+                  "SHOWCASE_TEST_LOCK_DELAY": "5" if node == 0 else "0"} for node in (0, 1)}
+    cache = tmp_path / "shared-cache"
+    nodes = Nodes(cache, tmp_path)
+    started = time.monotonic()
+    nodes.start(node_env=env)
+    engine = None
+    try:
+        def attached():
+            try:
+                return connect(nodes.address_file, timeout=240)
+            except SidecarNotRunning:
+                return None
+
+        engine = poll(attached, 240, 1.0)
+        assert engine, f"{nodes.log(0)[-3000:]}\n{nodes.log(1)[-2000:]}"
+        ready_s = time.monotonic() - started
+        assert lock_log.read_text().split()[0] == "1"  # node 1's rank built the model
+        request, _ = build_request(get_preset("tiny-flux"), prompt=TP["prompt"], negative_prompt=None, width=64,
+                                   height=64, steps=TP["steps"], guidance=TP["guidance"], seed=TP["seed"],
+                                   mode="eager", snap=True, on_cold="eager")
+        result = engine.generate(request, timeout=120)
+        image = np.asarray(Image.open(io.BytesIO(result.image_png)).convert("RGB"))
+        diff = int(np.abs(image.astype(int) - _reference(tiny_models, TP).astype(int)).max())
+        print(f"node 1 built the model: ready after {ready_s:.1f} s, max pixel diff {diff}/255 vs one process")
+        assert diff <= 2
+        from engine.tiny import check_pipeline_folder
+
+        assert check_pipeline_folder(cache / "models" / "tiny-flux") is None
+    finally:
+        if engine is not None:
+            engine.close()
+        nodes.stop_all()
 
 
 def test_app_help_names_the_flag():
@@ -213,7 +270,7 @@ def test_killing_node_1_fails_the_request_naming_the_node(cluster):
     victims = nodes.family(1)
     node_0 = nodes.family(0)
     job = client.submit(**{**TP, "steps": 200, "size": "128x128"}, api_name="/generate")
-    assert _wait(lambda: (r := _engine_row(client)) and r["pending"] >= 1, 60, 0.1)
+    assert poll(lambda: (r := _engine_row(client)) and r["pending"] >= 1, 60, 0.1)
     time.sleep(1.0)  # inside the denoising loop
     killed_at = time.monotonic()
     for p in victims:  # the whole machine: launcher, torchrun and rank at once
@@ -221,12 +278,12 @@ def test_killing_node_1_fails_the_request_naming_the_node(cluster):
     with pytest.raises(Exception, match=r"rank 1 \(node 1, host [^,]+, pid \d+\) is gone") as failed:
         job.result(timeout=60)
     fail_s = time.monotonic() - killed_at
-    row = _wait(lambda: (r := _engine_row(client)) and r["state"] == "down" and r, 20)
+    row = poll(lambda: (r := _engine_row(client)) and r["state"] == "down" and r, 20, 0.2)
     assert row and "node 1" in row["error"] and "re-attaches" in row["error"], row
     print(f"node 1 killed: request failed after {fail_s:.2f} s: {failed.value}")
     assert fail_s < 15
     # Node 0 stops by itself; the app keeps serving its other engine.
-    assert _wait(lambda: all(_gone(p) for p in node_0), 20), [p.cmdline() for p in node_0 if not _gone(p)]
+    assert poll(lambda: all(process_gone(p) for p in node_0), 20, 0.2), [p.cmdline() for p in node_0 if not process_gone(p)]
     assert "rank 1 (node 1" in nodes.log(0)
     _, sd3 = client.predict(**SD3, api_name="/generate")
     assert sd3["engine"] == "tiny-sd3@cpu/fp32"
@@ -237,7 +294,7 @@ def test_killing_node_1_fails_the_request_naming_the_node(cluster):
 def test_restarted_sidecar_is_reattached_and_sigterm_on_node_0_leaves_nothing(cluster):
     nodes, attacher, client = cluster
     nodes.start(tag="-again")
-    row = _wait(lambda: (r := _engine_row(client)) and r["state"] == "ready" and r, 150, 0.5)
+    row = poll(lambda: (r := _engine_row(client)) and r["state"] == "ready" and r, 150, 0.5)
     assert row, f"{client.predict(api_name='/status')}\n{nodes.log(0)[-2000:]}"
     _, timings = client.predict(**TP, api_name="/generate")
     assert timings["engine"] == ENGINE
@@ -245,13 +302,13 @@ def test_restarted_sidecar_is_reattached_and_sigterm_on_node_0_leaves_nothing(cl
     assert len(family) >= 6  # per node: launcher, torchrun, rank
     stopped_at = time.monotonic()
     nodes.procs[0].send_signal(signal.SIGTERM)
-    gone = _wait(lambda: all(_gone(p) for p in family), 10, 0.05)
+    gone = poll(lambda: all(process_gone(p) for p in family), 10, 0.05)
     cleanup_s = time.monotonic() - stopped_at
     print(f"SIGTERM on node 0: every process of both nodes gone after {cleanup_s:.2f} s")
-    assert gone, [(p.pid, p.cmdline()) for p in family if not _gone(p)]
+    assert gone, [(p.pid, p.cmdline()) for p in family if not process_gone(p)]
     assert nodes.procs[0].wait(5) == 0 and "stopped (SIGTERM)" in nodes.log(0)
     assert "node 1" in nodes.log(1) and "lost rank 0" in nodes.log(1)
-    row = _wait(lambda: (r := _engine_row(client)) and r["state"] == "down" and r, 20)
+    row = poll(lambda: (r := _engine_row(client)) and r["state"] == "down" and r, 20, 0.2)
     assert row and attacher.attaches == 2
     state = json.loads(nodes.address_file.read_text())
     assert state["state"] == "stopped" and not Path(state["token_file"]).exists()  # the token goes with it
@@ -384,13 +441,13 @@ def test_heartbeats_name_the_silent_rank():
         assert watcher.silent_ranks() == [1]  # rank 1 never beat
         seen = []
         watcher.watch(lambda ranks, s: seen.append((ranks, s)), interval_s=0.05)
-        assert _wait(lambda: seen, 5, 0.05) and seen[0][0] == [1] and seen[0][1] >= 0.5
+        assert poll(lambda: seen, 5, 0.05) and seen[0][0] == [1] and seen[0][1] >= 0.5
         ranks = [{"rank": 1, "node": 1, "host": "gpu-b", "pid": 42}]
         assert describe_rank(ranks, 1) == "rank 1 (node 1, host gpu-b, pid 42)"
         lost = []
         follower = Liveness(1, 3, node_timeout_s=0.3, store_factory=lambda: 1 / 0, beat_s=0.05)
         follower.start(on_store_lost=lost.append)
-        assert _wait(lambda: lost, 5, 0.05)  # a follower that cannot reach node 0's store gives up
+        assert poll(lambda: lost, 5, 0.05)  # a follower that cannot reach node 0's store gives up
     finally:
         for beat in beating:
             beat.stop()

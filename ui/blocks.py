@@ -13,6 +13,7 @@ import gradio as gr
 
 from ui import buckets, compare, generate, system
 from ui.common import FAST
+from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
 
@@ -42,18 +43,34 @@ def queue_statistics_off() -> bool:
     return True
 
 
-def launch_kwargs(theme: str | None = None) -> dict:
+# Sessions whose state (a copy of every component's config, the board's last status) Gradio keeps; the
+# oldest go first. Gradio's default (10,000) let session hashes a client mints hold memory for hours.
+STATE_SESSIONS = 500
+
+
+def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> dict:
     """Gradio 6 takes theme and css in launch(), not Blocks(). Its /monitoring dashboard is off while its
-    statistics are (build_demo turns them off unless the host set them)."""
+    statistics are (build_demo turns them off unless the host set them). With `demo`, its edge guard
+    (ui/edge.py: body size, no uploads) wraps the server, and nothing uploaded is ever kept."""
     monitoring = os.environ.get("GRADIO_ANALYTICS_CACHE_FREQUENCY") != QUEUE_STATISTICS_OFF[
         "GRADIO_ANALYTICS_CACHE_FREQUENCY"]
-    return {"theme": theme or gr.themes.Soft(), "css": CSS, "enable_monitoring": monitoring}
+    kwargs = {"theme": theme or gr.themes.Soft(), "css": CSS, "enable_monitoring": monitoring,
+              "state_session_capacity": STATE_SESSIONS, "max_file_size": 1}
+    guard = getattr(demo, "edge", None)
+    if guard is not None:
+        kwargs["app_kwargs"] = {"middleware": [guard.middleware()]}
+    return kwargs
 
 
 def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64,
-               handlers: Handlers | None = None) -> gr.Blocks:
-    """The app. `queue_size` bounds waiting events (beyond it users are told the queue is full)."""
+               handlers: Handlers | None = None, edge: EdgeConfig | None = None) -> gr.Blocks:
+    """The app. `queue_size` bounds the events waiting for each action (beyond it users are told the
+    queue is full); `edge`: the web edge's bounds (default: per-client bounds in public mode only)."""
     h = handlers or Handlers(manager, defaults)
+    if edge is None:
+        edge = EdgeConfig(client_events=CLIENT_EVENTS if manager.policy.public else None)
+    guard = EdgeGuard(EdgeConfig(**{**edge.__dict__, "group_queue": queue_size}))
+    h.edge = guard
     queue_statistics_off()  # read by Gradio's queue when demo.queue() creates it
     with gr.Blocks(title="Diffusion Showcase", delete_cache=(900, 3600), analytics_enabled=False) as demo:
         gr.Markdown(
@@ -76,6 +93,8 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
               [board.board, engine_line, settings.size, board.engine, last], **FAST)
     demo.queue(max_size=queue_size)
     poll_queue_less_often(demo)
+    guard.install(demo)
+    demo.edge = guard
     return demo
 
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 import threading
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import gradio as gr
@@ -20,6 +23,7 @@ from engine.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401 - the ta
 from engine.attention import attention_table
 from engine.errors import (
     BudgetExceeded,
+    Cancelled,
     DeviceUnavailable,
     EngineBusy,
     InvalidRequest,
@@ -28,7 +32,7 @@ from engine.errors import (
     UnsupportedCombination,
 )
 from engine.manager import Caller
-from engine.protocol import DEFAULT_PRESET, Mode, Precision
+from engine.protocol import DEFAULT_PRESET, Mode, Precision, parse_ranks
 from ui.runs import RunRegistry
 
 log = logging.getLogger(__name__)
@@ -45,7 +49,36 @@ ERROR_TITLES = {
     NotAllowed: "Not offered on this server",
     BudgetExceeded: "No room on this server",
     EngineBusy: "Busy",
+    Cancelled: "Cancelled",
 }
+MEMO_ENTRIES = 256  # visitor input memoised (engine keys, each session's engine): least recently used go first
+
+# A server path in a message: absolute (/a/b, C:\\a), home-relative (~, ~user/a) or a dotted relative one
+# (./a, ../a). URLs (scheme://host/...) are left alone.
+_PATH = re.compile(r"""(?<![\w.\-:/~])(?:~[\w.\-]*(?:/[^\s'"`,;()\[\]<>]*)?|\.{1,2}/[^\s'"`,;()\[\]<>]+|"""
+                   r"""/[^\s'"`,;()\[\]<>/]+/[^\s'"`,;()\[\]<>]*|[A-Za-z]:\\[^\s'"`,;()\[\]<>]+)""")
+
+
+def scrub_paths(text: str) -> str:
+    """`text` with every file-system path replaced by <path> (the log keeps the original)."""
+    return _PATH.sub("<path>", str(text))
+
+
+def _unexpected_message(exc: BaseException) -> tuple[str, str]:
+    """(title, message) for an exception the engine did not raise on purpose: the condition, never a
+    traceback or a path."""
+    if isinstance(exc, MemoryError):
+        return "Out of memory", "the server ran out of memory for this request; try a smaller size or fewer steps"
+    if isinstance(exc, OSError):
+        reason = exc.strerror or type(exc).__name__
+        return "Server storage problem", (f"the server could not read or write its files ({reason}); the host "
+                                          "has to fix this, other requests keep being served")
+    if isinstance(exc, UnicodeError):
+        return "Invalid request", "the request contains text that is not valid Unicode; remove odd characters"
+    if isinstance(exc, (TypeError, ValueError, ArithmeticError, KeyError, IndexError)):
+        return "Invalid request", (f"a value in the request has the wrong type or is out of range "
+                                   f"({type(exc).__name__}: {scrub_paths(exc)}); send each field as text")
+    return "Internal error", f"unexpected {type(exc).__name__} on the server; it was logged and the server keeps serving"
 
 
 @dataclass(frozen=True)
@@ -56,18 +89,55 @@ class UIDefaults:
     mode: str = "compile"
     on_cold: str = "eager"
     tp: int = 1
+    parallel: str = "tensor"  # how tp > 1 ranks split the transformer (tensor, ulysses, ring)
     poll_s: float = 1.0
     admin_token: str | None = None  # public mode: unlocks host operations (restart, warm everything)
 
 
-def to_gradio_error(exc: Exception) -> gr.Error:
-    """The engine's own message, titled by its kind; anything else is logged as a bug."""
+def to_gradio_error(exc: BaseException, public: bool = True) -> gr.Error:
+    """The one place a handler's exception becomes what a visitor reads: the engine's own message,
+    titled by its kind; anything else as the condition it stands for (the log keeps the detail).
+    Server paths are scrubbed from every message, in public mode from the engine's too."""
+    if isinstance(exc, gr.Error):
+        return exc
     if isinstance(exc, ShowcaseError):
         title = next((t for cls, t in ERROR_TITLES.items() if isinstance(exc, cls)), type(exc).__name__)
-        return gr.Error(str(exc), title=title, print_exception=False)
-    log.exception("unexpected error in a UI handler", exc_info=exc)
-    return gr.Error(f"internal error ({type(exc).__name__}): {exc}; the server keeps serving",
-                    print_exception=False)
+        message = str(exc)
+        if public:
+            scrubbed = scrub_paths(message)
+            if scrubbed != message:
+                log.warning("%s (a path was scrubbed from what the visitor reads)", message)
+            message = scrubbed
+        return gr.Error(message, title=title, print_exception=False)
+    log.error("unexpected error in a UI handler", exc_info=exc)
+    title, message = _unexpected_message(exc)
+    return gr.Error(message, title=title, print_exception=False)
+
+
+class LRU(OrderedDict):
+    """A dict that keeps only its `size` most recently used entries (not thread-safe: hold a lock)."""
+
+    def __init__(self, size: int = MEMO_ENTRIES):
+        super().__init__()
+        self.size = size
+
+    def get(self, key, default=None):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+
+def joined_at(request: gr.Request | None) -> float | None:
+    """When the request's event joined Gradio's queue (ui/edge.py stamps it), if known."""
+    state = getattr(getattr(request, "request", None), "state", None)
+    return getattr(state, "joined_at", None) if state is not None else None
 
 
 def session_id(request: gr.Request | None) -> str:
@@ -82,10 +152,12 @@ class HandlerBase:
         self.manager = manager
         self.defaults = defaults or UIDefaults()
         self.runs = RunRegistry(manager)
-        self._keys: dict[tuple, object] = {}  # (preset, device, precision, tp, caller) -> EngineKey or error
-        self._current: dict[str, object] = {}  # session -> the EngineKey of its last request (public: its own)
+        # Both hold what visitors typed: bounded, so a visitor who types a million names costs nothing.
+        self._keys = LRU()  # (preset, device, precision, tp, caller) -> EngineKey or error
+        self._current = LRU(4 * MEMO_ENTRIES)  # session -> the EngineKey of its last request (public: its own)
         self._devices_report: list[dict] | None = None
         self._lock = threading.Lock()
+        self.edge = None  # the web edge (ui/edge.py EdgeGuard), set by build_demo
 
     # -- lookups (memoised: device probes do not change while the server runs) -------------------
     def devices_report(self, refresh: bool = False) -> list[dict]:
@@ -132,16 +204,17 @@ class HandlerBase:
 
     def key_for(self, preset: str, device: str, precision: str, tp=1, caller: Caller = Caller.VISITOR):
         """EngineKey for the settings, or raise the ShowcaseError saying why not (memoised)."""
-        try:
-            tp = 1 if tp in (None, "") else int(tp)
-        except (TypeError, ValueError):
-            raise InvalidRequest(f"tp must be a whole number >= 1, got {tp!r}") from None
-        cache_key = (preset, device, precision, tp, caller)
+        for name, value in (("preset", preset), ("device", device), ("precision", precision)):
+            if not isinstance(value, str):
+                raise InvalidRequest(f"{name} must be text, got {type(value).__name__}")
+        tp, parallel = parse_ranks(tp)  # 2, "2" or a ranks choice such as "2 · ulysses"
+        cache_key = (preset, device, precision, tp, parallel, caller)
         with self._lock:
             found = self._keys.get(cache_key)
         if found is None:
             try:
-                found = self.manager.make_key(preset, device, precision, tp, caller=caller)
+                layout = {"parallel": parallel} if tp > 1 and parallel.context else {}
+                found = self.manager.make_key(preset, device, precision, tp, caller=caller, **layout)
             except ShowcaseError as exc:
                 found = exc
             with self._lock:
@@ -193,6 +266,22 @@ class HandlerBase:
                 modes = list(Mode.values())
         offered = self.manager.policy.modes if self.public else None
         return [str(m) for m in modes if not offered or m in offered]
+
+    # -- a run ------------------------------------------------------------------------------------
+    @contextmanager
+    def open_run(self, request: gr.Request | None):
+        """The handler's run, registered for /cancel. Dropped at once (ClientGone) when its client is
+        not listening for the result; already cancelled when the session's /cancel came after it joined
+        the queue; public mode: one running request per session."""
+        session = session_id(request)
+        if self.edge is not None and getattr(request, "session_hash", None):
+            from ui.edge import ClientGone
+
+            if not self.edge.await_listener(session):
+                log.info("dropped an event of session %s: its client is not listening", session[:12])
+                raise ClientGone("nobody is listening for this request's result; it was dropped")
+        with self.runs.open(session, exclusive=self.public, joined_at=joined_at(request)) as run:
+            yield run
 
     # -- /cancel ---------------------------------------------------------------------------------
     def cancel(self, request: gr.Request = None) -> str:

@@ -15,8 +15,9 @@ import pandas as pd
 
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size
+from engine.validation import check_steps
 from ui import views
-from ui.common import ENGINE_QUEUE, FAST, HandlerBase, session_id, to_gradio_error
+from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import HEARTBEAT_S
 
 MIN_CONFIGS, MAX_CONFIGS = 2, 4
@@ -50,9 +51,9 @@ class CompareHandlers(HandlerBase):
                                title="Invalid request")
         try:
             size_text = str(Size.parse(size)) if size else str(self.manager.preset(preset).buckets[0])
+            steps_total = check_steps(steps) if steps else self.manager.preset(preset).steps
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
-        steps_total = int(steps) if steps else self.manager.preset(preset).steps
         results: list[dict] = []
         gallery: list[tuple] = []
 
@@ -63,7 +64,7 @@ class CompareHandlers(HandlerBase):
         caller = self.caller(request)
         with ExitStack() as stack:
             try:  # public mode: one running request per visitor
-                run = stack.enter_context(self.runs.open(session_id(request), exclusive=self.public))
+                run = stack.enter_context(self.open_run(request))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
             yield gallery, payload()  # the page shows this comparison from now on
@@ -96,7 +97,7 @@ class CompareHandlers(HandlerBase):
                     yield gallery, payload()
                     continue
                 except Exception as exc:
-                    results.append({"config": config, "error": f"internal error: {exc}"})
+                    results.append({"config": config, "error": f"internal error ({type(exc).__name__})"})
                     yield gallery, payload(done=True)  # settled, so it is not taken for a cancel
                     raise to_gradio_error(exc) from None
                 waited_s = max(0.0, time.perf_counter() - started - result.timings.total_ms / 1000)

@@ -10,7 +10,11 @@ Two things stop a run, both between steps:
   in its queue; closing it cancels the engine request, or, not submitted yet, cancels it the
   moment it is submitted.
 - the /cancel API: gradio_client callers name no event, so the session's runs are registered
-  here; the engine request is cancelled and the handler returns the cancelled result.
+  here; the engine request is cancelled and the handler returns the cancelled result. A /cancel can
+  overtake the run it means (both wait in Gradio's queue; /cancel never waits long), or even reach
+  the server before it (gradio_client's submit() sends its join from a thread): the session's last
+  cancel time is kept, and a run whose event joined the queue before it, or at most CANCEL_AHEAD_S
+  after a cancel that found nothing to stop, starts cancelled (such a cancel stops one run only).
 """
 
 from __future__ import annotations
@@ -18,14 +22,17 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from engine.errors import EngineBusy
+from engine.errors import Cancelled, EngineBusy
 
 HEARTBEAT_S = 0.5  # about the longest a handler goes without a yield, i.e. without a chance to be closed
 POLL_S = 0.25  # how often a waiting run's progress text is refreshed
+CANCELS_KEPT = 1024  # sessions whose last /cancel time is kept (the oldest are forgotten first)
+CANCEL_AHEAD_S = 2.0  # a cancel that found nothing still stops a run of its session joining this soon after
 
 
 @dataclass(eq=False)
@@ -55,15 +62,24 @@ class RunRegistry:
     def __init__(self, manager):
         self.manager = manager
         self._sessions: dict[str, set[Run]] = {}
+        # session -> (its last /cancel, whether that cancel found nothing to stop)
+        self._cancelled_at: OrderedDict[str, tuple[float, bool]] = OrderedDict()
         self._lock = threading.Lock()
 
     @contextmanager
-    def open(self, session: str, exclusive: bool = False) -> Iterator[Run]:
+    def open(self, session: str, exclusive: bool = False, joined_at: float | None = None) -> Iterator[Run]:
         """A run registered under the caller's session for as long as its handler runs. `exclusive`
-        (public mode): one running request per session, a second is refused at once."""
+        (public mode): one running request per session, a second is refused at once. `joined_at`
+        (time.monotonic() when its event joined the queue): a /cancel since then cancels it already."""
         run = Run()
         with self._lock:
-            if exclusive and self._sessions.get(session):
+            at, found_nothing = self._cancelled_at.get(session, (None, False))
+            if joined_at is not None and at is not None:
+                ahead = at < joined_at and found_nothing and joined_at - at <= CANCEL_AHEAD_S
+                run.cancelled = at >= joined_at or ahead
+                if run.cancelled and found_nothing:  # a cancel that found no run stops one run, not the next ones
+                    self._cancelled_at.pop(session, None)
+            if exclusive and not run.cancelled and self._sessions.get(session):
                 raise EngineBusy("you already have a request running: wait for it to finish or press Cancel "
                                  "(one request per visitor at a time on this server)")
             self._sessions.setdefault(session, set()).add(run)
@@ -79,6 +95,10 @@ class RunRegistry:
     def cancel(self, session: str) -> str:
         with self._lock:
             runs = list(self._sessions.get(session, ()))
+            self._cancelled_at[session] = (time.monotonic(), not runs)
+            self._cancelled_at.move_to_end(session)
+            while len(self._cancelled_at) > CANCELS_KEPT:
+                self._cancelled_at.popitem(last=False)
         if not runs:
             return "nothing to cancel"
         stopped = [request_id for run in runs if (request_id := run.stop(self.manager))]
@@ -92,6 +112,8 @@ class RunRegistry:
 
         Closing this generator (GeneratorExit at a yield) stops the engine request.
         """
+        if run.cancelled:  # a /cancel came after this run's event joined the queue
+            raise Cancelled("cancelled before it started")
         events: queue.Queue = queue.Queue()
 
         def work() -> None:

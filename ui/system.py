@@ -2,11 +2,13 @@
 
 The report is plain data (system_report), drawn as Markdown (system_markdown). Secrets never leave
 this module: any variable whose name looks like a credential is listed as set but its value is
-replaced.
+replaced, and in every other value credentials in URLs, known token formats and random-looking keys
+are hidden.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -26,13 +28,37 @@ PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "gradio", "gradi
 ENV_PREFIXES = ("TORCH", "PYTORCH", "TORCHINDUCTOR", "CUDA", "HIP", "ROCM", "XLA", "TPU", "NEURON", "HF_",
                 "HUGGINGFACE", "GRADIO_", "SHOWCASE_", "OMP_", "MKL_", "TRANSFORMERS_", "DIFFUSERS_",
                 "TOKENIZERS_", "XDG_CACHE_HOME")
-SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|AUTH|CREDENTIAL|API_?KEY|PRIVATE", re.IGNORECASE)
+SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|AUTH|CREDENTIAL|KEY|PRIVATE|COOKIE|SESSION|SIGNATURE",
+                    re.IGNORECASE)
 HIDDEN = "(set; value hidden)"
 SIZE_BUDGET_S = 2.0  # a huge cache folder is reported as "at least" rather than stalling the panel
+# Values that are credentials whatever the variable is called: known token prefixes (Hugging Face,
+# GitHub, OpenAI/Anthropic, Slack, AWS, Google, JWTs) and long random-looking strings.
+TOKEN_VALUE = re.compile(r"\b(?:hf_|api_|gh[pousr]_|github_pat_|sk-|xox[abpr]-|AKIA|ASIA|AIza|eyJ)[A-Za-z0-9_\-.]{8,}")
+URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/@\s]+)@")
+RANDOM_RUN = re.compile(r"(?<![/\w+=\-])[A-Za-z0-9+=_\-]{20,}")  # not a path segment (after a "/")
+
+
+def _looks_random(text: str) -> bool:
+    """A run of 20+ characters mixing letters and many digits with high entropy: a key, not a name or a path."""
+    digits = sum(c.isdigit() for c in text)
+    if digits < max(3, len(text) // 10) or sum(c.isalpha() for c in text) < 3:
+        return False
+    counts = {c: text.count(c) for c in set(text)}
+    entropy = -sum(n / len(text) * math.log2(n / len(text)) for n in counts.values())
+    return entropy >= 3.5
+
+
+def redact_value(value: str) -> str:
+    """`value` with credentials in URLs, known token formats and random-looking keys replaced."""
+    value = URL_CREDENTIALS.sub(lambda m: m["scheme"] + "(credentials hidden)@", str(value))
+    value = TOKEN_VALUE.sub("(hidden)", value)
+    return RANDOM_RUN.sub(lambda m: "(hidden)" if _looks_random(m.group()) else m.group(), value)
 
 
 def redact(name: str, value: str) -> str:
-    return HIDDEN if SECRET.search(name) else value
+    """Hidden when the name says it is a secret; otherwise the value with anything secret-looking hidden."""
+    return HIDDEN if SECRET.search(name) else redact_value(value)
 
 
 def environment_in_force(extra: dict[str, str] | None = None, environ=None) -> dict[str, str]:
@@ -80,29 +106,46 @@ _SIZES_TTL_S = 30.0
 _sizes_memo: dict = {}
 
 
-def cache_folders(cache_dir: Path, environ=None) -> list[dict]:
-    """Every cache folder and its size; sizes are remembered for 30 s (walking a big cache costs seconds
-    of CPU that polling clients must not take from the engines)."""
-    key = (str(cache_dir), id(environ))
+def cache_folders(manager, device_names: list[str], environ=None) -> list[dict]:
+    """Every cache folder the app and its workers use, and its size; sizes are remembered for 30 s
+    (walking a big cache costs seconds of CPU that polling clients must not take from the engines)."""
+    key = (str(manager.cache_dir), tuple(device_names), id(environ))
     memo = _sizes_memo.get(key)
     if memo and time.monotonic() - memo[0] < _SIZES_TTL_S:
         return memo[1]
-    rows = _cache_folders(cache_dir, environ)
+    rows = _cache_folders(manager, device_names, environ)
     _sizes_memo[key] = (time.monotonic(), rows)
     return rows
 
 
-def _cache_folders(cache_dir: Path, environ=None) -> list[dict]:
+CACHE_LABELS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TORCH_NEURONX_NEFF_CACHE_DIR": "neuron NEFF"}
+
+
+def worker_cache_env(manager, device_names: list[str]) -> dict[str, str]:
+    """The cache variables the workers of these devices are started with (the manager's CacheDir)."""
+    env: dict[str, str] = {}
+    for name in device_names:
+        try:
+            env.update(manager.worker_cache_env(name))
+        except Exception:  # an unknown or broken device must not hide the rest
+            continue
+    return env
+
+
+def _cache_folders(manager, device_names: list[str], environ=None) -> list[dict]:
     environ = os.environ if environ is None else environ
-    cache_dir = Path(cache_dir)
+    cache_dir = Path(manager.cache_dir)
+    persistent = getattr(getattr(manager, "cache", None), "persistent", True)
     folders = {
-        "cache dir (--cache-dir)": cache_dir,
+        "cache dir (--cache-dir)" + ("" if persistent else ", temporary: the configured one is not writable"):
+            cache_dir,
         "tiny models": cache_dir / "models",
-        "inductor (TORCHINDUCTOR_CACHE_DIR)": Path(environ.get("TORCHINDUCTOR_CACHE_DIR")
-                                                   or cache_dir / "inductor"),
-        "neuron NEFF (TORCH_NEURONX_NEFF_CACHE_DIR)": Path(environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
-                                                          or cache_dir / "neff"),
     }
+    for var, value in worker_cache_env(manager, device_names).items():
+        if var.endswith("_DIR"):
+            folders[f"{CACHE_LABELS.get(var, var)} (workers' {var})"] = Path(value)
+        else:
+            folders[f"workers' {var}={value}"] = None  # a switch, e.g. the compile caches turned off
     try:
         from huggingface_hub import constants
 
@@ -113,6 +156,9 @@ def _cache_folders(cache_dir: Path, environ=None) -> list[dict]:
         folders["gradio outputs (GRADIO_TEMP_DIR)"] = Path(environ["GRADIO_TEMP_DIR"])
     rows = []
     for label, path in folders.items():
+        if path is None:
+            rows.append({"folder": label, "location": "", "size": ""})
+            continue
         if path.exists():
             size, complete = folder_size(path)
             size_text = fmt_bytes(size) if complete else f"at least {fmt_bytes(size)}"
@@ -123,11 +169,24 @@ def _cache_folders(cache_dir: Path, environ=None) -> list[dict]:
     return rows
 
 
-def system_report(manager, devices_report: list[dict]) -> dict:
-    worker_env: dict[str, str] = {}
-    for d in devices_report:
-        if d.get("available"):
-            worker_env.update(d.get("environment") or {})
+def web_server(manager, edge=None) -> dict:
+    """The web server's own memory (counted in the cpu budget) and the web edge's bounds."""
+    try:
+        import psutil
+
+        rss = psutil.Process().memory_info().rss
+    except Exception:
+        rss = None
+    row = {"memory": fmt_bytes(rss) if rss is not None else "unknown",
+           "counted_in_budget": bool(manager.app_bytes("cpu"))}
+    if edge is not None:
+        row["edge"] = edge.snapshot()
+    return row
+
+
+def system_report(manager, devices_report: list[dict], edge=None) -> dict:
+    available = [d["name"] for d in devices_report if d.get("available")]
+    worker_env = worker_cache_env(manager, available)
     return {
         "devices": [
             {"name": d["name"], "label": d["label"], "available": d["available"],
@@ -137,7 +196,7 @@ def system_report(manager, devices_report: list[dict]) -> dict:
             for d in devices_report
         ],
         "versions": versions(),
-        "caches": cache_folders(manager.cache_dir),
+        "caches": cache_folders(manager, available),
         "environment": environment_in_force(worker_env),
         "engines": [
             {"engine": e["engine"], "state": e["state"], "load_s": e.get("load_s"),
@@ -146,6 +205,7 @@ def system_report(manager, devices_report: list[dict]) -> dict:
         ],
         # budgets and use per device, engines started and evicted, the compile scheduler, the policy
         "host": manager.host_status(),
+        "web_server": web_server(manager, edge),
     }
 
 
@@ -163,6 +223,10 @@ def system_markdown(report: dict) -> str:
                      f"{', '.join(d['modes'])} | {_md_escape(why)} |")
     lines += ["", "### Software", "", "| package | version |", "|---|---|"]
     lines += [f"| {k} | {_md_escape(v)} |" for k, v in report["versions"].items()]
+    web = report.get("web_server") or {}
+    if web:
+        counted = " (counted in the cpu memory budget)" if web.get("counted_in_budget") else ""
+        lines += ["", "### Web server", "", f"Resident memory: {web['memory']}{counted}"]
     lines += ["", "### Cache folders", "", "| folder | path | size |", "|---|---|---|"]
     lines += [f"| {c['folder']} | `{_md_escape(c['location'])}` | {c['size']} |" for c in report["caches"]]
     lines += ["", "### Environment in force", ""]
@@ -183,7 +247,7 @@ def system_markdown(report: dict) -> str:
 class SystemHandlers(HandlerBase):
     def system(self, refresh: bool = True) -> dict:
         """The report; `refresh` probes the devices again (the Refresh button)."""
-        return system_report(self.manager, self.devices_report(refresh=refresh))
+        return system_report(self.manager, self.devices_report(refresh=refresh), self.edge)
 
     def system_panel(self) -> str:
         return system_markdown(self.system(refresh=False))
@@ -201,6 +265,6 @@ def build(h: SystemHandlers) -> None:
     with gr.Tab("System", id="system") as tab:
         refresh_btn = gr.Button("Refresh", size="sm", elem_id="system-refresh")
         panel = gr.Markdown("Loading…", elem_id="system")
-        gr.api(h.system_api, api_name="system", concurrency_limit=None)
+        gr.api(h.system_api, api_name="system", concurrency_limit=None)  # its own queue bound (ui/edge.py)
     tab.select(h.system_panel, None, panel, **FAST)
     refresh_btn.click(h.system_refresh, None, panel, **FAST)

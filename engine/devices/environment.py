@@ -9,12 +9,17 @@ Two kinds of variables, both read from the spec's data (`cache_env`, `mode_env`)
 
 `apply_environment` changes os.environ: the engine runs one device per worker process, so it is applied
 once, in that worker, before any model is built.
+
+Temporary files stay inside the cache folder too: TMPDIR is `<cache>/tmp` for every worker (forced: the
+compilers' scratch files and inductor's precompiled headers, which inductor places under the temporary
+directory whatever its cache folder, would otherwise land in /tmp).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,12 +42,38 @@ def worker_environment(
     env = dict(os.environ if base is None else base)
     for key, value in spec.environment(cache_dir).items():
         env.setdefault(key, value)
+    env[TMPDIR_VAR] = str(temp_dir(cache_dir))
     forced = spec.mode_environment(mode)
     for _, var, _ in spec.mode_env:
         if var not in forced:
             env.pop(var, None)
     env.update(forced)
     return env
+
+
+TMPDIR_VAR = "TMPDIR"
+
+
+def temp_dir(cache_dir: Path) -> Path:
+    """`<cache>/tmp`, created when it can be (otherwise tempfile skips it and uses the system's)."""
+    folder = Path(cache_dir) / "tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        logger.warning("could not create %s for temporary files", folder)
+    return folder
+
+
+def contain_temporary_files(cache_dir: Path, inductor_cache: str | None) -> None:
+    """This process's temporary files and inductor's precompiled headers go inside the cache folder."""
+    folder = temp_dir(cache_dir)
+    if os.access(folder, os.W_OK):
+        os.environ[TMPDIR_VAR] = str(folder)
+        tempfile.tempdir = None  # computed again from TMPDIR on next use
+    if inductor_cache:
+        from engine.caches import set_precompiled_header_dir
+
+        set_precompiled_header_dir(Path(inductor_cache) / "precompiled_headers")
 
 
 def apply_environment(spec: DeviceSpec, cache_dir: Path, mode: str | None = None) -> dict[str, str]:
@@ -62,6 +93,9 @@ def apply_environment(spec: DeviceSpec, cache_dir: Path, mode: str | None = None
                 Path(in_force[key]).mkdir(parents=True, exist_ok=True)
             except OSError:
                 logger.warning("could not create %s=%s", key, in_force[key])
+    from engine.devices.spec import INDUCTOR_CACHE_VAR
+
+    contain_temporary_files(cache_dir, in_force.get(INDUCTOR_CACHE_VAR))
     return in_force
 
 

@@ -25,8 +25,11 @@ from pathlib import Path
 
 from engine import devices
 from engine.errors import InvalidRequest, UnsupportedCombination
+from engine.tp.torchrun import STORE_HOST_FLAG, STORE_HOST_VAR
 
 SIDECAR_MODULE = "engine.tp.sidecar"
+TORCHRUN_MODULE = "engine.tp.torchrun"
+LOOPBACK = "127.0.0.1"
 # Rank 0 reads the per-launch token from this file (0600); the token never appears on a command line.
 TOKEN_FILE_VAR = "SHOWCASE_TP_TOKEN_FILE"
 # How often torchrun checks its ranks: a dead rank tears the group down within about this long.
@@ -119,6 +122,8 @@ def sidecar_environment(
     env = devices.worker_environment(spec, Path(cache_dir), mode=mode, base=base)
     env.setdefault("PYTHONUNBUFFERED", "1")  # rank logs reach the sidecar log as they happen
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))  # SIGTERM: ranks gone in seconds
+    if nnodes == 1:
+        env.setdefault(STORE_HOST_VAR, LOOPBACK)
     env.update(spec.launch_env(nnodes, nproc, set_env=tpu_env))
     return env
 
@@ -134,12 +139,18 @@ def torchrun_argv(
     join_timeout: float | None = None,
 ) -> list[str]:
     _check_counts(nproc, nnodes, node_rank)
-    argv = [python or sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes > 1 and rdzv_endpoint is None:
+        raise InvalidRequest(f"{nnodes} nodes need a rendezvous endpoint HOST:PORT on node 0 (--rdzv-endpoint)")
+    if rdzv_endpoint is None:
+        store_host = LOOPBACK
+    else:  # several nodes: the address the host gave for node 0, never every interface
+        store_host = check_rdzv_endpoint(rdzv_endpoint).rsplit(":", 1)[0].strip("[]")
+    # torchrun's stores listen on every interface unless told otherwise (engine/tp/torchrun.py).
+    argv = [python or sys.executable, "-m", TORCHRUN_MODULE, f"{STORE_HOST_FLAG}{store_host}",
+            f"--nproc-per-node={nproc}"]
     if nnodes == 1 and rdzv_endpoint is None:
-        argv.append("--standalone")
+        argv += ["--standalone", f"--local-addr={LOOPBACK}"]  # the ranks meet rank 0's store on loopback
     else:
-        if rdzv_endpoint is None:
-            raise InvalidRequest(f"{nnodes} nodes need a rendezvous endpoint HOST:PORT on node 0 (--rdzv-endpoint)")
         argv += [
             f"--nnodes={nnodes}",
             f"--node-rank={node_rank}",

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=2,
                    help="ranks on EACH node (torchrun --nproc-per-node), not in all: the engine has "
                         "--tp x --nnodes ranks (default 2)")
+    p.add_argument("--parallel", default=None, choices=("tensor", "ulysses", "ring"),
+                   help="how the ranks split the transformer: tensor (weights sharded; default), ulysses or ring "
+                        "(context parallel: whole transformer on every rank, tokens split); the same on every node")
     p.add_argument("--nnodes", type=int, default=1, help="machines the engine spans (default 1)")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this machine's place, 0 .. nnodes-1; node 0 serves, the others join it (default 0)")
@@ -125,7 +128,8 @@ def config_from_args(args, world_size: int) -> EngineConfig:
 
         cache = args.cache_dir or settings.cache_dir()
         catalog = Catalog()
-        key = catalog.make_key(args.preset or "tiny-flux", args.device, args.precision or "fp32", max(world_size, 2))
+        key = catalog.make_key(args.preset or "tiny-flux", args.device, args.precision or "fp32", max(world_size, 2),
+                               args.parallel or "tensor")
         warm_modes = tuple(Mode.parse(m, "mode") for m in args.warm)
         options = EngineOptions(warm_modes=warm_modes, warm_sizes=None if warm_modes else ())
         config = catalog.config(key, options, cache)
@@ -155,10 +159,16 @@ def _describe_peer(peer) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
 
 
+# Connections whose handshake may be in progress at once, and the kernel's queue of not yet accepted ones.
+MAX_PENDING = 16
+LISTEN_BACKLOG = 64
+
+
 class _Rank0Server:
     """Rank 0's socket: bound before loading (so a client sees a load failure early). One app at a time: a
     second one is answered at once with EngineBusy saying who is attached (never left in the listen
-    backlog); started by the app itself (--parent-pid), the socket closes after its one client."""
+    backlog); started by the app itself (--parent-pid), the socket closes after its one client. Handshakes
+    run side by side, each within wire.HANDSHAKE_S in all: silent or slow peers never hold up a real one."""
 
     def __init__(self, args, config: EngineConfig):
         from multiprocessing.connection import Listener
@@ -167,7 +177,10 @@ class _Rank0Server:
 
         self.token, token_path = _read_token()
         host = check_listen_host(args.listen) if args.listen else "127.0.0.1"
-        self.listener = Listener((host, args.port))  # no authkey here: wire.authenticate_incoming, with a deadline
+        # No authkey here: wire.authenticate_incoming, with a deadline, on a thread per connection.
+        self.listener = Listener((host, args.port), backlog=LISTEN_BACKLOG)
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._closed = False
         self.only_one = args.parent_pid is not None
         if self.only_one:  # launched by the app, which keeps the token in memory: none left on disk
             token_path.unlink(missing_ok=True)
@@ -191,48 +204,59 @@ class _Rank0Server:
         threading.Thread(target=self._accept_forever, name="tp-accept", daemon=True).start()
 
     def _accept_forever(self) -> None:
-        from multiprocessing import AuthenticationError
-
-        from engine.errors import EngineBusy
-        from engine.tp.wire import authenticate_incoming
-
         while True:
             try:
                 conn = self.listener.accept()
                 peer = _describe_peer(self.listener.last_accepted)
             except OSError as exc:
-                if not self.only_one:
+                if not self.only_one and not self._closed:
                     log.error("listener failed: %s", exc)
                     self._clients.put(None)
                 return
+            # Each handshake runs on its own thread under its own deadline, so peers that connect and stall
+            # cannot keep a real client waiting behind them; past MAX_PENDING they are dropped at once.
+            if not self._pending.acquire(blocking=False):
+                log.warning("dropped a connection from %s: %d handshakes already pending", peer, MAX_PENDING)
+                conn.close()
+                continue
+            threading.Thread(target=self._handshake, args=(conn, peer), name="tp-handshake", daemon=True).start()
+
+    def _handshake(self, conn, peer: str) -> None:
+        from multiprocessing import AuthenticationError
+
+        from engine.errors import EngineBusy
+        from engine.tp.wire import authenticate_incoming
+
+        try:
             try:
                 authenticate_incoming(conn, self.token)
             except AuthenticationError:
                 log.warning("refused a connection from %s with a wrong token", peer)
                 conn.close()
-                continue
+                return
             except (OSError, EOFError) as exc:
                 log.warning("dropped a connection from %s that did not authenticate: %s", peer, exc)
                 conn.close()
-                continue
-            with self._lock:
-                busy = self._current if self._current is not None else ("a client" if self._queued else None)
-                if busy is None:
-                    self._queued = True
-                    self._clients.put((conn, peer))
-            if busy is not None:
-                log.warning("refused %s: already serving %s", peer, busy)
-                try:
-                    conn.send(Fatal(EngineBusy(
-                        f"the tensor-parallel sidecar at {self.host}:{self.port} already serves an app ({busy}); it "
-                        "serves one app at a time: stop or disconnect that app first, or start another sidecar")))
-                except OSError:
-                    pass
-                conn.close()
-                continue
-            if self.only_one:
-                self.listener.close()  # any later connection is refused outright
                 return
+        finally:
+            self._pending.release()
+        with self._lock:
+            busy = self._current if self._current is not None else ("a client" if self._queued else None)
+            if busy is None:
+                self._queued = True
+                self._clients.put((conn, peer))
+        if busy is not None:
+            log.warning("refused %s: already serving %s", peer, busy)
+            try:
+                conn.send(Fatal(EngineBusy(
+                    f"the tensor-parallel sidecar at {self.host}:{self.port} already serves an app ({busy}); it "
+                    "serves one app at a time: stop or disconnect that app first, or start another sidecar")))
+            except OSError:
+                pass
+            conn.close()
+            return
+        if self.only_one:
+            self.close()  # any later connection is refused outright
 
     def wait_client(self, timeout: float | None = None):
         try:
@@ -252,6 +276,7 @@ class _Rank0Server:
             self._current = None
 
     def close(self) -> None:
+        self._closed = True
         try:
             self.listener.close()
         except OSError:
@@ -327,6 +352,8 @@ def _node_claims(args, config: EngineConfig, lead: dict) -> str | None:
     key = config.key
     if args.preset is not None and args.preset not in (key.preset, config.preset.name, config.preset.source):
         return f"{me} was started with --preset {args.preset} but node 0 serves {key.preset}"
+    if args.parallel is not None and args.parallel != key.parallel:
+        return f"{me} was started with --parallel {args.parallel} but node 0 serves {key.parallel}"
     if args.precision is not None:
         try:
             mine = str(Precision.parse(args.precision, "precision"))
@@ -356,7 +383,8 @@ def _check_nodes(args, config, lead: dict, group) -> str | None:
     problems = [None] * group.world_size
     dist.all_gather_object(problems, problem, group=group.control)
     found = next((p for p in problems if p), None)
-    return None if found is None else f"{found}: start every node with the same --preset, --precision, --device and --tp"
+    return None if found is None else (f"{found}: start every node with the same --preset, --precision, --device, "
+                                       "--tp and --parallel")
 
 
 def _load_on_every_rank(config, group, rank: int, world: int, dump_dir, box: list, refused: str | None = None):
@@ -519,6 +547,9 @@ def rank_main(args) -> None:
     else:
         device = args.device  # the launcher passes the config's device to every rank
     spec = devices.resolve_device(device)
+    from engine.tp.torchrun import bind_stores_from_env
+
+    bind_stores_from_env()  # a rank 0 that hosts its own store listens where torchrun's does
     group = init_group(spec, args.dist_timeout or dist_timeout_s(spec))
     liveness = Liveness(rank, world, args.node_timeout)
 

@@ -3,9 +3,11 @@
 Why not `Listener(authkey=...)` / `Client(authkey=...)` as they are: both authenticate with blocking reads
 and no deadline, so one peer that connects and says nothing stalls rank 0's accept loop for good (every
 later client then hangs too), and a client dialling a socket nobody accepts on waits forever. Here the
-handshake (multiprocessing's own challenge/response, the same bytes as Listener/Client) runs with a
-receive/send timeout on the socket, which is then lifted; TCP keepalive makes a peer whose machine
-vanished show up as a closed connection within about a minute instead of never.
+handshake (multiprocessing's own challenge/response, the same bytes as Listener/Client) runs under one
+deadline for the whole exchange: a per-read timeout alone lets a peer that sends a byte just inside it keep
+the handshake open for ever, so at the deadline the socket is shut down and the pending read ends. TCP
+keepalive makes a peer whose machine vanished show up as a closed connection within about a minute
+instead of never.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
+from contextlib import contextmanager
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 HANDSHAKE_S = 10.0
@@ -50,13 +54,44 @@ def shut_down(conn: Connection) -> None:
         pass
 
 
-def authenticate_incoming(conn: Connection, token: bytes, timeout_s: float = HANDSHAKE_S) -> None:
-    """Server side (what Listener.accept does), within `timeout_s`. Raises AuthenticationError (wrong
-    token) or OSError/EOFError (silent or gone peer)."""
+class HandshakeTimeout(TimeoutError):
+    """The peer did not finish the handshake within its deadline."""
+
+
+@contextmanager
+def _deadline(conn: Connection, timeout_s: float):
+    """Run the block within `timeout_s` in all: past it the socket is shut down, so whatever read or write
+    is in flight ends at once (the per-read socket timeout stays as a second guard)."""
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        shut_down(conn)
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
     set_io_timeout(conn, timeout_s)
-    deliver_challenge(conn, token)
-    answer_challenge(conn, token)
+    timer.start()
+    try:
+        yield
+    except (OSError, EOFError) as exc:
+        if expired.is_set():
+            raise HandshakeTimeout(f"no complete handshake within {timeout_s:g} s") from exc
+        raise
+    finally:
+        timer.cancel()
+    if expired.is_set():  # finished, but the socket was shut down under it
+        raise HandshakeTimeout(f"no complete handshake within {timeout_s:g} s")
     set_io_timeout(conn, 0)
+
+
+def authenticate_incoming(conn: Connection, token: bytes, timeout_s: float = HANDSHAKE_S) -> None:
+    """Server side (what Listener.accept does), within `timeout_s` for the whole exchange. Raises
+    AuthenticationError (wrong token) or OSError/EOFError (silent, slow or gone peer; HandshakeTimeout past
+    the deadline)."""
+    with _deadline(conn, timeout_s):
+        deliver_challenge(conn, token)
+        answer_challenge(conn, token)
     keepalive(conn)
 
 
@@ -67,10 +102,9 @@ def dial(host: str, port: int, token: bytes, timeout_s: float = HANDSHAKE_S) -> 
     sock.settimeout(None)  # a Connection needs a blocking socket; the deadline comes from the socket options
     conn = Connection(sock.detach())
     try:
-        set_io_timeout(conn, timeout_s)
-        answer_challenge(conn, token)
-        deliver_challenge(conn, token)
-        set_io_timeout(conn, 0)
+        with _deadline(conn, timeout_s):
+            answer_challenge(conn, token)
+            deliver_challenge(conn, token)
         keepalive(conn)
     except BaseException:
         conn.close()

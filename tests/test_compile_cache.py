@@ -1,0 +1,169 @@
+"""The compile cache's promise: a corrupt or unwritable cache never costs a bucket, nothing lands outside it.
+
+- Every compiled module of a populated cache overwritten with garbage: a fresh engine's bucket still
+  becomes warm (the broken files are removed, not found again by inductor's C++ code cache).
+- A cache that turns read-only while the engine runs: the compile moves to a temporary cache, with the
+  notice on the engine and on the bucket.
+- A `.building-*` folder of an aot build whose process is gone is removed when the store opens.
+- Temporary files and inductor's precompiled headers point inside the cache folder; a compile run leaves
+  nothing in the system's temporary folder.
+Each compile runs in its own process (inductor keeps loaded modules in memory) on a cache of its own.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.protocol import BucketKey, BucketState, Mode, Size
+
+pytestmark = pytest.mark.slow  # compiles in fresh child processes
+
+REPO = Path(__file__).resolve().parent.parent
+
+_WARM = textwrap.dedent("""
+    import json, sys
+    from engine.presets import get_preset
+    from engine.protocol import BucketKey, EngineConfig, EngineKey, EngineOptions, Mode, Size
+    from engine.runner import PipelineRunner
+
+    config = EngineConfig(EngineKey("tiny-flux", "cpu", "fp32"), get_preset("tiny-flux"),
+                          EngineOptions(warm_sizes=()), sys.argv[1])
+    runner = PipelineRunner(config)
+    runner.load()
+    info = runner.warm_bucket(BucketKey(Mode.COMPILE, Size(64, 64)))
+    print("RESULT " + json.dumps({"state": info.state.value, "error": info.error, "notices": runner.notices}))
+""")
+
+
+def _warm_in_a_process(cache: Path, system_tmp: Path, tiny_models) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "SHOWCASE_CACHE_DIR")}
+    env.update(PYTHONPATH=str(REPO), TMPDIR=str(system_tmp))
+    models = cache / "models"
+    if not models.exists():  # the embedded model, without building it again
+        models.mkdir(parents=True)
+        os.symlink(tiny_models["tiny-flux"], models / "tiny-flux")
+    out = subprocess.run([sys.executable, "-c", _WARM, str(cache)], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=900)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_corrupt_compiled_modules_are_removed_and_the_bucket_warms(tmp_path, tiny_models):
+    cache, system_tmp = tmp_path / "cache", tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    first = _warm_in_a_process(cache, system_tmp, tiny_models)
+    assert first["state"] == BucketState.WARM.value, first
+    assert not list(system_tmp.glob("torchinductor_*")), list(system_tmp.iterdir())  # nothing outside the cache
+    modules = sorted((cache / "inductor").rglob("*.so"))
+    assert modules
+    for module in modules:
+        module.write_bytes(b"garbage, not a shared library" * 10)
+    second = _warm_in_a_process(cache, system_tmp, tiny_models)
+    print(f"{len(modules)} compiled modules overwritten: {second}")
+    assert second["state"] == BucketState.WARM.value, second
+    assert not [m for m in (cache / "inductor").rglob("*.so") if m.read_bytes()[:4] != b"\x7fELF"]
+
+
+def test_a_cache_that_turns_read_only_moves_the_compile_to_a_temporary_cache(tmp_path, tiny_models, monkeypatch):
+    import torch._functorch.config as functorch_config
+    import torch._inductor.codecache as codecache
+    import torch._inductor.config as inductor_config
+
+    from engine.presets import get_preset
+    from engine.protocol import EngineConfig, EngineKey, EngineOptions
+    from engine.runner import PipelineRunner
+
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    os.symlink(tiny_models["tiny-flux"], cache / "models" / "tiny-flux")
+    # Process-wide state the fallback changes; restored after the test.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    monkeypatch.setenv("TMPDIR", os.environ.get("TMPDIR", "/tmp"))
+    for obj, name in ((inductor_config, "fx_graph_cache"), (functorch_config, "enable_autograd_cache"),
+                      (inductor_config, "cpp_cache_precompile_headers"),
+                      (inductor_config.aot_inductor, "precompile_headers"),
+                      (codecache, "_HEADER_DIR"), (codecache, "_HEADER_LOCK_DIR")):
+        monkeypatch.setattr(obj, name, getattr(obj, name))
+    config = EngineConfig(EngineKey("tiny-flux", "cpu", "fp32"), get_preset("tiny-flux"),
+                          EngineOptions(warm_sizes=()), str(cache))
+    runner = PipelineRunner(config)
+    runner.load()
+    readonly = (cache / "inductor").resolve()
+    real_write = codecache.write_atomic
+
+    def write_atomic(path, *args, **kwargs):  # the cache folder was remounted read-only
+        if Path(path).resolve().is_relative_to(readonly):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(codecache, "write_atomic", write_atomic)
+    info = runner.warm_bucket(BucketKey(Mode.COMPILE, Size(64, 64)))
+    print(f"read-only cache: {info.state.value}, origin {info.origin!r}")
+    assert info.state == BucketState.WARM, info.error
+    assert "temporary cache" in (info.origin or "")
+    assert any("cannot be written" in n and "Read-only file system" in n for n in runner.notices), runner.notices
+    assert not Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).resolve().is_relative_to(readonly)
+
+
+def test_an_interrupted_aot_build_is_removed_when_the_store_opens(tmp_path):
+    from engine.aot import PackageStore
+
+    slot = tmp_path / "aot" / "tiny-flux" / "denoiser-cpu-fp32-64x64-b1"
+    slot.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = slot / f".abc.building-{dead.pid}-1"
+    live = slot / f".def.building-{os.getpid()}-2"
+    for folder in (gone, live):
+        folder.mkdir()
+        (folder / "package.pt2").write_bytes(b"half")
+    PackageStore(tmp_path / "aot")
+    assert not gone.exists() and live.exists()
+
+
+def test_temporary_files_and_precompiled_headers_stay_in_the_cache(tmp_path):
+    """In a fresh process whose temporary folder is elsewhere, as a worker starts."""
+    from engine import devices
+
+    cache = tmp_path / "cache"
+    env = devices.worker_environment(devices.get_device("cpu"), cache, base={"TMPDIR": str(tmp_path / "sys")})
+    assert Path(env["TMPDIR"]).resolve().is_relative_to(cache.resolve())
+    script = textwrap.dedent("""
+        import json, sys, tempfile
+        from pathlib import Path
+        from engine import devices
+        devices.apply_environment(devices.get_device("cpu"), Path(sys.argv[1]))
+        import torch._inductor.codecache as codecache
+        print(json.dumps([tempfile.gettempdir(), codecache._HEADER_DIR]))
+    """)
+    child_env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    child_env.update(PYTHONPATH=str(REPO), TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", script, str(cache)], env=child_env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    temp, headers = json.loads(out.stdout.strip().splitlines()[-1])
+    assert Path(temp).resolve().is_relative_to(cache.resolve()), temp
+    assert Path(headers).resolve().is_relative_to(cache.resolve()), headers
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
+def test_unwritable_errors_are_recognised_through_the_chain(code):
+    from engine.caches import unwritable_cause
+
+    try:
+        try:
+            raise OSError(code, os.strerror(code))
+        except OSError as inner:
+            raise RuntimeError("backend='inductor' raised") from inner
+    except RuntimeError as outer:
+        assert unwritable_cause(outer).errno == code
+    assert unwritable_cause(RuntimeError("x")) is None

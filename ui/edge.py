@@ -1,0 +1,298 @@
+"""The web edge: what a visitor's HTTP request may cost before a handler sees it.
+
+- Every request body is bounded (Content-Length checked before reading, streamed bytes counted);
+  multipart bodies and the upload route are refused: the app takes no uploads.
+- Gradio's queue is hooked at `Queue.push` (every join route goes through it): each client (its
+  address, see `client_address`) may hold a bounded number of events waiting or running, and each
+  concurrency group has its own queue bound, so a full generate queue never refuses /status, /cancel
+  or /system.
+- The event streams that are open (GET .../queue/data, .../call/<api>/<event_id>) are tracked per
+  session, so a handler can drop an event whose client never listens before it reaches an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs
+
+from engine.errors import ShowcaseError
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 256 * 1024  # a /generate body with 2 × 4,000-character prompts is ~10 KB
+LISTEN_GRACE_S = 3.0  # a page or gradio_client opens its event stream right after joining
+CLIENT_EVENTS = 8  # public mode: events one client may have waiting or running
+
+
+class ClientGone(ShowcaseError):
+    """The event's client is not listening for its result: it is dropped before it runs."""
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    max_body_bytes: int = MAX_BODY_BYTES
+    client_events: int | None = None  # None: no per-client bound (a developer's own machine)
+    group_queue: int | None = 64  # events waiting per concurrency group
+    trusted_proxies: tuple = field(default=())  # ip networks whose X-Forwarded-For is believed
+    listen_grace_s: float = LISTEN_GRACE_S
+
+
+def parse_proxies(text: str | None) -> tuple:
+    """'10.0.0.0/8,127.0.0.1' -> networks; raises ValueError naming the bad entry."""
+    nets = []
+    for item in (text or "").split(","):
+        if item.strip():
+            try:
+                nets.append(ipaddress.ip_network(item.strip(), strict=False))
+            except ValueError:
+                raise ValueError(f"--trusted-proxies: {item.strip()!r} is not an address or network "
+                                 "(e.g. 10.0.0.0/8,127.0.0.1)") from None
+    return tuple(nets)
+
+
+def _trusted(host: str, nets) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return any(address in net for net in nets)
+
+
+def client_address(peer: str | None, forwarded_for: str | None, trusted=()) -> str:
+    """Who sent a request: the connection's peer address; when that peer is a trusted proxy, the
+    right-most X-Forwarded-For hop that is not itself a trusted proxy (hops to its left are whatever
+    the client wrote and are never believed)."""
+    peer = peer or "unknown"
+    if not trusted or not _trusted(peer, trusted):
+        return peer
+    hops = [h.strip() for h in (forwarded_for or "").split(",") if h.strip()]
+    for hop in reversed(hops):
+        if not _trusted(hop, trusted):
+            try:
+                return str(ipaddress.ip_address(hop))
+            except ValueError:
+                return "invalid-forwarded-for"
+    return peer
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _refuse(send, status: int, message: str) -> None:
+    body = json.dumps({"detail": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class EdgeGuard:
+    """One per app: the body/upload middleware, the queue hook and the listening sessions."""
+
+    def __init__(self, config: EdgeConfig | None = None):
+        self.config = config or EdgeConfig()
+        self._lock = threading.Lock()
+        self._listeners: Counter[str] = Counter()  # session -> event streams open now
+        self._joining: Counter[str] = Counter()  # client -> joins under way (not in the queue yet)
+        self._joining_groups: Counter[str] = Counter()
+        self.queue = None
+        self.refused = Counter()  # reason -> count, for /system
+
+    # -- who -----------------------------------------------------------------------------------
+    def client_of(self, request) -> str:
+        """The client of a Starlette/fastapi request (or a gr.Request's underlying one)."""
+        request = getattr(request, "request", None) or request
+        peer = getattr(getattr(request, "client", None), "host", None)
+        headers = getattr(request, "headers", None) or {}
+        return client_address(peer, headers.get("x-forwarded-for"), self.config.trusted_proxies)
+
+    # -- listening -------------------------------------------------------------------------------
+    def listening(self, session: str) -> bool:
+        with self._lock:
+            return self._listeners[session] > 0
+
+    def await_listener(self, session: str, timeout: float | None = None) -> bool:
+        """Wait (in a handler thread) up to `timeout` for the session's event stream to be open."""
+        deadline = time.monotonic() + (self.config.listen_grace_s if timeout is None else timeout)
+        while not self.listening(session):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _stream_session(self, scope) -> str | None:
+        path = scope["path"].rstrip("/")
+        if path.endswith("/queue/data"):
+            values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_hash")
+            return values[0] if values else None
+        parts = path.split("/")
+        if len(parts) >= 3 and "call" in parts[:-2]:  # .../call/<api>/<event_id> (simple API)
+            event_id = parts[-1]
+            event = getattr(self.queue, "event_ids_to_events", {}).get(event_id)
+            return event.session_hash if event is not None else event_id
+        return None
+
+    # -- the queue hook ----------------------------------------------------------------------------
+    def install(self, demo) -> None:
+        """Hook demo's queue (after demo.queue()): per-client and per-group bounds on joining."""
+        queue = demo._queue
+        self.queue = queue
+        original = queue.push
+        group_queue = self.config.group_queue
+        if group_queue is None:
+            group_queue = queue.max_size
+        # Gradio's max_size counts every group together: the generate queue full refused /status too.
+        self.config = EdgeConfig(**{**self.config.__dict__, "group_queue": group_queue})
+        queue.max_size = None
+
+        from gradio import route_utils
+
+        async def push(body, request, username):
+            try:
+                fn = route_utils.get_fn(demo, None, body)
+            except Exception:  # an unknown fn: Gradio's own answer
+                return await original(body=body, request=request, username=username)
+            client = self.client_of(request)
+            group = fn.concurrency_id
+            refusal = self._admit(group, client)
+            if refusal:
+                return False, refusal, "queue_full"
+            request.state.joined_at = time.monotonic()  # what /cancel compares against (ui/runs.py)
+            try:
+                return await original(body=body, request=request, username=username)
+            finally:
+                with self._lock:
+                    self._joining[client] -= 1
+                    self._joining_groups[group] -= 1
+                    if self._joining[client] <= 0:
+                        del self._joining[client]
+                    if self._joining_groups[group] <= 0:
+                        del self._joining_groups[group]
+
+        queue.push = push
+
+    def _admit(self, group: str, client: str) -> str | None:
+        """Reserve a place for one join, or the message that refuses it. No await inside: the event
+        loop cannot interleave two joins between the count and the reservation."""
+        q = self.queue
+        config = self.config
+        with self._lock:
+            waiting = q.event_queue_per_concurrency_id.get(group)
+            waiting = (len(waiting.queue) if waiting is not None else 0) + self._joining_groups[group]
+            if config.group_queue is not None and waiting >= config.group_queue:
+                self.refused["queue full"] += 1
+                return (f"The queue is full ({waiting} requests waiting for this action); "
+                        "retry in a few seconds")
+            if config.client_events is not None:
+                mine = self._joining[client] + sum(1 for e in self._events() if self.client_of(e.request) == client)
+                if mine >= config.client_events:
+                    self.refused["per client"] += 1
+                    return (f"You already have {mine} requests waiting or running on this server (at most "
+                            f"{config.client_events} per visitor); wait for one to finish or cancel it")
+            self._joining[client] += 1
+            self._joining_groups[group] += 1
+        return None
+
+    def _events(self):
+        q = self.queue
+        for event_queue in list(q.event_queue_per_concurrency_id.values()):
+            yield from list(event_queue.queue)
+        for job in list(q.active_jobs):
+            if job:
+                yield from job
+
+    # -- the ASGI middleware -----------------------------------------------------------------------
+    def middleware(self):
+        from starlette.middleware import Middleware
+
+        return Middleware(_EdgeMiddleware, guard=self)
+
+    def snapshot(self) -> dict:
+        c = self.config
+        return {"max_body_bytes": c.max_body_bytes, "client_events": c.client_events,
+                "queue_per_action": c.group_queue, "listen_grace_s": c.listen_grace_s,
+                "trusted_proxies": [str(n) for n in c.trusted_proxies], "uploads": "refused",
+                "refused": dict(self.refused)}
+
+
+class _EdgeMiddleware:
+    def __init__(self, app, guard: EdgeGuard):
+        self.app = app
+        self.guard = guard
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        guard = self.guard
+        limit = guard.config.max_body_bytes
+        path = scope["path"].rstrip("/")
+        content_type = (_header(scope, b"content-type") or "").lower()
+        if path.endswith("/upload") or content_type.startswith("multipart/"):
+            guard.refused["upload"] += 1
+            await _refuse(send, 403, "This app takes no uploads")
+            return
+        length = _header(scope, b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > limit
+            except ValueError:
+                await _refuse(send, 400, "Content-Length must be a number")
+                return
+            if too_big:
+                guard.refused["body size"] += 1
+                await _refuse(send, 413, f"Request body of {int(length):,} bytes is over this server's limit "
+                                         f"of {limit:,} bytes (prompts are at most 4,000 characters)")
+                return
+
+        state = {"read": 0, "over": False, "started": False}
+
+        async def counted_receive():
+            if state["over"]:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                state["read"] += len(message.get("body", b""))
+                if state["read"] > limit:
+                    state["over"] = True  # the app sees a client that went away; we answer 413 instead
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message):
+            if state["over"]:
+                return  # the app's answer to a body it never got whole
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        session = guard._stream_session(scope) if scope.get("method") == "GET" else None
+        if session is not None:
+            with guard._lock:
+                guard._listeners[session] += 1
+        try:
+            await self.app(scope, counted_receive, guarded_send)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if not state["over"]:
+                raise
+        finally:
+            if session is not None:
+                with guard._lock:
+                    guard._listeners[session] -= 1
+                    if guard._listeners[session] <= 0:
+                        del guard._listeners[session]
+        if state["over"] and not state["started"]:
+            guard.refused["body size"] += 1
+            await _refuse(send, 413, f"Request body is over this server's limit of {limit:,} bytes "
+                                     "(prompts are at most 4,000 characters)")
