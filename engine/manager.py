@@ -480,7 +480,9 @@ class EngineManager:
         if options is not None:
             from engine import attention
 
-            attention.check_backend(options.attention_backend, devices.get_device(key.device), key.precision)
+            spec = devices.get_device(key.device)
+            plan = devices.plan_precision(spec, key.precision)  # quantized engines attend in their base dtype
+            attention.check_backend(options.attention_backend, spec, plan.base or plan.precision)
             with self._lock:
                 self._options[key] = options
         with self._lock:
