@@ -144,7 +144,7 @@ class CompareHandlers(HandlerBase):
         """
         payload = payload or {}
         results = payload.get("results", [])
-        frame = pd.DataFrame(views.compare_step_rows(results), columns=views.COMPARE_STEP_COLUMNS)
+        frame = views.step_frame(views.compare_step_rows(results), views.COMPARE_STEP_COLUMNS)
         if payload.get("done", True):
             series = list(dict.fromkeys(frame["config"]))
             plot = gr.update(value=frame, colors_in_legend=series, color_map=views.series_colors(series))

@@ -110,12 +110,15 @@ class GenerateHandlers(HandlerBase):
                         yield gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
                     elif kind == "step":
                         partial["timings"]["step_ms"].append(payload.step_ms)
+                        if getattr(payload, "cached", False):
+                            partial.setdefault("cached_steps", []).append(payload.step)
                         partial["steps"] = payload.total
                         now = time.monotonic()
                         if now - last_sent >= PARTIAL_EVERY_S and payload.step < payload.total:
                             last_sent = now
                             step_ms = list(partial["timings"]["step_ms"])
-                            yield gr.skip(), dict(partial, timings=dict(step_ms=step_ms))
+                            yield gr.skip(), dict(partial, timings=dict(step_ms=step_ms),
+                                                  cached_steps=list(partial.get("cached_steps", [])))
                     else:
                         # handler_ms: the app's own share of the round trip (dispatch + engine), which the
                         # soak tells apart from the web side (queue, events, transfer)
@@ -141,7 +144,7 @@ class GenerateHandlers(HandlerBase):
 
     def render_run(self, result: dict | None):
         """Per-step plot and stats table of one run (also of a partial, still-running result)."""
-        plot = pd.DataFrame(views.step_rows(result), columns=views.STEP_COLUMNS)
+        plot = views.step_frame(views.step_rows(result), views.STEP_COLUMNS)
         stats = pd.DataFrame(views.stats_rows(result), columns=views.STATS_COLUMNS)
         return plot, stats
 
@@ -208,8 +211,10 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
                 with gr.Row(equal_height=True):
                     image = gr.Image(label="Image", type="pil", format="png", interactive=False, height=300,
                                      elem_id="output-image", buttons=["download"])
-                    step_plot = gr.LinePlot(x="step", y="step_ms", title="Per-step latency of this run",
-                                            x_title="step", y_title="ms", height=280, elem_id="step-plot")
+                    step_plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this run",
+                                            x_title="step", y_title="ms", height=280, elem_id="step-plot",
+                                            color_map={views.COMPUTED: views.SERIES_PALETTE[0],
+                                                       views.CACHED: views.SERIES_PALETTE[1]})
                 stats = gr.Dataframe(headers=views.STATS_COLUMNS, interactive=False, label="Timings",
                                      elem_id="stats", wrap=True, column_widths=["32%", "68%"])
                 with gr.Accordion("Timings JSON (the CLI's --json)", open=False):

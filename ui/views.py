@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import statistics
 
+import pandas as pd
+
 BOARD_COLUMNS = [
     "engine", "device", "precision", "mode", "size", "state", "reason",
     "compile s", "warm-up s", "served",
 ]
 STATS_COLUMNS = ["metric", "value"]
-STEP_COLUMNS = ["step", "step_ms"]
+STEP_COLUMNS = ["step", "step_ms", "steps"]
 COMPARE_STEP_COLUMNS = ["step", "step_ms", "config"]
+# A plot's axis types come from its first value's dtypes and are not rebuilt when later data arrive, so
+# every step frame carries these, even empty (an empty frame's object columns would make both axes nominal).
+STEP_DTYPES = {"step": "int64", "step_ms": "float64", "steps": "string", "config": "string"}
+COMPUTED, CACHED = "computed", "cached"
 SPEEDUP_COLUMNS = ["config", "median step", "total", "× step", "× total", "compile s", "warm-up s",
                    "break-even"]
 SERIES_PALETTE = ("#6366f1", "#f97316", "#10b981", "#ef4444", "#0ea5e9", "#a855f7")
@@ -41,11 +47,20 @@ def fmt_bytes(value) -> str:
 
 # -- one run ---------------------------------------------------------------------------------------
 def step_rows(result: dict | None) -> list[dict]:
-    """One point per denoising step: {"step": 1-based, "step_ms": ms} (empty before the first step)."""
+    """One point per denoising step: {"step": 1-based, "step_ms": ms, "steps": "computed" | "cached"}
+    (empty before the first step); cached: the step cache served that step's denoiser output."""
     if not result:
         return []
     steps = (result.get("timings") or {}).get("step_ms") or []
-    return [{"step": i + 1, "step_ms": float(ms)} for i, ms in enumerate(steps)]
+    cached = {int(s) for s in result.get("cached_steps") or ()}
+    return [{"step": i + 1, "step_ms": float(ms), "steps": CACHED if i + 1 in cached else COMPUTED}
+            for i, ms in enumerate(steps)]
+
+
+def step_frame(rows: list[dict], columns: list[str]) -> pd.DataFrame:
+    """Step rows as a plot's value: numeric step and step_ms, text series, whatever the rows hold."""
+    frame = pd.DataFrame(rows, columns=columns)
+    return frame.astype({c: STEP_DTYPES[c] for c in columns})
 
 
 def bucket_verdict(result: dict) -> str:
@@ -230,7 +245,9 @@ def compare_step_rows(results: list[dict]) -> list[dict]:
         if r.get("error"):
             continue
         for row in step_rows(r):
-            rows.append({**row, "config": r.get("config", "")})
+            config = r.get("config", "")
+            rows.append({"step": row["step"], "step_ms": row["step_ms"],
+                         "config": f"{config} · cached" if row["steps"] == CACHED else config})
     return rows
 
 
