@@ -44,3 +44,50 @@ def test_the_compare_plot_is_numeric_even_when_every_configuration_failed():
     plot, _, _ = CompareHandlers.render_compare(None, payload)[:3]
     types = plot_types(plot["value"], color="config")
     assert types["step"] == "quantitative" and types["step_ms"] == "quantitative"
+
+
+# -- Compare on the embedded model ------------------------------------------------------------------
+class Progress:
+    def __call__(self, *args, **kwargs):
+        pass
+
+
+@pytest.fixture(scope="module")
+def handlers(manager):
+    from ui.handlers import Handlers, UIDefaults
+
+    return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+
+
+def run_compare(handlers, precisions, modes, caches=None, fidelity_prompts=3, prompt="a red circle on a blue background"):
+    outputs = list(handlers.compare(prompt, "tiny-shapes", "64x64", 4, 1.0, 5, ["cpu"], precisions, modes, False,
+                                    caches, fidelity_prompts, request=None, progress=Progress()))
+    return outputs[-1]
+
+
+def test_compare_adds_the_reference_and_prices_every_configuration(handlers):
+    gallery, payload = run_compare(handlers, ["bf16"], ["eager"])
+    configs = [r["config"] for r in payload["results"]]
+    assert configs == ["cpu/fp32/eager", "cpu/bf16/eager"]  # the reference first, added and said so
+    ref, bf16 = payload["results"]
+    assert ref["reference"] and "added" in ref["reference_note"] and "drift" not in ref
+    assert len(bf16["image_ms"]) == 4  # the prompt and 3 fidelity prompts, each timed
+    # bf16 against fp32 at the same prompts and seeds: close, not identical (a reference drawn with
+    # another seed or prompt would read ~10 dB)
+    assert bf16["drift_samples"] == 4 and bf16["drift_psnr_db"] > 20 and bf16["drift_max_diff"] > 0
+    assert 0.0 <= bf16["fidelity"] <= 1.0 and bf16["fidelity_samples"] == 3 and bf16["fidelity_this"] in (True, False)
+    rows = {r[0]: r for r in views.price_rows(payload["results"])}
+    assert rows["cpu/fp32/eager (reference)"][2] == "1.00×"
+    assert rows["cpu/bf16/eager"][2].endswith("×") and "worst of 4" in rows["cpu/bf16/eager"][5]
+    assert "prompts)" in rows["cpu/bf16/eager"][6]
+    plot, price, costs, cards = handlers.render_compare(payload, gallery)
+    assert cards.count('class="c-card"') == 2 and cards.count("data:image/png;base64,") == 2
+    assert "drift: " in cards and "fidelity: " in cards and "vs eager fp32" in cards
+
+
+def test_compare_with_the_reference_picked_runs_it_once(handlers):
+    _, payload = run_compare(handlers, ["fp32"], ["eager", "regional"], fidelity_prompts=0)
+    configs = [r["config"] for r in payload["results"]]
+    assert configs == ["cpu/fp32/eager", "cpu/fp32/regional"]
+    assert "picked" in payload["results"][0]["reference_note"]
+    assert "fidelity" not in payload["results"][1] and payload["results"][1]["fidelity_this"] is True

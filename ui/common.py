@@ -171,6 +171,16 @@ class HandlerBase:
         except ShowcaseError:
             return []
 
+    def step_cache_rows(self, preset: str, device: str, mode: str) -> list[dict]:
+        """Every step cache for a preset, device and mode: usable, or why not (engine/stepcache.py)."""
+        from engine.stepcache import available_step_caches
+
+        try:
+            spec = engine_devices.resolve_device(device)
+            return available_step_caches(self.manager.preset(preset), spec, mode)
+        except ShowcaseError:
+            return []
+
     def attention_rows(self, key) -> list[dict]:
         """Every attention backend for an engine's device and precision: usable, or why not."""
         return attention_table(engine_devices.get_device(key.device), str(key.precision))

@@ -231,8 +231,131 @@ def device_notes(report: list[dict]) -> str:
 
 
 # -- comparison ------------------------------------------------------------------------------------
-def config_label(device: str, precision: str, mode: str) -> str:
-    return f"{device}/{precision}/{mode}"
+NO_CACHE = "none"
+REFERENCE_TAG = "reference: eager fp32, no step cache"
+PRICE_COLUMNS = ["config", "s / image", "× vs eager fp32", "median step", "steps computed / cached",
+                 "drift PSNR / max diff", "fidelity", "compile s", "warm-up s"]
+PRICE_WIDTHS = ["20%", "8%", "9%", "9%", "11%", "13%", "12%", "9%", "9%"]
+
+
+def config_label(device: str, precision: str, mode: str, cache: str = NO_CACHE) -> str:
+    """"cpu/fp32/eager", with "/first-block:0.2" appended when a step cache is on."""
+    base = f"{device}/{precision}/{mode}"
+    return base if not cache or cache == NO_CACHE else f"{base}/{cache}"
+
+
+def parse_config(label: str) -> tuple[str, str, str, str]:
+    """(device, precision, mode, cache) of a config_label."""
+    parts = label.split("/", 3)
+    return parts[0], parts[1], parts[2], parts[3] if len(parts) > 3 else NO_CACHE
+
+
+def reference_label(device: str) -> str:
+    return config_label(device, "fp32", "eager")
+
+
+def step_cache_choices(rows: list[dict]) -> list[tuple[str, str]]:
+    """available_step_caches rows as (label, value) choices: usable ones by name (with their parameters),
+    unusable ones marked with why (picking one is refused with that reason)."""
+    choices = []
+    for r in rows:
+        value = r.get("default") or r["name"]
+        if r.get("usable"):
+            label = value
+        else:
+            label = f"{r['name']} · unavailable: {(r.get('why_not') or 'not here').split(';')[0]}"
+        choices.append((label, value))
+    return choices
+
+
+def per_image_s(result: dict) -> float | None:
+    """Seconds per image: the median total over the configuration's images (main + fidelity samples)."""
+    totals = result.get("image_ms") or [(result.get("timings") or {}).get("total_ms")]
+    totals = [t for t in totals if t is not None]
+    return statistics.median(totals) / 1000 if totals else None
+
+
+def speedups_vs_reference(results: list[dict]) -> dict[str, float | None]:
+    """config -> reference s/image ÷ its s/image (the reference is eager fp32 without a step cache)."""
+    ref = next((r for r in results if r.get("reference") and not r.get("error")), None)
+    ref_s = per_image_s(ref) if ref else None
+    out = {}
+    for r in results:
+        mine = None if r.get("error") else per_image_s(r)
+        out[r.get("config", "")] = ref_s / mine if ref_s and mine else None
+    return out
+
+
+def fmt_fidelity(result: dict) -> str:
+    share, n = result.get("fidelity"), result.get("fidelity_samples")
+    if share is None:
+        return "—" if "fidelity" not in result else "no prompt in the model's grammar"
+    right = round(share * n) if n else None
+    return f"{share * 100:.0f} % ({right}/{n} prompts)" if n else f"{share * 100:.0f} %"
+
+
+def fmt_steps(result: dict) -> str:
+    cached = len(result.get("cached_steps") or [])
+    total = len((result.get("timings") or {}).get("step_ms") or [])
+    computed = result.get("computed_steps", total - cached)
+    return f"{computed} / {cached}"
+
+
+def price_rows(results: list[dict]) -> list[list]:
+    """The Compare tab's table: what each configuration costs and what it buys."""
+    speed = speedups_vs_reference(results)
+    out = []
+    for r in results:
+        config = r.get("config", "")
+        if r.get("error"):
+            out.append([config, f"failed: {r['error']}", "", "", "", "", "", "", ""])
+            continue
+        x = speed.get(config)
+        drift = r.get("drift") or "—"
+        if r.get("drift_samples"):
+            drift = f"{drift} (worst of {r['drift_samples']})"
+        out.append([
+            config + (" (reference)" if r.get("reference") else ""), fmt_s(per_image_s(r)),
+            "—" if x is None else f"{x:.2f}×", fmt_ms((r.get("timings") or {}).get("median_step_ms")),
+            fmt_steps(r), drift, fmt_fidelity(r), fmt_s(r.get("compile_s")), fmt_s(r.get("warmup_s")),
+        ])
+    return out
+
+
+def _esc(text) -> str:
+    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;"))
+
+
+def compare_cards_html(results: list[dict], images: list[str | None]) -> str:
+    """One card per configuration: its image and, under it, time, speedup, drift and fidelity.
+    `images[i]` is the image of results[i] as a URL (a data: URI), or None (failed, not run yet)."""
+    speed = speedups_vs_reference(results)
+    cards = []
+    for r, uri in zip(results, images, strict=True):
+        config = r.get("config", "")
+        lines = [f'<div class="c-card-title">{_esc(config)}</div>']
+        if r.get("reference"):
+            lines.append(f'<div class="c-card-tag">{_esc(r.get("reference_note") or REFERENCE_TAG)}</div>')
+        if uri:
+            lines.append(f'<img src="{uri}" alt="{_esc(config)}">')
+        if r.get("error"):
+            lines.append(f'<div class="c-card-error">failed: {_esc(r["error"])}</div>')
+        else:
+            x = speed.get(config)
+            per = per_image_s(r)
+            lines.append(f'<div class="c-time">{"—" if per is None else f"{per:.3f} s"} / image · '
+                         f'{"—" if x is None else f"{x:.2f}×"} vs eager fp32</div>')
+            drift = r.get("drift") or ("reference" if r.get("reference") else "—")
+            lines.append(f'<div class="c-drift">drift: {_esc(drift)}</div>')
+            if "fidelity" in r or r.get("fidelity_this") is not None:
+                verdict = {True: "✓ draws the prompt", False: "✗ does not draw the prompt"}.get(
+                    r.get("fidelity_this"), "prompt outside the grammar")
+                lines.append(f'<div class="c-fidelity">fidelity: {_esc(fmt_fidelity(r))} · {verdict}</div>')
+            lines.append(f'<div class="c-steps">steps computed / cached: {fmt_steps(r)}</div>')
+            if r.get("eager_fallback"):
+                lines.append('<div class="c-note">eager fallback: the bucket was not warm</div>')
+        cards.append('<div class="c-card">' + "".join(lines) + "</div>")
+    return '<div class="c-cards">' + "".join(cards) + "</div>"
 
 
 def series_colors(names: list[str]) -> dict[str, str]:
@@ -252,9 +375,9 @@ def compare_step_rows(results: list[dict]) -> list[dict]:
 
 
 def image_quality(image, first_image, preset, prompt: str) -> dict:
-    """What the Compare tab shows under an image: drift against the first configuration's image (PSNR,
-    largest pixel difference) and, for a model with a pixel checker (the embedded shapes model), whether
-    it drew the prompt. Computed by the bench's own functions, so the UI and the bench agree."""
+    """Drift of one image against a reference image (PSNR, largest pixel difference) and, for a model
+    with a pixel checker (the embedded shapes model), whether it drew the prompt. Computed by the bench's
+    own functions, so the UI and the bench agree."""
     from engine.bench.quality import fidelity_checker, fmt_drift, image_drift
 
     out: dict = {}
@@ -271,7 +394,7 @@ def image_quality(image, first_image, preset, prompt: str) -> dict:
 def quality_caption(quality: dict) -> str:
     parts = []
     if "drift" in quality:
-        parts.append(f"drift vs first: {quality['drift']}")
+        parts.append(f"drift vs eager fp32: {quality['drift']}")
     if quality.get("fidelity") is not None:
         parts.append("draws the prompt ✓" if quality["fidelity"] else "does not draw the prompt ✗")
     elif "fidelity" in quality:
