@@ -183,6 +183,7 @@ COMMANDS = (
     "engine.bench:add_bench_parser",
     "engine.soak:add_soak_parser",
     "engine.bench.contention:add_contention_parser",
+    "engine.bench.advise:add_advise_parser",
 )
 
 
