@@ -11,7 +11,7 @@ import os
 
 import gradio as gr
 
-from ui import buckets, compare, generate, system
+from ui import advisor, buckets, compare, generate, system
 from ui.common import FAST
 from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
@@ -62,10 +62,11 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
             "and what precision and compilation buy on this machine."
         )
         engine_line = gr.Markdown(elem_id="engine-line")
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             settings = generate.build(h, demo, engine_line)
             board = buckets.build(h)
             compare.build(h)
+            advisor.build(h, settings, tabs)
             system.build(h)
         gr.api(h.cancel_api, api_name="cancel", concurrency_limit=None)  # runs of both Generate and Compare
 

@@ -56,6 +56,7 @@ class UIDefaults:
     mode: str = "compile"
     on_cold: str = "eager"
     tp: int = 1
+    step_cache: str = "none"
     poll_s: float = 1.0
     admin_token: str | None = None  # public mode: unlocks host operations (restart, warm everything)
 

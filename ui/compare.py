@@ -4,7 +4,7 @@ Every configuration is priced against eager fp32 without a step cache on the fir
 first, and added when it is not among the picks): seconds per image, speedup, drift of every image
 against the reference's image of the same prompt and seed (PSNR, max pixel difference) and, for a model
 with a pixel checker, fidelity over several prompts. Drift and fidelity come from engine/bench/quality.py,
-the bench's own code.
+the bench's own code, through ui/views.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from itertools import product
 import gradio as gr
 import pandas as pd
 
-from engine.bench import quality
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size
 from ui import views
@@ -28,7 +27,6 @@ from ui.runs import HEARTBEAT_S
 MIN_CONFIGS, MAX_CONFIGS = 1, 6  # picked; the reference is added when it is not among them
 MAX_FIDELITY_PROMPTS = 32
 DEFAULT_FIDELITY_PROMPTS = 8
-FIDELITY_SEED = 7  # the bench's prompt-sampling seed: the same prompts as its quality samples
 THUMBNAIL_PX = 256
 
 
@@ -91,10 +89,9 @@ class CompareHandlers(HandlerBase):
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         steps_total = int(steps) if steps else model.steps
-        checker = quality.fidelity_checker(model)
-        n_samples = max(0, min(MAX_FIDELITY_PROMPTS, int(fidelity_prompts or 0))) if checker else 0
+        n_samples = max(0, min(MAX_FIDELITY_PROMPTS, int(fidelity_prompts or 0))) if views.has_checker(model) else 0
         # The main prompt, then the sample prompts (seeded: every configuration draws the same ones).
-        prompts = [prompt, *quality.sample_prompts(model, n_samples, seed=FIDELITY_SEED, fallback=prompt)]
+        prompts = [prompt, *views.fidelity_sample_prompts(model, n_samples, fallback=prompt)]
         seeds = [seed, *(1000 + i for i in range(n_samples))]
         runs_each = len(prompts)
         note = ("the reference, picked" if picked else
@@ -164,7 +161,8 @@ class CompareHandlers(HandlerBase):
                 images = [r.image() for r, _ in outcomes]
                 if config == reference:
                     ref_images = images
-                entry.update(self._price(images, prompts, ref_images, model, config == reference))
+                entry.update(views.price_quality(images, prompts, None if config == reference else ref_images,
+                                                 model))
                 entry["image_index"] = len(gallery)
                 results.append(entry)
                 caption = " · ".join(filter(None, [
@@ -178,24 +176,6 @@ class CompareHandlers(HandlerBase):
         if all(r.get("error") for r in results):
             failures = "; ".join(f"{r['config']}: {r['error']}" for r in results)
             raise gr.Error(f"every configuration failed: {failures}", title="Compare failed")
-
-    @staticmethod
-    def _price(images: list, prompts: list[str], ref_images: list | None, model, is_reference: bool) -> dict:
-        """Drift against the reference's images of the same prompts and seeds, and fidelity over the
-        sample prompts, by the bench's own quality.score; the main image's own verdict as well."""
-        out: dict = {}
-        if ref_images is not None and not is_reference:
-            drift = quality.score(images, prompts, ref_images, model)
-            out.update(drift_psnr_db=drift["drift_psnr_db"], drift_max_diff=drift["drift_max_diff"],
-                       drift=quality.fmt_drift(drift["drift_psnr_db"], drift["drift_max_diff"]),
-                       drift_samples=len(images))
-        checker = quality.fidelity_checker(model)
-        if checker is not None:
-            out["fidelity_this"] = checker(images[0], prompts[0])
-            if len(prompts) > 1:
-                fid = quality.score(images[1:], prompts[1:], None, model)
-                out.update(fidelity=fid["fidelity"], fidelity_samples=fid["fidelity_samples"])
-        return out
 
     def compare_ended(self, payload: dict | None):
         """After the Compare event, however it ended. Results not "done" mean Gradio closed the handler

@@ -82,7 +82,8 @@ def stats_rows(result: dict | None) -> list[list[str]]:
     if result.get("running"):
         rows = [
             ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"],
-            ["progress", f"step {len(steps)} of {result.get('steps', '?')}"],
+            ["progress", f"step {len(steps)} of {result.get('steps', '?')}"
+             + (f" ({len(result['cached_steps'])} from the step cache)" if result.get("cached_steps") else "")],
         ]
         if steps:
             rows.append(["first step / median step",
@@ -98,6 +99,8 @@ def stats_rows(result: dict | None) -> list[list[str]]:
         ["total", fmt_ms(t.get("total_ms"))],
         ["first step / median step", f"{fmt_ms(t.get('first_step_ms'))} / {fmt_ms(t.get('median_step_ms'))}"],
         ["it/s", "—" if its is None else f"{its:.2f}"],
+        ["step cache", result.get("step_cache") or NO_CACHE],
+        ["steps computed / cached", fmt_steps(result)],
         ["bucket", bucket_verdict(result)],
         ["recompiles", str(result.get("recompiles", 0))],
         ["peak memory", fmt_bytes(result.get("peak_memory_bytes"))],
@@ -232,6 +235,7 @@ def device_notes(report: list[dict]) -> str:
 
 # -- comparison ------------------------------------------------------------------------------------
 NO_CACHE = "none"
+FIDELITY_SEED = 7  # the bench's prompt-sampling seed: Compare scores the same prompts as its quality samples
 REFERENCE_TAG = "reference: eager fp32, no step cache"
 PRICE_COLUMNS = ["config", "s / image", "× vs eager fp32", "median step", "steps computed / cached",
                  "drift PSNR / max diff", "fidelity", "compile s", "warm-up s"]
@@ -391,6 +395,39 @@ def image_quality(image, first_image, preset, prompt: str) -> dict:
     return out
 
 
+def fidelity_sample_prompts(preset, n: int, fallback: str) -> list[str]:
+    """The Compare tab's fidelity prompts: the bench's seeded samples of the model's grammar."""
+    from engine.bench.quality import sample_prompts
+
+    return sample_prompts(preset, n, seed=FIDELITY_SEED, fallback=fallback)
+
+
+def has_checker(preset) -> bool:
+    from engine.bench.quality import fidelity_checker
+
+    return fidelity_checker(preset) is not None
+
+
+def price_quality(images: list, prompts: list[str], ref_images: list | None, preset) -> dict:
+    """Under a Compare image: drift of every image against the reference's image of the same prompt and
+    seed (the worst kept), and fidelity over the sample prompts (images[1:]) with the first image's own
+    verdict, by the bench's quality.score."""
+    from engine.bench.quality import fidelity_checker, fmt_drift, score
+
+    out: dict = {}
+    if ref_images is not None:
+        drift = score(images, prompts, ref_images, preset)
+        out.update(drift_psnr_db=drift["drift_psnr_db"], drift_max_diff=drift["drift_max_diff"],
+                   drift=fmt_drift(drift["drift_psnr_db"], drift["drift_max_diff"]), drift_samples=len(images))
+    checker = fidelity_checker(preset)
+    if checker is not None:
+        out["fidelity_this"] = checker(images[0], prompts[0])
+        if len(prompts) > 1:
+            fid = score(images[1:], prompts[1:], None, preset)
+            out.update(fidelity=fid["fidelity"], fidelity_samples=fid["fidelity_samples"])
+    return out
+
+
 def quality_caption(quality: dict) -> str:
     parts = []
     if "drift" in quality:
@@ -456,3 +493,81 @@ def cost_rows(results: list[dict]) -> list[list]:
             fmt_s(r.get("waited_s")), r.get("error") or "",
         ])
     return out
+
+
+# -- advisor ---------------------------------------------------------------------------------------
+ADVISOR_COLUMNS = ["configuration", "s / image", "× eager fp32", "drift PSNR / max diff", "fidelity",
+                   "steps cached (mean)", "compile s", "within bound"]
+ADVISOR_POINT_COLUMNS = ["configuration", "s_per_image", "quality", "verdict"]
+IDENTICAL_PSNR_DB = 100.0  # where an image identical to eager fp32 is drawn on the PSNR axis
+
+
+def _pct(value) -> str:
+    return "—" if value is None else f"{value * 100:.0f} %"
+
+
+def advisor_rows(result: dict | None) -> list[list]:
+    """The advisor's table: every measured configuration, fastest first, with why it is (not) eligible."""
+    if not result:
+        return []
+    from engine.bench.quality import fmt_drift
+
+    pick = (result.get("pick") or {}).get("label")
+    out = []
+    for r in sorted(result.get("rows", []), key=lambda r: r.get("s_per_image") or 1e9):
+        if r.get("error"):
+            out.append([r["label"], "failed", "", "", "", "", "", r["error"]])
+            continue
+        verdict = "★ pick" if r["label"] == pick else ("yes" if r.get("eligible") else f"no: {r.get('why_not', '')}")
+        out.append([r["label"], f"{r['s_per_image']:.3f}", "—" if r.get("speedup") is None else f"{r['speedup']:.2f}×",
+                    fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff")), _pct(r.get("fidelity")),
+                    "—" if r.get("cached_steps") is None else f"{r['cached_steps']:.1f}", fmt_s(r.get("compile_s")),
+                    verdict])
+    for s in result.get("skipped", []):
+        out.append([s["what"], "skipped", "", "", "", "", "", s["why"]])
+    return out
+
+
+def advisor_points(result: dict | None) -> list[dict]:
+    """The frontier's points: seconds per image against fidelity (%) on a model with a checker, else PSNR."""
+    if not result:
+        return []
+    pick = (result.get("pick") or {}).get("label")
+    points = []
+    for r in result.get("rows", []):
+        if r.get("error") or r.get("s_per_image") is None:
+            continue
+        if r.get("fidelity") is not None:
+            q = r["fidelity"] * 100
+        else:
+            q = IDENTICAL_PSNR_DB if not r.get("drift_max_diff") else r.get("drift_psnr_db")
+        verdict = "pick" if r["label"] == pick else ("within bound" if r.get("eligible") else "outside bound")
+        points.append({"configuration": r["label"], "s_per_image": r["s_per_image"], "quality": q,
+                       "verdict": verdict})
+    return points
+
+
+def advisor_markdown(result: dict) -> str:
+    pick = result.get("pick")
+    bound = result.get("bound") or {}
+    parts = [f"**{result['preset']} on {result['device']}**, {result['size']}, {result['steps']} steps: "
+             f"{len(result.get('rows', []))} configurations measured in {result['elapsed_s']:.0f} s, "
+             f"{len(result.get('skipped', []))} skipped (listed in the table)."]
+    if pick is None:
+        parts.append("No configuration within the bound: eager fp32 stays.")
+    else:
+        confirm = result.get("confirm") or {}
+        parts.append(f"**Pick: `{pick['label']}`** — {pick['s_per_image']:.3f} s per image, "
+                     f"**{pick['speedup']:.2f}×** eager fp32 (final round: {confirm.get('pick_ms_median', 0):.1f} vs "
+                     f"{confirm.get('reference_ms_median', 0):.1f} ms, medians of {confirm.get('rounds')} rounds), "
+                     f"fidelity {_pct(pick.get('fidelity'))}.")
+    limits = []
+    if bound.get("fidelity_points") is not None:
+        limits.append(f"fidelity within {bound['fidelity_points']:g} points of eager fp32")
+    if bound.get("min_psnr_db") is not None:
+        limits.append(f"PSNR ≥ {bound['min_psnr_db']:g} dB against eager fp32")
+    if limits:
+        parts.append("Bound: " + ", ".join(limits) + ".")
+    if result.get("saved"):
+        parts.append(f"Saved to `{result['saved']}` (start the app with `--config-from` that file).")
+    return "\n\n".join(parts)

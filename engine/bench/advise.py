@@ -45,7 +45,7 @@ class AdvisePlan:
     steps: int
     max_minutes: float = 5.0
     timing_images: int = 5
-    quality_samples: int = 24  # fidelity prompts (a model with a checker) or drift samples
+    quality_samples: int = 16  # fidelity prompts (a model with a checker) or drift samples
     confirm_pairs: int = 8
     fidelity_points: float | None = DEFAULT_FIDELITY_POINTS  # the bound on a model with a checker
     min_psnr_db: float | None = None  # None: DEFAULT_MIN_PSNR on a model without a checker, else off
@@ -459,7 +459,7 @@ def add_advise_parser(subparsers):
     a.add_argument("--steps", type=int, default=None, help="default: the preset's")
     a.add_argument("--max-minutes", type=float, default=5.0, help="time budget; what does not fit is skipped")
     a.add_argument("--timing-images", type=int, default=5, help="timed images per configuration (median)")
-    a.add_argument("--quality-samples", type=int, default=24,
+    a.add_argument("--quality-samples", type=int, default=16,
                    help="fidelity prompts (a model with a checker) / drift samples per configuration")
     a.add_argument("--confirm-pairs", type=int, default=8,
                    help="final round: the leaders and eager fp32 timed this many times each, round-robin")
