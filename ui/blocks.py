@@ -22,6 +22,13 @@ CSS = """
 #output-image img { image-rendering: pixelated; object-fit: contain; }
 #engine-line { min-height: 1.6em; }
 #board { font-variant-numeric: tabular-nums; }
+#c-cards .c-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr)); gap: 12px; }
+#c-cards .c-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 8px;
+  font-size: 0.9em; font-variant-numeric: tabular-nums; overflow-wrap: anywhere; }
+#c-cards .c-card img { width: 100%; max-width: 256px; image-rendering: pixelated; display: block; margin: 4px 0; }
+#c-cards .c-card-title { font-weight: 600; }
+#c-cards .c-card-tag, #c-cards .c-note { color: var(--body-text-color-subdued); font-size: 0.9em; }
+#c-cards .c-card-error { color: var(--error-text-color); }
 """
 
 
