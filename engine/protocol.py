@@ -362,7 +362,6 @@ class EngineOptions:
     max_autotune: bool = False  # torch.compile mode="max-autotune" (inductor devices only)
     dynamic: bool = False  # dynamic=True + use_duck_shape=False (not on static-shape devices)
     compile_vae: bool = True  # compile vae.decode too in "compile" mode
-    int8: bool = False  # torchao dynamic int8 activation + int8 weight quantisation of the denoiser
     warm_modes: tuple[Mode, ...] = (Mode.COMPILE,)  # modes whose buckets warm at start-up
     warm_sizes: tuple[str, ...] | None = None  # None: every bucket of the preset; () none
     warm_steps: int = 2
