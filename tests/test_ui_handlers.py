@@ -329,13 +329,13 @@ def test_compare_runs_each_configuration_and_builds_the_speedup_table(handlers):
     progress = RecordingProgress()
     outputs = list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 3, ["cpu"], ["fp32"], ["eager", "compile"],
                                     False, request=None, progress=progress))
-    gallery, payload = outputs[-1]
-    assert len(gallery) == 2
+    gallery, payload, thumbnails = outputs[-1]
+    assert len(gallery) == 2 and len(thumbnails) == 2
     configs = [r["config"] for r in payload["results"]]
     assert configs == ["cpu/fp32/eager", "cpu/fp32/compile"]
     assert all(len(r["timings"]["step_ms"]) == 2 for r in payload["results"])
     assert payload["speedup"][0]["speedup_step"] == pytest.approx(1.0)
-    plot, speed, costs, cards = handlers.render_compare(payload, gallery)
+    plot, speed, costs, cards = handlers.render_compare(payload, thumbnails)
     assert set(plot["value"]["config"]) == set(configs) and len(plot["value"]) == 4
     assert plot["colors_in_legend"] == configs and set(plot["color_map"]) == set(configs)  # redraws the legend
     assert len(speed) == 2 and len(costs) == 2

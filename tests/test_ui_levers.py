@@ -59,14 +59,15 @@ def handlers(manager):
     return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
 
 
-def run_compare(handlers, precisions, modes, caches=None, fidelity_prompts=3, prompt="a red circle on a blue background"):
-    outputs = list(handlers.compare(prompt, "tiny-shapes", "64x64", 4, 1.0, 5, ["cpu"], precisions, modes, False,
+def run_compare(handlers, precisions, modes, caches=None, fidelity_prompts=3, prompt="a red circle on a blue background",
+                steps=4):
+    outputs = list(handlers.compare(prompt, "tiny-shapes", "64x64", steps, 1.0, 5, ["cpu"], precisions, modes, False,
                                     caches, fidelity_prompts, request=None, progress=Progress()))
     return outputs[-1]
 
 
 def test_compare_adds_the_reference_and_prices_every_configuration(handlers):
-    gallery, payload = run_compare(handlers, ["bf16"], ["eager"])
+    _, payload, thumbnails = run_compare(handlers, ["bf16"], ["eager"])
     configs = [r["config"] for r in payload["results"]]
     assert configs == ["cpu/fp32/eager", "cpu/bf16/eager"]  # the reference first, added and said so
     ref, bf16 = payload["results"]
@@ -80,14 +81,38 @@ def test_compare_adds_the_reference_and_prices_every_configuration(handlers):
     assert rows["cpu/fp32/eager (reference)"][2] == "1.00×"
     assert rows["cpu/bf16/eager"][2].endswith("×") and "worst of 4" in rows["cpu/bf16/eager"][5]
     assert "prompts)" in rows["cpu/bf16/eager"][6]
-    plot, price, costs, cards = handlers.render_compare(payload, gallery)
+    plot, price, costs, cards = handlers.render_compare(payload, thumbnails)
     assert cards.count('class="c-card"') == 2 and cards.count("data:image/png;base64,") == 2
     assert "drift: " in cards and "fidelity: " in cards and "vs eager fp32" in cards
 
 
 def test_compare_with_the_reference_picked_runs_it_once(handlers):
-    _, payload = run_compare(handlers, ["fp32"], ["eager", "regional"], fidelity_prompts=0)
+    _, payload, _ = run_compare(handlers, ["fp32"], ["eager", "regional"], fidelity_prompts=0)
     configs = [r["config"] for r in payload["results"]]
     assert configs == ["cpu/fp32/eager", "cpu/fp32/regional"]
     assert "picked" in payload["results"][0]["reference_note"]
     assert "fidelity" not in payload["results"][1] and payload["results"][1]["fidelity_this"] is True
+
+
+def test_compare_prices_a_step_cache_and_int8_against_the_reference(handlers):
+    _, payload, thumbnails = run_compare(handlers, ["fp32", "int8wo"], ["eager"], ["none", "taylorseer:3:2"],
+                                         fidelity_prompts=2, steps=8)
+    results = {r["config"]: r for r in payload["results"]}
+    assert list(results) == ["cpu/fp32/eager", "cpu/fp32/eager/taylorseer:3:2", "cpu/int8wo/eager",
+                             "cpu/int8wo/eager/taylorseer:3:2"]
+    assert not any(r.get("error") for r in results.values()), [r.get("error") for r in results.values()]
+    assert len(thumbnails) == 4
+    cached = results["cpu/fp32/eager/taylorseer:3:2"]
+    assert cached["step_cache"] == "taylorseer:3:2" and cached["cached_steps"]
+    assert cached["computed_steps"] + len(cached["cached_steps"]) == 8
+    assert cached["drift_max_diff"] > 0  # reused steps change the pixels a little
+    int8 = results["cpu/int8wo/eager"]
+    assert int8["precision"] == "int8wo" and not int8["cached_steps"] and int8["drift_max_diff"] > 0
+    assert 0.0 <= int8["fidelity"] <= 1.0 and int8["fidelity_samples"] == 2
+    rows = {r[0]: r for r in views.price_rows(payload["results"])}
+    n = len(cached["cached_steps"])
+    assert rows["cpu/fp32/eager/taylorseer:3:2"][4] == f"{8 - n} / {n}"
+    assert rows["cpu/fp32/eager (reference)"][4] == "8 / 0"
+    plot, _, _, cards = handlers.render_compare(payload, thumbnails)
+    assert "cpu/fp32/eager/taylorseer:3:2 · cached" in set(plot["value"]["config"])  # cached steps: own series
+    assert f"steps computed / cached: {8 - n} / {n}" in cards and cards.count("data:image/png;base64,") == 4

@@ -78,9 +78,11 @@ class CompareHandlers(HandlerBase):
         """The same prompt, seed, size and steps on every device × precision × mode × step cache picked
         (1–6), plus eager fp32 without a cache on the first device when it is not among them.
 
-        Streams (gallery, results) at the start and after each configuration; results = {"configs", "done",
-        "reference", "results": [...as_dict() + config, image_ms, drift, fidelity, bucket costs],
-        "speedup": speedup_table rows}. A configuration that fails is reported, the others still run.
+        Streams (gallery, results, thumbnails) at the start and after each configuration; results =
+        {"configs", "done", "reference", "results": [...as_dict() + config, image_ms, drift, fidelity, bucket
+        costs], "speedup": speedup_table rows}; thumbnails: the cards' images as data: URIs, by image_index
+        (a State: the cards never read the gallery's files back). A configuration that fails is reported,
+        the others still run.
         """
         configs, reference, picked = self._configs(devices, precisions, modes, caches)
         try:
@@ -98,6 +100,7 @@ class CompareHandlers(HandlerBase):
                 "the reference, added: every speedup and drift is measured against it")
         results: list[dict] = []
         gallery: list[tuple] = []
+        thumbnails: list[str] = []
         ref_images: list | None = None
 
         def payload(done: bool = False):
@@ -110,7 +113,7 @@ class CompareHandlers(HandlerBase):
                 run = stack.enter_context(self.runs.open(session_id(request), exclusive=self.public))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
-            yield gallery, payload()  # the page shows this comparison from now on
+            yield gallery, payload(), thumbnails  # the page shows this comparison from now on
             for index, config in enumerate(configs):
                 if run.cancelled:
                     results.append({"config": config, "error": "cancelled before it started"})
@@ -137,16 +140,16 @@ class CompareHandlers(HandlerBase):
                                     outcomes.append((item, time.perf_counter() - started))
                                 elif time.perf_counter() - last_yield >= HEARTBEAT_S:
                                     last_yield = time.perf_counter()
-                                    yield gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
+                                    yield gr.skip(), gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
                 except ShowcaseError as exc:
                     if isinstance(exc, Cancelled):
                         gr.Warning(str(exc), title="Cancelled", duration=4)
                     results.append({"config": config, "error": str(exc), "reference": config == reference})
-                    yield gallery, payload()
+                    yield gallery, payload(), thumbnails
                     continue
                 except Exception as exc:
                     results.append({"config": config, "error": f"internal error: {exc}"})
-                    yield gallery, payload(done=True)  # settled, so it is not taken for a cancel
+                    yield gallery, payload(done=True), thumbnails  # settled, so it is not taken for a cancel
                     raise to_gradio_error(exc) from None
                 result, elapsed = outcomes[0]
                 waited_s = max(0.0, elapsed - result.timings.total_ms / 1000)
@@ -171,8 +174,9 @@ class CompareHandlers(HandlerBase):
                     f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
                     "eager fallback" if result.eager_fallback else ""]))
                 gallery.append((images[0], caption))
-                yield gallery, payload()
-        yield gallery, payload(done=True)
+                thumbnails.append(thumbnail_uri(images[0]))
+                yield gallery, payload(), thumbnails
+        yield gallery, payload(done=True), thumbnails
         if all(r.get("error") for r in results):
             failures = "; ".join(f"{r['config']}: {r['error']}" for r in results)
             raise gr.Error(f"every configuration failed: {failures}", title="Compare failed")
@@ -191,8 +195,9 @@ class CompareHandlers(HandlerBase):
                    duration=4)
         return {**payload, "done": True, "results": results, "speedup": views.speedup_table(results)}
 
-    def render_compare(self, payload: dict | None, gallery=None):
+    def render_compare(self, payload: dict | None, thumbnails: list[str] | None = None):
         """Cards and tables after every configuration; the plot once, when the comparison is done.
+        `thumbnails`: compare's third output, the cards' images by image_index.
 
         A LinePlot rebuilds its colour scale only when certain props change, not when a new series
         arrives in the data. Measured in Chromium: updating colors_in_legend rebuilds it (color_map
@@ -209,11 +214,11 @@ class CompareHandlers(HandlerBase):
             plot = gr.skip()
         price = pd.DataFrame(views.price_rows(results), columns=views.PRICE_COLUMNS)
         costs = pd.DataFrame(views.cost_rows(results), columns=views.COST_COLUMNS)
-        pictures = [item[0] if isinstance(item, tuple | list) else item for item in (gallery or [])]
+        thumbnails = thumbnails or []
         uris = []
         for r in results:
             i = r.get("image_index")
-            uris.append(thumbnail_uri(pictures[i]) if i is not None and i < len(pictures) else None)
+            uris.append(thumbnails[i] if i is not None and i < len(thumbnails) else None)
         return plot, price, costs, views.compare_cards_html(results, uris)
 
 
@@ -281,6 +286,7 @@ def build(h: CompareHandlers) -> None:
                                  object_fit="contain")
         with gr.Accordion("Results JSON", open=False):
             results = gr.JSON(elem_id="c-json")
+        thumbnails = gr.State([])
 
     preset_dd.change(h.compare_defaults, preset_dd, [size, steps, guidance], **FAST)
     gr.on([preset_dd.change, devices.change, modes.change], h.compare_caches, [preset_dd, devices, modes], caches,
@@ -288,10 +294,12 @@ def build(h: CompareHandlers) -> None:
     run = compare_btn.click(
         h.compare, [prompt, preset_dd, size, steps, guidance, seed, devices, precisions, modes, wait, caches,
                     fidelity],
-        [gallery, results], api_name="compare", concurrency_id=ENGINE_QUEUE,
+        [gallery, results, thumbnails], api_name="compare", concurrency_id=ENGINE_QUEUE,
         concurrency_limit=h.run_slots(), show_progress="full", show_progress_on=[cards],
     )
     # Gradio closes the running handler; closing it cancels the engine request between steps.
     cancel_btn.click(None, cancels=[run])
     run.then(h.compare_ended, results, results, **FAST)
-    results.change(h.render_compare, [results, gallery], [plot, speed, costs, cards], **FAST)
+    # Not the gallery as an input: Gradio would read its image files back from the shared upload folder, where
+    # another process saving an identical image (same content hash, same path) can leave one half-written.
+    results.change(h.render_compare, [results, thumbnails], [plot, speed, costs, cards], **FAST)
