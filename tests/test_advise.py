@@ -5,7 +5,19 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from engine.bench.advise import AdvisePlan, choose, load_pick, result_path, save
+from engine.bench.advise import (
+    AdvisePlan,
+    Candidate,
+    Measured,
+    choose,
+    final_entries,
+    final_pick,
+    load_pick,
+    result_path,
+    save,
+    scan_rank,
+    stronger,
+)
 from engine.presets import get_preset
 from ui import views
 
@@ -75,3 +87,51 @@ def test_the_saved_file_drives_the_app_defaults_and_the_views(tmp_path):
     points = views.advisor_points(report)
     assert {p["verdict"] for p in points} == {"pick", "within bound"} and all(p["quality"] == 94 for p in points)
     assert "Pick: `fp32/regional/first-block:0.2`" in views.advisor_markdown(report)
+
+
+def test_the_scan_times_compiled_modes_of_the_fastest_precisions_before_caches():
+    measured = {("fp32", "eager", "none", "native"): 0.20, ("bf16", "eager", "none", "native"): 0.50,
+                ("fp32", "compile", "none", "native"): 0.08, ("int8dq", "eager", "none", "native"): None}
+    grid = [Candidate("fp32", "eager", "first-block:0.2"), Candidate("bf16", "compile"),
+            Candidate("fp32", "regional"), Candidate("fp32", "compile"), Candidate("bf16", "eager"),
+            Candidate("fp32", "eager"), Candidate("fp32", "compile", "none", "flex"), Candidate("int8dq", "regional"),
+            Candidate("fp32", "eager", "first-block:0.4")]
+    ranks = {c.label(): scan_rank(c, measured.get) for c in grid}
+    order = [label for label, r in sorted(ranks.items(), key=lambda kv: kv[1] or (9,)) if r is not None]
+    assert order == ["fp32/eager", "bf16/eager", "fp32/regional", "fp32/compile", "bf16/compile",
+                     "fp32/compile/attn=flex", "fp32/eager/first-block:0.2", "fp32/eager/first-block:0.4"]
+    assert ranks["int8dq/regional"] is None  # int8dq failed eagerly (or was not measured): nothing builds on it
+
+
+def test_a_configuration_whose_quality_was_not_measured_is_never_picked():
+    rows = [row("fp32", "eager"), row("fp32", "compile", ms=50, fidelity=None),
+            row("fp32", "regional", ms=60, psnr=90, diff=1)]
+    rows[1]["unscored"] = "slower than 4 configurations within the bound: quality not measured"
+    pick, rows = choose(rows, plan())
+    assert pick["label"] == "fp32/regional" and rows[1]["why_not"].endswith("quality not measured")
+
+
+def test_the_final_round_keeps_a_step_cache_only_where_it_beat_its_base_there():
+    leaders = [row("fp32", "regional", "first-block:0.2", ms=40), row("fp32", "compile", ms=45)]
+    rows = [row("fp32", "eager"), *leaders, row("fp32", "regional", ms=50)]
+    entries = [c.label() for c in final_entries(leaders, rows)]
+    assert entries == ["fp32/eager", "fp32/regional/first-block:0.2", "fp32/regional", "fp32/compile"]
+    medians = {"fp32/eager": 100, "fp32/regional/first-block:0.2": 41, "fp32/regional": 52, "fp32/compile": 44}
+    assert final_pick(leaders, medians) == "fp32/regional/first-block:0.2"
+    medians["fp32/regional"] = 40  # the cache no faster than its base in the final round: not picked
+    assert final_pick(leaders, medians) == "fp32/compile"
+
+
+def test_speed_is_the_speedup_timed_next_to_the_reference_where_measured_so():
+    # compile ran in a quiet spell (lower s/image) but, timed in alternation with eager fp32, regional gains more
+    rows = [row("fp32", "eager", ms=200), row("fp32", "compile", ms=60), row("fp32", "regional", ms=80)]
+    rows[1]["paired_speedup"], rows[2]["paired_speedup"] = 1.5, 1.7
+    pick, rows = choose(rows, plan())
+    assert pick["label"] == "fp32/regional" and pick["speedup"] == 1.7 and rows[0]["speedup"] == 1.0
+    m = Measured(Candidate("fp32", "compile"), image_ms=[50.0, 60.0, 70.0], ref_ms=[100.0, 120.0])
+    assert m.paired_speedup == 110 / 55  # the images timed next to the reference's only
+
+
+def test_each_cache_is_also_tried_loosened_one_notch():
+    assert [stronger(c) for c in ("first-block:0.2", "magcache:0.06", "taylorseer:3:2", "pyramid:2", "none")] == [
+        "first-block:0.4", "magcache:0.12", "taylorseer:4:2", "pyramid:3", None]

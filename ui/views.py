@@ -507,14 +507,15 @@ def _pct(value) -> str:
 
 
 def advisor_rows(result: dict | None) -> list[list]:
-    """The advisor's table: every measured configuration, fastest first, with why it is (not) eligible."""
+    """The advisor's table: every measured configuration, the largest speedup over eager fp32 first (timed in
+    alternation with it), with why it is (not) eligible."""
     if not result:
         return []
     from engine.bench.quality import fmt_drift
 
     pick = (result.get("pick") or {}).get("label")
     out = []
-    for r in sorted(result.get("rows", []), key=lambda r: r.get("s_per_image") or 1e9):
+    for r in sorted(result.get("rows", []), key=lambda r: -(r.get("speedup") or 0)):
         if r.get("error"):
             out.append([r["label"], "failed", "", "", "", "", "", r["error"]])
             continue

@@ -53,6 +53,7 @@ class AdvisePlan:
     options: object = None  # EngineOptions
     allowed_roots: tuple[str, ...] = ()
     prompt: str = ""
+    started: float | None = None  # time.perf_counter() when the run began (default: when advise() is called)
 
     def psnr_bound(self) -> float | None:
         if self.min_psnr_db is not None:
@@ -88,17 +89,30 @@ class Measured:
     drift_max_diff: int | None = None
     fidelity: float | None = None
     cached_steps: float | None = None  # mean per image
+    ref_ms: list[float] = field(default_factory=list)  # the reference's images, each timed next to one of these
     error: str | None = None
+    scored: bool = False  # quality measured
+    unscored: str | None = None  # why its quality was not measured
+    note: str | None = None
 
     @property
     def s_per_image(self) -> float | None:
         return statistics.median(self.image_ms) / 1000 if self.image_ms else None
 
+    @property
+    def paired_speedup(self) -> float | None:
+        """The reference's median ÷ this one's, over images timed in alternation with the reference's."""
+        if not self.ref_ms or not self.image_ms:
+            return None
+        return statistics.median(self.ref_ms) / statistics.median(self.image_ms[:len(self.ref_ms)])
+
     def as_dict(self) -> dict:
         return {**self.candidate.as_dict(), "label": self.candidate.label(), "s_per_image": self.s_per_image,
                 "image_ms": [round(x, 3) for x in self.image_ms], "compile_s": self.compile_s,
+                "ref_ms": [round(x, 3) for x in self.ref_ms], "paired_speedup": self.paired_speedup,
                 "drift_psnr_db": self.drift_psnr_db, "drift_max_diff": self.drift_max_diff,
-                "fidelity": self.fidelity, "cached_steps": self.cached_steps, "error": self.error}
+                "fidelity": self.fidelity, "cached_steps": self.cached_steps, "error": self.error,
+                "unscored": self.unscored, "note": self.note}
 
 
 def result_path(cache_dir: Path, preset: str, device: str, size, steps: int) -> Path:
@@ -139,6 +153,8 @@ def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
             for row in available_step_caches(plan.preset, spec, mode):
                 if row["usable"]:
                     grid.append(Candidate(precision, mode, row["default"]))
+                    if stronger(row["default"]):
+                        grid.append(Candidate(precision, mode, stronger(row["default"])))
                 elif precision == precisions[0]:
                     skipped.append({"what": f"step cache {row['name']} with {mode}", "why": row["why_not"]})
     for row in attention_table(spec, "fp32"):
@@ -155,6 +171,27 @@ def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
     return grid, skipped
 
 
+def stronger(cache: str) -> str | None:
+    """The cache with its reuse loosened one notch (threshold doubled, or one step more between full
+    computations): faster where it reuses more, and the quality bound decides whether it may."""
+    from engine.protocol import StepCache
+
+    c = StepCache.parse(cache)
+    if not c.enabled:
+        return None
+    if c.threshold is not None:
+        return str(dataclasses.replace(c, threshold=round(c.threshold * 2, 4)))
+    if c.interval is not None:
+        return str(dataclasses.replace(c, interval=c.interval + 1))
+    return None
+
+
+def is_default(cache: str) -> bool:
+    from engine.protocol import StepCache
+
+    return str(StepCache.parse(cache)) == str(StepCache.parse(cache.split(":")[0]))
+
+
 def order_grid(grid: list[Candidate]) -> list[Candidate]:
     """The reference first, then eager (no compile), then compiled modes."""
     rank = {m: i for i, m in enumerate(MODES)}
@@ -168,9 +205,11 @@ def order_grid(grid: list[Candidate]) -> list[Candidate]:
 def within_bound(row: dict, ref: dict, plan: AdvisePlan) -> tuple[bool, str]:
     if row.get("error") or row.get("s_per_image") is None:
         return False, row.get("error") or "not measured"
+    if row.get("unscored"):
+        return False, row["unscored"]
     if plan.fidelity_points is not None and ref.get("fidelity") is not None:
         if row.get("fidelity") is None or row["fidelity"] < ref["fidelity"] - plan.fidelity_points / 100 - 1e-9:
-            return False, (f"fidelity {row.get('fidelity', 0) * 100:.0f} % < eager fp32's "
+            return False, (f"fidelity {(row.get('fidelity') or 0) * 100:.0f} % < eager fp32's "
                            f"{ref['fidelity'] * 100:.0f} % - {plan.fidelity_points:g} points")
     bound = plan.psnr_bound()
     if bound is not None and row.get("drift_max_diff"):
@@ -179,24 +218,52 @@ def within_bound(row: dict, ref: dict, plan: AdvisePlan) -> tuple[bool, str]:
     return True, ""
 
 
+def base_of(row: dict) -> tuple:
+    """The key of the same configuration without a step cache."""
+    return row["precision"], row["mode"], row["attention"]
+
+
 def choose(rows: list[dict], plan: AdvisePlan) -> tuple[dict | None, list[dict]]:
     """The fastest row within the bound (rows: Measured.as_dict()), and every row with its verdict.
 
-    A row with a step cache qualifies only if it measured faster than the same configuration without one."""
+    Speed is the speedup over eager fp32: timed in alternation with it where measured so (paired_speedup),
+    else the ratio of medians. A row with a step cache qualifies only if it measured faster than the same
+    configuration without one."""
     ref = next((r for r in rows if {k: r[k] for k in REFERENCE} == REFERENCE and not r.get("error")), None)
     if ref is None:
         return None, rows
-    no_cache = {(r["precision"], r["mode"], r["attention"]): r for r in rows if r["step_cache"] == "none"}
+    for r in rows:
+        r["speedup"] = 1.0 if r is ref else r.get("paired_speedup") or (
+            ref["s_per_image"] / r["s_per_image"] if r.get("s_per_image") else None)
+    no_cache = {base_of(r): r for r in rows if r["step_cache"] == "none"}
     for r in rows:
         ok, why = within_bound(r, ref, plan)
         if ok and r["step_cache"] != "none":
-            base = no_cache.get((r["precision"], r["mode"], r["attention"]))
-            if base and base.get("s_per_image") and r["s_per_image"] >= base["s_per_image"]:
+            base = no_cache.get(base_of(r))
+            if base and base.get("speedup") and r["speedup"] <= base["speedup"]:
                 ok, why = False, f"the step cache measured no faster than {base['label']}"
         r["eligible"], r["why_not"] = ok, why
-        r["speedup"] = ref["s_per_image"] / r["s_per_image"] if r.get("s_per_image") else None
     eligible = [r for r in rows if r["eligible"]]
-    return (min(eligible, key=lambda r: r["s_per_image"]) if eligible else None), rows
+    return (max(eligible, key=lambda r: r["speedup"]) if eligible else None), rows
+
+
+def scan_rank(c: Candidate, seconds: Callable[[tuple], float | None]) -> tuple | None:
+    """Where `c` stands in the scan, from what is measured so far (lower goes first); None: not worth
+    measuring (the configuration it builds on failed or was not measured).
+
+    The reference; every precision eagerly; the compiled modes, precisions that measured fastest eagerly
+    first; then step caches and attention backends on the configurations that measured fastest first.
+    `seconds((precision, mode, step_cache, attention))`: that configuration's s / image, None if unknown."""
+    if c.as_dict() == REFERENCE:
+        return (0,)
+    if c.step_cache == "none" and c.attention == "native":
+        if c.mode == "eager":
+            return (1,)
+        eager = seconds((c.precision, "eager", "none", "native"))
+        return None if eager is None else (2, eager, MODES.index(c.mode))
+    base = seconds((c.precision, c.mode, "none", "native"))
+    loosened = c.step_cache != "none" and not is_default(c.step_cache)
+    return None if base is None else (3, base, loosened, c.attention != "native")
 
 
 # -- measuring --------------------------------------------------------------------------------------
@@ -223,30 +290,75 @@ class _Runners:
         return runner
 
 
+SLOWER_THAN_REFERENCE = 1.25  # after two timed images this much slower than eager fp32: not timed further
+DEFAULT_COMPILE_ESTIMATE_S = 30.0  # before any compile has been measured
+
+
 def advise(plan: AdvisePlan, on_progress: Callable[[int, int, str], None] | None = None,
            cancelled: Callable[[], bool] | None = None) -> dict:
-    """Measure the grid within plan.max_minutes and pick; the report (JSON-ready)."""
+    """Measure the grid within plan.max_minutes and pick; the report (JSON-ready).
+
+    Speed first: every configuration is timed (a warm-up image, then plan.timing_images), in scan_rank's
+    order while the budget lasts. Quality (plan.quality_samples images each) is then measured for the
+    reference and, fastest first, for the configurations faster than it, until FINALISTS are within the
+    bound: a configuration slower than one already within the bound can never be the pick, so its quality
+    is not measured (it says so). Last, the final round times the finalists against the reference."""
     from engine import devices
     from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold
 
-    started = time.perf_counter()
+    started = plan.started or time.perf_counter()
     deadline = started + plan.max_minutes * 60
     spec = devices.resolve_device(plan.device)
     devices.apply_environment(spec, plan.cache_dir)
     import diffusers  # noqa: F401 - after the cache environment (see engine/bench/pipeline.py)
 
     grid, skipped = plan_grid(plan, spec)
-    grid = order_grid(grid)
     prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=7, fallback=plan.prompt)
     seeds = [1000 + i for i in range(len(prompts))]
     runners = _Runners(plan, spec)
-    total = len(grid) + 1
+    total = len(grid) + 2  # the scan, the quality phase, the final round
     done = 0
     report = lambda desc: on_progress and on_progress(done, total, desc)  # noqa: E731
-    ref_images: list | None = None
-    measured: list[Measured] = []
-    compile_estimate: float | None = None
+    ref_key = tuple(REFERENCE.values())
+    measured: dict[tuple, Measured] = {}  # (precision, mode, step_cache, attention) -> measurement, in order
+    compiles: dict[str, float] = {}  # mode -> the longest compile measured for it
     warm_modes: set[tuple] = set()
+    ref_images: list | None = None
+
+    def key(c: Candidate) -> tuple:
+        return c.precision, c.mode, c.step_cache, c.attention
+
+    def seconds(k: tuple) -> float | None:
+        m = measured.get(k)
+        return None if m is None or m.error else m.s_per_image
+
+    def speedup(m: Measured) -> float | None:
+        ref = measured.get(ref_key)
+        if m.paired_speedup:
+            return m.paired_speedup
+        return ref.s_per_image / m.s_per_image if ref and ref.s_per_image and m.s_per_image else None
+
+    def estimate_s(c: Candidate) -> float:
+        """Seconds per image of `c`, before it is measured: its nearest measured relative's."""
+        for k in (key(c), (c.precision, c.mode, "none", "native"), (c.precision, "eager", "none", "native"), ref_key):
+            if seconds(k):
+                return seconds(k)
+        return 1.0
+
+    def compile_estimate(c: Candidate) -> float:
+        return compiles.get(c.mode) or max(compiles.values(), default=DEFAULT_COMPILE_ESTIMATE_S)
+
+    def needs_compile(c: Candidate) -> bool:
+        return c.mode != "eager" and (c.precision, c.attention, c.mode) not in warm_modes
+
+    def final_round_s() -> float:
+        times = [m.s_per_image for m in measured.values() if m.s_per_image and not m.error]
+        return plan.confirm_pairs * ((seconds(ref_key) or 0.0) + FINALISTS * min(times)) if times else 0.0
+
+    def reserve() -> float:
+        """What the quality phase and the final round need at least, at the speeds measured so far."""
+        times = [m.s_per_image for m in measured.values() if m.s_per_image and not m.error]
+        return 2 * len(prompts) * min(times) + final_round_s() if times else 0.0
 
     def request(c: Candidate, prompt: str, seed: int, steps: int | None = None) -> GenerateRequest:
         cache = {"step_cache": c.step_cache} if c.step_cache != "none" else {}
@@ -254,70 +366,131 @@ def advise(plan: AdvisePlan, on_progress: Callable[[int, int, str], None] | None
                                steps=steps or plan.steps, guidance=plan.preset.guidance, seed=seed,
                                mode=Mode(c.mode), on_cold=OnCold.EAGER, **cache)
 
-    def per_image_estimate() -> float:
-        times = [m.s_per_image for m in measured if m.s_per_image]
-        return statistics.median(times) if times else 1.0
+    def time_it(c: Candidate, m: Measured) -> None:
+        runner = runners.get(c)
+        mode = Mode(c.mode)
+        runner.check_mode(mode)
+        if needs_compile(c):
+            t0 = time.perf_counter()
+            info = runner.warm_bucket(BucketKey(mode, plan.size))
+            if info.state != BucketState.WARM:
+                raise RuntimeError(info.error or f"bucket is {info.state.value}")
+            m.compile_s = time.perf_counter() - t0
+            compiles[c.mode] = max(compiles.get(c.mode, 0.0), m.compile_s)
+            warm_modes.add((c.precision, c.attention, c.mode))
+        # A warm-up image first (first calls at the shape, the allocator, the cache's hooks and calibration),
+        # so the timed images measure the configuration's steady state.
+        runner.generate(request(c, plan.prompt, 99))
+        reference = Candidate(**REFERENCE) if key(c) != ref_key else None
 
-    for c in grid:
-        if cancelled and cancelled():
-            skipped.append({"what": c.label(), "why": "cancelled"})
-            continue
-        report(f"{c.label()}")
-        runs = plan.timing_images + len(prompts) + 1
-        needs_compile = c.mode != "eager" and (c.precision, c.attention, c.mode) not in warm_modes
-        cost = runs * per_image_estimate() * 1.5 + ((compile_estimate or 30.0) if needs_compile else 0.0)
-        if measured and time.perf_counter() + cost > deadline:
-            skipped.append({"what": c.label(), "why": f"time budget ({plan.max_minutes:g} min): about "
-                            f"{cost:.0f} s more{' with its compile' if needs_compile else ''}"})
-            done += 1
-            continue
-        m = Measured(c)
+        def ref_image(seed: int) -> None:
+            m.ref_ms.append(runners.get(reference).generate(request(reference, plan.prompt, seed)).timings.total_ms)
+
+        cached = []
+        for i in range(plan.timing_images):
+            # Each image next to one of the reference's, in alternating order: a shared machine's load
+            # drifts over a scan and would otherwise favour whichever configuration ran in a quiet spell.
+            if reference and i % 2 == 0:
+                ref_image(100 + i)
+            res = runners.get(c).generate(request(c, plan.prompt, 100 + i))
+            m.image_ms.append(res.timings.total_ms)
+            cached.append(len(getattr(res, "cached_steps", ()) or ()))
+            if reference and i % 2 == 1:
+                ref_image(100 + i)
+            if reference and i == 1 and m.paired_speedup < 1 / SLOWER_THAN_REFERENCE:
+                m.note = f"{m.paired_speedup:.2f}× eager fp32 over 2 pairs: not timed further"
+                break
+        m.cached_steps = sum(cached) / len(cached) if cached else None
+
+    def score_it(c: Candidate, m: Measured) -> None:
+        nonlocal ref_images
+        runner = runners.get(c)
+        images = [runner.generate(request(c, p, s)).image_png for p, s in zip(prompts, seeds, strict=True)]
+        is_ref = key(c) == ref_key
+        if is_ref:
+            ref_images = images
+        row = quality.score(images, prompts, None if is_ref else ref_images, plan.preset)
+        m.drift_psnr_db, m.drift_max_diff = row["drift_psnr_db"], row["drift_max_diff"]
+        m.fidelity = row.get("fidelity")
+        m.scored = True
+
+    def attempt(step: Callable[[Candidate, Measured], None], c: Candidate, m: Measured) -> None:
         try:
-            runner = runners.get(c)
-            mode = Mode(c.mode)
-            runner.check_mode(mode)
-            if needs_compile:
-                t0 = time.perf_counter()
-                info = runner.warm_bucket(BucketKey(mode, plan.size))
-                if info.state != BucketState.WARM:
-                    raise RuntimeError(info.error or f"bucket is {info.state.value}")
-                m.compile_s = time.perf_counter() - t0
-                compile_estimate = max(compile_estimate or 0.0, m.compile_s)
-                warm_modes.add((c.precision, c.attention, c.mode))
-            # Quality samples first: they also warm the configuration up (first calls at a shape, allocator,
-            # the cache's hooks), so the timed images after them measure its steady state.
-            images = [runner.generate(request(c, p, s)).image_png for p, s in zip(prompts, seeds, strict=True)]
-            cached = []
-            for i in range(plan.timing_images):
-                res = runner.generate(request(c, plan.prompt, 100 + i))
-                m.image_ms.append(res.timings.total_ms)
-                cached.append(len(getattr(res, "cached_steps", ()) or ()))
-            m.cached_steps = sum(cached) / len(cached) if cached else None
-            is_ref = c.as_dict() == REFERENCE
-            if is_ref:
-                ref_images = images
-            row = quality.score(images, prompts, None if is_ref else ref_images, plan.preset)
-            m.drift_psnr_db, m.drift_max_diff = row["drift_psnr_db"], row["drift_max_diff"]
-            m.fidelity = row.get("fidelity")
+            step(c, m)
         except Exception as exc:  # one configuration failing must not end the run
             log.warning("%s failed: %s", c.label(), exc)
             m.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        measured.append(m)
+
+    # The scan: speed of every configuration, in scan_rank's order, while the budget lasts.
+    pending = list(grid)
+    while pending:
+        ranked = [(scan_rank(c, seconds), i, c) for i, c in enumerate(pending)]
+        ready = [r for r in ranked if r[0] is not None]
+        if not ready:  # what is left builds on configurations that failed or were not measured
+            for c in pending:
+                skipped.append({"what": c.label(), "why": "the configuration it builds on (same precision, "
+                                "mode eager or without a cache) failed or was not measured"})
+            done += len(pending)
+            break
+        _, index, c = min(ready, key=lambda r: (r[0], r[1]))
+        pending.pop(index)
+        if cancelled and cancelled():
+            skipped.append({"what": c.label(), "why": "cancelled"})
+            done += 1
+            continue
+        report(f"{c.label()}")
+        cost = ((1 + plan.timing_images) * estimate_s(c) + plan.timing_images * (seconds(ref_key) or 0.0)) * 1.2 \
+            + (compile_estimate(c) if needs_compile(c) else 0.0)
+        if measured and time.perf_counter() + cost + reserve() > deadline:
+            skipped.append({"what": c.label(), "why": f"time budget ({plan.max_minutes:g} min): about "
+                            f"{cost:.0f} s more{' with its compile' if needs_compile(c) else ''}"})
+            done += 1
+            continue
+        m = measured[key(c)] = Measured(c)
+        attempt(time_it, c, m)
+        if key(c) == ref_key and not m.error:
+            attempt(score_it, c, m)
         done += 1
 
-    rows = [m.as_dict() for m in measured]
+    # Quality, fastest first, of what is faster than the reference, until FINALISTS are within the bound.
+    ref = measured.get(ref_key)
+    within = 0
+    if ref is not None and ref.scored and not ref.error:
+        ref_row = ref.as_dict()
+        report("quality of the fastest configurations")
+        for m in sorted((m for m in measured.values() if speedup(m) and not m.error and not m.scored),
+                        key=speedup, reverse=True):
+            c = m.candidate
+            base = measured.get((c.precision, c.mode, "none", c.attention))
+            if speedup(m) <= 1.0:
+                m.unscored = "no faster than eager fp32: quality not measured"
+            elif within >= FINALISTS:
+                m.unscored = f"slower than {FINALISTS} configurations within the bound: quality not measured"
+            elif c.step_cache != "none" and base is not None and speedup(base) and speedup(m) <= speedup(base):
+                m.unscored = f"the step cache measured no faster than {base.candidate.label()}"
+            elif cancelled and cancelled():
+                m.unscored = "cancelled"
+            elif time.perf_counter() + len(prompts) * m.s_per_image * 1.2 + final_round_s() > deadline:
+                m.unscored = f"time budget ({plan.max_minutes:g} min): quality not measured"
+            else:
+                attempt(score_it, c, m)
+                if m.scored and within_bound(m.as_dict(), ref_row, plan)[0]:
+                    within += 1
+    done += 1
+
+    rows = [m.as_dict() for m in measured.values()]
     pick, rows = choose(rows, plan)
     confirm = None
     if pick is not None and not (cancelled and cancelled()):
         # A shared machine's load moves one configuration's timings and not another's: the leaders are
         # timed again round-robin with the reference, and the pick and its speedup come from those rounds.
-        leaders = sorted((r for r in rows if r["eligible"]), key=lambda r: r["s_per_image"])[:FINALISTS]
+        leaders = sorted((r for r in rows if r["eligible"]), key=lambda r: -r["speedup"])[:FINALISTS]
         report(f"final round: {', '.join(r['label'] for r in leaders)} against eager fp32")
-        confirm = _final_round(plan, runners, leaders, request)
+        confirm = _final_round(plan, runners, leaders, rows, request, deadline)
         for r in rows:
             r["final_ms_median"] = confirm["medians"].get(r["label"])
-        pick = next(r for r in rows if r["label"] == confirm["pick"])
-        pick = {**pick, "speedup": confirm["speedup"]}
+        pick = next((r for r in rows if r["label"] == confirm["pick"]), None)
+        pick = pick and {**pick, "speedup": confirm["speedup"]}
     done = total
     report("done")
     return {
@@ -330,20 +503,56 @@ def advise(plan: AdvisePlan, on_progress: Callable[[int, int, str], None] | None
     }
 
 
-def _final_round(plan: AdvisePlan, runners: _Runners, leaders: list[dict], request) -> dict:
-    """The leaders and the reference timed again, round-robin (the starting one rotates each round):
-    medians side by side, the fastest of them picked, its speedup against the reference's median."""
-    entries = [Candidate(**REFERENCE)] + [Candidate(**{k: r[k] for k in REFERENCE}) for r in leaders
-                                          if {k: r[k] for k in REFERENCE} != REFERENCE]
+def final_entries(leaders: list[dict], rows: list[dict]) -> list[Candidate]:
+    """The reference, the leaders, and the configuration without a cache of every leader with one."""
+    def candidate(r: dict) -> Candidate:
+        return Candidate(**{k: r[k] for k in REFERENCE})
+
+    by_key = {(r["precision"], r["mode"], r["step_cache"], r["attention"]): r for r in rows if r.get("s_per_image")}
+    entries = [Candidate(**REFERENCE)]
+    for r in leaders:
+        base = by_key.get((r["precision"], r["mode"], "none", r["attention"])) if r["step_cache"] != "none" else None
+        for c in (candidate(r), candidate(base) if base else None):
+            if c is not None and c not in entries:
+                entries.append(c)
+    return entries
+
+
+def final_pick(leaders: list[dict], medians: dict[str, float]) -> str | None:
+    """The fastest leader in the final round; a leader with a step cache only where it was faster there
+    than the same configuration without the cache."""
+    def base_label(r: dict) -> str:
+        return Candidate(r["precision"], r["mode"], "none", r["attention"]).label()
+
+    fair = [r for r in leaders if r["step_cache"] == "none" or base_label(r) not in medians
+            or medians[r["label"]] < medians[base_label(r)]]
+    return min((r["label"] for r in fair), key=lambda label: medians[label], default=None)
+
+
+MIN_FINAL_ROUNDS = 3
+
+
+def _final_round(plan: AdvisePlan, runners: _Runners, leaders: list[dict], rows: list[dict], request,
+                 deadline: float) -> dict:
+    """The leaders (and their configurations without a cache) and the reference timed again, round-robin
+    (the starting one rotates each round): medians side by side, final_pick's choice, its speedup against
+    the reference's median. Rounds past the deadline are dropped (MIN_FINAL_ROUNDS are always run)."""
+    entries = final_entries(leaders, rows)
     times: dict[str, list[float]] = {c.label(): [] for c in entries}
+    rounds = 0
     for i in range(plan.confirm_pairs):
+        round_s = sum(statistics.median(t) for t in times.values()) / 1000 if i else 0.0
+        if i >= MIN_FINAL_ROUNDS and time.perf_counter() + round_s > deadline:
+            break
+        rounds += 1
         for c in entries[i % len(entries):] + entries[: i % len(entries)]:
             times[c.label()].append(runners.get(c).generate(request(c, plan.prompt, 500 + i)).timings.total_ms)
     medians = {label: statistics.median(t) for label, t in times.items()}
     ref_label = Candidate(**REFERENCE).label()
-    best = min((r["label"] for r in leaders), key=lambda label: medians[label])
-    return {"rounds": plan.confirm_pairs, "medians": medians, "pick": best, "pick_ms_median": medians[best],
-            "reference_ms_median": medians[ref_label], "speedup": medians[ref_label] / medians[best]}
+    best = final_pick(leaders, medians)
+    return {"rounds": rounds, "medians": medians, "pick": best,
+            "pick_ms_median": medians.get(best), "reference_ms_median": medians[ref_label],
+            "speedup": medians[ref_label] / medians[best] if best else None}
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -360,11 +569,14 @@ def fmt_row(r: dict) -> list[str]:
 
 def markdown(report: dict) -> str:
     pick = report.get("pick")
+    threads = f", {report['threads']} CPU thread{'s' if report['threads'] > 1 else ''}" if report.get("threads") else ""
     lines = [f"Advisor: {report['preset']} on {report['device']} at {report['size']}, {report['steps']} steps "
-             f"({report['measured_at']}, {report['elapsed_s']:.0f} s, {report['quality_samples']} quality samples)",
-             "", "| configuration | s/image (median) | × eager fp32 | drift vs eager fp32 | fidelity | within bound |",
+             f"({report['measured_at']}, {report['elapsed_s']:.0f} s, {report['quality_samples']} quality samples"
+             f"{threads})",
+             "", "| configuration | s/image (median) | × eager fp32 (timed in alternation) | drift vs eager fp32 | "
+                 "fidelity | within bound |",
              "|---|---|---|---|---|---|"]
-    for r in sorted(report["rows"], key=lambda r: r.get("s_per_image") or 1e9):
+    for r in sorted(report["rows"], key=lambda r: -(r.get("speedup") or 0)):
         r = {**r, "picked": pick is not None and r["label"] == pick["label"]}
         lines.append("| " + " | ".join(fmt_row(r)) + " |")
     if report["skipped"]:
@@ -403,6 +615,17 @@ def load_pick(path: Path) -> dict:
             "size": data["size"], "steps": data["steps"]}
 
 
+def serving_threads(spec) -> int | None:
+    """The CPU threads the app's worker for this device gets (None: not the host's CPU). Timed with torch's
+    default of one per core instead, a busy machine's OpenMP waits for a descheduled thread inflate eager
+    images many times over and not the app's."""
+    if not spec.host_memory_is_device_memory:
+        return None
+    from engine.manager import cpu_worker_threads
+
+    return cpu_worker_threads(spec.max_engines)
+
+
 # -- the CLI sub-command ----------------------------------------------------------------------------
 def cmd_advise(args) -> int:
     import sys
@@ -412,14 +635,16 @@ def cmd_advise(args) -> int:
     from engine.presets import get_preset, route_size
     from engine.protocol import Size
 
+    started = time.perf_counter()  # the budget covers loading torch too
     preset = get_preset(args.preset)
     spec = devices.resolve_device(args.device)
     size = Size.parse(args.size) if args.size else preset.buckets[0]
     route_size(preset, size.width, size.height, snap=False)  # must be one of the buckets
-    if args.threads:
+    threads = args.threads or serving_threads(spec)
+    if threads:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
     cache_dir = Path(args.cache_dir) if args.cache_dir else settings.cache_dir()
     plan = AdvisePlan(
         preset=preset, device=spec.name, size=size, steps=args.steps or preset.steps, max_minutes=args.max_minutes,
@@ -427,6 +652,7 @@ def cmd_advise(args) -> int:
         fidelity_points=args.fidelity_points, min_psnr_db=args.min_psnr, cache_dir=cache_dir,
         options=options_from_args(args, warm_sizes=(), warm_modes=()),
         allowed_roots=tuple(str(r) for r in model_roots_from_args(args)), prompt=preset.example_prompt,
+        started=started,
     )
 
     def on_progress(done: int, total: int, desc: str) -> None:
@@ -436,6 +662,7 @@ def cmd_advise(args) -> int:
             print(f"[{done}/{total}] {desc}", file=sys.stderr, flush=True)
 
     report = advise(plan, on_progress)
+    report["threads"] = threads
     path = save(report, args.out or result_path(cache_dir, preset.name, spec.name, size, plan.steps))
     report["saved"] = str(path)
     if args.progress_json:
@@ -471,7 +698,8 @@ def add_advise_parser(subparsers):
     a.add_argument("--out", type=Path, default=None,
                    help="results JSON (default: <cache dir>/advisor/<preset>@<device>-<size>-<steps>steps.json)")
     a.add_argument("--progress-json", action="store_true", help="progress and the result as JSON lines on stdout")
-    a.add_argument("--threads", type=int, default=None)
+    a.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default on a CPU: the app's per-worker share of the cores)")
     add_engine_arguments(a)
     a.set_defaults(func=cmd_advise)
     return a
