@@ -21,7 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import budget, devices, settings
+from engine import budget, devices, settings, stepcache
 from engine.caches import prepare_cache_dir
 from engine.client import ConnectionEngine, ProcessEngine
 from engine.errors import BudgetExceeded, EngineBusy, InvalidRequest, NotAllowed, ShowcaseError
@@ -503,6 +503,8 @@ class EngineManager:
             guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold, step_cache=step_cache,
         )
         devices.check_mode(devices.get_device(key.device), request.mode)  # refused here; its notices come with the result
+        if request.step_cache.enabled:  # a cache the mode cannot hold is refused before any engine starts
+            stepcache.check_step_cache(request.step_cache, p, devices.get_device(key.device), request.mode)
         engine = self.engine(key, caller=caller)
         if engine.pending() >= self.engine_options(key).max_queue:
             raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")

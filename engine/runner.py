@@ -369,7 +369,8 @@ class PipelineRunner:
         self.notices += recipes.apply_inductor_flags(self.options, self.spec)
         self.pipe = pipe
         self._variants[Mode.EAGER] = pipe
-        self._step_caches = stepcache.CacheVariants(self.preset, self.config.cache_path(), str(source))
+        self._step_caches = stepcache.CacheVariants(self.preset, self.config.cache_path(), clone_module_tree,
+                                                    str(source))
         # A pristine scheduler that never runs: each request gets a copy (schedulers keep per-run state).
         self._scheduler_template = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
         self.load_s = time.perf_counter() - start
@@ -456,6 +457,10 @@ class PipelineRunner:
         notices = list(self.check_mode(request.mode))
         # A step cache this mode cannot hold is refused before anything runs (never served without it).
         notices += stepcache.check_step_cache(request.step_cache, self.preset, self.spec, request.mode)
+        if request.step_cache.enabled and self.config.key.tp > 1:
+            # Each rank's hooks would decide alone which steps to skip; ranks that disagree hang the collectives.
+            raise UnsupportedCombination(f"step cache {request.step_cache} is not available on a tensor-parallel "
+                                         f"engine ({self.config.key}): run it on a single-device engine")
         size, snapped = route_size(self.preset, request.width, request.height, snap=True)
         notices += snapped
         request = request.replace(width=size.width, height=size.height)
