@@ -109,6 +109,10 @@ def test_a_configuration_whose_quality_was_not_measured_is_never_picked():
     rows[1]["unscored"] = "slower than 4 configurations within the bound: quality not measured"
     pick, rows = choose(rows, plan())
     assert pick["label"] == "fp32/regional" and rows[1]["why_not"].endswith("quality not measured")
+    report = {"pick": pick, "rows": rows}
+    assert [p["configuration"] for p in views.advisor_points(report)] == ["fp32/eager", "fp32/regional"]
+    table = {r[0]: r for r in views.advisor_rows(report)}
+    assert table["fp32/compile"][-1].startswith("no: slower than 4") and table["fp32/compile"][4] == "—"
 
 
 def test_the_final_round_keeps_a_step_cache_only_where_it_beat_its_base_there():

@@ -536,7 +536,7 @@ def advisor_points(result: dict | None) -> list[dict]:
     pick = (result.get("pick") or {}).get("label")
     points = []
     for r in result.get("rows", []):
-        if r.get("error") or r.get("s_per_image") is None:
+        if r.get("error") or r.get("s_per_image") is None or r.get("unscored"):  # no quality measured: no point
             continue
         if r.get("fidelity") is not None:
             q = r["fidelity"] * 100
