@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default=d["device"], help="device or 'auto' ($SHOWCASE_DEVICE)")
     e.add_argument("--precision", default=d["precision"], help="fp32, tf32, bf16 or fp16 ($SHOWCASE_PRECISION)")
     e.add_argument("--mode", default=d["mode"], help="eager, compile, regional, defer-and-fuse ($SHOWCASE_MODE)")
+    e.add_argument("--config-from", default=None, metavar="FILE",
+                   help="the default engine and Generate's selectors from an advisor result (python -m engine "
+                        "advise --out FILE, or the Advisor tab's saved JSON): its pick's preset, device, "
+                        "precision, mode, step cache and attention backend")
     e.add_argument("--tp", type=int, default=1,
                    help="run the default engine over N ranks (a torchrun sidecar)")
     e.add_argument("--parallel", choices=("tensor", "ulysses", "ring"), default="tensor",
@@ -242,6 +246,18 @@ def attach_sidecar(manager, args):
     return attacher, engine.key
 
 
+def apply_advice(args) -> str:
+    """--config-from: the advisor's pick becomes the default engine's settings; returns its step cache."""
+    from engine.bench.advise import load_pick
+
+    pick = load_pick(args.config_from)
+    args.preset, args.device, args.precision, args.mode = pick["preset"], pick["device"], pick["precision"], pick["mode"]
+    args.attention_backend = pick["attention"]
+    log.warning("--config-from %s: %s/%s/%s, step cache %s, attention %s", args.config_from, pick["device"],
+                pick["precision"], pick["mode"], pick["step_cache"], pick["attention"])
+    return pick["step_cache"]
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported
     args = build_parser().parse_args(argv)
@@ -261,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     from engine.flags import make_manager, options_from_args
     from engine.protocol import Mode
 
+    step_cache = "none"
+    if args.config_from:
+        try:
+            step_cache = apply_advice(args)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"error: --config-from {args.config_from}: {exc}", file=sys.stderr)
+            return 2
     try:
         sizes = warm_sizes(args.warm)
         auth = parse_auth(args.auth)
@@ -314,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         elif attacher is None:  # with --tp-address the sidecar is the default engine: nothing to start here
             threading.Thread(target=prewarm, args=(manager, args), name="prewarm", daemon=True).start()
         defaults = UIDefaults(preset=args.preset, device=args.device, precision=args.precision, mode=args.mode,
-                              tp=args.tp, parallel=args.parallel, admin_token=args.admin_token)
+                              tp=args.tp, parallel=args.parallel, admin_token=args.admin_token,
+                              step_cache=step_cache)
         demo = build_demo(manager, defaults, queue_size=args.queue_size, edge=edge_config(args))
         demo.launch(
             server_name=args.host,

@@ -230,6 +230,7 @@ COMMANDS = (
     "engine.soak:add_soak_parser",
     "engine.bench.contention:add_contention_parser",
     "engine.bench.context_parallel:add_cp_bench_parser",
+    "engine.bench.advise:add_advise_parser",
 )
 
 

@@ -85,6 +85,11 @@ class Eviction:
     footprint: Footprint | None
 
 
+
+def cpu_worker_threads(max_engines: int) -> int:
+    """Threads per worker on the host's CPU: its cores shared by the engines the budget allows."""
+    return max(1, (os.cpu_count() or 1) // max_engines)
+
 class EngineManager:
     def __init__(
         self,
@@ -405,7 +410,7 @@ class EngineManager:
             return None
         if self.worker_threads:
             return self.worker_threads
-        return max(1, (os.cpu_count() or 1) // self.device_budget(spec.name).max_engines)
+        return cpu_worker_threads(self.device_budget(spec.name).max_engines)
 
     def _attach(self, engine: ConnectionEngine) -> None:
         engine.on_down = self._on_down

@@ -192,10 +192,14 @@ def test_compare_returns_images_and_a_speedup_table(client):
         precisions=["fp32"], modes=["eager", "regional"], wait_for_warm=True, api_name="/compare")
     assert len(gallery) == 2
     results = {r["config"]: r for r in payload["results"]}
-    # Under each image after the first: its drift against the first (regional vs eager: tiny, not zero).
+    # The reference (eager fp32, no step cache) runs first; under every other image, its drift against
+    # the reference's image (regional vs eager: tiny, not zero).
+    assert payload["reference"] == "cpu/fp32/eager" and results["cpu/fp32/eager"]["reference"] is True
     assert "drift_max_diff" not in results["cpu/fp32/eager"]
     assert results["cpu/fp32/regional"]["drift_max_diff"] <= 3
-    assert "drift vs first" in gallery[1]["caption"] and "drift" not in gallery[0]["caption"]
+    assert gallery[1]["caption"].startswith("cpu/fp32/regional · ") and " s / image" in gallery[1]["caption"]
+    assert f"drift {results['cpu/fp32/regional']['drift']}" in gallery[1]["caption"]
+    assert "drift" not in gallery[0]["caption"]
     assert results["cpu/fp32/regional"]["warm"] is True
     assert results["cpu/fp32/regional"]["compile_s"] > 0
     speedups = {row["config"]: row for row in payload["speedup"]}

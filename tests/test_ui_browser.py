@@ -1,7 +1,8 @@
 """The app in a real headless Chromium (Debian's, driven by PyPI playwright; never `playwright install`).
 
 One app and one page per module; the tests run in file order like one user's session: load the page,
-generate, switch bucket, warm a bucket on the board, compare. Screenshots land in artifacts/.
+generate, switch bucket, warm a bucket on the board, compare (also in a 1280x800 window). Screenshots
+land in artifacts/.
 """
 
 from __future__ import annotations
@@ -270,13 +271,19 @@ def test_compare_shows_latencies_speedups_and_images_side_by_side(page):
     page.keyboard.press("Escape")
     page.click("#compare-btn")
     page.wait_for_function("document.querySelectorAll('#c-speedup .virtual-body [role=row]').length === 2", timeout=240_000)
-    page.wait_for_function("Array.from(document.querySelectorAll('#c-gallery img'))"
-                           ".filter(i => i.complete && i.naturalWidth === 64).length >= 2")
+    # The images are on the cards (the gallery sits in a closed accordion), one per configuration.
+    page.wait_for_function("Array.from(document.querySelectorAll('#c-cards .c-card img'))"
+                           ".filter(i => i.complete && i.naturalWidth === 64).length === 2")
     page.wait_for_function("document.querySelectorAll('#c-plot g.mark-line path').length >= 2")
     speedups = {r[0]: r for r in table_rows(page, "c-speedup")}
-    assert set(speedups) == {"cpu/fp32/eager", "cpu/fp32/regional"}
-    assert speedups["cpu/fp32/eager"][3] == "1.00×"
-    assert speedups["cpu/fp32/regional"][3].endswith("×")
+    assert set(speedups) == {"cpu/fp32/eager (reference)", "cpu/fp32/regional"}
+    assert speedups["cpu/fp32/eager (reference)"][2] == "1.00×"
+    assert speedups["cpu/fp32/regional"][2].endswith("×")
+    cards = page.locator("#c-cards .c-card")
+    assert cards.nth(0).locator(".c-card-title").inner_text() == "cpu/fp32/eager"
+    assert cards.nth(0).locator(".c-drift").inner_text() == "drift: reference"
+    assert cards.nth(1).locator(".c-card-title").inner_text() == "cpu/fp32/regional"
+    assert re.fullmatch(r"drift: (identical|[\d.]+ dB / \d+)", cards.nth(1).locator(".c-drift").inner_text())
     steps = get_preset(DEFAULT_PRESET).steps  # the form starts with the default preset's steps
     assert sorted(plot_points(page, "c-plot")) == [steps, steps]  # both series drawn, one point per step
     legend = page.eval_on_selector_all("#c-plot g.role-legend-label text", "ts => ts.map(t => t.textContent)")
@@ -340,6 +347,65 @@ def test_compare_cancel_stops_the_comparison(page, manager, monkeypatch):
     close_toasts(page)
     steps.fill("4")
     steps.press("Enter")
+
+
+def in_view(page, locator) -> bool:
+    """The element is drawn inside the viewport and no ancestor that clips (overflow) cuts it."""
+    return locator.is_visible() and locator.evaluate("""el => {
+        const r = el.getBoundingClientRect();
+        if (r.width === 0 || r.top < 0 || r.bottom > innerHeight || r.left < 0 || r.right > innerWidth) return false;
+        for (let a = el.parentElement; a; a = a.parentElement) {
+            const s = getComputedStyle(a);
+            if (s.overflowX === 'visible' && s.overflowY === 'visible') continue;
+            const b = a.getBoundingClientRect();
+            if (r.left < b.left - 1 || r.right > b.right + 1 || r.top < b.top - 1 || r.bottom > b.bottom + 1) return false;
+        }
+        return true;
+    }""")
+
+
+def test_compare_price_reads_at_1280x800(page):
+    """On a laptop-sized window, the drift and fidelity under each image are in view once scrolled to, and
+    the price table fits its column (its text wraps) instead of scrolling sideways."""
+    page.set_viewport_size({"width": 1280, "height": 800})
+    try:
+        page.get_by_role("tab", name="Compare").click()
+        page.locator("#c-modes label", has_text="regional").click()  # eager only
+        page.locator("#c-precisions label", has_text="bf16").click()  # fp32 (the reference) and bf16
+        samples = page.locator("#c-fidelity-prompts input[type=number]")
+        samples.fill("4")
+        samples.press("Enter")
+        page.click("#compare-btn")
+        page.wait_for_function("document.querySelectorAll('#c-cards .c-card .c-fidelity').length === 2"
+                               " && document.querySelectorAll('#c-costs .virtual-body [role=row]').length === 2",
+                               timeout=300_000)
+        close_toasts(page)
+        cards = page.locator("#c-cards .c-card")
+        assert [cards.nth(i).locator(".c-card-title").inner_text() for i in range(cards.count())] == [
+            "cpu/fp32/eager", "cpu/bf16/eager"]
+        for i in range(2):
+            card = cards.nth(i)
+            card.scroll_into_view_if_needed()
+            drift, fidelity = card.locator(".c-drift"), card.locator(".c-fidelity")
+            assert re.fullmatch(r"drift: (reference|identical|[\d.]+ dB / \d+)", drift.inner_text())
+            assert re.match(r"fidelity: \d+ % \(\d/4 prompts\) · ", fidelity.inner_text())
+            for part in (card.locator(".c-time"), drift, fidelity, card.locator("img")):
+                assert in_view(page, part), f"card {i}: {part} is not in view"
+        page.screenshot(path=str(ARTIFACTS / "ui_compare_1280.png"))
+        table = page.locator("#c-speedup")
+        table.scroll_into_view_if_needed()
+        box = table.bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= 1280, box
+        sideways = table.evaluate("""el => Array.from(el.querySelectorAll('*'))
+            .filter(e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowX))
+            .map(e => e.scrollWidth - e.clientWidth)""")
+        assert max(sideways, default=0) <= 2, f"the price table scrolls sideways: {sideways}"
+        rows = {r[0]: r for r in table_rows(page, "c-speedup")}
+        assert rows["cpu/fp32/eager (reference)"][2] == "1.00×" and "prompts)" in rows["cpu/bf16/eager"][6]
+        for cell in table.locator("[role=gridcell]").all():  # every cell's text wraps inside its column
+            assert cell.evaluate("c => c.scrollWidth <= c.clientWidth + 2"), cell.inner_text()
+    finally:
+        page.set_viewport_size({"width": 1400, "height": 1000})
 
 
 def test_system_tab_shows_devices_and_no_secrets(page):

@@ -329,24 +329,37 @@ def test_compare_runs_each_configuration_and_builds_the_speedup_table(handlers):
     progress = RecordingProgress()
     outputs = list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 3, ["cpu"], ["fp32"], ["eager", "compile"],
                                     False, request=None, progress=progress))
-    gallery, payload = outputs[-1]
-    assert len(gallery) == 2
+    gallery, payload, thumbnails = outputs[-1]
+    assert len(gallery) == 2 and len(thumbnails) == 2
     configs = [r["config"] for r in payload["results"]]
     assert configs == ["cpu/fp32/eager", "cpu/fp32/compile"]
     assert all(len(r["timings"]["step_ms"]) == 2 for r in payload["results"])
     assert payload["speedup"][0]["speedup_step"] == pytest.approx(1.0)
-    plot, speed, costs = handlers.render_compare(payload)
+    plot, speed, costs, cards = handlers.render_compare(payload, thumbnails)
     assert set(plot["value"]["config"]) == set(configs) and len(plot["value"]) == 4
     assert plot["colors_in_legend"] == configs and set(plot["color_map"]) == set(configs)  # redraws the legend
     assert len(speed) == 2 and len(costs) == 2
+    assert list(speed["config"]) == ["cpu/fp32/eager (reference)", "cpu/fp32/compile"]
+    # One card per configuration, each with its image and, after the reference, its drift against it.
+    assert cards.count('class="c-card"') == 2 and cards.count("<img src=\"data:image/png;base64,") == 2
+    assert cards.count('class="c-drift">drift: reference<') == 1
     assert progress.calls[-1][0] == (4, 4)  # one bar over every configuration's steps
 
 
-@pytest.mark.parametrize("modes", [["eager"], ["eager", "compile", "regional", "defer-and-fuse", "eager"]])
-def test_compare_needs_two_to_four_configurations(handlers, modes):
-    precisions = ["fp32"] if len(modes) == 1 else ["fp32", "bf16"]
-    with pytest.raises(gr.Error, match="2–4 configurations"):
+@pytest.mark.parametrize(("precisions", "modes", "count"), [
+    ([], ["eager"], 0),
+    (["fp32", "bf16"], ["eager", "compile", "regional", "defer-and-fuse"], 8),
+])
+def test_compare_needs_one_to_six_configurations(handlers, precisions, modes, count):
+    with pytest.raises(gr.Error, match=rf"pick 1–6 configurations .*these choices make {count}\b"):
         list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 0, ["cpu"], precisions, modes, False))
+
+
+def test_compare_adds_the_reference_when_it_is_not_picked(handlers):
+    configs, reference, picked = handlers._configs(["cpu"], ["bf16"], ["eager"], None)
+    assert (configs, reference, picked) == (["cpu/fp32/eager", "cpu/bf16/eager"], "cpu/fp32/eager", False)
+    six = handlers._configs(["cpu"], ["fp32", "bf16"], ["eager", "compile", "regional"], None)[0]
+    assert len(six) == 6 and six[0] == "cpu/fp32/eager"  # six picked, the reference among them, run first
 
 
 def test_system_panel_lists_devices_versions_caches(handlers, monkeypatch):

@@ -11,7 +11,8 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from ui import buckets, build_demo, compare, generate, system
+from ui import advisor, buckets, build_demo, compare, generate, system
+from ui.advisor import AdvisorHandlers
 from ui.buckets import BucketsHandlers
 from ui.common import UIDefaults
 from ui.compare import CompareHandlers
@@ -22,17 +23,20 @@ UI = Path(__file__).resolve().parent.parent / "ui"
 PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "system"}
 TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
-                 "guidance", "seed", "randomize", "tp", "on-cold", "generate-btn", "cancel-btn",
+                 "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "generate-btn", "cancel-btn",
                  "output-image", "step-plot", "stats", "timings-json"},
     "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",
                 "restart-btn", "admin-token", "attention-backend", "cuda-graphs", "restart-options-btn",
                 "attention-table"},
     "compare": {"c-prompt", "c-preset", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
-                "c-speedup", "c-costs", "c-json"},
+                "c-speedup", "c-costs", "c-json", "c-caches", "c-fidelity-prompts", "c-cards"},
+    "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-minutes", "a-fidelity-points", "a-min-psnr",
+                "advise-btn", "a-cancel-btn", "a-apply-btn", "a-summary", "a-frontier", "a-table", "a-json"},
     "system": {"system-refresh", "system"},
 }
 TAB_APIS = {"generate": {"generate"}, "buckets": {"status", "warm", "restart"}, "compare": {"compare"},
+            "advisor": set(),
             "system": {"system"}}
 
 
@@ -64,13 +68,16 @@ def build_tab(name, manager):
     defaults = UIDefaults(device="cpu", mode="eager")
     with gr.Blocks() as blocks:
         line = gr.Markdown()
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             if name == "generate":
                 generate.build(GenerateHandlers(manager, defaults), blocks, line)
             elif name == "buckets":
                 buckets.build(BucketsHandlers(manager, defaults))
             elif name == "compare":
                 compare.build(CompareHandlers(manager, defaults))
+            elif name == "advisor":
+                settings = generate.build(GenerateHandlers(manager, defaults), blocks, line)
+                advisor.build(AdvisorHandlers(manager, defaults), settings, tabs)
             else:
                 system.build(SystemHandlers(manager, defaults))
     return blocks
@@ -79,13 +86,14 @@ def build_tab(name, manager):
 @pytest.mark.parametrize("name", sorted(TAB_IDS))
 def test_each_tab_module_builds_alone_with_its_own_handlers(manager, name):
     blocks = build_tab(name, manager)
-    assert elem_ids(blocks) == TAB_IDS[name]
-    assert public_apis(blocks) == TAB_APIS[name]
+    needs = ["generate"] if name == "advisor" else []  # the advisor's apply button sets Generate's selectors
+    assert elem_ids(blocks) == TAB_IDS[name].union(*(TAB_IDS[n] for n in needs))
+    assert public_apis(blocks) == TAB_APIS[name].union(*(TAB_APIS[n] for n in needs))
 
 
 def test_the_app_has_the_tabs_element_ids_and_exactly_the_public_api(demo):
     tabs = [c["props"]["label"] for c in demo.config["components"] if c["type"] == "tabitem"]
-    assert tabs == ["Generate", "Buckets", "Compare", "System"]
+    assert tabs == ["Generate", "Buckets", "Compare", "Advisor", "System"]
     assert elem_ids(demo) == set().union(*TAB_IDS.values()) | {"engine-line"}
     assert public_apis(demo) == PUBLIC_API
     params = demo.get_api_info()["named_endpoints"]["/generate"]["parameters"]
@@ -117,19 +125,24 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 # The UI reaches the engine through the manager it is given (EngineManager at most for type hints), the
 # typed protocol and the error classes. Exceptions, each in one module: ui/common.py asks
 # engine.devices and engine.attention what the manager cannot tell (the device report, a device's
-# modes, the attention backends that can run), and ui/views.py
-# reuses the benchmark's speedup_table so the UI and the bench agree.
+# modes, the attention backends and step caches that can run), ui/views.py reuses the benchmark's
+# speedup_table and quality code so the UI and the bench agree, and ui/advisor.py shows the advisor's
+# default bounds (it runs `python -m engine advise` in a child process).
 ALLOWED_ENGINE_IMPORTS = {
     "engine.protocol": None, "engine.errors": None, "engine.manager": {"EngineManager", "Caller"},
     "engine.attention": {"attention_table", "DEFAULT"},
     "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
     "engine.bench": {"speedup_table"},
-    "engine.bench.quality": {"fidelity_checker", "fmt_drift", "image_drift"},
+    "engine.bench.quality": {"fidelity_checker", "fmt_drift", "image_drift", "sample_prompts", "score"},
     "engine.metrics": {"median", "percentile"},
+    "engine.stepcache": {"available_step_caches"},
+    "engine.bench.advise": {"DEFAULT_FIDELITY_POINTS", "DEFAULT_MIN_PSNR"},
+    "engine.validation": {"check_steps"},
 }
 ONLY_IN = {"engine.devices": "common.py", "engine.attention": "common.py", "engine.bench": "views.py",
-           "engine.bench.quality": "views.py", "engine.metrics": "views.py"}
-TAB_MODULES = ("generate", "buckets", "compare", "system")
+           "engine.bench.quality": "views.py", "engine.metrics": "views.py", "engine.stepcache": "common.py",
+           "engine.bench.advise": "advisor.py", "engine.validation": "compare.py"}
+TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 
 
 def imports(path: Path) -> list[tuple[str, str | None]]:

@@ -11,7 +11,7 @@ import os
 
 import gradio as gr
 
-from ui import buckets, compare, generate, system
+from ui import advisor, buckets, compare, generate, system
 from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
@@ -23,6 +23,13 @@ CSS = """
 #output-image img { image-rendering: pixelated; object-fit: contain; }
 #engine-line { min-height: 1.6em; }
 #board { font-variant-numeric: tabular-nums; }
+#c-cards .c-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr)); gap: 12px; }
+#c-cards .c-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 8px;
+  font-size: 0.9em; font-variant-numeric: tabular-nums; overflow-wrap: anywhere; }
+#c-cards .c-card img { width: 100%; max-width: 256px; image-rendering: pixelated; display: block; margin: 4px 0; }
+#c-cards .c-card-title { font-weight: 600; }
+#c-cards .c-card-tag, #c-cards .c-note { color: var(--body-text-color-subdued); font-size: 0.9em; }
+#c-cards .c-card-error { color: var(--error-text-color); }
 """
 
 
@@ -79,10 +86,11 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
             "and what precision and compilation buy on this machine."
         )
         engine_line = gr.Markdown(elem_id="engine-line")
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             settings = generate.build(h, demo, engine_line)
             board = buckets.build(h)
             compare.build(h)
+            advisor.build(h, settings, tabs)
             system.build(h)
         gr.api(h.cancel_api, api_name="cancel", concurrency_limit=None)  # runs of both Generate and Compare
 

@@ -90,6 +90,7 @@ class UIDefaults:
     on_cold: str = "eager"
     tp: int = 1
     parallel: str = "tensor"  # how tp > 1 ranks split the transformer (tensor, ulysses, ring)
+    step_cache: str = "none"
     poll_s: float = 1.0
     admin_token: str | None = None  # public mode: unlocks host operations (restart, warm everything)
 
@@ -241,6 +242,16 @@ class HandlerBase:
     def preset_sizes(self, preset: str) -> list[str]:
         try:
             return [str(s) for s in self.manager.preset(preset).buckets]
+        except ShowcaseError:
+            return []
+
+    def step_cache_rows(self, preset: str, device: str, mode: str) -> list[dict]:
+        """Every step cache for a preset, device and mode: usable, or why not (engine/stepcache.py)."""
+        from engine.stepcache import available_step_caches
+
+        try:
+            spec = engine_devices.resolve_device(device)
+            return available_step_caches(self.manager.preset(preset), spec, mode)
         except ShowcaseError:
             return []
 

@@ -25,7 +25,7 @@ MAX_UI_SEED = 2**31 - 1  # browsers hold integers exactly only up to 2**53; keep
 PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one redraws the plot)
 # The /generate API's parameters, in the handler's order (GenerateHandlers.generate).
 GENERATE_API_PARAMS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "steps",
-                       "guidance", "seed", "on_cold", "tp")
+                       "guidance", "seed", "on_cold", "tp", "step_cache")
 
 
 class GenerateHandlers(HandlerBase):
@@ -61,12 +61,20 @@ class GenerateHandlers(HandlerBase):
             size_update = gr.update(choices=views.size_choices(sizes, mode, engine), value=sizes[0])
         return views.engine_line(str(key), engine), size_update, mode_update
 
+    def step_cache_choices(self, preset: str, device: str, mode: str, current: str | None = None):
+        """The step caches this preset, device and mode can use; unusable ones say why. A choice the
+        new settings cannot run falls back to none."""
+        choices = views.step_cache_choices(self.step_cache_rows(preset, device, mode)) or [("none", "none")]
+        usable = {value for label, value in choices if " · unavailable" not in label}
+        return gr.update(choices=choices, value=current if current in usable else "none")
+
     def randomize_seed(self, seed, randomize: bool):
         return random.randint(0, MAX_UI_SEED) if randomize else seed
 
     # -- the run ---------------------------------------------------------------------------------
     def generate(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
-                 on_cold="eager", tp=1, request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
+                 on_cold="eager", tp=1, step_cache="none", request: gr.Request = None,
+                 progress=gr.Progress()):  # noqa: B008
         """One image (tp > 1: on the tensor-parallel torchrun sidecar with that many ranks).
 
         Streams (image, timings): a partial timings dict ("running": true) at the start and at most
@@ -82,6 +90,8 @@ class GenerateHandlers(HandlerBase):
             seed=0 if given(seed) is None else seed,
             on_cold=on_cold or self.defaults.on_cold,
         )
+        if given(step_cache) is not None and step_cache != "none":
+            kwargs["step_cache"] = step_cache
         caller = self.caller(request)
         try:
             key = self.key_for(preset, device, precision, tp, caller=caller)
@@ -94,6 +104,7 @@ class GenerateHandlers(HandlerBase):
         self.remember_engine(request, key)
         partial = {"running": True, "engine": str(key), "preset": key.preset, "device": key.device,
                    "precision": key.precision, "mode": mode, "bucket": size_text, "steps": steps,
+                   "step_cache": kwargs.get("step_cache", "none"), "cached_steps": [],
                    "timings": {"step_ms": []}}
         progress(0, desc=f"queued on {key}")
         entered = time.perf_counter()
@@ -114,12 +125,15 @@ class GenerateHandlers(HandlerBase):
                         yield gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
                     elif kind == "step":
                         partial["timings"]["step_ms"].append(payload.step_ms)
+                        if payload.cached:
+                            partial["cached_steps"].append(payload.step)
                         partial["steps"] = payload.total
                         now = time.monotonic()
                         if now - last_sent >= PARTIAL_EVERY_S and payload.step < payload.total:
                             last_sent = now
                             step_ms = list(partial["timings"]["step_ms"])
-                            yield gr.skip(), dict(partial, timings=dict(step_ms=step_ms))
+                            yield gr.skip(), dict(partial, timings=dict(step_ms=step_ms),
+                                                  cached_steps=list(partial["cached_steps"]))
                     else:
                         # handler_ms: the app's own share of the round trip (dispatch + engine), which the
                         # soak tells apart from the web side (queue, events, transfer)
@@ -145,7 +159,7 @@ class GenerateHandlers(HandlerBase):
 
     def render_run(self, result: dict | None):
         """Per-step plot and stats table of one run (also of a partial, still-running result)."""
-        plot = pd.DataFrame(views.step_rows(result), columns=views.STEP_COLUMNS)
+        plot = views.step_frame(views.step_rows(result), views.STEP_COLUMNS)
         stats = pd.DataFrame(views.stats_rows(result), columns=views.STATS_COLUMNS)
         return plot, stats
 
@@ -160,6 +174,8 @@ class GenerateTab:
     mode: gr.Dropdown
     size: gr.Dropdown
     tp: gr.Dropdown
+    step_cache: gr.Dropdown
+    steps: gr.Slider
 
 
 def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> GenerateTab:
@@ -192,6 +208,12 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
                                           elem_id="mode")
                 size_dd = gr.Dropdown(views.size_choices(sizes, d.mode, None), value=sizes[0],
                                       label="Resolution bucket", allow_custom_value=True, elem_id="size")
+                first_mode = d.mode if d.mode in modes else "eager"
+                cache_choices = views.step_cache_choices(h.step_cache_rows(preset.name, d.device, first_mode))
+                cache_dd = gr.Dropdown(cache_choices or [("none", "none")],
+                                       value=d.step_cache if d.step_cache in dict((v, v) for _, v in cache_choices)
+                                       else "none", label="Step cache (reuses denoiser work across steps; "
+                                       "unavailable ones say why)", elem_id="step-cache")
                 steps = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="steps")
                 guidance = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
                                      elem_id="guidance")
@@ -213,8 +235,10 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
                 with gr.Row(equal_height=True):
                     image = gr.Image(label="Image", type="pil", format="png", interactive=False, height=300,
                                      elem_id="output-image", buttons=["download"])
-                    step_plot = gr.LinePlot(x="step", y="step_ms", title="Per-step latency of this run",
-                                            x_title="step", y_title="ms", height=280, elem_id="step-plot")
+                    step_plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this run",
+                                            x_title="step", y_title="ms", height=280, elem_id="step-plot",
+                                            color_map={views.COMPUTED: views.SERIES_PALETTE[0],
+                                                       views.CACHED: views.SERIES_PALETTE[1]})
                 stats = gr.Dataframe(headers=views.STATS_COLUMNS, interactive=False, label="Timings",
                                      elem_id="stats", wrap=True, column_widths=["32%", "68%"])
                 with gr.Accordion("Timings JSON (the CLI's --json)", open=False):
@@ -224,7 +248,8 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
         with gr.Column(visible=False):
             api_defaults = {"prompt": preset.example_prompt, "preset": preset.name, "device": d.device,
                             "precision": d.precision, "mode": d.mode, "seed": "0", "on_cold": d.on_cold,
-                            "tp": str(ranks_choice(d.tp, d.parallel))}  # size/steps/guidance: "" means the preset's default
+                            "tp": str(ranks_choice(d.tp, d.parallel)),
+                            "step_cache": d.step_cache}  # size/steps/guidance: "" means the preset's default
             api_inputs = [gr.Textbox(value=api_defaults.get(name, ""), visible=False, label=name)
                           for name in GENERATE_API_PARAMS]
             api_image = gr.Image(type="pil", format="png", visible=False)
@@ -233,7 +258,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
 
     run_io = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots())
     inputs = [prompt, negative, preset_dd, device_dd, precision_dd, mode_dd, size_dd, steps, guidance, seed,
-              on_cold, tp_dd]
+              on_cold, tp_dd, cache_dd]
     seeded = generate_btn.click(h.randomize_seed, [seed, randomize], seed, queue=False,
                                 api_visibility="private")
     run = seeded.then(h.generate, inputs, [image, timings], api_name="generate_ui", api_visibility="private",
@@ -250,4 +275,6 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
     gr.on([c.change for c in engine_settings] + [demo.load], h.select_engine,
           [preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd], [engine_line, size_dd, mode_dd],
           **FAST)
-    return GenerateTab(preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd)
+    gr.on([preset_dd.change, device_dd.change, mode_dd.change], h.step_cache_choices,
+          [preset_dd, device_dd, mode_dd, cache_dd], cache_dd, **FAST)
+    return GenerateTab(preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd, cache_dd, steps)

@@ -6,6 +6,7 @@ on the shared HandlerBase (ui/common.py), so a tab is built and tested alone wit
 
 from __future__ import annotations
 
+from ui.advisor import AdvisorHandlers
 from ui.buckets import BucketsHandlers
 from ui.common import UIDefaults
 from ui.compare import CompareHandlers
@@ -15,5 +16,5 @@ from ui.system import SystemHandlers
 __all__ = ["Handlers", "UIDefaults"]
 
 
-class Handlers(GenerateHandlers, BucketsHandlers, CompareHandlers, SystemHandlers):
+class Handlers(GenerateHandlers, BucketsHandlers, CompareHandlers, AdvisorHandlers, SystemHandlers):
     """Handlers(manager, defaults): one manager, one set of lookups and runs for every tab."""

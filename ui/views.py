@@ -6,6 +6,8 @@ rows come from the benchmark's own speedup_table, imported on first use.
 
 from __future__ import annotations
 
+import pandas as pd
+
 from engine.metrics import median
 
 BOARD_COLUMNS = [
@@ -13,8 +15,12 @@ BOARD_COLUMNS = [
     "compile s", "warm-up s", "served",
 ]
 STATS_COLUMNS = ["metric", "value"]
-STEP_COLUMNS = ["step", "step_ms"]
+STEP_COLUMNS = ["step", "step_ms", "steps"]
 COMPARE_STEP_COLUMNS = ["step", "step_ms", "config"]
+# A plot's axis types come from its first value's dtypes and are not rebuilt when later data arrive, so
+# every step frame carries these, even empty (an empty frame's object columns would make both axes nominal).
+STEP_DTYPES = {"step": "int64", "step_ms": "float64", "steps": "string", "config": "string"}
+COMPUTED, CACHED = "computed", "cached"
 SPEEDUP_COLUMNS = ["config", "median step", "total", "× step", "× total", "compile s", "warm-up s",
                    "break-even"]
 SERIES_PALETTE = ("#6366f1", "#f97316", "#10b981", "#ef4444", "#0ea5e9", "#a855f7")
@@ -41,11 +47,20 @@ def fmt_bytes(value) -> str:
 
 # -- one run ---------------------------------------------------------------------------------------
 def step_rows(result: dict | None) -> list[dict]:
-    """One point per denoising step: {"step": 1-based, "step_ms": ms} (empty before the first step)."""
+    """One point per denoising step: {"step": 1-based, "step_ms": ms, "steps": "computed" | "cached"}
+    (empty before the first step); cached: the step cache served that step's denoiser output."""
     if not result:
         return []
     steps = (result.get("timings") or {}).get("step_ms") or []
-    return [{"step": i + 1, "step_ms": float(ms)} for i, ms in enumerate(steps)]
+    cached = {int(s) for s in result.get("cached_steps") or ()}
+    return [{"step": i + 1, "step_ms": float(ms), "steps": CACHED if i + 1 in cached else COMPUTED}
+            for i, ms in enumerate(steps)]
+
+
+def step_frame(rows: list[dict], columns: list[str]) -> pd.DataFrame:
+    """Step rows as a plot's value: numeric step and step_ms, text series, whatever the rows hold."""
+    frame = pd.DataFrame(rows, columns=columns)
+    return frame.astype({c: STEP_DTYPES[c] for c in columns})
 
 
 def bucket_verdict(result: dict) -> str:
@@ -67,7 +82,8 @@ def stats_rows(result: dict | None) -> list[list[str]]:
     if result.get("running"):
         rows = [
             ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"],
-            ["progress", f"step {len(steps)} of {result.get('steps', '?')}"],
+            ["progress", f"step {len(steps)} of {result.get('steps', '?')}"
+             + (f" ({len(result['cached_steps'])} from the step cache)" if result.get("cached_steps") else "")],
         ]
         if steps:
             rows.append(["first step / median step",
@@ -83,6 +99,8 @@ def stats_rows(result: dict | None) -> list[list[str]]:
         ["total", fmt_ms(t.get("total_ms"))],
         ["first step / median step", f"{fmt_ms(t.get('first_step_ms'))} / {fmt_ms(t.get('median_step_ms'))}"],
         ["it/s", "—" if its is None else f"{its:.2f}"],
+        ["step cache", result.get("step_cache") or NO_CACHE],
+        ["steps computed / cached", fmt_steps(result)],
         ["bucket", bucket_verdict(result)],
         ["recompiles", str(result.get("recompiles", 0))],
         ["peak memory", fmt_bytes(result.get("peak_memory_bytes"))],
@@ -216,8 +234,132 @@ def device_notes(report: list[dict]) -> str:
 
 
 # -- comparison ------------------------------------------------------------------------------------
-def config_label(device: str, precision: str, mode: str) -> str:
-    return f"{device}/{precision}/{mode}"
+NO_CACHE = "none"
+FIDELITY_SEED = 7  # the bench's prompt-sampling seed: Compare scores the same prompts as its quality samples
+REFERENCE_TAG = "reference: eager fp32, no step cache"
+PRICE_COLUMNS = ["config", "s / image", "× vs eager fp32", "median step", "steps computed / cached",
+                 "drift PSNR / max diff", "fidelity", "compile s", "warm-up s"]
+PRICE_WIDTHS = ["20%", "8%", "9%", "9%", "11%", "13%", "12%", "9%", "9%"]
+
+
+def config_label(device: str, precision: str, mode: str, cache: str = NO_CACHE) -> str:
+    """"cpu/fp32/eager", with "/first-block:0.2" appended when a step cache is on."""
+    base = f"{device}/{precision}/{mode}"
+    return base if not cache or cache == NO_CACHE else f"{base}/{cache}"
+
+
+def parse_config(label: str) -> tuple[str, str, str, str]:
+    """(device, precision, mode, cache) of a config_label."""
+    parts = label.split("/", 3)
+    return parts[0], parts[1], parts[2], parts[3] if len(parts) > 3 else NO_CACHE
+
+
+def reference_label(device: str) -> str:
+    return config_label(device, "fp32", "eager")
+
+
+def step_cache_choices(rows: list[dict]) -> list[tuple[str, str]]:
+    """available_step_caches rows as (label, value) choices: usable ones by name (with their parameters),
+    unusable ones marked with why (picking one is refused with that reason)."""
+    choices = []
+    for r in rows:
+        value = r.get("default") or r["name"]
+        if r.get("usable"):
+            label = value
+        else:
+            label = f"{r['name']} · unavailable: {(r.get('why_not') or 'not here').split(';')[0]}"
+        choices.append((label, value))
+    return choices
+
+
+def per_image_s(result: dict) -> float | None:
+    """Seconds per image: the median total over the configuration's images (main + fidelity samples)."""
+    totals = result.get("image_ms") or [(result.get("timings") or {}).get("total_ms")]
+    totals = [t for t in totals if t is not None]
+    return median(totals) / 1000 if totals else None
+
+
+def speedups_vs_reference(results: list[dict]) -> dict[str, float | None]:
+    """config -> reference s/image ÷ its s/image (the reference is eager fp32 without a step cache)."""
+    ref = next((r for r in results if r.get("reference") and not r.get("error")), None)
+    ref_s = per_image_s(ref) if ref else None
+    out = {}
+    for r in results:
+        mine = None if r.get("error") else per_image_s(r)
+        out[r.get("config", "")] = ref_s / mine if ref_s and mine else None
+    return out
+
+
+def fmt_fidelity(result: dict) -> str:
+    share, n = result.get("fidelity"), result.get("fidelity_samples")
+    if share is None:
+        return "—" if "fidelity" not in result else "no prompt in the model's grammar"
+    right = round(share * n) if n else None
+    return f"{share * 100:.0f} % ({right}/{n} prompts)" if n else f"{share * 100:.0f} %"
+
+
+def fmt_steps(result: dict) -> str:
+    cached = len(result.get("cached_steps") or [])
+    total = len((result.get("timings") or {}).get("step_ms") or [])
+    computed = result.get("computed_steps", total - cached)
+    return f"{computed} / {cached}"
+
+
+def price_rows(results: list[dict]) -> list[list]:
+    """The Compare tab's table: what each configuration costs and what it buys."""
+    speed = speedups_vs_reference(results)
+    out = []
+    for r in results:
+        config = r.get("config", "")
+        if r.get("error"):
+            out.append([config, f"failed: {r['error']}", "", "", "", "", "", "", ""])
+            continue
+        x = speed.get(config)
+        drift = r.get("drift") or "—"
+        if r.get("drift_samples"):
+            drift = f"{drift} (worst of {r['drift_samples']})"
+        out.append([
+            config + (" (reference)" if r.get("reference") else ""), fmt_s(per_image_s(r)),
+            "—" if x is None else f"{x:.2f}×", fmt_ms((r.get("timings") or {}).get("median_step_ms")),
+            fmt_steps(r), drift, fmt_fidelity(r), fmt_s(r.get("compile_s")), fmt_s(r.get("warmup_s")),
+        ])
+    return out
+
+
+def _esc(text) -> str:
+    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;"))
+
+
+def compare_cards_html(results: list[dict], images: list[str | None]) -> str:
+    """One card per configuration: its image and, under it, time, speedup, drift and fidelity.
+    `images[i]` is the image of results[i] as a URL (a data: URI), or None (failed, not run yet)."""
+    speed = speedups_vs_reference(results)
+    cards = []
+    for r, uri in zip(results, images, strict=True):
+        config = r.get("config", "")
+        lines = [f'<div class="c-card-title">{_esc(config)}</div>']
+        if r.get("reference"):
+            lines.append(f'<div class="c-card-tag">{_esc(r.get("reference_note") or REFERENCE_TAG)}</div>')
+        if uri:
+            lines.append(f'<img src="{uri}" alt="{_esc(config)}">')
+        if r.get("error"):
+            lines.append(f'<div class="c-card-error">failed: {_esc(r["error"])}</div>')
+        else:
+            x = speed.get(config)
+            per = per_image_s(r)
+            lines.append(f'<div class="c-time">{"—" if per is None else f"{per:.3f} s"} / image · '
+                         f'{"—" if x is None else f"{x:.2f}×"} vs eager fp32</div>')
+            drift = r.get("drift") or ("reference" if r.get("reference") else "—")
+            lines.append(f'<div class="c-drift">drift: {_esc(drift)}</div>')
+            if "fidelity" in r or r.get("fidelity_this") is not None:
+                verdict = {True: "✓ draws the prompt", False: "✗ does not draw the prompt"}.get(
+                    r.get("fidelity_this"), "prompt outside the grammar")
+                lines.append(f'<div class="c-fidelity">fidelity: {_esc(fmt_fidelity(r))} · {verdict}</div>')
+            lines.append(f'<div class="c-steps">steps computed / cached: {fmt_steps(r)}</div>')
+            if r.get("eager_fallback"):
+                lines.append('<div class="c-note">eager fallback: the bucket was not warm</div>')
+        cards.append('<div class="c-card">' + "".join(lines) + "</div>")
+    return '<div class="c-cards">' + "".join(cards) + "</div>"
 
 
 def series_colors(names: list[str]) -> dict[str, str]:
@@ -230,14 +372,16 @@ def compare_step_rows(results: list[dict]) -> list[dict]:
         if r.get("error"):
             continue
         for row in step_rows(r):
-            rows.append({**row, "config": r.get("config", "")})
+            config = r.get("config", "")
+            rows.append({"step": row["step"], "step_ms": row["step_ms"],
+                         "config": f"{config} · cached" if row["steps"] == CACHED else config})
     return rows
 
 
 def image_quality(image, first_image, preset, prompt: str) -> dict:
-    """What the Compare tab shows under an image: drift against the first configuration's image (PSNR,
-    largest pixel difference) and, for a model with a pixel checker (the embedded shapes model), whether
-    it drew the prompt. Computed by the bench's own functions, so the UI and the bench agree."""
+    """Drift of one image against a reference image (PSNR, largest pixel difference) and, for a model
+    with a pixel checker (the embedded shapes model), whether it drew the prompt. Computed by the bench's
+    own functions, so the UI and the bench agree."""
     from engine.bench.quality import fidelity_checker, fmt_drift, image_drift
 
     out: dict = {}
@@ -251,10 +395,43 @@ def image_quality(image, first_image, preset, prompt: str) -> dict:
     return out
 
 
+def fidelity_sample_prompts(preset, n: int, fallback: str) -> list[str]:
+    """The Compare tab's fidelity prompts: the bench's seeded samples of the model's grammar."""
+    from engine.bench.quality import sample_prompts
+
+    return sample_prompts(preset, n, seed=FIDELITY_SEED, fallback=fallback)
+
+
+def has_checker(preset) -> bool:
+    from engine.bench.quality import fidelity_checker
+
+    return fidelity_checker(preset) is not None
+
+
+def price_quality(images: list, prompts: list[str], ref_images: list | None, preset) -> dict:
+    """Under a Compare image: drift of every image against the reference's image of the same prompt and
+    seed (the worst kept), and fidelity over the sample prompts (images[1:]) with the first image's own
+    verdict, by the bench's quality.score."""
+    from engine.bench.quality import fidelity_checker, fmt_drift, score
+
+    out: dict = {}
+    if ref_images is not None:
+        drift = score(images, prompts, ref_images, preset)
+        out.update(drift_psnr_db=drift["drift_psnr_db"], drift_max_diff=drift["drift_max_diff"],
+                   drift=fmt_drift(drift["drift_psnr_db"], drift["drift_max_diff"]), drift_samples=len(images))
+    checker = fidelity_checker(preset)
+    if checker is not None:
+        out["fidelity_this"] = checker(images[0], prompts[0])
+        if len(prompts) > 1:
+            fid = score(images[1:], prompts[1:], None, preset)
+            out.update(fidelity=fid["fidelity"], fidelity_samples=fid["fidelity_samples"])
+    return out
+
+
 def quality_caption(quality: dict) -> str:
     parts = []
     if "drift" in quality:
-        parts.append(f"drift vs first: {quality['drift']}")
+        parts.append(f"drift vs eager fp32: {quality['drift']}")
     if quality.get("fidelity") is not None:
         parts.append("draws the prompt ✓" if quality["fidelity"] else "does not draw the prompt ✗")
     elif "fidelity" in quality:
@@ -316,3 +493,82 @@ def cost_rows(results: list[dict]) -> list[list]:
             fmt_s(r.get("waited_s")), r.get("error") or "",
         ])
     return out
+
+
+# -- advisor ---------------------------------------------------------------------------------------
+ADVISOR_COLUMNS = ["configuration", "s / image", "× eager fp32", "drift PSNR / max diff", "fidelity",
+                   "steps cached (mean)", "compile s", "within bound"]
+ADVISOR_POINT_COLUMNS = ["configuration", "s_per_image", "quality", "verdict"]
+IDENTICAL_PSNR_DB = 100.0  # where an image identical to eager fp32 is drawn on the PSNR axis
+
+
+def _pct(value) -> str:
+    return "—" if value is None else f"{value * 100:.0f} %"
+
+
+def advisor_rows(result: dict | None) -> list[list]:
+    """The advisor's table: every measured configuration, the largest speedup over eager fp32 first (timed in
+    alternation with it), with why it is (not) eligible."""
+    if not result:
+        return []
+    from engine.bench.quality import fmt_drift
+
+    pick = (result.get("pick") or {}).get("label")
+    out = []
+    for r in sorted(result.get("rows", []), key=lambda r: -(r.get("speedup") or 0)):
+        if r.get("error"):
+            out.append([r["label"], "failed", "", "", "", "", "", r["error"]])
+            continue
+        verdict = "★ pick" if r["label"] == pick else ("yes" if r.get("eligible") else f"no: {r.get('why_not', '')}")
+        out.append([r["label"], f"{r['s_per_image']:.3f}", "—" if r.get("speedup") is None else f"{r['speedup']:.2f}×",
+                    fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff")), _pct(r.get("fidelity")),
+                    "—" if r.get("cached_steps") is None else f"{r['cached_steps']:.1f}", fmt_s(r.get("compile_s")),
+                    verdict])
+    for s in result.get("skipped", []):
+        out.append([s["what"], "skipped", "", "", "", "", "", s["why"]])
+    return out
+
+
+def advisor_points(result: dict | None) -> list[dict]:
+    """The frontier's points: seconds per image against fidelity (%) on a model with a checker, else PSNR."""
+    if not result:
+        return []
+    pick = (result.get("pick") or {}).get("label")
+    points = []
+    for r in result.get("rows", []):
+        if r.get("error") or r.get("s_per_image") is None or r.get("unscored"):  # no quality measured: no point
+            continue
+        if r.get("fidelity") is not None:
+            q = r["fidelity"] * 100
+        else:
+            q = IDENTICAL_PSNR_DB if not r.get("drift_max_diff") else r.get("drift_psnr_db")
+        verdict = "pick" if r["label"] == pick else ("within bound" if r.get("eligible") else "outside bound")
+        points.append({"configuration": r["label"], "s_per_image": r["s_per_image"], "quality": q,
+                       "verdict": verdict})
+    return points
+
+
+def advisor_markdown(result: dict) -> str:
+    pick = result.get("pick")
+    bound = result.get("bound") or {}
+    parts = [f"**{result['preset']} on {result['device']}**, {result['size']}, {result['steps']} steps: "
+             f"{len(result.get('rows', []))} configurations measured in {result['elapsed_s']:.0f} s, "
+             f"{len(result.get('skipped', []))} skipped (listed in the table)."]
+    if pick is None:
+        parts.append("No configuration within the bound: eager fp32 stays.")
+    else:
+        confirm = result.get("confirm") or {}
+        parts.append(f"**Pick: `{pick['label']}`** — {pick['s_per_image']:.3f} s per image, "
+                     f"**{pick['speedup']:.2f}×** eager fp32 (final round: {confirm.get('pick_ms_median', 0):.1f} vs "
+                     f"{confirm.get('reference_ms_median', 0):.1f} ms, medians of {confirm.get('rounds')} rounds), "
+                     f"fidelity {_pct(pick.get('fidelity'))}.")
+    limits = []
+    if bound.get("fidelity_points") is not None:
+        limits.append(f"fidelity within {bound['fidelity_points']:g} points of eager fp32")
+    if bound.get("min_psnr_db") is not None:
+        limits.append(f"PSNR ≥ {bound['min_psnr_db']:g} dB against eager fp32")
+    if limits:
+        parts.append("Bound: " + ", ".join(limits) + ".")
+    if result.get("saved"):
+        parts.append(f"Saved to `{result['saved']}` (start the app with `--config-from` that file).")
+    return "\n\n".join(parts)

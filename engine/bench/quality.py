@@ -85,20 +85,23 @@ def fidelity_checker(preset) -> Callable | None:
     return None
 
 
+def score(images: list, prompts: list[str], reference: list | None, preset) -> dict:
+    """One configuration's quality over its samples: drift of each image against the reference image of
+    the same prompt and seed (the worst sample kept) and, where the preset has a checker, fidelity (the
+    share of scorable prompts drawn right; prompts outside the grammar are not counted)."""
+    drift = worst_drift([image_drift(a, b) for a, b in zip(images, reference, strict=True)]) if reference else \
+        {"psnr_db": None, "max_diff": None}
+    row = {"drift_psnr_db": drift["psnr_db"], "drift_max_diff": drift["max_diff"], "quality_samples": len(prompts)}
+    checker = fidelity_checker(preset)
+    if checker is not None:
+        verdicts = [v for v in (checker(img, p) for img, p in zip(images, prompts, strict=True)) if v is not None]
+        row["fidelity"] = sum(verdicts) / len(verdicts) if verdicts else None
+        row["fidelity_samples"] = len(verdicts)
+    return row
+
+
 def measure(configs: list, draw: Callable, prompts: list[str], seeds: list[int], preset) -> dict:
     """For every configuration (precision, mode, size): drift against the reference configuration of the
     same size and, where the preset has a checker, fidelity. `draw(config, prompt, seed)` -> PNG bytes."""
-    checker = fidelity_checker(preset)
     images = {c: [draw(c, p, s) for p, s in zip(prompts, seeds, strict=True)] for c in configs}
-    out = {}
-    for c in configs:
-        precision, mode, size = c
-        ref = images.get((REFERENCE[0], REFERENCE[1], size))
-        drift = worst_drift([image_drift(a, b) for a, b in zip(images[c], ref, strict=True)]) if ref else \
-            {"psnr_db": None, "max_diff": None}
-        row = {"drift_psnr_db": drift["psnr_db"], "drift_max_diff": drift["max_diff"], "quality_samples": len(prompts)}
-        if checker is not None:
-            right = sum(checker(img, p) for img, p in zip(images[c], prompts, strict=True))
-            row["fidelity"] = right / len(prompts)
-        out[c] = row
-    return out
+    return {c: score(images[c], prompts, images.get((REFERENCE[0], REFERENCE[1], c[2])), preset) for c in configs}

@@ -1,0 +1,118 @@
+"""The levers in the UI without a server: plots typed as numbers, the Compare tab's price per
+configuration, the step-cache and precision selectors, the advisor's views."""
+
+from __future__ import annotations
+
+import gradio as gr
+import pytest
+
+from ui import views
+from ui.compare import CompareHandlers
+from ui.generate import GenerateHandlers
+
+
+def plot_types(frame, **kwargs) -> dict:
+    """The axis types Gradio sends to the browser's Vega-Lite spec for this plot value."""
+    return gr.LinePlot(x="step", y="step_ms", **kwargs).postprocess(frame).datatypes
+
+
+@pytest.mark.parametrize("result", [
+    None,  # before any run
+    {"running": True, "engine": "e", "steps": 8, "timings": {"step_ms": []}},  # the first partial
+    {"running": True, "engine": "e", "steps": 8, "timings": {"step_ms": [29.403943, 10.0420119998]}},
+    {"engine": "e", "timings": {"step_ms": [10.04, 29.4, 9.1]}, "cached_steps": [2]},
+])
+def test_the_generate_plot_is_numeric_from_its_first_value(result):
+    # The browser builds the plot's spec from the first value it gets (the empty partial) and only swaps
+    # the data afterwards: that first value must already type step and step_ms as numbers.
+    plot, _ = GenerateHandlers.render_run(None, result)
+    types = plot_types(plot, color="steps")
+    assert types["step"] == "quantitative" and types["step_ms"] == "quantitative"
+    assert types["steps"] == "nominal"
+
+
+def test_cached_steps_are_their_own_series():
+    result = {"engine": "e", "timings": {"step_ms": [10.0, 2.0, 11.0, 2.5]}, "cached_steps": [2, 4]}
+    rows = views.step_rows(result)
+    assert [r["steps"] for r in rows] == ["computed", "cached", "computed", "cached"]
+    compare = views.compare_step_rows([{**result, "config": "cpu/fp32/eager"}])
+    assert [r["config"] for r in compare] == ["cpu/fp32/eager", "cpu/fp32/eager · cached"] * 2
+
+
+def test_the_compare_plot_is_numeric_even_when_every_configuration_failed():
+    payload = {"done": True, "results": [{"config": "a", "error": "x"}, {"config": "b", "error": "y"}]}
+    plot, _, _ = CompareHandlers.render_compare(None, payload)[:3]
+    types = plot_types(plot["value"], color="config")
+    assert types["step"] == "quantitative" and types["step_ms"] == "quantitative"
+
+
+# -- Compare on the embedded model ------------------------------------------------------------------
+class Progress:
+    def __call__(self, *args, **kwargs):
+        pass
+
+
+@pytest.fixture(scope="module")
+def handlers(manager):
+    from ui.handlers import Handlers, UIDefaults
+
+    return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+
+
+def run_compare(handlers, precisions, modes, caches=None, fidelity_prompts=3, prompt="a red circle on a blue background",
+                steps=4):
+    outputs = list(handlers.compare(prompt, "tiny-shapes", "64x64", steps, 1.0, 5, ["cpu"], precisions, modes, False,
+                                    caches, fidelity_prompts, request=None, progress=Progress()))
+    return outputs[-1]
+
+
+def test_compare_adds_the_reference_and_prices_every_configuration(handlers):
+    _, payload, thumbnails = run_compare(handlers, ["bf16"], ["eager"])
+    configs = [r["config"] for r in payload["results"]]
+    assert configs == ["cpu/fp32/eager", "cpu/bf16/eager"]  # the reference first, added and said so
+    ref, bf16 = payload["results"]
+    assert ref["reference"] and "added" in ref["reference_note"] and "drift" not in ref
+    assert len(bf16["image_ms"]) == 4  # the prompt and 3 fidelity prompts, each timed
+    # bf16 against fp32 at the same prompts and seeds: close, not identical (a reference drawn with
+    # another seed or prompt would read ~10 dB)
+    assert bf16["drift_samples"] == 4 and bf16["drift_psnr_db"] > 20 and bf16["drift_max_diff"] > 0
+    assert 0.0 <= bf16["fidelity"] <= 1.0 and bf16["fidelity_samples"] == 3 and bf16["fidelity_this"] in (True, False)
+    rows = {r[0]: r for r in views.price_rows(payload["results"])}
+    assert rows["cpu/fp32/eager (reference)"][2] == "1.00×"
+    assert rows["cpu/bf16/eager"][2].endswith("×") and "worst of 4" in rows["cpu/bf16/eager"][5]
+    assert "prompts)" in rows["cpu/bf16/eager"][6]
+    plot, price, costs, cards = handlers.render_compare(payload, thumbnails)
+    assert cards.count('class="c-card"') == 2 and cards.count("data:image/png;base64,") == 2
+    assert "drift: " in cards and "fidelity: " in cards and "vs eager fp32" in cards
+
+
+def test_compare_with_the_reference_picked_runs_it_once(handlers):
+    _, payload, _ = run_compare(handlers, ["fp32"], ["eager", "regional"], fidelity_prompts=0)
+    configs = [r["config"] for r in payload["results"]]
+    assert configs == ["cpu/fp32/eager", "cpu/fp32/regional"]
+    assert "picked" in payload["results"][0]["reference_note"]
+    assert "fidelity" not in payload["results"][1] and payload["results"][1]["fidelity_this"] is True
+
+
+def test_compare_prices_a_step_cache_and_int8_against_the_reference(handlers):
+    _, payload, thumbnails = run_compare(handlers, ["fp32", "int8wo"], ["eager"], ["none", "taylorseer:3:2"],
+                                         fidelity_prompts=2, steps=8)
+    results = {r["config"]: r for r in payload["results"]}
+    assert list(results) == ["cpu/fp32/eager", "cpu/fp32/eager/taylorseer:3:2", "cpu/int8wo/eager",
+                             "cpu/int8wo/eager/taylorseer:3:2"]
+    assert not any(r.get("error") for r in results.values()), [r.get("error") for r in results.values()]
+    assert len(thumbnails) == 4
+    cached = results["cpu/fp32/eager/taylorseer:3:2"]
+    assert cached["step_cache"] == "taylorseer:3:2" and cached["cached_steps"]
+    assert cached["computed_steps"] + len(cached["cached_steps"]) == 8
+    assert cached["drift_max_diff"] > 0  # reused steps change the pixels a little
+    int8 = results["cpu/int8wo/eager"]
+    assert int8["precision"] == "int8wo" and not int8["cached_steps"] and int8["drift_max_diff"] > 0
+    assert 0.0 <= int8["fidelity"] <= 1.0 and int8["fidelity_samples"] == 2
+    rows = {r[0]: r for r in views.price_rows(payload["results"])}
+    n = len(cached["cached_steps"])
+    assert rows["cpu/fp32/eager/taylorseer:3:2"][4] == f"{8 - n} / {n}"
+    assert rows["cpu/fp32/eager (reference)"][4] == "8 / 0"
+    plot, _, _, cards = handlers.render_compare(payload, thumbnails)
+    assert "cpu/fp32/eager/taylorseer:3:2 · cached" in set(plot["value"]["config"])  # cached steps: own series
+    assert f"steps computed / cached: {8 - n} / {n}" in cards and cards.count("data:image/png;base64,") == 4

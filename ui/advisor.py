@@ -1,0 +1,152 @@
+"""The Advisor tab: `python -m engine advise` in a child process (it loads models and compiles; the web
+server must stay responsive), its progress on a bar, Cancel ends the child. The speed-quality frontier
+is drawn from its JSON; "Apply in Generate" sets the Generate tab's selectors to the pick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from engine.bench.advise import DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
+from ui import views
+from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class AdvisorHandlers(HandlerBase):
+    def advise(self, preset, device, size, steps, max_minutes, fidelity_points, min_psnr,
+               progress=gr.Progress()):  # noqa: B008
+        """Run the advisor; streams (report markdown, results JSON). Closing the handler (Cancel) ends
+        the child process and its compile workers."""
+        if self.public:
+            raise gr.Error("the advisor loads and compiles many engines: a host operation, not offered in "
+                           "public mode", title="Not allowed")
+        try:
+            model = self.manager.preset(preset)
+        except Exception as exc:
+            raise to_gradio_error(exc) from None
+        argv = [sys.executable, "-m", "engine", "advise", "--preset", model.name, "--device", device or "auto",
+                "--max-minutes", str(float(max_minutes or 5)), "--progress-json",
+                "--cache-dir", str(self.manager.cache_dir)]
+        if size:
+            argv += ["--size", str(size)]
+        if steps:
+            argv += ["--steps", str(int(steps))]
+        if fidelity_points not in (None, ""):
+            argv += ["--fidelity-points", str(float(fidelity_points))]
+        if min_psnr not in (None, "", 0):
+            argv += ["--min-psnr", str(float(min_psnr))]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, start_new_session=True)
+        errors: list[str] = []
+        threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True).start()
+        progress(0, desc="advisor: starting (loads the model once per precision)")
+        result = None
+        try:
+            for line in child.stdout:
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    continue
+                if "progress" in message:
+                    progress((message["progress"], message["total"]), desc=f"advisor: {message['desc']}")
+                    yield gr.skip(), gr.skip()
+                elif "result" in message:
+                    result = message["result"]
+            child.wait()
+        finally:
+            if child.poll() is None:  # Cancel (Gradio closed the handler): the child and its compile workers
+                os.killpg(child.pid, signal.SIGTERM)
+                try:
+                    child.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    os.killpg(child.pid, signal.SIGKILL)
+        if result is None:
+            raise gr.Error(f"the advisor failed: {''.join(errors[-5:])[-800:]}", title="Advisor failed")
+        yield views.advisor_markdown(result), result
+
+    def advisor_defaults(self, preset: str):
+        sizes = self.preset_sizes(preset)
+        return (gr.update(choices=sizes, value=sizes[0] if sizes else None),
+                gr.update(value=self.manager.preset(preset).steps))
+
+    def render_advice(self, result: dict | None):
+        """The frontier plot, the table and the apply button's state."""
+        rows = views.advisor_rows(result)
+        frame = pd.DataFrame(views.advisor_points(result), columns=views.ADVISOR_POINT_COLUMNS)
+        frame = frame.astype({"s_per_image": "float64", "quality": "float64", "configuration": "string",
+                              "verdict": "string"})
+        table = pd.DataFrame(rows, columns=views.ADVISOR_COLUMNS)
+        pick = (result or {}).get("pick")
+        return frame, table, gr.update(interactive=pick is not None,
+                                       value=f"Apply {pick['label']} in Generate" if pick else "Apply in Generate")
+
+    def apply_advice(self, result: dict | None):
+        """Generate's precision, mode and step cache (and its preset, device, size, steps) from the pick."""
+        pick = (result or {}).get("pick")
+        if not pick:
+            raise gr.Error("no pick to apply: run the advisor first", title="Nothing to apply")
+        gr.Info(f"Generate now uses {pick['label']}", duration=4)
+        return (gr.update(value=result["preset"]), gr.update(value=result["device"]),
+                gr.update(value=pick["precision"]), gr.update(value=pick["mode"]),
+                gr.update(value=pick["step_cache"]), gr.update(value=result["size"]),
+                gr.update(value=result["steps"]), gr.Tabs(selected="generate"))
+
+
+def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
+    """The tab (inside gr.Tabs); `settings` are the Generate tab's selectors (ui.generate.GenerateTab)."""
+    preset = h.default_preset()
+    report = h.devices_report()
+    sizes = [str(s) for s in preset.buckets]
+    with gr.Tab("Advisor", id="advisor"):
+        gr.Markdown(
+            "Measures what this engine can run here — precision × mode × step cache × attention backend — "
+            "and names the **fastest configuration within a quality bound**: fidelity within N points of eager "
+            "fp32 (models with a pixel checker), or a PSNR floor against eager fp32 (any model). What cannot "
+            "run here, or would not fit the time budget, is skipped and listed. A step cache is picked only "
+            "where it measured faster than the same configuration without it.")
+        with gr.Row():
+            a_preset = gr.Dropdown(h.preset_names(), value=preset.name, label="Model preset", elem_id="a-preset")
+            a_device = gr.Dropdown(views.device_choices(report, short=True), value=h.defaults.device,
+                                   label="Device", elem_id="a-device")
+            a_size = gr.Dropdown(sizes, value=sizes[0], label="Size", elem_id="a-size")
+            a_steps = gr.Number(value=preset.steps, precision=0, minimum=1, label="Steps", elem_id="a-steps")
+        with gr.Row():
+            minutes = gr.Slider(1, 30, value=5, step=0.5, label="Time budget (minutes)", elem_id="a-minutes")
+            points = gr.Number(value=DEFAULT_FIDELITY_POINTS, minimum=0, label="Fidelity: at most this many points "
+                               "below eager fp32", elem_id="a-fidelity-points")
+            psnr = gr.Number(value=0, minimum=0, label=f"PSNR floor in dB (0: {DEFAULT_MIN_PSNR:g} on models without "
+                             "a checker, none on those with one)", elem_id="a-min-psnr")
+        with gr.Row():
+            run_btn = gr.Button("Measure and advise", variant="primary", elem_id="advise-btn")
+            cancel_btn = gr.Button("Cancel", variant="stop", elem_id="a-cancel-btn")
+            apply_btn = gr.Button("Apply in Generate", interactive=False, elem_id="a-apply-btn")
+        summary = gr.Markdown(elem_id="a-summary")
+        frontier = gr.ScatterPlot(x="s_per_image", y="quality", color="verdict", title="Speed–quality frontier",
+                                  x_title="s per image (lower is faster)", y_title="fidelity % / PSNR dB",
+                                  tooltip=["configuration", "s_per_image", "quality"], height=320,
+                                  elem_id="a-frontier")
+        table = gr.Dataframe(headers=views.ADVISOR_COLUMNS, interactive=False, wrap=True, label="Every configuration",
+                             elem_id="a-table")
+        with gr.Accordion("Advisor JSON (also saved under the cache folder)", open=False):
+            result = gr.JSON(elem_id="a-json")
+
+    a_preset.change(h.advisor_defaults, a_preset, [a_size, a_steps], **FAST)
+    run = run_btn.click(h.advise, [a_preset, a_device, a_size, a_steps, minutes, points, psnr], [summary, result],
+                        api_name="advise", api_visibility="private", concurrency_id=ENGINE_QUEUE,
+                        concurrency_limit=1, show_progress="full", show_progress_on=[summary])
+    cancel_btn.click(None, cancels=[run])
+    result.change(h.render_advice, result, [frontier, table, apply_btn], **FAST)
+    apply_btn.click(h.apply_advice, result, [settings.preset, settings.device, settings.precision, settings.mode,
+                                              settings.step_cache, settings.size, settings.steps, tabs], **FAST)
