@@ -20,13 +20,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.bench import quality
+from engine.metrics import median
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +97,14 @@ class Measured:
 
     @property
     def s_per_image(self) -> float | None:
-        return statistics.median(self.image_ms) / 1000 if self.image_ms else None
+        return median(self.image_ms) / 1000 if self.image_ms else None
 
     @property
     def paired_speedup(self) -> float | None:
         """The reference's median ÷ this one's, over images timed in alternation with the reference's."""
         if not self.ref_ms or not self.image_ms:
             return None
-        return statistics.median(self.ref_ms) / statistics.median(self.image_ms[:len(self.ref_ms)])
+        return median(self.ref_ms) / median(self.image_ms[:len(self.ref_ms)])
 
     def as_dict(self) -> dict:
         return {**self.candidate.as_dict(), "label": self.candidate.label(), "s_per_image": self.s_per_image,
@@ -541,13 +541,13 @@ def _final_round(plan: AdvisePlan, runners: _Runners, leaders: list[dict], rows:
     times: dict[str, list[float]] = {c.label(): [] for c in entries}
     rounds = 0
     for i in range(plan.confirm_pairs):
-        round_s = sum(statistics.median(t) for t in times.values()) / 1000 if i else 0.0
+        round_s = sum(median(t) for t in times.values()) / 1000 if i else 0.0
         if i >= MIN_FINAL_ROUNDS and time.perf_counter() + round_s > deadline:
             break
         rounds += 1
         for c in entries[i % len(entries):] + entries[: i % len(entries)]:
             times[c.label()].append(runners.get(c).generate(request(c, plan.prompt, 500 + i)).timings.total_ms)
-    medians = {label: statistics.median(t) for label, t in times.items()}
+    medians = {label: median(t) for label, t in times.items()}
     ref_label = Candidate(**REFERENCE).label()
     best = final_pick(leaders, medians)
     return {"rounds": rounds, "medians": medians, "pick": best,

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from engine.metrics import median
 
 TARGET = 2.0
 
@@ -68,12 +69,12 @@ def measure(args, yields: bool) -> dict:
                     for b in compiling_rows()}
     finally:
         manager.shutdown()
-    idle_median = statistics.median(idle)
+    idle_median = median(idle)
     return {
         "compile_yields": yields,
         "idle_median_ms": idle_median,
         "idle_p95_ms": _p95(idle),
-        "compiling_p50_ms": statistics.median(busy),
+        "compiling_p50_ms": median(busy),
         "compiling_p95_ms": _p95(busy),
         "p95_over_idle": _p95(busy) / idle_median,
         "samples": len(busy),
