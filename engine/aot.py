@@ -59,7 +59,7 @@ ORIGIN_LOADED = "loaded from package"
 ORIGIN_BUILT = "built now"
 DENOISER, VAE = "denoiser", "vae"
 # EngineOptions that change the exported or compiled graph (and so are part of the key).
-GRAPH_OPTIONS = ("fuse_qkv", "channels_last", "int8", "max_autotune", "attention_backend", "cuda_graphs")
+GRAPH_OPTIONS = ("fuse_qkv", "channels_last", "max_autotune", "attention_backend", "cuda_graphs")
 
 
 class PackageError(Exception):

@@ -1,4 +1,4 @@
-"""Headless command line: `python -m engine {generate,devices,presets,attention,export,bench,soak}`.
+"""Headless command line: `python -m engine {generate,devices,presets,attention,step-caches,export,bench,soak}`.
 
 Sub-commands come from one table (`COMMANDS`); each module registers its own parser. Importing this
 module (and `--help`, `presets`) never imports torch: sub-commands import what they need when they run.
@@ -29,7 +29,7 @@ def cmd_generate(args) -> int:
         result = manager.generate(
             preset=args.preset, device=args.device, precision=args.precision, mode=mode, size=size,
             prompt=prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
-            seed=args.seed, tp=args.tp, snap=not args.no_snap, on_cold=args.on_cold,
+            seed=args.seed, tp=args.tp, snap=not args.no_snap, on_cold=args.on_cold, step_cache=args.cache,
         )
     finally:
         manager.shutdown()
@@ -42,6 +42,9 @@ def cmd_generate(args) -> int:
         t = result.timings
         print(f"{result.engine} {result.bucket}: total {t.total_ms:.1f} ms, median step {t.median_step_ms:.2f} ms, "
               f"warm={result.warm} eager_fallback={result.eager_fallback} recompiles={result.recompiles}")
+        if result.step_cache.enabled:
+            print(f"  step cache {result.step_cache}: {len(result.cached_steps)} of {result.steps} steps cached "
+                  f"({', '.join(map(str, result.cached_steps)) or 'none'})")
         for notice in result.notices:
             print(f"  note: {notice}")
         if args.out:
@@ -132,6 +135,9 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--negative-prompt", default=None)
     g.add_argument("--on-cold", choices=OnCold.values(), default=OnCold.WAIT.value,
                    help="at a bucket that is not compiled yet: wait for the compile, or run eagerly")
+    g.add_argument("--cache", default="none", metavar="TEXT",
+                   help="step cache: none, first-block[:THRESHOLD], taylorseer[:INTERVAL[:WARMUP]], magcache[:THRESHOLD], "
+                        "faster-cache[:INTERVAL], pyramid[:INTERVAL] (`python -m engine step-caches` lists which run here)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel over N ranks (torchrun sidecar)")
     g.add_argument("--out", default=None, help="write the PNG here")
     g.add_argument("--json", action="store_true", help="print one JSON object with the timings")
@@ -159,6 +165,32 @@ def add_attention_parser(sub) -> None:
     a.set_defaults(func=cmd_attention)
 
 
+def cmd_step_caches(args) -> int:
+    from engine import devices, stepcache
+    from engine.resolve import Catalog
+
+    catalog = Catalog(*presets_from_args(args))
+    preset = catalog.preset(args.preset)
+    spec = devices.resolve_device(args.device) if args.device == devices.AUTO else devices.get_device(args.device)
+    rows = stepcache.available_step_caches(preset, spec, args.mode)
+    if args.json:
+        print(json.dumps({"preset": preset.name, "device": spec.name, "mode": args.mode, "caches": rows}, indent=2))
+        return 0
+    print(f"step caches for {preset.name} on {spec.label} [{spec.name}], mode {args.mode}")
+    print(stepcache.format_table(rows))
+    return 0
+
+
+def add_step_caches_parser(sub) -> None:
+    s = sub.add_parser("step-caches", help="list diffusers step caches: which can run for a preset here, and why not")
+    s.add_argument("--preset", default=DEFAULT_PRESET)
+    s.add_argument("--device", default="auto")
+    s.add_argument("--mode", default="eager", help=", ".join(Mode.values()))
+    s.add_argument("--json", action="store_true")
+    add_engine_arguments(s)
+    s.set_defaults(func=cmd_step_caches)
+
+
 def add_export_parser(sub) -> None:
     e = sub.add_parser("export", help="build the aot (AOTInductor) packages of an engine's buckets ahead of time")
     e.add_argument("--preset", default=DEFAULT_PRESET)
@@ -179,6 +211,7 @@ COMMANDS = (
     "engine.cli:add_devices_parser",
     "engine.cli:add_presets_parser",
     "engine.cli:add_attention_parser",
+    "engine.cli:add_step_caches_parser",
     "engine.cli:add_export_parser",
     "engine.bench:add_bench_parser",
     "engine.soak:add_soak_parser",

@@ -18,7 +18,6 @@ _SWITCHES = (
     ("--cpu-offload", "cpu_offload", "model CPU offload (then only regional compile)"),
     ("--max-autotune", "max_autotune", "torch.compile mode=max-autotune (inductor)"),
     ("--dynamic", "dynamic", "dynamic-shape compile where the device allows"),
-    ("--int8", "int8", "torchao int8 dynamic quantisation of the denoiser"),
     ("--cuda-graphs", "cuda_graphs", "CUDA graphs: compile with mode=reduce-overhead, aot with triton.cudagraphs "
                                      "(CUDA only)"),
 )

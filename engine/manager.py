@@ -500,6 +500,7 @@ class EngineManager:
         tp: int = 1,
         snap: bool = True,
         on_cold: str | OnCold = OnCold.EAGER,
+        step_cache=None,
         on_progress=None,
         timeout: float | None = None,
         on_submit=None,
@@ -517,7 +518,7 @@ class EngineManager:
             width, height = p.buckets[0].width, p.buckets[0].height
         request, notices = build_request(
             p, prompt=prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
-            guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold,
+            guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold, step_cache=step_cache,
         )
         devices.check_mode(devices.get_device(key.device), request.mode)  # refused here; its notices come with the result
         engine = self.engine(key, caller=caller)

@@ -44,6 +44,16 @@ class Precision(_Choice):
     TF32 = "tf32"  # fp32 weights; matmuls/convs may use TF32
     BF16 = "bf16"
     FP16 = "fp16"
+    # Quantized: the denoiser's linear weights quantized by torchao after loading in the device's base
+    # dtype (DeviceSpec.quant_base: fp32 on cpu, bf16 on GPUs); every other component stays in it.
+    INT8_WEIGHT = "int8wo"  # int8 weight-only
+    INT8_DYNAMIC = "int8dq"  # int8 dynamic activation + int8 weight
+    FP8 = "fp8"  # float8 dynamic activation + float8 weight (CUDA, compute capability 8.9+)
+
+    @property
+    def quantized(self) -> bool:
+        """An engine of its own whose denoiser weights are quantized (torchao)."""
+        return self in (Precision.INT8_WEIGHT, Precision.INT8_DYNAMIC, Precision.FP8)
 
 
 class Mode(_Choice):
@@ -71,6 +81,102 @@ def _coerce(record, name: str, vocabulary: type[_Choice]) -> None:
     value = getattr(record, name)
     if not isinstance(value, vocabulary):
         object.__setattr__(record, name, vocabulary.parse(value, name))
+
+
+class StepCacheKind(_Choice):
+    """diffusers' step caches: reuse (or predict) denoiser work from earlier steps (engine/stepcache.py)."""
+
+    NONE = "none"
+    FIRST_BLOCK = "first-block"  # FirstBlockCacheConfig: skip the rest when the first block's output barely moved
+    TAYLORSEER = "taylorseer"  # TaylorSeerCacheConfig: predict outputs from earlier steps every few steps
+    MAGCACHE = "magcache"  # MagCacheConfig: skip by calibrated residual-magnitude ratios
+    FASTER_CACHE = "faster-cache"  # FasterCacheConfig: reuse attention outputs across steps
+    PYRAMID = "pyramid"  # PyramidAttentionBroadcastConfig: broadcast attention outputs every few steps
+
+
+# Per kind: (the parameters its text takes after the name, in order; their defaults).
+STEP_CACHE_FORMS: dict[StepCacheKind, tuple[tuple[str, ...], dict]] = {
+    StepCacheKind.NONE: ((), {}),
+    StepCacheKind.FIRST_BLOCK: (("threshold",), {"threshold": 0.2}),
+    StepCacheKind.TAYLORSEER: (("interval", "warmup"), {"interval": 3, "warmup": 2}),
+    StepCacheKind.MAGCACHE: (("threshold",), {"threshold": 0.06}),
+    StepCacheKind.FASTER_CACHE: (("interval",), {"interval": 2}),
+    StepCacheKind.PYRAMID: (("interval",), {"interval": 2}),
+}
+
+
+@dataclass(frozen=True)
+class StepCache:
+    """A step cache and its parameters; `parse("first-block:0.2")`, `str()` gives the canonical text.
+
+    threshold: first-block, magcache (relative change below which a step is reused);
+    interval: taylorseer (full compute every `interval` steps), faster-cache / pyramid (attention
+    recomputed every `interval` steps); warmup: taylorseer (steps always computed first).
+    """
+
+    kind: StepCacheKind = StepCacheKind.NONE
+    threshold: float | None = None
+    interval: int | None = None
+    warmup: int | None = None
+
+    def __post_init__(self):
+        _coerce(self, "kind", StepCacheKind)
+        names, defaults = STEP_CACHE_FORMS[self.kind]
+        for name in ("threshold", "interval", "warmup"):
+            value = getattr(self, name)
+            if name not in names:
+                if value is not None:
+                    raise InvalidRequest(f"step cache {self.kind} takes no {name}; {StepCache.forms()}")
+                continue
+            if value is None:
+                value = defaults[name]
+            try:
+                value = float(value) if name == "threshold" else int(value)
+            except (TypeError, ValueError):
+                raise InvalidRequest(f"step cache {self.kind}: {name} {value!r} is not a number; "
+                                     f"{StepCache.forms()}") from None
+            if (name == "threshold" and not 0.0 < value < 10.0) or (name == "interval" and value < 1) \
+                    or (name == "warmup" and value < 0):
+                raise InvalidRequest(f"step cache {self.kind}: {name} {value} is out of range; {StepCache.forms()}")
+            object.__setattr__(self, name, value)
+
+    @staticmethod
+    def forms() -> str:
+        """The valid texts, for error messages and help."""
+        shown = []
+        for kind, (names, _) in STEP_CACHE_FORMS.items():
+            shown.append(kind.value + "".join(f"[:{n.upper()}]" for n in names))
+        return "valid forms: " + ", ".join(shown)
+
+    @classmethod
+    def parse(cls, text) -> StepCache:
+        if isinstance(text, StepCache):
+            return text
+        if text is None or (isinstance(text, StepCacheKind) and text is StepCacheKind.NONE):
+            return cls()
+        parts = [p.strip() for p in str(text).strip().lower().split(":")]
+        if not parts[0]:
+            return cls()
+        try:
+            kind = StepCacheKind(parts[0])
+        except ValueError:
+            raise InvalidRequest(f"unknown step cache {str(text)!r}; {cls.forms()}") from None
+        names, _ = STEP_CACHE_FORMS[kind]
+        values = parts[1:]
+        if len(values) > len(names):
+            raise InvalidRequest(f"step cache {str(text)!r} has too many parameters; {cls.forms()}")
+        return cls(kind, **{n: v for n, v in zip(names, values, strict=False) if v != ""})
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind is not StepCacheKind.NONE
+
+    def __str__(self) -> str:
+        names, _ = STEP_CACHE_FORMS[self.kind]
+        return ":".join([self.kind.value, *(f"{getattr(self, n):g}" for n in names)])
+
+
+NO_STEP_CACHE = StepCache()
 
 
 class BucketState(enum.StrEnum):
@@ -256,7 +362,6 @@ class EngineOptions:
     max_autotune: bool = False  # torch.compile mode="max-autotune" (inductor devices only)
     dynamic: bool = False  # dynamic=True + use_duck_shape=False (not on static-shape devices)
     compile_vae: bool = True  # compile vae.decode too in "compile" mode
-    int8: bool = False  # torchao dynamic int8 activation + int8 weight quantisation of the denoiser
     warm_modes: tuple[Mode, ...] = (Mode.COMPILE,)  # modes whose buckets warm at start-up
     warm_sizes: tuple[str, ...] | None = None  # None: every bucket of the preset; () none
     warm_steps: int = 2
@@ -305,10 +410,13 @@ class GenerateRequest:
     negative_prompt: str | None = None
     on_cold: OnCold = OnCold.EAGER
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    step_cache: StepCache = NO_STEP_CACHE  # text ("first-block:0.2") is parsed at construction
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
         _coerce(self, "on_cold", OnCold)
+        if not isinstance(self.step_cache, StepCache):
+            object.__setattr__(self, "step_cache", StepCache.parse(self.step_cache))
 
     @property
     def size(self) -> Size:
@@ -368,6 +476,13 @@ class GenerateResult:
     seed: int = 0
     steps: int = 0
     cancelled: bool = False
+    step_cache: StepCache = NO_STEP_CACHE
+    cached_steps: tuple[int, ...] = ()  # 1-based steps whose denoiser output came from the step cache
+
+    @property
+    def computed_steps(self) -> int:
+        """Steps whose denoiser ran in full."""
+        return self.steps - len(self.cached_steps)
 
     def image(self):
         """The image as a PIL image."""
@@ -393,6 +508,9 @@ class GenerateResult:
             "peak_memory_bytes": self.peak_memory_bytes,
             "cancelled": self.cancelled,
             "notices": list(self.notices),
+            "step_cache": str(self.step_cache),
+            "cached_steps": list(self.cached_steps),
+            "computed_steps": self.computed_steps,
             "timings": {
                 "step_ms": list(t.step_ms),
                 "first_step_ms": t.first_step_ms,
@@ -415,6 +533,7 @@ class StepProgress:
     step: int  # 1-based
     total: int
     step_ms: float
+    cached: bool = False  # this step's denoiser output came from the step cache
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from engine.errors import UnsupportedCombination
-from engine.protocol import EngineOptions, Mode
+from engine.protocol import EngineOptions, Mode, Precision
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +44,37 @@ def step_fuse_qkv(pipe, denoiser_name: str) -> str:
     return f"fused QKV projections in {fused} attention modules"
 
 
-def step_int8(pipe, denoiser_name: str) -> str:
+def quantize_denoiser(pipe, denoiser_name: str, precision: Precision) -> str:
+    """torchao quantization of the denoiser's linear layers for a quantized precision (int8wo, int8dq, fp8).
+    Runs after the weights are on the device: torchao picks its kernels from where the weights are."""
     try:
-        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+        from torchao.quantization import (
+            Float8DynamicActivationFloat8WeightConfig,
+            Int8DynamicActivationInt8WeightConfig,
+            Int8WeightOnlyConfig,
+            PerRow,
+            quantize_,
+        )
     except ImportError:
-        from engine.errors import UnsupportedCombination
-
-        raise UnsupportedCombination("int8 needs torchao: pip install 'diffusion-showcase[quant]'") from None
-    quantize_(_denoiser(pipe, denoiser_name), Int8DynamicActivationInt8WeightConfig())
-    return "int8 dynamic activation + int8 weight quantisation (torchao) on the denoiser"
+        raise UnsupportedCombination(f"{precision} needs torchao: pip install torchao") from None
+    configs = {
+        Precision.INT8_WEIGHT: (Int8WeightOnlyConfig, {}, "int8 weight-only"),
+        Precision.INT8_DYNAMIC: (Int8DynamicActivationInt8WeightConfig, {}, "int8 dynamic activation + int8 weight"),
+        Precision.FP8: (Float8DynamicActivationFloat8WeightConfig, {"granularity": PerRow()},
+                        "float8 dynamic activation + float8 weight (per row)"),
+    }
+    config_cls, kwargs, what = configs[Precision(precision)]
+    denoiser = _denoiser(pipe, denoiser_name)
+    quantize_(denoiser, config_cls(**kwargs))
+    linears = sum(1 for m in denoiser.modules() if isinstance(m, torch.nn.Linear)
+                  and type(m.weight).__name__ not in ("Parameter", "Tensor"))
+    return f"{precision}: {what} quantization (torchao) of {linears} linear layers in the denoiser"
 
 
 # Load-time steps in the order they apply. Offload / .to(device) come after these (in the runner).
 LOAD_STEPS = (
     ("fuse_qkv", step_fuse_qkv),
     ("channels_last", step_channels_last),
-    ("int8", step_int8),
 )
 
 

@@ -34,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from engine import attention, caches, devices, recipes
+from engine import attention, caches, devices, recipes, stepcache
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
 from engine.faults import FaultHooks
 from engine.presets import route_size
@@ -277,11 +277,17 @@ class PipelineRunner:
         self.measured_run: tuple[Size, float] | None = None  # the measuring run: its size and milliseconds
         self.source: str | None = None  # what from_pretrained loaded (aot package keys name the model by it)
         self._aot = None  # engine/aot.py AotEngine, built with the aot variant
+        self._step_caches: stepcache.CacheVariants | None = None  # (mode, step cache) variants, once loaded
         for mode in self.modes():
             for size in self.preset.buckets:
                 self.board.add(BucketKey(mode, size), BucketState.COLD if mode.compiled else BucketState.WARM)
 
     # -- set-up ----------------------------------------------------------------------------------
+    @property
+    def compute_precision(self) -> str:
+        """The dtype activations run in (a quantized precision's base: what attention kernels see)."""
+        return self.precision.base or self.precision.precision
+
     def modes(self) -> tuple[Mode, ...]:
         """Modes this engine can run: the device's, minus what its options rule out."""
         return tuple(m for m in self.spec.modes if not self._excluded(m))
@@ -292,6 +298,11 @@ class PipelineRunner:
             # Offload hooks cannot be traced (seed: compile only the repeated blocks), and an aot package
             # points at weights that offload moves between devices.
             return "CPU offload is on"
+        if mode is Mode.AOT and self.precision.precision.quantized:
+            # torch.export unwraps torchao's quantized tensors into parametrizations the package then looks
+            # up by name on the engine's own (still quantized) model, where they do not exist.
+            return (f"{self.precision.precision} weights are torchao tensor subclasses, which an aot package cannot "
+                    "take from the engine's model (export unwraps them into other tensors)")
         if mode is Mode.AOT and self.config.key.tp > 1:
             return "a tensor-parallel engine's weights are sharded DTensors, which aot packages do not take"
         return ""
@@ -321,7 +332,7 @@ class PipelineRunner:
     def load(self) -> float:
         start = time.perf_counter()
         # An attention backend this device cannot run is refused before any weights load.
-        attention.check_backend(self.options.attention_backend, self.spec, self.precision.precision)
+        attention.check_backend(self.options.attention_backend, self.spec, self.compute_precision)
         # Before diffusers is imported: importing it pulls in torch._dynamo, which fixes
         # TORCHINDUCTOR_CACHE_DIR to /tmp when unset, and the persistent cache would be ignored.
         env = devices.apply_environment(self.spec, self.config.cache_path())
@@ -351,11 +362,14 @@ class PipelineRunner:
             self.notices.append("model CPU offload: each model moves to the device only while it runs")
         else:
             pipe.to(self.load_device())
+        if self.precision.precision.quantized:
+            self.notices.append(recipes.quantize_denoiser(pipe, self.preset.denoiser, self.precision.precision))
         self.notices += attention.apply_backend(getattr(pipe, self.preset.denoiser), self.options.attention_backend,
-                                                self.spec, self.precision.precision)
+                                                self.spec, self.compute_precision)
         self.notices += recipes.apply_inductor_flags(self.options, self.spec)
         self.pipe = pipe
         self._variants[Mode.EAGER] = pipe
+        self._step_caches = stepcache.CacheVariants(self.preset, self.config.cache_path(), str(source))
         # A pristine scheduler that never runs: each request gets a copy (schedulers keep per-run state).
         self._scheduler_template = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
         self.load_s = time.perf_counter() - start
@@ -393,9 +407,13 @@ class PipelineRunner:
             return pipe
 
     # -- running ---------------------------------------------------------------------------------
-    def _call(self, pipe, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None):
-        """One pipeline call on a private copy (own scheduler: schedulers keep per-run state)."""
+    def _call(self, pipe, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None,
+              cached: stepcache.CachedDenoiser | None = None):
+        """One pipeline call on a private copy (own scheduler: schedulers keep per-run state). With a step
+        cache variant, `cached` counts the steps its hooks served."""
         run = copy.copy(pipe)
+        if cached is not None:
+            cached.start(run)
         scheduler = copy.deepcopy(self._scheduler_template)  # 3-5x cheaper than from_config per request
         clock = _RunClock(self.spec)
         original_set_timesteps = scheduler.set_timesteps
@@ -416,8 +434,9 @@ class PipelineRunner:
             # cloned before anything reads them, and the next denoiser call starts a new graph step.
             outputs = recipes.graph_safe_outputs(callback_kwargs) if graphs else {}
             step_ms = clock.mark_step_end()
+            from_cache = cached.counter.step_end() if cached is not None else False
             if on_step:
-                on_step(StepProgress(request.request_id, i + 1, request.steps, step_ms))
+                on_step(StepProgress(request.request_id, i + 1, request.steps, step_ms, cached=from_cache))
             if cancel is not None and cancel.is_set() and not cancelled_at:
                 cancelled_at.append(i + 1)
                 p._interrupt = True
@@ -435,6 +454,8 @@ class PipelineRunner:
     def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None) -> GenerateResult:
         """Run one request. At a warm bucket this compiles nothing; elsewhere it runs eagerly or waits."""
         notices = list(self.check_mode(request.mode))
+        # A step cache this mode cannot hold is refused before anything runs (never served without it).
+        notices += stepcache.check_step_cache(request.step_cache, self.preset, self.spec, request.mode)
         size, snapped = route_size(self.preset, request.width, request.height, snap=True)
         notices += snapped
         request = request.replace(width=size.width, height=size.height)
@@ -463,11 +484,19 @@ class PipelineRunner:
             self.spec.reset_peak_memory()
             compiles_before = compiles_in_this_thread()
             aot_before = self._aot.counters()[1] if self._aot and request_for_run.mode is Mode.AOT else None
+            cached = None
             try:
-                image, timings, cancelled_at = self._call(pipe, request_for_run, on_step, cancel)
+                if request.step_cache.enabled:
+                    cached, cache_notices = self._step_caches.get(
+                        request_for_run.mode, pipe, request.step_cache, request.steps,
+                        lambda p, v: self._call(p, request_for_run.replace(request_id="calibrate"), cached=v))
+                    notices += cache_notices
+                    pipe = cached.pipe
+                image, timings, cancelled_at = self._call(pipe, request_for_run, on_step, cancel, cached)
             except torch.OutOfMemoryError as exc:
                 raise self._out_of_memory(exc) from None
             recompiles = compiles_in_this_thread() - compiles_before
+            cached_steps = cached.finish() if cached is not None else ()
             peak = self.spec.peak_memory_bytes()
             if aot_before is not None and self._aot.counters()[1] > aot_before:
                 notices.append(f"aot: a call at {bucket} matched no package (not the exported shapes or "
@@ -491,6 +520,8 @@ class PipelineRunner:
             notices=tuple(notices),
             seed=request.seed,
             steps=request.steps,
+            step_cache=request.step_cache,
+            cached_steps=cached_steps,
         )
 
     def _png_info(self, request: GenerateRequest):
@@ -505,6 +536,7 @@ class PipelineRunner:
             "request_id": request.request_id, "engine": str(self.config.key), "mode": request.mode,
             "size": str(request.size), "seed": request.seed, "steps": request.steps, "guidance": request.guidance,
             "prompt": request.prompt, "negative_prompt": request.negative_prompt,
+            "step_cache": str(request.step_cache),
         }))
         return info
 

@@ -10,7 +10,7 @@ import math
 
 from engine.errors import InvalidRequest
 from engine.presets import route_size
-from engine.protocol import GenerateRequest, Mode, ModelPreset, OnCold, Precision
+from engine.protocol import GenerateRequest, Mode, ModelPreset, OnCold, Precision, StepCache
 
 MAX_PROMPT_CHARS = 4000
 LONG_PROMPT_WORDS = 60  # ~77 CLIP tokens: beyond this the CLIP encoders see only the start
@@ -103,9 +103,11 @@ def build_request(
     negative_prompt=None,
     snap: bool = True,
     on_cold: str | OnCold = OnCold.EAGER,
+    step_cache: str | StepCache | None = None,
 ) -> tuple[GenerateRequest, tuple[str, ...]]:
     """A validated, routed GenerateRequest plus the notices to show with its result."""
     mode = Mode.parse(mode, "mode")
+    step_cache = StepCache.parse(step_cache)
     on_cold = OnCold.parse(on_cold, "on_cold")
     prompt, notices = check_prompt("prompt", prompt)
     negative, neg_notices = check_prompt("negative_prompt", negative_prompt)
@@ -131,6 +133,7 @@ def build_request(
         seed=seed,
         mode=mode,
         on_cold=on_cold,
+        step_cache=step_cache,
     )
     return request, notices + size_notices
 

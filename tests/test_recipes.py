@@ -42,15 +42,59 @@ def test_cpu_offload_installs_hooks_and_rules_out_full_compile(cache_dir, tiny_m
         runner.check_mode("compile")
 
 
-def test_int8_needs_torchao_or_quantizes(cache_dir, tiny_models):
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
-        with pytest.raises(UnsupportedCombination, match="torchao"):
-            make_runner(cache_dir, int8=True)
-    else:
-        runner = make_runner(cache_dir, int8=True)
-        assert any("int8" in n for n in runner.notices)
+@pytest.fixture(scope="module")
+def shapes_fp32(cache_dir):
+    runner = make_runner(cache_dir, preset="tiny-shapes")
+    return runner, _shapes_image(runner)
+
+
+def _shapes_image(runner, mode="eager"):
+    import numpy as np
+
+    from engine.protocol import GenerateRequest
+
+    size = runner.preset.buckets[0]
+    request = GenerateRequest(runner.preset.example_prompt, size.width, size.height, 8, 1.0, 1, mode=mode)
+    return np.asarray(runner.generate(request).image().convert("RGB"))
+
+
+@pytest.mark.parametrize("precision, tensor", [("int8wo", "Int8Tensor"), ("int8dq", "Int8Tensor")])
+def test_quantized_precisions_quantize_the_denoiser_with_torchao(cache_dir, shapes_fp32, precision, tensor):
+    import numpy as np
+
+    from engine.bench.quality import image_drift
+    from engine.shapes.fidelity import check
+
+    runner = make_runner(cache_dir, preset="tiny-shapes", precision=precision)
+    assert runner.precision.precision == precision and runner.precision.base == "fp32"
+    linears = [m for m in runner.pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m.weight).__name__ == tensor for m in linears)
+    assert all(p.dtype == torch.float32 for p in runner.pipe.vae.parameters())  # only the denoiser is quantized
+    assert any(f"{precision}:" in n and "torchao" in n for n in runner.notices)
+    image = _shapes_image(runner)
+    assert check(image, runner.preset.example_prompt).correct
+    drift = image_drift(image, shapes_fp32[1])
+    assert 0 < drift["max_diff"] and drift["psnr_db"] > 20  # quantized: close to fp32, not the same
+    assert not np.array_equal(image, shapes_fp32[1])
+    assert "aot" not in runner.modes()
+    with pytest.raises(UnsupportedCombination, match="tensor subclasses"):
+        runner.check_mode("aot")
+
+
+def test_fp8_is_refused_on_cpu_and_below_sm89():
+    from dataclasses import replace
+
+    from engine.devices.spec import make_plan
+
+    with pytest.raises(UnsupportedCombination, match="compute capability 8.9"):
+        devices.plan_precision(devices.get_device("cpu"), "fp8")
+    cuda = replace(devices.get_device("cuda"), precision_fn=make_plan)
+    with pytest.raises(UnsupportedCombination, match="sm_86"):
+        devices.plan_precision(replace(cuda, capability_fn=lambda: (8, 6)), "fp8")
+    plan = devices.plan_precision(replace(cuda, capability_fn=lambda: (9, 0)), "fp8")
+    assert plan.precision == "fp8" and plan.base == "bf16" and plan.dtype == torch.bfloat16
+    table = devices.precision_support(devices.get_device("cpu"))
+    assert table["int8wo"]["status"] == "ok" and table["fp8"]["status"] == "refused"
 
 
 def test_inductor_flags_default_on_for_cuda_only(monkeypatch):

@@ -185,6 +185,8 @@ def spec() -> DeviceSpec:
         # SDPA's flash kernel has a CPU implementation; flex attention runs too (measured, torch 2.13).
         attention_kernels=("sdpa", "sdpa-flash", "flex"),
         matmul_probe_iters=5,  # a CPU matmul takes milliseconds, not microseconds
+        quant_base=Precision.FP32,
+        quantized_precisions=(Precision.INT8_WEIGHT, Precision.INT8_DYNAMIC),
         host_memory_is_device_memory=True,
         budget_share=0.5,
         max_engines=4,

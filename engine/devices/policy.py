@@ -34,6 +34,8 @@ def plan_precision(spec: DeviceSpec, precision: str) -> PrecisionPlan:
     Refusal -> UnsupportedCombination naming the reason and what to pick instead.
     """
     key = Precision.parse(precision, "precision")
+    if key.quantized:
+        return _plan_quantized(spec, key)
     rule = spec.precision_fn or make_plan
     try:
         return rule(key)
@@ -42,6 +44,33 @@ def plan_precision(spec: DeviceSpec, precision: str) -> PrecisionPlan:
         raise UnsupportedCombination(
             f"{key} is not supported on {spec.label} [{spec.name}]: {refusal.reason}. Choose {instead} instead."
         ) from None
+
+
+FLOAT8_NEED = "float8 matmuls need a CUDA GPU of compute capability 8.9+ (Ada, Hopper or newer)"
+
+
+def _plan_quantized(spec: DeviceSpec, key: Precision) -> PrecisionPlan:
+    """A quantized precision: the device's base precision (its own rule applies: bf16 may be refused),
+    then torchao quantizes the denoiser's weights. Refused where the device has no such kernels."""
+    def refuse(reason: str) -> UnsupportedCombination:
+        instead = " or ".join(map(str, (*[p for p in spec.quantized_precisions if p is not key], spec.quant_base)))
+        return UnsupportedCombination(
+            f"{key} is not supported on {spec.label} [{spec.name}]: {reason}. Choose {instead} instead.")
+
+    if key not in spec.quantized_precisions:
+        raise refuse(FLOAT8_NEED if key is Precision.FP8 else spec.quant_refusal)
+    if key is Precision.FP8:
+        cap = spec.capability()
+        need = spec.float8_min_capability
+        if need is None or cap is None or cap < need:
+            have = f"this GPU is sm_{cap[0]}{cap[1]}" if cap else "the compute capability is not known here"
+            raise refuse(f"{FLOAT8_NEED}; {have}")
+    base = plan_precision(spec, spec.quant_base)
+    what = {Precision.INT8_WEIGHT: "int8 weight-only", Precision.INT8_DYNAMIC: "int8 dynamic activation + int8 weight",
+            Precision.FP8: "float8 dynamic activation + float8 weight"}[key]
+    return PrecisionPlan(precision=key, dtype=base.dtype, allow_tf32=base.allow_tf32,
+                         notices=(*base.notices, f"{key}: {what} (torchao) on the denoiser, loaded in {base.precision}"),
+                         requested=key, base=base.precision)
 
 
 def precision_support(spec: DeviceSpec) -> dict[str, dict]:

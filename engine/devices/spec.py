@@ -54,6 +54,7 @@ class PrecisionPlan:
     allow_tf32: bool  # fp32 matmuls and convs may use TF32
     notices: tuple[str, ...] = ()  # shown to users (e.g. a downgrade)
     requested: str = ""  # what the user asked for
+    base: str = ""  # quantized precisions: the precision the weights load in before torchao quantizes them
 
     @property
     def downgraded(self) -> bool:
@@ -120,6 +121,13 @@ class DeviceSpec:
     # Kernel families of diffusers' attention backends this device can run (engine/attention.py maps each
     # backend to one): "sdpa" everywhere; fused SDPA kernels, flash-attn, sage, xformers, hub kernels on GPUs.
     attention_kernels: tuple[str, ...] = ("sdpa",)
+    # Quantized precisions (torchao, on the denoiser's linear layers): the precision everything loads in
+    # before quantizing (fp32 on cpu: bf16 matmuls are slower there), the quantized precisions this device
+    # runs (the others are refused with `quant_refusal`), and the compute capability float8 needs.
+    quant_base: Precision = Precision.FP32
+    quantized_precisions: tuple[Precision, ...] = ()
+    quant_refusal: str = "torchao's quantized kernels are not set up for this device here"
+    float8_min_capability: tuple[int, int] | None = None
     # Square matmul sizes that reach this device's peak rate (the bench's roofline probe).
     matmul_probe_sizes: tuple[int, ...] = (256, 512, 1024)
     matmul_probe_iters: int = 20

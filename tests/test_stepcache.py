@@ -1,0 +1,192 @@
+"""Step caches: the vocabulary, which cache runs in which mode, and diffusers' own hooks for real on the
+trained tiny-shapes pipeline (cached steps counted, no leak into other variants, regional stays warm)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine import devices, stepcache
+from engine.errors import InvalidRequest, UnsupportedCombination
+from engine.presets import get_preset
+from engine.protocol import (
+    BucketKey,
+    BucketState,
+    EngineConfig,
+    EngineKey,
+    EngineOptions,
+    GenerateRequest,
+    GenerateResult,
+    Mode,
+    StepCache,
+    StepCacheKind,
+)
+from engine.runner import PipelineRunner
+from engine.shapes.fidelity import check
+from engine.validation import build_request
+
+PRESET = get_preset("tiny-shapes")
+CPU = devices.get_device("cpu")
+STEPS = 12
+
+
+# -- vocabulary ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, canonical", [
+    ("none", "none"), ("", "none"), (None, "none"),
+    ("first-block", "first-block:0.2"), ("First-Block:0.1", "first-block:0.1"),
+    ("taylorseer", "taylorseer:3:2"), ("taylorseer:4", "taylorseer:4:2"), ("taylorseer:3:2", "taylorseer:3:2"),
+    ("magcache", "magcache:0.06"), ("magcache:0.1", "magcache:0.1"),
+    ("faster-cache", "faster-cache:2"), ("pyramid:3", "pyramid:3"),
+])
+def test_parse_and_canonical_text(text, canonical):
+    cache = StepCache.parse(text)
+    assert str(cache) == canonical
+    assert StepCache.parse(str(cache)) == cache  # the canonical text round-trips
+
+
+@pytest.mark.parametrize("text, says", [
+    ("fbcache", "unknown step cache"), ("first-block:abc", "not a number"), ("first-block:0", "out of range"),
+    ("taylorseer:0", "out of range"), ("taylorseer:3:2:1", "too many"), ("none:1", "too many"),
+])
+def test_bad_texts_name_the_valid_forms(text, says):
+    with pytest.raises(InvalidRequest, match=says) as err:
+        StepCache.parse(text)
+    assert "first-block[:THRESHOLD]" in str(err.value) and "taylorseer[:INTERVAL][:WARMUP]" in str(err.value)
+
+
+def test_request_and_result_carry_the_cache():
+    request = GenerateRequest("a red circle on a blue background", 64, 64, 8, 1.0, 0, step_cache="first-block:0.3")
+    assert request.step_cache == StepCache(StepCacheKind.FIRST_BLOCK, threshold=0.3)
+    built, _ = build_request(PRESET, prompt="x", width=64, height=64, step_cache="taylorseer:4")
+    assert str(built.step_cache) == "taylorseer:4:2"
+    with pytest.raises(InvalidRequest):
+        build_request(PRESET, prompt="x", width=64, height=64, step_cache="bogus")
+    assert build_request(PRESET, prompt="x", width=64, height=64)[0].step_cache == StepCache()
+
+
+# -- which cache runs where ------------------------------------------------------------------------
+def _rows(preset, mode):
+    return {r["name"]: r for r in stepcache.available_step_caches(preset, CPU, mode)}
+
+
+def test_listing_per_mode():
+    eager = _rows(PRESET, "eager")
+    assert list(eager) == list(StepCacheKind.values())
+    assert all(r["usable"] for r in eager.values())
+    assert eager["taylorseer"]["params"] == {"interval": 3, "warmup": 2}
+    regional = _rows(PRESET, "regional")
+    assert regional["first-block"]["usable"] and regional["magcache"]["usable"]
+    for name in ("taylorseer", "faster-cache", "pyramid"):
+        assert not regional[name]["usable"] and "inside the repeated blocks" in regional[name]["why_not"]
+    for mode in ("compile", "aot"):
+        rows = _rows(PRESET, mode)
+        assert rows["none"]["usable"]
+        assert not any(r["usable"] for name, r in rows.items() if name != "none")
+    unet = _rows(get_preset("tiny-sdxl"), "eager")
+    assert not unet["first-block"]["usable"] and "CacheMixin" in unet["first-block"]["why_not"]
+    tpu_only = _rows(PRESET, "defer-and-fuse")  # a mode the CPU does not run
+    assert "does not run mode" in tpu_only["first-block"]["why_not"]
+
+
+# -- for real: diffusers' hooks on the trained tiny pipeline ------------------------------------------
+@pytest.fixture(scope="module")
+def runner(cache_dir, tiny_models, tmp_path_factory):
+    config = EngineConfig(EngineKey("tiny-shapes", "cpu", "fp32"), PRESET, EngineOptions(warm_steps=2),
+                          str(cache_dir))
+    r = PipelineRunner(config)
+    r.load()
+    # magcache calibrations go to a fresh folder: the first magcache request calibrates here
+    r._step_caches.cache_dir = tmp_path_factory.mktemp("stepcache")
+    return r
+
+
+PROMPT = "a red circle on a blue background"
+
+
+def _request(cache="none", mode="eager", steps=STEPS, seed=3) -> GenerateRequest:
+    size = PRESET.buckets[0]
+    return GenerateRequest(PROMPT, size.width, size.height, steps, PRESET.guidance, seed, mode=mode, step_cache=cache)
+
+
+def _run(runner, request) -> tuple[GenerateResult, list]:
+    progress = []
+    return runner.generate(request, on_step=progress.append), progress
+
+
+def _pixels(result) -> np.ndarray:
+    return np.asarray(result.image().convert("RGB"), dtype=np.int16)
+
+
+@pytest.fixture(scope="module")
+def baseline(runner):
+    return _run(runner, _request())[0]
+
+
+@pytest.mark.parametrize("cache", ["first-block:0.2", "taylorseer:3:2", "magcache", "faster-cache", "pyramid"])
+def test_each_cache_serves_steps_from_its_hooks(runner, baseline, cache):
+    result, progress = _run(runner, _request(cache))
+    assert str(result.step_cache) == str(StepCache.parse(cache))
+    assert result.cached_steps, f"{cache} served no step from the cache"
+    assert 1 not in result.cached_steps  # the first step has nothing to reuse
+    assert result.computed_steps == STEPS - len(result.cached_steps) >= 1
+    assert tuple(p.step for p in progress if p.cached) == result.cached_steps
+    assert len(progress) == STEPS
+    assert not np.array_equal(_pixels(result), _pixels(baseline))  # reused work changes the pixels a little
+    assert check(np.asarray(result.image().convert("RGB")), PROMPT).correct
+    out = result.as_dict()
+    assert out["cached_steps"] == list(result.cached_steps) and out["computed_steps"] == result.computed_steps
+
+
+def test_caches_never_leak_into_the_shared_denoiser(runner, baseline):
+    _run(runner, _request("first-block:0.2"))
+    _run(runner, _request("taylorseer:3:2"))
+    shared = runner.pipe.transformer
+    assert not getattr(shared, "_cache_config", None)
+    for module in shared.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        assert registry is None or not registry.hooks, f"hook left on the shared denoiser: {registry.hooks}"
+        assert "forward" not in module.__dict__
+    again, progress = _run(runner, _request())
+    assert again.cached_steps == () and not any(p.cached for p in progress)
+    assert np.array_equal(_pixels(again), _pixels(baseline))  # the same pixels as before any cache ran
+
+
+def test_a_cache_variant_is_reused_and_its_state_reset(runner):
+    first, _ = _run(runner, _request("first-block:0.2", seed=5))
+    second, _ = _run(runner, _request("first-block:0.2", seed=5))
+    assert first.cached_steps == second.cached_steps
+    assert np.array_equal(_pixels(first), _pixels(second))  # no state carried over from the last run
+
+
+def test_magcache_calibrates_once_per_steps_and_stores_it(runner):
+    path = runner._step_caches.calibration_path(6)
+    assert not path.exists()
+    first, _ = _run(runner, _request("magcache", steps=6))
+    assert any("magcache: calibrated" in n for n in first.notices)
+    stored = json.loads(path.read_text())
+    assert stored["steps"] == 6 and len(stored["mag_ratios"]) == 6 and stored["mag_ratios"][0] == 1.0
+    other, _ = _run(runner, _request("magcache:0.1", steps=6))  # another threshold: a new variant, same ratios
+    assert not any("magcache: calibrated" in n for n in other.notices)
+
+
+def test_refused_where_the_mode_cannot_hold_the_cache(runner):
+    with pytest.raises(UnsupportedCombination, match="one graph"):
+        runner.generate(_request("first-block", mode="compile"))
+    with pytest.raises(UnsupportedCombination, match="attention layers"):
+        runner.generate(_request("taylorseer", mode="regional"))
+
+
+def test_regional_keeps_its_warm_graphs_under_a_block_cache(runner, baseline):
+    bucket = BucketKey(Mode.REGIONAL, PRESET.buckets[0])
+    assert runner.warm_bucket(bucket).state is BucketState.WARM
+    plain, _ = _run(runner, _request(mode="regional"))
+    cached, progress = _run(runner, _request("first-block:0.2", mode="regional"))
+    assert cached.warm and not cached.eager_fallback
+    assert cached.recompiles == 0  # the hooks wrap the warm compiled blocks from outside
+    assert cached.cached_steps and tuple(p.step for p in progress if p.cached) == cached.cached_steps
+    assert plain.recompiles == 0 and plain.cached_steps == ()
+    eager_cached, _ = _run(runner, _request("first-block:0.2"))
+    assert eager_cached.cached_steps == cached.cached_steps  # the same decisions as eagerly
+    assert np.abs(_pixels(eager_cached) - _pixels(cached)).max() <= 8
