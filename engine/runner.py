@@ -268,10 +268,12 @@ class BucketBoard:
         return info
 
     def served(self, bucket: BucketKey, requests: int = 1) -> None:
-        """One pipeline call at `bucket` served `requests` requests (more than one in a batch)."""
+        """One pipeline call at `bucket` served `requests` requests (more than one in a batch). An eager
+        batch size seen first here needs nothing compiled: its row starts warm."""
         info = self.get(bucket)
+        state = {} if info is not None or bucket.mode.compiled else {"state": BucketState.WARM}
         self.update(bucket, requests_served=(info.requests_served if info else 0) + requests,
-                    batches_served=(info.batches_served if info else 0) + 1)
+                    batches_served=(info.batches_served if info else 0) + 1, **state)
 
 
 class PipelineRunner:
@@ -664,8 +666,9 @@ class PipelineRunner:
                 eager_fallback=eager_fallback, recompiles=recompiles, peak_memory_bytes=peak,
                 notices=tuple(ready[j][2] + notices), seed=member.seed, steps=member.steps,
                 step_cache=member.step_cache, cached_steps=cached_steps, batch_size=k))
-        served = sum(r is not None for r in results)
-        self.board.served(bucket, requests=served)
+        # Counted where it ran: an eager batch (eager mode, or a batch size not warm yet) on the eager row
+        ran = bucket if not eager_fallback else BucketKey(Mode.EAGER, bucket.size, k)
+        self.board.served(ran, requests=sum(r is not None for r in results))
         return results
 
     def _png(self, image, request: GenerateRequest) -> bytes:

@@ -114,10 +114,14 @@ def board_rows(status: list[dict]) -> list[list]:
             mode = b.get("mode", "")
             if b.get("origin"):  # aot: "loaded from package" / "built now"
                 mode = f"{mode} · {b['origin']}"
+            size, served = b.get("size", ""), b.get("requests_served", 0)
+            if b.get("batch", 1) > 1:  # a batch size's own graph: requests it served, in how many calls
+                size = f"{size} · batch {b['batch']}"
+                served = f"{served} in {b.get('batches_served', 0)} calls"
             rows.append([
                 name, b.get("device", device), b.get("precision", precision), mode,
-                b.get("size", ""), b.get("state", ""), reason, fmt_s(b.get("compile_s")),
-                fmt_s(b.get("warmup_s")), b.get("requests_served", 0),
+                size, b.get("state", ""), reason, fmt_s(b.get("compile_s")),
+                fmt_s(b.get("warmup_s")), served,
             ])
     return rows
 
@@ -136,7 +140,7 @@ def find_bucket(status: list[dict], engine: str, mode: str, size: str) -> dict |
         if e.get("engine") != engine:
             continue
         for b in e.get("buckets", []):
-            if b.get("mode") == mode and b.get("size") == size:
+            if b.get("mode") == mode and b.get("size") == size and b.get("batch", 1) == 1:
                 return b
     return None
 
@@ -156,7 +160,7 @@ def size_label(size: str, mode: str, engine: dict | None) -> str:
     if engine.get("state") == "down":
         return f"{size} · engine down"
     for b in engine.get("buckets", []):
-        if b.get("mode") == mode and b.get("size") == size:
+        if b.get("mode") == mode and b.get("size") == size and b.get("batch", 1) == 1:
             return f"{size} · {b.get('state')}"
     return f"{size} · cold"
 
