@@ -56,7 +56,7 @@ def quantize_denoiser(pipe, denoiser_name: str, precision: Precision) -> str:
             quantize_,
         )
     except ImportError:
-        raise UnsupportedCombination(f"{precision} needs torchao: pip install torchao") from None
+        raise UnsupportedCombination(f"{precision} needs torchao: pip install torchao==0.18.0") from None
     configs = {
         Precision.INT8_WEIGHT: (Int8WeightOnlyConfig, {}, "int8 weight-only"),
         Precision.INT8_DYNAMIC: (Int8DynamicActivationInt8WeightConfig, {}, "int8 dynamic activation + int8 weight"),

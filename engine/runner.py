@@ -393,7 +393,8 @@ class PipelineRunner:
         self.notices += recipes.apply_inductor_flags(self.options, self.spec)
         self.pipe = pipe
         self._variants[Mode.EAGER] = pipe
-        self._step_caches = stepcache.CacheVariants(self.preset, self.config.cache_path(), str(source))
+        self._step_caches = stepcache.CacheVariants(self.preset, self.config.cache_path(), clone_module_tree,
+                                                    str(source))
         # A pristine scheduler that never runs: each request gets a copy (schedulers keep per-run state).
         self._scheduler_template = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
         self.load_s = time.perf_counter() - start

@@ -183,14 +183,13 @@ def format_table(rows: list[dict]) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def detached_clone(denoiser):
-    """A structural clone of `denoiser` over the same Parameters, with no diffusers hook registry of its own
-    yet (a shallow copy would share the original's). A compiled submodule (regional compile sets
-    `_compiled_call_impl` on each repeated block) is delegated to: the clone's module calls the original's,
-    so hooks placed on the clone wrap the warm compiled graph from outside."""
-    from engine.runner import clone_module_tree
-
-    clone = clone_module_tree(denoiser)
+def detached_clone(denoiser, clone_tree):
+    """A structural clone of `denoiser` over the same Parameters (`clone_tree`: the runner's
+    clone_module_tree), with no diffusers hook registry of its own yet (a shallow copy would share the
+    original's). A compiled submodule (regional compile sets `_compiled_call_impl` on each repeated block)
+    is delegated to: the clone's module calls the original's, so hooks placed on the clone wrap the warm
+    compiled graph from outside."""
+    clone = clone_tree(denoiser)
     for original, copied in zip(denoiser.modules(), clone.modules(), strict=True):
         for name in ("_diffusers_hook", "forward"):
             copied.__dict__.pop(name, None)
@@ -255,13 +254,13 @@ class StepCounter:
 class CachedDenoiser:
     """One (mode, cache) variant: the pipeline with a hooked denoiser clone, and its step counter."""
 
-    def __init__(self, base_pipe, denoiser_name: str, cache: StepCache, config_factory):
+    def __init__(self, base_pipe, denoiser_name: str, cache: StepCache, config_factory, clone_tree):
         import copy
 
         self.cache = cache
         self.counter = StepCounter()
         self._run = None  # the pipeline copy running now (timestep callbacks read it)
-        denoiser = detached_clone(getattr(base_pipe, denoiser_name))
+        denoiser = detached_clone(getattr(base_pipe, denoiser_name), clone_tree)
         modules = hooked_modules(denoiser, KINDS[cache.kind].level)
         if not modules:
             raise UnsupportedCombination(
@@ -323,8 +322,9 @@ class CacheVariants:
 
     KEEP = 8
 
-    def __init__(self, preset: ModelPreset, cache_dir: Path, source_id: str = ""):
+    def __init__(self, preset: ModelPreset, cache_dir: Path, clone_tree, source_id: str = ""):
         self.preset = preset
+        self.clone_tree = clone_tree
         self.cache_dir = Path(cache_dir)
         self.source_id = source_id
         self._lock = threading.Lock()
@@ -349,7 +349,7 @@ class CacheVariants:
         variant = CachedDenoiser(
             base_pipe, self.preset.denoiser, StepCache(StepCacheKind.MAGCACHE),
             lambda v: diffusers_config(v.cache, steps=steps, cfg=self.preset.cfg, timestep=v.current_timestep,
-                                       calibrate=True))
+                                       calibrate=True), self.clone_tree)
         for module in variant.denoiser.modules():
             registry = getattr(module, "_diffusers_hook", None)
             for hook in (registry.hooks.values() if registry is not None else ()):
@@ -391,7 +391,7 @@ class CacheVariants:
         variant = CachedDenoiser(
             base_pipe, self.preset.denoiser, cache,
             lambda v: diffusers_config(cache, steps=steps, cfg=self.preset.cfg, timestep=v.current_timestep,
-                                       mag_ratios=ratios))
+                                       mag_ratios=ratios), self.clone_tree)
         with self._lock:
             self._variants[key] = variant
             while len(self._variants) > self.KEEP:

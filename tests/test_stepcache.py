@@ -190,3 +190,70 @@ def test_regional_keeps_its_warm_graphs_under_a_block_cache(runner, baseline):
     eager_cached, _ = _run(runner, _request("first-block:0.2"))
     assert eager_cached.cached_steps == cached.cached_steps  # the same decisions as eagerly
     assert np.abs(_pixels(eager_cached) - _pixels(cached)).max() <= 8
+
+
+# -- the command line and the levers bench ---------------------------------------------------------------
+def test_step_caches_command_lists_every_cache(capsys):
+    from engine.cli import main
+
+    assert main(["step-caches", "--device", "cpu", "--mode", "regional", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["name"]: r for r in out["caches"]}
+    assert out["preset"] == "tiny-shapes" and set(rows) == set(StepCacheKind.values())
+    assert rows["first-block"]["usable"] and not rows["pyramid"]["usable"]
+
+
+def test_levers_targets_on_hand_made_rows():
+    from types import SimpleNamespace
+
+    from engine.bench import levers
+
+    def row(precision, mode, cache, ms, fidelity, error=None):
+        return {"precision": precision, "mode": mode, "cache": cache, "image_ms": [ms] if ms else [],
+                "cached_steps": 0, "error": error, "fidelity": fidelity, "recompiles": 0}
+
+    raw = [row("fp32", "eager", "none", 300.0, 1.0), row("fp32", "eager", "first-block:0.2", 200.0, 0.98),
+           row("fp32", "eager", "taylorseer:3:2", 100.0, 0.9),  # fastest, but loses 10 fidelity points
+           row("fp32", "regional", "first-block:0.2", 150.0, 0.98),
+           row("fp32", "compile", "first-block:0.2", None, None, "UnsupportedCombination: one graph")]
+    plan = SimpleNamespace(steps=20, preset=PRESET)
+    rows = {(r["precision"], r["mode"], r["cache"]): r for r in raw}
+    results = [levers._finish(r, rows, plan) for r in raw]
+    assert results[1]["cache_speedup"] == pytest.approx(1.5) and results[1]["computed_steps"] == 20
+    assert results[3]["speedup_vs_eager_same_cache"] == pytest.approx(200 / 150)
+    targets = {t["key"]: t for t in levers._targets(plan, results)}
+    speed = targets["step_cache_speedup"]
+    assert speed["status"] == "met" and speed["by"] == "first-block:0.2"  # taylorseer is out: fidelity
+    assert targets["offered_combinations_run"]["status"] == "met"  # a refusal is not a failure
+    assert levers._targets(SimpleNamespace(steps=8, preset=PRESET), results)[0]["status"] == "n/a"
+    slow = [dict(results[0]), {**results[1], "cache_speedup": 1.2}]
+    assert levers._targets(plan, slow)[0]["status"] == "MISSED"
+    assert "refused: one graph" in levers.markdown({
+        "preset": "p", "device": "cpu", "size": "64x64", "steps": 20, "runs": 1, "quality_samples": 0,
+        "results": results, "targets": levers._targets(plan, results)})
+
+
+def test_levers_bench_runs_caches_and_quantized_precisions(cache_dir, tiny_models, tmp_path):
+    from engine.bench import levers
+    from engine.bench.plan import plan_from_args
+    from engine.cli import build_parser
+
+    args = build_parser().parse_args([
+        "bench", "--preset", "tiny-shapes", "--device", "cpu", "--caches", "none,first-block,FIRST-BLOCK:0.2",
+        "--precisions", "fp32,int8dq", "--modes", "eager", "--steps", "8", "--runs", "1",
+        "--quality-samples", "2", "--no-progress", "--cache-dir", str(cache_dir)])
+    plan = plan_from_args(args)
+    assert plan.caches == ("none", "first-block:0.2")  # canonical, duplicates dropped
+    report = levers.run_levers_bench(plan)
+    rows = {(r["precision"], r["mode"], r["cache"]): r for r in report["results"]}
+    assert len(rows) == 4
+    for key in [("fp32", "eager", "none"), ("fp32", "eager", "first-block:0.2"), ("int8dq", "eager", "none"),
+                ("int8dq", "eager", "first-block:0.2")]:
+        r = rows[key]
+        assert r["error"] is None, r["error"]
+        assert r["image_ms_median"] > 0 and r["fidelity"] is not None and r["drift_max_diff"] is not None
+    assert rows[("fp32", "eager", "none")]["drift_max_diff"] == 0
+    assert rows[("int8dq", "eager", "none")]["drift_max_diff"] > 0
+    assert rows[("fp32", "eager", "first-block:0.2")]["cached_steps"] >= 1
+    assert [t["status"] for t in report["targets"]] == ["n/a", "met", "met"]  # 8 steps: the speed target is n/a
+    assert levers.write(report, tmp_path)["json"].endswith("levers.json")

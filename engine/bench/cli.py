@@ -37,6 +37,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "with mode='max-autotune'; cuda-graphs = full compile with mode='reduce-overhead'; aot = "
                         "AOTInductor packages, built once into the cache folder)")
     b.add_argument("--precisions", default="fp32", help=f"comma-separated: {','.join(Precision.values())}")
+    b.add_argument("--caches", default=None,
+                   help="comma-separated step caches (none, first-block:0.2, taylorseer:3:2, magcache, ...): the levers "
+                        "bench, one row per precision x mode x cache with speedups, cached steps, drift and fidelity")
     b.add_argument("--sizes", default=None, help="comma-separated WxH buckets (default: the preset's first)")
     b.add_argument("--steps", type=int, default=None, help="denoising steps per image (default: the preset's)")
     b.add_argument("--runs", type=int, default=10, help="timed requests (images) per configuration")

@@ -33,7 +33,7 @@ from engine.bench.stats import apply_speedups, empty_result, finish_result
 from engine.devices import DeviceSpec
 from engine.errors import InvalidRequest, UnsupportedCombination
 from engine.presets import load_presets
-from engine.protocol import Mode, Size
+from engine.protocol import Mode, Precision, Size
 
 log = logging.getLogger(__name__)
 
@@ -353,6 +353,8 @@ def _build_denoiser(run: _Run, precision: str) -> tuple[torch.nn.Module, int, fl
         model._repeated_blocks = list(plan.preset.repeated_blocks)
     if plan.options.fuse_qkv:
         run.notes.append(recipes.step_fuse_qkv(types.SimpleNamespace(denoiser=model), "denoiser"))
+    if Precision(precision).quantized:  # built in the base dtype, then quantized as the engine does
+        run.notes.append(recipes.quantize_denoiser(types.SimpleNamespace(denoiser=model), "denoiser", precision))
     spec.synchronize()
     build_s = time.perf_counter() - start
     run.bar.update()

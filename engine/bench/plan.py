@@ -17,7 +17,7 @@ from engine.bench.modes import BENCH_MODES
 from engine.errors import InvalidRequest
 from engine.flags import engine_flags_argv, model_roots_from_args, options_from_args
 from engine.presets import get_preset, preset_for_model, route_size
-from engine.protocol import GENERIC_PROMPT, EngineOptions, ModelPreset, Size
+from engine.protocol import GENERIC_PROMPT, EngineOptions, ModelPreset, Size, StepCache
 
 
 @dataclass
@@ -54,6 +54,7 @@ class BenchPlan:
     command: str = ""
     # Images per configuration for drift (and fidelity, for a model with a checker); 0 = skip.
     quality_samples: int = 3
+    caches: tuple[str, ...] = ()  # step caches (canonical text): the levers bench (engine/bench/levers.py)
 
 
     def configs(self) -> list[tuple[str, str, Size]]:
@@ -106,6 +107,9 @@ def plan_from_args(args) -> BenchPlan:
         if m not in BENCH_MODES:
             raise InvalidRequest(f"unknown mode {m!r}: choose from {', '.join(BENCH_MODES)}")
     precisions = _split(args.precisions)
+    caches = tuple(dict.fromkeys(str(StepCache.parse(c)) for c in _split(args.caches or "")))
+    if caches and args.random_weights:
+        raise InvalidRequest("--caches runs the whole pipeline (step caches need its scheduler); drop --random-weights")
     if not modes or not precisions:
         raise InvalidRequest("--modes and --precisions need at least one value each")
     spec = devices.resolve_device(args.device)
@@ -132,5 +136,6 @@ def plan_from_args(args) -> BenchPlan:
         threads=args.threads, engine_args=engine_flags_argv(args),
         quality_samples=(args.quality_samples if args.quality_samples is not None
                          else 100 if preset.fidelity else 3),
+        caches=caches,
         command="python -m engine " + " ".join(a for a in sys.argv[1:] if a) if sys.argv else "",
     )

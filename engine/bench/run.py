@@ -33,6 +33,15 @@ def main(args) -> int:
     if args._cold_start_child:
         return cmd_cold_start_child(args)
     plan = plan_from_args(args)
+    if plan.caches:
+        from engine.bench import levers
+
+        report = levers.run_levers_bench(plan)
+        paths = levers.write(report, plan.out) if plan.out else {}
+        print(levers.markdown(report))
+        for kind, path in paths.items():
+            print(f"wrote {kind}: {path}", file=sys.stderr)
+        return 1 if args.strict and report["missed"] else 0
     report = run_bench(plan)
     paths = write_outputs(report, plan.out, chart=not args.no_chart) if plan.out else {}
     print(markdown_report(report))
