@@ -279,3 +279,18 @@ def test_max_batch_1_serves_one_request_per_call(unbatched):
     assert all(b.bucket.batch == 1 for b in unbatched.buckets())
     # each waited for the ones before it, not for a window
     assert sorted(r.timings.queued_ms for r in results)[0] < 250
+
+
+def test_step_cache_requests_batch_with_the_same_cache_and_match_solo(batched):
+    cache = "taylorseer"
+    results = [f.result(300) for f in together(batched, [request(i, mode="eager", step_cache=cache, steps=8)
+                                                         for i in range(2)])]
+    assert [r.batch_size for r in results] == [2, 2]
+    assert all(str(r.step_cache).startswith(cache) and r.cached_steps for r in results)
+    alone = batched.generate(request(1, mode="eager", step_cache=cache, steps=8, request_id="alone-cache"), timeout=300)
+    assert alone.batch_size == 1 and alone.cached_steps == results[1].cached_steps
+    assert np.abs(pixels(results[1]) - pixels(alone)).max() <= 2
+    # first-block decides from the whole batch: its requests run alone
+    fb = [f.result(300) for f in together(batched, [request(i, mode="eager", step_cache="first-block")
+                                                    for i in range(2)])]
+    assert [r.batch_size for r in fb] == [1, 1]
