@@ -205,8 +205,9 @@ class WorkerLoop:
         self.short_runs = ShortRuns.from_env(os.environ.get("SHOWCASE_SHORT_RUNS")) \
             if self.run_cost is not None and settings.long_requests_step_aside() else None
         # Queued requests that can share a denoiser call are served by one pipeline call (engine/batching.py).
+        options = getattr(runner, "options", None)
         self.batcher = Gatherer(self._requests, getattr(runner, "max_batch", 1),
-                                runner.options.batch_wait_ms, arrived=lambda r: self._received.get(r.request_id),
+                                getattr(options, "batch_wait_ms", 0.0), arrived=lambda r: self._received.get(r.request_id),
                                 sizes_for=self._batch_sizes_for, on_split=self._want_batch_size)
 
     def learn_from_measuring_run(self) -> None:
