@@ -484,6 +484,10 @@ class PipelineRunner:
         notices = list(self.check_mode(request.mode))
         # A step cache this mode cannot hold is refused before anything runs (never served without it).
         notices += stepcache.check_step_cache(request.step_cache, self.preset, self.spec, request.mode)
+        if request.step_cache.enabled and self.config.key.tp > 1:
+            # Each rank's hooks would decide alone which steps to skip; ranks that disagree hang the collectives.
+            raise UnsupportedCombination(f"step cache {request.step_cache} is not available on a tensor-parallel "
+                                         f"engine ({self.config.key}): run it on a single-device engine")
         size, snapped = route_size(self.preset, request.width, request.height, snap=True)
         notices += snapped
         return request.replace(width=size.width, height=size.height), notices

@@ -19,7 +19,9 @@ Whether a choice runs depends on, in this order: the denoiser (a CacheMixin mode
 hooks look for), then the mode: eager (and defer-and-fuse, the same modules) takes every cache; regional
 takes the block-level caches (the hooks wrap each compiled block from outside, so the warm graphs serve
 unchanged); compile and aot are refused (one graph of the whole denoiser cannot skip its own blocks per
-step), as are the attention-level caches under regional (their hooks would sit inside the compiled blocks).
+step, and diffusers runs its hook code under torch.compiler.disable, so a fullgraph compile fails on it:
+"Skip inlining torch.compiler.disable()d function"), as are the attention-level caches under regional
+(their hooks would sit inside the compiled blocks).
 
 `available_step_caches` returns every cache with `usable` and `why_not`; `check_step_cache` refuses an
 unusable choice with UnsupportedCombination. Importing this module imports no torch.
@@ -118,11 +120,12 @@ def _mode_problem(kind: CacheKind, mode: Mode) -> str:
         if kind.level == BLOCKS:
             return ""
         return ("its hooks sit on the attention layers inside the repeated blocks that regional compiles, "
-                "and a compiled block cannot skip its own attention per step; use eager, or first-block / "
-                "magcache with regional")
+                "and a compiled block cannot run them (diffusers disables compile for its hooks); use eager, or "
+                "first-block / magcache with regional")
     if mode is Mode.COMPILE:
-        return ("compile traces the whole denoiser into one graph, which cannot skip its own blocks per step "
-                "(the cache's decision is data-dependent); use regional (first-block, magcache) or eager")
+        return ("compile traces the whole denoiser into one graph, which cannot skip its own blocks per step: "
+                "diffusers runs its cache hooks under torch.compiler.disable, which a fullgraph compile cannot "
+                "trace; use regional (first-block, magcache) or eager")
     if mode is Mode.AOT:
         return ("an aot package is one exported graph of the whole denoiser, which cannot skip its own blocks "
                 "per step; use regional (first-block, magcache) or eager")

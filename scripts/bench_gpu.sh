@@ -16,6 +16,11 @@
 #                                          # AOT compile of the full transformer, minutes) -> $OUT/bench-gpu-aot/
 #   bash scripts/bench_gpu.sh batch        # batch-size sweep: 1/2/4/8 images per compiled denoiser call
 #                                          # (sizes --max-batch on this GPU) -> $OUT/bench-gpu-batch/sweep.md
+#   bash scripts/bench_gpu.sh levers       # a third call: quantized precisions (bf16 vs int8wo, int8dq, fp8)
+#                                          # on the full-size random-weight transformer, eager and compile
+#                                          # (speed only), then step caches x precisions on tiny-shapes
+#                                          # (every combination runs on CUDA; cache speed-ups and quality
+#                                          # at scale need real weights) -> $OUT/bench-gpu-levers/
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl
@@ -30,6 +35,12 @@ if [ "${1:-}" = wheelhouse ]; then
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       -d "$WHEELS" || exit 1
   done
+  # torchao (quantized precisions), pinned like the project; the device's torch is used as it is.
+  for v in 3.11 3.12 3.13; do
+    "$PY" -m pip download -q torchao==0.18.0 --no-deps --only-binary=:all: --python-version "$v" \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d "$WHEELS" || exit 1
+  done
   rm -f "$WHEELS"/numpy-*.whl
   du -sh "$WHEELS" && ls "$WHEELS"
   exit 0
@@ -41,6 +52,9 @@ mkdir -p "$OUT_DIR"
 if ! "$PY" -c "import diffusers" 2>/dev/null; then
   [ -d "$WHEELS" ] || { echo "no $WHEELS/: run 'bash scripts/bench_gpu.sh wheelhouse' first and carry .whl" >&2; exit 2; }
   "$PY" -m pip install -q --no-index --find-links "$WHEELS" diffusers==0.42.1 || exit 2
+fi
+if ! "$PY" -c "import torchao" 2>/dev/null && [ -d "$WHEELS" ]; then
+  "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-deps torchao==0.18.0 || echo "torchao not installed" >&2
 fi
 "$PY" -c "import sys, torch, diffusers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, 'gpu', torch.cuda.get_device_name())" | tee "$OUT_DIR/versions.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv > "$OUT_DIR/nvidia-smi.txt" 2>&1 || true
@@ -95,6 +109,24 @@ print("| images per call | step ms | step ms per image | gain per image vs 1 | p
 print("\n".join(rows))
 PYEOF
   exit 0
+fi
+
+if [ "${1:-}" = levers ]; then
+  shift
+  LEV_DIR="${OUT:-artifacts}/bench-gpu-levers"
+  mkdir -p "$LEV_DIR/quant" "$LEV_DIR/caches"
+  # Quantized precisions on the full-size transformer (random weights: speed, not quality); fp8 needs sm_89+.
+  timeout --signal=INT --kill-after=20 330 "$PY" -m engine bench "${COMMON[@]}" --precisions bf16,int8wo,int8dq,fp8 \
+    --modes eager,compile --time-budget 250 --out "$LEV_DIR/quant" "$@" 2>&1 | tee "$LEV_DIR/quant/bench.log"
+  rc=${PIPESTATUS[0]}
+  # Step caches x precisions on the trained tiny-shapes pipeline: every offered combination, with drift and
+  # fidelity; its per-image times are launch-bound on a GPU, so its speed-ups say little about a real model.
+  timeout --signal=INT --kill-after=20 180 "$PY" -m engine bench --preset tiny-shapes --device cuda \
+    --caches none,first-block:0.2,taylorseer:3:2,magcache,faster-cache,pyramid --precisions fp32,bf16,int8wo,fp8 \
+    --modes eager,regional --steps 20 --runs 3 --quality-samples 16 --cache-dir /tmp/showcase-cache --no-progress \
+    --out "$LEV_DIR/caches" 2>&1 | tee "$LEV_DIR/caches/bench.log"
+  echo "levers: quantized bench exited $rc, cache bench exited ${PIPESTATUS[0]}"
+  exit "$rc"
 fi
 
 # Main run: hard limit 390 s; no mode starts after 270 s; every finished mode is written to bench.json as

@@ -318,7 +318,7 @@ def test_a_worker_whose_load_failed_exits_by_itself(cache_dir, tiny_models, tmp_
 
 
 def test_manager_validates_before_starting_anything(cache_dir):
-    from engine.errors import DeviceUnavailable, InvalidRequest
+    from engine.errors import DeviceUnavailable, InvalidRequest, UnsupportedCombination
 
     manager = EngineManager(cache_dir=cache_dir)
     with pytest.raises(InvalidRequest, match="unknown preset"):
@@ -326,5 +326,7 @@ def test_manager_validates_before_starting_anything(cache_dir):
     with pytest.raises((DeviceUnavailable, InvalidRequest)):
         manager.generate(preset="tiny-flux", device="neuron")
     with pytest.raises(InvalidRequest, match="unknown precision"):
+        manager.generate(preset="tiny-flux", device="cpu", precision="fp4")
+    with pytest.raises(UnsupportedCombination, match="compute capability 8.9"):
         manager.generate(preset="tiny-flux", device="cpu", precision="fp8")
     assert manager.engines() == []

@@ -257,3 +257,16 @@ def test_levers_bench_runs_caches_and_quantized_precisions(cache_dir, tiny_model
     assert rows[("fp32", "eager", "first-block:0.2")]["cached_steps"] >= 1
     assert [t["status"] for t in report["targets"]] == ["n/a", "met", "met"]  # 8 steps: the speed target is n/a
     assert levers.write(report, tmp_path)["json"].endswith("levers.json")
+
+
+def test_through_the_manager_and_a_worker(manager):
+    progress = []
+    result = manager.generate(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT, steps=STEPS,
+                              seed=3, step_cache="first-block:0.2", on_progress=progress.append)
+    assert str(result.step_cache) == "first-block:0.2" and result.cached_steps
+    assert tuple(p.step for p in progress if p.cached) == result.cached_steps
+    with pytest.raises(InvalidRequest, match="valid forms"):
+        manager.generate(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT, step_cache="fast")
+    with pytest.raises(UnsupportedCombination, match="one graph"):
+        manager.generate(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT, mode="compile",
+                         step_cache="first-block")
