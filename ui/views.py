@@ -84,6 +84,8 @@ def stats_rows(result: dict | None) -> list[list[str]]:
         ["first step / median step", f"{fmt_ms(t.get('first_step_ms'))} / {fmt_ms(t.get('median_step_ms'))}"],
         ["it/s", "—" if its is None else f"{its:.2f}"],
         ["bucket", bucket_verdict(result)],
+        ["batch", (f"one pipeline call for {result['batch_size']} requests (steps shared)"
+                   if result.get("batch_size", 1) > 1 else "alone")],
         ["recompiles", str(result.get("recompiles", 0))],
         ["peak memory", fmt_bytes(result.get("peak_memory_bytes"))],
         ["seed", str(result.get("seed", ""))],
