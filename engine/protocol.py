@@ -386,7 +386,7 @@ class EngineOptions:
     # run as one pipeline call (None: the device's default, DeviceSpec.max_batch; 1: off), gathered for up
     # to `batch_wait_ms` after the first one arrives (and while the previous call runs).
     max_batch: int | None = None
-    batch_wait_ms: float = 5.0
+    batch_wait_ms: float = 15.0
     # Tests only: accept InjectFault messages (one-shot faults armed from outside) and make every
     # compile fail. Never set by the UI or the CLI.
     fault_injection: bool = False
