@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.flags import add_engine_arguments
 
     d = settings.server_defaults()
-    p = argparse.ArgumentParser(prog="app.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s = p.add_argument_group("server")
     s.add_argument("--host", default=d["host"], help="interface to bind (default 127.0.0.1; $SHOWCASE_HOST)")
     s.add_argument("--port", type=int, default=d["port"], help="port (default 7860; $SHOWCASE_PORT)")
@@ -43,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--precision", default=d["precision"], help="fp32, tf32, bf16 or fp16 ($SHOWCASE_PRECISION)")
     e.add_argument("--mode", default=d["mode"], help="eager, compile, regional, defer-and-fuse ($SHOWCASE_MODE)")
     e.add_argument("--tp", type=int, default=1,
-                   help="tensor parallel over N ranks for the default engine (a torchrun sidecar)")
+                   help="run the default engine over N ranks (a torchrun sidecar)")
+    e.add_argument("--parallel", choices=("tensor", "ulysses", "ring"), default="tensor",
+                   help="how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring "
+                        "(context parallel: whole transformer on each rank, tokens split)")
     e.add_argument("--tp-address", default=None, metavar="FILE",
                    help="serve a running tensor-parallel sidecar as the default engine: FILE is the address file "
                         "its node 0 wrote (python -m engine.tp.sidecar ... --address-file FILE; the token is read "
@@ -54,9 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="buckets to pre-warm at start-up in --mode: 'all', 'none' or e.g. '64x64,128x128' "
                         "($SHOWCASE_WARM)")
     h = p.add_argument_group("hosting (a Space or a shared box: see README 'Hosting')")
-    h.add_argument("--public", action=argparse.BooleanOptionalAction, default=d["public"],
+    h.add_argument("--public", action=argparse.BooleanOptionalAction, default=None,
                    help="hosting mode: visitors choose only what the host offers, host operations need "
-                        "--admin-token ($SHOWCASE_PUBLIC=1)")
+                        "--admin-token ($SHOWCASE_PUBLIC=1; default: on when SPACE_ID is set, i.e. on a Space)")
+    h.add_argument("--runtime", choices=("workers", "inprocess"), default=d["runtime"],
+                   help="workers: one worker process per engine; inprocess: engines in the app's process, device "
+                        "work in GPU calls (ZeroGPU's spaces.GPU; compile/regional refused, aot instead). Default: "
+                        "inprocess when SPACES_ZERO_GPU is set, else workers ($SHOWCASE_RUNTIME)")
+    h.add_argument("--aot-dir", default=d["aot_dir"], metavar="DIR",
+                   help="aot packages on persistent storage (default: <cache-dir>/aot; on a Space with persistent "
+                        "storage, /data/showcase-aot; $SHOWCASE_AOT_DIR)")
+    h.add_argument("--aot-repo", default=d["aot_repo"], metavar="REPO_ID",
+                   help="a Hub model repo of aot packages (python -m engine export --push-to REPO_ID): packages "
+                        "missing locally are downloaded at start-up ($SHOWCASE_AOT_REPO; token: $HF_TOKEN)")
     h.add_argument("--presets", default=d["presets"],
                    help="comma-separated presets visitors may choose (public mode; default: --preset only; "
                         "$SHOWCASE_PRESETS)")
@@ -109,11 +122,47 @@ def _choices(text: str | None, parse) -> tuple | None:
     return tuple(parse(t) for t in text.split(",") if t.strip()) if text else None
 
 
+SPACE_DATA = "/data"  # a Space's persistent storage, when the host bought it
+
+
+def resolve_hosting(args) -> list[str]:
+    """Fill in what depends on where the app runs (public mode, runtime, mode, aot folder) and say why."""
+    from engine import settings
+    from engine.protocol import Mode
+
+    lines = []
+    if args.public is None:
+        args.public, why = settings.hosting_mode()
+    else:
+        why = "--public" if args.public else "--no-public"
+    lines.append(f"hosting mode: {'public' if args.public else 'developer'} ({why})")
+    if args.runtime is None:
+        args.runtime, why = settings.runtime_default()
+    else:
+        why = "--runtime / $SHOWCASE_RUNTIME"
+    lines.append(f"runtime: {args.runtime} ({why})")
+    if args.runtime == "inprocess":
+        if Mode.parse(args.mode, "mode") in (Mode.COMPILE, Mode.REGIONAL):
+            lines.append(f"default mode: aot instead of {args.mode} (the in-process runtime runs no torch.compile)")
+            args.mode = str(Mode.AOT)
+        if args.tp > 1 or args.tp_address:
+            raise SystemExit("--tp and --tp-address need --runtime workers (torchrun ranks cannot run in-process)")
+    if args.aot_dir is None and settings.space_id() and os.access(SPACE_DATA, os.W_OK):
+        args.aot_dir = os.path.join(SPACE_DATA, "showcase-aot")
+    if args.aot_dir:
+        os.environ["SHOWCASE_AOT_DIR"] = str(args.aot_dir)  # the engines (and their workers) read it
+        lines.append(f"aot packages: {args.aot_dir}" + (f", missing ones from the Hub repo {args.aot_repo}"
+                                                         if args.aot_repo else ""))
+    return lines
+
+
 def host_policy(args):
     """What visitors may do: everything on a developer's machine; the host's lists in public mode."""
     from engine.manager import HostPolicy
     from engine.protocol import Mode, Precision
 
+    if args.public is None:
+        resolve_hosting(args)
     if not args.public:
         return HostPolicy()
     presets = _choices(args.presets, str.strip) or (args.preset,)
@@ -151,11 +200,25 @@ def parse_auth(value: str | None) -> tuple[str, str] | None:
 def prewarm(manager, args) -> None:
     """Start the default engine now; its worker loads the weights and warms the buckets by itself."""
     try:
-        key = manager.make_key(args.preset, args.device, args.precision, args.tp)
+        key = manager.make_key(args.preset, args.device, args.precision, args.tp, parallel=args.parallel)
+        if getattr(args, "aot_repo", None):
+            pull_packages(manager, args)
         manager.engine(key)
         log.info("pre-warming %s (%s buckets: %s)", key, args.mode, args.warm)
     except Exception as exc:  # the UI still starts and shows the reason
         log.warning("could not start the default engine: %s", exc)
+
+
+def pull_packages(manager, args) -> None:
+    """Download the Hub repo's aot packages of the default preset that are not here yet."""
+    from engine import aot_hub, settings
+
+    root = settings.aot_dir() or manager.cache_dir / "aot"
+    try:
+        fetched = aot_hub.pull_packages(args.aot_repo, root, preset=args.preset)
+        log.info("aot packages from %s: %d new file(s) in %s", args.aot_repo, len(fetched), root)
+    except Exception as exc:  # packages are an optimisation: build them instead
+        log.warning("could not download aot packages from %s (%s); buckets build their own", args.aot_repo, exc)
 
 
 ATTACH_WAIT_S = 15.0  # at start-up, how long to wait for an attached sidecar before the UI comes up without it
@@ -184,6 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)  # the start-up choices below are always logged
+    for line in resolve_hosting(args):
+        log.info(line)
+    if args.runtime == "inprocess":
+        from engine import settings as engine_settings
+
+        if engine_settings.gpu_calls() == "spaces":
+            import spaces  # noqa: F401 - before torch touches CUDA (ZeroGPU patches it)
 
     from engine.budget import parse_size
     from engine.errors import ShowcaseError
@@ -201,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             args, options_from_args(args, warm_sizes=sizes, warm_modes=modes),
             memory_budget=parse_size(args.memory_budget), max_engines=args.max_engines,
             compile_jobs=args.compile_jobs, idle_unload_s=args.idle_unload, policy=host_policy(args),
-            worker_threads=args.worker_threads)
+            worker_threads=args.worker_threads, runtime=args.runtime)
         try:
-            manager.default_key = manager.make_key(args.preset, args.device, args.precision, args.tp)
+            manager.default_key = manager.make_key(args.preset, args.device, args.precision, args.tp,
+                                                   parallel=args.parallel)
         except ShowcaseError as exc:  # the UI still starts and shows the reason
             log.warning("default engine %s/%s/%s: %s", args.preset, args.device, args.precision, exc)
     except ShowcaseError as exc:
@@ -220,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         attacher, key = attach_sidecar(manager, args)
         if key is not None and key.tp in UI_TP_CHOICES:
             args.preset, args.device, args.precision, args.tp = key.preset, key.device, str(key.precision), key.tp
+            args.parallel = str(key.parallel)
         elif key is not None:
             log.warning("the sidecar %s has %d ranks, not one of the UI's tensor-parallel choices %s: request it "
                         "through the API (/generate with tp=%d)", key, key.tp, UI_TP_CHOICES, key.tp)
@@ -230,10 +303,18 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        if attacher is None:  # with --tp-address the sidecar is the default engine: nothing to start here
+        if attacher is None and args.runtime == "inprocess" and os.environ.get("SPACES_ZERO_GPU"):
+            # ZeroGPU packs the weights and registers the GPU functions when the app launches: the default
+            # engine must be loaded (and its GPU call decorated) before that.
+            prewarm(manager, args)
+            try:
+                manager.engine(manager.make_key(args.preset, args.device, args.precision)).wait_ready(timeout=900)
+            except Exception as exc:
+                log.warning("the default engine did not load before launch: %s", exc)
+        elif attacher is None:  # with --tp-address the sidecar is the default engine: nothing to start here
             threading.Thread(target=prewarm, args=(manager, args), name="prewarm", daemon=True).start()
         defaults = UIDefaults(preset=args.preset, device=args.device, precision=args.precision, mode=args.mode,
-                              tp=args.tp, admin_token=args.admin_token)
+                              tp=args.tp, parallel=args.parallel, admin_token=args.admin_token)
         demo = build_demo(manager, defaults, queue_size=args.queue_size, edge=edge_config(args))
         demo.launch(
             server_name=args.host,

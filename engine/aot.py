@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from engine import settings
 from engine.protocol import BucketKey, Mode, Size
 
 log = logging.getLogger(__name__)
@@ -456,7 +457,7 @@ class AotEngine:
     def __init__(self, runner, inductor_configs: dict):
         self.runner = runner
         self.inductor_configs = inductor_configs
-        self.store = PackageStore(runner.config.cache_path() / "aot")
+        self.store = PackageStore(settings.aot_dir() or runner.config.cache_path() / "aot")
         base = runner.pipe
         self.denoiser_name = runner.preset.denoiser
         self.real_denoiser = getattr(base, self.denoiser_name)

@@ -41,6 +41,10 @@ class Backend:
     min_capability: tuple[int, int] | None = None
     max_capability: tuple[int, int] | None = None  # FA3 kernels exist for Hopper only
     hub: bool = False  # a kernel the `kernels` package downloads from the Hub (repo: diffusers' registry)
+    # Context parallel: diffusers registers the backend with supports_context_parallel (Ulysses runs on it),
+    # and its op returns the log-sum-exp (`return_lse=True`), which Ring attention merges partial results by.
+    context_parallel: bool = False
+    lse: bool = False
 
 
 def _b(name, kernel, summary, **kw) -> tuple[str, Backend]:
@@ -49,38 +53,40 @@ def _b(name, kernel, summary, **kw) -> tuple[str, Backend]:
 
 HOPPER = {"min_capability": (9, 0), "max_capability": (9, 0)}
 AMPERE = {"min_capability": (8, 0)}
+CP = {"context_parallel": True}
+CP_LSE = {"context_parallel": True, "lse": True}
 
 # Every backend diffusers 0.42 registers, as data. A backend diffusers adds later is listed as "not
 # described here" until it gets a row (never offered blindly).
 BACKENDS: dict[str, Backend] = dict([
-    _b("native", "sdpa", "torch SDPA; torch picks the kernel (default)"),
+    _b("native", "sdpa", "torch SDPA; torch picks the kernel (default)", **CP),
     _b("_native_math", "sdpa", "torch SDPA, math kernel forced (reference, slowest)"),
-    _b("_native_flash", "sdpa-flash", "torch SDPA, flash kernel forced", dtypes=HALF),
+    _b("_native_flash", "sdpa-flash", "torch SDPA, flash kernel forced", dtypes=HALF, **CP_LSE),
     _b("_native_efficient", "sdpa-efficient", "torch SDPA, memory-efficient kernel forced"),
-    _b("_native_cudnn", "sdpa-cudnn", "torch SDPA, cuDNN attention forced", dtypes=HALF, **AMPERE),
-    _b("_native_npu", "npu", "Ascend NPU attention (torch_npu)", dtypes=HALF),
+    _b("_native_cudnn", "sdpa-cudnn", "torch SDPA, cuDNN attention forced", dtypes=HALF, **AMPERE, **CP_LSE),
+    _b("_native_npu", "npu", "Ascend NPU attention (torch_npu)", dtypes=HALF, **CP),
     _b("_native_xla", "xla", "torch_xla flash attention (XLA devices, not TorchTPU)"),
     _b("flex", "flex", "torch flex attention (compiled kernel)"),
-    _b("flash", "flash-attn", "flash-attn 2", dtypes=HALF, **AMPERE),
+    _b("flash", "flash-attn", "flash-attn 2", dtypes=HALF, **AMPERE, **CP_LSE),
     _b("flash_varlen", "flash-attn", "flash-attn 2, variable length", dtypes=HALF, **AMPERE),
     _b("_flash_3", "flash-attn-3", "flash-attn 3 (FA3 beta built from source)", dtypes=HALF, **HOPPER),
     _b("_flash_varlen_3", "flash-attn-3", "flash-attn 3, variable length", dtypes=HALF, **HOPPER),
     _b("flash_hub", "hub", "flash-attn 2 from the Hub (kernels)", dtypes=HALF, hub=True,
-       **AMPERE),
+       **AMPERE, **CP_LSE),
     _b("flash_varlen_hub", "hub", "flash-attn 2 varlen from the Hub (kernels)", dtypes=HALF,
-       hub=True, **AMPERE),
+       hub=True, **AMPERE, **CP_LSE),
     _b("_flash_3_hub", "hub", "flash-attn 3 from the Hub (kernels)", dtypes=HALF,
-       hub=True, **HOPPER),
+       hub=True, **HOPPER, **CP_LSE),
     _b("_flash_3_varlen_hub", "hub", "flash-attn 3 varlen from the Hub (kernels)", dtypes=HALF,
-       hub=True, **HOPPER),
+       hub=True, **HOPPER, **CP_LSE),
     _b("flash_4_hub", "hub", "flash-attn 4 (CuTe) from the Hub (kernels)", dtypes=HALF,
        hub=True, min_capability=(9, 0)),
     _b("aiter_fa2_hub", "hub-rocm", "AMD aiter CK flash-attn 2 from the Hub (kernels)", dtypes=("bf16",),
        hub=True),
-    _b("sage", "sage", "SageAttention 2 (int8 QK)", dtypes=HALF, **AMPERE),
+    _b("sage", "sage", "SageAttention 2 (int8 QK)", dtypes=HALF, **AMPERE, **CP_LSE),
     _b("sage_varlen", "sage", "SageAttention 2, variable length", dtypes=HALF, **AMPERE),
     _b("sage_hub", "hub", "SageAttention from the Hub (kernels)", dtypes=HALF, hub=True,
-       **AMPERE),
+       **AMPERE, **CP_LSE),
     _b("sage_blackwell_hub", "hub", "SageAttention 3 for Blackwell from the Hub (kernels)", dtypes=HALF,
        hub=True, min_capability=(12, 0)),
     _b("_sage_qk_int8_pv_fp8_cuda", "sage", "SageAttention int8 QK / fp8 PV (CUDA)", min_capability=(9, 0)),
@@ -200,6 +206,31 @@ def check_backend(name: str, spec, precision: str | None) -> list[str]:
             f"attention backend {name!r} cannot run on {spec.label} [{spec.name}] in {precision}: {row['reason']}. "
             "`python -m engine attention` lists the ones that can")
     return [f"attention backend {name}: {row['summary']}" + (f" ({row['note']})" if row["note"] else "")]
+
+
+def check_context_parallel(name: str, layout: str, spec) -> None:
+    """Refuse (UnsupportedCombination, naming the backend and what to pick) an attention backend that cannot
+    run `layout` ("ulysses" or "ring") on `spec`: diffusers' context-parallel support, the log-sum-exp Ring
+    needs, and the kernels the device runs in diffusers' context-parallel path."""
+    name = str(name or DEFAULT).strip().lower()
+    b = BACKENDS.get(name)
+    kernels = spec.context_parallel_kernels if spec.context_parallel_kernels is not None else spec.attention_kernels
+    usable = [n for n, r in BACKENDS.items() if r.context_parallel and r.kernel in kernels]
+    if layout == "ring":
+        usable = [n for n in usable if BACKENDS[n].lse]
+    pick = (f"use an attention backend that can: {', '.join(usable)}" if usable
+            else f"{spec.label} [{spec.name}] has none; use --parallel ulysses or tensor")
+    if b is None or not b.context_parallel:
+        raise UnsupportedCombination(
+            f"attention backend {name!r} does not support context parallel ({layout}) in diffusers; {pick}")
+    if layout == "ring" and not b.lse:
+        raise UnsupportedCombination(
+            f"ring attention needs the attention's log-sum-exp to merge partial results, and {name!r} does not "
+            f"return it (diffusers: '{name} attention does not support return_lse=True'); {pick}")
+    if b.kernel not in kernels:
+        raise UnsupportedCombination(
+            f"attention backend {name!r} has no {b.kernel} kernel in diffusers' context-parallel path on "
+            f"{spec.label} [{spec.name}]; {pick}")
 
 
 def apply_backend(denoiser, name: str, spec, precision: str | None) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.errors import ShowcaseError
 from engine.flags import add_engine_arguments, make_manager, options_from_args, presets_from_args
-from engine.protocol import DEFAULT_PRESET, Mode, OnCold
+from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel
 
 
 def cmd_generate(args) -> int:
@@ -29,7 +29,8 @@ def cmd_generate(args) -> int:
         result = manager.generate(
             preset=args.preset, device=args.device, precision=args.precision, mode=mode, size=size,
             prompt=prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
-            seed=args.seed, tp=args.tp, snap=not args.no_snap, on_cold=args.on_cold, step_cache=args.cache,
+            seed=args.seed, tp=args.tp, parallel=args.parallel, snap=not args.no_snap, on_cold=args.on_cold,
+            step_cache=args.cache,
         )
     finally:
         manager.shutdown()
@@ -116,8 +117,14 @@ def cmd_export(args) -> int:
         for r in rows:
             what = r["origin"] if r["state"] == "warm" else f"{r['state']}: {r['error']}"
             print(f"{r['bucket']:16s} {what}  ({r['seconds']:.1f} s)")
-        print(f"packages in {config.cache_path() / 'aot'}")
-    return 0 if all(r["state"] == "warm" for r in rows) else 1
+        print(f"packages in {settings.aot_dir() or config.cache_path() / 'aot'}")
+    ok = all(r["state"] == "warm" for r in rows)
+    if ok and args.push_to:
+        from engine import aot_hub
+
+        url = aot_hub.push_packages(args.push_to, settings.aot_dir() or config.cache_path() / "aot", preset=key.preset)
+        print(f"pushed to {args.push_to}: {url}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 def add_generate_parser(sub) -> None:
@@ -138,7 +145,10 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--cache", default="none", metavar="TEXT",
                    help="step cache: none, first-block[:THRESHOLD], taylorseer[:INTERVAL[:WARMUP]], magcache[:THRESHOLD], "
                         "faster-cache[:INTERVAL], pyramid[:INTERVAL] (`python -m engine step-caches` lists which run here)")
-    g.add_argument("--tp", type=int, default=1, help="tensor parallel over N ranks (torchrun sidecar)")
+    g.add_argument("--tp", type=int, default=1, help="run the engine over N ranks (torchrun sidecar)")
+    g.add_argument("--parallel", choices=Parallel.values(), default=Parallel.TENSOR.value,
+                   help="how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring "
+                        "(context parallel: tokens split)")
     g.add_argument("--out", default=None, help="write the PNG here")
     g.add_argument("--json", action="store_true", help="print one JSON object with the timings")
     add_engine_arguments(g)
@@ -200,6 +210,9 @@ def add_export_parser(sub) -> None:
     e.add_argument("--rebuild", action="store_true", help="build even where a valid package exists")
     e.add_argument("--no-progress", action="store_true")
     e.add_argument("--json", action="store_true", help="print one JSON list, a row per bucket")
+    e.add_argument("--push-to", default=None, metavar="REPO_ID",
+                   help="then upload the preset's packages to this Hub model repo (created private; token: $HF_TOKEN); "
+                        "the app downloads them with --aot-repo")
     add_engine_arguments(e)  # options that change the graph (--fuse-qkv, --attention-backend, ...) must match the app's
     e.set_defaults(func=cmd_export)
 
@@ -217,6 +230,7 @@ COMMANDS = (
     "engine.soak:add_soak_parser",
     "engine.load:add_load_parser",
     "engine.bench.contention:add_contention_parser",
+    "engine.bench.context_parallel:add_cp_bench_parser",
 )
 
 

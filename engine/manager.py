@@ -13,7 +13,6 @@ import dataclasses
 import enum
 import logging
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -21,10 +20,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import budget, devices, settings
+from engine import budget, devices, settings, stepcache
 from engine.caches import prepare_cache_dir
 from engine.client import ConnectionEngine, ProcessEngine
-from engine.errors import BudgetExceeded, EngineBusy, InvalidRequest, NotAllowed, ShowcaseError
+from engine.errors import (
+    BudgetExceeded,
+    EngineBusy,
+    InvalidRequest,
+    NotAllowed,
+    ShowcaseError,
+    UnsupportedCombination,
+)
+from engine.metrics import median
 from engine.presets import looks_like_model_ref
 from engine.priority import ShortRunSlots
 from engine.protocol import (
@@ -94,6 +101,7 @@ class EngineManager:
         policy: HostPolicy | None = None,
         default_key: EngineKey | None = None,
         worker_threads: int | None = None,
+        runtime: str = "workers",
     ):
         self.cache = prepare_cache_dir(Path(cache_dir) if cache_dir else settings.cache_dir())
         self.cache_dir = self.cache.path
@@ -108,6 +116,9 @@ class EngineManager:
         self.max_engines = max_engines
         self.idle_unload_s = idle_unload_s
         self.worker_threads = worker_threads
+        if runtime not in ("workers", "inprocess"):
+            raise ShowcaseError(f"runtime {runtime!r}: use workers or inprocess")
+        self.runtime = runtime  # inprocess: engines in this process, device work in GPU calls (engine/inprocess.py)
         self.scheduler = CompileScheduler(compile_jobs or settings.default_compile_jobs())
         self._short_runs: ShortRunSlots | None = None  # made with the first engine on the host's cores
         self._short_run_slot: dict[int, int] = {}  # id(engine) -> its slot on that board
@@ -132,12 +143,12 @@ class EngineManager:
         return self.catalog.preset(name)
 
     def make_key(self, preset: str, device: str, precision: str, tp: int = 1,
-                 caller: Caller = Caller.HOST) -> EngineKey:
+                 caller: Caller = Caller.HOST, parallel: str = "tensor") -> EngineKey:
         """Validate and resolve an engine key ("auto" -> the best available device); in public mode a
         visitor may only pick what the host offers."""
         if caller is Caller.VISITOR:
             self._check_visitor_choice(preset=preset, precision=precision)
-        return self.catalog.make_key(preset, device, precision, tp)
+        return self.catalog.make_key(preset, device, precision, tp, parallel)
 
     def _check_visitor_choice(self, *, preset=None, precision=None, mode=None) -> None:
         p = self.policy
@@ -207,14 +218,15 @@ class EngineManager:
             raise  # the load would fail the same way: say which component now
         except ShowcaseError:
             weights = 0
-        weights //= max(1, key.tp)  # each rank holds its shard (the rest is replicated: an underestimate)
+        if key.parallel == "tensor":  # context parallel keeps the whole denoiser on every rank
+            weights //= max(1, key.tp)  # each rank holds its shard (the rest is replicated: an underestimate)
         overhead = self._measured_overhead(key.device) or spec.process_overhead_bytes
         return budget.estimate(weights, overhead, ACTIVATION_SHARE)
 
     def _measured_overhead(self, device: str) -> int | None:
         """What a process of this device measured beyond its weights (the median over loaded engines)."""
         seen = [f.device_bytes - f.weights_bytes for k, f in self._footprints.items() if k.device == device]
-        return int(statistics.median(seen)) if seen else None
+        return int(median(seen)) if seen else None
 
     def _residents(self, device: str, exclude: ConnectionEngine | None = None) -> list[budget.Resident]:
         with self._lock:
@@ -312,7 +324,12 @@ class EngineManager:
 
     def _start(self, key: EngineKey) -> ConnectionEngine:
         options = self.engine_options(key)
-        if key.tp > 1:
+        if self.runtime == "inprocess":
+            from engine.inprocess import InProcessEngine
+
+            engine = InProcessEngine(self._config(key, options),
+                                     threads=self.worker_threads_for(devices.get_device(key.device))).start()
+        elif key.tp > 1:
             from engine.tp.client import SidecarEngine
 
             engine = SidecarEngine(self._config(key, options)).start()
@@ -498,6 +515,7 @@ class EngineManager:
         guidance=None,
         seed=0,
         tp: int = 1,
+        parallel: str = "tensor",
         snap: bool = True,
         on_cold: str | OnCold = OnCold.EAGER,
         step_cache=None,
@@ -507,7 +525,7 @@ class EngineManager:
         caller: Caller = Caller.HOST,
     ) -> GenerateResult:
         """Validate, route and run one request; raises a ShowcaseError with what to change."""
-        key = self.make_key(preset, device, precision, tp, caller=caller)
+        key = self.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
         if caller is Caller.VISITOR:
             self._check_visitor_choice(mode=mode)
         p = self.preset(key.preset)
@@ -521,6 +539,9 @@ class EngineManager:
             guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold, step_cache=step_cache,
         )
         devices.check_mode(devices.get_device(key.device), request.mode)  # refused here; its notices come with the result
+        self._check_runtime(key, request.mode)
+        if request.step_cache.enabled:  # a cache the mode cannot hold is refused before any engine starts
+            stepcache.check_step_cache(request.step_cache, p, devices.get_device(key.device), request.mode)
         engine = self.engine(key, caller=caller)
         if engine.pending() >= self.engine_options(key).max_queue:
             raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")
@@ -553,13 +574,13 @@ class EngineManager:
         return True
 
     def warm(self, preset: str, device: str, precision: str, mode: str = Mode.COMPILE, size: str | None = None,
-             tp: int = 1, caller: Caller = Caller.HOST) -> None:
+             tp: int = 1, caller: Caller = Caller.HOST, parallel: str = "tensor") -> None:
         """Queue a bucket's compile (or the start-up list). Visitors in public mode: one bucket of an engine
         that is already loaded (theirs)."""
         visitor = caller is Caller.VISITOR and self.policy.public
         if visitor and not size:
             raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
-        key = self.make_key(preset, device, precision, tp, caller=caller)
+        key = self.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
         bucket = BucketKey(Mode.parse(mode, "mode"), Size.parse(size)) if size else None
         if visitor:
             self._check_visitor_choice(mode=mode)
@@ -568,9 +589,20 @@ class EngineManager:
             with self._lock:
                 if key not in self._engines:
                     raise NotAllowed(f"{key} is not loaded; generate with it first, then warm its buckets")
+        self._check_runtime(key, bucket.mode if bucket else None)
         engine = self.engine(key, caller=caller)
         engine.wait_ready(timeout=600)
         engine.warm(bucket)
+
+    def _check_runtime(self, key: EngineKey, mode: Mode | None) -> None:
+        """What the in-process runtime cannot run is refused before an engine starts, with the reason."""
+        if self.runtime != "inprocess":
+            return
+        from engine.inprocess import REFUSED_MODES, check_inprocess_key
+
+        check_inprocess_key(key)
+        if mode in REFUSED_MODES:
+            raise UnsupportedCombination(f"mode {mode}: {REFUSED_MODES[mode]}")
 
     def status(self) -> list[dict]:
         with self._lock:

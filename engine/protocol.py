@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import ClassVar
 
 from engine import settings
 from engine.errors import InvalidRequest, ShowcaseError
+from engine.metrics import median
 
 
 class _Choice(enum.StrEnum):
@@ -67,6 +69,40 @@ class Mode(_Choice):
     def compiled(self) -> bool:
         """Its buckets need a compile / warm-up before a request there is 'warm'."""
         return self is not Mode.EAGER
+
+
+class Parallel(_Choice):
+    """How a multi-rank engine splits the denoiser over its ranks (`--parallel`, with `--tp N` ranks)."""
+
+    TENSOR = "tensor"  # weights sharded (TensorParallelConfig): each rank holds 1/N of them
+    ULYSSES = "ulysses"  # sequence split, all-to-all over heads (ContextParallelConfig(ulysses_degree=N))
+    RING = "ring"  # sequence split, K/V passed round a ring (ring_degree=N); needs an LSE-returning attention
+
+    @property
+    def context(self) -> bool:
+        """A context-parallel layout: every rank holds the whole denoiser and a slice of the tokens."""
+        return self is not Parallel.TENSOR
+
+
+def ranks_choice(tp: int, parallel=Parallel.TENSOR) -> int | str:
+    """The UI's ranks choice for an engine: 1, or "N · layout" (e.g. "2 · ulysses")."""
+    return 1 if tp <= 1 else f"{tp} · {Parallel.parse(parallel, 'parallel')}"
+
+
+def parse_ranks(value, parallel=None) -> tuple[int, Parallel]:
+    """(ranks, layout) from a ranks choice: 2, "2", "2 · ulysses", "ulysses2"; `parallel` when it names none."""
+    problem = InvalidRequest(f"tp must be a whole number >= 1 or 'N · layout' (layouts: {', '.join(Parallel.values())})")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, str, type(None))) or len(str(value)) > 32:
+        raise problem  # never echoed: the API takes any text
+    text = str(1 if value in (None, "") else value).strip().lower()
+    m = re.fullmatch(r"(\d+)\s*·?\s*([a-z]*)|([a-z]+)\s*(\d+)", text)
+    if m is None:
+        raise problem
+    digits, word = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+    word = "" if word == "tp" else word
+    return int(digits), Parallel.parse(word or parallel or Parallel.TENSOR, "parallel")
 
 
 class OnCold(_Choice):
@@ -215,19 +251,23 @@ class EngineKey:
     preset: str
     device: str
     precision: Precision
-    tp: int = 1
+    tp: int = 1  # ranks
+    parallel: Parallel = Parallel.TENSOR  # how the ranks split the denoiser (one rank: always tensor)
 
     def __post_init__(self):
         if self.precision != "?":  # "?": a client that has not heard the engine's Ready yet
             _coerce(self, "precision", Precision)
+        _coerce(self, "parallel", Parallel)
+        if self.tp <= 1 and self.parallel is not Parallel.TENSOR:
+            object.__setattr__(self, "parallel", Parallel.TENSOR)  # one process: no layout, one key
 
     def __str__(self) -> str:
-        tp = f" tp{self.tp}" if self.tp > 1 else ""
+        tp = f" {'tp' if self.parallel is Parallel.TENSOR else self.parallel}{self.tp}" if self.tp > 1 else ""
         return f"{self.preset}@{self.device}/{self.precision}{tp}"
 
     def as_dict(self) -> dict:
         return {"engine": str(self), "preset": self.preset, "device": self.device,
-                "precision": str(self.precision), "tp": self.tp}
+                "precision": str(self.precision), "tp": self.tp, "parallel": str(self.parallel)}
 
 
 @dataclass(frozen=True, order=True)
@@ -445,15 +485,6 @@ class GenerateRequest:
 
     def replace(self, **changes) -> GenerateRequest:
         return dataclasses.replace(self, **changes)
-
-
-def median(values) -> float | None:
-    """Median of a sequence of numbers (None when empty)."""
-    s = sorted(values)
-    if not s:
-        return None
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from engine import settings
 from engine.errors import InvalidRequest, ModelLoadError
 from engine.presets import check_local_path, get_preset, load_presets, looks_like_model_ref, preset_for_model
-from engine.protocol import EngineConfig, EngineKey, EngineOptions, ModelPreset
+from engine.protocol import EngineConfig, EngineKey, EngineOptions, ModelPreset, Parallel
 from engine.validation import check_precision
 
 
@@ -37,8 +37,10 @@ class Catalog:
             self.presets.setdefault(preset.name, preset)
         return self.presets[preset.name]
 
-    def make_key(self, preset: str, device: str, precision: str, tp: int = 1) -> EngineKey:
-        """Validate and resolve an engine key ("auto" -> the best available device)."""
+    def make_key(self, preset: str, device: str, precision: str, tp: int = 1, parallel: str = "tensor") -> EngineKey:
+        """Validate and resolve an engine key ("auto" -> the best available device). `parallel` is how tp > 1
+        ranks split the denoiser; whether the model allows it is checked before anything loads
+        (engine/tp/plan.py)."""
         from engine import devices  # imports torch: only when a key is really made
 
         p = self.preset(preset)
@@ -47,6 +49,13 @@ class Catalog:
         devices.plan_precision(spec, precision)  # UnsupportedCombination with the reason
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise InvalidRequest(f"tp must be a whole number >= 1, got {tp!r}")
+        parallel = Parallel.parse(parallel, "parallel")
+        if tp > 1 and parallel.context:
+            if p.min_tp > 1:
+                raise InvalidRequest(f"preset {p.name} needs its weights sharded over at least {p.min_tp} ranks, and "
+                                     f"{parallel} (context parallel) keeps the whole denoiser on every rank; use "
+                                     "--parallel tensor")
+            return EngineKey(p.name, spec.name, precision, tp, parallel)
         if tp > 1 and not p.tp:
             raise InvalidRequest(f"preset {p.name} has no tensor-parallel plan; use tp=1")
         if tp < p.min_tp:
@@ -71,7 +80,7 @@ def resolve_source(config: EngineConfig) -> str:
 
         return str(ensure_tiny_pipeline(preset.embedded, settings.models_dir(config.cache_path())))
     if preset.bundled:
-        folder = settings.REPO_ROOT / preset.bundled
+        folder = settings.data_path(preset.bundled)
         if not (folder / "model_index.json").is_file():
             raise ModelLoadError(f"preset {preset.name}: its model folder {folder} is missing or incomplete; "
                                  "restore it from the repository (git checkout -- models) or rebuild it with "

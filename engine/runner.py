@@ -486,8 +486,9 @@ class PipelineRunner:
         notices += stepcache.check_step_cache(request.step_cache, self.preset, self.spec, request.mode)
         if request.step_cache.enabled and self.config.key.tp > 1:
             # Each rank's hooks would decide alone which steps to skip; ranks that disagree hang the collectives.
-            raise UnsupportedCombination(f"step cache {request.step_cache} is not available on a tensor-parallel "
-                                         f"engine ({self.config.key}): run it on a single-device engine")
+            raise UnsupportedCombination(f"step cache {request.step_cache} is not available on a multi-rank engine "
+                                         f"({self.config.key}, tensor or context parallel): run it on a "
+                                         "single-device engine")
         size, snapped = route_size(self.preset, request.width, request.height, snap=True)
         notices += snapped
         return request.replace(width=size.width, height=size.height), notices
@@ -528,7 +529,7 @@ class PipelineRunner:
                         lambda p, v: self._call(p, request_for_run.replace(request_id="calibrate"), cached=v))
                     notices += cache_notices
                     pipe = cached.pipe
-                image, timings, cancelled_at = self._call(pipe, request_for_run, on_step, cancel, cached)
+                image, timings, cancelled_at = self._call(pipe, request_for_run, on_step, cancel, cached=cached)
             except torch.OutOfMemoryError as exc:
                 raise self._out_of_memory(exc) from None
             recompiles = compiles_in_this_thread() - compiles_before

@@ -6,12 +6,23 @@ Flags on the command line override these; these override the defaults below.
 from __future__ import annotations
 
 import os
+from importlib.resources import files
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PRESETS_DIR = REPO_ROOT / "presets"
+# The folder holding the engine package: the checkout, or site-packages once installed.
+REPO_ROOT = Path(str(files("engine"))).resolve().parent
 # The embedded default: a tiny model trained by this project (models/tiny-shapes) that draws its prompts.
 DEFAULT_PRESET = "tiny-shapes"
+
+
+def data_path(relative: str | Path) -> Path:
+    """A file or folder the app ships as data ("presets", "models/tiny-shapes"): inside the installed engine
+    package (a wheel carries them under engine/_data: setup.py), else at the checkout's root."""
+    bundled = Path(str(files("engine"))) / "_data" / relative
+    return bundled if bundled.exists() else REPO_ROOT / relative
+
+
+PRESETS_DIR = data_path("presets")
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -56,7 +67,7 @@ def server_defaults() -> dict:
         "queue_size": int(_env("SHOWCASE_QUEUE_SIZE", "64")),
         "auth": _env("SHOWCASE_AUTH"),  # "user:password"
         # hosting
-        "public": _env("SHOWCASE_PUBLIC", "0") not in ("0", "false", "False", "no"),
+        "public": hosting_mode()[0],
         "presets": _env("SHOWCASE_PRESETS"),  # comma-separated: what visitors may choose in public mode
         "precisions": _env("SHOWCASE_PRECISIONS"),
         "modes": _env("SHOWCASE_MODES"),
@@ -68,7 +79,73 @@ def server_defaults() -> dict:
         "worker_threads": _env("SHOWCASE_WORKER_THREADS"),  # cpu engines: compute threads each
         "client_events": _env("SHOWCASE_CLIENT_EVENTS"),  # public mode: events one client may hold
         "trusted_proxies": _env("SHOWCASE_TRUSTED_PROXIES"),  # whose X-Forwarded-For names the client
+        "runtime": _env("SHOWCASE_RUNTIME"),  # inprocess | workers; default: runtime_default()
+        "aot_dir": _env("SHOWCASE_AOT_DIR"),  # aot packages on persistent storage (a Space's /data)
+        "aot_repo": _env("SHOWCASE_AOT_REPO"),  # a Hub model repo holding aot packages
     }
+
+
+_FALSE = ("0", "false", "False", "no", "off")
+
+
+def space_id() -> str | None:
+    """Set by Hugging Face Spaces on every Space (owner/name)."""
+    return _env("SPACE_ID")
+
+
+def zero_gpu() -> bool:
+    """A ZeroGPU Space (the `spaces` package reads the same variable)."""
+    return (_env("SPACES_ZERO_GPU", "") or "").lower() in ("1", "t", "true")
+
+
+def hosting_mode() -> tuple[bool, str]:
+    """(public, why). SHOWCASE_PUBLIC decides when set; on a Space (SPACE_ID) the default is public, so a
+    host who forgot --public does not hand visitors Hub loads and engine restarts."""
+    explicit = _env("SHOWCASE_PUBLIC")
+    if explicit is not None:
+        public = explicit not in _FALSE
+        return public, f"SHOWCASE_PUBLIC={explicit}"
+    if space_id():
+        return True, f"running on a Space (SPACE_ID={space_id()}); SHOWCASE_PUBLIC=0 or --no-public opts out"
+    return False, "not on a Space and SHOWCASE_PUBLIC is not set; --public turns it on"
+
+
+def runtime_default() -> tuple[str, str]:
+    """(runtime, why): in-process on ZeroGPU (no long-lived device process can run there), else workers."""
+    if zero_gpu():
+        return "inprocess", "SPACES_ZERO_GPU is set: device work runs in ZeroGPU's forked GPU calls"
+    return "workers", "one worker process per engine (the default off ZeroGPU)"
+
+
+def gpu_calls() -> str:
+    """How the in-process runtime runs a GPU call: spaces (ZeroGPU), direct, or fork (SHOWCASE_GPU_CALLS)."""
+    return _env("SHOWCASE_GPU_CALLS", "spaces" if zero_gpu() else "direct")
+
+
+def zero_gpu_size() -> str | None:
+    """ZeroGPU slice size a GPU call asks for: large (the default) or xlarge (SHOWCASE_ZERO_GPU_SIZE)."""
+    return _env("SHOWCASE_ZERO_GPU_SIZE")
+
+
+def gpu_default_duration_s() -> float:
+    """The `duration` of a GPU call with no measurement yet (a bucket's first request): ZeroGPU's default."""
+    return float(_env("SHOWCASE_GPU_DURATION", "60"))
+
+
+def gpu_max_duration_s() -> float:
+    """The longest `duration` a request's GPU call asks for."""
+    return float(_env("SHOWCASE_GPU_MAX_DURATION", "120"))
+
+
+def gpu_build_duration_s() -> float:
+    """The `duration` of a GPU call that builds a bucket's aot packages (export + AOTInductor)."""
+    return float(_env("SHOWCASE_GPU_BUILD_DURATION", "300"))
+
+
+def aot_dir() -> Path | None:
+    """Where aot packages live when not under the cache folder (SHOWCASE_AOT_DIR: persistent storage)."""
+    value = _env("SHOWCASE_AOT_DIR")
+    return Path(value).expanduser() if value else None
 
 
 def default_compile_jobs() -> int:

@@ -16,7 +16,11 @@
 #                                          # AOT compile of the full transformer, minutes) -> $OUT/bench-gpu-aot/
 #   bash scripts/bench_gpu.sh batch        # batch-size sweep: 1/2/4/8 images per compiled denoiser call
 #                                          # (sizes --max-batch on this GPU) -> $OUT/bench-gpu-batch/sweep.md
-#   bash scripts/bench_gpu.sh levers       # a third call: quantized precisions (bf16 vs int8wo, int8dq, fp8)
+#   bash scripts/bench_gpu.sh cp           # a third call: the context-parallel row -> $OUT/bench-gpu-cp/:
+#                                          # the same transformer on one GPU against Ulysses over 2 GPUs
+#                                          # (python -m engine cp-bench), then Ring with cuDNN attention;
+#                                          # skipped with a message where fewer than 2 GPUs are visible
+#   bash scripts/bench_gpu.sh levers       # a fourth call: quantized precisions (bf16 vs int8wo, int8dq, fp8)
 #                                          # on the full-size random-weight transformer, eager and compile
 #                                          # (speed only), then step caches x precisions on tiny-shapes
 #                                          # (every combination runs on CUDA; cache speed-ups and quality
@@ -61,6 +65,31 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 
 
 COMMON=(--random-weights --preset flux1-dev --device cuda --precisions bf16 --fuse-qkv --sizes 1024x1024
         --steps 28 --runs 2 --cache-dir /tmp/showcase-cache --no-progress)
+
+cp_row() {
+  # Context parallel: 1 GPU vs 2 ranks (Ulysses, then Ring with _native_cudnn, which returns the LSE Ring
+  # needs); each at most 240 s.
+  local CP_DIR="${OUT:-artifacts}/bench-gpu-cp"
+  mkdir -p "$CP_DIR"
+  local GPUS
+  GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  if [ "${GPUS:-0}" -lt 2 ]; then
+    echo "context-parallel row skipped: $GPUS GPU(s) visible, Ulysses-2 needs 2" | tee "$CP_DIR/skipped.txt"
+    return 0
+  fi
+  for layout in "ulysses native" "ring _native_cudnn"; do
+    set -- $layout
+    timeout --signal=INT --kill-after=20 240 "$PY" -m engine cp-bench --preset flux1-dev --device cuda \
+      --precision bf16 --tp 2 --parallel "$1" --attention-backend "$2" --sizes 1024x1024 --modes eager \
+      --runs 5 --timeout 200 --out "$CP_DIR/$1" 2>&1 | tee "$CP_DIR/$1.log"
+    echo "context-parallel $1 exited ${PIPESTATUS[0]}"
+  done
+}
+
+if [ "${1:-}" = cp ]; then
+  cp_row
+  exit $?
+fi
 
 if [ "${1:-}" = aot ]; then
   shift

@@ -1,16 +1,86 @@
-"""Helpers shared by the tests that launch the app (import as `from helpers import ...`)."""
+"""Helpers shared by the tests (import as `from helpers import ...`): waiting, ports and processes, engine
+configs, runners and requests, and launching the app in this process.
+
+Heavy imports (torch, gradio, the engine's runner) happen inside the helpers that need them, so a module
+that only waits or picks a port stays cheap to import.
+"""
 
 from __future__ import annotations
 
-import socket
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import psutil
+
+from engine.soak import BAD_INPUTS, free_port  # noqa: F401 - one table and one port picker for tests and soak
+
+T = TypeVar("T")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def poll(predicate: Callable[[], T], timeout: float, interval: float = 0.05) -> T:
+    """Call `predicate` every `interval` seconds until it returns something truthy or `timeout` passes;
+    returns its last value (falsy on timeout), for callers that gather diagnostics before they assert."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval)
 
 
+def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05,
+               message: str | Callable[[], str] = "") -> T:
+    """poll(), failing the test on timeout with `message` (a callable is asked only then)."""
+    value = poll(predicate, timeout, interval)
+    if not value:
+        text = message() if callable(message) else message
+        raise AssertionError(f"{text or 'condition'} not met within {timeout:g} s (last: {value!r})")
+    return value
+
+
+def process_gone(process: int | psutil.Process) -> bool:
+    """Whether a process has exited (a zombie waiting to be reaped counts as exited)."""
+    try:
+        p = process if isinstance(process, psutil.Process) else psutil.Process(process)
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# -- engines -------------------------------------------------------------------------------------------
+REQUEST_DEFAULTS = dict(prompt="a red fox", width=64, height=64, steps=4, guidance=3.5, seed=0, mode="eager")
+
+
+def engine_config(cache_dir, preset: str = "tiny-flux", precision: str = "fp32", device: str = "cpu", **options):
+    """An EngineConfig for a tiny preset; no start-up warm-up unless asked (tests warm what they need)."""
+    from engine.presets import get_preset
+    from engine.protocol import EngineConfig, EngineKey, EngineOptions
+
+    options.setdefault("warm_sizes", ())
+    return EngineConfig(EngineKey(preset, device, precision), get_preset(preset), EngineOptions(**options),
+                        str(cache_dir))
+
+
+def make_runner(cache_dir, preset: str = "tiny-flux", precision: str = "fp32", *, listener=None, load: bool = True,
+                **options):
+    """A PipelineRunner in this process (loaded unless load=False)."""
+    from engine.runner import PipelineRunner
+
+    runner = PipelineRunner(engine_config(cache_dir, preset, precision, **options), listener)
+    if load:
+        runner.load()
+    return runner
+
+
+def make_request(**fields):
+    """A GenerateRequest for the tiny pipelines: REQUEST_DEFAULTS with `fields` on top."""
+    from engine.protocol import GenerateRequest
+
+    return GenerateRequest(**{**REQUEST_DEFAULTS, **fields})
+
+
+# -- the app -------------------------------------------------------------------------------------------
 def launch_demo(manager, defaults=None, queue_size: int = 8, edge=None):
     """Build and launch the app in this process on a free loopback port; returns (demo, url)."""
     from ui import build_demo, launch_kwargs

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_request, make_runner
 
 from engine import aot, devices
 from engine.errors import UnsupportedCombination
@@ -36,22 +37,15 @@ from engine.protocol import (
 )
 from engine.runner import PipelineRunner, export_aot_packages
 
+pytestmark = pytest.mark.slow  # builds and loads AOTInductor packages
+
 REPO = Path(__file__).resolve().parent.parent
 KEY = EngineKey("tiny-flux", "cpu", "fp32")
 BUCKET = BucketKey(Mode.AOT, Size(64, 64))
 
 
-def make_runner(cache_dir, listener=None, **options) -> PipelineRunner:
-    options.setdefault("warm_sizes", ())
-    config = EngineConfig(KEY, get_preset("tiny-flux"), EngineOptions(**options), str(cache_dir))
-    runner = PipelineRunner(config, listener)
-    runner.load()
-    return runner
-
-
 def request(**fields) -> GenerateRequest:
-    base = dict(prompt="a red fox", width=64, height=64, steps=4, guidance=3.5, seed=0, mode="aot")
-    return GenerateRequest(**{**base, **fields})
+    return make_request(**{"mode": "aot", **fields})
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,10 @@ import dataclasses
 import json
 
 import pytest
+from helpers import make_runner
 
 from engine import attention, devices
 from engine.errors import UnsupportedCombination
-from engine.presets import get_preset
-from engine.protocol import EngineConfig, EngineKey, EngineOptions
-from engine.runner import PipelineRunner
 
 CPU = devices.get_device("cpu")
 
@@ -91,29 +89,21 @@ def test_check_backend_refuses_with_the_reason():
     assert "math kernel" in attention.check_backend("_native_math", CPU, "fp32")[0]
 
 
-def make_runner(cache_dir, precision="fp32", **options) -> PipelineRunner:
-    config = EngineConfig(EngineKey("tiny-flux", "cpu", precision), get_preset("tiny-flux"),
-                          EngineOptions(warm_sizes=(), **options), str(cache_dir))
-    return PipelineRunner(config)
-
-
 def test_engine_refuses_an_unusable_backend_before_loading(cache_dir, tiny_models):
-    runner = make_runner(cache_dir, attention_backend="flash")
+    runner = make_runner(cache_dir, load=False, attention_backend="flash")
     with pytest.raises(UnsupportedCombination, match="attention backend 'flash' cannot run"):
         runner.load()
     assert runner.pipe is None  # nothing was loaded
     with pytest.raises(UnsupportedCombination, match="bf16 or fp16 only"):
-        make_runner(cache_dir, attention_backend="_native_flash").load()
+        make_runner(cache_dir, load=False, attention_backend="_native_flash").load()
 
 
 def test_engine_sets_a_usable_backend_on_the_denoiser(cache_dir, tiny_models):
     runner = make_runner(cache_dir, attention_backend="_native_math")
-    runner.load()
     processors = [m.processor for m in runner.pipe.transformer.modules() if hasattr(m, "processor")]
     assert processors and all(str(p._attention_backend.value) == "_native_math" for p in processors)
     assert any("attention backend _native_math" in n for n in runner.notices)
     default = make_runner(cache_dir)
-    default.load()
     assert not any("attention backend" in n for n in default.notices)
 
 

@@ -293,6 +293,7 @@ def test_random_weights_refuses_a_preset_without_config(cache_dir):
         run_bench(plan)
 
 
+@pytest.mark.slow  # two fresh child processes, each compiling
 def test_cache_probe_child_sees_its_own_inductor_cache(cache_dir, tiny_models):
     # Mode eager compiles nothing: this checks the plumbing (fresh processes, the folder set before the
     # child imports torch, the folder removed after), not a compile time.

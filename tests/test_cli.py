@@ -10,6 +10,8 @@ import sys
 import pytest
 from PIL import Image
 
+pytestmark = pytest.mark.slow  # runs the CLI in subprocesses that load and compile
+
 
 def run_cli(*args, timeout=600):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -24,6 +24,8 @@ import pytest
 
 from engine.protocol import BucketKey, BucketState, Mode, Size
 
+pytestmark = pytest.mark.slow  # compiles in fresh child processes
+
 REPO = Path(__file__).resolve().parent.parent
 
 _WARM = textwrap.dedent("""

@@ -185,6 +185,7 @@ def test_committed_model_has_the_training_schedule(pipe_fp32):
     assert pipe_fp32.vae_scale_factor == 4 and not pipe_fp32.transformer.config.guidance_embeds
 
 
+@pytest.mark.slow  # every prompt of the grammar through the pipeline
 def test_committed_model_draws_its_prompts_at_64x64(pipe_fp32):
     assert _correct(pipe_fp32, 64, 64, seed=11) >= FLOOR_64
 

@@ -15,6 +15,7 @@ from concurrent.futures import wait
 
 import numpy as np
 import pytest
+from helpers import make_request, wait_until
 
 from engine.client import ProcessEngine
 from engine.errors import Cancelled, DeviceOutOfMemory, EngineCrashed
@@ -27,9 +28,10 @@ from engine.protocol import (
     EngineKey,
     EngineOptions,
     Fault,
-    GenerateRequest,
     Size,
 )
+
+pytestmark = pytest.mark.slow  # starts worker processes and compiles buckets
 
 KEY = EngineKey("tiny-flux", "cpu", "fp32")
 
@@ -42,19 +44,12 @@ def start_engine(cache_dir, key=KEY, **options) -> ProcessEngine:
     return engine
 
 
-def request(**fields) -> GenerateRequest:
-    base = dict(prompt="a red fox", width=64, height=64, steps=4, guidance=3.5, seed=0, mode="eager")
-    return GenerateRequest(**{**base, **fields})
-
-
 def wait_state(engine, bucket, states, timeout=300.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    def reached():
         info = next((b for b in engine.buckets() if b.bucket == bucket), None)
-        if info and info.state in states:
-            return info
-        time.sleep(0.05)
-    raise AssertionError(f"{bucket} never reached {states}: {info}")
+        return info if info and info.state in states else None
+
+    return wait_until(reached, timeout, message=f"{bucket} reaching {states}")
 
 
 def warm_regional_64(engine):
@@ -74,9 +69,9 @@ def engine(cache_dir, tiny_models):
 
 
 def test_eager_result_carries_every_timing_and_is_deterministic(engine):
-    a = engine.generate(request(seed=7), timeout=120)
-    b = engine.generate(request(seed=7, request_id="again"), timeout=120)
-    c = engine.generate(request(seed=8), timeout=120)
+    a = engine.generate(make_request(seed=7), timeout=120)
+    b = engine.generate(make_request(seed=7, request_id="again"), timeout=120)
+    c = engine.generate(make_request(seed=8), timeout=120)
     assert a.image().tobytes() == b.image().tobytes()  # same seed and settings: bit-identical pixels
     assert a.image().tobytes() != c.image().tobytes()
     assert json.loads(a.image().info["diffusion-showcase"])["seed"] == 7  # parameters travel in the PNG
@@ -108,10 +103,10 @@ def test_background_warmup_states_then_warm_hit_without_recompiles(engine):
     states = [e.state for e in engine.bucket_events if e.bucket == bucket]
     assert states.index(BucketState.QUEUED) < states.index(BucketState.COMPILING) < states.index(BucketState.WARM)
 
-    hit = engine.generate(request(mode="regional"), timeout=120)
+    hit = engine.generate(make_request(mode="regional"), timeout=120)
     assert hit.warm and not hit.eager_fallback and hit.recompiles == 0
     # Steps, prompt, seed and guidance never recompile.
-    other = engine.generate(request(mode="regional", steps=6, prompt="a blue bird", seed=3, guidance=7.0), timeout=120)
+    other = engine.generate(make_request(mode="regional", steps=6, prompt="a blue bird", seed=3, guidance=7.0), timeout=120)
     assert other.warm and other.recompiles == 0 and len(other.timings.step_ms) == 6
     served = next(b for b in engine.buckets() if b.bucket == bucket).requests_served
     assert served >= 2
@@ -120,17 +115,17 @@ def test_background_warmup_states_then_warm_hit_without_recompiles(engine):
 def test_cold_bucket_serves_eagerly_while_compiling_or_waits(engine):
     bucket = BucketKey("regional", Size(128, 128))
     engine.warm(bucket)
-    fallback = engine.generate(request(mode="regional", width=128, height=128), timeout=120)
+    fallback = engine.generate(make_request(mode="regional", width=128, height=128), timeout=120)
     assert fallback.eager_fallback and not fallback.warm
     assert any("served eagerly" in n for n in fallback.notices)
-    waited = engine.generate(request(mode="regional", width=128, height=128, on_cold="wait"), timeout=300)
+    waited = engine.generate(make_request(mode="regional", width=128, height=128, on_cold="wait"), timeout=300)
     assert waited.warm and not waited.eager_fallback
 
 
 def test_concurrent_requests_are_queued_without_cross_talk(engine):
     seeds = [11, 12, 13, 14, 15]
-    expected = {s: engine.generate(request(seed=s), timeout=120).image().tobytes() for s in seeds}
-    futures = {s: engine.submit(request(seed=s)) for s in seeds * 2}
+    expected = {s: engine.generate(make_request(seed=s), timeout=120).image().tobytes() for s in seeds}
+    futures = {s: engine.submit(make_request(seed=s)) for s in seeds * 2}
     wait(list(futures.values()), timeout=120)
     for s, future in futures.items():
         # Concurrent requests may share a pipeline call (engine/batching.py): equal within rounding
@@ -141,7 +136,7 @@ def test_concurrent_requests_are_queued_without_cross_talk(engine):
 
 def test_cancel_stops_between_steps_and_engine_keeps_serving(engine):
     started = threading.Event()
-    req = request(steps=200, width=128, height=128)
+    req = make_request(steps=200, width=128, height=128)
     future = engine.submit(req, on_progress=lambda p: started.set())
     assert started.wait(60)
     t0 = time.time()
@@ -149,14 +144,14 @@ def test_cancel_stops_between_steps_and_engine_keeps_serving(engine):
     with pytest.raises(Cancelled, match="cancelled after step"):
         future.result(timeout=60)
     assert time.time() - t0 < 5
-    assert engine.generate(request(seed=1), timeout=120).image().size == (64, 64)
+    assert engine.generate(make_request(seed=1), timeout=120).image().size == (64, 64)
 
 
 def test_injected_out_of_memory_is_a_clear_error_and_engine_keeps_serving(engine):
     engine.inject_fault(Fault.OOM)  # one-shot: the next request runs out of memory
     with pytest.raises(DeviceOutOfMemory, match="memory was released"):
-        engine.generate(request(), timeout=120)
-    assert engine.generate(request(seed=2), timeout=120).image().size == (64, 64)
+        engine.generate(make_request(), timeout=120)
+    assert engine.generate(make_request(seed=2), timeout=120).image().size == (64, 64)
 
 
 def test_failed_compile_shows_the_reason_and_eager_still_serves(cache_dir, tiny_models):
@@ -166,7 +161,7 @@ def test_failed_compile_shows_the_reason_and_eager_still_serves(cache_dir, tiny_
         engine.warm(bucket)
         info = wait_state(engine, bucket, {BucketState.FAILED, BucketState.WARM}, timeout=120)
         assert info.state == BucketState.FAILED and "injected compile failure" in info.error
-        result = engine.generate(request(mode="regional"), timeout=120)
+        result = engine.generate(make_request(mode="regional"), timeout=120)
         assert result.eager_fallback and any("injected compile failure" in n for n in result.notices)
     finally:
         engine.close()
@@ -183,9 +178,7 @@ def test_killed_worker_fails_the_request_then_restarts(cache_dir, tiny_models):
             manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok",
                              timeout=60)
         assert time.time() - t0 < 10
-        deadline = time.time() + 60
-        while manager.engine(KEY).pid == old_pid and time.time() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: manager.engine(KEY).pid != old_pid, 60, 0.1, "the worker restarting")
         again = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
         assert again.image().tobytes() == first.image().tobytes()
         assert manager.engine(KEY).pid != old_pid
@@ -216,7 +209,7 @@ def test_restart_warms_from_the_persistent_cache(tmp_path, tiny_models):
     engine = start_engine(tmp_path)
     try:
         warm_regional_64(engine)
-        assert engine.generate(request(mode="regional"), timeout=120).warm
+        assert engine.generate(make_request(mode="regional"), timeout=120).warm
     finally:
         engine.close()
 
@@ -290,7 +283,7 @@ def test_a_worker_whose_output_pipe_broke_still_loads_and_serves(cache_dir, tiny
                                             str(cache_dir))).start()
     try:
         assert engine.wait_ready(timeout=300) and engine.error is None
-        assert engine.generate(request(steps=1), timeout=120).image().size == (64, 64)
+        assert engine.generate(make_request(steps=1), timeout=120).image().size == (64, 64)
     finally:
         engine.close()
 

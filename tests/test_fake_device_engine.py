@@ -14,6 +14,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs an engine on the fake device in a child process
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent(

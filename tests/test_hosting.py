@@ -171,6 +171,7 @@ def test_without_public_mode_visitors_keep_every_choice(cache_dir, tiny_models):
 KEYS = [("tiny-flux", "fp32"), ("tiny-flux", "bf16"), ("tiny-sd3", "fp32")]
 
 
+@pytest.mark.slow
 def test_engines_stay_within_the_engine_count_lru_idle_ones_go_and_come_back(cache_dir, tiny_models):
     m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()), max_engines=2)
     try:
@@ -192,6 +193,7 @@ def test_engines_stay_within_the_engine_count_lru_idle_ones_go_and_come_back(cac
         m.shutdown()
 
 
+@pytest.mark.slow
 def test_a_busy_engine_is_kept_and_the_new_one_refused_with_what_to_do(cache_dir, tiny_models):
     m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()), max_engines=1)
     try:
@@ -222,6 +224,7 @@ def test_a_busy_engine_is_kept_and_the_new_one_refused_with_what_to_do(cache_dir
         m.shutdown()
 
 
+@pytest.mark.slow
 def test_idle_engines_unload_after_the_idle_timeout(cache_dir, tiny_models):
     m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()), idle_unload_s=2.0)
     try:
@@ -260,12 +263,14 @@ def public_app(public_manager):
     ({"preset": "tiny-sdxl"}, "not offered here"),
     ({"precision": "fp16"}, "not offered here"),
 ])
+@pytest.mark.slow
 def test_public_api_refuses_models_and_choices_the_host_does_not_offer(public_app, overrides, words):
     _, _, client = public_app
     with pytest.raises(Exception, match=words):
         client.predict(**{**GOOD, **overrides}, api_name="/generate")
 
 
+@pytest.mark.slow
 def test_restart_is_the_hosts_hidden_operation(public_app):
     manager, _, client = public_app
     assert "/restart" not in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
@@ -280,6 +285,7 @@ def test_restart_is_the_hosts_hidden_operation(public_app):
     assert client.predict("tiny-flux", "cpu", "fp32", ADMIN, api_name="/restart")["restarted"]
 
 
+@pytest.mark.slow
 def test_a_visitor_warms_one_bucket_of_their_own_engine_only(public_app):
     from gradio_client import Client
 
@@ -297,6 +303,7 @@ def test_a_visitor_warms_one_bucket_of_their_own_engine_only(public_app):
                          api_name="/warm")
 
 
+@pytest.mark.slow
 def test_one_running_request_per_visitor(public_app):
     """A visitor's second request while their first runs is refused at once, saying why; their cancel
     stops only their own request, and then they may ask again."""
@@ -379,6 +386,7 @@ def test_the_soak_lists_a_process_tree_and_its_memory_from_proc():
 
 
 # -- the soak, short ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_soak_two_visitors_nothing_fails_or_hangs_and_nothing_is_left_behind(cache_dir, tiny_models, tmp_path):
     """`python -m engine soak` in its short form: a real app process, 2 random visitors for 40 s (bad
     input and cancels included), a warm-bucket probe; then SIGTERM. Every request is answered (ok or a

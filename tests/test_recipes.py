@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_runner
 
 from engine import devices, recipes
 from engine.errors import UnsupportedCombination
 from engine.presets import get_preset
 from engine.protocol import EngineConfig, EngineKey, EngineOptions
 from engine.runner import PipelineRunner, clone_module_tree
-
-
-def make_runner(cache_dir, preset="tiny-flux", precision="fp32", **options) -> PipelineRunner:
-    config = EngineConfig(EngineKey(preset, "cpu", precision), get_preset(preset), EngineOptions(**options),
-                          str(cache_dir))
-    runner = PipelineRunner(config)
-    runner.load()
-    return runner
 
 
 def test_fuse_qkv_fuses_attention_projections(cache_dir, tiny_models):
@@ -262,3 +255,17 @@ def test_step_callback_reads_cloned_outputs_under_cuda_graphs(cache_dir, monkeyp
     assert len(marks) == (3 if cuda_graphs else 0)  # each step ends a graph step
     eager = runner._call(_FakePipe(), req.replace(mode="eager"))  # eager never replays graphs
     assert len(marks) == (3 if cuda_graphs else 0) and eager[2] is None
+
+
+@pytest.mark.slow  # compiles a regional bucket of a quantized engine
+def test_quantized_engine_compiles_regionally_and_takes_a_block_cache(cache_dir):
+    from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode
+
+    runner = make_runner(cache_dir, preset="tiny-shapes", precision="int8wo")
+    size = runner.preset.buckets[0]
+    assert runner.warm_bucket(BucketKey(Mode.REGIONAL, size)).state is BucketState.WARM
+    request = GenerateRequest(runner.preset.example_prompt, size.width, size.height, 12, 1.0, 3, mode="regional",
+                              step_cache="first-block:0.2")
+    result = runner.generate(request)
+    assert result.warm and result.recompiles == 0 and result.cached_steps
+    assert type(runner.pipe.transformer.transformer_blocks[0].ff.net[2].weight).__name__ == "Int8Tensor"

@@ -178,6 +178,7 @@ def test_refused_where_the_mode_cannot_hold_the_cache(runner):
         runner.generate(_request("taylorseer", mode="regional"))
 
 
+@pytest.mark.slow  # compiles a regional bucket
 def test_regional_keeps_its_warm_graphs_under_a_block_cache(runner, baseline):
     bucket = BucketKey(Mode.REGIONAL, PRESET.buckets[0])
     assert runner.warm_bucket(bucket).state is BucketState.WARM
@@ -233,6 +234,7 @@ def test_levers_targets_on_hand_made_rows():
         "results": results, "targets": levers._targets(plan, results)})
 
 
+@pytest.mark.slow  # two engines, a small levers bench
 def test_levers_bench_runs_caches_and_quantized_precisions(cache_dir, tiny_models, tmp_path):
     from engine.bench import levers
     from engine.bench.plan import plan_from_args
@@ -259,6 +261,7 @@ def test_levers_bench_runs_caches_and_quantized_precisions(cache_dir, tiny_model
     assert levers.write(report, tmp_path)["json"].endswith("levers.json")
 
 
+@pytest.mark.slow  # starts a worker process
 def test_through_the_manager_and_a_worker(manager):
     progress = []
     result = manager.generate(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT, steps=STEPS,
@@ -267,6 +270,8 @@ def test_through_the_manager_and_a_worker(manager):
     assert tuple(p.step for p in progress if p.cached) == result.cached_steps
     with pytest.raises(InvalidRequest, match="valid forms"):
         manager.generate(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT, step_cache="fast")
+    engines = len(manager.engines())
     with pytest.raises(UnsupportedCombination, match="one graph"):
-        manager.generate(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT, mode="compile",
+        manager.generate(preset="tiny-shapes", device="cpu", precision="int8wo", prompt=PROMPT, mode="compile",
                          step_cache="first-block")
+    assert len(manager.engines()) == engines  # refused before an int8wo engine started

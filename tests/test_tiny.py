@@ -151,6 +151,7 @@ def _rebuild_in_subprocess(out: str) -> None:
     tiny.build_tiny_pipeline("tiny-flux2-klein", Path(out))
 
 
+@pytest.mark.slow  # rebuilds a model in a child process
 def test_rebuild_in_another_process_is_byte_identical(built, tmp_path):
     # A fresh interpreter has different hash seeds: this is what broke the `tokenizers` trainers.
     ctx = multiprocessing.get_context("spawn")
@@ -206,6 +207,7 @@ def _ensure_in_subprocess(root: str, log: str) -> None:
     tiny.ensure_tiny_pipeline("tiny-flux", Path(root))
 
 
+@pytest.mark.slow  # builds a model in several processes at once
 def test_ensure_parallel_processes_build_once(tmp_path):
     root, log = tmp_path / "models", tmp_path / "builds.log"
     ctx = multiprocessing.get_context("spawn")

@@ -18,17 +18,19 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import poll, process_gone
 
 from engine.errors import EngineCrashed
 from engine.presets import get_preset
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, GenerateRequest
 from engine.runner import pipeline_call_kwargs
-from engine.settings import REPO_ROOT
+from engine.settings import data_path
 from engine.tp.client import SidecarEngine
+
+pytestmark = pytest.mark.slow  # starts torchrun tensor-parallel sidecars
 
 TOLERANCE = 1e-4
 PROMPT = "a red fox in the snow"
@@ -51,29 +53,12 @@ def _reference(tiny_models, preset: str, request: GenerateRequest) -> np.ndarray
     import diffusers
     import torch
 
-    folder = tiny_models.get(preset) or REPO_ROOT / get_preset(preset).bundled  # tiny-shapes is committed
+    folder = tiny_models.get(preset) or data_path(get_preset(preset).bundled)  # tiny-shapes is committed
     pipe = getattr(diffusers, get_preset(preset).pipeline).from_pretrained(folder, dtype=torch.float32)  # the shapes model is stored in fp16
     pipe.set_progress_bar_config(disable=True)
     with torch.inference_mode():
         out = pipe(**pipeline_call_kwargs(get_preset(preset), pipe, request, output_type="np"))
     return out.images[0]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited
-
-
-def _wait(predicate, timeout: float, step: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
 
 
 def _processes(engine: SidecarEngine) -> list[int]:
@@ -89,7 +74,7 @@ def flux_tp(cache_dir, tiny_models, tmp_path_factory):
         yield engine, dump
     finally:
         engine.close()
-    assert _wait(lambda: all(_gone(pid) for pid in _processes(engine)), 15)
+    assert poll(lambda: all(process_gone(pid) for pid in _processes(engine)), 15)
 
 
 def test_flux_tp_eager_matches_one_process(flux_tp, tiny_models):
@@ -203,7 +188,7 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
         with pytest.raises(EngineCrashed) as crashed:
             future.result(60)
         detect_s = time.monotonic() - killed_at[0]
-        assert _wait(lambda: engine.status()["state"] == "down", 10)
+        assert poll(lambda: engine.status()["state"] == "down", 10)
         down_s = time.monotonic() - killed_at[0]
         print(f"killed rank 1: request failed after {detect_s:.2f} s, board down after {down_s:.2f} s: "
               f"{crashed.value}; board: {engine.status()['error']}")
@@ -212,11 +197,11 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
         # Named: by rank 0 ("rank 1 (node 0, host h, pid p) is gone") or, when torchrun tore the group down first,
         # from its report ("rank 1 was killed by SIGKILL").
         assert "rank 1 (node 0" in str(crashed.value) or "rank 1 was killed by SIGKILL" in str(crashed.value)
-        assert _wait(lambda: all(_gone(pid) for pid in _processes(engine)), 15)
-        assert _wait(lambda: not engine.workdir.exists(), 10)  # no token or config left behind
+        assert poll(lambda: all(process_gone(pid) for pid in _processes(engine)), 15)
+        assert poll(lambda: not engine.workdir.exists(), 10)  # no token or config left behind
 
         # Automatic restart (the engine had been ready, so manager._on_down starts a new sidecar).
-        assert _wait(lambda: manager.engines() and manager.engines()[0] is not engine, 10)
+        assert poll(lambda: manager.engines() and manager.engines()[0] is not engine, 10)
         restarted = manager.engines()[0]
         seen.append(restarted)
         restarted.wait_ready(300)
@@ -230,7 +215,7 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
     finally:
         manager.shutdown()
     pids = [pid for e in seen for pid in _processes(e) if pid]
-    assert _wait(lambda: all(_gone(pid) for pid in pids), 15), "stray sidecar processes after shutdown"
+    assert poll(lambda: all(process_gone(pid) for pid in pids), 15), "stray sidecar processes after shutdown"
     assert not any(e.workdir.exists() for e in seen)
 
 
@@ -248,7 +233,7 @@ def test_load_failure_on_the_ranks_is_reported_not_hung(cache_dir, tiny_models, 
         assert engine.status()["state"] == "down"
     finally:
         engine.close()
-    assert _wait(lambda: all(_gone(pid) for pid in _processes(engine)), 15)
+    assert poll(lambda: all(process_gone(pid) for pid in _processes(engine)), 15)
 
 
 def test_cli_generate_with_tp(cache_dir, tiny_models, tmp_path):

@@ -32,8 +32,10 @@ import numpy as np
 import psutil
 import pytest
 from gradio_client import Client
-from helpers import free_port, launch_demo
+from helpers import free_port, launch_demo, poll, process_gone
 from PIL import Image
+
+pytestmark = pytest.mark.slow  # starts two-node torchrun sidecars and the app
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "a red fox in the snow"
@@ -43,21 +45,6 @@ SD3 = dict(TP, preset="tiny-sd3", tp="1", steps=2)
 ENGINE = "tiny-flux@cpu/fp32 tp2"
 
 
-def _wait(predicate, timeout: float, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    return predicate()
-
-
-def _gone(p: psutil.Process) -> bool:
-    try:
-        return p.status() == psutil.STATUS_ZOMBIE  # exited, waiting to be reaped
-    except psutil.NoSuchProcess:
-        return True
 
 
 class Nodes:
@@ -149,7 +136,7 @@ def cluster(cache_dir, tiny_models, tmp_path_factory):
     demo, url = launch_demo(manager, UIDefaults(device="cpu", mode="eager"))
     try:
         client = Client(url, verbose=False)
-        row = _wait(lambda: (r := _engine_row(client)) and r["state"] == "ready" and r, 180, 0.5)
+        row = poll(lambda: (r := _engine_row(client)) and r["state"] == "ready" and r, 180, 0.5)
         assert row, f"not attached: {attacher.last_error}\n{nodes.log(0)[-3000:]}\n{nodes.log(1)[-2000:]}"
         yield nodes, attacher, client
     finally:
@@ -227,7 +214,7 @@ def test_a_model_built_by_node_1_serves_the_single_process_image(tiny_models, tm
             except SidecarNotRunning:
                 return None
 
-        engine = _wait(attached, 240, 1.0)
+        engine = poll(attached, 240, 1.0)
         assert engine, f"{nodes.log(0)[-3000:]}\n{nodes.log(1)[-2000:]}"
         ready_s = time.monotonic() - started
         assert lock_log.read_text().split()[0] == "1"  # node 1's rank built the model
@@ -283,7 +270,7 @@ def test_killing_node_1_fails_the_request_naming_the_node(cluster):
     victims = nodes.family(1)
     node_0 = nodes.family(0)
     job = client.submit(**{**TP, "steps": 200, "size": "128x128"}, api_name="/generate")
-    assert _wait(lambda: (r := _engine_row(client)) and r["pending"] >= 1, 60, 0.1)
+    assert poll(lambda: (r := _engine_row(client)) and r["pending"] >= 1, 60, 0.1)
     time.sleep(1.0)  # inside the denoising loop
     killed_at = time.monotonic()
     for p in victims:  # the whole machine: launcher, torchrun and rank at once
@@ -291,12 +278,12 @@ def test_killing_node_1_fails_the_request_naming_the_node(cluster):
     with pytest.raises(Exception, match=r"rank 1 \(node 1, host [^,]+, pid \d+\) is gone") as failed:
         job.result(timeout=60)
     fail_s = time.monotonic() - killed_at
-    row = _wait(lambda: (r := _engine_row(client)) and r["state"] == "down" and r, 20)
+    row = poll(lambda: (r := _engine_row(client)) and r["state"] == "down" and r, 20, 0.2)
     assert row and "node 1" in row["error"] and "re-attaches" in row["error"], row
     print(f"node 1 killed: request failed after {fail_s:.2f} s: {failed.value}")
     assert fail_s < 15
     # Node 0 stops by itself; the app keeps serving its other engine.
-    assert _wait(lambda: all(_gone(p) for p in node_0), 20), [p.cmdline() for p in node_0 if not _gone(p)]
+    assert poll(lambda: all(process_gone(p) for p in node_0), 20, 0.2), [p.cmdline() for p in node_0 if not process_gone(p)]
     assert "rank 1 (node 1" in nodes.log(0)
     _, sd3 = client.predict(**SD3, api_name="/generate")
     assert sd3["engine"] == "tiny-sd3@cpu/fp32"
@@ -307,7 +294,7 @@ def test_killing_node_1_fails_the_request_naming_the_node(cluster):
 def test_restarted_sidecar_is_reattached_and_sigterm_on_node_0_leaves_nothing(cluster):
     nodes, attacher, client = cluster
     nodes.start(tag="-again")
-    row = _wait(lambda: (r := _engine_row(client)) and r["state"] == "ready" and r, 150, 0.5)
+    row = poll(lambda: (r := _engine_row(client)) and r["state"] == "ready" and r, 150, 0.5)
     assert row, f"{client.predict(api_name='/status')}\n{nodes.log(0)[-2000:]}"
     _, timings = client.predict(**TP, api_name="/generate")
     assert timings["engine"] == ENGINE
@@ -315,13 +302,13 @@ def test_restarted_sidecar_is_reattached_and_sigterm_on_node_0_leaves_nothing(cl
     assert len(family) >= 6  # per node: launcher, torchrun, rank
     stopped_at = time.monotonic()
     nodes.procs[0].send_signal(signal.SIGTERM)
-    gone = _wait(lambda: all(_gone(p) for p in family), 10, 0.05)
+    gone = poll(lambda: all(process_gone(p) for p in family), 10, 0.05)
     cleanup_s = time.monotonic() - stopped_at
     print(f"SIGTERM on node 0: every process of both nodes gone after {cleanup_s:.2f} s")
-    assert gone, [(p.pid, p.cmdline()) for p in family if not _gone(p)]
+    assert gone, [(p.pid, p.cmdline()) for p in family if not process_gone(p)]
     assert nodes.procs[0].wait(5) == 0 and "stopped (SIGTERM)" in nodes.log(0)
     assert "node 1" in nodes.log(1) and "lost rank 0" in nodes.log(1)
-    row = _wait(lambda: (r := _engine_row(client)) and r["state"] == "down" and r, 20)
+    row = poll(lambda: (r := _engine_row(client)) and r["state"] == "down" and r, 20, 0.2)
     assert row and attacher.attaches == 2
     state = json.loads(nodes.address_file.read_text())
     assert state["state"] == "stopped" and not Path(state["token_file"]).exists()  # the token goes with it
@@ -454,13 +441,13 @@ def test_heartbeats_name_the_silent_rank():
         assert watcher.silent_ranks() == [1]  # rank 1 never beat
         seen = []
         watcher.watch(lambda ranks, s: seen.append((ranks, s)), interval_s=0.05)
-        assert _wait(lambda: seen, 5, 0.05) and seen[0][0] == [1] and seen[0][1] >= 0.5
+        assert poll(lambda: seen, 5, 0.05) and seen[0][0] == [1] and seen[0][1] >= 0.5
         ranks = [{"rank": 1, "node": 1, "host": "gpu-b", "pid": 42}]
         assert describe_rank(ranks, 1) == "rank 1 (node 1, host gpu-b, pid 42)"
         lost = []
         follower = Liveness(1, 3, node_timeout_s=0.3, store_factory=lambda: 1 / 0, beat_s=0.05)
         follower.start(on_store_lost=lost.append)
-        assert _wait(lambda: lost, 5, 0.05)  # a follower that cannot reach node 0's store gives up
+        assert poll(lambda: lost, 5, 0.05)  # a follower that cannot reach node 0's store gives up
     finally:
         for beat in beating:
             beat.stop()

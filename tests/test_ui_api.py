@@ -17,6 +17,8 @@ from engine.errors import Cancelled
 from engine.settings import DEFAULT_PRESET
 from ui.handlers import UIDefaults
 
+pytestmark = pytest.mark.slow  # launches the app and generates through gradio_client
+
 GOOD = dict(prompt="a red fox", negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32",
             mode="eager", size="64x64", steps=3, guidance=3.5, seed=11)
 WATCHED = "128x64"  # the regional bucket this module warms (the browser tests warm another one)

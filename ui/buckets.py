@@ -17,7 +17,7 @@ import pandas as pd
 
 from engine.errors import InvalidRequest, NotAllowed, ShowcaseError
 from engine.manager import Caller
-from engine.protocol import Mode, Size
+from engine.protocol import Mode, Size, ranks_choice
 from ui import views
 from ui.common import DEFAULT_ATTENTION, FAST, HandlerBase, to_gradio_error
 
@@ -86,8 +86,9 @@ class BucketsHandlers(HandlerBase):
         def work() -> None:
             for s in sizes:
                 try:
+                    layout = {"parallel": key.parallel} if key.parallel.context else {}
                     self.manager.warm(key.preset, key.device, key.precision, mode=mode, size=s, tp=key.tp,
-                                      caller=caller)
+                                      caller=caller, **layout)
                 except ShowcaseError as exc:
                     log.warning("warm-up of %s %s:%s failed: %s", key, mode, s, exc)
                     return
@@ -106,7 +107,7 @@ class BucketsHandlers(HandlerBase):
         if match is None:
             raise gr.Error("pick a loaded engine first (the board lists them)", title="Invalid request")
         key = match.key
-        result = self.warm(key.preset, key.device, key.precision, mode, size, tp=key.tp,
+        result = self.warm(key.preset, key.device, key.precision, mode, size, tp=ranks_choice(key.tp, key.parallel),
                            caller=self.caller(request, admin_token), request=request)
         gr.Info(f"queued warm-up of {mode} {', '.join(result['queued'])} on {result['engine']}", duration=3)
 

@@ -32,7 +32,7 @@ from engine.errors import (
     UnsupportedCombination,
 )
 from engine.manager import Caller
-from engine.protocol import DEFAULT_PRESET, Mode, Precision
+from engine.protocol import DEFAULT_PRESET, Mode, Precision, parse_ranks
 from ui.runs import RunRegistry
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class UIDefaults:
     mode: str = "compile"
     on_cold: str = "eager"
     tp: int = 1
+    parallel: str = "tensor"  # how tp > 1 ranks split the transformer (tensor, ulysses, ring)
     poll_s: float = 1.0
     admin_token: str | None = None  # public mode: unlocks host operations (restart, warm everything)
 
@@ -206,16 +207,14 @@ class HandlerBase:
         for name, value in (("preset", preset), ("device", device), ("precision", precision)):
             if not isinstance(value, str):
                 raise InvalidRequest(f"{name} must be text, got {type(value).__name__}")
-        try:
-            tp = 1 if tp in (None, "") else int(tp)
-        except (TypeError, ValueError, OverflowError):
-            raise InvalidRequest("tp must be a whole number >= 1") from None
-        cache_key = (preset, device, precision, tp, caller)
+        tp, parallel = parse_ranks(tp)  # 2, "2" or a ranks choice such as "2 · ulysses"
+        cache_key = (preset, device, precision, tp, parallel, caller)
         with self._lock:
             found = self._keys.get(cache_key)
         if found is None:
             try:
-                found = self.manager.make_key(preset, device, precision, tp, caller=caller)
+                layout = {"parallel": parallel} if tp > 1 and parallel.context else {}
+                found = self.manager.make_key(preset, device, precision, tp, caller=caller, **layout)
             except ShowcaseError as exc:
                 found = exc
             with self._lock:

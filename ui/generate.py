@@ -15,10 +15,12 @@ import gradio as gr
 import pandas as pd
 
 from engine.errors import Cancelled, ShowcaseError
-from engine.protocol import Size
+from engine.protocol import Parallel, Size, ranks_choice
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 
+# The ranks selector: one process, or N ranks in each layout (engine.protocol.Parallel).
+RANK_CHOICES = [1] + [ranks_choice(n, layout) for n in (2, 4, 8) for layout in Parallel]
 MAX_UI_SEED = 2**31 - 1  # browsers hold integers exactly only up to 2**53; keep seeds readable
 PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one redraws the plot)
 # The /generate API's parameters, in the handler's order (GenerateHandlers.generate).
@@ -84,6 +86,8 @@ class GenerateHandlers(HandlerBase):
         try:
             key = self.key_for(preset, device, precision, tp, caller=caller)
             kwargs["tp"] = key.tp
+            if key.parallel.context:
+                kwargs["parallel"] = key.parallel
             size_text = str(Size.parse(size)) if size else ""
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
@@ -194,8 +198,9 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
                 with gr.Row():
                     seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
                     randomize = gr.Checkbox(False, label="New random seed each run", elem_id="randomize")
-                tp_dd = gr.Dropdown([1, 2, 4, 8], value=d.tp, label="Tensor-parallel ranks "
-                                    "(>1: torchrun sidecar; presets with a TP plan)", elem_id="tp")
+                tp_dd = gr.Dropdown(RANK_CHOICES, value=ranks_choice(d.tp, d.parallel),
+                                    label="Ranks · layout (>1: torchrun sidecar; tensor shards the weights, "
+                                    "ulysses / ring split the tokens)", elem_id="tp")
                 on_cold = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")],
                                    value=d.on_cold, label="At a bucket that is not warm yet",
                                    elem_id="on-cold")
@@ -219,7 +224,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
         with gr.Column(visible=False):
             api_defaults = {"prompt": preset.example_prompt, "preset": preset.name, "device": d.device,
                             "precision": d.precision, "mode": d.mode, "seed": "0", "on_cold": d.on_cold,
-                            "tp": str(d.tp)}  # size/steps/guidance: "" means the preset's default
+                            "tp": str(ranks_choice(d.tp, d.parallel))}  # size/steps/guidance: "" means the preset's default
             api_inputs = [gr.Textbox(value=api_defaults.get(name, ""), visible=False, label=name)
                           for name in GENERATE_API_PARAMS]
             api_image = gr.Image(type="pil", format="png", visible=False)

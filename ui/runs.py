@@ -14,7 +14,7 @@ Two things stop a run, both between steps:
   overtake the run it means (both wait in Gradio's queue; /cancel never waits long), or even reach
   the server before it (gradio_client's submit() sends its join from a thread): the session's last
   cancel time is kept, and a run whose event joined the queue before it, or at most CANCEL_AHEAD_S
-  after a cancel that found nothing to stop, starts cancelled.
+  after a cancel that found nothing to stop, starts cancelled (such a cancel stops one run only).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class RunRegistry:
             if joined_at is not None and at is not None:
                 ahead = at < joined_at and found_nothing and joined_at - at <= CANCEL_AHEAD_S
                 run.cancelled = at >= joined_at or ahead
-                if ahead:  # a cancel sent ahead stops the one run it was meant for, not the next ones
+                if run.cancelled and found_nothing:  # a cancel that found no run stops one run, not the next ones
                     self._cancelled_at.pop(session, None)
             if exclusive and not run.cancelled and self._sessions.get(session):
                 raise EngineBusy("you already have a request running: wait for it to finish or press Cancel "

@@ -6,7 +6,7 @@ rows come from the benchmark's own speedup_table, imported on first use.
 
 from __future__ import annotations
 
-import statistics
+from engine.metrics import median
 
 BOARD_COLUMNS = [
     "engine", "device", "precision", "mode", "size", "state", "reason",
@@ -71,7 +71,7 @@ def stats_rows(result: dict | None) -> list[list[str]]:
         ]
         if steps:
             rows.append(["first step / median step",
-                         f"{fmt_ms(steps[0])} / {fmt_ms(statistics.median(steps))}"])
+                         f"{fmt_ms(steps[0])} / {fmt_ms(median(steps))}"])
         return rows
     notices = result.get("notices") or []
     its = t.get("steps_per_s")

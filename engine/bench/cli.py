@@ -83,6 +83,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--strict", action="store_true", help="exit 1 when a target is MISSED")
     b.add_argument("--_compile-probe", action="store_true", help=argparse.SUPPRESS)
     b.add_argument("--_cold-start-child", action="store_true", help=argparse.SUPPRESS)
+    b.add_argument("--_runtime-child", default=None, help=argparse.SUPPRESS)  # RUNTIME:eager|aot
     add_engine_arguments(b)
     b.set_defaults(func=cmd_bench)
     return b

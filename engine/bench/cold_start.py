@@ -156,7 +156,10 @@ def run_cold_start_probe(plan: BenchPlan, device: str, bar=None) -> dict:
                             plan.probe_timeout_s * len(sizes))
         if bar:
             bar.update()
+            bar.set_postfix_str("cold start: in-process vs worker runtime, fresh processes")
+        out["runtimes"] = run_runtime_probe(plan, device, cache, root)
         _ratios(out)
+        _runtime_ratios(out)
     except subprocess.TimeoutExpired as exc:
         out["error"] = f"a cold-start process took longer than {exc.timeout:.0f}s"
     except (RuntimeError, ValueError) as exc:
@@ -164,6 +167,105 @@ def run_cold_start_probe(plan: BenchPlan, device: str, bar=None) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return out
+
+
+# -- the in-process runtime beside the worker runtime -------------------------------------------------
+RUNTIME_MARK = "BENCH_RUNTIME "
+
+
+def cmd_runtime_child(args) -> int:
+    """Child: an EngineManager with `--_runtime-child` as its runtime. eager: the first image of the preset's
+    first bucket from this process's start, then steady images; aot: every bucket warm (packages present)."""
+    import psutil
+
+    from engine.manager import EngineManager
+    from engine.protocol import EngineOptions
+
+    started = psutil.Process().create_time()
+    plan = plan_from_args(args)
+    runtime, mode = args._runtime_child.split(":")
+    manager = EngineManager(cache_dir=plan.cache_dir, options=EngineOptions(warm_sizes=(), warm_modes=()),
+                            runtime=runtime, auto_restart=False)
+    out: dict = {"runtime": runtime, "mode": mode}
+    try:
+        kwargs = dict(preset=plan.preset.name, device=plan.device, precision=plan.precisions[0], prompt=plan.prompt,
+                      steps=plan.steps)
+        if mode == "eager":
+            size = str(plan.sizes[0])
+            manager.generate(mode="eager", size=size, seed=0, **kwargs)
+            out["first_image_s"] = time.time() - started
+            times = []
+            for i in range(max(1, plan.cold_start_runs)):
+                t0 = time.perf_counter()
+                manager.generate(mode="eager", size=size, seed=100 + i, **kwargs)
+                times.append((time.perf_counter() - t0) * 1000)
+            out["steady_ms"] = median(times)
+        else:
+            key = manager.make_key(plan.preset.name, plan.device, plan.precisions[0])
+            engine = manager.engine(key)
+            engine.wait_ready(plan.probe_timeout_s)
+            loaded = time.time()
+            buckets = []
+            for size in plan.sizes:
+                engine.warm(BucketKey(Mode.AOT, size))
+            deadline = time.monotonic() + plan.probe_timeout_s * len(plan.sizes)
+            while time.monotonic() < deadline:
+                infos = [b for b in engine.buckets() if b.bucket.mode is Mode.AOT and b.bucket.size in plan.sizes]
+                if infos and all(b.state.value in ("warm", "failed") for b in infos):
+                    buckets = [{"size": str(b.bucket.size), "state": b.state.value, "origin": b.origin,
+                                "error": b.error} for b in infos]
+                    break
+                time.sleep(0.05)
+            out.update(ready_s=time.time() - started, warm_s=time.time() - loaded, buckets=buckets)
+    finally:
+        manager.shutdown()
+    print(RUNTIME_MARK + json.dumps(out), flush=True)
+    return 0
+
+
+def run_runtime_probe(plan: BenchPlan, device: str, cache: Path, root: Path) -> dict:
+    """Fresh processes, one run each: the worker and the in-process runtime serving the preset eagerly
+    (first image from process start, steady images), then in-process with the aot packages present."""
+    precision = plan.precisions[0]
+    base = [sys.executable, "-m", "engine", "bench", "--no-progress", "--preset", plan.preset.name,
+            "--device", device, "--precisions", precision, "--steps", str(plan.steps),
+            "--cold-start-runs", str(plan.cold_start_runs), "--cache-dir", str(cache), *plan.model_args,
+            *plan.engine_args]
+    env = {**os.environ, INDUCTOR_CACHE_VAR: str(root / "inductor-runtime")}
+    out = {}
+    for label, child, sizes in (("workers", "workers:eager", plan.preset.buckets[:1]),
+                                ("inprocess", "inprocess:eager", plan.preset.buckets[:1]),
+                                ("inprocess_aot", "inprocess:aot", plan.preset.buckets)):
+        cmd = [*base, "--sizes", ",".join(str(s) for s in sizes), "--_runtime-child", child]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(REPO),
+                              timeout=plan.probe_timeout_s * (1 + len(sizes)))
+        found = [ln for ln in proc.stdout.splitlines() if ln.startswith(RUNTIME_MARK)]
+        if proc.returncode != 0 or not found:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"{label} runtime child exited {proc.returncode}: {' | '.join(tail)}")
+        out[label] = json.loads(found[-1][len(RUNTIME_MARK):])
+    return out
+
+
+def _runtime_ratios(out: dict) -> None:
+    runtimes, empty = out.get("runtimes"), out.get("compile_empty")
+    if not runtimes or "ratios" not in out:
+        return
+    workers, inproc, aot_in = runtimes["workers"], runtimes["inprocess"], runtimes["inprocess_aot"]
+    not_loaded = [b["size"] for b in aot_in["buckets"] if b["origin"] != "loaded from package"]
+    out["ratios"].update({
+        "inprocess_first_image": ratio(inproc["first_image_s"], workers["first_image_s"]),
+        "inprocess_steady": ratio(inproc["steady_ms"], workers["steady_ms"]),
+        "inprocess_aot_cold_start": None if not_loaded else ratio(aot_in["ready_s"], empty["ready_s"]),
+    })
+    out["notes"].update({
+        "inprocess_first_image": (f"first image {fmt(inproc['first_image_s'], 2)} s in-process vs "
+                                  f"{fmt(workers['first_image_s'], 2)} s workers, from process start"),
+        "inprocess_steady": f"image {fmt(inproc['steady_ms'], 1)} ms in-process vs {fmt(workers['steady_ms'], 1)} ms",
+        "inprocess_aot_cold_start": (f"every bucket warm {fmt(aot_in['ready_s'], 1)} s in-process with packages vs "
+                                     f"{fmt(empty['ready_s'], 1)} s compile (empty cache)"
+                                     + (f"; not loaded: {not_loaded}" if not_loaded else "")),
+    })
 
 
 def _ratios(out: dict) -> None:

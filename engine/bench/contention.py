@@ -20,8 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine import settings
-
 TARGET = 2.0
 
 
@@ -125,6 +123,6 @@ def add_contention_parser(sub) -> None:
     c.add_argument("--duration", type=float, default=240.0, help="longest compiling phase (seconds)")
     c.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure with SHOWCASE_COMPILE_YIELD=0, side by side")
-    c.add_argument("--out", default=str(settings.REPO_ROOT / "artifacts" / "contention"))
+    c.add_argument("--out", default="artifacts/contention")
     c.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
     c.set_defaults(func=main)

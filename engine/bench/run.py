@@ -10,7 +10,7 @@ import torch
 
 from engine import devices
 from engine.bench.cache_probe import cmd_compile_probe
-from engine.bench.cold_start import cmd_cold_start_child
+from engine.bench.cold_start import cmd_cold_start_child, cmd_runtime_child
 from engine.bench.denoiser import run_denoiser_bench
 from engine.bench.pipeline import run_pipeline_bench
 from engine.bench.plan import BenchPlan, plan_from_args
@@ -32,6 +32,8 @@ def main(args) -> int:
         return cmd_compile_probe(args)
     if args._cold_start_child:
         return cmd_cold_start_child(args)
+    if args._runtime_child:
+        return cmd_runtime_child(args)
     plan = plan_from_args(args)
     if plan.caches:
         from engine.bench import levers

@@ -8,10 +8,10 @@ table the CLI prints. It imports no torch and nothing heavy: a test checks it.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 
 from engine.bench.modes import BASELINE_MODE, COMPILED_MODES
+from engine.metrics import median, p90
 from engine.protocol import Mode
 
 # Fields every configuration's result carries (tests check them; the UI may rely on them).
@@ -53,21 +53,6 @@ def apply_speedups(results: list[dict]) -> None:
     for r, row in zip(results, speedup_table(results), strict=True):
         for key in ("speedup_vs_eager", "speedup_image_vs_eager", "speedup_vs_fp32_eager"):
             r[key] = row[key]
-
-
-def median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return float(statistics.median(values)) if values else None
-
-
-def p90(values) -> float | None:
-    """90th percentile (linear interpolation between order statistics)."""
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    if len(values) == 1:
-        return float(values[0])
-    return float(statistics.quantiles(values, n=10, method="inclusive")[-1])
 
 
 def ratio(a, b) -> float | None:
@@ -205,12 +190,19 @@ TARGETS: tuple[Target, ...] = (
            "<=", 1.1, ("pipeline",)),
     Target("aot_recompiles", "aot: graphs compiled in the fresh process (loading, warm-up, timed runs; must be 0)",
            "<=", 0, ("pipeline",)),
+    Target("inprocess_first_image", "in-process runtime / worker runtime: process start -> first image (eager)",
+           "<=", 1.0, ("pipeline",)),
+    Target("inprocess_steady", "in-process runtime / worker runtime: steady per-image median (eager)", "<=", 1.05,
+           ("pipeline",)),
+    Target("inprocess_aot_cold_start", "in-process runtime with aot packages: process start -> every bucket warm / "
+           "compile with an empty inductor cache", "<=", 0.1, ("pipeline",)),
 )
 
 
 # Ratios the cold-start probe (engine/bench/cold_start.py) measures in fresh processes.
 COLD_START_KEYS = ("aot_cold_start_empty", "aot_cold_start_filled", "aot_warmup_filled", "aot_first_request",
-                   "aot_memory", "aot_recompiles")
+                   "aot_memory", "aot_recompiles", "inprocess_first_image", "inprocess_steady",
+                   "inprocess_aot_cold_start")
 
 
 def _pair_ratios(results: list[dict], num_modes, den_mode: str, field: str, invert: bool = False) -> list[dict]:

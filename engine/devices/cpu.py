@@ -156,7 +156,7 @@ def tp_load_context():
        load `torch.accelerator.device_count` reports at least 1, so the device becomes cpu:0 (all ranks
        share the one CPU).
     Both are undone when the load returns; both are only needed at load time (the mesh and the forward
-    hooks are in place by then).
+    hooks are in place by then). Context parallel's `enable_parallelism` runs under it too, for the second.
     """
     import diffusers.hooks.tensor_parallel as tp_hooks
 
@@ -184,6 +184,9 @@ def spec() -> DeviceSpec:
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL, Mode.AOT),
         # SDPA's flash kernel has a CPU implementation; flex attention runs too (measured, torch 2.13).
         attention_kernels=("sdpa", "sdpa-flash", "flex"),
+        # Under context parallel, diffusers calls aten::_scaled_dot_product_flash_attention itself for
+        # _native_flash, and that op has no CPU kernel; only "native" SDPA runs there.
+        context_parallel_kernels=("sdpa",),
         matmul_probe_iters=5,  # a CPU matmul takes milliseconds, not microseconds
         quant_base=Precision.FP32,
         quantized_precisions=(Precision.INT8_WEIGHT, Precision.INT8_DYNAMIC),

@@ -121,6 +121,9 @@ class DeviceSpec:
     # Kernel families of diffusers' attention backends this device can run (engine/attention.py maps each
     # backend to one): "sdpa" everywhere; fused SDPA kernels, flash-attn, sage, xformers, hub kernels on GPUs.
     attention_kernels: tuple[str, ...] = ("sdpa",)
+    # The families whose op diffusers' context-parallel path (Ulysses / Ring) can call here; None: the same
+    # as attention_kernels.
+    context_parallel_kernels: tuple[str, ...] | None = None
     # Quantized precisions (torchao, on the denoiser's linear layers): the precision everything loads in
     # before quantizing (fp32 on cpu: bf16 matmuls are slower there), the quantized precisions this device
     # runs (the others are refused with `quant_refusal`), and the compute capability float8 needs.
@@ -165,7 +168,8 @@ class DeviceSpec:
     device_name_fn: Callable[[], str | None] | None = _hook()
     # local_rank -> this rank's device (None: set_device(local_rank), as for cuda and xpu).
     bind_fn: Callable[[int], torch.device] | None = _hook()
-    # () -> context manager around a tensor-parallel model load (None: nothing to adjust).
+    # () -> context manager around a tensor-parallel model load or a context-parallel enable_parallelism
+    # (None: nothing to adjust).
     tp_load_context_fn: Callable[[], AbstractContextManager] | None = _hook()
     # (nnodes, nproc_per_node, set_env) -> variables a multi-process launch needs (None: none).
     launch_env_fn: Callable[[int, int, Callable | None], dict[str, str]] | None = _hook()

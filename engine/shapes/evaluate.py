@@ -14,13 +14,13 @@ so the numbers are what the app serves. The definitions (also in docs/embedded-m
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine.metrics import median
 from engine.shapes import grammar
 from engine.shapes.fidelity import check
 from engine.shapes.train import BUCKETS, DEFAULT_OUT, DEFAULT_STEPS, MAX_SEQUENCE_LENGTH
@@ -91,7 +91,7 @@ def latency_ms(pipe, runs: int = 20, warmup: int = 3, steps: int = DEFAULT_STEPS
         started = time.perf_counter()
         once()
         times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
+    return 1000 * median(times)
 
 
 def evaluate(

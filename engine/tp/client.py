@@ -161,11 +161,12 @@ class SidecarEngine(ConnectionEngine):
         return argv, env
 
     def start(self) -> SidecarEngine:
-        from engine.tp.plan import check_split_if_local
+        from engine.tp.plan import check_layout_if_local
 
         spec = devices.get_device(self.key.device)
         launch.check_tp_device(spec)
-        check_split_if_local(self.config.preset, resolve_source(self.config), self.key.tp)
+        check_layout_if_local(self.config.preset, resolve_source(self.config), self.key.tp, self.key.parallel,
+                              self.config.options.attention_backend, spec)
         self.workdir = Path(tempfile.mkdtemp(prefix="showcase-tp-"))  # 0700
         self._token = new_token()
         write_private(self.workdir / "token", self._token)
@@ -262,6 +263,7 @@ class SidecarEngine(ConnectionEngine):
         status = super().status()
         status.update({
             "tp": self.key.tp,
+            "parallel": str(self.key.parallel),
             "nnodes": self.nnodes,
             "pid": self.pid,
             "ranks": list(self.info.ranks) if self.info else [],

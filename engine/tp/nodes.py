@@ -75,7 +75,7 @@ def _check_preset_name(name: str) -> str:
 def plan_node(args) -> NodePlan:
     """Validate the flags and build this node's torchrun argv/env and every node's one command."""
     from engine import devices, settings
-    from engine.protocol import Precision
+    from engine.protocol import Parallel, Precision
     from engine.tp import launch
 
     nnodes, node_rank, nproc = args.nnodes, args.node_rank, args.tp
@@ -109,6 +109,9 @@ def plan_node(args) -> NodePlan:
     if args.dist_timeout:
         shared += ["--dist-timeout", f"{float(args.dist_timeout):g}"]
     shared += ["--node-timeout", f"{float(args.node_timeout):g}"]
+    parallel = Parallel.parse(getattr(args, "parallel", None) or Parallel.TENSOR, "parallel")
+    if parallel.context:
+        shared += ["--parallel", str(parallel)]
     commands = {}
     for node in range(nnodes):
         extra = list(shared)
@@ -124,7 +127,8 @@ def plan_node(args) -> NodePlan:
                  *shared]
     plan = NodePlan(node_rank=node_rank, nnodes=nnodes, nproc=nproc, endpoint=endpoint, join_timeout=join_timeout,
                     argv=[], env={}, commands=commands,
-                    engine={"preset": preset, "device": spec.name, "precision": precision, "tp": nproc * nnodes})
+                    engine={"preset": preset, "device": spec.name, "precision": precision, "tp": nproc * nnodes,
+                            "parallel": str(parallel)})
     if node_rank == 0:
         if args.listen:
             host = launch.check_listen_host(args.listen)
@@ -315,7 +319,8 @@ def explain_exit(plan: NodePlan, code: int | None, log_text: str, joined: set[in
 # --------------------------------------------------------------------------------------------------
 def _print_plan(plan: NodePlan) -> None:
     eng = plan.engine
-    what = f"{eng['preset']} {eng['precision']} on {eng['device']}, tp{plan.total}"
+    layout = eng.get("parallel", "tensor")
+    what = f"{eng['preset']} {eng['precision']} on {eng['device']}, {'tp' if layout == 'tensor' else layout}{plan.total}"
     if plan.node_rank == 0:
         where = f" over {plan.nnodes} nodes x {plan.nproc} ranks" if plan.nnodes > 1 else f" ({plan.nproc} ranks)"
         print(f"[tp sidecar] node 0 serves {what}{where}", flush=True)

@@ -11,21 +11,69 @@ What is checked, per sharded component:
   only its slice).
 - text encoder (transformers, presets with tp_text_encoder): a `base_model_tp_plan`; attention and
   key/value heads divide by N; safetensors weights.
+
+Context parallel (Ulysses, Ring: every rank holds the whole denoiser and 1/N of the tokens), `check_context`:
+the class has a `_cp_plan`; each sequence that plan splits (image and text tokens, at every bucket) divides
+by N; Ulysses also splits the attention heads N ways; the attention backend runs the layout on this device
+(engine/attention.py: Ring needs one that returns the log-sum-exp); the weights fit unsharded (no `min_tp`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ModelLoadError, UnsupportedCombination
+from engine.protocol import Parallel
 
 log = logging.getLogger(__name__)
 
 
 class TensorParallelSplitError(UnsupportedCombination):
     """The model cannot be split over this many ranks; the message names the module and N."""
+
+
+@dataclass(frozen=True)
+class ContextLayout:
+    degree_field: str  # the ContextParallelConfig field set to the number of ranks
+    splits_heads: bool  # Ulysses' all-to-all hands each rank 1/N of the heads
+    summary: str
+
+
+CONTEXT_LAYOUTS: dict[Parallel, ContextLayout] = {
+    Parallel.ULYSSES: ContextLayout("ulysses_degree", True,
+                                    "Ulysses: all-to-all swaps the token split for a head split around attention"),
+    Parallel.RING: ContextLayout("ring_degree", False,
+                                 "Ring: each rank keeps its tokens and passes K/V round the ring, merging by LSE"),
+}
+
+
+def _image_tokens(preset, size) -> int:
+    # Packed latents: one token per (vae_scale_factor * 2)-pixel square, which is the preset's alignment.
+    return (size.width // preset.alignment) * (size.height // preset.alignment)
+
+
+def _text_tokens(preset, size) -> int | None:
+    return preset.max_sequence_length or _pipeline_default(preset.pipeline, "max_sequence_length")
+
+
+# The sequences each denoiser class's _cp_plan splits on the token dimension, and how many tokens each has at
+# a bucket (the text is padded to max_sequence_length). A class not listed is checked by diffusers at run time.
+CP_SEQUENCES = {
+    "FluxTransformer2DModel": (("image", _image_tokens), ("text", _text_tokens)),
+    "Flux2Transformer2DModel": (("image", _image_tokens), ("text", _text_tokens)),
+}
+
+
+def _pipeline_default(pipeline: str, argument: str):
+    import inspect
+
+    import diffusers
+
+    parameter = inspect.signature(getattr(diffusers, pipeline).__call__).parameters.get(argument)
+    return parameter.default if parameter is not None and isinstance(parameter.default, int) else None
 
 
 def _index(source: str) -> dict:
@@ -146,4 +194,81 @@ def check_split_if_local(preset, source: str, tp: int) -> bool:
         log.debug("split check for %s deferred to the ranks (not a local folder)", source)
         return False
     check_split(preset, source, tp)
+    return True
+
+
+def check_context(preset, source: str, n: int, parallel: Parallel, attention_backend: str, spec) -> list[str]:
+    """Raise TensorParallelSplitError naming what to change if `preset` cannot run `parallel` (ulysses or ring)
+    over `n` ranks; the notices of what was checked otherwise."""
+    import diffusers
+
+    from engine import attention
+
+    parallel = Parallel.parse(parallel, "parallel")
+    layout = CONTEXT_LAYOUTS[parallel]
+    what = f"{preset.name} over {n} ranks with context parallel ({parallel})"
+    if preset.min_tp > 1:
+        raise TensorParallelSplitError(
+            f"cannot run {what}: the preset needs its weights sharded over at least {preset.min_tp} ranks, and "
+            f"context parallel keeps the whole {preset.denoiser} on every rank; use --parallel tensor")
+    try:
+        attention.check_context_parallel(attention_backend, parallel, spec)
+    except UnsupportedCombination as exc:
+        raise TensorParallelSplitError(f"cannot run {what}: {exc}") from None
+    index = _index(source)
+    entry = index.get(preset.denoiser)
+    if not entry or entry[0] != "diffusers":
+        raise TensorParallelSplitError(f"cannot run {what}: model_index.json names {preset.denoiser} {entry!r}")
+    cls_name = entry[1]
+    cls = getattr(diffusers, cls_name, None)
+    if cls is None:
+        raise ModelLoadError(f"{preset.denoiser} class {cls_name!r} is not in diffusers")
+    if not getattr(cls, "_cp_plan", None):
+        raise TensorParallelSplitError(
+            f"cannot run {what}: diffusers has no context-parallel plan (_cp_plan) for {cls_name}; "
+            "use --parallel tensor or tp=1")
+    config = cls.load_config(source, subfolder=preset.denoiser)
+    heads = config.get("num_attention_heads")
+    if layout.splits_heads and heads is not None and heads % n:
+        raise TensorParallelSplitError(
+            f"cannot run {what}: Ulysses gives each rank 1/{n} of the attention heads and {cls_name} has "
+            f"{heads}; pick tp from {_divisors(heads)}, or --parallel ring")
+    notices = [f"context parallel ({parallel}) over {n} ranks: the whole {preset.denoiser} ({cls_name}) on every "
+               f"rank, 1/{n} of the tokens each; {layout.summary}"]
+    sequences = CP_SEQUENCES.get(cls_name)
+    if sequences is None:
+        notices.append(f"token counts of {cls_name} are not described here: diffusers checks that they divide "
+                       f"by {n} at the first request")
+        return notices
+    for name, count in sequences:
+        bad = [(size, count(preset, size)) for size in preset.buckets]
+        bad = [(size, tokens) for size, tokens in bad if tokens is not None and tokens % n]
+        if bad:
+            listed = ", ".join(f"{size}: {tokens}" for size, tokens in bad)
+            change = (f"set the preset's max_sequence_length to a multiple of {n}" if name == "text"
+                      else "pick a tp that divides every bucket's count, or drop those buckets")
+            raise TensorParallelSplitError(
+                f"cannot run {what}: each rank takes 1/{n} of the {name} tokens, and they are not divisible by "
+                f"{n} at {listed}; {change}")
+    return notices
+
+
+def check_layout(preset, source: str, n: int, parallel: Parallel, attention_backend: str = "native",
+                 spec=None) -> list[str]:
+    """The check for `parallel` over `n` ranks: check_split (tensor) or check_context (ulysses, ring)."""
+    if n < 2:
+        return []
+    if Parallel.parse(parallel, "parallel").context:
+        return check_context(preset, source, n, parallel, attention_backend, spec)
+    check_split(preset, source, n)
+    return []
+
+
+def check_layout_if_local(preset, source: str, n: int, parallel: Parallel, attention_backend: str = "native",
+                          spec=None) -> bool:
+    """check_layout on the client, when the model is already on disk (a Hub id is checked in the ranks)."""
+    if not (Path(source) / "model_index.json").is_file():
+        log.debug("parallel-layout check for %s deferred to the ranks (not a local folder)", source)
+        return False
+    check_layout(preset, source, n, parallel, attention_backend, spec)
     return True

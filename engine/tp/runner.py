@@ -1,5 +1,10 @@
 """TensorParallelRunner: a PipelineRunner whose every operation runs on all ranks in the same order.
 
+The ranks split the denoiser as the engine key's `parallel` says: `tensor` loads it sharded
+(TensorParallelConfig: each rank reads its slice of the weights); `ulysses` and `ring` (context parallel)
+load it whole on every rank and then `enable_parallelism(ContextParallelConfig(...))`, so each rank runs
+1/N of the tokens. Everything below (broadcast operations, cancel, status checks) is the same for both.
+
 Why operations are broadcast: the sharded denoiser runs collectives, and collectives issued from two
 threads of one rank deadlock (or pair up with the wrong peer call). WorkerLoop (engine/worker.py) serves
 requests on one thread and warms buckets on another, so on rank 0 both `generate()` and `warm_bucket()`
@@ -41,7 +46,9 @@ from engine.protocol import (
     BucketState,
     GenerateRequest,
     GenerateResult,
+    Mode,
     OnCold,
+    Parallel,
     RankExit,
     TPOp,
     TPOpKind,
@@ -59,10 +66,13 @@ PING = TPOp(TPOpKind.PING)
 class TensorParallelRunner(PipelineRunner):
     def __init__(self, config, group: RankGroup, listener=None, dump_dir: str | Path | None = None):
         notices = []
+        self.parallel = Parallel.parse(config.key.parallel, "parallel")
         if config.options.cpu_offload:
-            # Each rank holds only its shard, and diffusers refuses offload hooks on a sharded model.
+            # Tensor: each rank holds only its shard, and diffusers refuses offload hooks on a sharded model.
+            # Context: offload hooks would move the weights under the attention's collectives on every step.
             config = replace(config, options=replace(config.options, cpu_offload=False))
-            notices.append("CPU offload is off under tensor parallel: each rank holds only its shard")
+            notices.append(f"CPU offload is off under {self.parallel} parallel: every rank keeps its denoiser on "
+                           "its device")
         super().__init__(config, listener)
         self.notices += notices
         self.group = group
@@ -77,13 +87,25 @@ class TensorParallelRunner(PipelineRunner):
         self._last_op = time.monotonic()
         self._stopped = False
         self._dump_path: Path | None = None
+        self._cp_variant_lock = threading.Lock()
 
     # -- loading ---------------------------------------------------------------------------------
     def load_device(self) -> str:
         return str(self.group.device)
 
+    def _excluded(self, mode: Mode) -> str:
+        if mode is Mode.AOT and self.parallel.context:
+            return ("a context-parallel denoiser runs collectives inside attention (diffusers' hooks), which aot "
+                    "packages are not built or checked for")
+        return super()._excluded(mode)
+
     def component_overrides(self, source: str) -> dict:
-        """The sharded components: each rank reads only its slice of the safetensors."""
+        """The sharded components: each rank reads only its slice of the safetensors (tensor parallel only;
+        context parallel loads the whole pipeline and splits the tokens after the load)."""
+        if self.parallel.context:
+            self.notices += plan.check_layout(self.preset, source, self.group.world_size, self.parallel,
+                                              self.options.attention_backend, self.spec)
+            return {}
         import diffusers
         from diffusers import TensorParallelConfig
 
@@ -123,9 +145,37 @@ class TensorParallelRunner(PipelineRunner):
 
     def load(self) -> float:
         load_s = super().load()
+        if self.parallel.context:
+            start = time.perf_counter()
+            self._enable_context_parallel()
+            load_s = self.load_s = load_s + time.perf_counter() - start
         if self.dump_dir is not None and self.group.leader:
             self._install_dump_hook()
         return load_s
+
+    def _enable_context_parallel(self) -> None:
+        n = self.group.world_size
+        shape = enable_context_parallel(getattr(self.pipe, self.preset.denoiser), self.spec, self.parallel, n)
+        self.notices.append(
+            f"context parallel ({self.parallel}) over {n} ranks ({self.spec.dist_backend}, "
+            f"DeviceMesh({self.spec.mesh_device_type!r}, ring x ulysses = {shape[0]} x {shape[1]}))")
+        self.notices.append(
+            f"{self.parallel} parallel runs one operation at a time on all ranks: a request that arrives while a "
+            "bucket compiles waits for the compile instead of running eagerly alongside it")
+
+    def variant(self, mode: Mode):
+        """Regional compile clones the denoiser's module tree; diffusers' context-parallel hooks replace
+        `forward` with a function bound to the original module, so the clone would run the original's eager
+        blocks. The clone gets its own hooks."""
+        mode = Mode.parse(mode, "mode")
+        if mode is not Mode.REGIONAL or not self.parallel.context:
+            return super().variant(mode)
+        with self._cp_variant_lock:
+            built = mode in self._variants
+            pipe = super().variant(mode)
+            if not built:
+                _rehook_context_parallel(getattr(pipe, self.preset.denoiser), getattr(self.pipe, self.preset.denoiser))
+            return pipe
 
     def _install_dump_hook(self) -> None:
         """Test/debug hook: rank 0 also saves each request's decoded float image (HxWx3 in [0, 1]) as
@@ -326,6 +376,31 @@ class TensorParallelRunner(PipelineRunner):
         self.broken = self.broken or reason
         log.error("tensor-parallel group broken: %s", reason)
         raise EngineCrashed(f"tensor-parallel engine {self.config.key} failed: {reason}; {self.restart_hint}")
+
+
+def enable_context_parallel(denoiser, spec, parallel: Parallel, n: int) -> tuple[int, int]:
+    """`enable_parallelism` over all `n` ranks of the initialised process group, after the attention backend
+    is set (diffusers checks it). Returns the (ring, ulysses) mesh shape."""
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import DeviceMesh
+
+    layout = plan.CONTEXT_LAYOUTS[Parallel.parse(parallel, "parallel")]
+    shape = (n, 1) if parallel == Parallel.RING else (1, n)
+    mesh = DeviceMesh(spec.mesh_device_type, torch.arange(n).view(*shape), mesh_dim_names=("ring", "ulysses"))
+    with spec.tp_load_context():  # the same CPU adjustment as the sharded load (rank % device_count())
+        denoiser.enable_parallelism(config=ContextParallelConfig(**{layout.degree_field: n}, mesh=mesh))
+    return shape
+
+
+def _rehook_context_parallel(clone, original) -> None:
+    """Give a structural clone of a context-parallel denoiser its own diffusers hooks (the copied `forward`
+    and hook registry still point at the original's modules)."""
+    from diffusers.hooks.context_parallel import apply_context_parallel
+
+    for module in clone.modules():
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop("_diffusers_hook", None)
+    apply_context_parallel(clone, original._parallel_config.context_parallel_config, original._cp_plan)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=2,
                    help="ranks on EACH node (torchrun --nproc-per-node), not in all: the engine has "
                         "--tp x --nnodes ranks (default 2)")
+    p.add_argument("--parallel", default=None, choices=("tensor", "ulysses", "ring"),
+                   help="how the ranks split the transformer: tensor (weights sharded; default), ulysses or ring "
+                        "(context parallel: whole transformer on every rank, tokens split); the same on every node")
     p.add_argument("--nnodes", type=int, default=1, help="machines the engine spans (default 1)")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this machine's place, 0 .. nnodes-1; node 0 serves, the others join it (default 0)")
@@ -125,7 +128,8 @@ def config_from_args(args, world_size: int) -> EngineConfig:
 
         cache = args.cache_dir or settings.cache_dir()
         catalog = Catalog()
-        key = catalog.make_key(args.preset or "tiny-flux", args.device, args.precision or "fp32", max(world_size, 2))
+        key = catalog.make_key(args.preset or "tiny-flux", args.device, args.precision or "fp32", max(world_size, 2),
+                               args.parallel or "tensor")
         warm_modes = tuple(Mode.parse(m, "mode") for m in args.warm)
         options = EngineOptions(warm_modes=warm_modes, warm_sizes=None if warm_modes else ())
         config = catalog.config(key, options, cache)
@@ -348,6 +352,8 @@ def _node_claims(args, config: EngineConfig, lead: dict) -> str | None:
     key = config.key
     if args.preset is not None and args.preset not in (key.preset, config.preset.name, config.preset.source):
         return f"{me} was started with --preset {args.preset} but node 0 serves {key.preset}"
+    if args.parallel is not None and args.parallel != key.parallel:
+        return f"{me} was started with --parallel {args.parallel} but node 0 serves {key.parallel}"
     if args.precision is not None:
         try:
             mine = str(Precision.parse(args.precision, "precision"))
@@ -377,7 +383,8 @@ def _check_nodes(args, config, lead: dict, group) -> str | None:
     problems = [None] * group.world_size
     dist.all_gather_object(problems, problem, group=group.control)
     found = next((p for p in problems if p), None)
-    return None if found is None else f"{found}: start every node with the same --preset, --precision, --device and --tp"
+    return None if found is None else (f"{found}: start every node with the same --preset, --precision, --device, "
+                                       "--tp and --parallel")
 
 
 def _load_on_every_rank(config, group, rank: int, world: int, dump_dir, box: list, refused: str | None = None):

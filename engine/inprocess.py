@@ -1,0 +1,425 @@
+"""The in-process runtime: an engine's PipelineRunner in the app's own process, device work in GPU calls.
+
+Where long-lived device workers cannot run (a ZeroGPU Space: no CUDA in the app's process, each
+`spaces.GPU` call in a process forked for it), and on plain CPU or single-GPU hosts that want one process.
+
+The manager sees the same client as for a worker engine: `InProcessEngine` is a `ConnectionEngine` whose
+connection is an in-memory pipe to a `WorkerLoop` running on threads of this process, so the board,
+timings, cancel between steps, compile scheduling, footprints, budgets and public-mode rules are the
+worker runtime's code. What differs:
+
+- every request runs as one GPU call (engine/gpu.py), whose `duration` is the bucket's measured time per
+  step x steps with a margin (a first request asks for the documented default);
+- modes `compile` and `regional` are refused: ZeroGPU does not support torch.compile, and elsewhere a
+  compile in the app's process holds the interpreter lock for seconds at a time and stalls the web server.
+  `aot` is the compiled mode here: a bucket's packages (engine/aot.py format and keys) are loaded, or built
+  inside a GPU call, and applied with the engine's weights shared. Where the call ran in another process
+  the app installs the committed packages lazily: they load on their first call, inside the next GPU call;
+- tensor parallel and multi-node engines are refused (they need torchrun's long-lived ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+
+from engine import aot, settings
+from engine.client import ConnectionEngine
+from engine.errors import ShowcaseError, UnsupportedCombination
+from engine.gpu import Durations, GpuCalls, make_gpu_calls
+from engine.protocol import (
+    BucketChanged,
+    BucketInfo,
+    BucketKey,
+    BucketState,
+    Fatal,
+    Footprint,
+    GenerateRequest,
+    GenerateResult,
+    Mode,
+    Ready,
+    Size,
+)
+from engine.runner import PipelineRunner
+from engine.worker import WorkerLoop, run_on_lowered_thread
+
+log = logging.getLogger(__name__)
+
+REFUSED_MODES = {
+    Mode.COMPILE: "the in-process runtime does not run torch.compile: ZeroGPU does not support it, and in the "
+                  "app's process a compile holds the interpreter lock and stalls the web server; use mode aot "
+                  "(packages built once, loaded in seconds) or --runtime workers",
+}
+REFUSED_MODES[Mode.REGIONAL] = REFUSED_MODES[Mode.COMPILE]
+TP_REFUSED = ("tensor parallel needs torchrun's long-lived ranks, which the in-process runtime (and ZeroGPU) "
+              "cannot run: use --runtime workers on a multi-GPU host")
+CLOSE_TIMEOUT_S = 5.0
+PACKAGES_PRESENT_DURATION_S = 30  # a warm-up that only loads packages
+
+
+def check_inprocess_key(key) -> None:
+    if key.tp > 1:
+        raise UnsupportedCombination(f"{key}: {TP_REFUSED}")
+
+
+class _Closed:
+    pass
+
+
+_CLOSED = _Closed()
+
+
+class LocalConnection:
+    """One end of an in-memory duplex pipe with multiprocessing.Connection's send/recv/close: messages go by
+    reference (nothing is pickled; results stay in this process)."""
+
+    def __init__(self, inbox: queue.Queue, outbox: queue.Queue):
+        self._inbox, self._outbox = inbox, outbox
+        self.closed = False
+
+    @classmethod
+    def pair(cls) -> tuple[LocalConnection, LocalConnection]:
+        a, b = queue.Queue(), queue.Queue()
+        return cls(a, b), cls(b, a)
+
+    def send(self, message) -> None:
+        if self.closed:
+            raise OSError("connection closed")
+        self._outbox.put(message)
+
+    def recv(self):
+        message = self._inbox.get()
+        if message is _CLOSED:
+            self._inbox.put(_CLOSED)  # every later recv ends too
+            raise EOFError
+        return message
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._outbox.put(_CLOSED)  # the peer reads end-of-file
+            self._inbox.put(_CLOSED)  # a read of our own in flight ends
+
+
+class InProcessRunner(PipelineRunner):
+    """A PipelineRunner without compile and regional modes (see REFUSED_MODES)."""
+
+    def _excluded(self, mode: Mode) -> str:
+        if mode in REFUSED_MODES:
+            return REFUSED_MODES[mode]
+        return super()._excluded(mode)
+
+    def footprint(self) -> Footprint:
+        """The app's resident memory is not this engine's: weights + the measured peak, on every device."""
+        base = super().footprint()
+        if not self.spec.host_memory_is_device_memory:
+            return base
+        device = self.weights_bytes() + (self._peak_bytes or 0)
+        return Footprint(device_bytes=int(device), host_rss_bytes=0, weights_bytes=base.weights_bytes)
+
+
+class LazyPackage:
+    """An aot package the app knows is committed but has not loaded: loaded (checksum, constants pointed
+    at the engine's tensors) on its first call, in whichever process makes it (ZeroGPU: the GPU call's)."""
+
+    def __init__(self, folder, constants):
+        self.folder = folder
+        self._constants = constants
+        self._package = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        if self._package is None:
+            with self._lock:
+                if self._package is None:
+                    self._package, _ = aot.load_package(self.folder, self._constants())
+        return self._package(*args, **kwargs)
+
+
+def install_committed(runner: PipelineRunner, size: Size) -> bool:
+    """Install every committed package of a size lazily; False when one is missing (nothing installed)."""
+    engine = runner._aot
+    planned = []
+    for i, guidance in enumerate(runner.warm_guidances()):
+        kinds = [aot.DENOISER] + ([aot.VAE] if engine.decoder is not None and i == 0 else [])
+        for kind in kinds:
+            batch = engine.batch(guidance) if kind == aot.DENOISER else 1
+            found = engine.store.find(engine.package_key(kind, size, batch))
+            if found.state != "present":
+                return False
+            try:
+                manifest = json.loads((found.folder / aot.MANIFEST).read_text())
+            except (OSError, ValueError):
+                return False
+            planned.append((kind, found.folder, manifest))
+    for kind, folder, manifest in planned:
+        engine._install(kind, LazyPackage(folder, lambda k=kind: engine.constants(k)), manifest)
+    return True
+
+
+_INFO_FIELDS = ("state", "error", "compile_s", "warmup_s", "requests_served", "cache_hits", "cache_misses", "origin")
+
+
+def apply_info(runner: PipelineRunner, info: BucketInfo) -> None:
+    runner.board.update(info.bucket, **{name: getattr(info, name) for name in _INFO_FIELDS})
+
+
+class GpuRunner:
+    """What the WorkerLoop drives: the runner, with `generate` and `warm_bucket` as GPU calls."""
+
+    def __init__(self, runner: InProcessRunner, gpu: GpuCalls):
+        self._runner = runner
+        self.gpu = gpu
+        self.durations = Durations()
+        self._owner = os.getpid()
+        self._installed: set[Size] = set()  # aot sizes whose packages this process's runner holds
+        # Wrapped once, before any GPU call forks: ZeroGPU finds its functions at start-up.
+        self._task = gpu.wrap(self._gpu_task)
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    # -- inside the GPU call ---------------------------------------------------------------------------
+    def _gpu_task(self, duration_s, op, payload, owner):
+        """The device work. Runs where the GPU is (a forked process on ZeroGPU): everything it needs comes
+        from memory inherited at the fork and its arguments; everything the app must learn it yields."""
+        runner = self._runner
+        remote = os.getpid() != owner
+        changes: dict[BucketKey, BucketInfo] = {}
+        if remote:  # the app's board is not this process's: collect what changes, send it back
+            runner.board.listener = lambda info: changes.__setitem__(info.bucket, info)
+        try:
+            if op == "generate":
+                yield from self._generate_here(runner, remote, *payload)
+            else:
+                info = runner.warm_bucket(payload)
+                if info.state == BucketState.WARM and payload.mode is Mode.AOT:
+                    self._installed.add(payload.size)
+                yield "warmed", info
+        except ShowcaseError as exc:
+            yield "error", exc
+        except Exception as exc:  # what the app can show; the traceback stays in this process's log
+            log.error("GPU call %s failed:\n%s", op, traceback.format_exc())
+            yield "error", ShowcaseError(f"{type(exc).__name__}: {exc}")
+        for info in changes.values():
+            yield "bucket", info
+
+    def _generate_here(self, runner, remote: bool, request: GenerateRequest, cancel, info: BucketInfo | None,
+                       on_step=None):
+        if remote and info is not None:
+            apply_info(runner, info)  # the app's view of the bucket (a reused ZeroGPU process may lag behind)
+        if (request.mode is Mode.AOT and info is not None and info.state == BucketState.WARM
+                and info.bucket.size not in self._installed):
+            runner.variant(Mode.AOT)
+            if install_committed(runner, info.bucket.size):
+                self._installed.add(info.bucket.size)
+        if not remote and on_step is not None:
+            # Same process: on the calling thread, progress straight to the caller. A thread per request
+            # would give each its own OpenMP pool on cpu (pools of finished threads kept spinning).
+            yield "result", runner.generate(request, on_step=on_step, cancel=cancel)
+            return
+        events: queue.Queue = queue.Queue()
+
+        def run():
+            try:
+                events.put(("result", runner.generate(request, on_step=lambda p: events.put(("progress", p)),
+                                                      cancel=cancel)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the generator, raised there
+                events.put(("raise", exc))
+
+        threading.Thread(target=run, name=f"gpu-call-{request.request_id}", daemon=True).start()
+        while True:
+            kind, value = events.get()
+            if kind == "raise":
+                raise value
+            yield kind, value
+            if kind == "result":
+                return
+
+    # -- in the app --------------------------------------------------------------------------------
+    def _variant(self, request: GenerateRequest) -> str:
+        info = self._runner.board.get(request.bucket)
+        warm = request.mode.compiled and info is not None and info.state == BucketState.WARM
+        return str(request.mode) if warm else "eager"
+
+    def duration_for(self, request: GenerateRequest) -> int:
+        return self.durations.for_request(self._variant(request), request.bucket.size, request.steps)
+
+    def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None
+                 ) -> GenerateResult:
+        runner = self._runner
+        runner.check_mode(request.mode)  # refused modes answer here, before a GPU is asked for
+        cancel = cancel or threading.Event()
+        flag = self.gpu.cancel_flag(request.request_id, cancel)
+        done = threading.Event()
+        self.gpu.watch_cancel(flag, cancel, done)
+        info = runner.board.get(request.bucket)
+        result = None
+        payload = (request, flag, info) if self.gpu.forks else (request, flag, info, on_step or (lambda p: None))
+        try:
+            events = self.gpu.call(self._task, f"generate {request.bucket}", self.duration_for(request),
+                                   "generate", payload, self._owner)
+            for kind, value in events:
+                if kind == "progress" and on_step is not None:
+                    on_step(value)
+                elif kind == "result":
+                    result = value
+                elif kind == "bucket" and self.gpu.forks:
+                    apply_info(runner, value)
+                elif kind == "error":
+                    raise value
+        finally:
+            done.set()
+            self.gpu.clear(flag)
+        if result is None:
+            raise ShowcaseError(f"request {request.request_id}: the GPU call ended without a result")
+        variant = str(result.bucket.mode) if result.warm and result.bucket.mode.compiled else "eager"
+        self.durations.record(variant, result.bucket.size, result.steps, result.timings.step_ms)
+        return result
+
+    def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
+        runner = self._runner
+        if bucket.mode is not Mode.AOT:  # eager: nothing to do; compile/regional: refused with the reason
+            return runner.warm_bucket(bucket)
+        try:
+            runner.check_mode(bucket.mode)
+            runner.variant(Mode.AOT)  # keys and store, no device work
+            present = install_committed(runner, bucket.size) if self.gpu.forks else False
+        except Exception as exc:
+            return runner.board.update(bucket, state=BucketState.FAILED, error=str(exc))
+        duration = PACKAGES_PRESENT_DURATION_S if present else int(settings.gpu_build_duration_s())
+        runner.board.update(bucket, state=BucketState.COMPILING, error=None, origin=None)
+        final = None
+        for kind, value in self.gpu.call(self._task, f"aot {bucket}", duration, "warm", bucket, self._owner):
+            if kind == "warmed":
+                final = value
+            elif kind == "error":
+                return runner.board.update(bucket, state=BucketState.FAILED, error=str(value))
+        if final is None:
+            return runner.board.update(bucket, state=BucketState.FAILED, error="the GPU call ended without a result")
+        if self.gpu.forks:  # built or loaded over there: install what was committed here, loaded on first use
+            if final.state == BucketState.WARM and not install_committed(runner, bucket.size):
+                return runner.board.update(bucket, state=BucketState.FAILED,
+                                           error="the GPU call warmed the bucket but its packages are not in the store")
+            self._installed.add(bucket.size)
+            apply_info(runner, final)
+        elif final.state == BucketState.WARM:
+            self._installed.add(bucket.size)
+        return runner.board.get(bucket)
+
+
+class InProcessLoop(WorkerLoop):
+    """The worker's loop on threads of the app's process."""
+
+    def run(self) -> None:  # the worker's shorter thread switch interval would be the web server's too
+        receiver = threading.Thread(target=self._receive, name="inprocess-receive", daemon=True)
+        receiver.start()
+        warmer = threading.Thread(target=self._warm_forever, name="inprocess-warm", daemon=True)
+        warmer.start()
+        while not self._stop.is_set():
+            request = self._requests.get()
+            if request is None:
+                break
+            self._serve(request)
+
+
+class InProcessEngine(ConnectionEngine):
+    """An engine whose runner lives in this process (see the module's docstring)."""
+
+    kind = "inprocess"
+
+    def __init__(self, config, gpu: GpuCalls | None = None, threads: int | None = None):
+        check_inprocess_key(config.key)
+        super().__init__(config.key)
+        self.config = config
+        self.threads = threads  # cpu: compute threads, as a worker gets (the manager's share of the cores)
+        self.gpu = gpu or make_gpu_calls()
+        self.runner: GpuRunner | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    def start(self) -> InProcessEngine:
+        ours, theirs = LocalConnection.pair()
+        self.attach(ours)
+        self._engine_conn = theirs
+        self._thread = threading.Thread(target=self._serve, name=f"inprocess-{self.key}", daemon=True)
+        self._thread.start()
+        return self
+
+    def hang_up(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+    def _serve(self) -> None:
+        conn = self._engine_conn
+        made: dict = {}
+
+        def listener(info):
+            if "loop" in made:
+                made["loop"].send(BucketChanged(info))
+
+        def load() -> InProcessLoop:
+            if self.threads:
+                import torch
+
+                # Process-wide, as OMP_NUM_THREADS is for a worker: more compute threads than this share
+                # spin against the web server and each other (a 68 ms image took 2.7 s on a busy 2-core box).
+                torch.set_num_threads(self.threads)
+            runner = InProcessRunner(self.config, listener=listener)
+            self.runner = gpu_runner = GpuRunner(runner, self.gpu)
+            made["loop"] = loop = InProcessLoop(conn, gpu_runner, max_queue=self.config.options.max_queue)
+            runner.load()
+            if not self.gpu.forks:  # the measuring step runs device work: only where this process has the device
+                runner.measure_peak()
+                loop.learn_from_measuring_run()
+                size, ms = runner.measured_run
+                gpu_runner.durations.record("eager", size, 1, (ms,))  # an overestimate of one step: safe
+            return loop
+
+        try:
+            loop = run_on_lowered_thread(load, settings.compile_niceness(), name=f"inprocess-load-{self.key}")
+            loop.send(Ready(loop.runner.ready_info()))
+        except Exception as exc:
+            err = exc if isinstance(exc, ShowcaseError) else ShowcaseError(f"{type(exc).__name__}: {exc}")
+            log.error("in-process engine %s failed to load: %s", self.key, exc)
+            try:
+                conn.send(Fatal(err))
+            except OSError:
+                pass
+            return
+        loop.queue_startup_warm()
+        try:
+            loop.run()
+        finally:
+            conn.close()
+
+    def describe_exit(self) -> str:
+        return "the in-process engine stopped"
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop: the running request stops at its next step (in a forked GPU call too, through its cancel
+        flag), the loop's threads end, the connection closes. Nothing outlives `timeout` but daemon threads
+        parked in a GPU call, which the process's exit ends."""
+        super().close()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        deadline = time.monotonic() + 1.0
+        while self._reader is not None and self._reader.is_alive() and time.monotonic() < deadline:
+            self.hang_up()
+            self._reader.join(0.1)
+        self.gpu.close()
+
+    def status(self) -> dict:
+        status = super().status()
+        status["gpu_calls"] = self.gpu.name
+        if self.gpu.calls:
+            status["last_gpu_duration_s"] = self.gpu.calls[-1][1]
+        return status
