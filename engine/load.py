@@ -18,7 +18,6 @@ import collections
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -26,8 +25,9 @@ import time
 from pathlib import Path
 
 from engine import settings
+from engine.metrics import median, percentile
 from engine.protocol import GENERIC_PROMPT
-from engine.soak import PageClient, _free_port, _percentile, process_tree
+from engine.soak import PageClient, free_port, process_tree
 
 REPO = settings.REPO_ROOT
 
@@ -50,7 +50,7 @@ class Phase:
         self.prompts = get_preset(args.preset).examples or (GENERIC_PROMPT,)  # each visitor its own prompt
 
     def start(self) -> None:
-        port = _free_port()
+        port = free_port()
         argv = [sys.executable, str(REPO / "app.py"), "--port", str(port), "--device", self.args.device,
                 "--preset", self.args.preset, "--warm", self.args.size, "--mode", self.args.mode,
                 "--client-events", "0"]  # every visitor connects from this machine's address
@@ -182,8 +182,8 @@ class Phase:
         return {
             "phase": self.name, "images": self.images, "wall_s": round(self.wall_s, 3),
             "images_per_s": round(self.images / self.wall_s, 2) if self.wall_s else None,
-            "p50_s": _round(statistics.median(self.latencies) if self.latencies else None),
-            "p95_s": _round(_percentile(self.latencies, 0.95)),
+            "p50_s": _round(median(self.latencies)),
+            "p95_s": _round(percentile(self.latencies, 0.95)),
             "failed": len(self.failed), "recompiles": self.recompiles,
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "calls_per_batch_size": self.served, "orphans": self.orphans,
@@ -259,7 +259,7 @@ def cmd_load(args) -> int:
     ratios = {}
     if by.get("on") and by.get("off"):
         def med(phase, key):
-            return statistics.median(r[key] for r in by[phase] if r[key])
+            return median([r[key] for r in by[phase] if r[key]])
 
         ratios = {"throughput": med("on", "images_per_s") / med("off", "images_per_s"),
                   "p95": med("on", "p95_s") / med("off", "p95_s"), "p50": med("on", "p50_s") / med("off", "p50_s")}
