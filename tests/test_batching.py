@@ -191,6 +191,7 @@ def pixels(result) -> np.ndarray:
     return np.asarray(result.image().convert("RGB")).astype(int)
 
 
+@pytest.mark.slow  # starts a worker, compiles
 def test_batched_images_equal_solo_ones_at_a_warm_batch_size(batched, solo_images):
     assert all(r.batch_size == 1 for r in solo_images)
     results = [f.result(300) for f in together(batched, [request(i) for i in range(2)])]
@@ -206,6 +207,7 @@ def result_prompt(result) -> str:
     return PROMPTS[(result.seed - 100) % len(PROMPTS)]
 
 
+@pytest.mark.slow  # starts a worker, compiles
 def test_a_cold_batch_size_runs_as_smaller_warm_ones_and_is_asked_for(batched, solo_images):
     results = [f.result(300) for f in together(batched, [request(i) for i in range(4)])]
     assert [r.batch_size for r in results] == [2, 2, 2, 2]
@@ -217,6 +219,7 @@ def test_a_cold_batch_size_runs_as_smaller_warm_ones_and_is_asked_for(batched, s
     assert cold.state == BucketState.QUEUED and cold.requests_served == 0
 
 
+@pytest.mark.slow  # starts a worker, compiles
 def test_eager_requests_batch_at_any_size(batched):
     results = [f.result(300) for f in together(batched, [request(i, mode="eager") for i in range(3)])]
     assert [r.batch_size for r in results] == [3, 3, 3]
@@ -224,6 +227,7 @@ def test_eager_requests_batch_at_any_size(batched):
     assert np.abs(pixels(results[2]) - pixels(alone)).max() <= 2
 
 
+@pytest.mark.slow  # starts a worker, compiles
 def test_cancel_one_member_the_other_finishes_and_matches_solo(batched, solo_images):
     steps = 40
     a, b = request(0, steps=steps), request(1, steps=steps)
@@ -249,6 +253,7 @@ def test_cancel_one_member_the_other_finishes_and_matches_solo(batched, solo_ima
     assert np.abs(pixels(result) - pixels(alone)).max() <= 2
 
 
+@pytest.mark.slow  # starts a worker, compiles
 def test_board_and_status_show_batch_sizes(batched):
     from ui.views import board_rows, size_label
 
@@ -271,6 +276,7 @@ def unbatched(cache_dir, tiny_models):
     engine.close()
 
 
+@pytest.mark.slow  # starts a worker, compiles
 def test_max_batch_1_serves_one_request_per_call(unbatched):
     assert unbatched.status()["batching"]["batch_sizes"] == [1]
     futures = together(unbatched, [request(i, mode="eager") for i in range(3)])
@@ -281,6 +287,7 @@ def test_max_batch_1_serves_one_request_per_call(unbatched):
     assert sorted(r.timings.queued_ms for r in results)[0] < 250
 
 
+@pytest.mark.slow  # starts a worker, compiles
 def test_step_cache_requests_batch_with_the_same_cache_and_match_solo(batched):
     cache = "taylorseer"
     results = [f.result(300) for f in together(batched, [request(i, mode="eager", step_cache=cache, steps=8)
