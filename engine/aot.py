@@ -8,7 +8,8 @@ is loaded with `load_constants(..., user_managed=True)` pointing at the tensors 
 so four buckets cost about what one does.
 
 Per bucket, and per denoiser batch shape (classifier-free guidance doubles the batch, so a CFG preset
-gets two packages, as `warm_guidances()` warms two compiled graphs):
+gets two packages, as `warm_guidances()` warms two compiled graphs; a batched bucket of n images,
+engine/batching.py, has its own packages at n times those batches, and a vae.decode package at n):
 
 1. capture: one short eager run of the pipeline at the bucket, with stand-ins that record the exact
    arguments the pipeline gives the denoiser and `vae.decode` (a package takes exactly the exported
@@ -473,9 +474,10 @@ class AotEngine:
         self._model_ids: dict[str, str] = {}
 
     # -- keys ---------------------------------------------------------------------------------------
-    def batch(self, guidance: float) -> int:
+    def batch(self, guidance: float, images: int = 1) -> int:
+        """The denoiser's batch for `images` images in one call (engine/batching.py)."""
         preset = self.runner.preset
-        return 2 if preset.cfg and guidance > 1.0 else 1
+        return (2 if preset.cfg and guidance > 1.0 else 1) * images
 
     def _model_id(self, component: str) -> str:
         with self._keys_lock:
@@ -520,8 +522,9 @@ class AotEngine:
             object.__setattr__(run, "vae", vae)
         request = r.warm_request(BucketKey(Mode.EAGER, bucket.size), guidance).replace(
             steps=1, request_id=f"aot-capture-{bucket}")
+        members = [request.replace(seed=i) for i in range(bucket.batch)] if bucket.batch > 1 else None
         try:
-            r._call(run, request)
+            r._call(run, request, members=members)
         except _StopCapture:
             pass
         if captured.denoiser is None or (decode and captured.decode is None):
@@ -540,7 +543,7 @@ class AotEngine:
             kinds = [DENOISER] + ([VAE] if self.decoder is not None and i == 0 else [])
             captured = None
             for kind in kinds:
-                batch = self.batch(guidance) if kind == DENOISER else 1
+                batch = self.batch(guidance, bucket.batch) if kind == DENOISER else bucket.batch
                 key = self.package_key(kind, bucket.size, batch)
                 found = self.store.find(key)
                 if found.state == "present":
@@ -584,8 +587,9 @@ class AotEngine:
     def remove_packages(self, size: Size) -> None:
         """Delete this engine's packages for a size (every batch shape), so the next warm-up builds them."""
         for guidance in self.runner.warm_guidances():
-            for kind, batch in ((DENOISER, self.batch(guidance)), (VAE, 1)):
-                self.store.remove(self.store.folder(self.package_key(kind, size, batch)))
+            for images in getattr(self.runner, "batch_sizes", (1,)):
+                for kind, batch in ((DENOISER, self.batch(guidance, images)), (VAE, images)):
+                    self.store.remove(self.store.folder(self.package_key(kind, size, batch)))
 
     def _install(self, kind: str, package, manifest: dict) -> None:
         target = self.denoiser if kind == DENOISER else self.decoder

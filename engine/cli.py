@@ -1,4 +1,4 @@
-"""Headless command line: `python -m engine {generate,devices,presets,attention,step-caches,export,bench,soak}`.
+"""Headless command line: `python -m engine {generate,devices,presets,attention,step-caches,export,bench,soak,load}`.
 
 Sub-commands come from one table (`COMMANDS`); each module registers its own parser. Importing this
 module (and `--help`, `presets`) never imports torch: sub-commands import what they need when they run.
@@ -228,6 +228,7 @@ COMMANDS = (
     "engine.cli:add_export_parser",
     "engine.bench:add_bench_parser",
     "engine.soak:add_soak_parser",
+    "engine.load:add_load_parser",
     "engine.bench.contention:add_contention_parser",
     "engine.bench.context_parallel:add_cp_bench_parser",
     "engine.bench.advise:add_advise_parser",

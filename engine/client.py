@@ -286,7 +286,20 @@ class ConnectionEngine:
             "modes": [str(m) for m in self.info.modes] if self.info else [],
             "pending": self.pending(),
             "buckets": [b.as_dict() for b in self.buckets()],
+            "batching": self.batching(),
         }
+
+    def batching(self) -> dict:
+        """Its batch sizes and the pipeline calls served per batch size (every bucket together)."""
+        calls: dict[int, dict] = {}
+        for info in self.buckets():
+            if info.batches_served:
+                row = calls.setdefault(info.bucket.batch, {"calls": 0, "requests": 0})
+                row["calls"] += info.batches_served
+                row["requests"] += info.requests_served
+        sizes = list(self.info.batch_sizes) if self.info else [1]
+        return {"max_batch": max(sizes), "batch_sizes": sizes,
+                "served": {str(b): calls[b] for b in sorted(calls)}}
 
     def close(self) -> None:
         self._closed = True

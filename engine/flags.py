@@ -40,12 +40,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="native", metavar="NAME",
                    help="diffusers attention backend of the denoiser (native, _native_flash, flex, flash, _flash_3_hub, "
                         "sage, ...); `python -m engine attention` lists which can run here and why not")
+    g.add_argument("--max-batch", type=_positive_int, default=None, metavar="N",
+                   help="at most N queued requests that can share a denoiser call (same bucket, steps, guidance, "
+                        "step cache) run as one pipeline call; 1 turns batching off (default: the device's: cpu, "
+                        "cuda, xpu 4, mps 2, neuron and tpu 1)")
+    g.add_argument("--batch-wait-ms", type=float, default=EngineOptions.batch_wait_ms, metavar="MS",
+                   help="how long a request waits after it arrives for others to share its call "
+                        f"(default {EngineOptions.batch_wait_ms:g}; requests queued behind a running call join at once)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
 
 
 def options_from_args(args, **overrides) -> EngineOptions:
     values = {field: getattr(args, field) for _, field, _ in _SWITCHES}
     values.update(compile_vae=not args.no_compile_vae, inductor_flags=args.inductor_flags,
-                  attention_backend=getattr(args, "attention_backend", None) or "native")
+                  attention_backend=getattr(args, "attention_backend", None) or "native",
+                  max_batch=getattr(args, "max_batch", None),
+                  batch_wait_ms=getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms))
     values.update(overrides)
     return EngineOptions(**values)
 
@@ -60,6 +76,11 @@ def engine_flags_argv(args) -> tuple[str, ...]:
     backend = getattr(args, "attention_backend", None) or "native"
     if backend != "native":
         flags += ["--attention-backend", backend]
+    if getattr(args, "max_batch", None) is not None:
+        flags += ["--max-batch", str(args.max_batch)]
+    wait_ms = getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms)
+    if wait_ms != EngineOptions.batch_wait_ms:
+        flags += ["--batch-wait-ms", f"{wait_ms:g}"]
     return tuple(flags)
 
 

@@ -272,16 +272,25 @@ class EngineKey:
 
 @dataclass(frozen=True, order=True)
 class BucketKey:
-    """One compiled graph per (mode, size) of an engine."""
+    """One compiled graph per (mode, size) of an engine, and per batch size where requests run batched
+    (engine/batching.py): `batch` images in one pipeline call; 1 is a request run alone."""
 
     mode: Mode
     size: Size
+    batch: int = 1
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
 
     def __str__(self) -> str:
-        return f"{self.mode}:{self.size}"
+        return f"{self.mode}:{self.size}" + (f"/b{self.batch}" if self.batch > 1 else "")
+
+    def solo(self) -> BucketKey:
+        """The same bucket at batch size 1."""
+        return dataclasses.replace(self, batch=1)
+
+    def batched(self, batch: int) -> BucketKey:
+        return dataclasses.replace(self, batch=batch)
 
 
 @dataclass(frozen=True)
@@ -299,12 +308,15 @@ class BucketInfo:
     # Where a warm bucket's graph came from, when that is news: aot says "loaded from package" or
     # "built now" (with what it replaced: a stale or corrupt package). None for the other modes.
     origin: str | None = None
+    batches_served: int = 0  # pipeline calls that served `requests_served` (equal at batch size 1)
 
     def as_dict(self) -> dict:
         return {
             **self.engine.as_dict(),
             "mode": str(self.bucket.mode),
             "size": str(self.bucket.size),
+            "batch": self.bucket.batch,
+            "batches_served": self.batches_served,
             "state": self.state.value,
             "error": self.error,
             "compile_s": self.compile_s,
@@ -410,6 +422,11 @@ class EngineOptions:
     # torch.compile mode="reduce-overhead" (CUDA graphs) for compile; triton.cudagraphs for aot. CUDA only.
     cuda_graphs: bool = False
     max_queue: int = 16  # pending requests per engine before "busy, retry"
+    # Batching (engine/batching.py): at most `max_batch` queued requests that can share one denoiser call
+    # run as one pipeline call (None: the device's default, DeviceSpec.max_batch; 1: off), gathered for up
+    # to `batch_wait_ms` after the first one arrives (and while the previous call runs).
+    max_batch: int | None = None
+    batch_wait_ms: float = 15.0
     # Tests only: accept InjectFault messages (one-shot faults armed from outside) and make every
     # compile fail. Never set by the UI or the CLI.
     fault_injection: bool = False
@@ -509,6 +526,7 @@ class GenerateResult:
     cancelled: bool = False
     step_cache: StepCache = NO_STEP_CACHE
     cached_steps: tuple[int, ...] = ()  # 1-based steps whose denoiser output came from the step cache
+    batch_size: int = 1  # images in the pipeline call that made this one (engine/batching.py)
 
     @property
     def computed_steps(self) -> int:
@@ -542,6 +560,7 @@ class GenerateResult:
             "step_cache": str(self.step_cache),
             "cached_steps": list(self.cached_steps),
             "computed_steps": self.computed_steps,
+            "batch_size": self.batch_size,
             "timings": {
                 "step_ms": list(t.step_ms),
                 "first_step_ms": t.first_step_ms,
@@ -565,6 +584,7 @@ class StepProgress:
     total: int
     step_ms: float
     cached: bool = False  # this step's denoiser output came from the step cache
+    batch_size: int = 1  # this step was computed for this many requests at once (step_ms is the shared step's)
 
 
 @dataclass(frozen=True)
@@ -599,6 +619,7 @@ class EngineReady:
     backend: str = ""
     footprint: Footprint | None = None
     preset: ModelPreset | None = None  # what it serves (an app attaching to a sidecar may not know it)
+    batch_sizes: tuple[int, ...] = (1,)  # batch sizes its requests may run at together (engine/batching.py)
 
     @property
     def rank_pids(self) -> tuple[int, ...]:

@@ -34,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from engine import attention, caches, devices, recipes, stepcache
+from engine import attention, batching, caches, devices, recipes, stepcache
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
 from engine.faults import FaultHooks
 from engine.presets import route_size
@@ -115,20 +115,26 @@ def describe_failure(exc: BaseException, limit: int = 500) -> str:
     return text[:limit]
 
 
-def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, output_type: str = "pil") -> dict:
+def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, output_type: str = "pil",
+                         members: list[GenerateRequest] | None = None) -> dict:
     """The pipeline call for a request — what the engine runs, and what a bare diffusers call must pass
-    to be compared with it (bench, TP tests). A CPU generator makes seeds mean the same on every device."""
+    to be compared with it (bench, TP tests). A CPU generator makes seeds mean the same on every device.
+    `members`: a batch (engine/batching.py) sharing `request`'s size, steps and guidance: one prompt and
+    one generator per member, so each image's noise is what that request alone would start from."""
+    batch = members or [request]
     kwargs = dict(
-        prompt=request.prompt,
+        prompt=request.prompt if members is None else [r.prompt for r in batch],
         height=request.height,
         width=request.width,
         num_inference_steps=request.steps,
         guidance_scale=request.guidance,
-        generator=torch.Generator("cpu").manual_seed(request.seed),
+        generator=(torch.Generator("cpu").manual_seed(request.seed) if members is None
+                   else [torch.Generator("cpu").manual_seed(r.seed) for r in batch]),
         output_type=output_type,
     )
     if request.negative_prompt and preset.negative_prompt:
-        kwargs["negative_prompt"] = request.negative_prompt
+        kwargs["negative_prompt"] = request.negative_prompt if members is None else \
+            [r.negative_prompt or "" for r in batch]
     if preset.max_sequence_length and _takes_argument(type(pipe), "max_sequence_length"):
         kwargs["max_sequence_length"] = preset.max_sequence_length
     return kwargs
@@ -209,6 +215,16 @@ class _RunClock:
         )
 
 
+class _AllSet:
+    """is_set() while every one of the events is set (a batch stops when all its members left)."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def is_set(self) -> bool:
+        return all(e.is_set() for e in self.events)
+
+
 class BucketBoard:
     """Thread-safe bucket states; every change is pushed to `listener` (the worker sends it on)."""
 
@@ -251,9 +267,13 @@ class BucketBoard:
             self.listener(info)
         return info
 
-    def served(self, bucket: BucketKey) -> None:
+    def served(self, bucket: BucketKey, requests: int = 1) -> None:
+        """One pipeline call at `bucket` served `requests` requests (more than one in a batch). An eager
+        batch size seen first here needs nothing compiled: its row starts warm."""
         info = self.get(bucket)
-        self.update(bucket, requests_served=(info.requests_served if info else 0) + 1)
+        state = {} if info is not None or bucket.mode.compiled else {"state": BucketState.WARM}
+        self.update(bucket, requests_served=(info.requests_served if info else 0) + requests,
+                    batches_served=(info.batches_served if info else 0) + 1, **state)
 
 
 class PipelineRunner:
@@ -278,6 +298,9 @@ class PipelineRunner:
         self.source: str | None = None  # what from_pretrained loaded (aot package keys name the model by it)
         self._aot = None  # engine/aot.py AotEngine, built with the aot variant
         self._step_caches: stepcache.CacheVariants | None = None  # (mode, step cache) variants, once loaded
+        # Requests that can share a denoiser call run as one call of up to max_batch images (engine/batching.py)
+        self.max_batch = batching.max_batch_for(self.options.max_batch, self.spec, config.key.tp)
+        self.batch_sizes = batching.batch_sizes(self.max_batch)
         for mode in self.modes():
             for size in self.preset.buckets:
                 self.board.add(BucketKey(mode, size), BucketState.COLD if mode.compiled else BucketState.WARM)
@@ -341,7 +364,8 @@ class PipelineRunner:
 
         devices.apply_precision(self.precision)
         _install_compile_counter()
-        recipes.raise_recompile_limit(len(self.modes()) * len(self.preset.buckets) * 2)
+        # A graph per mode x bucket x batch size, and a second batch shape per bucket with classifier-free guidance
+        recipes.raise_recompile_limit(len(self.modes()) * len(self.preset.buckets) * 2 * len(self.batch_sizes))
         pipeline_cls = getattr(diffusers, self.preset.pipeline)
         source = self.source = resolve_source(self.config)
         try:
@@ -409,9 +433,10 @@ class PipelineRunner:
 
     # -- running ---------------------------------------------------------------------------------
     def _call(self, pipe, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None,
-              cached: stepcache.CachedDenoiser | None = None):
+              cached: stepcache.CachedDenoiser | None = None, members: list[GenerateRequest] | None = None):
         """One pipeline call on a private copy (own scheduler: schedulers keep per-run state). With a step
-        cache variant, `cached` counts the steps its hooks served."""
+        cache variant, `cached` counts the steps its hooks served. With `members` (a batch led by `request`)
+        the first value returned is the list of their images, in order."""
         run = copy.copy(pipe)
         if cached is not None:
             cached.start(run)
@@ -437,23 +462,25 @@ class PipelineRunner:
             step_ms = clock.mark_step_end()
             from_cache = cached.counter.step_end() if cached is not None else False
             if on_step:
-                on_step(StepProgress(request.request_id, i + 1, request.steps, step_ms, cached=from_cache))
+                on_step(StepProgress(request.request_id, i + 1, request.steps, step_ms, cached=from_cache,
+                                     batch_size=len(members) if members else 1))
             if cancel is not None and cancel.is_set() and not cancelled_at:
                 cancelled_at.append(i + 1)
                 p._interrupt = True
             return outputs
 
-        kwargs = pipeline_call_kwargs(self.preset, run, request)
+        kwargs = pipeline_call_kwargs(self.preset, run, request, members=members)
         kwargs["callback_on_step_end"] = on_step_end
         devices.enter_eager_mode(self.spec, request.mode)  # TPU: strict eager or defer-and-fuse; no-op elsewhere
         # The pipelines run under no_grad already; inference_mode is avoided on purpose: out-of-tree
         # backends (and the fake PrivateUse1 device in tests) cannot version inference tensors.
-        image = run(**kwargs).images[0]
+        images = run(**kwargs).images
         end = time.perf_counter()
-        return image, clock.timings(end), (cancelled_at[0] if cancelled_at else None)
+        return (list(images) if members else images[0]), clock.timings(end), (cancelled_at[0] if cancelled_at else None)
 
-    def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None) -> GenerateResult:
-        """Run one request. At a warm bucket this compiles nothing; elsewhere it runs eagerly or waits."""
+    def prepare(self, request: GenerateRequest) -> tuple[GenerateRequest, list[str]]:
+        """What is checked before a request runs (its mode, its step cache, its size snapped to a bucket):
+        the request at its bucket and the notices; raises what it cannot run with."""
         notices = list(self.check_mode(request.mode))
         # A step cache this mode cannot hold is refused before anything runs (never served without it).
         notices += stepcache.check_step_cache(request.step_cache, self.preset, self.spec, request.mode)
@@ -464,7 +491,11 @@ class PipelineRunner:
                                          "single-device engine")
         size, snapped = route_size(self.preset, request.width, request.height, snap=True)
         notices += snapped
-        request = request.replace(width=size.width, height=size.height)
+        return request.replace(width=size.width, height=size.height), notices
+
+    def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None) -> GenerateResult:
+        """Run one request. At a warm bucket this compiles nothing; elsewhere it runs eagerly or waits."""
+        request, notices = self.prepare(request)
         bucket = request.bucket
         info = self.board.get(bucket)
         eager_fallback = False
@@ -510,14 +541,11 @@ class PipelineRunner:
         if cancelled_at is not None:
             raise Cancelled(f"request {request.request_id} cancelled after step {cancelled_at} of {request.steps}")
         self.board.served(bucket)
-        buf = io.BytesIO()
-        image.save(buf, format="PNG", compress_level=1,  # lossless; level 6 costs ~0.25 s at 1024²
-                   pnginfo=self._png_info(request))
         return GenerateResult(
             request_id=request.request_id,
             engine=self.config.key,
             bucket=bucket,
-            image_png=buf.getvalue(),
+            image_png=self._png(image, request),
             timings=timings,
             warm=not eager_fallback,
             eager_fallback=eager_fallback,
@@ -529,6 +557,131 @@ class PipelineRunner:
             step_cache=request.step_cache,
             cached_steps=cached_steps,
         )
+
+    def generate_batch(self, requests: list[GenerateRequest], on_step=None,
+                       cancels: list[threading.Event] | None = None, on_leave=None) -> list:
+        """Run requests that can share a denoiser call (engine/batching.py's key) as one pipeline call.
+
+        Returns, per request, its GenerateResult, the exception it failed with, or None when it already
+        left through `on_leave(index, Cancelled)`: a member whose cancel is set leaves at the next step
+        end, at once, and the call goes on for the others (its image is dropped); the call stops when
+        every member has left. `on_step(progress)` gets each member's StepProgress (its own request id;
+        the step is shared: batch_size). A member that cannot run (mode, step cache, size) fails alone
+        first; if the shared call fails, each member runs again alone, so each gets its own outcome."""
+        n = len(requests)
+        cancels = cancels or [threading.Event() for _ in range(n)]
+        outcomes: list = [None] * n
+        ready: list[tuple[int, GenerateRequest, list[str]]] = []
+        for i, request in enumerate(requests):
+            try:
+                prepared, notices = self.prepare(request)
+                ready.append((i, prepared, notices))
+            except Exception as exc:  # noqa: BLE001 - its own outcome
+                outcomes[i] = exc
+        if len(ready) < 2:
+            for i, _, _ in ready:
+                outcomes[i] = self._solo(requests[i], on_step, cancels[i])
+            return outcomes
+        try:
+            for (i, _, _), result in zip(ready, self._run_batch(ready, on_step, cancels, on_leave), strict=True):
+                outcomes[i] = result
+        except Cancelled:
+            pass  # every member left (each was told)
+        except Exception as exc:  # noqa: BLE001 - the shared call failed: each member alone
+            log.warning("a batch of %d at %s failed (%s); its requests run alone", len(ready), ready[0][1].bucket,
+                        describe_failure(exc, 200))
+            for i, _, _ in ready:
+                if not cancels[i].is_set():
+                    outcomes[i] = self._solo(requests[i], on_step, cancels[i])
+                elif outcomes[i] is None and on_leave is not None:
+                    on_leave(i, Cancelled(f"request {requests[i].request_id} cancelled"))
+        return outcomes
+
+    def _solo(self, request, on_step, cancel):
+        try:
+            return self.generate(request, on_step=on_step, cancel=cancel)
+        except Exception as exc:  # noqa: BLE001 - its own outcome
+            return exc
+
+    def _run_batch(self, ready, on_step, cancels, on_leave) -> list:
+        members = [request for _, request, _ in ready]
+        indexes = [i for i, _, _ in ready]
+        lead, k = members[0], len(members)
+        bucket = lead.bucket.batched(k)
+        notices: list[str] = []
+        eager_fallback = False
+        if lead.mode.compiled:
+            info = self.board.get(bucket)
+            if info is None or info.state != BucketState.WARM:
+                eager_fallback = True
+                state = info.state.value if info else "cold"
+                notices.append(f"bucket {bucket} is {state}; served eagerly on the same weights")
+        run_members = [m.replace(mode=Mode.EAGER) for m in members] if eager_fallback else members
+        pipe = self.variant(run_members[0].mode)
+        left = [False] * k
+
+        def member_steps(progress: StepProgress) -> None:
+            for j, member in enumerate(members):
+                if left[j]:
+                    continue
+                if cancels[indexes[j]].is_set():
+                    left[j] = True
+                    if on_leave is not None:
+                        on_leave(indexes[j], Cancelled(
+                            f"request {member.request_id} cancelled after step {progress.step} of {member.steps} "
+                            f"(the batch of {k} it shared went on without it)"))
+                    continue
+                if on_step is not None:
+                    on_step(replace(progress, request_id=member.request_id))
+
+        everyone_left = _AllSet([cancels[i] for i in indexes])
+        with self._run_lock:
+            if self.faults.take(Fault.OOM):
+                raise self._out_of_memory(torch.OutOfMemoryError("injected out-of-memory"))
+            self.spec.reset_peak_memory()
+            compiles_before = compiles_in_this_thread()
+            aot_before = self._aot.counters()[1] if self._aot and run_members[0].mode is Mode.AOT else None
+            cached = None
+            try:
+                if lead.step_cache.enabled:
+                    cached, cache_notices = self._step_caches.get(
+                        run_members[0].mode, pipe, lead.step_cache, lead.steps,
+                        lambda p, v: self._call(p, run_members[0].replace(request_id="calibrate"), cached=v))
+                    notices += cache_notices
+                    pipe = cached.pipe
+                images, timings, cancelled_at = self._call(pipe, run_members[0], member_steps, everyone_left, cached,
+                                                           members=run_members)
+            except torch.OutOfMemoryError as exc:
+                raise self._out_of_memory(exc) from None
+            recompiles = compiles_in_this_thread() - compiles_before
+            cached_steps = cached.finish() if cached is not None else ()
+            peak = self.spec.peak_memory_bytes()
+            if aot_before is not None and self._aot.counters()[1] > aot_before:
+                notices.append(f"aot: a call at {bucket} matched no package (not the exported shapes or "
+                               "arguments) and ran eagerly")
+        if cancelled_at is not None:
+            raise Cancelled(f"every request of a batch of {k} cancelled after step {cancelled_at}")
+        results: list = []
+        for j, (member, image) in enumerate(zip(members, images, strict=True)):
+            if left[j]:
+                results.append(None)
+                continue
+            results.append(GenerateResult(
+                request_id=member.request_id, engine=self.config.key, bucket=member.bucket,
+                image_png=self._png(image, member), timings=timings, warm=not eager_fallback,
+                eager_fallback=eager_fallback, recompiles=recompiles, peak_memory_bytes=peak,
+                notices=tuple(ready[j][2] + notices), seed=member.seed, steps=member.steps,
+                step_cache=member.step_cache, cached_steps=cached_steps, batch_size=k))
+        # Counted where it ran: an eager batch (eager mode, or a batch size not warm yet) on the eager row
+        ran = bucket if not eager_fallback else BucketKey(Mode.EAGER, bucket.size, k)
+        self.board.served(ran, requests=sum(r is not None for r in results))
+        return results
+
+    def _png(self, image, request: GenerateRequest) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG", compress_level=1,  # lossless; level 6 costs ~0.25 s at 1024²
+                   pnginfo=self._png_info(request))
+        return buf.getvalue()
 
     def _png_info(self, request: GenerateRequest):
         """Generation parameters in the PNG (tEXt), request id included: every file is unique, so two
@@ -567,6 +720,16 @@ class PipelineRunner:
             request_id=f"warm-{bucket}",
         )
 
+    def warm_members(self, bucket: BucketKey, guidance: float | None = None) -> list[GenerateRequest] | None:
+        """A batched bucket's warm-up call: `bucket.batch` requests (None at batch size 1)."""
+        if bucket.batch <= 1:
+            return None
+        request = self.warm_request(bucket, guidance)
+        return [request.replace(seed=i, request_id=f"{request.request_id}-{i}") for i in range(bucket.batch)]
+
+    def _warm_call(self, pipe, bucket: BucketKey, guidance: float | None = None):
+        return self._call(pipe, self.warm_request(bucket, guidance), members=self.warm_members(bucket, guidance))
+
     def warm_guidances(self) -> tuple[float, ...]:
         # With classifier-free guidance, guidance <= 1 halves the denoiser batch: a second shape.
         # Warm both so changing guidance never recompiles.
@@ -581,6 +744,9 @@ class PipelineRunner:
             self.check_mode(bucket.mode)
             if bucket.size not in self.preset.buckets:
                 raise InvalidRequest(f"{bucket.size} is not a bucket of {self.preset.name}")
+            if bucket.batch not in self.batch_sizes:
+                raise InvalidRequest(f"batch size {bucket.batch} is not one of this engine's "
+                                     f"({', '.join(map(str, self.batch_sizes))}; --max-batch)")
         except Exception as exc:
             return self.board.update(bucket, state=BucketState.FAILED, error=str(exc))
         self.board.update(bucket, state=BucketState.COMPILING, error=None, origin=None)
@@ -592,7 +758,7 @@ class PipelineRunner:
             compile_s = time.perf_counter() - start
             start = time.perf_counter()
             aot_misses = self._aot.counters()[1] if bucket.mode is Mode.AOT else 0
-            self._call(pipe, self.warm_request(bucket))
+            self._warm_call(pipe, bucket)
             warmup_s = time.perf_counter() - start
             if bucket.mode is Mode.AOT and self._aot.counters()[1] > aot_misses:
                 raise RuntimeError("the warm-up run matched no aot package (the pipeline calls the denoiser or "
@@ -615,7 +781,7 @@ class PipelineRunner:
             return origin
         try:
             for guidance in self.warm_guidances():
-                self._call(pipe, self.warm_request(bucket, guidance))
+                self._warm_call(pipe, bucket, guidance)
             return None
         except Exception as exc:
             if caches.unwritable_cause(exc) is not None:
@@ -632,7 +798,7 @@ class PipelineRunner:
                 caches.disable_compile_caches()
                 origin = None
         for guidance in self.warm_guidances():
-            self._call(pipe, self.warm_request(bucket, guidance))
+            self._warm_call(pipe, bucket, guidance)
         return origin
 
     def _move_cache(self, bucket: BucketKey, exc: BaseException) -> str:
@@ -648,7 +814,7 @@ class PipelineRunner:
         """What a worker announces once loaded (the protocol's Ready message)."""
         return EngineReady(key=self.config.key, pid=os.getpid(), load_s=self.load_s, notices=tuple(self.notices),
                            modes=self.modes(), buckets=tuple(self.board.all()), footprint=self.footprint(),
-                           preset=self.preset)
+                           preset=self.preset, batch_sizes=self.batch_sizes)
 
     def weights_bytes(self) -> int:
         if self._weights_bytes is None:
@@ -663,7 +829,8 @@ class PipelineRunner:
         return self._weights_bytes
 
     def measure_peak(self) -> None:
-        """One eager step at the largest bucket: the activation peak a request can reach (budgeting)."""
+        """One eager step at the largest bucket and the largest batch: the activation peak a call can reach
+        (budgeting); the run time a request alone would take is learnt from a batch of one."""
         largest = max(self.preset.buckets, key=lambda s: s.pixels)
         request = self.warm_request(BucketKey(Mode.EAGER, largest)).replace(steps=1, request_id="footprint")
         self.spec.reset_peak_memory()
@@ -671,6 +838,8 @@ class PipelineRunner:
             start = time.perf_counter()
             self._call(self.pipe, request)
             self.measured_run = (largest, (time.perf_counter() - start) * 1000)
+            if self.max_batch > 1:
+                self._call(self.pipe, request, members=[request.replace(seed=i) for i in range(self.max_batch)])
         self._peak_bytes = self.spec.peak_memory_bytes()
 
     def footprint(self) -> Footprint:
@@ -691,7 +860,12 @@ class PipelineRunner:
         sizes = self.preset.buckets
         if self.options.warm_sizes is not None:
             sizes = tuple(Size.parse(s) for s in self.options.warm_sizes)
-        return [BucketKey(m, s) for s in sizes for m in self.options.warm_modes if m in self.modes()]
+        solo = [BucketKey(m, s) for s in sizes for m in self.options.warm_modes if m in self.modes()]
+        # Then the batch sizes of the first size (the default bucket), the largest first: it serves a burst
+        # in the fewest calls, and a group the largest cannot fill runs as the smaller warm ones meanwhile.
+        batched = [BucketKey(m, sizes[0], b) for b in reversed(self.batch_sizes[1:])
+                   for m in self.options.warm_modes if m in self.modes() and m.compiled] if sizes else []
+        return solo + batched
 
 
 # --- ahead of time -------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import time
 import traceback
 
 from engine import settings
+from engine.batching import Gatherer
 from engine.errors import Cancelled, EngineBusy, InvalidRequest, ShowcaseError
 from engine.priority import RunCost, ShortRuns
 from engine.protocol import (
@@ -50,6 +51,7 @@ from engine.protocol import (
     FootprintChanged,
     Generate,
     GenerateRequest,
+    GenerateResult,
     InjectFault,
     OnCold,
     Progress,
@@ -202,6 +204,11 @@ class WorkerLoop:
         # The host's board of engines running a short request (set by the manager for cpu engines)
         self.short_runs = ShortRuns.from_env(os.environ.get("SHOWCASE_SHORT_RUNS")) \
             if self.run_cost is not None and settings.long_requests_step_aside() else None
+        # Queued requests that can share a denoiser call are served by one pipeline call (engine/batching.py).
+        options = getattr(runner, "options", None)
+        self.batcher = Gatherer(self._requests, getattr(runner, "max_batch", 1),
+                                getattr(options, "batch_wait_ms", 0.0), arrived=lambda r: self._received.get(r.request_id),
+                                sizes_for=self._batch_sizes_for, on_split=self._want_batch_size)
 
     def learn_from_measuring_run(self) -> None:
         """The load's one eager step at the largest bucket is a first estimate of eager requests' cost, so an
@@ -250,7 +257,7 @@ class WorkerLoop:
 
     def _on_generate(self, message: Generate) -> None:
         request = message.request
-        if self._requests.qsize() >= self.max_queue:
+        if self.batcher.pending() >= self.max_queue:
             self.send(RequestFailed(request.request_id, EngineBusy(
                 f"engine {self.runner.config.key} has {self.max_queue} requests waiting; retry in a few seconds")))
             return
@@ -302,6 +309,25 @@ class WorkerLoop:
     def _is_warm(self, bucket: BucketKey) -> bool:
         info = self.runner.board.get(bucket)
         return info is not None and info.state == BucketState.WARM
+
+    def _batch_sizes_for(self, request: GenerateRequest) -> tuple[int, ...]:
+        """The batch sizes `request` may run at now: any up to the engine's largest in eager (and when served
+        eagerly because its bucket is not warm yet), else the warm ones of its bucket."""
+        runner = self.runner
+        if not request.mode.compiled:
+            return tuple(range(1, runner.max_batch + 1))
+        bucket = request.bucket
+        if not self._is_warm(bucket):
+            return (1,) if request.on_cold is OnCold.WAIT else tuple(range(1, runner.max_batch + 1))
+        return tuple(b for b in runner.batch_sizes if b == 1 or self._is_warm(bucket.batched(b)))
+
+    def _want_batch_size(self, request: GenerateRequest, batch: int) -> None:
+        """A group ran as smaller calls because `batch` is not warm at its bucket: ask for that compile."""
+        if request.mode.compiled and self._is_warm(request.bucket):
+            bucket = request.bucket.batched(batch)
+            with self._lock:
+                self._hits[bucket] = self._hits.get(bucket, 0) + 1
+            self.want(bucket, retry_failed=False)
 
     def queue_startup_warm(self) -> None:
         for rank, bucket in enumerate(self.runner.buckets_to_warm()):
@@ -421,6 +447,112 @@ class WorkerLoop:
             self._cancels.pop(request.request_id, None)
             self._received.pop(request.request_id, None)
 
+    def _serve_batch(self, group: list[GenerateRequest]) -> None:
+        """Serve requests sharing one pipeline call. To the host's CPU rules it is one run: niced by its own
+        expected time (per batch size), one short run on the board, stepping aside once per step."""
+        live = []
+        for request in group:
+            cancel = self._cancels.setdefault(request.request_id, threading.Event())
+            if cancel.is_set():
+                self.send(RequestFailed(request.request_id, Cancelled(
+                    f"request {request.request_id} cancelled before it started")))
+                self._forget(request)
+            else:
+                live.append(request)
+        if len(live) <= 1:
+            for request in live:
+                self._serve(request)
+            return
+        extra = 0
+        if self.run_cost is not None:
+            lead = live[0]
+            warm = self._is_warm(lead.bucket.batched(len(live))) or not lead.mode.compiled
+            extra = self.run_cost.extra_niceness(self._batch_variant(lead.mode, warm, len(live)), lead.bucket.size,
+                                                 lead.steps)
+        if extra == 0:
+            self._serve_batch_now(live)
+            return
+
+        def serve_niced():
+            lower_this_thread_priority(extra)
+            self._serve_batch_now(live, long=True)
+
+        thread = threading.Thread(target=serve_niced, name=f"worker-serve-batch-nice{extra}", daemon=True)
+        thread.start()
+        thread.join()
+
+    def _serve_batch_now(self, group: list[GenerateRequest], long: bool = False) -> None:
+        cancels = [self._cancels.setdefault(r.request_id, threading.Event()) for r in group]
+        crash = self.runner.faults.take(Fault.CRASH)
+        board = self.short_runs
+        step_aside = board.step_aside if board is not None and long else None
+        everyone = _AllCancelled(cancels)
+        stepped = [0]
+
+        def on_step(progress):
+            self.send(Progress(progress))
+            if crash:
+                os._exit(RankExit.INJECTED_CRASH)
+            if step_aside is not None and progress.step > stepped[0] and progress.step < progress.total:
+                stepped[0] = progress.step  # once per shared step
+                step_aside(everyone)
+
+        def on_leave(index: int, error: ShowcaseError) -> None:
+            self.send(RequestFailed(group[index].request_id, error))
+
+        start = time.perf_counter()
+        queued_ms = {}
+        for r in group:
+            received = self._received.pop(r.request_id, None)
+            queued_ms[r.request_id] = (start - received) * 1000 if received is not None else 0.0
+        try:
+            self.compile_yield.request_started()
+            announce = board is not None and not long
+            if announce:
+                board.set_running(True)
+            try:
+                if step_aside is not None:
+                    step_aside(everyone)
+                outcomes = self.runner.generate_batch(group, on_step=on_step, cancels=cancels, on_leave=on_leave)
+            finally:
+                if announce:
+                    board.set_running(False)
+                self.compile_yield.request_ended()
+            recorded = False
+            for request, outcome in zip(group, outcomes, strict=True):
+                if outcome is None:
+                    continue
+                if isinstance(outcome, GenerateResult):
+                    if self.run_cost is not None and not recorded:
+                        recorded = True
+                        self.run_cost.record(self._batch_variant(request.mode, outcome.warm, outcome.batch_size),
+                                             outcome.bucket.size, outcome.steps, outcome.timings.total_ms)
+                    timings = dataclasses.replace(outcome.timings, queued_ms=queued_ms[request.request_id])
+                    self.send(Result(dataclasses.replace(outcome, timings=timings)))
+                elif isinstance(outcome, ShowcaseError):
+                    self.send(RequestFailed(request.request_id, outcome))
+                else:
+                    log.error("request %s failed: %s", request.request_id, outcome)
+                    self.send(RequestFailed(request.request_id,
+                                            ShowcaseError(f"{type(outcome).__name__}: {outcome}")))
+        except Exception as exc:  # never let one batch kill the worker
+            log.exception("a batch of %d failed", len(group))
+            for request in group:
+                self.send(RequestFailed(request.request_id, ShowcaseError(f"{type(exc).__name__}: {exc}")))
+        finally:
+            for request in group:
+                self._forget(request)
+
+    def _forget(self, request: GenerateRequest) -> None:
+        self._cancels.pop(request.request_id, None)
+        self._received.pop(request.request_id, None)
+
+    @classmethod
+    def _batch_variant(cls, mode, warm: bool, batch: int) -> str:
+        """RunCost's key for a call of `batch` requests: the variant, and the batch size beyond one."""
+        variant = cls._variant(mode, warm)
+        return variant if batch <= 1 else f"{variant}/b{batch}"
+
     @staticmethod
     def _variant(mode, warm: bool) -> str:
         """What computes a request: its mode's compiled graph, or eager (eager mode, or not warm yet)."""
@@ -455,10 +587,23 @@ class WorkerLoop:
         warmer = threading.Thread(target=self._warm_forever, name="worker-warm", daemon=True)
         warmer.start()
         while not self._stop.is_set():
-            request = self._requests.get()
-            if request is None:
+            group = self.batcher.next_batch()
+            if group is None:
                 break
-            self._serve(request)
+            if len(group) == 1:
+                self._serve(group[0])
+            else:
+                self._serve_batch(group)
+
+
+class _AllCancelled:
+    """A batch's cancel for waits between steps: set once every member's is."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def is_set(self) -> bool:
+        return all(e.is_set() for e in self.events)
 
 
 class BestEffortOutput:

@@ -14,6 +14,8 @@
 #                                          # and $OUT/bench-gpu-fa3/
 #   bash scripts/bench_gpu.sh aot          # a second call: eager vs aot (AOTInductor package: export +
 #                                          # AOT compile of the full transformer, minutes) -> $OUT/bench-gpu-aot/
+#   bash scripts/bench_gpu.sh batch        # batch-size sweep: 1/2/4/8 images per compiled denoiser call
+#                                          # (sizes --max-batch on this GPU) -> $OUT/bench-gpu-batch/sweep.md
 #   bash scripts/bench_gpu.sh cp           # a third call: the context-parallel row -> $OUT/bench-gpu-cp/:
 #                                          # the same transformer on one GPU against Ulysses over 2 GPUs
 #                                          # (python -m engine cp-bench), then Ring with cuDNN attention;
@@ -100,6 +102,42 @@ if [ "${1:-}" = aot ]; then
   rc=${PIPESTATUS[0]}
   echo "aot bench exited $rc"
   exit "$rc"
+fi
+
+if [ "${1:-}" = batch ]; then
+  shift
+  # Batch-size sweep (engine/batching.py sizes --max-batch): the same transformer, compiled, with 1/2/4/8
+  # images per denoiser call; per size the step time, the time per image, peak memory and the gain per
+  # image against 1. The default --max-batch for a GPU is the largest size that still gains (>= 10 % per
+  # image) and fits the memory budget with the other engines. Hard limit 540 s; sizes run in order and
+  # each finished one is kept.
+  BATCH_DIR="${OUT:-artifacts}/bench-gpu-batch"
+  mkdir -p "$BATCH_DIR"
+  SWEEP_START=$SECONDS
+  for b in ${BATCH_SIZES:-1 2 4 8}; do
+    left=$((540 - (SECONDS - SWEEP_START)))
+    [ "$left" -gt 60 ] || { echo "batch $b: skipped, time is up"; break; }
+    timeout --signal=INT --kill-after=20 "$left" "$PY" -m engine bench "${COMMON[@]}" --modes compile \
+      --images-per-call "$b" --steps 8 --runs 2 --time-budget $((left - 30)) --out "$BATCH_DIR/b$b" "$@" \
+      2>&1 | tee "$BATCH_DIR/b$b.log"
+  done
+  "$PY" - "$BATCH_DIR" <<'PYEOF' | tee "$BATCH_DIR/sweep.md"
+import json, pathlib, sys
+rows, base = [], None
+for path in sorted(pathlib.Path(sys.argv[1]).glob("b*/bench.json"), key=lambda p: int(p.parent.name[1:])):
+    report = json.loads(path.read_text())
+    n = report["extras"].get("images_per_call", 1)
+    for r in report["results"]:
+        if r.get("error") or not r.get("step_ms_median"):
+            continue
+        per_image = r["step_ms_median"] / n
+        base = base or per_image
+        rows.append(f"| {n} | {r['step_ms_median']:.1f} | {per_image:.1f} | {base / per_image:.2f} | "
+                    f"{(r.get('peak_memory_bytes') or 0) / 2**30:.1f} |")
+print("| images per call | step ms | step ms per image | gain per image vs 1 | peak GiB |\n|---|---|---|---|---|")
+print("\n".join(rows))
+PYEOF
+  exit 0
 fi
 
 if [ "${1:-}" = levers ]; then

@@ -325,3 +325,23 @@ def test_aot_is_offered_where_inductor_packages_are_built():
         spec = devices.get_device(name)
         assert Mode.AOT not in spec.modes and spec.aot_refusal
     assert devices.get_device("cpu").aot_target()  # part of every key
+
+
+def test_a_batched_bucket_has_its_own_packages_and_serves_a_batch(runner):
+    """engine/batching.py: a batch of 2 at 64x64 runs on packages exported at batch 2 (denoiser and decoder),
+    and each image equals the request's own at batch 1 within rounding."""
+    import numpy as np
+
+    bucket = BucketKey(Mode.AOT, Size(64, 64), 2)
+    info = runner.warm_bucket(bucket)
+    assert info.state == BucketState.WARM, info.error
+    folders = {p.name for p in runner._aot.store.root.rglob("*-64x64-b*") if p.is_dir()}
+    assert any(name.endswith("-b2") and name.startswith("denoiser") for name in folders), folders
+    assert any(name.endswith("-b2") and name.startswith("vae") for name in folders), folders
+    members = [request(seed=3, request_id="b0"), request(seed=4, prompt="a blue bird", request_id="b1")]
+    results = runner.generate_batch(members)
+    assert [r.batch_size for r in results] == [2, 2]
+    assert all(r.warm and r.recompiles == 0 and not any("matched no package" in n for n in r.notices) for r in results)
+    alone = runner.generate(members[1])
+    diff = np.abs(np.asarray(results[1].image(), dtype=np.int16) - np.asarray(alone.image(), dtype=np.int16))
+    assert diff.max() <= 2

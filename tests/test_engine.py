@@ -13,6 +13,7 @@ import threading
 import time
 from concurrent.futures import wait
 
+import numpy as np
 import pytest
 from helpers import make_request, wait_until
 
@@ -127,7 +128,10 @@ def test_concurrent_requests_are_queued_without_cross_talk(engine):
     futures = {s: engine.submit(make_request(seed=s)) for s in seeds * 2}
     wait(list(futures.values()), timeout=120)
     for s, future in futures.items():
-        assert future.result().image().tobytes() == expected[s]
+        # Concurrent requests may share a pipeline call (engine/batching.py): equal within rounding
+        got = np.asarray(future.result().image(), dtype=np.int16)
+        want = np.frombuffer(expected[s], dtype=np.uint8).reshape(got.shape).astype(np.int16)
+        assert np.abs(got - want).max() <= 2
 
 
 def test_cancel_stops_between_steps_and_engine_keeps_serving(engine):

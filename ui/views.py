@@ -102,6 +102,8 @@ def stats_rows(result: dict | None) -> list[list[str]]:
         ["step cache", result.get("step_cache") or NO_CACHE],
         ["steps computed / cached", fmt_steps(result)],
         ["bucket", bucket_verdict(result)],
+        ["batch", (f"one pipeline call for {result['batch_size']} requests (steps shared)"
+                   if result.get("batch_size", 1) > 1 else "alone")],
         ["recompiles", str(result.get("recompiles", 0))],
         ["peak memory", fmt_bytes(result.get("peak_memory_bytes"))],
         ["seed", str(result.get("seed", ""))],
@@ -132,10 +134,14 @@ def board_rows(status: list[dict]) -> list[list]:
             mode = b.get("mode", "")
             if b.get("origin"):  # aot: "loaded from package" / "built now"
                 mode = f"{mode} · {b['origin']}"
+            size, served = b.get("size", ""), b.get("requests_served", 0)
+            if b.get("batch", 1) > 1:  # a batch size's own graph: requests it served, in how many calls
+                size = f"{size} · batch {b['batch']}"
+                served = f"{served} in {b.get('batches_served', 0)} calls"
             rows.append([
                 name, b.get("device", device), b.get("precision", precision), mode,
-                b.get("size", ""), b.get("state", ""), reason, fmt_s(b.get("compile_s")),
-                fmt_s(b.get("warmup_s")), b.get("requests_served", 0),
+                size, b.get("state", ""), reason, fmt_s(b.get("compile_s")),
+                fmt_s(b.get("warmup_s")), served,
             ])
     return rows
 
@@ -154,7 +160,7 @@ def find_bucket(status: list[dict], engine: str, mode: str, size: str) -> dict |
         if e.get("engine") != engine:
             continue
         for b in e.get("buckets", []):
-            if b.get("mode") == mode and b.get("size") == size:
+            if b.get("mode") == mode and b.get("size") == size and b.get("batch", 1) == 1:
                 return b
     return None
 
@@ -174,7 +180,7 @@ def size_label(size: str, mode: str, engine: dict | None) -> str:
     if engine.get("state") == "down":
         return f"{size} · engine down"
     for b in engine.get("buckets", []):
-        if b.get("mode") == mode and b.get("size") == size:
+        if b.get("mode") == mode and b.get("size") == size and b.get("batch", 1) == 1:
             return f"{size} · {b.get('state')}"
     return f"{size} · cold"
 

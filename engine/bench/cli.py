@@ -66,6 +66,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--denoiser-config-override", default=None,
                    help="JSON object (or @file) merged into denoiser_config, e.g. a tiny config for tests")
     b.add_argument("--text-len", type=int, default=None, help="text tokens fed to the denoiser (random weights)")
+    b.add_argument("--images-per-call", type=int, default=1, metavar="N",
+                   help="images per denoiser call (random weights): the batch a --max-batch N engine runs")
     b.add_argument("--matmul-roofline", action="store_true",
                    help="measure the dense matmul rate in the first precision and report each step's share")
     b.add_argument("--warmup-calls", type=int, default=2,

@@ -431,13 +431,15 @@ def run_denoiser_bench(plan: BenchPlan) -> dict:
     spec = devices.resolve_device(plan.device)
     env = devices.apply_environment(spec, plan.cache_dir)  # before diffusers loads (see denoiser_class)
     cls = denoiser_class(preset.pipeline)
-    batch = 2 if preset.cfg and preset.guidance > 1.0 else 1  # classifier-free guidance doubles the batch
+    # Classifier-free guidance doubles the batch; a batched call (engine/batching.py) multiplies it
+    batch = (2 if preset.cfg and preset.guidance > 1.0 else 1) * plan.images_per_call
     configs = plan.configs()
     total = len(plan.precisions) + len(configs) * (1 + plan.runs * plan.steps) + (1 if plan.matmul_roofline else 0)
     run = _Run(plan, spec, cls, cfg={**preset.denoiser_config, **(plan.config_override or {})},
                text_len=plan.text_len or DEFAULT_TEXT_LEN.get(preset.pipeline, 77), batch=batch,
                bar=progress(total, plan.progress, f"bench {preset.name} denoiser@{spec.name}"), started=started)
-    run.extras.update(environment=env, batch=batch, text_len=run.text_len, config=run.cfg)
+    run.extras.update(environment=env, batch=batch, images_per_call=plan.images_per_call, text_len=run.text_len,
+                      config=run.cfg)
     cache_folder, cache_files = inductor_cache_state(spec, plan.cache_dir)
     runner._install_compile_counter()
     recipes.raise_recompile_limit(len(configs) * 2)

@@ -55,6 +55,7 @@ class BenchPlan:
     # Images per configuration for drift (and fidelity, for a model with a checker); 0 = skip.
     quality_samples: int = 3
     caches: tuple[str, ...] = ()  # step caches (canonical text): the levers bench (engine/bench/levers.py)
+    images_per_call: int = 1  # random weights: images per denoiser call (batching, engine/batching.py)
 
 
     def configs(self) -> list[tuple[str, str, Size]]:
@@ -137,5 +138,6 @@ def plan_from_args(args) -> BenchPlan:
         quality_samples=(args.quality_samples if args.quality_samples is not None
                          else 100 if preset.fidelity else 3),
         caches=caches,
+        images_per_call=max(1, getattr(args, "images_per_call", 1) or 1),
         command="python -m engine " + " ".join(a for a in sys.argv[1:] if a) if sys.argv else "",
     )

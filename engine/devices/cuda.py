@@ -136,6 +136,7 @@ def spec() -> DeviceSpec:
         quant_base=Precision.BF16,
         quantized_precisions=(Precision.INT8_WEIGHT, Precision.INT8_DYNAMIC, Precision.FP8),
         float8_min_capability=(8, 9),
+        max_batch=4,  # conservative until measured per GPU and model (scripts/bench_gpu.sh sweeps batch sizes)
         cache_env=INDUCTOR_CACHE_ENV,
         probe_fn=probe,
         precision_fn=precision,

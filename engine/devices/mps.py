@@ -95,6 +95,7 @@ def spec() -> DeviceSpec:
         tensor_parallel=False,
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL),
         max_engines=2,
+        max_batch=2,  # unified memory shared with the desktop: small activation headroom
         aot_refusal=MPS_AOT_REFUSAL,  # unified memory is shared with everything else on the Mac
         memory_source="torch.mps.current_allocated_memory at the end of the run (MPS keeps no peak)",
         cache_env=INDUCTOR_CACHE_ENV,

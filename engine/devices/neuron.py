@@ -101,6 +101,7 @@ def spec() -> DeviceSpec:
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL),
         aot_refusal=NEURON_AOT_REFUSAL,
         max_engines=1,  # the runtime gives each core/chip to one process
+        max_batch=1,  # every batch size is a neuronx-cc compile of minutes per bucket: opt in with --max-batch
         memory_source="torch.neuron.max_memory_allocated where torch_neuronx provides it, else not reported",
         cache_env=((NEFF_CACHE_VAR, "neff"),),
         probe_fn=probe,

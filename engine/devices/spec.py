@@ -150,6 +150,10 @@ class DeviceSpec:
     budget_share: float = 0.9
     max_engines: int = 3
     process_overhead_bytes: int = 512 * 2**20
+    # Batching (engine/batching.py): the default --max-batch, the most requests one pipeline call serves.
+    # Each batch size is one more compiled graph per bucket, and the budget counts the activations of the
+    # largest: where a compile takes minutes (static-shape devices) or memory is tight, keep it small.
+    max_batch: int = 4
 
     # Hooks: the few things that really differ between devices.
     probe_fn: Callable[[], Availability] = _hook(lambda: Availability(True))

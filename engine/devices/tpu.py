@@ -167,6 +167,7 @@ def spec() -> DeviceSpec:
         modes=(Mode.EAGER, Mode.COMPILE, Mode.REGIONAL, Mode.DEFER_AND_FUSE),
         aot_refusal=TPU_AOT_REFUSAL,
         max_engines=1,  # the runtime gives each core/chip to one process
+        max_batch=1,  # every batch size is an XLA compile per bucket: opt in with --max-batch
         memory_source="torch.tpu.max_memory_allocated where torch_tpu provides it, else not reported",
         mode_env=((Mode.DEFER_AND_FUSE, TPU_DEFER_AND_FUSE_VAR, "1"),),
         probe_fn=probe,

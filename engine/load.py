@@ -1,0 +1,270 @@
+"""`python -m engine load`: a burst of visitors at one bucket, batching off and on, in one run.
+
+For each phase (`--max-batch 1`, then the engine's batching) it starts `app.py` with the default preset,
+waits until the bucket and every batch size of it are warm (compiled in the background at start-up),
+then lets N visitors (one page session each, speaking Gradio's queue protocol as the page does) submit at
+once, `--rounds` times: each round starts when every visitor's previous request came back. Printed per
+phase: throughput (images/s over the burst), p50/p95 of the visitors' round trips, failures, graphs
+compiled during the burst, and the batch sizes that served the requests; then the ratios on/off. The
+app gets SIGTERM after each phase and every process it started must be gone within 10 s.
+
+Exit 1 when a request failed, a graph compiled during the burst, or a process outlived its app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine import settings
+from engine.metrics import median, percentile
+from engine.protocol import GENERIC_PROMPT
+from engine.soak import PageClient, free_port, process_tree
+
+REPO = settings.REPO_ROOT
+
+
+class Phase:
+    def __init__(self, args, name: str, max_batch: int | None):
+        self.args, self.name, self.max_batch = args, name, max_batch
+        self.app: subprocess.Popen | None = None
+        self.url = ""
+        self.latencies: list[float] = []
+        self.batch_sizes: collections.Counter = collections.Counter()
+        self.failed: list[str] = []
+        self.recompiles = 0
+        self.wall_s = 0.0
+        self.images = 0
+        self.orphans: list[int] = []
+        self.served: dict = {}
+        from engine.presets import get_preset
+
+        self.prompts = get_preset(args.preset).examples or (GENERIC_PROMPT,)  # each visitor its own prompt
+
+    def start(self) -> None:
+        port = free_port()
+        argv = [sys.executable, str(REPO / "app.py"), "--port", str(port), "--device", self.args.device,
+                "--preset", self.args.preset, "--warm", self.args.size, "--mode", self.args.mode,
+                "--client-events", "0"]  # every visitor connects from this machine's address
+        if self.max_batch is not None:
+            argv += ["--max-batch", str(self.max_batch)]
+        if self.args.batch_wait_ms is not None:
+            argv += ["--batch-wait-ms", str(self.args.batch_wait_ms)]
+        if self.args.cache_dir:
+            argv += ["--cache-dir", str(self.args.cache_dir)]
+        argv += self.args.app_arg
+        out = Path(self.args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = open(out / f"app-{self.name}.log", "wb")  # noqa: SIM115 - the app writes to it while it lives
+        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+        self.app = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, process_group=0)
+        self.url = f"http://127.0.0.1:{port}/"
+        print(f"[load] {self.name}: app pid {self.app.pid} at {self.url}", flush=True)
+
+    def page(self) -> PageClient:
+        from gradio_client import Client
+
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                return PageClient(Client(self.url, verbose=False), timeout=self.args.timeout)
+            except Exception:
+                if self.app.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the app at {self.url} did not come up; see {self.log.name}") from None
+                time.sleep(0.5)
+
+    def params(self, visitor: int, round_: int) -> dict:
+        prompts = self.prompts
+        return dict(prompt=prompts[(visitor + round_) % len(prompts)], negative_prompt="", preset=self.args.preset,
+                    device=self.args.device, precision="fp32", mode=self.args.mode, size=self.args.size,
+                    steps=str(self.args.steps), guidance="", seed=str(1000 * round_ + visitor), on_cold="eager",
+                    tp="1")
+
+    def wait_warm(self, page: PageClient) -> list[int]:
+        """Until the bucket is warm at every batch size of the engine; returns those sizes."""
+        deadline = time.monotonic() + self.args.warm_timeout
+        page.predict(self.params(0, 0))  # loads the engine
+        while time.monotonic() < deadline:
+            for engine in page.call("status")[0]:
+                if not str(engine.get("engine", "")).startswith(f"{self.args.preset}@"):
+                    continue
+                sizes = (engine.get("batching") or {}).get("batch_sizes") or [1]
+                warm = {b.get("batch", 1) for b in engine.get("buckets", []) if b.get("mode") == self.args.mode
+                        and b.get("size") == self.args.size and b.get("state") == "warm"}
+                if self.args.mode == "eager" or set(sizes) <= warm:
+                    return sizes
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.args.mode}:{self.args.size} was not warm at every batch size within "
+                           f"{self.args.warm_timeout}s")
+
+    def burst(self) -> None:
+        n = self.args.visitors
+        pages = [self.page() for _ in range(n)]
+        barrier = threading.Barrier(n)
+        lock = threading.Lock()
+
+        def visitor(i: int, rounds: int, record: bool) -> None:
+            for r in range(rounds):
+                barrier.wait()
+                start = time.perf_counter()
+                try:
+                    timings = pages[i].predict(self.params(i, r))
+                except Exception as exc:  # noqa: BLE001 - counted, shown
+                    if record:
+                        with lock:
+                            self.failed.append(f"visitor {i}: {exc}")
+                    continue
+                seconds = time.perf_counter() - start
+                if record:
+                    with lock:
+                        self.latencies.append(seconds)
+                        self.batch_sizes[int(timings.get("batch_size", 1))] += 1
+                        self.recompiles += int(timings.get("recompiles") or 0)
+
+        for record, rounds in ((False, 1), (True, self.args.rounds)):  # one round to settle, then measured
+            threads = [threading.Thread(target=visitor, args=(i, rounds, record), daemon=True) for i in range(n)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if record:
+                self.wall_s = time.perf_counter() - start
+        self.images = len(self.latencies)
+
+    def read_status(self, page: PageClient) -> None:
+        for engine in page.call("status")[0]:
+            if str(engine.get("engine", "")).startswith(f"{self.args.preset}@"):
+                self.served = (engine.get("batching") or {}).get("served", {})
+
+    def stop(self) -> None:
+        if self.app is None:
+            return
+        tree = set(process_tree(self.app.pid))
+        if self.app.poll() is None:
+            self.app.send_signal(signal.SIGTERM)
+        try:
+            self.app.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(1.0)
+        deadline = time.monotonic() + 9.0
+        while time.monotonic() < deadline and [p for p in tree if _alive(p)]:
+            time.sleep(0.2)
+        self.orphans = [p for p in tree if _alive(p)]
+        try:
+            os.killpg(self.app.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.log.close()
+
+    def run(self) -> None:
+        self.start()
+        try:
+            page = self.page()
+            sizes = self.wait_warm(page)
+            print(f"[load] {self.name}: warm at batch sizes {sizes}; {self.args.visitors} visitors x "
+                  f"{self.args.rounds} rounds", flush=True)
+            self.burst()
+            self.read_status(page)
+        finally:
+            self.stop()
+
+    def summary(self) -> dict:
+        return {
+            "phase": self.name, "images": self.images, "wall_s": round(self.wall_s, 3),
+            "images_per_s": round(self.images / self.wall_s, 2) if self.wall_s else None,
+            "p50_s": _round(median(self.latencies)),
+            "p95_s": _round(percentile(self.latencies, 0.95)),
+            "failed": len(self.failed), "recompiles": self.recompiles,
+            "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "calls_per_batch_size": self.served, "orphans": self.orphans,
+            "failures": self.failed[:5],
+        }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def print_summary(rows: list[dict], ratios: dict) -> None:
+    print(f"\n{'phase':<14}{'images/s':>10}{'p50 s':>9}{'p95 s':>9}{'failed':>8}{'recompiles':>12}  batch sizes "
+          "(requests)  calls per size")
+    for r in rows:
+        print(f"{r['phase']:<14}{r['images_per_s'] or 0:>10.2f}{r['p50_s'] or 0:>9.3f}{r['p95_s'] or 0:>9.3f}"
+              f"{r['failed']:>8}{r['recompiles']:>12}  {json.dumps(r['batch_sizes'])}  "
+              f"{json.dumps({k: v.get('calls') for k, v in r['calls_per_batch_size'].items()})}")
+        for failure in r["failures"]:
+            print(f"    failed: {failure}")
+        if r["orphans"]:
+            print(f"    processes left after SIGTERM: {r['orphans']}")
+    if ratios:
+        print(f"\nbatching on / off: images/s x{ratios['throughput']:.2f} (target >= 1.6), "
+              f"p95 x{ratios['p95']:.2f} (target <= 0.8), p50 x{ratios['p50']:.2f}")
+
+
+def build_parser(sub=None) -> argparse.ArgumentParser:
+    kwargs = dict(help="a burst of visitors at one bucket against a real app, batching off and on",
+                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("load", **kwargs) if sub is not None else argparse.ArgumentParser(prog="engine load", **kwargs)
+    p.add_argument("--visitors", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=10, help="measured bursts (after one to settle)")
+    p.add_argument("--preset", default=settings.DEFAULT_PRESET)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--mode", default="compile")
+    p.add_argument("--size", default="64x64")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="the batching phase's --max-batch (default: the device's)")
+    p.add_argument("--batch-wait-ms", type=float, default=None)
+    p.add_argument("--phases", default="off,on", help="off (--max-batch 1), on, in this order (repeat to alternate)")
+    p.add_argument("--warm-timeout", type=float, default=900)
+    p.add_argument("--timeout", type=float, default=300, help="seconds a request may take")
+    p.add_argument("--cache-dir", type=Path, default=None)
+    p.add_argument("--out", default="artifacts/load", help="app logs and summary.json")
+    p.add_argument("--app-arg", action="append", default=[], help="extra app.py argument (repeatable)")
+    p.set_defaults(func=cmd_load)
+    return p
+
+
+def add_load_parser(sub) -> None:
+    build_parser(sub)
+
+
+def cmd_load(args) -> int:
+    rows = []
+    for name in [p for p in args.phases.split(",") if p]:
+        phase = Phase(args, name, 1 if name == "off" else args.max_batch)
+        phase.run()
+        rows.append(phase.summary())
+    by = {}
+    for r in rows:
+        by.setdefault(r["phase"], []).append(r)
+    ratios = {}
+    if by.get("on") and by.get("off"):
+        def med(phase, key):
+            return median([r[key] for r in by[phase] if r[key]])
+
+        ratios = {"throughput": med("on", "images_per_s") / med("off", "images_per_s"),
+                  "p95": med("on", "p95_s") / med("off", "p95_s"), "p50": med("on", "p50_s") / med("off", "p50_s")}
+    print_summary(rows, ratios)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "summary.json").write_text(json.dumps({"phases": rows, "ratios": ratios}, indent=1))
+    bad = any(r["failed"] or r["recompiles"] or r["orphans"] for r in rows)
+    return 1 if bad else 0
