@@ -107,7 +107,11 @@ class LocalConnection:
 
 
 class InProcessRunner(PipelineRunner):
-    """A PipelineRunner without compile and regional modes (see REFUSED_MODES)."""
+    """A PipelineRunner without compile and regional modes (see REFUSED_MODES), one request per call: each
+    request is its own GPU call, whose duration is asked for from that request's steps."""
+
+    def largest_batch(self) -> int:
+        return 1
 
     def _excluded(self, mode: Mode) -> str:
         if mode in REFUSED_MODES:
@@ -316,16 +320,10 @@ class GpuRunner:
 class InProcessLoop(WorkerLoop):
     """The worker's loop on threads of the app's process."""
 
-    def run(self) -> None:  # the worker's shorter thread switch interval would be the web server's too
-        receiver = threading.Thread(target=self._receive, name="inprocess-receive", daemon=True)
-        receiver.start()
-        warmer = threading.Thread(target=self._warm_forever, name="inprocess-warm", daemon=True)
-        warmer.start()
-        while not self._stop.is_set():
-            request = self._requests.get()
-            if request is None:
-                break
-            self._serve(request)
+    thread_prefix = "inprocess"
+
+    def switch_interval_s(self) -> float | None:
+        return None  # the worker's shorter thread switch interval would be the web server's too
 
 
 class InProcessEngine(ConnectionEngine):

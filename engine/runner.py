@@ -299,13 +299,17 @@ class PipelineRunner:
         self._aot = None  # engine/aot.py AotEngine, built with the aot variant
         self._step_caches: stepcache.CacheVariants | None = None  # (mode, step cache) variants, once loaded
         # Requests that can share a denoiser call run as one call of up to max_batch images (engine/batching.py)
-        self.max_batch = batching.max_batch_for(self.options.max_batch, self.spec, config.key.tp)
+        self.max_batch = self.largest_batch()
         self.batch_sizes = batching.batch_sizes(self.max_batch)
         for mode in self.modes():
             for size in self.preset.buckets:
                 self.board.add(BucketKey(mode, size), BucketState.COLD if mode.compiled else BucketState.WARM)
 
     # -- set-up ----------------------------------------------------------------------------------
+    def largest_batch(self) -> int:
+        """How many requests one call may serve (the --max-batch flag, else the device's default)."""
+        return batching.max_batch_for(self.options.max_batch, self.spec, self.config.key.tp)
+
     @property
     def compute_precision(self) -> str:
         """The dtype activations run in (a quantized precision's base: what attention kernels see)."""

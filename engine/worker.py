@@ -580,11 +580,18 @@ class WorkerLoop:
         thread.start()
         thread.join()
 
+    thread_prefix = "worker"
+
+    def switch_interval_s(self) -> float | None:
+        """The interpreter's thread switch interval for this process (None: leave it)."""
+        return settings.switch_interval_s()
+
     def run(self) -> None:
-        sys.setswitchinterval(settings.switch_interval_s())
-        receiver = threading.Thread(target=self._receive, name="worker-receive", daemon=True)
+        if (interval := self.switch_interval_s()) is not None:
+            sys.setswitchinterval(interval)
+        receiver = threading.Thread(target=self._receive, name=f"{self.thread_prefix}-receive", daemon=True)
         receiver.start()
-        warmer = threading.Thread(target=self._warm_forever, name="worker-warm", daemon=True)
+        warmer = threading.Thread(target=self._warm_forever, name=f"{self.thread_prefix}-warm", daemon=True)
         warmer.start()
         while not self._stop.is_set():
             group = self.batcher.next_batch()
