@@ -24,6 +24,7 @@ from engine.manager import EngineManager, HostPolicy
 from engine.protocol import EngineOptions, Mode, Precision
 from engine.validation import MAX_SEED, build_request, check_prompt
 from ui.common import to_gradio_error
+from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
 from ui.runs import RunRegistry
 from ui.system import HIDDEN, environment_in_force, system_report
@@ -33,9 +34,12 @@ CLIENT_EVENTS = 8  # ui.edge.CLIENT_EVENTS
 MAX_BODY_BYTES = 256 * 1024  # ui.edge.MAX_BODY_BYTES
 
 QUEUE_SIZE = 16
-REAL = ["a red circle on a blue background", "", "tiny-flux", "cpu", "fp32", "eager", "64x64", "4", "", "1",
-        "eager", "1"]
-FLOOD = ["x", "", "tiny-flux", "cpu", "fp32", "eager", "128x128", "200", "", "1", "eager", "1"]
+FLOOD_FIELDS = {"prompt": "x", "negative_prompt": "", "preset": "tiny-flux", "device": "cpu", "precision": "fp32",
+                "mode": "eager", "size": "128x128", "steps": "200", "guidance": "", "seed": "1", "on_cold": "eager",
+                "tp": "1", "step_cache": "none"}
+FLOOD = [FLOOD_FIELDS[name] for name in GENERATE_API_PARAMS]  # a raw join sends every input, in order
+REAL_FIELDS = dict(FLOOD_FIELDS, prompt="a red circle on a blue background", size="64x64", steps="4")
+REAL = [REAL_FIELDS[name] for name in GENERATE_API_PARAMS]
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +164,7 @@ def test_a_cancel_sent_right_after_submit_stops_the_request(app):
     """/cancel overtaking its /generate in the queue still cancels it; the next request is served."""
     _, _, url, _ = app
     client = Client(url + "/", verbose=False)
-    long = dict(zip(("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "steps",
-                     "guidance", "seed", "on_cold", "tp"), FLOOD, strict=True))
+    long = dict(FLOOD_FIELDS)
     for _ in range(3):
         job = client.submit(**long, api_name="/generate")
         client.predict(api_name="/cancel")
