@@ -335,6 +335,14 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 log.warning("the default engine did not load before launch: %s", exc)
         elif attacher is None:  # with --tp-address the sidecar is the default engine: nothing to start here
+            if args.tp > 1 or args.runtime == "inprocess":
+                # These engines import diffusers in this process, as building the UI does: a thread importing
+                # transformers while another does saw it half initialised ("cannot import name
+                # 'PreTrainedModel'"), so the first import happens here, before the threads.
+                import diffusers
+                import transformers
+
+                diffusers.DiffusionPipeline, transformers.PreTrainedModel  # noqa: B018 - resolves the lazy modules
             threading.Thread(target=prewarm, args=(manager, args), name="prewarm", daemon=True).start()
         defaults = UIDefaults(preset=args.preset, device=args.device, precision=args.precision, mode=args.mode,
                               tp=args.tp, parallel=args.parallel, admin_token=args.admin_token,

@@ -73,7 +73,7 @@ BAD_INPUTS: tuple[tuple[dict, str], ...] = (
     ({"preset": "../../etc"}, "outside the allowed model roots"),
     ({"preset": "/definitely/not/a/model"}, "outside the allowed model roots"),
     ({"device": "nope"}, "unknown device"),
-    ({"precision": "fp8"}, "unknown precision"),
+    ({"precision": "fp4"}, "unknown precision"),
     ({"precision": ""}, "precision"),
     ({"mode": "turbo"}, "unknown mode"),
     ({"mode": "defer-and-fuse"}, "defer-and-fuse"),
@@ -142,6 +142,9 @@ class PageClient:
         self.fn_index = {d.get("api_name"): d.get("id", i) for i, d in enumerate(dependencies) if d.get("api_name")}
         info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
         self.names = {api.lstrip("/"): [p["parameter_name"] for p in e["parameters"]] for api, e in info.items()}
+        # What gradio_client sends for a parameter a call leaves out: the endpoint's own default.
+        self.defaults = {api.lstrip("/"): {p["parameter_name"]: p["parameter_default"] for p in e["parameters"]
+                                           if p.get("parameter_has_default")} for api, e in info.items()}
         self.http = httpx.Client(timeout=timeout)
         # One session for the page's life, as the page's client makes it: the server builds a session's
         # state (a config per block: ~17 ms of the event loop's time for this UI) once, not per request.
@@ -151,6 +154,7 @@ class PageClient:
         """The output data of one call (raises RuntimeError with the server's message on an error)."""
         params = params or {}
         session = self.session
+        params = {**self.defaults[api_name], **params}
         payload = {"data": [params[name] for name in self.names[api_name]], "fn_index": self.fn_index[api_name],
                    "session_hash": session, "event_data": None, "trigger_id": None}
         joined = self.http.post(self.base + "queue/join", json=payload)

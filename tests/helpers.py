@@ -8,7 +8,8 @@ that only waits or picks a port stays cheap to import.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import psutil
@@ -106,3 +107,18 @@ def spy_generate(manager, monkeypatch) -> list:
 
     monkeypatch.setattr(manager, "generate", spy)
     return outcomes
+
+
+@contextmanager
+def torch_configs_restored() -> Iterator[None]:
+    """Inductor's and functorch's process-wide configs as they were before the block. pytest's monkeypatch
+    cannot do it: its undo deletes the entry from torch's config module ("... does not exist" afterwards)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    saved = [(module, module.save_config()) for module in (inductor_config, functorch_config)]
+    try:
+        yield
+    finally:
+        for module, snapshot in saved:
+            module.load_config(snapshot)

@@ -21,8 +21,16 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import torch_configs_restored
 
 from engine.protocol import BucketKey, BucketState, Mode, Size
+
+
+@pytest.fixture
+def torch_configs():
+    """The fallback turns inductor's caches and precompiled headers off process-wide: restored after."""
+    with torch_configs_restored():
+        yield
 
 pytestmark = pytest.mark.slow  # compiles in fresh child processes
 
@@ -73,10 +81,9 @@ def test_corrupt_compiled_modules_are_removed_and_the_bucket_warms(tmp_path, tin
     assert not [m for m in (cache / "inductor").rglob("*.so") if m.read_bytes()[:4] != b"\x7fELF"]
 
 
-def test_a_cache_that_turns_read_only_moves_the_compile_to_a_temporary_cache(tmp_path, tiny_models, monkeypatch):
-    import torch._functorch.config as functorch_config
+def test_a_cache_that_turns_read_only_moves_the_compile_to_a_temporary_cache(tmp_path, tiny_models, monkeypatch,
+                                                                              torch_configs):
     import torch._inductor.codecache as codecache
-    import torch._inductor.config as inductor_config
 
     from engine.presets import get_preset
     from engine.protocol import EngineConfig, EngineKey, EngineOptions
@@ -88,11 +95,8 @@ def test_a_cache_that_turns_read_only_moves_the_compile_to_a_temporary_cache(tmp
     # Process-wide state the fallback changes; restored after the test.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
     monkeypatch.setenv("TMPDIR", os.environ.get("TMPDIR", "/tmp"))
-    for obj, name in ((inductor_config, "fx_graph_cache"), (functorch_config, "enable_autograd_cache"),
-                      (inductor_config, "cpp_cache_precompile_headers"),
-                      (inductor_config.aot_inductor, "precompile_headers"),
-                      (codecache, "_HEADER_DIR"), (codecache, "_HEADER_LOCK_DIR")):
-        monkeypatch.setattr(obj, name, getattr(obj, name))
+    for name in ("_HEADER_DIR", "_HEADER_LOCK_DIR"):
+        monkeypatch.setattr(codecache, name, getattr(codecache, name))
     config = EngineConfig(EngineKey("tiny-flux", "cpu", "fp32"), get_preset("tiny-flux"),
                           EngineOptions(warm_sizes=()), str(cache))
     runner = PipelineRunner(config)

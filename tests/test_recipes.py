@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_runner
+from helpers import make_runner, torch_configs_restored
 
 from engine import devices, recipes
 from engine.errors import UnsupportedCombination
@@ -90,15 +90,16 @@ def test_fp8_is_refused_on_cpu_and_below_sm89():
     assert table["int8wo"]["status"] == "ok" and table["fp8"]["status"] == "refused"
 
 
-def test_inductor_flags_default_on_for_cuda_only(monkeypatch):
+def test_inductor_flags_default_on_for_cuda_only():
     import torch._inductor.config as inductor_config
 
     cpu, cuda = devices.get_device("cpu"), devices.get_device("cuda")
     assert recipes.apply_inductor_flags(EngineOptions(), cpu) == []
-    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
-    notices = recipes.apply_inductor_flags(EngineOptions(), cuda)
-    assert notices and inductor_config.coordinate_descent_tuning is True
-    assert inductor_config.epilogue_fusion is False
+    with torch_configs_restored():  # the flags are process-wide; later compiles here must not see them
+        inductor_config.coordinate_descent_tuning = False
+        notices = recipes.apply_inductor_flags(EngineOptions(), cuda)
+        assert notices and inductor_config.coordinate_descent_tuning is True
+        assert inductor_config.epilogue_fusion is False
 
 
 def test_compile_kwargs_per_device_and_option():

@@ -221,7 +221,7 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
 
 def test_load_failure_on_the_ranks_is_reported_not_hung(cache_dir, tiny_models, monkeypatch):
     # Skip the client-side check so the ranks' own check fails (as for a Hub model not on disk yet).
-    monkeypatch.setattr("engine.tp.plan.check_split_if_local", lambda *a: False)
+    monkeypatch.setattr("engine.tp.plan.check_layout_if_local", lambda *a, **k: False)
     config = _config(cache_dir, "tiny-flux")
     config = replace(config, key=replace(config.key, tp=3))
     engine = SidecarEngine(config).start()

@@ -21,6 +21,7 @@ import torch
 from engine import devices
 from engine.errors import InvalidRequest, UnsupportedCombination
 from engine.presets import get_preset
+from engine.protocol import Parallel
 from engine.tp import launch, plan
 from engine.tp.client import root_cause
 from engine.tp.plan import TensorParallelSplitError, check_split
@@ -235,7 +236,7 @@ def checked(monkeypatch):
 
 def test_split_check_passes_for_two_ranks(tiny_models, checked):
     for preset in ("tiny-flux", "tiny-flux2-klein"):
-        assert plan.check_split_if_local(get_preset(preset), str(tiny_models[preset]), 2) is True
+        assert plan.check_layout_if_local(get_preset(preset), str(tiny_models[preset]), 2, Parallel.TENSOR) is True
     assert checked == [("transformer", "FluxTransformer2DModel", 2), ("transformer", "Flux2Transformer2DModel", 2)]
     check_split(get_preset("tiny-flux"), str(tiny_models["tiny-flux"]), 1)  # one rank: nothing to split
     assert len(checked) == 2

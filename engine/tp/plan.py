@@ -187,16 +187,6 @@ def check_split(preset, source: str, tp: int) -> None:
         check_text_encoder(source, "text_encoder", te[1], tp)
 
 
-def check_split_if_local(preset, source: str, tp: int) -> bool:
-    """The client-side check: only when the model is already on disk (a Hub id is checked in the ranks,
-    which download it anyway). Returns whether it ran."""
-    if not (Path(source) / "model_index.json").is_file():
-        log.debug("split check for %s deferred to the ranks (not a local folder)", source)
-        return False
-    check_split(preset, source, tp)
-    return True
-
-
 def check_context(preset, source: str, n: int, parallel: Parallel, attention_backend: str, spec) -> list[str]:
     """Raise TensorParallelSplitError naming what to change if `preset` cannot run `parallel` (ulysses or ring)
     over `n` ranks; the notices of what was checked otherwise."""
