@@ -469,17 +469,7 @@ class WorkerLoop:
             warm = self._is_warm(lead.bucket.batched(len(live))) or not lead.mode.compiled
             extra = self.run_cost.extra_niceness(self._batch_variant(lead.mode, warm, len(live)), lead.bucket.size,
                                                  lead.steps)
-        if extra == 0:
-            self._serve_batch_now(live)
-            return
-
-        def serve_niced():
-            lower_this_thread_priority(extra)
-            self._serve_batch_now(live, long=True)
-
-        thread = threading.Thread(target=serve_niced, name=f"worker-serve-batch-nice{extra}", daemon=True)
-        thread.start()
-        thread.join()
+        self._serve_niced(extra, lambda long: self._serve_batch_now(live, long=long), "worker-serve-batch")
 
     def _serve_batch_now(self, group: list[GenerateRequest], long: bool = False) -> None:
         cancels = [self._cancels.setdefault(r.request_id, threading.Event()) for r in group]
@@ -565,18 +555,22 @@ class WorkerLoop:
         return self.run_cost.extra_niceness(self._variant(request.mode, warm), request.bucket.size, request.steps)
 
     def _serve(self, request: GenerateRequest) -> None:
-        """Serve on this thread, or on a fresh one niced for a long request (a thread cannot raise its own
-        priority again without privileges; a new thread starts at this one's)."""
-        extra = self._extra_niceness(request)
+        self._serve_niced(self._extra_niceness(request), lambda long: self._serve_one(request, long=long),
+                          "worker-serve")
+
+    @staticmethod
+    def _serve_niced(extra: int, serve, name: str) -> None:
+        """serve(long=False) on this thread, or serve(long=True) on a fresh one `extra` nice steps lower (a
+        thread cannot raise its own priority again without privileges; a new thread starts at this one's)."""
         if extra == 0:
-            self._serve_one(request)
+            serve(long=False)
             return
 
         def serve_niced():
             lower_this_thread_priority(extra)
-            self._serve_one(request, long=True)
+            serve(long=True)
 
-        thread = threading.Thread(target=serve_niced, name=f"worker-serve-nice{extra}", daemon=True)
+        thread = threading.Thread(target=serve_niced, name=f"{name}-nice{extra}", daemon=True)
         thread.start()
         thread.join()
 

@@ -122,3 +122,14 @@ def torch_configs_restored() -> Iterator[None]:
     finally:
         for module, snapshot in saved:
             module.load_config(snapshot)
+
+
+def max_pixel_difference(image_a, image_b) -> int:
+    """The largest per-channel difference of two images of one size (0-255). Concurrent requests may share
+    one pipeline call (engine/batching.py): equal to their solo runs within rounding, not bit for bit."""
+    import numpy as np
+
+    a = np.asarray(image_a.convert("RGB"), dtype=np.int16)
+    b = np.asarray(image_b.convert("RGB"), dtype=np.int16)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return int(np.abs(a - b).max())

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from gradio_client import Client
-from helpers import BAD_INPUTS, free_port, launch_demo
+from helpers import BAD_INPUTS, free_port, launch_demo, max_pixel_difference
 from PIL import Image
 
 from engine.manager import EngineManager
@@ -102,7 +102,7 @@ def test_forty_bad_requests_get_clear_errors_then_a_good_one_succeeds(client, mo
 def test_twenty_clients_times_ten_requests_no_failures_no_cross_talk(manager_and_url, client):
     manager, url = manager_and_url
     seeds = [101, 102, 103, 104, 105]
-    reference = {s: Image.open(generate(client, seed=s)[0]).tobytes() for s in seeds}
+    reference = {s: Image.open(generate(client, seed=s)[0]) for s in seeds}
     app = psutil.Process()
 
     def tree_rss() -> int:
@@ -127,7 +127,7 @@ def test_twenty_clients_times_ten_requests_no_failures_no_cross_talk(manager_and
             except Exception as exc:  # noqa: BLE001 - counted, the test fails below
                 failures.append((index, i, str(exc)))
                 continue
-            if Image.open(image).tobytes() != reference[seed]:
+            if max_pixel_difference(Image.open(image), reference[seed]) > 2:  # another request's image
                 mismatches.append((index, i, seed))
             done.append(1)
 
