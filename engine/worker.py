@@ -469,7 +469,7 @@ class WorkerLoop:
             warm = self._is_warm(lead.bucket.batched(len(live))) or not lead.mode.compiled
             extra = self.run_cost.extra_niceness(self._batch_variant(lead.mode, warm, len(live)), lead.bucket.size,
                                                  lead.steps)
-        self._serve_niced(extra, lambda long: self._serve_batch_now(live, long=long), "worker-serve-batch")
+        self._serve_niced(extra, lambda **kw: self._serve_batch_now(live, **kw), "worker-serve-batch")
 
     def _serve_batch_now(self, group: list[GenerateRequest], long: bool = False) -> None:
         cancels = [self._cancels.setdefault(r.request_id, threading.Event()) for r in group]
@@ -555,15 +555,15 @@ class WorkerLoop:
         return self.run_cost.extra_niceness(self._variant(request.mode, warm), request.bucket.size, request.steps)
 
     def _serve(self, request: GenerateRequest) -> None:
-        self._serve_niced(self._extra_niceness(request), lambda long: self._serve_one(request, long=long),
-                          "worker-serve")
+        self._serve_niced(self._extra_niceness(request), lambda **kw: self._serve_one(request, **kw), "worker-serve")
 
     @staticmethod
     def _serve_niced(extra: int, serve, name: str) -> None:
-        """serve(long=False) on this thread, or serve(long=True) on a fresh one `extra` nice steps lower (a
-        thread cannot raise its own priority again without privileges; a new thread starts at this one's)."""
+        """serve() on this thread, or serve(long=True) on a fresh one `extra` nice steps lower (a thread
+        cannot raise its own priority again without privileges; a new thread starts at this one's). The TP
+        sidecar's loop never nices, and its _serve_one takes no `long`."""
         if extra == 0:
-            serve(long=False)
+            serve()
             return
 
         def serve_niced():
