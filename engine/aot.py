@@ -17,7 +17,7 @@ engine/batching.py, has its own packages at n times those batches, and a vae.dec
 2. export: `torch.export.export(clone, args, kwargs, strict=False)` on a structural clone (export swaps
    parameters for fakes while tracing; the clone keeps requests served meanwhile on the real module);
 3. compile: `aoti_compile_and_package` with `aot_inductor.package_constants_in_so=False`;
-4. load: `aoti_load_package` + `load_constants(the engine's tensors, user_managed=True)`.
+4. load: the package's loader (`open_package`) + `load_constants(the engine's tensors, user_managed=True)`.
 
 Packages live under `<cache>/aot/<preset>/<slot>/<key hash>/`, keyed by everything that makes one
 invalid (`package_key`: model folder content or Hub revision, precision, device and what a package is
@@ -385,11 +385,46 @@ def compile_module(module: torch.nn.Module, args: tuple, kwargs: dict, inductor_
     """Build a package of `module` in `folder` and load it on the module's own tensors (the denoiser bench)."""
     path = Path(folder) / PACKAGE
     build_package(module, args, kwargs, inductor_configs, path)
-    package = torch._inductor.aoti_load_package(str(path))
+    package = open_package(path)
     constants = constants_of(module)
     package.load_constants({n: constants[n] for n in package.get_constant_fqns()}, check_full_update=True,
                            user_managed=True)
     return package
+
+
+def cpu_isa_mismatch(metadata: dict) -> str | None:
+    """Why this machine's CPU cannot run a package's host code (built for another architecture, or for
+    vector instructions it lacks: the .so would die on an illegal instruction), or None."""
+    machine = metadata.get("AOTI_MACHINE")
+    if machine and machine != platform.machine():
+        return f"built for {machine}, this machine is {platform.machine()}"
+    wanted = metadata.get("AOTI_CPU_ISA", "").lower().split()
+    if wanted and platform.machine() in ("x86_64", "AMD64"):
+        from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+        lacking = sorted(set(wanted) - set(x86_isa_checker()))
+        if lacking:
+            return f"built for CPU instructions this machine lacks ({', '.join(lacking)})"
+    return None
+
+
+def open_package(path: Path):
+    """Open an AOTInductor package without `aoti_load_package`'s device probe.
+
+    torch's loader compares the package with the machine through inductor's CPU vector-ISA probe, which
+    compiles and runs ten small C++ programs (8 s on 2 cores) in a process whose inductor cache is empty
+    -- every fresh process on a Space -- and then only warns on a mismatch. Reading the CPU's flags is
+    enough, and a mismatch is refused (a package would crash the process) so the caller rebuilds it."""
+    try:
+        from torch.export.pt2_archive._package import AOTICompiledModel
+
+        loader = torch._C._aoti.AOTIModelPackageLoader
+    except (ImportError, AttributeError):  # another torch: its public loader
+        return torch._inductor.aoti_load_package(str(path))
+    mismatch = cpu_isa_mismatch(loader.load_metadata_from_package(str(path), "model"))
+    if mismatch:
+        raise PackageError("stale", mismatch)
+    return AOTICompiledModel(loader(str(path), "model", False, 1, -1))
 
 
 def load_package(folder: Path, constants: dict[str, torch.Tensor]):
@@ -409,8 +444,10 @@ def load_package(folder: Path, constants: dict[str, torch.Tensor]):
         raise PackageError("corrupt", f"checksum mismatch: {path.stat().st_size} bytes, expected "
                                       f"{manifest.get('bytes')} (truncated or modified)")
     try:
-        package = torch._inductor.aoti_load_package(str(path))
+        package = open_package(path)
         names = package.get_constant_fqns()
+    except PackageError:
+        raise
     except Exception as exc:
         raise PackageError("corrupt", f"cannot be loaded: {type(exc).__name__}: {str(exc)[:200]}") from None
     missing = [n for n in names if n not in constants]

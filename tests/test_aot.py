@@ -175,6 +175,28 @@ def test_corrupt_package_is_reported_on_the_board_and_rebuilt(runner, cache_dir,
     assert err.value.kind == "corrupt"
 
 
+def test_a_package_for_a_cpu_this_machine_is_not_is_refused(runner, cache_dir, monkeypatch):
+    """Loading reads the CPU's flags instead of inductor's probe build; a package built for instructions
+    this CPU lacks would die on an illegal instruction, so it is refused as stale (and rebuilt)."""
+    import platform
+
+    from torch._inductor import cpu_vec_isa
+
+    assert aot.cpu_isa_mismatch({"AOTI_MACHINE": platform.machine(), "AOTI_CPU_ISA": ""}) is None
+    assert "built for riscv64" in aot.cpu_isa_mismatch({"AOTI_MACHINE": "riscv64"})
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the instruction-set check reads x86 flags")
+    # The key's instruction set, read from the flags, is the one inductor's own probe picks here.
+    assert devices.resolve_device("cpu").aot_target() == f"{platform.machine()} {cpu_vec_isa.pick_vec_isa()}"
+    folder = aot.PackageStore(cache_dir / "aot").folder(runner._aot.package_key(aot.DENOISER, Size(64, 64), 1))
+    constants = runner._aot.constants(aot.DENOISER)
+    aot.load_package(folder, constants)  # this machine built it: loads
+    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["sse"])
+    with pytest.raises(aot.PackageError, match="CPU instructions this machine lacks") as err:
+        aot.load_package(folder, constants)
+    assert err.value.kind == "stale"
+
+
 # ---- correctness and weights ----------------------------------------------------------------------
 
 

@@ -121,20 +121,32 @@ def mode_notes(mode: str) -> tuple[str, ...]:
         return (
             "torch.compile (inductor) on CPU needs a C++ compiler and none was found on PATH: "
             "install g++ (build-essential) or set CXX, or compiling will fail."
-            + (" Loading an aot package runs inductor's CPU instruction-set probe, a tiny C++ build, too."
-               if mode == Mode.AOT else ""),
+            + (" (Loading aot packages that are already built needs none.)" if mode == Mode.AOT else ""),
         )
     return ()
 
 
 def aot_target() -> str:
-    """An AOTInductor package for CPU is C++ built for one instruction set: the vector ISA inductor picked
-    (avx512, avx2, neon, ...) on this machine's architecture."""
+    """An AOTInductor package for CPU is C++ built for one instruction set: the vector ISA inductor picks
+    (avx512, avx2, neon, ...) on this machine's architecture.
+
+    Read from the CPU's flags on x86: inductor's own pick_vec_isa compiles and runs ten probe programs
+    (8 s on 2 cores in a process whose inductor cache is empty), which would make every fresh process pay
+    that before it can even look a package up. Where the ISA is forced (ATEN_CPU_CAPABILITY,
+    cpp.simdlen) or the CPU is not x86, inductor's answer is the one that counts."""
+    import os
     import platform
 
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa, supported_vec_isa_list, x86_isa_checker
 
-    return f"{platform.machine()} {pick_vec_isa() or 'no-vec'}"
+    machine = platform.machine()
+    if machine in ("x86_64", "AMD64") and config.cpp.simdlen is None and not os.environ.get("ATEN_CPU_CAPABILITY"):
+        flags = set(x86_isa_checker())
+        isa = next((str(isa) for isa in supported_vec_isa_list if set(str(isa).split()) <= flags), "")
+    else:
+        isa = str(pick_vec_isa())  # str(): a VecISA's truth value runs the probe build
+    return f"{machine} {isa or 'no-vec'}"
 
 
 # -- tensor parallel --------------------------------------------------------------------------------
