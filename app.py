@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.budget import parse_size
     from engine.errors import ShowcaseError
-    from engine.flags import make_manager, options_from_args
+    from engine.flags import options_from_args
+    from engine.manager import make_manager
     from engine.protocol import Mode
 
     step_cache = "none"

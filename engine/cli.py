@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 
 from engine.errors import ShowcaseError
-from engine.flags import add_engine_arguments, make_manager, options_from_args, presets_from_args
+from engine.flags import add_engine_arguments, options_from_args, presets_from_args
 from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel
 
 
 def cmd_generate(args) -> int:
+    from engine.manager import make_manager
     from engine.protocol import Size
 
     size = Size.parse(args.size) if args.size else None

@@ -107,12 +107,3 @@ def presets_from_args(args) -> tuple[list[Path], dict]:
         args.preset = preset.name
     return roots, extra
 
-
-def make_manager(args, options: EngineOptions, **hosting):
-    """An EngineManager for a command line (--model becomes a preset of its own); `hosting`: the budget,
-    compile-scheduler and policy arguments of EngineManager."""
-    from engine.manager import EngineManager
-
-    roots, extra = presets_from_args(args)
-    return EngineManager(cache_dir=args.cache_dir or settings.cache_dir(), options=options, allowed_roots=roots,
-                         extra_presets=extra, **hosting)

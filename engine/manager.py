@@ -31,6 +31,7 @@ from engine.errors import (
     ShowcaseError,
     UnsupportedCombination,
 )
+from engine.flags import presets_from_args
 from engine.metrics import median
 from engine.presets import looks_like_model_ref
 from engine.priority import ShortRunSlots
@@ -661,3 +662,11 @@ class EngineManager:
             t.join(CLOSE_TIMEOUT_S + 5)
         if self._short_runs is not None:
             self._short_runs.remove()
+
+
+def make_manager(args, options: EngineOptions, **hosting) -> EngineManager:
+    """An EngineManager for a command line (--model becomes a preset of its own); `hosting`: the budget,
+    compile-scheduler and policy arguments of EngineManager."""
+    roots, extra = presets_from_args(args)
+    return EngineManager(cache_dir=args.cache_dir or settings.cache_dir(), options=options, allowed_roots=roots,
+                         extra_presets=extra, **hosting)
