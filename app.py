@@ -23,7 +23,7 @@ log = logging.getLogger("app")
 
 def build_parser() -> argparse.ArgumentParser:
     from engine import settings
-    from engine.flags import add_engine_arguments
+    from engine.config.flags import add_engine_arguments
 
     d = settings.server_defaults()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -273,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             import spaces  # noqa: F401 - before torch touches CUDA (ZeroGPU patches it)
 
     from engine.budget import parse_size
+    from engine.config.flags import options_from_args
     from engine.errors import ShowcaseError
-    from engine.flags import options_from_args
     from engine.manager import make_manager
     from engine.protocol import Mode
 

@@ -12,8 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
 from engine.errors import ShowcaseError
-from engine.flags import add_engine_arguments, options_from_args, presets_from_args
 from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel
 
 
@@ -68,7 +68,7 @@ def cmd_devices(args) -> int:
 
 
 def cmd_presets(args) -> int:
-    from engine.presets import load_presets
+    from engine.config.presets import load_presets
 
     presets = load_presets()
     if args.json:
@@ -99,9 +99,10 @@ def cmd_attention(args) -> int:
 
 def cmd_export(args) -> int:
     """Build the aot packages of an engine's buckets ahead of time (a Docker build step, a Space's start-up, CI)."""
-    from engine import caches, runner, settings
+    from engine import runner, settings
+    from engine.config import caches
+    from engine.config.resolve import Catalog
     from engine.protocol import Size
-    from engine.resolve import Catalog
 
     catalog = Catalog(*presets_from_args(args))
     key = catalog.make_key(args.preset, args.device, args.precision)
@@ -178,7 +179,7 @@ def add_attention_parser(sub) -> None:
 
 def cmd_step_caches(args) -> int:
     from engine import devices, stepcache
-    from engine.resolve import Catalog
+    from engine.config.resolve import Catalog
 
     catalog = Catalog(*presets_from_args(args))
     preset = catalog.preset(args.preset)

@@ -45,7 +45,7 @@ class Phase:
         self.images = 0
         self.orphans: list[int] = []
         self.served: dict = {}
-        from engine.presets import get_preset
+        from engine.config.presets import get_preset
 
         self.prompts = get_preset(args.preset).examples or (GENERIC_PROMPT,)  # each visitor its own prompt
 

@@ -21,8 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import budget, devices, settings, stepcache
-from engine.caches import prepare_cache_dir
 from engine.client import ConnectionEngine, ProcessEngine
+from engine.config.caches import prepare_cache_dir
+from engine.config.flags import presets_from_args
+from engine.config.presets import looks_like_model_ref
+from engine.config.resolve import Catalog, resolve_source
+from engine.config.validation import build_request
 from engine.errors import (
     BudgetExceeded,
     EngineBusy,
@@ -31,9 +35,8 @@ from engine.errors import (
     ShowcaseError,
     UnsupportedCombination,
 )
-from engine.flags import presets_from_args
 from engine.metrics import median
-from engine.presets import looks_like_model_ref
+from engine.models.weights import CorruptWeights
 from engine.priority import ShortRunSlots
 from engine.protocol import (
     BucketKey,
@@ -48,10 +51,7 @@ from engine.protocol import (
     Precision,
     Size,
 )
-from engine.resolve import Catalog, resolve_source
 from engine.scheduler import CompileScheduler
-from engine.validation import build_request
-from engine.weights import CorruptWeights
 
 log = logging.getLogger(__name__)
 

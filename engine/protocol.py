@@ -329,7 +329,7 @@ class BucketInfo:
 
 
 # ------------------------------------------------------------------------------------------------
-# Model presets (data; engine/presets.py loads them from presets/*.toml and routes sizes)
+# Model presets (data; engine/config/presets.py loads them from presets/*.toml and routes sizes)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -357,7 +357,7 @@ class ModelPreset:
     max_sequence_length: int | None = None  # T5/LLM text tokens (None: the pipeline's default)
     description: str = ""
     repeated_blocks: tuple[str, ...] = ()
-    # A checker that scores images against prompts from the pixels alone ("shapes": engine/shapes/),
+    # A checker that scores images against prompts from the pixels alone ("shapes": engine/models/shapes/),
     # for a model trained on a closed grammar; None: only drift between configurations is measured.
     fidelity: str | None = None
     examples: tuple[str, ...] = ()  # prompts this model draws well (the UI offers them)
@@ -367,7 +367,7 @@ class ModelPreset:
 
     @property
     def embedded(self) -> str | None:
-        """Name of the tiny pipeline engine/tiny.py builds, or None for a real model."""
+        """Name of the tiny pipeline engine/models/tiny.py builds, or None for a real model."""
         return self.source.removeprefix("embedded:") if self.source.startswith("embedded:") else None
 
     @property

@@ -34,10 +34,12 @@ from dataclasses import replace
 
 import torch
 
-from engine import attention, batching, caches, devices, recipes, stepcache
+from engine import attention, batching, devices, recipes, stepcache
+from engine.config import caches
+from engine.config.presets import route_size
+from engine.config.resolve import resolve_source
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
 from engine.faults import FaultHooks
-from engine.presets import route_size
 from engine.progress import progress_bar
 from engine.protocol import (
     BucketInfo,
@@ -57,7 +59,6 @@ from engine.protocol import (
     StepProgress,
     Timings,
 )
-from engine.resolve import resolve_source
 
 log = logging.getLogger(__name__)
 

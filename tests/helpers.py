@@ -55,7 +55,7 @@ REQUEST_DEFAULTS = dict(prompt="a red fox", width=64, height=64, steps=4, guidan
 
 def engine_config(cache_dir, preset: str = "tiny-flux", precision: str = "fp32", device: str = "cpu", **options):
     """An EngineConfig for a tiny preset; no start-up warm-up unless asked (tests warm what they need)."""
-    from engine.presets import get_preset
+    from engine.config.presets import get_preset
     from engine.protocol import EngineConfig, EngineKey, EngineOptions
 
     options.setdefault("warm_sizes", ())

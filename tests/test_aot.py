@@ -23,8 +23,8 @@ import torch
 from helpers import make_request, make_runner
 
 from engine import aot, devices
+from engine.config.presets import get_preset
 from engine.errors import UnsupportedCombination
-from engine.presets import get_preset
 from engine.protocol import (
     BucketKey,
     BucketState,

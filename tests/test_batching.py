@@ -17,9 +17,10 @@ import pytest
 
 from engine import batching
 from engine.client import ProcessEngine
+from engine.config.flags import add_engine_arguments, engine_flags_argv, options_from_args
+from engine.config.presets import get_preset
 from engine.errors import Cancelled
-from engine.flags import add_engine_arguments, engine_flags_argv, options_from_args
-from engine.presets import get_preset
+from engine.models.shapes.fidelity import check
 from engine.protocol import (
     BucketKey,
     BucketState,
@@ -30,7 +31,6 @@ from engine.protocol import (
     Mode,
     Size,
 )
-from engine.shapes.fidelity import check
 
 KEY = EngineKey("tiny-shapes", "cpu", "fp32")
 PROMPTS = ("a red circle on a blue background", "a green square on a yellow background",

@@ -24,8 +24,8 @@ import pytest
 from helpers import poll, process_gone
 from test_tp import _reference, _request
 
+from engine.config.presets import get_preset
 from engine.errors import Cancelled, InvalidRequest, UnsupportedCombination
-from engine.presets import get_preset
 from engine.protocol import EngineKey, EngineOptions, Parallel, parse_ranks, ranks_choice
 
 pytestmark = pytest.mark.slow  # starts torchrun context-parallel sidecars

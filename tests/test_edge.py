@@ -19,10 +19,10 @@ import pytest
 from gradio_client import Client
 
 from engine.budget import DeviceBudget
+from engine.config.validation import MAX_SEED, build_request, check_prompt
 from engine.errors import InvalidRequest
 from engine.manager import EngineManager, HostPolicy
 from engine.protocol import EngineOptions, Mode, Precision
-from engine.validation import MAX_SEED, build_request, check_prompt
 from ui.common import to_gradio_error
 from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults

@@ -87,7 +87,7 @@ def test_durations_follow_measured_steps():
 
 # -- engines -------------------------------------------------------------------------------------------
 def _config(cache_dir, **options):
-    from engine.presets import get_preset
+    from engine.config.presets import get_preset
     from engine.protocol import EngineConfig, EngineKey, EngineOptions
 
     options.setdefault("warm_sizes", ())
@@ -192,7 +192,7 @@ FRESH = r"""
 import json, sys
 from engine.gpu import make_gpu_calls
 from engine.inprocess import InProcessEngine
-from engine.presets import get_preset
+from engine.config.presets import get_preset
 from engine.protocol import *
 config = EngineConfig(EngineKey("tiny-shapes", "cpu", "fp32"), get_preset("tiny-shapes"),
                       EngineOptions(warm_sizes=()), sys.argv[1])

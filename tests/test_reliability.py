@@ -252,7 +252,7 @@ def test_a_truncated_compiled_module_in_the_cache_is_removed_before_the_retry(tm
     """A process killed while inductor wrote its C++ module leaves a 0-byte .so that inductor's code cache
     would load again by its hash, even with the FX graph cache off: the retry removes what the error names,
     and only inside the inductor cache folder."""
-    from engine.caches import remove_corrupt_artifacts
+    from engine.config.caches import remove_corrupt_artifacts
 
     cache = tmp_path / "inductor"
     corrupt = cache / "3c" / "c3cgetv7q3e4.main.so"
@@ -272,7 +272,7 @@ def test_a_truncated_compiled_module_in_the_cache_is_removed_before_the_retry(tm
 
 
 def test_without_a_known_inductor_cache_nothing_is_removed(tmp_path, monkeypatch):
-    from engine.caches import remove_corrupt_artifacts
+    from engine.config.caches import remove_corrupt_artifacts
 
     stray = tmp_path / "x.main.so"
     stray.write_bytes(b"")

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from engine import devices, stepcache
+from engine.config.presets import get_preset
+from engine.config.validation import build_request
 from engine.errors import InvalidRequest, UnsupportedCombination
-from engine.presets import get_preset
+from engine.models.shapes.fidelity import check
 from engine.protocol import (
     BucketKey,
     BucketState,
@@ -24,8 +26,6 @@ from engine.protocol import (
     StepCacheKind,
 )
 from engine.runner import PipelineRunner
-from engine.shapes.fidelity import check
-from engine.validation import build_request
 
 PRESET = get_preset("tiny-shapes")
 CPU = devices.get_device("cpu")

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from helpers import poll, process_gone
 
+from engine.config.presets import get_preset
 from engine.errors import EngineCrashed
-from engine.presets import get_preset
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, GenerateRequest
 from engine.runner import pipeline_call_kwargs
 from engine.settings import data_path
@@ -144,7 +144,7 @@ def test_flux2_klein_tp_with_sharded_text_encoder_matches_one_process(cache_dir,
 def test_embedded_shapes_model_tp_draws_the_same_picture(cache_dir, tiny_models, tmp_path):
     """The trained default over 2 ranks: the image equals the single process (<= 2/255) and still draws
     its prompt."""
-    from engine.shapes.fidelity import check
+    from engine.models.shapes.fidelity import check
 
     prompt = "a yellow triangle on a purple background"
     engine = SidecarEngine(_config(cache_dir, "tiny-shapes"), dump_dir=tmp_path).start()

@@ -137,11 +137,11 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.metrics": {"median", "percentile"},
     "engine.stepcache": {"available_step_caches"},
     "engine.bench.advise": {"DEFAULT_FIDELITY_POINTS", "DEFAULT_MIN_PSNR"},
-    "engine.validation": {"check_steps"},
+    "engine.config.validation": {"check_steps"},
 }
 ONLY_IN = {"engine.devices": "common.py", "engine.attention": "common.py", "engine.bench": "views.py",
            "engine.bench.quality": "views.py", "engine.metrics": "views.py", "engine.stepcache": "common.py",
-           "engine.bench.advise": "advisor.py", "engine.validation": "compare.py"}
+           "engine.bench.advise": "advisor.py", "engine.config.validation": "compare.py"}
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 
 

@@ -631,8 +631,8 @@ def cmd_advise(args) -> int:
     import sys
 
     from engine import devices, settings
-    from engine.flags import model_roots_from_args, options_from_args
-    from engine.presets import get_preset, route_size
+    from engine.config.flags import model_roots_from_args, options_from_args
+    from engine.config.presets import get_preset, route_size
     from engine.protocol import Size
 
     started = time.perf_counter()  # the budget covers loading torch too
@@ -675,7 +675,7 @@ def cmd_advise(args) -> int:
 
 def add_advise_parser(subparsers):
     """Register `advise` on the CLI's subparsers (engine/cli.py calls this); imports no torch."""
-    from engine.flags import add_engine_arguments
+    from engine.config.flags import add_engine_arguments
 
     a = subparsers.add_parser(
         "advise", help="measure precision x mode x step cache x attention here; pick the fastest within a "

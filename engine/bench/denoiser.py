@@ -30,9 +30,9 @@ from engine.bench.modes import MODE_TABLE
 from engine.bench.plan import BenchPlan
 from engine.bench.report import assemble_report, write_outputs
 from engine.bench.stats import apply_speedups, empty_result, finish_result
+from engine.config.presets import load_presets
 from engine.devices import DeviceSpec
 from engine.errors import InvalidRequest, UnsupportedCombination
-from engine.presets import load_presets
 from engine.protocol import Mode, Precision, Size
 
 log = logging.getLogger(__name__)

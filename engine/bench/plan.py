@@ -14,9 +14,9 @@ from pathlib import Path
 
 from engine import devices, settings
 from engine.bench.modes import BENCH_MODES
+from engine.config.flags import engine_flags_argv, model_roots_from_args, options_from_args
+from engine.config.presets import get_preset, preset_for_model, route_size
 from engine.errors import InvalidRequest
-from engine.flags import engine_flags_argv, model_roots_from_args, options_from_args
-from engine.presets import get_preset, preset_for_model, route_size
 from engine.protocol import GENERIC_PROMPT, EngineOptions, ModelPreset, Size, StepCache
 
 

@@ -39,9 +39,9 @@ from pathlib import Path
 
 from engine import devices
 from engine.client import ConnectionEngine
+from engine.config.resolve import resolve_source
 from engine.errors import EngineCrashed, InvalidRequest, ModelLoadError
 from engine.protocol import RankExit
-from engine.resolve import resolve_source
 from engine.tp import launch
 from engine.tp.tokens import new_token, write_private
 

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
+from engine.config.presets import route_size
 from engine.errors import EngineCrashed
-from engine.presets import route_size
 from engine.protocol import (
     BucketInfo,
     BucketKey,

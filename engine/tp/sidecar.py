@@ -124,7 +124,7 @@ def config_from_args(args, world_size: int) -> EngineConfig:
         config = pickle.loads(Path(args.config).read_bytes())  # written 0600 by our own launcher
     else:
         from engine import settings
-        from engine.resolve import Catalog
+        from engine.config.resolve import Catalog
 
         cache = args.cache_dir or settings.cache_dir()
         catalog = Catalog()

@@ -97,7 +97,7 @@ def model_roots_from_args(args) -> list[Path]:
 def presets_from_args(args) -> tuple[list[Path], dict]:
     """(allowed model roots, extra presets) of a command line: --model becomes a preset of its own (and
     args.preset names it)."""
-    from engine.presets import preset_for_model
+    from engine.config.presets import preset_for_model
 
     roots = model_roots_from_args(args)
     extra = {}
