@@ -215,7 +215,8 @@ def prewarm(manager, args) -> None:
 
 def pull_packages(manager, args) -> None:
     """Download the Hub repo's aot packages of the default preset that are not here yet."""
-    from engine import aot_hub, settings
+    from engine import settings
+    from engine.pipeline import aot_hub
 
     root = settings.aot_dir() or manager.cache_dir / "aot"
     try:

@@ -81,7 +81,8 @@ def cmd_presets(args) -> int:
 
 
 def cmd_attention(args) -> int:
-    from engine import attention, devices
+    from engine import devices
+    from engine.pipeline import attention
 
     spec = devices.resolve_device(args.device) if args.device == devices.AUTO else devices.get_device(args.device)
     available = spec.probe()
@@ -99,9 +100,10 @@ def cmd_attention(args) -> int:
 
 def cmd_export(args) -> int:
     """Build the aot packages of an engine's buckets ahead of time (a Docker build step, a Space's start-up, CI)."""
-    from engine import runner, settings
+    from engine import settings
     from engine.config import caches
     from engine.config.resolve import Catalog
+    from engine.pipeline import runner
     from engine.protocol import Size
 
     catalog = Catalog(*presets_from_args(args))
@@ -122,7 +124,7 @@ def cmd_export(args) -> int:
         print(f"packages in {settings.aot_dir() or config.cache_path() / 'aot'}")
     ok = all(r["state"] == "warm" for r in rows)
     if ok and args.push_to:
-        from engine import aot_hub
+        from engine.pipeline import aot_hub
 
         url = aot_hub.push_packages(args.push_to, settings.aot_dir() or config.cache_path() / "aot", preset=key.preset)
         print(f"pushed to {args.push_to}: {url}", file=sys.stderr)
@@ -178,8 +180,9 @@ def add_attention_parser(sub) -> None:
 
 
 def cmd_step_caches(args) -> int:
-    from engine import devices, stepcache
+    from engine import devices
     from engine.config.resolve import Catalog
+    from engine.pipeline import stepcache
 
     catalog = Catalog(*presets_from_args(args))
     preset = catalog.preset(args.preset)

@@ -20,7 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import budget, devices, settings, stepcache
+from engine import budget, devices, settings
 from engine.client import ConnectionEngine, ProcessEngine
 from engine.config.caches import prepare_cache_dir
 from engine.config.flags import presets_from_args
@@ -37,6 +37,7 @@ from engine.errors import (
 )
 from engine.metrics import median
 from engine.models.weights import CorruptWeights
+from engine.pipeline import stepcache
 from engine.priority import ShortRunSlots
 from engine.protocol import (
     BucketKey,
@@ -484,7 +485,7 @@ class EngineManager:
     def restart(self, key: EngineKey, options: EngineOptions | None = None) -> ConnectionEngine:
         """A new worker for `key` (with `options`, e.g. another attention backend, when given)."""
         if options is not None:
-            from engine import attention
+            from engine.pipeline import attention
 
             spec = devices.get_device(key.device)
             plan = devices.plan_precision(spec, key.precision)  # quantized engines attend in their base dtype

@@ -35,8 +35,8 @@ import time
 import traceback
 
 from engine import settings
-from engine.batching import Gatherer
 from engine.errors import Cancelled, EngineBusy, InvalidRequest, ShowcaseError
+from engine.pipeline.batching import Gatherer
 from engine.priority import RunCost, ShortRuns
 from engine.protocol import (
     BucketChanged,
@@ -204,7 +204,7 @@ class WorkerLoop:
         # The host's board of engines running a short request (set by the manager for cpu engines)
         self.short_runs = ShortRuns.from_env(os.environ.get("SHOWCASE_SHORT_RUNS")) \
             if self.run_cost is not None and settings.long_requests_step_aside() else None
-        # Queued requests that can share a denoiser call are served by one pipeline call (engine/batching.py).
+        # Queued requests that can share a denoiser call are served by one pipeline call (engine/pipeline/batching.py).
         options = getattr(runner, "options", None)
         self.batcher = Gatherer(self._requests, getattr(runner, "max_batch", 1),
                                 getattr(options, "batch_wait_ms", 0.0), arrived=lambda r: self._received.get(r.request_id),
@@ -677,7 +677,7 @@ def _serve_engine(config, conn, env: dict[str, str]) -> None:
     made: dict = {}
 
     def load() -> WorkerLoop:
-        from engine.runner import PipelineRunner
+        from engine.pipeline.runner import PipelineRunner
 
         runner = PipelineRunner(config, listener=lambda info: made.get("loop") and made["loop"].send(BucketChanged(info)))
         made["loop"] = WorkerLoop(conn, runner, max_queue=config.options.max_queue)

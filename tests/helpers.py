@@ -66,7 +66,7 @@ def engine_config(cache_dir, preset: str = "tiny-flux", precision: str = "fp32",
 def make_runner(cache_dir, preset: str = "tiny-flux", precision: str = "fp32", *, listener=None, load: bool = True,
                 **options):
     """A PipelineRunner in this process (loaded unless load=False)."""
-    from engine.runner import PipelineRunner
+    from engine.pipeline.runner import PipelineRunner
 
     runner = PipelineRunner(engine_config(cache_dir, preset, precision, **options), listener)
     if load:
@@ -126,7 +126,7 @@ def torch_configs_restored() -> Iterator[None]:
 
 def max_pixel_difference(image_a, image_b) -> int:
     """The largest per-channel difference of two images of one size (0-255). Concurrent requests may share
-    one pipeline call (engine/batching.py): equal to their solo runs within rounding, not bit for bit."""
+    one pipeline call (engine/pipeline/batching.py): equal to their solo runs within rounding, not bit for bit."""
     import numpy as np
 
     a = np.asarray(image_a.convert("RGB"), dtype=np.int16)

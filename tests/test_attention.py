@@ -9,8 +9,9 @@ import json
 import pytest
 from helpers import make_runner
 
-from engine import attention, devices
+from engine import devices
 from engine.errors import UnsupportedCombination
+from engine.pipeline import attention
 
 CPU = devices.get_device("cpu")
 

@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import bench, devices, runner
+from engine import bench, devices
 from engine.bench import denoiser
 from engine.bench.cache_probe import run_cache_probe
 from engine.bench.plan import plan_from_args
 from engine.bench.run import run_bench
 from engine.errors import UnsupportedCombination
+from engine.pipeline import runner
 from engine.protocol import EngineOptions, Mode
 
 REPO = Path(__file__).resolve().parent.parent

@@ -195,7 +195,8 @@ def _min_tp_key(manager):
 
 def test_ring_is_allowed_where_the_backend_returns_the_log_sum_exp(tiny_models):
     """As data: a CUDA engine with cuDNN or flash attention may run Ring (not run here: no GPU)."""
-    from engine import attention, devices
+    from engine import devices
+    from engine.pipeline import attention
     from engine.tp import plan
 
     cuda = devices.get_device("cuda")
@@ -210,7 +211,7 @@ def test_ring_is_allowed_where_the_backend_returns_the_log_sum_exp(tiny_models):
 def test_the_backend_table_agrees_with_diffusers():
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    from engine import attention
+    from engine.pipeline import attention
 
     supported = {str(getattr(b, "value", b)) for b in _AttentionBackendRegistry._supports_context_parallel}
     assert {n for n, b in attention.BACKENDS.items() if b.context_parallel} == supported & set(attention.BACKENDS)

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
     from engine.protocol import BucketKey, BucketState, EngineKey, GenerateRequest, Size
     from engine.protocol import EngineOptions
     from engine.protocol import EngineConfig
-    from engine.runner import PipelineRunner
+    from engine.pipeline.runner import PipelineRunner
 
     def runner(device):
         key = EngineKey("tiny-flux", device, "fp32")

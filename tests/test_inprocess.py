@@ -242,7 +242,7 @@ def test_aot_buckets_build_in_a_forked_call_and_load_in_a_fresh_process(cache_di
 def test_packages_push_to_and_pull_from_a_hub_repo(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from engine import aot_hub
+    from engine.pipeline import aot_hub
 
     store = tmp_path / "store"
     key = store / "tiny-shapes" / "denoiser-cpu-fp32-64x64-b1" / "abc123"

@@ -6,11 +6,12 @@ import pytest
 import torch
 from helpers import make_runner, torch_configs_restored
 
-from engine import devices, recipes
+from engine import devices
 from engine.config.presets import get_preset
 from engine.errors import UnsupportedCombination
+from engine.pipeline import recipes
+from engine.pipeline.runner import PipelineRunner, clone_module_tree
 from engine.protocol import EngineConfig, EngineKey, EngineOptions
-from engine.runner import PipelineRunner, clone_module_tree
 
 
 def test_fuse_qkv_fuses_attention_projections(cache_dir, tiny_models):

@@ -25,8 +25,8 @@ from helpers import poll, process_gone
 
 from engine.config.presets import get_preset
 from engine.errors import EngineCrashed
+from engine.pipeline.runner import pipeline_call_kwargs
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, GenerateRequest
-from engine.runner import pipeline_call_kwargs
 from engine.settings import data_path
 from engine.tp.client import SidecarEngine
 

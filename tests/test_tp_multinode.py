@@ -104,7 +104,7 @@ def _reference(tiny_models, request_args: dict) -> np.ndarray:
 
     from engine.config.presets import get_preset
     from engine.config.validation import build_request
-    from engine.runner import pipeline_call_kwargs
+    from engine.pipeline.runner import pipeline_call_kwargs
 
     preset = get_preset("tiny-flux")
     request, _ = build_request(preset, prompt=request_args["prompt"], negative_prompt=None, width=64, height=64,

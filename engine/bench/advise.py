@@ -123,10 +123,10 @@ def result_path(cache_dir: Path, preset: str, device: str, size, steps: int) -> 
 # -- the grid ---------------------------------------------------------------------------------------
 def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
     """Every candidate this engine can run here, and what was skipped with why (torch not needed)."""
-    from engine.attention import attention_table
     from engine.devices import precision_support
+    from engine.pipeline.attention import attention_table
+    from engine.pipeline.stepcache import available_step_caches
     from engine.protocol import Mode
-    from engine.stepcache import available_step_caches
 
     skipped: list[dict] = []
     precisions = []

@@ -52,7 +52,7 @@ def cmd_cold_start_child(args) -> int:
     """Child: load, warm every bucket given, time it from this process's start; aot also serves requests."""
     import psutil
 
-    from engine.runner import compiles_in_this_thread
+    from engine.pipeline.runner import compiles_in_this_thread
 
     process = psutil.Process()
     started = process.create_time()

@@ -55,7 +55,7 @@ class BenchPlan:
     # Images per configuration for drift (and fidelity, for a model with a checker); 0 = skip.
     quality_samples: int = 3
     caches: tuple[str, ...] = ()  # step caches (canonical text): the levers bench (engine/bench/levers.py)
-    images_per_call: int = 1  # random weights: images per denoiser call (batching, engine/batching.py)
+    images_per_call: int = 1  # random weights: images per denoiser call (batching, engine/pipeline/batching.py)
 
 
     def configs(self) -> list[tuple[str, str, Size]]:

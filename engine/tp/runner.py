@@ -40,6 +40,7 @@ import torch
 
 from engine.config.presets import route_size
 from engine.errors import EngineCrashed
+from engine.pipeline.runner import PipelineRunner
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -53,7 +54,6 @@ from engine.protocol import (
     TPOp,
     TPOpKind,
 )
-from engine.runner import PipelineRunner
 from engine.tp import plan
 from engine.tp.group import HEARTBEAT_S, RankGroup
 

@@ -12,7 +12,7 @@ same weights:
 - defer-and-fuse: the eager variant run under torch_tpu's DEFER_AND_FUSE eager mode;
 - aot:      the denoiser (and vae.decode) dispatch to one AOTInductor package per bucket and batch shape,
             loaded from the cache folder or built there, every package on the engine's own weights
-            (engine/aot.py).
+            (engine/pipeline/aot.py).
 
 A bucket is (mode, size): one compiled graph of the variant's module at that static shape.
 """
@@ -34,13 +34,14 @@ from dataclasses import replace
 
 import torch
 
-from engine import attention, batching, devices, recipes, stepcache
+from engine import devices
 from engine.config import caches
 from engine.config.presets import route_size
 from engine.config.resolve import resolve_source
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
-from engine.faults import FaultHooks
-from engine.progress import progress_bar
+from engine.pipeline import attention, batching, recipes, stepcache
+from engine.pipeline.faults import FaultHooks
+from engine.pipeline.progress import progress_bar
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -120,7 +121,7 @@ def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, ou
                          members: list[GenerateRequest] | None = None) -> dict:
     """The pipeline call for a request — what the engine runs, and what a bare diffusers call must pass
     to be compared with it (bench, TP tests). A CPU generator makes seeds mean the same on every device.
-    `members`: a batch (engine/batching.py) sharing `request`'s size, steps and guidance: one prompt and
+    `members`: a batch (engine/pipeline/batching.py) sharing `request`'s size, steps and guidance: one prompt and
     one generator per member, so each image's noise is what that request alone would start from."""
     batch = members or [request]
     kwargs = dict(
@@ -297,9 +298,9 @@ class PipelineRunner:
         self._peak_bytes: int | None = None
         self.measured_run: tuple[Size, float] | None = None  # the measuring run: its size and milliseconds
         self.source: str | None = None  # what from_pretrained loaded (aot package keys name the model by it)
-        self._aot = None  # engine/aot.py AotEngine, built with the aot variant
+        self._aot = None  # engine/pipeline/aot.py AotEngine, built with the aot variant
         self._step_caches: stepcache.CacheVariants | None = None  # (mode, step cache) variants, once loaded
-        # Requests that can share a denoiser call run as one call of up to max_batch images (engine/batching.py)
+        # Requests that can share a denoiser call run as one call of up to max_batch images (engine/pipeline/batching.py)
         self.max_batch = self.largest_batch()
         self.batch_sizes = batching.batch_sizes(self.max_batch)
         for mode in self.modes():
@@ -416,7 +417,7 @@ class PipelineRunner:
             if mode is Mode.DEFER_AND_FUSE:
                 pipe = base  # same modules; the eager mode is switched per run (devices.enter_eager_mode)
             elif mode is Mode.AOT:
-                from engine import aot
+                from engine.pipeline import aot
 
                 self._aot = aot.AotEngine(self, recipes.aot_inductor_configs(self.options, self.spec))
                 pipe = self._aot.pipe
@@ -565,7 +566,7 @@ class PipelineRunner:
 
     def generate_batch(self, requests: list[GenerateRequest], on_step=None,
                        cancels: list[threading.Event] | None = None, on_leave=None) -> list:
-        """Run requests that can share a denoiser call (engine/batching.py's key) as one pipeline call.
+        """Run requests that can share a denoiser call (engine/pipeline/batching.py's key) as one pipeline call.
 
         Returns, per request, its GenerateResult, the exception it failed with, or None when it already
         left through `on_leave(index, Cancelled)`: a member whose cancel is set leaves at the next step
