@@ -29,7 +29,6 @@ import time
 import traceback
 
 from engine import settings
-from engine.client import ConnectionEngine
 from engine.errors import ShowcaseError, UnsupportedCombination
 from engine.gpu import Durations, GpuCalls, make_gpu_calls
 from engine.pipeline import aot
@@ -47,7 +46,8 @@ from engine.protocol import (
     Ready,
     Size,
 )
-from engine.worker import WorkerLoop, run_on_lowered_thread
+from engine.worker.client import ConnectionEngine
+from engine.worker.loop import WorkerLoop, run_on_lowered_thread
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import budget, devices, settings
-from engine.client import ConnectionEngine, ProcessEngine
 from engine.config.caches import prepare_cache_dir
 from engine.config.flags import presets_from_args
 from engine.config.presets import looks_like_model_ref
@@ -38,7 +37,6 @@ from engine.errors import (
 from engine.metrics import median
 from engine.models.weights import CorruptWeights
 from engine.pipeline import stepcache
-from engine.priority import ShortRunSlots
 from engine.protocol import (
     BucketKey,
     EngineConfig,
@@ -53,6 +51,8 @@ from engine.protocol import (
     Size,
 )
 from engine.scheduler import CompileScheduler
+from engine.worker.client import ConnectionEngine, ProcessEngine
+from engine.worker.priority import ShortRunSlots
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ class EngineManager:
         return {name: env[name] for name in sorted(names) if name in env}
 
     def _short_run_board(self):
-        """A slot on the host's board of engines running a short request (engine/priority.py ShortRuns)."""
+        """A slot on the host's board of engines running a short request (engine/worker/priority.py ShortRuns)."""
         with self._lock:
             if self._short_runs is None:
                 try:

@@ -627,7 +627,7 @@ class EngineReady:
 
 
 # ------------------------------------------------------------------------------------------------
-# Worker protocol: messages between a client (engine/client.py) and an engine (engine/worker.py)
+# Worker protocol: messages between a client (engine/worker/client.py) and an engine (engine/worker/loop.py)
 # ------------------------------------------------------------------------------------------------
 
 

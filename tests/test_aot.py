@@ -262,7 +262,7 @@ def test_a_second_package_adds_no_weight_memory(cache_dir):
 
 
 def test_export_command_then_a_fresh_engine_loads_the_packages(cache_dir, tiny_models):
-    from engine.client import ProcessEngine
+    from engine.worker.client import ProcessEngine
 
     cmd = [sys.executable, "-m", "engine", "export", "--preset", "tiny-flux", "--device", "cpu",
            "--precision", "fp32", "--sizes", "64x64", "--cache-dir", str(cache_dir), "--json"]

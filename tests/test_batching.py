@@ -15,7 +15,6 @@ import time
 import numpy as np
 import pytest
 
-from engine.client import ProcessEngine
 from engine.config.flags import add_engine_arguments, engine_flags_argv, options_from_args
 from engine.config.presets import get_preset
 from engine.errors import Cancelled
@@ -31,6 +30,7 @@ from engine.protocol import (
     Mode,
     Size,
 )
+from engine.worker.client import ProcessEngine
 
 KEY = EngineKey("tiny-shapes", "cpu", "fp32")
 PROMPTS = ("a red circle on a blue background", "a green square on a yellow background",

@@ -16,7 +16,6 @@ from concurrent.futures import wait
 import pytest
 from helpers import make_request, max_pixel_difference, wait_until
 
-from engine.client import ProcessEngine
 from engine.config.presets import get_preset
 from engine.errors import Cancelled, DeviceOutOfMemory, EngineCrashed
 from engine.manager import EngineManager
@@ -29,6 +28,7 @@ from engine.protocol import (
     Fault,
     Size,
 )
+from engine.worker.client import ProcessEngine
 
 pytestmark = pytest.mark.slow  # starts worker processes and compiles buckets
 
@@ -229,7 +229,7 @@ def test_hang_up_leaves_the_close_to_the_reader_thread():
     down, which wakes the reader, and the reader closes it."""
     from multiprocessing import Pipe
 
-    from engine.client import ConnectionEngine
+    from engine.worker.client import ConnectionEngine
 
     ours, peer = Pipe(duplex=True)
     closed_by = []

@@ -340,7 +340,7 @@ def test_a_sessions_second_run_is_refused_while_one_runs():
 
 
 def test_each_cpu_engine_gets_its_own_slot_on_the_short_run_board_freed_when_it_goes(tmp_path):
-    """Engines on the host's cores share one board of "running a short request" bytes (engine/priority.py):
+    """Engines on the host's cores share one board of "running a short request" bytes (engine/worker/priority.py):
     each gets its own slot, and a slot is cleared and free again once its engine is dropped (evicted,
     crashed, restarted), so a worker killed mid-request never leaves long requests waiting."""
     manager = EngineManager(cache_dir=tmp_path / "cache")

@@ -1,6 +1,6 @@
 """One pipeline on one device: loading, per-bucket compiled graphs, warm-up and timed runs.
 
-A `PipelineRunner` lives inside a worker process (engine/worker.py) or a tensor-parallel rank
+A `PipelineRunner` lives inside a worker process (engine/worker/loop.py) or a tensor-parallel rank
 (engine/tp/). Weights load once per (model, device, precision); every mode is a *variant* of the
 same weights:
 
@@ -508,7 +508,7 @@ class PipelineRunner:
         if request.mode.compiled:
             if info is None or info.state != BucketState.WARM:
                 if request.on_cold is OnCold.WAIT:
-                    # A worker asks the host's scheduler first (engine/worker.py); used alone, a runner
+                    # A worker asks the host's scheduler first (engine/worker/loop.py); used alone, a runner
                     # compiles here, in this request. A failed bucket is not retried on every request.
                     if info is None or info.state == BucketState.COLD:
                         self.warm_bucket(bucket)

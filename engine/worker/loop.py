@@ -8,7 +8,7 @@ the two apart.
 
 Inside the worker:
 - the serve loop (main thread) owns the request queue and runs one request at a time; on a cpu device a
-  request expected to run long runs on a thread niced by its expected time (engine/priority.py), so
+  request expected to run long runs on a thread niced by its expected time (engine/worker/priority.py), so
   short requests of other engines sharing the cores go first;
 - a receiver thread takes cancel, warm and compile grants at any time;
 - a warm-up thread compiles buckets, one at a time and only when the host's compile scheduler grants
@@ -37,7 +37,6 @@ import traceback
 from engine import settings
 from engine.errors import Cancelled, EngineBusy, InvalidRequest, ShowcaseError
 from engine.pipeline.batching import Gatherer
-from engine.priority import RunCost, ShortRuns
 from engine.protocol import (
     BucketChanged,
     BucketKey,
@@ -63,6 +62,7 @@ from engine.protocol import (
     Warm,
     dispatch,
 )
+from engine.worker.priority import RunCost, ShortRuns
 
 EARLY_CANCELS_KEPT = 256  # cancels for requests not received yet (a cancel overtaking its request)
 log = logging.getLogger(__name__)
