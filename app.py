@@ -162,8 +162,8 @@ def resolve_hosting(args) -> list[str]:
 
 def host_policy(args):
     """What visitors may do: everything on a developer's machine; the host's lists in public mode."""
-    from engine.manager import HostPolicy
     from engine.protocol import Mode, Precision
+    from engine.serving.manager import HostPolicy
 
     if args.public is None:
         resolve_hosting(args)
@@ -273,11 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         if engine_settings.gpu_calls() == "spaces":
             import spaces  # noqa: F401 - before torch touches CUDA (ZeroGPU patches it)
 
-    from engine.budget import parse_size
     from engine.config.flags import options_from_args
     from engine.errors import ShowcaseError
-    from engine.manager import make_manager
     from engine.protocol import Mode
+    from engine.serving.budget import parse_size
+    from engine.serving.manager import make_manager
 
     step_cache = "none"
     if args.config_from:

@@ -18,8 +18,8 @@ from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel
 
 
 def cmd_generate(args) -> int:
-    from engine.manager import make_manager
     from engine.protocol import Size
+    from engine.serving.manager import make_manager
 
     size = Size.parse(args.size) if args.size else None
     # A one-shot run warms only the bucket it needs, and waits for it unless --on-cold eager.

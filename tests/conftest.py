@@ -40,8 +40,8 @@ def tiny_models(cache_dir) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def manager(cache_dir, tiny_models):
     """A session-wide engine manager with no start-up warm-up (tests warm what they need)."""
-    from engine.manager import EngineManager
     from engine.protocol import EngineOptions
+    from engine.serving.manager import EngineManager
 
     m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
     yield m

@@ -37,7 +37,7 @@ PRESET = "tiny-flux"
 @pytest.fixture(scope="module")
 def cp(cache_dir, tiny_models, tmp_path_factory):
     """An EngineManager whose tiny-flux ulysses2 engine is a sidecar dumping rank 0's float images."""
-    from engine.manager import EngineManager
+    from engine.serving.manager import EngineManager
     from engine.tp.client import SidecarEngine
 
     dump = tmp_path_factory.mktemp("cp-dump")
@@ -259,7 +259,7 @@ def test_two_nodes_in_ulysses_serve_the_manager_and_sigterm_stops_both(cache_dir
     from test_tp_multinode import Nodes
     from test_tp_multinode import _reference as _uint8_reference
 
-    from engine.manager import EngineManager
+    from engine.serving.manager import EngineManager
     from engine.tp.attach import SidecarAttacher
 
     class UlyssesNodes(Nodes):
@@ -302,7 +302,7 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
     from test_ui_handlers import RecordingProgress
 
     from engine.errors import EngineBusy
-    from engine.manager import HostPolicy
+    from engine.serving.manager import HostPolicy
     from ui.common import UIDefaults
     from ui.generate import GenerateHandlers
 

@@ -18,7 +18,6 @@ from helpers import make_request, max_pixel_difference, wait_until
 
 from engine.config.presets import get_preset
 from engine.errors import Cancelled, DeviceOutOfMemory, EngineCrashed
-from engine.manager import EngineManager
 from engine.protocol import (
     BucketKey,
     BucketState,
@@ -28,6 +27,7 @@ from engine.protocol import (
     Fault,
     Size,
 )
+from engine.serving.manager import EngineManager
 from engine.worker.client import ProcessEngine
 
 pytestmark = pytest.mark.slow  # starts worker processes and compiles buckets

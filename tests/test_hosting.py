@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from engine import budget
-from engine.budget import GIB, MIB, DeviceBudget, Resident, plan_room
 from engine.errors import BudgetExceeded, Cancelled, InvalidRequest, NotAllowed
-from engine.manager import Caller, EngineManager, HostPolicy
 from engine.protocol import BucketKey, EngineKey, EngineOptions, Mode, Precision, Size
-from engine.scheduler import CompileScheduler
+from engine.serving import budget
+from engine.serving.budget import GIB, MIB, DeviceBudget, Resident, plan_room
+from engine.serving.manager import Caller, EngineManager, HostPolicy
+from engine.serving.scheduler import CompileScheduler
 
 
 # -- budget planning ----------------------------------------------------------------------------

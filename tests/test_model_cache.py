@@ -66,10 +66,10 @@ def test_a_rank_in_a_process_group_builds_in_a_fresh_process(monkeypatch, tmp_pa
 
 
 def test_a_corrupt_header_names_the_component_not_a_memory_error(tiny_models, tmp_path, monkeypatch):
-    from engine import budget
-    from engine import manager as manager_module
-    from engine.manager import EngineManager
     from engine.protocol import EngineKey, EngineOptions
+    from engine.serving import budget
+    from engine.serving import manager as manager_module
+    from engine.serving.manager import EngineManager
 
     target = _copy(tiny_models, "tiny-flux", tmp_path)
     _corrupt_header(target / "text_encoder" / "model.safetensors")

@@ -20,8 +20,8 @@ from gradio_client import Client
 from helpers import BAD_INPUTS, free_port, launch_demo, max_pixel_difference
 from PIL import Image
 
-from engine.manager import EngineManager
 from engine.protocol import EngineOptions
+from engine.serving.manager import EngineManager
 from ui.handlers import Handlers, UIDefaults
 
 pytestmark = pytest.mark.slow  # launches the app and drives real engines through its API

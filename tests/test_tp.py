@@ -164,7 +164,7 @@ def test_embedded_shapes_model_tp_draws_the_same_picture(cache_dir, tiny_models,
 
 
 def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
-    from engine.manager import EngineManager
+    from engine.serving.manager import EngineManager
 
     manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
     seen: list[SidecarEngine] = []

@@ -123,8 +123,8 @@ def cluster(cache_dir, tiny_models, tmp_path_factory):
     on an engine manager, the Gradio app built as helpers.launch_demo does), started together: the app comes
     up first and attaches once rank 0 listens."""
     import app as app_module
-    from engine.manager import EngineManager
     from engine.protocol import EngineOptions
+    from engine.serving.manager import EngineManager
     from ui.handlers import UIDefaults
 
     folder = tmp_path_factory.mktemp("multinode")

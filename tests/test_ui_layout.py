@@ -129,7 +129,7 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 # speedup_table and quality code so the UI and the bench agree, and ui/advisor.py shows the advisor's
 # default bounds (it runs `python -m engine advise` in a child process).
 ALLOWED_ENGINE_IMPORTS = {
-    "engine.protocol": None, "engine.errors": None, "engine.manager": {"EngineManager", "Caller"},
+    "engine.protocol": None, "engine.errors": None, "engine.serving.manager": {"EngineManager", "Caller"},
     "engine.pipeline.attention": {"attention_table", "DEFAULT"},
     "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
     "engine.bench": {"speedup_table"},

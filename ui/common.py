@@ -29,10 +29,10 @@ from engine.errors import (
     ShowcaseError,
     UnsupportedCombination,
 )
-from engine.manager import Caller
 from engine.pipeline.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401 - the tabs import it from here
 from engine.pipeline.attention import attention_table
 from engine.protocol import DEFAULT_PRESET, Mode, Precision, parse_ranks
+from engine.serving.manager import Caller
 from ui.runs import RunRegistry
 
 log = logging.getLogger(__name__)

@@ -621,7 +621,7 @@ def serving_threads(spec) -> int | None:
     images many times over and not the app's."""
     if not spec.host_memory_is_device_memory:
         return None
-    from engine.manager import cpu_worker_threads
+    from engine.serving.manager import cpu_worker_threads
 
     return cpu_worker_threads(spec.max_engines)
 

@@ -178,8 +178,8 @@ def cmd_runtime_child(args) -> int:
     first bucket from this process's start, then steady images; aot: every bucket warm (packages present)."""
     import psutil
 
-    from engine.manager import EngineManager
     from engine.protocol import EngineOptions
+    from engine.serving.manager import EngineManager
 
     started = psutil.Process().create_time()
     plan = plan_from_args(args)

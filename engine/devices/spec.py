@@ -140,7 +140,7 @@ class DeviceSpec:
     # (mode, variable, value): forced in a worker process started for that mode, removed from workers
     # started for any other mode (a runtime that reads it once at start-up cannot be switched later).
     mode_env: tuple[tuple[Mode, str, str], ...] = ()
-    # Hosting (engine/manager.py keeps each device's engines within a budget):
+    # Hosting (engine/serving/manager.py keeps each device's engines within a budget):
     # - the default budget is `budget_share` of the device's free memory at start-up (of its total
     #   where host RAM is the device: other programs come and go, the app must leave room for them);
     # - at most `max_engines` engines at once (Neuron and TPU runtimes give a core/chip to one process);

@@ -71,7 +71,7 @@ class ConnectionEngine:
         self._closed = False
         self._reader: threading.Thread | None = None  # the one thread that reads, and closes, `conn`
         self.on_down: Callable[[ConnectionEngine], None] | None = None
-        # The host's compile scheduler (engine/manager.py): without one, every compile is granted at once.
+        # The host's compile scheduler (engine/serving/manager.py): without one, every compile is granted at once.
         self.compile_gate: Callable[[ConnectionEngine, CompileWanted], None] | None = None
         self.on_compile_finished: Callable[[ConnectionEngine, BucketKey], None] | None = None
         self.on_ready: Callable[[ConnectionEngine], None] | None = None

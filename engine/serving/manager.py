@@ -20,7 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import budget, devices, settings
+from engine import devices, settings
 from engine.config.caches import prepare_cache_dir
 from engine.config.flags import presets_from_args
 from engine.config.presets import looks_like_model_ref
@@ -50,7 +50,8 @@ from engine.protocol import (
     Precision,
     Size,
 )
-from engine.scheduler import CompileScheduler
+from engine.serving import budget
+from engine.serving.scheduler import CompileScheduler
 from engine.worker.client import ConnectionEngine, ProcessEngine
 from engine.worker.priority import ShortRunSlots
 
@@ -125,7 +126,7 @@ class EngineManager:
         self.worker_threads = worker_threads
         if runtime not in ("workers", "inprocess"):
             raise ShowcaseError(f"runtime {runtime!r}: use workers or inprocess")
-        self.runtime = runtime  # inprocess: engines in this process, device work in GPU calls (engine/inprocess.py)
+        self.runtime = runtime  # inprocess: engines in this process, device work in GPU calls (engine/serving/inprocess.py)
         self.scheduler = CompileScheduler(compile_jobs or settings.default_compile_jobs())
         self._short_runs: ShortRunSlots | None = None  # made with the first engine on the host's cores
         self._short_run_slot: dict[int, int] = {}  # id(engine) -> its slot on that board
@@ -332,7 +333,7 @@ class EngineManager:
     def _start(self, key: EngineKey) -> ConnectionEngine:
         options = self.engine_options(key)
         if self.runtime == "inprocess":
-            from engine.inprocess import InProcessEngine
+            from engine.serving.inprocess import InProcessEngine
 
             engine = InProcessEngine(self._config(key, options),
                                      threads=self.worker_threads_for(devices.get_device(key.device))).start()
@@ -607,7 +608,7 @@ class EngineManager:
         """What the in-process runtime cannot run is refused before an engine starts, with the reason."""
         if self.runtime != "inprocess":
             return
-        from engine.inprocess import REFUSED_MODES, check_inprocess_key
+        from engine.serving.inprocess import REFUSED_MODES, check_inprocess_key
 
         check_inprocess_key(key)
         if mode in REFUSED_MODES:

@@ -8,7 +8,7 @@ connection is an in-memory pipe to a `WorkerLoop` running on threads of this pro
 timings, cancel between steps, compile scheduling, footprints, budgets and public-mode rules are the
 worker runtime's code. What differs:
 
-- every request runs as one GPU call (engine/gpu.py), whose `duration` is the bucket's measured time per
+- every request runs as one GPU call (engine/serving/gpu.py), whose `duration` is the bucket's measured time per
   step x steps with a margin (a first request asks for the documented default);
 - modes `compile` and `regional` are refused: ZeroGPU does not support torch.compile, and elsewhere a
   compile in the app's process holds the interpreter lock for seconds at a time and stalls the web server.
@@ -30,7 +30,6 @@ import traceback
 
 from engine import settings
 from engine.errors import ShowcaseError, UnsupportedCombination
-from engine.gpu import Durations, GpuCalls, make_gpu_calls
 from engine.pipeline import aot
 from engine.pipeline.runner import PipelineRunner
 from engine.protocol import (
@@ -46,6 +45,7 @@ from engine.protocol import (
     Ready,
     Size,
 )
+from engine.serving.gpu import Durations, GpuCalls, make_gpu_calls
 from engine.worker.client import ConnectionEngine
 from engine.worker.loop import WorkerLoop, run_on_lowered_thread
 
