@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 from engine import settings
+from engine.bench.soak import PageClient, free_port, process_tree
 from engine.metrics import median, percentile
 from engine.protocol import GENERIC_PROMPT
-from engine.soak import PageClient, free_port, process_tree
 
 REPO = settings.REPO_ROOT
 
