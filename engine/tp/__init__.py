@@ -21,4 +21,13 @@ Modules:
 - tokens.py   the token and address files.
 - client.py   SidecarEngine (the app's own sidecar: launch, connect, faults, clean shutdown).
 - attach.py   the app serving a sidecar it did not start: connect, errors that say what to do, re-attach.
+
+Layer 6: it runs pipeline runners on every rank and serves them through the worker loop, and hands the
+manager a ConnectionEngine. It may import the contract (engine/protocol.py, errors.py, metrics.py,
+settings.py), this folder and the layers below it (devices, models, config, pipeline, worker); never
+serving or bench (the manager imports SidecarEngine from here, not the other way round).
+
+Goes here: how ranks are launched, joined, watched and coordinated, for tensor and context parallel
+alike. What a parallel layout needs of one pipeline's attention (a backend's context-parallel
+capability) belongs to engine/pipeline/attention.py.
 """
