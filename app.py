@@ -23,7 +23,7 @@ log = logging.getLogger("app")
 
 def build_parser() -> argparse.ArgumentParser:
     from engine import settings
-    from engine.flags import add_engine_arguments
+    from engine.config.flags import add_engine_arguments
 
     d = settings.server_defaults()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -162,8 +162,8 @@ def resolve_hosting(args) -> list[str]:
 
 def host_policy(args):
     """What visitors may do: everything on a developer's machine; the host's lists in public mode."""
-    from engine.manager import HostPolicy
     from engine.protocol import Mode, Precision
+    from engine.serving.manager import HostPolicy
 
     if args.public is None:
         resolve_hosting(args)
@@ -215,7 +215,8 @@ def prewarm(manager, args) -> None:
 
 def pull_packages(manager, args) -> None:
     """Download the Hub repo's aot packages of the default preset that are not here yet."""
-    from engine import aot_hub, settings
+    from engine import settings
+    from engine.pipeline import aot_hub
 
     root = settings.aot_dir() or manager.cache_dir / "aot"
     try:
@@ -272,10 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         if engine_settings.gpu_calls() == "spaces":
             import spaces  # noqa: F401 - before torch touches CUDA (ZeroGPU patches it)
 
-    from engine.budget import parse_size
+    from engine.config.flags import options_from_args
     from engine.errors import ShowcaseError
-    from engine.flags import make_manager, options_from_args
     from engine.protocol import Mode
+    from engine.serving.budget import parse_size
+    from engine.serving.manager import make_manager
 
     step_cache = "none"
     if args.config_from:

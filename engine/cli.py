@@ -12,13 +12,14 @@ import logging
 import sys
 from pathlib import Path
 
+from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
 from engine.errors import ShowcaseError
-from engine.flags import add_engine_arguments, make_manager, options_from_args, presets_from_args
 from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel
 
 
 def cmd_generate(args) -> int:
     from engine.protocol import Size
+    from engine.serving.manager import make_manager
 
     size = Size.parse(args.size) if args.size else None
     # A one-shot run warms only the bucket it needs, and waits for it unless --on-cold eager.
@@ -67,7 +68,7 @@ def cmd_devices(args) -> int:
 
 
 def cmd_presets(args) -> int:
-    from engine.presets import load_presets
+    from engine.config.presets import load_presets
 
     presets = load_presets()
     if args.json:
@@ -80,7 +81,8 @@ def cmd_presets(args) -> int:
 
 
 def cmd_attention(args) -> int:
-    from engine import attention, devices
+    from engine import devices
+    from engine.pipeline import attention
 
     spec = devices.resolve_device(args.device) if args.device == devices.AUTO else devices.get_device(args.device)
     available = spec.probe()
@@ -98,9 +100,11 @@ def cmd_attention(args) -> int:
 
 def cmd_export(args) -> int:
     """Build the aot packages of an engine's buckets ahead of time (a Docker build step, a Space's start-up, CI)."""
-    from engine import caches, runner, settings
+    from engine import settings
+    from engine.config import caches
+    from engine.config.resolve import Catalog
+    from engine.pipeline import runner
     from engine.protocol import Size
-    from engine.resolve import Catalog
 
     catalog = Catalog(*presets_from_args(args))
     key = catalog.make_key(args.preset, args.device, args.precision)
@@ -120,7 +124,7 @@ def cmd_export(args) -> int:
         print(f"packages in {settings.aot_dir() or config.cache_path() / 'aot'}")
     ok = all(r["state"] == "warm" for r in rows)
     if ok and args.push_to:
-        from engine import aot_hub
+        from engine.pipeline import aot_hub
 
         url = aot_hub.push_packages(args.push_to, settings.aot_dir() or config.cache_path() / "aot", preset=key.preset)
         print(f"pushed to {args.push_to}: {url}", file=sys.stderr)
@@ -176,8 +180,9 @@ def add_attention_parser(sub) -> None:
 
 
 def cmd_step_caches(args) -> int:
-    from engine import devices, stepcache
-    from engine.resolve import Catalog
+    from engine import devices
+    from engine.config.resolve import Catalog
+    from engine.pipeline import stepcache
 
     catalog = Catalog(*presets_from_args(args))
     preset = catalog.preset(args.preset)
@@ -227,8 +232,8 @@ COMMANDS = (
     "engine.cli:add_step_caches_parser",
     "engine.cli:add_export_parser",
     "engine.bench:add_bench_parser",
-    "engine.soak:add_soak_parser",
-    "engine.load:add_load_parser",
+    "engine.bench.soak:add_soak_parser",
+    "engine.bench.load:add_load_parser",
     "engine.bench.contention:add_contention_parser",
     "engine.bench.context_parallel:add_cp_bench_parser",
     "engine.bench.advise:add_advise_parser",

@@ -120,7 +120,7 @@ def _coerce(record, name: str, vocabulary: type[_Choice]) -> None:
 
 
 class StepCacheKind(_Choice):
-    """diffusers' step caches: reuse (or predict) denoiser work from earlier steps (engine/stepcache.py)."""
+    """diffusers' step caches: reuse (or predict) denoiser work from earlier steps (engine/pipeline/stepcache.py)."""
 
     NONE = "none"
     FIRST_BLOCK = "first-block"  # FirstBlockCacheConfig: skip the rest when the first block's output barely moved
@@ -273,7 +273,7 @@ class EngineKey:
 @dataclass(frozen=True, order=True)
 class BucketKey:
     """One compiled graph per (mode, size) of an engine, and per batch size where requests run batched
-    (engine/batching.py): `batch` images in one pipeline call; 1 is a request run alone."""
+    (engine/pipeline/batching.py): `batch` images in one pipeline call; 1 is a request run alone."""
 
     mode: Mode
     size: Size
@@ -329,7 +329,7 @@ class BucketInfo:
 
 
 # ------------------------------------------------------------------------------------------------
-# Model presets (data; engine/presets.py loads them from presets/*.toml and routes sizes)
+# Model presets (data; engine/config/presets.py loads them from presets/*.toml and routes sizes)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -357,7 +357,7 @@ class ModelPreset:
     max_sequence_length: int | None = None  # T5/LLM text tokens (None: the pipeline's default)
     description: str = ""
     repeated_blocks: tuple[str, ...] = ()
-    # A checker that scores images against prompts from the pixels alone ("shapes": engine/shapes/),
+    # A checker that scores images against prompts from the pixels alone ("shapes": engine/models/shapes/),
     # for a model trained on a closed grammar; None: only drift between configurations is measured.
     fidelity: str | None = None
     examples: tuple[str, ...] = ()  # prompts this model draws well (the UI offers them)
@@ -367,7 +367,7 @@ class ModelPreset:
 
     @property
     def embedded(self) -> str | None:
-        """Name of the tiny pipeline engine/tiny.py builds, or None for a real model."""
+        """Name of the tiny pipeline engine/models/tiny.py builds, or None for a real model."""
         return self.source.removeprefix("embedded:") if self.source.startswith("embedded:") else None
 
     @property
@@ -405,7 +405,7 @@ class ModelPreset:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Per-engine options; every field is one named recipe step (engine/recipes.py) or a setting."""
+    """Per-engine options; every field is one named recipe step (engine/pipeline/recipes.py) or a setting."""
 
     cpu_offload: bool = False  # enable_model_cpu_offload(); then only regional compile is possible
     channels_last: bool = False  # UNet / VAE convolutions in channels_last memory format
@@ -417,12 +417,12 @@ class EngineOptions:
     warm_modes: tuple[Mode, ...] = (Mode.COMPILE,)  # modes whose buckets warm at start-up
     warm_sizes: tuple[str, ...] | None = None  # None: every bucket of the preset; () none
     warm_steps: int = 2
-    # diffusers attention backend set on the denoiser (engine/attention.py lists each one, usable or why not)
+    # diffusers attention backend set on the denoiser (engine/pipeline/attention.py lists each one, usable or why not)
     attention_backend: str = "native"
     # torch.compile mode="reduce-overhead" (CUDA graphs) for compile; triton.cudagraphs for aot. CUDA only.
     cuda_graphs: bool = False
     max_queue: int = 16  # pending requests per engine before "busy, retry"
-    # Batching (engine/batching.py): at most `max_batch` queued requests that can share one denoiser call
+    # Batching (engine/pipeline/batching.py): at most `max_batch` queued requests that can share one denoiser call
     # run as one pipeline call (None: the device's default, DeviceSpec.max_batch; 1: off), gathered for up
     # to `batch_wait_ms` after the first one arrives (and while the previous call runs).
     max_batch: int | None = None
@@ -526,7 +526,7 @@ class GenerateResult:
     cancelled: bool = False
     step_cache: StepCache = NO_STEP_CACHE
     cached_steps: tuple[int, ...] = ()  # 1-based steps whose denoiser output came from the step cache
-    batch_size: int = 1  # images in the pipeline call that made this one (engine/batching.py)
+    batch_size: int = 1  # images in the pipeline call that made this one (engine/pipeline/batching.py)
 
     @property
     def computed_steps(self) -> int:
@@ -619,7 +619,7 @@ class EngineReady:
     backend: str = ""
     footprint: Footprint | None = None
     preset: ModelPreset | None = None  # what it serves (an app attaching to a sidecar may not know it)
-    batch_sizes: tuple[int, ...] = (1,)  # batch sizes its requests may run at together (engine/batching.py)
+    batch_sizes: tuple[int, ...] = (1,)  # batch sizes its requests may run at together (engine/pipeline/batching.py)
 
     @property
     def rank_pids(self) -> tuple[int, ...]:
@@ -627,7 +627,7 @@ class EngineReady:
 
 
 # ------------------------------------------------------------------------------------------------
-# Worker protocol: messages between a client (engine/client.py) and an engine (engine/worker.py)
+# Worker protocol: messages between a client (engine/worker/client.py) and an engine (engine/worker/loop.py)
 # ------------------------------------------------------------------------------------------------
 
 

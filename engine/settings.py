@@ -169,21 +169,21 @@ def compile_niceness() -> int:
 
 def short_request_ms() -> float:
     """cpu engines: requests expected to run this long or less keep the worker's priority; longer ones run
-    two nice steps lower per doubling (engine/priority.py). 0 turns the ordering off."""
+    two nice steps lower per doubling (engine/worker/priority.py). 0 turns the ordering off."""
     return float(_env("SHOWCASE_SHORT_REQUEST_MS", "100"))
 
 
 def compile_yields() -> bool:
-    """Whether a worker's compile thread steps aside while a request runs (engine/worker.py)."""
+    """Whether a worker's compile thread steps aside while a request runs (engine/worker/loop.py)."""
     return _env("SHOWCASE_COMPILE_YIELD", "1") not in ("0", "false", "no", "off")
 
 
 def long_requests_step_aside() -> bool:
     """cpu engines: whether a long request waits before each step while another engine runs a short one
-    (engine/priority.py ShortRuns)."""
+    (engine/worker/priority.py ShortRuns)."""
     return _env("SHOWCASE_STEP_ASIDE", "1") not in ("0", "false", "no", "off")
 
 
 def switch_interval_s() -> float:
-    """The worker's interpreter thread switch interval (see engine/worker.py)."""
+    """The worker's interpreter thread switch interval (see engine/worker/loop.py)."""
     return float(_env("SHOWCASE_SWITCH_INTERVAL", "0.0005"))

@@ -106,7 +106,7 @@ fi
 
 if [ "${1:-}" = batch ]; then
   shift
-  # Batch-size sweep (engine/batching.py sizes --max-batch): the same transformer, compiled, with 1/2/4/8
+  # Batch-size sweep (engine/pipeline/batching.py sizes --max-batch): the same transformer, compiled, with 1/2/4/8
   # images per denoiser call; per size the step time, the time per image, peak memory and the gain per
   # image against 1. The default --max-batch for a GPU is the largest size that still gains (>= 10 % per
   # image) and fits the memory budget with the other engines. Hard limit 540 s; sizes run in order and

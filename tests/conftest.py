@@ -31,8 +31,8 @@ def cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(cache_dir) -> dict[str, Path]:
     """Every embedded tiny pipeline, built once (rebuilt only if the cache is wiped)."""
+    from engine.models.tiny import TINY_PRESETS, ensure_tiny_pipeline
     from engine.settings import models_dir
-    from engine.tiny import TINY_PRESETS, ensure_tiny_pipeline
 
     return {name: ensure_tiny_pipeline(name, models_dir(cache_dir)) for name in TINY_PRESETS}
 
@@ -40,8 +40,8 @@ def tiny_models(cache_dir) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def manager(cache_dir, tiny_models):
     """A session-wide engine manager with no start-up warm-up (tests warm what they need)."""
-    from engine.manager import EngineManager
     from engine.protocol import EngineOptions
+    from engine.serving.manager import EngineManager
 
     m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
     yield m

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import psutil
 
-from engine.soak import BAD_INPUTS, free_port  # noqa: F401 - one table and one port picker for tests and soak
+from engine.bench.soak import BAD_INPUTS, free_port  # noqa: F401 - one table and one port picker for tests and soak
 
 T = TypeVar("T")
 
@@ -55,7 +55,7 @@ REQUEST_DEFAULTS = dict(prompt="a red fox", width=64, height=64, steps=4, guidan
 
 def engine_config(cache_dir, preset: str = "tiny-flux", precision: str = "fp32", device: str = "cpu", **options):
     """An EngineConfig for a tiny preset; no start-up warm-up unless asked (tests warm what they need)."""
-    from engine.presets import get_preset
+    from engine.config.presets import get_preset
     from engine.protocol import EngineConfig, EngineKey, EngineOptions
 
     options.setdefault("warm_sizes", ())
@@ -66,7 +66,7 @@ def engine_config(cache_dir, preset: str = "tiny-flux", precision: str = "fp32",
 def make_runner(cache_dir, preset: str = "tiny-flux", precision: str = "fp32", *, listener=None, load: bool = True,
                 **options):
     """A PipelineRunner in this process (loaded unless load=False)."""
-    from engine.runner import PipelineRunner
+    from engine.pipeline.runner import PipelineRunner
 
     runner = PipelineRunner(engine_config(cache_dir, preset, precision, **options), listener)
     if load:
@@ -126,7 +126,7 @@ def torch_configs_restored() -> Iterator[None]:
 
 def max_pixel_difference(image_a, image_b) -> int:
     """The largest per-channel difference of two images of one size (0-255). Concurrent requests may share
-    one pipeline call (engine/batching.py): equal to their solo runs within rounding, not bit for bit."""
+    one pipeline call (engine/pipeline/batching.py): equal to their solo runs within rounding, not bit for bit."""
     import numpy as np
 
     a = np.asarray(image_a.convert("RGB"), dtype=np.int16)

@@ -18,7 +18,7 @@ from engine.bench.advise import (
     scan_rank,
     stronger,
 )
-from engine.presets import get_preset
+from engine.config.presets import get_preset
 from ui import views
 
 

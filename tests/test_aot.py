@@ -22,9 +22,11 @@ import pytest
 import torch
 from helpers import make_request, make_runner
 
-from engine import aot, devices
+from engine import devices
+from engine.config.presets import get_preset
 from engine.errors import UnsupportedCombination
-from engine.presets import get_preset
+from engine.pipeline import aot
+from engine.pipeline.runner import PipelineRunner, export_aot_packages
 from engine.protocol import (
     BucketKey,
     BucketState,
@@ -35,7 +37,6 @@ from engine.protocol import (
     Mode,
     Size,
 )
-from engine.runner import PipelineRunner, export_aot_packages
 
 pytestmark = pytest.mark.slow  # builds and loads AOTInductor packages
 
@@ -283,7 +284,7 @@ def test_a_second_package_adds_no_weight_memory(cache_dir):
 
 
 def test_export_command_then_a_fresh_engine_loads_the_packages(cache_dir, tiny_models):
-    from engine.client import ProcessEngine
+    from engine.worker.client import ProcessEngine
 
     cmd = [sys.executable, "-m", "engine", "export", "--preset", "tiny-flux", "--device", "cpu",
            "--precision", "fp32", "--sizes", "64x64", "--cache-dir", str(cache_dir), "--json"]
@@ -350,7 +351,7 @@ def test_aot_is_offered_where_inductor_packages_are_built():
 
 
 def test_a_batched_bucket_has_its_own_packages_and_serves_a_batch(runner):
-    """engine/batching.py: a batch of 2 at 64x64 runs on packages exported at batch 2 (denoiser and decoder),
+    """engine/pipeline/batching.py: a batch of 2 at 64x64 runs on packages exported at batch 2 (denoiser and decoder),
     and each image equals the request's own at batch 1 within rounding."""
     import numpy as np
 

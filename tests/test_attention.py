@@ -9,8 +9,9 @@ import json
 import pytest
 from helpers import make_runner
 
-from engine import attention, devices
+from engine import devices
 from engine.errors import UnsupportedCombination
+from engine.pipeline import attention
 
 CPU = devices.get_device("cpu")
 
@@ -109,7 +110,7 @@ def test_engine_sets_a_usable_backend_on_the_denoiser(cache_dir, tiny_models):
 
 def test_attention_command_and_flag(capsys):
     from engine.cli import build_parser, main
-    from engine.flags import engine_flags_argv, options_from_args
+    from engine.config.flags import engine_flags_argv, options_from_args
 
     assert main(["attention", "--device", "cpu", "--precision", "fp32", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

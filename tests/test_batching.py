@@ -1,6 +1,6 @@
 """Batching: concurrent requests that can share a denoiser call run as one pipeline call.
 
-The admission logic (engine/batching.py) is tested without torch; the rest against real worker processes of
+The admission logic (engine/pipeline/batching.py) is tested without torch; the rest against real worker processes of
 the embedded tiny-shapes model: one engine with batch sizes 1, 2, 4 whose compiles the test grants itself
 (regional 64x64 at 1 and 2 only, so batch 4 stays cold), and one with batching off.
 """
@@ -15,11 +15,11 @@ import time
 import numpy as np
 import pytest
 
-from engine import batching
-from engine.client import ProcessEngine
+from engine.config.flags import add_engine_arguments, engine_flags_argv, options_from_args
+from engine.config.presets import get_preset
 from engine.errors import Cancelled
-from engine.flags import add_engine_arguments, engine_flags_argv, options_from_args
-from engine.presets import get_preset
+from engine.models.shapes.fidelity import check
+from engine.pipeline import batching
 from engine.protocol import (
     BucketKey,
     BucketState,
@@ -30,7 +30,7 @@ from engine.protocol import (
     Mode,
     Size,
 )
-from engine.shapes.fidelity import check
+from engine.worker.client import ProcessEngine
 
 KEY = EngineKey("tiny-shapes", "cpu", "fp32")
 PROMPTS = ("a red circle on a blue background", "a green square on a yellow background",

@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import bench, devices, runner
+from engine import bench, devices
 from engine.bench import denoiser
 from engine.bench.cache_probe import run_cache_probe
 from engine.bench.plan import plan_from_args
 from engine.bench.run import run_bench
 from engine.errors import UnsupportedCombination
+from engine.pipeline import runner
 from engine.protocol import EngineOptions, Mode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -208,7 +209,7 @@ def test_flux_flops_analytic_matches_flop_counter():
         counted = denoiser.count_flops_meta(FluxTransformer2DModel, cfg, "FluxPipeline", size, text_len, 1, 3.5)
         assert counted == denoiser.flux_step_flops(cfg, size.width, size.height, text_len)
     # the full FLUX.1-dev step at 1024x1024 (analytic only: nothing is built)
-    from engine.presets import get_preset
+    from engine.config.presets import get_preset
 
     full = denoiser.flux_step_flops(get_preset("flux1-dev").denoiser_config, 1024, 1024, 512)
     assert 7.3e13 < full < 7.6e13

@@ -38,9 +38,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 _WARM = textwrap.dedent("""
     import json, sys
-    from engine.presets import get_preset
+    from engine.config.presets import get_preset
     from engine.protocol import BucketKey, EngineConfig, EngineKey, EngineOptions, Mode, Size
-    from engine.runner import PipelineRunner
+    from engine.pipeline.runner import PipelineRunner
 
     config = EngineConfig(EngineKey("tiny-flux", "cpu", "fp32"), get_preset("tiny-flux"),
                           EngineOptions(warm_sizes=()), sys.argv[1])
@@ -85,9 +85,9 @@ def test_a_cache_that_turns_read_only_moves_the_compile_to_a_temporary_cache(tmp
                                                                               torch_configs):
     import torch._inductor.codecache as codecache
 
-    from engine.presets import get_preset
+    from engine.config.presets import get_preset
+    from engine.pipeline.runner import PipelineRunner
     from engine.protocol import EngineConfig, EngineKey, EngineOptions
-    from engine.runner import PipelineRunner
 
     cache = tmp_path / "cache"
     (cache / "models").mkdir(parents=True)
@@ -119,7 +119,7 @@ def test_a_cache_that_turns_read_only_moves_the_compile_to_a_temporary_cache(tmp
 
 
 def test_an_interrupted_aot_build_is_removed_when_the_store_opens(tmp_path):
-    from engine.aot import PackageStore
+    from engine.pipeline.aot import PackageStore
 
     slot = tmp_path / "aot" / "tiny-flux" / "denoiser-cpu-fp32-64x64-b1"
     slot.mkdir(parents=True)
@@ -161,7 +161,7 @@ def test_temporary_files_and_precompiled_headers_stay_in_the_cache(tmp_path):
 
 @pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
 def test_unwritable_errors_are_recognised_through_the_chain(code):
-    from engine.caches import unwritable_cause
+    from engine.config.caches import unwritable_cause
 
     try:
         try:

@@ -24,8 +24,8 @@ import pytest
 from helpers import poll, process_gone
 from test_tp import _reference, _request
 
+from engine.config.presets import get_preset
 from engine.errors import Cancelled, InvalidRequest, UnsupportedCombination
-from engine.presets import get_preset
 from engine.protocol import EngineKey, EngineOptions, Parallel, parse_ranks, ranks_choice
 
 pytestmark = pytest.mark.slow  # starts torchrun context-parallel sidecars
@@ -37,7 +37,7 @@ PRESET = "tiny-flux"
 @pytest.fixture(scope="module")
 def cp(cache_dir, tiny_models, tmp_path_factory):
     """An EngineManager whose tiny-flux ulysses2 engine is a sidecar dumping rank 0's float images."""
-    from engine.manager import EngineManager
+    from engine.serving.manager import EngineManager
     from engine.tp.client import SidecarEngine
 
     dump = tmp_path_factory.mktemp("cp-dump")
@@ -195,7 +195,8 @@ def _min_tp_key(manager):
 
 def test_ring_is_allowed_where_the_backend_returns_the_log_sum_exp(tiny_models):
     """As data: a CUDA engine with cuDNN or flash attention may run Ring (not run here: no GPU)."""
-    from engine import attention, devices
+    from engine import devices
+    from engine.pipeline import attention
     from engine.tp import plan
 
     cuda = devices.get_device("cuda")
@@ -210,7 +211,7 @@ def test_ring_is_allowed_where_the_backend_returns_the_log_sum_exp(tiny_models):
 def test_the_backend_table_agrees_with_diffusers():
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    from engine import attention
+    from engine.pipeline import attention
 
     supported = {str(getattr(b, "value", b)) for b in _AttentionBackendRegistry._supports_context_parallel}
     assert {n for n, b in attention.BACKENDS.items() if b.context_parallel} == supported & set(attention.BACKENDS)
@@ -258,7 +259,7 @@ def test_two_nodes_in_ulysses_serve_the_manager_and_sigterm_stops_both(cache_dir
     from test_tp_multinode import Nodes
     from test_tp_multinode import _reference as _uint8_reference
 
-    from engine.manager import EngineManager
+    from engine.serving.manager import EngineManager
     from engine.tp.attach import SidecarAttacher
 
     class UlyssesNodes(Nodes):
@@ -301,7 +302,7 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
     from test_ui_handlers import RecordingProgress
 
     from engine.errors import EngineBusy
-    from engine.manager import HostPolicy
+    from engine.serving.manager import HostPolicy
     from ui.common import UIDefaults
     from ui.generate import GenerateHandlers
 

@@ -18,11 +18,11 @@ import httpx
 import pytest
 from gradio_client import Client
 
-from engine.budget import DeviceBudget
+from engine.config.validation import MAX_SEED, build_request, check_prompt
 from engine.errors import InvalidRequest
-from engine.manager import EngineManager, HostPolicy
 from engine.protocol import EngineOptions, Mode, Precision
-from engine.validation import MAX_SEED, build_request, check_prompt
+from engine.serving.budget import DeviceBudget
+from engine.serving.manager import EngineManager, HostPolicy
 from ui.common import to_gradio_error
 from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
@@ -261,7 +261,7 @@ def test_what_visitors_typed_is_remembered_in_a_bounded_cache(local_handlers):
 
 # -- memory and /system ------------------------------------------------------------------------------
 def test_the_web_servers_memory_is_counted_in_the_cpu_budget(local_handlers):
-    from engine.budget import plan_room
+    from engine.serving.budget import plan_room
 
     manager = local_handlers.manager
     assert manager.app_bytes("cpu") > 50 * 2**20

@@ -16,10 +16,8 @@ from concurrent.futures import wait
 import pytest
 from helpers import make_request, max_pixel_difference, wait_until
 
-from engine.client import ProcessEngine
+from engine.config.presets import get_preset
 from engine.errors import Cancelled, DeviceOutOfMemory, EngineCrashed
-from engine.manager import EngineManager
-from engine.presets import get_preset
 from engine.protocol import (
     BucketKey,
     BucketState,
@@ -29,6 +27,8 @@ from engine.protocol import (
     Fault,
     Size,
 )
+from engine.serving.manager import EngineManager
+from engine.worker.client import ProcessEngine
 
 pytestmark = pytest.mark.slow  # starts worker processes and compiles buckets
 
@@ -229,7 +229,7 @@ def test_hang_up_leaves_the_close_to_the_reader_thread():
     down, which wakes the reader, and the reader closes it."""
     from multiprocessing import Pipe
 
-    from engine.client import ConnectionEngine
+    from engine.worker.client import ConnectionEngine
 
     ours, peer = Pipe(duplex=True)
     closed_by = []
@@ -288,7 +288,7 @@ def test_a_worker_whose_load_failed_exits_by_itself(cache_dir, tiny_models, tmp_
     """After its Fatal the worker leaves at once, even if nobody closes it (its app died)."""
     import shutil
 
-    from engine.presets import preset_for_model
+    from engine.config.presets import preset_for_model
 
     broken = shutil.copytree(tiny_models["tiny-flux"], tmp_path / "broken-flux")
     for weights in (broken / "transformer").glob("*.safetensors"):

@@ -29,11 +29,11 @@ SCRIPT = textwrap.dedent(
     import numpy as np, torch
     from PIL import Image
     from engine import devices
-    from engine.presets import get_preset
+    from engine.config.presets import get_preset
     from engine.protocol import BucketKey, BucketState, EngineKey, GenerateRequest, Size
     from engine.protocol import EngineOptions
     from engine.protocol import EngineConfig
-    from engine.runner import PipelineRunner
+    from engine.pipeline.runner import PipelineRunner
 
     def runner(device):
         key = EngineKey("tiny-flux", device, "fp32")

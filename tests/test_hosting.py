@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from engine import budget
-from engine.budget import GIB, MIB, DeviceBudget, Resident, plan_room
 from engine.errors import BudgetExceeded, Cancelled, InvalidRequest, NotAllowed
-from engine.manager import Caller, EngineManager, HostPolicy
 from engine.protocol import BucketKey, EngineKey, EngineOptions, Mode, Precision, Size
-from engine.scheduler import CompileScheduler
+from engine.serving import budget
+from engine.serving.budget import GIB, MIB, DeviceBudget, Resident, plan_room
+from engine.serving.manager import Caller, EngineManager, HostPolicy
+from engine.serving.scheduler import CompileScheduler
 
 
 # -- budget planning ----------------------------------------------------------------------------
@@ -340,7 +340,7 @@ def test_a_sessions_second_run_is_refused_while_one_runs():
 
 
 def test_each_cpu_engine_gets_its_own_slot_on_the_short_run_board_freed_when_it_goes(tmp_path):
-    """Engines on the host's cores share one board of "running a short request" bytes (engine/priority.py):
+    """Engines on the host's cores share one board of "running a short request" bytes (engine/worker/priority.py):
     each gets its own slot, and a slot is cleared and free again once its engine is dropped (evicted,
     crashed, restarted), so a worker killed mid-request never leaves long requests waiting."""
     manager = EngineManager(cache_dir=tmp_path / "cache")
@@ -365,7 +365,7 @@ def test_the_soak_lists_a_process_tree_and_its_memory_from_proc():
     import subprocess
     import sys
 
-    from engine.soak import process_tree, resident_bytes
+    from engine.bench.soak import process_tree, resident_bytes
 
     child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
                               "subprocess.run(['sleep', '30']); sys.exit(0)"])

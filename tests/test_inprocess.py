@@ -1,4 +1,4 @@
-"""The in-process runtime (engine/inprocess.py) and the Space defaults (app.py).
+"""The in-process runtime (engine/serving/inprocess.py) and the Space defaults (app.py).
 
 ZeroGPU itself cannot run here; `ForkingGpu` stands in for it: every GPU call runs in a child made with
 os.fork, its arguments and events pickled across, the child discarded after, as ZeroGPU does.
@@ -72,7 +72,7 @@ def test_zero_gpu_picks_the_in_process_runtime_and_aot(clean_env):
 
 
 def test_durations_follow_measured_steps():
-    from engine.gpu import DURATION_MARGIN, MIN_DURATION_S, Durations
+    from engine.serving.gpu import DURATION_MARGIN, MIN_DURATION_S, Durations
 
     d = Durations(default_s=60, max_s=120)
     assert d.for_request("eager", "64x64", 8) == 60  # no measurement: the documented default
@@ -87,7 +87,7 @@ def test_durations_follow_measured_steps():
 
 # -- engines -------------------------------------------------------------------------------------------
 def _config(cache_dir, **options):
-    from engine.presets import get_preset
+    from engine.config.presets import get_preset
     from engine.protocol import EngineConfig, EngineKey, EngineOptions
 
     options.setdefault("warm_sizes", ())
@@ -103,8 +103,8 @@ def _request(**fields):
 
 
 def _engine(cache_dir, kind):
-    from engine.gpu import make_gpu_calls
-    from engine.inprocess import InProcessEngine
+    from engine.serving.gpu import make_gpu_calls
+    from engine.serving.inprocess import InProcessEngine
 
     engine = InProcessEngine(_config(cache_dir), gpu=make_gpu_calls(kind)).start()
     assert engine.wait_ready(300)
@@ -137,8 +137,8 @@ def test_in_process_serves_the_embedded_default_like_a_worker(manager, direct):
 
 def test_the_manager_refuses_what_cannot_run_in_process(cache_dir, tiny_models):
     from engine.errors import UnsupportedCombination
-    from engine.manager import EngineManager
     from engine.protocol import EngineOptions
+    from engine.serving.manager import EngineManager
 
     m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()), runtime="inprocess")
     try:
@@ -157,7 +157,7 @@ def test_the_manager_refuses_what_cannot_run_in_process(cache_dir, tiny_models):
 def test_a_forked_gpu_call_loses_nothing(direct, cache_dir):
     """Weights (same image), progress and result back, the duration asked for, cancel across the fork."""
     from engine.errors import Cancelled
-    from engine.gpu import ForkingGpu
+    from engine.serving.gpu import ForkingGpu
 
     forked = _engine(cache_dir, "fork")
     try:
@@ -190,9 +190,9 @@ def test_a_forked_gpu_call_loses_nothing(direct, cache_dir):
 # -- aot through the in-process runtime ---------------------------------------------------------------
 FRESH = r"""
 import json, sys
-from engine.gpu import make_gpu_calls
-from engine.inprocess import InProcessEngine
-from engine.presets import get_preset
+from engine.serving.gpu import make_gpu_calls
+from engine.serving.inprocess import InProcessEngine
+from engine.config.presets import get_preset
 from engine.protocol import *
 config = EngineConfig(EngineKey("tiny-shapes", "cpu", "fp32"), get_preset("tiny-shapes"),
                       EngineOptions(warm_sizes=()), sys.argv[1])
@@ -242,7 +242,7 @@ def test_aot_buckets_build_in_a_forked_call_and_load_in_a_fresh_process(cache_di
 def test_packages_push_to_and_pull_from_a_hub_repo(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from engine import aot_hub
+    from engine.pipeline import aot_hub
 
     store = tmp_path / "store"
     key = store / "tiny-shapes" / "denoiser-cpu-fp32-64x64-b1" / "abc123"

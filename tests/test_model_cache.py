@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import tiny
-from engine.weights import CorruptWeights
+from engine.models import tiny
+from engine.models.weights import CorruptWeights
 
 
 def _copy(tiny_models, name: str, root: Path) -> Path:
@@ -41,7 +41,7 @@ def test_a_marker_without_weights_is_detected_and_rebuilt(tiny_models, tmp_path,
     (target / "text_encoder" / "model.safetensors").unlink()
     assert (target / tiny.COMPLETE_MARKER).is_file()
     assert "text_encoder has no weight files" in tiny.check_pipeline_folder(target)
-    with caplog.at_level(logging.WARNING, logger="engine.tiny"):
+    with caplog.at_level(logging.WARNING, logger="engine.models.tiny"):
         assert tiny.ensure_tiny_pipeline("tiny-flux", tmp_path) == target
     assert "rebuilding it" in caplog.text
     assert tiny.check_pipeline_folder(target) is None
@@ -66,10 +66,10 @@ def test_a_rank_in_a_process_group_builds_in_a_fresh_process(monkeypatch, tmp_pa
 
 
 def test_a_corrupt_header_names_the_component_not_a_memory_error(tiny_models, tmp_path, monkeypatch):
-    from engine import budget
-    from engine import manager as manager_module
-    from engine.manager import EngineManager
     from engine.protocol import EngineKey, EngineOptions
+    from engine.serving import budget
+    from engine.serving import manager as manager_module
+    from engine.serving.manager import EngineManager
 
     target = _copy(tiny_models, "tiny-flux", tmp_path)
     _corrupt_header(target / "text_encoder" / "model.safetensors")
@@ -102,7 +102,7 @@ def test_an_unwritable_models_folder_falls_back_to_a_private_temporary_one(tmp_p
     monkeypatch.setattr(tiny, "open", open_ro, raising=False)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    with caplog.at_level(logging.WARNING, logger="engine.tiny"):
+    with caplog.at_level(logging.WARNING, logger="engine.models.tiny"):
         path = tiny.ensure_tiny_pipeline("tiny-flux", readonly)
     assert path.parent.parent.parent == tmp_path / "tmp" and tiny.check_pipeline_folder(path) is None
     assert (path.parent.parent.stat().st_mode & 0o777) == 0o700

@@ -67,7 +67,7 @@ def test_the_wheel_holds_every_package_the_data_and_the_command(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     packages = {p.parent.relative_to(REPO).as_posix() for top in ("engine", "ui")
                 for p in (REPO / top).rglob("__init__.py") if "__pycache__" not in p.parts}
-    assert {"engine", "engine/shapes", "engine/tp", "ui"} <= packages
+    assert {"engine", "engine/models/shapes", "engine/tp", "ui"} <= packages
     for package in packages:
         sources = {p.relative_to(REPO).as_posix() for p in (REPO / package).glob("*.py")}
         assert sources <= names, f"{package}: {sorted(sources - names)} not in the wheel"

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
+from engine.config.presets import get_preset, load_presets, preset_for_model, route_size
+from engine.config.validation import build_request
 from engine.errors import InvalidRequest, ModelLoadError
-from engine.presets import get_preset, load_presets, preset_for_model, route_size
 from engine.protocol import Size
-from engine.validation import build_request
 
 SEED_PRESETS = {
     "flux2-klein-4b": ("Flux2KleinPipeline", "black-forest-labs/FLUX.2-klein-4B", 4),

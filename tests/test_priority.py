@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.priority import RunCost, ShortRuns, ShortRunSlots
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -24,7 +23,8 @@ from engine.protocol import (
     StepProgress,
     Timings,
 )
-from engine.worker import WorkerLoop, YieldToRequests
+from engine.worker.loop import WorkerLoop, YieldToRequests
+from engine.worker.priority import RunCost, ShortRuns, ShortRunSlots
 
 SMALL, BIG = Size(64, 64), Size(128, 128)
 
@@ -388,7 +388,7 @@ def test_a_request_waits_for_an_fx_trace_under_way_which_is_never_paused():
 def test_loading_runs_on_a_thread_below_the_serving_one_and_hands_back_its_result_or_error():
     """A worker loads its pipeline (imports, weights, a measuring run) as far below its requests as its
     compiles, so engines loading for new visitors do not slow loaded engines' requests."""
-    from engine.worker import run_on_lowered_thread
+    from engine.worker.loop import run_on_lowered_thread
 
     here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     seen = run_on_lowered_thread(lambda: (os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),

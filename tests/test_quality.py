@@ -80,7 +80,7 @@ def test_quality_targets_are_met_or_missed_from_the_columns():
 
 
 def test_the_shapes_checker_scores_grammar_prompts_and_skips_others():
-    from engine.shapes.grammar import render
+    from engine.models.shapes.grammar import render
 
     checker = quality.fidelity_checker(type("P", (), {"fidelity": "shapes"})())
     drawn = np.asarray(render("a yellow triangle on a purple background", 64, 64, rng=3))

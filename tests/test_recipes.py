@@ -6,11 +6,12 @@ import pytest
 import torch
 from helpers import make_runner, torch_configs_restored
 
-from engine import devices, recipes
+from engine import devices
+from engine.config.presets import get_preset
 from engine.errors import UnsupportedCombination
-from engine.presets import get_preset
+from engine.pipeline import recipes
+from engine.pipeline.runner import PipelineRunner, clone_module_tree
 from engine.protocol import EngineConfig, EngineKey, EngineOptions
-from engine.runner import PipelineRunner, clone_module_tree
 
 
 def test_fuse_qkv_fuses_attention_projections(cache_dir, tiny_models):
@@ -56,7 +57,7 @@ def test_quantized_precisions_quantize_the_denoiser_with_torchao(cache_dir, shap
     import numpy as np
 
     from engine.bench.quality import image_drift
-    from engine.shapes.fidelity import check
+    from engine.models.shapes.fidelity import check
 
     runner = make_runner(cache_dir, preset="tiny-shapes", precision=precision)
     assert runner.precision.precision == precision and runner.precision.base == "fp32"

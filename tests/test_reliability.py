@@ -20,8 +20,8 @@ from gradio_client import Client
 from helpers import BAD_INPUTS, free_port, launch_demo, max_pixel_difference
 from PIL import Image
 
-from engine.manager import EngineManager
 from engine.protocol import EngineOptions
+from engine.serving.manager import EngineManager
 from ui.handlers import Handlers, UIDefaults
 
 pytestmark = pytest.mark.slow  # launches the app and drives real engines through its API
@@ -67,7 +67,7 @@ def generate(client, **overrides):
 
 def bad_inputs(model_root: Path):
     """(overrides, words the error must contain) — at least 40 kinds of bad input: the soak's table
-    (engine/soak.py BAD_INPUTS) and what is bad on this host (its model folders, devices absent here, the
+    (engine/bench/soak.py BAD_INPUTS) and what is bad on this host (its model folders, devices absent here, the
     Hub offline)."""
     return [
         *BAD_INPUTS,
@@ -252,7 +252,7 @@ def test_a_truncated_compiled_module_in_the_cache_is_removed_before_the_retry(tm
     """A process killed while inductor wrote its C++ module leaves a 0-byte .so that inductor's code cache
     would load again by its hash, even with the FX graph cache off: the retry removes what the error names,
     and only inside the inductor cache folder."""
-    from engine.caches import remove_corrupt_artifacts
+    from engine.config.caches import remove_corrupt_artifacts
 
     cache = tmp_path / "inductor"
     corrupt = cache / "3c" / "c3cgetv7q3e4.main.so"
@@ -272,7 +272,7 @@ def test_a_truncated_compiled_module_in_the_cache_is_removed_before_the_retry(tm
 
 
 def test_without_a_known_inductor_cache_nothing_is_removed(tmp_path, monkeypatch):
-    from engine.caches import remove_corrupt_artifacts
+    from engine.config.caches import remove_corrupt_artifacts
 
     stray = tmp_path / "x.main.so"
     stray.write_bytes(b"")

@@ -8,9 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from engine import devices, stepcache
+from engine import devices
+from engine.config.presets import get_preset
+from engine.config.validation import build_request
 from engine.errors import InvalidRequest, UnsupportedCombination
-from engine.presets import get_preset
+from engine.models.shapes.fidelity import check
+from engine.pipeline import stepcache
+from engine.pipeline.runner import PipelineRunner
 from engine.protocol import (
     BucketKey,
     BucketState,
@@ -23,9 +27,6 @@ from engine.protocol import (
     StepCache,
     StepCacheKind,
 )
-from engine.runner import PipelineRunner
-from engine.shapes.fidelity import check
-from engine.validation import build_request
 
 PRESET = get_preset("tiny-shapes")
 CPU = devices.get_device("cpu")

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import tiny
 from engine.errors import InvalidRequest
+from engine.models import tiny
 
 
 def _file_hashes(folder: Path) -> dict[str, str]:

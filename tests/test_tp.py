@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from helpers import poll, process_gone
 
+from engine.config.presets import get_preset
 from engine.errors import EngineCrashed
-from engine.presets import get_preset
+from engine.pipeline.runner import pipeline_call_kwargs
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, GenerateRequest
-from engine.runner import pipeline_call_kwargs
 from engine.settings import data_path
 from engine.tp.client import SidecarEngine
 
@@ -144,7 +144,7 @@ def test_flux2_klein_tp_with_sharded_text_encoder_matches_one_process(cache_dir,
 def test_embedded_shapes_model_tp_draws_the_same_picture(cache_dir, tiny_models, tmp_path):
     """The trained default over 2 ranks: the image equals the single process (<= 2/255) and still draws
     its prompt."""
-    from engine.shapes.fidelity import check
+    from engine.models.shapes.fidelity import check
 
     prompt = "a yellow triangle on a purple background"
     engine = SidecarEngine(_config(cache_dir, "tiny-shapes"), dump_dir=tmp_path).start()
@@ -164,7 +164,7 @@ def test_embedded_shapes_model_tp_draws_the_same_picture(cache_dir, tiny_models,
 
 
 def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
-    from engine.manager import EngineManager
+    from engine.serving.manager import EngineManager
 
     manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
     seen: list[SidecarEngine] = []

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.tp import wire
+from engine.worker import wire
 
 
 def _drip(sock: socket.socket, every_s: float, stop: threading.Event) -> None:

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from engine import devices
+from engine.config.presets import get_preset
 from engine.errors import InvalidRequest, UnsupportedCombination
-from engine.presets import get_preset
 from engine.protocol import Parallel
 from engine.tp import launch, plan
 from engine.tp.client import root_cause

@@ -102,9 +102,9 @@ def _reference(tiny_models, request_args: dict) -> np.ndarray:
     import diffusers
     import torch
 
-    from engine.presets import get_preset
-    from engine.runner import pipeline_call_kwargs
-    from engine.validation import build_request
+    from engine.config.presets import get_preset
+    from engine.config.validation import build_request
+    from engine.pipeline.runner import pipeline_call_kwargs
 
     preset = get_preset("tiny-flux")
     request, _ = build_request(preset, prompt=request_args["prompt"], negative_prompt=None, width=64, height=64,
@@ -123,8 +123,8 @@ def cluster(cache_dir, tiny_models, tmp_path_factory):
     on an engine manager, the Gradio app built as helpers.launch_demo does), started together: the app comes
     up first and attaches once rank 0 listens."""
     import app as app_module
-    from engine.manager import EngineManager
     from engine.protocol import EngineOptions
+    from engine.serving.manager import EngineManager
     from ui.handlers import UIDefaults
 
     folder = tmp_path_factory.mktemp("multinode")
@@ -191,9 +191,9 @@ fcntl.flock = _hooked
 def test_a_model_built_by_node_1_serves_the_single_process_image(tiny_models, tmp_path):
     """Two nodes share one empty cache folder and node 1's rank wins the build lock: a rank other than global
     rank 0 used to save configs without weights (transformers saves on rank 0 only) and mark them complete."""
-    from engine.presets import get_preset
+    from engine.config.presets import get_preset
+    from engine.config.validation import build_request
     from engine.tp.attach import SidecarNotRunning, connect
-    from engine.validation import build_request
 
     hooks = tmp_path / "hooks"
     hooks.mkdir()
@@ -226,7 +226,7 @@ def test_a_model_built_by_node_1_serves_the_single_process_image(tiny_models, tm
         diff = int(np.abs(image.astype(int) - _reference(tiny_models, TP).astype(int)).max())
         print(f"node 1 built the model: ready after {ready_s:.1f} s, max pixel diff {diff}/255 vs one process")
         assert diff <= 2
-        from engine.tiny import check_pipeline_folder
+        from engine.models.tiny import check_pipeline_folder
 
         assert check_pipeline_folder(cache / "models" / "tiny-flux") is None
     finally:
@@ -402,7 +402,7 @@ def test_launcher_explains_how_a_node_ended():
 
 
 def test_nodes_started_for_another_engine_are_told_so(monkeypatch):
-    from engine.presets import get_preset
+    from engine.config.presets import get_preset
     from engine.protocol import EngineConfig, EngineKey
     from engine.tp.sidecar import _node_claims, build_parser
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import launch_demo
 
+from engine.config.presets import get_preset
 from engine.errors import Cancelled
-from engine.presets import get_preset
 from engine.settings import DEFAULT_PRESET
 from ui.handlers import UIDefaults
 

@@ -12,8 +12,8 @@ import pytest
 from helpers import spy_generate
 
 from engine.errors import Cancelled, EngineCrashed
-from engine.manager import HostPolicy
 from engine.protocol import EngineKey, StepProgress
+from engine.serving.manager import HostPolicy
 from ui import views
 from ui.generate import PARTIAL_EVERY_S, GenerateHandlers
 from ui.handlers import Handlers, UIDefaults

@@ -124,24 +124,24 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 # -- module boundaries -----------------------------------------------------------------------------
 # The UI reaches the engine through the manager it is given (EngineManager at most for type hints), the
 # typed protocol and the error classes. Exceptions, each in one module: ui/common.py asks
-# engine.devices and engine.attention what the manager cannot tell (the device report, a device's
+# engine.devices and engine.pipeline.attention what the manager cannot tell (the device report, a device's
 # modes, the attention backends and step caches that can run), ui/views.py reuses the benchmark's
 # speedup_table and quality code so the UI and the bench agree, and ui/advisor.py shows the advisor's
 # default bounds (it runs `python -m engine advise` in a child process).
 ALLOWED_ENGINE_IMPORTS = {
-    "engine.protocol": None, "engine.errors": None, "engine.manager": {"EngineManager", "Caller"},
-    "engine.attention": {"attention_table", "DEFAULT"},
+    "engine.protocol": None, "engine.errors": None, "engine.serving.manager": {"EngineManager", "Caller"},
+    "engine.pipeline.attention": {"attention_table", "DEFAULT"},
     "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
     "engine.bench": {"speedup_table"},
     "engine.bench.quality": {"fidelity_checker", "fmt_drift", "image_drift", "sample_prompts", "score"},
     "engine.metrics": {"median", "percentile"},
-    "engine.stepcache": {"available_step_caches"},
+    "engine.pipeline.stepcache": {"available_step_caches"},
     "engine.bench.advise": {"DEFAULT_FIDELITY_POINTS", "DEFAULT_MIN_PSNR"},
-    "engine.validation": {"check_steps"},
+    "engine.config.validation": {"check_steps"},
 }
-ONLY_IN = {"engine.devices": "common.py", "engine.attention": "common.py", "engine.bench": "views.py",
-           "engine.bench.quality": "views.py", "engine.metrics": "views.py", "engine.stepcache": "common.py",
-           "engine.bench.advise": "advisor.py", "engine.validation": "compare.py"}
+ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "engine.bench": "views.py",
+           "engine.bench.quality": "views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
+           "engine.bench.advise": "advisor.py", "engine.config.validation": "compare.py"}
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 
 

@@ -16,8 +16,8 @@ import gradio as gr
 import pandas as pd
 
 from engine.errors import InvalidRequest, NotAllowed, ShowcaseError
-from engine.manager import Caller
 from engine.protocol import Mode, Size, ranks_choice
+from engine.serving.manager import Caller
 from ui import views
 from ui.common import DEFAULT_ATTENTION, FAST, HandlerBase, to_gradio_error
 

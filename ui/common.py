@@ -19,8 +19,6 @@ from dataclasses import dataclass
 import gradio as gr
 
 from engine import devices as engine_devices
-from engine.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401 - the tabs import it from here
-from engine.attention import attention_table
 from engine.errors import (
     BudgetExceeded,
     Cancelled,
@@ -31,8 +29,10 @@ from engine.errors import (
     ShowcaseError,
     UnsupportedCombination,
 )
-from engine.manager import Caller
+from engine.pipeline.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401 - the tabs import it from here
+from engine.pipeline.attention import attention_table
 from engine.protocol import DEFAULT_PRESET, Mode, Precision, parse_ranks
+from engine.serving.manager import Caller
 from ui.runs import RunRegistry
 
 log = logging.getLogger(__name__)
@@ -246,8 +246,8 @@ class HandlerBase:
             return []
 
     def step_cache_rows(self, preset: str, device: str, mode: str) -> list[dict]:
-        """Every step cache for a preset, device and mode: usable, or why not (engine/stepcache.py)."""
-        from engine.stepcache import available_step_caches
+        """Every step cache for a preset, device and mode: usable, or why not (engine/pipeline/stepcache.py)."""
+        from engine.pipeline.stepcache import available_step_caches
 
         try:
             spec = engine_devices.resolve_device(device)

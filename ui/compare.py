@@ -18,9 +18,9 @@ from itertools import product
 import gradio as gr
 import pandas as pd
 
+from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size
-from engine.validation import check_steps
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import HEARTBEAT_S

@@ -18,6 +18,17 @@ cli.py (the sub-command's parser), run.py (plan -> measure -> report), stats.py 
 table, ratios, targets), report.py (Markdown, bench.json, chart), measure.py (what the measuring
 paths share).
 
+Beside the benchmark, the commands that measure a whole host from outside: soak.py (`python -m engine
+soak`: simulated visitors against a real app process, memory and orphans checked) and load.py
+(`python -m engine load`: a burst of visitors at one bucket, batching off and on). The
+advisor (advise.py), the contention and context-parallel benches and the cold-start probe live here too.
+
+Layer 8, the top of the engine: it may import the contract (engine/protocol.py, errors.py, metrics.py,
+settings.py), this folder and every layer below it (devices, models, config, pipeline, worker, tp,
+serving). Nothing in the engine imports it but engine/cli.py; the UI and app.py may. A new
+measurement, a new probe of a lever (step caches, quantization, batching) goes here; the lever itself
+goes where it runs (engine/pipeline/ for a pipeline's levers).
+
 Importing this package imports no torch (engine/cli.py registers the parser for every sub-command,
 and the UI's Compare tab uses the pure statistics): only what runs a measurement imports it.
 """

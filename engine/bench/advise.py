@@ -123,10 +123,10 @@ def result_path(cache_dir: Path, preset: str, device: str, size, steps: int) -> 
 # -- the grid ---------------------------------------------------------------------------------------
 def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
     """Every candidate this engine can run here, and what was skipped with why (torch not needed)."""
-    from engine.attention import attention_table
     from engine.devices import precision_support
+    from engine.pipeline.attention import attention_table
+    from engine.pipeline.stepcache import available_step_caches
     from engine.protocol import Mode
-    from engine.stepcache import available_step_caches
 
     skipped: list[dict] = []
     precisions = []
@@ -621,7 +621,7 @@ def serving_threads(spec) -> int | None:
     images many times over and not the app's."""
     if not spec.host_memory_is_device_memory:
         return None
-    from engine.manager import cpu_worker_threads
+    from engine.serving.manager import cpu_worker_threads
 
     return cpu_worker_threads(spec.max_engines)
 
@@ -631,8 +631,8 @@ def cmd_advise(args) -> int:
     import sys
 
     from engine import devices, settings
-    from engine.flags import model_roots_from_args, options_from_args
-    from engine.presets import get_preset, route_size
+    from engine.config.flags import model_roots_from_args, options_from_args
+    from engine.config.presets import get_preset, route_size
     from engine.protocol import Size
 
     started = time.perf_counter()  # the budget covers loading torch too
@@ -675,7 +675,7 @@ def cmd_advise(args) -> int:
 
 def add_advise_parser(subparsers):
     """Register `advise` on the CLI's subparsers (engine/cli.py calls this); imports no torch."""
-    from engine.flags import add_engine_arguments
+    from engine.config.flags import add_engine_arguments
 
     a = subparsers.add_parser(
         "advise", help="measure precision x mode x step cache x attention here; pick the fastest within a "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from engine.bench.modes import BENCH_MODES
-from engine.flags import add_engine_arguments
+from engine.config.flags import add_engine_arguments
 from engine.protocol import Precision
 
 DESCRIPTION = "Benchmark: what each mode and precision buys, measured side by side in one run."

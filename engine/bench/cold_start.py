@@ -52,7 +52,7 @@ def cmd_cold_start_child(args) -> int:
     """Child: load, warm every bucket given, time it from this process's start; aot also serves requests."""
     import psutil
 
-    from engine.runner import compiles_in_this_thread
+    from engine.pipeline.runner import compiles_in_this_thread
 
     process = psutil.Process()
     started = process.create_time()
@@ -178,8 +178,8 @@ def cmd_runtime_child(args) -> int:
     first bucket from this process's start, then steady images; aot: every bucket warm (packages present)."""
     import psutil
 
-    from engine.manager import EngineManager
     from engine.protocol import EngineOptions
+    from engine.serving.manager import EngineManager
 
     started = psutil.Process().create_time()
     plan = plan_from_args(args)

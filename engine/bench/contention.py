@@ -30,8 +30,8 @@ def _p95(values: list[float]) -> float:
 
 
 def measure(args, yields: bool) -> dict:
-    from engine.manager import EngineManager
     from engine.protocol import EngineOptions
+    from engine.serving.manager import EngineManager
 
     os.environ["SHOWCASE_COMPILE_YIELD"] = "1" if yields else "0"  # the worker reads it when it starts
     cache = tempfile.mkdtemp(prefix="contention-")

@@ -57,7 +57,7 @@ def _setup(args):
 
     from engine import devices
     from engine.bench.denoiser import denoiser_class
-    from engine.presets import get_preset
+    from engine.config.presets import get_preset
     from engine.protocol import Size
 
     preset = get_preset(args.preset)
@@ -76,7 +76,7 @@ def _model_config(preset, cls) -> dict:
     from engine import settings
 
     if preset.embedded:
-        from engine.tiny import ensure_tiny_pipeline
+        from engine.models.tiny import ensure_tiny_pipeline
 
         folder = ensure_tiny_pipeline(preset.embedded, settings.models_dir(settings.cache_dir()))
     elif preset.bundled:

@@ -24,15 +24,16 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from engine import devices, recipes, runner
+from engine import devices
 from engine.bench.measure import error_text, inductor_cache_state, progress
 from engine.bench.modes import MODE_TABLE
 from engine.bench.plan import BenchPlan
 from engine.bench.report import assemble_report, write_outputs
 from engine.bench.stats import apply_speedups, empty_result, finish_result
+from engine.config.presets import load_presets
 from engine.devices import DeviceSpec
 from engine.errors import InvalidRequest, UnsupportedCombination
-from engine.presets import load_presets
+from engine.pipeline import recipes, runner
 from engine.protocol import Mode, Precision, Size
 
 log = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ def denoiser_variant(model: torch.nn.Module, mode: str, options, spec: DeviceSpe
             raise UnsupportedCombination("mode aot needs the bucket's example inputs to export the denoiser")
         import tempfile
 
-        from engine import aot
+        from engine.pipeline import aot
 
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="showcase-bench-aot-") as folder:
@@ -431,7 +432,7 @@ def run_denoiser_bench(plan: BenchPlan) -> dict:
     spec = devices.resolve_device(plan.device)
     env = devices.apply_environment(spec, plan.cache_dir)  # before diffusers loads (see denoiser_class)
     cls = denoiser_class(preset.pipeline)
-    # Classifier-free guidance doubles the batch; a batched call (engine/batching.py) multiplies it
+    # Classifier-free guidance doubles the batch; a batched call (engine/pipeline/batching.py) multiplies it
     batch = (2 if preset.cfg and preset.guidance > 1.0 else 1) * plan.images_per_call
     configs = plan.configs()
     total = len(plan.precisions) + len(configs) * (1 + plan.runs * plan.steps) + (1 if plan.matmul_roofline else 0)

@@ -19,13 +19,13 @@ import logging
 import time
 from pathlib import Path
 
-from engine import stepcache
 from engine.bench import quality
 from engine.bench.measure import build_runner, error_text, progress
 from engine.bench.modes import MODE_TABLE
 from engine.bench.report import fmt, machine_info
 from engine.bench.stats import median, ratio
 from engine.errors import ShowcaseError
+from engine.pipeline import stepcache
 from engine.protocol import BucketKey, BucketState, GenerateRequest, OnCold, StepCache
 
 log = logging.getLogger(__name__)

@@ -12,11 +12,11 @@ import os
 from pathlib import Path
 
 from engine.bench.modes import BenchMode
+from engine.config.resolve import resolve_source
 from engine.devices import INDUCTOR_CACHE_VAR, DeviceSpec
-from engine.progress import progress_bar
+from engine.pipeline.progress import progress_bar
+from engine.pipeline.runner import PipelineRunner
 from engine.protocol import EngineConfig, EngineKey
-from engine.resolve import resolve_source
-from engine.runner import PipelineRunner
 
 
 def progress(total: int, enabled: bool, desc: str):

@@ -28,8 +28,8 @@ from engine.bench.plan import BenchPlan
 from engine.bench.report import fmt
 from engine.bench.stats import apply_speedups, empty_result, finish_result, median, ratio
 from engine.devices import DeviceSpec
+from engine.pipeline.runner import PipelineRunner, compiles_in_this_thread, pipeline_call_kwargs
 from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold, Size
-from engine.runner import PipelineRunner, compiles_in_this_thread, pipeline_call_kwargs
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from engine import devices, settings
 from engine.bench.modes import BENCH_MODES
+from engine.config.flags import engine_flags_argv, model_roots_from_args, options_from_args
+from engine.config.presets import get_preset, preset_for_model, route_size
 from engine.errors import InvalidRequest
-from engine.flags import engine_flags_argv, model_roots_from_args, options_from_args
-from engine.presets import get_preset, preset_for_model, route_size
 from engine.protocol import GENERIC_PROMPT, EngineOptions, ModelPreset, Size, StepCache
 
 
@@ -55,7 +55,7 @@ class BenchPlan:
     # Images per configuration for drift (and fidelity, for a model with a checker); 0 = skip.
     quality_samples: int = 3
     caches: tuple[str, ...] = ()  # step caches (canonical text): the levers bench (engine/bench/levers.py)
-    images_per_call: int = 1  # random weights: images per denoiser call (batching, engine/batching.py)
+    images_per_call: int = 1  # random weights: images per denoiser call (batching, engine/pipeline/batching.py)
 
 
     def configs(self) -> list[tuple[str, str, Size]]:

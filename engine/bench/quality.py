@@ -8,7 +8,7 @@ Two measures, for every configuration of a bench run:
   worst sample kept).
 - **fidelity**, for a model trained on a closed grammar (a preset with `fidelity = "shapes"`): the
   share of images whose background colour, object colour and shape a pixel-only checker reads as the
-  prompt says (engine/shapes/fidelity.py), over seeded random prompts of the grammar.
+  prompt says (engine/models/shapes/fidelity.py), over seeded random prompts of the grammar.
 
 Pure functions here are shared with the UI's Compare tab (`image_drift`); torch is not imported.
 """
@@ -66,7 +66,7 @@ def sample_prompts(preset, n: int, seed: int, fallback: str, held_out: bool = Fa
     """`n` prompts for quality samples: random prompts of the model's grammar (seeded; training prompts,
     or the held-out ones), else the bench's own prompt each time."""
     if preset.fidelity == "shapes":
-        from engine.shapes.grammar import HELD_OUT, training_prompts
+        from engine.models.shapes.grammar import HELD_OUT, training_prompts
 
         pool = list(HELD_OUT if held_out else training_prompts())
         rng = random.Random(seed)
@@ -78,8 +78,8 @@ def fidelity_checker(preset) -> Callable | None:
     """(image, prompt) -> correct? (None for a prompt outside the grammar: nothing to score), for presets
     whose model draws a closed grammar; None for other presets."""
     if preset.fidelity == "shapes":
-        from engine.shapes.fidelity import check
-        from engine.shapes.grammar import parse_prompt
+        from engine.models.shapes.fidelity import check
+        from engine.models.shapes.grammar import parse_prompt
 
         return lambda image, prompt: check(to_array(image), prompt).correct if parse_prompt(prompt) else None
     return None

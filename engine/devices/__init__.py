@@ -30,6 +30,11 @@ Rules the rest of the engine relies on:
 * `apply_precision` and `apply_environment` change process-wide state: the engine runs one device
   per worker process, so they are applied once, in that worker, before any model is built.
 
+Layer 1, the bottom of the engine: it imports only the contract (engine/protocol.py, errors.py,
+metrics.py, settings.py) and this folder; every other layer may import it. A new accelerator, or a new
+capability that differs by device (a precision, a compile backend, a quantization kernel's support),
+goes here as a field or hook of the spec.
+
 The function `registry()` is re-exported under the name of its module, so `engine.devices.registry` is
 the function; import the module's other names with `from engine.devices.registry import ...`.
 """

@@ -110,7 +110,7 @@ def aot_target() -> str:
 
 
 def attention_kernels() -> tuple[str, ...]:
-    """Which attention kernel families exist for this build's GPUs (engine/attention.py)."""
+    """Which attention kernel families exist for this build's GPUs (engine/pipeline/attention.py)."""
     if is_rocm():  # no cuDNN, FA3, sage or xformers builds for ROCm; AMD's CK flash kernel from the Hub
         return ("sdpa", "sdpa-flash", "sdpa-efficient", "flex", "flash-attn", "hub-rocm")
     return ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex", "flash-attn", "flash-attn-3", "hub",

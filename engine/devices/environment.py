@@ -64,6 +64,15 @@ def temp_dir(cache_dir: Path) -> Path:
     return folder
 
 
+def set_precompiled_header_dir(folder: Path) -> None:
+    """Where inductor writes its precompiled C++ headers (over 100 MB). Inductor fixes the folder at import
+    from the temporary directory, not from its cache folder: point it into the cache."""
+    import torch._inductor.codecache as codecache
+
+    codecache._HEADER_DIR = str(folder)
+    codecache._HEADER_LOCK_DIR = str(Path(folder) / "locks")
+
+
 def contain_temporary_files(cache_dir: Path, inductor_cache: str | None) -> None:
     """This process's temporary files and inductor's precompiled headers go inside the cache folder."""
     folder = temp_dir(cache_dir)
@@ -71,8 +80,6 @@ def contain_temporary_files(cache_dir: Path, inductor_cache: str | None) -> None
         os.environ[TMPDIR_VAR] = str(folder)
         tempfile.tempdir = None  # computed again from TMPDIR on next use
     if inductor_cache:
-        from engine.caches import set_precompiled_header_dir
-
         set_precompiled_header_dir(Path(inductor_cache) / "precompiled_headers")
 
 

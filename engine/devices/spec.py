@@ -118,7 +118,7 @@ class DeviceSpec:
     # AOTInductor packages (mode aot): a device that can build and load them lists Mode.AOT in `modes`;
     # one that cannot says why here (its own ahead-of-time path, or an untested backend).
     aot_refusal: str = ""
-    # Kernel families of diffusers' attention backends this device can run (engine/attention.py maps each
+    # Kernel families of diffusers' attention backends this device can run (engine/pipeline/attention.py maps each
     # backend to one): "sdpa" everywhere; fused SDPA kernels, flash-attn, sage, xformers, hub kernels on GPUs.
     attention_kernels: tuple[str, ...] = ("sdpa",)
     # The families whose op diffusers' context-parallel path (Ulysses / Ring) can call here; None: the same
@@ -140,7 +140,7 @@ class DeviceSpec:
     # (mode, variable, value): forced in a worker process started for that mode, removed from workers
     # started for any other mode (a runtime that reads it once at start-up cannot be switched later).
     mode_env: tuple[tuple[Mode, str, str], ...] = ()
-    # Hosting (engine/manager.py keeps each device's engines within a budget):
+    # Hosting (engine/serving/manager.py keeps each device's engines within a budget):
     # - the default budget is `budget_share` of the device's free memory at start-up (of its total
     #   where host RAM is the device: other programs come and go, the app must leave room for them);
     # - at most `max_engines` engines at once (Neuron and TPU runtimes give a core/chip to one process);
@@ -150,7 +150,7 @@ class DeviceSpec:
     budget_share: float = 0.9
     max_engines: int = 3
     process_overhead_bytes: int = 512 * 2**20
-    # Batching (engine/batching.py): the default --max-batch, the most requests one pipeline call serves.
+    # Batching (engine/pipeline/batching.py): the default --max-batch, the most requests one pipeline call serves.
     # Each batch size is one more compiled graph per bucket, and the budget counts the activations of the
     # largest: where a compile takes minutes (static-shape devices) or memory is tight, keep it small.
     max_batch: int = 4

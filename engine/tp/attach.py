@@ -22,10 +22,10 @@ import threading
 import time
 from pathlib import Path
 
-from engine.client import ConnectionEngine
 from engine.errors import EngineCrashed, InvalidRequest, ShowcaseError
 from engine.protocol import EngineKey, RequestFailed
 from engine.tp.tokens import read_address_info, read_token, token_path_for
+from engine.worker.client import ConnectionEngine
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def dial_sidecar(address_file: str | Path, timeout_s: float = 10.0):
     says what to do."""
     from multiprocessing import AuthenticationError
 
-    from engine.tp.wire import dial
+    from engine.worker.wire import dial
 
     path = Path(address_file)
     if not path.exists():

@@ -38,12 +38,12 @@ import time
 from pathlib import Path
 
 from engine import devices
-from engine.client import ConnectionEngine
+from engine.config.resolve import resolve_source
 from engine.errors import EngineCrashed, InvalidRequest, ModelLoadError
 from engine.protocol import RankExit
-from engine.resolve import resolve_source
 from engine.tp import launch
 from engine.tp.tokens import new_token, write_private
+from engine.worker.client import ConnectionEngine
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class SidecarEngine(ConnectionEngine):
         self.process = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
             # Its own process group (killpg on close, no terminal signals) in the app's session: a session
-            # of its own would be a scheduling autogroup of its own (see engine.worker.join_own_process_group).
+            # of its own would be a scheduling autogroup of its own (see engine.worker.loop.join_own_process_group).
             process_group=0,
         )
         threading.Thread(target=self._connect, name=f"tp-connect-{self.key}", daemon=True).start()

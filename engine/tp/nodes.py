@@ -63,7 +63,7 @@ class NodePlan:
 
 
 def _check_preset_name(name: str) -> str:
-    from engine.presets import get_preset, looks_like_model_ref
+    from engine.config.presets import get_preset, looks_like_model_ref
 
     if not isinstance(name, str) or not name.strip() or any(ord(c) < 32 for c in name):
         raise InvalidRequest(f"--preset {name!r} is not a preset name, Hub id or folder")

@@ -15,7 +15,7 @@ What is checked, per sharded component:
 Context parallel (Ulysses, Ring: every rank holds the whole denoiser and 1/N of the tokens), `check_context`:
 the class has a `_cp_plan`; each sequence that plan splits (image and text tokens, at every bucket) divides
 by N; Ulysses also splits the attention heads N ways; the attention backend runs the layout on this device
-(engine/attention.py: Ring needs one that returns the log-sum-exp); the weights fit unsharded (no `min_tp`).
+(engine/pipeline/attention.py: Ring needs one that returns the log-sum-exp); the weights fit unsharded (no `min_tp`).
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def check_context(preset, source: str, n: int, parallel: Parallel, attention_bac
     over `n` ranks; the notices of what was checked otherwise."""
     import diffusers
 
-    from engine import attention
+    from engine.pipeline import attention
 
     parallel = Parallel.parse(parallel, "parallel")
     layout = CONTEXT_LAYOUTS[parallel]

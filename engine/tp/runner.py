@@ -6,7 +6,7 @@ load it whole on every rank and then `enable_parallelism(ContextParallelConfig(.
 1/N of the tokens. Everything below (broadcast operations, cancel, status checks) is the same for both.
 
 Why operations are broadcast: the sharded denoiser runs collectives, and collectives issued from two
-threads of one rank deadlock (or pair up with the wrong peer call). WorkerLoop (engine/worker.py) serves
+threads of one rank deadlock (or pair up with the wrong peer call). WorkerLoop (engine/worker/loop.py) serves
 requests on one thread and warms buckets on another, so on rank 0 both `generate()` and `warm_bucket()`
 take one operation lock, broadcast an operation descriptor on the control group, then run; followers
 loop on receiving descriptors (`follow()`) and run exactly the same calls.
@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
+from engine.config.presets import route_size
 from engine.errors import EngineCrashed
-from engine.presets import route_size
+from engine.pipeline.runner import PipelineRunner
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -53,7 +54,6 @@ from engine.protocol import (
     TPOp,
     TPOpKind,
 )
-from engine.runner import PipelineRunner
 from engine.tp import plan
 from engine.tp.group import HEARTBEAT_S, RankGroup
 

@@ -1,7 +1,7 @@
 """The tensor-parallel sidecar: one command per node, or `torchrun ... -m engine.tp.sidecar`.
 
 Under torchrun (RANK is set) every process is one rank: it joins the process group for its device, loads
-its shard, and then rank 0 serves the engine protocol of engine/worker.py behind an HMAC token
+its shard, and then rank 0 serves the engine protocol of engine/worker/loop.py behind an HMAC token
 (multiprocessing.connection; the token read from the 0600 file named by $SHOWCASE_TP_TOKEN_FILE), on
 127.0.0.1 unless the host passes `--listen`, while the other ranks follow rank 0's operations.
 
@@ -124,7 +124,7 @@ def config_from_args(args, world_size: int) -> EngineConfig:
         config = pickle.loads(Path(args.config).read_bytes())  # written 0600 by our own launcher
     else:
         from engine import settings
-        from engine.resolve import Catalog
+        from engine.config.resolve import Catalog
 
         cache = args.cache_dir or settings.cache_dir()
         catalog = Catalog()
@@ -225,7 +225,7 @@ class _Rank0Server:
         from multiprocessing import AuthenticationError
 
         from engine.errors import EngineBusy
-        from engine.tp.wire import authenticate_incoming
+        from engine.worker.wire import authenticate_incoming
 
         try:
             try:
@@ -307,7 +307,7 @@ def _exit(code: int) -> None:
 
 
 def _make_sidecar_loop(runner, conn, max_queue: int):
-    from engine.worker import WorkerLoop
+    from engine.worker.loop import WorkerLoop
 
     class SidecarLoop(WorkerLoop):
         """WorkerLoop on rank 0; stops serving as soon as the group is broken. Requests run on the serve

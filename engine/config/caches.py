@@ -116,6 +116,8 @@ def switch_to_temporary_compile_cache(reason: OSError) -> tuple[Path, str]:
     and the notice to show."""
     import torch._inductor.config as inductor_config
 
+    from engine.devices.environment import set_precompiled_header_dir
+
     candidates = [os.environ.get("TMPDIR"), "/dev/shm", None]  # None: the system default
     folder = None
     for base in candidates:
@@ -135,15 +137,6 @@ def switch_to_temporary_compile_cache(reason: OSError) -> tuple[Path, str]:
               "cache instead: compiled graphs will not survive a restart. Free space or fix the cache folder")
     log.warning(notice)
     return folder, notice
-
-
-def set_precompiled_header_dir(folder: Path) -> None:
-    """Where inductor writes its precompiled C++ headers (over 100 MB). Inductor fixes the folder at import
-    from the temporary directory, not from its cache folder: point it into the cache."""
-    import torch._inductor.codecache as codecache
-
-    codecache._HEADER_DIR = str(folder)
-    codecache._HEADER_LOCK_DIR = str(Path(folder) / "locks")
 
 
 def compile_caches_enabled() -> bool:

@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine import settings
-from engine.budget import GIB, parse_size
 from engine.metrics import median, percentile
-from engine.worker import lower_this_thread_priority
+from engine.serving.budget import GIB, parse_size
+from engine.worker.loop import lower_this_thread_priority
 
 log = logging.getLogger(__name__)
 

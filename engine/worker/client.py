@@ -1,6 +1,6 @@
 """Clients of an engine. One protocol, several implementations (vLLM's EngineCoreClient idea).
 
-`ConnectionEngine` speaks the worker protocol (engine/worker.py) over any multiprocessing
+`ConnectionEngine` speaks the worker protocol (engine/worker/loop.py) over any multiprocessing
 Connection: `ProcessEngine` spawns a worker process per engine; the tensor-parallel sidecar client
 (engine/tp/client.py) connects to torchrun's rank 0 over an authenticated loopback socket. The UI,
 the bucket board, the CLI and the bench only ever use this interface.
@@ -71,7 +71,7 @@ class ConnectionEngine:
         self._closed = False
         self._reader: threading.Thread | None = None  # the one thread that reads, and closes, `conn`
         self.on_down: Callable[[ConnectionEngine], None] | None = None
-        # The host's compile scheduler (engine/manager.py): without one, every compile is granted at once.
+        # The host's compile scheduler (engine/serving/manager.py): without one, every compile is granted at once.
         self.compile_gate: Callable[[ConnectionEngine, CompileWanted], None] | None = None
         self.on_compile_finished: Callable[[ConnectionEngine, BucketKey], None] | None = None
         self.on_ready: Callable[[ConnectionEngine], None] | None = None
@@ -91,7 +91,7 @@ class ConnectionEngine:
         frees its descriptor number, the next socket this process opens gets that number, and the old read
         then takes the new socket's bytes (a handshake elsewhere fails with "bad message length"). Shutting
         the socket down wakes the reader with end-of-file, and the reader closes it on its way out."""
-        from engine.tp.wire import shut_down
+        from engine.worker.wire import shut_down
 
         if self.conn is None:
             return
@@ -321,7 +321,7 @@ class ProcessEngine(ConnectionEngine):
         self.process = None
 
     def start(self) -> ProcessEngine:
-        from engine.worker import worker_main
+        from engine.worker.loop import worker_main
 
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)

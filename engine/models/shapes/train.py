@@ -1,15 +1,15 @@
 """Train the embedded text-to-image model (models/tiny-shapes) on the shapes grammar, on a CPU.
 
 The result is an ordinary diffusers FluxPipeline folder, so the app loads it like any Hub model. Training is
-reproducible from the repo (`python -m engine.train_embedded`): fixed seeds, step-based schedules (a
+reproducible from the repo (`python -m engine.models.train_embedded`): fixed seeds, step-based schedules (a
 stage stopped by --minutes resumes from its checkpoint to the same end point), checkpoints under a cache
-folder, and data rendered on the fly by `engine.shapes.grammar` (no data set on disk).
+folder, and data rendered on the fly by `engine.models.shapes.grammar` (no data set on disk).
 
 Stages (`--stage all` runs them one after the other; vae and transformer are independent and may also run
 side by side):
 
 1. vae: a x4 AutoencoderTiny (3 blocks: 64x64 pixels -> 16x16 latents -> 8x8 Flux tokens) over the semantic
-   latent space of `engine.shapes.latents` (cell positions, the object's centre and size, colours, shape
+   latent space of `engine.models.shapes.latents` (cell positions, the object's centre and size, colours, shape
    code). The decoder renders the clean image from the analytic latents, mostly corrupted, so approximate
    latents still give the exact shape (L1 + MSE + an edge term on image gradients, which keeps corners);
    the encoder regresses the analytic latents from pixels on a share of each batch.
@@ -20,7 +20,7 @@ side by side):
    noise levels are the exact sigmas the scheduler uses at the default step count, half logit-normal
    through the same shift, so training matches inference. EMA weights are what ships. Data parallel over
    single-threaded processes.
-3. export: the pipeline (frozen random CLIP + T5 from engine.tiny, trained VAE, EMA transformer, the
+3. export: the pipeline (frozen random CLIP + T5 from engine.models.tiny, trained VAE, EMA transformer, the
    scheduler) saved with save_pretrained in float16 safetensors.
 """
 
@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.shapes import grammar
-from engine.shapes import latents as semantic
-from engine.shapes.fidelity import check
+from engine.models.shapes import grammar
+from engine.models.shapes import latents as semantic
+from engine.models.shapes.fidelity import check
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def build_vae(settings: Settings, seed: int):
 def build_transformer(settings: Settings, seed: int):
     from diffusers import FluxTransformer2DModel
 
-    from engine.tiny import CLIP_HIDDEN, T5_D_MODEL
+    from engine.models.tiny import CLIP_HIDDEN, T5_D_MODEL
 
     head_dim = settings.head_dim
     # RoPE axes (unused time axis, height, width) must sum to the head dim; height and width get the most.
@@ -152,9 +152,9 @@ def build_scheduler():
 
 
 def build_text_encoders():
-    """engine.tiny's frozen random FLUX.1 CLIP and T5, rounded through float16 first: that is how they are
+    """engine.models.tiny's frozen random FLUX.1 CLIP and T5, rounded through float16 first: that is how they are
     stored, so the embeddings trained on are exactly the ones the shipped pipeline computes in fp32."""
-    from engine.tiny import flux_text_encoders
+    from engine.models.tiny import flux_text_encoders
 
     encoders = flux_text_encoders()
     for model in (encoders[0], encoders[2]):
@@ -163,7 +163,7 @@ def build_text_encoders():
 
 
 def assemble_pipeline(vae, transformer):
-    from engine.tiny import flux_pipeline
+    from engine.models.tiny import flux_pipeline
 
     return flux_pipeline(build_scheduler(), vae, transformer, build_text_encoders())
 
@@ -521,7 +521,7 @@ def generation_fidelity(
 def transformer_fidelity(transformer, text, n: int = 48, seed: int = 7) -> dict[str, float]:
     """Share of samples right when their latents are read with the exact rules (latents.render_exact), per
     bucket and on held-out prompts at 64x64: how well the transformer alone does, whatever the decoder."""
-    from engine.shapes.latents import render_exact
+    from engine.models.shapes.latents import render_exact
 
     shift, scale = latent_scaling()
     config = SimpleNamespace(shift_factor=shift, scaling_factor=scale)  # what sample_latents reads of a VAE config

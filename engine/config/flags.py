@@ -97,7 +97,7 @@ def model_roots_from_args(args) -> list[Path]:
 def presets_from_args(args) -> tuple[list[Path], dict]:
     """(allowed model roots, extra presets) of a command line: --model becomes a preset of its own (and
     args.preset names it)."""
-    from engine.presets import preset_for_model
+    from engine.config.presets import preset_for_model
 
     roots = model_roots_from_args(args)
     extra = {}
@@ -107,12 +107,3 @@ def presets_from_args(args) -> tuple[list[Path], dict]:
         args.preset = preset.name
     return roots, extra
 
-
-def make_manager(args, options: EngineOptions, **hosting):
-    """An EngineManager for a command line (--model becomes a preset of its own); `hosting`: the budget,
-    compile-scheduler and policy arguments of EngineManager."""
-    from engine.manager import EngineManager
-
-    roots, extra = presets_from_args(args)
-    return EngineManager(cache_dir=args.cache_dir or settings.cache_dir(), options=options, allowed_roots=roots,
-                         extra_presets=extra, **hosting)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
+from engine.config.presets import route_size
 from engine.errors import InvalidRequest
-from engine.presets import route_size
 from engine.protocol import GenerateRequest, Mode, ModelPreset, OnCold, Precision, StepCache
 
 MAX_PROMPT_CHARS = 4000

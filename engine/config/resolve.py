@@ -12,10 +12,16 @@ import threading
 from pathlib import Path
 
 from engine import settings
+from engine.config.presets import (
+    check_local_path,
+    get_preset,
+    load_presets,
+    looks_like_model_ref,
+    preset_for_model,
+)
+from engine.config.validation import check_precision
 from engine.errors import InvalidRequest, ModelLoadError
-from engine.presets import check_local_path, get_preset, load_presets, looks_like_model_ref, preset_for_model
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, ModelPreset, Parallel
-from engine.validation import check_precision
 
 
 class Catalog:
@@ -76,7 +82,7 @@ def resolve_source(config: EngineConfig) -> str:
     """What from_pretrained loads: an embedded tiny model (built here once), a checked local folder, or a Hub id."""
     preset = config.preset
     if preset.embedded:
-        from engine.tiny import ensure_tiny_pipeline
+        from engine.models.tiny import ensure_tiny_pipeline
 
         return str(ensure_tiny_pipeline(preset.embedded, settings.models_dir(config.cache_path())))
     if preset.bundled:
@@ -84,7 +90,7 @@ def resolve_source(config: EngineConfig) -> str:
         if not (folder / "model_index.json").is_file():
             raise ModelLoadError(f"preset {preset.name}: its model folder {folder} is missing or incomplete; "
                                  "restore it from the repository (git checkout -- models) or rebuild it with "
-                                 "`python -m engine.train_embedded`")
+                                 "`python -m engine.models.train_embedded`")
         return str(folder)
     if Path(preset.source).is_absolute():
         roots = [Path(r) for r in config.allowed_roots] or None

@@ -636,7 +636,7 @@ def build_tiny_pipeline(name: str, out_dir: Path) -> None:
     """Build the tiny pipeline `name` with fixed seeds and `save_pretrained` it into `out_dir`.
 
     Inside a torch.distributed process group transformers writes weights on global rank 0 only, so a
-    sidecar rank builds in a fresh process with no group (`python -m engine.tiny`)."""
+    sidecar rank builds in a fresh process with no group (`python -m engine.models.tiny`)."""
     _check_name(name)
     if _in_distributed_context():
         _build_in_subprocess(name, Path(out_dir))
@@ -670,7 +670,7 @@ def _build_in_subprocess(name: str, out_dir: Path) -> None:
 
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "engine.tiny", name, str(out_dir)], env=env, cwd=REPO_ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "engine.models.tiny", name, str(out_dir)], env=env, cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         out, _ = proc.communicate(timeout=BUILD_TIMEOUT_S)
@@ -687,7 +687,7 @@ def _build_in_subprocess(name: str, out_dir: Path) -> None:
 def check_pipeline_folder(path: Path) -> str | None:
     """Why the pipeline folder `path` cannot be trusted, or None: every component that has a config.json (a
     model, not a tokenizer or scheduler) needs weight files whose safetensors headers parse and fit."""
-    from engine.weights import CorruptWeights, read_header
+    from engine.models.weights import CorruptWeights, read_header
 
     path = Path(path)
     try:
@@ -834,13 +834,13 @@ def _build_locked(name: str, models_root: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.tiny NAME OUT_DIR`: build one tiny pipeline into OUT_DIR (what a sidecar rank runs)."""
+    """`python -m engine.models.tiny NAME OUT_DIR`: build one tiny pipeline into OUT_DIR (what a sidecar rank runs)."""
     import sys
     import threading
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:
-        print("usage: python -m engine.tiny NAME OUT_DIR", file=sys.stderr)
+        print("usage: python -m engine.models.tiny NAME OUT_DIR", file=sys.stderr)
         return 2
     parent = os.getppid()
 

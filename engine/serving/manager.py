@@ -20,9 +20,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import budget, devices, settings, stepcache
-from engine.caches import prepare_cache_dir
-from engine.client import ConnectionEngine, ProcessEngine
+from engine import devices, settings
+from engine.config.caches import prepare_cache_dir
+from engine.config.flags import presets_from_args
+from engine.config.presets import looks_like_model_ref
+from engine.config.resolve import Catalog, resolve_source
+from engine.config.validation import build_request
 from engine.errors import (
     BudgetExceeded,
     EngineBusy,
@@ -32,8 +35,8 @@ from engine.errors import (
     UnsupportedCombination,
 )
 from engine.metrics import median
-from engine.presets import looks_like_model_ref
-from engine.priority import ShortRunSlots
+from engine.models.weights import CorruptWeights
+from engine.pipeline import stepcache
 from engine.protocol import (
     BucketKey,
     EngineConfig,
@@ -47,10 +50,10 @@ from engine.protocol import (
     Precision,
     Size,
 )
-from engine.resolve import Catalog, resolve_source
-from engine.scheduler import CompileScheduler
-from engine.validation import build_request
-from engine.weights import CorruptWeights
+from engine.serving import budget
+from engine.serving.scheduler import CompileScheduler
+from engine.worker.client import ConnectionEngine, ProcessEngine
+from engine.worker.priority import ShortRunSlots
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +126,7 @@ class EngineManager:
         self.worker_threads = worker_threads
         if runtime not in ("workers", "inprocess"):
             raise ShowcaseError(f"runtime {runtime!r}: use workers or inprocess")
-        self.runtime = runtime  # inprocess: engines in this process, device work in GPU calls (engine/inprocess.py)
+        self.runtime = runtime  # inprocess: engines in this process, device work in GPU calls (engine/serving/inprocess.py)
         self.scheduler = CompileScheduler(compile_jobs or settings.default_compile_jobs())
         self._short_runs: ShortRunSlots | None = None  # made with the first engine on the host's cores
         self._short_run_slot: dict[int, int] = {}  # id(engine) -> its slot on that board
@@ -330,7 +333,7 @@ class EngineManager:
     def _start(self, key: EngineKey) -> ConnectionEngine:
         options = self.engine_options(key)
         if self.runtime == "inprocess":
-            from engine.inprocess import InProcessEngine
+            from engine.serving.inprocess import InProcessEngine
 
             engine = InProcessEngine(self._config(key, options),
                                      threads=self.worker_threads_for(devices.get_device(key.device))).start()
@@ -365,7 +368,7 @@ class EngineManager:
         return {name: env[name] for name in sorted(names) if name in env}
 
     def _short_run_board(self):
-        """A slot on the host's board of engines running a short request (engine/priority.py ShortRuns)."""
+        """A slot on the host's board of engines running a short request (engine/worker/priority.py ShortRuns)."""
         with self._lock:
             if self._short_runs is None:
                 try:
@@ -483,7 +486,7 @@ class EngineManager:
     def restart(self, key: EngineKey, options: EngineOptions | None = None) -> ConnectionEngine:
         """A new worker for `key` (with `options`, e.g. another attention backend, when given)."""
         if options is not None:
-            from engine import attention
+            from engine.pipeline import attention
 
             spec = devices.get_device(key.device)
             plan = devices.plan_precision(spec, key.precision)  # quantized engines attend in their base dtype
@@ -605,7 +608,7 @@ class EngineManager:
         """What the in-process runtime cannot run is refused before an engine starts, with the reason."""
         if self.runtime != "inprocess":
             return
-        from engine.inprocess import REFUSED_MODES, check_inprocess_key
+        from engine.serving.inprocess import REFUSED_MODES, check_inprocess_key
 
         check_inprocess_key(key)
         if mode in REFUSED_MODES:
@@ -661,3 +664,11 @@ class EngineManager:
             t.join(CLOSE_TIMEOUT_S + 5)
         if self._short_runs is not None:
             self._short_runs.remove()
+
+
+def make_manager(args, options: EngineOptions, **hosting) -> EngineManager:
+    """An EngineManager for a command line (--model becomes a preset of its own); `hosting`: the budget,
+    compile-scheduler and policy arguments of EngineManager."""
+    roots, extra = presets_from_args(args)
+    return EngineManager(cache_dir=args.cache_dir or settings.cache_dir(), options=options, allowed_roots=roots,
+                         extra_presets=extra, **hosting)

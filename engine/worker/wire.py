@@ -1,4 +1,5 @@
-"""Rank 0's socket: HMAC-authenticated multiprocessing connections, with deadlines and keepalive.
+"""The worker protocol over a socket (a tensor-parallel sidecar's rank 0 serves on one): HMAC-authenticated
+multiprocessing connections, with deadlines, keepalive and hang-up.
 
 Why not `Listener(authkey=...)` / `Client(authkey=...)` as they are: both authenticate with blocking reads
 and no deadline, so one peer that connects and says nothing stalls rank 0's accept loop for good (every

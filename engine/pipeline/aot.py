@@ -9,7 +9,7 @@ so four buckets cost about what one does.
 
 Per bucket, and per denoiser batch shape (classifier-free guidance doubles the batch, so a CFG preset
 gets two packages, as `warm_guidances()` warms two compiled graphs; a batched bucket of n images,
-engine/batching.py, has its own packages at n times those batches, and a vae.decode package at n):
+engine/pipeline/batching.py, has its own packages at n times those batches, and a vae.decode package at n):
 
 1. capture: one short eager run of the pipeline at the bucket, with stand-ins that record the exact
    arguments the pipeline gives the denoiser and `vae.decode` (a package takes exactly the exported
@@ -488,7 +488,7 @@ class AotEngine:
     """Mode aot of one runner: the variant pipeline (its denoiser and vae.decode dispatch to packages) and
     the per-bucket warm-up that loads each package or builds the missing ones.
 
-    `runner` is the PipelineRunner (engine/runner.py): its pipeline, preset, options, device spec,
+    `runner` is the PipelineRunner (engine/pipeline/runner.py): its pipeline, preset, options, device spec,
     precision, cache folder, and `_call` / `warm_request` to run the capture."""
 
     def __init__(self, runner, inductor_configs: dict):
@@ -512,7 +512,7 @@ class AotEngine:
 
     # -- keys ---------------------------------------------------------------------------------------
     def batch(self, guidance: float, images: int = 1) -> int:
-        """The denoiser's batch for `images` images in one call (engine/batching.py)."""
+        """The denoiser's batch for `images` images in one call (engine/pipeline/batching.py)."""
         preset = self.runner.preset
         return (2 if preset.cfg and guidance > 1.0 else 1) * images
 

@@ -26,7 +26,7 @@ step, and diffusers runs its hook code under torch.compiler.disable, so a fullgr
 `available_step_caches` returns every cache with `usable` and `why_not`; `check_step_cache` refuses an
 unusable choice with UnsupportedCombination. Importing this module imports no torch.
 
-At run time (`CacheVariants`, used by engine/runner.py) a cache never goes on a module another run uses:
+At run time (`CacheVariants`, used by engine/pipeline/runner.py) a cache never goes on a module another run uses:
 the eager variant, the compiled variants and the warm-up thread share the denoiser, and diffusers keeps
 its hook registry on the module instance. Each (mode, cache) gets a structural clone of the mode's
 denoiser over the same Parameters, with its own hooks; under regional, each compiled block of the clone

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 from engine import settings
+from engine.bench.soak import PageClient, free_port, process_tree
 from engine.metrics import median, percentile
 from engine.protocol import GENERIC_PROMPT
-from engine.soak import PageClient, free_port, process_tree
 
 REPO = settings.REPO_ROOT
 
@@ -45,7 +45,7 @@ class Phase:
         self.images = 0
         self.orphans: list[int] = []
         self.served: dict = {}
-        from engine.presets import get_preset
+        from engine.config.presets import get_preset
 
         self.prompts = get_preset(args.preset).examples or (GENERIC_PROMPT,)  # each visitor its own prompt
 

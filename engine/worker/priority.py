@@ -16,7 +16,7 @@ the web server and other short work, not long requests), and SCHED_IDLE can star
 
 This only works while the workers share one scheduling group with each other and the web server: on
 Linux with autogroup scheduling, sessions share the CPU equally first and niceness counts only inside a
-session, so workers stay in the app's session (engine.worker.join_own_process_group).
+session, so workers stay in the app's session (engine.worker.loop.join_own_process_group).
 
 Expected run time: the best (least contended) milliseconds per step seen at the same bucket in the same
 variant (the compiled graph, or eager: a compiled mode's bucket that is not warm yet is served eagerly),

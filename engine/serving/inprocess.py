@@ -8,11 +8,11 @@ connection is an in-memory pipe to a `WorkerLoop` running on threads of this pro
 timings, cancel between steps, compile scheduling, footprints, budgets and public-mode rules are the
 worker runtime's code. What differs:
 
-- every request runs as one GPU call (engine/gpu.py), whose `duration` is the bucket's measured time per
+- every request runs as one GPU call (engine/serving/gpu.py), whose `duration` is the bucket's measured time per
   step x steps with a margin (a first request asks for the documented default);
 - modes `compile` and `regional` are refused: ZeroGPU does not support torch.compile, and elsewhere a
   compile in the app's process holds the interpreter lock for seconds at a time and stalls the web server.
-  `aot` is the compiled mode here: a bucket's packages (engine/aot.py format and keys) are loaded, or built
+  `aot` is the compiled mode here: a bucket's packages (engine/pipeline/aot.py format and keys) are loaded, or built
   inside a GPU call, and applied with the engine's weights shared. Where the call ran in another process
   the app installs the committed packages lazily: they load on their first call, inside the next GPU call;
 - tensor parallel and multi-node engines are refused (they need torchrun's long-lived ranks).
@@ -28,10 +28,10 @@ import threading
 import time
 import traceback
 
-from engine import aot, settings
-from engine.client import ConnectionEngine
+from engine import settings
 from engine.errors import ShowcaseError, UnsupportedCombination
-from engine.gpu import Durations, GpuCalls, make_gpu_calls
+from engine.pipeline import aot
+from engine.pipeline.runner import PipelineRunner
 from engine.protocol import (
     BucketChanged,
     BucketInfo,
@@ -45,8 +45,9 @@ from engine.protocol import (
     Ready,
     Size,
 )
-from engine.runner import PipelineRunner
-from engine.worker import WorkerLoop, run_on_lowered_thread
+from engine.serving.gpu import Durations, GpuCalls, make_gpu_calls
+from engine.worker.client import ConnectionEngine
+from engine.worker.loop import WorkerLoop, run_on_lowered_thread
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from engine.aot import MANIFEST, PACKAGE
+from engine.pipeline.aot import MANIFEST, PACKAGE
 
 log = logging.getLogger(__name__)
 

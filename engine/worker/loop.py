@@ -8,7 +8,7 @@ the two apart.
 
 Inside the worker:
 - the serve loop (main thread) owns the request queue and runs one request at a time; on a cpu device a
-  request expected to run long runs on a thread niced by its expected time (engine/priority.py), so
+  request expected to run long runs on a thread niced by its expected time (engine/worker/priority.py), so
   short requests of other engines sharing the cores go first;
 - a receiver thread takes cancel, warm and compile grants at any time;
 - a warm-up thread compiles buckets, one at a time and only when the host's compile scheduler grants
@@ -35,9 +35,8 @@ import time
 import traceback
 
 from engine import settings
-from engine.batching import Gatherer
 from engine.errors import Cancelled, EngineBusy, InvalidRequest, ShowcaseError
-from engine.priority import RunCost, ShortRuns
+from engine.pipeline.batching import Gatherer
 from engine.protocol import (
     BucketChanged,
     BucketKey,
@@ -63,6 +62,7 @@ from engine.protocol import (
     Warm,
     dispatch,
 )
+from engine.worker.priority import RunCost, ShortRuns
 
 EARLY_CANCELS_KEPT = 256  # cancels for requests not received yet (a cancel overtaking its request)
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class WorkerLoop:
         # The host's board of engines running a short request (set by the manager for cpu engines)
         self.short_runs = ShortRuns.from_env(os.environ.get("SHOWCASE_SHORT_RUNS")) \
             if self.run_cost is not None and settings.long_requests_step_aside() else None
-        # Queued requests that can share a denoiser call are served by one pipeline call (engine/batching.py).
+        # Queued requests that can share a denoiser call are served by one pipeline call (engine/pipeline/batching.py).
         options = getattr(runner, "options", None)
         self.batcher = Gatherer(self._requests, getattr(runner, "max_batch", 1),
                                 getattr(options, "batch_wait_ms", 0.0), arrived=lambda r: self._received.get(r.request_id),
@@ -677,7 +677,7 @@ def _serve_engine(config, conn, env: dict[str, str]) -> None:
     made: dict = {}
 
     def load() -> WorkerLoop:
-        from engine.runner import PipelineRunner
+        from engine.pipeline.runner import PipelineRunner
 
         runner = PipelineRunner(config, listener=lambda info: made.get("loop") and made["loop"].send(BucketChanged(info)))
         made["loop"] = WorkerLoop(conn, runner, max_queue=config.options.max_queue)

@@ -1,6 +1,6 @@
 """One pipeline on one device: loading, per-bucket compiled graphs, warm-up and timed runs.
 
-A `PipelineRunner` lives inside a worker process (engine/worker.py) or a tensor-parallel rank
+A `PipelineRunner` lives inside a worker process (engine/worker/loop.py) or a tensor-parallel rank
 (engine/tp/). Weights load once per (model, device, precision); every mode is a *variant* of the
 same weights:
 
@@ -12,7 +12,7 @@ same weights:
 - defer-and-fuse: the eager variant run under torch_tpu's DEFER_AND_FUSE eager mode;
 - aot:      the denoiser (and vae.decode) dispatch to one AOTInductor package per bucket and batch shape,
             loaded from the cache folder or built there, every package on the engine's own weights
-            (engine/aot.py).
+            (engine/pipeline/aot.py).
 
 A bucket is (mode, size): one compiled graph of the variant's module at that static shape.
 """
@@ -34,11 +34,14 @@ from dataclasses import replace
 
 import torch
 
-from engine import attention, batching, caches, devices, recipes, stepcache
+from engine import devices
+from engine.config import caches
+from engine.config.presets import route_size
+from engine.config.resolve import resolve_source
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
-from engine.faults import FaultHooks
-from engine.presets import route_size
-from engine.progress import progress_bar
+from engine.pipeline import attention, batching, recipes, stepcache
+from engine.pipeline.faults import FaultHooks
+from engine.pipeline.progress import progress_bar
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -57,7 +60,6 @@ from engine.protocol import (
     StepProgress,
     Timings,
 )
-from engine.resolve import resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, ou
                          members: list[GenerateRequest] | None = None) -> dict:
     """The pipeline call for a request — what the engine runs, and what a bare diffusers call must pass
     to be compared with it (bench, TP tests). A CPU generator makes seeds mean the same on every device.
-    `members`: a batch (engine/batching.py) sharing `request`'s size, steps and guidance: one prompt and
+    `members`: a batch (engine/pipeline/batching.py) sharing `request`'s size, steps and guidance: one prompt and
     one generator per member, so each image's noise is what that request alone would start from."""
     batch = members or [request]
     kwargs = dict(
@@ -296,9 +298,9 @@ class PipelineRunner:
         self._peak_bytes: int | None = None
         self.measured_run: tuple[Size, float] | None = None  # the measuring run: its size and milliseconds
         self.source: str | None = None  # what from_pretrained loaded (aot package keys name the model by it)
-        self._aot = None  # engine/aot.py AotEngine, built with the aot variant
+        self._aot = None  # engine/pipeline/aot.py AotEngine, built with the aot variant
         self._step_caches: stepcache.CacheVariants | None = None  # (mode, step cache) variants, once loaded
-        # Requests that can share a denoiser call run as one call of up to max_batch images (engine/batching.py)
+        # Requests that can share a denoiser call run as one call of up to max_batch images (engine/pipeline/batching.py)
         self.max_batch = self.largest_batch()
         self.batch_sizes = batching.batch_sizes(self.max_batch)
         for mode in self.modes():
@@ -415,7 +417,7 @@ class PipelineRunner:
             if mode is Mode.DEFER_AND_FUSE:
                 pipe = base  # same modules; the eager mode is switched per run (devices.enter_eager_mode)
             elif mode is Mode.AOT:
-                from engine import aot
+                from engine.pipeline import aot
 
                 self._aot = aot.AotEngine(self, recipes.aot_inductor_configs(self.options, self.spec))
                 pipe = self._aot.pipe
@@ -506,7 +508,7 @@ class PipelineRunner:
         if request.mode.compiled:
             if info is None or info.state != BucketState.WARM:
                 if request.on_cold is OnCold.WAIT:
-                    # A worker asks the host's scheduler first (engine/worker.py); used alone, a runner
+                    # A worker asks the host's scheduler first (engine/worker/loop.py); used alone, a runner
                     # compiles here, in this request. A failed bucket is not retried on every request.
                     if info is None or info.state == BucketState.COLD:
                         self.warm_bucket(bucket)
@@ -564,7 +566,7 @@ class PipelineRunner:
 
     def generate_batch(self, requests: list[GenerateRequest], on_step=None,
                        cancels: list[threading.Event] | None = None, on_leave=None) -> list:
-        """Run requests that can share a denoiser call (engine/batching.py's key) as one pipeline call.
+        """Run requests that can share a denoiser call (engine/pipeline/batching.py's key) as one pipeline call.
 
         Returns, per request, its GenerateResult, the exception it failed with, or None when it already
         left through `on_leave(index, Cancelled)`: a member whose cancel is set leaves at the next step

@@ -65,7 +65,7 @@ def parse_size(text: str | int | float | None) -> int | None:
 def safetensors_parameters(folder: Path) -> int:
     """Elements stored in every *.safetensors under `folder` (read from the headers only). A corrupt header
     raises CorruptWeights naming the component (its length is bounded by the file's size, never trusted)."""
-    from engine.weights import parameter_count, read_header
+    from engine.models.weights import parameter_count, read_header
 
     return sum(parameter_count(read_header(path)) for path in sorted(Path(folder).rglob("*.safetensors")))
 
