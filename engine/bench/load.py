@@ -4,8 +4,10 @@ For each phase (`--max-batch 1`, then the engine's batching) it starts `app.py` 
 waits until the bucket and every batch size of it are warm (compiled in the background at start-up),
 then lets N visitors (one page session each, speaking Gradio's queue protocol as the page does) submit at
 once, `--rounds` times: each round starts when every visitor's previous request came back. Printed per
-phase: throughput (images/s over the burst), p50/p95 of the visitors' round trips, failures, graphs
-compiled during the burst, and the batch sizes that served the requests; then the ratios on/off. The
+phase: throughput (images/s over the burst), p50/p95 of the visitors' round trips, the median pipeline
+call that made an image and the median web share of a round trip (round trip minus the app's handler:
+Gradio's queue, events and transfer), failures, graphs compiled during the burst, and the batch sizes
+that served the requests; then the ratios on/off. The
 app gets SIGTERM after each phase and every process it started must be gone within 10 s.
 
 Exit 1 when a request failed, a graph compiled during the burst, or a process outlived its app.
@@ -38,6 +40,8 @@ class Phase:
         self.app: subprocess.Popen | None = None
         self.url = ""
         self.latencies: list[float] = []
+        self.web_ms: list[float] = []  # round trip minus the app's handler: Gradio's queue, events, transfer
+        self.call_ms: list[float] = []  # the engine's pipeline call that made each image
         self.batch_sizes: collections.Counter = collections.Counter()
         self.failed: list[str] = []
         self.recompiles = 0
@@ -128,6 +132,9 @@ class Phase:
                         self.latencies.append(seconds)
                         self.batch_sizes[int(timings.get("batch_size", 1))] += 1
                         self.recompiles += int(timings.get("recompiles") or 0)
+                        if timings.get("handler_ms") is not None:
+                            self.web_ms.append(seconds * 1000 - float(timings["handler_ms"]))
+                        self.call_ms.append(float((timings.get("timings") or {}).get("total_ms") or 0))
 
         for record, rounds in ((False, 1), (True, self.args.rounds)):  # one round to settle, then measured
             threads = [threading.Thread(target=visitor, args=(i, rounds, record), daemon=True) for i in range(n)]
@@ -184,6 +191,7 @@ class Phase:
             "images_per_s": round(self.images / self.wall_s, 2) if self.wall_s else None,
             "p50_s": _round(median(self.latencies)),
             "p95_s": _round(percentile(self.latencies, 0.95)),
+            "web_p50_ms": _round(median(self.web_ms)), "call_p50_ms": _round(median(self.call_ms)),
             "failed": len(self.failed), "recompiles": self.recompiles,
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "calls_per_batch_size": self.served, "orphans": self.orphans,
@@ -204,11 +212,11 @@ def _round(value: float | None) -> float | None:
 
 
 def print_summary(rows: list[dict], ratios: dict) -> None:
-    print(f"\n{'phase':<14}{'images/s':>10}{'p50 s':>9}{'p95 s':>9}{'failed':>8}{'recompiles':>12}  batch sizes "
-          "(requests)  calls per size")
+    print(f"\n{'phase':<14}{'images/s':>10}{'p50 s':>9}{'p95 s':>9}{'call ms':>9}{'web ms':>8}{'failed':>8}"
+          f"{'recompiles':>12}  batch sizes (requests)  calls per size")
     for r in rows:
         print(f"{r['phase']:<14}{r['images_per_s'] or 0:>10.2f}{r['p50_s'] or 0:>9.3f}{r['p95_s'] or 0:>9.3f}"
-              f"{r['failed']:>8}{r['recompiles']:>12}  {json.dumps(r['batch_sizes'])}  "
+              f"{r['call_p50_ms'] or 0:>9.1f}{r['web_p50_ms'] or 0:>8.1f}{r['failed']:>8}{r['recompiles']:>12}  {json.dumps(r['batch_sizes'])}  "
               f"{json.dumps({k: v.get('calls') for k, v in r['calls_per_batch_size'].items()})}")
         for failure in r["failures"]:
             print(f"    failed: {failure}")
