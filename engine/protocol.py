@@ -336,6 +336,7 @@ class BucketInfo:
 DEFAULT_PRESET = settings.DEFAULT_PRESET  # part of the contract: the UI's starting preset
 # For models with no example prompts (random-weight tiny pipelines, Hub models).
 GENERIC_PROMPT = "a red fox in the snow, golden hour"
+RANDOM_TINY_PREFIXES = ("random:", "embedded:")  # "embedded:" is the old spelling: saved presets keep loading
 
 
 @dataclass(frozen=True)
@@ -366,9 +367,10 @@ class ModelPreset:
     denoiser_config: dict | None = field(default=None, hash=False, compare=False)
 
     @property
-    def embedded(self) -> str | None:
-        """Name of the tiny pipeline engine/models/tiny.py builds, or None for a real model."""
-        return self.source.removeprefix("embedded:") if self.source.startswith("embedded:") else None
+    def random_tiny(self) -> str | None:
+        """Name of the random-weight tiny pipeline engine/models/tiny.py builds ("random:<name>"), or None."""
+        prefix = next((p for p in RANDOM_TINY_PREFIXES if self.source.startswith(p)), None)
+        return self.source.removeprefix(prefix) if prefix else None
 
     @property
     def bundled(self) -> str | None:
