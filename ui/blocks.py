@@ -88,7 +88,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
         engine_line = gr.Markdown(elem_id="engine-line")
         with gr.Tabs() as tabs:
             settings = generate.build(h, demo, engine_line)
-            board = buckets.build(h)
+            buckets_tab = buckets.build(h)
             compare.build(h)
             advisor.build(h, settings, tabs)
             system.build(h)
@@ -98,7 +98,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
         last = gr.State({})
         gr.on([gr.Timer(h.defaults.poll_s).tick, demo.load], h.tick,
               [settings.preset, settings.device, settings.precision, settings.mode, last, settings.tp],
-              [board.board, engine_line, settings.size, board.engine, last], **FAST)
+              [buckets_tab.board, engine_line, settings.size, buckets_tab.engine, last], **FAST)
     demo.queue(max_size=queue_size)
     poll_queue_less_often(demo)
     guard.install(demo)

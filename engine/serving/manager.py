@@ -129,7 +129,7 @@ class EngineManager:
         self.runtime = runtime  # inprocess: engines in this process, device work in GPU calls (engine/serving/inprocess.py)
         self.scheduler = CompileScheduler(compile_jobs or settings.default_compile_jobs())
         self._short_runs: ShortRunSlots | None = None  # made with the first engine on the host's cores
-        self._short_run_slot: dict[int, int] = {}  # id(engine) -> its slot on that board
+        self._short_run_slot: dict[int, int] = {}  # id(engine) -> its slot in that file
         self._budgets: dict[str, budget.DeviceBudget] = {}
         self._engines: dict[EngineKey, ConnectionClient] = {}
         self._options: dict[EngineKey, EngineOptions] = {}
@@ -349,12 +349,12 @@ class EngineManager:
             threads = self.worker_threads_for(spec)
             if threads:  # a value the user exported wins
                 env.setdefault("OMP_NUM_THREADS", str(threads))
-            board = self._short_run_board() if spec.host_memory_is_device_memory else None
-            if board is not None:
-                env["SHOWCASE_SHORT_RUNS"] = board.env_value()
+            short_runs = self._take_short_run_slot() if spec.host_memory_is_device_memory else None
+            if short_runs is not None:
+                env["SHOWCASE_SHORT_RUNS"] = short_runs.env_value()
             engine = ProcessClient(self._config(key, options), env=env).start()
-            if board is not None:
-                self._short_run_slot[id(engine)] = board.slot
+            if short_runs is not None:
+                self._short_run_slot[id(engine)] = short_runs.slot
         self._attach(engine)
         log.info("started engine %s", key)
         return engine
@@ -367,19 +367,19 @@ class EngineManager:
         names = {var for var, _ in spec.cache_env} | set(self.cache.worker_env())
         return {name: env[name] for name in sorted(names) if name in env}
 
-    def _short_run_board(self):
-        """A slot on the host's board of engines running a short request (engine/worker/priority.py ShortRuns)."""
+    def _take_short_run_slot(self):
+        """A slot in the host's file of engines running a short request (engine/worker/priority.py ShortRuns)."""
         with self._lock:
             if self._short_runs is None:
                 try:
                     self._short_runs = ShortRunSlots(tempfile.gettempdir())
                 except OSError as exc:
-                    log.warning("no board of short requests (%s): cpu requests are ordered by niceness alone", exc)
+                    log.warning("no short-run slots (%s): cpu requests are ordered by niceness alone", exc)
                     return None
             return self._short_runs.take()
 
     def _drop_engine(self, engine: ConnectionClient) -> None:
-        """An engine is gone or going: its queued compiles are dropped, its slot on the short-run board freed."""
+        """An engine is gone or going: its queued compiles are dropped, its short-run slot freed."""
         self.scheduler.drop_engine(engine)
         slot = self._short_run_slot.pop(id(engine), None)
         if slot is not None and self._short_runs is not None:

@@ -201,7 +201,7 @@ class WorkerLoop:
         # Only where the engines compute on the host's shared cores (an accelerator does the work elsewhere).
         self.run_cost = RunCost(settings.short_request_ms(), max_extra=settings.compile_niceness() - 2) \
             if runner.spec.host_memory_is_device_memory else None
-        # The host's board of engines running a short request (set by the manager for cpu engines)
+        # This engine's short-run slot: which engines run a short request (set by the manager for cpu engines)
         self.short_runs = ShortRuns.from_env(os.environ.get("SHOWCASE_SHORT_RUNS")) \
             if self.run_cost is not None and settings.long_requests_step_aside() else None
         # Queued requests that can share a denoiser call are served by one pipeline call (engine/pipeline/batching.py).
@@ -404,8 +404,8 @@ class WorkerLoop:
         short one (ShortRuns), a short one tells the others it runs."""
         cancel = self._cancels.setdefault(request.request_id, threading.Event())
         crash = self.runner.faults.take(Fault.CRASH)
-        board = self.short_runs
-        step_aside = board.step_aside if board is not None and long else None
+        short_runs = self.short_runs
+        step_aside = short_runs.step_aside if short_runs is not None and long else None
 
         def on_step(progress):
             self.send(Progress(progress))
@@ -422,16 +422,16 @@ class WorkerLoop:
             received = self._received.pop(request.request_id, None)
             queued_ms = (time.perf_counter() - received) * 1000 if received is not None else 0.0
             self.compile_yield.request_started()
-            announce = board is not None and not long
+            announce = short_runs is not None and not long
             if announce:
-                board.set_running(True)
+                short_runs.set_running(True)
             try:
                 if step_aside is not None:
                     step_aside(cancel)  # before its first step too
                 result = self.runner.generate(request, on_step=on_step, cancel=cancel)
             finally:
                 if announce:
-                    board.set_running(False)
+                    short_runs.set_running(False)
                 self.compile_yield.request_ended()
             if self.run_cost is not None:
                 self.run_cost.record(self._variant(request.mode, result.warm), result.bucket.size, result.steps,
@@ -449,7 +449,7 @@ class WorkerLoop:
 
     def _serve_batch(self, group: list[GenerateRequest]) -> None:
         """Serve requests sharing one pipeline call. To the host's CPU rules it is one run: niced by its own
-        expected time (per batch size), one short run on the board, stepping aside once per step."""
+        expected time (per batch size), one short run in the short-run slots, stepping aside once per step."""
         live = []
         for request in group:
             cancel = self._cancels.setdefault(request.request_id, threading.Event())
@@ -474,8 +474,8 @@ class WorkerLoop:
     def _serve_batch_now(self, group: list[GenerateRequest], long: bool = False) -> None:
         cancels = [self._cancels.setdefault(r.request_id, threading.Event()) for r in group]
         crash = self.runner.faults.take(Fault.CRASH)
-        board = self.short_runs
-        step_aside = board.step_aside if board is not None and long else None
+        short_runs = self.short_runs
+        step_aside = short_runs.step_aside if short_runs is not None and long else None
         everyone = _AllCancelled(cancels)
         stepped = [0]
 
@@ -497,16 +497,16 @@ class WorkerLoop:
             queued_ms[r.request_id] = (start - received) * 1000 if received is not None else 0.0
         try:
             self.compile_yield.request_started()
-            announce = board is not None and not long
+            announce = short_runs is not None and not long
             if announce:
-                board.set_running(True)
+                short_runs.set_running(True)
             try:
                 if step_aside is not None:
                     step_aside(everyone)
                 outcomes = self.runner.generate_batch(group, on_step=on_step, cancels=cancels, on_leave=on_leave)
             finally:
                 if announce:
-                    board.set_running(False)
+                    short_runs.set_running(False)
                 self.compile_yield.request_ended()
             recorded = False
             for request, outcome in zip(group, outcomes, strict=True):

@@ -98,7 +98,7 @@ class ShortRuns:
 
     @classmethod
     def create_file(cls, folder: str | Path) -> Path:
-        """A new, cleared board file in `folder`."""
+        """A new, cleared short-run file in `folder`."""
         fd, name = tempfile.mkstemp(prefix="showcase-short-runs-", dir=folder)  # one per manager
         with os.fdopen(fd, "wb") as f:
             f.write(bytes(cls.SLOTS))
@@ -113,7 +113,7 @@ class ShortRuns:
         try:
             return cls(path, int(slot))
         except (OSError, ValueError):
-            return None  # no board: requests are still ordered by niceness alone
+            return None  # no short-run slot: requests are still ordered by niceness alone
 
     def env_value(self) -> str:
         return f"{self.path}:{self.slot}"
@@ -141,11 +141,11 @@ class ShortRuns:
 
 
 class ShortRunSlots:
-    """The manager's side of ShortRuns: one board file for the host, a slot per engine on its cores."""
+    """The manager's side of ShortRuns: one short-run file for the host, a slot per engine on its cores."""
 
     def __init__(self, folder: str | Path):
         self.path = ShortRuns.create_file(folder)
-        self._board = ShortRuns(self.path, 0)
+        self._file = ShortRuns(self.path, 0)
         self._lock = threading.Lock()
         self._taken: set[int] = set()
 
@@ -156,14 +156,14 @@ class ShortRunSlots:
             if slot is None:
                 return None
             self._taken.add(slot)
-            self._board.clear(slot)
+            self._file.clear(slot)
             return ShortRuns(self.path, slot)
 
     def release(self, slot: int) -> None:
         """Its engine is gone: the byte is cleared (the worker may have died with a short request running)."""
         with self._lock:
             self._taken.discard(slot)
-            self._board.clear(slot)
+            self._file.clear(slot)
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
