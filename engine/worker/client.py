@@ -34,7 +34,6 @@ from engine.protocol import (
     Fault,
     Footprint,
     FootprintChanged,
-    FromEngine,
     Generate,
     GenerateRequest,
     GenerateResult,
@@ -42,6 +41,7 @@ from engine.protocol import (
     Progress,
     Ready,
     RequestFailed,
+    Result,
     Shutdown,
     StepProgress,
     Warm,
@@ -101,15 +101,15 @@ class ConnectionClient:
 
     def _handlers(self) -> dict:
         return {
-            FromEngine.BUCKET: self._on_bucket,
-            FromEngine.PROGRESS: self._on_progress,
-            FromEngine.RESULT: lambda m: self._finish(m.result.request_id, result=m.result),
-            FromEngine.ERROR: self._on_error,
-            FromEngine.READY: self._on_ready,
-            FromEngine.FATAL: self._on_fatal,
-            FromEngine.COMPILE_WANTED: self._on_compile_wanted,
-            FromEngine.COMPILE_FINISHED: self._on_compile_finished,
-            FromEngine.FOOTPRINT: self._on_footprint,
+            BucketChanged: self._on_bucket,
+            Progress: self._on_progress,
+            Result: lambda m: self._finish(m.result.request_id, result=m.result),
+            RequestFailed: self._on_error,
+            Ready: self._on_ready,
+            Fatal: self._on_fatal,
+            CompileWanted: self._on_compile_wanted,
+            CompileFinished: self._on_compile_finished,
+            FootprintChanged: self._on_footprint,
         }
 
     def _read(self) -> None:

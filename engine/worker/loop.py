@@ -58,7 +58,7 @@ from engine.protocol import (
     Ready,
     RequestFailed,
     Result,
-    ToEngine,
+    Shutdown,
     Warm,
     dispatch,
 )
@@ -228,12 +228,12 @@ class WorkerLoop:
     # -- receiving (its own thread, so cancel, warm and grants arrive while a request runs) ------
     def _handlers(self) -> dict:
         return {
-            ToEngine.GENERATE: self._on_generate,
-            ToEngine.CANCEL: self._on_cancel,
-            ToEngine.WARM: self._on_warm,
-            ToEngine.SHUTDOWN: self._on_shutdown,
-            ToEngine.INJECT_FAULT: self._on_inject_fault,
-            ToEngine.COMPILE_GRANTED: self._on_granted,
+            Generate: self._on_generate,
+            Cancel: self._on_cancel,
+            Warm: self._on_warm,
+            Shutdown: self._on_shutdown,
+            InjectFault: self._on_inject_fault,
+            CompileGranted: self._on_granted,
         }
 
     def _receive(self) -> None:
