@@ -1,7 +1,7 @@
 """The worker process that owns one engine's pipeline (one per (model, device, precision)).
 
-Why a process: compiling holds the GIL for seconds (7 s stalls were measured on a 2-core machine),
-and a crash in a device backend must not take the web server down. The worker speaks the typed
+Why a process: compiling holds the GIL for seconds, and a crash in a device backend must not take the
+web server down. The worker speaks the typed
 message protocol of engine/protocol.py over a `multiprocessing` Connection; the tensor-parallel
 sidecar's rank 0 runs this same loop behind an authenticated loopback socket, so clients cannot tell
 the two apart.
@@ -67,10 +67,8 @@ from engine.worker.priority import RunCost, ShortRuns
 EARLY_CANCELS_KEPT = 256  # cancels for requests not received yet (a cancel overtaking its request)
 log = logging.getLogger(__name__)
 
-# The interpreter hands the GIL to a waiting thread after sys.getswitchinterval() (default 5 ms). A
-# request thread re-acquires the GIL after every torch op; behind a compiling thread each of those waits
-# up to the interval, which made a 50 ms request take seconds. The worker uses
-# settings.switch_interval_s() (0.5 ms) to keep the hand-offs short.
+# A request thread needs the GIL back after every torch op, and behind a compiling thread each hand-off
+# waits up to the switch interval: the worker shortens it (settings.switch_interval_s(); docs/hosting.md).
 
 
 def lower_this_thread_priority(by: int | None = None) -> bool:
