@@ -1,6 +1,6 @@
 """Diffusion Showcase web app: flags -> engine manager (default engine pre-warmed) -> Gradio UI.
 
-    python app.py                      # tiny-flux on the best device, compile mode, http://127.0.0.1:7860
+    python app.py                      # tiny-shapes on the best device, compile mode, http://127.0.0.1:7860
     python app.py --device cpu --precision bf16 --warm 64x64 --auth user:secret
     python app.py --tp-address /srv/tp/flux2.json   # serve a sidecar started on its nodes (docs/multinode.md)
 
@@ -24,6 +24,7 @@ log = logging.getLogger("app")
 def build_parser() -> argparse.ArgumentParser:
     from engine import settings
     from engine.config.flags import add_engine_arguments
+    from engine.protocol import Mode, Precision
 
     d = settings.server_defaults()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("default engine")
     e.add_argument("--preset", default=d["preset"], help="model preset ($SHOWCASE_PRESET)")
     e.add_argument("--device", default=d["device"], help="device or 'auto' ($SHOWCASE_DEVICE)")
-    e.add_argument("--precision", default=d["precision"], help="fp32, tf32, bf16 or fp16 ($SHOWCASE_PRECISION)")
-    e.add_argument("--mode", default=d["mode"], help="eager, compile, regional, defer-and-fuse ($SHOWCASE_MODE)")
+    e.add_argument("--precision", default=d["precision"], help=f"{', '.join(Precision.values())} ($SHOWCASE_PRECISION)")
+    e.add_argument("--mode", default=d["mode"], help=f"{', '.join(Mode.values())} ($SHOWCASE_MODE)")
     e.add_argument("--config-from", default=None, metavar="FILE",
                    help="the default engine and Generate's selectors from an advisor result (python -m engine "
                         "advise --out FILE, or the Advisor tab's saved JSON): its pick's preset, device, "

@@ -1,4 +1,4 @@
-"""Headless command line: `python -m engine {generate,devices,presets,attention,step-caches,export,bench,soak,load}`.
+"""Headless command line: `python -m engine COMMAND` (`--help` lists the commands).
 
 Sub-commands come from one table (`COMMANDS`); each module registers its own parser. Importing this
 module (and `--help`, `presets`) never imports torch: sub-commands import what they need when they run.

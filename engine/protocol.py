@@ -16,9 +16,9 @@ import dataclasses
 import enum
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 from engine import settings
 from engine.errors import InvalidRequest, ShowcaseError
@@ -336,6 +336,7 @@ class BucketInfo:
 DEFAULT_PRESET = settings.DEFAULT_PRESET  # part of the contract: the UI's starting preset
 # For models with no example prompts (random-weight tiny pipelines, Hub models).
 GENERIC_PROMPT = "a red fox in the snow, golden hour"
+RANDOM_TINY_PREFIXES = ("random:", "embedded:")  # "embedded:" is the old spelling: saved presets keep loading
 
 
 @dataclass(frozen=True)
@@ -366,9 +367,10 @@ class ModelPreset:
     denoiser_config: dict | None = field(default=None, hash=False, compare=False)
 
     @property
-    def embedded(self) -> str | None:
-        """Name of the tiny pipeline engine/models/tiny.py builds, or None for a real model."""
-        return self.source.removeprefix("embedded:") if self.source.startswith("embedded:") else None
+    def random_tiny(self) -> str | None:
+        """Name of the random-weight tiny pipeline engine/models/tiny.py builds ("random:<name>"), or None."""
+        prefix = next((p for p in RANDOM_TINY_PREFIXES if self.source.startswith(p)), None)
+        return self.source.removeprefix(prefix) if prefix else None
 
     @property
     def bundled(self) -> str | None:
@@ -631,27 +633,6 @@ class EngineReady:
 # ------------------------------------------------------------------------------------------------
 
 
-class ToEngine(enum.StrEnum):
-    GENERATE = "generate"
-    CANCEL = "cancel"
-    WARM = "warm"
-    SHUTDOWN = "shutdown"
-    INJECT_FAULT = "inject_fault"  # tests only; refused unless EngineOptions.fault_injection
-    COMPILE_GRANTED = "compile_granted"  # the host's compile scheduler lets the engine compile a bucket
-
-
-class FromEngine(enum.StrEnum):
-    READY = "ready"
-    FATAL = "fatal"  # the engine could not start; it exits
-    BUCKET = "bucket"
-    PROGRESS = "progress"
-    RESULT = "result"
-    ERROR = "error"  # one request failed; the engine keeps serving
-    COMPILE_WANTED = "compile_wanted"  # the engine asks the host's scheduler for a compile slot
-    COMPILE_FINISHED = "compile_finished"  # ... and gives it back
-    FOOTPRINT = "footprint"  # its memory footprint changed (after a warm-up)
-
-
 class Fault(enum.StrEnum):
     """One-shot faults a test can arm in an engine started with fault_injection=True."""
 
@@ -659,44 +640,51 @@ class Fault(enum.StrEnum):
     CRASH = "crash"  # the worker process dies at the next request's first step
 
 
+# A message's class is its kind: both ends dispatch on it (`dispatch`), and the connection pickles it.
+# Client -> engine:
+
+
 @dataclass(frozen=True)
 class Generate:
-    KIND: ClassVar = ToEngine.GENERATE
     request: GenerateRequest
 
 
 @dataclass(frozen=True)
 class Cancel:
-    KIND: ClassVar = ToEngine.CANCEL
     request_id: str
 
 
 @dataclass(frozen=True)
 class Warm:
-    KIND: ClassVar = ToEngine.WARM
     bucket: BucketKey | None  # None: the engine's start-up warm list
 
 
 @dataclass(frozen=True)
 class Shutdown:
-    KIND: ClassVar = ToEngine.SHUTDOWN
+    pass
 
 
 @dataclass(frozen=True)
 class InjectFault:
-    KIND: ClassVar = ToEngine.INJECT_FAULT
+    """Tests only; refused unless EngineOptions.fault_injection."""
+
     fault: Fault
 
 
 @dataclass(frozen=True)
 class CompileGranted:
-    KIND: ClassVar = ToEngine.COMPILE_GRANTED
+    """The host's compile scheduler lets the engine compile a bucket."""
+
     bucket: BucketKey
+
+
+# Engine -> client:
 
 
 @dataclass(frozen=True)
 class CompileWanted:
-    KIND: ClassVar = FromEngine.COMPILE_WANTED
+    """The engine asks the host's compile scheduler for a compile slot."""
+
     bucket: BucketKey
     waiting: int = 0  # requests blocked on it (on_cold=wait)
     hits: int = 0  # requests that asked for it so far
@@ -705,62 +693,57 @@ class CompileWanted:
 
 @dataclass(frozen=True)
 class CompileFinished:
-    KIND: ClassVar = FromEngine.COMPILE_FINISHED
+    """The engine gives back the compile slot it was granted."""
+
     bucket: BucketKey
 
 
 @dataclass(frozen=True)
 class FootprintChanged:
-    KIND: ClassVar = FromEngine.FOOTPRINT
+    """Its memory footprint changed (after a warm-up)."""
+
     footprint: Footprint
 
 
 @dataclass(frozen=True)
 class Ready:
-    KIND: ClassVar = FromEngine.READY
     ready: EngineReady
 
 
 @dataclass(frozen=True)
 class Fatal:
-    KIND: ClassVar = FromEngine.FATAL
+    """The engine could not start; it exits."""
+
     error: ShowcaseError
 
 
 @dataclass(frozen=True)
 class BucketChanged:
-    KIND: ClassVar = FromEngine.BUCKET
     info: BucketInfo
 
 
 @dataclass(frozen=True)
 class Progress:
-    KIND: ClassVar = FromEngine.PROGRESS
     progress: StepProgress
 
 
 @dataclass(frozen=True)
 class Result:
-    KIND: ClassVar = FromEngine.RESULT
     result: GenerateResult
 
 
 @dataclass(frozen=True)
 class RequestFailed:
-    KIND: ClassVar = FromEngine.ERROR
+    """One request failed; the engine keeps serving."""
+
     request_id: str | None  # None: a message that was not a request could not be handled
     error: ShowcaseError
 
 
-def kind_of(message) -> enum.StrEnum | None:
-    """The message's kind, or None for anything that is not a protocol message."""
-    return getattr(type(message), "KIND", None)
-
-
-def dispatch(message, handlers: dict, log, peer: str) -> bool:
-    """Run `handlers[kind](message)`. An unknown message is logged and False returned, so the caller
-    can answer it (never silently dropped)."""
-    handler = handlers.get(kind_of(message))
+def dispatch(message, handlers: dict[type, Callable], log, peer: str) -> bool:
+    """Run `handlers[type(message)](message)`. An unknown message is logged and False returned, so the
+    caller can answer it (never silently dropped)."""
+    handler = handlers.get(type(message))
     if handler is None:
         log.error("unknown message from %s: %r", peer, type(message).__name__)
         return False

@@ -37,7 +37,7 @@ def cache_dir() -> Path:
 
 
 def models_dir(root: Path | None = None) -> Path:
-    """Where the embedded tiny pipelines are built (once) and loaded from."""
+    """Where the random-weight tiny pipelines are built (once) and loaded from."""
     return (root or cache_dir()) / "models"
 
 

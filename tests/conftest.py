@@ -30,7 +30,7 @@ def cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(cache_dir) -> dict[str, Path]:
-    """Every embedded tiny pipeline, built once (rebuilt only if the cache is wiped)."""
+    """Every random-weight tiny pipeline, built once (rebuilt only if the cache is wiped)."""
     from engine.models.tiny import TINY_PRESETS, ensure_tiny_pipeline
     from engine.settings import models_dir
 

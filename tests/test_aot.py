@@ -284,7 +284,7 @@ def test_a_second_package_adds_no_weight_memory(cache_dir):
 
 
 def test_export_command_then_a_fresh_engine_loads_the_packages(cache_dir, tiny_models):
-    from engine.worker.client import ProcessEngine
+    from engine.worker.client import ProcessClient
 
     cmd = [sys.executable, "-m", "engine", "export", "--preset", "tiny-flux", "--device", "cpu",
            "--precision", "fp32", "--sizes", "64x64", "--cache-dir", str(cache_dir), "--json"]
@@ -298,7 +298,7 @@ def test_export_command_then_a_fresh_engine_loads_the_packages(cache_dir, tiny_m
 
     config = EngineConfig(KEY, get_preset("tiny-flux"),
                           EngineOptions(warm_modes=(Mode.AOT,), warm_sizes=("64x64",)), str(cache_dir))
-    engine = ProcessEngine(config, env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}).start()
+    engine = ProcessClient(config, env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}).start()
     try:
         assert engine.wait_ready(timeout=300)
         deadline = time.time() + 300

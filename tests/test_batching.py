@@ -30,7 +30,7 @@ from engine.protocol import (
     Mode,
     Size,
 )
-from engine.worker.client import ProcessEngine
+from engine.worker.client import ProcessClient
 
 KEY = EngineKey("tiny-shapes", "cpu", "fp32")
 PROMPTS = ("a red circle on a blue background", "a green square on a yellow background",
@@ -142,10 +142,10 @@ class GrantedCompiles:
             engine.grant_compile(wish.bucket)
 
 
-def start(cache_dir, **options) -> ProcessEngine:
+def start(cache_dir, **options) -> ProcessClient:
     options.setdefault("warm_sizes", ())
     config = EngineConfig(KEY, get_preset(KEY.preset), EngineOptions(**options), str(cache_dir))
-    engine = ProcessEngine(config, env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")})
+    engine = ProcessClient(config, env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")})
     engine.compile_gate = gate = GrantedCompiles()
     engine.start()
     engine.gate = gate

@@ -55,7 +55,7 @@ def _warm_in_a_process(cache: Path, system_tmp: Path, tiny_models) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "SHOWCASE_CACHE_DIR")}
     env.update(PYTHONPATH=str(REPO), TMPDIR=str(system_tmp))
     models = cache / "models"
-    if not models.exists():  # the embedded model, without building it again
+    if not models.exists():  # the tiny pipeline, without building it again
         models.mkdir(parents=True)
         os.symlink(tiny_models["tiny-flux"], models / "tiny-flux")
     out = subprocess.run([sys.executable, "-c", _WARM, str(cache)], env=env, cwd=REPO, capture_output=True,

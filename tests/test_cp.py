@@ -38,11 +38,11 @@ PRESET = "tiny-flux"
 def cp(cache_dir, tiny_models, tmp_path_factory):
     """An EngineManager whose tiny-flux ulysses2 engine is a sidecar dumping rank 0's float images."""
     from engine.serving.manager import EngineManager
-    from engine.tp.client import SidecarEngine
+    from engine.tp.client import SidecarClient
 
     dump = tmp_path_factory.mktemp("cp-dump")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(SidecarEngine, "__init__", partialmethod(SidecarEngine.__init__, dump_dir=dump))
+        mp.setattr(SidecarClient, "__init__", partialmethod(SidecarClient.__init__, dump_dir=dump))
         manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=(), compile_vae=False))
         key = manager.make_key(PRESET, "cpu", "fp32", 2, parallel="ulysses")
         engine = manager.engine(key)

@@ -28,17 +28,17 @@ from engine.protocol import (
     Size,
 )
 from engine.serving.manager import EngineManager
-from engine.worker.client import ProcessEngine
+from engine.worker.client import ProcessClient
 
 pytestmark = pytest.mark.slow  # starts worker processes and compiles buckets
 
 KEY = EngineKey("tiny-flux", "cpu", "fp32")
 
 
-def start_engine(cache_dir, key=KEY, **options) -> ProcessEngine:
+def start_engine(cache_dir, key=KEY, **options) -> ProcessClient:
     options.setdefault("warm_sizes", ())
     config = EngineConfig(key, get_preset(key.preset), EngineOptions(**options), str(cache_dir))
-    engine = ProcessEngine(config, env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}).start()
+    engine = ProcessClient(config, env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}).start()
     assert engine.wait_ready(timeout=300)
     return engine
 
@@ -229,7 +229,7 @@ def test_hang_up_leaves_the_close_to_the_reader_thread():
     down, which wakes the reader, and the reader closes it."""
     from multiprocessing import Pipe
 
-    from engine.worker.client import ConnectionEngine
+    from engine.worker.client import ConnectionClient
 
     ours, peer = Pipe(duplex=True)
     closed_by = []
@@ -242,7 +242,7 @@ def test_hang_up_leaves_the_close_to_the_reader_thread():
             closed_by.append(threading.current_thread().name)
             ours.close()
 
-    engine = ConnectionEngine(KEY)
+    engine = ConnectionClient(KEY)
     engine.attach(Spy())
     time.sleep(0.2)  # the reader is blocked in recv
     engine._closed = True
@@ -275,7 +275,7 @@ def test_a_worker_whose_output_pipe_broke_still_loads_and_serves(cache_dir, tiny
     """A worker's output is diagnostics: tqdm's loading bar writing into a broken pipe made from_pretrained
     fail ("Broken pipe"), and the failed worker then hung in tqdm's finaliser and outlived its app."""
     with stderr_nobody_reads():
-        engine = ProcessEngine(EngineConfig(KEY, get_preset(KEY.preset), EngineOptions(warm_sizes=()),
+        engine = ProcessClient(EngineConfig(KEY, get_preset(KEY.preset), EngineOptions(warm_sizes=()),
                                             str(cache_dir))).start()
     try:
         assert engine.wait_ready(timeout=300) and engine.error is None
@@ -296,7 +296,7 @@ def test_a_worker_whose_load_failed_exits_by_itself(cache_dir, tiny_models, tmp_
     preset = preset_for_model(str(broken), allowed_roots=[tmp_path])
     config = EngineConfig(EngineKey(preset.name, "cpu", "fp32"), preset, EngineOptions(warm_sizes=()), str(cache_dir))
     with stderr_nobody_reads():
-        engine = ProcessEngine(config, env={"SHOWCASE_MODEL_ROOTS": str(tmp_path)}).start()
+        engine = ProcessClient(config, env={"SHOWCASE_MODEL_ROOTS": str(tmp_path)}).start()
     try:
         with pytest.raises(Exception, match="could not load"):
             engine.wait_ready(timeout=300)

@@ -339,13 +339,13 @@ def test_a_sessions_second_run_is_refused_while_one_runs():
         pass
 
 
-def test_each_cpu_engine_gets_its_own_slot_on_the_short_run_board_freed_when_it_goes(tmp_path):
-    """Engines on the host's cores share one board of "running a short request" bytes (engine/worker/priority.py):
+def test_each_cpu_engine_gets_its_own_short_run_slot_freed_when_it_goes(tmp_path):
+    """Engines on the host's cores share one file of "running a short request" bytes (engine/worker/priority.py):
     each gets its own slot, and a slot is cleared and free again once its engine is dropped (evicted,
     crashed, restarted), so a worker killed mid-request never leaves long requests waiting."""
     manager = EngineManager(cache_dir=tmp_path / "cache")
     try:
-        first, second = manager._short_run_board(), manager._short_run_board()
+        first, second = manager._take_short_run_slot(), manager._take_short_run_slot()
         assert (first.slot, second.slot) == (0, 1) and first.path == second.path
         gone = object()
         manager._short_run_slot[id(gone)] = first.slot
@@ -353,7 +353,7 @@ def test_each_cpu_engine_gets_its_own_slot_on_the_short_run_board_freed_when_it_
         assert second.others_running()
         manager._drop_engine(gone)
         assert not second.others_running()
-        assert manager._short_run_board().slot == 0
+        assert manager._take_short_run_slot().slot == 0
     finally:
         manager.shutdown()
     assert not first.path.exists()

@@ -104,9 +104,9 @@ def _request(**fields):
 
 def _engine(cache_dir, kind):
     from engine.serving.gpu import make_gpu_calls
-    from engine.serving.inprocess import InProcessEngine
+    from engine.serving.inprocess import InProcessClient
 
-    engine = InProcessEngine(_config(cache_dir), gpu=make_gpu_calls(kind)).start()
+    engine = InProcessClient(_config(cache_dir), gpu=make_gpu_calls(kind)).start()
     assert engine.wait_ready(300)
     return engine
 
@@ -191,12 +191,12 @@ def test_a_forked_gpu_call_loses_nothing(direct, cache_dir):
 FRESH = r"""
 import json, sys
 from engine.serving.gpu import make_gpu_calls
-from engine.serving.inprocess import InProcessEngine
+from engine.serving.inprocess import InProcessClient
 from engine.config.presets import get_preset
 from engine.protocol import *
 config = EngineConfig(EngineKey("tiny-shapes", "cpu", "fp32"), get_preset("tiny-shapes"),
                       EngineOptions(warm_sizes=()), sys.argv[1])
-runner_engine = InProcessEngine(config, gpu=make_gpu_calls("direct")).start()
+runner_engine = InProcessClient(config, gpu=make_gpu_calls("direct")).start()
 runner_engine.wait_ready(300)
 info = runner_engine.runner.warm_bucket(BucketKey(Mode.AOT, Size(64, 64)))
 result = runner_engine.generate(GenerateRequest(prompt=sys.argv[2], width=64, height=64, steps=8, guidance=1.0,

@@ -1,4 +1,4 @@
-"""The embedded models' cache is never trusted on its marker alone, and weight headers are read bounded.
+"""The random-weight tiny pipelines' cache is never trusted on its marker alone, and weight headers are read bounded.
 
 - A folder marked complete whose component lacks its weights (what a sidecar rank other than 0 used to
   leave) is detected and rebuilt, with a warning; so is one with a corrupt weight header.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -49,11 +50,18 @@ def test_seed_device_advice_is_data():
     assert get_preset("flux2-dev").min_tp >= 2 and get_preset("flux2-dev").tp_text_encoder
 
 
-def test_tiny_presets_are_embedded_and_small():
+def test_tiny_presets_are_random_weight_and_small():
     for name in ("tiny-flux", "tiny-flux2-klein", "tiny-sd3", "tiny-sdxl"):
         p = get_preset(name)
-        assert p.embedded == name
+        assert p.random_tiny == name
         assert all(64 <= side <= 128 for b in p.buckets for side in (b.width, b.height))
+
+
+def test_the_old_embedded_prefix_still_names_a_random_weight_pipeline():
+    p = get_preset("tiny-flux")
+    assert p.source == "random:tiny-flux"
+    assert dataclasses.replace(p, source="embedded:tiny-flux").random_tiny == "tiny-flux"
+    assert get_preset("tiny-shapes").random_tiny is None
 
 
 def test_unknown_preset_lists_the_choices():

@@ -96,7 +96,7 @@ class _Runner:
         self.policy: list[int] = []
         self.threads: list[int] = []
         self.step_at: list[list[float]] = []  # per request: when each step ended
-        self.announced: list[bool] = []  # per request: its own byte on the short-run board while it ran
+        self.announced: list[bool] = []  # per request: its own short-run byte set while it ran
         self.short_runs: ShortRuns | None = None
         self.measured_run: tuple[Size, float] | None = None  # the load's measuring run
 
@@ -191,7 +191,7 @@ def test_accelerator_engines_do_not_order_by_niceness():
 
 
 # -- long requests step aside while another engine runs a short one -----------------------------
-def test_the_short_run_board_makes_long_requests_wait_for_short_ones_elsewhere_within_a_bound(tmp_path):
+def test_short_run_slots_make_long_requests_wait_for_short_ones_elsewhere_within_a_bound(tmp_path):
     slots = ShortRunSlots(tmp_path)
     short, long = slots.take(), slots.take()
     assert (short.slot, long.slot) == (0, 1)
@@ -256,7 +256,7 @@ def test_a_long_request_waits_between_its_steps_while_another_engine_runs_a_shor
     slots.remove()
 
 
-def test_without_the_board_or_off_requests_are_ordered_by_niceness_alone(monkeypatch, tmp_path):
+def test_without_short_run_slots_or_off_requests_are_ordered_by_niceness_alone(monkeypatch, tmp_path):
     slots = ShortRunSlots(tmp_path)
     monkeypatch.setenv("SHOWCASE_SHORT_RUNS", slots.take().env_value())
     monkeypatch.setenv("SHOWCASE_STEP_ASIDE", "0")

@@ -1,4 +1,4 @@
-"""The embedded tiny pipelines: they build offline, reload with the generic loader, generate images,
+"""The random-weight tiny pipelines: they build offline, reload with the generic loader, generate images,
 rebuild bit-identically, and ensure_tiny_pipeline builds each one only once."""
 
 from __future__ import annotations

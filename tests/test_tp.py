@@ -28,7 +28,7 @@ from engine.errors import EngineCrashed
 from engine.pipeline.runner import pipeline_call_kwargs
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, GenerateRequest
 from engine.settings import data_path
-from engine.tp.client import SidecarEngine
+from engine.tp.client import SidecarClient
 
 pytestmark = pytest.mark.slow  # starts torchrun tensor-parallel sidecars
 
@@ -61,14 +61,14 @@ def _reference(tiny_models, preset: str, request: GenerateRequest) -> np.ndarray
     return out.images[0]
 
 
-def _processes(engine: SidecarEngine) -> list[int]:
+def _processes(engine: SidecarClient) -> list[int]:
     return [engine.pid, *engine.rank_pids()]
 
 
 @pytest.fixture(scope="module")
 def flux_tp(cache_dir, tiny_models, tmp_path_factory):
     dump = tmp_path_factory.mktemp("tp-dump")
-    engine = SidecarEngine(_config(cache_dir, "tiny-flux"), dump_dir=dump).start()
+    engine = SidecarClient(_config(cache_dir, "tiny-flux"), dump_dir=dump).start()
     try:
         engine.wait_ready(300)
         yield engine, dump
@@ -127,7 +127,7 @@ def test_flux_tp_cancel_stops_every_rank_at_the_same_step(flux_tp, at_step):
 
 def test_flux2_klein_tp_with_sharded_text_encoder_matches_one_process(cache_dir, tiny_models, tmp_path):
     # The tiny preset keeps its Qwen3 text encoder whole; shard it too (as FLUX.2-dev does with Mistral3).
-    engine = SidecarEngine(_config(cache_dir, "tiny-flux2-klein", tp_text_encoder=True), dump_dir=tmp_path).start()
+    engine = SidecarClient(_config(cache_dir, "tiny-flux2-klein", tp_text_encoder=True), dump_dir=tmp_path).start()
     try:
         engine.wait_ready(300)
         assert any("text_encoder (Qwen3ForCausalLM)" in n for n in engine.info.notices)
@@ -147,7 +147,7 @@ def test_embedded_shapes_model_tp_draws_the_same_picture(cache_dir, tiny_models,
     from engine.models.shapes.fidelity import check
 
     prompt = "a yellow triangle on a purple background"
-    engine = SidecarEngine(_config(cache_dir, "tiny-shapes"), dump_dir=tmp_path).start()
+    engine = SidecarClient(_config(cache_dir, "tiny-shapes"), dump_dir=tmp_path).start()
     try:
         engine.wait_ready(300)
         request = replace(_request("shapes-eager", steps=8, guidance=1.0), prompt=prompt)
@@ -167,12 +167,12 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
     from engine.serving.manager import EngineManager
 
     manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
-    seen: list[SidecarEngine] = []
+    seen: list[SidecarClient] = []
     try:
         key = manager.make_key("tiny-flux", "cpu", "fp32", tp=2)
         engine = manager.engine(key)
         seen.append(engine)
-        assert isinstance(engine, SidecarEngine)
+        assert isinstance(engine, SidecarClient)
         engine.wait_ready(300)
         assert manager.generate(preset="tiny-flux", device="cpu", tp=2, size="64x64", steps=2, prompt=PROMPT).engine == key
 
@@ -224,7 +224,7 @@ def test_load_failure_on_the_ranks_is_reported_not_hung(cache_dir, tiny_models, 
     monkeypatch.setattr("engine.tp.plan.check_layout_if_local", lambda *a, **k: False)
     config = _config(cache_dir, "tiny-flux")
     config = replace(config, key=replace(config.key, tp=3))
-    engine = SidecarEngine(config).start()
+    engine = SidecarClient(config).start()
     try:
         started = time.monotonic()
         with pytest.raises(Exception, match=r"transformer \(FluxTransformer2DModel\) over 3 ranks"):

@@ -273,13 +273,13 @@ def test_preset_without_tp_plan_is_refused(tiny_models):
         check_split(get_preset("tiny-sdxl"), str(tiny_models["tiny-sdxl"]), 2)
 
 
-def test_sidecar_engine_refuses_an_impossible_split_before_starting_anything(cache_dir, tiny_models):
+def test_sidecar_client_refuses_an_impossible_split_before_starting_anything(cache_dir, tiny_models):
     from engine.protocol import EngineConfig, EngineKey
-    from engine.tp.client import SidecarEngine
+    from engine.tp.client import SidecarClient
 
     config = EngineConfig(key=EngineKey("tiny-flux", "cpu", "fp32", 3), preset=get_preset("tiny-flux"),
                           cache_dir=str(cache_dir))
-    engine = SidecarEngine(config)
+    engine = SidecarClient(config)
     with pytest.raises(TensorParallelSplitError, match="over 3 ranks"):
         engine.start()
     assert engine.process is None

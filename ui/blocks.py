@@ -33,12 +33,9 @@ CSS = """
 """
 
 
-# Gradio's queue rebuilds a pandas DataFrame of its last GRADIO_ANALYTICS_MAX_EVENTS (10,000) events after
-# every event, for its /monitoring dashboard, in a thread that holds the interpreter lock while it runs:
-# O(events) per event, so a server slows down as it ages, and each open page's once-a-second board tick
-# is an event. It was the app's largest CPU item after the event loop itself in a profile of the soak
-# (4 visitors, 2 cores). The board and /system show what a host needs; a host who wants Gradio's
-# dashboard sets these variables itself (then monitoring stays on).
+# Gradio's queue statistics (for /monitoring) rebuild a table of recent events after every event while
+# holding the GIL, so a server slows down as it ages (docs/hosting.md); a host who wants the dashboard sets
+# these variables itself (then monitoring stays on).
 QUEUE_STATISTICS_OFF = {"GRADIO_ANALYTICS_CACHE_FREQUENCY": str(10**9), "GRADIO_ANALYTICS_MAX_EVENTS": "1"}
 
 
@@ -51,7 +48,7 @@ def queue_statistics_off() -> bool:
 
 
 # Sessions whose state (a copy of every component's config, the board's last status) Gradio keeps; the
-# oldest go first. Gradio's default (10,000) let session hashes a client mints hold memory for hours.
+# oldest go first. Bounded because a client may mint session hashes at will (docs/hosting.md).
 STATE_SESSIONS = 500
 
 
@@ -88,7 +85,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
         engine_line = gr.Markdown(elem_id="engine-line")
         with gr.Tabs() as tabs:
             settings = generate.build(h, demo, engine_line)
-            board = buckets.build(h)
+            buckets_tab = buckets.build(h)
             compare.build(h)
             advisor.build(h, settings, tabs)
             system.build(h)
@@ -98,7 +95,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
         last = gr.State({})
         gr.on([gr.Timer(h.defaults.poll_s).tick, demo.load], h.tick,
               [settings.preset, settings.device, settings.precision, settings.mode, last, settings.tp],
-              [board.board, engine_line, settings.size, board.engine, last], **FAST)
+              [buckets_tab.board, engine_line, settings.size, buckets_tab.engine, last], **FAST)
     demo.queue(max_size=queue_size)
     poll_queue_less_often(demo)
     guard.install(demo)
@@ -106,10 +103,9 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     return demo
 
 
-# Gradio's queue loop looks for new events every millisecond while its queue is empty (Queue.sleep_when_free,
-# not a public setting): an idle app woke ~870 times a second and used 7 % of a core doing nothing, and
-# each wake-up preempts whatever computes on that core (a request's run, on cpu). Every 5 ms costs an
-# event at most 5 ms (2.5 on average) before it starts.
+# Gradio's idle queue loop polls every millisecond (Queue.sleep_when_free, not a public setting), and each
+# wake-up preempts a request computing on that core; polling less often delays an event by at most this.
+# The figures: docs/hosting.md.
 QUEUE_POLL_S = 0.005
 
 

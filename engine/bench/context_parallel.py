@@ -75,10 +75,10 @@ def _setup(args):
 def _model_config(preset, cls) -> dict:
     from engine import settings
 
-    if preset.embedded:
+    if preset.random_tiny:
         from engine.models.tiny import ensure_tiny_pipeline
 
-        folder = ensure_tiny_pipeline(preset.embedded, settings.models_dir(settings.cache_dir()))
+        folder = ensure_tiny_pipeline(preset.random_tiny, settings.models_dir(settings.cache_dir()))
     elif preset.bundled:
         folder = settings.data_path(preset.bundled)
     else:

@@ -79,12 +79,13 @@ class Catalog:
 
 
 def resolve_source(config: EngineConfig) -> str:
-    """What from_pretrained loads: an embedded tiny model (built here once), a checked local folder, or a Hub id."""
+    """What from_pretrained loads: a random-weight tiny pipeline (built here once), a model committed in this
+    repository, a checked local folder, or a Hub id."""
     preset = config.preset
-    if preset.embedded:
+    if preset.random_tiny:
         from engine.models.tiny import ensure_tiny_pipeline
 
-        return str(ensure_tiny_pipeline(preset.embedded, settings.models_dir(config.cache_path())))
+        return str(ensure_tiny_pipeline(preset.random_tiny, settings.models_dir(config.cache_path())))
     if preset.bundled:
         folder = settings.data_path(preset.bundled)
         if not (folder / "model_index.json").is_file():

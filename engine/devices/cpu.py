@@ -131,8 +131,8 @@ def aot_target() -> str:
     (avx512, avx2, neon, ...) on this machine's architecture.
 
     Read from the CPU's flags on x86: inductor's own pick_vec_isa compiles and runs ten probe programs
-    (8 s on 2 cores in a process whose inductor cache is empty), which would make every fresh process pay
-    that before it can even look a package up. Where the ISA is forced (ATEN_CPU_CAPABILITY,
+    (seconds in a process whose inductor cache is empty: docs/benchmarks.md), which would make every fresh
+    process pay that before it can even look a package up. Where the ISA is forced (ATEN_CPU_CAPABILITY,
     cpp.simdlen) or the CPU is not x86, inductor's answer is the one that counts."""
     import os
     import platform

@@ -1,8 +1,9 @@
-"""The embedded default models: four tiny diffusers pipelines built locally with random weights.
+"""Four random-weight tiny diffusers pipelines, built locally (presets with source "random:<name>").
 
-They let the whole app (UI, engine, compile, tensor parallel, tests) run offline on a CPU with the same
-loading code as a real Hub model: each preset is built from configs, saved with `save_pretrained`
-(safetensors) and then loaded back with `DiffusionPipeline.from_pretrained(path)` like any other model.
+They draw noise (the embedded default, tiny-shapes, is a trained model committed in models/), but they
+let the whole app (UI, engine, compile, tensor parallel, tests) run offline on a CPU with the same loading
+code as a real Hub model, for four pipeline families: each preset is built from configs, saved with
+`save_pretrained` (safetensors) and loaded back with `DiffusionPipeline.from_pretrained(path)`.
 
 - Every component is created right after `torch.manual_seed(...)` and every tokenizer is trained on the
   fixed corpus below, so a rebuild is bit-identical (same safetensors bytes).
@@ -680,7 +681,7 @@ def _build_in_subprocess(name: str, out_dir: Path) -> None:
         raise
     if proc.returncode != 0:
         tail = out.decode(errors="replace").strip().splitlines()[-5:]
-        raise ModelLoadError(f"building the embedded model {name} failed (exit {proc.returncode}): "
+        raise ModelLoadError(f"building the tiny pipeline {name} failed (exit {proc.returncode}): "
                              + " / ".join(tail))
 
 
@@ -773,20 +774,20 @@ def ensure_tiny_pipeline(name: str, models_root: Path) -> Path:
         if problem is None:
             _warn_if_stale(target)
             return target
-        logger.warning("the embedded model %s is marked complete but %s; rebuilding it", name, problem)
+        logger.warning("the tiny pipeline %s is marked complete but %s; rebuilding it", name, problem)
     try:
         return _build_locked(name, models_root)
     except OSError as exc:
         if exc.errno not in _UNWRITABLE:
             raise
         fallback = _fallback_models_root()
-        logger.warning("cannot build the embedded model %s in the cache's models folder (%s); building it in a "
+        logger.warning("cannot build the tiny pipeline %s in the cache's models folder (%s); building it in a "
                        "temporary folder instead: fix the cache folder or pass --cache-dir", name,
                        exc.strerror or exc)
         try:
             return _build_locked(name, fallback)
         except OSError as again:
-            raise ModelLoadError(f"cannot build the embedded model {name}: its cache folder is not writable "
+            raise ModelLoadError(f"cannot build the tiny pipeline {name}: its cache folder is not writable "
                                  f"({exc.strerror or exc}) and neither is a temporary folder "
                                  f"({again.strerror or again}); fix the cache folder's permissions or free "
                                  "space, or pass --cache-dir") from None
@@ -819,7 +820,7 @@ def _build_locked(name: str, models_root: Path) -> Path:
                 build_tiny_pipeline(name, tmp)
                 problem = check_pipeline_folder(tmp)
                 if problem is not None:  # never mark an incomplete build complete
-                    raise ModelLoadError(f"building the embedded model {name} left an incomplete folder: {problem}")
+                    raise ModelLoadError(f"building the tiny pipeline {name} left an incomplete folder: {problem}")
                 (tmp / COMPLETE_MARKER).write_text(
                     json.dumps({"name": name, "recipe_version": RECIPE_VERSION})
                 )

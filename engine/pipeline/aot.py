@@ -1,8 +1,7 @@
 """Mode `aot`: one AOTInductor package per bucket, loaded in seconds, every package on the engine's weights.
 
-Why: a compiled bucket costs minutes of warm-up in every new process (≈40 s for a tiny one on 2 CPU
-cores; the persistent inductor cache brings it to ≈4 s, but a fresh process still traces and re-links
-every graph). flux-fast and Hugging Face's ZeroGPU Spaces instead export the denoiser ahead of time with
+Why: a compiled bucket costs a warm-up in every new process (the persistent inductor cache shortens it,
+but a fresh process still traces and re-links every graph; the figures: docs/benchmarks.md). flux-fast and Hugging Face's ZeroGPU Spaces instead export the denoiser ahead of time with
 AOTInductor and load the compiled `.pt2` in seconds. The weights stay out of the package: each package
 is loaded with `load_constants(..., user_managed=True)` pointing at the tensors the engine already holds,
 so four buckets cost about what one does.
@@ -26,8 +25,8 @@ A manifest next to the package holds the key and a checksum. A package whose key
 never loaded; one whose checksum, load or constants fail is corrupt. Both are reported (the bucket's
 `origin` on the board) and rebuilt.
 
-The VAE decoder gets a package too when `compile_vae` is on (the default, as in compile mode): on this
-CPU it measured 4.6 ms against 8.0 ms eager at 64² (tiny-flux).
+The VAE decoder gets a package too when `compile_vae` is on (the default, as in compile mode): it
+decodes faster than eager too (docs/benchmarks.md).
 """
 
 from __future__ import annotations

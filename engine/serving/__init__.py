@@ -8,7 +8,7 @@
     inprocess.py    the in-process runtime: a WorkerLoop on threads of the app's process (ZeroGPU)
     gpu.py          GPU calls of the in-process runtime: device work inside a function ZeroGPU schedules
 
-Every engine reaches the manager as a ConnectionEngine (engine/worker/client.py): a worker process, a
+Every engine reaches the manager as a ConnectionClient (engine/worker/client.py): a worker process, a
 tensor-parallel sidecar (engine/tp/) or an in-process engine look the same from here.
 
 May import: the contract (engine/protocol.py, errors.py, metrics.py, settings.py), this folder and

@@ -3,7 +3,7 @@
 Where long-lived device workers cannot run (a ZeroGPU Space: no CUDA in the app's process, each
 `spaces.GPU` call in a process forked for it), and on plain CPU or single-GPU hosts that want one process.
 
-The manager sees the same client as for a worker engine: `InProcessEngine` is a `ConnectionEngine` whose
+The manager sees the same client as for a worker engine: `InProcessClient` is a `ConnectionClient` whose
 connection is an in-memory pipe to a `WorkerLoop` running on threads of this process, so the board,
 timings, cancel between steps, compile scheduling, footprints, budgets and public-mode rules are the
 worker runtime's code. What differs:
@@ -46,7 +46,7 @@ from engine.protocol import (
     Size,
 )
 from engine.serving.gpu import Durations, GpuCalls, make_gpu_calls
-from engine.worker.client import ConnectionEngine
+from engine.worker.client import ConnectionClient
 from engine.worker.loop import WorkerLoop, run_on_lowered_thread
 
 log = logging.getLogger(__name__)
@@ -327,7 +327,7 @@ class InProcessLoop(WorkerLoop):
         return None  # the worker's shorter thread switch interval would be the web server's too
 
 
-class InProcessEngine(ConnectionEngine):
+class InProcessClient(ConnectionClient):
     """An engine whose runner lives in this process (see the module's docstring)."""
 
     kind = "inprocess"
@@ -345,7 +345,7 @@ class InProcessEngine(ConnectionEngine):
     def pid(self) -> int:
         return os.getpid()
 
-    def start(self) -> InProcessEngine:
+    def start(self) -> InProcessClient:
         ours, theirs = LocalConnection.pair()
         self.attach(ours)
         self._engine_conn = theirs

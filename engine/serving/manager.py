@@ -52,7 +52,7 @@ from engine.protocol import (
 )
 from engine.serving import budget
 from engine.serving.scheduler import CompileScheduler
-from engine.worker.client import ConnectionEngine, ProcessEngine
+from engine.worker.client import ConnectionClient, ProcessClient
 from engine.worker.priority import ShortRunSlots
 
 log = logging.getLogger(__name__)
@@ -129,14 +129,14 @@ class EngineManager:
         self.runtime = runtime  # inprocess: engines in this process, device work in GPU calls (engine/serving/inprocess.py)
         self.scheduler = CompileScheduler(compile_jobs or settings.default_compile_jobs())
         self._short_runs: ShortRunSlots | None = None  # made with the first engine on the host's cores
-        self._short_run_slot: dict[int, int] = {}  # id(engine) -> its slot on that board
+        self._short_run_slot: dict[int, int] = {}  # id(engine) -> its slot in that file
         self._budgets: dict[str, budget.DeviceBudget] = {}
-        self._engines: dict[EngineKey, ConnectionEngine] = {}
+        self._engines: dict[EngineKey, ConnectionClient] = {}
         self._options: dict[EngineKey, EngineOptions] = {}
         self._restarts: dict[EngineKey, list[float]] = {}
         self._footprints: dict[EngineKey, Footprint] = {}  # measured, remembered across evictions
         self._evicted: dict[EngineKey, Eviction] = {}
-        self._running: dict[str, ConnectionEngine] = {}  # request id -> engine, for cancel()
+        self._running: dict[str, ConnectionClient] = {}  # request id -> engine, for cancel()
         self._lock = threading.RLock()
         self._admission = threading.Lock()  # one engine admitted (planned, room made, started) at a time
         self._closing = False
@@ -211,7 +211,7 @@ class EngineManager:
                                                                       "; --max-engines"))
             return self._budgets[device]
 
-    def footprint_of(self, engine: ConnectionEngine) -> Footprint:
+    def footprint_of(self, engine: ConnectionClient) -> Footprint:
         """What an engine counts against its budget: measured once loaded, estimated before."""
         return engine.footprint or self._footprints.get(engine.key) or self.estimate(engine.key)
 
@@ -236,7 +236,7 @@ class EngineManager:
         seen = [f.device_bytes - f.weights_bytes for k, f in self._footprints.items() if k.device == device]
         return int(median(seen)) if seen else None
 
-    def _residents(self, device: str, exclude: ConnectionEngine | None = None) -> list[budget.Resident]:
+    def _residents(self, device: str, exclude: ConnectionClient | None = None) -> list[budget.Resident]:
         with self._lock:
             engines = [e for e in self._engines.values() if e.key.device == device and e is not exclude]
         return [budget.Resident(str(e.key), self.footprint_of(e).device_bytes, e.busy(), e.last_used,
@@ -278,7 +278,7 @@ class EngineManager:
             if victim is not None:
                 self._evict(victim, f"evicted (least recently used, idle) to make room for {key}")
 
-    def _evict(self, engine: ConnectionEngine, reason: str) -> None:
+    def _evict(self, engine: ConnectionClient, reason: str) -> None:
         with self._lock:
             if self._engines.get(engine.key) is not engine:
                 return
@@ -301,7 +301,7 @@ class EngineManager:
 
     # -- engines ---------------------------------------------------------------------------------
     def engine(self, key: EngineKey, options: EngineOptions | None = None,
-               caller: Caller = Caller.HOST) -> ConnectionEngine:
+               caller: Caller = Caller.HOST) -> ConnectionClient:
         """The engine for a key, started if needed (returns once it is admitted; it may still be loading)."""
         with self._lock:
             if self._closing:
@@ -330,17 +330,17 @@ class EngineManager:
                 self.engines_started += 1
             return engine
 
-    def _start(self, key: EngineKey) -> ConnectionEngine:
+    def _start(self, key: EngineKey) -> ConnectionClient:
         options = self.engine_options(key)
         if self.runtime == "inprocess":
-            from engine.serving.inprocess import InProcessEngine
+            from engine.serving.inprocess import InProcessClient
 
-            engine = InProcessEngine(self._config(key, options),
+            engine = InProcessClient(self._config(key, options),
                                      threads=self.worker_threads_for(devices.get_device(key.device))).start()
         elif key.tp > 1:
-            from engine.tp.client import SidecarEngine
+            from engine.tp.client import SidecarClient
 
-            engine = SidecarEngine(self._config(key, options)).start()
+            engine = SidecarClient(self._config(key, options)).start()
         else:
             spec = devices.get_device(key.device)
             mode = Mode.DEFER_AND_FUSE if Mode.DEFER_AND_FUSE in options.warm_modes else None
@@ -349,12 +349,12 @@ class EngineManager:
             threads = self.worker_threads_for(spec)
             if threads:  # a value the user exported wins
                 env.setdefault("OMP_NUM_THREADS", str(threads))
-            board = self._short_run_board() if spec.host_memory_is_device_memory else None
-            if board is not None:
-                env["SHOWCASE_SHORT_RUNS"] = board.env_value()
-            engine = ProcessEngine(self._config(key, options), env=env).start()
-            if board is not None:
-                self._short_run_slot[id(engine)] = board.slot
+            short_runs = self._take_short_run_slot() if spec.host_memory_is_device_memory else None
+            if short_runs is not None:
+                env["SHOWCASE_SHORT_RUNS"] = short_runs.env_value()
+            engine = ProcessClient(self._config(key, options), env=env).start()
+            if short_runs is not None:
+                self._short_run_slot[id(engine)] = short_runs.slot
         self._attach(engine)
         log.info("started engine %s", key)
         return engine
@@ -367,25 +367,25 @@ class EngineManager:
         names = {var for var, _ in spec.cache_env} | set(self.cache.worker_env())
         return {name: env[name] for name in sorted(names) if name in env}
 
-    def _short_run_board(self):
-        """A slot on the host's board of engines running a short request (engine/worker/priority.py ShortRuns)."""
+    def _take_short_run_slot(self):
+        """A slot in the host's file of engines running a short request (engine/worker/priority.py ShortRuns)."""
         with self._lock:
             if self._short_runs is None:
                 try:
                     self._short_runs = ShortRunSlots(tempfile.gettempdir())
                 except OSError as exc:
-                    log.warning("no board of short requests (%s): cpu requests are ordered by niceness alone", exc)
+                    log.warning("no short-run slots (%s): cpu requests are ordered by niceness alone", exc)
                     return None
             return self._short_runs.take()
 
-    def _drop_engine(self, engine: ConnectionEngine) -> None:
-        """An engine is gone or going: its queued compiles are dropped, its slot on the short-run board freed."""
+    def _drop_engine(self, engine: ConnectionClient) -> None:
+        """An engine is gone or going: its queued compiles are dropped, its short-run slot freed."""
         self.scheduler.drop_engine(engine)
         slot = self._short_run_slot.pop(id(engine), None)
         if slot is not None and self._short_runs is not None:
             self._short_runs.release(slot)
 
-    def adopt(self, engine: ConnectionEngine) -> ConnectionEngine:
+    def adopt(self, engine: ConnectionClient) -> ConnectionClient:
         """Serve an engine the app did not start (a tensor-parallel sidecar attached with --tp-address):
         same board, timings, cancel and compile scheduling; counted in its device's budget, but never
         evicted or restarted by the app (it belongs to whoever started it). `engine` must be ready."""
@@ -415,30 +415,30 @@ class EngineManager:
             return self.worker_threads
         return cpu_worker_threads(self.device_budget(spec.name).max_engines)
 
-    def _attach(self, engine: ConnectionEngine) -> None:
+    def _attach(self, engine: ConnectionClient) -> None:
         engine.on_down = self._on_down
         engine.compile_gate = self._compile_wanted
         engine.on_compile_finished = self.scheduler.finished
         engine.on_ready = self._on_ready
         engine.on_footprint = self._on_footprint
 
-    def _compile_wanted(self, engine: ConnectionEngine, wish) -> None:
+    def _compile_wanted(self, engine: ConnectionClient, wish) -> None:
         startup = wish.startup_rank if self._is_default(engine.key) else None
         self.scheduler.want(engine, wish.bucket, waiting=wish.waiting, hits=wish.hits, startup_rank=startup)
 
-    def _on_ready(self, engine: ConnectionEngine) -> None:
+    def _on_ready(self, engine: ConnectionClient) -> None:
         """Loaded: remember what it really costs, and keep the device within budget."""
         if engine.footprint is None:
             return
         self._footprints[engine.key] = engine.footprint
         threading.Thread(target=self._settle_budget, args=(engine, True), name="budget-settle", daemon=True).start()
 
-    def _on_footprint(self, engine: ConnectionEngine) -> None:
+    def _on_footprint(self, engine: ConnectionClient) -> None:
         """It grew (compiled graphs, their code): make room by evicting idle others, never itself."""
         self._footprints[engine.key] = engine.footprint
         threading.Thread(target=self._settle_budget, args=(engine, False), name="budget-settle", daemon=True).start()
 
-    def _settle_budget(self, engine: ConnectionEngine, just_loaded: bool) -> None:
+    def _settle_budget(self, engine: ConnectionClient, just_loaded: bool) -> None:
         limits = self.device_budget(engine.key.device)
         with self._admission:
             residents = self._residents(engine.key.device, exclude=engine)
@@ -460,7 +460,7 @@ class EngineManager:
     def _config(self, key: EngineKey, options: EngineOptions) -> EngineConfig:
         return self.catalog.config(key, options, self.cache_dir)
 
-    def _on_down(self, engine: ConnectionEngine) -> None:
+    def _on_down(self, engine: ConnectionClient) -> None:
         """Restart a crashed engine in the background (bounded, so a crash loop stops)."""
         self._drop_engine(engine)
         if not engine.evictable:
@@ -483,7 +483,7 @@ class EngineManager:
 
         threading.Thread(target=restart, daemon=True).start()
 
-    def restart(self, key: EngineKey, options: EngineOptions | None = None) -> ConnectionEngine:
+    def restart(self, key: EngineKey, options: EngineOptions | None = None) -> ConnectionClient:
         """A new worker for `key` (with `options`, e.g. another attention backend, when given)."""
         if options is not None:
             from engine.pipeline import attention
@@ -504,7 +504,7 @@ class EngineManager:
             old.close()
         return self.engine(key)
 
-    def engines(self) -> list[ConnectionEngine]:
+    def engines(self) -> list[ConnectionClient]:
         with self._lock:
             return list(self._engines.values())
 

@@ -1,8 +1,7 @@
 """One compile scheduler per host: at most `jobs` bucket compiles at a time, across every engine.
 
 Why: each engine compiles in its own worker process, and on a small machine a handful of engines
-compiling at once starve the requests everyone is waiting for (a 2-step eager request took 54 s with
-12 engines compiling on 2 cores). Workers ask before compiling (`CompileWanted`) and start only when
+compiling at once starve the requests everyone is waiting for (docs/hosting.md). Workers ask before compiling (`CompileWanted`) and start only when
 granted (`CompileGranted`); the scheduler picks by demand:
 
 1. a bucket a request is waiting for (on_cold=wait),

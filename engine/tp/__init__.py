@@ -6,7 +6,7 @@ once per node and the app attaches to it (`app.py --tp-address FILE`). Every ran
 denoiser (and, for presets with `tp_text_encoder`, the text encoder) sharded over a DeviceMesh; the other
 components stay whole on each rank. Rank 0 serves the ordinary worker protocol (engine/worker/loop.py) on an
 HMAC-authenticated socket (engine/worker/wire.py; loopback unless the host says `--listen`), so the sidecar
-is just another ConnectionEngine to the manager, the UI and the bench.
+is just another ConnectionClient to the manager, the UI and the bench.
 
 Modules:
 - launch.py   pure functions: torchrun argv + environment per device (cpu/cuda/xpu/neuron/tpu), multi-node,
@@ -19,13 +19,13 @@ Modules:
 - sidecar.py  the torchrun entry point (rank 0 + followers) and `--help`.
 - nodes.py    the per-node launcher: node 0 serves, the others join; rendezvous and exit explained.
 - tokens.py   the token and address files.
-- client.py   SidecarEngine (the app's own sidecar: launch, connect, faults, clean shutdown).
+- client.py   SidecarClient (the app's own sidecar: launch, connect, faults, clean shutdown).
 - attach.py   the app serving a sidecar it did not start: connect, errors that say what to do, re-attach.
 
 Layer 6: it runs pipeline runners on every rank and serves them through the worker loop, and hands the
-manager a ConnectionEngine. It may import the contract (engine/protocol.py, errors.py, metrics.py,
+manager a ConnectionClient. It may import the contract (engine/protocol.py, errors.py, metrics.py,
 settings.py), this folder and the layers below it (devices, models, config, pipeline, worker); never
-serving or bench (the manager imports SidecarEngine from here, not the other way round).
+serving or bench (the manager imports SidecarClient from here, not the other way round).
 
 Goes here: how ranks are launched, joined, watched and coordinated, for tensor and context parallel
 alike. What a parallel layout needs of one pipeline's attention (a backend's context-parallel

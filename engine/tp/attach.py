@@ -25,7 +25,7 @@ from pathlib import Path
 from engine.errors import EngineCrashed, InvalidRequest, ShowcaseError
 from engine.protocol import EngineKey, RequestFailed
 from engine.tp.tokens import read_address_info, read_token, token_path_for
-from engine.worker.client import ConnectionEngine
+from engine.worker.client import ConnectionClient
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def dial_sidecar(address_file: str | Path, timeout_s: float = 10.0):
     return conn, info
 
 
-class AttachedSidecar(ConnectionEngine):
+class AttachedSidecarClient(ConnectionClient):
     """A sidecar the app attached to. Closing it disconnects; it never asks the sidecar to shut down."""
 
     kind = "tp-sidecar"
@@ -145,14 +145,14 @@ class AttachedSidecar(ConnectionEngine):
 
     def shutdown_sidecar(self) -> None:
         """Ask the sidecar itself to stop (the by-hand client's --shutdown)."""
-        ConnectionEngine.close(self)
+        ConnectionClient.close(self)
 
 
-def connect(address_file: str | Path, timeout: float = 600.0) -> AttachedSidecar:
+def connect(address_file: str | Path, timeout: float = 600.0) -> AttachedSidecarClient:
     """Attach to a running sidecar and wait until it is ready. Raises ShowcaseError saying what to do
     (not running, wrong token, another app attached, load failed)."""
     conn, info = dial_sidecar(address_file)
-    engine = AttachedSidecar(address_file, info)
+    engine = AttachedSidecarClient(address_file, info)
     engine.attach(conn)
     try:
         ready = engine.wait_ready(timeout)
@@ -176,7 +176,7 @@ class SidecarAttacher:
         self.address_file = Path(address_file)
         self.retry_s = retry_s
         self.ready_timeout_s = ready_timeout_s
-        self.engine: AttachedSidecar | None = None
+        self.engine: AttachedSidecarClient | None = None
         self.last_error: ShowcaseError | None = None
         self.attached = threading.Event()  # set while an attached engine is up
         self.tried = threading.Event()  # the first attempt is over (attached or not)
@@ -184,7 +184,7 @@ class SidecarAttacher:
         self._stop = threading.Event()
         self._said: str | None = None
 
-    def attach_once(self) -> AttachedSidecar:
+    def attach_once(self) -> AttachedSidecarClient:
         engine = connect(self.address_file, timeout=self.ready_timeout_s)
         if self._stop.is_set():  # the app is shutting down: do not hand the manager a new engine
             engine.close()
@@ -199,7 +199,7 @@ class SidecarAttacher:
     def stop(self) -> None:
         self._stop.set()
 
-    def wait_attached(self, timeout: float) -> AttachedSidecar | None:
+    def wait_attached(self, timeout: float) -> AttachedSidecarClient | None:
         """The engine once attached; None when the first attempt failed or `timeout` passed (still loading)."""
         self.tried.wait(timeout)
         return self.engine if self.attached.is_set() else None

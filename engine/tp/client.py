@@ -1,4 +1,4 @@
-"""The app's side of the tensor-parallel sidecar: `SidecarEngine(config).start()` is a ConnectionEngine.
+"""The app's side of the tensor-parallel sidecar: `SidecarClient(config).start()` is a ConnectionClient.
 
 start() checks up front that the model splits N ways (when it is on local disk), writes a per-launch HMAC
 token and the engine config into a private folder (0700 folder, 0600 files: nothing secret on a command
@@ -43,7 +43,7 @@ from engine.errors import EngineCrashed, InvalidRequest, ModelLoadError
 from engine.protocol import RankExit
 from engine.tp import launch
 from engine.tp.tokens import new_token, write_private
-from engine.worker.client import ConnectionEngine
+from engine.worker.client import ConnectionClient
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def root_cause(log_text: str) -> str | None:
     return "; ".join(describe(rank, code) for rank, code in ordered)
 
 
-class SidecarEngine(ConnectionEngine):
+class SidecarClient(ConnectionClient):
     """One tensor-parallel engine: torchrun with key.tp ranks, rank 0 behind an authenticated socket."""
 
     kind = "tp-sidecar"
@@ -160,7 +160,7 @@ class SidecarEngine(ConnectionEngine):
         env[launch.TOKEN_FILE_VAR] = str(self.workdir / "token")
         return argv, env
 
-    def start(self) -> SidecarEngine:
+    def start(self) -> SidecarClient:
         from engine.tp.plan import check_layout_if_local
 
         spec = devices.get_device(self.key.device)
@@ -328,7 +328,7 @@ class SidecarEngine(ConnectionEngine):
                     pass
 
 
-def connect(address_file: str | Path, timeout: float = 600.0) -> ConnectionEngine:
+def connect(address_file: str | Path, timeout: float = 600.0) -> ConnectionClient:
     """Attach to a sidecar started by hand (`python -m engine.tp.sidecar`): the address file it printed
     names the port and the token file. See engine/tp/attach.py for what each failure says."""
     from engine.tp.attach import connect as attach

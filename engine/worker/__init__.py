@@ -3,11 +3,11 @@
     loop.py         WorkerLoop and worker_main: the process that owns one engine's PipelineRunner,
                     serves its request queue (batched through engine/pipeline/batching.py) and
                     compiles buckets on a thread of its own
-    client.py       ConnectionEngine, the other end: submit, stream progress, mirror bucket states;
-                    ProcessEngine spawns a worker process (target engine.worker.loop.worker_main)
+    client.py       ConnectionClient, the other end: submit, stream progress, mirror bucket states;
+                    ProcessClient spawns a worker process (target engine.worker.loop.worker_main)
     priority.py     shorter requests first where engines share the host's CPU cores
     wire.py         the protocol over a socket: authentication with a deadline, keepalive, hang-up
-                    (a tensor-parallel sidecar's rank 0 serves on it; ConnectionEngine hangs up with it)
+                    (a tensor-parallel sidecar's rank 0 serves on it; ConnectionClient hangs up with it)
 
 The messages themselves are the contract's (engine/protocol.py), so both ends, and the tensor-parallel
 sidecar, speak the same typed protocol whatever carries it.

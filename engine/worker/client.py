@@ -1,7 +1,7 @@
 """Clients of an engine. One protocol, several implementations (vLLM's EngineCoreClient idea).
 
-`ConnectionEngine` speaks the worker protocol (engine/worker/loop.py) over any multiprocessing
-Connection: `ProcessEngine` spawns a worker process per engine; the tensor-parallel sidecar client
+`ConnectionClient` speaks the worker protocol (engine/worker/loop.py) over any multiprocessing
+Connection: `ProcessClient` spawns a worker process per engine; the tensor-parallel sidecar client
 (engine/tp/client.py) connects to torchrun's rank 0 over an authenticated loopback socket. The UI,
 the bucket board, the CLI and the bench only ever use this interface.
 """
@@ -34,7 +34,6 @@ from engine.protocol import (
     Fault,
     Footprint,
     FootprintChanged,
-    FromEngine,
     Generate,
     GenerateRequest,
     GenerateResult,
@@ -42,6 +41,7 @@ from engine.protocol import (
     Progress,
     Ready,
     RequestFailed,
+    Result,
     Shutdown,
     StepProgress,
     Warm,
@@ -51,7 +51,7 @@ from engine.protocol import (
 log = logging.getLogger(__name__)
 
 
-class ConnectionEngine:
+class ConnectionClient:
     """An engine behind a Connection: submit requests, stream progress, mirror bucket states."""
 
     kind = "process"
@@ -70,12 +70,12 @@ class ConnectionEngine:
         self._send_lock = threading.Lock()
         self._closed = False
         self._reader: threading.Thread | None = None  # the one thread that reads, and closes, `conn`
-        self.on_down: Callable[[ConnectionEngine], None] | None = None
+        self.on_down: Callable[[ConnectionClient], None] | None = None
         # The host's compile scheduler (engine/serving/manager.py): without one, every compile is granted at once.
-        self.compile_gate: Callable[[ConnectionEngine, CompileWanted], None] | None = None
-        self.on_compile_finished: Callable[[ConnectionEngine, BucketKey], None] | None = None
-        self.on_ready: Callable[[ConnectionEngine], None] | None = None
-        self.on_footprint: Callable[[ConnectionEngine], None] | None = None
+        self.compile_gate: Callable[[ConnectionClient, CompileWanted], None] | None = None
+        self.on_compile_finished: Callable[[ConnectionClient, BucketKey], None] | None = None
+        self.on_ready: Callable[[ConnectionClient], None] | None = None
+        self.on_footprint: Callable[[ConnectionClient], None] | None = None
         self.footprint: Footprint | None = None
         self.last_used = time.monotonic()  # for least-recently-used eviction
         self.evictable = True  # False: an engine the app attached to but does not own
@@ -101,15 +101,15 @@ class ConnectionEngine:
 
     def _handlers(self) -> dict:
         return {
-            FromEngine.BUCKET: self._on_bucket,
-            FromEngine.PROGRESS: self._on_progress,
-            FromEngine.RESULT: lambda m: self._finish(m.result.request_id, result=m.result),
-            FromEngine.ERROR: self._on_error,
-            FromEngine.READY: self._on_ready,
-            FromEngine.FATAL: self._on_fatal,
-            FromEngine.COMPILE_WANTED: self._on_compile_wanted,
-            FromEngine.COMPILE_FINISHED: self._on_compile_finished,
-            FromEngine.FOOTPRINT: self._on_footprint,
+            BucketChanged: self._on_bucket,
+            Progress: self._on_progress,
+            Result: lambda m: self._finish(m.result.request_id, result=m.result),
+            RequestFailed: self._on_error,
+            Ready: self._on_ready,
+            Fatal: self._on_fatal,
+            CompileWanted: self._on_compile_wanted,
+            CompileFinished: self._on_compile_finished,
+            FootprintChanged: self._on_footprint,
         }
 
     def _read(self) -> None:
@@ -311,7 +311,7 @@ class ConnectionEngine:
             pass
 
 
-class ProcessEngine(ConnectionEngine):
+class ProcessClient(ConnectionClient):
     """One worker process per engine (spawned, so CUDA/Neuron/TPU initialise cleanly in it)."""
 
     def __init__(self, config, env: dict[str, str] | None = None):
@@ -320,7 +320,7 @@ class ProcessEngine(ConnectionEngine):
         self.env = env or {}
         self.process = None
 
-    def start(self) -> ProcessEngine:
+    def start(self) -> ProcessClient:
         from engine.worker.loop import worker_main
 
         ctx = mp.get_context("spawn")

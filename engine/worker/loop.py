@@ -1,7 +1,7 @@
 """The worker process that owns one engine's pipeline (one per (model, device, precision)).
 
-Why a process: compiling holds the GIL for seconds (7 s stalls were measured on a 2-core machine),
-and a crash in a device backend must not take the web server down. The worker speaks the typed
+Why a process: compiling holds the GIL for seconds, and a crash in a device backend must not take the
+web server down. The worker speaks the typed
 message protocol of engine/protocol.py over a `multiprocessing` Connection; the tensor-parallel
 sidecar's rank 0 runs this same loop behind an authenticated loopback socket, so clients cannot tell
 the two apart.
@@ -58,7 +58,7 @@ from engine.protocol import (
     Ready,
     RequestFailed,
     Result,
-    ToEngine,
+    Shutdown,
     Warm,
     dispatch,
 )
@@ -67,10 +67,8 @@ from engine.worker.priority import RunCost, ShortRuns
 EARLY_CANCELS_KEPT = 256  # cancels for requests not received yet (a cancel overtaking its request)
 log = logging.getLogger(__name__)
 
-# The interpreter hands the GIL to a waiting thread after sys.getswitchinterval() (default 5 ms). A
-# request thread re-acquires the GIL after every torch op; behind a compiling thread each of those waits
-# up to the interval, which made a 50 ms request take seconds. The worker uses
-# settings.switch_interval_s() (0.5 ms) to keep the hand-offs short.
+# A request thread needs the GIL back after every torch op, and behind a compiling thread each hand-off
+# waits up to the switch interval: the worker shortens it (settings.switch_interval_s(); docs/hosting.md).
 
 
 def lower_this_thread_priority(by: int | None = None) -> bool:
@@ -201,7 +199,7 @@ class WorkerLoop:
         # Only where the engines compute on the host's shared cores (an accelerator does the work elsewhere).
         self.run_cost = RunCost(settings.short_request_ms(), max_extra=settings.compile_niceness() - 2) \
             if runner.spec.host_memory_is_device_memory else None
-        # The host's board of engines running a short request (set by the manager for cpu engines)
+        # This engine's short-run slot: which engines run a short request (set by the manager for cpu engines)
         self.short_runs = ShortRuns.from_env(os.environ.get("SHOWCASE_SHORT_RUNS")) \
             if self.run_cost is not None and settings.long_requests_step_aside() else None
         # Queued requests that can share a denoiser call are served by one pipeline call (engine/pipeline/batching.py).
@@ -228,12 +226,12 @@ class WorkerLoop:
     # -- receiving (its own thread, so cancel, warm and grants arrive while a request runs) ------
     def _handlers(self) -> dict:
         return {
-            ToEngine.GENERATE: self._on_generate,
-            ToEngine.CANCEL: self._on_cancel,
-            ToEngine.WARM: self._on_warm,
-            ToEngine.SHUTDOWN: self._on_shutdown,
-            ToEngine.INJECT_FAULT: self._on_inject_fault,
-            ToEngine.COMPILE_GRANTED: self._on_granted,
+            Generate: self._on_generate,
+            Cancel: self._on_cancel,
+            Warm: self._on_warm,
+            Shutdown: self._on_shutdown,
+            InjectFault: self._on_inject_fault,
+            CompileGranted: self._on_granted,
         }
 
     def _receive(self) -> None:
@@ -404,8 +402,8 @@ class WorkerLoop:
         short one (ShortRuns), a short one tells the others it runs."""
         cancel = self._cancels.setdefault(request.request_id, threading.Event())
         crash = self.runner.faults.take(Fault.CRASH)
-        board = self.short_runs
-        step_aside = board.step_aside if board is not None and long else None
+        short_runs = self.short_runs
+        step_aside = short_runs.step_aside if short_runs is not None and long else None
 
         def on_step(progress):
             self.send(Progress(progress))
@@ -422,16 +420,16 @@ class WorkerLoop:
             received = self._received.pop(request.request_id, None)
             queued_ms = (time.perf_counter() - received) * 1000 if received is not None else 0.0
             self.compile_yield.request_started()
-            announce = board is not None and not long
+            announce = short_runs is not None and not long
             if announce:
-                board.set_running(True)
+                short_runs.set_running(True)
             try:
                 if step_aside is not None:
                     step_aside(cancel)  # before its first step too
                 result = self.runner.generate(request, on_step=on_step, cancel=cancel)
             finally:
                 if announce:
-                    board.set_running(False)
+                    short_runs.set_running(False)
                 self.compile_yield.request_ended()
             if self.run_cost is not None:
                 self.run_cost.record(self._variant(request.mode, result.warm), result.bucket.size, result.steps,
@@ -449,7 +447,7 @@ class WorkerLoop:
 
     def _serve_batch(self, group: list[GenerateRequest]) -> None:
         """Serve requests sharing one pipeline call. To the host's CPU rules it is one run: niced by its own
-        expected time (per batch size), one short run on the board, stepping aside once per step."""
+        expected time (per batch size), one short run in the short-run slots, stepping aside once per step."""
         live = []
         for request in group:
             cancel = self._cancels.setdefault(request.request_id, threading.Event())
@@ -474,8 +472,8 @@ class WorkerLoop:
     def _serve_batch_now(self, group: list[GenerateRequest], long: bool = False) -> None:
         cancels = [self._cancels.setdefault(r.request_id, threading.Event()) for r in group]
         crash = self.runner.faults.take(Fault.CRASH)
-        board = self.short_runs
-        step_aside = board.step_aside if board is not None and long else None
+        short_runs = self.short_runs
+        step_aside = short_runs.step_aside if short_runs is not None and long else None
         everyone = _AllCancelled(cancels)
         stepped = [0]
 
@@ -497,16 +495,16 @@ class WorkerLoop:
             queued_ms[r.request_id] = (start - received) * 1000 if received is not None else 0.0
         try:
             self.compile_yield.request_started()
-            announce = board is not None and not long
+            announce = short_runs is not None and not long
             if announce:
-                board.set_running(True)
+                short_runs.set_running(True)
             try:
                 if step_aside is not None:
                     step_aside(everyone)
                 outcomes = self.runner.generate_batch(group, on_step=on_step, cancels=cancels, on_leave=on_leave)
             finally:
                 if announce:
-                    board.set_running(False)
+                    short_runs.set_running(False)
                 self.compile_yield.request_ended()
             recorded = False
             for request, outcome in zip(group, outcomes, strict=True):

@@ -1,18 +1,14 @@
 """Shorter requests first where engines share the host's CPU cores.
 
-On a cpu device every engine's requests are computed by the same few cores, and the kernel shares them
-equally: in the soak (4 visitors, 2 cores) bfloat16 and float16 requests cost 150-550 ms each on cpu (no
-fast half-precision matmul), float32 ones 25-160 ms, and a short request ran beside the long ones at an
-equal share. Each worker therefore runs a request on a thread niced by how long the request is expected
-to run: up to `short_ms` at the worker's own priority, then two nice steps lower per doubling (each step is
-~1.25 × less CPU weight, so the weight falls roughly as expected time^-0.64), at most `max_extra` steps,
-and as a batch thread (no wake-up preemption). The kernel's weighted fair sharing then approximates
-shortest-job-first across processes without a host-wide lock: a short request gets most of a contended
-core, a long one still always moves (weights, not strict priority), equally long ones share fairly, and
-the compile thread stays below every request. Requests of the same expected length are not ordered.
-Tried and dropped: long requests as SCHED_IDLE (CPU only when nothing else wants it): a warm 28 ms
-request's run-queue wait in the soak did not fall (p95 37 ms vs 24 ms with weights; what it waits for is
-the web server and other short work, not long requests), and SCHED_IDLE can starve.
+On a cpu device every engine's requests are computed by the same few cores, which the kernel shares
+equally, so a short request ran beside long ones at an equal share (the figures: docs/hosting.md). Each
+worker therefore runs a request on a thread niced by how long the request is expected to run: up to
+`short_ms` at the worker's own priority, then two nice steps lower per doubling, at most `max_extra`
+steps, and as a batch thread (no wake-up preemption). The kernel's weighted fair sharing then
+approximates shortest-job-first across processes without a host-wide lock: a short request gets most of
+a contended core, a long one still always moves (weights, not strict priority), equally long ones share
+fairly, and the compile thread stays below every request. Not SCHED_IDLE for long requests: it can starve
+them and did not shorten short ones' waits.
 
 This only works while the workers share one scheduling group with each other and the web server: on
 Linux with autogroup scheduling, sessions share the CPU equally first and niceness counts only inside a
@@ -74,13 +70,12 @@ class RunCost:
 
 class ShortRuns:
     """Which engines on this host are running a short request right now, so that long requests elsewhere
-    step aside between their steps (shortest-first across processes, which niceness only approximates).
+    step aside between their steps: niceness shares a core by weight, so a short request beside a long one
+    still lost part of its core, more so with the long one on the other core (shared caches, bandwidth).
 
-    Niceness shares a contended core by weight: a warm 28 ms request beside a long one at 4-8 nice steps
-    lower still lost a fifth to a half of its core, and more where the long one ran on the other core of a
-    2-core box (caches and memory bandwidth are shared). A long request now also waits, before each of its
-    steps, while another engine runs a short one (at most `max_wait_s` per step, so it always moves on):
-    the short one has the cores to itself but for the step already under way.
+    A long request waits before each of its steps while another engine runs a short one (at most
+    `max_wait_s` per step, so it always moves on): the short one has the cores to itself but for the step
+    already under way.
 
     One byte per engine in a small shared file (`SLOTS` of them): each worker writes only its own byte, so
     no lock is needed; the manager hands out the slots and clears one when its engine goes away (a worker
@@ -98,7 +93,7 @@ class ShortRuns:
 
     @classmethod
     def create_file(cls, folder: str | Path) -> Path:
-        """A new, cleared board file in `folder`."""
+        """A new, cleared short-run file in `folder`."""
         fd, name = tempfile.mkstemp(prefix="showcase-short-runs-", dir=folder)  # one per manager
         with os.fdopen(fd, "wb") as f:
             f.write(bytes(cls.SLOTS))
@@ -113,7 +108,7 @@ class ShortRuns:
         try:
             return cls(path, int(slot))
         except (OSError, ValueError):
-            return None  # no board: requests are still ordered by niceness alone
+            return None  # no short-run slot: requests are still ordered by niceness alone
 
     def env_value(self) -> str:
         return f"{self.path}:{self.slot}"
@@ -141,11 +136,11 @@ class ShortRuns:
 
 
 class ShortRunSlots:
-    """The manager's side of ShortRuns: one board file for the host, a slot per engine on its cores."""
+    """The manager's side of ShortRuns: one short-run file for the host, a slot per engine on its cores."""
 
     def __init__(self, folder: str | Path):
         self.path = ShortRuns.create_file(folder)
-        self._board = ShortRuns(self.path, 0)
+        self._file = ShortRuns(self.path, 0)
         self._lock = threading.Lock()
         self._taken: set[int] = set()
 
@@ -156,14 +151,14 @@ class ShortRunSlots:
             if slot is None:
                 return None
             self._taken.add(slot)
-            self._board.clear(slot)
+            self._file.clear(slot)
             return ShortRuns(self.path, slot)
 
     def release(self, slot: int) -> None:
         """Its engine is gone: the byte is cleared (the worker may have died with a short request running)."""
         with self._lock:
             self._taken.discard(slot)
-            self._board.clear(slot)
+            self._file.clear(slot)
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
