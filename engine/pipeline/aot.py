@@ -411,9 +411,9 @@ def open_package(path: Path):
     """Open an AOTInductor package without `aoti_load_package`'s device probe.
 
     torch's loader compares the package with the machine through inductor's CPU vector-ISA probe, which
-    compiles and runs ten small C++ programs (8 s on 2 cores) in a process whose inductor cache is empty
-    -- every fresh process on a Space -- and then only warns on a mismatch. Reading the CPU's flags is
-    enough, and a mismatch is refused (a package would crash the process) so the caller rebuilds it."""
+    builds and runs small C++ programs in any process whose inductor cache is empty (every fresh process
+    on a Space) and then only warns on a mismatch (docs/spaces.md has the cost). Reading the CPU's flags
+    is enough, and a mismatch is refused (the package would crash the process) so the caller rebuilds it."""
     try:
         from torch.export.pt2_archive._package import AOTICompiledModel
 
