@@ -2,6 +2,8 @@
 
     runner.py       PipelineRunner: load once per (model, device, precision), one variant per mode,
                     per-bucket compiled graphs, warm-up, timed runs, batched calls
+    variants.py     pipelines over the loaded pipeline's components (mode, step-cache and aot variants)
+                    and the per-run copy
     recipes.py      the optimisation recipes, one named step each, driven by EngineOptions
     attention.py    diffusers attention backends: which can run here, and why not
     stepcache.py    diffusers step caches: which can run for a preset, device and mode, and their hooks

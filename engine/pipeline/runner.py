@@ -39,7 +39,7 @@ from engine.config import caches
 from engine.config.presets import route_size
 from engine.config.resolve import resolve_source
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
-from engine.pipeline import attention, batching, recipes, stepcache
+from engine.pipeline import attention, batching, recipes, stepcache, variants
 from engine.pipeline.faults import FaultHooks
 from engine.pipeline.progress import progress_bar
 from engine.protocol import (
@@ -427,13 +427,11 @@ class PipelineRunner:
                 self.notices += notices
                 if self.options.fail_compiles:
                     kwargs["backend"] = _failing_backend
-                pipe = copy.copy(base)
-                denoiser = compile_denoiser(getattr(base, self.preset.denoiser), mode, kwargs)
-                object.__setattr__(pipe, self.preset.denoiser, denoiser)
+                replaced = {self.preset.denoiser: compile_denoiser(getattr(base, self.preset.denoiser), mode, kwargs)}
                 if mode is Mode.COMPILE and self.options.compile_vae:
-                    vae = copy.copy(base.vae)  # shallow: same weights, own attribute dict
-                    vae.decode = torch.compile(base.vae.decode, **{**kwargs, "fullgraph": False})
-                    object.__setattr__(pipe, "vae", vae)
+                    replaced["vae"] = variants.vae_decoding_with(
+                        base.vae, torch.compile(base.vae.decode, **{**kwargs, "fullgraph": False}))
+                pipe = variants.pipeline_over(base, **replaced)
             self._variants[mode] = pipe
             return pipe
 
@@ -443,10 +441,10 @@ class PipelineRunner:
         """One pipeline call on a private copy (own scheduler: schedulers keep per-run state). With a step
         cache variant, `cached` counts the steps its hooks served. With `members` (a batch led by `request`)
         the first value returned is the list of their images, in order."""
-        run = copy.copy(pipe)
+        scheduler = copy.deepcopy(self._scheduler_template)  # 3-5x cheaper than from_config per request
+        run = variants.run_copy(pipe, scheduler)
         if cached is not None:
             cached.start(run)
-        scheduler = copy.deepcopy(self._scheduler_template)  # 3-5x cheaper than from_config per request
         clock = _RunClock(self.spec)
         original_set_timesteps = scheduler.set_timesteps
 
@@ -457,7 +455,6 @@ class PipelineRunner:
             return result
 
         scheduler.set_timesteps = set_timesteps
-        object.__setattr__(run, "scheduler", scheduler)
         cancelled_at = []
         graphs = recipes.cuda_graphs_active(self.options, self.spec, request.mode)
 
