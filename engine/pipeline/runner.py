@@ -184,7 +184,8 @@ def compile_denoiser(denoiser: torch.nn.Module, mode: Mode, compile_kwargs: dict
 
 
 class _RunClock:
-    """Marks of one run: start, denoise loop start (scheduler.set_timesteps), each step end."""
+    """Marks of one run: start, denoise loop start (the pipeline opens its progress bar), each step end
+    (callback_on_step_end)."""
 
     def __init__(self, spec: devices.DeviceSpec):
         self.spec = spec
@@ -193,6 +194,8 @@ class _RunClock:
         self.step_ends: list[float] = []
 
     def mark_loop_start(self) -> None:
+        if self.loop_start is not None:
+            return
         self.spec.synchronize()
         self.loop_start = time.perf_counter()
 
@@ -442,19 +445,10 @@ class PipelineRunner:
         cache variant, `cached` counts the steps its hooks served. With `members` (a batch led by `request`)
         the first value returned is the list of their images, in order."""
         scheduler = copy.deepcopy(self._scheduler_template)  # 3-5x cheaper than from_config per request
-        run = variants.run_copy(pipe, scheduler)
+        clock = _RunClock(self.spec)
+        run = variants.run_copy(pipe, scheduler, on_loop_start=clock.mark_loop_start)
         if cached is not None:
             cached.start(run)
-        clock = _RunClock(self.spec)
-        original_set_timesteps = scheduler.set_timesteps
-
-        @functools.wraps(original_set_timesteps)  # pipelines inspect its signature (sigmas=, mu=)
-        def set_timesteps(*args, **kwargs):
-            result = original_set_timesteps(*args, **kwargs)
-            clock.mark_loop_start()
-            return result
-
-        scheduler.set_timesteps = set_timesteps
         cancelled_at = []
         graphs = recipes.cuda_graphs_active(self.options, self.spec, request.mode)
 

@@ -50,8 +50,19 @@ def vae_decoding_with(vae, decode):
     return copied
 
 
-def run_copy(pipe, scheduler):
-    """A private pipeline object for one run, with its own scheduler (see the module's docstring)."""
+def run_copy(pipe, scheduler, on_loop_start=None):
+    """A private pipeline object for one run, with its own scheduler (see the module's docstring);
+    `on_loop_start()` is called as its denoising loop starts."""
     run = copy.copy(pipe)
     object.__setattr__(run, "scheduler", scheduler)  # not a new component: the config stays the variant's
+    if on_loop_start is not None:
+        # diffusers has no callback before the first step (callback_on_step_end closes each step); every
+        # pipeline opens its progress bar as its denoising loop starts, so this run's own copy marks it there.
+        open_bar = run.progress_bar
+
+        def progress_bar(*args, **kwargs):
+            on_loop_start()
+            return open_bar(*args, **kwargs)
+
+        run.progress_bar = progress_bar
     return run
