@@ -55,7 +55,6 @@ from engine.protocol import (
     GenerateResult,
     Mode,
     ModelPreset,
-    OnCold,
     Size,
     StepProgress,
     Timings,
@@ -491,25 +490,17 @@ class PipelineRunner:
         return request.replace(width=size.width, height=size.height), notices
 
     def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None) -> GenerateResult:
-        """Run one request. At a warm bucket this compiles nothing; elsewhere it runs eagerly or waits."""
+        """Run one request. At a warm bucket this compiles nothing; elsewhere it runs eagerly. A request with
+        on_cold=wait waits for its compile where requests queue (engine/worker/loop.py), never in here."""
         request, notices = self.prepare(request)
         bucket = request.bucket
         info = self.board.get(bucket)
         eager_fallback = False
-        if request.mode.compiled:
-            if info is None or info.state != BucketState.WARM:
-                if request.on_cold is OnCold.WAIT:
-                    # A worker asks the host's scheduler first (engine/worker/loop.py); used alone, a runner
-                    # compiles here, in this request. A failed bucket is not retried on every request.
-                    if info is None or info.state == BucketState.COLD:
-                        self.warm_bucket(bucket)
-                    self.board.event(bucket).wait()
-                    info = self.board.get(bucket)
-                if info is None or info.state != BucketState.WARM:
-                    eager_fallback = True
-                    state = info.state.value if info else "cold"
-                    reason = f": {info.error}" if info and info.error else ""
-                    notices.append(f"bucket {bucket} is {state}{reason}; served eagerly on the same weights")
+        if request.mode.compiled and (info is None or info.state != BucketState.WARM):
+            eager_fallback = True
+            state = info.state.value if info else "cold"
+            reason = f": {info.error}" if info and info.error else ""
+            notices.append(f"bucket {bucket} is {state}{reason}; served eagerly on the same weights")
         pipe = self.variant(Mode.EAGER if eager_fallback else request.mode)
         request_for_run = request.replace(mode=Mode.EAGER) if eager_fallback else request
         with self._run_lock:

@@ -48,7 +48,6 @@ from engine.protocol import (
     GenerateRequest,
     GenerateResult,
     Mode,
-    OnCold,
     Parallel,
     RankExit,
     TPOp,
@@ -205,11 +204,8 @@ class TensorParallelRunner(PipelineRunner):
             self.check_mode(request.mode)  # refused on rank 0, never broadcast
             size, _ = route_size(self.preset, request.width, request.height, snap=True)
             request = request.replace(width=size.width, height=size.height)
-            info = self.board.get(request.bucket)
-            if request.mode.compiled and request.on_cold is OnCold.WAIT and (info is None or info.state != BucketState.WARM):
-                self._run_op(TPOp(TPOpKind.WARM, bucket=request.bucket))  # compile here, on every rank, then serve
-            # Never "wait" inside the operation: a rank-local wait would desynchronise the group.
-            op = TPOp(TPOpKind.GENERATE, request=request.replace(on_cold=OnCold.EAGER))
+            # A request that waits for its compile waited in the worker loop, before it got here.
+            op = TPOp(TPOpKind.GENERATE, request=request)
             self.current_request = request.request_id
             try:
                 return self._run_op(op, on_step=on_step, cancel=cancel)
