@@ -26,6 +26,7 @@ from engine.protocol import (
     EngineOptions,
     Fault,
     Size,
+    TestingOptions,
 )
 from engine.serving.manager import EngineManager
 from engine.worker.client import ProcessEngine
@@ -62,7 +63,7 @@ def warm_regional_64(engine):
 
 @pytest.fixture(scope="module")
 def engine(cache_dir, tiny_models):
-    e = start_engine(cache_dir, fault_injection=True)
+    e = start_engine(cache_dir, testing=TestingOptions(inject_faults=True))
     yield e
     e.close()
 
@@ -151,7 +152,7 @@ def test_injected_out_of_memory_is_a_clear_error_and_engine_keeps_serving(engine
 
 
 def test_failed_compile_shows_the_reason_and_eager_still_serves(cache_dir, tiny_models):
-    engine = start_engine(cache_dir, fail_compiles=True)
+    engine = start_engine(cache_dir, testing=TestingOptions(fail_compiles=True))
     try:
         bucket = BucketKey("regional", Size(64, 64))
         engine.warm(bucket)
@@ -164,7 +165,7 @@ def test_failed_compile_shows_the_reason_and_eager_still_serves(cache_dir, tiny_
 
 
 def test_killed_worker_fails_the_request_then_restarts(cache_dir, tiny_models):
-    manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=(), fault_injection=True))
+    manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=(), testing=TestingOptions(inject_faults=True)))
     try:
         first = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
         old_pid = manager.engine(KEY).pid

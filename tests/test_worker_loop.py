@@ -1,5 +1,5 @@
 """The worker loop on threads of this process, over an in-memory connection, with a runner that computes
-nothing: where a request waits for its compile."""
+nothing: where a request waits for its compile, and which engines take test faults."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 from helpers import make_request, make_runner
 
+from engine.errors import InvalidRequest
+from engine.pipeline.faults import Faults
 from engine.pipeline.runner import BucketBoard
 from engine.protocol import (
     BucketKey,
@@ -17,12 +19,17 @@ from engine.protocol import (
     CompileGranted,
     CompileWanted,
     EngineKey,
+    EngineOptions,
+    Fault,
     Generate,
     GenerateResult,
+    InjectFault,
     Mode,
+    RequestFailed,
     Result,
     Shutdown,
     Size,
+    TestingOptions,
     Timings,
     Warm,
 )
@@ -41,7 +48,7 @@ class _Runner:
         self.spec = SimpleNamespace(host_memory_is_device_memory=False)
         self.config = SimpleNamespace(key=KEY)
         self.board = BucketBoard(KEY)
-        self.faults = SimpleNamespace(take=lambda fault: False)
+        self.faults = Faults()
         self.max_batch, self.batch_sizes, self.measured_run = 1, (1,), None
         self.compiling, self.release = threading.Event(), threading.Event()
         self.ran_at: list[BucketState] = []
@@ -97,11 +104,15 @@ def loop_and_client():
     serving.join(10)
 
 
-def _next_result(received: queue.Queue) -> GenerateResult:
+def _next(received: queue.Queue, kind: type):
     while True:
         message = received.get(timeout=30)
-        if isinstance(message, Result):
-            return message.result
+        if isinstance(message, kind):
+            return message
+
+
+def _next_result(received: queue.Queue) -> GenerateResult:
+    return _next(received, Result).result
 
 
 def test_a_request_at_a_compiling_bucket_that_waits_runs_once_it_is_compiled(loop_and_client):
@@ -130,3 +141,24 @@ def test_the_runner_alone_never_waits_nor_compiles_for_a_request(cache_dir, tiny
     result = runner.generate(make_request(mode="regional", on_cold="wait"))
     assert result.eager_fallback and any("is cold; served eagerly" in n for n in result.notices)
     assert runner.board.get(REGIONAL).state is BucketState.COLD
+
+
+def test_an_engine_not_started_for_tests_refuses_every_fault(loop_and_client):
+    runner, client, received = loop_and_client
+    for fault in Fault:
+        client.send(InjectFault(fault))
+        failed = _next(received, RequestFailed)
+        assert failed.request_id is None and "fault injection is off" in str(failed.error)
+    assert not any(runner.faults.take(fault) for fault in Fault)
+
+
+def test_the_app_and_the_cli_start_engines_with_the_test_hooks_off():
+    import app
+    from engine.config.flags import options_from_args
+
+    every_flag = ["--fuse-qkv", "--channels-last", "--cpu-offload", "--max-autotune", "--dynamic", "--cuda-graphs",
+                  "--no-compile-vae", "--inductor-flags", "--max-batch", "2", "--attention-backend", "flex"]
+    assert options_from_args(app.build_parser().parse_args(every_flag)).testing == TestingOptions()
+    assert Faults(EngineOptions().testing).should_fail_compile() is False
+    with pytest.raises(InvalidRequest, match="fault injection is off"):
+        Faults(EngineOptions().testing).arm(Fault.OOM)

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from engine import settings
+from engine.pipeline.faults import COMPILE_FAILURE
 from engine.pipeline.variants import pipeline_over, vae_decoding_with
 from engine.protocol import BucketKey, Mode, Size
 
@@ -602,8 +603,8 @@ class AotEngine:
         return origin, [f"aot {bucket}: {p}" for p in problems]
 
     def _build(self, kind: str, key: dict, captured: _Capture) -> None:
-        if self.runner.options.fail_compiles:
-            raise RuntimeError("injected compile failure")
+        if self.runner.faults.should_fail_compile():
+            raise RuntimeError(COMPILE_FAILURE)
         if kind == DENOISER:
             module, (args, kwargs) = self.real_denoiser, captured.denoiser
         else:

@@ -40,7 +40,7 @@ from engine.config.presets import route_size
 from engine.config.resolve import resolve_source
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
 from engine.pipeline import attention, batching, recipes, stepcache, variants
-from engine.pipeline.faults import FaultHooks
+from engine.pipeline.faults import Faults, failing_backend
 from engine.pipeline.progress import progress_bar
 from engine.protocol import (
     BucketInfo,
@@ -85,11 +85,6 @@ def _install_compile_counter() -> None:
 
 def compiles_in_this_thread() -> int:
     return _compiles_by_thread.get(threading.get_ident(), 0)
-
-
-def _failing_backend(graph_module, example_inputs):
-    """Tests (EngineOptions.fail_compiles): a compiler backend that always fails."""
-    raise RuntimeError("injected compile failure")
 
 
 def _cache_counters() -> tuple[int, int]:
@@ -295,7 +290,7 @@ class PipelineRunner:
         self._variant_lock = threading.Lock()
         self._run_lock = threading.Lock()  # one request on the device at a time (warm-up runs apart)
         self._mode_notices: dict[Mode, tuple[str, ...]] = {}
-        self.faults = FaultHooks()  # tests arm one-shot faults through the worker protocol
+        self.faults = Faults(self.options.testing)  # the one place this process reads its test hooks
         self._weights_bytes: int | None = None
         self._peak_bytes: int | None = None
         self.measured_run: tuple[Size, float] | None = None  # the measuring run: its size and milliseconds
@@ -424,11 +419,10 @@ class PipelineRunner:
                 self._aot = aot.AotEngine(self, recipes.aot_inductor_configs(self.options, self.spec))
                 pipe = self._aot.pipe
             else:
-                options = replace(self.options, fail_compiles=False)
-                kwargs, notices = recipes.compile_kwargs(options, self.spec, mode=mode)
+                kwargs, notices = recipes.compile_kwargs(self.options, self.spec, mode=mode)
                 self.notices += notices
-                if self.options.fail_compiles:
-                    kwargs["backend"] = _failing_backend
+                if self.faults.should_fail_compile():
+                    kwargs["backend"] = failing_backend
                 replaced = {self.preset.denoiser: compile_denoiser(getattr(base, self.preset.denoiser), mode, kwargs)}
                 if mode is Mode.COMPILE and self.options.compile_vae:
                     replaced["vae"] = variants.vae_decoding_with(

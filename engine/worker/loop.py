@@ -54,7 +54,6 @@ from engine.protocol import (
     InjectFault,
     OnCold,
     Progress,
-    RankExit,
     Ready,
     RequestFailed,
     Result,
@@ -297,10 +296,10 @@ class WorkerLoop:
             self.want(message.bucket)
 
     def _on_inject_fault(self, message: InjectFault) -> None:
-        if not self.runner.options.fault_injection:
-            self.send(RequestFailed(None, InvalidRequest("fault injection is off in this engine")))
-            return
-        self.runner.faults.arm(message.fault)
+        try:
+            self.runner.faults.arm(message.fault)
+        except InvalidRequest as exc:  # an engine not started for tests
+            self.send(RequestFailed(None, exc))
 
     def _on_granted(self, message: CompileGranted) -> None:
         self._granted.put(message.bucket)
@@ -410,7 +409,7 @@ class WorkerLoop:
         def on_step(progress):
             self.send(Progress(progress))
             if crash:
-                os._exit(RankExit.INJECTED_CRASH)  # armed by a test: the worker dies mid-request
+                self.runner.faults.crash()  # armed by a test: the worker dies mid-request
             if step_aside is not None and progress.step < progress.total:
                 step_aside(cancel)
 
@@ -482,7 +481,7 @@ class WorkerLoop:
         def on_step(progress):
             self.send(Progress(progress))
             if crash:
-                os._exit(RankExit.INJECTED_CRASH)
+                self.runner.faults.crash()
             if step_aside is not None and progress.step > stepped[0] and progress.step < progress.total:
                 stepped[0] = progress.step  # once per shared step
                 step_aside(everyone)
