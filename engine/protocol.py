@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from engine import settings
 from engine.errors import InvalidRequest, ShowcaseError
@@ -406,6 +407,16 @@ class ModelPreset:
 
 
 @dataclass(frozen=True)
+class TestingOptions:
+    """Test-only hooks of an engine, read by engine/pipeline/faults.py. The UI, the CLI and the app never set
+    them, and nothing in a request does: an app's engines run with them off."""
+
+    __test__: ClassVar[bool] = False  # not a pytest test class
+    inject_faults: bool = False  # accept InjectFault messages (one-shot faults armed through the client)
+    fail_compiles: bool = False  # every compile and aot build fails
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     """Per-engine options; every field is one named recipe step (engine/pipeline/recipes.py) or a setting."""
 
@@ -429,10 +440,7 @@ class EngineOptions:
     # to `batch_wait_ms` after the first one arrives (and while the previous call runs).
     max_batch: int | None = None
     batch_wait_ms: float = 15.0
-    # Tests only: accept InjectFault messages (one-shot faults armed from outside) and make every
-    # compile fail. Never set by the UI or the CLI.
-    fault_injection: bool = False
-    fail_compiles: bool = False
+    testing: TestingOptions = TestingOptions()  # tests only: off in the app and the CLI
 
     def __post_init__(self):
         object.__setattr__(self, "warm_modes", tuple(Mode.parse(m, "mode") for m in self.warm_modes))
@@ -634,7 +642,7 @@ class EngineReady:
 
 
 class Fault(enum.StrEnum):
-    """One-shot faults a test can arm in an engine started with fault_injection=True."""
+    """One-shot faults a test can arm in an engine started with TestingOptions(inject_faults=True)."""
 
     OOM = "oom"  # the next request raises the device's out-of-memory error
     CRASH = "crash"  # the worker process dies at the next request's first step
@@ -666,7 +674,7 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class InjectFault:
-    """Tests only; refused unless EngineOptions.fault_injection."""
+    """Tests only; refused unless EngineOptions.testing.inject_faults."""
 
     fault: Fault
 

@@ -40,9 +40,7 @@ def tiny_models(cache_dir) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def manager(cache_dir, tiny_models):
     """A session-wide engine manager with no start-up warm-up (tests warm what they need)."""
-    from engine.protocol import EngineOptions
-    from engine.serving.manager import EngineManager
+    from helpers import engine_manager
 
-    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
-    yield m
-    m.shutdown()
+    with engine_manager(cache_dir) as m:
+        yield m

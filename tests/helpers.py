@@ -1,5 +1,5 @@
 """Helpers shared by the tests (import as `from helpers import ...`): waiting, ports and processes, engine
-configs, runners and requests, and launching the app in this process.
+configs, runners, managers and requests, and launching the app in this process.
 
 Heavy imports (torch, gradio, the engine's runner) happen inside the helpers that need them, so a module
 that only waits or picks a port stays cheap to import.
@@ -72,6 +72,22 @@ def make_runner(cache_dir, preset: str = "tiny-flux", precision: str = "fp32", *
     if load:
         runner.load()
     return runner
+
+
+@contextmanager
+def engine_manager(cache_dir, options: dict | None = None, **hosting) -> Iterator:
+    """An EngineManager for the tests, shut down when the block ends. `options` are EngineOptions fields (no
+    start-up warm-up unless given: tests warm what they need); `hosting` are EngineManager's other arguments
+    (policy, max_engines, idle_unload_s, runtime, allowed_roots, ...)."""
+    from engine.protocol import EngineOptions
+    from engine.serving.manager import EngineManager
+
+    manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(**{"warm_sizes": (), **(options or {})}),
+                            **hosting)
+    try:
+        yield manager
+    finally:
+        manager.shutdown()
 
 
 def make_request(**fields):

@@ -14,9 +14,8 @@ import time
 from concurrent.futures import wait
 
 import pytest
-from helpers import make_request, max_pixel_difference, wait_until
+from helpers import engine_config, engine_manager, make_request, max_pixel_difference, wait_until
 
-from engine.config.presets import get_preset
 from engine.errors import Cancelled, DeviceOutOfMemory, EngineCrashed
 from engine.protocol import (
     BucketKey,
@@ -25,9 +24,10 @@ from engine.protocol import (
     EngineKey,
     EngineOptions,
     Fault,
+    Shutdown,
     Size,
+    TestingOptions,
 )
-from engine.serving.manager import EngineManager
 from engine.worker.client import ProcessClient
 
 pytestmark = pytest.mark.slow  # starts worker processes and compiles buckets
@@ -36,8 +36,7 @@ KEY = EngineKey("tiny-flux", "cpu", "fp32")
 
 
 def start_engine(cache_dir, key=KEY, **options) -> ProcessClient:
-    options.setdefault("warm_sizes", ())
-    config = EngineConfig(key, get_preset(key.preset), EngineOptions(**options), str(cache_dir))
+    config = engine_config(cache_dir, key.preset, key.precision, key.device, **options)
     engine = ProcessClient(config, env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}).start()
     assert engine.wait_ready(timeout=300)
     return engine
@@ -62,7 +61,7 @@ def warm_regional_64(engine):
 
 @pytest.fixture(scope="module")
 def engine(cache_dir, tiny_models):
-    e = start_engine(cache_dir, fault_injection=True)
+    e = start_engine(cache_dir, testing=TestingOptions(inject_faults=True))
     yield e
     e.close()
 
@@ -151,7 +150,7 @@ def test_injected_out_of_memory_is_a_clear_error_and_engine_keeps_serving(engine
 
 
 def test_failed_compile_shows_the_reason_and_eager_still_serves(cache_dir, tiny_models):
-    engine = start_engine(cache_dir, fail_compiles=True)
+    engine = start_engine(cache_dir, testing=TestingOptions(fail_compiles=True))
     try:
         bucket = BucketKey("regional", Size(64, 64))
         engine.warm(bucket)
@@ -164,8 +163,7 @@ def test_failed_compile_shows_the_reason_and_eager_still_serves(cache_dir, tiny_
 
 
 def test_killed_worker_fails_the_request_then_restarts(cache_dir, tiny_models):
-    manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=(), fault_injection=True))
-    try:
+    with engine_manager(cache_dir, options=dict(testing=TestingOptions(inject_faults=True))) as manager:
         first = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
         old_pid = manager.engine(KEY).pid
         t0 = time.time()
@@ -178,8 +176,6 @@ def test_killed_worker_fails_the_request_then_restarts(cache_dir, tiny_models):
         again = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
         assert again.image().tobytes() == first.image().tobytes()
         assert manager.engine(KEY).pid != old_pid
-    finally:
-        manager.shutdown()
     assert all(not e.alive for e in manager.engines())
 
 
@@ -213,13 +209,10 @@ def test_restart_warms_from_the_persistent_cache(tmp_path, tiny_models):
 def test_unwritable_cache_folder_warns_and_runs_without_it(tmp_path, tiny_models):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the cache folder should be")
-    manager = EngineManager(cache_dir=blocker / "cache", options=EngineOptions(warm_sizes=()))
-    try:
+    with engine_manager(blocker / "cache") as manager:
         assert not manager.cache.persistent and "not writable" in manager.cache.notices[0]
         result = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
         assert result.image().size == (64, 64)
-    finally:
-        manager.shutdown()
 
 
 def test_hang_up_leaves_the_close_to_the_reader_thread():
@@ -232,11 +225,15 @@ def test_hang_up_leaves_the_close_to_the_reader_thread():
     from engine.worker.client import ConnectionClient
 
     ours, peer = Pipe(duplex=True)
-    closed_by = []
+    closed_by, reading = [], threading.Event()
 
     class Spy:
         def __getattr__(self, name):
             return getattr(ours, name)
+
+        def recv(self):
+            reading.set()
+            return ours.recv()
 
         def close(self):
             closed_by.append(threading.current_thread().name)
@@ -244,15 +241,14 @@ def test_hang_up_leaves_the_close_to_the_reader_thread():
 
     engine = ConnectionClient(KEY)
     engine.attach(Spy())
-    time.sleep(0.2)  # the reader is blocked in recv
-    engine._closed = True
+    assert reading.wait(5)  # the reader is in recv
+    engine.close()  # says Shutdown to the peer
     engine.hang_up()
+    assert isinstance(peer.recv(), Shutdown)
     with pytest.raises(EOFError):
         peer.recv()  # the peer sees the hang-up at once, not when the reader gets round to it
-    engine._reader.join(5)
-    assert not engine._reader.is_alive()
-    assert closed_by == [engine._reader.name]
-    assert ours.closed
+    wait_until(lambda: closed_by, 5, message="the connection closing")
+    assert closed_by == [f"engine-read-{KEY}"] and ours.closed  # by the reader thread, on its way out
 
 
 @contextlib.contextmanager
@@ -275,8 +271,7 @@ def test_a_worker_whose_output_pipe_broke_still_loads_and_serves(cache_dir, tiny
     """A worker's output is diagnostics: tqdm's loading bar writing into a broken pipe made from_pretrained
     fail ("Broken pipe"), and the failed worker then hung in tqdm's finaliser and outlived its app."""
     with stderr_nobody_reads():
-        engine = ProcessClient(EngineConfig(KEY, get_preset(KEY.preset), EngineOptions(warm_sizes=()),
-                                            str(cache_dir))).start()
+        engine = ProcessClient(engine_config(cache_dir)).start()
     try:
         assert engine.wait_ready(timeout=300) and engine.error is None
         assert engine.generate(make_request(steps=1), timeout=120).image().size == (64, 64)
@@ -309,13 +304,13 @@ def test_a_worker_whose_load_failed_exits_by_itself(cache_dir, tiny_models, tmp_
 def test_manager_validates_before_starting_anything(cache_dir):
     from engine.errors import DeviceUnavailable, InvalidRequest, UnsupportedCombination
 
-    manager = EngineManager(cache_dir=cache_dir)
-    with pytest.raises(InvalidRequest, match="unknown preset"):
-        manager.generate(preset="nope", device="cpu")
-    with pytest.raises((DeviceUnavailable, InvalidRequest)):
-        manager.generate(preset="tiny-flux", device="neuron")
-    with pytest.raises(InvalidRequest, match="unknown precision"):
-        manager.generate(preset="tiny-flux", device="cpu", precision="fp4")
-    with pytest.raises(UnsupportedCombination, match="compute capability 8.9"):
-        manager.generate(preset="tiny-flux", device="cpu", precision="fp8")
-    assert manager.engines() == []
+    with engine_manager(cache_dir) as manager:
+        with pytest.raises(InvalidRequest, match="unknown preset"):
+            manager.generate(preset="nope", device="cpu")
+        with pytest.raises((DeviceUnavailable, InvalidRequest)):
+            manager.generate(preset="tiny-flux", device="neuron")
+        with pytest.raises(InvalidRequest, match="unknown precision"):
+            manager.generate(preset="tiny-flux", device="cpu", precision="fp4")
+        with pytest.raises(UnsupportedCombination, match="compute capability 8.9"):
+            manager.generate(preset="tiny-flux", device="cpu", precision="fp8")
+        assert manager.engines() == []

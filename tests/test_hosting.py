@@ -12,12 +12,13 @@ import threading
 import time
 
 import pytest
+from helpers import engine_manager, wait_until
 
 from engine.errors import BudgetExceeded, Cancelled, InvalidRequest, NotAllowed
-from engine.protocol import BucketKey, EngineKey, EngineOptions, Mode, Precision, Size
+from engine.protocol import BucketKey, EngineKey, Mode, Precision, Size
 from engine.serving import budget
 from engine.serving.budget import GIB, MIB, DeviceBudget, Resident, plan_room
-from engine.serving.manager import Caller, EngineManager, HostPolicy
+from engine.serving.manager import Caller, HostPolicy
 from engine.serving.scheduler import CompileScheduler
 
 
@@ -127,12 +128,10 @@ def test_two_jobs_run_two_compiles_at_once():
 # -- what visitors may do ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def public_manager(cache_dir, tiny_models):
-    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()),
-                      policy=HostPolicy(public=True, presets=("tiny-flux", "tiny-sd3"),
-                                        precisions=(Precision.FP32, Precision.BF16),
-                                        modes=(Mode.EAGER, Mode.REGIONAL)))
-    yield m
-    m.shutdown()
+    policy = HostPolicy(public=True, presets=("tiny-flux", "tiny-sd3"), precisions=(Precision.FP32, Precision.BF16),
+                        modes=(Mode.EAGER, Mode.REGIONAL))
+    with engine_manager(cache_dir, policy=policy) as m:
+        yield m
 
 
 @pytest.mark.parametrize("overrides,words", [
@@ -159,12 +158,9 @@ def test_public_mode_lets_the_host_do_what_visitors_cannot(public_manager):
 
 
 def test_without_public_mode_visitors_keep_every_choice(cache_dir, tiny_models):
-    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
-    try:
+    with engine_manager(cache_dir) as m:
         m.make_key("tiny-sdxl", "cpu", "fp16", caller=Caller.VISITOR)  # any preset, any precision
         m._check_visitor_choice(mode="compile")
-    finally:
-        m.shutdown()
 
 
 # -- a manager within its budget: real workers ---------------------------------------------------
@@ -173,8 +169,7 @@ KEYS = [("tiny-flux", "fp32"), ("tiny-flux", "bf16"), ("tiny-sd3", "fp32")]
 
 @pytest.mark.slow
 def test_engines_stay_within_the_engine_count_lru_idle_ones_go_and_come_back(cache_dir, tiny_models):
-    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()), max_engines=2)
-    try:
+    with engine_manager(cache_dir, max_engines=2) as m:
         for preset, precision in KEYS[:2]:
             m.generate(preset=preset, device="cpu", precision=precision, size="64x64", steps=1)
         first = EngineKey("tiny-flux", "cpu", "fp32")
@@ -189,14 +184,11 @@ def test_engines_stay_within_the_engine_count_lru_idle_ones_go_and_come_back(cac
         # The next request reloads it (evicting the then least recently used one).
         m.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", steps=1)
         assert first in {e.key for e in m.engines()} and m.host_status()["evictions"] == 2
-    finally:
-        m.shutdown()
 
 
 @pytest.mark.slow
 def test_a_busy_engine_is_kept_and_the_new_one_refused_with_what_to_do(cache_dir, tiny_models):
-    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()), max_engines=1)
-    try:
+    with engine_manager(cache_dir, max_engines=1) as m:
         started, submitted, outcome = threading.Event(), [], []
 
         def long_request():
@@ -220,23 +212,15 @@ def test_a_busy_engine_is_kept_and_the_new_one_refused_with_what_to_do(cache_dir
         worker.join(120)
         assert outcome and "cancelled after step" in str(outcome[0])
         assert [e.key.preset for e in m.engines()] == ["tiny-flux"]  # nothing running was lost
-    finally:
-        m.shutdown()
 
 
 @pytest.mark.slow
 def test_idle_engines_unload_after_the_idle_timeout(cache_dir, tiny_models):
-    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()), idle_unload_s=2.0)
-    try:
+    with engine_manager(cache_dir, idle_unload_s=2.0) as m:
         m.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", steps=1)
-        deadline = time.monotonic() + 30
-        while m.engines() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not m.engines()
+        wait_until(lambda: not m.engines(), 30, 0.2, "the idle engine unloading")
         row = next(r for r in m.status() if r["state"] == "evicted")
         assert "idle" in row["error"] and "--idle-unload" in row["error"]
-    finally:
-        m.shutdown()
 
 
 # -- the public app, through its API ---------------------------------------------------------------
@@ -309,10 +293,8 @@ def test_one_running_request_per_visitor(public_app):
     stops only their own request, and then they may ask again."""
     _, _, client = public_app
     long = client.submit(**{**GOOD, "steps": "150", "size": "128x128"}, api_name="/generate")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(
-            isinstance(o, dict) and o.get("running") for out in long.outputs() for o in out[1:]):
-        time.sleep(0.1)
+    wait_until(lambda: any(isinstance(o, dict) and o.get("running") for out in long.outputs() for o in out[1:]),
+               60, 0.1, "the long request running")
     with pytest.raises(Exception, match="already have a request running"):
         client.predict(**GOOD, api_name="/generate")
     client.predict(api_name="/cancel")  # this visitor's own running request
@@ -343,8 +325,7 @@ def test_each_cpu_engine_gets_its_own_short_run_slot_freed_when_it_goes(tmp_path
     """Engines on the host's cores share one file of "running a short request" bytes (engine/worker/priority.py):
     each gets its own slot, and a slot is cleared and free again once its engine is dropped (evicted,
     crashed, restarted), so a worker killed mid-request never leaves long requests waiting."""
-    manager = EngineManager(cache_dir=tmp_path / "cache")
-    try:
+    with engine_manager(tmp_path / "cache") as manager:
         first, second = manager._take_short_run_slot(), manager._take_short_run_slot()
         assert (first.slot, second.slot) == (0, 1) and first.path == second.path
         gone = object()
@@ -354,8 +335,6 @@ def test_each_cpu_engine_gets_its_own_short_run_slot_freed_when_it_goes(tmp_path
         manager._drop_engine(gone)
         assert not second.others_running()
         assert manager._take_short_run_slot().slot == 0
-    finally:
-        manager.shutdown()
     assert not first.path.exists()
 
 
@@ -370,9 +349,7 @@ def test_the_soak_lists_a_process_tree_and_its_memory_from_proc():
     child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
                               "subprocess.run(['sleep', '30']); sys.exit(0)"])
     try:
-        deadline = time.monotonic() + 10
-        while len(process_tree(child.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len(process_tree(child.pid)) >= 2, 10, message="the grandchild starting")
         tree = process_tree(os.getpid())
         assert os.getpid() in tree and child.pid in tree
         grandchildren = [pid for pid in process_tree(child.pid) if pid != child.pid]

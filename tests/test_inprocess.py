@@ -136,12 +136,11 @@ def test_in_process_serves_the_embedded_default_like_a_worker(manager, direct):
 
 
 def test_the_manager_refuses_what_cannot_run_in_process(cache_dir, tiny_models):
-    from engine.errors import UnsupportedCombination
-    from engine.protocol import EngineOptions
-    from engine.serving.manager import EngineManager
+    from helpers import engine_manager
 
-    m = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()), runtime="inprocess")
-    try:
+    from engine.errors import UnsupportedCombination
+
+    with engine_manager(cache_dir, runtime="inprocess") as m:
         with pytest.raises(UnsupportedCombination, match="torch.compile"):
             m.generate(preset="tiny-shapes", device="cpu", mode="compile", prompt=PROMPT)
         with pytest.raises(UnsupportedCombination, match="torch.compile"):
@@ -149,8 +148,6 @@ def test_the_manager_refuses_what_cannot_run_in_process(cache_dir, tiny_models):
         with pytest.raises(UnsupportedCombination, match="torchrun"):
             m.generate(preset="tiny-shapes", device="cpu", tp=2, prompt=PROMPT)
         assert m.engines() == []  # refused before any engine started
-    finally:
-        m.shutdown()
 
 
 @pytest.mark.slow

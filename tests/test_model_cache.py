@@ -66,10 +66,11 @@ def test_a_rank_in_a_process_group_builds_in_a_fresh_process(monkeypatch, tmp_pa
 
 
 def test_a_corrupt_header_names_the_component_not_a_memory_error(tiny_models, tmp_path, monkeypatch):
-    from engine.protocol import EngineKey, EngineOptions
+    from helpers import engine_manager
+
+    from engine.protocol import EngineKey
     from engine.serving import budget
     from engine.serving import manager as manager_module
-    from engine.serving.manager import EngineManager
 
     target = _copy(tiny_models, "tiny-flux", tmp_path)
     _corrupt_header(target / "text_encoder" / "model.safetensors")
@@ -77,13 +78,10 @@ def test_a_corrupt_header_names_the_component_not_a_memory_error(tiny_models, tm
         budget.safetensors_parameters(target)
     assert str(tmp_path) not in str(err.value)
 
-    m = EngineManager(cache_dir=tmp_path / "cache", options=EngineOptions(warm_sizes=()))
-    try:
+    with engine_manager(tmp_path / "cache") as m:
         monkeypatch.setattr(manager_module, "resolve_source", lambda config: str(target))
         with pytest.raises(CorruptWeights, match="component text_encoder"):
             m.estimate(EngineKey("tiny-flux", "cpu", "fp32", 1))
-    finally:
-        m.shutdown()
 
 
 def test_an_unwritable_models_folder_falls_back_to_a_private_temporary_one(tmp_path, monkeypatch, caplog):

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine.pipeline.faults import Faults
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -90,7 +91,7 @@ class _Runner:
         self.spec = SimpleNamespace(host_memory_is_device_memory=True)
         self.config = SimpleNamespace(key=EngineKey("p", "cpu", "fp32"))
         self.board = _Board(warm)
-        self.faults = SimpleNamespace(take=lambda fault: False)
+        self.faults = Faults()
         self.ms_per_step = ms_per_step
         self.niceness: list[int] = []
         self.policy: list[int] = []

@@ -48,6 +48,8 @@ from pathlib import Path
 import torch
 
 from engine import settings
+from engine.pipeline.faults import COMPILE_FAILURE
+from engine.pipeline.variants import pipeline_over, vae_decoding_with
 from engine.protocol import BucketKey, Mode, Size
 
 log = logging.getLogger(__name__)
@@ -499,13 +501,10 @@ class AotEngine:
         self.real_denoiser = getattr(base, self.denoiser_name)
         self.denoiser = AotDenoiser(self.real_denoiser)
         self.decoder = AotDecoder(base.vae) if runner.options.compile_vae and getattr(base, "vae", None) else None
-        pipe = copy.copy(base)
-        object.__setattr__(pipe, self.denoiser_name, self.denoiser)
+        replaced = {self.denoiser_name: self.denoiser}
         if self.decoder is not None:
-            vae = copy.copy(base.vae)  # shallow: same weights, own attribute dict
-            vae.decode = self.decoder
-            object.__setattr__(pipe, "vae", vae)
-        self.pipe = pipe
+            replaced["vae"] = vae_decoding_with(base.vae, self.decoder)
+        self.pipe = pipeline_over(base, **replaced)
         self._keys_lock = threading.Lock()
         self._model_ids: dict[str, str] = {}
 
@@ -545,17 +544,15 @@ class AotEngine:
     def capture(self, bucket: BucketKey, guidance: float, decode: bool) -> _Capture:
         """One eager run at the bucket recording what the pipeline passes the denoiser (and vae.decode)."""
         r, captured = self.runner, _Capture()
-        run = copy.copy(r.pipe)
-        object.__setattr__(run, self.denoiser_name, _Recorder(self.real_denoiser, captured, stop=not decode))
+        replaced = {self.denoiser_name: _Recorder(self.real_denoiser, captured, stop=not decode)}
         if decode:
-            vae = copy.copy(r.pipe.vae)
 
             def record_decode(z, *args, **kwargs):
                 captured.decode = ((z, *args), kwargs)
                 raise _StopCapture
 
-            vae.decode = record_decode
-            object.__setattr__(run, "vae", vae)
+            replaced["vae"] = vae_decoding_with(r.pipe.vae, record_decode)
+        run = pipeline_over(r.pipe, **replaced)
         request = r.warm_request(BucketKey(Mode.EAGER, bucket.size), guidance).replace(
             steps=1, request_id=f"aot-capture-{bucket}")
         members = [request.replace(seed=i) for i in range(bucket.batch)] if bucket.batch > 1 else None
@@ -605,8 +602,8 @@ class AotEngine:
         return origin, [f"aot {bucket}: {p}" for p in problems]
 
     def _build(self, kind: str, key: dict, captured: _Capture) -> None:
-        if self.runner.options.fail_compiles:
-            raise RuntimeError("injected compile failure")
+        if self.runner.faults.should_fail_compile():
+            raise RuntimeError(COMPILE_FAILURE)
         if kind == DENOISER:
             module, (args, kwargs) = self.real_denoiser, captured.denoiser
         else:

@@ -76,6 +76,17 @@ def wanted_size(n: int, all_sizes, warm_sizes) -> int | None:
     return best if best not in warm_sizes else None
 
 
+class AllSet:
+    """is_set() once every one of the events is: a batch's cancel (its call stops, or steps aside, only
+    when all its members left)."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def is_set(self) -> bool:
+        return all(e.is_set() for e in self.events)
+
+
 class Gatherer:
     """The queue side of batching: `next_batch()` returns the requests of the next pipeline call.
 

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,8 +39,8 @@ from engine.config import caches
 from engine.config.presets import route_size
 from engine.config.resolve import resolve_source
 from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
-from engine.pipeline import attention, batching, recipes, stepcache
-from engine.pipeline.faults import FaultHooks
+from engine.pipeline import attention, batching, recipes, stepcache, variants
+from engine.pipeline.faults import Faults, failing_backend
 from engine.pipeline.progress import progress_bar
 from engine.protocol import (
     BucketInfo,
@@ -55,7 +55,6 @@ from engine.protocol import (
     GenerateResult,
     Mode,
     ModelPreset,
-    OnCold,
     Size,
     StepProgress,
     Timings,
@@ -86,11 +85,6 @@ def _install_compile_counter() -> None:
 
 def compiles_in_this_thread() -> int:
     return _compiles_by_thread.get(threading.get_ident(), 0)
-
-
-def _failing_backend(graph_module, example_inputs):
-    """Tests (EngineOptions.fail_compiles): a compiler backend that always fails."""
-    raise RuntimeError("injected compile failure")
 
 
 def _cache_counters() -> tuple[int, int]:
@@ -184,7 +178,8 @@ def compile_denoiser(denoiser: torch.nn.Module, mode: Mode, compile_kwargs: dict
 
 
 class _RunClock:
-    """Marks of one run: start, denoise loop start (scheduler.set_timesteps), each step end."""
+    """Marks of one run: start, denoise loop start (the pipeline opens its progress bar), each step end
+    (callback_on_step_end)."""
 
     def __init__(self, spec: devices.DeviceSpec):
         self.spec = spec
@@ -193,6 +188,8 @@ class _RunClock:
         self.step_ends: list[float] = []
 
     def mark_loop_start(self) -> None:
+        if self.loop_start is not None:
+            return
         self.spec.synchronize()
         self.loop_start = time.perf_counter()
 
@@ -217,14 +214,17 @@ class _RunClock:
         )
 
 
-class _AllSet:
-    """is_set() while every one of the events is set (a batch stops when all its members left)."""
+@dataclass(frozen=True)
+class _Run:
+    """What one pipeline call gave (PipelineRunner._run): a request's image, or a batch's images in order."""
 
-    def __init__(self, events):
-        self.events = events
-
-    def is_set(self) -> bool:
-        return all(e.is_set() for e in self.events)
+    images: object
+    timings: Timings
+    cancelled_at: int | None
+    eager_fallback: bool
+    recompiles: int
+    cached_steps: tuple[int, ...]
+    peak: int | None
 
 
 class BucketBoard:
@@ -293,7 +293,7 @@ class PipelineRunner:
         self._variant_lock = threading.Lock()
         self._run_lock = threading.Lock()  # one request on the device at a time (warm-up runs apart)
         self._mode_notices: dict[Mode, tuple[str, ...]] = {}
-        self.faults = FaultHooks()  # tests arm one-shot faults through the worker protocol
+        self.faults = Faults(self.options.testing)  # the one place this process reads its test hooks
         self._weights_bytes: int | None = None
         self._peak_bytes: int | None = None
         self.measured_run: tuple[Size, float] | None = None  # the measuring run: its size and milliseconds
@@ -422,18 +422,15 @@ class PipelineRunner:
                 self._aot = aot.AotEngine(self, recipes.aot_inductor_configs(self.options, self.spec))
                 pipe = self._aot.pipe
             else:
-                options = replace(self.options, fail_compiles=False)
-                kwargs, notices = recipes.compile_kwargs(options, self.spec, mode=mode)
+                kwargs, notices = recipes.compile_kwargs(self.options, self.spec, mode=mode)
                 self.notices += notices
-                if self.options.fail_compiles:
-                    kwargs["backend"] = _failing_backend
-                pipe = copy.copy(base)
-                denoiser = compile_denoiser(getattr(base, self.preset.denoiser), mode, kwargs)
-                object.__setattr__(pipe, self.preset.denoiser, denoiser)
+                if self.faults.should_fail_compile():
+                    kwargs["backend"] = failing_backend
+                replaced = {self.preset.denoiser: compile_denoiser(getattr(base, self.preset.denoiser), mode, kwargs)}
                 if mode is Mode.COMPILE and self.options.compile_vae:
-                    vae = copy.copy(base.vae)  # shallow: same weights, own attribute dict
-                    vae.decode = torch.compile(base.vae.decode, **{**kwargs, "fullgraph": False})
-                    object.__setattr__(pipe, "vae", vae)
+                    replaced["vae"] = variants.vae_decoding_with(
+                        base.vae, torch.compile(base.vae.decode, **{**kwargs, "fullgraph": False}))
+                pipe = variants.pipeline_over(base, **replaced)
             self._variants[mode] = pipe
             return pipe
 
@@ -443,21 +440,11 @@ class PipelineRunner:
         """One pipeline call on a private copy (own scheduler: schedulers keep per-run state). With a step
         cache variant, `cached` counts the steps its hooks served. With `members` (a batch led by `request`)
         the first value returned is the list of their images, in order."""
-        run = copy.copy(pipe)
-        if cached is not None:
-            cached.start(run)
         scheduler = copy.deepcopy(self._scheduler_template)  # 3-5x cheaper than from_config per request
         clock = _RunClock(self.spec)
-        original_set_timesteps = scheduler.set_timesteps
-
-        @functools.wraps(original_set_timesteps)  # pipelines inspect its signature (sigmas=, mu=)
-        def set_timesteps(*args, **kwargs):
-            result = original_set_timesteps(*args, **kwargs)
-            clock.mark_loop_start()
-            return result
-
-        scheduler.set_timesteps = set_timesteps
-        object.__setattr__(run, "scheduler", scheduler)
+        run = variants.run_copy(pipe, scheduler, on_loop_start=clock.mark_loop_start)
+        if cached is not None:
+            cached.start(run)
         cancelled_at = []
         graphs = recipes.cuda_graphs_active(self.options, self.spec, request.mode)
 
@@ -500,42 +487,44 @@ class PipelineRunner:
         return request.replace(width=size.width, height=size.height), notices
 
     def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None) -> GenerateResult:
-        """Run one request. At a warm bucket this compiles nothing; elsewhere it runs eagerly or waits."""
+        """Run one request. At a warm bucket this compiles nothing; elsewhere it runs eagerly. A request with
+        on_cold=wait waits for its compile where requests queue (engine/worker/loop.py), never in here."""
         request, notices = self.prepare(request)
-        bucket = request.bucket
+        run = self._run(request.bucket, request, notices, on_step, cancel)
+        if run.cancelled_at is not None:
+            raise Cancelled(f"request {request.request_id} cancelled after step {run.cancelled_at} of {request.steps}")
+        self.board.served(request.bucket)
+        return self._result(request, run.images, run, notices)
+
+    def _run(self, bucket: BucketKey, request: GenerateRequest, notices: list[str], on_step, cancel,
+             members: list[GenerateRequest] | None = None) -> _Run:
+        """The pipeline call of a prepared request, or of a batch (`members`, led by `request`) at `bucket`:
+        eagerly where `bucket` is not warm. Why it ran eagerly, and what the step cache and aot say, go into
+        `notices`."""
         info = self.board.get(bucket)
-        eager_fallback = False
-        if request.mode.compiled:
-            if info is None or info.state != BucketState.WARM:
-                if request.on_cold is OnCold.WAIT:
-                    # A worker asks the host's scheduler first (engine/worker/loop.py); used alone, a runner
-                    # compiles here, in this request. A failed bucket is not retried on every request.
-                    if info is None or info.state == BucketState.COLD:
-                        self.warm_bucket(bucket)
-                    self.board.event(bucket).wait()
-                    info = self.board.get(bucket)
-                if info is None or info.state != BucketState.WARM:
-                    eager_fallback = True
-                    state = info.state.value if info else "cold"
-                    reason = f": {info.error}" if info and info.error else ""
-                    notices.append(f"bucket {bucket} is {state}{reason}; served eagerly on the same weights")
-        pipe = self.variant(Mode.EAGER if eager_fallback else request.mode)
-        request_for_run = request.replace(mode=Mode.EAGER) if eager_fallback else request
+        eager_fallback = request.mode.compiled and (info is None or info.state != BucketState.WARM)
+        if eager_fallback:
+            state = info.state.value if info else "cold"
+            reason = f": {info.error}" if info and info.error else ""
+            notices.append(f"bucket {bucket} is {state}{reason}; served eagerly on the same weights")
+            request = request.replace(mode=Mode.EAGER)
+            members = [m.replace(mode=Mode.EAGER) for m in members] if members else members
+        pipe = self.variant(request.mode)
         with self._run_lock:
             if self.faults.take(Fault.OOM):
                 raise self._out_of_memory(torch.OutOfMemoryError("injected out-of-memory"))
             self.spec.reset_peak_memory()
             compiles_before = compiles_in_this_thread()
-            aot_before = self._aot.counters()[1] if self._aot and request_for_run.mode is Mode.AOT else None
+            aot_before = self._aot.counters()[1] if self._aot and request.mode is Mode.AOT else None
             cached = None
             try:
                 if request.step_cache.enabled:
                     cached, cache_notices = self._step_caches.get(
-                        request_for_run.mode, pipe, request.step_cache, request.steps,
-                        lambda p, v: self._call(p, request_for_run.replace(request_id="calibrate"), cached=v))
+                        request.mode, pipe, request.step_cache, request.steps,
+                        lambda p, v: self._call(p, request.replace(request_id="calibrate"), cached=v))
                     notices += cache_notices
                     pipe = cached.pipe
-                image, timings, cancelled_at = self._call(pipe, request_for_run, on_step, cancel, cached=cached)
+                images, timings, cancelled_at = self._call(pipe, request, on_step, cancel, cached, members=members)
             except torch.OutOfMemoryError as exc:
                 raise self._out_of_memory(exc) from None
             recompiles = compiles_in_this_thread() - compiles_before
@@ -544,25 +533,16 @@ class PipelineRunner:
             if aot_before is not None and self._aot.counters()[1] > aot_before:
                 notices.append(f"aot: a call at {bucket} matched no package (not the exported shapes or "
                                "arguments) and ran eagerly")
-        if cancelled_at is not None:
-            raise Cancelled(f"request {request.request_id} cancelled after step {cancelled_at} of {request.steps}")
-        self.board.served(bucket)
+        return _Run(images, timings, cancelled_at, eager_fallback, recompiles, cached_steps, peak)
+
+    def _result(self, request: GenerateRequest, image, run: _Run, notices: list[str], batch_size: int = 1
+                ) -> GenerateResult:
         return GenerateResult(
-            request_id=request.request_id,
-            engine=self.config.key,
-            bucket=bucket,
-            image_png=self._png(image, request),
-            timings=timings,
-            warm=not eager_fallback,
-            eager_fallback=eager_fallback,
-            recompiles=recompiles,
-            peak_memory_bytes=peak,
-            notices=tuple(notices),
-            seed=request.seed,
-            steps=request.steps,
-            step_cache=request.step_cache,
-            cached_steps=cached_steps,
-        )
+            request_id=request.request_id, engine=self.config.key, bucket=request.bucket,
+            image_png=self._png(image, request), timings=run.timings, warm=not run.eager_fallback,
+            eager_fallback=run.eager_fallback, recompiles=run.recompiles, peak_memory_bytes=run.peak,
+            notices=tuple(notices), seed=request.seed, steps=request.steps, step_cache=request.step_cache,
+            cached_steps=run.cached_steps, batch_size=batch_size)
 
     def generate_batch(self, requests: list[GenerateRequest], on_step=None,
                        cancels: list[threading.Event] | None = None, on_leave=None) -> list:
@@ -614,16 +594,6 @@ class PipelineRunner:
         indexes = [i for i, _, _ in ready]
         lead, k = members[0], len(members)
         bucket = lead.bucket.batched(k)
-        notices: list[str] = []
-        eager_fallback = False
-        if lead.mode.compiled:
-            info = self.board.get(bucket)
-            if info is None or info.state != BucketState.WARM:
-                eager_fallback = True
-                state = info.state.value if info else "cold"
-                notices.append(f"bucket {bucket} is {state}; served eagerly on the same weights")
-        run_members = [m.replace(mode=Mode.EAGER) for m in members] if eager_fallback else members
-        pipe = self.variant(run_members[0].mode)
         left = [False] * k
 
         def member_steps(progress: StepProgress) -> None:
@@ -640,46 +610,15 @@ class PipelineRunner:
                 if on_step is not None:
                     on_step(replace(progress, request_id=member.request_id))
 
-        everyone_left = _AllSet([cancels[i] for i in indexes])
-        with self._run_lock:
-            if self.faults.take(Fault.OOM):
-                raise self._out_of_memory(torch.OutOfMemoryError("injected out-of-memory"))
-            self.spec.reset_peak_memory()
-            compiles_before = compiles_in_this_thread()
-            aot_before = self._aot.counters()[1] if self._aot and run_members[0].mode is Mode.AOT else None
-            cached = None
-            try:
-                if lead.step_cache.enabled:
-                    cached, cache_notices = self._step_caches.get(
-                        run_members[0].mode, pipe, lead.step_cache, lead.steps,
-                        lambda p, v: self._call(p, run_members[0].replace(request_id="calibrate"), cached=v))
-                    notices += cache_notices
-                    pipe = cached.pipe
-                images, timings, cancelled_at = self._call(pipe, run_members[0], member_steps, everyone_left, cached,
-                                                           members=run_members)
-            except torch.OutOfMemoryError as exc:
-                raise self._out_of_memory(exc) from None
-            recompiles = compiles_in_this_thread() - compiles_before
-            cached_steps = cached.finish() if cached is not None else ()
-            peak = self.spec.peak_memory_bytes()
-            if aot_before is not None and self._aot.counters()[1] > aot_before:
-                notices.append(f"aot: a call at {bucket} matched no package (not the exported shapes or "
-                               "arguments) and ran eagerly")
-        if cancelled_at is not None:
-            raise Cancelled(f"every request of a batch of {k} cancelled after step {cancelled_at}")
-        results: list = []
-        for j, (member, image) in enumerate(zip(members, images, strict=True)):
-            if left[j]:
-                results.append(None)
-                continue
-            results.append(GenerateResult(
-                request_id=member.request_id, engine=self.config.key, bucket=member.bucket,
-                image_png=self._png(image, member), timings=timings, warm=not eager_fallback,
-                eager_fallback=eager_fallback, recompiles=recompiles, peak_memory_bytes=peak,
-                notices=tuple(ready[j][2] + notices), seed=member.seed, steps=member.steps,
-                step_cache=member.step_cache, cached_steps=cached_steps, batch_size=k))
+        notices: list[str] = []
+        run = self._run(bucket, lead, notices, member_steps, batching.AllSet([cancels[i] for i in indexes]),
+                        members=members)
+        if run.cancelled_at is not None:
+            raise Cancelled(f"every request of a batch of {k} cancelled after step {run.cancelled_at}")
+        results = [None if left[j] else self._result(member, image, run, ready[j][2] + notices, batch_size=k)
+                   for j, (member, image) in enumerate(zip(members, run.images, strict=True))]
         # Counted where it ran: an eager batch (eager mode, or a batch size not warm yet) on the eager row
-        ran = bucket if not eager_fallback else BucketKey(Mode.EAGER, bucket.size, k)
+        ran = bucket if not run.eager_fallback else BucketKey(Mode.EAGER, bucket.size, k)
         self.board.served(ran, requests=sum(r is not None for r in results))
         return results
 

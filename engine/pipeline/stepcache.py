@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import UnsupportedCombination
+from engine.pipeline.variants import pipeline_over
 from engine.protocol import STEP_CACHE_FORMS, Mode, ModelPreset, StepCache, StepCacheKind
 
 log = logging.getLogger(__name__)
@@ -258,8 +259,6 @@ class CachedDenoiser:
     """One (mode, cache) variant: the pipeline with a hooked denoiser clone, and its step counter."""
 
     def __init__(self, base_pipe, denoiser_name: str, cache: StepCache, config_factory, clone_tree):
-        import copy
-
         self.cache = cache
         self.counter = StepCounter()
         self._run = None  # the pipeline copy running now (timestep callbacks read it)
@@ -276,8 +275,7 @@ class CachedDenoiser:
         self.config = config_factory(self)
         denoiser.enable_cache(self.config)
         self.denoiser = denoiser
-        self.pipe = copy.copy(base_pipe)
-        object.__setattr__(self.pipe, denoiser_name, denoiser)
+        self.pipe = pipeline_over(base_pipe, **{denoiser_name: denoiser})
 
     def current_timestep(self):
         """The running pipeline's timestep (pyramid and faster-cache decide by it)."""

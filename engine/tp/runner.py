@@ -48,7 +48,6 @@ from engine.protocol import (
     GenerateRequest,
     GenerateResult,
     Mode,
-    OnCold,
     Parallel,
     RankExit,
     TPOp,
@@ -87,7 +86,7 @@ class TensorParallelRunner(PipelineRunner):
         self._last_op = time.monotonic()
         self._stopped = False
         self._dump_path: Path | None = None
-        self._cp_variant_lock = threading.Lock()
+        self._variant_hooks_lock = threading.Lock()
 
     # -- loading ---------------------------------------------------------------------------------
     def load_device(self) -> str:
@@ -150,7 +149,7 @@ class TensorParallelRunner(PipelineRunner):
             self._enable_context_parallel()
             load_s = self.load_s = load_s + time.perf_counter() - start
         if self.dump_dir is not None and self.group.leader:
-            self._install_dump_hook()
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
         return load_s
 
     def _enable_context_parallel(self) -> None:
@@ -166,24 +165,25 @@ class TensorParallelRunner(PipelineRunner):
     def variant(self, mode: Mode):
         """Regional compile clones the denoiser's module tree; diffusers' context-parallel hooks replace
         `forward` with a function bound to the original module, so the clone would run the original's eager
-        blocks. The clone gets its own hooks."""
+        blocks. The clone gets its own hooks. With a dump folder, each variant's image processor dumps."""
         mode = Mode.parse(mode, "mode")
-        if mode is not Mode.REGIONAL or not self.parallel.context:
-            return super().variant(mode)
-        with self._cp_variant_lock:
+        with self._variant_hooks_lock:
             built = mode in self._variants
             pipe = super().variant(mode)
-            if not built:
+            if not built and mode is Mode.REGIONAL and self.parallel.context:
                 _rehook_context_parallel(getattr(pipe, self.preset.denoiser), getattr(self.pipe, self.preset.denoiser))
+            if self.dump_dir is not None and self.group.leader:
+                self._install_dump_hook(pipe.image_processor)
             return pipe
 
-    def _install_dump_hook(self) -> None:
+    def _install_dump_hook(self, processor) -> None:
         """Test/debug hook: rank 0 also saves each request's decoded float image (HxWx3 in [0, 1]) as
         <request_id>.npy, so TP output can be compared with one process numerically, not as PNG bytes."""
         import numpy as np
 
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
-        processor = self.pipe.image_processor  # shared by every variant (they are shallow copies)
+        if getattr(processor, "_dumps", False):
+            return
+        processor._dumps = True
         postprocess = processor.postprocess
 
         def dumping_postprocess(image, output_type="pil", **kwargs):
@@ -204,11 +204,8 @@ class TensorParallelRunner(PipelineRunner):
             self.check_mode(request.mode)  # refused on rank 0, never broadcast
             size, _ = route_size(self.preset, request.width, request.height, snap=True)
             request = request.replace(width=size.width, height=size.height)
-            info = self.board.get(request.bucket)
-            if request.mode.compiled and request.on_cold is OnCold.WAIT and (info is None or info.state != BucketState.WARM):
-                self._run_op(TPOp(TPOpKind.WARM, bucket=request.bucket))  # compile here, on every rank, then serve
-            # Never "wait" inside the operation: a rank-local wait would desynchronise the group.
-            op = TPOp(TPOpKind.GENERATE, request=request.replace(on_cold=OnCold.EAGER))
+            # A request that waits for its compile waited in the worker loop, before it got here.
+            op = TPOp(TPOpKind.GENERATE, request=request)
             self.current_request = request.request_id
             try:
                 return self._run_op(op, on_step=on_step, cancel=cancel)

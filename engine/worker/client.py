@@ -259,7 +259,7 @@ class ConnectionClient:
         self.send(Warm(bucket))
 
     def inject_fault(self, fault: Fault) -> None:
-        """Tests: arm a one-shot fault (the engine must have been started with fault_injection=True)."""
+        """Tests: arm a one-shot fault (the engine must have been started with TestingOptions(inject_faults=True))."""
         self.send(InjectFault(Fault(fault)))
 
     def buckets(self) -> list[BucketInfo]:

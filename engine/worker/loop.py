@@ -36,7 +36,7 @@ import traceback
 
 from engine import settings
 from engine.errors import Cancelled, EngineBusy, InvalidRequest, ShowcaseError
-from engine.pipeline.batching import Gatherer
+from engine.pipeline.batching import AllSet, Gatherer
 from engine.protocol import (
     BucketChanged,
     BucketKey,
@@ -54,7 +54,6 @@ from engine.protocol import (
     InjectFault,
     OnCold,
     Progress,
-    RankExit,
     Ready,
     RequestFailed,
     Result,
@@ -295,10 +294,10 @@ class WorkerLoop:
             self.want(message.bucket)
 
     def _on_inject_fault(self, message: InjectFault) -> None:
-        if not self.runner.options.fault_injection:
-            self.send(RequestFailed(None, InvalidRequest("fault injection is off in this engine")))
-            return
-        self.runner.faults.arm(message.fault)
+        try:
+            self.runner.faults.arm(message.fault)
+        except InvalidRequest as exc:  # an engine not started for tests
+            self.send(RequestFailed(None, exc))
 
     def _on_granted(self, message: CompileGranted) -> None:
         self._granted.put(message.bucket)
@@ -398,52 +397,25 @@ class WorkerLoop:
                 self._waiting[bucket] -= 1
 
     def _serve_one(self, request: GenerateRequest, long: bool = False) -> None:
-        """Serve one request; a `long` one steps aside before each step while another engine runs a
-        short one (ShortRuns), a short one tells the others it runs."""
+        """Serve one request (as _serve_now does); with on_cold=wait at a bucket not warm yet, once compiled."""
         cancel = self._cancels.setdefault(request.request_id, threading.Event())
-        crash = self.runner.faults.take(Fault.CRASH)
-        short_runs = self.short_runs
-        step_aside = short_runs.step_aside if short_runs is not None and long else None
-
-        def on_step(progress):
-            self.send(Progress(progress))
-            if crash:
-                os._exit(RankExit.INJECTED_CRASH)  # armed by a test: the worker dies mid-request
-            if step_aside is not None and progress.step < progress.total:
-                step_aside(cancel)
-
         try:
             if cancel.is_set():
                 raise Cancelled(f"request {request.request_id} cancelled before it started")
             if request.mode.compiled and request.on_cold is OnCold.WAIT and not self._is_warm(request.bucket):
                 self._await_compile(request, cancel)
-            received = self._received.pop(request.request_id, None)
-            queued_ms = (time.perf_counter() - received) * 1000 if received is not None else 0.0
-            self.compile_yield.request_started()
-            announce = short_runs is not None and not long
-            if announce:
-                short_runs.set_running(True)
-            try:
-                if step_aside is not None:
-                    step_aside(cancel)  # before its first step too
-                result = self.runner.generate(request, on_step=on_step, cancel=cancel)
-            finally:
-                if announce:
-                    short_runs.set_running(False)
-                self.compile_yield.request_ended()
-            if self.run_cost is not None:
-                self.run_cost.record(self._variant(request.mode, result.warm), result.bucket.size, result.steps,
-                                     result.timings.total_ms)
-            self.send(Result(dataclasses.replace(result, timings=dataclasses.replace(result.timings,
-                                                                                     queued_ms=queued_ms))))
-        except ShowcaseError as exc:
+        except Cancelled as exc:
             self.send(RequestFailed(request.request_id, exc))
-        except Exception as exc:  # never let one request kill the worker
-            log.exception("request %s failed", request.request_id)
-            self.send(RequestFailed(request.request_id, ShowcaseError(f"{type(exc).__name__}: {exc}")))
-        finally:
-            self._cancels.pop(request.request_id, None)
-            self._received.pop(request.request_id, None)
+            self._forget(request)
+            return
+
+        def call(on_step, cancels, on_leave) -> list:
+            try:
+                return [self.runner.generate(request, on_step=on_step, cancel=cancels[0])]
+            except Exception as exc:  # noqa: BLE001 - its outcome
+                return [exc]
+
+        self._serve_now([request], call, long=long)
 
     def _serve_batch(self, group: list[GenerateRequest]) -> None:
         """Serve requests sharing one pipeline call. To the host's CPU rules it is one run: niced by its own
@@ -467,21 +439,29 @@ class WorkerLoop:
             warm = self._is_warm(lead.bucket.batched(len(live))) or not lead.mode.compiled
             extra = self.run_cost.extra_niceness(self._batch_variant(lead.mode, warm, len(live)), lead.bucket.size,
                                                  lead.steps)
-        self._serve_niced(extra, lambda **kw: self._serve_batch_now(live, **kw), "worker-serve-batch")
 
-    def _serve_batch_now(self, group: list[GenerateRequest], long: bool = False) -> None:
+        def call(on_step, cancels, on_leave) -> list:
+            return self.runner.generate_batch(live, on_step=on_step, cancels=cancels, on_leave=on_leave)
+
+        self._serve_niced(extra, lambda **kw: self._serve_now(live, call, **kw), "worker-serve-batch")
+
+    def _serve_now(self, group: list[GenerateRequest], call, long: bool = False) -> None:
+        """Serve one request, or requests sharing one pipeline call: `call(on_step, cancels, on_leave)` returns
+        each one's outcome (its GenerateResult, the exception it failed with, or None when it already left
+        through on_leave). To the host's CPU rules it is one run: a `long` one steps aside before each
+        (shared) step while another engine runs a short one (ShortRuns), a short one tells the others it runs."""
         cancels = [self._cancels.setdefault(r.request_id, threading.Event()) for r in group]
         crash = self.runner.faults.take(Fault.CRASH)
         short_runs = self.short_runs
         step_aside = short_runs.step_aside if short_runs is not None and long else None
-        everyone = _AllCancelled(cancels)
+        everyone = AllSet(cancels)
         stepped = [0]
 
         def on_step(progress):
             self.send(Progress(progress))
             if crash:
-                os._exit(RankExit.INJECTED_CRASH)
-            if step_aside is not None and progress.step > stepped[0] and progress.step < progress.total:
+                self.runner.faults.crash()  # armed by a test: the worker dies mid-request
+            if step_aside is not None and stepped[0] < progress.step < progress.total:
                 stepped[0] = progress.step  # once per shared step
                 step_aside(everyone)
 
@@ -500,8 +480,8 @@ class WorkerLoop:
                 short_runs.set_running(True)
             try:
                 if step_aside is not None:
-                    step_aside(everyone)
-                outcomes = self.runner.generate_batch(group, on_step=on_step, cancels=cancels, on_leave=on_leave)
+                    step_aside(everyone)  # before its first step too
+                outcomes = call(on_step, cancels, on_leave)
             finally:
                 if announce:
                     short_runs.set_running(False)
@@ -520,11 +500,11 @@ class WorkerLoop:
                 elif isinstance(outcome, ShowcaseError):
                     self.send(RequestFailed(request.request_id, outcome))
                 else:
-                    log.error("request %s failed: %s", request.request_id, outcome)
+                    log.error("request %s failed", request.request_id, exc_info=outcome)
                     self.send(RequestFailed(request.request_id,
                                             ShowcaseError(f"{type(outcome).__name__}: {outcome}")))
-        except Exception as exc:  # never let one batch kill the worker
-            log.exception("a batch of %d failed", len(group))
+        except Exception as exc:  # never let one request or batch kill the worker
+            log.exception("serving %s failed", ", ".join(r.request_id for r in group))
             for request in group:
                 self.send(RequestFailed(request.request_id, ShowcaseError(f"{type(exc).__name__}: {exc}")))
         finally:
@@ -593,16 +573,6 @@ class WorkerLoop:
                 self._serve(group[0])
             else:
                 self._serve_batch(group)
-
-
-class _AllCancelled:
-    """A batch's cancel for waits between steps: set once every member's is."""
-
-    def __init__(self, events):
-        self.events = events
-
-    def is_set(self) -> bool:
-        return all(e.is_set() for e in self.events)
 
 
 class BestEffortOutput:

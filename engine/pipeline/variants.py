@@ -1,0 +1,68 @@
+"""Pipelines over the loaded pipeline's components: the mode variants, step-cache variants, aot stand-ins.
+
+`pipeline_over(base, transformer=...)` is diffusers' documented way to run several pipelines on one set of
+weights: a pipeline of the same class built from `base.components`, with some components replaced (a
+compiled denoiser, a denoiser clone with step-cache hooks, aot stand-ins, a vae whose decode is compiled).
+No tensor is copied or cast. `DiffusionPipeline.from_pipe` would build the same pipeline, but it then casts
+every component to one dtype in place (float32 unless told: a bf16 engine's modules, the ones it serves
+with, became float32), and it leaves out a component whose class is not the pipeline's annotation (the
+embedded tiny-shapes' AutoencoderTiny in a FluxPipeline: it then refuses to build). So the constructor is
+called directly, with the base's init settings from its config, as from_pipe passes them.
+
+`run_copy(pipe, scheduler)` is the one other way a pipeline object is made: per run, a shallow copy with
+its own scheduler, because a pipeline keeps per-call state on itself (`_guidance_scale`, `_interrupt`,
+`_current_timestep`) and a scheduler keeps per-run state; constructing a pipeline per request would add
+milliseconds to every request.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+# What enable_model_cpu_offload keeps on the pipeline object rather than on its modules: a variant's runs
+# re-install offload hooks at their end (maybe_free_model_hooks) as the base's do.
+_OFFLOAD_STATE = ("_offload_device", "_offload_gpu_id", "_all_hooks")
+
+
+def pipeline_over(base, **replaced):
+    """A pipeline of `base`'s class over `base`'s components, `replaced` in place of some of them."""
+    components = base.components
+    unknown = sorted(set(replaced) - set(components))
+    if unknown:
+        raise ValueError(f"{type(base).__name__} has no component {', '.join(unknown)}")
+    cls = type(base)
+    settings = {name: base.config[name] for name in inspect.signature(cls.__init__).parameters
+                if name not in components and name in base.config}
+    pipe = cls(**{**components, **replaced}, **settings)
+    pipe.set_progress_bar_config(**getattr(base, "_progress_bar_config", {}))
+    for name in _OFFLOAD_STATE:
+        if name in base.__dict__:
+            setattr(pipe, name, base.__dict__[name])
+    return pipe
+
+
+def vae_decoding_with(vae, decode):
+    """`vae` with its own `decode` (compiled, or an aot package): a shallow copy, so every Parameter,
+    buffer and submodule stays the loaded vae's."""
+    copied = copy.copy(vae)
+    copied.decode = decode
+    return copied
+
+
+def run_copy(pipe, scheduler, on_loop_start=None):
+    """A private pipeline object for one run, with its own scheduler (see the module's docstring);
+    `on_loop_start()` is called as its denoising loop starts."""
+    run = copy.copy(pipe)
+    object.__setattr__(run, "scheduler", scheduler)  # not a new component: the config stays the variant's
+    if on_loop_start is not None:
+        # diffusers has no callback before the first step (callback_on_step_end closes each step); every
+        # pipeline opens its progress bar as its denoising loop starts, so this run's own copy marks it there.
+        open_bar = run.progress_bar
+
+        def progress_bar(*args, **kwargs):
+            on_loop_start()
+            return open_bar(*args, **kwargs)
+
+        run.progress_bar = progress_bar
+    return run

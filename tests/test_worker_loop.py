@@ -1,0 +1,164 @@
+"""The worker loop on threads of this process, over an in-memory connection, with a runner that computes
+nothing: where a request waits for its compile, and which engines take test faults."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from types import SimpleNamespace
+
+import pytest
+from helpers import make_request, make_runner
+
+from engine.errors import InvalidRequest
+from engine.pipeline.faults import Faults
+from engine.pipeline.runner import BucketBoard
+from engine.protocol import (
+    BucketKey,
+    BucketState,
+    CompileGranted,
+    CompileWanted,
+    EngineKey,
+    EngineOptions,
+    Fault,
+    Generate,
+    GenerateResult,
+    InjectFault,
+    Mode,
+    RequestFailed,
+    Result,
+    Shutdown,
+    Size,
+    TestingOptions,
+    Timings,
+    Warm,
+)
+from engine.serving.inprocess import LocalConnection
+from engine.worker.loop import WorkerLoop
+
+KEY = EngineKey("tiny-flux", "cpu", "fp32")
+REGIONAL = BucketKey(Mode.REGIONAL, Size(64, 64))
+
+
+class _Runner:
+    """A runner whose compile of a bucket lasts until the test releases it, and whose generate notes the
+    state of the request's bucket when it ran."""
+
+    def __init__(self):
+        self.spec = SimpleNamespace(host_memory_is_device_memory=False)
+        self.config = SimpleNamespace(key=KEY)
+        self.board = BucketBoard(KEY)
+        self.faults = Faults()
+        self.max_batch, self.batch_sizes, self.measured_run = 1, (1,), None
+        self.compiling, self.release = threading.Event(), threading.Event()
+        self.ran_at: list[BucketState] = []
+        self.generating = threading.Event()
+
+    def warm_bucket(self, bucket):
+        self.board.update(bucket, state=BucketState.COMPILING)
+        self.compiling.set()
+        assert self.release.wait(30)
+        return self.board.update(bucket, state=BucketState.WARM)
+
+    def footprint(self):
+        return None
+
+    def buckets_to_warm(self):
+        return []
+
+    def generate(self, request, on_step=None, cancel=None):
+        self.generating.set()
+        info = self.board.get(request.bucket)
+        self.ran_at.append(info.state)
+        warm = info.state is BucketState.WARM
+        timings = Timings(step_ms=(1.0,), encode_ms=0, denoise_ms=1, decode_ms=0, total_ms=1)
+        return GenerateResult(request.request_id, KEY, request.bucket, b"", timings, warm=warm,
+                              eager_fallback=not warm, recompiles=0, peak_memory_bytes=None, steps=request.steps)
+
+
+@pytest.fixture
+def loop_and_client():
+    """(runner, client end of the connection, messages the loop sent); the loop grants every compile."""
+    ours, theirs = LocalConnection.pair()
+    runner = _Runner()
+    loop = WorkerLoop(theirs, runner)
+    received: queue.Queue = queue.Queue()
+
+    def read():
+        while True:
+            try:
+                message = ours.recv()
+            except EOFError:
+                return
+            if isinstance(message, CompileWanted):
+                ours.send(CompileGranted(message.bucket))
+            received.put(message)
+
+    threading.Thread(target=read, daemon=True).start()
+    serving = threading.Thread(target=loop.run, daemon=True)
+    serving.start()
+    yield runner, ours, received
+    runner.release.set()
+    ours.send(Shutdown())
+    ours.close()
+    serving.join(10)
+
+
+def _next(received: queue.Queue, kind: type):
+    while True:
+        message = received.get(timeout=30)
+        if isinstance(message, kind):
+            return message
+
+
+def _next_result(received: queue.Queue) -> GenerateResult:
+    return _next(received, Result).result
+
+
+def test_a_request_at_a_compiling_bucket_that_waits_runs_once_it_is_compiled(loop_and_client):
+    runner, client, received = loop_and_client
+    client.send(Warm(REGIONAL))
+    assert runner.compiling.wait(30)
+    client.send(Generate(make_request(mode="regional", on_cold="wait")))
+    assert not runner.generating.wait(0.5)  # it waits while the bucket compiles
+    runner.release.set()
+    result = _next_result(received)
+    assert runner.ran_at == [BucketState.WARM] and result.warm and not result.eager_fallback
+
+
+def test_a_request_at_a_compiling_bucket_that_does_not_wait_runs_eagerly_meanwhile(loop_and_client):
+    runner, client, received = loop_and_client
+    client.send(Warm(REGIONAL))
+    assert runner.compiling.wait(30)
+    client.send(Generate(make_request(mode="regional")))
+    result = _next_result(received)
+    assert runner.ran_at == [BucketState.COMPILING] and result.eager_fallback
+
+
+def test_the_runner_alone_never_waits_nor_compiles_for_a_request(cache_dir, tiny_models):
+    """Waiting is the worker loop's: a runner called directly serves a cold bucket eagerly, with the reason."""
+    runner = make_runner(cache_dir)
+    result = runner.generate(make_request(mode="regional", on_cold="wait"))
+    assert result.eager_fallback and any("is cold; served eagerly" in n for n in result.notices)
+    assert runner.board.get(REGIONAL).state is BucketState.COLD
+
+
+def test_an_engine_not_started_for_tests_refuses_every_fault(loop_and_client):
+    runner, client, received = loop_and_client
+    for fault in Fault:
+        client.send(InjectFault(fault))
+        failed = _next(received, RequestFailed)
+        assert failed.request_id is None and "fault injection is off" in str(failed.error)
+    assert not any(runner.faults.take(fault) for fault in Fault)
+
+
+def test_the_app_and_the_cli_start_engines_with_the_test_hooks_off():
+    import app
+    from engine.config.flags import options_from_args
+
+    every_flag = ["--fuse-qkv", "--channels-last", "--cpu-offload", "--max-autotune", "--dynamic", "--cuda-graphs",
+                  "--no-compile-vae", "--inductor-flags", "--max-batch", "2", "--attention-backend", "flex"]
+    assert options_from_args(app.build_parser().parse_args(every_flag)).testing == TestingOptions()
+    assert Faults(EngineOptions().testing).should_fail_compile() is False
+    with pytest.raises(InvalidRequest, match="fault injection is off"):
+        Faults(EngineOptions().testing).arm(Fault.OOM)
