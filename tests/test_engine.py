@@ -236,8 +236,8 @@ def test_hang_up_leaves_the_close_to_the_reader_thread():
             return ours.recv()
 
         def close(self):
-            closed_by.append(threading.current_thread().name)
             ours.close()
+            closed_by.append(threading.current_thread().name)
 
     engine = ConnectionClient(KEY)
     engine.attach(Spy())
