@@ -134,7 +134,8 @@ class Phase:
                         self.recompiles += int(timings.get("recompiles") or 0)
                         if timings.get("handler_ms") is not None:
                             self.web_ms.append(seconds * 1000 - float(timings["handler_ms"]))
-                        self.call_ms.append(float((timings.get("timings") or {}).get("total_ms") or 0))
+                        if (timings.get("timings") or {}).get("total_ms") is not None:
+                            self.call_ms.append(float(timings["timings"]["total_ms"]))
 
         for record, rounds in ((False, 1), (True, self.args.rounds)):  # one round to settle, then measured
             threads = [threading.Thread(target=visitor, args=(i, rounds, record), daemon=True) for i in range(n)]
