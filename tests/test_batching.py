@@ -99,6 +99,38 @@ def test_gatherer_waits_for_stragglers_within_the_window():
     assert 0.08 < time.perf_counter() - start < 1.0
 
 
+def test_the_window_slides_with_each_joiner_up_to_its_stretch():
+    """Requests 60 ms apart with a 100 ms window all join (each keeps it open for the next); the window
+    never stays open past WINDOW_STRETCH windows after the first."""
+    arrivals: dict[int, float] = {}
+    source: queue.Queue = queue.Queue()
+    g = batching.Gatherer(source, 8, 100, arrived=lambda r: arrivals.get(r.seed), sizes_for=lambda r: (1, 2, 4, 8))
+
+    def put(i):
+        arrivals[100 + i] = time.perf_counter()
+        source.put(request(i))
+
+    put(0)
+    for i in (1, 2, 3):
+        threading.Timer(0.06 * i, put, (i,)).start()
+    assert len(g.next_batch()) == 4  # 180 ms after the first: past one window, within the slide
+    stretch = batching.WINDOW_STRETCH * 0.1
+    stop = threading.Event()
+
+    def trickle():  # a joiner every 90 ms (within a window), for longer than the stretch
+        i = 10
+        while not stop.wait(0.09):
+            put(i)
+            i += 1
+
+    put(9)
+    threading.Thread(target=trickle, daemon=True).start()
+    start = time.perf_counter()
+    group = g.next_batch()
+    stop.set()
+    assert len(group) < 8 and time.perf_counter() - start < stretch + 0.15
+
+
 def test_max_batch_1_never_waits_and_never_groups():
     items = [request(i) for i in range(3)]
     _, g = gatherer(items, max_batch=1, wait_ms=5000)

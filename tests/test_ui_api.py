@@ -63,6 +63,19 @@ def test_gradio_queue_polls_every_few_milliseconds_not_every_one(app):
     assert demo._queue.sleep_when_free == QUEUE_POLL_S
 
 
+def test_the_web_server_runs_on_uvloop_and_httptools(app):
+    """The dependencies install both and uvicorn (under Gradio) picks them up on its own: were either
+    missing, each request would cost the one web thread more (figures: docs/hosting.md)."""
+    demo, _ = app
+    config = demo.server.config
+    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
+    loop = config.get_loop_factory()()
+    try:
+        assert type(loop).__module__.startswith("uvloop")
+    finally:
+        loop.close()
+
+
 def test_a_host_who_configured_gradio_queue_statistics_keeps_them(monkeypatch):
     from ui.blocks import QUEUE_STATISTICS_OFF, launch_kwargs, queue_statistics_off
 
@@ -91,6 +104,23 @@ def test_generate_returns_the_image_and_the_timings_json(client):
     assert set(timings) >= {"request_id", "engine", "mode", "bucket", "seed", "steps", "warm", "eager_fallback",
                             "recompiles", "peak_memory_bytes", "notices", "timings"}
     assert timings["seed"] == 11 and timings["engine"] == "tiny-flux@cpu/fp32"
+
+
+def test_generate_sends_the_workers_png_as_it_is_and_keeps_no_temporary_file(client):
+    """/generate hands Gradio the worker's PNG file (with the generation parameters it wrote), not a
+    decoded and re-encoded image; its partials carry no image; the temporary file is gone afterwards."""
+    import json
+    import tempfile
+
+    leftovers = set(Path(tempfile.gettempdir()).glob("showcase-*.png"))
+    job = client.submit(**{**GOOD, "steps": 12}, api_name="/generate")
+    image_path, timings = job.result(timeout=120)
+    with Image.open(image_path) as image:
+        written = json.loads(image.info["diffusion-showcase"])
+    assert written["request_id"] == timings["request_id"] and written["seed"] == 11
+    partials = [out for out in job.outputs()[:-1] if isinstance(out[1], dict) and out[1].get("running")]
+    assert partials and all(image is None for image, _ in partials)
+    assert set(Path(tempfile.gettempdir()).glob("showcase-*.png")) <= leftovers
 
 
 def test_a_bad_request_gets_a_clear_error_and_the_next_one_succeeds(client):

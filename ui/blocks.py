@@ -96,7 +96,9 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
         gr.on([gr.Timer(h.defaults.poll_s).tick, demo.load], h.tick,
               [settings.preset, settings.device, settings.precision, settings.mode, last, settings.tp],
               [buckets_tab.board, engine_line, settings.size, buckets_tab.engine, last], **FAST)
-    demo.queue(max_size=queue_size)
+    # Queue positions are sent every QUEUE_STATUS_S, not to every waiting event each time one starts (a burst
+    # of n visitors made n²/2 messages at its start, when the web server is busiest).
+    demo.queue(max_size=queue_size, status_update_rate=QUEUE_STATUS_S)
     poll_queue_less_often(demo)
     guard.install(demo)
     demo.edge = guard
@@ -107,6 +109,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
 # wake-up preempts a request computing on that core; polling less often delays an event by at most this.
 # The figures: docs/hosting.md.
 QUEUE_POLL_S = 0.005
+QUEUE_STATUS_S = 1.0
 
 
 def poll_queue_less_often(demo: gr.Blocks) -> None:

@@ -280,19 +280,32 @@ class HandlerBase:
 
     # -- a run ------------------------------------------------------------------------------------
     @contextmanager
-    def open_run(self, request: gr.Request | None):
+    def open_run(self, request: gr.Request | None, listener_checked: bool = False):
         """The handler's run, registered for /cancel. Dropped at once (ClientGone) when its client is
-        not listening for the result; already cancelled when the session's /cancel came after it joined
-        the queue; public mode: one running request per session."""
-        session = session_id(request)
+        not listening for the result (unless `listener_checked`: the caller awaited await_listener);
+        already cancelled when the session's /cancel came after it joined the queue; public mode: one
+        running request per session."""
+        if not listener_checked:
+            self._require_listener(request)
+        with self.runs.open(session_id(request), exclusive=self.public, joined_at=joined_at(request)) as run:
+            yield run
+
+    async def await_listener(self, request: gr.Request | None) -> None:
+        """open_run's listener check for an async handler: the wait runs in a worker thread."""
+        if self.edge is not None and getattr(request, "session_hash", None) \
+                and not self.edge.listening(session_id(request)):
+            import anyio
+
+            await anyio.to_thread.run_sync(self._require_listener, request)
+
+    def _require_listener(self, request: gr.Request | None) -> None:
         if self.edge is not None and getattr(request, "session_hash", None):
             from ui.edge import ClientGone
 
+            session = session_id(request)
             if not self.edge.await_listener(session):
                 log.info("dropped an event of session %s: its client is not listening", session[:12])
                 raise ClientGone("nobody is listening for this request's result; it was dropped")
-        with self.runs.open(session, exclusive=self.public, joined_at=joined_at(request)) as run:
-            yield run
 
     # -- /cancel ---------------------------------------------------------------------------------
     def cancel(self, request: gr.Request = None) -> str:

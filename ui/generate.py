@@ -6,9 +6,11 @@ input with the field's name and what to change (Gradio's slider/dropdown checks 
 
 from __future__ import annotations
 
+import os
 import random
+import tempfile
 import time
-from contextlib import ExitStack, closing
+from contextlib import ExitStack, closing, contextmanager, suppress
 from dataclasses import dataclass
 
 import gradio as gr
@@ -26,6 +28,61 @@ PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one re
 # The /generate API's parameters, in the handler's order (GenerateHandlers.generate).
 GENERATE_API_PARAMS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "steps",
                        "guidance", "seed", "on_cold", "tp", "step_cache")
+
+
+class RunView:
+    """A run's timings as its handler streams them: the partial dict, grown step by step and sent at the
+    start and at most every PARTIAL_EVERY_S, then the result's (the page's and the API's handler share it)."""
+
+    def __init__(self, partial: dict):
+        self.partial = partial
+        self.entered = time.perf_counter()
+        self.last_sent = 0.0
+
+    def started(self) -> dict:
+        self.last_sent = time.monotonic()
+        return dict(self.partial, timings={"step_ms": []})
+
+    def step(self, payload) -> dict | None:
+        """The partial to send after this step, or None (sent one less than PARTIAL_EVERY_S ago)."""
+        partial = self.partial
+        partial["timings"]["step_ms"].append(payload.step_ms)
+        if payload.cached:
+            partial["cached_steps"].append(payload.step)
+        partial["steps"] = payload.total
+        now = time.monotonic()
+        if now - self.last_sent < PARTIAL_EVERY_S or payload.step >= payload.total:
+            return None
+        self.last_sent = now
+        return dict(partial, timings=dict(step_ms=list(partial["timings"]["step_ms"])),
+                    cached_steps=list(partial["cached_steps"]))
+
+    def done(self, result) -> dict:
+        # handler_ms: the app's own share of the round trip (dispatch + engine), which the soak and the load
+        # tool tell apart from the web side (queue, events, transfer)
+        return dict(result.as_dict(), handler_ms=round((time.perf_counter() - self.entered) * 1000, 1))
+
+    def cancelled(self, exc: BaseException) -> dict:
+        return dict(self.partial, running=False, cancelled=True, message=str(exc))
+
+    def failed(self, exc: BaseException) -> dict:
+        """Settled (running=false), so generate_ended does not take it for a cancel."""
+        return dict(self.partial, running=False, error=str(exc))
+
+
+@contextmanager
+def png_file(result):
+    """The result's PNG as a temporary file, in the FileData form an output with postprocess=False sends:
+    Gradio copies it into its cache while the handler waits at its yield; the file goes afterwards."""
+    fd, path = tempfile.mkstemp(prefix="showcase-", suffix=".png")  # the temp folder: Gradio allows it
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(result.image_png)
+        yield {"path": path, "orig_name": f"{result.request_id or 'image'}.png", "mime_type": "image/png",
+               "meta": {"_type": "gradio.FileData"}}
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 class GenerateHandlers(HandlerBase):
@@ -80,7 +137,83 @@ class GenerateHandlers(HandlerBase):
         Streams (image, timings): a partial timings dict ("running": true) at the start and at most
         every PARTIAL_EVERY_S, then the result's as_dict() (the CLI's --json). /cancel ends it with
         cancelled=true and no image; a failure settles the partial (running=false) before the error.
+        Partials leave the page's image as it is (gr.skip()).
         """
+        view, key, caller, kwargs = self._prepare(prompt, negative_prompt, preset, device, precision, mode, size,
+                                                  steps, guidance, seed, on_cold, tp, step_cache, request, progress)
+        with ExitStack() as stack:
+            try:  # public mode: one running request per visitor
+                run = stack.enter_context(self.open_run(request))
+            except ShowcaseError as exc:
+                raise to_gradio_error(exc) from None
+            stream = stack.enter_context(closing(self.runs.stream(run, key, progress, caller=caller, **kwargs)))
+            try:
+                # The engine request first, then the page's first update: that update is a round trip
+                # through Gradio's event loop, which a busy server makes wait.
+                next(stream)  # ("started", None)
+                yield gr.skip(), view.started()  # the page shows this run from now on
+                for kind, payload in stream:
+                    if kind == "wait":
+                        yield gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
+                    elif kind == "step":
+                        if (update := view.step(payload)) is not None:
+                            yield gr.skip(), update
+                    else:
+                        yield payload.image(), view.done(payload)
+            except Cancelled as exc:
+                gr.Warning(str(exc), title="Cancelled", duration=4)
+                yield None, view.cancelled(exc)
+            except Exception as exc:
+                yield gr.skip(), view.failed(exc)
+                raise to_gradio_error(exc) from None
+
+    async def generate_api(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance,
+                           seed, on_cold="eager", tp=1, step_cache="none", request: gr.Request = None,
+                           progress=gr.Progress()):  # noqa: B008
+        """/generate: what `generate` streams, for callers that read the result, as cheaply for the web
+        server as Gradio allows (in a burst, its time per request bounds how fast results go out):
+        - an async generator: Gradio runs each step of a sync one in a worker thread;
+        - wired with preprocess=False and postprocess=False (its inputs are plain text; it yields what goes
+          on the wire): no thread hop per input and per output;
+        - partials carry no image (None): a gr.skip() makes Gradio rebuild the output component;
+        - the image is the worker's PNG as it is (a file Gradio copies into its cache), not decoded and
+          encoded again.
+        Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await."""
+        view, key, caller, kwargs = self._prepare(prompt, negative_prompt, preset, device, precision, mode, size,
+                                                  steps, guidance, seed, on_cold, tp, step_cache, request, progress)
+        try:
+            await self.await_listener(request)
+        except ShowcaseError as exc:
+            raise to_gradio_error(exc) from None
+        with ExitStack() as stack:
+            try:  # public mode: one running request per visitor
+                run = stack.enter_context(self.open_run(request, listener_checked=True))
+            except ShowcaseError as exc:
+                raise to_gradio_error(exc) from None
+            stream = self.runs.astream(run, key, progress, caller=caller, **kwargs)
+            try:
+                await anext(stream)  # ("started", None)
+                yield None, view.started()
+                async for kind, payload in stream:
+                    if kind == "step":
+                        if (update := view.step(payload)) is not None:
+                            yield None, update
+                    else:
+                        with png_file(payload) as image:
+                            yield image, view.done(payload)
+            except Cancelled as exc:
+                gr.Warning(str(exc), title="Cancelled", duration=4)
+                yield None, view.cancelled(exc)
+            except Exception as exc:
+                yield None, view.failed(exc)
+                raise to_gradio_error(exc) from None
+            finally:
+                await stream.aclose()
+
+    def _prepare(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
+                 on_cold, tp, step_cache, request, progress):
+        """A run's (view, engine key, caller, manager.generate kwargs) from the handler's inputs; bad input
+        raises gr.Error naming the field."""
         def given(value):  # the API sends text; "" (or nothing) means the preset's default
             return None if value is None or (isinstance(value, str) and not value.strip()) else value
 
@@ -102,50 +235,12 @@ class GenerateHandlers(HandlerBase):
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         self.remember_engine(request, key)
-        partial = {"running": True, "engine": str(key), "preset": key.preset, "device": key.device,
-                   "precision": key.precision, "mode": mode, "bucket": size_text, "steps": steps,
-                   "step_cache": kwargs.get("step_cache", "none"), "cached_steps": [],
-                   "timings": {"step_ms": []}}
         progress(0, desc=f"queued on {key}")
-        entered = time.perf_counter()
-        last_sent = 0.0
-        with ExitStack() as stack:
-            try:  # public mode: one running request per visitor
-                run = stack.enter_context(self.open_run(request))
-            except ShowcaseError as exc:
-                raise to_gradio_error(exc) from None
-            stream = stack.enter_context(closing(self.runs.stream(run, key, progress, caller=caller, **kwargs)))
-            try:
-                # The engine request first, then the page's first update: that update is a round trip
-                # through Gradio's event loop, which a busy server makes wait.
-                next(stream)  # ("started", None)
-                yield gr.skip(), dict(partial, timings={"step_ms": []})  # the page shows this run from now on
-                for kind, payload in stream:
-                    if kind == "wait":
-                        yield gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
-                    elif kind == "step":
-                        partial["timings"]["step_ms"].append(payload.step_ms)
-                        if payload.cached:
-                            partial["cached_steps"].append(payload.step)
-                        partial["steps"] = payload.total
-                        now = time.monotonic()
-                        if now - last_sent >= PARTIAL_EVERY_S and payload.step < payload.total:
-                            last_sent = now
-                            step_ms = list(partial["timings"]["step_ms"])
-                            yield gr.skip(), dict(partial, timings=dict(step_ms=step_ms),
-                                                  cached_steps=list(partial["cached_steps"]))
-                    else:
-                        # handler_ms: the app's own share of the round trip (dispatch + engine), which the
-                        # soak tells apart from the web side (queue, events, transfer)
-                        done = dict(payload.as_dict(), handler_ms=round((time.perf_counter() - entered) * 1000, 1))
-                        yield payload.image(), done
-            except Cancelled as exc:
-                gr.Warning(str(exc), title="Cancelled", duration=4)
-                yield None, dict(partial, running=False, cancelled=True, message=str(exc))
-            except Exception as exc:
-                # settled, so generate_ended does not take it for a cancel
-                yield gr.skip(), dict(partial, running=False, error=str(exc))
-                raise to_gradio_error(exc) from None
+        view = RunView({"running": True, "engine": str(key), "preset": key.preset, "device": key.device,
+                        "precision": key.precision, "mode": mode, "bucket": size_text, "steps": steps,
+                        "step_cache": kwargs.get("step_cache", "none"), "cached_steps": [],
+                        "timings": {"step_ms": []}})
+        return view, key, caller, kwargs
 
     def generate_ended(self, timings: dict | None):
         """After the Generate event, however it ended. A partial still "running" means Gradio closed
@@ -266,7 +361,9 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
     # Gradio closes the running handler; closing it cancels the engine request between steps.
     cancel_btn.click(None, cancels=[run])
     run.then(h.generate_ended, timings, [image, timings], **FAST)
-    api_button.click(h.generate, api_inputs, [api_image, api_timings], api_name="generate", **run_io)
+    # Plain text in, the wire's form out (see generate_api)
+    api_button.click(h.generate_api, api_inputs, [api_image, api_timings], api_name="generate",
+                     preprocess=False, postprocess=False, **run_io)
     timings.change(h.render_run, timings, [step_plot, stats], **FAST)
 
     preset_dd.change(h.preset_defaults, preset_dd, [negative, steps, guidance], **FAST)

@@ -19,6 +19,8 @@ Two things stop a run, both between steps:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -31,6 +33,9 @@ from engine.errors import Cancelled, EngineBusy
 
 HEARTBEAT_S = 0.5  # about the longest a handler goes without a yield, i.e. without a chance to be closed
 POLL_S = 0.25  # how often a waiting run's progress text is refreshed
+# A running step's progress bar is updated at most this often: each update is an event-stream message the
+# web server sends and the page parses, and a batch of 8 at ~20 ms a step would send 50 a second each.
+PROGRESS_EVERY_S = 0.1
 CANCELS_KEPT = 1024  # sessions whose last /cancel time is kept (the oldest are forgotten first)
 CANCEL_AHEAD_S = 2.0  # a cancel that found nothing still stops a run of its session joining this soon after
 
@@ -112,57 +117,122 @@ class RunRegistry:
 
         Closing this generator (GeneratorExit at a yield) stops the engine request.
         """
-        if run.cancelled:  # a /cancel came after this run's event joined the queue
-            raise Cancelled("cancelled before it started")
         events: queue.Queue = queue.Queue()
-
-        def work() -> None:
-            try:
-                result = self.manager.generate(
-                    on_progress=lambda p: events.put(("step", p)),
-                    on_submit=lambda request_id: run.submitted(self.manager, request_id), caller=caller, **kwargs)
-                events.put(("done", result))
-            except BaseException as exc:  # noqa: BLE001 - handed to the handler thread
-                events.put(("error", exc))
-
-        engine = self.manager.engine(key, caller=caller)
-        threading.Thread(target=work, name=f"ui-run-{key}", daemon=True).start()
-        stepping = answered = False
-        last_yield = time.monotonic()
+        watch = _Watch(self.manager, run, key, progress, desc_prefix, offset, grand_total, caller, events.put)
+        watch.start(self.manager.engine(key, caller=caller), kwargs)
         try:
             yield "started", None  # the caller may tell the page now: the request is already on its way
             while True:
                 try:
                     kind, payload = events.get(timeout=POLL_S)
                 except queue.Empty:
-                    if not stepping:
-                        if not engine.ready.is_set():
-                            desc = f"loading engine {key} (a new model, device or precision)…"
-                        elif run.request_id is None:
-                            desc = f"waiting for engine {key}…"
-                        else:  # submitted: earlier requests run first, or it waits for its bucket's compile
-                            desc = (f"queued on {key} (earlier requests, or the bucket's compile with "
-                                    "on_cold=wait)…")
-                        progress((offset, grand_total) if grand_total else 0, desc=desc_prefix + desc)
-                    if time.monotonic() - last_yield >= HEARTBEAT_S:
-                        last_yield = time.monotonic()
+                    if watch.idle():
                         yield "wait", None
                     continue
-                if kind in ("done", "error"):
-                    answered = True
-                if kind == "error":
-                    raise payload
-                if kind == "step":
-                    stepping = True
-                    total = grand_total or payload.total
-                    progress((offset + payload.step, total),
-                             desc=f"{desc_prefix}step {payload.step}/{payload.total}", unit="steps")
-                last_yield = time.monotonic()
-                yield kind, payload
+                yield watch.event(kind, payload)
                 if kind == "done":
                     return
         finally:
-            if not answered:  # closed before the engine answered: stop the request
-                run.stop(self.manager)
-            with run.lock:
-                run.request_id = None
+            watch.close()
+
+    async def astream(self, run: Run, key, progress, caller=None, **kwargs):
+        """stream() for an async handler: the same items, awaited on the event loop instead of a handler
+        thread (Gradio runs each step of a sync generator in a worker thread: a hop per item). No "wait"
+        heartbeats: an async handler can be cancelled at any await. Cancelling it stops the engine request."""
+        import anyio
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:  # from the request's thread
+            with contextlib.suppress(RuntimeError):  # the loop closed (the app is stopping)
+                loop.call_soon_threadsafe(events.put_nowait, item)
+
+        watch = _Watch(self.manager, run, key, progress, "", 0, None, caller, put)
+        # manager.engine() may spawn the engine's worker process: not on the event loop
+        watch.start(await anyio.to_thread.run_sync(lambda: self.manager.engine(key, caller=caller)), kwargs)
+        try:
+            yield "started", None
+            while True:
+                try:
+                    # not asyncio.wait_for: on Python 3.11 it returns an item that arrived as the task was
+                    # cancelled and drops the cancel (job.cancel() would not stop the run)
+                    async with asyncio.timeout(POLL_S):
+                        kind, payload = await events.get()
+                except TimeoutError:
+                    watch.idle()
+                    continue
+                yield watch.event(kind, payload)
+                if kind == "done":
+                    return
+        finally:
+            watch.close()
+
+
+class _Watch:
+    """One engine request of a stream: the thread that makes it, and what each of its events means for the
+    progress bar (shared by RunRegistry.stream and astream). `put((kind, payload))` hands an event over."""
+
+    def __init__(self, manager, run: Run, key, progress, desc_prefix: str, offset: int, grand_total: int | None,
+                 caller, put):
+        if run.cancelled:  # a /cancel came after this run's event joined the queue
+            raise Cancelled("cancelled before it started")
+        self.manager, self.run, self.key, self.progress, self.caller, self.put = manager, run, key, progress, caller, put
+        self.desc_prefix, self.offset, self.grand_total = desc_prefix, offset, grand_total
+        self.engine = None
+        self.stepping = self.answered = False
+        self.last_yield = time.monotonic()
+        self.last_progress = 0.0
+
+    def start(self, engine, kwargs: dict) -> None:
+        self.engine = engine
+        manager, run, put = self.manager, self.run, self.put
+
+        def work() -> None:
+            try:
+                result = manager.generate(
+                    on_progress=lambda p: put(("step", p)),
+                    on_submit=lambda request_id: run.submitted(manager, request_id), caller=self.caller, **kwargs)
+                put(("done", result))
+            except BaseException as exc:  # noqa: BLE001 - handed to the handler
+                put(("error", exc))
+
+        threading.Thread(target=work, name=f"ui-run-{self.key}", daemon=True).start()
+
+    def idle(self) -> bool:
+        """No event for POLL_S: refresh the waiting text; True when a heartbeat is due."""
+        if not self.stepping:
+            key = self.key
+            if not self.engine.ready.is_set():
+                desc = f"loading engine {key} (a new model, device or precision)…"
+            elif self.run.request_id is None:
+                desc = f"waiting for engine {key}…"
+            else:  # submitted: earlier requests run first, or it waits for its bucket's compile
+                desc = f"queued on {key} (earlier requests, or the bucket's compile with on_cold=wait)…"
+            self.progress((self.offset, self.grand_total) if self.grand_total else 0, desc=self.desc_prefix + desc)
+        if time.monotonic() - self.last_yield >= HEARTBEAT_S:
+            self.last_yield = time.monotonic()
+            return True
+        return False
+
+    def event(self, kind: str, payload):
+        """The (kind, payload) to hand on; raises the run's error."""
+        if kind in ("done", "error"):
+            self.answered = True
+        if kind == "error":
+            raise payload
+        if kind == "step":
+            self.stepping = True
+            total = self.grand_total or payload.total
+            if time.monotonic() - self.last_progress >= PROGRESS_EVERY_S or payload.step >= payload.total:
+                self.last_progress = time.monotonic()
+                self.progress((self.offset + payload.step, total),
+                              desc=f"{self.desc_prefix}step {payload.step}/{payload.total}", unit="steps")
+        self.last_yield = time.monotonic()
+        return kind, payload
+
+    def close(self) -> None:
+        if not self.answered:  # closed before the engine answered: stop the request
+            self.run.stop(self.manager)
+        with self.run.lock:
+            self.run.request_id = None
