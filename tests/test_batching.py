@@ -61,7 +61,7 @@ def test_batch_sizes_and_device_defaults():
     from engine import devices
 
     cpu = devices.get_device("cpu")
-    assert batching.max_batch_for(None, cpu) == cpu.max_batch == 4
+    assert batching.max_batch_for(None, cpu) == cpu.max_batch == 8
     assert batching.max_batch_for(1, cpu) == 1
     assert batching.max_batch_for(8, cpu, tp=2) == 1  # tensor-parallel ranks run every request in step
 
@@ -99,9 +99,9 @@ def test_gatherer_waits_for_stragglers_within_the_window():
     assert 0.08 < time.perf_counter() - start < 1.0
 
 
-def test_the_window_slides_with_each_joiner_up_to_its_stretch():
-    """Requests 60 ms apart with a 100 ms window all join (each keeps it open for the next); the window
-    never stays open past WINDOW_STRETCH windows after the first."""
+def test_the_window_slides_with_each_joiner_and_closes_after_a_gap():
+    """Requests 60 ms apart with a 100 ms window all join (each keeps it open for the next); a gap longer
+    than the window closes the group, and the request after the gap starts the next one."""
     arrivals: dict[int, float] = {}
     source: queue.Queue = queue.Queue()
     g = batching.Gatherer(source, 8, 100, arrived=lambda r: arrivals.get(r.seed), sizes_for=lambda r: (1, 2, 4, 8))
@@ -111,24 +111,13 @@ def test_the_window_slides_with_each_joiner_up_to_its_stretch():
         source.put(request(i))
 
     put(0)
-    for i in (1, 2, 3):
-        threading.Timer(0.06 * i, put, (i,)).start()
-    assert len(g.next_batch()) == 4  # 180 ms after the first: past one window, within the slide
-    stretch = batching.WINDOW_STRETCH * 0.1
-    stop = threading.Event()
-
-    def trickle():  # a joiner every 90 ms (within a window), for longer than the stretch
-        i = 10
-        while not stop.wait(0.09):
-            put(i)
-            i += 1
-
-    put(9)
-    threading.Thread(target=trickle, daemon=True).start()
+    for i, at in ((1, 0.06), (2, 0.12), (3, 0.18), (4, 0.45)):  # 4 comes 270 ms after 3
+        threading.Timer(at, put, (i,)).start()
     start = time.perf_counter()
     group = g.next_batch()
-    stop.set()
-    assert len(group) < 8 and time.perf_counter() - start < stretch + 0.15
+    assert [r.seed for r in group] == [100, 101, 102, 103]  # past one window after the first, all joined
+    assert time.perf_counter() - start < 0.4  # closed 100 ms after the last joiner, not waiting for 4
+    assert [r.seed for r in g.next_batch()] == [104]
 
 
 def test_max_batch_1_never_waits_and_never_groups():

@@ -29,8 +29,10 @@ def test_load_runs_a_burst_off_and_on_and_reports_every_figure(cache_dir, tmp_pa
         assert phase["images"] == 6 and phase["failed"] == 0 and phase["orphans"] == []
         assert phase["images_per_s"] > 0 and phase["p95_s"] >= phase["p50_s"] > 0
         assert phase["call_p50_ms"] > 0 and phase["web_p50_ms"] is not None
+        assert 0 < phase["call_per_image_p50_ms"] <= phase["call_p50_ms"]
     assert off["batch_sizes"] == {"1": 6}
     # Three visitors at once with a long window and at most 2 per call: a call of 2 in every burst.
     assert on["batch_sizes"].get("2", 0) >= 4, on
-    assert set(summary["ratios"]) == {"throughput", "p95", "p50"}
-    assert "batching on / off: images/s x" in proc.stdout
+    assert set(summary["ratios"]) == {"throughput", "p95", "p50", "engine"}
+    assert on["call_per_image_p50_ms"] < on["call_p50_ms"]  # calls of 2: half a call per image
+    assert "batching on / off: images/s x" in proc.stdout and "the engine's calls alone" in proc.stdout

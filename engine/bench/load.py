@@ -7,8 +7,8 @@ once, `--rounds` times: each round starts when every visitor's previous request 
 phase: throughput (images/s over the burst), p50/p95 of the visitors' round trips, the median pipeline
 call that made an image and the median web share of a round trip (round trip minus the app's handler:
 Gradio's queue, events and transfer), failures, graphs compiled during the burst, and the batch sizes
-that served the requests; then the ratios on/off. The
-app gets SIGTERM after each phase and every process it started must be gone within 10 s.
+that served the requests; then the ratios on/off, and the throughput ratio the engine's calls alone
+would give (call time per image, off / on: the bound before any web cost). The app gets SIGTERM after each phase and every process it started must be gone within 10 s.
 
 Exit 1 when a request failed, a graph compiled during the burst, or a process outlived its app.
 """
@@ -42,6 +42,7 @@ class Phase:
         self.latencies: list[float] = []
         self.web_ms: list[float] = []  # round trip minus the app's handler: Gradio's queue, events, transfer
         self.call_ms: list[float] = []  # the engine's pipeline call that made each image
+        self.image_ms: list[float] = []  # that call per image it made: what the engine alone spends on one
         self.batch_sizes: collections.Counter = collections.Counter()
         self.failed: list[str] = []
         self.recompiles = 0
@@ -136,6 +137,7 @@ class Phase:
                             self.web_ms.append(seconds * 1000 - float(timings["handler_ms"]))
                         if (timings.get("timings") or {}).get("total_ms") is not None:
                             self.call_ms.append(float(timings["timings"]["total_ms"]))
+                            self.image_ms.append(self.call_ms[-1] / int(timings.get("batch_size", 1)))
 
         for record, rounds in ((False, 1), (True, self.args.rounds)):  # one round to settle, then measured
             threads = [threading.Thread(target=visitor, args=(i, rounds, record), daemon=True) for i in range(n)]
@@ -193,6 +195,7 @@ class Phase:
             "p50_s": _round(median(self.latencies)),
             "p95_s": _round(percentile(self.latencies, 0.95)),
             "web_p50_ms": _round(median(self.web_ms)), "call_p50_ms": _round(median(self.call_ms)),
+            "call_per_image_p50_ms": _round(median(self.image_ms)),
             "failed": len(self.failed), "recompiles": self.recompiles,
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "calls_per_batch_size": self.served, "orphans": self.orphans,
@@ -226,6 +229,9 @@ def print_summary(rows: list[dict], ratios: dict) -> None:
     if ratios:
         print(f"\nbatching on / off: images/s x{ratios['throughput']:.2f} (target >= 1.6), "
               f"p95 x{ratios['p95']:.2f} (target <= 0.8), p50 x{ratios['p50']:.2f}")
+        if ratios.get("engine"):
+            print(f"the engine's calls alone (call time per image, off / on): x{ratios['engine']:.2f}; the rest is "
+                  "the web round trip, which a batched burst runs at its start and end")
 
 
 def build_parser(sub=None) -> argparse.ArgumentParser:
@@ -272,6 +278,8 @@ def cmd_load(args) -> int:
 
         ratios = {"throughput": med("on", "images_per_s") / med("off", "images_per_s"),
                   "p95": med("on", "p95_s") / med("off", "p95_s"), "p50": med("on", "p50_s") / med("off", "p50_s")}
+        if med("on", "call_per_image_p50_ms") and med("off", "call_per_image_p50_ms"):  # the engine's calls alone
+            ratios["engine"] = med("off", "call_per_image_p50_ms") / med("on", "call_per_image_p50_ms")
     print_summary(rows, ratios)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "summary.json").write_text(json.dumps({"phases": rows, "ratios": ratios}, indent=1))

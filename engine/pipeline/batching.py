@@ -18,9 +18,10 @@ warm ones and its compile is asked for. Eager runs take any size.
 
 `Gatherer` is the admission logic, shared by any runtime that owns a request queue (the worker process
 loop, an in-process runtime): it takes the first waiting request, then every waiting request with the
-same key, and waits for more while the group is not full: up to `wait_ms` after the latest one arrived,
-at most `WINDOW_STRETCH` × `wait_ms` after the first (a lone request waits `wait_ms`; a burst that
-trickles in through the web server still forms one call).
+same key, and waits for more while the group is not full, until no request joined for `wait_ms` (the
+window slides with each joiner). A lone request waits `wait_ms`; a burst that reaches the worker one
+request at a time through the web server still forms one call; the first of a group waits at most
+(max_batch − 1) × `wait_ms`, and only while requests keep joining.
 Requests that queued while the previous call ran are already waiting, so under load the window costs
 nothing. Nothing here imports torch.
 """
@@ -37,9 +38,6 @@ from engine.protocol import GenerateRequest, StepCacheKind
 
 # Step caches whose per-step decision reads the whole batch tensor: their requests run alone.
 DATA_DEPENDENT_CACHES = frozenset({StepCacheKind.FIRST_BLOCK})
-# The admission window slides: each request that joins a forming group extends it by `wait_ms` from its own
-# arrival, up to this many windows after the first request arrived.
-WINDOW_STRETCH = 4
 
 
 def max_batch_for(max_batch: int | None, spec, tp: int = 1) -> int:
@@ -147,8 +145,7 @@ class Gatherer:
             for item in self._backlog:
                 (group if len(group) < self.max_batch and batch_key(item) == key else keep).append(item)
             self._backlog = keep
-        opened = self._arrival(first)
-        deadline, last_call = opened + self.wait_s, opened + self.wait_s * WINDOW_STRETCH
+        deadline = self._arrival(first) + self.wait_s
         while len(group) < self.max_batch and not self._stopped:
             timeout = deadline - time.perf_counter()
             try:
@@ -161,8 +158,8 @@ class Gatherer:
             if batch_key(item) == key:
                 group.append(item)
                 # A burst reaches the worker one request at a time (the web server admits them in turn):
-                # each joiner keeps the window open for the next, up to WINDOW_STRETCH windows in all.
-                deadline = min(max(deadline, self._arrival(item) + self.wait_s), last_call)
+                # each joiner keeps the window open for the next.
+                deadline = max(deadline, self._arrival(item) + self.wait_s)
             else:
                 with self._lock:
                     self._backlog.append(item)
