@@ -63,6 +63,15 @@ def test_gradio_queue_polls_every_few_milliseconds_not_every_one(app):
     assert demo._queue.sleep_when_free == QUEUE_POLL_S
 
 
+def test_queue_positions_go_out_on_a_timer_not_to_every_waiting_event_at_each_start(app):
+    """Gradio's default ("auto") sends every waiting event its position each time one starts: n²/2
+    messages for a burst of n, at the burst's start, when the web server is busiest."""
+    from ui.blocks import QUEUE_STATUS_S
+
+    demo, _ = app
+    assert demo._queue.live_updates is False and demo._queue.update_intervals == QUEUE_STATUS_S
+
+
 def test_the_web_server_runs_on_uvloop_and_httptools(app):
     """The dependencies install both and uvicorn (under Gradio) picks them up on its own: were either
     missing, each request would cost the one web thread more (figures: docs/hosting.md)."""
