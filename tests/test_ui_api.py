@@ -117,12 +117,13 @@ def test_generate_returns_the_image_and_the_timings_json(client):
 
 def test_generate_sends_the_workers_png_as_it_is_and_keeps_no_temporary_file(client):
     """/generate hands Gradio the worker's PNG file (with the generation parameters it wrote), not a
-    decoded and re-encoded image; its partials carry no image; the temporary file is gone afterwards."""
+    decoded and re-encoded image; its partials carry no image (the first PARTIAL_EVERY_S into the run);
+    the temporary file is gone afterwards."""
     import json
     import tempfile
 
     leftovers = set(Path(tempfile.gettempdir()).glob("showcase-*.png"))
-    job = client.submit(**{**GOOD, "steps": 12}, api_name="/generate")
+    job = client.submit(**{**GOOD, "steps": 60}, api_name="/generate")  # long enough for a partial
     image_path, timings = job.result(timeout=120)
     with Image.open(image_path) as image:
         written = json.loads(image.info["diffusion-showcase"])

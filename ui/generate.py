@@ -175,12 +175,15 @@ class GenerateHandlers(HandlerBase):
         - an async generator: Gradio runs each step of a sync one in a worker thread;
         - wired with preprocess=False and postprocess=False (its inputs are plain text; it yields what goes
           on the wire): no thread hop per input and per output;
-        - partials carry no image (None): a gr.skip() makes Gradio rebuild the output component;
+        - partials carry no image (None): a gr.skip() makes Gradio rebuild the output component; the first
+          comes PARTIAL_EVERY_S into the run (none at its start, and no "queued" progress text unless it
+          waits): each message costs the web server time that, at a burst's start, delays the others;
         - the image is the worker's PNG as it is (a file Gradio copies into its cache), not decoded and
           encoded again.
         Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await."""
         view, key, caller, kwargs = self._prepare(prompt, negative_prompt, preset, device, precision, mode, size,
-                                                  steps, guidance, seed, on_cold, tp, step_cache, request, progress)
+                                                  steps, guidance, seed, on_cold, tp, step_cache, request, progress,
+                                                  for_page=False)
         try:
             await self.await_listener(request)
         except ShowcaseError as exc:
@@ -193,7 +196,7 @@ class GenerateHandlers(HandlerBase):
             stream = self.runs.astream(run, key, progress, caller=caller, **kwargs)
             try:
                 await anext(stream)  # ("started", None)
-                yield None, view.started()
+                view.started()  # no message yet: at a burst's start the web server has every join to admit
                 async for kind, payload in stream:
                     if kind == "step":
                         if (update := view.step(payload)) is not None:
@@ -211,7 +214,7 @@ class GenerateHandlers(HandlerBase):
                 await stream.aclose()
 
     def _prepare(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
-                 on_cold, tp, step_cache, request, progress):
+                 on_cold, tp, step_cache, request, progress, for_page: bool = True):
         """A run's (view, engine key, caller, manager.generate kwargs) from the handler's inputs; bad input
         raises gr.Error naming the field."""
         def given(value):  # the API sends text; "" (or nothing) means the preset's default
@@ -235,7 +238,8 @@ class GenerateHandlers(HandlerBase):
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         self.remember_engine(request, key)
-        progress(0, desc=f"queued on {key}")
+        if for_page:  # the page shows it at once; an API caller sees the engine's own waiting text if it waits
+            progress(0, desc=f"queued on {key}")
         view = RunView({"running": True, "engine": str(key), "preset": key.preset, "device": key.device,
                         "precision": key.precision, "mode": mode, "bucket": size_text, "steps": steps,
                         "step_cache": kwargs.get("step_cache", "none"), "cached_steps": [],

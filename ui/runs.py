@@ -224,7 +224,9 @@ class _Watch:
         if kind == "step":
             self.stepping = True
             total = self.grand_total or payload.total
-            if time.monotonic() - self.last_progress >= PROGRESS_EVERY_S or payload.step >= payload.total:
+            # A single run's bar ends with its result; one bar over several runs (compare) shows each end.
+            last = payload.step >= payload.total and self.grand_total is not None
+            if time.monotonic() - self.last_progress >= PROGRESS_EVERY_S or last:
                 self.last_progress = time.monotonic()
                 self.progress((self.offset + payload.step, total),
                               desc=f"{self.desc_prefix}step {payload.step}/{payload.total}", unit="steps")
