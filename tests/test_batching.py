@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from engine.config.flags import add_engine_arguments, engine_flags_argv, options_from_args
 from engine.config.presets import get_preset
@@ -280,7 +281,12 @@ def test_board_and_status_show_batch_sizes(batched):
 
     before = batched.status()["batching"]["served"].get("2", {"calls": 0, "requests": 0})
     [f.result(300) for f in together(batched, [request(i, seed=7 + i) for i in range(2)])]
-    status = batched.status()
+
+    def counted():  # a member's result can come before its call ends (decoded apart): counted at the end
+        status = batched.status()
+        return status if status["batching"]["served"].get("2", before) != before else None
+
+    status = wait_until(counted, 10)
     served = status["batching"]["served"]
     assert status["batching"]["batch_sizes"] == [1, 2, 4]
     assert served["2"]["calls"] == before["calls"] + 1 and served["2"]["requests"] == before["requests"] + 2
@@ -322,3 +328,68 @@ def test_step_cache_requests_batch_with_the_same_cache_and_match_solo(batched):
     fb = [f.result(300) for f in together(batched, [request(i, mode="eager", step_cache="first-block")
                                                     for i in range(2)])]
     assert [r.batch_size for r in fb] == [1, 1]
+
+
+# -- a batch decoded image by image (in this process, eager: no compile) ----------------------------------
+@pytest.fixture(scope="module")
+def runner(cache_dir, tiny_models):
+    from helpers import make_runner
+
+    return make_runner(cache_dir, preset=KEY.preset, max_batch=4)
+
+
+def test_a_batch_on_a_cpu_answers_each_member_as_its_image_is_decoded(runner):
+    import dataclasses
+
+    assert runner.spec.decode_batch_apart  # a CPU decodes 8 images in 8 times the time of one
+    members = [request(i, mode="eager", request_id=f"apart-{i}") for i in range(3)]
+    answered, steps = [], []
+    outcomes = runner.generate_batch(members, on_step=lambda p: steps.append(p.step),
+                                     on_result=lambda i, result: answered.append((i, result, len(steps))))
+    assert outcomes == [None, None, None]  # each was answered through on_result
+    assert [i for i, _, _ in answered] == [0, 1, 2]
+    assert [r.request_id for _, r, _ in answered] == [m.request_id for m in members]
+    assert all(r.batch_size == 3 and r.steps == 6 and len(r.timings.step_ms) == 6 for _, r, _ in answered)
+    decode_ms = [r.timings.decode_ms for _, r, _ in answered]
+    assert decode_ms == sorted(decode_ms) and decode_ms[0] < decode_ms[2]  # each answered at its own decode
+    # The same images as one decode of the whole batch (what a GPU does) and as each request alone
+    whole_spec = dataclasses.replace(runner.spec, decode_batch_apart=False)
+    runner.spec, spec = whole_spec, runner.spec
+    try:
+        whole = runner.generate_batch(members)
+    finally:
+        runner.spec = spec
+    assert all(r.batch_size == 3 for r in whole)
+    alone = runner.generate(members[2])
+    for (_, result, _), one_decode in zip(answered, whole, strict=True):
+        assert np.abs(pixels(result) - pixels(one_decode)).max() <= 2
+    assert np.abs(pixels(answered[2][1]) - pixels(alone)).max() <= 2
+    assert check(answered[2][1].image(), PROMPTS[2]).correct == check(alone.image(), PROMPTS[2]).correct
+
+
+def test_a_member_cancelled_after_the_last_step_leaves_before_its_image(runner):
+    members = [request(i, mode="eager", request_id=f"late-{i}") for i in range(2)]
+    cancels = [threading.Event(), threading.Event()]
+    answered, left = [], []
+
+    def on_step(progress):
+        if progress.step == progress.total:
+            cancels[1].set()  # after every step ran: the decode is next
+
+    outcomes = runner.generate_batch(members, on_step=on_step, cancels=cancels,
+                                     on_leave=lambda i, exc: left.append((i, exc)),
+                                     on_result=lambda i, result: answered.append(i))
+    assert outcomes == [None, None] and answered == [0]
+    assert [i for i, _ in left] == [1] and isinstance(left[0][1], Cancelled)
+
+
+def test_only_pipelines_with_nothing_after_their_decode_decode_apart():
+    from types import SimpleNamespace
+
+    from engine.pipeline.variants import can_decode_apart
+
+    processor = SimpleNamespace(postprocess=lambda image, output_type: image)
+    assert can_decode_apart(SimpleNamespace(vae=object(), image_processor=processor))
+    assert not can_decode_apart(SimpleNamespace(vae=object(), image_processor=processor, safety_checker=object()))
+    assert not can_decode_apart(SimpleNamespace(vae=object(), image_processor=processor, watermark=object()))
+    assert not can_decode_apart(SimpleNamespace(vae=object()))

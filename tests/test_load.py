@@ -30,7 +30,9 @@ def test_load_runs_a_burst_off_and_on_and_reports_every_figure(cache_dir, tmp_pa
         assert phase["images_per_s"] > 0 and phase["p95_s"] >= phase["p50_s"] > 0
         assert phase["call_p50_ms"] > 0 and phase["web_p50_ms"] is not None
         assert 0 < phase["call_per_image_p50_ms"] <= phase["call_p50_ms"]
-    assert off["batch_sizes"] == {"1": 6}
+    assert off["batch_sizes"] == {"1": 6} and off["calls"] == 6
+    # a batch's members are one call (they share its clock), whichever of them came back first
+    assert on["calls"] == sum(count // int(size) for size, count in on["batch_sizes"].items())
     # Three visitors at once with a long window and at most 2 per call: a call of 2 in every burst.
     assert on["batch_sizes"].get("2", 0) >= 4, on
     assert set(summary["ratios"]) == {"throughput", "p95", "p50", "engine"}

@@ -5,10 +5,11 @@ waits until the bucket and every batch size of it are warm (compiled in the back
 then lets N visitors (one page session each, speaking Gradio's queue protocol as the page does) submit at
 once, `--rounds` times: each round starts when every visitor's previous request came back. Printed per
 phase: throughput (images/s over the burst), p50/p95 of the visitors' round trips, the median pipeline
-call that made an image and the median web share of a round trip (round trip minus the app's handler:
-Gradio's queue, events and transfer), failures, graphs compiled during the burst, and the batch sizes
-that served the requests; then the ratios on/off, and the throughput ratio the engine's calls alone
-would give (call time per image, off / on: the bound before any web cost). The app gets SIGTERM after each phase and every process it started must be gone within 10 s.
+call (a batch's until its last image) and the median web share of a round trip (round trip minus the
+app's handler: Gradio's queue, events and transfer), failures, graphs compiled during the burst, and the
+batch sizes that served the requests; then the ratios on/off, and the throughput ratio the engine's calls
+alone would give (call time per image, off / on: the bound before any web cost). The app gets SIGTERM
+after each phase and every process it started must be gone within 10 s.
 
 Exit 1 when a request failed, a graph compiled during the burst, or a process outlived its app.
 """
@@ -41,8 +42,9 @@ class Phase:
         self.url = ""
         self.latencies: list[float] = []
         self.web_ms: list[float] = []  # round trip minus the app's handler: Gradio's queue, events, transfer
-        self.call_ms: list[float] = []  # the engine's pipeline call that made each image
-        self.image_ms: list[float] = []  # that call per image it made: what the engine alone spends on one
+        self.calls: dict = {}  # each pipeline call that made images: (batch size, its time in ms)
+        self.call_ms: list[float] = []  # the engine's pipeline calls
+        self.image_ms: list[float] = []  # each call per image it made: what the engine alone spends on one
         self.batch_sizes: collections.Counter = collections.Counter()
         self.failed: list[str] = []
         self.recompiles = 0
@@ -135,9 +137,7 @@ class Phase:
                         self.recompiles += int(timings.get("recompiles") or 0)
                         if timings.get("handler_ms") is not None:
                             self.web_ms.append(seconds * 1000 - float(timings["handler_ms"]))
-                        if (timings.get("timings") or {}).get("total_ms") is not None:
-                            self.call_ms.append(float(timings["timings"]["total_ms"]))
-                            self.image_ms.append(self.call_ms[-1] / int(timings.get("batch_size", 1)))
+                        self.record_call(timings)
 
         for record, rounds in ((False, 1), (True, self.args.rounds)):  # one round to settle, then measured
             threads = [threading.Thread(target=visitor, args=(i, rounds, record), daemon=True) for i in range(n)]
@@ -149,6 +149,20 @@ class Phase:
             if record:
                 self.wall_s = time.perf_counter() - start
         self.images = len(self.latencies)
+        self.call_ms = [total for _, total in self.calls.values()]
+        self.image_ms = [total / size for size, total in self.calls.values()]
+
+    def record_call(self, result: dict) -> None:
+        """The pipeline call that made this result: a batch's members share its clock (the same encode and
+        step times) and each one's total ends when its own image was decoded, so a call's time is the
+        latest of its members' totals."""
+        timings = result.get("timings") or {}
+        if timings.get("total_ms") is None:
+            return
+        call = (timings.get("encode_ms"), tuple(timings.get("step_ms") or ()), len(self.calls) if int(
+            result.get("batch_size", 1)) == 1 else None)
+        size, total = self.calls.get(call, (int(result.get("batch_size", 1)), 0.0))
+        self.calls[call] = (size, max(total, float(timings["total_ms"])))
 
     def read_status(self, page: PageClient) -> None:
         for engine in page.call("status")[0]:
@@ -195,7 +209,7 @@ class Phase:
             "p50_s": _round(median(self.latencies)),
             "p95_s": _round(percentile(self.latencies, 0.95)),
             "web_p50_ms": _round(median(self.web_ms)), "call_p50_ms": _round(median(self.call_ms)),
-            "call_per_image_p50_ms": _round(median(self.image_ms)),
+            "call_per_image_p50_ms": _round(median(self.image_ms)), "calls": len(self.calls),
             "failed": len(self.failed), "recompiles": self.recompiles,
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "calls_per_batch_size": self.served, "orphans": self.orphans,

@@ -206,6 +206,7 @@ def spec() -> DeviceSpec:
         budget_share=0.5,
         max_engines=4,
         max_batch=8,  # a burst of 8 as one call served more images/s at a lower p95 than 4 + 4 (docs/hosting.md)
+        decode_batch_apart=True,  # the tiny VAE's decode of 8 took 8 times its decode of 1 (docs/hosting.md)
         process_overhead_bytes=700 * 2**20,  # a worker with torch, diffusers and a tiny model: ~0.6-0.7 GiB RSS
         cache_env=INDUCTOR_CACHE_ENV,
         probe_fn=lambda: Availability(True),

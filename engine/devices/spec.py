@@ -154,6 +154,10 @@ class DeviceSpec:
     # Each batch size is one more compiled graph per bucket, and the budget counts the activations of the
     # largest: where a compile takes minutes (static-shape devices) or memory is tight, keep it small.
     max_batch: int = 4
+    # A batch's images decoded one at a time, each result sent as soon as it is ready, so the web server
+    # delivers the first while the rest decode. Only where a batched decode costs what separate ones do (a
+    # CPU: convolutions gain nothing from the batch); a GPU decodes a batch faster than its images apart.
+    decode_batch_apart: bool = False
 
     # Hooks: the few things that really differ between devices.
     probe_fn: Callable[[], Availability] = _hook(lambda: Availability(True))

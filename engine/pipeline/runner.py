@@ -436,10 +436,13 @@ class PipelineRunner:
 
     # -- running ---------------------------------------------------------------------------------
     def _call(self, pipe, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None,
-              cached: stepcache.CachedDenoiser | None = None, members: list[GenerateRequest] | None = None):
+              cached: stepcache.CachedDenoiser | None = None, members: list[GenerateRequest] | None = None,
+              on_image=None):
         """One pipeline call on a private copy (own scheduler: schedulers keep per-run state). With a step
         cache variant, `cached` counts the steps its hooks served. With `members` (a batch led by `request`)
-        the first value returned is the list of their images, in order."""
+        the first value returned is the list of their images, in order; with `on_image` too, the batch is
+        decoded one image at a time and `on_image(index, image, timings)` gets each as soon as it is ready
+        (timings up to then)."""
         scheduler = copy.deepcopy(self._scheduler_template)  # 3-5x cheaper than from_config per request
         clock = _RunClock(self.spec)
         run = variants.run_copy(pipe, scheduler, on_loop_start=clock.mark_loop_start)
@@ -464,11 +467,20 @@ class PipelineRunner:
 
         kwargs = pipeline_call_kwargs(self.preset, run, request, members=members)
         kwargs["callback_on_step_end"] = on_step_end
+        decoded = []
+        if members and on_image is not None:
+            def ready(index, image):
+                decoded.append(image)
+                on_image(index, image, clock.timings(time.perf_counter()))
+
+            variants.decode_apart(run, ready)
+            kwargs["output_type"] = "pt"  # every image came through ready(): the pipeline's own are not used
         devices.enter_eager_mode(self.spec, request.mode)  # TPU: strict eager or defer-and-fuse; no-op elsewhere
         # The pipelines run under no_grad already; inference_mode is avoided on purpose: out-of-tree
         # backends (and the fake PrivateUse1 device in tests) cannot version inference tensors.
         images = run(**kwargs).images
         end = time.perf_counter()
+        images = decoded if decoded else images
         return (list(images) if members else images[0]), clock.timings(end), (cancelled_at[0] if cancelled_at else None)
 
     def prepare(self, request: GenerateRequest) -> tuple[GenerateRequest, list[str]]:
@@ -497,10 +509,11 @@ class PipelineRunner:
         return self._result(request, run.images, run, notices)
 
     def _run(self, bucket: BucketKey, request: GenerateRequest, notices: list[str], on_step, cancel,
-             members: list[GenerateRequest] | None = None) -> _Run:
+             members: list[GenerateRequest] | None = None, on_image=None) -> _Run:
         """The pipeline call of a prepared request, or of a batch (`members`, led by `request`) at `bucket`:
         eagerly where `bucket` is not warm. Why it ran eagerly, and what the step cache and aot say, go into
-        `notices`."""
+        `notices`. A batch with `on_image` on a device that decodes a batch's images apart
+        (DeviceSpec.decode_batch_apart) hands each on as it is decoded: `on_image(index, image, run so far)`."""
         info = self.board.get(bucket)
         eager_fallback = request.mode.compiled and (info is None or info.state != BucketState.WARM)
         if eager_fallback:
@@ -517,6 +530,14 @@ class PipelineRunner:
             compiles_before = compiles_in_this_thread()
             aot_before = self._aot.counters()[1] if self._aot and request.mode is Mode.AOT else None
             cached = None
+
+            def image_ready(index, image, timings):
+                steps_cached = tuple(cached.counter.cached) if cached is not None else ()
+                on_image(index, image, _Run(None, timings, None, eager_fallback,
+                                            compiles_in_this_thread() - compiles_before, steps_cached,
+                                            self.spec.peak_memory_bytes()))
+
+            apart = on_image is not None and self._decodes_apart(request, pipe)
             try:
                 if request.step_cache.enabled:
                     cached, cache_notices = self._step_caches.get(
@@ -524,7 +545,8 @@ class PipelineRunner:
                         lambda p, v: self._call(p, request.replace(request_id="calibrate"), cached=v))
                     notices += cache_notices
                     pipe = cached.pipe
-                images, timings, cancelled_at = self._call(pipe, request, on_step, cancel, cached, members=members)
+                images, timings, cancelled_at = self._call(pipe, request, on_step, cancel, cached, members=members,
+                                                           on_image=image_ready if apart else None)
             except torch.OutOfMemoryError as exc:
                 raise self._out_of_memory(exc) from None
             recompiles = compiles_in_this_thread() - compiles_before
@@ -534,6 +556,17 @@ class PipelineRunner:
                 notices.append(f"aot: a call at {bucket} matched no package (not the exported shapes or "
                                "arguments) and ran eagerly")
         return _Run(images, timings, cancelled_at, eager_fallback, recompiles, cached_steps, peak)
+
+    def _decodes_apart(self, request: GenerateRequest, pipe) -> bool:
+        """Whether a batch led by `request` (its mode after any eager fallback) decodes its images apart: the
+        device says it pays (DeviceSpec.decode_batch_apart), the pipeline does nothing after its decode,
+        and a compiled mode has its graph for one image warm (decoding one would compile it otherwise)."""
+        if not self.spec.decode_batch_apart or not variants.can_decode_apart(pipe):
+            return False
+        if not request.mode.compiled:
+            return True
+        info = self.board.get(request.bucket.batched(1))
+        return info is not None and info.state == BucketState.WARM
 
     def _result(self, request: GenerateRequest, image, run: _Run, notices: list[str], batch_size: int = 1
                 ) -> GenerateResult:
@@ -545,18 +578,25 @@ class PipelineRunner:
             cached_steps=run.cached_steps, batch_size=batch_size)
 
     def generate_batch(self, requests: list[GenerateRequest], on_step=None,
-                       cancels: list[threading.Event] | None = None, on_leave=None) -> list:
+                       cancels: list[threading.Event] | None = None, on_leave=None, on_result=None) -> list:
         """Run requests that can share a denoiser call (engine/pipeline/batching.py's key) as one pipeline call.
 
         Returns, per request, its GenerateResult, the exception it failed with, or None when it already
-        left through `on_leave(index, Cancelled)`: a member whose cancel is set leaves at the next step
-        end, at once, and the call goes on for the others (its image is dropped); the call stops when
-        every member has left. `on_step(progress)` gets each member's StepProgress (its own request id;
-        the step is shared: batch_size). A member that cannot run (mode, step cache, size) fails alone
-        first; if the shared call fails, each member runs again alone, so each gets its own outcome."""
+        left through `on_leave(index, Cancelled)` or was answered through `on_result(index, result)`: a
+        member whose cancel is set leaves at the next step end, at once, and the call goes on for the
+        others (its image is dropped); the call stops when every member has left. Where the device decodes
+        a batch's images apart, each member's result goes to `on_result` as soon as its image is decoded.
+        `on_step(progress)` gets each member's StepProgress (its own request id; the step is shared:
+        batch_size). A member that cannot run (mode, step cache, size) fails alone first; if the shared
+        call fails, each member not answered yet runs again alone, so each gets its own outcome."""
         n = len(requests)
         cancels = cancels or [threading.Event() for _ in range(n)]
         outcomes: list = [None] * n
+        answered: set[int] = set()
+
+        def answer(index: int, result: GenerateResult) -> None:
+            answered.add(index)
+            on_result(index, result)
         ready: list[tuple[int, GenerateRequest, list[str]]] = []
         for i, request in enumerate(requests):
             try:
@@ -569,7 +609,8 @@ class PipelineRunner:
                 outcomes[i] = self._solo(requests[i], on_step, cancels[i])
             return outcomes
         try:
-            for (i, _, _), result in zip(ready, self._run_batch(ready, on_step, cancels, on_leave), strict=True):
+            results = self._run_batch(ready, on_step, cancels, on_leave, answer if on_result is not None else None)
+            for (i, _, _), result in zip(ready, results, strict=True):
                 outcomes[i] = result
         except Cancelled:
             pass  # every member left (each was told)
@@ -577,6 +618,8 @@ class PipelineRunner:
             log.warning("a batch of %d at %s failed (%s); its requests run alone", len(ready), ready[0][1].bucket,
                         describe_failure(exc, 200))
             for i, _, _ in ready:
+                if i in answered:
+                    continue
                 if not cancels[i].is_set():
                     outcomes[i] = self._solo(requests[i], on_step, cancels[i])
                 elif outcomes[i] is None and on_leave is not None:
@@ -589,37 +632,47 @@ class PipelineRunner:
         except Exception as exc:  # noqa: BLE001 - its own outcome
             return exc
 
-    def _run_batch(self, ready, on_step, cancels, on_leave) -> list:
+    def _run_batch(self, ready, on_step, cancels, on_leave, on_result=None) -> list:
         members = [request for _, request, _ in ready]
         indexes = [i for i, _, _ in ready]
         lead, k = members[0], len(members)
         bucket = lead.bucket.batched(k)
         left = [False] * k
 
+        def member_left(j: int, step: int) -> bool:
+            """Whether member j has left; one whose cancel is set leaves now (told through on_leave)."""
+            if not left[j] and cancels[indexes[j]].is_set():
+                left[j] = True
+                if on_leave is not None:
+                    on_leave(indexes[j], Cancelled(
+                        f"request {members[j].request_id} cancelled after step {step} of {members[j].steps} "
+                        f"(the batch of {k} it shared went on without it)"))
+            return left[j]
+
         def member_steps(progress: StepProgress) -> None:
             for j, member in enumerate(members):
-                if left[j]:
-                    continue
-                if cancels[indexes[j]].is_set():
-                    left[j] = True
-                    if on_leave is not None:
-                        on_leave(indexes[j], Cancelled(
-                            f"request {member.request_id} cancelled after step {progress.step} of {member.steps} "
-                            f"(the batch of {k} it shared went on without it)"))
-                    continue
-                if on_step is not None:
+                if not member_left(j, progress.step) and on_step is not None:
                     on_step(replace(progress, request_id=member.request_id))
+
+        answered = [False] * k
+
+        def image_ready(j: int, image, run_so_far: _Run) -> None:
+            # Its own result at once: the web server delivers it while the others decode.
+            if not member_left(j, lead.steps):
+                on_result(indexes[j], self._result(members[j], image, run_so_far, ready[j][2] + notices, batch_size=k))
+                answered[j] = True
 
         notices: list[str] = []
         run = self._run(bucket, lead, notices, member_steps, batching.AllSet([cancels[i] for i in indexes]),
-                        members=members)
+                        members=members, on_image=image_ready if on_result is not None else None)
         if run.cancelled_at is not None:
             raise Cancelled(f"every request of a batch of {k} cancelled after step {run.cancelled_at}")
-        results = [None if left[j] else self._result(member, image, run, ready[j][2] + notices, batch_size=k)
+        results = [None if left[j] or answered[j] else
+                   self._result(member, image, run, ready[j][2] + notices, batch_size=k)
                    for j, (member, image) in enumerate(zip(members, run.images, strict=True))]
         # Counted where it ran: an eager batch (eager mode, or a batch size not warm yet) on the eager row
         ran = bucket if not run.eager_fallback else BucketKey(Mode.EAGER, bucket.size, k)
-        self.board.served(ran, requests=sum(r is not None for r in results))
+        self.board.served(ran, requests=sum(r is not None for r in results) + sum(answered))
         return results
 
     def _png(self, image, request: GenerateRequest) -> bytes:

@@ -50,6 +50,39 @@ def vae_decoding_with(vae, decode):
     return copied
 
 
+def can_decode_apart(pipe) -> bool:
+    """Whether decode_apart may hand on images the pipeline has not finished: only where nothing runs on
+    the decoded images after the decode but the image processor (no safety checker, no watermark)."""
+    return (getattr(pipe, "safety_checker", None) is None and getattr(pipe, "watermark", None) is None
+            and hasattr(getattr(pipe, "image_processor", None), "postprocess") and hasattr(pipe, "vae"))
+
+
+def decode_apart(run, on_image) -> None:
+    """Make `run` (a run_copy) decode its batch's latents one at a time: `on_image(index, image)` gets each
+    image (PIL) as soon as it is decoded, while the pipeline goes on with the rest. The pipeline then
+    returns the whole batch as it would; a caller that took every image from on_image asks for
+    output_type="pt", the cheapest."""
+    import torch
+
+    vae = run.vae
+    decode = vae.decode
+
+    def decode_each(z, *args, return_dict: bool = True, **kwargs):
+        samples = []
+        for index in range(z.shape[0]):
+            sample = decode(z[index:index + 1], *args, return_dict=False, **kwargs)[0]
+            on_image(index, run.image_processor.postprocess(sample, output_type="pil")[0])
+            samples.append(sample)
+        sample = torch.cat(samples)
+        if not return_dict:
+            return (sample,)
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        return DecoderOutput(sample=sample)
+
+    object.__setattr__(run, "vae", vae_decoding_with(vae, decode_each))  # not a new component, as run_copy
+
+
 def run_copy(pipe, scheduler, on_loop_start=None):
     """A private pipeline object for one run, with its own scheduler (see the module's docstring);
     `on_loop_start()` is called as its denoising loop starts."""

@@ -409,7 +409,7 @@ class WorkerLoop:
             self._forget(request)
             return
 
-        def call(on_step, cancels, on_leave) -> list:
+        def call(on_step, cancels, on_leave, on_result) -> list:
             try:
                 return [self.runner.generate(request, on_step=on_step, cancel=cancels[0])]
             except Exception as exc:  # noqa: BLE001 - its outcome
@@ -440,16 +440,18 @@ class WorkerLoop:
             extra = self.run_cost.extra_niceness(self._batch_variant(lead.mode, warm, len(live)), lead.bucket.size,
                                                  lead.steps)
 
-        def call(on_step, cancels, on_leave) -> list:
-            return self.runner.generate_batch(live, on_step=on_step, cancels=cancels, on_leave=on_leave)
+        def call(on_step, cancels, on_leave, on_result) -> list:
+            return self.runner.generate_batch(live, on_step=on_step, cancels=cancels, on_leave=on_leave,
+                                              on_result=on_result)
 
         self._serve_niced(extra, lambda **kw: self._serve_now(live, call, **kw), "worker-serve-batch")
 
     def _serve_now(self, group: list[GenerateRequest], call, long: bool = False) -> None:
-        """Serve one request, or requests sharing one pipeline call: `call(on_step, cancels, on_leave)` returns
-        each one's outcome (its GenerateResult, the exception it failed with, or None when it already left
-        through on_leave). To the host's CPU rules it is one run: a `long` one steps aside before each
-        (shared) step while another engine runs a short one (ShortRuns), a short one tells the others it runs."""
+        """Serve one request, or requests sharing one pipeline call: `call(on_step, cancels, on_leave, on_result)`
+        returns each one's outcome (its GenerateResult, the exception it failed with, or None when it was
+        already answered through on_leave or on_result). To the host's CPU rules it is one run: a `long` one
+        steps aside before each (shared) step while another engine runs a short one (ShortRuns), a short one
+        tells the others it runs."""
         cancels = [self._cancels.setdefault(r.request_id, threading.Event()) for r in group]
         crash = self.runner.faults.take(Fault.CRASH)
         short_runs = self.short_runs
@@ -473,6 +475,13 @@ class WorkerLoop:
         for r in group:
             received = self._received.pop(r.request_id, None)
             queued_ms[r.request_id] = (start - received) * 1000 if received is not None else 0.0
+        answered: list[GenerateResult] = []
+
+        def on_result(index: int, result: GenerateResult) -> None:
+            answered.append(result)
+            timings = dataclasses.replace(result.timings, queued_ms=queued_ms[group[index].request_id])
+            self.send(Result(dataclasses.replace(result, timings=timings)))
+
         try:
             self.compile_yield.request_started()
             announce = short_runs is not None and not long
@@ -481,32 +490,32 @@ class WorkerLoop:
             try:
                 if step_aside is not None:
                     step_aside(everyone)  # before its first step too
-                outcomes = call(on_step, cancels, on_leave)
+                outcomes = call(on_step, cancels, on_leave, on_result)
             finally:
                 if announce:
                     short_runs.set_running(False)
                 self.compile_yield.request_ended()
-            recorded = False
-            for request, outcome in zip(group, outcomes, strict=True):
+            for index, (request, outcome) in enumerate(zip(group, outcomes, strict=True)):
                 if outcome is None:
                     continue
                 if isinstance(outcome, GenerateResult):
-                    if self.run_cost is not None and not recorded:
-                        recorded = True
-                        self.run_cost.record(self._batch_variant(request.mode, outcome.warm, outcome.batch_size),
-                                             outcome.bucket.size, outcome.steps, outcome.timings.total_ms)
-                    timings = dataclasses.replace(outcome.timings, queued_ms=queued_ms[request.request_id])
-                    self.send(Result(dataclasses.replace(outcome, timings=timings)))
+                    on_result(index, outcome)
                 elif isinstance(outcome, ShowcaseError):
                     self.send(RequestFailed(request.request_id, outcome))
                 else:
                     log.error("request %s failed", request.request_id, exc_info=outcome)
                     self.send(RequestFailed(request.request_id,
                                             ShowcaseError(f"{type(outcome).__name__}: {outcome}")))
+            if self.run_cost is not None and answered:  # the call's time: its last result came at its end
+                last = max(answered, key=lambda result: result.timings.total_ms)
+                self.run_cost.record(self._batch_variant(last.bucket.mode, last.warm, last.batch_size),
+                                     last.bucket.size, last.steps, last.timings.total_ms)
         except Exception as exc:  # never let one request or batch kill the worker
             log.exception("serving %s failed", ", ".join(r.request_id for r in group))
+            done = {result.request_id for result in answered}
             for request in group:
-                self.send(RequestFailed(request.request_id, ShowcaseError(f"{type(exc).__name__}: {exc}")))
+                if request.request_id not in done:
+                    self.send(RequestFailed(request.request_id, ShowcaseError(f"{type(exc).__name__}: {exc}")))
         finally:
             for request in group:
                 self._forget(request)
