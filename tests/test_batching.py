@@ -384,12 +384,41 @@ def test_a_member_cancelled_after_the_last_step_leaves_before_its_image(runner):
 
 
 def test_only_pipelines_with_nothing_after_their_decode_decode_apart():
-    from types import SimpleNamespace
-
     from engine.pipeline.variants import can_decode_apart
 
-    processor = SimpleNamespace(postprocess=lambda image, output_type: image)
-    assert can_decode_apart(SimpleNamespace(vae=object(), image_processor=processor))
-    assert not can_decode_apart(SimpleNamespace(vae=object(), image_processor=processor, safety_checker=object()))
-    assert not can_decode_apart(SimpleNamespace(vae=object(), image_processor=processor, watermark=object()))
-    assert not can_decode_apart(SimpleNamespace(vae=object()))
+    class FluxPipeline:  # the name is what is checked: diffusers' FluxPipeline decodes, then postprocesses
+        def __init__(self, **parts):
+            self.vae, self.image_processor = object(), type("Processor", (), {"postprocess": None})()
+            self.__dict__.update(parts)
+
+    class SanaPipeline(FluxPipeline):  # resizes back from its binned resolution after the decode
+        pass
+
+    assert can_decode_apart(FluxPipeline())
+    assert not can_decode_apart(FluxPipeline(safety_checker=object()))
+    assert not can_decode_apart(FluxPipeline(watermark=object()))
+    assert not can_decode_apart(FluxPipeline(image_processor=None))
+    assert not can_decode_apart(SanaPipeline())
+
+
+@pytest.mark.parametrize("preset", ["tiny-flux2-klein", "tiny-sd3", "tiny-sdxl"])
+def test_every_pipeline_that_decodes_apart_gives_the_images_of_one_decode(cache_dir, tiny_models, preset):
+    import dataclasses
+
+    from helpers import make_runner
+
+    runner = make_runner(cache_dir, preset=preset, max_batch=2)
+    assert runner.spec.decode_batch_apart and runner.preset.pipeline in {"Flux2KleinPipeline",
+                                                                       "StableDiffusion3Pipeline",
+                                                                       "StableDiffusionXLPipeline"}
+    size = runner.preset.buckets[0]
+    members = [GenerateRequest(prompt=PROMPTS[i], width=size.width, height=size.height, steps=2, seed=i,
+                               guidance=runner.preset.guidance, mode="eager", request_id=f"{preset}-{i}")
+               for i in range(2)]
+    answered = []
+    assert runner.generate_batch(members, on_result=lambda i, result: answered.append(result)) == [None, None]
+    runner.spec = dataclasses.replace(runner.spec, decode_batch_apart=False)
+    whole = runner.generate_batch(members)
+    assert [r.batch_size for r in answered + whole] == [2, 2, 2, 2]
+    for apart, one_decode in zip(answered, whole, strict=True):
+        assert np.abs(pixels(apart) - pixels(one_decode)).max() <= 2

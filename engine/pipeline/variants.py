@@ -50,10 +50,19 @@ def vae_decoding_with(vae, decode):
     return copied
 
 
+# Pipelines whose __call__ hands the decoded batch straight to image_processor.postprocess (SDXL: but for
+# its optional watermark), read in diffusers' source. Another pipeline may do more after its decode (a
+# safety checker, resizing back from a binned resolution): it decodes its batch whole.
+DECODE_THEN_POSTPROCESS = frozenset({
+    "FluxPipeline", "Flux2Pipeline", "Flux2KleinPipeline", "StableDiffusion3Pipeline", "StableDiffusionXLPipeline",
+})
+
+
 def can_decode_apart(pipe) -> bool:
     """Whether decode_apart may hand on images the pipeline has not finished: only where nothing runs on
-    the decoded images after the decode but the image processor (no safety checker, no watermark)."""
-    return (getattr(pipe, "safety_checker", None) is None and getattr(pipe, "watermark", None) is None
+    the decoded images after the decode but the image processor."""
+    return (type(pipe).__name__ in DECODE_THEN_POSTPROCESS and getattr(pipe, "safety_checker", None) is None
+            and getattr(pipe, "watermark", None) is None
             and hasattr(getattr(pipe, "image_processor", None), "postprocess") and hasattr(pipe, "vae"))
 
 
