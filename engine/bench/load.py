@@ -43,8 +43,6 @@ class Phase:
         self.latencies: list[float] = []
         self.web_ms: list[float] = []  # round trip minus the app's handler: Gradio's queue, events, transfer
         self.calls: dict = {}  # each pipeline call that made images: (batch size, its time in ms)
-        self.call_ms: list[float] = []  # the engine's pipeline calls
-        self.image_ms: list[float] = []  # each call per image it made: what the engine alone spends on one
         self.batch_sizes: collections.Counter = collections.Counter()
         self.failed: list[str] = []
         self.recompiles = 0
@@ -149,8 +147,6 @@ class Phase:
             if record:
                 self.wall_s = time.perf_counter() - start
         self.images = len(self.latencies)
-        self.call_ms = [total for _, total in self.calls.values()]
-        self.image_ms = [total / size for size, total in self.calls.values()]
 
     def record_call(self, result: dict) -> None:
         """The pipeline call that made this result: a batch's members share its clock (the same encode and
@@ -159,10 +155,9 @@ class Phase:
         timings = result.get("timings") or {}
         if timings.get("total_ms") is None:
             return
-        call = (timings.get("encode_ms"), tuple(timings.get("step_ms") or ()), len(self.calls) if int(
-            result.get("batch_size", 1)) == 1 else None)
-        size, total = self.calls.get(call, (int(result.get("batch_size", 1)), 0.0))
-        self.calls[call] = (size, max(total, float(timings["total_ms"])))
+        size = int(result.get("batch_size", 1))
+        call = (timings.get("encode_ms"), tuple(timings.get("step_ms") or ())) if size > 1 else len(self.calls)
+        self.calls[call] = (size, max(self.calls.get(call, (size, 0.0))[1], float(timings["total_ms"])))
 
     def read_status(self, page: PageClient) -> None:
         for engine in page.call("status")[0]:
@@ -208,8 +203,11 @@ class Phase:
             "images_per_s": round(self.images / self.wall_s, 2) if self.wall_s else None,
             "p50_s": _round(median(self.latencies)),
             "p95_s": _round(percentile(self.latencies, 0.95)),
-            "web_p50_ms": _round(median(self.web_ms)), "call_p50_ms": _round(median(self.call_ms)),
-            "call_per_image_p50_ms": _round(median(self.image_ms)), "calls": len(self.calls),
+            "web_p50_ms": _round(median(self.web_ms)),
+            "call_p50_ms": _round(median([total for _, total in self.calls.values()])),
+            # what the engine alone spends on one image
+            "call_per_image_p50_ms": _round(median([total / size for size, total in self.calls.values()])),
+            "calls": len(self.calls),
             "failed": len(self.failed), "recompiles": self.recompiles,
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "calls_per_batch_size": self.served, "orphans": self.orphans,
