@@ -10,11 +10,10 @@ import math
 
 from engine.config.presets import route_size
 from engine.errors import InvalidRequest
-from engine.protocol import GenerateRequest, Mode, ModelPreset, OnCold, Precision, StepCache
+from engine.protocol import MAX_STEPS, GenerateRequest, Mode, ModelPreset, OnCold, Precision, StepCache
 
 MAX_PROMPT_CHARS = 4000
 LONG_PROMPT_WORDS = 60  # ~77 CLIP tokens: beyond this the CLIP encoders see only the start
-MAX_STEPS = 200
 MAX_GUIDANCE = 50.0
 MAX_SEED = 2**63 - 1
 
