@@ -157,9 +157,12 @@ class ParamRange:
     def holds(self, value) -> bool:
         return self.low <= value <= self.high if self.whole else self.low < value < self.high
 
+    @property
+    def span(self) -> str:
+        return f"{self.low:g}..{self.high:g}" if self.whole else f"above {self.low:g} and below {self.high:g}"
+
     def __str__(self) -> str:
-        shown = f"{self.low:g}..{self.high:g}" if self.whole else f"above {self.low:g} and below {self.high:g}"
-        return shown + (f" ({self.why})" if self.why else "")
+        return self.span + (f" ({self.why})" if self.why else "")
 
 
 _THRESHOLD = ParamRange(0.0, 10.0, whole=False)

@@ -243,6 +243,9 @@ def test_step_caches_command_lists_every_cache(capsys):
     rows = {r["name"]: r for r in out["caches"]}
     assert out["preset"] == "tiny-shapes" and set(rows) == set(StepCacheKind.values())
     assert rows["first-block"]["usable"] and not rows["pyramid"]["usable"]
+    assert rows["taylorseer"]["ranges"]["warmup"].startswith("1..200 (the first step must be computed")
+    assert main(["step-caches", "--device", "cpu", "--mode", "eager"]) == 0
+    assert "(default taylorseer:3:2; INTERVAL 1..200, WARMUP 1..200)" in capsys.readouterr().out
 
 
 def test_levers_targets_on_hand_made_rows():
