@@ -22,15 +22,14 @@ MAX_BATCH = 64  # each batch size is one more graph per bucket, and the measurin
 MAX_BATCH_WAIT_MS = 10_000.0  # a request waits at most this long for others to share its call
 
 
+_Refused = argparse.ArgumentTypeError  # argparse prints its text after "argument --flag: "
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose error is one line (the flag, the value, what it takes), exit status 2."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
-
-
-def _refuse(text: str) -> argparse.ArgumentTypeError:
-    return argparse.ArgumentTypeError(text)
 
 
 def _shown(value) -> str:
@@ -46,9 +45,9 @@ def whole(low: int, high: int, *, zero: str | None = None) -> Callable[[str], in
         try:
             value = int(str(text).strip())
         except ValueError:
-            raise _refuse(f"{_shown(text)} is not a whole number; allowed: {allowed}") from None
+            raise _Refused(f"{_shown(text)} is not a whole number; allowed: {allowed}") from None
         if not (low <= value <= high or (zero and value == 0)):
-            raise _refuse(f"{value} is out of range; allowed: {allowed}")
+            raise _Refused(f"{value} is out of range; allowed: {allowed}")
         return value
 
     return parse
@@ -62,9 +61,9 @@ def decimal(low: float, high: float, *, zero: str | None = None) -> Callable[[st
         try:
             value = float(str(text).strip())
         except ValueError:
-            raise _refuse(f"{_shown(text)} is not a number; allowed: {allowed}") from None
+            raise _Refused(f"{_shown(text)} is not a number; allowed: {allowed}") from None
         if not (math.isfinite(value) and (low <= value <= high or (zero and value == 0))):
-            raise _refuse(f"{value:g} is out of range; allowed: {allowed}")
+            raise _Refused(f"{value:g} is out of range; allowed: {allowed}")
         return value
 
     return parse
@@ -78,7 +77,7 @@ def one_of(names: Callable[[], Iterable[str]], what: str, *, lower: bool = True)
         value = value.lower() if lower else value
         allowed = list(names())
         if value not in allowed:
-            raise _refuse(f"unknown {what} {_shown(text)}; choose one of: {', '.join(allowed)}")
+            raise _Refused(f"unknown {what} {_shown(text)}; choose one of: {', '.join(allowed)}")
         return value
 
     return parse
@@ -90,7 +89,7 @@ def comma_list(item: Callable[[str], str]) -> Callable[[str], str]:
     def parse(text) -> str:
         values = [item(t) for t in str(text).split(",") if t.strip()]
         if not values:
-            raise _refuse(f"{_shown(text)} names nothing; give a comma-separated list")
+            raise _Refused(f"{_shown(text)} names nothing; give a comma-separated list")
         return ",".join(values)
 
     return parse
@@ -100,7 +99,7 @@ def _sizes(text) -> str:
     try:
         return ",".join(str(Size.parse(t)) for t in str(text).split(",") if t.strip())
     except ValueError as exc:  # InvalidRequest is a ValueError
-        raise _refuse(str(exc)) from None
+        raise _Refused(str(exc)) from None
 
 
 _DEVICES = Path(__file__).resolve().parent.parent / "devices"
@@ -156,6 +155,7 @@ def per_device(field: str) -> str:
         groups.setdefault(value, []).append(name)
     return ", ".join(f"{' and '.join(sorted(names))} {value}"
                      for value, names in sorted(groups.items(), key=lambda kv: kv[0], reverse=True))
+
 
 # (flag, EngineOptions field, help) for the plain on/off recipe flags.
 _SWITCHES = (
