@@ -21,33 +21,60 @@ import threading
 log = logging.getLogger("app")
 
 
+# Bounds of the numeric flags: each value is checked as the flags are parsed, before anything loads.
+MAX_QUEUE = 100_000
+MAX_ENGINES = 64
+MAX_THREADS = 1024
+MAX_RANKS = 256
+MAX_SECONDS = 7 * 86400.0  # idle-unload and eviction ages: a week
+
+
+def _text(value):
+    """A default as text: argparse checks a text default with the flag's type, so an environment variable
+    gets the same check as the flag."""
+    return None if value is None else str(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine import settings
-    from engine.config.flags import add_engine_arguments
+    from engine.config.flags import (
+        OneLineParser,
+        add_engine_arguments,
+        comma_list,
+        decimal,
+        one_of,
+        per_device,
+        whole,
+    )
+    from engine.config.presets import load_presets
+    from engine.pipeline.attention import BACKENDS
     from engine.protocol import Mode, Precision
 
     d = settings.server_defaults()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    precision = one_of(Precision.values, "precision")
+    mode = one_of(Mode.values, "mode")
+    preset_name = one_of(load_presets, "preset", lower=False)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s = p.add_argument_group("server")
     s.add_argument("--host", default=d["host"], help="interface to bind (default 127.0.0.1; $SHOWCASE_HOST)")
-    s.add_argument("--port", type=int, default=d["port"], help="port (default 7860; $SHOWCASE_PORT)")
+    s.add_argument("--port", type=whole(1, 65535), default=_text(d["port"]), help="port (default 7860; $SHOWCASE_PORT)")
     s.add_argument("--share", action="store_true", help="opt in to a public gradio.live share link")
-    s.add_argument("--auth", default=d["auth"], metavar="USER:PASS",
+    s.add_argument("--auth", type=auth_text, default=d["auth"], metavar="USER:PASS",
                    help="require this login (Gradio's own auth; $SHOWCASE_AUTH)")
-    s.add_argument("--queue-size", type=int, default=d["queue_size"],
+    s.add_argument("--queue-size", type=whole(1, MAX_QUEUE), default=_text(d["queue_size"]),
                    help="events that may wait in the queue before new ones are refused ($SHOWCASE_QUEUE_SIZE)")
     s.add_argument("--theme", default=None, help="a Gradio theme name (default: Soft)")
     s.add_argument("-v", "--verbose", action="store_true")
     e = p.add_argument_group("default engine")
-    e.add_argument("--preset", default=d["preset"], help="model preset ($SHOWCASE_PRESET)")
+    e.add_argument("--preset", type=preset_or_model, default=d["preset"], help="model preset ($SHOWCASE_PRESET)")
     e.add_argument("--device", default=d["device"], help="device or 'auto' ($SHOWCASE_DEVICE)")
-    e.add_argument("--precision", default=d["precision"], help=f"{', '.join(Precision.values())} ($SHOWCASE_PRECISION)")
-    e.add_argument("--mode", default=d["mode"], help=f"{', '.join(Mode.values())} ($SHOWCASE_MODE)")
+    e.add_argument("--precision", type=precision, default=d["precision"], help=f"{', '.join(Precision.values())} ($SHOWCASE_PRECISION)")
+    e.add_argument("--mode", type=mode, default=d["mode"], help=f"{', '.join(Mode.values())} ($SHOWCASE_MODE)")
     e.add_argument("--config-from", default=None, metavar="FILE",
                    help="the default engine and Generate's selectors from an advisor result (python -m engine "
                         "advise --out FILE, or the Advisor tab's saved JSON): its pick's preset, device, "
                         "precision, mode, step cache and attention backend")
-    e.add_argument("--tp", type=int, default=1,
+    e.add_argument("--tp", type=whole(1, MAX_RANKS), default=1,
                    help="run the default engine over N ranks (a torchrun sidecar)")
     e.add_argument("--parallel", choices=("tensor", "ulysses", "ring"), default="tensor",
                    help="how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring "
@@ -58,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "from the 0600 file it names). It may span several machines; the app never starts, "
                         "restarts or stops it, shows it down with the reason when it stops, and re-attaches when "
                         "it is back")
-    e.add_argument("--warm", default=d["warm"],
+    e.add_argument("--warm", type=warm_text, default=d["warm"],
                    help="buckets to pre-warm at start-up in --mode: 'all', 'none' or e.g. '64x64,128x128' "
                         "($SHOWCASE_WARM)")
     h = p.add_argument_group("hosting (a Space or a shared box: see README 'Hosting')")
@@ -75,40 +102,91 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--aot-repo", default=d["aot_repo"], metavar="REPO_ID",
                    help="a Hub model repo of aot packages (python -m engine export --push-to REPO_ID): packages "
                         "missing locally are downloaded at start-up ($SHOWCASE_AOT_REPO; token: $HF_TOKEN)")
-    h.add_argument("--presets", default=d["presets"],
+    h.add_argument("--presets", type=comma_list(preset_name), default=d["presets"],
                    help="comma-separated presets visitors may choose (public mode; default: --preset only; "
                         "$SHOWCASE_PRESETS)")
-    h.add_argument("--precisions", default=d["precisions"],
+    h.add_argument("--precisions", type=comma_list(precision), default=d["precisions"],
                    help="comma-separated precisions visitors may choose (public mode; default: all; $SHOWCASE_PRECISIONS)")
-    h.add_argument("--modes", default=d["modes"],
+    h.add_argument("--modes", type=comma_list(mode), default=d["modes"],
                    help="comma-separated modes visitors may choose (public mode; default: all; $SHOWCASE_MODES)")
     h.add_argument("--admin-token", default=d["admin_token"],
                    help="secret that unlocks host operations (restart, warm everything, load past the budget) "
                         "in public mode ($SHOWCASE_ADMIN_TOKEN; never logged)")
-    h.add_argument("--memory-budget", default=d["memory_budget"], metavar="SIZE",
+    h.add_argument("--memory-budget", type=memory_size, default=d["memory_budget"], metavar="SIZE",
                    help="memory the engines of one device may hold, e.g. 3GiB (default: 50%% of RAM for cpu, "
                         "90%% of free memory for accelerators; $SHOWCASE_MEMORY_BUDGET)")
-    h.add_argument("--max-engines", type=int, default=d["max_engines"],
-                   help="engines per device at once (default per device kind: cpu 4, cuda/xpu 3, mps 2, "
-                        "neuron/tpu 1; $SHOWCASE_MAX_ENGINES)")
-    h.add_argument("--compile-jobs", type=int, default=d["compile_jobs"],
+    h.add_argument("--max-engines", type=whole(1, MAX_ENGINES), default=d["max_engines"],
+                   help=f"engines per device at once (default per device kind: {per_device('max_engines')}; "
+                        "$SHOWCASE_MAX_ENGINES)")
+    h.add_argument("--compile-jobs", type=whole(1, MAX_THREADS), default=d["compile_jobs"],
                    help="bucket compiles at once on this host (default: one per 4 cores, at least 1; "
                         "$SHOWCASE_COMPILE_JOBS)")
-    h.add_argument("--idle-unload", type=float, default=d["idle_unload"], metavar="SECONDS",
+    h.add_argument("--idle-unload", type=decimal(1, MAX_SECONDS, zero="off"), default=d["idle_unload"],
+                   metavar="SECONDS",
                    help="unload an engine nobody used for this long (default: off; $SHOWCASE_IDLE_UNLOAD)")
-    h.add_argument("--worker-threads", type=int, default=d["worker_threads"], metavar="N",
+    h.add_argument("--worker-threads", type=whole(1, MAX_THREADS), default=d["worker_threads"], metavar="N",
                    help="compute threads per cpu engine (default: cores / --max-engines, at least 1; "
                         "$SHOWCASE_WORKER_THREADS)")
-    h.add_argument("--public-evict-after", type=float, default=60.0, metavar="SECONDS",
+    h.add_argument("--public-evict-after", type=decimal(0, MAX_SECONDS), default=60.0, metavar="SECONDS",
                    help="public mode: a visitor's request may unload an idle engine only after this long unused")
-    h.add_argument("--client-events", type=int, default=d["client_events"], metavar="N",
+    h.add_argument("--client-events", type=whole(1, MAX_QUEUE, zero="unbounded"), default=d["client_events"],
+                   metavar="N",
                    help="requests one client (its address) may have waiting or running at once (default: 8 in "
                         "public mode, unbounded otherwise; 0: unbounded; $SHOWCASE_CLIENT_EVENTS)")
     h.add_argument("--trusted-proxies", default=d["trusted_proxies"], metavar="NETS",
                    help="comma-separated addresses/networks of reverse proxies whose X-Forwarded-For names the "
                         "client (default: none, the connection's address is the client; $SHOWCASE_TRUSTED_PROXIES)")
-    add_engine_arguments(p)
+    add_engine_arguments(p, attention_backends=BACKENDS)
     return p
+
+
+def preset_or_model(text: str) -> str:
+    """--preset: a preset of presets/models.toml, or a Hub id / local folder (checked when it loads)."""
+    from engine.config.validation import check_preset_name
+    from engine.errors import InvalidRequest
+
+    try:
+        return check_preset_name(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def warm_text(text: str) -> str:
+    """--warm: 'all', 'none' or WxH sizes."""
+    from engine.errors import InvalidRequest
+
+    try:
+        warm_sizes(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; allowed: all, none or sizes like 64x64,128x128") from None
+    return text
+
+
+def auth_text(text: str) -> str:
+    """--auth: USER:PASSWORD (the value is a secret: never repeated in the message)."""
+    user, sep, password = str(text).partition(":")
+    if not sep or not user or not password:
+        raise argparse.ArgumentTypeError("must be USER:PASSWORD, both non-empty")
+    return text
+
+
+def memory_size(text: str) -> str:
+    """--memory-budget: a size no smaller than the least any engine is estimated to need (a worker process
+    alone: DeviceSpec.process_overhead_bytes, the smallest over the devices; each device's own figure is
+    checked once the device is known)."""
+    from engine.config.flags import device_defaults
+    from engine.errors import InvalidRequest
+    from engine.serving.budget import GIB, parse_size
+
+    try:
+        size = parse_size(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    floor = min((device_defaults("process_overhead_bytes") or {"": 0}).values())
+    if size is not None and size < floor:
+        raise argparse.ArgumentTypeError(f"{text} is smaller than any engine (a worker process alone is estimated "
+                                         f"at {floor / GIB:.2f} GiB); allowed: at least {floor / 2**20:.0f}MiB")
+    return text
 
 
 def warm_sizes(spec: str) -> tuple[str, ...] | None:
@@ -249,10 +327,16 @@ def attach_sidecar(manager, args):
 
 
 def apply_advice(args) -> str:
-    """--config-from: the advisor's pick becomes the default engine's settings; returns its step cache."""
+    """--config-from: the advisor's pick becomes the default engine's settings; returns its step cache.
+    InvalidRequest when the file is not an advisor result or names something this app does not have."""
     from engine.bench.advise import load_pick
+    from engine.errors import InvalidRequest
+    from engine.pipeline.attention import BACKENDS
 
     pick = load_pick(args.config_from)
+    if pick["attention"] not in BACKENDS:
+        raise InvalidRequest(f"{args.config_from}: unknown attention backend {pick['attention'][:40]!r}; "
+                             f"choose one of: {', '.join(BACKENDS)}")
     args.preset, args.device, args.precision, args.mode = pick["preset"], pick["device"], pick["precision"], pick["mode"]
     args.attention_backend = pick["attention"]
     log.warning("--config-from %s: %s/%s/%s, step cache %s, attention %s", args.config_from, pick["device"],
@@ -260,12 +344,38 @@ def apply_advice(args) -> str:
     return pick["step_cache"]
 
 
+def check_engine_room(args, manager, device: str) -> str | None:
+    """What is wrong with --memory-budget on `device`, if anything: it must hold the smallest engine there,
+    a worker process (DeviceSpec.process_overhead_bytes) beside this process's own memory where the
+    device's memory is the host's. Checked before any engine starts."""
+    from engine import devices
+    from engine.serving.budget import GIB
+
+    if manager.memory_budget is None:
+        return None
+    need = devices.get_device(device).process_overhead_bytes + manager.app_bytes(device)
+    if manager.memory_budget >= need:
+        return None
+    return (f"argument --memory-budget: {args.memory_budget} leaves no room for an engine on {device} (a worker "
+            f"process there is estimated at {need / GIB:.2f} GiB with this server's own memory); allowed: at "
+            f"least {need / GIB:.2f}GiB")
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)  # every flag's value is checked here (engine/config/flags.py)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)  # the start-up choices below are always logged
+    step_cache = "none"
+    if args.config_from:  # its pick replaces flags: checked as they are, before anything loads
+        from engine.errors import InvalidRequest
+
+        try:
+            step_cache = apply_advice(args)
+        except InvalidRequest as exc:
+            parser.error(f"argument --config-from: {exc}")
     for line in resolve_hosting(args):
         log.info(line)
     if args.runtime == "inprocess":
@@ -274,19 +384,17 @@ def main(argv: list[str] | None = None) -> int:
         if engine_settings.gpu_calls() == "spaces":
             import spaces  # noqa: F401 - before torch touches CUDA (ZeroGPU patches it)
 
+    from engine import devices
     from engine.config.flags import options_from_args
     from engine.errors import ShowcaseError
     from engine.protocol import Mode
     from engine.serving.budget import parse_size
     from engine.serving.manager import make_manager
 
-    step_cache = "none"
-    if args.config_from:
-        try:
-            step_cache = apply_advice(args)
-        except (OSError, ValueError, KeyError) as exc:
-            print(f"error: --config-from {args.config_from}: {exc}", file=sys.stderr)
-            return 2
+    # An unknown device name stops here; a known device this machine lacks starts the UI, which says why.
+    if str(args.device).strip().lower() not in devices.device_names():
+        parser.error(f"argument --device: unknown device {args.device!r}; choose one of: "
+                     f"{', '.join(devices.device_names())}")
     try:
         sizes = warm_sizes(args.warm)
         auth = parse_auth(args.auth)
@@ -304,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
                                                    parallel=args.parallel)
         except ShowcaseError as exc:  # the UI still starts and shows the reason
             log.warning("default engine %s/%s/%s: %s", args.preset, args.device, args.precision, exc)
+        problem = manager.default_key and check_engine_room(args, manager, manager.default_key.device)
+        if problem:
+            manager.shutdown()
+            parser.error(problem)
     except ShowcaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -57,6 +57,23 @@ def test_bad_texts_name_the_valid_forms(text, says):
     assert "first-block[:THRESHOLD]" in str(err.value) and "taylorseer[:INTERVAL][:WARMUP]" in str(err.value)
 
 
+@pytest.mark.parametrize("text, says", [
+    ("taylorseer:3:0", "warmup 0 is out of range: allowed 1..200 (the first step must be computed"),
+    ("taylorseer:0", "interval 0 is out of range: allowed 1..200"),
+    ("taylorseer:2.5", "interval '2.5' is not a whole number (allowed 1..200)"),
+    ("pyramid:201", "interval 201 is out of range: allowed 1..200"),
+    ("faster-cache:" + "9" * 400, "interval inf is out of range: allowed 1..200"),
+    ("first-block:nan", "threshold nan is out of range: allowed above 0 and below 10"),
+    ("magcache:-1", "threshold -1 is out of range: allowed above 0 and below 10"),
+])
+def test_parameters_diffusers_cannot_run_are_refused_naming_field_and_range(text, says):
+    with pytest.raises(InvalidRequest) as err:
+        StepCache.parse(text)
+    assert says in str(err.value)
+    with pytest.raises(InvalidRequest, match="out of range|not a whole number"):  # the same through a request
+        build_request(PRESET, prompt="x", width=64, height=64, step_cache=text)
+
+
 def test_request_and_result_carry_the_cache():
     request = GenerateRequest("a red circle on a blue background", 64, 64, 8, 1.0, 0, step_cache="first-block:0.3")
     assert request.step_cache == StepCache(StepCacheKind.FIRST_BLOCK, threshold=0.3)
@@ -140,6 +157,29 @@ def test_each_cache_serves_steps_from_its_hooks(runner, baseline, cache):
     assert out["cached_steps"] == list(result.cached_steps) and out["computed_steps"] == result.computed_steps
 
 
+# Each end of every parameter's range, run by diffusers' own hooks (an interval past the step count: no
+# step is predicted, which is allowed).
+@pytest.mark.parametrize("cache", ["taylorseer:1:1", "taylorseer:200:200", "faster-cache:1", "pyramid:1",
+                                   "pyramid:200", "first-block:0.001", "first-block:9.99", "magcache:9.99"])
+def test_the_ends_of_each_range_run_in_diffusers(runner, cache):
+    result, progress = _run(runner, _request(cache, steps=4))
+    assert str(result.step_cache) == str(StepCache.parse(cache)) and len(progress) == 4
+    assert result.computed_steps + len(result.cached_steps) == 4 and 1 not in result.cached_steps
+
+
+def test_just_below_the_warmup_range_diffusers_fails_and_no_visitor_reads_showcaseerror(runner):
+    from engine.errors import ShowcaseError
+    from ui.common import to_gradio_error
+
+    cache = StepCache.parse("taylorseer:3:1")
+    object.__setattr__(cache, "warmup", 0)  # what validation let through before: step 0 predicted from nothing
+    with pytest.raises(ValueError, match="Cannot predict without prior initialization") as err:
+        runner.generate(_request(cache, steps=4))
+    # The worker sends a library's error on wrapped like this; the page titles it by what happened.
+    shown = to_gradio_error(ShowcaseError(f"{type(err.value).__name__}: {err.value}"))
+    assert shown.title == "Generation failed" and "ShowcaseError" not in f"{shown.title} {shown.message}"
+
+
 def test_caches_never_leak_into_the_shared_denoiser(runner, baseline):
     _run(runner, _request("first-block:0.2"))
     _run(runner, _request("taylorseer:3:2"))
@@ -203,6 +243,9 @@ def test_step_caches_command_lists_every_cache(capsys):
     rows = {r["name"]: r for r in out["caches"]}
     assert out["preset"] == "tiny-shapes" and set(rows) == set(StepCacheKind.values())
     assert rows["first-block"]["usable"] and not rows["pyramid"]["usable"]
+    assert rows["taylorseer"]["ranges"]["warmup"].startswith("1..200 (the first step must be computed")
+    assert main(["step-caches", "--device", "cpu", "--mode", "eager"]) == 0
+    assert "(default taylorseer:3:2; INTERVAL 1..200, WARMUP 1..200)" in capsys.readouterr().out
 
 
 def test_levers_targets_on_hand_made_rows():

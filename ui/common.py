@@ -22,9 +22,12 @@ from engine import devices as engine_devices
 from engine.errors import (
     BudgetExceeded,
     Cancelled,
+    DeviceOutOfMemory,
     DeviceUnavailable,
     EngineBusy,
+    EngineCrashed,
     InvalidRequest,
+    ModelLoadError,
     NotAllowed,
     ShowcaseError,
     UnsupportedCombination,
@@ -50,7 +53,13 @@ ERROR_TITLES = {
     BudgetExceeded: "No room on this server",
     EngineBusy: "Busy",
     Cancelled: "Cancelled",
+    DeviceOutOfMemory: "Out of memory",
+    EngineCrashed: "Engine stopped",
+    ModelLoadError: "Model could not load",
 }
+# A ShowcaseError of no kind above: the engine's wrapper around a library's error (e.g. diffusers' own
+# ValueError from inside a pipeline call), never titled by a class name.
+FAILED_TITLE = "Generation failed"
 MEMO_ENTRIES = 256  # visitor input memoised (engine keys, each session's engine): least recently used go first
 
 # A server path in a message: absolute (/a/b, C:\\a), home-relative (~, ~user/a) or a dotted relative one
@@ -102,7 +111,7 @@ def to_gradio_error(exc: BaseException, public: bool = True) -> gr.Error:
     if isinstance(exc, gr.Error):
         return exc
     if isinstance(exc, ShowcaseError):
-        title = next((t for cls, t in ERROR_TITLES.items() if isinstance(exc, cls)), type(exc).__name__)
+        title = next((t for cls, t in ERROR_TITLES.items() if isinstance(exc, cls)), FAILED_TITLE)
         message = str(exc)
         if public:
             scrubbed = scrub_paths(message)

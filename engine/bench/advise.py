@@ -607,12 +607,11 @@ def save(report: dict, path: Path) -> Path:
 def load_pick(path: Path) -> dict:
     """The configuration an advisor file names (precision, mode, step_cache, attention, and the preset,
     device, size and steps it was measured for); ValueError when the file names none."""
-    data = json.loads(Path(path).read_text())
-    pick = data.get("pick")
-    if not pick:
-        raise ValueError(f"{path}: the advisor found no configuration within its bound")
-    return {**{k: pick[k] for k in REFERENCE}, "preset": data["preset"], "device": data["device"],
-            "size": data["size"], "steps": data["steps"]}
+    from engine.config.validation import advice_pick, read_json_file
+
+    pick = advice_pick(read_json_file(path, str(path)), str(path))
+    return {**{k: pick[k] for k in REFERENCE}, "preset": pick["preset"], "device": pick["device"],
+            "size": pick["size"], "steps": pick["steps"]}
 
 
 def serving_threads(spec) -> int | None:
