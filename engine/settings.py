@@ -58,13 +58,13 @@ def server_defaults() -> dict:
     # an explicit SHOWCASE_HOST/PORT still wins.
     return {
         "host": _env("SHOWCASE_HOST", _env("GRADIO_SERVER_NAME", "127.0.0.1")),
-        "port": int(_env("SHOWCASE_PORT", _env("GRADIO_SERVER_PORT", "7860"))),
+        "port": _env("SHOWCASE_PORT", _env("GRADIO_SERVER_PORT", "7860")),  # text: app.py checks its range
         "preset": _env("SHOWCASE_PRESET", DEFAULT_PRESET),
         "device": _env("SHOWCASE_DEVICE", "auto"),
         "precision": _env("SHOWCASE_PRECISION", "fp32"),
         "mode": _env("SHOWCASE_MODE", "compile"),
         "warm": _env("SHOWCASE_WARM", "all"),
-        "queue_size": int(_env("SHOWCASE_QUEUE_SIZE", "64")),
+        "queue_size": _env("SHOWCASE_QUEUE_SIZE", "64"),
         "auth": _env("SHOWCASE_AUTH"),  # "user:password"
         # hosting
         "public": hosting_mode()[0],

@@ -81,6 +81,12 @@ def test_env_defaults_get_the_flags_checks(monkeypatch):
     with pytest.raises(SystemExit) as stopped:
         app.build_parser().parse_args([])
     assert stopped.value.code == 2
+    for name, text in (("SHOWCASE_QUEUE_SIZE", "many"), ("SHOWCASE_PORT", "http")):  # not numbers: no traceback
+        monkeypatch.setenv(name, text)
+        with pytest.raises(SystemExit) as stopped:
+            app.build_parser().parse_args([])
+        assert stopped.value.code == 2
+        monkeypatch.delenv(name)
     monkeypatch.setenv("SHOWCASE_QUEUE_SIZE", "12")
     monkeypatch.setenv("SHOWCASE_PRESETS", " tiny-flux , tiny-sd3 ")
     args = app.build_parser().parse_args([])
