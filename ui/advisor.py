@@ -16,7 +16,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from engine.bench.advise import DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
+from engine.bench.advise import CHECKER_MIN_PSNR, DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 
@@ -112,8 +112,10 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
     with gr.Tab("Advisor", id="advisor"):
         gr.Markdown(
             "Measures what this engine can run here — precision × mode × step cache × attention backend — "
-            "and names the **fastest configuration within a quality bound**: fidelity within N points of eager "
-            "fp32 (models with a pixel checker), or a PSNR floor against eager fp32 (any model). What cannot "
+            "and names the **fastest configuration within a quality bound**: a PSNR floor against eager fp32's "
+            "image of the same prompt and seed (any model) and, on models with a pixel checker, fidelity within "
+            "N points of eager fp32. Speedups are medians of images timed round-robin with eager fp32, with "
+            "their spread and image count; a spread across 1.0× says there is no measurable difference. What cannot "
             "run here, or would not fit the time budget, is skipped and listed. A step cache is picked only "
             "where it measured faster than the same configuration without it.")
         with gr.Row():
@@ -126,8 +128,8 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
             minutes = gr.Slider(1, 30, value=5, step=0.5, label="Time budget (minutes)", elem_id="a-minutes")
             points = gr.Number(value=DEFAULT_FIDELITY_POINTS, minimum=0, label="Fidelity: at most this many points "
                                "below eager fp32", elem_id="a-fidelity-points")
-            psnr = gr.Number(value=0, minimum=0, label=f"PSNR floor in dB (0: {DEFAULT_MIN_PSNR:g} on models without "
-                             "a checker, none on those with one)", elem_id="a-min-psnr")
+            psnr = gr.Number(value=0, minimum=0, label=f"PSNR floor in dB (0: {DEFAULT_MIN_PSNR:g}, or "
+                             f"{CHECKER_MIN_PSNR:g} on models with a checker)", elem_id="a-min-psnr")
         with gr.Row():
             run_btn = gr.Button("Measure and advise", variant="primary", elem_id="advise-btn")
             cancel_btn = gr.Button("Cancel", variant="stop", elem_id="a-cancel-btn")

@@ -28,6 +28,7 @@ CSS = """
   font-size: 0.9em; font-variant-numeric: tabular-nums; overflow-wrap: anywhere; }
 #c-cards .c-card img { width: 100%; max-width: 256px; image-rendering: pixelated; display: block; margin: 4px 0; }
 #c-cards .c-card-title { font-weight: 600; }
+#c-cards .c-pair { display: grid; grid-template-columns: 1fr 1fr; gap: 4px; }
 #c-cards .c-card-tag, #c-cards .c-note { color: var(--body-text-color-subdued); font-size: 0.9em; }
 #c-cards .c-card-error { color: var(--error-text-color); }
 """
