@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import time
 from contextlib import ExitStack, closing
 from itertools import product
@@ -24,10 +23,8 @@ from itertools import product
 import gradio as gr
 import pandas as pd
 
-from engine import devices as engine_devices
-from engine.bench import configs as explicit
+import engine.bench.configs as explicit
 from engine.bench.paired import PairedTiming, current_marks, engine_marks
-from engine.bench.quality import diff_heatmap
 from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size
@@ -109,7 +106,7 @@ class CompareHandlers(HandlerBase):
         """Why a configuration cannot run here, by the engine's own checks (None: it can)."""
         device, precision, mode, cache = views.parse_config(config)
         try:
-            spec = engine_devices.resolve_device(device)
+            spec = self.device_spec(device)
             return explicit.refusal(self.manager.preset(preset), spec,
                                     explicit.Configuration(mode, precision, cache))
         except ShowcaseError as exc:
@@ -138,19 +135,14 @@ class CompareHandlers(HandlerBase):
         saved result for this preset, device, size and steps)."""
         device = self.default_device(devices)
         try:
-            spec = engine_devices.resolve_device(device)
+            spec = self.device_spec(device)
             model = self.manager.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         if which == explicit.FRONTIER:
-            from engine.bench.advise import result_path
-
             size_text = str(size or model.buckets[0])
-            path = result_path(self.manager.cache_dir, model.name, spec.name, size_text, int(steps or model.steps))
-            try:
-                found = explicit.advisor_frontier(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                found = []
+            found = explicit.saved_frontier(self.manager.cache_dir, model.name, spec.name, size_text,
+                                            int(steps or model.steps))
             if not found:
                 raise gr.Error(f"no Advisor result for {model.name} on {spec.name} at {size_text}, "
                                f"{int(steps or model.steps)} steps: run the Advisor tab with these settings first",
@@ -284,14 +276,10 @@ class CompareHandlers(HandlerBase):
                 thumbnails.append(thumbnail_uri(images[0]))
                 if config != reference and ref_images is not None:
                     entry["heatmap_index"] = len(thumbnails)
-                    thumbnails.append(thumbnail_uri(diff_heatmap(images[0], ref_images[0])))
+                    thumbnails.append(thumbnail_uri(views.difference_picture(images[0], ref_images[0])))
                 entry["gallery_index"] = len(gallery)
                 results.append(entry)
-                caption = " · ".join(filter(None, [
-                    config, f"drift {entry['drift']}" if entry.get("drift") else "",
-                    f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
-                    "eager fallback" if result.eager_fallback else ""]))
-                gallery.append((images[0], caption))
+                gallery.append((images[0], self._caption(entry)))
                 yield gallery, payload(), thumbnails
 
             # Timing: round-robin with the reference, the start rotating, until each spread is known.
@@ -337,6 +325,9 @@ class CompareHandlers(HandlerBase):
                         plan.record(round_index, config, result.timings.total_ms, dict.fromkeys(before + marks()))
                     round_index += 1
                     self._apply_timing(plan, entries)
+                    for entry in entries.values():
+                        i = entry["gallery_index"]
+                        gallery[i] = (gallery[i][0], self._caption(entry))
                     timing.update(rounds=plan.rounds, stop_reason=plan.stop_reason)
                     yield gallery, payload(), thumbnails
                     if "error" in plan.warm.get(reference, {}):
@@ -350,6 +341,17 @@ class CompareHandlers(HandlerBase):
         if all(r.get("error") for r in results):
             failures = "; ".join(f"{r['config']}: {r['error']}" for r in results)
             raise gr.Error(f"every configuration failed: {failures}", title="Compare failed")
+
+    @staticmethod
+    def _caption(entry: dict) -> str:
+        """A gallery image's caption: its configuration, s / image, speedup, drift and fidelity."""
+        figure = entry.get("speedup_figure")
+        return " · ".join(filter(None, [
+            entry["config"], f"{views.per_image_s(entry):.3f} s / image",
+            f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
+            f"drift {entry['drift']}" if entry.get("drift") else "",
+            f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
+            "eager fallback" if entry.get("eager_fallback") else ""]))
 
     @staticmethod
     def _apply_timing(plan: PairedTiming, entries: dict[str, dict]) -> None:

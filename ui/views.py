@@ -428,6 +428,13 @@ def fidelity_sample_prompts(preset, n: int, fallback: str) -> list[str]:
     return sample_prompts(preset, n, seed=FIDELITY_SEED, fallback=fallback)
 
 
+def difference_picture(image, reference):
+    """|image - reference| as a heat map (PIL), by the bench's quality code."""
+    from engine.bench.quality import diff_heatmap
+
+    return diff_heatmap(image, reference)
+
+
 def has_checker(preset) -> bool:
     from engine.bench.quality import fidelity_checker
 
@@ -542,7 +549,7 @@ def advisor_rows(result: dict | None) -> list[list]:
     alternation with it), with why it is (not) eligible."""
     if not result:
         return []
-    from engine.bench.advise import speedup_text
+    from engine.bench.paired import row_speedup_text as row_speedup
     from engine.bench.quality import fmt_drift
 
     pick = (result.get("pick") or {}).get("label")
@@ -552,7 +559,7 @@ def advisor_rows(result: dict | None) -> list[list]:
             out.append([r["label"], "failed", "", "", "", "", "", r["error"]])
             continue
         verdict = "★ pick" if r["label"] == pick else ("yes" if r.get("eligible") else f"no: {r.get('why_not', '')}")
-        out.append([r["label"], f"{r['s_per_image']:.3f}", speedup_text(r),
+        out.append([r["label"], f"{r['s_per_image']:.3f}", row_speedup(r),
                     fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff"))
                     + ("" if r.get("drift_ssim") is None else f", SSIM {r['drift_ssim']:.3f}"), _pct(r.get("fidelity")),
                     "—" if r.get("cached_steps") is None else f"{r['cached_steps']:.1f}", fmt_s(r.get("compile_s")),
@@ -591,10 +598,10 @@ def advisor_markdown(result: dict) -> str:
         parts.append("No configuration within the bound: eager fp32 stays.")
     else:
         confirm = result.get("confirm") or {}
-        from engine.bench.advise import speedup_text
+        from engine.bench.paired import row_speedup_text as row_speedup
 
         parts.append(f"**Pick: `{pick['label']}`** — {pick['s_per_image']:.3f} s per image, "
-                     f"**{speedup_text(pick)}** eager fp32 (final round: {(confirm.get('pick_ms_median') or 0):.1f} vs "
+                     f"**{row_speedup(pick)}** eager fp32 (final round: {(confirm.get('pick_ms_median') or 0):.1f} vs "
                      f"{(confirm.get('reference_ms_median') or 0):.1f} ms, medians of {confirm.get('rounds')} rounds), "
                      f"fidelity {_pct(pick.get('fidelity'))}.")
     limits = []

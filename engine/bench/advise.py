@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.bench import quality
-from engine.bench.paired import PairedTiming, current_marks, measure_round_robin
+from engine.bench.paired import PairedTiming, current_marks, measure_round_robin, row_speedup_text
 from engine.metrics import median
 
 log = logging.getLogger(__name__)
@@ -593,23 +593,13 @@ def final_summary(timing: PairedTiming, leaders: list[dict]) -> dict:
 
 
 # -- output -----------------------------------------------------------------------------------------
-def speedup_text(r: dict) -> str:
-    """A row's one speedup as every view shows it: median, spread and images where measured in pairs."""
-    if r.get("speedup") is None:
-        return "—"
-    figure = r.get("speedup_figure")
-    if figure and figure.get("text") and figure.get("speedup") == r["speedup"]:
-        return figure["text"] + (" (final round)" if r.get("speedup_source") == "final round" else "")
-    return f"{r['speedup']:.2f}×"
-
-
 def fmt_row(r: dict) -> list[str]:
     def pct(v):
         return "—" if v is None else f"{v * 100:.0f} %"
 
     if r.get("error"):
         return [r["label"], "failed", "", "", "", r["error"]]
-    return [r["label"], f"{r['s_per_image'] * 1000:.1f} ms", speedup_text(r),
+    return [r["label"], f"{r['s_per_image'] * 1000:.1f} ms", row_speedup_text(r),
             quality.fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff"))
             + ("" if r.get("drift_ssim") is None else f", SSIM {r['drift_ssim']:.3f}"), pct(r.get("fidelity")),
             "pick" if r.get("picked") else ("yes" if r.get("eligible") else f"no: {r.get('why_not', '')}")]
@@ -635,7 +625,7 @@ def markdown(report: dict) -> str:
     else:
         c = report["confirm"] or {}
         lines.append(f"Pick: {pick['label']} — {pick['s_per_image'] * 1000:.1f} ms per image, "
-                     f"in the grid; {speedup_text(pick)} eager fp32 "
+                     f"in the grid; {row_speedup_text(pick)} eager fp32 "
                      f"({(c.get('pick_ms_median') or 0):.1f} vs {(c.get('reference_ms_median') or 0):.1f} ms, medians of "
                      f"{c.get('rounds')} round-robin rounds); fidelity "
                      + ("—" if pick.get("fidelity") is None else f"{pick['fidelity'] * 100:.0f} %")

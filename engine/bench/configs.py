@@ -112,6 +112,18 @@ def levers_one_at_a_time(preset, spec, limit: int = 6) -> list[Configuration]:
     return out[:limit]
 
 
+def saved_frontier(cache_dir, preset: str, device: str, size: str, steps: int) -> list[Configuration]:
+    """advisor_frontier of the Advisor's saved result for this preset, device, size and steps; [] when none."""
+    import json
+
+    from engine.bench.advise import result_path
+
+    try:
+        return advisor_frontier(json.loads(result_path(cache_dir, preset, device, size, steps).read_text()))
+    except (OSError, ValueError):
+        return []
+
+
 def advisor_frontier(report: dict, limit: int = 6) -> list[Configuration]:
     """From an Advisor result (its JSON): the reference, the pick and the other configurations within its
     bound, fastest first; [] when it has none."""

@@ -257,3 +257,13 @@ def measure_round_robin(plan: PairedTiming, time_one: Callable[[str, int], float
             plan.record(round_index, label, ms, dict.fromkeys(before + after))
         round_index += 1
     return plan
+
+
+def row_speedup_text(r: dict) -> str:
+    """A row's one speedup as every view shows it: median, spread and images where measured in pairs."""
+    if r.get("speedup") is None:
+        return "—"
+    figure = r.get("speedup_figure")
+    if figure and figure.get("text") and figure.get("speedup") == r["speedup"]:
+        return figure["text"] + (" (final round)" if r.get("speedup_source") == "final round" else "")
+    return f"{r['speedup']:.2f}×"
