@@ -165,6 +165,12 @@ def test_on_a_model_with_a_checker_the_bound_also_has_a_psnr_floor():
                 row("fp32", "regional", ms=90, psnr=60, diff=2)]
         pick, _ = choose(rows, p)
         assert pick["label"] == "fp32/regional"
+    # an SSIM floor, when set, counts beside them
+    rows = [row("fp32", "eager"), row("fp32", "compile", ms=40, psnr=30, diff=50),
+            row("fp32", "regional", ms=60, psnr=30, diff=50)]
+    rows[1]["drift_ssim"], rows[2]["drift_ssim"] = 0.90, 0.99
+    pick, rows = choose(rows, plan(min_ssim=0.95))
+    assert pick["label"] == "fp32/regional" and rows[1]["why_not"] == "SSIM 0.900 < 0.95"
 
 
 def test_summary_table_and_json_show_one_speedup_per_configuration():
@@ -193,3 +199,22 @@ def test_summary_table_and_json_show_one_speedup_per_configuration():
     assert text in markdown(report)
     json_row = next(r for r in report["rows"] if r["label"] == "bf16/eager")
     assert json_row["speedup"] == expected.speedup and json_row["scan_speedup"] == 1.80
+
+
+def test_each_card_shows_the_worst_sample_beside_eager_fp32_and_their_difference():
+    import numpy as np
+
+    from engine.bench import quality
+    from ui.advisor import advisor_cards_html
+
+    ref = np.zeros((16, 16, 3), np.uint8)
+    moved = ref.copy()
+    moved[4:8, 4:8] = 255
+    assert quality.worst_sample([ref, moved, ref], [ref, ref, ref]) == 1
+    rows = [row("fp32", "eager"), row("bf16", "eager", ms=50, psnr=31, diff=40)]
+    pick, rows = choose(rows, plan())
+    rows[1].update(picture_png=quality.png_b64(moved), reference_png=quality.png_b64(ref),
+                   diff_png=quality.png_b64(quality.diff_heatmap(moved, ref)), drift_ssim=0.9)
+    cards = advisor_cards_html({"pick": pick, "rows": rows})
+    assert cards.count('class="c-card"') == 1 and cards.count("data:image/png;base64,") == 3
+    assert "★ pick" in cards and "31.0 dB PSNR, SSIM 0.900, max diff 40" in cards and "2.00× vs eager fp32" in cards

@@ -33,7 +33,8 @@ TAB_IDS = {
                 "c-speedup", "c-costs", "c-json", "c-caches", "c-fidelity-prompts", "c-cards", "c-configs",
                 "c-config-list", "c-timing", "c-config-check"},
     "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-minutes", "a-fidelity-points", "a-min-psnr",
-                "advise-btn", "a-cancel-btn", "a-apply-btn", "a-summary", "a-frontier", "a-table", "a-json"},
+                "advise-btn", "a-cancel-btn", "a-apply-btn", "a-summary", "a-frontier", "a-table", "a-json",
+                "a-cards"},
     "system": {"system-refresh", "system"},
 }
 TAB_APIS = {"generate": {"generate"}, "buckets": {"status", "warm", "restart"}, "compare": {"compare"},

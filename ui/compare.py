@@ -315,9 +315,10 @@ class CompareHandlers(HandlerBase):
                         try:
                             result, _ = yield from draw(config, prompt, seed, f"timing round {round_index + 1}: "
                                                         f"{config}: ", done_images * steps_total)
-                        except ShowcaseError as exc:
-                            plan.warm[config]["error"] = explicit.first_line(str(exc))
-                            entries[config]["timing_error"] = plan.warm[config]["error"]
+                        except Exception as exc:  # it is no longer timed; the others go on
+                            why = explicit.first_line(str(exc)) if isinstance(exc, ShowcaseError) else \
+                                f"internal error ({type(exc).__name__})"
+                            plan.warm[config]["error"] = entries[config]["timing_error"] = why
                             if config == reference:
                                 break
                             continue

@@ -609,6 +609,8 @@ def advisor_markdown(result: dict) -> str:
         limits.append(f"fidelity within {bound['fidelity_points']:g} points of eager fp32")
     if bound.get("min_psnr_db") is not None:
         limits.append(f"PSNR ≥ {bound['min_psnr_db']:g} dB against eager fp32")
+    if bound.get("min_ssim") is not None:
+        limits.append(f"SSIM ≥ {bound['min_ssim']:g} against eager fp32")
     if limits:
         parts.append("Bound: " + ", ".join(limits) + ".")
     if result.get("saved"):

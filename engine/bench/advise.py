@@ -53,6 +53,7 @@ class AdvisePlan:
     confirm_pairs: int = 8
     fidelity_points: float | None = DEFAULT_FIDELITY_POINTS  # the bound on a model with a checker
     min_psnr_db: float | None = None  # None: DEFAULT_MIN_PSNR, or CHECKER_MIN_PSNR on a model with a checker
+    min_ssim: float | None = None  # off unless set: SSIM against eager fp32's image of the same prompt and seed
     cache_dir: Path | None = None
     options: object = None  # EngineOptions
     allowed_roots: tuple[str, ...] = ()
@@ -100,6 +101,9 @@ class Measured:
     unscored: str | None = None  # why its quality was not measured
     note: str | None = None
     marks: list[str] = field(default_factory=list)  # what else ran while it was timed (host load)
+    picture: str | None = None  # its image of the sample that differs most from eager fp32's (base64 PNG)
+    diff_picture: str | None = None  # the heat map of that difference (base64 PNG)
+    reference_picture: str | None = None  # eager fp32's image of that sample (base64 PNG)
 
     @property
     def s_per_image(self) -> float | None:
@@ -126,7 +130,8 @@ class Measured:
                 "image_ms": [round(x, 3) for x in self.image_ms], "compile_s": self.compile_s,
                 "ref_ms": [round(x, 3) for x in self.ref_ms], "paired_speedup": self.paired_speedup,
                 "drift_psnr_db": self.drift_psnr_db, "drift_max_diff": self.drift_max_diff,
-                "drift_ssim": self.drift_ssim, "marks": list(self.marks),
+                "drift_ssim": self.drift_ssim, "marks": list(self.marks), "picture_png": self.picture,
+                "diff_png": self.diff_picture, "reference_png": self.reference_picture,
                 "speedup_figure": self.timing().figure(self.candidate.label()).as_dict() if self.ref_ms else None,
                 "fidelity": self.fidelity, "cached_steps": self.cached_steps, "error": self.error,
                 "unscored": self.unscored, "note": self.note}
@@ -232,6 +237,9 @@ def within_bound(row: dict, ref: dict, plan: AdvisePlan) -> tuple[bool, str]:
     if bound is not None and row.get("drift_max_diff"):
         if row.get("drift_psnr_db") is None or row["drift_psnr_db"] < bound:
             return False, f"drift {row.get('drift_psnr_db') or 0:.1f} dB < {bound:g} dB"
+    if plan.min_ssim is not None and row.get("drift_max_diff"):
+        if row.get("drift_ssim") is None or row["drift_ssim"] < plan.min_ssim:
+            return False, f"SSIM {row.get('drift_ssim') or 0:.3f} < {plan.min_ssim:g}"
     return True, ""
 
 
@@ -430,6 +438,11 @@ def advise(plan: AdvisePlan, on_progress: Callable[[int, int, str], None] | None
             ref_images = images
         row = quality.score(images, prompts, None if is_ref else ref_images, plan.preset)
         m.drift_psnr_db, m.drift_max_diff, m.drift_ssim = row["drift_psnr_db"], row["drift_max_diff"], row["drift_ssim"]
+        worst = 0 if is_ref else quality.worst_sample(images, ref_images)
+        m.picture = quality.png_b64(images[worst])
+        if not is_ref:
+            m.diff_picture = quality.png_b64(quality.diff_heatmap(images[worst], ref_images[worst]))
+            m.reference_picture = quality.png_b64(ref_images[worst])
         m.fidelity = row.get("fidelity")
         m.scored = True
 
@@ -511,7 +524,7 @@ def advise(plan: AdvisePlan, on_progress: Callable[[int, int, str], None] | None
     report("done")
     return {
         "preset": plan.preset.name, "device": spec.name, "size": str(plan.size), "steps": plan.steps,
-        "bound": {"fidelity_points": plan.fidelity_points, "min_psnr_db": plan.psnr_bound()},
+        "bound": {"fidelity_points": plan.fidelity_points, "min_psnr_db": plan.psnr_bound(), "min_ssim": plan.min_ssim},
         "quality_samples": len(prompts), "timing_images": plan.timing_images,
         "reference": REFERENCE, "pick": pick, "confirm": confirm, "rows": rows, "skipped": skipped,
         "elapsed_s": time.perf_counter() - started, "max_minutes": plan.max_minutes,
@@ -687,7 +700,7 @@ def cmd_advise(args) -> int:
     plan = AdvisePlan(
         preset=preset, device=spec.name, size=size, steps=args.steps or preset.steps, max_minutes=args.max_minutes,
         timing_images=args.timing_images, quality_samples=args.quality_samples, confirm_pairs=args.confirm_pairs,
-        fidelity_points=args.fidelity_points, min_psnr_db=args.min_psnr, cache_dir=cache_dir,
+        fidelity_points=args.fidelity_points, min_psnr_db=args.min_psnr, min_ssim=args.min_ssim, cache_dir=cache_dir,
         options=options_from_args(args, warm_sizes=(), warm_modes=()),
         allowed_roots=tuple(str(r) for r in model_roots_from_args(args)), prompt=preset.example_prompt,
         started=started,
@@ -733,6 +746,8 @@ def add_advise_parser(subparsers):
     a.add_argument("--min-psnr", type=float, default=None,
                    help=f"bound: drift PSNR against eager fp32 (default {DEFAULT_MIN_PSNR:g} dB, "
                         f"{CHECKER_MIN_PSNR:g} dB on models with a checker, beside --fidelity-points)")
+    a.add_argument("--min-ssim", type=float, default=None,
+                   help="bound: drift SSIM against eager fp32 (0-1; default off: PSNR and fidelity bound)")
     a.add_argument("--out", type=Path, default=None,
                    help="results JSON (default: <cache dir>/advisor/<preset>@<device>-<size>-<steps>steps.json)")
     a.add_argument("--progress-json", action="store_true", help="progress and the result as JSON lines on stdout")

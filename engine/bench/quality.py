@@ -97,6 +97,23 @@ def diff_heatmap(image, reference, scale: float | None = None) -> Image.Image:
     return Image.fromarray((rgb * 255).round().astype(np.uint8), "RGB")
 
 
+def png_b64(image, max_px: int = 256) -> str:
+    """An image as base64 PNG text, at most `max_px` on its longer side: small enough for a JSON report."""
+    import base64
+
+    picture = Image.fromarray(to_array(image)) if not isinstance(image, Image.Image) else image.copy()
+    picture.thumbnail((max_px, max_px))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def worst_sample(images: list, reference: list) -> int:
+    """The index of the sample whose image differs most from the reference's (lowest PSNR)."""
+    drifts = [image_drift(a, b) for a, b in zip(images, reference, strict=True)]
+    return min(range(len(drifts)), key=lambda i: math.inf if drifts[i]["psnr_db"] is None else drifts[i]["psnr_db"])
+
+
 def worst_drift(drifts: list[dict]) -> dict:
     """The worst sample: the lowest PSNR and the largest pixel difference over the samples."""
     if not drifts:
