@@ -117,3 +117,31 @@ def test_a_configuration_that_fails_is_left_out_and_the_others_are_timed():
     measure_round_robin(plan, time_one=lambda label, r: 100.0 if label == "ref" else 25.0, warm=warm)
     assert plan.warm["broken"]["error"] == "RuntimeError: step cache first-block cannot run in mode compile"
     assert plan.figure("broken").images == 0 and plan.figure("a").speedup == pytest.approx(4.0)
+
+
+def _figures(**speedups):
+    plan = PairedTiming(list(speedups), reference="eager/fp32", min_rounds=3, max_rounds=3)
+    measure_round_robin(plan, time_one=lambda label, r: 100.0 / speedups[label])
+    return {label: f.as_dict() for label, f in plan.figures().items()}
+
+
+def test_the_repeatability_bench_compares_both_runs_and_the_ranking():
+    from engine.bench import repeat
+
+    first = _figures(**{"eager/fp32": 1.0, "compile/fp32": 1.6, "eager/bf16": 1.2, "regional/fp32": 1.4})
+    steady = _figures(**{"eager/fp32": 1.0, "compile/fp32": 1.7, "eager/bf16": 1.15, "regional/fp32": 1.35})
+    c = repeat.compare_runs(first, steady)
+    assert c["same_ranking"] and c["all_within"]
+    assert c["ranking_first"] == ["compile/fp32", "regional/fp32", "eager/bf16"]
+    flipped = _figures(**{"eager/fp32": 1.0, "compile/fp32": 1.1, "eager/bf16": 1.2, "regional/fp32": 1.4})
+    c = repeat.compare_runs(first, flipped)
+    assert not c["same_ranking"] and not c["all_within"]
+    row = next(r for r in c["rows"] if r["label"] == "compile/fp32")
+    assert row["ratio"] == pytest.approx(1.1 / 1.6) and not row["within"]
+    report = {"preset": "tiny-shapes", "device": "cpu", "size": "64x64", "steps": 8, "threads": 1,
+              "load_before": [0.5, 0.4, 0.3], "load_after": [0.6, 0.4, 0.3], "comparison": c,
+              "runs": [{"rounds": 3, "stop_reason": "spread known", "elapsed_s": 4.0,
+                        "warm": {"compile/fp32": {"compile_s": 12.0, "warmup_s": 0.2}}}] * 2}
+    text = repeat.markdown(report)
+    assert "| compile/fp32 | 1.60× (1.60–1.60, 3 images) | 1.10× (1.10–1.10, 3 images) | 0.69 | NO |" in text
+    assert "Same ranking: NO" in text and "compile/fp32 12.0 s compile + 0.20 s warm-up" in text

@@ -414,10 +414,12 @@ def build(h: CompareHandlers) -> None:
     available = [r["name"] for r in report if r.get("available")]
     with gr.Tab("Compare", id="compare"):
         gr.Markdown("The same prompt, seed, size and steps on 1–6 configurations (device × precision × mode × "
-                    "step cache), one after another, each priced against **eager fp32 without a step cache** "
-                    "(run first; added when not picked): seconds per image, speedup, drift of every image "
-                    "against the reference's, and for the embedded model the checker's fidelity over "
-                    "several prompts.")
+                    "step cache, or a typed list), each priced against **eager fp32 without a step cache** "
+                    "(run first; added when not picked): each draws its quality images first (which warm it), "
+                    "then all are timed round-robin with the reference until every speedup's spread is known. "
+                    "Seconds per image, speedup with its spread, drift of every image against the reference's "
+                    "(with a heat map of the difference), and for the embedded model the checker's fidelity "
+                    "over several prompts.")
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
                 prompt = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="c-prompt")
