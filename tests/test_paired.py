@@ -78,23 +78,28 @@ def test_a_spread_across_one_says_no_measurable_difference():
 
 
 def test_a_figure_is_marked_when_something_else_ran_during_its_images():
-    busy = {"rounds": {1}}
-    current = {"round": 0}
+    calls = iter(range(100))  # marks are read before and after each image: round 1's images are calls 4-7
 
     def time_one(label, r):
-        current["round"] = r
         return 100.0 if label == "ref" else 50.0
 
     def marks():
-        return ["compile running (e cpu compile 64x64)"] if current["round"] in busy["rounds"] else []
+        return ["compile running (e cpu compile 64x64)"] if 4 <= next(calls) <= 7 else []
 
     plan = PairedTiming(["ref", "a"], reference="ref", min_rounds=3, max_rounds=3)
     measure_round_robin(plan, time_one=time_one, marks=marks)
     assert "compile running" in plan.figure("a").text()
-    assert plan.figure("a").as_dict()["marks"] == ["compile running (e cpu compile 64x64)"]
+    assert plan.figure("a").as_dict()["marks"] == ["compile running (e cpu compile 64x64), 1 of 3 images"]
     quiet = PairedTiming(["ref", "a"], reference="ref", min_rounds=3, max_rounds=3)
     measure_round_robin(quiet, time_one=lambda label, r: 50.0, marks=lambda: [])
     assert quiet.figure("a").marks == [] and "marked" not in quiet.figure("a").text()
+
+
+def test_marks_are_summarised_per_kind_with_the_images_they_touched():
+    per_image = [["host load 3.1 on 2 cores"], [], ["host load 4.5 on 2 cores", "compile running (x)"],
+                 ["host load 3.9 on 2 cores"]]
+    assert paired.summarise_marks(per_image) == ["compile running (x), 1 of 4 images",
+                                                 "host load up to 4.5 on 2 cores, 3 of 4 images"]
 
 
 def test_engine_and_load_marks():
@@ -135,7 +140,8 @@ def test_the_repeatability_bench_compares_both_runs_and_the_ranking():
     assert c["ranking_first"] == ["compile/fp32", "regional/fp32", "eager/bf16"]
     flipped = _figures(**{"eager/fp32": 1.0, "compile/fp32": 1.1, "eager/bf16": 1.2, "regional/fp32": 1.4})
     c = repeat.compare_runs(first, flipped)
-    assert not c["same_ranking"] and not c["all_within"]
+    assert not c["same_ranking"] and not c["all_within"] and not c["ranking_held_but_ties"]
+    assert c["swapped"] == ["compile/fp32 / regional/fp32", "compile/fp32 / eager/bf16"]
     row = next(r for r in c["rows"] if r["label"] == "compile/fp32")
     assert row["ratio"] == pytest.approx(1.1 / 1.6) and not row["within"]
     report = {"preset": "tiny-shapes", "device": "cpu", "size": "64x64", "steps": 8, "threads": 1,
@@ -144,4 +150,17 @@ def test_the_repeatability_bench_compares_both_runs_and_the_ranking():
                         "warm": {"compile/fp32": {"compile_s": 12.0, "warmup_s": 0.2}}}] * 2}
     text = repeat.markdown(report)
     assert "| compile/fp32 | 1.60× (1.60–1.60, 3 images) | 1.10× (1.10–1.10, 3 images) | 0.69 | NO |" in text
-    assert "Same ranking: NO" in text and "compile/fp32 12.0 s compile + 0.20 s warm-up" in text
+    assert "Same ranking: NO (swapped: compile/fp32 / regional/fp32; compile/fp32 / eager/bf16; held apart from " \
+        "ties: NO)" in text and "compile/fp32 12.0 s compile + 0.20 s warm-up" in text
+
+
+def test_a_swap_between_overlapping_ranges_is_a_tie_not_a_changed_ranking():
+    from engine.bench import repeat
+
+    def fig(speedup, low, high):
+        return {"speedup": speedup, "iqr": [low, high]}
+
+    first = {"eager/fp32": fig(1.0, 1.0, 1.0), "a": fig(1.09, 0.98, 1.17), "b": fig(1.07, 0.97, 1.11)}
+    second = {"eager/fp32": fig(1.0, 1.0, 1.0), "a": fig(1.05, 1.01, 1.15), "b": fig(1.10, 0.94, 1.22)}
+    c = repeat.compare_runs(first, second)
+    assert not c["same_ranking"] and c["ranking_held_but_ties"] and c["swapped"] == ["a / b (a tie: ranges overlap)"]

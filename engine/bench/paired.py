@@ -38,12 +38,39 @@ def rotation(labels: list[str], round_index: int) -> list[str]:
     return labels[start:] + labels[:start]
 
 
+def summarise_marks(per_image: list[list[str]]) -> list[str]:
+    """One line per kind of mark over a figure's images, with how many images it touched: the host's load
+    as its highest reading ("host load up to 15.1 on 2 cores, 9 of 15 images")."""
+    counts: dict[str, int] = {}
+    loads: list[tuple[float, str]] = []
+    load_images = 0
+    for marks in per_image:
+        seen_load = False
+        for mark in dict.fromkeys(marks):
+            if mark.startswith(LOAD_MARK):
+                value, _, rest = mark[len(LOAD_MARK):].partition(" ")
+                loads.append((float(value), rest))
+                seen_load = True
+            else:
+                counts[mark] = counts.get(mark, 0) + 1
+        load_images += seen_load
+    n = len(per_image)
+    out = [f"{mark}, {k} of {n} images" for mark, k in counts.items()]
+    if loads:
+        top, rest = max(loads)
+        out.append(f"{LOAD_MARK}up to {top:.1f} {rest}, {load_images} of {n} images")
+    return out
+
+
+LOAD_MARK = "host load "
+
+
 def load_marks(load_1min: float | None, cores: int | None) -> list[str]:
     """A mark when the host's one-minute load average is above LOAD_SPIKE_PER_CORE per core."""
     if load_1min is None or not cores:
         return []
     if load_1min > LOAD_SPIKE_PER_CORE * cores:
-        return [f"host load {load_1min:.1f} on {cores} cores"]
+        return [f"{LOAD_MARK}{load_1min:.1f} on {cores} cores"]
     return []
 
 
@@ -190,12 +217,9 @@ class PairedTiming:
     def figure(self, label: str) -> Figure:
         ratios = self.ratios(label)
         mine = self.times.get(label, {})
-        rounds = set(mine)
-        marks: list[str] = []
-        for who in {label, self.reference}:
-            for r, ms in self.marks.get(who, {}).items():
-                if r in rounds:
-                    marks.extend(ms)
+        per_image = [[*self.marks.get(label, {}).get(r, []), *self.marks.get(self.reference, {}).get(r, [])]
+                     for r in sorted(mine)]
+        marks = summarise_marks(per_image) if any(per_image) else []
         is_ref = label == self.reference
         return Figure(
             label=label, reference=is_ref, images=len(mine),
@@ -204,7 +228,7 @@ class PairedTiming:
             low=1.0 if is_ref and mine else percentile(ratios, 0.25),
             high=1.0 if is_ref and mine else percentile(ratios, 0.75),
             min=min(ratios) if ratios else None, max=max(ratios) if ratios else None,
-            marks=list(dict.fromkeys(marks)),
+            marks=marks,
         )
 
     def figures(self) -> dict[str, Figure]:

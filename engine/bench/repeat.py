@@ -31,6 +31,30 @@ def ranking(figures: dict[str, dict]) -> list[str]:
             if label != REFERENCE and f.get("speedup") is not None]
 
 
+def overlap(a: dict, b: dict) -> bool:
+    """Whether two figures' interquartile ranges overlap: their order is not measured apart."""
+    (a_low, a_high), (b_low, b_high) = a.get("iqr") or (None, None), b.get("iqr") or (None, None)
+    if None in (a_low, a_high, b_low, b_high):
+        return False
+    return a_low <= b_high and b_low <= a_high
+
+
+def ranking_held(first: dict[str, dict], second: dict[str, dict]) -> tuple[bool, list[str]]:
+    """Whether every pair of configurations kept its order in the second run, except pairs whose ranges
+    overlap in either run (a tie there); and the pairs that swapped."""
+    order = ranking(first)
+    swapped, ties_only = [], True
+    for i, a in enumerate(order):
+        for b in order[i + 1:]:
+            if (second.get(a) or {}).get("speedup") is None or (second.get(b) or {}).get("speedup") is None:
+                continue
+            if second[a]["speedup"] < second[b]["speedup"]:
+                tie = overlap(first[a], first[b]) or overlap(second[a], second[b])
+                swapped.append(f"{a} / {b}" + (" (a tie: ranges overlap)" if tie else ""))
+                ties_only = ties_only and tie
+    return ties_only, swapped
+
+
 def compare_runs(first: dict[str, dict], second: dict[str, dict], tolerance: float = REPEAT_TOLERANCE) -> dict:
     """Per configuration the two speedups, their ratio and whether it is within `tolerance`; whether the
     ranking held. `first`/`second`: label -> Figure.as_dict()."""
@@ -43,7 +67,9 @@ def compare_runs(first: dict[str, dict], second: dict[str, dict], tolerance: flo
         rows.append({"label": label, "first": first[label], "second": second.get(label), "ratio": ratio,
                      "within": ratio is not None and abs(ratio - 1) <= tolerance})
     same = ranking(first) == ranking(second)
-    return {"rows": rows, "same_ranking": same, "ranking_first": ranking(first), "ranking_second": ranking(second),
+    held, swapped = ranking_held(first, second)
+    return {"rows": rows, "same_ranking": same, "ranking_held_but_ties": held, "swapped": swapped,
+            "ranking_first": ranking(first), "ranking_second": ranking(second),
             "all_within": all(r["within"] for r in rows), "tolerance": tolerance}
 
 
@@ -60,8 +86,10 @@ def markdown(report: dict) -> str:
     c = report["comparison"]
     lines += ["", f"Ranking run 1: {' > '.join(c['ranking_first'])}",
               f"Ranking run 2: {' > '.join(c['ranking_second'])}",
-              f"Same ranking: {'yes' if c['same_ranking'] else 'NO'}; every speedup within ±"
-              f"{c['tolerance'] * 100:.0f} %: {'yes' if c['all_within'] else 'NO'}"]
+              f"Same ranking: {'yes' if c['same_ranking'] else 'NO'}"
+              + ("" if c["same_ranking"] else f" (swapped: {'; '.join(c['swapped'])}; held apart from ties: "
+                 f"{'yes' if c['ranking_held_but_ties'] else 'NO'})")
+              + f"; every speedup within ±{c['tolerance'] * 100:.0f} %: {'yes' if c['all_within'] else 'NO'}"]
     for i, run in enumerate(report["runs"], 1):
         costs = ", ".join(f"{label} {w.get('compile_s') or 0:.1f} s compile + {w.get('warmup_s') or 0:.2f} s warm-up"
                           if not w.get("error") else f"{label} failed: {w['error']}" for label, w in run["warm"].items())
@@ -164,6 +192,6 @@ def main(args) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1, default=str))
         print(f"wrote {path}", file=sys.stderr)
-    ok = report["comparison"]["same_ranking"] and report["comparison"]["all_within"]
+    ok = report["comparison"]["ranking_held_but_ties"] and report["comparison"]["all_within"]
     return 1 if args.strict and not ok else 0
 
