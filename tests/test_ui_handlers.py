@@ -446,3 +446,12 @@ def test_system_panel_lists_devices_versions_caches(handlers, monkeypatch):
     assert any(c["folder"].startswith("inductor") for c in report["caches"])
     text = system_markdown(report)
     assert "hf_should_never_show" not in text and "HF_TOKEN" in text
+
+
+def test_compare_fills_in_the_levers_one_at_a_time_and_refuses_a_missing_frontier(handlers, tmp_path):
+    typed = handlers.configuration_list("the levers one at a time", "tiny-shapes", ["cpu"], "64x64", 8)
+    assert typed.split("; ")[:4] == ["eager/fp32", "eager/bf16", "compile/fp32", "regional/fp32"]
+    assert "✗" not in handlers.check_configurations("tiny-shapes", ["cpu"], typed)
+    with pytest.raises(gr.Error, match="no Advisor result for tiny-shapes on cpu at 64x64, 3 steps: run the Advisor"):
+        handlers.configuration_list("the Advisor's frontier", "tiny-shapes", ["cpu"], "64x64", 3)
+    assert handlers.configuration_list(None, "tiny-shapes", ["cpu"], "64x64", 8) == gr.skip()

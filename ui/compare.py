@@ -133,6 +133,8 @@ class CompareHandlers(HandlerBase):
     def configuration_list(self, which: str, preset: str, devices, size, steps) -> str:
         """A ready-made list for the typed field: the levers one at a time, or the Advisor's frontier (from its
         saved result for this preset, device, size and steps)."""
+        if which not in explicit.LISTS:
+            return gr.skip()
         device = self.default_device(devices)
         try:
             spec = self.device_spec(device)
@@ -151,7 +153,7 @@ class CompareHandlers(HandlerBase):
         return "; ".join(c.text() for c in explicit.levers_one_at_a_time(model, spec, MAX_CONFIGS))
 
     def compare(self, prompt, preset, size, steps, guidance, seed, devices, precisions, modes,
-                wait_for_warm=True, caches=None, fidelity_prompts=DEFAULT_FIDELITY_PROMPTS, configurations="",
+                wait_for_warm=True, caches=None, fidelity_prompts=DEFAULT_FIDELITY_PROMPTS, configurations=None,
                 timing_s=DEFAULT_TIMING_S, request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
         """The same prompt, seed, size and steps on every configuration (1–6): the typed list
         `configurations` ("mode/precision[/step cache][@device]; ...", engine/bench/configs.py) or else every
@@ -453,7 +455,7 @@ def build(h: CompareHandlers) -> None:
                 configurations = gr.Textbox(
                     label="Configurations (replaces the checkboxes when filled): mode/precision[/step cache]"
                           "[@device], separated by ; — e.g. eager/fp32; compile/fp32; regional/bf16; "
-                          "eager/fp32/first-block:0.2", lines=2, elem_id="c-configs")
+                          "eager/fp32/first-block:0.2", value="", lines=2, elem_id="c-configs")
                 with gr.Row():
                     config_list = gr.Dropdown(list(explicit.LISTS), value=None, label="Fill in a list",
                                               elem_id="c-config-list")
