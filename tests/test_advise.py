@@ -218,3 +218,18 @@ def test_each_card_shows_the_worst_sample_beside_eager_fp32_and_their_difference
     cards = advisor_cards_html({"pick": pick, "rows": rows})
     assert cards.count('class="c-card"') == 1 and cards.count("data:image/png;base64,") == 3
     assert "★ pick" in cards and "31.0 dB PSNR, SSIM 0.900, max diff 40" in cards and "2.00× vs eager fp32" in cards
+
+
+def test_when_nothing_beats_eager_fp32_the_summary_says_so_without_a_final_round():
+    rows = [row("fp32", "eager"), row("bf16", "compile", ms=70, fidelity=None)]
+    rows[1]["unscored"] = "time budget (3 min): quality not measured"
+    pick, rows = choose(rows, plan())
+    timing = PairedTiming(["fp32/eager"], reference="fp32/eager")
+    pick = apply_final_round(rows, final_summary(timing, [pick]))
+    report = {"preset": "tiny-shapes", "device": "cpu", "size": "64x64", "steps": 8, "pick": pick, "rows": rows,
+              "skipped": [], "elapsed_s": 180.0, "bound": {}, "confirm": final_summary(timing, [pick]),
+              "quality_samples": 16, "measured_at": "now"}
+    assert pick["label"] == "fp32/eager"
+    assert "Pick: eager fp32 — no configuration within the bound measured faster than it." in markdown(report)
+    assert "0 round-robin rounds" not in markdown(report)
+    assert "no configuration within the bound measured faster than eager fp32" in views.advisor_markdown(report)

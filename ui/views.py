@@ -597,6 +597,9 @@ def advisor_markdown(result: dict) -> str:
              f"{len(result.get('skipped', []))} skipped (listed in the table)."]
     if pick is None:
         parts.append("No configuration within the bound: eager fp32 stays.")
+    elif pick.get("mode") == "eager" and pick.get("precision") == "fp32" and pick.get("step_cache") == "none" \
+            and pick.get("attention", "native") == "native":
+        parts.append("**Pick: `fp32/eager`** — no configuration within the bound measured faster than eager fp32.")
     else:
         confirm = result.get("confirm") or {}
         from engine.bench.paired import row_speedup_text as row_speedup

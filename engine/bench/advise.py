@@ -243,6 +243,10 @@ def within_bound(row: dict, ref: dict, plan: AdvisePlan) -> tuple[bool, str]:
     return True, ""
 
 
+def is_reference(row: dict) -> bool:
+    return {k: row.get(k) for k in REFERENCE} == REFERENCE
+
+
 def base_of(row: dict) -> tuple:
     """The key of the same configuration without a step cache."""
     return row["precision"], row["mode"], row["attention"]
@@ -635,6 +639,8 @@ def markdown(report: dict) -> str:
     lines.append("")
     if pick is None:
         lines.append("No configuration within the bound (eager fp32 stays).")
+    elif is_reference(pick):
+        lines.append("Pick: eager fp32 — no configuration within the bound measured faster than it.")
     else:
         c = report["confirm"] or {}
         lines.append(f"Pick: {pick['label']} — {pick['s_per_image'] * 1000:.1f} ms per image, "
