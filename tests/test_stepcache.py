@@ -265,6 +265,9 @@ def test_levers_targets_on_hand_made_rows():
     rows = {(r["precision"], r["mode"], r["cache"]): r for r in raw}
     results = [levers._finish(r, rows, plan) for r in raw]
     assert results[1]["cache_speedup"] == pytest.approx(1.5) and results[1]["computed_steps"] == 20
+    # the paired figure (one round here) is the row's one speedup, in the JSON and the table
+    assert results[2]["speedup_vs_reference"] == results[2]["speedup_figure"]["speedup"] == pytest.approx(3.0)
+    assert results[2]["speedup_figure"]["images"] == 1 and results[4]["speedup_figure"] is None
     assert results[3]["speedup_vs_eager_same_cache"] == pytest.approx(200 / 150)
     targets = {t["key"]: t for t in levers._targets(plan, results)}
     speed = targets["step_cache_speedup"]

@@ -245,6 +245,20 @@ def test_compare_returns_images_and_a_speedup_table(client):
     speedups = {row["config"]: row for row in payload["speedup"]}
     assert speedups["cpu/fp32/eager"]["speedup_step"] == pytest.approx(1.0)
     assert speedups["cpu/fp32/regional"]["speedup_step"] > 0
+    # timed round-robin after the quality images: one paired figure per configuration, in the JSON and caption
+    figure = results["cpu/fp32/regional"]["speedup_figure"]
+    assert figure["images"] >= 3 and speedups["cpu/fp32/regional"]["speedup_total"] == figure["speedup"]
+    assert figure["text"] in gallery[1]["caption"]
+
+
+def test_compare_takes_a_typed_list_of_configurations(client):
+    gallery, payload = client.predict(
+        prompt="a red fox", preset="tiny-flux", size="64x64", steps=2, guidance=3.5, seed=1, devices=["cpu"],
+        configurations="eager/fp32; eager/bf16; compile/fp32/first-block:0.2", timing_s=5, api_name="/compare")
+    results = {r["config"]: r for r in payload["results"]}
+    assert list(results) == ["cpu/fp32/eager", "cpu/bf16/eager", "cpu/fp32/compile/first-block:0.2"]
+    assert results["cpu/fp32/compile/first-block:0.2"]["error"].startswith("not run: step cache first-block")
+    assert results["cpu/bf16/eager"]["speedup_figure"]["images"] >= 3 and len(gallery) == 2
 
 
 def test_warm_refuses_what_cannot_be_warmed(client):

@@ -30,9 +30,11 @@ TAB_IDS = {
                 "attention-table"},
     "compare": {"c-prompt", "c-preset", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
-                "c-speedup", "c-costs", "c-json", "c-caches", "c-fidelity-prompts", "c-cards"},
+                "c-speedup", "c-costs", "c-json", "c-caches", "c-fidelity-prompts", "c-cards", "c-configs",
+                "c-config-list", "c-timing", "c-config-check"},
     "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-minutes", "a-fidelity-points", "a-min-psnr",
-                "advise-btn", "a-cancel-btn", "a-apply-btn", "a-summary", "a-frontier", "a-table", "a-json"},
+                "advise-btn", "a-cancel-btn", "a-apply-btn", "a-summary", "a-frontier", "a-table", "a-json",
+                "a-cards"},
     "system": {"system-refresh", "system"},
 }
 TAB_APIS = {"generate": {"generate"}, "buckets": {"status", "warm", "restart"}, "compare": {"compare"},
@@ -126,22 +128,26 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 # typed protocol and the error classes. Exceptions, each in one module: ui/common.py asks
 # engine.devices and engine.pipeline.attention what the manager cannot tell (the device report, a device's
 # modes, the attention backends and step caches that can run), ui/views.py reuses the benchmark's
-# speedup_table and quality code so the UI and the bench agree, and ui/advisor.py shows the advisor's
-# default bounds (it runs `python -m engine advise` in a child process).
+# speedup_table and quality code so the UI and the bench agree, ui/advisor.py shows the advisor's
+# default bounds (it runs `python -m engine advise` in a child process), and ui/compare.py reads typed
+# configurations and times them with the bench's paired plan (engine.bench.configs, engine.bench.paired).
 ALLOWED_ENGINE_IMPORTS = {
     "engine.protocol": None, "engine.errors": None, "engine.serving.manager": {"EngineManager", "Caller"},
     "engine.pipeline.attention": {"attention_table", "DEFAULT"},
     "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
     "engine.bench": {"speedup_table"},
-    "engine.bench.quality": {"fidelity_checker", "fmt_drift", "image_drift", "sample_prompts", "score"},
+    "engine.bench.quality": {"fidelity_checker", "fmt_drift", "image_drift", "sample_prompts", "score", "diff_heatmap"},
+    "engine.bench.paired": {"PairedTiming", "current_marks", "engine_marks", "row_speedup_text"},
+    "engine.bench.configs": None,
     "engine.metrics": {"median", "percentile"},
     "engine.pipeline.stepcache": {"available_step_caches"},
-    "engine.bench.advise": {"DEFAULT_FIDELITY_POINTS", "DEFAULT_MIN_PSNR"},
+    "engine.bench.advise": {"DEFAULT_FIDELITY_POINTS", "DEFAULT_MIN_PSNR", "CHECKER_MIN_PSNR"},
     "engine.config.validation": {"check_steps"},
 }
 ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "engine.bench": "views.py",
            "engine.bench.quality": "views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
-           "engine.bench.advise": "advisor.py", "engine.config.validation": "compare.py"}
+           "engine.bench.advise": "advisor.py", "engine.config.validation": "compare.py",
+           "engine.bench.configs": "compare.py"}
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 
 

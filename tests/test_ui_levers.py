@@ -62,7 +62,7 @@ def handlers(manager):
 def run_compare(handlers, precisions, modes, caches=None, fidelity_prompts=3, prompt="a red circle on a blue background",
                 steps=4):
     outputs = list(handlers.compare(prompt, "tiny-shapes", "64x64", steps, 1.0, 5, ["cpu"], precisions, modes, False,
-                                    caches, fidelity_prompts, request=None, progress=Progress()))
+                                    caches, fidelity_prompts, timing_s=0, request=None, progress=Progress()))
     return outputs[-1]
 
 
@@ -82,7 +82,9 @@ def test_compare_adds_the_reference_and_prices_every_configuration(handlers):
     assert rows["cpu/bf16/eager"][2].endswith("×") and "worst of 4" in rows["cpu/bf16/eager"][5]
     assert "prompts)" in rows["cpu/bf16/eager"][6]
     plot, price, costs, cards = handlers.render_compare(payload, thumbnails)
-    assert cards.count('class="c-card"') == 2 and cards.count("data:image/png;base64,") == 2
+    # two images, and beside bf16's the heat map of its difference to the reference's
+    assert cards.count('class="c-card"') == 2 and cards.count("data:image/png;base64,") == 3
+    assert cards.count('class="c-heat"') == 1
     assert "drift: " in cards and "fidelity: " in cards and "vs eager fp32" in cards
 
 
@@ -101,7 +103,7 @@ def test_compare_prices_a_step_cache_and_int8_against_the_reference(handlers):
     assert list(results) == ["cpu/fp32/eager", "cpu/fp32/eager/taylorseer:3:2", "cpu/int8wo/eager",
                              "cpu/int8wo/eager/taylorseer:3:2"]
     assert not any(r.get("error") for r in results.values()), [r.get("error") for r in results.values()]
-    assert len(thumbnails) == 4
+    assert len(thumbnails) == 7  # four images, three heat maps (none for the reference)
     cached = results["cpu/fp32/eager/taylorseer:3:2"]
     assert cached["step_cache"] == "taylorseer:3:2" and cached["cached_steps"]
     assert cached["computed_steps"] + len(cached["cached_steps"]) == 8
@@ -115,4 +117,4 @@ def test_compare_prices_a_step_cache_and_int8_against_the_reference(handlers):
     assert rows["cpu/fp32/eager (reference)"][4] == "8 / 0"
     plot, _, _, cards = handlers.render_compare(payload, thumbnails)
     assert "cpu/fp32/eager/taylorseer:3:2 · cached" in set(plot["value"]["config"])  # cached steps: own series
-    assert f"steps computed / cached: {8 - n} / {n}" in cards and cards.count("data:image/png;base64,") == 4
+    assert f"steps computed / cached: {8 - n} / {n}" in cards and cards.count("data:image/png;base64,") == 7

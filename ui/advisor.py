@@ -16,11 +16,46 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from engine.bench.advise import DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
+from engine.bench.advise import CHECKER_MIN_PSNR, DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 
 ROOT = Path(__file__).resolve().parent.parent
+MAX_CARDS = 6
+
+
+def _esc(text) -> str:
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def advisor_cards_html(result: dict | None) -> str:
+    """A card per configuration whose quality was measured (the pick first, then the largest speedups): its
+    image of the sample that differs most from eager fp32's, that image of eager fp32, the heat map of the
+    difference, and its speedup, drift and verdict."""
+    if not result:
+        return ""
+    from engine.bench.paired import row_speedup_text
+
+    pick = (result.get("pick") or {}).get("label")
+    rows = [r for r in result.get("rows", []) if r.get("diff_png") and not r.get("error")]
+    rows.sort(key=lambda r: (r["label"] != pick, -(r.get("speedup") or 0)))
+    cards = []
+    for r in rows[:MAX_CARDS]:
+        images = "".join(f'<img src="data:image/png;base64,{r[k]}" alt="{alt}" title="{alt}">'
+                         for k, alt in (("picture_png", r["label"]), ("reference_png", "eager fp32"),
+                                        ("diff_png", "|difference|: black = same, white = the largest"))
+                         if r.get(k))
+        drift = (f"{r['drift_psnr_db']:.1f} dB PSNR" if r.get("drift_psnr_db") is not None else "identical") + \
+            (f", SSIM {r['drift_ssim']:.3f}" if r.get("drift_ssim") is not None else "") + \
+            (f", max diff {r['drift_max_diff']}" if r.get("drift_max_diff") is not None else "")
+        verdict = "★ pick" if r["label"] == pick else ("within bound" if r.get("eligible") else
+                                                      f"outside bound: {r.get('why_not', '')}")
+        cards.append(f'<div class="c-card"><div class="c-card-title">{_esc(r["label"])}</div>'
+                     f'<div class="c-pair a-triple">{images}</div>'
+                     f'<div class="c-time">{_esc(row_speedup_text(r))} vs eager fp32</div>'
+                     f'<div class="c-drift">worst sample: {_esc(drift)}</div>'
+                     f'<div class="c-note">{_esc(verdict)}</div></div>')
+    return '<div class="c-cards">' + "".join(cards) + "</div>" if cards else ""
 
 
 class AdvisorHandlers(HandlerBase):
@@ -90,7 +125,8 @@ class AdvisorHandlers(HandlerBase):
         table = pd.DataFrame(rows, columns=views.ADVISOR_COLUMNS)
         pick = (result or {}).get("pick")
         return frame, table, gr.update(interactive=pick is not None,
-                                       value=f"Apply {pick['label']} in Generate" if pick else "Apply in Generate")
+                                       value=f"Apply {pick['label']} in Generate" if pick else "Apply in Generate"), \
+            advisor_cards_html(result)
 
     def apply_advice(self, result: dict | None):
         """Generate's precision, mode and step cache (and its preset, device, size, steps) from the pick."""
@@ -112,8 +148,10 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
     with gr.Tab("Advisor", id="advisor"):
         gr.Markdown(
             "Measures what this engine can run here — precision × mode × step cache × attention backend — "
-            "and names the **fastest configuration within a quality bound**: fidelity within N points of eager "
-            "fp32 (models with a pixel checker), or a PSNR floor against eager fp32 (any model). What cannot "
+            "and names the **fastest configuration within a quality bound**: a PSNR floor against eager fp32's "
+            "image of the same prompt and seed (any model) and, on models with a pixel checker, fidelity within "
+            "N points of eager fp32. Speedups are medians of images timed round-robin with eager fp32, with "
+            "their spread and image count; a spread across 1.0× says there is no measurable difference. What cannot "
             "run here, or would not fit the time budget, is skipped and listed. A step cache is picked only "
             "where it measured faster than the same configuration without it.")
         with gr.Row():
@@ -126,13 +164,14 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
             minutes = gr.Slider(1, 30, value=5, step=0.5, label="Time budget (minutes)", elem_id="a-minutes")
             points = gr.Number(value=DEFAULT_FIDELITY_POINTS, minimum=0, label="Fidelity: at most this many points "
                                "below eager fp32", elem_id="a-fidelity-points")
-            psnr = gr.Number(value=0, minimum=0, label=f"PSNR floor in dB (0: {DEFAULT_MIN_PSNR:g} on models without "
-                             "a checker, none on those with one)", elem_id="a-min-psnr")
+            psnr = gr.Number(value=0, minimum=0, label=f"PSNR floor in dB (0: {DEFAULT_MIN_PSNR:g}, or "
+                             f"{CHECKER_MIN_PSNR:g} on models with a checker)", elem_id="a-min-psnr")
         with gr.Row():
             run_btn = gr.Button("Measure and advise", variant="primary", elem_id="advise-btn")
             cancel_btn = gr.Button("Cancel", variant="stop", elem_id="a-cancel-btn")
             apply_btn = gr.Button("Apply in Generate", interactive=False, elem_id="a-apply-btn")
         summary = gr.Markdown(elem_id="a-summary")
+        cards = gr.HTML(elem_id="a-cards", label="Each configuration: its image, eager fp32's, the difference")
         frontier = gr.ScatterPlot(x="s_per_image", y="quality", color="verdict", title="Speed–quality frontier",
                                   x_title="s per image (lower is faster)", y_title="fidelity % / PSNR dB",
                                   tooltip=["configuration", "s_per_image", "quality"], height=320,
@@ -147,6 +186,6 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
                         api_name="advise", api_visibility="private", concurrency_id=ENGINE_QUEUE,
                         concurrency_limit=1, show_progress="full", show_progress_on=[summary])
     cancel_btn.click(None, cancels=[run])
-    result.change(h.render_advice, result, [frontier, table, apply_btn], **FAST)
+    result.change(h.render_advice, result, [frontier, table, apply_btn, cards], **FAST)
     apply_btn.click(h.apply_advice, result, [settings.preset, settings.device, settings.precision, settings.mode,
                                               settings.step_cache, settings.size, settings.steps, tabs], **FAST)

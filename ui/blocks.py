@@ -28,6 +28,11 @@ CSS = """
   font-size: 0.9em; font-variant-numeric: tabular-nums; overflow-wrap: anywhere; }
 #c-cards .c-card img { width: 100%; max-width: 256px; image-rendering: pixelated; display: block; margin: 4px 0; }
 #c-cards .c-card-title { font-weight: 600; }
+#c-cards .c-pair, #a-cards .c-pair { display: grid; grid-template-columns: 1fr 1fr; gap: 4px; }
+#a-cards .c-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(240px, 1fr)); gap: 12px; }
+#a-cards .c-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 8px; font-size: 0.9em; }
+#a-cards .a-triple { grid-template-columns: 1fr 1fr 1fr; }
+#a-cards img { width: 100%; image-rendering: pixelated; }
 #c-cards .c-card-tag, #c-cards .c-note { color: var(--body-text-color-subdued); font-size: 0.9em; }
 #c-cards .c-card-error { color: var(--error-text-color); }
 """

@@ -254,6 +254,10 @@ class HandlerBase:
         except ShowcaseError:
             return []
 
+    def device_spec(self, device: str):
+        """The DeviceSpec a device choice resolves to ("auto" included); ShowcaseError saying why not."""
+        return engine_devices.resolve_device(device)
+
     def step_cache_rows(self, preset: str, device: str, mode: str) -> list[dict]:
         """Every step cache for a preset, device and mode: usable, or why not (engine/pipeline/stepcache.py)."""
         from engine.pipeline.stepcache import available_step_caches

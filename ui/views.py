@@ -286,14 +286,27 @@ def per_image_s(result: dict) -> float | None:
 
 
 def speedups_vs_reference(results: list[dict]) -> dict[str, float | None]:
-    """config -> reference s/image ÷ its s/image (the reference is eager fp32 without a step cache)."""
+    """config -> its speedup over the reference (eager fp32 without a step cache): the paired figure where
+    it was timed round-robin with it (speedup_figure), else reference s/image ÷ its s/image."""
     ref = next((r for r in results if r.get("reference") and not r.get("error")), None)
     ref_s = per_image_s(ref) if ref else None
     out = {}
     for r in results:
+        figure = r.get("speedup_figure")
+        if figure and not r.get("error"):
+            out[r.get("config", "")] = figure.get("speedup")
+            continue
         mine = None if r.get("error") else per_image_s(r)
         out[r.get("config", "")] = ref_s / mine if ref_s and mine else None
     return out
+
+
+def speedup_text(result: dict, x: float | None) -> str:
+    """The speedup as a table or card shows it: with its spread and images where timed in pairs."""
+    figure = result.get("speedup_figure")
+    if figure and figure.get("text"):
+        return figure["text"]
+    return "—" if x is None else f"{x:.2f}×"
 
 
 def fmt_fidelity(result: dict) -> str:
@@ -318,7 +331,7 @@ def price_rows(results: list[dict]) -> list[list]:
     for r in results:
         config = r.get("config", "")
         if r.get("error"):
-            out.append([config, f"failed: {r['error']}", "", "", "", "", "", "", ""])
+            out.append([config, r["error"] if r.get("refused") else f"failed: {r['error']}", "", "", "", "", "", "", ""])
             continue
         x = speed.get(config)
         drift = r.get("drift") or "—"
@@ -326,7 +339,7 @@ def price_rows(results: list[dict]) -> list[list]:
             drift = f"{drift} (worst of {r['drift_samples']})"
         out.append([
             config + (" (reference)" if r.get("reference") else ""), fmt_s(per_image_s(r)),
-            "—" if x is None else f"{x:.2f}×", fmt_ms((r.get("timings") or {}).get("median_step_ms")),
+            speedup_text(r, x), fmt_ms((r.get("timings") or {}).get("median_step_ms")),
             fmt_steps(r), drift, fmt_fidelity(r), fmt_s(r.get("compile_s")), fmt_s(r.get("warmup_s")),
         ])
     return out
@@ -336,25 +349,32 @@ def _esc(text) -> str:
     return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;"))
 
 
-def compare_cards_html(results: list[dict], images: list[str | None]) -> str:
-    """One card per configuration: its image and, under it, time, speedup, drift and fidelity.
-    `images[i]` is the image of results[i] as a URL (a data: URI), or None (failed, not run yet)."""
+def compare_cards_html(results: list[dict], images: list[str | None], heatmaps: list[str | None] | None = None) -> str:
+    """One card per configuration: its image (and beside it the heat map of its difference to the reference's)
+    and, under them, time, speedup, drift and fidelity. `images[i]` / `heatmaps[i]`: of results[i] as URLs
+    (data: URIs), or None (failed, not run yet, the reference)."""
     speed = speedups_vs_reference(results)
     cards = []
-    for r, uri in zip(results, images, strict=True):
+    heatmaps = heatmaps or [None] * len(results)
+    for r, uri, heat in zip(results, images, heatmaps, strict=True):
         config = r.get("config", "")
         lines = [f'<div class="c-card-title">{_esc(config)}</div>']
         if r.get("reference"):
             lines.append(f'<div class="c-card-tag">{_esc(r.get("reference_note") or REFERENCE_TAG)}</div>')
-        if uri:
+        if uri and heat:
+            lines.append(f'<div class="c-pair"><img src="{uri}" alt="{_esc(config)}">'
+                         f'<img class="c-heat" src="{heat}" alt="difference to the reference" '
+                         f'title="|this − reference|: black = same pixels, white = the largest difference"></div>')
+        elif uri:
             lines.append(f'<img src="{uri}" alt="{_esc(config)}">')
         if r.get("error"):
-            lines.append(f'<div class="c-card-error">failed: {_esc(r["error"])}</div>')
+            error = r["error"] if r.get("refused") else f"failed: {r['error']}"
+            lines.append(f'<div class="c-card-error">{_esc(error)}</div>')
         else:
             x = speed.get(config)
             per = per_image_s(r)
             lines.append(f'<div class="c-time">{"—" if per is None else f"{per:.3f} s"} / image · '
-                         f'{"—" if x is None else f"{x:.2f}×"} vs eager fp32</div>')
+                         f'{_esc(speedup_text(r, x))} vs eager fp32</div>')
             drift = r.get("drift") or ("reference" if r.get("reference") else "—")
             lines.append(f'<div class="c-drift">drift: {_esc(drift)}</div>')
             if "fidelity" in r or r.get("fidelity_this") is not None:
@@ -408,6 +428,13 @@ def fidelity_sample_prompts(preset, n: int, fallback: str) -> list[str]:
     return sample_prompts(preset, n, seed=FIDELITY_SEED, fallback=fallback)
 
 
+def difference_picture(image, reference):
+    """|image - reference| as a heat map (PIL), by the bench's quality code."""
+    from engine.bench.quality import diff_heatmap
+
+    return diff_heatmap(image, reference)
+
+
 def has_checker(preset) -> bool:
     from engine.bench.quality import fidelity_checker
 
@@ -423,8 +450,12 @@ def price_quality(images: list, prompts: list[str], ref_images: list | None, pre
     out: dict = {}
     if ref_images is not None:
         drift = score(images, prompts, ref_images, preset)
+        ssim_text = "" if drift.get("drift_ssim") is None or not drift["drift_max_diff"] else \
+            f", SSIM {drift['drift_ssim']:.3f}"
         out.update(drift_psnr_db=drift["drift_psnr_db"], drift_max_diff=drift["drift_max_diff"],
-                   drift=fmt_drift(drift["drift_psnr_db"], drift["drift_max_diff"]), drift_samples=len(images))
+                   drift_ssim=drift.get("drift_ssim"),
+                   drift=fmt_drift(drift["drift_psnr_db"], drift["drift_max_diff"]) + ssim_text,
+                   drift_samples=len(images))
     checker = fidelity_checker(preset)
     if checker is not None:
         out["fidelity_this"] = checker(images[0], prompts[0])
@@ -464,7 +495,9 @@ def speedup_table(results: list[dict]) -> list[dict]:
             "median_step_ms": b.get("step_ms_median"),
             "total_ms": b.get("image_ms_median"),
             "speedup_step": b.get("speedup_vs_eager"),
-            "speedup_total": b.get("speedup_image_vs_eager"),
+            # the paired figure where Compare timed one: the same speedup as the table and the cards
+            "speedup_total": r["speedup_figure"]["speedup"] if r.get("speedup_figure")
+            else b.get("speedup_image_vs_eager"),
             "compile_s": r.get("compile_s"),
             "warmup_s": r.get("warmup_s"),
             "break_even_images": b.get("break_even_images"),
@@ -517,6 +550,7 @@ def advisor_rows(result: dict | None) -> list[list]:
     alternation with it), with why it is (not) eligible."""
     if not result:
         return []
+    from engine.bench.paired import row_speedup_text as row_speedup
     from engine.bench.quality import fmt_drift
 
     pick = (result.get("pick") or {}).get("label")
@@ -526,8 +560,9 @@ def advisor_rows(result: dict | None) -> list[list]:
             out.append([r["label"], "failed", "", "", "", "", "", r["error"]])
             continue
         verdict = "★ pick" if r["label"] == pick else ("yes" if r.get("eligible") else f"no: {r.get('why_not', '')}")
-        out.append([r["label"], f"{r['s_per_image']:.3f}", "—" if r.get("speedup") is None else f"{r['speedup']:.2f}×",
-                    fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff")), _pct(r.get("fidelity")),
+        out.append([r["label"], f"{r['s_per_image']:.3f}", row_speedup(r),
+                    fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff"))
+                    + ("" if r.get("drift_ssim") is None else f", SSIM {r['drift_ssim']:.3f}"), _pct(r.get("fidelity")),
                     "—" if r.get("cached_steps") is None else f"{r['cached_steps']:.1f}", fmt_s(r.get("compile_s")),
                     verdict])
     for s in result.get("skipped", []):
@@ -562,17 +597,24 @@ def advisor_markdown(result: dict) -> str:
              f"{len(result.get('skipped', []))} skipped (listed in the table)."]
     if pick is None:
         parts.append("No configuration within the bound: eager fp32 stays.")
+    elif pick.get("mode") == "eager" and pick.get("precision") == "fp32" and pick.get("step_cache") == "none" \
+            and pick.get("attention", "native") == "native":
+        parts.append("**Pick: `fp32/eager`** — no configuration within the bound measured faster than eager fp32.")
     else:
         confirm = result.get("confirm") or {}
+        from engine.bench.paired import row_speedup_text as row_speedup
+
         parts.append(f"**Pick: `{pick['label']}`** — {pick['s_per_image']:.3f} s per image, "
-                     f"**{pick['speedup']:.2f}×** eager fp32 (final round: {confirm.get('pick_ms_median', 0):.1f} vs "
-                     f"{confirm.get('reference_ms_median', 0):.1f} ms, medians of {confirm.get('rounds')} rounds), "
+                     f"**{row_speedup(pick)}** eager fp32 (final round: {(confirm.get('pick_ms_median') or 0):.1f} vs "
+                     f"{(confirm.get('reference_ms_median') or 0):.1f} ms, medians of {confirm.get('rounds')} rounds), "
                      f"fidelity {_pct(pick.get('fidelity'))}.")
     limits = []
     if bound.get("fidelity_points") is not None:
         limits.append(f"fidelity within {bound['fidelity_points']:g} points of eager fp32")
     if bound.get("min_psnr_db") is not None:
         limits.append(f"PSNR ≥ {bound['min_psnr_db']:g} dB against eager fp32")
+    if bound.get("min_ssim") is not None:
+        limits.append(f"SSIM ≥ {bound['min_ssim']:g} against eager fp32")
     if limits:
         parts.append("Bound: " + ", ".join(limits) + ".")
     if result.get("saved"):
