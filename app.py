@@ -107,8 +107,45 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--trusted-proxies", default=d["trusted_proxies"], metavar="NETS",
                    help="comma-separated addresses/networks of reverse proxies whose X-Forwarded-For names the "
                         "client (default: none, the connection's address is the client; $SHOWCASE_TRUSTED_PROXIES)")
+    # Socket bounds (ui/sockets.py, same defaults): connections and request headers, before the HTTP parser.
+    h.add_argument("--max-connections", type=_ranged(int, 16, 1_000_000), default=1000, metavar="N",
+                   help="open connections, all clients together; past it the oldest idle one is closed, or the new "
+                        "one gets 503 (default 1000)")
+    h.add_argument("--max-connections-per-client", type=_ranged(int, 0, 1_000_000), default=None, metavar="N",
+                   help="open connections from one address; past it 503 (default: 64 in public mode, unbounded "
+                        "otherwise; 0: unbounded; a --trusted-proxies peer counts only in the total)")
+    h.add_argument("--header-timeout", type=_ranged(float, 1.0, 600.0), default=10.0, metavar="SECONDS",
+                   help="a request's headers must arrive within this from connecting (or from its first byte on a "
+                        "kept-alive connection), else 408 and closed (default 10)")
+    h.add_argument("--max-header-bytes", type=_ranged(_size, 1024, 1024 * 1024), default=32 * 1024, metavar="SIZE",
+                   help="a request line and headers together; past it 431 and closed (default 32KiB)")
+    h.add_argument("--max-headers", type=_ranged(int, 8, 10_000), default=100, metavar="N",
+                   help="header lines in a request; past it 431 and closed (default 100)")
     add_engine_arguments(p)
     return p
+
+
+def _size(text: str) -> int:
+    from engine.serving.budget import parse_size
+
+    try:
+        return parse_size(text)
+    except Exception:
+        raise ValueError(text) from None
+
+
+def _ranged(parse, low, high):
+    """An argparse type: `parse` the value, then check low <= value <= high (else argparse exits 2 saying so)."""
+    def check(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {parse.__name__.strip('_')} value") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: from {low:,} to {high:,}")
+        return value
+
+    return check
 
 
 def warm_sizes(spec: str) -> tuple[str, ...] | None:
@@ -180,6 +217,7 @@ def host_policy(args):
 def edge_config(args):
     """The web edge's bounds (ui/edge.py) from the flags."""
     from ui.edge import CLIENT_EVENTS, EdgeConfig, parse_proxies
+    from ui.sockets import PER_CLIENT, SocketBounds
 
     events = args.client_events
     if events is None:
@@ -190,7 +228,14 @@ def edge_config(args):
         proxies = parse_proxies(args.trusted_proxies)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    return EdgeConfig(client_events=None if events is None else int(events), trusted_proxies=proxies)
+    per_client = args.max_connections_per_client
+    if per_client is None:
+        per_client = PER_CLIENT if args.public else None  # a developer's load tests come from one address
+    sockets = SocketBounds(max_connections=args.max_connections, per_client=per_client or None,
+                           header_timeout_s=args.header_timeout, max_header_bytes=args.max_header_bytes,
+                           max_headers=args.max_headers)
+    return EdgeConfig(client_events=None if events is None else int(events), trusted_proxies=proxies,
+                      sockets=sockets)
 
 
 def parse_auth(value: str | None) -> tuple[str, str] | None:
