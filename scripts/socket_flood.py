@@ -88,7 +88,7 @@ class Sampler(threading.Thread):
                 self.rss.append(self.process.memory_info().rss)
             except psutil.Error:
                 return
-            self.stop.wait(0.1)
+            self.stop.wait(0.05)
 
 
 # -- the attackers (separate processes) ----------------------------------------------------------------------
@@ -197,6 +197,32 @@ def start_app(args, port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def header_streams(args, sampler, ctx, out) -> dict:
+    """Phase 3: --streams sockets each send one header of --stream-mib MiB; RSS growth, how they ended."""
+    time.sleep(args.interval)
+    rss_before = sampler.process.memory_info().rss
+    mark = len(sampler.rss)
+    visitor = Visitor(args.port, args.visit_every)
+    visitor.start()
+    streams = [ctx.Process(target=_stream_proc, args=(args.port, f"127.0.4.{i + 1}", args.stream_mib, out))
+               for i in range(args.streams)]
+    for proc in streams:
+        proc.start()
+    ends = [out.get(timeout=300) for _ in streams]
+    for proc in streams:
+        proc.join()
+    time.sleep(1.0)
+    visitor.stop.set()
+    visitor.join()
+    return {
+        "rss_before_mib": round(rss_before / 2**20),
+        "rss_growth_mib": round((max(sampler.rss[mark:], default=rss_before) - rss_before) / 2**20, 1),
+        "seconds_max": round(max(e["seconds"] for e in ends), 2),
+        "sent_mib_max": round(max(e["sent_mib"] for e in ends), 1),
+        "answers": sorted({e["status"] for e in ends}), "visitor_ms": median_ms(visitor.times),
+        "visits": len(visitor.times), "refused": visitor.refused}
+
+
 def median_ms(times: list[float]) -> float | None:
     return round(statistics.median(times) * 1000, 1) if times else None
 
@@ -265,28 +291,8 @@ def main(argv=None) -> int:
             "server_fds_max": max(sampler.fds[fds_before:], default=None), "attacker": total}
 
         # 3. header streams
-        time.sleep(args.interval)
-        rss_before = sampler.process.memory_info().rss
-        mark = len(sampler.rss)
-        visitor = Visitor(args.port, args.visit_every)
-        visitor.start()
-        streams = [ctx.Process(target=_stream_proc, args=(args.port, f"127.0.4.{i + 1}", args.stream_mib, out))
-                   for i in range(args.streams)]
-        for proc in streams:
-            proc.start()
-        ends = [out.get(timeout=300) for _ in streams]
-        for proc in streams:
-            proc.join()
-        time.sleep(1.0)
-        visitor.stop.set()
-        visitor.join()
-        result["header_streams"] = {
-            "rss_before_mib": round(rss_before / 2**20), "rss_growth_mib": round((max(sampler.rss[mark:],
-                                                                                     default=rss_before) - rss_before) / 2**20, 1),
-            "seconds_max": round(max(e["seconds"] for e in ends), 2),
-            "sent_mib_max": round(max(e["sent_mib"] for e in ends), 1),
-            "answers": sorted({e["status"] for e in ends}), "visitor_ms": median_ms(visitor.times),
-            "visits": len(visitor.times), "refused": visitor.refused}
+        if args.streams:
+            result["header_streams"] = header_streams(args, sampler, ctx, out)
         sampler.stop.set()
         result["load_after"] = os.getloadavg()[0]
     finally:

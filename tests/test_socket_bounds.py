@@ -263,6 +263,21 @@ def test_total_cap_refuses_then_makes_room(parser):
             sock.close()
 
 
+@pytest.mark.parametrize("parser", PARSERS)
+def test_at_the_cap_the_busiest_address_makes_room_at_once(parser):
+    """One address holding every place: its own next connection is refused, another address's is served
+    at once, in the place of the busy address's oldest idle connection."""
+    with serve(parser, SocketBounds(max_connections=16, header_timeout_s=30)) as (guard, port):
+        held = [connect(port, "127.0.0.2") for _ in range(16)]
+        wait_until(lambda: guard.snapshot()["open"] == 16, timeout=5, message="sixteen connections counted")
+        assert status(read_all(connect(port, "127.0.0.2"))) == 503
+        assert status(request(port, "127.0.0.9")) == 200
+        assert read_all(held[0], timeout=3) == b""
+        assert guard.snapshot()["refused"] == {"too many connections": 1, "evicted at the cap": 1}
+        for sock in held:
+            sock.close()
+
+
 def test_refusals_are_logged_once_per_interval(caplog):
     with serve("httptools", SocketBounds(per_client=1, header_timeout_s=30)) as (guard, port):
         held = connect(port, "127.0.0.2")

@@ -13,9 +13,9 @@ subclass that, for an app whose Blocks carries an edge guard, sets the Config's 
 protocol class before uvicorn loads it (uvicorn's own, supported hook for a protocol class). Any other app's
 server is built as before.
 
-Past a bound: a new connection is refused with 503 (or, at the total cap, the oldest connection idle or
-still sending headers for more than EVICT_AFTER_S is closed to make room), a request's head over a bound gets
-431, a head past its deadline 408, and the connection is closed. Each refusal is counted by reason (/system)
+Past a bound: a new connection is refused with 503 (at the total cap, an idle connection or one still
+sending headers may be closed to make room instead: see SocketGuard.admit), a request's head over a bound
+gets 431, a head past its deadline 408, and the connection is closed. Each refusal is counted by reason (/system)
 and logged at most once per LOG_EVERY_S.
 """
 
@@ -38,7 +38,7 @@ PER_CLIENT = 64  # public mode: one address (a browser opens ~6 per site; an off
 HEADER_TIMEOUT_S = 10.0  # from connect (or a request's first byte) to the end of its headers
 MAX_HEADER_BYTES = 32 * 1024  # request line + headers, as nginx's 4 x 8 KiB
 MAX_HEADERS = 100  # header lines, as Envoy's and Apache's default
-EVICT_AFTER_S = 1.0  # at the total cap, a connection idle or in its headers this long may be closed for a new one
+EVICT_AFTER_S = 1.0  # at the total cap, any connection idle or in its headers this long may be closed for a new one
 LINGER_S = 1.0  # after a 431/400 the rest of what the client sends is read and dropped this long, so it sees the answer
 LOG_EVERY_S = 30.0
 FD_RESERVE = 512  # descriptors beyond the connections: engine workers' pipes, model and cache files, logs
@@ -211,62 +211,95 @@ class SocketGuard:
         self._unlogged: Counter[str] = Counter()
         self._last_log = 0.0
         self._log_pending = False
+        # Connections that may be closed at the cap (idle between requests, or still sending headers): all of
+        # them oldest first, and per address; addresses by how many connections they hold, for fair shares.
         self._idle: OrderedDict = OrderedDict()  # connection -> when it became idle or began its headers
+        self._idle_of: dict[str, OrderedDict] = {}
+        self._holding: dict[int, set] = {}  # n -> addresses holding n connections
+        self._top = 0  # the most any address holds
         self._classes: dict = {}
 
     # -- counts --------------------------------------------------------------------------------------
     def admit(self, conn, host: str) -> str | None:
-        """Count a new connection, or the reason it is refused."""
+        """Count a new connection, or the reason it is refused. At the total cap the newcomer takes the place
+        of an idle connection of the address holding the most, when that address holds at least two more than
+        the newcomer's (a fair share of the cap for every address, however many sockets one of them opens);
+        failing that, of the oldest idle connection once it has been idle EVICT_AFTER_S."""
         b = self.bounds
         victim = None
         with self._lock:
-            if (b.per_client and self.per_client[host] >= b.per_client
-                    and not _in_networks(host, self.trusted_proxies)):
+            mine = self.per_client[host]
+            if b.per_client and mine >= b.per_client and not _in_networks(host, self.trusted_proxies):
                 return "too many from one address"
             if self.open >= b.max_connections:
-                victim = self._oldest_idle()
+                victim = self._victim(mine)
                 if victim is None:
                     return "too many connections"
                 self._release(victim)
             self.open += 1
             self.peak = max(self.peak, self.open)
-            self.per_client[host] += 1
-            self._idle[conn] = time.monotonic()
+            self._move(host, +1)
+            self._set_idle(conn, True)
         if victim is not None:
             self.count("evicted at the cap")
             victim._bounds_close(None)
         return None
 
-    def _oldest_idle(self):
-        if not self._idle:
-            return None
-        conn, since = next(iter(self._idle.items()))
-        return conn if time.monotonic() - since >= EVICT_AFTER_S else None
+    def _victim(self, mine: int):
+        for n in range(self._top, mine + 1, -1):
+            for host in self._holding.get(n, ()):
+                idle = self._idle_of.get(host)
+                if idle:
+                    return next(iter(idle))
+        if self._idle:
+            conn, since = next(iter(self._idle.items()))
+            if time.monotonic() - since >= EVICT_AFTER_S:
+                return conn
+        return None
+
+    def _move(self, host: str, step: int) -> None:
+        n = self.per_client[host]
+        if n:
+            self._holding[n].discard(host)
+        n += step
+        if n > 0:
+            self.per_client[host] = n
+            self._holding.setdefault(n, set()).add(host)
+            self._top = max(self._top, n)
+        else:
+            del self.per_client[host]
+        while self._top and not self._holding.get(self._top):
+            self._top -= 1
+
+    def _set_idle(self, conn, idle: bool) -> None:
+        host = conn._bounds_host
+        if idle:
+            if conn not in self._idle:
+                self._idle[conn] = time.monotonic()
+                self._idle_of.setdefault(host, OrderedDict())[conn] = None
+        elif self._idle.pop(conn, None) is not None:
+            mine = self._idle_of[host]
+            del mine[conn]
+            if not mine:
+                del self._idle_of[host]
 
     def _release(self, conn) -> None:
         if not conn._bounds_counted:
             return
         conn._bounds_counted = False
         self.open -= 1
-        self.per_client[conn._bounds_host] -= 1
-        if self.per_client[conn._bounds_host] <= 0:
-            del self.per_client[conn._bounds_host]
-        self._idle.pop(conn, None)
+        self._move(conn._bounds_host, -1)
+        self._set_idle(conn, False)
 
     def release(self, conn) -> None:
         with self._lock:
             self._release(conn)
 
     def idle(self, conn, idle: bool) -> None:
-        """Whether `conn` may be evicted at the cap: idle between requests or still sending headers."""
+        """Whether `conn` may be closed at the cap: idle between requests or still sending headers."""
         with self._lock:
-            if not conn._bounds_counted:
-                return
-            if idle:
-                if conn not in self._idle:
-                    self._idle[conn] = time.monotonic()
-            else:
-                self._idle.pop(conn, None)
+            if conn._bounds_counted:
+                self._set_idle(conn, idle)
 
     def count(self, reason: str) -> None:
         with self._lock:
