@@ -124,7 +124,7 @@ def test_slow_headers_closed_at_the_deadline(parser):
         closed_after = time.monotonic() - started
         assert status(answer) == 408, answer
         assert 1.4 <= closed_after <= 3.5, closed_after
-        assert read_all(silent, timeout=3).startswith(b"HTTP/1.1 408")  # connected and sent nothing: closed too
+        assert read_all(silent, timeout=3) == b""  # connected and sent nothing: closed too, without an answer
         assert guard.snapshot()["refused"]["header timeout"] == 2
         wait_until(lambda: guard.snapshot()["open"] == 0, timeout=5, message="the closed sockets to be released")
         assert status(request(port)) == 200

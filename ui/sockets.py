@@ -457,7 +457,9 @@ def _bounded_protocol(base: type, guard: SocketGuard) -> type:
             if self._bounds_done or not (scan.mid_head or scan.heads == 0) or scan.state != HEAD:
                 return
             guard.count("header timeout")
-            self._bounds_close("header timeout")
+            # A connection that sent nothing is closed silently, as an idle keep-alive one is: a client about to
+            # use it would otherwise read the 408 as its request's answer.
+            self._bounds_close("header timeout" if scan.mid_head else None)
 
         def _bounds_close(self, reason: str | None) -> None:
             """Answer (unless a response is under way or `reason` is None) and close. After a 431 the client
