@@ -7,7 +7,8 @@ It starts `app.py` (public mode, tiny preset, no warm-up; extra flags with --app
 2. slowloris: --sockets connections from --attack-addresses loopback addresses (127.0.2.1, ...) each send a
    request line, then a header line every --interval seconds, never ending their headers; a socket the
    server closes is opened again on the next round, as slowloris does. The visitor keeps timing GET /;
-3. header streams: --streams connections each send one header of --stream-mib MiB as fast as they can.
+3. header streams: --streams senders each send one header of --stream-mib MiB as fast as they can, and
+   again when the server closes it, for --stream-duration seconds; the visitor keeps timing GET /.
 The app's web process (only it: workers are other processes) is sampled for open descriptors and resident
 memory. Printed: the visitor's median during each attack against idle (ratio), its refusals, the most
 descriptors the server held, how the attack sockets ended, the RSS growth and how long each stream lasted.
@@ -159,32 +160,34 @@ def _attack_proc(port, sources, count, interval, duration, out):
     out.put(dict(tally))
 
 
-def _stream_proc(port, source, mib, out):
-    """One header of `mib` MiB as fast as the server takes it: seconds until the server closed it, bytes sent."""
-    started = time.monotonic()
-    sent = 0
-    status = "closed"
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=60, source_address=(source, 0)) as sock:
-            sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
-            chunk = b"a" * (1 << 20)
-            try:
-                for _ in range(mib):
-                    sock.sendall(chunk)
-                    sent += len(chunk)
-                sock.sendall(b"\r\n\r\n")
-            except OSError:
-                pass
-            try:
-                answer = sock.recv(4096)
-                status = answer[9:12].decode() if answer.startswith(b"HTTP/1.1 ") else "closed"
-                while sock.recv(65536):
+def _stream_proc(port, source, mib, until, out):
+    """Headers of `mib` MiB as fast as the server takes them, one after another until `until`: per stream,
+    seconds until the server closed it, and how it answered."""
+    ends = []
+    chunk = b"a" * (1 << 20)
+    while time.monotonic() < until or not ends:
+        started = time.monotonic()
+        status = "closed"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=60, source_address=(source, 0)) as sock:
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
+                try:
+                    for _ in range(mib):
+                        sock.sendall(chunk)
+                    sock.sendall(b"\r\n\r\n")
+                except OSError:
                     pass
-            except OSError:
-                pass
-    except OSError as exc:
-        status = type(exc).__name__
-    out.put({"seconds": time.monotonic() - started, "sent_mib": sent / (1 << 20), "status": status})
+                try:
+                    answer = sock.recv(4096)
+                    status = answer[9:12].decode() if answer.startswith(b"HTTP/1.1 ") else "closed"
+                    while sock.recv(65536):
+                        pass
+                except OSError:
+                    pass
+        except OSError as exc:
+            status = type(exc).__name__
+        ends.append((time.monotonic() - started, status))
+    out.put(ends)
 
 
 # -- the run ----------------------------------------------------------------------------------------------
@@ -197,18 +200,20 @@ def start_app(args, port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def header_streams(args, sampler, ctx, out) -> dict:
-    """Phase 3: --streams sockets each send one header of --stream-mib MiB; RSS growth, how they ended."""
+def header_streams(args, sampler, ctx, out, idle_ms: float) -> dict:
+    """Phase 3: --streams senders each send headers of --stream-mib MiB, one after another for
+    --stream-duration seconds; RSS growth, how long each stream lasted and how it ended."""
     time.sleep(args.interval)
     rss_before = sampler.process.memory_info().rss
     mark = len(sampler.rss)
     visitor = Visitor(args.port, args.visit_every)
     visitor.start()
-    streams = [ctx.Process(target=_stream_proc, args=(args.port, f"127.0.4.{i + 1}", args.stream_mib, out))
+    until = time.monotonic() + args.stream_duration
+    streams = [ctx.Process(target=_stream_proc, args=(args.port, f"127.0.4.{i + 1}", args.stream_mib, until, out))
                for i in range(args.streams)]
     for proc in streams:
         proc.start()
-    ends = [out.get(timeout=300) for _ in streams]
+    ends = [end for _ in streams for end in out.get(timeout=args.stream_duration + 300)]
     for proc in streams:
         proc.join()
     time.sleep(1.0)
@@ -217,9 +222,11 @@ def header_streams(args, sampler, ctx, out) -> dict:
     return {
         "rss_before_mib": round(rss_before / 2**20),
         "rss_growth_mib": round((max(sampler.rss[mark:], default=rss_before) - rss_before) / 2**20, 1),
-        "seconds_max": round(max(e["seconds"] for e in ends), 2),
-        "sent_mib_max": round(max(e["sent_mib"] for e in ends), 1),
-        "answers": sorted({e["status"] for e in ends}), "visitor_ms": median_ms(visitor.times),
+        "streams": len(ends), "seconds_median": round(statistics.median(s for s, _ in ends), 2),
+        "seconds_max": round(max(s for s, _ in ends), 2),
+        "answers": {status: sum(1 for _, s in ends if s == status) for status in sorted({s for _, s in ends})},
+        "visitor_ms": median_ms(visitor.times),
+        "ratio": round(median_ms(visitor.times) / idle_ms, 2) if visitor.times else None,
         "visits": len(visitor.times), "refused": visitor.refused}
 
 
@@ -236,6 +243,7 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=40.0, help="seconds of slowloris")
     p.add_argument("--streams", type=int, default=10)
     p.add_argument("--stream-mib", type=int, default=50)
+    p.add_argument("--stream-duration", type=float, default=20.0, help="seconds the stream senders keep sending")
     p.add_argument("--idle-visits", type=int, default=20)
     p.add_argument("--visit-every", type=float, default=0.5)
     p.add_argument("--preset", default="tiny-shapes")
@@ -292,7 +300,7 @@ def main(argv=None) -> int:
 
         # 3. header streams
         if args.streams:
-            result["header_streams"] = header_streams(args, sampler, ctx, out)
+            result["header_streams"] = header_streams(args, sampler, ctx, out, result["idle_ms"])
         sampler.stop.set()
         result["load_after"] = os.getloadavg()[0]
     finally:

@@ -40,6 +40,7 @@ MAX_HEADER_BYTES = 32 * 1024  # request line + headers, as nginx's 4 x 8 KiB
 MAX_HEADERS = 100  # header lines, as Envoy's and Apache's default
 EVICT_AFTER_S = 1.0  # at the total cap, any connection idle or in its headers this long may be closed for a new one
 LINGER_S = 1.0  # after a 431/400 the rest of what the client sends is read and dropped this long, so it sees the answer
+LINGER_BYTES = 1 << 20  # ... or this much: past it the client is sending for sending's sake, and the socket is reset
 LOG_EVERY_S = 30.0
 FD_RESERVE = 512  # descriptors beyond the connections: engine workers' pipes, model and cache files, logs
 
@@ -387,6 +388,7 @@ def _bounded_protocol(base: type, guard: SocketGuard) -> type:
             self._bounds_responses = 0
             self._bounds_timer = None
             self._bounds_linger = None
+            self._bounds_drained = 0
             self._bounds_counted = True  # admit() undoes it when it refuses
             refusal = guard.admit(self, self._bounds_host)
             if refusal:
@@ -402,8 +404,11 @@ def _bounded_protocol(base: type, guard: SocketGuard) -> type:
             self._bounds_timer = self._bounds_loop().call_later(bounds.header_timeout_s, self._bounds_late)
 
         def data_received(self, data: bytes) -> None:
-            if self._bounds_done:
-                return  # refused: what still arrives is dropped, never parsed
+            if self._bounds_done:  # refused: what still arrives is dropped, never parsed
+                self._bounds_drained += len(data)
+                if self._bounds_drained > LINGER_BYTES:
+                    self._bounds_transport.abort()
+                return
             scan = self._bounds_scan
             if scan.state == PASS:
                 return super().data_received(data)
