@@ -40,7 +40,7 @@ MAX_HEADER_BYTES = 32 * 1024  # request line + headers, as nginx's 4 x 8 KiB
 MAX_HEADERS = 100  # header lines, as Envoy's and Apache's default
 EVICT_AFTER_S = 1.0  # at the total cap, any connection idle or in its headers this long may be closed for a new one
 LINGER_S = 1.0  # after a 431/400 the rest of what the client sends is read and dropped this long, so it sees the answer
-LINGER_BYTES = 1 << 20  # ... or this much: past it the client is sending for sending's sake, and the socket is reset
+LINGER_BYTES = 64 * 1024  # ... or this much: past it the client is sending for sending's sake, and the socket is reset
 LOG_EVERY_S = 30.0
 FD_RESERVE = 512  # descriptors beyond the connections: engine workers' pipes, model and cache files, logs
 
