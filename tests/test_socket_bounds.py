@@ -305,6 +305,7 @@ def app(manager):
     demo.close()
 
 
+@pytest.mark.slow
 def test_launched_app_is_bounded_and_system_counts_it(app, manager):
     from ui.system import web_server
 
