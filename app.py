@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "client (default: none, the connection's address is the client; $SHOWCASE_TRUSTED_PROXIES)")
     # Socket bounds (ui/sockets.py, same defaults): connections and request headers, before the HTTP parser.
     h.add_argument("--max-connections", type=_ranged(int, 16, 1_000_000), default=1000, metavar="N",
-                   help="open connections, all clients together; past it the oldest idle one is closed, or the new "
-                        "one gets 503 (default 1000)")
+                   help="open connections, all clients together; past it an idle one of the address holding the most "
+                        "makes room, or the new one gets 503 (default 1000)")
     h.add_argument("--max-connections-per-client", type=_ranged(int, 0, 1_000_000), default=None, metavar="N",
                    help="open connections from one address; past it 503 (default: 64 in public mode, unbounded "
                         "otherwise; 0: unbounded; a --trusted-proxies peer counts only in the total)")
@@ -126,11 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _size(text: str) -> int:
+    from engine.errors import ShowcaseError
     from engine.serving.budget import parse_size
 
     try:
         return parse_size(text)
-    except Exception:
+    except ShowcaseError:
         raise ValueError(text) from None
 
 
