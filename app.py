@@ -107,19 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--trusted-proxies", default=d["trusted_proxies"], metavar="NETS",
                    help="comma-separated addresses/networks of reverse proxies whose X-Forwarded-For names the "
                         "client (default: none, the connection's address is the client; $SHOWCASE_TRUSTED_PROXIES)")
-    # Socket bounds (ui/sockets.py, same defaults): connections and request headers, before the HTTP parser.
-    h.add_argument("--max-connections", type=_ranged(int, 16, 1_000_000), default=1000, metavar="N",
+    # Socket bounds (ui/sockets.py, same defaults; $SHOWCASE_<FLAG NAME>, e.g. $SHOWCASE_MAX_CONNECTIONS): connections
+    # and request headers, before the HTTP parser. An environment value is checked as the flag would be.
+    h.add_argument("--max-connections", type=_ranged(int, 16, 1_000_000), default=d["max_connections"] or 1000,
+                   metavar="N",
                    help="open connections, all clients together; past it an idle one of the address holding the most "
                         "makes room, or the new one gets 503 (default 1000)")
-    h.add_argument("--max-connections-per-client", type=_ranged(int, 0, 1_000_000), default=None, metavar="N",
+    h.add_argument("--max-connections-per-client", type=_ranged(int, 0, 1_000_000),
+                   default=d["max_connections_per_client"], metavar="N",
                    help="open connections from one address; past it 503 (default: 64 in public mode, unbounded "
                         "otherwise; 0: unbounded; a --trusted-proxies peer counts only in the total)")
-    h.add_argument("--header-timeout", type=_ranged(float, 1.0, 600.0), default=10.0, metavar="SECONDS",
+    h.add_argument("--header-timeout", type=_ranged(float, 1.0, 600.0), default=d["header_timeout"] or 10.0,
+                   metavar="SECONDS",
                    help="a request's headers must arrive within this from connecting (or from its first byte on a "
                         "kept-alive connection), else 408 and closed (default 10)")
-    h.add_argument("--max-header-bytes", type=_ranged(_size, 1024, 1024 * 1024), default=32 * 1024, metavar="SIZE",
+    h.add_argument("--max-header-bytes", type=_ranged(_size, 1024, 1024 * 1024),
+                   default=d["max_header_bytes"] or 32 * 1024, metavar="SIZE",
                    help="a request line and headers together; past it 431 and closed (default 32KiB)")
-    h.add_argument("--max-headers", type=_ranged(int, 8, 10_000), default=100, metavar="N",
+    h.add_argument("--max-headers", type=_ranged(int, 8, 10_000), default=d["max_headers"] or 100, metavar="N",
                    help="header lines in a request; past it 431 and closed (default 100)")
     add_engine_arguments(p)
     return p

@@ -369,3 +369,15 @@ def test_bad_flag_values_exit_2_naming_the_flag(flag, value, says, capsys):
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"error: argument {flag}: " in error, error
     assert says in error, error
+
+
+def test_environment_values_are_checked_as_the_flags(monkeypatch, capsys):
+    import app as app_module
+
+    monkeypatch.setenv("SHOWCASE_MAX_HEADER_BYTES", "16KiB")
+    assert app_module.build_parser().parse_args([]).max_header_bytes == 16384
+    monkeypatch.setenv("SHOWCASE_MAX_CONNECTIONS", "5")
+    with pytest.raises(SystemExit) as exit_:
+        app_module.build_parser().parse_args([])
+    assert exit_.value.code == 2
+    assert "argument --max-connections: 5 is out of range" in capsys.readouterr().err
