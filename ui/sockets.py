@@ -33,7 +33,7 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 # Defaults a 2-core public Space survives; app.py's flags carry the same numbers (tests/test_socket_bounds.py).
-MAX_CONNECTIONS = 1000  # all clients together; well under a usual 4,096+ descriptor limit
+MAX_CONNECTIONS = 1000  # all clients together; the descriptor limit is raised to fit (fit_descriptors)
 PER_CLIENT = 64  # public mode: one address (a browser opens ~6 per site; an office behind NAT shares one)
 HEADER_TIMEOUT_S = 10.0  # from connect (or a request's first byte) to the end of its headers
 MAX_HEADER_BYTES = 32 * 1024  # request line + headers, as nginx's 4 x 8 KiB
@@ -331,7 +331,7 @@ class SocketGuard:
         what a flood meets: at the limit accept() fails for every visitor alike."""
         try:
             import resource
-        except ImportError:  # not on Windows
+        except ImportError:  # Windows has no descriptor limit to raise
             return
         want = self.bounds.max_connections + FD_RESERVE
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
