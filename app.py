@@ -136,6 +136,24 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--trusted-proxies", default=d["trusted_proxies"], metavar="NETS",
                    help="comma-separated addresses/networks of reverse proxies whose X-Forwarded-For names the "
                         "client (default: none, the connection's address is the client; $SHOWCASE_TRUSTED_PROXIES)")
+    # Socket bounds (ui/sockets.py, same defaults; $SHOWCASE_<FLAG NAME>, e.g. $SHOWCASE_MAX_CONNECTIONS): connections
+    # and request headers, before the HTTP parser. An environment value is checked as the flag would be.
+    h.add_argument("--max-connections", type=whole(16, 1_000_000), default=_text(d["max_connections"] or 1000),
+                   metavar="N",
+                   help="open connections, all clients together; past it an idle one of the address holding the most "
+                        "makes room, or the new one gets 503 (default 1000)")
+    h.add_argument("--max-connections-per-client", type=whole(1, 1_000_000, zero="unbounded"),
+                   default=_text(d["max_connections_per_client"]), metavar="N",
+                   help="open connections from one address; past it 503 (default: 64 in public mode, unbounded "
+                        "otherwise; 0: unbounded; a --trusted-proxies peer counts only in the total)")
+    h.add_argument("--header-timeout", type=decimal(1.0, 600.0), default=_text(d["header_timeout"] or 10.0),
+                   metavar="SECONDS",
+                   help="a request's headers must arrive within this from connecting (or from its first byte on a "
+                        "kept-alive connection), else 408 and closed (default 10)")
+    h.add_argument("--max-header-bytes", type=header_bytes, default=_text(d["max_header_bytes"] or 32 * 1024),
+                   metavar="SIZE", help="a request line and headers together; past it 431 and closed (default 32KiB)")
+    h.add_argument("--max-headers", type=whole(8, 10_000), default=_text(d["max_headers"] or 100), metavar="N",
+                   help="header lines in a request; past it 431 and closed (default 100)")
     add_engine_arguments(p, attention_backends=BACKENDS)
     return p
 
@@ -187,6 +205,20 @@ def memory_size(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text} is smaller than any engine (a worker process alone is estimated "
                                          f"at {floor / GIB:.2f} GiB); allowed: at least {floor / 2**20:.0f}MiB")
     return text
+
+
+def header_bytes(text: str) -> int:
+    """--max-header-bytes: a size (32KiB, 65536) from 1 KiB to 1 MiB."""
+    from engine.errors import ShowcaseError
+    from engine.serving.budget import parse_size
+
+    try:
+        size = parse_size(text)
+    except ShowcaseError:
+        size = None
+    if size is None or not 1024 <= size <= 1024 * 1024:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size from 1KiB to 1MiB (e.g. 32KiB)")
+    return size
 
 
 def warm_sizes(spec: str) -> tuple[str, ...] | None:
@@ -258,6 +290,7 @@ def host_policy(args):
 def edge_config(args):
     """The web edge's bounds (ui/edge.py) from the flags."""
     from ui.edge import CLIENT_EVENTS, EdgeConfig, parse_proxies
+    from ui.sockets import PER_CLIENT, SocketBounds
 
     events = args.client_events
     if events is None:
@@ -268,7 +301,14 @@ def edge_config(args):
         proxies = parse_proxies(args.trusted_proxies)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    return EdgeConfig(client_events=None if events is None else int(events), trusted_proxies=proxies)
+    per_client = args.max_connections_per_client
+    if per_client is None:
+        per_client = PER_CLIENT if args.public else None  # a developer's load tests come from one address
+    sockets = SocketBounds(max_connections=args.max_connections, per_client=per_client or None,
+                           header_timeout_s=args.header_timeout, max_header_bytes=args.max_header_bytes,
+                           max_headers=args.max_headers)
+    return EdgeConfig(client_events=None if events is None else int(events), trusted_proxies=proxies,
+                      sockets=sockets)
 
 
 def parse_auth(value: str | None) -> tuple[str, str] | None:

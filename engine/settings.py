@@ -79,6 +79,12 @@ def server_defaults() -> dict:
         "worker_threads": _env("SHOWCASE_WORKER_THREADS"),  # cpu engines: compute threads each
         "client_events": _env("SHOWCASE_CLIENT_EVENTS"),  # public mode: events one client may hold
         "trusted_proxies": _env("SHOWCASE_TRUSTED_PROXIES"),  # whose X-Forwarded-For names the client
+        # socket bounds (ui/sockets.py): unset -> app.py's defaults
+        "max_connections": _env("SHOWCASE_MAX_CONNECTIONS"),
+        "max_connections_per_client": _env("SHOWCASE_MAX_CONNECTIONS_PER_CLIENT"),
+        "header_timeout": _env("SHOWCASE_HEADER_TIMEOUT"),
+        "max_header_bytes": _env("SHOWCASE_MAX_HEADER_BYTES"),
+        "max_headers": _env("SHOWCASE_MAX_HEADERS"),
         "runtime": _env("SHOWCASE_RUNTIME"),  # inprocess | workers; default: runtime_default()
         "aot_dir": _env("SHOWCASE_AOT_DIR"),  # aot packages on persistent storage (a Space's /data)
         "aot_repo": _env("SHOWCASE_AOT_REPO"),  # a Hub model repo holding aot packages

@@ -16,6 +16,7 @@ from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
+from ui.sockets import install_server_hook, public_bounds
 
 __all__ = ["GENERATE_API_PARAMS", "build_demo", "launch_kwargs"]
 
@@ -60,7 +61,8 @@ STATE_SESSIONS = 500
 def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> dict:
     """Gradio 6 takes theme and css in launch(), not Blocks(). Its /monitoring dashboard is off while its
     statistics are (build_demo turns them off unless the host set them). With `demo`, its edge guard
-    (ui/edge.py: body size, no uploads) wraps the server, and nothing uploaded is ever kept."""
+    (ui/edge.py: body size, no uploads; ui/sockets.py: connections and headers) wraps the server, and nothing
+    uploaded is ever kept."""
     monitoring = os.environ.get("GRADIO_ANALYTICS_CACHE_FREQUENCY") != QUEUE_STATISTICS_OFF[
         "GRADIO_ANALYTICS_CACHE_FREQUENCY"]
     kwargs = {"theme": theme or gr.themes.Soft(), "css": CSS, "enable_monitoring": monitoring,
@@ -68,6 +70,8 @@ def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> di
     guard = getattr(demo, "edge", None)
     if guard is not None:
         kwargs["app_kwargs"] = {"middleware": [guard.middleware()]}
+        if guard.sockets is not None:
+            install_server_hook()  # the server launch() builds serves this app with its socket bounds
     return kwargs
 
 
@@ -77,7 +81,8 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     queue is full); `edge`: the web edge's bounds (default: per-client bounds in public mode only)."""
     h = handlers or Handlers(manager, defaults)
     if edge is None:
-        edge = EdgeConfig(client_events=CLIENT_EVENTS if manager.policy.public else None)
+        edge = EdgeConfig(client_events=CLIENT_EVENTS if manager.policy.public else None,
+                          **({"sockets": public_bounds()} if manager.policy.public else {}))
     guard = EdgeGuard(EdgeConfig(**{**edge.__dict__, "group_queue": queue_size}))
     h.edge = guard
     queue_statistics_off()  # read by Gradio's queue when demo.queue() creates it

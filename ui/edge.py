@@ -6,6 +6,8 @@
   address, see `client_address`) may hold a bounded number of events waiting or running, and each
   concurrency group has its own queue bound, so a full generate queue never refuses /status, /cancel
   or /system.
+- Connections are bounded before any of this, at the socket (ui/sockets.py): open connections in total
+  and per address, a deadline and a size bound for a request's headers.
 - The event streams that are open (GET .../queue/data, .../call/<api>/<event_id>) are tracked per
   session, so a handler can drop an event whose client never listens before it reaches an engine.
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs
 
 from engine.errors import ShowcaseError
+from ui.sockets import SocketBounds, SocketGuard
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ class EdgeConfig:
     group_queue: int | None = 64  # events waiting per concurrency group
     trusted_proxies: tuple = field(default=())  # ip networks whose X-Forwarded-For is believed
     listen_grace_s: float = LISTEN_GRACE_S
+    sockets: SocketBounds | None = field(default_factory=SocketBounds)  # None: no socket bounds
 
 
 def parse_proxies(text: str | None) -> tuple:
@@ -108,6 +112,8 @@ class EdgeGuard:
         self._joining_groups: Counter[str] = Counter()
         self.queue = None
         self.refused = Counter()  # reason -> count, for /system
+        bounds = self.config.sockets
+        self.sockets = SocketGuard(bounds, self.config.trusted_proxies) if bounds is not None else None
 
     # -- who -----------------------------------------------------------------------------------
     def client_of(self, request) -> str:
@@ -223,7 +229,8 @@ class EdgeGuard:
         return {"max_body_bytes": c.max_body_bytes, "client_events": c.client_events,
                 "queue_per_action": c.group_queue, "listen_grace_s": c.listen_grace_s,
                 "trusted_proxies": [str(n) for n in c.trusted_proxies], "uploads": "refused",
-                "refused": dict(self.refused)}
+                "refused": dict(self.refused),
+                **({"sockets": self.sockets.snapshot()} if self.sockets is not None else {})}
 
 
 class _EdgeMiddleware:
