@@ -104,8 +104,7 @@ def remove_corrupt_artifacts(exc: BaseException, cache_root: Path | str | None =
     return removed
 
 
-# What a cache that cannot take more files raises: read-only, full, over quota, no permission.
-UNWRITABLE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM})
+# What a cache that cannot take more files raises (read-only, full, over quota, no permission), by condition.
 FULL, READ_ONLY, NO_PERMISSION = "full", "read-only", "not writable"
 _CONDITIONS = {errno.ENOSPC: FULL, errno.EDQUOT: FULL, errno.EROFS: READ_ONLY, errno.EACCES: NO_PERMISSION,
                errno.EPERM: NO_PERMISSION}
