@@ -62,9 +62,9 @@ def redact(name: str, value: str) -> str:
 
 
 def environment_in_force(extra: dict[str, str] | None = None, environ=None) -> dict[str, str]:
-    """The relevant variables of this process plus what worker processes get (`extra`, which wins: the web
-    process compiles nothing, and its TORCHINDUCTOR_CACHE_DIR is torch's default once diffusers is imported),
-    redacted."""
+    """The relevant variables of this process plus what worker processes get (`extra`, which wins: the
+    workers are where engines compile, and this process's TORCHINDUCTOR_CACHE_DIR is torch's default once
+    diffusers is imported), redacted."""
     environ = os.environ if environ is None else environ
     env = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES)}
     env.update(extra or {})
