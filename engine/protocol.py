@@ -683,6 +683,8 @@ class EngineReady:
     footprint: Footprint | None = None
     preset: ModelPreset | None = None  # what it serves (an app attaching to a sidecar may not know it)
     batch_sizes: tuple[int, ...] = (1,)  # batch sizes its requests may run at together (engine/pipeline/batching.py)
+    # (name, folder) the worker compiles in and writes temporary files to, as the worker itself sees them
+    folders: tuple[tuple[str, str], ...] = ()
 
     @property
     def rank_pids(self) -> tuple[int, ...]:
@@ -764,6 +766,14 @@ class FootprintChanged:
     """Its memory footprint changed (after a warm-up)."""
 
     footprint: Footprint
+
+
+@dataclass(frozen=True)
+class FoldersChanged:
+    """Its compile or temporary folders moved (the cache disk filled up or turned read-only), and why."""
+
+    folders: tuple[tuple[str, str], ...]
+    notice: str = ""
 
 
 @dataclass(frozen=True)

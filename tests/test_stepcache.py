@@ -11,7 +11,7 @@ import pytest
 from engine import devices
 from engine.config.presets import get_preset
 from engine.config.validation import build_request
-from engine.errors import InvalidRequest, UnsupportedCombination
+from engine.errors import InvalidRequest, UnsupportedCombination, scrub_paths
 from engine.models.shapes.fidelity import check
 from engine.pipeline import stepcache
 from engine.pipeline.runner import PipelineRunner
@@ -205,7 +205,8 @@ def test_magcache_calibrates_once_per_steps_and_stores_it(runner):
     path = runner._step_caches.calibration_path(6)
     assert not path.exists()
     first, _ = _run(runner, _request("magcache", steps=6))
-    assert any("magcache: calibrated" in n for n in first.notices)
+    notice = next(n for n in first.notices if "magcache: calibrated" in n)
+    assert str(runner._step_caches.cache_dir) not in notice and scrub_paths(notice) == notice  # no server path
     stored = json.loads(path.read_text())
     assert stored["steps"] == 6 and len(stored["mag_ratios"]) == 6 and stored["mag_ratios"][0] == 1.0
     other, _ = _run(runner, _request("magcache:0.1", steps=6))  # another threshold: a new variant, same ratios

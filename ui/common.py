@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import re
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -31,6 +30,7 @@ from engine.errors import (
     NotAllowed,
     ShowcaseError,
     UnsupportedCombination,
+    scrub_paths,
 )
 from engine.pipeline.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401 - the tabs import it from here
 from engine.pipeline.attention import attention_table
@@ -61,17 +61,6 @@ ERROR_TITLES = {
 # ValueError from inside a pipeline call), never titled by a class name.
 FAILED_TITLE = "Generation failed"
 MEMO_ENTRIES = 256  # visitor input memoised (engine keys, each session's engine): least recently used go first
-
-# A server path in a message: absolute (/a/b, C:\\a), home-relative (~, ~user/a) or a dotted relative one
-# (./a, ../a). URLs (scheme://host/...) are left alone.
-_PATH = re.compile(r"""(?<![\w.\-:/~])(?:~[\w.\-]*(?:/[^\s'"`,;()\[\]<>]*)?|\.{1,2}/[^\s'"`,;()\[\]<>]+|"""
-                   r"""/[^\s'"`,;()\[\]<>/]+/[^\s'"`,;()\[\]<>]*|[A-Za-z]:\\[^\s'"`,;()\[\]<>]+)""")
-
-
-def scrub_paths(text: str) -> str:
-    """`text` with every file-system path replaced by <path> (the log keeps the original)."""
-    return _PATH.sub("<path>", str(text))
-
 
 def _unexpected_message(exc: BaseException) -> tuple[str, str]:
     """(title, message) for an exception the engine did not raise on purpose: the condition, never a

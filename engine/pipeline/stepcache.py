@@ -390,8 +390,9 @@ class CacheVariants:
             ratios = self.mag_ratios(steps)
             if ratios is None:
                 ratios = self.calibrate(base_pipe, steps, run)
+                # Visitors read the notice: the cache folder's name, not its path on the server.
                 notices.append(f"magcache: calibrated {self.preset.name} at {steps} steps (one full run first); "
-                               f"stored in {self.calibration_path(steps)}")
+                               "stored in the cache folder (stepcache/magcache), reused from now on")
         variant = CachedDenoiser(
             base_pipe, self.preset.denoiser, cache,
             lambda v: diffusers_config(cache, steps=steps, cfg=self.preset.cfg, timestep=v.current_timestep,

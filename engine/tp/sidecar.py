@@ -505,7 +505,8 @@ def _serve(server: _Rank0Server, runner, config, ranks, spec, from_app: bool, bo
         ready = runner.ready_info()
         loop.send(Ready(EngineReady(key=config.key, pid=ready.pid, load_s=ready.load_s, notices=ready.notices,
                                     modes=ready.modes, buckets=ready.buckets, tp=len(ranks), ranks=tuple(ranks),
-                                    backend=spec.dist_backend, footprint=ready.footprint, preset=ready.preset)))
+                                    backend=spec.dist_backend, footprint=ready.footprint, preset=ready.preset,
+                                    folders=ready.folders)))
         if first_client:
             runner.start_heartbeat()
             loop.queue_startup_warm()

@@ -47,6 +47,7 @@ from engine.protocol import (
     CompileWanted,
     Fatal,
     Fault,
+    FoldersChanged,
     FootprintChanged,
     Generate,
     GenerateRequest,
@@ -194,6 +195,7 @@ class WorkerLoop:
         self._waiting: dict[BucketKey, int] = {}
         self._stop = threading.Event()
         self._received: dict[str, float] = {}  # request id -> when it arrived (its queue time)
+        self._folders_sent: tuple | None = None  # the folders the app was last told (Ready, FoldersChanged)
         self.compile_yield = YieldToRequests()
         # Only where the engines compute on the host's shared cores (an accelerator does the work elsewhere).
         self.run_cost = RunCost(settings.short_request_ms(), max_extra=settings.compile_niceness() - 2) \
@@ -216,6 +218,8 @@ class WorkerLoop:
             self.run_cost.record("eager", size, 1, ms)
 
     def send(self, message) -> None:
+        if isinstance(message, Ready):
+            self._folders_sent = message.ready.folders
         with self._send_lock:
             try:
                 self.conn.send(message)
@@ -364,9 +368,19 @@ class WorkerLoop:
                 if wanted and not self._is_warm(bucket):
                     self.runner.warm_bucket(bucket)
                     self.send(FootprintChanged(self.runner.footprint()))
+                    self._report_folders()
                     self._collect_garbage()
             finally:
                 self.send(CompileFinished(bucket))
+
+    def _report_folders(self) -> None:
+        """A compile that found the cache disk full or read-only moved this worker's compile and temporary
+        folders: tell the app where they are now, and why."""
+        folders = self.runner.folders() if hasattr(self.runner, "folders") else None
+        if folders is None or folders == self._folders_sent:
+            return
+        self.send(FoldersChanged(folders, getattr(self.runner, "folders_notice", "")))
+        self._folders_sent = folders
 
     def _collect_garbage(self) -> None:
         """A compile leaves many objects; the garbage collector's full passes over them (and over the model)
