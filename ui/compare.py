@@ -110,8 +110,11 @@ class CompareHandlers(HandlerBase):
 
         caller = self.caller(request)
         with ExitStack() as stack:
-            try:  # public mode: one running request per visitor
+            try:  # public mode: one running request per visitor, priced as a whole before anything runs
                 run = stack.enter_context(self.open_run(request))
+                price = self.manager.price_compare(preset, size_text, steps_total, len(configs), len(prompts),
+                                                   guidance, caller=caller)
+                ticket = stack.enter_context(self.manager.admission(self.client_of(request), price, caller))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
             yield gallery, payload(), thumbnails  # the page shows this comparison from now on
@@ -128,7 +131,8 @@ class CompareHandlers(HandlerBase):
                         started = time.perf_counter()
                         kwargs = dict(preset=preset, device=device, precision=precision, mode=mode, size=size_text,
                                       prompt=text, negative_prompt=None, steps=steps_total, guidance=guidance,
-                                      seed=sample_seed, on_cold="wait" if wait_for_warm else "eager")
+                                      seed=sample_seed, on_cold="wait" if wait_for_warm else "eager",
+                                      client=self.client_of(request), ticket=ticket)
                         if cache != views.NO_CACHE:
                             kwargs["step_cache"] = cache
                         desc = f"{config}: " if i == 0 else f"{config} fidelity prompt {i}/{n_samples}: "

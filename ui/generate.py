@@ -229,6 +229,7 @@ class GenerateHandlers(HandlerBase):
         if given(step_cache) is not None and step_cache != "none":
             kwargs["step_cache"] = step_cache
         caller = self.caller(request)
+        kwargs["client"] = self.client_of(request)
         try:
             key = self.key_for(preset, device, precision, tp, caller=caller)
             kwargs["tp"] = key.tp
