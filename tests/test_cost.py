@@ -228,16 +228,33 @@ def test_engine_serves_another_clients_short_request_after_one_run(cache_dir, ti
 
 
 @pytest.mark.slow
-def test_host_builds_aot_visitor_then_served_from_the_package(cache_dir, tiny_models, tmp_path, monkeypatch):
-    monkeypatch.setenv("SHOWCASE_AOT_DIR", str(tmp_path / "aot"))
+def test_host_builds_aot_visitor_then_served_from_the_package(cache_dir, tiny_models):
+    # The session's aot folder: a package tests/test_aot.py built is loaded, else the host builds it here.
     policy = HostPolicy(public=True, presets=("tiny-flux",))
     with engine_manager(cache_dir, policy=policy) as m:
         kwargs = dict(preset="tiny-flux", device="cpu", mode="aot", size="64x64", steps=2, on_cold="wait")
         with pytest.raises(NotAllowed, match="up to the host"):
             m.generate(caller=Caller.VISITOR, client="10.0.0.9", **kwargs)
-        built = m.generate(caller=Caller.HOST, **kwargs)  # the host (admin token) builds it
+        built = m.generate(caller=Caller.HOST, **kwargs)  # the host (admin token) may build or load it
         assert built.warm
         board = {(b["mode"], b["size"]): b["state"] for b in m.status()[0]["buckets"] if b["batch"] == 1}
         assert board[("aot", "64x64")] == BucketState.WARM.value
         served = m.generate(caller=Caller.VISITOR, client="10.0.0.9", **kwargs)
         assert served.warm and served.bucket.mode is Mode.AOT
+
+
+# -- what a visitor reads on the page or through the API ----------------------------------------------
+def test_handlers_refuse_over_budget_with_what_fits(public):
+    import gradio as gr
+
+    from ui.handlers import Handlers, UIDefaults
+
+    h = Handlers(public, UIDefaults(device="cpu", mode="eager", preset="tiny-shapes"))
+    with pytest.raises(gr.Error, match="this comparison costs 27,648 token-steps .* at most 6 configurations × 5 "
+                                       "prompts or 3 configurations × 9 prompts at 8 steps"):
+        list(h.compare("a red circle on a blue background", "tiny-shapes", "64x64", 8, 1.0, 0, ["cpu"],
+                       ["fp32", "bf16"], ["eager", "compile", "regional"], False, fidelity_prompts=8))
+    with pytest.raises(gr.Error, match="at most 64 steps at 128x128 here"):
+        list(h.generate("a red circle on a blue background", "", "tiny-shapes", "cpu", "fp32", "eager", "128x128",
+                        "200", "1", "0", request=None, progress=lambda *a, **k: None))
+    assert public.engines() == []

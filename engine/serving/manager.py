@@ -551,6 +551,17 @@ class EngineManager:
             guidance = None
         return cost.check_compare(self.policy.cost, p, size, steps, configurations, prompts, guidance)
 
+    def price_generate(self, preset: str, size=None, steps=None, guidance=None, caller: Caller = Caller.HOST) -> int:
+        """A Generate's price in token-steps (0 when not priced), or NotAllowed saying what fits; bad input
+        raises InvalidRequest naming the field. Checked by the UI before it starts an engine for the request."""
+        if not self.priced(caller):
+            return 0
+        p = self.preset(preset)
+        size = size if isinstance(size, Size) else Size.parse(size) if size else p.buckets[0]
+        request, _ = build_request(p, prompt="", width=size.width, height=size.height, steps=steps,
+                                   guidance=guidance)
+        return cost.check_generate(self.policy.cost, p, request.size, request.steps, request.guidance)
+
     @contextlib.contextmanager
     def admission(self, client: str, price: int, caller: Caller = Caller.HOST):
         """Hold `price` against the visitor's budget of queued and running cost while the block runs; EngineBusy
