@@ -7,9 +7,9 @@ told apart by their client address as the web app does) on one preset and device
   visitor may ask for (the most steps the per-request budget allows at the largest bucket, at most
   --max-steps), each alone;
 - eight costliest Generates from visitor A at once (steps varied by one so they cannot share a call),
-  then B's costliest Generate and B's small one: their latency against idle. Twice: with the visitor
-  budget (A's requests beyond it are refused at once) and without it (all eight queued: the engine's
-  turns between clients alone);
+  then B's costliest Generate and B's small one: their latency against idle. With the visitor budget
+  (A's requests beyond it are refused at once), without it (all eight queued: the engine's turns
+  between clients alone), and without it with B sending as A (first come first served, as before);
 - the costliest Compare a visitor may ask for (configurations × the prompts the Compare tab sends, all
   eager on the same engine so no compile enters the figure) run as ui/compare.py runs it, one admission
   and one image at a time, while B sends small Generates one after another: B's latency against one
@@ -73,8 +73,9 @@ class Bench:
         return {"small_s": median([self.small(seed=i) for i in range(self.args.rounds)]),
                 "big_s": median([self.big(B, seed=i) for i in range(max(1, self.args.rounds // 2))])}
 
-    def eight_costliest(self, idle: dict, visitor_budget: bool) -> dict:
-        """A sends eight costliest Generates at once; B then sends a costliest one, then a small one."""
+    def eight_costliest(self, idle: dict, visitor_budget: bool, b_client: str = B) -> dict:
+        """A sends eight costliest Generates at once; B then sends a costliest one, then a small one. With
+        `b_client` = A, B's requests queue behind A's as anyone's did before engines took turns."""
         saved = self.manager.policy
         if not visitor_budget:
             self.manager.policy = HostPolicy(public=True, presets=saved.presets,
@@ -96,13 +97,13 @@ class Bench:
         try:
             running.wait(120)
             time.sleep(0.05)  # A's others reach the engine's queue
-            b_big = self.big(B, seed=7)
-            b_small = self.small(seed=7)
+            b_big = self.big(b_client, seed=7)
+            b_small = self.small(b_client, seed=7)
         finally:
             for t in threads:
                 t.join(600)
             self.manager.policy = saved
-        return {"visitor_budget": visitor_budget, "a_refused": len(refused), "a_admitted": 8 - len(refused),
+        return {"visitor_budget": visitor_budget, "turns": b_client != A, "a_refused": len(refused), "a_admitted": 8 - len(refused),
                 "b_big_s": b_big, "b_big_x_idle": b_big / idle["big_s"],
                 "b_small_s": b_small, "b_small_x_idle": b_small / idle["small_s"]}
 
@@ -149,7 +150,8 @@ class Bench:
                     "small": f"{self.args.small_steps} steps at {self.small_size}",
                     "costliest": f"{self.big_steps} steps at {self.big_size}", "idle": idle,
                     "load_before": os.getloadavg()[0],
-                    "eight_costliest": [self.eight_costliest(idle, True), self.eight_costliest(idle, False)],
+                    "eight_costliest": [self.eight_costliest(idle, True), self.eight_costliest(idle, False),
+                                        self.eight_costliest(idle, False, b_client=A)],
                     "compare": self.costliest_compare(idle), "load_after": os.getloadavg()[0]}
         finally:
             self.manager.shutdown()
@@ -162,7 +164,8 @@ def print_summary(s: dict) -> None:
     print(f"idle: small ({s['small']}) {idle['small_s']:.3f} s, costliest Generate ({s['costliest']}) "
           f"{idle['big_s']:.3f} s")
     for row in s["eight_costliest"]:
-        print(f"eight costliest from A (visitor budget {'on' if row['visitor_budget'] else 'off'}: "
+        print(f"eight costliest from A (visitor budget {'on' if row['visitor_budget'] else 'off'}"
+              f"{'' if row['turns'] else ', B queued as A: first come first served'}: "
               f"{row['a_admitted']} admitted, {row['a_refused']} refused): B's costliest {row['b_big_s']:.3f} s "
               f"(x{row['b_big_x_idle']:.2f} idle), B's small {row['b_small_s']:.3f} s (x{row['b_small_x_idle']:.2f})")
     c = s["compare"]
