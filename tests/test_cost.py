@@ -138,6 +138,40 @@ def test_visitor_aot_refused_until_a_package_is_loaded(public):
     assert public.engines() == []
 
 
+class LoadedEngine:
+    """Stands in for a loaded engine whose board has `warm` buckets."""
+
+    def __init__(self, key, warm=()):
+        from engine.protocol import BucketInfo
+
+        self.key = key
+        self._buckets = [BucketInfo(key, bucket, BucketState.WARM) for bucket in warm]
+
+    def wait_ready(self, timeout=None):
+        return True
+
+    def buckets(self):
+        return self._buckets
+
+
+def test_visitor_aot_served_from_a_loaded_package_warm_refused(public, monkeypatch):
+    from engine.protocol import BucketKey, EngineKey
+
+    key = EngineKey("tiny-shapes", "cpu", "fp32")
+    monkeypatch.setitem(public._engines, key, LoadedEngine(key))
+    with pytest.raises(NotAllowed, match="mode aot at 64x64: no package .* up to the host"):
+        public.warm("tiny-shapes", "cpu", "fp32", "aot", "64x64", caller=Caller.VISITOR)
+    monkeypatch.setitem(public._engines, key, LoadedEngine(key, [BucketKey(Mode.AOT, Size(64, 64))]))
+    ran = []
+    monkeypatch.setattr(public, "_run", lambda key, request, *a: ran.append(request))
+    public.generate(preset="tiny-shapes", device="cpu", mode="aot", size="64x64", prompt="a fox",
+                    caller=Caller.VISITOR, client="10.0.0.4")
+    assert ran and ran[0].mode is Mode.AOT and ran[0].client == "10.0.0.4"
+    with pytest.raises(NotAllowed, match="mode aot at 128x128: no package"):  # only the loaded bucket
+        public.generate(preset="tiny-shapes", device="cpu", mode="aot", size="128x128", prompt="a fox",
+                        caller=Caller.VISITOR, client="10.0.0.4")
+
+
 # -- a Compare yields to Generates ---------------------------------------------------------------
 def test_compare_image_waits_while_another_clients_generate_runs(public):
     done = threading.Event()

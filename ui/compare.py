@@ -131,8 +131,7 @@ class CompareHandlers(HandlerBase):
                         started = time.perf_counter()
                         kwargs = dict(preset=preset, device=device, precision=precision, mode=mode, size=size_text,
                                       prompt=text, negative_prompt=None, steps=steps_total, guidance=guidance,
-                                      seed=sample_seed, on_cold="wait" if wait_for_warm else "eager",
-                                      client=self.client_of(request), ticket=ticket)
+                                      seed=sample_seed, on_cold="wait" if wait_for_warm else "eager", ticket=ticket)
                         if cache != views.NO_CACHE:
                             kwargs["step_cache"] = cache
                         desc = f"{config}: " if i == 0 else f"{config} fidelity prompt {i}/{n_samples}: "
