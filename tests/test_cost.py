@@ -53,7 +53,7 @@ def test_parse_cost_refuses_with_the_flag(text):
 @pytest.mark.parametrize("budget,size,steps,words", [
     (16_384, "128x128", 65, "at most 64 steps at 128x128 here, or 65 steps at 128x64"),
     (16_384, "128x128", 200, "at most 64 steps at 128x128 here, or 200 steps at 64x64"),
-    (100, "128x128", 1, "128x128 does not fit here at any step count, or 1 steps at 64x64"),
+    (100, "128x128", 1, "128x128 does not fit here at any step count, or 1 step at 64x64"),
 ])
 def test_generate_over_budget_says_what_fits(budget, size, steps, words):
     with pytest.raises(NotAllowed, match="this server allows") as info:
@@ -70,7 +70,7 @@ def test_generate_within_budget_and_unbounded():
     (6, 9, 8, "at most 6 configurations × 5 prompts or 3 configurations × 9 prompts at 8 steps, "
               "or at most 4 steps with these choices"),
     # the Compare: one image of 200 steps at 64x64 fits, no split of 6 x 33 does
-    (6, 33, 200, "at most 1 configuration × 1 prompts at 200 steps, or at most 1 steps with these choices"),
+    (6, 33, 200, "at most 1 configuration × 1 prompt at 200 steps, or at most 1 step with these choices"),
 ])
 def test_compare_over_budget_says_what_fits(configs, prompts, steps, words):
     with pytest.raises(NotAllowed, match=f"costs .* \\({configs} configurations × {prompts} prompts") as info:

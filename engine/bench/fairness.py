@@ -33,13 +33,14 @@ from engine.metrics import median
 from engine.protocol import EngineOptions, Size
 from engine.serving import cost
 from engine.serving.cost import CostBudget
-from engine.serving.manager import Caller, EngineManager, HostPolicy
 
 A, B = "10.0.0.1", "10.0.0.2"  # two visitors' addresses
 
 
 class Bench:
     def __init__(self, args):
+        from engine.serving.manager import EngineManager, HostPolicy  # torch: not for `--help`
+
         self.args = args
         request = cost.parse_cost(args.max_request_cost, "--max-request-cost")
         visitor = cost.parse_cost(args.max_visitor_cost, "--max-visitor-cost")
@@ -55,6 +56,8 @@ class Bench:
 
     def generate(self, client: str, size: Size, steps: int, seed: int = 0, **extra) -> float:
         """One visitor Generate; its latency in seconds (wall, as the visitor waits)."""
+        from engine.serving.manager import Caller
+
         start = time.perf_counter()
         self.manager.generate(preset=self.preset.name, device=self.args.device, size=str(size), steps=steps,
                               prompt=self.preset.example_prompt, seed=seed, caller=Caller.VISITOR, client=client,
@@ -76,6 +79,8 @@ class Bench:
     def eight_costliest(self, idle: dict, visitor_budget: bool, b_client: str = B) -> dict:
         """A sends eight costliest Generates at once; B then sends a costliest one, then a small one. With
         `b_client` = A, B's requests queue behind A's as anyone's did before engines took turns."""
+        from engine.serving.manager import HostPolicy
+
         saved = self.manager.policy
         if not visitor_budget:
             self.manager.policy = HostPolicy(public=True, presets=saved.presets,
@@ -110,8 +115,12 @@ class Bench:
     def costliest_compare(self, idle: dict) -> dict:
         """The costliest Compare at the smallest bucket, run as ui/compare.py runs it, while B keeps sending
         small Generates."""
+        from engine.serving.manager import Caller
+
         prompts = 1 + (8 if self.preset.fidelity else 0)  # the Compare tab's default fidelity prompts
         per_image = cost.price(self.preset, self.small_size, self.args.small_steps)
+        if self.budget.request is not None:  # the most images the budget allows: prompts first, then configurations
+            prompts = max(1, min(prompts, self.budget.request // per_image))
         configs = 6 if self.budget.request is None else max(1, min(6, self.budget.request // (per_image * prompts)))
         price = self.manager.price_compare(self.preset.name, self.small_size, self.args.small_steps, configs,
                                            prompts, caller=Caller.VISITOR)

@@ -26,6 +26,10 @@ DEFAULT_REQUEST_COST = 16_384
 DEFAULT_VISITOR_COST = 2 * DEFAULT_REQUEST_COST
 
 
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
+
 def tokens_per_image_step(preset: ModelPreset, size: Size, guidance: float | None = None) -> int:
     """Latent tokens one denoiser step computes for one image at `size`. A transformer packs 2×2 latent
     pixels per token (the preset's alignment is that patch in image pixels); a UNet computes every latent
@@ -83,12 +87,12 @@ def check_generate(budget: CostBudget, preset: ModelPreset, size: Size, steps: i
     if budget.request is None or cost <= budget.request:
         return cost
     allowed = max_steps(budget.request, preset, size, guidance)
-    hint = f"at most {allowed} steps at {size} here" if allowed else f"{size} does not fit here at any step count"
+    hint = f"at most {_n(allowed, 'step')} at {size} here" if allowed else f"{size} does not fit here at any step count"
     smaller = [s for s in sorted(preset.buckets, key=lambda s: s.pixels) if s.pixels < size.pixels
                and max_steps(budget.request, preset, s, guidance) >= steps]
     if smaller:
-        hint += f", or {steps} steps at {smaller[-1]}"
-    raise NotAllowed(f"this request costs {cost:,} token-steps ({steps} steps × "
+        hint += f", or {_n(steps, 'step')} at {smaller[-1]}"
+    raise NotAllowed(f"this request costs {cost:,} token-steps ({_n(steps, 'step')} × "
                      f"{tokens_per_image_step(preset, size, guidance)} latent tokens at {size}) and this server "
                      f"allows {budget.request:,} per request: {hint}")
 
@@ -103,18 +107,21 @@ def check_compare(budget: CostBudget, preset: ModelPreset, size: Size, steps: in
     per_image = price(preset, size, steps, guidance)
     fit = budget.request // per_image  # images of these steps and size that fit
     options = []
+    def split(c: int, p: int) -> str:
+        return f"{_n(c, 'configuration')} × {_n(p, 'prompt')}"
+
     if fit >= configurations:
-        options.append(f"{configurations} configurations × {fit // configurations} prompts")
+        options.append(split(configurations, fit // configurations))
     if fit >= prompts:
-        options.append(f"{fit // prompts} configurations × {prompts} prompts")
+        options.append(split(fit // prompts, prompts))
     if fit and not options:
-        options.append(f"1 configuration × {min(fit, prompts)} prompts")
+        options.append(split(1, min(fit, prompts)))
     steps_fit = max_steps(budget.request, preset, size, guidance, images)
-    hint = f"at most {' or '.join(options)} at {steps} steps" if options else ""
+    hint = f"at most {' or '.join(options)} at {_n(steps, 'step')}" if options else ""
     if steps_fit:
-        hint += (", or " if hint else "") + f"at most {steps_fit} steps with these choices"
-    raise NotAllowed(f"this comparison costs {cost:,} token-steps ({configurations} configurations × {prompts} "
-                     f"prompts × {steps} steps × {tokens_per_image_step(preset, size, guidance)} latent tokens at "
+        hint += (", or " if hint else "") + f"at most {_n(steps_fit, 'step')} with these choices"
+    raise NotAllowed(f"this comparison costs {cost:,} token-steps ({split(configurations, prompts)} × "
+                     f"{_n(steps, 'step')} × {tokens_per_image_step(preset, size, guidance)} latent tokens at "
                      f"{size}) and this server allows {budget.request:,} per request: "
                      f"{hint or 'pick a smaller size'}")
 
