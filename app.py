@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.config.presets import load_presets
     from engine.pipeline.attention import BACKENDS
     from engine.protocol import Mode, Precision
+    from engine.serving.cost import DEFAULT_REQUEST_COST, DEFAULT_VISITOR_COST
 
     d = settings.server_defaults()
     precision = one_of(Precision.values, "precision")
@@ -133,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N",
                    help="requests one client (its address) may have waiting or running at once (default: 8 in "
                         "public mode, unbounded otherwise; 0: unbounded; $SHOWCASE_CLIENT_EVENTS)")
+    h.add_argument("--max-request-cost", default=d["max_request_cost"], metavar="TOKEN_STEPS",
+                   help="public mode: the most one visitor request may cost, in denoiser steps x latent tokens "
+                        "(x configurations x prompts for Compare); a costlier one is refused with what fits "
+                        f"(default {DEFAULT_REQUEST_COST}: 64 steps at tiny-shapes' 128x128; 0: unbounded; "
+                        "$SHOWCASE_MAX_REQUEST_COST)")
+    h.add_argument("--max-visitor-cost", default=d["max_visitor_cost"], metavar="TOKEN_STEPS",
+                   help="public mode: the most one client address may have queued and running at once "
+                        f"(default {DEFAULT_VISITOR_COST}; 0: unbounded; $SHOWCASE_MAX_VISITOR_COST)")
     h.add_argument("--trusted-proxies", default=d["trusted_proxies"], metavar="NETS",
                    help="comma-separated addresses/networks of reverse proxies whose X-Forwarded-For names the "
                         "client (default: none, the connection's address is the client; $SHOWCASE_TRUSTED_PROXIES)")
@@ -284,7 +293,22 @@ def host_policy(args):
     return HostPolicy(public=True, presets=presets,
                       precisions=_choices(args.precisions, lambda t: Precision.parse(t, "precision")),
                       modes=_choices(args.modes, lambda t: Mode.parse(t, "mode")),
-                      evict_idle_after_s=args.public_evict_after)
+                      evict_idle_after_s=args.public_evict_after, cost=cost_budget(args))
+
+
+def cost_budget(args):
+    """The visitors' cost budgets (engine/serving/cost.py) from the flags; a bad value exits naming the flag."""
+    from engine.errors import InvalidRequest
+    from engine.serving.cost import DEFAULT_REQUEST_COST, DEFAULT_VISITOR_COST, CostBudget, parse_cost
+
+    try:
+        request = parse_cost(DEFAULT_REQUEST_COST if args.max_request_cost is None else args.max_request_cost,
+                             "--max-request-cost")
+        visitor = parse_cost(DEFAULT_VISITOR_COST if args.max_visitor_cost is None else args.max_visitor_cost,
+                             "--max-visitor-cost")
+    except InvalidRequest as exc:
+        raise SystemExit(str(exc)) from None
+    return CostBudget(request=request, visitor=visitor)
 
 
 def edge_config(args):

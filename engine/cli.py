@@ -234,6 +234,7 @@ COMMANDS = (
     "engine.bench:add_bench_parser",
     "engine.bench.soak:add_soak_parser",
     "engine.bench.load:add_load_parser",
+    "engine.bench.fairness:add_fairness_parser",
     "engine.bench.contention:add_contention_parser",
     "engine.bench.context_parallel:add_cp_bench_parser",
     "engine.bench.advise:add_advise_parser",

@@ -531,6 +531,8 @@ class GenerateRequest:
     on_cold: OnCold = OnCold.EAGER
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     step_cache: StepCache = NO_STEP_CACHE  # text ("first-block:0.2") is parsed at construction
+    # Who asked (a visitor's address; "" for the host): an engine serves its waiting clients in turn.
+    client: str = ""
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)

@@ -78,6 +78,8 @@ def server_defaults() -> dict:
         "idle_unload": _env("SHOWCASE_IDLE_UNLOAD"),  # seconds; off by default
         "worker_threads": _env("SHOWCASE_WORKER_THREADS"),  # cpu engines: compute threads each
         "client_events": _env("SHOWCASE_CLIENT_EVENTS"),  # public mode: events one client may hold
+        "max_request_cost": _env("SHOWCASE_MAX_REQUEST_COST"),  # public mode: token-steps per request
+        "max_visitor_cost": _env("SHOWCASE_MAX_VISITOR_COST"),  # public mode: token-steps one visitor holds
         "trusted_proxies": _env("SHOWCASE_TRUSTED_PROXIES"),  # whose X-Forwarded-For names the client
         # socket bounds (ui/sockets.py): unset -> app.py's defaults
         "max_connections": _env("SHOWCASE_MAX_CONNECTIONS"),

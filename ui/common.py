@@ -193,6 +193,13 @@ class HandlerBase:
             return Caller.HOST
         return Caller.VISITOR
 
+    def client_of(self, request: gr.Request | None) -> str:
+        """Who the engines take turns between and the cost budget is held against: the client's address
+        (ui/edge.py), or its session where no connection is known (a test calling a handler)."""
+        if self.edge is not None and getattr(request, "request", None) is not None:
+            return self.edge.client_of(request)
+        return f"session {session_id(request)}"
+
     def remember_engine(self, request: gr.Request | None, key) -> None:
         with self._lock:
             self._current[session_id(request)] = key

@@ -187,7 +187,11 @@ class CompareHandlers(HandlerBase):
         prompts = [prompt, *views.fidelity_sample_prompts(model, n_samples, fallback=prompt)]
         seeds = [seed, *(1000 + i for i in range(n_samples))]
         runs_each = len(prompts)
-        rounds_cap = TIMING_MAX_ROUNDS if timing_budget > 0 else 0
+        caller = self.caller(request)
+        # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
+        # rounds that still give a spread; the host's grow until the spread is known or the budget ends.
+        max_rounds = TIMING_MIN_ROUNDS if self.manager.priced(caller) else TIMING_MAX_ROUNDS
+        rounds_cap = max_rounds if timing_budget > 0 else 0
         grand_total = len(configs) * (runs_each + rounds_cap) * steps_total
         note = ("the reference, picked" if picked else
                 "the reference, added: every speedup and drift is measured against it")
@@ -201,10 +205,12 @@ class CompareHandlers(HandlerBase):
             return {"configs": configs, "done": done, "reference": reference, "results": results,
                     "timing": timing, "speedup": views.speedup_table(results)}
 
-        caller = self.caller(request)
         with ExitStack() as stack:
-            try:  # public mode: one running request per visitor
+            try:  # public mode: one running request per visitor, priced as a whole before anything runs
                 run = stack.enter_context(self.open_run(request))
+                price = self.manager.price_compare(preset, size_text, steps_total, len(configs), runs_each + rounds_cap,
+                                                   guidance, caller=caller)
+                ticket = stack.enter_context(self.manager.admission(self.client_of(request), price, caller))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
             yield gallery, payload(), thumbnails  # the page shows this comparison from now on
@@ -216,7 +222,7 @@ class CompareHandlers(HandlerBase):
                 key = self.key_for(preset, device, precision, caller=caller)
                 kwargs = dict(preset=preset, device=device, precision=precision, mode=mode, size=size_text,
                               prompt=text, negative_prompt=None, steps=steps_total, guidance=guidance,
-                              seed=sample_seed, on_cold="wait" if wait_for_warm else "eager")
+                              seed=sample_seed, on_cold="wait" if wait_for_warm else "eager", ticket=ticket)
                 if cache != views.NO_CACHE:
                     kwargs["step_cache"] = cache
                 started = time.perf_counter()
@@ -292,7 +298,7 @@ class CompareHandlers(HandlerBase):
                                          else "the reference did not run: no speedups")
             else:
                 plan = PairedTiming(list(entries), reference=reference, budget_s=timing_budget,
-                                    min_rounds=TIMING_MIN_ROUNDS, max_rounds=TIMING_MAX_ROUNDS)
+                                    min_rounds=TIMING_MIN_ROUNDS, max_rounds=max_rounds)
                 for config, r in entries.items():
                     plan.warm[config] = {k: r.get(k) for k in ("compile_s", "warmup_s", "waited_s")}
                 own = {r.get("engine") for r in entries.values()}

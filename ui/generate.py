@@ -229,8 +229,12 @@ class GenerateHandlers(HandlerBase):
         if given(step_cache) is not None and step_cache != "none":
             kwargs["step_cache"] = step_cache
         caller = self.caller(request)
+        kwargs["client"] = self.client_of(request)
         try:
             key = self.key_for(preset, device, precision, tp, caller=caller)
+            if self.public:  # a request over the cost budget is refused before its engine is started
+                self.manager.price_generate(key.preset, size or None, kwargs["steps"], kwargs["guidance"],
+                                            caller=caller)
             kwargs["tp"] = key.tp
             if key.parallel.context:
                 kwargs["parallel"] = key.parallel
