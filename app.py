@@ -134,12 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N",
                    help="requests one client (its address) may have waiting or running at once (default: 8 in "
                         "public mode, unbounded otherwise; 0: unbounded; $SHOWCASE_CLIENT_EVENTS)")
-    h.add_argument("--max-request-cost", default=d["max_request_cost"], metavar="TOKEN_STEPS",
+    h.add_argument("--max-request-cost", type=token_steps("--max-request-cost"), default=_text(d["max_request_cost"]),
+                   metavar="TOKEN_STEPS",
                    help="public mode: the most one visitor request may cost, in denoiser steps x latent tokens "
                         "(x configurations x prompts for Compare); a costlier one is refused with what fits "
                         f"(default {DEFAULT_REQUEST_COST}: 64 steps at tiny-shapes' 128x128; 0: unbounded; "
                         "$SHOWCASE_MAX_REQUEST_COST)")
-    h.add_argument("--max-visitor-cost", default=d["max_visitor_cost"], metavar="TOKEN_STEPS",
+    h.add_argument("--max-visitor-cost", type=token_steps("--max-visitor-cost"), default=_text(d["max_visitor_cost"]),
+                   metavar="TOKEN_STEPS",
                    help="public mode: the most one client address may have queued and running at once "
                         f"(default {DEFAULT_VISITOR_COST}; 0: unbounded; $SHOWCASE_MAX_VISITOR_COST)")
     h.add_argument("--trusted-proxies", default=d["trusted_proxies"], metavar="NETS",
@@ -214,6 +216,21 @@ def memory_size(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text} is smaller than any engine (a worker process alone is estimated "
                                          f"at {floor / GIB:.2f} GiB); allowed: at least {floor / 2**20:.0f}MiB")
     return text
+
+
+def token_steps(flag: str):
+    """--max-request-cost / --max-visitor-cost: checked as parsed; the text is kept (parse_cost reads it)."""
+    def check(text: str) -> str:
+        from engine.errors import InvalidRequest
+        from engine.serving.cost import parse_cost
+
+        try:
+            parse_cost(text, flag)
+        except InvalidRequest as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag} ")) from None
+        return text
+
+    return check
 
 
 def header_bytes(text: str) -> int:

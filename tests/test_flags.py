@@ -58,6 +58,10 @@ BAD_FLAGS = [
     (lambda t: ["--idle-unload", "-5"], "--idle-unload", "or 0 (off)"),
     (lambda t: ["--batch-wait-ms", "nan"], "--batch-wait-ms", "allowed: 0..10000"),
     (lambda t: ["--max-engines", "0"], "--max-engines", "allowed: 1..64"),
+    (lambda t: ["--max-request-cost", "lots"], "--max-request-cost", "whole number (e.g. 16384), or 0 for no bound"),
+    (lambda t: ["--max-visitor-cost", "-5"], "--max-visitor-cost", "positive number of token-steps, or 0"),
+    (lambda t: ["--header-timeout", "0"], "--header-timeout", "allowed: 1..600"),
+    (lambda t: ["--max-header-bytes", "lots"], "--max-header-bytes", "not a size from 1KiB to 1MiB"),
 ]
 
 
