@@ -82,6 +82,8 @@ def server_defaults() -> dict:
         "runtime": _env("SHOWCASE_RUNTIME"),  # inprocess | workers; default: runtime_default()
         "aot_dir": _env("SHOWCASE_AOT_DIR"),  # aot packages on persistent storage (a Space's /data)
         "aot_repo": _env("SHOWCASE_AOT_REPO"),  # a Hub model repo holding aot packages
+        "log_format": log_format(),  # text | json
+        "mcp": mcp_server(),  # serve the API as MCP tools too
     }
 
 

@@ -11,11 +11,12 @@ import os
 
 import gradio as gr
 
-from ui import advisor, buckets, compare, generate, system
+from ui import advisor, buckets, compare, generate, mcp, system
 from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
+from ui.metrics import MetricsRoute
 
 __all__ = ["GENERATE_API_PARAMS", "build_demo", "launch_kwargs"]
 
@@ -63,6 +64,9 @@ def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> di
     guard = getattr(demo, "edge", None)
     if guard is not None:
         kwargs["app_kwargs"] = {"middleware": [guard.middleware()]}
+    metrics = getattr(demo, "metrics", None)  # GET /metrics (ui/metrics.py)
+    if metrics is not None:
+        kwargs.setdefault("app_kwargs", {}).setdefault("middleware", []).append(metrics.middleware())
     return kwargs
 
 
@@ -102,6 +106,10 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     poll_queue_less_often(demo)
     guard.install(demo)
     demo.edge = guard
+    telemetry = getattr(manager, "telemetry", None)
+    if telemetry is not None:
+        demo.metrics = MetricsRoute(telemetry, h.public, h.defaults.admin_token, edge=guard)
+    mcp.describe_tools(demo)
     return demo
 
 
