@@ -16,6 +16,7 @@ from engine import settings
 from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
 from engine.errors import ShowcaseError
 from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel
+from engine.worker.logs import quiet_third_party
 
 
 def cmd_generate(args) -> int:
@@ -259,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    quiet_third_party()  # the harmless library messages the app drops (engine/worker/logs.py)
     try:
         return args.func(args)
     except ShowcaseError as exc:
