@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import io
 
+import psutil
 import pytest
-from helpers import engine_manager, launch_demo
+from helpers import engine_manager, launch_demo, wait_until
 from PIL import Image
 
 pytestmark = pytest.mark.slow  # launches the app and generates through MCP tool calls
@@ -60,7 +62,7 @@ def test_an_agent_lists_the_public_endpoints_as_tools_with_descriptions(mcp_url)
         return (await session.list_tools()).tools
 
     tools = {t.name: t for t in session_run(mcp_url, work)}
-    assert {"generate", "compare", "status", "system", "warm", "cancel"} <= set(tools)
+    assert {"generate", "compare", "status", "system", "warm", "cancel", "advise_start", "advise_poll"} <= set(tools)
     assert "restart" not in tools  # a host operation: not offered on a public server
     generate = tools["generate"]
     assert "image" in generate.description and "timings" in generate.description
@@ -128,3 +130,32 @@ def test_status_is_a_tool_an_agent_can_read(mcp_url):
     assert not result.isError
     text = " ".join(texts(result))
     assert "'engine': 'tiny-shapes@cpu/fp32'" in text and "'state': 'ready'" in text
+
+
+def test_the_advisor_is_a_host_only_start_poll_pair(mcp_url):
+    """It measures for minutes: advise_start returns a job at once, advise_poll follows it (and cancels it);
+    on a public server only the host (admin_token) may start one, and one runs at a time."""
+    start = dict(preset="tiny-shapes", device="cpu", size="64x64", steps="2", max_minutes="1")
+
+    async def work(session):
+        refused = await session.call_tool("advise_start", start)
+        started = await session.call_tool("advise_start", {**start, "admin_token": "host-secret"})
+        busy = await session.call_tool("advise_start", {**start, "admin_token": "host-secret"})
+        job = ast.literal_eval(texts(started)[0])["job"]  # the tool's text is the dict's repr
+        polled = await session.call_tool("advise_poll", {"job": job})
+        cancelled = await session.call_tool("advise_poll", {"job": job, "cancel": "true"})
+        unknown = await session.call_tool("advise_poll", {"job": "nope"})
+        return refused, started, busy, polled, cancelled, unknown
+
+    refused, started, busy, polled, cancelled, unknown = session_run(mcp_url, work)
+    assert refused.isError and "host operation" in " ".join(texts(refused))
+    assert not started.isError and "'state': 'running'" in texts(started)[0]
+    assert busy.isError and "still running (one at a time)" in " ".join(texts(busy))
+    assert not polled.isError and "'progress'" in texts(polled)[0]
+    assert "'state': 'cancelled'" in texts(cancelled)[0]
+    assert unknown.isError and "no advisor job 'nope'" in " ".join(texts(unknown))
+
+    def advisors():
+        return [p for p in psutil.Process().children(recursive=True) if "advise" in " ".join(p.cmdline())]
+
+    wait_until(lambda: not advisors(), timeout=30, message="the cancelled advisor's process is still running")

@@ -94,6 +94,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
             advisor.build(h, settings, tabs)
             system.build(h)
         gr.api(h.cancel_api, api_name="cancel", concurrency_limit=None)  # runs of both Generate and Compare
+        demo.advice_jobs = mcp.advisor_api(h)  # the advisor as a start/poll pair (API and MCP tools)
 
         # One status read per second refreshes the board, the engine line and the size labels.
         last = gr.State({})

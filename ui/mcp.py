@@ -8,16 +8,28 @@ request per caller, the per-client bound of ui/edge.py (the edge names the MCP c
 error carrying the app's message.
 
 Here: the tools' names (the endpoints', not the handlers' function names) and descriptions an agent can act
-on, and the `mcp` package check. The advisor is not a tool: it measures for minutes, longer than a tool
-call is expected to wait, and it runs from the page only.
+on, and the `mcp` package check. The advisor measures for minutes, longer than a tool call should wait:
+it is a start/poll pair (/advise_start returns a job at once, /advise_poll reports its progress and, once
+done, its pick), a host operation like the Advisor tab's.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections import OrderedDict
 
+import gradio as gr
 from gradio_client.utils import QueueError
 
+from engine.serving.manager import Caller
 from ui.edge import MCP_CALLER_HEADER
 
 log = logging.getLogger(__name__)
@@ -50,6 +62,15 @@ DESCRIPTIONS = {
              "returns at once, poll status until the bucket is warm. On a public server a visitor may warm one "
              "bucket of the engine their last request ran on; the rest needs admin_token."),
     "cancel": "Cancel this caller's running generate or compare between steps; it then returns cancelled=true.",
+    "advise_start": (
+        "Start the advisor: it measures every precision x mode x step cache x attention backend this server can "
+        "run for a preset and device, and picks the fastest configuration within a quality bound (fidelity "
+        "within fidelity_points of eager fp32 on tiny-shapes, else PSNR >= min_psnr dB). Returns at once with "
+        "a job id; it runs for up to max_minutes: call advise_poll with the job id every few seconds. One run "
+        "at a time; on a public server only with admin_token."),
+    "advise_poll": ("The state of an advisor job (running, done, failed, cancelled), its progress and, when "
+                    "done, the pick (preset, device, precision, mode, step cache, attention) and every "
+                    "configuration measured. Pass cancel='true' to stop it."),
     "restart": ("Restart an engine (a new worker process; its buckets warm again from the compile cache). On a "
                 "public server only with admin_token."),
 }
@@ -116,3 +137,105 @@ async def _every_output(job) -> list:
         outputs = final.outputs or {}
         raise RuntimeError(outputs.get("error") or outputs.get("title") or "the call failed")
     return list(final.outputs["data"])
+
+
+JOBS_KEPT = 16  # finished advisor jobs whose results stay readable (the oldest are forgotten first)
+
+
+class AdviceJobs:
+    """/advise_start and /advise_poll: the Advisor tab's child process, run in the background."""
+
+    def __init__(self, handlers):
+        self.h = handlers
+        self._jobs: OrderedDict[str, dict] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def start(self, preset: str, device: str = "auto", size: str = "", steps: str = "", max_minutes: str = "5",
+              fidelity_points: str = "", min_psnr: str = "", admin_token: str = "",
+              request: gr.Request = None) -> dict:
+        """Start the advisor in the background; returns {"job", "state"} at once (poll /advise_poll)."""
+        if self.h.public and self.h.caller(request, admin_token) is not Caller.HOST:
+            raise gr.Error("the advisor loads and compiles many engines: a host operation (admin_token) on this "
+                           "public server", title="Not allowed")
+        with self._lock:
+            running = next((j for j in self._jobs.values() if j["state"] == "running"), None)
+            if running is not None:
+                raise gr.Error(f"advisor job {running['job']} is still running (one at a time): poll it, or cancel "
+                               "it with advise_poll(job, cancel='true')", title="Busy")
+            try:
+                minutes = float(max_minutes or 5)
+            except ValueError:
+                raise gr.Error(f"max_minutes must be a number of minutes, not {max_minutes!r}",
+                               title="Invalid request") from None
+            child = self.h.start_advisor(preset, device, size, steps, minutes, fidelity_points, min_psnr)
+            job = {"job": uuid.uuid4().hex[:12], "state": "running", "progress": [0, None], "desc": "starting",
+                   "started": time.time(), "result": None, "error": None, "child": child}
+            self._jobs[job["job"]] = job
+            while len(self._jobs) > JOBS_KEPT:
+                oldest = next(iter(self._jobs))
+                if self._jobs[oldest]["state"] == "running":
+                    break
+                self._jobs.pop(oldest)
+        threading.Thread(target=self._follow, args=(job,), name=f"advise-{job['job']}", daemon=True).start()
+        return self._view(job)
+
+    def poll(self, job: str, cancel: str = "") -> dict:
+        """An advisor job's state, progress and (done) result; cancel='true' stops it."""
+        with self._lock:
+            found = self._jobs.get((job or "").strip())
+        if found is None:
+            raise gr.Error(f"no advisor job {job!r} here; start one with advise_start", title="Invalid request")
+        if str(cancel).strip().lower() in ("1", "true", "yes") and found["state"] == "running":
+            found["state"] = "cancelled"
+            _stop(found["child"])
+        return self._view(found)
+
+    def _follow(self, job: dict) -> None:
+        child = job["child"]
+        errors: list[str] = []
+        threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True).start()
+        for line in child.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if "progress" in message:
+                job["progress"], job["desc"] = [message["progress"], message["total"]], message["desc"]
+            elif "result" in message:
+                job["result"] = message["result"]
+        child.wait()
+        if job["state"] == "running":
+            job["state"] = "done" if job["result"] is not None else "failed"
+            if job["result"] is None:
+                job["error"] = f"the advisor failed: {''.join(errors[-5:])[-800:]}"
+
+    @staticmethod
+    def _view(job: dict) -> dict:
+        return {k: v for k, v in job.items() if k != "child"} | {"elapsed_s": round(time.time() - job["started"], 1)}
+
+    def close(self) -> None:
+        for job in list(self._jobs.values()):
+            if job["state"] == "running":
+                job["state"] = "cancelled"
+                _stop(job["child"])
+
+
+def _stop(child: subprocess.Popen) -> None:
+    if child.poll() is None:  # the child and its compile workers (its own session)
+        try:
+            os.killpg(child.pid, signal.SIGTERM)
+            child.wait(timeout=5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def advisor_api(handlers) -> AdviceJobs:
+    """The start/poll pair as API endpoints (so MCP tools), inside the Blocks."""
+    jobs = AdviceJobs(handlers)
+    atexit.register(jobs.close)  # a running advisor is the app's child: it ends with the app
+    gr.api(jobs.start, api_name="advise_start", concurrency_limit=None)
+    gr.api(jobs.poll, api_name="advise_poll", concurrency_limit=None)
+    return jobs
