@@ -12,7 +12,7 @@ import hmac
 import json
 from urllib.parse import parse_qs
 
-from engine.serving.telemetry import CONTENT_TYPE_LATEST
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PATH = "/metrics"
 

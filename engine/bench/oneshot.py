@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -71,13 +72,20 @@ def model_folder(args) -> tuple[object, str]:
     return preset, folder
 
 
-def _timed(argv: list[str], env: dict) -> float:
-    start = time.perf_counter()
+def _cpu_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(argv: list[str], env: dict) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one fresh process and every process it waited for (its worker): CPU
+    time moves much less than wall time when other work shares the cores."""
+    cpu, start = _cpu_of_children(), time.perf_counter()
     done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, _cpu_of_children() - cpu
     if done.returncode != 0:
         raise SystemExit(f"error: {' '.join(argv[:4])} ... exited with {done.returncode}:\n{done.stderr[-2000:]}")
-    return seconds
+    return seconds, cpu
 
 
 def cmd_oneshot(args) -> int:
@@ -100,16 +108,22 @@ def cmd_oneshot(args) -> int:
                      str(steps), str(preset.guidance), "0", str(Path(tmp, "bare.png"))]
         if preset.max_sequence_length:
             bare_argv.append(str(preset.max_sequence_length))
-        engine_s, bare_s = [], []
+        load_before = os.getloadavg()
+        engine_runs, bare_runs = [], []
         for i in range(args.runs):
-            pair = ((engine_argv, engine_s), (bare_argv, bare_s))
+            pair = ((engine_argv, engine_runs), (bare_argv, bare_runs))
             for argv, out in (pair if i % 2 == 0 else pair[::-1]):
                 out.append(_timed(argv, env))
+    engine_s, bare_s = [w for w, _ in engine_runs], [w for w, _ in bare_runs]
+    engine_cpu, bare_cpu = [c for _, c in engine_runs], [c for _, c in bare_runs]
     e, b = median(engine_s), median(bare_s)
     result = {"preset": preset.name, "size": str(size), "steps": steps, "runs": args.runs,
               "engine_s": [round(x, 3) for x in engine_s], "bare_s": [round(x, 3) for x in bare_s],
               "engine_median_s": round(e, 3), "bare_median_s": round(b, 3), "ratio": round(ratio(e, b), 3),
-              "target": TARGET_RATIO, "load_avg": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count()}
+              "engine_cpu_s": [round(x, 3) for x in engine_cpu], "bare_cpu_s": [round(x, 3) for x in bare_cpu],
+              "cpu_ratio": round(ratio(median(engine_cpu), median(bare_cpu)), 3),
+              "target": TARGET_RATIO, "load_avg": [round(x, 2) for x in os.getloadavg()],
+              "load_avg_before": [round(x, 2) for x in load_before], "cores": os.cpu_count()}
     if args.json:
         print(json.dumps(result))
     else:
@@ -117,6 +131,7 @@ def cmd_oneshot(args) -> int:
               f"median {e:.2f} s of {', '.join(f'{x:.2f}' for x in engine_s)}")
         print(f"bare diffusers script, same folder:  median {b:.2f} s of {', '.join(f'{x:.2f}' for x in bare_s)}")
         verdict = "meets" if result["ratio"] <= TARGET_RATIO else "misses"
-        print(f"ratio {result['ratio']:.2f}x ({verdict} the target <= {TARGET_RATIO}x); load average "
-              f"{result['load_avg'][0]:.2f} on {os.cpu_count()} cores")
+        print(f"ratio {result['ratio']:.2f}x ({verdict} the target <= {TARGET_RATIO}x); CPU seconds (every process "
+              f"of a run): median {median(engine_cpu):.2f} vs {median(bare_cpu):.2f}, {result['cpu_ratio']:.2f}x; "
+              f"load average {load_before[0]:.2f} before, {result['load_avg'][0]:.2f} after, on {os.cpu_count()} cores")
     return 0
