@@ -72,9 +72,9 @@ _CODECACHE = "torch._inductor.codecache"
 
 def set_precompiled_header_dir(folder: Path) -> None:
     """Where inductor writes its precompiled C++ headers (over 100 MB). Inductor fixes the folder at import
-    from the temporary directory, not from its cache folder: point it into the cache. Importing inductor
-    costs a second, so a process that has not imported it yet gets the folder when it does (an eager
-    one-shot run never does)."""
+    from the temporary directory, not from its cache folder: point it into the cache. A process that has not
+    imported the codecache yet gets the folder when it does, so an eager run never imports the compiler's
+    code cache for this alone."""
     codecache = sys.modules.get(_CODECACHE)
     if codecache is not None:
         _point_headers(codecache, folder)

@@ -47,7 +47,7 @@ def step_fuse_qkv(pipe, denoiser_name: str) -> str:
 
 def keep_torchao_unloaded() -> bool:
     """Tell diffusers and transformers that torchao is not installed, in a process whose engine quantizes
-    nothing. Both import it whenever it is installed (0.7 s on this CPU, and three warnings) to read
+    nothing. Both import it whenever it is installed (CPU time at every start, and three warnings) to read
     checkpoints saved quantized by torchao, which no engine loads; the quantized precisions call torchao
     themselves (quantize_denoiser). Only before their quantizers are imported; True when in force."""
     if any(name in sys.modules for name in ("torchao", "diffusers.quantizers", "transformers.quantizers")):
