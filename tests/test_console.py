@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 from helpers import free_port
 
-pytestmark = pytest.mark.slow  # starts the app and its default engine
-
 REPO = Path(__file__).resolve().parent.parent
 URL_LINE = "Running on local URL:"
 READY = re.compile(r"INFO app: engine \S+ ready in")
@@ -63,6 +61,7 @@ def run_app_until_ready(args: list[str], timeout: float = 420) -> tuple[list[str
     return lines[:upto], lines[upto:]
 
 
+@pytest.mark.slow  # starts the app and its default engine
 def test_make_run_prints_what_the_app_does_and_no_third_party_noise(cache_dir):
     before, after = run_app_until_ready(["--cache-dir", str(cache_dir)])
     assert any(URL_LINE in line for line in before)
@@ -74,3 +73,32 @@ def test_make_run_prints_what_the_app_does_and_no_third_party_noise(cache_dir):
     assert any(READY.search(line) for line in before)
     (modules,) = [line for line in after if line.startswith("WEB-MODULES")]
     assert modules == "WEB-MODULES []", modules
+
+
+def test_log_format_and_mcp_follow_their_environment_variables(monkeypatch):
+    import app
+
+    assert app.build_parser().parse_args([]).log_format == "text"
+    monkeypatch.setenv("SHOWCASE_LOG_FORMAT", "json")
+    monkeypatch.setenv("SHOWCASE_MCP", "1")
+    args = app.build_parser().parse_args([])
+    assert args.log_format == "json" and args.mcp is True
+    assert app.build_parser().parse_args(["--no-mcp"]).mcp is False
+    with pytest.raises(SystemExit):
+        app.build_parser().parse_args(["--log-format", "yaml"])
+
+
+def test_mcp_without_its_extra_says_what_to_install(monkeypatch):
+    from importlib import metadata
+
+    from ui import mcp
+
+    def absent(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", absent)
+    assert 'pip install ".[mcp]"' in mcp.missing()
+    monkeypatch.setattr(metadata, "version", lambda name: "2.1.0")
+    assert "mcp 2.1.0 is installed" in mcp.missing() and "mcp>=1.21,<2" in mcp.missing()
+    monkeypatch.setattr(metadata, "version", lambda name: "1.30.0")
+    assert mcp.missing() is None
