@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="events that may wait in the queue before new ones are refused ($SHOWCASE_QUEUE_SIZE)")
     s.add_argument("--theme", default=None, help="a Gradio theme name (default: Soft)")
     s.add_argument("-v", "--verbose", action="store_true")
+    s.add_argument("--log-format", choices=("text", "json"), default=d["log_format"],
+                   help="console lines of the app and its workers: text, or one JSON object per line with the "
+                        "request id (for hosts that ship logs; $SHOWCASE_LOG_FORMAT)")
+    s.add_argument("--mcp", action=argparse.BooleanOptionalAction, default=d["mcp"],
+                   help="also serve the API as MCP tools for agents at /gradio_api/mcp/ (needs pip install "
+                        "\".[mcp]\"; default off; $SHOWCASE_MCP=1)")
     e = p.add_argument_group("default engine")
     e.add_argument("--preset", type=preset_or_model, default=d["preset"], help="model preset ($SHOWCASE_PRESET)")
     e.add_argument("--device", default=d["device"], help="device or 'auto' ($SHOWCASE_DEVICE)")
@@ -367,8 +373,16 @@ def prewarm(manager, args) -> None:
         key = manager.make_key(args.preset, args.device, args.precision, args.tp, parallel=args.parallel)
         if getattr(args, "aot_repo", None):
             pull_packages(manager, args)
-        manager.engine(key)
-        log.info("pre-warming %s (%s buckets: %s)", key, args.mode, args.warm)
+        engine = manager.engine(key)
+        log.info("loading %s; then compiling its %s buckets (%s) in the background", key, args.mode, args.warm)
+        if not engine.wait_ready(timeout=900):
+            log.warning("engine %s is still loading after 900 s", key)
+            return
+        row = next((r for r in manager.status() if r["engine"] == str(key)), {})
+        busy = sum(1 for b in row.get("buckets") or () if b["state"] in ("queued", "compiling"))
+        log.info("engine %s ready in %.1f s; %s", key, row.get("load_s") or 0.0,
+                 f"{busy} bucket(s) compiling (the Buckets tab shows them; until one is warm, requests at it "
+                 "run eagerly)" if busy else "no bucket compiling")
     except Exception as exc:  # the UI still starts and shows the reason
         log.warning("could not start the default engine: %s", exc)
 
@@ -446,9 +460,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported
     parser = build_parser()
     args = parser.parse_args(argv)  # every flag's value is checked here (engine/config/flags.py)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    from engine.worker import logs
+
+    os.environ["SHOWCASE_LOG_FORMAT"] = args.log_format  # the workers log the same way
+    logs.configure(logging.INFO if args.verbose else logging.WARNING, process="web", fmt=args.log_format)
     log.setLevel(logging.INFO)  # the start-up choices below are always logged
+    if args.mcp:
+        from ui.mcp import missing
+
+        if (why := missing()) is not None:
+            parser.error(f"argument --mcp: {why}")
     step_cache = "none"
     if args.config_from:  # its pick replaces flags: checked as they are, before anything loads
         from engine.errors import InvalidRequest
@@ -459,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"argument --config-from: {exc}")
     for line in resolve_hosting(args):
         log.info(line)
+    if args.runtime == "workers":  # engines quantize in their own processes; this one only lists options
+        from engine.pipeline.recipes import keep_torchao_unloaded
+
+        keep_torchao_unloaded()
     if args.runtime == "inprocess":
         from engine import settings as engine_settings
 
@@ -552,8 +577,18 @@ def main(argv: list[str] | None = None) -> int:
             allowed_paths=None,  # serve nothing beyond the app's own outputs
             ssr_mode=False,
             show_error=False,  # only the app's own gr.Error messages reach a visitor (ui/common.py)
+            mcp_server=args.mcp,
+            prevent_thread_lock=True,
             **launch_kwargs(args.theme, demo),
         )
+        if args.mcp:
+            from ui import mcp
+
+            mcp.serve(demo)
+            log.info("MCP tools for agents: %sgradio_api/mcp/ (Streamable HTTP)", demo.local_url)
+        log.info("Prometheus metrics: %smetrics%s", demo.local_url,
+                 " (Authorization: Bearer <admin token>)" if args.public else "")
+        demo.block_thread()
     except KeyboardInterrupt:
         pass
     finally:

@@ -90,6 +90,8 @@ def server_defaults() -> dict:
         "runtime": _env("SHOWCASE_RUNTIME"),  # inprocess | workers; default: runtime_default()
         "aot_dir": _env("SHOWCASE_AOT_DIR"),  # aot packages on persistent storage (a Space's /data)
         "aot_repo": _env("SHOWCASE_AOT_REPO"),  # a Hub model repo holding aot packages
+        "log_format": log_format(),  # text | json
+        "mcp": mcp_server(),  # serve the API as MCP tools too
     }
 
 
@@ -195,3 +197,22 @@ def long_requests_step_aside() -> bool:
 def switch_interval_s() -> float:
     """The worker's interpreter thread switch interval (see engine/worker/loop.py)."""
     return float(_env("SHOWCASE_SWITCH_INTERVAL", "0.0005"))
+
+
+def workers_at_own_priority() -> None:
+    """A one-shot command (`python -m engine generate`) has no web server its worker must yield to: the
+    worker and its loading thread run at the command's own priority, unless the user exported a niceness."""
+    os.environ.setdefault("SHOWCASE_WORKER_NICENESS", "0")
+    os.environ.setdefault("SHOWCASE_COMPILE_NICENESS", "0")
+
+
+def log_format() -> str:
+    """How the app's processes write log lines: text (default) or json, one object per line
+    (SHOWCASE_LOG_FORMAT; workers inherit it)."""
+    return _env("SHOWCASE_LOG_FORMAT", "text")
+
+
+def mcp_server() -> bool:
+    """Serve the public API endpoints as MCP tools (SHOWCASE_MCP=1). Off unless asked: it needs the optional
+    `mcp` extra, and it opens the app to agents, which a host decides."""
+    return (_env("SHOWCASE_MCP", "0") or "0") not in _FALSE

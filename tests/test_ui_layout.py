@@ -20,7 +20,8 @@ from ui.generate import GENERATE_API_PARAMS, GenerateHandlers
 from ui.system import SystemHandlers
 
 UI = Path(__file__).resolve().parent.parent / "ui"
-PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "system"}
+PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "system",
+              "advise_start", "advise_poll"}  # the advisor as a start/poll pair (ui/mcp.py)
 TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
                  "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "generate-btn", "cancel-btn",

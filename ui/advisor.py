@@ -66,24 +66,7 @@ class AdvisorHandlers(HandlerBase):
         if self.public:
             raise gr.Error("the advisor loads and compiles many engines: a host operation, not offered in "
                            "public mode", title="Not allowed")
-        try:
-            model = self.manager.preset(preset)
-        except Exception as exc:
-            raise to_gradio_error(exc) from None
-        argv = [sys.executable, "-m", "engine", "advise", "--preset", model.name, "--device", device or "auto",
-                "--max-minutes", str(float(max_minutes or 5)), "--progress-json",
-                "--cache-dir", str(self.manager.cache_dir)]
-        if size:
-            argv += ["--size", str(size)]
-        if steps:
-            argv += ["--steps", str(int(steps))]
-        if fidelity_points not in (None, ""):
-            argv += ["--fidelity-points", str(float(fidelity_points))]
-        if min_psnr not in (None, "", 0):
-            argv += ["--min-psnr", str(float(min_psnr))]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, start_new_session=True)
+        child = self.start_advisor(preset, device, size, steps, max_minutes, fidelity_points, min_psnr)
         errors: list[str] = []
         threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True).start()
         progress(0, desc="advisor: starting (loads the model once per precision)")
@@ -110,6 +93,28 @@ class AdvisorHandlers(HandlerBase):
         if result is None:
             raise gr.Error(f"the advisor failed: {''.join(errors[-5:])[-800:]}", title="Advisor failed")
         yield views.advisor_markdown(result), result
+
+    def start_advisor(self, preset, device, size, steps, max_minutes, fidelity_points, min_psnr) -> subprocess.Popen:
+        """`python -m engine advise --progress-json` in a child process of its own session (one JSON message
+        a line on stdout: progress, then the result)."""
+        try:
+            model = self.manager.preset(preset)
+        except Exception as exc:
+            raise to_gradio_error(exc) from None
+        argv = [sys.executable, "-m", "engine", "advise", "--preset", model.name, "--device", device or "auto",
+                "--max-minutes", str(float(max_minutes or 5)), "--progress-json",
+                "--cache-dir", str(self.manager.cache_dir)]
+        if size:
+            argv += ["--size", str(size)]
+        if steps:
+            argv += ["--steps", str(int(steps))]
+        if fidelity_points not in (None, ""):
+            argv += ["--fidelity-points", str(float(fidelity_points))]
+        if min_psnr not in (None, "", 0):
+            argv += ["--min-psnr", str(float(min_psnr))]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
 
     def advisor_defaults(self, preset: str):
         sizes = self.preset_sizes(preset)

@@ -11,11 +11,12 @@ import os
 
 import gradio as gr
 
-from ui import advisor, buckets, compare, generate, system
+from ui import advisor, buckets, compare, generate, mcp, system
 from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
+from ui.metrics import MetricsRoute
 from ui.sockets import install_server_hook, public_bounds
 
 __all__ = ["GENERATE_API_PARAMS", "build_demo", "launch_kwargs"]
@@ -72,6 +73,9 @@ def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> di
         kwargs["app_kwargs"] = {"middleware": [guard.middleware()]}
         if guard.sockets is not None:
             install_server_hook()  # the server launch() builds serves this app with its socket bounds
+    metrics = getattr(demo, "metrics", None)  # GET /metrics (ui/metrics.py)
+    if metrics is not None:
+        kwargs.setdefault("app_kwargs", {}).setdefault("middleware", []).append(metrics.middleware())
     return kwargs
 
 
@@ -100,6 +104,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
             advisor.build(h, settings, tabs)
             system.build(h)
         gr.api(h.cancel_api, api_name="cancel", concurrency_limit=None)  # runs of both Generate and Compare
+        demo.advice_jobs = mcp.advisor_api(h)  # the advisor as a start/poll pair (API and MCP tools)
 
         # One status read per second refreshes the board, the engine line and the size labels.
         last = gr.State({})
@@ -112,6 +117,10 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     poll_queue_less_often(demo)
     guard.install(demo)
     demo.edge = guard
+    telemetry = getattr(manager, "telemetry", None)
+    if telemetry is not None:
+        demo.metrics = MetricsRoute(telemetry, h.public, h.defaults.admin_token, edge=guard)
+    mcp.describe_tools(demo)
     return demo
 
 

@@ -140,7 +140,12 @@ def joined_at(request: gr.Request | None) -> float | None:
 
 
 def session_id(request: gr.Request | None) -> str:
-    """The browser tab's or gradio_client's session ("default" when a test calls a handler directly)."""
+    """The browser tab's or gradio_client's session ("default" when a test calls a handler directly); an MCP
+    tool call's is its agent's address (Gradio makes every tool call from one client of its own)."""
+    state = getattr(getattr(request, "request", None), "state", None)
+    agent = getattr(state, "mcp_caller", None) if state is not None else None
+    if agent:
+        return f"mcp:{agent}"
     return getattr(request, "session_hash", None) or "default"
 
 
@@ -302,7 +307,7 @@ class HandlerBase:
     async def await_listener(self, request: gr.Request | None) -> None:
         """open_run's listener check for an async handler: the wait runs in a worker thread."""
         if self.edge is not None and getattr(request, "session_hash", None) \
-                and not self.edge.listening(session_id(request)):
+                and not self.edge.listening(request.session_hash):
             import anyio
 
             await anyio.to_thread.run_sync(self._require_listener, request)
@@ -311,7 +316,7 @@ class HandlerBase:
         if self.edge is not None and getattr(request, "session_hash", None):
             from ui.edge import ClientGone
 
-            session = session_id(request)
+            session = request.session_hash  # its event stream's, also for an MCP call
             if not self.edge.await_listener(session):
                 log.info("dropped an event of session %s: its client is not listening", session[:12])
                 raise ClientGone("nobody is listening for this request's result; it was dropped")

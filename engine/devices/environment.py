@@ -21,6 +21,8 @@ directory whatever its cache folder, would otherwise land in /tmp).
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
 import os
 import sys
@@ -94,13 +96,51 @@ def temp_dir(cache_dir: Path) -> Path:
     return folder
 
 
+_CODECACHE = "torch._inductor.codecache"
+
+
 def set_precompiled_header_dir(folder: Path) -> None:
     """Where inductor writes its precompiled C++ headers (over 100 MB). Inductor fixes the folder at import
-    from the temporary directory, not from its cache folder: point it into the cache."""
-    import torch._inductor.codecache as codecache
+    from the temporary directory, not from its cache folder: point it into the cache. A process that has not
+    imported the codecache yet gets the folder when it does, so an eager run never imports the compiler's
+    code cache for this alone."""
+    codecache = sys.modules.get(_CODECACHE)
+    if codecache is not None:
+        _point_headers(codecache, folder)
+        return
+    for finder in sys.meta_path:
+        if isinstance(finder, _HeaderDirOnImport):
+            finder.folder = folder
+            return
+    sys.meta_path.insert(0, _HeaderDirOnImport(folder))
 
+
+def _point_headers(codecache, folder: Path) -> None:
     codecache._HEADER_DIR = str(folder)
     codecache._HEADER_LOCK_DIR = str(Path(folder) / "locks")
+
+
+class _HeaderDirOnImport(importlib.abc.MetaPathFinder):
+    """Sets the header folder right after inductor's codecache module runs, then steps aside."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def find_spec(self, name, path, target=None):
+        if name != _CODECACHE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, folder = spec.loader.exec_module, self.folder
+
+        def exec_then_point(module):
+            exec_module(module)
+            _point_headers(module, folder)
+
+        spec.loader.exec_module = exec_then_point
+        return spec
 
 
 def contain_temporary_files(cache_dir: Path, inductor_cache: str | None) -> None:

@@ -48,7 +48,7 @@ from engine.errors import (
 )
 from engine.pipeline import attention, batching, recipes, stepcache, variants
 from engine.pipeline.faults import Faults, failing_backend
-from engine.pipeline.progress import progress_bar
+from engine.pipeline.progress import progress_bar, quiet_library_consoles
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -379,7 +379,11 @@ class PipelineRunner:
         # TORCHINDUCTOR_CACHE_DIR to /tmp when unset, and the persistent cache would be ignored.
         env = devices.apply_environment(self.spec, self.config.cache_path())
         log.info("environment in force: %s", env)
+        if not self.precision.precision.quantized:
+            recipes.keep_torchao_unloaded()
         import diffusers
+
+        quiet_library_consoles()
 
         devices.apply_precision(self.precision)
         _install_compile_counter()

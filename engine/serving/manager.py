@@ -56,6 +56,8 @@ from engine.protocol import (
 from engine.serving import budget, cost
 from engine.serving.cost import CostBudget
 from engine.serving.scheduler import CompileScheduler
+from engine.serving.telemetry import Telemetry
+from engine.worker import logs
 from engine.worker.client import ConnectionClient, ProcessClient
 from engine.worker.priority import ShortRunSlots
 
@@ -164,6 +166,7 @@ class EngineManager:
         self._closing = False
         self.engines_started = 0
         self.evictions = 0
+        self.telemetry = Telemetry(self)  # Prometheus metrics (the app's /metrics)
         if idle_unload_s:
             threading.Thread(target=self._unload_idle_forever, name="idle-unload", daemon=True).start()
 
@@ -630,9 +633,25 @@ class EngineManager:
                          + (f"; pick mode {' or '.join(others)} meanwhile" if others else ""))
 
     # -- requests --------------------------------------------------------------------------------
-    def generate(
+    def generate(self, **request) -> GenerateResult:
+        """Validate, route and run one request; raises a ShowcaseError with what to change. (The arguments:
+        _generate's.) Counted in self.telemetry; the log lines of its thread carry its request id."""
+        seen: dict = {}
+        logged_as = logs.REQUEST_ID.set(None)  # _generate sets the id once the request is built
+        try:
+            result = self._generate(seen=seen, **request)
+        except BaseException as exc:
+            self.telemetry.request_ended(seen, error=exc)
+            raise
+        finally:
+            logs.REQUEST_ID.reset(logged_as)
+        self.telemetry.request_ended(seen, result=result)
+        return result
+
+    def _generate(
         self,
         *,
+        seen: dict,
         preset: str,
         device: str = "auto",
         precision: str = "fp32",
@@ -662,6 +681,7 @@ class EngineManager:
         visitor's request is priced against the host's cost budgets first, unless it runs on a `ticket`
         (one image of a Compare, which also waits while other clients' Generates run on its device)."""
         key = self.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
+        seen["engine"] = str(key)
         if caller is Caller.VISITOR:
             self._check_visitor_choice(mode=mode)
         p = self.preset(key.preset)
@@ -674,6 +694,8 @@ class EngineManager:
             p, prompt=prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
             guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold, step_cache=step_cache,
         )
+        seen.update(mode=str(request.mode), bucket=str(request.bucket.size))
+        logs.REQUEST_ID.set(request.request_id)
         devices.check_mode(devices.get_device(key.device), request.mode)  # refused here; its notices come with the result
         self._check_runtime(key, request.mode)
         if request.step_cache.enabled:  # a cache the mode cannot hold is refused before any engine starts

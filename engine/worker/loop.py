@@ -62,6 +62,7 @@ from engine.protocol import (
     Warm,
     dispatch,
 )
+from engine.worker import logs
 from engine.worker.priority import RunCost, ShortRuns
 
 EARLY_CANCELS_KEPT = 256  # cancels for requests not received yet (a cancel overtaking its request)
@@ -467,6 +468,7 @@ class WorkerLoop:
         steps aside before each (shared) step while another engine runs a short one (ShortRuns), a short one
         tells the others it runs."""
         cancels = [self._cancels.setdefault(r.request_id, threading.Event()) for r in group]
+        logged_as = logs.REQUEST_ID.set(",".join(r.request_id for r in group))  # this thread's log lines
         crash = self.runner.faults.take(Fault.CRASH)
         short_runs = self.short_runs
         step_aside = short_runs.step_aside if short_runs is not None and long else None
@@ -533,6 +535,7 @@ class WorkerLoop:
         finally:
             for request in group:
                 self._forget(request)
+            logs.REQUEST_ID.reset(logged_as)
 
     def _forget(self, request: GenerateRequest) -> None:
         self._cancels.pop(request.request_id, None)
@@ -663,8 +666,8 @@ def _serve_engine(config, conn, env: dict[str, str]) -> None:
         os.nice(settings.worker_niceness())  # below the web server: it answers first under full load
     except OSError:
         pass
-    logging.basicConfig(level=os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"),
-                        format=f"[worker {config.key}] %(levelname)s %(name)s: %(message)s")
+    logs.configure(os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"), process=f"worker {config.key}",
+                   prefix=f"[worker {config.key}] ")
     made: dict = {}
 
     def load() -> WorkerLoop:
