@@ -25,10 +25,17 @@ from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import HEARTBEAT_S
 
+COST_WIDTHS = ["24%", "10%", "11%", "11%", "12%", "11%", "21%"]  # no header narrower than its longest word
 MIN_CONFIGS, MAX_CONFIGS = 1, 6  # picked; the reference is added when it is not among them
 MAX_FIDELITY_PROMPTS = 32
 DEFAULT_FIDELITY_PROMPTS = 8
 THUMBNAIL_PX = 256
+COMPARE_API_DOC = (
+    "Run the same prompt, seed, size and steps on every device x precision x mode x step cache picked (1-6), "
+    "plus eager fp32 without a step cache as the reference. Returns (images, results): one captioned image per "
+    "configuration, and results JSON: per configuration its timings, seconds per image, speedup against the "
+    "reference, drift (PSNR, largest pixel difference) and, on a model with a checker, fidelity; a failed "
+    "configuration carries its error. /cancel stops it between steps.")
 
 
 def thumbnail_uri(image) -> str:
@@ -279,14 +286,15 @@ def build(h: CompareHandlers) -> None:
                     "share. Cached steps are their own series on the plot.")
         with gr.Row():
             plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
-                               x_title="step", y_title="ms", height=280, elem_id="c-plot")
+                               x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot",
+                               min_width=480)
             costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
-                                 label="Compile and warm-up costs", elem_id="c-costs")
+                                 column_widths=COST_WIDTHS, label="Compile and warm-up costs", elem_id="c-costs")
         with gr.Accordion("Images at full size", open=False):
             gallery = gr.Gallery(label="Images", columns=4, height=260, elem_id="c-gallery", type="pil",
                                  object_fit="contain")
         with gr.Accordion("Results JSON", open=False):
-            results = gr.JSON(elem_id="c-json")
+            results = gr.JSON(elem_id="c-json", label="results", show_label=False)
         thumbnails = gr.State([])
 
     preset_dd.change(h.compare_defaults, preset_dd, [size, steps, guidance], **FAST)
@@ -295,9 +303,11 @@ def build(h: CompareHandlers) -> None:
     run = compare_btn.click(
         h.compare, [prompt, preset_dd, size, steps, guidance, seed, devices, precisions, modes, wait, caches,
                     fidelity],
-        [gallery, results, thumbnails], api_name="compare", concurrency_id=ENGINE_QUEUE,
+        [gallery, results, thumbnails], api_name="compare", api_description=COMPARE_API_DOC, concurrency_id=ENGINE_QUEUE,
         concurrency_limit=h.run_slots(), show_progress="full", show_progress_on=[cards],
     )
+    # Its progress and its cards are drawn under the form: bring them into view (a laptop screen ends above).
+    compare_btn.click(None, js=views.scroll_into_view_js("c-cards"))
     # Gradio closes the running handler; closing it cancels the engine request between steps.
     cancel_btn.click(None, cancels=[run])
     run.then(h.compare_ended, results, results, **FAST)
