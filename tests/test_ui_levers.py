@@ -186,3 +186,12 @@ def test_frontier_axes_are_padded_and_the_frontier_is_named():
     caption = views.frontier_caption({"rows": rows, "pick": {"label": "bf16/eager"}})
     assert caption == ("3 configurations measured. Frontier, fastest first: bf16/eager (0.200 s, 90.0 %) → "
                        "fp32/eager (0.300 s, 100.0 %)")
+
+
+def test_an_advisor_run_closed_while_running_shows_cancelled():
+    from ui.advisor import AdvisorHandlers, running
+
+    status = running("3/40: bf16/regional: compiling")
+    assert AdvisorHandlers.advise_ended(None, status) == (
+        "**Cancelled** (at 3/40: bf16/regional: compiling): the advisor process was stopped; no pick.")
+    assert AdvisorHandlers.advise_ended(None, "**Done** in 61 s: ...") == gr.skip()  # it ended on its own

@@ -82,8 +82,8 @@ class AdvisorHandlers(HandlerBase):
             failure = f"the advisor failed: {''.join(errors[-5:])[-800:]}"
             yield gr.skip(), gr.skip(), f"**Failed:** {failure}"
             raise gr.Error(failure, title="Advisor failed")
-        yield views.advisor_markdown(result), result, f"**Done** in {result.get('elapsed_s', 0):.0f} s: the pick and " \
-            "every measured configuration are below."
+        done = f"**Done** in {result.get('elapsed_s', 0):.0f} s: the pick and every measured configuration are below."
+        yield views.advisor_markdown(result), result, done
 
     def advise_ended(self, status: str | None):
         """After the advisor's event, however it ended: a status still "running" means Cancel closed it."""
