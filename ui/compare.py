@@ -284,12 +284,11 @@ def build(h: CompareHandlers) -> None:
                     "difference (0–255) against the reference's image of the same prompt and seed; fidelity: "
                     "prompts the pixel checker reads as drawn right; steps computed / cached: the step cache's "
                     "share. Cached steps are their own series on the plot.")
-        with gr.Row():
-            plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
-                               x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot",
-                               min_width=480)
-            costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
-                                 column_widths=COST_WIDTHS, label="Compile and warm-up costs", elem_id="c-costs")
+        # Each the page's full width: the legend names every series, no costs header breaks inside a word.
+        plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
+                           x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot")
+        costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
+                             column_widths=COST_WIDTHS, label="Compile and warm-up costs", elem_id="c-costs")
         with gr.Accordion("Images at full size", open=False):
             gallery = gr.Gallery(label="Images", columns=4, height=260, elem_id="c-gallery", type="pil",
                                  object_fit="contain")
