@@ -184,8 +184,11 @@ def test_frontier_axes_are_padded_and_the_frontier_is_named():
             {"label": "bf16/eager", "s_per_image": 0.20, "fidelity": 0.9, "eligible": True},
             {"label": "bf16/compile", "s_per_image": 0.25, "fidelity": 0.8, "eligible": False}]
     caption = views.frontier_caption({"rows": rows, "pick": {"label": "bf16/eager"}})
-    assert caption == ("3 configurations measured. Frontier, fastest first: bf16/eager (0.200 s, 90.0 %) → "
+    assert caption == ("3 configurations drawn. Frontier, fastest first: bf16/eager (0.200 s, 90.0 %) → "
                        "fp32/eager (0.300 s, 100.0 %)")
+    unscored = {"label": "int8wo/eager", "s_per_image": 0.31, "unscored": True}
+    caption = views.frontier_caption({"rows": [*rows, unscored], "pick": {"label": "bf16/eager"}})
+    assert caption.startswith("3 of 4 measured configurations drawn (the others have no quality score).")
 
 
 def test_an_advisor_run_closed_while_running_shows_cancelled():

@@ -83,7 +83,7 @@ class AdvisorHandlers(HandlerBase):
             yield gr.skip(), gr.skip(), f"**Failed:** {failure}"
             raise gr.Error(failure, title="Advisor failed")
         done = f"**Done** in {result.get('elapsed_s', 0):.0f} s: the pick and every measured configuration are below."
-        yield views.advisor_markdown(result), result, done
+        yield views.advisor_markdown(result) + "\n\n" + views.frontier_caption(result), result, done
 
     def advise_ended(self, status: str | None):
         """After the advisor's event, however it ended: a status still "running" means Cancel closed it."""
@@ -103,7 +103,7 @@ class AdvisorHandlers(HandlerBase):
         frame = frame.astype({"s_per_image": "float64", "quality": "float64", "configuration": "string",
                               "verdict": "string"})
         x_lim, y_lim = views.padded_limits(frame["s_per_image"]), views.padded_limits(frame["quality"])
-        plot = gr.update(value=frame, x_lim=x_lim, y_lim=y_lim, caption=views.frontier_caption(result))
+        plot = gr.update(value=frame, x_lim=x_lim, y_lim=y_lim)
         table = pd.DataFrame(rows, columns=views.ADVISOR_COLUMNS)
         pick = (result or {}).get("pick")
         return plot, table, gr.update(interactive=pick is not None,
@@ -151,12 +151,13 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
             apply_btn = gr.Button("Apply in Generate", interactive=False, elem_id="a-apply-btn")
         # Its progress bar is drawn here, right under the buttons (never in an empty, zero-height box).
         status = gr.Markdown("Not run yet: a run takes about the time budget.", elem_id="a-status")
-        summary = gr.Markdown(elem_id="a-summary")
-        frontier = gr.ScatterPlot(x="s_per_image", y="quality", color="verdict", title="Speed–quality frontier",
-                                  x_title="s per image (lower is faster)", y_title="fidelity % / PSNR dB",
-                                  color_title="", x_axis_format=".3~f", y_axis_format=".4~r",
-                                  tooltip=["configuration", "s_per_image", "quality", "verdict"], height=340,
-                                  elem_id="a-frontier")
+        with gr.Row():  # the plot at half the page's width: a full-width axis draws ~30 crowded ticks
+            summary = gr.Markdown(elem_id="a-summary")
+            frontier = gr.ScatterPlot(x="s_per_image", y="quality", color="verdict", title="Speed–quality frontier",
+                                      x_title="s per image (lower is faster)", y_title="fidelity % / PSNR dB",
+                                      color_title="", x_axis_format=".3~f", y_axis_format=".4~r",
+                                      tooltip=["configuration", "s_per_image", "quality", "verdict"], height=340,
+                                      elem_id="a-frontier")
         table = gr.Dataframe(headers=views.ADVISOR_COLUMNS, interactive=False, wrap=True, label="Every configuration",
                              column_widths=views.ADVISOR_WIDTHS, elem_id="a-table")
         with gr.Accordion("Advisor JSON (also saved under the cache folder)", open=False):
