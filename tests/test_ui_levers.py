@@ -198,3 +198,13 @@ def test_an_advisor_run_closed_while_running_shows_cancelled():
     assert AdvisorHandlers.advise_ended(None, status) == (
         "**Cancelled** (at 3/40: bf16/regional: compiling): the advisor process was stopped; no pick.")
     assert AdvisorHandlers.advise_ended(None, "**Done** in 61 s: ...") == gr.skip()  # it ended on its own
+
+
+def test_the_compare_plot_ticks_whole_steps():
+    results = [{"config": c, "timings": {"step_ms": [10.0, 9.0, 8.0, 7.5]}} for c in ("a", "b")]
+    plot, _, _ = CompareHandlers.render_compare(None, {"done": True, "results": results})[:3]
+    assert plot["sort"] == ["1", "2", "3", "4"]  # one tick a step, in order (not 1.0, 1.5, 2.0, ...)
+    assert plot_types(plot["value"], color="config")["step"] == "nominal"
+    many = [{"config": "a", "timings": {"step_ms": [1.0] * (views.LABELLED_STEPS + 1)}}]
+    plot, _, _ = CompareHandlers.render_compare(None, {"done": True, "results": many})[:3]
+    assert plot["sort"] is None and plot_types(plot["value"], color="config")["step"] == "quantitative"

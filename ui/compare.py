@@ -217,7 +217,9 @@ class CompareHandlers(HandlerBase):
         frame = views.step_frame(views.compare_step_rows(results), views.COMPARE_STEP_COLUMNS)
         if payload.get("done", True):
             series = list(dict.fromkeys(frame["config"]))
-            plot = gr.update(value=frame, colors_in_legend=series, color_map=views.series_colors(series))
+            frame, order = views.steps_as_labels(frame)
+            plot = gr.update(value=frame, colors_in_legend=series, color_map=views.series_colors(series), sort=order,
+                             y_aggregate="mean" if order else None)  # labelled steps: one value per step and series
         else:
             plot = gr.skip()
         price = pd.DataFrame(views.price_rows(results), columns=views.PRICE_COLUMNS)

@@ -69,6 +69,19 @@ def step_frame(rows: list[dict], columns: list[str], series: tuple[str, ...] = (
     return frame.astype({c: STEP_DTYPES[c] for c in columns})
 
 
+LABELLED_STEPS = 60  # up to this many steps a full-width plot labels each step; beyond, numeric ticks
+
+
+def steps_as_labels(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str] | None]:
+    """A step frame for a plot drawn once (Compare's): up to LABELLED_STEPS steps, the steps as labels and
+    their order (the plot's `sort`), so the axis ticks each whole step; a numeric axis ticks 1.0, 1.25, 1.5
+    when it has more room than steps. More steps: as it is (numeric ticks are then whole steps)."""
+    last = int(frame["step"].max()) if len(frame) else 0
+    if not 0 < last <= LABELLED_STEPS:
+        return frame, None
+    return frame.astype({"step": "string"}), [str(i) for i in range(1, last + 1)]
+
+
 def bucket_verdict(result: dict) -> str:
     if result.get("mode") == "eager":
         return "eager (no compiled graph asked for)"
