@@ -428,6 +428,10 @@ def test_compare_price_reads_at_1280x800(page):
         samples.fill("4")
         samples.press("Enter")
         page.click("#compare-btn")
+        # its progress under the buttons, in view (the cards start below the fold)
+        page.wait_for_function("/step \\d+\\/\\d+|queued|loading|waiting/.test(document.querySelector('#c-status').innerText)",
+                               timeout=120_000)
+        assert in_view(page, page.locator("#c-status"))
         page.wait_for_function("document.querySelectorAll('#c-cards .c-card .c-fidelity').length === 2"
                                " && document.querySelectorAll('#c-costs .virtual-body [role=row]').length === 2",
                                timeout=300_000)

@@ -32,7 +32,7 @@ TAB_IDS = {
                 "attention-table"},
     "compare": {"c-prompt", "c-preset", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
-                "c-speedup", "c-costs", "c-json", "c-caches", "c-fidelity-prompts", "c-cards"},
+                "c-speedup", "c-costs", "c-json", "c-caches", "c-fidelity-prompts", "c-cards", "c-status"},
     "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-minutes", "a-fidelity-points", "a-min-psnr",
                 "advise-btn", "a-cancel-btn", "a-apply-btn", "a-status", "a-summary", "a-frontier", "a-table", "a-json"},
     "system": {"system-refresh", "system"},

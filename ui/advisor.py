@@ -169,7 +169,6 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
                         concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="full",
                         show_progress_on=[status])
     cancel_btn.click(None, cancels=[run])
-    run_btn.click(None, js=views.scroll_into_view_js("a-status"))
     run.then(h.advise_ended, status, status, **FAST)
     result.change(h.render_advice, result, [frontier, table, apply_btn], **FAST)
     apply_btn.click(h.apply_advice, result, [settings.preset, settings.device, settings.precision, settings.mode,

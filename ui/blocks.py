@@ -29,7 +29,7 @@ CSS = """
 }
 #run-summary { min-height: 2.4em; font-variant-numeric: tabular-nums; }
 #a-status { min-height: 3.2em; }
-#c-cards { min-height: 4em; }
+#c-cards, #c-status { min-height: 4em; }
 #engine-line { min-height: 1.6em; }
 #board { font-variant-numeric: tabular-nums; }
 #c-cards .c-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr)); gap: 12px; }

@@ -262,6 +262,12 @@ def build(h: CompareHandlers) -> None:
                                          label="Fidelity prompts (models with a checker)",
                                          elem_id="c-fidelity-prompts")
             with gr.Column(scale=2, min_width=420):
+                # The buttons and the run's progress first: the cards start below a laptop screen's fold.
+                with gr.Row():
+                    compare_btn = gr.Button("Compare", variant="primary", elem_id="compare-btn")
+                    cancel_btn = gr.Button("Cancel", variant="stop", elem_id="c-cancel-btn")
+                status = gr.Markdown("Its progress shows here; each configuration's card, price and costs below.",
+                                     elem_id="c-status")
                 devices = gr.CheckboxGroup(views.device_choices(report, short=True)[1:], value=available[:1],
                                            label="Devices", elem_id="c-devices")
                 precisions = gr.CheckboxGroup(h.precision_choices(), value=["fp32"], label="Precisions",
@@ -274,9 +280,7 @@ def build(h: CompareHandlers) -> None:
                                           label="Step caches (unavailable ones say why)", elem_id="c-caches")
                 wait = gr.Checkbox(True, label="Wait for compiled buckets (their compile cost is "
                                    "measured); off: cold buckets run eagerly", elem_id="c-wait")
-                with gr.Row():
-                    compare_btn = gr.Button("Compare", variant="primary", elem_id="compare-btn")
-                    cancel_btn = gr.Button("Cancel", variant="stop", elem_id="c-cancel-btn")
+
         cards = gr.HTML(elem_id="c-cards", label="Each configuration")
         speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True,
                              column_widths=views.PRICE_WIDTHS, label="Price of each configuration",
@@ -305,10 +309,8 @@ def build(h: CompareHandlers) -> None:
         h.compare, [prompt, preset_dd, size, steps, guidance, seed, devices, precisions, modes, wait, caches,
                     fidelity],
         [gallery, results, thumbnails], api_name="compare", api_description=COMPARE_API_DOC, concurrency_id=ENGINE_QUEUE,
-        concurrency_limit=h.run_slots(), show_progress="full", show_progress_on=[cards],
+        concurrency_limit=h.run_slots(), show_progress="full", show_progress_on=[status, cards],
     )
-    # Its progress and its cards are drawn under the form: bring them into view (a laptop screen ends above).
-    compare_btn.click(None, js=views.scroll_into_view_js("c-cards"))
     # Gradio closes the running handler; closing it cancels the engine request between steps.
     cancel_btn.click(None, cancels=[run])
     run.then(h.compare_ended, results, results, **FAST)

@@ -172,14 +172,6 @@ def history_caption(number: int, result: dict) -> str:
     return " · ".join(p for p in parts if p)
 
 
-def scroll_into_view_js(elem_id: str) -> str:
-    """A click's browser-side code that scrolls the element to the top of the window (when it is not
-    already in view): where a run's progress and results are drawn."""
-    return (f"() => {{ const el = document.getElementById('{elem_id}'); if (!el) return; "
-            "const r = el.getBoundingClientRect(); "
-            "if (r.top < 0 || r.top > innerHeight * 0.6) el.scrollIntoView({behavior: 'smooth', block: 'start'}); }")
-
-
 # -- bucket board ----------------------------------------------------------------------------------
 def board_rows(status: list[dict]) -> list[list]:
     """Every bucket of every engine; an engine without buckets yet (loading / down) gets one row."""
