@@ -105,6 +105,15 @@ def test_every_action_has_a_stable_api_name(client):
     assert [p["parameter_name"] for p in params][:10] == list(GOOD)
 
 
+def test_the_api_page_names_results_and_allowed_values(client):
+    """What a client developer reads in view_api(): named results, each parameter's allowed values."""
+    shown = client.view_api(print_info=False, return_format="str")
+    assert 'api_name="/generate") -> (image, timings)' in shown
+    assert 'api_name="/status") -> engines' in shown and "value_" not in shown
+    assert "one of fp32, tf32, bf16" in shown and "eager (serve now, uncompiled) or wait" in shown
+    assert "WIDTHxHEIGHT of one bucket, or '' / 'all' for every bucket" in shown  # /warm's size
+
+
 def test_generate_returns_the_image_and_the_timings_json(client):
     image_path, timings = client.predict(**GOOD, api_name="/generate")
     with Image.open(image_path) as image:

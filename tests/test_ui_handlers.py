@@ -124,8 +124,9 @@ def test_generate_streams_progress_and_returns_image_and_timings(handlers):
     steps_seen = [p for p, _ in progress.calls if isinstance(p, tuple)]
     # The bar starts at the first step, then moves at most every PROGRESS_EVERY_S (the result ends it).
     assert steps_seen[0] == (1, 4) and steps_seen == sorted(set(steps_seen)) and steps_seen[-1] <= (4, 4)
-    plot, stats = handlers.render_run(timings)
-    assert list(plot["step"]) == [1, 2, 3, 4]
+    plot, stats, summary = handlers.render_run(timings)
+    assert list(plot.dropna()["step"]) == [1, 2, 3, 4]
+    assert "seed 7" in summary and "peak memory" in summary
     table = dict(stats.values.tolist())
     assert set(table) >= {"encode", "denoise", "decode", "total", "first step / median step", "it/s", "bucket",
                           "recompiles", "peak memory", "notices"}
@@ -135,8 +136,9 @@ def test_generate_streams_progress_and_returns_image_and_timings(handlers):
 def test_partial_results_render_while_running(handlers):
     partial = {"running": True, "engine": "tiny-flux@cpu/fp32", "mode": "eager", "bucket": "64x64", "steps": 4,
                "timings": {"step_ms": [5.0, 4.0]}}
-    plot, stats = handlers.render_run(partial)
-    assert len(plot) == 2 and "step 2 of 4" in stats.values.tolist()[1][1]
+    plot, stats, summary = handlers.render_run(partial)
+    assert len(plot.dropna()) == 2 and "step 2 of 4" in stats.values.tolist()[1][1]
+    assert summary.startswith("**Running**") and "step 2 of 4" in summary
 
 
 def test_compiled_mode_at_a_cold_bucket_is_served_eagerly_with_a_notice(handlers):

@@ -6,6 +6,7 @@ No server and no engine process: the Blocks are built and their config is read.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import gradio as gr
@@ -25,17 +26,18 @@ PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "sys
 TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
                  "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "generate-btn", "cancel-btn",
-                 "output-image", "step-plot", "stats", "timings-json"},
+                 "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output", "run-summary",
+                 "history"},
     "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",
                 "restart-btn", "admin-token", "attention-backend", "cuda-graphs", "restart-options-btn",
                 "attention-table"},
     "compare": {"c-prompt", "c-preset", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
                 "c-speedup", "c-costs", "c-json", "c-caches", "c-fidelity-prompts", "c-cards", "c-configs",
-                "c-config-list", "c-timing", "c-config-check"},
+                "c-config-list", "c-timing", "c-config-check", "c-status"},
     "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-minutes", "a-fidelity-points", "a-min-psnr",
-                "advise-btn", "a-cancel-btn", "a-apply-btn", "a-summary", "a-frontier", "a-table", "a-json",
-                "a-cards"},
+                "advise-btn", "a-cancel-btn", "a-apply-btn", "a-status", "a-summary", "a-frontier", "a-table",
+                "a-json", "a-cards"},
     "system": {"system-refresh", "system"},
 }
 TAB_APIS = {"generate": {"generate"}, "buckets": {"status", "warm", "restart"}, "compare": {"compare"},
@@ -196,3 +198,27 @@ def test_the_generate_api_params_match_the_handler():
 
     params = list(inspect.signature(GenerateHandlers.generate).parameters)[1:len(GENERATE_API_PARAMS) + 1]
     assert tuple(params) == GENERATE_API_PARAMS
+
+
+def test_the_api_page_says_what_each_endpoint_does_and_takes(demo):
+    """What /gradio_api/info (and gradio_client's view_api()) tells a client developer."""
+    endpoints = demo.get_api_info()["named_endpoints"]
+    generate = endpoints["/generate"]
+    assert generate["description"].startswith("Generate one image.")
+    assert not {"async", "preprocess", "gr.skip"} & set(re.findall(r"[\w.]+", generate["description"]))
+    assert [r["label"] for r in generate["returns"]] == ["image", "timings"]
+    allowed = {p["parameter_name"]: p["python_type"]["description"] for p in generate["parameters"]}
+    assert "fp32" in allowed["precision"] and "bf16" in allowed["precision"]
+    assert all(m in allowed["mode"] for m in ("eager", "compile", "regional"))
+    assert "eager" in allowed["on_cold"] and "wait" in allowed["on_cold"]
+    assert "tiny-shapes" in allowed["preset"] and "1-200" in allowed["steps"]
+    assert all(allowed.values()), [name for name, text in allowed.items() if not text]
+    for name in ("/status", "/warm", "/restart", "/system", "/compare"):
+        endpoint = endpoints[name]
+        assert endpoint["description"], name
+        labels = [p["label"] for p in endpoint["parameters"]] + [r["label"] for r in endpoint["returns"]]
+        assert not [label for label in labels if re.fullmatch(r"\d+(st|nd|rd|th)|value_\d+", label)], (name, labels)
+    assert [r["label"] for r in endpoints["/status"]["returns"]] == ["engines"]
+    warm = {p["parameter_name"]: p["python_type"]["description"] for p in endpoints["/warm"]["parameters"]}
+    assert [p["label"] for p in endpoints["/warm"]["parameters"]] == list(warm)
+    assert "regional" in warm["mode"] and "all" in warm["size"] and "fp32" in warm["precision"]

@@ -58,11 +58,18 @@ def advisor_cards_html(result: dict | None) -> str:
     return '<div class="c-cards">' + "".join(cards) + "</div>" if cards else ""
 
 
+RUNNING = "**Running** · "
+
+
+def running(what: str) -> str:
+    return RUNNING + what
+
+
 class AdvisorHandlers(HandlerBase):
     def advise(self, preset, device, size, steps, max_minutes, fidelity_points, min_psnr,
                progress=gr.Progress()):  # noqa: B008
-        """Run the advisor; streams (report markdown, results JSON). Closing the handler (Cancel) ends
-        the child process and its compile workers."""
+        """Run the advisor; streams (report markdown, results JSON, status line). Closing the handler (Cancel)
+        ends the child process and its compile workers (advise_ended then says it was cancelled)."""
         if self.public:
             raise gr.Error("the advisor loads and compiles many engines: a host operation, not offered in "
                            "public mode", title="Not allowed")
@@ -70,6 +77,7 @@ class AdvisorHandlers(HandlerBase):
         errors: list[str] = []
         threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True).start()
         progress(0, desc="advisor: starting (loads the model once per precision)")
+        yield gr.skip(), gr.skip(), running("starting: loads the model once per precision")
         result = None
         try:
             for line in child.stdout:
@@ -79,7 +87,7 @@ class AdvisorHandlers(HandlerBase):
                     continue
                 if "progress" in message:
                     progress((message["progress"], message["total"]), desc=f"advisor: {message['desc']}")
-                    yield gr.skip(), gr.skip()
+                    yield gr.skip(), gr.skip(), running(f"{message['progress']}/{message['total']}: {message['desc']}")
                 elif "result" in message:
                     result = message["result"]
             child.wait()
@@ -91,8 +99,17 @@ class AdvisorHandlers(HandlerBase):
                 except subprocess.TimeoutExpired:
                     os.killpg(child.pid, signal.SIGKILL)
         if result is None:
-            raise gr.Error(f"the advisor failed: {''.join(errors[-5:])[-800:]}", title="Advisor failed")
-        yield views.advisor_markdown(result), result
+            failure = f"the advisor failed: {''.join(errors[-5:])[-800:]}"
+            yield gr.skip(), gr.skip(), f"**Failed:** {failure}"
+            raise gr.Error(failure, title="Advisor failed")
+        done = f"**Done** in {result.get('elapsed_s', 0):.0f} s: the pick and every measured configuration are below."
+        yield views.advisor_markdown(result) + "\n\n" + views.frontier_caption(result), result, done
+
+    def advise_ended(self, status: str | None):
+        """After the advisor's event, however it ended: a status still "running" means Cancel closed it."""
+        if not (status or "").startswith(RUNNING):
+            return gr.skip()
+        return f"**Cancelled** (at {status[len(RUNNING):].strip()}): the advisor process was stopped; no pick."
 
     def start_advisor(self, preset, device, size, steps, max_minutes, fidelity_points, min_psnr) -> subprocess.Popen:
         """`python -m engine advise --progress-json` in a child process of its own session (one JSON message
@@ -127,10 +144,12 @@ class AdvisorHandlers(HandlerBase):
         frame = pd.DataFrame(views.advisor_points(result), columns=views.ADVISOR_POINT_COLUMNS)
         frame = frame.astype({"s_per_image": "float64", "quality": "float64", "configuration": "string",
                               "verdict": "string"})
+        x_lim, y_lim = views.padded_limits(frame["s_per_image"]), views.padded_limits(frame["quality"])
+        plot = gr.update(value=frame, x_lim=x_lim, y_lim=y_lim)
         table = pd.DataFrame(rows, columns=views.ADVISOR_COLUMNS)
         pick = (result or {}).get("pick")
-        return frame, table, gr.update(interactive=pick is not None,
-                                       value=f"Apply {pick['label']} in Generate" if pick else "Apply in Generate"), \
+        return plot, table, gr.update(interactive=pick is not None,
+                                      value=f"Apply {pick['label']} in Generate" if pick else "Apply in Generate"), \
             advisor_cards_html(result)
 
     def apply_advice(self, result: dict | None):
@@ -175,22 +194,28 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
             run_btn = gr.Button("Measure and advise", variant="primary", elem_id="advise-btn")
             cancel_btn = gr.Button("Cancel", variant="stop", elem_id="a-cancel-btn")
             apply_btn = gr.Button("Apply in Generate", interactive=False, elem_id="a-apply-btn")
-        summary = gr.Markdown(elem_id="a-summary")
+        # Its progress bar is drawn here, right under the buttons (never in an empty, zero-height box).
+        status = gr.Markdown("Not run yet: a run takes about the time budget.", elem_id="a-status")
+        with gr.Row():  # the plot at half the page's width: a full-width axis draws ~30 crowded ticks
+            summary = gr.Markdown(elem_id="a-summary")
+            frontier = gr.ScatterPlot(x="s_per_image", y="quality", color="verdict", title="Speed–quality frontier",
+                                      x_title="s per image (lower is faster)", y_title="fidelity % / PSNR dB",
+                                      color_title="", x_axis_format=".3~f", y_axis_format=".4~r",
+                                      tooltip=["configuration", "s_per_image", "quality", "verdict"], height=340,
+                                      elem_id="a-frontier")
         cards = gr.HTML(elem_id="a-cards", label="Each configuration: its image, eager fp32's, the difference")
-        frontier = gr.ScatterPlot(x="s_per_image", y="quality", color="verdict", title="Speed–quality frontier",
-                                  x_title="s per image (lower is faster)", y_title="fidelity % / PSNR dB",
-                                  tooltip=["configuration", "s_per_image", "quality"], height=320,
-                                  elem_id="a-frontier")
         table = gr.Dataframe(headers=views.ADVISOR_COLUMNS, interactive=False, wrap=True, label="Every configuration",
-                             elem_id="a-table")
+                             column_widths=views.ADVISOR_WIDTHS, elem_id="a-table")
         with gr.Accordion("Advisor JSON (also saved under the cache folder)", open=False):
             result = gr.JSON(elem_id="a-json")
 
     a_preset.change(h.advisor_defaults, a_preset, [a_size, a_steps], **FAST)
-    run = run_btn.click(h.advise, [a_preset, a_device, a_size, a_steps, minutes, points, psnr], [summary, result],
-                        api_name="advise", api_visibility="private", concurrency_id=ENGINE_QUEUE,
-                        concurrency_limit=1, show_progress="full", show_progress_on=[summary])
+    run = run_btn.click(h.advise, [a_preset, a_device, a_size, a_steps, minutes, points, psnr],
+                        [summary, result, status], api_name="advise", api_visibility="private",
+                        concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="full",
+                        show_progress_on=[status])
     cancel_btn.click(None, cancels=[run])
+    run.then(h.advise_ended, status, status, **FAST)
     result.change(h.render_advice, result, [frontier, table, apply_btn, cards], **FAST)
     apply_btn.click(h.apply_advice, result, [settings.preset, settings.device, settings.precision, settings.mode,
                                               settings.step_cache, settings.size, settings.steps, tabs], **FAST)

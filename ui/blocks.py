@@ -23,6 +23,15 @@ __all__ = ["GENERATE_API_PARAMS", "build_demo", "launch_kwargs"]
 
 CSS = """
 #output-image img { image-rendering: pixelated; object-fit: contain; }
+#history img { image-rendering: pixelated; }
+#history .grid-container { grid-template-columns: repeat(auto-fill, minmax(120px, 180px)) !important; }
+/* Wide screens: the output column stays in view while the controls scroll; a phone stacks the columns. */
+@media (min-width: 1024px) {
+  #gen-output { position: sticky; top: 8px; align-self: flex-start; }
+}
+#run-summary { min-height: 2.4em; font-variant-numeric: tabular-nums; }
+#a-status { min-height: 3.2em; }
+#c-cards, #c-status { min-height: 4em; }
 #engine-line { min-height: 1.6em; }
 #board { font-variant-numeric: tabular-nums; }
 #c-cards .c-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr)); gap: 12px; }

@@ -330,3 +330,21 @@ class HandlerBase:
         """Cancel the caller's own /generate or /compare between steps; the run then returns with
         cancelled=true. (gradio_client's job.cancel() stops one job the way the Cancel buttons do.)"""
         log.info("/cancel: %s", self.cancel(request))
+
+
+def document_api(dependency, params: dict[str, str] | None = None, returns: tuple[str, str] | None = None) -> None:
+    """Name a gr.api endpoint's parameters and result in its API page and schema (Gradio labels them "1st",
+    "2nd", ...) and say what each takes: `params` maps a parameter to its allowed values, `returns` is the
+    result's (name, what it holds)."""
+    from gradio.context import get_blocks_context
+
+    blocks = get_blocks_context().blocks
+    for block_id, (name, allowed) in zip(dependency["inputs"], (params or {}).items(), strict=True):
+        component = blocks[block_id]
+        component.label = name
+        component._api_info = {**component._api_info, "description": allowed, "additional_description": allowed}
+    if returns is not None:
+        (block_id,) = dependency["outputs"]
+        component = blocks[block_id]
+        component.label = returns[0]
+        component._api_info = {**component._api_info, "description": returns[1]}

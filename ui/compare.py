@@ -32,6 +32,7 @@ from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import HEARTBEAT_S
 
+COST_WIDTHS = ["24%", "10%", "11%", "11%", "12%", "11%", "21%"]  # no header narrower than its longest word
 MIN_CONFIGS, MAX_CONFIGS = 1, 6  # picked; the reference is added when it is not among them
 MAX_FIDELITY_PROMPTS = 32
 DEFAULT_FIDELITY_PROMPTS = 8
@@ -39,6 +40,16 @@ THUMBNAIL_PX = 256
 DEFAULT_TIMING_S = 30.0  # seconds of round-robin timing after the quality images
 MAX_TIMING_S = 600.0
 TIMING_MIN_ROUNDS, TIMING_MAX_ROUNDS = 3, 12
+COMPARE_API_DOC = (
+    "Run the same prompt, seed, size and steps on 1-6 configurations: the typed list `configurations` "
+    "(\"mode/precision[/step cache][@device]\" separated by \";\", e.g. \"eager/fp32; compile/fp32; regional/bf16\"), "
+    "or else every device x precision x mode x step cache picked, plus eager fp32 without a step cache as the "
+    "reference. Each configuration draws its quality images first (they warm it), then all are timed "
+    "round-robin with the reference for up to `timing_s` seconds. Returns (images, results): one captioned "
+    "image per configuration, and results JSON: per configuration its timings, seconds per image, speedup "
+    "against the reference with its spread and image count, drift (PSNR, SSIM, largest pixel difference) and, "
+    "on a model with a checker, fidelity; a configuration that cannot run or fails carries a short reason. "
+    "/cancel stops it between steps.")
 
 
 def thumbnail_uri(image) -> str:
@@ -399,7 +410,9 @@ class CompareHandlers(HandlerBase):
         frame = views.step_frame(views.compare_step_rows(results), views.COMPARE_STEP_COLUMNS)
         if payload.get("done", True):
             series = list(dict.fromkeys(frame["config"]))
-            plot = gr.update(value=frame, colors_in_legend=series, color_map=views.series_colors(series))
+            frame, order = views.steps_as_labels(frame)
+            plot = gr.update(value=frame, colors_in_legend=series, color_map=views.series_colors(series), sort=order,
+                             y_aggregate="mean" if order else None)  # labelled steps: one value per step and series
         else:
             plot = gr.skip()
         price = pd.DataFrame(views.price_rows(results), columns=views.PRICE_COLUMNS)
@@ -446,6 +459,12 @@ def build(h: CompareHandlers) -> None:
                                          label="Fidelity prompts (models with a checker)",
                                          elem_id="c-fidelity-prompts")
             with gr.Column(scale=2, min_width=420):
+                # The buttons and the run's progress first: the cards start below a laptop screen's fold.
+                with gr.Row():
+                    compare_btn = gr.Button("Compare", variant="primary", elem_id="compare-btn")
+                    cancel_btn = gr.Button("Cancel", variant="stop", elem_id="c-cancel-btn")
+                status = gr.Markdown("Its progress shows here; each configuration's card, price and costs below.",
+                                     elem_id="c-status")
                 devices = gr.CheckboxGroup(views.device_choices(report, short=True)[1:], value=available[:1],
                                            label="Devices", elem_id="c-devices")
                 precisions = gr.CheckboxGroup(h.precision_choices(), value=["fp32"], label="Precisions",
@@ -468,9 +487,6 @@ def build(h: CompareHandlers) -> None:
                     timing = gr.Slider(0, 120, value=DEFAULT_TIMING_S, step=5, label="Timing budget (s): "
                                        "round-robin rounds after the quality images", elem_id="c-timing")
                 config_check = gr.Markdown(elem_id="c-config-check")
-                with gr.Row():
-                    compare_btn = gr.Button("Compare", variant="primary", elem_id="compare-btn")
-                    cancel_btn = gr.Button("Cancel", variant="stop", elem_id="c-cancel-btn")
         cards = gr.HTML(elem_id="c-cards", label="Each configuration")
         speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True,
                              column_widths=views.PRICE_WIDTHS, label="Price of each configuration",
@@ -483,16 +499,16 @@ def build(h: CompareHandlers) -> None:
                     "difference (0–255) against the reference's image of the same prompt and seed; fidelity: "
                     "prompts the pixel checker reads as drawn right; steps computed / cached: the step cache's "
                     "share. Cached steps are their own series on the plot.")
-        with gr.Row():
-            plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
-                               x_title="step", y_title="ms", height=280, elem_id="c-plot")
-            costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
-                                 label="Compile and warm-up costs", elem_id="c-costs")
+        # Each the page's full width: the legend names every series, no costs header breaks inside a word.
+        plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
+                           x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot")
+        costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
+                             column_widths=COST_WIDTHS, label="Compile and warm-up costs", elem_id="c-costs")
         with gr.Accordion("Images at full size", open=False):
             gallery = gr.Gallery(label="Images", columns=4, height=260, elem_id="c-gallery", type="pil",
                                  object_fit="contain")
         with gr.Accordion("Results JSON", open=False):
-            results = gr.JSON(elem_id="c-json")
+            results = gr.JSON(elem_id="c-json", label="results", show_label=False)
         thumbnails = gr.State([])
 
     preset_dd.change(h.compare_defaults, preset_dd, [size, steps, guidance], **FAST)
@@ -504,8 +520,9 @@ def build(h: CompareHandlers) -> None:
     run = compare_btn.click(
         h.compare, [prompt, preset_dd, size, steps, guidance, seed, devices, precisions, modes, wait, caches,
                     fidelity, configurations, timing],
-        [gallery, results, thumbnails], api_name="compare", concurrency_id=ENGINE_QUEUE,
-        concurrency_limit=h.run_slots(), show_progress="full", show_progress_on=[cards],
+        [gallery, results, thumbnails], api_name="compare", api_description=COMPARE_API_DOC,
+        concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots(), show_progress="full",
+        show_progress_on=[status, cards],
     )
     # Gradio closes the running handler; closing it cancels the engine request between steps.
     cancel_btn.click(None, cancels=[run])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from ui.common import FAST, HandlerBase
+from ui.common import FAST, HandlerBase, document_api
 from ui.views import fmt_bytes
 
 PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "gradio", "gradio_client", "torch_tpu",
@@ -284,6 +284,8 @@ def build(h: SystemHandlers) -> None:
     with gr.Tab("System", id="system") as tab:
         refresh_btn = gr.Button("Refresh", size="sm", elem_id="system-refresh")
         panel = gr.Markdown("Loading…", elem_id="system")
-        gr.api(h.system_api, api_name="system", concurrency_limit=None)  # its own queue bound (ui/edge.py)
+        document_api(gr.api(h.system_api, api_name="system", concurrency_limit=None),  # queue bound: ui/edge.py
+                     returns=("system", "devices (available or why not), library versions, cache folders, the "
+                              "environment in force (secrets hidden)"))
     tab.select(h.system_panel, None, panel, **FAST)
     refresh_btn.click(h.system_refresh, None, panel, **FAST)

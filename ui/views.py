@@ -57,10 +57,29 @@ def step_rows(result: dict | None) -> list[dict]:
             for i, ms in enumerate(steps)]
 
 
-def step_frame(rows: list[dict], columns: list[str]) -> pd.DataFrame:
-    """Step rows as a plot's value: numeric step and step_ms, text series, whatever the rows hold."""
-    frame = pd.DataFrame(rows, columns=columns)
+def step_frame(rows: list[dict], columns: list[str], series: tuple[str, ...] = ()) -> pd.DataFrame:
+    """Step rows as a plot's value: numeric step and step_ms, text series, whatever the rows hold.
+
+    `series`: every series the plot can show, each given a first row without a value (not drawn). The browser
+    takes a plot's colours from the series in the value it builds the plot with and only swaps the data
+    later, so a series missing then (all of them, in a run's first, empty partial) is drawn without a stroke.
+    """
+    anchors = [{columns[0]: 1, columns[1]: float("nan"), columns[2]: name} for name in series]
+    frame = pd.DataFrame(anchors + rows, columns=columns)
     return frame.astype({c: STEP_DTYPES[c] for c in columns})
+
+
+LABELLED_STEPS = 60  # up to this many steps a full-width plot labels each step; beyond, numeric ticks
+
+
+def steps_as_labels(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str] | None]:
+    """A step frame for a plot drawn once (Compare's): up to LABELLED_STEPS steps, the steps as labels and
+    their order (the plot's `sort`), so the axis ticks each whole step; a numeric axis ticks 1.0, 1.25, 1.5
+    when it has more room than steps. More steps: as it is (numeric ticks are then whole steps)."""
+    last = int(frame["step"].max()) if len(frame) else 0
+    if not 0 < last <= LABELLED_STEPS:
+        return frame, None
+    return frame.astype({"step": "string"}), [str(i) for i in range(1, last + 1)]
 
 
 def bucket_verdict(result: dict) -> str:
@@ -91,7 +110,12 @@ def stats_rows(result: dict | None) -> list[list[str]]:
         return rows
     notices = result.get("notices") or []
     its = t.get("steps_per_s")
-    return [
+    ended = []
+    if result.get("cancelled"):
+        ended = [["run", result.get("message") or "cancelled"]]
+    elif result.get("error"):
+        ended = [["run", f"failed: {result['error']}"]]
+    return ended + [
         ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"],
         ["encode", fmt_ms(t.get("encode_ms"))],
         ["denoise", f"{fmt_ms(t.get('denoise_ms'))} ({len(steps)} steps)"],
@@ -109,6 +133,43 @@ def stats_rows(result: dict | None) -> list[list[str]]:
         ["seed", str(result.get("seed", ""))],
         ["notices", "; ".join(notices) if notices else "—"],
     ]
+
+
+def run_summary(result: dict | None) -> str:
+    """The lines under the image: how the run ended, its time, seed and peak memory, and every notice
+    (a snapped size, an empty prompt), so none of it hides in the timings table."""
+    if not result:
+        return "Press **Generate**: the image, its progress and its timings appear here."
+    t = result.get("timings") or {}
+    steps = t.get("step_ms") or []
+    where = f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}".strip(" ·")
+    if result.get("running"):
+        return f"**Running** on {where}: step {len(steps)} of {result.get('steps') or '?'}"
+    if result.get("cancelled"):
+        return f"**Cancelled** ({result.get('message') or 'cancelled'}): no image. {where}"
+    if result.get("error"):
+        return f"**Failed:** {result['error']}"
+    head = (f"**{fmt_ms(t.get('total_ms'))}** total · {len(steps)} steps, median {fmt_ms(t.get('median_step_ms'))}"
+            f" · seed {result.get('seed', '')} · peak memory {fmt_bytes(result.get('peak_memory_bytes'))}"
+            f" · {where}")
+    if result.get("step_cache") and result["step_cache"] != NO_CACHE:
+        head += f" · {result['step_cache']}: {fmt_steps(result)} steps computed / cached"
+    notices = result.get("notices") or []
+    return head + "".join(f"\n\n⚠ {n}" for n in notices)
+
+
+HISTORY_RUNS = 12  # images a page keeps in its run history (the oldest go first)
+
+
+def history_caption(number: int, result: dict) -> str:
+    """"#3 · tiny-shapes@cpu/fp32 · eager 64x64 · 8 steps · seed 7 · 41.2 ms": a history entry's
+    configuration and figures."""
+    t = result.get("timings") or {}
+    parts = [f"#{number}", result.get("engine", ""), f"{result.get('mode', '')} {result.get('bucket', '')}".strip(),
+             f"{len(t.get('step_ms') or [])} steps", f"seed {result.get('seed', '')}", fmt_ms(t.get("total_ms"))]
+    if result.get("step_cache") and result["step_cache"] != NO_CACHE:
+        parts.insert(3, result["step_cache"])
+    return " · ".join(p for p in parts if p)
 
 
 # -- bucket board ----------------------------------------------------------------------------------
@@ -264,18 +325,32 @@ def reference_label(device: str) -> str:
     return config_label(device, "fp32", "eager")
 
 
-def step_cache_choices(rows: list[dict]) -> list[tuple[str, str]]:
+def _why_not(row: dict) -> str:
+    return (row.get("why_not") or "not here").split(";")[0]
+
+
+def step_cache_choices(rows: list[dict], short: bool = False) -> list[tuple[str, str]]:
     """available_step_caches rows as (label, value) choices: usable ones by name (with their parameters),
-    unusable ones marked with why (picking one is refused with that reason)."""
+    unusable ones marked with why (picking one is refused with that reason); `short`: marked
+    "unavailable" only, the reasons said once by step_cache_reasons."""
     choices = []
     for r in rows:
         value = r.get("default") or r["name"]
         if r.get("usable"):
             label = value
         else:
-            label = f"{r['name']} · unavailable: {(r.get('why_not') or 'not here').split(';')[0]}"
+            label = f"{r['name']} · unavailable" + ("" if short else f": {_why_not(r)}")
         choices.append((label, value))
     return choices
+
+
+def step_cache_reasons(rows: list[dict]) -> str:
+    """Why the unusable step caches cannot run, each reason once: "first-block, pyramid: <why>"."""
+    by_reason: dict[str, list[str]] = {}
+    for r in rows:
+        if not r.get("usable"):
+            by_reason.setdefault(_why_not(r), []).append(r["name"])
+    return " · ".join(f"unavailable ({', '.join(names)}): {why}" for why, names in by_reason.items())
 
 
 def per_image_s(result: dict) -> float | None:
@@ -538,6 +613,8 @@ def cost_rows(results: list[dict]) -> list[list]:
 ADVISOR_COLUMNS = ["configuration", "s / image", "× eager fp32", "drift PSNR / max diff", "fidelity",
                    "steps cached (mean)", "compile s", "within bound"]
 ADVISOR_POINT_COLUMNS = ["configuration", "s_per_image", "quality", "verdict"]
+# No header narrower than its longest word; the reasons (last column) get the rest and wrap.
+ADVISOR_WIDTHS = ["19%", "8%", "9%", "12%", "8%", "9%", "8%", "27%"]
 IDENTICAL_PSNR_DB = 100.0  # where an image identical to eager fp32 is drawn on the PSNR axis
 
 
@@ -620,3 +697,38 @@ def advisor_markdown(result: dict) -> str:
     if result.get("saved"):
         parts.append(f"Saved to `{result['saved']}` (start the app with `--config-from` that file).")
     return "\n\n".join(parts)
+
+
+def padded_limits(values) -> list[float] | None:
+    """An axis's [low, high] around its values with a tenth of their span (at least 5 % of their size) on
+    each side, so no point sits on the frame and a single value does not make a zero-width axis whose ticks
+    read "93.750000"."""
+    values = [float(v) for v in values if v == v]  # NaN != NaN
+    if not values:
+        return None
+    low, high = min(values), max(values)
+    pad = max((high - low) * 0.1, abs(high) * 0.05, 1e-3)
+    return [round(low - pad, 4), round(high + pad, 4)]
+
+
+def frontier(points: list[dict]) -> list[dict]:
+    """The points no other point beats on both speed and quality, fastest first."""
+    best, out = float("-inf"), []
+    for p in sorted(points, key=lambda p: (p["s_per_image"], -p["quality"])):
+        if p["quality"] > best:
+            out.append(p)
+            best = p["quality"]
+    return out
+
+
+def frontier_caption(result: dict | None) -> str:
+    """The frontier's configurations named under the plot (the plot marks them only by colour)."""
+    points = advisor_points(result)
+    if not points:
+        return ""
+    unit = "%" if any(r.get("fidelity") is not None for r in (result or {}).get("rows", [])) else "dB"
+    steps = [f"{p['configuration']} ({p['s_per_image']:.3f} s, {p['quality']:.1f} {unit})" for p in frontier(points)]
+    measured = len([r for r in (result or {}).get("rows", []) if not r.get("error")])
+    drawn = (f"{len(points)} configurations drawn" if measured == len(points) else
+             f"{len(points)} of {measured} measured configurations drawn (the others have no quality score)")
+    return f"{drawn}. Frontier, fastest first: " + " → ".join(steps)
