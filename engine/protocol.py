@@ -447,6 +447,8 @@ class ModelPreset:
             "description": self.description,
             "examples": list(self.examples),
             "advice": dict(self.advice),
+            "loras": [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}
+                      for lora in self.loras],
         }
 
 

@@ -136,6 +136,32 @@ def test_a_request_checks_its_lora_scale_and_choice_text():
     assert _request(lora="none").lora is None
 
 
+def test_visitors_pick_only_the_presets_adapters_by_name():
+    from engine.config.presets import get_preset
+    from engine.config.validation import build_request
+
+    preset = get_preset("tiny-shapes")
+    assert [lora.name for lora in preset.loras] == ["swap", "small", "corner"]
+    request, _ = build_request(preset, prompt=PROMPT, width=64, height=64, lora="corner:0.5")
+    assert (request.lora, request.lora_scale) == ("corner", 0.5)
+    request, _ = build_request(preset, prompt=PROMPT, width=64, height=64, lora="swap", lora_scale="1.5")
+    assert (request.lora, request.lora_scale) == ("swap", 1.5)
+    for chosen in ("models/tiny-shapes-loras/swap", "org/some-hub-lora", "../swap"):
+        with pytest.raises(InvalidRequest, match=r"unknown LoRA .* choose one of swap, small, corner \(or none\)"):
+            build_request(preset, prompt=PROMPT, width=64, height=64, lora=chosen)
+    with pytest.raises(InvalidRequest, match="lists no LoRA adapters"):
+        build_request(get_preset("tiny-flux"), prompt=PROMPT, width=64, height=64, lora="swap")
+
+
+def test_the_timings_table_shows_the_adapter_its_rank_and_the_swap():
+    from ui import views
+
+    row = dict(views.stats_rows({"timings": {}, "lora": "swap", "lora_scale": 0.5, "lora_rank": 4,
+                                 "lora_swap_ms": 21.4}))
+    assert row["LoRA"] == "swap at scale 0.5, rank 4; hot-swapped in 21 ms (no recompile)"
+    assert dict(views.stats_rows({"timings": {}}))["LoRA"] == "none"
+
+
 def test_the_adapter_joins_the_batch_key():
     from engine.pipeline.batching import batch_key
 

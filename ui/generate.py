@@ -27,7 +27,7 @@ MAX_UI_SEED = 2**31 - 1  # browsers hold integers exactly only up to 2**53; keep
 PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one redraws the plot)
 # The /generate API's parameters, in the handler's order (GenerateHandlers.generate).
 GENERATE_API_PARAMS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "steps",
-                       "guidance", "seed", "on_cold", "tp", "step_cache")
+                       "guidance", "seed", "on_cold", "tp", "step_cache", "lora")
 
 
 class RunView:
@@ -125,13 +125,20 @@ class GenerateHandlers(HandlerBase):
         usable = {value for label, value in choices if " · unavailable" not in label}
         return gr.update(choices=choices, value=current if current in usable else "none")
 
+    def lora_choices(self, preset: str):
+        """The new preset's LoRA adapters (none selected)."""
+        try:
+            return gr.update(choices=views.lora_choices(self.manager.preset(preset)), value="none")
+        except ShowcaseError:
+            return gr.update(choices=[("none", "none")], value="none")
+
     def randomize_seed(self, seed, randomize: bool):
         return random.randint(0, MAX_UI_SEED) if randomize else seed
 
     # -- the run ---------------------------------------------------------------------------------
     def generate(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
-                 on_cold="eager", tp=1, step_cache="none", request: gr.Request = None,
-                 progress=gr.Progress()):  # noqa: B008
+                 on_cold="eager", tp=1, step_cache="none", lora="none", lora_scale=None,
+                 request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
         """One image (tp > 1: on the tensor-parallel torchrun sidecar with that many ranks).
 
         Streams (image, timings): a partial timings dict ("running": true) at the start and at most
@@ -140,7 +147,8 @@ class GenerateHandlers(HandlerBase):
         Partials leave the page's image as it is (gr.skip()).
         """
         view, key, caller, kwargs = self._prepare(prompt, negative_prompt, preset, device, precision, mode, size,
-                                                  steps, guidance, seed, on_cold, tp, step_cache, request, progress)
+                                                  steps, guidance, seed, on_cold, tp, step_cache, request, progress,
+                                                  lora=lora, lora_scale=lora_scale)
         with ExitStack() as stack:
             try:  # public mode: one running request per visitor
                 run = stack.enter_context(self.open_run(request))
@@ -168,8 +176,8 @@ class GenerateHandlers(HandlerBase):
                 raise to_gradio_error(exc) from None
 
     async def generate_api(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance,
-                           seed, on_cold="eager", tp=1, step_cache="none", request: gr.Request = None,
-                           progress=gr.Progress()):  # noqa: B008
+                           seed, on_cold="eager", tp=1, step_cache="none", lora="none",
+                           request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
         """/generate: what `generate` streams, for callers that read the result, as cheaply for the web
         server as Gradio allows (in a burst, its time per request bounds how fast results go out):
         - an async generator: Gradio runs each step of a sync one in a worker thread;
@@ -183,7 +191,7 @@ class GenerateHandlers(HandlerBase):
         Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await."""
         view, key, caller, kwargs = self._prepare(prompt, negative_prompt, preset, device, precision, mode, size,
                                                   steps, guidance, seed, on_cold, tp, step_cache, request, progress,
-                                                  for_page=False)
+                                                  for_page=False, lora=lora)
         try:
             await self.await_listener(request)
         except ShowcaseError as exc:
@@ -214,7 +222,7 @@ class GenerateHandlers(HandlerBase):
                 await stream.aclose()
 
     def _prepare(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
-                 on_cold, tp, step_cache, request, progress, for_page: bool = True):
+                 on_cold, tp, step_cache, request, progress, for_page: bool = True, lora=None, lora_scale=None):
         """A run's (view, engine key, caller, manager.generate kwargs) from the handler's inputs; bad input
         raises gr.Error naming the field."""
         def given(value):  # the API sends text; "" (or nothing) means the preset's default
@@ -228,6 +236,8 @@ class GenerateHandlers(HandlerBase):
         )
         if given(step_cache) is not None and step_cache != "none":
             kwargs["step_cache"] = step_cache
+        if given(lora) is not None and lora != "none":  # "NAME[:SCALE]"; the slider's scale wins on the page
+            kwargs.update(lora=lora, lora_scale=given(lora_scale))
         caller = self.caller(request)
         try:
             key = self.key_for(preset, device, precision, tp, caller=caller)
@@ -243,6 +253,7 @@ class GenerateHandlers(HandlerBase):
         view = RunView({"running": True, "engine": str(key), "preset": key.preset, "device": key.device,
                         "precision": key.precision, "mode": mode, "bucket": size_text, "steps": steps,
                         "step_cache": kwargs.get("step_cache", "none"), "cached_steps": [],
+                        "lora": kwargs.get("lora"),
                         "timings": {"step_ms": []}})
         return view, key, caller, kwargs
 
@@ -275,6 +286,7 @@ class GenerateTab:
     tp: gr.Dropdown
     step_cache: gr.Dropdown
     steps: gr.Slider
+    lora: gr.Dropdown | None = None
 
 
 def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> GenerateTab:
@@ -313,6 +325,10 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
                                        value=d.step_cache if d.step_cache in dict((v, v) for _, v in cache_choices)
                                        else "none", label="Step cache (reuses denoiser work across steps; "
                                        "unavailable ones say why)", elem_id="step-cache")
+                with gr.Row():  # LoRA styles the preset lists: hot-swapped on warm graphs (engine/pipeline/lora.py)
+                    lora_dd = gr.Dropdown(views.lora_choices(preset), value="none", elem_id="lora",
+                                          label="LoRA style (hot-swapped: no recompile)")
+                    lora_scale = gr.Slider(0.0, 2.0, value=1.0, step=0.05, label="LoRA scale", elem_id="lora-scale")
                 steps = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="steps")
                 guidance = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
                                      elem_id="guidance")
@@ -357,7 +373,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
 
     run_io = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots())
     inputs = [prompt, negative, preset_dd, device_dd, precision_dd, mode_dd, size_dd, steps, guidance, seed,
-              on_cold, tp_dd, cache_dd]
+              on_cold, tp_dd, cache_dd, lora_dd, lora_scale]
     seeded = generate_btn.click(h.randomize_seed, [seed, randomize], seed, queue=False,
                                 api_visibility="private")
     run = seeded.then(h.generate, inputs, [image, timings], api_name="generate_ui", api_visibility="private",
@@ -371,6 +387,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
     timings.change(h.render_run, timings, [step_plot, stats], **FAST)
 
     preset_dd.change(h.preset_defaults, preset_dd, [negative, steps, guidance], **FAST)
+    preset_dd.change(h.lora_choices, preset_dd, lora_dd, **FAST)
     # The engine the settings point at starts with the page (app.py has usually started it already).
     engine_settings = [preset_dd, device_dd, precision_dd, mode_dd, tp_dd]
     gr.on([c.change for c in engine_settings] + [demo.load], h.select_engine,
@@ -378,4 +395,4 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
           **FAST)
     gr.on([preset_dd.change, device_dd.change, mode_dd.change], h.step_cache_choices,
           [preset_dd, device_dd, mode_dd, cache_dd], cache_dd, **FAST)
-    return GenerateTab(preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd, cache_dd, steps)
+    return GenerateTab(preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd, cache_dd, steps, lora_dd)

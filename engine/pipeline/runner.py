@@ -415,8 +415,8 @@ class PipelineRunner:
     def lora_refusal(self) -> str:
         """Why this engine serves no LoRA although its preset lists some ("" when it can)."""
         if self.config.key.tp > 1:
-            return ("LoRA adapters are not served on multi-rank engines (each rank would have to swap in step, "
-                    "and sharded weights take no LoRA layers): use a single-device engine")
+            return ("LoRA adapters are not served on multi-rank engines (every rank would have to swap in step; "
+                    "not built yet): use a single-device engine")
         if self.precision.precision.quantized:
             return (f"LoRA adapters are not served on {self.precision.precision} engines (the slot's layers would "
                     "wrap torchao-quantized weights, not measured here): use fp32, bf16 or fp16")

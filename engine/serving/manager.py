@@ -531,6 +531,8 @@ class EngineManager:
         step_cache=None,
         on_progress=None,
         timeout: float | None = None,
+        lora: str | None = None,
+        lora_scale=None,
         on_submit=None,
         caller: Caller = Caller.HOST,
     ) -> GenerateResult:
@@ -547,6 +549,7 @@ class EngineManager:
         request, notices = build_request(
             p, prompt=prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
             guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold, step_cache=step_cache,
+            lora=lora, lora_scale=lora_scale,
         )
         devices.check_mode(devices.get_device(key.device), request.mode)  # refused here; its notices come with the result
         self._check_runtime(key, request.mode)
