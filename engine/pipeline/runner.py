@@ -820,6 +820,10 @@ class PipelineRunner:
         without the on-disk caches. Returns what the board says about where the graph came from. aot: load
         the bucket's packages, building what is missing."""
         if bucket.mode is Mode.AOT:
+            if self.loras is not None:
+                # An export holds the slot's scaling tensors as constants: captured with no LoRA (aot serves none).
+                with self._run_lock:
+                    self.loras.select(None, 0.0)
             origin, notices = self._aot.warm(bucket, report=lambda text: self.board.update(bucket, origin=text))
             self.notices += notices
             return origin
