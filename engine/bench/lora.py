@@ -26,37 +26,54 @@ def _request(preset, size: Size, mode: Mode, lora: str | None, seed: int = 0) ->
                            guidance=preset.guidance, seed=seed, mode=mode, lora=lora)
 
 
-def _bare_step_ms(runner, size: Size, repeats: int, fused: str | None = None) -> tuple[float, dict]:
-    """Median step ms of a bare eager pipeline of the engine's model without the slot (fused: with that
-    adapter fused into its weights), and the fuse / unfuse costs."""
+def _bare_pipeline(runner, fused: str | None = None):
+    """A bare eager pipeline of the engine's model without the slot (fused: with that adapter fused into its
+    weights) and the fuse milliseconds."""
     import diffusers
+
+    pipe = getattr(diffusers, runner.preset.pipeline).from_pretrained(runner.source, dtype=runner.precision.dtype)
+    pipe.set_progress_bar_config(disable=True)
+    if fused is None:
+        return pipe, None
+    adapter = runner.loras.adapters[fused]
+    pipe.load_lora_weights(str(adapter.path.parent), weight_name=adapter.path.name, adapter_name="fused")
+    start = time.perf_counter()
+    pipe.fuse_lora(adapter_names=["fused"], lora_scale=adapter.source.scale)
+    return pipe, 1000 * (time.perf_counter() - start)
+
+
+def _step_ms(runner, pipe, size: Size) -> float:
+    """Median step ms of one eager call of a bare pipeline (steps 2 on: the first carries the set-up)."""
     import torch
 
     from engine.pipeline.runner import pipeline_call_kwargs
 
-    pipe = getattr(diffusers, runner.preset.pipeline).from_pretrained(runner.source, dtype=runner.precision.dtype)
-    pipe.set_progress_bar_config(disable=True)
-    costs = {}
-    if fused is not None:
-        adapter = runner.loras.adapters[fused]
-        pipe.load_lora_weights(str(adapter.path.parent), weight_name=adapter.path.name, adapter_name="fused")
-        start = time.perf_counter()
-        pipe.fuse_lora(adapter_names=["fused"], lora_scale=adapter.source.scale)
-        costs["fuse_ms"] = 1000 * (time.perf_counter() - start)
-    steps = []
-    request = _request(runner.preset, size, Mode.EAGER, None)
-    for _ in range(repeats + 1):
-        marks = [time.perf_counter()]
-        kwargs = pipeline_call_kwargs(runner.preset, pipe, request)
-        kwargs["callback_on_step_end"] = lambda p, i, t, kw, marks=marks: (marks.append(time.perf_counter()), {})[1]
-        with torch.no_grad():
-            pipe(**kwargs)
-        steps.append(1000 * median([b - a for a, b in zip(marks[1:], marks[2:], strict=False)]))
-    if fused is not None:
-        start = time.perf_counter()
-        pipe.unfuse_lora()
-        costs["unfuse_ms"] = 1000 * (time.perf_counter() - start)
-    return median(steps[1:]), costs
+    marks = []
+    kwargs = pipeline_call_kwargs(runner.preset, pipe, _request(runner.preset, size, Mode.EAGER, None))
+    kwargs["callback_on_step_end"] = lambda p, i, t, kw: (marks.append(time.perf_counter()), {})[1]
+    with torch.no_grad():
+        pipe(**kwargs)
+    return 1000 * median([b - a for a, b in zip(marks, marks[1:], strict=False)])
+
+
+def _eager_prices(runner, size: Size, repeats: int, name: str) -> dict:
+    """No LoRA (bare), unfused (the engine's slot at scale 1), the slot at scale 0 and fused (bare), timed
+    round-robin so the machine's load falls on all of them alike."""
+    bare, _ = _bare_pipeline(runner)
+    fused, fuse_ms = _bare_pipeline(runner, fused=name)
+    rows = {"no_lora_ms": [], "unfused_ms": [], "slot_at_scale_0_ms": [], "fused_ms": []}
+    for i in range(repeats + 1):
+        samples = (_step_ms(runner, bare, size),
+                   runner.generate(_request(runner.preset, size, Mode.EAGER, name, seed=i)).timings.median_step_ms,
+                   runner.generate(_request(runner.preset, size, Mode.EAGER, None, seed=i)).timings.median_step_ms,
+                   _step_ms(runner, fused, size))
+        if i:  # the first round warms every pipeline
+            for key, value in zip(rows, samples, strict=True):
+                rows[key].append(value)
+    start = time.perf_counter()
+    fused.unfuse_lora()
+    unfuse_ms = 1000 * (time.perf_counter() - start)
+    return {**{key: median(values) for key, values in rows.items()}, "fuse_ms": fuse_ms, "unfuse_ms": unfuse_ms}
 
 
 def run_lora_bench(preset_name: str, size: Size, modes: tuple[Mode, ...], repeats: int, cache_dir) -> dict:
@@ -97,10 +114,7 @@ def run_lora_bench(preset_name: str, size: Size, modes: tuple[Mode, ...], repeat
             "first_after_swap_ms": median(after_swap), "warm_ms": median(warm),
             "after_swap_ratio": median(after_swap) / median(warm),
             "unfused_step_ms": median(step), "slot_at_scale_0_step_ms": median(plain)}
-    no_lora, _ = _bare_step_ms(runner, size, repeats)
-    fused, costs = _bare_step_ms(runner, size, repeats, fused=names[0])
-    report["eager_per_step"] = {"no_lora_ms": no_lora, "fused_ms": fused, **costs,
-                                "unfused_ms": report["modes"].get("eager", {}).get("unfused_step_ms")}
+    report["eager_per_step"] = _eager_prices(runner, size, repeats, names[0])
     return report
 
 
@@ -117,9 +131,9 @@ def format_report(report: dict) -> str:
                      f"{row['warm_ms']:8.1f} {row['after_swap_ratio']:6.2f} {row['unfused_step_ms']:12.2f} "
                      f"{row['slot_at_scale_0_step_ms']:15.2f}")
     e = report["eager_per_step"]
-    unfused = f"{e['unfused_ms']:.2f}" if e.get("unfused_ms") is not None else "-"
-    lines.append(f"eager per step: no LoRA {e['no_lora_ms']:.2f} ms | unfused {unfused} ms | fused "
-                 f"{e['fused_ms']:.2f} ms (fuse {e['fuse_ms']:.1f} ms, unfuse {e['unfuse_ms']:.1f} ms)")
+    lines.append(f"eager per step, round-robin: no LoRA {e['no_lora_ms']:.2f} ms | unfused {e['unfused_ms']:.2f} ms "
+                 f"| slot at scale 0 {e['slot_at_scale_0_ms']:.2f} ms | fused {e['fused_ms']:.2f} ms "
+                 f"(fuse {e['fuse_ms']:.1f} ms, unfuse {e['unfuse_ms']:.1f} ms)")
     return "\n".join(lines)
 
 

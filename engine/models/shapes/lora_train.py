@@ -37,7 +37,7 @@ TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj"
 
 # Training rounds per style (steps each; a round restarts the schedule from the previous round's adapter with
 # new data). swap needs the most: after one round 62 % of held-out prompts came out swapped.
-STYLE_ROUNDS: dict[str, tuple[int, ...]] = {"swap": (300, 300), "small": (150, 150, 150), "corner": (150,)}
+STYLE_ROUNDS: dict[str, tuple[int, ...]] = {"swap": (300, 300), "small": (150, 150, 150, 300), "corner": (150,)}
 
 
 @dataclass
