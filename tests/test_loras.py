@@ -209,6 +209,8 @@ def test_eager_swaps_equal_a_fresh_pipeline_with_that_adapter_alone(runner, adap
 def test_adapters_are_refused_where_the_engine_cannot_hold_them(cache_dir, adapters):
     from engine.pipeline.runner import PipelineRunner
 
+    off = PipelineRunner(_config(cache_dir, {"a": adapters["a"]}, loras=False))
+    assert "--no-loras" in off.lora_refusal()
     quantized = PipelineRunner(dataclasses.replace(_config(cache_dir, {"a": adapters["a"]}),
                                                    key=EngineKey("tiny-shapes", "cpu", "int8wo")))
     assert "not served on int8wo engines" in quantized.lora_refusal()

@@ -23,7 +23,7 @@ UI = Path(__file__).resolve().parent.parent / "ui"
 PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "system"}
 TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
-                 "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "generate-btn", "cancel-btn",
+                 "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "generate-btn", "cancel-btn",
                  "output-image", "step-plot", "stats", "timings-json"},
     "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",
                 "restart-btn", "admin-token", "attention-backend", "cuda-graphs", "restart-options-btn",

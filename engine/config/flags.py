@@ -35,6 +35,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, _, help_text in _SWITCHES:
         g.add_argument(flag, action="store_true", help=help_text)
     g.add_argument("--no-compile-vae", action="store_true", help="compile mode leaves vae.decode eager")
+    g.add_argument("--no-loras", action="store_true",
+                   help="no LoRA slot for the preset's adapters: no styles, and no per-step price for the slot")
     g.add_argument("--inductor-flags", action=argparse.BooleanOptionalAction, default=None,
                    help="flux-fast inductor flags (default: on for CUDA)")
     g.add_argument("--attention-backend", default="native", metavar="NAME",
@@ -61,7 +63,8 @@ def options_from_args(args, **overrides) -> EngineOptions:
     values.update(compile_vae=not args.no_compile_vae, inductor_flags=args.inductor_flags,
                   attention_backend=getattr(args, "attention_backend", None) or "native",
                   max_batch=getattr(args, "max_batch", None),
-                  batch_wait_ms=getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms))
+                  batch_wait_ms=getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms),
+                  loras=not getattr(args, "no_loras", False))
     values.update(overrides)
     return EngineOptions(**values)
 
@@ -71,6 +74,8 @@ def engine_flags_argv(args) -> tuple[str, ...]:
     flags = [flag for flag, field, _ in _SWITCHES if getattr(args, field, False)]
     if getattr(args, "no_compile_vae", False):
         flags.append("--no-compile-vae")
+    if getattr(args, "no_loras", False):
+        flags.append("--no-loras")
     if args.inductor_flags is not None:
         flags.append("--inductor-flags" if args.inductor_flags else "--no-inductor-flags")
     backend = getattr(args, "attention_backend", None) or "native"
