@@ -206,6 +206,17 @@ def test_eager_swaps_equal_a_fresh_pipeline_with_that_adapter_alone(runner, adap
     assert runner.generate(_request()).image().tobytes() == plain.image().tobytes()  # back to no LoRA: exact
 
 
+def test_a_swap_reaches_the_step_cache_clones(runner):
+    """Step caches run on structural clones of the denoiser: they must see the slot's swapped weights."""
+    cached = dict(step_cache="first-block:0.2")
+    a = runner.generate(_request(lora="a", **cached))
+    b = runner.generate(_request(lora="b", **cached))
+    a_again = runner.generate(_request(lora="a", **cached))
+    assert b.lora_swap_ms is not None and a_again.lora_swap_ms is not None
+    assert _diff(a.image(), b.image()) > 20
+    assert _diff(a.image(), a_again.image()) == 0
+
+
 def test_adapters_are_refused_where_the_engine_cannot_hold_them(cache_dir, adapters):
     from engine.pipeline.runner import PipelineRunner
 
