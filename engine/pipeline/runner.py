@@ -532,8 +532,9 @@ class PipelineRunner:
             offered = self.lora_refusal() if self.preset.loras else f"preset {self.preset.name} lists no LoRA adapters"
             raise UnsupportedCombination(f"LoRA {request.lora!r} cannot run here: {offered}")
         if request.mode is Mode.AOT:
-            raise UnsupportedCombination("LoRA adapters do not run in aot mode (a package holds the weights it was "
-                                         "exported with): use compile or regional, which hot-swap on warm graphs")
+            raise UnsupportedCombination("LoRA adapters do not run in aot mode (its packages are exported with the "
+                                         "LoRA slot off and serve requests without one): use compile or regional, "
+                                         "which hot-swap on warm graphs")
         name, scale = self.loras.check(request.lora, request.lora_scale)
         notices = []
         trigger = self.loras.adapters[name].source.trigger
