@@ -12,15 +12,18 @@ import logging
 import sys
 from pathlib import Path
 
+from engine import settings
 from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
 from engine.errors import ShowcaseError
 from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel
+from engine.worker.logs import quiet_third_party
 
 
 def cmd_generate(args) -> int:
     from engine.protocol import Size
     from engine.serving.manager import make_manager
 
+    settings.workers_at_own_priority()
     size = Size.parse(args.size) if args.size else None
     # A one-shot run warms only the bucket it needs, and waits for it unless --on-cold eager.
     mode = Mode.parse(args.mode, "mode")
@@ -242,10 +245,12 @@ COMMANDS = (
     "engine.bench:add_bench_parser",
     "engine.bench.soak:add_soak_parser",
     "engine.bench.load:add_load_parser",
+    "engine.bench.fairness:add_fairness_parser",
     "engine.bench.contention:add_contention_parser",
     "engine.bench.context_parallel:add_cp_bench_parser",
     "engine.bench.advise:add_advise_parser",
     "engine.bench.lora:add_lora_bench_parser",
+    "engine.bench.oneshot:add_oneshot_parser",
 )
 
 
@@ -265,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    quiet_third_party()  # the harmless library messages the app drops (engine/worker/logs.py)
     try:
         return args.func(args)
     except ShowcaseError as exc:

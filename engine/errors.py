@@ -6,6 +6,20 @@ worker process or the torchrun sidecar can send them back unchanged.
 
 from __future__ import annotations
 
+import re
+
+# A server path in a message: absolute (/a/b, C:\\a), home-relative (~, ~user/a) or a dotted relative one
+# (./a, ../a). URLs (scheme://host/...) are left alone.
+_PATH = re.compile(r"""(?<![\w.\-:/~])(?:~[\w.\-]*(?:/[^\s'"`,;()\[\]<>]*)?|\.{1,2}/[^\s'"`,;()\[\]<>]+|"""
+                   r"""/[^\s'"`,;()\[\]<>/]+/[^\s'"`,;()\[\]<>]*|[A-Za-z]:\\[^\s'"`,;()\[\]<>]+)""")
+
+
+def scrub_paths(text) -> str:
+    """`text` with every file-system path replaced by <path>: what a visitor may read (the log keeps the
+    original). The engine's notices and failure reasons go through it where they are made; the web edge
+    passes every message through it again."""
+    return _PATH.sub("<path>", str(text))
+
 
 class ShowcaseError(Exception):
     """Base class: `str(err)` is the message shown to users."""

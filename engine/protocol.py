@@ -141,6 +141,57 @@ STEP_CACHE_FORMS: dict[StepCacheKind, tuple[tuple[str, ...], dict]] = {
     StepCacheKind.PYRAMID: (("interval",), {"interval": 2}),
 }
 
+MAX_STEPS = 200  # the most denoising steps a request may ask for (engine/config/validation.py checks it)
+
+
+@dataclass(frozen=True)
+class ParamRange:
+    """What diffusers' hook runs with for one step-cache parameter: a whole number in low..high, or a
+    number strictly between low and high."""
+
+    low: float
+    high: float
+    whole: bool = True
+    why: str = ""
+
+    def holds(self, value) -> bool:
+        return self.low <= value <= self.high if self.whole else self.low < value < self.high
+
+    @property
+    def span(self) -> str:
+        return f"{self.low:g}..{self.high:g}" if self.whole else f"above {self.low:g} and below {self.high:g}"
+
+    def __str__(self) -> str:
+        return self.span + (f" ({self.why})" if self.why else "")
+
+
+_THRESHOLD = ParamRange(0.0, 10.0, whole=False)
+_INTERVAL = ParamRange(1, MAX_STEPS)  # diffusers' hooks take the step index modulo it
+# Per kind: each parameter's range. TaylorSeer computes the steps before `warmup` and then predicts from
+# the last computed one: with warmup 0 it predicts the very first step from nothing, and diffusers fails
+# ("Cannot predict without prior initialization/update.").
+STEP_CACHE_RANGES: dict[StepCacheKind, dict[str, ParamRange]] = {
+    StepCacheKind.NONE: {},
+    StepCacheKind.FIRST_BLOCK: {"threshold": _THRESHOLD},
+    StepCacheKind.TAYLORSEER: {"interval": _INTERVAL, "warmup": ParamRange(
+        1, MAX_STEPS, why="the first step must be computed before any can be predicted from it")},
+    StepCacheKind.MAGCACHE: {"threshold": _THRESHOLD},
+    StepCacheKind.FASTER_CACHE: {"interval": _INTERVAL},
+    StepCacheKind.PYRAMID: {"interval": _INTERVAL},
+}
+
+
+def _param_value(value, whole: bool):
+    """A step-cache parameter as a number: whole ones refuse fractions ("2.5") rather than truncate them."""
+    if isinstance(value, bool):
+        raise ValueError
+    number = float(value)
+    if not whole or number in (float("inf"), float("-inf")):
+        return number  # out of every range: refused as such
+    if not number.is_integer():
+        raise ValueError
+    return int(number)
+
 
 @dataclass(frozen=True)
 class StepCache:
@@ -167,14 +218,16 @@ class StepCache:
                 continue
             if value is None:
                 value = defaults[name]
+            allowed = STEP_CACHE_RANGES[self.kind][name]
             try:
-                value = float(value) if name == "threshold" else int(value)
-            except (TypeError, ValueError):
-                raise InvalidRequest(f"step cache {self.kind}: {name} {value!r} is not a number; "
-                                     f"{StepCache.forms()}") from None
-            if (name == "threshold" and not 0.0 < value < 10.0) or (name == "interval" and value < 1) \
-                    or (name == "warmup" and value < 0):
-                raise InvalidRequest(f"step cache {self.kind}: {name} {value} is out of range; {StepCache.forms()}")
+                value = _param_value(value, allowed.whole)
+            except (TypeError, ValueError, OverflowError):
+                kind = "whole number" if allowed.whole else "number"
+                raise InvalidRequest(f"step cache {self.kind}: {name} {str(value)[:40]!r} is not a {kind} "
+                                     f"(allowed {allowed}); {StepCache.forms()}") from None
+            if not allowed.holds(value):
+                raise InvalidRequest(f"step cache {self.kind}: {name} {value:g} is out of range: allowed {allowed}; "
+                                     f"{StepCache.forms()}")
             object.__setattr__(self, name, value)
 
     @staticmethod
@@ -534,6 +587,8 @@ class GenerateRequest:
     step_cache: StepCache = NO_STEP_CACHE  # text ("first-block:0.2") is parsed at construction
     lora: str | None = None  # one of the preset's adapters by name (None: no LoRA)
     lora_scale: float | None = None  # None: the adapter's default scale
+    # Who asked (a visitor's address; "" for the host): an engine serves its waiting clients in turn.
+    client: str = ""
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
@@ -698,6 +753,8 @@ class EngineReady:
     footprint: Footprint | None = None
     preset: ModelPreset | None = None  # what it serves (an app attaching to a sidecar may not know it)
     batch_sizes: tuple[int, ...] = (1,)  # batch sizes its requests may run at together (engine/pipeline/batching.py)
+    # (name, folder) the worker compiles in and writes temporary files to, as the worker itself sees them
+    folders: tuple[tuple[str, str], ...] = ()
 
     @property
     def rank_pids(self) -> tuple[int, ...]:
@@ -779,6 +836,14 @@ class FootprintChanged:
     """Its memory footprint changed (after a warm-up)."""
 
     footprint: Footprint
+
+
+@dataclass(frozen=True)
+class FoldersChanged:
+    """Its compile or temporary folders moved (the cache disk filled up or turned read-only), and why."""
+
+    folders: tuple[tuple[str, str], ...]
+    notice: str = ""
 
 
 @dataclass(frozen=True)

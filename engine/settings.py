@@ -58,13 +58,13 @@ def server_defaults() -> dict:
     # an explicit SHOWCASE_HOST/PORT still wins.
     return {
         "host": _env("SHOWCASE_HOST", _env("GRADIO_SERVER_NAME", "127.0.0.1")),
-        "port": int(_env("SHOWCASE_PORT", _env("GRADIO_SERVER_PORT", "7860"))),
+        "port": _env("SHOWCASE_PORT", _env("GRADIO_SERVER_PORT", "7860")),  # text: app.py checks its range
         "preset": _env("SHOWCASE_PRESET", DEFAULT_PRESET),
         "device": _env("SHOWCASE_DEVICE", "auto"),
         "precision": _env("SHOWCASE_PRECISION", "fp32"),
         "mode": _env("SHOWCASE_MODE", "compile"),
         "warm": _env("SHOWCASE_WARM", "all"),
-        "queue_size": int(_env("SHOWCASE_QUEUE_SIZE", "64")),
+        "queue_size": _env("SHOWCASE_QUEUE_SIZE", "64"),
         "auth": _env("SHOWCASE_AUTH"),  # "user:password"
         # hosting
         "public": hosting_mode()[0],
@@ -78,10 +78,20 @@ def server_defaults() -> dict:
         "idle_unload": _env("SHOWCASE_IDLE_UNLOAD"),  # seconds; off by default
         "worker_threads": _env("SHOWCASE_WORKER_THREADS"),  # cpu engines: compute threads each
         "client_events": _env("SHOWCASE_CLIENT_EVENTS"),  # public mode: events one client may hold
+        "max_request_cost": _env("SHOWCASE_MAX_REQUEST_COST"),  # public mode: token-steps per request
+        "max_visitor_cost": _env("SHOWCASE_MAX_VISITOR_COST"),  # public mode: token-steps one visitor holds
         "trusted_proxies": _env("SHOWCASE_TRUSTED_PROXIES"),  # whose X-Forwarded-For names the client
+        # socket bounds (ui/sockets.py): unset -> app.py's defaults
+        "max_connections": _env("SHOWCASE_MAX_CONNECTIONS"),
+        "max_connections_per_client": _env("SHOWCASE_MAX_CONNECTIONS_PER_CLIENT"),
+        "header_timeout": _env("SHOWCASE_HEADER_TIMEOUT"),
+        "max_header_bytes": _env("SHOWCASE_MAX_HEADER_BYTES"),
+        "max_headers": _env("SHOWCASE_MAX_HEADERS"),
         "runtime": _env("SHOWCASE_RUNTIME"),  # inprocess | workers; default: runtime_default()
         "aot_dir": _env("SHOWCASE_AOT_DIR"),  # aot packages on persistent storage (a Space's /data)
         "aot_repo": _env("SHOWCASE_AOT_REPO"),  # a Hub model repo holding aot packages
+        "log_format": log_format(),  # text | json
+        "mcp": mcp_server(),  # serve the API as MCP tools too
     }
 
 
@@ -187,3 +197,22 @@ def long_requests_step_aside() -> bool:
 def switch_interval_s() -> float:
     """The worker's interpreter thread switch interval (see engine/worker/loop.py)."""
     return float(_env("SHOWCASE_SWITCH_INTERVAL", "0.0005"))
+
+
+def workers_at_own_priority() -> None:
+    """A one-shot command (`python -m engine generate`) has no web server its worker must yield to: the
+    worker and its loading thread run at the command's own priority, unless the user exported a niceness."""
+    os.environ.setdefault("SHOWCASE_WORKER_NICENESS", "0")
+    os.environ.setdefault("SHOWCASE_COMPILE_NICENESS", "0")
+
+
+def log_format() -> str:
+    """How the app's processes write log lines: text (default) or json, one object per line
+    (SHOWCASE_LOG_FORMAT; workers inherit it)."""
+    return _env("SHOWCASE_LOG_FORMAT", "text")
+
+
+def mcp_server() -> bool:
+    """Serve the public API endpoints as MCP tools (SHOWCASE_MCP=1). Off unless asked: it needs the optional
+    `mcp` extra, and it opens the app to agents, which a host decides."""
+    return (_env("SHOWCASE_MCP", "0") or "0") not in _FALSE

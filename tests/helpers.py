@@ -98,14 +98,15 @@ def make_request(**fields):
 
 
 # -- the app -------------------------------------------------------------------------------------------
-def launch_demo(manager, defaults=None, queue_size: int = 8, edge=None):
-    """Build and launch the app in this process on a free loopback port; returns (demo, url)."""
+def launch_demo(manager, defaults=None, queue_size: int = 8, edge=None, **launch):
+    """Build and launch the app in this process on a free loopback port; returns (demo, url). `launch`: more
+    arguments of demo.launch (e.g. mcp_server=True)."""
     from ui import build_demo, launch_kwargs
 
     demo = build_demo(manager, defaults, queue_size=queue_size, edge=edge)
     port = free_port()
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, ssr_mode=False, quiet=True,
-                **launch_kwargs(demo=demo))
+                **launch_kwargs(demo=demo), **launch)
     return demo, f"http://127.0.0.1:{port}/"
 
 

@@ -6,18 +6,23 @@ import json
 from types import SimpleNamespace
 
 from engine.bench.advise import (
+    CHECKER_MIN_PSNR,
     AdvisePlan,
     Candidate,
     Measured,
+    apply_final_round,
     choose,
     final_entries,
     final_pick,
+    final_summary,
     load_pick,
+    markdown,
     result_path,
     save,
     scan_rank,
     stronger,
 )
+from engine.bench.paired import PairedTiming
 from engine.config.presets import get_preset
 from ui import views
 
@@ -120,10 +125,10 @@ def test_the_final_round_keeps_a_step_cache_only_where_it_beat_its_base_there():
     rows = [row("fp32", "eager"), *leaders, row("fp32", "regional", ms=50)]
     entries = [c.label() for c in final_entries(leaders, rows)]
     assert entries == ["fp32/eager", "fp32/regional/first-block:0.2", "fp32/regional", "fp32/compile"]
-    medians = {"fp32/eager": 100, "fp32/regional/first-block:0.2": 41, "fp32/regional": 52, "fp32/compile": 44}
-    assert final_pick(leaders, medians) == "fp32/regional/first-block:0.2"
-    medians["fp32/regional"] = 40  # the cache no faster than its base in the final round: not picked
-    assert final_pick(leaders, medians) == "fp32/compile"
+    speedups = {"fp32/eager": 1.0, "fp32/regional/first-block:0.2": 2.44, "fp32/regional": 1.92, "fp32/compile": 2.27}
+    assert final_pick(leaders, speedups) == "fp32/regional/first-block:0.2"
+    speedups["fp32/regional"] = 2.5  # the cache no faster than its base in the final round: not picked
+    assert final_pick(leaders, speedups) == "fp32/compile"
 
 
 def test_speed_is_the_speedup_timed_next_to_the_reference_where_measured_so():
@@ -139,3 +144,92 @@ def test_speed_is_the_speedup_timed_next_to_the_reference_where_measured_so():
 def test_each_cache_is_also_tried_loosened_one_notch():
     assert [stronger(c) for c in ("first-block:0.2", "magcache:0.06", "taylorseer:3:2", "pyramid:2", "none")] == [
         "first-block:0.4", "magcache:0.12", "taylorseer:4:2", "pyramid:3", None]
+
+
+def test_on_a_model_with_a_checker_the_bound_also_has_a_psnr_floor():
+    p = plan()
+    assert p.psnr_bound() == CHECKER_MIN_PSNR
+    # taylorseer keeps fidelity (the checker reads colour and shape) but draws a visibly different picture
+    rows = [row("fp32", "eager"), row("bf16", "eager", "taylorseer:3:2", ms=30, fidelity=0.94, psnr=18.1, diff=232),
+            row("bf16", "eager", ms=60, fidelity=0.94, psnr=31.0, diff=40),
+            row("fp32", "regional", ms=70, fidelity=0.93, psnr=CHECKER_MIN_PSNR - 0.1, diff=60)]
+    pick, rows = choose(rows, p)
+    assert pick["label"] == "bf16/eager"
+    verdicts = {r["label"]: r for r in rows}
+    assert not verdicts["bf16/eager/taylorseer:3:2"]["eligible"]
+    assert verdicts["bf16/eager/taylorseer:3:2"]["why_not"] == f"drift 18.1 dB < {CHECKER_MIN_PSNR:g} dB"
+    assert not verdicts["fp32/regional"]["eligible"]
+    # whatever the speeds, nothing below the floor is ever picked
+    for ms in (1, 5, 20, 50, 99):
+        rows = [row("fp32", "eager"), row("fp32", "compile", ms=ms, psnr=CHECKER_MIN_PSNR - 3, diff=80),
+                row("fp32", "regional", ms=90, psnr=60, diff=2)]
+        pick, _ = choose(rows, p)
+        assert pick["label"] == "fp32/regional"
+    # an SSIM floor, when set, counts beside them
+    rows = [row("fp32", "eager"), row("fp32", "compile", ms=40, psnr=30, diff=50),
+            row("fp32", "regional", ms=60, psnr=30, diff=50)]
+    rows[1]["drift_ssim"], rows[2]["drift_ssim"] = 0.90, 0.99
+    pick, rows = choose(rows, plan(min_ssim=0.95))
+    assert pick["label"] == "fp32/regional" and rows[1]["why_not"] == "SSIM 0.900 < 0.95"
+
+
+def test_summary_table_and_json_show_one_speedup_per_configuration():
+    rows = [row("fp32", "eager"), row("bf16", "eager", ms=50, psnr=31, diff=40),
+            row("fp32", "regional", ms=70, psnr=60, diff=2)]
+    rows[1]["paired_speedup"], rows[2]["paired_speedup"] = 1.80, 1.30  # the scan's figures
+    pick, rows = choose(rows, plan())
+    leaders = [r for r in rows if r["eligible"] and r["label"] != "fp32/eager"]
+    timing = PairedTiming(["fp32/eager", "bf16/eager", "fp32/regional"], reference="fp32/eager")
+    for i, (ref, bf16, regional) in enumerate([(100, 60, 80), (104, 62, 78), (98, 60, 79), (101, 61, 80)]):
+        timing.record(i, "fp32/eager", ref)
+        timing.record(i, "bf16/eager", bf16)
+        timing.record(i, "fp32/regional", regional)
+    confirm = final_summary(timing, leaders)
+    pick = apply_final_round(rows, confirm)
+    report = {"preset": "tiny-shapes", "device": "cpu", "size": "64x64", "steps": 8, "pick": pick, "rows": rows,
+              "skipped": [], "elapsed_s": 30.0, "bound": {"fidelity_points": 2.0, "min_psnr_db": 25.0},
+              "confirm": confirm, "quality_samples": 16, "measured_at": "now"}
+    report = json.loads(json.dumps(report))  # what the Advisor tab reads from the child's JSON
+    expected = timing.figure("bf16/eager")
+    assert pick["label"] == "bf16/eager" and report["pick"]["speedup"] == expected.speedup == confirm["speedup"]
+    text = f"{expected.speedup:.2f}× ({expected.low:.2f}–{expected.high:.2f}, 4 images)"
+    assert text in views.advisor_markdown(report)
+    table = {r[0]: r for r in views.advisor_rows(report)}
+    assert table["bf16/eager"][2].startswith(text) and "1.80" not in table["bf16/eager"][2]
+    assert text in markdown(report)
+    json_row = next(r for r in report["rows"] if r["label"] == "bf16/eager")
+    assert json_row["speedup"] == expected.speedup and json_row["scan_speedup"] == 1.80
+
+
+def test_each_card_shows_the_worst_sample_beside_eager_fp32_and_their_difference():
+    import numpy as np
+
+    from engine.bench import quality
+    from ui.advisor import advisor_cards_html
+
+    ref = np.zeros((16, 16, 3), np.uint8)
+    moved = ref.copy()
+    moved[4:8, 4:8] = 255
+    assert quality.worst_sample([ref, moved, ref], [ref, ref, ref]) == 1
+    rows = [row("fp32", "eager"), row("bf16", "eager", ms=50, psnr=31, diff=40)]
+    pick, rows = choose(rows, plan())
+    rows[1].update(picture_png=quality.png_b64(moved), reference_png=quality.png_b64(ref),
+                   diff_png=quality.png_b64(quality.diff_heatmap(moved, ref)), drift_ssim=0.9)
+    cards = advisor_cards_html({"pick": pick, "rows": rows})
+    assert cards.count('class="c-card"') == 1 and cards.count("data:image/png;base64,") == 3
+    assert "★ pick" in cards and "31.0 dB PSNR, SSIM 0.900, max diff 40" in cards and "2.00× vs eager fp32" in cards
+
+
+def test_when_nothing_beats_eager_fp32_the_summary_says_so_without_a_final_round():
+    rows = [row("fp32", "eager"), row("bf16", "compile", ms=70, fidelity=None)]
+    rows[1]["unscored"] = "time budget (3 min): quality not measured"
+    pick, rows = choose(rows, plan())
+    timing = PairedTiming(["fp32/eager"], reference="fp32/eager")
+    pick = apply_final_round(rows, final_summary(timing, [pick]))
+    report = {"preset": "tiny-shapes", "device": "cpu", "size": "64x64", "steps": 8, "pick": pick, "rows": rows,
+              "skipped": [], "elapsed_s": 180.0, "bound": {}, "confirm": final_summary(timing, [pick]),
+              "quality_samples": 16, "measured_at": "now"}
+    assert pick["label"] == "fp32/eager"
+    assert "Pick: eager fp32 — no configuration within the bound measured faster than it." in markdown(report)
+    assert "0 round-robin rounds" not in markdown(report)
+    assert "no configuration within the bound measured faster than eager fp32" in views.advisor_markdown(report)

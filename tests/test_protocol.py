@@ -12,6 +12,7 @@ from engine.protocol import (
     CompileGranted,
     CompileWanted,
     Fatal,
+    FoldersChanged,
     FootprintChanged,
     Generate,
     InjectFault,
@@ -28,7 +29,7 @@ from engine.worker.loop import WorkerLoop
 
 TO_ENGINE = {Generate, Cancel, Warm, Shutdown, InjectFault, CompileGranted}
 FROM_ENGINE = {CompileWanted, CompileFinished, FootprintChanged, Ready, Fatal, BucketChanged, Progress, Result,
-               RequestFailed}
+               RequestFailed, FoldersChanged}
 
 
 def test_each_end_handles_every_message_sent_its_way():

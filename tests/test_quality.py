@@ -87,3 +87,45 @@ def test_the_shapes_checker_scores_grammar_prompts_and_skips_others():
     assert checker(drawn, "a yellow triangle on a purple background") is True
     assert checker(drawn, "a yellow square on a purple background") is False
     assert checker(drawn, "a red fox in the snow") is None  # outside the grammar: nothing to score
+
+
+def _textured(seed=0, size=(48, 48)):
+    rng = np.random.default_rng(seed)
+    return (rng.random((*size, 3)) * 255).astype(np.uint8)
+
+
+def test_ssim_is_one_for_identical_images_and_falls_with_noise():
+    a = _textured()
+    assert quality.ssim(a, a) == pytest.approx(1.0)
+    rng = np.random.default_rng(1)
+    slight = np.clip(a + rng.normal(0, 5, a.shape), 0, 255).astype(np.uint8)
+    heavy = np.clip(a + rng.normal(0, 40, a.shape), 0, 255).astype(np.uint8)
+    s_slight, s_heavy = quality.ssim(slight, a), quality.ssim(heavy, a)
+    assert 1.0 > s_slight > s_heavy > 0.0
+    assert quality.ssim(a, slight) == pytest.approx(s_slight)  # symmetric
+
+
+def test_ssim_sees_a_moved_object_that_keeps_the_colours():
+    a = np.zeros((32, 32, 3), np.uint8)
+    a[8:16, 8:16] = 255
+    moved = np.roll(a, 8, axis=1)
+    assert quality.ssim(moved, a) < 0.7
+
+
+def test_the_heat_map_is_dark_where_images_agree_and_bright_where_they_differ():
+    a = _img(100, (16, 16))
+    b = a.copy()
+    b[4, 4] = 200
+    heat = np.asarray(quality.diff_heatmap(b, a))
+    assert heat.shape == (16, 16, 3)
+    assert heat[4, 4].tolist() == [255, 255, 255] and heat[0, 0].tolist() == [0, 0, 0]
+    assert np.asarray(quality.diff_heatmap(a, a)).max() == 0
+
+
+def test_score_reports_the_worst_ssim_beside_psnr():
+    a = _textured(2)
+    noisy = np.clip(a + np.random.default_rng(3).normal(0, 30, a.shape), 0, 255).astype(np.uint8)
+    preset = type("P", (), {"fidelity": None})()
+    row = quality.score([a, noisy], ["x", "y"], [a, a], preset)
+    assert row["drift_ssim"] == pytest.approx(quality.ssim(noisy, a))
+    assert quality.score([a], ["x"], None, preset)["drift_ssim"] is None

@@ -11,7 +11,7 @@ import pytest
 from engine import devices
 from engine.config.presets import get_preset
 from engine.config.validation import build_request
-from engine.errors import InvalidRequest, UnsupportedCombination
+from engine.errors import InvalidRequest, UnsupportedCombination, scrub_paths
 from engine.models.shapes.fidelity import check
 from engine.pipeline import stepcache
 from engine.pipeline.runner import PipelineRunner
@@ -55,6 +55,23 @@ def test_bad_texts_name_the_valid_forms(text, says):
     with pytest.raises(InvalidRequest, match=says) as err:
         StepCache.parse(text)
     assert "first-block[:THRESHOLD]" in str(err.value) and "taylorseer[:INTERVAL][:WARMUP]" in str(err.value)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("taylorseer:3:0", "warmup 0 is out of range: allowed 1..200 (the first step must be computed"),
+    ("taylorseer:0", "interval 0 is out of range: allowed 1..200"),
+    ("taylorseer:2.5", "interval '2.5' is not a whole number (allowed 1..200)"),
+    ("pyramid:201", "interval 201 is out of range: allowed 1..200"),
+    ("faster-cache:" + "9" * 400, "interval inf is out of range: allowed 1..200"),
+    ("first-block:nan", "threshold nan is out of range: allowed above 0 and below 10"),
+    ("magcache:-1", "threshold -1 is out of range: allowed above 0 and below 10"),
+])
+def test_parameters_diffusers_cannot_run_are_refused_naming_field_and_range(text, says):
+    with pytest.raises(InvalidRequest) as err:
+        StepCache.parse(text)
+    assert says in str(err.value)
+    with pytest.raises(InvalidRequest, match="out of range|not a whole number"):  # the same through a request
+        build_request(PRESET, prompt="x", width=64, height=64, step_cache=text)
 
 
 def test_request_and_result_carry_the_cache():
@@ -140,6 +157,29 @@ def test_each_cache_serves_steps_from_its_hooks(runner, baseline, cache):
     assert out["cached_steps"] == list(result.cached_steps) and out["computed_steps"] == result.computed_steps
 
 
+# Each end of every parameter's range, run by diffusers' own hooks (an interval past the step count: no
+# step is predicted, which is allowed).
+@pytest.mark.parametrize("cache", ["taylorseer:1:1", "taylorseer:200:200", "faster-cache:1", "pyramid:1",
+                                   "pyramid:200", "first-block:0.001", "first-block:9.99", "magcache:9.99"])
+def test_the_ends_of_each_range_run_in_diffusers(runner, cache):
+    result, progress = _run(runner, _request(cache, steps=4))
+    assert str(result.step_cache) == str(StepCache.parse(cache)) and len(progress) == 4
+    assert result.computed_steps + len(result.cached_steps) == 4 and 1 not in result.cached_steps
+
+
+def test_just_below_the_warmup_range_diffusers_fails_and_no_visitor_reads_showcaseerror(runner):
+    from engine.errors import ShowcaseError
+    from ui.common import to_gradio_error
+
+    cache = StepCache.parse("taylorseer:3:1")
+    object.__setattr__(cache, "warmup", 0)  # what validation let through before: step 0 predicted from nothing
+    with pytest.raises(ValueError, match="Cannot predict without prior initialization") as err:
+        runner.generate(_request(cache, steps=4))
+    # The worker sends a library's error on wrapped like this; the page titles it by what happened.
+    shown = to_gradio_error(ShowcaseError(f"{type(err.value).__name__}: {err.value}"))
+    assert shown.title == "Generation failed" and "ShowcaseError" not in f"{shown.title} {shown.message}"
+
+
 def test_caches_never_leak_into_the_shared_denoiser(runner, baseline):
     _run(runner, _request("first-block:0.2"))
     _run(runner, _request("taylorseer:3:2"))
@@ -165,7 +205,8 @@ def test_magcache_calibrates_once_per_steps_and_stores_it(runner):
     path = runner._step_caches.calibration_path(6)
     assert not path.exists()
     first, _ = _run(runner, _request("magcache", steps=6))
-    assert any("magcache: calibrated" in n for n in first.notices)
+    notice = next(n for n in first.notices if "magcache: calibrated" in n)
+    assert str(runner._step_caches.cache_dir) not in notice and scrub_paths(notice) == notice  # no server path
     stored = json.loads(path.read_text())
     assert stored["steps"] == 6 and len(stored["mag_ratios"]) == 6 and stored["mag_ratios"][0] == 1.0
     other, _ = _run(runner, _request("magcache:0.1", steps=6))  # another threshold: a new variant, same ratios
@@ -203,6 +244,9 @@ def test_step_caches_command_lists_every_cache(capsys):
     rows = {r["name"]: r for r in out["caches"]}
     assert out["preset"] == "tiny-shapes" and set(rows) == set(StepCacheKind.values())
     assert rows["first-block"]["usable"] and not rows["pyramid"]["usable"]
+    assert rows["taylorseer"]["ranges"]["warmup"].startswith("1..200 (the first step must be computed")
+    assert main(["step-caches", "--device", "cpu", "--mode", "eager"]) == 0
+    assert "(default taylorseer:3:2; INTERVAL 1..200, WARMUP 1..200)" in capsys.readouterr().out
 
 
 def test_levers_targets_on_hand_made_rows():
@@ -222,6 +266,9 @@ def test_levers_targets_on_hand_made_rows():
     rows = {(r["precision"], r["mode"], r["cache"]): r for r in raw}
     results = [levers._finish(r, rows, plan) for r in raw]
     assert results[1]["cache_speedup"] == pytest.approx(1.5) and results[1]["computed_steps"] == 20
+    # the paired figure (one round here) is the row's one speedup, in the JSON and the table
+    assert results[2]["speedup_vs_reference"] == results[2]["speedup_figure"]["speedup"] == pytest.approx(3.0)
+    assert results[2]["speedup_figure"]["images"] == 1 and results[4]["speedup_figure"] is None
     assert results[3]["speedup_vs_eager_same_cache"] == pytest.approx(200 / 150)
     targets = {t["key"]: t for t in levers._targets(plan, results)}
     speed = targets["step_cache_speedup"]

@@ -105,6 +105,15 @@ def test_every_action_has_a_stable_api_name(client):
     assert [p["parameter_name"] for p in params][:10] == list(GOOD)
 
 
+def test_the_api_page_names_results_and_allowed_values(client):
+    """What a client developer reads in view_api(): named results, each parameter's allowed values."""
+    shown = client.view_api(print_info=False, return_format="str")
+    assert 'api_name="/generate") -> (image, timings)' in shown
+    assert 'api_name="/status") -> engines' in shown and "value_" not in shown
+    assert "one of fp32, tf32, bf16" in shown and "eager (serve now, uncompiled) or wait" in shown
+    assert "WIDTHxHEIGHT of one bucket, or '' / 'all' for every bucket" in shown  # /warm's size
+
+
 def test_generate_returns_the_image_and_the_timings_json(client):
     image_path, timings = client.predict(**GOOD, api_name="/generate")
     with Image.open(image_path) as image:
@@ -245,6 +254,20 @@ def test_compare_returns_images_and_a_speedup_table(client):
     speedups = {row["config"]: row for row in payload["speedup"]}
     assert speedups["cpu/fp32/eager"]["speedup_step"] == pytest.approx(1.0)
     assert speedups["cpu/fp32/regional"]["speedup_step"] > 0
+    # timed round-robin after the quality images: one paired figure per configuration, in the JSON and caption
+    figure = results["cpu/fp32/regional"]["speedup_figure"]
+    assert figure["images"] >= 3 and speedups["cpu/fp32/regional"]["speedup_total"] == figure["speedup"]
+    assert figure["text"] in gallery[1]["caption"]
+
+
+def test_compare_takes_a_typed_list_of_configurations(client):
+    gallery, payload = client.predict(
+        prompt="a red fox", preset="tiny-flux", size="64x64", steps=2, guidance=3.5, seed=1, devices=["cpu"],
+        configurations="eager/fp32; eager/bf16; compile/fp32/first-block:0.2", timing_s=5, api_name="/compare")
+    results = {r["config"]: r for r in payload["results"]}
+    assert list(results) == ["cpu/fp32/eager", "cpu/bf16/eager", "cpu/fp32/compile/first-block:0.2"]
+    assert results["cpu/fp32/compile/first-block:0.2"]["error"].startswith("not run: step cache first-block")
+    assert results["cpu/bf16/eager"]["speedup_figure"]["images"] >= 3 and len(gallery) == 2
 
 
 def test_warm_refuses_what_cannot_be_warmed(client):

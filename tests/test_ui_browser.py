@@ -104,6 +104,45 @@ def image_width(page, elem_id: str) -> int:
     return page.eval_on_selector(f"#{elem_id} img", "img => img.naturalWidth")
 
 
+def drawn_lines(page, elem_id: str) -> list[tuple[int, str, float]]:
+    """(vertices, stroke colour, stroke width) of each drawn line of a LinePlot."""
+    return [tuple(line) for line in page.eval_on_selector_all(f"#{elem_id} g.mark-line path", """ps => ps
+        .filter(p => (p.getAttribute('d') || '') && p.getAttribute('d') !== 'M0,0')
+        .map(p => [(p.getAttribute('d').match(/[ML]/g) || []).length, getComputedStyle(p).stroke,
+                   parseFloat(getComputedStyle(p).strokeWidth) * parseFloat(getComputedStyle(p).strokeOpacity)])""")]
+
+
+def squeezed_headers(page, elem_id: str) -> list[tuple[str, float, float]]:
+    """Header cells of a gr.Dataframe whose longest word is wider than the room its text has, i.e. that
+    break inside a word ("cache hits" one letter a line): (header, word width px, room px)."""
+    return [tuple(h) for h in page.eval_on_selector_all(f"#{elem_id} [role=columnheader]", """ths => ths.map(th => {
+        const text = th.innerText.trim();
+        let holder = th;  // the innermost element that holds the whole text
+        for (const el of th.querySelectorAll('*')) if (el.innerText && el.innerText.trim() === text) holder = el;
+        const style = getComputedStyle(holder);
+        const ctx = document.createElement('canvas').getContext('2d');
+        ctx.font = `${style.fontWeight} ${style.fontSize} ${style.fontFamily}`;
+        const word = text.split(/\\s+/).reduce((a, b) => ctx.measureText(b).width > ctx.measureText(a).width ? b : a, '');
+        const room = holder.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+        return [text, ctx.measureText(word).width, room];
+    }).filter(([text, word, room]) => text && word > room + 1)""")]
+
+
+def in_view(page, locator) -> bool:
+    """The element is drawn inside the viewport and no ancestor that clips (overflow) cuts it."""
+    return locator.is_visible() and locator.evaluate("""el => {
+        const r = el.getBoundingClientRect();
+        if (r.width === 0 || r.top < 0 || r.bottom > innerHeight || r.left < 0 || r.right > innerWidth) return false;
+        for (let a = el.parentElement; a; a = a.parentElement) {
+            const s = getComputedStyle(a);
+            if (s.overflowX === 'visible' && s.overflowY === 'visible') continue;
+            const b = a.getBoundingClientRect();
+            if (r.left < b.left - 1 || r.right > b.right + 1 || r.top < b.top - 1 || r.bottom > b.bottom + 1) return false;
+        }
+        return true;
+    }""")
+
+
 def test_page_renders_and_the_default_engine_gets_ready(page):
     start = time.perf_counter()
     page.goto(page.app_url)
@@ -117,19 +156,45 @@ def test_page_renders_and_the_default_engine_gets_ready(page):
 
 
 def test_generate_shows_the_image_and_one_plot_point_per_step(page):
-    steps = page.locator("#steps input[type=number]")
-    steps.fill("5")
-    steps.press("Enter")
-    page.click("#generate-btn")
-    page.wait_for_function("document.querySelector('#output-image img')?.naturalWidth === 64", timeout=120_000)
-    page.wait_for_function("document.querySelector('#stats')?.innerText.includes('(5 steps)')")
-    page.wait_for_function(
-        "Array.from(document.querySelectorAll('#step-plot g.mark-line path')).some(p => (p.getAttribute('d') || '')"
-        ".split(/[ML]/).length - 1 === 5)")
-    assert plot_points(page, "step-plot") == [5]
-    stats = dict(r[:2] for r in table_rows(page, "stats") if len(r) >= 2)
-    assert "eager fallback" in stats["bucket"]  # compile mode at a bucket that is not warm yet: served now
-    assert stats["total"].endswith("ms")
+    """At 1280x800, scrolled down to the steps slider (the controls are taller than the window), the image
+    and the run's progress stay in view after pressing Generate; the per-step line is drawn, one point a step."""
+    page.set_viewport_size({"width": 1280, "height": 800})
+    try:
+        steps = page.locator("#steps input[type=number]")
+        steps.fill("5")
+        steps.press("Enter")
+        assert page.evaluate("scrollY") > 0  # the slider sits below the fold: the page scrolled to it
+        page.click("#generate-btn")
+        # the progress (queued / loading / step n/5) is drawn over the image while it runs
+        page.wait_for_function("/queued|loading|waiting|step \\d/.test(document.querySelector('#output-image').innerText)"
+                               " || document.querySelector('#output-image img')", timeout=60_000)
+        assert in_view(page, page.locator("#output-image")), "the image and its progress are off-screen"
+        page.wait_for_function("document.querySelector('#output-image img')?.naturalWidth === 64", timeout=120_000)
+        page.wait_for_function("document.querySelector('#stats')?.innerText.includes('(5 steps)')")
+        page.wait_for_function(
+            "Array.from(document.querySelectorAll('#step-plot g.mark-line path')).some(p => (p.getAttribute('d') || '')"
+            ".split(/[ML]/).length - 1 === 5)")
+        assert in_view(page, page.locator("#output-image img")) and in_view(page, page.locator("#step-plot"))
+        lines = drawn_lines(page, "step-plot")
+        assert [points for points, _, _ in lines] == [5], lines
+        (_, stroke, width), = lines
+        assert stroke not in ("none", "", "rgba(0, 0, 0, 0)") and width > 0, lines  # a visible line
+        legend = page.eval_on_selector_all("#step-plot g.role-legend-label text", "ts => ts.map(t => t.textContent)")
+        assert legend == ["computed", "cached"]
+        stats = dict(r[:2] for r in table_rows(page, "stats") if len(r) >= 2)
+        assert "eager fallback" in stats["bucket"]  # compile mode at a bucket that is not warm yet: served now
+        assert stats["total"].endswith("ms")
+        # Outside any scroller: the notice, the seed, the peak memory; the history holds the image.
+        summary = page.locator("#run-summary")
+        assert in_view(page, summary) and "served eagerly" in summary.inner_text()
+        assert "seed 0" in summary.inner_text() and "peak memory" in summary.inner_text()
+        assert page.locator("#history img").count() == 1
+        assert "5 steps" in page.inner_text("#history")
+        assert not squeezed_headers(page, "stats")
+        close_toasts(page)
+        page.screenshot(path=str(ARTIFACTS / "ui_generate_1280.png"))
+    finally:
+        page.set_viewport_size({"width": 1400, "height": 1000})
 
 
 def spy_on_generate(manager, monkeypatch) -> tuple[list, threading.Event]:
@@ -202,6 +267,8 @@ def test_cancel_stops_the_run_between_steps(page, manager, monkeypatch):
     page.wait_for_function("document.querySelector('#stats').innerText.includes('denoise')")
     assert "progress" not in page.inner_text("#stats")
     assert page.locator("#output-image img").count() == 0
+    page.wait_for_function("document.querySelector('#run-summary').innerText.startsWith('Cancelled')")
+    assert "cancelled after step" in page.inner_text("#stats")
     close_toasts(page)
     steps.fill("5")
     steps.press("Enter")
@@ -349,21 +416,6 @@ def test_compare_cancel_stops_the_comparison(page, manager, monkeypatch):
     steps.press("Enter")
 
 
-def in_view(page, locator) -> bool:
-    """The element is drawn inside the viewport and no ancestor that clips (overflow) cuts it."""
-    return locator.is_visible() and locator.evaluate("""el => {
-        const r = el.getBoundingClientRect();
-        if (r.width === 0 || r.top < 0 || r.bottom > innerHeight || r.left < 0 || r.right > innerWidth) return false;
-        for (let a = el.parentElement; a; a = a.parentElement) {
-            const s = getComputedStyle(a);
-            if (s.overflowX === 'visible' && s.overflowY === 'visible') continue;
-            const b = a.getBoundingClientRect();
-            if (r.left < b.left - 1 || r.right > b.right + 1 || r.top < b.top - 1 || r.bottom > b.bottom + 1) return false;
-        }
-        return true;
-    }""")
-
-
 def test_compare_price_reads_at_1280x800(page):
     """On a laptop-sized window, the drift and fidelity under each image are in view once scrolled to, and
     the price table fits its column (its text wraps) instead of scrolling sideways."""
@@ -376,6 +428,10 @@ def test_compare_price_reads_at_1280x800(page):
         samples.fill("4")
         samples.press("Enter")
         page.click("#compare-btn")
+        # its progress under the buttons, in view (the cards start below the fold)
+        page.wait_for_function("/step \\d+\\/\\d+|queued|loading|waiting/.test(document.querySelector('#c-status').innerText)",
+                               timeout=120_000)
+        assert in_view(page, page.locator("#c-status"))
         page.wait_for_function("document.querySelectorAll('#c-cards .c-card .c-fidelity').length === 2"
                                " && document.querySelectorAll('#c-costs .virtual-body [role=row]').length === 2",
                                timeout=300_000)
@@ -404,6 +460,31 @@ def test_compare_price_reads_at_1280x800(page):
         assert rows["cpu/fp32/eager (reference)"][2] == "1.00×" and "prompts)" in rows["cpu/bf16/eager"][6]
         for cell in table.locator("[role=gridcell]").all():  # every cell's text wraps inside its column
             assert cell.evaluate("c => c.scrollWidth <= c.clientWidth + 2"), cell.inner_text()
+        page.locator("#c-costs").scroll_into_view_if_needed()
+        for elem_id in ("c-speedup", "c-costs"):  # no header breaks inside a word
+            assert not squeezed_headers(page, elem_id), (elem_id, squeezed_headers(page, elem_id))
+    finally:
+        page.set_viewport_size({"width": 1400, "height": 1000})
+
+
+def test_advisor_progress_is_in_view_while_it_runs_and_a_cancel_says_so(page):
+    page.set_viewport_size({"width": 1280, "height": 800})
+    try:
+        page.get_by_role("tab", name="Advisor").click()
+        assert not squeezed_headers(page, "a-table"), squeezed_headers(page, "a-table")
+        minutes = page.locator("#a-minutes input[type=number]")
+        minutes.fill("1")
+        minutes.press("Enter")
+        page.click("#advise-btn")
+        status = page.locator("#a-status")
+        # The child process reports its progress: the status line under the buttons (with the bar) says how far
+        page.wait_for_function("/Running · \\d+\\/\\d+: /.test(document.querySelector('#a-status').innerText)",
+                               timeout=120_000)
+        assert in_view(page, status) and status.bounding_box()["height"] >= 30
+        page.screenshot(path=str(ARTIFACTS / "ui_advisor_running_1280.png"))
+        page.click("#a-cancel-btn")
+        page.wait_for_function("document.querySelector('#a-status').innerText.startsWith('Cancelled')", timeout=30_000)
+        assert in_view(page, status) and "no pick" in status.inner_text()
     finally:
         page.set_viewport_size({"width": 1400, "height": 1000})
 

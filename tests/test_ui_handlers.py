@@ -124,8 +124,9 @@ def test_generate_streams_progress_and_returns_image_and_timings(handlers):
     steps_seen = [p for p, _ in progress.calls if isinstance(p, tuple)]
     # The bar starts at the first step, then moves at most every PROGRESS_EVERY_S (the result ends it).
     assert steps_seen[0] == (1, 4) and steps_seen == sorted(set(steps_seen)) and steps_seen[-1] <= (4, 4)
-    plot, stats = handlers.render_run(timings)
-    assert list(plot["step"]) == [1, 2, 3, 4]
+    plot, stats, summary = handlers.render_run(timings)
+    assert list(plot.dropna()["step"]) == [1, 2, 3, 4]
+    assert "seed 7" in summary and "peak memory" in summary
     table = dict(stats.values.tolist())
     assert set(table) >= {"encode", "denoise", "decode", "total", "first step / median step", "it/s", "bucket",
                           "recompiles", "peak memory", "notices"}
@@ -135,8 +136,9 @@ def test_generate_streams_progress_and_returns_image_and_timings(handlers):
 def test_partial_results_render_while_running(handlers):
     partial = {"running": True, "engine": "tiny-flux@cpu/fp32", "mode": "eager", "bucket": "64x64", "steps": 4,
                "timings": {"step_ms": [5.0, 4.0]}}
-    plot, stats = handlers.render_run(partial)
-    assert len(plot) == 2 and "step 2 of 4" in stats.values.tolist()[1][1]
+    plot, stats, summary = handlers.render_run(partial)
+    assert len(plot.dropna()) == 2 and "step 2 of 4" in stats.values.tolist()[1][1]
+    assert summary.startswith("**Running**") and "step 2 of 4" in summary
 
 
 def test_compiled_mode_at_a_cold_bucket_is_served_eagerly_with_a_notice(handlers):
@@ -372,14 +374,21 @@ def test_select_engine_reports_an_unavailable_device_without_blocking(handlers):
 def test_compare_runs_each_configuration_and_builds_the_speedup_table(handlers):
     progress = RecordingProgress()
     outputs = list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 3, ["cpu"], ["fp32"], ["eager", "compile"],
-                                    False, request=None, progress=progress))
+                                    False, timing_s=5, request=None, progress=progress))
     gallery, payload, thumbnails = outputs[-1]
-    assert len(gallery) == 2 and len(thumbnails) == 2
+    assert len(gallery) == 2 and len(thumbnails) == 3  # two images and the second one's heat map
     configs = [r["config"] for r in payload["results"]]
     assert configs == ["cpu/fp32/eager", "cpu/fp32/compile"]
     assert all(len(r["timings"]["step_ms"]) == 2 for r in payload["results"])
     assert payload["speedup"][0]["speedup_step"] == pytest.approx(1.0)
+    # Timed round-robin after the quality images: one figure per configuration, the same in every view
+    assert payload["timing"]["rounds"] >= 3 and payload["timing"]["stop_reason"]
+    figure = payload["results"][1]["speedup_figure"]
+    assert figure["images"] == payload["timing"]["rounds"] == len(payload["results"][1]["image_ms"])
+    assert payload["speedup"][1]["speedup_total"] == figure["speedup"]
     plot, speed, costs, cards = handlers.render_compare(payload, thumbnails)
+    assert list(speed["× vs eager fp32"])[1] == figure["text"] and _html_escape(figure["text"]) in cards
+    assert len(thumbnails) == 3 and cards.count('class="c-heat"') == 1  # the difference beside the image
     assert set(plot["value"]["config"]) == set(configs) and len(plot["value"]) == 4
     assert plot["colors_in_legend"] == configs and set(plot["color_map"]) == set(configs)  # redraws the legend
     assert len(speed) == 2 and len(costs) == 2
@@ -387,7 +396,31 @@ def test_compare_runs_each_configuration_and_builds_the_speedup_table(handlers):
     # One card per configuration, each with its image and, after the reference, its drift against it.
     assert cards.count('class="c-card"') == 2 and cards.count("<img src=\"data:image/png;base64,") == 2
     assert cards.count('class="c-drift">drift: reference<') == 1
-    assert progress.calls[-1][0] == (4, 4)  # one bar over every configuration's steps
+    total = progress.calls[-1][0][1]
+    assert progress.calls[-1][0] == (total, total)  # one bar over every configuration's steps, full at the end
+    assert all(c[0][0] <= total for c in progress.calls if isinstance(c[0], tuple))
+
+
+def _html_escape(text):
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def test_compare_runs_a_typed_list_and_says_why_a_configuration_cannot_run(handlers):
+    typed = "eager/fp32; regional/fp32/first-block:0.2; compile/fp32/first-block:0.2"
+    assert "✗ `cpu/fp32/compile/first-block:0.2`: step cache first-block with compile" in \
+        handlers.check_configurations("tiny-flux", ["cpu"], typed)
+    outputs = list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 3, ["cpu"], [], [], False, None, 0,
+                                    typed, 0, request=None, progress=RecordingProgress()))
+    _gallery, payload, thumbnails = outputs[-1]
+    by_config = {r["config"]: r for r in payload["results"]}
+    assert list(by_config) == ["cpu/fp32/eager", "cpu/fp32/regional/first-block:0.2", "cpu/fp32/compile/first-block:0.2"]
+    refused = by_config["cpu/fp32/compile/first-block:0.2"]
+    assert refused["error"].startswith("not run: step cache first-block with compile") and "Traceback" not in refused["error"]
+    assert payload["timing"]["stop_reason"] == "no timing budget"
+    cards = handlers.render_compare(payload, thumbnails)[3]
+    assert 'class="c-card-error">not run: step cache first-block with compile' in cards
+    with pytest.raises(gr.Error, match=r"unknown mode 'eagre'; modes: eager"):
+        list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 3, ["cpu"], [], [], False, None, 0, "eagre/fp32"))
 
 
 @pytest.mark.parametrize(("precisions", "modes", "count"), [
@@ -415,3 +448,12 @@ def test_system_panel_lists_devices_versions_caches(handlers, monkeypatch):
     assert any(c["folder"].startswith("inductor") for c in report["caches"])
     text = system_markdown(report)
     assert "hf_should_never_show" not in text and "HF_TOKEN" in text
+
+
+def test_compare_fills_in_the_levers_one_at_a_time_and_refuses_a_missing_frontier(handlers, tmp_path):
+    typed = handlers.configuration_list("the levers one at a time", "tiny-shapes", ["cpu"], "64x64", 8)
+    assert typed.split("; ")[:4] == ["eager/fp32", "eager/bf16", "compile/fp32", "regional/fp32"]
+    assert "✗" not in handlers.check_configurations("tiny-shapes", ["cpu"], typed)
+    with pytest.raises(gr.Error, match="no Advisor result for tiny-shapes on cpu at 64x64, 3 steps: run the Advisor"):
+        handlers.configuration_list("the Advisor's frontier", "tiny-shapes", ["cpu"], "64x64", 3)
+    assert handlers.configuration_list(None, "tiny-shapes", ["cpu"], "64x64", 8) == gr.skip()

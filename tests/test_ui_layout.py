@@ -6,6 +6,7 @@ No server and no engine process: the Blocks are built and their config is read.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import gradio as gr
@@ -20,19 +21,23 @@ from ui.generate import GENERATE_API_PARAMS, GenerateHandlers
 from ui.system import SystemHandlers
 
 UI = Path(__file__).resolve().parent.parent / "ui"
-PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "system"}
+PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "system",
+              "advise_start", "advise_poll"}  # the advisor as a start/poll pair (ui/mcp.py)
 TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
-                 "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "generate-btn", "cancel-btn",
-                 "output-image", "step-plot", "stats", "timings-json"},
+                 "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "generate-btn",
+                 "cancel-btn", "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output",
+                 "run-summary", "history"},
     "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",
                 "restart-btn", "admin-token", "attention-backend", "cuda-graphs", "restart-options-btn",
                 "attention-table"},
     "compare": {"c-prompt", "c-preset", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
-                "c-speedup", "c-costs", "c-json", "c-caches", "c-fidelity-prompts", "c-cards"},
+                "c-speedup", "c-costs", "c-json", "c-caches", "c-fidelity-prompts", "c-cards", "c-configs",
+                "c-config-list", "c-timing", "c-config-check", "c-status"},
     "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-minutes", "a-fidelity-points", "a-min-psnr",
-                "advise-btn", "a-cancel-btn", "a-apply-btn", "a-summary", "a-frontier", "a-table", "a-json"},
+                "advise-btn", "a-cancel-btn", "a-apply-btn", "a-status", "a-summary", "a-frontier", "a-table",
+                "a-json", "a-cards"},
     "system": {"system-refresh", "system"},
 }
 TAB_APIS = {"generate": {"generate"}, "buckets": {"status", "warm", "restart"}, "compare": {"compare"},
@@ -126,22 +131,26 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 # typed protocol and the error classes. Exceptions, each in one module: ui/common.py asks
 # engine.devices and engine.pipeline.attention what the manager cannot tell (the device report, a device's
 # modes, the attention backends and step caches that can run), ui/views.py reuses the benchmark's
-# speedup_table and quality code so the UI and the bench agree, and ui/advisor.py shows the advisor's
-# default bounds (it runs `python -m engine advise` in a child process).
+# speedup_table and quality code so the UI and the bench agree, ui/advisor.py shows the advisor's
+# default bounds (it runs `python -m engine advise` in a child process), and ui/compare.py reads typed
+# configurations and times them with the bench's paired plan (engine.bench.configs, engine.bench.paired).
 ALLOWED_ENGINE_IMPORTS = {
     "engine.protocol": None, "engine.errors": None, "engine.serving.manager": {"EngineManager", "Caller"},
     "engine.pipeline.attention": {"attention_table", "DEFAULT"},
     "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
     "engine.bench": {"speedup_table"},
-    "engine.bench.quality": {"fidelity_checker", "fmt_drift", "image_drift", "sample_prompts", "score"},
+    "engine.bench.quality": {"fidelity_checker", "fmt_drift", "image_drift", "sample_prompts", "score", "diff_heatmap"},
+    "engine.bench.paired": {"PairedTiming", "current_marks", "engine_marks", "row_speedup_text"},
+    "engine.bench.configs": None,
     "engine.metrics": {"median", "percentile"},
     "engine.pipeline.stepcache": {"available_step_caches"},
-    "engine.bench.advise": {"DEFAULT_FIDELITY_POINTS", "DEFAULT_MIN_PSNR"},
+    "engine.bench.advise": {"DEFAULT_FIDELITY_POINTS", "DEFAULT_MIN_PSNR", "CHECKER_MIN_PSNR"},
     "engine.config.validation": {"check_steps"},
 }
 ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "engine.bench": "views.py",
            "engine.bench.quality": "views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
-           "engine.bench.advise": "advisor.py", "engine.config.validation": "compare.py"}
+           "engine.bench.advise": "advisor.py", "engine.config.validation": "compare.py",
+           "engine.bench.configs": "compare.py"}
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 
 
@@ -189,3 +198,27 @@ def test_the_generate_api_params_match_the_handler():
 
     params = list(inspect.signature(GenerateHandlers.generate).parameters)[1:len(GENERATE_API_PARAMS) + 1]
     assert tuple(params) == GENERATE_API_PARAMS
+
+
+def test_the_api_page_says_what_each_endpoint_does_and_takes(demo):
+    """What /gradio_api/info (and gradio_client's view_api()) tells a client developer."""
+    endpoints = demo.get_api_info()["named_endpoints"]
+    generate = endpoints["/generate"]
+    assert generate["description"].startswith("Generate one image.")
+    assert not {"async", "preprocess", "gr.skip"} & set(re.findall(r"[\w.]+", generate["description"]))
+    assert [r["label"] for r in generate["returns"]] == ["image", "timings"]
+    allowed = {p["parameter_name"]: p["python_type"]["description"] for p in generate["parameters"]}
+    assert "fp32" in allowed["precision"] and "bf16" in allowed["precision"]
+    assert all(m in allowed["mode"] for m in ("eager", "compile", "regional"))
+    assert "eager" in allowed["on_cold"] and "wait" in allowed["on_cold"]
+    assert "tiny-shapes" in allowed["preset"] and "1-200" in allowed["steps"]
+    assert all(allowed.values()), [name for name, text in allowed.items() if not text]
+    for name in ("/status", "/warm", "/restart", "/system", "/compare"):
+        endpoint = endpoints[name]
+        assert endpoint["description"], name
+        labels = [p["label"] for p in endpoint["parameters"]] + [r["label"] for r in endpoint["returns"]]
+        assert not [label for label in labels if re.fullmatch(r"\d+(st|nd|rd|th)|value_\d+", label)], (name, labels)
+    assert [r["label"] for r in endpoints["/status"]["returns"]] == ["engines"]
+    warm = {p["parameter_name"]: p["python_type"]["description"] for p in endpoints["/warm"]["parameters"]}
+    assert [p["label"] for p in endpoints["/warm"]["parameters"]] == list(warm)
+    assert "regional" in warm["mode"] and "all" in warm["size"] and "fp32" in warm["precision"]

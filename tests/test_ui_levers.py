@@ -25,7 +25,7 @@ def plot_types(frame, **kwargs) -> dict:
 def test_the_generate_plot_is_numeric_from_its_first_value(result):
     # The browser builds the plot's spec from the first value it gets (the empty partial) and only swaps
     # the data afterwards: that first value must already type step and step_ms as numbers.
-    plot, _ = GenerateHandlers.render_run(None, result)
+    plot, _, _ = GenerateHandlers.render_run(None, result)
     types = plot_types(plot, color="steps")
     assert types["step"] == "quantitative" and types["step_ms"] == "quantitative"
     assert types["steps"] == "nominal"
@@ -62,7 +62,7 @@ def handlers(manager):
 def run_compare(handlers, precisions, modes, caches=None, fidelity_prompts=3, prompt="a red circle on a blue background",
                 steps=4):
     outputs = list(handlers.compare(prompt, "tiny-shapes", "64x64", steps, 1.0, 5, ["cpu"], precisions, modes, False,
-                                    caches, fidelity_prompts, request=None, progress=Progress()))
+                                    caches, fidelity_prompts, timing_s=0, request=None, progress=Progress()))
     return outputs[-1]
 
 
@@ -82,7 +82,9 @@ def test_compare_adds_the_reference_and_prices_every_configuration(handlers):
     assert rows["cpu/bf16/eager"][2].endswith("×") and "worst of 4" in rows["cpu/bf16/eager"][5]
     assert "prompts)" in rows["cpu/bf16/eager"][6]
     plot, price, costs, cards = handlers.render_compare(payload, thumbnails)
-    assert cards.count('class="c-card"') == 2 and cards.count("data:image/png;base64,") == 2
+    # two images, and beside bf16's the heat map of its difference to the reference's
+    assert cards.count('class="c-card"') == 2 and cards.count("data:image/png;base64,") == 3
+    assert cards.count('class="c-heat"') == 1
     assert "drift: " in cards and "fidelity: " in cards and "vs eager fp32" in cards
 
 
@@ -101,7 +103,7 @@ def test_compare_prices_a_step_cache_and_int8_against_the_reference(handlers):
     assert list(results) == ["cpu/fp32/eager", "cpu/fp32/eager/taylorseer:3:2", "cpu/int8wo/eager",
                              "cpu/int8wo/eager/taylorseer:3:2"]
     assert not any(r.get("error") for r in results.values()), [r.get("error") for r in results.values()]
-    assert len(thumbnails) == 4
+    assert len(thumbnails) == 7  # four images, three heat maps (none for the reference)
     cached = results["cpu/fp32/eager/taylorseer:3:2"]
     assert cached["step_cache"] == "taylorseer:3:2" and cached["cached_steps"]
     assert cached["computed_steps"] + len(cached["cached_steps"]) == 8
@@ -115,4 +117,96 @@ def test_compare_prices_a_step_cache_and_int8_against_the_reference(handlers):
     assert rows["cpu/fp32/eager (reference)"][4] == "8 / 0"
     plot, _, _, cards = handlers.render_compare(payload, thumbnails)
     assert "cpu/fp32/eager/taylorseer:3:2 · cached" in set(plot["value"]["config"])  # cached steps: own series
-    assert f"steps computed / cached: {8 - n} / {n}" in cards and cards.count("data:image/png;base64,") == 4
+    assert f"steps computed / cached: {8 - n} / {n}" in cards and cards.count("data:image/png;base64,") == 7
+
+
+@pytest.mark.parametrize("result", [
+    None,
+    {"running": True, "engine": "e", "steps": 8, "timings": {"step_ms": []}},  # the first partial: no step yet
+    {"running": True, "engine": "e", "steps": 8, "timings": {"step_ms": [12.0, 11.0]}},
+])
+def test_every_generate_plot_value_names_both_series_first(result):
+    # The browser fixes the plot's colours from the series in the value it builds the plot with: a series it
+    # does not see then is drawn without a stroke (an empty line), so each value names both, without a point.
+    plot, _, _ = GenerateHandlers.render_run(None, result)
+    value = gr.LinePlot(x="step", y="step_ms", color="steps").postprocess(plot)
+    assert [row[2] for row in value.data[:2]] == [views.COMPUTED, views.CACHED]
+    assert [row[1] for row in value.data[:2]] == [None, None]  # not drawn: JSON null
+    steps = (result or {}).get("timings", {}).get("step_ms", [])
+    assert [row[1] for row in value.data[2:]] == steps  # one point per step after them
+
+
+def test_the_run_summary_shows_notices_seed_memory_and_how_the_run_ended():
+    done = {"engine": "tiny-shapes@cpu/fp32", "mode": "eager", "bucket": "128x128", "seed": 7,
+            "peak_memory_bytes": 3 * 2**20, "notices": ["size 100x100 snapped to 128x128", "empty prompt"],
+            "timings": {"step_ms": [5.0, 4.0], "total_ms": 20.0, "median_step_ms": 4.5}}
+    text = views.run_summary(done)
+    assert "20.0 ms" in text and "seed 7" in text and "3.0 MiB" in text
+    assert "⚠ size 100x100 snapped to 128x128" in text and "⚠ empty prompt" in text
+    cancelled = {**done, "cancelled": True, "message": "cancelled after step 2 of 60"}
+    assert views.run_summary(cancelled).startswith("**Cancelled** (cancelled after step 2 of 60)")
+    assert views.stats_rows(cancelled)[0] == ["run", "cancelled after step 2 of 60"]
+    assert views.run_summary({**done, "error": "out of memory"}) == "**Failed:** out of memory"
+    assert "Generate" in views.run_summary(None)
+
+
+def test_a_step_cache_reason_shared_by_several_caches_is_said_once():
+    why = "compile traces the whole denoiser into one graph, which cannot skip its own blocks per step"
+    rows = [{"name": "none", "usable": True}, *({"name": n, "default": f"{n}:2", "usable": False, "why_not": why}
+                                               for n in ("first-block", "taylorseer", "pyramid")),
+            {"name": "magcache", "usable": False, "why_not": "needs a calibration"}]
+    labels = [label for label, _ in views.step_cache_choices(rows, short=True)]
+    assert labels == ["none", "first-block · unavailable", "taylorseer · unavailable", "pyramid · unavailable",
+                      "magcache · unavailable"]
+    reasons = views.step_cache_reasons(rows)
+    assert reasons.count(why) == 1 and "(first-block, taylorseer, pyramid)" in reasons
+    assert "(magcache): needs a calibration" in reasons
+
+
+def test_the_history_keeps_the_last_runs_newest_first_with_their_figures():
+    from PIL import Image
+
+    history = []
+    for seed in range(views.HISTORY_RUNS + 2):
+        timings = {"engine": "tiny-shapes@cpu/fp32", "mode": "eager", "bucket": "64x64", "seed": seed,
+                   "step_cache": "first-block:0.2", "timings": {"step_ms": [1.0] * 4, "total_ms": 12.5}}
+        history = GenerateHandlers.remember(history, Image.new("RGB", (512, 256)), timings)
+    assert len(history) == views.HISTORY_RUNS
+    thumb, caption, number = history[0]
+    assert number == views.HISTORY_RUNS + 2 and max(thumb.size) <= 256
+    assert caption == (f"#{number} · tiny-shapes@cpu/fp32 · eager 64x64 · first-block:0.2 · 4 steps · "
+                       f"seed {number - 1} · 12.5 ms")
+
+
+def test_frontier_axes_are_padded_and_the_frontier_is_named():
+    assert views.padded_limits([93.75, 93.75]) == [89.0625, 98.4375]  # one value: not a zero-width axis
+    assert views.padded_limits([0.1, 0.3]) == [0.08, 0.32]
+    assert views.padded_limits([]) is None
+    rows = [{"label": "fp32/eager", "s_per_image": 0.30, "fidelity": 1.0, "eligible": True},
+            {"label": "bf16/eager", "s_per_image": 0.20, "fidelity": 0.9, "eligible": True},
+            {"label": "bf16/compile", "s_per_image": 0.25, "fidelity": 0.8, "eligible": False}]
+    caption = views.frontier_caption({"rows": rows, "pick": {"label": "bf16/eager"}})
+    assert caption == ("3 configurations drawn. Frontier, fastest first: bf16/eager (0.200 s, 90.0 %) → "
+                       "fp32/eager (0.300 s, 100.0 %)")
+    unscored = {"label": "int8wo/eager", "s_per_image": 0.31, "unscored": True}
+    caption = views.frontier_caption({"rows": [*rows, unscored], "pick": {"label": "bf16/eager"}})
+    assert caption.startswith("3 of 4 measured configurations drawn (the others have no quality score).")
+
+
+def test_an_advisor_run_closed_while_running_shows_cancelled():
+    from ui.advisor import AdvisorHandlers, running
+
+    status = running("3/40: bf16/regional: compiling")
+    assert AdvisorHandlers.advise_ended(None, status) == (
+        "**Cancelled** (at 3/40: bf16/regional: compiling): the advisor process was stopped; no pick.")
+    assert AdvisorHandlers.advise_ended(None, "**Done** in 61 s: ...") == gr.skip()  # it ended on its own
+
+
+def test_the_compare_plot_ticks_whole_steps():
+    results = [{"config": c, "timings": {"step_ms": [10.0, 9.0, 8.0, 7.5]}} for c in ("a", "b")]
+    plot, _, _ = CompareHandlers.render_compare(None, {"done": True, "results": results})[:3]
+    assert plot["sort"] == ["1", "2", "3", "4"]  # one tick a step, in order (not 1.0, 1.5, 2.0, ...)
+    assert plot_types(plot["value"], color="config")["step"] == "nominal"
+    many = [{"config": "a", "timings": {"step_ms": [1.0] * (views.LABELLED_STEPS + 1)}}]
+    plot, _, _ = CompareHandlers.render_compare(None, {"done": True, "results": many})[:3]
+    assert plot["sort"] is None and plot_types(plot["value"], color="config")["step"] == "quantitative"

@@ -16,21 +16,104 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from engine.bench.advise import DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
+from engine.bench.advise import CHECKER_MIN_PSNR, DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 
 ROOT = Path(__file__).resolve().parent.parent
+MAX_CARDS = 6
+
+
+def _esc(text) -> str:
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def advisor_cards_html(result: dict | None) -> str:
+    """A card per configuration whose quality was measured (the pick first, then the largest speedups): its
+    image of the sample that differs most from eager fp32's, that image of eager fp32, the heat map of the
+    difference, and its speedup, drift and verdict."""
+    if not result:
+        return ""
+    from engine.bench.paired import row_speedup_text
+
+    pick = (result.get("pick") or {}).get("label")
+    rows = [r for r in result.get("rows", []) if r.get("diff_png") and not r.get("error")]
+    rows.sort(key=lambda r: (r["label"] != pick, -(r.get("speedup") or 0)))
+    cards = []
+    for r in rows[:MAX_CARDS]:
+        images = "".join(f'<img src="data:image/png;base64,{r[k]}" alt="{alt}" title="{alt}">'
+                         for k, alt in (("picture_png", r["label"]), ("reference_png", "eager fp32"),
+                                        ("diff_png", "|difference|: black = same, white = the largest"))
+                         if r.get(k))
+        drift = (f"{r['drift_psnr_db']:.1f} dB PSNR" if r.get("drift_psnr_db") is not None else "identical") + \
+            (f", SSIM {r['drift_ssim']:.3f}" if r.get("drift_ssim") is not None else "") + \
+            (f", max diff {r['drift_max_diff']}" if r.get("drift_max_diff") is not None else "")
+        verdict = "★ pick" if r["label"] == pick else ("within bound" if r.get("eligible") else
+                                                      f"outside bound: {r.get('why_not', '')}")
+        cards.append(f'<div class="c-card"><div class="c-card-title">{_esc(r["label"])}</div>'
+                     f'<div class="c-pair a-triple">{images}</div>'
+                     f'<div class="c-time">{_esc(row_speedup_text(r))} vs eager fp32</div>'
+                     f'<div class="c-drift">worst sample: {_esc(drift)}</div>'
+                     f'<div class="c-note">{_esc(verdict)}</div></div>')
+    return '<div class="c-cards">' + "".join(cards) + "</div>" if cards else ""
+
+
+RUNNING = "**Running** · "
+
+
+def running(what: str) -> str:
+    return RUNNING + what
 
 
 class AdvisorHandlers(HandlerBase):
     def advise(self, preset, device, size, steps, max_minutes, fidelity_points, min_psnr,
                progress=gr.Progress()):  # noqa: B008
-        """Run the advisor; streams (report markdown, results JSON). Closing the handler (Cancel) ends
-        the child process and its compile workers."""
+        """Run the advisor; streams (report markdown, results JSON, status line). Closing the handler (Cancel)
+        ends the child process and its compile workers (advise_ended then says it was cancelled)."""
         if self.public:
             raise gr.Error("the advisor loads and compiles many engines: a host operation, not offered in "
                            "public mode", title="Not allowed")
+        child = self.start_advisor(preset, device, size, steps, max_minutes, fidelity_points, min_psnr)
+        errors: list[str] = []
+        threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True).start()
+        progress(0, desc="advisor: starting (loads the model once per precision)")
+        yield gr.skip(), gr.skip(), running("starting: loads the model once per precision")
+        result = None
+        try:
+            for line in child.stdout:
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    continue
+                if "progress" in message:
+                    progress((message["progress"], message["total"]), desc=f"advisor: {message['desc']}")
+                    yield gr.skip(), gr.skip(), running(f"{message['progress']}/{message['total']}: {message['desc']}")
+                elif "result" in message:
+                    result = message["result"]
+            child.wait()
+        finally:
+            if child.poll() is None:  # Cancel (Gradio closed the handler): the child and its compile workers
+                os.killpg(child.pid, signal.SIGTERM)
+                try:
+                    child.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    os.killpg(child.pid, signal.SIGKILL)
+        if result is None:
+            failure = f"the advisor failed: {''.join(errors[-5:])[-800:]}"
+            yield gr.skip(), gr.skip(), f"**Failed:** {failure}"
+            raise gr.Error(failure, title="Advisor failed")
+        done = f"**Done** in {result.get('elapsed_s', 0):.0f} s: the pick and every measured configuration are below."
+        yield views.advisor_markdown(result) + "\n\n" + views.frontier_caption(result), result, done
+
+    def advise_ended(self, status: str | None):
+        """After the advisor's event, however it ended: a status still "running" means Cancel closed it."""
+        if not (status or "").startswith(RUNNING):
+            return gr.skip()
+        return f"**Cancelled** (at {status[len(RUNNING):].strip()}): the advisor process was stopped; no pick."
+
+    def start_advisor(self, preset, device, size, steps, max_minutes, fidelity_points, min_psnr) -> subprocess.Popen:
+        """`python -m engine advise --progress-json` in a child process of its own session (one JSON message
+        a line on stdout: progress, then the result)."""
         try:
             model = self.manager.preset(preset)
         except Exception as exc:
@@ -47,34 +130,8 @@ class AdvisorHandlers(HandlerBase):
         if min_psnr not in (None, "", 0):
             argv += ["--min-psnr", str(float(min_psnr))]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, start_new_session=True)
-        errors: list[str] = []
-        threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True).start()
-        progress(0, desc="advisor: starting (loads the model once per precision)")
-        result = None
-        try:
-            for line in child.stdout:
-                try:
-                    message = json.loads(line)
-                except ValueError:
-                    continue
-                if "progress" in message:
-                    progress((message["progress"], message["total"]), desc=f"advisor: {message['desc']}")
-                    yield gr.skip(), gr.skip()
-                elif "result" in message:
-                    result = message["result"]
-            child.wait()
-        finally:
-            if child.poll() is None:  # Cancel (Gradio closed the handler): the child and its compile workers
-                os.killpg(child.pid, signal.SIGTERM)
-                try:
-                    child.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    os.killpg(child.pid, signal.SIGKILL)
-        if result is None:
-            raise gr.Error(f"the advisor failed: {''.join(errors[-5:])[-800:]}", title="Advisor failed")
-        yield views.advisor_markdown(result), result
+        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
 
     def advisor_defaults(self, preset: str):
         sizes = self.preset_sizes(preset)
@@ -87,10 +144,13 @@ class AdvisorHandlers(HandlerBase):
         frame = pd.DataFrame(views.advisor_points(result), columns=views.ADVISOR_POINT_COLUMNS)
         frame = frame.astype({"s_per_image": "float64", "quality": "float64", "configuration": "string",
                               "verdict": "string"})
+        x_lim, y_lim = views.padded_limits(frame["s_per_image"]), views.padded_limits(frame["quality"])
+        plot = gr.update(value=frame, x_lim=x_lim, y_lim=y_lim)
         table = pd.DataFrame(rows, columns=views.ADVISOR_COLUMNS)
         pick = (result or {}).get("pick")
-        return frame, table, gr.update(interactive=pick is not None,
-                                       value=f"Apply {pick['label']} in Generate" if pick else "Apply in Generate")
+        return plot, table, gr.update(interactive=pick is not None,
+                                      value=f"Apply {pick['label']} in Generate" if pick else "Apply in Generate"), \
+            advisor_cards_html(result)
 
     def apply_advice(self, result: dict | None):
         """Generate's precision, mode and step cache (and its preset, device, size, steps) from the pick."""
@@ -112,8 +172,10 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
     with gr.Tab("Advisor", id="advisor"):
         gr.Markdown(
             "Measures what this engine can run here — precision × mode × step cache × attention backend — "
-            "and names the **fastest configuration within a quality bound**: fidelity within N points of eager "
-            "fp32 (models with a pixel checker), or a PSNR floor against eager fp32 (any model). What cannot "
+            "and names the **fastest configuration within a quality bound**: a PSNR floor against eager fp32's "
+            "image of the same prompt and seed (any model) and, on models with a pixel checker, fidelity within "
+            "N points of eager fp32. Speedups are medians of images timed round-robin with eager fp32, with "
+            "their spread and image count; a spread across 1.0× says there is no measurable difference. What cannot "
             "run here, or would not fit the time budget, is skipped and listed. A step cache is picked only "
             "where it measured faster than the same configuration without it.")
         with gr.Row():
@@ -126,27 +188,34 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
             minutes = gr.Slider(1, 30, value=5, step=0.5, label="Time budget (minutes)", elem_id="a-minutes")
             points = gr.Number(value=DEFAULT_FIDELITY_POINTS, minimum=0, label="Fidelity: at most this many points "
                                "below eager fp32", elem_id="a-fidelity-points")
-            psnr = gr.Number(value=0, minimum=0, label=f"PSNR floor in dB (0: {DEFAULT_MIN_PSNR:g} on models without "
-                             "a checker, none on those with one)", elem_id="a-min-psnr")
+            psnr = gr.Number(value=0, minimum=0, label=f"PSNR floor in dB (0: {DEFAULT_MIN_PSNR:g}, or "
+                             f"{CHECKER_MIN_PSNR:g} on models with a checker)", elem_id="a-min-psnr")
         with gr.Row():
             run_btn = gr.Button("Measure and advise", variant="primary", elem_id="advise-btn")
             cancel_btn = gr.Button("Cancel", variant="stop", elem_id="a-cancel-btn")
             apply_btn = gr.Button("Apply in Generate", interactive=False, elem_id="a-apply-btn")
-        summary = gr.Markdown(elem_id="a-summary")
-        frontier = gr.ScatterPlot(x="s_per_image", y="quality", color="verdict", title="Speed–quality frontier",
-                                  x_title="s per image (lower is faster)", y_title="fidelity % / PSNR dB",
-                                  tooltip=["configuration", "s_per_image", "quality"], height=320,
-                                  elem_id="a-frontier")
+        # Its progress bar is drawn here, right under the buttons (never in an empty, zero-height box).
+        status = gr.Markdown("Not run yet: a run takes about the time budget.", elem_id="a-status")
+        with gr.Row():  # the plot at half the page's width: a full-width axis draws ~30 crowded ticks
+            summary = gr.Markdown(elem_id="a-summary")
+            frontier = gr.ScatterPlot(x="s_per_image", y="quality", color="verdict", title="Speed–quality frontier",
+                                      x_title="s per image (lower is faster)", y_title="fidelity % / PSNR dB",
+                                      color_title="", x_axis_format=".3~f", y_axis_format=".4~r",
+                                      tooltip=["configuration", "s_per_image", "quality", "verdict"], height=340,
+                                      elem_id="a-frontier")
+        cards = gr.HTML(elem_id="a-cards", label="Each configuration: its image, eager fp32's, the difference")
         table = gr.Dataframe(headers=views.ADVISOR_COLUMNS, interactive=False, wrap=True, label="Every configuration",
-                             elem_id="a-table")
+                             column_widths=views.ADVISOR_WIDTHS, elem_id="a-table")
         with gr.Accordion("Advisor JSON (also saved under the cache folder)", open=False):
             result = gr.JSON(elem_id="a-json")
 
     a_preset.change(h.advisor_defaults, a_preset, [a_size, a_steps], **FAST)
-    run = run_btn.click(h.advise, [a_preset, a_device, a_size, a_steps, minutes, points, psnr], [summary, result],
-                        api_name="advise", api_visibility="private", concurrency_id=ENGINE_QUEUE,
-                        concurrency_limit=1, show_progress="full", show_progress_on=[summary])
+    run = run_btn.click(h.advise, [a_preset, a_device, a_size, a_steps, minutes, points, psnr],
+                        [summary, result, status], api_name="advise", api_visibility="private",
+                        concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="full",
+                        show_progress_on=[status])
     cancel_btn.click(None, cancels=[run])
-    result.change(h.render_advice, result, [frontier, table, apply_btn], **FAST)
+    run.then(h.advise_ended, status, status, **FAST)
+    result.change(h.render_advice, result, [frontier, table, apply_btn, cards], **FAST)
     apply_btn.click(h.apply_advice, result, [settings.preset, settings.device, settings.precision, settings.mode,
                                               settings.step_cache, settings.size, settings.steps, tabs], **FAST)

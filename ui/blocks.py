@@ -11,16 +11,27 @@ import os
 
 import gradio as gr
 
-from ui import advisor, buckets, compare, generate, system
+from ui import advisor, buckets, compare, generate, mcp, system
 from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
+from ui.metrics import MetricsRoute
+from ui.sockets import install_server_hook, public_bounds
 
 __all__ = ["GENERATE_API_PARAMS", "build_demo", "launch_kwargs"]
 
 CSS = """
 #output-image img { image-rendering: pixelated; object-fit: contain; }
+#history img { image-rendering: pixelated; }
+#history .grid-container { grid-template-columns: repeat(auto-fill, minmax(120px, 180px)) !important; }
+/* Wide screens: the output column stays in view while the controls scroll; a phone stacks the columns. */
+@media (min-width: 1024px) {
+  #gen-output { position: sticky; top: 8px; align-self: flex-start; }
+}
+#run-summary { min-height: 2.4em; font-variant-numeric: tabular-nums; }
+#a-status { min-height: 3.2em; }
+#c-cards, #c-status { min-height: 4em; }
 #engine-line { min-height: 1.6em; }
 #board { font-variant-numeric: tabular-nums; }
 #c-cards .c-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr)); gap: 12px; }
@@ -28,6 +39,11 @@ CSS = """
   font-size: 0.9em; font-variant-numeric: tabular-nums; overflow-wrap: anywhere; }
 #c-cards .c-card img { width: 100%; max-width: 256px; image-rendering: pixelated; display: block; margin: 4px 0; }
 #c-cards .c-card-title { font-weight: 600; }
+#c-cards .c-pair, #a-cards .c-pair { display: grid; grid-template-columns: 1fr 1fr; gap: 4px; }
+#a-cards .c-cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(240px, 1fr)); gap: 12px; }
+#a-cards .c-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 8px; font-size: 0.9em; }
+#a-cards .a-triple { grid-template-columns: 1fr 1fr 1fr; }
+#a-cards img { width: 100%; image-rendering: pixelated; }
 #c-cards .c-card-tag, #c-cards .c-note { color: var(--body-text-color-subdued); font-size: 0.9em; }
 #c-cards .c-card-error { color: var(--error-text-color); }
 """
@@ -55,7 +71,8 @@ STATE_SESSIONS = 500
 def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> dict:
     """Gradio 6 takes theme and css in launch(), not Blocks(). Its /monitoring dashboard is off while its
     statistics are (build_demo turns them off unless the host set them). With `demo`, its edge guard
-    (ui/edge.py: body size, no uploads) wraps the server, and nothing uploaded is ever kept."""
+    (ui/edge.py: body size, no uploads; ui/sockets.py: connections and headers) wraps the server, and nothing
+    uploaded is ever kept."""
     monitoring = os.environ.get("GRADIO_ANALYTICS_CACHE_FREQUENCY") != QUEUE_STATISTICS_OFF[
         "GRADIO_ANALYTICS_CACHE_FREQUENCY"]
     kwargs = {"theme": theme or gr.themes.Soft(), "css": CSS, "enable_monitoring": monitoring,
@@ -63,6 +80,11 @@ def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> di
     guard = getattr(demo, "edge", None)
     if guard is not None:
         kwargs["app_kwargs"] = {"middleware": [guard.middleware()]}
+        if guard.sockets is not None:
+            install_server_hook()  # the server launch() builds serves this app with its socket bounds
+    metrics = getattr(demo, "metrics", None)  # GET /metrics (ui/metrics.py)
+    if metrics is not None:
+        kwargs.setdefault("app_kwargs", {}).setdefault("middleware", []).append(metrics.middleware())
     return kwargs
 
 
@@ -72,7 +94,8 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     queue is full); `edge`: the web edge's bounds (default: per-client bounds in public mode only)."""
     h = handlers or Handlers(manager, defaults)
     if edge is None:
-        edge = EdgeConfig(client_events=CLIENT_EVENTS if manager.policy.public else None)
+        edge = EdgeConfig(client_events=CLIENT_EVENTS if manager.policy.public else None,
+                          **({"sockets": public_bounds()} if manager.policy.public else {}))
     guard = EdgeGuard(EdgeConfig(**{**edge.__dict__, "group_queue": queue_size}))
     h.edge = guard
     queue_statistics_off()  # read by Gradio's queue when demo.queue() creates it
@@ -90,6 +113,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
             advisor.build(h, settings, tabs)
             system.build(h)
         gr.api(h.cancel_api, api_name="cancel", concurrency_limit=None)  # runs of both Generate and Compare
+        demo.advice_jobs = mcp.advisor_api(h)  # the advisor as a start/poll pair (API and MCP tools)
 
         # One status read per second refreshes the board, the engine line and the size labels.
         last = gr.State({})
@@ -102,6 +126,10 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     poll_queue_less_often(demo)
     guard.install(demo)
     demo.edge = guard
+    telemetry = getattr(manager, "telemetry", None)
+    if telemetry is not None:
+        demo.metrics = MetricsRoute(telemetry, h.public, h.defaults.admin_token, edge=guard)
+    mcp.describe_tools(demo)
     return demo
 
 

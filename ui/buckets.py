@@ -19,7 +19,7 @@ from engine.errors import InvalidRequest, NotAllowed, ShowcaseError
 from engine.protocol import Mode, Size, ranks_choice
 from engine.serving.manager import Caller
 from ui import views
-from ui.common import DEFAULT_ATTENTION, FAST, HandlerBase, to_gradio_error
+from ui.common import DEFAULT_ATTENTION, FAST, HandlerBase, document_api, to_gradio_error
 
 log = logging.getLogger(__name__)
 
@@ -241,10 +241,25 @@ def build(h: BucketsHandlers) -> BucketsTab:
                                       elem_id="attention-table")
         admin_token = gr.Textbox(label="Admin token (host operations on this public server)", type="password",
                                  visible=h.public, elem_id="admin-token")
-        gr.api(h.status_api, api_name="status", concurrency_limit=None)
-        gr.api(h.warm_api, api_name="warm", concurrency_limit=None)
-        gr.api(h.restart_api, api_name="restart", concurrency_limit=None,
-               api_visibility="undocumented" if h.public else "public")
+        engine_params = {
+            "preset": "one of " + ", ".join(h.preset_names()),
+            "device": "auto, or a device /system lists as available",
+            "precision": "one of " + ", ".join(h.precision_choices()),
+        }
+        document_api(gr.api(h.status_api, api_name="status", concurrency_limit=None),
+                     returns=("engines", "one object per engine: engine, state (loading / ready / down), load_s, "
+                              "notices, and buckets: [{mode, size, state (cold / queued / compiling / warm / "
+                              "failed), compile_s, warmup_s, requests_served, error}]"))
+        document_api(gr.api(h.warm_api, api_name="warm", concurrency_limit=None),
+                     {**engine_params, "mode": "a compiled mode: " + ", ".join(m for m in Mode.values() if m != "eager"),
+                      "size": "WIDTHxHEIGHT of one bucket, or '' / 'all' for every bucket",
+                      "admin_token": "public servers only: the host's token (visitors may warm one bucket of "
+                                     "their own engine without it)"},
+                     returns=("queued", "{engine, mode, queued: the sizes it compiles now}; /status shows them warm"))
+        document_api(gr.api(h.restart_api, api_name="restart", concurrency_limit=None,
+                            api_visibility="undocumented" if h.public else "public"),
+                     {**engine_params, "admin_token": "public servers only: the host's token"},
+                     returns=("restarted", "{engine, restarted: true}"))
 
     board.select(h.board_select, None, [engine, mode, size], **FAST)
     engine.change(h.board_sizes, engine, size, **FAST)

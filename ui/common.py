@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import re
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -22,12 +21,16 @@ from engine import devices as engine_devices
 from engine.errors import (
     BudgetExceeded,
     Cancelled,
+    DeviceOutOfMemory,
     DeviceUnavailable,
     EngineBusy,
+    EngineCrashed,
     InvalidRequest,
+    ModelLoadError,
     NotAllowed,
     ShowcaseError,
     UnsupportedCombination,
+    scrub_paths,
 )
 from engine.pipeline.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401 - the tabs import it from here
 from engine.pipeline.attention import attention_table
@@ -50,19 +53,14 @@ ERROR_TITLES = {
     BudgetExceeded: "No room on this server",
     EngineBusy: "Busy",
     Cancelled: "Cancelled",
+    DeviceOutOfMemory: "Out of memory",
+    EngineCrashed: "Engine stopped",
+    ModelLoadError: "Model could not load",
 }
+# A ShowcaseError of no kind above: the engine's wrapper around a library's error (e.g. diffusers' own
+# ValueError from inside a pipeline call), never titled by a class name.
+FAILED_TITLE = "Generation failed"
 MEMO_ENTRIES = 256  # visitor input memoised (engine keys, each session's engine): least recently used go first
-
-# A server path in a message: absolute (/a/b, C:\\a), home-relative (~, ~user/a) or a dotted relative one
-# (./a, ../a). URLs (scheme://host/...) are left alone.
-_PATH = re.compile(r"""(?<![\w.\-:/~])(?:~[\w.\-]*(?:/[^\s'"`,;()\[\]<>]*)?|\.{1,2}/[^\s'"`,;()\[\]<>]+|"""
-                   r"""/[^\s'"`,;()\[\]<>/]+/[^\s'"`,;()\[\]<>]*|[A-Za-z]:\\[^\s'"`,;()\[\]<>]+)""")
-
-
-def scrub_paths(text: str) -> str:
-    """`text` with every file-system path replaced by <path> (the log keeps the original)."""
-    return _PATH.sub("<path>", str(text))
-
 
 def _unexpected_message(exc: BaseException) -> tuple[str, str]:
     """(title, message) for an exception the engine did not raise on purpose: the condition, never a
@@ -102,7 +100,7 @@ def to_gradio_error(exc: BaseException, public: bool = True) -> gr.Error:
     if isinstance(exc, gr.Error):
         return exc
     if isinstance(exc, ShowcaseError):
-        title = next((t for cls, t in ERROR_TITLES.items() if isinstance(exc, cls)), type(exc).__name__)
+        title = next((t for cls, t in ERROR_TITLES.items() if isinstance(exc, cls)), FAILED_TITLE)
         message = str(exc)
         if public:
             scrubbed = scrub_paths(message)
@@ -142,7 +140,12 @@ def joined_at(request: gr.Request | None) -> float | None:
 
 
 def session_id(request: gr.Request | None) -> str:
-    """The browser tab's or gradio_client's session ("default" when a test calls a handler directly)."""
+    """The browser tab's or gradio_client's session ("default" when a test calls a handler directly); an MCP
+    tool call's is its agent's address (Gradio makes every tool call from one client of its own)."""
+    state = getattr(getattr(request, "request", None), "state", None)
+    agent = getattr(state, "mcp_caller", None) if state is not None else None
+    if agent:
+        return f"mcp:{agent}"
     return getattr(request, "session_hash", None) or "default"
 
 
@@ -195,6 +198,13 @@ class HandlerBase:
             return Caller.HOST
         return Caller.VISITOR
 
+    def client_of(self, request: gr.Request | None) -> str:
+        """Who the engines take turns between and the cost budget is held against: the client's address
+        (ui/edge.py), or its session where no connection is known (a test calling a handler)."""
+        if self.edge is not None and getattr(request, "request", None) is not None:
+            return self.edge.client_of(request)
+        return f"session {session_id(request)}"
+
     def remember_engine(self, request: gr.Request | None, key) -> None:
         with self._lock:
             self._current[session_id(request)] = key
@@ -245,6 +255,10 @@ class HandlerBase:
         except ShowcaseError:
             return []
 
+    def device_spec(self, device: str):
+        """The DeviceSpec a device choice resolves to ("auto" included); ShowcaseError saying why not."""
+        return engine_devices.resolve_device(device)
+
     def step_cache_rows(self, preset: str, device: str, mode: str) -> list[dict]:
         """Every step cache for a preset, device and mode: usable, or why not (engine/pipeline/stepcache.py)."""
         from engine.pipeline.stepcache import available_step_caches
@@ -293,7 +307,7 @@ class HandlerBase:
     async def await_listener(self, request: gr.Request | None) -> None:
         """open_run's listener check for an async handler: the wait runs in a worker thread."""
         if self.edge is not None and getattr(request, "session_hash", None) \
-                and not self.edge.listening(session_id(request)):
+                and not self.edge.listening(request.session_hash):
             import anyio
 
             await anyio.to_thread.run_sync(self._require_listener, request)
@@ -302,7 +316,7 @@ class HandlerBase:
         if self.edge is not None and getattr(request, "session_hash", None):
             from ui.edge import ClientGone
 
-            session = session_id(request)
+            session = request.session_hash  # its event stream's, also for an MCP call
             if not self.edge.await_listener(session):
                 log.info("dropped an event of session %s: its client is not listening", session[:12])
                 raise ClientGone("nobody is listening for this request's result; it was dropped")
@@ -316,3 +330,21 @@ class HandlerBase:
         """Cancel the caller's own /generate or /compare between steps; the run then returns with
         cancelled=true. (gradio_client's job.cancel() stops one job the way the Cancel buttons do.)"""
         log.info("/cancel: %s", self.cancel(request))
+
+
+def document_api(dependency, params: dict[str, str] | None = None, returns: tuple[str, str] | None = None) -> None:
+    """Name a gr.api endpoint's parameters and result in its API page and schema (Gradio labels them "1st",
+    "2nd", ...) and say what each takes: `params` maps a parameter to its allowed values, `returns` is the
+    result's (name, what it holds)."""
+    from gradio.context import get_blocks_context
+
+    blocks = get_blocks_context().blocks
+    for block_id, (name, allowed) in zip(dependency["inputs"], (params or {}).items(), strict=True):
+        component = blocks[block_id]
+        component.label = name
+        component._api_info = {**component._api_info, "description": allowed, "additional_description": allowed}
+    if returns is not None:
+        (block_id,) = dependency["outputs"]
+        component = blocks[block_id]
+        component.label = returns[0]
+        component._api_info = {**component._api_info, "description": returns[1]}

@@ -2,9 +2,14 @@
 
 Every configuration is priced against eager fp32 without a step cache on the first device picked (run
 first, and added when it is not among the picks): seconds per image, speedup, drift of every image
-against the reference's image of the same prompt and seed (PSNR, max pixel difference) and, for a model
-with a pixel checker, fidelity over several prompts. Drift and fidelity come from engine/bench/quality.py,
-the bench's own code, through ui/views.py.
+against the reference's image of the same prompt and seed (PSNR, SSIM, max pixel difference, a heat map)
+and, for a model with a pixel checker, fidelity over several prompts. Drift and fidelity come from
+engine/bench/quality.py, the bench's own code, through ui/views.py.
+
+The configurations are a typed list (engine/bench/configs.py: "eager/fp32; regional/bf16/first-block:0.2")
+or the cross product of the checkboxes. Each is run first for its quality images, which also warm it
+(compile and warm-up reported apart); then all are timed round-robin with the reference by the bench's
+paired plan (engine/bench/paired.py) until each speedup's spread is known or the timing budget ends.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from itertools import product
 import gradio as gr
 import pandas as pd
 
+import engine.bench.configs as explicit
+from engine.bench.paired import PairedTiming, current_marks, engine_marks
 from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size
@@ -25,10 +32,24 @@ from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import HEARTBEAT_S
 
+COST_WIDTHS = ["24%", "10%", "11%", "11%", "12%", "11%", "21%"]  # no header narrower than its longest word
 MIN_CONFIGS, MAX_CONFIGS = 1, 6  # picked; the reference is added when it is not among them
 MAX_FIDELITY_PROMPTS = 32
 DEFAULT_FIDELITY_PROMPTS = 8
 THUMBNAIL_PX = 256
+DEFAULT_TIMING_S = 30.0  # seconds of round-robin timing after the quality images
+MAX_TIMING_S = 600.0
+TIMING_MIN_ROUNDS, TIMING_MAX_ROUNDS = 3, 12
+COMPARE_API_DOC = (
+    "Run the same prompt, seed, size and steps on 1-6 configurations: the typed list `configurations` "
+    "(\"mode/precision[/step cache][@device]\" separated by \";\", e.g. \"eager/fp32; compile/fp32; regional/bf16\"), "
+    "or else every device x precision x mode x step cache picked, plus eager fp32 without a step cache as the "
+    "reference. Each configuration draws its quality images first (they warm it), then all are timed "
+    "round-robin with the reference for up to `timing_s` seconds. Returns (images, results): one captioned "
+    "image per configuration, and results JSON: per configuration its timings, seconds per image, speedup "
+    "against the reference with its spread and image count, drift (PSNR, SSIM, largest pixel difference) and, "
+    "on a model with a checker, fidelity; a configuration that cannot run or fails carries a short reason. "
+    "/cancel stops it between steps.")
 
 
 def thumbnail_uri(image) -> str:
@@ -58,94 +79,195 @@ class CompareHandlers(HandlerBase):
                         choices[value] = label
         return gr.update(choices=[(label, value) for value, label in choices.items()])
 
-    def _configs(self, devices, precisions, modes, caches) -> tuple[list[str], str, bool]:
-        """(every configuration, the reference first; the reference label; whether it was picked)."""
-        picked = [views.config_label(d, p, m, c) for d, p, m, c in
-                  product(devices or [], precisions or [], modes or [], caches or [views.NO_CACHE])]
+    def default_device(self, devices) -> str:
+        """The comparison's device when an entry names none: the first device ticked, else the first available."""
+        if devices:
+            return devices[0]
+        available = [r["name"] for r in self.devices_report() if r.get("available")]
+        return available[0] if available else "cpu"
+
+    def _configs(self, devices, precisions, modes, caches, configurations: str = "") -> tuple[list[str], str, bool]:
+        """(every configuration, the reference first; the reference label; whether it was picked). A typed
+        list (`configurations`) replaces the checkboxes' cross product."""
+        if str(configurations or "").strip():
+            try:
+                typed = explicit.parse_configurations(configurations)
+            except ValueError as exc:
+                raise gr.Error(str(exc), title="Invalid request") from None
+            device = self.default_device(devices)
+            picked = list(dict.fromkeys(views.config_label(c.device or device, c.precision, c.mode, c.step_cache)
+                                        for c in typed))
+            what, reference_device = "listed", device
+        else:
+            picked = [views.config_label(d, p, m, c) for d, p, m, c in
+                      product(devices or [], precisions or [], modes or [], caches or [views.NO_CACHE])]
+            what, reference_device = "device × precision × mode × step cache", (devices or [None])[0]
+            for p in precisions or []:
+                if p not in Precision.values():
+                    raise gr.Error(f"unknown precision {p!r}; choose from {', '.join(Precision.values())}",
+                                   title="Invalid request")
         if not MIN_CONFIGS <= len(picked) <= MAX_CONFIGS:
             raise gr.Error(
-                f"pick {MIN_CONFIGS}–{MAX_CONFIGS} configurations (device × precision × mode × step cache); "
-                f"these choices make {len(picked)}", title="Invalid request")
-        for p in precisions:
-            if p not in Precision.values():
-                raise gr.Error(f"unknown precision {p!r}; choose from {', '.join(Precision.values())}",
-                               title="Invalid request")
-        reference = views.reference_label(devices[0])
+                f"pick {MIN_CONFIGS}–{MAX_CONFIGS} configurations ({what}); these choices make {len(picked)}",
+                title="Invalid request")
+        reference = views.reference_label(reference_device)
         return [reference, *(c for c in picked if c != reference)], reference, reference in picked
 
-    def compare(self, prompt, preset, size, steps, guidance, seed, devices, precisions, modes,
-                wait_for_warm=True, caches=None, fidelity_prompts=DEFAULT_FIDELITY_PROMPTS,
-                request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
-        """The same prompt, seed, size and steps on every device × precision × mode × step cache picked
-        (1–6), plus eager fp32 without a cache on the first device when it is not among them.
+    def refusal(self, preset: str, config: str) -> str | None:
+        """Why a configuration cannot run here, by the engine's own checks (None: it can)."""
+        device, precision, mode, cache = views.parse_config(config)
+        try:
+            spec = self.device_spec(device)
+            return explicit.refusal(self.manager.preset(preset), spec,
+                                    explicit.Configuration(mode, precision, cache))
+        except ShowcaseError as exc:
+            return explicit.first_line(str(exc))
+        except ValueError as exc:  # a mode or precision this engine does not know
+            return explicit.first_line(str(exc))
 
-        Streams (gallery, results, thumbnails) at the start and after each configuration; results =
-        {"configs", "done", "reference", "results": [...as_dict() + config, image_ms, drift, fidelity, bucket
-        costs], "speedup": speedup_table rows}; thumbnails: the cards' images as data: URIs, by image_index
-        (a State: the cards never read the gallery's files back). A configuration that fails is reported,
-        the others still run.
+    def check_configurations(self, preset: str, devices, configurations: str) -> str:
+        """Markdown under the typed list: each configuration and whether it can run here, or the form's error."""
+        if not str(configurations or "").strip():
+            return ""
+        try:
+            typed = explicit.parse_configurations(configurations)
+        except ValueError as exc:
+            return f"✗ {exc}"
+        device = self.default_device(devices)
+        lines = []
+        for c in typed:
+            label = views.config_label(c.device or device, c.precision, c.mode, c.step_cache)
+            why = self.refusal(preset, label)
+            lines.append(f"- ✗ `{label}`: {why}" if why else f"- ✓ `{label}`")
+        return "\n".join(lines)
+
+    def configuration_list(self, which: str, preset: str, devices, size, steps) -> str:
+        """A ready-made list for the typed field: the levers one at a time, or the Advisor's frontier (from its
+        saved result for this preset, device, size and steps)."""
+        if which not in explicit.LISTS:
+            return gr.skip()
+        device = self.default_device(devices)
+        try:
+            spec = self.device_spec(device)
+            model = self.manager.preset(preset)
+        except ShowcaseError as exc:
+            raise to_gradio_error(exc) from None
+        if which == explicit.FRONTIER:
+            size_text = str(size or model.buckets[0])
+            found = explicit.saved_frontier(self.manager.cache_dir, model.name, spec.name, size_text,
+                                            int(steps or model.steps))
+            if not found:
+                raise gr.Error(f"no Advisor result for {model.name} on {spec.name} at {size_text}, "
+                               f"{int(steps or model.steps)} steps: run the Advisor tab with these settings first",
+                               title="Nothing to load")
+            return "; ".join(c.text() for c in found[:MAX_CONFIGS])
+        return "; ".join(c.text() for c in explicit.levers_one_at_a_time(model, spec, MAX_CONFIGS))
+
+    def compare(self, prompt, preset, size, steps, guidance, seed, devices, precisions, modes,
+                wait_for_warm=True, caches=None, fidelity_prompts=DEFAULT_FIDELITY_PROMPTS, configurations=None,
+                timing_s=DEFAULT_TIMING_S, request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
+        """The same prompt, seed, size and steps on every configuration (1–6): the typed list
+        `configurations` ("mode/precision[/step cache][@device]; ...", engine/bench/configs.py) or else every
+        device × precision × mode × step cache picked, plus eager fp32 without a cache on the first device
+        when it is not among them.
+
+        Each configuration first draws its quality images (the prompt, then the fidelity prompts), which warm
+        it; then every configuration is timed round-robin with the reference for up to `timing_s` seconds
+        (engine/bench/paired.py). Streams (gallery, results, thumbnails) at the start and after each
+        configuration and round; results = {"configs", "done", "reference", "timing", "results": [...as_dict()
+        + config, image_ms (timed), warmup_image_ms, speedup_figure, drift, fidelity, bucket costs],
+        "speedup": speedup_table rows}; thumbnails: the cards' images and heat maps as data: URIs, by
+        image_index / heatmap_index. A configuration that cannot run here or fails is reported with a short
+        reason; the others still run.
         """
-        configs, reference, picked = self._configs(devices, precisions, modes, caches)
+        configs, reference, picked = self._configs(devices, precisions, modes, caches, configurations)
         try:
             size_text = str(Size.parse(size)) if size else str(self.manager.preset(preset).buckets[0])
             model = self.manager.preset(preset)
             steps_total = check_steps(steps) if steps else model.steps
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
+        try:
+            timing_budget = min(MAX_TIMING_S, max(0.0, float(DEFAULT_TIMING_S if timing_s is None else timing_s)))
+        except (TypeError, ValueError):
+            raise gr.Error(f"timing seconds must be a number from 0 to {MAX_TIMING_S:g}, not {timing_s!r}",
+                           title="Invalid request") from None
+        refused = {c: why for c in configs if (why := self.refusal(preset, c))}
         n_samples = max(0, min(MAX_FIDELITY_PROMPTS, int(fidelity_prompts or 0))) if views.has_checker(model) else 0
         # The main prompt, then the sample prompts (seeded: every configuration draws the same ones).
         prompts = [prompt, *views.fidelity_sample_prompts(model, n_samples, fallback=prompt)]
         seeds = [seed, *(1000 + i for i in range(n_samples))]
         runs_each = len(prompts)
+        caller = self.caller(request)
+        # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
+        # rounds that still give a spread; the host's grow until the spread is known or the budget ends.
+        max_rounds = TIMING_MIN_ROUNDS if self.manager.priced(caller) else TIMING_MAX_ROUNDS
+        rounds_cap = max_rounds if timing_budget > 0 else 0
+        grand_total = len(configs) * (runs_each + rounds_cap) * steps_total
         note = ("the reference, picked" if picked else
                 "the reference, added: every speedup and drift is measured against it")
         results: list[dict] = []
         gallery: list[tuple] = []
         thumbnails: list[str] = []
         ref_images: list | None = None
+        timing: dict = {"budget_s": timing_budget, "rounds": 0, "stop_reason": None}
 
         def payload(done: bool = False):
             return {"configs": configs, "done": done, "reference": reference, "results": results,
-                    "speedup": views.speedup_table(results)}
+                    "timing": timing, "speedup": views.speedup_table(results)}
 
-        caller = self.caller(request)
         with ExitStack() as stack:
-            try:  # public mode: one running request per visitor
+            try:  # public mode: one running request per visitor, priced as a whole before anything runs
                 run = stack.enter_context(self.open_run(request))
+                price = self.manager.price_compare(preset, size_text, steps_total, len(configs), runs_each + rounds_cap,
+                                                   guidance, caller=caller)
+                ticket = stack.enter_context(self.manager.admission(self.client_of(request), price, caller))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
             yield gallery, payload(), thumbnails  # the page shows this comparison from now on
+            last_yield = [time.perf_counter()]
+
+            def draw(config: str, text: str, sample_seed: int, desc: str, offset: int):
+                """One image of `config` through the engine; yields heartbeats, returns (result, seconds)."""
+                device, precision, mode, cache = views.parse_config(config)
+                key = self.key_for(preset, device, precision, caller=caller)
+                kwargs = dict(preset=preset, device=device, precision=precision, mode=mode, size=size_text,
+                              prompt=text, negative_prompt=None, steps=steps_total, guidance=guidance,
+                              seed=sample_seed, on_cold="wait" if wait_for_warm else "eager", ticket=ticket)
+                if cache != views.NO_CACHE:
+                    kwargs["step_cache"] = cache
+                started = time.perf_counter()
+                with closing(self.runs.stream(run, key, progress, desc_prefix=desc, offset=offset,
+                                              grand_total=grand_total, caller=caller, **kwargs)) as stream:
+                    for kind, item in stream:
+                        if kind == "done":
+                            return item, time.perf_counter() - started
+                        if time.perf_counter() - last_yield[0] >= HEARTBEAT_S:
+                            last_yield[0] = time.perf_counter()
+                            yield gr.skip(), gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
+                raise RuntimeError("the engine ended the request without a result")
+
+            # Quality images, one configuration after another: they also warm each configuration.
             for index, config in enumerate(configs):
                 if run.cancelled:
                     results.append({"config": config, "error": "cancelled before it started"})
                     continue
-                device, precision, mode, cache = views.parse_config(config)
-                last_yield = time.perf_counter()
+                if config in refused:
+                    results.append({"config": config, "error": f"not run: {refused[config]}", "refused": True,
+                                    "reference": config == reference})
+                    yield gallery, payload(), thumbnails
+                    continue
                 outcomes = []
                 try:
-                    key = self.key_for(preset, device, precision, caller=caller)
                     for i, (text, sample_seed) in enumerate(zip(prompts, seeds, strict=True)):
-                        started = time.perf_counter()
-                        kwargs = dict(preset=preset, device=device, precision=precision, mode=mode, size=size_text,
-                                      prompt=text, negative_prompt=None, steps=steps_total, guidance=guidance,
-                                      seed=sample_seed, on_cold="wait" if wait_for_warm else "eager")
-                        if cache != views.NO_CACHE:
-                            kwargs["step_cache"] = cache
                         desc = f"{config}: " if i == 0 else f"{config} fidelity prompt {i}/{n_samples}: "
-                        with closing(self.runs.stream(
-                            run, key, progress, desc_prefix=desc, offset=(index * runs_each + i) * steps_total,
-                            grand_total=len(configs) * runs_each * steps_total, caller=caller, **kwargs,
-                        )) as stream:
-                            for kind, item in stream:
-                                if kind == "done":
-                                    outcomes.append((item, time.perf_counter() - started))
-                                elif time.perf_counter() - last_yield >= HEARTBEAT_S:
-                                    last_yield = time.perf_counter()
-                                    yield gr.skip(), gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
+                        outcomes.append((yield from draw(config, text, sample_seed, desc,
+                                                         (index * runs_each + i) * steps_total)))
                 except ShowcaseError as exc:
                     if isinstance(exc, Cancelled):
                         gr.Warning(str(exc), title="Cancelled", duration=4)
-                    results.append({"config": config, "error": str(exc), "reference": config == reference})
+                    results.append({"config": config, "error": explicit.first_line(str(exc)),
+                                    "reference": config == reference})
                     yield gallery, payload(), thumbnails
                     continue
                 except Exception as exc:
@@ -154,10 +276,12 @@ class CompareHandlers(HandlerBase):
                     raise to_gradio_error(exc) from None
                 result, elapsed = outcomes[0]
                 waited_s = max(0.0, elapsed - result.timings.total_ms / 1000)
-                entry = {**result.as_dict(), "config": config, "waited_s": waited_s,
-                         "image_ms": [r.timings.total_ms for r, _ in outcomes]}
+                warmup_ms = [r.timings.total_ms for r, _ in outcomes]
+                entry = {**result.as_dict(), "config": config, "waited_s": waited_s, "image_ms": warmup_ms,
+                         "warmup_image_ms": warmup_ms}
                 if config == reference:
                     entry.update(reference=True, reference_note=note)
+                mode = views.parse_config(config)[2]
                 bucket = views.find_bucket(self.manager.status(), entry["engine"], mode, entry["bucket"])
                 if bucket:
                     entry.update(compile_s=bucket.get("compile_s"), warmup_s=bucket.get("warmup_s"),
@@ -167,20 +291,96 @@ class CompareHandlers(HandlerBase):
                     ref_images = images
                 entry.update(views.price_quality(images, prompts, None if config == reference else ref_images,
                                                  model))
-                entry["image_index"] = len(gallery)
-                results.append(entry)
-                caption = " · ".join(filter(None, [
-                    config, f"{views.per_image_s(entry):.3f} s / image",
-                    f"drift {entry['drift']}" if entry.get("drift") else "",
-                    f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
-                    "eager fallback" if result.eager_fallback else ""]))
-                gallery.append((images[0], caption))
+                entry["image_index"] = len(thumbnails)
                 thumbnails.append(thumbnail_uri(images[0]))
+                if config != reference and ref_images is not None:
+                    entry["heatmap_index"] = len(thumbnails)
+                    thumbnails.append(thumbnail_uri(views.difference_picture(images[0], ref_images[0])))
+                entry["gallery_index"] = len(gallery)
+                results.append(entry)
+                gallery.append((images[0], self._caption(entry)))
                 yield gallery, payload(), thumbnails
+
+            # Timing: round-robin with the reference, the start rotating, until each spread is known.
+            entries = {r["config"]: r for r in results if not r.get("error")}
+            ref_entry = entries.get(reference)
+            if ref_entry is None or run.cancelled or timing_budget <= 0:
+                timing["stop_reason"] = ("cancelled" if run.cancelled else "no timing budget" if timing_budget <= 0
+                                         else "the reference did not run: no speedups")
+            else:
+                plan = PairedTiming(list(entries), reference=reference, budget_s=timing_budget,
+                                    min_rounds=TIMING_MIN_ROUNDS, max_rounds=max_rounds)
+                for config, r in entries.items():
+                    plan.warm[config] = {k: r.get(k) for k in ("compile_s", "warmup_s", "waited_s")}
+                own = {r.get("engine") for r in entries.values()}
+
+                def marks() -> list[str]:
+                    try:
+                        compiles = self.manager.host_status().get("compiles")
+                        return current_marks(lambda: engine_marks(self.manager.status(), own, compiles))
+                    except Exception:  # a status read must not end the measurement
+                        return current_marks()
+
+                started, round_index = time.perf_counter(), 0
+                done_images = len(configs) * runs_each
+                while not run.cancelled:
+                    elapsed = time.perf_counter() - started
+                    if not plan.another_round(elapsed, elapsed / round_index if round_index else None):
+                        break
+                    for config in plan.order(round_index):
+                        if run.cancelled:
+                            break
+                        before = marks()
+                        try:
+                            result, _ = yield from draw(config, prompt, seed, f"timing round {round_index + 1}: "
+                                                        f"{config}: ", done_images * steps_total)
+                        except Exception as exc:  # it is no longer timed; the others go on
+                            why = explicit.first_line(str(exc)) if isinstance(exc, ShowcaseError) else \
+                                f"internal error ({type(exc).__name__})"
+                            plan.warm[config]["error"] = entries[config]["timing_error"] = why
+                            if config == reference:
+                                break
+                            continue
+                        done_images = min(done_images + 1, len(configs) * (runs_each + rounds_cap))
+                        plan.record(round_index, config, result.timings.total_ms, dict.fromkeys(before + marks()))
+                    round_index += 1
+                    self._apply_timing(plan, entries)
+                    for entry in entries.values():
+                        i = entry["gallery_index"]
+                        gallery[i] = (gallery[i][0], self._caption(entry))
+                    timing.update(rounds=plan.rounds, stop_reason=plan.stop_reason)
+                    yield gallery, payload(), thumbnails
+                    if "error" in plan.warm.get(reference, {}):
+                        plan.stop_reason = "the reference failed while timed"
+                        break
+                self._apply_timing(plan, entries)
+                timing.update(rounds=plan.rounds, stop_reason="cancelled" if run.cancelled else plan.stop_reason)
+                progress((grand_total, grand_total), desc=f"timed {plan.rounds} rounds: {timing['stop_reason']}",
+                         unit="steps")
         yield gallery, payload(done=True), thumbnails
         if all(r.get("error") for r in results):
             failures = "; ".join(f"{r['config']}: {r['error']}" for r in results)
             raise gr.Error(f"every configuration failed: {failures}", title="Compare failed")
+
+    @staticmethod
+    def _caption(entry: dict) -> str:
+        """A gallery image's caption: its configuration, s / image, speedup, drift and fidelity."""
+        figure = entry.get("speedup_figure")
+        return " · ".join(filter(None, [
+            entry["config"], f"{views.per_image_s(entry):.3f} s / image",
+            f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
+            f"drift {entry['drift']}" if entry.get("drift") else "",
+            f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
+            "eager fallback" if entry.get("eager_fallback") else ""]))
+
+    @staticmethod
+    def _apply_timing(plan: PairedTiming, entries: dict[str, dict]) -> None:
+        """Each entry's one speedup (and its timed images) from the paired plan: every view reads these."""
+        for config, entry in entries.items():
+            figure = plan.figure(config)
+            if figure.images:
+                entry["image_ms"] = [plan.times[config][r] for r in sorted(plan.times[config])]
+                entry["speedup_figure"] = figure.as_dict()
 
     def compare_ended(self, payload: dict | None):
         """After the Compare event, however it ended. Results not "done" mean Gradio closed the handler
@@ -210,17 +410,21 @@ class CompareHandlers(HandlerBase):
         frame = views.step_frame(views.compare_step_rows(results), views.COMPARE_STEP_COLUMNS)
         if payload.get("done", True):
             series = list(dict.fromkeys(frame["config"]))
-            plot = gr.update(value=frame, colors_in_legend=series, color_map=views.series_colors(series))
+            frame, order = views.steps_as_labels(frame)
+            plot = gr.update(value=frame, colors_in_legend=series, color_map=views.series_colors(series), sort=order,
+                             y_aggregate="mean" if order else None)  # labelled steps: one value per step and series
         else:
             plot = gr.skip()
         price = pd.DataFrame(views.price_rows(results), columns=views.PRICE_COLUMNS)
         costs = pd.DataFrame(views.cost_rows(results), columns=views.COST_COLUMNS)
         thumbnails = thumbnails or []
-        uris = []
-        for r in results:
-            i = r.get("image_index")
-            uris.append(thumbnails[i] if i is not None and i < len(thumbnails) else None)
-        return plot, price, costs, views.compare_cards_html(results, uris)
+
+        def uri(r: dict, key: str):
+            i = r.get(key)
+            return thumbnails[i] if i is not None and i < len(thumbnails) else None
+
+        return plot, price, costs, views.compare_cards_html(results, [uri(r, "image_index") for r in results],
+                                                            heatmaps=[uri(r, "heatmap_index") for r in results])
 
 
 def build(h: CompareHandlers) -> None:
@@ -231,10 +435,12 @@ def build(h: CompareHandlers) -> None:
     available = [r["name"] for r in report if r.get("available")]
     with gr.Tab("Compare", id="compare"):
         gr.Markdown("The same prompt, seed, size and steps on 1–6 configurations (device × precision × mode × "
-                    "step cache), one after another, each priced against **eager fp32 without a step cache** "
-                    "(run first; added when not picked): seconds per image, speedup, drift of every image "
-                    "against the reference's, and for the embedded model the checker's fidelity over "
-                    "several prompts.")
+                    "step cache, or a typed list), each priced against **eager fp32 without a step cache** "
+                    "(run first; added when not picked): each draws its quality images first (which warm it), "
+                    "then all are timed round-robin with the reference until every speedup's spread is known. "
+                    "Seconds per image, speedup with its spread, drift of every image against the reference's "
+                    "(with a heat map of the difference), and for the embedded model the checker's fidelity "
+                    "over several prompts.")
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
                 prompt = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="c-prompt")
@@ -253,6 +459,12 @@ def build(h: CompareHandlers) -> None:
                                          label="Fidelity prompts (models with a checker)",
                                          elem_id="c-fidelity-prompts")
             with gr.Column(scale=2, min_width=420):
+                # The buttons and the run's progress first: the cards start below a laptop screen's fold.
+                with gr.Row():
+                    compare_btn = gr.Button("Compare", variant="primary", elem_id="compare-btn")
+                    cancel_btn = gr.Button("Cancel", variant="stop", elem_id="c-cancel-btn")
+                status = gr.Markdown("Its progress shows here; each configuration's card, price and costs below.",
+                                     elem_id="c-status")
                 devices = gr.CheckboxGroup(views.device_choices(report, short=True)[1:], value=available[:1],
                                            label="Devices", elem_id="c-devices")
                 precisions = gr.CheckboxGroup(h.precision_choices(), value=["fp32"], label="Precisions",
@@ -265,38 +477,52 @@ def build(h: CompareHandlers) -> None:
                                           label="Step caches (unavailable ones say why)", elem_id="c-caches")
                 wait = gr.Checkbox(True, label="Wait for compiled buckets (their compile cost is "
                                    "measured); off: cold buckets run eagerly", elem_id="c-wait")
+                configurations = gr.Textbox(
+                    label="Configurations (replaces the checkboxes when filled): mode/precision[/step cache]"
+                          "[@device], separated by ; — e.g. eager/fp32; compile/fp32; regional/bf16; "
+                          "eager/fp32/first-block:0.2", value="", lines=2, elem_id="c-configs")
                 with gr.Row():
-                    compare_btn = gr.Button("Compare", variant="primary", elem_id="compare-btn")
-                    cancel_btn = gr.Button("Cancel", variant="stop", elem_id="c-cancel-btn")
+                    config_list = gr.Dropdown(list(explicit.LISTS), value=None, label="Fill in a list",
+                                              elem_id="c-config-list")
+                    timing = gr.Slider(0, 120, value=DEFAULT_TIMING_S, step=5, label="Timing budget (s): "
+                                       "round-robin rounds after the quality images", elem_id="c-timing")
+                config_check = gr.Markdown(elem_id="c-config-check")
         cards = gr.HTML(elem_id="c-cards", label="Each configuration")
         speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True,
                              column_widths=views.PRICE_WIDTHS, label="Price of each configuration",
                              elem_id="c-speedup")
-        gr.Markdown("s / image: median over the configuration's images (the prompt and the fidelity prompts); "
-                    "× vs eager fp32: the reference's s / image ÷ this; drift: the worst PSNR and largest pixel "
+        gr.Markdown("s / image: median of the configuration's timed images; × vs eager fp32: the median of the "
+                    "reference's time ÷ this one's, each pair timed in the same round-robin round (the start "
+                    "rotating, every configuration warm first), with its interquartile range and the number of "
+                    "images; a range across 1.0× reads \"no measurable difference here\"; a figure is marked "
+                    "when a compile, another engine's work or a host load spike ran during it; drift: the worst PSNR and largest pixel "
                     "difference (0–255) against the reference's image of the same prompt and seed; fidelity: "
                     "prompts the pixel checker reads as drawn right; steps computed / cached: the step cache's "
                     "share. Cached steps are their own series on the plot.")
-        with gr.Row():
-            plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
-                               x_title="step", y_title="ms", height=280, elem_id="c-plot")
-            costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
-                                 label="Compile and warm-up costs", elem_id="c-costs")
+        # Each the page's full width: the legend names every series, no costs header breaks inside a word.
+        plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
+                           x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot")
+        costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
+                             column_widths=COST_WIDTHS, label="Compile and warm-up costs", elem_id="c-costs")
         with gr.Accordion("Images at full size", open=False):
             gallery = gr.Gallery(label="Images", columns=4, height=260, elem_id="c-gallery", type="pil",
                                  object_fit="contain")
         with gr.Accordion("Results JSON", open=False):
-            results = gr.JSON(elem_id="c-json")
+            results = gr.JSON(elem_id="c-json", label="results", show_label=False)
         thumbnails = gr.State([])
 
     preset_dd.change(h.compare_defaults, preset_dd, [size, steps, guidance], **FAST)
+    config_list.input(h.configuration_list, [config_list, preset_dd, devices, size, steps], configurations, **FAST)
+    gr.on([configurations.change, preset_dd.change, devices.change], h.check_configurations,
+          [preset_dd, devices, configurations], config_check, **FAST)
     gr.on([preset_dd.change, devices.change, modes.change], h.compare_caches, [preset_dd, devices, modes], caches,
           **FAST)
     run = compare_btn.click(
         h.compare, [prompt, preset_dd, size, steps, guidance, seed, devices, precisions, modes, wait, caches,
-                    fidelity],
-        [gallery, results, thumbnails], api_name="compare", concurrency_id=ENGINE_QUEUE,
-        concurrency_limit=h.run_slots(), show_progress="full", show_progress_on=[cards],
+                    fidelity, configurations, timing],
+        [gallery, results, thumbnails], api_name="compare", api_description=COMPARE_API_DOC,
+        concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots(), show_progress="full",
+        show_progress_on=[status, cards],
     )
     # Gradio closes the running handler; closing it cancels the engine request between steps.
     cancel_btn.click(None, cancels=[run])

@@ -6,6 +6,8 @@
   address, see `client_address`) may hold a bounded number of events waiting or running, and each
   concurrency group has its own queue bound, so a full generate queue never refuses /status, /cancel
   or /system.
+- Connections are bounded before any of this, at the socket (ui/sockets.py): open connections in total
+  and per address, a deadline and a size bound for a request's headers.
 - The event streams that are open (GET .../queue/data, .../call/<api>/<event_id>) are tracked per
   session, so a handler can drop an event whose client never listens before it reaches an engine.
 """
@@ -13,22 +15,28 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import ipaddress
 import json
 import logging
+import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs
 
 from engine.errors import ShowcaseError
+from ui.sockets import SocketBounds, SocketGuard
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024  # a /generate body with 2 × 4,000-character prompts is ~10 KB
 LISTEN_GRACE_S = 3.0  # a page or gradio_client opens its event stream right after joining
 CLIENT_EVENTS = 8  # public mode: events one client may have waiting or running
+REFUSALS_KEPT = 1024  # clients whose last refusal is kept (the oldest are forgotten first)
+MCP_CALLER_HEADER = "x-showcase-mcp-caller"  # an MCP tool call's agent (EdgeGuard.mark_mcp_caller)
 
 
 class ClientGone(ShowcaseError):
@@ -42,6 +50,7 @@ class EdgeConfig:
     group_queue: int | None = 64  # events waiting per concurrency group
     trusted_proxies: tuple = field(default=())  # ip networks whose X-Forwarded-For is believed
     listen_grace_s: float = LISTEN_GRACE_S
+    sockets: SocketBounds | None = field(default_factory=SocketBounds)  # None: no socket bounds
 
 
 def parse_proxies(text: str | None) -> tuple:
@@ -107,15 +116,44 @@ class EdgeGuard:
         self._joining: Counter[str] = Counter()  # client -> joins under way (not in the queue yet)
         self._joining_groups: Counter[str] = Counter()
         self.queue = None
-        self.refused = Counter()  # reason -> count, for /system
+        self.refused = Counter()  # reason -> count, for /system and /metrics
+        self._last_refusal: OrderedDict[str, tuple[float, str]] = OrderedDict()  # client -> (when, message)
+        self._secret = secrets.token_bytes(32)  # signs MCP caller headers (mark_mcp_caller); never leaves here
+        bounds = self.config.sockets
+        self.sockets = SocketGuard(bounds, self.config.trusted_proxies) if bounds is not None else None
 
     # -- who -----------------------------------------------------------------------------------
     def client_of(self, request) -> str:
-        """The client of a Starlette/fastapi request (or a gr.Request's underlying one)."""
+        """The client of a Starlette/fastapi request (or a gr.Request's underlying one); for an MCP tool
+        call (which Gradio makes over loopback) the agent that called it."""
         request = getattr(request, "request", None) or request
-        peer = getattr(getattr(request, "client", None), "host", None)
         headers = getattr(request, "headers", None) or {}
+        caller = self.mcp_caller(headers.get(MCP_CALLER_HEADER))
+        if caller is not None:
+            return caller
+        peer = getattr(getattr(request, "client", None), "host", None)
         return client_address(peer, headers.get("x-forwarded-for"), self.config.trusted_proxies)
+
+    def mcp_caller(self, value: str | None) -> str | None:
+        """The address in an MCP caller header this guard signed, else None (a forged one names nobody)."""
+        address, _, signature = (value or "").rpartition(" ")
+        if address and hmac.compare_digest(signature, self._sign(address)):
+            return address
+        return None
+
+    def _sign(self, address: str) -> str:
+        return hmac.new(self._secret, address.encode(), hashlib.sha256).hexdigest()
+
+    def mark_mcp_caller(self, scope) -> None:
+        """An MCP request: Gradio copies its headers onto the loopback API call it makes for the tool, so a
+        header naming the agent's address, signed with this guard's secret, makes that call count against
+        the agent's own bounds (and not all agents' against one loopback address)."""
+        peer = (scope.get("client") or (None,))[0]
+        address = client_address(peer, _header(scope, b"x-forwarded-for"), self.config.trusted_proxies)
+        name = MCP_CALLER_HEADER.encode()
+        headers = [(k, v) for k, v in scope.get("headers") or () if k.lower() != name]
+        headers.append((name, f"{address} {self._sign(address)}".encode("latin-1")))
+        scope["headers"] = headers
 
     # -- listening -------------------------------------------------------------------------------
     def listening(self, session: str) -> bool:
@@ -169,6 +207,8 @@ class EdgeGuard:
             if refusal:
                 return False, refusal, "queue_full"
             request.state.joined_at = time.monotonic()  # what /cancel compares against (ui/runs.py)
+            if self.mcp_caller(request.headers.get(MCP_CALLER_HEADER)) is not None:
+                request.state.mcp_caller = client  # its runs and /cancel: the agent's own (ui/common.py)
             try:
                 return await original(body=body, request=request, username=username)
             finally:
@@ -192,17 +232,32 @@ class EdgeGuard:
             waiting = (len(waiting.queue) if waiting is not None else 0) + self._joining_groups[group]
             if config.group_queue is not None and waiting >= config.group_queue:
                 self.refused["queue full"] += 1
-                return (f"The queue is full ({waiting} requests waiting for this action); "
-                        "retry in a few seconds")
+                return self._refusal_of(client, f"The queue is full ({waiting} requests waiting for this "
+                                                "action); retry in a few seconds")
             if config.client_events is not None:
                 mine = self._joining[client] + sum(1 for e in self._events() if self.client_of(e.request) == client)
                 if mine >= config.client_events:
                     self.refused["per client"] += 1
-                    return (f"You already have {mine} requests waiting or running on this server (at most "
-                            f"{config.client_events} per visitor); wait for one to finish or cancel it")
+                    return self._refusal_of(client, f"You already have {mine} requests waiting or running on this "
+                                                    f"server (at most {config.client_events} per visitor); wait for "
+                                                    "one to finish or cancel it")
             self._joining[client] += 1
             self._joining_groups[group] += 1
         return None
+
+    def _refusal_of(self, client: str, message: str) -> str:
+        """Keep the refusal for `client` (who asked): gradio_client reads any refused join as
+        "Queue is full!", so an MCP tool call looks its own message up here (ui/mcp.py)."""
+        self._last_refusal[client] = (time.monotonic(), message)
+        self._last_refusal.move_to_end(client)
+        while len(self._last_refusal) > REFUSALS_KEPT:
+            self._last_refusal.popitem(last=False)
+        return message
+
+    def last_refusal(self, client: str | None, within_s: float = 30.0) -> str | None:
+        with self._lock:
+            at, message = self._last_refusal.get(client, (None, None)) if client else (None, None)
+        return message if at is not None and time.monotonic() - at <= within_s else None
 
     def _events(self):
         q = self.queue
@@ -223,7 +278,8 @@ class EdgeGuard:
         return {"max_body_bytes": c.max_body_bytes, "client_events": c.client_events,
                 "queue_per_action": c.group_queue, "listen_grace_s": c.listen_grace_s,
                 "trusted_proxies": [str(n) for n in c.trusted_proxies], "uploads": "refused",
-                "refused": dict(self.refused)}
+                "refused": dict(self.refused),
+                **({"sockets": self.sockets.snapshot()} if self.sockets is not None else {})}
 
 
 class _EdgeMiddleware:
@@ -237,6 +293,8 @@ class _EdgeMiddleware:
         guard = self.guard
         limit = guard.config.max_body_bytes
         path = scope["path"].rstrip("/")
+        if "/gradio_api/mcp" in path:
+            guard.mark_mcp_caller(scope)
         content_type = (_header(scope, b"content-type") or "").lower()
         if path.endswith("/upload") or content_type.startswith("multipart/"):
             guard.refused["upload"] += 1

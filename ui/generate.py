@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import gradio as gr
 import pandas as pd
+from PIL import Image
 
 from engine.errors import Cancelled, ShowcaseError
-from engine.protocol import Parallel, Size, ranks_choice
+from engine.protocol import Mode, Parallel, Size, ranks_choice
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 
@@ -28,6 +29,22 @@ PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one re
 # The /generate API's parameters, in the handler's order (GenerateHandlers.generate).
 GENERATE_API_PARAMS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "steps",
                        "guidance", "seed", "on_cold", "tp", "step_cache", "lora")
+HISTORY_PX = 256  # a history image's longer side: the history keeps thumbnails, not every full image
+GENERATE_API_DOC = (
+    "Generate one image. Returns (image, timings): image is the PNG (None in partial results and when the "
+    "run was cancelled); timings is the run's figures as JSON, as the CLI's --json prints them: step_ms "
+    "(one per step), encode/denoise/decode/total ms, seed, bucket, notices (e.g. a size snapped to its "
+    "bucket), peak memory. With client.submit() partial timings (\"running\": true) stream while it runs; "
+    "/cancel or job.cancel() stops it between steps (then \"cancelled\": true). Every parameter is text; "
+    "'' takes the default.")
+
+
+def api_text(name: str, value: str, allowed: str) -> gr.Textbox:
+    """A hidden text parameter of /generate whose API schema says which values it takes (a Textbox's own says
+    only "string"). Not a Textbox subclass: Gradio would write a .pyi stub beside this module for one."""
+    box = gr.Textbox(value=value, visible=False, label=name)
+    box.api_info = lambda: {"type": "string", "description": allowed, "additional_description": allowed}
+    return box
 
 
 class RunView:
@@ -121,9 +138,11 @@ class GenerateHandlers(HandlerBase):
     def step_cache_choices(self, preset: str, device: str, mode: str, current: str | None = None):
         """The step caches this preset, device and mode can use; unusable ones say why. A choice the
         new settings cannot run falls back to none."""
-        choices = views.step_cache_choices(self.step_cache_rows(preset, device, mode)) or [("none", "none")]
+        rows = self.step_cache_rows(preset, device, mode)
+        choices = views.step_cache_choices(rows, short=True) or [("none", "none")]
         usable = {value for label, value in choices if " · unavailable" not in label}
-        return gr.update(choices=choices, value=current if current in usable else "none")
+        return gr.update(choices=choices, value=current if current in usable else "none",
+                         info=views.step_cache_reasons(rows) or None)
 
     def lora_choices(self, preset: str):
         """The new preset's LoRA adapters (none selected)."""
@@ -239,8 +258,12 @@ class GenerateHandlers(HandlerBase):
         if given(lora) is not None and lora != "none":  # "NAME[:SCALE]"; the slider's scale wins on the page
             kwargs.update(lora=lora, lora_scale=given(lora_scale))
         caller = self.caller(request)
+        kwargs["client"] = self.client_of(request)
         try:
             key = self.key_for(preset, device, precision, tp, caller=caller)
+            if self.public:  # a request over the cost budget is refused before its engine is started
+                self.manager.price_generate(key.preset, size or None, kwargs["steps"], kwargs["guidance"],
+                                            caller=caller)
             kwargs["tp"] = key.tp
             if key.parallel.context:
                 kwargs["parallel"] = key.parallel
@@ -268,10 +291,61 @@ class GenerateHandlers(HandlerBase):
         return None, dict(timings, running=False, cancelled=True, message=message)
 
     def render_run(self, result: dict | None):
-        """Per-step plot and stats table of one run (also of a partial, still-running result)."""
-        plot = views.step_frame(views.step_rows(result), views.STEP_COLUMNS)
+        """Per-step plot, stats table and summary line of one run (also of a partial, still-running one)."""
+        plot = views.step_frame(views.step_rows(result), views.STEP_COLUMNS, series=(views.COMPUTED, views.CACHED))
         stats = pd.DataFrame(views.stats_rows(result), columns=views.STATS_COLUMNS)
-        return plot, stats
+        return plot, stats, views.run_summary(result)
+
+    def generate_page(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
+                      on_cold, tp, step_cache, history, request: gr.Request = None,
+                      progress=gr.Progress()):  # noqa: B008
+        """The page's run: what `generate` streams, and with the image the run history (this session's last
+        views.HISTORY_RUNS images, newest first, each captioned with its configuration and figures)."""
+        for image, timings in self.generate(prompt, negative_prompt, preset, device, precision, mode, size, steps,
+                                            guidance, seed, on_cold, tp, step_cache, request=request,
+                                            progress=progress):
+            if isinstance(image, Image.Image) and isinstance(timings, dict):
+                history = self.remember(history, image, timings)
+                yield image, timings, [(thumb, caption) for thumb, caption, _ in history], history
+            else:
+                yield image, timings, gr.skip(), gr.skip()
+
+    @staticmethod
+    def remember(history: list | None, image: Image.Image, timings: dict) -> list:
+        """The history with this image first; bounded (HISTORY_RUNS thumbnails per session)."""
+        history = list(history or [])
+        number = history[0][2] + 1 if history else 1
+        thumb = image.copy()
+        thumb.thumbnail((HISTORY_PX, HISTORY_PX))
+        return [(thumb, views.history_caption(number, timings), number), *history][:views.HISTORY_RUNS]
+
+
+def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]:
+    """What each /generate parameter takes, for its API schema."""
+    presets = ", ".join(h.preset_names())
+    caches = [value for _, value in views.step_cache_choices(h.step_cache_rows(preset, device, "eager"))]
+    return {
+        "prompt": "what to draw",
+        "negative_prompt": "what to keep out of the image ('' for nothing; only presets that take one)",
+        "preset": f"one of {presets}" + ("" if h.public else ", or a Hub id / local diffusers folder"),
+        "device": "auto, or one of " + ", ".join(r["name"] for r in h.devices_report())
+                  + " (/system says which are available here)",
+        "precision": "one of " + ", ".join(h.precision_choices()),
+        "mode": "one of " + ", ".join(Mode.values()) + " (compiled modes serve eagerly until their bucket is warm, "
+                "see on_cold)",
+        "size": "WIDTHxHEIGHT, snapped to the preset's nearest bucket ('' for its first bucket)",
+        "steps": "denoising steps, 1-200 ('' for the preset's default)",
+        "guidance": "guidance scale, 0-50 ('' for the preset's default)",
+        "seed": "an integer >= 0 (the same seed, settings and prompt draw the same image)",
+        "on_cold": "at a compiled mode's bucket that is not warm yet: eager (serve now, uncompiled) or wait "
+                   "(wait for its compile)",
+        "tp": "ranks: " + ", ".join(str(c) for c in RANK_CHOICES) + " (> 1 runs on the torchrun sidecar)",
+        "step_cache": "none, or one of " + ", ".join(c for c in caches if c != "none")
+                      + " (/status and the page say which can run on an engine)",
+        "lora": "none, or NAME[:SCALE] with NAME one of the preset's styles (`python -m engine presets` lists "
+                "them; the default preset's: " + (", ".join(lora.name for lora in h.manager.preset(preset).loras)
+                                                  or "none") + ") and SCALE 0-2 (default: the style's own)",
+    }
 
 
 @dataclass
@@ -296,9 +370,14 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
     report = h.devices_report()
     sizes = [str(s) for s in preset.buckets]
     modes = h.device_modes(d.device)
+    first_mode = d.mode if d.mode in modes else "eager"
+    cache_rows = h.step_cache_rows(preset.name, d.device, first_mode)
+    cache_choices = views.step_cache_choices(cache_rows, short=True)
     with gr.Tab("Generate", id="generate"):
+        # Controls on the left; on a wide screen the output column (buttons, image, progress, plot, summary)
+        # stays in view while they scroll (sticky, ui/blocks.py CSS); on a phone it follows them.
         with gr.Row():
-            with gr.Column(scale=2, min_width=320):
+            with gr.Column(scale=2, min_width=320, elem_id="gen-controls"):
                 prompt = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="prompt")
                 if preset.examples:  # prompts the default model draws well (its grammar)
                     gr.Examples([[e] for e in preset.examples], inputs=[prompt],
@@ -315,16 +394,13 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
                 with gr.Row():
                     precision_dd = gr.Dropdown(h.precision_choices(), value=d.precision, label="Precision",
                                                elem_id="precision")
-                    mode_dd = gr.Dropdown(modes, value=d.mode if d.mode in modes else "eager", label="Mode",
-                                          elem_id="mode")
+                    mode_dd = gr.Dropdown(modes, value=first_mode, label="Mode", elem_id="mode")
                 size_dd = gr.Dropdown(views.size_choices(sizes, d.mode, None), value=sizes[0],
                                       label="Resolution bucket", allow_custom_value=True, elem_id="size")
-                first_mode = d.mode if d.mode in modes else "eager"
-                cache_choices = views.step_cache_choices(h.step_cache_rows(preset.name, d.device, first_mode))
                 cache_dd = gr.Dropdown(cache_choices or [("none", "none")],
-                                       value=d.step_cache if d.step_cache in dict((v, v) for _, v in cache_choices)
-                                       else "none", label="Step cache (reuses denoiser work across steps; "
-                                       "unavailable ones say why)", elem_id="step-cache")
+                                       value=d.step_cache if d.step_cache in {v for _, v in cache_choices}
+                                       else "none", label="Step cache (reuses denoiser work across steps)",
+                                       info=views.step_cache_reasons(cache_rows) or None, elem_id="step-cache")
                 with gr.Row():  # LoRA styles the preset lists: hot-swapped on warm graphs (engine/pipeline/lora.py)
                     lora_dd = gr.Dropdown(views.lora_choices(preset), value="none", elem_id="lora",
                                           label="LoRA style (hot-swapped: no recompile)")
@@ -341,23 +417,30 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
                 on_cold = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")],
                                    value=d.on_cold, label="At a bucket that is not warm yet",
                                    elem_id="on-cold")
+                with gr.Accordion("Devices on this machine", open=False):
+                    gr.Markdown(views.device_notes(report))
+            with gr.Column(scale=3, min_width=340, elem_id="gen-output"):
                 with gr.Row():
                     generate_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn")
                     cancel_btn = gr.Button("Cancel", variant="stop", elem_id="cancel-btn")
-                with gr.Accordion("Devices on this machine", open=False):
-                    gr.Markdown(views.device_notes(report))
-            with gr.Column(scale=3, min_width=420):
                 with gr.Row(equal_height=True):
                     image = gr.Image(label="Image", type="pil", format="png", interactive=False, height=300,
-                                     elem_id="output-image", buttons=["download"])
+                                     elem_id="output-image", buttons=["download"], min_width=200)
+                    # Created empty; every value names both series first (views.step_frame says why).
                     step_plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this run",
-                                            x_title="step", y_title="ms", height=280, elem_id="step-plot",
+                                            x_title="step", y_title="ms", color_title="", height=300,
+                                            elem_id="step-plot", min_width=200,
                                             color_map={views.COMPUTED: views.SERIES_PALETTE[0],
                                                        views.CACHED: views.SERIES_PALETTE[1]})
+                summary = gr.Markdown(views.run_summary(None), elem_id="run-summary")
                 stats = gr.Dataframe(headers=views.STATS_COLUMNS, interactive=False, label="Timings",
-                                     elem_id="stats", wrap=True, column_widths=["32%", "68%"])
+                                     elem_id="stats", wrap=True, column_widths=["32%", "68%"], max_height=900)
                 with gr.Accordion("Timings JSON (the CLI's --json)", open=False):
                     timings = gr.JSON(elem_id="timings-json")
+        history_gallery = gr.Gallery(label=f"Run history (this page's last {views.HISTORY_RUNS} images; click "
+                                     "one to flip through them)", columns=6, object_fit="contain",
+                                     elem_id="history", type="pil", interactive=False, preview=False)
+        history = gr.State([])
 
         # /generate: the same handler on hidden text inputs (see the module docstring).
         with gr.Column(visible=False):
@@ -365,10 +448,11 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
                             "precision": d.precision, "mode": d.mode, "seed": "0", "on_cold": d.on_cold,
                             "tp": str(ranks_choice(d.tp, d.parallel)),
                             "step_cache": d.step_cache}  # size/steps/guidance: "" means the preset's default
-            api_inputs = [gr.Textbox(value=api_defaults.get(name, ""), visible=False, label=name)
+            allowed = api_allowed(h, preset.name, d.device)
+            api_inputs = [api_text(name, api_defaults.get(name, ""), allowed[name])
                           for name in GENERATE_API_PARAMS]
-            api_image = gr.Image(type="pil", format="png", visible=False)
-            api_timings = gr.JSON(visible=False)
+            api_image = gr.Image(type="pil", format="png", visible=False, label="image")
+            api_timings = gr.JSON(visible=False, label="timings")
             api_button = gr.Button(visible=False)
 
     run_io = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots())
@@ -376,15 +460,16 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
               on_cold, tp_dd, cache_dd, lora_dd, lora_scale]
     seeded = generate_btn.click(h.randomize_seed, [seed, randomize], seed, queue=False,
                                 api_visibility="private")
-    run = seeded.then(h.generate, inputs, [image, timings], api_name="generate_ui", api_visibility="private",
-                      show_progress="full", show_progress_on=[image], **run_io)
+    run = seeded.then(h.generate_page, [*inputs, history], [image, timings, history_gallery, history],
+                      api_name="generate_ui", api_visibility="private", show_progress="full",
+                      show_progress_on=[image], **run_io)
     # Gradio closes the running handler; closing it cancels the engine request between steps.
     cancel_btn.click(None, cancels=[run])
     run.then(h.generate_ended, timings, [image, timings], **FAST)
     # Plain text in, the wire's form out (see generate_api)
     api_button.click(h.generate_api, api_inputs, [api_image, api_timings], api_name="generate",
-                     preprocess=False, postprocess=False, **run_io)
-    timings.change(h.render_run, timings, [step_plot, stats], **FAST)
+                     api_description=GENERATE_API_DOC, preprocess=False, postprocess=False, **run_io)
+    timings.change(h.render_run, timings, [step_plot, stats, summary], **FAST)
 
     preset_dd.change(h.preset_defaults, preset_dd, [negative, steps, guidance], **FAST)
     preset_dd.change(h.lora_choices, preset_dd, lora_dd, **FAST)

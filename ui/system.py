@@ -19,7 +19,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from ui.common import FAST, HandlerBase
+from ui.common import FAST, HandlerBase, document_api
 from ui.views import fmt_bytes
 
 PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "gradio", "gradio_client", "torch_tpu",
@@ -62,11 +62,12 @@ def redact(name: str, value: str) -> str:
 
 
 def environment_in_force(extra: dict[str, str] | None = None, environ=None) -> dict[str, str]:
-    """The relevant variables of this process plus what worker processes get (`extra`), redacted."""
+    """The relevant variables of this process plus what worker processes get (`extra`, which wins: the
+    workers are where engines compile, and this process's TORCHINDUCTOR_CACHE_DIR is torch's default once
+    diffusers is imported), redacted."""
     environ = os.environ if environ is None else environ
     env = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES)}
-    for k, v in (extra or {}).items():
-        env.setdefault(k, v)
+    env.update(extra or {})
     return {k: redact(k, v) for k, v in sorted(env.items())}
 
 
@@ -109,7 +110,8 @@ _sizes_memo: dict = {}
 def cache_folders(manager, device_names: list[str], environ=None) -> list[dict]:
     """Every cache folder the app and its workers use, and its size; sizes are remembered for 30 s
     (walking a big cache costs seconds of CPU that polling clients must not take from the engines)."""
-    key = (str(manager.cache_dir), tuple(device_names), id(environ))
+    key = (str(manager.cache_dir), tuple(device_names), id(environ),
+           tuple(sorted((k, str(v)) for k, v in engine_folders(manager).items())))  # engines come and go
     memo = _sizes_memo.get(key)
     if memo and time.monotonic() - memo[0] < _SIZES_TTL_S:
         return memo[1]
@@ -119,6 +121,22 @@ def cache_folders(manager, device_names: list[str], environ=None) -> list[dict]:
 
 
 CACHE_LABELS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TORCH_NEURONX_NEFF_CACHE_DIR": "neuron NEFF"}
+# What a worker reports (EngineReady.folders): its cache variables, TMPDIR, inductor's precompiled headers.
+FOLDER_LABELS = {**CACHE_LABELS, "TMPDIR": "temporary files", "precompiled headers": "precompiled headers"}
+
+
+def engine_folders(manager) -> dict[str, Path]:
+    """Each loaded engine's compile and temporary folders as its worker reported them (where it really
+    writes, after any move to a temporary cache), one row per folder with the engines using it."""
+    users: dict[tuple[str, str], list[str]] = {}
+    for engine in manager.engines():
+        try:
+            folders = engine.folders()
+        except Exception:  # an engine going down must not hide the rest
+            continue
+        for name, path in folders.items():
+            users.setdefault((FOLDER_LABELS.get(name, name), path), []).append(str(engine.key))
+    return {f"{label} (in use by {', '.join(keys)})": Path(path) for (label, path), keys in users.items()}
 
 
 def worker_cache_env(manager, device_names: list[str]) -> dict[str, str]:
@@ -141,6 +159,7 @@ def _cache_folders(manager, device_names: list[str], environ=None) -> list[dict]
             cache_dir,
         "tiny models": cache_dir / "models",
     }
+    folders.update(engine_folders(manager))
     for var, value in worker_cache_env(manager, device_names).items():
         if var.endswith("_DIR"):
             folders[f"{CACHE_LABELS.get(var, var)} (workers' {var})"] = Path(value)
@@ -265,6 +284,8 @@ def build(h: SystemHandlers) -> None:
     with gr.Tab("System", id="system") as tab:
         refresh_btn = gr.Button("Refresh", size="sm", elem_id="system-refresh")
         panel = gr.Markdown("Loading…", elem_id="system")
-        gr.api(h.system_api, api_name="system", concurrency_limit=None)  # its own queue bound (ui/edge.py)
+        document_api(gr.api(h.system_api, api_name="system", concurrency_limit=None),  # queue bound: ui/edge.py
+                     returns=("system", "devices (available or why not), library versions, cache folders, the "
+                              "environment in force (secrets hidden)"))
     tab.select(h.system_panel, None, panel, **FAST)
     refresh_btn.click(h.system_refresh, None, panel, **FAST)

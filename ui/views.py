@@ -57,10 +57,29 @@ def step_rows(result: dict | None) -> list[dict]:
             for i, ms in enumerate(steps)]
 
 
-def step_frame(rows: list[dict], columns: list[str]) -> pd.DataFrame:
-    """Step rows as a plot's value: numeric step and step_ms, text series, whatever the rows hold."""
-    frame = pd.DataFrame(rows, columns=columns)
+def step_frame(rows: list[dict], columns: list[str], series: tuple[str, ...] = ()) -> pd.DataFrame:
+    """Step rows as a plot's value: numeric step and step_ms, text series, whatever the rows hold.
+
+    `series`: every series the plot can show, each given a first row without a value (not drawn). The browser
+    takes a plot's colours from the series in the value it builds the plot with and only swaps the data
+    later, so a series missing then (all of them, in a run's first, empty partial) is drawn without a stroke.
+    """
+    anchors = [{columns[0]: 1, columns[1]: float("nan"), columns[2]: name} for name in series]
+    frame = pd.DataFrame(anchors + rows, columns=columns)
     return frame.astype({c: STEP_DTYPES[c] for c in columns})
+
+
+LABELLED_STEPS = 60  # up to this many steps a full-width plot labels each step; beyond, numeric ticks
+
+
+def steps_as_labels(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str] | None]:
+    """A step frame for a plot drawn once (Compare's): up to LABELLED_STEPS steps, the steps as labels and
+    their order (the plot's `sort`), so the axis ticks each whole step; a numeric axis ticks 1.0, 1.25, 1.5
+    when it has more room than steps. More steps: as it is (numeric ticks are then whole steps)."""
+    last = int(frame["step"].max()) if len(frame) else 0
+    if not 0 < last <= LABELLED_STEPS:
+        return frame, None
+    return frame.astype({"step": "string"}), [str(i) for i in range(1, last + 1)]
 
 
 def bucket_verdict(result: dict) -> str:
@@ -91,7 +110,12 @@ def stats_rows(result: dict | None) -> list[list[str]]:
         return rows
     notices = result.get("notices") or []
     its = t.get("steps_per_s")
-    return [
+    ended = []
+    if result.get("cancelled"):
+        ended = [["run", result.get("message") or "cancelled"]]
+    elif result.get("error"):
+        ended = [["run", f"failed: {result['error']}"]]
+    return ended + [
         ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"],
         ["encode", fmt_ms(t.get("encode_ms"))],
         ["denoise", f"{fmt_ms(t.get('denoise_ms'))} ({len(steps)} steps)"],
@@ -125,6 +149,43 @@ def lora_text(result: dict) -> str:
     swap = result.get("lora_swap_ms")
     return (f"{result['lora']} at scale {result.get('lora_scale', 1):g}, rank {result.get('lora_rank')}; "
             + (f"hot-swapped in {swap:.0f} ms (no recompile)" if swap is not None else "already in place"))
+
+
+def run_summary(result: dict | None) -> str:
+    """The lines under the image: how the run ended, its time, seed and peak memory, and every notice
+    (a snapped size, an empty prompt), so none of it hides in the timings table."""
+    if not result:
+        return "Press **Generate**: the image, its progress and its timings appear here."
+    t = result.get("timings") or {}
+    steps = t.get("step_ms") or []
+    where = f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}".strip(" ·")
+    if result.get("running"):
+        return f"**Running** on {where}: step {len(steps)} of {result.get('steps') or '?'}"
+    if result.get("cancelled"):
+        return f"**Cancelled** ({result.get('message') or 'cancelled'}): no image. {where}"
+    if result.get("error"):
+        return f"**Failed:** {result['error']}"
+    head = (f"**{fmt_ms(t.get('total_ms'))}** total · {len(steps)} steps, median {fmt_ms(t.get('median_step_ms'))}"
+            f" · seed {result.get('seed', '')} · peak memory {fmt_bytes(result.get('peak_memory_bytes'))}"
+            f" · {where}")
+    if result.get("step_cache") and result["step_cache"] != NO_CACHE:
+        head += f" · {result['step_cache']}: {fmt_steps(result)} steps computed / cached"
+    notices = result.get("notices") or []
+    return head + "".join(f"\n\n⚠ {n}" for n in notices)
+
+
+HISTORY_RUNS = 12  # images a page keeps in its run history (the oldest go first)
+
+
+def history_caption(number: int, result: dict) -> str:
+    """"#3 · tiny-shapes@cpu/fp32 · eager 64x64 · 8 steps · seed 7 · 41.2 ms": a history entry's
+    configuration and figures."""
+    t = result.get("timings") or {}
+    parts = [f"#{number}", result.get("engine", ""), f"{result.get('mode', '')} {result.get('bucket', '')}".strip(),
+             f"{len(t.get('step_ms') or [])} steps", f"seed {result.get('seed', '')}", fmt_ms(t.get("total_ms"))]
+    if result.get("step_cache") and result["step_cache"] != NO_CACHE:
+        parts.insert(3, result["step_cache"])
+    return " · ".join(p for p in parts if p)
 
 
 # -- bucket board ----------------------------------------------------------------------------------
@@ -280,18 +341,32 @@ def reference_label(device: str) -> str:
     return config_label(device, "fp32", "eager")
 
 
-def step_cache_choices(rows: list[dict]) -> list[tuple[str, str]]:
+def _why_not(row: dict) -> str:
+    return (row.get("why_not") or "not here").split(";")[0]
+
+
+def step_cache_choices(rows: list[dict], short: bool = False) -> list[tuple[str, str]]:
     """available_step_caches rows as (label, value) choices: usable ones by name (with their parameters),
-    unusable ones marked with why (picking one is refused with that reason)."""
+    unusable ones marked with why (picking one is refused with that reason); `short`: marked
+    "unavailable" only, the reasons said once by step_cache_reasons."""
     choices = []
     for r in rows:
         value = r.get("default") or r["name"]
         if r.get("usable"):
             label = value
         else:
-            label = f"{r['name']} · unavailable: {(r.get('why_not') or 'not here').split(';')[0]}"
+            label = f"{r['name']} · unavailable" + ("" if short else f": {_why_not(r)}")
         choices.append((label, value))
     return choices
+
+
+def step_cache_reasons(rows: list[dict]) -> str:
+    """Why the unusable step caches cannot run, each reason once: "first-block, pyramid: <why>"."""
+    by_reason: dict[str, list[str]] = {}
+    for r in rows:
+        if not r.get("usable"):
+            by_reason.setdefault(_why_not(r), []).append(r["name"])
+    return " · ".join(f"unavailable ({', '.join(names)}): {why}" for why, names in by_reason.items())
 
 
 def per_image_s(result: dict) -> float | None:
@@ -302,14 +377,27 @@ def per_image_s(result: dict) -> float | None:
 
 
 def speedups_vs_reference(results: list[dict]) -> dict[str, float | None]:
-    """config -> reference s/image ÷ its s/image (the reference is eager fp32 without a step cache)."""
+    """config -> its speedup over the reference (eager fp32 without a step cache): the paired figure where
+    it was timed round-robin with it (speedup_figure), else reference s/image ÷ its s/image."""
     ref = next((r for r in results if r.get("reference") and not r.get("error")), None)
     ref_s = per_image_s(ref) if ref else None
     out = {}
     for r in results:
+        figure = r.get("speedup_figure")
+        if figure and not r.get("error"):
+            out[r.get("config", "")] = figure.get("speedup")
+            continue
         mine = None if r.get("error") else per_image_s(r)
         out[r.get("config", "")] = ref_s / mine if ref_s and mine else None
     return out
+
+
+def speedup_text(result: dict, x: float | None) -> str:
+    """The speedup as a table or card shows it: with its spread and images where timed in pairs."""
+    figure = result.get("speedup_figure")
+    if figure and figure.get("text"):
+        return figure["text"]
+    return "—" if x is None else f"{x:.2f}×"
 
 
 def fmt_fidelity(result: dict) -> str:
@@ -334,7 +422,7 @@ def price_rows(results: list[dict]) -> list[list]:
     for r in results:
         config = r.get("config", "")
         if r.get("error"):
-            out.append([config, f"failed: {r['error']}", "", "", "", "", "", "", ""])
+            out.append([config, r["error"] if r.get("refused") else f"failed: {r['error']}", "", "", "", "", "", "", ""])
             continue
         x = speed.get(config)
         drift = r.get("drift") or "—"
@@ -342,7 +430,7 @@ def price_rows(results: list[dict]) -> list[list]:
             drift = f"{drift} (worst of {r['drift_samples']})"
         out.append([
             config + (" (reference)" if r.get("reference") else ""), fmt_s(per_image_s(r)),
-            "—" if x is None else f"{x:.2f}×", fmt_ms((r.get("timings") or {}).get("median_step_ms")),
+            speedup_text(r, x), fmt_ms((r.get("timings") or {}).get("median_step_ms")),
             fmt_steps(r), drift, fmt_fidelity(r), fmt_s(r.get("compile_s")), fmt_s(r.get("warmup_s")),
         ])
     return out
@@ -352,25 +440,32 @@ def _esc(text) -> str:
     return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;"))
 
 
-def compare_cards_html(results: list[dict], images: list[str | None]) -> str:
-    """One card per configuration: its image and, under it, time, speedup, drift and fidelity.
-    `images[i]` is the image of results[i] as a URL (a data: URI), or None (failed, not run yet)."""
+def compare_cards_html(results: list[dict], images: list[str | None], heatmaps: list[str | None] | None = None) -> str:
+    """One card per configuration: its image (and beside it the heat map of its difference to the reference's)
+    and, under them, time, speedup, drift and fidelity. `images[i]` / `heatmaps[i]`: of results[i] as URLs
+    (data: URIs), or None (failed, not run yet, the reference)."""
     speed = speedups_vs_reference(results)
     cards = []
-    for r, uri in zip(results, images, strict=True):
+    heatmaps = heatmaps or [None] * len(results)
+    for r, uri, heat in zip(results, images, heatmaps, strict=True):
         config = r.get("config", "")
         lines = [f'<div class="c-card-title">{_esc(config)}</div>']
         if r.get("reference"):
             lines.append(f'<div class="c-card-tag">{_esc(r.get("reference_note") or REFERENCE_TAG)}</div>')
-        if uri:
+        if uri and heat:
+            lines.append(f'<div class="c-pair"><img src="{uri}" alt="{_esc(config)}">'
+                         f'<img class="c-heat" src="{heat}" alt="difference to the reference" '
+                         f'title="|this − reference|: black = same pixels, white = the largest difference"></div>')
+        elif uri:
             lines.append(f'<img src="{uri}" alt="{_esc(config)}">')
         if r.get("error"):
-            lines.append(f'<div class="c-card-error">failed: {_esc(r["error"])}</div>')
+            error = r["error"] if r.get("refused") else f"failed: {r['error']}"
+            lines.append(f'<div class="c-card-error">{_esc(error)}</div>')
         else:
             x = speed.get(config)
             per = per_image_s(r)
             lines.append(f'<div class="c-time">{"—" if per is None else f"{per:.3f} s"} / image · '
-                         f'{"—" if x is None else f"{x:.2f}×"} vs eager fp32</div>')
+                         f'{_esc(speedup_text(r, x))} vs eager fp32</div>')
             drift = r.get("drift") or ("reference" if r.get("reference") else "—")
             lines.append(f'<div class="c-drift">drift: {_esc(drift)}</div>')
             if "fidelity" in r or r.get("fidelity_this") is not None:
@@ -424,6 +519,13 @@ def fidelity_sample_prompts(preset, n: int, fallback: str) -> list[str]:
     return sample_prompts(preset, n, seed=FIDELITY_SEED, fallback=fallback)
 
 
+def difference_picture(image, reference):
+    """|image - reference| as a heat map (PIL), by the bench's quality code."""
+    from engine.bench.quality import diff_heatmap
+
+    return diff_heatmap(image, reference)
+
+
 def has_checker(preset) -> bool:
     from engine.bench.quality import fidelity_checker
 
@@ -439,8 +541,12 @@ def price_quality(images: list, prompts: list[str], ref_images: list | None, pre
     out: dict = {}
     if ref_images is not None:
         drift = score(images, prompts, ref_images, preset)
+        ssim_text = "" if drift.get("drift_ssim") is None or not drift["drift_max_diff"] else \
+            f", SSIM {drift['drift_ssim']:.3f}"
         out.update(drift_psnr_db=drift["drift_psnr_db"], drift_max_diff=drift["drift_max_diff"],
-                   drift=fmt_drift(drift["drift_psnr_db"], drift["drift_max_diff"]), drift_samples=len(images))
+                   drift_ssim=drift.get("drift_ssim"),
+                   drift=fmt_drift(drift["drift_psnr_db"], drift["drift_max_diff"]) + ssim_text,
+                   drift_samples=len(images))
     checker = fidelity_checker(preset)
     if checker is not None:
         out["fidelity_this"] = checker(images[0], prompts[0])
@@ -480,7 +586,9 @@ def speedup_table(results: list[dict]) -> list[dict]:
             "median_step_ms": b.get("step_ms_median"),
             "total_ms": b.get("image_ms_median"),
             "speedup_step": b.get("speedup_vs_eager"),
-            "speedup_total": b.get("speedup_image_vs_eager"),
+            # the paired figure where Compare timed one: the same speedup as the table and the cards
+            "speedup_total": r["speedup_figure"]["speedup"] if r.get("speedup_figure")
+            else b.get("speedup_image_vs_eager"),
             "compile_s": r.get("compile_s"),
             "warmup_s": r.get("warmup_s"),
             "break_even_images": b.get("break_even_images"),
@@ -521,6 +629,8 @@ def cost_rows(results: list[dict]) -> list[list]:
 ADVISOR_COLUMNS = ["configuration", "s / image", "× eager fp32", "drift PSNR / max diff", "fidelity",
                    "steps cached (mean)", "compile s", "within bound"]
 ADVISOR_POINT_COLUMNS = ["configuration", "s_per_image", "quality", "verdict"]
+# No header narrower than its longest word; the reasons (last column) get the rest and wrap.
+ADVISOR_WIDTHS = ["19%", "8%", "9%", "12%", "8%", "9%", "8%", "27%"]
 IDENTICAL_PSNR_DB = 100.0  # where an image identical to eager fp32 is drawn on the PSNR axis
 
 
@@ -533,6 +643,7 @@ def advisor_rows(result: dict | None) -> list[list]:
     alternation with it), with why it is (not) eligible."""
     if not result:
         return []
+    from engine.bench.paired import row_speedup_text as row_speedup
     from engine.bench.quality import fmt_drift
 
     pick = (result.get("pick") or {}).get("label")
@@ -542,8 +653,9 @@ def advisor_rows(result: dict | None) -> list[list]:
             out.append([r["label"], "failed", "", "", "", "", "", r["error"]])
             continue
         verdict = "★ pick" if r["label"] == pick else ("yes" if r.get("eligible") else f"no: {r.get('why_not', '')}")
-        out.append([r["label"], f"{r['s_per_image']:.3f}", "—" if r.get("speedup") is None else f"{r['speedup']:.2f}×",
-                    fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff")), _pct(r.get("fidelity")),
+        out.append([r["label"], f"{r['s_per_image']:.3f}", row_speedup(r),
+                    fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff"))
+                    + ("" if r.get("drift_ssim") is None else f", SSIM {r['drift_ssim']:.3f}"), _pct(r.get("fidelity")),
                     "—" if r.get("cached_steps") is None else f"{r['cached_steps']:.1f}", fmt_s(r.get("compile_s")),
                     verdict])
     for s in result.get("skipped", []):
@@ -578,19 +690,61 @@ def advisor_markdown(result: dict) -> str:
              f"{len(result.get('skipped', []))} skipped (listed in the table)."]
     if pick is None:
         parts.append("No configuration within the bound: eager fp32 stays.")
+    elif pick.get("mode") == "eager" and pick.get("precision") == "fp32" and pick.get("step_cache") == "none" \
+            and pick.get("attention", "native") == "native":
+        parts.append("**Pick: `fp32/eager`** — no configuration within the bound measured faster than eager fp32.")
     else:
         confirm = result.get("confirm") or {}
+        from engine.bench.paired import row_speedup_text as row_speedup
+
         parts.append(f"**Pick: `{pick['label']}`** — {pick['s_per_image']:.3f} s per image, "
-                     f"**{pick['speedup']:.2f}×** eager fp32 (final round: {confirm.get('pick_ms_median', 0):.1f} vs "
-                     f"{confirm.get('reference_ms_median', 0):.1f} ms, medians of {confirm.get('rounds')} rounds), "
+                     f"**{row_speedup(pick)}** eager fp32 (final round: {(confirm.get('pick_ms_median') or 0):.1f} vs "
+                     f"{(confirm.get('reference_ms_median') or 0):.1f} ms, medians of {confirm.get('rounds')} rounds), "
                      f"fidelity {_pct(pick.get('fidelity'))}.")
     limits = []
     if bound.get("fidelity_points") is not None:
         limits.append(f"fidelity within {bound['fidelity_points']:g} points of eager fp32")
     if bound.get("min_psnr_db") is not None:
         limits.append(f"PSNR ≥ {bound['min_psnr_db']:g} dB against eager fp32")
+    if bound.get("min_ssim") is not None:
+        limits.append(f"SSIM ≥ {bound['min_ssim']:g} against eager fp32")
     if limits:
         parts.append("Bound: " + ", ".join(limits) + ".")
     if result.get("saved"):
         parts.append(f"Saved to `{result['saved']}` (start the app with `--config-from` that file).")
     return "\n\n".join(parts)
+
+
+def padded_limits(values) -> list[float] | None:
+    """An axis's [low, high] around its values with a tenth of their span (at least 5 % of their size) on
+    each side, so no point sits on the frame and a single value does not make a zero-width axis whose ticks
+    read "93.750000"."""
+    values = [float(v) for v in values if v == v]  # NaN != NaN
+    if not values:
+        return None
+    low, high = min(values), max(values)
+    pad = max((high - low) * 0.1, abs(high) * 0.05, 1e-3)
+    return [round(low - pad, 4), round(high + pad, 4)]
+
+
+def frontier(points: list[dict]) -> list[dict]:
+    """The points no other point beats on both speed and quality, fastest first."""
+    best, out = float("-inf"), []
+    for p in sorted(points, key=lambda p: (p["s_per_image"], -p["quality"])):
+        if p["quality"] > best:
+            out.append(p)
+            best = p["quality"]
+    return out
+
+
+def frontier_caption(result: dict | None) -> str:
+    """The frontier's configurations named under the plot (the plot marks them only by colour)."""
+    points = advisor_points(result)
+    if not points:
+        return ""
+    unit = "%" if any(r.get("fidelity") is not None for r in (result or {}).get("rows", [])) else "dB"
+    steps = [f"{p['configuration']} ({p['s_per_image']:.3f} s, {p['quality']:.1f} {unit})" for p in frontier(points)]
+    measured = len([r for r in (result or {}).get("rows", []) if not r.get("error")])
+    drawn = (f"{len(points)} configurations drawn" if measured == len(points) else
+             f"{len(points)} of {measured} measured configurations drawn (the others have no quality score)")
+    return f"{drawn}. Frontier, fastest first: " + " → ".join(steps)

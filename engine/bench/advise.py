@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.bench import quality
+from engine.bench.paired import PairedTiming, current_marks, measure_round_robin, row_speedup_text
 from engine.metrics import median
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ REFERENCE = {"precision": "fp32", "mode": "eager", "step_cache": "none", "attent
 MODES = ("eager", "regional", "compile")  # aot and defer-and-fuse: same graphs as compile, slower to build
 DEFAULT_FIDELITY_POINTS = 2.0
 DEFAULT_MIN_PSNR = 30.0
+# On a model with a checker the checker cannot see a moved or blurred object: drift has its own floor there,
+# below the worst bf16-vs-fp32 sample measured on tiny-shapes (docs/benchmarks.md, "PSNR floor").
+CHECKER_MIN_PSNR = 25.0
 FINALISTS = 4  # eligible configurations timed again against the reference at the end
 
 
@@ -48,7 +52,8 @@ class AdvisePlan:
     quality_samples: int = 16  # fidelity prompts (a model with a checker) or drift samples
     confirm_pairs: int = 8
     fidelity_points: float | None = DEFAULT_FIDELITY_POINTS  # the bound on a model with a checker
-    min_psnr_db: float | None = None  # None: DEFAULT_MIN_PSNR on a model without a checker, else off
+    min_psnr_db: float | None = None  # None: DEFAULT_MIN_PSNR, or CHECKER_MIN_PSNR on a model with a checker
+    min_ssim: float | None = None  # off unless set: SSIM against eager fp32's image of the same prompt and seed
     cache_dir: Path | None = None
     options: object = None  # EngineOptions
     allowed_roots: tuple[str, ...] = ()
@@ -58,7 +63,7 @@ class AdvisePlan:
     def psnr_bound(self) -> float | None:
         if self.min_psnr_db is not None:
             return self.min_psnr_db
-        return None if quality.fidelity_checker(self.preset) else DEFAULT_MIN_PSNR
+        return CHECKER_MIN_PSNR if quality.fidelity_checker(self.preset) else DEFAULT_MIN_PSNR
 
 
 @dataclass
@@ -87,6 +92,7 @@ class Measured:
     compile_s: float | None = None
     drift_psnr_db: float | None = None
     drift_max_diff: int | None = None
+    drift_ssim: float | None = None
     fidelity: float | None = None
     cached_steps: float | None = None  # mean per image
     ref_ms: list[float] = field(default_factory=list)  # the reference's images, each timed next to one of these
@@ -94,23 +100,39 @@ class Measured:
     scored: bool = False  # quality measured
     unscored: str | None = None  # why its quality was not measured
     note: str | None = None
+    marks: list[str] = field(default_factory=list)  # what else ran while it was timed (host load)
+    picture: str | None = None  # its image of the sample that differs most from eager fp32's (base64 PNG)
+    diff_picture: str | None = None  # the heat map of that difference (base64 PNG)
+    reference_picture: str | None = None  # eager fp32's image of that sample (base64 PNG)
 
     @property
     def s_per_image(self) -> float | None:
         return median(self.image_ms) / 1000 if self.image_ms else None
 
+    def timing(self) -> PairedTiming:
+        """Its images and the reference's timed next to them, as the shared paired plan."""
+        label, ref = self.candidate.label(), Candidate(**REFERENCE).label()
+        plan = PairedTiming([ref, label], reference=ref)
+        for i, (mine, theirs) in enumerate(zip(self.image_ms, self.ref_ms, strict=False)):
+            plan.record(i, label, mine, self.marks)
+            plan.record(i, ref, theirs)
+        return plan
+
     @property
     def paired_speedup(self) -> float | None:
-        """The reference's median ÷ this one's, over images timed in alternation with the reference's."""
+        """The median of the reference's time ÷ this one's, over images timed in alternation with the reference's."""
         if not self.ref_ms or not self.image_ms:
             return None
-        return median(self.ref_ms) / median(self.image_ms[:len(self.ref_ms)])
+        return self.timing().figure(self.candidate.label()).speedup
 
     def as_dict(self) -> dict:
         return {**self.candidate.as_dict(), "label": self.candidate.label(), "s_per_image": self.s_per_image,
                 "image_ms": [round(x, 3) for x in self.image_ms], "compile_s": self.compile_s,
                 "ref_ms": [round(x, 3) for x in self.ref_ms], "paired_speedup": self.paired_speedup,
                 "drift_psnr_db": self.drift_psnr_db, "drift_max_diff": self.drift_max_diff,
+                "drift_ssim": self.drift_ssim, "marks": list(self.marks), "picture_png": self.picture,
+                "diff_png": self.diff_picture, "reference_png": self.reference_picture,
+                "speedup_figure": self.timing().figure(self.candidate.label()).as_dict() if self.ref_ms else None,
                 "fidelity": self.fidelity, "cached_steps": self.cached_steps, "error": self.error,
                 "unscored": self.unscored, "note": self.note}
 
@@ -215,7 +237,14 @@ def within_bound(row: dict, ref: dict, plan: AdvisePlan) -> tuple[bool, str]:
     if bound is not None and row.get("drift_max_diff"):
         if row.get("drift_psnr_db") is None or row["drift_psnr_db"] < bound:
             return False, f"drift {row.get('drift_psnr_db') or 0:.1f} dB < {bound:g} dB"
+    if plan.min_ssim is not None and row.get("drift_max_diff"):
+        if row.get("drift_ssim") is None or row["drift_ssim"] < plan.min_ssim:
+            return False, f"SSIM {row.get('drift_ssim') or 0:.3f} < {plan.min_ssim:g}"
     return True, ""
+
+
+def is_reference(row: dict) -> bool:
+    return {k: row.get(k) for k in REFERENCE} == REFERENCE
 
 
 def base_of(row: dict) -> tuple:
@@ -392,8 +421,10 @@ def advise(plan: AdvisePlan, on_progress: Callable[[int, int, str], None] | None
             # drifts over a scan and would otherwise favour whichever configuration ran in a quiet spell.
             if reference and i % 2 == 0:
                 ref_image(100 + i)
+            marks = current_marks()
             res = runners.get(c).generate(request(c, plan.prompt, 100 + i))
             m.image_ms.append(res.timings.total_ms)
+            m.marks = list(dict.fromkeys([*m.marks, *marks, *current_marks()]))
             cached.append(len(getattr(res, "cached_steps", ()) or ()))
             if reference and i % 2 == 1:
                 ref_image(100 + i)
@@ -410,7 +441,12 @@ def advise(plan: AdvisePlan, on_progress: Callable[[int, int, str], None] | None
         if is_ref:
             ref_images = images
         row = quality.score(images, prompts, None if is_ref else ref_images, plan.preset)
-        m.drift_psnr_db, m.drift_max_diff = row["drift_psnr_db"], row["drift_max_diff"]
+        m.drift_psnr_db, m.drift_max_diff, m.drift_ssim = row["drift_psnr_db"], row["drift_max_diff"], row["drift_ssim"]
+        worst = 0 if is_ref else quality.worst_sample(images, ref_images)
+        m.picture = quality.png_b64(images[worst])
+        if not is_ref:
+            m.diff_picture = quality.png_b64(quality.diff_heatmap(images[worst], ref_images[worst]))
+            m.reference_picture = quality.png_b64(ref_images[worst])
         m.fidelity = row.get("fidelity")
         m.scored = True
 
@@ -487,15 +523,12 @@ def advise(plan: AdvisePlan, on_progress: Callable[[int, int, str], None] | None
         leaders = sorted((r for r in rows if r["eligible"]), key=lambda r: -r["speedup"])[:FINALISTS]
         report(f"final round: {', '.join(r['label'] for r in leaders)} against eager fp32")
         confirm = _final_round(plan, runners, leaders, rows, request, deadline)
-        for r in rows:
-            r["final_ms_median"] = confirm["medians"].get(r["label"])
-        pick = next((r for r in rows if r["label"] == confirm["pick"]), None)
-        pick = pick and {**pick, "speedup": confirm["speedup"]}
+        pick = apply_final_round(rows, confirm)
     done = total
     report("done")
     return {
         "preset": plan.preset.name, "device": spec.name, "size": str(plan.size), "steps": plan.steps,
-        "bound": {"fidelity_points": plan.fidelity_points, "min_psnr_db": plan.psnr_bound()},
+        "bound": {"fidelity_points": plan.fidelity_points, "min_psnr_db": plan.psnr_bound(), "min_ssim": plan.min_ssim},
         "quality_samples": len(prompts), "timing_images": plan.timing_images,
         "reference": REFERENCE, "pick": pick, "confirm": confirm, "rows": rows, "skipped": skipped,
         "elapsed_s": time.perf_counter() - started, "max_minutes": plan.max_minutes,
@@ -518,15 +551,28 @@ def final_entries(leaders: list[dict], rows: list[dict]) -> list[Candidate]:
     return entries
 
 
-def final_pick(leaders: list[dict], medians: dict[str, float]) -> str | None:
-    """The fastest leader in the final round; a leader with a step cache only where it was faster there
-    than the same configuration without the cache."""
+def final_pick(leaders: list[dict], speedups: dict[str, float | None]) -> str | None:
+    """The leader with the largest speedup in the final round; a leader with a step cache only where it was
+    faster there than the same configuration without the cache."""
     def base_label(r: dict) -> str:
         return Candidate(r["precision"], r["mode"], "none", r["attention"]).label()
 
-    fair = [r for r in leaders if r["step_cache"] == "none" or base_label(r) not in medians
-            or medians[r["label"]] < medians[base_label(r)]]
-    return min((r["label"] for r in fair), key=lambda label: medians[label], default=None)
+    timed = [r for r in leaders if speedups.get(r["label"])]
+    fair = [r for r in timed if r["step_cache"] == "none" or not speedups.get(base_label(r))
+            or speedups[r["label"]] > speedups[base_label(r)]]
+    return max((r["label"] for r in fair), key=lambda label: speedups[label], default=None)
+
+
+def apply_final_round(rows: list[dict], confirm: dict) -> dict | None:
+    """Every configuration timed in the final round takes its speedup (and spread) from there, so the
+    summary, the table, the cards and the JSON show one figure per configuration; the pick, from `rows`."""
+    for r in rows:
+        figure = confirm["figures"].get(r["label"])
+        r["final_ms_median"] = confirm["medians"].get(r["label"])
+        if figure and figure.get("speedup") is not None and not r.get("error"):
+            r["scan_speedup"] = r.get("speedup")
+            r["speedup"], r["speedup_figure"], r["speedup_source"] = figure["speedup"], figure, "final round"
+    return next((r for r in rows if r["label"] == confirm["pick"]), None)
 
 
 MIN_FINAL_ROUNDS = 3
@@ -537,22 +583,30 @@ def _final_round(plan: AdvisePlan, runners: _Runners, leaders: list[dict], rows:
     """The leaders (and their configurations without a cache) and the reference timed again, round-robin
     (the starting one rotates each round): medians side by side, final_pick's choice, its speedup against
     the reference's median. Rounds past the deadline are dropped (MIN_FINAL_ROUNDS are always run)."""
-    entries = final_entries(leaders, rows)
-    times: dict[str, list[float]] = {c.label(): [] for c in entries}
-    rounds = 0
-    for i in range(plan.confirm_pairs):
-        round_s = sum(median(t) for t in times.values()) / 1000 if i else 0.0
-        if i >= MIN_FINAL_ROUNDS and time.perf_counter() + round_s > deadline:
-            break
-        rounds += 1
-        for c in entries[i % len(entries):] + entries[: i % len(entries)]:
-            times[c.label()].append(runners.get(c).generate(request(c, plan.prompt, 500 + i)).timings.total_ms)
-    medians = {label: median(t) for label, t in times.items()}
+    entries = {c.label(): c for c in final_entries(leaders, rows)}
     ref_label = Candidate(**REFERENCE).label()
-    best = final_pick(leaders, medians)
-    return {"rounds": rounds, "medians": medians, "pick": best,
-            "pick_ms_median": medians.get(best), "reference_ms_median": medians[ref_label],
-            "speedup": medians[ref_label] / medians[best] if best else None}
+    timing = PairedTiming(list(entries), reference=ref_label, min_rounds=min(MIN_FINAL_ROUNDS, plan.confirm_pairs),
+                          max_rounds=max(plan.confirm_pairs, 1),
+                          budget_s=max(0.0, deadline - time.perf_counter()))
+
+    def time_one(label: str, i: int) -> float:
+        c = entries[label]
+        return runners.get(c).generate(request(c, plan.prompt, 500 + i)).timings.total_ms
+
+    measure_round_robin(timing, time_one, marks=current_marks)  # every entry is warm from the scan
+    return final_summary(timing, leaders)
+
+
+def final_summary(timing: PairedTiming, leaders: list[dict]) -> dict:
+    """The final round's record: per configuration its figure (median paired speedup, spread, images)."""
+    figures = {label: f.as_dict() for label, f in timing.figures().items()}
+    medians = {label: (f["s_per_image"] or 0) * 1000 or None for label, f in figures.items()}
+    speedups = {label: f["speedup"] for label, f in figures.items()}
+    speedups[timing.reference] = 1.0  # eager fp32 stays the pick where nothing beats it
+    best = final_pick(leaders, speedups)
+    return {"rounds": timing.rounds, "stop_reason": timing.stop_reason, "medians": medians, "figures": figures,
+            "pick": best, "pick_ms_median": medians.get(best), "reference_ms_median": medians.get(timing.reference),
+            "speedup": figures[best]["speedup"] if best else None}
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -562,8 +616,9 @@ def fmt_row(r: dict) -> list[str]:
 
     if r.get("error"):
         return [r["label"], "failed", "", "", "", r["error"]]
-    return [r["label"], f"{r['s_per_image'] * 1000:.1f} ms", "—" if r.get("speedup") is None else f"{r['speedup']:.2f}×",
-            quality.fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff")), pct(r.get("fidelity")),
+    return [r["label"], f"{r['s_per_image'] * 1000:.1f} ms", row_speedup_text(r),
+            quality.fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff"))
+            + ("" if r.get("drift_ssim") is None else f", SSIM {r['drift_ssim']:.3f}"), pct(r.get("fidelity")),
             "pick" if r.get("picked") else ("yes" if r.get("eligible") else f"no: {r.get('why_not', '')}")]
 
 
@@ -584,11 +639,13 @@ def markdown(report: dict) -> str:
     lines.append("")
     if pick is None:
         lines.append("No configuration within the bound (eager fp32 stays).")
+    elif is_reference(pick):
+        lines.append("Pick: eager fp32 — no configuration within the bound measured faster than it.")
     else:
         c = report["confirm"] or {}
         lines.append(f"Pick: {pick['label']} — {pick['s_per_image'] * 1000:.1f} ms per image, "
-                     f"in the grid; {c.get('speedup', 0):.2f}× eager fp32 in the final round "
-                     f"({c.get('pick_ms_median', 0):.1f} vs {c.get('reference_ms_median', 0):.1f} ms, medians of "
+                     f"in the grid; {row_speedup_text(pick)} eager fp32 "
+                     f"({(c.get('pick_ms_median') or 0):.1f} vs {(c.get('reference_ms_median') or 0):.1f} ms, medians of "
                      f"{c.get('rounds')} round-robin rounds); fidelity "
                      + ("—" if pick.get("fidelity") is None else f"{pick['fidelity'] * 100:.0f} %")
                      + ("" if report['rows'][0].get('fidelity') is None else
@@ -607,12 +664,11 @@ def save(report: dict, path: Path) -> Path:
 def load_pick(path: Path) -> dict:
     """The configuration an advisor file names (precision, mode, step_cache, attention, and the preset,
     device, size and steps it was measured for); ValueError when the file names none."""
-    data = json.loads(Path(path).read_text())
-    pick = data.get("pick")
-    if not pick:
-        raise ValueError(f"{path}: the advisor found no configuration within its bound")
-    return {**{k: pick[k] for k in REFERENCE}, "preset": data["preset"], "device": data["device"],
-            "size": data["size"], "steps": data["steps"]}
+    from engine.config.validation import advice_pick, read_json_file
+
+    pick = advice_pick(read_json_file(path, str(path)), str(path))
+    return {**{k: pick[k] for k in REFERENCE}, "preset": pick["preset"], "device": pick["device"],
+            "size": pick["size"], "steps": pick["steps"]}
 
 
 def serving_threads(spec) -> int | None:
@@ -649,7 +705,7 @@ def cmd_advise(args) -> int:
     plan = AdvisePlan(
         preset=preset, device=spec.name, size=size, steps=args.steps or preset.steps, max_minutes=args.max_minutes,
         timing_images=args.timing_images, quality_samples=args.quality_samples, confirm_pairs=args.confirm_pairs,
-        fidelity_points=args.fidelity_points, min_psnr_db=args.min_psnr, cache_dir=cache_dir,
+        fidelity_points=args.fidelity_points, min_psnr_db=args.min_psnr, min_ssim=args.min_ssim, cache_dir=cache_dir,
         options=options_from_args(args, warm_sizes=(), warm_modes=()),
         allowed_roots=tuple(str(r) for r in model_roots_from_args(args)), prompt=preset.example_prompt,
         started=started,
@@ -693,8 +749,10 @@ def add_advise_parser(subparsers):
     a.add_argument("--fidelity-points", type=float, default=DEFAULT_FIDELITY_POINTS,
                    help="bound: fidelity at most this many points below eager fp32 (models with a checker)")
     a.add_argument("--min-psnr", type=float, default=None,
-                   help=f"bound: drift PSNR against eager fp32 (default {DEFAULT_MIN_PSNR:g} dB on models "
-                        "without a checker, off on those with one)")
+                   help=f"bound: drift PSNR against eager fp32 (default {DEFAULT_MIN_PSNR:g} dB, "
+                        f"{CHECKER_MIN_PSNR:g} dB on models with a checker, beside --fidelity-points)")
+    a.add_argument("--min-ssim", type=float, default=None,
+                   help="bound: drift SSIM against eager fp32 (0-1; default off: PSNR and fidelity bound)")
     a.add_argument("--out", type=Path, default=None,
                    help="results JSON (default: <cache dir>/advisor/<preset>@<device>-<size>-<steps>steps.json)")
     a.add_argument("--progress-json", action="store_true", help="progress and the result as JSON lines on stdout")

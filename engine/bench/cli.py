@@ -40,6 +40,18 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--caches", default=None,
                    help="comma-separated step caches (none, first-block:0.2, taylorseer:3:2, magcache, ...): the levers "
                         "bench, one row per precision x mode x cache with speedups, cached steps, drift and fidelity")
+    b.add_argument("--repeatability", action="store_true",
+                   help="run the same comparison of --configs twice (each warm first, then timed round-robin with "
+                        "eager fp32 until every speedup's spread is known) and print both runs' speedups, their "
+                        "ratio and whether the ranking held")
+    b.add_argument("--configs", default=None,
+                   help="--repeatability: mode/precision[/step cache] entries separated by ';' (default: six "
+                        "configurations, the levers one at a time)")
+    b.add_argument("--repeat-budget", type=float, default=60.0,
+                   help="--repeatability: seconds of timing rounds per run (after the warm-up)")
+    b.add_argument("--repeat-spread", type=float, default=0.10,
+                   help="--repeatability: rounds stop once every paired ratio's IQR is within this share of its median")
+    b.add_argument("--repeat-max-rounds", type=int, default=15, help="--repeatability: at most this many rounds per run")
     b.add_argument("--sizes", default=None, help="comma-separated WxH buckets (default: the preset's first)")
     b.add_argument("--steps", type=int, default=None, help="denoising steps per image (default: the preset's)")
     b.add_argument("--runs", type=int, default=10, help="timed requests (images) per configuration")

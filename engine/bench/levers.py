@@ -3,7 +3,8 @@
 `python -m engine bench --caches none,first-block:0.2,taylorseer:3:2 --precisions fp32,int8wo,int8dq
 --modes eager,regional` measures one row per (precision, mode, cache): seconds per image (median of
 round-robin requests, the starting configuration rotating each round), the steps served from the cache,
-speedups against eager fp32 without a cache, against the same precision and mode without a cache, and
+speedups (medians of the paired ratios of each round, engine/bench/paired.py, with their spread) against
+eager fp32 without a cache, against the same precision and mode without a cache, and
 (compiled modes) against eager with the same precision and cache; drift (PSNR, largest pixel difference)
 against eager fp32 without a cache for the same prompt and seed; fidelity over several prompts for a
 model with a checker. A combination the engine refuses is a row with the reason, never left out.
@@ -22,6 +23,7 @@ from pathlib import Path
 from engine.bench import quality
 from engine.bench.measure import build_runner, error_text, progress
 from engine.bench.modes import MODE_TABLE
+from engine.bench.paired import PairedTiming
 from engine.bench.report import fmt, machine_info
 from engine.bench.stats import median, ratio
 from engine.errors import ShowcaseError
@@ -170,10 +172,27 @@ def _finish(row: dict, rows: dict, plan) -> dict:
     p, m, c = row["precision"], row["mode"], row["cache"]
     none = str(StepCache())
     mine = out["image_ms_median"]
-    out["speedup_vs_reference"] = ratio(ms(*REFERENCE), mine)
-    out["cache_speedup"] = ratio(ms(p, m, none), mine) if c != none else None  # same precision and mode
+    figure = paired_figure(row, rows.get(REFERENCE))
+    out["speedup_figure"] = figure
+    # One speedup per row: the paired figure where both were timed in the same rounds, else the medians' ratio.
+    out["speedup_vs_reference"] = figure["speedup"] if figure else ratio(ms(*REFERENCE), mine)
+    base = paired_figure(row, rows.get((p, m, none))) if c != none else None
+    out["cache_speedup"] = (base["speedup"] if base else ratio(ms(p, m, none), mine)) if c != none else None
     out["speedup_vs_eager_same_cache"] = ratio(ms(p, "eager", c), mine) if m != "eager" else None
     return out
+
+
+def paired_figure(row: dict, base: dict | None) -> dict | None:
+    """`row`'s speedup over `base` as the shared paired plan reads it: image i of each was timed in round i
+    (round-robin, the start rotating), so each round gives one ratio. None without pairs."""
+    if not base or base is row or base.get("error") or row.get("error") or len(row["image_ms"]) != len(base["image_ms"]):
+        return None
+    timing = PairedTiming(["base", "row"], reference="base")
+    for i, (mine, theirs) in enumerate(zip(row["image_ms"], base["image_ms"], strict=True)):
+        timing.record(i, "row", mine)
+        timing.record(i, "base", theirs)
+    figure = timing.figure("row")
+    return figure.as_dict() if figure.speedup is not None else None
 
 
 def _targets(plan, results: list[dict]) -> list[dict]:
@@ -235,7 +254,8 @@ def markdown(report: dict) -> str:
             if r.get("drift_max_diff") is not None else "–"
         fid = f"{r['fidelity'] * 100:.0f}%" if r.get("fidelity") is not None else "–"
         lines.append(f"| {r['precision']} | {r['mode']} | {r['cache']} | {fmt(sec, 3)} | {steps} "
-                     f"| {fmt(r['speedup_vs_reference'])} | {fmt(r['cache_speedup'])} "
+                     f"| {(r.get('speedup_figure') or {}).get('text') or fmt(r['speedup_vs_reference'])} "
+                     f"| {fmt(r['cache_speedup'])} "
                      f"| {fmt(r['speedup_vs_eager_same_cache'])} | {drift} | {fid} | {r['recompiles']} |")
     lines += ["", "| target | value | target | status | note |", "|---|---|---|---|---|"]
     for t in report["targets"]:

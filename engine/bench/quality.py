@@ -4,8 +4,9 @@ Two measures, for every configuration of a bench run:
 
 - **drift**, for any model: the same prompt, seed, size and steps drawn by this configuration and by
   the reference (eager, fp32, same size); PSNR in dB (higher is closer; None for identical images, so
-  the JSON stays standard) and the largest pixel difference out of 255, over a few fixed samples (the
-  worst sample kept).
+  the JSON stays standard), SSIM (1.0 identical; it sees a moved or blurred object that PSNR prices
+  like noise) and the largest pixel difference out of 255, over a few fixed samples (the worst sample
+  kept); `diff_heatmap` draws |image - reference| as a picture.
 - **fidelity**, for a model trained on a closed grammar (a preset with `fidelity = "shapes"`): the
   share of images whose background colour, object colour and shape a pixel-only checker reads as the
   prompt says (engine/models/shapes/fidelity.py), over seeded random prompts of the grammar.
@@ -43,6 +44,74 @@ def image_drift(image, reference) -> dict:
     mse = float(np.mean((a - b) ** 2))
     psnr = None if mse == 0 else 10 * math.log10(255.0**2 / mse)
     return {"psnr_db": psnr, "max_diff": int(np.max(np.abs(a - b)))}
+
+
+SSIM_SIGMA, SSIM_RADIUS = 1.5, 5  # Wang et al. 2004: an 11x11 Gaussian window, sigma 1.5
+SSIM_K1, SSIM_K2 = 0.01, 0.03
+
+
+def _gaussian_blur(x: np.ndarray) -> np.ndarray:
+    """x filtered by the SSIM window (separable, edges reflected), same shape."""
+    t = np.arange(-SSIM_RADIUS, SSIM_RADIUS + 1, dtype=np.float64)
+    w = np.exp(-(t**2) / (2 * SSIM_SIGMA**2))
+    w /= w.sum()
+    pad = np.pad(x, SSIM_RADIUS, mode="reflect") if min(x.shape) > SSIM_RADIUS else \
+        np.pad(x, SSIM_RADIUS, mode="edge")
+    rows = sum(w[i] * pad[i:i + x.shape[0], :] for i in range(len(w)))
+    return sum(w[i] * rows[:, i:i + x.shape[1]] for i in range(len(w)))
+
+
+def _luma(image) -> np.ndarray:
+    """ITU-R BT.601 luma of an image, float64 in 0..255 (SSIM is taken on the grey image, as usual)."""
+    rgb = to_array(image).astype(np.float64)
+    return rgb[..., 0] * 0.299 + rgb[..., 1] * 0.587 + rgb[..., 2] * 0.114
+
+
+def ssim(image, reference) -> float:
+    """Mean structural similarity (Wang et al. 2004: Gaussian window, K1 0.01, K2 0.03, range 255) of
+    the two images' luma: 1.0 for identical images, lower as structure, contrast or brightness differ."""
+    a, b = _luma(image), _luma(reference)
+    if a.shape != b.shape:
+        raise ValueError(f"images of different sizes: {a.shape} vs {b.shape}")
+    c1, c2 = (SSIM_K1 * 255) ** 2, (SSIM_K2 * 255) ** 2
+    mu_a, mu_b = _gaussian_blur(a), _gaussian_blur(b)
+    var_a = _gaussian_blur(a * a) - mu_a**2
+    var_b = _gaussian_blur(b * b) - mu_b**2
+    cov = _gaussian_blur(a * b) - mu_a * mu_b
+    num = (2 * mu_a * mu_b + c1) * (2 * cov + c2)
+    den = (mu_a**2 + mu_b**2 + c1) * (var_a + var_b + c2)
+    return float(np.mean(num / den))
+
+
+def diff_heatmap(image, reference, scale: float | None = None) -> Image.Image:
+    """|image - reference| as a picture: black where the pixels agree, through red and yellow to white
+    where they differ most. Scaled so the largest difference is bright (`scale`: the difference, 0-255,
+    drawn white; default the largest one here, at least 16 so a few levels of noise stay dark)."""
+    a, b = to_array(image).astype(np.float64), to_array(reference).astype(np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"images of different sizes: {a.shape} vs {b.shape}")
+    diff = np.abs(a - b).max(axis=2)
+    top = scale if scale else max(16.0, float(diff.max()))
+    t = np.clip(diff / top, 0.0, 1.0)
+    rgb = np.stack([np.clip(3 * t, 0, 1), np.clip(3 * t - 1, 0, 1), np.clip(3 * t - 2, 0, 1)], axis=2)
+    return Image.fromarray((rgb * 255).round().astype(np.uint8), "RGB")
+
+
+def png_b64(image, max_px: int = 256) -> str:
+    """An image as base64 PNG text, at most `max_px` on its longer side: small enough for a JSON report."""
+    import base64
+
+    picture = Image.fromarray(to_array(image)) if not isinstance(image, Image.Image) else image.copy()
+    picture.thumbnail((max_px, max_px))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def worst_sample(images: list, reference: list) -> int:
+    """The index of the sample whose image differs most from the reference's (lowest PSNR)."""
+    drifts = [image_drift(a, b) for a, b in zip(images, reference, strict=True)]
+    return min(range(len(drifts)), key=lambda i: math.inf if drifts[i]["psnr_db"] is None else drifts[i]["psnr_db"])
 
 
 def worst_drift(drifts: list[dict]) -> dict:
@@ -91,7 +160,9 @@ def score(images: list, prompts: list[str], reference: list | None, preset) -> d
     share of scorable prompts drawn right; prompts outside the grammar are not counted)."""
     drift = worst_drift([image_drift(a, b) for a, b in zip(images, reference, strict=True)]) if reference else \
         {"psnr_db": None, "max_diff": None}
-    row = {"drift_psnr_db": drift["psnr_db"], "drift_max_diff": drift["max_diff"], "quality_samples": len(prompts)}
+    ssims = [ssim(a, b) for a, b in zip(images, reference, strict=True)] if reference else []
+    row = {"drift_psnr_db": drift["psnr_db"], "drift_max_diff": drift["max_diff"],
+           "drift_ssim": min(ssims) if ssims else None, "quality_samples": len(prompts)}
     checker = fidelity_checker(preset)
     if checker is not None:
         verdicts = [v for v in (checker(img, p) for img, p in zip(images, prompts, strict=True)) if v is not None]

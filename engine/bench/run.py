@@ -34,6 +34,10 @@ def main(args) -> int:
         return cmd_cold_start_child(args)
     if args._runtime_child:
         return cmd_runtime_child(args)
+    if getattr(args, "repeatability", False):
+        from engine.bench import repeat
+
+        return repeat.main(args)
     plan = plan_from_args(args)
     if plan.caches:
         from engine.bench import levers

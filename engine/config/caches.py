@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +41,11 @@ def prepare_cache_dir(path: Path) -> CacheDir:
         return CacheDir(path, True)
     except OSError as exc:
         fallback = Path(tempfile.mkdtemp(prefix="diffusion-showcase-"))
-        notice = (f"cache folder {path} is not writable ({exc.strerror or exc}); running without a persistent "
-                  f"cache in {fallback}: compiled graphs will not survive a restart. Fix it or pass --cache-dir")
-        log.warning(notice)
+        # The notice is shown in the app (no path there); the log names both folders.
+        notice = (f"the cache folder is not writable ({exc.strerror or type(exc).__name__}); running without a "
+                  "persistent cache: compiled graphs will not survive a restart. Fix it or pass --cache-dir")
+        log.warning("cache folder %s is not writable (%s); running without a persistent cache in %s",
+                    path, exc, fallback)
         return CacheDir(fallback, False, (notice,))
 
 
@@ -101,42 +104,120 @@ def remove_corrupt_artifacts(exc: BaseException, cache_root: Path | str | None =
     return removed
 
 
-# What a cache that cannot take more files raises: read-only, full, over quota, no permission.
-UNWRITABLE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM})
+# What a cache that cannot take more files raises (read-only, full, over quota, no permission), by condition.
+FULL, READ_ONLY, NO_PERMISSION = "full", "read-only", "not writable"
+_CONDITIONS = {errno.ENOSPC: FULL, errno.EDQUOT: FULL, errno.EROFS: READ_ONLY, errno.EACCES: NO_PERMISSION,
+               errno.EPERM: NO_PERMISSION}
+# The same conditions as a tool prints them: g++ failing to write its precompiled header says "No space
+# left on device" and exits, so only its output, never an errno, reaches Python.
+_PRINTED = {os.strerror(code): _CONDITIONS[code] for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)}
+# Free space under which a failed compile is put down to a full disk, whatever it raised: one precompiled
+# header alone is over 100 MB, and a tool deletes what it could not finish, so the space left after the
+# failure is no proof that there was enough.
+MIN_FREE_BYTES = 256 * 2**20
+# Where a temporary compile cache may go, the first with room first (the worker's own temporary folder is
+# inside the cache folder, on the disk that just failed).
+TEMPORARY_BASES: tuple[str, ...] = ("/tmp", "/var/tmp", "/dev/shm")
 
 
-def unwritable_cause(exc: BaseException) -> OSError | None:
-    """The OSError in `exc`'s chain that says the cache cannot be written, if any."""
-    return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno in UNWRITABLE_ERRNOS), None)
+@dataclass(frozen=True)
+class Unwritable:
+    """Why the compile cache cannot take more files: the condition a visitor may read, the detail for the log."""
+
+    condition: str  # FULL, READ_ONLY or NO_PERMISSION
+    detail: str
+
+    @property
+    def what(self) -> str:
+        if self.condition == NO_PERMISSION:
+            return "the compile cache folder cannot be written (no permission)"
+        return f"the compile cache disk is {self.condition}"
+
+    @property
+    def notice(self) -> str:
+        return (f"{self.what}: compiling in a temporary cache, so compiled graphs will not survive a restart; "
+                "the host can free space on the cache disk or fix the cache folder")
 
 
-def switch_to_temporary_compile_cache(reason: OSError) -> tuple[Path, str]:
-    """The compile cache cannot be written any more: compile in a fresh temporary folder instead (for the
-    rest of this process), with inductor's on-disk caches and precompiled headers off. Returns the folder
-    and the notice to show."""
-    import torch._inductor.config as inductor_config
+def _existing(folder: Path | str) -> Path | None:
+    path = Path(folder)
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return None
 
-    from engine.devices.environment import set_precompiled_header_dir
 
-    candidates = [os.environ.get("TMPDIR"), "/dev/shm", None]  # None: the system default
-    folder = None
-    for base in candidates:
+def _disk_condition(folder: Path | str) -> str | None:
+    """FULL / READ_ONLY / NO_PERMISSION when the disk under `folder` cannot take a compile, else None."""
+    path = _existing(folder)
+    if path is None:
+        return None
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return READ_ONLY
+        if shutil.disk_usage(path).free < MIN_FREE_BYTES:
+            return FULL
+    except OSError:
+        return None
+    return None if os.access(path, os.W_OK) else NO_PERMISSION
+
+
+def unwritable_cause(exc: BaseException, folders: tuple[Path | str, ...] = ()) -> Unwritable | None:
+    """Why the compile cache cannot be written, when `exc` or the disk says so, whichever tool failed:
+    an OSError with such an errno in `exc`'s chain; the condition printed in a message (a compiler's
+    output); or any failure while a folder of `folders` (the compile, temporary and package folders) is on
+    a disk with less than MIN_FREE_BYTES free, read-only or not writable. None: something else failed."""
+    chain = _chain(exc)
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in _CONDITIONS:
+            return Unwritable(_CONDITIONS[e.errno], f"{type(e).__name__}: {e}")
+    for e in chain:
+        text = f"{e} {getattr(e, 'output', '') or ''}"
+        for printed, condition in _PRINTED.items():
+            if printed in text:
+                return Unwritable(condition, f"{type(e).__name__} printed {printed!r}")
+    for folder in folders:
+        condition = _disk_condition(folder)
+        if condition is not None:
+            return Unwritable(condition, f"{folder}: {condition} after {type(exc).__name__}: {str(exc)[:300]}")
+    return None
+
+
+def _temporary_base() -> str | None:
+    """The first of TEMPORARY_BASES that can be written and has room for a compile."""
+    for base in TEMPORARY_BASES:
         try:
-            folder = Path(tempfile.mkdtemp(prefix="showcase-inductor-", dir=base))
-            break
+            if os.path.isdir(base) and _disk_condition(base) is None:
+                return base
         except OSError:
             continue
-    if folder is None:
-        raise reason
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return None
+
+
+def switch_to_temporary_compile_cache(reason: Unwritable) -> tuple[Path, str]:
+    """The compile cache cannot be written any more: compile in a fresh temporary folder on a disk with
+    room instead (for the rest of this process): inductor's cache, the temporary files of the compilers it
+    starts and the precompiled headers, with inductor's on-disk caches and precompiled headers off. Returns
+    the folder and the notice to show (the condition, never a path or a command line: visitors read it).
+    OSError when no temporary folder can be made."""
+    import torch._inductor.config as inductor_config
+
+    from engine.devices.environment import TMPDIR_VAR, set_precompiled_header_dir
+
+    base = _temporary_base()
+    if base is None:
+        raise OSError(errno.ENOSPC, f"no temporary folder with room for a compile in {', '.join(TEMPORARY_BASES)}")
+    folder = Path(tempfile.mkdtemp(prefix="showcase-inductor-", dir=base))
+    (folder / "tmp").mkdir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+    os.environ[TMPDIR_VAR] = str(folder / "tmp")  # the compilers' scratch files: inherited by each one
+    tempfile.tempdir = None  # computed again from TMPDIR on next use
     disable_compile_caches()
     inductor_config.cpp_cache_precompile_headers = False
     inductor_config.aot_inductor.precompile_headers = False
-    set_precompiled_header_dir(folder / "precompiled_headers")
-    notice = (f"the compile cache cannot be written ({reason.strerror or reason}); compiling in a temporary "
-              "cache instead: compiled graphs will not survive a restart. Free space or fix the cache folder")
-    log.warning(notice)
-    return folder, notice
+    set_precompiled_header_dir(folder / "inductor" / "precompiled_headers")
+    log.warning("%s (%s); compiling in %s", reason.what, reason.detail, folder)
+    return folder, reason.notice
 
 
 def compile_caches_enabled() -> bool:

@@ -6,15 +6,27 @@ model, so the server answers bad input at once and keeps serving.
 
 from __future__ import annotations
 
+import json
 import math
+import re
+from pathlib import Path
 
-from engine.config.presets import route_size
+from engine.config.presets import load_presets, looks_like_model_ref, route_size
 from engine.errors import InvalidRequest
-from engine.protocol import GenerateRequest, Mode, ModelPreset, OnCold, Precision, StepCache, parse_lora
+from engine.protocol import (
+    MAX_STEPS,
+    GenerateRequest,
+    Mode,
+    ModelPreset,
+    OnCold,
+    Precision,
+    Size,
+    StepCache,
+    parse_lora,
+)
 
 MAX_PROMPT_CHARS = 4000
 LONG_PROMPT_WORDS = 60  # ~77 CLIP tokens: beyond this the CLIP encoders see only the start
-MAX_STEPS = 200
 MAX_GUIDANCE = 50.0
 MAX_SEED = 2**63 - 1
 
@@ -160,3 +172,89 @@ def check_lora(preset: ModelPreset, lora, scale=None) -> tuple[str | None, float
 
 def check_precision(precision: str) -> Precision:
     return Precision.parse(precision, "precision")
+
+
+# A JSON file a user names (--config-from): read only when small and shallow enough. json.loads recurses per
+# level and a deeply nested file raised RecursionError.
+MAX_JSON_BYTES = 4 * 2**20
+MAX_JSON_DEPTH = 32
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(text: str) -> int:
+    """How deeply `text`'s arrays and objects nest (brackets inside strings do not count)."""
+    depth = deepest = 0
+    for char in _JSON_STRING.sub('""', text):
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def read_json_file(path, what: str):
+    """The JSON in `path`, or InvalidRequest naming `what` and the problem (missing, too big, too deep,
+    not JSON)."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise InvalidRequest(f"{what} is over {MAX_JSON_BYTES // 2**20} MiB; give the advisor's JSON file")
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidRequest(f"{what} cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"{what} is not UTF-8 text; give the advisor's JSON file") from None
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"{what} nests {depth} levels deep; at most {MAX_JSON_DEPTH} are read")
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"{what} is not JSON ({exc})") from None
+
+
+# The advisor's pick (python -m engine advise --out FILE): each field and what it must be.
+_PICK_FIELDS = {"precision": lambda v: str(Precision.parse(v, "precision")),
+                "mode": lambda v: str(Mode.parse(v, "mode")),
+                "step_cache": lambda v: str(StepCache.parse(v)),
+                "attention": lambda v: v.strip().lower()}
+_RUN_FIELDS = {"preset": lambda v: check_preset_name(v, "preset"),
+               "device": lambda v: v.strip().lower(),
+               "size": lambda v: str(Size.parse(v)),
+               "steps": check_steps}
+
+
+def check_preset_name(name, what: str = "preset") -> str:
+    """A preset of presets/models.toml, or a Hub id / local folder (checked when it loads)."""
+    name = str(name).strip()
+    presets = load_presets()
+    if name not in presets and not looks_like_model_ref(name):
+        raise InvalidRequest(f"unknown {what} {_shown(name)}; choose one of: {', '.join(presets)}")
+    return name
+
+
+def advice_pick(data, what: str = "the advisor file") -> dict:
+    """The configuration an advisor result names, every field type-checked: its precision, mode,
+    step_cache and attention, and the preset, device, size and steps it was measured for (as text)."""
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"{what} holds a JSON {type(data).__name__}, not the advisor's object "
+                             "(python -m engine advise --out FILE writes one)")
+    pick = data.get("pick")
+    if not pick:
+        raise InvalidRequest(f"{what}: the advisor found no configuration within its bound")
+    if not isinstance(pick, dict):
+        raise InvalidRequest(f"{what}: 'pick' is a JSON {type(pick).__name__}, not an object")
+    result = {}
+    for source, fields in ((pick, _PICK_FIELDS), (data, _RUN_FIELDS)):
+        for name, check in fields.items():
+            value = source.get(name)
+            expected = int if name == "steps" else str
+            if isinstance(value, bool) or not isinstance(value, expected):
+                raise InvalidRequest(f"{what}: {name} must be {'a whole number' if expected is int else 'text'}, "
+                                     f"got {_shown(value)}")
+            try:
+                result[name] = check(value)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"{what}: {exc}") from None
+    return result

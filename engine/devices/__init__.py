@@ -45,6 +45,7 @@ from engine.devices.cuda import TORCH_BUILDS_HINT
 from engine.devices.environment import (
     apply_environment,
     enter_eager_mode,
+    folders_in_force,
     worker_environment,
 )
 from engine.devices.neuron import NEFF_CACHE_VAR, NEURON_INDEX_HINT
@@ -83,6 +84,7 @@ __all__ = [
     "describe_device",
     "devices_report",
     "enter_eager_mode",
+    "folders_in_force",
     "get_device",
     "make_plan",
     "plan_precision",

@@ -2,7 +2,11 @@
 
 Two kinds of variables, both read from the spec's data (`cache_env`, `mode_env`):
 
-* defaults (compile caches in the persistent cache folder): the user's exports always win;
+* compile caches in the persistent cache folder: a folder the user exported wins, torch's own default
+  never does. `import torch._dynamo` (diffusers imports it) writes torch's default folder
+  (`<temp>/torchinductor_<user>`) into the environment of the process that imports it; a web process that
+  had imported diffusers handed that folder to every worker it started later, so their compiles left the
+  cache folder (and were shared with whatever else runs there);
 * mode variables, forced: some runtimes read a variable once, when they are loaded (torch_tpu's
   TORCH_TPU_DEFER_AND_FUSE, at `import torch` through backend autoload), so a worker process must be
   *started* with it, and a worker for another mode must be started without it.
@@ -17,8 +21,11 @@ directory whatever its cache folder, would otherwise land in /tmp).
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,7 +48,8 @@ def worker_environment(
     """
     env = dict(os.environ if base is None else base)
     for key, value in spec.environment(cache_dir).items():
-        env.setdefault(key, value)
+        if not user_choice(key, env.get(key)):
+            env[key] = value
     env[TMPDIR_VAR] = str(temp_dir(cache_dir))
     forced = spec.mode_environment(mode)
     for _, var, _ in spec.mode_env:
@@ -52,6 +60,30 @@ def worker_environment(
 
 
 TMPDIR_VAR = "TMPDIR"
+PRECOMPILED_HEADERS = "precompiled headers"  # the key of inductor's header folder in folders_in_force()
+# How torch names its default inductor folder (torch._inductor.runtime.cache_dir_utils.default_cache_dir).
+TORCH_DEFAULT_INDUCTOR_PREFIX = "torchinductor_"
+
+
+def user_choice(var: str, value: str | None) -> bool:
+    """Whether the value a cache variable has in an environment is the user's own choice: set, and not
+    torch's default inductor folder, which torch writes into os.environ itself (see the module's doc)."""
+    from engine.devices.spec import INDUCTOR_CACHE_VAR
+
+    if not value:
+        return False
+    return not (var == INDUCTOR_CACHE_VAR and Path(value).name.startswith(TORCH_DEFAULT_INDUCTOR_PREFIX))
+
+
+def folders_in_force(spec: DeviceSpec) -> dict[str, str]:
+    """The folders this process compiles in and writes temporary files to, as it sees them now: a worker
+    reports them to the app, so /system shows where the worker really writes, not what the app computed."""
+    folders = {var: os.environ[var] for var, _ in spec.cache_env if os.environ.get(var)}
+    folders[TMPDIR_VAR] = tempfile.gettempdir()
+    codecache = sys.modules.get("torch._inductor.codecache")  # not imported yet: nothing compiled
+    if codecache is not None and getattr(codecache, "_HEADER_DIR", None):
+        folders[PRECOMPILED_HEADERS] = str(codecache._HEADER_DIR)
+    return folders
 
 
 def temp_dir(cache_dir: Path) -> Path:
@@ -64,13 +96,51 @@ def temp_dir(cache_dir: Path) -> Path:
     return folder
 
 
+_CODECACHE = "torch._inductor.codecache"
+
+
 def set_precompiled_header_dir(folder: Path) -> None:
     """Where inductor writes its precompiled C++ headers (over 100 MB). Inductor fixes the folder at import
-    from the temporary directory, not from its cache folder: point it into the cache."""
-    import torch._inductor.codecache as codecache
+    from the temporary directory, not from its cache folder: point it into the cache. A process that has not
+    imported the codecache yet gets the folder when it does, so an eager run never imports the compiler's
+    code cache for this alone."""
+    codecache = sys.modules.get(_CODECACHE)
+    if codecache is not None:
+        _point_headers(codecache, folder)
+        return
+    for finder in sys.meta_path:
+        if isinstance(finder, _HeaderDirOnImport):
+            finder.folder = folder
+            return
+    sys.meta_path.insert(0, _HeaderDirOnImport(folder))
 
+
+def _point_headers(codecache, folder: Path) -> None:
     codecache._HEADER_DIR = str(folder)
     codecache._HEADER_LOCK_DIR = str(Path(folder) / "locks")
+
+
+class _HeaderDirOnImport(importlib.abc.MetaPathFinder):
+    """Sets the header folder right after inductor's codecache module runs, then steps aside."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def find_spec(self, name, path, target=None):
+        if name != _CODECACHE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, folder = spec.loader.exec_module, self.folder
+
+        def exec_then_point(module):
+            exec_module(module)
+            _point_headers(module, folder)
+
+        spec.loader.exec_module = exec_then_point
+        return spec
 
 
 def contain_temporary_files(cache_dir: Path, inductor_cache: str | None) -> None:
@@ -84,7 +154,8 @@ def contain_temporary_files(cache_dir: Path, inductor_cache: str | None) -> None
 
 
 def apply_environment(spec: DeviceSpec, cache_dir: Path, mode: str | None = None) -> dict[str, str]:
-    """os.environ.setdefault for spec.environment(); create the cache folders; return what is in force.
+    """spec.environment() into os.environ where the user chose no folder (torch's default is no choice:
+    see the module's doc); create the cache folders; return what is in force.
 
     Call before the first compile (inductor and Neuron read their cache dirs lazily). A mode variable set
     here only helps a process whose runtime has not read it yet: in a running process use
@@ -93,7 +164,8 @@ def apply_environment(spec: DeviceSpec, cache_dir: Path, mode: str | None = None
     wanted = spec.environment(cache_dir, mode=mode)
     in_force: dict[str, str] = {}
     for key, value in wanted.items():
-        os.environ.setdefault(key, value)
+        if not user_choice(key, os.environ.get(key)):
+            os.environ[key] = value
         in_force[key] = os.environ[key]
         if key.endswith("_DIR"):
             try:

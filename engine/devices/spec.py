@@ -292,8 +292,8 @@ class DeviceSpec:
 
     # -- environment ----------------------------------------------------------------------------
     def environment(self, cache_dir: Path, mode: str | None = None) -> dict[str, str]:
-        """Environment variables this device needs, as defaults (the user's exports win); with `mode`,
-        plus the variables a worker for that mode must start with (see environment.py)."""
+        """Environment variables this device needs (a cache folder the user exported wins, torch's default
+        does not: environment.py); with `mode`, plus the variables a worker for that mode must start with."""
         # Compile caches go to the persistent cache folder: inductor's default is under /tmp and Neuron's
         # NEFF cache is wiped on reboot, so every restart would recompile for minutes.
         env = {var: str(Path(cache_dir) / folder) for var, folder in self.cache_env}

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from engine import settings
+from engine.errors import scrub_paths
 from engine.pipeline.faults import COMPILE_FAILURE
 from engine.pipeline.variants import pipeline_over, vae_decoding_with
 from engine.protocol import BucketKey, Mode, Size
@@ -583,12 +584,12 @@ class AotEngine:
                     try:
                         self._install(kind, *load_package(found.folder, self.constants(kind)))
                         continue
-                    except PackageError as exc:
-                        problems.append(f"{exc.kind} {kind} package replaced: {exc.detail}")
+                    except PackageError as exc:  # visitors read the problem on the board: no server path
+                        problems.append(scrub_paths(f"{exc.kind} {kind} package replaced: {exc.detail}"))
                         log.warning("%s: %s", bucket, problems[-1])
                         self.store.remove(found.folder)
                 elif found.state == "stale":
-                    problems.append(f"stale {kind} package replaced: {found.detail}")
+                    problems.append(scrub_paths(f"stale {kind} package replaced: {found.detail}"))
                 report(f"building {kind} b{batch}" + (f" ({problems[-1]})" if problems else ""))
                 if captured is None:
                     captured = self.capture(bucket, guidance, decode=VAE in kinds)

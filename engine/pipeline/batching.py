@@ -23,7 +23,13 @@ window slides with each joiner). A lone request waits `wait_ms`; a burst that re
 request at a time through the web server still forms one call; the first of a group waits at most
 (max_batch − 1) × `wait_ms`, and only while requests keep joining.
 Requests that queued while the previous call ran are already waiting, so under load the window costs
-nothing. Nothing here imports torch.
+nothing.
+
+Fair between clients: the next call's first request is the oldest waiting one of the client whose last
+turn is the longest ago (a client never served yet goes first), so one visitor's queued requests delay
+another visitor's request by at most the call that is running, and then the calls of clients with a turn
+due before theirs: round-robin by call, not first come first served. Requests of other clients with the
+same key still join the call. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from engine.protocol import GenerateRequest, StepCacheKind
 
 # Step caches whose per-step decision reads the whole batch tensor: their requests run alone.
 DATA_DEPENDENT_CACHES = frozenset({StepCacheKind.FIRST_BLOCK})
+MAX_CLIENTS_KEPT = 1024  # clients whose last turn is remembered (bounded: a client may be any address)
 
 
 def max_batch_for(max_batch: int | None, spec, tp: int = 1) -> int:
@@ -112,6 +119,8 @@ class Gatherer:
         self._backlog: collections.deque = collections.deque()  # taken from source, not served yet
         self._lock = threading.Lock()
         self._stopped = False
+        self._turn = 0
+        self._last_turn: collections.OrderedDict[str, int] = collections.OrderedDict()  # client -> its last turn
 
     def pending(self) -> int:
         """Requests waiting (the source's and the backlog's)."""
@@ -137,6 +146,7 @@ class Gatherer:
         first = self._pop(block=True)
         if first is None:
             return None
+        first = self._next_turn(first)
         key = batch_key(first) if self.max_batch > 1 else None
         if key is None:
             return [first]
@@ -173,6 +183,29 @@ class Gatherer:
             with self._lock:
                 self._backlog.extendleft(reversed(group[size:]))
         return group[:size]
+
+    def _next_turn(self, first: GenerateRequest) -> GenerateRequest:
+        """Of `first` and every request waiting behind it, the oldest of the client whose turn is due."""
+        with self._lock:
+            while not self._stopped:  # everything that arrived counts, not only what was taken so far
+                try:
+                    item = self.source.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._stopped = True
+                else:
+                    self._backlog.append(item)
+            waiting = [first, *self._backlog]  # in arrival order
+            chosen = min(waiting, key=lambda r: self._last_turn.get(r.client, -1))  # min keeps the oldest of ties
+            if chosen is not first:
+                self._backlog = collections.deque(r for r in waiting if r is not chosen)
+            self._turn += 1
+            self._last_turn[chosen.client] = self._turn
+            self._last_turn.move_to_end(chosen.client)
+            while len(self._last_turn) > MAX_CLIENTS_KEPT:  # a forgotten client is served as a new one
+                self._last_turn.popitem(last=False)
+        return chosen
 
     def _arrival(self, request: GenerateRequest) -> float:
         arrived = self.arrived(request)

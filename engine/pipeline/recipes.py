@@ -8,6 +8,7 @@ spec, never from `if device == ...` here.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -42,6 +43,26 @@ def step_fuse_qkv(pipe, denoiser_name: str) -> str:
     denoiser.fuse_qkv_projections()
     fused = sum(1 for m in denoiser.modules() if getattr(m, "fused_projections", False))
     return f"fused QKV projections in {fused} attention modules"
+
+
+def keep_torchao_unloaded() -> bool:
+    """Tell diffusers and transformers that torchao is not installed, in a process whose engine quantizes
+    nothing. Both import it whenever it is installed (CPU time at every start, and three warnings) to read
+    checkpoints saved quantized by torchao, which no engine loads; the quantized precisions call torchao
+    themselves (quantize_denoiser). Only before their quantizers are imported; True when in force."""
+    if any(name in sys.modules for name in ("torchao", "diffusers.quantizers", "transformers.quantizers")):
+        return False
+    import diffusers.utils.import_utils as diffusers_imports
+    import transformers.utils
+    import transformers.utils.import_utils as transformers_imports
+
+    def not_installed(*args, **kwargs) -> bool:
+        return False
+
+    diffusers_imports._torchao_available = False  # what diffusers' is_torchao_available() returns
+    for module in (transformers_imports, transformers.utils):
+        module.is_torchao_available = not_installed
+    return True
 
 
 def quantize_denoiser(pipe, denoiser_name: str, precision: Precision) -> str:

@@ -38,10 +38,17 @@ from engine import devices
 from engine.config import caches
 from engine.config.presets import route_size
 from engine.config.resolve import resolve_source
-from engine.errors import Cancelled, DeviceOutOfMemory, InvalidRequest, ModelLoadError, UnsupportedCombination
+from engine.errors import (
+    Cancelled,
+    DeviceOutOfMemory,
+    InvalidRequest,
+    ModelLoadError,
+    UnsupportedCombination,
+    scrub_paths,
+)
 from engine.pipeline import attention, batching, lora, recipes, stepcache, variants
 from engine.pipeline.faults import Faults, failing_backend
-from engine.pipeline.progress import progress_bar
+from engine.pipeline.progress import progress_bar, quiet_library_consoles
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -98,9 +105,14 @@ def _cache_counters() -> tuple[int, int]:
 
 
 def describe_failure(exc: BaseException, limit: int = 500) -> str:
-    """One line for the board: the error and, if different, its root cause (dynamo wraps errors)."""
+    """One line for the board: the error and, if different, its root cause (dynamo wraps errors). Visitors
+    read it: a compiler's failure is told by its first error line, never its command line, and every server
+    path is replaced (the log keeps the whole error)."""
 
     def line(e: BaseException) -> str:
+        if isinstance(getattr(e, "cmd", None), list | tuple) and isinstance(getattr(e, "output", None), str):
+            errors = [ln.strip() for ln in e.output.splitlines() if "error" in ln.lower()]  # a C++ compile error
+            return f"{type(e).__name__}: the C++ compiler failed" + (f": {errors[0]}" if errors else "")
         text = str(e).strip()
         return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".strip()
 
@@ -108,7 +120,7 @@ def describe_failure(exc: BaseException, limit: int = 500) -> str:
     while (nxt := getattr(root, "inner_exception", None) or root.__cause__) is not None and nxt is not root:
         root = nxt
     text = line(exc) if root is exc else f"{line(exc)} (cause: {line(root)})"
-    return text[:limit]
+    return scrub_paths(text)[:limit]
 
 
 def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, output_type: str = "pil",
@@ -300,6 +312,7 @@ class PipelineRunner:
         self.measured_run: tuple[Size, float] | None = None  # the measuring run: its size and milliseconds
         self.source: str | None = None  # what from_pretrained loaded (aot package keys name the model by it)
         self._aot = None  # engine/pipeline/aot.py AotEngine, built with the aot variant
+        self.folders_notice = ""  # why the compile folders moved (a full or read-only cache disk), once they have
         self._step_caches: stepcache.CacheVariants | None = None  # (mode, step cache) variants, once loaded
         self.loras: lora.LoraSlot | None = None  # the preset's LoRA adapters, hot-swapped into one slot
         # Requests that can share a denoiser call run as one call of up to max_batch images (engine/pipeline/batching.py)
@@ -368,7 +381,11 @@ class PipelineRunner:
         # TORCHINDUCTOR_CACHE_DIR to /tmp when unset, and the persistent cache would be ignored.
         env = devices.apply_environment(self.spec, self.config.cache_path())
         log.info("environment in force: %s", env)
+        if not self.precision.precision.quantized:
+            recipes.keep_torchao_unloaded()
         import diffusers
+
+        quiet_library_consoles()
 
         devices.apply_precision(self.precision)
         _install_compile_counter()
@@ -818,25 +835,23 @@ class PipelineRunner:
                                  cache_hits=hits - hits_before, cache_misses=misses - misses_before, origin=origin)
 
     def _compile_bucket(self, pipe, bucket: BucketKey) -> str | None:
-        """First calls at the bucket's shapes compile. A cache that cannot be written (read-only, full) moves
-        compiles to a temporary cache; a corrupt one has its broken files removed and the compile runs again
-        without the on-disk caches. Returns what the board says about where the graph came from. aot: load
-        the bucket's packages, building what is missing."""
-        if bucket.mode is Mode.AOT:
-            if self.loras is not None:
-                # An export holds the slot's scaling tensors as constants: captured with no LoRA (aot serves none).
-                with self._run_lock:
-                    self.loras.select(None, 0.0)
-            origin, notices = self._aot.warm(bucket, report=lambda text: self.board.update(bucket, origin=text))
-            self.notices += notices
-            return origin
+        """First calls at the bucket's shapes compile. A cache that cannot be written (read-only, full: told by
+        the error or by the disk's free space, whichever tool failed) moves compiles to a temporary cache; a
+        corrupt one has its broken files removed and the compile runs again without the on-disk caches.
+        Returns what the board says about where the graph came from. aot: load the bucket's packages,
+        building what is missing (in the temporary cache too when the package folder cannot be written)."""
         try:
+            if bucket.mode is Mode.AOT:
+                return self._warm_aot(bucket)
             for guidance in self.warm_guidances():
                 self._warm_call(pipe, bucket, guidance)
             return None
         except Exception as exc:
-            if caches.unwritable_cause(exc) is not None:
-                origin = self._move_cache(bucket, exc)
+            unwritable = caches.unwritable_cause(exc, self._compile_folders())
+            if unwritable is not None:
+                origin = self._move_cache(bucket, unwritable)
+            elif bucket.mode is Mode.AOT:
+                raise
             else:
                 removed = caches.remove_corrupt_artifacts(exc)
                 if not caches.compile_caches_enabled() and not removed:
@@ -848,16 +863,40 @@ class PipelineRunner:
                 self.notices.append(notice)
                 caches.disable_compile_caches()
                 origin = None
+        if bucket.mode is Mode.AOT:
+            return f"{self._warm_aot(bucket)}; {origin}"
         for guidance in self.warm_guidances():
             self._warm_call(pipe, bucket, guidance)
         return origin
 
-    def _move_cache(self, bucket: BucketKey, exc: BaseException) -> str:
-        """Compiles go to a temporary cache from now on; the notice goes on the engine and the bucket."""
-        _, notice = caches.switch_to_temporary_compile_cache(caches.unwritable_cause(exc))
+    def _warm_aot(self, bucket: BucketKey) -> str:
+        if self.loras is not None:
+            # An export holds the slot's scaling tensors as constants: captured with no LoRA (aot serves none).
+            with self._run_lock:
+                self.loras.select(None, 0.0)
+        origin, notices = self._aot.warm(bucket, report=lambda text: self.board.update(bucket, origin=text))
+        self.notices += notices
+        return origin
+
+    def _compile_folders(self) -> tuple[str, ...]:
+        """The folders a compile writes to: inductor's cache, the compilers' temporary files, aot packages."""
+        folders = [folder for _, folder in self.folders()]
+        if self._aot is not None:
+            folders.append(str(self._aot.store.root))
+        return tuple(folders)
+
+    def _move_cache(self, bucket: BucketKey, unwritable: caches.Unwritable) -> str:
+        """Compiles (and aot packages) go to a temporary cache from now on; the notice goes on the engine and the
+        bucket, and the worker reports its new folders (engine/worker/loop.py)."""
+        folder, notice = caches.switch_to_temporary_compile_cache(unwritable)
+        if self._aot is not None:
+            from engine.pipeline import aot
+
+            self._aot.store = aot.PackageStore(folder / "aot")
         if notice not in self.notices:
             self.notices.append(notice)
-        origin = "compiled in a temporary cache (the cache folder cannot be written)"
+        self.folders_notice = notice
+        origin = f"compiled in a temporary cache ({unwritable.what})"
         self.board.update(bucket, origin=origin)
         return origin
 
@@ -865,7 +904,11 @@ class PipelineRunner:
         """What a worker announces once loaded (the protocol's Ready message)."""
         return EngineReady(key=self.config.key, pid=os.getpid(), load_s=self.load_s, notices=tuple(self.notices),
                            modes=self.modes(), buckets=tuple(self.board.all()), footprint=self.footprint(),
-                           preset=self.preset, batch_sizes=self.batch_sizes)
+                           preset=self.preset, batch_sizes=self.batch_sizes, folders=self.folders())
+
+    def folders(self) -> tuple[tuple[str, str], ...]:
+        """Where this process compiles and writes temporary files now (reported to the app for /system)."""
+        return tuple(devices.folders_in_force(self.spec).items())
 
     def weights_bytes(self) -> int:
         if self._weights_bytes is None:

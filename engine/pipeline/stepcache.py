@@ -51,7 +51,7 @@ from pathlib import Path
 
 from engine.errors import UnsupportedCombination
 from engine.pipeline.variants import pipeline_over
-from engine.protocol import STEP_CACHE_FORMS, Mode, ModelPreset, StepCache, StepCacheKind
+from engine.protocol import STEP_CACHE_FORMS, STEP_CACHE_RANGES, Mode, ModelPreset, StepCache, StepCacheKind
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ def cache_status(kind: StepCacheKind, preset: ModelPreset, spec, mode) -> dict:
     mode = Mode.parse(mode, "mode")
     names, defaults = STEP_CACHE_FORMS[kind]
     row = {"name": kind.value, "usable": True, "why_not": "", "params": {n: defaults[n] for n in names},
+           "ranges": {n: str(STEP_CACHE_RANGES[kind][n]) for n in names},  # what diffusers' hooks run with
            "summary": "every step computed in full" if kind is StepCacheKind.NONE else KINDS[kind].summary,
            "form": kind.value + "".join(f"[:{n.upper()}]" for n in names), "default": str(StepCache(kind))}
     if kind is StepCacheKind.NONE:
@@ -177,8 +178,10 @@ def format_table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         state = "usable" if r["usable"] else "no"
+        kind = StepCacheKind(r["name"])
+        spans = ", ".join(f"{n.upper()} {STEP_CACHE_RANGES[kind][n].span}" for n in r["params"])
         lines.append(f"{r['form']:{width}s}  {state:6s}  {r['why_not'] or r['summary']}"
-                     + (f" (default {r['default']})" if r["usable"] and r["params"] else ""))
+                     + (f" (default {r['default']}; {spans})" if r["usable"] and r["params"] else ""))
     return "\n".join(lines)
 
 
@@ -387,8 +390,9 @@ class CacheVariants:
             ratios = self.mag_ratios(steps)
             if ratios is None:
                 ratios = self.calibrate(base_pipe, steps, run)
+                # Visitors read the notice: the cache folder's name, not its path on the server.
                 notices.append(f"magcache: calibrated {self.preset.name} at {steps} steps (one full run first); "
-                               f"stored in {self.calibration_path(steps)}")
+                               "stored in the cache folder (stepcache/magcache), reused from now on")
         variant = CachedDenoiser(
             base_pipe, self.preset.denoiser, cache,
             lambda v: diffusers_config(cache, steps=steps, cfg=self.preset.cfg, timestep=v.current_timestep,

@@ -9,6 +9,8 @@ requests and reports every bucket -- including evicted engines and why.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -39,6 +41,7 @@ from engine.models.weights import CorruptWeights
 from engine.pipeline import stepcache
 from engine.protocol import (
     BucketKey,
+    BucketState,
     EngineConfig,
     EngineKey,
     EngineOptions,
@@ -50,8 +53,11 @@ from engine.protocol import (
     Precision,
     Size,
 )
-from engine.serving import budget
+from engine.serving import budget, cost
+from engine.serving.cost import CostBudget
 from engine.serving.scheduler import CompileScheduler
+from engine.serving.telemetry import Telemetry
+from engine.worker import logs
 from engine.worker.client import ConnectionClient, ProcessClient
 from engine.worker.priority import ShortRunSlots
 
@@ -61,6 +67,9 @@ RESTART_WINDOW_S = 60.0
 MAX_RESTARTS_IN_WINDOW = 3
 CLOSE_TIMEOUT_S = 3.0  # a worker asked to shut down gets this long before its process group is killed
 ACTIVATION_SHARE = 0.25  # before an engine has run: activations estimated as this share of its weights
+# A Compare's next image waits at most this long while other clients' Generates run on its device, so a
+# steady stream of them delays it without stopping it.
+COMPARE_YIELD_MAX_S = 30.0
 
 
 class Caller(enum.StrEnum):
@@ -78,6 +87,18 @@ class HostPolicy:
     modes: tuple[Mode, ...] | None = None
     # Public mode: loading an engine may evict an idle one only if nobody used it for this long.
     evict_idle_after_s: float = 60.0
+    # Public mode: the most a visitor's request may cost, and a visitor may hold queued and running
+    # (token-steps, engine/serving/cost.py).
+    cost: CostBudget = CostBudget()
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A visitor's admitted cost (manager.admission): held until the block that took it ends. A Compare
+    takes one for all its images; each image's generate() then runs on it instead of its own."""
+
+    client: str
+    cost: int
 
 
 @dataclass(frozen=True)
@@ -139,9 +160,13 @@ class EngineManager:
         self._running: dict[str, ConnectionClient] = {}  # request id -> engine, for cancel()
         self._lock = threading.RLock()
         self._admission = threading.Lock()  # one engine admitted (planned, room made, started) at a time
+        self._flow = threading.Condition()  # guards the two below; notified when a Generate ends
+        self._held: collections.Counter[str] = collections.Counter()  # visitor -> token-steps queued or running
+        self._generates: dict[str, collections.Counter[str]] = {}  # device -> client -> Generates in flight
         self._closing = False
         self.engines_started = 0
         self.evictions = 0
+        self.telemetry = Telemetry(self)  # Prometheus metrics (the app's /metrics)
         if idle_unload_s:
             threading.Thread(target=self._unload_idle_forever, name="idle-unload", daemon=True).start()
 
@@ -508,10 +533,125 @@ class EngineManager:
         with self._lock:
             return list(self._engines.values())
 
+    # -- cost (public mode: engine/serving/cost.py) -----------------------------------------------
+    def priced(self, caller: Caller) -> bool:
+        """Whether this caller's requests are priced against the host's cost budgets (visitors, public mode)."""
+        return caller is Caller.VISITOR and self.policy.public
+
+    def price_compare(self, preset: str, size, steps: int, configurations: int, prompts: int, guidance=None,
+                      caller: Caller = Caller.HOST) -> int:
+        """A Compare's price in token-steps (0 when not priced), or NotAllowed saying what fits."""
+        if not self.priced(caller):
+            return 0
+        p = self.preset(preset)
+        size = size if isinstance(size, Size) else Size.parse(size) if size else p.buckets[0]
+        if guidance is not None and str(guidance).strip() != "":
+            try:
+                guidance = float(guidance)
+            except (TypeError, ValueError):
+                raise InvalidRequest(f"guidance must be a number, got {guidance!r}") from None
+        else:
+            guidance = None
+        return cost.check_compare(self.policy.cost, p, size, steps, configurations, prompts, guidance)
+
+    def price_generate(self, preset: str, size=None, steps=None, guidance=None, caller: Caller = Caller.HOST) -> int:
+        """A Generate's price in token-steps (0 when not priced), or NotAllowed saying what fits; bad input
+        raises InvalidRequest naming the field. Checked by the UI before it starts an engine for the request."""
+        if not self.priced(caller):
+            return 0
+        p = self.preset(preset)
+        size = size if isinstance(size, Size) else Size.parse(size) if size else p.buckets[0]
+        request, _ = build_request(p, prompt="", width=size.width, height=size.height, steps=steps,
+                                   guidance=guidance)
+        return cost.check_generate(self.policy.cost, p, request.size, request.steps, request.guidance)
+
+    @contextlib.contextmanager
+    def admission(self, client: str, price: int, caller: Caller = Caller.HOST):
+        """Hold `price` against the visitor's budget of queued and running cost while the block runs; EngineBusy
+        at once when it does not fit. Yields the Ticket (of cost 0, holding nothing, when the caller is not
+        priced: a Compare's images still run on it and yield to Generates)."""
+        if not self.priced(caller):
+            yield Ticket(client, 0)
+            return
+        with self._flow:
+            cost.check_visitor(self.policy.cost, self._held[client], price)
+            self._held[client] += price
+        try:
+            yield Ticket(client, price)
+        finally:
+            with self._flow:
+                self._held[client] -= price
+                if self._held[client] <= 0:
+                    del self._held[client]
+
+    def held_cost(self, client: str) -> int:
+        """Token-steps the visitor has queued or running now."""
+        with self._flow:
+            return self._held.get(client, 0)
+
+    @contextlib.contextmanager
+    def _generate_in_flight(self, device: str, client: str):
+        with self._flow:
+            self._generates.setdefault(device, collections.Counter())[client] += 1
+        try:
+            yield
+        finally:
+            with self._flow:
+                flights = self._generates[device]
+                flights[client] -= 1
+                if flights[client] <= 0:
+                    del flights[client]
+                self._flow.notify_all()
+
+    def _yield_to_generates(self, device: str, client: str) -> float:
+        """A Compare's next image waits while other clients' Generates are queued or running on `device` (at
+        most COMPARE_YIELD_MAX_S); returns the seconds waited."""
+        start = time.monotonic()
+        deadline = start + COMPARE_YIELD_MAX_S
+        with self._flow:
+            while any(n > 0 for c, n in self._generates.get(device, {}).items() if c != client):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._flow.wait(left)
+        return time.monotonic() - start
+
+    def _check_visitor_aot(self, key: EngineKey, bucket: BucketKey) -> None:
+        """Public mode: a visitor is served aot only from a package already loaded (warm); building one costs
+        minutes of compiling and hundreds of MiB of disk, which is the host's call."""
+        with self._lock:
+            engine = self._engines.get(key)
+        if engine is not None:
+            engine.wait_ready(timeout=600)  # the default engine loads its start-up packages as it starts
+            if any(info.bucket == bucket and info.state == BucketState.WARM for info in engine.buckets()):
+                return
+        others = [str(m) for m in devices.get_device(key.device).modes
+                  if m != Mode.AOT and (self.policy.modes is None or m in self.policy.modes)]
+        raise NotAllowed(f"mode aot at {bucket.size}: no package of this bucket is loaded on {key}, and building "
+                         "one (minutes of compiling, hundreds of MiB of disk) is up to the host here (the admin "
+                         "token, or `python -m engine export` ahead of time)"
+                         + (f"; pick mode {' or '.join(others)} meanwhile" if others else ""))
+
     # -- requests --------------------------------------------------------------------------------
-    def generate(
+    def generate(self, **request) -> GenerateResult:
+        """Validate, route and run one request; raises a ShowcaseError with what to change. (The arguments:
+        _generate's.) Counted in self.telemetry; the log lines of its thread carry its request id."""
+        seen: dict = {}
+        logged_as = logs.REQUEST_ID.set(None)  # _generate sets the id once the request is built
+        try:
+            result = self._generate(seen=seen, **request)
+        except BaseException as exc:
+            self.telemetry.request_ended(seen, error=exc)
+            raise
+        finally:
+            logs.REQUEST_ID.reset(logged_as)
+        self.telemetry.request_ended(seen, result=result)
+        return result
+
+    def _generate(
         self,
         *,
+        seen: dict,
         preset: str,
         device: str = "auto",
         precision: str = "fp32",
@@ -535,9 +675,15 @@ class EngineManager:
         lora_scale=None,
         on_submit=None,
         caller: Caller = Caller.HOST,
+        client: str = "",
+        ticket: Ticket | None = None,
     ) -> GenerateResult:
-        """Validate, route and run one request; raises a ShowcaseError with what to change."""
+        """Validate, route and run one request; raises a ShowcaseError with what to change. `client` (a
+        visitor's address) gets its turn at the engine among the waiting clients; in public mode a
+        visitor's request is priced against the host's cost budgets first, unless it runs on a `ticket`
+        (one image of a Compare, which also waits while other clients' Generates run on its device)."""
         key = self.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
+        seen["engine"] = str(key)
         if caller is Caller.VISITOR:
             self._check_visitor_choice(mode=mode)
         p = self.preset(key.preset)
@@ -551,10 +697,28 @@ class EngineManager:
             guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold, step_cache=step_cache,
             lora=lora, lora_scale=lora_scale,
         )
+        seen.update(mode=str(request.mode), bucket=str(request.bucket.size))
+        logs.REQUEST_ID.set(request.request_id)
         devices.check_mode(devices.get_device(key.device), request.mode)  # refused here; its notices come with the result
         self._check_runtime(key, request.mode)
         if request.step_cache.enabled:  # a cache the mode cannot hold is refused before any engine starts
             stepcache.check_step_cache(request.step_cache, p, devices.get_device(key.device), request.mode)
+        client = ticket.client if ticket is not None else client
+        request = request.replace(client=client)
+        with contextlib.ExitStack() as stack:
+            if ticket is None and self.priced(caller):
+                price = cost.check_generate(self.policy.cost, p, request.size, request.steps, request.guidance)
+                stack.enter_context(self.admission(client, price, caller))
+            if request.mode is Mode.AOT and self.priced(caller):
+                self._check_visitor_aot(key, request.bucket)
+            if ticket is None:
+                stack.enter_context(self._generate_in_flight(key.device, client))
+            else:
+                self._yield_to_generates(key.device, client)
+            result = self._run(key, request, caller, on_progress, on_submit, timeout)
+        return dataclasses.replace(result, notices=tuple(notices) + result.notices) if notices else result
+
+    def _run(self, key: EngineKey, request, caller: Caller, on_progress, on_submit, timeout) -> GenerateResult:
         engine = self.engine(key, caller=caller)
         if engine.pending() >= self.engine_options(key).max_queue:
             raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")
@@ -576,7 +740,7 @@ class EngineManager:
             raise EngineBusy(f"request {request.request_id} did not finish within {timeout}s and was cancelled") from None
         finally:
             self._running.pop(request.request_id, None)
-        return dataclasses.replace(result, notices=tuple(notices) + result.notices) if notices else result
+        return result
 
     def cancel(self, request_id: str) -> bool:
         """Stop a running request between steps (it then fails with Cancelled). False if unknown."""
@@ -599,6 +763,8 @@ class EngineManager:
             self._check_visitor_choice(mode=mode)
             if bucket.size not in self.preset(key.preset).buckets:
                 raise InvalidRequest(f"{bucket.size} is not a bucket of {key.preset}")
+            if bucket.mode is Mode.AOT:
+                self._check_visitor_aot(key, bucket)  # warming a loaded package is a no-op; building is the host's
             with self._lock:
                 if key not in self._engines:
                     raise NotAllowed(f"{key} is not loaded; generate with it first, then warm its buckets")
@@ -652,7 +818,7 @@ class EngineManager:
             "policy": {"public": p.public, "presets": self.visitor_presets(),
                        "precisions": [str(x) for x in p.precisions] if p.precisions else None,
                        "modes": [str(x) for x in p.modes] if p.modes else None,
-                       "evict_idle_after_s": p.evict_idle_after_s},
+                       "evict_idle_after_s": p.evict_idle_after_s, **p.cost.describe()},
         }
 
     def shutdown(self) -> None:

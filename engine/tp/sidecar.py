@@ -505,7 +505,8 @@ def _serve(server: _Rank0Server, runner, config, ranks, spec, from_app: bool, bo
         ready = runner.ready_info()
         loop.send(Ready(EngineReady(key=config.key, pid=ready.pid, load_s=ready.load_s, notices=ready.notices,
                                     modes=ready.modes, buckets=ready.buckets, tp=len(ranks), ranks=tuple(ranks),
-                                    backend=spec.dist_backend, footprint=ready.footprint, preset=ready.preset)))
+                                    backend=spec.dist_backend, footprint=ready.footprint, preset=ready.preset,
+                                    folders=ready.folders)))
         if first_client:
             runner.start_heartbeat()
             loop.queue_startup_warm()
@@ -526,8 +527,10 @@ def _serve(server: _Rank0Server, runner, config, ranks, spec, from_app: bool, bo
 def rank_main(args) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     node = int(os.environ.get("GROUP_RANK", "0"))
-    logging.basicConfig(level=logging.INFO if args.verbose else os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"),
-                        format=f"[tp rank {rank} node {node}] %(levelname)s %(name)s: %(message)s")
+    from engine.worker import logs
+
+    logs.configure(logging.INFO if args.verbose else os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"),
+                   process=f"tp rank {rank} node {node}", prefix=f"[tp rank {rank} node {node}] ")
     from engine.tp.group import watch_parents
 
     watch_parents(args.parent_pid)

@@ -32,6 +32,7 @@ from engine.protocol import (
     EngineReady,
     Fatal,
     Fault,
+    FoldersChanged,
     Footprint,
     FootprintChanged,
     Generate,
@@ -77,6 +78,8 @@ class ConnectionClient:
         self.on_ready: Callable[[ConnectionClient], None] | None = None
         self.on_footprint: Callable[[ConnectionClient], None] | None = None
         self.footprint: Footprint | None = None
+        self.moved_folders: dict[str, str] | None = None  # where the worker compiles since a FoldersChanged
+        self.late_notices: list[str] = []  # notices the engine gave after it was ready
         self.last_used = time.monotonic()  # for least-recently-used eviction
         self.evictable = True  # False: an engine the app attached to but does not own
 
@@ -110,6 +113,7 @@ class ConnectionClient:
             CompileWanted: self._on_compile_wanted,
             CompileFinished: self._on_compile_finished,
             FootprintChanged: self._on_footprint,
+            FoldersChanged: self._on_folders,
         }
 
     def _read(self) -> None:
@@ -167,6 +171,17 @@ class ConnectionClient:
     def _on_compile_finished(self, message: CompileFinished) -> None:
         if self.on_compile_finished is not None:
             self.on_compile_finished(self, message.bucket)
+
+    def _on_folders(self, message: FoldersChanged) -> None:
+        self.moved_folders = dict(message.folders)
+        if message.notice and message.notice not in self.late_notices:
+            self.late_notices.append(message.notice)
+
+    def folders(self) -> dict[str, str]:
+        """Where its worker compiles and writes temporary files, as the worker reported it ({}: not ready)."""
+        if self.moved_folders is not None:
+            return dict(self.moved_folders)
+        return dict(self.info.folders) if self.info else {}
 
     def _on_footprint(self, message: FootprintChanged) -> None:
         self.footprint = message.footprint
@@ -282,7 +297,7 @@ class ConnectionClient:
             "state": state,
             "error": str(self.error) if self.error else None,
             "load_s": self.info.load_s if self.info else None,
-            "notices": list(self.info.notices) if self.info else [],
+            "notices": (list(self.info.notices) if self.info else []) + self.late_notices,
             "modes": [str(m) for m in self.info.modes] if self.info else [],
             "pending": self.pending(),
             "buckets": [b.as_dict() for b in self.buckets()],

@@ -47,6 +47,7 @@ from engine.protocol import (
     CompileWanted,
     Fatal,
     Fault,
+    FoldersChanged,
     FootprintChanged,
     Generate,
     GenerateRequest,
@@ -61,6 +62,7 @@ from engine.protocol import (
     Warm,
     dispatch,
 )
+from engine.worker import logs
 from engine.worker.priority import RunCost, ShortRuns
 
 EARLY_CANCELS_KEPT = 256  # cancels for requests not received yet (a cancel overtaking its request)
@@ -194,6 +196,7 @@ class WorkerLoop:
         self._waiting: dict[BucketKey, int] = {}
         self._stop = threading.Event()
         self._received: dict[str, float] = {}  # request id -> when it arrived (its queue time)
+        self._folders_sent: tuple | None = None  # the folders the app was last told (Ready, FoldersChanged)
         self.compile_yield = YieldToRequests()
         # Only where the engines compute on the host's shared cores (an accelerator does the work elsewhere).
         self.run_cost = RunCost(settings.short_request_ms(), max_extra=settings.compile_niceness() - 2) \
@@ -216,6 +219,8 @@ class WorkerLoop:
             self.run_cost.record("eager", size, 1, ms)
 
     def send(self, message) -> None:
+        if isinstance(message, Ready):
+            self._folders_sent = message.ready.folders
         with self._send_lock:
             try:
                 self.conn.send(message)
@@ -364,9 +369,19 @@ class WorkerLoop:
                 if wanted and not self._is_warm(bucket):
                     self.runner.warm_bucket(bucket)
                     self.send(FootprintChanged(self.runner.footprint()))
+                    self._report_folders()
                     self._collect_garbage()
             finally:
                 self.send(CompileFinished(bucket))
+
+    def _report_folders(self) -> None:
+        """A compile that found the cache disk full or read-only moved this worker's compile and temporary
+        folders: tell the app where they are now, and why."""
+        folders = self.runner.folders() if hasattr(self.runner, "folders") else None
+        if folders is None or folders == self._folders_sent:
+            return
+        self.send(FoldersChanged(folders, getattr(self.runner, "folders_notice", "")))
+        self._folders_sent = folders
 
     def _collect_garbage(self) -> None:
         """A compile leaves many objects; the garbage collector's full passes over them (and over the model)
@@ -453,6 +468,7 @@ class WorkerLoop:
         steps aside before each (shared) step while another engine runs a short one (ShortRuns), a short one
         tells the others it runs."""
         cancels = [self._cancels.setdefault(r.request_id, threading.Event()) for r in group]
+        logged_as = logs.REQUEST_ID.set(",".join(r.request_id for r in group))  # this thread's log lines
         crash = self.runner.faults.take(Fault.CRASH)
         short_runs = self.short_runs
         step_aside = short_runs.step_aside if short_runs is not None and long else None
@@ -519,6 +535,7 @@ class WorkerLoop:
         finally:
             for request in group:
                 self._forget(request)
+            logs.REQUEST_ID.reset(logged_as)
 
     def _forget(self, request: GenerateRequest) -> None:
         self._cancels.pop(request.request_id, None)
@@ -649,8 +666,8 @@ def _serve_engine(config, conn, env: dict[str, str]) -> None:
         os.nice(settings.worker_niceness())  # below the web server: it answers first under full load
     except OSError:
         pass
-    logging.basicConfig(level=os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"),
-                        format=f"[worker {config.key}] %(levelname)s %(name)s: %(message)s")
+    logs.configure(os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"), process=f"worker {config.key}",
+                   prefix=f"[worker {config.key}] ")
     made: dict = {}
 
     def load() -> WorkerLoop:

@@ -1,0 +1,139 @@
+"""Explicit configurations for a comparison: parsing a list a person typed, the reason one cannot run here
+(the engine's own checks), and the lists offered ready-made.
+
+The form, one configuration per entry, entries separated by ";" or new lines:
+
+    mode/precision[/step cache][@device]
+
+e.g. "eager/fp32; compile/fp32; regional/bf16; eager/fp32/first-block:0.2; compile/bf16@cuda". The step
+cache is any form `python -m engine step-caches` lists ("none" or left out: no cache); the device is one
+of the engine's device names, or the comparison's default device when left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.protocol import Mode, Precision, StepCache
+
+MAX_ENTRIES = 12  # far more than a comparison runs: a longer list is a paste gone wrong
+LEVERS = "the levers one at a time"
+FRONTIER = "the Advisor's frontier"
+LISTS = (LEVERS, FRONTIER)
+
+
+@dataclass(frozen=True)
+class Configuration:
+    mode: str
+    precision: str
+    step_cache: str = "none"
+    device: str | None = None  # None: the comparison's default device
+
+    def text(self) -> str:
+        """Its entry in the list's form (parse_configurations reads it back)."""
+        parts = [self.mode, self.precision] + ([self.step_cache] if self.step_cache != "none" else [])
+        return "/".join(parts) + (f"@{self.device}" if self.device else "")
+
+
+def parse_configurations(text: str) -> list[Configuration]:
+    """The configurations of a typed list, in order, duplicates dropped; ValueError saying which entry is
+    wrong and the form to use."""
+    entries = [e.strip() for chunk in str(text or "").splitlines() for e in chunk.split(";")]
+    entries = [e for e in entries if e]
+    if len(entries) > MAX_ENTRIES:
+        raise ValueError(f"{len(entries)} configurations listed; list at most {MAX_ENTRIES}")
+    out: list[Configuration] = []
+    for entry in entries:
+        body, _, device = entry.partition("@")
+        parts = [p.strip() for p in body.split("/")]
+        if len(parts) < 2 or len(parts) > 3 or not all(parts):
+            raise ValueError(f"configuration {entry!r}: write mode/precision[/step cache][@device], "
+                             "e.g. eager/fp32 or regional/bf16/first-block:0.2@cpu")
+        mode, precision = parts[0].lower(), parts[1].lower()
+        if mode not in Mode.values():
+            raise ValueError(f"configuration {entry!r}: unknown mode {parts[0]!r}; modes: {', '.join(Mode.values())}")
+        if precision not in Precision.values():
+            raise ValueError(f"configuration {entry!r}: unknown precision {parts[1]!r}; precisions: "
+                             f"{', '.join(Precision.values())}")
+        try:
+            cache = str(StepCache.parse(parts[2])) if len(parts) == 3 else "none"
+        except Exception as exc:
+            raise ValueError(f"configuration {entry!r}: {exc}") from None
+        config = Configuration(mode, precision, cache or "none", device.strip() or None)
+        if config not in out:
+            out.append(config)
+    return out
+
+
+def refusal(preset, spec, config: Configuration) -> str | None:
+    """Why `config` cannot run for `preset` on the device `spec` (the checks the engine itself makes when
+    asked to run it), or None when it can."""
+    from engine.devices import precision_support
+    from engine.pipeline.stepcache import cache_status
+
+    if Mode(config.mode) not in spec.modes:
+        return f"{spec.label} does not run mode {config.mode}"
+    row = precision_support(spec).get(Precision(config.precision)) or {}
+    if row.get("status") in ("refused", "unknown"):
+        return first_line(row.get("reason") or f"{config.precision} cannot run on {spec.label}")
+    cache = StepCache.parse(config.step_cache)
+    if cache.enabled:
+        status = cache_status(cache.kind, preset, spec, Mode(config.mode))
+        if not status["usable"]:
+            return f"step cache {cache.kind} with {config.mode}: {first_line(status['why_not'])}"
+    return None
+
+
+def first_line(text: str, limit: int = 160) -> str:
+    """A reason short enough for a card: its first line, cut at `limit` characters."""
+    line = str(text).strip().splitlines()[0] if str(text).strip() else ""
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
+def levers_one_at_a_time(preset, spec, limit: int = 6) -> list[Configuration]:
+    """The reference, then each lever on its own: bf16, each compiled mode, the usable step caches (eager,
+    fp32), the first `limit` of them."""
+    from engine.devices import precision_support
+    from engine.pipeline.stepcache import available_step_caches
+
+    out = [Configuration("eager", "fp32")]
+    support = precision_support(spec)
+    for precision in ("bf16", "fp16"):
+        if (support.get(Precision(precision)) or {}).get("status") == "ok":
+            out.append(Configuration("eager", precision))
+            break
+    for mode in ("compile", "regional"):
+        if Mode(mode) in spec.modes:
+            out.append(Configuration(mode, "fp32"))
+    for row in available_step_caches(preset, spec, Mode.EAGER):
+        c = Configuration("eager", "fp32", str(StepCache.parse(row["default"] or "none")))
+        if row["usable"] and c not in out:
+            out.append(c)
+    return out[:limit]
+
+
+def saved_frontier(cache_dir, preset: str, device: str, size: str, steps: int) -> list[Configuration]:
+    """advisor_frontier of the Advisor's saved result for this preset, device, size and steps; [] when none."""
+    import json
+
+    from engine.bench.advise import result_path
+
+    try:
+        return advisor_frontier(json.loads(result_path(cache_dir, preset, device, size, steps).read_text()))
+    except (OSError, ValueError):
+        return []
+
+
+def advisor_frontier(report: dict, limit: int = 6) -> list[Configuration]:
+    """From an Advisor result (its JSON): the reference, the pick and the other configurations within its
+    bound, fastest first; [] when it has none."""
+    rows = [r for r in report.get("rows", []) if r.get("eligible") and not r.get("error")]
+    rows.sort(key=lambda r: -(r.get("speedup") or 0))
+    out = [Configuration("eager", "fp32")]
+    for r in rows:
+        if r.get("attention", "native") != "native":
+            continue  # the Compare tab runs the engine's attention backend
+        c = Configuration(r["mode"], r["precision"], r.get("step_cache") or "none")
+        if c not in out:
+            out.append(c)
+    return out[:limit] if len(out) > 1 else []

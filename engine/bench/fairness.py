@@ -1,0 +1,215 @@
+"""`python -m engine fairness`: what one visitor's costliest requests do to another visitor's wait.
+
+Runs a public-mode EngineManager in this process (the cost budgets of engine/serving/cost.py, visitors
+told apart by their client address as the web app does) on one preset and device, eager, and measures:
+
+- idle: visitor B's small Generate (--small-steps at the smallest bucket) and the costliest Generate a
+  visitor may ask for (the most steps the per-request budget allows at the largest bucket, at most
+  --max-steps), each alone;
+- eight costliest Generates from visitor A at once (steps varied by one so they cannot share a call),
+  then B's costliest Generate and B's small one: their latency against idle. With the visitor budget
+  (A's requests beyond it are refused at once), without it (all eight queued: the engine's turns
+  between clients alone), and without it with B sending as A (first come first served, as before);
+- the costliest Compare a visitor may ask for (configurations × the prompts the Compare tab sends, all
+  eager on the same engine so no compile enters the figure) run as ui/compare.py runs it, one admission
+  and one image at a time, while B sends small Generates one after another: B's latency against one
+  configuration's run.
+
+Figures go in docs/hosting.md; timings depend on the load of the machine (printed with them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from engine import settings
+from engine.errors import ShowcaseError
+from engine.metrics import median
+from engine.protocol import EngineOptions, Size
+from engine.serving import cost
+from engine.serving.cost import CostBudget
+
+A, B = "10.0.0.1", "10.0.0.2"  # two visitors' addresses
+
+
+class Bench:
+    def __init__(self, args):
+        from engine.serving.manager import EngineManager, HostPolicy  # torch: not for `--help`
+
+        self.args = args
+        request = cost.parse_cost(args.max_request_cost, "--max-request-cost")
+        visitor = cost.parse_cost(args.max_visitor_cost, "--max-visitor-cost")
+        self.budget = CostBudget(request=request, visitor=visitor)
+        self.manager = EngineManager(
+            cache_dir=args.cache_dir or settings.cache_dir(), options=EngineOptions(warm_sizes=(), max_batch=1),
+            policy=HostPolicy(public=True, presets=(args.preset,), cost=self.budget))
+        self.preset = self.manager.preset(args.preset)
+        buckets = sorted(self.preset.buckets, key=lambda s: s.pixels)
+        self.small_size, self.big_size = buckets[0], buckets[-1]
+        allowed = cost.max_steps(request, self.preset, self.big_size) if request else args.max_steps
+        self.big_steps = max(1, min(args.max_steps, allowed))
+
+    def generate(self, client: str, size: Size, steps: int, seed: int = 0, **extra) -> float:
+        """One visitor Generate; its latency in seconds (wall, as the visitor waits)."""
+        from engine.serving.manager import Caller
+
+        start = time.perf_counter()
+        self.manager.generate(preset=self.preset.name, device=self.args.device, size=str(size), steps=steps,
+                              prompt=self.preset.example_prompt, seed=seed, caller=Caller.VISITOR, client=client,
+                              **extra)
+        return time.perf_counter() - start
+
+    def small(self, client: str = B, seed: int = 0) -> float:
+        return self.generate(client, self.small_size, self.args.small_steps, seed)
+
+    def big(self, client: str, steps: int | None = None, seed: int = 0) -> float:
+        return self.generate(client, self.big_size, steps or self.big_steps, seed)
+
+    def idle(self) -> dict:
+        self.small(seed=99)
+        self.big(B, seed=99)  # loaded, and each size run once
+        return {"small_s": median([self.small(seed=i) for i in range(self.args.rounds)]),
+                "big_s": median([self.big(B, seed=i) for i in range(max(1, self.args.rounds // 2))])}
+
+    def eight_costliest(self, idle: dict, visitor_budget: bool, b_client: str = B) -> dict:
+        """A sends eight costliest Generates at once; B then sends a costliest one, then a small one. With
+        `b_client` = A, B's requests queue behind A's as anyone's did before engines took turns."""
+        from engine.serving.manager import HostPolicy
+
+        saved = self.manager.policy
+        if not visitor_budget:
+            self.manager.policy = HostPolicy(public=True, presets=saved.presets,
+                                             cost=CostBudget(request=self.budget.request, visitor=None))
+        refused, running = [], threading.Event()
+        started = []
+
+        def a_request(i: int) -> None:
+            try:
+                self.generate(A, self.big_size, self.big_steps - i, seed=i,
+                              on_progress=lambda p: running.set())
+            except ShowcaseError as exc:
+                refused.append(type(exc).__name__)
+
+        threads = [threading.Thread(target=a_request, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+            started.append(time.perf_counter())
+        try:
+            running.wait(120)
+            time.sleep(0.05)  # A's others reach the engine's queue
+            b_big = self.big(b_client, seed=7)
+            b_small = self.small(b_client, seed=7)
+        finally:
+            for t in threads:
+                t.join(600)
+            self.manager.policy = saved
+        return {"visitor_budget": visitor_budget, "turns": b_client != A, "a_refused": len(refused), "a_admitted": 8 - len(refused),
+                "b_big_s": b_big, "b_big_x_idle": b_big / idle["big_s"],
+                "b_small_s": b_small, "b_small_x_idle": b_small / idle["small_s"]}
+
+    def costliest_compare(self, idle: dict) -> dict:
+        """The costliest Compare at the smallest bucket, run as ui/compare.py runs it, while B keeps sending
+        small Generates."""
+        from engine.serving.manager import Caller
+
+        prompts = 1 + (8 if self.preset.fidelity else 0)  # the Compare tab's default fidelity prompts
+        per_image = cost.price(self.preset, self.small_size, self.args.small_steps)
+        if self.budget.request is not None:  # the most images the budget allows: prompts first, then configurations
+            prompts = max(1, min(prompts, self.budget.request // per_image))
+        configs = 6 if self.budget.request is None else max(1, min(6, self.budget.request // (per_image * prompts)))
+        price = self.manager.price_compare(self.preset.name, self.small_size, self.args.small_steps, configs,
+                                           prompts, caller=Caller.VISITOR)
+        config_s: list[float] = []
+        done = threading.Event()
+
+        def compare() -> None:
+            try:
+                with self.manager.admission(A, price, Caller.VISITOR) as ticket:
+                    for c in range(configs):
+                        start = time.perf_counter()
+                        for p in range(prompts):
+                            self.generate(A, self.small_size, self.args.small_steps, seed=1000 * c + p, ticket=ticket)
+                        config_s.append(time.perf_counter() - start)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=compare)
+        thread.start()
+        waits = []
+        while not done.is_set():
+            waits.append(self.small(seed=len(waits)))
+            time.sleep(0.05)
+        thread.join()
+        one_config = median(config_s)
+        return {"configurations": configs, "prompts": prompts, "steps": self.args.small_steps,
+                "size": str(self.small_size), "price": price, "config_median_s": one_config,
+                "b_small_n": len(waits), "b_small_median_s": median(waits), "b_small_max_s": max(waits),
+                "b_small_max_wait_s": max(waits) - idle["small_s"],
+                "max_wait_x_config": (max(waits) - idle["small_s"]) / one_config}
+
+    def run(self) -> dict:
+        try:
+            idle = self.idle()
+            return {"preset": self.preset.name, "device": self.args.device, "budget": self.budget.describe(),
+                    "small": f"{self.args.small_steps} steps at {self.small_size}",
+                    "costliest": f"{self.big_steps} steps at {self.big_size}", "idle": idle,
+                    "load_before": os.getloadavg()[0],
+                    "eight_costliest": [self.eight_costliest(idle, True), self.eight_costliest(idle, False),
+                                        self.eight_costliest(idle, False, b_client=A)],
+                    "compare": self.costliest_compare(idle), "load_after": os.getloadavg()[0]}
+        finally:
+            self.manager.shutdown()
+
+
+def print_summary(s: dict) -> None:
+    idle = s["idle"]
+    print(f"fairness: {s['preset']} on {s['device']}, budgets {s['budget']}; load {s['load_before']:.2f} -> "
+          f"{s['load_after']:.2f}")
+    print(f"idle: small ({s['small']}) {idle['small_s']:.3f} s, costliest Generate ({s['costliest']}) "
+          f"{idle['big_s']:.3f} s")
+    for row in s["eight_costliest"]:
+        print(f"eight costliest from A (visitor budget {'on' if row['visitor_budget'] else 'off'}"
+              f"{'' if row['turns'] else ', B queued as A: first come first served'}: "
+              f"{row['a_admitted']} admitted, {row['a_refused']} refused): B's costliest {row['b_big_s']:.3f} s "
+              f"(x{row['b_big_x_idle']:.2f} idle), B's small {row['b_small_s']:.3f} s (x{row['b_small_x_idle']:.2f})")
+    c = s["compare"]
+    print(f"costliest Compare ({c['configurations']} configurations x {c['prompts']} prompts x {c['steps']} steps "
+          f"at {c['size']}, {c['price']} token-steps): one configuration {c['config_median_s']:.3f} s; B's small "
+          f"Generate during it ({c['b_small_n']}): median {c['b_small_median_s']:.3f} s, max {c['b_small_max_s']:.3f}"
+          f" s, its longest wait {c['max_wait_x_config']:.2f} x one configuration")
+
+
+def build_parser(sub=None) -> argparse.ArgumentParser:
+    kwargs = dict(help="one visitor's costliest requests against another visitor's wait (cost budgets, turns)",
+                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("fairness", **kwargs) if sub is not None else argparse.ArgumentParser(prog="engine fairness",
+                                                                                           **kwargs)
+    p.add_argument("--preset", default=settings.DEFAULT_PRESET)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--small-steps", type=int, default=8)
+    p.add_argument("--max-steps", type=int, default=200, help="the costliest Generate's steps at most")
+    p.add_argument("--max-request-cost", default=str(cost.DEFAULT_REQUEST_COST))
+    p.add_argument("--max-visitor-cost", default=str(cost.DEFAULT_VISITOR_COST))
+    p.add_argument("--rounds", type=int, default=5, help="idle runs of the small request (half for the costliest)")
+    p.add_argument("--cache-dir", type=Path, default=None)
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    p.set_defaults(func=cmd_fairness)
+    return p
+
+
+def add_fairness_parser(sub) -> None:
+    build_parser(sub)
+
+
+def cmd_fairness(args) -> int:
+    summary = Bench(args).run()
+    print_summary(summary)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    return 0

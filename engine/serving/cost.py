@@ -1,0 +1,136 @@
+"""What a request costs an engine, priced before it is admitted (public mode), and the host's cost budgets.
+
+The unit is a token-step: one latent token through the denoiser once. A request's price is its denoiser
+steps × the latent tokens of one step at its bucket (× 2 where classifier-free guidance doubles the
+denoiser's batch) × its images (a Compare: configurations × prompts). Counting requests, as before,
+let one visitor queue 33 minutes of engine time in a single Compare; the denoiser's work is what every
+other visitor waits behind (vLLM's scheduler budgets tokens per step for the same reason).
+
+Two budgets, both the host's (`--max-request-cost`, `--max-visitor-cost`): the most one request may
+cost, and the most one visitor (client address) may have queued and running at once. Host calls (the
+CLI, an admin token, a Gradio login) are not priced. Everything here is pure: no engine, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.errors import EngineBusy, InvalidRequest, NotAllowed
+from engine.protocol import ModelPreset, Size
+
+# The defaults let a visitor run 64 steps at the largest tiny bucket (128x128 of tiny-shapes: 256 tokens)
+# in one request, or a Compare of 2 configurations × 9 prompts × 8 steps at 64x64; and hold two such
+# requests queued or running. Measured on 2 shared cores: docs/hosting.md ("Fair by cost").
+DEFAULT_REQUEST_COST = 16_384
+DEFAULT_VISITOR_COST = 2 * DEFAULT_REQUEST_COST
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
+
+def tokens_per_image_step(preset: ModelPreset, size: Size, guidance: float | None = None) -> int:
+    """Latent tokens one denoiser step computes for one image at `size`. A transformer packs 2×2 latent
+    pixels per token (the preset's alignment is that patch in image pixels); a UNet computes every latent
+    pixel (half the alignment). Classifier-free guidance (guidance > 1 on a cfg pipeline) doubles it."""
+    side = preset.alignment if preset.denoiser == "transformer" else max(1, preset.alignment // 2)
+    tokens = math.ceil(size.width / side) * math.ceil(size.height / side)
+    guidance = preset.guidance if guidance is None else guidance
+    return tokens * (2 if preset.cfg and float(guidance) > 1.0 else 1)
+
+
+def price(preset: ModelPreset, size: Size, steps: int, guidance: float | None = None, images: int = 1) -> int:
+    """Token-steps of `images` images of `steps` steps at `size` (a Compare: configurations × prompts)."""
+    if steps < 1 or images < 1:
+        raise InvalidRequest(f"a request runs at least one step of one image (got {steps} steps, {images} images)")
+    return steps * tokens_per_image_step(preset, size, guidance) * images
+
+
+def parse_cost(text, flag: str) -> int | None:
+    """A budget flag's value: token-steps (a positive whole number), or 0 / 'off' for no bound (None)."""
+    if text is None:
+        return None
+    value = str(text).strip().lower().replace("_", "")
+    if value in ("off", "none", "0"):
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise InvalidRequest(f"{flag} {text!r}: give token-steps as a whole number (e.g. {DEFAULT_REQUEST_COST}), "
+                             "or 0 for no bound") from None
+    if number < 0:
+        raise InvalidRequest(f"{flag} {number}: give a positive number of token-steps, or 0 for no bound")
+    return number or None
+
+
+@dataclass(frozen=True)
+class CostBudget:
+    """The host's bounds in token-steps (None: unbounded)."""
+
+    request: int | None = DEFAULT_REQUEST_COST
+    visitor: int | None = DEFAULT_VISITOR_COST
+
+    def describe(self) -> dict:
+        return {"max_request_cost": self.request, "max_visitor_cost": self.visitor}
+
+
+def max_steps(budget: int, preset: ModelPreset, size: Size, guidance: float | None = None, images: int = 1) -> int:
+    """The most steps `images` images at `size` may take within `budget` (0: not even one)."""
+    return budget // (tokens_per_image_step(preset, size, guidance) * images)
+
+
+def check_generate(budget: CostBudget, preset: ModelPreset, size: Size, steps: int,
+                   guidance: float | None = None) -> int:
+    """The price of one image, or NotAllowed saying what fits: fewer steps, or a smaller bucket."""
+    cost = price(preset, size, steps, guidance)
+    if budget.request is None or cost <= budget.request:
+        return cost
+    allowed = max_steps(budget.request, preset, size, guidance)
+    hint = f"at most {_n(allowed, 'step')} at {size} here" if allowed else f"{size} does not fit here at any step count"
+    smaller = [s for s in sorted(preset.buckets, key=lambda s: s.pixels) if s.pixels < size.pixels
+               and max_steps(budget.request, preset, s, guidance) >= steps]
+    if smaller:
+        hint += f", or {_n(steps, 'step')} at {smaller[-1]}"
+    raise NotAllowed(f"this request costs {cost:,} token-steps ({_n(steps, 'step')} × "
+                     f"{tokens_per_image_step(preset, size, guidance)} latent tokens at {size}) and this server "
+                     f"allows {budget.request:,} per request: {hint}")
+
+
+def check_compare(budget: CostBudget, preset: ModelPreset, size: Size, steps: int, configurations: int,
+                  prompts: int, guidance: float | None = None) -> int:
+    """The price of a Compare (every configuration draws `prompts` images: its prompts and timing rounds), or
+    NotAllowed saying what fits."""
+    images = configurations * prompts
+    cost = price(preset, size, steps, guidance, images)
+    if budget.request is None or cost <= budget.request:
+        return cost
+    per_image = price(preset, size, steps, guidance)
+    fit = budget.request // per_image  # images of these steps and size that fit
+    options = []
+    def split(c: int, p: int) -> str:
+        return f"{_n(c, 'configuration')} × {_n(p, 'image')} each"
+
+    if fit >= configurations:
+        options.append(split(configurations, fit // configurations))
+    if fit >= prompts:
+        options.append(split(fit // prompts, prompts))
+    if fit and not options:
+        options.append(split(1, min(fit, prompts)))
+    steps_fit = max_steps(budget.request, preset, size, guidance, images)
+    hint = f"at most {' or '.join(options)} at {_n(steps, 'step')}" if options else ""
+    if steps_fit:
+        hint += (", or " if hint else "") + f"at most {_n(steps_fit, 'step')} with these choices"
+    raise NotAllowed(f"this comparison costs {cost:,} token-steps ({split(configurations, prompts)} × "
+                     f"{_n(steps, 'step')} × {tokens_per_image_step(preset, size, guidance)} latent tokens at "
+                     f"{size}) and this server allows {budget.request:,} per request: "
+                     f"{hint or 'pick a smaller size'}")
+
+
+def check_visitor(budget: CostBudget, held: int, cost: int) -> None:
+    """EngineBusy when a visitor's queued and running cost (`held`) plus `cost` is over their budget."""
+    if budget.visitor is None or held + cost <= budget.visitor:
+        return
+    raise EngineBusy(f"you have {held:,} token-steps of requests queued or running and this one costs {cost:,}; "
+                     f"this server allows {budget.visitor:,} per visitor at once: wait for yours to finish "
+                     "(or cancel one), then send it again")

@@ -1,0 +1,66 @@
+"""Typed configurations for Compare (engine/bench/configs.py): the form, the refusals, the ready-made lists."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import devices
+from engine.bench import configs
+from engine.bench.advise import result_path
+from engine.bench.configs import Configuration, parse_configurations
+from engine.config.presets import get_preset
+
+
+def test_the_documented_form_parses_in_order_without_duplicates():
+    typed = "eager/fp32/none; compile/fp32/none\nregional/bf16; eager/fp32/first-block:0.2; eager/fp32; compile/bf16@cuda"
+    assert parse_configurations(typed) == [
+        Configuration("eager", "fp32"), Configuration("compile", "fp32"), Configuration("regional", "bf16"),
+        Configuration("eager", "fp32", "first-block:0.2"), Configuration("compile", "bf16", device="cuda")]
+    assert [c.text() for c in parse_configurations(typed)][-2:] == ["eager/fp32/first-block:0.2", "compile/bf16@cuda"]
+    assert parse_configurations(" ; \n") == []
+
+
+@pytest.mark.parametrize(("typed", "message"), [
+    ("eager", r"write mode/precision\[/step cache\]\[@device\]"),
+    ("eagr/fp32", r"unknown mode 'eagr'; modes: eager, compile"),
+    ("eager/fp33", r"unknown precision 'fp33'; precisions: fp32"),
+    ("eager/fp32/sometimes", r"unknown step cache 'sometimes'; valid forms: none, first-block"),
+    ("eager/fp32/none/extra", r"configuration 'eager/fp32/none/extra': write"),
+    (";".join(["eager/fp32"] * 13), r"13 configurations listed; list at most 12"),
+])
+def test_a_wrong_entry_says_which_and_the_form_to_use(typed, message):
+    with pytest.raises(ValueError, match=message):
+        parse_configurations(typed)
+
+
+def test_refusals_are_the_engines_own_reasons():
+    spec = devices.resolve_device("cpu")
+    preset = get_preset("tiny-flux")
+    assert configs.refusal(preset, spec, Configuration("eager", "fp32", "first-block:0.2")) is None
+    why = configs.refusal(preset, spec, Configuration("compile", "fp32", "first-block:0.2"))
+    assert why.startswith("step cache first-block with compile: compile traces the whole denoiser") and len(why) <= 200
+    assert "fp8" in configs.refusal(preset, spec, Configuration("eager", "fp8"))
+    assert "does not run mode defer-and-fuse" in configs.refusal(preset, spec, Configuration("defer-and-fuse", "fp32"))
+
+
+def test_the_levers_one_at_a_time_and_the_advisors_frontier(tmp_path):
+    spec = devices.resolve_device("cpu")
+    preset = get_preset("tiny-shapes")
+    levers = configs.levers_one_at_a_time(preset, spec)
+    assert levers[0] == Configuration("eager", "fp32") and len(levers) == 6
+    assert all(configs.refusal(preset, spec, c) is None for c in levers)
+    assert {c.mode for c in levers} >= {"compile", "regional"} and any(c.step_cache != "none" for c in levers)
+    rows = [{"precision": "fp32", "mode": "eager", "step_cache": "none", "attention": "native", "eligible": True,
+             "speedup": 1.0},
+            {"precision": "bf16", "mode": "regional", "step_cache": "none", "attention": "native", "eligible": True,
+             "speedup": 1.6},
+            {"precision": "bf16", "mode": "eager", "step_cache": "taylorseer:3:2", "attention": "native",
+             "eligible": False, "speedup": 2.0}]
+    path = result_path(tmp_path, "tiny-shapes", "cpu", "64x64", 8)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"rows": rows}))
+    assert [c.text() for c in configs.saved_frontier(tmp_path, "tiny-shapes", "cpu", "64x64", 8)] == [
+        "eager/fp32", "regional/bf16"]
+    assert configs.saved_frontier(tmp_path, "tiny-shapes", "cpu", "64x64", 4) == []

@@ -1,0 +1,161 @@
+"""The app as an MCP server, through the official `mcp` client over Streamable HTTP (public mode, tiny-shapes)."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import base64
+import io
+
+import psutil
+import pytest
+from helpers import engine_manager, launch_demo, wait_until
+from PIL import Image
+
+pytestmark = pytest.mark.slow  # launches the app and generates through MCP tool calls
+
+pytest.importorskip("mcp", reason='the MCP server needs the mcp extra: pip install ".[mcp]"')
+
+PROMPT = "a red circle on a blue background"
+CALL = dict(prompt=PROMPT, preset="tiny-shapes", device="cpu", precision="fp32", mode="eager", size="64x64",
+            steps="2", seed="3")
+
+
+@pytest.fixture(scope="module")
+def mcp_url(cache_dir):
+    from engine.serving.manager import HostPolicy
+    from ui import mcp
+    from ui.edge import EdgeConfig
+    from ui.handlers import UIDefaults
+
+    policy = HostPolicy(public=True, presets=("tiny-shapes",))
+    with engine_manager(cache_dir, policy=policy) as manager:
+        demo, url = launch_demo(manager, UIDefaults(preset="tiny-shapes", device="cpu", mode="eager",
+                                                    admin_token="host-secret"),
+                                edge=EdgeConfig(client_events=1), mcp_server=True)
+        mcp.serve(demo)
+        try:
+            yield url + "gradio_api/mcp/"
+        finally:
+            demo.close()
+
+
+def session_run(url: str, work):
+    """asyncio.run(work(session)) with an initialised MCP client session on `url`."""
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamablehttp_client
+
+    async def main():
+        async with streamablehttp_client(url) as (read, write, _), ClientSession(read, write) as session:
+            await session.initialize()
+            return await work(session)
+
+    return asyncio.run(main())
+
+
+def texts(result) -> list[str]:
+    return [c.text for c in result.content if c.type == "text"]
+
+
+def test_an_agent_lists_the_public_endpoints_as_tools_with_descriptions(mcp_url):
+    async def work(session):
+        return (await session.list_tools()).tools
+
+    tools = {t.name: t for t in session_run(mcp_url, work)}
+    assert {"generate", "compare", "status", "system", "warm", "cancel", "advise_start", "advise_poll"} <= set(tools)
+    assert "restart" not in tools  # a host operation: not offered on a public server
+    generate = tools["generate"]
+    assert "image" in generate.description and "timings" in generate.description
+    assert {"prompt", "preset", "size", "steps", "seed"} <= set(generate.inputSchema["properties"])
+    assert "warm" in tools["status"].description  # says what it is for
+
+
+def test_generate_returns_the_image_and_its_timings(mcp_url):
+    async def work(session):
+        return await session.call_tool("generate", CALL)
+
+    result = session_run(mcp_url, work)
+    assert not result.isError, texts(result)
+    (image,) = [c for c in result.content if c.type == "image"]
+    assert image.mimeType == "image/png"
+    with Image.open(io.BytesIO(base64.b64decode(image.data))) as png:
+        assert png.size == (64, 64)
+    timings = [t for t in texts(result) if "request_id" in t]
+    assert timings, texts(result)
+    assert "'engine': 'tiny-shapes@cpu/fp32'" in timings[0] and "'seed': 3" in timings[0]
+
+
+def test_a_refusal_in_public_mode_is_a_tool_error_with_the_apps_message(mcp_url):
+    async def work(session):
+        return await session.call_tool("generate", {**CALL, "preset": "tiny-flux"})
+
+    result = session_run(mcp_url, work)
+    assert result.isError
+    assert "preset 'tiny-flux' is not offered here; choose one of: tiny-shapes" in " ".join(texts(result))
+
+
+def test_host_operations_need_the_admin_token(mcp_url):
+    async def work(session):
+        refused = await session.call_tool("warm", {"preset": "tiny-shapes", "device": "cpu", "precision": "fp32",
+                                                   "mode": "compile", "size": "all"})
+        return refused
+
+    result = session_run(mcp_url, work)
+    assert result.isError
+    assert "warming every bucket is up to the host" in " ".join(texts(result))
+
+
+def test_the_per_client_bound_holds_for_agents_with_the_edges_message(mcp_url):
+    """client_events=1: of two calls at once from one agent, one runs and the other is refused at the web edge,
+    and the agent reads the edge's message (not gradio_client's "Queue is full!")."""
+    async def work(session):
+        long_call = {**CALL, "steps": "150"}
+        return await asyncio.gather(session.call_tool("generate", long_call),
+                                    session.call_tool("generate", long_call))
+
+    results = session_run(mcp_url, work)
+    refused = [r for r in results if r.isError]
+    assert len(refused) == 1, [texts(r) for r in results]
+    assert "at most 1 per visitor" in " ".join(texts(refused[0]))
+    served = next(r for r in results if not r.isError)
+    assert any(c.type == "image" for c in served.content)
+
+
+def test_status_is_a_tool_an_agent_can_read(mcp_url):
+    async def work(session):
+        await session.call_tool("generate", CALL)  # the engine is loaded by now
+        return await session.call_tool("status", {})
+
+    result = session_run(mcp_url, work)
+    assert not result.isError
+    text = " ".join(texts(result))
+    assert "'engine': 'tiny-shapes@cpu/fp32'" in text and "'state': 'ready'" in text
+
+
+def test_the_advisor_is_a_host_only_start_poll_pair(mcp_url):
+    """It measures for minutes: advise_start returns a job at once, advise_poll follows it (and cancels it);
+    on a public server only the host (admin_token) may start one, and one runs at a time."""
+    start = dict(preset="tiny-shapes", device="cpu", size="64x64", steps="2", max_minutes="1")
+
+    async def work(session):
+        refused = await session.call_tool("advise_start", start)
+        started = await session.call_tool("advise_start", {**start, "admin_token": "host-secret"})
+        busy = await session.call_tool("advise_start", {**start, "admin_token": "host-secret"})
+        job = ast.literal_eval(texts(started)[0])["job"]  # the tool's text is the dict's repr
+        polled = await session.call_tool("advise_poll", {"job": job})
+        cancelled = await session.call_tool("advise_poll", {"job": job, "cancel": "true"})
+        unknown = await session.call_tool("advise_poll", {"job": "nope"})
+        return refused, started, busy, polled, cancelled, unknown
+
+    refused, started, busy, polled, cancelled, unknown = session_run(mcp_url, work)
+    assert refused.isError and "host operation" in " ".join(texts(refused))
+    assert not started.isError and "'state': 'running'" in texts(started)[0]
+    assert busy.isError and "still running (one at a time)" in " ".join(texts(busy))
+    assert not polled.isError and "'progress'" in texts(polled)[0]
+    assert "'state': 'cancelled'" in texts(cancelled)[0]
+    assert unknown.isError and "no advisor job 'nope'" in " ".join(texts(unknown))
+
+    def advisors():
+        return [p for p in psutil.Process().children(recursive=True) if "advise" in " ".join(p.cmdline())]
+
+    wait_until(lambda: not advisors(), timeout=30, message="the cancelled advisor's process is still running")

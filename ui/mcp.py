@@ -1,0 +1,241 @@
+"""The app as an MCP server (`app.py --mcp`, SHOWCASE_MCP=1): Gradio serves every public API endpoint as an
+MCP tool over Streamable HTTP at /gradio_api/mcp/ (`launch(mcp_server=True)`, the optional `mcp` extra).
+
+A tool call is the same API call a gradio_client makes (Gradio sends it to the app's own queue over
+loopback HTTP), so public mode's bounds hold as they do for the page: the visitor's choices, one running
+request per caller, the per-client bound of ui/edge.py (the edge names the MCP caller by its address, see
+`EdgeGuard.mark_mcp_caller`), host operations only with admin_token. A refusal reaches the agent as a tool
+error carrying the app's message.
+
+Here: the tools' names (the endpoints', not the handlers' function names) and descriptions an agent can act
+on, and the `mcp` package check. The advisor measures for minutes, longer than a tool call should wait:
+it is a start/poll pair (/advise_start returns a job at once, /advise_poll reports its progress and, once
+done, its pick), a host operation like the Advisor tab's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections import OrderedDict
+
+import gradio as gr
+from gradio_client.utils import QueueError
+
+from engine.serving.manager import Caller
+from ui.edge import MCP_CALLER_HEADER
+
+log = logging.getLogger(__name__)
+
+MCP_PATH = "/gradio_api/mcp/"
+# endpoint -> what an agent reads in tools/list (parameters are listed by Gradio with their types)
+DESCRIPTIONS = {
+    "generate": (
+        "Generate one image with a diffusers pipeline kept compiled and warm on this server, and return the "
+        "image (PNG) with its timings JSON (total/encode/denoise/decode ms, per-step ms, warm or eager fallback, "
+        "recompiles, peak memory, notices). Every parameter is text; empty means the default. prompt: what to "
+        "draw (the default model tiny-shapes draws 'a {colour} {circle|square|triangle} on a {colour} "
+        "background'); preset: a model preset (call status or system to see what is loaded and offered); "
+        "device: 'auto', 'cpu', 'cuda', ...; precision: fp32, bf16, fp16, int8wo, int8dq, fp8; mode: eager, "
+        "compile, regional, aot; size: 'WxH', one of the preset's buckets (e.g. 64x64); steps, guidance, seed: "
+        "numbers; on_cold: 'eager' serves a bucket that is not compiled yet eagerly now, 'wait' waits for its "
+        "compile; step_cache: none, first-block, taylorseer, ... A request the server does not offer fails with "
+        "the reason and what to change."),
+    "compare": (
+        "Run one prompt, seed, size and steps on 1-6 device x precision x mode (x step cache) configurations and "
+        "return the images and a JSON of each one's seconds per image, speedup against eager fp32, drift (PSNR "
+        "against eager fp32's image) and, for tiny-shapes, fidelity. Takes as long as all of them together "
+        "(seconds on tiny models, longer for compiled modes on a cold bucket)."),
+    "status": ("Every loaded engine (state, load time, notices) and each resolution bucket's state (cold, queued, "
+               "compiling, warm, failed), compile and warm-up seconds and requests served. Fast; call it to see "
+               "what is warm before generate."),
+    "system": ("The server: devices (available, or why not), versions, cache folders, hosting policy (what "
+               "visitors may choose), memory budgets."),
+    "warm": ("Compile and warm one bucket ('WxH') of an engine in the background, or all of them ('' or 'all'); "
+             "returns at once, poll status until the bucket is warm. On a public server a visitor may warm one "
+             "bucket of the engine their last request ran on; the rest needs admin_token."),
+    "cancel": "Cancel this caller's running generate or compare between steps; it then returns cancelled=true.",
+    "advise_start": (
+        "Start the advisor: it measures every precision x mode x step cache x attention backend this server can "
+        "run for a preset and device, and picks the fastest configuration within a quality bound (fidelity "
+        "within fidelity_points of eager fp32 on tiny-shapes, else PSNR >= min_psnr dB). Returns at once with "
+        "a job id; it runs for up to max_minutes: call advise_poll with the job id every few seconds. One run "
+        "at a time; on a public server only with admin_token."),
+    "advise_poll": ("The state of an advisor job (running, done, failed, cancelled), its progress and, when "
+                    "done, the pick (preset, device, precision, mode, step cache, attention) and every "
+                    "configuration measured. Pass cancel='true' to stop it."),
+    "restart": ("Restart an engine (a new worker process; its buckets warm again from the compile cache). On a "
+                "public server only with admin_token."),
+}
+
+
+def describe_tools(demo) -> None:
+    """Give the public endpoints the descriptions above (Gradio's API page shows them too)."""
+    for fn in demo.fns.values():
+        text = DESCRIPTIONS.get(fn.api_name or "")
+        if text and fn.api_description is None:
+            fn.api_description = text
+
+
+def missing() -> str | None:
+    """Why the MCP server cannot run here (the `mcp` package absent or a 2.x one), or None."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover - Python 3.11 has it
+        return None
+    try:
+        found = version("mcp")
+    except PackageNotFoundError:
+        return 'the MCP server needs the mcp extra: pip install ".[mcp]" (or: pip install "gradio[mcp]" "mcp<2")'
+    if int(found.split(".")[0]) >= 2:
+        return f'mcp {found} is installed; Gradio\'s MCP server needs mcp 1.x: pip install "mcp>=1.21,<2"'
+    return None
+
+
+def serve(demo) -> None:
+    """After launch(mcp_server=True): the tools take their endpoints' names (generate, compare, status, ...), and
+    a tool with several outputs returns each of them (generate: the image, then the timings)."""
+    server = getattr(demo, "mcp_server_obj", None)
+    if server is None:
+        return
+    server.tool_to_endpoint = {server.tool_prefix + endpoint.lstrip("/"): endpoint
+                               for endpoint in server.tool_to_endpoint.values()}
+    edge = getattr(demo, "edge", None)
+
+    async def without_progress(job) -> list:
+        try:
+            return await _every_output(job)
+        except QueueError:
+            # The web edge refused the call: gradio_client says "Queue is full!" whatever the reason; the
+            # agent reads the edge's own message for it.
+            request = server.mcp_server.request_context.request
+            caller = edge.mcp_caller(request.headers.get(MCP_CALLER_HEADER)) if edge and request else None
+            message = edge.last_refusal(caller) if edge else None
+            raise RuntimeError(message or "the server's queue is full; retry in a few seconds") from None
+
+    server._execute_tool_without_progress = without_progress
+
+
+async def _every_output(job) -> list:
+    """A tool call's outputs as a list, one per output component. (Gradio's own path without a progress token
+    wraps the client's result in one list, so an endpoint with two outputs came back as the text of a tuple.)"""
+    final = None
+    async for update in job:
+        if update.type == "output" and update.final:
+            final = update
+    if final is None:
+        error = job.exception()
+        raise error if error is not None else RuntimeError("the call ended without a result")
+    if not final.success:
+        outputs = final.outputs or {}
+        raise RuntimeError(outputs.get("error") or outputs.get("title") or "the call failed")
+    return list(final.outputs["data"])
+
+
+JOBS_KEPT = 16  # finished advisor jobs whose results stay readable (the oldest are forgotten first)
+
+
+class AdviceJobs:
+    """/advise_start and /advise_poll: the Advisor tab's child process, run in the background."""
+
+    def __init__(self, handlers):
+        self.h = handlers
+        self._jobs: OrderedDict[str, dict] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def start(self, preset: str, device: str = "auto", size: str = "", steps: str = "", max_minutes: str = "5",
+              fidelity_points: str = "", min_psnr: str = "", admin_token: str = "",
+              request: gr.Request = None) -> dict:
+        """Start the advisor in the background; returns {"job", "state"} at once (poll /advise_poll)."""
+        if self.h.public and self.h.caller(request, admin_token) is not Caller.HOST:
+            raise gr.Error("the advisor loads and compiles many engines: a host operation (admin_token) on this "
+                           "public server", title="Not allowed")
+        with self._lock:
+            running = next((j for j in self._jobs.values() if j["state"] == "running"), None)
+            if running is not None:
+                raise gr.Error(f"advisor job {running['job']} is still running (one at a time): poll it, or cancel "
+                               "it with advise_poll(job, cancel='true')", title="Busy")
+            try:
+                minutes = float(max_minutes or 5)
+            except ValueError:
+                raise gr.Error(f"max_minutes must be a number of minutes, not {max_minutes!r}",
+                               title="Invalid request") from None
+            child = self.h.start_advisor(preset, device, size, steps, minutes, fidelity_points, min_psnr)
+            job = {"job": uuid.uuid4().hex[:12], "state": "running", "progress": [0, None], "desc": "starting",
+                   "started": time.time(), "result": None, "error": None, "child": child}
+            self._jobs[job["job"]] = job
+            while len(self._jobs) > JOBS_KEPT:
+                oldest = next(iter(self._jobs))
+                if self._jobs[oldest]["state"] == "running":
+                    break
+                self._jobs.pop(oldest)
+        threading.Thread(target=self._follow, args=(job,), name=f"advise-{job['job']}", daemon=True).start()
+        return self._view(job)
+
+    def poll(self, job: str, cancel: str = "") -> dict:
+        """An advisor job's state, progress and (done) result; cancel='true' stops it."""
+        with self._lock:
+            found = self._jobs.get((job or "").strip())
+        if found is None:
+            raise gr.Error(f"no advisor job {job!r} here; start one with advise_start", title="Invalid request")
+        if str(cancel).strip().lower() in ("1", "true", "yes") and found["state"] == "running":
+            found["state"] = "cancelled"
+            _stop(found["child"])
+        return self._view(found)
+
+    def _follow(self, job: dict) -> None:
+        child = job["child"]
+        errors: list[str] = []
+        threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True).start()
+        for line in child.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if "progress" in message:
+                job["progress"], job["desc"] = [message["progress"], message["total"]], message["desc"]
+            elif "result" in message:
+                job["result"] = message["result"]
+        child.wait()
+        if job["state"] == "running":
+            job["state"] = "done" if job["result"] is not None else "failed"
+            if job["result"] is None:
+                job["error"] = f"the advisor failed: {''.join(errors[-5:])[-800:]}"
+
+    @staticmethod
+    def _view(job: dict) -> dict:
+        return {k: v for k, v in job.items() if k != "child"} | {"elapsed_s": round(time.time() - job["started"], 1)}
+
+    def close(self) -> None:
+        for job in list(self._jobs.values()):
+            if job["state"] == "running":
+                job["state"] = "cancelled"
+                _stop(job["child"])
+
+
+def _stop(child: subprocess.Popen) -> None:
+    if child.poll() is None:  # the child and its compile workers (its own session)
+        try:
+            os.killpg(child.pid, signal.SIGTERM)
+            child.wait(timeout=5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def advisor_api(handlers) -> AdviceJobs:
+    """The start/poll pair as API endpoints (so MCP tools), inside the Blocks."""
+    jobs = AdviceJobs(handlers)
+    atexit.register(jobs.close)  # a running advisor is the app's child: it ends with the app
+    gr.api(jobs.start, api_name="advise_start", concurrency_limit=None)
+    gr.api(jobs.poll, api_name="advise_poll", concurrency_limit=None)
+    return jobs

@@ -1,0 +1,521 @@
+"""Bounds at the socket: what a connection may hold before a request exists.
+
+The body bound and the queue bounds (ui/edge.py) act on requests; these act on connections, before the
+HTTP parser sees a byte: a cap on open connections (in total, and per client address in public mode), a
+deadline for a request's headers (slowloris), and a bound on header bytes and header lines. httptools, the
+parser uvicorn picks when it is installed, has no header limit of its own, so an ASGI middleware (which runs
+once the headers are parsed) is too late: the bounds live in a subclass of uvicorn's protocol class,
+whichever one the server would use, and count the bytes in `data_received` before handing them on.
+
+How it reaches the server: Gradio's `launch()` builds uvicorn's Config itself and offers no `http=` option.
+It constructs its server through `gradio.http_server.Server`; `install_server_hook` replaces that name with a
+subclass that, for an app whose Blocks carries an edge guard, sets the Config's `http` to the bounded
+protocol class before uvicorn loads it (uvicorn's own, supported hook for a protocol class). Any other app's
+server is built as before.
+
+Past a bound: a new connection is refused with 503 (at the total cap, an idle connection or one still
+sending headers may be closed to make room instead: see SocketGuard.admit), a request's head over a bound
+gets 431, a head past its deadline 408, and the connection is closed. Each refusal is counted by reason (/system)
+and logged at most once per LOG_EVERY_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# Defaults a 2-core public Space survives; app.py's flags carry the same numbers (tests/test_socket_bounds.py).
+MAX_CONNECTIONS = 1000  # all clients together; the descriptor limit is raised to fit (fit_descriptors)
+PER_CLIENT = 64  # public mode: one address (a browser opens ~6 per site; an office behind NAT shares one)
+HEADER_TIMEOUT_S = 10.0  # from connect (or a request's first byte) to the end of its headers
+MAX_HEADER_BYTES = 32 * 1024  # request line + headers, as nginx's 4 x 8 KiB
+MAX_HEADERS = 100  # header lines, as Envoy's and Apache's default
+EVICT_AFTER_S = 1.0  # at the total cap, any connection idle or in its headers this long may be closed for a new one
+LINGER_S = 1.0  # after a 431/400 the rest of what the client sends is read and dropped this long, so it sees the answer
+LINGER_BYTES = 64 * 1024  # ... or this much: past it the client is sending for sending's sake, and the socket is reset
+LOG_EVERY_S = 30.0
+FD_RESERVE = 512  # descriptors beyond the connections: engine workers' pipes, model and cache files, logs
+
+REASONS = {  # refusal reason -> (status, what the visitor reads); status None: closed without an answer
+    "too many connections": (503, "This server has too many open connections; retry in a few seconds"),
+    "too many from one address": (503, "Too many open connections from your address; close some and retry"),
+    "evicted at the cap": (None, ""),
+    "header timeout": (408, "The request's headers did not arrive in time"),
+    "headers too large": (431, "The request's headers are over this server's size limit"),
+    "too many headers": (431, "The request has more header lines than this server accepts"),
+    "bad framing": (400, "The request's Content-Length or chunk size is not a number"),
+}
+_PHRASES = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+            503: "Service Unavailable"}
+
+
+@dataclass(frozen=True)
+class SocketBounds:
+    max_connections: int = MAX_CONNECTIONS
+    per_client: int | None = None  # None: no per-address cap (a developer's machine; see public_bounds)
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    max_header_bytes: int = MAX_HEADER_BYTES
+    max_headers: int = MAX_HEADERS
+
+
+def public_bounds() -> SocketBounds:
+    return SocketBounds(per_client=PER_CLIENT)
+
+
+def _answer(status: int, message: str) -> bytes:
+    body = json.dumps({"detail": message}).encode()
+    return (f"HTTP/1.1 {status} {_PHRASES[status]}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+# -- where each request's head begins and ends in a connection's bytes --------------------------------------
+HEAD, BODY, CHUNK_LINE, CHUNK_DATA, CHUNK_END, TRAILERS, PASS = range(7)
+
+
+class HeadScanner:
+    """Follows HTTP/1.1 framing (Content-Length, chunked, pipelining) just enough to know which bytes are a
+    request's head, and bounds those. It keeps at most one unfinished line (itself bounded). A connection
+    upgraded to a websocket leaves the protocol: `stop()` ends the scan."""
+
+    def __init__(self, max_bytes: int, max_headers: int):
+        self.max_bytes = max_bytes
+        self.max_headers = max_headers
+        self.state = HEAD
+        self.line = bytearray()
+        self.head_bytes = 0  # bytes of the current head (or chunk line / trailers)
+        self.lines = 0
+        self.heads = 0  # heads completed on this connection
+        self._reset_head()
+
+    def _reset_head(self) -> None:
+        self.head_bytes = 0
+        self.lines = 0
+        self.length = 0
+        self.chunked = False
+
+    def stop(self) -> None:
+        self.state = PASS
+        self.line.clear()
+
+    @property
+    def mid_head(self) -> bool:
+        """A request's head has begun and not ended."""
+        return self.state == HEAD and self.head_bytes > 0
+
+    def feed(self, data: bytes) -> str | None:
+        """Account for `data`; the refusal reason when it breaks a bound, else None."""
+        i, n = 0, len(data)
+        while i < n:
+            state = self.state
+            if state == PASS:
+                return None
+            if state in (BODY, CHUNK_DATA):
+                take = min(self.length, n - i)
+                self.length -= take
+                i += take
+                if self.length == 0:
+                    self.state = HEAD if state == BODY else CHUNK_END
+                continue
+            j = data.find(b"\n", i)
+            end = n if j < 0 else j + 1
+            self.head_bytes += end - i
+            if self.head_bytes > self.max_bytes:
+                return "headers too large"
+            if j < 0:
+                self.line += data[i:end]
+                return None
+            line = bytes(self.line) + data[i:j] if self.line else data[i:j]
+            self.line.clear()
+            i = end
+            refusal = self._line(line.rstrip(b"\r"))
+            if refusal:
+                return refusal
+        return None
+
+    def _line(self, text: bytes) -> str | None:
+        state = self.state
+        if state == CHUNK_END:  # the CRLF after a chunk's data
+            self.state, self.head_bytes = CHUNK_LINE, 0
+            return None
+        if state == CHUNK_LINE:
+            try:
+                size = int(text.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                return "bad framing"
+            self.head_bytes = 0
+            if size == 0:
+                self.state = TRAILERS
+            else:
+                self.state, self.length = CHUNK_DATA, size
+            return None
+        if not text:
+            if state == TRAILERS:
+                self.state = HEAD
+                self._reset_head()
+            elif self.lines:  # the end of a head
+                self.heads += 1
+                length = self.length
+                self.state = CHUNK_LINE if self.chunked else BODY if length else HEAD
+                self._reset_head()
+                self.length = length if self.state == BODY else 0
+            return None  # (blank lines before a request line are tolerated, as parsers do)
+        self.lines += 1
+        if state == TRAILERS:
+            return "too many headers" if self.lines > self.max_headers else None
+        if self.lines == 1:
+            return None
+        if self.lines - 1 > self.max_headers:
+            return "too many headers"
+        name, _, value = text.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            try:
+                self.length = int(value.strip())
+            except ValueError:
+                return "bad framing"
+            if self.length < 0:
+                return "bad framing"
+        elif name == b"transfer-encoding":
+            self.chunked = b"chunked" in value.lower()
+        return None
+
+
+# -- the guard ---------------------------------------------------------------------------------------------
+def _in_networks(host: str, nets) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return any(address in net for net in nets)
+
+
+class SocketGuard:
+    """One per app: the connection counts and refusals. Protocol callbacks run on the server's event loop;
+    the lock only makes /system's snapshot (another thread) consistent."""
+
+    def __init__(self, bounds: SocketBounds | None = None, trusted_proxies=()):
+        self.bounds = bounds or SocketBounds()
+        self.trusted_proxies = tuple(trusted_proxies)  # their connections carry many visitors: total cap only
+        self._lock = threading.Lock()
+        self.open = 0
+        self.peak = 0
+        self.per_client: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()
+        self._unlogged: Counter[str] = Counter()
+        self._last_log = 0.0
+        self._log_pending = False
+        # Connections that may be closed at the cap (idle between requests, or still sending headers): all of
+        # them oldest first, and per address; addresses by how many connections they hold, for fair shares.
+        self._idle: OrderedDict = OrderedDict()  # connection -> when it became idle or began its headers
+        self._idle_of: dict[str, OrderedDict] = {}
+        self._holding: dict[int, set] = {}  # n -> addresses holding n connections
+        self._top = 0  # the most any address holds
+        self._classes: dict = {}
+
+    # -- counts --------------------------------------------------------------------------------------
+    def admit(self, conn, host: str) -> str | None:
+        """Count a new connection, or the reason it is refused. At the total cap the newcomer takes the place
+        of an idle connection of the address holding the most, when that address holds at least two more than
+        the newcomer's (a fair share of the cap for every address, however many sockets one of them opens);
+        failing that, of the oldest idle connection once it has been idle EVICT_AFTER_S."""
+        b = self.bounds
+        victim = None
+        with self._lock:
+            mine = self.per_client[host]
+            if b.per_client and mine >= b.per_client and not _in_networks(host, self.trusted_proxies):
+                return "too many from one address"
+            if self.open >= b.max_connections:
+                victim = self._victim(mine)
+                if victim is None:
+                    return "too many connections"
+                self._release(victim)
+            self.open += 1
+            self.peak = max(self.peak, self.open)
+            self._move(host, +1)
+            self._set_idle(conn, True)
+        if victim is not None:
+            self.count("evicted at the cap")
+            victim._bounds_close(None)
+        return None
+
+    def _victim(self, mine: int):
+        for n in range(self._top, mine + 1, -1):
+            for host in self._holding.get(n, ()):
+                idle = self._idle_of.get(host)
+                if idle:
+                    return next(iter(idle))
+        if self._idle:
+            conn, since = next(iter(self._idle.items()))
+            if time.monotonic() - since >= EVICT_AFTER_S:
+                return conn
+        return None
+
+    def _move(self, host: str, step: int) -> None:
+        n = self.per_client[host]
+        if n:
+            self._holding[n].discard(host)
+        n += step
+        if n > 0:
+            self.per_client[host] = n
+            self._holding.setdefault(n, set()).add(host)
+            self._top = max(self._top, n)
+        else:
+            del self.per_client[host]
+        while self._top and not self._holding.get(self._top):
+            self._top -= 1
+
+    def _set_idle(self, conn, idle: bool) -> None:
+        host = conn._bounds_host
+        if idle:
+            if conn not in self._idle:
+                self._idle[conn] = time.monotonic()
+                self._idle_of.setdefault(host, OrderedDict())[conn] = None
+        elif self._idle.pop(conn, None) is not None:
+            mine = self._idle_of[host]
+            del mine[conn]
+            if not mine:
+                del self._idle_of[host]
+
+    def _release(self, conn) -> None:
+        if not conn._bounds_counted:
+            return
+        conn._bounds_counted = False
+        self.open -= 1
+        self._move(conn._bounds_host, -1)
+        self._set_idle(conn, False)
+
+    def release(self, conn) -> None:
+        with self._lock:
+            self._release(conn)
+
+    def idle(self, conn, idle: bool) -> None:
+        """Whether `conn` may be closed at the cap: idle between requests or still sending headers."""
+        with self._lock:
+            if conn._bounds_counted:
+                self._set_idle(conn, idle)
+
+    def count(self, reason: str) -> None:
+        with self._lock:
+            self.refused[reason] += 1
+            self._unlogged[reason] += 1
+            if self._log_pending:
+                return
+            self._log_pending = True
+            wait = max(0.0, self._last_log + LOG_EVERY_S - time.monotonic())
+        try:
+            asyncio.get_running_loop().call_later(wait, self._log)
+        except RuntimeError:  # not on a loop (a direct call): log now
+            self._log()
+
+    def _log(self) -> None:
+        with self._lock:
+            counts, self._unlogged = dict(self._unlogged), Counter()
+            self._log_pending = False
+            self._last_log = time.monotonic()
+            open_now = self.open
+        if counts:
+            log.warning("connections refused at the socket bounds: %s (%d open now, cap %d)",
+                        ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items())), open_now,
+                        self.bounds.max_connections)
+
+    def fit_descriptors(self) -> None:
+        """Raise this process's soft descriptor limit (up to the hard one) so the cap, not the kernel, is
+        what a flood meets: at the limit accept() fails for every visitor alike."""
+        try:
+            import resource
+        except ImportError:  # Windows has no descriptor limit to raise
+            return
+        want = self.bounds.max_connections + FD_RESERVE
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+                soft = new
+            except (ValueError, OSError):
+                pass
+        if soft != resource.RLIM_INFINITY and soft < want:
+            log.warning("--max-connections %d needs about %d file descriptors; this process may open %d (ulimit "
+                        "-n): lower --max-connections or raise the limit", self.bounds.max_connections, want, soft)
+
+    def snapshot(self) -> dict:
+        b = self.bounds
+        with self._lock:
+            return {"max_connections": b.max_connections, "per_client": b.per_client,
+                    "header_timeout_s": b.header_timeout_s, "max_header_bytes": b.max_header_bytes,
+                    "max_headers": b.max_headers, "open": self.open, "open_peak": self.peak,
+                    "clients": len(self.per_client), "refused": dict(self.refused)}
+
+    # -- the protocol --------------------------------------------------------------------------------
+    def protocol(self, base: type) -> type:
+        """`base` (a uvicorn HTTP protocol class) with these bounds in front of its parser."""
+        if base not in self._classes:
+            self._classes[base] = _bounded_protocol(base, self)
+        return self._classes[base]
+
+    def protocol_for(self, http) -> type:
+        """The bounded class for a uvicorn Config's `http` setting ('auto', 'h11', 'httptools', a class)."""
+        if isinstance(http, str):
+            from uvicorn.config import HTTP_PROTOCOLS
+            from uvicorn.importer import import_from_string
+
+            http = import_from_string(HTTP_PROTOCOLS.get(http, http))
+        return self.protocol(http)
+
+
+def _bounded_protocol(base: type, guard: SocketGuard) -> type:
+    bounds = guard.bounds
+
+    class Bounded(base):
+        _bounds_counted = False
+        _bounds_host = ""
+
+        def connection_made(self, transport) -> None:
+            peer = transport.get_extra_info("peername")
+            self._bounds_transport = transport
+            self._bounds_host = str(peer[0]) if isinstance(peer, tuple | list) and peer else "local"
+            self._bounds_scan = HeadScanner(bounds.max_header_bytes, bounds.max_headers)
+            self._bounds_done = False
+            self._bounds_admitted = False
+            self._bounds_responses = 0
+            self._bounds_timer = None
+            self._bounds_linger = None
+            self._bounds_drained = 0
+            self._bounds_counted = True  # admit() undoes it when it refuses
+            refusal = guard.admit(self, self._bounds_host)
+            if refusal:
+                self._bounds_counted = False
+                self._bounds_done = True
+                guard.count(refusal)
+                status, message = REASONS[refusal]
+                transport.write(_answer(status, message))
+                transport.close()
+                return
+            self._bounds_admitted = True
+            super().connection_made(transport)
+            self._bounds_timer = self._bounds_loop().call_later(bounds.header_timeout_s, self._bounds_late)
+
+        def data_received(self, data: bytes) -> None:
+            if self._bounds_done:  # refused: what still arrives is dropped, never parsed
+                self._bounds_drained += len(data)
+                if self._bounds_drained > LINGER_BYTES:
+                    self._bounds_transport.abort()
+                return
+            scan = self._bounds_scan
+            if scan.state == PASS:
+                return super().data_received(data)
+            heads = scan.heads
+            refusal = scan.feed(data)
+            if refusal:
+                guard.count(refusal)
+                self._bounds_close(refusal)
+                return
+            if scan.mid_head:
+                if self._bounds_timer is None:  # a next request on a kept-alive connection began
+                    self._bounds_timer = self._bounds_loop().call_later(bounds.header_timeout_s, self._bounds_late)
+                    guard.idle(self, True)
+            elif scan.heads != heads:
+                self._bounds_cancel()
+                guard.idle(self, False)
+            super().data_received(data)
+            if self._bounds_transport.get_protocol() is not self:
+                scan.stop()  # upgraded to a websocket: its frames are not requests, and it is counted no more
+                self._bounds_cancel()
+                guard.release(self)
+
+        def on_response_complete(self) -> None:
+            self._bounds_responses += 1
+            super().on_response_complete()
+            scan = self._bounds_scan
+            if self._bounds_responses >= scan.heads and scan.state == HEAD and not scan.mid_head:
+                guard.idle(self, True)  # kept alive for a next request (uvicorn's keep-alive timeout applies)
+
+        def connection_lost(self, exc) -> None:
+            guard.release(self)
+            self._bounds_cancel()
+            if self._bounds_linger is not None:
+                self._bounds_linger.cancel()
+            if self._bounds_admitted:  # else uvicorn's protocol never saw the connection
+                super().connection_lost(exc)
+
+        # -- helpers ---------------------------------------------------------------------------------
+        @staticmethod
+        def _bounds_loop():
+            return asyncio.get_running_loop()
+
+        def _bounds_cancel(self) -> None:
+            if self._bounds_timer is not None:
+                self._bounds_timer.cancel()
+                self._bounds_timer = None
+
+        def _bounds_late(self) -> None:
+            self._bounds_timer = None
+            scan = self._bounds_scan
+            if self._bounds_done or not (scan.mid_head or scan.heads == 0) or scan.state != HEAD:
+                return
+            guard.count("header timeout")
+            # A connection that sent nothing is closed silently, as an idle keep-alive one is: a client about to
+            # use it would otherwise read the 408 as its request's answer.
+            self._bounds_close("header timeout" if scan.mid_head else None)
+
+        def _bounds_close(self, reason: str | None) -> None:
+            """Answer (unless a response is under way or `reason` is None) and close. After a 431 the client
+            may still be sending: its bytes are read and dropped for LINGER_S so it can read the answer."""
+            if self._bounds_done:
+                return
+            self._bounds_done = True
+            self._bounds_cancel()
+            transport = self._bounds_transport
+            status = REASONS[reason][0] if reason else None
+            if status is None or self._bounds_responses < self._bounds_scan.heads:
+                transport.close()
+                return
+            transport.write(_answer(status, REASONS[reason][1]))
+            if status == 408:
+                transport.close()
+                return
+            try:
+                transport.resume_reading()
+                transport.write_eof()
+            except (NotImplementedError, RuntimeError, OSError):  # TLS transports cannot half-close
+                transport.close()
+                return
+            self._bounds_linger = self._bounds_loop().call_later(LINGER_S, transport.abort)
+
+    Bounded.__name__ = Bounded.__qualname__ = f"Bounded{base.__name__}"
+    return Bounded
+
+
+# -- the hook into Gradio's server ----------------------------------------------------------------------
+def guard_of(app) -> SocketGuard | None:
+    """The socket guard of a Gradio app (its Blocks' edge guard carries it), if any."""
+    blocks = getattr(app, "blocks", None)
+    return getattr(getattr(blocks, "edge", None), "sockets", None)
+
+
+def install_server_hook() -> None:
+    """Make Gradio's launch() serve apps that carry a socket guard with the bounded protocol (once per process)."""
+    from gradio import http_server
+
+    if getattr(http_server.Server, "_socket_bounds_hook", False):
+        return
+
+    class Server(http_server.Server):
+        _socket_bounds_hook = True
+
+        def __init__(self, config, *args, **kwargs):
+            guard = guard_of(config.app)
+            if guard is not None and not config.loaded:
+                config.http = guard.protocol_for(config.http)
+                guard.fit_descriptors()
+            super().__init__(config, *args, **kwargs)
+
+    http_server.Server = Server
