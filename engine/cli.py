@@ -27,7 +27,9 @@ def cmd_generate(args) -> int:
     size = Size.parse(args.size) if args.size else None
     # A one-shot run warms only the bucket it needs, and waits for it unless --on-cold eager.
     mode = Mode.parse(args.mode, "mode")
-    manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(mode,)))
+    # A one-shot run that names a style gets the LoRA slot; one that does not pays nothing for it.
+    overrides = {"loras": True} if args.lora else {}
+    manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(mode,), **overrides))
     try:
         prompt = args.prompt if args.prompt is not None else manager.preset(args.preset).example_prompt
         result = manager.generate(

@@ -544,9 +544,9 @@ class EngineOptions:
     # to `batch_wait_ms` after the first one arrives (and while the previous call runs).
     max_batch: int | None = None
     batch_wait_ms: float = 15.0
-    # The preset's LoRA adapters get a slot in the denoiser (engine/pipeline/lora.py); off: no styles, and no
-    # per-step price for the slot (docs/benchmarks.md).
-    loras: bool = True
+    # The preset's LoRA adapters get a slot in the denoiser (engine/pipeline/lora.py). Off by default: the slot's
+    # matmuls run on every step, styled or not (docs/benchmarks.md).
+    loras: bool = False
     testing: TestingOptions = TestingOptions()  # tests only: off in the app and the CLI
 
     def __post_init__(self):

@@ -95,6 +95,7 @@ def _config(cache_dir, adapters: dict[str, Path], lora_rank: int | None = 8, **o
     preset = dataclasses.replace(get_preset("tiny-shapes"), lora_rank=lora_rank, loras=tuple(
         LoraSource(name, str(folder), scale=0.5 if name == "b" else 1.0) for name, folder in adapters.items()))
     options.setdefault("warm_sizes", ())
+    options.setdefault("loras", True)
     return EngineConfig(EngineKey("tiny-shapes", "cpu", "fp32"), preset, EngineOptions(**options), str(cache_dir))
 
 
@@ -221,7 +222,7 @@ def test_adapters_are_refused_where_the_engine_cannot_hold_them(cache_dir, adapt
     from engine.pipeline.runner import PipelineRunner
 
     off = PipelineRunner(_config(cache_dir, {"a": adapters["a"]}, loras=False))
-    assert "--no-loras" in off.lora_refusal()
+    assert "turns them on with --loras" in off.lora_refusal()
     quantized = PipelineRunner(dataclasses.replace(_config(cache_dir, {"a": adapters["a"]}),
                                                    key=EngineKey("tiny-shapes", "cpu", "int8wo")))
     assert "not served on int8wo engines" in quantized.lora_refusal()

@@ -147,7 +147,8 @@ class GenerateHandlers(HandlerBase):
     def lora_choices(self, preset: str):
         """The new preset's LoRA adapters (none selected)."""
         try:
-            return gr.update(choices=views.lora_choices(self.manager.preset(preset)), value="none")
+            return gr.update(choices=views.lora_choices(self.manager.preset(preset), self.manager.options.loras),
+                             value="none")
         except ShowcaseError:
             return gr.update(choices=[("none", "none")], value="none")
 
@@ -402,8 +403,10 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
                                        else "none", label="Step cache (reuses denoiser work across steps)",
                                        info=views.step_cache_reasons(cache_rows) or None, elem_id="step-cache")
                 with gr.Row():  # LoRA styles the preset lists: hot-swapped on warm graphs (engine/pipeline/lora.py)
-                    lora_dd = gr.Dropdown(views.lora_choices(preset), value="none", elem_id="lora",
-                                          label="LoRA style (hot-swapped: no recompile)")
+                    slot = h.manager.options.loras
+                    lora_dd = gr.Dropdown(views.lora_choices(preset, slot), value="none", elem_id="lora",
+                                          label="LoRA style (hot-swapped: no recompile)" if slot else
+                                          "LoRA style (off: the host starts the app with --loras)")
                     lora_scale = gr.Slider(0.0, 2.0, value=1.0, step=0.05, label="LoRA scale", elem_id="lora-scale")
                 steps = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="steps")
                 guidance = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",

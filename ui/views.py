@@ -136,8 +136,11 @@ def stats_rows(result: dict | None) -> list[list[str]]:
     ]
 
 
-def lora_choices(preset) -> list[tuple[str, str]]:
-    """(label, value) of a preset's LoRA adapters, "none" first."""
+def lora_choices(preset, slot: bool = True) -> list[tuple[str, str]]:
+    """(label, value) of a preset's LoRA adapters, "none" first; without a slot (the host did not start the
+    engines with --loras) only "none"."""
+    if not slot:
+        return [("none", "none")]
     return [("none", "none")] + [(f"{lora.name} · {lora.description}" if lora.description else lora.name, lora.name)
                                  for lora in preset.loras]
 

@@ -82,7 +82,7 @@ def run_lora_bench(preset_name: str, size: Size, modes: tuple[Mode, ...], repeat
     from engine.protocol import EngineConfig, EngineKey, EngineOptions
 
     runner = PipelineRunner(EngineConfig(EngineKey(preset_name, "cpu", "fp32"), get_preset(preset_name),
-                                         EngineOptions(warm_sizes=()), str(cache_dir)))
+                                         EngineOptions(warm_sizes=(), loras=True), str(cache_dir)))
     runner.load()
     if runner.loras is None or len(runner.loras.adapters) < 2:
         raise SystemExit(f"preset {preset_name} needs two hot-swappable LoRA adapters for this bench: "

@@ -184,8 +184,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, attention_backends: It
     for flag, _, help_text in _SWITCHES:
         g.add_argument(flag, action="store_true", help=help_text)
     g.add_argument("--no-compile-vae", action="store_true", help="compile mode leaves vae.decode eager")
-    g.add_argument("--no-loras", action="store_true",
-                   help="no LoRA slot for the preset's adapters: no styles, and no per-step price for the slot")
+    g.add_argument("--loras", action="store_true",
+                   help="give the preset's LoRA styles a hot-swap slot in the denoiser (off by default: the slot's "
+                        "matmuls run on every step, styled or not)")
     g.add_argument("--inductor-flags", action=argparse.BooleanOptionalAction, default=None,
                    help="flux-fast inductor flags (default: on for CUDA)")
     names = tuple(attention_backends) if attention_backends is not None else None
@@ -209,7 +210,7 @@ def options_from_args(args, **overrides) -> EngineOptions:
                   attention_backend=getattr(args, "attention_backend", None) or "native",
                   max_batch=getattr(args, "max_batch", None),
                   batch_wait_ms=getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms),
-                  loras=not getattr(args, "no_loras", False))
+                  loras=getattr(args, "loras", False))
     values.update(overrides)
     return EngineOptions(**values)
 
@@ -219,8 +220,8 @@ def engine_flags_argv(args) -> tuple[str, ...]:
     flags = [flag for flag, field, _ in _SWITCHES if getattr(args, field, False)]
     if getattr(args, "no_compile_vae", False):
         flags.append("--no-compile-vae")
-    if getattr(args, "no_loras", False):
-        flags.append("--no-loras")
+    if getattr(args, "loras", False):
+        flags.append("--loras")
     if args.inductor_flags is not None:
         flags.append("--inductor-flags" if args.inductor_flags else "--no-inductor-flags")
     backend = getattr(args, "attention_backend", None) or "native"

@@ -432,7 +432,8 @@ class PipelineRunner:
     def lora_refusal(self) -> str:
         """Why this engine serves no LoRA although its preset lists some ("" when it can)."""
         if not self.options.loras:
-            return "this engine was started with --no-loras (no LoRA slot: no styles, no per-step price)"
+            return ("this engine was started without LoRA styles: the host turns them on with --loras (each adds "
+                    "a slot whose matmuls run on every step)")
         if self.config.key.tp > 1:
             return ("LoRA adapters are not served on multi-rank engines (every rank would have to swap in step; "
                     "not built yet): use a single-device engine")
