@@ -10,7 +10,7 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 # folder (relative to the repository root) -> files of it to ship
-BUNDLED = {"presets": "*.toml", "models/tiny-shapes": "**/*"}
+BUNDLED = {"presets": "*.toml", "models/tiny-shapes": "**/*", "models/tiny-shapes-loras": "**/*"}
 
 
 class BuildPyWithData(build_py):

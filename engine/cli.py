@@ -27,14 +27,16 @@ def cmd_generate(args) -> int:
     size = Size.parse(args.size) if args.size else None
     # A one-shot run warms only the bucket it needs, and waits for it unless --on-cold eager.
     mode = Mode.parse(args.mode, "mode")
-    manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(mode,)))
+    # A one-shot run that names a style gets the LoRA slot; one that does not pays nothing for it.
+    overrides = {"loras": True} if args.lora else {}
+    manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(mode,), **overrides))
     try:
         prompt = args.prompt if args.prompt is not None else manager.preset(args.preset).example_prompt
         result = manager.generate(
             preset=args.preset, device=args.device, precision=args.precision, mode=mode, size=size,
             prompt=prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
             seed=args.seed, tp=args.tp, parallel=args.parallel, snap=not args.no_snap, on_cold=args.on_cold,
-            step_cache=args.cache,
+            step_cache=args.cache, lora=args.lora,
         )
     finally:
         manager.shutdown()
@@ -50,6 +52,9 @@ def cmd_generate(args) -> int:
         if result.step_cache.enabled:
             print(f"  step cache {result.step_cache}: {len(result.cached_steps)} of {result.steps} steps cached "
                   f"({', '.join(map(str, result.cached_steps)) or 'none'})")
+        if result.lora:
+            swap = f", swapped in {result.lora_swap_ms:.0f} ms" if result.lora_swap_ms is not None else ""
+            print(f"  LoRA {result.lora} at scale {result.lora_scale:g} (rank {result.lora_rank}{swap})")
         for notice in result.notices:
             print(f"  note: {notice}")
         if args.out:
@@ -80,6 +85,8 @@ def cmd_presets(args) -> int:
     for p in presets.values():
         print(f"{p.name:18s} {p.pipeline:28s} steps={p.steps:<3d} guidance={p.guidance:<4g} "
               f"buckets={','.join(str(b) for b in p.buckets)}")
+        for lora in p.loras:
+            print(f"{'':18s}   LoRA {lora.name} (scale {lora.scale:g}){': ' + lora.description if lora.description else ''}")
     return 0
 
 
@@ -152,6 +159,9 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--cache", default="none", metavar="TEXT",
                    help="step cache: none, first-block[:THRESHOLD], taylorseer[:INTERVAL[:WARMUP]], magcache[:THRESHOLD], "
                         "faster-cache[:INTERVAL], pyramid[:INTERVAL] (`python -m engine step-caches` lists which run here)")
+    g.add_argument("--lora", default=None, metavar="NAME[:SCALE]",
+                   help="one of the preset's LoRA adapters (`python -m engine presets` lists them), scale 0-2 "
+                        "(default: the preset's)")
     g.add_argument("--tp", type=int, default=1, help="run the engine over N ranks (torchrun sidecar)")
     g.add_argument("--parallel", choices=Parallel.values(), default=Parallel.TENSOR.value,
                    help="how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring "
@@ -241,6 +251,7 @@ COMMANDS = (
     "engine.bench.contention:add_contention_parser",
     "engine.bench.context_parallel:add_cp_bench_parser",
     "engine.bench.advise:add_advise_parser",
+    "engine.bench.lora:add_lora_bench_parser",
     "engine.bench.oneshot:add_oneshot_parser",
 )
 

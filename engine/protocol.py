@@ -393,6 +393,51 @@ GENERIC_PROMPT = "a red fox in the snow, golden hour"
 RANDOM_TINY_PREFIXES = ("random:", "embedded:")  # "embedded:" is the old spelling: saved presets keep loading
 
 
+LORA_SCALE_RANGE = (0.0, 2.0)
+
+
+@dataclass(frozen=True)
+class LoraSource:
+    """A LoRA adapter a preset offers (its `loras` table): a repo folder ("repo:models/..."), a local file or
+    folder, or a Hub repo id with `weight_name`. Visitors pick it by `name`, never by its source."""
+
+    name: str
+    source: str
+    weight_name: str | None = None  # the safetensors file inside a folder or Hub repo (None: diffusers' default)
+    scale: float = 1.0  # default scale
+    trigger: str = ""  # words a prompt needs for the style (added when missing), "" when none
+    description: str = ""
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,47}", self.name):
+            raise InvalidRequest(f"LoRA name {self.name!r}: use 1-48 lower-case letters, digits, '-', '_' or '.'")
+        object.__setattr__(self, "scale", check_lora_scale(self.scale))
+
+
+def check_lora_scale(scale) -> float:
+    """A LoRA scale as a float in [0, 2], or a clear error."""
+    lo, hi = LORA_SCALE_RANGE
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"LoRA scale {str(scale)[:32]!r} is not a number: pick one from {lo:g} to {hi:g}") from None
+    if not lo <= value <= hi:  # NaN fails too
+        raise InvalidRequest(f"LoRA scale {value:g} is outside [{lo:g}, {hi:g}]: pick one from {lo:g} (off) "
+                             f"to {hi:g} (twice the trained strength)")
+    return value
+
+
+def parse_lora(text) -> tuple[str | None, float | None]:
+    """(name, scale) from "NAME[:SCALE]" (the CLI's --lora and the API's text); (None, None) for "", "none"."""
+    text = "" if text is None else str(text).strip().lower()
+    if len(text) > 64:
+        raise InvalidRequest("LoRA choice is longer than 64 characters: give NAME or NAME:SCALE")
+    if text in ("", "none"):
+        return None, None
+    name, _, scale = text.partition(":")
+    return name.strip(), (check_lora_scale(scale) if scale.strip() else None)
+
+
 @dataclass(frozen=True)
 class ModelPreset:
     name: str
@@ -419,6 +464,10 @@ class ModelPreset:
     advice: dict = field(default_factory=dict, hash=False, compare=False)
     options: dict = field(default_factory=dict, hash=False, compare=False)
     denoiser_config: dict | None = field(default=None, hash=False, compare=False)
+    # LoRA adapters visitors may pick (engine/pipeline/lora.py), and the rank every one is padded to for
+    # hot-swapping (None: the largest among them, read from their files).
+    loras: tuple[LoraSource, ...] = ()
+    lora_rank: int | None = None
 
     @property
     def random_tiny(self) -> str | None:
@@ -451,6 +500,8 @@ class ModelPreset:
             "description": self.description,
             "examples": list(self.examples),
             "advice": dict(self.advice),
+            "loras": [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}
+                      for lora in self.loras],
         }
 
 
@@ -493,6 +544,9 @@ class EngineOptions:
     # to `batch_wait_ms` after the first one arrives (and while the previous call runs).
     max_batch: int | None = None
     batch_wait_ms: float = 15.0
+    # The preset's LoRA adapters get a slot in the denoiser (engine/pipeline/lora.py). Off by default: the slot's
+    # matmuls run on every step, styled or not (docs/benchmarks.md).
+    loras: bool = False
     testing: TestingOptions = TestingOptions()  # tests only: off in the app and the CLI
 
     def __post_init__(self):
@@ -531,12 +585,18 @@ class GenerateRequest:
     on_cold: OnCold = OnCold.EAGER
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     step_cache: StepCache = NO_STEP_CACHE  # text ("first-block:0.2") is parsed at construction
+    lora: str | None = None  # one of the preset's adapters by name (None: no LoRA)
+    lora_scale: float | None = None  # None: the adapter's default scale
     # Who asked (a visitor's address; "" for the host): an engine serves its waiting clients in turn.
     client: str = ""
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
         _coerce(self, "on_cold", OnCold)
+        if self.lora is not None and str(self.lora).strip().lower() in ("", "none"):
+            object.__setattr__(self, "lora", None)
+        if self.lora_scale is not None:
+            object.__setattr__(self, "lora_scale", check_lora_scale(self.lora_scale))
         if not isinstance(self.step_cache, StepCache):
             object.__setattr__(self, "step_cache", StepCache.parse(self.step_cache))
 
@@ -592,6 +652,10 @@ class GenerateResult:
     step_cache: StepCache = NO_STEP_CACHE
     cached_steps: tuple[int, ...] = ()  # 1-based steps whose denoiser output came from the step cache
     batch_size: int = 1  # images in the pipeline call that made this one (engine/pipeline/batching.py)
+    lora: str | None = None  # the adapter it ran with, its scale and rank (padded rank in brackets: hot-swap)
+    lora_scale: float | None = None
+    lora_rank: int | None = None
+    lora_swap_ms: float | None = None  # the hot-swap this request waited for (None: the adapter was in place)
 
     @property
     def computed_steps(self) -> int:
@@ -626,6 +690,10 @@ class GenerateResult:
             "cached_steps": list(self.cached_steps),
             "computed_steps": self.computed_steps,
             "batch_size": self.batch_size,
+            "lora": self.lora,
+            "lora_scale": self.lora_scale,
+            "lora_rank": self.lora_rank,
+            "lora_swap_ms": self.lora_swap_ms,
             "timings": {
                 "step_ms": list(t.step_ms),
                 "first_step_ms": t.first_step_ms,

@@ -25,9 +25,9 @@ PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "sys
               "advise_start", "advise_poll"}  # the advisor as a start/poll pair (ui/mcp.py)
 TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
-                 "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "generate-btn", "cancel-btn",
-                 "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output", "run-summary",
-                 "history"},
+                 "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "generate-btn",
+                 "cancel-btn", "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output",
+                 "run-summary", "history"},
     "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",
                 "restart-btn", "admin-token", "attention-backend", "cuda-graphs", "restart-options-btn",
                 "attention-table"},

@@ -28,7 +28,7 @@ MAX_UI_SEED = 2**31 - 1  # browsers hold integers exactly only up to 2**53; keep
 PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one redraws the plot)
 # The /generate API's parameters, in the handler's order (GenerateHandlers.generate).
 GENERATE_API_PARAMS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "steps",
-                       "guidance", "seed", "on_cold", "tp", "step_cache")
+                       "guidance", "seed", "on_cold", "tp", "step_cache", "lora")
 HISTORY_PX = 256  # a history image's longer side: the history keeps thumbnails, not every full image
 GENERATE_API_DOC = (
     "Generate one image. Returns (image, timings): image is the PNG (None in partial results and when the "
@@ -144,13 +144,21 @@ class GenerateHandlers(HandlerBase):
         return gr.update(choices=choices, value=current if current in usable else "none",
                          info=views.step_cache_reasons(rows) or None)
 
+    def lora_choices(self, preset: str):
+        """The new preset's LoRA adapters (none selected)."""
+        try:
+            return gr.update(choices=views.lora_choices(self.manager.preset(preset), self.manager.options.loras),
+                             value="none")
+        except ShowcaseError:
+            return gr.update(choices=[("none", "none")], value="none")
+
     def randomize_seed(self, seed, randomize: bool):
         return random.randint(0, MAX_UI_SEED) if randomize else seed
 
     # -- the run ---------------------------------------------------------------------------------
     def generate(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
-                 on_cold="eager", tp=1, step_cache="none", request: gr.Request = None,
-                 progress=gr.Progress()):  # noqa: B008
+                 on_cold="eager", tp=1, step_cache="none", lora="none", lora_scale=None,
+                 request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
         """One image (tp > 1: on the tensor-parallel torchrun sidecar with that many ranks).
 
         Streams (image, timings): a partial timings dict ("running": true) at the start and at most
@@ -159,7 +167,8 @@ class GenerateHandlers(HandlerBase):
         Partials leave the page's image as it is (gr.skip()).
         """
         view, key, caller, kwargs = self._prepare(prompt, negative_prompt, preset, device, precision, mode, size,
-                                                  steps, guidance, seed, on_cold, tp, step_cache, request, progress)
+                                                  steps, guidance, seed, on_cold, tp, step_cache, request, progress,
+                                                  lora=lora, lora_scale=lora_scale)
         with ExitStack() as stack:
             try:  # public mode: one running request per visitor
                 run = stack.enter_context(self.open_run(request))
@@ -187,8 +196,8 @@ class GenerateHandlers(HandlerBase):
                 raise to_gradio_error(exc) from None
 
     async def generate_api(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance,
-                           seed, on_cold="eager", tp=1, step_cache="none", request: gr.Request = None,
-                           progress=gr.Progress()):  # noqa: B008
+                           seed, on_cold="eager", tp=1, step_cache="none", lora="none",
+                           request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
         """/generate: what `generate` streams, for callers that read the result, as cheaply for the web
         server as Gradio allows (in a burst, its time per request bounds how fast results go out):
         - an async generator: Gradio runs each step of a sync one in a worker thread;
@@ -202,7 +211,7 @@ class GenerateHandlers(HandlerBase):
         Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await."""
         view, key, caller, kwargs = self._prepare(prompt, negative_prompt, preset, device, precision, mode, size,
                                                   steps, guidance, seed, on_cold, tp, step_cache, request, progress,
-                                                  for_page=False)
+                                                  for_page=False, lora=lora)
         try:
             await self.await_listener(request)
         except ShowcaseError as exc:
@@ -233,7 +242,7 @@ class GenerateHandlers(HandlerBase):
                 await stream.aclose()
 
     def _prepare(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
-                 on_cold, tp, step_cache, request, progress, for_page: bool = True):
+                 on_cold, tp, step_cache, request, progress, for_page: bool = True, lora=None, lora_scale=None):
         """A run's (view, engine key, caller, manager.generate kwargs) from the handler's inputs; bad input
         raises gr.Error naming the field."""
         def given(value):  # the API sends text; "" (or nothing) means the preset's default
@@ -247,6 +256,8 @@ class GenerateHandlers(HandlerBase):
         )
         if given(step_cache) is not None and step_cache != "none":
             kwargs["step_cache"] = step_cache
+        if given(lora) is not None and lora != "none":  # "NAME[:SCALE]"; the slider's scale wins on the page
+            kwargs.update(lora=lora, lora_scale=given(lora_scale))
         caller = self.caller(request)
         kwargs["client"] = self.client_of(request)
         try:
@@ -266,6 +277,7 @@ class GenerateHandlers(HandlerBase):
         view = RunView({"running": True, "engine": str(key), "preset": key.preset, "device": key.device,
                         "precision": key.precision, "mode": mode, "bucket": size_text, "steps": steps,
                         "step_cache": kwargs.get("step_cache", "none"), "cached_steps": [],
+                        "lora": kwargs.get("lora"),
                         "timings": {"step_ms": []}})
         return view, key, caller, kwargs
 
@@ -331,6 +343,9 @@ def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]
         "tp": "ranks: " + ", ".join(str(c) for c in RANK_CHOICES) + " (> 1 runs on the torchrun sidecar)",
         "step_cache": "none, or one of " + ", ".join(c for c in caches if c != "none")
                       + " (/status and the page say which can run on an engine)",
+        "lora": "none, or NAME[:SCALE] with NAME one of the preset's styles (`python -m engine presets` lists "
+                "them; the default preset's: " + (", ".join(lora.name for lora in h.manager.preset(preset).loras)
+                                                  or "none") + ") and SCALE 0-2 (default: the style's own)",
     }
 
 
@@ -346,6 +361,7 @@ class GenerateTab:
     tp: gr.Dropdown
     step_cache: gr.Dropdown
     steps: gr.Slider
+    lora: gr.Dropdown | None = None
 
 
 def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> GenerateTab:
@@ -386,6 +402,12 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
                                        value=d.step_cache if d.step_cache in {v for _, v in cache_choices}
                                        else "none", label="Step cache (reuses denoiser work across steps)",
                                        info=views.step_cache_reasons(cache_rows) or None, elem_id="step-cache")
+                with gr.Row():  # LoRA styles the preset lists: hot-swapped on warm graphs (engine/pipeline/lora.py)
+                    slot = h.manager.options.loras
+                    lora_dd = gr.Dropdown(views.lora_choices(preset, slot), value="none", elem_id="lora",
+                                          label="LoRA style (hot-swapped: no recompile)" if slot else
+                                          "LoRA style (off: the host starts the app with --loras)")
+                    lora_scale = gr.Slider(0.0, 2.0, value=1.0, step=0.05, label="LoRA scale", elem_id="lora-scale")
                 steps = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="steps")
                 guidance = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
                                      elem_id="guidance")
@@ -438,7 +460,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
 
     run_io = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots())
     inputs = [prompt, negative, preset_dd, device_dd, precision_dd, mode_dd, size_dd, steps, guidance, seed,
-              on_cold, tp_dd, cache_dd]
+              on_cold, tp_dd, cache_dd, lora_dd, lora_scale]
     seeded = generate_btn.click(h.randomize_seed, [seed, randomize], seed, queue=False,
                                 api_visibility="private")
     run = seeded.then(h.generate_page, [*inputs, history], [image, timings, history_gallery, history],
@@ -453,6 +475,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
     timings.change(h.render_run, timings, [step_plot, stats, summary], **FAST)
 
     preset_dd.change(h.preset_defaults, preset_dd, [negative, steps, guidance], **FAST)
+    preset_dd.change(h.lora_choices, preset_dd, lora_dd, **FAST)
     # The engine the settings point at starts with the page (app.py has usually started it already).
     engine_settings = [preset_dd, device_dd, precision_dd, mode_dd, tp_dd]
     gr.on([c.change for c in engine_settings] + [demo.load], h.select_engine,
@@ -460,4 +483,4 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
           **FAST)
     gr.on([preset_dd.change, device_dd.change, mode_dd.change], h.step_cache_choices,
           [preset_dd, device_dd, mode_dd, cache_dd], cache_dd, **FAST)
-    return GenerateTab(preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd, cache_dd, steps)
+    return GenerateTab(preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd, cache_dd, steps, lora_dd)

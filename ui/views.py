@@ -129,10 +129,29 @@ def stats_rows(result: dict | None) -> list[list[str]]:
         ["batch", (f"one pipeline call for {result['batch_size']} requests (steps shared)"
                    if result.get("batch_size", 1) > 1 else "alone")],
         ["recompiles", str(result.get("recompiles", 0))],
+        ["LoRA", lora_text(result)],
         ["peak memory", fmt_bytes(result.get("peak_memory_bytes"))],
         ["seed", str(result.get("seed", ""))],
         ["notices", "; ".join(notices) if notices else "—"],
     ]
+
+
+def lora_choices(preset, slot: bool = True) -> list[tuple[str, str]]:
+    """(label, value) of a preset's LoRA adapters, "none" first; without a slot (the host did not start the
+    engines with --loras) only "none"."""
+    if not slot:
+        return [("none", "none")]
+    return [("none", "none")] + [(f"{lora.name} · {lora.description}" if lora.description else lora.name, lora.name)
+                                 for lora in preset.loras]
+
+
+def lora_text(result: dict) -> str:
+    """The adapter a run used, its scale and rank, and the hot-swap it waited for."""
+    if not result.get("lora"):
+        return "none"
+    swap = result.get("lora_swap_ms")
+    return (f"{result['lora']} at scale {result.get('lora_scale', 1):g}, rank {result.get('lora_rank')}; "
+            + (f"hot-swapped in {swap:.0f} ms (no recompile)" if swap is not None else "already in place"))
 
 
 def run_summary(result: dict | None) -> str:

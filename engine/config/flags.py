@@ -184,6 +184,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, attention_backends: It
     for flag, _, help_text in _SWITCHES:
         g.add_argument(flag, action="store_true", help=help_text)
     g.add_argument("--no-compile-vae", action="store_true", help="compile mode leaves vae.decode eager")
+    g.add_argument("--loras", action="store_true",
+                   help="give the preset's LoRA styles a hot-swap slot in the denoiser (off by default: the slot's "
+                        "matmuls run on every step, styled or not)")
     g.add_argument("--inductor-flags", action=argparse.BooleanOptionalAction, default=None,
                    help="flux-fast inductor flags (default: on for CUDA)")
     names = tuple(attention_backends) if attention_backends is not None else None
@@ -206,7 +209,8 @@ def options_from_args(args, **overrides) -> EngineOptions:
     values.update(compile_vae=not args.no_compile_vae, inductor_flags=args.inductor_flags,
                   attention_backend=getattr(args, "attention_backend", None) or "native",
                   max_batch=getattr(args, "max_batch", None),
-                  batch_wait_ms=getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms))
+                  batch_wait_ms=getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms),
+                  loras=getattr(args, "loras", False))
     values.update(overrides)
     return EngineOptions(**values)
 
@@ -216,6 +220,8 @@ def engine_flags_argv(args) -> tuple[str, ...]:
     flags = [flag for flag, field, _ in _SWITCHES if getattr(args, field, False)]
     if getattr(args, "no_compile_vae", False):
         flags.append("--no-compile-vae")
+    if getattr(args, "loras", False):
+        flags.append("--loras")
     if args.inductor_flags is not None:
         flags.append("--inductor-flags" if args.inductor_flags else "--no-inductor-flags")
     backend = getattr(args, "attention_backend", None) or "native"

@@ -6,6 +6,7 @@ vae_scale_factor * 2), so it is tested with parametrised cases and needs no mode
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from engine import settings
 from engine.errors import InvalidRequest, ModelLoadError
-from engine.protocol import ModelPreset, Size
+from engine.protocol import LoraSource, ModelPreset, Size
 
 MAX_SIDE = 4096
 # pipeline class (model_index.json "_class_name") -> (family, denoiser, alignment, cfg, negative_prompt)
@@ -77,8 +78,25 @@ def load_presets() -> dict[str, ModelPreset]:
             advice=dict(d.get("advice", {})),
             options=dict(d.get("options", {})),
             denoiser_config=d.get("denoiser_config"),
+            loras=_loras(name, d.get("loras", ())),
+            lora_rank=d.get("lora_rank"),
         )
     return presets
+
+
+def _loras(preset: str, table) -> tuple[LoraSource, ...]:
+    """A preset's `[[NAME.loras]]` entries (name, source, weight_name, scale, trigger, description)."""
+    fields = ", ".join(f.name for f in dataclasses.fields(LoraSource))
+    loras = []
+    for entry in table:
+        try:
+            loras.append(LoraSource(**entry))
+        except TypeError as exc:
+            raise InvalidRequest(f"preset {preset}: a loras entry is wrong ({exc}); its keys are {fields}") from None
+    names = [lora.name for lora in loras]
+    if len(set(names)) != len(names):
+        raise InvalidRequest(f"preset {preset}: two loras entries share a name ({', '.join(names)})")
+    return tuple(loras)
 
 
 def get_preset(name: str) -> ModelPreset:

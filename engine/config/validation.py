@@ -13,7 +13,17 @@ from pathlib import Path
 
 from engine.config.presets import load_presets, looks_like_model_ref, route_size
 from engine.errors import InvalidRequest
-from engine.protocol import MAX_STEPS, GenerateRequest, Mode, ModelPreset, OnCold, Precision, Size, StepCache
+from engine.protocol import (
+    MAX_STEPS,
+    GenerateRequest,
+    Mode,
+    ModelPreset,
+    OnCold,
+    Precision,
+    Size,
+    StepCache,
+    parse_lora,
+)
 
 MAX_PROMPT_CHARS = 4000
 LONG_PROMPT_WORDS = 60  # ~77 CLIP tokens: beyond this the CLIP encoders see only the start
@@ -106,6 +116,8 @@ def build_request(
     snap: bool = True,
     on_cold: str | OnCold = OnCold.EAGER,
     step_cache: str | StepCache | None = None,
+    lora: str | None = None,
+    lora_scale=None,
 ) -> tuple[GenerateRequest, tuple[str, ...]]:
     """A validated, routed GenerateRequest plus the notices to show with its result."""
     mode = Mode.parse(mode, "mode")
@@ -125,6 +137,7 @@ def build_request(
     if not 0 <= seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be between 0 and {MAX_SEED}, got {seed}")
     size, size_notices = route_size(preset, width, height, snap=snap)
+    lora, lora_scale = check_lora(preset, lora, lora_scale)
     request = GenerateRequest(
         prompt=prompt,
         negative_prompt=negative or None,
@@ -136,8 +149,25 @@ def build_request(
         mode=mode,
         on_cold=on_cold,
         step_cache=step_cache,
+        lora=lora,
+        lora_scale=lora_scale,
     )
     return request, notices + size_notices
+
+
+def check_lora(preset: ModelPreset, lora, scale=None) -> tuple[str | None, float | None]:
+    """(adapter, scale) from "NAME[:SCALE]" and an optional scale; only the preset's adapters by name (a visitor
+    can never name a file or a Hub repo)."""
+    name, text_scale = parse_lora(lora)
+    if name is None:
+        return None, None
+    names = [source.name for source in preset.loras]
+    if name not in names:
+        offered = f"choose one of {', '.join(names)} (or none)" if names else "it lists no LoRA adapters"
+        raise InvalidRequest(f"unknown LoRA {name!r} for {preset.name}: {offered}")
+    if scale not in (None, ""):
+        return name, parse_lora(f"{name}:{scale}")[1]
+    return name, text_scale
 
 
 def check_precision(precision: str) -> Precision:

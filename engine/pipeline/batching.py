@@ -71,7 +71,8 @@ def batch_key(request: GenerateRequest) -> tuple | None:
     if request.step_cache.kind in DATA_DEPENDENT_CACHES:
         return None
     return (request.mode, request.width, request.height, request.steps, float(request.guidance),
-            bool(request.negative_prompt), request.step_cache, request.on_cold)
+            bool(request.negative_prompt), request.step_cache, request.on_cold,
+            request.lora, request.lora_scale)  # one adapter at one scale per call
 
 
 def chunk(n: int, sizes) -> int:

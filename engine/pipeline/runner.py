@@ -46,7 +46,7 @@ from engine.errors import (
     UnsupportedCombination,
     scrub_paths,
 )
-from engine.pipeline import attention, batching, recipes, stepcache, variants
+from engine.pipeline import attention, batching, lora, recipes, stepcache, variants
 from engine.pipeline.faults import Faults, failing_backend
 from engine.pipeline.progress import progress_bar, quiet_library_consoles
 from engine.protocol import (
@@ -237,6 +237,7 @@ class _Run:
     recompiles: int
     cached_steps: tuple[int, ...]
     peak: int | None
+    lora_swap_ms: float | None = None  # the LoRA hot-swap this call waited for (engine/pipeline/lora.py)
 
 
 class BucketBoard:
@@ -313,6 +314,7 @@ class PipelineRunner:
         self._aot = None  # engine/pipeline/aot.py AotEngine, built with the aot variant
         self.folders_notice = ""  # why the compile folders moved (a full or read-only cache disk), once they have
         self._step_caches: stepcache.CacheVariants | None = None  # (mode, step cache) variants, once loaded
+        self.loras: lora.LoraSlot | None = None  # the preset's LoRA adapters, hot-swapped into one slot
         # Requests that can share a denoiser call run as one call of up to max_batch images (engine/pipeline/batching.py)
         self.max_batch = self.largest_batch()
         self.batch_sizes = batching.batch_sizes(self.max_batch)
@@ -409,6 +411,9 @@ class PipelineRunner:
             self.notices.append("model CPU offload: each model moves to the device only while it runs")
         else:
             pipe.to(self.load_device())
+        if self.preset.loras:
+            # Before any variant is compiled or cloned: every variant must share the slot's layers.
+            self._prepare_loras(pipe)
         if self.precision.precision.quantized:
             self.notices.append(recipes.quantize_denoiser(pipe, self.preset.denoiser, self.precision.precision))
         self.notices += attention.apply_backend(getattr(pipe, self.preset.denoiser), self.options.attention_backend,
@@ -423,6 +428,26 @@ class PipelineRunner:
         self.load_s = time.perf_counter() - start
         log.info("loaded %s in %.2fs", self.config.key, self.load_s)
         return self.load_s
+
+    def lora_refusal(self) -> str:
+        """Why this engine serves no LoRA although its preset lists some ("" when it can)."""
+        if not self.options.loras:
+            return ("this engine was started without LoRA styles: the host turns them on with --loras (each adds "
+                    "a slot whose matmuls run on every step)")
+        if self.config.key.tp > 1:
+            return ("LoRA adapters are not served on multi-rank engines (every rank would have to swap in step; "
+                    "not built yet): use a single-device engine")
+        if self.precision.precision.quantized:
+            return (f"LoRA adapters are not served on {self.precision.precision} engines (the slot's layers would "
+                    "wrap torchao-quantized weights, not measured here): use fp32, bf16 or fp16")
+        return ""
+
+    def _prepare_loras(self, pipe) -> None:
+        if refusal := self.lora_refusal():
+            self.notices.append(refusal)
+            return
+        self.loras, notices = lora.LoraSlot.prepare(pipe, self.preset, self.config.allowed_roots)
+        self.notices += notices
 
     def variant(self, mode: Mode):
         """The pipeline object for a mode (built once; compiled modules compile lazily per shape)."""
@@ -513,7 +538,28 @@ class PipelineRunner:
                                          "single-device engine")
         size, snapped = route_size(self.preset, request.width, request.height, snap=True)
         notices += snapped
-        return request.replace(width=size.width, height=size.height), notices
+        request = request.replace(width=size.width, height=size.height)
+        if request.lora is not None:
+            request, lora_notices = self._prepare_lora(request)
+            notices += lora_notices
+        return request, notices
+
+    def _prepare_lora(self, request: GenerateRequest) -> tuple[GenerateRequest, list[str]]:
+        """The request with its adapter checked and its scale filled in, or the error saying what to pick."""
+        if self.loras is None:
+            offered = self.lora_refusal() if self.preset.loras else f"preset {self.preset.name} lists no LoRA adapters"
+            raise UnsupportedCombination(f"LoRA {request.lora!r} cannot run here: {offered}")
+        if request.mode is Mode.AOT:
+            raise UnsupportedCombination("LoRA adapters do not run in aot mode (its packages are exported with the "
+                                         "LoRA slot off and serve requests without one): use compile or regional, "
+                                         "which hot-swap on warm graphs")
+        name, scale = self.loras.check(request.lora, request.lora_scale)
+        notices = []
+        trigger = self.loras.adapters[name].source.trigger
+        if trigger and trigger.lower() not in request.prompt.lower():
+            request = request.replace(prompt=f"{trigger}, {request.prompt}")
+            notices.append(f"LoRA {name}: its trigger {trigger!r} was added to the prompt")
+        return request.replace(lora=name, lora_scale=scale), notices
 
     def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None) -> GenerateResult:
         """Run one request. At a warm bucket this compiles nothing; elsewhere it runs eagerly. A request with
@@ -547,12 +593,13 @@ class PipelineRunner:
             compiles_before = compiles_in_this_thread()
             aot_before = self._aot.counters()[1] if self._aot and request.mode is Mode.AOT else None
             cached = None
+            swap_ms = self.loras.select(request.lora, request.lora_scale or 0.0) if self.loras is not None else None
 
             def image_ready(index, image, timings):
                 steps_cached = tuple(cached.counter.cached) if cached is not None else ()
                 on_image(index, image, _Run(None, timings, None, eager_fallback,
                                             compiles_in_this_thread() - compiles_before, steps_cached,
-                                            self.spec.peak_memory_bytes()))
+                                            self.spec.peak_memory_bytes(), swap_ms))
 
             apart = on_image is not None and self._decodes_apart(request, pipe)
             try:
@@ -572,7 +619,7 @@ class PipelineRunner:
             if aot_before is not None and self._aot.counters()[1] > aot_before:
                 notices.append(f"aot: a call at {bucket} matched no package (not the exported shapes or "
                                "arguments) and ran eagerly")
-        return _Run(images, timings, cancelled_at, eager_fallback, recompiles, cached_steps, peak)
+        return _Run(images, timings, cancelled_at, eager_fallback, recompiles, cached_steps, peak, swap_ms)
 
     def _decodes_apart(self, request: GenerateRequest, pipe) -> bool:
         """Whether a batch led by `request` (its mode after any eager fallback) decodes its images apart: the
@@ -592,7 +639,10 @@ class PipelineRunner:
             image_png=self._png(image, request), timings=run.timings, warm=not run.eager_fallback,
             eager_fallback=run.eager_fallback, recompiles=run.recompiles, peak_memory_bytes=run.peak,
             notices=tuple(notices), seed=request.seed, steps=request.steps, step_cache=request.step_cache,
-            cached_steps=run.cached_steps, batch_size=batch_size)
+            cached_steps=run.cached_steps, batch_size=batch_size, lora=request.lora,
+            lora_scale=request.lora_scale if request.lora else None,
+            lora_rank=self.loras.rank(request.lora) if self.loras is not None else None,
+            lora_swap_ms=run.lora_swap_ms)
 
     def generate_batch(self, requests: list[GenerateRequest], on_step=None,
                        cancels: list[threading.Event] | None = None, on_leave=None, on_result=None) -> list:
@@ -710,7 +760,7 @@ class PipelineRunner:
             "request_id": request.request_id, "engine": str(self.config.key), "mode": request.mode,
             "size": str(request.size), "seed": request.seed, "steps": request.steps, "guidance": request.guidance,
             "prompt": request.prompt, "negative_prompt": request.negative_prompt,
-            "step_cache": str(request.step_cache),
+            "step_cache": str(request.step_cache), "lora": request.lora, "lora_scale": request.lora_scale,
         }))
         return info
 
@@ -821,6 +871,10 @@ class PipelineRunner:
         return origin
 
     def _warm_aot(self, bucket: BucketKey) -> str:
+        if self.loras is not None:
+            # An export holds the slot's scaling tensors as constants: captured with no LoRA (aot serves none).
+            with self._run_lock:
+                self.loras.select(None, 0.0)
         origin, notices = self._aot.warm(bucket, report=lambda text: self.board.update(bucket, origin=text))
         self.notices += notices
         return origin

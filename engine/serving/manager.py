@@ -671,6 +671,8 @@ class EngineManager:
         step_cache=None,
         on_progress=None,
         timeout: float | None = None,
+        lora: str | None = None,
+        lora_scale=None,
         on_submit=None,
         caller: Caller = Caller.HOST,
         client: str = "",
@@ -693,6 +695,7 @@ class EngineManager:
         request, notices = build_request(
             p, prompt=prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
             guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold, step_cache=step_cache,
+            lora=lora, lora_scale=lora_scale,
         )
         seen.update(mode=str(request.mode), bucket=str(request.bucket.size))
         logs.REQUEST_ID.set(request.request_id)

@@ -1,0 +1,161 @@
+"""`python -m engine lora-bench`: what a LoRA costs and what a hot-swap costs, printed side by side.
+
+Per mode (eager, compile, regional) on one engine whose preset lists adapters (default tiny-shapes):
+
+- swap: the median hot-swap time between the preset's adapters on the warm bucket, and the recompiles it
+  caused (the target: 0);
+- the first request after a swap against a warm request with the adapter already in place (total ms);
+- per step: no LoRA (a pipeline without the slot), unfused (the slot at scale 1: two extra matmuls per
+  targeted layer) and fused (`fuse_lora` into the weights, eager), with the fuse and unfuse costs.
+
+All figures are medians of `--repeats` runs (engine.metrics.median); the machine's load goes with them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from engine.metrics import median
+from engine.protocol import DEFAULT_PRESET, BucketKey, GenerateRequest, Mode, Size
+
+
+def _request(preset, size: Size, mode: Mode, lora: str | None, seed: int = 0) -> GenerateRequest:
+    return GenerateRequest(prompt=preset.example_prompt, width=size.width, height=size.height, steps=preset.steps,
+                           guidance=preset.guidance, seed=seed, mode=mode, lora=lora)
+
+
+def _bare_pipeline(runner, fused: str | None = None):
+    """A bare eager pipeline of the engine's model without the slot (fused: with that adapter fused into its
+    weights) and the fuse milliseconds."""
+    import diffusers
+
+    pipe = getattr(diffusers, runner.preset.pipeline).from_pretrained(runner.source, dtype=runner.precision.dtype)
+    pipe.set_progress_bar_config(disable=True)
+    if fused is None:
+        return pipe, None
+    adapter = runner.loras.adapters[fused]
+    pipe.load_lora_weights(str(adapter.path.parent), weight_name=adapter.path.name, adapter_name="fused")
+    start = time.perf_counter()
+    pipe.fuse_lora(adapter_names=["fused"], lora_scale=adapter.source.scale)
+    return pipe, 1000 * (time.perf_counter() - start)
+
+
+def _step_ms(runner, pipe, size: Size) -> float:
+    """Median step ms of one eager call of a bare pipeline (steps 2 on: the first carries the set-up)."""
+    import torch
+
+    from engine.pipeline.runner import pipeline_call_kwargs
+
+    marks = []
+    kwargs = pipeline_call_kwargs(runner.preset, pipe, _request(runner.preset, size, Mode.EAGER, None))
+    kwargs["callback_on_step_end"] = lambda p, i, t, kw: (marks.append(time.perf_counter()), {})[1]
+    with torch.no_grad():
+        pipe(**kwargs)
+    return 1000 * median([b - a for a, b in zip(marks, marks[1:], strict=False)])
+
+
+def _eager_prices(runner, size: Size, repeats: int, name: str) -> dict:
+    """No LoRA (bare), unfused (the engine's slot at scale 1), the slot at scale 0 and fused (bare), timed
+    round-robin so the machine's load falls on all of them alike."""
+    bare, _ = _bare_pipeline(runner)
+    fused, fuse_ms = _bare_pipeline(runner, fused=name)
+    rows = {"no_lora_ms": [], "unfused_ms": [], "slot_at_scale_0_ms": [], "fused_ms": []}
+    for i in range(repeats + 1):
+        samples = (_step_ms(runner, bare, size),
+                   runner.generate(_request(runner.preset, size, Mode.EAGER, name, seed=i)).timings.median_step_ms,
+                   runner.generate(_request(runner.preset, size, Mode.EAGER, None, seed=i)).timings.median_step_ms,
+                   _step_ms(runner, fused, size))
+        if i:  # the first round warms every pipeline
+            for key, value in zip(rows, samples, strict=True):
+                rows[key].append(value)
+    start = time.perf_counter()
+    fused.unfuse_lora()
+    unfuse_ms = 1000 * (time.perf_counter() - start)
+    return {**{key: median(values) for key, values in rows.items()}, "fuse_ms": fuse_ms, "unfuse_ms": unfuse_ms}
+
+
+def run_lora_bench(preset_name: str, size: Size, modes: tuple[Mode, ...], repeats: int, cache_dir) -> dict:
+    from engine.config.presets import get_preset
+    from engine.pipeline.runner import PipelineRunner
+    from engine.protocol import EngineConfig, EngineKey, EngineOptions
+
+    runner = PipelineRunner(EngineConfig(EngineKey(preset_name, "cpu", "fp32"), get_preset(preset_name),
+                                         EngineOptions(warm_sizes=(), loras=True), str(cache_dir)))
+    runner.load()
+    if runner.loras is None or len(runner.loras.adapters) < 2:
+        raise SystemExit(f"preset {preset_name} needs two hot-swappable LoRA adapters for this bench: "
+                         f"{'; '.join(n for n in runner.notices if 'LoRA' in n) or 'it lists fewer'}")
+    names = list(runner.loras.adapters)
+    report = {"preset": preset_name, "size": str(size), "adapters": names, "target_rank": runner.loras.target_rank,
+              "load": os.getloadavg()[0], "modes": {}}
+    for mode in modes:
+        if mode.compiled:
+            info = runner.warm_bucket(BucketKey(mode, size))
+            if info.state.value != "warm":
+                report["modes"][str(mode)] = {"error": info.error}
+                continue
+        warm, after_swap, swaps, recompiles, step = [], [], [], 0, []
+        runner.generate(_request(runner.preset, size, mode, names[0]))
+        for i in range(repeats):
+            name = names[(i + 1) % len(names)]
+            first = runner.generate(_request(runner.preset, size, mode, name, seed=i))
+            again = runner.generate(_request(runner.preset, size, mode, name, seed=i))
+            swaps.append(first.lora_swap_ms)
+            after_swap.append(first.timings.total_ms)
+            warm.append(again.timings.total_ms)
+            step.append(again.timings.median_step_ms)
+            recompiles += first.recompiles + again.recompiles
+        plain = [runner.generate(_request(runner.preset, size, mode, None, seed=i)).timings.median_step_ms
+                 for i in range(repeats)]
+        report["modes"][str(mode)] = {
+            "swap_ms": median(swaps), "recompiles": recompiles,
+            "first_after_swap_ms": median(after_swap), "warm_ms": median(warm),
+            "after_swap_ratio": median(after_swap) / median(warm),
+            "unfused_step_ms": median(step), "slot_at_scale_0_step_ms": median(plain)}
+    report["eager_per_step"] = _eager_prices(runner, size, repeats, names[0])
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"LoRA on {report['preset']} at {report['size']}: adapters {', '.join(report['adapters'])} "
+             f"(hot-swap rank {report['target_rank']}); load average {report['load']:.1f}",
+             f"{'mode':10s} {'swap ms':>8s} {'recompiles':>10s} {'1st after swap':>15s} {'warm':>8s} {'ratio':>6s} "
+             f"{'step (LoRA)':>12s} {'step (scale 0)':>15s}"]
+    for mode, row in report["modes"].items():
+        if "error" in row:
+            lines.append(f"{mode:10s} failed: {row['error']}")
+            continue
+        lines.append(f"{mode:10s} {row['swap_ms']:8.1f} {row['recompiles']:10d} {row['first_after_swap_ms']:15.1f} "
+                     f"{row['warm_ms']:8.1f} {row['after_swap_ratio']:6.2f} {row['unfused_step_ms']:12.2f} "
+                     f"{row['slot_at_scale_0_step_ms']:15.2f}")
+    e = report["eager_per_step"]
+    lines.append(f"eager per step, round-robin: no LoRA {e['no_lora_ms']:.2f} ms | unfused {e['unfused_ms']:.2f} ms "
+                 f"| slot at scale 0 {e['slot_at_scale_0_ms']:.2f} ms | fused {e['fused_ms']:.2f} ms "
+                 f"(fuse {e['fuse_ms']:.1f} ms, unfuse {e['unfuse_ms']:.1f} ms)")
+    return "\n".join(lines)
+
+
+def cmd_lora_bench(args) -> int:
+    from pathlib import Path
+
+    from engine import settings
+
+    modes = tuple(Mode.parse(m, "mode") for m in args.modes.split(","))
+    cache = Path(args.cache_dir) if args.cache_dir else settings.cache_dir()
+    report = run_lora_bench(args.preset, Size.parse(args.size), modes, args.repeats, cache)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def add_lora_bench_parser(sub) -> None:
+    b = sub.add_parser("lora-bench", help="LoRA hot-swap time and recompiles, first request after a swap, and the "
+                                          "per-step price of no / unfused / fused LoRA (cpu)")
+    b.add_argument("--preset", default=DEFAULT_PRESET)
+    b.add_argument("--size", default="64x64")
+    b.add_argument("--modes", default="eager,compile,regional")
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--cache-dir", default=None)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_lora_bench)
