@@ -61,6 +61,20 @@ def advisor_cards_html(result: dict | None) -> str:
 RUNNING = "**Running** · "
 
 
+def advisor_messages(child):
+    """The messages a `python -m engine advise --progress-json` child writes (one JSON object a line:
+    {"progress", "total", "desc"} while it runs, then {"result"}); its stderr is kept in the list returned
+    first, for the failure message."""
+    errors: list[str] = []
+    threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True).start()
+    yield errors
+    for line in child.stdout:
+        try:
+            yield json.loads(line)
+        except ValueError:
+            continue
+
+
 def running(what: str) -> str:
     return RUNNING + what
 
@@ -74,17 +88,13 @@ class AdvisorHandlers(HandlerBase):
             raise gr.Error("the advisor loads and compiles many engines: a host operation, not offered in "
                            "public mode", title="Not allowed")
         child = self.start_advisor(preset, device, size, steps, max_minutes, fidelity_points, min_psnr)
-        errors: list[str] = []
-        threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True).start()
+        messages = advisor_messages(child)
+        errors = next(messages)
         progress(0, desc="advisor: starting (loads the model once per precision)")
         yield gr.skip(), gr.skip(), running("starting: loads the model once per precision")
         result = None
         try:
-            for line in child.stdout:
-                try:
-                    message = json.loads(line)
-                except ValueError:
-                    continue
+            for message in messages:
                 if "progress" in message:
                     progress((message["progress"], message["total"]), desc=f"advisor: {message['desc']}")
                     yield gr.skip(), gr.skip(), running(f"{message['progress']}/{message['total']}: {message['desc']}")

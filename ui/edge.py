@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs
 
 from engine.errors import ShowcaseError
-from ui.sockets import SocketBounds, SocketGuard
+from ui.sockets import SocketBounds, SocketGuard, in_networks
 
 log = logging.getLogger(__name__)
 
@@ -66,24 +66,16 @@ def parse_proxies(text: str | None) -> tuple:
     return tuple(nets)
 
 
-def _trusted(host: str, nets) -> bool:
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return any(address in net for net in nets)
-
-
 def client_address(peer: str | None, forwarded_for: str | None, trusted=()) -> str:
     """Who sent a request: the connection's peer address; when that peer is a trusted proxy, the
     right-most X-Forwarded-For hop that is not itself a trusted proxy (hops to its left are whatever
     the client wrote and are never believed)."""
     peer = peer or "unknown"
-    if not trusted or not _trusted(peer, trusted):
+    if not trusted or not in_networks(peer, trusted):
         return peer
     hops = [h.strip() for h in (forwarded_for or "").split(",") if h.strip()]
     for hop in reversed(hops):
-        if not _trusted(hop, trusted):
+        if not in_networks(hop, trusted):
             try:
                 return str(ipaddress.ip_address(hop))
             except ValueError:

@@ -16,7 +16,6 @@ done, its pick), a host operation like the Advisor tab's.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import signal
@@ -30,6 +29,7 @@ import gradio as gr
 from gradio_client.utils import QueueError
 
 from engine.serving.manager import Caller
+from ui.advisor import advisor_messages
 from ui.edge import MCP_CALLER_HEADER
 
 log = logging.getLogger(__name__)
@@ -192,13 +192,9 @@ class AdviceJobs:
 
     def _follow(self, job: dict) -> None:
         child = job["child"]
-        errors: list[str] = []
-        threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True).start()
-        for line in child.stdout:
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue
+        messages = advisor_messages(child)
+        errors = next(messages)
+        for message in messages:
             if "progress" in message:
                 job["progress"], job["desc"] = [message["progress"], message["total"]], message["desc"]
             elif "result" in message:

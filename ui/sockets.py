@@ -189,7 +189,8 @@ class HeadScanner:
 
 
 # -- the guard ---------------------------------------------------------------------------------------------
-def _in_networks(host: str, nets) -> bool:
+def in_networks(host: str, nets) -> bool:
+    """Whether `host` (an address as text) lies in one of `nets` (ip networks); not an address: False."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
@@ -230,7 +231,7 @@ class SocketGuard:
         victim = None
         with self._lock:
             mine = self.per_client[host]
-            if b.per_client and mine >= b.per_client and not _in_networks(host, self.trusted_proxies):
+            if b.per_client and mine >= b.per_client and not in_networks(host, self.trusted_proxies):
                 return "too many from one address"
             if self.open >= b.max_connections:
                 victim = self._victim(mine)
