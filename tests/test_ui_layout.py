@@ -200,6 +200,21 @@ def test_the_generate_api_params_match_the_handler():
     assert tuple(params) == GENERATE_API_PARAMS
 
 
+def test_every_event_passes_its_handler_as_many_inputs_as_it_takes(demo):
+    """Gradio only warns when an event sends a handler more inputs than it takes (then the run fails)."""
+    import inspect
+
+    for fn in demo.fns.values():
+        target = getattr(fn, "fn", None)
+        if target is None or not fn.inputs:
+            continue
+        params = [p for name, p in inspect.signature(target).parameters.items() if name not in ("request", "progress")]
+        if any(p.kind is p.VAR_POSITIONAL for p in params):
+            continue
+        required = [p for p in params if p.default is p.empty and p.kind is not p.VAR_KEYWORD]
+        assert len(required) <= len(fn.inputs) <= len(params), (fn.name, len(fn.inputs), [p.name for p in params])
+
+
 def test_the_api_page_says_what_each_endpoint_does_and_takes(demo):
     """What /gradio_api/info (and gradio_client's view_api()) tells a client developer."""
     endpoints = demo.get_api_info()["named_endpoints"]

@@ -298,13 +298,13 @@ class GenerateHandlers(HandlerBase):
         return plot, stats, views.run_summary(result)
 
     def generate_page(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
-                      on_cold, tp, step_cache, history, request: gr.Request = None,
+                      on_cold, tp, step_cache, lora, lora_scale, history, request: gr.Request = None,
                       progress=gr.Progress()):  # noqa: B008
         """The page's run: what `generate` streams, and with the image the run history (this session's last
         views.HISTORY_RUNS images, newest first, each captioned with its configuration and figures)."""
         for image, timings in self.generate(prompt, negative_prompt, preset, device, precision, mode, size, steps,
-                                            guidance, seed, on_cold, tp, step_cache, request=request,
-                                            progress=progress):
+                                            guidance, seed, on_cold, tp, step_cache, lora, lora_scale,
+                                            request=request, progress=progress):
             if isinstance(image, Image.Image) and isinstance(timings, dict):
                 history = self.remember(history, image, timings)
                 yield image, timings, [(thumb, caption) for thumb, caption, _ in history], history
