@@ -15,6 +15,7 @@ from PIL import Image
 
 from engine.errors import Cancelled
 from engine.settings import DEFAULT_PRESET
+from ui.generate import PARTIAL_EVERY_S
 from ui.handlers import UIDefaults
 
 pytestmark = pytest.mark.slow  # launches the app and generates through gradio_client
@@ -125,15 +126,24 @@ def test_generate_returns_the_image_and_the_timings_json(client):
     assert timings["seed"] == 11 and timings["engine"] == "tiny-flux@cpu/fp32"
 
 
-def test_generate_sends_the_workers_png_as_it_is_and_keeps_no_temporary_file(client):
+def test_generate_sends_the_workers_png_as_it_is_and_keeps_no_temporary_file(client, manager, monkeypatch):
     """/generate hands Gradio the worker's PNG file (with the generation parameters it wrote), not a
     decoded and re-encoded image; its partials carry no image (the first PARTIAL_EVERY_S into the run);
     the temporary file is gone afterwards."""
     import json
     import tempfile
 
+    real_generate = manager.generate
+
+    def slowed(on_progress=None, **request):  # a fast machine ran 60 tiny steps inside one PARTIAL_EVERY_S
+        def progress(*args, **kwargs):
+            time.sleep(PARTIAL_EVERY_S / 10)
+            return on_progress(*args, **kwargs)
+        return real_generate(on_progress=progress if on_progress else None, **request)
+
+    monkeypatch.setattr(manager, "generate", slowed)
     leftovers = set(Path(tempfile.gettempdir()).glob("showcase-*.png"))
-    job = client.submit(**{**GOOD, "steps": 60}, api_name="/generate")  # long enough for a partial
+    job = client.submit(**{**GOOD, "steps": 60}, api_name="/generate")  # ~1.2 s: several partials
     image_path, timings = job.result(timeout=120)
     with Image.open(image_path) as image:
         written = json.loads(image.info["diffusion-showcase"])
