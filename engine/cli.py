@@ -14,6 +14,7 @@ from pathlib import Path
 
 from engine import settings
 from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
+from engine.config.request import ImageRequest
 from engine.errors import ShowcaseError
 from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel
 from engine.worker.logs import quiet_third_party
@@ -32,12 +33,12 @@ def cmd_generate(args) -> int:
     manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(mode,), **overrides))
     try:
         prompt = args.prompt if args.prompt is not None else manager.preset(args.preset).example_prompt
-        result = manager.generate(
-            preset=args.preset, device=args.device, precision=args.precision, mode=mode, size=size,
-            prompt=prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
-            seed=args.seed, tp=args.tp, parallel=args.parallel, snap=not args.no_snap, on_cold=args.on_cold,
-            step_cache=args.cache, lora=args.lora,
-        )
+        result = manager.generate(ImageRequest(preset=args.preset, device=args.device,
+                                               precision=args.precision, mode=mode, size=size, prompt=prompt,
+                                               negative_prompt=args.negative_prompt, steps=args.steps,
+                                               guidance=args.guidance, seed=args.seed, tp=args.tp,
+                                               parallel=args.parallel, snap=not args.no_snap,
+                                               on_cold=args.on_cold, step_cache=args.cache, lora=args.lora))
     finally:
         manager.shutdown()
     if args.out:

@@ -114,9 +114,9 @@ def spy_generate(manager, monkeypatch) -> list:
     """How each manager.generate call ends (its result or its exception), in the order they end."""
     outcomes, real = [], manager.generate
 
-    def spy(**kwargs):
+    def spy(spec, **hooks):
         try:
-            outcomes.append(real(**kwargs))
+            outcomes.append(real(spec, **hooks))
         except Exception as exc:
             outcomes.append(exc)
             raise

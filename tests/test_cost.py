@@ -11,6 +11,7 @@ import pytest
 from helpers import engine_manager, make_request, wait_until
 
 from engine.config.presets import get_preset
+from engine.config.request import ImageRequest
 from engine.errors import EngineBusy, NotAllowed
 from engine.pipeline.batching import Gatherer
 from engine.protocol import BucketState, Mode, Size
@@ -96,12 +97,13 @@ def public(cache_dir):
 
 def test_visitor_refused_over_request_cost_host_is_not(public, monkeypatch):
     with pytest.raises(NotAllowed, match="at most 64 steps at 128x128 here"):
-        public.generate(preset="tiny-shapes", device="cpu", size="128x128", steps=200, caller=Caller.VISITOR,
-                        client="10.0.0.1")
+        public.generate(ImageRequest(preset="tiny-shapes", device="cpu", size="128x128", steps=200,
+                                     caller=Caller.VISITOR, client="10.0.0.1"))
     assert public.engines() == []  # refused before an engine started
     ran = []
     monkeypatch.setattr(public, "_run", lambda key, request, *a: ran.append(request))
-    public.generate(preset="tiny-shapes", device="cpu", size="128x128", steps=200, prompt="a fox", caller=Caller.HOST)
+    public.generate(ImageRequest(preset="tiny-shapes", device="cpu", size="128x128", steps=200,
+                                 prompt="a fox", caller=Caller.HOST))
     assert ran and ran[0].steps == 200  # reached the engine
 
 
@@ -109,17 +111,17 @@ def test_visitor_budget_counts_queued_and_running(public, monkeypatch):
     release = threading.Event()
     monkeypatch.setattr(public, "_run", lambda *a: release.wait(10) and None)  # an engine that answers nothing
     kwargs = dict(preset="tiny-shapes", device="cpu", size="128x128", steps=64, prompt="a fox", caller=Caller.VISITOR)
-    first = threading.Thread(target=lambda: public.generate(client="10.0.0.2", **kwargs))
+    first = threading.Thread(target=lambda: public.generate(ImageRequest(client="10.0.0.2", **kwargs)))
     first.start()
     wait_until(lambda: public.held_cost("10.0.0.2") == 16_384, 5)
     with pytest.raises(EngineBusy, match="you have 16,384 token-steps of requests queued or running"):
-        public.generate(client="10.0.0.2", **kwargs)
+        public.generate(ImageRequest(client="10.0.0.2", **kwargs))
     with public.admission("10.0.0.3", 16_384, Caller.VISITOR):  # another visitor is not held back
         pass
     release.set()
     first.join(5)
     assert public.held_cost("10.0.0.2") == 0  # released when it ended
-    public.generate(client="10.0.0.2", **kwargs)
+    public.generate(ImageRequest(client="10.0.0.2", **kwargs))
 
 
 def test_compare_priced_as_a_whole(public):
@@ -133,8 +135,8 @@ def test_visitor_aot_refused_until_a_package_is_loaded(public):
     for on_cold in ("wait", "eager"):
         with pytest.raises(NotAllowed, match="mode aot at 64x64: no package of this bucket is loaded .* up to "
                                              "the host"):
-            public.generate(preset="tiny-shapes", device="cpu", mode="aot", size="64x64", on_cold=on_cold,
-                            caller=Caller.VISITOR, client="10.0.0.4")
+            public.generate(ImageRequest(preset="tiny-shapes", device="cpu", mode="aot", size="64x64",
+                                         on_cold=on_cold, caller=Caller.VISITOR, client="10.0.0.4"))
     assert public.engines() == []
 
 
@@ -164,12 +166,12 @@ def test_visitor_aot_served_from_a_loaded_package_warm_refused(public, monkeypat
     monkeypatch.setitem(public._engines, key, LoadedEngine(key, [BucketKey(Mode.AOT, Size(64, 64))]))
     ran = []
     monkeypatch.setattr(public, "_run", lambda key, request, *a: ran.append(request))
-    public.generate(preset="tiny-shapes", device="cpu", mode="aot", size="64x64", prompt="a fox",
-                    caller=Caller.VISITOR, client="10.0.0.4")
+    public.generate(ImageRequest(preset="tiny-shapes", device="cpu", mode="aot", size="64x64", prompt="a fox",
+                                 caller=Caller.VISITOR, client="10.0.0.4"))
     assert ran and ran[0].mode is Mode.AOT and ran[0].client == "10.0.0.4"
     with pytest.raises(NotAllowed, match="mode aot at 128x128: no package"):  # only the loaded bucket
-        public.generate(preset="tiny-shapes", device="cpu", mode="aot", size="128x128", prompt="a fox",
-                        caller=Caller.VISITOR, client="10.0.0.4")
+        public.generate(ImageRequest(preset="tiny-shapes", device="cpu", mode="aot", size="128x128",
+                                     prompt="a fox", caller=Caller.VISITOR, client="10.0.0.4"))
 
 
 # -- a Compare yields to Generates ---------------------------------------------------------------
@@ -237,14 +239,14 @@ def test_same_bucket_requests_of_several_clients_still_batch():
 def test_engine_serves_another_clients_short_request_after_one_run(cache_dir, tiny_models):
     with engine_manager(cache_dir, {"max_batch": 1}) as m:
         kwargs = dict(preset="tiny-flux", device="cpu", size="64x64", prompt="a fox")
-        m.generate(steps=1, **kwargs)  # loaded and measured once
+        m.generate(ImageRequest(steps=1, **kwargs))  # loaded and measured once
         finished: list[str] = []
         lock = threading.Lock()
         stepping = threading.Event()
 
         def run(name: str, client: str, steps: int) -> None:
-            m.generate(steps=steps, client=client, seed=len(finished),
-                       on_progress=lambda p: stepping.set(), **kwargs)
+            m.generate(ImageRequest(steps=steps, client=client, seed=len(finished),
+                                    **kwargs), on_progress=lambda p: stepping.set())
             with lock:
                 finished.append(name)
 
@@ -268,12 +270,13 @@ def test_host_builds_aot_visitor_then_served_from_the_package(cache_dir, tiny_mo
     with engine_manager(cache_dir, policy=policy) as m:
         kwargs = dict(preset="tiny-flux", device="cpu", mode="aot", size="64x64", steps=2, on_cold="wait")
         with pytest.raises(NotAllowed, match="up to the host"):
-            m.generate(caller=Caller.VISITOR, client="10.0.0.9", **kwargs)
-        built = m.generate(caller=Caller.HOST, **kwargs)  # the host (admin token) may build or load it
+            m.generate(ImageRequest(caller=Caller.VISITOR, client="10.0.0.9", **kwargs))
+        built = m.generate(ImageRequest(caller=Caller.HOST,
+                                        **kwargs))  # the host (admin token) may build or load it
         assert built.warm
         board = {(b["mode"], b["size"]): b["state"] for b in m.status()[0]["buckets"] if b["batch"] == 1}
         assert board[("aot", "64x64")] == BucketState.WARM.value
-        served = m.generate(caller=Caller.VISITOR, client="10.0.0.9", **kwargs)
+        served = m.generate(ImageRequest(caller=Caller.VISITOR, client="10.0.0.9", **kwargs))
         assert served.warm and served.bucket.mode is Mode.AOT
 
 

@@ -25,6 +25,7 @@ from helpers import poll, process_gone
 from test_tp import _reference, _request
 
 from engine.config.presets import get_preset
+from engine.config.request import ImageRequest
 from engine.errors import Cancelled, InvalidRequest, UnsupportedCombination
 from engine.protocol import EngineKey, EngineOptions, Parallel, parse_ranks, ranks_choice
 
@@ -56,10 +57,11 @@ def cp(cache_dir, tiny_models, tmp_path_factory):
 
 
 def _generate(manager, request, **kwargs):
-    return manager.generate(preset=PRESET, device="cpu", precision="fp32", tp=2, parallel="ulysses",
-                            mode=request.mode, size=f"{request.width}x{request.height}", prompt=request.prompt,
-                            steps=request.steps, guidance=request.guidance, seed=request.seed,
-                            on_cold=request.on_cold, **kwargs)
+    return manager.generate(ImageRequest(preset=PRESET, device="cpu", precision="fp32", tp=2,
+                                         parallel="ulysses", mode=request.mode,
+                                         size=f"{request.width}x{request.height}", prompt=request.prompt,
+                                         steps=request.steps, guidance=request.guidance, seed=request.seed,
+                                         on_cold=request.on_cold), **kwargs)
 
 
 def _matches(dump, result, tiny_models, request) -> float:
@@ -149,7 +151,8 @@ def test_aot_is_refused_with_the_reason(cp):
 def test_ring_with_the_native_backend_is_refused_naming_the_reason(manager):
     started = time.perf_counter()
     with pytest.raises(UnsupportedCombination) as info:
-        manager.generate(preset=PRESET, device="cpu", precision="fp32", tp=2, parallel="ring", prompt="x", steps=1)
+        manager.generate(ImageRequest(preset=PRESET, device="cpu", precision="fp32", tp=2, parallel="ring",
+                                      prompt="x", steps=1))
     message = str(info.value)
     assert "ring" in message and "log-sum-exp" in message and "'native'" in message
     assert "does not support return_lse=True" in message and "use --parallel ulysses or tensor" in message
@@ -165,7 +168,8 @@ def test_bad_degrees_are_refused_naming_what_to_change(manager, tiny_models):
     source = str(tiny_models[PRESET])
     preset = get_preset(PRESET)
     with pytest.raises(UnsupportedCombination, match=r"1/3 of the attention heads and FluxTransformer2DModel has 4; pick tp from 1, 2, 4, or --parallel ring"):
-        manager.generate(preset=PRESET, device="cpu", precision="fp32", tp=3, parallel="ulysses", prompt="x", steps=1)
+        manager.generate(ImageRequest(preset=PRESET, device="cpu", precision="fp32", tp=3, parallel="ulysses",
+                                      prompt="x", steps=1))
     with pytest.raises(UnsupportedCombination, match=r"text tokens.*64x64: 63.*max_sequence_length to a multiple of 2"):
         plan.check_layout(replace(preset, max_sequence_length=63), source, 2, "ulysses", "native", cpu)
     with pytest.raises(UnsupportedCombination, match=r"image tokens.*not divisible by 2 at 48x48: 9"):
@@ -277,8 +281,8 @@ def test_two_nodes_in_ulysses_serve_the_manager_and_sigterm_stops_both(cache_dir
         engine = next(e for e in manager.engines() if str(e.key) == "tiny-flux@cpu/fp32 ulysses2")
         assert "serves tiny-flux fp32 on cpu, ulysses2 over 2 nodes" in nodes.log(0)
         args = dict(prompt="a red fox in the snow", steps=4, guidance=3.5, seed=7)
-        result = manager.generate(preset=PRESET, device="cpu", precision="fp32", tp=2, parallel="ulysses",
-                                  mode="eager", size="64x64", **args)
+        result = manager.generate(ImageRequest(preset=PRESET, device="cpu", precision="fp32", tp=2,
+                                               parallel="ulysses", mode="eager", size="64x64", **args))
         assert result.engine == engine.key and len(result.timings.step_ms) == 4
         png = np.asarray(result.image().convert("RGB"), dtype=np.int16)
         assert np.abs(png - _uint8_reference(tiny_models, args).astype(np.int16)).max() <= 1

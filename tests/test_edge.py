@@ -19,6 +19,7 @@ import pytest
 from gradio_client import Client
 from helpers import engine_manager, poll
 
+from engine.config.request import ImageRequest
 from engine.config.validation import MAX_SEED, build_request, check_prompt
 from engine.errors import InvalidRequest
 from engine.protocol import Mode, Precision
@@ -254,7 +255,8 @@ def test_a_bad_local_path_names_the_preset_and_no_internal_error(local_handlers,
 
 def test_the_largest_documented_seed_is_accepted_as_text(local_handlers):
     preset = local_handlers.manager.preset("tiny-flux")
-    request, _ = build_request(preset, prompt="x", width=64, height=64, seed=str(MAX_SEED))
+    request, _ = build_request(preset, ImageRequest(preset.name, prompt="x", width=64, height=64,
+                                                    seed=str(MAX_SEED)))
     assert request.seed == 2**63 - 1
 
 

@@ -16,6 +16,7 @@ from concurrent.futures import wait
 import pytest
 from helpers import engine_config, engine_manager, make_request, max_pixel_difference, wait_until
 
+from engine.config.request import ImageRequest
 from engine.errors import Cancelled, DeviceOutOfMemory, EngineCrashed
 from engine.protocol import (
     BucketKey,
@@ -164,16 +165,18 @@ def test_failed_compile_shows_the_reason_and_eager_still_serves(cache_dir, tiny_
 
 def test_killed_worker_fails_the_request_then_restarts(cache_dir, tiny_models):
     with engine_manager(cache_dir, options=dict(testing=TestingOptions(inject_faults=True))) as manager:
-        first = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
+        first = manager.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32",
+                                              size="64x64", prompt="ok"))
         old_pid = manager.engine(KEY).pid
         t0 = time.time()
         manager.engine(KEY).inject_fault(Fault.CRASH)  # one-shot: the next request kills the worker
         with pytest.raises(EngineCrashed, match="exited with code"):
-            manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok",
-                             timeout=60)
+            manager.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32", size="64x64",
+                                          prompt="ok"), timeout=60)
         assert time.time() - t0 < 10
         wait_until(lambda: manager.engine(KEY).pid != old_pid, 60, 0.1, "the worker restarting")
-        again = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
+        again = manager.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32",
+                                              size="64x64", prompt="ok"))
         assert again.image().tobytes() == first.image().tobytes()
         assert manager.engine(KEY).pid != old_pid
     assert all(not e.alive for e in manager.engines())
@@ -211,7 +214,8 @@ def test_unwritable_cache_folder_warns_and_runs_without_it(tmp_path, tiny_models
     blocker.write_text("a file where the cache folder should be")
     with engine_manager(blocker / "cache") as manager:
         assert not manager.cache.persistent and "not writable" in manager.cache.notices[0]
-        result = manager.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", prompt="ok")
+        result = manager.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32",
+                                               size="64x64", prompt="ok"))
         assert result.image().size == (64, 64)
 
 
@@ -306,11 +310,11 @@ def test_manager_validates_before_starting_anything(cache_dir):
 
     with engine_manager(cache_dir) as manager:
         with pytest.raises(InvalidRequest, match="unknown preset"):
-            manager.generate(preset="nope", device="cpu")
+            manager.generate(ImageRequest(preset="nope", device="cpu"))
         with pytest.raises((DeviceUnavailable, InvalidRequest)):
-            manager.generate(preset="tiny-flux", device="neuron")
+            manager.generate(ImageRequest(preset="tiny-flux", device="neuron"))
         with pytest.raises(InvalidRequest, match="unknown precision"):
-            manager.generate(preset="tiny-flux", device="cpu", precision="fp4")
+            manager.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp4"))
         with pytest.raises(UnsupportedCombination, match="compute capability 8.9"):
-            manager.generate(preset="tiny-flux", device="cpu", precision="fp8")
+            manager.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp8"))
         assert manager.engines() == []

@@ -14,6 +14,7 @@ import time
 import pytest
 from helpers import engine_manager, wait_until
 
+from engine.config.request import ImageRequest
 from engine.errors import BudgetExceeded, Cancelled, InvalidRequest, NotAllowed
 from engine.protocol import BucketKey, EngineKey, Mode, Precision, Size
 from engine.serving import budget
@@ -145,7 +146,7 @@ def public_manager(cache_dir, tiny_models):
 def test_public_mode_refuses_what_the_host_does_not_offer(public_manager, overrides, words):
     request = dict(preset="tiny-flux", device="cpu", precision="fp32", mode="eager", size="64x64", steps=1)
     with pytest.raises(NotAllowed, match=words):
-        public_manager.generate(**{**request, **overrides}, caller=Caller.VISITOR)
+        public_manager.generate(ImageRequest(**{**request, **overrides}, caller=Caller.VISITOR))
     assert not public_manager.engines()  # nothing was loaded for a refused request
 
 
@@ -171,18 +172,18 @@ KEYS = [("tiny-flux", "fp32"), ("tiny-flux", "bf16"), ("tiny-sd3", "fp32")]
 def test_engines_stay_within_the_engine_count_lru_idle_ones_go_and_come_back(cache_dir, tiny_models):
     with engine_manager(cache_dir, max_engines=2) as m:
         for preset, precision in KEYS[:2]:
-            m.generate(preset=preset, device="cpu", precision=precision, size="64x64", steps=1)
+            m.generate(ImageRequest(preset=preset, device="cpu", precision=precision, size="64x64", steps=1))
         first = EngineKey("tiny-flux", "cpu", "fp32")
         assert {e.key for e in m.engines()} == {first, EngineKey("tiny-flux", "cpu", "bf16")}
         assert all(m.footprint_of(e).measured for e in m.engines())  # reported once loaded
-        m.generate(preset="tiny-sd3", device="cpu", precision="fp32", size="64x64", steps=1)
+        m.generate(ImageRequest(preset="tiny-sd3", device="cpu", precision="fp32", size="64x64", steps=1))
         keys = {e.key for e in m.engines()}
         assert first not in keys and len(keys) == 2  # the least recently used idle engine went
         evicted = [row for row in m.status() if row["state"] == "evicted"]
         assert [row["engine"] for row in evicted] == [str(first)]
         assert "least recently used" in evicted[0]["error"] and "tiny-sd3" in evicted[0]["error"]
         # The next request reloads it (evicting the then least recently used one).
-        m.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", steps=1)
+        m.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", steps=1))
         assert first in {e.key for e in m.engines()} and m.host_status()["evictions"] == 2
 
 
@@ -193,8 +194,8 @@ def test_a_busy_engine_is_kept_and_the_new_one_refused_with_what_to_do(cache_dir
 
         def long_request():
             try:
-                m.generate(preset="tiny-flux", device="cpu", precision="fp32", size="128x128", steps=150,
-                           on_progress=lambda p: started.set(), on_submit=submitted.append)
+                m.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32", size="128x128",
+                                        steps=150), on_progress=lambda p: started.set(), on_submit=submitted.append)
             except Cancelled as exc:
                 outcome.append(exc)
 
@@ -203,7 +204,7 @@ def test_a_busy_engine_is_kept_and_the_new_one_refused_with_what_to_do(cache_dir
         assert started.wait(120)
         t0 = time.monotonic()
         with pytest.raises(BudgetExceeded) as refused:
-            m.generate(preset="tiny-sd3", device="cpu", precision="fp32", size="64x64", steps=1)
+            m.generate(ImageRequest(preset="tiny-sd3", device="cpu", precision="fp32", size="64x64", steps=1))
         assert time.monotonic() - t0 < 5  # refused at once, not after waiting
         text = str(refused.value)
         assert "tiny-flux@cpu/fp32" in text and "1-engine limit" in text
@@ -217,7 +218,7 @@ def test_a_busy_engine_is_kept_and_the_new_one_refused_with_what_to_do(cache_dir
 @pytest.mark.slow
 def test_idle_engines_unload_after_the_idle_timeout(cache_dir, tiny_models):
     with engine_manager(cache_dir, idle_unload_s=2.0) as m:
-        m.generate(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", steps=1)
+        m.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", steps=1))
         wait_until(lambda: not m.engines(), 30, 0.2, "the idle engine unloading")
         row = next(r for r in m.status() if r["state"] == "evicted")
         assert "idle" in row["error"] and "--idle-unload" in row["error"]

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from engine.config.request import ImageRequest
+
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "a red circle on a blue background"
 
@@ -122,8 +124,8 @@ def direct(cache_dir, tiny_models):
 def test_in_process_serves_the_embedded_default_like_a_worker(manager, direct):
     from engine.protocol import Mode
 
-    worker = manager.generate(preset="tiny-shapes", device="cpu", precision="fp32", mode="eager", size="64x64",
-                              prompt=PROMPT, steps=8, seed=0)
+    worker = manager.generate(ImageRequest(preset="tiny-shapes", device="cpu", precision="fp32", mode="eager",
+                                           size="64x64", prompt=PROMPT, steps=8, seed=0))
     steps = []
     ours = direct.generate(_request(), on_progress=steps.append, timeout=300)
     assert np.abs(pixels(ours.image_png) - pixels(worker.image_png)).max() <= 1
@@ -142,11 +144,11 @@ def test_the_manager_refuses_what_cannot_run_in_process(cache_dir, tiny_models):
 
     with engine_manager(cache_dir, runtime="inprocess") as m:
         with pytest.raises(UnsupportedCombination, match="torch.compile"):
-            m.generate(preset="tiny-shapes", device="cpu", mode="compile", prompt=PROMPT)
+            m.generate(ImageRequest(preset="tiny-shapes", device="cpu", mode="compile", prompt=PROMPT))
         with pytest.raises(UnsupportedCombination, match="torch.compile"):
             m.warm("tiny-shapes", "cpu", "fp32", mode="regional", size="64x64")
         with pytest.raises(UnsupportedCombination, match="torchrun"):
-            m.generate(preset="tiny-shapes", device="cpu", tp=2, prompt=PROMPT)
+            m.generate(ImageRequest(preset="tiny-shapes", device="cpu", tp=2, prompt=PROMPT))
         assert m.engines() == []  # refused before any engine started
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.config.request import ImageRequest
 from engine.errors import InvalidRequest, UnsupportedCombination
 from engine.protocol import (
     BucketKey,
@@ -143,15 +144,18 @@ def test_visitors_pick_only_the_presets_adapters_by_name():
 
     preset = get_preset("tiny-shapes")
     assert [lora.name for lora in preset.loras] == ["swap", "small", "corner"]
-    request, _ = build_request(preset, prompt=PROMPT, width=64, height=64, lora="corner:0.5")
+    request, _ = build_request(preset, ImageRequest(preset.name, prompt=PROMPT, width=64, height=64,
+                                                    lora="corner:0.5"))
     assert (request.lora, request.lora_scale) == ("corner", 0.5)
-    request, _ = build_request(preset, prompt=PROMPT, width=64, height=64, lora="swap", lora_scale="1.5")
+    request, _ = build_request(preset, ImageRequest(preset.name, prompt=PROMPT, width=64, height=64,
+                                                    lora="swap", lora_scale="1.5"))
     assert (request.lora, request.lora_scale) == ("swap", 1.5)
     for chosen in ("models/tiny-shapes-loras/swap", "org/some-hub-lora", "../swap"):
         with pytest.raises(InvalidRequest, match=r"unknown LoRA .* choose one of swap, small, corner \(or none\)"):
-            build_request(preset, prompt=PROMPT, width=64, height=64, lora=chosen)
+            build_request(preset, ImageRequest(preset.name, prompt=PROMPT, width=64, height=64, lora=chosen))
     with pytest.raises(InvalidRequest, match="lists no LoRA adapters"):
-        build_request(get_preset("tiny-flux"), prompt=PROMPT, width=64, height=64, lora="swap")
+        build_request(get_preset("tiny-flux"), ImageRequest("tiny-flux", prompt=PROMPT, width=64, height=64,
+                                                            lora="swap"))
 
 
 def test_the_timings_table_shows_the_adapter_its_rank_and_the_swap():

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from engine.config.presets import get_preset, load_presets, preset_for_model, route_size
+from engine.config.request import ImageRequest
 from engine.config.validation import build_request
 from engine.errors import InvalidRequest, ModelLoadError
 from engine.protocol import Size
@@ -126,15 +127,17 @@ def test_request_validation_says_what_to_change(field, value, match):
     kwargs = dict(prompt="a fox", width=64, height=64, steps=4, guidance=3.5, seed=0, mode="eager")
     kwargs[field] = value
     with pytest.raises(InvalidRequest, match=match):
-        build_request(get_preset("tiny-flux"), **kwargs)
+        build_request(get_preset("tiny-flux"), ImageRequest("tiny-flux", **kwargs))
 
 
 def test_request_notices_for_empty_long_and_ignored_negative_prompt():
-    _, notices = build_request(get_preset("tiny-flux"), prompt="", width=64, height=64, negative_prompt="blurry")
+    _, notices = build_request(get_preset("tiny-flux"), ImageRequest("tiny-flux", prompt="", width=64,
+                                                                     height=64, negative_prompt="blurry"))
     assert any("empty prompt" in n for n in notices)
     assert any("no negative prompt" in n for n in notices)
-    request, notices = build_request(get_preset("tiny-sd3"), prompt="word " * 500, width=64, height=64,
-                                     negative_prompt="blurry")
+    request, notices = build_request(get_preset("tiny-sd3"), ImageRequest("tiny-sd3", prompt="word " * 500,
+                                                                          width=64, height=64,
+                                                                          negative_prompt="blurry"))
     assert request.negative_prompt == "blurry"
     assert any("truncated" in n for n in notices)
     assert request.steps == get_preset("tiny-sd3").steps  # preset default

@@ -10,6 +10,7 @@ import pytest
 
 from engine import devices
 from engine.config.presets import get_preset
+from engine.config.request import ImageRequest
 from engine.config.validation import build_request
 from engine.errors import InvalidRequest, UnsupportedCombination, scrub_paths
 from engine.models.shapes.fidelity import check
@@ -71,17 +72,19 @@ def test_parameters_diffusers_cannot_run_are_refused_naming_field_and_range(text
         StepCache.parse(text)
     assert says in str(err.value)
     with pytest.raises(InvalidRequest, match="out of range|not a whole number"):  # the same through a request
-        build_request(PRESET, prompt="x", width=64, height=64, step_cache=text)
+        build_request(PRESET, ImageRequest(PRESET.name, prompt="x", width=64, height=64, step_cache=text))
 
 
 def test_request_and_result_carry_the_cache():
     request = GenerateRequest("a red circle on a blue background", 64, 64, 8, 1.0, 0, step_cache="first-block:0.3")
     assert request.step_cache == StepCache(StepCacheKind.FIRST_BLOCK, threshold=0.3)
-    built, _ = build_request(PRESET, prompt="x", width=64, height=64, step_cache="taylorseer:4")
+    built, _ = build_request(PRESET, ImageRequest(PRESET.name, prompt="x", width=64, height=64,
+                                                  step_cache="taylorseer:4"))
     assert str(built.step_cache) == "taylorseer:4:2"
     with pytest.raises(InvalidRequest):
-        build_request(PRESET, prompt="x", width=64, height=64, step_cache="bogus")
-    assert build_request(PRESET, prompt="x", width=64, height=64)[0].step_cache == StepCache()
+        build_request(PRESET, ImageRequest(PRESET.name, prompt="x", width=64, height=64, step_cache="bogus"))
+    assert build_request(PRESET, ImageRequest(PRESET.name, prompt="x", width=64,
+                                              height=64))[0].step_cache == StepCache()
 
 
 # -- which cache runs where ------------------------------------------------------------------------
@@ -312,14 +315,16 @@ def test_levers_bench_runs_caches_and_quantized_precisions(cache_dir, tiny_model
 @pytest.mark.slow  # starts a worker process
 def test_through_the_manager_and_a_worker(manager):
     progress = []
-    result = manager.generate(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT, steps=STEPS,
-                              seed=3, step_cache="first-block:0.2", on_progress=progress.append)
+    result = manager.generate(ImageRequest(preset="tiny-shapes", device="cpu", precision="fp32",
+                                           prompt=PROMPT, steps=STEPS, seed=3,
+                                           step_cache="first-block:0.2"), on_progress=progress.append)
     assert str(result.step_cache) == "first-block:0.2" and result.cached_steps
     assert tuple(p.step for p in progress if p.cached) == result.cached_steps
     with pytest.raises(InvalidRequest, match="valid forms"):
-        manager.generate(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT, step_cache="fast")
+        manager.generate(ImageRequest(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT,
+                                      step_cache="fast"))
     engines = len(manager.engines())
     with pytest.raises(UnsupportedCombination, match="one graph"):
-        manager.generate(preset="tiny-shapes", device="cpu", precision="int8wo", prompt=PROMPT, mode="compile",
-                         step_cache="first-block")
+        manager.generate(ImageRequest(preset="tiny-shapes", device="cpu", precision="int8wo", prompt=PROMPT,
+                                      mode="compile", step_cache="first-block"))
     assert len(manager.engines()) == engines  # refused before an int8wo engine started

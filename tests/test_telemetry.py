@@ -12,6 +12,7 @@ import pytest
 from helpers import engine_manager, launch_demo
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.config.request import ImageRequest
 from engine.errors import BudgetExceeded, Cancelled, EngineCrashed, InvalidRequest, NotAllowed
 from engine.serving.telemetry import Telemetry, outcome_of
 from engine.worker import logs
@@ -162,7 +163,7 @@ def test_a_requests_log_lines_carry_its_id(fresh_manager):
     level = logger.level
     logger.setLevel(logging.INFO)
     try:
-        result = fresh_manager.generate(**REQUEST)
+        result = fresh_manager.generate(ImageRequest(**REQUEST))
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

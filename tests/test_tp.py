@@ -24,6 +24,7 @@ import pytest
 from helpers import poll, process_gone
 
 from engine.config.presets import get_preset
+from engine.config.request import ImageRequest
 from engine.errors import EngineCrashed
 from engine.pipeline.runner import pipeline_call_kwargs
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, GenerateRequest
@@ -174,7 +175,8 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
         seen.append(engine)
         assert isinstance(engine, SidecarClient)
         engine.wait_ready(300)
-        assert manager.generate(preset="tiny-flux", device="cpu", tp=2, size="64x64", steps=2, prompt=PROMPT).engine == key
+        assert manager.generate(ImageRequest(preset="tiny-flux", device="cpu", tp=2, size="64x64", steps=2,
+                                             prompt=PROMPT)).engine == key
 
         victim = engine.rank_pids()[1]
         killed_at: list[float] = []
@@ -205,13 +207,15 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
         restarted = manager.engines()[0]
         seen.append(restarted)
         restarted.wait_ready(300)
-        assert manager.generate(preset="tiny-flux", device="cpu", tp=2, size="64x64", steps=2, prompt=PROMPT).steps == 2
+        assert manager.generate(ImageRequest(preset="tiny-flux", device="cpu", tp=2, size="64x64", steps=2,
+                                             prompt=PROMPT)).steps == 2
 
         # Restart on request.
         again = manager.restart(key)
         seen.append(again)
         assert again is not restarted and again.wait_ready(300)
-        assert manager.generate(preset="tiny-flux", device="cpu", tp=2, size="64x64", steps=2, prompt=PROMPT).steps == 2
+        assert manager.generate(ImageRequest(preset="tiny-flux", device="cpu", tp=2, size="64x64", steps=2,
+                                             prompt=PROMPT)).steps == 2
     finally:
         manager.shutdown()
     pids = [pid for e in seen for pid in _processes(e) if pid]

@@ -103,13 +103,14 @@ def _reference(tiny_models, request_args: dict) -> np.ndarray:
     import torch
 
     from engine.config.presets import get_preset
+    from engine.config.request import ImageRequest
     from engine.config.validation import build_request
     from engine.pipeline.runner import pipeline_call_kwargs
 
     preset = get_preset("tiny-flux")
-    request, _ = build_request(preset, prompt=request_args["prompt"], negative_prompt=None, width=64, height=64,
-                               steps=request_args["steps"], guidance=request_args["guidance"],
-                               seed=request_args["seed"], mode="eager", snap=True, on_cold="eager")
+    spec = ImageRequest(preset.name, prompt=request_args["prompt"], width=64, height=64,
+                        steps=request_args["steps"], guidance=request_args["guidance"], seed=request_args["seed"])
+    request, _ = build_request(preset, spec)
     pipe = getattr(diffusers, preset.pipeline).from_pretrained(tiny_models["tiny-flux"])
     pipe.set_progress_bar_config(disable=True)
     with torch.inference_mode():
@@ -192,6 +193,7 @@ def test_a_model_built_by_node_1_serves_the_single_process_image(tiny_models, tm
     """Two nodes share one empty cache folder and node 1's rank wins the build lock: a rank other than global
     rank 0 used to save configs without weights (transformers saves on rank 0 only) and mark them complete."""
     from engine.config.presets import get_preset
+    from engine.config.request import ImageRequest
     from engine.config.validation import build_request
     from engine.tp.attach import SidecarNotRunning, connect
 
@@ -218,9 +220,9 @@ def test_a_model_built_by_node_1_serves_the_single_process_image(tiny_models, tm
         assert engine, f"{nodes.log(0)[-3000:]}\n{nodes.log(1)[-2000:]}"
         ready_s = time.monotonic() - started
         assert lock_log.read_text().split()[0] == "1"  # node 1's rank built the model
-        request, _ = build_request(get_preset("tiny-flux"), prompt=TP["prompt"], negative_prompt=None, width=64,
-                                   height=64, steps=TP["steps"], guidance=TP["guidance"], seed=TP["seed"],
-                                   mode="eager", snap=True, on_cold="eager")
+        spec = ImageRequest("tiny-flux", prompt=TP["prompt"], width=64, height=64, steps=TP["steps"],
+                            guidance=TP["guidance"], seed=TP["seed"])
+        request, _ = build_request(get_preset("tiny-flux"), spec)
         result = engine.generate(request, timeout=120)
         image = np.asarray(Image.open(io.BytesIO(result.image_png)).convert("RGB"))
         diff = int(np.abs(image.astype(int) - _reference(tiny_models, TP).astype(int)).max())

@@ -135,11 +135,11 @@ def test_generate_sends_the_workers_png_as_it_is_and_keeps_no_temporary_file(cli
 
     real_generate = manager.generate
 
-    def slowed(on_progress=None, **request):  # a fast machine ran 60 tiny steps inside one PARTIAL_EVERY_S
+    def slowed(spec, on_progress=None, **hooks):  # a fast machine ran 60 tiny steps inside one PARTIAL_EVERY_S
         def progress(*args, **kwargs):
             time.sleep(PARTIAL_EVERY_S / 10)
             return on_progress(*args, **kwargs)
-        return real_generate(on_progress=progress if on_progress else None, **request)
+        return real_generate(spec, on_progress=progress if on_progress else None, **hooks)
 
     monkeypatch.setattr(manager, "generate", slowed)
     leftovers = set(Path(tempfile.gettempdir()).glob("showcase-*.png"))

@@ -16,6 +16,7 @@ import pytest
 from helpers import launch_demo
 
 from engine.config.presets import get_preset
+from engine.config.request import ImageRequest
 from engine.errors import Cancelled
 from engine.settings import DEFAULT_PRESET
 from ui.handlers import UIDefaults
@@ -202,13 +203,13 @@ def spy_on_generate(manager, monkeypatch) -> tuple[list, threading.Event]:
     one is submitted to its engine."""
     outcomes, submitted, real = [], threading.Event(), manager.generate
 
-    def spy(on_submit=None, **kwargs):
+    def spy(spec, on_submit=None, **hooks):
         def submit(request_id):
             on_submit(request_id)
             submitted.set()
 
         try:
-            outcomes.append(real(on_submit=submit, **kwargs))
+            outcomes.append(real(spec, on_submit=submit, **hooks))
         except Exception as exc:
             outcomes.append(exc)
             raise
@@ -376,8 +377,9 @@ def test_compare_cancel_stops_the_comparison(page, manager, monkeypatch):
         try:
             # The page's own address: an engine serves its clients in turn, so another client's requests
             # would let the page's run after the first of them.
-            manager.generate(preset=DEFAULT_PRESET, device="cpu", precision="fp32", size="128x128", steps=200,
-                             prompt="a busy engine", on_submit=blockers.append, client="127.0.0.1")
+            manager.generate(ImageRequest(preset=DEFAULT_PRESET, device="cpu", precision="fp32",
+                                          size="128x128", steps=200, prompt="a busy engine",
+                                          client="127.0.0.1"), on_submit=blockers.append)
         except Cancelled:
             pass
 

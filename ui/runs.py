@@ -25,10 +25,11 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from engine.config.request import ImageRequest
 from engine.errors import Cancelled, EngineBusy
 
 HEARTBEAT_S = 0.5  # about the longest a handler goes without a yield, i.e. without a chance to be closed
@@ -38,6 +39,17 @@ POLL_S = 0.25  # how often a waiting run's progress text is refreshed
 PROGRESS_EVERY_S = 0.1
 CANCELS_KEPT = 1024  # sessions whose last /cancel time is kept (the oldest are forgotten first)
 CANCEL_AHEAD_S = 2.0  # a cancel that found nothing still stops a run of its session joining this soon after
+
+
+@dataclass(frozen=True)
+class ProgressBar:
+    """Where a request's steps go on a handler's gr.Progress: a single run fills the bar itself; one of several
+    (compare) starts `offset` steps into a bar of `grand_total` and names itself with `desc_prefix`."""
+
+    progress: Callable
+    desc_prefix: str = ""
+    offset: int = 0
+    grand_total: int | None = None
 
 
 @dataclass(eq=False)
@@ -109,17 +121,16 @@ class RunRegistry:
         stopped = [request_id for run in runs if (request_id := run.stop(self.manager))]
         return f"cancelling {', '.join(stopped)}" if stopped else "cancel requested"
 
-    def stream(self, run: Run, key, progress, desc_prefix: str = "", offset: int = 0,
-               grand_total: int | None = None, caller=None, **kwargs):
-        """Run manager.generate(**kwargs) on engine `key` in a thread; yield ("started", None) as soon as
-        that thread runs, ("step", StepProgress), ("wait", None) heartbeats, then ("done", GenerateResult).
-        Raises the run's exception.
+    def stream(self, run: Run, key, spec: ImageRequest, bar: ProgressBar, ticket=None):
+        """Run manager.generate(spec) on engine `key` (the spec's) in a thread; yield ("started", None) as soon
+        as that thread runs, ("step", StepProgress), ("wait", None) heartbeats, then ("done", GenerateResult).
+        Raises the run's exception. `ticket`: the Compare's admission it runs on.
 
         Closing this generator (GeneratorExit at a yield) stops the engine request.
         """
         events: queue.Queue = queue.Queue()
-        watch = _Watch(self.manager, run, key, progress, desc_prefix, offset, grand_total, caller, events.put)
-        watch.start(self.manager.engine(key, caller=caller), kwargs)
+        watch = _Watch(self.manager, run, key, bar, events.put)
+        watch.start(self.manager.engine(key, caller=spec.caller), spec, ticket)
         try:
             yield "started", None  # the caller may tell the page now: the request is already on its way
             while True:
@@ -135,7 +146,7 @@ class RunRegistry:
         finally:
             watch.close()
 
-    async def astream(self, run: Run, key, progress, caller=None, **kwargs):
+    async def astream(self, run: Run, key, spec: ImageRequest, bar: ProgressBar):
         """stream() for an async handler: the same items, awaited on the event loop instead of a handler
         thread (Gradio runs each step of a sync generator in a worker thread: a hop per item). No "wait"
         heartbeats: an async handler can be cancelled at any await. Cancelling it stops the engine request."""
@@ -148,9 +159,9 @@ class RunRegistry:
             with contextlib.suppress(RuntimeError):  # the loop closed (the app is stopping)
                 loop.call_soon_threadsafe(events.put_nowait, item)
 
-        watch = _Watch(self.manager, run, key, progress, "", 0, None, caller, put)
+        watch = _Watch(self.manager, run, key, bar, put)
         # manager.engine() may spawn the engine's worker process: not on the event loop
-        watch.start(await anyio.to_thread.run_sync(lambda: self.manager.engine(key, caller=caller)), kwargs)
+        watch.start(await anyio.to_thread.run_sync(lambda: self.manager.engine(key, caller=spec.caller)), spec)
         try:
             yield "started", None
             while True:
@@ -173,26 +184,23 @@ class _Watch:
     """One engine request of a stream: the thread that makes it, and what each of its events means for the
     progress bar (shared by RunRegistry.stream and astream). `put((kind, payload))` hands an event over."""
 
-    def __init__(self, manager, run: Run, key, progress, desc_prefix: str, offset: int, grand_total: int | None,
-                 caller, put):
+    def __init__(self, manager, run: Run, key, bar: ProgressBar, put):
         if run.cancelled:  # a /cancel came after this run's event joined the queue
             raise Cancelled("cancelled before it started")
-        self.manager, self.run, self.key, self.progress, self.caller, self.put = manager, run, key, progress, caller, put
-        self.desc_prefix, self.offset, self.grand_total = desc_prefix, offset, grand_total
+        self.manager, self.run, self.key, self.bar, self.put = manager, run, key, bar, put
         self.engine = None
         self.stepping = self.answered = False
         self.last_yield = time.monotonic()
         self.last_progress = 0.0
 
-    def start(self, engine, kwargs: dict) -> None:
+    def start(self, engine, spec: ImageRequest, ticket=None) -> None:
         self.engine = engine
         manager, run, put = self.manager, self.run, self.put
 
         def work() -> None:
             try:
-                result = manager.generate(
-                    on_progress=lambda p: put(("step", p)),
-                    on_submit=lambda request_id: run.submitted(manager, request_id), caller=self.caller, **kwargs)
+                result = manager.generate(spec, on_progress=lambda p: put(("step", p)), ticket=ticket,
+                                          on_submit=lambda request_id: run.submitted(manager, request_id))
                 put(("done", result))
             except BaseException as exc:  # noqa: BLE001 - handed to the handler
                 put(("error", exc))
@@ -209,7 +217,8 @@ class _Watch:
                 desc = f"waiting for engine {key}…"
             else:  # submitted: earlier requests run first, or it waits for its bucket's compile
                 desc = f"queued on {key} (earlier requests, or the bucket's compile with on_cold=wait)…"
-            self.progress((self.offset, self.grand_total) if self.grand_total else 0, desc=self.desc_prefix + desc)
+            bar = self.bar
+            bar.progress((bar.offset, bar.grand_total) if bar.grand_total else 0, desc=bar.desc_prefix + desc)
         if time.monotonic() - self.last_yield >= HEARTBEAT_S:
             self.last_yield = time.monotonic()
             return True
@@ -223,13 +232,14 @@ class _Watch:
             raise payload
         if kind == "step":
             self.stepping = True
-            total = self.grand_total or payload.total
+            bar = self.bar
+            total = bar.grand_total or payload.total
             # A single run's bar ends with its result; one bar over several runs (compare) shows each end.
-            last = payload.step >= payload.total and self.grand_total is not None
+            last = payload.step >= payload.total and bar.grand_total is not None
             if time.monotonic() - self.last_progress >= PROGRESS_EVERY_S or last:
                 self.last_progress = time.monotonic()
-                self.progress((self.offset + payload.step, total),
-                              desc=f"{self.desc_prefix}step {payload.step}/{payload.total}", unit="steps")
+                bar.progress((bar.offset + payload.step, total),
+                             desc=f"{bar.desc_prefix}step {payload.step}/{payload.total}", unit="steps")
         self.last_yield = time.monotonic()
         return kind, payload
 

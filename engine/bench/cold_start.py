@@ -34,6 +34,7 @@ from engine.bench.modes import MODE_TABLE
 from engine.bench.plan import BenchPlan, plan_from_args
 from engine.bench.report import fmt
 from engine.bench.stats import median, ratio
+from engine.config.request import ImageRequest
 from engine.devices import INDUCTOR_CACHE_VAR
 from engine.protocol import BucketKey, GenerateRequest, Mode, OnCold
 
@@ -192,12 +193,12 @@ def cmd_runtime_child(args) -> int:
                       steps=plan.steps)
         if mode == "eager":
             size = str(plan.sizes[0])
-            manager.generate(mode="eager", size=size, seed=0, **kwargs)
+            manager.generate(ImageRequest(mode="eager", size=size, seed=0, **kwargs))
             out["first_image_s"] = time.time() - started
             times = []
             for i in range(max(1, plan.cold_start_runs)):
                 t0 = time.perf_counter()
-                manager.generate(mode="eager", size=size, seed=100 + i, **kwargs)
+                manager.generate(ImageRequest(mode="eager", size=size, seed=100 + i, **kwargs))
                 times.append((time.perf_counter() - t0) * 1000)
             out["steady_ms"] = median(times)
         else:

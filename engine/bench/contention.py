@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.config.request import ImageRequest
 from engine.metrics import median
 
 TARGET = 2.0
@@ -39,11 +40,11 @@ def measure(args, yields: bool) -> dict:
     request = dict(preset=args.preset, device=args.device, precision=args.precision, prompt="a red circle",
                    steps=args.steps)
     try:
-        manager.generate(**request, mode=args.mode, size=args.size, on_cold="wait")
+        manager.generate(ImageRequest(**request, mode=args.mode, size=args.size, on_cold="wait"))
 
         def timed() -> float:
             start = time.perf_counter()
-            result = manager.generate(**request, mode=args.mode, size=args.size)
+            result = manager.generate(ImageRequest(**request, mode=args.mode, size=args.size))
             if not result.warm:
                 raise RuntimeError(f"{args.mode} {args.size} was not warm")
             return (time.perf_counter() - start) * 1000

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from engine import settings
+from engine.config.request import ImageRequest
 from engine.errors import ShowcaseError
 from engine.metrics import median
 from engine.protocol import EngineOptions, Size
@@ -59,9 +60,9 @@ class Bench:
         from engine.serving.manager import Caller
 
         start = time.perf_counter()
-        self.manager.generate(preset=self.preset.name, device=self.args.device, size=str(size), steps=steps,
-                              prompt=self.preset.example_prompt, seed=seed, caller=Caller.VISITOR, client=client,
-                              **extra)
+        self.manager.generate(ImageRequest(preset=self.preset.name, device=self.args.device, size=str(size),
+                                           steps=steps, prompt=self.preset.example_prompt, seed=seed,
+                                           caller=Caller.VISITOR, client=client), **extra)
         return time.perf_counter() - start
 
     def small(self, client: str = B, seed: int = 0) -> float:

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from engine.config.presets import load_presets, looks_like_model_ref, route_size
+from engine.config.request import ImageRequest
 from engine.errors import InvalidRequest
 from engine.protocol import (
     MAX_STEPS,
@@ -102,42 +103,28 @@ def check_prompt(name: str, prompt) -> tuple[str, tuple[str, ...]]:
     return prompt, tuple(notices)
 
 
-def build_request(
-    preset: ModelPreset,
-    *,
-    prompt,
-    width,
-    height,
-    steps=None,
-    guidance=None,
-    seed=0,
-    mode: str | Mode = Mode.EAGER,
-    negative_prompt=None,
-    snap: bool = True,
-    on_cold: str | OnCold = OnCold.EAGER,
-    step_cache: str | StepCache | None = None,
-    lora: str | None = None,
-    lora_scale=None,
-) -> tuple[GenerateRequest, tuple[str, ...]]:
-    """A validated, routed GenerateRequest plus the notices to show with its result."""
-    mode = Mode.parse(mode, "mode")
-    step_cache = StepCache.parse(step_cache)
-    on_cold = OnCold.parse(on_cold, "on_cold")
-    prompt, notices = check_prompt("prompt", prompt)
-    negative, neg_notices = check_prompt("negative_prompt", negative_prompt)
+def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequest, tuple[str, ...]]:
+    """The spec validated and routed to `preset`'s buckets: the worker's GenerateRequest plus the notices to
+    show with its result. Raises InvalidRequest naming the field and what to change."""
+    mode = Mode.parse(spec.mode, "mode")
+    step_cache = StepCache.parse(spec.step_cache)
+    on_cold = OnCold.parse(spec.on_cold, "on_cold")
+    prompt, notices = check_prompt("prompt", spec.prompt)
+    negative, neg_notices = check_prompt("negative_prompt", spec.negative_prompt)
     notices += neg_notices
     if negative and not preset.negative_prompt:
         notices += (f"{preset.pipeline} takes no negative prompt; it was ignored",)
         negative = ""
-    steps = preset.steps if steps is None else check_steps(steps)
-    guidance = preset.guidance if guidance is None else _number("guidance", guidance)
+    steps = preset.steps if spec.steps is None else check_steps(spec.steps)
+    guidance = preset.guidance if spec.guidance is None else _number("guidance", spec.guidance)
     if not 0.0 <= guidance <= MAX_GUIDANCE:
         raise InvalidRequest(f"guidance must be between 0 and {MAX_GUIDANCE}, got {guidance}")
-    seed = _number("seed", seed, int)
+    seed = _number("seed", spec.seed, int)
     if not 0 <= seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be between 0 and {MAX_SEED}, got {seed}")
-    size, size_notices = route_size(preset, width, height, snap=snap)
-    lora, lora_scale = check_lora(preset, lora, lora_scale)
+    width, height = spec.dimensions(preset.buckets)
+    size, size_notices = route_size(preset, width, height, snap=spec.snap)
+    lora, lora_scale = check_lora(preset, spec.lora, spec.lora_scale)
     request = GenerateRequest(
         prompt=prompt,
         negative_prompt=negative or None,
@@ -151,6 +138,7 @@ def build_request(
         step_cache=step_cache,
         lora=lora,
         lora_scale=lora_scale,
+        client=spec.client,
     )
     return request, notices + size_notices
 

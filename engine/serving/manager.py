@@ -12,20 +12,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import enum
 import logging
 import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from engine import devices, settings
 from engine.config.caches import prepare_cache_dir
 from engine.config.flags import presets_from_args
 from engine.config.presets import looks_like_model_ref
+from engine.config.request import Caller, ImageRequest
 from engine.config.resolve import Catalog, resolve_source
 from engine.config.validation import build_request
 from engine.errors import (
@@ -46,10 +48,10 @@ from engine.protocol import (
     EngineKey,
     EngineOptions,
     Footprint,
+    GenerateRequest,
     GenerateResult,
     Mode,
     ModelPreset,
-    OnCold,
     Precision,
     Size,
 )
@@ -70,11 +72,6 @@ ACTIVATION_SHARE = 0.25  # before an engine has run: activations estimated as th
 # A Compare's next image waits at most this long while other clients' Generates run on its device, so a
 # steady stream of them delays it without stopping it.
 COMPARE_YIELD_MAX_S = 30.0
-
-
-class Caller(enum.StrEnum):
-    HOST = "host"  # the CLI, the host's own scripts, an admin with the token
-    VISITOR = "visitor"  # anyone on the web page or the public API
 
 
 @dataclass(frozen=True)
@@ -99,6 +96,14 @@ class Ticket:
 
     client: str
     cost: int
+
+
+class _RunHooks(NamedTuple):
+    """What generate()'s caller hears of its run: each step, the request id once sent, its time limit."""
+
+    on_progress: Callable | None
+    on_submit: Callable | None
+    timeout: float | None
 
 
 @dataclass(frozen=True)
@@ -554,15 +559,16 @@ class EngineManager:
             guidance = None
         return cost.check_compare(self.policy.cost, p, size, steps, configurations, prompts, guidance)
 
-    def price_generate(self, preset: str, size=None, steps=None, guidance=None, caller: Caller = Caller.HOST) -> int:
-        """A Generate's price in token-steps (0 when not priced), or NotAllowed saying what fits; bad input
-        raises InvalidRequest naming the field. Checked by the UI before it starts an engine for the request."""
-        if not self.priced(caller):
+    def price_generate(self, spec: ImageRequest) -> int:
+        """A Generate's price in token-steps (0 when its caller is not priced), or NotAllowed saying what fits;
+        bad input raises InvalidRequest naming the field. Checked by the UI before it starts an engine for it."""
+        if not self.priced(spec.caller):
             return 0
-        p = self.preset(preset)
-        size = size if isinstance(size, Size) else Size.parse(size) if size else p.buckets[0]
-        request, _ = build_request(p, prompt="", width=size.width, height=size.height, steps=steps,
-                                   guidance=guidance)
+        p = self.preset(spec.preset)
+        # priced on its size, steps and guidance alone: the rest is checked (and named) when it runs
+        sized = ImageRequest(p.name, size=spec.size, width=spec.width, height=spec.height, steps=spec.steps,
+                             guidance=spec.guidance)
+        request, _ = build_request(p, sized)
         return cost.check_generate(self.policy.cost, p, request.size, request.steps, request.guidance)
 
     @contextlib.contextmanager
@@ -633,13 +639,18 @@ class EngineManager:
                          + (f"; pick mode {' or '.join(others)} meanwhile" if others else ""))
 
     # -- requests --------------------------------------------------------------------------------
-    def generate(self, **request) -> GenerateResult:
-        """Validate, route and run one request; raises a ShowcaseError with what to change. (The arguments:
-        _generate's.) Counted in self.telemetry; the log lines of its thread carry its request id."""
+    def generate(self, spec: ImageRequest, *, on_progress=None, timeout: float | None = None, on_submit=None,
+                 ticket: Ticket | None = None) -> GenerateResult:
+        """Validate, route and run one request; raises a ShowcaseError with what to change. `spec.client` (a
+        visitor's address) gets its turn at the engine among the waiting clients; in public mode a visitor's
+        request is priced against the host's cost budgets first, unless it runs on a `ticket` (one image of a
+        Compare, which also waits while other clients' Generates run on its device). Hooks: `on_progress`
+        gets each StepProgress, `on_submit` the request id once sent; `timeout` cancels it after that many
+        seconds. Counted in self.telemetry; the log lines of its thread carry its request id."""
         seen: dict = {}
         logged_as = logs.REQUEST_ID.set(None)  # _generate sets the id once the request is built
         try:
-            result = self._generate(seen=seen, **request)
+            result = self._generate(spec, seen, _RunHooks(on_progress, on_submit, timeout), ticket)
         except BaseException as exc:
             self.telemetry.request_ended(seen, error=exc)
             raise
@@ -648,63 +659,18 @@ class EngineManager:
         self.telemetry.request_ended(seen, result=result)
         return result
 
-    def _generate(
-        self,
-        *,
-        seen: dict,
-        preset: str,
-        device: str = "auto",
-        precision: str = "fp32",
-        mode: str | Mode = Mode.EAGER,
-        size: str | Size | None = None,
-        width=None,
-        height=None,
-        prompt: str = "",
-        negative_prompt: str | None = None,
-        steps=None,
-        guidance=None,
-        seed=0,
-        tp: int = 1,
-        parallel: str = "tensor",
-        snap: bool = True,
-        on_cold: str | OnCold = OnCold.EAGER,
-        step_cache=None,
-        on_progress=None,
-        timeout: float | None = None,
-        lora: str | None = None,
-        lora_scale=None,
-        on_submit=None,
-        caller: Caller = Caller.HOST,
-        client: str = "",
-        ticket: Ticket | None = None,
-    ) -> GenerateResult:
-        """Validate, route and run one request; raises a ShowcaseError with what to change. `client` (a
-        visitor's address) gets its turn at the engine among the waiting clients; in public mode a
-        visitor's request is priced against the host's cost budgets first, unless it runs on a `ticket`
-        (one image of a Compare, which also waits while other clients' Generates run on its device)."""
-        key = self.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
+    def _generate(self, spec: ImageRequest, seen: dict, hooks: _RunHooks, ticket: Ticket | None) -> GenerateResult:
+        caller = spec.caller
+        key = self.make_key(spec.preset, spec.device, spec.precision, spec.tp, caller=caller, parallel=spec.parallel)
         seen["engine"] = str(key)
         if caller is Caller.VISITOR:
-            self._check_visitor_choice(mode=mode)
+            self._check_visitor_choice(mode=spec.mode)
         p = self.preset(key.preset)
-        if size is not None:
-            parsed = size if isinstance(size, Size) else Size.parse(size)
-            width, height = parsed.width, parsed.height
-        if width is None or height is None:
-            width, height = p.buckets[0].width, p.buckets[0].height
-        request, notices = build_request(
-            p, prompt=prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
-            guidance=guidance, seed=seed, mode=mode, snap=snap, on_cold=on_cold, step_cache=step_cache,
-            lora=lora, lora_scale=lora_scale,
-        )
+        client = ticket.client if ticket is not None else spec.client
+        request, notices = build_request(p, spec.replace(client=client))
         seen.update(mode=str(request.mode), bucket=str(request.bucket.size))
         logs.REQUEST_ID.set(request.request_id)
-        devices.check_mode(devices.get_device(key.device), request.mode)  # refused here; its notices come with the result
-        self._check_runtime(key, request.mode)
-        if request.step_cache.enabled:  # a cache the mode cannot hold is refused before any engine starts
-            stepcache.check_step_cache(request.step_cache, p, devices.get_device(key.device), request.mode)
-        client = ticket.client if ticket is not None else client
-        request = request.replace(client=client)
+        self._check_routable(key, p, request)
         with contextlib.ExitStack() as stack:
             if ticket is None and self.priced(caller):
                 price = cost.check_generate(self.policy.cost, p, request.size, request.steps, request.guidance)
@@ -715,10 +681,19 @@ class EngineManager:
                 stack.enter_context(self._generate_in_flight(key.device, client))
             else:
                 self._yield_to_generates(key.device, client)
-            result = self._run(key, request, caller, on_progress, on_submit, timeout)
+            result = self._run(key, request, caller, hooks)
         return dataclasses.replace(result, notices=tuple(notices) + result.notices) if notices else result
 
-    def _run(self, key: EngineKey, request, caller: Caller, on_progress, on_submit, timeout) -> GenerateResult:
+    def _check_routable(self, key: EngineKey, preset: ModelPreset, request: GenerateRequest) -> None:
+        """What the engine's device or runtime cannot run is refused before any engine starts."""
+        device = devices.get_device(key.device)
+        devices.check_mode(device, request.mode)  # refused here; its notices come with the result
+        self._check_runtime(key, request.mode)
+        if request.step_cache.enabled:
+            stepcache.check_step_cache(request.step_cache, preset, device, request.mode)
+
+    def _run(self, key: EngineKey, request: GenerateRequest, caller: Caller, hooks: _RunHooks) -> GenerateResult:
+        on_progress, on_submit, timeout = hooks
         engine = self.engine(key, caller=caller)
         if engine.pending() >= self.engine_options(key).max_queue:
             raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")

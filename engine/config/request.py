@@ -1,0 +1,90 @@
+"""One image request, as every edge builds it: the Gradio handlers, the /generate API, the CLI, the benches.
+
+An `ImageRequest` says what engine (preset, device, precision, ranks), what image (prompt, size, steps, ...)
+and who asks (caller, client). It is built once at the edge and handed unchanged to
+`EngineManager.generate`, where `build_request` (engine/config/validation.py) validates it into the
+worker's `GenerateRequest`. Values arrive as the edge has them (the API's are text); nothing here checks
+them, so one place says what is wrong with a field.
+
+`FORM` is the one ordered list of the fields a page or an API caller sets: the /generate API's parameters,
+the Generate page's inputs and the handlers' keyword arguments all derive from it. A new field is one
+entry here (plus its dataclass field and its widget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+from engine.protocol import Mode, OnCold, Parallel, Size
+
+
+class Caller(enum.StrEnum):
+    HOST = "host"  # the CLI, the host's own scripts, an admin with the token
+    VISITOR = "visitor"  # anyone on the web page or the public API
+
+
+@dataclass(frozen=True)
+class FormField:
+    """A request field a person or an API caller sets; `api`: a parameter of /generate (else the page's
+    alone)."""
+
+    name: str
+    api: bool = True
+
+
+# In the order of the /generate API (gradio_client callers pass them positionally: never reorder).
+FORM = (
+    FormField("prompt"), FormField("negative_prompt"), FormField("preset"), FormField("device"),
+    FormField("precision"), FormField("mode"), FormField("size"), FormField("steps"), FormField("guidance"),
+    FormField("seed"), FormField("on_cold"), FormField("tp"), FormField("step_cache"), FormField("lora"),
+    FormField("lora_scale", api=False),  # the page's slider; an API caller writes "NAME:SCALE"
+)
+FORM_FIELDS = tuple(f.name for f in FORM)
+API_FIELDS = tuple(f.name for f in FORM if f.api)
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """What one image needs, unvalidated: the engine, the image and who asks (see the module docstring).
+
+    `size` ("WxH" or a Size) or `width`/`height`; neither: the preset's first bucket. `steps`/`guidance`
+    None: the preset's defaults. `step_cache`/`lora` None: none."""
+
+    preset: str
+    prompt: str = ""
+    negative_prompt: str | None = None
+    # the engine
+    device: str = "auto"
+    precision: str = "fp32"
+    tp: int = 1
+    parallel: str | Parallel = Parallel.TENSOR
+    # the image
+    mode: str | Mode = Mode.EAGER
+    size: str | Size | None = None
+    width: int | None = None
+    height: int | None = None
+    steps: int | str | None = None
+    guidance: float | str | None = None
+    seed: int | str = 0
+    snap: bool = True  # a size between buckets is snapped to the nearest (else refused)
+    on_cold: str | OnCold = OnCold.EAGER
+    step_cache: str | None = None
+    lora: str | None = None
+    lora_scale: float | str | None = None
+    # who asks
+    caller: Caller = Caller.HOST
+    client: str = ""  # the visitor's address: engines take turns between clients, budgets are held per client
+
+    def replace(self, **changes) -> ImageRequest:
+        return dataclasses.replace(self, **changes)
+
+    def dimensions(self, buckets) -> tuple[int, int]:
+        """(width, height) asked for: `size`, else `width`/`height`, else the first of the preset's `buckets`."""
+        if self.size is not None:
+            size = self.size if isinstance(self.size, Size) else Size.parse(self.size)
+            return size.width, size.height
+        if self.width is None or self.height is None:
+            return buckets[0].width, buckets[0].height
+        return self.width, self.height
