@@ -292,6 +292,7 @@ def test_handlers_refuse_over_budget_with_what_fits(public):
         list(h.compare("a red circle on a blue background", "tiny-shapes", "64x64", 8, 1.0, 0, ["cpu"],
                        ["fp32", "bf16"], ["eager", "compile", "regional"], False, fidelity_prompts=8))
     with pytest.raises(gr.Error, match="at most 64 steps at 128x128 here"):
-        list(h.generate("a red circle on a blue background", "", "tiny-shapes", "cpu", "fp32", "eager", "128x128",
-                        "200", "1", "0", request=None, progress=lambda *a, **k: None))
+        list(h.generate(prompt="a red circle on a blue background", negative_prompt="", preset="tiny-shapes",
+                        device="cpu", precision="fp32", mode="eager", size="128x128", steps="200", guidance="1",
+                        seed="0", request=None, progress=lambda *a, **k: None))
     assert public.engines() == []

@@ -319,15 +319,16 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
         def engine(self, key, caller=None):
             return SimpleNamespace(ready=threading.Event())
 
-        def generate(self, **kwargs):
-            self.calls.append(kwargs)
+        def generate(self, spec, **hooks):
+            self.calls.append(spec)
             raise EngineBusy("recorded")
 
     manager = Recorder()
     handlers = GenerateHandlers(manager, UIDefaults(device="cpu", tp=2, parallel="ulysses"))
-    run = handlers.generate("fox", "", PRESET, "cpu", "fp32", "eager", "64x64", 4, 3.5, 0, "eager", "2 · ring",
+    run = handlers.generate(prompt="fox", negative_prompt="", preset=PRESET, device="cpu", precision="fp32",
+                            mode="eager", size="64x64", steps=4, guidance=3.5, seed=0, on_cold="eager", tp="2 · ring",
                             request=None, progress=RecordingProgress())
     assert next(run)[1]["engine"] == "tiny-flux@cpu/fp32 ring2"
     with pytest.raises(gr.Error, match="recorded"):
         list(run)
-    assert manager.calls[0]["tp"] == 2 and manager.calls[0]["parallel"] == "ring"
+    assert manager.calls[0].tp == 2 and manager.calls[0].parallel == "ring"

@@ -12,13 +12,14 @@ import gradio as gr
 import pytest
 from helpers import spy_generate
 
+from engine.config.request import ImageRequest
 from engine.errors import Cancelled, EngineCrashed
 from engine.protocol import EngineKey, StepProgress
 from engine.serving.manager import HostPolicy
 from ui import views
 from ui.generate import PARTIAL_EVERY_S, GenerateHandlers
 from ui.handlers import Handlers, UIDefaults
-from ui.runs import HEARTBEAT_S, RunRegistry
+from ui.runs import HEARTBEAT_S, ProgressBar, RunRegistry
 from ui.system import HIDDEN, environment_in_force, system_markdown
 
 
@@ -35,6 +36,12 @@ class RecordingProgress:
 @pytest.fixture(scope="module")
 def handlers(manager):
     return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+
+
+def fox(**overrides) -> dict:
+    """A small Generate form (the fields the page's handler takes by name)."""
+    return {**dict(prompt="fox", negative_prompt="", preset="tiny-flux", device="cpu", precision="fp32",
+                   mode="eager", size="64x64", steps=4, guidance=3.5, seed=0, on_cold="eager"), **overrides}
 
 
 def run_generate(handlers, **overrides):
@@ -163,8 +170,7 @@ def test_bad_requests_raise_gradio_errors_with_the_engine_message(handlers, over
 
 def test_cancel_stops_a_run_between_steps(handlers):
     progress = RecordingProgress()
-    gen = handlers.generate("fox", "", "tiny-flux", "cpu", "fp32", "eager", "64x64", 60, 3.5, 0, "eager",
-                            request=None, progress=progress)
+    gen = handlers.generate(**fox(steps=60), request=None, progress=progress)
     outputs = []
     consumer = threading.Thread(target=lambda: outputs.extend(gen))
     consumer.start()
@@ -184,8 +190,7 @@ def test_cancel_stops_a_run_between_steps(handlers):
 def test_closing_the_handler_cancels_the_engine_request_between_steps(handlers, manager, monkeypatch):
     """What Gradio does on the Cancel button (cancels=), job.cancel() or a closed tab: close the generator."""
     outcomes = spy_generate(manager, monkeypatch)
-    gen = handlers.generate("fox", "", "tiny-flux", "cpu", "fp32", "eager", "64x64", 200, 3.5, 0, "eager",
-                            request=None, progress=RecordingProgress())
+    gen = handlers.generate(**fox(steps=200), request=None, progress=RecordingProgress())
     for _image, timings in gen:
         if timings.get("running") and timings["timings"]["step_ms"]:
             break  # a partial with steps: the run is stepping
@@ -217,7 +222,7 @@ class ScriptedManager:
     def engine(self, key, caller=None):
         return SimpleNamespace(ready=self.loaded)
 
-    def generate(self, *, on_progress, on_submit, **kwargs):
+    def generate(self, spec, *, on_progress, on_submit, **hooks):
         self.loaded.wait(30)
         on_submit("req-1")
         self.submitted.set()
@@ -236,8 +241,7 @@ class ScriptedManager:
 def test_a_handler_closed_while_its_engine_loads_cancels_the_request_once_submitted():
     manager = ScriptedManager()
     h = GenerateHandlers(manager, UIDefaults(device="cpu"))
-    gen = h.generate("fox", "", "tiny-flux", "cpu", "fp32", "eager", "64x64", 4, 3.5, 0, request=None,
-                     progress=RecordingProgress())
+    gen = h.generate(**fox(), request=None, progress=RecordingProgress())
     assert next(gen)[1]["running"] is True  # the page shows the run from its start
     started = time.monotonic()
     assert next(gen) == (gr.skip(), gr.skip())  # a heartbeat while the engine loads: Gradio can close it
@@ -263,8 +267,7 @@ def test_a_failure_mid_run_settles_the_partial_so_it_is_not_shown_as_cancelled()
     h = GenerateHandlers(manager, UIDefaults(device="cpu"))
     outputs = []
     with pytest.raises(gr.Error, match="exited with code 9"):
-        for out in h.generate("fox", "", "tiny-flux", "cpu", "fp32", "eager", "64x64", 4, 3.5, 0,
-                              request=None, progress=RecordingProgress()):
+        for out in h.generate(**fox(), request=None, progress=RecordingProgress()):
             outputs.append(out)
     partials = [t for _, t in outputs if "timings" in t]  # not the heartbeats
     assert partials[0]["running"] is True and len(partials) >= 3  # the start, then a partial per step
@@ -295,7 +298,7 @@ def test_cancelling_an_async_handler_while_steps_flow_stops_its_engine_request()
         async def consume(runs=runs, steps=steps):
             with runs.open("s") as run:
                 async for kind, payload in runs.astream(run, EngineKey("tiny-flux", "cpu", "fp32"),
-                                                        RecordingProgress()):
+                                                        ImageRequest("tiny-flux"), ProgressBar(RecordingProgress())):
                     if kind == "step":
                         steps.append(payload.step)
 

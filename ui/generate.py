@@ -17,18 +17,19 @@ import gradio as gr
 import pandas as pd
 from PIL import Image
 
+from engine.config.request import API_FIELDS, FORM_FIELDS, ImageRequest
 from engine.errors import Cancelled, ShowcaseError
-from engine.protocol import Mode, Parallel, Size, ranks_choice
+from engine.protocol import EngineKey, Mode, Parallel, Size, ranks_choice
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
+from ui.runs import ProgressBar
 
 # The ranks selector: one process, or N ranks in each layout (engine.protocol.Parallel).
 RANK_CHOICES = [1] + [ranks_choice(n, layout) for n in (2, 4, 8) for layout in Parallel]
 MAX_UI_SEED = 2**31 - 1  # browsers hold integers exactly only up to 2**53; keep seeds readable
 PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one redraws the plot)
-# The /generate API's parameters, in the handler's order (GenerateHandlers.generate).
-GENERATE_API_PARAMS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "steps",
-                       "guidance", "seed", "on_cold", "tp", "step_cache", "lora")
+# The /generate API's parameters, in order: the request form's fields an API caller sets.
+GENERATE_API_PARAMS = API_FIELDS
 HISTORY_PX = 256  # a history image's longer side: the history keeps thumbnails, not every full image
 GENERATE_API_DOC = (
     "Generate one image. Returns (image, timings): image is the PNG (None in partial results and when the "
@@ -102,6 +103,26 @@ def png_file(result):
             os.unlink(path)
 
 
+def _given(value):
+    """None for a field left empty: the API sends text, and '' (or nothing) takes the default."""
+    return None if value is None or (isinstance(value, str) and not value.strip()) else value
+
+
+def _chosen(value):
+    """None for an empty field or "none" (no step cache, no LoRA)."""
+    value = _given(value)
+    return None if value == "none" else value
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """What a Generate handler runs: the request, its engine and the view that streams its timings."""
+
+    spec: ImageRequest
+    key: EngineKey
+    view: RunView
+
+
 class GenerateHandlers(HandlerBase):
     # -- settings --------------------------------------------------------------------------------
     def preset_defaults(self, preset: str):
@@ -156,25 +177,24 @@ class GenerateHandlers(HandlerBase):
         return random.randint(0, MAX_UI_SEED) if randomize else seed
 
     # -- the run ---------------------------------------------------------------------------------
-    def generate(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
-                 on_cold="eager", tp=1, step_cache="none", lora="none", lora_scale=None,
-                 request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
-        """One image (tp > 1: on the tensor-parallel torchrun sidecar with that many ranks).
+    def generate(self, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
+        """One image (tp > 1: on the tensor-parallel torchrun sidecar with that many ranks). `form`: the
+        request's fields by name (engine.config.request.FORM), as the page's widgets or the API send them.
 
         Streams (image, timings): a partial timings dict ("running": true) at the start and at most
         every PARTIAL_EVERY_S, then the result's as_dict() (the CLI's --json). /cancel ends it with
         cancelled=true and no image; a failure settles the partial (running=false) before the error.
         Partials leave the page's image as it is (gr.skip()).
         """
-        view, key, caller, kwargs = self._prepare(prompt, negative_prompt, preset, device, precision, mode, size,
-                                                  steps, guidance, seed, on_cold, tp, step_cache, request, progress,
-                                                  lora=lora, lora_scale=lora_scale)
+        prepared = self._prepare(form, request, progress)
+        view = prepared.view
         with ExitStack() as stack:
             try:  # public mode: one running request per visitor
                 run = stack.enter_context(self.open_run(request))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
-            stream = stack.enter_context(closing(self.runs.stream(run, key, progress, caller=caller, **kwargs)))
+            stream = stack.enter_context(closing(self.runs.stream(run, prepared.key, prepared.spec,
+                                                                  ProgressBar(progress))))
             try:
                 # The engine request first, then the page's first update: that update is a round trip
                 # through Gradio's event loop, which a busy server makes wait.
@@ -195,9 +215,7 @@ class GenerateHandlers(HandlerBase):
                 yield gr.skip(), view.failed(exc)
                 raise to_gradio_error(exc) from None
 
-    async def generate_api(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance,
-                           seed, on_cold="eager", tp=1, step_cache="none", lora="none",
-                           request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
+    async def generate_api(self, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
         """/generate: what `generate` streams, for callers that read the result, as cheaply for the web
         server as Gradio allows (in a burst, its time per request bounds how fast results go out):
         - an async generator: Gradio runs each step of a sync one in a worker thread;
@@ -209,9 +227,8 @@ class GenerateHandlers(HandlerBase):
         - the image is the worker's PNG as it is (a file Gradio copies into its cache), not decoded and
           encoded again.
         Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await."""
-        view, key, caller, kwargs = self._prepare(prompt, negative_prompt, preset, device, precision, mode, size,
-                                                  steps, guidance, seed, on_cold, tp, step_cache, request, progress,
-                                                  for_page=False, lora=lora)
+        prepared = self._prepare(form, request, progress, for_page=False)
+        view = prepared.view
         try:
             await self.await_listener(request)
         except ShowcaseError as exc:
@@ -221,7 +238,7 @@ class GenerateHandlers(HandlerBase):
                 run = stack.enter_context(self.open_run(request, listener_checked=True))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
-            stream = self.runs.astream(run, key, progress, caller=caller, **kwargs)
+            stream = self.runs.astream(run, prepared.key, prepared.spec, ProgressBar(progress))
             try:
                 await anext(stream)  # ("started", None)
                 view.started()  # no message yet: at a burst's start the web server has every join to admit
@@ -241,45 +258,42 @@ class GenerateHandlers(HandlerBase):
             finally:
                 await stream.aclose()
 
-    def _prepare(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
-                 on_cold, tp, step_cache, request, progress, for_page: bool = True, lora=None, lora_scale=None):
-        """A run's (view, engine key, caller, manager.generate kwargs) from the handler's inputs; bad input
-        raises gr.Error naming the field."""
-        def given(value):  # the API sends text; "" (or nothing) means the preset's default
-            return None if value is None or (isinstance(value, str) and not value.strip()) else value
-
-        kwargs = dict(
-            preset=preset, device=device, precision=precision, mode=mode, size=size or None, prompt=prompt,
-            negative_prompt=negative_prompt or None, steps=given(steps), guidance=given(guidance),
-            seed=0 if given(seed) is None else seed,
-            on_cold=on_cold or self.defaults.on_cold,
+    def form_request(self, form: dict, request: gr.Request | None) -> ImageRequest:
+        """The ImageRequest a form asks for, before its engine is resolved: text as the API sends it, where
+        '' (or nothing) takes the default and "none" picks no step cache or LoRA; caller and client from
+        the connection."""
+        lora = _chosen(form.get("lora"))
+        return ImageRequest(
+            preset=form.get("preset"), device=form.get("device"), precision=form.get("precision"),
+            mode=form.get("mode"), size=form.get("size") or None, prompt=form.get("prompt"),
+            negative_prompt=form.get("negative_prompt") or None, steps=_given(form.get("steps")),
+            guidance=_given(form.get("guidance")), seed=0 if _given(form.get("seed")) is None else form["seed"],
+            on_cold=form.get("on_cold") or self.defaults.on_cold, step_cache=_chosen(form.get("step_cache")),
+            # "NAME[:SCALE]"; the page's slider scale wins
+            lora=lora, lora_scale=_given(form.get("lora_scale")) if lora else None,
+            caller=self.caller(request), client=self.client_of(request),
         )
-        if given(step_cache) is not None and step_cache != "none":
-            kwargs["step_cache"] = step_cache
-        if given(lora) is not None and lora != "none":  # "NAME[:SCALE]"; the slider's scale wins on the page
-            kwargs.update(lora=lora, lora_scale=given(lora_scale))
-        caller = self.caller(request)
-        kwargs["client"] = self.client_of(request)
+
+    def _prepare(self, form: dict, request, progress, for_page: bool = True) -> PreparedRun:
+        """A run's request, engine key and view from the handler's form; bad input raises gr.Error naming
+        the field."""
+        spec = self.form_request(form, request)
         try:
-            key = self.key_for(preset, device, precision, tp, caller=caller)
+            key = self.key_for(spec.preset, spec.device, spec.precision, form.get("tp", 1), caller=spec.caller)
+            spec = spec.replace(tp=key.tp, parallel=key.parallel)
             if self.public:  # a request over the cost budget is refused before its engine is started
-                self.manager.price_generate(key.preset, size or None, kwargs["steps"], kwargs["guidance"],
-                                            caller=caller)
-            kwargs["tp"] = key.tp
-            if key.parallel.context:
-                kwargs["parallel"] = key.parallel
-            size_text = str(Size.parse(size)) if size else ""
+                self.manager.price_generate(spec.replace(preset=key.preset))
+            size_text = str(Size.parse(spec.size)) if spec.size else ""
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         self.remember_engine(request, key)
         if for_page:  # the page shows it at once; an API caller sees the engine's own waiting text if it waits
             progress(0, desc=f"queued on {key}")
         view = RunView({"running": True, "engine": str(key), "preset": key.preset, "device": key.device,
-                        "precision": key.precision, "mode": mode, "bucket": size_text, "steps": steps,
-                        "step_cache": kwargs.get("step_cache", "none"), "cached_steps": [],
-                        "lora": kwargs.get("lora"),
-                        "timings": {"step_ms": []}})
-        return view, key, caller, kwargs
+                        "precision": key.precision, "mode": form.get("mode"), "bucket": size_text,
+                        "steps": form.get("steps"), "step_cache": spec.step_cache or "none", "cached_steps": [],
+                        "lora": spec.lora, "timings": {"step_ms": []}})
+        return PreparedRun(spec, key, view)
 
     def generate_ended(self, timings: dict | None):
         """After the Generate event, however it ended. A partial still "running" means Gradio closed
@@ -297,14 +311,10 @@ class GenerateHandlers(HandlerBase):
         stats = pd.DataFrame(views.stats_rows(result), columns=views.STATS_COLUMNS)
         return plot, stats, views.run_summary(result)
 
-    def generate_page(self, prompt, negative_prompt, preset, device, precision, mode, size, steps, guidance, seed,
-                      on_cold, tp, step_cache, lora, lora_scale, history, request: gr.Request = None,
-                      progress=gr.Progress()):  # noqa: B008
+    def generate_page(self, history, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
         """The page's run: what `generate` streams, and with the image the run history (this session's last
         views.HISTORY_RUNS images, newest first, each captioned with its configuration and figures)."""
-        for image, timings in self.generate(prompt, negative_prompt, preset, device, precision, mode, size, steps,
-                                            guidance, seed, on_cold, tp, step_cache, lora, lora_scale,
-                                            request=request, progress=progress):
+        for image, timings in self.generate(request=request, progress=progress, **form):
             if isinstance(image, Image.Image) and isinstance(timings, dict):
                 history = self.remember(history, image, timings)
                 yield image, timings, [(thumb, caption) for thumb, caption, _ in history], history
@@ -366,121 +376,158 @@ class GenerateTab:
 
 def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> GenerateTab:
     """The tab (inside gr.Tabs) and its events; `engine_line` is the header's engine status."""
-    d = h.defaults
-    preset = h.default_preset()
-    report = h.devices_report()
-    sizes = [str(s) for s in preset.buckets]
-    modes = h.device_modes(d.device)
-    first_mode = d.mode if d.mode in modes else "eager"
-    cache_rows = h.step_cache_rows(preset.name, d.device, first_mode)
-    cache_choices = views.step_cache_choices(cache_rows, short=True)
+    page = GeneratePage(h)
     with gr.Tab("Generate", id="generate"):
         # Controls on the left; on a wide screen the output column (buttons, image, progress, plot, summary)
         # stays in view while they scroll (sticky, ui/blocks.py CSS); on a phone it follows them.
         with gr.Row():
             with gr.Column(scale=2, min_width=320, elem_id="gen-controls"):
-                prompt = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="prompt")
-                if preset.examples:  # prompts the default model draws well (its grammar)
-                    gr.Examples([[e] for e in preset.examples], inputs=[prompt],
-                                label=f"Prompts {preset.name} can draw", elem_id="examples")
-                negative = gr.Textbox(label="Negative prompt", lines=1, visible=preset.negative_prompt,
-                                      elem_id="negative-prompt")
-                with gr.Row():
-                    preset_dd = gr.Dropdown(h.preset_names(), value=preset.name, allow_custom_value=not h.public,
-                                            label="Model preset" if h.public else
-                                            "Model preset (or a Hub id / local diffusers folder)",
-                                            elem_id="preset")
-                    device_dd = gr.Dropdown(views.device_choices(report), value=d.device, label="Device",
-                                            elem_id="device")
-                with gr.Row():
-                    precision_dd = gr.Dropdown(h.precision_choices(), value=d.precision, label="Precision",
-                                               elem_id="precision")
-                    mode_dd = gr.Dropdown(modes, value=first_mode, label="Mode", elem_id="mode")
-                size_dd = gr.Dropdown(views.size_choices(sizes, d.mode, None), value=sizes[0],
-                                      label="Resolution bucket", allow_custom_value=True, elem_id="size")
-                cache_dd = gr.Dropdown(cache_choices or [("none", "none")],
-                                       value=d.step_cache if d.step_cache in {v for _, v in cache_choices}
-                                       else "none", label="Step cache (reuses denoiser work across steps)",
-                                       info=views.step_cache_reasons(cache_rows) or None, elem_id="step-cache")
-                with gr.Row():  # LoRA styles the preset lists: hot-swapped on warm graphs (engine/pipeline/lora.py)
-                    slot = h.manager.options.loras
-                    lora_dd = gr.Dropdown(views.lora_choices(preset, slot), value="none", elem_id="lora",
-                                          label="LoRA style (hot-swapped: no recompile)" if slot else
-                                          "LoRA style (off: the host starts the app with --loras)")
-                    lora_scale = gr.Slider(0.0, 2.0, value=1.0, step=0.05, label="LoRA scale", elem_id="lora-scale")
-                steps = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="steps")
-                guidance = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
-                                     elem_id="guidance")
-                with gr.Row():
-                    seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
-                    randomize = gr.Checkbox(False, label="New random seed each run", elem_id="randomize")
-                tp_dd = gr.Dropdown(RANK_CHOICES, value=ranks_choice(d.tp, d.parallel),
-                                    label="Ranks · layout (>1: torchrun sidecar; tensor shards the weights, "
-                                    "ulysses / ring split the tokens)", elem_id="tp")
-                on_cold = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")],
-                                   value=d.on_cold, label="At a bucket that is not warm yet",
-                                   elem_id="on-cold")
-                with gr.Accordion("Devices on this machine", open=False):
-                    gr.Markdown(views.device_notes(report))
+                page.controls()
             with gr.Column(scale=3, min_width=340, elem_id="gen-output"):
-                with gr.Row():
-                    generate_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn")
-                    cancel_btn = gr.Button("Cancel", variant="stop", elem_id="cancel-btn")
-                with gr.Row(equal_height=True):
-                    image = gr.Image(label="Image", type="pil", format="png", interactive=False, height=300,
-                                     elem_id="output-image", buttons=["download"], min_width=200)
-                    # Created empty; every value names both series first (views.step_frame says why).
-                    step_plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this run",
-                                            x_title="step", y_title="ms", color_title="", height=300,
-                                            elem_id="step-plot", min_width=200,
-                                            color_map={views.COMPUTED: views.SERIES_PALETTE[0],
-                                                       views.CACHED: views.SERIES_PALETTE[1]})
-                summary = gr.Markdown(views.run_summary(None), elem_id="run-summary")
-                stats = gr.Dataframe(headers=views.STATS_COLUMNS, interactive=False, label="Timings",
-                                     elem_id="stats", wrap=True, column_widths=["32%", "68%"], max_height=900)
-                with gr.Accordion("Timings JSON (the CLI's --json)", open=False):
-                    timings = gr.JSON(elem_id="timings-json")
-        history_gallery = gr.Gallery(label=f"Run history (this page's last {views.HISTORY_RUNS} images; click "
-                                     "one to flip through them)", columns=6, object_fit="contain",
-                                     elem_id="history", type="pil", interactive=False, preview=False)
-        history = gr.State([])
+                page.outputs()
+        page.history()
+        with gr.Column(visible=False):  # /generate: the same handler on hidden text inputs (module docstring)
+            page.api()
+    page.wire_runs()
+    page.wire_settings(demo, engine_line)
+    f = page.form
+    return GenerateTab(f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"], f["step_cache"],
+                       f["steps"], f["lora"])
 
-        # /generate: the same handler on hidden text inputs (see the module docstring).
-        with gr.Column(visible=False):
-            api_defaults = {"prompt": preset.example_prompt, "preset": preset.name, "device": d.device,
-                            "precision": d.precision, "mode": d.mode, "seed": "0", "on_cold": d.on_cold,
-                            "tp": str(ranks_choice(d.tp, d.parallel)),
-                            "step_cache": d.step_cache}  # size/steps/guidance: "" means the preset's default
-            allowed = api_allowed(h, preset.name, d.device)
-            api_inputs = [api_text(name, api_defaults.get(name, ""), allowed[name])
-                          for name in GENERATE_API_PARAMS]
-            api_image = gr.Image(type="pil", format="png", visible=False, label="image")
-            api_timings = gr.JSON(visible=False, label="timings")
-            api_button = gr.Button(visible=False)
 
-    run_io = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots())
-    inputs = [prompt, negative, preset_dd, device_dd, precision_dd, mode_dd, size_dd, steps, guidance, seed,
-              on_cold, tp_dd, cache_dd, lora_dd, lora_scale]
-    seeded = generate_btn.click(h.randomize_seed, [seed, randomize], seed, queue=False,
-                                api_visibility="private")
-    run = seeded.then(h.generate_page, [*inputs, history], [image, timings, history_gallery, history],
-                      api_name="generate_ui", api_visibility="private", show_progress="full",
-                      show_progress_on=[image], **run_io)
-    # Gradio closes the running handler; closing it cancels the engine request between steps.
-    cancel_btn.click(None, cancels=[run])
-    run.then(h.generate_ended, timings, [image, timings], **FAST)
-    # Plain text in, the wire's form out (see generate_api)
-    api_button.click(h.generate_api, api_inputs, [api_image, api_timings], api_name="generate",
-                     api_description=GENERATE_API_DOC, preprocess=False, postprocess=False, **run_io)
-    timings.change(h.render_run, timings, [step_plot, stats, summary], **FAST)
+class GeneratePage:
+    """The Generate tab's widgets, built part by part, then its events. `form` holds the request's widgets by
+    field name (engine.config.request.FORM): the run's handlers take them as keyword inputs."""
 
-    preset_dd.change(h.preset_defaults, preset_dd, [negative, steps, guidance], **FAST)
-    preset_dd.change(h.lora_choices, preset_dd, lora_dd, **FAST)
-    # The engine the settings point at starts with the page (app.py has usually started it already).
-    engine_settings = [preset_dd, device_dd, precision_dd, mode_dd, tp_dd]
-    gr.on([c.change for c in engine_settings] + [demo.load], h.select_engine,
-          [preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd], [engine_line, size_dd, mode_dd],
-          **FAST)
-    gr.on([preset_dd.change, device_dd.change, mode_dd.change], h.step_cache_choices,
-          [preset_dd, device_dd, mode_dd, cache_dd], cache_dd, **FAST)
-    return GenerateTab(preset_dd, device_dd, precision_dd, mode_dd, size_dd, tp_dd, cache_dd, steps, lora_dd)
+    def __init__(self, h: GenerateHandlers):
+        self.h, self.d = h, h.defaults
+        self.preset = h.default_preset()
+        self.report = h.devices_report()
+        self.modes = h.device_modes(self.d.device)
+        self.first_mode = self.d.mode if self.d.mode in self.modes else "eager"
+        self.form: dict[str, gr.components.Component] = {}
+
+    def controls(self) -> None:
+        """The request's settings, each one a field of the form."""
+        h, d, preset, form = self.h, self.d, self.preset, self.form
+        form["prompt"] = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="prompt")
+        if preset.examples:  # prompts the default model draws well (its grammar)
+            gr.Examples([[e] for e in preset.examples], inputs=[form["prompt"]],
+                        label=f"Prompts {preset.name} can draw", elem_id="examples")
+        form["negative_prompt"] = gr.Textbox(label="Negative prompt", lines=1, visible=preset.negative_prompt,
+                                             elem_id="negative-prompt")
+        with gr.Row():
+            form["preset"] = gr.Dropdown(h.preset_names(), value=preset.name, allow_custom_value=not h.public,
+                                         label="Model preset" if h.public else
+                                         "Model preset (or a Hub id / local diffusers folder)", elem_id="preset")
+            form["device"] = gr.Dropdown(views.device_choices(self.report), value=d.device, label="Device",
+                                         elem_id="device")
+        with gr.Row():
+            form["precision"] = gr.Dropdown(h.precision_choices(), value=d.precision, label="Precision",
+                                            elem_id="precision")
+            form["mode"] = gr.Dropdown(self.modes, value=self.first_mode, label="Mode", elem_id="mode")
+        sizes = [str(s) for s in preset.buckets]
+        form["size"] = gr.Dropdown(views.size_choices(sizes, d.mode, None), value=sizes[0],
+                                   label="Resolution bucket", allow_custom_value=True, elem_id="size")
+        self._step_cache_and_lora()
+        form["steps"] = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="steps")
+        form["guidance"] = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
+                                     elem_id="guidance")
+        with gr.Row():
+            form["seed"] = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
+            self.randomize = gr.Checkbox(False, label="New random seed each run", elem_id="randomize")
+        form["tp"] = gr.Dropdown(RANK_CHOICES, value=ranks_choice(d.tp, d.parallel),
+                                 label="Ranks · layout (>1: torchrun sidecar; tensor shards the weights, "
+                                 "ulysses / ring split the tokens)", elem_id="tp")
+        form["on_cold"] = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")],
+                                   value=d.on_cold, label="At a bucket that is not warm yet", elem_id="on-cold")
+        with gr.Accordion("Devices on this machine", open=False):
+            gr.Markdown(views.device_notes(self.report))
+
+    def _step_cache_and_lora(self) -> None:
+        h, d, form = self.h, self.d, self.form
+        cache_rows = h.step_cache_rows(self.preset.name, d.device, self.first_mode)
+        cache_choices = views.step_cache_choices(cache_rows, short=True)
+        form["step_cache"] = gr.Dropdown(cache_choices or [("none", "none")],
+                                         value=d.step_cache if d.step_cache in {v for _, v in cache_choices}
+                                         else "none", label="Step cache (reuses denoiser work across steps)",
+                                         info=views.step_cache_reasons(cache_rows) or None, elem_id="step-cache")
+        with gr.Row():  # LoRA styles the preset lists: hot-swapped on warm graphs (engine/pipeline/lora.py)
+            slot = h.manager.options.loras
+            form["lora"] = gr.Dropdown(views.lora_choices(self.preset, slot), value="none", elem_id="lora",
+                                       label="LoRA style (hot-swapped: no recompile)" if slot else
+                                       "LoRA style (off: the host starts the app with --loras)")
+            form["lora_scale"] = gr.Slider(0.0, 2.0, value=1.0, step=0.05, label="LoRA scale",
+                                           elem_id="lora-scale")
+
+    def outputs(self) -> None:
+        with gr.Row():
+            self.generate_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn")
+            self.cancel_btn = gr.Button("Cancel", variant="stop", elem_id="cancel-btn")
+        with gr.Row(equal_height=True):
+            self.image = gr.Image(label="Image", type="pil", format="png", interactive=False, height=300,
+                                  elem_id="output-image", buttons=["download"], min_width=200)
+            # Created empty; every value names both series first (views.step_frame says why).
+            self.step_plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this run",
+                                         x_title="step", y_title="ms", color_title="", height=300,
+                                         elem_id="step-plot", min_width=200,
+                                         color_map={views.COMPUTED: views.SERIES_PALETTE[0],
+                                                    views.CACHED: views.SERIES_PALETTE[1]})
+        self.summary = gr.Markdown(views.run_summary(None), elem_id="run-summary")
+        self.stats = gr.Dataframe(headers=views.STATS_COLUMNS, interactive=False, label="Timings",
+                                  elem_id="stats", wrap=True, column_widths=["32%", "68%"], max_height=900)
+        with gr.Accordion("Timings JSON (the CLI's --json)", open=False):
+            self.timings = gr.JSON(elem_id="timings-json")
+
+    def history(self) -> None:
+        self.history_gallery = gr.Gallery(label=f"Run history (this page's last {views.HISTORY_RUNS} images; "
+                                          "click one to flip through them)", columns=6, object_fit="contain",
+                                          elem_id="history", type="pil", interactive=False, preview=False)
+        self.history_state = gr.State([])
+
+    def api(self) -> None:
+        """/generate's hidden text inputs, one per API field, and its outputs."""
+        d, preset = self.d, self.preset
+        defaults = {"prompt": preset.example_prompt, "preset": preset.name, "device": d.device,
+                    "precision": d.precision, "mode": d.mode, "seed": "0", "on_cold": d.on_cold,
+                    "tp": str(ranks_choice(d.tp, d.parallel)),
+                    "step_cache": d.step_cache}  # size/steps/guidance: "" means the preset's default
+        allowed = api_allowed(self.h, preset.name, d.device)
+        self.api_form = {name: api_text(name, defaults.get(name, ""), allowed[name]) for name in GENERATE_API_PARAMS}
+        self.api_image = gr.Image(type="pil", format="png", visible=False, label="image")
+        self.api_timings = gr.JSON(visible=False, label="timings")
+        self.api_button = gr.Button(visible=False)
+
+    def wire_runs(self) -> None:
+        """Generate, Cancel and /generate: the run's handlers take the form's fields by name."""
+        h = self.h
+        run_io = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots())
+        seed = self.form["seed"]
+        seeded = self.generate_btn.click(h.randomize_seed, [seed, self.randomize], seed, queue=False,
+                                         api_visibility="private")
+        form = {name: self.form[name] for name in FORM_FIELDS}  # every field has its widget
+        run = seeded.then(h.generate_page, [self.history_state],
+                          [self.image, self.timings, self.history_gallery, self.history_state],
+                          inputs_kwargs=form, api_name="generate_ui", api_visibility="private",
+                          show_progress="full", show_progress_on=[self.image], **run_io)
+        # Gradio closes the running handler; closing it cancels the engine request between steps.
+        self.cancel_btn.click(None, cancels=[run])
+        run.then(h.generate_ended, self.timings, [self.image, self.timings], **FAST)
+        # Plain text in, the wire's form out (see generate_api)
+        self.api_button.click(h.generate_api, None, [self.api_image, self.api_timings], inputs_kwargs=self.api_form,
+                              api_name="generate", api_description=GENERATE_API_DOC, preprocess=False,
+                              postprocess=False, **run_io)
+        self.timings.change(h.render_run, self.timings, [self.step_plot, self.stats, self.summary], **FAST)
+
+    def wire_settings(self, demo: gr.Blocks, engine_line: gr.Markdown) -> None:
+        """A new preset's defaults and styles; the engine the settings point at, started with the page (app.py
+        has usually started it already); the step caches they can use."""
+        h, f = self.h, self.form
+        f["preset"].change(h.preset_defaults, f["preset"], [f["negative_prompt"], f["steps"], f["guidance"]], **FAST)
+        f["preset"].change(h.lora_choices, f["preset"], f["lora"], **FAST)
+        engine_settings = [f["preset"], f["device"], f["precision"], f["mode"], f["tp"]]
+        gr.on([c.change for c in engine_settings] + [demo.load], h.select_engine,
+              [f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"]],
+              [engine_line, f["size"], f["mode"]], **FAST)
+        gr.on([f["preset"].change, f["device"].change, f["mode"].change], h.step_cache_choices,
+              [f["preset"], f["device"], f["mode"], f["step_cache"]], f["step_cache"], **FAST)
