@@ -289,8 +289,9 @@ def test_handlers_refuse_over_budget_with_what_fits(public):
     h = Handlers(public, UIDefaults(device="cpu", mode="eager", preset="tiny-shapes"))
     with pytest.raises(gr.Error, match="this comparison costs 36,864 token-steps .* at most 6 configurations × 5 "
                                        "images each or 2 configurations × 12 images each at 8 steps"):
-        list(h.compare("a red circle on a blue background", "tiny-shapes", "64x64", 8, 1.0, 0, ["cpu"],
-                       ["fp32", "bf16"], ["eager", "compile", "regional"], False, fidelity_prompts=8))
+        list(h.compare(prompt="a red circle on a blue background", preset="tiny-shapes", size="64x64",
+                       steps=8, guidance=1.0, seed=0, devices=["cpu"], precisions=["fp32", "bf16"],
+                       modes=["eager", "compile", "regional"], wait_for_warm=False, fidelity_prompts=8))
     with pytest.raises(gr.Error, match="at most 64 steps at 128x128 here"):
         list(h.generate(prompt="a red circle on a blue background", negative_prompt="", preset="tiny-shapes",
                         device="cpu", precision="fp32", mode="eager", size="128x128", steps="200", guidance="1",

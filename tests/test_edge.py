@@ -241,8 +241,9 @@ def test_warm_with_a_list_names_the_field(local_handlers):
 
 
 def test_compare_with_steps_nan_names_the_field(local_handlers):
-    run = local_handlers.compare("a red fox", "tiny-flux", "64x64", math.nan, "1", "0", ["cpu"], ["fp32"],
-                                 ["eager", "compile"])
+    run = local_handlers.compare(prompt="a red fox", preset="tiny-flux", size="64x64", steps=math.nan,
+                                 guidance="1", seed="0", devices=["cpu"], precisions=["fp32"],
+                                 modes=["eager", "compile"])
     with pytest.raises(gr.Error, match="steps must be a whole number"):
         next(run)
 

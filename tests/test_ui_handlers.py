@@ -376,8 +376,9 @@ def test_select_engine_reports_an_unavailable_device_without_blocking(handlers):
 
 def test_compare_runs_each_configuration_and_builds_the_speedup_table(handlers):
     progress = RecordingProgress()
-    outputs = list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 3, ["cpu"], ["fp32"], ["eager", "compile"],
-                                    False, timing_s=5, request=None, progress=progress))
+    outputs = list(handlers.compare(prompt="fox", preset="tiny-flux", size="64x64", steps=2, guidance=3.5,
+                                    seed=3, devices=["cpu"], precisions=["fp32"], modes=["eager", "compile"],
+                                    wait_for_warm=False, timing_s=5, request=None, progress=progress))
     gallery, payload, thumbnails = outputs[-1]
     assert len(gallery) == 2 and len(thumbnails) == 3  # two images and the second one's heat map
     configs = [r["config"] for r in payload["results"]]
@@ -412,8 +413,10 @@ def test_compare_runs_a_typed_list_and_says_why_a_configuration_cannot_run(handl
     typed = "eager/fp32; regional/fp32/first-block:0.2; compile/fp32/first-block:0.2"
     assert "✗ `cpu/fp32/compile/first-block:0.2`: step cache first-block with compile" in \
         handlers.check_configurations("tiny-flux", ["cpu"], typed)
-    outputs = list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 3, ["cpu"], [], [], False, None, 0,
-                                    typed, 0, request=None, progress=RecordingProgress()))
+    outputs = list(handlers.compare(prompt="fox", preset="tiny-flux", size="64x64", steps=2, guidance=3.5,
+                                    seed=3, devices=["cpu"], precisions=[], modes=[], wait_for_warm=False,
+                                    caches=None, fidelity_prompts=0, configurations=typed, timing_s=0,
+                                    request=None, progress=RecordingProgress()))
     _gallery, payload, thumbnails = outputs[-1]
     by_config = {r["config"]: r for r in payload["results"]}
     assert list(by_config) == ["cpu/fp32/eager", "cpu/fp32/regional/first-block:0.2", "cpu/fp32/compile/first-block:0.2"]
@@ -423,7 +426,9 @@ def test_compare_runs_a_typed_list_and_says_why_a_configuration_cannot_run(handl
     cards = handlers.render_compare(payload, thumbnails)[3]
     assert 'class="c-card-error">not run: step cache first-block with compile' in cards
     with pytest.raises(gr.Error, match=r"unknown mode 'eagre'; modes: eager"):
-        list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 3, ["cpu"], [], [], False, None, 0, "eagre/fp32"))
+        list(handlers.compare(prompt="fox", preset="tiny-flux", size="64x64", steps=2, guidance=3.5, seed=3,
+                              devices=["cpu"], precisions=[], modes=[], wait_for_warm=False, caches=None,
+                              fidelity_prompts=0, configurations="eagre/fp32"))
 
 
 @pytest.mark.parametrize(("precisions", "modes", "count"), [
@@ -432,7 +437,8 @@ def test_compare_runs_a_typed_list_and_says_why_a_configuration_cannot_run(handl
 ])
 def test_compare_needs_one_to_six_configurations(handlers, precisions, modes, count):
     with pytest.raises(gr.Error, match=rf"pick 1–6 configurations .*these choices make {count}\b"):
-        list(handlers.compare("fox", "tiny-flux", "64x64", 2, 3.5, 0, ["cpu"], precisions, modes, False))
+        list(handlers.compare(prompt="fox", preset="tiny-flux", size="64x64", steps=2, guidance=3.5, seed=0,
+                              devices=["cpu"], precisions=precisions, modes=modes, wait_for_warm=False))
 
 
 def test_compare_adds_the_reference_when_it_is_not_picked(handlers):

@@ -59,10 +59,13 @@ def handlers(manager):
     return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
 
 
-def run_compare(handlers, precisions, modes, caches=None, fidelity_prompts=3, prompt="a red circle on a blue background",
+def run_compare(handlers, precisions, modes, caches=None, fidelity_prompts=3,
+                prompt="a red circle on a blue background",
                 steps=4):
-    outputs = list(handlers.compare(prompt, "tiny-shapes", "64x64", steps, 1.0, 5, ["cpu"], precisions, modes, False,
-                                    caches, fidelity_prompts, timing_s=0, request=None, progress=Progress()))
+    outputs = list(handlers.compare(prompt=prompt, preset="tiny-shapes", size="64x64", steps=steps,
+                                    guidance=1.0, seed=5, devices=["cpu"], precisions=precisions, modes=modes,
+                                    wait_for_warm=False, caches=caches, fidelity_prompts=fidelity_prompts,
+                                    timing_s=0, request=None, progress=Progress()))
     return outputs[-1]
 
 

@@ -18,6 +18,7 @@ import base64
 import io
 import time
 from contextlib import ExitStack, closing
+from dataclasses import dataclass, fields
 from itertools import product
 
 import gradio as gr
@@ -25,12 +26,13 @@ import pandas as pd
 
 import engine.bench.configs as explicit
 from engine.bench.paired import PairedTiming, current_marks, engine_marks
+from engine.config.request import ImageRequest
 from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
-from ui.runs import HEARTBEAT_S
+from ui.runs import HEARTBEAT_S, ProgressBar
 
 COST_WIDTHS = ["24%", "10%", "11%", "11%", "12%", "11%", "21%"]  # no header narrower than its longest word
 MIN_CONFIGS, MAX_CONFIGS = 1, 6  # picked; the reference is added when it is not among them
@@ -40,6 +42,7 @@ THUMBNAIL_PX = 256
 DEFAULT_TIMING_S = 30.0  # seconds of round-robin timing after the quality images
 MAX_TIMING_S = 600.0
 TIMING_MIN_ROUNDS, TIMING_MAX_ROUNDS = 3, 12
+FIDELITY_SEED = 1000  # the fidelity prompts' seeds: FIDELITY_SEED, FIDELITY_SEED + 1, ...
 COMPARE_API_DOC = (
     "Run the same prompt, seed, size and steps on 1-6 configurations: the typed list `configurations` "
     "(\"mode/precision[/step cache][@device]\" separated by \";\", e.g. \"eager/fp32; compile/fp32; regional/bf16\"), "
@@ -59,6 +62,30 @@ def thumbnail_uri(image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=1)
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@dataclass(frozen=True)
+class CompareForm:
+    """What /compare takes, in its API's order (gradio_client callers pass them positionally: never reorder);
+    the handler takes them by name."""
+
+    prompt: str
+    preset: str
+    size: str | None
+    steps: int | str | None
+    guidance: float | str | None
+    seed: int | str
+    devices: list[str] | None
+    precisions: list[str] | None
+    modes: list[str] | None
+    wait_for_warm: bool = True
+    caches: list[str] | None = None
+    fidelity_prompts: int | None = DEFAULT_FIDELITY_PROMPTS
+    configurations: str | None = None
+    timing_s: float | str | None = DEFAULT_TIMING_S
+
+
+COMPARE_FIELDS = tuple(f.name for f in fields(CompareForm))
 
 
 class CompareHandlers(HandlerBase):
@@ -163,13 +190,11 @@ class CompareHandlers(HandlerBase):
             return "; ".join(c.text() for c in found[:MAX_CONFIGS])
         return "; ".join(c.text() for c in explicit.levers_one_at_a_time(model, spec, MAX_CONFIGS))
 
-    def compare(self, prompt, preset, size, steps, guidance, seed, devices, precisions, modes,
-                wait_for_warm=True, caches=None, fidelity_prompts=DEFAULT_FIDELITY_PROMPTS, configurations=None,
-                timing_s=DEFAULT_TIMING_S, request: gr.Request = None, progress=gr.Progress()):  # noqa: B008
+    def compare(self, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
         """The same prompt, seed, size and steps on every configuration (1–6): the typed list
         `configurations` ("mode/precision[/step cache][@device]; ...", engine/bench/configs.py) or else every
         device × precision × mode × step cache picked, plus eager fp32 without a cache on the first device
-        when it is not among them.
+        when it is not among them. `form`: CompareForm's fields by name.
 
         Each configuration first draws its quality images (the prompt, then the fidelity prompts), which warm
         it; then every configuration is timed round-robin with the reference for up to `timing_s` seconds
@@ -180,207 +205,8 @@ class CompareHandlers(HandlerBase):
         image_index / heatmap_index. A configuration that cannot run here or fails is reported with a short
         reason; the others still run.
         """
-        configs, reference, picked = self._configs(devices, precisions, modes, caches, configurations)
-        try:
-            size_text = str(Size.parse(size)) if size else str(self.manager.preset(preset).buckets[0])
-            model = self.manager.preset(preset)
-            steps_total = check_steps(steps) if steps else model.steps
-        except ShowcaseError as exc:
-            raise to_gradio_error(exc) from None
-        try:
-            timing_budget = min(MAX_TIMING_S, max(0.0, float(DEFAULT_TIMING_S if timing_s is None else timing_s)))
-        except (TypeError, ValueError):
-            raise gr.Error(f"timing seconds must be a number from 0 to {MAX_TIMING_S:g}, not {timing_s!r}",
-                           title="Invalid request") from None
-        refused = {c: why for c in configs if (why := self.refusal(preset, c))}
-        n_samples = max(0, min(MAX_FIDELITY_PROMPTS, int(fidelity_prompts or 0))) if views.has_checker(model) else 0
-        # The main prompt, then the sample prompts (seeded: every configuration draws the same ones).
-        prompts = [prompt, *views.fidelity_sample_prompts(model, n_samples, fallback=prompt)]
-        seeds = [seed, *(1000 + i for i in range(n_samples))]
-        runs_each = len(prompts)
-        caller = self.caller(request)
-        # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
-        # rounds that still give a spread; the host's grow until the spread is known or the budget ends.
-        max_rounds = TIMING_MIN_ROUNDS if self.manager.priced(caller) else TIMING_MAX_ROUNDS
-        rounds_cap = max_rounds if timing_budget > 0 else 0
-        grand_total = len(configs) * (runs_each + rounds_cap) * steps_total
-        note = ("the reference, picked" if picked else
-                "the reference, added: every speedup and drift is measured against it")
-        results: list[dict] = []
-        gallery: list[tuple] = []
-        thumbnails: list[str] = []
-        ref_images: list | None = None
-        timing: dict = {"budget_s": timing_budget, "rounds": 0, "stop_reason": None}
-
-        def payload(done: bool = False):
-            return {"configs": configs, "done": done, "reference": reference, "results": results,
-                    "timing": timing, "speedup": views.speedup_table(results)}
-
-        with ExitStack() as stack:
-            try:  # public mode: one running request per visitor, priced as a whole before anything runs
-                run = stack.enter_context(self.open_run(request))
-                price = self.manager.price_compare(preset, size_text, steps_total, len(configs), runs_each + rounds_cap,
-                                                   guidance, caller=caller)
-                ticket = stack.enter_context(self.manager.admission(self.client_of(request), price, caller))
-            except ShowcaseError as exc:
-                raise to_gradio_error(exc) from None
-            yield gallery, payload(), thumbnails  # the page shows this comparison from now on
-            last_yield = [time.perf_counter()]
-
-            def draw(config: str, text: str, sample_seed: int, desc: str, offset: int):
-                """One image of `config` through the engine; yields heartbeats, returns (result, seconds)."""
-                device, precision, mode, cache = views.parse_config(config)
-                key = self.key_for(preset, device, precision, caller=caller)
-                kwargs = dict(preset=preset, device=device, precision=precision, mode=mode, size=size_text,
-                              prompt=text, negative_prompt=None, steps=steps_total, guidance=guidance,
-                              seed=sample_seed, on_cold="wait" if wait_for_warm else "eager", ticket=ticket)
-                if cache != views.NO_CACHE:
-                    kwargs["step_cache"] = cache
-                started = time.perf_counter()
-                with closing(self.runs.stream(run, key, progress, desc_prefix=desc, offset=offset,
-                                              grand_total=grand_total, caller=caller, **kwargs)) as stream:
-                    for kind, item in stream:
-                        if kind == "done":
-                            return item, time.perf_counter() - started
-                        if time.perf_counter() - last_yield[0] >= HEARTBEAT_S:
-                            last_yield[0] = time.perf_counter()
-                            yield gr.skip(), gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
-                raise RuntimeError("the engine ended the request without a result")
-
-            # Quality images, one configuration after another: they also warm each configuration.
-            for index, config in enumerate(configs):
-                if run.cancelled:
-                    results.append({"config": config, "error": "cancelled before it started"})
-                    continue
-                if config in refused:
-                    results.append({"config": config, "error": f"not run: {refused[config]}", "refused": True,
-                                    "reference": config == reference})
-                    yield gallery, payload(), thumbnails
-                    continue
-                outcomes = []
-                try:
-                    for i, (text, sample_seed) in enumerate(zip(prompts, seeds, strict=True)):
-                        desc = f"{config}: " if i == 0 else f"{config} fidelity prompt {i}/{n_samples}: "
-                        outcomes.append((yield from draw(config, text, sample_seed, desc,
-                                                         (index * runs_each + i) * steps_total)))
-                except ShowcaseError as exc:
-                    if isinstance(exc, Cancelled):
-                        gr.Warning(str(exc), title="Cancelled", duration=4)
-                    results.append({"config": config, "error": explicit.first_line(str(exc)),
-                                    "reference": config == reference})
-                    yield gallery, payload(), thumbnails
-                    continue
-                except Exception as exc:
-                    results.append({"config": config, "error": f"internal error ({type(exc).__name__})"})
-                    yield gallery, payload(done=True), thumbnails  # settled, so it is not taken for a cancel
-                    raise to_gradio_error(exc) from None
-                result, elapsed = outcomes[0]
-                waited_s = max(0.0, elapsed - result.timings.total_ms / 1000)
-                warmup_ms = [r.timings.total_ms for r, _ in outcomes]
-                entry = {**result.as_dict(), "config": config, "waited_s": waited_s, "image_ms": warmup_ms,
-                         "warmup_image_ms": warmup_ms}
-                if config == reference:
-                    entry.update(reference=True, reference_note=note)
-                mode = views.parse_config(config)[2]
-                bucket = views.find_bucket(self.manager.status(), entry["engine"], mode, entry["bucket"])
-                if bucket:
-                    entry.update(compile_s=bucket.get("compile_s"), warmup_s=bucket.get("warmup_s"),
-                                 bucket_state=bucket.get("state"), cache_hits=bucket.get("cache_hits"))
-                images = [r.image() for r, _ in outcomes]
-                if config == reference:
-                    ref_images = images
-                entry.update(views.price_quality(images, prompts, None if config == reference else ref_images,
-                                                 model))
-                entry["image_index"] = len(thumbnails)
-                thumbnails.append(thumbnail_uri(images[0]))
-                if config != reference and ref_images is not None:
-                    entry["heatmap_index"] = len(thumbnails)
-                    thumbnails.append(thumbnail_uri(views.difference_picture(images[0], ref_images[0])))
-                entry["gallery_index"] = len(gallery)
-                results.append(entry)
-                gallery.append((images[0], self._caption(entry)))
-                yield gallery, payload(), thumbnails
-
-            # Timing: round-robin with the reference, the start rotating, until each spread is known.
-            entries = {r["config"]: r for r in results if not r.get("error")}
-            ref_entry = entries.get(reference)
-            if ref_entry is None or run.cancelled or timing_budget <= 0:
-                timing["stop_reason"] = ("cancelled" if run.cancelled else "no timing budget" if timing_budget <= 0
-                                         else "the reference did not run: no speedups")
-            else:
-                plan = PairedTiming(list(entries), reference=reference, budget_s=timing_budget,
-                                    min_rounds=TIMING_MIN_ROUNDS, max_rounds=max_rounds)
-                for config, r in entries.items():
-                    plan.warm[config] = {k: r.get(k) for k in ("compile_s", "warmup_s", "waited_s")}
-                own = {r.get("engine") for r in entries.values()}
-
-                def marks() -> list[str]:
-                    try:
-                        compiles = self.manager.host_status().get("compiles")
-                        return current_marks(lambda: engine_marks(self.manager.status(), own, compiles))
-                    except Exception:  # a status read must not end the measurement
-                        return current_marks()
-
-                started, round_index = time.perf_counter(), 0
-                done_images = len(configs) * runs_each
-                while not run.cancelled:
-                    elapsed = time.perf_counter() - started
-                    if not plan.another_round(elapsed, elapsed / round_index if round_index else None):
-                        break
-                    for config in plan.order(round_index):
-                        if run.cancelled:
-                            break
-                        before = marks()
-                        try:
-                            result, _ = yield from draw(config, prompt, seed, f"timing round {round_index + 1}: "
-                                                        f"{config}: ", done_images * steps_total)
-                        except Exception as exc:  # it is no longer timed; the others go on
-                            why = explicit.first_line(str(exc)) if isinstance(exc, ShowcaseError) else \
-                                f"internal error ({type(exc).__name__})"
-                            plan.warm[config]["error"] = entries[config]["timing_error"] = why
-                            if config == reference:
-                                break
-                            continue
-                        done_images = min(done_images + 1, len(configs) * (runs_each + rounds_cap))
-                        plan.record(round_index, config, result.timings.total_ms, dict.fromkeys(before + marks()))
-                    round_index += 1
-                    self._apply_timing(plan, entries)
-                    for entry in entries.values():
-                        i = entry["gallery_index"]
-                        gallery[i] = (gallery[i][0], self._caption(entry))
-                    timing.update(rounds=plan.rounds, stop_reason=plan.stop_reason)
-                    yield gallery, payload(), thumbnails
-                    if "error" in plan.warm.get(reference, {}):
-                        plan.stop_reason = "the reference failed while timed"
-                        break
-                self._apply_timing(plan, entries)
-                timing.update(rounds=plan.rounds, stop_reason="cancelled" if run.cancelled else plan.stop_reason)
-                progress((grand_total, grand_total), desc=f"timed {plan.rounds} rounds: {timing['stop_reason']}",
-                         unit="steps")
-        yield gallery, payload(done=True), thumbnails
-        if all(r.get("error") for r in results):
-            failures = "; ".join(f"{r['config']}: {r['error']}" for r in results)
-            raise gr.Error(f"every configuration failed: {failures}", title="Compare failed")
-
-    @staticmethod
-    def _caption(entry: dict) -> str:
-        """A gallery image's caption: its configuration, s / image, speedup, drift and fidelity."""
-        figure = entry.get("speedup_figure")
-        return " · ".join(filter(None, [
-            entry["config"], f"{views.per_image_s(entry):.3f} s / image",
-            f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
-            f"drift {entry['drift']}" if entry.get("drift") else "",
-            f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
-            "eager fallback" if entry.get("eager_fallback") else ""]))
-
-    @staticmethod
-    def _apply_timing(plan: PairedTiming, entries: dict[str, dict]) -> None:
-        """Each entry's one speedup (and its timed images) from the paired plan: every view reads these."""
-        for config, entry in entries.items():
-            figure = plan.figure(config)
-            if figure.images:
-                entry["image_ms"] = [plan.times[config][r] for r in sorted(plan.times[config])]
-                entry["speedup_figure"] = figure.as_dict()
+        comparison = Comparison(self, CompareForm(**form), request, progress)
+        yield from comparison.run()
 
     def compare_ended(self, payload: dict | None):
         """After the Compare event, however it ended. Results not "done" mean Gradio closed the handler
@@ -425,6 +251,249 @@ class CompareHandlers(HandlerBase):
 
         return plot, price, costs, views.compare_cards_html(results, [uri(r, "image_index") for r in results],
                                                             heatmaps=[uri(r, "heatmap_index") for r in results])
+
+
+class Comparison:
+    """One Compare handler call: its plan (configurations, prompts, the progress bar's steps), then its
+    phases: the quality images of each configuration, then the paired timing rounds. Streams
+    (gallery, results, thumbnails) after each configuration and round."""
+
+    def __init__(self, h: CompareHandlers, form: CompareForm, request: gr.Request | None, progress):
+        self.h, self.form, self.request, self.progress = h, form, request, progress
+        self.configs, self.reference, picked = h._configs(form.devices, form.precisions, form.modes, form.caches,
+                                                          form.configurations)
+        self.note = ("the reference, picked" if picked else
+                     "the reference, added: every speedup and drift is measured against it")
+        try:
+            self.size_text = str(Size.parse(form.size)) if form.size else str(h.manager.preset(form.preset).buckets[0])
+            self.model = h.manager.preset(form.preset)
+            self.steps = check_steps(form.steps) if form.steps else self.model.steps
+        except ShowcaseError as exc:
+            raise to_gradio_error(exc) from None
+        self.timing_budget = self._timing_budget(form.timing_s)
+        self.refused = {c: why for c in self.configs if (why := h.refusal(form.preset, c))}
+        n_samples = max(0, min(MAX_FIDELITY_PROMPTS, int(form.fidelity_prompts or 0))) \
+            if views.has_checker(self.model) else 0
+        self.n_samples = n_samples
+        # The main prompt, then the sample prompts (seeded: every configuration draws the same ones).
+        self.prompts = [form.prompt, *views.fidelity_sample_prompts(self.model, n_samples, fallback=form.prompt)]
+        self.seeds = [form.seed, *(FIDELITY_SEED + i for i in range(n_samples))]
+        self.caller = h.caller(request)
+        # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
+        # rounds that still give a spread; the host's grow until the spread is known or the budget ends.
+        self.max_rounds = TIMING_MIN_ROUNDS if h.manager.priced(self.caller) else TIMING_MAX_ROUNDS
+        self.rounds_cap = self.max_rounds if self.timing_budget > 0 else 0
+        self.grand_total = len(self.configs) * (len(self.prompts) + self.rounds_cap) * self.steps
+        self.results: list[dict] = []
+        self.gallery: list[tuple] = []
+        self.thumbnails: list[str] = []
+        self.ref_images: list | None = None
+        self.timing: dict = {"budget_s": self.timing_budget, "rounds": 0, "stop_reason": None}
+        self.run_state = self.ticket = None
+        self.last_yield = time.perf_counter()
+
+    @staticmethod
+    def _timing_budget(timing_s) -> float:
+        try:
+            return min(MAX_TIMING_S, max(0.0, float(DEFAULT_TIMING_S if timing_s is None else timing_s)))
+        except (TypeError, ValueError):
+            raise gr.Error(f"timing seconds must be a number from 0 to {MAX_TIMING_S:g}, not {timing_s!r}",
+                           title="Invalid request") from None
+
+    def payload(self, done: bool = False) -> dict:
+        return {"configs": self.configs, "done": done, "reference": self.reference, "results": self.results,
+                "timing": self.timing, "speedup": views.speedup_table(self.results)}
+
+    def outputs(self, done: bool = False) -> tuple:
+        return self.gallery, self.payload(done), self.thumbnails
+
+    def run(self):
+        """The whole comparison: admitted (and, for a visitor, priced as a whole), then its two phases."""
+        h = self.h
+        with ExitStack() as stack:
+            try:  # public mode: one running request per visitor, priced as a whole before anything runs
+                self.run_state = stack.enter_context(h.open_run(self.request))
+                price = h.manager.price_compare(self.form.preset, self.size_text, self.steps, len(self.configs),
+                                                len(self.prompts) + self.rounds_cap, self.form.guidance,
+                                                caller=self.caller)
+                self.ticket = stack.enter_context(h.manager.admission(h.client_of(self.request), price,
+                                                                      self.caller))
+            except ShowcaseError as exc:
+                raise to_gradio_error(exc) from None
+            yield self.outputs()  # the page shows this comparison from now on
+            self.last_yield = time.perf_counter()
+            for index, config in enumerate(self.configs):
+                yield from self.quality_images(index, config)
+            yield from self.timing_rounds()
+        yield self.outputs(done=True)
+        if all(r.get("error") for r in self.results):
+            failures = "; ".join(f"{r['config']}: {r['error']}" for r in self.results)
+            raise gr.Error(f"every configuration failed: {failures}", title="Compare failed")
+
+    def draw(self, config: str, text: str, seed, desc: str, offset: int):
+        """One image of `config` through the engine; yields heartbeats, returns (result, seconds)."""
+        device, precision, mode, cache = views.parse_config(config)
+        form = self.form
+        key = self.h.key_for(form.preset, device, precision, caller=self.caller)
+        spec = ImageRequest(form.preset, prompt=text, device=device, precision=precision, mode=mode,
+                            size=self.size_text, steps=self.steps, guidance=form.guidance, seed=seed,
+                            on_cold="wait" if form.wait_for_warm else "eager",
+                            step_cache=None if cache == views.NO_CACHE else cache, caller=self.caller)
+        bar = ProgressBar(self.progress, desc_prefix=desc, offset=offset, grand_total=self.grand_total)
+        started = time.perf_counter()
+        with closing(self.h.runs.stream(self.run_state, key, spec, bar, ticket=self.ticket)) as stream:
+            for kind, item in stream:
+                if kind == "done":
+                    return item, time.perf_counter() - started
+                if time.perf_counter() - self.last_yield >= HEARTBEAT_S:
+                    self.last_yield = time.perf_counter()
+                    yield gr.skip(), gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
+        raise RuntimeError("the engine ended the request without a result")
+
+    # -- phase 1: quality images, one configuration after another (they also warm each one) ------------
+    def quality_images(self, index: int, config: str):
+        reference, results = self.reference, self.results
+        if self.run_state.cancelled:
+            results.append({"config": config, "error": "cancelled before it started"})
+            return
+        if config in self.refused:
+            results.append({"config": config, "error": f"not run: {self.refused[config]}", "refused": True,
+                            "reference": config == reference})
+            yield self.outputs()
+            return
+        outcomes = []
+        runs_each = len(self.prompts)
+        try:
+            for i, (text, seed) in enumerate(zip(self.prompts, self.seeds, strict=True)):
+                desc = f"{config}: " if i == 0 else f"{config} fidelity prompt {i}/{self.n_samples}: "
+                outcomes.append((yield from self.draw(config, text, seed, desc, (index * runs_each + i) * self.steps)))
+        except ShowcaseError as exc:
+            if isinstance(exc, Cancelled):
+                gr.Warning(str(exc), title="Cancelled", duration=4)
+            results.append({"config": config, "error": explicit.first_line(str(exc)), "reference": config == reference})
+            yield self.outputs()
+            return
+        except Exception as exc:
+            results.append({"config": config, "error": f"internal error ({type(exc).__name__})"})
+            yield self.outputs(done=True)  # settled, so it is not taken for a cancel
+            raise to_gradio_error(exc) from None
+        entry = self.entry(config, outcomes)
+        results.append(entry)
+        yield self.outputs()
+
+    def entry(self, config: str, outcomes: list) -> dict:
+        """A configuration's result from its quality images: timings, bucket costs, drift, fidelity, its card's
+        pictures (added to the gallery and the thumbnails)."""
+        result, elapsed = outcomes[0]
+        waited_s = max(0.0, elapsed - result.timings.total_ms / 1000)
+        warmup_ms = [r.timings.total_ms for r, _ in outcomes]
+        entry = {**result.as_dict(), "config": config, "waited_s": waited_s, "image_ms": warmup_ms,
+                 "warmup_image_ms": warmup_ms}
+        is_reference = config == self.reference
+        if is_reference:
+            entry.update(reference=True, reference_note=self.note)
+        mode = views.parse_config(config)[2]
+        bucket = views.find_bucket(self.h.manager.status(), entry["engine"], mode, entry["bucket"])
+        if bucket:
+            entry.update(compile_s=bucket.get("compile_s"), warmup_s=bucket.get("warmup_s"),
+                         bucket_state=bucket.get("state"), cache_hits=bucket.get("cache_hits"))
+        images = [r.image() for r, _ in outcomes]
+        if is_reference:
+            self.ref_images = images
+        entry.update(views.price_quality(images, self.prompts, None if is_reference else self.ref_images,
+                                         self.model))
+        entry["image_index"] = len(self.thumbnails)
+        self.thumbnails.append(thumbnail_uri(images[0]))
+        if not is_reference and self.ref_images is not None:
+            entry["heatmap_index"] = len(self.thumbnails)
+            self.thumbnails.append(thumbnail_uri(views.difference_picture(images[0], self.ref_images[0])))
+        entry["gallery_index"] = len(self.gallery)
+        self.gallery.append((images[0], caption(entry)))
+        return entry
+
+    # -- phase 2: timing, round-robin with the reference (the start rotating) until each spread is known --
+    def timing_rounds(self):
+        entries = {r["config"]: r for r in self.results if not r.get("error")}
+        cancelled = self.run_state.cancelled
+        if entries.get(self.reference) is None or cancelled or self.timing_budget <= 0:
+            self.timing["stop_reason"] = ("cancelled" if cancelled else "no timing budget"
+                                          if self.timing_budget <= 0 else "the reference did not run: no speedups")
+            return
+        plan = PairedTiming(list(entries), reference=self.reference, budget_s=self.timing_budget,
+                            min_rounds=TIMING_MIN_ROUNDS, max_rounds=self.max_rounds)
+        for config, r in entries.items():
+            plan.warm[config] = {k: r.get(k) for k in ("compile_s", "warmup_s", "waited_s")}
+        started, round_index = time.perf_counter(), 0
+        self.done_images = len(self.configs) * len(self.prompts)
+        while not self.run_state.cancelled:
+            elapsed = time.perf_counter() - started
+            if not plan.another_round(elapsed, elapsed / round_index if round_index else None):
+                break
+            yield from self.timing_round(plan, round_index, entries)
+            round_index += 1
+            apply_timing(plan, entries)
+            for entry in entries.values():
+                i = entry["gallery_index"]
+                self.gallery[i] = (self.gallery[i][0], caption(entry))
+            self.timing.update(rounds=plan.rounds, stop_reason=plan.stop_reason)
+            yield self.outputs()
+            if "error" in plan.warm.get(self.reference, {}):
+                plan.stop_reason = "the reference failed while timed"
+                break
+        apply_timing(plan, entries)
+        self.timing.update(rounds=plan.rounds, stop_reason="cancelled" if self.run_state.cancelled else plan.stop_reason)
+        self.progress((self.grand_total, self.grand_total),
+                      desc=f"timed {plan.rounds} rounds: {self.timing['stop_reason']}", unit="steps")
+
+    def timing_round(self, plan: PairedTiming, round_index: int, entries: dict[str, dict]):
+        """One image of each configuration, in the round's order; one that fails is no longer timed."""
+        own = {r.get("engine") for r in entries.values()}
+        all_images = len(self.configs) * (len(self.prompts) + self.rounds_cap)
+        for config in plan.order(round_index):
+            if self.run_state.cancelled:
+                break
+            before = self.marks(own)
+            try:
+                result, _ = yield from self.draw(config, self.form.prompt, self.form.seed,
+                                                 f"timing round {round_index + 1}: {config}: ",
+                                                 self.done_images * self.steps)
+            except Exception as exc:  # it is no longer timed; the others go on
+                why = explicit.first_line(str(exc)) if isinstance(exc, ShowcaseError) else \
+                    f"internal error ({type(exc).__name__})"
+                plan.warm[config]["error"] = entries[config]["timing_error"] = why
+                if config == self.reference:
+                    break
+                continue
+            self.done_images = min(self.done_images + 1, all_images)
+            plan.record(round_index, config, result.timings.total_ms, dict.fromkeys(before + self.marks(own)))
+
+    def marks(self, own: set) -> list[str]:
+        """What else ran on the machine meanwhile (compiles, other engines' work, a load spike)."""
+        try:
+            compiles = self.h.manager.host_status().get("compiles")
+            return current_marks(lambda: engine_marks(self.h.manager.status(), own, compiles))
+        except Exception:  # a status read must not end the measurement
+            return current_marks()
+
+
+def caption(entry: dict) -> str:
+    """A gallery image's caption: its configuration, s / image, speedup, drift and fidelity."""
+    figure = entry.get("speedup_figure")
+    return " · ".join(filter(None, [
+        entry["config"], f"{views.per_image_s(entry):.3f} s / image",
+        f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
+        f"drift {entry['drift']}" if entry.get("drift") else "",
+        f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
+        "eager fallback" if entry.get("eager_fallback") else ""]))
+
+
+def apply_timing(plan: PairedTiming, entries: dict[str, dict]) -> None:
+    """Each entry's one speedup (and its timed images) from the paired plan: every view reads these."""
+    for config, entry in entries.items():
+        figure = plan.figure(config)
+        if figure.images:
+            entry["image_ms"] = [plan.times[config][r] for r in sorted(plan.times[config])]
+            entry["speedup_figure"] = figure.as_dict()
 
 
 def build(h: CompareHandlers) -> None:
@@ -517,10 +586,12 @@ def build(h: CompareHandlers) -> None:
           [preset_dd, devices, configurations], config_check, **FAST)
     gr.on([preset_dd.change, devices.change, modes.change], h.compare_caches, [preset_dd, devices, modes], caches,
           **FAST)
+    form = dict(prompt=prompt, preset=preset_dd, size=size, steps=steps, guidance=guidance, seed=seed, devices=devices,
+                precisions=precisions, modes=modes, wait_for_warm=wait, caches=caches, fidelity_prompts=fidelity,
+                configurations=configurations, timing_s=timing)
     run = compare_btn.click(
-        h.compare, [prompt, preset_dd, size, steps, guidance, seed, devices, precisions, modes, wait, caches,
-                    fidelity, configurations, timing],
-        [gallery, results, thumbnails], api_name="compare", api_description=COMPARE_API_DOC,
+        h.compare, None, [gallery, results, thumbnails], inputs_kwargs={name: form[name] for name in COMPARE_FIELDS},
+        api_name="compare", api_description=COMPARE_API_DOC,
         concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots(), show_progress="full",
         show_progress_on=[status, cards],
     )
