@@ -498,10 +498,7 @@ def apply_timing(plan: PairedTiming, entries: dict[str, dict]) -> None:
 
 def build(h: CompareHandlers) -> None:
     """The tab (inside gr.Tabs), its events and the /compare API."""
-    preset = h.default_preset()
-    report = h.devices_report()
-    sizes = [str(s) for s in preset.buckets]
-    available = [r["name"] for r in report if r.get("available")]
+    page = ComparePage(h)
     with gr.Tab("Compare", id="compare"):
         gr.Markdown("The same prompt, seed, size and steps on 1–6 configurations (device × precision × mode × "
                     "step cache, or a typed list), each priced against **eager fp32 without a step cache** "
@@ -512,54 +509,81 @@ def build(h: CompareHandlers) -> None:
                     "over several prompts.")
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
-                prompt = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="c-prompt")
-                with gr.Row():
-                    preset_dd = gr.Dropdown(h.preset_names(), value=preset.name, label="Model preset",
-                                            elem_id="c-preset")
-                    size = gr.Dropdown(sizes, value=sizes[0], label="Size", allow_custom_value=True,
-                                       elem_id="c-size")
-                with gr.Row():
-                    steps = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="c-steps")
-                    guidance = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
-                                         elem_id="c-guidance")
-                with gr.Row():
-                    seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="c-seed")
-                    fidelity = gr.Slider(0, MAX_FIDELITY_PROMPTS, value=DEFAULT_FIDELITY_PROMPTS, step=1,
-                                         label="Fidelity prompts (models with a checker)",
-                                         elem_id="c-fidelity-prompts")
+                page.image_settings()
             with gr.Column(scale=2, min_width=420):
-                # The buttons and the run's progress first: the cards start below a laptop screen's fold.
-                with gr.Row():
-                    compare_btn = gr.Button("Compare", variant="primary", elem_id="compare-btn")
-                    cancel_btn = gr.Button("Cancel", variant="stop", elem_id="c-cancel-btn")
-                status = gr.Markdown("Its progress shows here; each configuration's card, price and costs below.",
-                                     elem_id="c-status")
-                devices = gr.CheckboxGroup(views.device_choices(report, short=True)[1:], value=available[:1],
+                page.configurations()
+        page.results()
+    page.wire()
+
+
+class ComparePage:
+    """The Compare tab's widgets, built part by part, then its events. `form` holds /compare's inputs by
+    CompareForm field: the handler takes them by name."""
+
+    def __init__(self, h: CompareHandlers):
+        self.h = h
+        self.preset = h.default_preset()
+        self.report = h.devices_report()
+        self.form: dict[str, gr.components.Component] = {}
+
+    def image_settings(self) -> None:
+        """What every configuration draws: prompt, preset, size, steps, guidance, seed, fidelity prompts."""
+        h, preset, form = self.h, self.preset, self.form
+        sizes = [str(s) for s in preset.buckets]
+        form["prompt"] = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="c-prompt")
+        with gr.Row():
+            form["preset"] = gr.Dropdown(h.preset_names(), value=preset.name, label="Model preset",
+                                         elem_id="c-preset")
+            form["size"] = gr.Dropdown(sizes, value=sizes[0], label="Size", allow_custom_value=True,
+                                       elem_id="c-size")
+        with gr.Row():
+            form["steps"] = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="c-steps")
+            form["guidance"] = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
+                                         elem_id="c-guidance")
+        with gr.Row():
+            form["seed"] = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="c-seed")
+            form["fidelity_prompts"] = gr.Slider(0, MAX_FIDELITY_PROMPTS, value=DEFAULT_FIDELITY_PROMPTS, step=1,
+                                                 label="Fidelity prompts (models with a checker)",
+                                                 elem_id="c-fidelity-prompts")
+
+    def configurations(self) -> None:
+        """The buttons and the run's progress first (the cards start below a laptop screen's fold), then the
+        configurations: the checkboxes' cross product, or a typed list."""
+        h, form = self.h, self.form
+        available = [r["name"] for r in self.report if r.get("available")]
+        with gr.Row():
+            self.compare_btn = gr.Button("Compare", variant="primary", elem_id="compare-btn")
+            self.cancel_btn = gr.Button("Cancel", variant="stop", elem_id="c-cancel-btn")
+        self.status = gr.Markdown("Its progress shows here; each configuration's card, price and costs below.",
+                                  elem_id="c-status")
+        form["devices"] = gr.CheckboxGroup(views.device_choices(self.report, short=True)[1:], value=available[:1],
                                            label="Devices", elem_id="c-devices")
-                precisions = gr.CheckboxGroup(h.precision_choices(), value=["fp32"], label="Precisions",
+        form["precisions"] = gr.CheckboxGroup(h.precision_choices(), value=["fp32"], label="Precisions",
                                               elem_id="c-precisions")
-                modes = gr.CheckboxGroup(list(Mode.values()), value=["eager", "regional"], label="Modes",
+        form["modes"] = gr.CheckboxGroup(list(Mode.values()), value=["eager", "regional"], label="Modes",
                                          elem_id="c-modes")
-                cache_choices = views.step_cache_choices(
-                    h.step_cache_rows(preset.name, (available or ["cpu"])[0], "eager"))
-                caches = gr.CheckboxGroup(cache_choices or [views.NO_CACHE], value=[views.NO_CACHE],
+        cache_choices = views.step_cache_choices(
+            h.step_cache_rows(self.preset.name, (available or ["cpu"])[0], "eager"))
+        form["caches"] = gr.CheckboxGroup(cache_choices or [views.NO_CACHE], value=[views.NO_CACHE],
                                           label="Step caches (unavailable ones say why)", elem_id="c-caches")
-                wait = gr.Checkbox(True, label="Wait for compiled buckets (their compile cost is "
-                                   "measured); off: cold buckets run eagerly", elem_id="c-wait")
-                configurations = gr.Textbox(
-                    label="Configurations (replaces the checkboxes when filled): mode/precision[/step cache]"
-                          "[@device], separated by ; — e.g. eager/fp32; compile/fp32; regional/bf16; "
-                          "eager/fp32/first-block:0.2", value="", lines=2, elem_id="c-configs")
-                with gr.Row():
-                    config_list = gr.Dropdown(list(explicit.LISTS), value=None, label="Fill in a list",
-                                              elem_id="c-config-list")
-                    timing = gr.Slider(0, 120, value=DEFAULT_TIMING_S, step=5, label="Timing budget (s): "
-                                       "round-robin rounds after the quality images", elem_id="c-timing")
-                config_check = gr.Markdown(elem_id="c-config-check")
-        cards = gr.HTML(elem_id="c-cards", label="Each configuration")
-        speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True,
-                             column_widths=views.PRICE_WIDTHS, label="Price of each configuration",
-                             elem_id="c-speedup")
+        form["wait_for_warm"] = gr.Checkbox(True, label="Wait for compiled buckets (their compile cost is "
+                                            "measured); off: cold buckets run eagerly", elem_id="c-wait")
+        form["configurations"] = gr.Textbox(
+            label="Configurations (replaces the checkboxes when filled): mode/precision[/step cache]"
+                  "[@device], separated by ; — e.g. eager/fp32; compile/fp32; regional/bf16; "
+                  "eager/fp32/first-block:0.2", value="", lines=2, elem_id="c-configs")
+        with gr.Row():
+            self.config_list = gr.Dropdown(list(explicit.LISTS), value=None, label="Fill in a list",
+                                           elem_id="c-config-list")
+            form["timing_s"] = gr.Slider(0, 120, value=DEFAULT_TIMING_S, step=5, label="Timing budget (s): "
+                                         "round-robin rounds after the quality images", elem_id="c-timing")
+        self.config_check = gr.Markdown(elem_id="c-config-check")
+
+    def results(self) -> None:
+        self.cards = gr.HTML(elem_id="c-cards", label="Each configuration")
+        self.speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True,
+                                  column_widths=views.PRICE_WIDTHS, label="Price of each configuration",
+                                  elem_id="c-speedup")
         gr.Markdown("s / image: median of the configuration's timed images; × vs eager fp32: the median of the "
                     "reference's time ÷ this one's, each pair timed in the same round-robin round (the start "
                     "rotating, every configuration warm first), with its interquartile range and the number of "
@@ -569,35 +593,38 @@ def build(h: CompareHandlers) -> None:
                     "prompts the pixel checker reads as drawn right; steps computed / cached: the step cache's "
                     "share. Cached steps are their own series on the plot.")
         # Each the page's full width: the legend names every series, no costs header breaks inside a word.
-        plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
-                           x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot")
-        costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
-                             column_widths=COST_WIDTHS, label="Compile and warm-up costs", elem_id="c-costs")
+        self.plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
+                                x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot")
+        self.costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
+                                  column_widths=COST_WIDTHS, label="Compile and warm-up costs", elem_id="c-costs")
         with gr.Accordion("Images at full size", open=False):
-            gallery = gr.Gallery(label="Images", columns=4, height=260, elem_id="c-gallery", type="pil",
-                                 object_fit="contain")
+            self.gallery = gr.Gallery(label="Images", columns=4, height=260, elem_id="c-gallery", type="pil",
+                                      object_fit="contain")
         with gr.Accordion("Results JSON", open=False):
-            results = gr.JSON(elem_id="c-json", label="results", show_label=False)
-        thumbnails = gr.State([])
+            self.results_json = gr.JSON(elem_id="c-json", label="results", show_label=False)
+        self.thumbnails = gr.State([])
 
-    preset_dd.change(h.compare_defaults, preset_dd, [size, steps, guidance], **FAST)
-    config_list.input(h.configuration_list, [config_list, preset_dd, devices, size, steps], configurations, **FAST)
-    gr.on([configurations.change, preset_dd.change, devices.change], h.check_configurations,
-          [preset_dd, devices, configurations], config_check, **FAST)
-    gr.on([preset_dd.change, devices.change, modes.change], h.compare_caches, [preset_dd, devices, modes], caches,
-          **FAST)
-    form = dict(prompt=prompt, preset=preset_dd, size=size, steps=steps, guidance=guidance, seed=seed, devices=devices,
-                precisions=precisions, modes=modes, wait_for_warm=wait, caches=caches, fidelity_prompts=fidelity,
-                configurations=configurations, timing_s=timing)
-    run = compare_btn.click(
-        h.compare, None, [gallery, results, thumbnails], inputs_kwargs={name: form[name] for name in COMPARE_FIELDS},
-        api_name="compare", api_description=COMPARE_API_DOC,
-        concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots(), show_progress="full",
-        show_progress_on=[status, cards],
-    )
-    # Gradio closes the running handler; closing it cancels the engine request between steps.
-    cancel_btn.click(None, cancels=[run])
-    run.then(h.compare_ended, results, results, **FAST)
-    # Not the gallery as an input: Gradio would read its image files back from the shared upload folder, where
-    # another process saving an identical image (same content hash, same path) can leave one half-written.
-    results.change(h.render_compare, [results, thumbnails], [plot, speed, costs, cards], **FAST)
+    def wire(self) -> None:
+        h, f = self.h, self.form
+        f["preset"].change(h.compare_defaults, f["preset"], [f["size"], f["steps"], f["guidance"]], **FAST)
+        self.config_list.input(h.configuration_list, [self.config_list, f["preset"], f["devices"], f["size"],
+                                                      f["steps"]], f["configurations"], **FAST)
+        gr.on([f["configurations"].change, f["preset"].change, f["devices"].change], h.check_configurations,
+              [f["preset"], f["devices"], f["configurations"]], self.config_check, **FAST)
+        gr.on([f["preset"].change, f["devices"].change, f["modes"].change], h.compare_caches,
+              [f["preset"], f["devices"], f["modes"]], f["caches"], **FAST)
+        results = self.results_json
+        run = self.compare_btn.click(
+            h.compare, None, [self.gallery, results, self.thumbnails],
+            inputs_kwargs={name: f[name] for name in COMPARE_FIELDS}, api_name="compare",
+            api_description=COMPARE_API_DOC, concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots(),
+            show_progress="full", show_progress_on=[self.status, self.cards],
+        )
+        # Gradio closes the running handler; closing it cancels the engine request between steps.
+        self.cancel_btn.click(None, cancels=[run])
+        run.then(h.compare_ended, results, results, **FAST)
+        # Not the gallery as an input: Gradio would read its image files back from the shared upload folder,
+        # where another process saving an identical image (same content hash, same path) can leave one
+        # half-written.
+        results.change(h.render_compare, [results, self.thumbnails], [self.plot, self.speed, self.costs, self.cards],
+                       **FAST)
