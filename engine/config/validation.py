@@ -106,6 +106,7 @@ def check_prompt(name: str, prompt) -> tuple[str, tuple[str, ...]]:
 def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequest, tuple[str, ...]]:
     """The spec validated and routed to `preset`'s buckets: the worker's GenerateRequest plus the notices to
     show with its result. Raises InvalidRequest naming the field and what to change."""
+    width, height = spec.dimensions(preset.buckets)  # a size that is not "WxH" is refused first
     mode = Mode.parse(spec.mode, "mode")
     step_cache = StepCache.parse(spec.step_cache)
     on_cold = OnCold.parse(spec.on_cold, "on_cold")
@@ -122,7 +123,6 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
     seed = _number("seed", spec.seed, int)
     if not 0 <= seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be between 0 and {MAX_SEED}, got {seed}")
-    width, height = spec.dimensions(preset.buckets)
     size, size_notices = route_size(preset, width, height, snap=spec.snap)
     lora, lora_scale = check_lora(preset, spec.lora, spec.lora_scale)
     request = GenerateRequest(
