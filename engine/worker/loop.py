@@ -469,6 +469,7 @@ class WorkerLoop:
         tells the others it runs."""
         cancels = [self._cancels.setdefault(r.request_id, threading.Event()) for r in group]
         logged_as = logs.REQUEST_ID.set(",".join(r.request_id for r in group))  # this thread's log lines
+        log.debug("serving %d request(s) at %s", len(group), group[0].bucket)
         crash = self.runner.faults.take(Fault.CRASH)
         short_runs = self.short_runs
         step_aside = short_runs.step_aside if short_runs is not None and long else None
