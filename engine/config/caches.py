@@ -225,15 +225,3 @@ def compile_caches_enabled() -> bool:
     import torch._inductor.config as inductor_config
 
     return bool(inductor_config.fx_graph_cache or functorch_config.enable_autograd_cache)
-
-
-def folder_sizes(root: Path) -> dict[str, int]:
-    """Bytes under each top-level folder of the cache (for the System panel)."""
-    sizes = {}
-    root = Path(root)
-    if not root.is_dir():
-        return sizes
-    for child in sorted(root.iterdir()):
-        if child.is_dir():
-            sizes[child.name] = sum(f.stat().st_size for f in child.rglob("*") if f.is_file() and not f.is_symlink())
-    return sizes
