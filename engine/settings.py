@@ -1,6 +1,16 @@
 """Every environment variable the project reads, in one place.
 
-Flags on the command line override these; these override the defaults below.
+Flags on the command line override these; these override the defaults below. Each variable is read by one
+named function here (its docstring says what it means); the sections, in order:
+
+- the app's own settings: cache and model folders, the server's defaults (`server_defaults`, one per flag
+  of app.py), hosting (public mode, ZeroGPU, the runtime, GPU calls), priorities and the console;
+- set by the app for its own children (a worker's short-runs file and log level, a rank's token file);
+- set by torchrun for each rank (RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, LOCAL_WORLD_SIZE, MASTER_*);
+- read for the libraries (inductor's cache folder, a device's own variables, CXX, Gradio's statistics).
+
+Outside this module a module may write the environment (for the libraries it imports next or the
+children it starts) and copy the whole of it, but never read a variable by name (tests/test_settings_reads.py).
 """
 
 from __future__ import annotations
