@@ -13,9 +13,12 @@ import sys
 from pathlib import Path
 
 from engine import settings
+from engine.config import caches
 from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
+from engine.config.presets import load_presets
+from engine.config.resolve import Catalog
 from engine.errors import ShowcaseError
-from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel
+from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel, Size
 from engine.worker.logs import quiet_third_party
 
 
@@ -33,7 +36,6 @@ def oneshot_runtime(mode: Mode, tp: int, device: str) -> str:
 
 
 def cmd_generate(args) -> int:
-    from engine.protocol import Size
     from engine.serving.manager import make_manager
 
     settings.workers_at_own_priority()
@@ -90,8 +92,6 @@ def cmd_devices(args) -> int:
 
 
 def cmd_presets(args) -> int:
-    from engine.config.presets import load_presets
-
     presets = load_presets()
     if args.json:
         print(json.dumps([p.describe() for p in presets.values()], indent=2))
@@ -124,11 +124,7 @@ def cmd_attention(args) -> int:
 
 def cmd_export(args) -> int:
     """Build the aot packages of an engine's buckets ahead of time (a Docker build step, a Space's start-up, CI)."""
-    from engine import settings
-    from engine.config import caches
-    from engine.config.resolve import Catalog
     from engine.pipeline import runner
-    from engine.protocol import Size
 
     catalog = Catalog(*presets_from_args(args))
     key = catalog.make_key(args.preset, args.device, args.precision)
@@ -208,7 +204,6 @@ def add_attention_parser(sub) -> None:
 
 def cmd_step_caches(args) -> int:
     from engine import devices
-    from engine.config.resolve import Catalog
     from engine.pipeline import stepcache
 
     catalog = Catalog(*presets_from_args(args))
