@@ -18,6 +18,8 @@ import signal
 import sys
 import threading
 
+from engine import settings
+
 log = logging.getLogger("app")
 
 
@@ -547,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        if attacher is None and args.runtime == "inprocess" and os.environ.get("SPACES_ZERO_GPU"):
+        if attacher is None and args.runtime == "inprocess" and settings.zero_gpu():
             # ZeroGPU packs the weights and registers the GPU functions when the app launches: the default
             # engine must be loaded (and its GPU call decorated) before that.
             prewarm(manager, args)

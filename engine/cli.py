@@ -13,15 +13,30 @@ import sys
 from pathlib import Path
 
 from engine import settings
+from engine.config import caches
 from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
+from engine.config.presets import load_presets
 from engine.config.request import ImageRequest
+from engine.config.resolve import Catalog
 from engine.errors import ShowcaseError
-from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel
+from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel, Size
 from engine.worker.logs import quiet_third_party
 
 
+def oneshot_runtime(mode: Mode, tp: int, device: str) -> str:
+    """Where a one-shot generate runs its engine. Eager: in this process (the `inprocess` runtime), not in
+    a worker, a second interpreter importing torch and diffusers again. A worker where isolation matters:
+    compiled modes (the compile runs at its own priority and a compiler crash ends the worker, not the
+    command), tensor parallel (torchrun's ranks), and a device whose worker is started with mode variables
+    (a variable the user exported for another mode would hold in this process)."""
+    from engine import devices
+
+    if mode is not Mode.EAGER or tp > 1 or devices.get_device(device).mode_env:
+        return "workers"
+    return "inprocess"
+
+
 def cmd_generate(args) -> int:
-    from engine.protocol import Size
     from engine.serving.manager import make_manager
 
     settings.workers_at_own_priority()
@@ -30,7 +45,8 @@ def cmd_generate(args) -> int:
     mode = Mode.parse(args.mode, "mode")
     # A one-shot run that names a style gets the LoRA slot; one that does not pays nothing for it.
     overrides = {"loras": True} if args.lora else {}
-    manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(mode,), **overrides))
+    manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(mode,), **overrides),
+                           runtime=oneshot_runtime(mode, args.tp, args.device))
     try:
         prompt = args.prompt if args.prompt is not None else manager.preset(args.preset).example_prompt
         result = manager.generate(ImageRequest(preset=args.preset, device=args.device,
@@ -77,8 +93,6 @@ def cmd_devices(args) -> int:
 
 
 def cmd_presets(args) -> int:
-    from engine.config.presets import load_presets
-
     presets = load_presets()
     if args.json:
         print(json.dumps([p.describe() for p in presets.values()], indent=2))
@@ -111,11 +125,7 @@ def cmd_attention(args) -> int:
 
 def cmd_export(args) -> int:
     """Build the aot packages of an engine's buckets ahead of time (a Docker build step, a Space's start-up, CI)."""
-    from engine import settings
-    from engine.config import caches
-    from engine.config.resolve import Catalog
     from engine.pipeline import runner
-    from engine.protocol import Size
 
     catalog = Catalog(*presets_from_args(args))
     key = catalog.make_key(args.preset, args.device, args.precision)
@@ -195,7 +205,6 @@ def add_attention_parser(sub) -> None:
 
 def cmd_step_caches(args) -> int:
     from engine import devices
-    from engine.config.resolve import Catalog
     from engine.pipeline import stepcache
 
     catalog = Catalog(*presets_from_args(args))
@@ -236,41 +245,45 @@ def add_export_parser(sub) -> None:
     e.set_defaults(func=cmd_export)
 
 
-# Every sub-command: "module:function" that adds its parser. Imported when the parser is built; an
+# Every sub-command: its name -> "module:function" that adds its parser. Imported when the parser is built
+# (only the named command's when the command line names one: a one-shot run imports no bench module); an
 # ImportError there is a bug and is raised, never hidden.
-COMMANDS = (
-    "engine.cli:add_generate_parser",
-    "engine.cli:add_devices_parser",
-    "engine.cli:add_presets_parser",
-    "engine.cli:add_attention_parser",
-    "engine.cli:add_step_caches_parser",
-    "engine.cli:add_export_parser",
-    "engine.bench:add_bench_parser",
-    "engine.bench.soak:add_soak_parser",
-    "engine.bench.load:add_load_parser",
-    "engine.bench.fairness:add_fairness_parser",
-    "engine.bench.contention:add_contention_parser",
-    "engine.bench.context_parallel:add_cp_bench_parser",
-    "engine.bench.advise:add_advise_parser",
-    "engine.bench.lora:add_lora_bench_parser",
-    "engine.bench.oneshot:add_oneshot_parser",
-)
+COMMANDS = {
+    "generate": "engine.cli:add_generate_parser",
+    "devices": "engine.cli:add_devices_parser",
+    "presets": "engine.cli:add_presets_parser",
+    "attention": "engine.cli:add_attention_parser",
+    "step-caches": "engine.cli:add_step_caches_parser",
+    "export": "engine.cli:add_export_parser",
+    "bench": "engine.bench:add_bench_parser",
+    "soak": "engine.bench.soak:add_soak_parser",
+    "load": "engine.bench.load:add_load_parser",
+    "fairness": "engine.bench.fairness:add_fairness_parser",
+    "contention": "engine.bench.contention:add_contention_parser",
+    "cp-bench": "engine.bench.context_parallel:add_cp_bench_parser",
+    "advise": "engine.bench.advise:add_advise_parser",
+    "lora-bench": "engine.bench.lora:add_lora_bench_parser",
+    "oneshot": "engine.bench.oneshot:add_oneshot_parser",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every sub-command, or of `command` alone when it is one of them."""
     import importlib
 
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    for entry in COMMANDS:
+    for entry in [COMMANDS[command]] if command in COMMANDS else COMMANDS.values():
         module, function = entry.split(":")
         getattr(importlib.import_module(module), function)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     quiet_third_party()  # the harmless library messages the app drops (engine/worker/logs.py)

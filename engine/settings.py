@@ -1,6 +1,16 @@
 """Every environment variable the project reads, in one place.
 
-Flags on the command line override these; these override the defaults below.
+Flags on the command line override these; these override the defaults below. Each variable is read by one
+named function here (its docstring says what it means); the sections, in order:
+
+- the app's own settings: cache and model folders, the server's defaults (`server_defaults`, one per flag
+  of app.py), hosting (public mode, ZeroGPU, the runtime, GPU calls), priorities and the console;
+- set by the app for its own children (a worker's short-runs file and log level, a rank's token file);
+- set by torchrun for each rank (RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, LOCAL_WORLD_SIZE, MASTER_*);
+- read for the libraries (inductor's cache folder, a device's own variables, CXX, Gradio's statistics).
+
+Outside this module a module may write the environment (for the libraries it imports next or the
+children it starts) and copy the whole of it, but never read a variable by name (tests/test_settings_reads.py).
 """
 
 from __future__ import annotations
@@ -49,7 +59,8 @@ def model_roots() -> list[Path]:
 
 
 def hf_offline() -> bool:
-    return _env("HF_HUB_OFFLINE", "0") not in ("0", "false", "False")
+    """HF_HUB_OFFLINE, read as huggingface_hub reads it (1, true, yes, on)."""
+    return (_env("HF_HUB_OFFLINE", "") or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def server_defaults() -> dict:
@@ -216,3 +227,105 @@ def mcp_server() -> bool:
     """Serve the public API endpoints as MCP tools (SHOWCASE_MCP=1). Off unless asked: it needs the optional
     `mcp` extra, and it opens the app to agents, which a host decides."""
     return (_env("SHOWCASE_MCP", "0") or "0") not in _FALSE
+
+
+# -- set by the app for its own children --------------------------------------------------------------
+def short_runs() -> str | None:
+    """The host's file of engines running a short request (SHOWCASE_SHORT_RUNS, set by the manager for a
+    cpu worker: engine/worker/priority.py ShortRuns)."""
+    return _env("SHOWCASE_SHORT_RUNS")
+
+
+def log_level() -> str:
+    """The level of a worker's or a rank's console (SHOWCASE_LOG_LEVEL, default WARNING)."""
+    return _env("SHOWCASE_LOG_LEVEL", "WARNING")
+
+
+def tp_token_file() -> str | None:
+    """The token file a tensor-parallel rank authenticates with (SHOWCASE_TP_TOKEN_FILE, set by the launcher)."""
+    return _env("SHOWCASE_TP_TOKEN_FILE")
+
+
+def tp_store_host() -> str | None:
+    """The address torchrun's stores bind to (SHOWCASE_TP_STORE_HOST, set by the launcher)."""
+    return _env("SHOWCASE_TP_STORE_HOST")
+
+
+# -- set by torchrun for each rank ----------------------------------------------------------------------
+def launched_by_torchrun() -> bool:
+    """RANK, WORLD_SIZE and LOCAL_RANK all set: this process is a rank torchrun started."""
+    return all(_env(name) is not None for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def torchrun_rank() -> int | None:
+    """RANK, or None outside a torchrun launch."""
+    value = _env("RANK")
+    return int(value) if value is not None else None
+
+
+def torchrun_world_size() -> int | None:
+    value = _env("WORLD_SIZE")
+    return int(value) if value is not None else None
+
+
+def torchrun_local_rank() -> int:
+    return int(_env("LOCAL_RANK", "0"))
+
+
+def torchrun_group_rank() -> int:
+    """GROUP_RANK: this node's index in a multi-node launch (0 on one node)."""
+    return int(_env("GROUP_RANK", "0"))
+
+
+def torchrun_local_world_size() -> int:
+    return int(_env("LOCAL_WORLD_SIZE", "1"))
+
+
+def torchrun_master() -> tuple[str | None, str | None]:
+    """(MASTER_ADDR, MASTER_PORT) of the launch's rendezvous."""
+    return _env("MASTER_ADDR"), _env("MASTER_PORT")
+
+
+# -- read for the libraries ----------------------------------------------------------------------------
+def inductor_cache_dir() -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR as this process sees it (torch writes its default into it once torch._dynamo
+    is imported: engine/devices/environment.py)."""
+    return _env("TORCHINDUCTOR_CACHE_DIR")
+
+
+def device_variable(name: str) -> str | None:
+    """A variable a device spec names in its tables (`cache_env`, `mode_env`: engine/devices/*.py), which
+    document each one; for other variables, a named function of this module."""
+    return _env(name)
+
+
+def pythonpath() -> str | None:
+    """PYTHONPATH, which a child the app starts (the advisor's bench) extends with the checkout."""
+    return _env("PYTHONPATH")
+
+
+def cxx() -> str | None:
+    """CXX: the C++ compiler inductor is pointed at when it is on the PATH."""
+    return _env("CXX")
+
+
+def aten_cpu_capability() -> str | None:
+    """ATEN_CPU_CAPABILITY: a vector ISA the user pinned (then inductor's SIMD width is left as it is)."""
+    return _env("ATEN_CPU_CAPABILITY")
+
+
+def device_backend_autoload() -> bool:
+    """TORCH_DEVICE_BACKEND_AUTOLOAD: whether torch loads device backends (torch_tpu) at `import torch`."""
+    return _env("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "0"
+
+
+def gradio_statistics_configured() -> bool:
+    """Whether the host set Gradio's queue statistics variables (then the app leaves them as they are)."""
+    return any(name in os.environ for name in GRADIO_STATISTICS_VARS)
+
+
+GRADIO_STATISTICS_VARS = ("GRADIO_ANALYTICS_CACHE_FREQUENCY", "GRADIO_ANALYTICS_MAX_EVENTS")
+
+
+def gradio_analytics_cache_frequency() -> str | None:
+    return _env("GRADIO_ANALYTICS_CACHE_FREQUENCY")

@@ -130,14 +130,14 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 
 # -- module boundaries -----------------------------------------------------------------------------
 # The UI reaches the engine through the manager it is given (EngineManager at most for type hints), the
-# typed protocol and the error classes. Exceptions, each in one module: ui/common.py asks
+# typed protocol, the error classes and the settings (every environment variable is read there). Exceptions, each in one module: ui/common.py asks
 # engine.devices and engine.pipeline.attention what the manager cannot tell (the device report, a device's
 # modes, the attention backends and step caches that can run), ui/views.py reuses the benchmark's
 # speedup_table and quality code so the UI and the bench agree, ui/advisor.py shows the advisor's
 # default bounds (it runs `python -m engine advise` in a child process), and ui/compare.py reads typed
 # configurations and times them with the bench's paired plan (engine.bench.configs, engine.bench.paired).
 ALLOWED_ENGINE_IMPORTS = {
-    "engine.protocol": None, "engine.errors": None, "engine.serving.manager": {"EngineManager", "Caller"},
+    "engine.protocol": None, "engine.errors": None, "engine.settings": None, "engine.serving.manager": {"EngineManager", "Caller"},
     "engine.pipeline.attention": {"attention_table", "DEFAULT"},
     "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
     "engine.bench": {"speedup_table"},

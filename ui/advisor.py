@@ -17,6 +17,7 @@ import gradio as gr
 import pandas as pd
 
 from engine.bench.advise import CHECKER_MIN_PSNR, DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
+from engine.settings import pythonpath
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 
@@ -139,7 +140,7 @@ class AdvisorHandlers(HandlerBase):
             argv += ["--fidelity-points", str(float(fidelity_points))]
         if min_psnr not in (None, "", 0):
             argv += ["--min-psnr", str(float(min_psnr))]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), pythonpath()]))}
         return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
 

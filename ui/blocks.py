@@ -11,6 +11,7 @@ import os
 
 import gradio as gr
 
+from engine import settings
 from ui import advisor, buckets, compare, generate, mcp, system
 from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
@@ -57,7 +58,7 @@ QUEUE_STATISTICS_OFF = {"GRADIO_ANALYTICS_CACHE_FREQUENCY": str(10**9), "GRADIO_
 
 def queue_statistics_off() -> bool:
     """Turn Gradio's per-event queue statistics off, unless the host configured them; True if off."""
-    if any(name in os.environ for name in QUEUE_STATISTICS_OFF):
+    if settings.gradio_statistics_configured():
         return False
     os.environ.update(QUEUE_STATISTICS_OFF)
     return True
@@ -73,7 +74,7 @@ def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> di
     statistics are (build_demo turns them off unless the host set them). With `demo`, its edge guard
     (ui/edge.py: body size, no uploads; ui/sockets.py: connections and headers) wraps the server, and nothing
     uploaded is ever kept."""
-    monitoring = os.environ.get("GRADIO_ANALYTICS_CACHE_FREQUENCY") != QUEUE_STATISTICS_OFF[
+    monitoring = settings.gradio_analytics_cache_frequency() != QUEUE_STATISTICS_OFF[
         "GRADIO_ANALYTICS_CACHE_FREQUENCY"]
     kwargs = {"theme": theme or gr.themes.Soft(), "css": CSS, "enable_monitoring": monitoring,
               "state_session_capacity": STATE_SESSIONS, "max_file_size": 1}

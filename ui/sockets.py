@@ -244,7 +244,7 @@ class SocketGuard:
             self._set_idle(conn, True)
         if victim is not None:
             self.count("evicted at the cap")
-            victim._bounds_close(None)
+            victim.close(None)
         return None
 
     def _victim(self, mine: int):
@@ -274,7 +274,7 @@ class SocketGuard:
             self._top -= 1
 
     def _set_idle(self, conn, idle: bool) -> None:
-        host = conn._bounds_host
+        host = conn.host
         if idle:
             if conn not in self._idle:
                 self._idle[conn] = time.monotonic()
@@ -286,11 +286,11 @@ class SocketGuard:
                 del self._idle_of[host]
 
     def _release(self, conn) -> None:
-        if not conn._bounds_counted:
+        if not conn.counted:
             return
-        conn._bounds_counted = False
+        conn.counted = False
         self.open -= 1
-        self._move(conn._bounds_host, -1)
+        self._move(conn.host, -1)
         self._set_idle(conn, False)
 
     def release(self, conn) -> None:
@@ -300,7 +300,7 @@ class SocketGuard:
     def idle(self, conn, idle: bool) -> None:
         """Whether `conn` may be closed at the cap: idle between requests or still sending headers."""
         with self._lock:
-            if conn._bounds_counted:
+            if conn.counted:
                 self._set_idle(conn, idle)
 
     def count(self, reason: str) -> None:
@@ -372,124 +372,153 @@ class SocketGuard:
         return self.protocol(http)
 
 
+class ConnectionBounds:
+    """One connection as the guard sees it (counted, idle, evicted): its address, its head scanner and the
+    deadline of the head under way, and, once refused, the answer and the linger that lets the client read it."""
+
+    def __init__(self, guard: SocketGuard, transport):
+        peer = transport.get_extra_info("peername")
+        self.guard, self.bounds, self.transport = guard, guard.bounds, transport
+        self.host = str(peer[0]) if isinstance(peer, tuple | list) and peer else "local"
+        self.scan = HeadScanner(self.bounds.max_header_bytes, self.bounds.max_headers)
+        self.done = False  # refused or closed: what still arrives is dropped
+        self.admitted = False  # handed to uvicorn's protocol
+        self.counted = False  # in the guard's counts (SocketGuard._release clears it)
+        self.responses = 0
+        self._timer = None
+        self._linger = None
+        self._drained = 0
+
+    # -- phases of the connection --------------------------------------------------------------------
+    def admit(self) -> bool:
+        """Count the connection, or answer its refusal and close it (False)."""
+        self.counted = True  # admit() undoes it when it refuses
+        refusal = self.guard.admit(self, self.host)
+        if refusal:
+            self.counted, self.done = False, True
+            self.guard.count(refusal)
+            status, message = REASONS[refusal]
+            self.transport.write(_answer(status, message))
+            self.transport.close()
+            return False
+        self.admitted = True
+        return True
+
+    @property
+    def passing(self) -> bool:
+        """Upgraded (a websocket): its frames go to the parser unscanned."""
+        return not self.done and self.scan.state == PASS
+
+    def screen(self, data: bytes) -> bool:
+        """Scan bytes of a head before the parser sees them: True to hand them on, False when dropped or refused."""
+        if self.done:  # refused: dropped, never parsed
+            self._drained += len(data)
+            if self._drained > LINGER_BYTES:
+                self.transport.abort()
+            return False
+        scan, heads = self.scan, self.scan.heads
+        refusal = scan.feed(data)
+        if refusal:
+            self.guard.count(refusal)
+            self.close(refusal)
+            return False
+        if scan.mid_head:
+            if self._timer is None:  # a next request on a kept-alive connection began
+                self.arm_deadline()
+                self.guard.idle(self, True)
+        elif scan.heads != heads:
+            self._cancel()
+            self.guard.idle(self, False)
+        return True
+
+    def after_parse(self, protocol) -> None:
+        if self.transport.get_protocol() is not protocol:
+            self.scan.stop()  # upgraded to a websocket: its frames are not requests, and it is counted no more
+            self._cancel()
+            self.guard.release(self)
+
+    def response_complete(self) -> None:
+        scan = self.scan
+        if self.responses >= scan.heads and scan.state == HEAD and not scan.mid_head:
+            self.guard.idle(self, True)  # kept alive for a next request (uvicorn's keep-alive timeout applies)
+
+    def lost(self) -> None:
+        self.guard.release(self)
+        self._cancel()
+        if self._linger is not None:
+            self._linger.cancel()
+
+    # -- the head's deadline and the close -----------------------------------------------------------
+    def arm_deadline(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self.bounds.header_timeout_s, self._late)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _late(self) -> None:
+        self._timer = None
+        scan = self.scan
+        if self.done or not (scan.mid_head or scan.heads == 0) or scan.state != HEAD:
+            return
+        self.guard.count("header timeout")
+        # A connection that sent nothing is closed silently, as an idle keep-alive one is: a client about to
+        # use it would otherwise read the 408 as its request's answer.
+        self.close("header timeout" if scan.mid_head else None)
+
+    def close(self, reason: str | None) -> None:
+        """Answer (unless a response is under way or `reason` is None) and close. After a 431 the client
+        may still be sending: its bytes are read and dropped for LINGER_S so it can read the answer."""
+        if self.done:
+            return
+        self.done = True
+        self._cancel()
+        transport = self.transport
+        status = REASONS[reason][0] if reason else None
+        if status is None or self.responses < self.scan.heads:
+            transport.close()
+            return
+        transport.write(_answer(status, REASONS[reason][1]))
+        if status == 408:
+            transport.close()
+            return
+        try:
+            transport.resume_reading()
+            transport.write_eof()
+        except (NotImplementedError, RuntimeError, OSError):  # TLS transports cannot half-close
+            transport.close()
+            return
+        self._linger = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+
+
 def _bounded_protocol(base: type, guard: SocketGuard) -> type:
-    bounds = guard.bounds
+    """`base` whose callbacks pass through a ConnectionBounds before (and after) uvicorn's own."""
 
     class Bounded(base):
-        _bounds_counted = False
-        _bounds_host = ""
-
         def connection_made(self, transport) -> None:
-            peer = transport.get_extra_info("peername")
-            self._bounds_transport = transport
-            self._bounds_host = str(peer[0]) if isinstance(peer, tuple | list) and peer else "local"
-            self._bounds_scan = HeadScanner(bounds.max_header_bytes, bounds.max_headers)
-            self._bounds_done = False
-            self._bounds_admitted = False
-            self._bounds_responses = 0
-            self._bounds_timer = None
-            self._bounds_linger = None
-            self._bounds_drained = 0
-            self._bounds_counted = True  # admit() undoes it when it refuses
-            refusal = guard.admit(self, self._bounds_host)
-            if refusal:
-                self._bounds_counted = False
-                self._bounds_done = True
-                guard.count(refusal)
-                status, message = REASONS[refusal]
-                transport.write(_answer(status, message))
-                transport.close()
-                return
-            self._bounds_admitted = True
-            super().connection_made(transport)
-            self._bounds_timer = self._bounds_loop().call_later(bounds.header_timeout_s, self._bounds_late)
+            self._bounds = conn = ConnectionBounds(guard, transport)
+            if conn.admit():
+                super().connection_made(transport)
+                conn.arm_deadline()
 
         def data_received(self, data: bytes) -> None:
-            if self._bounds_done:  # refused: what still arrives is dropped, never parsed
-                self._bounds_drained += len(data)
-                if self._bounds_drained > LINGER_BYTES:
-                    self._bounds_transport.abort()
-                return
-            scan = self._bounds_scan
-            if scan.state == PASS:
-                return super().data_received(data)
-            heads = scan.heads
-            refusal = scan.feed(data)
-            if refusal:
-                guard.count(refusal)
-                self._bounds_close(refusal)
-                return
-            if scan.mid_head:
-                if self._bounds_timer is None:  # a next request on a kept-alive connection began
-                    self._bounds_timer = self._bounds_loop().call_later(bounds.header_timeout_s, self._bounds_late)
-                    guard.idle(self, True)
-            elif scan.heads != heads:
-                self._bounds_cancel()
-                guard.idle(self, False)
-            super().data_received(data)
-            if self._bounds_transport.get_protocol() is not self:
-                scan.stop()  # upgraded to a websocket: its frames are not requests, and it is counted no more
-                self._bounds_cancel()
-                guard.release(self)
+            conn = self._bounds
+            if conn.passing:
+                super().data_received(data)
+            elif conn.screen(data):
+                super().data_received(data)
+                conn.after_parse(self)
 
         def on_response_complete(self) -> None:
-            self._bounds_responses += 1
+            self._bounds.responses += 1
             super().on_response_complete()
-            scan = self._bounds_scan
-            if self._bounds_responses >= scan.heads and scan.state == HEAD and not scan.mid_head:
-                guard.idle(self, True)  # kept alive for a next request (uvicorn's keep-alive timeout applies)
+            self._bounds.response_complete()
 
         def connection_lost(self, exc) -> None:
-            guard.release(self)
-            self._bounds_cancel()
-            if self._bounds_linger is not None:
-                self._bounds_linger.cancel()
-            if self._bounds_admitted:  # else uvicorn's protocol never saw the connection
+            self._bounds.lost()
+            if self._bounds.admitted:  # else uvicorn's protocol never saw the connection
                 super().connection_lost(exc)
-
-        # -- helpers ---------------------------------------------------------------------------------
-        @staticmethod
-        def _bounds_loop():
-            return asyncio.get_running_loop()
-
-        def _bounds_cancel(self) -> None:
-            if self._bounds_timer is not None:
-                self._bounds_timer.cancel()
-                self._bounds_timer = None
-
-        def _bounds_late(self) -> None:
-            self._bounds_timer = None
-            scan = self._bounds_scan
-            if self._bounds_done or not (scan.mid_head or scan.heads == 0) or scan.state != HEAD:
-                return
-            guard.count("header timeout")
-            # A connection that sent nothing is closed silently, as an idle keep-alive one is: a client about to
-            # use it would otherwise read the 408 as its request's answer.
-            self._bounds_close("header timeout" if scan.mid_head else None)
-
-        def _bounds_close(self, reason: str | None) -> None:
-            """Answer (unless a response is under way or `reason` is None) and close. After a 431 the client
-            may still be sending: its bytes are read and dropped for LINGER_S so it can read the answer."""
-            if self._bounds_done:
-                return
-            self._bounds_done = True
-            self._bounds_cancel()
-            transport = self._bounds_transport
-            status = REASONS[reason][0] if reason else None
-            if status is None or self._bounds_responses < self._bounds_scan.heads:
-                transport.close()
-                return
-            transport.write(_answer(status, REASONS[reason][1]))
-            if status == 408:
-                transport.close()
-                return
-            try:
-                transport.resume_reading()
-                transport.write_eof()
-            except (NotImplementedError, RuntimeError, OSError):  # TLS transports cannot half-close
-                transport.close()
-                return
-            self._bounds_linger = self._bounds_loop().call_later(LINGER_S, transport.abort)
 
     Bounded.__name__ = Bounded.__qualname__ = f"Bounded{base.__name__}"
     return Bounded

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine import devices
+from engine import devices, settings
 from engine.bench.measure import build_runner
 from engine.bench.modes import MODE_TABLE
 from engine.bench.plan import BenchPlan, plan_from_args
@@ -99,7 +99,7 @@ def cmd_compile_probe(args) -> int:
         "warmup_s": info.warmup_s,
         "state": info.state.value,
         "error": info.error,
-        "env_cache_dir": os.environ.get(INDUCTOR_CACHE_VAR),
+        "env_cache_dir": settings.inductor_cache_dir(),
         "inductor_cache_dir": _inductor_cache_dir(),
         "pid": os.getpid(),
     }), flush=True)

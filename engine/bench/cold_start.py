@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine import devices
+from engine import devices, settings
 from engine.bench.measure import build_runner
 from engine.bench.modes import MODE_TABLE
 from engine.bench.plan import BenchPlan, plan_from_args
@@ -78,7 +78,7 @@ def cmd_cold_start_child(args) -> int:
                warm_compiles=compiles_in_this_thread() - compiles_before)
     if mode.engine is Mode.AOT and plan.cold_start_runs > 0:
         _requests(runner, plan, mode.engine, out)
-    out["inductor_cache_files"] = _files(os.environ.get(INDUCTOR_CACHE_VAR))
+    out["inductor_cache_files"] = _files(settings.inductor_cache_dir())
     print(CHILD_MARK + json.dumps(out), flush=True)
     return 0
 

@@ -11,6 +11,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from engine import settings
 from engine.bench.modes import BenchMode
 from engine.config.resolve import resolve_source
 from engine.devices import INDUCTOR_CACHE_VAR, DeviceSpec
@@ -29,7 +30,7 @@ def inductor_cache_state(spec, cache_dir: Path) -> tuple[str | None, int]:
     whether a compile time was cold or served from the cache."""
     if spec.compile_backend != "inductor":
         return None, 0
-    folder = os.environ.get(INDUCTOR_CACHE_VAR) or spec.environment(cache_dir).get(INDUCTOR_CACHE_VAR)
+    folder = settings.inductor_cache_dir() or spec.environment(cache_dir).get(INDUCTOR_CACHE_VAR)
     if not folder or not Path(folder).is_dir():
         return folder, 0
     return folder, sum(len(files) for _, _, files in os.walk(folder))

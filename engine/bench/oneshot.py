@@ -3,8 +3,8 @@
     python -m engine oneshot                       # tiny-shapes, 64x64, 3 runs of each, interleaved
 
 Both are whole fresh processes timed from launch to exit (interpreter start, imports, the weights' load,
-the image, writing it), so what a one-shot CLI run pays beyond diffusers itself shows: the worker
-process, the engine's imports, its checks. The bare script loads the same folder with
+the image, writing it), so what a one-shot CLI run pays beyond diffusers itself shows: the engine's
+imports and checks (an eager run serves in the command's own process: engine/cli.py oneshot_runtime). The bare script loads the same folder with
 `DiffusionPipeline.from_pretrained` and calls the pipeline with the same prompt, size, steps and seed.
 Runs alternate (engine, bare, bare, engine, ...) so a load change on the machine hits both alike; the
 figure is the ratio of the medians. Only presets whose weights are a folder here (the embedded model, a
@@ -78,8 +78,8 @@ def _cpu_of_children() -> float:
 
 
 def _timed(argv: list[str], env: dict) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one fresh process and every process it waited for (its worker): CPU
-    time moves much less than wall time when other work shares the cores."""
+    """(wall seconds, CPU seconds) of one fresh process and every process it waited for (a worker, where
+    one runs): CPU time moves much less than wall time when other work shares the cores."""
     cpu, start = _cpu_of_children(), time.perf_counter()
     done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seconds, cpu = time.perf_counter() - start, _cpu_of_children() - cpu

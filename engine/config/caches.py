@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine import settings
+
 log = logging.getLogger(__name__)
 
 # Inductor's own switches for its on-disk caches (read when a compile starts).
@@ -86,7 +88,7 @@ def remove_corrupt_artifacts(exc: BaseException, cache_root: Path | str | None =
     shared library at all (a failure's message does not always name the file, and turning the FX graph cache
     off is not enough: inductor's C++ code cache finds the same file by its hash and loads it again). Only
     files under the inductor cache folder are touched. Returns what was removed."""
-    folder = cache_root or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    folder = cache_root or settings.inductor_cache_dir()
     if not folder or not Path(folder).is_dir():  # no known cache folder: touch nothing (not the cwd)
         return []
     root = Path(folder).resolve()
@@ -225,15 +227,3 @@ def compile_caches_enabled() -> bool:
     import torch._inductor.config as inductor_config
 
     return bool(inductor_config.fx_graph_cache or functorch_config.enable_autograd_cache)
-
-
-def folder_sizes(root: Path) -> dict[str, int]:
-    """Bytes under each top-level folder of the cache (for the System panel)."""
-    sizes = {}
-    root = Path(root)
-    if not root.is_dir():
-        return sizes
-    for child in sorted(root.iterdir()):
-        if child.is_dir():
-            sizes[child.name] = sum(f.stat().st_size for f in child.rglob("*") if f.is_file() and not f.is_symlink())
-    return sizes

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from engine import settings
 from engine.devices.spec import INDUCTOR_CACHE_ENV, Availability, DeviceSpec, PrecisionPlan, make_plan
 from engine.protocol import Mode, Precision
 
@@ -107,7 +108,7 @@ def precision(requested: str) -> PrecisionPlan:
 
 
 def find_cxx() -> str | None:
-    cxx = os.environ.get("CXX")
+    cxx = settings.cxx()
     if cxx and shutil.which(cxx):
         return cxx
     for candidate in ("g++", "clang++", "c++"):
@@ -134,14 +135,13 @@ def aot_target() -> str:
     (seconds in a process whose inductor cache is empty: docs/benchmarks.md), which would make every fresh
     process pay that before it can even look a package up. Where the ISA is forced (ATEN_CPU_CAPABILITY,
     cpp.simdlen) or the CPU is not x86, inductor's answer is the one that counts."""
-    import os
     import platform
 
     from torch._inductor import config
     from torch._inductor.cpu_vec_isa import pick_vec_isa, supported_vec_isa_list, x86_isa_checker
 
     machine = platform.machine()
-    if machine in ("x86_64", "AMD64") and config.cpp.simdlen is None and not os.environ.get("ATEN_CPU_CAPABILITY"):
+    if machine in ("x86_64", "AMD64") and config.cpp.simdlen is None and not settings.aten_cpu_capability():
         flags = set(x86_isa_checker())
         isa = next((str(isa) for isa in supported_vec_isa_list if set(str(isa).split()) <= flags), "")
     else:

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine import settings
+
 if TYPE_CHECKING:
     from engine.devices.spec import DeviceSpec
 
@@ -78,7 +80,7 @@ def user_choice(var: str, value: str | None) -> bool:
 def folders_in_force(spec: DeviceSpec) -> dict[str, str]:
     """The folders this process compiles in and writes temporary files to, as it sees them now: a worker
     reports them to the app, so /system shows where the worker really writes, not what the app computed."""
-    folders = {var: os.environ[var] for var, _ in spec.cache_env if os.environ.get(var)}
+    folders = {var: settings.device_variable(var) for var, _ in spec.cache_env if settings.device_variable(var)}
     folders[TMPDIR_VAR] = tempfile.gettempdir()
     codecache = sys.modules.get("torch._inductor.codecache")  # not imported yet: nothing compiled
     if codecache is not None and getattr(codecache, "_HEADER_DIR", None):
@@ -164,9 +166,9 @@ def apply_environment(spec: DeviceSpec, cache_dir: Path, mode: str | None = None
     wanted = spec.environment(cache_dir, mode=mode)
     in_force: dict[str, str] = {}
     for key, value in wanted.items():
-        if not user_choice(key, os.environ.get(key)):
+        if not user_choice(key, settings.device_variable(key)):
             os.environ[key] = value
-        in_force[key] = os.environ[key]
+        in_force[key] = settings.device_variable(key) or value
         if key.endswith("_DIR"):
             try:
                 Path(in_force[key]).mkdir(parents=True, exist_ok=True)

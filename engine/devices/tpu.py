@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from engine import settings
 from engine.devices import accelerator
 from engine.devices.spec import (
     Availability,
@@ -49,7 +50,7 @@ def probe() -> Availability:
         return found
     if importlib.util.find_spec("torch_tpu") is None:
         return Availability(False, f"torch_tpu is not installed: {TPU_INSTALL_HINT}")
-    if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") == "0":
+    if not settings.device_backend_autoload():
         # Autoload is off, so it was never loaded: load it now and look again.
         try:
             importlib.import_module("torch_tpu")

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from engine import settings
 from engine.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -659,7 +660,7 @@ BUILD_TIMEOUT_S = 900
 def _in_distributed_context() -> bool:
     import torch.distributed as dist
 
-    return (dist.is_available() and dist.is_initialized()) or "RANK" in os.environ
+    return (dist.is_available() and dist.is_initialized()) or settings.torchrun_rank() is not None
 
 
 def _build_in_subprocess(name: str, out_dir: Path) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from engine import settings
 from engine.errors import UnsupportedCombination
 
 DEFAULT = "native"
@@ -135,7 +136,7 @@ def _hub_cached(repo: str) -> bool:
 
 
 def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return settings.hf_offline()
 
 
 def _cap(c: tuple[int, int]) -> str:

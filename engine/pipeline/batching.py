@@ -210,17 +210,3 @@ class Gatherer:
     def _arrival(self, request: GenerateRequest) -> float:
         arrived = self.arrived(request)
         return arrived if arrived is not None else time.perf_counter()
-
-    def drain(self) -> list[GenerateRequest]:
-        """Every request still waiting (the worker answers them when it stops)."""
-        items = []
-        with self._lock:
-            items, self._backlog = list(self._backlog), collections.deque()
-        while True:
-            try:
-                item = self.source.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                items.append(item)
-        return items

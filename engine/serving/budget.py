@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.errors import InvalidRequest
 from engine.protocol import Footprint
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,6 @@ class DeviceBudget:
 
 def parse_size(text: str | int | float | None) -> int | None:
     """'3GiB', '512MiB', '2.5G', '1000000' -> bytes. None/'' -> None."""
-    from engine.errors import InvalidRequest
-
     if text is None or text == "":
         return None
     if isinstance(text, int | float):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import devices
+from engine import devices, settings
 from engine.protocol import RankExit
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def init_group(spec: devices.DeviceSpec, timeout_s: float) -> RankGroup:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = settings.torchrun_local_rank()
     device = spec.bind_local_device(local_rank)  # before init_process_group, so collectives use this rank's device
     dist.init_process_group(backend=spec.dist_backend, timeout=datetime.timedelta(seconds=timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()

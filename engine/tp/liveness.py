@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+
+from engine import settings
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ def connect_store(timeout_s: float = STORE_OP_TIMEOUT_S):
     """A client of the store that node 0's torchrun hosts (this process's own connection: one per thread)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+    addr, port = settings.torchrun_master()
+    store = dist.TCPStore(addr, int(port), is_master=False,
                           wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.PrefixStore(PREFIX, store)
 

@@ -32,6 +32,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from engine import settings
 from engine.protocol import EngineConfig, EngineOptions, Fatal, Mode, RankExit, Ready, RequestFailed, Shutdown
 from engine.tp.tokens import new_token, read_token, write_address, write_private
 
@@ -116,14 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    return settings.launched_by_torchrun()
 
 
 def config_from_args(args, world_size: int) -> EngineConfig:
     if args.config is not None:
         config = pickle.loads(Path(args.config).read_bytes())  # written 0600 by our own launcher
     else:
-        from engine import settings
         from engine.config.resolve import Catalog
 
         cache = args.cache_dir or settings.cache_dir()
@@ -144,9 +144,7 @@ def config_from_args(args, world_size: int) -> EngineConfig:
 # rank side
 # --------------------------------------------------------------------------------------------------
 def _read_token() -> tuple[bytes, Path]:
-    from engine.tp.launch import TOKEN_FILE_VAR
-
-    path = os.environ.get(TOKEN_FILE_VAR)
+    path = settings.tp_token_file()
     if path:
         return read_token(Path(path), private=False), Path(path)
     # Started with torchrun by hand: make a token, readable by this user only.
@@ -345,7 +343,7 @@ def _node_claims(args, config: EngineConfig, lead: dict) -> str | None:
     per node). The launcher passes them; a rank started by hand or by the app's node command may not."""
     from engine.protocol import Precision
 
-    node = int(os.environ.get("GROUP_RANK", "0"))
+    node = settings.torchrun_group_rank()
     if node == 0:
         return None
     me = f"node {node} (host {socket.gethostname()})"
@@ -369,7 +367,7 @@ def _node_claims(args, config: EngineConfig, lead: dict) -> str | None:
         mine = args.device
     if mine != key.device:
         return f"{me} was started with --device {mine} but node 0 serves on {key.device}"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = settings.torchrun_local_world_size()
     if lead.get("local_world") is not None and local != lead["local_world"]:
         return f"{me} runs {local} ranks but node 0 runs {lead['local_world']}: give every node the same --tp"
     return None
@@ -408,7 +406,7 @@ def _load_on_every_rank(config, group, rank: int, world: int, dump_dir, box: lis
         except Exception as exc:
             log.exception("load failed")
             error = exc
-    me = {"rank": rank, "node": int(os.environ.get("GROUP_RANK", "0")), "host": socket.gethostname(),
+    me = {"rank": rank, "node": settings.torchrun_group_rank(), "host": socket.gethostname(),
           "pid": os.getpid(), "device": str(group.device),
           "error": None if error is None else (str(error) if isinstance(error, ShowcaseError)
                                                else f"{type(error).__name__}: {error}")}
@@ -525,11 +523,11 @@ def _serve(server: _Rank0Server, runner, config, ranks, spec, from_app: bool, bo
 
 
 def rank_main(args) -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    node = int(os.environ.get("GROUP_RANK", "0"))
+    rank, world = settings.torchrun_rank(), settings.torchrun_world_size()
+    node = settings.torchrun_group_rank()
     from engine.worker import logs
 
-    logs.configure(logging.INFO if args.verbose else os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"),
+    logs.configure(logging.INFO if args.verbose else settings.log_level(),
                    process=f"tp rank {rank} node {node}", prefix=f"[tp rank {rank} node {node}] ")
     from engine.tp.group import watch_parents
 
@@ -537,7 +535,7 @@ def rank_main(args) -> None:
 
     import torch.distributed as dist
 
-    from engine import devices, settings
+    from engine import devices
     from engine.tp.group import init_group
     from engine.tp.launch import dist_timeout_s
     from engine.tp.liveness import Liveness
@@ -558,12 +556,12 @@ def rank_main(args) -> None:
 
     def node_0_gone(seconds: float) -> None:
         print(f"[tp sidecar] node {node} rank {rank}: node 0's rendezvous store "
-              f"({os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}) has been unreachable for "
+              f"({':'.join(map(str, settings.torchrun_master()))}) has been unreachable for "
               f"{seconds:.0f} s: node 0 is gone; this rank exits", file=sys.stderr, flush=True)
         _exit(RankExit.ORPHANED)
 
     liveness.start(on_store_lost=None if rank == 0 else node_0_gone)
-    shared = [config, {"local_world": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}]
+    shared = [config, {"local_world": settings.torchrun_local_world_size()}]
     dist.broadcast_object_list(shared, src=0, group=group.control)  # other nodes get rank 0's config
     config, lead = shared
     if node != 0:  # each machine has its own disk: models and compile caches come from this node's cache
@@ -575,7 +573,7 @@ def rank_main(args) -> None:
     failed = any(r["error"] for r in ranks)
     if rank != 0:
         if failed:
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node: this node's launcher explains it
+            if settings.torchrun_local_rank() == 0:  # once per node: this node's launcher explains it
                 first = next(r for r in ranks if r["error"])
                 print(f"[tp sidecar] load failed: {refused or first['error']} (rank {first['rank']}, node "
                       f"{first.get('node')}, host {first.get('host')})", file=sys.stderr, flush=True)

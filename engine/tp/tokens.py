@@ -97,12 +97,6 @@ def token_path_for(address_file: Path, info: dict) -> Path | None:
     return path
 
 
-def read_address(path: Path) -> tuple[str, int, bytes]:
-    """(host, port, token) from an address file rank 0 wrote."""
-    info = json.loads(Path(path).read_text())
-    return info["host"], int(info["port"]), read_token(token_path_for(path, info), private=False)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0].startswith("-"):

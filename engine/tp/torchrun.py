@@ -13,6 +13,8 @@ import logging
 import socket
 import sys
 
+from engine import settings
+
 log = logging.getLogger(__name__)
 
 STORE_HOST_FLAG = "--store-host="
@@ -62,9 +64,7 @@ def bind_stores(host: str) -> None:
 
 
 def bind_stores_from_env() -> None:
-    import os
-
-    host = os.environ.get(STORE_HOST_VAR)
+    host = settings.tp_store_host()
     if host:
         bind_stores(host)
 

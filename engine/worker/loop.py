@@ -202,7 +202,7 @@ class WorkerLoop:
         self.run_cost = RunCost(settings.short_request_ms(), max_extra=settings.compile_niceness() - 2) \
             if runner.spec.host_memory_is_device_memory else None
         # This engine's short-run slot: which engines run a short request (set by the manager for cpu engines)
-        self.short_runs = ShortRuns.from_env(os.environ.get("SHOWCASE_SHORT_RUNS")) \
+        self.short_runs = ShortRuns.from_env(settings.short_runs()) \
             if self.run_cost is not None and settings.long_requests_step_aside() else None
         # Queued requests that can share a denoiser call are served by one pipeline call (engine/pipeline/batching.py).
         options = getattr(runner, "options", None)
@@ -469,6 +469,7 @@ class WorkerLoop:
         tells the others it runs."""
         cancels = [self._cancels.setdefault(r.request_id, threading.Event()) for r in group]
         logged_as = logs.REQUEST_ID.set(",".join(r.request_id for r in group))  # this thread's log lines
+        log.debug("serving %d request(s) at %s", len(group), group[0].bucket)
         crash = self.runner.faults.take(Fault.CRASH)
         short_runs = self.short_runs
         step_aside = short_runs.step_aside if short_runs is not None and long else None
@@ -666,7 +667,7 @@ def _serve_engine(config, conn, env: dict[str, str]) -> None:
         os.nice(settings.worker_niceness())  # below the web server: it answers first under full load
     except OSError:
         pass
-    logs.configure(os.environ.get("SHOWCASE_LOG_LEVEL", "WARNING"), process=f"worker {config.key}",
+    logs.configure(settings.log_level(), process=f"worker {config.key}",
                    prefix=f"[worker {config.key}] ")
     made: dict = {}
 
