@@ -325,7 +325,7 @@ class PipelineRunner:
     # -- set-up ----------------------------------------------------------------------------------
     def largest_batch(self) -> int:
         """How many requests one call may serve (the --max-batch flag, else the device's default)."""
-        return batching.max_batch_for(self.options.max_batch, self.spec, self.config.key.tp)
+        return batching.max_batch_for(self.options.batching.max_batch, self.spec, self.config.key.tp)
 
     @property
     def compute_precision(self) -> str:
@@ -338,7 +338,7 @@ class PipelineRunner:
 
     def _excluded(self, mode: Mode) -> str:
         """Why this engine's options rule `mode` out ("" when they do not)."""
-        if self.options.cpu_offload and mode in (Mode.COMPILE, Mode.AOT):
+        if self.options.recipe.cpu_offload and mode in (Mode.COMPILE, Mode.AOT):
             # Offload hooks cannot be traced (seed: compile only the repeated blocks), and an aot package
             # points at weights that offload moves between devices.
             return "CPU offload is on"
@@ -376,7 +376,7 @@ class PipelineRunner:
     def load(self) -> float:
         start = time.perf_counter()
         # An attention backend this device cannot run is refused before any weights load.
-        attention.check_backend(self.options.attention_backend, self.spec, self.compute_precision)
+        attention.check_backend(self.options.recipe.attention_backend, self.spec, self.compute_precision)
         # Before diffusers is imported: importing it pulls in torch._dynamo, which fixes
         # TORCHINDUCTOR_CACHE_DIR to /tmp when unset, and the persistent cache would be ignored.
         env = devices.apply_environment(self.spec, self.config.cache_path())
@@ -406,7 +406,7 @@ class PipelineRunner:
         if self.preset.repeated_blocks:
             getattr(pipe, self.preset.denoiser)._repeated_blocks = list(self.preset.repeated_blocks)
         self.notices += recipes.apply_load_steps(pipe, self.preset.denoiser, self.options)
-        if self.options.cpu_offload:
+        if self.options.recipe.cpu_offload:
             pipe.enable_model_cpu_offload(device=self.load_device())
             self.notices.append("model CPU offload: each model moves to the device only while it runs")
         else:
@@ -416,7 +416,7 @@ class PipelineRunner:
             self._prepare_loras(pipe)
         if self.precision.precision.quantized:
             self.notices.append(recipes.quantize_denoiser(pipe, self.preset.denoiser, self.precision.precision))
-        self.notices += attention.apply_backend(getattr(pipe, self.preset.denoiser), self.options.attention_backend,
+        self.notices += attention.apply_backend(getattr(pipe, self.preset.denoiser), self.options.recipe.attention_backend,
                                                 self.spec, self.compute_precision)
         self.notices += recipes.apply_inductor_flags(self.options, self.spec)
         self.pipe = pipe
@@ -431,7 +431,7 @@ class PipelineRunner:
 
     def lora_refusal(self) -> str:
         """Why this engine serves no LoRA although its preset lists some ("" when it can)."""
-        if not self.options.loras:
+        if not self.options.recipe.loras:
             return ("this engine was started without LoRA styles: the host turns them on with --loras (each adds "
                     "a slot whose matmuls run on every step)")
         if self.config.key.tp > 1:
@@ -469,7 +469,7 @@ class PipelineRunner:
                 if self.faults.should_fail_compile():
                     kwargs["backend"] = failing_backend
                 replaced = {self.preset.denoiser: compile_denoiser(getattr(base, self.preset.denoiser), mode, kwargs)}
-                if mode is Mode.COMPILE and self.options.compile_vae:
+                if mode is Mode.COMPILE and self.options.recipe.compile_vae:
                     replaced["vae"] = variants.vae_decoding_with(
                         base.vae, torch.compile(base.vae.decode, **{**kwargs, "fullgraph": False}))
                 pipe = variants.pipeline_over(base, **replaced)
@@ -778,7 +778,7 @@ class PipelineRunner:
             prompt="warm-up",
             width=bucket.size.width,
             height=bucket.size.height,
-            steps=self.options.warm_steps,
+            steps=self.options.warmup.steps,
             guidance=self.preset.guidance if guidance is None else guidance,
             seed=0,
             mode=bucket.mode,
@@ -953,13 +953,13 @@ class PipelineRunner:
     def buckets_to_warm(self) -> list[BucketKey]:
         """The configured start-up warm list, most-used size first (the preset's order)."""
         sizes = self.preset.buckets
-        if self.options.warm_sizes is not None:
-            sizes = tuple(Size.parse(s) for s in self.options.warm_sizes)
-        solo = [BucketKey(m, s) for s in sizes for m in self.options.warm_modes if m in self.modes()]
+        if self.options.warmup.sizes is not None:
+            sizes = tuple(Size.parse(s) for s in self.options.warmup.sizes)
+        solo = [BucketKey(m, s) for s in sizes for m in self.options.warmup.modes if m in self.modes()]
         # Then the batch sizes of the first size (the default bucket), the largest first: it serves a burst
         # in the fewest calls, and a group the largest cannot fill runs as the smaller warm ones meanwhile.
         batched = [BucketKey(m, sizes[0], b) for b in reversed(self.batch_sizes[1:])
-                   for m in self.options.warm_modes if m in self.modes() and m.compiled] if sizes else []
+                   for m in self.options.warmup.modes if m in self.modes() and m.compiled] if sizes else []
         return solo + batched
 
 

@@ -46,9 +46,13 @@ from engine.protocol.messages import (
     dispatch,
 )
 from engine.protocol.options import (
+    FLAT_FIELDS,
+    BatchingOptions,
     EngineConfig,
     EngineOptions,
+    RecipeOptions,
     TestingOptions,
+    WarmupOptions,
 )
 from engine.protocol.presets import (
     DEFAULT_PRESET,
@@ -90,6 +94,10 @@ from engine.protocol.vocabulary import (
 )
 
 __all__ = [
+    "FLAT_FIELDS",
+    "BatchingOptions",
+    "RecipeOptions",
+    "WarmupOptions",
     "BucketChanged",
     "BucketInfo",
     "BucketKey",

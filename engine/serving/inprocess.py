@@ -374,7 +374,7 @@ class InProcessClient(ConnectionClient):
                 torch.set_num_threads(self.threads)
             runner = InProcessRunner(self.config, listener=listener)
             self.runner = gpu_runner = GpuRunner(runner, self.gpu)
-            made["loop"] = loop = InProcessLoop(conn, gpu_runner, max_queue=self.config.options.max_queue)
+            made["loop"] = loop = InProcessLoop(conn, gpu_runner, max_queue=self.config.options.batching.max_queue)
             runner.load()
             if not self.gpu.forks:  # the measuring step runs device work: only where this process has the device
                 runner.measure_peak()

@@ -205,9 +205,9 @@ class WorkerLoop:
         self.short_runs = ShortRuns.from_env(os.environ.get("SHOWCASE_SHORT_RUNS")) \
             if self.run_cost is not None and settings.long_requests_step_aside() else None
         # Queued requests that can share a denoiser call are served by one pipeline call (engine/pipeline/batching.py).
-        options = getattr(runner, "options", None)
+        batching = getattr(getattr(runner, "options", None), "batching", None)
         self.batcher = Gatherer(self._requests, getattr(runner, "max_batch", 1),
-                                getattr(options, "batch_wait_ms", 0.0), arrived=lambda r: self._received.get(r.request_id),
+                                getattr(batching, "batch_wait_ms", 0.0), arrived=lambda r: self._received.get(r.request_id),
                                 sizes_for=self._batch_sizes_for, on_split=self._want_batch_size)
 
     def learn_from_measuring_run(self) -> None:
@@ -674,7 +674,7 @@ def _serve_engine(config, conn, env: dict[str, str]) -> None:
         from engine.pipeline.runner import PipelineRunner
 
         runner = PipelineRunner(config, listener=lambda info: made.get("loop") and made["loop"].send(BucketChanged(info)))
-        made["loop"] = WorkerLoop(conn, runner, max_queue=config.options.max_queue)
+        made["loop"] = WorkerLoop(conn, runner, max_queue=config.options.batching.max_queue)
         runner.load()
         runner.measure_peak()  # the footprint it reports counts a real run, not just the weights
         made["loop"].learn_from_measuring_run()
