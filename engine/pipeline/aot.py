@@ -558,7 +558,7 @@ class AotEngine:
             steps=1, request_id=f"aot-capture-{bucket}")
         members = [request.replace(seed=i) for i in range(bucket.batch)] if bucket.batch > 1 else None
         try:
-            r._call(run, request, members=members)
+            r.caller.call(run, request, members=members)
         except _StopCapture:
             pass
         if captured.denoiser is None or (decode and captured.decode is None):

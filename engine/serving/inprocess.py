@@ -148,7 +148,7 @@ class LazyPackage:
 
 def install_committed(runner: PipelineRunner, size: Size) -> bool:
     """Install every committed package of a size lazily; False when one is missing (nothing installed)."""
-    engine = runner._aot
+    engine = runner.aot
     planned = []
     for i, guidance in enumerate(runner.warm_guidances()):
         kinds = [aot.DENOISER] + ([aot.VAE] if engine.decoder is not None and i == 0 else [])
