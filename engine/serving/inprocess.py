@@ -47,7 +47,8 @@ from engine.protocol import (
 )
 from engine.serving.gpu import Durations, GpuCalls, make_gpu_calls
 from engine.worker.client import ConnectionClient
-from engine.worker.loop import WorkerLoop, run_on_lowered_thread
+from engine.worker.loop import WorkerLoop
+from engine.worker.priority import run_on_lowered_thread
 
 log = logging.getLogger(__name__)
 
