@@ -31,9 +31,9 @@ from engine.pipeline.clock import install_compile_counter as _install_compile_co
 from engine.pipeline.faults import Faults
 from engine.pipeline.footprint import engine_footprint, weights_bytes
 from engine.pipeline.loading import PipelineLoader, lora_refusal
+from engine.pipeline.modes import VariantSet, clone_module_tree, compile_denoiser
 from engine.pipeline.png import encode_png
 from engine.pipeline.progress import progress_bar
-from engine.pipeline.variants import VariantSet, clone_module_tree, compile_denoiser
 from engine.pipeline.warmup import Warmup
 from engine.protocol import (
     BucketInfo,
