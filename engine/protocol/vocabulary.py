@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 from engine.errors import InvalidRequest
 
@@ -289,24 +290,35 @@ class EngineKey:
 
     preset: str
     device: str
-    precision: Precision
+    precision: Precision | None  # None: not known yet (EngineKey.unknown)
     tp: int = 1  # ranks
     parallel: Parallel = Parallel.TENSOR  # how the ranks split the denoiser (one rank: always tensor)
 
+    UNKNOWN: ClassVar[str] = "?"  # how an unknown part is shown
+
     def __post_init__(self):
-        if self.precision != "?":  # "?": a client that has not heard the engine's Ready yet
+        if self.precision is not None:
             _coerce(self, "precision", Precision)
         _coerce(self, "parallel", Parallel)
         if self.tp <= 1 and self.parallel is not Parallel.TENSOR:
             object.__setattr__(self, "parallel", Parallel.TENSOR)  # one process: no layout, one key
 
+    @classmethod
+    def unknown(cls) -> EngineKey:
+        """The key of a client that has not heard its engine's Ready yet (an attached sidecar)."""
+        return cls(cls.UNKNOWN, cls.UNKNOWN, None, 0)
+
+    @property
+    def precision_label(self) -> str:
+        return self.UNKNOWN if self.precision is None else str(self.precision)
+
     def __str__(self) -> str:
         tp = f" {'tp' if self.parallel is Parallel.TENSOR else self.parallel}{self.tp}" if self.tp > 1 else ""
-        return f"{self.preset}@{self.device}/{self.precision}{tp}"
+        return f"{self.preset}@{self.device}/{self.precision_label}{tp}"
 
     def as_dict(self) -> dict:
         return {"engine": str(self), "preset": self.preset, "device": self.device,
-                "precision": str(self.precision), "tp": self.tp, "parallel": str(self.parallel)}
+                "precision": self.precision_label, "tp": self.tp, "parallel": str(self.parallel)}
 
 
 @dataclass(frozen=True, order=True)

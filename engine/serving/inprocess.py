@@ -371,7 +371,7 @@ class InProcessClient(ConnectionClient):
                 import torch
 
                 # Process-wide, as OMP_NUM_THREADS is for a worker: more compute threads than this share
-                # spin against the web server and each other (a 68 ms image took 2.7 s on a busy 2-core box).
+                # spin against the web server and each other (docs/spaces.md).
                 torch.set_num_threads(self.threads)
             runner = InProcessRunner(self.config, listener=listener)
             self.runner = gpu_runner = GpuRunner(runner, self.gpu)
