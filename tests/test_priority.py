@@ -24,8 +24,8 @@ from engine.protocol import (
     StepProgress,
     Timings,
 )
-from engine.worker.loop import WorkerLoop, YieldToRequests
-from engine.worker.priority import RunCost, ShortRuns, ShortRunSlots
+from engine.worker.loop import WorkerLoop
+from engine.worker.priority import RunCost, ShortRuns, ShortRunSlots, YieldToRequests
 
 SMALL, BIG = Size(64, 64), Size(128, 128)
 
@@ -152,11 +152,11 @@ def test_a_long_request_runs_on_a_niced_thread_and_a_short_one_at_the_workers_pr
     loop = WorkerLoop(conn, runner)
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
-    loop._serve(_request(Mode.EAGER, 4))  # nothing known yet: at the worker's priority
-    loop._serve(_request(Mode.REGIONAL, 2))  # first of its variant: likewise
-    loop._serve(_request(Mode.EAGER, 4))  # 400 ms expected: long (two doublings)
-    loop._serve(_request(Mode.REGIONAL, 2))  # 40 ms expected: short
-    loop._serve(_request(Mode.COMPILE, 2))  # compile mode, bucket cold: served eagerly, 200 ms (one doubling)
+    loop.serve([_request(Mode.EAGER, 4)])  # nothing known yet: at the worker's priority
+    loop.serve([_request(Mode.REGIONAL, 2)])  # first of its variant: likewise
+    loop.serve([_request(Mode.EAGER, 4)])  # 400 ms expected: long (two doublings)
+    loop.serve([_request(Mode.REGIONAL, 2)])  # 40 ms expected: short
+    loop.serve([_request(Mode.COMPILE, 2)])  # compile mode, bucket cold: served eagerly, 200 ms (one doubling)
 
     here = threading.get_ident()
     assert [n - base for n in runner.niceness] == [0, 0, min(19 - base, 4), 0, min(19 - base, 2)]
@@ -175,9 +175,9 @@ def test_the_loads_measuring_run_is_the_first_estimate_so_a_new_engines_long_req
     loop = WorkerLoop(_Conn(), runner)
     loop.learn_from_measuring_run()
     assert loop.run_cost.expected_ms("eager", SMALL, 10) == pytest.approx(300.0)  # a quarter of the pixels
-    loop._serve(_request(Mode.EAGER, 10))  # its very first request: known to be long
+    loop.serve([_request(Mode.EAGER, 10)])  # its very first request: known to be long
     assert runner.threads[-1] != threading.get_ident()
-    loop._serve(_request(Mode.EAGER, 1))  # 30 ms: short
+    loop.serve([_request(Mode.EAGER, 1)])  # 30 ms: short
     assert runner.threads[-1] == threading.get_ident()
 
 
@@ -186,8 +186,8 @@ def test_accelerator_engines_do_not_order_by_niceness():
     runner.spec.host_memory_is_device_memory = False
     loop = WorkerLoop(_Conn(), runner)
     assert loop.run_cost is None
-    loop._serve(_request(Mode.EAGER, 4))
-    loop._serve(_request(Mode.EAGER, 4))
+    loop.serve([_request(Mode.EAGER, 4)])
+    loop.serve([_request(Mode.EAGER, 4)])
     assert runner.threads == [threading.get_ident()] * 2
 
 
@@ -235,15 +235,15 @@ def test_a_long_request_waits_between_its_steps_while_another_engine_runs_a_shor
     assert loop.short_runs is not None and loop.short_runs.slot == mine.slot
     runner.short_runs = loop.short_runs
     loop.short_runs.max_wait_s = 5.0
-    loop._serve(_request(Mode.EAGER, 4))  # learn the costs (nothing known: served as short)
-    loop._serve(_request(Mode.REGIONAL, 2))
+    loop.serve([_request(Mode.EAGER, 4)])  # learn the costs (nothing known: served as short)
+    loop.serve([_request(Mode.REGIONAL, 2)])
     assert runner.announced == [True, True]  # a short request marks its byte while it runs...
     assert not elsewhere.others_running()  # ...and clears it after
 
     elsewhere.set_running(True)  # another engine runs a short request for 0.2 s
     threading.Timer(0.2, elsewhere.set_running, args=(False,)).start()
     started = time.monotonic()
-    loop._serve(_request(Mode.EAGER, 4))  # 400 ms expected: long
+    loop.serve([_request(Mode.EAGER, 4)])  # 400 ms expected: long
     steps = runner.step_at[-1]
     assert runner.announced[-1] is False  # a long one does not
     assert steps[0] - started >= 0.18  # it waited before its first step, until the short one ended
@@ -251,7 +251,7 @@ def test_a_long_request_waits_between_its_steps_while_another_engine_runs_a_shor
 
     elsewhere.set_running(True)
     started = time.monotonic()
-    loop._serve(_request(Mode.REGIONAL, 2))  # short: never waits for other short ones
+    loop.serve([_request(Mode.REGIONAL, 2)])  # short: never waits for other short ones
     assert runner.step_at[-1][0] - started < 1.0  # a wait would last its 5 s bound
     elsewhere.set_running(False)
     slots.remove()
@@ -389,7 +389,7 @@ def test_a_request_waits_for_an_fx_trace_under_way_which_is_never_paused():
 def test_loading_runs_on_a_thread_below_the_serving_one_and_hands_back_its_result_or_error():
     """A worker loads its pipeline (imports, weights, a measuring run) as far below its requests as its
     compiles, so engines loading for new visitors do not slow loaded engines' requests."""
-    from engine.worker.loop import run_on_lowered_thread
+    from engine.worker.priority import run_on_lowered_thread
 
     here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     seen = run_on_lowered_thread(lambda: (os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),

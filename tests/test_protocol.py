@@ -45,3 +45,20 @@ def test_a_message_goes_to_its_classs_handler_and_an_unknown_one_is_refused(capl
     assert seen == [Cancel("r1"), Shutdown()]
     assert not dispatch(Warm(None), handlers, logging.getLogger("test"), "the test")
     assert "unknown message from the test: 'Warm'" in caplog.text
+
+
+def test_engine_options_are_composed_by_concern_and_read_by_flat_name():
+    import dataclasses
+    import pickle
+
+    from engine.protocol import BatchingOptions, EngineOptions, Mode, RecipeOptions, WarmupOptions
+
+    options = EngineOptions(warm_sizes=(), max_batch=1, cuda_graphs=True, warm_modes=("aot",))
+    assert options.warmup == WarmupOptions(modes=(Mode.AOT,), sizes=())
+    assert options.batching == BatchingOptions(max_batch=1) and options.recipe == RecipeOptions(cuda_graphs=True)
+    assert (options.warm_sizes, options.max_batch, options.cuda_graphs) == ((), 1, True)  # the flags' spelling
+    assert EngineOptions.batch_wait_ms == BatchingOptions.batch_wait_ms  # a flat name's default, on the class
+    assert pickle.loads(pickle.dumps(options)) == options  # it travels to a worker pickled
+    changed = dataclasses.replace(options, max_autotune=True)
+    assert changed.recipe.max_autotune and changed.batching == options.batching
+    assert EngineOptions(recipe=RecipeOptions(loras=True), fuse_qkv=True).recipe == RecipeOptions(loras=True, fuse_qkv=True)

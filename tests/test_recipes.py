@@ -244,7 +244,8 @@ def test_step_callback_reads_cloned_outputs_under_cuda_graphs(cache_dir, monkeyp
                           EngineOptions(cuda_graphs=cuda_graphs), str(cache_dir))
     runner = PipelineRunner(config)
     runner.spec = dataclasses.replace(runner.spec, cuda_graphs=True)  # mock: a device that records graphs
-    runner._scheduler_template = _FakeScheduler()
+    runner.caller.spec = runner.spec
+    runner.caller.scheduler_template = _FakeScheduler()
     pipe, progress, cancel = _FakePipe(), [], threading.Event()
     req = GenerateRequest(prompt="x", width=64, height=64, steps=5, guidance=3.5, seed=0, mode="compile")
 
@@ -253,7 +254,7 @@ def test_step_callback_reads_cloned_outputs_under_cuda_graphs(cache_dir, monkeyp
         if p.step == 3:
             cancel.set()
 
-    _, timings, cancelled_at = runner._call(pipe, req, on_step=on_step, cancel=cancel)
+    _, timings, cancelled_at = runner.caller.call(pipe, req, on_step=on_step, cancel=cancel)
     assert cancelled_at == 3 and len(pipe.steps) == 3  # cancel still stops between steps
     assert [p.step for p in progress] == [1, 2, 3] and all(p.step_ms > 0 for p in progress)
     assert len(timings.step_ms) == 3
@@ -261,7 +262,7 @@ def test_step_callback_reads_cloned_outputs_under_cuda_graphs(cache_dir, monkeyp
         assert torch.equal(output, returned)
         assert (returned.data_ptr() != output.data_ptr()) is cuda_graphs  # a clone only under CUDA graphs
     assert len(marks) == (3 if cuda_graphs else 0)  # each step ends a graph step
-    eager = runner._call(_FakePipe(), req.replace(mode="eager"))  # eager never replays graphs
+    eager = runner.caller.call(_FakePipe(), req.replace(mode="eager"))  # eager never replays graphs
     assert len(marks) == (3 if cuda_graphs else 0) and eager[2] is None
 
 

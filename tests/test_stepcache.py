@@ -119,7 +119,7 @@ def runner(cache_dir, tiny_models, tmp_path_factory):
     r = PipelineRunner(config)
     r.load()
     # magcache calibrations go to a fresh folder: the first magcache request calibrates here
-    r._step_caches.cache_dir = tmp_path_factory.mktemp("stepcache")
+    r.step_caches.cache_dir = tmp_path_factory.mktemp("stepcache")
     return r
 
 
@@ -205,11 +205,11 @@ def test_a_cache_variant_is_reused_and_its_state_reset(runner):
 
 
 def test_magcache_calibrates_once_per_steps_and_stores_it(runner):
-    path = runner._step_caches.calibration_path(6)
+    path = runner.step_caches.calibration_path(6)
     assert not path.exists()
     first, _ = _run(runner, _request("magcache", steps=6))
     notice = next(n for n in first.notices if "magcache: calibrated" in n)
-    assert str(runner._step_caches.cache_dir) not in notice and scrub_paths(notice) == notice  # no server path
+    assert str(runner.step_caches.cache_dir) not in notice and scrub_paths(notice) == notice  # no server path
     stored = json.loads(path.read_text())
     assert stored["steps"] == 6 and len(stored["mag_ratios"]) == 6 and stored["mag_ratios"][0] == 1.0
     other, _ = _run(runner, _request("magcache:0.1", steps=6))  # another threshold: a new variant, same ratios

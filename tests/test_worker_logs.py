@@ -32,6 +32,6 @@ def test_a_workers_log_line_during_a_generate_carries_the_request_id(cache_dir, 
         other = manager.generate(**REQUEST)
     worker = [line for line in json_lines(capfd.readouterr().err) if line.get("process", "").startswith("worker ")]
     assert worker, "the worker logged no JSON line"
-    serving = [line for line in worker if line["logger"] == "engine.worker.loop" and "serving" in line["message"]]
+    serving = [line for line in worker if line["logger"] == "engine.worker.serving" and "serving" in line["message"]]
     assert [line["request_id"] for line in serving] == [result.request_id, other.request_id]
     assert {line["request_id"] for line in worker} <= {None, result.request_id, other.request_id}

@@ -1,7 +1,16 @@
 """Layer 4, pipeline: one diffusers pipeline on one device, and every lever that changes how it runs.
 
-    runner.py       PipelineRunner: load once per (model, device, precision), one variant per mode,
-                    per-bucket compiled graphs, warm-up, timed runs, batched calls
+    runner.py       PipelineRunner: the facade over the parts below (what the worker, a TP rank and the
+                    in-process runtime call): modes, load, one request, a batch, warm-up, footprint
+    loading.py      the weights loaded once per (model, device, precision), load-time recipes applied
+    modes.py        one pipeline per mode over those weights (VariantSet), compiled lazily per shape
+    calls.py        one pipeline call on a private copy of a variant, timed step by step, cancellable
+    batchrun.py     requests sharing one call, each answered on its own (BatchRun)
+    warmup.py       compiling and warming a bucket, the compile caches' recovery, the start-up list
+    board.py        the bucket board (thread-safe states, pushed to a listener) and a failure's one line
+    clock.py        a run's clock, the graphs a thread compiled, the compile caches' hits and misses
+    footprint.py    what an engine holds: weights, measured peak, resident memory
+    png.py          a result's image as PNG, its generation parameters inside
     variants.py     pipelines over the loaded pipeline's components (mode, step-cache and aot variants)
                     and the per-run copy
     recipes.py      the optimisation recipes, one named step each, driven by EngineOptions

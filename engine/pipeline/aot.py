@@ -62,7 +62,7 @@ KEEP_PER_SLOT = 3  # key versions kept per (kind, device, precision, size, batch
 ORIGIN_LOADED = "loaded from package"
 ORIGIN_BUILT = "built now"
 DENOISER, VAE = "denoiser", "vae"
-# EngineOptions that change the exported or compiled graph (and so are part of the key).
+# RecipeOptions that change the exported or compiled graph (and so are part of the key).
 GRAPH_OPTIONS = ("fuse_qkv", "channels_last", "max_autotune", "attention_backend", "cuda_graphs")
 
 
@@ -501,7 +501,7 @@ class AotEngine:
         self.denoiser_name = runner.preset.denoiser
         self.real_denoiser = getattr(base, self.denoiser_name)
         self.denoiser = AotDenoiser(self.real_denoiser)
-        self.decoder = AotDecoder(base.vae) if runner.options.compile_vae and getattr(base, "vae", None) else None
+        self.decoder = AotDecoder(base.vae) if runner.options.recipe.compile_vae and getattr(base, "vae", None) else None
         replaced = {self.denoiser_name: self.denoiser}
         if self.decoder is not None:
             replaced["vae"] = vae_decoding_with(base.vae, self.decoder)
@@ -525,8 +525,8 @@ class AotEngine:
         r = self.runner
         component = self.denoiser_name if kind == DENOISER else "vae"
         module = self.real_denoiser if kind == DENOISER else r.pipe.vae
-        options = {name: getattr(r.options, name) for name in GRAPH_OPTIONS}
-        flags = r.options.inductor_flags
+        options = {name: getattr(r.options.recipe, name) for name in GRAPH_OPTIONS}
+        flags = r.options.recipe.inductor_flags
         options["inductor_flags"] = bool(r.spec.inductor_flags_default if flags is None else flags)
         return {
             "format": AOT_FORMAT, "kind": kind, "preset": r.preset.name, "pipeline": r.preset.pipeline,
@@ -558,7 +558,7 @@ class AotEngine:
             steps=1, request_id=f"aot-capture-{bucket}")
         members = [request.replace(seed=i) for i in range(bucket.batch)] if bucket.batch > 1 else None
         try:
-            r._call(run, request, members=members)
+            r.caller.call(run, request, members=members)
         except _StopCapture:
             pass
         if captured.denoiser is None or (decode and captured.decode is None):

@@ -102,7 +102,7 @@ LOAD_STEPS = (
 def apply_load_steps(pipe, denoiser_name: str, options: EngineOptions) -> list[str]:
     notices = []
     for name, step in LOAD_STEPS:
-        if getattr(options, name):
+        if getattr(options.recipe, name):
             notices.append(step(pipe, denoiser_name))
             log.info("recipe %s: %s", name, notices[-1])
     return notices
@@ -118,7 +118,7 @@ INDUCTOR_FLAGS = {
 
 
 def apply_inductor_flags(options: EngineOptions, device_spec) -> list[str]:
-    wanted = options.inductor_flags
+    wanted = options.recipe.inductor_flags
     if wanted is None:
         wanted = device_spec.inductor_flags_default
     if not wanted or device_spec.compile_backend != "inductor":
@@ -137,7 +137,7 @@ CUDA_GRAPH_MODES = (Mode.COMPILE, Mode.AOT)
 
 def cuda_graphs_notices(options: EngineOptions, device_spec, mode: Mode) -> list[str]:
     """What --cuda-graphs does for `mode` on this device; UnsupportedCombination where it cannot."""
-    if not options.cuda_graphs or not mode.compiled:
+    if not options.recipe.cuda_graphs or not mode.compiled:
         return []
     if mode not in CUDA_GRAPH_MODES:
         return [f"CUDA graphs apply to {' and '.join(CUDA_GRAPH_MODES)}; {mode} runs without them"]
@@ -150,7 +150,7 @@ def cuda_graphs_notices(options: EngineOptions, device_spec, mode: Mode) -> list
 
 
 def cuda_graphs_active(options: EngineOptions, device_spec, mode) -> bool:
-    return bool(options.cuda_graphs and device_spec.cuda_graphs and mode in CUDA_GRAPH_MODES)
+    return bool(options.recipe.cuda_graphs and device_spec.cuda_graphs and mode in CUDA_GRAPH_MODES)
 
 
 def graph_safe_outputs(callback_kwargs: dict) -> dict:
@@ -164,7 +164,7 @@ def graph_safe_outputs(callback_kwargs: dict) -> dict:
 def aot_inductor_configs(options: EngineOptions, device_spec) -> dict:
     """inductor settings an AOTInductor package is compiled with (the global inductor flags apply too)."""
     configs = {"aot_inductor.package_constants_in_so": False}  # weights stay out: one copy, the engine's
-    if options.max_autotune and device_spec.compile_backend == "inductor":
+    if options.recipe.max_autotune and device_spec.compile_backend == "inductor":
         configs["max_autotune"] = True
     if cuda_graphs_active(options, device_spec, Mode.AOT):
         configs["triton.cudagraphs"] = True
@@ -176,16 +176,16 @@ def compile_kwargs(options: EngineOptions, device_spec, fullgraph: bool = True,
     """torch.compile arguments for this device, options and engine mode, with notices for what was downgraded."""
     notices = []
     kwargs = {"backend": device_spec.compile_backend, "fullgraph": fullgraph}
-    if options.dynamic and device_spec.static_shapes:
+    if options.recipe.dynamic and device_spec.static_shapes:
         notices.append(f"dynamic shapes are not possible on {device_spec.name} (static-shape compiler); using static")
-    if options.dynamic and not device_spec.static_shapes:
+    if options.recipe.dynamic and not device_spec.static_shapes:
         import torch.fx.experimental._config as fx_config
 
         fx_config.use_duck_shape = False  # distinct sizes must not be unified into one symbol
         kwargs["dynamic"] = True
     else:
         kwargs["dynamic"] = False
-    if options.max_autotune:
+    if options.recipe.max_autotune:
         if device_spec.compile_backend == "inductor":
             kwargs["mode"] = "max-autotune"
         else:

@@ -47,7 +47,8 @@ from engine.protocol import (
 )
 from engine.serving.gpu import Durations, GpuCalls, make_gpu_calls
 from engine.worker.client import ConnectionClient
-from engine.worker.loop import WorkerLoop, run_on_lowered_thread
+from engine.worker.loop import WorkerLoop
+from engine.worker.priority import run_on_lowered_thread
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class LazyPackage:
 
 def install_committed(runner: PipelineRunner, size: Size) -> bool:
     """Install every committed package of a size lazily; False when one is missing (nothing installed)."""
-    engine = runner._aot
+    engine = runner.aot
     planned = []
     for i, guidance in enumerate(runner.warm_guidances()):
         kinds = [aot.DENOISER] + ([aot.VAE] if engine.decoder is not None and i == 0 else [])
@@ -370,11 +371,11 @@ class InProcessClient(ConnectionClient):
                 import torch
 
                 # Process-wide, as OMP_NUM_THREADS is for a worker: more compute threads than this share
-                # spin against the web server and each other (a 68 ms image took 2.7 s on a busy 2-core box).
+                # spin against the web server and each other (docs/spaces.md).
                 torch.set_num_threads(self.threads)
             runner = InProcessRunner(self.config, listener=listener)
             self.runner = gpu_runner = GpuRunner(runner, self.gpu)
-            made["loop"] = loop = InProcessLoop(conn, gpu_runner, max_queue=self.config.options.max_queue)
+            made["loop"] = loop = InProcessLoop(conn, gpu_runner, max_queue=self.config.options.batching.max_queue)
             runner.load()
             if not self.gpu.forks:  # the measuring step runs device work: only where this process has the device
                 runner.measure_peak()

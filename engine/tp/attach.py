@@ -102,7 +102,7 @@ class AttachedSidecarClient(ConnectionClient):
     kind = "tp-sidecar"
 
     def __init__(self, address_file: str | Path, info: dict):
-        super().__init__(EngineKey("?", "?", "?", 0))  # the real key arrives with Ready
+        super().__init__(EngineKey.unknown())  # the real key arrives with Ready
         self.address_file = Path(address_file)
         self.address_info = info
         self.address = f"{info.get('host')}:{info.get('port')}"

@@ -168,7 +168,7 @@ class TensorParallelRunner(PipelineRunner):
         blocks. The clone gets its own hooks. With a dump folder, each variant's image processor dumps."""
         mode = Mode.parse(mode, "mode")
         with self._variant_hooks_lock:
-            built = mode in self._variants
+            built = self.has_variant(mode)
             pipe = super().variant(mode)
             if not built and mode is Mode.REGIONAL and self.parallel.context:
                 _rehook_context_parallel(getattr(pipe, self.preset.denoiser), getattr(self.pipe, self.preset.denoiser))

@@ -12,12 +12,15 @@ them and did not shorten short ones' waits.
 
 This only works while the workers share one scheduling group with each other and the web server: on
 Linux with autogroup scheduling, sessions share the CPU equally first and niceness counts only inside a
-session, so workers stay in the app's session (engine.worker.loop.join_own_process_group).
+session, so workers stay in the app's session (join_own_process_group).
 
 Expected run time: the best (least contended) milliseconds per step seen at the same bucket in the same
 variant (the compiled graph, or eager: a compiled mode's bucket that is not warm yet is served eagerly),
 times the request's steps; a bucket not seen yet scales the variant's best per-pixel rate by its pixels.
 An engine that has run nothing yet gives no estimate: its requests run at the worker's priority.
+
+Inside one worker, the compile thread runs niced below its requests and steps aside while one runs
+(`YieldToRequests`); loading runs on a thread as far below (`run_on_lowered_thread`).
 """
 
 from __future__ import annotations
@@ -25,12 +28,120 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from engine import settings
 from engine.protocol import Size
+
+
+def lower_this_thread_priority(by: int | None = None) -> bool:
+    """Linux: nice only the calling thread (and the compiler processes it starts, which inherit it),
+    `by` steps below the process (settings.compile_niceness()), and mark it a batch thread
+    (SCHED_BATCH: the kernel no longer lets it preempt others when it wakes, so the short requests and
+    the web server it shares cores with get the CPU as soon as they wake)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        by = settings.compile_niceness() if by is None else by
+        niceness = min(19, os.getpriority(os.PRIO_PROCESS, tid) + by)
+        os.setpriority(os.PRIO_PROCESS, tid, niceness)
+    except OSError:
+        return False
+    try:
+        os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, niceness)  # keep the niceness across the policy change
+    except (OSError, AttributeError):
+        pass  # the niceness alone still holds
+    return True
+
+
+def run_on_lowered_thread(fn, by: int, name: str):
+    """fn() on a new thread `by` nice steps below this one (Linux; elsewhere at this priority): its
+    result, or its exception raised here."""
+    outcome: dict = {}
+
+    def target() -> None:
+        lower_this_thread_priority(by)
+        try:
+            outcome["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the calling thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
+def join_own_process_group() -> None:
+    """Make this process the leader of a new process group, so the app stops the worker *and* its compiler
+    processes at once (killpg), in the app's session.
+
+    Not a new session (setsid): Linux's autogroup scheduling (on by default in most desktop and VM kernels,
+    /proc/sys/kernel/sched_autogroup_enabled) shares the CPU equally between sessions first and honours
+    niceness only inside one. A worker in a session of its own got as much CPU as the web server and
+    every other worker whatever its niceness: a long bf16 request took as much of the cores as a short
+    warm one, and four busy workers left the web server a fifth."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+
+
+def fx_tracing() -> bool:
+    """Whether some thread is inside a torch.fx symbolic trace (torch not imported: no)."""
+    fx = sys.modules.get("torch.fx._symbolic_trace")  # its flag: is_fx_tracing() warns on every process's first call
+    return bool(fx is not None and getattr(fx, "_is_fx_tracing_flag", False))
+
+
+class YieldToRequests:
+    """Lets the compile thread step aside while a request runs in the same worker.
+
+    Compiling holds the GIL most of the time, partly in C calls the switch interval cannot cut short
+    (fake-tensor propagation, pattern matching, garbage collection). A request re-acquires the GIL after
+    every torch op, so a warm request's latency multiplied while its worker compiled (docs/hosting.md).
+    The compile thread installs `hook` as its profile function: at every Python function call, while a
+    request runs, it waits (without the GIL) for the request to end. It waits at most `max_wait_s` per
+    request: a request that needs something the compile thread holds (a lock, the import lock) then
+    gets it, so this can delay a request but never deadlock it."""
+
+    def __init__(self, max_wait_s: float = 0.5):
+        self.max_wait_s = max_wait_s
+        self._idle = threading.Event()
+        self._idle.set()
+        self._request = 0  # the running (or last) request's number
+        self._gave_up_on = -1  # the request whose wait ran out: the compile thread runs beside it
+
+    def request_started(self) -> None:
+        self._request += 1
+        self._idle.clear()
+        # The compile thread may be inside a torch.fx symbolic trace, which patches torch.nn.Module.__call__
+        # for every thread until it ends: a request run then fails ("module is not installed as a
+        # submodule"). The hook lets a trace under way finish (it never pauses inside one, and pauses
+        # before the next); the request starts after it.
+        deadline = time.monotonic() + 10 * self.max_wait_s
+        while fx_tracing() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def request_ended(self) -> None:
+        self._idle.set()
+
+    def wait_idle(self, timeout: float) -> bool:
+        return self._idle.wait(timeout)
+
+    def hook(self, frame, event, arg) -> None:
+        if event != "call" or self._idle.is_set() or self._gave_up_on == self._request or fx_tracing():
+            return
+        request = self._request
+        if not self._idle.wait(self.max_wait_s):
+            self._gave_up_on = request
 
 
 class RunCost:

@@ -1,0 +1,130 @@
+"""One pipeline call: the diffusers arguments of a request (or of a batch's members), run on a private copy
+of a variant with its own scheduler, timed step by step, cancellable between steps."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine import devices
+from engine.pipeline import recipes, stepcache, variants
+from engine.pipeline.clock import RunClock
+from engine.protocol import EngineOptions, GenerateRequest, ModelPreset, StepProgress, Timings
+
+
+def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, output_type: str = "pil",
+                         members: list[GenerateRequest] | None = None) -> dict:
+    """The pipeline call for a request — what the engine runs, and what a bare diffusers call must pass
+    to be compared with it (bench, TP tests). A CPU generator makes seeds mean the same on every device.
+    `members`: a batch (engine/pipeline/batching.py) sharing `request`'s size, steps and guidance: one prompt and
+    one generator per member, so each image's noise is what that request alone would start from."""
+    batch = members or [request]
+    kwargs = dict(
+        prompt=request.prompt if members is None else [r.prompt for r in batch],
+        height=request.height,
+        width=request.width,
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance,
+        generator=(torch.Generator("cpu").manual_seed(request.seed) if members is None
+                   else [torch.Generator("cpu").manual_seed(r.seed) for r in batch]),
+        output_type=output_type,
+    )
+    if request.negative_prompt and preset.negative_prompt:
+        kwargs["negative_prompt"] = request.negative_prompt if members is None else \
+            [r.negative_prompt or "" for r in batch]
+    if preset.max_sequence_length and _takes_argument(type(pipe), "max_sequence_length"):
+        kwargs["max_sequence_length"] = preset.max_sequence_length
+    return kwargs
+
+
+@functools.cache
+def _takes_argument(pipeline_cls: type, name: str) -> bool:
+    return name in inspect.signature(pipeline_cls.__call__).parameters
+
+
+@dataclass(frozen=True)
+class CallOutcome:
+    """What one pipeline call gave (PipelineRunner.run_call): a request's image, or a batch's images in order."""
+
+    images: object
+    timings: Timings
+    cancelled_at: int | None
+    eager_fallback: bool
+    recompiles: int
+    cached_steps: tuple[int, ...]
+    peak: int | None
+    lora_swap_ms: float | None = None  # the LoRA hot-swap this call waited for (engine/pipeline/lora.py)
+
+
+class _StepEnds:
+    """diffusers' callback_on_step_end for one call: marks the clock, counts cached steps, reports progress,
+    and interrupts the pipeline at the first step end after `cancel` is set."""
+
+    def __init__(self, clock: RunClock, request: GenerateRequest, batch_size: int, graphs: bool, on_step,
+                 cancel: threading.Event | None, cached: stepcache.CachedDenoiser | None):
+        self.clock, self.request, self.batch_size, self.graphs = clock, request, batch_size, graphs
+        self.on_step, self.cancel, self.cached = on_step, cancel, cached
+        self.cancelled_at: int | None = None
+
+    def __call__(self, pipe, i, t, callback_kwargs) -> dict:
+        # With CUDA graphs the next replay overwrites this step's graph outputs: the step's tensors are
+        # cloned before anything reads them, and the next denoiser call starts a new graph step.
+        outputs = recipes.graph_safe_outputs(callback_kwargs) if self.graphs else {}
+        step_ms = self.clock.mark_step_end()
+        from_cache = self.cached.counter.step_end() if self.cached is not None else False
+        if self.on_step:
+            self.on_step(StepProgress(self.request.request_id, i + 1, self.request.steps, step_ms, cached=from_cache,
+                                      batch_size=self.batch_size))
+        if self.cancel is not None and self.cancel.is_set() and self.cancelled_at is None:
+            self.cancelled_at = i + 1
+            pipe._interrupt = True
+        return outputs
+
+
+class PipelineCaller:
+    """Runs one pipeline call of a variant on a private copy: its own scheduler (schedulers keep per-run
+    state), copied from `scheduler_template`, a pristine scheduler set once the pipeline is loaded."""
+
+    def __init__(self, preset: ModelPreset, spec: devices.DeviceSpec, options: EngineOptions):
+        self.preset = preset
+        self.spec = spec
+        self.options = options
+        self.scheduler_template = None
+
+    def call(self, pipe, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None,
+             cached: stepcache.CachedDenoiser | None = None, members: list[GenerateRequest] | None = None,
+             on_image=None):
+        """One pipeline call. With a step cache variant, `cached` counts the steps its hooks served. With
+        `members` (a batch led by `request`) the first value returned is the list of their images, in order;
+        with `on_image` too, the batch is decoded one image at a time and `on_image(index, image, timings)`
+        gets each as soon as it is ready (timings up to then). Returns (images, timings, cancelled_at)."""
+        scheduler = copy.deepcopy(self.scheduler_template)  # far cheaper than from_config (docs/benchmarks.md)
+        clock = RunClock(self.spec)
+        run = variants.run_copy(pipe, scheduler, on_loop_start=clock.mark_loop_start)
+        if cached is not None:
+            cached.start(run)
+        graphs = recipes.cuda_graphs_active(self.options, self.spec, request.mode)
+        step_ends = _StepEnds(clock, request, len(members) if members else 1, graphs, on_step, cancel, cached)
+        kwargs = pipeline_call_kwargs(self.preset, run, request, members=members)
+        kwargs["callback_on_step_end"] = step_ends
+        decoded = []
+        if members and on_image is not None:
+            def ready(index, image):
+                decoded.append(image)
+                on_image(index, image, clock.timings(time.perf_counter()))
+
+            variants.decode_apart(run, ready)
+            kwargs["output_type"] = "pt"  # every image came through ready(): the pipeline's own are not used
+        devices.enter_eager_mode(self.spec, request.mode)  # TPU: strict eager or defer-and-fuse; no-op elsewhere
+        # The pipelines run under no_grad already; inference_mode is avoided on purpose: out-of-tree
+        # backends (and the fake PrivateUse1 device in tests) cannot version inference tensors.
+        images = run(**kwargs).images
+        end = time.perf_counter()
+        images = decoded if decoded else images
+        return (list(images) if members else images[0]), clock.timings(end), step_ends.cancelled_at

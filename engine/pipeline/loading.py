@@ -1,0 +1,125 @@
+"""Loading: the process prepared for one engine (environment, precision, compile accounting), the pipeline's
+weights loaded once per (model, device, precision), and the load-time recipes applied to them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine import devices
+from engine.config.resolve import resolve_source
+from engine.errors import ModelLoadError
+from engine.pipeline import attention, lora, recipes
+from engine.pipeline.clock import install_compile_counter
+from engine.pipeline.progress import quiet_library_consoles
+from engine.protocol import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedPipeline:
+    """What a load gave: the pipeline (the eager variant), what from_pretrained loaded it from (aot package
+    keys name the model by it), the LoRA slot (None: no adapters served) and what the load says."""
+
+    pipe: object
+    source: str
+    loras: lora.LoraSlot | None = None
+    notices: list[str] = field(default_factory=list)
+
+
+def lora_refusal(config: EngineConfig, precision: devices.PrecisionPlan) -> str:
+    """Why this engine serves no LoRA although its preset lists some ("" when it can)."""
+    if not config.options.recipe.loras:
+        return ("this engine was started without LoRA styles: the host turns them on with --loras (each adds "
+                "a slot whose matmuls run on every step)")
+    if config.key.tp > 1:
+        return ("LoRA adapters are not served on multi-rank engines (every rank would have to swap in step; "
+                "not built yet): use a single-device engine")
+    if precision.precision.quantized:
+        return (f"LoRA adapters are not served on {precision.precision} engines (the slot's layers would "
+                "wrap torchao-quantized weights, not measured here): use fp32, bf16 or fp16")
+    return ""
+
+
+class PipelineLoader:
+    """Loads one engine's pipeline onto `device` (a TP rank's own device), with `component_overrides(source)`:
+    components loaded apart and handed to from_pretrained (a rank's shards)."""
+
+    def __init__(self, config: EngineConfig, spec: devices.DeviceSpec, precision: devices.PrecisionPlan,
+                 device: str, component_overrides: Callable[[str], dict]):
+        self.config = config
+        self.options = config.options
+        self.preset = config.preset
+        self.spec = spec
+        self.precision = precision
+        self.device = device
+        self.component_overrides = component_overrides
+
+    @property
+    def compute_precision(self) -> str:
+        return self.precision.base or self.precision.precision
+
+    def load(self, graphs: int) -> LoadedPipeline:
+        """`graphs`: how many graphs this engine may compile (dynamo's recompile limit)."""
+        diffusers = self._prepare_process(graphs)
+        loaded = self._from_pretrained(diffusers)
+        self._apply_recipes(loaded)
+        return loaded
+
+    def _prepare_process(self, graphs: int):
+        """Everything before the weights load; returns the diffusers module."""
+        # An attention backend this device cannot run is refused before any weights load.
+        attention.check_backend(self.options.recipe.attention_backend, self.spec, self.compute_precision)
+        # Before diffusers is imported: importing it pulls in torch._dynamo, which fixes
+        # TORCHINDUCTOR_CACHE_DIR to /tmp when unset, and the persistent cache would be ignored.
+        env = devices.apply_environment(self.spec, self.config.cache_path())
+        log.info("environment in force: %s", env)
+        if not self.precision.precision.quantized:
+            recipes.keep_torchao_unloaded()
+        import diffusers
+
+        quiet_library_consoles()
+        devices.apply_precision(self.precision)
+        install_compile_counter()
+        recipes.raise_recompile_limit(graphs)
+        return diffusers
+
+    def _from_pretrained(self, diffusers) -> LoadedPipeline:
+        pipeline_cls = getattr(diffusers, self.preset.pipeline)
+        source = resolve_source(self.config)
+        try:
+            pipe = pipeline_cls.from_pretrained(
+                source, dtype=self.precision.dtype, trust_remote_code=False, **self.component_overrides(source)
+            )
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(
+                f"could not load {self.preset.name!r} from {source!r}: {str(exc).splitlines()[0]}; "
+                "check the path, or download the model first when offline"
+            ) from None
+        pipe.set_progress_bar_config(disable=True)
+        if self.preset.repeated_blocks:
+            getattr(pipe, self.preset.denoiser)._repeated_blocks = list(self.preset.repeated_blocks)
+        return LoadedPipeline(pipe, source)
+
+    def _apply_recipes(self, loaded: LoadedPipeline) -> None:
+        pipe, notices, recipe = loaded.pipe, loaded.notices, self.options.recipe
+        notices += recipes.apply_load_steps(pipe, self.preset.denoiser, self.options)
+        if recipe.cpu_offload:
+            pipe.enable_model_cpu_offload(device=self.device)
+            notices.append("model CPU offload: each model moves to the device only while it runs")
+        else:
+            pipe.to(self.device)
+        if self.preset.loras:
+            # Before any variant is compiled or cloned: every variant must share the slot's layers.
+            if refusal := lora_refusal(self.config, self.precision):
+                notices.append(refusal)
+            else:
+                loaded.loras, lora_notices = lora.LoraSlot.prepare(pipe, self.preset, self.config.allowed_roots)
+                notices += lora_notices
+        if self.precision.precision.quantized:
+            notices.append(recipes.quantize_denoiser(pipe, self.preset.denoiser, self.precision.precision))
+        notices += attention.apply_backend(getattr(pipe, self.preset.denoiser), recipe.attention_backend,
+                                           self.spec, self.compute_precision)
+        notices += recipes.apply_inductor_flags(self.options, self.spec)

@@ -1,0 +1,129 @@
+"""Model presets (plain data): what a preset names, its LoRA adapters and its defaults."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from engine import settings
+from engine.errors import InvalidRequest
+from engine.protocol.vocabulary import Size
+
+DEFAULT_PRESET = settings.DEFAULT_PRESET  # part of the contract: the UI's starting preset
+# For models with no example prompts (random-weight tiny pipelines, Hub models).
+GENERIC_PROMPT = "a red fox in the snow, golden hour"
+RANDOM_TINY_PREFIXES = ("random:", "embedded:")  # "embedded:" is the old spelling: saved presets keep loading
+
+
+LORA_SCALE_RANGE = (0.0, 2.0)
+
+
+@dataclass(frozen=True)
+class LoraSource:
+    """A LoRA adapter a preset offers (its `loras` table): a repo folder ("repo:models/..."), a local file or
+    folder, or a Hub repo id with `weight_name`. Visitors pick it by `name`, never by its source."""
+
+    name: str
+    source: str
+    weight_name: str | None = None  # the safetensors file inside a folder or Hub repo (None: diffusers' default)
+    scale: float = 1.0  # default scale
+    trigger: str = ""  # words a prompt needs for the style (added when missing), "" when none
+    description: str = ""
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,47}", self.name):
+            raise InvalidRequest(f"LoRA name {self.name!r}: use 1-48 lower-case letters, digits, '-', '_' or '.'")
+        object.__setattr__(self, "scale", check_lora_scale(self.scale))
+
+
+def check_lora_scale(scale) -> float:
+    """A LoRA scale as a float in [0, 2], or a clear error."""
+    lo, hi = LORA_SCALE_RANGE
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"LoRA scale {str(scale)[:32]!r} is not a number: pick one from {lo:g} to {hi:g}") from None
+    if not lo <= value <= hi:  # NaN fails too
+        raise InvalidRequest(f"LoRA scale {value:g} is outside [{lo:g}, {hi:g}]: pick one from {lo:g} (off) "
+                             f"to {hi:g} (twice the trained strength)")
+    return value
+
+
+def parse_lora(text) -> tuple[str | None, float | None]:
+    """(name, scale) from "NAME[:SCALE]" (the CLI's --lora and the API's text); (None, None) for "", "none"."""
+    text = "" if text is None else str(text).strip().lower()
+    if len(text) > 64:
+        raise InvalidRequest("LoRA choice is longer than 64 characters: give NAME or NAME:SCALE")
+    if text in ("", "none"):
+        return None, None
+    name, _, scale = text.partition(":")
+    return name.strip(), (check_lora_scale(scale) if scale.strip() else None)
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    pipeline: str
+    source: str
+    family: str
+    denoiser: str
+    steps: int
+    guidance: float
+    buckets: tuple[Size, ...]
+    alignment: int
+    cfg: bool = False
+    negative_prompt: bool = False
+    tp: bool = False
+    tp_text_encoder: bool = False
+    min_tp: int = 1
+    max_sequence_length: int | None = None  # T5/LLM text tokens (None: the pipeline's default)
+    description: str = ""
+    repeated_blocks: tuple[str, ...] = ()
+    # A checker that scores images against prompts from the pixels alone ("shapes": engine/models/shapes/),
+    # for a model trained on a closed grammar; None: only drift between configurations is measured.
+    fidelity: str | None = None
+    examples: tuple[str, ...] = ()  # prompts this model draws well (the UI offers them)
+    advice: dict = field(default_factory=dict, hash=False, compare=False)
+    options: dict = field(default_factory=dict, hash=False, compare=False)
+    denoiser_config: dict | None = field(default=None, hash=False, compare=False)
+    # LoRA adapters visitors may pick (engine/pipeline/lora.py), and the rank every one is padded to for
+    # hot-swapping (None: the largest among them, read from their files).
+    loras: tuple[LoraSource, ...] = ()
+    lora_rank: int | None = None
+
+    @property
+    def random_tiny(self) -> str | None:
+        """Name of the random-weight tiny pipeline engine/models/tiny.py builds ("random:<name>"), or None."""
+        prefix = next((p for p in RANDOM_TINY_PREFIXES if self.source.startswith(p)), None)
+        return self.source.removeprefix(prefix) if prefix else None
+
+    @property
+    def bundled(self) -> str | None:
+        """Folder inside this repository ("repo:models/tiny-shapes": the trained embedded model), or None."""
+        return self.source.removeprefix("repo:") if self.source.startswith("repo:") else None
+
+    @property
+    def example_prompt(self) -> str:
+        """The prompt a form starts with: the first example (one the model draws well), else a generic one."""
+        return self.examples[0] if self.examples else GENERIC_PROMPT
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "pipeline": self.pipeline,
+            "source": self.source,
+            "denoiser": self.denoiser,
+            "steps": self.steps,
+            "guidance": self.guidance,
+            "buckets": [str(b) for b in self.buckets],
+            "alignment": self.alignment,
+            "negative_prompt": self.negative_prompt,
+            "tp": self.tp,
+            "description": self.description,
+            "examples": list(self.examples),
+            "advice": dict(self.advice),
+            "loras": [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}
+                      for lora in self.loras],
+        }
+
+

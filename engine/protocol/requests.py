@@ -1,0 +1,212 @@
+"""Requests and results: what a client asks of an engine, and what it gets back."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+
+from engine.metrics import median
+from engine.protocol.presets import ModelPreset, check_lora_scale
+from engine.protocol.vocabulary import (
+    NO_STEP_CACHE,
+    BucketInfo,
+    BucketKey,
+    EngineKey,
+    Mode,
+    OnCold,
+    Size,
+    StepCache,
+    _coerce,
+)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seed: int
+    mode: Mode = Mode.EAGER
+    negative_prompt: str | None = None
+    on_cold: OnCold = OnCold.EAGER
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    step_cache: StepCache = NO_STEP_CACHE  # text ("first-block:0.2") is parsed at construction
+    lora: str | None = None  # one of the preset's adapters by name (None: no LoRA)
+    lora_scale: float | None = None  # None: the adapter's default scale
+    # Who asked (a visitor's address; "" for the host): an engine serves its waiting clients in turn.
+    client: str = ""
+
+    def __post_init__(self):
+        _coerce(self, "mode", Mode)
+        _coerce(self, "on_cold", OnCold)
+        if self.lora is not None and str(self.lora).strip().lower() in ("", "none"):
+            object.__setattr__(self, "lora", None)
+        if self.lora_scale is not None:
+            object.__setattr__(self, "lora_scale", check_lora_scale(self.lora_scale))
+        if not isinstance(self.step_cache, StepCache):
+            object.__setattr__(self, "step_cache", StepCache.parse(self.step_cache))
+
+    @property
+    def size(self) -> Size:
+        return Size(self.width, self.height)
+
+    @property
+    def bucket(self) -> BucketKey:
+        return BucketKey(self.mode, self.size)
+
+    def replace(self, **changes) -> GenerateRequest:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Timings:
+    step_ms: tuple[float, ...]
+    encode_ms: float
+    denoise_ms: float
+    decode_ms: float
+    total_ms: float
+    queued_ms: float = 0.0  # waited in the engine's queue (earlier requests, a compile it waited for)
+
+    @property
+    def first_step_ms(self) -> float | None:
+        return self.step_ms[0] if self.step_ms else None
+
+    @property
+    def median_step_ms(self) -> float | None:
+        return median(self.step_ms)
+
+    @property
+    def steps_per_s(self) -> float | None:
+        return 1000.0 * len(self.step_ms) / self.denoise_ms if self.denoise_ms > 0 else None
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    request_id: str
+    engine: EngineKey
+    bucket: BucketKey
+    image_png: bytes
+    timings: Timings
+    warm: bool  # the bucket's compiled graph served it
+    eager_fallback: bool  # asked for a compiled mode, served eagerly because the bucket was not warm
+    recompiles: int  # graphs compiled while this request ran (0 at a warm bucket)
+    peak_memory_bytes: int | None
+    notices: tuple[str, ...] = ()
+    seed: int = 0
+    steps: int = 0
+    cancelled: bool = False
+    step_cache: StepCache = NO_STEP_CACHE
+    cached_steps: tuple[int, ...] = ()  # 1-based steps whose denoiser output came from the step cache
+    batch_size: int = 1  # images in the pipeline call that made this one (engine/pipeline/batching.py)
+    lora: str | None = None  # the adapter it ran with, its scale and rank (padded rank in brackets: hot-swap)
+    lora_scale: float | None = None
+    lora_rank: int | None = None
+    lora_swap_ms: float | None = None  # the hot-swap this request waited for (None: the adapter was in place)
+
+    @property
+    def computed_steps(self) -> int:
+        """Steps whose denoiser ran in full."""
+        return self.steps - len(self.cached_steps)
+
+    def image(self):
+        """The image as a PIL image."""
+        import io
+
+        from PIL import Image
+
+        return Image.open(io.BytesIO(self.image_png))
+
+    def as_dict(self) -> dict:
+        """The JSON the CLI's --json and the API's /generate return."""
+        t = self.timings
+        return {
+            "request_id": self.request_id,
+            **self.engine.as_dict(),
+            "mode": str(self.bucket.mode),
+            "bucket": str(self.bucket.size),
+            "seed": self.seed,
+            "steps": self.steps,
+            "warm": self.warm,
+            "eager_fallback": self.eager_fallback,
+            "recompiles": self.recompiles,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "cancelled": self.cancelled,
+            "notices": list(self.notices),
+            "step_cache": str(self.step_cache),
+            "cached_steps": list(self.cached_steps),
+            "computed_steps": self.computed_steps,
+            "batch_size": self.batch_size,
+            "lora": self.lora,
+            "lora_scale": self.lora_scale,
+            "lora_rank": self.lora_rank,
+            "lora_swap_ms": self.lora_swap_ms,
+            "timings": {
+                "step_ms": list(t.step_ms),
+                "first_step_ms": t.first_step_ms,
+                "median_step_ms": t.median_step_ms,
+                "steps_per_s": t.steps_per_s,
+                "encode_ms": t.encode_ms,
+                "denoise_ms": t.denoise_ms,
+                "decode_ms": t.decode_ms,
+                "total_ms": t.total_ms,
+                "queued_ms": t.queued_ms,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """Streamed while a request runs (progress bars, live plots)."""
+
+    request_id: str
+    step: int  # 1-based
+    total: int
+    step_ms: float
+    cached: bool = False  # this step's denoiser output came from the step cache
+    batch_size: int = 1  # this step was computed for this many requests at once (step_ms is the shared step's)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one engine holds. `device_bytes` is what counts against its device's budget: the weights plus
+    the peak of a run on an accelerator; on cpu the process's resident memory (host RAM is the device)."""
+
+    device_bytes: int
+    host_rss_bytes: int
+    weights_bytes: int
+    measured: bool = True  # False: an estimate made before loading
+
+    def as_dict(self) -> dict:
+        gib = 2**30
+        return {"device_gib": round(self.device_bytes / gib, 3), "host_rss_gib": round(self.host_rss_bytes / gib, 3),
+                "weights_gib": round(self.weights_bytes / gib, 3), "measured": self.measured}
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """What an engine announces once its weights are loaded."""
+
+    key: EngineKey
+    pid: int
+    load_s: float | None
+    notices: tuple[str, ...] = ()
+    modes: tuple[Mode, ...] = ()
+    buckets: tuple[BucketInfo, ...] = ()
+    # Tensor-parallel sidecars only: every rank (rank, host, pid, device) and the collective backend.
+    tp: int = 1
+    ranks: tuple[dict, ...] = ()
+    backend: str = ""
+    footprint: Footprint | None = None
+    preset: ModelPreset | None = None  # what it serves (an app attaching to a sidecar may not know it)
+    batch_sizes: tuple[int, ...] = (1,)  # batch sizes its requests may run at together (engine/pipeline/batching.py)
+    # (name, folder) the worker compiles in and writes temporary files to, as the worker itself sees them
+    folders: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def rank_pids(self) -> tuple[int, ...]:
+        return tuple(r["pid"] for r in self.ranks)
+
+

@@ -1,0 +1,380 @@
+"""The closed vocabularies and the keys of an engine and a bucket: precision, mode, parallel layout,
+on-cold policy, step caches, sizes, `EngineKey`, `BucketKey` and a bucket's board row (`BucketInfo`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from engine.errors import InvalidRequest
+
+
+class _Choice(enum.StrEnum):
+    """A closed vocabulary; `parse` turns user text into a member or names the valid choices."""
+
+    @classmethod
+    def parse(cls, value, what: str | None = None):
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise InvalidRequest(f"unknown {what or cls.__name__.lower()} {value!r}: choose one of {choices}") from None
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+class Precision(_Choice):
+    FP32 = "fp32"
+    TF32 = "tf32"  # fp32 weights; matmuls/convs may use TF32
+    BF16 = "bf16"
+    FP16 = "fp16"
+    # Quantized: the denoiser's linear weights quantized by torchao after loading in the device's base
+    # dtype (DeviceSpec.quant_base: fp32 on cpu, bf16 on GPUs); every other component stays in it.
+    INT8_WEIGHT = "int8wo"  # int8 weight-only
+    INT8_DYNAMIC = "int8dq"  # int8 dynamic activation + int8 weight
+    FP8 = "fp8"  # float8 dynamic activation + float8 weight (CUDA, compute capability 8.9+)
+
+    @property
+    def quantized(self) -> bool:
+        """An engine of its own whose denoiser weights are quantized (torchao)."""
+        return self in (Precision.INT8_WEIGHT, Precision.INT8_DYNAMIC, Precision.FP8)
+
+
+class Mode(_Choice):
+    EAGER = "eager"
+    COMPILE = "compile"  # torch.compile of the whole denoiser (+ vae.decode)
+    REGIONAL = "regional"  # compile_repeated_blocks: only the repeated transformer blocks
+    DEFER_AND_FUSE = "defer-and-fuse"  # TorchTPU's optimized eager mode
+    AOT = "aot"  # AOTInductor package per bucket (torch.export + aoti), loaded in seconds, weights shared
+
+    @property
+    def compiled(self) -> bool:
+        """Its buckets need a compile / warm-up before a request there is 'warm'."""
+        return self is not Mode.EAGER
+
+
+class Parallel(_Choice):
+    """How a multi-rank engine splits the denoiser over its ranks (`--parallel`, with `--tp N` ranks)."""
+
+    TENSOR = "tensor"  # weights sharded (TensorParallelConfig): each rank holds 1/N of them
+    ULYSSES = "ulysses"  # sequence split, all-to-all over heads (ContextParallelConfig(ulysses_degree=N))
+    RING = "ring"  # sequence split, K/V passed round a ring (ring_degree=N); needs an LSE-returning attention
+
+    @property
+    def context(self) -> bool:
+        """A context-parallel layout: every rank holds the whole denoiser and a slice of the tokens."""
+        return self is not Parallel.TENSOR
+
+
+def ranks_choice(tp: int, parallel=Parallel.TENSOR) -> int | str:
+    """The UI's ranks choice for an engine: 1, or "N · layout" (e.g. "2 · ulysses")."""
+    return 1 if tp <= 1 else f"{tp} · {Parallel.parse(parallel, 'parallel')}"
+
+
+def parse_ranks(value, parallel=None) -> tuple[int, Parallel]:
+    """(ranks, layout) from a ranks choice: 2, "2", "2 · ulysses", "ulysses2"; `parallel` when it names none."""
+    problem = InvalidRequest(f"tp must be a whole number >= 1 or 'N · layout' (layouts: {', '.join(Parallel.values())})")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, str, type(None))) or len(str(value)) > 32:
+        raise problem  # never echoed: the API takes any text
+    text = str(1 if value in (None, "") else value).strip().lower()
+    m = re.fullmatch(r"(\d+)\s*·?\s*([a-z]*)|([a-z]+)\s*(\d+)", text)
+    if m is None:
+        raise problem
+    digits, word = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+    word = "" if word == "tp" else word
+    return int(digits), Parallel.parse(word or parallel or Parallel.TENSOR, "parallel")
+
+
+class OnCold(_Choice):
+    """What a request at a bucket that is not warm yet does."""
+
+    EAGER = "eager"  # serve now, eagerly, on the same weights
+    WAIT = "wait"  # wait for the bucket's compile
+
+
+def _coerce(record, name: str, vocabulary: type[_Choice]) -> None:
+    """Frozen records take plain strings at construction (CLI, JSON, tests) and hold the enum member."""
+    value = getattr(record, name)
+    if not isinstance(value, vocabulary):
+        object.__setattr__(record, name, vocabulary.parse(value, name))
+
+
+class StepCacheKind(_Choice):
+    """diffusers' step caches: reuse (or predict) denoiser work from earlier steps (engine/pipeline/stepcache.py)."""
+
+    NONE = "none"
+    FIRST_BLOCK = "first-block"  # FirstBlockCacheConfig: skip the rest when the first block's output barely moved
+    TAYLORSEER = "taylorseer"  # TaylorSeerCacheConfig: predict outputs from earlier steps every few steps
+    MAGCACHE = "magcache"  # MagCacheConfig: skip by calibrated residual-magnitude ratios
+    FASTER_CACHE = "faster-cache"  # FasterCacheConfig: reuse attention outputs across steps
+    PYRAMID = "pyramid"  # PyramidAttentionBroadcastConfig: broadcast attention outputs every few steps
+
+
+# Per kind: (the parameters its text takes after the name, in order; their defaults).
+STEP_CACHE_FORMS: dict[StepCacheKind, tuple[tuple[str, ...], dict]] = {
+    StepCacheKind.NONE: ((), {}),
+    StepCacheKind.FIRST_BLOCK: (("threshold",), {"threshold": 0.2}),
+    StepCacheKind.TAYLORSEER: (("interval", "warmup"), {"interval": 3, "warmup": 2}),
+    StepCacheKind.MAGCACHE: (("threshold",), {"threshold": 0.06}),
+    StepCacheKind.FASTER_CACHE: (("interval",), {"interval": 2}),
+    StepCacheKind.PYRAMID: (("interval",), {"interval": 2}),
+}
+
+MAX_STEPS = 200  # the most denoising steps a request may ask for (engine/config/validation.py checks it)
+
+
+@dataclass(frozen=True)
+class ParamRange:
+    """What diffusers' hook runs with for one step-cache parameter: a whole number in low..high, or a
+    number strictly between low and high."""
+
+    low: float
+    high: float
+    whole: bool = True
+    why: str = ""
+
+    def holds(self, value) -> bool:
+        return self.low <= value <= self.high if self.whole else self.low < value < self.high
+
+    @property
+    def span(self) -> str:
+        return f"{self.low:g}..{self.high:g}" if self.whole else f"above {self.low:g} and below {self.high:g}"
+
+    def __str__(self) -> str:
+        return self.span + (f" ({self.why})" if self.why else "")
+
+
+_THRESHOLD = ParamRange(0.0, 10.0, whole=False)
+_INTERVAL = ParamRange(1, MAX_STEPS)  # diffusers' hooks take the step index modulo it
+# Per kind: each parameter's range. TaylorSeer computes the steps before `warmup` and then predicts from
+# the last computed one: with warmup 0 it predicts the very first step from nothing, and diffusers fails
+# ("Cannot predict without prior initialization/update.").
+STEP_CACHE_RANGES: dict[StepCacheKind, dict[str, ParamRange]] = {
+    StepCacheKind.NONE: {},
+    StepCacheKind.FIRST_BLOCK: {"threshold": _THRESHOLD},
+    StepCacheKind.TAYLORSEER: {"interval": _INTERVAL, "warmup": ParamRange(
+        1, MAX_STEPS, why="the first step must be computed before any can be predicted from it")},
+    StepCacheKind.MAGCACHE: {"threshold": _THRESHOLD},
+    StepCacheKind.FASTER_CACHE: {"interval": _INTERVAL},
+    StepCacheKind.PYRAMID: {"interval": _INTERVAL},
+}
+
+
+def _param_value(value, whole: bool):
+    """A step-cache parameter as a number: whole ones refuse fractions ("2.5") rather than truncate them."""
+    if isinstance(value, bool):
+        raise ValueError
+    number = float(value)
+    if not whole or number in (float("inf"), float("-inf")):
+        return number  # out of every range: refused as such
+    if not number.is_integer():
+        raise ValueError
+    return int(number)
+
+
+@dataclass(frozen=True)
+class StepCache:
+    """A step cache and its parameters; `parse("first-block:0.2")`, `str()` gives the canonical text.
+
+    threshold: first-block, magcache (relative change below which a step is reused);
+    interval: taylorseer (full compute every `interval` steps), faster-cache / pyramid (attention
+    recomputed every `interval` steps); warmup: taylorseer (steps always computed first).
+    """
+
+    kind: StepCacheKind = StepCacheKind.NONE
+    threshold: float | None = None
+    interval: int | None = None
+    warmup: int | None = None
+
+    def __post_init__(self):
+        _coerce(self, "kind", StepCacheKind)
+        names, defaults = STEP_CACHE_FORMS[self.kind]
+        for name in ("threshold", "interval", "warmup"):
+            value = getattr(self, name)
+            if name not in names:
+                if value is not None:
+                    raise InvalidRequest(f"step cache {self.kind} takes no {name}; {StepCache.forms()}")
+                continue
+            if value is None:
+                value = defaults[name]
+            allowed = STEP_CACHE_RANGES[self.kind][name]
+            try:
+                value = _param_value(value, allowed.whole)
+            except (TypeError, ValueError, OverflowError):
+                kind = "whole number" if allowed.whole else "number"
+                raise InvalidRequest(f"step cache {self.kind}: {name} {str(value)[:40]!r} is not a {kind} "
+                                     f"(allowed {allowed}); {StepCache.forms()}") from None
+            if not allowed.holds(value):
+                raise InvalidRequest(f"step cache {self.kind}: {name} {value:g} is out of range: allowed {allowed}; "
+                                     f"{StepCache.forms()}")
+            object.__setattr__(self, name, value)
+
+    @staticmethod
+    def forms() -> str:
+        """The valid texts, for error messages and help."""
+        shown = []
+        for kind, (names, _) in STEP_CACHE_FORMS.items():
+            shown.append(kind.value + "".join(f"[:{n.upper()}]" for n in names))
+        return "valid forms: " + ", ".join(shown)
+
+    @classmethod
+    def parse(cls, text) -> StepCache:
+        if isinstance(text, StepCache):
+            return text
+        if text is None or (isinstance(text, StepCacheKind) and text is StepCacheKind.NONE):
+            return cls()
+        parts = [p.strip() for p in str(text).strip().lower().split(":")]
+        if not parts[0]:
+            return cls()
+        try:
+            kind = StepCacheKind(parts[0])
+        except ValueError:
+            raise InvalidRequest(f"unknown step cache {str(text)!r}; {cls.forms()}") from None
+        names, _ = STEP_CACHE_FORMS[kind]
+        values = parts[1:]
+        if len(values) > len(names):
+            raise InvalidRequest(f"step cache {str(text)!r} has too many parameters; {cls.forms()}")
+        return cls(kind, **{n: v for n, v in zip(names, values, strict=False) if v != ""})
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind is not StepCacheKind.NONE
+
+    def __str__(self) -> str:
+        names, _ = STEP_CACHE_FORMS[self.kind]
+        return ":".join([self.kind.value, *(f"{getattr(self, n):g}" for n in names)])
+
+
+NO_STEP_CACHE = StepCache()
+
+
+class BucketState(enum.StrEnum):
+    COLD = "cold"
+    QUEUED = "queued"
+    COMPILING = "compiling"
+    WARM = "warm"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, order=True)
+class Size:
+    width: int
+    height: int
+
+    @classmethod
+    def parse(cls, text: str) -> Size:
+        try:
+            w, h = str(text).lower().replace(" ", "").split("x")
+            return cls(int(w), int(h))
+        except (ValueError, AttributeError):
+            raise InvalidRequest(f"size {text!r} is not WIDTHxHEIGHT, e.g. '1024x1024'") from None
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}"
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """Weights are loaded once per engine key."""
+
+    preset: str
+    device: str
+    precision: Precision | None  # None: not known yet (EngineKey.unknown)
+    tp: int = 1  # ranks
+    parallel: Parallel = Parallel.TENSOR  # how the ranks split the denoiser (one rank: always tensor)
+
+    UNKNOWN: ClassVar[str] = "?"  # how an unknown part is shown
+
+    def __post_init__(self):
+        if self.precision is not None:
+            _coerce(self, "precision", Precision)
+        _coerce(self, "parallel", Parallel)
+        if self.tp <= 1 and self.parallel is not Parallel.TENSOR:
+            object.__setattr__(self, "parallel", Parallel.TENSOR)  # one process: no layout, one key
+
+    @classmethod
+    def unknown(cls) -> EngineKey:
+        """The key of a client that has not heard its engine's Ready yet (an attached sidecar)."""
+        return cls(cls.UNKNOWN, cls.UNKNOWN, None, 0)
+
+    @property
+    def precision_label(self) -> str:
+        return self.UNKNOWN if self.precision is None else str(self.precision)
+
+    def __str__(self) -> str:
+        tp = f" {'tp' if self.parallel is Parallel.TENSOR else self.parallel}{self.tp}" if self.tp > 1 else ""
+        return f"{self.preset}@{self.device}/{self.precision_label}{tp}"
+
+    def as_dict(self) -> dict:
+        return {"engine": str(self), "preset": self.preset, "device": self.device,
+                "precision": self.precision_label, "tp": self.tp, "parallel": str(self.parallel)}
+
+
+@dataclass(frozen=True, order=True)
+class BucketKey:
+    """One compiled graph per (mode, size) of an engine, and per batch size where requests run batched
+    (engine/pipeline/batching.py): `batch` images in one pipeline call; 1 is a request run alone."""
+
+    mode: Mode
+    size: Size
+    batch: int = 1
+
+    def __post_init__(self):
+        _coerce(self, "mode", Mode)
+
+    def __str__(self) -> str:
+        return f"{self.mode}:{self.size}" + (f"/b{self.batch}" if self.batch > 1 else "")
+
+    def solo(self) -> BucketKey:
+        """The same bucket at batch size 1."""
+        return dataclasses.replace(self, batch=1)
+
+    def batched(self, batch: int) -> BucketKey:
+        return dataclasses.replace(self, batch=batch)
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    engine: EngineKey
+    bucket: BucketKey
+    state: BucketState
+    error: str | None = None
+    compile_s: float | None = None
+    warmup_s: float | None = None
+    requests_served: int = 0
+    updated_at: float = 0.0
+    cache_hits: int = 0  # inductor FX-graph cache hits while compiling (a restart warms from cache)
+    cache_misses: int = 0
+    # Where a warm bucket's graph came from, when that is news: aot says "loaded from package" or
+    # "built now" (with what it replaced: a stale or corrupt package). None for the other modes.
+    origin: str | None = None
+    batches_served: int = 0  # pipeline calls that served `requests_served` (equal at batch size 1)
+
+    def as_dict(self) -> dict:
+        return {
+            **self.engine.as_dict(),
+            "mode": str(self.bucket.mode),
+            "size": str(self.bucket.size),
+            "batch": self.bucket.batch,
+            "batches_served": self.batches_served,
+            "state": self.state.value,
+            "error": self.error,
+            "compile_s": self.compile_s,
+            "warmup_s": self.warmup_s,
+            "requests_served": self.requests_served,
+            "cache_hits": self.cache_hits,
+            "cache_misses": self.cache_misses,
+            "origin": self.origin,
+        }
+
