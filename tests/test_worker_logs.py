@@ -8,9 +8,11 @@ import json
 import pytest
 from helpers import engine_manager
 
+from engine.config.request import ImageRequest
+
 pytestmark = pytest.mark.slow  # starts a worker process that loads a pipeline
 
-REQUEST = dict(preset="tiny-shapes", device="cpu", precision="fp32", mode="eager", size="64x64", steps=2,
+REQUEST = ImageRequest(preset="tiny-shapes", device="cpu", precision="fp32", mode="eager", size="64x64", steps=2,
                prompt="a red circle on a blue background")
 
 
@@ -28,8 +30,8 @@ def test_a_workers_log_line_during_a_generate_carries_the_request_id(cache_dir, 
     monkeypatch.setenv("SHOWCASE_LOG_FORMAT", "json")  # a worker starts with the app's environment
     monkeypatch.setenv("SHOWCASE_LOG_LEVEL", "DEBUG")
     with engine_manager(cache_dir, runtime="workers") as manager:
-        result = manager.generate(**REQUEST)
-        other = manager.generate(**REQUEST)
+        result = manager.generate(REQUEST)
+        other = manager.generate(REQUEST)
     worker = [line for line in json_lines(capfd.readouterr().err) if line.get("process", "").startswith("worker ")]
     assert worker, "the worker logged no JSON line"
     serving = [line for line in worker if line["logger"] == "engine.worker.serving" and "serving" in line["message"]]
