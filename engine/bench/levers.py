@@ -135,7 +135,7 @@ def run_levers_bench(plan) -> dict:
 def _quality(plan, rows, live, engine, request, bar) -> None:
     if plan.quality_samples <= 0 or not live:
         return
-    prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=7, fallback=plan.prompt)
+    prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=quality.PROMPT_SEED, fallback=plan.prompt)
     checker = quality.fidelity_checker(plan.preset)
     images = {}
     for config in live:
@@ -143,7 +143,7 @@ def _quality(plan, rows, live, engine, request, bar) -> None:
         bar.set_postfix_str(f"quality {' '.join(config)}")
         images[config] = []
         for i, prompt in enumerate(prompts):
-            images[config].append(runner.generate(request(config, seed=1000 + i, prompt=prompt)).image_png)
+            images[config].append(runner.generate(request(config, seed=quality.IMAGE_SEED + i, prompt=prompt)).image_png)
             bar.update()
     reference = images.get(REFERENCE)
     for config in live:

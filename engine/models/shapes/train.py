@@ -44,6 +44,7 @@ from tqdm import tqdm
 from engine.models.shapes import grammar
 from engine.models.shapes import latents as semantic
 from engine.models.shapes.fidelity import check
+from engine.models.shapes.samples import PROMPT_SEED
 
 logger = logging.getLogger(__name__)
 
@@ -683,8 +684,8 @@ def _transformer_worker(
                 if step % settings.eval_every == 0 or step == settings.steps:
                     record |= transformer_fidelity(ema, text)  # the exact rules: no decoder needed
                     if (vae := _vae_for_evaluation(settings, cache)) is not None:
-                        prompts = _eval_prompts(48, 7)
-                        record["decoded_64"] = generation_fidelity(ema, vae, text, prompts, 64, 64, seed=7)
+                        prompts = _eval_prompts(48, PROMPT_SEED)
+                        record["decoded_64"] = generation_fidelity(ema, vae, text, prompts, 64, 64, seed=PROMPT_SEED)
                     bar.write(f"transformer step {step}: {record}")
                 _log_jsonl(log_path, record)
             elapsed, started = elapsed_now, time.perf_counter()
@@ -788,8 +789,8 @@ def tune_decoder(settings: Settings, cache: Path) -> Path:
         optimizer.step()
     vae.eval()
     final = {source: vae_fidelity(vae, 100, source=source) for source in ("clean", "corrupted")}
-    prompts = _eval_prompts(64, 7)
-    final["generated_64"] = generation_fidelity(transformer, vae, prompt_embeddings(cache), prompts, 64, 64, seed=7)
+    prompts = _eval_prompts(64, PROMPT_SEED)
+    final["generated_64"] = generation_fidelity(transformer, vae, prompt_embeddings(cache), prompts, 64, 64, seed=PROMPT_SEED)
     logger.info("tuned decoder checker-correct: %s", final)
     _log_jsonl(cache / "vae-log.jsonl", {"tuned": final, "minutes": (time.perf_counter() - started) / 60})
     vae.save_pretrained(out, safe_serialization=True)
