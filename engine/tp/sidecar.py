@@ -32,6 +32,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from engine.processes import pid_alive
 from engine.protocol import EngineConfig, EngineOptions, Fatal, Mode, RankExit, Ready, RequestFailed, Shutdown
 from engine.tp.tokens import new_token, read_token, write_address, write_private
 
@@ -281,22 +282,6 @@ class _Rank0Server:
             self.listener.close()
         except OSError:
             pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
 
 
 def _exit(code: int) -> None:
@@ -597,7 +582,7 @@ def rank_main(args) -> None:
     def who_is_gone() -> str | None:
         # Ranks on node 0 run next to rank 0: their process says it at once (torchrun on this node tears the
         # group down within a fraction of a second, too soon for heartbeats). Other nodes: their heartbeats.
-        gone = [r["rank"] for r in ranks if r["node"] == 0 and r["rank"] != 0 and not _pid_alive(r["pid"])]
+        gone = [r["rank"] for r in ranks if r["node"] == 0 and r["rank"] != 0 and not pid_alive(r["pid"])]
         gone = gone or liveness.silent_ranks()
         return ", ".join(describe_rank(ranks, r) for r in gone) or None
 
