@@ -124,7 +124,7 @@ def build_vae(settings: Settings, seed: int):
 def build_transformer(settings: Settings, seed: int):
     from diffusers import FluxTransformer2DModel
 
-    from engine.models.tiny import CLIP_HIDDEN, T5_D_MODEL
+    from engine.models.tiny_builders import CLIP_HIDDEN, T5_D_MODEL
 
     head_dim = settings.head_dim
     # RoPE axes (unused time axis, height, width) must sum to the head dim; height and width get the most.
@@ -155,7 +155,7 @@ def build_scheduler():
 def build_text_encoders():
     """engine.models.tiny's frozen random FLUX.1 CLIP and T5, rounded through float16 first: that is how they are
     stored, so the embeddings trained on are exactly the ones the shipped pipeline computes in fp32."""
-    from engine.models.tiny import flux_text_encoders
+    from engine.models.tiny_builders import flux_text_encoders
 
     encoders = flux_text_encoders()
     for model in (encoders[0], encoders[2]):
@@ -164,7 +164,7 @@ def build_text_encoders():
 
 
 def assemble_pipeline(vae, transformer):
-    from engine.models.tiny import flux_pipeline
+    from engine.models.tiny_builders import flux_pipeline
 
     return flux_pipeline(build_scheduler(), vae, transformer, build_text_encoders())
 
