@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 from engine import settings
-from engine.bench.soak import PageClient, free_port, process_tree
+from engine.bench.soak import PageClient, free_port
 from engine.metrics import median, percentile
-from engine.processes import pid_alive
+from engine.processes import pid_alive, process_tree
 from engine.protocol import GENERIC_PROMPT
 
 REPO = settings.REPO_ROOT
