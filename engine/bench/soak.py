@@ -148,7 +148,7 @@ class PageClient:
                                            if p.get("parameter_has_default")} for api, e in info.items()}
         self.http = httpx.Client(timeout=timeout)
         # One session for the page's life, as the page's client makes it: the server builds a session's
-        # state (a config per block: ~17 ms of the event loop's time for this UI) once, not per request.
+        # state (a config per block, costly for a UI this size) once, not per request.
         self.session = uuid.uuid4().hex[:11]
 
     def call(self, api_name: str, params: dict | None = None) -> list:
