@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from engine.bench.advise import (
+from engine.bench import advise_report
+from engine.bench.advise import load_pick, result_path, save
+from engine.bench.advise_choice import (
     CHECKER_MIN_PSNR,
     AdvisePlan,
     Candidate,
@@ -15,13 +17,10 @@ from engine.bench.advise import (
     final_entries,
     final_pick,
     final_summary,
-    load_pick,
-    markdown,
-    result_path,
-    save,
     scan_rank,
     stronger,
 )
+from engine.bench.advise_report import markdown
 from engine.bench.paired import PairedTiming
 from engine.config.presets import get_preset
 from ui import views
@@ -86,12 +85,12 @@ def test_the_saved_file_drives_the_app_defaults_and_the_views(tmp_path):
                            attention_backend="native")
     assert app.apply_advice(args) == "first-block:0.2"
     assert (args.preset, args.device, args.precision, args.mode) == ("tiny-shapes", "cpu", "fp32", "regional")
-    table = views.advisor_rows(report)
+    table = advise_report.table_rows(report)
     assert table[0][0] == "fp32/regional/first-block:0.2" and table[0][-1] == "★ pick"
     assert table[-1][:2] == ["precision fp8", "skipped"]
     points = views.advisor_points(report)
     assert {p["verdict"] for p in points} == {"pick", "within bound"} and all(p["quality"] == 94 for p in points)
-    assert "Pick: `fp32/regional/first-block:0.2`" in views.advisor_markdown(report)
+    assert "Pick: `fp32/regional/first-block:0.2`" in advise_report.summary(report)
 
 
 def test_the_scan_times_compiled_modes_of_the_fastest_precisions_before_caches():
@@ -116,7 +115,7 @@ def test_a_configuration_whose_quality_was_not_measured_is_never_picked():
     assert pick["label"] == "fp32/regional" and rows[1]["why_not"].endswith("quality not measured")
     report = {"pick": pick, "rows": rows}
     assert [p["configuration"] for p in views.advisor_points(report)] == ["fp32/eager", "fp32/regional"]
-    table = {r[0]: r for r in views.advisor_rows(report)}
+    table = {r[0]: r for r in advise_report.table_rows(report)}
     assert table["fp32/compile"][-1].startswith("no: slower than 4") and table["fp32/compile"][4] == "—"
 
 
@@ -193,8 +192,8 @@ def test_summary_table_and_json_show_one_speedup_per_configuration():
     expected = timing.figure("bf16/eager")
     assert pick["label"] == "bf16/eager" and report["pick"]["speedup"] == expected.speedup == confirm["speedup"]
     text = f"{expected.speedup:.2f}× ({expected.low:.2f}–{expected.high:.2f}, 4 images)"
-    assert text in views.advisor_markdown(report)
-    table = {r[0]: r for r in views.advisor_rows(report)}
+    assert text in advise_report.summary(report)
+    table = {r[0]: r for r in advise_report.table_rows(report)}
     assert table["bf16/eager"][2].startswith(text) and "1.80" not in table["bf16/eager"][2]
     assert text in markdown(report)
     json_row = next(r for r in report["rows"] if r["label"] == "bf16/eager")
@@ -230,6 +229,6 @@ def test_when_nothing_beats_eager_fp32_the_summary_says_so_without_a_final_round
               "skipped": [], "elapsed_s": 180.0, "bound": {}, "confirm": final_summary(timing, [pick]),
               "quality_samples": 16, "measured_at": "now"}
     assert pick["label"] == "fp32/eager"
-    assert "Pick: eager fp32 — no configuration within the bound measured faster than it." in markdown(report)
-    assert "0 round-robin rounds" not in markdown(report)
-    assert "no configuration within the bound measured faster than eager fp32" in views.advisor_markdown(report)
+    assert "Pick: `fp32/eager`** — no configuration within the bound measured faster than eager fp32." in markdown(report)
+    assert "0 rounds" not in markdown(report)
+    assert "no configuration within the bound measured faster than eager fp32" in advise_report.summary(report)

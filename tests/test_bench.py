@@ -206,7 +206,7 @@ def test_flux_flops_analytic_matches_flop_counter():
 
     for guidance_embeds, size, text_len in ((True, Size(64, 64), 8), (False, Size(128, 64), 5)):
         cfg = {**TINY_FLUX, "in_channels": 64, "patch_size": 1, "guidance_embeds": guidance_embeds}
-        counted = denoiser.count_flops_meta(FluxTransformer2DModel, cfg, "FluxPipeline", size, text_len, 1, 3.5)
+        counted = denoiser.count_flops_meta(FluxTransformer2DModel, denoiser.DenoiserShape("FluxPipeline", cfg, size, text_len), 3.5)
         assert counted == denoiser.flux_step_flops(cfg, size.width, size.height, text_len)
     # the full FLUX.1-dev step at 1024x1024 (analytic only: nothing is built)
     from engine.config.presets import get_preset

@@ -55,7 +55,7 @@ def test_parse_prompt_round_trips_and_rejects_other_text():
 
 
 def test_every_grammar_word_has_its_own_tokens_and_prompts_fit_the_text_length():
-    from engine.models.tiny import build_clip_tokenizer, build_t5_tokenizer
+    from engine.models.tiny_tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
     words = [*COLOURS, *SHAPES, "a", "on", "background"]
     for tokenizer in (build_t5_tokenizer(), build_clip_tokenizer()):

@@ -345,7 +345,7 @@ def test_the_soak_lists_a_process_tree_and_its_memory_from_proc():
     import subprocess
     import sys
 
-    from engine.bench.soak import process_tree, resident_bytes
+    from engine.processes import process_tree, resident_bytes
 
     child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
                               "subprocess.run(['sleep', '30']); sys.exit(0)"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequest
-from engine.models import tiny
+from engine.models import tiny, tiny_tokenizers
 
 
 def _file_hashes(folder: Path) -> dict[str, str]:
@@ -120,7 +120,7 @@ def test_flux2_klein_chat_template(built):
     on = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert off == "<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert on == "<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n"
-    for special in tiny.QWEN_SPECIAL_TOKENS:  # each one a single token, never split by BPE
+    for special in tiny_tokenizers.QWEN_SPECIAL_TOKENS:  # each one a single token, never split by BPE
         assert len(tok(special, add_special_tokens=False).input_ids) == 1
 
 
@@ -139,7 +139,8 @@ def test_tokenizers_keep_capitals_and_lengths(built):
 
 def test_rebuild_is_byte_identical(built, tmp_path):
     # In-process rebuild: the tokenizer caches are cleared so they are trained again as well.
-    for fn in (tiny._clip_vocab_merges, tiny._t5_vocab, tiny._qwen_vocab_merges, tiny.training_corpus):
+    for fn in (tiny_tokenizers._clip_vocab_merges, tiny_tokenizers._t5_vocab, tiny_tokenizers._qwen_vocab_merges,
+               tiny_tokenizers.training_corpus):
         fn.cache_clear()
     tiny.build_tiny_pipeline("tiny-flux", tmp_path / "again")
     original = _file_hashes(built["tiny-flux"])

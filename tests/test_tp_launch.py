@@ -39,7 +39,7 @@ def test_single_node_argv(device, monkeypatch):
     monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(distributed=types.SimpleNamespace(
         set_tpu_launch_env=lambda nnodes, nproc_per_node: {})), raising=False)
     spec = devices.get_device(device)
-    argv, env = launch.build_launch(spec, 4, cache_dir=CACHE, sidecar_args=["--device", device], python="/py",
+    argv, env = launch.build_launch(spec, launch.NodeLayout(4), cache_dir=CACHE, sidecar_args=["--device", device], python="/py",
                                     base_env={})
     assert argv[:5] == ["/py", "-m", launch.TORCHRUN_MODULE, "--store-host=127.0.0.1", "--nproc-per-node=4"]
     assert "--standalone" in argv  # a private rendezvous on a free port
@@ -51,19 +51,19 @@ def test_single_node_argv(device, monkeypatch):
 
 def test_cpu_and_gpu_environment_sets_the_inductor_cache_before_torch_starts():
     for device in ("cpu", "cuda", "xpu"):
-        _, env = launch.build_launch(devices.get_device(device), 2, cache_dir=CACHE, base_env={})
+        _, env = launch.build_launch(devices.get_device(device), launch.NodeLayout(2), cache_dir=CACHE, base_env={})
         assert env[devices.INDUCTOR_CACHE_VAR] == str(CACHE / "inductor")
         assert devices.NEFF_CACHE_VAR not in env
 
 
 def test_user_exports_win_over_defaults():
-    _, env = launch.build_launch(devices.get_device("cpu"), 2, cache_dir=CACHE,
+    _, env = launch.build_launch(devices.get_device("cpu"), launch.NodeLayout(2), cache_dir=CACHE,
                                  base_env={devices.INDUCTOR_CACHE_VAR: "/mine", "KEEP": "1"})
     assert env[devices.INDUCTOR_CACHE_VAR] == "/mine" and env["KEEP"] == "1"
 
 
 def test_neuron_environment_keeps_compiled_neffs():
-    argv, env = launch.build_launch(devices.get_device("neuron"), 8, cache_dir=CACHE, base_env={})
+    argv, env = launch.build_launch(devices.get_device("neuron"), launch.NodeLayout(8), cache_dir=CACHE, base_env={})
     assert "--nproc-per-node=8" in argv  # one process per NeuronCore
     assert env[devices.NEFF_CACHE_VAR] == str(CACHE / "neff")
     assert devices.INDUCTOR_CACHE_VAR not in env
@@ -83,7 +83,7 @@ def test_tpu_environment_comes_from_torch_tpu_and_does_not_leak(monkeypatch):
     monkeypatch.delenv("TPU_PROCESS_BOUNDS", raising=False)
     monkeypatch.delenv("TPU_VISIBLE_CHIPS", raising=False)
     before = dict(os.environ)
-    argv, env = launch.build_launch(devices.get_device("tpu"), 4, cache_dir=CACHE, base_env={},
+    argv, env = launch.build_launch(devices.get_device("tpu"), launch.NodeLayout(4), cache_dir=CACHE, base_env={},
                                     warm_modes=("defer-and-fuse",))
     assert calls == [(1, 4)]
     assert env["TPU_PROCESS_BOUNDS"] == "4,1,1" and env["TPU_VISIBLE_CHIPS"] == "0,1,2,3"
@@ -115,7 +115,7 @@ def test_launch_env_comes_only_from_devices_that_need_one(device):
         assert calls == [] and env == {}
     assert "SHOWCASE_TEST_LAUNCH_VAR" not in os.environ
     if devices.get_device(device).tensor_parallel:
-        _, launched = launch.build_launch(devices.get_device(device), 4, 2, "10.0.0.1:29500", cache_dir=CACHE,
+        _, launched = launch.build_launch(devices.get_device(device), launch.NodeLayout(4, 2, rdzv="10.0.0.1:29500"), cache_dir=CACHE,
                                           base_env={}, tpu_env=set_env)
         assert ("SHOWCASE_TEST_LAUNCH_VAR" in launched) is (device == "tpu")
 
@@ -154,7 +154,7 @@ def test_init_group_binds_the_device_through_the_spec():
 def test_tpu_without_torch_tpu_says_what_to_install(monkeypatch):
     monkeypatch.setattr(torch, "tpu", None, raising=False)
     with pytest.raises(UnsupportedCombination, match="torch-tpu"):
-        launch.build_launch(devices.get_device("tpu"), 2, cache_dir=CACHE, base_env={})
+        launch.build_launch(devices.get_device("tpu"), launch.NodeLayout(2), cache_dir=CACHE, base_env={})
 
 
 def test_join_timeout_reaches_the_static_rendezvous():
@@ -179,7 +179,7 @@ def test_bad_listen_hosts_are_refused(host):
 
 def test_multi_node_uses_static_rendezvous_so_rank_0_is_on_node_0():
     spec = devices.get_device("cuda")
-    argv, _ = launch.build_launch(spec, 8, 2, "10.0.0.1:29500", cache_dir=CACHE, base_env={},
+    argv, _ = launch.build_launch(spec, launch.NodeLayout(8, 2, rdzv="10.0.0.1:29500"), cache_dir=CACHE, base_env={},
                                   sidecar_args=["--config", "/x/config.pkl", "--device", "cuda"])
     assert {"--nnodes=2", "--node-rank=0", "--rdzv-backend=static", "--rdzv-endpoint=10.0.0.1:29500"} <= set(argv)
     assert "--standalone" not in argv
@@ -191,7 +191,7 @@ def test_multi_node_uses_static_rendezvous_so_rank_0_is_on_node_0():
 @pytest.mark.parametrize("endpoint", ["10.0.0.1", "host:99999", "$(reboot):1", "a b:1", "host:-1", ""])
 def test_bad_rendezvous_endpoints_are_refused(endpoint):
     with pytest.raises(InvalidRequest):
-        launch.build_launch(devices.get_device("cuda"), 2, 2, endpoint, cache_dir=CACHE, base_env={})
+        launch.build_launch(devices.get_device("cuda"), launch.NodeLayout(2, 2, rdzv=endpoint), cache_dir=CACHE, base_env={})
 
 
 @pytest.mark.parametrize("kwargs", [dict(nproc=0), dict(nproc="2"), dict(nproc=2, nnodes=2),
@@ -211,7 +211,7 @@ def test_user_text_stays_one_argv_element():
 
 def test_device_without_collectives_is_refused():
     with pytest.raises(UnsupportedCombination, match="mps"):
-        launch.build_launch(devices.get_device("mps"), 2, cache_dir=CACHE, base_env={})
+        launch.build_launch(devices.get_device("mps"), launch.NodeLayout(2), cache_dir=CACHE, base_env={})
 
 
 def test_dist_timeout_is_longer_for_static_shape_compilers():

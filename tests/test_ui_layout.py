@@ -134,7 +134,8 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 # engine.devices and engine.pipeline.attention what the manager cannot tell (the device report, a device's
 # modes, the attention backends and step caches that can run), ui/views.py reuses the benchmark's
 # speedup_table and quality code so the UI and the bench agree, ui/advisor.py shows the advisor's
-# default bounds (it runs `python -m engine advise` in a child process), and ui/compare.py reads typed
+# default bounds (it runs `python -m engine advise` in a child process) and reads its report out with the
+# CLI's own renderer (engine.bench.advise_report), and ui/compare.py reads typed
 # configurations and times them with the bench's paired plan (engine.bench.configs, engine.bench.paired).
 ALLOWED_ENGINE_IMPORTS = {
     "engine.protocol": None, "engine.errors": None, "engine.settings": None, "engine.serving.manager": {"EngineManager", "Caller"},
@@ -147,12 +148,14 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.metrics": {"median", "percentile"},
     "engine.pipeline.stepcache": {"available_step_caches"},
     "engine.bench.advise": {"DEFAULT_FIDELITY_POINTS", "DEFAULT_MIN_PSNR", "CHECKER_MIN_PSNR"},
+    "engine.bench.advise_report": {"COLUMNS", "summary", "table_rows"},
     "engine.config.validation": {"check_steps"},
     "engine.config.request": None,  # the request every edge builds
 }
 ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "engine.bench": "views.py",
            "engine.bench.quality": "views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
-           "engine.bench.advise": "advisor.py", "engine.config.validation": "compare.py",
+           "engine.bench.advise": "advisor.py", "engine.bench.advise_report": "advisor.py",
+           "engine.config.validation": "compare.py",
            "engine.bench.configs": "compare.py"}
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 

@@ -17,6 +17,8 @@ import gradio as gr
 import pandas as pd
 
 from engine.bench.advise import CHECKER_MIN_PSNR, DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
+from engine.bench.advise_report import COLUMNS, table_rows
+from engine.bench.advise_report import summary as advice_summary
 from engine.settings import pythonpath
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
@@ -114,7 +116,7 @@ class AdvisorHandlers(HandlerBase):
             yield gr.skip(), gr.skip(), f"**Failed:** {failure}"
             raise gr.Error(failure, title="Advisor failed")
         done = f"**Done** in {result.get('elapsed_s', 0):.0f} s: the pick and every measured configuration are below."
-        yield views.advisor_markdown(result) + "\n\n" + views.frontier_caption(result), result, done
+        yield advice_summary(result) + "\n\n" + views.frontier_caption(result), result, done
 
     def advise_ended(self, status: str | None):
         """After the advisor's event, however it ended: a status still "running" means Cancel closed it."""
@@ -151,13 +153,13 @@ class AdvisorHandlers(HandlerBase):
 
     def render_advice(self, result: dict | None):
         """The frontier plot, the table and the apply button's state."""
-        rows = views.advisor_rows(result)
+        rows = table_rows(result)
         frame = pd.DataFrame(views.advisor_points(result), columns=views.ADVISOR_POINT_COLUMNS)
         frame = frame.astype({"s_per_image": "float64", "quality": "float64", "configuration": "string",
                               "verdict": "string"})
         x_lim, y_lim = views.padded_limits(frame["s_per_image"]), views.padded_limits(frame["quality"])
         plot = gr.update(value=frame, x_lim=x_lim, y_lim=y_lim)
-        table = pd.DataFrame(rows, columns=views.ADVISOR_COLUMNS)
+        table = pd.DataFrame(rows, columns=COLUMNS)
         pick = (result or {}).get("pick")
         return plot, table, gr.update(interactive=pick is not None,
                                       value=f"Apply {pick['label']} in Generate" if pick else "Apply in Generate"), \
@@ -215,7 +217,7 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
                                       tooltip=["configuration", "s_per_image", "quality", "verdict"], height=340,
                                       elem_id="a-frontier")
         cards = gr.HTML(elem_id="a-cards", label="Each configuration: its image, eager fp32's, the difference")
-        table = gr.Dataframe(headers=views.ADVISOR_COLUMNS, interactive=False, wrap=True, label="Every configuration",
+        table = gr.Dataframe(headers=COLUMNS, interactive=False, wrap=True, label="Every configuration",
                              column_widths=views.ADVISOR_WIDTHS, elem_id="a-table")
         with gr.Accordion("Advisor JSON (also saved under the cache folder)", open=False):
             result = gr.JSON(elem_id="a-json")

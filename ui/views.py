@@ -498,23 +498,6 @@ def compare_step_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
-def image_quality(image, first_image, preset, prompt: str) -> dict:
-    """Drift of one image against a reference image (PSNR, largest pixel difference) and, for a model
-    with a pixel checker (the embedded shapes model), whether it drew the prompt. Computed by the bench's
-    own functions, so the UI and the bench agree."""
-    from engine.bench.quality import fidelity_checker, fmt_drift, image_drift
-
-    out: dict = {}
-    if first_image is not None:
-        drift = image_drift(image, first_image)
-        out.update(drift_psnr_db=drift["psnr_db"], drift_max_diff=drift["max_diff"],
-                   drift=fmt_drift(drift["psnr_db"], drift["max_diff"]))
-    checker = fidelity_checker(preset)
-    if checker is not None:
-        out["fidelity"] = checker(image, prompt)  # None: the prompt is outside the model's grammar
-    return out
-
-
 def fidelity_sample_prompts(preset, n: int, fallback: str) -> list[str]:
     """The Compare tab's fidelity prompts: the bench's seeded samples of the model's grammar."""
     from engine.bench.quality import sample_prompts
@@ -557,17 +540,6 @@ def price_quality(images: list, prompts: list[str], ref_images: list | None, pre
             fid = score(images[1:], prompts[1:], None, preset)
             out.update(fidelity=fid["fidelity"], fidelity_samples=fid["fidelity_samples"])
     return out
-
-
-def quality_caption(quality: dict) -> str:
-    parts = []
-    if "drift" in quality:
-        parts.append(f"drift vs eager fp32: {quality['drift']}")
-    if quality.get("fidelity") is not None:
-        parts.append("draws the prompt ✓" if quality["fidelity"] else "does not draw the prompt ✗")
-    elif "fidelity" in quality:
-        parts.append("fidelity: the prompt is outside the model's grammar (see its examples)")
-    return " · ".join(parts)
 
 
 def speedup_table(results: list[dict]) -> list[dict]:
@@ -629,41 +601,10 @@ def cost_rows(results: list[dict]) -> list[list]:
 
 
 # -- advisor ---------------------------------------------------------------------------------------
-ADVISOR_COLUMNS = ["configuration", "s / image", "× eager fp32", "drift PSNR / max diff", "fidelity",
-                   "steps cached (mean)", "compile s", "within bound"]
 ADVISOR_POINT_COLUMNS = ["configuration", "s_per_image", "quality", "verdict"]
 # No header narrower than its longest word; the reasons (last column) get the rest and wrap.
 ADVISOR_WIDTHS = ["19%", "8%", "9%", "12%", "8%", "9%", "8%", "27%"]
 IDENTICAL_PSNR_DB = 100.0  # where an image identical to eager fp32 is drawn on the PSNR axis
-
-
-def _pct(value) -> str:
-    return "—" if value is None else f"{value * 100:.0f} %"
-
-
-def advisor_rows(result: dict | None) -> list[list]:
-    """The advisor's table: every measured configuration, the largest speedup over eager fp32 first (timed in
-    alternation with it), with why it is (not) eligible."""
-    if not result:
-        return []
-    from engine.bench.paired import row_speedup_text as row_speedup
-    from engine.bench.quality import fmt_drift
-
-    pick = (result.get("pick") or {}).get("label")
-    out = []
-    for r in sorted(result.get("rows", []), key=lambda r: -(r.get("speedup") or 0)):
-        if r.get("error"):
-            out.append([r["label"], "failed", "", "", "", "", "", r["error"]])
-            continue
-        verdict = "★ pick" if r["label"] == pick else ("yes" if r.get("eligible") else f"no: {r.get('why_not', '')}")
-        out.append([r["label"], f"{r['s_per_image']:.3f}", row_speedup(r),
-                    fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff"))
-                    + ("" if r.get("drift_ssim") is None else f", SSIM {r['drift_ssim']:.3f}"), _pct(r.get("fidelity")),
-                    "—" if r.get("cached_steps") is None else f"{r['cached_steps']:.1f}", fmt_s(r.get("compile_s")),
-                    verdict])
-    for s in result.get("skipped", []):
-        out.append([s["what"], "skipped", "", "", "", "", "", s["why"]])
-    return out
 
 
 def advisor_points(result: dict | None) -> list[dict]:
@@ -683,39 +624,6 @@ def advisor_points(result: dict | None) -> list[dict]:
         points.append({"configuration": r["label"], "s_per_image": r["s_per_image"], "quality": q,
                        "verdict": verdict})
     return points
-
-
-def advisor_markdown(result: dict) -> str:
-    pick = result.get("pick")
-    bound = result.get("bound") or {}
-    parts = [f"**{result['preset']} on {result['device']}**, {result['size']}, {result['steps']} steps: "
-             f"{len(result.get('rows', []))} configurations measured in {result['elapsed_s']:.0f} s, "
-             f"{len(result.get('skipped', []))} skipped (listed in the table)."]
-    if pick is None:
-        parts.append("No configuration within the bound: eager fp32 stays.")
-    elif pick.get("mode") == "eager" and pick.get("precision") == "fp32" and pick.get("step_cache") == "none" \
-            and pick.get("attention", "native") == "native":
-        parts.append("**Pick: `fp32/eager`** — no configuration within the bound measured faster than eager fp32.")
-    else:
-        confirm = result.get("confirm") or {}
-        from engine.bench.paired import row_speedup_text as row_speedup
-
-        parts.append(f"**Pick: `{pick['label']}`** — {pick['s_per_image']:.3f} s per image, "
-                     f"**{row_speedup(pick)}** eager fp32 (final round: {(confirm.get('pick_ms_median') or 0):.1f} vs "
-                     f"{(confirm.get('reference_ms_median') or 0):.1f} ms, medians of {confirm.get('rounds')} rounds), "
-                     f"fidelity {_pct(pick.get('fidelity'))}.")
-    limits = []
-    if bound.get("fidelity_points") is not None:
-        limits.append(f"fidelity within {bound['fidelity_points']:g} points of eager fp32")
-    if bound.get("min_psnr_db") is not None:
-        limits.append(f"PSNR ≥ {bound['min_psnr_db']:g} dB against eager fp32")
-    if bound.get("min_ssim") is not None:
-        limits.append(f"SSIM ≥ {bound['min_ssim']:g} against eager fp32")
-    if limits:
-        parts.append("Bound: " + ", ".join(limits) + ".")
-    if result.get("saved"):
-        parts.append(f"Saved to `{result['saved']}` (start the app with `--config-from` that file).")
-    return "\n\n".join(parts)
 
 
 def padded_limits(values) -> list[float] | None:

@@ -129,7 +129,7 @@ def _rank_main(args) -> int:
     torch, preset, cls, cfg, spec, dtype, sizes, text_len = _setup(args)
     import torch.distributed as dist
 
-    from engine.bench.denoiser import denoiser_inputs
+    from engine.bench.denoiser import DenoiserShape, denoiser_inputs
     from engine.tp.group import init_group
     from engine.tp.runner import enable_context_parallel
 
@@ -141,7 +141,7 @@ def _rank_main(args) -> int:
     for mode in args.modes.split(","):
         fn = _variant(torch, model, mode)
         for size in sizes:
-            inputs = denoiser_inputs(preset.pipeline, cfg, size, text_len, 1, str(group.device), dtype)
+            inputs = denoiser_inputs(DenoiserShape(preset.pipeline, cfg, size, text_len), str(group.device), dtype)
             times, out = _time(torch, fn, inputs, spec, args.runs)
             if group.leader:
                 name = f"{mode}-{size}"
@@ -181,7 +181,7 @@ def cmd_cp_bench(args) -> int:
     if args.rank_side is not None:
         return _rank_main(args)
     torch, preset, cls, cfg, spec, dtype, sizes, text_len = _setup(args)
-    from engine.bench.denoiser import denoiser_inputs
+    from engine.bench.denoiser import DenoiserShape, denoiser_inputs
     from engine.tp import plan
 
     # The same up-front check as the engine (heads, backend; token counts at the benchmarked sizes).
@@ -195,7 +195,7 @@ def cmd_cp_bench(args) -> int:
     for mode in args.modes.split(","):
         fn = _variant(torch, model, mode)
         for size in sizes:
-            inputs = denoiser_inputs(preset.pipeline, cfg, size, text_len, 1, spec.torch_device, dtype)
+            inputs = denoiser_inputs(DenoiserShape(preset.pipeline, cfg, size, text_len), spec.torch_device, dtype)
             times, out = _time(torch, fn, inputs, spec, args.runs)
             single[f"{mode}-{size}"] = (median(times), out.float().cpu())
     threads = torch.get_num_threads()

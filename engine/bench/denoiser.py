@@ -104,9 +104,21 @@ def flux_step_flops(cfg: dict, width: int, height: int, text_len: int = 512, bat
     return batch * (double + single + embed)
 
 
-def denoiser_inputs(pipeline: str, cfg: dict, size, text_len: int, batch: int, device: str, dtype,
-                    guidance: float = 3.5, seed: int = 0) -> dict:
+@dataclass(frozen=True)
+class DenoiserShape:
+    """What a pipeline hands its denoiser at one step: the pipeline class, the denoiser's config, the bucket,
+    the text length in tokens and the batch."""
+
+    pipeline: str
+    cfg: dict
+    size: object  # Size
+    text_len: int
+    batch: int = 1
+
+
+def denoiser_inputs(shape: DenoiserShape, device: str, dtype, guidance: float = 3.5, seed: int = 0) -> dict:
     """Random inputs of the shapes the pipeline gives its denoiser at one step for this bucket."""
+    pipeline, cfg, size, text_len, batch = shape.pipeline, shape.cfg, shape.size, shape.text_len, shape.batch
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*shape):
@@ -153,13 +165,13 @@ def denoiser_inputs(pipeline: str, cfg: dict, size, text_len: int, batch: int, d
     return inputs
 
 
-def count_flops_meta(cls, cfg: dict, pipeline: str, size, text_len: int, batch: int, guidance: float) -> int | None:
+def count_flops_meta(cls, shape: DenoiserShape, guidance: float) -> int | None:
     """FLOPs of one forward counted by FlopCounterMode on the meta device (no memory, no compute).
     On meta, SDPA takes the math path, so attention's matmuls are counted too."""
     try:
         with torch.device("meta"):
-            model = cls.from_config(cfg)
-        inputs = denoiser_inputs(pipeline, cfg, size, text_len, batch, "meta", torch.float32, guidance)
+            model = cls.from_config(shape.cfg)
+        inputs = denoiser_inputs(shape, "meta", torch.float32, guidance)
         counter = FlopCounterMode(display=False)
         with counter, torch.no_grad():
             model(**inputs)
@@ -308,7 +320,8 @@ def _flops_per_size(run: _Run) -> dict[str, dict]:
     """FLOPs per step, per size: analytic (Flux) and FlopCounterMode on meta (any denoiser)."""
     preset, flops = run.plan.preset, {}
     for size in run.plan.sizes:
-        counted = count_flops_meta(run.cls, run.cfg, preset.pipeline, size, run.text_len, run.batch, preset.guidance)
+        counted = count_flops_meta(run.cls, DenoiserShape(preset.pipeline, run.cfg, size, run.text_len, run.batch),
+                                   preset.guidance)
         analytic = (flux_step_flops(run.cfg, size.width, size.height, run.text_len, run.batch)
                     if preset.pipeline == "FluxPipeline" else None)
         flops[str(size)] = {"analytic": analytic, "counted": counted, "used": analytic or counted}
@@ -388,8 +401,8 @@ def _measure_precision(run: _Run, precision: str, flops: dict[str, dict]) -> Non
     model, n_params, build_s = _build_denoiser(run, precision)
     run.extras.setdefault("parameters", n_params)
     for size in plan.sizes:
-        inputs = denoiser_inputs(plan.preset.pipeline, run.cfg, size, run.text_len, run.batch, spec.torch_device,
-                                 plan_p.dtype, plan.preset.guidance)
+        inputs = denoiser_inputs(DenoiserShape(plan.preset.pipeline, run.cfg, size, run.text_len, run.batch),
+                                 spec.torch_device, plan_p.dtype, plan.preset.guidance)
         for mode in plan.modes:
             r = empty_result("denoiser", plan, precision, mode, size)
             r.update(load_s=build_s, batch=run.batch, text_len=run.text_len, parameters=n_params,

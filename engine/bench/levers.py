@@ -45,115 +45,144 @@ def _configs(plan) -> list[tuple[str, str, str]]:
 def run_levers_bench(plan) -> dict:
     from engine.bench.pipeline import _prepare_process
 
-    spec = _prepare_process(plan)
-    size = plan.sizes[0]
-    configs = _configs(plan)
-    samples = plan.quality_samples
-    total = len(plan.precisions) + len(configs) * (2 + plan.runs + samples)
-    bar = progress(total, plan.progress, f"levers {plan.preset.name}@{spec.name}")
-    runners, rows = {}, {}
-    for precision in plan.precisions:
-        for mode in dict.fromkeys(m for m in plan.modes):
-            key = (precision, MODE_TABLE[mode].options_key)
-            if key in runners:
-                continue
-            bar.set_postfix_str(f"load {precision}")
-            runner = build_runner(plan, spec, precision, MODE_TABLE[mode])
-            start = time.perf_counter()
-            try:
-                runner.load()
-            except ShowcaseError as exc:
-                runner = exc
-            runners[key] = (runner, time.perf_counter() - start)
-        bar.update()
+    return _LeversRun(plan, _prepare_process(plan)).run()
 
-    def engine(config):
+
+class _LeversRun:
+    """One levers bench: load one runner per precision, warm every configuration (a refusal is a row with
+    its reason), time them round-robin, measure their quality, report."""
+
+    def __init__(self, plan, spec):
+        self.plan, self.spec, self.size = plan, spec, plan.sizes[0]
+        self.configs = _configs(plan)
+        total = len(plan.precisions) + len(self.configs) * (2 + plan.runs + plan.quality_samples)
+        self.bar = progress(total, plan.progress, f"levers {plan.preset.name}@{spec.name}")
+        self.runners: dict[tuple, tuple] = {}  # (precision, options key) -> (runner or its load error, load s)
+        self.rows: dict[tuple, dict] = {}
+
+    def run(self) -> dict:
+        self.load()
+        live = self.warm()
+        self.time_rounds(live)
+        self.measure_quality(live)
+        self.bar.set_postfix_str("done")
+        self.bar.close()
+        return self.report()
+
+    def load(self) -> None:
+        plan = self.plan
+        for precision in plan.precisions:
+            for mode in dict.fromkeys(m for m in plan.modes):
+                key = (precision, MODE_TABLE[mode].options_key)
+                if key in self.runners:
+                    continue
+                self.bar.set_postfix_str(f"load {precision}")
+                runner = build_runner(plan, self.spec, precision, MODE_TABLE[mode])
+                start = time.perf_counter()
+                try:
+                    runner.load()
+                except ShowcaseError as exc:
+                    runner = exc
+                self.runners[key] = (runner, time.perf_counter() - start)
+            self.bar.update()
+
+    def engine(self, config):
         precision, mode, _ = config
-        return runners[(precision, MODE_TABLE[mode].options_key)][0], MODE_TABLE[mode].engine
+        return self.runners[(precision, MODE_TABLE[mode].options_key)][0], MODE_TABLE[mode].engine
 
-    def request(config, seed, prompt=None, steps=None):
+    def request(self, config, seed, prompt=None, steps=None):
         _, mode, cache = config
+        plan, size = self.plan, self.size
         return GenerateRequest(prompt=prompt or plan.prompt, width=size.width, height=size.height,
                                steps=steps or plan.steps, guidance=plan.preset.guidance, seed=seed,
                                mode=MODE_TABLE[mode].engine, on_cold=OnCold.EAGER, step_cache=cache)
 
-    # Refusals, then warm-up: compiled buckets compile, every cache variant is built (magcache calibrates).
-    for config in configs:
-        precision, mode, cache = config
-        row = rows[config] = {"precision": precision, "mode": mode, "cache": cache, "size": str(size),
-                              "error": None, "image_ms": [], "cached_steps": None, "recompiles": 0}
-        runner, engine_mode = engine(config)
-        bar.set_postfix_str(f"warm {precision} {mode} {cache}")
-        try:
-            if isinstance(runner, Exception):
-                raise runner
-            runner.check_mode(engine_mode)
-            stepcache.check_step_cache(cache, plan.preset, spec, engine_mode)
-            if engine_mode.compiled:
-                info = runner.warm_bucket(BucketKey(engine_mode, size))
-                if info.state is not BucketState.WARM:
-                    raise RuntimeError(info.error or f"bucket is {info.state.value}")
-                row["compile_s"] = info.compile_s
-            runner.generate(request(config, seed=0))
-        except Exception as exc:  # a refused or failing configuration is a row with its reason
-            row["error"] = error_text(exc)
-        bar.update(2)
-    live = [c for c in configs if not rows[c]["error"]]
-    for i in range(plan.runs):
-        order = live[i % len(live):] + live[: i % len(live)] if live else []
-        for config in order:
-            runner, _ = engine(config)
-            bar.set_postfix_str(f"run {i + 1}/{plan.runs} {' '.join(config)}")
-            result = runner.generate(request(config, seed=100 + i))
-            row = rows[config]
-            row["image_ms"].append(result.timings.total_ms)
-            row["recompiles"] += result.recompiles
-            row["cached_steps"] = len(result.cached_steps)
-            row["eager_fallback"] = row.get("eager_fallback", False) or result.eager_fallback
-            bar.update()
-    _quality(plan, rows, live, engine, request, bar)
-    bar.set_postfix_str("done")
-    bar.close()
-    results = [_finish(rows[c], rows, plan) for c in configs]
-    targets = _targets(plan, results)
-    return {
-        "kind": "levers",
-        "preset": plan.preset.name,
-        "device": spec.name,
-        "machine": machine_info(spec),
-        "steps": plan.steps,
-        "size": str(size),
-        "runs": plan.runs,
-        "quality_samples": samples,
-        "command": plan.command,
-        "results": results,
-        "targets": targets,
-        "missed": [t["key"] for t in targets if t["status"] == "MISSED"],
-    }
+    def warm(self) -> list[tuple]:
+        """Refusals, then warm-up: compiled buckets compile, every cache variant is built (magcache
+        calibrates). Returns the configurations that run."""
+        for config in self.configs:
+            precision, mode, cache = config
+            row = self.rows[config] = {"precision": precision, "mode": mode, "cache": cache, "size": str(self.size),
+                                       "error": None, "image_ms": [], "cached_steps": None, "recompiles": 0}
+            runner, engine_mode = self.engine(config)
+            self.bar.set_postfix_str(f"warm {precision} {mode} {cache}")
+            try:
+                if isinstance(runner, Exception):
+                    raise runner
+                runner.check_mode(engine_mode)
+                stepcache.check_step_cache(cache, self.plan.preset, self.spec, engine_mode)
+                if engine_mode.compiled:
+                    info = runner.warm_bucket(BucketKey(engine_mode, self.size))
+                    if info.state is not BucketState.WARM:
+                        raise RuntimeError(info.error or f"bucket is {info.state.value}")
+                    row["compile_s"] = info.compile_s
+                runner.generate(self.request(config, seed=0))
+            except Exception as exc:  # a refused or failing configuration is a row with its reason
+                row["error"] = error_text(exc)
+            self.bar.update(2)
+        return [c for c in self.configs if not self.rows[c]["error"]]
+
+    def time_rounds(self, live: list[tuple]) -> None:
+        """plan.runs rounds over the live configurations, the starting one rotating each round."""
+        for i in range(self.plan.runs):
+            order = live[i % len(live):] + live[: i % len(live)] if live else []
+            for config in order:
+                runner, _ = self.engine(config)
+                self.bar.set_postfix_str(f"run {i + 1}/{self.plan.runs} {' '.join(config)}")
+                result = runner.generate(self.request(config, seed=100 + i))
+                row = self.rows[config]
+                row["image_ms"].append(result.timings.total_ms)
+                row["recompiles"] += result.recompiles
+                row["cached_steps"] = len(result.cached_steps)
+                row["eager_fallback"] = row.get("eager_fallback", False) or result.eager_fallback
+                self.bar.update()
+
+    def measure_quality(self, live: list[tuple]) -> None:
+        """Drift against the reference and fidelity (a model with a checker), over the quality samples."""
+        plan = self.plan
+        if plan.quality_samples <= 0 or not live:
+            return
+        prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=quality.PROMPT_SEED,
+                                         fallback=plan.prompt)
+        images = {}
+        for config in live:
+            runner, _ = self.engine(config)
+            self.bar.set_postfix_str(f"quality {' '.join(config)}")
+            images[config] = []
+            for seed, prompt in zip(quality.image_seeds(len(prompts)), prompts, strict=True):
+                images[config].append(runner.generate(self.request(config, seed=seed, prompt=prompt)).image_png)
+                self.bar.update()
+        _score(plan, [self.rows[c] for c in live], [images[c] for c in live], images.get(REFERENCE), prompts)
+
+    def report(self) -> dict:
+        plan = self.plan
+        results = [_finish(self.rows[c], self.rows, plan) for c in self.configs]
+        targets = _targets(plan, results)
+        return {
+            "kind": "levers",
+            "preset": plan.preset.name,
+            "device": self.spec.name,
+            "machine": machine_info(self.spec),
+            "steps": plan.steps,
+            "size": str(self.size),
+            "runs": plan.runs,
+            "quality_samples": plan.quality_samples,
+            "command": plan.command,
+            "results": results,
+            "targets": targets,
+            "missed": [t["key"] for t in targets if t["status"] == "MISSED"],
+        }
 
 
-def _quality(plan, rows, live, engine, request, bar) -> None:
-    if plan.quality_samples <= 0 or not live:
-        return
-    prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=7, fallback=plan.prompt)
+def _score(plan, rows: list[dict], images: list[list], reference: list | None, prompts: list[str]) -> None:
+    """Each row's drift against the reference's images and its fidelity (a model with a checker)."""
     checker = quality.fidelity_checker(plan.preset)
-    images = {}
-    for config in live:
-        runner, _ = engine(config)
-        bar.set_postfix_str(f"quality {' '.join(config)}")
-        images[config] = []
-        for i, prompt in enumerate(prompts):
-            images[config].append(runner.generate(request(config, seed=1000 + i, prompt=prompt)).image_png)
-            bar.update()
-    reference = images.get(REFERENCE)
-    for config in live:
-        row = rows[config]
+    for row, mine in zip(rows, images, strict=True):
         if reference is not None:
-            drift = quality.worst_drift([quality.image_drift(a, b) for a, b in zip(images[config], reference,
-                                                                                    strict=True)])
+            drift = quality.worst_drift([quality.image_drift(a, b) for a, b in zip(mine, reference, strict=True)])
             row["drift_psnr_db"], row["drift_max_diff"] = drift["psnr_db"], drift["max_diff"]
         if checker is not None:
-            scored = [checker(img, p) for img, p in zip(images[config], prompts, strict=True)]
+            scored = [checker(img, p) for img, p in zip(mine, prompts, strict=True)]
             scored = [s for s in scored if s is not None]
             row["fidelity"] = sum(scored) / len(scored) if scored else None
 

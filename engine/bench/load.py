@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 
 from engine import settings
-from engine.bench.soak import PageClient, free_port, process_tree
+from engine.bench.soak import PageClient, free_port
 from engine.metrics import median, percentile
+from engine.processes import pid_alive, process_tree
 from engine.protocol import GENERIC_PROMPT
 
 REPO = settings.REPO_ROOT
@@ -176,9 +177,9 @@ class Phase:
             pass
         time.sleep(1.0)
         deadline = time.monotonic() + 9.0
-        while time.monotonic() < deadline and [p for p in tree if _alive(p)]:
+        while time.monotonic() < deadline and [p for p in tree if pid_alive(p)]:
             time.sleep(0.2)
-        self.orphans = [p for p in tree if _alive(p)]
+        self.orphans = [p for p in tree if pid_alive(p)]
         try:
             os.killpg(self.app.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -213,14 +214,6 @@ class Phase:
             "calls_per_batch_size": self.served, "orphans": self.orphans,
             "failures": self.failed[:5],
         }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def _round(value: float | None) -> float | None:

@@ -200,8 +200,8 @@ def _quality(run: _Run, live: list[Config]) -> None:
     plan = run.plan
     if plan.quality_samples <= 0 or not live:
         return
-    prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=7, fallback=plan.prompt)
-    seeds = [1000 + i for i in range(len(prompts))]
+    prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=quality.PROMPT_SEED, fallback=plan.prompt)
+    seeds = quality.image_seeds(len(prompts))
 
     def draw(config: Config, prompt: str, seed: int) -> bytes:
         precision, mode, size = config

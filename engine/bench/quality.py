@@ -24,6 +24,11 @@ from collections.abc import Callable
 import numpy as np
 from PIL import Image
 
+# the quality samples' seeds, named once below the bench so the trainer uses them too
+from engine.models.shapes.samples import IMAGE_SEED as IMAGE_SEED
+from engine.models.shapes.samples import PROMPT_SEED as PROMPT_SEED
+from engine.models.shapes.samples import image_seeds as image_seeds
+
 REFERENCE = ("fp32", "eager")  # (precision, mode) every drift is measured against
 
 

@@ -102,7 +102,7 @@ def run(plan, runners, configurations: list[explicit.Configuration], budget_s: f
         max_rounds: int, seed: int = 0) -> dict:
     """One comparison of `configurations` (eager fp32 added first when missing) on `runners` (advise._Runners:
     weights loaded once per precision): warm, then round-robin."""
-    from engine.bench.advise import Candidate
+    from engine.bench.advise_choice import Candidate
     from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold
     candidates = {c.text(): Candidate(c.precision, c.mode, c.step_cache) for c in configurations}
     candidates = {REFERENCE: Candidate("fp32", "eager"), **candidates}
@@ -142,7 +142,8 @@ def run(plan, runners, configurations: list[explicit.Configuration], budget_s: f
 
 def main(args) -> int:
     from engine import devices, settings
-    from engine.bench.advise import AdvisePlan, _Runners, serving_threads
+    from engine.bench.advise import _Runners, serving_threads
+    from engine.bench.advise_choice import AdvisePlan
     from engine.config.flags import model_roots_from_args, options_from_args
     from engine.config.presets import get_preset
     from engine.protocol import Size

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from engine import settings
 from engine.metrics import median, percentile
+from engine.processes import process_tree, resident_bytes
 from engine.serving.budget import GIB, parse_size
 from engine.worker.loop import lower_this_thread_priority
 
@@ -147,7 +148,7 @@ class PageClient:
                                            if p.get("parameter_has_default")} for api, e in info.items()}
         self.http = httpx.Client(timeout=timeout)
         # One session for the page's life, as the page's client makes it: the server builds a session's
-        # state (a config per block: ~17 ms of the event loop's time for this UI) once, not per request.
+        # state (a config per block, costly for a UI this size) once, not per request.
         self.session = uuid.uuid4().hex[:11]
 
     def call(self, api_name: str, params: dict | None = None) -> list:
@@ -193,33 +194,6 @@ def _settle_event_stream(client, timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
     while getattr(client, "stream_open", False) and time.monotonic() < deadline:
         time.sleep(0.005)
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and its descendants, from each task's /proc children list (psutil's recursive children
-    walks all of /proc: 11 % of a core every 2 s on a loaded box). [] once `root` is gone."""
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        found.append(pid)
-        for tid in tasks:
-            try:
-                todo += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
-            except (OSError, ValueError):
-                pass
-    return found
-
-
-def resident_bytes(pid: int) -> int | None:
-    """Resident memory of a process (None once it is gone)."""
-    try:
-        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def free_port() -> int:

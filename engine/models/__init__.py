@@ -2,6 +2,8 @@
 
     tiny.py             the random-weight tiny diffusers pipelines, built locally (presets "random:<name>")
                         (`python -m engine.models.tiny NAME OUT_DIR` builds one in a fresh process)
+    tiny_builders.py    their text encoders, VAEs and pipelines, seeded
+    tiny_tokenizers.py  their tokenizers, trained deterministically on a fixed corpus
     shapes/             the toy world of the trained embedded model (models/tiny-shapes): the prompt
                         grammar, the renderer, the pixel fidelity checker and the training loop
     train_embedded.py   `python -m engine.models.train_embedded`: retrain models/tiny-shapes

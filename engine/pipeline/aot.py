@@ -51,6 +51,7 @@ from engine import settings
 from engine.errors import scrub_paths
 from engine.pipeline.faults import COMPILE_FAILURE
 from engine.pipeline.variants import pipeline_over, vae_decoding_with
+from engine.processes import pid_alive
 from engine.protocol import BucketKey, Mode, Size
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class PackageStore:
                 pid = int(staging.name.rsplit(".building-", 1)[1].split("-")[0])
             except (IndexError, ValueError):
                 pid = None
-            if pid is None or not _pid_alive(pid):
+            if pid is None or not pid_alive(pid):
                 shutil.rmtree(staging, ignore_errors=True)
                 removed.append(staging)
         if removed:
@@ -255,21 +256,6 @@ class PackageStore:
         for old in kept[KEEP_PER_SLOT:]:
             shutil.rmtree(old, ignore_errors=True)
         self.clean_interrupted()
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie has exited
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 # --- calls -----------------------------------------------------------------------------------------

@@ -153,8 +153,8 @@ class SidecarClient(ConnectionClient):
         if self.dist_timeout:
             args += ["--dist-timeout", str(self.dist_timeout)]
         argv, env = launch.build_launch(
-            spec, tp // self.nnodes, self.nnodes, self.rdzv_endpoint, cache_dir=self.config.cache_path(),
-            sidecar_args=args, warm_modes=self.config.options.warm_modes,
+            spec, launch.NodeLayout(tp // self.nnodes, self.nnodes, rdzv=self.rdzv_endpoint),
+            cache_dir=self.config.cache_path(), sidecar_args=args, warm_modes=self.config.options.warm_modes,
         )
         env.update(self.extra_env)
         env[launch.TOKEN_FILE_VAR] = str(self.workdir / "token")

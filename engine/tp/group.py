@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import devices, settings
+from engine.processes import pid_alive
 from engine.protocol import RankExit
 
 log = logging.getLogger(__name__)
@@ -69,15 +70,7 @@ def watch_parents(app_pid: int | None, interval_s: float = 1.0) -> None:
     parent = os.getppid()
 
     def app_alive() -> bool:
-        if not app_pid:
-            return True
-        try:
-            os.kill(app_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return not app_pid or pid_alive(app_pid)
 
     def watch() -> None:
         while True:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine import devices
@@ -167,20 +168,29 @@ def torchrun_argv(
     return argv
 
 
+@dataclass(frozen=True)
+class NodeLayout:
+    """Where the sidecar's ranks run: `nproc` ranks on each of `nnodes` nodes, this one `node_rank`; several
+    nodes meet at node 0's rendezvous endpoint `rdzv` (HOST:PORT) and wait up to `join_timeout` s for
+    each other."""
+
+    nproc: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv: str | None = None
+    join_timeout: float | None = None
+
+
 def build_launch(
     spec: devices.DeviceSpec,
-    nproc: int,
-    nnodes: int = 1,
-    rdzv: str | None = None,
+    layout: NodeLayout,
     *,
-    node_rank: int = 0,
     cache_dir: Path | None = None,
     sidecar_args: Sequence[str] = (),
     warm_modes: Sequence[str] = (),
     base_env: Mapping[str, str] | None = None,
     python: str | None = None,
     tpu_env: Callable | None = None,
-    join_timeout: float | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) that start the sidecar's ranks on this node: `torchrun --nproc-per-node=N ... -m
     engine.tp.sidecar ...`. The process-group backend and mesh device type come from the device spec
@@ -189,11 +199,11 @@ def build_launch(
     from engine import settings
 
     argv = torchrun_argv(
-        nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, sidecar_args=sidecar_args, python=python,
-        join_timeout=join_timeout,
+        layout.nproc, nnodes=layout.nnodes, node_rank=layout.node_rank, rdzv_endpoint=layout.rdzv,
+        sidecar_args=sidecar_args, python=python, join_timeout=layout.join_timeout,
     )
     env = sidecar_environment(
-        spec, cache_dir or settings.cache_dir(), nproc=nproc, nnodes=nnodes, warm_modes=warm_modes,
+        spec, cache_dir or settings.cache_dir(), nproc=layout.nproc, nnodes=layout.nnodes, warm_modes=warm_modes,
         base=base_env, tpu_env=tpu_env,
     )
     return argv, env
@@ -215,22 +225,19 @@ def node_command(
 
 def sidecar_command(
     spec: devices.DeviceSpec,
+    layout: NodeLayout,
     *,
     preset: str,
     precision: str,
-    nproc: int,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    rdzv: str | None = None,
-    join_timeout: float | None = None,
     extra: Sequence[str] = (),
     python: str = "python",
 ) -> list[str]:
-    """The one command node `node_rank` runs: `python -m engine.tp.sidecar ... --node-rank K`. It carries
-    everything that node needs (preset and precision too, so its ranks can check they joined the sidecar they
-    were meant for) and never the token: only rank 0, on node 0, listens. `extra` are further flags as
-    (already validated) argv elements."""
+    """The one command node `layout.node_rank` runs: `python -m engine.tp.sidecar ... --node-rank K`. It
+    carries everything that node needs (preset and precision too, so its ranks can check they joined the
+    sidecar they were meant for) and never the token: only rank 0, on node 0, listens. `extra` are further
+    flags as (already validated) argv elements."""
     check_tp_device(spec)
+    nproc, nnodes, node_rank, rdzv = layout.nproc, layout.nnodes, layout.node_rank, layout.rdzv
     _check_counts(nproc, nnodes, node_rank)
     argv = [python, "-m", SIDECAR_MODULE, "--preset", preset, "--device", spec.name, "--precision", precision,
             "--tp", str(nproc)]
@@ -238,8 +245,8 @@ def sidecar_command(
         if rdzv is None:
             raise InvalidRequest(f"{nnodes} nodes need a rendezvous endpoint HOST:PORT on node 0 (--rdzv-endpoint)")
         argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", check_rdzv_endpoint(rdzv)]
-        if join_timeout is not None:
-            argv += ["--join-timeout", f"{check_join_timeout(join_timeout):g}"]
+        if layout.join_timeout is not None:
+            argv += ["--join-timeout", f"{check_join_timeout(layout.join_timeout):g}"]
     for arg in extra:
         if not isinstance(arg, str) or "\x00" in arg:
             raise InvalidRequest(f"sidecar argument {arg!r} is not a plain string")

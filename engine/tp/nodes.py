@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.errors import InvalidRequest, ShowcaseError
@@ -78,6 +78,41 @@ def plan_node(args) -> NodePlan:
     from engine.protocol import Parallel, Precision
     from engine.tp import launch
 
+    layout = _check_layout(args)
+    preset = _check_preset_name(args.preset or "tiny-flux")
+    precision = str(Precision.parse(args.precision or "fp32", "precision"))
+    spec = devices.get_device(args.device) if args.print_command else devices.resolve_device(args.device)
+    launch.check_tp_device(spec)
+    cache = Path(args.cache_dir or settings.cache_dir()).expanduser()
+    warm = _check_warm_modes(args.warm)
+    parallel = Parallel.parse(getattr(args, "parallel", None) or Parallel.TENSOR, "parallel")
+    shared = _shared_flags(args, warm, parallel)
+    commands = {}
+    for node in range(layout.nnodes):
+        extra = list(shared) + (["--cache-dir", str(args.cache_dir)] if args.cache_dir else [])
+        if node == 0:
+            extra += _node0_flags(args)
+        commands[node] = launch.sidecar_command(spec, replace(layout, node_rank=node), preset=preset,
+                                                precision=precision, extra=extra)
+    rank_args = ["--device", spec.name, "--preset", preset, "--precision", precision, "--cache-dir", str(cache),
+                 *shared]
+    plan = NodePlan(node_rank=layout.node_rank, nnodes=layout.nnodes, nproc=layout.nproc, endpoint=layout.rdzv,
+                    join_timeout=launch.check_join_timeout(args.join_timeout), argv=[], env={}, commands=commands,
+                    engine={"preset": preset, "device": spec.name, "precision": precision,
+                            "tp": layout.nproc * layout.nnodes, "parallel": str(parallel)})
+    if layout.node_rank == 0:
+        rank_args += _plan_rank0(args, plan)
+    if args.verbose:
+        rank_args.append("-v")
+    plan.argv, plan.env = launch.build_launch(spec, layout, cache_dir=cache, sidecar_args=rank_args,
+                                              warm_modes=warm)
+    return plan
+
+
+def _check_layout(args):
+    """The node layout the flags give (NodeLayout), checked; the join timeout only where nodes join."""
+    from engine.tp import launch
+
     nnodes, node_rank, nproc = args.nnodes, args.node_rank, args.tp
     for name, value, low in (("--tp", nproc, 1), ("--nnodes", nnodes, 1), ("--node-rank", node_rank, 0)):
         if value < low:
@@ -91,78 +126,63 @@ def plan_node(args) -> NodePlan:
     join_timeout = launch.check_join_timeout(args.join_timeout)
     if not 1 <= args.node_timeout <= 24 * 3600:
         raise InvalidRequest(f"--node-timeout must be between 1 s and a day, got {args.node_timeout}")
-    preset = _check_preset_name(args.preset or "tiny-flux")
-    precision = str(Precision.parse(args.precision or "fp32", "precision"))
-    spec = devices.get_device(args.device) if args.print_command else devices.resolve_device(args.device)
-    launch.check_tp_device(spec)
-    cache = Path(args.cache_dir or settings.cache_dir()).expanduser()
-    warm = [m for m in args.warm]
-    for mode in warm:
-        from engine.protocol import Mode
+    return launch.NodeLayout(nproc, nnodes, node_rank, endpoint, join_timeout if nnodes > 1 else None)
 
+
+def _check_warm_modes(modes) -> list[str]:
+    from engine.protocol import Mode
+
+    for mode in modes:
         Mode.parse(mode, "mode")
+    return list(modes)
 
-    # Flags every node passes on (to its ranks, and in the printed commands).
+
+def _shared_flags(args, warm: list[str], parallel) -> list[str]:
+    """Flags every node passes on (to its ranks, and in the printed commands)."""
     shared: list[str] = []
     for mode in warm:
         shared += ["--warm", mode]
     if args.dist_timeout:
         shared += ["--dist-timeout", f"{float(args.dist_timeout):g}"]
     shared += ["--node-timeout", f"{float(args.node_timeout):g}"]
-    parallel = Parallel.parse(getattr(args, "parallel", None) or Parallel.TENSOR, "parallel")
     if parallel.context:
         shared += ["--parallel", str(parallel)]
-    commands = {}
-    for node in range(nnodes):
-        extra = list(shared)
-        if args.cache_dir:
-            extra += ["--cache-dir", str(args.cache_dir)]
-        if node == 0:
-            extra += _node0_flags(args)
-        commands[node] = launch.sidecar_command(
-            spec, preset=preset, precision=precision, nproc=nproc, nnodes=nnodes, node_rank=node, rdzv=endpoint,
-            join_timeout=join_timeout if nnodes > 1 else None, extra=extra)
+    return shared
 
-    rank_args = ["--device", spec.name, "--preset", preset, "--precision", precision, "--cache-dir", str(cache),
-                 *shared]
-    plan = NodePlan(node_rank=node_rank, nnodes=nnodes, nproc=nproc, endpoint=endpoint, join_timeout=join_timeout,
-                    argv=[], env={}, commands=commands,
-                    engine={"preset": preset, "device": spec.name, "precision": precision, "tp": nproc * nnodes,
-                            "parallel": str(parallel)})
-    if node_rank == 0:
-        if args.listen:
-            host = launch.check_listen_host(args.listen)
-            if host not in launch.LOOPBACK_HOSTS and args.token_file is None:
-                raise InvalidRequest(
-                    f"--listen {host} opens rank 0 to the network: pass --token-file FILE too (make one with "
-                    "`python -m engine.tp.tokens FILE`, copy it to the app's machine over a secure channel) and "
-                    "keep the address on a private network")
-            rank_args += ["--listen", host]
-        if args.port:
-            if not 0 < args.port < 65536:
-                raise InvalidRequest(f"--port {args.port} is not a TCP port")
-            rank_args += ["--port", str(args.port)]
-        if args.token_file is not None:
-            read_token(args.token_file, private=True)  # InvalidRequest: missing, short or readable by others
-            plan.token_file, plan.own_token = Path(args.token_file).resolve(), False
-        if args.address_file is not None:
-            plan.address_file = Path(args.address_file).expanduser().resolve()
-        elif not args.print_command:
-            plan.workdir = Path(tempfile.mkdtemp(prefix="showcase-tp-"))
-            plan.address_file = plan.workdir / "address.json"
-        if plan.address_file is not None:
-            rank_args += ["--address-file", str(plan.address_file)]
-            if plan.token_file is None:  # next to it: flux.json -> flux.token (never the address file itself)
-                token = plan.address_file.with_suffix(".token")
-                plan.token_file = token if token != plan.address_file else token.with_name(token.name + ".key")
-        if args.dump_dir:
-            rank_args += ["--dump-dir", str(args.dump_dir)]
-    if args.verbose:
-        rank_args.append("-v")
-    plan.argv, plan.env = launch.build_launch(
-        spec, nproc, nnodes, endpoint, node_rank=node_rank, cache_dir=cache, sidecar_args=rank_args,
-        warm_modes=warm, join_timeout=join_timeout if nnodes > 1 else None)
-    return plan
+
+def _plan_rank0(args, plan: NodePlan) -> list[str]:
+    """Node 0: where rank 0 listens, its token and address file (set on `plan`); returns rank 0's flags."""
+    from engine.tp import launch
+
+    rank_args: list[str] = []
+    if args.listen:
+        host = launch.check_listen_host(args.listen)
+        if host not in launch.LOOPBACK_HOSTS and args.token_file is None:
+            raise InvalidRequest(
+                f"--listen {host} opens rank 0 to the network: pass --token-file FILE too (make one with "
+                "`python -m engine.tp.tokens FILE`, copy it to the app's machine over a secure channel) and "
+                "keep the address on a private network")
+        rank_args += ["--listen", host]
+    if args.port:
+        if not 0 < args.port < 65536:
+            raise InvalidRequest(f"--port {args.port} is not a TCP port")
+        rank_args += ["--port", str(args.port)]
+    if args.token_file is not None:
+        read_token(args.token_file, private=True)  # InvalidRequest: missing, short or readable by others
+        plan.token_file, plan.own_token = Path(args.token_file).resolve(), False
+    if args.address_file is not None:
+        plan.address_file = Path(args.address_file).expanduser().resolve()
+    elif not args.print_command:
+        plan.workdir = Path(tempfile.mkdtemp(prefix="showcase-tp-"))
+        plan.address_file = plan.workdir / "address.json"
+    if plan.address_file is not None:
+        rank_args += ["--address-file", str(plan.address_file)]
+        if plan.token_file is None:  # next to it: flux.json -> flux.token (never the address file itself)
+            token = plan.address_file.with_suffix(".token")
+            plan.token_file = token if token != plan.address_file else token.with_name(token.name + ".key")
+    if args.dump_dir:
+        rank_args += ["--dump-dir", str(args.dump_dir)]
+    return rank_args
 
 
 def _node0_flags(args) -> list[str]:

@@ -33,6 +33,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -63,7 +64,8 @@ PING = TPOp(TPOpKind.PING)
 
 
 class TensorParallelRunner(PipelineRunner):
-    def __init__(self, config, group: RankGroup, listener=None, dump_dir: str | Path | None = None):
+    def __init__(self, config, group: RankGroup, listener=None, dump_dir: str | Path | None = None,
+                 who_is_gone: Callable[[], str | None] | None = None, restart_hint: str | None = None):
         notices = []
         self.parallel = Parallel.parse(config.key.parallel, "parallel")
         if config.options.cpu_offload:
@@ -77,10 +79,10 @@ class TensorParallelRunner(PipelineRunner):
         self.group = group
         self.dump_dir = Path(dump_dir) if dump_dir else None
         self.broken: str | None = None
-        # Set by the sidecar: who_is_gone() names the ranks that stopped (liveness), restart_hint ends the
+        # From the sidecar: who_is_gone() names the ranks that stopped (liveness), restart_hint ends the
         # message of a broken group (the app restarts a sidecar it launched; a host restarts its own).
-        self.who_is_gone = None
-        self.restart_hint = "the sidecar is going down and will be restarted, please retry"
+        self.who_is_gone = who_is_gone
+        self.restart_hint = restart_hint or "the sidecar is going down and will be restarted, please retry"
         self.current_request: str | None = None  # the request the ranks run now (rank 0)
         self._op_lock = threading.Lock()
         self._last_op = time.monotonic()

@@ -33,10 +33,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine import settings
+from engine.processes import pid_alive
 from engine.protocol import EngineConfig, EngineOptions, Fatal, Mode, RankExit, Ready, RequestFailed, Shutdown
 from engine.tp.tokens import new_token, read_token, write_address, write_private
+from engine.worker.loop import WorkerLoop
 
 log = logging.getLogger("engine.tp.sidecar")
+
+# How a broken group's message ends on a sidecar a host started by hand (the app restarts one it launched).
+BY_HAND_RESTART_HINT = ("the sidecar stops: restart it on every node (an app attached with --tp-address "
+                        "re-attaches by itself), then retry")
 
 EPILOG = """\
 --tp is the number of ranks on EACH node (torchrun's --nproc-per-node), not in all: the engine has
@@ -281,22 +287,6 @@ class _Rank0Server:
             pass
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-
-
 def _exit(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
@@ -304,38 +294,33 @@ def _exit(code: int) -> None:
     os._exit(code)  # inductor's compile workers and daemon threads must not keep a rank alive
 
 
-def _make_sidecar_loop(runner, conn, max_queue: int):
-    from engine.worker.loop import WorkerLoop
+class SidecarLoop(WorkerLoop):
+    """WorkerLoop on rank 0; stops serving as soon as the group is broken. Requests run on the serve
+    thread at one priority, and compiles do not pause for them: the other ranks compute in step with
+    rank 0 (a paused warm-up would hold them all in a collective)."""
 
-    class SidecarLoop(WorkerLoop):
-        """WorkerLoop on rank 0; stops serving as soon as the group is broken. Requests run on the serve
-        thread at one priority, and compiles do not pause for them: the other ranks compute in step with
-        rank 0 (a paused warm-up would hold them all in a collective)."""
+    compile_steps_aside = False
 
-        compile_steps_aside = False
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.run_cost = None
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.run_cost = None
+    def halt(self) -> None:
+        self._stop.set()
+        self._requests.put(None)
 
-        def halt(self) -> None:
-            self._stop.set()
-            self._requests.put(None)
+    def _serve_one(self, request) -> None:
+        super()._serve_one(request)
+        if self.runner.broken:
+            self.halt()
 
-        def _serve_one(self, request) -> None:
-            super()._serve_one(request)
-            if runner.broken:
+    def _warm_forever(self) -> None:
+        try:
+            super()._warm_forever()
+        except Exception as exc:
+            log.error("warm-up stopped: %s", exc)
+            if self.runner.broken:
                 self.halt()
-
-        def _warm_forever(self) -> None:
-            try:
-                super()._warm_forever()
-            except Exception as exc:
-                log.error("warm-up stopped: %s", exc)
-                if runner.broken:
-                    self.halt()
-
-    return SidecarLoop(conn, runner, max_queue=max_queue)
 
 
 def _node_claims(args, config: EngineConfig, lead: dict) -> str | None:
@@ -385,36 +370,6 @@ def _check_nodes(args, config, lead: dict, group) -> str | None:
                                        "--tp and --parallel")
 
 
-def _load_on_every_rank(config, group, rank: int, world: int, dump_dir, box: list, refused: str | None = None):
-    """Load this rank's shard (unless the nodes disagree); gather every rank's outcome and whereabouts.
-    Returns (runner, error, ranks)."""
-    import torch.distributed as dist
-
-    from engine.errors import InvalidRequest, ShowcaseError
-    from engine.protocol import BucketChanged
-    from engine.tp.runner import TensorParallelRunner
-
-    runner, error = None, None
-    if refused:
-        error = InvalidRequest(refused)
-    else:
-        try:
-            runner = TensorParallelRunner(config, group,
-                                          listener=lambda info: box and box[0].send(BucketChanged(info)),
-                                          dump_dir=dump_dir)
-            runner.load()
-        except Exception as exc:
-            log.exception("load failed")
-            error = exc
-    me = {"rank": rank, "node": settings.torchrun_group_rank(), "host": socket.gethostname(),
-          "pid": os.getpid(), "device": str(group.device),
-          "error": None if error is None else (str(error) if isinstance(error, ShowcaseError)
-                                               else f"{type(error).__name__}: {error}")}
-    ranks = [None] * world
-    dist.all_gather_object(ranks, me, group=group.control)
-    return runner, error, ranks
-
-
 def _report_load_failure(server: _Rank0Server, error, ranks, config, from_app: bool, refused: str | None) -> None:
     from engine.errors import InvalidRequest, ModelLoadError, ShowcaseError
 
@@ -441,9 +396,9 @@ class _Guard:
     failed heartbeat operation). Tells the client (the request in flight fails naming the node; `Fatal`
     puts the reason on the app's board) and exits, so torchrun and the other nodes follow."""
 
-    def __init__(self, runner, box: list, ranks: list):
+    def __init__(self, runner, current_loop, ranks: list):
         self.runner = runner
-        self.box = box
+        self.current_loop = current_loop  # () -> rank 0's WorkerLoop now (None: no client yet)
         self.ranks = ranks
         self._once = threading.Lock()
 
@@ -458,7 +413,7 @@ class _Guard:
             return
         self.runner.broken = self.runner.broken or reason
         err = self.error(reason)
-        loop = self.box[0] if self.box else None
+        loop = self.current_loop()
         if loop is not None:
             request_id = self.runner.current_request
             if request_id:
@@ -488,139 +443,200 @@ class _Guard:
         threading.Thread(target=run, name="tp-broken-guard", daemon=True).start()
 
 
-def _serve(server: _Rank0Server, runner, config, ranks, spec, from_app: bool, box: list, guard: _Guard) -> RankExit:
-    """Serve clients until shutdown; by hand, a client that disconnects without asking for shutdown is
-    followed by the next one. Returns how the rank exits."""
-    from engine.protocol import EngineReady
+class RankProcess:
+    """One rank of the sidecar under torchrun, phase by phase: join the group (logs, parent watch, process
+    group, liveness), agree on rank 0's config, load the shard on every rank, then follow rank 0 (every
+    other rank) or serve clients (rank 0) until shutdown. Every ending exits the process (_exit)."""
 
-    first_client = True
-    while True:
-        conn = server.wait_client()
-        if conn is None:
-            return RankExit.GROUP_BROKEN
-        loop = _make_sidecar_loop(runner, conn, config.options.max_queue)
-        box[:] = [loop]
-        ready = runner.ready_info()
-        loop.send(Ready(EngineReady(key=config.key, pid=ready.pid, load_s=ready.load_s, notices=ready.notices,
-                                    modes=ready.modes, buckets=ready.buckets, tp=len(ranks), ranks=tuple(ranks),
-                                    backend=spec.dist_backend, footprint=ready.footprint, preset=ready.preset,
-                                    folders=ready.folders)))
-        if first_client:
-            runner.start_heartbeat()
-            loop.queue_startup_warm()
-            first_client = False
-        loop.run()
-        if runner.broken:
-            print(f"[tp sidecar] group broken: {runner.broken}", file=sys.stderr, flush=True)
-            loop.send(Fatal(guard.error(runner.broken)))  # the board shows why, not just "connection closed"
-            conn.close()
-            return RankExit.GROUP_BROKEN
-        conn.close()
-        server.release()
-        if conn.shutdown_requested or from_app:
-            return RankExit.OK
-        print("[tp sidecar] client disconnected; waiting for the next one", flush=True)
+    def __init__(self, args):
+        self.args = args
+        self.rank, self.world = settings.torchrun_rank(), settings.torchrun_world_size()
+        self.node = settings.torchrun_group_rank()
+        self.from_app = args.parent_pid is not None
+        self.server: _Rank0Server | None = None
+        self.config: EngineConfig | None = None
+        self.loop: SidecarLoop | None = None  # rank 0's current WorkerLoop: bucket changes go to its client
+        self.ranks: list[dict] = []  # every rank's whereabouts, gathered after loading
 
+    def run(self) -> None:
+        self.join_group()
+        refused = self.agree_config()
+        runner, error = self.load(refused)
+        failed = any(r["error"] for r in self.ranks)
+        if self.rank != 0:
+            self.follow(runner, failed, refused)
+        if failed:
+            _report_load_failure(self.server, error, self.ranks, self.config, self.from_app, refused)
+            _exit(RankExit.USAGE if refused else RankExit.LOAD_FAILED)
+        self.lead(runner)
 
-def rank_main(args) -> None:
-    rank, world = settings.torchrun_rank(), settings.torchrun_world_size()
-    node = settings.torchrun_group_rank()
-    from engine.worker import logs
+    def join_group(self) -> None:
+        from engine import devices
+        from engine.tp.group import init_group, watch_parents
+        from engine.tp.launch import dist_timeout_s
+        from engine.tp.liveness import Liveness
+        from engine.tp.torchrun import bind_stores_from_env
+        from engine.worker import logs
 
-    logs.configure(logging.INFO if args.verbose else settings.log_level(),
-                   process=f"tp rank {rank} node {node}", prefix=f"[tp rank {rank} node {node}] ")
-    from engine.tp.group import watch_parents
+        args, rank, node = self.args, self.rank, self.node
+        logs.configure(logging.INFO if args.verbose else settings.log_level(),
+                       process=f"tp rank {rank} node {node}", prefix=f"[tp rank {rank} node {node}] ")
+        watch_parents(args.parent_pid)
+        if rank == 0:
+            self.config = config_from_args(args, self.world)
+            self.server = _Rank0Server(args, self.config)
+            device = self.config.key.device
+        else:
+            device = args.device  # the launcher passes the config's device to every rank
+        self.spec = devices.resolve_device(device)
+        bind_stores_from_env()  # a rank 0 that hosts its own store listens where torchrun's does
+        self.group = init_group(self.spec, args.dist_timeout or dist_timeout_s(self.spec))
+        self.liveness = Liveness(rank, self.world, args.node_timeout)
+        self.liveness.start(on_store_lost=None if rank == 0 else self.node_0_gone)
 
-    watch_parents(args.parent_pid)
-
-    import torch.distributed as dist
-
-    from engine import devices
-    from engine.tp.group import init_group
-    from engine.tp.launch import dist_timeout_s
-    from engine.tp.liveness import Liveness
-
-    server, config = None, None
-    if rank == 0:
-        config = config_from_args(args, world)
-        server = _Rank0Server(args, config)
-        device = config.key.device
-    else:
-        device = args.device  # the launcher passes the config's device to every rank
-    spec = devices.resolve_device(device)
-    from engine.tp.torchrun import bind_stores_from_env
-
-    bind_stores_from_env()  # a rank 0 that hosts its own store listens where torchrun's does
-    group = init_group(spec, args.dist_timeout or dist_timeout_s(spec))
-    liveness = Liveness(rank, world, args.node_timeout)
-
-    def node_0_gone(seconds: float) -> None:
-        print(f"[tp sidecar] node {node} rank {rank}: node 0's rendezvous store "
+    def node_0_gone(self, seconds: float) -> None:
+        print(f"[tp sidecar] node {self.node} rank {self.rank}: node 0's rendezvous store "
               f"({':'.join(map(str, settings.torchrun_master()))}) has been unreachable for "
               f"{seconds:.0f} s: node 0 is gone; this rank exits", file=sys.stderr, flush=True)
         _exit(RankExit.ORPHANED)
 
-    liveness.start(on_store_lost=None if rank == 0 else node_0_gone)
-    shared = [config, {"local_world": settings.torchrun_local_world_size()}]
-    dist.broadcast_object_list(shared, src=0, group=group.control)  # other nodes get rank 0's config
-    config, lead = shared
-    if node != 0:  # each machine has its own disk: models and compile caches come from this node's cache
-        config = replace(config, cache_dir=str(args.cache_dir or settings.cache_dir()))
-    refused = _check_nodes(args, config, lead, group)
+    def agree_config(self) -> str | None:
+        """Every rank takes rank 0's config; returns why the nodes disagree (None: they agree)."""
+        import torch.distributed as dist
 
-    loop_box: list = []  # rank 0's current WorkerLoop: bucket changes go to its client
-    runner, error, ranks = _load_on_every_rank(config, group, rank, world, args.dump_dir, loop_box, refused)
-    failed = any(r["error"] for r in ranks)
-    if rank != 0:
+
+        shared = [self.config, {"local_world": settings.torchrun_local_world_size()}]
+        dist.broadcast_object_list(shared, src=0, group=self.group.control)  # other nodes get rank 0's config
+        self.config, lead = shared
+        if self.node != 0:  # each machine has its own disk: models and compile caches come from this node's cache
+            self.config = replace(self.config, cache_dir=str(self.args.cache_dir or settings.cache_dir()))
+        return _check_nodes(self.args, self.config, lead, self.group)
+
+    def load(self, refused: str | None):
+        """Load this rank's shard (unless the nodes disagree); gather every rank's outcome and whereabouts
+        into self.ranks. Returns (runner, error)."""
+        import torch.distributed as dist
+
+        from engine.errors import InvalidRequest, ShowcaseError
+        from engine.tp.runner import TensorParallelRunner
+
+        runner, error = None, None
+        if refused:
+            error = InvalidRequest(refused)
+        else:
+            try:
+                runner = TensorParallelRunner(self.config, self.group, listener=self.bucket_changed,
+                                              dump_dir=self.args.dump_dir, who_is_gone=self.who_is_gone,
+                                              restart_hint=None if self.from_app else BY_HAND_RESTART_HINT)
+                runner.load()
+            except Exception as exc:
+                log.exception("load failed")
+                error = exc
+        me = {"rank": self.rank, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
+              "device": str(self.group.device),
+              "error": None if error is None else (str(error) if isinstance(error, ShowcaseError)
+                                                   else f"{type(error).__name__}: {error}")}
+        self.ranks = [None] * self.world
+        dist.all_gather_object(self.ranks, me, group=self.group.control)
+        return runner, error
+
+    def bucket_changed(self, info) -> None:
+        from engine.protocol import BucketChanged
+
+        if self.loop is not None:
+            self.loop.send(BucketChanged(info))
+
+    def who_is_gone(self) -> str | None:
+        """The ranks that stopped, named (None: none known)."""
+        from engine.tp.liveness import describe_rank
+
+        # Ranks on node 0 run next to rank 0: their process says it at once (torchrun on this node tears the
+        # group down within a fraction of a second, too soon for heartbeats). Other nodes: their heartbeats.
+        ranks = self.ranks
+        gone = [r["rank"] for r in ranks if r["node"] == 0 and r["rank"] != 0 and not pid_alive(r["pid"])]
+        gone = gone or self.liveness.silent_ranks()
+        return ", ".join(describe_rank(ranks, r) for r in gone) or None
+
+    def follow(self, runner, failed: bool, refused: str | None) -> None:
+        """Every rank but 0: say why loading failed, or run what rank 0 runs until it stops."""
+        node, rank, lead_host = self.node, self.rank, self.ranks[0]["host"]
         if failed:
             if settings.torchrun_local_rank() == 0:  # once per node: this node's launcher explains it
-                first = next(r for r in ranks if r["error"])
+                first = next(r for r in self.ranks if r["error"])
                 print(f"[tp sidecar] load failed: {refused or first['error']} (rank {first['rank']}, node "
                       f"{first.get('node')}, host {first.get('host')})", file=sys.stderr, flush=True)
             _exit(RankExit.USAGE if refused else RankExit.LOAD_FAILED)
-        print(f"[tp sidecar] node {node} rank {rank}: loaded; following rank 0 (node 0, host {ranks[0]['host']})",
+        print(f"[tp sidecar] node {node} rank {rank}: loaded; following rank 0 (node 0, host {lead_host})",
               flush=True)
         code = runner.follow()
         if code is RankExit.GROUP_BROKEN:
-            print(f"[tp sidecar] group broken: node {node} rank {rank} lost rank 0 (node 0, host {ranks[0]['host']}): "
+            print(f"[tp sidecar] group broken: node {node} rank {rank} lost rank 0 (node 0, host {lead_host}): "
                   f"{runner.broken or 'node 0 stopped or cannot be reached'}", file=sys.stderr, flush=True)
         _exit(code)
-    from_app = args.parent_pid is not None
-    if failed:
-        _report_load_failure(server, error, ranks, config, from_app, refused)
-        _exit(RankExit.USAGE if refused else RankExit.LOAD_FAILED)
-    from engine.tp.liveness import describe_rank
+
+    def lead(self, runner) -> None:
+        """Rank 0: guard the group, serve clients, then shut the group down."""
+        import torch.distributed as dist
+
+        from engine.tp.liveness import describe_rank
+
+        guard = _Guard(runner, lambda: self.loop, self.ranks)
+        if self.world > 1:
+            self.liveness.watch(guard.on_silent)
+        guard.watch_idle_breaks()
+        nodes = sorted({r["node"] for r in self.ranks})
+        print(f"[tp sidecar] loaded {self.config.key} on {self.world} ranks over {len(nodes)} node(s): "
+              + ", ".join(describe_rank(self.ranks, r["rank"]) for r in self.ranks), flush=True)
+        code = self.serve(runner, guard)
+        if code is not RankExit.OK:
+            _exit(code)
+        self.server.close()
+        runner.stop_followers()
+        self.liveness.stop()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+        _exit(RankExit.OK)
+
+    def serve(self, runner, guard: _Guard) -> RankExit:
+        """Serve clients until shutdown; by hand, a client that disconnects without asking for shutdown is
+        followed by the next one. Returns how the rank exits."""
+        first_client = True
+        while True:
+            conn = self.server.wait_client()
+            if conn is None:
+                return RankExit.GROUP_BROKEN
+            self.loop = loop = SidecarLoop(conn, runner, max_queue=self.config.options.max_queue)
+            loop.send(Ready(self.ready_message(runner)))
+            if first_client:
+                runner.start_heartbeat()
+                loop.queue_startup_warm()
+                first_client = False
+            loop.run()
+            if runner.broken:
+                print(f"[tp sidecar] group broken: {runner.broken}", file=sys.stderr, flush=True)
+                loop.send(Fatal(guard.error(runner.broken)))  # the board shows why, not just "connection closed"
+                conn.close()
+                return RankExit.GROUP_BROKEN
+            conn.close()
+            self.server.release()
+            if conn.shutdown_requested or self.from_app:
+                return RankExit.OK
+            print("[tp sidecar] client disconnected; waiting for the next one", flush=True)
+
+    def ready_message(self, runner):
+        from engine.protocol import EngineReady
+
+        ready = runner.ready_info()
+        return EngineReady(key=self.config.key, pid=ready.pid, load_s=ready.load_s, notices=ready.notices,
+                           modes=ready.modes, buckets=ready.buckets, tp=len(self.ranks), ranks=tuple(self.ranks),
+                           backend=self.spec.dist_backend, footprint=ready.footprint, preset=ready.preset,
+                           folders=ready.folders)
 
 
-    def who_is_gone() -> str | None:
-        # Ranks on node 0 run next to rank 0: their process says it at once (torchrun on this node tears the
-        # group down within a fraction of a second, too soon for heartbeats). Other nodes: their heartbeats.
-        gone = [r["rank"] for r in ranks if r["node"] == 0 and r["rank"] != 0 and not _pid_alive(r["pid"])]
-        gone = gone or liveness.silent_ranks()
-        return ", ".join(describe_rank(ranks, r) for r in gone) or None
-
-    runner.who_is_gone = who_is_gone
-    if not from_app:
-        runner.restart_hint = ("the sidecar stops: restart it on every node (an app attached with --tp-address "
-                               "re-attaches by itself), then retry")
-    guard = _Guard(runner, loop_box, ranks)
-    if world > 1:
-        liveness.watch(guard.on_silent)
-    guard.watch_idle_breaks()
-    nodes = sorted({r["node"] for r in ranks})
-    print(f"[tp sidecar] loaded {config.key} on {world} ranks over {len(nodes)} node(s): "
-          + ", ".join(describe_rank(ranks, r["rank"]) for r in ranks), flush=True)
-    code = _serve(server, runner, config, ranks, spec, from_app, loop_box, guard)
-    if code is not RankExit.OK:
-        _exit(code)
-    server.close()
-    runner.stop_followers()
-    liveness.stop()
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
-    _exit(RankExit.OK)
+def rank_main(args) -> None:
+    RankProcess(args).run()
 
 
 class _TrackedConnection:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.models.shapes import grammar, styles, train
+from engine.models.shapes import grammar, sampling, styles, train
 from engine.models.shapes import latents as semantic
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,8 @@ def _train_round(transformer, parameters, style: str, settings: LoraSettings, te
     optimizer = torch.optim.AdamW(parameters, lr=settings.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(settings.seed + 100 + styles.STYLES.index(style) + 1000 * round_index)
     training_ids = [grammar.all_prompts().index(p) for p in grammar.training_prompts()]
-    disc_sigmas = train.inference_sigmas()
-    img_ids = train.image_ids(64, 64)
+    disc_sigmas = sampling.inference_sigmas()
+    img_ids = sampling.image_ids(64, 64)
     transformer.train()
     losses = []
     start = time.perf_counter()
@@ -127,16 +127,16 @@ def _train_round(transformer, parameters, style: str, settings: LoraSettings, te
             g["lr"] = lr
         picks = torch.randint(0, len(training_ids), (settings.batch,), generator=generator)
         prompt_ids = [training_ids[int(i)] for i in picks]
-        x0 = train.pack(_styled_latents(style, prompt_ids, 64, 64, generator))
+        x0 = sampling.pack(_styled_latents(style, prompt_ids, 64, 64, generator))
         discrete = torch.rand(settings.batch, generator=generator) < 0.5
-        continuous = train.shift_sigma(torch.sigmoid(torch.randn(settings.batch, generator=generator)))
+        continuous = sampling.shift_sigma(torch.sigmoid(torch.randn(settings.batch, generator=generator)))
         picked = disc_sigmas[torch.randint(0, len(disc_sigmas), (settings.batch,), generator=generator)]
         sigma = torch.where(discrete, picked, continuous)
         noise = torch.randn(x0.shape, generator=generator)
         s = sigma.view(-1, 1, 1)
         xt = (1 - s) * x0 + s * noise
         ids = torch.tensor(prompt_ids)
-        pred = train.call_transformer(transformer, xt, sigma, text["embeds"][ids], text["pooled"][ids],
+        pred = sampling.call_transformer(transformer, xt, sigma, text["embeds"][ids], text["pooled"][ids],
                                       text["text_ids"], img_ids)
         loss = F.mse_loss(pred, noise - x0)
         optimizer.zero_grad(set_to_none=True)

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,6 +43,31 @@ from tqdm import tqdm
 from engine.models.shapes import grammar
 from engine.models.shapes import latents as semantic
 from engine.models.shapes.fidelity import check
+from engine.models.shapes.samples import PROMPT_SEED
+from engine.models.shapes.sampling import (
+    DEFAULT_STEPS,
+    LATENT_CHANNELS,
+    SHIFT,
+    Batch,
+    build_scheduler,
+    call_transformer,
+    eval_prompts,
+    generation_fidelity,
+    image_ids,
+    inference_sigmas,
+    pack,
+    sample_latents,
+    shift_sigma,
+)
+from engine.models.shapes.training import (
+    GradientGroup,
+    Settings,
+    load_state,
+    log_jsonl,
+    lr_factor,
+    save_state,
+    spawn,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,49 +76,8 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------------------
 BUCKETS: tuple[tuple[int, int], ...] = ((64, 64), (128, 128), (64, 128), (128, 64))  # (width, height)
 MAX_SEQUENCE_LENGTH = 24  # the longest prompt is 24 T5 tokens with </s> (measured in tests)
-DEFAULT_STEPS = 8
-SHIFT = 3.0  # fixed (use_dynamic_shifting=False): one sigma schedule for every bucket
-LATENT_CHANNELS = semantic.CHANNELS
 DEFAULT_OUT = Path("models/tiny-shapes")
 DEFAULT_CACHE = Path(".cache/train-embedded")
-
-
-@dataclass
-class Settings:
-    seed: int = 0
-    # One thread: on a shared, niced 2-core machine two OpenMP threads stall on each other's preemption
-    # (measured: VAE step 4.5 s with 2 threads vs 0.85 s with 1 while the test suite ran).
-    threads: int = 1
-    processes: int = 2  # data-parallel transformer training, one thread each
-    # VAE
-    vae_steps: int = 3500
-    vae_batch: int = 16  # at 64x64; fewer images at the larger buckets (same pixels)
-    vae_lr: float = 3e-3
-    vae_edge: float = 1.0
-    vae_width: int = 32
-    # Most of the decoder's work is at latent resolution (cheap); one block at full resolution sharpens edges.
-    vae_decoder_blocks: tuple[int, int, int] = (3, 3, 1)
-    vae_encoder_weight: float = 0.1
-    vae_encoder_share: float = 0.25  # images of each batch the encoder trains on (it serves image-to-image)
-    vae_clean_share: float = 0.25  # decoder inputs left uncorrupted
-    # transformer
-    depth: tuple[int, int] = (2, 2)  # double-stream, single-stream blocks
-    heads: int = 2
-    head_dim: int = 64
-    steps: int = 3000
-    tokens_per_batch: int = 4096  # image tokens: batch 64 at 64x64, 32 at 64x128, 16 at 128x128
-    bucket_weights: tuple[float, ...] = (0.5, 0.2, 0.15, 0.15)  # 64x64 has the strictest target
-    lr: float = 1e-3
-    warmup: int = 300
-    ema: float = 0.998
-    discrete_sigma_share: float = 0.5
-    eval_every: int = 250
-    # decoder tuning on the trained transformer's own latents
-    tune_steps: int = 400
-    tune_lr: float = 5e-4
-    tune_pool: int = 1024  # sampled latents (64x64-equivalent images), split over the buckets by weight
-    tune_threads: int = 2  # the stage runs alone
-    checkpoint_every: int = 250
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,7 +106,7 @@ def build_vae(settings: Settings, seed: int):
 def build_transformer(settings: Settings, seed: int):
     from diffusers import FluxTransformer2DModel
 
-    from engine.models.tiny import CLIP_HIDDEN, T5_D_MODEL
+    from engine.models.tiny_builders import CLIP_HIDDEN, T5_D_MODEL
 
     head_dim = settings.head_dim
     # RoPE axes (unused time axis, height, width) must sum to the head dim; height and width get the most.
@@ -145,16 +128,10 @@ def build_transformer(settings: Settings, seed: int):
     )
 
 
-def build_scheduler():
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    return FlowMatchEulerDiscreteScheduler(shift=SHIFT, use_dynamic_shifting=False)
-
-
 def build_text_encoders():
     """engine.models.tiny's frozen random FLUX.1 CLIP and T5, rounded through float16 first: that is how they are
     stored, so the embeddings trained on are exactly the ones the shipped pipeline computes in fp32."""
-    from engine.models.tiny import flux_text_encoders
+    from engine.models.tiny_builders import flux_text_encoders
 
     encoders = flux_text_encoders()
     for model in (encoders[0], encoders[2]):
@@ -163,46 +140,9 @@ def build_text_encoders():
 
 
 def assemble_pipeline(vae, transformer):
-    from engine.models.tiny import flux_pipeline
+    from engine.models.tiny_builders import flux_pipeline
 
     return flux_pipeline(build_scheduler(), vae, transformer, build_text_encoders())
-
-
-def inference_sigmas(steps: int = DEFAULT_STEPS) -> torch.Tensor:
-    """The sigmas FluxPipeline + the scheduler use for `steps` steps (without the final 0)."""
-    scheduler = build_scheduler()
-    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps))
-    return scheduler.sigmas[:-1].float()
-
-
-def shift_sigma(s: torch.Tensor) -> torch.Tensor:
-    return SHIFT * s / (1 + (SHIFT - 1) * s)
-
-
-# --------------------------------------------------------------------------------------------------
-# Checkpoints.
-# --------------------------------------------------------------------------------------------------
-def _save(path: Path, state: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)  # atomic: an interrupted save never corrupts the last checkpoint
-
-
-def _load(path: Path) -> dict | None:
-    return torch.load(path, weights_only=False) if path.is_file() else None
-
-
-def _lr_factor(step: int, total: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def _log_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -269,11 +209,7 @@ def _vae_worker(rank: int, world: int, settings: Settings, cache: Path, minutes,
     image from the analytic latents, corrupted for most samples (semantic.corrupt)."""
     torch.set_num_threads(settings.threads)
     parent = os.getppid()
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    group = _Group(rank, world)
+    group = GradientGroup(rank, world, store)
     ckpt_path = cache / "vae.ckpt"
     data_path = cache / f"vae-data-{rank}.ckpt"
     vae = build_vae(settings, settings.seed)  # same seed: identical replicas
@@ -281,19 +217,19 @@ def _vae_worker(rank: int, world: int, settings: Settings, cache: Path, minutes,
     optimizer = torch.optim.AdamW(parameters, lr=settings.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
     generator = torch.Generator().manual_seed(settings.seed + 1 + 1000 * rank)
     step, elapsed = 0, 0.0
-    if (state := _load(ckpt_path)) is not None:
+    if (state := load_state(ckpt_path)) is not None:
         vae.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, elapsed = state["step"], state["elapsed"]
-        generator.set_state(_load(data_path)["generator"])
+        generator.set_state(load_state(data_path)["generator"])
         logger.info("resuming VAE at step %d", step)
     log_path = cache / "vae-log.jsonl"
 
     def checkpoint():
-        _save(data_path, {"generator": generator.get_state(), "step": step})
+        save_state(data_path, {"generator": generator.get_state(), "step": step})
         if rank == 0:
             state = {"model": vae.state_dict(), "optimizer": optimizer.state_dict()}
-            _save(ckpt_path, {**state, "step": step, "elapsed": elapsed})
+            save_state(ckpt_path, {**state, "step": step, "elapsed": elapsed})
 
     vae.train()
     started = time.perf_counter()
@@ -302,7 +238,7 @@ def _vae_worker(rank: int, world: int, settings: Settings, cache: Path, minutes,
         if os.getppid() != parent:
             raise SystemExit(f"vae worker {rank}: the training process is gone; stopping")
         for group_ in optimizer.param_groups:
-            group_["lr"] = settings.vae_lr * _lr_factor(step, settings.vae_steps, 100)
+            group_["lr"] = settings.vae_lr * lr_factor(step, settings.vae_steps, 100)
         width, height, n = _bucket_batch(settings, generator, max(1, settings.vae_batch // world))
         images, z = semantic.scenes(_random_prompts(n, generator), width, height, generator)
         k = max(1, round(n * settings.vae_encoder_share))
@@ -330,17 +266,14 @@ def _vae_worker(rank: int, world: int, settings: Settings, cache: Path, minutes,
                     record["from_corrupted"] = vae_fidelity(vae, 32, buckets=BUCKETS[:2], source="corrupted")
                     vae.train()
                     bar.write(f"vae step {step}: {record}")
-                _log_jsonl(log_path, record)
+                log_jsonl(log_path, record)
             elapsed, started = elapsed_now, time.perf_counter()
             checkpoint()
             stop = minutes is not None and elapsed > minutes * 60 and step < settings.vae_steps
             if group.rank0_says(stop):
                 break
     bar.close()
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+    group.close()
 
 
 def train_vae(settings: Settings, cache: Path, minutes: float | None = None) -> Path:
@@ -349,8 +282,8 @@ def train_vae(settings: Settings, cache: Path, minutes: float | None = None) -> 
     if (out / "config.json").is_file():
         logger.info("VAE already trained: %s", out)
         return out
-    _spawn(_vae_worker, settings, (settings, cache, minutes))
-    state = _load(cache / "vae.ckpt")
+    spawn(_vae_worker, settings.processes, (settings, cache, minutes))
+    state = load_state(cache / "vae.ckpt")
     if state["step"] < settings.vae_steps:
         raise TimeoutError(f"VAE stage stopped at step {state['step']} (--minutes); rerun to resume")
     vae = build_vae(settings, settings.seed)
@@ -359,23 +292,9 @@ def train_vae(settings: Settings, cache: Path, minutes: float | None = None) -> 
     set_scaling(vae)
     final = {source: vae_fidelity(vae, 200, source=source) for source in ("clean", "corrupted", "encoded")}
     logger.info("VAE checker-correct: %s", final)
-    _log_jsonl(cache / "vae-log.jsonl", {"step": state["step"], "final_fidelity": final})
+    log_jsonl(cache / "vae-log.jsonl", {"step": state["step"], "final_fidelity": final})
     vae.save_pretrained(out, safe_serialization=True)
     return out
-
-
-def _spawn(worker, settings: Settings, args: tuple) -> None:
-    """worker(rank, world, *args, store) in settings.processes processes (in this one when 1)."""
-    world = settings.processes
-    if world == 1:
-        worker(0, 1, *args, None)
-        return
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, (world, *args, Path(tmp) / "store"), nprocs=world)
 
 
 @cache
@@ -412,7 +331,7 @@ def prompt_embeddings(cache: Path) -> dict[str, torch.Tensor]:
     """T5 embeddings, CLIP pooled embeddings and txt ids of all 168 prompts, computed by the pipeline's
     own encode_prompt with the preset's max_sequence_length (cached)."""
     path = cache / "prompt-embeddings.pt"
-    if (cached := _load(path)) is not None:
+    if (cached := load_state(path)) is not None:
         return cached
     pipe = assemble_pipeline(vae=None, transformer=None)  # the text encoders only
     texts = [p.text for p in grammar.all_prompts()]
@@ -420,31 +339,8 @@ def prompt_embeddings(cache: Path) -> dict[str, torch.Tensor]:
         texts, prompt_2=None, max_sequence_length=MAX_SEQUENCE_LENGTH
     )
     result = {"embeds": embeds.float(), "pooled": pooled.float(), "text_ids": text_ids.float()}
-    _save(path, result)
+    save_state(path, result)
     return result
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    b, c, h, w = latents.shape
-    return (
-        latents.view(b, c, h // 2, 2, w // 2, 2)
-        .permute(0, 2, 4, 1, 3, 5)
-        .reshape(b, (h // 2) * (w // 2), c * 4)
-    )
-
-
-def unpack(packed: torch.Tensor, width: int, height: int, scale: int = 4) -> torch.Tensor:
-    b, _, d = packed.shape
-    h, w = height // scale, width // scale
-    return packed.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
-
-
-def image_ids(width: int, height: int, scale: int = 4) -> torch.Tensor:
-    h, w = height // scale // 2, width // scale // 2
-    ids = torch.zeros(h, w, 3)
-    ids[..., 1] = torch.arange(h)[:, None]
-    ids[..., 2] = torch.arange(w)[None, :]
-    return ids.reshape(h * w, 3)
 
 
 def latent_batch(prompt_ids: list[int], width: int, height: int, generator: torch.Generator) -> torch.Tensor:
@@ -457,68 +353,8 @@ def latent_batch(prompt_ids: list[int], width: int, height: int, generator: torc
     return (z - shift) * scale
 
 
-def call_transformer(transformer, packed, sigma, embeds, pooled, txt_ids, img_ids):
-    """Exactly how FluxPipeline calls the transformer (timestep = t / 1000 = sigma, no guidance)."""
-    return transformer(
-        hidden_states=packed,
-        timestep=sigma,
-        guidance=None,
-        pooled_projections=pooled,
-        encoder_hidden_states=embeds,
-        txt_ids=txt_ids,
-        img_ids=img_ids,
-        return_dict=False,
-    )[0]
-
-
 @torch.no_grad()
-def sample(
-    transformer,
-    vae,
-    text: dict,
-    prompt_ids,
-    width,
-    height,
-    generator,
-    steps=DEFAULT_STEPS,
-    dtype=torch.float32,
-):
-    """FluxPipeline's denoising loop and decode without the pipeline (quick evaluations during training)."""
-    latents = sample_latents(transformer, vae.config, text, prompt_ids, width, height, generator, steps, dtype)
-    return torch.cat([vae.decode(chunk.to(vae.dtype)).sample for chunk in latents.split(32)]).float()
-
-
-@torch.no_grad()
-def sample_latents(
-    transformer, vae_config, text: dict, prompt_ids, width, height, generator, steps=DEFAULT_STEPS, dtype=torch.float32
-):
-    """FluxPipeline's denoising loop: the latents it hands the decoder (unscaled, shifted back)."""
-    n = len(prompt_ids)
-    h, w = height // 4, width // 4
-    latents = torch.randn((n, LATENT_CHANNELS, h, w), generator=generator).to(dtype)
-    packed = pack(latents)
-    sigmas = torch.cat([inference_sigmas(steps), torch.zeros(1)])
-    embeds, pooled = text["embeds"][prompt_ids].to(dtype), text["pooled"][prompt_ids].to(dtype)
-    txt_ids, img_ids = text["text_ids"], image_ids(width, height)
-    for i in range(steps):
-        v = call_transformer(
-            transformer, packed, sigmas[i].expand(n).to(dtype), embeds, pooled, txt_ids, img_ids
-        )
-        packed = (packed.float() + (sigmas[i + 1] - sigmas[i]) * v.float()).to(dtype)
-    return unpack(packed.float(), width, height) / vae_config.scaling_factor + vae_config.shift_factor
-
-
-def generation_fidelity(
-    transformer, vae, text, prompts, width, height, seed: int, steps=DEFAULT_STEPS
-) -> float:
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([grammar.all_prompts().index(p) for p in prompts])
-    images = grammar.to_pil(sample(transformer, vae, text, ids, width, height, generator, steps))
-    return sum(check(i, p).correct for i, p in zip(images, prompts, strict=True)) / len(prompts)
-
-
-@torch.no_grad()
-def transformer_fidelity(transformer, text, n: int = 48, seed: int = 7) -> dict[str, float]:
+def transformer_fidelity(transformer, text, n: int = 48, seed: int = PROMPT_SEED) -> dict[str, float]:
     """Share of samples right when their latents are read with the exact rules (latents.render_exact), per
     bucket and on held-out prompts at 64x64: how well the transformer alone does, whatever the decoder."""
     from engine.models.shapes.latents import render_exact
@@ -527,176 +363,148 @@ def transformer_fidelity(transformer, text, n: int = 48, seed: int = 7) -> dict[
     config = SimpleNamespace(shift_factor=shift, scaling_factor=scale)  # what sample_latents reads of a VAE config
     result = {}
     for (width, height), held_out in [*((bucket, False) for bucket in BUCKETS), ((64, 64), True)]:
-        prompts = _eval_prompts(n if (width, height) == (64, 64) else n // 2, seed, held_out)
+        prompts = eval_prompts(n if (width, height) == (64, 64) else n // 2, seed, held_out)
         ids = torch.tensor([grammar.all_prompts().index(p) for p in prompts])
         generator = torch.Generator().manual_seed(seed)
-        z = sample_latents(transformer, config, text, ids, width, height, generator)
+        z = sample_latents(transformer, config, text, Batch(ids, width, height, generator))
         images = grammar.to_pil(render_exact(z, width, height))
         key = f"exact_{width}x{height}" + ("_held_out" if held_out else "")
         result[key] = round(sum(check(i, p).correct for i, p in zip(images, prompts, strict=True)) / len(prompts), 3)
     return result
 
 
-def _eval_prompts(n: int, seed: int, held_out: bool = False) -> list:
-    source = grammar.HELD_OUT if held_out else grammar.training_prompts()
-    generator = torch.Generator().manual_seed(seed)
-    return [source[int(i)] for i in torch.randint(0, len(source), (n,), generator=generator)]
+class _TransformerTraining:
+    """One data-parallel transformer training process: set up (models, optimizer, resume), then steps of
+    draw a batch, learn from it, and every checkpoint_every steps log, evaluate (rank 0) and checkpoint."""
 
+    @classmethod
+    def worker(cls, rank: int, world: int, settings: Settings, cache: Path, minutes, store) -> None:
+        torch.set_num_threads(settings.threads)
+        training = cls(rank, world, settings, cache, store)
+        try:
+            training.run(minutes)
+        finally:
+            training.group.close()
 
-class _Group:
-    """Data parallelism over `world` single-threaded processes (gloo). One gradient all-reduce per step:
-    on a shared, niced machine that stalls far less than two OpenMP threads syncing inside every op."""
-
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
-
-    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        if self.world == 1:
-            return
-        import torch.distributed as dist
-
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in parameters]
+    def __init__(self, rank: int, world: int, settings: Settings, cache: Path, store):
+        self.parent = os.getppid()  # spawned workers outlive a killed parent: they check it every step and stop
+        self.group = GradientGroup(rank, world, store)
+        if rank != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        self.rank, self.world, self.settings, self.cache = rank, world, settings, cache
+        self.text = prompt_embeddings(cache)
+        self.ckpt_path = cache / "transformer.ckpt"
+        self.data_path = cache / f"transformer-data-{rank}.ckpt"  # this rank's data generator
+        self.transformer = build_transformer(settings, settings.seed + 10)  # same seed: identical replicas
+        self.parameters = list(self.transformer.parameters())
+        logger.info(
+            "transformer: %.2f M parameters, %d process(es)", sum(p.numel() for p in self.parameters) / 1e6, world
         )
-        dist.all_reduce(flat)
-        flat /= self.world
-        offset = 0
-        for p in parameters:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        self.ema = build_transformer(settings, settings.seed + 10).eval().requires_grad_(False)
+        self.ema.load_state_dict(self.transformer.state_dict())
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=settings.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.generator = torch.Generator().manual_seed(settings.seed + 11 + 1000 * rank)
+        self.step, self.elapsed = 0, 0.0
+        self.resume()
+        self.training_ids = [grammar.all_prompts().index(p) for p in grammar.training_prompts()]
+        self.disc_sigmas = inference_sigmas()
+        self.ids_per_bucket = [image_ids(w, h) for w, h in BUCKETS]
+        self.weights = torch.tensor(settings.bucket_weights)
+        self.losses: list[float] = []
 
-    def rank0_says(self, flag: bool) -> bool:
-        if self.world == 1:
-            return flag
-        import torch.distributed as dist
+    def resume(self) -> None:
+        state, data = load_state(self.ckpt_path), load_state(self.data_path)
+        if state is not None:
+            self.transformer.load_state_dict(state["model"])
+            self.ema.load_state_dict(state["ema"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step, self.elapsed = state["step"], state["elapsed"]
+            self.generator.set_state(data["generator"])
+            logger.info("resuming transformer at step %d", self.step)
 
-        tensor = torch.tensor([int(flag)])
-        dist.broadcast(tensor, 0)
-        return bool(tensor.item())
+    def run(self, minutes: float | None) -> None:
+        settings = self.settings
+        self.started = time.perf_counter()
+        self.transformer.train()
+        bar = tqdm(total=settings.steps, initial=self.step, desc="transformer", dynamic_ncols=True,
+                   disable=self.rank != 0)
+        while self.step < settings.steps:
+            if os.getppid() != self.parent:
+                raise SystemExit(f"transformer worker {self.rank}: the training process is gone; stopping")
+            lr = settings.lr * lr_factor(self.step, settings.steps, settings.warmup)
+            self.learn(*self.draw_batch(), lr)
+            bar.update(1)
+            bar.set_postfix(loss=f"{np.mean(self.losses[-50:]):.4f}", lr=f"{lr:.1e}")
+            if self.step % settings.checkpoint_every == 0 or self.step == settings.steps:
+                self.log(bar)
+                self.checkpoint()
+                stop = minutes is not None and self.elapsed > minutes * 60 and self.step < settings.steps
+                if self.group.rank0_says(stop):
+                    break
+        bar.close()
 
-
-def _transformer_worker(
-    rank: int, world: int, settings: Settings, cache: Path, minutes, store
-):
-    torch.set_num_threads(settings.threads)
-    parent = os.getppid()  # spawned workers outlive a killed parent: they check it every step and stop
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    if rank != 0:
-        logging.getLogger().setLevel(logging.WARNING)
-    group = _Group(rank, world)
-    text = prompt_embeddings(cache)
-    ckpt_path = cache / "transformer.ckpt"
-    data_path = cache / f"transformer-data-{rank}.ckpt"  # this rank's data generator
-    transformer = build_transformer(settings, settings.seed + 10)  # same seed: identical replicas
-    parameters = list(transformer.parameters())
-    logger.info(
-        "transformer: %.2f M parameters, %d process(es)", sum(p.numel() for p in parameters) / 1e6, world
-    )
-    ema = build_transformer(settings, settings.seed + 10).eval().requires_grad_(False)
-    ema.load_state_dict(transformer.state_dict())
-    optimizer = torch.optim.AdamW(parameters, lr=settings.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    generator = torch.Generator().manual_seed(settings.seed + 11 + 1000 * rank)
-    step, elapsed = 0, 0.0
-    state, data = _load(ckpt_path), _load(data_path)
-    if state is not None:
-        transformer.load_state_dict(state["model"])
-        ema.load_state_dict(state["ema"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, elapsed = state["step"], state["elapsed"]
-        generator.set_state(data["generator"])
-        logger.info("resuming transformer at step %d", step)
-    del state
-    started = time.perf_counter()
-    del data
-    training_ids = [grammar.all_prompts().index(p) for p in grammar.training_prompts()]
-    log_path = cache / "transformer-log.jsonl"
-    disc_sigmas = inference_sigmas()
-    txt_ids = text["text_ids"]
-    ids_per_bucket = [image_ids(w, h) for w, h in BUCKETS]
-    weights = torch.tensor(settings.bucket_weights)
-
-    def checkpoint():
-        _save(data_path, {"generator": generator.get_state(), "step": step})
-        if rank == 0:
-            _save(
-                ckpt_path,
-                {
-                    "model": transformer.state_dict(),
-                    "ema": ema.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "step": step,
-                    "elapsed": elapsed,
-                    "world": world,
-                },
-            )
-
-    transformer.train()
-    bar = tqdm(total=settings.steps, initial=step, desc="transformer", dynamic_ncols=True, disable=rank != 0)
-    losses: list[float] = []
-    while step < settings.steps:
-        if os.getppid() != parent:
-            raise SystemExit(f"transformer worker {rank}: the training process is gone; stopping")
-        lr = settings.lr * _lr_factor(step, settings.steps, settings.warmup)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        bucket = int(torch.multinomial(weights, 1, generator=generator))
-        tokens = ids_per_bucket[bucket].shape[0]
-        n = max(1, settings.tokens_per_batch // tokens // world)
-        picks = torch.randint(0, len(training_ids), (n,), generator=generator)
-        prompt_ids = torch.tensor([training_ids[int(i)] for i in picks])
+    def draw_batch(self) -> tuple:
+        """A random bucket, prompts, noise levels and noise: (prompt ids, bucket, sigma, clean, noise)."""
+        settings, generator = self.settings, self.generator
+        bucket = int(torch.multinomial(self.weights, 1, generator=generator))
+        tokens = self.ids_per_bucket[bucket].shape[0]
+        n = max(1, settings.tokens_per_batch // tokens // self.world)
+        picks = torch.randint(0, len(self.training_ids), (n,), generator=generator)
+        prompt_ids = torch.tensor([self.training_ids[int(i)] for i in picks])
         x0 = pack(latent_batch(prompt_ids.tolist(), *BUCKETS[bucket], generator))
         # Noise levels: a share exactly the inference sigmas, the rest logit-normal through the same shift.
         discrete = torch.rand(n, generator=generator) < settings.discrete_sigma_share
         continuous = shift_sigma(torch.sigmoid(torch.randn(n, generator=generator)))
-        picked = disc_sigmas[torch.randint(0, len(disc_sigmas), (n,), generator=generator)]
+        picked = self.disc_sigmas[torch.randint(0, len(self.disc_sigmas), (n,), generator=generator)]
         sigma = torch.where(discrete, picked, continuous)
         noise = torch.randn(x0.shape, generator=generator)
+        return prompt_ids, bucket, sigma, x0, noise
+
+    def learn(self, prompt_ids, bucket: int, sigma, x0, noise, lr: float) -> None:
+        """One optimizer step on the rectified-flow loss (gradients averaged over the group), then the EMA."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
         s = sigma.view(-1, 1, 1)
         xt = (1 - s) * x0 + s * noise
-        embeds, pooled = text["embeds"][prompt_ids], text["pooled"][prompt_ids]
-        pred = call_transformer(transformer, xt, sigma, embeds, pooled, txt_ids, ids_per_bucket[bucket])
+        embeds, pooled = self.text["embeds"][prompt_ids], self.text["pooled"][prompt_ids]
+        pred = call_transformer(self.transformer, xt, sigma, embeds, pooled, self.text["text_ids"],
+                                self.ids_per_bucket[bucket])
         loss = F.mse_loss(pred, noise - x0)
-        optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        group.average_gradients(parameters)
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        decay = min(settings.ema, (1 + step) / (10 + step))
+        self.group.average_gradients(self.parameters)
+        torch.nn.utils.clip_grad_norm_(self.parameters, 1.0)
+        self.optimizer.step()
+        decay = min(self.settings.ema, (1 + self.step) / (10 + self.step))
         with torch.no_grad():
-            for e, p in zip(ema.parameters(), parameters, strict=True):
+            for e, p in zip(self.ema.parameters(), self.parameters, strict=True):
                 e.lerp_(p, 1 - decay)
-        step += 1
-        losses.append(loss.item())
-        bar.update(1)
-        bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}", lr=f"{lr:.1e}")
-        if step % settings.checkpoint_every == 0 or step == settings.steps:
-            elapsed_now = elapsed + time.perf_counter() - started
-            if rank == 0:
-                record = {
-                    "step": step,
-                    "loss": float(np.mean(losses[-settings.checkpoint_every :])),
-                    "minutes": elapsed_now / 60,
-                }
-                if step % settings.eval_every == 0 or step == settings.steps:
-                    record |= transformer_fidelity(ema, text)  # the exact rules: no decoder needed
-                    if (vae := _vae_for_evaluation(settings, cache)) is not None:
-                        prompts = _eval_prompts(48, 7)
-                        record["decoded_64"] = generation_fidelity(ema, vae, text, prompts, 64, 64, seed=7)
-                    bar.write(f"transformer step {step}: {record}")
-                _log_jsonl(log_path, record)
-            elapsed, started = elapsed_now, time.perf_counter()
-            checkpoint()
-            stop = minutes is not None and elapsed > minutes * 60 and step < settings.steps
-            if group.rank0_says(stop):
-                break
-    bar.close()
-    if world > 1:
-        import torch.distributed as dist
+        self.step += 1
+        self.losses.append(loss.item())
 
-        dist.destroy_process_group()
+    def log(self, bar) -> None:
+        """Rank 0 logs the loss and, every eval_every steps, the EMA's fidelity; every rank's clock moves on."""
+        settings, step = self.settings, self.step
+        elapsed_now = self.elapsed + time.perf_counter() - self.started
+        if self.rank == 0:
+            record = {"step": step, "loss": float(np.mean(self.losses[-settings.checkpoint_every :])),
+                      "minutes": elapsed_now / 60}
+            if step % settings.eval_every == 0 or step == settings.steps:
+                record |= transformer_fidelity(self.ema, self.text)  # the exact rules: no decoder needed
+                if (vae := _vae_for_evaluation(settings, self.cache)) is not None:
+                    prompts = eval_prompts(48, PROMPT_SEED)
+                    record["decoded_64"] = generation_fidelity(self.ema, vae, self.text, prompts, 64, 64,
+                                                               seed=PROMPT_SEED)
+                bar.write(f"transformer step {step}: {record}")
+            log_jsonl(self.cache / "transformer-log.jsonl", record)
+        self.elapsed, self.started = elapsed_now, time.perf_counter()
+
+    def checkpoint(self) -> None:
+        save_state(self.data_path, {"generator": self.generator.get_state(), "step": self.step})
+        if self.rank == 0:
+            save_state(self.ckpt_path, {"model": self.transformer.state_dict(), "ema": self.ema.state_dict(),
+                                        "optimizer": self.optimizer.state_dict(), "step": self.step,
+                                        "elapsed": self.elapsed, "world": self.world})
 
 
 def _vae_for_evaluation(settings: Settings, cache: Path):
@@ -704,7 +512,7 @@ def _vae_for_evaluation(settings: Settings, cache: Path):
     Only the logged evaluations use it; training never reads the VAE."""
     if (cache / "vae" / "config.json").is_file():
         return load_vae(cache / "vae")
-    if (state := _load(cache / "vae.ckpt")) is None:
+    if (state := load_state(cache / "vae.ckpt")) is None:
         return None
     vae = build_vae(settings, settings.seed)
     vae.load_state_dict(state["model"])
@@ -715,14 +523,14 @@ def _vae_for_evaluation(settings: Settings, cache: Path):
 def train_transformer(settings: Settings, cache: Path, minutes: float | None = None) -> None:
     """Train (or resume) the transformer in `settings.processes` processes (checkpoint: transformer.ckpt)."""
     prompt_embeddings(cache)  # computed once, before the workers start
-    _spawn(_transformer_worker, settings, (settings, cache, minutes))
-    state = _load(cache / "transformer.ckpt")
+    spawn(_TransformerTraining.worker, settings.processes, (settings, cache, minutes))
+    state = load_state(cache / "transformer.ckpt")
     if state["step"] < settings.steps:
         raise TimeoutError(f"transformer stage stopped at step {state['step']} (--minutes); rerun to resume")
 
 
 def _trained_transformer(settings: Settings, cache: Path):
-    state = _load(cache / "transformer.ckpt")
+    state = load_state(cache / "transformer.ckpt")
     if state is None:
         raise FileNotFoundError(f"no transformer checkpoint in {cache}; run --stage transformer first")
     transformer = build_transformer(settings, settings.seed + 10)
@@ -745,7 +553,7 @@ def _sampled_pool(transformer, vae_config, text, settings: Settings) -> list[tup
         for start in range(0, images, 32):
             picks = torch.randint(0, len(training_ids), (min(32, images - start),), generator=generator)
             ids = torch.tensor([training_ids[int(i)] for i in picks])
-            pool.append((bucket, sample_latents(transformer, vae_config, text, ids, width, height, generator)))
+            pool.append((bucket, sample_latents(transformer, vae_config, text, Batch(ids, width, height, generator))))
     return pool
 
 
@@ -771,7 +579,7 @@ def tune_decoder(settings: Settings, cache: Path) -> Path:
     vae.train()
     for step in tqdm(range(settings.tune_steps), desc="tune decoder", dynamic_ncols=True):
         for group in optimizer.param_groups:
-            group["lr"] = settings.tune_lr * _lr_factor(step, settings.tune_steps, 20)
+            group["lr"] = settings.tune_lr * lr_factor(step, settings.tune_steps, 20)
         bucket, sampled = pool[int(torch.randint(0, len(pool), (1,), generator=generator))]
         width, height = BUCKETS[bucket]
         half = max(1, len(sampled) // 2)
@@ -788,10 +596,10 @@ def tune_decoder(settings: Settings, cache: Path) -> Path:
         optimizer.step()
     vae.eval()
     final = {source: vae_fidelity(vae, 100, source=source) for source in ("clean", "corrupted")}
-    prompts = _eval_prompts(64, 7)
-    final["generated_64"] = generation_fidelity(transformer, vae, prompt_embeddings(cache), prompts, 64, 64, seed=7)
+    prompts = eval_prompts(64, PROMPT_SEED)
+    final["generated_64"] = generation_fidelity(transformer, vae, prompt_embeddings(cache), prompts, 64, 64, seed=PROMPT_SEED)
     logger.info("tuned decoder checker-correct: %s", final)
-    _log_jsonl(cache / "vae-log.jsonl", {"tuned": final, "minutes": (time.perf_counter() - started) / 60})
+    log_jsonl(cache / "vae-log.jsonl", {"tuned": final, "minutes": (time.perf_counter() - started) / 60})
     vae.save_pretrained(out, safe_serialization=True)
     return out
 

@@ -1,0 +1,95 @@
+"""The advisor's report read out: the one renderer of its table and summary, for the CLI
+(`python -m engine advise` prints `markdown`) and the UI's Advisor tab (`summary` above `table_rows`).
+Torch-free, gradio-free.
+"""
+
+from __future__ import annotations
+
+from engine.bench.paired import row_speedup_text
+from engine.bench.quality import fmt_drift
+
+# Eager fp32 without a step cache: every speedup and drift of the advisor is measured against it.
+REFERENCE = {"precision": "fp32", "mode": "eager", "step_cache": "none", "attention": "native"}
+COLUMNS = ["configuration", "s / image", "× eager fp32", "drift PSNR / max diff", "fidelity",
+           "steps cached (mean)", "compile s", "within bound"]
+
+
+def pct(value) -> str:
+    """A share (0-1) as a whole percent; "—" where not measured."""
+    return "—" if value is None else f"{value * 100:.0f} %"
+
+
+def seconds_text(value) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def is_reference(row: dict) -> bool:
+    """Whether a row (or a pick) is eager fp32 without a step cache (attention native where not named)."""
+    return {k: row.get(k, "native" if k == "attention" else None) for k in REFERENCE} == REFERENCE
+
+
+def table_rows(report: dict | None) -> list[list]:
+    """Every measured configuration (COLUMNS), the largest speedup over eager fp32 first (timed in
+    alternation with it), with why it is (not) eligible; then what was skipped and why."""
+    if not report:
+        return []
+    pick = (report.get("pick") or {}).get("label")
+    out = []
+    for r in sorted(report.get("rows", []), key=lambda r: -(r.get("speedup") or 0)):
+        if r.get("error"):
+            out.append([r["label"], "failed", "", "", "", "", "", r["error"]])
+            continue
+        verdict = "★ pick" if r["label"] == pick else ("yes" if r.get("eligible") else f"no: {r.get('why_not', '')}")
+        out.append([r["label"], f"{r['s_per_image']:.3f}", row_speedup_text(r),
+                    fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff"))
+                    + ("" if r.get("drift_ssim") is None else f", SSIM {r['drift_ssim']:.3f}"), pct(r.get("fidelity")),
+                    "—" if r.get("cached_steps") is None else f"{r['cached_steps']:.1f}",
+                    seconds_text(r.get("compile_s")), verdict])
+    for s in report.get("skipped", []):
+        out.append([s["what"], "skipped", "", "", "", "", "", s["why"]])
+    return out
+
+
+def summary(report: dict) -> str:
+    """What was measured, the pick with its final-round speedup, the bound and where the file went."""
+    pick = report.get("pick")
+    parts = [f"**{report['preset']} on {report['device']}**, {report['size']}, {report['steps']} steps: "
+             f"{len(report.get('rows', []))} configurations measured in {report['elapsed_s']:.0f} s, "
+             f"{len(report.get('skipped', []))} skipped (listed in the table)."]
+    if pick is None:
+        parts.append("No configuration within the bound: eager fp32 stays.")
+    elif is_reference(pick):
+        parts.append("**Pick: `fp32/eager`** — no configuration within the bound measured faster than eager fp32.")
+    else:
+        confirm = report.get("confirm") or {}
+        parts.append(f"**Pick: `{pick['label']}`** — {pick['s_per_image']:.3f} s per image, "
+                     f"**{row_speedup_text(pick)}** eager fp32 (final round: "
+                     f"{(confirm.get('pick_ms_median') or 0):.1f} vs {(confirm.get('reference_ms_median') or 0):.1f} "
+                     f"ms, medians of {confirm.get('rounds')} rounds), fidelity {pct(pick.get('fidelity'))}.")
+    limits = bound_text(report.get("bound") or {})
+    if limits:
+        parts.append("Bound: " + ", ".join(limits) + ".")
+    if report.get("saved"):
+        parts.append(f"Saved to `{report['saved']}` (start the app with `--config-from` that file).")
+    return "\n\n".join(parts)
+
+
+def bound_text(bound: dict) -> list[str]:
+    limits = []
+    if bound.get("fidelity_points") is not None:
+        limits.append(f"fidelity within {bound['fidelity_points']:g} points of eager fp32")
+    if bound.get("min_psnr_db") is not None:
+        limits.append(f"PSNR ≥ {bound['min_psnr_db']:g} dB against eager fp32")
+    if bound.get("min_ssim") is not None:
+        limits.append(f"SSIM ≥ {bound['min_ssim']:g} against eager fp32")
+    return limits
+
+
+def markdown(report: dict) -> str:
+    """The whole report as Markdown (the CLI's output): the summary, when and how it was measured, the table."""
+    threads = report.get("threads")
+    measured = (f"Measured {report.get('measured_at', '?')}, {report.get('quality_samples', '?')} quality samples"
+                + (f", {threads} CPU thread{'s' if threads > 1 else ''}" if threads else "") + ".")
+    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    table += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in table_rows(report)]
+    return "\n\n".join([summary(report), measured, "\n".join(table)])
