@@ -24,6 +24,7 @@ import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs
 
@@ -274,6 +275,33 @@ class EdgeGuard:
                 **({"sockets": self.sockets.snapshot()} if self.sockets is not None else {})}
 
 
+class _CountedBody:
+    """The request body as the app reads it, cut off past the limit: the app then sees a client that went
+    away, its answer is dropped, and the middleware answers 413 itself."""
+
+    def __init__(self, receive, send, limit: int):
+        self._receive, self._send, self.limit = receive, send, limit
+        self.read, self.over, self.started = 0, False, False
+
+    async def receive(self):
+        if self.over:
+            return {"type": "http.disconnect"}
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.read += len(message.get("body", b""))
+            if self.read > self.limit:
+                self.over = True
+                return {"type": "http.disconnect"}
+        return message
+
+    async def send(self, message):
+        if self.over:
+            return  # the app's answer to a body it never got whole
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._send(message)
+
+
 class _EdgeMiddleware:
     def __init__(self, app, guard: EdgeGuard):
         self.app = app
@@ -282,67 +310,61 @@ class _EdgeMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        guard = self.guard
-        limit = guard.config.max_body_bytes
+        refusal = self._screen(scope)
+        if refusal is not None:
+            reason, status, message = refusal
+            if reason:
+                self.guard.refused[reason] += 1
+            await _refuse(send, status, message)
+            return
+        body = _CountedBody(receive, send, self.guard.config.max_body_bytes)
+        with self._listening(scope):
+            try:
+                await self.app(scope, body.receive, body.send)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if not body.over:
+                    raise
+        if body.over and not body.started:
+            self.guard.refused["body size"] += 1
+            await _refuse(send, 413, f"Request body is over this server's limit of {body.limit:,} bytes "
+                                     "(prompts are at most 4,000 characters)")
+
+    def _screen(self, scope) -> tuple[str | None, int, str] | None:
+        """(refusal reason counted, status, message) for a request refused before the app sees it."""
+        guard, limit = self.guard, self.guard.config.max_body_bytes
         path = scope["path"].rstrip("/")
         if "/gradio_api/mcp" in path:
             guard.mark_mcp_caller(scope)
         content_type = (_header(scope, b"content-type") or "").lower()
         if path.endswith("/upload") or content_type.startswith("multipart/"):
-            guard.refused["upload"] += 1
-            await _refuse(send, 403, "This app takes no uploads")
-            return
+            return "upload", 403, "This app takes no uploads"
         length = _header(scope, b"content-length")
-        if length is not None:
-            try:
-                too_big = int(length) > limit
-            except ValueError:
-                await _refuse(send, 400, "Content-Length must be a number")
-                return
-            if too_big:
-                guard.refused["body size"] += 1
-                await _refuse(send, 413, f"Request body of {int(length):,} bytes is over this server's limit "
-                                         f"of {limit:,} bytes (prompts are at most 4,000 characters)")
-                return
+        if length is None:
+            return None
+        try:
+            size = int(length)
+        except ValueError:
+            return None, 400, "Content-Length must be a number"
+        if size > limit:
+            return "body size", 413, (f"Request body of {size:,} bytes is over this server's limit of "
+                                      f"{limit:,} bytes (prompts are at most 4,000 characters)")
+        return None
 
-        state = {"read": 0, "over": False, "started": False}
-
-        async def counted_receive():
-            if state["over"]:
-                return {"type": "http.disconnect"}
-            message = await receive()
-            if message["type"] == "http.request":
-                state["read"] += len(message.get("body", b""))
-                if state["read"] > limit:
-                    state["over"] = True  # the app sees a client that went away; we answer 413 instead
-                    return {"type": "http.disconnect"}
-            return message
-
-        async def guarded_send(message):
-            if state["over"]:
-                return  # the app's answer to a body it never got whole
-            if message["type"] == "http.response.start":
-                state["started"] = True
-            await send(message)
-
+    @contextmanager
+    def _listening(self, scope):
+        """Count a GET stream's listener for its session while it is open."""
+        guard = self.guard
         session = guard._stream_session(scope) if scope.get("method") == "GET" else None
         if session is not None:
             with guard._lock:
                 guard._listeners[session] += 1
         try:
-            await self.app(scope, counted_receive, guarded_send)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            if not state["over"]:
-                raise
+            yield
         finally:
             if session is not None:
                 with guard._lock:
                     guard._listeners[session] -= 1
                     if guard._listeners[session] <= 0:
                         del guard._listeners[session]
-        if state["over"] and not state["started"]:
-            guard.refused["body size"] += 1
-            await _refuse(send, 413, f"Request body is over this server's limit of {limit:,} bytes "
-                                     "(prompts are at most 4,000 characters)")

@@ -150,7 +150,9 @@ class AdviceJobs:
         self._jobs: OrderedDict[str, dict] = OrderedDict()
         self._lock = threading.Lock()
 
-    def start(self, preset: str, device: str = "auto", size: str = "", steps: str = "", max_minutes: str = "5",
+    # gr.api builds the MCP tool's schema from this very signature, so its parameters stay loose.
+    def start(self, preset: str, device: str = "auto", size: str = "", steps: str = "",  # noqa: PLR0913
+              max_minutes: str = "5",
               fidelity_points: str = "", min_psnr: str = "", admin_token: str = "",
               request: gr.Request = None) -> dict:
         """Start the advisor in the background; returns {"job", "state"} at once (poll /advise_poll)."""

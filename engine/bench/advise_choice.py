@@ -125,10 +125,19 @@ class Measured:
 # -- the grid ---------------------------------------------------------------------------------------
 def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
     """Every candidate this engine can run here, and what was skipped with why (torch not needed)."""
-    from engine.devices import precision_support
-    from engine.pipeline.attention import attention_table
-    from engine.pipeline.stepcache import available_step_caches
     skipped: list[dict] = []
+    precisions = _runnable_precisions(spec, skipped)
+    modes = _runnable_modes(spec, skipped)
+    grid = _cache_candidates(plan, spec, precisions, modes, skipped) + _attention_candidates(spec, skipped)
+    skipped.append({"what": "parallel layouts (tensor/ulysses/ring)",
+                    "why": "they run as a torchrun sidecar of several ranks, not in this process; compare them "
+                           "on the Compare tab (Tensor-parallel ranks)"})
+    return grid, skipped
+
+
+def _runnable_precisions(spec, skipped: list[dict]) -> list[str]:
+    from engine.devices import precision_support
+
     precisions = []
     for name, row in precision_support(spec).items():
         if row["status"] == "refused":
@@ -137,6 +146,10 @@ def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
             skipped.append({"what": f"precision {name}", "why": f"runs as {row['runs_as']} here (measured as that)"})
         else:
             precisions.append(str(name))
+    return precisions
+
+
+def _runnable_modes(spec, skipped: list[dict]) -> list[str]:
     modes = []
     for m in MODES:
         if Mode(m) in spec.modes:
@@ -147,6 +160,14 @@ def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
         if m.value not in MODES and m.value != "eager":
             skipped.append({"what": f"mode {m.value}", "why": "the same graphs as compile, built slower "
                             "(packages / fused passes): outside the advisor's time budget"})
+    return modes
+
+
+def _cache_candidates(plan: AdvisePlan, spec, precisions: list[str], modes: list[str],
+                      skipped: list[dict]) -> list[Candidate]:
+    """Each precision x mode with each usable step cache (and the cache loosened one notch)."""
+    from engine.pipeline.stepcache import available_step_caches
+
     grid: list[Candidate] = []
     for precision in precisions:
         for mode in modes:
@@ -157,6 +178,13 @@ def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
                         grid.append(Candidate(precision, mode, stronger(row["default"])))
                 elif precision == precisions[0]:
                     skipped.append({"what": f"step cache {row['name']} with {mode}", "why": row["why_not"]})
+    return grid
+
+
+def _attention_candidates(spec, skipped: list[dict]) -> list[Candidate]:
+    from engine.pipeline.attention import attention_table
+
+    grid: list[Candidate] = []
     for row in attention_table(spec, "fp32"):
         name = row.get("name")
         if name == "native":
@@ -165,10 +193,7 @@ def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
             grid.append(Candidate("fp32", "eager", "none", name))
         else:
             skipped.append({"what": f"attention {name}", "why": row.get("reason") or row.get("note") or "unusable"})
-    skipped.append({"what": "parallel layouts (tensor/ulysses/ring)",
-                    "why": "they run as a torchrun sidecar of several ranks, not in this process; compare them "
-                           "on the Compare tab (Tensor-parallel ranks)"})
-    return grid, skipped
+    return grid
 
 
 def stronger(cache: str) -> str | None:

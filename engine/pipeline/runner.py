@@ -326,9 +326,6 @@ class PipelineRunner:
     def warm_request(self, bucket: BucketKey, guidance: float | None = None) -> GenerateRequest:
         return self.warmup.request(bucket, guidance)
 
-    def warm_members(self, bucket: BucketKey, guidance: float | None = None) -> list[GenerateRequest] | None:
-        return self.warmup.members(bucket, guidance)
-
     def warm_guidances(self) -> tuple[float, ...]:
         return self.warmup.guidances()
 
