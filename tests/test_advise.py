@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 from engine.bench import advise_report
 from engine.bench.advise import load_pick, result_path, save
@@ -81,10 +80,10 @@ def test_the_saved_file_drives_the_app_defaults_and_the_views(tmp_path):
                                "steps": 8}
     import app
 
-    args = SimpleNamespace(config_from=str(path), preset="x", device="auto", precision="bf16", mode="compile",
-                           attention_backend="native")
-    assert app.apply_advice(args) == "first-block:0.2"
-    assert (args.preset, args.device, args.precision, args.mode) == ("tiny-shapes", "cpu", "fp32", "regional")
+    engine = app.apply_advice(app.DefaultEngine(preset="x", device="auto", precision="bf16", mode="compile"),
+                              str(path))
+    assert engine.step_cache == "first-block:0.2" and engine.attention_backend == "native"
+    assert (engine.preset, engine.device, engine.precision, engine.mode) == ("tiny-shapes", "cpu", "fp32", "regional")
     table = advise_report.table_rows(report)
     assert table[0][0] == "fp32/regional/first-block:0.2" and table[0][-1] == "★ pick"
     assert table[-1][:2] == ["precision fp8", "skipped"]

@@ -31,7 +31,7 @@ from engine.protocol import (
     Mode,
     Size,
 )
-from engine.worker.client import ProcessClient
+from engine.worker.client import EngineEvents, ProcessClient
 
 KEY = EngineKey("tiny-shapes", "cpu", "fp32")
 PROMPTS = ("a red circle on a blue background", "a green square on a yellow background",
@@ -151,14 +151,14 @@ def test_flags_reach_the_options_and_child_command_lines():
 
 
 # -- real workers ----------------------------------------------------------------------------------
-class GrantedCompiles:
+class GrantedCompiles(EngineEvents):
     """The host's scheduler stand-in: grants only the buckets the test names; remembers every wish."""
 
     def __init__(self):
         self.allowed: set[BucketKey] = set()
         self.wished: list[BucketKey] = []
 
-    def __call__(self, engine, wish) -> None:
+    def compile_wanted(self, engine, wish) -> None:
         self.wished.append(wish.bucket)
         if wish.bucket in self.allowed:
             engine.grant_compile(wish.bucket)
@@ -167,8 +167,8 @@ class GrantedCompiles:
 def start(cache_dir, **options) -> ProcessClient:
     options.setdefault("warm_sizes", ())
     config = EngineConfig(KEY, get_preset(KEY.preset), EngineOptions(**options), str(cache_dir))
-    engine = ProcessClient(config, env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")})
-    engine.compile_gate = gate = GrantedCompiles()
+    gate = GrantedCompiles()
+    engine = ProcessClient(config, env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}, events=gate)
     engine.start()
     engine.gate = gate
     assert engine.wait_ready(timeout=300)

@@ -160,10 +160,10 @@ def test_visitor_aot_served_from_a_loaded_package_warm_refused(public, monkeypat
     from engine.protocol import BucketKey, EngineKey
 
     key = EngineKey("tiny-shapes", "cpu", "fp32")
-    monkeypatch.setitem(public._engines, key, LoadedEngine(key))
+    monkeypatch.setitem(public.residency.loaded, key, LoadedEngine(key))
     with pytest.raises(NotAllowed, match="mode aot at 64x64: no package .* up to the host"):
         public.warm("tiny-shapes", "cpu", "fp32", "aot", "64x64", caller=Caller.VISITOR)
-    monkeypatch.setitem(public._engines, key, LoadedEngine(key, [BucketKey(Mode.AOT, Size(64, 64))]))
+    monkeypatch.setitem(public.residency.loaded, key, LoadedEngine(key, [BucketKey(Mode.AOT, Size(64, 64))]))
     ran = []
     monkeypatch.setattr(public, "_run", lambda key, request, *a: ran.append(request))
     public.generate(ImageRequest(preset="tiny-shapes", device="cpu", mode="aot", size="64x64", prompt="a fox",

@@ -161,7 +161,7 @@ def test_public_mode_lets_the_host_do_what_visitors_cannot(public_manager):
 def test_without_public_mode_visitors_keep_every_choice(cache_dir, tiny_models):
     with engine_manager(cache_dir) as m:
         m.make_key("tiny-sdxl", "cpu", "fp16", caller=Caller.VISITOR)  # any preset, any precision
-        m._check_visitor_choice(mode="compile")
+        m.check_visitor_choice(mode="compile")
 
 
 # -- a manager within its budget: real workers ---------------------------------------------------
@@ -327,15 +327,16 @@ def test_each_cpu_engine_gets_its_own_short_run_slot_freed_when_it_goes(tmp_path
     each gets its own slot, and a slot is cleared and free again once its engine is dropped (evicted,
     crashed, restarted), so a worker killed mid-request never leaves long requests waiting."""
     with engine_manager(tmp_path / "cache") as manager:
-        first, second = manager._take_short_run_slot(), manager._take_short_run_slot()
+        launcher = manager.launcher
+        first, second = launcher.take_short_run_slot(), launcher.take_short_run_slot()
         assert (first.slot, second.slot) == (0, 1) and first.path == second.path
         gone = object()
-        manager._short_run_slot[id(gone)] = first.slot
+        launcher.hold_slot(gone, first.slot)
         first.set_running(True)  # it died mid-request
         assert second.others_running()
-        manager._drop_engine(gone)
+        launcher.release(gone)
         assert not second.others_running()
-        assert manager._take_short_run_slot().slot == 0
+        assert launcher.take_short_run_slot().slot == 0
     assert not first.path.exists()
 
 

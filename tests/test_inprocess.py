@@ -39,26 +39,28 @@ def clean_env(monkeypatch):
 
 def test_a_space_starts_public_unless_told_otherwise(clean_env):
     import app
+    from engine.serving.flags import host_policy
 
     args = app.build_parser().parse_args([])
-    lines = app.resolve_hosting(args)
-    assert args.public is False and lines[0].startswith("hosting mode: developer")
-    assert args.runtime == "workers"
+    hosting = app.resolve_hosting(args)
+    assert hosting.public is False and hosting.lines[0].startswith("hosting mode: developer")
+    assert hosting.runtime == "workers" and args.public is None  # the flags are read, never rewritten
 
     clean_env.setenv("SPACE_ID", "someone/showcase")
     clean_env.setenv("SHOWCASE_ADMIN_TOKEN", "s3cret-from-a-space-secret")
     args = app.build_parser().parse_args([])
-    lines = app.resolve_hosting(args)
-    assert args.public is True and "SPACE_ID=someone/showcase" in lines[0]
-    assert app.host_policy(args).public and args.admin_token == "s3cret-from-a-space-secret"
-    assert "s3cret" not in " ".join(lines)
+    hosting = app.resolve_hosting(args)
+    assert hosting.public is True and "SPACE_ID=someone/showcase" in hosting.lines[0]
+    assert host_policy(args, hosting.public).public and args.admin_token == "s3cret-from-a-space-secret"
+    assert "s3cret" not in " ".join(hosting.lines)
 
     args = app.build_parser().parse_args(["--no-public"])  # opt out by flag
-    assert app.resolve_hosting(args)[0] == "hosting mode: developer (--no-public)"
-    assert not app.host_policy(args).public
+    hosting = app.resolve_hosting(args)
+    assert hosting.lines[0] == "hosting mode: developer (--no-public)"
+    assert not host_policy(args, hosting.public).public
     clean_env.setenv("SHOWCASE_PUBLIC", "0")  # or by variable
-    args = app.build_parser().parse_args([])
-    assert "SHOWCASE_PUBLIC=0" in app.resolve_hosting(args)[0] and args.public is False
+    hosting = app.resolve_hosting(app.build_parser().parse_args([]))
+    assert "SHOWCASE_PUBLIC=0" in hosting.lines[0] and hosting.public is False
 
 
 def test_zero_gpu_picks_the_in_process_runtime_and_aot(clean_env):
@@ -66,9 +68,9 @@ def test_zero_gpu_picks_the_in_process_runtime_and_aot(clean_env):
 
     clean_env.setenv("SPACES_ZERO_GPU", "true")
     args = app.build_parser().parse_args([])
-    lines = app.resolve_hosting(args)
-    assert args.runtime == "inprocess" and "SPACES_ZERO_GPU" in lines[1]
-    assert args.mode == "aot" and any("no torch.compile" in line for line in lines)
+    hosting = app.resolve_hosting(args)
+    assert hosting.runtime == "inprocess" and "SPACES_ZERO_GPU" in hosting.lines[1]
+    assert hosting.mode == "aot" and any("no torch.compile" in line for line in hosting.lines)
     with pytest.raises(SystemExit, match="--runtime workers"):
         app.resolve_hosting(app.build_parser().parse_args(["--tp", "2", "--runtime", "inprocess"]))
 

@@ -69,8 +69,7 @@ def test_a_corrupt_header_names_the_component_not_a_memory_error(tiny_models, tm
     from helpers import engine_manager
 
     from engine.protocol import EngineKey
-    from engine.serving import budget
-    from engine.serving import manager as manager_module
+    from engine.serving import budget, footprints
 
     target = _copy(tiny_models, "tiny-flux", tmp_path)
     _corrupt_header(target / "text_encoder" / "model.safetensors")
@@ -79,7 +78,7 @@ def test_a_corrupt_header_names_the_component_not_a_memory_error(tiny_models, tm
     assert str(tmp_path) not in str(err.value)
 
     with engine_manager(tmp_path / "cache") as m:
-        monkeypatch.setattr(manager_module, "resolve_source", lambda config: str(target))
+        monkeypatch.setattr(footprints, "resolve_source", lambda config: str(target))
         with pytest.raises(CorruptWeights, match="component text_encoder"):
             m.estimate(EngineKey("tiny-flux", "cpu", "fp32", 1))
 

@@ -178,7 +178,7 @@ def test_a_killed_worker_fails_its_request_quickly_then_the_next_succeeds(manage
     pid = engine.pid
     job = client.submit(**{**GOOD, "steps": 200, "size": "128x128"}, api_name="/generate")
     deadline = time.monotonic() + 60
-    while not manager._running and time.monotonic() < deadline:  # the request reached the worker
+    while not engine.pending() and time.monotonic() < deadline:  # the request reached the worker
         time.sleep(0.02)
     time.sleep(0.3)
     killed_at = time.monotonic()

@@ -341,13 +341,11 @@ def test_flag_defaults_are_the_module_defaults():
     args = app_module.build_parser().parse_args([])
     assert (args.max_connections, args.header_timeout, args.max_header_bytes, args.max_headers) == (
         sockets.MAX_CONNECTIONS, sockets.HEADER_TIMEOUT_S, sockets.MAX_HEADER_BYTES, sockets.MAX_HEADERS)
-    args.public = True
-    assert app_module.edge_config(args).sockets == sockets.public_bounds()
-    args.public = False  # a developer's machine: no per-address cap (load tests come from one address)
-    assert app_module.edge_config(args).sockets == SocketBounds()
+    assert app_module.edge_config(args, public=True).sockets == sockets.public_bounds()
+    # a developer's machine: no per-address cap (load tests come from one address)
+    assert app_module.edge_config(args, public=False).sockets == SocketBounds()
     args = app_module.build_parser().parse_args(["--max-connections-per-client", "0", "--max-header-bytes", "16KiB"])
-    args.public = True
-    assert app_module.edge_config(args).sockets == SocketBounds(per_client=None, max_header_bytes=16384)
+    assert app_module.edge_config(args, public=True).sockets == SocketBounds(per_client=None, max_header_bytes=16384)
 
 
 @pytest.mark.parametrize("flag, value, says", [

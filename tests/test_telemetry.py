@@ -153,12 +153,12 @@ def fresh_manager(cache_dir):
 
 @pytest.mark.slow
 def test_a_requests_log_lines_carry_its_id(fresh_manager):
-    """The first request starts its engine; the manager's line saying so carries the request's id."""
+    """The first request starts its engine; the line saying so (the manager's residency) carries the request's id."""
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.addFilter(logs._RequestId())
     handler.setFormatter(logs.JsonFormatter("web"))
-    logger = logging.getLogger("engine.serving.manager")
+    logger = logging.getLogger("engine.serving.residency")
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)

@@ -202,7 +202,7 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
         assert poll(lambda: all(process_gone(pid) for pid in _processes(engine)), 15)
         assert poll(lambda: not engine.workdir.exists(), 10)  # no token or config left behind
 
-        # Automatic restart (the engine had been ready, so manager._on_down starts a new sidecar).
+        # Automatic restart (the engine had been ready, so the residency restarts it: a new sidecar).
         assert poll(lambda: manager.engines() and manager.engines()[0] is not engine, 10)
         restarted = manager.engines()[0]
         seen.append(restarted)

@@ -37,6 +37,12 @@ def _shown(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def as_text(value):
+    """A default as text: argparse checks a text default with the flag's type, so an environment variable
+    gets the same check as the flag."""
+    return None if value is None else str(value)
+
+
 def whole(low: int, high: int, *, zero: str | None = None) -> Callable[[str], int]:
     """argparse type: a whole number in low..high (and 0 meaning `zero`, when given)."""
     allowed = f"{low}..{high}" + (f", or 0 ({zero})" if zero else "")

@@ -46,7 +46,7 @@ from engine.protocol import (
     Size,
 )
 from engine.serving.gpu import Durations, GpuCalls, make_gpu_calls
-from engine.worker.client import ConnectionClient
+from engine.worker.client import ConnectionClient, EngineEvents
 from engine.worker.loop import WorkerLoop
 from engine.worker.priority import run_on_lowered_thread
 
@@ -333,9 +333,10 @@ class InProcessClient(ConnectionClient):
 
     kind = "inprocess"
 
-    def __init__(self, config, gpu: GpuCalls | None = None, threads: int | None = None):
+    def __init__(self, config, gpu: GpuCalls | None = None, threads: int | None = None,
+                 events: EngineEvents | None = None):
         check_inprocess_key(config.key)
-        super().__init__(config.key)
+        super().__init__(config.key, events)
         self.config = config
         self.threads = threads  # cpu: compute threads, as a worker gets (the manager's share of the cores)
         self.gpu = gpu or make_gpu_calls()

@@ -100,6 +100,7 @@ class AttachedSidecarClient(ConnectionClient):
     """A sidecar the app attached to. Closing it disconnects; it never asks the sidecar to shut down."""
 
     kind = "tp-sidecar"
+    evictable = False  # it belongs to whoever started it: never evicted or restarted by the app
 
     def __init__(self, address_file: str | Path, info: dict):
         super().__init__(EngineKey.unknown())  # the real key arrives with Ready
@@ -112,6 +113,10 @@ class AttachedSidecarClient(ConnectionClient):
         if isinstance(message.error, EngineCrashed):
             self.last_failure = str(message.error)
         super()._on_error(message)
+
+    @property
+    def key(self) -> EngineKey:
+        return self.info.key if self.info is not None else self._key
 
     def describe_exit(self) -> str:
         text = f"the connection to the sidecar at {self.address} closed"
@@ -163,7 +168,6 @@ def connect(address_file: str | Path, timeout: float = 600.0) -> AttachedSidecar
         engine.close()
         raise SidecarNotRunning(f"the sidecar at {engine.address} accepted the app but was not ready within "
                                 f"{timeout:.0f} s (still loading?)")
-    engine.key = engine.info.key
     return engine
 
 

@@ -43,7 +43,7 @@ from engine.errors import EngineCrashed, InvalidRequest, ModelLoadError
 from engine.protocol import RankExit
 from engine.tp import launch
 from engine.tp.tokens import new_token, write_private
-from engine.worker.client import ConnectionClient
+from engine.worker.client import ConnectionClient, EngineEvents
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,9 @@ class SidecarClient(ConnectionClient):
         dist_timeout: float | None = None,
         connect_timeout: float = 300.0,
         env: dict[str, str] | None = None,
+        events: EngineEvents | None = None,
     ):
-        super().__init__(config.key)
+        super().__init__(config.key, events)
         self.config = config
         self.nnodes = nnodes
         self.rdzv_endpoint = rdzv_endpoint

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Protocol
 
 from engine.errors import EngineCrashed, ShowcaseError
 from engine.protocol import (
@@ -52,13 +53,65 @@ from engine.protocol import (
 log = logging.getLogger(__name__)
 
 
+class EngineEvents:
+    """What an engine client tells whoever serves it (the manager's residency), registered at construction
+    or with `subscribe`. This base hears nothing and grants every compile at once (no host scheduler)."""
+
+    def engine_ready(self, engine: EngineClient) -> None:
+        """It loaded: `engine.info` and `engine.footprint` are set."""
+
+    def engine_down(self, engine: EngineClient) -> None:
+        """It stopped without being closed (crash, lost connection); `engine.error` says why."""
+
+    def footprint_changed(self, engine: EngineClient) -> None:
+        """It measured a new footprint (compiled graphs, their code)."""
+
+    def compile_wanted(self, engine: EngineClient, wish: CompileWanted) -> None:
+        """It asks to compile a bucket; answer with `engine.grant_compile(bucket)` when it may."""
+        engine.grant_compile(wish.bucket)
+
+    def compile_finished(self, engine: EngineClient, bucket: BucketKey) -> None:
+        """A compile it was granted ended (warm or failed)."""
+
+
+class EngineClient(Protocol):
+    """What the manager, the UI, the CLI and the bench use of an engine, whatever runs it: a worker process,
+    a tensor-parallel sidecar or the in-process runtime. `make_client` (engine/serving/launch.py) builds one."""
+
+    kind: str
+    ready: threading.Event
+    info: EngineReady | None
+    error: ShowcaseError | None
+    footprint: Footprint | None
+    last_used: float
+    evictable: bool
+
+    @property
+    def key(self) -> EngineKey: ...
+    @property
+    def alive(self) -> bool: ...
+    def subscribe(self, events: EngineEvents) -> None: ...
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+    def submit(self, request: GenerateRequest, on_progress: Callable | None = None) -> Future: ...
+    def cancel(self, request_id: str) -> None: ...
+    def warm(self, bucket: BucketKey | None = None) -> None: ...
+    def grant_compile(self, bucket: BucketKey) -> None: ...
+    def buckets(self) -> list[BucketInfo]: ...
+    def pending(self) -> int: ...
+    def busy(self) -> bool: ...
+    def status(self) -> dict: ...
+    def close(self) -> None: ...
+
+
 class ConnectionClient:
     """An engine behind a Connection: submit requests, stream progress, mirror bucket states."""
 
     kind = "process"
+    evictable = True  # False: an engine the app attached to but does not own
 
-    def __init__(self, key: EngineKey):
-        self.key = key
+    def __init__(self, key: EngineKey, events: EngineEvents | None = None):
+        self._key = key
+        self.events = events or EngineEvents()
         self.conn = None
         self.ready = threading.Event()
         self.info: EngineReady | None = None
@@ -71,17 +124,18 @@ class ConnectionClient:
         self._send_lock = threading.Lock()
         self._closed = False
         self._reader: threading.Thread | None = None  # the one thread that reads, and closes, `conn`
-        self.on_down: Callable[[ConnectionClient], None] | None = None
-        # The host's compile scheduler (engine/serving/manager.py): without one, every compile is granted at once.
-        self.compile_gate: Callable[[ConnectionClient, CompileWanted], None] | None = None
-        self.on_compile_finished: Callable[[ConnectionClient, BucketKey], None] | None = None
-        self.on_ready: Callable[[ConnectionClient], None] | None = None
-        self.on_footprint: Callable[[ConnectionClient], None] | None = None
         self.footprint: Footprint | None = None
         self.moved_folders: dict[str, str] | None = None  # where the worker compiles since a FoldersChanged
         self.late_notices: list[str] = []  # notices the engine gave after it was ready
         self.last_used = time.monotonic()  # for least-recently-used eviction
-        self.evictable = True  # False: an engine the app attached to but does not own
+
+    @property
+    def key(self) -> EngineKey:
+        return self._key
+
+    def subscribe(self, events: EngineEvents) -> None:
+        """Tell `events` (instead of whoever listened before) what happens to this engine from now on."""
+        self.events = events
 
     # -- connection ------------------------------------------------------------------------------
     def attach(self, conn) -> None:
@@ -159,18 +213,13 @@ class ConnectionClient:
             for info in self.info.buckets:
                 self._buckets[info.bucket] = info
         self.ready.set()
-        if self.on_ready is not None:
-            self.on_ready(self)
+        self.events.engine_ready(self)
 
     def _on_compile_wanted(self, message: CompileWanted) -> None:
-        if self.compile_gate is None:
-            self.grant_compile(message.bucket)
-        else:
-            self.compile_gate(self, message)
+        self.events.compile_wanted(self, message)
 
     def _on_compile_finished(self, message: CompileFinished) -> None:
-        if self.on_compile_finished is not None:
-            self.on_compile_finished(self, message.bucket)
+        self.events.compile_finished(self, message.bucket)
 
     def _on_folders(self, message: FoldersChanged) -> None:
         self.moved_folders = dict(message.folders)
@@ -185,8 +234,7 @@ class ConnectionClient:
 
     def _on_footprint(self, message: FootprintChanged) -> None:
         self.footprint = message.footprint
-        if self.on_footprint is not None:
-            self.on_footprint(self)
+        self.events.footprint_changed(self)
 
     def grant_compile(self, bucket: BucketKey) -> None:
         """The scheduler's answer: the engine may compile `bucket` now."""
@@ -221,8 +269,8 @@ class ConnectionClient:
                 future.set_exception(EngineCrashed(
                     f"request {request_id} failed: engine {self.key} stopped while running it "
                     f"({self.describe_exit()}); it is being restarted, please retry"))
-        if self.on_down and not self._closed:
-            self.on_down(self)
+        if not self._closed:
+            self.events.engine_down(self)
 
     def send(self, message) -> None:
         if self.conn is None or not self.alive:
@@ -329,8 +377,8 @@ class ConnectionClient:
 class ProcessClient(ConnectionClient):
     """One worker process per engine (spawned, so CUDA/Neuron/TPU initialise cleanly in it)."""
 
-    def __init__(self, config, env: dict[str, str] | None = None):
-        super().__init__(config.key)
+    def __init__(self, config, env: dict[str, str] | None = None, events: EngineEvents | None = None):
+        super().__init__(config.key, events)
         self.config = config
         self.env = env or {}
         self.process = None
