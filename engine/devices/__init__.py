@@ -30,7 +30,7 @@ Rules the rest of the engine relies on:
 * `apply_precision` and `apply_environment` change process-wide state: the engine runs one device
   per worker process, so they are applied once, in that worker, before any model is built.
 
-Layer 1, the bottom of the engine: it imports only the contract (engine/protocol.py, errors.py,
+Layer 1, the bottom of the engine: it imports only the contract (engine/protocol/, errors.py,
 metrics.py, settings.py) and this folder; every other layer may import it. A new accelerator, or a new
 capability that differs by device (a precision, a compile backend, a quantization kernel's support),
 goes here as a field or hook of the spec.

@@ -9,7 +9,7 @@
     train_embedded.py   `python -m engine.models.train_embedded`: retrain models/tiny-shapes
     weights.py          safetensors headers read and checked without loading a tensor
 
-May import: the contract (engine/protocol.py, errors.py, metrics.py, settings.py), this folder and
+May import: the contract (engine/protocol/, errors.py, metrics.py, settings.py), this folder and
 engine/devices/. Never the layers above (config, pipeline, worker, tp, serving, bench).
 
 Goes here: a new bundled, random-weight or test model, a new way of reading or checking weight files. Quantized

@@ -25,7 +25,7 @@
 
 Nothing here knows about processes, queues of clients or hosting: a runner is called, and answers.
 
-May import: the contract (engine/protocol.py, errors.py, metrics.py, settings.py), this folder,
+May import: the contract (engine/protocol/, errors.py, metrics.py, settings.py), this folder,
 engine/devices/, engine/models/ and engine/config/. Never worker, tp, serving or bench.
 
 Goes here: every lever on how one pipeline computes an image: a new step cache, quantization, a new

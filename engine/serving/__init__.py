@@ -2,7 +2,7 @@
 
     manager.py      EngineManager: validates up front, applies the host's policy, prices and routes requests,
                     reports every bucket; make_manager builds one from a command line
-    hosting.py      HostingConfig (what EngineManager is built with), HostPolicy, Runtime, Caller
+    hosting.py      HostingConfig (what EngineManager is built with), HostPolicy, Runtime
     flags.py        the web app's hosting flags and what they resolve to (HostingChoice, HostingConfig)
     residency.py    Residency: which engines are loaded per device, eviction, idle unload, restarts
     footprints.py   DeviceBudgets: each device's budget, measured and estimated engine footprints
@@ -20,7 +20,7 @@ Every engine reaches the manager as an EngineClient (engine/worker/client.py), b
 heard through the EngineEvents it was built with: a worker process, a tensor-parallel sidecar (engine/tp/)
 or an in-process engine look the same from here.
 
-May import: the contract (engine/protocol.py, errors.py, metrics.py, settings.py), this folder and
+May import: the contract (engine/protocol/, errors.py, metrics.py, settings.py), this folder and
 every layer below it: engine/devices/, models/, config/, pipeline/, worker/ and tp/. Never bench.
 
 Goes here: hosting policy (what visitors may choose, budgets, eviction, restarts, compile scheduling),

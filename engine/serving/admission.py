@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from engine.config.request import ImageRequest
 from engine.config.validation import build_request
 from engine.errors import InvalidRequest
 from engine.protocol import ModelPreset, Size
@@ -30,11 +31,12 @@ class Ticket:
     cost: int
 
 
-def price_generate(budget: CostBudget, preset: ModelPreset, size=None, steps=None, guidance=None) -> int:
-    """A Generate's price in token-steps, or NotAllowed saying what fits; bad input raises InvalidRequest."""
-    size = size if isinstance(size, Size) else Size.parse(size) if size else preset.buckets[0]
-    request, _ = build_request(preset, prompt="", width=size.width, height=size.height, steps=steps,
-                               guidance=guidance)
+def price_generate(budget: CostBudget, preset: ModelPreset, spec: ImageRequest) -> int:
+    """A Generate's price in token-steps, or NotAllowed saying what fits; bad input raises InvalidRequest.
+    Priced on its size, steps and guidance alone: the rest is checked (and named) when it runs."""
+    sized = ImageRequest(preset.name, size=spec.size, width=spec.width, height=spec.height, steps=spec.steps,
+                         guidance=spec.guidance)
+    request, _ = build_request(preset, sized)
     return cost.check_generate(budget, preset, request.size, request.steps, request.guidance)
 
 

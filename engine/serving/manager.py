@@ -39,7 +39,7 @@ from engine.protocol import (
     Size,
 )
 from engine.serving import budget, cost, policy
-from engine.serving.admission import RequestFlow, Ticket, price_compare
+from engine.serving.admission import RequestFlow, Ticket, price_compare, price_generate
 from engine.serving.footprints import DeviceBudgets
 from engine.serving.hosting import HostingConfig, HostPolicy, Runtime
 from engine.serving.launch import EngineLauncher, cpu_worker_threads
@@ -213,12 +213,7 @@ class EngineManager:
         bad input raises InvalidRequest naming the field. Checked by the UI before it starts an engine for it."""
         if not self.priced(spec.caller):
             return 0
-        p = self.preset(spec.preset)
-        # priced on its size, steps and guidance alone: the rest is checked (and named) when it runs
-        sized = ImageRequest(p.name, size=spec.size, width=spec.width, height=spec.height, steps=spec.steps,
-                             guidance=spec.guidance)
-        request, _ = build_request(p, sized)
-        return cost.check_generate(self.policy.cost, p, request.size, request.steps, request.guidance)
+        return price_generate(self.policy.cost, self.preset(spec.preset), spec)
 
     @contextlib.contextmanager
     def admission(self, client: str, price: int, caller: Caller = Caller.HOST):

@@ -23,7 +23,7 @@ Modules:
 - attach.py   the app serving a sidecar it did not start: connect, errors that say what to do, re-attach.
 
 Layer 6: it runs pipeline runners on every rank and serves them through the worker loop, and hands the
-manager a ConnectionClient. It may import the contract (engine/protocol.py, errors.py, metrics.py,
+manager a ConnectionClient. It may import the contract (engine/protocol/, errors.py, metrics.py,
 settings.py), this folder and the layers below it (devices, models, config, pipeline, worker); never
 serving or bench (the manager imports SidecarClient from here, not the other way round).
 

@@ -5,9 +5,9 @@
   shows.
 - Text lines (`LEVEL logger [request id]: message`) or, for hosts that ship logs, one JSON object per line
   (`--log-format json`, SHOWCASE_LOG_FORMAT=json).
-- A line logged while a request runs carries its id (the request_id of engine/protocol.py's request):
-  `request_context` sets it for the thread that serves the request (the manager's in the web process, the
-  worker loop's in a worker).
+- A line logged while a request runs carries its id (the request_id of its GenerateRequest,
+  engine/protocol/requests.py): `request_context` sets it for the thread that serves the request (the
+  manager's in the web process, the worker loop's in a worker).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Why a process: compiling holds the GIL for seconds, and a crash in a device backend must not take the
 web server down. The worker speaks the typed
-message protocol of engine/protocol.py over a `multiprocessing` Connection; the tensor-parallel
+message protocol of engine/protocol/ over a `multiprocessing` Connection; the tensor-parallel
 sidecar's rank 0 runs this same loop behind an authenticated loopback socket, so clients cannot tell
 the two apart.
 
