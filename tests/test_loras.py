@@ -236,6 +236,27 @@ def test_adapters_are_refused_where_the_engine_cannot_hold_them(cache_dir, adapt
         make_runner(cache_dir, "tiny-flux", load=False).prepare(_request(lora="swap"))
 
 
+def test_the_board_shows_each_engines_slot_its_swaps_and_no_recompiles(cache_dir):
+    """The slot's figures travel from the engine's loop to the app's status rows (LoraChanged), before the
+    result of the call that changed them."""
+    from helpers import engine_manager
+
+    from ui import views
+
+    with engine_manager(cache_dir, {"loras": True}, runtime="inprocess") as manager:
+        for lora in ("swap", "corner"):
+            manager.generate(ImageRequest("tiny-shapes", prompt=PROMPT, width=64, height=64, steps=2, seed=1,
+                                          mode="eager", lora=lora), timeout=120)
+        row = next(r for r in manager.status() if r["engine"].startswith("tiny-shapes"))
+        lora = row["lora"]
+        assert (lora["current"], lora["scale"]) == ("corner", 1.0)
+        assert lora["swaps"] >= 1 and lora["median_swap_ms"] > 0 and lora["recompiles"] == 0
+        assert lora["adapters"] == ["swap", "small", "corner"] and lora["target_rank"] > 0
+        board = [r for r in views.board_rows(manager.status()) if r[3] == views.LORA_SLOT]
+        assert len(board) == 1 and board[0][5] == "corner at 1"
+        assert "0 recompiles" in board[0][6] and board[0][9] == f"{lora['swaps']} swaps"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["compile", "regional"])
 def test_swaps_on_a_warm_compiled_bucket_recompile_nothing(cache_dir, adapters, mode):
@@ -261,6 +282,8 @@ def test_swaps_on_a_warm_compiled_bucket_recompile_nothing(cache_dir, adapters, 
     assert _diff(plain.image(), _fresh_image(None)) <= 2
     assert _diff(a.image(), warm.image()) <= 2
     assert runner.loras.status()["swaps"] >= 4
+    board = runner.lora_info()  # what the app's board shows
+    assert board.swaps >= 4 and board.recompiles == 0 and board.current == "a"
 
 
 # -- the embedded model's trained styles ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from engine.protocol import (
     FootprintChanged,
     Generate,
     InjectFault,
+    LoraChanged,
     Progress,
     Ready,
     RequestFailed,
@@ -29,7 +30,7 @@ from engine.worker.loop import WorkerLoop
 
 TO_ENGINE = {Generate, Cancel, Warm, Shutdown, InjectFault, CompileGranted}
 FROM_ENGINE = {CompileWanted, CompileFinished, FootprintChanged, Ready, Fatal, BucketChanged, Progress, Result,
-               RequestFailed, FoldersChanged}
+               RequestFailed, FoldersChanged, LoraChanged}
 
 
 def test_each_end_handles_every_message_sent_its_way():

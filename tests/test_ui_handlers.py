@@ -94,6 +94,14 @@ def test_board_rows_show_loading_engines_and_every_bucket():
     assert rows[1][3:6] == ["regional", "64x64", "warm"] and rows[1][7] == "9.50" and rows[1][9] == 3
     assert rows[2][5] == "failed" and "boom" in rows[2][6]
     assert all(len(r) == len(views.BOARD_COLUMNS) for r in rows)
+    status[1]["lora"] = {"adapters": ["swap", "corner"], "refused": ["big"], "target_rank": 8, "current": "swap",
+                         "scale": 0.5, "swaps": 3, "median_swap_ms": 14.25, "recompiles": 0}
+    slot = views.board_rows(status)[-1]  # after the engine's buckets
+    assert slot[3:6] == [views.LORA_SLOT, "", "swap at 0.5"] and slot[9] == "3 swaps"
+    assert slot[6] == ("rank 8 · adapters swap, corner · median swap 14.2 ms · 0 recompiles · refused big "
+                       "(see notices)")
+    assert len(slot) == len(views.BOARD_COLUMNS)
+    status[1]["lora"] = None
     engine = status[1]
     assert views.size_label("64x64", "regional", engine) == "64x64 · warm"
     assert views.size_label("128x128", "regional", engine) == "128x128 · cold"

@@ -134,7 +134,7 @@ class BucketsHandlers(HandlerBase):
     def board_select(self, evt: gr.SelectData):
         """Clicking a board row fills the warm controls with its engine, mode and size."""
         row = getattr(evt, "row_value", None) or []
-        if len(row) < 5 or not row[0]:
+        if len(row) < 5 or not row[0] or row[3] == views.LORA_SLOT:
             return gr.skip(), gr.skip(), gr.skip()
         picked = str(row[3]).split(" · ", 1)[0]  # "aot · loaded from package" -> "aot"
         mode = picked if picked in Mode.values() and picked != "eager" else gr.skip()

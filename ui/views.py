@@ -223,7 +223,26 @@ def board_rows(status: list[dict]) -> list[list]:
                 size, b.get("state", ""), reason, fmt_s(b.get("compile_s")),
                 fmt_s(b.get("warmup_s")), served,
             ])
+        if engine.get("lora"):
+            rows.append(lora_row(name, device, precision, engine["lora"]))
     return rows
+
+
+LORA_SLOT = "LoRA slot"  # the board's mode column for an engine's LoRA row (not a mode: never warmed)
+
+
+def lora_row(name: str, device: str, precision: str, lora: dict) -> list:
+    """An engine's LoRA slot as one board row: the adapter serving now, the hot-swaps served and their median,
+    and the recompiles on warm graphs (a hot-swap must cause none)."""
+    current = lora.get("current")
+    state = f"{current} at {lora.get('scale', 0):g}" if current else "no LoRA"
+    swaps = lora.get("swaps", 0)
+    median_ms = lora.get("median_swap_ms")
+    reason = (f"rank {lora.get('target_rank', 0)} · adapters {', '.join(lora.get('adapters', [])) or 'none'} · "
+              f"median swap {fmt_ms(median_ms)} · {lora.get('recompiles', 0)} recompiles")
+    if lora.get("refused"):
+        reason += f" · refused {', '.join(lora['refused'])} (see notices)"
+    return [name, device, precision, LORA_SLOT, "", state, reason, "", "", f"{swaps} swaps"]
 
 
 def attention_markdown(rows: list[dict]) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 from engine import settings
 from engine.errors import InvalidRequest, ModelLoadError, UnsupportedCombination
 from engine.models import weights
-from engine.protocol import LoraSource, ModelPreset
+from engine.protocol import EngineKey, LoraInfo, LoraSource, ModelPreset
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class SlotState:
     scale: float = 0.0
     swaps: int = 0
     swap_ms: list[float] = field(default_factory=list)
+    recompiles: int = 0  # compiles during requests on warm compiled buckets (the runner's count per call)
 
 
 class LoraSlot:
@@ -244,10 +245,24 @@ class LoraSlot:
     def rank(self, name: str | None) -> int | None:
         return self.adapters[name].rank if name in self.adapters else None
 
+    def served(self, recompiles: int) -> None:
+        """A call on a warm compiled bucket ran with the slot, compiling `recompiles` graphs (0 after a hot-swap)."""
+        self.state.recompiles += recompiles
+
+    def info(self, engine: EngineKey) -> LoraInfo:
+        """The slot as the board shows it (sent to the app after each call that changed it)."""
+        from engine.metrics import median
+
+        return LoraInfo(engine, adapters=tuple(self.adapters), refused=tuple(self.refused),
+                        target_rank=self.target_rank, current=self.state.adapter if self.state.scale > 0 else None,
+                        scale=self.state.scale, swaps=self.state.swaps, median_swap_ms=median(self.state.swap_ms),
+                        recompiles=self.state.recompiles)
+
     def status(self) -> dict:
         """What the board shows: the adapters, which one is in the slot, swaps served."""
         from engine.metrics import median
 
         return {"adapters": list(self.adapters), "refused": dict(self.refused), "target_rank": self.target_rank,
                 "current": self.state.adapter if self.state.scale > 0 else None, "scale": self.state.scale,
-                "swaps": self.state.swaps, "median_swap_ms": median(self.state.swap_ms)}
+                "swaps": self.state.swaps, "median_swap_ms": median(self.state.swap_ms),
+                "recompiles": self.state.recompiles}

@@ -45,6 +45,7 @@ from engine.protocol import (
     Footprint,
     GenerateRequest,
     GenerateResult,
+    LoraInfo,
     Mode,
     Size,
 )
@@ -287,6 +288,8 @@ class PipelineRunner:
         except torch.OutOfMemoryError as exc:
             raise self._out_of_memory(exc) from None
         recompiles = compiles_in_this_thread() - compiles_before
+        if self.loras is not None and request.mode.compiled:  # a warm graph (a cold bucket ran eager)
+            self.loras.served(recompiles)
         cached_steps = cached.finish() if cached is not None else ()
         if aot_before is not None and self.aot.counters()[1] > aot_before:
             notices.append(f"aot: a call at {bucket} matched no package (not the exported shapes or "
@@ -342,7 +345,12 @@ class PipelineRunner:
         """What a worker announces once loaded (the protocol's Ready message)."""
         return EngineReady(key=self.config.key, pid=os.getpid(), load_s=self.load_s, notices=tuple(self.notices),
                            modes=self.modes(), buckets=tuple(self.board.all()), footprint=self.footprint(),
-                           preset=self.preset, batch_sizes=self.batch_sizes, folders=self.folders())
+                           preset=self.preset, batch_sizes=self.batch_sizes, folders=self.folders(),
+                           lora=self.lora_info())
+
+    def lora_info(self) -> LoraInfo | None:
+        """Its LoRA slot for the board (None: it serves no adapters)."""
+        return self.loras.info(self.config.key) if self.loras is not None else None
 
     def folders(self) -> tuple[tuple[str, str], ...]:
         """Where this process compiles and writes temporary files now (reported to the app for /system)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from engine.errors import ShowcaseError
 from engine.protocol.requests import EngineReady, Footprint, GenerateRequest, GenerateResult, StepProgress
-from engine.protocol.vocabulary import BucketInfo, BucketKey
+from engine.protocol.vocabulary import BucketInfo, BucketKey, LoraInfo
 
 
 class Fault(enum.StrEnum):
@@ -107,6 +107,13 @@ class Fatal:
 @dataclass(frozen=True)
 class BucketChanged:
     info: BucketInfo
+
+
+@dataclass(frozen=True)
+class LoraChanged:
+    """Its LoRA slot changed (a swap, a scale, a recompile): sent before the result of the call that changed it."""
+
+    info: LoraInfo
 
 
 @dataclass(frozen=True)

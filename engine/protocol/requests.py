@@ -13,6 +13,7 @@ from engine.protocol.vocabulary import (
     BucketInfo,
     BucketKey,
     EngineKey,
+    LoraInfo,
     Mode,
     OnCold,
     Size,
@@ -204,6 +205,7 @@ class EngineReady:
     batch_sizes: tuple[int, ...] = (1,)  # batch sizes its requests may run at together (engine/pipeline/batching.py)
     # (name, folder) the worker compiles in and writes temporary files to, as the worker itself sees them
     folders: tuple[tuple[str, str], ...] = ()
+    lora: LoraInfo | None = None  # its LoRA slot (None: it serves no adapters)
 
     @property
     def rank_pids(self) -> tuple[int, ...]:

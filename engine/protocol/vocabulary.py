@@ -1,5 +1,5 @@
 """The closed vocabularies and the keys of an engine and a bucket: precision, mode, parallel layout,
-on-cold policy, step caches, sizes, `EngineKey`, `BucketKey` and a bucket's board row (`BucketInfo`)."""
+on-cold policy, step caches, sizes, `EngineKey`, `BucketKey`, a bucket's board row (`BucketInfo`) and a LoRA slot's (`LoraInfo`)."""
 
 from __future__ import annotations
 
@@ -378,3 +378,24 @@ class BucketInfo:
             "origin": self.origin,
         }
 
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """An engine's LoRA slot as the board shows it (engine/pipeline/lora.py): the adapter serving now (None: no
+    LoRA, the slot at scale 0), the hot-swaps served and their median milliseconds, and the compiles during
+    requests on warm compiled buckets since the engine loaded, which a hot-swap must leave at 0."""
+
+    engine: EngineKey
+    adapters: tuple[str, ...] = ()  # the ones it can swap in; `refused` were refused at load
+    refused: tuple[str, ...] = ()
+    target_rank: int = 0
+    current: str | None = None
+    scale: float = 0.0
+    swaps: int = 0
+    median_swap_ms: float | None = None
+    recompiles: int = 0
+
+    def as_dict(self) -> dict:
+        return {"adapters": list(self.adapters), "refused": list(self.refused), "target_rank": self.target_rank,
+                "current": self.current, "scale": self.scale, "swaps": self.swaps,
+                "median_swap_ms": self.median_swap_ms, "recompiles": self.recompiles}

@@ -40,6 +40,8 @@ from engine.protocol import (
     GenerateRequest,
     GenerateResult,
     InjectFault,
+    LoraChanged,
+    LoraInfo,
     Progress,
     Ready,
     RequestFailed,
@@ -127,6 +129,7 @@ class ConnectionClient:
         self.footprint: Footprint | None = None
         self.moved_folders: dict[str, str] | None = None  # where the worker compiles since a FoldersChanged
         self.late_notices: list[str] = []  # notices the engine gave after it was ready
+        self.lora: LoraInfo | None = None  # its LoRA slot, as the worker last reported it
         self.last_used = time.monotonic()  # for least-recently-used eviction
 
     @property
@@ -168,6 +171,7 @@ class ConnectionClient:
             CompileFinished: self._on_compile_finished,
             FootprintChanged: self._on_footprint,
             FoldersChanged: self._on_folders,
+            LoraChanged: self._on_lora,
         }
 
     def _read(self) -> None:
@@ -209,11 +213,15 @@ class ConnectionClient:
     def _on_ready(self, message: Ready) -> None:
         self.info = message.ready
         self.footprint = message.ready.footprint
+        self.lora = message.ready.lora
         with self._lock:
             for info in self.info.buckets:
                 self._buckets[info.bucket] = info
         self.ready.set()
         self.events.engine_ready(self)
+
+    def _on_lora(self, message: LoraChanged) -> None:
+        self.lora = message.info
 
     def _on_compile_wanted(self, message: CompileWanted) -> None:
         self.events.compile_wanted(self, message)
@@ -350,6 +358,7 @@ class ConnectionClient:
             "pending": self.pending(),
             "buckets": [b.as_dict() for b in self.buckets()],
             "batching": self.batching(),
+            "lora": self.lora.as_dict() if self.lora is not None else None,
         }
 
     def batching(self) -> dict:

@@ -51,6 +51,7 @@ from engine.protocol import (
     Generate,
     GenerateRequest,
     InjectFault,
+    LoraChanged,
     OnCold,
     Ready,
     RequestFailed,
@@ -111,6 +112,7 @@ class WorkerLoop:
         self._granted: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._folders_sent: tuple | None = None  # the folders the app was last told (Ready, FoldersChanged)
+        self._lora_sent = None  # the LoRA slot the app was last told (LoraChanged)
         self.compile_yield = YieldToRequests()
         # Only where the engines compute on the host's shared cores (an accelerator does the work elsewhere).
         self.run_cost = RunCost(settings.short_request_ms(), max_extra=settings.compile_niceness() - 2) \
@@ -319,6 +321,15 @@ class WorkerLoop:
             return
         self.send(FoldersChanged(folders, getattr(self.runner, "folders_notice", "")))
         self._folders_sent = folders
+
+    def report_lora(self) -> None:
+        """A call changed the LoRA slot (a swap, a scale, a recompile): tell the app before its result goes, so
+        a status read after the result shows the swap."""
+        info = self.runner.lora_info() if hasattr(self.runner, "lora_info") else None
+        if info is None or info == self._lora_sent:
+            return
+        self.send(LoraChanged(info))
+        self._lora_sent = info
 
     def _collect_garbage(self) -> None:
         """A compile leaves many objects; the garbage collector's full passes over them (and over the model)

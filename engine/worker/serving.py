@@ -121,6 +121,7 @@ class ServeCall:
 
     def on_result(self, index: int, result: GenerateResult) -> None:
         self.answered.append(result)
+        self.loop.report_lora()
         timings = dataclasses.replace(result.timings, queued_ms=self.queued_ms[self.group[index].request_id])
         self.loop.send(Result(dataclasses.replace(result, timings=timings)))
 
