@@ -22,8 +22,39 @@ def test_the_documented_form_parses_in_order_without_duplicates():
     assert parse_configurations(" ; \n") == []
 
 
+def test_a_lora_part_names_one_adapter_and_its_scale_before_or_after_the_device():
+    typed = "compile/fp32+lora=swap; compile/fp32+lora=Swap:0.5@cpu; eager/fp32/first-block:0.2@cpu+lora=corner; " \
+            "eager/fp32+lora=none"
+    assert parse_configurations(typed) == [
+        Configuration("compile", "fp32", lora="swap"), Configuration("compile", "fp32", device="cpu", lora="swap",
+                                                                     lora_scale=0.5),
+        Configuration("eager", "fp32", "first-block:0.2", "cpu", "corner"), Configuration("eager", "fp32")]
+    assert [c.text() for c in parse_configurations(typed)][1:3] == ["compile/fp32+lora=swap:0.5@cpu",
+                                                                    "eager/fp32/first-block:0.2+lora=corner@cpu"]
+    assert parse_configurations("; ".join(c.text() for c in parse_configurations(typed))) == \
+        parse_configurations(typed)
+
+
+def test_lora_configurations_are_refused_with_the_engines_reasons():
+    spec = devices.resolve_device("cpu")
+    shapes = get_preset("tiny-shapes")
+    swap = Configuration("compile", "fp32", lora="swap")
+    assert configs.refusal(shapes, spec, swap, loras=True) is None
+    assert "turns them on with --loras" in configs.refusal(shapes, spec, swap)
+    assert configs.refusal(shapes, spec, Configuration("eager", "fp32", lora="nope"), loras=True) == \
+        "unknown LoRA 'nope' for tiny-shapes: choose one of swap, small, corner (or none)"
+    assert "not run in aot mode" in configs.refusal(shapes, spec, Configuration("aot", "fp32", lora="swap"), loras=True)
+    assert "not served on int8wo" in configs.refusal(shapes, spec, Configuration("eager", "int8wo", lora="swap"),
+                                                       loras=True)
+    assert "choose one of none" in configs.refusal(get_preset("tiny-flux"), spec, swap, loras=True)
+
+
 @pytest.mark.parametrize(("typed", "message"), [
-    ("eager", r"write mode/precision\[/step cache\]\[@device\]"),
+    ("eager", r"write mode/precision\[/step cache\]\[\+lora=NAME\[:SCALE\]\]\[@device\]"),
+    ("eager/fp32+lora=swap+lora=corner", r"one LoRA per configuration .*list an entry per adapter"),
+    ("eager/fp32+lora=", r"\+lora= names no adapter; write \+lora=NAME\[:SCALE\]"),
+    ("eager/fp32+lora=swap:3", r"'eager/fp32\+lora=swap:3': LoRA scale 3 is outside \[0, 2\]"),
+    ("eager/fp32+swap", r"write the LoRA as \+lora=NAME\[:SCALE\], e.g. compile/fp32\+lora=swap:0.5"),
     ("eagr/fp32", r"unknown mode 'eagr'; modes: eager, compile"),
     ("eager/fp33", r"unknown precision 'fp33'; precisions: fp32"),
     ("eager/fp32/sometimes", r"unknown step cache 'sometimes'; valid forms: none, first-block"),

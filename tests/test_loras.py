@@ -236,25 +236,60 @@ def test_adapters_are_refused_where_the_engine_cannot_hold_them(cache_dir, adapt
         make_runner(cache_dir, "tiny-flux", load=False).prepare(_request(lora="swap"))
 
 
-def test_the_board_shows_each_engines_slot_its_swaps_and_no_recompiles(cache_dir):
-    """The slot's figures travel from the engine's loop to the app's status rows (LoraChanged), before the
-    result of the call that changed them."""
+@pytest.fixture(scope="module")
+def styled_manager(cache_dir):
+    """An in-process engine manager whose engines get a LoRA slot (--loras), serving the committed styles."""
     from helpers import engine_manager
 
+    with engine_manager(cache_dir, {"loras": True}, runtime="inprocess") as manager:
+        yield manager
+
+
+def test_the_board_shows_each_engines_slot_its_swaps_and_no_recompiles(styled_manager):
+    """The slot's figures travel from the engine's loop to the app's status rows (LoraChanged), before the
+    result of the call that changed them."""
     from ui import views
 
-    with engine_manager(cache_dir, {"loras": True}, runtime="inprocess") as manager:
-        for lora in ("swap", "corner"):
-            manager.generate(ImageRequest("tiny-shapes", prompt=PROMPT, width=64, height=64, steps=2, seed=1,
-                                          mode="eager", lora=lora), timeout=120)
-        row = next(r for r in manager.status() if r["engine"].startswith("tiny-shapes"))
-        lora = row["lora"]
-        assert (lora["current"], lora["scale"]) == ("corner", 1.0)
-        assert lora["swaps"] >= 1 and lora["median_swap_ms"] > 0 and lora["recompiles"] == 0
-        assert lora["adapters"] == ["swap", "small", "corner"] and lora["target_rank"] > 0
-        board = [r for r in views.board_rows(manager.status()) if r[3] == views.LORA_SLOT]
-        assert len(board) == 1 and board[0][5] == "corner at 1"
-        assert "0 recompiles" in board[0][6] and board[0][9] == f"{lora['swaps']} swaps"
+    manager = styled_manager
+    for lora in ("swap", "corner"):
+        manager.generate(ImageRequest("tiny-shapes", prompt=PROMPT, width=64, height=64, steps=2, seed=1,
+                                      mode="eager", lora=lora), timeout=120)
+    row = next(r for r in manager.status() if r["engine"].startswith("tiny-shapes"))
+    lora = row["lora"]
+    assert (lora["current"], lora["scale"]) == ("corner", 1.0)
+    assert lora["swaps"] >= 1 and lora["median_swap_ms"] > 0 and lora["recompiles"] == 0
+    assert lora["adapters"] == ["swap", "small", "corner"] and lora["target_rank"] > 0
+    board = [r for r in views.board_rows(manager.status()) if r[3] == views.LORA_SLOT]
+    assert len(board) == 1 and board[0][5] == "corner at 1"
+    assert "0 recompiles" in board[0][6] and board[0][9] == f"{lora['swaps']} swaps"
+
+
+def test_compare_draws_one_card_per_adapter_named_in_its_caption(styled_manager):
+    """LoRA as a Compare axis: each typed "+lora=NAME[:SCALE]" entry's images run with that adapter (the
+    ImageRequest carries it), priced against the same eager fp32 reference as every configuration."""
+    from ui.handlers import Handlers, UIDefaults
+
+    handlers = Handlers(styled_manager, UIDefaults(device="cpu", mode="eager"))
+    typed = "eager/fp32+lora=swap; eager/fp32+lora=corner:0.5; eager/fp32+lora=nope; eager/int8wo+lora=swap"
+    check = handlers.check_configurations("tiny-shapes", ["cpu"], typed)
+    assert "✓ `cpu/fp32/eager+lora=swap`" in check and "✓ `cpu/fp32/eager+lora=corner:0.5`" in check
+    assert "✗ `cpu/fp32/eager+lora=nope`: unknown LoRA 'nope' for tiny-shapes: choose one of swap, small" in check
+    assert "✗ `cpu/int8wo/eager+lora=swap`: LoRA adapters are not served on int8wo engines" in check
+    outputs = list(handlers.compare(prompt=PROMPT, preset="tiny-shapes", size="64x64", steps=2, guidance=1.0, seed=3,
+                                    devices=["cpu"], precisions=[], modes=[], wait_for_warm=False, caches=None,
+                                    fidelity_prompts=0, configurations=typed, timing_s=0, request=None))
+    gallery, payload, thumbnails = outputs[-1]
+    by_config = {r["config"]: r for r in payload["results"]}
+    assert list(by_config)[:3] == ["cpu/fp32/eager", "cpu/fp32/eager+lora=swap", "cpu/fp32/eager+lora=corner:0.5"]
+    swap, corner = by_config["cpu/fp32/eager+lora=swap"], by_config["cpu/fp32/eager+lora=corner:0.5"]
+    assert (swap["lora"], swap["lora_scale"]) == ("swap", 1.0) and (corner["lora"], corner["lora_scale"]) == ("corner", 0.5)
+    assert by_config["cpu/fp32/eager"].get("lora") is None and "error" not in swap and "error" not in corner
+    assert by_config["cpu/fp32/eager+lora=nope"]["error"].startswith("not run: unknown LoRA 'nope'")
+    assert swap["drift_max_diff"] > 20  # the style changed the image, or the axis proves nothing
+    captions = [caption for _, caption in gallery]
+    assert any("LoRA swap at 1" in c for c in captions) and any("LoRA corner at 0.5" in c for c in captions)
+    cards = handlers.render_compare(payload, thumbnails)[3]
+    assert '<div class="c-lora">LoRA corner at scale 0.5, rank' in cards
 
 
 @pytest.mark.slow

@@ -45,7 +45,8 @@ TIMING_MIN_ROUNDS, TIMING_MAX_ROUNDS = 3, 12
 FIDELITY_SEED = 1000  # the fidelity prompts' seeds: FIDELITY_SEED, FIDELITY_SEED + 1, ...
 COMPARE_API_DOC = (
     "Run the same prompt, seed, size and steps on 1-6 configurations: the typed list `configurations` "
-    "(\"mode/precision[/step cache][@device]\" separated by \";\", e.g. \"eager/fp32; compile/fp32; regional/bf16\"), "
+    "(\"mode/precision[/step cache][+lora=NAME[:SCALE]][@device]\" separated by \";\", e.g. \"eager/fp32; "
+    "compile/fp32; compile/fp32+lora=swap\": one card per adapter), "
     "or else every device x precision x mode x step cache picked, plus eager fp32 without a step cache as the "
     "reference. Each configuration draws its quality images first (they warm it), then all are timed "
     "round-robin with the reference for up to `timing_s` seconds. Returns (images, results): one captioned "
@@ -122,8 +123,8 @@ class CompareHandlers(HandlerBase):
             except ValueError as exc:
                 raise gr.Error(str(exc), title="Invalid request") from None
             device = self.default_device(devices)
-            picked = list(dict.fromkeys(views.config_label(c.device or device, c.precision, c.mode, c.step_cache)
-                                        for c in typed))
+            picked = list(dict.fromkeys(views.config_label(c.device or device, c.precision, c.mode, c.step_cache,
+                                                           c.lora, c.lora_scale) for c in typed))
             what, reference_device = "listed", device
         else:
             picked = [views.config_label(d, p, m, c) for d, p, m, c in
@@ -143,10 +144,12 @@ class CompareHandlers(HandlerBase):
     def refusal(self, preset: str, config: str) -> str | None:
         """Why a configuration cannot run here, by the engine's own checks (None: it can)."""
         device, precision, mode, cache = views.parse_config(config)
+        lora, lora_scale = views.config_lora(config)
         try:
             spec = self.device_spec(device)
             return explicit.refusal(self.manager.preset(preset), spec,
-                                    explicit.Configuration(mode, precision, cache))
+                                    explicit.Configuration(mode, precision, cache, None, lora, lora_scale),
+                                    loras=self.manager.options.loras)
         except ShowcaseError as exc:
             return explicit.first_line(str(exc))
         except ValueError as exc:  # a mode or precision this engine does not know
@@ -163,7 +166,7 @@ class CompareHandlers(HandlerBase):
         device = self.default_device(devices)
         lines = []
         for c in typed:
-            label = views.config_label(c.device or device, c.precision, c.mode, c.step_cache)
+            label = views.config_label(c.device or device, c.precision, c.mode, c.step_cache, c.lora, c.lora_scale)
             why = self.refusal(preset, label)
             lines.append(f"- ✗ `{label}`: {why}" if why else f"- ✓ `{label}`")
         return "\n".join(lines)
@@ -192,9 +195,10 @@ class CompareHandlers(HandlerBase):
 
     def compare(self, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
         """The same prompt, seed, size and steps on every configuration (1–6): the typed list
-        `configurations` ("mode/precision[/step cache][@device]; ...", engine/bench/configs.py) or else every
-        device × precision × mode × step cache picked, plus eager fp32 without a cache on the first device
-        when it is not among them. `form`: CompareForm's fields by name.
+        `configurations` ("mode/precision[/step cache][+lora=NAME[:SCALE]][@device]; ...",
+        engine/bench/configs.py: one entry per adapter gives one card per style) or else every device ×
+        precision × mode × step cache picked, plus eager fp32 without a cache on the first device when it is
+        not among them. `form`: CompareForm's fields by name.
 
         Each configuration first draws its quality images (the prompt, then the fidelity prompts), which warm
         it; then every configuration is timed round-robin with the reference for up to `timing_s` seconds
@@ -332,13 +336,8 @@ class Comparison:
 
     def draw(self, config: str, text: str, seed, desc: str, offset: int):
         """One image of `config` through the engine; yields heartbeats, returns (result, seconds)."""
-        device, precision, mode, cache = views.parse_config(config)
-        form = self.form
-        key = self.h.key_for(form.preset, device, precision, caller=self.caller)
-        spec = ImageRequest(form.preset, prompt=text, device=device, precision=precision, mode=mode,
-                            size=self.size_text, steps=self.steps, guidance=form.guidance, seed=seed,
-                            on_cold="wait" if form.wait_for_warm else "eager",
-                            step_cache=None if cache == views.NO_CACHE else cache, caller=self.caller)
+        spec = self.image_request(config, text, seed)
+        key = self.h.key_for(spec.preset, spec.device, spec.precision, caller=self.caller)
         bar = ProgressBar(self.progress, desc_prefix=desc, offset=offset, grand_total=self.grand_total)
         started = time.perf_counter()
         with closing(self.h.runs.stream(self.run_state, key, spec, bar, ticket=self.ticket)) as stream:
@@ -349,6 +348,18 @@ class Comparison:
                     self.last_yield = time.perf_counter()
                     yield gr.skip(), gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
         raise RuntimeError("the engine ended the request without a result")
+
+    def image_request(self, config: str, text: str, seed) -> ImageRequest:
+        """What one image of `config` asks the engine for: its device, precision, mode, step cache and LoRA
+        (every configuration is priced the same way; a LoRA's is just one more lever)."""
+        device, precision, mode, cache = views.parse_config(config)
+        lora, lora_scale = views.config_lora(config)
+        form = self.form
+        return ImageRequest(form.preset, prompt=text, device=device, precision=precision, mode=mode,
+                            size=self.size_text, steps=self.steps, guidance=form.guidance, seed=seed,
+                            on_cold="wait" if form.wait_for_warm else "eager",
+                            step_cache=None if cache == views.NO_CACHE else cache, caller=self.caller,
+                            lora=lora, lora_scale=lora_scale)
 
     # -- phase 1: quality images, one configuration after another (they also warm each one) ------------
     def quality_images(self, index: int, config: str):
@@ -480,7 +491,8 @@ def caption(entry: dict) -> str:
     """A gallery image's caption: its configuration, s / image, speedup, drift and fidelity."""
     figure = entry.get("speedup_figure")
     return " · ".join(filter(None, [
-        entry["config"], f"{views.per_image_s(entry):.3f} s / image",
+        entry["config"], f"LoRA {entry['lora']} at {entry.get('lora_scale', 1):g}" if entry.get("lora") else "",
+        f"{views.per_image_s(entry):.3f} s / image",
         f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
         f"drift {entry['drift']}" if entry.get("drift") else "",
         f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
@@ -570,8 +582,8 @@ class ComparePage:
                                             "measured); off: cold buckets run eagerly", elem_id="c-wait")
         form["configurations"] = gr.Textbox(
             label="Configurations (replaces the checkboxes when filled): mode/precision[/step cache]"
-                  "[@device], separated by ; — e.g. eager/fp32; compile/fp32; regional/bf16; "
-                  "eager/fp32/first-block:0.2", value="", lines=2, elem_id="c-configs")
+                  "[+lora=NAME[:SCALE]][@device], separated by ; — e.g. eager/fp32; compile/fp32; regional/bf16; "
+                  "eager/fp32/first-block:0.2; compile/fp32+lora=swap", value="", lines=2, elem_id="c-configs")
         with gr.Row():
             self.config_list = gr.Dropdown(list(explicit.LISTS), value=None, label="Fill in a list",
                                            elem_id="c-config-list")

@@ -3,18 +3,26 @@
 
 The form, one configuration per entry, entries separated by ";" or new lines:
 
-    mode/precision[/step cache][@device]
+    mode/precision[/step cache][+lora=NAME[:SCALE]][@device]
 
-e.g. "eager/fp32; compile/fp32; regional/bf16; eager/fp32/first-block:0.2; compile/bf16@cuda". The step
-cache is any form `python -m engine step-caches` lists ("none" or left out: no cache); the device is one
-of the engine's device names, or the comparison's default device when left out.
+e.g. "eager/fp32; compile/fp32; regional/bf16; eager/fp32/first-block:0.2; compile/bf16@cuda;
+compile/fp32+lora=swap; compile/fp32+lora=swap:0.5". The step cache is any form `python -m engine
+step-caches` lists ("none" or left out: no cache); the device is one of the engine's device names, or the
+comparison's default device when left out.
+
+The LoRA part picks one of the preset's adapters (`[[PRESET.loras]]`) at SCALE (0-2; left out: the adapter's
+own scale), as `--lora NAME[:SCALE]` does on the CLI; "+lora=none" is no LoRA. It is a "+" suffix, not a
+fourth "/" part, because the step cache before it is optional and a position would not say which is which;
+it reads as "this configuration plus a style", so listing one entry per adapter gives one card per style.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from engine.protocol import Mode, Precision, StepCache
+from engine.errors import InvalidRequest
+from engine.protocol import Mode, Precision, StepCache, parse_lora
 
 MAX_ENTRIES = 12  # far more than a comparison runs: a longer list is a paste gone wrong
 LEVERS = "the levers one at a time"
@@ -28,11 +36,44 @@ class Configuration:
     precision: str
     step_cache: str = "none"
     device: str | None = None  # None: the comparison's default device
+    lora: str | None = None  # one of the preset's adapters (None: no LoRA)
+    lora_scale: float | None = None  # None: the adapter's own scale
 
     def text(self) -> str:
         """Its entry in the list's form (parse_configurations reads it back)."""
         parts = [self.mode, self.precision] + ([self.step_cache] if self.step_cache != "none" else [])
-        return "/".join(parts) + (f"@{self.device}" if self.device else "")
+        return "/".join(parts) + lora_suffix(self.lora, self.lora_scale) + (f"@{self.device}" if self.device else "")
+
+
+LORA_PART = re.compile(r"\+\s*lora\s*=\s*([^@+;]*)", re.IGNORECASE)  # "+lora=NAME[:SCALE]", before or after @device
+FORM = "mode/precision[/step cache][+lora=NAME[:SCALE]][@device]"
+
+
+def lora_suffix(name: str | None, scale: float | None = None) -> str:
+    """"+lora=NAME[:SCALE]" ("" for no LoRA): how a configuration's entry and its Compare label name the adapter."""
+    if name is None:
+        return ""
+    return f"+lora={name}" + (f":{scale:g}" if scale is not None else "")
+
+
+def split_lora(entry: str) -> tuple[str, str | None, float | None]:
+    """(the entry without its LoRA part, adapter, scale); ValueError for a second LoRA part or a bad scale."""
+    found = LORA_PART.findall(entry)
+    if len(found) > 1:
+        raise ValueError(f"configuration {entry!r}: one LoRA per configuration (+lora=NAME[:SCALE]); list an entry "
+                         "per adapter to compare them")
+    rest = LORA_PART.sub("", entry).strip()
+    if "+" in rest:
+        raise ValueError(f"configuration {entry!r}: write the LoRA as +lora=NAME[:SCALE], e.g. compile/fp32+lora=swap:0.5")
+    if not found:
+        return rest, None, None
+    if not found[0].strip():
+        raise ValueError(f"configuration {entry!r}: +lora= names no adapter; write +lora=NAME[:SCALE] or leave it out")
+    try:
+        name, scale = parse_lora(found[0])
+    except InvalidRequest as exc:
+        raise ValueError(f"configuration {entry!r}: {exc}") from None
+    return rest, name, scale
 
 
 def parse_configurations(text: str) -> list[Configuration]:
@@ -44,33 +85,41 @@ def parse_configurations(text: str) -> list[Configuration]:
         raise ValueError(f"{len(entries)} configurations listed; list at most {MAX_ENTRIES}")
     out: list[Configuration] = []
     for entry in entries:
-        body, _, device = entry.partition("@")
-        parts = [p.strip() for p in body.split("/")]
-        if len(parts) < 2 or len(parts) > 3 or not all(parts):
-            raise ValueError(f"configuration {entry!r}: write mode/precision[/step cache][@device], "
-                             "e.g. eager/fp32 or regional/bf16/first-block:0.2@cpu")
-        mode, precision = parts[0].lower(), parts[1].lower()
-        if mode not in Mode.values():
-            raise ValueError(f"configuration {entry!r}: unknown mode {parts[0]!r}; modes: {', '.join(Mode.values())}")
-        if precision not in Precision.values():
-            raise ValueError(f"configuration {entry!r}: unknown precision {parts[1]!r}; precisions: "
-                             f"{', '.join(Precision.values())}")
-        try:
-            cache = str(StepCache.parse(parts[2])) if len(parts) == 3 else "none"
-        except Exception as exc:
-            raise ValueError(f"configuration {entry!r}: {exc}") from None
-        config = Configuration(mode, precision, cache or "none", device.strip() or None)
+        config = parse_entry(entry)
         if config not in out:
             out.append(config)
     return out
 
 
-def refusal(preset, spec, config: Configuration) -> str | None:
+def parse_entry(entry: str) -> Configuration:
+    """One configuration of the list's form; ValueError saying what is wrong and the form to use."""
+    rest, lora, lora_scale = split_lora(entry)
+    body, _, device = rest.partition("@")
+    parts = [p.strip() for p in body.split("/")]
+    if len(parts) < 2 or len(parts) > 3 or not all(parts):
+        raise ValueError(f"configuration {entry!r}: write {FORM}, e.g. eager/fp32, regional/bf16/first-block:0.2@cpu "
+                         "or compile/fp32+lora=swap:0.5")
+    mode, precision = parts[0].lower(), parts[1].lower()
+    if mode not in Mode.values():
+        raise ValueError(f"configuration {entry!r}: unknown mode {parts[0]!r}; modes: {', '.join(Mode.values())}")
+    if precision not in Precision.values():
+        raise ValueError(f"configuration {entry!r}: unknown precision {parts[1]!r}; precisions: "
+                         f"{', '.join(Precision.values())}")
+    try:
+        cache = str(StepCache.parse(parts[2])) if len(parts) == 3 else "none"
+    except Exception as exc:
+        raise ValueError(f"configuration {entry!r}: {exc}") from None
+    return Configuration(mode, precision, cache or "none", device.strip() or None, lora, lora_scale)
+
+
+def refusal(preset, spec, config: Configuration, loras: bool = False) -> str | None:
     """Why `config` cannot run for `preset` on the device `spec` (the checks the engine itself makes when
-    asked to run it), or None when it can."""
+    asked to run it), or None when it can. `loras`: the engines here have a LoRA slot (--loras)."""
     from engine.devices import precision_support
     from engine.pipeline.stepcache import cache_status
 
+    if config.lora is not None and (why := lora_refusal(preset, config, loras)):
+        return why
     if Mode(config.mode) not in spec.modes:
         return f"{spec.label} does not run mode {config.mode}"
     row = precision_support(spec).get(Precision(config.precision)) or {}
@@ -81,6 +130,21 @@ def refusal(preset, spec, config: Configuration) -> str | None:
         status = cache_status(cache.kind, preset, spec, Mode(config.mode))
         if not status["usable"]:
             return f"step cache {cache.kind} with {config.mode}: {first_line(status['why_not'])}"
+    return None
+
+
+def lora_refusal(preset, config: Configuration, loras: bool) -> str | None:
+    """Why `config`'s adapter cannot run (the engine's own reasons, engine/pipeline/loading.py), or None."""
+    names = [source.name for source in preset.loras]
+    if config.lora not in names:
+        return (f"unknown LoRA {config.lora!r} for {preset.name}: choose one of {', '.join(names) or 'none'} "
+                "(or none)")
+    if not loras:
+        return "the engines here serve no LoRA styles: the host turns them on with --loras"
+    if config.mode == Mode.AOT:
+        return "LoRA adapters do not run in aot mode (its packages are exported with the LoRA slot off)"
+    if Precision(config.precision).quantized:
+        return f"LoRA adapters are not served on {config.precision} engines: use fp32, bf16 or fp16"
     return None
 
 
