@@ -123,8 +123,7 @@ class CompareHandlers(HandlerBase):
             except ValueError as exc:
                 raise gr.Error(str(exc), title="Invalid request") from None
             device = self.default_device(devices)
-            picked = list(dict.fromkeys(views.config_label(c.device or device, c.precision, c.mode, c.step_cache,
-                                                           c.lora, c.lora_scale) for c in typed))
+            picked = list(dict.fromkeys(typed_label(c, device) for c in typed))
             what, reference_device = "listed", device
         else:
             picked = [views.config_label(d, p, m, c) for d, p, m, c in
@@ -144,7 +143,7 @@ class CompareHandlers(HandlerBase):
     def refusal(self, preset: str, config: str) -> str | None:
         """Why a configuration cannot run here, by the engine's own checks (None: it can)."""
         device, precision, mode, cache = views.parse_config(config)
-        lora, lora_scale = views.config_lora(config)
+        lora, lora_scale = explicit.split_lora(config)[1:]
         try:
             spec = self.device_spec(device)
             return explicit.refusal(self.manager.preset(preset), spec,
@@ -166,7 +165,7 @@ class CompareHandlers(HandlerBase):
         device = self.default_device(devices)
         lines = []
         for c in typed:
-            label = views.config_label(c.device or device, c.precision, c.mode, c.step_cache, c.lora, c.lora_scale)
+            label = typed_label(c, device)
             why = self.refusal(preset, label)
             lines.append(f"- ✗ `{label}`: {why}" if why else f"- ✓ `{label}`")
         return "\n".join(lines)
@@ -353,7 +352,7 @@ class Comparison:
         """What one image of `config` asks the engine for: its device, precision, mode, step cache and LoRA
         (every configuration is priced the same way; a LoRA's is just one more lever)."""
         device, precision, mode, cache = views.parse_config(config)
-        lora, lora_scale = views.config_lora(config)
+        lora, lora_scale = explicit.split_lora(config)[1:]
         form = self.form
         return ImageRequest(form.preset, prompt=text, device=device, precision=precision, mode=mode,
                             size=self.size_text, steps=self.steps, guidance=form.guidance, seed=seed,
@@ -485,6 +484,12 @@ class Comparison:
             return current_marks(lambda: engine_marks(self.h.manager.status(), own, compiles))
         except Exception:  # a status read must not end the measurement
             return current_marks()
+
+
+def typed_label(config: explicit.Configuration, device: str) -> str:
+    """A typed configuration's label ("cpu/fp32/compile+lora=swap:0.5"), on `device` when it names none."""
+    return views.config_label(config.device or device, config.precision, config.mode, config.step_cache,
+                              explicit.lora_suffix(config.lora, config.lora_scale))
 
 
 def caption(entry: dict) -> str:

@@ -347,27 +347,17 @@ PRICE_COLUMNS = ["config", "s / image", "× vs eager fp32", "median step", "step
 PRICE_WIDTHS = ["20%", "8%", "9%", "9%", "11%", "13%", "12%", "9%", "9%"]
 
 
-def config_label(device: str, precision: str, mode: str, cache: str = NO_CACHE, lora: str | None = None,
-                 lora_scale: float | None = None) -> str:
-    """"cpu/fp32/eager", with "/first-block:0.2" appended when a step cache is on and "+lora=swap:0.5" when a
-    LoRA is (the typed list's spelling, engine/bench/configs.py)."""
-    from engine.bench.configs import lora_suffix
-
+def config_label(device: str, precision: str, mode: str, cache: str = NO_CACHE, lora: str = "") -> str:
+    """"cpu/fp32/eager", with "/first-block:0.2" appended when a step cache is on and `lora` ("+lora=swap:0.5",
+    the typed list's spelling: ui/compare.py writes and reads it) when a LoRA is."""
     base = f"{device}/{precision}/{mode}"
-    return (base if not cache or cache == NO_CACHE else f"{base}/{cache}") + lora_suffix(lora, lora_scale)
+    return (base if not cache or cache == NO_CACHE else f"{base}/{cache}") + lora
 
 
 def parse_config(label: str) -> tuple[str, str, str, str]:
-    """(device, precision, mode, cache) of a config_label (config_lora reads its LoRA)."""
+    """(device, precision, mode, cache) of a config_label, its LoRA part left out."""
     parts = label.split("+", 1)[0].split("/", 3)
     return parts[0], parts[1], parts[2], parts[3] if len(parts) > 3 else NO_CACHE
-
-
-def config_lora(label: str) -> tuple[str | None, float | None]:
-    """(adapter, scale) of a config_label: (None, None) without a LoRA, scale None for the adapter's own."""
-    from engine.bench.configs import split_lora
-
-    return split_lora(label)[1:]
 
 
 def reference_label(device: str) -> str:
