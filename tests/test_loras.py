@@ -290,6 +290,12 @@ def test_compare_draws_one_card_per_adapter_named_in_its_caption(styled_manager)
     assert any("LoRA swap at 1" in c for c in captions) and any("LoRA corner at 0.5" in c for c in captions)
     cards = handlers.render_compare(payload, thumbnails)[3]
     assert '<div class="c-lora">LoRA corner at scale 0.5, rank' in cards
+    # a styled card's fidelity is the checker's verdict for what its style implies, not the plain prompt's
+    from engine.models.shapes import styles
+
+    image = gallery[swap["gallery_index"]][0]
+    assert swap["fidelity_this"] == styles.check(image, PROMPT, "swap").correct
+    assert swap["fidelity_this"] is True  # drawn swapped: the plain checker would call it wrong
 
 
 @pytest.mark.slow

@@ -129,3 +129,19 @@ def test_score_reports_the_worst_ssim_beside_psnr():
     row = quality.score([a, noisy], ["x", "y"], [a, a], preset)
     assert row["drift_ssim"] == pytest.approx(quality.ssim(noisy, a))
     assert quality.score([a], ["x"], None, preset)["drift_ssim"] is None
+
+
+def test_a_lora_style_is_checked_against_what_the_style_implies():
+    """A Compare card with a style on is scored as the style implies: the swapped picture of "a red circle
+    on a blue background" is right for the "swap" style and wrong for the plain checker; a style the
+    checker does not know is not scored at all."""
+    from engine.models.shapes import styles
+
+    shapes = type("P", (), {"fidelity": "shapes"})()
+    prompt = "a red circle on a blue background"
+    swapped = styles.render(prompt, "swap")
+    assert quality.fidelity_checker(shapes, "swap")(swapped, prompt) is True
+    assert quality.fidelity_checker(shapes)(swapped, prompt) is False
+    assert quality.fidelity_checker(shapes, "watercolour") is None
+    row = quality.score([swapped, styles.render(prompt, "corner")], [prompt, prompt], None, shapes, "swap")
+    assert row["fidelity"] == 0.5 and row["fidelity_samples"] == 2

@@ -410,8 +410,10 @@ class Comparison:
         images = [r.image() for r, _ in outcomes]
         if is_reference:
             self.ref_images = images
+        _, lora, lora_scale = explicit.split_lora(config)
+        style = lora if lora and lora_scale != 0 else None  # a style's cards are checked as the style implies
         entry.update(views.price_quality(images, self.prompts, None if is_reference else self.ref_images,
-                                         self.model))
+                                         self.model, style))
         entry["image_index"] = len(self.thumbnails)
         self.thumbnails.append(thumbnail_uri(images[0]))
         if not is_reference and self.ref_images is not None:

@@ -540,10 +540,10 @@ def has_checker(preset) -> bool:
     return fidelity_checker(preset) is not None
 
 
-def price_quality(images: list, prompts: list[str], ref_images: list | None, preset) -> dict:
+def price_quality(images: list, prompts: list[str], ref_images: list | None, preset, style: str | None = None) -> dict:
     """Under a Compare image: drift of every image against the reference's image of the same prompt and
     seed (the worst kept), and fidelity over the sample prompts (images[1:]) with the first image's own
-    verdict, by the bench's quality.score."""
+    verdict, by the bench's quality.score; with a LoRA `style`, against what the style implies."""
     from engine.bench.quality import fidelity_checker, fmt_drift, score
 
     out: dict = {}
@@ -555,11 +555,11 @@ def price_quality(images: list, prompts: list[str], ref_images: list | None, pre
                    drift_ssim=drift.get("drift_ssim"),
                    drift=fmt_drift(drift["drift_psnr_db"], drift["drift_max_diff"]) + ssim_text,
                    drift_samples=len(images))
-    checker = fidelity_checker(preset)
+    checker = fidelity_checker(preset, style)
     if checker is not None:
         out["fidelity_this"] = checker(images[0], prompts[0])
         if len(prompts) > 1:
-            fid = score(images[1:], prompts[1:], None, preset)
+            fid = score(images[1:], prompts[1:], None, preset, style)
             out.update(fidelity=fid["fidelity"], fidelity_samples=fid["fidelity_samples"])
     return out
 

@@ -148,18 +148,26 @@ def sample_prompts(preset, n: int, seed: int, fallback: str, held_out: bool = Fa
     return [fallback] * n
 
 
-def fidelity_checker(preset) -> Callable | None:
+def fidelity_checker(preset, style: str | None = None) -> Callable | None:
     """(image, prompt) -> correct? (None for a prompt outside the grammar: nothing to score), for presets
-    whose model draws a closed grammar; None for other presets."""
-    if preset.fidelity == "shapes":
-        from engine.models.shapes.fidelity import check
-        from engine.models.shapes.grammar import parse_prompt
+    whose model draws a closed grammar; None for other presets. With a LoRA `style` on, an image is checked
+    against what the style implies (the embedded model's styles); a style the checker does not know: None."""
+    if preset.fidelity != "shapes":
+        return None
+    from engine.models.shapes.fidelity import check
+    from engine.models.shapes.grammar import parse_prompt
 
+    if style is None:
         return lambda image, prompt: check(to_array(image), prompt).correct if parse_prompt(prompt) else None
-    return None
+    from engine.models.shapes import styles  # imports torch: only where a style is scored
+
+    if style not in styles.STYLES:
+        return None
+    return lambda image, prompt: (styles.check(Image.fromarray(to_array(image)), prompt, style).correct
+                                  if parse_prompt(prompt) else None)
 
 
-def score(images: list, prompts: list[str], reference: list | None, preset) -> dict:
+def score(images: list, prompts: list[str], reference: list | None, preset, style: str | None = None) -> dict:
     """One configuration's quality over its samples: drift of each image against the reference image of
     the same prompt and seed (the worst sample kept) and, where the preset has a checker, fidelity (the
     share of scorable prompts drawn right; prompts outside the grammar are not counted)."""
@@ -168,7 +176,7 @@ def score(images: list, prompts: list[str], reference: list | None, preset) -> d
     ssims = [ssim(a, b) for a, b in zip(images, reference, strict=True)] if reference else []
     row = {"drift_psnr_db": drift["psnr_db"], "drift_max_diff": drift["max_diff"],
            "drift_ssim": min(ssims) if ssims else None, "quality_samples": len(prompts)}
-    checker = fidelity_checker(preset)
+    checker = fidelity_checker(preset, style)
     if checker is not None:
         verdicts = [v for v in (checker(img, p) for img, p in zip(images, prompts, strict=True)) if v is not None]
         row["fidelity"] = sum(verdicts) / len(verdicts) if verdicts else None
