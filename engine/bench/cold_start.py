@@ -36,7 +36,7 @@ from engine.bench.report import fmt
 from engine.bench.stats import median, ratio
 from engine.config.request import ImageRequest
 from engine.devices import INDUCTOR_CACHE_VAR
-from engine.protocol import BucketKey, GenerateRequest, Mode, OnCold
+from engine.protocol import BucketKey, EngineOptions, GenerateRequest, Mode, OnCold
 
 CHILD_MARK = "BENCH_COLD_START "
 REPO = Path(__file__).resolve().parents[2]  # the children run `python -m engine` from here
@@ -179,7 +179,6 @@ def cmd_runtime_child(args) -> int:
     first bucket from this process's start, then steady images; aot: every bucket warm (packages present)."""
     import psutil
 
-    from engine.protocol import EngineOptions
     from engine.serving.manager import EngineManager
 
     started = psutil.Process().create_time()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from engine.config.request import ImageRequest
 from engine.metrics import median
+from engine.protocol import EngineOptions
 
 TARGET = 2.0
 
@@ -31,7 +32,6 @@ def _p95(values: list[float]) -> float:
 
 
 def measure(args, yields: bool) -> dict:
-    from engine.protocol import EngineOptions
     from engine.serving.manager import EngineManager
 
     os.environ["SHOWCASE_COMPILE_YIELD"] = "1" if yields else "0"  # the worker reads it when it starts

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from engine.metrics import median
+from engine.protocol import Size
 
 RESULT_FILE = "cp-bench.json"
 
@@ -58,7 +59,6 @@ def _setup(args):
     from engine import devices
     from engine.bench.denoiser import denoiser_class
     from engine.config.presets import get_preset
-    from engine.protocol import Size
 
     preset = get_preset(args.preset)
     if preset.pipeline != "FluxPipeline":

@@ -18,7 +18,16 @@ import os
 import time
 
 from engine.metrics import median
-from engine.protocol import DEFAULT_PRESET, BucketKey, GenerateRequest, Mode, Size
+from engine.protocol import (
+    DEFAULT_PRESET,
+    BucketKey,
+    EngineConfig,
+    EngineKey,
+    EngineOptions,
+    GenerateRequest,
+    Mode,
+    Size,
+)
 
 
 def _request(preset, size: Size, mode: Mode, lora: str | None, seed: int = 0) -> GenerateRequest:
@@ -79,7 +88,6 @@ def _eager_prices(runner, size: Size, repeats: int, name: str) -> dict:
 def run_lora_bench(preset_name: str, size: Size, modes: tuple[Mode, ...], repeats: int, cache_dir) -> dict:
     from engine.config.presets import get_preset
     from engine.pipeline.runner import PipelineRunner
-    from engine.protocol import EngineConfig, EngineKey, EngineOptions
 
     runner = PipelineRunner(EngineConfig(EngineKey(preset_name, "cpu", "fp32"), get_preset(preset_name),
                                          EngineOptions(warm_sizes=(), loras=True), str(cache_dir)))

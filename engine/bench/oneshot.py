@@ -25,6 +25,7 @@ from pathlib import Path
 from engine.bench.stats import ratio
 from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
 from engine.metrics import median
+from engine.protocol import EngineKey, Size
 
 TARGET_RATIO = 0.9  # the engine's one-shot run at most this much of the bare script's
 
@@ -58,7 +59,6 @@ def model_folder(args) -> tuple[object, str]:
     """(preset, the folder its weights load from), or SystemExit saying why the bare script cannot load it."""
     from engine import settings
     from engine.config.resolve import Catalog, resolve_source
-    from engine.protocol import EngineKey
 
     roots, extra = presets_from_args(args)
     catalog = Catalog(allowed_roots=roots, extra_presets=extra)
@@ -89,8 +89,6 @@ def _timed(argv: list[str], env: dict) -> tuple[float, float]:
 
 
 def cmd_oneshot(args) -> int:
-    from engine.protocol import Size
-
     preset, folder = model_folder(args)
     size = Size.parse(args.size)
     steps = args.steps or preset.steps

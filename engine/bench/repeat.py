@@ -18,6 +18,7 @@ from pathlib import Path
 
 from engine.bench import configs as explicit
 from engine.bench.paired import PairedTiming, current_marks, measure_round_robin
+from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold, Size
 
 DEFAULT_CONFIGS = ("eager/fp32; eager/bf16; compile/fp32; regional/fp32; eager/fp32/first-block:0.2; "
                    "eager/fp32/taylorseer:3:2")
@@ -103,7 +104,6 @@ def run(plan, runners, configurations: list[explicit.Configuration], budget_s: f
     """One comparison of `configurations` (eager fp32 added first when missing) on `runners` (advise._Runners:
     weights loaded once per precision): warm, then round-robin."""
     from engine.bench.advise_choice import Candidate
-    from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold
     candidates = {c.text(): Candidate(c.precision, c.mode, c.step_cache) for c in configurations}
     candidates = {REFERENCE: Candidate("fp32", "eager"), **candidates}
 
@@ -146,7 +146,6 @@ def main(args) -> int:
     from engine.bench.advise_choice import AdvisePlan
     from engine.config.flags import model_roots_from_args, options_from_args
     from engine.config.presets import get_preset
-    from engine.protocol import Size
 
     preset = get_preset(args.preset)
     spec = devices.resolve_device(args.device)

@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from engine import settings
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, ModelLoadError
 from engine.models.tiny_builders import BUILDERS, TINY_PRESETS
+from engine.settings import REPO_ROOT
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,6 @@ def _build_in_subprocess(name: str, out_dir: Path) -> None:
     import subprocess
     import sys
 
-    from engine.errors import ModelLoadError
-    from engine.settings import REPO_ROOT
 
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
@@ -180,7 +179,6 @@ def ensure_tiny_pipeline(name: str, models_root: Path) -> Path:
     that fails is rebuilt once, with a warning. A models folder that cannot be written (read-only, full)
     falls back to a private temporary one, with a warning.
     """
-    from engine.errors import ModelLoadError
 
     _check_name(name)
     models_root = Path(models_root)
@@ -213,8 +211,6 @@ _UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUO
 
 
 def _build_locked(name: str, models_root: Path) -> Path:
-    from engine.errors import ModelLoadError
-
     target = models_root / name
     if _is_complete(target):
         return target

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from engine import settings
 from engine.errors import InvalidRequest, ModelLoadError, UnsupportedCombination
+from engine.metrics import median
 from engine.models import weights
 from engine.protocol import EngineKey, LoraInfo, LoraSource, ModelPreset
 
@@ -251,7 +252,6 @@ class LoraSlot:
 
     def info(self, engine: EngineKey) -> LoraInfo:
         """The slot as the board shows it (sent to the app after each call that changed it)."""
-        from engine.metrics import median
 
         return LoraInfo(engine, adapters=tuple(self.adapters), refused=tuple(self.refused),
                         target_rank=self.target_rank, current=self.state.adapter if self.state.scale > 0 else None,
@@ -260,7 +260,6 @@ class LoraSlot:
 
     def status(self) -> dict:
         """What the board shows: the adapters, which one is in the slot, swaps served."""
-        from engine.metrics import median
 
         return {"adapters": list(self.adapters), "refused": dict(self.refused), "target_rank": self.target_rank,
                 "current": self.state.adapter if self.state.scale > 0 else None, "scale": self.state.scale,

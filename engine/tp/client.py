@@ -39,8 +39,8 @@ from pathlib import Path
 
 from engine import devices
 from engine.config.resolve import resolve_source
-from engine.errors import EngineCrashed, InvalidRequest, ModelLoadError
-from engine.protocol import RankExit
+from engine.errors import EngineCrashed, InvalidRequest, ModelLoadError, ShowcaseError
+from engine.protocol import GenerateRequest, Mode, OnCold, RankExit, Size
 from engine.tp import launch
 from engine.tp.tokens import new_token, write_private
 from engine.worker.client import ConnectionClient, EngineEvents
@@ -338,9 +338,6 @@ def connect(address_file: str | Path, timeout: float = 600.0) -> ConnectionClien
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.errors import ShowcaseError
-    from engine.protocol import GenerateRequest, Mode, OnCold, Size
-
     p = argparse.ArgumentParser(prog="python -m engine.tp.client",
                                 description="Send one request to a sidecar started with python -m engine.tp.sidecar")
     p.add_argument("address_file", type=Path)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.errors import InvalidRequest, ShowcaseError
-from engine.protocol import RankExit
+from engine.protocol import Mode, Parallel, Precision, RankExit
 from engine.tp.tokens import new_token, read_token, update_address, write_private
 
 JOIN_TIMEOUT_EXIT = 6  # the launcher's exit code when the nodes did not all join in time
@@ -75,7 +75,6 @@ def _check_preset_name(name: str) -> str:
 def plan_node(args) -> NodePlan:
     """Validate the flags and build this node's torchrun argv/env and every node's one command."""
     from engine import devices, settings
-    from engine.protocol import Parallel, Precision
     from engine.tp import launch
 
     layout = _check_layout(args)
@@ -130,8 +129,6 @@ def _check_layout(args):
 
 
 def _check_warm_modes(modes) -> list[str]:
-    from engine.protocol import Mode
-
     for mode in modes:
         Mode.parse(mode, "mode")
     return list(modes)

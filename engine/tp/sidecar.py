@@ -33,8 +33,21 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine import settings
+from engine.errors import EngineBusy, EngineCrashed, InvalidRequest, ModelLoadError, ShowcaseError
 from engine.processes import pid_alive
-from engine.protocol import EngineConfig, EngineOptions, Fatal, Mode, RankExit, Ready, RequestFailed, Shutdown
+from engine.protocol import (
+    BucketChanged,
+    EngineConfig,
+    EngineOptions,
+    EngineReady,
+    Fatal,
+    Mode,
+    Precision,
+    RankExit,
+    Ready,
+    RequestFailed,
+    Shutdown,
+)
 from engine.tp.tokens import new_token, read_token, write_address, write_private
 from engine.worker.loop import WorkerLoop
 
@@ -228,7 +241,6 @@ class _Rank0Server:
     def _handshake(self, conn, peer: str) -> None:
         from multiprocessing import AuthenticationError
 
-        from engine.errors import EngineBusy
         from engine.worker.wire import authenticate_incoming
 
         try:
@@ -326,7 +338,6 @@ class SidecarLoop(WorkerLoop):
 def _node_claims(args, config: EngineConfig, lead: dict) -> str | None:
     """On every rank: was this node started for the engine node 0 serves? (preset, precision, device, ranks
     per node). The launcher passes them; a rank started by hand or by the app's node command may not."""
-    from engine.protocol import Precision
 
     node = settings.torchrun_group_rank()
     if node == 0:
@@ -371,8 +382,6 @@ def _check_nodes(args, config, lead: dict, group) -> str | None:
 
 
 def _report_load_failure(server: _Rank0Server, error, ranks, config, from_app: bool, refused: str | None) -> None:
-    from engine.errors import InvalidRequest, ModelLoadError, ShowcaseError
-
     first = next(r for r in ranks if r["error"])
     if refused:
         err = InvalidRequest(refused)
@@ -403,8 +412,6 @@ class _Guard:
         self._once = threading.Lock()
 
     def error(self, reason: str):
-        from engine.errors import EngineCrashed
-
         return EngineCrashed(f"tensor-parallel engine {self.runner.config.key} failed: {reason}; "
                              f"{self.runner.restart_hint}")
 
@@ -517,7 +524,6 @@ class RankProcess:
         into self.ranks. Returns (runner, error)."""
         import torch.distributed as dist
 
-        from engine.errors import InvalidRequest, ShowcaseError
         from engine.tp.runner import TensorParallelRunner
 
         runner, error = None, None
@@ -541,8 +547,6 @@ class RankProcess:
         return runner, error
 
     def bucket_changed(self, info) -> None:
-        from engine.protocol import BucketChanged
-
         if self.loop is not None:
             self.loop.send(BucketChanged(info))
 
@@ -626,8 +630,6 @@ class RankProcess:
             print("[tp sidecar] client disconnected; waiting for the next one", flush=True)
 
     def ready_message(self, runner):
-        from engine.protocol import EngineReady
-
         ready = runner.ready_info()
         return EngineReady(key=self.config.key, pid=ready.pid, load_s=ready.load_s, notices=ready.notices,
                            modes=ready.modes, buckets=ready.buckets, tp=len(self.ranks), ranks=tuple(self.ranks),
