@@ -124,6 +124,10 @@ def test_harmless_third_party_messages_are_dropped_and_nothing_else():
                                             "back to `CLIPImageProcessorPil`", False),
         ("diffusers.pipelines.pipeline_utils", "Expected types for text_encoder: (CLIPTextModel,), got "
                                                "T5EncoderModel.", True),
+        ("diffusers.loaders.lora_base", "No LoRA keys associated to CLIPTextModel found with the "
+                                        "prefix='text_encoder'. This is safe to ignore if ...", False),
+        ("diffusers.loaders.lora_base", "No LoRA keys associated to FluxTransformer2DModel found with the "
+                                        "prefix='transformer'. This is safe to ignore if ...", True),
     ]
     for name, message, shown in said:
         stream = io.StringIO()
