@@ -180,16 +180,16 @@ def test_compare_image_waits_while_another_clients_generate_runs(public):
     started = threading.Event()
 
     def generate_running():
-        with public._generate_in_flight("cpu", "10.0.0.5"):
+        with public.flow.generate_in_flight("cpu", "10.0.0.5"):
             started.set()
             done.wait(10)
 
     t = threading.Thread(target=generate_running)
     t.start()
     started.wait(5)
-    assert public._yield_to_generates("cpu", "10.0.0.5") < 0.1  # its own Generates: no wait
+    assert public.flow.yield_to_generates("cpu", "10.0.0.5") < 0.1  # its own Generates: no wait
     waited = []
-    waiter = threading.Thread(target=lambda: waited.append(public._yield_to_generates("cpu", "10.0.0.6")))
+    waiter = threading.Thread(target=lambda: waited.append(public.flow.yield_to_generates("cpu", "10.0.0.6")))
     waiter.start()
     time.sleep(0.3)
     assert waiter.is_alive()  # still yielding

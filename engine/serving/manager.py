@@ -110,15 +110,13 @@ class EngineManager:
         """Validate and resolve an engine key ("auto" -> the best available device); in public mode a
         visitor may only pick what the host offers."""
         if caller is Caller.VISITOR:
-            self._check_visitor_choice(preset=preset, precision=precision)
+            self.check_visitor_choice(preset=preset, precision=precision)
         return self.catalog.make_key(preset, device, precision, tp, parallel)
 
     def check_visitor_choice(self, *, preset=None, precision=None, mode=None) -> None:
         """NotAllowed naming what is offered when a public host does not offer this choice to visitors."""
         policy.check_visitor_choice(self.policy, self.visitor_presets(), preset=preset, precision=precision,
                                     mode=mode)
-
-    _check_visitor_choice = check_visitor_choice
 
     def visitor_presets(self) -> list[str]:
         """The presets visitors may pick (public mode: the host's list)."""
@@ -230,14 +228,6 @@ class EngineManager:
         """Token-steps the visitor has queued or running now."""
         return self.flow.held(client)
 
-    def _generate_in_flight(self, device: str, client: str):
-        return self.flow.generate_in_flight(device, client)
-
-    def _yield_to_generates(self, device: str, client: str) -> float:
-        """A Compare's next image waits while other clients' Generates are queued or running on `device`;
-        returns the seconds waited."""
-        return self.flow.yield_to_generates(device, client)
-
     def _check_visitor_aot(self, key: EngineKey, bucket: BucketKey) -> None:
         policy.check_visitor_aot(self.policy, key, bucket, self.residency.get(key))
 
@@ -267,7 +257,7 @@ class EngineManager:
         key = self.make_key(spec.preset, spec.device, spec.precision, spec.tp, caller=caller, parallel=spec.parallel)
         seen["engine"] = str(key)
         if caller is Caller.VISITOR:
-            self._check_visitor_choice(mode=spec.mode)
+            self.check_visitor_choice(mode=spec.mode)
         p = self.preset(key.preset)
         client = ticket.client if ticket is not None else spec.client
         request, notices = build_request(p, spec.replace(client=client))
@@ -281,9 +271,9 @@ class EngineManager:
             if request.mode is Mode.AOT and self.priced(caller):
                 self._check_visitor_aot(key, request.bucket)
             if ticket is None:
-                stack.enter_context(self._generate_in_flight(key.device, client))
+                stack.enter_context(self.flow.generate_in_flight(key.device, client))
             else:
-                self._yield_to_generates(key.device, client)
+                self.flow.yield_to_generates(key.device, client)
             result = self._run(key, request, caller, hooks)
         return dataclasses.replace(result, notices=tuple(notices) + result.notices) if notices else result
 
