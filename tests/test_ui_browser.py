@@ -346,7 +346,8 @@ def test_compare_shows_latencies_speedups_and_images_side_by_side(page):
     speedups = {r[0]: r for r in table_rows(page, "c-speedup")}
     assert set(speedups) == {"cpu/fp32/eager (reference)", "cpu/fp32/regional"}
     assert speedups["cpu/fp32/eager (reference)"][2].startswith("1.00× (reference, ")
-    assert re.search(r"[\d.]+×.*, \d+ images\)$", speedups["cpu/fp32/regional"][2])  # a figure with its spread
+    # A figure with its spread; a busy CI box adds "· marked: host load ..." after it.
+    assert re.search(r"[\d.]+×.*, \d+ images\)( · marked: .+)?$", speedups["cpu/fp32/regional"][2])
     cards = page.locator("#c-cards .c-card")
     assert cards.nth(0).locator(".c-card-title").inner_text() == "cpu/fp32/eager"
     assert cards.nth(0).locator(".c-drift").inner_text() == "drift: reference"
