@@ -11,6 +11,7 @@ from engine.bench import configs
 from engine.bench.advise import result_path
 from engine.bench.configs import Configuration, parse_configurations
 from engine.config.presets import get_preset
+from engine.protocol import LoraChoice
 
 
 def test_the_documented_form_parses_in_order_without_duplicates():
@@ -33,6 +34,8 @@ def test_a_lora_part_names_one_adapter_and_its_scale_before_or_after_the_device(
                                                                     "eager/fp32/first-block:0.2+lora=corner@cpu"]
     assert parse_configurations("; ".join(c.text() for c in parse_configurations(typed))) == \
         parse_configurations(typed)
+    fused = parse_configurations("eager/fp32+lora=swap:0.5:fused")[0]
+    assert fused.lora_choice == LoraChoice("swap", 0.5, fused=True) and fused.text() == "eager/fp32+lora=swap:0.5:fused"
 
 
 def test_lora_configurations_are_refused_with_the_engines_reasons():
@@ -46,11 +49,14 @@ def test_lora_configurations_are_refused_with_the_engines_reasons():
     assert "not run in aot mode" in configs.refusal(shapes, spec, Configuration("aot", "fp32", lora="swap"), loras=True)
     assert "not served on int8wo" in configs.refusal(shapes, spec, Configuration("eager", "int8wo", lora="swap"),
                                                        loras=True)
+    assert "fused LoRA runs in eager mode only" in configs.refusal(
+        shapes, spec, Configuration("regional", "fp32", lora="swap", lora_fused=True), loras=True)
+    assert configs.refusal(shapes, spec, Configuration("eager", "fp32", lora="swap", lora_fused=True), loras=True) is None
     assert "choose one of none" in configs.refusal(get_preset("tiny-flux"), spec, swap, loras=True)
 
 
 @pytest.mark.parametrize(("typed", "message"), [
-    ("eager", r"write mode/precision\[/step cache\]\[\+lora=NAME\[:SCALE\]\]\[@device\]"),
+    ("eager", r"write mode/precision\[/step cache\]\[\+lora=NAME\[:SCALE\]\[:fused\]\]\[@device\]"),
     ("eager/fp32+lora=swap+lora=corner", r"one LoRA per configuration .*list an entry per adapter"),
     ("eager/fp32+lora=", r"\+lora= names no adapter; write \+lora=NAME\[:SCALE\]"),
     ("eager/fp32+lora=swap:3", r"'eager/fp32\+lora=swap:3': LoRA scale 3 is outside \[0, 2\]"),

@@ -19,6 +19,7 @@ from engine.protocol import (
     EngineKey,
     EngineOptions,
     GenerateRequest,
+    LoraChoice,
     LoraSource,
     Size,
 )
@@ -130,11 +131,15 @@ def test_a_request_checks_its_lora_scale_and_choice_text():
         _request(lora="a", lora_scale=3)
     with pytest.raises(InvalidRequest, match="is not a number"):
         _request(lora="a", lora_scale="strong")
-    assert parse_lora("swap:0.5") == ("swap", 0.5)
-    assert parse_lora("Swap") == ("swap", None)
-    assert parse_lora("none") == (None, None)
+    assert parse_lora("swap:0.5") == LoraChoice("swap", 0.5)
+    assert parse_lora("Swap") == LoraChoice("swap", None)
+    assert parse_lora("none") == LoraChoice()
+    assert parse_lora("swap:0.5:fused") == LoraChoice("swap", 0.5, fused=True) == parse_lora("swap:fused:0.5")
+    assert parse_lora("swap:fused").text() == "swap:fused" and parse_lora("swap:1.5:fused").text() == "swap:1.5:fused"
     with pytest.raises(InvalidRequest, match="outside"):
         parse_lora("swap:-1")
+    with pytest.raises(InvalidRequest, match="write NAME, NAME:SCALE, NAME:fused or NAME:SCALE:fused"):
+        parse_lora("swap:0.5:0.7")
     assert _request(lora="none").lora is None
 
 
@@ -149,7 +154,13 @@ def test_visitors_pick_only_the_presets_adapters_by_name():
     assert (request.lora, request.lora_scale) == ("corner", 0.5)
     request, _ = build_request(preset, ImageRequest(preset.name, prompt=PROMPT, width=64, height=64,
                                                     lora="swap", lora_scale="1.5"))
-    assert (request.lora, request.lora_scale) == ("swap", 1.5)
+    assert (request.lora, request.lora_scale, request.lora_fused) == ("swap", 1.5, False)
+    request, _ = build_request(preset, ImageRequest(preset.name, prompt=PROMPT, width=64, height=64,
+                                                    lora="swap:fused"))
+    assert request.lora_choice == LoraChoice("swap", None, fused=True)  # the API's text
+    request, _ = build_request(preset, ImageRequest(preset.name, prompt=PROMPT, width=64, height=64,
+                                                    lora="swap", lora_fused=True))
+    assert request.lora_fused  # the page's checkbox
     for chosen in ("models/tiny-shapes-loras/swap", "org/some-hub-lora", "../swap"):
         with pytest.raises(InvalidRequest, match=r"unknown LoRA .* choose one of swap, small, corner \(or none\)"):
             build_request(preset, ImageRequest(preset.name, prompt=PROMPT, width=64, height=64, lora=chosen))
@@ -173,6 +184,7 @@ def test_the_adapter_joins_the_batch_key():
     assert batch_key(_request(lora="a")) != batch_key(_request(lora="b"))
     assert batch_key(_request(lora="a", lora_scale=0.5)) != batch_key(_request(lora="a"))
     assert batch_key(_request(lora="a", seed=9)) == batch_key(_request(lora="a"))
+    assert batch_key(_request(lora="a", lora_fused=True)) != batch_key(_request(lora="a"))
 
 
 def test_bad_adapters_are_refused_with_what_to_change_and_the_engine_keeps_serving(runner):
@@ -220,6 +232,33 @@ def test_a_swap_reaches_the_step_cache_clones(runner):
     assert b.lora_swap_ms is not None and a_again.lora_swap_ms is not None
     assert _diff(a.image(), b.image()) > 20
     assert _diff(a.image(), a_again.image()) == 0
+
+
+def test_fused_runs_eager_like_unfused_without_the_slots_matmuls(runner, adapters):
+    """Fused: the adapter folded into a copy of the targeted weights; the image equals the unfused one, a swap
+    re-fuses, and the shared slot (what compiled graphs trace) is left as it was."""
+    unfused = runner.generate(_request(lora="b"))
+    fused = runner.generate(_request(lora="b", lora_fused=True))
+    assert fused.lora_fused and fused.lora_fuse_ms is not None and fused.lora_fuse_ms > 0
+    assert _diff(fused.image(), unfused.image()) <= 2
+    assert _diff(fused.image(), _fresh_image(adapters["b"], 0.5)) <= 2
+    again = runner.generate(_request(lora="b", lora_fused=True, seed=4))
+    assert again.lora_fuse_ms is None  # the fused copy already holds b at 0.5
+    a = runner.generate(_request(lora="a", lora_fused=True))
+    assert a.lora_swap_ms is not None and a.lora_fuse_ms is not None
+    assert _diff(a.image(), _fresh_image(adapters["a"])) <= 2
+    from peft.tuners.lora import LoraLayer
+
+    denoiser = runner.loras.fused_pipeline(runner.pipe).transformer
+    assert not any(isinstance(m, LoraLayer) for m in denoiser.modules())  # no LoRA branch left to run
+    assert all(not m.merged for m in runner.pipe.transformer.modules() if isinstance(m, LoraLayer))
+    plain = runner.generate(_request())
+    assert _diff(plain.image(), _fresh_image(None)) <= 2  # the base weights are untouched
+    assert runner.lora_info().fuses >= 2
+    with pytest.raises(UnsupportedCombination, match="a fused LoRA runs in eager mode only, not compile"):
+        runner.generate(_request(lora="a", lora_fused=True, mode="compile"))
+    cached = runner.generate(_request(lora="a", lora_fused=True, step_cache="first-block:0.2"))
+    assert cached.lora_fused and _diff(cached.image(), plain.image()) > 20
 
 
 def test_adapters_are_refused_where_the_engine_cannot_hold_them(cache_dir, adapters):
@@ -322,7 +361,7 @@ def test_swaps_on_a_warm_compiled_bucket_recompile_nothing(cache_dir, adapters, 
     assert _diff(narrow.image(), _fresh_image(adapters["narrow"])) <= 2
     assert _diff(plain.image(), _fresh_image(None)) <= 2
     assert _diff(a.image(), warm.image()) <= 2
-    assert runner.loras.status()["swaps"] >= 4
+    assert runner.loras.state.swaps >= 4
     board = runner.lora_info()  # what the app's board shows
     assert board.swaps >= 4 and board.recompiles == 0 and board.current == "a"
 
@@ -366,7 +405,10 @@ def test_the_trained_styles_draw_held_out_prompts_as_they_imply(style):
     from engine.models.shapes import grammar, styles
     from engine.models.shapes.evaluate import generate
 
-    pipe = _fresh_pipeline(LORAS / style)
+    from engine.config.presets import get_preset
+
+    scale = next(lora.scale for lora in get_preset("tiny-shapes").loras if lora.name == style)  # as served
+    pipe = _fresh_pipeline(LORAS / style, scale)
     prompts = list(grammar.HELD_OUT)
     images = generate(pipe, prompts, list(range(len(prompts))), 64, 64)
     assert styles.score(images, prompts, style) >= STYLE_FLOORS[style]

@@ -24,7 +24,7 @@ def test_a_request_is_frozen_and_replaced_not_mutated():
 def test_the_form_lists_request_fields_and_the_api_its_own():
     names = {f.name for f in dataclasses.fields(ImageRequest)}
     assert set(FORM_FIELDS) <= names
-    assert API_FIELDS == tuple(n for n in FORM_FIELDS if n != "lora_scale")
+    assert API_FIELDS == tuple(n for n in FORM_FIELDS if n not in ("lora_scale", "lora_fused"))
 
 
 def test_size_then_width_and_height_then_the_first_bucket():

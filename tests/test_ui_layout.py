@@ -27,7 +27,7 @@ PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "sys
               "advise_start", "advise_poll"}  # the advisor as a start/poll pair (ui/mcp.py)
 TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
-                 "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "generate-btn",
+                 "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "lora-fused", "generate-btn",
                  "cancel-btn", "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output",
                  "run-summary", "history"},
     "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",
@@ -35,7 +35,7 @@ TAB_IDS = {
                 "attention-table"},
     "compare": {"c-prompt", "c-preset", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
-                "c-speedup", "c-costs", "c-json", "c-caches", "c-fidelity-prompts", "c-cards", "c-configs",
+                "c-speedup", "c-costs", "c-json", "c-caches", "c-loras", "c-fidelity-prompts", "c-cards", "c-configs",
                 "c-config-list", "c-timing", "c-config-check", "c-status"},
     "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-minutes", "a-fidelity-points", "a-min-psnr",
                 "advise-btn", "a-cancel-btn", "a-apply-btn", "a-status", "a-summary", "a-frontier", "a-table",

@@ -29,7 +29,7 @@ from engine.bench.paired import PairedTiming, current_marks, engine_marks
 from engine.config.request import ImageRequest
 from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
-from engine.protocol import Mode, Precision, Size
+from engine.protocol import Mode, Precision, Size, parse_lora
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
@@ -84,6 +84,7 @@ class CompareForm:
     fidelity_prompts: int | None = DEFAULT_FIDELITY_PROMPTS
     configurations: str | None = None
     timing_s: float | str | None = DEFAULT_TIMING_S
+    loras: list[str] | None = None  # "none", "NAME" or "NAME:fused": one more axis of the cross product
 
 
 COMPARE_FIELDS = tuple(f.name for f in fields(CompareForm))
@@ -96,6 +97,14 @@ class CompareHandlers(HandlerBase):
         p = self.manager.preset(preset)
         return (gr.update(choices=sizes, value=sizes[0] if sizes else None), gr.update(value=p.steps),
                 gr.update(value=p.guidance))
+
+    def compare_loras(self, preset: str):
+        """Preset changed: its LoRA styles, unfused and fused."""
+        try:
+            return gr.update(choices=views.compare_lora_choices(self.manager.preset(preset),
+                                                                self.manager.options.loras), value=["none"])
+        except ShowcaseError:
+            return gr.update(choices=[("none", "none")], value=["none"])
 
     def compare_caches(self, preset: str, devices, modes):
         """The step caches the picked preset, devices and modes can use; unusable ones say why."""
@@ -114,7 +123,8 @@ class CompareHandlers(HandlerBase):
         available = [r["name"] for r in self.devices_report() if r.get("available")]
         return available[0] if available else "cpu"
 
-    def _configs(self, devices, precisions, modes, caches, configurations: str = "") -> tuple[list[str], str, bool]:
+    def _configs(self, devices, precisions, modes, caches, configurations: str = "", loras=None
+                 ) -> tuple[list[str], str, bool]:
         """(every configuration, the reference first; the reference label; whether it was picked). A typed
         list (`configurations`) replaces the checkboxes' cross product."""
         if str(configurations or "").strip():
@@ -126,9 +136,13 @@ class CompareHandlers(HandlerBase):
             picked = list(dict.fromkeys(typed_label(c, device) for c in typed))
             what, reference_device = "listed", device
         else:
-            picked = [views.config_label(d, p, m, c) for d, p, m, c in
-                      product(devices or [], precisions or [], modes or [], caches or [views.NO_CACHE])]
-            what, reference_device = "device × precision × mode × step cache", (devices or [None])[0]
+            try:
+                styles = [explicit.lora_suffix(parse_lora(text)) for text in loras or ["none"]]
+            except ShowcaseError as exc:
+                raise gr.Error(str(exc), title="Invalid request") from None
+            picked = [views.config_label(d, p, m, c, style) for d, p, m, c, style in
+                      product(devices or [], precisions or [], modes or [], caches or [views.NO_CACHE], styles)]
+            what, reference_device = "device × precision × mode × step cache × LoRA", (devices or [None])[0]
             for p in precisions or []:
                 if p not in Precision.values():
                     raise gr.Error(f"unknown precision {p!r}; choose from {', '.join(Precision.values())}",
@@ -143,11 +157,12 @@ class CompareHandlers(HandlerBase):
     def refusal(self, preset: str, config: str) -> str | None:
         """Why a configuration cannot run here, by the engine's own checks (None: it can)."""
         device, precision, mode, cache = views.parse_config(config)
-        lora, lora_scale = explicit.split_lora(config)[1:]
+        lora = explicit.split_lora(config)[1]
         try:
             spec = self.device_spec(device)
             return explicit.refusal(self.manager.preset(preset), spec,
-                                    explicit.Configuration(mode, precision, cache, None, lora, lora_scale),
+                                    explicit.Configuration(mode, precision, cache, None, lora.name, lora.scale,
+                                                           lora.fused),
                                     loras=self.manager.options.loras)
         except ShowcaseError as exc:
             return explicit.first_line(str(exc))
@@ -194,9 +209,9 @@ class CompareHandlers(HandlerBase):
 
     def compare(self, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
         """The same prompt, seed, size and steps on every configuration (1–6): the typed list
-        `configurations` ("mode/precision[/step cache][+lora=NAME[:SCALE]][@device]; ...",
+        `configurations` ("mode/precision[/step cache][+lora=NAME[:SCALE][:fused]][@device]; ...",
         engine/bench/configs.py: one entry per adapter gives one card per style) or else every device ×
-        precision × mode × step cache picked, plus eager fp32 without a cache on the first device when it is
+        precision × mode × step cache × LoRA style picked, plus eager fp32 without a cache on the first device when it is
         not among them. `form`: CompareForm's fields by name.
 
         Each configuration first draws its quality images (the prompt, then the fidelity prompts), which warm
@@ -264,7 +279,7 @@ class Comparison:
     def __init__(self, h: CompareHandlers, form: CompareForm, request: gr.Request | None, progress):
         self.h, self.form, self.request, self.progress = h, form, request, progress
         self.configs, self.reference, picked = h._configs(form.devices, form.precisions, form.modes, form.caches,
-                                                          form.configurations)
+                                                          form.configurations, form.loras)
         self.note = ("the reference, picked" if picked else
                      "the reference, added: every speedup and drift is measured against it")
         try:
@@ -352,13 +367,13 @@ class Comparison:
         """What one image of `config` asks the engine for: its device, precision, mode, step cache and LoRA
         (every configuration is priced the same way; a LoRA's is just one more lever)."""
         device, precision, mode, cache = views.parse_config(config)
-        lora, lora_scale = explicit.split_lora(config)[1:]
+        lora = explicit.split_lora(config)[1]
         form = self.form
         return ImageRequest(form.preset, prompt=text, device=device, precision=precision, mode=mode,
                             size=self.size_text, steps=self.steps, guidance=form.guidance, seed=seed,
                             on_cold="wait" if form.wait_for_warm else "eager",
                             step_cache=None if cache == views.NO_CACHE else cache, caller=self.caller,
-                            lora=lora, lora_scale=lora_scale)
+                            lora=lora.text(), lora_fused=lora.fused)
 
     # -- phase 1: quality images, one configuration after another (they also warm each one) ------------
     def quality_images(self, index: int, config: str):
@@ -410,8 +425,8 @@ class Comparison:
         images = [r.image() for r, _ in outcomes]
         if is_reference:
             self.ref_images = images
-        _, lora, lora_scale = explicit.split_lora(config)
-        style = lora if lora and lora_scale != 0 else None  # a style's cards are checked as the style implies
+        lora = explicit.split_lora(config)[1]
+        style = lora.name if lora.scale != 0 else None  # a style's cards are checked as the style implies
         entry.update(views.price_quality(images, self.prompts, None if is_reference else self.ref_images,
                                          self.model, style))
         entry["image_index"] = len(self.thumbnails)
@@ -491,14 +506,15 @@ class Comparison:
 def typed_label(config: explicit.Configuration, device: str) -> str:
     """A typed configuration's label ("cpu/fp32/compile+lora=swap:0.5"), on `device` when it names none."""
     return views.config_label(config.device or device, config.precision, config.mode, config.step_cache,
-                              explicit.lora_suffix(config.lora, config.lora_scale))
+                              explicit.lora_suffix(config.lora_choice))
 
 
 def caption(entry: dict) -> str:
     """A gallery image's caption: its configuration, s / image, speedup, drift and fidelity."""
     figure = entry.get("speedup_figure")
     return " · ".join(filter(None, [
-        entry["config"], f"LoRA {entry['lora']} at {entry.get('lora_scale', 1):g}" if entry.get("lora") else "",
+        entry["config"], (f"LoRA {entry['lora']} at {entry.get('lora_scale', 1):g}{' fused' if entry.get('lora_fused') else ''}"
+         if entry.get("lora") else ""),
         f"{views.per_image_s(entry):.3f} s / image",
         f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
         f"drift {entry['drift']}" if entry.get("drift") else "",
@@ -585,11 +601,14 @@ class ComparePage:
             h.step_cache_rows(self.preset.name, (available or ["cpu"])[0], "eager"))
         form["caches"] = gr.CheckboxGroup(cache_choices or [views.NO_CACHE], value=[views.NO_CACHE],
                                           label="Step caches (unavailable ones say why)", elem_id="c-caches")
+        form["loras"] = gr.CheckboxGroup(views.compare_lora_choices(self.preset, h.manager.options.loras),
+                                         value=["none"], label="LoRA styles (one card per style; fused: eager only)",
+                                         elem_id="c-loras")
         form["wait_for_warm"] = gr.Checkbox(True, label="Wait for compiled buckets (their compile cost is "
                                             "measured); off: cold buckets run eagerly", elem_id="c-wait")
         form["configurations"] = gr.Textbox(
             label="Configurations (replaces the checkboxes when filled): mode/precision[/step cache]"
-                  "[+lora=NAME[:SCALE]][@device], separated by ; — e.g. eager/fp32; compile/fp32; regional/bf16; "
+                  "[+lora=NAME[:SCALE][:fused]][@device], separated by ; — e.g. eager/fp32; compile/fp32; regional/bf16; "
                   "eager/fp32/first-block:0.2; compile/fp32+lora=swap", value="", lines=2, elem_id="c-configs")
         with gr.Row():
             self.config_list = gr.Dropdown(list(explicit.LISTS), value=None, label="Fill in a list",
@@ -626,6 +645,7 @@ class ComparePage:
     def wire(self) -> None:
         h, f = self.h, self.form
         f["preset"].change(h.compare_defaults, f["preset"], [f["size"], f["steps"], f["guidance"]], **FAST)
+        f["preset"].change(h.compare_loras, f["preset"], f["loras"], **FAST)
         self.config_list.input(h.configuration_list, [self.config_list, f["preset"], f["devices"], f["size"],
                                                       f["steps"]], f["configurations"], **FAST)
         gr.on([f["configurations"].change, f["preset"].change, f["devices"].change], h.check_configurations,

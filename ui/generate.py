@@ -269,8 +269,9 @@ class GenerateHandlers(HandlerBase):
             negative_prompt=form.get("negative_prompt") or None, steps=_given(form.get("steps")),
             guidance=_given(form.get("guidance")), seed=0 if _given(form.get("seed")) is None else form["seed"],
             on_cold=form.get("on_cold") or self.defaults.on_cold, step_cache=_chosen(form.get("step_cache")),
-            # "NAME[:SCALE]"; the page's slider scale wins
+            # "NAME[:SCALE][:fused]"; the page's slider scale and fused box win
             lora=lora, lora_scale=_given(form.get("lora_scale")) if lora else None,
+            lora_fused=bool(form["lora_fused"]) if lora and form.get("lora_fused") is not None else None,
             caller=self.caller(request), client=self.client_of(request),
         )
 
@@ -353,9 +354,10 @@ def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]
         "tp": "ranks: " + ", ".join(str(c) for c in RANK_CHOICES) + " (> 1 runs on the torchrun sidecar)",
         "step_cache": "none, or one of " + ", ".join(c for c in caches if c != "none")
                       + " (/status and the page say which can run on an engine)",
-        "lora": "none, or NAME[:SCALE] with NAME one of the preset's styles (`python -m engine presets` lists "
-                "them; the default preset's: " + (", ".join(lora.name for lora in h.manager.preset(preset).loras)
-                                                  or "none") + ") and SCALE 0-2 (default: the style's own)",
+        "lora": "none, or NAME[:SCALE][:fused] with NAME one of the preset's styles (`python -m engine presets` "
+                "lists them; the default preset's: " + (", ".join(lora.name for lora in h.manager.preset(preset).loras)
+                                                        or "none") + "), SCALE 0-2 (default: the style's own) and "
+                ":fused to fold it into the weights (eager mode only)",
     }
 
 
@@ -459,6 +461,8 @@ class GeneratePage:
                                        "LoRA style (off: the host starts the app with --loras)")
             form["lora_scale"] = gr.Slider(0.0, 2.0, value=1.0, step=0.05, label="LoRA scale",
                                            elem_id="lora-scale")
+            form["lora_fused"] = gr.Checkbox(False, label="Fuse into the weights (eager only: no per-step "
+                                             "LoRA cost, a fuse when the style changes)", elem_id="lora-fused")
 
     def outputs(self) -> None:
         with gr.Row():

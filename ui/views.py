@@ -145,13 +145,24 @@ def lora_choices(preset, slot: bool = True) -> list[tuple[str, str]]:
                                  for lora in preset.loras]
 
 
+def compare_lora_choices(preset, slot: bool) -> list[tuple[str, str]]:
+    """Compare's LoRA axis: "none", then each adapter unfused and fused (values in the typed list's
+    NAME[:fused] form); without a slot only "none"."""
+    return [("none", "none")] + [choice for lora in (preset.loras if slot else ())
+                                 for choice in ((lora.name, lora.name), (f"{lora.name} fused", f"{lora.name}:fused"))]
+
+
 def lora_text(result: dict) -> str:
     """The adapter a run used, its scale and rank, and the hot-swap it waited for."""
     if not result.get("lora"):
         return "none"
-    swap = result.get("lora_swap_ms")
-    return (f"{result['lora']} at scale {result.get('lora_scale', 1):g}, rank {result.get('lora_rank')}; "
+    swap, fuse = result.get("lora_swap_ms"), result.get("lora_fuse_ms")
+    text = (f"{result['lora']} at scale {result.get('lora_scale', 1):g}, rank {result.get('lora_rank')}; "
             + (f"hot-swapped in {swap:.0f} ms (no recompile)" if swap is not None else "already in place"))
+    if result.get("lora_fused"):
+        text += (f"; fused into the weights in {fuse:.0f} ms" if fuse is not None
+                 else "; fused into the weights (already)")
+    return text
 
 
 def run_summary(result: dict | None) -> str:

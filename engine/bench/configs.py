@@ -3,7 +3,7 @@
 
 The form, one configuration per entry, entries separated by ";" or new lines:
 
-    mode/precision[/step cache][+lora=NAME[:SCALE]][@device]
+    mode/precision[/step cache][+lora=NAME[:SCALE][:fused]][@device]
 
 e.g. "eager/fp32; compile/fp32; regional/bf16; eager/fp32/first-block:0.2; compile/bf16@cuda;
 compile/fp32+lora=swap; compile/fp32+lora=swap:0.5". The step cache is any form `python -m engine
@@ -11,7 +11,8 @@ step-caches` lists ("none" or left out: no cache); the device is one of the engi
 comparison's default device when left out.
 
 The LoRA part picks one of the preset's adapters (`[[PRESET.loras]]`) at SCALE (0-2; left out: the adapter's
-own scale), as `--lora NAME[:SCALE]` does on the CLI; "+lora=none" is no LoRA. It is a "+" suffix, not a
+own scale), fused into the weights with ":fused" (eager only), as `--lora NAME[:SCALE][:fused]` does on the
+CLI; "+lora=none" is no LoRA. It is a "+" suffix, not a
 fourth "/" part, because the step cache before it is optional and a position would not say which is which;
 it reads as "this configuration plus a style", so listing one entry per adapter gives one card per style.
 """
@@ -22,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
-from engine.protocol import Mode, Precision, StepCache, parse_lora
+from engine.protocol import LoraChoice, Mode, Precision, StepCache, parse_lora
 
 MAX_ENTRIES = 12  # far more than a comparison runs: a longer list is a paste gone wrong
 LEVERS = "the levers one at a time"
@@ -38,26 +39,30 @@ class Configuration:
     device: str | None = None  # None: the comparison's default device
     lora: str | None = None  # one of the preset's adapters (None: no LoRA)
     lora_scale: float | None = None  # None: the adapter's own scale
+    lora_fused: bool = False
+
+    @property
+    def lora_choice(self) -> LoraChoice:
+        return LoraChoice(self.lora, self.lora_scale, self.lora_fused)
 
     def text(self) -> str:
         """Its entry in the list's form (parse_configurations reads it back)."""
         parts = [self.mode, self.precision] + ([self.step_cache] if self.step_cache != "none" else [])
-        return "/".join(parts) + lora_suffix(self.lora, self.lora_scale) + (f"@{self.device}" if self.device else "")
+        return "/".join(parts) + lora_suffix(self.lora_choice) + (f"@{self.device}" if self.device else "")
 
 
-LORA_PART = re.compile(r"\+\s*lora\s*=\s*([^@+;]*)", re.IGNORECASE)  # "+lora=NAME[:SCALE]", before or after @device
-FORM = "mode/precision[/step cache][+lora=NAME[:SCALE]][@device]"
+LORA_PART = re.compile(r"\+\s*lora\s*=\s*([^@+;]*)", re.IGNORECASE)  # "+lora=NAME[:SCALE][:fused]", before or after @device
+FORM = "mode/precision[/step cache][+lora=NAME[:SCALE][:fused]][@device]"
 
 
-def lora_suffix(name: str | None, scale: float | None = None) -> str:
-    """"+lora=NAME[:SCALE]" ("" for no LoRA): how a configuration's entry and its Compare label name the adapter."""
-    if name is None:
-        return ""
-    return f"+lora={name}" + (f":{scale:g}" if scale is not None else "")
+def lora_suffix(choice: LoraChoice) -> str:
+    """"+lora=NAME[:SCALE][:fused]" ("" for no LoRA): how a configuration's entry and its Compare label name the
+    adapter."""
+    return "" if choice.name is None else f"+lora={choice.text()}"
 
 
-def split_lora(entry: str) -> tuple[str, str | None, float | None]:
-    """(the entry without its LoRA part, adapter, scale); ValueError for a second LoRA part or a bad scale."""
+def split_lora(entry: str) -> tuple[str, LoraChoice]:
+    """(the entry without its LoRA part, its LoRA); ValueError for a second LoRA part or a bad scale."""
     found = LORA_PART.findall(entry)
     if len(found) > 1:
         raise ValueError(f"configuration {entry!r}: one LoRA per configuration (+lora=NAME[:SCALE]); list an entry "
@@ -66,14 +71,13 @@ def split_lora(entry: str) -> tuple[str, str | None, float | None]:
     if "+" in rest:
         raise ValueError(f"configuration {entry!r}: write the LoRA as +lora=NAME[:SCALE], e.g. compile/fp32+lora=swap:0.5")
     if not found:
-        return rest, None, None
+        return rest, LoraChoice()
     if not found[0].strip():
         raise ValueError(f"configuration {entry!r}: +lora= names no adapter; write +lora=NAME[:SCALE] or leave it out")
     try:
-        name, scale = parse_lora(found[0])
+        return rest, parse_lora(found[0])
     except InvalidRequest as exc:
         raise ValueError(f"configuration {entry!r}: {exc}") from None
-    return rest, name, scale
 
 
 def parse_configurations(text: str) -> list[Configuration]:
@@ -93,7 +97,7 @@ def parse_configurations(text: str) -> list[Configuration]:
 
 def parse_entry(entry: str) -> Configuration:
     """One configuration of the list's form; ValueError saying what is wrong and the form to use."""
-    rest, lora, lora_scale = split_lora(entry)
+    rest, lora = split_lora(entry)
     body, _, device = rest.partition("@")
     parts = [p.strip() for p in body.split("/")]
     if len(parts) < 2 or len(parts) > 3 or not all(parts):
@@ -109,7 +113,7 @@ def parse_entry(entry: str) -> Configuration:
         cache = str(StepCache.parse(parts[2])) if len(parts) == 3 else "none"
     except Exception as exc:
         raise ValueError(f"configuration {entry!r}: {exc}") from None
-    return Configuration(mode, precision, cache or "none", device.strip() or None, lora, lora_scale)
+    return Configuration(mode, precision, cache or "none", device.strip() or None, lora.name, lora.scale, lora.fused)
 
 
 def refusal(preset, spec, config: Configuration, loras: bool = False) -> str | None:
@@ -143,6 +147,9 @@ def lora_refusal(preset, config: Configuration, loras: bool) -> str | None:
         return "the engines here serve no LoRA styles: the host turns them on with --loras"
     if config.mode == Mode.AOT:
         return "LoRA adapters do not run in aot mode (its packages are exported with the LoRA slot off)"
+    if config.lora_fused and config.mode != Mode.EAGER:
+        return (f"a fused LoRA runs in eager mode only, not {config.mode} (every fuse would recompile the graph): "
+                f"use eager with :fused, or {config.mode} unfused")
     if Precision(config.precision).quantized:
         return f"LoRA adapters are not served on {config.precision} engines: use fp32, bf16 or fp16"
     return None

@@ -40,6 +40,7 @@ FORM = (
     FormField("precision"), FormField("mode"), FormField("size"), FormField("steps"), FormField("guidance"),
     FormField("seed"), FormField("on_cold"), FormField("tp"), FormField("step_cache"), FormField("lora"),
     FormField("lora_scale", api=False),  # the page's slider; an API caller writes "NAME:SCALE"
+    FormField("lora_fused", api=False),  # the page's checkbox; an API caller writes "NAME[:SCALE]:fused"
 )
 FORM_FIELDS = tuple(f.name for f in FORM)
 API_FIELDS = tuple(f.name for f in FORM if f.api)
@@ -73,6 +74,7 @@ class ImageRequest:
     step_cache: str | None = None
     lora: str | None = None
     lora_scale: float | str | None = None
+    lora_fused: bool | None = None  # None: as `lora` says
     # who asks
     caller: Caller = Caller.HOST
     client: str = ""  # the visitor's address: engines take turns between clients, budgets are held per client

@@ -6,6 +6,7 @@ model, so the server answers bad input at once and keeps serving.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -17,12 +18,14 @@ from engine.errors import InvalidRequest
 from engine.protocol import (
     MAX_STEPS,
     GenerateRequest,
+    LoraChoice,
     Mode,
     ModelPreset,
     OnCold,
     Precision,
     Size,
     StepCache,
+    check_lora_scale,
     parse_lora,
 )
 
@@ -124,7 +127,7 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
     if not 0 <= seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be between 0 and {MAX_SEED}, got {seed}")
     size, size_notices = route_size(preset, width, height, snap=spec.snap)
-    lora, lora_scale = check_lora(preset, spec.lora, spec.lora_scale)
+    lora = check_lora(preset, spec.lora, spec.lora_scale, spec.lora_fused)
     request = GenerateRequest(
         prompt=prompt,
         negative_prompt=negative or None,
@@ -136,26 +139,30 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
         mode=mode,
         on_cold=on_cold,
         step_cache=step_cache,
-        lora=lora,
-        lora_scale=lora_scale,
+        lora=lora.name,
+        lora_scale=lora.scale,
+        lora_fused=lora.fused,
         client=spec.client,
     )
     return request, notices + size_notices
 
 
-def check_lora(preset: ModelPreset, lora, scale=None) -> tuple[str | None, float | None]:
-    """(adapter, scale) from "NAME[:SCALE]" and an optional scale; only the preset's adapters by name (a visitor
-    can never name a file or a Hub repo)."""
-    name, text_scale = parse_lora(lora)
-    if name is None:
-        return None, None
+def check_lora(preset: ModelPreset, lora, scale=None, fused: bool | None = None) -> LoraChoice:
+    """The choice in "NAME[:SCALE][:fused]", with a separate scale and fused flag (the page's slider and
+    checkbox) taking precedence; only the preset's adapters by name (a visitor can never name a file or a
+    Hub repo)."""
+    choice = parse_lora(lora)
+    if choice.name is None:
+        return choice
     names = [source.name for source in preset.loras]
-    if name not in names:
+    if choice.name not in names:
         offered = f"choose one of {', '.join(names)} (or none)" if names else "it lists no LoRA adapters"
-        raise InvalidRequest(f"unknown LoRA {name!r} for {preset.name}: {offered}")
+        raise InvalidRequest(f"unknown LoRA {choice.name!r} for {preset.name}: {offered}")
     if scale not in (None, ""):
-        return name, parse_lora(f"{name}:{scale}")[1]
-    return name, text_scale
+        choice = dataclasses.replace(choice, scale=check_lora_scale(scale))
+    if fused is not None:
+        choice = dataclasses.replace(choice, fused=bool(fused))
+    return choice
 
 
 def check_precision(precision: str) -> Precision:

@@ -15,6 +15,7 @@ import torch
 from engine import devices
 from engine.pipeline import recipes, stepcache, variants
 from engine.pipeline.clock import RunClock
+from engine.pipeline.lora import SlotChange
 from engine.protocol import EngineOptions, GenerateRequest, ModelPreset, StepProgress, Timings
 
 
@@ -59,7 +60,7 @@ class CallOutcome:
     recompiles: int
     cached_steps: tuple[int, ...]
     peak: int | None
-    lora_swap_ms: float | None = None  # the LoRA hot-swap this call waited for (engine/pipeline/lora.py)
+    lora: SlotChange = SlotChange()  # the LoRA hot-swap or fuse this call waited for (engine/pipeline/lora.py)
 
 
 class _StepEnds:

@@ -9,6 +9,14 @@ hotswap=True)`: weights copied into the slot's zero-padded tensors) reaches them
 A request's scale is written into the slot's scaling tensors (no recompile either); "no LoRA" is scale 0,
 which adds an exact zero.
 
+Fused (`LoraChoice.fused`, eager only): the adapter folded into the weights, so a step costs what it costs
+with no LoRA. The fused denoiser is a structural clone whose LoRA layers are plain linears with weights of
+their own (base + the slot's delta, refreshed when the adapter or scale changes: the "fuse"); every other
+tensor is shared. It is a clone, not peft's in-place `merge`, because merging flips a flag on modules the
+compiled graphs share and guard on (measured: the next compiled call recompiled) while a bucket may be
+compiling on the warm-up thread, and because un-merging in bf16 does not give the base weights back
+exactly. Its price is memory: a copy of the targeted layers (`fused_bytes`, reserved in the footprint).
+
 What does not hot-swap, refused with the reason when the engine loads (the engine serves its other adapters):
 an adapter with text-encoder layers (diffusers hot-swaps only the denoiser), one targeting layers outside the
 first adapter's set (a compiled graph has no LoRA branch there), one of a rank above R (the slot's tensors
@@ -25,11 +33,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from engine import settings
 from engine.errors import InvalidRequest, ModelLoadError, UnsupportedCombination
 from engine.metrics import median
 from engine.models import weights
-from engine.protocol import EngineKey, LoraInfo, LoraSource, ModelPreset
+from engine.protocol import EngineKey, LoraChoice, LoraInfo, LoraSource, ModelPreset
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +138,17 @@ class SlotState:
     swaps: int = 0
     swap_ms: list[float] = field(default_factory=list)
     recompiles: int = 0  # compiles during requests on warm compiled buckets (the runner's count per call)
+    fused: tuple[str, float] | None = None  # (adapter, scale) the fused copy holds
+    fuses: int = 0
+    fuse_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SlotChange:
+    """What a call waited for before its first step: a hot-swap, a fuse (None: nothing to do)."""
+
+    swap_ms: float | None = None
+    fuse_ms: float | None = None
 
 
 class LoraSlot:
@@ -144,6 +165,8 @@ class LoraSlot:
         self.state = SlotState()
         self._base_scaling: dict[int, float] = {}
         self._lock = threading.Lock()
+        self._fused_pipe = None
+        self._fused_layers: list[tuple[object, torch.nn.Linear]] = []  # (slot layer, its fused linear)
 
     @classmethod
     def prepare(cls, pipe, preset: ModelPreset, allowed_roots: tuple[str, ...] = ()) -> tuple[LoraSlot, list[str]]:
@@ -217,31 +240,74 @@ class LoraSlot:
             module.scaling[SLOT].fill_(self._base_scaling.get(id(module), 0.0) * scale)
         self.state.scale = scale
 
-    def select(self, name: str | None, scale: float) -> float | None:
-        """Put `name` at `scale` in the slot (None: scale 0). Returns the hot-swap's milliseconds, None when
-        the adapter was already there. A failed swap restores the previous adapter and raises."""
+    def select(self, choice: LoraChoice) -> SlotChange:
+        """Put `choice`'s adapter at its scale in the slot (no adapter: scale 0) and, when it is fused, into
+        the fused copy. A failed swap restores the previous adapter and raises."""
         with self._lock:
             swap_ms = None
+            name, scale = choice.name, choice.scale if choice.name is not None else 0.0
             if name is not None and name != self.state.adapter:
-                previous = self.state.adapter
-                start = time.perf_counter()
-                try:
-                    self._load(name, hotswap=True)
-                except Exception as exc:
-                    log.warning("LoRA swap to %s failed (%s); restoring %s", name, exc, previous)
-                    if previous is not None:
-                        self._load(previous, hotswap=True)
-                    self.set_scale(self.state.scale)
-                    raise UnsupportedCombination(f"LoRA {name!r} could not be swapped in ({type(exc).__name__}: "
-                                                 f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); the engine "
-                                                 f"keeps serving with {previous or 'no LoRA'}") from None
-                swap_ms = 1000 * (time.perf_counter() - start)
-                self.state.swaps += 1
-                self.state.swap_ms.append(swap_ms)
-            target = scale if name is not None else 0.0
-            if target != self.state.scale or swap_ms is not None:
-                self.set_scale(target)
-            return swap_ms
+                swap_ms = self._swap(name)
+            if scale != self.state.scale or swap_ms is not None:
+                self.set_scale(scale)
+            fuse_ms = self._fuse(name, scale) if choice.fused else None
+            return SlotChange(swap_ms, fuse_ms)
+
+    def _swap(self, name: str) -> float:
+        previous = self.state.adapter
+        start = time.perf_counter()
+        try:
+            self._load(name, hotswap=True)
+        except Exception as exc:
+            log.warning("LoRA swap to %s failed (%s); restoring %s", name, exc, previous)
+            if previous is not None:
+                self._load(previous, hotswap=True)
+            self.set_scale(self.state.scale)
+            raise UnsupportedCombination(f"LoRA {name!r} could not be swapped in ({type(exc).__name__}: "
+                                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); the engine "
+                                         f"keeps serving with {previous or 'no LoRA'}") from None
+        swap_ms = 1000 * (time.perf_counter() - start)
+        self.state.swaps += 1
+        self.state.swap_ms.append(swap_ms)
+        return swap_ms
+
+    # -- fused ------------------------------------------------------------------------------------
+    @property
+    def fused_bytes(self) -> int:
+        """The fused copy's weights: what fused mode holds beyond the engine's own (reserved up front)."""
+        return sum(layer.base_layer.weight.numel() * layer.base_layer.weight.element_size()
+                   for layer in self._layers())
+
+    def fused_pipeline(self, eager_pipe):
+        """The eager pipeline over the fused denoiser (built once, on the first fused call)."""
+        if self._fused_pipe is None:
+            from engine.pipeline.modes import clone_module_tree
+            from engine.pipeline.variants import pipeline_over
+
+            denoiser = clone_module_tree(getattr(eager_pipe, self.preset.denoiser))
+            self._fused_layers = _fused_linears(denoiser)
+            self._fused_pipe = pipeline_over(eager_pipe, **{self.preset.denoiser: denoiser})
+        return self._fused_pipe
+
+    def _fuse(self, name: str | None, scale: float) -> float | None:
+        """Fold the slot (now holding `name` at `scale`) into the fused copy; None when it already holds it."""
+        if self.state.fused == (name, scale):
+            return None
+        if self._fused_pipe is None:
+            raise RuntimeError("fused LoRA: fused_pipeline() builds the fused copy before a fused select()")
+        start = time.perf_counter()
+        with torch.no_grad():
+            for layer, fused in self._fused_layers:
+                base = layer.base_layer.weight
+                if name is None or scale == 0:
+                    fused.weight.copy_(base)
+                else:
+                    fused.weight.copy_(base + layer.get_delta_weight(SLOT).to(base.dtype))
+        fuse_ms = 1000 * (time.perf_counter() - start)
+        self.state.fused = (name, scale)
+        self.state.fuses += 1
+        self.state.fuse_ms.append(fuse_ms)
+        return fuse_ms
 
     def rank(self, name: str | None) -> int | None:
         return self.adapters[name].rank if name in self.adapters else None
@@ -256,12 +322,28 @@ class LoraSlot:
         return LoraInfo(engine, adapters=tuple(self.adapters), refused=tuple(self.refused),
                         target_rank=self.target_rank, current=self.state.adapter if self.state.scale > 0 else None,
                         scale=self.state.scale, swaps=self.state.swaps, median_swap_ms=median(self.state.swap_ms),
-                        recompiles=self.state.recompiles)
+                        recompiles=self.state.recompiles, fuses=self.state.fuses,
+                        median_fuse_ms=median(self.state.fuse_ms))
 
-    def status(self) -> dict:
-        """What the board shows: the adapters, which one is in the slot, swaps served."""
 
-        return {"adapters": list(self.adapters), "refused": dict(self.refused), "target_rank": self.target_rank,
-                "current": self.state.adapter if self.state.scale > 0 else None, "scale": self.state.scale,
-                "swaps": self.state.swaps, "median_swap_ms": median(self.state.swap_ms),
-                "recompiles": self.state.recompiles}
+def _fused_linears(denoiser: torch.nn.Module) -> list[tuple[object, torch.nn.Linear]]:
+    """Replace each slot layer of a cloned denoiser by a plain linear with a weight of its own (its bias and
+    every other tensor stay shared); returns (slot layer, fused linear) pairs."""
+    from peft.tuners.lora import LoraLayer
+
+    pairs = []
+    for parent in list(denoiser.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if not (isinstance(child, LoraLayer) and SLOT in child.scaling):
+                continue
+            base = child.base_layer
+            if not isinstance(base, torch.nn.Linear) or child.use_dora.get(SLOT):
+                raise UnsupportedCombination(f"a fused LoRA needs plain linear layers; {child_name} is a "
+                                             f"{type(base).__name__}{' with DoRA' if child.use_dora.get(SLOT) else ''}"
+                                             ": run the LoRA unfused")
+            fused = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
+            fused.weight = torch.nn.Parameter(base.weight.detach().clone(), requires_grad=False)
+            fused.bias = base.bias  # shared: a LoRA does not change it
+            parent._modules[child_name] = fused
+            pairs.append((child, fused))
+    return pairs

@@ -31,6 +31,7 @@ from engine.pipeline.clock import install_compile_counter as _install_compile_co
 from engine.pipeline.faults import Faults
 from engine.pipeline.footprint import engine_footprint, weights_bytes
 from engine.pipeline.loading import PipelineLoader, lora_refusal
+from engine.pipeline.lora import SlotChange
 from engine.pipeline.modes import VariantSet, clone_module_tree, compile_denoiser
 from engine.pipeline.png import encode_png
 from engine.pipeline.progress import progress_bar
@@ -214,6 +215,11 @@ class PipelineRunner:
             raise UnsupportedCombination("LoRA adapters do not run in aot mode (its packages are exported with the "
                                          "LoRA slot off and serve requests without one): use compile or regional, "
                                          "which hot-swap on warm graphs")
+        if request.lora_fused and request.mode is not Mode.EAGER:
+            raise UnsupportedCombination(
+                f"a fused LoRA runs in eager mode only, not {request.mode}: fusing changes the layers a compiled "
+                "graph was traced with, so every fuse would recompile it. Use eager with the LoRA fused, or "
+                f"{request.mode} with it unfused (hot-swapped on the warm graphs)")
         name, scale = self.loras.check(request.lora, request.lora_scale)
         notices = []
         trigger = self.loras.adapters[name].source.trigger
@@ -264,12 +270,14 @@ class PipelineRunner:
         compiles_before = compiles_in_this_thread()
         aot_before = self.aot.counters()[1] if self.aot and request.mode is Mode.AOT else None
         cached = None
-        swap_ms = self.loras.select(request.lora, request.lora_scale or 0.0) if self.loras is not None else None
+        if request.lora_fused:  # built before the slot is selected, which fuses into it
+            pipe = self.loras.fused_pipeline(pipe)
+        slot = self.loras.select(request.lora_choice) if self.loras is not None else SlotChange()
 
         def outcome(images, timings, cancelled_at) -> CallOutcome:
             return CallOutcome(images, timings, cancelled_at, eager_fallback, compiles_in_this_thread() - compiles_before,
                                tuple(cached.counter.cached) if cached is not None else (),
-                               self.spec.peak_memory_bytes(), swap_ms)
+                               self.spec.peak_memory_bytes(), slot)
 
         def image_ready(index, image, timings):
             hooks.on_image(index, image, outcome(None, timings, None))
@@ -279,7 +287,8 @@ class PipelineRunner:
             if request.step_cache.enabled:
                 cached, cache_notices = self.step_caches.get(
                     request.mode, pipe, request.step_cache, request.steps,
-                    lambda p, v: self.caller.call(p, request.replace(request_id="calibrate"), cached=v))
+                    lambda p, v: self.caller.call(p, request.replace(request_id="calibrate"), cached=v),
+                    fused=request.lora_fused)
                 notices += cache_notices
                 pipe = cached.pipe
             images, timings, cancelled_at = self.caller.call(pipe, request, hooks.on_step, hooks.cancel, cached,
@@ -295,7 +304,7 @@ class PipelineRunner:
             notices.append(f"aot: a call at {bucket} matched no package (not the exported shapes or "
                            "arguments) and ran eagerly")
         return CallOutcome(images, timings, cancelled_at, eager_fallback, recompiles, cached_steps,
-                           self.spec.peak_memory_bytes(), swap_ms)
+                           self.spec.peak_memory_bytes(), slot)
 
     def _decodes_apart(self, request: GenerateRequest, pipe) -> bool:
         """Whether a batch led by `request` (its mode after any eager fallback) decodes its images apart: the
@@ -315,7 +324,8 @@ class PipelineRunner:
             cached_steps=run.cached_steps, batch_size=batch_size, lora=request.lora,
             lora_scale=request.lora_scale if request.lora else None,
             lora_rank=self.loras.rank(request.lora) if self.loras is not None else None,
-            lora_swap_ms=run.lora_swap_ms)
+            lora_swap_ms=run.lora.swap_ms, lora_fused=request.lora_fused and request.lora is not None,
+            lora_fuse_ms=run.lora.fuse_ms)
 
     def _out_of_memory(self, exc: Exception) -> DeviceOutOfMemory:
         gc.collect()
@@ -357,8 +367,10 @@ class PipelineRunner:
         return tuple(devices.folders_in_force(self.spec).items())
 
     def weights_bytes(self) -> int:
+        """The loaded weights, and the fused-LoRA copy reserved whether or not a fused call made it yet."""
         if self._weights_bytes is None:
-            self._weights_bytes = weights_bytes(self.pipe)
+            fused = self.loras.fused_bytes if self.loras is not None and self.loras.adapters else 0
+            self._weights_bytes = weights_bytes(self.pipe) + fused
         return self._weights_bytes
 
     def measure_peak(self) -> None:

@@ -377,9 +377,11 @@ class CacheVariants:
         tmp.replace(path)
         return ratios
 
-    def get(self, mode: Mode, base_pipe, cache: StepCache, steps: int, run) -> tuple[CachedDenoiser, list[str]]:
-        """The variant for (mode, cache[, steps]); MagCache calibrates first where no calibration is stored."""
-        key = (mode, str(cache), steps if cache.kind is StepCacheKind.MAGCACHE else None)
+    def get(self, mode: Mode, base_pipe, cache: StepCache, steps: int, run, fused: bool = False
+            ) -> tuple[CachedDenoiser, list[str]]:
+        """The variant for (mode, cache[, steps]) over `base_pipe` (`fused`: the fused-LoRA pipeline, a denoiser
+        of its own); MagCache calibrates first where no calibration is stored."""
+        key = (mode, fused, str(cache), steps if cache.kind is StepCacheKind.MAGCACHE else None)
         with self._lock:
             if key in self._variants:
                 self._variants.move_to_end(key)

@@ -10,7 +10,7 @@ from engine.config import caches
 from engine.errors import InvalidRequest
 from engine.pipeline.board import describe_failure
 from engine.pipeline.clock import cache_counters
-from engine.protocol import BucketInfo, BucketKey, BucketState, GenerateRequest, Mode, Size
+from engine.protocol import BucketInfo, BucketKey, BucketState, GenerateRequest, LoraChoice, Mode, Size
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class Warmup:
         if r.loras is not None:
             # An export holds the slot's scaling tensors as constants: captured with no LoRA (aot serves none).
             with r.run_lock:
-                r.loras.select(None, 0.0)
+                r.loras.select(LoraChoice())
         origin, notices = r.aot.warm(bucket, report=lambda text: r.board.update(bucket, origin=text))
         r.notices += notices
         return origin

@@ -49,15 +49,38 @@ def check_lora_scale(scale) -> float:
     return value
 
 
-def parse_lora(text) -> tuple[str | None, float | None]:
-    """(name, scale) from "NAME[:SCALE]" (the CLI's --lora and the API's text); (None, None) for "", "none"."""
+@dataclass(frozen=True)
+class LoraChoice:
+    """A request's LoRA: one of the preset's adapters by name (None: no LoRA), its scale (None: the
+    adapter's own) and whether it runs fused into the weights (eager only) or unfused (hot-swapped)."""
+
+    name: str | None = None
+    scale: float | None = None
+    fused: bool = False
+
+    def text(self) -> str:
+        """"NAME[:SCALE][:fused]" ("none" for no LoRA): what parse_lora reads back."""
+        if self.name is None:
+            return "none"
+        return self.name + (f":{self.scale:g}" if self.scale is not None else "") + (":fused" if self.fused else "")
+
+
+FUSED = "fused"
+
+
+def parse_lora(text) -> LoraChoice:
+    """The choice in "NAME[:SCALE][:fused]" (the CLI's --lora and the API's text); no LoRA for "", "none"."""
     text = "" if text is None else str(text).strip().lower()
     if len(text) > 64:
-        raise InvalidRequest("LoRA choice is longer than 64 characters: give NAME or NAME:SCALE")
+        raise InvalidRequest("LoRA choice is longer than 64 characters: give NAME, NAME:SCALE or NAME:SCALE:fused")
     if text in ("", "none"):
-        return None, None
-    name, _, scale = text.partition(":")
-    return name.strip(), (check_lora_scale(scale) if scale.strip() else None)
+        return LoraChoice()
+    name, *rest = (part.strip() for part in text.split(":"))
+    fused = FUSED in rest
+    numbers = [part for part in rest if part not in (FUSED, "")]
+    if len(numbers) > 1 or len(rest) > 2:
+        raise InvalidRequest(f"LoRA choice {text!r}: write NAME, NAME:SCALE, NAME:fused or NAME:SCALE:fused")
+    return LoraChoice(name, check_lora_scale(numbers[0]) if numbers else None, fused)
 
 
 @dataclass(frozen=True)

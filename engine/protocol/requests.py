@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine.metrics import median
-from engine.protocol.presets import ModelPreset, check_lora_scale
+from engine.protocol.presets import LoraChoice, ModelPreset, check_lora_scale
 from engine.protocol.vocabulary import (
     NO_STEP_CACHE,
     BucketInfo,
@@ -37,6 +37,7 @@ class GenerateRequest:
     step_cache: StepCache = NO_STEP_CACHE  # text ("first-block:0.2") is parsed at construction
     lora: str | None = None  # one of the preset's adapters by name (None: no LoRA)
     lora_scale: float | None = None  # None: the adapter's default scale
+    lora_fused: bool = False  # folded into the weights (eager only) rather than hot-swapped
     # Who asked (a visitor's address; "" for the host): an engine serves its waiting clients in turn.
     client: str = ""
 
@@ -45,6 +46,8 @@ class GenerateRequest:
         _coerce(self, "on_cold", OnCold)
         if self.lora is not None and str(self.lora).strip().lower() in ("", "none"):
             object.__setattr__(self, "lora", None)
+        if self.lora is None:
+            object.__setattr__(self, "lora_fused", False)
         if self.lora_scale is not None:
             object.__setattr__(self, "lora_scale", check_lora_scale(self.lora_scale))
         if not isinstance(self.step_cache, StepCache):
@@ -53,6 +56,10 @@ class GenerateRequest:
     @property
     def size(self) -> Size:
         return Size(self.width, self.height)
+
+    @property
+    def lora_choice(self) -> LoraChoice:
+        return LoraChoice(self.lora, self.lora_scale, self.lora_fused)
 
     @property
     def bucket(self) -> BucketKey:
@@ -106,6 +113,8 @@ class GenerateResult:
     lora_scale: float | None = None
     lora_rank: int | None = None
     lora_swap_ms: float | None = None  # the hot-swap this request waited for (None: the adapter was in place)
+    lora_fused: bool = False  # ran with the adapter folded into the weights
+    lora_fuse_ms: float | None = None  # the fuse this request waited for (None: the fused copy held it)
 
     @property
     def computed_steps(self) -> int:
@@ -144,6 +153,8 @@ class GenerateResult:
             "lora_scale": self.lora_scale,
             "lora_rank": self.lora_rank,
             "lora_swap_ms": self.lora_swap_ms,
+            "lora_fused": self.lora_fused,
+            "lora_fuse_ms": self.lora_fuse_ms,
             "timings": {
                 "step_ms": list(t.step_ms),
                 "first_step_ms": t.first_step_ms,

@@ -394,8 +394,11 @@ class LoraInfo:
     swaps: int = 0
     median_swap_ms: float | None = None
     recompiles: int = 0
+    fuses: int = 0  # refreshes of the fused copy (fused LoRA, eager)
+    median_fuse_ms: float | None = None
 
     def as_dict(self) -> dict:
         return {"adapters": list(self.adapters), "refused": list(self.refused), "target_rank": self.target_rank,
                 "current": self.current, "scale": self.scale, "swaps": self.swaps,
-                "median_swap_ms": self.median_swap_ms, "recompiles": self.recompiles}
+                "median_swap_ms": self.median_swap_ms, "recompiles": self.recompiles, "fuses": self.fuses,
+                "median_fuse_ms": self.median_fuse_ms}
