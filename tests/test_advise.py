@@ -76,8 +76,8 @@ def test_the_saved_file_drives_the_app_defaults_and_the_views(tmp_path):
     path = save(report, result_path(tmp_path, "tiny-shapes", "cpu", "64x64", 8))
     assert path.name == "tiny-shapes@cpu-64x64-8steps.json" and json.loads(path.read_text())["pick"]
     assert load_pick(path) == {"precision": "fp32", "mode": "regional", "step_cache": "first-block:0.2",
-                               "attention": "native", "preset": "tiny-shapes", "device": "cpu", "size": "64x64",
-                               "steps": 8}
+                               "attention": "native", "lora_fused": False, "preset": "tiny-shapes", "device": "cpu",
+                               "size": "64x64", "steps": 8}
     import app
 
     engine = app.apply_advice(app.DefaultEngine(preset="x", device="auto", precision="bf16", mode="compile"),
@@ -93,8 +93,8 @@ def test_the_saved_file_drives_the_app_defaults_and_the_views(tmp_path):
 
 
 def test_the_scan_times_compiled_modes_of_the_fastest_precisions_before_caches():
-    measured = {("fp32", "eager", "none", "native"): 0.20, ("bf16", "eager", "none", "native"): 0.50,
-                ("fp32", "compile", "none", "native"): 0.08, ("int8dq", "eager", "none", "native"): None}
+    measured = {("fp32", "eager", "none", "native", False): 0.20, ("bf16", "eager", "none", "native", False): 0.50,
+                ("fp32", "compile", "none", "native", False): 0.08, ("int8dq", "eager", "none", "native", False): None}
     grid = [Candidate("fp32", "eager", "first-block:0.2"), Candidate("bf16", "compile"),
             Candidate("fp32", "regional"), Candidate("fp32", "compile"), Candidate("bf16", "eager"),
             Candidate("fp32", "eager"), Candidate("fp32", "compile", "none", "flex"), Candidate("int8dq", "regional"),
@@ -231,3 +231,25 @@ def test_when_nothing_beats_eager_fp32_the_summary_says_so_without_a_final_round
     assert "Pick: `fp32/eager`** — no configuration within the bound measured faster than eager fp32." in markdown(report)
     assert "0 rounds" not in markdown(report)
     assert "no configuration within the bound measured faster than eager fp32" in advise_report.summary(report)
+
+
+def test_with_a_lora_every_configuration_draws_the_style_and_eager_adds_it_fused():
+    from engine import devices
+    from engine.bench.advise_choice import plan_grid
+    from engine.protocol import LoraChoice
+
+    styled = plan(lora=LoraChoice("swap"))
+    grid, skipped = plan_grid(styled, devices.resolve_device("cpu"))
+    fused = [c for c in grid if c.lora_fused]
+    assert fused and {c.mode for c in fused} == {"eager"} and all(c.step_cache == "none" for c in fused)
+    assert not any(c.precision.startswith("int8") for c in grid)  # LoRA is not served quantized
+    assert any("LoRA adapters are not served on int8" in s["why"] for s in skipped)
+    assert not any(c.lora_fused for c in plan_grid(plan(), devices.resolve_device("cpu"))[0])
+    assert styled.style == "swap" and plan(lora=LoraChoice("swap", 0.0)).style is None
+    assert Candidate("fp32", "eager", lora_fused=True).label() == "fp32/eager/lora-fused"
+    # The fused row is not the reference, and is measured right after it.
+    rows = [row("fp32", "eager"), {**row("fp32", "eager", ms=60), "lora_fused": True,
+                                   "label": "fp32/eager/lora-fused"}]
+    pick, _ = choose(rows, plan())
+    assert pick["label"] == "fp32/eager/lora-fused"
+    assert scan_rank(Candidate("fp32", "eager", lora_fused=True), {}.get) == (1, True)

@@ -402,10 +402,9 @@ STYLE_FLOORS = {"swap": 0.85, "small": 0.75, "corner": 0.85}
 @pytest.mark.slow
 @pytest.mark.parametrize("style", ["swap", "small", "corner"])
 def test_the_trained_styles_draw_held_out_prompts_as_they_imply(style):
+    from engine.config.presets import get_preset
     from engine.models.shapes import grammar, styles
     from engine.models.shapes.evaluate import generate
-
-    from engine.config.presets import get_preset
 
     scale = next(lora.scale for lora in get_preset("tiny-shapes").loras if lora.name == style)  # as served
     pipe = _fresh_pipeline(LORAS / style, scale)

@@ -37,7 +37,7 @@ TAB_IDS = {
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
                 "c-speedup", "c-costs", "c-json", "c-caches", "c-loras", "c-fidelity-prompts", "c-cards", "c-configs",
                 "c-config-list", "c-timing", "c-config-check", "c-status"},
-    "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-minutes", "a-fidelity-points", "a-min-psnr",
+    "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-lora", "a-minutes", "a-fidelity-points", "a-min-psnr",
                 "advise-btn", "a-cancel-btn", "a-apply-btn", "a-status", "a-summary", "a-frontier", "a-table",
                 "a-json", "a-cards"},
     "system": {"system-refresh", "system"},

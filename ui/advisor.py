@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -19,6 +20,7 @@ import pandas as pd
 from engine.bench.advise import CHECKER_MIN_PSNR, DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
 from engine.bench.advise_report import COLUMNS, table_rows
 from engine.bench.advise_report import summary as advice_summary
+from engine.protocol import parse_lora
 from engine.settings import pythonpath
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
@@ -82,15 +84,29 @@ def running(what: str) -> str:
     return RUNNING + what
 
 
+@dataclass(frozen=True)
+class AdvisorForm:
+    """The tab's inputs, by name (the handler takes them through Gradio's inputs_kwargs)."""
+
+    preset: str
+    device: str | None = None
+    size: str | None = None
+    steps: int | float | None = None
+    max_minutes: float | None = 5
+    fidelity_points: float | None = None
+    min_psnr: float | None = None
+    lora: str | None = None  # a style of the preset, measured unfused and fused
+
+
 class AdvisorHandlers(HandlerBase):
-    def advise(self, preset, device, size, steps, max_minutes, fidelity_points, min_psnr,
-               progress=gr.Progress()):  # noqa: B008
-        """Run the advisor; streams (report markdown, results JSON, status line). Closing the handler (Cancel)
-        ends the child process and its compile workers (advise_ended then says it was cancelled)."""
+    def advise(self, progress=gr.Progress(), **form):  # noqa: B008
+        """Run the advisor (`form`: AdvisorForm's fields); streams (report markdown, results JSON, status
+        line). Closing the handler (Cancel) ends the child process and its compile workers (advise_ended then
+        says it was cancelled)."""
         if self.public:
             raise gr.Error("the advisor loads and compiles many engines: a host operation, not offered in "
                            "public mode", title="Not allowed")
-        child = self.start_advisor(preset, device, size, steps, max_minutes, fidelity_points, min_psnr)
+        child = self.start_advisor(AdvisorForm(**form))
         messages = advisor_messages(child)
         errors = next(messages)
         progress(0, desc="advisor: starting (loads the model once per precision)")
@@ -124,32 +140,35 @@ class AdvisorHandlers(HandlerBase):
             return gr.skip()
         return f"**Cancelled** (at {status[len(RUNNING):].strip()}): the advisor process was stopped; no pick."
 
-    def start_advisor(self, preset, device, size, steps, max_minutes, fidelity_points, min_psnr) -> subprocess.Popen:
+    def start_advisor(self, form: AdvisorForm) -> subprocess.Popen:
         """`python -m engine advise --progress-json` in a child process of its own session (one JSON message
         a line on stdout: progress, then the result)."""
         try:
-            model = self.manager.preset(preset)
+            model = self.manager.preset(form.preset)
         except Exception as exc:
             raise to_gradio_error(exc) from None
-        argv = [sys.executable, "-m", "engine", "advise", "--preset", model.name, "--device", device or "auto",
-                "--max-minutes", str(float(max_minutes or 5)), "--progress-json",
+        argv = [sys.executable, "-m", "engine", "advise", "--preset", model.name, "--device", form.device or "auto",
+                "--max-minutes", str(float(form.max_minutes or 5)), "--progress-json",
                 "--cache-dir", str(self.manager.cache_dir)]
-        if size:
-            argv += ["--size", str(size)]
-        if steps:
-            argv += ["--steps", str(int(steps))]
-        if fidelity_points not in (None, ""):
-            argv += ["--fidelity-points", str(float(fidelity_points))]
-        if min_psnr not in (None, "", 0):
-            argv += ["--min-psnr", str(float(min_psnr))]
+        if form.size:
+            argv += ["--size", str(form.size)]
+        if form.steps:
+            argv += ["--steps", str(int(form.steps))]
+        if form.fidelity_points not in (None, ""):
+            argv += ["--fidelity-points", str(float(form.fidelity_points))]
+        if form.min_psnr not in (None, "", 0):
+            argv += ["--min-psnr", str(float(form.min_psnr))]
+        if form.lora not in (None, "", "none"):
+            argv += ["--lora", str(form.lora), "--loras"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), pythonpath()]))}
         return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
 
     def advisor_defaults(self, preset: str):
         sizes = self.preset_sizes(preset)
-        return (gr.update(choices=sizes, value=sizes[0] if sizes else None),
-                gr.update(value=self.manager.preset(preset).steps))
+        model = self.manager.preset(preset)
+        return (gr.update(choices=sizes, value=sizes[0] if sizes else None), gr.update(value=model.steps),
+                gr.update(choices=views.lora_choices(model, self.manager.options.loras), value="none"))
 
     def render_advice(self, result: dict | None):
         """The frontier plot, the table and the apply button's state."""
@@ -171,10 +190,12 @@ class AdvisorHandlers(HandlerBase):
         if not pick:
             raise gr.Error("no pick to apply: run the advisor first", title="Nothing to apply")
         gr.Info(f"Generate now uses {pick['label']}", duration=4)
+        lora = parse_lora(result.get("lora"))
         return (gr.update(value=result["preset"]), gr.update(value=result["device"]),
                 gr.update(value=pick["precision"]), gr.update(value=pick["mode"]),
                 gr.update(value=pick["step_cache"]), gr.update(value=result["size"]),
-                gr.update(value=result["steps"]), gr.Tabs(selected="generate"))
+                gr.update(value=result["steps"]), gr.update(value=lora.name or "none"),
+                gr.update(value=bool(pick.get("lora_fused"))), gr.Tabs(selected="generate"))
 
 
 def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
@@ -197,6 +218,8 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
                                    label="Device", elem_id="a-device")
             a_size = gr.Dropdown(sizes, value=sizes[0], label="Size", elem_id="a-size")
             a_steps = gr.Number(value=preset.steps, precision=0, minimum=1, label="Steps", elem_id="a-steps")
+            a_lora = gr.Dropdown(views.lora_choices(preset, h.manager.options.loras), value="none",
+                                 label="LoRA style (measured unfused and, eager, fused)", elem_id="a-lora")
         with gr.Row():
             minutes = gr.Slider(1, 30, value=5, step=0.5, label="Time budget (minutes)", elem_id="a-minutes")
             points = gr.Number(value=DEFAULT_FIDELITY_POINTS, minimum=0, label="Fidelity: at most this many points "
@@ -222,13 +245,15 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
         with gr.Accordion("Advisor JSON (also saved under the cache folder)", open=False):
             result = gr.JSON(elem_id="a-json")
 
-    a_preset.change(h.advisor_defaults, a_preset, [a_size, a_steps], **FAST)
-    run = run_btn.click(h.advise, [a_preset, a_device, a_size, a_steps, minutes, points, psnr],
-                        [summary, result, status], api_name="advise", api_visibility="private",
+    a_preset.change(h.advisor_defaults, a_preset, [a_size, a_steps, a_lora], **FAST)
+    form = {"preset": a_preset, "device": a_device, "size": a_size, "steps": a_steps, "max_minutes": minutes,
+            "fidelity_points": points, "min_psnr": psnr, "lora": a_lora}
+    run = run_btn.click(h.advise, None, [summary, result, status], inputs_kwargs=form, api_name="advise", api_visibility="private",
                         concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="full",
                         show_progress_on=[status])
     cancel_btn.click(None, cancels=[run])
     run.then(h.advise_ended, status, status, **FAST)
     result.change(h.render_advice, result, [frontier, table, apply_btn, cards], **FAST)
     apply_btn.click(h.apply_advice, result, [settings.preset, settings.device, settings.precision, settings.mode,
-                                              settings.step_cache, settings.size, settings.steps, tabs], **FAST)
+                                              settings.step_cache, settings.size, settings.steps, settings.lora,
+                                              settings.lora_fused, tabs], **FAST)

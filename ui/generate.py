@@ -374,6 +374,7 @@ class GenerateTab:
     step_cache: gr.Dropdown
     steps: gr.Slider
     lora: gr.Dropdown | None = None
+    lora_fused: gr.Checkbox | None = None
 
 
 def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> GenerateTab:
@@ -394,7 +395,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
     page.wire_settings(demo, engine_line)
     f = page.form
     return GenerateTab(f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"], f["step_cache"],
-                       f["steps"], f["lora"])
+                       f["steps"], f["lora"], f["lora_fused"])
 
 
 class GeneratePage:

@@ -42,7 +42,7 @@ from engine.bench.advise_choice import (
     scan_rank,
     within_bound,
 )
-from engine.bench.advise_report import REFERENCE, markdown
+from engine.bench.advise_report import ABSENT, REFERENCE, markdown
 from engine.bench.paired import PairedTiming, current_marks, measure_round_robin
 from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold, Size
 
@@ -84,8 +84,8 @@ REF_KEY = tuple(REFERENCE.values())
 
 
 def config_key(c: Candidate) -> tuple:
-    """(precision, mode, step_cache, attention): how measurements are filed."""
-    return c.precision, c.mode, c.step_cache, c.attention
+    """(precision, mode, step_cache, attention, lora_fused): how measurements are filed."""
+    return c.precision, c.mode, c.step_cache, c.attention, c.lora_fused
 
 
 class Advisor:
@@ -219,7 +219,8 @@ class Advisor:
             "bound": {"fidelity_points": plan.fidelity_points, "min_psnr_db": plan.psnr_bound(),
                       "min_ssim": plan.min_ssim},
             "quality_samples": len(self.prompts), "timing_images": plan.timing_images,
-            "reference": REFERENCE, "pick": pick, "confirm": confirm, "rows": rows, "skipped": self.skipped,
+            "reference": REFERENCE, "lora": plan.lora.text(), "pick": pick, "confirm": confirm, "rows": rows,
+            "skipped": self.skipped,
             "elapsed_s": time.perf_counter() - self.started, "max_minutes": plan.max_minutes,
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         }
@@ -272,7 +273,7 @@ class Advisor:
         if is_ref:
             self.ref_images = images
         ref_images = self.ref_images
-        row = quality.score(images, self.prompts, None if is_ref else ref_images, self.plan.preset)
+        row = quality.score(images, self.prompts, None if is_ref else ref_images, self.plan.preset, self.plan.style)
         m.drift_psnr_db, m.drift_max_diff, m.drift_ssim = row["drift_psnr_db"], row["drift_max_diff"], row["drift_ssim"]
         worst = 0 if is_ref else quality.worst_sample(images, ref_images)
         m.picture = quality.png_b64(images[worst])
@@ -294,7 +295,8 @@ class Advisor:
         plan = self.plan
         return GenerateRequest(prompt=prompt, width=plan.size.width, height=plan.size.height,
                                steps=steps or plan.steps, guidance=plan.preset.guidance, seed=seed,
-                               mode=Mode(c.mode), on_cold=OnCold.EAGER, **cache)
+                               mode=Mode(c.mode), on_cold=OnCold.EAGER, lora=plan.lora.name,
+                               lora_scale=plan.lora.scale, lora_fused=c.lora_fused, **cache)
 
     # -- what is known so far, and the budget
     def seconds(self, k: tuple) -> float | None:
@@ -309,8 +311,8 @@ class Advisor:
 
     def estimate_s(self, c: Candidate) -> float:
         """Seconds per image of `c`, before it is measured: its nearest measured relative's."""
-        for k in (config_key(c), (c.precision, c.mode, "none", "native"), (c.precision, "eager", "none", "native"),
-                  REF_KEY):
+        for k in (config_key(c), (c.precision, c.mode, "none", "native", False),
+                  (c.precision, "eager", "none", "native", False), REF_KEY):
             if self.seconds(k):
                 return self.seconds(k)
         return 1.0
@@ -376,7 +378,7 @@ def load_pick(path: Path) -> dict:
     from engine.config.validation import advice_pick, read_json_file
 
     pick = advice_pick(read_json_file(path, str(path)), str(path))
-    return {**{k: pick[k] for k in REFERENCE}, "preset": pick["preset"], "device": pick["device"],
+    return {**{k: pick.get(k, ABSENT.get(k)) for k in REFERENCE}, "preset": pick["preset"], "device": pick["device"],
             "size": pick["size"], "steps": pick["steps"]}
 
 
@@ -398,6 +400,7 @@ def cmd_advise(args) -> int:
     from engine import devices, settings
     from engine.config.flags import model_roots_from_args, options_from_args
     from engine.config.presets import get_preset, route_size
+    from engine.config.validation import check_lora
 
     started = time.perf_counter()  # the budget covers loading torch too
     preset = get_preset(args.preset)
@@ -410,13 +413,16 @@ def cmd_advise(args) -> int:
 
         torch.set_num_threads(threads)
     cache_dir = Path(args.cache_dir) if args.cache_dir else settings.cache_dir()
+    lora = check_lora(preset, args.lora)  # unfused: the fused configurations are added to the grid
+    if lora.fused:
+        raise SystemExit("--lora: name the style without ':fused'; the advisor measures it unfused and fused")
     plan = AdvisePlan(
         preset=preset, device=spec.name, size=size, steps=args.steps or preset.steps, max_minutes=args.max_minutes,
         timing_images=args.timing_images, quality_samples=args.quality_samples, confirm_pairs=args.confirm_pairs,
         fidelity_points=args.fidelity_points, min_psnr_db=args.min_psnr, min_ssim=args.min_ssim, cache_dir=cache_dir,
-        options=options_from_args(args, warm_sizes=(), warm_modes=()),
+        options=options_from_args(args, warm_sizes=(), warm_modes=(), **({"loras": True} if lora.name else {})),
         allowed_roots=tuple(str(r) for r in model_roots_from_args(args)), prompt=preset.example_prompt,
-        started=started,
+        started=started, lora=lora,
     )
 
     def on_progress(done: int, total: int, desc: str) -> None:
@@ -464,6 +470,9 @@ def add_advise_parser(subparsers):
     a.add_argument("--out", type=Path, default=None,
                    help="results JSON (default: <cache dir>/advisor/<preset>@<device>-<size>-<steps>steps.json)")
     a.add_argument("--progress-json", action="store_true", help="progress and the result as JSON lines on stdout")
+    a.add_argument("--lora", default=None, metavar="NAME[:SCALE]",
+                   help="one of the preset's LoRA styles: every configuration draws with it (fidelity checked "
+                        "as the style implies), and eager also runs it fused into the weights")
     a.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on a CPU: the app's per-worker share of the cores)")
     add_engine_arguments(a)

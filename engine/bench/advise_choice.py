@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.bench import quality
-from engine.bench.advise_report import REFERENCE
+from engine.bench.advise_report import ABSENT, REFERENCE, is_reference
 from engine.bench.paired import PairedTiming
 from engine.metrics import median
-from engine.protocol import Mode, StepCache
+from engine.protocol import LoraChoice, Mode, StepCache
 
 MODES = ("eager", "regional", "compile")  # aot and defer-and-fuse: same graphs as compile, slower to build
 DEFAULT_FIDELITY_POINTS = 2.0
@@ -44,6 +44,12 @@ class AdvisePlan:
     allowed_roots: tuple[str, ...] = ()
     prompt: str = ""
     started: float | None = None  # time.perf_counter() when the run began (default: when advise() is called)
+    lora: LoraChoice = LoraChoice()  # every configuration draws with this style; eager adds it fused
+
+    @property
+    def style(self) -> str | None:
+        """The style images are checked as (None: no LoRA, or at scale 0)."""
+        return self.lora.name if self.lora.name and self.lora.scale != 0 else None
 
     def psnr_bound(self) -> float | None:
         if self.min_psnr_db is not None:
@@ -57,6 +63,7 @@ class Candidate:
     mode: str
     step_cache: str = "none"
     attention: str = "native"
+    lora_fused: bool = False  # the run's LoRA folded into the weights (eager only)
 
     def label(self) -> str:
         parts = [self.precision, self.mode]
@@ -64,6 +71,8 @@ class Candidate:
             parts.append(self.step_cache)
         if self.attention != "native":
             parts.append(f"attn={self.attention}")
+        if self.lora_fused:
+            parts.append("lora-fused")
         return "/".join(parts)
 
     def as_dict(self) -> dict:
@@ -127,8 +136,12 @@ def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
     """Every candidate this engine can run here, and what was skipped with why (torch not needed)."""
     skipped: list[dict] = []
     precisions = _runnable_precisions(spec, skipped)
+    if plan.lora.name is not None:
+        precisions = _lora_precisions(precisions, skipped)
     modes = _runnable_modes(spec, skipped)
     grid = _cache_candidates(plan, spec, precisions, modes, skipped) + _attention_candidates(spec, skipped)
+    if plan.lora.name is not None and "eager" in modes:  # fused runs eager only (engine/pipeline/lora.py)
+        grid += [Candidate(p, "eager", lora_fused=True) for p in precisions]
     skipped.append({"what": "parallel layouts (tensor/ulysses/ring)",
                     "why": "they run as a torchrun sidecar of several ranks, not in this process; compare them "
                            "on the Compare tab (Tensor-parallel ranks)"})
@@ -147,6 +160,15 @@ def _runnable_precisions(spec, skipped: list[dict]) -> list[str]:
         else:
             precisions.append(str(name))
     return precisions
+
+
+def _lora_precisions(precisions: list[str], skipped: list[dict]) -> list[str]:
+    from engine.protocol import Precision
+
+    for name in precisions:
+        if Precision(name).quantized:
+            skipped.append({"what": f"precision {name}", "why": f"LoRA adapters are not served on {name} engines"})
+    return [name for name in precisions if not Precision(name).quantized]
 
 
 def _runnable_modes(spec, skipped: list[dict]) -> list[str]:
@@ -235,7 +257,7 @@ def within_bound(row: dict, ref: dict, plan: AdvisePlan) -> tuple[bool, str]:
 
 def base_of(row: dict) -> tuple:
     """The key of the same configuration without a step cache."""
-    return row["precision"], row["mode"], row["attention"]
+    return row["precision"], row["mode"], row["attention"], row.get("lora_fused", False)
 
 
 def choose(rows: list[dict], plan: AdvisePlan) -> tuple[dict | None, list[dict]]:
@@ -244,7 +266,7 @@ def choose(rows: list[dict], plan: AdvisePlan) -> tuple[dict | None, list[dict]]
     Speed is the speedup over eager fp32: timed in alternation with it where measured so (paired_speedup),
     else the ratio of medians. A row with a step cache qualifies only if it measured faster than the same
     configuration without one."""
-    ref = next((r for r in rows if {k: r[k] for k in REFERENCE} == REFERENCE and not r.get("error")), None)
+    ref = next((r for r in rows if is_reference(r) and not r.get("error")), None)
     if ref is None:
         return None, rows
     for r in rows:
@@ -273,10 +295,10 @@ def scan_rank(c: Candidate, seconds: Callable[[tuple], float | None]) -> tuple |
         return (0,)
     if c.step_cache == "none" and c.attention == "native":
         if c.mode == "eager":
-            return (1,)
-        eager = seconds((c.precision, "eager", "none", "native"))
+            return (1, c.lora_fused)
+        eager = seconds((c.precision, "eager", "none", "native", False))
         return None if eager is None else (2, eager, MODES.index(c.mode))
-    base = seconds((c.precision, c.mode, "none", "native"))
+    base = seconds((c.precision, c.mode, "none", "native", False))
     loosened = c.step_cache != "none" and not is_default(c.step_cache)
     return None if base is None else (3, base, loosened, c.attention != "native")
 
@@ -285,12 +307,14 @@ def scan_rank(c: Candidate, seconds: Callable[[tuple], float | None]) -> tuple |
 def final_entries(leaders: list[dict], rows: list[dict]) -> list[Candidate]:
     """The reference, the leaders, and the configuration without a cache of every leader with one."""
     def candidate(r: dict) -> Candidate:
-        return Candidate(**{k: r[k] for k in REFERENCE})
+        return Candidate(**{k: r.get(k, ABSENT.get(k)) for k in REFERENCE})
 
-    by_key = {(r["precision"], r["mode"], r["step_cache"], r["attention"]): r for r in rows if r.get("s_per_image")}
+    by_key = {(r["precision"], r["mode"], r["step_cache"], r["attention"], r.get("lora_fused", False)): r
+              for r in rows if r.get("s_per_image")}
     entries = [Candidate(**REFERENCE)]
     for r in leaders:
-        base = by_key.get((r["precision"], r["mode"], "none", r["attention"])) if r["step_cache"] != "none" else None
+        base = (by_key.get((r["precision"], r["mode"], "none", r["attention"], r.get("lora_fused", False)))
+                if r["step_cache"] != "none" else None)
         for c in (candidate(r), candidate(base) if base else None):
             if c is not None and c not in entries:
                 entries.append(c)
@@ -301,7 +325,7 @@ def final_pick(leaders: list[dict], speedups: dict[str, float | None]) -> str | 
     """The leader with the largest speedup in the final round; a leader with a step cache only where it was
     faster there than the same configuration without the cache."""
     def base_label(r: dict) -> str:
-        return Candidate(r["precision"], r["mode"], "none", r["attention"]).label()
+        return Candidate(r["precision"], r["mode"], "none", r["attention"], r.get("lora_fused", False)).label()
 
     timed = [r for r in leaders if speedups.get(r["label"])]
     fair = [r for r in timed if r["step_cache"] == "none" or not speedups.get(base_label(r))

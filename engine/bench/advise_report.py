@@ -8,8 +8,10 @@ from __future__ import annotations
 from engine.bench.paired import row_speedup_text
 from engine.bench.quality import fmt_drift
 
-# Eager fp32 without a step cache: every speedup and drift of the advisor is measured against it.
-REFERENCE = {"precision": "fp32", "mode": "eager", "step_cache": "none", "attention": "native"}
+# Eager fp32 without a step cache (with the run's LoRA, if any, unfused): every speedup and drift of the
+# advisor is measured against it.
+REFERENCE = {"precision": "fp32", "mode": "eager", "step_cache": "none", "attention": "native", "lora_fused": False}
+ABSENT = {"attention": "native", "lora_fused": False}  # what a row written before the key existed means
 COLUMNS = ["configuration", "s / image", "× eager fp32", "drift PSNR / max diff", "fidelity",
            "steps cached (mean)", "compile s", "within bound"]
 
@@ -25,7 +27,7 @@ def seconds_text(value) -> str:
 
 def is_reference(row: dict) -> bool:
     """Whether a row (or a pick) is eager fp32 without a step cache (attention native where not named)."""
-    return {k: row.get(k, "native" if k == "attention" else None) for k in REFERENCE} == REFERENCE
+    return {k: row.get(k, ABSENT.get(k)) for k in REFERENCE} == REFERENCE
 
 
 def table_rows(report: dict | None) -> list[list]:
