@@ -413,3 +413,20 @@ def test_the_trained_styles_draw_held_out_prompts_as_they_imply(style):
     assert styles.score(images, prompts, style) >= STYLE_FLOORS[style]
     pipe.set_adapters(["x"], [0.0])  # scale 0: the base model's own drawing
     assert styles.score(generate(pipe, prompts, list(range(len(prompts))), 64, 64), prompts, None) >= 0.9
+
+
+@pytest.mark.slow
+def test_the_repeatability_bench_times_a_style_unfused_and_fused(cache_dir, tmp_path, capsys):
+    """`bench --repeatability` takes LoRA entries (its engines get the slot) and times them like any other."""
+    import json
+
+    from engine.cli import main
+
+    code = main(["bench", "--preset", "tiny-shapes", "--repeatability", "--configs",
+                 "eager/fp32+lora=swap; eager/fp32+lora=swap:fused", "--repeat-budget", "2", "--repeat-max-rounds",
+                 "3", "--cache-dir", str(cache_dir), "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "repeatability.json").read_text())
+    labels = [r["label"] for r in report["comparison"]["rows"]]
+    assert labels == ["eager/fp32+lora=swap", "eager/fp32+lora=swap:fused"]
+    assert all(r["first"]["speedup"] for r in report["comparison"]["rows"])

@@ -104,18 +104,20 @@ def run(plan, runners, configurations: list[explicit.Configuration], budget_s: f
     """One comparison of `configurations` (eager fp32 added first when missing) on `runners` (advise._Runners:
     weights loaded once per precision): warm, then round-robin."""
     from engine.bench.advise_choice import Candidate
-    candidates = {c.text(): Candidate(c.precision, c.mode, c.step_cache) for c in configurations}
-    candidates = {REFERENCE: Candidate("fp32", "eager"), **candidates}
+    candidates = {REFERENCE: explicit.Configuration("eager", "fp32"), **{c.text(): c for c in configurations}}
 
-    def request(c: Candidate, i: int) -> GenerateRequest:
+    def runner_of(c: explicit.Configuration):
+        return runners.get(Candidate(c.precision, c.mode, c.step_cache))
+
+    def request(c: explicit.Configuration, i: int) -> GenerateRequest:
         cache = {"step_cache": c.step_cache} if c.step_cache != "none" else {}
         return GenerateRequest(prompt=plan.prompt, width=plan.size.width, height=plan.size.height, steps=plan.steps,
                                guidance=plan.preset.guidance, seed=seed + i, mode=Mode(c.mode), on_cold=OnCold.EAGER,
-                               **cache)
+                               lora=c.lora, lora_scale=c.lora_scale, lora_fused=c.lora_fused, **cache)
 
     def warm(label: str) -> dict:
         c = candidates[label]
-        runner = runners.get(c)
+        runner = runner_of(c)
         runner.check_mode(Mode(c.mode))
         out = {"compile_s": 0.0}
         if c.mode != "eager":
@@ -131,7 +133,7 @@ def run(plan, runners, configurations: list[explicit.Configuration], budget_s: f
 
     def time_one(label: str, i: int) -> float:
         c = candidates[label]
-        return runners.get(c).generate(request(c, 0)).timings.total_ms
+        return runner_of(c).generate(request(c, 0)).timings.total_ms
 
     timing = PairedTiming(list(candidates), reference=REFERENCE, tolerance=tolerance, max_rounds=max_rounds,
                           budget_s=budget_s)
@@ -155,8 +157,9 @@ def main(args) -> int:
     except ValueError as exc:
         print(f"--configs: {exc}", file=sys.stderr)
         return 2
+    loras = any(c.lora for c in configurations)  # a LoRA entry: the engines get the slot (as --loras would)
     for c in configurations:
-        why = explicit.refusal(preset, spec, c)
+        why = explicit.refusal(preset, spec, c, loras=loras or args.loras)
         if why:
             print(f"--configs: {c.text()} cannot run here: {why}", file=sys.stderr)
             return 2
@@ -170,7 +173,8 @@ def main(args) -> int:
     import diffusers  # noqa: F401 - after the cache environment (see engine/bench/pipeline.py)
 
     plan = AdvisePlan(preset=preset, device=spec.name, size=size, steps=args.steps or preset.steps,
-                      cache_dir=cache_dir, options=options_from_args(args, warm_sizes=(), warm_modes=()),
+                      cache_dir=cache_dir, options=options_from_args(args, warm_sizes=(), warm_modes=(),
+                                                                     loras=loras or args.loras),
                       allowed_roots=tuple(str(r) for r in model_roots_from_args(args)),
                       prompt=args.prompt or preset.example_prompt)
     runners = _Runners(plan, spec)  # both runs on the same loaded weights, as the app's engines would be
