@@ -337,6 +337,30 @@ def test_compare_draws_one_card_per_adapter_named_in_its_caption(styled_manager)
     assert swap["fidelity_this"] is True  # drawn swapped: the plain checker would call it wrong
 
 
+def test_compare_checkboxes_offer_each_style_unfused_and_fused(styled_manager):
+    """The LoRA checkboxes are one more axis of the cross product; fused cards run fused, and a fused entry in
+    a compiled mode is refused with the reason instead of run."""
+    from ui import views
+    from ui.handlers import Handlers, UIDefaults
+
+    handlers = Handlers(styled_manager, UIDefaults(device="cpu", mode="eager"))
+    choices = views.compare_lora_choices(styled_manager.preset("tiny-shapes"), True)
+    assert ("swap fused", "swap:fused") in choices and choices[0] == ("none", "none")
+    assert views.compare_lora_choices(styled_manager.preset("tiny-shapes"), False) == [("none", "none")]
+    configs = handlers._configs(["cpu"], ["fp32"], ["eager", "compile"], None, "", ["none", "swap:fused"])[0]
+    assert configs == ["cpu/fp32/eager", "cpu/fp32/eager+lora=swap:fused", "cpu/fp32/compile",
+                       "cpu/fp32/compile+lora=swap:fused"]
+    assert "fused LoRA runs in eager mode only" in handlers.refusal("tiny-shapes", "cpu/fp32/compile+lora=swap:fused")
+    outputs = list(handlers.compare(prompt=PROMPT, preset="tiny-shapes", size="64x64", steps=2, guidance=1.0, seed=3,
+                                    devices=["cpu"], precisions=["fp32"], modes=["eager"], wait_for_warm=False,
+                                    caches=None, fidelity_prompts=0, configurations="", timing_s=0,
+                                    loras=["swap", "swap:fused"], request=None))
+    by_config = {r["config"]: r for r in outputs[-1][1]["results"]}
+    fused, unfused = by_config["cpu/fp32/eager+lora=swap:fused"], by_config["cpu/fp32/eager+lora=swap"]
+    assert fused["lora_fused"] and not unfused["lora_fused"] and "error" not in fused
+    assert fused["drift_max_diff"] > 20 and unfused["drift_max_diff"] > 20  # both drew the style
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["compile", "regional"])
 def test_swaps_on_a_warm_compiled_bucket_recompile_nothing(cache_dir, adapters, mode):
