@@ -176,6 +176,11 @@ def test_the_timings_table_shows_the_adapter_its_rank_and_the_swap():
                                  "lora_swap_ms": 21.4}))
     assert row["LoRA"] == "swap at scale 0.5, rank 4; hot-swapped in 21 ms (no recompile)"
     assert dict(views.stats_rows({"timings": {}}))["LoRA"] == "none"
+    fused = {"timings": {"step_ms": [3.0]}, "lora": "swap", "lora_scale": 1.0, "lora_rank": 4, "lora_fused": True,
+             "lora_fuse_ms": 1.8}
+    assert dict(views.stats_rows(fused))["LoRA"] == ("swap at scale 1, rank 4; already in place; fused into the "
+                                                      "weights in 2 ms")
+    assert "· LoRA swap at scale 1, rank 4" in views.run_summary(fused)  # under the image, not only in the table
 
 
 def test_the_adapter_joins_the_batch_key():
@@ -259,6 +264,40 @@ def test_fused_runs_eager_like_unfused_without_the_slots_matmuls(runner, adapter
         runner.generate(_request(lora="a", lora_fused=True, mode="compile"))
     cached = runner.generate(_request(lora="a", lora_fused=True, step_cache="first-block:0.2"))
     assert cached.lora_fused and _diff(cached.image(), plain.image()) > 20
+
+
+def test_a_hub_lora_loads_offline_through_the_same_path_as_a_local_one(cache_dir, adapters, tmp_path, monkeypatch):
+    """A preset's Hub source ("org/name" + weight_name) resolves through the Hub cache (offline here: a cache laid
+    out as huggingface_hub writes it) and serves like the same file given as a folder; not cached: the error says
+    to download it first."""
+    import shutil
+
+    import huggingface_hub.constants as hub
+
+    from engine.config.presets import get_preset
+    from engine.errors import ModelLoadError
+    from engine.pipeline import lora
+    from engine.pipeline.runner import PipelineRunner
+
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "models--someone--tiny-style"
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    shutil.copy(adapters["a"] / "pytorch_lora_weights.safetensors", repo / "snapshots" / revision / "style.safetensors")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    source = LoraSource("hub-style", "someone/tiny-style", weight_name="style.safetensors")
+    assert lora.locate(source).read_bytes() == (adapters["a"] / "pytorch_lora_weights.safetensors").read_bytes()
+    config = _config(cache_dir, {})
+    config = dataclasses.replace(config, preset=dataclasses.replace(config.preset, loras=(source,), lora_rank=None))
+    runner = PipelineRunner(config)
+    runner.load()
+    served = runner.generate(_request(lora="hub-style"))
+    assert served.lora == "hub-style" and _diff(served.image(), _fresh_image(adapters["a"])) <= 2
+    paper = get_preset("flux1-dev").loras[0]  # the real preset's Hub LoRA, not in this cache
+    assert lora._HUB_ID.fullmatch(paper.source) and paper.weight_name
+    with pytest.raises(ModelLoadError, match=r"could not be fetched .*download it first when offline"):
+        lora.locate(paper)
 
 
 def test_adapters_are_refused_where_the_engine_cannot_hold_them(cache_dir, adapters):

@@ -184,6 +184,8 @@ def run_summary(result: dict | None) -> str:
             f" · {where}")
     if result.get("step_cache") and result["step_cache"] != NO_CACHE:
         head += f" · {result['step_cache']}: {fmt_steps(result)} steps computed / cached"
+    if result.get("lora"):  # the style, its rank and what switching to it cost (the plot's steps include it)
+        head += f" · LoRA {lora_text(result)}"
     notices = result.get("notices") or []
     return head + "".join(f"\n\n⚠ {n}" for n in notices)
 
