@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from engine import settings
 from engine.config.flags import OneLineParser, add_engine_arguments, as_text, one_of, options_from_args, whole
-from engine.config.validation import check_preset_name
+from engine.config.validation import check_lora, check_preset_name
 from engine.errors import InvalidRequest, ShowcaseError
-from engine.protocol import Mode, Parallel, Precision, Size
+from engine.protocol import Mode, Parallel, Precision, Size, parse_lora
 from engine.serving.budget import GIB
 from engine.serving.flags import (
     MAX_QUEUE,
@@ -103,6 +103,9 @@ def add_default_engine_flags(e, d: dict) -> None:
                         "from the 0600 file it names). It may span several machines; the app never starts, "
                         "restarts or stops it, shows it down with the reason when it stops, and re-attaches when "
                         "it is back")
+    e.add_argument("--lora", type=lora_text, default=None, metavar="NAME[:SCALE][:fused]",
+                   help="the Generate page's LoRA style at start: one of the preset's (python -m engine presets "
+                        "lists them); turns on --loras")
     e.add_argument("--warm", type=warm_text, default=d["warm"],
                    help="buckets to pre-warm at start-up in --mode: 'all', 'none' or e.g. '64x64,128x128' "
                         "($SHOWCASE_WARM)")
@@ -112,6 +115,14 @@ def preset_or_model(text: str) -> str:
     """--preset: a preset of presets/models.toml, or a Hub id / local folder (checked when it loads)."""
     try:
         return check_preset_name(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def lora_text(text: str) -> str:
+    """--lora: NAME[:SCALE][:fused] (the name is checked against the preset once the preset is known)."""
+    try:
+        return parse_lora(text).text()
     except InvalidRequest as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -155,10 +166,12 @@ class DefaultEngine:
     parallel: str = str(Parallel.TENSOR)
     attention_backend: str | None = None  # None: the flag's
     step_cache: str = "none"
+    lora: str = "none"  # NAME[:SCALE][:fused]: Generate's LoRA selectors at start
 
     @classmethod
     def from_flags(cls, args) -> DefaultEngine:
-        return cls(args.preset, args.device, args.precision, args.mode, args.tp, args.parallel)
+        return cls(args.preset, args.device, args.precision, args.mode, args.tp, args.parallel,
+                   lora=args.lora or "none")
 
     def key(self, manager):
         """Its EngineKey (ShowcaseError when the manager cannot make one)."""
@@ -310,6 +323,13 @@ def check_flags(parser, args) -> DefaultEngine:
             engine = apply_advice(engine, args.config_from)
         except InvalidRequest as exc:
             parser.error(f"argument --config-from: {exc}")
+    if args.lora:
+        from engine.config.presets import get_preset
+
+        try:
+            check_lora(get_preset(engine.preset), args.lora)
+        except ShowcaseError as exc:
+            parser.error(f"argument --lora: {exc}")
     return engine
 
 
@@ -400,7 +420,7 @@ def launch_ui(manager, args, engine: DefaultEngine, public: bool, auth):
 
     defaults = UIDefaults(preset=engine.preset, device=engine.device, precision=engine.precision, mode=engine.mode,
                           tp=engine.tp, parallel=engine.parallel, admin_token=args.admin_token,
-                          step_cache=engine.step_cache)
+                          step_cache=engine.step_cache, lora=engine.lora)
     demo = build_demo(manager, defaults, queue_size=args.queue_size, edge=edge_config(args, public))
     demo.launch(
         server_name=args.host,

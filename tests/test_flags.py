@@ -62,6 +62,8 @@ BAD_FLAGS = [
     (lambda t: ["--max-visitor-cost", "-5"], "--max-visitor-cost", "positive number of token-steps, or 0"),
     (lambda t: ["--header-timeout", "0"], "--header-timeout", "allowed: 1..600"),
     (lambda t: ["--max-header-bytes", "lots"], "--max-header-bytes", "not a size from 1KiB to 1MiB"),
+    (lambda t: ["--lora", "nope"], "--lora", "unknown LoRA 'nope' for tiny-shapes: choose one of swap, small, corner"),
+    (lambda t: ["--lora", "swap:5"], "--lora", "LoRA scale 5 is outside [0, 2]"),
 ]
 
 
@@ -107,6 +109,12 @@ def test_good_values_pass_as_before():
     assert (args.port, args.client_events, args.memory_budget, args.max_batch) == (8080, 0, "3GiB", 64)
     assert (args.attention_backend, args.precision, args.preset) == ("flex", "bf16", "org/some-model")
     assert args.buckets == "64x64,128x96" and args.idle_unload == 0
+    args = app.build_parser().parse_args(["--lora", "Small:1.5:Fused"])
+    engine = app.check_flags(app.build_parser(), args)
+    assert engine.lora == "small:1.5:fused"  # Generate's LoRA selectors start there
+    from engine.config.flags import options_from_args
+
+    assert options_from_args(args).recipe.loras  # a style needs the slot: --lora turns on --loras
 
 
 def test_a_budget_that_holds_no_engine_on_its_device_is_refused():

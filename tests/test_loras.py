@@ -376,6 +376,24 @@ def test_compare_draws_one_card_per_adapter_named_in_its_caption(styled_manager)
     assert swap["fidelity_this"] is True  # drawn swapped: the plain checker would call it wrong
 
 
+def test_the_generate_page_starts_at_the_hosts_style_and_a_pick_takes_its_scale(styled_manager):
+    """app.py --lora NAME[:SCALE][:fused] sets Generate's LoRA selectors at start; picking a style moves the
+    slider to that style's own scale (small is listed at 1.3), which the slider then overrides."""
+    import gradio as gr
+
+    from ui import generate
+    from ui.handlers import GenerateHandlers, UIDefaults
+
+    handlers = GenerateHandlers(styled_manager, UIDefaults(device="cpu", mode="eager", lora="corner:0.5:fused"))
+    with gr.Blocks() as blocks:
+        tab = generate.build(handlers, blocks, gr.Markdown())
+    assert (tab.lora.value, tab.lora_fused.value) == ("corner", True)
+    scale = next(c for c in blocks.blocks.values() if getattr(c, "elem_id", None) == "lora-scale")
+    assert scale.value == 0.5
+    assert handlers.lora_scale("tiny-shapes", "small")["value"] == 1.3
+    assert handlers.lora_scale("tiny-shapes", "none") == gr.skip()
+
+
 def test_compare_checkboxes_offer_each_style_unfused_and_fused(styled_manager):
     """The LoRA checkboxes are one more axis of the cross product; fused cards run fused, and a fused entry in
     a compiled mode is refused with the reason instead of run."""

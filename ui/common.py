@@ -89,6 +89,7 @@ class UIDefaults:
     tp: int = 1
     parallel: str = "tensor"  # how tp > 1 ranks split the transformer (tensor, ulysses, ring)
     step_cache: str = "none"
+    lora: str = "none"  # NAME[:SCALE][:fused] (app.py --lora)
     poll_s: float = 1.0
     admin_token: str | None = None  # public mode: unlocks host operations (restart, warm everything)
 

@@ -19,7 +19,7 @@ from PIL import Image
 
 from engine.config.request import API_FIELDS, FORM_FIELDS, ImageRequest
 from engine.errors import Cancelled, ShowcaseError
-from engine.protocol import EngineKey, Mode, Parallel, Size, ranks_choice
+from engine.protocol import EngineKey, Mode, Parallel, Size, parse_lora, ranks_choice
 from ui import views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import ProgressBar
@@ -172,6 +172,14 @@ class GenerateHandlers(HandlerBase):
                              value="none")
         except ShowcaseError:
             return gr.update(choices=[("none", "none")], value="none")
+
+    def lora_scale(self, preset: str, lora: str | None):
+        """A style picked: the slider moves to that style's own scale (the preset's), which it then overrides."""
+        try:
+            scale = next((s.scale for s in self.manager.preset(preset).loras if s.name == lora), None)
+        except ShowcaseError:
+            scale = None
+        return gr.skip() if scale is None else gr.update(value=scale)
 
     def randomize_seed(self, seed, randomize: bool):
         return random.randint(0, MAX_UI_SEED) if randomize else seed
@@ -457,12 +465,17 @@ class GeneratePage:
                                          info=views.step_cache_reasons(cache_rows) or None, elem_id="step-cache")
         with gr.Row():  # LoRA styles the preset lists: hot-swapped on warm graphs (engine/pipeline/lora.py)
             slot = h.manager.options.loras
-            form["lora"] = gr.Dropdown(views.lora_choices(self.preset, slot), value="none", elem_id="lora",
+            choices = views.lora_choices(self.preset, slot)
+            start = parse_lora(d.lora)  # app.py --lora
+            name = start.name if start.name in {value for _, value in choices} else "none"
+            scale = start.scale if start.scale is not None else next(
+                (lora.scale for lora in self.preset.loras if lora.name == name), 1.0)
+            form["lora"] = gr.Dropdown(choices, value=name, elem_id="lora",
                                        label="LoRA style (hot-swapped: no recompile)" if slot else
                                        "LoRA style (off: the host starts the app with --loras)")
-            form["lora_scale"] = gr.Slider(0.0, 2.0, value=1.0, step=0.05, label="LoRA scale",
+            form["lora_scale"] = gr.Slider(0.0, 2.0, value=scale, step=0.05, label="LoRA scale",
                                            elem_id="lora-scale")
-            form["lora_fused"] = gr.Checkbox(False, label="Fuse into the weights (eager only: no per-step "
+            form["lora_fused"] = gr.Checkbox(start.fused and name != "none", label="Fuse into the weights (eager only: no per-step "
                                              "LoRA cost, a fuse when the style changes)", elem_id="lora-fused")
 
     def outputs(self) -> None:
@@ -530,6 +543,7 @@ class GeneratePage:
         h, f = self.h, self.form
         f["preset"].change(h.preset_defaults, f["preset"], [f["negative_prompt"], f["steps"], f["guidance"]], **FAST)
         f["preset"].change(h.lora_choices, f["preset"], f["lora"], **FAST)
+        f["lora"].input(h.lora_scale, [f["preset"], f["lora"]], f["lora_scale"], **FAST)
         engine_settings = [f["preset"], f["device"], f["precision"], f["mode"], f["tp"]]
         gr.on([c.change for c in engine_settings] + [demo.load], h.select_engine,
               [f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"]],

@@ -216,7 +216,7 @@ def options_from_args(args, **overrides) -> EngineOptions:
                   attention_backend=getattr(args, "attention_backend", None) or "native",
                   max_batch=getattr(args, "max_batch", None),
                   batch_wait_ms=getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms),
-                  loras=getattr(args, "loras", False))
+                  loras=getattr(args, "loras", False) or bool(getattr(args, "lora", None)))  # a style needs the slot
     values.update(overrides)
     return EngineOptions(**values)
 
