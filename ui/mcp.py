@@ -29,7 +29,7 @@ import gradio as gr
 from gradio_client.utils import QueueError
 
 from engine.serving.manager import Caller
-from ui.advisor import advisor_messages
+from ui.advisor import AdvisorForm, advisor_messages
 from ui.edge import MCP_CALLER_HEADER
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class AdviceJobs:
             except ValueError:
                 raise gr.Error(f"max_minutes must be a number of minutes, not {max_minutes!r}",
                                title="Invalid request") from None
-            child = self.h.start_advisor(preset, device, size, steps, minutes, fidelity_points, min_psnr)
+            child = self.h.start_advisor(AdvisorForm(preset, device, size, steps, minutes, fidelity_points, min_psnr))
             job = {"job": uuid.uuid4().hex[:12], "state": "running", "progress": [0, None], "desc": "starting",
                    "started": time.time(), "result": None, "error": None, "child": child}
             self._jobs[job["job"]] = job

@@ -245,7 +245,8 @@ class LoraSlot:
         the fused copy. A failed swap restores the previous adapter and raises."""
         with self._lock:
             swap_ms = None
-            name, scale = choice.name, choice.scale if choice.name is not None else 0.0
+            name = choice.name
+            scale = 0.0 if name is None else choice.scale if choice.scale is not None else self.adapters[name].source.scale
             if name is not None and name != self.state.adapter:
                 swap_ms = self._swap(name)
             if scale != self.state.scale or swap_ms is not None:
