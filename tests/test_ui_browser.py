@@ -348,6 +348,9 @@ def test_compare_shows_latencies_speedups_and_images_side_by_side(page):
     assert speedups["cpu/fp32/eager (reference)"][2].startswith("1.00× (reference, ")
     # A figure with its spread; a busy CI box adds "· marked: host load ..." after it.
     assert re.search(r"[\d.]+×.*, \d+ images\)( · marked: .+)?$", speedups["cpu/fp32/regional"][2])
+    # The A/B slider: the reference's image and the (only) other configuration's, both loaded.
+    page.wait_for_function("Array.from(document.querySelectorAll('#c-ab img'))"
+                           ".filter(i => i.complete && i.naturalWidth === 64).length === 2")
     cards = page.locator("#c-cards .c-card")
     assert cards.nth(0).locator(".c-card-title").inner_text() == "cpu/fp32/eager"
     assert cards.nth(0).locator(".c-drift").inner_text() == "drift: reference"

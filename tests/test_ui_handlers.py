@@ -474,3 +474,25 @@ def test_compare_fills_in_the_levers_one_at_a_time_and_refuses_a_missing_frontie
     with pytest.raises(gr.Error, match="no Advisor result for tiny-shapes on cpu at 64x64, 3 steps: run the Advisor"):
         handlers.configuration_list("the Advisor's frontier", "tiny-shapes", ["cpu"], "64x64", 3)
     assert handlers.configuration_list(None, "tiny-shapes", ["cpu"], "64x64", 8) == gr.skip()
+
+
+def test_the_ab_slider_puts_a_configuration_over_the_reference():
+    """Compare's A/B slider: the reference's card image left, the picked configuration's right; a pick stays
+    while it is still one of the configurations with an image."""
+    from PIL import Image
+
+    from ui import compare_ab
+    from ui.compare import thumbnail_uri
+
+    red, blue = Image.new("RGB", (64, 64), (255, 0, 0)), Image.new("RGB", (64, 64), (0, 0, 255))
+    payload = {"results": [{"config": "cpu/fp32/eager", "reference": True, "image_index": 0},
+                           {"config": "cpu/fp32/compile", "reference": False, "image_index": 1},
+                           {"config": "cpu/bf16/eager", "reference": False, "error": "failed"}]}
+    thumbnails = [thumbnail_uri(red), thumbnail_uri(blue)]
+    choices = compare_ab.slider_choices(payload, None)
+    assert (choices["choices"], choices["value"]) == (["cpu/fp32/compile"], "cpu/fp32/compile")
+    assert compare_ab.slider_choices(payload, "cpu/fp32/compile")["value"] == "cpu/fp32/compile"
+    left, right = compare_ab.slider_images("cpu/fp32/compile", payload, thumbnails)
+    assert left.getpixel((5, 5)) == (255, 0, 0) and right.getpixel((5, 5)) == (0, 0, 255)
+    assert compare_ab.slider_images("cpu/bf16/eager", payload, thumbnails) is None  # failed: no image
+    assert compare_ab.slider_choices({}, None)["value"] == compare_ab.NONE_YET

@@ -30,7 +30,7 @@ from engine.config.request import ImageRequest
 from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size, parse_lora
-from ui import views
+from ui import compare_ab, views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
 
@@ -619,6 +619,7 @@ class ComparePage:
 
     def results(self) -> None:
         self.cards = gr.HTML(elem_id="c-cards", label="Each configuration")
+        self.ab_choice, self.ab_slider = compare_ab.add()
         self.speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True,
                                   column_widths=views.PRICE_WIDTHS, label="Price of each configuration",
                                   elem_id="c-speedup")
@@ -667,3 +668,4 @@ class ComparePage:
         # half-written.
         results.change(h.render_compare, [results, self.thumbnails], [self.plot, self.speed, self.costs, self.cards],
                        **FAST)
+        compare_ab.wire(self.ab_choice, self.ab_slider, results, self.thumbnails)
