@@ -253,6 +253,8 @@ def lora_row(name: str, device: str, precision: str, lora: dict) -> list:
     median_ms = lora.get("median_swap_ms")
     reason = (f"rank {lora.get('target_rank', 0)} · adapters {', '.join(lora.get('adapters', [])) or 'none'} · "
               f"median swap {fmt_ms(median_ms)} · {lora.get('recompiles', 0)} recompiles")
+    if lora.get("fuses"):
+        reason += f" · {lora['fuses']} fuses (median {fmt_ms(lora.get('median_fuse_ms'))})"
     if lora.get("refused"):
         reason += f" · refused {', '.join(lora['refused'])} (see notices)"
     return [name, device, precision, LORA_SLOT, "", state, reason, "", "", f"{swaps} swaps"]
