@@ -242,8 +242,9 @@ def test_with_a_lora_every_configuration_draws_the_style_and_eager_adds_it_fused
     grid, skipped = plan_grid(styled, devices.resolve_device("cpu"))
     fused = [c for c in grid if c.lora_fused]
     assert fused and {c.mode for c in fused} == {"eager"} and all(c.step_cache == "none" for c in fused)
-    assert not any(c.precision.startswith("int8") for c in grid)  # LoRA is not served quantized
-    assert any("LoRA adapters are not served on int8" in s["why"] for s in skipped)
+    assert any(c.precision == "int8wo" for c in grid)  # unfused, a style runs beside quantized weights
+    assert not any(c.precision.startswith("int8") for c in fused)  # fused would re-quantize at every fuse
+    assert any("a fused LoRA is not served on int8" in s["why"] for s in skipped)
     assert not any(c.lora_fused for c in plan_grid(plan(), devices.resolve_device("cpu"))[0])
     assert styled.style == "swap" and plan(lora=LoraChoice("swap", 0.0)).style is None
     assert Candidate("fp32", "eager", lora_fused=True).label() == "fp32/eager/lora-fused"

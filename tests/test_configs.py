@@ -47,8 +47,9 @@ def test_lora_configurations_are_refused_with_the_engines_reasons():
     assert configs.refusal(shapes, spec, Configuration("eager", "fp32", lora="nope"), loras=True) == \
         "unknown LoRA 'nope' for tiny-shapes: choose one of swap, small, corner (or none)"
     assert "not run in aot mode" in configs.refusal(shapes, spec, Configuration("aot", "fp32", lora="swap"), loras=True)
-    assert "not served on int8wo" in configs.refusal(shapes, spec, Configuration("eager", "int8wo", lora="swap"),
-                                                       loras=True)
+    assert configs.refusal(shapes, spec, Configuration("eager", "int8wo", lora="swap"), loras=True) is None
+    assert "fused LoRA is not served on int8wo" in configs.refusal(
+        shapes, spec, Configuration("eager", "int8wo", lora="swap", lora_fused=True), loras=True)
     assert "fused LoRA runs in eager mode only" in configs.refusal(
         shapes, spec, Configuration("regional", "fp32", lora="swap", lora_fused=True), loras=True)
     assert configs.refusal(shapes, spec, Configuration("eager", "fp32", lora="swap", lora_fused=True), loras=True) is None

@@ -300,14 +300,60 @@ def test_a_hub_lora_loads_offline_through_the_same_path_as_a_local_one(cache_dir
         lora.locate(paper)
 
 
+@pytest.mark.parametrize("precision", ["int8wo", "int8dq"])
+def test_quantized_engines_hot_swap_beside_their_int8_weights(cache_dir, adapters, precision):
+    """The slot's A and B stay fp32 (kept out of torchao's quantization), so a hot-swap copies into them as on
+    any engine: the image equals a fresh pipeline with that adapter alone, quantized the same way. Fused is
+    refused (a fuse would re-quantize the weights)."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+    from torchao.quantization.quant_api import _is_linear
+
+    from engine.config.presets import get_preset
+    from engine.pipeline.runner import PipelineRunner, pipeline_call_kwargs
+
+    config = dataclasses.replace(_config(cache_dir, {"a": adapters["a"], "b": adapters["b"]}),
+                                 key=EngineKey("tiny-shapes", "cpu", precision))
+    runner = PipelineRunner(config)
+    runner.load()
+    assert runner.loras is not None and not runner.lora_refusal()
+    a, b = runner.generate(_request(lora="a")), runner.generate(_request(lora="b"))
+    assert b.lora_swap_ms is not None and _diff(a.image(), b.image()) > 20
+    fresh = _fresh_pipeline(adapters["b"], 0.5)
+    config_cls = Int8WeightOnlyConfig if precision == "int8wo" else Int8DynamicActivationInt8WeightConfig
+    quantize_(fresh.transformer, config_cls(), filter_fn=lambda m, fqn: _is_linear(m) and ".lora_" not in fqn)
+    expected = fresh(**pipeline_call_kwargs(get_preset("tiny-shapes"), fresh, _request())).images[0]
+    assert _diff(b.image(), expected) <= 2
+    with pytest.raises(UnsupportedCombination, match=f"a fused LoRA is not served on {precision} engines"):
+        runner.generate(_request(lora="a", lora_fused=True))
+
+
+@pytest.mark.slow
+def test_a_quantized_regional_bucket_hot_swaps_without_a_recompile(cache_dir, adapters):
+    from engine.pipeline.runner import PipelineRunner
+
+    config = dataclasses.replace(_config(cache_dir, {"a": adapters["a"], "b": adapters["b"]}),
+                                 key=EngineKey("tiny-shapes", "cpu", "int8wo"))
+    runner = PipelineRunner(config)
+    runner.load()
+    info = runner.warm_bucket(BucketKey("regional", Size(64, 64)))
+    assert info.state.value == "warm", info.error
+    eager_b = runner.generate(_request(lora="b"))
+    runner.generate(_request(mode="regional", lora="a"))
+    previous = torch._dynamo.config.error_on_recompile
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        swapped = [runner.generate(_request(mode="regional", lora=name)) for name in ("b", None, "a")]
+    finally:
+        torch._dynamo.config.error_on_recompile = previous
+    assert all(r.warm and r.recompiles == 0 for r in swapped)
+    assert _diff(swapped[0].image(), eager_b.image()) <= 2
+
+
 def test_adapters_are_refused_where_the_engine_cannot_hold_them(cache_dir, adapters):
     from engine.pipeline.runner import PipelineRunner
 
     off = PipelineRunner(_config(cache_dir, {"a": adapters["a"]}, loras=False))
     assert "turns them on with --loras" in off.lora_refusal()
-    quantized = PipelineRunner(dataclasses.replace(_config(cache_dir, {"a": adapters["a"]}),
-                                                   key=EngineKey("tiny-shapes", "cpu", "int8wo")))
-    assert "not served on int8wo engines" in quantized.lora_refusal()
     with pytest.raises(UnsupportedCombination, match="LoRA 'swap' cannot run here: preset tiny-flux lists no LoRA"):
         from helpers import make_runner
 
@@ -353,11 +399,11 @@ def test_compare_draws_one_card_per_adapter_named_in_its_caption(styled_manager)
     from ui.handlers import Handlers, UIDefaults
 
     handlers = Handlers(styled_manager, UIDefaults(device="cpu", mode="eager"))
-    typed = "eager/fp32+lora=swap; eager/fp32+lora=corner:0.5; eager/fp32+lora=nope; eager/int8wo+lora=swap"
+    typed = "eager/fp32+lora=swap; eager/fp32+lora=corner:0.5; eager/fp32+lora=nope; eager/int8wo+lora=swap:fused"
     check = handlers.check_configurations("tiny-shapes", ["cpu"], typed)
     assert "✓ `cpu/fp32/eager+lora=swap`" in check and "✓ `cpu/fp32/eager+lora=corner:0.5`" in check
     assert "✗ `cpu/fp32/eager+lora=nope`: unknown LoRA 'nope' for tiny-shapes: choose one of swap, small" in check
-    assert "✗ `cpu/int8wo/eager+lora=swap`: LoRA adapters are not served on int8wo engines" in check
+    assert "✗ `cpu/int8wo/eager+lora=swap:fused`: a fused LoRA is not served on int8wo engines" in check
     outputs = list(handlers.compare(prompt=PROMPT, preset="tiny-shapes", size="64x64", steps=2, guidance=1.0, seed=3,
                                     devices=["cpu"], precisions=[], modes=[], wait_for_warm=False, caches=None,
                                     fidelity_prompts=0, configurations=typed, timing_s=0, request=None))

@@ -136,12 +136,10 @@ def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
     """Every candidate this engine can run here, and what was skipped with why (torch not needed)."""
     skipped: list[dict] = []
     precisions = _runnable_precisions(spec, skipped)
-    if plan.lora.name is not None:
-        precisions = _lora_precisions(precisions, skipped)
     modes = _runnable_modes(spec, skipped)
     grid = _cache_candidates(plan, spec, precisions, modes, skipped) + _attention_candidates(spec, skipped)
     if plan.lora.name is not None and "eager" in modes:  # fused runs eager only (engine/pipeline/lora.py)
-        grid += [Candidate(p, "eager", lora_fused=True) for p in precisions]
+        grid += [Candidate(p, "eager", lora_fused=True) for p in _fusable(precisions, skipped)]
     skipped.append({"what": "parallel layouts (tensor/ulysses/ring)",
                     "why": "they run as a torchrun sidecar of several ranks, not in this process; compare them "
                            "on the Compare tab (Tensor-parallel ranks)"})
@@ -162,12 +160,14 @@ def _runnable_precisions(spec, skipped: list[dict]) -> list[str]:
     return precisions
 
 
-def _lora_precisions(precisions: list[str], skipped: list[dict]) -> list[str]:
+def _fusable(precisions: list[str], skipped: list[dict]) -> list[str]:
+    """The precisions a fused LoRA runs at (not the quantized ones: a fuse would re-quantize)."""
     from engine.protocol import Precision
 
     for name in precisions:
         if Precision(name).quantized:
-            skipped.append({"what": f"precision {name}", "why": f"LoRA adapters are not served on {name} engines"})
+            skipped.append({"what": f"{name}/eager/lora-fused", "why": f"a fused LoRA is not served on {name} "
+                            "engines (it would re-quantize at every fuse); measured unfused"})
     return [name for name in precisions if not Precision(name).quantized]
 
 

@@ -150,8 +150,9 @@ def lora_refusal(preset, config: Configuration, loras: bool) -> str | None:
     if config.lora_fused and config.mode != Mode.EAGER:
         return (f"a fused LoRA runs in eager mode only, not {config.mode} (every fuse would recompile the graph): "
                 f"use eager with :fused, or {config.mode} unfused")
-    if Precision(config.precision).quantized:
-        return f"LoRA adapters are not served on {config.precision} engines: use fp32, bf16 or fp16"
+    if config.lora_fused and Precision(config.precision).quantized:
+        return (f"a fused LoRA is not served on {config.precision} engines (it would re-quantize at every fuse): "
+                "run it unfused there, or fused on fp32, bf16 or fp16")
     return None
 
 

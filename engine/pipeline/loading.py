@@ -37,9 +37,6 @@ def lora_refusal(config: EngineConfig, precision: devices.PrecisionPlan) -> str:
     if config.key.tp > 1:
         return ("LoRA adapters are not served on multi-rank engines (every rank would have to swap in step; "
                 "not built yet): use a single-device engine")
-    if precision.precision.quantized:
-        return (f"LoRA adapters are not served on {precision.precision} engines (the slot's layers would "
-                "wrap torchao-quantized weights, not measured here): use fp32, bf16 or fp16")
     return ""
 
 

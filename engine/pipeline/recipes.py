@@ -84,9 +84,12 @@ def quantize_denoiser(pipe, denoiser_name: str, precision: Precision) -> str:
         Precision.FP8: (Float8DynamicActivationFloat8WeightConfig, {"granularity": PerRow()},
                         "float8 dynamic activation + float8 weight (per row)"),
     }
+    from torchao.quantization.quant_api import _is_linear
+
     config_cls, kwargs, what = configs[Precision(precision)]
     denoiser = _denoiser(pipe, denoiser_name)
-    quantize_(denoiser, config_cls(**kwargs))
+    # A LoRA slot's A and B stay in the compute precision: a hot-swap copies the next adapter into them.
+    quantize_(denoiser, config_cls(**kwargs), filter_fn=lambda m, fqn: _is_linear(m) and ".lora_" not in fqn)
     linears = sum(1 for m in denoiser.modules() if isinstance(m, torch.nn.Linear)
                   and type(m.weight).__name__ not in ("Parameter", "Tensor"))
     return f"{precision}: {what} quantization (torchao) of {linears} linear layers in the denoiser"

@@ -215,6 +215,11 @@ class PipelineRunner:
             raise UnsupportedCombination("LoRA adapters do not run in aot mode (its packages are exported with the "
                                          "LoRA slot off and serve requests without one): use compile or regional, "
                                          "which hot-swap on warm graphs")
+        if request.lora_fused and self.precision.precision.quantized:
+            raise UnsupportedCombination(
+                f"a fused LoRA is not served on {self.precision.precision} engines: folding the style into "
+                "quantized weights would mean re-quantizing them at every fuse. Run the LoRA unfused here "
+                "(hot-swapped beside the quantized weights), or fused on an fp32, bf16 or fp16 engine")
         if request.lora_fused and request.mode is not Mode.EAGER:
             raise UnsupportedCombination(
                 f"a fused LoRA runs in eager mode only, not {request.mode}: fusing changes the layers a compiled "
@@ -369,7 +374,8 @@ class PipelineRunner:
     def weights_bytes(self) -> int:
         """The loaded weights, and the fused-LoRA copy reserved whether or not a fused call made it yet."""
         if self._weights_bytes is None:
-            fused = self.loras.fused_bytes if self.loras is not None and self.loras.adapters else 0
+            fused = (self.loras.fused_bytes if self.loras is not None and self.loras.adapters
+                     and not self.precision.precision.quantized else 0)
             self._weights_bytes = weights_bytes(self.pipe) + fused
         return self._weights_bytes
 
