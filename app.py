@@ -270,7 +270,8 @@ def attach_sidecar(manager, args):
 
 
 def apply_advice(engine: DefaultEngine, path: str) -> DefaultEngine:
-    """--config-from: `engine` with the advisor's pick (preset, device, precision, mode, attention, step cache).
+    """--config-from: `engine` with the advisor's pick (preset, device, precision, mode, attention, step cache, and
+    the LoRA style it was measured with, fused as the pick ran it).
     InvalidRequest when the file is not an advisor result or names something this app does not have."""
     from engine.bench.advise import load_pick
     from engine.pipeline.attention import BACKENDS
@@ -279,10 +280,18 @@ def apply_advice(engine: DefaultEngine, path: str) -> DefaultEngine:
     if pick["attention"] not in BACKENDS:
         raise InvalidRequest(f"{path}: unknown attention backend {pick['attention'][:40]!r}; "
                              f"choose one of: {', '.join(BACKENDS)}")
-    log.warning("--config-from %s: %s/%s/%s, step cache %s, attention %s", path, pick["device"],
-                pick["precision"], pick["mode"], pick["step_cache"], pick["attention"])
+    if pick["lora"] != "none":  # the style the run was measured with
+        from engine.config.presets import get_preset
+
+        try:
+            check_lora(get_preset(pick["preset"]), pick["lora"])
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{path}: {exc}") from None
+    log.warning("--config-from %s: %s/%s/%s, step cache %s, attention %s, LoRA %s", path, pick["device"],
+                pick["precision"], pick["mode"], pick["step_cache"], pick["attention"], pick["lora"])
     return dataclasses.replace(engine, preset=pick["preset"], device=pick["device"], precision=pick["precision"],
-                               mode=pick["mode"], attention_backend=pick["attention"], step_cache=pick["step_cache"])
+                               mode=pick["mode"], attention_backend=pick["attention"], step_cache=pick["step_cache"],
+                               lora=pick["lora"] if pick["lora"] != "none" else engine.lora)
 
 
 def check_engine_room(args, manager, device: str) -> str | None:
@@ -327,7 +336,7 @@ def check_flags(parser, args) -> DefaultEngine:
         from engine.config.presets import get_preset
 
         try:
-            check_lora(get_preset(engine.preset), args.lora)
+            check_lora(get_preset(engine.preset), engine.lora)
         except ShowcaseError as exc:
             parser.error(f"argument --lora: {exc}")
     return engine
@@ -364,6 +373,8 @@ def build_manager(parser, args, engine: DefaultEngine, hosting: HostingChoice):
     mode = Mode.parse(engine.mode, "mode")
     modes = (mode,) if mode.compiled else ()
     advised = {"attention_backend": engine.attention_backend} if engine.attention_backend else {}
+    if engine.lora != "none":
+        advised["loras"] = True  # a style needs the slot
     manager = make_manager(args, options_from_args(args, warm_sizes=sizes, warm_modes=modes, **advised),
                            hosting_config(args, hosting, engine.preset))
     try:

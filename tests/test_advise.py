@@ -77,7 +77,7 @@ def test_the_saved_file_drives_the_app_defaults_and_the_views(tmp_path):
     assert path.name == "tiny-shapes@cpu-64x64-8steps.json" and json.loads(path.read_text())["pick"]
     assert load_pick(path) == {"precision": "fp32", "mode": "regional", "step_cache": "first-block:0.2",
                                "attention": "native", "lora_fused": False, "preset": "tiny-shapes", "device": "cpu",
-                               "size": "64x64", "steps": 8}
+                               "size": "64x64", "steps": 8, "lora": "none"}
     import app
 
     engine = app.apply_advice(app.DefaultEngine(preset="x", device="auto", precision="bf16", mode="compile"),
@@ -90,6 +90,12 @@ def test_the_saved_file_drives_the_app_defaults_and_the_views(tmp_path):
     points = views.advisor_points(report)
     assert {p["verdict"] for p in points} == {"pick", "within bound"} and all(p["quality"] == 94 for p in points)
     assert "Pick: `fp32/regional/first-block:0.2`" in advise_report.summary(report)
+    # A run measured with a style: --config-from starts Generate at that style, fused as the pick ran it.
+    fused = {**row("fp32", "eager", ms=60), "lora_fused": True, "label": "fp32/eager/lora-fused"}
+    pick, rows = choose([row("fp32", "eager"), fused], plan())
+    styled = save({**report, "pick": pick, "rows": rows, "lora": "swap"}, tmp_path / "styled.json")
+    assert load_pick(styled)["lora"] == "swap:fused" and load_pick(styled)["lora_fused"] is True
+    assert app.apply_advice(app.DefaultEngine("x", "auto", "bf16", "compile"), str(styled)).lora == "swap:fused"
 
 
 def test_the_scan_times_compiled_modes_of_the_fastest_precisions_before_caches():

@@ -63,6 +63,10 @@ BAD_FLAGS = [
     (lambda t: ["--header-timeout", "0"], "--header-timeout", "allowed: 1..600"),
     (lambda t: ["--max-header-bytes", "lots"], "--max-header-bytes", "not a size from 1KiB to 1MiB"),
     (lambda t: ["--lora", "nope"], "--lora", "unknown LoRA 'nope' for tiny-shapes: choose one of swap, small, corner"),
+    (lambda t: ["--config-from", _write(t, "lora.json", json.dumps({**GOOD_ADVICE, "lora": "nope"}))], "--config-from",
+     "unknown LoRA 'nope' for tiny-shapes"),
+    (lambda t: ["--config-from", _write(t, "lora5.json", json.dumps({**GOOD_ADVICE, "lora": 5}))], "--config-from",
+     "lora must be text"),
     (lambda t: ["--lora", "swap:5"], "--lora", "LoRA scale 5 is outside [0, 2]"),
 ]
 

@@ -379,7 +379,7 @@ def load_pick(path: Path) -> dict:
 
     pick = advice_pick(read_json_file(path, str(path)), str(path))
     return {**{k: pick.get(k, ABSENT.get(k)) for k in REFERENCE}, "preset": pick["preset"], "device": pick["device"],
-            "size": pick["size"], "steps": pick["steps"]}
+            "size": pick["size"], "steps": pick["steps"], "lora": pick["lora"]}
 
 
 def serving_threads(spec) -> int | None:

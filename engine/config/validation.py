@@ -252,4 +252,18 @@ def advice_pick(data, what: str = "the advisor file") -> dict:
                 result[name] = check(value)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"{what}: {exc}") from None
+    result["lora"] = _advised_lora(data, pick, what)
+    result["lora_fused"] = pick.get("lora_fused") is True
     return result
+
+
+def _advised_lora(data: dict, pick: dict, what: str) -> str:
+    """The style an advisor run measured with, fused as its pick ran it ("none": a run without a style)."""
+    lora, fused = data.get("lora", "none"), pick.get("lora_fused", False)
+    if not isinstance(lora, str) or not isinstance(fused, bool):
+        raise InvalidRequest(f"{what}: lora must be text and the pick's lora_fused true or false")
+    try:
+        choice = parse_lora(lora)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{what}: {exc}") from None
+    return dataclasses.replace(choice, fused=fused).text() if choice.name else "none"
