@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from engine import settings
 from engine.config.flags import OneLineParser, add_engine_arguments, as_text, one_of, options_from_args, whole
+from engine.config.presets import get_preset
 from engine.config.validation import check_lora, check_preset_name
 from engine.errors import InvalidRequest, ShowcaseError
 from engine.protocol import Mode, Parallel, Precision, Size, parse_lora
@@ -281,8 +282,6 @@ def apply_advice(engine: DefaultEngine, path: str) -> DefaultEngine:
         raise InvalidRequest(f"{path}: unknown attention backend {pick['attention'][:40]!r}; "
                              f"choose one of: {', '.join(BACKENDS)}")
     if pick["lora"] != "none":  # the style the run was measured with
-        from engine.config.presets import get_preset
-
         try:
             check_lora(get_preset(pick["preset"]), pick["lora"])
         except InvalidRequest as exc:
@@ -333,8 +332,6 @@ def check_flags(parser, args) -> DefaultEngine:
         except InvalidRequest as exc:
             parser.error(f"argument --config-from: {exc}")
     if args.lora:
-        from engine.config.presets import get_preset
-
         try:
             check_lora(get_preset(engine.preset), engine.lora)
         except ShowcaseError as exc:
