@@ -27,6 +27,7 @@ from helpers import engine_manager, torch_configs_restored, wait_until
 
 from engine import devices
 from engine.config import caches
+from engine.devices.environment import PRECOMPILED_HEADERS
 from engine.errors import scrub_paths
 from engine.protocol import BucketKey, BucketState, Mode, Size
 
@@ -73,6 +74,31 @@ def test_the_in_process_runtime_replaces_torchs_default_folder_too(tmp_path, mon
     folders = devices.folders_in_force(devices.get_device("cpu"))
     assert all(Path(f).resolve().is_relative_to((tmp_path / "cache").resolve()) for f in folders.values()), folders
 
+
+
+_REPORT_BEFORE_AND_AFTER_THE_CODECACHE = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from engine import devices
+    cpu = devices.get_device("cpu")
+    from engine.devices.environment import contain_temporary_files
+    contain_temporary_files(Path(sys.argv[1]), sys.argv[1] + "/inductor")
+    before = devices.folders_in_force(cpu)
+    assert "torch._inductor.codecache" not in sys.modules
+    import torch._inductor.codecache  # what a first compile imports
+    print(json.dumps({"before": before, "after": devices.folders_in_force(cpu)}))
+""")
+
+
+def test_a_workers_folder_report_does_not_depend_on_what_was_imported(tmp_path):
+    """The header folder is reported from the setting the process applies, before inductor's codecache is
+    imported as after (it used to appear only after, so /system and a test depended on import timing)."""
+    out = subprocess.run([sys.executable, "-c", _REPORT_BEFORE_AND_AFTER_THE_CODECACHE, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    headers = {when: folders.get(PRECOMPILED_HEADERS) for when, folders in report.items()}
+    assert headers["before"] == headers["after"] == str(tmp_path / "inductor" / "precompiled_headers"), report
 
 # -- a full or read-only cache disk -------------------------------------------------------------------------
 def _compile_error(cmd: list[str], output: str) -> RuntimeError:
@@ -226,7 +252,10 @@ def test_three_engines_compile_inside_the_cache_folder_after_diffusers_was_impor
     assert len(reported) == 3
     for key, folders in reported.items():
         assert folders["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "inductor"), (key, folders)
-        assert Path(folders["TMPDIR"]).is_relative_to(cache) and Path(folders["precompiled headers"]).is_relative_to(cache)
+        missing = {"TMPDIR", PRECOMPILED_HEADERS} - folders.keys()
+        assert not missing, f"{key} reported no folder for {sorted(missing)}: {folders}"
+        assert Path(folders["TMPDIR"]).is_relative_to(cache), (key, folders)
+        assert Path(folders[PRECOMPILED_HEADERS]).is_relative_to(cache), (key, folders)
     assert not outside, outside[:5]
     assert inside
     rows = {row["folder"]: row["location"] for row in report["caches"]}

@@ -21,10 +21,12 @@ directory whatever its cache folder, would otherwise land in /tmp).
 
 from __future__ import annotations
 
+import getpass
 import importlib.abc
 import importlib.util
 import logging
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -82,10 +84,27 @@ def folders_in_force(spec: DeviceSpec) -> dict[str, str]:
     reports them to the app, so /system shows where the worker really writes, not what the app computed."""
     folders = {var: settings.device_variable(var) for var, _ in spec.cache_env if settings.device_variable(var)}
     folders[TMPDIR_VAR] = tempfile.gettempdir()
-    codecache = sys.modules.get("torch._inductor.codecache")  # not imported yet: nothing compiled
-    if codecache is not None and getattr(codecache, "_HEADER_DIR", None):
-        folders[PRECOMPILED_HEADERS] = str(codecache._HEADER_DIR)
+    folders[PRECOMPILED_HEADERS] = precompiled_header_dir()
     return folders
+
+
+def precompiled_header_dir() -> str:
+    """Inductor's precompiled-header folder in this process, whether or not its codecache is imported yet:
+    the folder it uses, else the one it will be given on import, else the default it will compute then. So a
+    report does not depend on what happened to be imported when it was made."""
+    codecache = sys.modules.get(_CODECACHE)
+    if codecache is not None and getattr(codecache, "_HEADER_DIR", None):
+        return str(codecache._HEADER_DIR)
+    for finder in sys.meta_path:
+        if isinstance(finder, _HeaderDirOnImport):
+            return str(finder.folder)
+    # torch's own formula (codecache: default_cache_dir()/precompiled_headers), without importing inductor
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    return str(Path(tempfile.gettempdir()) / f"{TORCH_DEFAULT_INDUCTOR_PREFIX}{user}" / "precompiled_headers")
 
 
 def temp_dir(cache_dir: Path) -> Path:
