@@ -88,45 +88,71 @@ def test_gatherer_splits_to_warm_sizes_and_asks_for_the_cold_one():
     assert g.next_batch() == items[2:3]
 
 
+class ScriptedQueue(queue.Queue):
+    """A request queue on a clock of its own: items arrive at scripted times, and a `get` that waits moves
+    the clock to the next arrival (or to the end of its timeout), so batching windows are tested exactly,
+    whatever the machine is doing."""
+
+    def __init__(self, script=()):
+        super().__init__()
+        self.now = 0.0
+        self.script = sorted(script, key=lambda at_item: at_item[0])
+        self.waited: list[float] = []  # every timeout the gatherer waited with
+
+    def clock(self) -> float:
+        return self.now
+
+    def get(self, block=True, timeout=None):
+        if not self.empty() or not block:
+            return super().get(block=False)
+        self.waited.append(timeout)
+        if self.script and (timeout is None or self.script[0][0] <= self.now + timeout):
+            at, item = self.script.pop(0)
+            self.now = max(self.now, at)
+            return item
+        if timeout is None:
+            raise AssertionError("the gatherer waited without a timeout on a queue nothing more arrives on")
+        self.now += timeout
+        raise queue.Empty
+
+
+def scripted_gatherer(script, first, max_batch=8, wait_ms=100.0, arrivals=None):
+    source = ScriptedQueue(script)
+    source.put(first)
+    g = batching.Gatherer(source, max_batch, wait_ms, arrived=lambda r: (arrivals or {}).get(r.seed),
+                          sizes_for=lambda r: (1, 2, 4, 8), clock=source.clock)
+    return source, g
+
+
 def test_gatherer_waits_for_stragglers_within_the_window():
-    source, g = gatherer([request(0)], max_batch=2, wait_ms=2000)
-    threading.Timer(0.05, source.put, (request(1),)).start()
-    start = time.perf_counter()
+    source, g = scripted_gatherer([(0.05, request(1))], request(0), max_batch=2, wait_ms=2000)
     assert len(g.next_batch()) == 2
-    assert time.perf_counter() - start < 1.0  # a full group goes at once, before the window ends
-    source, g = gatherer([request(0)], wait_ms=100)
-    start = time.perf_counter()
+    assert source.now == pytest.approx(0.05)  # a full group goes at once, before the window ends
+    source, g = scripted_gatherer([], request(0), wait_ms=100)
     assert len(g.next_batch()) == 1
-    assert 0.08 < time.perf_counter() - start < 1.0
+    assert source.now == pytest.approx(0.1)  # waited the whole window for a straggler, then went alone
 
 
 def test_the_window_slides_with_each_joiner_and_closes_after_a_gap():
     """Requests 60 ms apart with a 100 ms window all join (each keeps it open for the next); a gap longer
     than the window closes the group, and the request after the gap starts the next one."""
-    arrivals: dict[int, float] = {}
-    source: queue.Queue = queue.Queue()
-    g = batching.Gatherer(source, 8, 100, arrived=lambda r: arrivals.get(r.seed), sizes_for=lambda r: (1, 2, 4, 8))
-
-    def put(i):
-        arrivals[100 + i] = time.perf_counter()
-        source.put(request(i))
-
-    put(0)
-    for i, at in ((1, 0.06), (2, 0.12), (3, 0.18), (4, 0.45)):  # 4 comes 270 ms after 3
-        threading.Timer(at, put, (i,)).start()
-    start = time.perf_counter()
+    script = [(at, request(i)) for i, at in ((1, 0.06), (2, 0.12), (3, 0.18), (4, 0.45))]  # 4: 270 ms after 3
+    arrivals = {100 + i: at for i, at in ((0, 0.0), (1, 0.06), (2, 0.12), (3, 0.18), (4, 0.45))}
+    source, g = scripted_gatherer(script, request(0), arrivals=arrivals)
     group = g.next_batch()
     assert [r.seed for r in group] == [100, 101, 102, 103]  # past one window after the first, all joined
-    assert time.perf_counter() - start < 0.4  # closed 100 ms after the last joiner, not waiting for 4
+    assert source.now == pytest.approx(0.28)  # closed 100 ms after the last joiner, not waiting for 4
     assert [r.seed for r in g.next_batch()] == [104]
 
 
 def test_max_batch_1_never_waits_and_never_groups():
     items = [request(i) for i in range(3)]
-    _, g = gatherer(items, max_batch=1, wait_ms=5000)
-    start = time.perf_counter()
+    source = ScriptedQueue()
+    for item in items:
+        source.put(item)
+    g = batching.Gatherer(source, 1, 5000, arrived=lambda r: None, sizes_for=lambda r: (1,), clock=source.clock)
     assert [g.next_batch() for _ in range(3)] == [[x] for x in items]
-    assert time.perf_counter() - start < 0.5
+    assert source.waited == [] and source.now == 0.0
 
 
 def test_keys_keep_apart_what_changes_the_graph_or_the_schedule():

@@ -103,13 +103,16 @@ class Gatherer:
 
     source: the queue the receiver puts requests on (None = stop); arrived(request) -> perf_counter time
     it arrived; sizes_for(request) -> the batch sizes it may run at now (ascending, 1 included);
-    on_split(request, size): a group was split because `size` is not warm (ask for its compile)."""
+    on_split(request, size): a group was split because `size` is not warm (ask for its compile); clock: the
+    time `arrived` answers in (a test passes a scripted queue and its clock, so no test waits on the machine)."""
 
     def __init__(self, source: queue.Queue, max_batch: int, wait_ms: float,
                  arrived: Callable[[GenerateRequest], float | None],
                  sizes_for: Callable[[GenerateRequest], tuple[int, ...]],
-                 on_split: Callable[[GenerateRequest, int], None] | None = None):
+                 on_split: Callable[[GenerateRequest, int], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.source = source
+        self.clock = clock
         self.max_batch = max(1, max_batch)
         self.wait_s = max(0.0, wait_ms) / 1000
         self.arrived = arrived
@@ -158,7 +161,7 @@ class Gatherer:
             self._backlog = keep
         deadline = self._arrival(first) + self.wait_s
         while len(group) < self.max_batch and not self._stopped:
-            timeout = deadline - time.perf_counter()
+            timeout = deadline - self.clock()
             try:
                 item = self.source.get(block=timeout > 0, timeout=timeout if timeout > 0 else None)
             except queue.Empty:
@@ -209,4 +212,4 @@ class Gatherer:
 
     def _arrival(self, request: GenerateRequest) -> float:
         arrived = self.arrived(request)
-        return arrived if arrived is not None else time.perf_counter()
+        return arrived if arrived is not None else self.clock()
