@@ -30,7 +30,7 @@ browser:
 	@[ -x /usr/bin/chromium ] || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
 
 test: setup browser
-	HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False $(BIN)/python -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False $(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check engine ui tests app.py
