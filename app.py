@@ -187,7 +187,7 @@ class DefaultEngine:
 def edge_config(args, public: bool):
     """The web edge's bounds (ui/edge.py) from the flags (`public`: hosting mode's defaults)."""
     from ui.edge import CLIENT_EVENTS, EdgeConfig, parse_proxies
-    from ui.sockets import PER_CLIENT, SocketBounds
+    from ui.sockets import PER_CLIENT, STREAMS_PER_CLIENT, SocketBounds
 
     events = args.client_events
     if events is None:
@@ -201,7 +201,11 @@ def edge_config(args, public: bool):
     per_client = args.max_connections_per_client
     if per_client is None:
         per_client = PER_CLIENT if public else None  # a developer's load tests come from one address
+    streams = args.max_streams_per_client
+    if streams is None:
+        streams = STREAMS_PER_CLIENT if public else None
     sockets = SocketBounds(max_connections=args.max_connections, per_client=per_client or None,
+                           streams_per_client=streams or None,
                            header_timeout_s=args.header_timeout, max_header_bytes=args.max_header_bytes,
                            max_headers=args.max_headers)
     return EdgeConfig(client_events=None if events is None else int(events), trusted_proxies=proxies,
