@@ -205,6 +205,10 @@ class HeadScanner:
             return None
         if self.lines - 1 > self.max_headers:
             return "too many headers"
+        return self._header(text)
+
+    def _header(self, text: bytes) -> str | None:
+        """A header line of a request's head: the ones framing and streams depend on are kept."""
         name, _, value = text.partition(b":")
         name = name.strip().lower()
         if name == b"content-length":
