@@ -428,12 +428,14 @@ def start_default_engine(manager, args, engine: DefaultEngine, hosting: HostingC
 
 def launch_ui(manager, args, engine: DefaultEngine, public: bool, auth):
     """Build the Gradio app and start serving it (without blocking); returns the demo."""
-    from ui import UIDefaults, build_demo, launch_kwargs
+    from ui import UIDefaults, build_demo, launch_kwargs, webtemp
 
+    outputs = webtemp.use_cache_folder(manager.cache_dir)  # before the app is built: Gradio reads it then
     defaults = UIDefaults(preset=engine.preset, device=engine.device, precision=engine.precision, mode=engine.mode,
                           tp=engine.tp, parallel=engine.parallel, admin_token=args.admin_token,
                           step_cache=engine.step_cache, lora=engine.lora)
     demo = build_demo(manager, defaults, queue_size=args.queue_size, edge=edge_config(args, public))
+    demo.web_temp = outputs
     demo.launch(
         server_name=args.host,
         server_port=args.port,
@@ -482,6 +484,9 @@ def serve(manager, args, engine: DefaultEngine, hosting: HostingChoice, auth) ->
         manager.shutdown()
         if demo is not None:
             demo.close()
+            from ui import webtemp
+
+            webtemp.remove(demo.web_temp)
     return 0
 
 
