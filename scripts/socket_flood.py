@@ -12,7 +12,7 @@ It starts `app.py` (public mode, tiny preset, no warm-up; extra flags with --app
    again when the server closes it, for --stream-duration seconds; the visitor keeps timing GET /.
 4. held event streams: --heartbeats GET /gradio_api/heartbeat/<random> per address from
    --heartbeat-addresses addresses (127.0.5.x), each held open as long as the server keeps it and opened
-   again a second after it ends, for --duration seconds; the visitor keeps timing GET /.
+   again --interval seconds after it ends, for --duration seconds; the visitor keeps timing GET /.
 The app's web process (only it: workers are other processes) is sampled for open descriptors and resident
 memory. Printed: the visitor's median during each attack against idle (ratio), its refusals, the most
 descriptors the server held, how the attack sockets ended, the RSS growth and how long each stream lasted.
@@ -200,8 +200,8 @@ def _stream_proc(port, source, mib, until, out):
     out.put(ends)
 
 
-async def _held_stream(port, source, stop_at, tally):
-    """One heartbeat stream held open until the server ends it, then opened again after a second."""
+async def _held_stream(port, source, interval, stop_at, tally):
+    """One heartbeat stream held open until the server ends it, then opened again after `interval` seconds."""
     loop = asyncio.get_running_loop()
     while time.monotonic() < stop_at:
         sock = socket.socket()
@@ -228,10 +228,10 @@ async def _held_stream(port, source, stop_at, tally):
                 tally[f"error {type(exc).__name__}"] += 1
         finally:
             sock.close()
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(interval)
 
 
-def _heartbeat_proc(port, sources, per_source, duration, out):
+def _heartbeat_proc(port, sources, per_source, interval, duration, out):
     os.nice(ATTACKER_NICE)
     raise_fd_limit(len(sources) * per_source + 64)
     from collections import defaultdict
@@ -240,7 +240,7 @@ def _heartbeat_proc(port, sources, per_source, duration, out):
 
     async def main():
         stop_at = time.monotonic() + duration
-        await asyncio.gather(*(_held_stream(port, source, stop_at, tally) for source in sources
+        await asyncio.gather(*(_held_stream(port, source, interval, stop_at, tally) for source in sources
                                for _ in range(per_source)), return_exceptions=True)
 
     asyncio.run(main())
@@ -253,7 +253,8 @@ def held_streams(args, sampler, ctx, out) -> dict:
     idle_ms = median_ms(idle)
     sources = [f"127.0.5.{i + 1}" for i in range(args.heartbeat_addresses)]
     mark = len(sampler.fds)
-    proc = ctx.Process(target=_heartbeat_proc, args=(args.port, sources, args.heartbeats, args.duration, out))
+    proc = ctx.Process(target=_heartbeat_proc, args=(args.port, sources, args.heartbeats, args.interval, args.duration,
+                                                     out))
     proc.start()
     time.sleep(min(10.0, args.duration / 3))  # the streams open and the first rounds are refused
     visitor = Visitor(args.port, args.visit_every)
