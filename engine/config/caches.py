@@ -74,6 +74,7 @@ def prepare_cache_dir(path: Path) -> CacheDir:
     """Create the folder and prove it is writable; otherwise fall back to a temporary one (removed at shutdown,
     or by the next start when this process is killed)."""
     path = Path(path).expanduser()
+    remove_orphaned_folders()  # what a killed process left
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-probe-{os.getpid()}"
@@ -81,7 +82,6 @@ def prepare_cache_dir(path: Path) -> CacheDir:
         probe.unlink()
         return CacheDir(path, True)
     except OSError as exc:
-        remove_orphaned_folders()
         fallback = Path(tempfile.mkdtemp(prefix=owned_prefix(TEMP_CACHE_PREFIX)))
         # The notice is shown in the app (no path there); the log names both folders.
         notice = (f"the cache folder is not writable ({exc.strerror or type(exc).__name__}); running without a "
