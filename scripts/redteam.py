@@ -102,10 +102,13 @@ def deep_links(client, http: httpx.Client, url: str, rounds: int, cache: Path) -
 
 def forged_calls(http: httpx.Client, url: str, count: int, log: Path) -> dict:
     start = log.stat().st_size
-    answers: Counter[int] = Counter()
+    answers: Counter = Counter()
     started = time.perf_counter()
     for _ in range(count):
-        answers[http.get(f"{url}/gradio_api/call/generate/{os.urandom(16).hex()}").status_code] += 1
+        try:
+            answers[http.get(f"{url}/gradio_api/call/generate/{os.urandom(16).hex()}").status_code] += 1
+        except httpx.HTTPError as exc:  # (the code before: an answer cut short)
+            answers[type(exc).__name__] += 1
     took = time.perf_counter() - started
     time.sleep(1.0)
     lines, tracebacks, size = log_lines(log, start)

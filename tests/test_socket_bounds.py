@@ -338,6 +338,56 @@ def test_at_the_cap_held_streams_make_room(parser):
             sock.close()
 
 
+def test_streams_behind_a_trusted_proxy_count_for_the_client_it_names():
+    """Behind a proxy the socket layer sees one address carrying every visitor: the held streams are counted
+    per forwarded client at the edge instead."""
+    import asyncio
+    import ipaddress
+
+    from ui.edge import EdgeConfig, EdgeGuard, _EdgeMiddleware
+
+    guard = EdgeGuard(EdgeConfig(trusted_proxies=(ipaddress.ip_network("10.0.0.1/32"),),
+                                 sockets=SocketBounds(streams_per_client=2)))
+
+    async def main():
+        release = asyncio.Event()
+
+        async def stream(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await release.wait()
+            await send({"type": "http.response.body", "body": b""})
+
+        middleware = _EdgeMiddleware(stream, guard)
+
+        async def call(client: str):
+            scope = {"type": "http", "method": "GET", "path": "/gradio_api/heartbeat/x", "query_string": b"",
+                     "headers": [(b"x-forwarded-for", client.encode())], "client": ("10.0.0.1", 4000)}
+            sent = []
+
+            async def send(message):
+                sent.append(message)
+
+            task = asyncio.create_task(middleware(scope, release.wait, send))
+            for _ in range(100):
+                if sent:
+                    break
+                await asyncio.sleep(0.01)
+            return task, sent[0]["status"]
+
+        held = [await call("203.0.113.5") for _ in range(2)]
+        assert [status for _, status in held] == [200, 200]
+        third, status = await call("203.0.113.5")
+        assert status == 429
+        other, status = await call("198.51.100.7")  # another visitor behind the same proxy
+        assert status == 200
+        release.set()
+        await asyncio.gather(third, other, *(task for task, _ in held))
+
+    asyncio.run(main())
+    assert guard.refused["too many streams from one address"] == 1
+    assert not guard._proxied_streams
+
+
 def test_refusals_are_logged_once_per_interval(caplog):
     with serve("httptools", SocketBounds(per_client=1, header_timeout_s=30)) as (guard, port):
         held = connect(port, "127.0.0.2")

@@ -37,7 +37,7 @@ from urllib.parse import parse_qs
 
 from engine.errors import ShowcaseError
 from ui import quietlog
-from ui.sockets import SocketBounds, SocketGuard, in_networks
+from ui.sockets import REASONS, SocketBounds, SocketGuard, in_networks, is_stream_path
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class EdgeGuard:
         self._listeners: Counter[str] = Counter()  # session -> event streams open now
         self._joining: Counter[str] = Counter()  # client -> joins under way (not in the queue yet)
         self._joining_groups: Counter[str] = Counter()
+        self._proxied_streams: Counter[str] = Counter()  # client behind a trusted proxy -> its held streams
         self.queue = None
         self.api_names: frozenset[str] | None = None  # the app's named endpoints (install)
         self.refused = Counter()  # reason -> count, for /system and /metrics
@@ -187,6 +188,32 @@ class EdgeGuard:
             pending = getattr(self.queue, "pending_event_ids_session", {})
             return next((s for s, ids in list(pending.items()) if event_id in ids), event_id)
         return None
+
+    @contextmanager
+    def proxied_stream(self, scope):
+        """A held stream that came through a trusted proxy, counted for the client it names (the socket layer
+        sees only the proxy, whose connections carry many visitors); yields False when that client holds its
+        share already."""
+        bounds = self.sockets.bounds if self.sockets is not None else None
+        cap = bounds.streams_per_client if bounds is not None else None
+        peer = (scope.get("client") or (None,))[0]
+        if (not cap or scope.get("method") != "GET" or not is_stream_path(scope["path"].encode("latin-1", "replace"))
+                or not in_networks(str(peer), self.config.trusted_proxies)):
+            yield True
+            return
+        client = client_address(peer, _header(scope, b"x-forwarded-for"), self.config.trusted_proxies)
+        with self._lock:
+            admitted = self._proxied_streams[client] < cap
+            if admitted:
+                self._proxied_streams[client] += 1
+        try:
+            yield admitted
+        finally:
+            if admitted:
+                with self._lock:
+                    self._proxied_streams[client] -= 1
+                    if self._proxied_streams[client] <= 0:
+                        del self._proxied_streams[client]
 
     def unknown_stream(self, session: str | None) -> bool:
         """A GET of an event stream for a session with nothing pending (never joined, or long finished): Gradio
@@ -355,7 +382,11 @@ class _EdgeMiddleware:
             await _refuse(send, status, message)
             return
         body = _CountedBody(receive, send, self.guard.config.max_body_bytes)
-        with self._listening(scope) as session:
+        with self.guard.proxied_stream(scope) as admitted, self._listening(scope) as session:
+            if not admitted:
+                self.guard.refused["too many streams from one address"] += 1
+                await _refuse(send, *REASONS["too many streams from one address"])
+                return
             if self.guard.unknown_stream(session):
                 self.guard.refused["unknown event"] += 1
                 self.guard.log.line(self._client(scope), "%s %s refused: no such event or session",

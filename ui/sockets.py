@@ -84,6 +84,10 @@ def public_bounds() -> SocketBounds:
     return SocketBounds(per_client=PER_CLIENT, streams_per_client=STREAMS_PER_CLIENT)
 
 
+def is_stream_path(path: bytes) -> bool:
+    return any(route in path for route in STREAM_ROUTES)
+
+
 def is_stream(request_line: bytes, upgrade: bool) -> bool:
     """Whether a request (its request line, and whether it asks for an Upgrade) holds its connection open for
     as long as the client likes."""
@@ -92,8 +96,7 @@ def is_stream(request_line: bytes, upgrade: bool) -> bool:
     method, _, rest = request_line.partition(b" ")
     if method != b"GET":
         return False
-    path = rest.rsplit(b" ", 1)[0].split(b"?", 1)[0]
-    return any(route in path for route in STREAM_ROUTES)
+    return is_stream_path(rest.rsplit(b" ", 1)[0].split(b"?", 1)[0])
 
 
 def _answer(status: int, message: str) -> bytes:
