@@ -187,7 +187,7 @@ class DefaultEngine:
 def edge_config(args, public: bool):
     """The web edge's bounds (ui/edge.py) from the flags (`public`: hosting mode's defaults)."""
     from ui.edge import CLIENT_EVENTS, EdgeConfig, parse_proxies
-    from ui.sockets import PER_CLIENT, SocketBounds
+    from ui.sockets import PER_CLIENT, STREAMS_PER_CLIENT, SocketBounds
 
     events = args.client_events
     if events is None:
@@ -201,7 +201,11 @@ def edge_config(args, public: bool):
     per_client = args.max_connections_per_client
     if per_client is None:
         per_client = PER_CLIENT if public else None  # a developer's load tests come from one address
+    streams = args.max_streams_per_client
+    if streams is None:
+        streams = STREAMS_PER_CLIENT if public else None
     sockets = SocketBounds(max_connections=args.max_connections, per_client=per_client or None,
+                           streams_per_client=streams or None,
                            header_timeout_s=args.header_timeout, max_header_bytes=args.max_header_bytes,
                            max_headers=args.max_headers)
     return EdgeConfig(client_events=None if events is None else int(events), trusted_proxies=proxies,
@@ -424,12 +428,14 @@ def start_default_engine(manager, args, engine: DefaultEngine, hosting: HostingC
 
 def launch_ui(manager, args, engine: DefaultEngine, public: bool, auth):
     """Build the Gradio app and start serving it (without blocking); returns the demo."""
-    from ui import UIDefaults, build_demo, launch_kwargs
+    from ui import UIDefaults, build_demo, launch_kwargs, webtemp
 
+    outputs = webtemp.use_cache_folder(manager.cache_dir)  # before the app is built: Gradio reads it then
     defaults = UIDefaults(preset=engine.preset, device=engine.device, precision=engine.precision, mode=engine.mode,
                           tp=engine.tp, parallel=engine.parallel, admin_token=args.admin_token,
                           step_cache=engine.step_cache, lora=engine.lora)
     demo = build_demo(manager, defaults, queue_size=args.queue_size, edge=edge_config(args, public))
+    demo.web_temp = outputs
     demo.launch(
         server_name=args.host,
         server_port=args.port,
@@ -478,6 +484,9 @@ def serve(manager, args, engine: DefaultEngine, hosting: HostingChoice, auth) ->
         manager.shutdown()
         if demo is not None:
             demo.close()
+            from ui import webtemp
+
+            webtemp.remove(demo.web_temp)
     return 0
 
 

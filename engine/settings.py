@@ -95,6 +95,7 @@ def server_defaults() -> dict:
         # socket bounds (ui/sockets.py): unset -> app.py's defaults
         "max_connections": _env("SHOWCASE_MAX_CONNECTIONS"),
         "max_connections_per_client": _env("SHOWCASE_MAX_CONNECTIONS_PER_CLIENT"),
+        "max_streams_per_client": _env("SHOWCASE_MAX_STREAMS_PER_CLIENT"),
         "header_timeout": _env("SHOWCASE_HEADER_TIMEOUT"),
         "max_header_bytes": _env("SHOWCASE_MAX_HEADER_BYTES"),
         "max_headers": _env("SHOWCASE_MAX_HEADERS"),

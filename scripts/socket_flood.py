@@ -1,6 +1,7 @@
 """Hostile sockets against a real app process, and what a visitor on another address sees meanwhile.
 
     HF_HUB_OFFLINE=1 python scripts/socket_flood.py [--sockets 20000] [--attack-addresses 1] [--streams 10]
+                                                   [--heartbeat-addresses 17 --heartbeats 64]
 
 It starts `app.py` (public mode, tiny preset, no warm-up; extra flags with --app-arg), then:
 1. idle: a visitor from 127.0.0.3 times GET / on a new connection each time (its median is the baseline);
@@ -9,6 +10,9 @@ It starts `app.py` (public mode, tiny preset, no warm-up; extra flags with --app
    server closes is opened again on the next round, as slowloris does. The visitor keeps timing GET /;
 3. header streams: --streams senders each send one header of --stream-mib MiB as fast as they can, and
    again when the server closes it, for --stream-duration seconds; the visitor keeps timing GET /.
+4. held event streams: --heartbeats GET /gradio_api/heartbeat/<random> per address from
+   --heartbeat-addresses addresses (127.0.5.x), each held open as long as the server keeps it and opened
+   again --interval seconds after it ends, for --duration seconds; the visitor keeps timing GET /.
 The app's web process (only it: workers are other processes) is sampled for open descriptors and resident
 memory. Printed: the visitor's median during each attack against idle (ratio), its refusals, the most
 descriptors the server held, how the attack sockets ended, the RSS growth and how long each stream lasted.
@@ -196,6 +200,76 @@ def _stream_proc(port, source, mib, until, out):
     out.put(ends)
 
 
+async def _held_stream(port, source, interval, stop_at, tally):
+    """One heartbeat stream held open until the server ends it, then opened again after `interval` seconds."""
+    loop = asyncio.get_running_loop()
+    while time.monotonic() < stop_at:
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            sock.bind((source, 0))
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            await loop.sock_sendall(sock, b"GET /gradio_api/heartbeat/%s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                                    % os.urandom(8).hex().encode())
+            answer = await asyncio.wait_for(loop.sock_recv(sock, 4096), max(0.1, stop_at - time.monotonic()))
+            status = answer[9:12].decode(errors="replace") if answer.startswith(b"HTTP/1.1 ") else "closed"
+            tally[f"answered {status}"] += 1
+            if status == "200":
+                tally["held"] += 1
+                tally["most held"] = max(tally["most held"], tally["held"])
+                try:
+                    while await asyncio.wait_for(loop.sock_recv(sock, 4096), max(0.1, stop_at - time.monotonic())):
+                        pass
+                    tally["ended by the server"] += 1
+                finally:
+                    tally["held"] -= 1
+        except (OSError, TimeoutError) as exc:
+            if time.monotonic() < stop_at:
+                tally[f"error {type(exc).__name__}"] += 1
+        finally:
+            sock.close()
+        await asyncio.sleep(interval)
+
+
+def _heartbeat_proc(port, sources, per_source, interval, duration, out):
+    os.nice(ATTACKER_NICE)
+    raise_fd_limit(len(sources) * per_source + 64)
+    from collections import defaultdict
+
+    tally = defaultdict(int)
+
+    async def main():
+        stop_at = time.monotonic() + duration
+        await asyncio.gather(*(_held_stream(port, source, interval, stop_at, tally) for source in sources
+                               for _ in range(per_source)), return_exceptions=True)
+
+    asyncio.run(main())
+    out.put(dict(tally))
+
+
+def held_streams(args, sampler, ctx, out) -> dict:
+    """Phase 4: --heartbeat-addresses x --heartbeats held heartbeat streams; the visitor's GET / meanwhile."""
+    idle = [t for t in (visit(args.port) for _ in range(args.idle_visits)) if t is not None]
+    idle_ms = median_ms(idle)
+    sources = [f"127.0.5.{i + 1}" for i in range(args.heartbeat_addresses)]
+    mark = len(sampler.fds)
+    proc = ctx.Process(target=_heartbeat_proc, args=(args.port, sources, args.heartbeats, args.interval, args.duration,
+                                                     out))
+    proc.start()
+    time.sleep(min(10.0, args.duration / 3))  # the streams open and the first rounds are refused
+    visitor = Visitor(args.port, args.visit_every)
+    visitor.start()
+    tally = out.get(timeout=args.duration + 120)
+    visitor.stop.set()
+    visitor.join()
+    proc.join()
+    return {"streams_asked": len(sources) * args.heartbeats, "addresses": len(sources), "attacker": tally,
+            "idle_ms": idle_ms, "visitor_ms": median_ms(visitor.times), "visits": len(visitor.times),
+            "refused": visitor.refused,
+            "ratio": round(median_ms(visitor.times) / idle_ms, 2) if visitor.times and idle_ms else None,
+            "server_fds_max": max(sampler.fds[mark:], default=None)}
+
+
 # -- the run ----------------------------------------------------------------------------------------------
 def start_app(args, port: int) -> subprocess.Popen:
     cmd = [sys.executable, str(REPO / "app.py"), "--host", "127.0.0.1", "--port", str(port), "--public",
@@ -238,6 +312,39 @@ def header_streams(args, sampler, ctx, out, idle_ms: float) -> dict:
         "visits": len(visitor.times), "refused": visitor.refused}
 
 
+def slowloris_and_headers(args, sampler, ctx, out, result) -> None:
+    """Phases 2 and 3: slowloris sockets, then header streams (--streams); their figures go into `result`."""
+    procs_n = args.attack_procs or max(1, math.ceil(args.sockets / 9000))
+    sources = [f"127.0.2.{i % 250 + 1}" if i < 250 else f"127.0.3.{i % 250 + 1}"
+               for i in range(args.attack_addresses)]
+    share = [args.sockets // procs_n + (1 if i < args.sockets % procs_n else 0) for i in range(procs_n)]
+    procs = [ctx.Process(target=_attack_proc, args=(args.port, sources, n, args.interval, args.duration, out))
+             for n in share]
+    fds_before = len(sampler.fds)
+    for proc in procs:
+        proc.start()
+    time.sleep(min(10.0, args.duration / 3))  # the sockets open and the first rounds are refused
+    visitor = Visitor(args.port, args.visit_every)
+    visitor.start()
+    tallies = [out.get(timeout=args.duration + 120) for _ in procs]
+    visitor.stop.set()
+    visitor.join()
+    for proc in procs:
+        proc.join()
+    total: dict = {}
+    for tally in tallies:
+        for key, value in tally.items():
+            total[key] = total.get(key, 0) + value
+    result["slowloris"] = {
+        "visitor_ms": median_ms(visitor.times), "visits": len(visitor.times), "refused": visitor.refused,
+        "ratio": round(median_ms(visitor.times) / result["idle_ms"], 2) if visitor.times else None,
+        "server_fds_max": max(sampler.fds[fds_before:], default=None), "attacker": total}
+
+    # 3. header streams
+    if args.streams:
+        result["header_streams"] = header_streams(args, sampler, ctx, out, result["idle_ms"])
+
+
 def median_ms(times: list[float]) -> float | None:
     return round(statistics.median(times) * 1000, 1) if times else None
 
@@ -252,6 +359,8 @@ def main(argv=None) -> int:
     p.add_argument("--streams", type=int, default=10)
     p.add_argument("--stream-mib", type=int, default=50)
     p.add_argument("--stream-duration", type=float, default=20.0, help="seconds the stream senders keep sending")
+    p.add_argument("--heartbeat-addresses", type=int, default=0, help="addresses holding heartbeat streams (phase 4)")
+    p.add_argument("--heartbeats", type=int, default=64, help="held heartbeat streams per address")
     p.add_argument("--idle-visits", type=int, default=20)
     p.add_argument("--visit-every", type=float, default=0.5)
     p.add_argument("--preset", default="tiny-shapes")
@@ -277,38 +386,12 @@ def main(argv=None) -> int:
         result["idle_ms"] = median_ms(idle)
         result["fds_idle"] = sampler.process.num_fds()
 
-        # 2. slowloris
         ctx = multiprocessing.get_context("fork")
         out = ctx.Queue()
-        procs_n = args.attack_procs or max(1, math.ceil(args.sockets / 9000))
-        sources = [f"127.0.2.{i % 250 + 1}" if i < 250 else f"127.0.3.{i % 250 + 1}"
-                   for i in range(args.attack_addresses)]
-        share = [args.sockets // procs_n + (1 if i < args.sockets % procs_n else 0) for i in range(procs_n)]
-        procs = [ctx.Process(target=_attack_proc, args=(args.port, sources, n, args.interval, args.duration, out))
-                 for n in share]
-        fds_before = len(sampler.fds)
-        for proc in procs:
-            proc.start()
-        time.sleep(min(10.0, args.duration / 3))  # the sockets open and the first rounds are refused
-        visitor = Visitor(args.port, args.visit_every)
-        visitor.start()
-        tallies = [out.get(timeout=args.duration + 120) for _ in procs]
-        visitor.stop.set()
-        visitor.join()
-        for proc in procs:
-            proc.join()
-        total: dict = {}
-        for tally in tallies:
-            for key, value in tally.items():
-                total[key] = total.get(key, 0) + value
-        result["slowloris"] = {
-            "visitor_ms": median_ms(visitor.times), "visits": len(visitor.times), "refused": visitor.refused,
-            "ratio": round(median_ms(visitor.times) / result["idle_ms"], 2) if visitor.times else None,
-            "server_fds_max": max(sampler.fds[fds_before:], default=None), "attacker": total}
-
-        # 3. header streams
-        if args.streams:
-            result["header_streams"] = header_streams(args, sampler, ctx, out, result["idle_ms"])
+        if args.heartbeat_addresses:  # 4. held event streams (alone: the other phases off with --sockets 0)
+            result["held_streams"] = held_streams(args, sampler, ctx, out)
+        if args.sockets:  # 2. slowloris, 3. header streams
+            slowloris_and_headers(args, sampler, ctx, out, result)
         sampler.stop.set()
         result["load_after"] = os.getloadavg()[0]
     finally:

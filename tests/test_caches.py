@@ -201,6 +201,38 @@ def test_a_cache_folder_that_cannot_be_written_says_so_without_its_path(tmp_path
     shutil.rmtree(cache.path, ignore_errors=True)
 
 
+def test_temporary_compile_caches_are_removed_at_shutdown_and_after_a_kill(tmp_path, monkeypatch):
+    """Issue 37: with an unwritable cache folder the fallback (and what workers compiled into it, 151 MB after a
+    30 s run) stayed in the system temp folder after shutdown. The manager removes it at shutdown, and the
+    folders a killed process left (app or worker) are removed by the next one; a live process's stay."""
+    import subprocess
+    import sys
+
+    from engine.serving.manager import EngineManager
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(caches, "TEMPORARY_BASES", (str(tmp_path),))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    left = [tmp_path / f"{caches.TEMP_CACHE_PREFIX}{dead_pid}-abc", tmp_path / f"{caches.TEMP_COMPILE_PREFIX}{dead_pid}-d"]
+    live = tmp_path / f"{caches.TEMP_COMPILE_PREFIX}{os.getppid()}-e"
+    for folder in (*left, live):
+        (folder / "inductor").mkdir(parents=True)
+        (folder / "inductor" / "graph.so").write_bytes(b"x" * 1000)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    manager = EngineManager(cache_dir=blocker / "cache")
+    fallback = manager.cache_dir
+    assert not manager.cache.persistent and fallback.parent == tmp_path
+    assert fallback.name.startswith(f"{caches.TEMP_CACHE_PREFIX}{os.getpid()}-")
+    assert not any(folder.exists() for folder in left)  # swept when the fallback was made
+    (fallback / "inductor").mkdir()
+    (fallback / "inductor" / "graph.so").write_bytes(b"x" * 1000)
+    manager.shutdown()
+    assert not fallback.exists()
+    assert live.exists()
+
+
 # -- end to end ---------------------------------------------------------------------------------------------
 def _link_models(cache: Path, tiny_models, names) -> None:
     (cache / "models").mkdir(parents=True, exist_ok=True)

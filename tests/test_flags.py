@@ -68,7 +68,21 @@ BAD_FLAGS = [
     (lambda t: ["--config-from", _write(t, "lora5.json", json.dumps({**GOOD_ADVICE, "lora": 5}))], "--config-from",
      "lora must be text"),
     (lambda t: ["--lora", "swap:5"], "--lora", "LoRA scale 5 is outside [0, 2]"),
+    # issue 37: a MemoryError traceback, a hang, an OverflowError traceback
+    (lambda t: ["--config-from", "/dev/zero"], "--config-from", "/dev/zero is not a regular file"),
+    (lambda t: ["--config-from", _fifo(t)], "--config-from", "is not a regular file"),
+    (lambda t: ["--memory-budget", "1e400"], "--memory-budget", "larger than any machine's memory"),
+    (lambda t: ["--memory-budget", "nan"], "--memory-budget", "not a number with a unit"),
+    (lambda t: ["--max-streams-per-client", "-2"], "--max-streams-per-client", "allowed: 1..1000000, or 0"),
 ]
+
+
+def _fifo(tmp_path: Path) -> str:
+    import os
+
+    path = tmp_path / "advice.fifo"
+    os.mkfifo(path)
+    return str(path)
 
 
 @pytest.mark.parametrize("make_argv, flag, allowed", BAD_FLAGS, ids=[case[1] + f"-{i}" for i, case in enumerate(BAD_FLAGS)])

@@ -30,6 +30,12 @@ async def hello(scope, receive, send):
         size += len(message.get("body", b""))
         if not message.get("more_body"):
             break
+    if b"/heartbeat/" in scope["raw_path"]:  # held open, as Gradio's heartbeat is, until the client goes
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"event: heartbeat\ndata: {}\n\n", "more_body": True})
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        return
     body = f"ok {size}".encode()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
@@ -278,6 +284,110 @@ def test_at_the_cap_the_busiest_address_makes_room_at_once(parser):
             sock.close()
 
 
+def hold_stream(port: int, source: str) -> socket.socket:
+    """A heartbeat stream held open from `source` (its first event read)."""
+    sock = connect(port, source)
+    sock.sendall(b"GET /gradio_api/heartbeat/%s HTTP/1.1\r\nHost: x\r\n\r\n" % source.encode())
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_held_streams_capped_per_address(parser):
+    """Issue 37: held streams were counted only as connections. Past its share of streams an address gets 429
+    at once; another address's stream and an ordinary request are served; a closed stream frees its place."""
+    with serve(parser, SocketBounds(per_client=64, streams_per_client=3, header_timeout_s=30)) as (guard, port):
+        held = [hold_stream(port, "127.0.0.2") for _ in range(3)]
+        assert guard.snapshot()["streams"] == 3
+        answer = request(port, "127.0.0.2", b"GET /gradio_api/heartbeat/more HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status(answer) == 429 and b"event streams from your address" in answer
+        assert status(request(port, "127.0.0.2")) == 200  # not a stream: served
+        other = hold_stream(port, "127.0.0.3")
+        held[0].close()
+        wait_until(lambda: guard.snapshot()["streams"] == 3, timeout=5, message="the closed stream released")
+        held[0] = hold_stream(port, "127.0.0.2")
+        snapshot = guard.snapshot()
+        assert snapshot["refused"] == {"too many streams from one address": 1}
+        assert snapshot["streams_peak"] == 4 and snapshot["streams_per_client"] == 3
+        for sock in (*held, other):
+            sock.close()
+        wait_until(lambda: guard.snapshot()["streams"] == 0 and guard.snapshot()["open"] == 0, timeout=5,
+                   message="every stream released")
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_at_the_cap_held_streams_make_room(parser):
+    """Issue 37: 17 addresses × 64 held heartbeat streams filled the cap with connections that were never idle,
+    so nothing could be evicted and every other visitor got 503. At the cap the address holding the most
+    gives up its oldest stream for a newcomer from an address holding fewer."""
+    with serve(parser, SocketBounds(max_connections=16, per_client=8, header_timeout_s=30)) as (guard, port):
+        held = [hold_stream(port, source) for source in ("127.0.1.1", "127.0.1.2") for _ in range(8)]
+        assert guard.snapshot()["open"] == 16
+        visitor = []
+        for i in range(4):  # a visitor's page opens four kept-alive connections while the streams are held
+            sock = connect(port, "127.0.0.9")
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200"), i
+            visitor.append(sock)
+        refused = guard.snapshot()["refused"]
+        assert refused == {"evicted at the cap": 4}, refused
+        for oldest in (held[0], held[1], held[8], held[9]):  # each address gave up its two oldest streams
+            read_all(oldest, timeout=5)  # (fails when the server keeps it open)
+        assert guard.snapshot()["streams"] == 12
+        for sock in held + visitor:
+            sock.close()
+
+
+def test_streams_behind_a_trusted_proxy_count_for_the_client_it_names():
+    """Behind a proxy the socket layer sees one address carrying every visitor: the held streams are counted
+    per forwarded client at the edge instead."""
+    import asyncio
+    import ipaddress
+
+    from ui.edge import EdgeConfig, EdgeGuard, _EdgeMiddleware
+
+    guard = EdgeGuard(EdgeConfig(trusted_proxies=(ipaddress.ip_network("10.0.0.1/32"),),
+                                 sockets=SocketBounds(streams_per_client=2)))
+
+    async def main():
+        release = asyncio.Event()
+
+        async def stream(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await release.wait()
+            await send({"type": "http.response.body", "body": b""})
+
+        middleware = _EdgeMiddleware(stream, guard)
+
+        async def call(client: str):
+            scope = {"type": "http", "method": "GET", "path": "/gradio_api/heartbeat/x", "query_string": b"",
+                     "headers": [(b"x-forwarded-for", client.encode())], "client": ("10.0.0.1", 4000)}
+            sent = []
+
+            async def send(message):
+                sent.append(message)
+
+            task = asyncio.create_task(middleware(scope, release.wait, send))
+            for _ in range(100):
+                if sent:
+                    break
+                await asyncio.sleep(0.01)
+            return task, sent[0]["status"]
+
+        held = [await call("203.0.113.5") for _ in range(2)]
+        assert [status for _, status in held] == [200, 200]
+        third, status = await call("203.0.113.5")
+        assert status == 429
+        other, status = await call("198.51.100.7")  # another visitor behind the same proxy
+        assert status == 200
+        release.set()
+        await asyncio.gather(third, other, *(task for task, _ in held))
+
+    asyncio.run(main())
+    assert guard.refused["too many streams from one address"] == 1
+    assert not guard._proxied_streams
+
+
 def test_refusals_are_logged_once_per_interval(caplog):
     with serve("httptools", SocketBounds(per_client=1, header_timeout_s=30)) as (guard, port):
         held = connect(port, "127.0.0.2")
@@ -345,12 +455,16 @@ def test_flag_defaults_are_the_module_defaults():
     # a developer's machine: no per-address cap (load tests come from one address)
     assert app_module.edge_config(args, public=False).sockets == SocketBounds()
     args = app_module.build_parser().parse_args(["--max-connections-per-client", "0", "--max-header-bytes", "16KiB"])
-    assert app_module.edge_config(args, public=True).sockets == SocketBounds(per_client=None, max_header_bytes=16384)
+    assert app_module.edge_config(args, public=True).sockets == SocketBounds(
+        per_client=None, streams_per_client=sockets.STREAMS_PER_CLIENT, max_header_bytes=16384)
+    args = app_module.build_parser().parse_args(["--max-streams-per-client", "4"])
+    assert app_module.edge_config(args, public=False).sockets == SocketBounds(streams_per_client=4)
 
 
 @pytest.mark.parametrize("flag, value, says", [
     ("--max-connections", "5", "out of range; allowed: 16..1000000"),
     ("--max-connections-per-client", "-1", "allowed: 1..1000000, or 0 (unbounded)"),
+    ("--max-streams-per-client", "many", "allowed: 1..1000000, or 0 (unbounded)"),
     ("--header-timeout", "0", "out of range; allowed: 1..600"),
     ("--header-timeout", "soon", "'soon' is not a number"),
     ("--max-header-bytes", "100", "not a size from 1KiB to 1MiB"),

@@ -51,6 +51,41 @@ def test_two_apps_in_one_process_keep_their_own_figures():
     assert samples(b.scrape().decode(), "showcase_requests_total") == []
 
 
+def _series(text: str) -> set:
+    return {(s.name, tuple(sorted(s.labels.items()))) for family in text_string_to_metric_families(text)
+            for s in family.samples}
+
+
+def test_a_thousand_distinct_step_cache_parameters_add_no_series():
+    """Issue 37: the step cache's parameters were a label value, so each distinct threshold a visitor sent added
+    series for good. Labels come from closed sets: after the first request of each kind, none is added."""
+    from engine.protocol import EngineKey, StepCache
+    from engine.protocol.requests import GenerateResult, Timings
+    from engine.protocol.vocabulary import BucketKey
+
+    telemetry = Telemetry()
+    key = EngineKey("tiny-shapes", "cpu", "fp32")
+    timings = Timings(step_ms=(1.0, 1.0), encode_ms=1.0, denoise_ms=2.0, decode_ms=1.0, total_ms=4.0)
+
+    def served(cache: str) -> None:
+        result = GenerateResult("r", key, BucketKey("eager", "64x64"), b"", timings, warm=True, eager_fallback=False,
+                                recompiles=0, peak_memory_bytes=None, steps=4, step_cache=StepCache.parse(cache),
+                                cached_steps=(2,))
+        telemetry.request_ended({}, result=result)
+
+    kinds = ("first-block:0.3", "magcache:0.1", "taylorseer:2:1", "faster-cache:3", "pyramid:3")
+    for cache in kinds:
+        served(cache)
+    before = _series(telemetry.scrape().decode())
+    for i in range(1000):  # 1,000 distinct parameter sets, 200 per kind
+        served([f"first-block:{0.001 + i * 0.005:.4f}", f"magcache:{0.002 + i * 0.004:.4f}",
+                f"taylorseer:{i % 199 + 1}:{i % 7 + 1}", f"faster-cache:{i % 199 + 1}", f"pyramid:{i % 199 + 1}"][i % 5])
+    after = _series(telemetry.scrape().decode())
+    assert after == before
+    caches = {s.labels["step_cache"] for s in samples(telemetry.scrape().decode(), "showcase_step_cache_hits_total")}
+    assert caches == {"first-block", "magcache", "taylorseer", "faster-cache", "pyramid"}
+
+
 def _metrics_app(route: MetricsRoute):
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse

@@ -129,7 +129,7 @@ def test_generate_returns_the_image_and_the_timings_json(client):
 def test_generate_sends_the_workers_png_as_it_is_and_keeps_no_temporary_file(client, manager, monkeypatch):
     """/generate hands Gradio the worker's PNG file (with the generation parameters it wrote), not a
     decoded and re-encoded image; its partials carry no image (the first PARTIAL_EVERY_S into the run);
-    the temporary file is gone afterwards."""
+    nothing is left in the system temp folder (the file is in Gradio's own folder, ui/webtemp.py)."""
     import json
     import tempfile
 

@@ -10,6 +10,12 @@
   and per address, a deadline and a size bound for a request's headers.
 - The event streams that are open (GET .../queue/data, .../call/<api>/<event_id>) are tracked per
   session, so a handler can drop an event whose client never listens before it reaches an engine.
+- A request that fails by the visitor's fault (an unknown function, event or session, inputs Gradio refuses)
+  gets a 4xx and at most one log line, never a traceback; every line a visitor can cause is rate-limited
+  (ui/quietlog.py).
+- Nothing a visitor asks for writes outside the cache folder or reads outside the app's outputs: Gradio's
+  deep links (each call wrote the session's components to disk; the app offers none) are refused, and
+  `/file=` serves only files in this app's own temporary folder (ui/webtemp.py), where its outputs are.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import parse_qs
 
 from engine.errors import ShowcaseError
-from ui.sockets import SocketBounds, SocketGuard, in_networks
+from ui import quietlog
+from ui.sockets import REASONS, SocketBounds, SocketGuard, in_networks, is_stream_path
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +116,15 @@ class EdgeGuard:
         self._listeners: Counter[str] = Counter()  # session -> event streams open now
         self._joining: Counter[str] = Counter()  # client -> joins under way (not in the queue yet)
         self._joining_groups: Counter[str] = Counter()
+        self._proxied_streams: Counter[str] = Counter()  # client behind a trusted proxy -> its held streams
         self.queue = None
+        self.api_names: frozenset[str] | None = None  # the app's named endpoints (install)
         self.refused = Counter()  # reason -> count, for /system and /metrics
         self._last_refusal: OrderedDict[str, tuple[float, str]] = OrderedDict()  # client -> (when, message)
         self._secret = secrets.token_bytes(32)  # signs MCP caller headers (mark_mcp_caller); never leaves here
         bounds = self.config.sockets
         self.sockets = SocketGuard(bounds, self.config.trusted_proxies) if bounds is not None else None
+        self.log = quietlog.LogBudget()
 
     # -- who -----------------------------------------------------------------------------------
     def client_of(self, request) -> str:
@@ -171,14 +182,51 @@ class EdgeGuard:
         if len(parts) >= 3 and "call" in parts[:-2]:  # .../call/<api>/<event_id> (simple API)
             event_id = parts[-1]
             event = getattr(self.queue, "event_ids_to_events", {}).get(event_id)
-            return event.session_hash if event is not None else event_id
+            if event is not None:
+                return event.session_hash
+            # As Gradio's route finds it: a finished event's id is kept until its result is read.
+            pending = getattr(self.queue, "pending_event_ids_session", {})
+            return next((s for s, ids in list(pending.items()) if event_id in ids), event_id)
         return None
+
+    @contextmanager
+    def proxied_stream(self, scope):
+        """A held stream that came through a trusted proxy, counted for the client it names (the socket layer
+        sees only the proxy, whose connections carry many visitors); yields False when that client holds its
+        share already."""
+        bounds = self.sockets.bounds if self.sockets is not None else None
+        cap = bounds.streams_per_client if bounds is not None else None
+        peer = (scope.get("client") or (None,))[0]
+        if (not cap or scope.get("method") != "GET" or not is_stream_path(scope["path"].encode("latin-1", "replace"))
+                or not in_networks(str(peer), self.config.trusted_proxies)):
+            yield True
+            return
+        client = client_address(peer, _header(scope, b"x-forwarded-for"), self.config.trusted_proxies)
+        with self._lock:
+            admitted = self._proxied_streams[client] < cap
+            if admitted:
+                self._proxied_streams[client] += 1
+        try:
+            yield admitted
+        finally:
+            if admitted:
+                with self._lock:
+                    self._proxied_streams[client] -= 1
+                    if self._proxied_streams[client] <= 0:
+                        del self._proxied_streams[client]
+
+    def unknown_stream(self, session: str | None) -> bool:
+        """A GET of an event stream for a session with nothing pending (never joined, or long finished): Gradio
+        would answer it with an error it raises after the stream began (two tracebacks per request)."""
+        pending = getattr(self.queue, "pending_messages_per_session", None)
+        return session is not None and pending is not None and session not in pending
 
     # -- the queue hook ----------------------------------------------------------------------------
     def install(self, demo) -> None:
         """Hook demo's queue (after demo.queue()): per-client and per-group bounds on joining."""
         queue = demo._queue
         self.queue = queue
+        self.api_names = frozenset(fn.api_name for fn in demo.fns.values() if fn.api_name)
         original = queue.push
         group_queue = self.config.group_queue
         if group_queue is None:
@@ -190,11 +238,13 @@ class EdgeGuard:
         from gradio import route_utils
 
         async def push(body, request, username):
+            client = self.client_of(request)
             try:
                 fn = route_utils.get_fn(demo, None, body)
-            except Exception:  # an unknown fn: Gradio's own answer
-                return await original(body=body, request=request, username=username)
-            client = self.client_of(request)
+            except Exception:  # an unknown function or session: the visitor's mistake, answered 400
+                self.refused["unknown function"] += 1
+                self.log.line(client, "join from %s refused: unknown function %.40r", client, body.fn_index)
+                return False, f"Unknown function {str(body.fn_index)[:40]!r}; see /gradio_api/info", "error"
             group = fn.concurrency_id
             refusal = self._admit(group, client)
             if refusal:
@@ -214,6 +264,7 @@ class EdgeGuard:
                         del self._joining_groups[group]
 
         queue.push = push
+        quietlog.install(self.log, demo)
 
     def _admit(self, group: str, client: str) -> str | None:
         """Reserve a place for one join, or the message that refuses it. No await inside: the event
@@ -275,13 +326,24 @@ class EdgeGuard:
                 **({"sockets": self.sockets.snapshot()} if self.sockets is not None else {})}
 
 
+def _own_output(scope, asked: str) -> bool:
+    """Whether `/file=<asked>` names a file in this app's own temporary folder (Gradio's App keeps it)."""
+    folder = getattr(scope.get("app"), "uploaded_file_dir", None)
+    if not folder or not asked:
+        return False
+    try:
+        return Path(asked).resolve().is_relative_to(Path(folder).resolve())
+    except (OSError, ValueError):
+        return False
+
+
 class _CountedBody:
     """The request body as the app reads it, cut off past the limit: the app then sees a client that went
     away, its answer is dropped, and the middleware answers 413 itself."""
 
     def __init__(self, receive, send, limit: int):
         self._receive, self._send, self.limit = receive, send, limit
-        self.read, self.over, self.started = 0, False, False
+        self.read, self.over, self.started, self.ended = 0, False, False, False
 
     async def receive(self):
         if self.over:
@@ -299,6 +361,8 @@ class _CountedBody:
             return  # the app's answer to a body it never got whole
         if message["type"] == "http.response.start":
             self.started = True
+        elif message["type"] == "http.response.body" and not message.get("more_body"):
+            self.ended = True
         await self._send(message)
 
 
@@ -318,18 +382,45 @@ class _EdgeMiddleware:
             await _refuse(send, status, message)
             return
         body = _CountedBody(receive, send, self.guard.config.max_body_bytes)
-        with self._listening(scope):
+        with self.guard.proxied_stream(scope) as admitted, self._listening(scope) as session:
+            if not admitted:
+                self.guard.refused["too many streams from one address"] += 1
+                await _refuse(send, *REASONS["too many streams from one address"])
+                return
+            if self.guard.unknown_stream(session):
+                self.guard.refused["unknown event"] += 1
+                self.guard.log.line(self._client(scope), "%s %s refused: no such event or session",
+                                    scope.get("method"), scope["path"][:120])
+                await _refuse(send, 404, "No such event or session: it finished, or it never joined the queue")
+                return
             try:
                 await self.app(scope, body.receive, body.send)
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
                 if not body.over:
-                    raise
+                    await self._failed(scope, body, exc)
         if body.over and not body.started:
             self.guard.refused["body size"] += 1
             await _refuse(send, 413, f"Request body is over this server's limit of {body.limit:,} bytes "
                                      "(prompts are at most 4,000 characters)")
+
+    def _client(self, scope) -> str:
+        from starlette.requests import Request
+
+        return self.guard.client_of(Request(scope))
+
+    async def _failed(self, scope, body: _CountedBody, exc: Exception) -> None:
+        """A request the app failed: logged within the visitors' log budget (one line when it was the visitor's
+        fault), answered 4xx or 500 when no answer began, else its answer ended."""
+        what = f"{scope.get('method')} {scope['path'][:120]}"
+        status = self.guard.log.failure(self._client(scope), what, exc)
+        if not body.started:
+            message = ("This request names a function, event or input this app does not have; see /gradio_api/info"
+                       if status else "The server failed on this request; it is logged")
+            await _refuse(body.send, status or 500, message)
+        elif not body.ended:
+            await body.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _screen(self, scope) -> tuple[str | None, int, str] | None:
         """(refusal reason counted, status, message) for a request refused before the app sees it."""
@@ -340,6 +431,12 @@ class _EdgeMiddleware:
         content_type = (_header(scope, b"content-type") or "").lower()
         if path.endswith("/upload") or content_type.startswith("multipart/"):
             return "upload", 403, "This app takes no uploads"
+        if self._unknown_api(scope, path):
+            return "unknown function", 404, "This app has no such API; see /gradio_api/info"
+        if path.endswith("/deep_link"):
+            return "deep link", 404, "This app keeps no deep links"
+        if "/file=" in path and not _own_output(scope, path.split("/file=", 1)[1]):
+            return "file", 403, "Files are served only from this app's own outputs"
         length = _header(scope, b"content-length")
         if length is None:
             return None
@@ -352,6 +449,17 @@ class _EdgeMiddleware:
                                       f"{limit:,} bytes (prompts are at most 4,000 characters)")
         return None
 
+    def _unknown_api(self, scope, path: str) -> bool:
+        """A POST to .../call/<api> or .../call/v2/<api> for an API the app does not have."""
+        names = self.guard.api_names
+        parts = path.split("/")
+        if names is None or scope.get("method") != "POST" or "call" not in parts:
+            return False
+        rest = parts[parts.index("call") + 1:]
+        if rest[:1] == ["v2"]:
+            rest = rest[1:]
+        return len(rest) == 1 and rest[0] not in names
+
     @contextmanager
     def _listening(self, scope):
         """Count a GET stream's listener for its session while it is open."""
@@ -361,7 +469,7 @@ class _EdgeMiddleware:
             with guard._lock:
                 guard._listeners[session] += 1
         try:
-            yield
+            yield session
         finally:
             if session is not None:
                 with guard._lock:

@@ -6,21 +6,20 @@ input with the field's name and what to change (Gradio's slider/dropdown checks 
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 import time
-from contextlib import ExitStack, closing, contextmanager, suppress
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass
 
 import gradio as gr
 import pandas as pd
+from gradio.utils import get_upload_folder
 from PIL import Image
 
 from engine.config.request import API_FIELDS, FORM_FIELDS, ImageRequest
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import EngineKey, Mode, Parallel, Size, parse_lora, ranks_choice
-from ui import views
+from ui import views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import ProgressBar
 
@@ -90,17 +89,12 @@ class RunView:
 
 @contextmanager
 def png_file(result):
-    """The result's PNG as a temporary file, in the FileData form an output with postprocess=False sends:
-    Gradio copies it into its cache while the handler waits at its yield; the file goes afterwards."""
-    fd, path = tempfile.mkstemp(prefix="showcase-", suffix=".png")  # the temp folder: Gradio allows it
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(result.image_png)
-        yield {"path": path, "orig_name": f"{result.request_id or 'image'}.png", "mime_type": "image/png",
-               "meta": {"_type": "gradio.FileData"}}
-    finally:
-        with suppress(FileNotFoundError):
-            os.unlink(path)
+    """The result's PNG as a file in Gradio's temporary folder (under the cache folder: ui/webtemp.py), in the
+    FileData form an output with postprocess=False sends: Gradio serves it from there as it is; the folder's
+    bounds remove it later."""
+    path = webtemp.save_output(result.image_png, get_upload_folder())
+    yield {"path": path, "orig_name": f"{result.request_id or 'image'}.png", "mime_type": "image/png",
+           "meta": {"_type": "gradio.FileData"}}
 
 
 def _given(value):

@@ -13,10 +13,17 @@ subclass that, for an app whose Blocks carries an edge guard, sets the Config's 
 protocol class before uvicorn loads it (uvicorn's own, supported hook for a protocol class). Any other app's
 server is built as before.
 
-Past a bound: a new connection is refused with 503 (at the total cap, an idle connection or one still
-sending headers may be closed to make room instead: see SocketGuard.admit), a request's head over a bound
-gets 431, a head past its deadline 408, and the connection is closed. Each refusal is counted by reason (/system)
-and logged at most once per LOG_EVERY_S.
+Past a bound: a new connection is refused with 503 (at the total cap, an idle connection, one still
+sending headers or one holding a stream may be closed to make room instead: see SocketGuard.admit), a
+request's head over a bound gets 431, a head past its deadline 408, a stream past its address's share 429,
+and the connection is closed. Each refusal is counted by reason (/system) and logged at most once per
+LOG_EVERY_S.
+
+Streams: a request that holds its connection for as long as the client likes (Gradio's heartbeat and event
+streams, an MCP stream, a websocket) is never idle, so idleness alone let held streams fill the cap for good.
+Such a request is recognised from its head (is_stream), counted per address while it lasts, refused past
+`streams_per_client`, and at the total cap the address holding the most gives up its oldest stream as it
+would an idle connection.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ log = logging.getLogger(__name__)
 # Defaults a 2-core public Space survives; app.py's flags carry the same numbers (tests/test_socket_bounds.py).
 MAX_CONNECTIONS = 1000  # all clients together; the descriptor limit is raised to fit (fit_descriptors)
 PER_CLIENT = 64  # public mode: one address (a browser opens ~6 per site; an office behind NAT shares one)
+STREAMS_PER_CLIENT = 16  # public mode: held streams of one address (a page holds one heartbeat and one event stream)
 HEADER_TIMEOUT_S = 10.0  # from connect (or a request's first byte) to the end of its headers
 MAX_HEADER_BYTES = 32 * 1024  # request line + headers, as nginx's 4 x 8 KiB
 MAX_HEADERS = 100  # header lines, as Envoy's and Apache's default
@@ -48,26 +56,47 @@ REASONS = {  # refusal reason -> (status, what the visitor reads); status None: 
     "too many connections": (503, "This server has too many open connections; retry in a few seconds"),
     "too many from one address": (503, "Too many open connections from your address; close some and retry"),
     "evicted at the cap": (None, ""),
+    "too many streams from one address": (429, "Too many open event streams from your address; close some "
+                                               "tabs or streams and retry"),
     "header timeout": (408, "The request's headers did not arrive in time"),
     "headers too large": (431, "The request's headers are over this server's size limit"),
     "too many headers": (431, "The request has more header lines than this server accepts"),
     "bad framing": (400, "The request's Content-Length or chunk size is not a number"),
 }
-_PHRASES = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
-            503: "Service Unavailable"}
+_PHRASES = {400: "Bad Request", 408: "Request Timeout", 429: "Too Many Requests",
+            431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+# GET paths whose answer is a stream held open (Gradio's heartbeat, its queue's and the simple API's event
+# streams, MCP's): matched anywhere in the path, so a mount prefix does not hide them.
+STREAM_ROUTES = (b"/heartbeat/", b"/queue/data", b"/call/", b"/mcp")
 
 
 @dataclass(frozen=True)
 class SocketBounds:
     max_connections: int = MAX_CONNECTIONS
     per_client: int | None = None  # None: no per-address cap (a developer's machine; see public_bounds)
+    streams_per_client: int | None = None  # held streams per address; None: no cap (as per_client)
     header_timeout_s: float = HEADER_TIMEOUT_S
     max_header_bytes: int = MAX_HEADER_BYTES
     max_headers: int = MAX_HEADERS
 
 
 def public_bounds() -> SocketBounds:
-    return SocketBounds(per_client=PER_CLIENT)
+    return SocketBounds(per_client=PER_CLIENT, streams_per_client=STREAMS_PER_CLIENT)
+
+
+def is_stream_path(path: bytes) -> bool:
+    return any(route in path for route in STREAM_ROUTES)
+
+
+def is_stream(request_line: bytes, upgrade: bool) -> bool:
+    """Whether a request (its request line, and whether it asks for an Upgrade) holds its connection open for
+    as long as the client likes."""
+    if upgrade:
+        return True
+    method, _, rest = request_line.partition(b" ")
+    if method != b"GET":
+        return False
+    return is_stream_path(rest.rsplit(b" ", 1)[0].split(b"?", 1)[0])
 
 
 def _answer(status: int, message: str) -> bytes:
@@ -93,6 +122,7 @@ class HeadScanner:
         self.head_bytes = 0  # bytes of the current head (or chunk line / trailers)
         self.lines = 0
         self.heads = 0  # heads completed on this connection
+        self.stream = False  # the last completed head asked for a stream (is_stream)
         self._reset_head()
 
     def _reset_head(self) -> None:
@@ -100,6 +130,8 @@ class HeadScanner:
         self.lines = 0
         self.length = 0
         self.chunked = False
+        self.request_line = b""
+        self.upgrade = False
 
     def stop(self) -> None:
         self.state = PASS
@@ -162,6 +194,7 @@ class HeadScanner:
                 self._reset_head()
             elif self.lines:  # the end of a head
                 self.heads += 1
+                self.stream = is_stream(self.request_line, self.upgrade)
                 length = self.length
                 self.state = CHUNK_LINE if self.chunked else BODY if length else HEAD
                 self._reset_head()
@@ -171,9 +204,14 @@ class HeadScanner:
         if state == TRAILERS:
             return "too many headers" if self.lines > self.max_headers else None
         if self.lines == 1:
+            self.request_line = text[:512]
             return None
         if self.lines - 1 > self.max_headers:
             return "too many headers"
+        return self._header(text)
+
+    def _header(self, text: bytes) -> str | None:
+        """A header line of a request's head: the ones framing and streams depend on are kept."""
         name, _, value = text.partition(b":")
         name = name.strip().lower()
         if name == b"content-length":
@@ -185,6 +223,8 @@ class HeadScanner:
                 return "bad framing"
         elif name == b"transfer-encoding":
             self.chunked = b"chunked" in value.lower()
+        elif name == b"upgrade":
+            self.upgrade = True
         return None
 
 
@@ -218,15 +258,19 @@ class SocketGuard:
         self._idle: OrderedDict = OrderedDict()  # connection -> when it became idle or began its headers
         self._idle_of: dict[str, OrderedDict] = {}
         self._holding: dict[int, set] = {}  # n -> addresses holding n connections
+        self._streams: dict[str, OrderedDict] = {}  # address -> its connections holding a stream, oldest first
+        self.streams_open = 0
+        self.streams_peak = 0
         self._top = 0  # the most any address holds
         self._classes: dict = {}
 
     # -- counts --------------------------------------------------------------------------------------
     def admit(self, conn, host: str) -> str | None:
         """Count a new connection, or the reason it is refused. At the total cap the newcomer takes the place
-        of an idle connection of the address holding the most, when that address holds at least two more than
-        the newcomer's (a fair share of the cap for every address, however many sockets one of them opens);
-        failing that, of the oldest idle connection once it has been idle EVICT_AFTER_S."""
+        of an idle connection (or else the oldest stream) of the address holding the most, when that address
+        holds at least two more than the newcomer's (a fair share of the cap for every address, however many
+        sockets one of them opens and whatever they hold); failing that, of the oldest idle connection once it
+        has been idle EVICT_AFTER_S."""
         b = self.bounds
         victim = None
         with self._lock:
@@ -249,10 +293,12 @@ class SocketGuard:
 
     def _victim(self, mine: int):
         for n in range(self._top, mine + 1, -1):
-            for host in self._holding.get(n, ()):
-                idle = self._idle_of.get(host)
-                if idle:
-                    return next(iter(idle))
+            hosts = self._holding.get(n, ())
+            for held in (self._idle_of, self._streams):  # an idle connection first, else a held stream
+                for host in hosts:
+                    conns = held.get(host)
+                    if conns:
+                        return next(iter(conns))
         if self._idle:
             conn, since = next(iter(self._idle.items()))
             if time.monotonic() - since >= EVICT_AFTER_S:
@@ -292,6 +338,36 @@ class SocketGuard:
         self.open -= 1
         self._move(conn.host, -1)
         self._set_idle(conn, False)
+        self._end_stream(conn)
+
+    def _end_stream(self, conn) -> None:
+        if not conn.stream:
+            return
+        conn.stream = False
+        self.streams_open -= 1
+        mine = self._streams[conn.host]
+        del mine[conn]
+        if not mine:
+            del self._streams[conn.host]
+
+    def stream(self, conn, holding: bool) -> str | None:
+        """`conn` begins (or ends) holding a stream; the reason it is refused when its address holds its share."""
+        with self._lock:
+            if not conn.counted:
+                return None
+            if not holding:
+                self._end_stream(conn)
+                return None
+            if conn.stream:
+                return None
+            cap, mine = self.bounds.streams_per_client, self._streams.get(conn.host)
+            if cap and mine and len(mine) >= cap and not in_networks(conn.host, self.trusted_proxies):
+                return "too many streams from one address"
+            self._streams.setdefault(conn.host, OrderedDict())[conn] = None
+            conn.stream = True
+            self.streams_open += 1
+            self.streams_peak = max(self.streams_peak, self.streams_open)
+        return None
 
     def release(self, conn) -> None:
         with self._lock:
@@ -351,8 +427,9 @@ class SocketGuard:
         b = self.bounds
         with self._lock:
             return {"max_connections": b.max_connections, "per_client": b.per_client,
-                    "header_timeout_s": b.header_timeout_s, "max_header_bytes": b.max_header_bytes,
-                    "max_headers": b.max_headers, "open": self.open, "open_peak": self.peak,
+                    "streams_per_client": b.streams_per_client, "header_timeout_s": b.header_timeout_s,
+                    "max_header_bytes": b.max_header_bytes, "max_headers": b.max_headers, "open": self.open,
+                    "open_peak": self.peak, "streams": self.streams_open, "streams_peak": self.streams_peak,
                     "clients": len(self.per_client), "refused": dict(self.refused)}
 
     # -- the protocol --------------------------------------------------------------------------------
@@ -384,6 +461,7 @@ class ConnectionBounds:
         self.done = False  # refused or closed: what still arrives is dropped
         self.admitted = False  # handed to uvicorn's protocol
         self.counted = False  # in the guard's counts (SocketGuard._release clears it)
+        self.stream = False  # holding a stream, counted as such (SocketGuard.stream)
         self.responses = 0
         self._timer = None
         self._linger = None
@@ -429,18 +507,44 @@ class ConnectionBounds:
         elif scan.heads != heads:
             self._cancel()
             self.guard.idle(self, False)
+            refusal = self.guard.stream(self, True) if scan.stream else None
+            if refusal:
+                self.refuse_stream(refusal)
+                return False
         return True
 
+    def refuse_stream(self, reason: str) -> None:
+        """The stream just asked for is over its address's share: answered (when no earlier request on the
+        connection is still unanswered) and closed, never parsed."""
+        self.guard.count(reason)
+        self.done = True
+        self._cancel()
+        if self.responses >= self.scan.heads - 1:
+            self.transport.write(_answer(*REASONS[reason]))
+        self.transport.close()
+
     def after_parse(self, protocol) -> None:
-        if self.transport.get_protocol() is not protocol:
-            self.scan.stop()  # upgraded to a websocket: its frames are not requests, and it is counted no more
+        upgraded = self.transport.get_protocol()
+        if upgraded is not protocol:
+            # A websocket: its frames are not requests, but it stays counted (as the stream it is) until it
+            # closes, which only the protocol it now speaks hears.
+            self.scan.stop()
             self._cancel()
-            self.guard.release(self)
+            ended = upgraded.connection_lost
+
+            def connection_lost(exc, ended=ended):
+                self.lost()
+                ended(exc)
+
+            upgraded.connection_lost = connection_lost
 
     def response_complete(self) -> None:
         scan = self.scan
-        if self.responses >= scan.heads and scan.state == HEAD and not scan.mid_head:
-            self.guard.idle(self, True)  # kept alive for a next request (uvicorn's keep-alive timeout applies)
+        if self.responses >= scan.heads:
+            if self.stream:
+                self.guard.stream(self, False)
+            if scan.state == HEAD and not scan.mid_head:
+                self.guard.idle(self, True)  # kept alive for a next request (uvicorn's keep-alive timeout applies)
 
     def lost(self) -> None:
         self.guard.release(self)

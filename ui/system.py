@@ -19,6 +19,7 @@ from pathlib import Path
 
 import gradio as gr
 
+from engine.errors import scrub_paths
 from ui.common import FAST, HandlerBase, document_api
 from ui.views import fmt_bytes
 
@@ -263,10 +264,24 @@ def system_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def for_visitors(value):
+    """The report as a public server shows it: no server paths (folders keep their names and sizes) and the
+    operating system without its kernel version."""
+    if isinstance(value, dict):
+        return {k: for_visitors(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [for_visitors(v) for v in value]
+    return scrub_paths(value) if isinstance(value, str) else value
+
+
 class SystemHandlers(HandlerBase):
     def system(self, refresh: bool = True) -> dict:
-        """The report; `refresh` probes the devices again (the Refresh button)."""
-        return system_report(self.manager, self.devices_report(refresh=refresh), self.edge)
+        """The report; `refresh` probes the devices again (the Refresh button). Public mode: for_visitors."""
+        report = system_report(self.manager, self.devices_report(refresh=refresh), self.edge)
+        if not self.public:
+            return report
+        report["versions"]["platform"] = f"{platform.system()} {platform.machine()}"
+        return for_visitors(report)
 
     def system_panel(self) -> str:
         return system_markdown(self.system(refresh=False))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import settings
+from engine.processes import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,49 @@ class CacheDir:
     def worker_env(self) -> dict[str, str]:
         return {} if self.persistent else dict(CACHE_OFF_ENV)
 
+    def remove_if_temporary(self) -> None:
+        """At shutdown: a temporary fallback (and what the workers compiled into it) goes with this process."""
+        if not self.persistent:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+# Temporary folders this project makes in the system's temporary folders are named <prefix><pid>-<random>, so
+# the ones a killed process left can be told from a running one's and removed (remove_orphaned_folders).
+TEMP_CACHE_PREFIX = "showcase-cache-"  # the cache folder's fallback when --cache-dir cannot be written
+TEMP_COMPILE_PREFIX = "showcase-inductor-"  # a worker's compile cache after its cache disk failed
+
+
+def owned_prefix(prefix: str) -> str:
+    return f"{prefix}{os.getpid()}-"
+
+
+def remove_orphaned_folders(prefixes: tuple[str, ...] = (TEMP_CACHE_PREFIX, TEMP_COMPILE_PREFIX),
+                            bases: tuple[str, ...] | None = None) -> list[str]:
+    """Remove the temporary folders named by `prefixes` whose process is gone (a worker that was killed, an
+    app that was); returns what was removed. A running process's folders are left alone."""
+    removed = []
+    for base in bases or (tempfile.gettempdir(), *TEMPORARY_BASES):
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            prefix = next((p for p in prefixes if name.startswith(p)), None)
+            pid = name[len(prefix):].split("-", 1)[0] if prefix else ""
+            if not pid.isdigit() or pid_alive(int(pid)):
+                continue
+            folder = os.path.join(base, name)
+            if folder not in removed and os.path.isdir(folder) and not os.path.islink(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    return removed
+
 
 def prepare_cache_dir(path: Path) -> CacheDir:
-    """Create the folder and prove it is writable; otherwise fall back to a temporary one."""
+    """Create the folder and prove it is writable; otherwise fall back to a temporary one (removed at shutdown,
+    or by the next start when this process is killed)."""
     path = Path(path).expanduser()
+    remove_orphaned_folders()  # what a killed process left
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-probe-{os.getpid()}"
@@ -42,7 +82,7 @@ def prepare_cache_dir(path: Path) -> CacheDir:
         probe.unlink()
         return CacheDir(path, True)
     except OSError as exc:
-        fallback = Path(tempfile.mkdtemp(prefix="diffusion-showcase-"))
+        fallback = Path(tempfile.mkdtemp(prefix=owned_prefix(TEMP_CACHE_PREFIX)))
         # The notice is shown in the app (no path there); the log names both folders.
         notice = (f"the cache folder is not writable ({exc.strerror or type(exc).__name__}); running without a "
                   "persistent cache: compiled graphs will not survive a restart. Fix it or pass --cache-dir")
@@ -209,7 +249,7 @@ def switch_to_temporary_compile_cache(reason: Unwritable) -> tuple[Path, str]:
     base = _temporary_base()
     if base is None:
         raise OSError(errno.ENOSPC, f"no temporary folder with room for a compile in {', '.join(TEMPORARY_BASES)}")
-    folder = Path(tempfile.mkdtemp(prefix="showcase-inductor-", dir=base))
+    folder = Path(tempfile.mkdtemp(prefix=owned_prefix(TEMP_COMPILE_PREFIX), dir=base))
     (folder / "tmp").mkdir()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
     os.environ[TMPDIR_VAR] = str(folder / "tmp")  # the compilers' scratch files: inherited by each one

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import re
+import stat
 from pathlib import Path
 
 from engine.config.presets import load_presets, looks_like_model_ref, route_size
@@ -193,9 +194,14 @@ def read_json_file(path, what: str):
     not JSON)."""
     path = Path(path)
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
+        # A device (/dev/zero) or a FIFO has no size to check and would be read forever or wait for a writer.
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise InvalidRequest(f"{what} is not a regular file; give the advisor's JSON file")
+        with open(path, "rb") as f:  # at most the bound, even if the file grows meanwhile
+            data = f.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
             raise InvalidRequest(f"{what} is over {MAX_JSON_BYTES // 2**20} MiB; give the advisor's JSON file")
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except OSError as exc:
         raise InvalidRequest(f"{what} cannot be read ({exc.strerror or type(exc).__name__})") from None
     except UnicodeDecodeError:

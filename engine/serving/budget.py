@@ -41,6 +41,9 @@ class DeviceBudget:
         return f"{self.device}: {limit}, at most {self.max_engines} engines ({self.source})"
 
 
+MAX_SIZE = 2**60  # 1 EiB: past it a size is a typo (or inf)
+
+
 def parse_size(text: str | int | float | None) -> int | None:
     """'3GiB', '512MiB', '2.5G', '1000000' -> bytes. None/'' -> None."""
     if text is None or text == "":
@@ -56,8 +59,10 @@ def parse_size(text: str | int | float | None) -> int | None:
         value = float(number)
     except ValueError:
         raise InvalidRequest(f"memory size {text!r} is not a number with a unit, e.g. '3GiB' or '512MiB'") from None
-    if unit not in units or value <= 0:
+    if unit not in units or not value > 0:  # (NaN is not > 0)
         raise InvalidRequest(f"memory size {text!r} is not a positive number with a unit, e.g. '3GiB' or '512MiB'")
+    if value * units[unit] > MAX_SIZE:  # 1e400 is inf: int() of it would raise OverflowError
+        raise InvalidRequest(f"memory size {str(text)[:40]!r} is larger than any machine's memory (at most 1EiB)")
     return int(value * units[unit])
 
 

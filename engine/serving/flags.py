@@ -106,6 +106,11 @@ def add_socket_flags(h, d: dict) -> None:
                    default=as_text(d["max_connections_per_client"]), metavar="N",
                    help="open connections from one address; past it 503 (default: 64 in public mode, unbounded "
                         "otherwise; 0: unbounded; a --trusted-proxies peer counts only in the total)")
+    h.add_argument("--max-streams-per-client", type=whole(1, 1_000_000, zero="unbounded"),
+                   default=as_text(d["max_streams_per_client"]), metavar="N",
+                   help="event streams one address holds open (heartbeats, queue streams, MCP streams); past it "
+                        "429, and at the --max-connections cap the address holding the most gives up its oldest "
+                        "(default: 16 in public mode, unbounded otherwise; 0: unbounded)")
     h.add_argument("--header-timeout", type=decimal(1.0, 600.0), default=as_text(d["header_timeout"] or 10.0),
                    metavar="SECONDS",
                    help="a request's headers must arrive within this from connecting (or from its first byte on a "

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from engine import devices, settings
-from engine.config.caches import prepare_cache_dir
+from engine.config.caches import prepare_cache_dir, remove_orphaned_folders
 from engine.config.flags import presets_from_args
 from engine.config.request import Caller, ImageRequest
 from engine.config.resolve import Catalog
@@ -362,8 +362,11 @@ class EngineManager:
         }
 
     def shutdown(self) -> None:
-        """Stop every engine at once: ask, wait a few seconds, then kill their process groups."""
+        """Stop every engine at once: ask, wait a few seconds, then kill their process groups; then remove the
+        temporary compile caches they left (the cache folder's own, when it was a temporary fallback)."""
         self.residency.shutdown()
+        self.cache.remove_if_temporary()
+        remove_orphaned_folders()
 
 
 def make_manager(args, options: EngineOptions, hosting: HostingConfig | None = None, **fields) -> EngineManager:

@@ -81,10 +81,12 @@ class Telemetry:
         self.eager_fallbacks = Counter("showcase_eager_fallbacks", "Requests for a compiled mode served eagerly "
                                        "because their bucket was not warm yet.", ["engine", "mode", "bucket"],
                                        registry=r)
-        self.cache_hits = Counter("showcase_step_cache_hits", "Denoiser steps served from a step cache.",
-                                  ["engine", "step_cache"], registry=r)
+        # Labels come from closed sets (engines, modes, buckets, kinds): a step cache is labelled by its kind,
+        # never by its parameters, which a visitor picks freely (each distinct value would add series).
+        self.cache_hits = Counter("showcase_step_cache_hits", "Denoiser steps served from a step cache, by "
+                                  "its kind.", ["engine", "step_cache"], registry=r)
         self.cache_misses = Counter("showcase_step_cache_misses", "Denoiser steps computed by requests that "
-                                    "had a step cache.", ["engine", "step_cache"], registry=r)
+                                    "had a step cache, by its kind.", ["engine", "step_cache"], registry=r)
         # reason -> visitors refused at the web edge (ui/edge.py sets it: body size, uploads, per client, ...)
         self.edge_refusals: Callable[[], Mapping[str, int]] | None = None
         r.register(_EngineCollector(self))
@@ -108,7 +110,7 @@ class Telemetry:
         if result.eager_fallback:
             self.eager_fallbacks.labels(engine, mode, bucket).inc()
         if result.step_cache.enabled:
-            cache = str(result.step_cache)
+            cache = str(result.step_cache.kind)
             hits = len(result.cached_steps)
             self.cache_hits.labels(engine, cache).inc(hits)
             self.cache_misses.labels(engine, cache).inc(max(0, result.steps - hits))

@@ -41,6 +41,10 @@ HARMLESS = (
     # Served adapters are denoiser-only (a text-encoder LoRA cannot be hot-swapped and is refused), so every
     # load and swap finds no text-encoder keys, as it should.
     ("diffusers.loaders.lora_base", ("No LoRA keys associated to", "prefix='text_encoder")),
+    # A visitor's faster-cache request: diffusers warns on every one (two lines per request, a log any
+    # visitor could flood); the app offers it knowingly, with diffusers' default weight.
+    ("diffusers.hooks.faster_cache", ("FasterCache is a purely experimental feature",)),
+    ("diffusers.hooks.faster_cache", ("No `attention_weight_callback` provided when enabling FasterCache",)),
 )
 
 
