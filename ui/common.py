@@ -41,7 +41,10 @@ from ui.runs import RunRegistry
 log = logging.getLogger(__name__)
 
 RUNS_PER_ENGINE = 4  # handler slots per engine the devices may hold (see HandlerBase.run_slots)
-ENGINE_QUEUE = "engines"  # generate and compare share one queue: they occupy the devices
+# Queue groups (docs/hosting.md "Queue groups"): Gradio keeps the lowest limit of a shared group, so every event
+# of a group has the same limit (ui/blocks.py settle_queue_groups refuses an app where they differ).
+ENGINE_QUEUE = "engines"  # Generate and Compare, page and API: run_slots() handlers, so the engines can batch
+ADVISOR_QUEUE = "advisor"  # the Advisor tab: one run at a time host-wide, never the engines' limit
 # UI-only events (redraws, settings, polls): never queued behind a run, no API, no spinner.
 FAST = dict(concurrency_limit=None, api_visibility="private", show_progress="hidden")
 
