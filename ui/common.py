@@ -144,13 +144,14 @@ def joined_at(request: gr.Request | None) -> float | None:
 
 
 def session_id(request: gr.Request | None) -> str:
-    """The browser tab's or gradio_client's session ("default" when a test calls a handler directly); an MCP
-    tool call's is its agent's address (Gradio makes every tool call from one client of its own)."""
+    """Whose runs these are (for /cancel and the one-run rule): a browser tab's or gradio_client's session
+    ("default" when a test calls a handler directly), or an MCP agent, named by the address ui/edge.py signed
+    for its tool call. The two never meet: a visitor chooses its session hash, so it is always prefixed."""
     state = getattr(getattr(request, "request", None), "state", None)
     agent = getattr(state, "mcp_caller", None) if state is not None else None
     if agent:
         return f"mcp:{agent}"
-    return getattr(request, "session_hash", None) or "default"
+    return "page:" + (getattr(request, "session_hash", None) or "default")
 
 
 class HandlerBase:
