@@ -208,7 +208,7 @@ def test_closing_the_handler_cancels_the_engine_request_between_steps(handlers, 
         time.sleep(0.05)
     assert isinstance(outcomes[0], Cancelled), outcomes
     assert int(re.search(r"after step (\d+) of 200", str(outcomes[0])).group(1)) < 200
-    assert handlers.runs.cancel("default") == "nothing to cancel"  # the run left the /cancel registry
+    assert handlers.runs.cancel("page:default") == "nothing to cancel"  # the run left the /cancel registry
     outputs, _ = run_generate(handlers, steps=1)  # the engine keeps serving
     assert outputs[-1][1]["cancelled"] is False
 

@@ -23,7 +23,7 @@ from engine.bench.advise_report import summary as advice_summary
 from engine.protocol import parse_lora
 from engine.settings import pythonpath
 from ui import views
-from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
+from ui.common import ADVISOR_QUEUE, FAST, HandlerBase, to_gradio_error
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_CARDS = 6
@@ -249,7 +249,7 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
     form = {"preset": a_preset, "device": a_device, "size": a_size, "steps": a_steps, "max_minutes": minutes,
             "fidelity_points": points, "min_psnr": psnr, "lora": a_lora}
     run = run_btn.click(h.advise, None, [summary, result, status], inputs_kwargs=form, api_name="advise", api_visibility="private",
-                        concurrency_id=ENGINE_QUEUE, concurrency_limit=1, show_progress="full",
+                        concurrency_id=ADVISOR_QUEUE, concurrency_limit=1, show_progress="full",
                         show_progress_on=[status])
     cancel_btn.click(None, cancels=[run])
     run.then(h.advise_ended, status, status, **FAST)

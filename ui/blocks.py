@@ -125,6 +125,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     # of n visitors made n²/2 messages at its start, when the web server is busiest).
     demo.queue(max_size=queue_size, status_update_rate=QUEUE_STATUS_S)
     poll_queue_less_often(demo)
+    settle_queue_groups(demo)
     guard.install(demo)
     demo.edge = guard
     telemetry = getattr(manager, "telemetry", None)
@@ -139,6 +140,34 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
 # The figures: docs/hosting.md.
 QUEUE_POLL_S = 0.005
 QUEUE_STATUS_S = 1.0
+
+
+def queue_groups(demo: gr.Blocks) -> dict[str, dict[str, int | None]]:
+    """Each concurrency group that several queued events share: {group: {event's api name: its limit}}."""
+    queue = demo._queue
+    groups: dict[str, dict[str, int | None]] = {}
+    for index, fn in demo.fns.items():
+        if not fn.queue:
+            continue
+        limit = queue.default_concurrency_limit if fn.concurrency_limit == "default" else fn.concurrency_limit
+        groups.setdefault(fn.concurrency_id, {})[fn.api_name or f"fn {index}"] = limit
+    return {group: events for group, events in groups.items() if len(events) > 1}
+
+
+def settle_queue_groups(demo: gr.Blocks) -> None:
+    """Gradio creates a group's queue at its first event and lowers the group's limit for good whenever an
+    event with a lower limit joins (gradio/queueing.py `create_event_queue_for_fn`): one event of a lower
+    limit, even one refused later by its handler, made the engines run one request at a time. So every
+    event of a shared group has the same limit (else the app is not built), and the groups' queues are
+    created now, with that limit, whatever joins first."""
+    groups = queue_groups(demo)
+    for group, events in groups.items():
+        if len(set(events.values())) > 1:
+            raise ValueError(f"queue group {group!r} mixes concurrency limits {events}: Gradio would keep the "
+                             "lowest for every event of the group; give the event its own concurrency_id")
+    for fn in demo.fns.values():
+        if fn.queue and fn.concurrency_id in groups:
+            demo._queue.create_event_queue_for_fn(fn)
 
 
 def poll_queue_less_often(demo: gr.Blocks) -> None:

@@ -41,7 +41,10 @@ from ui.runs import RunRegistry
 log = logging.getLogger(__name__)
 
 RUNS_PER_ENGINE = 4  # handler slots per engine the devices may hold (see HandlerBase.run_slots)
-ENGINE_QUEUE = "engines"  # generate and compare share one queue: they occupy the devices
+# Queue groups (docs/hosting.md "Queue groups"): Gradio keeps the lowest limit of a shared group, so every event
+# of a group has the same limit (ui/blocks.py settle_queue_groups refuses an app where they differ).
+ENGINE_QUEUE = "engines"  # Generate and Compare, page and API: run_slots() handlers, so the engines can batch
+ADVISOR_QUEUE = "advisor"  # the Advisor tab: one run at a time host-wide, never the engines' limit
 # UI-only events (redraws, settings, polls): never queued behind a run, no API, no spinner.
 FAST = dict(concurrency_limit=None, api_visibility="private", show_progress="hidden")
 
@@ -141,13 +144,14 @@ def joined_at(request: gr.Request | None) -> float | None:
 
 
 def session_id(request: gr.Request | None) -> str:
-    """The browser tab's or gradio_client's session ("default" when a test calls a handler directly); an MCP
-    tool call's is its agent's address (Gradio makes every tool call from one client of its own)."""
+    """Whose runs these are (for /cancel and the one-run rule): a browser tab's or gradio_client's session
+    ("default" when a test calls a handler directly), or an MCP agent, named by the address ui/edge.py signed
+    for its tool call. The two never meet: a visitor chooses its session hash, so it is always prefixed."""
     state = getattr(getattr(request, "request", None), "state", None)
     agent = getattr(state, "mcp_caller", None) if state is not None else None
     if agent:
         return f"mcp:{agent}"
-    return getattr(request, "session_hash", None) or "default"
+    return "page:" + (getattr(request, "session_hash", None) or "default")
 
 
 class HandlerBase:

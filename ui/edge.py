@@ -29,7 +29,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 256 * 1024  # a /generate body with 2 × 4,000-character prompts is ~10 KB
 LISTEN_GRACE_S = 3.0  # a page or gradio_client opens its event stream right after joining
 CLIENT_EVENTS = 8  # public mode: events one client may have waiting or running
-REFUSALS_KEPT = 1024  # clients whose last refusal is kept (the oldest are forgotten first)
 MCP_CALLER_HEADER = "x-showcase-mcp-caller"  # an MCP tool call's agent (EdgeGuard.mark_mcp_caller)
 
 
@@ -120,7 +119,6 @@ class EdgeGuard:
         self.queue = None
         self.api_names: frozenset[str] | None = None  # the app's named endpoints (install)
         self.refused = Counter()  # reason -> count, for /system and /metrics
-        self._last_refusal: OrderedDict[str, tuple[float, str]] = OrderedDict()  # client -> (when, message)
         self._secret = secrets.token_bytes(32)  # signs MCP caller headers (mark_mcp_caller); never leaves here
         bounds = self.config.sockets
         self.sockets = SocketGuard(bounds, self.config.trusted_proxies) if bounds is not None else None
@@ -163,6 +161,20 @@ class EdgeGuard:
     def listening(self, session: str) -> bool:
         with self._lock:
             return self._listeners[session] > 0
+
+    @contextmanager
+    def listener(self, session: str):
+        """`session` counts as listening while the block runs: an MCP tool call reads its result in this
+        process, not through an event stream (ui/mcp.py)."""
+        with self._lock:
+            self._listeners[session] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._listeners[session] -= 1
+                if self._listeners[session] <= 0:
+                    del self._listeners[session]
 
     def await_listener(self, session: str, timeout: float | None = None) -> bool:
         """Wait (in a handler thread) up to `timeout` for the session's event stream to be open."""
@@ -276,32 +288,18 @@ class EdgeGuard:
             waiting = (len(waiting.queue) if waiting is not None else 0) + self._joining_groups[group]
             if config.group_queue is not None and waiting >= config.group_queue:
                 self.refused["queue full"] += 1
-                return self._refusal_of(client, f"The queue is full ({waiting} requests waiting for this "
-                                                "action); retry in a few seconds")
+                return (f"The queue is full ({waiting} requests waiting for this "
+                        "action); retry in a few seconds")
             if config.client_events is not None:
                 mine = self._joining[client] + sum(1 for e in self._events() if self.client_of(e.request) == client)
                 if mine >= config.client_events:
                     self.refused["per client"] += 1
-                    return self._refusal_of(client, f"You already have {mine} requests waiting or running on this "
-                                                    f"server (at most {config.client_events} per visitor); wait for "
-                                                    "one to finish or cancel it")
+                    return (f"You already have {mine} requests waiting or running on this "
+                            f"server (at most {config.client_events} per visitor); wait for "
+                            "one to finish or cancel it")
             self._joining[client] += 1
             self._joining_groups[group] += 1
         return None
-
-    def _refusal_of(self, client: str, message: str) -> str:
-        """Keep the refusal for `client` (who asked): gradio_client reads any refused join as
-        "Queue is full!", so an MCP tool call looks its own message up here (ui/mcp.py)."""
-        self._last_refusal[client] = (time.monotonic(), message)
-        self._last_refusal.move_to_end(client)
-        while len(self._last_refusal) > REFUSALS_KEPT:
-            self._last_refusal.popitem(last=False)
-        return message
-
-    def last_refusal(self, client: str | None, within_s: float = 30.0) -> str | None:
-        with self._lock:
-            at, message = self._last_refusal.get(client, (None, None)) if client else (None, None)
-        return message if at is not None and time.monotonic() - at <= within_s else None
 
     def _events(self):
         q = self.queue

@@ -1,11 +1,12 @@
 """The app as an MCP server (`app.py --mcp`, SHOWCASE_MCP=1): Gradio serves every public API endpoint as an
 MCP tool over Streamable HTTP at /gradio_api/mcp/ (`launch(mcp_server=True)`, the optional `mcp` extra).
 
-A tool call is the same API call a gradio_client makes (Gradio sends it to the app's own queue over
-loopback HTTP), so public mode's bounds hold as they do for the page: the visitor's choices, one running
-request per caller, the per-client bound of ui/edge.py (the edge names the MCP caller by its address, see
-`EdgeGuard.mark_mcp_caller`), host operations only with admin_token. A refusal reaches the agent as a tool
-error carrying the app's message.
+A tool call is an event of the app's own queue, joined in this process with the agent's own HTTP request
+(`AgentCalls`; Gradio's way, one gradio_client shared by every agent over loopback, let one agent fill it),
+so public mode's bounds hold per agent as they do per page: the visitor's choices, one running request
+per agent, the per-client bound of ui/edge.py (the edge names the agent by its address, see
+`EdgeGuard.mark_mcp_caller`), the cost budget, host operations only with admin_token. A refusal reaches the
+agent as a tool error carrying the app's message; a call whose agent hangs up is cancelled.
 
 Here: the tools' names (the endpoints', not the handlers' function names) and descriptions an agent can act
 on, and the `mcp` package check. The advisor measures for minutes, longer than a tool call should wait:
@@ -15,9 +16,13 @@ done, its pick), a host operation like the Advisor tab's.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import hashlib
+import hmac
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import threading
@@ -26,11 +31,9 @@ import uuid
 from collections import OrderedDict
 
 import gradio as gr
-from gradio_client.utils import QueueError
 
 from engine.serving.manager import Caller
 from ui.advisor import AdvisorForm, advisor_messages
-from ui.edge import MCP_CALLER_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -100,43 +103,121 @@ def missing() -> str | None:
 
 
 def serve(demo) -> None:
-    """After launch(mcp_server=True): the tools take their endpoints' names (generate, compare, status, ...), and
-    a tool with several outputs returns each of them (generate: the image, then the timings)."""
+    """After launch(mcp_server=True): the tools take their endpoints' names (generate, compare, status, ...), a
+    tool with several outputs returns each of them (generate: the image, then the timings), and a queued tool
+    call joins the app's queue here, as its agent (AgentCalls), instead of through Gradio's one shared client."""
     server = getattr(demo, "mcp_server_obj", None)
     if server is None:
         return
     server.tool_to_endpoint = {server.tool_prefix + endpoint.lstrip("/"): endpoint
                                for endpoint in server.tool_to_endpoint.values()}
-    edge = getattr(demo, "edge", None)
+    calls = AgentCalls(demo, server)
+    demo.agent_calls = calls
+    server._get_or_create_client = lambda: calls  # what call_tool submits a queued call to
 
-    async def without_progress(job) -> list:
-        try:
-            return await _every_output(job)
-        except QueueError:
-            # The web edge refused the call: gradio_client says "Queue is full!" whatever the reason; the
-            # agent reads the edge's own message for it.
-            request = server.mcp_server.request_context.request
-            caller = edge.mcp_caller(request.headers.get(MCP_CALLER_HEADER)) if edge and request else None
-            message = edge.last_refusal(caller) if edge else None
-            raise RuntimeError(message or "the server's queue is full; retry in a few seconds") from None
+    async def result(job, progress_token=None) -> list:  # noqa: ARG001 - Gradio passes a progress token
+        return await job.result()
 
-    server._execute_tool_without_progress = without_progress
+    server._execute_tool_without_progress = result
+    server._execute_tool_with_progress = result
 
 
-async def _every_output(job) -> list:
-    """A tool call's outputs as a list, one per output component. (Gradio's own path without a progress token
-    wraps the client's result in one list, so an endpoint with two outputs came back as the text of a tuple.)"""
-    final = None
-    async for update in job:
-        if update.type == "output" and update.final:
-            final = update
-    if final is None:
-        error = job.exception()
-        raise error if error is not None else RuntimeError("the call ended without a result")
-    if not final.success:
-        outputs = final.outputs or {}
-        raise RuntimeError(outputs.get("error") or outputs.get("title") or "the call failed")
-    return list(final.outputs["data"])
+class AgentCalls:
+    """Each MCP agent is a visitor like any other. Gradio sends every tool call through one gradio_client of
+    its own (one session, its thread pool, one event stream): twelve agents filled it, another agent's
+    status waited seconds behind their calls, and a call whose agent hung up still ran to the end. Here a
+    tool call joins the app's queue in this process with the agent's own HTTP request, so the web edge names
+    the agent by its address (its signed header, ui/edge.py) and its per-client bound, the cost budget and
+    the one-running-request rule hold per agent; each agent has a session of its own, named with a secret
+    of this server (a visitor can neither choose nor guess it); a call whose agent hangs up is cancelled."""
+
+    def __init__(self, demo, server):
+        self.demo, self.server = demo, server
+        self.fn_index = {fn.api_name: index for index, fn in demo.fns.items() if fn.api_name}
+        self._secret = secrets.token_bytes(32)
+        self._waiting: dict[str, dict[str, asyncio.Future]] = {}  # agent session -> event id -> its result
+        self._readers: dict[str, asyncio.Task] = {}
+
+    def session_of(self, agent: str) -> str:
+        return "mcp-" + hmac.new(self._secret, agent.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def submit(self, *args, api_name: str, headers: dict | None = None) -> AgentCall:  # noqa: ARG002 - Gradio's call
+        return AgentCall(self, as_queue_join(self.server.mcp_server.request_context.request),
+                         self.fn_index[api_name.lstrip("/")], list(args))
+
+    async def run(self, request, fn_index: int, data: list) -> list:
+        """Join the queue as the call's agent; the outputs, or RuntimeError with the app's message."""
+        from gradio.data_classes import PredictBodyInternal
+
+        queue, edge = self.demo._queue, self.demo.edge
+        session = self.session_of(edge.client_of(request))
+        body = PredictBodyInternal(data=data, fn_index=fn_index, session_hash=session, event_data=None,
+                                   trigger_id=None, request=request)
+        with edge.listener(session):  # the handler's listener check: the result is read here
+            joined, event_id, _ = await queue.push(body=body, request=request, username=None)
+            if not joined:
+                raise RuntimeError(str(event_id))  # the edge's refusal, with what to do
+            future = asyncio.get_running_loop().create_future()
+            self._waiting.setdefault(session, {})[event_id] = future
+            if session not in self._readers or self._readers[session].done():
+                self._readers[session] = asyncio.create_task(self._read(session))
+            try:
+                message = await future
+            except asyncio.CancelledError:  # the agent hung up: its call goes too
+                await asyncio.shield(self._cancel(event_id))
+                raise
+            finally:
+                waiting = self._waiting.get(session, {})
+                waiting.pop(event_id, None)
+                if not waiting:
+                    self._waiting.pop(session, None)
+        output = message.output or {}
+        if not message.success:
+            raise RuntimeError(output.get("error") or message.title or output.get("title") or "the call failed")
+        return list(output["data"])
+
+    async def _read(self, session: str) -> None:
+        """Hand each completed event of the agent's session to its call, while the agent has calls waiting."""
+        messages = self.demo._queue.pending_messages_per_session.get(session)
+        while messages is not None and self._waiting.get(session):
+            message = await messages.get()
+            if getattr(message, "msg", None) == "process_completed":
+                future = self._waiting.get(session, {}).get(message.event_id)
+                if future is not None and not future.done():
+                    future.set_result(message)
+
+    async def _cancel(self, event_id: str) -> None:
+        """What Gradio's /cancel does for one event: out of the queue, or its running task cancelled."""
+        queue = self.demo._queue
+        await queue.clean_events(event_id=event_id)
+        tasks = [t for t in asyncio.all_tasks() if t.get_name().endswith(f"<gradio-sep>{event_id}")]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        log.info("cancelled MCP call %s: its agent hung up", event_id[:12])
+
+
+def as_queue_join(request):
+    """The agent's HTTP request as Gradio's queue takes an event's: at the app's queue/join route (Gradio
+    finds the app's root URL for the outputs' file links from it), with state of its own."""
+    from starlette.requests import Request
+
+    scope = dict(request.scope)
+    path = scope["path"]
+    root = path[:path.index("/gradio_api/")] if "/gradio_api/" in path else ""
+    scope.update(path=f"{root}/gradio_api/queue/join", raw_path=f"{root}/gradio_api/queue/join".encode(),
+                 query_string=b"", state={})
+    return Request(scope)
+
+
+class AgentCall:
+    """One queued tool call, as Gradio's call_tool holds it between submit and its result."""
+
+    def __init__(self, calls: AgentCalls, request, fn_index: int, data: list):
+        self.calls, self.request, self.fn_index, self.data = calls, request, fn_index, data
+
+    async def result(self) -> list:
+        return await self.calls.run(self.request, self.fn_index, self.data)
 
 
 JOBS_KEPT = 16  # finished advisor jobs whose results stay readable (the oldest are forgotten first)
