@@ -181,6 +181,27 @@ def test_the_history_keeps_the_last_runs_newest_first_with_their_figures():
                        f"seed {number - 1} · 12.5 ms")
 
 
+def d3_ticks(low: float, high: float, count: int) -> list[float]:
+    """The tick values Vega draws (d3-array's ticks: a step of 1, 2 or 5 times a power of ten)."""
+    import math
+
+    raw = (high - low) / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    first = math.ceil(low / step)
+    return [i * step for i in range(first, math.floor(high / step) + 1)]
+
+
+def test_the_frontiers_time_axis_never_repeats_a_tick():
+    """One point (a short run) made an axis whose ".3~f" ticks repeated; at 3 significant digits over the
+    padded span every tick reads differently (15 ticks: the plot's half-page width)."""
+    for seconds in (0.0512, 0.088, 0.105, 0.15, 0.3, 0.999, 1.05, 2.4):
+        for values in ([seconds], [seconds, seconds * 1.01]):
+            low, high = views.padded_limits(values, min_share=views.TIME_AXIS_SHARE)
+            labels = [f"{t:.3g}" for t in d3_ticks(low, high, 15)]
+            assert len(labels) >= 3 and len(set(labels)) == len(labels), (values, labels)
+
+
 def test_frontier_axes_are_padded_and_the_frontier_is_named():
     assert views.padded_limits([93.75, 93.75]) == [89.0625, 98.4375]  # one value: not a zero-width axis
     assert views.padded_limits([0.1, 0.3]) == [0.08, 0.32]

@@ -116,7 +116,8 @@ class AdvisorHandlers(HandlerBase):
             for message in messages:
                 if "progress" in message:
                     progress((message["progress"], message["total"]), desc=f"advisor: {message['desc']}")
-                    yield gr.skip(), gr.skip(), running(f"{message['progress']}/{message['total']}: {message['desc']}")
+                    yield gr.skip(), gr.skip(), running(f"{message['progress']} s of {message['total']} s: "
+                                                        f"{message['desc']}")
                 elif "result" in message:
                     result = message["result"]
             child.wait()
@@ -176,7 +177,9 @@ class AdvisorHandlers(HandlerBase):
         frame = pd.DataFrame(views.advisor_points(result), columns=views.ADVISOR_POINT_COLUMNS)
         frame = frame.astype({"s_per_image": "float64", "quality": "float64", "configuration": "string",
                               "verdict": "string"})
-        x_lim, y_lim = views.padded_limits(frame["s_per_image"]), views.padded_limits(frame["quality"])
+        # x ticks carry 3 significant digits: a span of at least 20 % of the time keeps them distinct
+        x_lim = views.padded_limits(frame["s_per_image"], min_share=views.TIME_AXIS_SHARE)
+        y_lim = views.padded_limits(frame["quality"])
         plot = gr.update(value=frame, x_lim=x_lim, y_lim=y_lim)
         table = pd.DataFrame(rows, columns=COLUMNS)
         pick = (result or {}).get("pick")
@@ -236,7 +239,7 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
             summary = gr.Markdown(elem_id="a-summary")
             frontier = gr.ScatterPlot(x="s_per_image", y="quality", color="verdict", title="Speed–quality frontier",
                                       x_title="s per image (lower is faster)", y_title="fidelity % / PSNR dB",
-                                      color_title="", x_axis_format=".3~f", y_axis_format=".4~r",
+                                      color_title="", x_axis_format=".3~r", y_axis_format=".4~r",
                                       tooltip=["configuration", "s_per_image", "quality", "verdict"], height=340,
                                       elem_id="a-frontier")
         cards = gr.HTML(elem_id="a-cards", label="Each configuration: its image, eager fp32's, the difference")

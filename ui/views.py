@@ -663,15 +663,18 @@ def advisor_points(result: dict | None) -> list[dict]:
     return points
 
 
-def padded_limits(values) -> list[float] | None:
-    """An axis's [low, high] around its values with a tenth of their span (at least 5 % of their size) on
-    each side, so no point sits on the frame and a single value does not make a zero-width axis whose ticks
-    read "93.750000"."""
+TIME_AXIS_SHARE = 0.1  # the Advisor's seconds axis: at least this share of the time on each side
+
+
+def padded_limits(values, min_share: float = 0.05) -> list[float] | None:
+    """An axis's [low, high] around its values with a tenth of their span (at least `min_share` of their
+    size) on each side, so no point sits on the frame and a single value does not make a zero-width axis
+    whose ticks read "93.750000" (or, at 10 %, repeat the same 3 significant digits)."""
     values = [float(v) for v in values if v == v]  # NaN != NaN
     if not values:
         return None
     low, high = min(values), max(values)
-    pad = max((high - low) * 0.1, abs(high) * 0.05, 1e-3)
+    pad = max((high - low) * 0.1, abs(high) * min_share, 1e-3)
     return [round(low - pad, 4), round(high + pad, 4)]
 
 
