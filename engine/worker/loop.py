@@ -552,6 +552,7 @@ def _serve_engine(config, conn, env: dict[str, str]) -> None:
         pass
     logs.configure(settings.log_level(), process=f"worker {config.key}",
                    prefix=f"[worker {config.key}] ")
+    logs.thread_locks_for_progress_bars()
     made: dict = {}
 
     def load() -> WorkerLoop:
