@@ -124,6 +124,30 @@ def test_a_compile_a_request_waits_for_starts_beside_background_compiles():
     assert default.granted[-1] == _b("compile", "128x128")  # background compiles only in free slots
 
 
+def test_the_console_says_each_compile_that_ends_and_what_the_host_compiles_next(caplog):
+    import logging
+
+    from engine.protocol import BucketInfo, BucketState, EngineKey
+    from engine.serving.residency import Residency
+
+    key = EngineKey("tiny-shapes", "cpu", "fp32")
+    scheduler = CompileScheduler(jobs=1)
+    residency = Residency(None, None, scheduler, config_for=None, is_default=lambda k: True)
+    engine = FakeEngine(key)
+    done, failed, later = _b("compile", "64x64"), _b("compile", "128x128"), _b("compile", "256x256")
+    board = {done: BucketInfo(key, done, BucketState.WARM, compile_s=27.46),
+             failed: BucketInfo(key, failed, BucketState.FAILED, error="CppCompileError: g++ not found")}
+    engine.buckets = lambda: list(board.values())
+    for bucket in (done, failed, later):
+        scheduler.want(engine, bucket, startup_rank=0)
+    with caplog.at_level(logging.INFO, logger="engine.serving.compiles"):
+        residency.compile_finished(engine, done)
+        residency.compile_finished(engine, failed)
+    assert caplog.messages == [
+        f"compile:64x64 on {key}: compiled in 27.5 s; host: 1 compiling, 1 queued",
+        f"compile:128x128 on {key}: compile failed: CppCompileError: g++ not found; host: 1 compiling, 0 queued"]
+
+
 def test_an_evicted_engines_queued_compiles_are_dropped_and_its_slot_freed():
     scheduler = CompileScheduler(jobs=1)
     gone, waiting = FakeEngine("gone"), FakeEngine("waiting")

@@ -214,9 +214,10 @@ class Residency(EngineEvents):
                           self.compile_counts())
 
     def compile_counts(self) -> str:
-        """The buckets compiling and queued on every engine, as the Buckets tab shows them."""
-        states = [str(b.state) for e in self.engines() for b in e.buckets()]
-        return f"{states.count('compiling')} compiling, {states.count('queued')} queued"
+        """The host's compiles running (the next one granted already) and queued, as the Buckets tab shows
+        them once the engines have started what they were granted."""
+        snapshot = self.scheduler.snapshot()
+        return f"{len(snapshot['running'])} compiling, {len(snapshot['queued'])} queued"
 
     def engine_ready(self, engine: EngineClient) -> None:
         """Loaded: remember what it really costs, and keep the device within budget."""
