@@ -22,7 +22,7 @@ from engine.bench.advise_choice import (
 from engine.bench.advise_report import markdown
 from engine.bench.paired import PairedTiming
 from engine.config.presets import get_preset
-from ui import views
+from ui import advisor_views
 
 
 def row(precision, mode, cache="none", ms=100.0, fidelity=0.94, psnr=None, diff=0, attention="native"):
@@ -87,7 +87,7 @@ def test_the_saved_file_drives_the_app_defaults_and_the_views(tmp_path):
     table = advise_report.table_rows(report)
     assert table[0][0] == "fp32/regional/first-block:0.2" and table[0][-1] == "★ pick"
     assert table[-1][:2] == ["precision fp8", "skipped"]
-    points = views.advisor_points(report)
+    points = advisor_views.advisor_points(report)
     assert {p["verdict"] for p in points} == {"pick", "within bound"} and all(p["quality"] == 94 for p in points)
     assert "Pick: `fp32/regional/first-block:0.2`" in advise_report.summary(report)
     # A run measured with a style: --config-from starts Generate at that style, fused as the pick ran it.
@@ -119,7 +119,7 @@ def test_a_configuration_whose_quality_was_not_measured_is_never_picked():
     pick, rows = choose(rows, plan())
     assert pick["label"] == "fp32/regional" and rows[1]["why_not"].endswith("quality not measured")
     report = {"pick": pick, "rows": rows}
-    assert [p["configuration"] for p in views.advisor_points(report)] == ["fp32/eager", "fp32/regional"]
+    assert [p["configuration"] for p in advisor_views.advisor_points(report)] == ["fp32/eager", "fp32/regional"]
     table = {r[0]: r for r in advise_report.table_rows(report)}
     assert table["fp32/compile"][-1].startswith("no: slower than 4") and table["fp32/compile"][4] == "—"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gradio as gr
 import pytest
 
-from ui import views
+from ui import advisor_views, views
 from ui.compare import CompareHandlers
 from ui.generate import GenerateHandlers
 
@@ -197,23 +197,23 @@ def test_the_frontiers_time_axis_never_repeats_a_tick():
     padded span every tick reads differently (15 ticks: the plot's half-page width)."""
     for seconds in (0.0512, 0.088, 0.105, 0.15, 0.3, 0.999, 1.05, 2.4):
         for values in ([seconds], [seconds, seconds * 1.01]):
-            low, high = views.padded_limits(values, min_share=views.TIME_AXIS_SHARE)
+            low, high = advisor_views.padded_limits(values, min_share=advisor_views.TIME_AXIS_SHARE)
             labels = [f"{t:.3g}" for t in d3_ticks(low, high, 15)]
             assert len(labels) >= 3 and len(set(labels)) == len(labels), (values, labels)
 
 
 def test_frontier_axes_are_padded_and_the_frontier_is_named():
-    assert views.padded_limits([93.75, 93.75]) == [89.0625, 98.4375]  # one value: not a zero-width axis
-    assert views.padded_limits([0.1, 0.3]) == [0.08, 0.32]
-    assert views.padded_limits([]) is None
+    assert advisor_views.padded_limits([93.75, 93.75]) == [89.0625, 98.4375]  # one value: not a zero-width axis
+    assert advisor_views.padded_limits([0.1, 0.3]) == [0.08, 0.32]
+    assert advisor_views.padded_limits([]) is None
     rows = [{"label": "fp32/eager", "s_per_image": 0.30, "fidelity": 1.0, "eligible": True},
             {"label": "bf16/eager", "s_per_image": 0.20, "fidelity": 0.9, "eligible": True},
             {"label": "bf16/compile", "s_per_image": 0.25, "fidelity": 0.8, "eligible": False}]
-    caption = views.frontier_caption({"rows": rows, "pick": {"label": "bf16/eager"}})
+    caption = advisor_views.frontier_caption({"rows": rows, "pick": {"label": "bf16/eager"}})
     assert caption == ("3 configurations drawn. Frontier, fastest first: bf16/eager (0.200 s, 90.0 %) → "
                        "fp32/eager (0.300 s, 100.0 %)")
     unscored = {"label": "int8wo/eager", "s_per_image": 0.31, "unscored": True}
-    caption = views.frontier_caption({"rows": [*rows, unscored], "pick": {"label": "bf16/eager"}})
+    caption = advisor_views.frontier_caption({"rows": [*rows, unscored], "pick": {"label": "bf16/eager"}})
     assert caption.startswith("3 of 4 measured configurations drawn (the others have no quality score).")
 
 
