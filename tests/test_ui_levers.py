@@ -26,9 +26,31 @@ def test_the_generate_plot_is_numeric_from_its_first_value(result):
     # The browser builds the plot's spec from the first value it gets (the empty partial) and only swaps
     # the data afterwards: that first value must already type step and step_ms as numbers.
     plot, _, _ = GenerateHandlers.render_run(None, result)
-    types = plot_types(plot, color="steps")
+    types = plot_types(plot["value"], color="steps")
     assert types["step"] == "quantitative" and types["step_ms"] == "quantitative"
     assert types["steps"] == "nominal"
+
+
+@pytest.mark.parametrize("result, axis", [
+    ({"running": True, "engine": "e", "steps": 8, "timings": {"step_ms": []}}, [1, 8]),  # the first partial
+    ({"engine": "e", "steps": 1, "timings": {"step_ms": [3.0]}}, [1, 2]),
+])
+def test_the_generate_plot_spans_the_runs_steps_from_its_first_value(result, axis):
+    """A first, empty partial drew a one-value axis ticked "1.000000"."""
+    plot, _, _ = GenerateHandlers.render_run(None, result)
+    assert plot["x_lim"] == axis
+    assert plot["y_lim"] == ([0, 1] if not result["timings"]["step_ms"] else None)
+
+
+def test_every_series_of_a_full_compare_has_its_own_colour_and_legend_entry():
+    """The legend repeated eager fp32's colour from the 7th series on, and its last entries were cut."""
+    configs = [f"cpu/{p}/eager/{c}" for p in ("fp32", "bf16", "int8wo") for c in ("first-block:0.2", "magcache:0.06")]
+    names = ["cpu/fp32/eager"] + [n for c in configs for n in (c, c + views.CACHED_SUFFIX)]
+    colors = views.series_colors(names)
+    assert len(set(colors.values())) == len(names) == 13
+    assert colors[configs[0] + views.CACHED_SUFFIX] == views.tint(colors[configs[0]])  # its own hue, lighter
+    legend = views.legend_html(colors)
+    assert legend.count('class="legend-item"') == 13 and "cpu/int8wo/eager/magcache:0.06 · cached" in legend
 
 
 def test_cached_steps_are_their_own_series():
@@ -84,7 +106,7 @@ def test_compare_adds_the_reference_and_prices_every_configuration(handlers):
     assert rows["cpu/fp32/eager (reference)"][2] == "1.00×"
     assert rows["cpu/bf16/eager"][2].endswith("×") and "worst of 4" in rows["cpu/bf16/eager"][5]
     assert "prompts)" in rows["cpu/bf16/eager"][6]
-    plot, price, costs, cards = handlers.render_compare(payload, thumbnails)
+    plot, price, costs, cards = handlers.render_compare(payload, thumbnails)[:4]
     # two images, and beside bf16's the heat map of its difference to the reference's
     assert cards.count('class="c-card"') == 2 and cards.count("data:image/png;base64,") == 3
     assert cards.count('class="c-heat"') == 1
@@ -118,7 +140,7 @@ def test_compare_prices_a_step_cache_and_int8_against_the_reference(handlers):
     n = len(cached["cached_steps"])
     assert rows["cpu/fp32/eager/taylorseer:3:2"][4] == f"{8 - n} / {n}"
     assert rows["cpu/fp32/eager (reference)"][4] == "8 / 0"
-    plot, _, _, cards = handlers.render_compare(payload, thumbnails)
+    plot, _, _, cards = handlers.render_compare(payload, thumbnails)[:4]
     assert "cpu/fp32/eager/taylorseer:3:2 · cached" in set(plot["value"]["config"])  # cached steps: own series
     assert f"steps computed / cached: {8 - n} / {n}" in cards and cards.count("data:image/png;base64,") == 7
 
@@ -132,7 +154,7 @@ def test_every_generate_plot_value_names_both_series_first(result):
     # The browser fixes the plot's colours from the series in the value it builds the plot with: a series it
     # does not see then is drawn without a stroke (an empty line), so each value names both, without a point.
     plot, _, _ = GenerateHandlers.render_run(None, result)
-    value = gr.LinePlot(x="step", y="step_ms", color="steps").postprocess(plot)
+    value = gr.LinePlot(x="step", y="step_ms", color="steps").postprocess(plot["value"])
     assert [row[2] for row in value.data[:2]] == [views.COMPUTED, views.CACHED]
     assert [row[1] for row in value.data[:2]] == [None, None]  # not drawn: JSON null
     steps = (result or {}).get("timings", {}).get("step_ms", [])
