@@ -61,7 +61,6 @@ from engine.protocol import (
 )
 from engine.worker import logs
 from engine.worker.priority import (
-    CompileSetAside,
     RunCost,
     ShortRuns,
     YieldToRequests,
@@ -301,21 +300,13 @@ class WorkerLoop:
             with self._lock:
                 demand = self._bucket_demand(bucket)
                 wanted, demand.asked, startup_rank, demand.startup_rank = demand.asked, False, demand.startup_rank, None
-                self.compile_yield.compiling = bucket
-            set_aside = False
             try:
-                if wanted and not self._is_warm(bucket):
-                    if self.compile_steps_aside:
-                        sys.setprofile(self.compile_yield.hook)  # this thread only (again: a set-aside unsets it)
-                    self._warm(bucket)
-            except CompileSetAside:
-                set_aside = True
+                with self.compile_yield.compiling_of(bucket, self.compile_steps_aside) as compile_run:
+                    if wanted and not self._is_warm(bucket):
+                        self._warm(bucket)
             finally:
-                with self._lock:
-                    self.compile_yield.compiling = None
                 self.send(CompileFinished(bucket))
-            if set_aside:  # back in the queue, behind the compile a request waits for
-                log.info("compile of %s set aside: a request waits for another bucket's compile", bucket)
+            if compile_run.set_aside:  # back in the queue (the console says so), behind the waited-for compile
                 self.runner.board.update(bucket, state=BucketState.QUEUED, error=None)
                 self.want(bucket, startup_rank=startup_rank)
 
@@ -436,7 +427,8 @@ class WorkerLoop:
             if info is not None and info.state == BucketState.FAILED:
                 return  # it already failed: the runner serves eagerly with the reason
             self.want(bucket, retry_failed=False)
-            self._set_aside_background_compile(bucket)
+            if self.compile_steps_aside:  # one compile at a time here: a background one is stopped
+                self.compile_yield.set_aside_unless_waited(bucket, lambda b: self._bucket_demand(b).waiting > 0)
             event = self.runner.board.event(bucket)
             while not event.wait(0.2):
                 if cancel.is_set() or self._stop.is_set():
@@ -444,15 +436,6 @@ class WorkerLoop:
         finally:
             with self._lock:
                 self._bucket_demand(bucket).waiting -= 1
-
-    def _set_aside_background_compile(self, waited: BucketKey) -> None:
-        """This engine compiles one bucket at a time: a background compile (start-up warm list, a
-        warm-up) that nobody waits for is stopped, so the compile a request waits for runs next."""
-        with self._lock:
-            current = self.compile_yield.compiling
-            background = current is not None and current != waited and not self._bucket_demand(current).waiting
-        if background and self.compile_steps_aside:
-            self.compile_yield.set_aside(current)
 
     def _extra_niceness(self, request: GenerateRequest) -> int:
         if self.run_cost is None:

@@ -114,6 +114,27 @@ class CompileSetAside(BaseException):
     must not take it for a failed compile."""
 
 
+class _CompileRun:
+    """One granted bucket on the compile thread: which bucket it works on, the hook on the thread (again: a
+    set-aside unsets it), and whether its compile was set aside (CompileSetAside is taken here)."""
+
+    def __init__(self, owner: YieldToRequests, bucket, hooked: bool):
+        self.owner, self.bucket, self.hooked, self.set_aside = owner, bucket, hooked, False
+
+    def __enter__(self) -> _CompileRun:
+        self.owner.compiling = self.bucket
+        if self.hooked:
+            sys.setprofile(self.owner.hook)  # this thread only
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        self.owner.compiling = None
+        if self.owner._set_aside == self.bucket:  # asked as it ended: not for a later compile of the bucket
+            self.owner._set_aside = None
+        self.set_aside = kind is not None and issubclass(kind, CompileSetAside)
+        return self.set_aside
+
+
 class YieldToRequests:
     """Lets the compile thread step aside while a request runs in the same worker.
 
@@ -135,10 +156,18 @@ class YieldToRequests:
         self.compiling = None  # the bucket the compile thread works on (set by it)
         self._set_aside = None  # the bucket whose compile is to stop at the next function call
 
-    def set_aside(self, bucket) -> None:
-        """Stop the compile of `bucket` at the compile thread's next function call, if it is still the one
-        running then (a compile that ended meanwhile is not touched, nor the next one)."""
-        self._set_aside = bucket
+    def set_aside_unless_waited(self, waited, is_waited_for) -> None:
+        """A request waits for `waited`'s compile: stop the compile running now (at the compile thread's next
+        unit of work, if it is still the one running then) unless it is that one or another request waits
+        for it too (`is_waited_for(bucket)`). An engine compiles one bucket at a time, so a background
+        compile (the start-up warm list, a warm-up) would hold the waited one back for its whole length."""
+        current = self.compiling
+        if current is not None and current != waited and not is_waited_for(current):
+            self._set_aside = current
+
+    def compiling_of(self, bucket, hooked: bool) -> _CompileRun:
+        """The compile thread's block for one granted bucket (`hooked`: with this hook on the thread)."""
+        return _CompileRun(self, bucket, hooked)
 
     def request_started(self) -> None:
         self._request += 1
