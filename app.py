@@ -233,10 +233,12 @@ def prewarm(manager, engine: DefaultEngine, warm: str, aot_repo: str | None = No
             log.warning("engine %s is still loading after 900 s", key)
             return
         row = next((r for r in manager.status() if r["engine"] == str(key)), {})
-        busy = sum(1 for b in row.get("buckets") or () if b["state"] in ("queued", "compiling"))
+        # Its start-up compiles are asked for just after it says it is ready: they are not on its board yet.
         log.info("engine %s ready in %.1f s; %s", key, row.get("load_s") or 0.0,
-                 f"{busy} bucket(s) compiling (the Buckets tab shows them; until one is warm, requests at it "
-                 "run eagerly)" if busy else "no bucket compiling")
+                 "no start-up compiles (--warm none)" if warm == "none" else
+                 f"no start-up compiles (mode {engine.mode})" if not Mode(engine.mode).compiled else
+                 "its start-up buckets compile in the background, a line as each ends (the Buckets tab shows "
+                 "them; until one is warm, requests at it run eagerly)")
     except Exception as exc:  # the UI still starts and shows the reason
         log.warning("could not start the default engine: %s", exc)
 
@@ -320,6 +322,7 @@ def configure_logging(args) -> None:
     os.environ["SHOWCASE_LOG_FORMAT"] = args.log_format  # the workers log the same way
     logs.configure(logging.INFO if args.verbose else logging.WARNING, process="web", fmt=args.log_format)
     log.setLevel(logging.INFO)  # the start-up choices below are always logged
+    logging.getLogger("engine.serving.compiles").setLevel(logging.INFO)  # a line per compile that ends
 
 
 def check_flags(parser, args) -> DefaultEngine:

@@ -22,7 +22,7 @@ from engine.bench.advise_choice import (
 from engine.bench.advise_report import markdown
 from engine.bench.paired import PairedTiming
 from engine.config.presets import get_preset
-from ui import views
+from ui import advisor_views
 
 
 def row(precision, mode, cache="none", ms=100.0, fidelity=0.94, psnr=None, diff=0, attention="native"):
@@ -87,7 +87,7 @@ def test_the_saved_file_drives_the_app_defaults_and_the_views(tmp_path):
     table = advise_report.table_rows(report)
     assert table[0][0] == "fp32/regional/first-block:0.2" and table[0][-1] == "★ pick"
     assert table[-1][:2] == ["precision fp8", "skipped"]
-    points = views.advisor_points(report)
+    points = advisor_views.advisor_points(report)
     assert {p["verdict"] for p in points} == {"pick", "within bound"} and all(p["quality"] == 94 for p in points)
     assert "Pick: `fp32/regional/first-block:0.2`" in advise_report.summary(report)
     # A run measured with a style: --config-from starts Generate at that style, fused as the pick ran it.
@@ -119,7 +119,7 @@ def test_a_configuration_whose_quality_was_not_measured_is_never_picked():
     pick, rows = choose(rows, plan())
     assert pick["label"] == "fp32/regional" and rows[1]["why_not"].endswith("quality not measured")
     report = {"pick": pick, "rows": rows}
-    assert [p["configuration"] for p in views.advisor_points(report)] == ["fp32/eager", "fp32/regional"]
+    assert [p["configuration"] for p in advisor_views.advisor_points(report)] == ["fp32/eager", "fp32/regional"]
     table = {r[0]: r for r in advise_report.table_rows(report)}
     assert table["fp32/compile"][-1].startswith("no: slower than 4") and table["fp32/compile"][4] == "—"
 
@@ -260,3 +260,119 @@ def test_with_a_lora_every_configuration_draws_the_style_and_eager_adds_it_fused
     pick, _ = choose(rows, plan())
     assert pick["label"] == "fp32/eager/lora-fused"
     assert scan_rank(Candidate("fp32", "eager", lora_fused=True), {}.get) == (1, True)
+
+
+# -- the budget, on a fake clock: counted calls, no wall clock ----------------------------------------
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeRunners:
+    """Runners that cost fake seconds: `speeds[(precision, mode, cache family)]` per image, `compile_s` per
+    compile. Compiled modes draw eager fp32's image; a step cache draws a noisy one (outside the bound)."""
+
+    def __init__(self, clock, speeds, compile_s=27.0):
+        self.clock, self.speeds, self.compile_s = clock, speeds, compile_s
+        self.calls: list[str] = []
+
+    def get(self, c):
+        return FakeRunner(self, c.precision)
+
+
+class FakeRunner:
+    def __init__(self, owner, precision):
+        self.owner, self.precision = owner, precision
+
+    def check_mode(self, mode):
+        pass
+
+    def warm_bucket(self, bucket):
+        from types import SimpleNamespace
+
+        from engine.protocol import BucketState
+
+        self.owner.clock.t += self.owner.compile_s
+        self.owner.calls.append(f"compile {self.precision}/{bucket.mode}")
+        return SimpleNamespace(state=BucketState.WARM, error=None)
+
+    def generate(self, request):
+        import io
+        from types import SimpleNamespace
+
+        import numpy as np
+        from PIL import Image
+
+        cache = str(request.step_cache).split(":")[0]
+        s = self.owner.speeds.get((self.precision, str(request.mode), cache)) or \
+            self.owner.speeds[(self.precision, "eager", "none")]
+        self.owner.clock.t += s
+        self.owner.calls.append(f"{self.precision}/{request.mode}/{cache}")
+        rng = np.random.default_rng(request.seed)
+        pixels = rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)
+        if cache != "none" or self.precision != "fp32":
+            noise = np.random.default_rng(request.seed + 1).integers(0, 60, pixels.shape, dtype=np.uint8)
+            pixels = pixels + noise
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        return SimpleNamespace(timings=SimpleNamespace(total_ms=s * 1000), image_png=buf.getvalue(), cached_steps=())
+
+
+# 20 steps at 64x64 on this machine's CPU, roughly: compile fp32 1.7x, every step cache faster still but
+# outside the 25 dB floor, bf16 and int8 slower eagerly
+SPEEDS = {("fp32", "eager", "none"): 0.15, ("fp32", "compile", "none"): 0.088, ("fp32", "regional", "none"): 0.1,
+          ("bf16", "eager", "none"): 0.3, ("int8wo", "eager", "none"): 0.4, ("int8dq", "eager", "none"): 0.35,
+          **{(p, m, c): 0.07 for p in ("fp32", "bf16") for m in ("eager", "regional")
+             for c in ("first-block", "magcache", "taylorseer", "faster-cache", "pyramid")}}
+
+
+def run_advisor(minutes, progress=None):
+    from engine import settings
+    from engine.bench.advise import Advisor
+    from engine.protocol import Size
+
+    clock = FakeClock()
+    runners = FakeRunners(clock, SPEEDS)
+    p = AdvisePlan(preset=get_preset("tiny-shapes"), device="cpu", size=Size.parse("64x64"), steps=20,
+                   max_minutes=minutes, quality_samples=6, prompt="a red circle", cache_dir=settings.cache_dir())
+    report = Advisor(p, progress, clock=clock, runners=runners).run()
+    return report, runners, clock
+
+
+def test_a_faster_configuration_has_its_quality_checked_as_it_is_timed_and_is_picked():
+    """Dozens of fast step caches outside the bound must not use up the budget before compile's quality is
+    checked (the reference was picked at 1.00x when checks came after the scan)."""
+    report, runners, _ = run_advisor(5)
+    assert report["pick"]["label"] == "fp32/compile" and report["short_budget"] is None
+    compiled = runners.calls.index("compile fp32/compile")
+    # its quality samples (6 prompts) run right after its timing, before the next configuration is timed
+    after = runners.calls[compiled + 1:]
+    nxt = next(i for i, call in enumerate(after) if call not in ("fp32/compile/none", "fp32/eager/none"))
+    assert after[:nxt].count("fp32/compile/none") == 1 + 5 + 6  # warm-up, timed, quality samples
+    assert not any(r["precision"] == "fp16" for r in report["rows"])
+    assert any(s["what"] == "precision fp16" and "emulated" in s["why"] for s in report["skipped"])
+
+
+def test_the_shortest_budget_never_names_the_reference():
+    for minutes in (1, 0.75, 0.5, 0.25):
+        report, _, _ = run_advisor(minutes)
+        assert report["pick"] is None or report["pick"]["label"] != "fp32/eager", minutes
+
+
+def test_a_budget_too_short_for_any_check_says_so_and_what_budget_would_do():
+    seen = []
+    report, _, clock = run_advisor(0.25, progress=lambda done, total, desc: seen.append((done, total, desc)))
+    assert report["pick"] is None
+    short = report["short_budget"]
+    assert short["first"] == "fp32/regional" and short["needed_minutes"] > 0.25
+    text = advise_report.summary({**report, "elapsed_s": clock.t})
+    assert "budget" in text and f"{short['needed_minutes']:g} min" in text and "eager fp32 stays" not in text
+    # the bar moves with each configuration, not from one phase to the next
+    done = [d for d, _, _ in seen]
+    assert len(set(done)) >= 4 and done == sorted(done) and done[-1] == seen[-1][1] == 15
+    # with more time, the budget named reaches the pick
+    report, _, _ = run_advisor(short["needed_minutes"])
+    assert report["pick"] is not None and report["pick"]["label"] != "fp32/eager"

@@ -73,6 +73,10 @@ def test_make_run_prints_what_the_app_does_and_no_third_party_noise(cache_dir):
     assert any(READY.search(line) for line in before)
     (modules,) = [line for line in after if line.startswith("WEB-MODULES")]
     assert modules == "WEB-MODULES []", modules
+    # its start-up compiles are not on the board yet when it is ready: it must not say there are none
+    assert not any("no bucket compiling" in line for line in before)
+    # a worker's progress-bar lock outlived it: the resource tracker warned at every shutdown
+    assert not [line for line in after if "leaked semaphore" in line or "resource_tracker" in line], after
 
 
 def test_log_format_and_mcp_follow_their_environment_variables(monkeypatch):

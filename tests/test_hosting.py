@@ -97,14 +97,55 @@ def test_scheduler_runs_at_most_jobs_compiles_and_orders_by_demand():
     assert default.granted == [_b("compile", "64x64")]
     scheduler.want(default, _b("compile", "128x128"), startup_rank=1)  # start-up list, later
     scheduler.want(other, _b("regional", "64x64"), hits=3)  # requested 3 times
-    scheduler.want(other, _b("regional", "128x64"), waiting=1)  # a request waits for it: first
     assert len(scheduler.snapshot()["running"]) == 1
     scheduler.finished(default, _b("compile", "64x64"))
-    assert other.granted == [_b("regional", "128x64")]
-    scheduler.finished(other, _b("regional", "128x64"))
     assert other.granted[-1] == _b("regional", "64x64")  # most requested before the start-up list
     scheduler.finished(other, _b("regional", "64x64"))
     assert default.granted[-1] == _b("compile", "128x128")
+
+
+def test_a_compile_a_request_waits_for_starts_beside_background_compiles():
+    """A cold Compare's bucket was first in line but waited for the one slot a start-up compile held."""
+    scheduler = CompileScheduler(jobs=1)
+    default, other = FakeEngine("default"), FakeEngine("other")
+    scheduler.want(default, _b("compile", "64x64"), startup_rank=0)
+    scheduler.want(default, _b("compile", "128x128"), startup_rank=1)
+    scheduler.want(other, _b("regional", "128x64"), waiting=1)  # a request waits for it: at once
+    assert other.granted == [_b("regional", "128x64")]
+    running = scheduler.snapshot()["running"]
+    assert [(r["bucket"], r["waiting"]) for r in running] == [("compile:64x64", 0), ("regional:128x64", 1)]
+    scheduler.want(other, _b("regional", "256x256"), waiting=1)  # at most `jobs` waited-for compiles at once
+    assert len(other.granted) == 1
+    scheduler.finished(default, _b("compile", "64x64"))
+    assert len(other.granted) == 1 and default.granted == [_b("compile", "64x64")]
+    scheduler.finished(other, _b("regional", "128x64"))
+    assert other.granted[-1] == _b("regional", "256x256") and len(default.granted) == 1
+    scheduler.finished(other, _b("regional", "256x256"))
+    assert default.granted[-1] == _b("compile", "128x128")  # background compiles only in free slots
+
+
+def test_the_console_says_each_compile_that_ends_and_what_the_host_compiles_next(caplog):
+    import logging
+
+    from engine.protocol import BucketInfo, BucketState, EngineKey
+    from engine.serving.residency import Residency
+
+    key = EngineKey("tiny-shapes", "cpu", "fp32")
+    scheduler = CompileScheduler(jobs=1)
+    residency = Residency(None, None, scheduler, config_for=None, is_default=lambda k: True)
+    engine = FakeEngine(key)
+    done, failed, later = _b("compile", "64x64"), _b("compile", "128x128"), _b("compile", "256x256")
+    board = {done: BucketInfo(key, done, BucketState.WARM, compile_s=27.46),
+             failed: BucketInfo(key, failed, BucketState.FAILED, error="CppCompileError: g++ not found")}
+    engine.buckets = lambda: list(board.values())
+    for bucket in (done, failed, later):
+        scheduler.want(engine, bucket, startup_rank=0)
+    with caplog.at_level(logging.INFO, logger="engine.serving.compiles"):
+        residency.compile_finished(engine, done)
+        residency.compile_finished(engine, failed)
+    assert caplog.messages == [
+        f"compile:64x64 on {key}: compiled in 27.5 s; host: 1 compiling, 1 queued",
+        f"compile:128x128 on {key}: compile failed: CppCompileError: g++ not found; host: 1 compiling, 0 queued"]
 
 
 def test_an_evicted_engines_queued_compiles_are_dropped_and_its_slot_freed():

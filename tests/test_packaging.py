@@ -121,3 +121,19 @@ def test_the_installed_app_starts_outside_the_checkout(installed, tmp_path):
     assert presets.returncode == 0, presets.stderr[-3000:]
     names = {p["name"] for p in json.loads(presets.stdout)}
     assert {"tiny-shapes", "tiny-flux"} <= names
+
+
+def test_an_editable_install_builds_without_a_warning(tmp_path):
+    """`make setup` installs the checkout editable: setuptools printed a 10-line "Editable installation"
+    warning (its import-finder strategy) before the app's URL; a plain .pth file needs none."""
+    _copy_sources(tmp_path / "src")
+    build = ("import sys, setuptools.build_meta as b; "
+             "print(b.build_editable(sys.argv[1]))")
+    proc = subprocess.run([sys.executable, "-W", "default", "-c", build, str(tmp_path / "dist")],
+                          cwd=tmp_path / "src", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr and "Editable installation" not in proc.stderr, proc.stderr[-3000:]
+    (built,) = (tmp_path / "dist").glob("diffusion_showcase-*.whl")
+    names = zipfile.ZipFile(built).namelist()
+    pth = next(n for n in names if n.endswith(".pth"))
+    assert zipfile.ZipFile(built).read(pth).decode().strip() == str((tmp_path / "src").resolve())

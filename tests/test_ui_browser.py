@@ -486,7 +486,8 @@ def test_advisor_progress_is_in_view_while_it_runs_and_a_cancel_says_so(page):
         page.click("#advise-btn")
         status = page.locator("#a-status")
         # The child process reports its progress: the status line under the buttons (with the bar) says how far
-        page.wait_for_function("/Running · \\d+\\/\\d+: /.test(document.querySelector('#a-status').innerText)",
+        # seconds of its budget used (it moves with every configuration), what it measures, how many so far
+        page.wait_for_function("/Running · \\d+ s of \\d+ s: .+ · \\d+ timed/.test(document.querySelector('#a-status').innerText)",
                                timeout=120_000)
         assert in_view(page, status) and status.bounding_box()["height"] >= 30
         page.screenshot(path=str(ARTIFACTS / "ui_advisor_running_1280.png"))

@@ -140,7 +140,7 @@ def test_generate_streams_progress_and_returns_image_and_timings(handlers):
     # The bar starts at the first step, then moves at most every PROGRESS_EVERY_S (the result ends it).
     assert steps_seen[0] == (1, 4) and steps_seen == sorted(set(steps_seen)) and steps_seen[-1] <= (4, 4)
     plot, stats, summary = handlers.render_run(timings)
-    assert list(plot.dropna()["step"]) == [1, 2, 3, 4]
+    assert list(plot["value"].dropna()["step"]) == [1, 2, 3, 4] and plot["x_lim"] == [1, 4]
     assert "seed 7" in summary and "peak memory" in summary
     table = dict(stats.values.tolist())
     assert set(table) >= {"encode", "denoise", "decode", "total", "first step / median step", "it/s", "bucket",
@@ -152,7 +152,7 @@ def test_partial_results_render_while_running(handlers):
     partial = {"running": True, "engine": "tiny-flux@cpu/fp32", "mode": "eager", "bucket": "64x64", "steps": 4,
                "timings": {"step_ms": [5.0, 4.0]}}
     plot, stats, summary = handlers.render_run(partial)
-    assert len(plot.dropna()) == 2 and "step 2 of 4" in stats.values.tolist()[1][1]
+    assert len(plot["value"].dropna()) == 2 and "step 2 of 4" in stats.values.tolist()[1][1]
     assert summary.startswith("**Running**") and "step 2 of 4" in summary
 
 
@@ -398,7 +398,7 @@ def test_compare_runs_each_configuration_and_builds_the_speedup_table(handlers):
     figure = payload["results"][1]["speedup_figure"]
     assert figure["images"] == payload["timing"]["rounds"] == len(payload["results"][1]["image_ms"])
     assert payload["speedup"][1]["speedup_total"] == figure["speedup"]
-    plot, speed, costs, cards = handlers.render_compare(payload, thumbnails)
+    plot, speed, costs, cards, legend = handlers.render_compare(payload, thumbnails)
     assert list(speed["× vs eager fp32"])[1] == figure["text"] and _html_escape(figure["text"]) in cards
     assert len(thumbnails) == 3 and cards.count('class="c-heat"') == 1  # the difference beside the image
     assert set(plot["value"]["config"]) == set(configs) and len(plot["value"]) == 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gradio as gr
 import pytest
 
-from ui import views
+from ui import advisor_views, views
 from ui.compare import CompareHandlers
 from ui.generate import GenerateHandlers
 
@@ -26,9 +26,31 @@ def test_the_generate_plot_is_numeric_from_its_first_value(result):
     # The browser builds the plot's spec from the first value it gets (the empty partial) and only swaps
     # the data afterwards: that first value must already type step and step_ms as numbers.
     plot, _, _ = GenerateHandlers.render_run(None, result)
-    types = plot_types(plot, color="steps")
+    types = plot_types(plot["value"], color="steps")
     assert types["step"] == "quantitative" and types["step_ms"] == "quantitative"
     assert types["steps"] == "nominal"
+
+
+@pytest.mark.parametrize("result, axis", [
+    ({"running": True, "engine": "e", "steps": 8, "timings": {"step_ms": []}}, [1, 8]),  # the first partial
+    ({"engine": "e", "steps": 1, "timings": {"step_ms": [3.0]}}, [1, 2]),
+])
+def test_the_generate_plot_spans_the_runs_steps_from_its_first_value(result, axis):
+    """A first, empty partial drew a one-value axis ticked "1.000000"."""
+    plot, _, _ = GenerateHandlers.render_run(None, result)
+    assert plot["x_lim"] == axis
+    assert plot["y_lim"] == ([0, 1] if not result["timings"]["step_ms"] else None)
+
+
+def test_every_series_of_a_full_compare_has_its_own_colour_and_legend_entry():
+    """The legend repeated eager fp32's colour from the 7th series on, and its last entries were cut."""
+    configs = [f"cpu/{p}/eager/{c}" for p in ("fp32", "bf16", "int8wo") for c in ("first-block:0.2", "magcache:0.06")]
+    names = ["cpu/fp32/eager"] + [n for c in configs for n in (c, c + views.CACHED_SUFFIX)]
+    colors = views.series_colors(names)
+    assert len(set(colors.values())) == len(names) == 13
+    assert colors[configs[0] + views.CACHED_SUFFIX] == views.tint(colors[configs[0]])  # its own hue, lighter
+    legend = views.legend_html(colors)
+    assert legend.count('class="legend-item"') == 13 and "cpu/int8wo/eager/magcache:0.06 · cached" in legend
 
 
 def test_cached_steps_are_their_own_series():
@@ -84,7 +106,7 @@ def test_compare_adds_the_reference_and_prices_every_configuration(handlers):
     assert rows["cpu/fp32/eager (reference)"][2] == "1.00×"
     assert rows["cpu/bf16/eager"][2].endswith("×") and "worst of 4" in rows["cpu/bf16/eager"][5]
     assert "prompts)" in rows["cpu/bf16/eager"][6]
-    plot, price, costs, cards = handlers.render_compare(payload, thumbnails)
+    plot, price, costs, cards = handlers.render_compare(payload, thumbnails)[:4]
     # two images, and beside bf16's the heat map of its difference to the reference's
     assert cards.count('class="c-card"') == 2 and cards.count("data:image/png;base64,") == 3
     assert cards.count('class="c-heat"') == 1
@@ -118,7 +140,7 @@ def test_compare_prices_a_step_cache_and_int8_against_the_reference(handlers):
     n = len(cached["cached_steps"])
     assert rows["cpu/fp32/eager/taylorseer:3:2"][4] == f"{8 - n} / {n}"
     assert rows["cpu/fp32/eager (reference)"][4] == "8 / 0"
-    plot, _, _, cards = handlers.render_compare(payload, thumbnails)
+    plot, _, _, cards = handlers.render_compare(payload, thumbnails)[:4]
     assert "cpu/fp32/eager/taylorseer:3:2 · cached" in set(plot["value"]["config"])  # cached steps: own series
     assert f"steps computed / cached: {8 - n} / {n}" in cards and cards.count("data:image/png;base64,") == 7
 
@@ -132,7 +154,7 @@ def test_every_generate_plot_value_names_both_series_first(result):
     # The browser fixes the plot's colours from the series in the value it builds the plot with: a series it
     # does not see then is drawn without a stroke (an empty line), so each value names both, without a point.
     plot, _, _ = GenerateHandlers.render_run(None, result)
-    value = gr.LinePlot(x="step", y="step_ms", color="steps").postprocess(plot)
+    value = gr.LinePlot(x="step", y="step_ms", color="steps").postprocess(plot["value"])
     assert [row[2] for row in value.data[:2]] == [views.COMPUTED, views.CACHED]
     assert [row[1] for row in value.data[:2]] == [None, None]  # not drawn: JSON null
     steps = (result or {}).get("timings", {}).get("step_ms", [])
@@ -181,18 +203,39 @@ def test_the_history_keeps_the_last_runs_newest_first_with_their_figures():
                        f"seed {number - 1} · 12.5 ms")
 
 
+def d3_ticks(low: float, high: float, count: int) -> list[float]:
+    """The tick values Vega draws (d3-array's ticks: a step of 1, 2 or 5 times a power of ten)."""
+    import math
+
+    raw = (high - low) / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    first = math.ceil(low / step)
+    return [i * step for i in range(first, math.floor(high / step) + 1)]
+
+
+def test_the_frontiers_time_axis_never_repeats_a_tick():
+    """One point (a short run) made an axis whose ".3~f" ticks repeated; at 3 significant digits over the
+    padded span every tick reads differently (15 ticks: the plot's half-page width)."""
+    for seconds in (0.0512, 0.088, 0.105, 0.15, 0.3, 0.999, 1.05, 2.4):
+        for values in ([seconds], [seconds, seconds * 1.01]):
+            low, high = advisor_views.padded_limits(values, min_share=advisor_views.TIME_AXIS_SHARE)
+            labels = [f"{t:.3g}" for t in d3_ticks(low, high, 15)]
+            assert len(labels) >= 3 and len(set(labels)) == len(labels), (values, labels)
+
+
 def test_frontier_axes_are_padded_and_the_frontier_is_named():
-    assert views.padded_limits([93.75, 93.75]) == [89.0625, 98.4375]  # one value: not a zero-width axis
-    assert views.padded_limits([0.1, 0.3]) == [0.08, 0.32]
-    assert views.padded_limits([]) is None
+    assert advisor_views.padded_limits([93.75, 93.75]) == [89.0625, 98.4375]  # one value: not a zero-width axis
+    assert advisor_views.padded_limits([0.1, 0.3]) == [0.08, 0.32]
+    assert advisor_views.padded_limits([]) is None
     rows = [{"label": "fp32/eager", "s_per_image": 0.30, "fidelity": 1.0, "eligible": True},
             {"label": "bf16/eager", "s_per_image": 0.20, "fidelity": 0.9, "eligible": True},
             {"label": "bf16/compile", "s_per_image": 0.25, "fidelity": 0.8, "eligible": False}]
-    caption = views.frontier_caption({"rows": rows, "pick": {"label": "bf16/eager"}})
+    caption = advisor_views.frontier_caption({"rows": rows, "pick": {"label": "bf16/eager"}})
     assert caption == ("3 configurations drawn. Frontier, fastest first: bf16/eager (0.200 s, 90.0 %) → "
                        "fp32/eager (0.300 s, 100.0 %)")
     unscored = {"label": "int8wo/eager", "s_per_image": 0.31, "unscored": True}
-    caption = views.frontier_caption({"rows": [*rows, unscored], "pick": {"label": "bf16/eager"}})
+    caption = advisor_views.frontier_caption({"rows": [*rows, unscored], "pick": {"label": "bf16/eager"}})
     assert caption.startswith("3 of 4 measured configurations drawn (the others have no quality score).")
 
 

@@ -37,3 +37,38 @@ def test_a_workers_log_line_during_a_generate_carries_the_request_id(cache_dir, 
     serving = [line for line in worker if line["logger"] == "engine.worker.serving" and "serving" in line["message"]]
     assert [line["request_id"] for line in serving] == [result.request_id, other.request_id]
     assert {line["request_id"] for line in worker} <= {None, result.request_id, other.request_id}
+
+
+LEAK_PROBE = """
+import multiprocessing as mp, os, sys
+
+def child():
+    from engine.worker import logs
+    logs.thread_locks_for_progress_bars()  # what a worker does at start
+    import tqdm
+    for _ in tqdm.tqdm(range(2), file=open(os.devnull, "w")):
+        pass
+    os._exit(0)  # how a worker leaves (engine/worker/loop.py worker_main)
+
+if __name__ == "__main__":
+    p = mp.get_context("spawn").Process(target=child)
+    p.start()
+    p.join()
+"""
+
+
+def test_a_worker_leaves_no_semaphore_for_the_app_to_warn_about(tmp_path):
+    """tqdm's default lock is a multiprocessing semaphore: a worker ending with os._exit left it, and the app
+    printed "resource_tracker: There appear to be 1 leaked semaphore objects" at every shutdown."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "probe.py"
+    script.write_text(LEAK_PROBE)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "leaked semaphore" not in done.stderr

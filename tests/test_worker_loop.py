@@ -8,7 +8,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-from helpers import make_request, make_runner
+from helpers import make_request, make_runner, wait_until
 
 from engine.errors import InvalidRequest
 from engine.pipeline.faults import Faults
@@ -162,3 +162,71 @@ def test_the_app_and_the_cli_start_engines_with_the_test_hooks_off():
     assert Faults(EngineOptions().testing).should_fail_compile() is False
     with pytest.raises(InvalidRequest, match="fault injection is off"):
         Faults(EngineOptions().testing).arm(Fault.OOM)
+
+
+class _SlowBackgroundRunner(_Runner):
+    """Its compile of BACKGROUND runs until the test releases it (calling Python functions meanwhile, as a
+    compile does); every other bucket compiles at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.compiles: list[tuple[BucketKey, str]] = []
+
+    def step(self):  # a unit of work where a compile may be set aside (as dynamo's bytecode steps)
+        return self.release.wait(0.01)
+
+    def warm_bucket(self, bucket):
+        self.board.update(bucket, state=BucketState.COMPILING)
+        if bucket == BACKGROUND:
+            self.compiling.set()
+            try:
+                while not self.step():
+                    pass
+            except BaseException:
+                self.compiles.append((bucket, "set aside"))
+                raise
+        self.compiles.append((bucket, "compiled"))
+        return self.board.update(bucket, state=BucketState.WARM)
+
+
+BACKGROUND = BucketKey(Mode.REGIONAL, Size(128, 128))
+
+
+def test_a_request_waiting_for_a_compile_does_not_wait_behind_a_background_one():
+    """A cold Compare waited ~105 s: its bucket was first in the host's queue, but its engine compiles one
+    bucket at a time and was busy with the start-up warm list. The background compile is set aside (back in
+    the queue), the waited-for bucket compiles, the request runs warm, then the background compile resumes."""
+    ours, theirs = LocalConnection.pair()
+    runner = _SlowBackgroundRunner()
+    loop = WorkerLoop(theirs, runner)
+    received: queue.Queue = queue.Queue()
+
+    def read():
+        while True:
+            try:
+                message = ours.recv()
+            except EOFError:
+                return
+            if isinstance(message, CompileWanted):
+                ours.send(CompileGranted(message.bucket))
+            received.put(message)
+
+    threading.Thread(target=read, daemon=True).start()
+    serving = threading.Thread(target=loop.run, daemon=True)
+    serving.start()
+    try:
+        ours.send(Warm(BACKGROUND))
+        assert runner.compiling.wait(30)
+        ours.send(Generate(make_request(mode="regional", on_cold="wait")))
+        result = _next_result(received)  # without the set-aside: no result until the test releases the compile
+        assert result.warm and runner.ran_at == [BucketState.WARM]
+        assert runner.compiles[:2] == [(BACKGROUND, "set aside"), (REGIONAL, "compiled")]
+        assert runner.board.get(BACKGROUND).state in (BucketState.QUEUED, BucketState.COMPILING)
+        runner.release.set()
+        wait_until(lambda: runner.compiles[-1] == (BACKGROUND, "compiled"), timeout=30,
+                   message="the background compile set aside never ran again")
+    finally:
+        runner.release.set()
+        ours.send(Shutdown())
+        ours.close()
+        serving.join(10)

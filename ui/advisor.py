@@ -22,7 +22,7 @@ from engine.bench.advise_report import COLUMNS, table_rows
 from engine.bench.advise_report import summary as advice_summary
 from engine.protocol import parse_lora
 from engine.settings import pythonpath
-from ui import views
+from ui import advisor_views, views
 from ui.common import ADVISOR_QUEUE, FAST, HandlerBase, to_gradio_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +116,8 @@ class AdvisorHandlers(HandlerBase):
             for message in messages:
                 if "progress" in message:
                     progress((message["progress"], message["total"]), desc=f"advisor: {message['desc']}")
-                    yield gr.skip(), gr.skip(), running(f"{message['progress']}/{message['total']}: {message['desc']}")
+                    yield gr.skip(), gr.skip(), running(f"{message['progress']} s of {message['total']} s: "
+                                                        f"{message['desc']}")
                 elif "result" in message:
                     result = message["result"]
             child.wait()
@@ -132,7 +133,7 @@ class AdvisorHandlers(HandlerBase):
             yield gr.skip(), gr.skip(), f"**Failed:** {failure}"
             raise gr.Error(failure, title="Advisor failed")
         done = f"**Done** in {result.get('elapsed_s', 0):.0f} s: the pick and every measured configuration are below."
-        yield advice_summary(result) + "\n\n" + views.frontier_caption(result), result, done
+        yield advice_summary(result) + "\n\n" + advisor_views.frontier_caption(result), result, done
 
     def advise_ended(self, status: str | None):
         """After the advisor's event, however it ended: a status still "running" means Cancel closed it."""
@@ -173,10 +174,12 @@ class AdvisorHandlers(HandlerBase):
     def render_advice(self, result: dict | None):
         """The frontier plot, the table and the apply button's state."""
         rows = table_rows(result)
-        frame = pd.DataFrame(views.advisor_points(result), columns=views.ADVISOR_POINT_COLUMNS)
+        frame = pd.DataFrame(advisor_views.advisor_points(result), columns=advisor_views.ADVISOR_POINT_COLUMNS)
         frame = frame.astype({"s_per_image": "float64", "quality": "float64", "configuration": "string",
                               "verdict": "string"})
-        x_lim, y_lim = views.padded_limits(frame["s_per_image"]), views.padded_limits(frame["quality"])
+        # x ticks carry 3 significant digits: a span of at least 20 % of the time keeps them distinct
+        x_lim = advisor_views.padded_limits(frame["s_per_image"], min_share=advisor_views.TIME_AXIS_SHARE)
+        y_lim = advisor_views.padded_limits(frame["quality"])
         plot = gr.update(value=frame, x_lim=x_lim, y_lim=y_lim)
         table = pd.DataFrame(rows, columns=COLUMNS)
         pick = (result or {}).get("pick")
@@ -236,12 +239,12 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
             summary = gr.Markdown(elem_id="a-summary")
             frontier = gr.ScatterPlot(x="s_per_image", y="quality", color="verdict", title="Speed–quality frontier",
                                       x_title="s per image (lower is faster)", y_title="fidelity % / PSNR dB",
-                                      color_title="", x_axis_format=".3~f", y_axis_format=".4~r",
+                                      color_title="", x_axis_format=".3~r", y_axis_format=".4~r",
                                       tooltip=["configuration", "s_per_image", "quality", "verdict"], height=340,
                                       elem_id="a-frontier")
         cards = gr.HTML(elem_id="a-cards", label="Each configuration: its image, eager fp32's, the difference")
         table = gr.Dataframe(headers=COLUMNS, interactive=False, wrap=True, label="Every configuration",
-                             column_widths=views.ADVISOR_WIDTHS, elem_id="a-table")
+                             column_widths=advisor_views.ADVISOR_WIDTHS, elem_id="a-table")
         with gr.Accordion("Advisor JSON (also saved under the cache folder)", open=False):
             result = gr.JSON(elem_id="a-json")
 

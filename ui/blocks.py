@@ -47,6 +47,29 @@ CSS = """
 #a-cards img { width: 100%; image-rendering: pixelated; }
 #c-cards .c-card-tag, #c-cards .c-note { color: var(--body-text-color-subdued); font-size: 0.9em; }
 #c-cards .c-card-error { color: var(--error-text-color); }
+/* The A/B slider's two layers fill the same box (Gradio sized them 500 px tall, one centred in the 280 px
+   frame, one at its top: identical images looked different). */
+#c-ab .slider-wrap { height: 100%; }
+#c-ab .slider-wrap img { position: absolute; inset: 0; width: 100%; height: 100%; max-height: none;
+  object-fit: contain; margin: 0; image-rendering: pixelated; }
+/* Compare's legend is HTML under the plot, wrapping (Vega's one row of entries was cut at the edge). */
+#c-plot g.role-legend { display: none; }
+#c-plot-legend .legend { display: flex; flex-wrap: wrap; gap: 4px 18px; font-size: 0.9em; }
+#c-plot-legend .swatch { display: inline-block; width: 18px; height: 4px; margin-right: 6px; vertical-align: middle; }
+/* Compare's price table in the page's font: a configuration's label fits its column on one line. */
+#c-speedup [role=gridcell], #c-speedup [role=columnheader] { font-family: var(--font); font-variant-numeric: tabular-nums; }
+/* Words stay whole in the System tab's tables (a link or a path may still break anywhere). */
+#system td, #system th { overflow-wrap: normal; word-break: normal; hyphens: none; }
+#system td a, #system td code { overflow-wrap: anywhere; }
+/* A phone: the prompt, Generate and the image first; the other settings follow. */
+@media (max-width: 767px) {
+  #gen-row { flex-direction: column; }
+  #gen-controls, #gen-output { display: contents; }
+  #gen-controls > .form:has(#prompt) { order: -4; }  /* Gradio wraps the textbox in a .form */
+  #gen-buttons { order: -3; }
+  #gen-image-row { order: -2; }
+  #run-summary { order: -1; }
+}
 """
 
 

@@ -255,10 +255,12 @@ class CompareHandlers(HandlerBase):
         if payload.get("done", True):
             series = list(dict.fromkeys(frame["config"]))
             frame, order = views.steps_as_labels(frame)
-            plot = gr.update(value=frame, colors_in_legend=series, color_map=views.series_colors(series), sort=order,
+            colors = views.series_colors(series)
+            plot = gr.update(value=frame, colors_in_legend=series, color_map=colors, sort=order,
                              y_aggregate="mean" if order else None)  # labelled steps: one value per step and series
+            legend = views.legend_html(colors)
         else:
-            plot = gr.skip()
+            plot = legend = gr.skip()
         price = pd.DataFrame(views.price_rows(results), columns=views.PRICE_COLUMNS)
         costs = pd.DataFrame(views.cost_rows(results), columns=views.COST_COLUMNS)
         thumbnails = thumbnails or []
@@ -268,7 +270,7 @@ class CompareHandlers(HandlerBase):
             return thumbnails[i] if i is not None and i < len(thumbnails) else None
 
         return plot, price, costs, views.compare_cards_html(results, [uri(r, "image_index") for r in results],
-                                                            heatmaps=[uri(r, "heatmap_index") for r in results])
+                                                            heatmaps=[uri(r, "heatmap_index") for r in results]), legend
 
 
 class Comparison:
@@ -620,7 +622,7 @@ class ComparePage:
     def results(self) -> None:
         self.cards = gr.HTML(elem_id="c-cards", label="Each configuration")
         self.ab_choice, self.ab_slider = compare_ab.add()
-        self.speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True,
+        self.speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True, max_height=1000,
                                   column_widths=views.PRICE_WIDTHS, label="Price of each configuration",
                                   elem_id="c-speedup")
         gr.Markdown("s / image: median of the configuration's timed images; × vs eager fp32: the median of the "
@@ -634,6 +636,7 @@ class ComparePage:
         # Each the page's full width: the legend names every series, no costs header breaks inside a word.
         self.plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
                                 x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot")
+        self.legend = gr.HTML(elem_id="c-plot-legend")  # Vega's own legend is hidden (ui/blocks.py CSS)
         self.costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
                                   column_widths=COST_WIDTHS, label="Compile and warm-up costs", elem_id="c-costs")
         with gr.Accordion("Images at full size", open=False):
@@ -666,6 +669,6 @@ class ComparePage:
         # Not the gallery as an input: Gradio would read its image files back from the shared upload folder,
         # where another process saving an identical image (same content hash, same path) can leave one
         # half-written.
-        results.change(h.render_compare, [results, self.thumbnails], [self.plot, self.speed, self.costs, self.cards],
-                       **FAST)
+        results.change(h.render_compare, [results, self.thumbnails],
+                       [self.plot, self.speed, self.costs, self.cards, self.legend], **FAST)
         compare_ab.wire(self.ab_choice, self.ab_slider, results, self.thumbnails)

@@ -49,8 +49,10 @@ def image_of(uri: str) -> Image.Image:
 def add() -> tuple[gr.Dropdown, gr.ImageSlider]:
     """The picker and the slider (under the cards); `wire` fills them from a comparison's results."""
     with gr.Row(equal_height=True):
+        # allow_custom_value: the images' event can read the picker between its new choices and its new value
+        # (Gradio then refused "run Compare first is not in the list of choices" in a toast)
         choice = gr.Dropdown([NONE_YET], value=NONE_YET, label="A/B: eager fp32 (left) against",
-                             elem_id="c-ab-choice", scale=1, min_width=200)
+                             elem_id="c-ab-choice", scale=1, min_width=200, allow_custom_value=True)
         slider = gr.ImageSlider(label="Drag the handle: eager fp32 | the configuration (card size)", type="pil",
                                 format="png",  # lossless: a lossy copy would add its own differences
                                 interactive=False, height=280, elem_id="c-ab", scale=2, min_width=240)

@@ -310,7 +310,11 @@ class GenerateHandlers(HandlerBase):
 
     def render_run(self, result: dict | None):
         """Per-step plot, stats table and summary line of one run (also of a partial, still-running one)."""
-        plot = views.step_frame(views.step_rows(result), views.STEP_COLUMNS, series=(views.COMPUTED, views.CACHED))
+        rows = views.step_rows(result)
+        frame = views.step_frame(rows, views.STEP_COLUMNS, series=(views.COMPUTED, views.CACHED))
+        # The x axis spans the run's steps from the start: a first, empty partial made a one-value axis
+        # ticked "1.000000" (and an empty y axis one at 0).
+        plot = gr.update(value=frame, x_lim=views.step_axis(result), y_lim=None if rows else [0, 1])
         stats = pd.DataFrame(views.stats_rows(result), columns=views.STATS_COLUMNS)
         return plot, stats, views.run_summary(result)
 
@@ -385,7 +389,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
     with gr.Tab("Generate", id="generate"):
         # Controls on the left; on a wide screen the output column (buttons, image, progress, plot, summary)
         # stays in view while they scroll (sticky, ui/blocks.py CSS); on a phone it follows them.
-        with gr.Row():
+        with gr.Row(elem_id="gen-row"):
             with gr.Column(scale=2, min_width=320, elem_id="gen-controls"):
                 page.controls()
             with gr.Column(scale=3, min_width=340, elem_id="gen-output"):
@@ -473,10 +477,10 @@ class GeneratePage:
                                              "LoRA cost, a fuse when the style changes)", elem_id="lora-fused")
 
     def outputs(self) -> None:
-        with gr.Row():
+        with gr.Row(elem_id="gen-buttons"):
             self.generate_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn")
             self.cancel_btn = gr.Button("Cancel", variant="stop", elem_id="cancel-btn")
-        with gr.Row(equal_height=True):
+        with gr.Row(equal_height=True, elem_id="gen-image-row"):
             self.image = gr.Image(label="Image", type="pil", format="png", interactive=False, height=300,
                                   elem_id="output-image", buttons=["download"], min_width=200)
             # Created empty; every value names both series first (views.step_frame says why).

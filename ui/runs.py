@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from engine.config.request import ImageRequest
 from engine.errors import Cancelled, EngineBusy
+from ui import waiting
 
 HEARTBEAT_S = 0.5  # about the longest a handler goes without a yield, i.e. without a chance to be closed
 POLL_S = 0.25  # how often a waiting run's progress text is refreshed
@@ -190,11 +191,13 @@ class _Watch:
         self.manager, self.run, self.key, self.bar, self.put = manager, run, key, bar, put
         self.engine = None
         self.stepping = self.answered = False
-        self.last_yield = time.monotonic()
+        self.since = self.last_yield = time.monotonic()
+        self.steps: int | None = None  # the run's steps, where the request names them (a Compare's bar)
         self.last_progress = 0.0
 
     def start(self, engine, spec: ImageRequest, ticket=None) -> None:
         self.engine = engine
+        self.steps = int(spec.steps) if str(spec.steps or "").isdigit() else None
         manager, run, put = self.manager, self.run, self.put
 
         def work() -> None:
@@ -210,19 +213,31 @@ class _Watch:
     def idle(self) -> bool:
         """No event for POLL_S: refresh the waiting text; True when a heartbeat is due."""
         if not self.stepping:
-            key = self.key
-            if not self.engine.ready.is_set():
-                desc = f"loading engine {key} (a new model, device or precision)…"
-            elif self.run.request_id is None:
-                desc = f"waiting for engine {key}…"
-            else:  # submitted: earlier requests run first, or it waits for its bucket's compile
-                desc = f"queued on {key} (earlier requests, or the bucket's compile with on_cold=wait)…"
+            desc, share = self.waiting()
             bar = self.bar
-            bar.progress((bar.offset, bar.grand_total) if bar.grand_total else 0, desc=bar.desc_prefix + desc)
+            if bar.grand_total:  # a Compare's bar: this image's share of it moves with the wait
+                done = bar.offset + (share or 0.0) * (self.steps or 0)
+                bar.progress((round(done, 1), bar.grand_total), desc=bar.desc_prefix + desc)
+            else:
+                bar.progress(share or 0.0, desc=bar.desc_prefix + desc)
         if time.monotonic() - self.last_yield >= HEARTBEAT_S:
             self.last_yield = time.monotonic()
             return True
         return False
+
+    def waiting(self) -> tuple[str, float | None]:
+        """What the run waits for before its first step, and the share of that wait done (an estimate from
+        what this host measured: loads, compiles of the mode)."""
+        key, waited = self.key, time.monotonic() - self.since
+        if not self.engine.ready.is_set():
+            loads = [row.get("load_s") for row in self.manager.status() if row.get("load_s")]
+            return waiting.loading_text(key, waited, loads)
+        if self.run.request_id is None:
+            return f"waiting for engine {key}…", None
+        scheduler = getattr(self.manager, "scheduler", None)
+        snapshot = scheduler.snapshot() if scheduler is not None else {}
+        compiling = waiting.compile_wait_text(key, snapshot, self.engine.buckets(), waited)
+        return compiling or (waiting.queued_text(key, self.engine.pending(), waited), None)
 
     def event(self, kind: str, payload):
         """The (kind, payload) to hand on; raises the run's error."""

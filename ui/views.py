@@ -6,6 +6,8 @@ rows come from the benchmark's own speedup_table, imported on first use.
 
 from __future__ import annotations
 
+import html
+
 import pandas as pd
 
 from engine.metrics import median
@@ -23,7 +25,11 @@ STEP_DTYPES = {"step": "int64", "step_ms": "float64", "steps": "string", "config
 COMPUTED, CACHED = "computed", "cached"
 SPEEDUP_COLUMNS = ["config", "median step", "total", "× step", "× total", "compile s", "warm-up s",
                    "break-even"]
-SERIES_PALETTE = ("#6366f1", "#f97316", "#10b981", "#ef4444", "#0ea5e9", "#a855f7")
+# Distinct hues for up to Compare's 7 configurations (and the rest of a longer list); a configuration's
+# cached steps are a light tint of its own colour (series_colors).
+SERIES_PALETTE = ("#6366f1", "#f97316", "#10b981", "#ef4444", "#0ea5e9", "#a855f7", "#ca8a04", "#db2777",
+                  "#0f766e", "#65a30d", "#475569", "#c026d3")
+CACHED_SUFFIX = " · cached"
 COST_COLUMNS = ["config", "state", "compile s", "warm-up s", "cache hits", "waited s", "error"]
 
 
@@ -67,6 +73,14 @@ def step_frame(rows: list[dict], columns: list[str], series: tuple[str, ...] = (
     anchors = [{columns[0]: 1, columns[1]: float("nan"), columns[2]: name} for name in series]
     frame = pd.DataFrame(anchors + rows, columns=columns)
     return frame.astype({c: STEP_DTYPES[c] for c in columns})
+
+
+def step_axis(result: dict | None) -> list[float] | None:
+    """The per-step plot's x range: step 1 to the run's steps (None: no run)."""
+    if not result:
+        return None
+    steps = result.get("steps") or len((result.get("timings") or {}).get("step_ms") or ())
+    return [1, max(2, int(steps or 0))]
 
 
 LABELLED_STEPS = 60  # up to this many steps a full-width plot labels each step; beyond, numeric ticks
@@ -359,7 +373,9 @@ FIDELITY_SEED = 7  # the bench's prompt-sampling seed: Compare scores the same p
 REFERENCE_TAG = "reference: eager fp32, no step cache"
 PRICE_COLUMNS = ["config", "s / image", "× vs eager fp32", "median step", "steps computed / cached",
                  "drift PSNR / max diff", "fidelity", "compile s", "warm-up s"]
-PRICE_WIDTHS = ["20%", "8%", "9%", "9%", "11%", "13%", "12%", "9%", "9%"]
+# The speedup (its spread, image count and load marks) gets the room it needs: at 1280x800 six rows fit
+# without the table's inner scroller. No header is narrower than its longest word.
+PRICE_WIDTHS = ["22%", "6%", "20%", "7%", "9%", "12%", "10%", "7%", "7%"]
 
 
 def config_label(device: str, precision: str, mode: str, cache: str = NO_CACHE, lora: str = "") -> str:
@@ -520,7 +536,28 @@ def compare_cards_html(results: list[dict], images: list[str | None], heatmaps: 
 
 
 def series_colors(names: list[str]) -> dict[str, str]:
-    return {name: SERIES_PALETTE[i % len(SERIES_PALETTE)] for i, name in enumerate(names)}
+    """Each series its colour: a configuration the next hue, its cached steps (" · cached") a tint of its own."""
+    colors: dict[str, str] = {}
+    bases = list(dict.fromkeys(name.removesuffix(CACHED_SUFFIX) for name in names))
+    for i, base in enumerate(bases):
+        colors[base] = SERIES_PALETTE[i % len(SERIES_PALETTE)]
+    for name in names:
+        if name.endswith(CACHED_SUFFIX):
+            colors[name] = tint(colors[name.removesuffix(CACHED_SUFFIX)])
+    return {name: colors[name] for name in names}
+
+
+def tint(color: str, share: float = 0.55) -> str:
+    """`color` (#rrggbb) mixed with white: `share` of white."""
+    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * share):02x}" for c in rgb)
+
+
+def legend_html(colors: dict[str, str]) -> str:
+    """The plot's legend as HTML that wraps (Vega draws its bottom legend as one row, cut at the plot's edge)."""
+    items = "".join(f'<span class="legend-item"><span class="swatch" style="background:{color}"></span>'
+                    f'{html.escape(name)}</span>' for name, color in colors.items())
+    return f'<div class="legend">{items}</div>' if items else ""
 
 
 def compare_step_rows(results: list[dict]) -> list[dict]:
@@ -531,7 +568,7 @@ def compare_step_rows(results: list[dict]) -> list[dict]:
         for row in step_rows(r):
             config = r.get("config", "")
             rows.append({"step": row["step"], "step_ms": row["step_ms"],
-                         "config": f"{config} · cached" if row["steps"] == CACHED else config})
+                         "config": f"{config}{CACHED_SUFFIX}" if row["steps"] == CACHED else config})
     return rows
 
 
@@ -635,64 +672,3 @@ def cost_rows(results: list[dict]) -> list[list]:
             fmt_s(r.get("waited_s")), r.get("error") or "",
         ])
     return out
-
-
-# -- advisor ---------------------------------------------------------------------------------------
-ADVISOR_POINT_COLUMNS = ["configuration", "s_per_image", "quality", "verdict"]
-# No header narrower than its longest word; the reasons (last column) get the rest and wrap.
-ADVISOR_WIDTHS = ["19%", "8%", "9%", "12%", "8%", "9%", "8%", "27%"]
-IDENTICAL_PSNR_DB = 100.0  # where an image identical to eager fp32 is drawn on the PSNR axis
-
-
-def advisor_points(result: dict | None) -> list[dict]:
-    """The frontier's points: seconds per image against fidelity (%) on a model with a checker, else PSNR."""
-    if not result:
-        return []
-    pick = (result.get("pick") or {}).get("label")
-    points = []
-    for r in result.get("rows", []):
-        if r.get("error") or r.get("s_per_image") is None or r.get("unscored"):  # no quality measured: no point
-            continue
-        if r.get("fidelity") is not None:
-            q = r["fidelity"] * 100
-        else:
-            q = IDENTICAL_PSNR_DB if not r.get("drift_max_diff") else r.get("drift_psnr_db")
-        verdict = "pick" if r["label"] == pick else ("within bound" if r.get("eligible") else "outside bound")
-        points.append({"configuration": r["label"], "s_per_image": r["s_per_image"], "quality": q,
-                       "verdict": verdict})
-    return points
-
-
-def padded_limits(values) -> list[float] | None:
-    """An axis's [low, high] around its values with a tenth of their span (at least 5 % of their size) on
-    each side, so no point sits on the frame and a single value does not make a zero-width axis whose ticks
-    read "93.750000"."""
-    values = [float(v) for v in values if v == v]  # NaN != NaN
-    if not values:
-        return None
-    low, high = min(values), max(values)
-    pad = max((high - low) * 0.1, abs(high) * 0.05, 1e-3)
-    return [round(low - pad, 4), round(high + pad, 4)]
-
-
-def frontier(points: list[dict]) -> list[dict]:
-    """The points no other point beats on both speed and quality, fastest first."""
-    best, out = float("-inf"), []
-    for p in sorted(points, key=lambda p: (p["s_per_image"], -p["quality"])):
-        if p["quality"] > best:
-            out.append(p)
-            best = p["quality"]
-    return out
-
-
-def frontier_caption(result: dict | None) -> str:
-    """The frontier's configurations named under the plot (the plot marks them only by colour)."""
-    points = advisor_points(result)
-    if not points:
-        return ""
-    unit = "%" if any(r.get("fidelity") is not None for r in (result or {}).get("rows", [])) else "dB"
-    steps = [f"{p['configuration']} ({p['s_per_image']:.3f} s, {p['quality']:.1f} {unit})" for p in frontier(points)]
-    measured = len([r for r in (result or {}).get("rows", []) if not r.get("error")])
-    drawn = (f"{len(points)} configurations drawn" if measured == len(points) else
-             f"{len(points)} of {measured} measured configurations drawn (the others have no quality score)")
-    return f"{drawn}. Frontier, fastest first: " + " → ".join(steps)

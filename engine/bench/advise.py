@@ -9,10 +9,14 @@ for the most promising precisions while the budget lasts.
 
 Per configuration: seconds per image (median of a few timed images), drift of every quality sample
 against eager fp32 without a step cache at the same prompts and seeds (PSNR, max pixel difference) and,
-for a model with a pixel checker, fidelity (engine/bench/quality.py, the bench's own code). The pick is
-the fastest configuration within the bound; a step cache is picked only where it measured faster than
-the same configuration without it. Finally the pick and the reference are timed again, interleaved, so
-the printed speedup compares medians taken side by side.
+for a model with a pixel checker, fidelity (engine/bench/quality.py, the bench's own code). A configuration
+that times faster than the reference, and could still be the pick, has its quality checked right away, and
+one is timed only while its quality check and the final round still fit the budget after it: the checks
+get their share of the budget instead of what the scan leaves. The pick is the fastest configuration
+within the bound; a step cache is picked only where it measured faster than the same configuration
+without it. Finally the pick and the reference are timed again, interleaved, so the printed speedup
+compares medians taken side by side. A budget too short to check any faster configuration names no pick
+and the budget that would reach one (never the reference for lack of time).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from engine.bench.advise_choice import (
     final_summary,
     plan_grid,
     scan_rank,
+    short_budget,
     within_bound,
 )
 from engine.bench.advise_report import ABSENT, REFERENCE, markdown
@@ -93,11 +98,15 @@ class Advisor:
     of the fastest, then the verdict (choose, final round). Its state is the measurements so far."""
 
     def __init__(self, plan: AdvisePlan, on_progress: Callable[[int, int, str], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None):
+                 cancelled: Callable[[], bool] | None = None, *, clock: Callable[[], float] | None = None,
+                 runners=None):
+        """`clock` and `runners` (an object with `get(candidate)` -> a runner) stand in for the real ones in
+        tests: the budget is then counted on the fake clock."""
         from engine import devices
 
         self.plan, self.on_progress, self.is_cancelled = plan, on_progress, cancelled
-        self.started = plan.started or time.perf_counter()
+        self.clock = clock or time.perf_counter
+        self.started = plan.started or self.clock()
         self.deadline = self.started + plan.max_minutes * 60
         self.spec = devices.resolve_device(plan.device)
         devices.apply_environment(self.spec, plan.cache_dir)
@@ -107,9 +116,8 @@ class Advisor:
         self.prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=quality.PROMPT_SEED,
                                               fallback=plan.prompt)
         self.seeds = quality.image_seeds(len(self.prompts))
-        self.runners = _Runners(plan, self.spec)
-        self.total = len(self.grid) + 2  # the scan, the quality phase, the final round
-        self.done = 0
+        self.runners = runners or _Runners(plan, self.spec)
+        self.needed_s: dict[str, float] = {}  # cut for the budget: label -> the run length that fits it
         self.measured: dict[tuple, Measured] = {}  # config_key -> measurement, in the order measured
         self.compiles: dict[str, float] = {}  # mode -> the longest compile measured for it
         self.warm_modes: set[tuple] = set()
@@ -121,12 +129,14 @@ class Advisor:
         self.score_fastest()
         rows = [m.as_dict() for m in self.measured.values()]
         pick, rows = choose(rows, self.plan)
+        short = short_budget(pick, self.needed_s, self.plan.max_minutes)
         confirm = None
-        if pick is not None and not self.cancelled():
+        if short is not None:
+            pick = None  # the reference only because nothing faster could be checked in time: no pick
+        elif pick is not None and not self.cancelled():
             pick, confirm = self.final_round(rows)
-        self.done = self.total
-        self.progress("done")
-        return self.report(pick, confirm, rows)
+        self.progress("done", finished=True)
+        return {**self.report(pick, confirm, rows), "short_budget": short}
 
     def scan(self) -> None:
         """The speed of every configuration, in scan_rank's order, while the budget lasts."""
@@ -146,48 +156,67 @@ class Advisor:
     def scan_one(self, c: Candidate) -> None:
         if self.cancelled():
             return self.skip(c, "cancelled")
-        self.progress(c.label())
         cost = self.cost_s(c)
-        if self.measured and time.perf_counter() + cost + self.reserve() > self.deadline:
+        if self.measured and self.clock() + cost + self.reserve() > self.deadline:
+            self.needed_s.setdefault(c.label(), self.elapsed() + cost + self.reserve())
             return self.skip(c, f"time budget ({self.plan.max_minutes:g} min): about {cost:.0f} s more"
-                                f"{' with its compile' if self.needs_compile(c) else ''}")
+                                f"{' with its compile' if self.needs_compile(c) else ''} and its quality check")
+        self.progress(c.label() + (" (compiling)" if self.needs_compile(c) else ""))
         m = self.measured[config_key(c)] = Measured(c)
         self.attempt(self.time_it, c, m)
-        if config_key(c) == REF_KEY and not m.error:
-            self.attempt(self.score_it, c, m)
-        self.done += 1
+        if not m.error:
+            self.score_if_contender(m)
+
+    def score_if_contender(self, m: Measured) -> None:
+        """The reference's pictures at once (every drift compares with them); another configuration's
+        quality as soon as it is timed, if it could still be the pick."""
+        if config_key(m.candidate) == REF_KEY:
+            return self.attempt(self.score_it, m.candidate, m)
+        ref = self.measured.get(REF_KEY)
+        if ref is None or not ref.scored or ref.error or not self.speedup(m):
+            return
+        m.unscored = self.unscored_reason(m)
+        if m.unscored is None:
+            self.progress(f"quality of {m.candidate.label()} ({self.speedup(m):.2f}× eager fp32)")
+            self.attempt(self.score_it, m.candidate, m)
+        elif m.unscored.startswith("time budget"):
+            self.needed_s.setdefault(m.candidate.label(), self.elapsed() + self.score_s(m) + self.final_round_s())
 
     def score_fastest(self) -> None:
-        """Quality, fastest first, of what is faster than the reference, until FINALISTS are within the bound."""
+        """After the scan: quality, fastest first, of what is faster than the reference and was not checked
+        yet (what the scan's reserve leaves), until FINALISTS are within the bound."""
         ref = self.measured.get(REF_KEY)
         if ref is None or not ref.scored or ref.error:
-            self.done += 1
             return
-        ref_row, within = ref.as_dict(), 0
-        self.progress("quality of the fastest configurations")
         for m in sorted((m for m in self.measured.values() if self.speedup(m) and not m.error and not m.scored),
                         key=self.speedup, reverse=True):
-            m.unscored = self.unscored_reason(m, within)
+            m.unscored = self.unscored_reason(m)
             if m.unscored is None:
+                self.needed_s.pop(m.candidate.label(), None)
+                self.progress(f"quality of {m.candidate.label()} ({self.speedup(m):.2f}× eager fp32)")
                 self.attempt(self.score_it, m.candidate, m)
-                if m.scored and within_bound(m.as_dict(), ref_row, self.plan)[0]:
-                    within += 1
-        self.done += 1
 
-    def unscored_reason(self, m: Measured, within: int) -> str | None:
+    def within_faster(self, m: Measured) -> int:
+        """How many configurations already checked within the bound are faster than `m`."""
+        ref_row = self.measured[REF_KEY].as_dict()
+        return sum(1 for o in self.measured.values() if o is not m and o.scored and not o.error
+                   and (self.speedup(o) or 0) > (self.speedup(m) or 0)
+                   and within_bound(o.as_dict(), ref_row, self.plan)[0])
+
+    def unscored_reason(self, m: Measured) -> str | None:
         """Why `m`'s quality is not worth measuring (None: measure it)."""
         c = m.candidate
-        base = self.measured.get((c.precision, c.mode, "none", c.attention))
+        base = self.measured.get((c.precision, c.mode, "none", c.attention, c.lora_fused))
         if self.speedup(m) <= 1.0:
             return "no faster than eager fp32: quality not measured"
-        if within >= FINALISTS:
+        if self.within_faster(m) >= FINALISTS:
             return f"slower than {FINALISTS} configurations within the bound: quality not measured"
         if c.step_cache != "none" and base is not None and self.speedup(base) \
                 and self.speedup(m) <= self.speedup(base):
             return f"the step cache measured no faster than {base.candidate.label()}"
         if self.cancelled():
             return "cancelled"
-        if time.perf_counter() + len(self.prompts) * m.s_per_image * 1.2 + self.final_round_s() > self.deadline:
+        if self.clock() + self.score_s(m) + self.final_round_s() > self.deadline:
             return f"time budget ({self.plan.max_minutes:g} min): quality not measured"
         return None
 
@@ -207,7 +236,7 @@ class Advisor:
         plan = self.plan
         timing = PairedTiming(list(entries), reference=Candidate(**REFERENCE).label(),
                               min_rounds=min(MIN_FINAL_ROUNDS, plan.confirm_pairs), max_rounds=max(plan.confirm_pairs, 1),
-                              budget_s=max(0.0, self.deadline - time.perf_counter()))
+                              budget_s=max(0.0, self.deadline - self.clock()))
         # every entry is warm from the scan
         measure_round_robin(timing, lambda label, i: self.image_ms(entries[label], 500 + i), marks=current_marks)
         return timing
@@ -221,7 +250,7 @@ class Advisor:
             "quality_samples": len(self.prompts), "timing_images": plan.timing_images,
             "reference": REFERENCE, "lora": plan.lora.text(), "pick": pick, "confirm": confirm, "rows": rows,
             "skipped": self.skipped,
-            "elapsed_s": time.perf_counter() - self.started, "max_minutes": plan.max_minutes,
+            "elapsed_s": self.elapsed(), "max_minutes": plan.max_minutes,
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         }
 
@@ -254,11 +283,11 @@ class Advisor:
         m.cached_steps = sum(cached) / len(cached) if cached else None
 
     def compile(self, c: Candidate, m: Measured, runner) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         info = runner.warm_bucket(BucketKey(Mode(c.mode), self.plan.size))
         if info.state != BucketState.WARM:
             raise RuntimeError(info.error or f"bucket is {info.state.value}")
-        m.compile_s = time.perf_counter() - t0
+        m.compile_s = self.clock() - t0
         self.compiles[c.mode] = max(self.compiles.get(c.mode, 0.0), m.compile_s)
         self.warm_modes.add((c.precision, c.attention, c.mode))
 
@@ -321,11 +350,17 @@ class Advisor:
         return c.mode != "eager" and (c.precision, c.attention, c.mode) not in self.warm_modes
 
     def cost_s(self, c: Candidate) -> float:
-        """About how long timing `c` takes (its images, the reference's beside them, its compile)."""
+        """About how long timing `c` takes (its images, the reference's beside them, its compile) and then
+        checking its quality."""
         images = (1 + self.plan.timing_images) * self.estimate_s(c) \
             + self.plan.timing_images * (self.seconds(REF_KEY) or 0.0)
         compile_s = self.compiles.get(c.mode) or max(self.compiles.values(), default=DEFAULT_COMPILE_ESTIMATE_S)
-        return images * 1.2 + (compile_s if self.needs_compile(c) else 0.0)
+        return images * 1.2 + (compile_s if self.needs_compile(c) else 0.0) \
+            + len(self.prompts) * self.estimate_s(c) * 1.2
+
+    def score_s(self, m: Measured) -> float:
+        """About how long checking `m`'s quality takes."""
+        return len(self.prompts) * (m.s_per_image or self.estimate_s(m.candidate)) * 1.2
 
     def fastest_s(self) -> float | None:
         times = [m.s_per_image for m in self.measured.values() if m.s_per_image and not m.error]
@@ -336,21 +371,31 @@ class Advisor:
         return self.plan.confirm_pairs * ((self.seconds(REF_KEY) or 0.0) + FINALISTS * fastest) if fastest else 0.0
 
     def reserve(self) -> float:
-        """What the quality phase and the final round need at least, at the speeds measured so far."""
+        """Kept free while scanning: the final round, and one more quality check at the fastest speed so far
+        (the configuration now timed checks its own within its cost)."""
         fastest = self.fastest_s()
-        return 2 * len(self.prompts) * fastest + self.final_round_s() if fastest else 0.0
+        return len(self.prompts) * fastest * 1.2 + self.final_round_s() if fastest else 0.0
 
     # -- bookkeeping
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
     def cancelled(self) -> bool:
         return bool(self.is_cancelled and self.is_cancelled())
 
     def skip(self, c: Candidate, why: str) -> None:
         self.skipped.append({"what": c.label(), "why": why})
-        self.done += 1
 
-    def progress(self, desc: str) -> None:
-        if self.on_progress:
-            self.on_progress(self.done, self.total, desc)
+    def progress(self, desc: str, finished: bool = False) -> None:
+        """Seconds of the budget used (out of the budget): it moves with every configuration, whatever is
+        skipped at the end; the text counts what was timed and checked."""
+        if not self.on_progress:
+            return
+        budget = max(1, round(self.plan.max_minutes * 60))
+        timed = sum(1 for m in self.measured.values() if m.image_ms)
+        checked = sum(1 for m in self.measured.values() if m.scored)
+        done = budget if finished else min(budget - 1, max(0, round(self.elapsed())))
+        self.on_progress(done, budget, f"{desc} · {timed} timed, {checked} quality-checked")
 
 
 def advise(plan: AdvisePlan, on_progress: Callable[[int, int, str], None] | None = None,
@@ -429,7 +474,7 @@ def cmd_advise(args) -> int:
         if args.progress_json:
             print(json.dumps({"progress": done, "total": total, "desc": desc}), flush=True)
         else:
-            print(f"[{done}/{total}] {desc}", file=sys.stderr, flush=True)
+            print(f"[{done}/{total} s] {desc}", file=sys.stderr, flush=True)
 
     report = advise(plan, on_progress)
     report["threads"] = threads

@@ -7,6 +7,7 @@ the report out.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +154,8 @@ def _runnable_precisions(spec, skipped: list[dict]) -> list[str]:
     for name, row in precision_support(spec).items():
         if row["status"] == "refused":
             skipped.append({"what": f"precision {name}", "why": row["reason"]})
+        elif row.get("emulated"):
+            skipped.append({"what": f"precision {name}", "why": f"{row['emulated']}: not timed"})
         elif row["status"] == "downgraded":
             skipped.append({"what": f"precision {name}", "why": f"runs as {row['runs_as']} here (measured as that)"})
         else:
@@ -282,6 +285,21 @@ def choose(rows: list[dict], plan: AdvisePlan) -> tuple[dict | None, list[dict]]
         r["eligible"], r["why_not"] = ok, why
     eligible = [r for r in rows if r["eligible"]]
     return (max(eligible, key=lambda r: r["speedup"]) if eligible else None), rows
+
+
+def short_budget(pick: dict | None, needed_s: dict[str, float], max_minutes: float) -> dict | None:
+    """When the budget, not a measurement, would leave eager fp32 as the pick (or no pick): that verdict
+    instead, with the budget that would reach the first configuration cut for time; None otherwise.
+
+    `needed_s`: label -> the run's length (s) at which that configuration's timing or quality check fits.
+    The budget named is the one that reaches the first plain configuration (a precision and a mode: no step
+    cache, whose drift usually fails the bound, nor another attention backend) where one was cut."""
+    if (pick is not None and not is_reference(pick)) or not needed_s:
+        return None
+    plain = {label: s for label, s in needed_s.items() if label.count("/") == 1}
+    first, seconds = min((plain or needed_s).items(), key=lambda kv: kv[1])
+    minutes = max(max_minutes + 0.5, math.ceil(seconds / 30) / 2)  # the Advisor tab's slider moves by 0.5
+    return {"needed_minutes": minutes, "first": first, "cut": sorted(needed_s, key=needed_s.get)}
 
 
 def scan_rank(c: Candidate, seconds: Callable[[tuple], float | None]) -> tuple | None:

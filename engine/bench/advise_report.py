@@ -58,7 +58,10 @@ def summary(report: dict) -> str:
     parts = [f"**{report['preset']} on {report['device']}**, {report['size']}, {report['steps']} steps: "
              f"{len(report.get('rows', []))} configurations measured in {report['elapsed_s']:.0f} s, "
              f"{len(report.get('skipped', []))} skipped (listed in the table)."]
-    if pick is None:
+    short = report.get("short_budget")
+    if pick is None and short:
+        parts.append(short_budget_text(report, short))
+    elif pick is None:
         parts.append("No configuration within the bound: eager fp32 stays.")
     elif is_reference(pick):
         parts.append("**Pick: `fp32/eager`** — no configuration within the bound measured faster than eager fp32.")
@@ -74,6 +77,16 @@ def summary(report: dict) -> str:
     if report.get("saved"):
         parts.append(f"Saved to `{report['saved']}` (start the app with `--config-from` that file).")
     return "\n\n".join(parts)
+
+
+def short_budget_text(report: dict, short: dict) -> str:
+    """No pick because the budget ran out before any configuration faster than eager fp32 had its quality
+    checked: that, and the budget that would reach the first one cut."""
+    cut = short.get("cut") or [short["first"]]
+    return (f"**No pick: the budget ({report.get('max_minutes', 0):g} min) was too short** to check the quality "
+            f"of any configuration faster than eager fp32 ({len(cut)} cut for time, first `{short['first']}`). "
+            f"About **{short['needed_minutes']:g} min** would reach `{short['first']}`'s check. Nothing to "
+            "apply: Generate keeps its configuration.")
 
 
 def bound_text(bound: dict) -> list[str]:

@@ -8,6 +8,7 @@ rank shares the one device, and diffusers needs two adjustments to shard a model
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -99,11 +100,13 @@ def precision(requested: str) -> PrecisionPlan:
     if requested == Precision.FP16:
         # It runs (conv, GroupNorm, SDPA all have fp16 CPU kernels in torch >= 2.1) but most CPUs
         # have no fp16 arithmetic, so it is emulated and slow.
-        return make_plan(
+        plan = make_plan(
             Precision.FP16,
             None,
             "fp16 on CPU is emulated on most processors and usually slower than bf16 or fp32.",
         )
+        return dataclasses.replace(plan, emulated="fp16 on CPU is emulated (diffusers warns that fp16 pipelines "
+                                                  "cannot run on cpu), slower than fp32 and bf16")
     return make_plan(requested)
 
 

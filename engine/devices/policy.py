@@ -90,7 +90,8 @@ def precision_support(spec: DeviceSpec) -> dict[str, dict]:
             }
         else:
             status = "downgraded" if plan.downgraded else "ok"
-            table[precision] = {"status": status, "runs_as": plan.precision, "notices": list(plan.notices)}
+            table[precision] = {"status": status, "runs_as": plan.precision, "notices": list(plan.notices),
+                                **({"emulated": plan.emulated} if plan.emulated else {})}
     return table
 
 

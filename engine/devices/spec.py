@@ -55,6 +55,9 @@ class PrecisionPlan:
     notices: tuple[str, ...] = ()  # shown to users (e.g. a downgrade)
     requested: str = ""  # what the user asked for
     base: str = ""  # quantized precisions: the precision the weights load in before torchao quantizes them
+    # Runs, but only emulated and slower than the native precisions (why, for a user): served when asked,
+    # never timed by the advisor.
+    emulated: str = ""
 
     @property
     def downgraded(self) -> bool:

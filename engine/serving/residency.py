@@ -24,6 +24,8 @@ from engine.serving.scheduler import CompileScheduler
 from engine.worker.client import EngineClient, EngineEvents
 
 log = logging.getLogger(__name__)
+# A line per compile that ends, on the console at the app's default level (app.py sets it to INFO).
+compiles_log = logging.getLogger("engine.serving.compiles")
 
 RESTART_WINDOW_S = 60.0
 MAX_RESTARTS_IN_WINDOW = 3
@@ -205,6 +207,17 @@ class Residency(EngineEvents):
 
     def compile_finished(self, engine: EngineClient, bucket: BucketKey) -> None:
         self.scheduler.finished(engine, bucket)
+        info = next((b for b in engine.buckets() if b.bucket == bucket), None)
+        if info is None:
+            return
+        compiles_log.info("%s on %s: %s; host: %s", bucket, engine.key, compile_outcome(info),
+                          self.compile_counts())
+
+    def compile_counts(self) -> str:
+        """The host's compiles running (the next one granted already) and queued, as the Buckets tab shows
+        them once the engines have started what they were granted."""
+        snapshot = self.scheduler.snapshot()
+        return f"{len(snapshot['running'])} compiling, {len(snapshot['queued'])} queued"
 
     def engine_ready(self, engine: EngineClient) -> None:
         """Loaded: remember what it really costs, and keep the device within budget."""
@@ -299,3 +312,15 @@ class Residency(EngineEvents):
         for t in threads:
             t.join(CLOSE_TIMEOUT_S + 5)
         self.launcher.close()
+
+
+def compile_outcome(info) -> str:
+    """How a compile ended, as the console says it: warm in how long, failed and why, or back in the queue."""
+    state = str(info.state)
+    if state == "warm":
+        return f"compiled in {info.compile_s:.1f} s" if info.compile_s else "warm"
+    if state == "failed":
+        return f"compile failed: {info.error}"
+    if state == "queued":
+        return "compile set aside for a request waiting for another bucket; queued again"
+    return state

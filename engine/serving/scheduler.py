@@ -9,6 +9,10 @@ granted (`CompileGranted`); the scheduler picks by demand:
 3. then the start-up warm list of the default engine (in its configured order),
 4. then first come, first served.
 
+A bucket a request waits for never waits for a slot held by background compiles (warm-up, requested but
+not waited for): it starts at once beside them, up to `jobs` such compiles at a time. (Within one engine,
+which compiles one bucket at a time, the worker sets its background compile aside: engine/worker/loop.py.)
+
 An evicted or crashed engine's wanted compiles are dropped (`drop_engine`). The scheduler knows
 engines only by an opaque handle with a `grant_compile(bucket)` method, so it is tested without
 processes.
@@ -55,7 +59,7 @@ class CompileScheduler:
         self.jobs = jobs
         self._lock = threading.Lock()
         self._wanted: dict[tuple[int, BucketKey], _Wanted] = {}
-        self._running: dict[tuple[int, BucketKey], tuple[object, float]] = {}
+        self._running: dict[tuple[int, BucketKey], tuple[object, float, int]] = {}  # engine, since, waiting
         self._order = itertools.count()
         self.granted_total = 0
         self.finished_total = 0
@@ -99,10 +103,13 @@ class CompileScheduler:
     def _grant(self) -> None:
         grants = []
         with self._lock:
-            while len(self._running) < self.jobs and self._wanted:
+            while self._wanted:
                 key, entry = min(self._wanted.items(), key=lambda kv: kv[1].priority())
+                waited = sum(1 for _, _, waiting in self._running.values() if waiting)
+                if len(self._running) >= self.jobs and not (entry.waiting and waited < self.jobs):
+                    break
                 del self._wanted[key]
-                self._running[key] = (entry.engine, time.monotonic())
+                self._running[key] = (entry.engine, time.monotonic(), entry.waiting)
                 self.granted_total += 1
                 grants.append(entry)
         for entry in grants:
@@ -115,8 +122,8 @@ class CompileScheduler:
     def snapshot(self) -> dict:
         """For /status and the soak: what runs, what waits, in grant order."""
         with self._lock:
-            running = [{"engine": str(getattr(e, "key", e)), "bucket": str(k[1]),
-                        "running_s": round(time.monotonic() - t, 1)} for k, (e, t) in self._running.items()]
+            running = [{"engine": str(getattr(e, "key", e)), "bucket": str(k[1]), "waiting": w,
+                        "running_s": round(time.monotonic() - t, 1)} for k, (e, t, w) in self._running.items()]
             queued = sorted(self._wanted.values(), key=lambda w: w.priority())
             return {
                 "jobs": self.jobs,

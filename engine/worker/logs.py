@@ -16,6 +16,7 @@ import contextvars
 import json
 import logging
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -76,6 +77,16 @@ def quiet_third_party() -> None:
         by_logger.setdefault(name, []).append(words)
     for name, words in by_logger.items():
         logging.getLogger(name).addFilter(_Harmless(words))
+
+
+def thread_locks_for_progress_bars() -> None:
+    """tqdm's progress bars (diffusers' loading and step bars) lock with a multiprocessing semaphore by
+    default. A worker leaves with os._exit, so that semaphore is never released and the app's resource
+    tracker warned at shutdown ("There appear to be 1 leaked semaphore objects"). A worker's bars are
+    written by its own threads only: a thread lock serves them."""
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
 
 
 @contextmanager

@@ -292,20 +292,23 @@ class WorkerLoop:
     # -- warm-up ---------------------------------------------------------------------------------
     def _warm_forever(self) -> None:
         lower_this_thread_priority()
-        if self.compile_steps_aside and settings.compile_yields():
-            sys.setprofile(self.compile_yield.hook)  # this thread only
+        self.compile_yield.yields = settings.compile_yields()
         while not self._stop.is_set():
             bucket = self._granted.get()
             if bucket is None or self._stop.is_set():
                 return
             with self._lock:
                 demand = self._bucket_demand(bucket)
-                wanted, demand.asked, demand.startup_rank = demand.asked, False, None
+                wanted, demand.asked, startup_rank, demand.startup_rank = demand.asked, False, demand.startup_rank, None
             try:
-                if wanted and not self._is_warm(bucket):
-                    self._warm(bucket)
+                with self.compile_yield.compiling_of(bucket, self.compile_steps_aside) as compile_run:
+                    if wanted and not self._is_warm(bucket):
+                        self._warm(bucket)
             finally:
                 self.send(CompileFinished(bucket))
+            if compile_run.set_aside:  # back in the queue (the console says so), behind the waited-for compile
+                self.runner.board.update(bucket, state=BucketState.QUEUED, error=None)
+                self.want(bucket, startup_rank=startup_rank)
 
     def _warm(self, bucket: BucketKey) -> None:
         self.runner.warm_bucket(bucket)
@@ -424,6 +427,8 @@ class WorkerLoop:
             if info is not None and info.state == BucketState.FAILED:
                 return  # it already failed: the runner serves eagerly with the reason
             self.want(bucket, retry_failed=False)
+            if self.compile_steps_aside:  # one compile at a time here: a background one is stopped
+                self.compile_yield.set_aside_unless_waited(bucket, lambda b: self._bucket_demand(b).waiting > 0)
             event = self.runner.board.event(bucket)
             while not event.wait(0.2):
                 if cancel.is_set() or self._stop.is_set():
@@ -530,6 +535,7 @@ def _serve_engine(config, conn, env: dict[str, str]) -> None:
         pass
     logs.configure(settings.log_level(), process=f"worker {config.key}",
                    prefix=f"[worker {config.key}] ")
+    logs.thread_locks_for_progress_bars()
     made: dict = {}
 
     def load() -> WorkerLoop:

@@ -101,6 +101,40 @@ def fx_tracing() -> bool:
     return bool(fx is not None and getattr(fx, "_is_fx_tracing_flag", False))
 
 
+# Where a compile may be stopped: at the call of a unit of work, repeated through a compile (dynamo's
+# bytecode steps, an fx node, inductor's code generation and C++ builds). Raising at an arbitrary call
+# could land in a context manager's __exit__ or a finally block's call and leave a lock held or a patch
+# in place; raised as one of these starts, it unwinds like that call failing.
+SET_ASIDE_AT = frozenset({"step", "run_node", "codegen", "build", "compile_fx_inner", "fx_codegen_and_compile"})
+
+
+class CompileSetAside(BaseException):
+    """Raised in the compile thread to stop a background compile that a request is waiting behind (the
+    bucket goes back to the queue). A BaseException: the compiler's and the warm-up's `except Exception`
+    must not take it for a failed compile."""
+
+
+class _CompileRun:
+    """One granted bucket on the compile thread: which bucket it works on, the hook on the thread (again: a
+    set-aside unsets it), and whether its compile was set aside (CompileSetAside is taken here)."""
+
+    def __init__(self, owner: YieldToRequests, bucket, hooked: bool):
+        self.owner, self.bucket, self.hooked, self.set_aside = owner, bucket, hooked, False
+
+    def __enter__(self) -> _CompileRun:
+        self.owner.compiling = self.bucket
+        if self.hooked:
+            sys.setprofile(self.owner.hook)  # this thread only
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        self.owner.compiling = None
+        if self.owner._set_aside == self.bucket:  # asked as it ended: not for a later compile of the bucket
+            self.owner._set_aside = None
+        self.set_aside = kind is not None and issubclass(kind, CompileSetAside)
+        return self.set_aside
+
+
 class YieldToRequests:
     """Lets the compile thread step aside while a request runs in the same worker.
 
@@ -114,10 +148,26 @@ class YieldToRequests:
 
     def __init__(self, max_wait_s: float = 0.5):
         self.max_wait_s = max_wait_s
+        self.yields = True  # False: the hook only sets compiles aside
         self._idle = threading.Event()
         self._idle.set()
         self._request = 0  # the running (or last) request's number
         self._gave_up_on = -1  # the request whose wait ran out: the compile thread runs beside it
+        self.compiling = None  # the bucket the compile thread works on (set by it)
+        self._set_aside = None  # the bucket whose compile is to stop at the next function call
+
+    def set_aside_unless_waited(self, waited, is_waited_for) -> None:
+        """A request waits for `waited`'s compile: stop the compile running now (at the compile thread's next
+        unit of work, if it is still the one running then) unless it is that one or another request waits
+        for it too (`is_waited_for(bucket)`). An engine compiles one bucket at a time, so a background
+        compile (the start-up warm list, a warm-up) would hold the waited one back for its whole length."""
+        current = self.compiling
+        if current is not None and current != waited and not is_waited_for(current):
+            self._set_aside = current
+
+    def compiling_of(self, bucket, hooked: bool) -> _CompileRun:
+        """The compile thread's block for one granted bucket (`hooked`: with this hook on the thread)."""
+        return _CompileRun(self, bucket, hooked)
 
     def request_started(self) -> None:
         self._request += 1
@@ -137,7 +187,15 @@ class YieldToRequests:
         return self._idle.wait(timeout)
 
     def hook(self, frame, event, arg) -> None:
-        if event != "call" or self._idle.is_set() or self._gave_up_on == self._request or fx_tracing():
+        if event != "call":
+            return
+        if self._set_aside is not None and self._set_aside == self.compiling \
+                and frame.f_code.co_name in SET_ASIDE_AT and not fx_tracing():
+            self._set_aside = None
+            # Raised from a profile function, it propagates in the called frame, as if that function had
+            # failed (and unsets the hook: the warm-up thread installs it again before its next compile).
+            raise CompileSetAside(f"compile of {self.compiling} set aside for a request waiting for another")
+        if not self.yields or self._idle.is_set() or self._gave_up_on == self._request or fx_tracing():
             return
         request = self._request
         if not self._idle.wait(self.max_wait_s):
