@@ -325,6 +325,8 @@ def check_flags(parser, args) -> DefaultEngine:
 
         if (why := missing()) is not None:
             parser.error(f"argument --mcp: {why}")
+    if args.api_keys:
+        check_api_keys(parser, args)
     engine = DefaultEngine.from_flags(args)
     if args.config_from:  # its pick replaces flags: checked as they are, before anything loads
         try:
@@ -337,6 +339,20 @@ def check_flags(parser, args) -> DefaultEngine:
         except ShowcaseError as exc:
             parser.error(f"argument --lora: {exc}")
     return engine
+
+
+def check_api_keys(parser, args) -> None:
+    """--api-keys: a readable file of keys, or 'admin-token' with an --admin-token to be the key."""
+    from ui.openai_api import ADMIN_ONLY, load_keys
+
+    if args.api_keys == ADMIN_ONLY:
+        if not args.admin_token:
+            parser.error("argument --api-keys: 'admin-token' needs --admin-token (the key callers send)")
+        return
+    try:
+        load_keys(args.api_keys)
+    except ValueError as exc:
+        parser.error(f"argument --api-keys: {exc}")
 
 
 def check_device(parser, device: str) -> None:
@@ -428,7 +444,7 @@ def launch_ui(manager, args, engine: DefaultEngine, public: bool, auth):
 
     defaults = UIDefaults(preset=engine.preset, device=engine.device, precision=engine.precision, mode=engine.mode,
                           tp=engine.tp, parallel=engine.parallel, admin_token=args.admin_token,
-                          step_cache=engine.step_cache, lora=engine.lora)
+                          step_cache=engine.step_cache, lora=engine.lora, api_keys=args.api_keys)
     demo = build_demo(manager, defaults, queue_size=args.queue_size, edge=edge_config(args, public))
     demo.launch(
         server_name=args.host,
@@ -447,6 +463,8 @@ def launch_ui(manager, args, engine: DefaultEngine, public: bool, auth):
 
         mcp.serve(demo)
         log.info("MCP tools for agents: %sgradio_api/mcp/ (Streamable HTTP)", demo.local_url)
+    log.info("OpenAI-compatible images API: %sv1 (client = OpenAI(base_url=..., api_key=...)%s)", demo.local_url,
+             "; a key is required" if args.api_keys else "")
     log.info("Prometheus metrics: %smetrics%s", demo.local_url,
              " (Authorization: Bearer <admin token>)" if public else "")
     return demo

@@ -92,6 +92,7 @@ class UIDefaults:
     lora: str = "none"  # NAME[:SCALE][:fused] (app.py --lora)
     poll_s: float = 1.0
     admin_token: str | None = None  # public mode: unlocks host operations (restart, warm everything)
+    api_keys: str | None = None  # the /v1 API's keys: a file, "admin-token", or None (no key needed)
 
 
 def to_gradio_error(exc: BaseException, public: bool = True) -> gr.Error:

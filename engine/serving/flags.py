@@ -90,6 +90,11 @@ def add_visitor_flags(h, d: dict) -> None:
                    metavar="TOKEN_STEPS",
                    help="public mode: the most one client address may have queued and running at once "
                         f"(default {DEFAULT_VISITOR_COST}; 0: unbounded; $SHOWCASE_MAX_VISITOR_COST)")
+    h.add_argument("--api-keys", default=d["api_keys"], metavar="FILE",
+                   help="require an API key on the OpenAI-compatible /v1 API (Authorization: Bearer <key>): FILE "
+                        "holds the keys, one a line, re-read when it changes; 'admin-token': only --admin-token. "
+                        "The admin token is always a key and makes the caller the host (default: no key needed; "
+                        "$SHOWCASE_API_KEYS; keys are never logged)")
     h.add_argument("--trusted-proxies", default=d["trusted_proxies"], metavar="NETS",
                    help="comma-separated addresses/networks of reverse proxies whose X-Forwarded-For names the "
                         "client (default: none, the connection's address is the client; $SHOWCASE_TRUSTED_PROXIES)")
