@@ -28,6 +28,7 @@ from engine.errors import InvalidRequest, ShowcaseError
 from engine.protocol import Mode, Parallel, Precision, Size, parse_lora
 from engine.serving.budget import GIB
 from engine.serving.flags import (
+    API_KEYS_ADMIN,
     MAX_QUEUE,
     HostingChoice,
     add_budget_flags,
@@ -325,8 +326,8 @@ def check_flags(parser, args) -> DefaultEngine:
 
         if (why := missing()) is not None:
             parser.error(f"argument --mcp: {why}")
-    if args.api_keys:
-        check_api_keys(parser, args)
+    if args.api_keys == API_KEYS_ADMIN and not args.admin_token:
+        parser.error(f"argument --api-keys: {API_KEYS_ADMIN} needs --admin-token (the key callers send)")
     engine = DefaultEngine.from_flags(args)
     if args.config_from:  # its pick replaces flags: checked as they are, before anything loads
         try:
@@ -339,20 +340,6 @@ def check_flags(parser, args) -> DefaultEngine:
         except ShowcaseError as exc:
             parser.error(f"argument --lora: {exc}")
     return engine
-
-
-def check_api_keys(parser, args) -> None:
-    """--api-keys: a readable file of keys, or 'admin-token' with an --admin-token to be the key."""
-    from ui.openai_api import ADMIN_ONLY, load_keys
-
-    if args.api_keys == ADMIN_ONLY:
-        if not args.admin_token:
-            parser.error("argument --api-keys: 'admin-token' needs --admin-token (the key callers send)")
-        return
-    try:
-        load_keys(args.api_keys)
-    except ValueError as exc:
-        parser.error(f"argument --api-keys: {exc}")
 
 
 def check_device(parser, device: str) -> None:

@@ -68,6 +68,10 @@ BAD_FLAGS = [
     (lambda t: ["--config-from", _write(t, "lora5.json", json.dumps({**GOOD_ADVICE, "lora": 5}))], "--config-from",
      "lora must be text"),
     (lambda t: ["--lora", "swap:5"], "--lora", "LoRA scale 5 is outside [0, 2]"),
+    # the /v1 API's keys (ui/openai_api.py): a file to read, with a key in it; admin-token with a token to be it
+    (lambda t: ["--api-keys", str(t / "absent.txt")], "--api-keys", "cannot read the key file"),
+    (lambda t: ["--api-keys", _write(t, "keys.txt", "# none yet\n\n")], "--api-keys", "holds no key"),
+    (lambda t: ["--api-keys", "admin-token"], "--api-keys", "admin-token needs --admin-token"),
 ]
 
 

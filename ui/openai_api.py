@@ -54,6 +54,7 @@ from engine.errors import (
 )
 from engine.pipeline.batching import max_batch_for
 from engine.serving import cost
+from engine.serving.flags import API_KEYS_ADMIN, load_api_keys
 from ui.common import ENGINE_QUEUE
 from ui.runs import Run
 
@@ -64,7 +65,6 @@ OWNER = "diffusion-showcase"
 FILES_KEPT = 256  # images a "url" answer may point at (the oldest are deleted first)
 USER_CHARS = 256
 MAX_SEED = 2**31 - 1
-ADMIN_ONLY = "admin-token"  # --api-keys admin-token: the admin token is the one key
 # The OpenAI fields this server reads, and those it takes and leaves (they mean nothing to a diffusers pipeline).
 OPENAI_FIELDS = ("model", "prompt", "n", "size", "response_format", "stream", "partial_images", "user",
                  "output_format", "background")
@@ -131,23 +131,9 @@ def api_error(exc: BaseException) -> ApiError:
 
 
 # -- who asks --------------------------------------------------------------------------------------------
-def load_keys(path: str) -> frozenset[str]:
-    """The keys in a file, one a line ('#' comments and blank lines skipped); ValueError saying what is wrong
-    (never quoting a key)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeError) as exc:
-        raise ValueError(f"cannot read the API key file {path} ({type(exc).__name__}); give a readable text "
-                         "file with one key a line") from None
-    keys = frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
-    if not keys:
-        raise ValueError(f"the API key file {path} holds no key; write one key a line")
-    return keys
-
-
 class ApiKeys:
-    """Who a /v1 request is. `spec`: None (no key required), ADMIN_ONLY or a key file; the admin token is always
-    a key, and the host's."""
+    """Who a /v1 request is. `spec`: None (no key required), API_KEYS_ADMIN or a key file (app.py --api-keys); the
+    admin token is always a key, and the host's."""
 
     def __init__(self, spec: str | None, admin_token: str | None):
         self.spec, self.admin_token = spec, admin_token
@@ -160,7 +146,7 @@ class ApiKeys:
         return self.spec is not None
 
     def _file_keys(self) -> frozenset[str]:
-        if self.spec in (None, ADMIN_ONLY):
+        if self.spec in (None, API_KEYS_ADMIN):
             return frozenset()
         try:
             stat = Path(self.spec).stat()
@@ -170,8 +156,8 @@ class ApiKeys:
         with self._lock:
             if stamp != self._stamp:  # re-read when the host rotates keys; a broken file keeps the last ones
                 try:
-                    self._keys = load_keys(self.spec)
-                except ValueError as exc:
+                    self._keys = load_api_keys(self.spec)
+                except InvalidRequest as exc:
                     log.warning("%s; the API keys read before stay in use", exc)
                 self._stamp = stamp
             return self._keys

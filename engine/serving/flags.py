@@ -90,7 +90,7 @@ def add_visitor_flags(h, d: dict) -> None:
                    metavar="TOKEN_STEPS",
                    help="public mode: the most one client address may have queued and running at once "
                         f"(default {DEFAULT_VISITOR_COST}; 0: unbounded; $SHOWCASE_MAX_VISITOR_COST)")
-    h.add_argument("--api-keys", default=d["api_keys"], metavar="FILE",
+    h.add_argument("--api-keys", type=api_keys_flag, default=d["api_keys"], metavar="FILE",
                    help="require an API key on the OpenAI-compatible /v1 API (Authorization: Bearer <key>): FILE "
                         "holds the keys, one a line, re-read when it changes; 'admin-token': only --admin-token. "
                         "The admin token is always a key and makes the caller the host (default: no key needed; "
@@ -119,6 +119,34 @@ def add_socket_flags(h, d: dict) -> None:
                    metavar="SIZE", help="a request line and headers together; past it 431 and closed (default 32KiB)")
     h.add_argument("--max-headers", type=whole(8, 10_000), default=as_text(d["max_headers"] or 100), metavar="N",
                    help="header lines in a request; past it 431 and closed (default 100)")
+
+
+API_KEYS_ADMIN = "admin-token"  # --api-keys admin-token: the admin token is the one key
+
+
+def load_api_keys(path: str) -> frozenset[str]:
+    """The keys in a file, one a line ('#' comments and blank lines skipped); InvalidRequest saying what is wrong,
+    never quoting a key."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except (OSError, UnicodeError) as exc:
+        raise InvalidRequest(f"cannot read the key file {path} ({type(exc).__name__}); give a readable text file "
+                             "with one key a line, or admin-token") from None
+    keys = frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise InvalidRequest(f"the key file {path} holds no key; write one key a line")
+    return keys
+
+
+def api_keys_flag(text: str) -> str:
+    """--api-keys: 'admin-token' or a readable file holding at least one key."""
+    if text != API_KEYS_ADMIN:
+        try:
+            load_api_keys(text)
+        except InvalidRequest as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def memory_size(text: str) -> str:
