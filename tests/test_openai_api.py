@@ -113,17 +113,26 @@ def test_a_url_answer_points_at_the_apps_own_copy(client):
         assert png.size == (64, 64)
 
 
-def test_streaming_sends_the_sdks_image_events(client):
-    """Each image as an image_generation.completed event as soon as it is ready (the engine makes no per-step
-    previews: partial_images is accepted and none are sent)."""
+def test_streaming_sends_partial_images_per_step_then_each_image(client):
+    """partial_images=2 over 4 steps: each image's latents at steps 1 and 3 decoded as the SDK's partial_image
+    events (two images batched in one call: each gets its own), then each image as a completed event."""
     stream = client.images.generate(model="tiny-shapes", prompt=PROMPT, n=2, stream=True, partial_images=2,
                                     extra_body={**EXTRA, "steps": 4, "seed": 5})
     events = list(stream)
-    assert all(isinstance(e, openai.types.ImageGenCompletedEvent) for e in events), events
-    assert sorted(e.seed for e in events) == [5, 6]
-    with png_of(events[0].b64_json) as png:
-        assert png.size == (64, 64)
-    assert events[0].timings["steps"] == 4
+    completed = [e for e in events if isinstance(e, openai.types.ImageGenCompletedEvent)]
+    partial = [e for e in events if isinstance(e, openai.types.ImageGenPartialImageEvent)]
+    assert len(completed) + len(partial) == len(events)
+    assert sorted(e.seed for e in completed) == [5, 6] and completed[0].timings["steps"] == 4
+    assert sorted((e.index, e.partial_image_index, e.step) for e in partial) == [(0, 0, 1), (0, 1, 3), (1, 0, 1),
+                                                                                 (1, 1, 3)]
+    assert all(events.index(p) < events.index(c) for p in partial for c in completed if c.index == p.index)
+    for event in partial:
+        with png_of(event.b64_json) as png:
+            assert png.size == (64, 64) and event.size == "64x64"
+    first = {e.index: png_of(e.b64_json).tobytes() for e in partial if e.step == 3}
+    assert first[0] != first[1]  # each member's own latents
+    final = {e.index: png_of(e.b64_json).tobytes() for e in completed}
+    assert first[0] != final[0]  # a state along the way, not the result
 
 
 def test_errors_arrive_as_the_sdks_typed_exceptions_with_the_apps_message(client, app):

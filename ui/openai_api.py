@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
+import io
 import json
 import logging
 import random
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config.request import Caller, ImageRequest
+from engine.config.validation import MAX_PREVIEWS
 from engine.errors import (
     BudgetExceeded,
     Cancelled,
@@ -265,7 +267,8 @@ def read_call(body: dict, defaults, preset: str, caller: Caller, client: str) ->
         steps=_text(body, "steps"), guidance=_text(body, "guidance"),
         seed=random.randint(0, MAX_SEED) if random_seed else seed, on_cold=_text(body, "on_cold", defaults.on_cold),
         step_cache=None if step_cache in (None, "", "none") else step_cache,
-        lora=None if lora in (None, "", "none") else lora, caller=caller, client=client)
+        lora=None if lora in (None, "", "none") else lora, caller=caller, client=client,
+        previews=_whole(body, "partial_images", 0, 0, MAX_PREVIEWS) if body.get("stream") else 0)
     if not random_seed and not str(seed).strip().isdigit():
         raise ApiError(400, f"seed must be a whole number >= 0, got {str(seed)[:40]!r}", param="seed")
     return ImagesCall(spec, n=_whole(body, "n", 1, 1), response_format=body.get("response_format") or "b64_json",
@@ -399,8 +402,16 @@ class Answer:
         }
 
 
+def partial_event(progress, index: int, number: int, size: str) -> dict:
+    """An image_generation.partial_image event (the SDK's ImageGenPartialImageEvent): image `index`'s
+    `number`-th partial image, at its step."""
+    return {"type": "image_generation.partial_image", "b64_json": base64.b64encode(progress.previews[0]).decode("ascii"),
+            "background": "opaque", "created_at": int(time.time()), "output_format": "png", "quality": "auto",
+            "size": size, "partial_image_index": number, "index": index, "step": progress.step, "steps": progress.total}
+
+
 def stream_event(kind: str, answer: Answer, result, index: int) -> dict:
-    """An image_generation.* event as the SDK's ImageGenStreamEvent reads it."""
+    """An image_generation.completed event as the SDK's ImageGenStreamEvent reads it."""
     event = {"type": f"image_generation.{kind}", "b64_json": base64.b64encode(result.image_png).decode("ascii"),
              "background": "opaque", "created_at": int(time.time()), "output_format": "png", "quality": "auto",
              "size": str(result.bucket.size), "index": index}
@@ -411,6 +422,13 @@ def stream_event(kind: str, answer: Answer, result, index: int) -> dict:
         if answer.call.user:
             event["safety_identifier"] = answer.call.user
     return event
+
+
+def preview_size(png: bytes) -> str:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as image:
+        return f"{image.width}x{image.height}"
 
 
 def sse(event: dict, name: str | None = None) -> bytes:
@@ -577,15 +595,20 @@ class OpenAIRoutes:
             watcher.cancel()
 
     async def _stream(self, run: ImagesRun, answer: Answer):
-        """Server-sent events as the openai SDK's images stream reads them: an image_generation.completed event
-        per image as it is ready, an error event (OpenAI's shape) if one fails. Closed early (the client went
-        away), it stops the images."""
-        done = False
+        """Server-sent events as the openai SDK's images stream reads them: the partial images each image asked
+        for (partial_images) as its steps reach them, an image_generation.completed event per image as it is
+        ready, an error event (OpenAI's shape) if one fails. Closed early (the client went away), it stops the
+        images."""
+        done, partials = False, [0] * len(run.specs)
         try:
             async for kind, index, payload in run.start().events():
                 if kind == "done":
                     answer.results[index] = payload
                     yield sse(stream_event("completed", answer, payload, index))
+                elif payload.previews:
+                    size = preview_size(payload.previews[0])
+                    yield sse(partial_event(payload, index, partials[index], size))
+                    partials[index] += 1
             done = True
         except Exception as exc:
             yield sse(api_error(exc).body(), "error")

@@ -32,6 +32,7 @@ from engine.protocol import (
 MAX_PROMPT_CHARS = 4000
 LONG_PROMPT_WORDS = 60  # ~77 CLIP tokens: beyond this the CLIP encoders see only the start
 MAX_GUIDANCE = 50.0
+MAX_PREVIEWS = 3  # partial images of one run (OpenAI's partial_images takes 0-3): each is a VAE decode
 MAX_SEED = 2**63 - 1
 
 
@@ -143,8 +144,17 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
         lora_scale=lora.scale,
         lora_fused=lora.fused,
         client=spec.client,
+        previews=check_previews(spec.previews),
     )
     return request, notices + size_notices
+
+
+def check_previews(previews) -> int:
+    """Partial images a run streams: a whole number from 0 to MAX_PREVIEWS."""
+    count = _number("partial_images", previews, int)
+    if not 0 <= count <= MAX_PREVIEWS:
+        raise InvalidRequest(f"partial_images must be from 0 to {MAX_PREVIEWS}, got {count}")
+    return count
 
 
 def check_lora(preset: ModelPreset, lora, scale=None, fused: bool | None = None) -> LoraChoice:
