@@ -10,7 +10,7 @@ import threading
 
 import httpx
 import pytest
-from helpers import engine_manager, launch_demo, wait_until
+from helpers import engine_manager, launch_demo, spy_generate, wait_until
 from PIL import Image
 
 pytestmark = pytest.mark.slow  # launches the app and generates
@@ -57,7 +57,8 @@ def png_of(b64: str) -> Image.Image:
 def post(url: str, body, key: str | None = VISITOR_KEY, **kwargs) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} if key else {}
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(url + "v1/images/generations", content=content, timeout=300,
+    kwargs.setdefault("timeout", 300)
+    return httpx.post(url + "v1/images/generations", content=content,
                       headers={"content-type": "application/json", **headers}, **kwargs)
 
 
@@ -238,3 +239,16 @@ def test_a_v1_request_counts_against_the_same_per_client_bound_as_the_page(app, 
         release.set()
         api.join(timeout=300)
     assert answer["r"].status_code == 200
+
+
+def test_a_client_that_goes_away_cancels_its_images(app, monkeypatch):
+    from engine.errors import Cancelled
+
+    url, manager, _ = app
+    outcomes = spy_generate(manager, monkeypatch)
+    with pytest.raises(httpx.ReadTimeout):  # 200 steps at 64x64: seconds of work, within the cost bounds
+        answer = post(url, {"prompt": PROMPT, **EXTRA, "steps": 200, "size": "64x64", "n": 2},
+                      timeout=httpx.Timeout(30, read=1.0))
+        pytest.fail(f"answered within the second: {answer.status_code} {answer.text[:300]}")
+    wait_until(lambda: len(outcomes) == 2, timeout=120, message="both images ended")
+    assert all(isinstance(o, Cancelled) for o in outcomes), outcomes
