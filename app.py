@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from engine import settings
 from engine.config.flags import OneLineParser, add_engine_arguments, as_text, one_of, options_from_args, whole
 from engine.config.presets import get_preset
+from engine.config.request import API_KEYS_ADMIN
 from engine.config.validation import check_lora, check_preset_name
 from engine.errors import InvalidRequest, ShowcaseError
 from engine.protocol import Mode, Parallel, Precision, Size, parse_lora
 from engine.serving.budget import GIB
 from engine.serving.flags import (
-    API_KEYS_ADMIN,
     MAX_QUEUE,
     HostingChoice,
     add_budget_flags,

@@ -29,10 +29,15 @@ from collections import OrderedDict
 import gradio as gr
 from gradio_client.utils import QueueError
 
-from engine.bench.advise_choice import CHECKER_MIN_PSNR, DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
 from engine.serving.manager import Caller
 from ui import schemas
-from ui.advisor import AdvisorForm, advisor_messages
+from ui.advisor import (
+    CHECKER_MIN_PSNR,
+    DEFAULT_FIDELITY_POINTS,
+    DEFAULT_MIN_PSNR,
+    AdvisorForm,
+    advisor_messages,
+)
 from ui.common import document_api
 from ui.edge import MCP_CALLER_HEADER
 

@@ -40,8 +40,7 @@ from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config.request import Caller, ImageRequest
-from engine.config.validation import MAX_PREVIEWS
+from engine.config.request import API_KEYS_ADMIN, MAX_PREVIEWS, Caller, ImageRequest, load_api_keys
 from engine.errors import (
     BudgetExceeded,
     Cancelled,
@@ -54,9 +53,6 @@ from engine.errors import (
     UnsupportedCombination,
     scrub_paths,
 )
-from engine.pipeline.batching import max_batch_for
-from engine.serving import cost
-from engine.serving.flags import API_KEYS_ADMIN, load_api_keys
 from ui.common import ENGINE_QUEUE
 from ui.runs import Run
 
@@ -558,13 +554,11 @@ class OpenAIRoutes:
         use, the cost of n images against the request and visitor budgets; and n against the engine's batch."""
         h, spec = self.h, call.spec
         key = h.key_for(spec.preset, spec.device, spec.precision, 1, caller=spec.caller)
-        limit = max_batch_for(h.manager.engine_options(key).max_batch, h.device_spec(key.device), key.tp)
+        limit = h.manager.batch_limit(key)
         if call.n > limit:
             raise ApiError(400, f"n must be from 1 to {limit} on {key} (its largest batch: the n images run as one "
                                 "pipeline call; the host sets --max-batch)", param="n")
-        price = h.manager.price_generate(spec.replace(preset=key.preset))
-        if price:
-            cost.check_visitor(h.manager.policy.cost, h.manager.held_cost(spec.client), call.n * price)
+        h.manager.price_generate(spec.replace(preset=key.preset), images=call.n)
 
     def _hold(self, call: ImagesCall, held: ExitStack) -> None:
         """One of the client's events at the web edge and, in public mode, its one running request, as a

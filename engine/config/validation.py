@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from engine.config.presets import load_presets, looks_like_model_ref, route_size
-from engine.config.request import ImageRequest
+from engine.config.request import MAX_PREVIEWS, ImageRequest
 from engine.errors import InvalidRequest
 from engine.protocol import (
     MAX_STEPS,
@@ -32,7 +32,6 @@ from engine.protocol import (
 MAX_PROMPT_CHARS = 4000
 LONG_PROMPT_WORDS = 60  # ~77 CLIP tokens: beyond this the CLIP encoders see only the start
 MAX_GUIDANCE = 50.0
-MAX_PREVIEWS = 3  # partial images of one run (OpenAI's partial_images takes 0-3): each is a VAE decode
 MAX_SEED = 2**63 - 1
 
 

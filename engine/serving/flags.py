@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from engine import settings
 from engine.config.flags import as_text, comma_list, decimal, device_defaults, one_of, per_device, whole
 from engine.config.presets import load_presets
+from engine.config.request import API_KEYS_ADMIN, load_api_keys
 from engine.errors import InvalidRequest, ShowcaseError
 from engine.protocol import Mode, Precision
 from engine.serving.budget import GIB, parse_size
@@ -119,24 +120,6 @@ def add_socket_flags(h, d: dict) -> None:
                    metavar="SIZE", help="a request line and headers together; past it 431 and closed (default 32KiB)")
     h.add_argument("--max-headers", type=whole(8, 10_000), default=as_text(d["max_headers"] or 100), metavar="N",
                    help="header lines in a request; past it 431 and closed (default 100)")
-
-
-API_KEYS_ADMIN = "admin-token"  # --api-keys admin-token: the admin token is the one key
-
-
-def load_api_keys(path: str) -> frozenset[str]:
-    """The keys in a file, one a line ('#' comments and blank lines skipped); InvalidRequest saying what is wrong,
-    never quoting a key."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(1 << 20)
-    except (OSError, UnicodeError) as exc:
-        raise InvalidRequest(f"cannot read the key file {path} ({type(exc).__name__}); give a readable text file "
-                             "with one key a line, or admin-token") from None
-    keys = frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
-    if not keys:
-        raise InvalidRequest(f"the key file {path} holds no key; write one key a line")
-    return keys
 
 
 def api_keys_flag(text: str) -> str:
