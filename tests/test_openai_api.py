@@ -72,6 +72,8 @@ def error_of(response: httpx.Response) -> dict:
 def test_models_lists_the_presets_a_visitor_may_use(client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny-shapes"]  # public mode: the host's list only
+    assert {"steps", "seed", "mode", "precision", "step_cache", "lora"} <= set(models.extra_fields)
+    assert "swap" in models.data[0].loras
     model = client.models.retrieve("tiny-shapes")
     assert model.buckets[0] == "64x64" and model.steps == 8
 

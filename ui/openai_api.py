@@ -53,6 +53,7 @@ from engine.errors import (
     UnsupportedCombination,
     scrub_paths,
 )
+from engine.protocol import Mode, Precision
 from ui.common import ENGINE_QUEUE
 from ui.runs import Run
 
@@ -70,14 +71,16 @@ IGNORED_FIELDS = ("quality", "style", "moderation", "output_compression", "safet
 # The showcase's own request fields, as extra body fields (the openai SDK's `extra_body`).
 EXTRA_FIELDS = {
     "negative_prompt": "what to keep out of the image (presets that take one)",
-    "device": "auto, cpu, cuda, ... (GET /v1/models lists where each model runs)",
-    "precision": "fp32, bf16, fp16, int8wo, int8dq, fp8",
-    "mode": "eager, compile, regional, aot (a compiled mode serves eagerly until its bucket is warm, see on_cold)",
+    "device": "auto, or a device name: cpu, cuda, ... (the page's System tab and the /system API list those here)",
+    "precision": "one of " + ", ".join(Precision.values()),
+    "mode": "one of " + ", ".join(Mode.values()) + " (a compiled mode serves eagerly until its bucket is warm, see "
+            "on_cold)",
     "steps": "denoising steps, 1-200 (default: the model's)",
     "guidance": "guidance scale, 0-50 (default: the model's)",
     "seed": "an integer >= 0: image i of n gets seed + i (default: a random seed, returned with each image)",
     "on_cold": "eager (serve a bucket that is not warm yet eagerly now) or wait (for its compile)",
-    "step_cache": "none, first-block, taylorseer, ... (reuses denoiser work across steps)",
+    "step_cache": "none, or first-block[:THRESHOLD], taylorseer[:INTERVAL][:WARMUP], magcache, faster-cache, "
+                  "pyramid (reuses denoiser work across steps)",
     "lora": "none, or NAME[:SCALE][:fused], NAME one of the model's LoRA styles (GET /v1/loras)",
 }
 RESPONSE_FORMATS = ("b64_json", "url")
@@ -188,7 +191,6 @@ class ImagesCall:
     stream: bool = False
     user: str | None = None
     notices: tuple[str, ...] = ()
-    random_seed: bool = False
 
     def specs(self) -> list[ImageRequest]:
         """One request per image: seed, seed + 1, ..."""
@@ -268,8 +270,7 @@ def read_call(body: dict, defaults, preset: str, caller: Caller, client: str) ->
     if not random_seed and not str(seed).strip().isdigit():
         raise ApiError(400, f"seed must be a whole number >= 0, got {str(seed)[:40]!r}", param="seed")
     return ImagesCall(spec, n=_whole(body, "n", 1, 1), response_format=body.get("response_format") or "b64_json",
-                      stream=bool(body.get("stream", False)), user=body.get("user"), notices=notices,
-                      random_seed=random_seed)
+                      stream=bool(body.get("stream", False)), user=body.get("user"), notices=notices)
 
 
 # -- the images ------------------------------------------------------------------------------------------
@@ -511,7 +512,9 @@ class OpenAIRoutes:
                 for lora in self.h.manager.preset(name).loras]
 
     def models(self, caller: Caller, path: str) -> dict:
-        return {"object": "list", "data": [self._entry(name) for name in self._names(caller)]}
+        """The presets, and the extra body fields POST /v1/images/generations takes beside OpenAI's."""
+        return {"object": "list", "data": [self._entry(name) for name in self._names(caller)],
+                "extra_fields": EXTRA_FIELDS}
 
     def model(self, caller: Caller, path: str) -> dict:
         name = path.split("/", 2)[-1]
