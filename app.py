@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from engine import settings
 from engine.config.flags import OneLineParser, add_engine_arguments, as_text, one_of, options_from_args, whole
 from engine.config.presets import get_preset
+from engine.config.request import API_KEYS_ADMIN
 from engine.config.validation import check_lora, check_preset_name
 from engine.errors import InvalidRequest, ShowcaseError
 from engine.protocol import Mode, Parallel, Precision, Size, parse_lora
@@ -332,6 +333,8 @@ def check_flags(parser, args) -> DefaultEngine:
 
         if (why := missing()) is not None:
             parser.error(f"argument --mcp: {why}")
+    if args.api_keys == API_KEYS_ADMIN and not args.admin_token:
+        parser.error(f"argument --api-keys: {API_KEYS_ADMIN} needs --admin-token (the key callers send)")
     engine = DefaultEngine.from_flags(args)
     if args.config_from:  # its pick replaces flags: checked as they are, before anything loads
         try:
@@ -436,7 +439,7 @@ def launch_ui(manager, args, engine: DefaultEngine, public: bool, auth):
     outputs = webtemp.use_cache_folder(manager.cache_dir)  # before the app is built: Gradio reads it then
     defaults = UIDefaults(preset=engine.preset, device=engine.device, precision=engine.precision, mode=engine.mode,
                           tp=engine.tp, parallel=engine.parallel, admin_token=args.admin_token,
-                          step_cache=engine.step_cache, lora=engine.lora)
+                          step_cache=engine.step_cache, lora=engine.lora, api_keys=args.api_keys)
     demo = build_demo(manager, defaults, queue_size=args.queue_size, edge=edge_config(args, public))
     demo.web_temp = outputs
     demo.launch(
@@ -456,6 +459,8 @@ def launch_ui(manager, args, engine: DefaultEngine, public: bool, auth):
 
         mcp.serve(demo)
         log.info("MCP tools for agents: %sgradio_api/mcp/ (Streamable HTTP)", demo.local_url)
+    log.info("OpenAI-compatible images API: %sv1 (client = OpenAI(base_url=..., api_key=...)%s)", demo.local_url,
+             "; a key is required" if args.api_keys else "")
     log.info("Prometheus metrics: %smetrics%s", demo.local_url,
              " (Authorization: Bearer <admin token>)" if public else "")
     return demo

@@ -92,6 +92,7 @@ def server_defaults() -> dict:
         "max_request_cost": _env("SHOWCASE_MAX_REQUEST_COST"),  # public mode: token-steps per request
         "max_visitor_cost": _env("SHOWCASE_MAX_VISITOR_COST"),  # public mode: token-steps one visitor holds
         "trusted_proxies": _env("SHOWCASE_TRUSTED_PROXIES"),  # whose X-Forwarded-For names the client
+        "api_keys": _env("SHOWCASE_API_KEYS"),  # the /v1 API's key file, or "admin-token"
         # socket bounds (ui/sockets.py): unset -> app.py's defaults
         "max_connections": _env("SHOWCASE_MAX_CONNECTIONS"),
         "max_connections_per_client": _env("SHOWCASE_MAX_CONNECTIONS_PER_CLIENT"),

@@ -74,6 +74,10 @@ BAD_FLAGS = [
     (lambda t: ["--memory-budget", "1e400"], "--memory-budget", "larger than any machine's memory"),
     (lambda t: ["--memory-budget", "nan"], "--memory-budget", "not a number with a unit"),
     (lambda t: ["--max-streams-per-client", "-2"], "--max-streams-per-client", "allowed: 1..1000000, or 0"),
+    # the /v1 API's keys (ui/openai_api.py): a file to read, with a key in it; admin-token with a token to be it
+    (lambda t: ["--api-keys", str(t / "absent.txt")], "--api-keys", "cannot read the key file"),
+    (lambda t: ["--api-keys", _write(t, "keys.txt", "# none yet\n\n")], "--api-keys", "holds no key"),
+    (lambda t: ["--api-keys", "admin-token"], "--api-keys", "admin-token needs --admin-token"),
 ]
 
 

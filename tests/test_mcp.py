@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import base64
 import io
+import json
 
 import psutil
 import pytest
@@ -68,6 +68,8 @@ def test_an_agent_lists_the_public_endpoints_as_tools_with_descriptions(mcp_url)
     assert "image" in generate.description and "timings" in generate.description
     assert {"prompt", "preset", "size", "steps", "seed"} <= set(generate.inputSchema["properties"])
     assert "warm" in tools["status"].description  # says what it is for
+    advise = tools["advise_start"].inputSchema["properties"]  # each parameter says what it takes
+    assert "1-30" in advise["max_minutes"]["description"] and "tiny-shapes" in advise["preset"]["description"]
 
 
 def test_generate_returns_the_image_and_its_timings(mcp_url):
@@ -82,7 +84,9 @@ def test_generate_returns_the_image_and_its_timings(mcp_url):
         assert png.size == (64, 64)
     timings = [t for t in texts(result) if "request_id" in t]
     assert timings, texts(result)
-    assert "'engine': 'tiny-shapes@cpu/fp32'" in timings[0] and "'seed': 3" in timings[0]
+    figures = json.loads(timings[0])  # JSON an agent can read, not Python's repr
+    assert figures["engine"] == "tiny-shapes@cpu/fp32" and figures["seed"] == 3
+    assert len(figures["timings"]["step_ms"]) == 2
 
 
 def test_a_refusal_in_public_mode_is_a_tool_error_with_the_apps_message(mcp_url):
@@ -128,8 +132,8 @@ def test_status_is_a_tool_an_agent_can_read(mcp_url):
 
     result = session_run(mcp_url, work)
     assert not result.isError
-    text = " ".join(texts(result))
-    assert "'engine': 'tiny-shapes@cpu/fp32'" in text and "'state': 'ready'" in text
+    (engine,) = [e for e in json.loads(texts(result)[0]) if e["engine"] == "tiny-shapes@cpu/fp32"]
+    assert engine["state"] == "ready" and isinstance(engine["buckets"], list)
 
 
 def test_the_advisor_is_a_host_only_start_poll_pair(mcp_url):
@@ -141,7 +145,7 @@ def test_the_advisor_is_a_host_only_start_poll_pair(mcp_url):
         refused = await session.call_tool("advise_start", start)
         started = await session.call_tool("advise_start", {**start, "admin_token": "host-secret"})
         busy = await session.call_tool("advise_start", {**start, "admin_token": "host-secret"})
-        job = ast.literal_eval(texts(started)[0])["job"]  # the tool's text is the dict's repr
+        job = json.loads(texts(started)[0])["job"]
         polled = await session.call_tool("advise_poll", {"job": job})
         cancelled = await session.call_tool("advise_poll", {"job": job, "cancel": "true"})
         unknown = await session.call_tool("advise_poll", {"job": "nope"})
@@ -149,10 +153,10 @@ def test_the_advisor_is_a_host_only_start_poll_pair(mcp_url):
 
     refused, started, busy, polled, cancelled, unknown = session_run(mcp_url, work)
     assert refused.isError and "host operation" in " ".join(texts(refused))
-    assert not started.isError and "'state': 'running'" in texts(started)[0]
+    assert not started.isError and json.loads(texts(started)[0])["state"] == "running"
     assert busy.isError and "still running (one at a time)" in " ".join(texts(busy))
-    assert not polled.isError and "'progress'" in texts(polled)[0]
-    assert "'state': 'cancelled'" in texts(cancelled)[0]
+    assert not polled.isError and "progress" in json.loads(texts(polled)[0])
+    assert json.loads(texts(cancelled)[0])["state"] == "cancelled"
     assert unknown.isError and "no advisor job 'nope'" in " ".join(texts(unknown))
 
     def advisors():

@@ -46,3 +46,16 @@ def test_build_request_validates_the_spec_and_keeps_its_client():
     assert request.client == "10.0.0.1" and notices == ()
     with pytest.raises(InvalidRequest, match="steps must be between"):
         build_request(preset, ImageRequest("tiny-flux", steps=0))
+
+
+def test_partial_images_are_bounded_and_spread_before_the_last_step():
+    from engine.pipeline.preview import preview_steps
+
+    preset = get_preset("tiny-shapes")
+    request, _ = build_request(preset, ImageRequest("tiny-shapes", prompt="a red circle", previews="2"))
+    assert request.previews == 2
+    for bad in ("4", "-1", "two"):
+        with pytest.raises(InvalidRequest, match="partial_images must be"):
+            build_request(preset, ImageRequest("tiny-shapes", prompt="a red circle", previews=bad))
+    assert preview_steps(4, 2) == {1, 3} and preview_steps(8, 3) == {2, 4, 6}
+    assert preview_steps(2, 3) == {1} and preview_steps(1, 3) == set() and preview_steps(20, 0) == set()

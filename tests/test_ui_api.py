@@ -116,6 +116,23 @@ def test_the_api_page_names_results_and_allowed_values(client):
     assert "WIDTHxHEIGHT of one bucket, or '' / 'all' for every bucket" in shown  # /warm's size
 
 
+def test_every_endpoint_names_its_parameters_and_types_its_result(client):
+    """The Advisor's pair included: view_api() shows each parameter by name with what it takes (not "1st",
+    "2nd", ...) and each result typed (not "Any")."""
+    endpoints = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    for name in ("/advise_start", "/advise_poll", "/status", "/system", "/warm", "/restart"):
+        for param in endpoints[name]["parameters"]:
+            assert param["label"] == param["parameter_name"] and param["python_type"]["description"], (name, param)
+        for result in endpoints[name]["returns"]:
+            assert not re.fullmatch(r"\d+(st|nd|rd|th)", result["label"]), (name, result)
+            assert result["python_type"]["type"] != "Any", (name, result)
+    shown = client.view_api(print_info=False, return_format="str")
+    assert ('predict(preset, device, size, steps, max_minutes, fidelity_points, min_psnr, admin_token, '
+            'api_name="/advise_start") -> job') in shown
+    assert "the time budget in minutes, 1-30" in shown and "state: Literal['running', 'done'" in shown
+    assert 'api_name="/status") -> engines' in shown and "list[dict(engine: str" in shown
+
+
 def test_generate_returns_the_image_and_the_timings_json(client):
     image_path, timings = client.predict(**GOOD, api_name="/generate")
     with Image.open(image_path) as image:

@@ -1,12 +1,14 @@
 """The Gradio Blocks app: a header, the Generate, Buckets, Compare and System tabs, one shared timer.
 
 Each tab builds its components and wires its events in its own module; this one puts them
-together. API (gradio_client): /generate, /cancel, /compare, /status, /warm, /restart, /system.
+together. API (gradio_client): /generate, /cancel, /compare, /status, /warm, /restart, /system; the
+OpenAI-compatible images API under /v1 (ui/openai_api.py).
 UI-only events (timer ticks, redraws, settings changes) are private.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 
 import gradio as gr
@@ -18,6 +20,7 @@ from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
 from ui.metrics import MetricsRoute
+from ui.openai_api import ApiKeys, OpenAIRoutes
 from ui.sockets import install_server_hook, public_bounds
 
 __all__ = ["GENERATE_API_PARAMS", "build_demo", "launch_kwargs"]
@@ -106,9 +109,9 @@ def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> di
         kwargs["app_kwargs"] = {"middleware": [guard.middleware()]}
         if guard.sockets is not None:
             install_server_hook()  # the server launch() builds serves this app with its socket bounds
-    metrics = getattr(demo, "metrics", None)  # GET /metrics (ui/metrics.py)
-    if metrics is not None:
-        kwargs.setdefault("app_kwargs", {}).setdefault("middleware", []).append(metrics.middleware())
+    for route in (getattr(demo, "metrics", None), getattr(demo, "openai", None)):  # /metrics, /v1 (ui/openai_api.py)
+        if route is not None:
+            kwargs.setdefault("app_kwargs", {}).setdefault("middleware", []).append(route.middleware())
     return kwargs
 
 
@@ -154,6 +157,8 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     telemetry = getattr(manager, "telemetry", None)
     if telemetry is not None:
         demo.metrics = MetricsRoute(telemetry, h.public, h.defaults.admin_token, edge=guard)
+    demo.openai = OpenAIRoutes(h, ApiKeys(h.defaults.api_keys, h.defaults.admin_token))
+    atexit.register(demo.openai.close)  # the images its "url" answers point at
     mcp.describe_tools(demo)
     return demo
 

@@ -18,7 +18,7 @@ import pandas as pd
 from engine.errors import InvalidRequest, NotAllowed, ShowcaseError
 from engine.protocol import Mode, Size, ranks_choice
 from engine.serving.manager import Caller
-from ui import views
+from ui import schemas, views
 from ui.common import DEFAULT_ATTENTION, FAST, HandlerBase, document_api, to_gradio_error
 
 log = logging.getLogger(__name__)
@@ -251,17 +251,18 @@ def build(h: BucketsHandlers) -> BucketsTab:
         document_api(gr.api(h.status_api, api_name="status", concurrency_limit=None),
                      returns=("engines", "one object per engine: engine, state (loading / ready / down), load_s, "
                               "notices, and buckets: [{mode, size, state (cold / queued / compiling / warm / "
-                              "failed), compile_s, warmup_s, requests_served, error}]"))
+                              "failed), compile_s, warmup_s, requests_served, error}]"), schema=schemas.STATUS)
         document_api(gr.api(h.warm_api, api_name="warm", concurrency_limit=None),
                      {**engine_params, "mode": "a compiled mode: " + ", ".join(m for m in Mode.values() if m != "eager"),
                       "size": "WIDTHxHEIGHT of one bucket, or '' / 'all' for every bucket",
                       "admin_token": "public servers only: the host's token (visitors may warm one bucket of "
                                      "their own engine without it)"},
-                     returns=("queued", "{engine, mode, queued: the sizes it compiles now}; /status shows them warm"))
+                     returns=("queued", "{engine, mode, queued: the sizes it compiles now}; /status shows them warm"),
+                     schema=schemas.WARMED)
         document_api(gr.api(h.restart_api, api_name="restart", concurrency_limit=None,
                             api_visibility="undocumented" if h.public else "public"),
                      {**engine_params, "admin_token": "public servers only: the host's token"},
-                     returns=("restarted", "{engine, restarted: true}"))
+                     returns=("restarted", "{engine, restarted: true}"), schema=schemas.RESTARTED)
 
     board.select(h.board_select, None, [engine, mode, size], **FAST)
     engine.change(h.board_sizes, engine, size, **FAST)

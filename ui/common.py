@@ -95,6 +95,7 @@ class UIDefaults:
     lora: str = "none"  # NAME[:SCALE][:fused] (app.py --lora)
     poll_s: float = 1.0
     admin_token: str | None = None  # public mode: unlocks host operations (restart, warm everything)
+    api_keys: str | None = None  # the /v1 API's keys: a file, "admin-token", or None (no key needed)
 
 
 def to_gradio_error(exc: BaseException, public: bool = True) -> gr.Error:
@@ -337,10 +338,11 @@ class HandlerBase:
         log.info("/cancel: %s", self.cancel(request))
 
 
-def document_api(dependency, params: dict[str, str] | None = None, returns: tuple[str, str] | None = None) -> None:
+def document_api(dependency, params: dict[str, str] | None = None, returns: tuple[str, str] | None = None,
+                 schema: dict | None = None) -> None:
     """Name a gr.api endpoint's parameters and result in its API page and schema (Gradio labels them "1st",
     "2nd", ...) and say what each takes: `params` maps a parameter to its allowed values, `returns` is the
-    result's (name, what it holds)."""
+    result's (name, what it holds), `schema` its JSON schema (ui/schemas.py; a dict hint alone shows "Any")."""
     from gradio.context import get_blocks_context
 
     blocks = get_blocks_context().blocks
@@ -352,4 +354,4 @@ def document_api(dependency, params: dict[str, str] | None = None, returns: tupl
         (block_id,) = dependency["outputs"]
         component = blocks[block_id]
         component.label = returns[0]
-        component._api_info = {**component._api_info, "description": returns[1]}
+        component._api_info = {**component._api_info, **(schema or {}), "description": returns[1]}

@@ -267,16 +267,33 @@ class EdgeGuard:
             try:
                 return await original(body=body, request=request, username=username)
             finally:
-                with self._lock:
-                    self._joining[client] -= 1
-                    self._joining_groups[group] -= 1
-                    if self._joining[client] <= 0:
-                        del self._joining[client]
-                    if self._joining_groups[group] <= 0:
-                        del self._joining_groups[group]
+                self._release(group, client)
 
         queue.push = push
         quietlog.install(self.log, demo)
+
+    @contextmanager
+    def outside_queue(self, group: str, client: str):
+        """A request served beside Gradio's queue (the /v1 API, ui/openai_api.py) counts as one of the client's
+        events and one waiting in `group` while the block runs, as a join does: it yields None, or the message
+        that refuses it (and then holds nothing)."""
+        refusal = self._admit(group, client)
+        if refusal:
+            yield refusal
+            return
+        try:
+            yield None
+        finally:
+            self._release(group, client)
+
+    def _release(self, group: str, client: str) -> None:
+        with self._lock:
+            self._joining[client] -= 1
+            self._joining_groups[group] -= 1
+            if self._joining[client] <= 0:
+                del self._joining[client]
+            if self._joining_groups[group] <= 0:
+                del self._joining_groups[group]
 
     def _admit(self, group: str, client: str) -> str | None:
         """Reserve a place for one join, or the message that refuses it. No await inside: the event

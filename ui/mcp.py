@@ -20,6 +20,7 @@ import asyncio
 import atexit
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
@@ -33,7 +34,15 @@ from collections import OrderedDict
 import gradio as gr
 
 from engine.serving.manager import Caller
-from ui.advisor import AdvisorForm, advisor_messages
+from ui import schemas
+from ui.advisor import (
+    CHECKER_MIN_PSNR,
+    DEFAULT_FIDELITY_POINTS,
+    DEFAULT_MIN_PSNR,
+    AdvisorForm,
+    advisor_messages,
+)
+from ui.common import document_api
 
 log = logging.getLogger(__name__)
 
@@ -41,41 +50,47 @@ MCP_PATH = "/gradio_api/mcp/"
 # endpoint -> what an agent reads in tools/list (parameters are listed by Gradio with their types)
 DESCRIPTIONS = {
     "generate": (
-        "Generate one image with a diffusers pipeline kept compiled and warm on this server, and return the "
-        "image (PNG) with its timings JSON (total/encode/denoise/decode ms, per-step ms, warm or eager fallback, "
-        "recompiles, peak memory, notices). Every parameter is text; empty means the default. prompt: what to "
-        "draw (the default model tiny-shapes draws 'a {colour} {circle|square|triangle} on a {colour} "
-        "background'); preset: a model preset (call status or system to see what is loaded and offered); "
-        "device: 'auto', 'cpu', 'cuda', ...; precision: fp32, bf16, fp16, int8wo, int8dq, fp8; mode: eager, "
-        "compile, regional, aot; size: 'WxH', one of the preset's buckets (e.g. 64x64); steps, guidance, seed: "
-        "numbers; on_cold: 'eager' serves a bucket that is not compiled yet eagerly now, 'wait' waits for its "
-        "compile; step_cache: none, first-block, taylorseer, ... A request the server does not offer fails with "
-        "the reason and what to change."),
+        "Generate one image with a diffusers pipeline kept compiled and warm on this server. Returns the image "
+        "(PNG), then its timings as a JSON object (json.loads it): request_id, engine, mode, bucket (the size it "
+        "ran at), seed, steps, warm (a compiled graph served it), eager_fallback, recompiles, notices (e.g. a size "
+        "snapped to its bucket), batch_size, peak_memory_bytes and timings {step_ms: [one per step], encode_ms, "
+        "denoise_ms, decode_ms, total_ms, queued_ms}. Every parameter is text; empty means the default. prompt: "
+        "what to draw (the default model tiny-shapes draws 'a {colour} {circle|square|triangle} on a {colour} "
+        "background'); preset: a model preset (system lists what visitors may choose); device: 'auto', 'cpu', "
+        "'cuda', ...; precision: fp32, bf16, fp16, int8wo, int8dq, fp8; mode: eager, compile, regional, aot; size: "
+        "'WxH', one of the preset's buckets (e.g. 64x64); steps 1-200, guidance 0-50, seed >= 0: numbers; "
+        "on_cold: 'eager' serves a bucket that is not compiled yet eagerly now, 'wait' waits for its compile; "
+        "step_cache: none, first-block, taylorseer, ...; lora: none or NAME[:SCALE][:fused]. A request the server "
+        "does not offer fails with the reason and what to change."),
     "compare": (
         "Run one prompt, seed, size and steps on 1-6 device x precision x mode (x step cache) configurations and "
-        "return the images and a JSON of each one's seconds per image, speedup against eager fp32, drift (PSNR "
-        "against eager fp32's image) and, for tiny-shapes, fidelity. Takes as long as all of them together "
+        "return the images and a JSON object of each one's seconds per image, speedup against eager fp32, drift "
+        "(PSNR against eager fp32's image) and, for tiny-shapes, fidelity. Takes as long as all of them together "
         "(seconds on tiny models, longer for compiled modes on a cold bucket)."),
-    "status": ("Every loaded engine (state, load time, notices) and each resolution bucket's state (cold, queued, "
-               "compiling, warm, failed), compile and warm-up seconds and requests served. Fast; call it to see "
-               "what is warm before generate."),
-    "system": ("The server: devices (available, or why not), versions, cache folders, hosting policy (what "
-               "visitors may choose), memory budgets."),
+    "status": ("Every loaded engine and each resolution bucket's state, as a JSON list: [{engine, state (loading, "
+               "ready, down), load_s, notices, pending, buckets: [{mode, size, batch, state (cold, queued, "
+               "compiling, warm, failed), compile_s, warmup_s, requests_served}]}]. Fast; call it to see what is "
+               "warm before generate, or to follow a warm."),
+    "system": ("The server as a JSON object: devices [{name, available, reason (why not), modes}], versions, "
+               "caches, host (budgets, the hosting policy: what visitors may choose), web_server (its bounds)."),
     "warm": ("Compile and warm one bucket ('WxH') of an engine in the background, or all of them ('' or 'all'); "
-             "returns at once, poll status until the bucket is warm. On a public server a visitor may warm one "
-             "bucket of the engine their last request ran on; the rest needs admin_token."),
-    "cancel": "Cancel this caller's running generate or compare between steps; it then returns cancelled=true.",
+             "returns at once with JSON {engine, mode, queued: [sizes]}; poll status until the bucket is warm. On a "
+             "public server a visitor may warm one bucket of the engine their last request ran on; the rest needs "
+             "admin_token."),
+    "cancel": ("Cancel this caller's running generate or compare between steps; that call then returns "
+               "cancelled=true. Returns nothing."),
     "advise_start": (
         "Start the advisor: it measures every precision x mode x step cache x attention backend this server can "
         "run for a preset and device, and picks the fastest configuration within a quality bound (fidelity "
         "within fidelity_points of eager fp32 on tiny-shapes, else PSNR >= min_psnr dB). Returns at once with "
-        "a job id; it runs for up to max_minutes: call advise_poll with the job id every few seconds. One run "
-        "at a time; on a public server only with admin_token."),
-    "advise_poll": ("The state of an advisor job (running, done, failed, cancelled), its progress and, when "
-                    "done, the pick (preset, device, precision, mode, step cache, attention) and every "
-                    "configuration measured. Pass cancel='true' to stop it."),
-    "restart": ("Restart an engine (a new worker process; its buckets warm again from the compile cache). On a "
-                "public server only with admin_token."),
+        "JSON {job, state: running, progress, desc, elapsed_s}; it runs for up to max_minutes: call advise_poll "
+        "with the job id every few seconds. One run at a time; on a public server only with admin_token."),
+    "advise_poll": ("The state of an advisor job as JSON {job, state (running, done, failed, cancelled), progress: "
+                    "[measured, total], desc, elapsed_s, error, result}; once done, result.pick is the "
+                    "recommendation (preset, device, precision, mode, step_cache, attention; null: none) and "
+                    "result.rows every configuration measured. Pass cancel='true' to stop it."),
+    "restart": ("Restart an engine (a new worker process; its buckets warm again from the compile cache); returns "
+                "JSON {engine, restarted}. On a public server only with admin_token."),
 }
 
 
@@ -104,8 +119,9 @@ def missing() -> str | None:
 
 def serve(demo) -> None:
     """After launch(mcp_server=True): the tools take their endpoints' names (generate, compare, status, ...), a
-    tool with several outputs returns each of them (generate: the image, then the timings), and a queued tool
-    call joins the app's queue here, as its agent (AgentCalls), instead of through Gradio's one shared client."""
+    tool with several outputs returns each of them (generate: the image, then the timings), data outputs come as
+    JSON text, each parameter's description is the one its API page shows, and a queued tool call joins the
+    app's queue here, as its agent (AgentCalls), instead of through Gradio's one shared client."""
     server = getattr(demo, "mcp_server_obj", None)
     if server is None:
         return
@@ -120,6 +136,30 @@ def serve(demo) -> None:
 
     server._execute_tool_without_progress = result
     server._execute_tool_with_progress = result
+    describe = server.get_fn_description
+
+    def described(block_fn, tool_name: str):
+        # A parameter the handler's docstring does not describe keeps what document_api wrote (Gradio's own
+        # empty text would replace it)
+        description, parameters = describe(block_fn, tool_name)
+        return description, {name: text for name, text in parameters.items() if text}
+
+    server.get_fn_description = described
+    postprocess = server.postprocess_output_data
+
+    def as_json(data, root_url: str) -> list:
+        return postprocess([_json_text(value) for value in data], root_url)
+
+    server.postprocess_output_data = as_json
+
+
+def _json_text(value):
+    """A tool's data output (generate's timings, status, a job) as JSON text an agent can json.loads: Gradio
+    writes any output that is not a file as str(), Python's repr. Outputs holding files stay Gradio's."""
+    if not isinstance(value, (dict, list)):
+        return value
+    text = json.dumps(value, default=str)
+    return value if '"gradio.FileData"' in text else text
 
 
 class AgentCalls:
@@ -312,9 +352,26 @@ def _stop(child: subprocess.Popen) -> None:
 
 
 def advisor_api(handlers) -> AdviceJobs:
-    """The start/poll pair as API endpoints (so MCP tools), inside the Blocks."""
+    """The start/poll pair as API endpoints (so MCP tools), inside the Blocks, each parameter named with what
+    it takes and the job's JSON typed."""
     jobs = AdviceJobs(handlers)
     atexit.register(jobs.close)  # a running advisor is the app's child: it ends with the app
-    gr.api(jobs.start, api_name="advise_start", concurrency_limit=None)
-    gr.api(jobs.poll, api_name="advise_poll", concurrency_limit=None)
+    job = ("job", "the advisor job: {job, state, progress, desc, elapsed_s, error, result (once done: pick, rows)}")
+    document_api(gr.api(jobs.start, api_name="advise_start", concurrency_limit=None), {
+        "preset": "one of " + ", ".join(handlers.manager.presets),
+        "device": "auto, or one of " + ", ".join(r["name"] for r in handlers.devices_report())
+                  + " (/system says which are available here)",
+        "size": "WIDTHxHEIGHT, one of the preset's buckets ('' for its first)",
+        "steps": "denoising steps per image, 1-200 ('' for the preset's default)",
+        "max_minutes": "the time budget in minutes, 1-30 (default 5); what does not fit is skipped",
+        "fidelity_points": f"quality bound on models with a checker: at most this many fidelity points below eager "
+                           f"fp32 ('' for {DEFAULT_FIDELITY_POINTS:g})",
+        "min_psnr": f"quality bound: drift PSNR in dB against eager fp32's image ('' for {DEFAULT_MIN_PSNR:g}, "
+                    f"{CHECKER_MIN_PSNR:g} on models with a checker)",
+        "admin_token": "public servers only: the host's token (the advisor is a host operation there)",
+    }, returns=job, schema=schemas.ADVICE_JOB)
+    document_api(gr.api(jobs.poll, api_name="advise_poll", concurrency_limit=None), {
+        "job": "the job id advise_start returned",
+        "cancel": "'true' to stop the job ('' or 'false' to only read it)",
+    }, returns=job, schema=schemas.ADVICE_JOB)
     return jobs

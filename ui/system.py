@@ -20,6 +20,7 @@ from pathlib import Path
 import gradio as gr
 
 from engine.errors import scrub_paths
+from ui import schemas
 from ui.common import FAST, HandlerBase, document_api
 from ui.views import fmt_bytes
 
@@ -301,6 +302,6 @@ def build(h: SystemHandlers) -> None:
         panel = gr.Markdown("Loading…", elem_id="system")
         document_api(gr.api(h.system_api, api_name="system", concurrency_limit=None),  # queue bound: ui/edge.py
                      returns=("system", "devices (available or why not), library versions, cache folders, the "
-                              "environment in force (secrets hidden)"))
+                              "environment in force (secrets hidden)"), schema=schemas.SYSTEM)
     tab.select(h.system_panel, None, panel, **FAST)
     refresh_btn.click(h.system_refresh, None, panel, **FAST)

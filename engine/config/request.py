@@ -17,12 +17,31 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from engine.errors import InvalidRequest
 from engine.protocol import Mode, OnCold, Parallel, Size
+
+MAX_PREVIEWS = 3  # partial images of one run (OpenAI's partial_images takes 0-3): each is a VAE decode
+API_KEYS_ADMIN = "admin-token"  # app.py --api-keys admin-token: the admin token is the one key
 
 
 class Caller(enum.StrEnum):
     HOST = "host"  # the CLI, the host's own scripts, an admin with the token
     VISITOR = "visitor"  # anyone on the web page or the public API
+
+
+def load_api_keys(path: str) -> frozenset[str]:
+    """The /v1 API's keys (app.py --api-keys; a key makes its caller a VISITOR, the admin token the HOST): one a
+    line, '#' comments and blank lines skipped. InvalidRequest saying what is wrong, never quoting a key."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except (OSError, UnicodeError) as exc:
+        raise InvalidRequest(f"cannot read the key file {path} ({type(exc).__name__}); give a readable text file "
+                             "with one key a line, or admin-token") from None
+    keys = frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise InvalidRequest(f"the key file {path} holds no key; write one key a line")
+    return keys
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,7 @@ class ImageRequest:
     lora: str | None = None
     lora_scale: float | str | None = None
     lora_fused: bool | None = None  # None: as `lora` says
+    previews: int | str = 0  # partial images to stream while it runs (the /v1 API's partial_images)
     # who asks
     caller: Caller = Caller.HOST
     client: str = ""  # the visitor's address: engines take turns between clients, budgets are held per client

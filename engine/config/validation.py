@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 
 from engine.config.presets import load_presets, looks_like_model_ref, route_size
-from engine.config.request import ImageRequest
+from engine.config.request import MAX_PREVIEWS, ImageRequest
 from engine.errors import InvalidRequest
 from engine.protocol import (
     MAX_STEPS,
@@ -144,8 +144,17 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
         lora_scale=lora.scale,
         lora_fused=lora.fused,
         client=spec.client,
+        previews=check_previews(spec.previews),
     )
     return request, notices + size_notices
+
+
+def check_previews(previews) -> int:
+    """Partial images a run streams: a whole number from 0 to MAX_PREVIEWS."""
+    count = _number("partial_images", previews, int)
+    if not 0 <= count <= MAX_PREVIEWS:
+        raise InvalidRequest(f"partial_images must be from 0 to {MAX_PREVIEWS}, got {count}")
+    return count
 
 
 def check_lora(preset: ModelPreset, lora, scale=None, fused: bool | None = None) -> LoraChoice:

@@ -72,7 +72,8 @@ def batch_key(request: GenerateRequest) -> tuple | None:
         return None
     return (request.mode, request.width, request.height, request.steps, float(request.guidance),
             bool(request.negative_prompt), request.step_cache, request.on_cold,
-            request.lora_choice)  # one adapter at one scale, fused or not, per call
+            request.lora_choice,  # one adapter at one scale, fused or not, per call
+            request.previews)  # partial images are decoded at the steps their count spreads over
 
 
 def chunk(n: int, sizes) -> int:

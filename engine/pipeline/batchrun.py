@@ -121,7 +121,8 @@ class BatchRun:
     def _member_steps(self, progress: StepProgress) -> None:
         for j, member in enumerate(self.members):
             if not self._member_left(j, progress.step) and self.on_step is not None:
-                self.on_step(replace(progress, request_id=member.request_id))
+                own = progress.previews[j:j + 1] if progress.previews else ()  # the call's partial images, in order
+                self.on_step(replace(progress, request_id=member.request_id, previews=own))
 
     def _image_ready(self, j: int, image, run_so_far: CallOutcome) -> None:
         # Its own result at once: the web server delivers it while the others decode.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import devices
-from engine.pipeline import recipes, stepcache, variants
+from engine.pipeline import preview, recipes, stepcache, variants
 from engine.pipeline.clock import RunClock
 from engine.pipeline.lora import SlotChange
 from engine.protocol import EngineOptions, GenerateRequest, ModelPreset, StepProgress, Timings
@@ -72,6 +72,8 @@ class _StepEnds:
         self.clock, self.request, self.batch_size, self.graphs = clock, request, batch_size, graphs
         self.on_step, self.cancel, self.cached = on_step, cancel, cached
         self.cancelled_at: int | None = None
+        self.preview_at = preview.preview_steps(request.steps, request.previews) if on_step else frozenset()
+        self.vae = None  # the run's own VAE, for partial images (a batch decoded apart wraps the run's)
 
     def __call__(self, pipe, i, t, callback_kwargs) -> dict:
         # With CUDA graphs the next replay overwrites this step's graph outputs: the step's tensors are
@@ -81,11 +83,26 @@ class _StepEnds:
         from_cache = self.cached.counter.step_end() if self.cached is not None else False
         if self.on_step:
             self.on_step(StepProgress(self.request.request_id, i + 1, self.request.steps, step_ms, cached=from_cache,
-                                      batch_size=self.batch_size))
+                                      batch_size=self.batch_size, previews=self._previews(pipe, i + 1, callback_kwargs)))
         if self.cancel is not None and self.cancel.is_set() and self.cancelled_at is None:
             self.cancelled_at = i + 1
             pipe._interrupt = True
         return outputs
+
+
+    def _previews(self, pipe, step: int, callback_kwargs) -> tuple[bytes, ...]:
+        """The call's partial images at this step, if it is one of the request's preview steps; the decode's time
+        is kept out of the next step's."""
+        if step not in self.preview_at or "latents" not in callback_kwargs:
+            return ()
+        started = time.perf_counter()
+        images = preview.decode(pipe, self.vae or pipe.vae, callback_kwargs["latents"], self.request.height,
+                                self.request.width)
+        pngs = tuple(preview.to_png(image) for image in images) if images else ()
+        if not images:
+            self.preview_at = frozenset()  # this pipeline makes none: no second try
+        self.clock.exclude(time.perf_counter() - started)
+        return pngs
 
 
 class PipelineCaller:
@@ -112,6 +129,7 @@ class PipelineCaller:
             cached.start(run)
         graphs = recipes.cuda_graphs_active(self.options, self.spec, request.mode)
         step_ends = _StepEnds(clock, request, len(members) if members else 1, graphs, on_step, cancel, cached)
+        step_ends.vae = run.vae
         kwargs = pipeline_call_kwargs(self.preset, run, request, members=members)
         kwargs["callback_on_step_end"] = step_ends
         decoded = []

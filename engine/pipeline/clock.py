@@ -66,6 +66,12 @@ class RunClock:
         self.step_ends.append(now)
         return (now - prev) * 1000
 
+    def exclude(self, seconds: float) -> None:
+        """Keep `seconds` of work done at the last step's end (a partial image's decode) out of the next step's
+        time; the run's total keeps it."""
+        if self.step_ends:
+            self.step_ends[-1] += seconds
+
     def timings(self, end: float) -> Timings:
         loop_start = self.loop_start or self.start
         edges = [loop_start, *self.step_ends]

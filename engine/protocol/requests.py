@@ -40,6 +40,7 @@ class GenerateRequest:
     lora_fused: bool = False  # folded into the weights (eager only) rather than hot-swapped
     # Who asked (a visitor's address; "" for the host): an engine serves its waiting clients in turn.
     client: str = ""
+    previews: int = 0  # partial images streamed while it runs (engine/pipeline/preview.py), at most MAX_PREVIEWS
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
@@ -179,6 +180,9 @@ class StepProgress:
     step_ms: float
     cached: bool = False  # this step's denoiser output came from the step cache
     batch_size: int = 1  # this step was computed for this many requests at once (step_ms is the shared step's)
+    # At a step where the request asked for a partial image: its PNG (one per member of the call until the batch
+    # hands each member its own), else empty.
+    previews: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)

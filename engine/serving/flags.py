@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from engine import settings
 from engine.config.flags import as_text, comma_list, decimal, device_defaults, one_of, per_device, whole
 from engine.config.presets import load_presets
+from engine.config.request import API_KEYS_ADMIN, load_api_keys
 from engine.errors import InvalidRequest, ShowcaseError
 from engine.protocol import Mode, Precision
 from engine.serving.budget import GIB, parse_size
@@ -90,6 +91,11 @@ def add_visitor_flags(h, d: dict) -> None:
                    metavar="TOKEN_STEPS",
                    help="public mode: the most one client address may have queued and running at once "
                         f"(default {DEFAULT_VISITOR_COST}; 0: unbounded; $SHOWCASE_MAX_VISITOR_COST)")
+    h.add_argument("--api-keys", type=api_keys_flag, default=d["api_keys"], metavar="FILE",
+                   help="require an API key on the OpenAI-compatible /v1 API (Authorization: Bearer <key>): FILE "
+                        "holds the keys, one a line, re-read when it changes; 'admin-token': only --admin-token. "
+                        "The admin token is always a key and makes the caller the host (default: no key needed; "
+                        "$SHOWCASE_API_KEYS; keys are never logged)")
     h.add_argument("--trusted-proxies", default=d["trusted_proxies"], metavar="NETS",
                    help="comma-separated addresses/networks of reverse proxies whose X-Forwarded-For names the "
                         "client (default: none, the connection's address is the client; $SHOWCASE_TRUSTED_PROXIES)")
@@ -119,6 +125,16 @@ def add_socket_flags(h, d: dict) -> None:
                    metavar="SIZE", help="a request line and headers together; past it 431 and closed (default 32KiB)")
     h.add_argument("--max-headers", type=whole(8, 10_000), default=as_text(d["max_headers"] or 100), metavar="N",
                    help="header lines in a request; past it 431 and closed (default 100)")
+
+
+def api_keys_flag(text: str) -> str:
+    """--api-keys: 'admin-token' or a readable file holding at least one key."""
+    if text != API_KEYS_ADMIN:
+        try:
+            load_api_keys(text)
+        except InvalidRequest as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def memory_size(text: str) -> str:

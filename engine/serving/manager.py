@@ -26,6 +26,7 @@ from engine.config.resolve import Catalog
 from engine.config.validation import build_request
 from engine.errors import EngineBusy, NotAllowed, ShowcaseError
 from engine.pipeline import stepcache
+from engine.pipeline.batching import max_batch_for
 from engine.protocol import (
     BucketKey,
     EngineConfig,
@@ -206,12 +207,21 @@ class EngineManager:
             return 0
         return price_compare(self.policy.cost, self.preset(preset), size, steps, configurations, prompts, guidance)
 
-    def price_generate(self, spec: ImageRequest) -> int:
+    def price_generate(self, spec: ImageRequest, images: int = 1) -> int:
         """A Generate's price in token-steps (0 when its caller is not priced), or NotAllowed saying what fits;
-        bad input raises InvalidRequest naming the field. Checked by the UI before it starts an engine for it."""
+        bad input raises InvalidRequest naming the field. Checked by the UI before it starts an engine for it.
+        `images` > 1 (one call's n images, each then admitted alone): EngineBusy when together they do not fit
+        the visitor's budget now."""
         if not self.priced(spec.caller):
             return 0
-        return price_generate(self.policy.cost, self.preset(spec.preset), spec)
+        price = price_generate(self.policy.cost, self.preset(spec.preset), spec)
+        if images > 1:
+            cost.check_visitor(self.policy.cost, self.held_cost(spec.client), images * price)
+        return price
+
+    def batch_limit(self, key: EngineKey) -> int:
+        """The most requests engine `key` runs as one pipeline call (1: it does not batch)."""
+        return max_batch_for(self.engine_options(key).max_batch, devices.get_device(key.device), key.tp)
 
     @contextlib.contextmanager
     def admission(self, client: str, price: int, caller: Caller = Caller.HOST):

@@ -1,0 +1,628 @@
+"""An OpenAI-compatible images API on the app's own server and port: what every OpenAI SDK, LangChain or
+LlamaIndex image tool already speaks.
+
+    GET  /v1/models                  the presets a caller may use (data[].id is the `model` to send)
+    GET  /v1/models/{model}          one of them, with its buckets, defaults and LoRA styles
+    GET  /v1/loras                   every such preset's LoRA styles
+    POST /v1/images/generations      `model` = preset, `prompt`, `n`, `size`, `response_format`, `stream`, `user`;
+                                     the showcase's own fields as extra body fields (EXTRA_FIELDS)
+    GET  /v1/images/files/{name}     an image a `response_format: "url"` answer points at
+
+Served by an ASGI middleware in front of Gradio's routes (as /metrics is), in the app's process, so a request
+goes through the same edge (ui/edge.py: body bound, one of the client's events, one waiting in the engines'
+group), the same one-running-request-per-client rule (ui/runs.py), the same visitor choices and cost budget
+(EngineManager.price_generate, admission) and the same Caller identity as the page's /generate. The n images of
+one call are n requests sent together, so an engine that batches runs them as one pipeline call.
+
+A host can require API keys (`Authorization: Bearer <key>`): a file of keys, one a line, re-read when it
+changes, and always the admin token, which makes the caller the host. Keys are never logged or echoed.
+Errors come in OpenAI's shape ({"error": {"message", "type", "param", "code"}}) with the app's own message,
+under the status codes the SDK maps to its typed exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import io
+import json
+import logging
+import random
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config.request import API_KEYS_ADMIN, MAX_PREVIEWS, Caller, ImageRequest, load_api_keys
+from engine.errors import (
+    BudgetExceeded,
+    Cancelled,
+    DeviceOutOfMemory,
+    DeviceUnavailable,
+    EngineBusy,
+    InvalidRequest,
+    NotAllowed,
+    ShowcaseError,
+    UnsupportedCombination,
+    scrub_paths,
+)
+from engine.protocol import Mode, Precision
+from ui.common import ENGINE_QUEUE
+from ui.runs import Run
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/v1"
+OWNER = "diffusion-showcase"
+FILES_KEPT = 256  # images a "url" answer may point at (the oldest are deleted first)
+USER_CHARS = 256
+MAX_SEED = 2**31 - 1
+# The OpenAI fields this server reads, and those it takes and leaves (they mean nothing to a diffusers pipeline).
+OPENAI_FIELDS = ("model", "prompt", "n", "size", "response_format", "stream", "partial_images", "user",
+                 "output_format", "background")
+IGNORED_FIELDS = ("quality", "style", "moderation", "output_compression", "safety_identifier")
+# The showcase's own request fields, as extra body fields (the openai SDK's `extra_body`).
+EXTRA_FIELDS = {
+    "negative_prompt": "what to keep out of the image (presets that take one)",
+    "device": "auto, or a device name: cpu, cuda, ... (the page's System tab and the /system API list those here)",
+    "precision": "one of " + ", ".join(Precision.values()),
+    "mode": "one of " + ", ".join(Mode.values()) + " (a compiled mode serves eagerly until its bucket is warm, see "
+            "on_cold)",
+    "steps": "denoising steps, 1-200 (default: the model's)",
+    "guidance": "guidance scale, 0-50 (default: the model's)",
+    "seed": "an integer >= 0: image i of n gets seed + i (default: a random seed, returned with each image)",
+    "on_cold": "eager (serve a bucket that is not warm yet eagerly now) or wait (for its compile)",
+    "step_cache": "none, or first-block[:THRESHOLD], taylorseer[:INTERVAL][:WARMUP], magcache, faster-cache, "
+                  "pyramid (reuses denoiser work across steps)",
+    "lora": "none, or NAME[:SCALE][:fused], NAME one of the model's LoRA styles (GET /v1/loras)",
+}
+RESPONSE_FORMATS = ("b64_json", "url")
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# The engine's error kinds, most specific first: (class, HTTP status, OpenAI error type, code). The SDK raises
+# BadRequestError for 400, PermissionDeniedError for 403, RateLimitError for 429, InternalServerError for 5xx.
+STATUS_OF = (
+    (InvalidRequest, 400, "invalid_request_error", "invalid_value"),
+    (UnsupportedCombination, 400, "invalid_request_error", "unsupported_combination"),
+    (DeviceUnavailable, 400, "invalid_request_error", "device_unavailable"),
+    (NotAllowed, 403, "permission_error", "not_offered"),
+    (EngineBusy, 429, "rate_limit_error", "busy"),
+    (BudgetExceeded, 503, "server_error", "no_room"),
+    (DeviceOutOfMemory, 503, "server_error", "out_of_memory"),
+    (Cancelled, 499, "invalid_request_error", "cancelled"),
+)
+PARAM_OF = {"preset": "model", "size": "size", "prompt": "prompt", "steps": "steps", "guidance": "guidance",
+            "seed": "seed", "precision": "precision", "mode": "mode", "device": "device", "lora": "lora",
+            "step": "step_cache", "on_cold": "on_cold", "negative_prompt": "negative_prompt"}
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """The engine's error as OpenAI's: its own message (server paths scrubbed), the status its kind maps to."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ShowcaseError):
+        message = scrub_paths(str(exc))
+        status, kind, code = next(((s, k, c) for cls, s, k, c in STATUS_OF if isinstance(exc, cls)),
+                                  (500, "server_error", "generation_failed"))
+        # the engine's messages name their field first ("steps must be ...", "unknown mode 'warp' ...")
+        named = next((PARAM_OF[w] for w in re.findall(r"[a-z_]+", message.lower())[:3] if w in PARAM_OF), None)
+        return ApiError(status, message, kind, named if status == 400 else None, code)
+    log.error("unexpected error in the /v1 API", exc_info=exc)
+    return ApiError(500, f"unexpected {type(exc).__name__} on the server; it was logged and the server keeps "
+                         "serving", "server_error", code="internal_error")
+
+
+# -- who asks --------------------------------------------------------------------------------------------
+class ApiKeys:
+    """Who a /v1 request is. `spec`: None (no key required), API_KEYS_ADMIN or a key file (app.py --api-keys); the
+    admin token is always a key, and the host's."""
+
+    def __init__(self, spec: str | None, admin_token: str | None):
+        self.spec, self.admin_token = spec, admin_token
+        self._keys: frozenset[str] = frozenset()
+        self._stamp = None
+        self._lock = threading.Lock()
+
+    @property
+    def required(self) -> bool:
+        return self.spec is not None
+
+    def _file_keys(self) -> frozenset[str]:
+        if self.spec in (None, API_KEYS_ADMIN):
+            return frozenset()
+        try:
+            stat = Path(self.spec).stat()
+            stamp = (stat.st_mtime_ns, stat.st_size)
+        except OSError:
+            stamp = None
+        with self._lock:
+            if stamp != self._stamp:  # re-read when the host rotates keys; a broken file keeps the last ones
+                try:
+                    self._keys = load_api_keys(self.spec)
+                except InvalidRequest as exc:
+                    log.warning("%s; the API keys read before stay in use", exc)
+                self._stamp = stamp
+            return self._keys
+
+    def caller(self, authorization: str | None) -> Caller:
+        """HOST for the admin token; VISITOR for a key of the file or, where none is required, for anyone;
+        ApiError 401 otherwise."""
+        scheme, _, sent = (authorization or "").partition(" ")
+        sent = sent.strip() if scheme.lower() == "bearer" else ""
+        if sent and self.admin_token and hmac.compare_digest(sent.encode(), self.admin_token.encode()):
+            return Caller.HOST
+        if not self.required:
+            return Caller.VISITOR
+        if sent and any(hmac.compare_digest(sent.encode(), key.encode()) for key in self._file_keys()):
+            return Caller.VISITOR
+        raise ApiError(401, "this server's /v1 API needs an API key: send Authorization: Bearer <key> (the "
+                            "openai SDK's api_key); ask the host for one" if not sent else
+                       "the API key sent is not one of this server's; check it, or ask the host for one",
+                       code="invalid_api_key")
+
+
+# -- the request -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ImagesCall:
+    """A POST /v1/images/generations body, checked: what the images need and how the answer is sent."""
+
+    spec: ImageRequest
+    n: int = 1
+    response_format: str = "b64_json"
+    stream: bool = False
+    user: str | None = None
+    notices: tuple[str, ...] = ()
+
+    def specs(self) -> list[ImageRequest]:
+        """One request per image: seed, seed + 1, ..."""
+        seed = int(self.spec.seed)
+        return [self.spec.replace(seed=seed + i) for i in range(self.n)]
+
+
+def _whole(body: dict, name: str, default: int, low: int, high: int | None = None) -> int:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+        raise ApiError(400, f"{name} must be a whole number, got {str(value)[:40]!r}", param=name)
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        raise ApiError(400, f"{name} must be from {low} to {high}, got {value}" if high is not None else
+                       f"{name} must be at least {low}, got {value}", param=name)
+    return value
+
+
+def _text(body: dict, name: str, default: str | None = None) -> str | None:
+    value = body.get(name, default)
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ApiError(400, f"{name} must be text, got {type(value).__name__}", param=name)
+
+
+def check_body(body) -> dict:
+    """The body as a dict of known fields; ApiError naming an unknown one or the wrong shape."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object, e.g. {\"model\": \"tiny-shapes\", \"prompt\": \"a red "
+                            "circle on a blue background\"}")
+    known = (*OPENAI_FIELDS, *IGNORED_FIELDS, *EXTRA_FIELDS)
+    unknown = [name for name in body if name not in known]
+    if unknown:
+        raise ApiError(400, f"unknown field {str(unknown[0])[:40]!r}; this API takes {', '.join(OPENAI_FIELDS)} and "
+                            f"the showcase's own {', '.join(EXTRA_FIELDS)}", param=str(unknown[0])[:40])
+    if not isinstance(body.get("prompt"), str) or not body["prompt"].strip():
+        raise ApiError(400, "prompt is required: the text of what to draw", param="prompt")
+    if body.get("response_format") not in (None, *RESPONSE_FORMATS):
+        raise ApiError(400, f"response_format must be b64_json or url, got {str(body['response_format'])[:40]!r}",
+                       param="response_format")
+    if body.get("output_format") not in (None, "png"):
+        raise ApiError(400, "output_format: this server makes PNG images only; send png or leave it out",
+                       param="output_format")
+    if body.get("background") not in (None, "auto", "opaque"):
+        raise ApiError(400, "background: these pipelines draw opaque images only; send auto or opaque",
+                       param="background")
+    if not isinstance(body.get("stream", False), bool):
+        raise ApiError(400, "stream must be true or false", param="stream")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > USER_CHARS):
+        raise ApiError(400, f"user must be text of at most {USER_CHARS} characters", param="user")
+    return body
+
+
+def read_call(body: dict, defaults, preset: str, caller: Caller, client: str) -> ImagesCall:
+    """The ImagesCall of a checked body: missing showcase fields take the page's /generate defaults
+    (`defaults`: UIDefaults); no seed draws a random one; "auto" or no size is the model's first bucket."""
+    size = _text(body, "size")
+    seed = _text(body, "seed")
+    random_seed = seed is None or not seed.strip()
+    lora = _text(body, "lora")
+    step_cache = _text(body, "step_cache", defaults.step_cache)
+    notices = tuple(f"{name} is not used by this server" for name in IGNORED_FIELDS if name in body)
+    spec = ImageRequest(
+        preset=preset, prompt=body["prompt"], negative_prompt=_text(body, "negative_prompt") or None,
+        device=_text(body, "device", defaults.device), precision=_text(body, "precision", defaults.precision),
+        mode=_text(body, "mode", defaults.mode), size=None if size in (None, "", "auto") else size,
+        steps=_text(body, "steps"), guidance=_text(body, "guidance"),
+        seed=random.randint(0, MAX_SEED) if random_seed else seed, on_cold=_text(body, "on_cold", defaults.on_cold),
+        step_cache=None if step_cache in (None, "", "none") else step_cache,
+        lora=None if lora in (None, "", "none") else lora, caller=caller, client=client,
+        previews=_whole(body, "partial_images", 0, 0, MAX_PREVIEWS) if body.get("stream") else 0)
+    if not random_seed and not str(seed).strip().isdigit():
+        raise ApiError(400, f"seed must be a whole number >= 0, got {str(seed)[:40]!r}", param="seed")
+    return ImagesCall(spec, n=_whole(body, "n", 1, 1), response_format=body.get("response_format") or "b64_json",
+                      stream=bool(body.get("stream", False)), user=body.get("user"), notices=notices)
+
+
+# -- the images ------------------------------------------------------------------------------------------
+class ImagesRun:
+    """The n images of one call: each one manager.generate in a thread of its own, sent together so an engine
+    that batches runs them as one pipeline call. `events()` yields ("step", index, StepProgress) and
+    ("done", index, GenerateResult) on the event loop; `stop()` cancels every image between steps."""
+
+    def __init__(self, manager, specs: list[ImageRequest]):
+        self.manager, self.specs = manager, specs
+        self.runs = [Run() for _ in specs]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.left = len(specs)
+
+    def _put(self, item) -> None:
+        with suppress(RuntimeError):  # the loop closed (the app is stopping)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def start(self) -> ImagesRun:
+        for index, (spec, run) in enumerate(zip(self.specs, self.runs, strict=True)):
+            threading.Thread(target=self._work, args=(index, spec, run), name=f"v1-image-{index}", daemon=True).start()
+        return self
+
+    def _work(self, index: int, spec: ImageRequest, run: Run) -> None:
+        manager = self.manager
+        try:
+            if run.cancelled:
+                raise Cancelled("cancelled before it started")
+            result = manager.generate(spec, on_progress=lambda p: self._put(("step", index, p)),
+                                      on_submit=lambda request_id: run.submitted(manager, request_id))
+            self._put(("done", index, result))
+        except BaseException as exc:  # noqa: BLE001 - handed to the request's handler
+            self._put(("error", index, exc))
+
+    async def events(self):
+        """Every image's steps and results; raises the first image's error (after stopping the others)."""
+        while self.left:
+            kind, index, payload = await self.queue.get()
+            if kind == "error":
+                self.stop()
+                raise payload
+            if kind == "done":
+                self.left -= 1
+            yield kind, index, payload
+
+    def stop(self) -> None:
+        for run in self.runs:
+            run.stop(self.manager)
+
+
+class OutputStore:
+    """The images a "url" answer points at: PNG files under unguessable names in a folder of this app's own,
+    the last FILES_KEPT kept."""
+
+    def __init__(self, kept: int = FILES_KEPT):
+        self.kept = kept
+        self.folder: Path | None = None
+        self._files: OrderedDict[str, Path] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, png: bytes) -> str:
+        name = f"{secrets.token_urlsafe(18)}.png"
+        with self._lock:
+            if self.folder is None:
+                self.folder = Path(tempfile.mkdtemp(prefix="showcase-v1-"))
+            path = self.folder / name
+            path.write_bytes(png)
+            self._files[name] = path
+            while len(self._files) > self.kept:
+                _, old = self._files.popitem(last=False)
+                old.unlink(missing_ok=True)
+        return name
+
+    def get(self, name: str) -> bytes | None:
+        with self._lock:
+            path = self._files.get(name)
+        try:
+            return path.read_bytes() if path is not None else None
+        except OSError:
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
+                self.folder = None
+            self._files.clear()
+
+
+@dataclass
+class Answer:
+    """What one image call answers: its images in order and what the caller is told about them."""
+
+    call: ImagesCall
+    created: int = field(default_factory=lambda: int(time.time()))
+    results: dict = field(default_factory=dict)  # index -> GenerateResult
+    entered: float = field(default_factory=time.perf_counter)
+
+    def image(self, result, store: OutputStore, base_url: str) -> dict:
+        item = {"revised_prompt": None, "seed": result.seed, "timings": result.as_dict()}
+        if self.call.response_format == "url":
+            item["url"] = f"{base_url}{PREFIX}/images/files/{store.put(result.image_png)}"
+        else:
+            item["b64_json"] = base64.b64encode(result.image_png).decode("ascii")
+        return item
+
+    def notices(self) -> list[str]:
+        seen = dict.fromkeys(self.call.notices)
+        for result in self.results.values():
+            seen.update(dict.fromkeys(result.notices))
+        return list(seen)
+
+    def body(self, store: OutputStore, base_url: str) -> dict:
+        results = [self.results[i] for i in sorted(self.results)]
+        first = results[0]
+        return {
+            "created": self.created, "model": first.engine.preset, "size": str(first.bucket.size),
+            "output_format": "png", "background": "opaque",
+            "data": [self.image(r, store, base_url) for r in results],
+            "notices": self.notices(),
+            "batch_sizes": [r.batch_size for r in results],
+            "timings": {"handler_ms": round((time.perf_counter() - self.entered) * 1000, 1),
+                        "total_ms": [r.timings.total_ms for r in results]},
+            **({"safety_identifier": self.call.user} if self.call.user else {}),
+        }
+
+
+def partial_event(progress, index: int, number: int, size: str) -> dict:
+    """An image_generation.partial_image event (the SDK's ImageGenPartialImageEvent): image `index`'s
+    `number`-th partial image, at its step."""
+    return {"type": "image_generation.partial_image", "b64_json": base64.b64encode(progress.previews[0]).decode("ascii"),
+            "background": "opaque", "created_at": int(time.time()), "output_format": "png", "quality": "auto",
+            "size": size, "partial_image_index": number, "index": index, "step": progress.step, "steps": progress.total}
+
+
+def stream_event(kind: str, answer: Answer, result, index: int) -> dict:
+    """An image_generation.completed event as the SDK's ImageGenStreamEvent reads it."""
+    event = {"type": f"image_generation.{kind}", "b64_json": base64.b64encode(result.image_png).decode("ascii"),
+             "background": "opaque", "created_at": int(time.time()), "output_format": "png", "quality": "auto",
+             "size": str(result.bucket.size), "index": index}
+    if kind == "completed":
+        event.update(usage={"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+                            "output_tokens": 0, "total_tokens": 0},
+                     seed=result.seed, timings=result.as_dict(), notices=list(result.notices))
+        if answer.call.user:
+            event["safety_identifier"] = answer.call.user
+    return event
+
+
+def preview_size(png: bytes) -> str:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as image:
+        return f"{image.width}x{image.height}"
+
+
+def sse(event: dict, name: str | None = None) -> bytes:
+    head = f"event: {name or event.get('type', 'message')}\n"
+    return f"{head}data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+
+# -- the routes ------------------------------------------------------------------------------------------
+def error_response(error: ApiError):
+    from starlette.responses import JSONResponse
+
+    headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+class OpenAIRoutes:
+    """The /v1 routes on the app's handlers (ui/handlers.py): their manager, defaults, runs and web edge."""
+
+    def __init__(self, handlers, keys: ApiKeys):
+        self.h, self.keys = handlers, keys
+        self.store = OutputStore()
+        self.started = int(time.time())
+
+    def middleware(self):
+        from starlette.middleware import Middleware
+
+        return Middleware(_OpenAIMiddleware, routes=self)
+
+    async def handle(self, scope, receive, send) -> None:
+        """Answer one /v1 request; what it holds (its place at the edge, its run) is let go once the answer,
+        streamed or not, has been sent or the client has gone."""
+        from starlette.requests import Request
+
+        request = Request(scope, receive)
+        with ExitStack() as held:
+            try:
+                response = await self._route(request, held)
+            except Exception as exc:  # every failure answers in OpenAI's shape; the server keeps serving
+                response = error_response(api_error(exc))
+            await response(scope, receive, send)
+
+    async def _route(self, request, held: ExitStack):
+        from starlette.responses import JSONResponse, Response
+
+        path, method = request.url.path[len(PREFIX):].rstrip("/"), request.method
+        routes = {"/models": ("GET", self.models), "/loras": ("GET", self.loras),
+                  "/images/generations": ("POST", None)}
+        if path.startswith("/images/files/") and method in ("GET", "HEAD"):
+            png = self.store.get(path.rsplit("/", 1)[-1])
+            if png is None:
+                raise ApiError(404, "no such image here (images are kept for the last "
+                                    f"{self.store.kept} answers)", code="not_found")
+            return Response(png, media_type="image/png", headers={"cache-control": "private, max-age=3600"})
+        allowed, answer = routes.get(path, (None, None))
+        if path.startswith("/models/"):
+            allowed, answer = "GET", self.model
+        if allowed is None:
+            raise ApiError(404, f"no route {method} {PREFIX}{path}; this server serves GET /v1/models, GET "
+                                "/v1/loras and POST /v1/images/generations", code="unknown_url")
+        if method != allowed:
+            raise ApiError(405, f"{PREFIX}{path} takes {allowed}, not {method}", code="method_not_allowed")
+        caller = self.keys.caller(request.headers.get("authorization"))
+        if answer is None:
+            return await self.generations(request, caller, held)
+        return JSONResponse(answer(caller, path))
+
+    # -- listings ----------------------------------------------------------------------------------------
+    def _names(self, caller: Caller) -> list[str]:
+        """The presets this caller may send as `model` (public mode: a visitor, the host's list)."""
+        if caller is Caller.HOST:
+            return list(self.h.manager.presets)
+        return self.h.preset_names()
+
+    def _entry(self, name: str) -> dict:
+        preset = self.h.manager.preset(name)
+        return {"id": name, "object": "model", "created": self.started, "owned_by": OWNER,
+                "buckets": [str(s) for s in preset.buckets], "steps": preset.steps, "guidance": preset.guidance,
+                "negative_prompt": preset.negative_prompt, "example_prompt": preset.example_prompt,
+                "loras": [lora["name"] for lora in self._styles(name)]}
+
+    def _styles(self, name: str) -> list[dict]:
+        return [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}
+                for lora in self.h.manager.preset(name).loras]
+
+    def models(self, caller: Caller, path: str) -> dict:
+        """The presets, and the extra body fields POST /v1/images/generations takes beside OpenAI's."""
+        return {"object": "list", "data": [self._entry(name) for name in self._names(caller)],
+                "extra_fields": EXTRA_FIELDS}
+
+    def model(self, caller: Caller, path: str) -> dict:
+        name = path.split("/", 2)[-1]
+        if name not in self._names(caller):
+            raise ApiError(404, f"model {name[:60]!r} is not offered here; choose one of: "
+                                f"{', '.join(self._names(caller))} (GET /v1/models)", param="model",
+                           code="model_not_found")
+        return self._entry(name)
+
+    def loras(self, caller: Caller, path: str) -> dict:
+        slot = bool(self.h.manager.options.loras)
+        return {"object": "list", "enabled": slot,
+                "data": [{"model": name, "loras": self._styles(name)} for name in self._names(caller)],
+                **({} if slot else {"note": "LoRA styles are off on this server (the host starts it with --loras)"})}
+
+    # -- generations -------------------------------------------------------------------------------------
+    async def generations(self, request, caller: Caller, held: ExitStack):
+        import anyio
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        try:
+            body = check_body(json.loads(await request.body() or b"null"))
+        except (ValueError, UnicodeError):
+            raise ApiError(400, "the body must be JSON (Content-Type: application/json)") from None
+        client = self.h.edge.client_of(request) if self.h.edge is not None else f"v1 {request.client.host}"
+        preset = _text(body, "model") or self.h.default_preset().name
+        call = read_call(body, self.h.defaults, preset, caller, client)
+        await anyio.to_thread.run_sync(self._check_call, call)  # may probe devices: not on the event loop
+        self._hold(call, held)
+        answer = Answer(call)
+        run = ImagesRun(self.h.manager, call.specs())
+        if call.stream:
+            return StreamingResponse(self._stream(run, answer), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        await self._run(run, answer, request)
+        return JSONResponse(answer.body(self.store, str(request.base_url).rstrip("/")))
+
+    def _check_call(self, call: ImagesCall) -> None:
+        """What /generate checks before an engine starts (ui/generate.py _prepare): the engine the caller may
+        use, the cost of n images against the request and visitor budgets; and n against the engine's batch."""
+        h, spec = self.h, call.spec
+        key = h.key_for(spec.preset, spec.device, spec.precision, 1, caller=spec.caller)
+        limit = h.manager.batch_limit(key)
+        if call.n > limit:
+            raise ApiError(400, f"n must be from 1 to {limit} on {key} (its largest batch: the n images run as one "
+                                "pipeline call; the host sets --max-batch)", param="n")
+        h.manager.price_generate(spec.replace(preset=key.preset), images=call.n)
+
+    def _hold(self, call: ImagesCall, held: ExitStack) -> None:
+        """One of the client's events at the web edge and, in public mode, its one running request, as a
+        page's Generate holds them."""
+        client, h = call.spec.client, self.h
+        if h.edge is not None:
+            refusal = held.enter_context(h.edge.outside_queue(ENGINE_QUEUE, client))
+            if refusal:
+                raise ApiError(429, refusal, "rate_limit_error", code="too_many_requests")
+        try:
+            held.enter_context(h.runs.open(f"v1:{client}", exclusive=h.public))
+        except ShowcaseError as exc:
+            raise api_error(exc) from None
+
+    async def _run(self, run: ImagesRun, answer: Answer, request) -> None:
+        """Every image into `answer`; a client that goes away stops them between steps."""
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.25)
+            run.stop()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for kind, index, payload in run.start().events():
+                if kind == "done":
+                    answer.results[index] = payload
+        finally:
+            watcher.cancel()
+
+    async def _stream(self, run: ImagesRun, answer: Answer):
+        """Server-sent events as the openai SDK's images stream reads them: the partial images each image asked
+        for (partial_images) as its steps reach them, an image_generation.completed event per image as it is
+        ready, an error event (OpenAI's shape) if one fails. Closed early (the client went away), it stops the
+        images."""
+        done, partials = False, [0] * len(run.specs)
+        try:
+            async for kind, index, payload in run.start().events():
+                if kind == "done":
+                    answer.results[index] = payload
+                    yield sse(stream_event("completed", answer, payload, index))
+                elif payload.previews:
+                    size = preview_size(payload.previews[0])
+                    yield sse(partial_event(payload, index, partials[index], size))
+                    partials[index] += 1
+            done = True
+        except Exception as exc:
+            yield sse(api_error(exc).body(), "error")
+        finally:
+            if not done:
+                run.stop()
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class _OpenAIMiddleware:
+    def __init__(self, app, routes: OpenAIRoutes):
+        self.app, self.routes = app, routes
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path == PREFIX or path.startswith(PREFIX + "/"):
+            return await self.routes.handle(scope, receive, send)
+        return await self.app(scope, receive, send)
