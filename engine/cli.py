@@ -229,6 +229,31 @@ def add_step_caches_parser(sub) -> None:
     s.set_defaults(func=cmd_step_caches)
 
 
+def cmd_memory_levers(args) -> int:
+    from engine import devices
+    from engine.pipeline import memory
+
+    spec = devices.resolve_device(args.device) if args.device == devices.AUTO else devices.get_device(args.device)
+    mode = Mode.parse(args.mode, "mode") if args.mode else None
+    rows = memory.lever_table(spec, mode)
+    if args.json:
+        print(json.dumps({"device": spec.name, "mode": args.mode, "levers": rows}, indent=2))
+        return 0
+    print(f"memory levers on {spec.label} [{spec.name}]" + (f", mode {mode}" if mode else "")
+          + " (engine: part of the engine key; request: set per request)")
+    print(memory.format_table(rows))
+    return 0
+
+
+def add_memory_levers_parser(sub) -> None:
+    m = sub.add_parser("memory-levers", help="list memory levers (offload, layerwise casting, VAE tiling, ...): which "
+                                             "can run on a device, with which modes, and why not")
+    m.add_argument("--device", default="auto")
+    m.add_argument("--mode", default=None, help="only as combined with this mode: " + ", ".join(Mode.values()))
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_memory_levers)
+
+
 def add_export_parser(sub) -> None:
     e = sub.add_parser("export", help="build the aot (AOTInductor) packages of an engine's buckets ahead of time")
     e.add_argument("--preset", default=DEFAULT_PRESET)
@@ -254,6 +279,7 @@ COMMANDS = {
     "presets": "engine.cli:add_presets_parser",
     "attention": "engine.cli:add_attention_parser",
     "step-caches": "engine.cli:add_step_caches_parser",
+    "memory-levers": "engine.cli:add_memory_levers_parser",
     "export": "engine.cli:add_export_parser",
     "bench": "engine.bench:add_bench_parser",
     "soak": "engine.bench.soak:add_soak_parser",

@@ -75,6 +75,7 @@ class ImageRequest:
     lora: str | None = None
     lora_scale: float | str | None = None
     lora_fused: bool | None = None  # None: as `lora` says
+    memory: str | None = None  # memory levers (engine/protocol/memory.py); None: the host's default
     # who asks
     caller: Caller = Caller.HOST
     client: str = ""  # the visitor's address: engines take turns between clients, budgets are held per client

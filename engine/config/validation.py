@@ -19,6 +19,7 @@ from engine.protocol import (
     MAX_STEPS,
     GenerateRequest,
     LoraChoice,
+    MemoryLevers,
     Mode,
     ModelPreset,
     OnCold,
@@ -142,6 +143,7 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
         lora=lora.name,
         lora_scale=lora.scale,
         lora_fused=lora.fused,
+        memory=str(MemoryLevers.parse(spec.memory).request_part()),
         client=spec.client,
     )
     return request, notices + size_notices

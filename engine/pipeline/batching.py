@@ -72,7 +72,7 @@ def batch_key(request: GenerateRequest) -> tuple | None:
         return None
     return (request.mode, request.width, request.height, request.steps, float(request.guidance),
             bool(request.negative_prompt), request.step_cache, request.on_cold,
-            request.lora_choice)  # one adapter at one scale, fused or not, per call
+            request.lora_choice, request.memory)  # one adapter at one scale, fused or not, per call
 
 
 def chunk(n: int, sizes) -> int:

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine.metrics import median
+from engine.protocol.memory import MemoryLevers
 from engine.protocol.presets import LoraChoice, ModelPreset, check_lora_scale
 from engine.protocol.vocabulary import (
     NO_STEP_CACHE,
@@ -38,6 +39,7 @@ class GenerateRequest:
     lora: str | None = None  # one of the preset's adapters by name (None: no LoRA)
     lora_scale: float | None = None  # None: the adapter's default scale
     lora_fused: bool = False  # folded into the weights (eager only) rather than hot-swapped
+    memory: str = ""  # per-request memory levers (the VAE's: engine/protocol/memory.py), canonical text
     # Who asked (a visitor's address; "" for the host): an engine serves its waiting clients in turn.
     client: str = ""
 
@@ -50,6 +52,8 @@ class GenerateRequest:
             object.__setattr__(self, "lora_fused", False)
         if self.lora_scale is not None:
             object.__setattr__(self, "lora_scale", check_lora_scale(self.lora_scale))
+        levers = MemoryLevers.parse(self.memory).request_part()
+        object.__setattr__(self, "memory", str(levers) if levers.enabled else "")
         if not isinstance(self.step_cache, StepCache):
             object.__setattr__(self, "step_cache", StepCache.parse(self.step_cache))
 

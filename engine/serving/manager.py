@@ -25,6 +25,7 @@ from engine.config.request import Caller, ImageRequest
 from engine.config.resolve import Catalog
 from engine.config.validation import build_request
 from engine.errors import EngineBusy, NotAllowed, ShowcaseError
+from engine.pipeline import memory as memory_levers
 from engine.pipeline import stepcache
 from engine.protocol import (
     BucketKey,
@@ -34,6 +35,7 @@ from engine.protocol import (
     Footprint,
     GenerateRequest,
     GenerateResult,
+    MemoryLevers,
     Mode,
     ModelPreset,
     Size,
@@ -106,12 +108,21 @@ class EngineManager:
         return self.catalog.preset(name)
 
     def make_key(self, preset: str, device: str, precision: str, tp: int = 1,
-                 caller: Caller = Caller.HOST, parallel: str = "tensor") -> EngineKey:
+                 caller: Caller = Caller.HOST, parallel: str = "tensor", levers: str | None = None) -> EngineKey:
         """Validate and resolve an engine key ("auto" -> the best available device); in public mode a
-        visitor may only pick what the host offers."""
+        visitor may only pick what the host offers. `levers`: memory levers (None: the host's default; their
+        engine part goes into the key, refused with the reason where they cannot run)."""
         if caller is Caller.VISITOR:
             self.check_visitor_choice(preset=preset, precision=precision)
-        return self.catalog.make_key(preset, device, precision, tp, parallel)
+        default = MemoryLevers.parse(self.options.recipe.memory).engine_part()
+        wanted = default if levers is None else MemoryLevers.parse(levers).engine_part()
+        if caller is Caller.VISITOR and self.policy.public and wanted != default:
+            raise NotAllowed(f"memory levers are up to the host here (this host's: {default})")
+        key = self.catalog.make_key(preset, device, precision, tp, parallel, str(wanted) if wanted.enabled else "")
+        memory_levers.check_levers(key.memory, devices.get_device(key.device), tp=key.tp,
+                            quantized=bool(key.precision and key.precision.quantized),
+                            cpu_offload=self.options.recipe.cpu_offload)
+        return key
 
     def check_visitor_choice(self, *, preset=None, precision=None, mode=None) -> None:
         """NotAllowed naming what is offered when a public host does not offer this choice to visitors."""
@@ -254,7 +265,8 @@ class EngineManager:
 
     def _generate(self, spec: ImageRequest, seen: dict, hooks: _RunHooks, ticket: Ticket | None) -> GenerateResult:
         caller = spec.caller
-        key = self.make_key(spec.preset, spec.device, spec.precision, spec.tp, caller=caller, parallel=spec.parallel)
+        key = self.make_key(spec.preset, spec.device, spec.precision, spec.tp, caller=caller, parallel=spec.parallel,
+                            levers=spec.memory)
         seen["engine"] = str(key)
         if caller is Caller.VISITOR:
             self.check_visitor_choice(mode=spec.mode)

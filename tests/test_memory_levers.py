@@ -1,0 +1,197 @@
+"""Memory levers: their text, the registry of what runs where, the engine key, and each lever run for real on
+the embedded model (group offload to disk, layerwise fp8, VAE slicing) or through a mock where it needs an
+accelerator (model / sequential offload, encoder placement); the prompt-embedding cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import numpy as np
+import pytest
+
+from engine.errors import InvalidRequest, UnsupportedCombination
+from engine.protocol import EngineKey, GenerateRequest, MemoryLevers
+
+REQUEST = dict(prompt="a red circle", width=64, height=64, steps=4, guidance=3.5, seed=0)
+
+
+def test_lever_text_round_trips_and_bad_text_names_the_forms():
+    levers = MemoryLevers.parse("group:block:2:disk, layerwise:fp8,vae-slicing")
+    assert (levers.group, levers.group_blocks, levers.group_disk, levers.layerwise) == ("block", 2, True, "fp8")
+    assert str(levers) == "layerwise:fp8,group:block:2:disk,vae-slicing"
+    assert MemoryLevers.parse(str(levers)) == levers
+    assert str(levers.engine_part()) == "layerwise:fp8,group:block:2:disk"
+    assert str(levers.request_part()) == "vae-slicing"
+    assert not MemoryLevers.parse("none").enabled
+    for bad, words in (("group:block:0", "out of range"), ("group:ring", "group:block"), ("warp-drive", "unknown"),
+                       ("layerwise:int4", "fp8"), ("group:leaf,model-offload", "pick one"),
+                       ("model-offload,encoders:cpu", "already moves"), ("vae-tiling,vae-tiling", "repeats")):
+        with pytest.raises(InvalidRequest, match=words):
+            MemoryLevers.parse(bad)
+
+
+def test_engine_key_carries_the_engine_levers_only():
+    key = EngineKey("tiny-shapes", "cpu", "fp32", memory="vae-tiling,group:leaf")
+    assert key.memory == "group:leaf"
+    assert str(key) == "tiny-shapes@cpu/fp32+group:leaf"
+    assert key != EngineKey("tiny-shapes", "cpu", "fp32")
+    assert EngineKey("tiny-shapes", "cpu", "fp32", memory="vae-slicing") == EngineKey("tiny-shapes", "cpu", "fp32")
+    assert GenerateRequest(**REQUEST, memory="vae-slicing,group:leaf").memory == "vae-slicing"
+
+
+def _gpu_like(spec):
+    return dataclasses.replace(spec, name="gpu", host_memory_is_device_memory=False, offload_streams=True)
+
+
+def test_registry_says_what_runs_on_a_cpu_and_why_not():
+    from engine import devices
+    from engine.pipeline import memory
+
+    cpu = devices.get_device("cpu")
+    rows = {r["name"]: r for r in memory.lever_table(cpu)}
+    assert rows["group:block"]["usable"] and rows["layerwise"]["usable"] and rows["vae-slicing"]["usable"]
+    assert "nowhere to offload" in rows["model-offload"]["why_not"]
+    assert "nowhere to offload" in rows["sequential-offload"]["why_not"]
+    assert rows["vae-tiling"]["scope"] == "request" and rows["group:leaf"]["scope"] == "engine"
+    compiled = {r["name"]: r for r in memory.lever_table(cpu, "compile")}
+    assert "Parameter() constructor with Dynamo" in compiled["layerwise"]["why_not"]
+    gpu = {r["name"]: r for r in memory.lever_table(_gpu_like(cpu))}
+    assert gpu["model-offload"]["usable"] and gpu["encoders:cpu"]["usable"]
+
+
+def test_impossible_sets_are_refused_with_the_reason():
+    from engine import devices
+    from engine.pipeline import memory
+
+    cpu = devices.get_device("cpu")
+    with pytest.raises(UnsupportedCombination, match="CUDA or XPU streams"):
+        memory.check_levers("group:block:stream", cpu)
+    assert memory.check_levers("group:block:stream", _gpu_like(cpu))
+    with pytest.raises(UnsupportedCombination, match="single-device"):
+        memory.check_levers("group:leaf", cpu, tp=2)
+    with pytest.raises(UnsupportedCombination, match="torchao"):
+        memory.check_levers("layerwise:fp8", cpu, quantized=True)
+    with pytest.raises(UnsupportedCombination, match="cpu-offload"):
+        memory.check_levers("group:leaf", cpu, cpu_offload=True)
+    assert memory.excluded_mode("layerwise:fp8", "regional")
+    assert memory.excluded_mode("group:block", "compile")
+    assert not memory.excluded_mode("vae-tiling", "compile")  # per request: checked per request
+    with pytest.raises(UnsupportedCombination, match="step cache"):
+        memory.check_request("group:block", "", "eager", step_cache=True, lora=False)
+    with pytest.raises(UnsupportedCombination, match="vae-tiling not in mode compile"):
+        memory.check_request("", "vae-tiling", "compile", step_cache=False, lora=False)
+
+
+def test_model_and_sequential_offload_go_through_diffusers_on_an_accelerator(tmp_path):
+    from engine.pipeline import memory
+
+    for lever, method in (("model-offload", "enable_model_cpu_offload"),
+                          ("sequential-offload", "enable_sequential_cpu_offload")):
+        pipe = mock.MagicMock()
+        notices = memory.apply_engine_levers(pipe, "transformer", lever, "cuda", None, tmp_path)
+        getattr(pipe, method).assert_called_once_with(device="cuda")
+        pipe.to.assert_not_called()
+        assert "offload" in notices[-1]
+
+
+def test_encoders_on_the_cpu_encode_there_and_hand_the_device_their_output():
+    import torch
+
+    from engine.pipeline.prompts import PromptCache, PromptEncoder
+
+    seen = []
+
+    class Pipe:
+        components = {"text_encoder": torch.nn.Linear(1, 1), "transformer": torch.nn.Linear(1, 1)}
+
+        def encode_prompt(self, prompt, device=None, num_images_per_prompt=1):
+            seen.append(device)
+            return torch.ones(2), None
+
+    pipe = Pipe()
+    encoder = PromptEncoder(pipe, "encoders:cpu", "meta", "k", PromptCache(4, 2**20))
+    encoder.bind(pipe)
+    embeds, pooled = pipe.encode_prompt(prompt="a", device="meta")
+    assert seen == ["cpu"] and embeds.device.type == "meta" and pooled is None
+    pipe.encode_prompt(prompt="a", device="meta")
+    assert seen == ["cpu"]  # the second call came from the cache
+
+
+def test_prompt_cache_is_bounded_in_entries_and_bytes():
+    import torch
+
+    from engine.pipeline.prompts import PromptCache
+
+    cache = PromptCache(entries=2, max_bytes=1000)
+    for i in range(3):
+        cache.put(i, (torch.zeros(10),))  # 40 bytes each
+    assert len(cache) == 2 and cache.get(0) is None and cache.get(2) is not None
+    cache.put("big", (torch.zeros(300),))  # 1200 bytes: over the whole bound, never kept
+    assert cache.get("big") is None and cache.bytes == 80
+    cache = PromptCache(entries=10, max_bytes=100)
+    for i in range(3):
+        cache.put(i, (torch.zeros(10),))
+    assert len(cache) == 2 and cache.bytes == 80
+
+
+@pytest.fixture(scope="module")
+def runners(cache_dir, tiny_models):
+    from engine.config.presets import get_preset
+    from engine.pipeline.runner import PipelineRunner
+    from engine.protocol import EngineConfig, EngineOptions
+
+    def runner(levers: str):
+        key = EngineKey("tiny-shapes", "cpu", "fp32", memory=levers)
+        r = PipelineRunner(EngineConfig(key, get_preset("tiny-shapes"), EngineOptions(warm_sizes=()), str(cache_dir)))
+        r.load()
+        return r
+
+    return runner
+
+
+def _pixels(result):
+    return np.asarray(result.image(), dtype=np.int16)
+
+
+def test_group_offload_to_disk_serves_the_same_image(runners, cache_dir):
+    plain, offloaded = runners(""), runners("group:block:1:disk")
+    request = GenerateRequest(**REQUEST)
+    a, b = plain.generate(request), offloaded.generate(request)
+    assert np.abs(_pixels(a) - _pixels(b)).max() == 0
+    assert any("files in" in n for n in offloaded.notices)
+    folder = next(n for n in offloaded.notices if "files in" in n).split("files in ")[1].rstrip(")")
+    assert list(__import__("pathlib").Path(folder).iterdir())  # the weights went to disk
+    assert offloaded.modes() == ("eager",)
+    with pytest.raises(UnsupportedCombination, match="step cache"):
+        offloaded.generate(request.replace(step_cache="first-block"))
+
+
+def test_layerwise_fp8_halves_the_denoiser_and_refuses_compile(runners):
+    from engine.pipeline.footprint import weights_bytes
+
+    plain, cast = runners(""), runners("layerwise:fp8")
+
+    def denoiser_bytes(r):
+        return sum(t.numel() * t.element_size() for t in (*r.pipe.transformer.parameters(),
+                                                           *r.pipe.transformer.buffers()))
+
+    assert denoiser_bytes(cast) <= 0.5 * denoiser_bytes(plain)
+    assert weights_bytes(cast.pipe) < weights_bytes(plain.pipe)
+    request = GenerateRequest(**REQUEST)
+    diff = np.abs(_pixels(plain.generate(request)) - _pixels(cast.generate(request))).astype(float)
+    assert 10 * np.log10(255**2 / max((diff**2).mean(), 1e-9)) >= 30  # close, not equal
+    with pytest.raises(UnsupportedCombination, match="Dynamo"):
+        cast.generate(request.replace(mode="compile"))
+
+
+def test_vae_levers_per_request_and_the_prompt_cache(runners):
+    plain = runners("")
+    request = GenerateRequest(**REQUEST)
+    first = plain.generate(request.replace(prompt="two blue squares"))
+    hits = plain.caller.prompts.cache.hits
+    again = plain.generate(request.replace(prompt="two blue squares", memory="vae-slicing"))
+    assert plain.caller.prompts.cache.hits == hits + 1
+    assert np.abs(_pixels(first) - _pixels(again)).max() == 0  # cached embeddings, sliced decode: same image
+    with pytest.raises(UnsupportedCombination, match="AutoencoderTiny"):
+        plain.generate(request.replace(memory="vae-tiling"))
