@@ -195,3 +195,55 @@ def test_vae_levers_per_request_and_the_prompt_cache(runners):
     assert np.abs(_pixels(first) - _pixels(again)).max() == 0  # cached embeddings, sliced decode: same image
     with pytest.raises(UnsupportedCombination, match="AutoencoderTiny"):
         plain.generate(request.replace(memory="vae-tiling"))
+
+
+FAKE_DEVICE_SCRIPT = """
+import json, sys
+sys.path[:0] = [{tests!r}, {root!r}]
+from fake_device import install_fake_device
+fake = install_fake_device("neuron")
+import numpy as np
+from engine.config.presets import get_preset
+from engine.pipeline.runner import PipelineRunner
+from engine.protocol import EngineConfig, EngineKey, EngineOptions, GenerateRequest
+
+def runner(device, levers=""):
+    key = EngineKey("tiny-shapes", device, "fp32", memory=levers)
+    r = PipelineRunner(EngineConfig(key, get_preset("tiny-shapes"), EngineOptions(warm_sizes=()), {cache!r}))
+    r.load()
+    return r
+
+req = GenerateRequest(prompt="a red circle", width=64, height=64, steps=2, guidance=3.5, seed=0)
+ref = np.asarray(runner("cpu").generate(req).image(), dtype=np.int16)
+out = {{}}
+for levers in ("encoders:cpu", "encoders:offload"):
+    lever = runner("neuron", levers)
+    image = np.asarray(lever.generate(req).image(), dtype=np.int16)
+    out[levers] = {{"denoiser": str(next(lever.pipe.transformer.parameters()).device),
+                   "encoder": str(next(lever.pipe.text_encoder.parameters()).device),
+                   "max_diff": int(np.abs(image - ref).max())}}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_text_encoders_beside_a_fake_accelerator(cache_dir, tiny_models):
+    """On the fake PrivateUse1 device: the encoders stay on the CPU (encoders:cpu) or go back there after
+    encoding (encoders:offload) while the denoiser lives on the device; the image is the CPU engine's. (Group
+    offload cannot run on the fake device: its `param.data = moved` meets the fake tensor subclass.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = FAKE_DEVICE_SCRIPT.format(tests=str(root / "tests"), root=str(root), cache=str(cache_dir))
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, proc.stderr[-4000:]
+    out = json.loads(line.removeprefix("RESULT "))
+    for row in out.values():
+        assert row["denoiser"].startswith("neuron") and row["encoder"] == "cpu"
+        assert row["max_diff"] <= 2  # uint8 images: same pipeline, same seed
