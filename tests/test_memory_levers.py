@@ -247,3 +247,32 @@ def test_text_encoders_beside_a_fake_accelerator(cache_dir, tiny_models):
     for row in out.values():
         assert row["denoiser"].startswith("neuron") and row["encoder"] == "cpu"
         assert row["max_diff"] <= 2  # uint8 images: same pipeline, same seed
+
+
+def test_compare_entries_take_memory_levers_and_refuse_impossible_pairs():
+    from engine import devices
+    from engine.bench import configs
+    from engine.config.presets import get_preset
+
+    entry = configs.parse_entry("eager/fp32+lora=swap+mem=group:block:2, vae-slicing@cpu")
+    assert entry.memory == "group:block:2,vae-slicing" and entry.lora == "swap" and entry.device == "cpu"
+    assert configs.parse_entry(entry.text()) == entry
+    with pytest.raises(ValueError, match="unknown memory lever"):
+        configs.parse_entry("eager/fp32+mem=warp")
+    preset, cpu = get_preset("tiny-shapes"), devices.get_device("cpu")
+    assert "fullgraph" in configs.refusal(preset, cpu, configs.parse_entry("regional/fp32+mem=layerwise:fp8"))
+    assert "nowhere to offload" in configs.refusal(preset, cpu, configs.parse_entry("eager/fp32+mem=model-offload"))
+    assert "step cache" in configs.refusal(preset, cpu, configs.parse_entry("eager/fp32/first-block+mem=group:leaf"))
+    assert configs.refusal(preset, cpu, configs.parse_entry("eager/fp32+mem=layerwise:fp8")) is None
+
+
+def test_compare_shows_gib_beside_seconds():
+    from ui import views
+
+    result = {"config": "cpu/fp32/eager+mem=layerwise:fp8", "timings": {"total_ms": 500.0, "step_ms": [1.0]},
+              "peak_memory_bytes": 3 * 2**29, "weights_bytes": {"transformer": 2**28, "vae": 2**28}}
+    row = views.price_rows([result])[0]
+    assert row[1] == "0.50 · 1.50 GiB peak · weights 0.50 GiB"
+    assert "1.50 GiB peak" in views.compare_cards_html([result], [None])
+    assert ["weights (memory levers: none)", "transformer 0.25 GiB, vae 0.25 GiB"] in views.stats_rows(
+        {**result, "timings": {"step_ms": [1.0]}})

@@ -29,7 +29,7 @@ from engine.pipeline.calls import CallOutcome, PipelineCaller, pipeline_call_kwa
 from engine.pipeline.clock import compiles_in_this_thread
 from engine.pipeline.clock import install_compile_counter as _install_compile_counter
 from engine.pipeline.faults import Faults
-from engine.pipeline.footprint import engine_footprint, weights_bytes
+from engine.pipeline.footprint import component_bytes, engine_footprint, weights_bytes
 from engine.pipeline.loading import PipelineLoader, lora_refusal
 from engine.pipeline.lora import SlotChange
 from engine.pipeline.modes import VariantSet, clone_module_tree, compile_denoiser
@@ -338,7 +338,7 @@ class PipelineRunner:
             lora_scale=request.lora_scale if request.lora else None,
             lora_rank=self.loras.rank(request.lora) if self.loras is not None else None,
             lora_swap_ms=run.lora.swap_ms, lora_fused=request.lora_fused and request.lora is not None,
-            lora_fuse_ms=run.lora.fuse_ms)
+            lora_fuse_ms=run.lora.fuse_ms, weights_by_component=component_bytes(self.pipe))
 
     def _out_of_memory(self, exc: Exception) -> DeviceOutOfMemory:
         gc.collect()

@@ -119,6 +119,9 @@ class GenerateResult:
     lora_swap_ms: float | None = None  # the hot-swap this request waited for (None: the adapter was in place)
     lora_fused: bool = False  # ran with the adapter folded into the weights
     lora_fuse_ms: float | None = None  # the fuse this request waited for (None: the fused copy held it)
+    # The engine's weights by component (name, bytes as stored: layerwise fp8 counts 1 byte a weight), the
+    # price of its memory levers beside peak_memory_bytes.
+    weights_by_component: tuple[tuple[str, int], ...] = ()
 
     @property
     def computed_steps(self) -> int:
@@ -159,6 +162,7 @@ class GenerateResult:
             "lora_swap_ms": self.lora_swap_ms,
             "lora_fused": self.lora_fused,
             "lora_fuse_ms": self.lora_fuse_ms,
+            "weights_bytes": dict(self.weights_by_component),
             "timings": {
                 "step_ms": list(t.step_ms),
                 "first_step_ms": t.first_step_ms,
