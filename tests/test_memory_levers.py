@@ -276,3 +276,70 @@ def test_compare_shows_gib_beside_seconds():
     assert "1.50 GiB peak" in views.compare_cards_html([result], [None])
     assert ["weights (memory levers: none)", "transformer 0.25 GiB, vae 0.25 GiB"] in views.stats_rows(
         {**result, "timings": {"step_ms": [1.0]}})
+
+
+# -- the Advisor's memory bound ------------------------------------------------------------------------
+def _advisor_plan(**kw):
+    from engine.bench.advise_choice import AdvisePlan
+    from engine.config.presets import get_preset
+    from engine.protocol import Size
+
+    return AdvisePlan(preset=get_preset("tiny-shapes"), device="cpu", size=Size(64, 64), steps=4, **kw)
+
+
+def _row(label, ms, peak_gib, **kw):
+    precision, mode = label.split("/")[:2]
+    return {"precision": precision, "mode": mode, "step_cache": "none", "attention": "native", "label": label,
+            "s_per_image": ms / 1000, "fidelity": 0.94, "drift_psnr_db": None, "drift_max_diff": 0, "error": None,
+            "peak_bytes": int(peak_gib * 2**30), **kw}
+
+
+def test_max_memory_picks_the_fastest_configuration_whose_peak_fits():
+    from engine.bench.advise_choice import choose
+    from engine.bench.advise_report import table_rows
+
+    def rows():
+        return [_row("fp32/eager", 100, 2.0), _row("bf16/compile", 40, 3.0),
+                _row("fp32/eager/mem=layerwise:fp8", 130, 1.2, memory="layerwise:fp8")]
+
+    assert choose(rows(), _advisor_plan())[0]["label"] == "bf16/compile"  # no bound: the fastest
+    pick, table = choose(rows(), _advisor_plan(max_memory_bytes=int(2.5 * 2**30)))  # between 2.0 and 3.0 GiB
+    assert pick["label"] == "fp32/eager"
+    assert "3.00 GiB > --max-memory 2.50 GiB" in next(r for r in table if r["label"] == "bf16/compile")["why_not"]
+    pick, _ = choose(rows(), _advisor_plan(max_memory_bytes=int(1.5 * 2**30)))  # only the lever fits
+    assert pick["label"] == "fp32/eager/mem=layerwise:fp8"
+    assert choose(rows(), _advisor_plan(max_memory_bytes=2**30))[0] is None  # nothing fits: no pick
+    report = {"rows": table, "pick": pick}
+    assert any(cells[1] == "0.130 · 1.20 GiB" for cells in table_rows(report))
+
+
+def test_the_advisor_measures_memory_levers_with_their_peak(cache_dir, tiny_models):
+    from engine.bench.advise import Advisor, config_key
+    from engine.bench.advise_choice import Candidate, final_entries
+    from engine.protocol import EngineOptions
+
+    plan = _advisor_plan(max_minutes=5, timing_images=2, quality_samples=1, cache_dir=cache_dir,
+                         options=EngineOptions(warm_sizes=(), warm_modes=()), prompt="a red circle",
+                         memory_levers=("layerwise:fp8", "model-offload"))
+    advisor = Advisor(plan)
+    levers = [c for c in advisor.grid if c.memory]
+    assert [c.memory for c in levers] == ["layerwise:fp8"]
+    assert any("model-offload" in s["what"] and "nowhere to offload" in s["why"] for s in advisor.skipped)
+    advisor.scan_one(Candidate("fp32", "eager"))
+    advisor.scan_one(levers[0])
+    plain, cast = advisor.measured[config_key(Candidate("fp32", "eager"))], advisor.measured[config_key(levers[0])]
+    assert not cast.error and cast.peak_bytes and plain.peak_bytes
+    assert cast.peak_bytes < plain.peak_bytes  # fp8 weights: less to hold
+    row = cast.as_dict()
+    assert row["memory"] == "layerwise:fp8" and row["label"] == "fp32/eager/mem=layerwise:fp8"
+    assert Candidate("fp32", "eager", memory="layerwise:fp8") in final_entries([row], [row])
+
+
+def test_the_advisor_tab_checks_its_memory_bound():
+    import gradio as gr
+
+    from ui.advisor import checked_size
+
+    assert checked_size(" 16GiB ") == str(16 * 2**30)
+    with pytest.raises(gr.Error, match="3GiB"):
+        checked_size("lots")
