@@ -343,3 +343,92 @@ def test_the_advisor_tab_checks_its_memory_bound():
     assert checked_size(" 16GiB ") == str(16 * 2**30)
     with pytest.raises(gr.Error, match="3GiB"):
         checked_size("lots")
+
+
+# -- fit: the estimate and --memory auto ---------------------------------------------------------------
+def test_the_estimate_reads_headers_and_prices_each_lever():
+    from engine import devices
+    from engine.config.presets import get_preset
+    from engine.serving import fit
+
+    model = fit.model_for(get_preset("tiny-shapes"), fit.Path("models/tiny-shapes"), "fp32")
+    d = model.components["transformer"]
+    assert d.params == 1_806_384 and d.block and d.castable < d.params
+    plain = model.estimate("", 64, 64, host_is_device=True)
+    cast = model.estimate("layerwise:fp8", 64, 64, host_is_device=True)
+    # the denoiser's stored bytes with fp8 storage: 0.47x, as measured on the loaded model
+    assert abs((plain.weights_bytes - cast.weights_bytes) / (d.params * 4) - 0.53) < 0.01
+    # on a CPU group offload to host RAM saves nothing; to disk it does
+    assert model.estimate("group:block:1", 64, 64, True).weights_bytes == plain.weights_bytes
+    assert model.estimate("group:block:1:disk", 64, 64, True).weights_bytes < plain.weights_bytes
+    rows = fit.options(model, devices.get_device("cpu"), 64, 64)
+    assert [e.levers for e in rows][:2] == ["", "layerwise:fp8"] and "model-offload" not in [e.levers for e in rows]
+    assert fit.choose(rows, plain.device_bytes - 1, "auto")[0].levers == "layerwise:fp8"
+    assert fit.choose(rows, None, "auto")[0].levers == "" and fit.choose(rows, 1, "speed")[0].levers == ""
+    assert fit.choose(rows, None, "memory")[0].device_bytes == min(e.device_bytes for e in rows)
+
+
+def test_flux1_dev_is_estimated_from_its_config_without_weights():
+    from engine import devices
+    from engine.config.presets import get_preset
+    from engine.serving import fit
+
+    model = fit.model_for(get_preset("flux1-dev"), None, "bf16")
+    assert 11.8e9 < model.components["transformer"].params < 12.0e9  # FLUX.1-dev's 11.9 B
+    gpu = _gpu_like(devices.get_device("cpu"))
+    rows = {e.levers: e for e in fit.options(model, gpu, 1024, 1024)}
+    assert 30 * 2**30 < rows[""].device_bytes < 36 * 2**30  # diffusers measured 33.9 GB
+    assert rows["group:block:1"].device_bytes < rows["model-offload"].device_bytes < rows[""].device_bytes
+    assert rows["sequential-offload"].device_bytes < 2 * 2**30  # diffusers: 2.4 GB
+    pick, why = fit.choose(list(rows.values()), 24 * 2**30, "auto")  # a 24 GB GPU
+    assert pick.levers == "encoders:cpu" and "fits" in why
+    assert "flux1-dev bf16 needs" in fit.advice_line("flux1-dev", "bf16", list(rows.values()))
+
+
+def test_memory_auto_loads_a_lever_where_the_declared_memory_is_short(cache_dir, tiny_models):
+    from helpers import engine_manager
+
+    from engine import devices
+    from engine.config.request import ImageRequest
+    from engine.serving import fit
+
+    with engine_manager(cache_dir, options={"memory_policy": "auto"}, runtime="inprocess") as m:
+        model = fit.model_for(m.preset("tiny-shapes"), fit.Path("models/tiny-shapes"), "fp32")
+        cpu = devices.get_device("cpu")
+        rows = fit.options(model, cpu, 128, 64, cpu.process_overhead_bytes)
+        # declared: what this process holds, plus a little less than the engine's no-lever estimate
+        m.budgets.memory_budget = m.budgets.app_bytes("cpu") + rows[0].device_bytes - 1
+        result = m.generate(ImageRequest("tiny-shapes", prompt="a red circle", device="cpu", size="64x64", steps=2))
+        assert str(result.engine).endswith("+layerwise:fp8") and result.image_png
+
+
+def test_the_hosts_table_tells_each_host_what_fits():
+    from engine import devices
+    from engine.config.presets import get_preset
+    from engine.serving import fit
+
+    table = fit.host_table([("flux1-dev bf16", fit.model_for(get_preset("flux1-dev"), None, "bf16"))],
+                           devices.get_device("cuda"))
+    row = table.splitlines()[2].split(" | ")
+    assert row[1].startswith("group:block:1:stream")  # 24 GB GPU: offloaded with prefetch
+    assert row[2].startswith("does not fit")  # 16 GB Mac: host RAM is the same memory
+    assert row[5].startswith("none")  # H200
+
+
+def test_the_cli_lists_levers_and_estimates(capsys):
+    from engine import cli
+
+    assert cli.main(["memory-levers", "--device", "cpu", "--mode", "compile"]) == 0
+    out = capsys.readouterr().out
+    assert "layerwise:fp8|fp8-e5m2" in out and "not with mode compile" in out
+    assert cli.main(["memory-levers", "--device", "cuda", "--preset", "flux1-dev", "--free", "21GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "--memory auto: auto: group:block:1:stream fits 21.00 GiB" in out
+
+
+def test_a_bad_lever_flag_stops_the_program_naming_the_forms():
+    from engine import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--memory-lever", "group:ring"])
+    assert exit_info.value.code == 2

@@ -40,7 +40,7 @@ from engine.protocol import (
     ModelPreset,
     Size,
 )
-from engine.serving import budget, cost, policy
+from engine.serving import budget, cost, fit, policy
 from engine.serving.admission import RequestFlow, Ticket, price_compare, price_generate
 from engine.serving.footprints import DeviceBudgets
 from engine.serving.hosting import HostingConfig, HostPolicy, Runtime
@@ -81,6 +81,7 @@ class EngineManager:
         self.default_key: EngineKey | None = None
         self.scheduler = CompileScheduler(self.hosting.compile_jobs or settings.default_compile_jobs())
         self.budgets = DeviceBudgets(self.hosting, lambda key: self.catalog.config(key, self.options, self.cache_dir))
+        self._fitted: dict[EngineKey, str] = {}  # --memory auto|memory: the levers chosen per key
         self.launcher = EngineLauncher(self.hosting, self.cache,
                                        lambda device: self.budgets.device_budget(device).max_engines)
         self.residency = Residency(self.launcher, self.budgets, self.scheduler, config_for=self._config,
@@ -119,10 +120,24 @@ class EngineManager:
         if caller is Caller.VISITOR and self.policy.public and wanted != default:
             raise NotAllowed(f"memory levers are up to the host here (this host's: {default})")
         key = self.catalog.make_key(preset, device, precision, tp, parallel, str(wanted) if wanted.enabled else "")
+        if levers is None and not wanted.enabled and self.options.recipe.memory_policy != "speed" and tp == 1:
+            key = dataclasses.replace(key, memory=self.fitted_levers(key))
         memory_levers.check_levers(key.memory, devices.get_device(key.device), tp=key.tp,
                             quantized=bool(key.precision and key.precision.quantized),
                             cpu_offload=self.options.recipe.cpu_offload)
         return key
+
+    def fitted_levers(self, key: EngineKey) -> str:
+        """The levers --memory auto|memory picks for an engine no one named levers for (engine/serving/fit.py),
+        chosen once per key for the device's budget less what this process holds of it."""
+        if key not in self._fitted:
+            budget_bytes = self.budgets.device_budget(key.device).bytes
+            free = None if budget_bytes is None else budget_bytes - self.budgets.app_bytes(key.device)
+            levers, why = fit.fitted_levers(self.catalog.config(key, self.options, self.cache_dir),
+                                            devices.get_device(key.device), free, self.options.recipe.memory_policy)
+            log.info("memory levers for %s: %s (%s)", key, levers or "none", why)
+            self._fitted[key] = levers
+        return self._fitted[key]
 
     def check_visitor_choice(self, *, preset=None, precision=None, mode=None) -> None:
         """NotAllowed naming what is offered when a public host does not offer this choice to visitors."""
