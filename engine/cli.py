@@ -17,7 +17,7 @@ from engine.config import caches
 from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
 from engine.config.presets import load_presets
 from engine.config.request import ImageRequest
-from engine.config.resolve import Catalog
+from engine.config.resolve import Catalog, resolve_source
 from engine.errors import ShowcaseError
 from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel, Size
 from engine.worker.logs import quiet_third_party
@@ -229,6 +229,65 @@ def add_step_caches_parser(sub) -> None:
     s.set_defaults(func=cmd_step_caches)
 
 
+def cmd_memory_levers(args) -> int:
+    from engine import devices
+    from engine.pipeline import memory
+
+    spec = devices.resolve_device(args.device) if args.device == devices.AUTO else devices.get_device(args.device)
+    if args.preset:
+        return print_fit(args, spec)
+    mode = Mode.parse(args.mode, "mode") if args.mode else None
+    rows = memory.lever_table(spec, mode)
+    if args.json:
+        print(json.dumps({"device": spec.name, "mode": args.mode, "levers": rows}, indent=2))
+        return 0
+    print(f"memory levers on {spec.label} [{spec.name}]" + (f", mode {mode}" if mode else "")
+          + " (engine: part of the engine key; request: set per request)")
+    print(memory.format_table(rows))
+    return 0
+
+
+def print_fit(args, spec) -> int:
+    """`memory-levers --preset P`: each lever set's estimate for P on `spec`, and what each policy picks."""
+    from engine.serving import budget, fit
+
+    catalog = Catalog(*presets_from_args(args))
+    preset = catalog.preset(args.preset)
+    size = Size.parse(args.size) if args.size else max(preset.buckets, key=lambda s: s.pixels)
+    key = catalog.make_key(preset.name, spec.name, args.precision) if spec.probe().available else None
+    source = None if key is None else Path(resolve_source(catalog.config(key, options_from_args(args),
+                                                                         settings.cache_dir())))
+    model = fit.model_for(preset, source if source is not None and source.is_dir() else None, args.precision)
+    rows = fit.options(model, spec, size.width, size.height, spec.process_overhead_bytes)
+    free = budget.parse_size(args.free) if args.free else (
+        spec.default_memory_budget()[0] if spec.probe().available else None)
+    if args.json:
+        print(json.dumps({"preset": preset.name, "device": spec.name, "size": str(size), "estimates": [
+            e.as_dict() for e in rows], "picks": {p: fit.choose(rows, free, p)[0].levers for p in fit.POLICIES}}))
+        return 0
+    print(f"{preset.name} {args.precision} at {size} on {spec.label} [{spec.name}]: estimated peak per lever set")
+    for e in rows:
+        print(f"  {e.levers or 'none':38s} {e.device_bytes / 2**30:7.2f} GiB  ≈ {e.time_factor:g}× the time")
+    print(fit.advice_line(preset.name, args.precision, rows))
+    for policy in fit.POLICIES:
+        print(f"--memory {policy}: {fit.choose(rows, free, policy)[1]}")
+    return 0
+
+
+def add_memory_levers_parser(sub) -> None:
+    m = sub.add_parser("memory-levers", help="list memory levers (offload, layerwise casting, VAE tiling, ...): which "
+                                             "can run on a device, with which modes, and why not")
+    m.add_argument("--device", default="auto")
+    m.add_argument("--mode", default=None, help="only as combined with this mode: " + ", ".join(Mode.values()))
+    m.add_argument("--preset", default=None, help="estimate this preset's memory with each lever set instead")
+    m.add_argument("--precision", default="bf16")
+    m.add_argument("--size", default=None, help="WxH (default: the preset's largest bucket)")
+    m.add_argument("--free", default=None, metavar="SIZE", help="the memory --memory auto fits, e.g. 22GiB")
+    m.add_argument("--json", action="store_true")
+    add_engine_arguments(m)
+    m.set_defaults(func=cmd_memory_levers)
+
+
 def add_export_parser(sub) -> None:
     e = sub.add_parser("export", help="build the aot (AOTInductor) packages of an engine's buckets ahead of time")
     e.add_argument("--preset", default=DEFAULT_PRESET)
@@ -254,6 +313,7 @@ COMMANDS = {
     "presets": "engine.cli:add_presets_parser",
     "attention": "engine.cli:add_attention_parser",
     "step-caches": "engine.cli:add_step_caches_parser",
+    "memory-levers": "engine.cli:add_memory_levers_parser",
     "export": "engine.cli:add_export_parser",
     "bench": "engine.bench:add_bench_parser",
     "soak": "engine.bench.soak:add_soak_parser",

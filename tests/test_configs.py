@@ -57,7 +57,7 @@ def test_lora_configurations_are_refused_with_the_engines_reasons():
 
 
 @pytest.mark.parametrize(("typed", "message"), [
-    ("eager", r"write mode/precision\[/step cache\]\[\+lora=NAME\[:SCALE\]\[:fused\]\]\[@device\]"),
+    ("eager", r"write mode/precision\[/step cache\]\[\+lora=NAME\[:SCALE\]\[:fused\]\]\[\+mem=LEVERS\]\[@device\]"),
     ("eager/fp32+lora=swap+lora=corner", r"one LoRA per configuration .*list an entry per adapter"),
     ("eager/fp32+lora=", r"\+lora= names no adapter; write \+lora=NAME\[:SCALE\]"),
     ("eager/fp32+lora=swap:3", r"'eager/fp32\+lora=swap:3': LoRA scale 3 is outside \[0, 2\]"),

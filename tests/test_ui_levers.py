@@ -256,3 +256,20 @@ def test_the_compare_plot_ticks_whole_steps():
     many = [{"config": "a", "timings": {"step_ms": [1.0] * (views.LABELLED_STEPS + 1)}}]
     plot, _, _ = CompareHandlers.render_compare(None, {"done": True, "results": many})[:3]
     assert plot["sort"] is None and plot_types(plot["value"], color="config")["step"] == "quantitative"
+
+
+def test_compare_prices_memory_levers_in_seconds_and_gib(handlers):
+    outputs = list(handlers.compare(
+        prompt="a red circle on a blue background", preset="tiny-shapes", size="64x64", steps=4, guidance=1.0,
+        seed=5, devices=["cpu"], precisions=["fp32"], modes=["eager"], wait_for_warm=False, caches=None,
+        fidelity_prompts=0, timing_s=0, request=None, progress=Progress(),
+        configurations="eager/fp32+mem=layerwise:fp8; eager/fp32+mem=group:block:1:disk; regional/fp32+mem=layerwise:fp8"))
+    results = {r["config"]: r for r in outputs[-1][1]["results"]}
+    cast, offloaded = results["cpu/fp32/eager+mem=layerwise:fp8"], results["cpu/fp32/eager+mem=group:block:1:disk"]
+    assert cast["memory"] == "layerwise:fp8" and cast["engine"].endswith("+layerwise:fp8")
+    reference = results["cpu/fp32/eager"]
+    assert cast["weights_bytes"]["transformer"] <= 0.5 * reference["weights_bytes"]["transformer"]
+    assert offloaded["drift_max_diff"] == 0  # group offload: the reference's pixels
+    assert "fullgraph" in results["cpu/fp32/regional+mem=layerwise:fp8"]["error"]  # refused, with the reason
+    rows = {r[0]: r for r in views.price_rows(outputs[-1][1]["results"])}
+    assert "GiB peak" in rows["cpu/fp32/eager+mem=layerwise:fp8"][1]

@@ -20,6 +20,7 @@ import pandas as pd
 from engine.bench.advise import CHECKER_MIN_PSNR, DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
 from engine.bench.advise_report import COLUMNS, table_rows
 from engine.bench.advise_report import summary as advice_summary
+from engine.errors import ShowcaseError
 from engine.protocol import parse_lora
 from engine.settings import pythonpath
 from ui import advisor_views, views
@@ -84,6 +85,19 @@ def running(what: str) -> str:
     return RUNNING + what
 
 
+def checked_size(text) -> str:
+    """A memory bound as the advisor takes it ("16GiB"), or gr.Error saying how to write one."""
+    from engine.serving.budget import parse_size
+
+    try:
+        size = parse_size(str(text).strip()[:40])
+    except ShowcaseError as exc:
+        raise gr.Error(f"max memory: {exc}", title="Invalid request") from None
+    if not size:
+        raise gr.Error("max memory: write a size such as 16GiB or 512MiB", title="Invalid request")
+    return str(size)
+
+
 @dataclass(frozen=True)
 class AdvisorForm:
     """The tab's inputs, by name (the handler takes them through Gradio's inputs_kwargs)."""
@@ -96,6 +110,7 @@ class AdvisorForm:
     fidelity_points: float | None = None
     min_psnr: float | None = None
     lora: str | None = None  # a style of the preset, measured unfused and fused
+    max_memory: str | None = None  # "16GiB": the pick's measured peak must fit (memory levers measured too)
 
 
 class AdvisorHandlers(HandlerBase):
@@ -161,6 +176,8 @@ class AdvisorHandlers(HandlerBase):
             argv += ["--min-psnr", str(float(form.min_psnr))]
         if form.lora not in (None, "", "none"):
             argv += ["--lora", str(form.lora), "--loras"]
+        if str(form.max_memory or "").strip():
+            argv += ["--max-memory", checked_size(form.max_memory)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), pythonpath()]))}
         return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
@@ -229,6 +246,8 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
                                "below eager fp32", elem_id="a-fidelity-points")
             psnr = gr.Number(value=0, minimum=0, label=f"PSNR floor in dB (0: {DEFAULT_MIN_PSNR:g}, or "
                              f"{CHECKER_MIN_PSNR:g} on models with a checker)", elem_id="a-min-psnr")
+            max_memory = gr.Textbox(value="", label="Fastest within this memory (e.g. 16GiB; empty: no bound; "
+                                    "memory levers are measured too)", elem_id="a-max-memory")
         with gr.Row():
             run_btn = gr.Button("Measure and advise", variant="primary", elem_id="advise-btn")
             cancel_btn = gr.Button("Cancel", variant="stop", elem_id="a-cancel-btn")
@@ -250,7 +269,7 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
 
     a_preset.change(h.advisor_defaults, a_preset, [a_size, a_steps, a_lora], **FAST)
     form = {"preset": a_preset, "device": a_device, "size": a_size, "steps": a_steps, "max_minutes": minutes,
-            "fidelity_points": points, "min_psnr": psnr, "lora": a_lora}
+            "fidelity_points": points, "min_psnr": psnr, "lora": a_lora, "max_memory": max_memory}
     run = run_btn.click(h.advise, None, [summary, result, status], inputs_kwargs=form, api_name="advise", api_visibility="private",
                         concurrency_id=ADVISOR_QUEUE, concurrency_limit=1, show_progress="full",
                         show_progress_on=[status])

@@ -30,7 +30,7 @@ from engine.config.request import ImageRequest
 from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size, parse_lora
-from ui import compare_ab, views
+from ui import compare_ab, memory_views, views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
 
@@ -162,7 +162,7 @@ class CompareHandlers(HandlerBase):
             spec = self.device_spec(device)
             return explicit.refusal(self.manager.preset(preset), spec,
                                     explicit.Configuration(mode, precision, cache, None, lora.name, lora.scale,
-                                                           lora.fused),
+                                                           lora.fused, explicit.split_levers(config)[1]),
                                     loras=self.manager.options.loras)
         except ShowcaseError as exc:
             return explicit.first_line(str(exc))
@@ -375,7 +375,7 @@ class Comparison:
                             size=self.size_text, steps=self.steps, guidance=form.guidance, seed=seed,
                             on_cold="wait" if form.wait_for_warm else "eager",
                             step_cache=None if cache == views.NO_CACHE else cache, caller=self.caller,
-                            lora=lora.text(), lora_fused=lora.fused)
+                            lora=lora.text(), lora_fused=lora.fused, memory=explicit.split_levers(config)[1] or None)
 
     # -- phase 1: quality images, one configuration after another (they also warm each one) ------------
     def quality_images(self, index: int, config: str):
@@ -508,7 +508,7 @@ class Comparison:
 def typed_label(config: explicit.Configuration, device: str) -> str:
     """A typed configuration's label ("cpu/fp32/compile+lora=swap:0.5"), on `device` when it names none."""
     return views.config_label(config.device or device, config.precision, config.mode, config.step_cache,
-                              explicit.lora_suffix(config.lora_choice))
+                              explicit.lora_suffix(config.lora_choice) + explicit.memory_suffix(config.memory))
 
 
 def caption(entry: dict) -> str:
@@ -517,7 +517,7 @@ def caption(entry: dict) -> str:
     return " · ".join(filter(None, [
         entry["config"], (f"LoRA {entry['lora']} at {entry.get('lora_scale', 1):g}{' fused' if entry.get('lora_fused') else ''}"
          if entry.get("lora") else ""),
-        f"{views.per_image_s(entry):.3f} s / image",
+        f"{views.per_image_s(entry):.3f} s / image{memory_views.gib_text(entry)}",
         f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
         f"drift {entry['drift']}" if entry.get("drift") else "",
         f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
@@ -610,8 +610,9 @@ class ComparePage:
                                             "measured); off: cold buckets run eagerly", elem_id="c-wait")
         form["configurations"] = gr.Textbox(
             label="Configurations (replaces the checkboxes when filled): mode/precision[/step cache]"
-                  "[+lora=NAME[:SCALE][:fused]][@device], separated by ; — e.g. eager/fp32; compile/fp32; regional/bf16; "
-                  "eager/fp32/first-block:0.2; compile/fp32+lora=swap", value="", lines=2, elem_id="c-configs")
+                  "[+lora=NAME[:SCALE][:fused]][+mem=LEVERS][@device], separated by ; — e.g. eager/fp32; "
+                  "compile/fp32; regional/bf16; eager/fp32/first-block:0.2; compile/fp32+lora=swap; "
+                  "eager/fp32+mem=layerwise:fp8", value="", lines=2, elem_id="c-configs")
         with gr.Row():
             self.config_list = gr.Dropdown(list(explicit.LISTS), value=None, label="Fill in a list",
                                            elem_id="c-config-list")

@@ -11,6 +11,7 @@ import html
 import pandas as pd
 
 from engine.metrics import median
+from ui.memory_views import gib_text, weights_line
 
 BOARD_COLUMNS = [
     "engine", "device", "precision", "mode", "size", "state", "reason",
@@ -145,6 +146,7 @@ def stats_rows(result: dict | None) -> list[list[str]]:
         ["recompiles", str(result.get("recompiles", 0))],
         ["LoRA", lora_text(result)],
         ["peak memory", fmt_bytes(result.get("peak_memory_bytes"))],
+        ["weights (memory levers: " + (result.get("memory") or "none") + ")", weights_line(result) or "—"],
         ["seed", str(result.get("seed", ""))],
         ["notices", "; ".join(notices) if notices else "—"],
     ]
@@ -483,7 +485,7 @@ def price_rows(results: list[dict]) -> list[list]:
         if r.get("drift_samples"):
             drift = f"{drift} (worst of {r['drift_samples']})"
         out.append([
-            config + (" (reference)" if r.get("reference") else ""), fmt_s(per_image_s(r)),
+            config + (" (reference)" if r.get("reference") else ""), fmt_s(per_image_s(r)) + gib_text(r),
             speedup_text(r, x), fmt_ms((r.get("timings") or {}).get("median_step_ms")),
             fmt_steps(r), drift, fmt_fidelity(r), fmt_s(r.get("compile_s")), fmt_s(r.get("warmup_s")),
         ])
@@ -518,7 +520,7 @@ def compare_cards_html(results: list[dict], images: list[str | None], heatmaps: 
         else:
             x = speed.get(config)
             per = per_image_s(r)
-            lines.append(f'<div class="c-time">{"—" if per is None else f"{per:.3f} s"} / image · '
+            lines.append(f'<div class="c-time">{"—" if per is None else f"{per:.3f} s"} / image{gib_text(r)} · '
                          f'{_esc(speedup_text(r, x))} vs eager fp32</div>')
             drift = r.get("drift") or ("reference" if r.get("reference") else "—")
             lines.append(f'<div class="c-drift">drift: {_esc(drift)}</div>')

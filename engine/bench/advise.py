@@ -71,10 +71,10 @@ class _Runners:
         from engine.bench.measure import build_runner
         from engine.bench.modes import MODE_TABLE
 
-        key = (c.precision, c.attention)
+        key = (c.precision, c.attention, c.memory)
         if key not in self.runners:
             plan = dataclasses.replace(self.plan, options=dataclasses.replace(
-                self.plan.options, attention_backend=c.attention))
+                self.plan.options, attention_backend=c.attention, memory=c.memory))
             runner = build_runner(plan, self.spec, c.precision, MODE_TABLE["eager"])
             runner.load()
             self.runners[key] = runner
@@ -89,8 +89,26 @@ REF_KEY = tuple(REFERENCE.values())
 
 
 def config_key(c: Candidate) -> tuple:
-    """(precision, mode, step_cache, attention, lora_fused): how measurements are filed."""
-    return c.precision, c.mode, c.step_cache, c.attention, c.lora_fused
+    """(precision, mode, step_cache, attention, lora_fused[, memory]): how measurements are filed."""
+    return (c.precision, c.mode, c.step_cache, c.attention, c.lora_fused) + ((c.memory,) if c.memory else ())
+
+
+class PeakAdded:
+    """The most memory one generate added on the device (its peak less what was in use as it began): beside
+    the runner's weights, a configuration's peak as if its engine ran alone (the advisor's process holds
+    several runners, so the device's own peak would count them all)."""
+
+    def __init__(self, spec):
+        self.spec, self.most, self._before = spec, None, None
+
+    def __enter__(self):
+        self.spec.reset_peak_memory()
+        self._before = self.spec.peak_memory_bytes()
+
+    def __exit__(self, *exc):
+        peak = self.spec.peak_memory_bytes()
+        if peak is not None and self._before is not None:
+            self.most = max(self.most or 0, peak - self._before)
 
 
 class Advisor:
@@ -246,7 +264,7 @@ class Advisor:
         return {
             "preset": plan.preset.name, "device": self.spec.name, "size": str(plan.size), "steps": plan.steps,
             "bound": {"fidelity_points": plan.fidelity_points, "min_psnr_db": plan.psnr_bound(),
-                      "min_ssim": plan.min_ssim},
+                      "min_ssim": plan.min_ssim, "max_memory_bytes": plan.max_memory_bytes},
             "quality_samples": len(self.prompts), "timing_images": plan.timing_images,
             "reference": REFERENCE, "lora": plan.lora.text(), "pick": pick, "confirm": confirm, "rows": rows,
             "skipped": self.skipped,
@@ -265,13 +283,15 @@ class Advisor:
         runner.generate(self.request(c, self.plan.prompt, 99))
         reference = Candidate(**REFERENCE) if config_key(c) != REF_KEY else None
         cached = []
+        added = PeakAdded(self.spec)
         for i in range(self.plan.timing_images):
             # Each image next to one of the reference's, in alternating order: a shared machine's load
             # drifts over a scan and would otherwise favour whichever configuration ran in a quiet spell.
             if reference and i % 2 == 0:
                 m.ref_ms.append(self.image_ms(reference, 100 + i))
             marks = current_marks()
-            res = self.runners.get(c).generate(self.request(c, self.plan.prompt, 100 + i))
+            with added:
+                res = self.runners.get(c).generate(self.request(c, self.plan.prompt, 100 + i))
             m.image_ms.append(res.timings.total_ms)
             m.marks = list(dict.fromkeys([*m.marks, *marks, *current_marks()]))
             cached.append(len(getattr(res, "cached_steps", ()) or ()))
@@ -281,6 +301,7 @@ class Advisor:
                 m.note = f"{m.paired_speedup:.2f}× eager fp32 over 2 pairs: not timed further"
                 break
         m.cached_steps = sum(cached) / len(cached) if cached else None
+        m.peak_bytes = runner.weights_bytes() + added.most if added.most is not None else None
 
     def compile(self, c: Candidate, m: Measured, runner) -> None:
         t0 = self.clock()
@@ -467,7 +488,7 @@ def cmd_advise(args) -> int:
         fidelity_points=args.fidelity_points, min_psnr_db=args.min_psnr, min_ssim=args.min_ssim, cache_dir=cache_dir,
         options=options_from_args(args, warm_sizes=(), warm_modes=(), **({"loras": True} if lora.name else {})),
         allowed_roots=tuple(str(r) for r in model_roots_from_args(args)), prompt=preset.example_prompt,
-        started=started, lora=lora,
+        started=started, lora=lora, **memory_plan(args),
     )
 
     def on_progress(done: int, total: int, desc: str) -> None:
@@ -486,6 +507,20 @@ def cmd_advise(args) -> int:
         print(markdown(report))
         print(f"wrote {path}", file=sys.stderr)
     return 0 if report["pick"] else 1
+
+
+# Lever sets measured when --max-memory names a bound and --memory-levers none (those a device cannot run
+# are listed as skipped, with the reason).
+DEFAULT_LEVER_SETS = ("layerwise:fp8", "group:block:1", "model-offload", "sequential-offload")
+
+
+def memory_plan(args) -> dict:
+    """AdvisePlan's memory fields from --max-memory and --memory-levers."""
+    from engine.serving.budget import parse_size
+
+    bound = parse_size(args.max_memory) if args.max_memory else None
+    sets = tuple(s.strip() for s in (args.memory_levers or "").split(";") if s.strip())
+    return {"max_memory_bytes": bound, "memory_levers": sets or (DEFAULT_LEVER_SETS if bound else ())}
 
 
 def add_advise_parser(subparsers):
@@ -518,6 +553,13 @@ def add_advise_parser(subparsers):
     a.add_argument("--lora", default=None, metavar="NAME[:SCALE]",
                    help="one of the preset's LoRA styles: every configuration draws with it (fidelity checked "
                         "as the style implies), and eager also runs it fused into the weights")
+    a.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="pick the fastest configuration whose measured peak (weights + what an image adds) fits, "
+                        "e.g. 16GiB; memory lever sets are measured too")
+    a.add_argument("--memory-levers", default=None, metavar="SETS",
+                   help="memory lever sets to measure (fp32 eager), separated by ';', e.g. "
+                        "'layerwise:fp8;group:block:1:disk' (default with --max-memory: "
+                        f"{'; '.join(DEFAULT_LEVER_SETS)})")
     a.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on a CPU: the app's per-worker share of the cores)")
     add_engine_arguments(a)

@@ -46,6 +46,8 @@ class AdvisePlan:
     prompt: str = ""
     started: float | None = None  # time.perf_counter() when the run began (default: when advise() is called)
     lora: LoraChoice = LoraChoice()  # every configuration draws with this style; eager adds it fused
+    max_memory_bytes: int | None = None  # the pick's measured peak must fit this (--max-memory)
+    memory_levers: tuple[str, ...] = ()  # memory lever sets measured eagerly beside the grid
 
     @property
     def style(self) -> str | None:
@@ -65,6 +67,7 @@ class Candidate:
     step_cache: str = "none"
     attention: str = "native"
     lora_fused: bool = False  # the run's LoRA folded into the weights (eager only)
+    memory: str = ""  # memory levers (engine/protocol/memory.py): an engine of their own
 
     def label(self) -> str:
         parts = [self.precision, self.mode]
@@ -74,6 +77,8 @@ class Candidate:
             parts.append(f"attn={self.attention}")
         if self.lora_fused:
             parts.append("lora-fused")
+        if self.memory:
+            parts.append(f"mem={self.memory}")
         return "/".join(parts)
 
     def as_dict(self) -> dict:
@@ -99,6 +104,7 @@ class Measured:
     picture: str | None = None  # its image of the sample that differs most from eager fp32's (base64 PNG)
     diff_picture: str | None = None  # the heat map of that difference (base64 PNG)
     reference_picture: str | None = None  # eager fp32's image of that sample (base64 PNG)
+    peak_bytes: int | None = None  # its weights plus the most its timed images added (engine/bench/advise.py)
 
     @property
     def s_per_image(self) -> float | None:
@@ -129,7 +135,7 @@ class Measured:
                 "diff_png": self.diff_picture, "reference_png": self.reference_picture,
                 "speedup_figure": self.timing().figure(self.candidate.label()).as_dict() if self.ref_ms else None,
                 "fidelity": self.fidelity, "cached_steps": self.cached_steps, "error": self.error,
-                "unscored": self.unscored, "note": self.note}
+                "unscored": self.unscored, "note": self.note, "peak_bytes": self.peak_bytes}
 
 
 # -- the grid ---------------------------------------------------------------------------------------
@@ -141,6 +147,7 @@ def plan_grid(plan: AdvisePlan, spec) -> tuple[list[Candidate], list[dict]]:
     grid = _cache_candidates(plan, spec, precisions, modes, skipped) + _attention_candidates(spec, skipped)
     if plan.lora.name is not None and "eager" in modes:  # fused runs eager only (engine/pipeline/lora.py)
         grid += [Candidate(p, "eager", lora_fused=True) for p in _fusable(precisions, skipped)]
+    grid += _memory_candidates(plan, spec, skipped)
     skipped.append({"what": "parallel layouts (tensor/ulysses/ring)",
                     "why": "they run as a torchrun sidecar of several ranks, not in this process; compare them "
                            "on the Compare tab (Tensor-parallel ranks)"})
@@ -203,6 +210,21 @@ def _cache_candidates(plan: AdvisePlan, spec, precisions: list[str], modes: list
                         grid.append(Candidate(precision, mode, stronger(row["default"])))
                 elif precision == precisions[0]:
                     skipped.append({"what": f"step cache {row['name']} with {mode}", "why": row["why_not"]})
+    return grid
+
+
+def _memory_candidates(plan: AdvisePlan, spec, skipped: list[dict]) -> list[Candidate]:
+    """fp32 eager with each of the plan's memory lever sets (refused ones skipped with the reason)."""
+    from engine.errors import ShowcaseError
+    from engine.pipeline import memory
+
+    grid = []
+    for levers in plan.memory_levers:
+        try:
+            memory.check_levers(levers, spec)
+            grid.append(Candidate("fp32", "eager", memory=levers))
+        except ShowcaseError as exc:
+            skipped.append({"what": f"memory levers {levers}", "why": str(exc)})
     return grid
 
 
@@ -283,6 +305,8 @@ def choose(rows: list[dict], plan: AdvisePlan) -> tuple[dict | None, list[dict]]
             if base and base.get("speedup") and r["speedup"] <= base["speedup"]:
                 ok, why = False, f"the step cache measured no faster than {base['label']}"
         r["eligible"], r["why_not"] = ok, why
+        if ok and plan.max_memory_bytes and not (r.get("peak_bytes") or 0) <= plan.max_memory_bytes:
+            r["eligible"], r["why_not"] = False, over_memory(r, plan.max_memory_bytes)
     eligible = [r for r in rows if r["eligible"]]
     return (max(eligible, key=lambda r: r["speedup"]) if eligible else None), rows
 
@@ -302,6 +326,12 @@ def short_budget(pick: dict | None, needed_s: dict[str, float], max_minutes: flo
     return {"needed_minutes": minutes, "first": first, "cut": sorted(needed_s, key=needed_s.get)}
 
 
+def over_memory(row: dict, bound: int) -> str:
+    if row.get("peak_bytes") is None:
+        return "peak memory not measured: cannot say it fits --max-memory"
+    return f"peak {row['peak_bytes'] / 2**30:.2f} GiB > --max-memory {bound / 2**30:.2f} GiB"
+
+
 def scan_rank(c: Candidate, seconds: Callable[[tuple], float | None]) -> tuple | None:
     """Where `c` stands in the scan, from what is measured so far (lower goes first); None: not worth
     measuring (the configuration it builds on failed or was not measured).
@@ -309,7 +339,7 @@ def scan_rank(c: Candidate, seconds: Callable[[tuple], float | None]) -> tuple |
     The reference; every precision eagerly; the compiled modes, precisions that measured fastest eagerly
     first; then step caches and attention backends on the configurations that measured fastest first.
     `seconds((precision, mode, step_cache, attention))`: that configuration's s / image, None if unknown."""
-    if c.as_dict() == REFERENCE:
+    if is_reference(c.as_dict()):
         return (0,)
     if c.step_cache == "none" and c.attention == "native":
         if c.mode == "eager":
@@ -325,7 +355,7 @@ def scan_rank(c: Candidate, seconds: Callable[[tuple], float | None]) -> tuple |
 def final_entries(leaders: list[dict], rows: list[dict]) -> list[Candidate]:
     """The reference, the leaders, and the configuration without a cache of every leader with one."""
     def candidate(r: dict) -> Candidate:
-        return Candidate(**{k: r.get(k, ABSENT.get(k)) for k in REFERENCE})
+        return Candidate(**{k: r.get(k, ABSENT.get(k)) for k in REFERENCE}, memory=r.get("memory", ""))
 
     by_key = {(r["precision"], r["mode"], r["step_cache"], r["attention"], r.get("lora_fused", False)): r
               for r in rows if r.get("s_per_image")}

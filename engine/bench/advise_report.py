@@ -12,7 +12,7 @@ from engine.bench.quality import fmt_drift
 # advisor is measured against it.
 REFERENCE = {"precision": "fp32", "mode": "eager", "step_cache": "none", "attention": "native", "lora_fused": False}
 ABSENT = {"attention": "native", "lora_fused": False}  # what a row written before the key existed means
-COLUMNS = ["configuration", "s / image", "× eager fp32", "drift PSNR / max diff", "fidelity",
+COLUMNS = ["configuration", "s / image · peak", "× eager fp32", "drift PSNR / max diff", "fidelity",
            "steps cached (mean)", "compile s", "within bound"]
 
 
@@ -27,7 +27,7 @@ def seconds_text(value) -> str:
 
 def is_reference(row: dict) -> bool:
     """Whether a row (or a pick) is eager fp32 without a step cache (attention native where not named)."""
-    return {k: row.get(k, ABSENT.get(k)) for k in REFERENCE} == REFERENCE
+    return {k: row.get(k, ABSENT.get(k)) for k in REFERENCE} == REFERENCE and not row.get("memory")
 
 
 def table_rows(report: dict | None) -> list[list]:
@@ -42,7 +42,7 @@ def table_rows(report: dict | None) -> list[list]:
             out.append([r["label"], "failed", "", "", "", "", "", r["error"]])
             continue
         verdict = "★ pick" if r["label"] == pick else ("yes" if r.get("eligible") else f"no: {r.get('why_not', '')}")
-        out.append([r["label"], f"{r['s_per_image']:.3f}", row_speedup_text(r),
+        out.append([r["label"], f"{r['s_per_image']:.3f}" + peak_text(r), row_speedup_text(r),
                     fmt_drift(r.get("drift_psnr_db"), r.get("drift_max_diff"))
                     + ("" if r.get("drift_ssim") is None else f", SSIM {r['drift_ssim']:.3f}"), pct(r.get("fidelity")),
                     "—" if r.get("cached_steps") is None else f"{r['cached_steps']:.1f}",
@@ -50,6 +50,11 @@ def table_rows(report: dict | None) -> list[list]:
     for s in report.get("skipped", []):
         out.append([s["what"], "skipped", "", "", "", "", "", s["why"]])
     return out
+
+
+def peak_text(row: dict) -> str:
+    """" · 0.41 GiB" after a row's seconds: its measured peak ("" where not measured)."""
+    return "" if row.get("peak_bytes") is None else f" · {row['peak_bytes'] / 2**30:.2f} GiB"
 
 
 def summary(report: dict) -> str:
@@ -97,6 +102,8 @@ def bound_text(bound: dict) -> list[str]:
         limits.append(f"PSNR ≥ {bound['min_psnr_db']:g} dB against eager fp32")
     if bound.get("min_ssim") is not None:
         limits.append(f"SSIM ≥ {bound['min_ssim']:g} against eager fp32")
+    if bound.get("max_memory_bytes"):
+        limits.append(f"measured peak ≤ {bound['max_memory_bytes'] / 2**30:.2f} GiB")
     return limits
 
 

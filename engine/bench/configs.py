@@ -3,7 +3,7 @@
 
 The form, one configuration per entry, entries separated by ";" or new lines:
 
-    mode/precision[/step cache][+lora=NAME[:SCALE][:fused]][@device]
+    mode/precision[/step cache][+lora=NAME[:SCALE][:fused]][+mem=LEVERS][@device]
 
 e.g. "eager/fp32; compile/fp32; regional/bf16; eager/fp32/first-block:0.2; compile/bf16@cuda;
 compile/fp32+lora=swap; compile/fp32+lora=swap:0.5". The step cache is any form `python -m engine
@@ -15,6 +15,9 @@ own scale), fused into the weights with ":fused" (eager only), as `--lora NAME[:
 CLI; "+lora=none" is no LoRA. It is a "+" suffix, not a
 fourth "/" part, because the step cache before it is optional and a position would not say which is which;
 it reads as "this configuration plus a style", so listing one entry per adapter gives one card per style.
+
+The memory part names memory levers as `python -m engine memory-levers` lists them, comma-separated:
+"eager/fp32+mem=layerwise:fp8", "eager/bf16+mem=group:block:2,vae-slicing". Left out: the host's levers.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
-from engine.protocol import LoraChoice, Mode, Precision, StepCache, parse_lora
+from engine.protocol import LoraChoice, MemoryLevers, Mode, Precision, StepCache, parse_lora
 
 MAX_ENTRIES = 12  # far more than a comparison runs: a longer list is a paste gone wrong
 LEVERS = "the levers one at a time"
@@ -40,6 +43,7 @@ class Configuration:
     lora: str | None = None  # one of the preset's adapters (None: no LoRA)
     lora_scale: float | None = None  # None: the adapter's own scale
     lora_fused: bool = False
+    memory: str = ""  # memory levers, canonical text ("": the host's)
 
     @property
     def lora_choice(self) -> LoraChoice:
@@ -48,11 +52,30 @@ class Configuration:
     def text(self) -> str:
         """Its entry in the list's form (parse_configurations reads it back)."""
         parts = [self.mode, self.precision] + ([self.step_cache] if self.step_cache != "none" else [])
-        return "/".join(parts) + lora_suffix(self.lora_choice) + (f"@{self.device}" if self.device else "")
+        return ("/".join(parts) + lora_suffix(self.lora_choice) + memory_suffix(self.memory)
+                + (f"@{self.device}" if self.device else ""))
 
 
 LORA_PART = re.compile(r"\+\s*lora\s*=\s*([^@+;]*)", re.IGNORECASE)  # "+lora=NAME[:SCALE][:fused]", before or after @device
-FORM = "mode/precision[/step cache][+lora=NAME[:SCALE][:fused]][@device]"
+FORM = "mode/precision[/step cache][+lora=NAME[:SCALE][:fused]][+mem=LEVERS][@device]"
+MEMORY_PART = re.compile(r"\+\s*mem\s*=\s*([^@+;]*)", re.IGNORECASE)
+
+
+def memory_suffix(levers: str) -> str:
+    """"+mem=LEVERS" ("" for none): how an entry and its Compare label name its memory levers."""
+    return f"+mem={levers}" if levers else ""
+
+
+def split_levers(entry: str) -> tuple[str, str]:
+    """(the entry without its memory part, the levers' canonical text); ValueError naming the forms."""
+    found = MEMORY_PART.findall(entry)
+    if len(found) > 1:
+        raise ValueError(f"configuration {entry!r}: one +mem= part per configuration (levers comma-separated)")
+    try:
+        levers = MemoryLevers.parse(found[0]) if found else MemoryLevers()
+    except InvalidRequest as exc:
+        raise ValueError(f"configuration {entry!r}: {exc}") from None
+    return MEMORY_PART.sub("", entry).strip(), str(levers) if levers.enabled else ""
 
 
 def lora_suffix(choice: LoraChoice) -> str:
@@ -62,7 +85,9 @@ def lora_suffix(choice: LoraChoice) -> str:
 
 
 def split_lora(entry: str) -> tuple[str, LoraChoice]:
-    """(the entry without its LoRA part, its LoRA); ValueError for a second LoRA part or a bad scale."""
+    """(the entry without its LoRA and memory parts, its LoRA); ValueError for a second LoRA part or a bad
+    scale."""
+    entry = split_levers(entry)[0]
     found = LORA_PART.findall(entry)
     if len(found) > 1:
         raise ValueError(f"configuration {entry!r}: one LoRA per configuration (+lora=NAME[:SCALE]); list an entry "
@@ -97,6 +122,7 @@ def parse_configurations(text: str) -> list[Configuration]:
 
 def parse_entry(entry: str) -> Configuration:
     """One configuration of the list's form; ValueError saying what is wrong and the form to use."""
+    levers = split_levers(entry)[1]
     rest, lora = split_lora(entry)
     body, _, device = rest.partition("@")
     parts = [p.strip() for p in body.split("/")]
@@ -113,7 +139,8 @@ def parse_entry(entry: str) -> Configuration:
         cache = str(StepCache.parse(parts[2])) if len(parts) == 3 else "none"
     except Exception as exc:
         raise ValueError(f"configuration {entry!r}: {exc}") from None
-    return Configuration(mode, precision, cache or "none", device.strip() or None, lora.name, lora.scale, lora.fused)
+    return Configuration(mode, precision, cache or "none", device.strip() or None, lora.name, lora.scale, lora.fused,
+                         levers)
 
 
 def refusal(preset, spec, config: Configuration, loras: bool = False) -> str | None:
@@ -134,7 +161,22 @@ def refusal(preset, spec, config: Configuration, loras: bool = False) -> str | N
         status = cache_status(cache.kind, preset, spec, Mode(config.mode))
         if not status["usable"]:
             return f"step cache {cache.kind} with {config.mode}: {first_line(status['why_not'])}"
-    return None
+    return memory_refusal(spec, config, cache.enabled)
+
+
+def memory_refusal(spec, config: Configuration, step_cache: bool) -> str | None:
+    """Why `config`'s memory levers cannot run (the engine's own checks, engine/pipeline/memory.py), or None."""
+    from engine.errors import UnsupportedCombination
+    from engine.pipeline import memory
+
+    if not config.memory:
+        return None
+    try:
+        memory.check_levers(config.memory, spec, quantized=Precision(config.precision).quantized)
+        memory.check_request(config.memory, config.memory, Mode(config.mode), step_cache, config.lora is not None)
+    except UnsupportedCombination as exc:
+        return first_line(str(exc))
+    return first_line(why) if (why := memory.excluded_mode(config.memory, Mode(config.mode))) else None
 
 
 def lora_refusal(preset, config: Configuration, loras: bool) -> str | None:

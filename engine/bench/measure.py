@@ -48,7 +48,7 @@ def build_runner(plan, spec: DeviceSpec, precision: str, mode: BenchMode) -> Pip
     options = dataclasses.replace(plan.options, **plan.preset.options.get(spec.name, {}))
     options = dataclasses.replace(options, **mode.overrides)
     runner = PipelineRunner(EngineConfig(
-        key=EngineKey(plan.preset.name, spec.name, precision),
+        key=EngineKey(plan.preset.name, spec.name, precision, memory=options.memory),
         preset=plan.preset,
         options=options,
         cache_dir=str(plan.cache_dir),

@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from engine import settings
-from engine.protocol import EngineOptions, Size
+from engine.protocol import EngineOptions, MemoryLevers, Size, memory_forms
 
 MAX_BATCH = 64  # each batch size is one more graph per bucket, and the measuring run allocates the largest
-MAX_BATCH_WAIT_MS = 10_000.0  # a request waits at most this long for others to share its call
+MAX_BATCH_WAIT_MS = 10_000.0
+MEMORY_POLICIES = ("speed", "auto", "memory")  # engine/serving/fit.py POLICIES  # a request waits at most this long for others to share its call
 
 
 _Refused = argparse.ArgumentTypeError  # argparse prints its text after "argument --flag: "
@@ -106,6 +107,15 @@ def _sizes(text) -> str:
         return ",".join(str(Size.parse(t)) for t in str(text).split(",") if t.strip())
     except ValueError as exc:  # InvalidRequest is a ValueError
         raise _Refused(str(exc)) from None
+
+
+def memory_levers(text) -> str:
+    """argparse type: a memory lever set (engine/protocol/memory.py), as its canonical text ("" none)."""
+    try:
+        levers = MemoryLevers.parse(text)
+    except ValueError as exc:  # InvalidRequest is a ValueError
+        raise _Refused(str(exc)) from None
+    return str(levers) if levers.enabled else ""
 
 
 _DEVICES = Path(__file__).resolve().parent.parent / "devices"
@@ -200,6 +210,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser, attention_backends: It
                    type=one_of(lambda: names, "attention backend") if names else str,
                    help="diffusers attention backend of the denoiser (native, _native_flash, flex, flash, _flash_3_hub, "
                         "sage, ...); `python -m engine attention` lists which can run here and why not")
+    g.add_argument("--memory-lever", dest="memory_lever", type=memory_levers, default="", metavar="LEVERS",
+                   help="memory levers of the engines a request names none for, comma-separated: "
+                        f"{memory_forms()} (`python -m engine memory-levers` lists which run here)")
+    g.add_argument("--memory", dest="memory_policy", type=one_of(lambda: MEMORY_POLICIES, "memory policy"),
+                   default="speed", help="the memory levers of an engine no --memory-lever or request names: speed "
+                                         "(none), auto (the fastest set whose estimate fits the device's free "
+                                         "memory), memory (the smallest); README has the table")
+    g.add_argument("--prompt-cache", type=whole(0, 4096, zero="off"), default=EngineOptions.prompt_cache_entries,
+                   metavar="N", help="keep the embeddings of the last N prompts per engine, so a repeated prompt "
+                                     f"skips the text encoders (default {EngineOptions.prompt_cache_entries}, at "
+                                     f"most {EngineOptions.prompt_cache_mib} MiB)")
     g.add_argument("--max-batch", type=whole(1, MAX_BATCH), default=None, metavar="N",
                    help="at most N queued requests that can share a denoiser call (same bucket, steps, guidance, "
                         f"step cache) run as one pipeline call; 1 turns batching off, at most {MAX_BATCH} "
@@ -216,7 +237,10 @@ def options_from_args(args, **overrides) -> EngineOptions:
                   attention_backend=getattr(args, "attention_backend", None) or "native",
                   max_batch=getattr(args, "max_batch", None),
                   batch_wait_ms=getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms),
-                  loras=getattr(args, "loras", False) or bool(getattr(args, "lora", None)))  # a style needs the slot
+                  loras=getattr(args, "loras", False) or bool(getattr(args, "lora", None)),  # a style needs the slot
+                  memory=getattr(args, "memory_lever", "") or "",
+                  memory_policy=getattr(args, "memory_policy", "speed") or "speed",
+                  prompt_cache_entries=getattr(args, "prompt_cache", EngineOptions.prompt_cache_entries))
     values.update(overrides)
     return EngineOptions(**values)
 
@@ -235,6 +259,12 @@ def engine_flags_argv(args) -> tuple[str, ...]:
         flags += ["--attention-backend", backend]
     if getattr(args, "max_batch", None) is not None:
         flags += ["--max-batch", str(args.max_batch)]
+    if getattr(args, "memory_lever", ""):
+        flags += ["--memory-lever", args.memory_lever]
+    if getattr(args, "memory_policy", "speed") != "speed":
+        flags += ["--memory", args.memory_policy]
+    if getattr(args, "prompt_cache", EngineOptions.prompt_cache_entries) != EngineOptions.prompt_cache_entries:
+        flags += ["--prompt-cache", str(args.prompt_cache)]
     wait_ms = getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms)
     if wait_ms != EngineOptions.batch_wait_ms:
         flags += ["--batch-wait-ms", f"{wait_ms:g}"]

@@ -95,6 +95,7 @@ class ImageRequest:
     lora_scale: float | str | None = None
     lora_fused: bool | None = None  # None: as `lora` says
     previews: int | str = 0  # partial images to stream while it runs (the /v1 API's partial_images)
+    memory: str | None = None  # memory levers (engine/protocol/memory.py); None: the host's default
     # who asks
     caller: Caller = Caller.HOST
     client: str = ""  # the visitor's address: engines take turns between clients, budgets are held per client

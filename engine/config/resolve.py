@@ -43,7 +43,8 @@ class Catalog:
             self.presets.setdefault(preset.name, preset)
         return self.presets[preset.name]
 
-    def make_key(self, preset: str, device: str, precision: str, tp: int = 1, parallel: str = "tensor") -> EngineKey:
+    def make_key(self, preset: str, device: str, precision: str, tp: int = 1, parallel: str = "tensor",
+                 memory: str = "") -> EngineKey:
         """Validate and resolve an engine key ("auto" -> the best available device). `parallel` is how tp > 1
         ranks split the denoiser; whether the model allows it is checked before anything loads
         (engine/tp/plan.py)."""
@@ -61,12 +62,12 @@ class Catalog:
                 raise InvalidRequest(f"preset {p.name} needs its weights sharded over at least {p.min_tp} ranks, and "
                                      f"{parallel} (context parallel) keeps the whole denoiser on every rank; use "
                                      "--parallel tensor")
-            return EngineKey(p.name, spec.name, precision, tp, parallel)
+            return EngineKey(p.name, spec.name, precision, tp, parallel, memory)
         if tp > 1 and not p.tp:
             raise InvalidRequest(f"preset {p.name} has no tensor-parallel plan; use tp=1")
         if tp < p.min_tp:
             raise InvalidRequest(f"preset {p.name} needs tensor parallel over at least {p.min_tp} ranks (--tp {p.min_tp})")
-        return EngineKey(p.name, spec.name, precision, tp)
+        return EngineKey(p.name, spec.name, precision, tp, memory=memory)
 
     def options_for(self, key: EngineKey, base: EngineOptions) -> EngineOptions:
         """`base`, then the preset's per-device options (e.g. CPU offload on one v6e)."""

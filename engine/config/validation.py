@@ -20,6 +20,7 @@ from engine.protocol import (
     MAX_STEPS,
     GenerateRequest,
     LoraChoice,
+    MemoryLevers,
     Mode,
     ModelPreset,
     OnCold,
@@ -143,6 +144,7 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
         lora=lora.name,
         lora_scale=lora.scale,
         lora_fused=lora.fused,
+        memory=str(MemoryLevers.parse(spec.memory).request_part()),
         client=spec.client,
         previews=check_previews(spec.previews),
     )

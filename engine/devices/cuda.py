@@ -123,6 +123,7 @@ def spec() -> DeviceSpec:
         name=NAME,
         label=label(),
         torch_device=NAME,
+        offload_streams=True,
         compile_backend="inductor",
         static_shapes=False,
         dist_backend="nccl",  # RCCL on ROCm, under the same name

@@ -161,6 +161,9 @@ class DeviceSpec:
     # delivers the first while the rest decode. Only where a batched decode costs what separate ones do (a
     # CPU: convolutions gain nothing from the batch); a GPU decodes a batch faster than its images apart.
     decode_batch_apart: bool = False
+    # Memory levers (engine/pipeline/memory.py): copy streams that let group offloading prefetch the next
+    # group while one computes (diffusers' use_stream takes CUDA or XPU streams only).
+    offload_streams: bool = False
 
     # Hooks: the few things that really differ between devices.
     probe_fn: Callable[[], Availability] = _hook(lambda: Availability(True))

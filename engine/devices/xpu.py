@@ -58,6 +58,7 @@ def spec() -> DeviceSpec:
         name=NAME,
         label="Intel GPU (XPU)",
         torch_device=NAME,
+        offload_streams=True,
         compile_backend="inductor",
         static_shapes=False,
         dist_backend="xccl",

@@ -73,7 +73,8 @@ def batch_key(request: GenerateRequest) -> tuple | None:
     return (request.mode, request.width, request.height, request.steps, float(request.guidance),
             bool(request.negative_prompt), request.step_cache, request.on_cold,
             request.lora_choice,  # one adapter at one scale, fused or not, per call
-            request.previews)  # partial images are decoded at the steps their count spreads over
+            request.previews,  # partial images are decoded at the steps their count spreads over
+            request.memory)
 
 
 def chunk(n: int, sizes) -> int:

@@ -3,6 +3,7 @@ of a variant with its own scheduler, timed step by step, cancellable between ste
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import devices
-from engine.pipeline import preview, recipes, stepcache, variants
+from engine.pipeline import memory, preview, recipes, stepcache, variants
 from engine.pipeline.clock import RunClock
 from engine.pipeline.lora import SlotChange
 from engine.protocol import EngineOptions, GenerateRequest, ModelPreset, StepProgress, Timings
@@ -114,6 +115,7 @@ class PipelineCaller:
         self.spec = spec
         self.options = options
         self.scheduler_template = None
+        self.prompts = None  # the engine's PromptEncoder (prompts.py), once loaded
 
     def call(self, pipe, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None,
              cached: stepcache.CachedDenoiser | None = None, members: list[GenerateRequest] | None = None,
@@ -143,7 +145,10 @@ class PipelineCaller:
         devices.enter_eager_mode(self.spec, request.mode)  # TPU: strict eager or defer-and-fuse; no-op elsewhere
         # The pipelines run under no_grad already; inference_mode is avoided on purpose: out-of-tree
         # backends (and the fake PrivateUse1 device in tests) cannot version inference tensors.
-        images = run(**kwargs).images
+        if self.prompts is not None:
+            self.prompts.bind(run)
+        with memory.vae_levers(run.vae, request.memory) if request.memory else contextlib.nullcontext():
+            images = run(**kwargs).images
         end = time.perf_counter()
         images = decoded if decoded else images
         return (list(images) if members else images[0]), clock.timings(end), step_ends.cancelled_at

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from engine import devices
@@ -18,6 +20,18 @@ def weights_bytes(pipe) -> int:
                     seen.add(id(tensor))
                     total += tensor.numel() * tensor.element_size()
     return total
+
+
+_BY_COMPONENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def component_bytes(pipe) -> tuple[tuple[str, int], ...]:
+    """Each component's Parameters and buffers in bytes as stored (counted once per loaded pipeline)."""
+    if pipe not in _BY_COMPONENT:
+        _BY_COMPONENT[pipe] = tuple(
+            (name, sum(t.numel() * t.element_size() for t in (*c.parameters(), *c.buffers())))
+            for name, c in pipe.components.items() if isinstance(c, torch.nn.Module))
+    return _BY_COMPONENT[pipe]
 
 
 def engine_footprint(spec: devices.DeviceSpec, weights: int, peak: int | None) -> Footprint:

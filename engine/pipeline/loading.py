@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from engine import devices
 from engine.config.resolve import resolve_source
 from engine.errors import ModelLoadError
-from engine.pipeline import attention, lora, recipes
+from engine.pipeline import attention, lora, memory, recipes
 from engine.pipeline.clock import install_compile_counter
 from engine.pipeline.progress import quiet_library_consoles
 from engine.protocol import EngineConfig
@@ -37,7 +37,7 @@ def lora_refusal(config: EngineConfig, precision: devices.PrecisionPlan) -> str:
     if config.key.tp > 1:
         return ("LoRA adapters are not served on multi-rank engines (every rank would have to swap in step; "
                 "not built yet): use a single-device engine")
-    return ""
+    return memory.lora_refusal(config.key.memory)
 
 
 class PipelineLoader:
@@ -69,6 +69,9 @@ class PipelineLoader:
         """Everything before the weights load; returns the diffusers module."""
         # An attention backend this device cannot run is refused before any weights load.
         attention.check_backend(self.options.recipe.attention_backend, self.spec, self.compute_precision)
+        # So is a memory lever this device, layout or precision cannot run with.
+        memory.check_levers(self.config.key.memory, self.spec, tp=self.config.key.tp,
+                            quantized=self.precision.precision.quantized, cpu_offload=self.options.recipe.cpu_offload)
         # Before diffusers is imported: importing it pulls in torch._dynamo, which fixes
         # TORCHINDUCTOR_CACHE_DIR to /tmp when unset, and the persistent cache would be ignored.
         env = devices.apply_environment(self.spec, self.config.cache_path())
@@ -106,6 +109,9 @@ class PipelineLoader:
         if recipe.cpu_offload:
             pipe.enable_model_cpu_offload(device=self.device)
             notices.append("model CPU offload: each model moves to the device only while it runs")
+        elif self.config.key.memory:
+            notices += memory.apply_engine_levers(pipe, self.preset.denoiser, self.config.key.memory, self.device,
+                                                  self.precision.dtype, self.config.cache_path())
         else:
             pipe.to(self.device)
         if self.preset.loras:

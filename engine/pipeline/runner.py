@@ -22,14 +22,14 @@ import torch
 from engine import devices
 from engine.config.presets import route_size
 from engine.errors import Cancelled, DeviceOutOfMemory, UnsupportedCombination
-from engine.pipeline import batching, recipes, stepcache, variants
+from engine.pipeline import batching, memory, prompts, recipes, stepcache, variants
 from engine.pipeline.batchrun import BatchRun
 from engine.pipeline.board import BucketBoard, describe_failure
 from engine.pipeline.calls import CallOutcome, PipelineCaller, pipeline_call_kwargs
 from engine.pipeline.clock import compiles_in_this_thread
 from engine.pipeline.clock import install_compile_counter as _install_compile_counter
 from engine.pipeline.faults import Faults
-from engine.pipeline.footprint import engine_footprint, weights_bytes
+from engine.pipeline.footprint import component_bytes, engine_footprint, weights_bytes
 from engine.pipeline.loading import PipelineLoader, lora_refusal
 from engine.pipeline.lora import SlotChange
 from engine.pipeline.modes import VariantSet, clone_module_tree, compile_denoiser
@@ -127,6 +127,8 @@ class PipelineRunner:
             # Offload hooks cannot be traced (seed: compile only the repeated blocks), and an aot package
             # points at weights that offload moves between devices.
             return "CPU offload is on"
+        if why := memory.excluded_mode(self.config.key.memory, mode):
+            return why
         if mode is Mode.AOT and self.precision.precision.quantized:
             # torch.export unwraps torchao's quantized tensors into parametrizations the package then looks
             # up by name on the engine's own (still quantized) model, where they do not exist.
@@ -175,6 +177,10 @@ class PipelineRunner:
                                                    str(loaded.source))
         # A pristine scheduler that never runs: each request gets a copy (schedulers keep per-run state).
         self.caller.scheduler_template = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
+        recipe = self.options.recipe
+        self.caller.prompts = prompts.PromptEncoder(
+            pipe, self.config.key.memory, self.load_device(), str(self.config.key),
+            prompts.PromptCache(recipe.prompt_cache_entries, recipe.prompt_cache_mib * 2**20))
         self.load_s = time.perf_counter() - start
         log.info("loaded %s in %.2fs", self.config.key, self.load_s)
         return self.load_s
@@ -193,6 +199,8 @@ class PipelineRunner:
         notices = list(self.check_mode(request.mode))
         # A step cache this mode cannot hold is refused before anything runs (never served without it).
         notices += stepcache.check_step_cache(request.step_cache, self.preset, self.spec, request.mode)
+        memory.check_request(self.config.key.memory, request.memory, request.mode, request.step_cache.enabled,
+                             request.lora is not None)
         if request.step_cache.enabled and self.config.key.tp > 1:
             # Each rank's hooks would decide alone which steps to skip; ranks that disagree hang the collectives.
             raise UnsupportedCombination(f"step cache {request.step_cache} is not available on a multi-rank engine "
@@ -330,7 +338,7 @@ class PipelineRunner:
             lora_scale=request.lora_scale if request.lora else None,
             lora_rank=self.loras.rank(request.lora) if self.loras is not None else None,
             lora_swap_ms=run.lora.swap_ms, lora_fused=request.lora_fused and request.lora is not None,
-            lora_fuse_ms=run.lora.fuse_ms)
+            lora_fuse_ms=run.lora.fuse_ms, weights_by_component=component_bytes(self.pipe))
 
     def _out_of_memory(self, exc: Exception) -> DeviceOutOfMemory:
         gc.collect()

@@ -22,6 +22,7 @@ Every name is re-exported here: callers import from `engine.protocol`, never fro
 from __future__ import annotations
 
 from engine.metrics import median
+from engine.protocol.memory import MAX_BLOCKS_PER_GROUP, MemoryLevers, memory_forms
 from engine.protocol.messages import (
     BucketChanged,
     Cancel,
@@ -114,6 +115,9 @@ __all__ = [
     "EngineKey",
     "EngineOptions",
     "EngineReady",
+    "MemoryLevers",
+    "MAX_BLOCKS_PER_GROUP",
+    "memory_forms",
     "Fatal",
     "Fault",
     "FoldersChanged",

@@ -40,6 +40,15 @@ class RecipeOptions:
     # The preset's LoRA adapters get a slot in the denoiser (engine/pipeline/lora.py). Off by default: the slot's
     # matmuls run on every step, styled or not (docs/benchmarks.md).
     loras: bool = False
+    # The memory levers an engine gets when a request names none (engine/protocol/memory.py; "" none).
+    memory: str = ""
+    # When a request names no levers and `memory` is "": "speed" none, "auto" the fastest set whose estimate
+    # fits the device's free memory, "memory" the smallest (engine/serving/fit.py).
+    memory_policy: str = "speed"
+    # Embeddings of recent prompts kept per engine (engine/pipeline/prompts.py): at most this many, this many
+    # MiB; 0 entries: off.
+    prompt_cache_entries: int = 64
+    prompt_cache_mib: int = 256
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine.metrics import median
+from engine.protocol.memory import MemoryLevers
 from engine.protocol.presets import LoraChoice, ModelPreset, check_lora_scale
 from engine.protocol.vocabulary import (
     NO_STEP_CACHE,
@@ -38,6 +39,7 @@ class GenerateRequest:
     lora: str | None = None  # one of the preset's adapters by name (None: no LoRA)
     lora_scale: float | None = None  # None: the adapter's default scale
     lora_fused: bool = False  # folded into the weights (eager only) rather than hot-swapped
+    memory: str = ""  # per-request memory levers (the VAE's: engine/protocol/memory.py), canonical text
     # Who asked (a visitor's address; "" for the host): an engine serves its waiting clients in turn.
     client: str = ""
     previews: int = 0  # partial images streamed while it runs (engine/pipeline/preview.py), at most MAX_PREVIEWS
@@ -51,6 +53,8 @@ class GenerateRequest:
             object.__setattr__(self, "lora_fused", False)
         if self.lora_scale is not None:
             object.__setattr__(self, "lora_scale", check_lora_scale(self.lora_scale))
+        levers = MemoryLevers.parse(self.memory).request_part()
+        object.__setattr__(self, "memory", str(levers) if levers.enabled else "")
         if not isinstance(self.step_cache, StepCache):
             object.__setattr__(self, "step_cache", StepCache.parse(self.step_cache))
 
@@ -116,6 +120,9 @@ class GenerateResult:
     lora_swap_ms: float | None = None  # the hot-swap this request waited for (None: the adapter was in place)
     lora_fused: bool = False  # ran with the adapter folded into the weights
     lora_fuse_ms: float | None = None  # the fuse this request waited for (None: the fused copy held it)
+    # The engine's weights by component (name, bytes as stored: layerwise fp8 counts 1 byte a weight), the
+    # price of its memory levers beside peak_memory_bytes.
+    weights_by_component: tuple[tuple[str, int], ...] = ()
 
     @property
     def computed_steps(self) -> int:
@@ -156,6 +163,7 @@ class GenerateResult:
             "lora_swap_ms": self.lora_swap_ms,
             "lora_fused": self.lora_fused,
             "lora_fuse_ms": self.lora_fuse_ms,
+            "weights_bytes": dict(self.weights_by_component),
             "timings": {
                 "step_ms": list(t.step_ms),
                 "first_step_ms": t.first_step_ms,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from engine.errors import InvalidRequest
+from engine.protocol.memory import MemoryLevers
 
 
 class _Choice(enum.StrEnum):
@@ -293,6 +294,9 @@ class EngineKey:
     precision: Precision | None  # None: not known yet (EngineKey.unknown)
     tp: int = 1  # ranks
     parallel: Parallel = Parallel.TENSOR  # how the ranks split the denoiser (one rank: always tensor)
+    # Memory levers that change where the weights live or how the graph runs (engine/protocol/memory.py), as
+    # canonical text; "" none. The VAE's per-request levers never enter the key.
+    memory: str = ""
 
     UNKNOWN: ClassVar[str] = "?"  # how an unknown part is shown
 
@@ -302,6 +306,8 @@ class EngineKey:
         _coerce(self, "parallel", Parallel)
         if self.tp <= 1 and self.parallel is not Parallel.TENSOR:
             object.__setattr__(self, "parallel", Parallel.TENSOR)  # one process: no layout, one key
+        levers = MemoryLevers.parse(self.memory).engine_part()
+        object.__setattr__(self, "memory", str(levers) if levers.enabled else "")
 
     @classmethod
     def unknown(cls) -> EngineKey:
@@ -314,11 +320,16 @@ class EngineKey:
 
     def __str__(self) -> str:
         tp = f" {'tp' if self.parallel is Parallel.TENSOR else self.parallel}{self.tp}" if self.tp > 1 else ""
-        return f"{self.preset}@{self.device}/{self.precision_label}{tp}"
+        return f"{self.preset}@{self.device}/{self.precision_label}{tp}" + (f"+{self.memory}" if self.memory else "")
+
+    @property
+    def levers(self) -> MemoryLevers:
+        return MemoryLevers.parse(self.memory)
 
     def as_dict(self) -> dict:
         return {"engine": str(self), "preset": self.preset, "device": self.device,
-                "precision": self.precision_label, "tp": self.tp, "parallel": str(self.parallel)}
+                "precision": self.precision_label, "tp": self.tp, "parallel": str(self.parallel),
+                "memory": self.memory or "none"}
 
 
 @dataclass(frozen=True, order=True)

@@ -13,7 +13,7 @@ from engine.errors import ShowcaseError
 from engine.metrics import median
 from engine.models.weights import CorruptWeights
 from engine.protocol import EngineConfig, EngineKey, Footprint, Parallel
-from engine.serving import budget
+from engine.serving import budget, fit
 from engine.serving.hosting import HostingConfig
 
 ACTIVATION_SHARE = 0.25  # before an engine has run: activations estimated as this share of its weights
@@ -75,6 +75,8 @@ class DeviceBudgets:
             raise  # the load would fail the same way: say which component now
         except ShowcaseError:
             weights = 0
+        if key.memory:  # memory levers: what stays on the device (engine/serving/fit.py)
+            weights = fit.lever_weights(self.source_config(key), weights)
         if Parallel(key.parallel) is Parallel.TENSOR:  # context parallel keeps the whole denoiser on every rank
             weights //= max(1, key.tp)  # each rank holds its shard (the rest is replicated: an underestimate)
         overhead = self._measured_overhead(key.device) or spec.process_overhead_bytes

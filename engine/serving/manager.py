@@ -25,6 +25,7 @@ from engine.config.request import Caller, ImageRequest
 from engine.config.resolve import Catalog
 from engine.config.validation import build_request
 from engine.errors import EngineBusy, NotAllowed, ShowcaseError
+from engine.pipeline import memory as memory_levers
 from engine.pipeline import stepcache
 from engine.pipeline.batching import max_batch_for
 from engine.protocol import (
@@ -35,11 +36,12 @@ from engine.protocol import (
     Footprint,
     GenerateRequest,
     GenerateResult,
+    MemoryLevers,
     Mode,
     ModelPreset,
     Size,
 )
-from engine.serving import budget, cost, policy
+from engine.serving import budget, cost, fit, policy
 from engine.serving.admission import RequestFlow, Ticket, price_compare, price_generate
 from engine.serving.footprints import DeviceBudgets
 from engine.serving.hosting import HostingConfig, HostPolicy, Runtime
@@ -80,6 +82,7 @@ class EngineManager:
         self.default_key: EngineKey | None = None
         self.scheduler = CompileScheduler(self.hosting.compile_jobs or settings.default_compile_jobs())
         self.budgets = DeviceBudgets(self.hosting, lambda key: self.catalog.config(key, self.options, self.cache_dir))
+        self._fitted: dict[EngineKey, str] = {}  # --memory auto|memory: the levers chosen per key
         self.launcher = EngineLauncher(self.hosting, self.cache,
                                        lambda device: self.budgets.device_budget(device).max_engines)
         self.residency = Residency(self.launcher, self.budgets, self.scheduler, config_for=self._config,
@@ -107,12 +110,35 @@ class EngineManager:
         return self.catalog.preset(name)
 
     def make_key(self, preset: str, device: str, precision: str, tp: int = 1,
-                 caller: Caller = Caller.HOST, parallel: str = "tensor") -> EngineKey:
+                 caller: Caller = Caller.HOST, parallel: str = "tensor", levers: str | None = None) -> EngineKey:
         """Validate and resolve an engine key ("auto" -> the best available device); in public mode a
-        visitor may only pick what the host offers."""
+        visitor may only pick what the host offers. `levers`: memory levers (None: the host's default; their
+        engine part goes into the key, refused with the reason where they cannot run)."""
         if caller is Caller.VISITOR:
             self.check_visitor_choice(preset=preset, precision=precision)
-        return self.catalog.make_key(preset, device, precision, tp, parallel)
+        default = MemoryLevers.parse(self.options.recipe.memory).engine_part()
+        wanted = default if levers is None else MemoryLevers.parse(levers).engine_part()
+        if caller is Caller.VISITOR and self.policy.public and wanted != default:
+            raise NotAllowed(f"memory levers are up to the host here (this host's: {default})")
+        key = self.catalog.make_key(preset, device, precision, tp, parallel, str(wanted) if wanted.enabled else "")
+        if levers is None and not wanted.enabled and self.options.recipe.memory_policy != "speed" and tp == 1:
+            key = dataclasses.replace(key, memory=self.fitted_levers(key))
+        memory_levers.check_levers(key.memory, devices.get_device(key.device), tp=key.tp,
+                            quantized=bool(key.precision and key.precision.quantized),
+                            cpu_offload=self.options.recipe.cpu_offload)
+        return key
+
+    def fitted_levers(self, key: EngineKey) -> str:
+        """The levers --memory auto|memory picks for an engine no one named levers for (engine/serving/fit.py),
+        chosen once per key for the device's budget less what this process holds of it."""
+        if key not in self._fitted:
+            budget_bytes = self.budgets.device_budget(key.device).bytes
+            free = None if budget_bytes is None else budget_bytes - self.budgets.app_bytes(key.device)
+            levers, why = fit.fitted_levers(self.catalog.config(key, self.options, self.cache_dir),
+                                            devices.get_device(key.device), free, self.options.recipe.memory_policy)
+            log.info("memory levers for %s: %s (%s)", key, levers or "none", why)
+            self._fitted[key] = levers
+        return self._fitted[key]
 
     def check_visitor_choice(self, *, preset=None, precision=None, mode=None) -> None:
         """NotAllowed naming what is offered when a public host does not offer this choice to visitors."""
@@ -264,7 +290,8 @@ class EngineManager:
 
     def _generate(self, spec: ImageRequest, seen: dict, hooks: _RunHooks, ticket: Ticket | None) -> GenerateResult:
         caller = spec.caller
-        key = self.make_key(spec.preset, spec.device, spec.precision, spec.tp, caller=caller, parallel=spec.parallel)
+        key = self.make_key(spec.preset, spec.device, spec.precision, spec.tp, caller=caller, parallel=spec.parallel,
+                            levers=spec.memory)
         seen["engine"] = str(key)
         if caller is Caller.VISITOR:
             self.check_visitor_choice(mode=spec.mode)

@@ -1,0 +1,285 @@
+"""Fit: the memory an engine needs with each memory lever set, estimated before anything loads, and the lever
+set chosen for a device's free memory (`--memory auto|speed|memory`).
+
+The weights come from the safetensors headers of each component (engine/models/weights.py: shapes and
+dtypes, no tensor read); a preset that is not on this machine (FLUX.1-dev) gets its denoiser's shapes from
+its `denoiser_config` built on torch's meta device and its encoders' and VAE's parameter counts from
+`PUBLISHED`. Per component: its parameters, the share layerwise casting stores in fp8 (2-D weights outside
+norms and embeddings, diffusers' skip patterns), its largest repeated block (group offload's unit) and its
+largest tensor (a leaf's). Activations: `ACTIVATION_PER_TOKEN_DIM` x tokens x hidden width x dtype bytes,
+calibrated on a random-weight Flux denoiser (docs/benchmarks.md says how close the estimate came). Each
+lever set's price in time is its factor in `CANDIDATES` (measured here where it runs on a CPU, else a peer's
+published figure).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ShowcaseError
+from engine.protocol import MemoryLevers
+
+GIB = 2**30
+PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "int8wo": 1, "int8dq": 1, "fp8": 1}
+ACTIVATION_PER_TOKEN_DIM = 24.0  # activation bytes per (token x hidden width x dtype byte); docs/benchmarks.md
+TEXT_TOKENS = 512  # Flux's T5 sequence: joint attention runs over image and text tokens
+# diffusers' layerwise casting leaves these modules in the compute precision (DEFAULT_SKIP_MODULES_PATTERN)
+_SKIP_CAST = re.compile(r"pos_embed|patch_embed|norm|^proj_in\.|^proj_out\.")
+_BLOCK = re.compile(r"^(.*blocks)\.(\d+)\.")
+# Parameter counts of published components a preset loads from the Hub, for estimates where they are not
+# downloaded (the denoiser's come from its denoiser_config).
+PUBLISHED = {
+    "flux": {"text_encoder": 123_060_480, "text_encoder_2": 4_762_310_656, "vae": 83_819_683},
+}
+# Lever sets in the order an "auto" host tries them (fastest first), with their price in time: measured on
+# this machine's CPU (layerwise casting: 1.30x) or a peer's figure (diffusers' FLUX.1-dev table: model offload
+# 21.7 / 6.59 s, group offload 47.7 / 6.59 s, sequential 68.4 / 6.59 s; cache-dit's prefetching offload 24.6 /
+# 23.4 s for a streamed group).
+CANDIDATES = (
+    ("", 1.0), ("encoders:cpu", 1.02), ("layerwise:fp8", 1.30), ("layerwise:fp8,encoders:cpu", 1.33),
+    ("group:block:1:stream", 1.05), ("model-offload", 3.3), ("layerwise:fp8,group:block:1:stream", 1.37),
+    ("group:block:1", 7.2), ("group:block:1:disk", 7.5), ("layerwise:fp8,group:block:1:disk", 7.8),
+    ("sequential-offload", 10.4),
+)
+POLICIES = ("speed", "auto", "memory")
+QUANTIZED = ("int8wo", "int8dq", "fp8")
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    params: int
+    castable: int = 0  # parameters layerwise casting stores in fp8
+    block: int = 0  # parameters of its largest repeated block (0: none)
+    largest: int = 0  # parameters of its largest tensor
+
+
+def component_from_shapes(name: str, shapes: dict[str, list[int]]) -> Component:
+    params = castable = largest = 0
+    blocks: dict[tuple[str, str], int] = {}
+    # Layerwise casting stores the weight and bias of each linear / conv layer outside the skipped modules.
+    layers = {t.rsplit(".", 1)[0] for t, s in shapes.items() if t.endswith(".weight") and len(s) >= 2}
+    for tensor, shape in shapes.items():
+        n = functools.reduce(lambda a, b: a * int(b), shape, 1)
+        params += n
+        largest = max(largest, n)
+        module = tensor.rsplit(".", 1)[0]
+        if module in layers and not _SKIP_CAST.search(tensor):
+            castable += n
+        if m := _BLOCK.match(tensor):
+            blocks[m.groups()] = blocks.get(m.groups(), 0) + n
+    return Component(name, params, castable, max(blocks.values(), default=0), largest)
+
+
+def components_from_folder(folder: Path) -> dict[str, Component]:
+    """Each component of a diffusers folder, from its safetensors headers (no tensor is read)."""
+    from engine.models.weights import read_header
+
+    out = {}
+    for sub in sorted(p for p in Path(folder).iterdir() if p.is_dir()):
+        shapes = {}
+        for path in sorted(sub.glob("*.safetensors")):
+            shapes.update({k: v.get("shape", []) for k, v in read_header(path).items() if k != "__metadata__"})
+        if shapes:
+            out[sub.name] = component_from_shapes(sub.name, shapes)
+    return out
+
+
+def components_from_config(preset) -> dict[str, Component]:
+    """A preset not on this machine: its denoiser built on the meta device from denoiser_config (shapes, no
+    memory), the rest from PUBLISHED; ShowcaseError where neither is known."""
+    if not preset.denoiser_config or preset.family not in PUBLISHED:
+        raise ShowcaseError(f"{preset.name}: no local weights, and no denoiser_config with published component "
+                            "sizes to estimate from")
+    import diffusers
+    import torch
+
+    from engine.pipeline.stepcache import denoiser_class
+
+    cls = denoiser_class(preset.pipeline, preset.denoiser) or diffusers.FluxTransformer2DModel
+    with torch.device("meta"):
+        model = cls.from_config(dict(preset.denoiser_config))
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    out = {name: Component(name, n, 0, 0, n // 24) for name, n in PUBLISHED[preset.family].items()}
+    out[preset.denoiser] = component_from_shapes(preset.denoiser, shapes)
+    return out
+
+
+def hidden_width(config: dict) -> int:
+    heads, dim = config.get("num_attention_heads"), config.get("attention_head_dim")
+    if isinstance(heads, int) and isinstance(dim, int):
+        return heads * dim
+    return int(config.get("cross_attention_dim") or 1024) if not isinstance(config.get("cross_attention_dim"),
+                                                                            list) else 1024
+
+
+@dataclass(frozen=True)
+class Estimate:
+    levers: str
+    device_bytes: int  # what the device holds at the peak (weights there, activations, the process)
+    weights_bytes: int  # of that, weights
+    activation_bytes: int
+    time_factor: float  # its price in time, against no lever
+
+    def as_dict(self) -> dict:
+        return {"levers": self.levers or "none", "device_gib": round(self.device_bytes / GIB, 2),
+                "weights_gib": round(self.weights_bytes / GIB, 2), "time_factor": self.time_factor}
+
+
+@dataclass(frozen=True)
+class Model:
+    """What an estimate needs of one engine: its components, its denoiser's name and width, its precision."""
+
+    components: dict[str, Component]
+    denoiser: str
+    hidden: int
+    precision: str = "fp32"
+
+    @property
+    def dtype_bytes(self) -> int:
+        return PRECISION_BYTES.get(str(self.precision), 4)
+
+    def activations(self, width: int, height: int, batch: int = 1) -> int:
+        tokens = (width // 16) * (height // 16) + TEXT_TOKENS
+        return int(ACTIVATION_PER_TOKEN_DIM * tokens * self.hidden * self.dtype_bytes * batch)
+
+    def estimate(self, levers, width: int, height: int, host_is_device: bool, overhead: int = 0,
+                 time_factor: float = 1.0) -> Estimate:
+        lv = MemoryLevers.parse(levers).engine_part()
+        b, act = self.dtype_bytes, self.activations(width, height)
+        sizes = {n: c.params * b for n, c in self.components.items()}
+        d = self.components.get(self.denoiser, Component(self.denoiser, 0))
+        if lv.layerwise:
+            sizes[self.denoiser] = d.castable + (d.params - d.castable) * b
+        encoders = sum(s for n, s in sizes.items() if n.startswith("text_encoder"))
+        weights = sum(sizes.values())
+        # Where the device's memory is the host's, moving weights to host RAM frees nothing; only disk does.
+        if lv.offload == "model" and not host_is_device:
+            weights = max(sizes.values(), default=0)
+        elif lv.offload == "sequential" and not host_is_device:
+            weights = max((c.largest * b for c in self.components.values()), default=0)
+        elif lv.group and (lv.group_disk or not host_is_device):
+            held = (d.block * lv.group_blocks if lv.group == "block" and d.block else d.largest) * b
+            weights = weights - sizes[self.denoiser] + held * (2 if lv.group_stream else 1)
+        if lv.encoders == "cpu" and not host_is_device:
+            weights -= encoders
+        return Estimate(str(lv) if lv.enabled else "", int(weights + act + overhead), int(weights), act, time_factor)
+
+
+def model_for(preset, source: Path | None, precision: str) -> Model:
+    """The estimate's view of an engine: from its folder's headers, else from its config (components_from_config)."""
+    import json
+
+    if source is not None and Path(source).is_dir():
+        comps = components_from_folder(Path(source))
+        try:
+            config = json.loads((Path(source) / preset.denoiser / "config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+    else:
+        comps, config = components_from_config(preset), dict(preset.denoiser_config or {})
+    return Model(comps, preset.denoiser, hidden_width(config), str(precision))
+
+
+def options(model: Model, spec, width: int, height: int, overhead: int = 0) -> list[Estimate]:
+    """Every lever set of CANDIDATES this device can run, with its estimate, fastest first."""
+    from engine.pipeline import memory
+
+    out = []
+    for levers, factor in CANDIDATES:
+        try:
+            memory.check_levers(levers, spec, quantized=model.precision in QUANTIZED)
+        except ShowcaseError:
+            continue
+        out.append(model.estimate(levers, width, height, spec.host_memory_is_device_memory, overhead, factor))
+    return out
+
+
+def choose(estimates: list[Estimate], free_bytes: int | None, policy: str) -> tuple[Estimate, str]:
+    """(the lever set for `policy`, why): speed: none; memory: the smallest; auto: the fastest that fits
+    `free_bytes` (none when nothing is known of the device's memory; the smallest when nothing fits)."""
+    none = estimates[0]
+    if policy == "speed" or len(estimates) == 1:
+        return none, "speed: no memory lever"
+    smallest = min(estimates, key=lambda e: (e.device_bytes, e.time_factor))
+    if policy == "memory":
+        return smallest, f"memory: the smallest estimate ({smallest.device_bytes / GIB:.2f} GiB)"
+    if free_bytes is None:
+        return none, "auto: the device reports no free memory, so no lever is needed to fit"
+    for e in sorted(estimates, key=lambda e: e.time_factor):
+        if e.device_bytes <= free_bytes:
+            return e, (f"auto: {e.levers or 'no lever'} fits {free_bytes / GIB:.2f} GiB "
+                       f"(≈ {e.device_bytes / GIB:.2f} GiB at ≈ {e.time_factor:g}× the time)")
+    return smallest, (f"auto: nothing fits {free_bytes / GIB:.2f} GiB; the smallest, {smallest.levers}, "
+                      f"needs ≈ {smallest.device_bytes / GIB:.2f} GiB")
+
+
+def fitted_levers(config, spec, free_bytes: int | None, policy: str) -> tuple[str, str]:
+    """(levers, why) for an engine `config` whose request and host name none, by `policy` (POLICIES), sized
+    for its largest bucket; ("", why) where its weights cannot be read here."""
+    from engine.config.resolve import resolve_source
+
+    try:
+        source = Path(resolve_source(config))
+        model = model_for(config.preset, source if source.is_dir() else None, str(config.key.precision))
+    except ShowcaseError as exc:
+        return "", f"{policy}: no estimate ({exc})"
+    size = max(config.preset.buckets, key=lambda s: s.pixels)
+    estimates = options(model, spec, size.width, size.height, spec.process_overhead_bytes)
+    chosen, why = choose(estimates, free_bytes, policy)
+    return chosen.levers, why
+
+
+def lever_weights(config, weights: int) -> int:
+    """What an engine with memory levers holds of `weights` (its key's levers applied to its estimate)."""
+    from engine import devices
+    from engine.config.resolve import resolve_source
+
+    try:
+        source = Path(resolve_source(config))
+        model = model_for(config.preset, source if source.is_dir() else None, str(config.key.precision))
+    except ShowcaseError:
+        return weights
+    host = devices.get_device(config.key.device).host_memory_is_device_memory
+    return min(weights, model.estimate(config.key.memory, 64, 64, host).weights_bytes)
+
+
+def advice_line(preset_name: str, precision: str, estimates: list[Estimate]) -> str:
+    """"flux1-dev bf16 needs ≈ 34 GB here; layerwise:fp8 ≈ 23 GB at ≈ 1.3× the time; ...", cheapest first."""
+    none, rest = estimates[0], estimates[1:]
+    parts = [f"{preset_name} {precision} needs ≈ {none.device_bytes / GIB:.1f} GiB"]
+    parts += [f"{e.levers} ≈ {e.device_bytes / GIB:.1f} GiB at ≈ {e.time_factor:g}× the time"
+              for e in sorted(rest, key=lambda e: e.time_factor) if e.device_bytes < none.device_bytes]
+    return "; ".join(parts)
+
+
+# Hosts the README's table is made for: (label, usable bytes, streams, host memory is the device's). Usable:
+# the budget share of the memory (0.9 on a GPU; a Mac's GPU may use about two thirds of its unified memory,
+# where offloading to host RAM frees nothing: it is the same memory).
+HOSTS = (
+    ("24 GB GPU", int(24e9 * 0.9), True, False), ("16 GB Mac", int(16e9 * 0.66), False, True),
+    ("ZeroGPU slice (70 GB)", int(70e9 * 0.9), True, False), ("80 GB H100", int(80e9 * 0.9), True, False),
+    ("141 GB H200", int(141e9 * 0.9), True, False),
+)
+
+
+def host_table(models: list[tuple[str, Model]], spec, width: int = 1024, height: int = 1024) -> str:
+    """Markdown: model x host -> the lever set auto picks, its estimate and its price in time."""
+    import dataclasses
+
+    lines = ["| model | " + " | ".join(h[0] for h in HOSTS) + " |", "|---|" + "---|" * len(HOSTS)]
+    for name, model in models:
+        cells = []
+        for _, usable, streams, unified in HOSTS:
+            host = dataclasses.replace(spec, offload_streams=streams, host_memory_is_device_memory=False)
+            rows = [dataclasses.replace(e, device_bytes=model.estimate(e.levers, width, height, unified).device_bytes)
+                    for e in options(model, host, width, height)]
+            pick, _ = choose(rows, usable, "auto")
+            fits = pick.device_bytes <= usable
+            cells.append(f"{pick.levers or 'none'} ({pick.device_bytes / 1e9:.1f} GB, {pick.time_factor:g}×)"
+                         if fits else f"does not fit (smallest: {pick.levers}, {pick.device_bytes / 1e9:.1f} GB)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
