@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from engine import settings
@@ -20,7 +21,7 @@ from engine.config.presets import (
     preset_for_model,
 )
 from engine.config.validation import check_precision
-from engine.errors import InvalidRequest, ModelLoadError
+from engine.errors import DeviceUnavailable, InvalidRequest, ModelLoadError
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, ModelPreset, Parallel
 
 
@@ -29,6 +30,9 @@ class Catalog:
         self.allowed_roots = [Path(r) for r in (allowed_roots if allowed_roots is not None else settings.model_roots())]
         self.presets: dict[str, ModelPreset] = {**load_presets(), **(extra_presets or {})}
         self._lock = threading.Lock()
+        # Engines on a Ray cluster (engine/fleet/): device -> why no node has it (None: one has). Set, it
+        # replaces this machine's probe: a device lives where the fleet's nodes are, not here.
+        self.fleet_lacks: Callable[[str], str | None] | None = None
 
     def preset(self, name: str) -> ModelPreset:
         """A preset by name, or any Hub id / local diffusers folder under the allowed model roots."""
@@ -51,8 +55,9 @@ class Catalog:
 
         p = self.preset(preset)
         precision = check_precision(precision)
-        spec = devices.resolve_device(device)  # InvalidRequest / DeviceUnavailable with the reason
-        devices.plan_precision(spec, precision)  # UnsupportedCombination with the reason
+        spec = self._device(device)  # InvalidRequest / DeviceUnavailable with the reason
+        if spec.probe().available:  # a device only a node has plans its precision there, as it loads
+            devices.plan_precision(spec, precision)  # UnsupportedCombination with the reason
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise InvalidRequest(f"tp must be a whole number >= 1, got {tp!r}")
         parallel = Parallel.parse(parallel, "parallel")
@@ -67,6 +72,22 @@ class Catalog:
         if tp < p.min_tp:
             raise InvalidRequest(f"preset {p.name} needs tensor parallel over at least {p.min_tp} ranks (--tp {p.min_tp})")
         return EngineKey(p.name, spec.name, precision, tp)
+
+    def _device(self, name: str):
+        """The spec of `name` ("auto": the best available), here or, under a fleet, on some node."""
+        from engine import devices
+
+        if self.fleet_lacks is None:
+            return devices.resolve_device(name)
+        if str(name).strip().lower() == "auto":
+            for spec in devices.registry().values():
+                if self.fleet_lacks(spec.name) is None:
+                    return spec
+            raise DeviceUnavailable("no node of the Ray cluster has a device the showcase runs on")
+        spec = devices.get_device(str(name).strip().lower())
+        if (why := self.fleet_lacks(spec.name)) is not None:
+            raise DeviceUnavailable(f"{spec.label} [{spec.name}] is not available: {why}")
+        return spec
 
     def options_for(self, key: EngineKey, base: EngineOptions) -> EngineOptions:
         """`base`, then the preset's per-device options (e.g. CPU offload on one v6e)."""

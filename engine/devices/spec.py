@@ -158,6 +158,10 @@ class DeviceSpec:
     # delivers the first while the rest decode. Only where a batched decode costs what separate ones do (a
     # CPU: convolutions gain nothing from the batch); a GPU decodes a batch faster than its images apart.
     decode_batch_apart: bool = False
+    # Ray engines (engine/fleet/): the node resource an engine of this device holds one unit of. Ray's own
+    # accelerator resources where Ray detects the chip (GPU, neuron_cores, TPU), else a custom resource the
+    # host declares on the nodes that have the device (`ray start --resources '{"showcase-mps": 1}'`).
+    ray_resource: str = "CPU"
 
     # Hooks: the few things that really differ between devices.
     probe_fn: Callable[[], Availability] = _hook(lambda: Availability(True))

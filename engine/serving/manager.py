@@ -62,6 +62,13 @@ class _RunHooks(NamedTuple):
     timeout: float | None
 
 
+def fleet_lacks(device: str) -> str | None:
+    """Why no node of the Ray cluster has `device` (None: one has): the device list under --ray."""
+    from engine.fleet.cluster import why_lacking
+
+    return why_lacking(device)
+
+
 class EngineManager:
     def __init__(self, cache_dir: Path | None = None, options: EngineOptions | None = None,
                  allowed_roots: list[Path] | None = None, extra_presets: dict[str, ModelPreset] | None = None, *,
@@ -73,6 +80,8 @@ class EngineManager:
         self.cache_dir = self.cache.path
         self.options = options or EngineOptions()
         self.catalog = Catalog(allowed_roots, extra_presets)
+        if self.hosting.fleet is not None:
+            self.catalog.fleet_lacks = fleet_lacks
         self.allowed_roots = self.catalog.allowed_roots
         self.presets = self.catalog.presets
         self.policy = self.hosting.policy  # the bench may swap it for a run

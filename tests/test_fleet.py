@@ -1,0 +1,164 @@
+"""The fleet (engine/fleet/): engines as Ray actors on the nodes of a cluster, reached through the same
+EngineClient as a worker process. Runs on `ray_cluster` (tests/conftest.py): two simulated nodes, host-a and
+host-b, on loopback. Without --ray nothing imports ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import engine_manager, fleet_actors_alive, fleet_node_args, make_request, wait_until
+
+pytestmark = pytest.mark.slow  # a Ray cluster, actors that import torch and load a pipeline
+
+REPO = Path(__file__).resolve().parent.parent
+PRESET = "tiny-shapes"
+NO_RAY_AT_EXIT = """
+import atexit, sys
+atexit.register(lambda: print("RAY-MODULES", sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.")),
+                              file=sys.stderr, flush=True))
+"""
+APP_START = NO_RAY_AT_EXIT + """
+import app
+parser = app.build_parser()
+args = parser.parse_args(["--device", "cpu", "--mode", "eager", "--warm", "none"])
+engine = app.check_flags(parser, args)
+hosting = app.resolve_hosting(args, engine.mode)
+manager = app.build_manager(parser, args, engine, hosting)
+app.join_fleet(manager)
+manager.engine(manager.default_key).wait_ready(120)
+manager.shutdown()
+app.leave_fleet(manager)
+"""
+
+
+def ray_modules(stderr: str) -> list[str]:
+    (line,) = [x for x in stderr.splitlines() if x.startswith("RAY-MODULES")]
+    return json.loads(line.removeprefix("RAY-MODULES ").replace("'", '"'))
+
+
+def run_python(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def fleet_manager(cache_dir, tiny_models, ray_cluster):
+    from engine.fleet.config import FleetConfig
+
+    with engine_manager(cache_dir, fleet=FleetConfig(address=ray_cluster.address)) as manager:
+        yield manager
+    wait_until(lambda: not fleet_actors_alive(), 15, message="every engine actor gone after shutdown")
+
+
+# -- without --ray -----------------------------------------------------------------------------------
+def test_without_ray_the_app_and_the_cli_import_no_ray(cache_dir, tiny_models, tmp_path):
+    app_help = run_python(NO_RAY_AT_EXIT + "import app\ntry:\n    app.main(['--help'])\nexcept SystemExit:\n    pass\n")
+    assert app_help.returncode == 0 and "--ray" in app_help.stdout, app_help.stderr[-2000:]
+    assert ray_modules(app_help.stderr) == []
+    start = run_python(APP_START)  # the app's start-up phases, its default engine loaded and served
+    assert start.returncode == 0, start.stderr[-3000:]
+    assert ray_modules(start.stderr) == []
+    cli = run_python(NO_RAY_AT_EXIT + "from engine.cli import main\nmain(sys.argv[1:])\n", "generate", "--preset",
+                     PRESET, "--device", "cpu", "--mode", "eager", "--size", "64x64", "--steps", "1", "--out",
+                     str(tmp_path / "x.png"), "--cache-dir", str(cache_dir))
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert ray_modules(cli.stderr) == []
+
+
+# -- one engine on the fleet -------------------------------------------------------------------------
+def test_a_ray_engine_serves_progress_timings_cancel_and_its_node(fleet_manager):
+    from engine.config.request import ImageRequest
+    from engine.errors import Cancelled
+
+    steps = []
+    result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu", precision="fp32",
+                                                 mode="eager", size="64x64", steps=3),
+                                    on_progress=steps.append, timeout=300)
+    assert result.image_png.startswith(b"\x89PNG") and result.timings.total_ms > 0
+    assert [p.step for p in steps][-1] == 3
+    (row,) = [r for r in fleet_manager.status() if r["state"] != "evicted"]
+    assert row["kind"] == "ray" and row["node"] in ("host-a", "host-b") and row["state"] == "ready"
+    assert len(fleet_actors_alive()) == 1
+    # cancel reaches the actor through the same protocol
+    engine = fleet_manager.residency.engines()[0]
+    started = threading.Event()
+    future = engine.submit(make_request(request_id="long-one", steps=200, prompt="a blue square"),
+                           on_progress=lambda p: started.set())
+    assert started.wait(120)
+    engine.cancel("long-one")
+    with pytest.raises(Cancelled):
+        future.result(60)
+
+
+def test_a_device_no_node_has_is_refused_naming_the_nodes(fleet_manager):
+    from engine.errors import DeviceUnavailable
+
+    with pytest.raises(DeviceUnavailable) as info:
+        fleet_manager.make_key(PRESET, "cuda", "fp32")
+    assert "no node with cuda (GPU)" in str(info.value) and "host-a" in str(info.value)
+
+
+# -- faults --------------------------------------------------------------------------------------------
+def test_a_node_removed_mid_request_fails_that_request_naming_it_and_the_next_runs_elsewhere(fleet_manager,
+                                                                                               ray_cluster):
+    from engine.config.request import ImageRequest
+
+    key = fleet_manager.make_key(PRESET, "cpu", "fp32")
+    engine = fleet_manager.engine(key)
+    assert engine.wait_ready(300)
+    name = engine.node_name
+    node = next(n for n in ray_cluster.worker_nodes if n.node_id == engine.where["node_id"])
+    started = threading.Event()
+    future = engine.submit(make_request(request_id="doomed", steps=400, prompt="a green triangle"),
+                           on_progress=lambda p: started.set())
+    assert started.wait(120)
+    removed_at = time.monotonic()
+    ray_cluster.remove_node(node)
+    try:
+        with pytest.raises(Exception) as info:
+            future.result(10)
+        assert time.monotonic() - removed_at < 10
+        assert name in str(info.value), info.value
+        # the manager's restart asks Ray again: the other node takes it, and serves the next request
+        result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu", precision="fp32",
+                                                     mode="eager", size="64x64", steps=2), timeout=300)
+        assert result.image_png.startswith(b"\x89PNG")
+        (row,) = [r for r in fleet_manager.status() if r["state"] != "evicted"]
+        assert row["node"] != name and row["state"] == "ready"
+    finally:
+        ray_cluster.add_node(**fleet_node_args(name))
+        ray_cluster.wait_for_nodes()
+
+
+def test_sigterm_on_the_app_leaves_no_actor_and_no_engine_process(cache_dir, tiny_models, ray_cluster):
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SHOWCASE_CACHE_DIR": str(cache_dir)}
+    app = subprocess.Popen([sys.executable, "app.py", "--ray", ray_cluster.address, "--device", "cpu", "--mode",
+                            "eager", "--warm", "none", "--port", "7991", "--no-mcp"], cwd=REPO, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        actors = wait_until(fleet_actors_alive, 180, interval=0.5, message="the app's engine actor alive")
+        pid = actors[0]["Pid"]
+        app.send_signal(signal.SIGTERM)
+        app.wait(30)
+        wait_until(lambda: not fleet_actors_alive(), 10, interval=0.2, message="no engine actor left")
+        if pid:
+            wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                       10, message=f"the actor's process {pid} gone")
+        left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
+                if "EngineActor" in " ".join(p.info["cmdline"] or [])]
+        assert left == []
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait(10)
