@@ -162,3 +162,18 @@ def test_sigterm_on_the_app_leaves_no_actor_and_no_engine_process(cache_dir, tin
         if app.poll() is None:
             app.kill()
             app.wait(10)
+
+
+def test_the_fleet_bench_prints_both_paths_side_by_side(cache_dir, tiny_models, ray_cluster):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-m", "engine", "fleet-bench", "--ray", ray_cluster.address, "--rounds", "3",
+                          "--cache-dir", str(cache_dir), "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["node"] in ("host-a", "host-b") and result["target_ms"] == 15.0
+    for path in ("local", "ray"):
+        client = result[path]["client"]
+        assert client["p10"] <= client["median"] <= client["p90"]
+    assert result["overhead_ms"] == pytest.approx(result["ray"]["client"]["median"] - result["local"]["client"]["median"])
+    assert not fleet_actors_alive()

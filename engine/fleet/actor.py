@@ -49,6 +49,16 @@ def accept_one(listener: socket.socket, token: bytes, deadline: float) -> Connec
     return None
 
 
+def at_normal_priority() -> None:
+    """This thread (and the engine's threads it starts) back at niceness 0, from which serve_engine lowers
+    it as a worker process's: Ray starts its workers at a low priority (nice 15), which on cores shared
+    with other programs made every request wait for a core."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
+    except OSError:  # not allowed to raise its priority here: it stays where Ray put it
+        pass
+
+
 @ray.remote(max_concurrency=4)  # start, lifetime and ping may be in flight together
 class EngineActor:
     def __init__(self):
@@ -65,6 +75,7 @@ class EngineActor:
         return {"host": host, "port": port, "node_id": self.node_id, "pid": os.getpid()}
 
     def _serve(self, listener: socket.socket, config, env: dict[str, str], token: bytes) -> None:
+        at_normal_priority()
         try:
             with listener:
                 conn = accept_one(listener, token, time.monotonic() + ACCEPT_S)
