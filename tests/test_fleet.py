@@ -177,3 +177,41 @@ def test_the_fleet_bench_prints_both_paths_side_by_side(cache_dir, tiny_models, 
         assert client["p10"] <= client["median"] <= client["p90"]
     assert result["overhead_ms"] == pytest.approx(result["ray"]["client"]["median"] - result["local"]["client"]["median"])
     assert not fleet_actors_alive()
+
+
+# -- replicas ------------------------------------------------------------------------------------------
+def served_by(replicas) -> dict[str, int]:
+    """Requests each replica has served (its buckets' counts), by node."""
+    return {r.node_name: sum(b.requests_served for b in r.buckets()) for r in replicas.replicas}
+
+
+def test_replicas_split_requests_least_loaded_and_skip_a_stopped_one(cache_dir, tiny_models, ray_cluster):
+    from engine.fleet.config import FleetConfig
+
+    with engine_manager(cache_dir, {"max_batch": 1}, fleet=FleetConfig(address=ray_cluster.address, replicas=2)) as m:
+        engine = m.engine(m.make_key(PRESET, "cpu", "fp32"))
+        assert engine.kind == "ray-replicas"
+        wait_until(lambda: len(engine.serving_replicas()) == 2, 300, message="both replicas ready")
+        assert {r.node_name for r in engine.replicas} == {"host-a", "host-b"}  # Ray spread them
+        before = served_by(engine)
+        futures = [engine.submit(make_request(request_id=f"split-{i}", steps=2, prompt="a red circle", seed=i))
+                   for i in range(16)]
+        assert all(f.result(300).image_png for f in futures)
+        split = {node: count - before[node] for node, count in served_by(engine).items()}
+        assert sum(split.values()) == 16 and all(5 <= n <= 11 for n in split.values()), split
+        (row,) = [r for r in m.status() if r["state"] != "evicted"]
+        assert row["kind"] == "ray-replicas" and {r["node"] for r in row["replicas"]} == {"host-a", "host-b"}
+
+        stopped = engine.replicas[0]
+        os.kill(stopped.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: stopped not in engine.serving_replicas(), 30, message="the stopped replica skipped")
+            before = served_by(engine)
+            futures = [engine.submit(make_request(request_id=f"stopped-{i}", steps=2, prompt="a blue square", seed=i))
+                       for i in range(16)]
+            assert all(f.result(300).image_png for f in futures)  # 0 failed
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+        split = {node: count - before[node] for node, count in served_by(engine).items()}
+        assert split[stopped.node_name] == 0 and sum(split.values()) == 16, split
+        wait_until(lambda: stopped in engine.serving_replicas(), 30, message="the resumed replica back in rotation")
