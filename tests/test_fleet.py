@@ -215,3 +215,57 @@ def test_replicas_split_requests_least_loaded_and_skip_a_stopped_one(cache_dir, 
         split = {node: count - before[node] for node, count in served_by(engine).items()}
         assert split[stopped.node_name] == 0 and sum(split.values()) == 16, split
         wait_until(lambda: stopped in engine.serving_replicas(), 30, message="the resumed replica back in rotation")
+
+
+# -- placement and the device list ---------------------------------------------------------------------
+def test_a_request_names_a_node_and_the_cluster_is_the_device_list(fleet_manager):
+    from engine.config.request import ImageRequest
+    from engine.errors import DeviceUnavailable
+
+    on_b = fleet_manager.make_key(PRESET, "cpu:node:host-b", "fp32")
+    assert on_b.place == "node:host-b" and str(on_b) == f"{PRESET}@cpu:node:host-b/fp32"
+    assert fleet_manager.make_key(PRESET, "node:host-a", "fp32").device == "cpu"  # the best device host-a has
+    for device in ("cpu:node:host-a", "cpu:node:host-b"):
+        result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device=device, precision="fp32",
+                                                     mode="eager", size="64x64", steps=2), timeout=300)
+        assert result.image_png.startswith(b"\x89PNG")
+    nodes = {r["engine"]: r["node"] for r in fleet_manager.status()}
+    assert nodes == {f"{PRESET}@cpu:node:host-a/fp32": "host-a", f"{PRESET}@cpu:node:host-b/fp32": "host-b"}
+    with pytest.raises(DeviceUnavailable, match="no node 'nowhere'"):
+        fleet_manager.make_key(PRESET, "cpu:node:nowhere", "fp32")
+    with pytest.raises(DeviceUnavailable, match="with chip H100"):
+        fleet_manager.make_key(PRESET, "cpu:H100", "fp32")
+
+    report = {r["name"]: r for r in fleet_manager.devices_report()}
+    assert report["cpu"]["available"] and report["cpu"]["nodes"] == ["host-a", "host-b"] and report["cpu"]["auto"]
+    assert report["cpu:node:host-a"]["nodes"] == ["host-a"]
+    assert not report["cuda"]["available"] and "GPU" in report["cuda"]["reason"]
+    cluster = fleet_manager.host_status()["cluster"]
+    assert {"host-a", "host-b"} <= {n["name"] for n in cluster["nodes"]}
+    scrape = fleet_manager.telemetry.scrape().decode()
+    assert "showcase_cluster_nodes" in scrape and 'showcase_cluster_node_resource{chips="",node="host-a"' in scrape
+
+
+def test_a_compare_runs_entries_on_two_nodes_and_the_board_names_each_node(fleet_manager):
+    from gradio_client import Client
+    from helpers import launch_demo
+
+    from ui import UIDefaults, views
+
+    demo, url = launch_demo(fleet_manager, UIDefaults(device="cpu", mode="eager"))
+    try:
+        client = Client(url, verbose=False)
+        gallery, payload = client.predict(
+            prompt="a red circle", preset=PRESET, size="64x64", steps=2, guidance=3.5, seed=7, devices=["cpu"],
+            configurations="eager/fp32@cpu:node:host-a; eager/fp32@cpu:node:host-b", timing_s=2,
+            api_name="/compare")
+    finally:
+        demo.close()
+    results = {r["config"]: r for r in payload["results"]}
+    assert set(results) == {"cpu/fp32/eager", "cpu:node:host-a/fp32/eager", "cpu:node:host-b/fp32/eager"}
+    for config in ("cpu:node:host-a/fp32/eager", "cpu:node:host-b/fp32/eager"):
+        assert not results[config].get("error") and "drift_max_diff" in results[config]  # against the reference
+        assert results[config]["speedup_figure"]["images"] >= 1
+    assert len(gallery) == 3
+    devices = {row[1] for row in views.board_rows(fleet_manager.status())}
+    assert {"cpu on host-a", "cpu on host-b"} <= devices

@@ -254,6 +254,7 @@ def system_markdown(report: dict) -> str:
         lines += [f"| `{k}` | `{_md_escape(v)}` |" for k, v in report["environment"].items()]
     else:
         lines.append("(none of the relevant variables is set)")
+    lines += cluster_lines((report.get("host") or {}).get("cluster"))
     if report["engines"]:
         lines += ["", "### Loaded engines", "", "| engine | state | load s | notices |", "|---|---|---|---|"]
         for e in report["engines"]:
@@ -261,6 +262,21 @@ def system_markdown(report: dict) -> str:
             load = f"{e['load_s']:.2f}" if e.get("load_s") else ""
             lines.append(f"| {e['engine']} | {e['state']} | {load} | {_md_escape(notes)} |")
     return "\n".join(lines)
+
+
+def cluster_lines(cluster: dict | None) -> list[str]:
+    """Under --ray: the Ray cluster's nodes, their chips and resources (free of total)."""
+    if not cluster:
+        return []
+    lines = ["", "### Ray cluster", "", "| node | address | chips | resources |", "|---|---|---|---|"]
+    for n in cluster["nodes"]:
+        resources = ", ".join(f"{k} {v:g}" for k, v in sorted(n["resources"].items()))
+        lines.append(f"| {_md_escape(n['name'])} | {n['address']} | {', '.join(n['chips']) or '—'} | "
+                     f"{_md_escape(resources)} |")
+    lacking = [d for d in cluster["devices"] if d["why"]]
+    if lacking:
+        lines += ["", "Devices no node has: " + "; ".join(f"{d['device']} ({d['why']})" for d in lacking)]
+    return lines
 
 
 class SystemHandlers(HandlerBase):

@@ -116,7 +116,8 @@ class RayClient(ConnectionClient):
 
     def status(self) -> dict:
         row = super().status()
-        row.update({"node": self.node_name, "node_id": self.where.get("node_id"), "address": self.where.get("host"),
+        chips = f" ({', '.join(self.node.chips)})" if self.node and self.node.chips else ""
+        row.update({"node": self.node_name, "where": f"{self.node_name}{chips}", "node_id": self.where.get("node_id"), "address": self.where.get("host"),
                     "chips": list(self.node.chips) if self.node else [], "placement": str(self.placement) or None,
                     "pid": self.pid})
         return row

@@ -135,7 +135,11 @@ def feasible(device: str, placement: Placement) -> str | None:
         able = [n for n in able if placement.chip in n.chips]
         where += f" with chip {placement.chip}"
     if placement.node:
-        able = [n for n in able if n.name == placement.node or n.node_id == find_node(placement.node).node_id]
+        try:
+            target = find_node(placement.node).node_id
+        except ShowcaseError as exc:
+            return str(exc)
+        able = [n for n in able if n.node_id == target]
         where += f" on node {placement.node}"
     if able:
         return None
@@ -143,11 +147,11 @@ def feasible(device: str, placement: Placement) -> str | None:
     return f"no node with {where} left in the Ray cluster (nodes: {listed})"
 
 
-def why_lacking(device: str) -> str | None:
-    """Why no node can take an engine of `device` (None: one can); the device list's reason."""
+def why_lacking(device: str, placement: Placement) -> str | None:
+    """Why no node can take an engine of `device` at `placement` (None: one can); the device list's reason."""
     if not ray.is_initialized():
         return "the app has not joined the Ray cluster (yet)"
-    return feasible(device, Placement())
+    return feasible(device, placement)
 
 
 def describe_resources(node: FleetNode) -> str:
@@ -168,6 +172,30 @@ def device_list() -> list[dict]:
         chips = Counter(chip for n in able for chip in n.chips)
         rows.append({"device": name, "resource": resource, "nodes": [n.name for n in able], "chips": dict(chips),
                      "why": None if able else f"no node declares {resource}"})
+    return rows
+
+
+def fleet_report(local: list[dict]) -> list[dict]:
+    """The device report (engine/devices/report.py rows) of the cluster: each device available where a node
+    has its resource, with its nodes; then a row per chip type (`cuda:H100`, with its node count) and per
+    node (`cpu:node:host-a`), so a request can name either. `auto` is the first device a node has."""
+    alive = nodes()
+    rows = []
+    for row in local:
+        resource = devices.get_device(row["name"]).ray_resource
+        able = [n for n in alive if n.has(resource)]
+        base = {**row, "available": bool(able), "auto": False, "nodes": [n.name for n in able],
+                "reason": "" if able else f"no node of the Ray cluster declares {resource}",
+                "label": f"{row['label']} · {len(able)} node(s)"}
+        rows.append(base)
+        chips = Counter(chip for n in able for chip in n.chips)
+        rows += [{**base, "name": f"{row['name']}:{chip}", "label": f"{chip} · {count} node(s)",
+                  "nodes": [n.name for n in able if chip in n.chips]} for chip, count in sorted(chips.items())]
+        rows += [{**base, "name": f"{row['name']}:node:{n.name}", "nodes": [n.name],
+                  "label": f"node {n.name}" + (f" ({', '.join(n.chips)})" if n.chips else "")} for n in able]
+    first = next((r for r in rows if r["available"]), None)
+    if first is not None:
+        first["auto"] = True
     return rows
 
 

@@ -1,12 +1,16 @@
-"""What `--ray` and `--replicas` resolve to, and where a request asks its engine to run. Imports no ray: the
-flags and the request parser use it whether or not the app joins a cluster."""
+"""What `--ray` and `--replicas` resolve to (where a request asks its engine to run is
+engine/config/placement.py). Imports no ray: the flags use it whether or not the app joins a cluster."""
 
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
 
+from engine.config.placement import ANYWHERE, Placement
 from engine.errors import InvalidRequest
+
+__all__ = ["ANYWHERE", "LOCAL", "MAX_REPLICAS", "FleetConfig", "Placement", "address_host", "private_address",
+           "resolve_address"]
 
 MAX_REPLICAS = 16
 LOCAL = "local"  # --ray local: start a cluster of this machine alone
@@ -54,36 +58,3 @@ def private_address(address: str) -> bool:
     except ValueError:
         return False  # a name: where it points is not known here
     return ip.is_loopback or ip.is_private
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a request asks its engine to run: a chip (`@cuda:H100`: Ray's accelerator_type) or a node
-    (`@node:NAME`); empty: any node with the device."""
-
-    chip: str = ""
-    node: str = ""
-
-    @classmethod
-    def parse(cls, text: str | None) -> Placement:
-        """'' / 'any', 'node:NAME', or a chip name (the part after `@device:`)."""
-        text = (text or "").strip()
-        if text in ("", "any"):
-            return cls()
-        kind, sep, value = text.partition(":")
-        if sep and kind == "node":
-            if not value.strip():
-                raise InvalidRequest("placement 'node:' names no node; write node:NAME (the System tab lists them)")
-            return cls(node=value.strip())
-        if any(c in text for c in " ,;@/"):
-            raise InvalidRequest(f"placement {text[:40]!r}: write a chip (e.g. H100) or node:NAME")
-        return cls(chip=text)
-
-    def __bool__(self) -> bool:
-        return bool(self.chip or self.node)
-
-    def __str__(self) -> str:
-        return f"node:{self.node}" if self.node else self.chip
-
-
-ANYWHERE = Placement()  # any node with the device

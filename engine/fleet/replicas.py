@@ -235,6 +235,7 @@ class ReplicaSet:
                 for r in self.replicas]
         row.update({"kind": self.kind, "pending": self.pending(), "buckets": [b.as_dict() for b in self.buckets()],
                     "node": ", ".join(r["node"] for r in rows), "replicas": rows,
+                    "where": ", ".join(r.status()["where"] for r in self.replicas),
                     "state": "ready" if self.serving_replicas() else row["state"]})
         return row
 

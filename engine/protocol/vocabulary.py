@@ -293,6 +293,7 @@ class EngineKey:
     precision: Precision | None  # None: not known yet (EngineKey.unknown)
     tp: int = 1  # ranks
     parallel: Parallel = Parallel.TENSOR  # how the ranks split the denoiser (one rank: always tensor)
+    place: str = ""  # on a Ray cluster: a chip ("H100") or "node:NAME" it must run on ("": any node with the device)
 
     UNKNOWN: ClassVar[str] = "?"  # how an unknown part is shown
 
@@ -314,11 +315,18 @@ class EngineKey:
 
     def __str__(self) -> str:
         tp = f" {'tp' if self.parallel is Parallel.TENSOR else self.parallel}{self.tp}" if self.tp > 1 else ""
-        return f"{self.preset}@{self.device}/{self.precision_label}{tp}"
+        place = f":{self.place}" if self.place else ""
+        return f"{self.preset}@{self.device}{place}/{self.precision_label}{tp}"
+
+    @property
+    def device_text(self) -> str:
+        """The device as a request names it: with its placement ("cpu:node:host-b")."""
+        return f"{self.device}:{self.place}" if self.place else self.device
 
     def as_dict(self) -> dict:
-        return {"engine": str(self), "preset": self.preset, "device": self.device,
-                "precision": self.precision_label, "tp": self.tp, "parallel": str(self.parallel)}
+        row = {"engine": str(self), "preset": self.preset, "device": self.device,
+               "precision": self.precision_label, "tp": self.tp, "parallel": str(self.parallel)}
+        return {**row, "place": self.place} if self.place else row
 
 
 @dataclass(frozen=True, order=True)

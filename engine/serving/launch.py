@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from engine import devices
 from engine.config.caches import CacheDir
+from engine.config.placement import Placement
 from engine.protocol import EngineConfig, Mode
 from engine.serving.hosting import HostingConfig, Runtime
 from engine.worker.client import EngineClient, EngineEvents, ProcessClient
@@ -57,7 +58,7 @@ class EngineLauncher:
             from engine.fleet.replicas import start_on_fleet
 
             env = self.worker_env(config, devices.get_device(key.device))
-            return start_on_fleet(config, env, self.hosting.fleet, events)
+            return start_on_fleet(config, env, self.hosting.fleet, events, Placement.parse(key.place))
         return self._start_worker(config, events)
 
     def worker_env(self, config: EngineConfig, spec) -> dict[str, str]:
