@@ -22,8 +22,8 @@ import time
 from contextlib import contextmanager
 
 from engine.config.request import ImageRequest
-from engine.metrics import median, percentile
 from engine.errors import ShowcaseError
+from engine.metrics import median, percentile
 from engine.protocol import EngineOptions, Mode, Size
 
 TARGET_MS = 15.0  # the Ray engine's median may cost at most this much more per request than a local worker's
