@@ -3,7 +3,7 @@ showcase each node can run (a device's `ray_resource`, engine/devices/), which i
 shows under `--ray`.
 
 The app is a Ray driver: it never starts a dashboard or a client server itself. A node's name is its
-`showcase-node` label when the host gave one (`ray start --labels '{"showcase-node": "h100-a"}'`), else its
+`showcase-node` label when the host gave one (`ray start --labels showcase-node=h100-a`), else its
 address (with the start of its id where several nodes share an address, as simulated nodes do).
 """
 
