@@ -240,6 +240,8 @@ def test_a_request_names_a_node_and_the_cluster_is_the_device_list(fleet_manager
     assert report["cpu"]["available"] and report["cpu"]["nodes"] == ["host-a", "host-b"] and report["cpu"]["auto"]
     assert report["cpu:node:host-a"]["nodes"] == ["host-a"]
     assert not report["cuda"]["available"] and "GPU" in report["cuda"]["reason"]
+    cpu = fleet_manager.host_status()["devices"]["cpu"]  # budgets from what Ray reports: 2 nodes x 2 CPUs
+    assert cpu["max_engines"] == 4 and "Ray cluster" in cpu["source"] and cpu["web_server_gib"] == 0
     cluster = fleet_manager.host_status()["cluster"]
     assert {"host-a", "host-b"} <= {n["name"] for n in cluster["nodes"]}
     scrape = fleet_manager.telemetry.scrape().decode()

@@ -147,6 +147,13 @@ def feasible(device: str, placement: Placement) -> str | None:
     return f"no node with {where} left in the Ray cluster (nodes: {listed})"
 
 
+def resource_units(resource: str) -> float:
+    """Units of `resource` the cluster's alive nodes declare together (0 before the app joined)."""
+    if not ray.is_initialized():
+        return 0.0
+    return float(ray.cluster_resources().get(resource, 0.0))
+
+
 def why_lacking(device: str, placement: Placement) -> str | None:
     """Why no node can take an engine of `device` at `placement` (None: one can); the device list's reason."""
     if not ray.is_initialized():
