@@ -271,3 +271,23 @@ def test_a_compare_runs_entries_on_two_nodes_and_the_board_names_each_node(fleet
     assert len(gallery) == 3
     devices = {row[1] for row in views.board_rows(fleet_manager.status())}
     assert {"cpu on host-a", "cpu on host-b"} <= devices
+
+
+def test_a_replica_on_a_lost_node_is_replaced_and_the_others_keep_serving(cache_dir, tiny_models, ray_cluster):
+    from engine.fleet.config import FleetConfig
+
+    with engine_manager(cache_dir, {"max_batch": 1}, fleet=FleetConfig(address=ray_cluster.address, replicas=2)) as m:
+        engine = m.engine(m.make_key(PRESET, "cpu", "fp32"))
+        wait_until(lambda: len(engine.serving_replicas()) == 2, 300, message="both replicas ready")
+        lost = engine.replicas[0]
+        name = lost.node_name
+        ray_cluster.remove_node(next(n for n in ray_cluster.worker_nodes if n.node_id == lost.where["node_id"]))
+        try:
+            wait_until(lambda: lost not in engine.replicas, 30, message="the lost replica replaced")
+            futures = [engine.submit(make_request(request_id=f"after-{i}", steps=2, seed=i)) for i in range(4)]
+            assert all(f.result(300).image_png for f in futures)  # served meanwhile, none failed
+            wait_until(lambda: len(engine.serving_replicas()) == 2, 300, message="the replacement ready")
+            assert {r.node_name for r in engine.replicas} == {"host-a", "host-b"} - {name}  # Ray put it there
+        finally:
+            ray_cluster.add_node(**fleet_node_args(name))
+            ray_cluster.wait_for_nodes()
