@@ -248,27 +248,31 @@ def test_a_request_names_a_node_and_the_cluster_is_the_device_list(fleet_manager
     assert "showcase_cluster_nodes" in scrape and 'showcase_cluster_node_resource{chips="",node="host-a"' in scrape
 
 
-def test_a_compare_runs_entries_on_two_nodes_and_the_board_names_each_node(fleet_manager):
+def test_a_compare_across_two_nodes_prices_each_against_its_own_chip_and_the_reference_chip(fleet_manager):
     from gradio_client import Client
-    from helpers import launch_demo
 
+    from helpers import launch_demo
     from ui import UIDefaults, views
 
     demo, url = launch_demo(fleet_manager, UIDefaults(device="cpu", mode="eager"))
     try:
         client = Client(url, verbose=False)
         gallery, payload = client.predict(
-            prompt="a red circle", preset=PRESET, size="64x64", steps=2, guidance=3.5, seed=7, devices=["cpu"],
-            configurations="eager/fp32@cpu:node:host-a; eager/fp32@cpu:node:host-b", timing_s=2,
-            api_name="/compare")
+            prompt="a red circle", preset=PRESET, size="64x64", steps=2, guidance=3.5, seed=7,
+            devices=["cpu:node:host-a"], configurations="eager/fp32@cpu:node:host-a; eager/bf16@cpu:node:host-b",
+            timing_s=3, api_name="/compare")
     finally:
         demo.close()
     results = {r["config"]: r for r in payload["results"]}
-    assert set(results) == {"cpu/fp32/eager", "cpu:node:host-a/fp32/eager", "cpu:node:host-b/fp32/eager"}
-    for config in ("cpu:node:host-a/fp32/eager", "cpu:node:host-b/fp32/eager"):
-        assert not results[config].get("error") and "drift_max_diff" in results[config]  # against the reference
-        assert results[config]["speedup_figure"]["images"] >= 1
-    assert len(gallery) == 3
+    reference, own, other = "cpu:node:host-a/fp32/eager", "cpu:node:host-b/fp32/eager", "cpu:node:host-b/bf16/eager"
+    assert payload["reference"] == reference and list(results) == [reference, other, own]  # host-b's own, added
+    # host-b's eager fp32 against the reference chip's image of the same prompt and seed: the cross-chip drift
+    assert "drift_max_diff" in results[own] and "drift_max_diff" in results[other]
+    for config in (own, other):
+        assert results[config]["speedup_figure"]["images"] >= 1  # against the reference chip
+    figure = results[other]["own_chip_figure"]  # and against eager fp32 on its own chip
+    assert figure["images"] >= 1 and figure["iqr"][0] <= figure["speedup"] <= figure["iqr"][1]
+    assert "vs eager fp32 on its chip" in gallery[1]["caption"] and "own_chip_figure" not in results[own]
     devices = {row[1] for row in views.board_rows(fleet_manager.status())}
     assert {"cpu on host-a", "cpu on host-b"} <= devices
 
