@@ -250,8 +250,8 @@ def test_a_request_names_a_node_and_the_cluster_is_the_device_list(fleet_manager
 
 def test_a_compare_across_two_nodes_prices_each_against_its_own_chip_and_the_reference_chip(fleet_manager):
     from gradio_client import Client
-
     from helpers import launch_demo
+
     from ui import UIDefaults, views
 
     demo, url = launch_demo(fleet_manager, UIDefaults(device="cpu", mode="eager"))

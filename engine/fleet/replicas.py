@@ -114,7 +114,15 @@ class ReplicaSet:
             self.events.engine_ready(self)
         self._spread_warm_buckets()
 
+    def _release_compiles(self, replica: RayClient) -> None:
+        """The host's compile slots a gone replica held or waited for are freed (the scheduler knows the
+        replica, not the set, so dropping the set would not free them)."""
+        for info in replica.buckets():
+            if info.state in ("queued", "compiling"):
+                self.events.compile_finished(replica, info.bucket)
+
     def replica_down(self, replica: RayClient) -> None:
+        self._release_compiles(replica)
         with self._lock:
             if self._closed or replica not in self.replicas:
                 return
@@ -241,6 +249,8 @@ class ReplicaSet:
 
     def close(self, timeout: float = 3.0) -> None:
         self._closed = True
+        for replica in self.replicas:
+            self._release_compiles(replica)
         threads = [threading.Thread(target=r.close, daemon=True) for r in self.replicas]
         for t in threads:
             t.start()
