@@ -77,3 +77,16 @@ def test_replicas_need_ray_and_a_bound(monkeypatch):
     assert _hosting(["--ray"], monkeypatch).fleet.address == LOCAL
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
     assert _hosting(["--ray"], monkeypatch).fleet.address == "10.0.0.5:6379"
+
+
+@pytest.mark.parametrize(("device", "options"), [
+    ("cpu", {"num_cpus": 1}),
+    ("cuda", {"num_cpus": 0, "num_gpus": 1}),
+    ("neuron", {"num_cpus": 0, "resources": {"neuron_cores": 1}}),
+    ("tpu", {"num_cpus": 0, "resources": {"TPU": 1}}),
+    ("mps", {"num_cpus": 0, "resources": {"showcase-mps": 1}}),
+])
+def test_each_device_asks_ray_for_one_unit_of_its_resource(device, options):
+    from engine import devices
+
+    assert devices.get_device(device).ray_actor_resources() == options

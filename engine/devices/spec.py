@@ -245,6 +245,16 @@ class DeviceSpec:
         base, what = (total, "RAM") if self.host_memory_is_device_memory else (free, "free memory at start-up")
         return int(base * self.budget_share), f"default: {self.budget_share:.0%} of {what}"
 
+    def ray_actor_resources(self) -> dict:
+        """The Ray actor options holding one unit of `ray_resource` (Ray names CPU and GPU by options of their
+        own; an actor that names no CPU still takes one to be scheduled, so it asks for none)."""
+        options: dict = {"num_cpus": 1 if self.ray_resource == "CPU" else 0}
+        if self.ray_resource == "GPU":
+            options["num_gpus"] = 1
+        elif self.ray_resource != "CPU":
+            options["resources"] = {self.ray_resource: 1}
+        return options
+
     def device_name(self) -> str | None:
         """The hardware's own name (e.g. the GPU model), None where unknown. Never raises."""
         try:

@@ -110,12 +110,7 @@ def actor_options(device: str, placement: Placement, spread: bool = False) -> di
     Ray's SPREAD strategy, so the replicas of one engine land on different nodes."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    resource = devices.get_device(device).ray_resource
-    options: dict = {"num_cpus": 1 if resource == "CPU" else 0}
-    if resource == "GPU":
-        options["num_gpus"] = 1
-    elif resource != "CPU":
-        options["resources"] = {resource: 1}
+    options = devices.get_device(device).ray_actor_resources()
     if placement.chip:
         options["accelerator_type"] = placement.chip
     if placement.node:
