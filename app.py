@@ -3,6 +3,7 @@
     python app.py                      # tiny-shapes on the best device, compile mode, http://127.0.0.1:7860
     python app.py --device cpu --precision bf16 --warm 64x64 --auth user:secret
     python app.py --tp-address /srv/tp/flux2.json   # serve a sidecar started on its nodes (docs/multinode.md)
+    python app.py --ray 10.0.0.5:6379 --replicas 2  # engines on the nodes of a Ray cluster (docs/multinode.md)
 
 Every flag falls back to an environment variable (engine/settings.py server_defaults()), then to
 the built-in default. Engine workers are spawned processes that re-import this file, so nothing
@@ -32,6 +33,7 @@ from engine.serving.flags import (
     MAX_QUEUE,
     HostingChoice,
     add_budget_flags,
+    add_fleet_flags,
     add_hosting_flags,
     add_socket_flags,
     add_visitor_flags,
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_budget_flags(h, d)
     add_visitor_flags(h, d)
     add_socket_flags(h, d)
+    add_fleet_flags(p.add_argument_group("fleet (engines on the nodes of a Ray cluster: docs/multinode.md)"), d)
     add_engine_arguments(p, attention_backends=BACKENDS)
     return p
 
@@ -466,6 +469,27 @@ def launch_ui(manager, args, engine: DefaultEngine, public: bool, auth):
     return demo
 
 
+def join_fleet(manager) -> None:
+    """--ray: make this process a driver of the cluster (ray is imported here and nowhere without --ray)."""
+    if manager.hosting.fleet is None:
+        return
+    from engine.fleet.cluster import join
+
+    try:
+        join(manager.hosting.fleet)
+    except ShowcaseError:
+        manager.shutdown()
+        raise
+
+
+def leave_fleet(manager) -> None:
+    """After the engines closed: disconnect from the cluster, which ends any actor of this app still there."""
+    if manager.hosting.fleet is not None:
+        from engine.fleet.cluster import leave
+
+        leave()
+
+
 def on_sigterm(signum, frame):
     # Raised in the main thread (inside launch's wait loop), so serve's finally runs.
     raise SystemExit(0)
@@ -490,6 +514,7 @@ def serve(manager, args, engine: DefaultEngine, hosting: HostingChoice, auth) ->
         if attacher is not None:
             attacher.stop()  # an attached sidecar is only disconnected: it keeps running for the next app
         manager.shutdown()
+        leave_fleet(manager)
         if demo is not None:
             demo.close()
             from ui import webtemp
@@ -516,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         if hosting.public and not (args.admin_token or auth):
             log.warning("public mode without --admin-token or --auth: host operations (restart, warm all) are off")
         manager = build_manager(parser, args, engine, hosting)
+        join_fleet(manager)
     except ShowcaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -324,6 +324,7 @@ COMMANDS = {
     "advise": "engine.bench.advise:add_advise_parser",
     "lora-bench": "engine.bench.lora:add_lora_bench_parser",
     "oneshot": "engine.bench.oneshot:add_oneshot_parser",
+    "fleet-bench": "engine.bench.fleet:add_fleet_bench_parser",
 }
 
 

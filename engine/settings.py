@@ -105,6 +105,8 @@ def server_defaults() -> dict:
         "aot_repo": _env("SHOWCASE_AOT_REPO"),  # a Hub model repo holding aot packages
         "log_format": log_format(),  # text | json
         "mcp": mcp_server(),  # serve the API as MCP tools too
+        "ray": _env("SHOWCASE_RAY"),  # join a Ray cluster: an address, or "auto" (engine/fleet/)
+        "replicas": _env("SHOWCASE_REPLICAS"),  # copies of each engine on the fleet (--ray)
     }
 
 
@@ -229,6 +231,16 @@ def mcp_server() -> bool:
     """Serve the public API endpoints as MCP tools (SHOWCASE_MCP=1). Off unless asked: it needs the optional
     `mcp` extra, and it opens the app to agents, which a host decides."""
     return (_env("SHOWCASE_MCP", "0") or "0") not in _FALSE
+
+
+def ray_address() -> str | None:
+    """The Ray cluster `--ray auto` joins: Ray's own RAY_ADDRESS (None: start a local one)."""
+    return _env("RAY_ADDRESS")
+
+
+def fleet_start_timeout_s() -> float:
+    """How long a Ray engine may wait for a node to take it and start its actor (engine/fleet/client.py)."""
+    return float(_env("SHOWCASE_FLEET_START_S", "120"))
 
 
 # -- set by the app for its own children --------------------------------------------------------------

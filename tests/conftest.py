@@ -44,3 +44,27 @@ def manager(cache_dir, tiny_models):
 
     with engine_manager(cache_dir) as m:
         yield m
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A Ray cluster of this machine for the fleet tests (engine/fleet/): a head with no CPUs (work goes to the
+    nodes) and two nodes, `host-a` and `host-b` (2 CPUs and a custom resource of that name each, labelled with
+    it), every one on loopback, no dashboard, small object stores. This process is its driver. Tests that
+    remove a node add one of the same name back."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node on 127.0.0.1, not the host's interface
+    import ray
+    from helpers import fleet_node_args
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                            "object_store_memory": 80 * 2**20})
+    for name in ("host-a", "host-b"):
+        cluster.add_node(**fleet_node_args(name))
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

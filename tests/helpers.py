@@ -150,3 +150,17 @@ def max_pixel_difference(image_a, image_b) -> int:
     b = np.asarray(image_b.convert("RGB"), dtype=np.int16)
     assert a.shape == b.shape, (a.shape, b.shape)
     return int(np.abs(a - b).max())
+
+
+# -- the fleet (engine/fleet/) -------------------------------------------------------------------------
+def fleet_node_args(name: str) -> dict:
+    """A simulated Ray node called `name`: 2 CPUs, a custom resource and a `showcase-node` label of that name."""
+    return {"num_cpus": 2, "resources": {name: 1}, "labels": {"showcase-node": name},
+            "object_store_memory": 80 * 2**20}
+
+
+def fleet_actors_alive() -> list[dict]:
+    """The cluster's alive EngineActor actors, from Ray's actor table (the GCS, as Ray's state API reads it)."""
+    from ray._private.state import actors
+
+    return [a for a in actors().values() if a["State"] == "ALIVE" and "EngineActor" in a["ActorClassName"]]

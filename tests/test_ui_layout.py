@@ -153,11 +153,12 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.bench.advise_report": {"COLUMNS", "summary", "table_rows"},
     "engine.config.validation": {"check_steps"},
     "engine.config.request": None,  # the request every edge builds
+    "engine.config.placement": {"split_device"},  # a device field's chip or node (--ray)
 }
 ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "engine.bench": "views.py",
            "engine.bench.quality": "views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
            "engine.bench.advise": "advisor.py", "engine.bench.advise_report": "advisor.py",
-           "engine.config.validation": "compare.py",
+           "engine.config.validation": "compare.py", "engine.config.placement": "common.py",
            "engine.bench.configs": "compare.py"}
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 

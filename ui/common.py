@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from engine import devices as engine_devices
+from engine.config.placement import split_device
 from engine.errors import (
     BudgetExceeded,
     Cancelled,
@@ -172,7 +173,7 @@ class HandlerBase:
     # -- lookups (memoised: device probes do not change while the server runs) -------------------
     def devices_report(self, refresh: bool = False) -> list[dict]:
         if self._devices_report is None or refresh:
-            self._devices_report = engine_devices.devices_report()
+            self._devices_report = self.manager.devices_report()  # under --ray: the cluster's
         return self._devices_report
 
     def run_slots(self) -> int:
@@ -262,15 +263,16 @@ class HandlerBase:
             return []
 
     def device_spec(self, device: str):
-        """The DeviceSpec a device choice resolves to ("auto" included); ShowcaseError saying why not."""
-        return engine_devices.resolve_device(device)
+        """The DeviceSpec a device choice resolves to ("auto" and, under --ray, a chip or node included);
+        ShowcaseError saying why not."""
+        return self.manager.device_spec(device)
 
     def step_cache_rows(self, preset: str, device: str, mode: str) -> list[dict]:
         """Every step cache for a preset, device and mode: usable, or why not (engine/pipeline/stepcache.py)."""
         from engine.pipeline.stepcache import available_step_caches
 
         try:
-            spec = engine_devices.resolve_device(device)
+            spec = self.manager.device_spec(device)
             return available_step_caches(self.manager.preset(preset), spec, mode)
         except ShowcaseError:
             return []
@@ -280,19 +282,19 @@ class HandlerBase:
         return attention_table(engine_devices.get_device(key.device), str(key.precision))
 
     def cuda_graphs_possible(self, device: str) -> bool:
-        return engine_devices.get_device(device).cuda_graphs
+        return engine_devices.get_device(split_device(device)[0]).cuda_graphs
 
     def check_mode(self, device: str, mode: str) -> None:
         """Raise the ShowcaseError saying why `device` cannot run `mode` (e.g. defer-and-fuse off TPU)."""
-        engine_devices.check_mode(engine_devices.get_device(device), mode)
+        engine_devices.check_mode(engine_devices.get_device(split_device(device)[0]), mode)
 
     def device_modes(self, device: str) -> list[str]:
         """The modes the device runs (public mode: of those, the ones the host offers)."""
         try:
-            modes = list(engine_devices.resolve_device(device).modes)
+            modes = list(self.manager.device_spec(device).modes)
         except ShowcaseError:
             try:
-                modes = list(engine_devices.get_device(device).modes)
+                modes = list(engine_devices.get_device(split_device(device)[0]).modes)
             except ShowcaseError:
                 modes = list(Mode.values())
         offered = self.manager.policy.modes if self.public else None

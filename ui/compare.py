@@ -135,6 +135,8 @@ class CompareHandlers(HandlerBase):
             device = self.default_device(devices)
             picked = list(dict.fromkeys(typed_label(c, device) for c in typed))
             what, reference_device = "listed", device
+            chips = list(dict.fromkeys(views.parse_config(c)[0] for c in picked))  # across chips: each its own
+            own = [views.reference_label(chip) for chip in chips if chip != device] if len(chips) > 1 else []
         else:
             try:
                 styles = [explicit.lora_suffix(parse_lora(text)) for text in loras or ["none"]]
@@ -143,6 +145,7 @@ class CompareHandlers(HandlerBase):
             picked = [views.config_label(d, p, m, c, style) for d, p, m, c, style in
                       product(devices or [], precisions or [], modes or [], caches or [views.NO_CACHE], styles)]
             what, reference_device = "device × precision × mode × step cache × LoRA", (devices or [None])[0]
+            own = []
             for p in precisions or []:
                 if p not in Precision.values():
                     raise gr.Error(f"unknown precision {p!r}; choose from {', '.join(Precision.values())}",
@@ -152,6 +155,7 @@ class CompareHandlers(HandlerBase):
                 f"pick {MIN_CONFIGS}–{MAX_CONFIGS} configurations ({what}); these choices make {len(picked)}",
                 title="Invalid request")
         reference = views.reference_label(reference_device)
+        picked += [c for c in own if c not in picked]  # each other chip's eager fp32, priced against too
         return [reference, *(c for c in picked if c != reference)], reference, reference in picked
 
     def refusal(self, preset: str, config: str) -> str | None:
@@ -519,6 +523,7 @@ def caption(entry: dict) -> str:
          if entry.get("lora") else ""),
         f"{views.per_image_s(entry):.3f} s / image{memory_views.gib_text(entry)}",
         f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
+        f"{entry['own_chip_figure']['text']} vs eager fp32 on its chip" if entry.get("own_chip_figure") else "",
         f"drift {entry['drift']}" if entry.get("drift") else "",
         f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
         "eager fallback" if entry.get("eager_fallback") else ""]))
@@ -526,11 +531,15 @@ def caption(entry: dict) -> str:
 
 def apply_timing(plan: PairedTiming, entries: dict[str, dict]) -> None:
     """Each entry's one speedup (and its timed images) from the paired plan: every view reads these."""
+    chip_of_reference = views.parse_config(plan.reference)[0]
     for config, entry in entries.items():
         figure = plan.figure(config)
         if figure.images:
             entry["image_ms"] = [plan.times[config][r] for r in sorted(plan.times[config])]
             entry["speedup_figure"] = figure.as_dict()
+        own = views.reference_label(views.parse_config(config)[0])  # its chip's eager fp32, when on another chip
+        if figure.images and views.parse_config(config)[0] != chip_of_reference and own in entries and own != config:
+            entry["own_chip_figure"] = plan.figure(config, against=own).as_dict()
 
 
 def build(h: CompareHandlers) -> None:

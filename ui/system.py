@@ -256,6 +256,7 @@ def system_markdown(report: dict) -> str:
         lines += [f"| `{k}` | `{_md_escape(v)}` |" for k, v in report["environment"].items()]
     else:
         lines.append("(none of the relevant variables is set)")
+    lines += cluster_lines((report.get("host") or {}).get("cluster"))
     if report["engines"]:
         lines += ["", "### Loaded engines", "", "| engine | state | load s | notices |", "|---|---|---|---|"]
         for e in report["engines"]:
@@ -273,6 +274,21 @@ def for_visitors(value):
     if isinstance(value, list | tuple):
         return [for_visitors(v) for v in value]
     return scrub_paths(value) if isinstance(value, str) else value
+
+
+def cluster_lines(cluster: dict | None) -> list[str]:
+    """Under --ray: the Ray cluster's nodes, their chips and resources (free of total)."""
+    if not cluster:
+        return []
+    lines = ["", "### Ray cluster", "", "| node | address | chips | resources |", "|---|---|---|---|"]
+    for n in cluster["nodes"]:
+        resources = ", ".join(f"{k} {v:g}" for k, v in sorted(n["resources"].items()))
+        lines.append(f"| {_md_escape(n['name'])} | {n['address']} | {', '.join(n['chips']) or '—'} | "
+                     f"{_md_escape(resources)} |")
+    lacking = [d for d in cluster["devices"] if d["why"]]
+    if lacking:
+        lines += ["", "Devices no node has: " + "; ".join(f"{d['device']} ({d['why']})" for d in lacking)]
+    return lines
 
 
 class SystemHandlers(HandlerBase):

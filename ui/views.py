@@ -228,7 +228,8 @@ def board_rows(status: list[dict]) -> list[list]:
         name = engine.get("engine", "")
         preset_device = name.split("@", 1)
         device_precision = preset_device[1].split("/", 1) if len(preset_device) > 1 else ["", ""]
-        device = device_precision[0]
+        on = f" on {engine['where']}" if engine.get("where") else ""  # under --ray: its node(s) and chips
+        device = device_precision[0] + on
         precision = device_precision[1].split(" ", 1)[0] if len(device_precision) > 1 else ""
         if engine.get("state") != "ready" or not engine.get("buckets"):
             state = engine.get("state", "")
@@ -248,7 +249,7 @@ def board_rows(status: list[dict]) -> list[list]:
                 size = f"{size} · batch {b['batch']}"
                 served = f"{served} in {b.get('batches_served', 0)} calls"
             rows.append([
-                name, b.get("device", device), b.get("precision", precision), mode,
+                name, b.get("device", device_precision[0]) + on, b.get("precision", precision), mode,
                 size, b.get("state", ""), reason, fmt_s(b.get("compile_s")),
                 fmt_s(b.get("warmup_s")), served,
             ])

@@ -23,9 +23,9 @@ soak`: simulated visitors against a real app process, memory and orphans checked
 (`python -m engine load`: a burst of visitors at one bucket, batching off and on). The
 advisor (advise.py), the contention and context-parallel benches and the cold-start probe live here too.
 
-Layer 8, the top of the engine: it may import the contract (engine/protocol/, errors.py, metrics.py,
+Layer 9, the top of the engine: it may import the contract (engine/protocol/, errors.py, metrics.py,
 settings.py), this folder and every layer below it (devices, models, config, pipeline, worker, tp,
-serving). Nothing in the engine imports it but engine/cli.py; the UI and app.py may. A new
+fleet, serving). Nothing in the engine imports it but engine/cli.py; the UI and app.py may. A new
 measurement, a new probe of a lever (step caches, quantization, batching) goes here; the lever itself
 goes where it runs (engine/pipeline/ for a pipeline's levers).
 

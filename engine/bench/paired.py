@@ -181,9 +181,9 @@ class PairedTiming:
             self.marks.setdefault(label, {})[round_index] = list(marks)
         self.rounds = max(self.rounds, round_index + 1)
 
-    def ratios(self, label: str) -> list[float]:
-        """The reference's time ÷ this label's, one per round in which both were timed."""
-        mine, ref = self.times.get(label, {}), self.times.get(self.reference, {})
+    def ratios(self, label: str, against: str | None = None) -> list[float]:
+        """The reference's (or `against`'s) time ÷ this label's, one per round in which both were timed."""
+        mine, ref = self.times.get(label, {}), self.times.get(against or self.reference, {})
         return [ref[r] / mine[r] for r in sorted(mine) if r in ref and mine[r] > 0]
 
     def spread(self, label: str) -> float | None:
@@ -214,13 +214,15 @@ class PairedTiming:
             return False
         return True
 
-    def figure(self, label: str) -> Figure:
-        ratios = self.ratios(label)
+    def figure(self, label: str, against: str | None = None) -> Figure:
+        """`label`'s speedup over the reference (or over `against`, another label: a chip's own reference)."""
+        against = against or self.reference
+        ratios = self.ratios(label, against)
         mine = self.times.get(label, {})
-        per_image = [[*self.marks.get(label, {}).get(r, []), *self.marks.get(self.reference, {}).get(r, [])]
+        per_image = [[*self.marks.get(label, {}).get(r, []), *self.marks.get(against, {}).get(r, [])]
                      for r in sorted(mine)]
         marks = summarise_marks(per_image) if any(per_image) else []
-        is_ref = label == self.reference
+        is_ref = label == against
         return Figure(
             label=label, reference=is_ref, images=len(mine),
             s_per_image=median(mine.values()) / 1000 if mine else None,

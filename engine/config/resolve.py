@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from engine import settings
+from engine.config.placement import ANYWHERE, Placement, split_device
 from engine.config.presets import (
     check_local_path,
     get_preset,
@@ -20,7 +22,7 @@ from engine.config.presets import (
     preset_for_model,
 )
 from engine.config.validation import check_precision
-from engine.errors import InvalidRequest, ModelLoadError
+from engine.errors import DeviceUnavailable, InvalidRequest, ModelLoadError
 from engine.protocol import EngineConfig, EngineKey, EngineOptions, ModelPreset, Parallel
 
 
@@ -29,6 +31,9 @@ class Catalog:
         self.allowed_roots = [Path(r) for r in (allowed_roots if allowed_roots is not None else settings.model_roots())]
         self.presets: dict[str, ModelPreset] = {**load_presets(), **(extra_presets or {})}
         self._lock = threading.Lock()
+        # Engines on a Ray cluster (engine/fleet/): (device, placement) -> why no node has it (None: one has).
+        # Set, it replaces this machine's probe: a device lives where the fleet's nodes are, not here.
+        self.fleet_lacks: Callable[[str, Placement], str | None] | None = None
 
     def preset(self, name: str) -> ModelPreset:
         """A preset by name, or any Hub id / local diffusers folder under the allowed model roots."""
@@ -52,8 +57,11 @@ class Catalog:
 
         p = self.preset(preset)
         precision = check_precision(precision)
-        spec = devices.resolve_device(device)  # InvalidRequest / DeviceUnavailable with the reason
-        devices.plan_precision(spec, precision)  # UnsupportedCombination with the reason
+        name, placement = split_device(device)
+        spec = self.device(name, placement)  # InvalidRequest / DeviceUnavailable with the reason
+        if spec.probe().available:  # a device only a node has plans its precision there, as it loads
+            devices.plan_precision(spec, precision)  # UnsupportedCombination with the reason
+        place = str(placement)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise InvalidRequest(f"tp must be a whole number >= 1, got {tp!r}")
         parallel = Parallel.parse(parallel, "parallel")
@@ -62,12 +70,33 @@ class Catalog:
                 raise InvalidRequest(f"preset {p.name} needs its weights sharded over at least {p.min_tp} ranks, and "
                                      f"{parallel} (context parallel) keeps the whole denoiser on every rank; use "
                                      "--parallel tensor")
-            return EngineKey(p.name, spec.name, precision, tp, parallel, memory)
+            return EngineKey(p.name, spec.name, precision, tp, parallel, memory=memory, place=place)
         if tp > 1 and not p.tp:
             raise InvalidRequest(f"preset {p.name} has no tensor-parallel plan; use tp=1")
         if tp < p.min_tp:
             raise InvalidRequest(f"preset {p.name} needs tensor parallel over at least {p.min_tp} ranks (--tp {p.min_tp})")
-        return EngineKey(p.name, spec.name, precision, tp, memory=memory)
+        return EngineKey(p.name, spec.name, precision, tp, memory=memory, place=place)
+
+    def device(self, name: str, placement: Placement = ANYWHERE):
+        """The spec of `name` ("auto": the best available), here or, under a fleet, on a node at `placement`;
+        DeviceUnavailable saying why not (a placement without a fleet included)."""
+        from engine import devices
+
+        if self.fleet_lacks is None:
+            if placement:
+                raise InvalidRequest(f"device placement {placement} needs a Ray cluster (start the app with --ray); "
+                                     "name the device alone")
+            return devices.resolve_device(name)
+        if str(name).strip().lower() == "auto":
+            for spec in devices.registry().values():
+                if self.fleet_lacks(spec.name, placement) is None:
+                    return spec
+            where = f" at {placement}" if placement else ""
+            raise DeviceUnavailable(f"no node of the Ray cluster{where} has a device the showcase runs on")
+        spec = devices.get_device(str(name).strip().lower())
+        if (why := self.fleet_lacks(spec.name, placement)) is not None:
+            raise DeviceUnavailable(f"{spec.label} [{spec.name}] is not available: {why}")
+        return spec
 
     def options_for(self, key: EngineKey, base: EngineOptions) -> EngineOptions:
         """`base`, then the preset's per-device options (e.g. CPU offload on one v6e)."""

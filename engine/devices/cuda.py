@@ -121,6 +121,7 @@ def spec() -> DeviceSpec:
     # Built per registry() call: the label follows the torch build in use.
     return DeviceSpec(
         name=NAME,
+        ray_resource="GPU",
         label=label(),
         torch_device=NAME,
         offload_streams=True,

@@ -85,6 +85,7 @@ MPS_AOT_REFUSAL = (
 def spec() -> DeviceSpec:
     return DeviceSpec(
         name=NAME,
+        ray_resource="showcase-mps",
         label="Apple silicon GPU (MPS)",
         torch_device=NAME,
         compile_backend="inductor",

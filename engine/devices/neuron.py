@@ -92,6 +92,7 @@ NEURON_AOT_REFUSAL = (
 def spec() -> DeviceSpec:
     return DeviceSpec(
         name=NAME,
+        ray_resource="neuron_cores",
         label="AWS Trainium (TorchNeuron)",
         torch_device=NAME,
         compile_backend="neuron",

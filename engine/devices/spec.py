@@ -164,6 +164,10 @@ class DeviceSpec:
     # Memory levers (engine/pipeline/memory.py): copy streams that let group offloading prefetch the next
     # group while one computes (diffusers' use_stream takes CUDA or XPU streams only).
     offload_streams: bool = False
+    # Ray engines (engine/fleet/): the node resource an engine of this device holds one unit of. Ray's own
+    # accelerator resources where Ray detects the chip (GPU, neuron_cores, TPU), else a custom resource the
+    # host declares on the nodes that have the device (`ray start --resources '{"showcase-mps": 1}'`).
+    ray_resource: str = "CPU"
 
     # Hooks: the few things that really differ between devices.
     probe_fn: Callable[[], Availability] = _hook(lambda: Availability(True))
@@ -246,6 +250,16 @@ class DeviceSpec:
         free, total = info
         base, what = (total, "RAM") if self.host_memory_is_device_memory else (free, "free memory at start-up")
         return int(base * self.budget_share), f"default: {self.budget_share:.0%} of {what}"
+
+    def ray_actor_resources(self) -> dict:
+        """The Ray actor options holding one unit of `ray_resource` (Ray names CPU and GPU by options of their
+        own; an actor that names no CPU still takes one to be scheduled, so it asks for none)."""
+        options: dict = {"num_cpus": 1 if self.ray_resource == "CPU" else 0}
+        if self.ray_resource == "GPU":
+            options["num_gpus"] = 1
+        elif self.ray_resource != "CPU":
+            options["resources"] = {self.ray_resource: 1}
+        return options
 
     def device_name(self) -> str | None:
         """The hardware's own name (e.g. the GPU model), None where unknown. Never raises."""

@@ -159,6 +159,7 @@ TPU_AOT_REFUSAL = (
 def spec() -> DeviceSpec:
     return DeviceSpec(
         name=NAME,
+        ray_resource="TPU",
         label="Google Cloud TPU (TorchTPU)",
         torch_device=NAME,
         compile_backend="tpu",

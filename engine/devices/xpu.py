@@ -56,6 +56,7 @@ XPU_AOT_REFUSAL = (
 def spec() -> DeviceSpec:
     return DeviceSpec(
         name=NAME,
+        ray_resource="showcase-xpu",
         label="Intel GPU (XPU)",
         torch_device=NAME,
         offload_streams=True,

@@ -297,6 +297,7 @@ class EngineKey:
     # Memory levers that change where the weights live or how the graph runs (engine/protocol/memory.py), as
     # canonical text; "" none. The VAE's per-request levers never enter the key.
     memory: str = ""
+    place: str = ""  # on a Ray cluster: a chip ("H100") or "node:NAME" it must run on ("": any node with the device)
 
     UNKNOWN: ClassVar[str] = "?"  # how an unknown part is shown
 
@@ -320,16 +321,24 @@ class EngineKey:
 
     def __str__(self) -> str:
         tp = f" {'tp' if self.parallel is Parallel.TENSOR else self.parallel}{self.tp}" if self.tp > 1 else ""
-        return f"{self.preset}@{self.device}/{self.precision_label}{tp}" + (f"+{self.memory}" if self.memory else "")
+        place = f":{self.place}" if self.place else ""
+        memory = f"+{self.memory}" if self.memory else ""
+        return f"{self.preset}@{self.device}{place}/{self.precision_label}{tp}{memory}"
 
     @property
     def levers(self) -> MemoryLevers:
         return MemoryLevers.parse(self.memory)
 
+    @property
+    def device_text(self) -> str:
+        """The device as a request names it: with its placement ("cpu:node:host-b")."""
+        return f"{self.device}:{self.place}" if self.place else self.device
+
     def as_dict(self) -> dict:
-        return {"engine": str(self), "preset": self.preset, "device": self.device,
-                "precision": self.precision_label, "tp": self.tp, "parallel": str(self.parallel),
-                "memory": self.memory or "none"}
+        row = {"engine": str(self), "preset": self.preset, "device": self.device,
+               "precision": self.precision_label, "tp": self.tp, "parallel": str(self.parallel),
+               "memory": self.memory or "none"}
+        return {**row, "place": self.place} if self.place else row
 
 
 @dataclass(frozen=True, order=True)

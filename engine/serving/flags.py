@@ -13,6 +13,7 @@ from engine.config.flags import as_text, comma_list, decimal, device_defaults, o
 from engine.config.presets import load_presets
 from engine.config.request import API_KEYS_ADMIN, load_api_keys
 from engine.errors import InvalidRequest, ShowcaseError
+from engine.fleet.config import MAX_REPLICAS, FleetConfig, private_address, resolve_address
 from engine.protocol import Mode, Precision
 from engine.serving.budget import GIB, parse_size
 from engine.serving.cost import DEFAULT_REQUEST_COST, DEFAULT_VISITOR_COST, CostBudget, parse_cost
@@ -52,6 +53,35 @@ def add_hosting_flags(h, d: dict) -> None:
     h.add_argument("--admin-token", default=d["admin_token"],
                    help="secret that unlocks host operations (restart, warm everything, load past the budget) "
                         "in public mode ($SHOWCASE_ADMIN_TOKEN; never logged)")
+
+
+def add_fleet_flags(h, d: dict) -> None:
+    """Engines on the machines of a Ray cluster (engine/fleet/, docs/multinode.md)."""
+    h.add_argument("--ray", nargs="?", const="auto", default=d["ray"], metavar="ADDRESS",
+                   help="run engines as Ray actors on the nodes of a Ray cluster, placed by device: ADDRESS as "
+                        "`ray start` printed it (host:port), `auto` (the default with a bare --ray: $RAY_ADDRESS, "
+                        "else a cluster of this machine), or `local` ($SHOWCASE_RAY)")
+    h.add_argument("--replicas", type=whole(1, MAX_REPLICAS), default=as_text(d["replicas"] or 1), metavar="N",
+                   help="with --ray: copies of each engine on different nodes; requests go to the least-loaded "
+                        "one (default 1; $SHOWCASE_REPLICAS)")
+    h.add_argument("--ray-any-address", action="store_true",
+                   help="with --public and --ray: join a cluster whose address is neither loopback nor private "
+                        "(the cluster's own network must then be private: docs/multinode.md)")
+
+
+def fleet_config(args, public: bool) -> FleetConfig | None:
+    """--ray / --replicas as the manager takes them (None: no cluster). SystemExit naming the flag for a public
+    app joining an address that is not loopback or private without --ray-any-address."""
+    if not args.ray:
+        if int(args.replicas) > 1:
+            raise SystemExit("--replicas needs --ray (the copies run on the nodes of a Ray cluster)")
+        return None
+    address = resolve_address(args.ray, settings.ray_address())
+    if public and not private_address(address) and not args.ray_any_address:
+        raise SystemExit(f"--ray {address}: a public app joins only a cluster on loopback or a private network "
+                         "(a Ray cluster runs whatever its members send it); pass --ray-any-address if that "
+                         "network is private all the same")
+    return FleetConfig(address=address, replicas=int(args.replicas), start_timeout_s=settings.fleet_start_timeout_s())
 
 
 def add_budget_flags(h, d: dict) -> None:
@@ -237,10 +267,14 @@ def host_policy(args, public: bool, preset: str | None = None):
 
 def hosting_config(args, hosting: HostingChoice, preset: str):
     """The manager's HostingConfig from the flags and the resolved hosting."""
+    fleet = fleet_config(args, hosting.public)
+    if fleet is not None and hosting.runtime is Runtime.INPROCESS:
+        raise SystemExit("--ray needs --runtime workers (its engines run in actors on the cluster's nodes)")
     return HostingConfig(memory_budget=parse_size(args.memory_budget), max_engines=args.max_engines,
                          compile_jobs=args.compile_jobs, idle_unload_s=args.idle_unload,
                          worker_threads=args.worker_threads, runtime=hosting.runtime,
-                         policy=host_policy(args, hosting.public, preset))
+                         policy=host_policy(args, hosting.public, preset),
+                         fleet=fleet)
 
 
 def cost_budget(args):

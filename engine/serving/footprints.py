@@ -26,6 +26,7 @@ class DeviceBudgets:
     def __init__(self, hosting: HostingConfig, source_config: Callable[[EngineKey], EngineConfig]):
         self.memory_budget = hosting.memory_budget
         self.max_engines = hosting.max_engines
+        self.fleet = hosting.fleet is not None  # engines on a Ray cluster's nodes: budgets from what Ray reports
         self.source_config = source_config  # key -> a config to find its weights with
         self._lock = threading.Lock()
         self._budgets: dict[str, budget.DeviceBudget] = {}
@@ -33,9 +34,22 @@ class DeviceBudgets:
 
     def device_budget(self, device: str) -> budget.DeviceBudget:
         with self._lock:
-            if device not in self._budgets:
+            if self.fleet:  # nodes join and leave: asked each time
+                self._budgets[device] = self._fleet_budget(device)
+            elif device not in self._budgets:
                 self._budgets[device] = self._make_budget(device)
             return self._budgets[device]
+
+    def _fleet_budget(self, device: str) -> budget.DeviceBudget:
+        """Under --ray: as many engines as the cluster's nodes hold units of the device's resource (Ray places
+        each on a node with a free one); no byte limit unless the host gave --memory-budget."""
+        from engine.fleet.cluster import resource_units
+
+        resource = devices.get_device(device).ray_resource
+        units = resource_units(resource)
+        count = self.max_engines if self.max_engines is not None else max(1, int(units))
+        return budget.DeviceBudget(device, self.memory_budget, count,
+                                   f"the Ray cluster: {units:g} {resource} on its nodes")
 
     def _make_budget(self, device: str) -> budget.DeviceBudget:
         spec = devices.get_device(device)
@@ -91,8 +105,8 @@ class DeviceBudgets:
         """What this process (the web server, its sessions and queues) holds of `device`'s budget: its
         resident memory where the device's memory is the host's (cpu), else nothing."""
         try:
-            if not devices.get_device(device).host_memory_is_device_memory:
-                return 0
+            if self.fleet or not devices.get_device(device).host_memory_is_device_memory:
+                return 0  # the engines run on the cluster's nodes, not beside this process
             import psutil
 
             return psutil.Process().memory_info().rss

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.errors import ShowcaseError
+from engine.fleet.config import FleetConfig
 from engine.protocol import Mode, Precision
 from engine.serving.cost import CostBudget
 
@@ -53,6 +54,7 @@ class HostingConfig:
     runtime: Runtime = Runtime.WORKERS
     auto_restart: bool = True  # restart a crashed engine (bounded, see residency.RestartLimiter)
     policy: HostPolicy = field(default_factory=HostPolicy)
+    fleet: FleetConfig | None = None  # --ray: engines run as Ray actors on the cluster's nodes (engine/fleet/)
 
     def __post_init__(self):
         object.__setattr__(self, "runtime", Runtime.parse(self.runtime))

@@ -1,5 +1,6 @@
 """Starting engines: `make_client` picks the client for a key and the runtime (a worker process, a
-tensor-parallel sidecar or the in-process runtime) and starts it with the environment it needs.
+tensor-parallel sidecar, the in-process runtime, or a Ray actor on a node of the fleet under `--ray`) and
+starts it with the environment it needs.
 
 Every client speaks the same interface (engine/worker/client.py EngineClient) and tells its owner what
 happens through the EngineEvents it was built with.
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 from engine import devices
 from engine.config.caches import CacheDir
+from engine.config.placement import Placement
 from engine.protocol import EngineConfig, Mode
 from engine.serving.hosting import HostingConfig, Runtime
 from engine.worker.client import EngineClient, EngineEvents, ProcessClient
@@ -52,16 +54,26 @@ class EngineLauncher:
             from engine.tp.client import SidecarClient
 
             return SidecarClient(config, events=events).start()
+        if self.hosting.fleet is not None:
+            from engine.fleet.replicas import start_on_fleet
+
+            env = self.worker_env(config, devices.get_device(key.device))
+            return start_on_fleet(config, env, self.hosting.fleet, events, Placement.parse(key.place))
         return self._start_worker(config, events)
 
-    def _start_worker(self, config: EngineConfig, events: EngineEvents) -> EngineClient:
-        spec = devices.get_device(config.key.device)
+    def worker_env(self, config: EngineConfig, spec) -> dict[str, str]:
+        """The environment an engine of `config` is started with (a worker process, a Ray actor)."""
         mode = Mode.DEFER_AND_FUSE if Mode.DEFER_AND_FUSE in config.options.warm_modes else None
         env = devices.worker_environment(spec, self.cache.path, mode=mode)
         env.update(self.cache.worker_env())
         threads = self.worker_threads_for(spec)
         if threads:  # a value the user exported wins
             env.setdefault("OMP_NUM_THREADS", str(threads))
+        return env
+
+    def _start_worker(self, config: EngineConfig, events: EngineEvents) -> EngineClient:
+        spec = devices.get_device(config.key.device)
+        env = self.worker_env(config, spec)
         short_runs = self.take_short_run_slot() if spec.host_memory_is_device_memory else None
         if short_runs is not None:
             env["SHOWCASE_SHORT_RUNS"] = short_runs.env_value()

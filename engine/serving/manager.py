@@ -21,6 +21,7 @@ from typing import NamedTuple
 from engine import devices, settings
 from engine.config.caches import prepare_cache_dir, remove_orphaned_folders
 from engine.config.flags import presets_from_args
+from engine.config.placement import split_device
 from engine.config.request import Caller, ImageRequest
 from engine.config.resolve import Catalog
 from engine.config.validation import build_request
@@ -65,6 +66,13 @@ class _RunHooks(NamedTuple):
     timeout: float | None
 
 
+def fleet_lacks(device: str, placement) -> str | None:
+    """Why no node of the Ray cluster has `device` at `placement` (None: one has): the device list under --ray."""
+    from engine.fleet.cluster import why_lacking
+
+    return why_lacking(device, placement)
+
+
 class EngineManager:
     def __init__(self, cache_dir: Path | None = None, options: EngineOptions | None = None,
                  allowed_roots: list[Path] | None = None, extra_presets: dict[str, ModelPreset] | None = None, *,
@@ -76,6 +84,8 @@ class EngineManager:
         self.cache_dir = self.cache.path
         self.options = options or EngineOptions()
         self.catalog = Catalog(allowed_roots, extra_presets)
+        if self.hosting.fleet is not None:
+            self.catalog.fleet_lacks = fleet_lacks
         self.allowed_roots = self.catalog.allowed_roots
         self.presets = self.catalog.presets
         self.policy = self.hosting.policy  # the bench may swap it for a run
@@ -396,7 +406,32 @@ class EngineManager:
                        "precisions": [str(x) for x in p.precisions] if p.precisions else None,
                        "modes": [str(x) for x in p.modes] if p.modes else None,
                        "evict_idle_after_s": p.evict_idle_after_s, **p.cost.describe()},
+            **({"cluster": self.cluster()} if self.hosting.fleet is not None else {}),
         }
+
+    def devices_report(self) -> list[dict]:
+        """Every device, probed here; under --ray, where the cluster's nodes have it (rows per chip and node)."""
+        from engine import devices
+
+        report = devices.devices_report()
+        if self.hosting.fleet is None:
+            return report
+        from engine.fleet.cluster import fleet_report
+
+        return fleet_report(report)
+
+    def device_spec(self, device: str):
+        """The DeviceSpec a device field resolves to ("auto", a placement such as "cuda:H100" included)."""
+        name, placement = split_device(device)
+        return self.catalog.device(name, placement)
+
+    def cluster(self) -> dict | None:
+        """Under --ray: the cluster's nodes, their resources and what each device has (None without)."""
+        if self.hosting.fleet is None:
+            return None
+        from engine.fleet.cluster import summary
+
+        return summary()
 
     def shutdown(self) -> None:
         """Stop every engine at once: ask, wait a few seconds, then kill their process groups; then remove the

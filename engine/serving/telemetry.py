@@ -188,3 +188,17 @@ class _EngineCollector:
         evictions = CounterMetricFamily("showcase_evictions", "Engines unloaded to make room or when idle.")
         evictions.add_metric([], host.get("evictions") or 0)
         yield from (budget, used, scheduler, evictions)
+        if host.get("cluster"):
+            yield from cluster_families(host["cluster"])
+
+
+def cluster_families(cluster: dict):
+    """Under --ray: the cluster's alive nodes and each node's resources (GPU, neuron_cores, TPU, CPU, ...)."""
+    nodes = GaugeMetricFamily("showcase_cluster_nodes", "Alive nodes of the Ray cluster the app drives.")
+    nodes.add_metric([], len(cluster["nodes"]))
+    resources = GaugeMetricFamily("showcase_cluster_node_resource", "A resource a node of the Ray cluster declares.",
+                                  labels=["node", "resource", "chips"])
+    for node in cluster["nodes"]:
+        for name, amount in sorted(node["resources"].items()):
+            resources.add_metric([node["name"], name, ",".join(node["chips"])], amount)
+    return nodes, resources

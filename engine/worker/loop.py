@@ -506,7 +506,7 @@ def worker_main(config, conn, env: dict[str, str]) -> None:
     worker whose load failed hung in tqdm's __del__ and outlived its app."""
     code = 1
     try:
-        _serve_engine(config, conn, env)
+        serve_engine(config, conn, env)
         code = 0
     except BaseException:  # noqa: BLE001 - reported, then the process ends
         traceback.print_exc()
@@ -525,10 +525,13 @@ def worker_main(config, conn, env: dict[str, str]) -> None:
         os._exit(code)
 
 
-def _serve_engine(config, conn, env: dict[str, str]) -> None:
+def serve_engine(config, conn, env: dict[str, str], *, own_group: bool = True) -> None:
+    """Load the engine and serve `conn` until Shutdown or hang-up: a worker process's body, and a Ray
+    actor's (engine/fleet/actor.py; `own_group` False: Ray owns that process and its group)."""
     sys.stdout, sys.stderr = BestEffortOutput(sys.stdout), BestEffortOutput(sys.stderr)
     os.environ.update(env)  # before torch is imported: TORCHINDUCTOR_CACHE_DIR, TORCH_TPU_DEFER_AND_FUSE ...
-    join_own_process_group()
+    if own_group:
+        join_own_process_group()
     try:
         os.nice(settings.worker_niceness())  # below the web server: it answers first under full load
     except OSError:
