@@ -295,3 +295,23 @@ def test_a_replica_on_a_lost_node_is_replaced_and_the_others_keep_serving(cache_
         finally:
             ray_cluster.add_node(**fleet_node_args(name))
             ray_cluster.wait_for_nodes()
+
+
+def test_a_node_that_joins_later_is_listed_and_used_by_its_chip(fleet_manager, ray_cluster):
+    from engine.config.request import ImageRequest
+
+    assert "cpu:T4" not in {r["name"] for r in fleet_manager.devices_report()}
+    # a node whose chip Ray would report as T4 (accelerator_type), joining while the app runs
+    late = ray_cluster.add_node(**{**fleet_node_args("host-c"), "resources": {"host-c": 1, "accelerator_type:T4": 1}})
+    try:
+        ray_cluster.wait_for_nodes()
+        report = {r["name"]: r for r in fleet_manager.devices_report()}
+        assert report["cpu:T4"]["nodes"] == ["host-c"] and report["cpu:T4"]["label"] == "T4 · 1 node(s)"
+        result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu:T4", precision="fp32",
+                                                     mode="eager", size="64x64", steps=2), timeout=300)
+        assert result.image_png.startswith(b"\x89PNG")
+        (row,) = [r for r in fleet_manager.status() if r["state"] != "evicted"]
+        assert row["node"] == "host-c" and row["chips"] == ["T4"] and row["where"] == "host-c (T4)"
+    finally:
+        fleet_manager.shutdown()
+        ray_cluster.remove_node(late)
