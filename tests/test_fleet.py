@@ -315,3 +315,27 @@ def test_a_node_that_joins_later_is_listed_and_used_by_its_chip(fleet_manager, r
     finally:
         fleet_manager.shutdown()
         ray_cluster.remove_node(late)
+
+
+def test_a_tensor_parallel_engine_runs_its_ranks_on_one_node_and_leaves_nothing(cache_dir, tiny_models,
+                                                                               ray_cluster):
+    import psutil
+    from ray.util import placement_group_table
+
+    from engine.config.request import ImageRequest
+    from engine.fleet.config import FleetConfig
+
+    with engine_manager(cache_dir, fleet=FleetConfig(address=ray_cluster.address)) as m:
+        result = m.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu", precision="fp32", tp=2,
+                                         mode="eager", size="64x64", steps=2), timeout=600)
+        assert result.image_png.startswith(b"\x89PNG")
+        (row,) = [r for r in m.status() if r["state"] != "evicted"]
+        assert row["kind"] == "ray" and row["engine"].endswith("tp2") and row["node"] in ("host-a", "host-b")
+        groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+        assert [g["strategy"] for g in groups] == ["STRICT_PACK"] and groups[0]["bundles"] == {0: {"CPU": 2.0}}
+    wait_until(lambda: not fleet_actors_alive(), 15, message="the engine actor gone")
+    wait_until(lambda: not [g for g in placement_group_table().values() if g["state"] == "CREATED"], 15,
+               message="the placement group removed")
+    wait_until(lambda: not [p for p in psutil.process_iter(["cmdline"])
+                            if "engine.tp.sidecar" in " ".join(p.info["cmdline"] or [])], 15,
+               message="no rank left")
