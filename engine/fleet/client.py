@@ -76,6 +76,10 @@ class RayClient(ConnectionClient):
             self._attached.set()
             self._went_down()
             return
+        if self._closed:  # closed while Ray placed it: end what was just made
+            conn.close()
+            self._kill()
+            return
         log.info("engine %s runs on node %s (pid %s)", self.key, self.node_name, self.where.get("pid"))
         self.attach(conn)
         self._attached.set()
