@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import engine_manager, fleet_actors_alive, fleet_node_args, make_request, wait_until
+from helpers import engine_manager, fleet_actors_alive, fleet_node_args, free_port, make_request, wait_until
 
 pytestmark = pytest.mark.slow  # a Ray cluster, actors that import torch and load a pipeline
 
@@ -127,7 +127,7 @@ def test_a_node_removed_mid_request_fails_that_request_naming_it_and_the_next_ru
         with pytest.raises(Exception) as info:
             future.result(10)
         assert time.monotonic() - removed_at < 10
-        assert name in str(info.value), info.value
+        assert f"Ray actor on node {name}" in str(info.value), info.value
         # the manager's restart asks Ray again: the other node takes it, and serves the next request
         result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu", precision="fp32",
                                                      mode="eager", size="64x64", steps=2), timeout=300)
@@ -144,7 +144,7 @@ def test_sigterm_on_the_app_leaves_no_actor_and_no_engine_process(cache_dir, tin
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "SHOWCASE_CACHE_DIR": str(cache_dir)}
     app = subprocess.Popen([sys.executable, "app.py", "--ray", ray_cluster.address, "--device", "cpu", "--mode",
-                            "eager", "--warm", "none", "--port", "7991", "--no-mcp"], cwd=REPO, env=env,
+                            "eager", "--warm", "none", "--port", str(free_port()), "--no-mcp"], cwd=REPO, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         actors = wait_until(fleet_actors_alive, 180, interval=0.5, message="the app's engine actor alive")
@@ -295,3 +295,47 @@ def test_a_replica_on_a_lost_node_is_replaced_and_the_others_keep_serving(cache_
         finally:
             ray_cluster.add_node(**fleet_node_args(name))
             ray_cluster.wait_for_nodes()
+
+
+def test_a_node_that_joins_later_is_listed_and_used_by_its_chip(fleet_manager, ray_cluster):
+    from engine.config.request import ImageRequest
+
+    assert "cpu:T4" not in {r["name"] for r in fleet_manager.devices_report()}
+    # a node whose chip Ray would report as T4 (accelerator_type), joining while the app runs
+    late = ray_cluster.add_node(**{**fleet_node_args("host-c"), "resources": {"host-c": 1, "accelerator_type:T4": 1}})
+    try:
+        ray_cluster.wait_for_nodes()
+        report = {r["name"]: r for r in fleet_manager.devices_report()}
+        assert report["cpu:T4"]["nodes"] == ["host-c"] and report["cpu:T4"]["label"] == "T4 · 1 node(s)"
+        result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu:T4", precision="fp32",
+                                                     mode="eager", size="64x64", steps=2), timeout=300)
+        assert result.image_png.startswith(b"\x89PNG")
+        (row,) = [r for r in fleet_manager.status() if r["state"] != "evicted"]
+        assert row["node"] == "host-c" and row["chips"] == ["T4"] and row["where"] == "host-c (T4)"
+    finally:
+        fleet_manager.shutdown()
+        ray_cluster.remove_node(late)
+
+
+def test_a_tensor_parallel_engine_runs_its_ranks_on_one_node_and_leaves_nothing(cache_dir, tiny_models,
+                                                                               ray_cluster):
+    import psutil
+    from ray.util import placement_group_table
+
+    from engine.config.request import ImageRequest
+    from engine.fleet.config import FleetConfig
+
+    with engine_manager(cache_dir, fleet=FleetConfig(address=ray_cluster.address)) as m:
+        result = m.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu", precision="fp32", tp=2,
+                                         mode="eager", size="64x64", steps=2), timeout=600)
+        assert result.image_png.startswith(b"\x89PNG")
+        (row,) = [r for r in m.status() if r["state"] != "evicted"]
+        assert row["kind"] == "ray" and row["engine"].endswith("tp2") and row["node"] in ("host-a", "host-b")
+        groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+        assert [g["strategy"] for g in groups] == ["STRICT_PACK"] and groups[0]["bundles"] == {0: {"CPU": 2.0}}
+    wait_until(lambda: not fleet_actors_alive(), 15, message="the engine actor gone")
+    wait_until(lambda: not [g for g in placement_group_table().values() if g["state"] == "CREATED"], 15,
+               message="the placement group removed")
+    wait_until(lambda: not [p for p in psutil.process_iter(["cmdline"])
+                            if "engine.tp.sidecar" in " ".join(p.info["cmdline"] or [])], 15,
+               message="no rank left")

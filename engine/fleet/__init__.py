@@ -15,6 +15,8 @@ Modules:
 - actor.py     EngineActor: the worker loop inside a Ray actor, serving one authenticated connection.
 - client.py    RayClient: the app's end (place the actor, dial it, name its node when it is lost).
 - replicas.py  ReplicaSet: N copies of one engine on different nodes behind one EngineClient, least-loaded.
+- tp.py        a tensor-parallel engine's ranks on one node (a STRICT_PACK placement group), the actor
+               relaying the app's connection to rank 0.
 
 Layer 7, between tp and serving: it may import the contract, this folder and the layers below it (devices,
 models, config, pipeline, worker, tp); serving imports it (EngineLauncher.make_client), lazily, only when

@@ -66,7 +66,8 @@ class EngineActor:
         self.node_id = ray.get_runtime_context().get_node_id()
 
     def start(self, config, env: dict[str, str], token: bytes) -> dict:
-        """Listen on this node's address; serve the engine to the first peer with `token`."""
+        """Listen on this node's address; serve the engine to the first peer with `token` (a tensor-parallel
+        engine: its ranks on this node, engine/fleet/tp.py)."""
         host = ray.util.get_node_ip_address()
         listener = socket.create_server((host, 0), backlog=4)
         port = listener.getsockname()[1]
@@ -79,7 +80,11 @@ class EngineActor:
         try:
             with listener:
                 conn = accept_one(listener, token, time.monotonic() + ACCEPT_S)
-            if conn is not None:
+            if conn is not None and config.key.tp > 1:
+                from engine.fleet.tp import serve_sidecar
+
+                serve_sidecar(conn, config, env)
+            elif conn is not None:
                 serve_engine(config, conn, env, own_group=False)
         except BaseException:  # noqa: BLE001 - logged; the app sees the connection end
             log.exception("the engine stopped")

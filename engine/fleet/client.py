@@ -43,6 +43,7 @@ class RayClient(ConnectionClient):
         self.fleet = fleet
         self.placement = placement
         self.actor = None
+        self.group = None  # a tensor-parallel engine's placement group
         self.node: cluster.FleetNode | None = None
         self.where: dict = {}  # what the actor reported: host, port, node_id, pid
         self._attached = threading.Event()
@@ -58,7 +59,7 @@ class RayClient(ConnectionClient):
             if (why := cluster.feasible(self.key.device, self.placement)) is not None:
                 raise ShowcaseError(f"engine {self.key}: {why}")
             token = new_token()
-            options = cluster.actor_options(self.key.device, self.placement, spread=self.spread)
+            options = self._options()
             self.actor = EngineActor.options(**options).remote()
             try:
                 self.where = ray.get(self.actor.start.remote(self.config, self.env, token),
@@ -75,10 +76,25 @@ class RayClient(ConnectionClient):
             self._attached.set()
             self._went_down()
             return
+        if self._closed:  # closed while Ray placed it: end what was just made
+            conn.close()
+            self._kill()
+            return
         log.info("engine %s runs on node %s (pid %s)", self.key, self.node_name, self.where.get("pid"))
         self.attach(conn)
         self._attached.set()
         threading.Thread(target=self._watch, name=f"ray-watch-{self.key}", daemon=True).start()
+
+    def _options(self) -> dict:
+        """Where Ray puts the actor: one unit of the device's resource, or for a tensor-parallel engine all its
+        ranks' units on one node (a placement group, engine/fleet/tp.py)."""
+        if self.key.tp <= 1:
+            return cluster.actor_options(self.key.device, self.placement, spread=self.spread)
+        if self.placement:
+            raise ShowcaseError(f"engine {self.key}: a tensor-parallel engine on the fleet goes where Ray finds "
+                                f"{self.key.tp} free units on one node; name no chip or node ({self.placement})")
+        options, self.group = cluster.reserve_node(self.key.device, self.key.tp, self.fleet.start_timeout_s)
+        return options
 
     def _watch(self) -> None:
         """Wait on the actor's lifetime: Ray's word that the actor or its node is gone ends the connection."""
@@ -131,11 +147,16 @@ class RayClient(ConnectionClient):
         self._kill()
 
     def _kill(self) -> None:
-        if self.actor is not None and ray.is_initialized():
-            try:
+        """Ray ends the actor (and its process on the node), and frees a tensor-parallel engine's node."""
+        if not ray.is_initialized():
+            return
+        try:
+            if self.actor is not None:
                 ray.kill(self.actor, no_restart=True)
-            except Exception as exc:  # noqa: BLE001 - already gone
-                log.debug("killing the actor of %s: %s", self.key, exc)
+        except Exception as exc:  # noqa: BLE001 - already gone
+            log.debug("killing the actor of %s: %s", self.key, exc)
+        if self.group is not None:
+            cluster.release_node(self.group)
 
 
 def first_line(exc: BaseException) -> str:

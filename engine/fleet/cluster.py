@@ -120,6 +120,33 @@ def actor_options(device: str, placement: Placement, spread: bool = False) -> di
     return options
 
 
+def reserve_node(device: str, tp: int, timeout_s: float):
+    """(actor options, placement group): `tp` units of the device's resource on one node (a STRICT_PACK
+    group, its one bundle taken whole by the actor, so e.g. CUDA_VISIBLE_DEVICES names all `tp` GPUs for
+    the ranks it starts). ShowcaseError when no node frees that many within `timeout_s`."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    resource = devices.get_device(device).ray_resource
+    group = placement_group([{resource: tp}], strategy="STRICT_PACK")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise ShowcaseError(f"no node of the Ray cluster has {tp} {resource} free for a tp{tp} engine on {device} "
+                            f"within {timeout_s:g} s (nodes: {'; '.join(map(describe_resources, nodes()))})") from None
+    options = {name: ({r: n * tp for r, n in value.items()} if isinstance(value, dict) else value * tp)
+               for name, value in devices.get_device(device).ray_actor_resources().items()}
+    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+    return options, group
+
+
+def release_node(group) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(group)
+
+
 def feasible(device: str, placement: Placement) -> str | None:
     """Why no alive node can ever take an engine of `device` at `placement` (None: at least one can)."""
     resource = devices.get_device(device).ray_resource

@@ -50,11 +50,11 @@ class EngineLauncher:
 
             threads = self.worker_threads_for(devices.get_device(key.device))
             return InProcessClient(config, threads=threads, events=events).start()
-        if key.tp > 1:
+        if key.tp > 1 and self.hosting.fleet is None:
             from engine.tp.client import SidecarClient
 
             return SidecarClient(config, events=events).start()
-        if self.hosting.fleet is not None:
+        if self.hosting.fleet is not None:  # a tensor-parallel engine too: its ranks on one node
             from engine.fleet.replicas import start_on_fleet
 
             env = self.worker_env(config, devices.get_device(key.device))
