@@ -7,6 +7,7 @@ connect from distinct loopback addresses (127.0.0.2, 127.0.0.3, ...), as distinc
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -386,6 +387,21 @@ def test_streams_behind_a_trusted_proxy_count_for_the_client_it_names():
     asyncio.run(main())
     assert guard.refused["too many streams from one address"] == 1
     assert not guard._proxied_streams
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_unsupported_upgrades_are_logged_once_per_interval(parser, caplog):
+    """Issue 37, log flood: without a websocket library uvicorn logged two warnings per Upgrade request."""
+    with serve(parser, SocketBounds()) as (guard, port), caplog.at_level("WARNING"):
+        for i in range(20):
+            answer = request(port, raw=b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, close\r\nUpgrade: websocket\r\n"
+                                       b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: %s\r\n\r\n"
+                                       % b"dGhlIHNhbXBsZSBub25jZQ==")
+            assert status(answer) == 200, i  # served as plain HTTP
+        wait_until(lambda: guard.snapshot()["open"] == 0, timeout=5, message="the connections released")
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "served as plain HTTP" in lines[0], lines
+    assert guard.upgrades_ignored == 20
 
 
 def test_refusals_are_logged_once_per_interval(caplog):

@@ -261,6 +261,8 @@ class SocketGuard:
         self._streams: dict[str, OrderedDict] = {}  # address -> its connections holding a stream, oldest first
         self.streams_open = 0
         self.streams_peak = 0
+        self.upgrades_ignored = 0
+        self._upgrade_logged = -LOG_EVERY_S
         self._top = 0  # the most any address holds
         self._classes: dict = {}
 
@@ -402,6 +404,19 @@ class SocketGuard:
             log.warning("connections refused at the socket bounds: %s (%d open now, cap %d)",
                         ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items())), open_now,
                         self.bounds.max_connections)
+
+    def unsupported_upgrade(self) -> None:
+        """An Upgrade uvicorn cannot serve (no websocket library): it warned twice for each one, a line any
+        visitor could repeat; here at most once per LOG_EVERY_S (the request is still served as plain HTTP)."""
+        with self._lock:
+            self.upgrades_ignored += 1
+            now = time.monotonic()
+            due = now - self._upgrade_logged >= LOG_EVERY_S
+            if due:
+                self._upgrade_logged = now
+            n = self.upgrades_ignored
+        if due:
+            log.warning("Upgrade requests served as plain HTTP (no websocket library is installed): %d so far", n)
 
     def fit_descriptors(self) -> None:
         """Raise this process's soft descriptor limit (up to the hard one) so the cap, not the kernel, is
@@ -613,6 +628,9 @@ def _bounded_protocol(base: type, guard: SocketGuard) -> type:
             elif conn.screen(data):
                 super().data_received(data)
                 conn.after_parse(self)
+
+        def _unsupported_upgrade_warning(self) -> None:
+            guard.unsupported_upgrade()
 
         def on_response_complete(self) -> None:
             self._bounds.responses += 1
