@@ -261,8 +261,8 @@ class SocketGuard:
         self._streams: dict[str, OrderedDict] = {}  # address -> its connections holding a stream, oldest first
         self.streams_open = 0
         self.streams_peak = 0
-        self.upgrades_ignored = 0
-        self._upgrade_logged = -LOG_EVERY_S
+        self.warned: Counter[str] = Counter()  # uvicorn's per-connection warnings, by message
+        self._warned_at: dict[str, float] = {}
         self._top = 0  # the most any address holds
         self._classes: dict = {}
 
@@ -405,18 +405,22 @@ class SocketGuard:
                         ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items())), open_now,
                         self.bounds.max_connections)
 
-    def unsupported_upgrade(self) -> None:
-        """An Upgrade uvicorn cannot serve (no websocket library): it warned twice for each one, a line any
-        visitor could repeat; here at most once per LOG_EVERY_S (the request is still served as plain HTTP)."""
+    def warn(self, logger, message, args) -> None:
+        """One of uvicorn's per-connection warnings ("Invalid HTTP request received.", "Unsupported upgrade
+        request.", ...): a line any visitor could repeat with every connection, so each message is logged at
+        most once per LOG_EVERY_S, with how many times it happened."""
+        text = str(message) % args if args else str(message)
         with self._lock:
-            self.upgrades_ignored += 1
+            self.warned[text] += 1
             now = time.monotonic()
-            due = now - self._upgrade_logged >= LOG_EVERY_S
+            due = now - self._warned_at.get(text, -LOG_EVERY_S) >= LOG_EVERY_S
             if due:
-                self._upgrade_logged = now
-            n = self.upgrades_ignored
+                if len(self._warned_at) >= 64:  # (uvicorn's messages are few; this keeps the table bounded)
+                    self._warned_at.clear()
+                self._warned_at[text] = now
+            n = self.warned[text]
         if due:
-            log.warning("Upgrade requests served as plain HTTP (no websocket library is installed): %d so far", n)
+            logger.warning("%s (%d so far; logged at most once per %.0f s)", text, n, LOG_EVERY_S)
 
     def fit_descriptors(self) -> None:
         """Raise this process's soft descriptor limit (up to the hard one) so the cap, not the kernel, is
@@ -611,11 +615,25 @@ class ConnectionBounds:
         self._linger = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
 
 
+class _QuietLogger:
+    """uvicorn's logger as one connection's protocol sees it: warnings through SocketGuard.warn."""
+
+    def __init__(self, logger, guard: SocketGuard):
+        self._logger, self._guard = logger, guard
+
+    def __getattr__(self, name):
+        return getattr(self._logger, name)
+
+    def warning(self, message, *args, **kwargs) -> None:
+        self._guard.warn(self._logger, message, args)
+
+
 def _bounded_protocol(base: type, guard: SocketGuard) -> type:
     """`base` whose callbacks pass through a ConnectionBounds before (and after) uvicorn's own."""
 
     class Bounded(base):
         def connection_made(self, transport) -> None:
+            self.logger = _QuietLogger(self.logger, guard)
             self._bounds = conn = ConnectionBounds(guard, transport)
             if conn.admit():
                 super().connection_made(transport)
@@ -628,9 +646,6 @@ def _bounded_protocol(base: type, guard: SocketGuard) -> type:
             elif conn.screen(data):
                 super().data_received(data)
                 conn.after_parse(self)
-
-        def _unsupported_upgrade_warning(self) -> None:
-            guard.unsupported_upgrade()
 
         def on_response_complete(self) -> None:
             self._bounds.responses += 1
