@@ -7,6 +7,7 @@ connect from distinct loopback addresses (127.0.0.2, 127.0.0.3, ...), as distinc
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -386,6 +387,28 @@ def test_streams_behind_a_trusted_proxy_count_for_the_client_it_names():
     asyncio.run(main())
     assert guard.refused["too many streams from one address"] == 1
     assert not guard._proxied_streams
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_uvicorns_warnings_per_connection_are_logged_once_per_interval(parser, caplog):
+    """Issue 37, log flood: uvicorn warned for every invalid request, and twice for every Upgrade request
+    (without a websocket library), a line any visitor could repeat with each connection."""
+    uvicorn_log = logging.getLogger("uvicorn.error")  # (uvicorn's logging config does not propagate it)
+    with serve(parser, SocketBounds()) as (guard, port), caplog.at_level("WARNING"):
+        uvicorn_log.addHandler(caplog.handler)
+        for i in range(20):
+            assert status(request(port, raw=b"NOT HTTP AT ALL\x00\r\n\r\n")) == 400, i
+        for i in range(20):
+            answer = request(port, raw=b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, close\r\nUpgrade: websocket\r\n"
+                                       b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: %s\r\n\r\n"
+                                       % b"dGhlIHNhbXBsZSBub25jZQ==")
+            assert status(answer) == 200, i  # served as plain HTTP
+        wait_until(lambda: guard.snapshot()["open"] == 0, timeout=5, message="the connections released")
+        uvicorn_log.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) <= 3 and any("Invalid HTTP request received. (1 so far" in line for line in lines), lines
+    assert guard.warned["Invalid HTTP request received."] == 20
+    assert guard.warned["Unsupported upgrade request."] == 20
 
 
 def test_refusals_are_logged_once_per_interval(caplog):

@@ -226,3 +226,22 @@ def test_outputs_are_bounded_by_age_and_bytes(tmp_path):
     kept = tidy(tmp_path, max_age_s=650, max_bytes=4000, force=True)
     assert kept == 4000
     assert sorted(p.name for p in tmp_path.rglob("*.png")) == ["out0.png", "out1.png", "out2.png", "out3.png"]
+
+
+def test_a_handlers_repeated_unexpected_failure_logs_its_traceback_once(caplog, monkeypatch):
+    from ui import quietlog
+    from ui.common import to_gradio_error
+
+    monkeypatch.setattr(quietlog, "_installed", quietlog.LogBudget())
+
+    def bug():
+        try:
+            {}["missing"]
+        except KeyError as exc:
+            return exc
+
+    with caplog.at_level(logging.WARNING):
+        for _ in range(20):
+            to_gradio_error(bug())
+    records = [r for r in caplog.records if r.name == "ui.visitors"]
+    assert len(records) <= quietlog.PER_CLIENT and sum(bool(r.exc_info) for r in records) == 1

@@ -37,6 +37,7 @@ from engine.pipeline.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401
 from engine.pipeline.attention import attention_table
 from engine.protocol import DEFAULT_PRESET, Mode, Precision, parse_ranks
 from engine.serving.manager import Caller
+from ui import quietlog
 from ui.runs import RunRegistry
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def to_gradio_error(exc: BaseException, public: bool = True) -> gr.Error:
                 log.warning("%s (a path was scrubbed from what the visitor reads)", message)
             message = scrubbed
         return gr.Error(message, title=title, print_exception=False)
-    log.error("unexpected error in a UI handler", exc_info=exc)
+    quietlog.unexpected("a UI handler", exc)
     title, message = _unexpected_message(exc)
     return gr.Error(message, title=title, print_exception=False)
 

@@ -32,6 +32,7 @@ TOTAL = 30  # lines per window, all visitors together
 WINDOW_S = 60.0
 SIGNATURES = 256  # code locations whose first failure is logged in full
 QUEUE = "queue"  # the key of lines Gradio's queue causes (it does not know the visitor's address)
+HANDLERS = "handlers"  # ... and the handlers' unexpected failures
 # Frames a client error is raised from: Gradio finding the function, checking and preprocessing the inputs.
 CLIENT_FRAMES = frozenset({"get_fn", "validate_inputs", "preprocess_data", "preprocess"})
 
@@ -172,9 +173,24 @@ class _QuietTraceback:
             self._budget.failure(QUEUE, "an event", exc)
 
 
+_installed: LogBudget | None = None  # the latest app's (install)
+
+
+def unexpected(what: str, exc: BaseException) -> None:
+    """An unexpected failure of a handler: its traceback the first time its code location fails, one line
+    afterwards, within the visitors' budget (a visitor may trigger the same bug again and again)."""
+    budget = _installed
+    if budget is None:
+        log.error("unexpected error in %s", what, exc_info=exc)
+    else:
+        budget.failure(HANDLERS, f"a request to {what}", exc)
+
+
 def install(budget: LogBudget, demo) -> None:
-    """Route Gradio's printed tracebacks through `budget`, and name the input in its answer to one it could
-    not read (the latest app's, once per process)."""
+    """Route Gradio's printed tracebacks (and the handlers' unexpected failures) through `budget`, and name the
+    input in its answer to one it could not read (the latest app's, once per process)."""
+    global _installed
+    _installed = budget
     for name in ("gradio.queueing", "gradio.routes", "gradio.route_utils"):
         module = sys.modules.get(name)
         if module is not None:

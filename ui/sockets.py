@@ -261,6 +261,8 @@ class SocketGuard:
         self._streams: dict[str, OrderedDict] = {}  # address -> its connections holding a stream, oldest first
         self.streams_open = 0
         self.streams_peak = 0
+        self.warned: Counter[str] = Counter()  # uvicorn's per-connection warnings, by message
+        self._warned_at: dict[str, float] = {}
         self._top = 0  # the most any address holds
         self._classes: dict = {}
 
@@ -402,6 +404,23 @@ class SocketGuard:
             log.warning("connections refused at the socket bounds: %s (%d open now, cap %d)",
                         ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items())), open_now,
                         self.bounds.max_connections)
+
+    def warn(self, logger, message, args) -> None:
+        """One of uvicorn's per-connection warnings ("Invalid HTTP request received.", "Unsupported upgrade
+        request.", ...): a line any visitor could repeat with every connection, so each message is logged at
+        most once per LOG_EVERY_S, with how many times it happened."""
+        text = str(message) % args if args else str(message)
+        with self._lock:
+            self.warned[text] += 1
+            now = time.monotonic()
+            due = now - self._warned_at.get(text, -LOG_EVERY_S) >= LOG_EVERY_S
+            if due:
+                if len(self._warned_at) >= 64:  # (uvicorn's messages are few; this keeps the table bounded)
+                    self._warned_at.clear()
+                self._warned_at[text] = now
+            n = self.warned[text]
+        if due:
+            logger.warning("%s (%d so far; logged at most once per %.0f s)", text, n, LOG_EVERY_S)
 
     def fit_descriptors(self) -> None:
         """Raise this process's soft descriptor limit (up to the hard one) so the cap, not the kernel, is
@@ -596,11 +615,25 @@ class ConnectionBounds:
         self._linger = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
 
 
+class _QuietLogger:
+    """uvicorn's logger as one connection's protocol sees it: warnings through SocketGuard.warn."""
+
+    def __init__(self, logger, guard: SocketGuard):
+        self._logger, self._guard = logger, guard
+
+    def __getattr__(self, name):
+        return getattr(self._logger, name)
+
+    def warning(self, message, *args, **kwargs) -> None:
+        self._guard.warn(self._logger, message, args)
+
+
 def _bounded_protocol(base: type, guard: SocketGuard) -> type:
     """`base` whose callbacks pass through a ConnectionBounds before (and after) uvicorn's own."""
 
     class Bounded(base):
         def connection_made(self, transport) -> None:
+            self.logger = _QuietLogger(self.logger, guard)
             self._bounds = conn = ConnectionBounds(guard, transport)
             if conn.admit():
                 super().connection_made(transport)
