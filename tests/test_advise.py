@@ -373,6 +373,11 @@ def test_a_budget_too_short_for_any_check_says_so_and_what_budget_would_do():
     # the bar moves with each configuration, not from one phase to the next
     done = [d for d, _, _ in seen]
     assert len(set(done)) >= 4 and done == sorted(done) and done[-1] == seen[-1][1] == 15
+    # nothing to apply: Generate keeps its (faster) configuration
+    from ui.advisor import AdvisorHandlers
+
+    apply_button = AdvisorHandlers.render_advice(None, {**report, "elapsed_s": clock.t})[2]
+    assert apply_button["interactive"] is False and apply_button["value"] == "Apply in Generate"
     # with more time, the budget named reaches the pick
     report, _, _ = run_advisor(short["needed_minutes"])
     assert report["pick"] is not None and report["pick"]["label"] != "fp32/eager"

@@ -104,9 +104,9 @@ def loop_and_client():
     serving.join(10)
 
 
-def _next(received: queue.Queue, kind: type):
+def _next(received: queue.Queue, kind: type, timeout: float = 30):
     while True:
-        message = received.get(timeout=30)
+        message = received.get(timeout=timeout)
         if isinstance(message, kind):
             return message
 
@@ -227,6 +227,53 @@ def test_a_request_waiting_for_a_compile_does_not_wait_behind_a_background_one()
                    message="the background compile set aside never ran again")
     finally:
         runner.release.set()
+        ours.send(Shutdown())
+        ours.close()
+        serving.join(10)
+
+
+@pytest.mark.slow  # compiles the tiny pipeline (regional) twice
+def test_a_real_compile_set_aside_unwinds_and_compiles_again(cache_dir, tiny_models):
+    """The set-aside raises inside torch.compile (dynamo, inductor): the waited-for bucket compiles and
+    serves warm, the bucket set aside compiles again later and serves warm too."""
+    from engine.protocol import BucketChanged
+
+    ours, theirs = LocalConnection.pair()
+    runner = make_runner(cache_dir)
+    runner.board.listener = lambda info: theirs.send(BucketChanged(info))
+    loop = WorkerLoop(theirs, runner)
+    received: queue.Queue = queue.Queue()
+    states: list[tuple[BucketKey, BucketState]] = []
+
+    def read():
+        while True:
+            try:
+                message = ours.recv()
+            except EOFError:
+                return
+            if isinstance(message, CompileWanted):
+                ours.send(CompileGranted(message.bucket))
+            if isinstance(message, BucketChanged):
+                states.append((message.info.bucket, message.info.state))
+            received.put(message)
+
+    threading.Thread(target=read, daemon=True).start()
+    serving = threading.Thread(target=loop.run, daemon=True)
+    serving.start()
+    try:
+        ours.send(Warm(BACKGROUND))
+        wait_until(lambda: (BACKGROUND, BucketState.COMPILING) in states, timeout=60, message="no background compile")
+        ours.send(Generate(make_request(mode="regional", on_cold="wait")))
+        result = _next(received, Result, timeout=600).result  # its compile: 20-120 s on a busy 2-core box
+        assert result.warm and not result.eager_fallback
+        after = states[states.index((BACKGROUND, BucketState.COMPILING)):]
+        assert (BACKGROUND, BucketState.QUEUED) in after, states  # set aside mid-compile
+        wait_until(lambda: runner.board.get(BACKGROUND).state in (BucketState.WARM, BucketState.FAILED),
+                   timeout=600, message="the background bucket never compiled again")
+        assert runner.board.get(BACKGROUND).state is BucketState.WARM, runner.board.get(BACKGROUND).error
+        ours.send(Generate(make_request(mode="regional", on_cold="wait", width=128, height=128, request_id="big")))
+        assert _next(received, Result, timeout=600).result.warm
+    finally:
         ours.send(Shutdown())
         ours.close()
         serving.join(10)

@@ -306,7 +306,7 @@ class WorkerLoop:
                         self._warm(bucket)
             finally:
                 self.send(CompileFinished(bucket))
-            if compile_run.set_aside:  # back in the queue (the console says so), behind the waited-for compile
+            if compile_run.set_aside and not self._is_warm(bucket):  # back in the queue (stopped once warm: stays)
                 self.runner.board.update(bucket, state=BucketState.QUEUED, error=None)
                 self.want(bucket, startup_rank=startup_rank)
 
