@@ -290,6 +290,9 @@ class FakeRunner:
     def check_mode(self, mode):
         pass
 
+    def weights_bytes(self):  # what the Advisor adds a run's peak to (--max-memory)
+        return (2 if self.precision == "fp32" else 1) * 2**20
+
     def warm_bucket(self, bucket):
         from types import SimpleNamespace
 
