@@ -179,7 +179,7 @@ class AgentCalls:
     async def _read(self, session: str) -> None:
         """Hand each completed event of the agent's session to its call, while the agent has calls waiting."""
         messages = self.demo._queue.pending_messages_per_session.get(session)
-        while messages is not None and self._waiting.get(session):
+        while messages is not None and any(not f.done() for f in self._waiting.get(session, {}).values()):
             message = await messages.get()
             if getattr(message, "msg", None) == "process_completed":
                 future = self._waiting.get(session, {}).get(message.event_id)
