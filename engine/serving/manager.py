@@ -63,6 +63,11 @@ class _RunHooks(NamedTuple):
     timeout: float | None
 
 
+# A worker with requests that says nothing and uses no CPU time for this long is stuck (stopped, frozen) and is
+# killed: its requests fail with the reason, and it restarts. A compile or a long step uses CPU.
+WORKER_STALL_S = 30.0
+
+
 class EngineManager:
     def __init__(self, cache_dir: Path | None = None, options: EngineOptions | None = None,
                  allowed_roots: list[Path] | None = None, extra_presets: dict[str, ModelPreset] | None = None, *,
@@ -92,6 +97,8 @@ class EngineManager:
         if self.hosting.idle_unload_s:
             threading.Thread(target=self.residency.unload_idle_forever, args=(self.hosting.idle_unload_s,),
                              name="idle-unload", daemon=True).start()
+        threading.Thread(target=self.residency.watch_stalls_forever, args=(WORKER_STALL_S,), name="stall-watch",
+                         daemon=True).start()
         if self.policy.public and self.policy.visitor_idle_unload_s:
             threading.Thread(target=self.residency.unload_idle_forever, name="visitor-idle-unload", daemon=True,
                              args=(self.policy.visitor_idle_unload_s, self._visitor_started,

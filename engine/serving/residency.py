@@ -205,6 +205,17 @@ class Residency(EngineEvents):
                         and which(engine.key):
                     self.evict(engine, f"unloaded after {idle_unload_s:.0f} s idle ({why})")
 
+    def watch_stalls_forever(self, stall_s: float) -> None:
+        """A worker that stops making progress while it has requests (stopped, frozen) is killed, so its
+        requests fail with the reason instead of hanging, and it restarts (engine_down)."""
+        while not self.closing:
+            time.sleep(min(2.0, stall_s / 4))
+            for engine in self.engines():
+                stalled = getattr(engine, "stalled", None)
+                reason = stalled(stall_s) if stalled is not None else None
+                if reason:
+                    engine.stop_stalled(reason)
+
     # -- what engines tell us (EngineEvents) -----------------------------------------------------
     def compile_wanted(self, engine: EngineClient, wish: CompileWanted) -> None:
         startup = wish.startup_rank if self.is_default(engine.key) else None
