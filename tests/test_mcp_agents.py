@@ -137,3 +137,28 @@ def test_agents_share_no_client_and_leave_no_threads_behind(mcp_app):
 
     wait_until(back_to_start, 60, interval=1.0, message=lambda: (
         f"threads stayed up: {before} before, now {Counter(t.name.split('_')[0] for t in threading.enumerate())}"))
+
+
+@pytest.mark.slow
+def test_agents_on_several_addresses_batch_like_pages(mcp_app):
+    """The same burst as the page's (tests/test_queue_groups.py) through MCP: 8 agents on 8 addresses, one call
+    each, while another agent keeps the engine busy: their requests share pipeline calls."""
+    import re
+
+    manager, url = mcp_app
+
+    async def burst():
+        blocker = asyncio.ensure_future(as_agent(url, "127.0.0.50", lambda s: s.call_tool("generate", LONG)))
+        while not any(row.get("pending") for row in manager.status()):
+            await asyncio.sleep(0.05)
+        calls = [as_agent(url, f"127.0.0.{51 + i}", lambda s, i=i: s.call_tool("generate", dict(CALL, seed=str(i))))
+                 for i in range(8)]
+        results = await asyncio.gather(*calls)
+        await blocker
+        return results
+
+    results = asyncio.run(burst())
+    assert not any(r.isError for r in results), [texts(r) for r in results if r.isError]
+    sizes = [int(re.search(r"'batch_size': (\d+)", " ".join(texts(r))).group(1)) for r in results]
+    print(f"8 agents on 8 addresses: batch sizes {sorted(sizes)}")
+    assert max(sizes) >= 4, sizes
