@@ -112,7 +112,6 @@ def serve(demo) -> None:
     server.tool_to_endpoint = {server.tool_prefix + endpoint.lstrip("/"): endpoint
                                for endpoint in server.tool_to_endpoint.values()}
     calls = AgentCalls(demo, server)
-    demo.agent_calls = calls
     server._get_or_create_client = lambda: calls  # what call_tool submits a queued call to
 
     async def result(job, progress_token=None) -> list:  # noqa: ARG001 - Gradio passes a progress token
@@ -160,6 +159,8 @@ class AgentCalls:
             future = asyncio.get_running_loop().create_future()
             self._waiting.setdefault(session, {})[event_id] = future
             if session not in self._readers or self._readers[session].done():
+                # one reader per agent with calls waiting; finished ones are forgotten
+                self._readers = {s: task for s, task in self._readers.items() if not task.done()}
                 self._readers[session] = asyncio.create_task(self._read(session))
             try:
                 message = await future
