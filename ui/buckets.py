@@ -79,7 +79,9 @@ class BucketsHandlers(HandlerBase):
                 sizes = [str(wanted)]
             else:
                 sizes = [str(b) for b in p.buckets]
-            self.manager.engine(key, caller=caller)
+            engine = self.manager.engine(key, caller=caller)
+            if caller is Caller.VISITOR and self.public:  # at most one compile queued per visitor at once
+                self.manager.check_visitor_warm_share(self.client_of(request), engine, mode, sizes[0])
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
 

@@ -128,7 +128,6 @@ def serve(demo) -> None:
     server.tool_to_endpoint = {server.tool_prefix + endpoint.lstrip("/"): endpoint
                                for endpoint in server.tool_to_endpoint.values()}
     calls = AgentCalls(demo, server)
-    demo.agent_calls = calls
     server._get_or_create_client = lambda: calls  # what call_tool submits a queued call to
 
     async def result(job, progress_token=None) -> list:  # noqa: ARG001 - Gradio passes a progress token
@@ -200,6 +199,8 @@ class AgentCalls:
             future = asyncio.get_running_loop().create_future()
             self._waiting.setdefault(session, {})[event_id] = future
             if session not in self._readers or self._readers[session].done():
+                # one reader per agent with calls waiting; finished ones are forgotten
+                self._readers = {s: task for s, task in self._readers.items() if not task.done()}
                 self._readers[session] = asyncio.create_task(self._read(session))
             try:
                 message = await future
@@ -219,7 +220,7 @@ class AgentCalls:
     async def _read(self, session: str) -> None:
         """Hand each completed event of the agent's session to its call, while the agent has calls waiting."""
         messages = self.demo._queue.pending_messages_per_session.get(session)
-        while messages is not None and self._waiting.get(session):
+        while messages is not None and any(not f.done() for f in self._waiting.get(session, {}).values()):
             message = await messages.get()
             if getattr(message, "msg", None) == "process_completed":
                 future = self._waiting.get(session, {}).get(message.event_id)

@@ -35,8 +35,11 @@ class HostPolicy:
     presets: tuple[str, ...] | None = None  # visitors choose only these (None: every shipped preset)
     precisions: tuple[Precision, ...] | None = None
     modes: tuple[Mode, ...] | None = None
-    # Public mode: loading an engine may evict an idle one only if nobody used it for this long.
+    # Public mode: loading an engine may evict an idle one only if nobody used it for this long (a client's
+    # recent use protects at most half a device's engines: engine/serving/shares.py).
     evict_idle_after_s: float = 60.0
+    # Public mode: an engine a visitor started (not the default one) is unloaded after this long idle (0: never).
+    visitor_idle_unload_s: float = 300.0
     # Public mode: the most a visitor's request may cost, and a visitor may hold queued and running
     # (token-steps, engine/serving/cost.py).
     cost: CostBudget = CostBudget()

@@ -49,6 +49,7 @@ from engine.serving.hosting import HostingConfig, HostPolicy, Runtime
 from engine.serving.launch import EngineLauncher, cpu_worker_threads
 from engine.serving.residency import Residency
 from engine.serving.scheduler import CompileScheduler
+from engine.serving.shares import VisitorShares
 from engine.serving.telemetry import Telemetry
 from engine.worker import logs
 from engine.worker.client import EngineClient
@@ -71,6 +72,11 @@ def fleet_lacks(device: str, placement) -> str | None:
     from engine.fleet.cluster import why_lacking
 
     return why_lacking(device, placement)
+
+
+# A worker with requests that says nothing and uses no CPU time for this long is stuck (stopped, frozen) and is
+# killed: its requests fail with the reason, and it restarts. A compile or a long step uses CPU.
+WORKER_STALL_S = 30.0
 
 
 class EngineManager:
@@ -101,9 +107,16 @@ class EngineManager:
         self._running: dict[str, EngineClient] = {}  # request id -> engine, for cancel()
         self.flow = RequestFlow()
         self.telemetry = Telemetry(self)  # Prometheus metrics (the app's /metrics)
+        self.shares = VisitorShares(self.policy.evict_idle_after_s)  # public mode: engines and compiles per visitor
         if self.hosting.idle_unload_s:
             threading.Thread(target=self.residency.unload_idle_forever, args=(self.hosting.idle_unload_s,),
                              name="idle-unload", daemon=True).start()
+        threading.Thread(target=self.residency.watch_stalls_forever, args=(WORKER_STALL_S,), name="stall-watch",
+                         daemon=True).start()
+        if self.policy.public and self.policy.visitor_idle_unload_s:
+            threading.Thread(target=self.residency.unload_idle_forever, name="visitor-idle-unload", daemon=True,
+                             args=(self.policy.visitor_idle_unload_s, self._visitor_started,
+                                   "started by a visitor, public mode")).start()
 
     # -- the hosting, as the app and the bench read it ------------------------------------------
     @property
@@ -196,13 +209,31 @@ class EngineManager:
     def engine(self, key: EngineKey, options: EngineOptions | None = None,
                caller: Caller = Caller.HOST) -> EngineClient:
         """The engine for a key, started if needed (returns once it is admitted; it may still be loading).
-        A visitor in public mode may not start a tensor-parallel engine, nor evict a recently used one."""
+        A visitor in public mode may not start a tensor-parallel engine, nor evict an engine used recently,
+        unless one client's recent use alone holds more than its share of the device's engines (shares.py)."""
         if options is not None:
             self._options[key] = options
         visitor = caller is Caller.VISITOR and self.policy.public
-        if visitor and key.tp > 1 and self.residency.serving(key) is None:
+        if not visitor:
+            self.shares.visitor_started.discard(key)  # the host's engine: unloaded only as the host says
+            return self.residency.load(key)
+        if self.residency.serving(key) is not None:
+            return self.residency.load(key)
+        if key.tp > 1:
             raise NotAllowed(f"{key} is not loaded, and starting a tensor-parallel engine is up to the host")
-        return self.residency.load(key, self.policy.evict_idle_after_s if visitor else None)
+        same_device = [k for k in self.residency.engines_keys() if k.device == key.device]
+        overheld = self.shares.overheld(same_device, self.device_budget(key.device).max_engines)
+        engine = self.residency.load(key, self.policy.evict_idle_after_s, unprotected=frozenset(overheld))
+        if not self._is_default(key):
+            self.shares.visitor_started.add(key)
+        return engine
+
+    def _visitor_started(self, key: EngineKey) -> bool:
+        return key in self.shares.visitor_started and not self._is_default(key)
+
+    def check_visitor_warm_share(self, client: str, engine: EngineClient, mode: str, size: str) -> None:
+        """Public mode: EngineBusy when `client` already has its share of the compile queue (shares.py)."""
+        self.shares.check_warm(client, engine, BucketKey(Mode.parse(mode, "mode"), Size.parse(size)))
 
     def adopt(self, engine: EngineClient) -> EngineClient:
         """Serve an engine the app did not start (a tensor-parallel sidecar attached with --tp-address):
@@ -335,6 +366,8 @@ class EngineManager:
     def _run(self, key: EngineKey, request: GenerateRequest, caller: Caller, hooks: _RunHooks) -> GenerateResult:
         on_progress, on_submit, timeout = hooks
         engine = self.engine(key, caller=caller)
+        if self.priced(caller):
+            self.shares.used(key, request.client)
         if engine.pending() >= self.engine_options(key).max_queue:
             raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")
         engine.wait_ready(timeout=600)

@@ -101,9 +101,11 @@ class Residency(EngineEvents):
                                 evictable=e.evictable) for e in engines]
 
     # -- loading ---------------------------------------------------------------------------------
-    def load(self, key: EngineKey, protect_used_within_s: float | None = None) -> EngineClient:
+    def load(self, key: EngineKey, protect_used_within_s: float | None = None,
+             unprotected: frozenset = frozenset()) -> EngineClient:
         """The engine for `key`, started if needed, making room by evicting idle engines (not those used within
-        `protect_used_within_s`); returns once it is admitted (it may still be loading)."""
+        `protect_used_within_s`, but for the `unprotected` ones); returns once it is admitted (it may still be
+        loading)."""
         with self.lock:
             self._check_open()
             if (engine := self.serving(key)) is not None:
@@ -112,7 +114,8 @@ class Residency(EngineEvents):
             with self.lock:
                 if (engine := self.serving(key)) is not None:
                     return engine
-            self.make_room(key, self.budgets.estimate(key).device_bytes, protect_used_within_s)
+            self.make_room(key, self.budgets.estimate(key).device_bytes, protect_used_within_s,
+                           unprotected=unprotected)
             with self.lock:
                 self._check_open()
                 engine = self._start(key)
@@ -153,13 +156,15 @@ class Residency(EngineEvents):
 
     # -- room and eviction -----------------------------------------------------------------------
     def make_room(self, key: EngineKey, need: int, protect_used_within_s: float | None = None,
-                  exclude: EngineClient | None = None) -> None:
+                  exclude: EngineClient | None = None, unprotected: frozenset = frozenset()) -> None:
         """Evict least-recently-used idle engines so `need` fits; raise BudgetExceeded when it cannot."""
         limits = self.budgets.device_budget(key.device)
         residents = self.residents(key.device, exclude)
         if protect_used_within_s is not None:
             cutoff = time.monotonic() - protect_used_within_s
-            residents = [dataclasses.replace(r, busy=r.busy or r.last_used > cutoff) for r in residents]
+            names = {str(k) for k in unprotected}
+            residents = [dataclasses.replace(r, busy=r.busy or (r.last_used > cutoff and r.name not in names))
+                         for r in residents]
         plan = budget.plan_room(need, limits, residents, reserved=self.budgets.app_bytes(key.device))
         if not plan.fits:
             loaded = [str(k) for k in self.engines_keys() if k.device == key.device]
@@ -192,13 +197,26 @@ class Residency(EngineEvents):
         log.info("engine %s: %s", engine.key, reason)
         engine.close()  # waits until its processes are gone, so the memory is really free
 
-    def unload_idle_forever(self, idle_unload_s: float) -> None:
+    def unload_idle_forever(self, idle_unload_s: float, which: Callable[[EngineKey], bool] = lambda key: True,
+                            why: str = "--idle-unload") -> None:
         while not self.closing:
             time.sleep(min(5.0, max(0.5, idle_unload_s / 4)))
             cutoff = time.monotonic() - idle_unload_s
             for engine in self.engines():
-                if engine.ready.is_set() and not engine.busy() and engine.last_used < cutoff and engine.evictable:
-                    self.evict(engine, f"unloaded after {idle_unload_s:.0f} s idle (--idle-unload)")
+                if engine.ready.is_set() and not engine.busy() and engine.last_used < cutoff and engine.evictable \
+                        and which(engine.key):
+                    self.evict(engine, f"unloaded after {idle_unload_s:.0f} s idle ({why})")
+
+    def watch_stalls_forever(self, stall_s: float) -> None:
+        """A worker that stops making progress while it has requests (stopped, frozen) is killed, so its
+        requests fail with the reason instead of hanging, and it restarts (engine_down)."""
+        while not self.closing:
+            time.sleep(min(2.0, stall_s / 4))
+            for engine in self.engines():
+                stalled = getattr(engine, "stalled", None)
+                reason = stalled(stall_s) if stalled is not None else None
+                if reason:
+                    engine.stop_stalled(reason)
 
     # -- what engines tell us (EngineEvents) -----------------------------------------------------
     def compile_wanted(self, engine: EngineClient, wish: CompileWanted) -> None:

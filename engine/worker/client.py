@@ -131,6 +131,7 @@ class ConnectionClient:
         self.late_notices: list[str] = []  # notices the engine gave after it was ready
         self.lora: LoraInfo | None = None  # its LoRA slot, as the worker last reported it
         self.last_used = time.monotonic()  # for least-recently-used eviction
+        self.last_heard = time.monotonic()  # the last message from the worker (stalled())
 
     @property
     def key(self) -> EngineKey:
@@ -184,6 +185,7 @@ class ConnectionClient:
             except Exception as exc:  # a message we cannot unpickle: report, keep reading
                 log.error("bad message from %s: %s", self.key, exc)
                 continue
+            self.last_heard = time.monotonic()
             dispatch(message, handlers, log, f"engine {self.key}")  # unknown kinds are logged there
         try:
             self.conn.close()  # here and nowhere else while this thread runs: see hang_up
@@ -391,6 +393,8 @@ class ProcessClient(ConnectionClient):
         self.config = config
         self.env = env or {}
         self.process = None
+        self._cpu_seen: tuple[float, float] | None = None  # (CPU seconds of its processes, when they last grew)
+        self.stall: str | None = None  # why it was killed as stuck (stop_stalled)
 
     def start(self) -> ProcessClient:
         from engine.worker.loop import worker_main
@@ -409,11 +413,48 @@ class ProcessClient(ConnectionClient):
     def alive(self) -> bool:
         return super().alive and self.process is not None and self.process.is_alive()
 
+    def stalled(self, stall_s: float) -> str | None:
+        """Why the worker is stuck, or None: it has requests, has said nothing for `stall_s`, and its process
+        (with the compilers it started) is stopped or has used no CPU time since. A long step or a compile
+        uses CPU, so only a stopped, frozen or deadlocked worker is named."""
+        import psutil
+
+        if not self.pending() or not self.alive:
+            self._cpu_seen = None
+            return None
+        try:
+            root = psutil.Process(self.pid)
+            stopped = root.status() == psutil.STATUS_STOPPED
+            cpu = sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+        except psutil.Error:
+            return None
+        now = time.monotonic()
+        seen = self._cpu_seen
+        if seen is None or cpu > seen[0]:
+            self._cpu_seen = seen = (cpu, now)
+        quiet = now - max(self.last_heard, seen[1])
+        if stopped and now - self.last_heard >= stall_s:
+            return f"its process was stopped (e.g. SIGSTOP) with {self.pending()} requests for {stall_s:.0f} s"
+        if quiet >= stall_s:
+            return f"no progress and no CPU time for {quiet:.0f} s with {self.pending()} requests"
+        return None
+
+    def stop_stalled(self, reason: str) -> None:
+        """Kill a stuck worker: its requests fail naming `reason`, and the engine restarts (bounded)."""
+        self.stall = reason
+        log.error("engine %s is stuck (%s): killing its worker", self.key, reason)
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # a stopped process still dies of SIGKILL
+        except (ProcessLookupError, PermissionError):
+            pass
+
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
     def describe_exit(self) -> str:
+        if self.stall:
+            return f"the worker was stuck and was killed: {self.stall}"
         if self.process is None:
             return "never started"
         self.process.join(timeout=2)
