@@ -154,11 +154,13 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.config.validation": {"check_steps"},
     "engine.config.request": None,  # the request every edge builds
     "engine.config.placement": {"split_device"},  # a device field's chip or node (--ray)
+    "engine.processes": {"pid_alive"},  # a killed app's output folder is removed by the next start
 }
 ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "engine.bench": "views.py",
            "engine.bench.quality": "views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
            "engine.bench.advise": "advisor.py", "engine.bench.advise_report": "advisor.py",
            "engine.config.validation": "compare.py", "engine.config.placement": "common.py",
+           "engine.processes": "webtemp.py",
            "engine.bench.configs": "compare.py"}
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 

@@ -131,7 +131,7 @@ class PipelineCaller:
             cached.start(run)
         graphs = recipes.cuda_graphs_active(self.options, self.spec, request.mode)
         step_ends = _StepEnds(clock, request, len(members) if members else 1, graphs, on_step, cancel, cached)
-        step_ends.vae = run.vae
+        step_ends.vae = getattr(run, "vae", None)  # no VAE (a test's stand-in): no previews
         kwargs = pipeline_call_kwargs(self.preset, run, request, members=members)
         kwargs["callback_on_step_end"] = step_ends
         decoded = []
