@@ -311,7 +311,7 @@ def check_engine_room(args, manager, device: str) -> str | None:
 
     if manager.memory_budget is None:
         return None
-    need = devices.get_device(device).process_overhead_bytes + manager.app_bytes(device)
+    need = devices.get_device(device).process_overhead_bytes + manager.budgets.app_bytes(device)
     if manager.memory_budget >= need:
         return None
     return (f"argument --memory-budget: {args.memory_budget} leaves no room for an engine on {device} (a worker "

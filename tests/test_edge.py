@@ -275,7 +275,7 @@ def test_the_web_servers_memory_is_counted_in_the_cpu_budget(local_handlers):
     from engine.serving.budget import plan_room
 
     manager = local_handlers.manager
-    assert manager.app_bytes("cpu") > 50 * 2**20
+    assert manager.budgets.app_bytes("cpu") > 50 * 2**20
     assert manager.host_status()["devices"].get("cpu", {"web_server_gib": 1})["web_server_gib"] >= 0
     plan = plan_room(3, DeviceBudget("cpu", 10, 4, "test"), [], reserved=8)
     assert not plan.fits and "web server" in plan.reason

@@ -216,7 +216,7 @@ def test_engines_stay_within_the_engine_count_lru_idle_ones_go_and_come_back(cac
             m.generate(ImageRequest(preset=preset, device="cpu", precision=precision, size="64x64", steps=1))
         first = EngineKey("tiny-flux", "cpu", "fp32")
         assert {e.key for e in m.engines()} == {first, EngineKey("tiny-flux", "cpu", "bf16")}
-        assert all(m.footprint_of(e).measured for e in m.engines())  # reported once loaded
+        assert all(m.budgets.footprint_of(e).measured for e in m.engines())  # reported once loaded
         m.generate(ImageRequest(preset="tiny-sd3", device="cpu", precision="fp32", size="64x64", steps=1))
         keys = {e.key for e in m.engines()}
         assert first not in keys and len(keys) == 2  # the least recently used idle engine went

@@ -80,7 +80,7 @@ def test_a_corrupt_header_names_the_component_not_a_memory_error(tiny_models, tm
     with engine_manager(tmp_path / "cache") as m:
         monkeypatch.setattr(footprints, "resolve_source", lambda config: str(target))
         with pytest.raises(CorruptWeights, match="component text_encoder"):
-            m.estimate(EngineKey("tiny-flux", "cpu", "fp32", 1))
+            m.budgets.estimate(EngineKey("tiny-flux", "cpu", "fp32", 1))
 
 
 def test_an_unwritable_models_folder_falls_back_to_a_private_temporary_one(tmp_path, monkeypatch, caplog):

@@ -186,7 +186,7 @@ class HandlerBase:
         for r in self.devices_report():
             if r.get("available"):
                 try:
-                    slots += self.manager.device_budget(r["name"]).max_engines
+                    slots += self.manager.budgets.device_budget(r["name"]).max_engines
                 except ShowcaseError:
                     slots += 1
         return max(1, slots) * RUNS_PER_ENGINE

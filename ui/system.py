@@ -146,7 +146,7 @@ def worker_cache_env(manager, device_names: list[str]) -> dict[str, str]:
     env: dict[str, str] = {}
     for name in device_names:
         try:
-            env.update(manager.worker_cache_env(name))
+            env.update(manager.launcher.worker_cache_env(name))
         except Exception:  # an unknown or broken device must not hide the rest
             continue
     return env
@@ -199,7 +199,7 @@ def web_server(manager, edge=None) -> dict:
     except Exception:
         rss = None
     row = {"memory": fmt_bytes(rss) if rss is not None else "unknown",
-           "counted_in_budget": bool(manager.app_bytes("cpu"))}
+           "counted_in_budget": bool(manager.budgets.app_bytes("cpu"))}
     if edge is not None:
         row["edge"] = edge.snapshot()
     return row

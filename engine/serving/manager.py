@@ -34,7 +34,6 @@ from engine.protocol import (
     EngineConfig,
     EngineKey,
     EngineOptions,
-    Footprint,
     GenerateRequest,
     GenerateResult,
     MemoryLevers,
@@ -42,7 +41,7 @@ from engine.protocol import (
     ModelPreset,
     Size,
 )
-from engine.serving import budget, cost, fit, policy
+from engine.serving import cost, fit, policy
 from engine.serving.admission import RequestFlow, Ticket, price_compare, price_generate
 from engine.serving.footprints import DeviceBudgets
 from engine.serving.hosting import HostingConfig, HostPolicy, Runtime
@@ -186,25 +185,6 @@ class EngineManager:
     def _config(self, key: EngineKey) -> EngineConfig:
         return self.catalog.config(key, self.engine_options(key), self.cache_dir)
 
-    # -- budgets (residency.py, footprints.py) ---------------------------------------------------
-    def device_budget(self, device: str) -> budget.DeviceBudget:
-        return self.budgets.device_budget(device)
-
-    def footprint_of(self, engine: EngineClient) -> Footprint:
-        """What an engine counts against its budget: measured once loaded, estimated before."""
-        return self.budgets.footprint_of(engine)
-
-    def estimate(self, key: EngineKey) -> Footprint:
-        return self.budgets.estimate(key)
-
-    def app_bytes(self, device: str) -> int:
-        """What this process holds of `device`'s budget (its resident memory where that is the host's)."""
-        return self.budgets.app_bytes(device)
-
-    def worker_cache_env(self, device: str) -> dict[str, str]:
-        """The cache variables a worker of `device` is started with (/system shows these, not the app's)."""
-        return self.launcher.worker_cache_env(device)
-
     # -- engines ---------------------------------------------------------------------------------
     def engine(self, key: EngineKey, options: EngineOptions | None = None,
                caller: Caller = Caller.HOST) -> EngineClient:
@@ -222,7 +202,7 @@ class EngineManager:
         if key.tp > 1:
             raise NotAllowed(f"{key} is not loaded, and starting a tensor-parallel engine is up to the host")
         same_device = [k for k in self.residency.engines_keys() if k.device == key.device]
-        overheld = self.shares.overheld(same_device, self.device_budget(key.device).max_engines)
+        overheld = self.shares.overheld(same_device, self.budgets.device_budget(key.device).max_engines)
         engine = self.residency.load(key, self.policy.evict_idle_after_s, unprotected=frozenset(overheld))
         if not self._is_default(key):
             self.shares.visitor_started.add(key)
