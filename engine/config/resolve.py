@@ -62,7 +62,7 @@ class Catalog:
                 raise InvalidRequest(f"preset {p.name} needs its weights sharded over at least {p.min_tp} ranks, and "
                                      f"{parallel} (context parallel) keeps the whole denoiser on every rank; use "
                                      "--parallel tensor")
-            return EngineKey(p.name, spec.name, precision, tp, parallel, memory)
+            return EngineKey(p.name, spec.name, precision, tp, parallel, memory=memory)
         if tp > 1 and not p.tp:
             raise InvalidRequest(f"preset {p.name} has no tensor-parallel plan; use tp=1")
         if tp < p.min_tp:
