@@ -323,6 +323,7 @@ COMMANDS = {
     "cp-bench": "engine.bench.context_parallel:add_cp_bench_parser",
     "advise": "engine.bench.advise:add_advise_parser",
     "lora-bench": "engine.bench.lora:add_lora_bench_parser",
+    "memory-bench": "engine.bench.memory:add_memory_bench_parser",
     "oneshot": "engine.bench.oneshot:add_oneshot_parser",
     "fleet-bench": "engine.bench.fleet:add_fleet_bench_parser",
 }

@@ -25,6 +25,10 @@
 #                                          # (speed only), then step caches x precisions on tiny-shapes
 #                                          # (every combination runs on CUDA; cache speed-ups and quality
 #                                          # at scale need real weights) -> $OUT/bench-gpu-levers/
+#   bash scripts/bench_gpu.sh memory       # memory levers on the FLUX.1-dev-size transformer (random weights,
+#                                          # bf16, 1024x1024, 28 steps): none, layerwise fp8, group offload
+#                                          # (block, CUDA stream prefetch), model offload; s / image and peak GiB
+#                                          # beside the estimate and diffusers' table -> $OUT/bench-gpu-memory/
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl
@@ -138,6 +142,20 @@ print("| images per call | step ms | step ms per image | gain per image vs 1 | p
 print("\n".join(rows))
 PYEOF
   exit 0
+fi
+
+if [ "${1:-}" = memory ]; then
+  shift
+  MEM_DIR="${OUT:-artifacts}/bench-gpu-memory"
+  mkdir -p "$MEM_DIR"
+  # Each lever builds the 11.9 B-parameter transformer again (on the GPU, or in pinned host RAM for the
+  # offloads: about 24 GB) and times one 28-step image; at most 300 s in all.
+  timeout --signal=INT --kill-after=20 300 "$PY" -m engine memory-bench --gpu flux1-dev --device cuda \
+    --gpu-steps 28 --json "$@" > "$MEM_DIR/memory.json" 2> "$MEM_DIR/memory.log"
+  rc=$?
+  cat "$MEM_DIR/memory.json"
+  echo "memory levers exited $rc (124/130 = stopped by the time limit)"
+  exit "$rc"
 fi
 
 if [ "${1:-}" = levers ]; then

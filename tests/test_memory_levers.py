@@ -432,3 +432,21 @@ def test_a_bad_lever_flag_stops_the_program_naming_the_forms():
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["generate", "--memory-lever", "group:ring"])
     assert exit_info.value.code == 2
+
+
+def test_the_gpu_memory_bench_runs_its_levers_on_a_small_config():
+    """scripts/bench_gpu.sh memory's code path on the CPU with a small Flux config (streams need CUDA)."""
+    from engine import devices
+    from engine.bench.memory_gpu import format_row, measure_lever
+    from engine.config.presets import get_preset
+    from engine.protocol import Size
+
+    small = {"in_channels": 64, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+             "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32,
+             "guidance_embeds": True, "axes_dims_rope": [4, 6, 6]}
+    preset = dataclasses.replace(get_preset("flux1-dev"), denoiser_config=small)
+    cpu = devices.get_device("cpu")
+    for levers in ("none", "layerwise:fp8", "model-offload"):
+        row = measure_lever(levers, preset, cpu, Size(64, 64), steps=2)
+        assert row["s_per_image"] > 0 and row["peak_gib"] is not None
+        assert "GiB" in format_row({**row, "estimate_gib": 0.1}, 2)

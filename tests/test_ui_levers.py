@@ -273,3 +273,13 @@ def test_compare_prices_memory_levers_in_seconds_and_gib(handlers):
     assert "fullgraph" in results["cpu/fp32/regional+mem=layerwise:fp8"]["error"]  # refused, with the reason
     rows = {r[0]: r for r in views.price_rows(outputs[-1][1]["results"])}
     assert "GiB peak" in rows["cpu/fp32/eager+mem=layerwise:fp8"][1]
+
+
+def test_compare_crosses_memory_lever_sets_and_refuses_what_cannot_run(handlers):
+    configs, reference, _ = handlers._configs(["cpu"], ["fp32"], ["eager"], None, "", None,
+                                              ["none", "layerwise:fp8", "model-offload"])
+    assert configs == ["cpu/fp32/eager", "cpu/fp32/eager+mem=layerwise:fp8", "cpu/fp32/eager+mem=model-offload"]
+    assert handlers.refusal("tiny-shapes", "cpu/fp32/eager+mem=layerwise:fp8") is None
+    assert "nowhere to offload" in handlers.refusal("tiny-shapes", "cpu/fp32/eager+mem=model-offload")
+    with pytest.raises(gr.Error, match="unknown memory lever"):
+        handlers._configs(["cpu"], ["fp32"], ["eager"], None, "", None, ["warp"])

@@ -85,9 +85,14 @@ class CompareForm:
     configurations: str | None = None
     timing_s: float | str | None = DEFAULT_TIMING_S
     loras: list[str] | None = None  # "none", "NAME" or "NAME:fused": one more axis of the cross product
+    levers: list[str] | None = None  # "none" or a memory lever set (MEMORY_CHOICES): one more axis
 
 
 COMPARE_FIELDS = tuple(f.name for f in fields(CompareForm))
+# The Compare tab's memory lever sets (any other set: a typed entry's +mem=); one the device cannot run gets a
+# card saying why.
+MEMORY_CHOICES = ["none", "layerwise:fp8", "group:block:1:disk", "group:leaf", "model-offload",
+                  "sequential-offload", "encoders:cpu", "vae-slicing"]
 
 
 class CompareHandlers(HandlerBase):
@@ -123,7 +128,7 @@ class CompareHandlers(HandlerBase):
         available = [r["name"] for r in self.devices_report() if r.get("available")]
         return available[0] if available else "cpu"
 
-    def _configs(self, devices, precisions, modes, caches, configurations: str = "", loras=None
+    def _configs(self, devices, precisions, modes, caches, configurations: str = "", loras=None, levers=None
                  ) -> tuple[list[str], str, bool]:
         """(every configuration, the reference first; the reference label; whether it was picked). A typed
         list (`configurations`) replaces the checkboxes' cross product."""
@@ -140,11 +145,12 @@ class CompareHandlers(HandlerBase):
         else:
             try:
                 styles = [explicit.lora_suffix(parse_lora(text)) for text in loras or ["none"]]
-            except ShowcaseError as exc:
+                mems = [explicit.memory_suffix(explicit.split_levers(f"+mem={text}")[1]) for text in levers or ["none"]]
+            except (ShowcaseError, ValueError) as exc:
                 raise gr.Error(str(exc), title="Invalid request") from None
-            picked = [views.config_label(d, p, m, c, style) for d, p, m, c, style in
-                      product(devices or [], precisions or [], modes or [], caches or [views.NO_CACHE], styles)]
-            what, reference_device = "device × precision × mode × step cache × LoRA", (devices or [None])[0]
+            picked = [views.config_label(d, p, m, c, style + mem) for d, p, m, c, style, mem in
+                      product(devices or [], precisions or [], modes or [], caches or [views.NO_CACHE], styles, mems)]
+            what, reference_device = "device × precision × mode × step cache × LoRA × memory", (devices or [None])[0]
             own = []
             for p in precisions or []:
                 if p not in Precision.values():
@@ -285,7 +291,7 @@ class Comparison:
     def __init__(self, h: CompareHandlers, form: CompareForm, request: gr.Request | None, progress):
         self.h, self.form, self.request, self.progress = h, form, request, progress
         self.configs, self.reference, picked = h._configs(form.devices, form.precisions, form.modes, form.caches,
-                                                          form.configurations, form.loras)
+                                                          form.configurations, form.loras, form.levers)
         self.note = ("the reference, picked" if picked else
                      "the reference, added: every speedup and drift is measured against it")
         try:
@@ -615,6 +621,9 @@ class ComparePage:
         form["loras"] = gr.CheckboxGroup(views.compare_lora_choices(self.preset, h.manager.options.loras),
                                          value=["none"], label="LoRA styles (one card per style; fused: eager only)",
                                          elem_id="c-loras")
+        form["levers"] = gr.CheckboxGroup(MEMORY_CHOICES, value=["none"], label="Memory levers (one card per set, "
+                                          "GiB beside seconds; one this device cannot run says why)",
+                                          elem_id="c-levers")
         form["wait_for_warm"] = gr.Checkbox(True, label="Wait for compiled buckets (their compile cost is "
                                             "measured); off: cold buckets run eagerly", elem_id="c-wait")
         form["configurations"] = gr.Textbox(

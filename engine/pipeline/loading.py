@@ -72,6 +72,7 @@ class PipelineLoader:
         # So is a memory lever this device, layout or precision cannot run with.
         memory.check_levers(self.config.key.memory, self.spec, tp=self.config.key.tp,
                             quantized=self.precision.precision.quantized, cpu_offload=self.options.recipe.cpu_offload)
+        memory.prepare_process(self.config.key.memory)
         # Before diffusers is imported: importing it pulls in torch._dynamo, which fixes
         # TORCHINDUCTOR_CACHE_DIR to /tmp when unset, and the persistent cache would be ignored.
         env = devices.apply_environment(self.spec, self.config.cache_path())

@@ -204,6 +204,30 @@ def lora_refusal(levers) -> str:
 # -- applying them (torch from here on) ------------------------------------------------------------
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MMAP_THRESHOLD = 2**20  # weights above it get pages of their own; small tensors stay in the heap
+
+
+def prepare_process(levers) -> str:
+    """Before the weights load: with group offload to disk, every allocation above 1 MiB gets pages of
+    its own from the kernel (glibc's mmap threshold fixed rather than raised as large blocks are freed), so a
+    group written to disk gives its pages back and the empty placeholders diffusers leaves in its place take
+    none. Otherwise freed weights stay in the heap, are handed to the placeholders and the process's resident
+    memory does not drop (docs/benchmarks.md). A notice ("" when nothing was done or it is not glibc)."""
+    if not MemoryLevers.parse(levers).group_disk:
+        return ""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        done = bool(libc and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        done = False
+    return "group offload to disk: large allocations mapped apart, so offloaded groups leave host RAM" if done else ""
+
+
 def _offload_folder(cache_path: Path) -> str:
     """A folder of this process's own for group offload's files, removed when the process exits."""
     root = Path(cache_path) / "offload"

@@ -32,7 +32,7 @@ _BLOCK = re.compile(r"^(.*blocks)\.(\d+)\.")
 # Parameter counts of published components a preset loads from the Hub, for estimates where they are not
 # downloaded (the denoiser's come from its denoiser_config).
 PUBLISHED = {
-    "flux": {"text_encoder": 123_060_480, "text_encoder_2": 4_762_310_656, "vae": 83_819_683},
+    "FluxPipeline": {"text_encoder": 123_060_480, "text_encoder_2": 4_762_310_656, "vae": 83_819_683},
 }
 # Lever sets in the order an "auto" host tries them (fastest first), with their price in time: measured on
 # this machine's CPU (layerwise casting: 1.30x) or a peer's figure (diffusers' FLUX.1-dev table: model offload
@@ -91,7 +91,7 @@ def components_from_folder(folder: Path) -> dict[str, Component]:
 def components_from_config(preset) -> dict[str, Component]:
     """A preset not on this machine: its denoiser built on the meta device from denoiser_config (shapes, no
     memory), the rest from PUBLISHED; ShowcaseError where neither is known."""
-    if not preset.denoiser_config or preset.family not in PUBLISHED:
+    if not preset.denoiser_config or preset.pipeline not in PUBLISHED:
         raise ShowcaseError(f"{preset.name}: no local weights, and no denoiser_config with published component "
                             "sizes to estimate from")
     import diffusers
@@ -103,7 +103,7 @@ def components_from_config(preset) -> dict[str, Component]:
     with torch.device("meta"):
         model = cls.from_config(dict(preset.denoiser_config))
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
-    out = {name: Component(name, n, 0, 0, n // 24) for name, n in PUBLISHED[preset.family].items()}
+    out = {name: Component(name, n, 0, 0, n // 24) for name, n in PUBLISHED[preset.pipeline].items()}
     out[preset.denoiser] = component_from_shapes(preset.denoiser, shapes)
     return out
 
