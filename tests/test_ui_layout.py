@@ -37,9 +37,9 @@ TAB_IDS = {
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
                 "c-speedup", "c-costs", "c-json", "c-caches", "c-loras", "c-ab-choice", "c-ab", "c-fidelity-prompts",
                 "c-cards", "c-configs",
-                "c-config-list", "c-timing", "c-config-check", "c-status", "c-plot-legend"},
+                "c-config-list", "c-timing", "c-config-check", "c-status", "c-plot-legend", "c-levers"},
     "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-lora", "a-minutes", "a-fidelity-points",
-                "a-min-psnr",
+                "a-min-psnr", "a-max-memory",
                 "advise-btn", "a-cancel-btn", "a-apply-btn", "a-status", "a-summary", "a-frontier", "a-table",
                 "a-json", "a-cards"},
     "system": {"system-refresh", "system"},
@@ -154,13 +154,14 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.config.validation": {"check_steps"},
     "engine.config.request": None,  # the request every edge builds
     "engine.config.placement": {"split_device"},  # a device field's chip or node (--ray)
-    "engine.processes": {"pid_alive"},  # a killed app's output folder is removed by the next start
+    "engine.processes": {"pid_alive"},
+    "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it  # a killed app's output folder is removed by the next start
 }
 ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "engine.bench": "views.py",
            "engine.bench.quality": "views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
            "engine.bench.advise": "advisor.py", "engine.bench.advise_report": "advisor.py",
            "engine.config.validation": "compare.py", "engine.config.placement": "common.py",
-           "engine.processes": "webtemp.py",
+           "engine.processes": "webtemp.py", "engine.serving.budget": "advisor.py",
            "engine.bench.configs": "compare.py"}
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 

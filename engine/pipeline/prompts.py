@@ -142,7 +142,7 @@ class PromptEncoder:
         if where is None:
             return original(*args, **kwargs)
         kwargs = dict(kwargs)
-        if where == "cpu":
+        if self.levers.encoders_on_host:
             kwargs["device"] = "cpu"
             return _moved(original(*args, **kwargs), self.device)
         with self._place_lock:  # encoders:offload: on the device to encode, back to host RAM after

@@ -81,6 +81,11 @@ class MemoryLevers:
     def enabled(self) -> bool:
         return self != MemoryLevers()
 
+    @property
+    def encoders_on_host(self) -> bool:
+        """encoders:cpu: the text encoders stay in host memory and run there."""
+        return self.encoders == ENCODER_PLACES[0]
+
     def engine_part(self) -> MemoryLevers:
         """The levers that are part of the engine key (everything but the VAE's)."""
         return dataclasses.replace(self, vae_tiling=False, vae_slicing=False)

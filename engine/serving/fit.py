@@ -164,7 +164,7 @@ class Model:
         elif lv.group and (lv.group_disk or not host_is_device):
             held = (d.block * lv.group_blocks if lv.group == "block" and d.block else d.largest) * b
             weights = weights - sizes[self.denoiser] + held * (2 if lv.group_stream else 1)
-        if lv.encoders == "cpu" and not host_is_device:
+        if lv.encoders_on_host and not host_is_device:
             weights -= encoders
         return Estimate(str(lv) if lv.enabled else "", int(weights + act + overhead), int(weights), act, time_factor)
 
