@@ -309,10 +309,10 @@ def check_engine_room(args, manager, device: str) -> str | None:
     device's memory is the host's. Checked before any engine starts."""
     from engine import devices  # imports torch: only once the flags are parsed
 
-    if manager.memory_budget is None:
+    if manager.hosting.memory_budget is None:
         return None
     need = devices.get_device(device).process_overhead_bytes + manager.budgets.app_bytes(device)
-    if manager.memory_budget >= need:
+    if manager.hosting.memory_budget >= need:
         return None
     return (f"argument --memory-budget: {args.memory_budget} leaves no room for an engine on {device} (a worker "
             f"process there is estimated at {need / GIB:.2f} GiB with this server's own memory); allowed: at "

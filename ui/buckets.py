@@ -16,7 +16,7 @@ import gradio as gr
 import pandas as pd
 
 from engine.errors import InvalidRequest, NotAllowed, ShowcaseError
-from engine.protocol import Mode, Size, ranks_choice
+from engine.protocol import BucketKey, Mode, Size, ranks_choice
 from engine.serving.manager import Caller
 from ui import schemas, views
 from ui.common import DEFAULT_ATTENTION, FAST, HandlerBase, document_api, to_gradio_error
@@ -81,7 +81,8 @@ class BucketsHandlers(HandlerBase):
                 sizes = [str(b) for b in p.buckets]
             engine = self.manager.engine(key, caller=caller)
             if caller is Caller.VISITOR and self.public:  # at most one compile queued per visitor at once
-                self.manager.check_visitor_warm_share(self.client_of(request), engine, mode, sizes[0])
+                bucket = BucketKey(Mode.parse(mode, "mode"), Size.parse(sizes[0]))
+                self.manager.shares.check_warm(self.client_of(request), engine, bucket)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
 

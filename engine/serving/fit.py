@@ -14,13 +14,18 @@ published figure).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import ShowcaseError
+from engine.errors import NotAllowed, ShowcaseError
 from engine.protocol import MemoryLevers
+
+log = logging.getLogger(__name__)
 
 GIB = 2**30
 PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "int8wo": 1, "int8dq": 1, "fp8": 1}
@@ -231,6 +236,49 @@ def fitted_levers(config, spec, free_bytes: int | None, policy: str) -> tuple[st
     estimates = options(model, spec, size.width, size.height, spec.process_overhead_bytes)
     chosen, why = choose(estimates, free_bytes, policy)
     return chosen.levers, why
+
+
+class EngineLevers:
+    """The memory levers an engine key carries: those its caller named, else the host's (--memory-lever), else
+    with --memory auto|memory the set fitted to the device's free memory (chosen once per key); checked
+    against the device and the engine's layout, refused with the reason."""
+
+    def __init__(self, recipe, budgets, config_for: Callable):
+        self.recipe, self.budgets, self.config_for = recipe, budgets, config_for
+        self.default = MemoryLevers.parse(recipe.memory).engine_part()
+        self._fitted: dict = {}  # EngineKey -> the levers fitted for it
+
+    def wanted(self, levers: str | None, host_decides: bool) -> str:
+        """The engine part of the levers asked for (None: the host's), as key text; NotAllowed where a public
+        host keeps the choice."""
+        wanted = self.default if levers is None else MemoryLevers.parse(levers).engine_part()
+        if host_decides and wanted != self.default:
+            raise NotAllowed(f"memory levers are up to the host here (this host's: {self.default})")
+        return str(wanted) if wanted.enabled else ""
+
+    def settle(self, key, named: bool):
+        """`key` with the levers fitted for it where nobody named any, checked where it runs."""
+        from engine import devices
+        from engine.pipeline.memory import check_levers
+
+        if not named and not key.memory and self.recipe.memory_policy != "speed" and key.tp == 1:
+            key = dataclasses.replace(key, memory=self.fitted(key))
+        check_levers(key.memory, devices.get_device(key.device), tp=key.tp,
+                     quantized=bool(key.precision and key.precision.quantized), cpu_offload=self.recipe.cpu_offload)
+        return key
+
+    def fitted(self, key) -> str:
+        """The levers --memory auto|memory picks for `key`, for the device's budget less what this process holds."""
+        from engine import devices
+
+        if key not in self._fitted:
+            budget_bytes = self.budgets.device_budget(key.device).bytes
+            free = None if budget_bytes is None else budget_bytes - self.budgets.app_bytes(key.device)
+            levers, why = fitted_levers(self.config_for(key), devices.get_device(key.device), free,
+                                        self.recipe.memory_policy)
+            log.info("memory levers for %s: %s (%s)", key, levers or "none", why)
+            self._fitted[key] = levers
+        return self._fitted[key]
 
 
 def lever_weights(config, weights: int) -> int:

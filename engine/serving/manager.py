@@ -26,7 +26,6 @@ from engine.config.request import Caller, ImageRequest
 from engine.config.resolve import Catalog
 from engine.config.validation import build_request
 from engine.errors import EngineBusy, NotAllowed, ShowcaseError
-from engine.pipeline import memory as memory_levers
 from engine.pipeline import stepcache
 from engine.pipeline.batching import max_batch_for
 from engine.protocol import (
@@ -36,7 +35,6 @@ from engine.protocol import (
     EngineOptions,
     GenerateRequest,
     GenerateResult,
-    MemoryLevers,
     Mode,
     ModelPreset,
     Size,
@@ -97,7 +95,8 @@ class EngineManager:
         self.default_key: EngineKey | None = None
         self.scheduler = CompileScheduler(self.hosting.compile_jobs or settings.default_compile_jobs())
         self.budgets = DeviceBudgets(self.hosting, lambda key: self.catalog.config(key, self.options, self.cache_dir))
-        self._fitted: dict[EngineKey, str] = {}  # --memory auto|memory: the levers chosen per key
+        self.levers = fit.EngineLevers(self.options.recipe, self.budgets,  # memory levers of each key
+                                       lambda key: self.catalog.config(key, self.options, self.cache_dir))
         self.launcher = EngineLauncher(self.hosting, self.cache,
                                        lambda device: self.budgets.device_budget(device).max_engines)
         self.residency = Residency(self.launcher, self.budgets, self.scheduler, config_for=self._config,
@@ -122,10 +121,6 @@ class EngineManager:
     def runtime(self) -> Runtime:
         return self.hosting.runtime
 
-    @property
-    def memory_budget(self) -> int | None:
-        return self.hosting.memory_budget
-
     # -- lookup and validation -------------------------------------------------------------------
     def preset(self, name: str) -> ModelPreset:
         """A preset by name, or any Hub id / local diffusers folder under the allowed model roots."""
@@ -138,29 +133,9 @@ class EngineManager:
         engine part goes into the key, refused with the reason where they cannot run)."""
         if caller is Caller.VISITOR:
             self.check_visitor_choice(preset=preset, precision=precision)
-        default = MemoryLevers.parse(self.options.recipe.memory).engine_part()
-        wanted = default if levers is None else MemoryLevers.parse(levers).engine_part()
-        if caller is Caller.VISITOR and self.policy.public and wanted != default:
-            raise NotAllowed(f"memory levers are up to the host here (this host's: {default})")
-        key = self.catalog.make_key(preset, device, precision, tp, parallel, str(wanted) if wanted.enabled else "")
-        if levers is None and not wanted.enabled and self.options.recipe.memory_policy != "speed" and tp == 1:
-            key = dataclasses.replace(key, memory=self.fitted_levers(key))
-        memory_levers.check_levers(key.memory, devices.get_device(key.device), tp=key.tp,
-                            quantized=bool(key.precision and key.precision.quantized),
-                            cpu_offload=self.options.recipe.cpu_offload)
-        return key
-
-    def fitted_levers(self, key: EngineKey) -> str:
-        """The levers --memory auto|memory picks for an engine no one named levers for (engine/serving/fit.py),
-        chosen once per key for the device's budget less what this process holds of it."""
-        if key not in self._fitted:
-            budget_bytes = self.budgets.device_budget(key.device).bytes
-            free = None if budget_bytes is None else budget_bytes - self.budgets.app_bytes(key.device)
-            levers, why = fit.fitted_levers(self.catalog.config(key, self.options, self.cache_dir),
-                                            devices.get_device(key.device), free, self.options.recipe.memory_policy)
-            log.info("memory levers for %s: %s (%s)", key, levers or "none", why)
-            self._fitted[key] = levers
-        return self._fitted[key]
+        memory = self.levers.wanted(levers, host_decides=caller is Caller.VISITOR and self.policy.public)
+        key = self.catalog.make_key(preset, device, precision, tp, parallel, memory)
+        return self.levers.settle(key, named=levers is not None)
 
     def check_visitor_choice(self, *, preset=None, precision=None, mode=None) -> None:
         """NotAllowed naming what is offered when a public host does not offer this choice to visitors."""
@@ -210,10 +185,6 @@ class EngineManager:
 
     def _visitor_started(self, key: EngineKey) -> bool:
         return key in self.shares.visitor_started and not self._is_default(key)
-
-    def check_visitor_warm_share(self, client: str, engine: EngineClient, mode: str, size: str) -> None:
-        """Public mode: EngineBusy when `client` already has its share of the compile queue (shares.py)."""
-        self.shares.check_warm(client, engine, BucketKey(Mode.parse(mode, "mode"), Size.parse(size)))
 
     def adopt(self, engine: EngineClient) -> EngineClient:
         """Serve an engine the app did not start (a tensor-parallel sidecar attached with --tp-address):
