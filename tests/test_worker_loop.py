@@ -76,11 +76,15 @@ class _Runner:
                               eager_fallback=not warm, recompiles=0, peak_memory_bytes=None, steps=request.steps)
 
 
-@pytest.fixture
-def loop_and_client():
-    """(runner, client end of the connection, messages the loop sent); the loop grants every compile."""
+def start_loop(runner, on_message=None, board_changes: bool = False):
+    """A WorkerLoop serving `runner` on threads: (client end of the connection, messages the loop sent, the
+    serving thread). The client side grants every compile; `on_message` sees each message first;
+    `board_changes`: the runner's bucket states are sent too, as a worker process sends them."""
     ours, theirs = LocalConnection.pair()
-    runner = _Runner()
+    if board_changes:
+        from engine.protocol import BucketChanged
+
+        runner.board.listener = lambda info: theirs.send(BucketChanged(info))
     loop = WorkerLoop(theirs, runner)
     received: queue.Queue = queue.Queue()
 
@@ -92,11 +96,21 @@ def loop_and_client():
                 return
             if isinstance(message, CompileWanted):
                 ours.send(CompileGranted(message.bucket))
+            if on_message is not None:
+                on_message(message)
             received.put(message)
 
     threading.Thread(target=read, daemon=True).start()
     serving = threading.Thread(target=loop.run, daemon=True)
     serving.start()
+    return ours, received, serving
+
+
+@pytest.fixture
+def loop_and_client():
+    """(runner, client end of the connection, messages the loop sent); the loop grants every compile."""
+    runner = _Runner()
+    ours, received, serving = start_loop(runner)
     yield runner, ours, received
     runner.release.set()
     ours.send(Shutdown())
@@ -196,24 +210,8 @@ def test_a_request_waiting_for_a_compile_does_not_wait_behind_a_background_one()
     """A cold Compare waited ~105 s: its bucket was first in the host's queue, but its engine compiles one
     bucket at a time and was busy with the start-up warm list. The background compile is set aside (back in
     the queue), the waited-for bucket compiles, the request runs warm, then the background compile resumes."""
-    ours, theirs = LocalConnection.pair()
     runner = _SlowBackgroundRunner()
-    loop = WorkerLoop(theirs, runner)
-    received: queue.Queue = queue.Queue()
-
-    def read():
-        while True:
-            try:
-                message = ours.recv()
-            except EOFError:
-                return
-            if isinstance(message, CompileWanted):
-                ours.send(CompileGranted(message.bucket))
-            received.put(message)
-
-    threading.Thread(target=read, daemon=True).start()
-    serving = threading.Thread(target=loop.run, daemon=True)
-    serving.start()
+    ours, received, serving = start_loop(runner)
     try:
         ours.send(Warm(BACKGROUND))
         assert runner.compiling.wait(30)
@@ -238,28 +236,14 @@ def test_a_real_compile_set_aside_unwinds_and_compiles_again(cache_dir, tiny_mod
     serves warm, the bucket set aside compiles again later and serves warm too."""
     from engine.protocol import BucketChanged
 
-    ours, theirs = LocalConnection.pair()
     runner = make_runner(cache_dir)
-    runner.board.listener = lambda info: theirs.send(BucketChanged(info))
-    loop = WorkerLoop(theirs, runner)
-    received: queue.Queue = queue.Queue()
     states: list[tuple[BucketKey, BucketState]] = []
 
-    def read():
-        while True:
-            try:
-                message = ours.recv()
-            except EOFError:
-                return
-            if isinstance(message, CompileWanted):
-                ours.send(CompileGranted(message.bucket))
-            if isinstance(message, BucketChanged):
-                states.append((message.info.bucket, message.info.state))
-            received.put(message)
+    def note_state(message):
+        if isinstance(message, BucketChanged):
+            states.append((message.info.bucket, message.info.state))
 
-    threading.Thread(target=read, daemon=True).start()
-    serving = threading.Thread(target=loop.run, daemon=True)
-    serving.start()
+    ours, received, serving = start_loop(runner, note_state, board_changes=True)
     try:
         ours.send(Warm(BACKGROUND))
         wait_until(lambda: (BACKGROUND, BucketState.COMPILING) in states, timeout=60, message="no background compile")
