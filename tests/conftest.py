@@ -7,6 +7,7 @@ deployment's --cache-dir: tiny models are built once and inductor's cache is reu
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,8 @@ def ray_cluster():
     it), every one on loopback, no dashboard, small object stores. This process is its driver. Tests that
     remove a node add one of the same name back."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node on 127.0.0.1, not the host's interface
+    # Ray puts its sockets under $TMPDIR/ray; a test folder there passes AF_UNIX's 107-byte path limit
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     import ray
     from helpers import fleet_node_args
     from ray.cluster_utils import Cluster

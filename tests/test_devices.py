@@ -529,6 +529,12 @@ def test_environment_defaults(tmp_path):
 
 
 def test_apply_environment_keeps_user_values(tmp_path, monkeypatch):
+    import tempfile
+
+    # apply_environment points TMPDIR into the cache folder: restored after (a later Ray cluster in this
+    # process put its sockets under this test's folder, past AF_UNIX's 107-byte limit)
+    monkeypatch.setenv("TMPDIR", os.environ.get("TMPDIR", tempfile.gettempdir()))
+    monkeypatch.setattr(tempfile, "tempdir", None)
     monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", "x")  # so teardown removes what the test sets
     monkeypatch.delenv("TORCH_NEURONX_NEFF_CACHE_DIR")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))

@@ -159,6 +159,6 @@ def test_agents_on_several_addresses_batch_like_pages(mcp_app):
 
     results = asyncio.run(burst())
     assert not any(r.isError for r in results), [texts(r) for r in results if r.isError]
-    sizes = [int(re.search(r"'batch_size': (\d+)", " ".join(texts(r))).group(1)) for r in results]
+    sizes = [int(re.search(r"['\"]batch_size['\"]: (\d+)", " ".join(texts(r))).group(1)) for r in results]
     print(f"8 agents on 8 addresses: batch sizes {sorted(sizes)}")
     assert max(sizes) >= 4, sizes

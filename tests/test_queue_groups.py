@@ -143,7 +143,7 @@ def app(request, cache_dir, tiny_models):
 def test_a_burst_from_eight_addresses_forms_a_batch_and_the_cost_budget_refuses(app):
     manager, demo, url, fns = app
     # A visitor presses Advise first (refused in public mode): the event that used to set the engines' limit to 1.
-    form = ["tiny-shapes", "cpu", "64x64", 2, 1.0, 1, 30, "none"]  # AdvisorForm's fields, as the tab sends them
+    form = ["tiny-shapes", "cpu", "64x64", 2, 1.0, 1, 30, "none", ""]  # AdvisorForm's fields, as the tab sends them
     ok, output = Page(url, "127.0.0.9").call(fns["advise"], form)
     assert not ok and "public mode" in str(output), output
     ok, output = Page(url, "127.0.0.10").call(fns["generate"], api_data())  # the engine loaded

@@ -223,7 +223,7 @@ def build(h: BucketsHandlers) -> BucketsTab:
         # Tall enough for every bucket of a few engines (the default engine alone has about 38 rows): the
         # board is the tab; an inner scroller showed 12 of them.
         board = gr.Dataframe(headers=views.BOARD_COLUMNS, interactive=False, elem_id="board", wrap=True,
-                             label="Bucket board", max_height=2400)
+                             label="Bucket board", max_height=3200)
         with gr.Row():
             engine = gr.Dropdown([], label="Engine", elem_id="board-engine", allow_custom_value=True)
             mode = gr.Dropdown([m for m in Mode.values() if m != "eager"], value="regional", label="Mode",

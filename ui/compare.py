@@ -641,7 +641,7 @@ class ComparePage:
     def results(self) -> None:
         self.cards = gr.HTML(elem_id="c-cards", label="Each configuration")
         self.ab_choice, self.ab_slider = compare_ab.add()
-        self.speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True, max_height=1000,
+        self.speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True, max_height=1400,
                                   column_widths=views.PRICE_WIDTHS, label="Price of each configuration",
                                   elem_id="c-speedup")
         gr.Markdown("s / image: median of the configuration's timed images; × vs eager fp32: the median of the "
