@@ -10,8 +10,10 @@ address (with the start of its id where several nodes share an address, as simul
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 
@@ -58,7 +60,10 @@ def join(config: FleetConfig) -> None:
         return
     try:
         if config.address == LOCAL:
-            ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
+            # Ray's own default folder: this process's TMPDIR points into the cache folder, and Ray's socket
+            # paths under a long one pass AF_UNIX's 107-byte limit
+            ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False,
+                     _temp_dir=str(Path(os.sep, "tmp", "ray")))
         else:
             ray.init(address=config.address, configure_logging=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
