@@ -36,7 +36,7 @@ lint: setup
 	$(BIN)/ruff check engine ui tests app.py
 
 bench: setup
-	$(BIN)/python -m engine bench --preset tiny-flux --device cpu --modes eager,compile,regional \
+	$(BIN)/python -m bench bench --preset tiny-flux --device cpu --modes eager,compile,regional \
 		--precisions fp32,bf16 --sizes 64x64,128x128 --steps 4 --runs 10 --out artifacts/bench
 
 clean:

@@ -284,7 +284,7 @@ def apply_advice(engine: DefaultEngine, path: str) -> DefaultEngine:
     """--config-from: `engine` with the advisor's pick (preset, device, precision, mode, attention, step cache, and
     the LoRA style it was measured with, fused as the pick ran it).
     InvalidRequest when the file is not an advisor result or names something this app does not have."""
-    from engine.bench.advise import load_pick
+    from bench.advise import load_pick
     from engine.pipeline.attention import BACKENDS
 
     pick = load_pick(path)

@@ -1,6 +1,6 @@
 """Benchmark: what each mode and precision buys, measured side by side in one run.
 
-`python -m engine bench` measures every (precision, mode, size) configuration of one model in one
+`python -m bench bench` measures every (precision, mode, size) configuration of one model in one
 process, so the ratios compare numbers taken on the same machine in the same minutes. It prints a
 Markdown table and a list of ratios against their targets (a target the code does not reach is
 printed as MISSED, never hidden), and writes `bench.json`, `bench.md` and `bench.png` to `--out`.
@@ -18,25 +18,29 @@ cli.py (the sub-command's parser), run.py (plan -> measure -> report), stats.py 
 table, ratios, targets), report.py (Markdown, bench.json, chart), measure.py (what the measuring
 paths share).
 
-Beside the benchmark, the commands that measure a whole host from outside: soak.py (`python -m engine
+Beside the benchmark, the commands that measure a whole host from outside: soak.py (`python -m bench
 soak`: simulated visitors against a real app process, memory and orphans checked) and load.py
-(`python -m engine load`: a burst of visitors at one bucket, batching off and on). The
-advisor (advise.py), the contention and context-parallel benches and the cold-start probe live here too.
+(`python -m bench load`: a burst of visitors at one bucket, batching off and on). The
+advisor (advise.py), the contention and context-parallel benches and the cold-start probe live here too;
+`python -m bench --help` lists every command (commands.py).
 
-Layer 9, the top of the engine: it may import the contract (engine/protocol/, errors.py, metrics.py,
-settings.py), this folder and every layer below it (devices, models, config, pipeline, worker, tp,
-fleet, serving). Nothing in the engine imports it but engine/cli.py; the UI and app.py may. A new
-measurement, a new probe of a lever (step caches, quantization, batching) goes here; the lever itself
-goes where it runs (engine/pipeline/ for a pipeline's levers).
+A package of its own, above the engine: the engine never imports it. It drives the engine through its
+public interfaces: the manager (engine/serving/), the client (engine/worker/client.py, the in-process
+runtime engine/serving/inprocess.py), the configuration (engine/config/), the devices, the contract and the
+levers' vocabularies (engine/pipeline/stepcache.py, attention.py, memory.py). A few modules measure the
+runner or a layer's internals themselves and are named, each with its reason, in tests/test_import_graph.py
+(BENCH_INTERNALS). It may import the training package's checker (training/shapes/); the UI and app.py may
+import it. A new measurement, a new probe of a lever (step caches, quantization, batching) goes here; the
+lever itself goes where it runs (engine/pipeline/ for a pipeline's levers).
 
-Importing this package imports no torch (engine/cli.py registers the parser for every sub-command,
-and the UI's Compare tab uses the pure statistics): only what runs a measurement imports it.
+Importing this package imports no torch (commands.py registers the parser for every sub-command, and the
+UI's Compare tab uses the pure statistics): only what runs a measurement imports it.
 """
 
-from engine.bench.cli import add_bench_parser, cmd_bench
-from engine.bench.modes import BASELINE_MODE, BENCH_MODES, COMPILED_MODES, MODE_TABLE
-from engine.bench.report import machine_info, markdown_report, markdown_table, markdown_targets, write_outputs
-from engine.bench.stats import (
+from bench.cli import add_bench_parser, cmd_bench
+from bench.modes import BASELINE_MODE, BENCH_MODES, COMPILED_MODES, MODE_TABLE
+from bench.report import machine_info, markdown_report, markdown_table, markdown_targets, write_outputs
+from bench.stats import (
     RESULT_FIELDS,
     TARGETS,
     Target,

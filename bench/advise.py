@@ -1,5 +1,5 @@
 """The advisor: measure the configurations this engine can run here and name the fastest one within a
-quality bound (`python -m engine advise`, the UI's Advisor tab).
+quality bound (`python -m bench advise`, the UI's Advisor tab).
 
 The grid is precision x mode x step cache x attention backend (parallel layouts where ranks exist),
 measured in this process on the bench's runner machinery (one runner per precision and attention
@@ -9,7 +9,7 @@ for the most promising precisions while the budget lasts.
 
 Per configuration: seconds per image (median of a few timed images), drift of every quality sample
 against eager fp32 without a step cache at the same prompts and seeds (PSNR, max pixel difference) and,
-for a model with a pixel checker, fidelity (engine/bench/quality.py, the bench's own code). A configuration
+for a model with a pixel checker, fidelity (bench/quality.py, the bench's own code). A configuration
 that times faster than the reference, and could still be the pick, has its quality checked right away, and
 one is timed only while its quality check and the final round still fit the budget after it: the checks
 get their share of the budget instead of what the scan leaves. The pick is the fastest configuration
@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.bench import quality
-from engine.bench.advise_choice import (
+from bench import quality
+from bench.advise_choice import (
     CHECKER_MIN_PSNR,
     DEFAULT_FIDELITY_POINTS,
     DEFAULT_MIN_PSNR,
@@ -47,8 +47,8 @@ from engine.bench.advise_choice import (
     short_budget,
     within_bound,
 )
-from engine.bench.advise_report import ABSENT, REFERENCE, markdown
-from engine.bench.paired import PairedTiming, current_marks, measure_round_robin
+from bench.advise_report import ABSENT, REFERENCE, markdown
+from bench.paired import PairedTiming, current_marks, measure_round_robin
 from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold, Size
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,9 @@ class _Runners:
         self.plan, self.spec, self.runners = plan, spec, {}
 
     def get(self, c: Candidate):
+        from bench.measure import build_runner
+        from bench.modes import MODE_TABLE
         from engine import devices
-        from engine.bench.measure import build_runner
-        from engine.bench.modes import MODE_TABLE
 
         key = (c.precision, c.attention, c.memory)
         if key not in self.runners:
@@ -128,7 +128,7 @@ class Advisor:
         self.deadline = self.started + plan.max_minutes * 60
         self.spec = devices.resolve_device(plan.device)
         devices.apply_environment(self.spec, plan.cache_dir)
-        import diffusers  # noqa: F401 - after the cache environment (see engine/bench/pipeline.py)
+        import diffusers  # noqa: F401 - after the cache environment (see bench/pipeline.py)
 
         self.grid, self.skipped = plan_grid(plan, self.spec)
         self.prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=quality.PROMPT_SEED,
@@ -532,7 +532,7 @@ def memory_plan(args) -> dict:
 
 
 def add_advise_parser(subparsers):
-    """Register `advise` on the CLI's subparsers (engine/cli.py calls this); imports no torch."""
+    """Register `advise` on the CLI's subparsers (bench/commands.py calls this); imports no torch."""
     from engine.config.flags import add_engine_arguments
 
     a = subparsers.add_parser(

@@ -1,6 +1,6 @@
 """The advisor's choices, without measuring anything (torch-free): what it plans (AdvisePlan), the grid of
 candidates this engine can run here, the order of the scan, the quality bound, the pick among measured
-rows and the final round's verdict. engine/bench/advise.py measures; engine/bench/advise_report.py reads
+rows and the final round's verdict. bench/advise.py measures; bench/advise_report.py reads
 the report out.
 """
 
@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.bench import quality
-from engine.bench.advise_report import ABSENT, REFERENCE, is_reference
-from engine.bench.paired import PairedTiming
+from bench import quality
+from bench.advise_report import ABSENT, REFERENCE, is_reference
+from bench.paired import PairedTiming
 from engine.metrics import median
 from engine.protocol import LoraChoice, Mode, StepCache
 
@@ -104,7 +104,7 @@ class Measured:
     picture: str | None = None  # its image of the sample that differs most from eager fp32's (base64 PNG)
     diff_picture: str | None = None  # the heat map of that difference (base64 PNG)
     reference_picture: str | None = None  # eager fp32's image of that sample (base64 PNG)
-    peak_bytes: int | None = None  # its weights plus the most its timed images added (engine/bench/advise.py)
+    peak_bytes: int | None = None  # its weights plus the most its timed images added (bench/advise.py)
 
     @property
     def s_per_image(self) -> float | None:

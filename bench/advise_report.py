@@ -1,12 +1,12 @@
 """The advisor's report read out: the one renderer of its table and summary, for the CLI
-(`python -m engine advise` prints `markdown`) and the UI's Advisor tab (`summary` above `table_rows`).
+(`python -m bench advise` prints `markdown`) and the UI's Advisor tab (`summary` above `table_rows`).
 Torch-free, gradio-free.
 """
 
 from __future__ import annotations
 
-from engine.bench.paired import row_speedup_text
-from engine.bench.quality import fmt_drift
+from bench.paired import row_speedup_text
+from bench.quality import fmt_drift
 
 # Eager fp32 without a step cache (with the run's LoRA, if any, unfused): every speedup and drift of the
 # advisor is measured against it.

@@ -1,7 +1,7 @@
 """The persistent-cache probe: one bucket's compile time in a fresh process, empty cache vs filled cache.
 
 A restart is what the persistent inductor cache is for, so both compiles run in fresh child processes
-(`python -m engine bench --_compile-probe ...`): the first with an empty `TORCHINDUCTOR_CACHE_DIR`
+(`python -m bench bench --_compile-probe ...`): the first with an empty `TORCHINDUCTOR_CACHE_DIR`
 (cold), the second with the same folder, now filled (warm). The folder is set in the child's
 environment, so it is in force before the child imports torch. The child prints one JSON line.
 """
@@ -17,12 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.measure import build_runner
+from bench.modes import MODE_TABLE
+from bench.plan import BenchPlan, plan_from_args
+from bench.report import fmt
+from bench.stats import ratio
 from engine import devices, settings
-from engine.bench.measure import build_runner
-from engine.bench.modes import MODE_TABLE
-from engine.bench.plan import BenchPlan, plan_from_args
-from engine.bench.report import fmt
-from engine.bench.stats import ratio
 from engine.devices import INDUCTOR_CACHE_VAR
 from engine.protocol import BucketKey
 
@@ -35,7 +35,7 @@ def run_cache_probe(plan: BenchPlan, device: str, mode: str, bar=None) -> dict:
     precision, size = plan.precisions[0], plan.sizes[0]
     folder = Path(tempfile.mkdtemp(prefix="showcase-bench-inductor-"))
     cmd = [
-        sys.executable, "-m", "engine", "bench", "--_compile-probe", "--preset", plan.preset.name,
+        sys.executable, "-m", "bench", "bench", "--_compile-probe", "--preset", plan.preset.name,
         "--device", device, "--precisions", precision, "--modes", mode, "--sizes", str(size),
         "--cache-dir", str(plan.cache_dir), *plan.model_args,
         *(["--threads", str(plan.threads)] if plan.threads else []), *plan.engine_args,

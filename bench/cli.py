@@ -1,7 +1,7 @@
-"""The `bench` sub-command: its parser, registered by engine/cli.py's COMMANDS table.
+"""The `bench` sub-command: its parser, registered by bench/commands.py's COMMANDS table.
 
-engine/cli.py imports this whenever it builds any parser (`python -m engine presets`, `--help`), so
-this module imports no torch: `cmd_bench` hands over to engine/bench/run.py, which does, only when
+bench/commands.py imports this whenever it builds the parser of every command (`python -m bench --help`), so
+this module imports no torch: `cmd_bench` hands over to bench/run.py, which does, only when
 `bench` actually runs.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.bench.modes import BENCH_MODES
+from bench.modes import BENCH_MODES
 from engine.config.flags import add_engine_arguments
 from engine.protocol import Precision
 
@@ -18,13 +18,13 @@ DESCRIPTION = "Benchmark: what each mode and precision buys, measured side by si
 
 def cmd_bench(args) -> int:
     # Imported here, not at the top: it imports torch, which building the parser must not.
-    from engine.bench import run
+    from bench import run
 
     return run.main(args)
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` on the CLI's subparsers (engine/cli.py calls this)."""
+    """Register `bench` on the CLI's subparsers (bench/commands.py calls this)."""
     b = subparsers.add_parser(
         "bench",
         help="measure every mode x precision x size side by side; print ratios against targets",

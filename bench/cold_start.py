@@ -10,7 +10,7 @@ device and precision, warming every bucket of the preset (the default engine's s
    request at each bucket and a few steady ones (no hidden compile), and the process's memory with one
    bucket's packages loaded and with all of them (the packages share the engine's weights).
 
-Each child is `python -m engine bench --_cold-start-child ...` and prints one JSON line. Times are taken
+Each child is `python -m bench bench --_cold-start-child ...` and prints one JSON line. Times are taken
 inside the child from its own process start (`psutil.Process().create_time()`), so interpreter start-up,
 imports and the weights' load count: "ready" is what a user waits for. The warm-up alone (engine
 loaded -> every bucket warm) is reported too. Children get the folders through their environment and
@@ -28,12 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.measure import build_runner
+from bench.modes import MODE_TABLE
+from bench.plan import BenchPlan, plan_from_args
+from bench.report import fmt
+from bench.stats import median, ratio
 from engine import devices, settings
-from engine.bench.measure import build_runner
-from engine.bench.modes import MODE_TABLE
-from engine.bench.plan import BenchPlan, plan_from_args
-from engine.bench.report import fmt
-from engine.bench.stats import median, ratio
 from engine.config.request import ImageRequest
 from engine.devices import INDUCTOR_CACHE_VAR
 from engine.protocol import BucketKey, EngineOptions, GenerateRequest, Mode, OnCold
@@ -125,7 +125,7 @@ def run_cold_start_probe(plan: BenchPlan, device: str, bar=None) -> dict:
               "--sizes", ",".join(str(s) for s in sizes), "--cache-dir", str(cache), *plan.model_args,
               *plan.engine_args]
     threads = ["--threads", str(plan.threads)] if plan.threads else []
-    bench = [sys.executable, "-m", "engine", "bench", "--_cold-start-child", "--no-progress",
+    bench = [sys.executable, "-m", "bench", "bench", "--_cold-start-child", "--no-progress",
              "--steps", str(plan.steps), "--cold-start-runs", str(plan.cold_start_runs), *threads, *common]
     export = [sys.executable, "-m", "engine", "export", "--preset", plan.preset.name, "--device", device,
               "--precision", precision, "--sizes", ",".join(str(s) for s in sizes), "--cache-dir", str(cache),
@@ -227,7 +227,7 @@ def run_runtime_probe(plan: BenchPlan, device: str, cache: Path, root: Path) -> 
     """Fresh processes, one run each: the worker and the in-process runtime serving the preset eagerly
     (first image from process start, steady images), then in-process with the aot packages present."""
     precision = plan.precisions[0]
-    base = [sys.executable, "-m", "engine", "bench", "--no-progress", "--preset", plan.preset.name,
+    base = [sys.executable, "-m", "bench", "bench", "--no-progress", "--preset", plan.preset.name,
             "--device", device, "--precisions", precision, "--steps", str(plan.steps),
             "--cold-start-runs", str(plan.cold_start_runs), "--cache-dir", str(cache), *plan.model_args,
             *plan.engine_args]

@@ -230,7 +230,7 @@ def saved_frontier(cache_dir, preset: str, device: str, size: str, steps: int) -
     """advisor_frontier of the Advisor's saved result for this preset, device, size and steps; [] when none."""
     import json
 
-    from engine.bench.advise import result_path
+    from bench.advise import result_path
 
     try:
         return advisor_frontier(json.loads(result_path(cache_dir, preset, device, size, steps).read_text()))

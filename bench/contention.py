@@ -1,4 +1,4 @@
-"""`python -m engine contention`: a warm bucket's latency while its own worker compiles other buckets.
+"""`python -m bench contention`: a warm bucket's latency while its own worker compiles other buckets.
 
 One engine (a real worker process, as the app runs it) warms one bucket, measures requests there idle,
 then queues compiles of other buckets of the same engine (with an empty compile cache, so they really

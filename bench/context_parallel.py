@@ -1,4 +1,4 @@
-"""`python -m engine cp-bench`: one process against N context-parallel ranks, the same denoiser step.
+"""`python -m bench cp-bench`: one process against N context-parallel ranks, the same denoiser step.
 
 The preset's denoiser (its `denoiser_config` with random weights, or a tiny/bundled model's own config,
 random weights seeded alike) is fed the inputs its pipeline gives it at one step of a size (one text length),
@@ -11,7 +11,7 @@ On CPU the ranks share the cores (the single process and each rank get cores / N
 talk over gloo: a correctness harness whose ratio says what the collectives cost, not a speed-up. On N GPUs
 it is the real comparison.
 
-This module imports no torch at import time (engine/cli.py builds its parser for every sub-command).
+This module imports no torch at import time (bench/commands.py builds its parser for every sub-command).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def add_cp_bench_parser(sub) -> None:
 def _setup(args):
     import torch
 
+    from bench.denoiser import denoiser_class
     from engine import devices
-    from engine.bench.denoiser import denoiser_class
     from engine.config.presets import get_preset
 
     preset = get_preset(args.preset)
@@ -129,7 +129,7 @@ def _rank_main(args) -> int:
     torch, preset, cls, cfg, spec, dtype, sizes, text_len = _setup(args)
     import torch.distributed as dist
 
-    from engine.bench.denoiser import DenoiserShape, denoiser_inputs
+    from bench.denoiser import DenoiserShape, denoiser_inputs
     from engine.tp.group import init_group
     from engine.tp.runner import enable_context_parallel
 
@@ -165,7 +165,7 @@ def _run_ranks(args, folder: Path) -> None:
     if args.text_len:
         flags += ["--text-len", str(args.text_len)]
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}",
-            "-m", "engine", "cp-bench", *flags]
+            "-m", "bench", "cp-bench", *flags]
     proc = subprocess.Popen(argv, process_group=0)
     try:
         rc = proc.wait(args.timeout)
@@ -181,7 +181,7 @@ def cmd_cp_bench(args) -> int:
     if args.rank_side is not None:
         return _rank_main(args)
     torch, preset, cls, cfg, spec, dtype, sizes, text_len = _setup(args)
-    from engine.bench.denoiser import DenoiserShape, denoiser_inputs
+    from bench.denoiser import DenoiserShape, denoiser_inputs
     from engine.tp import plan
 
     # The same up-front check as the engine (heads, backend; token counts at the benchmarked sizes).

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench.measure import error_text, inductor_cache_state, progress
+from bench.modes import MODE_TABLE
+from bench.plan import BenchPlan
+from bench.report import assemble_report, write_outputs
+from bench.stats import apply_speedups, empty_result, finish_result
 from engine import devices
-from engine.bench.measure import error_text, inductor_cache_state, progress
-from engine.bench.modes import MODE_TABLE
-from engine.bench.plan import BenchPlan
-from engine.bench.report import assemble_report, write_outputs
-from engine.bench.stats import apply_speedups, empty_result, finish_result
 from engine.config.presets import load_presets
 from engine.devices import DeviceSpec
 from engine.errors import InvalidRequest, UnsupportedCombination
@@ -67,7 +67,7 @@ def denoiser_class(pipeline: str):
             f"--random-weights knows the denoiser inputs of {', '.join(DENOISER_CLASSES)}; {pipeline} is not one"
         )
     # Imported here, after the device environment is applied: importing diffusers pulls in torch._dynamo,
-    # which pins inductor's cache folder (see engine/bench/pipeline.py).
+    # which pins inductor's cache folder (see bench/pipeline.py).
     import diffusers
 
     return getattr(diffusers, name)

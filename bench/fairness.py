@@ -1,4 +1,4 @@
-"""`python -m engine fairness`: what one visitor's costliest requests do to another visitor's wait.
+"""`python -m bench fairness`: what one visitor's costliest requests do to another visitor's wait.
 
 Runs a public-mode EngineManager in this process (the cost budgets of engine/serving/cost.py, visitors
 told apart by their client address as the web app does) on one preset and device, eager, and measures:
@@ -188,7 +188,7 @@ def print_summary(s: dict) -> None:
 def build_parser(sub=None) -> argparse.ArgumentParser:
     kwargs = dict(help="one visitor's costliest requests against another visitor's wait (cost budgets, turns)",
                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p = sub.add_parser("fairness", **kwargs) if sub is not None else argparse.ArgumentParser(prog="engine fairness",
+    p = sub.add_parser("fairness", **kwargs) if sub is not None else argparse.ArgumentParser(prog="bench fairness",
                                                                                            **kwargs)
     p.add_argument("--preset", default=settings.DEFAULT_PRESET)
     p.add_argument("--device", default="cpu")

@@ -1,8 +1,8 @@
 """The fleet's per-request overhead: one engine in a Ray actor (engine/fleet/) against the same engine in a
 local worker process, at the same warm bucket.
 
-    python -m engine fleet-bench                      # tiny-shapes, cpu, eager 64x64, 2 steps, 30 rounds
-    python -m engine fleet-bench --ray 10.0.0.5:6379  # an existing cluster (the engine lands where Ray puts it)
+    python -m bench fleet-bench                      # tiny-shapes, cpu, eager 64x64, 2 steps, 30 rounds
+    python -m bench fleet-bench --ray 10.0.0.5:6379  # an existing cluster (the engine lands where Ray puts it)
 
 Without --ray the bench starts a cluster of this machine (a head without CPUs and one node; loopback only,
 no dashboard) and stops it at the end. Both engines load the same preset, device and precision; after a

@@ -1,9 +1,9 @@
 """The levers bench: step caches x precisions (quantized ones included) x modes, side by side in one run.
 
-`python -m engine bench --caches none,first-block:0.2,taylorseer:3:2 --precisions fp32,int8wo,int8dq
+`python -m bench bench --caches none,first-block:0.2,taylorseer:3:2 --precisions fp32,int8wo,int8dq
 --modes eager,regional` measures one row per (precision, mode, cache): seconds per image (median of
 round-robin requests, the starting configuration rotating each round), the steps served from the cache,
-speedups (medians of the paired ratios of each round, engine/bench/paired.py, with their spread) against
+speedups (medians of the paired ratios of each round, bench/paired.py, with their spread) against
 eager fp32 without a cache, against the same precision and mode without a cache, and
 (compiled modes) against eager with the same precision and cache; drift (PSNR, largest pixel difference)
 against eager fp32 without a cache for the same prompt and seed; fidelity over several prompts for a
@@ -20,12 +20,12 @@ import logging
 import time
 from pathlib import Path
 
-from engine.bench import quality
-from engine.bench.measure import build_runner, error_text, progress
-from engine.bench.modes import MODE_TABLE
-from engine.bench.paired import PairedTiming
-from engine.bench.report import fmt, machine_info
-from engine.bench.stats import median, ratio
+from bench import quality
+from bench.measure import build_runner, error_text, progress
+from bench.modes import MODE_TABLE
+from bench.paired import PairedTiming
+from bench.report import fmt, machine_info
+from bench.stats import median, ratio
 from engine.errors import ShowcaseError
 from engine.pipeline import stepcache
 from engine.protocol import BucketKey, BucketState, GenerateRequest, OnCold, StepCache
@@ -43,7 +43,7 @@ def _configs(plan) -> list[tuple[str, str, str]]:
 
 
 def run_levers_bench(plan) -> dict:
-    from engine.bench.pipeline import _prepare_process
+    from bench.pipeline import _prepare_process
 
     return _LeversRun(plan, _prepare_process(plan)).run()
 

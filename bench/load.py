@@ -1,4 +1,4 @@
-"""`python -m engine load`: a burst of visitors at one bucket, batching off and on, in one run.
+"""`python -m bench load`: a burst of visitors at one bucket, batching off and on, in one run.
 
 For each phase (`--max-batch 1`, then the engine's batching) it starts `app.py` with the default preset,
 waits until the bucket and every batch size of it are warm (compiled in the background at start-up),
@@ -27,8 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench.soak import PageClient, free_port
 from engine import settings
-from engine.bench.soak import PageClient, free_port
 from engine.metrics import median, percentile
 from engine.processes import pid_alive, process_tree
 from engine.protocol import GENERIC_PROMPT
@@ -242,7 +242,7 @@ def print_summary(rows: list[dict], ratios: dict) -> None:
 def build_parser(sub=None) -> argparse.ArgumentParser:
     kwargs = dict(help="a burst of visitors at one bucket against a real app, batching off and on",
                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p = sub.add_parser("load", **kwargs) if sub is not None else argparse.ArgumentParser(prog="engine load", **kwargs)
+    p = sub.add_parser("load", **kwargs) if sub is not None else argparse.ArgumentParser(prog="bench load", **kwargs)
     p.add_argument("--visitors", type=int, default=8)
     p.add_argument("--rounds", type=int, default=10, help="measured bursts (after one to settle)")
     p.add_argument("--preset", default=settings.DEFAULT_PRESET)

@@ -1,4 +1,4 @@
-"""`python -m engine lora-bench`: what a LoRA costs and what a hot-swap costs, printed side by side.
+"""`python -m bench lora-bench`: what a LoRA costs and what a hot-swap costs, printed side by side.
 
 Per mode (eager, compile, regional) on one engine whose preset lists adapters (default tiny-shapes):
 

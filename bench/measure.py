@@ -11,8 +11,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+from bench.modes import BenchMode
 from engine import settings
-from engine.bench.modes import BenchMode
 from engine.config.resolve import resolve_source
 from engine.devices import INDUCTOR_CACHE_VAR, DeviceSpec
 from engine.pipeline.progress import progress_bar

@@ -1,4 +1,4 @@
-"""The memory bench (`python -m engine memory-bench`): what each memory lever saves and what it costs, in one run.
+"""The memory bench (`python -m bench memory-bench`): what each memory lever saves and what it costs, in one run.
 
 1. Layerwise fp8 storage on the embedded model (tiny-shapes): the denoiser's stored bytes against fp32, the
    fidelity of both over the model's sample prompts, the worst PSNR against eager fp32 at the same prompt and
@@ -49,7 +49,7 @@ def _denoiser_bytes(runner) -> int:
 
 def layerwise_row(cache_dir: Path, samples: int, steps: int, rounds: int) -> dict:
     """Layerwise fp8 against eager fp32 on the embedded model."""
-    from engine.bench import quality
+    from bench import quality
     from engine.config.presets import get_preset
 
     preset = get_preset("tiny-shapes")
@@ -219,7 +219,7 @@ def cmd_memory_bench(args) -> int:
     from engine import settings
 
     if args.gpu:
-        from engine.bench.memory_gpu import run_gpu_levers
+        from bench.memory_gpu import run_gpu_levers
 
         rows = run_gpu_levers(args.gpu, args.device, args.gpu_steps)
         if args.json:
@@ -252,7 +252,7 @@ def add_memory_bench_parser(sub) -> None:
     b.add_argument("--runs", type=int, default=3, help="timed generates per engine (offload)")
     b.add_argument("--gpu", default=None, metavar="PRESET",
                    help="instead: the preset's full-size denoiser (denoiser_config, random weights) in bf16 at "
-                        "1024x1024 with each lever on --device (engine/bench/memory_gpu.py)")
+                        "1024x1024 with each lever on --device (bench/memory_gpu.py)")
     b.add_argument("--device", default="cuda")
     b.add_argument("--gpu-steps", type=int, default=28)
     b.add_argument("--json", action="store_true")

@@ -1,4 +1,4 @@
-"""Memory levers on an accelerator at full size (`python -m engine memory-bench --gpu PRESET --device cuda`,
+"""Memory levers on an accelerator at full size (`python -m bench memory-bench --gpu PRESET --device cuda`,
 `bash scripts/bench_gpu.sh memory`): the preset's denoiser (its denoiser_config, random weights: no
 download) in bf16 at 1024x1024, one image's denoising loop per lever set, seconds per image and peak GiB
 (torch's own counter, reset before each), beside the estimate (engine/serving/fit.py) and diffusers'
@@ -28,7 +28,7 @@ PEER = {"none": "6.59 s / 33.9 GB", "model-offload": "21.7 s / 22.6 GB", "group:
 def _build(preset, spec, dtype, where: str):
     import torch
 
-    from engine.bench.denoiser import denoiser_class
+    from bench.denoiser import denoiser_class
 
     cls = denoiser_class(preset.pipeline)
     old = torch.get_default_dtype()
@@ -63,7 +63,7 @@ def _prepared(levers: str, preset, spec, dtype):
 def measure_lever(levers: str, preset, spec, size, steps: int) -> dict:
     import torch
 
-    from engine.bench.denoiser import DenoiserShape, denoiser_inputs
+    from bench.denoiser import DenoiserShape, denoiser_inputs
 
     dtype = torch.bfloat16
     gc.collect()

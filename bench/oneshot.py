@@ -1,6 +1,6 @@
 """One-shot bench: a fresh `python -m engine generate --mode eager` against a bare diffusers script.
 
-    python -m engine oneshot                       # tiny-shapes, 64x64, 3 runs of each, interleaved
+    python -m bench oneshot                       # tiny-shapes, 64x64, 3 runs of each, interleaved
 
 Both are whole fresh processes timed from launch to exit (interpreter start, imports, the weights' load,
 the image, writing it), so what a one-shot CLI run pays beyond diffusers itself shows: the engine's
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.bench.stats import ratio
+from bench.stats import ratio
 from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
 from engine.metrics import median
 from engine.protocol import EngineKey, Size

@@ -6,7 +6,7 @@ compile here) before any timed request; the first request at each pre-warmed buc
 requests, round-robin over all configurations with the starting configuration rotating each round,
 so drift in a shared machine's load hits every configuration alike; the engine overhead (engine
 request vs a bare diffusers call on the same compiled pipeline, interleaved); the persistent-cache
-probe (engine/bench/cache_probe.py); the cold-start probe (engine/bench/cold_start.py: fresh processes
+probe (bench/cache_probe.py); the cold-start probe (bench/cold_start.py: fresh processes
 warming every bucket, compile vs aot packages).
 """
 
@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bench import quality
+from bench.cache_probe import run_cache_probe
+from bench.cold_start import COLD_START_STEPS, run_cold_start_probe
+from bench.measure import build_runner, error_text, inductor_cache_state, progress
+from bench.modes import COMPILED_MODES, MODE_TABLE
+from bench.plan import BenchPlan
+from bench.report import fmt
+from bench.stats import apply_speedups, empty_result, finish_result, median, ratio
 from engine import devices
-from engine.bench import quality
-from engine.bench.cache_probe import run_cache_probe
-from engine.bench.cold_start import COLD_START_STEPS, run_cold_start_probe
-from engine.bench.measure import build_runner, error_text, inductor_cache_state, progress
-from engine.bench.modes import COMPILED_MODES, MODE_TABLE
-from engine.bench.plan import BenchPlan
-from engine.bench.report import fmt
-from engine.bench.stats import apply_speedups, empty_result, finish_result, median, ratio
 from engine.devices import DeviceSpec
 from engine.pipeline.runner import PipelineRunner, compiles_in_this_thread, pipeline_call_kwargs
 from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold, Size

@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.modes import BENCH_MODES
 from engine import devices, settings
-from engine.bench.modes import BENCH_MODES
 from engine.config.flags import engine_flags_argv, model_roots_from_args, options_from_args
 from engine.config.presets import get_preset, preset_for_model, route_size
 from engine.errors import InvalidRequest
@@ -24,7 +24,7 @@ from engine.protocol import GENERIC_PROMPT, EngineOptions, ModelPreset, Size, St
 class BenchPlan:
     preset: ModelPreset
     device: str  # registry name after resolving "auto"
-    modes: tuple[str, ...]  # bench modes (engine/bench/modes.py)
+    modes: tuple[str, ...]  # bench modes (bench/modes.py)
     precisions: tuple[str, ...]
     sizes: tuple[Size, ...]
     steps: int
@@ -54,7 +54,7 @@ class BenchPlan:
     command: str = ""
     # Images per configuration for drift (and fidelity, for a model with a checker); 0 = skip.
     quality_samples: int = 3
-    caches: tuple[str, ...] = ()  # step caches (canonical text): the levers bench (engine/bench/levers.py)
+    caches: tuple[str, ...] = ()  # step caches (canonical text): the levers bench (bench/levers.py)
     images_per_call: int = 1  # random weights: images per denoiser call (batching, engine/pipeline/batching.py)
 
 

@@ -9,7 +9,7 @@ Two measures, for every configuration of a bench run:
   kept); `diff_heatmap` draws |image - reference| as a picture.
 - **fidelity**, for a model trained on a closed grammar (a preset with `fidelity = "shapes"`): the
   share of images whose background colour, object colour and shape a pixel-only checker reads as the
-  prompt says (engine/models/shapes/fidelity.py), over seeded random prompts of the grammar.
+  prompt says (training/shapes/fidelity.py), over seeded random prompts of the grammar.
 
 Pure functions here are shared with the UI's Compare tab (`image_drift`); torch is not imported.
 """
@@ -25,9 +25,9 @@ import numpy as np
 from PIL import Image
 
 # the quality samples' seeds, named once below the bench so the trainer uses them too
-from engine.models.shapes.samples import IMAGE_SEED as IMAGE_SEED
-from engine.models.shapes.samples import PROMPT_SEED as PROMPT_SEED
-from engine.models.shapes.samples import image_seeds as image_seeds
+from training.shapes.samples import IMAGE_SEED as IMAGE_SEED
+from training.shapes.samples import PROMPT_SEED as PROMPT_SEED
+from training.shapes.samples import image_seeds as image_seeds
 
 REFERENCE = ("fp32", "eager")  # (precision, mode) every drift is measured against
 
@@ -140,7 +140,7 @@ def sample_prompts(preset, n: int, seed: int, fallback: str, held_out: bool = Fa
     """`n` prompts for quality samples: random prompts of the model's grammar (seeded; training prompts,
     or the held-out ones), else the bench's own prompt each time."""
     if preset.fidelity == "shapes":
-        from engine.models.shapes.grammar import HELD_OUT, training_prompts
+        from training.shapes.grammar import HELD_OUT, training_prompts
 
         pool = list(HELD_OUT if held_out else training_prompts())
         rng = random.Random(seed)
@@ -154,12 +154,12 @@ def fidelity_checker(preset, style: str | None = None) -> Callable | None:
     against what the style implies (the embedded model's styles); a style the checker does not know: None."""
     if preset.fidelity != "shapes":
         return None
-    from engine.models.shapes.fidelity import check
-    from engine.models.shapes.grammar import parse_prompt
+    from training.shapes.fidelity import check
+    from training.shapes.grammar import parse_prompt
 
     if style is None:
         return lambda image, prompt: check(to_array(image), prompt).correct if parse_prompt(prompt) else None
-    from engine.models.shapes import styles  # imports torch: only where a style is scored
+    from training.shapes import styles  # imports torch: only where a style is scored
 
     if style not in styles.STYLES:
         return None

@@ -1,9 +1,9 @@
-"""`python -m engine bench --repeatability`: the same comparison of configurations measured twice, to see
+"""`python -m bench bench --repeatability`: the same comparison of configurations measured twice, to see
 whether its figures repeat.
 
 Each run is what the Compare tab does, in this process on the bench's runners: every configuration warm
 first (compile and warm-up reported apart), then timed round-robin with eager fp32 by the shared paired
-plan (engine/bench/paired.py) until each speedup's spread is known or the run's time budget ends. The
+plan (bench/paired.py) until each speedup's spread is known or the run's time budget ends. The
 report gives both runs' speedups with their spread, the ratio between the runs, whether it is within
 the tolerance (the target: +-15 %) and whether the ranking held, beside the host's load.
 """
@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from engine.bench import configs as explicit
-from engine.bench.paired import PairedTiming, current_marks, measure_round_robin
+from bench import configs as explicit
+from bench.paired import PairedTiming, current_marks, measure_round_robin
 from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold, Size
 
 DEFAULT_CONFIGS = ("eager/fp32; eager/bf16; compile/fp32; regional/fp32; eager/fp32/first-block:0.2; "
@@ -103,7 +103,7 @@ def run(plan, runners, configurations: list[explicit.Configuration], budget_s: f
         max_rounds: int, seed: int = 0) -> dict:
     """One comparison of `configurations` (eager fp32 added first when missing) on `runners` (advise._Runners:
     weights loaded once per precision): warm, then round-robin."""
-    from engine.bench.advise_choice import Candidate
+    from bench.advise_choice import Candidate
     candidates = {REFERENCE: explicit.Configuration("eager", "fp32"), **{c.text(): c for c in configurations}}
 
     def runner_of(c: explicit.Configuration):
@@ -143,9 +143,9 @@ def run(plan, runners, configurations: list[explicit.Configuration], budget_s: f
 
 
 def main(args) -> int:
+    from bench.advise import _Runners, serving_threads
+    from bench.advise_choice import AdvisePlan
     from engine import devices, settings
-    from engine.bench.advise import _Runners, serving_threads
-    from engine.bench.advise_choice import AdvisePlan
     from engine.config.flags import model_roots_from_args, options_from_args
     from engine.config.presets import get_preset
 
@@ -170,7 +170,7 @@ def main(args) -> int:
         torch.set_num_threads(threads)
     cache_dir = Path(args.cache_dir) if args.cache_dir else settings.cache_dir()
     devices.apply_environment(spec, cache_dir)
-    import diffusers  # noqa: F401 - after the cache environment (see engine/bench/pipeline.py)
+    import diffusers  # noqa: F401 - after the cache environment (see bench/pipeline.py)
 
     plan = AdvisePlan(preset=preset, device=spec.name, size=size, steps=args.steps or preset.steps,
                       cache_dir=cache_dir, options=options_from_args(args, warm_sizes=(), warm_modes=(),

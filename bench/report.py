@@ -17,8 +17,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from engine.bench.quality import fmt_drift
-from engine.bench.stats import compute_ratios, evaluate_targets, speedup_table
+from bench.quality import fmt_drift
+from bench.stats import compute_ratios, evaluate_targets, speedup_table
 
 
 def fmt(value, digits: int = 2, unit: str = "") -> str:

@@ -1,5 +1,5 @@
 """Running a benchmark: measure what a plan describes (pipeline or denoiser path), assemble the report,
-and the `bench` command's body (engine/bench/cli.py hands over to `main` once the command runs).
+and the `bench` command's body (bench/cli.py hands over to `main` once the command runs).
 """
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import sys
 
 import torch
 
+from bench.cache_probe import cmd_compile_probe
+from bench.cold_start import cmd_cold_start_child, cmd_runtime_child
+from bench.denoiser import run_denoiser_bench
+from bench.pipeline import run_pipeline_bench
+from bench.plan import BenchPlan, plan_from_args
+from bench.report import assemble_report, markdown_report, write_outputs
 from engine import devices
-from engine.bench.cache_probe import cmd_compile_probe
-from engine.bench.cold_start import cmd_cold_start_child, cmd_runtime_child
-from engine.bench.denoiser import run_denoiser_bench
-from engine.bench.pipeline import run_pipeline_bench
-from engine.bench.plan import BenchPlan, plan_from_args
-from engine.bench.report import assemble_report, markdown_report, write_outputs
 
 
 def run_bench(plan: BenchPlan) -> dict:
@@ -35,12 +35,12 @@ def main(args) -> int:
     if args._runtime_child:
         return cmd_runtime_child(args)
     if getattr(args, "repeatability", False):
-        from engine.bench import repeat
+        from bench import repeat
 
         return repeat.main(args)
     plan = plan_from_args(args)
     if plan.caches:
-        from engine.bench import levers
+        from bench import levers
 
         report = levers.run_levers_bench(plan)
         paths = levers.write(report, plan.out) if plan.out else {}

@@ -1,4 +1,4 @@
-"""`python -m engine soak`: many simulated visitors against a real app process, measured.
+"""`python -m bench soak`: many simulated visitors against a real app process, measured.
 
 It starts `app.py` (its own process group) with the host's flags, waits for the default engine's
 first bucket to be warm, measures that bucket's idle latency, then lets N visitors loose for a given
@@ -37,7 +37,7 @@ from engine import settings
 from engine.metrics import median, percentile
 from engine.processes import process_tree, resident_bytes
 from engine.serving.budget import GIB, parse_size
-from engine.worker.loop import lower_this_thread_priority
+from engine.worker.priority import lower_this_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -625,7 +625,7 @@ def print_summary(s: dict) -> None:
 def build_parser(sub=None) -> argparse.ArgumentParser:
     kwargs = dict(description=__doc__.split("\n\n")[0])
     p = sub.add_parser("soak", help="simulated visitors against a real app process", **kwargs) if sub else \
-        argparse.ArgumentParser(prog="python -m engine soak", **kwargs)
+        argparse.ArgumentParser(prog="python -m bench soak", **kwargs)
     p.add_argument("--visitors", type=int, default=4)
     p.add_argument("--duration", type=float, default=180.0, help="seconds of visitor traffic")
     p.add_argument("--memory-budget", default="3GiB")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.bench.modes import BASELINE_MODE, COMPILED_MODES
+from bench.modes import BASELINE_MODE, COMPILED_MODES
 from engine.metrics import median, p90
 from engine.protocol import Mode
 
@@ -22,7 +22,7 @@ RESULT_FIELDS = (
     "speedup_vs_eager", "speedup_image_vs_eager", "warm_hit_ratio",
     "recompiles", "peak_memory_bytes", "error",
 )
-# engine/bench/quality.py: what each configuration draws against eager fp32 (absent when not measured)
+# bench/quality.py: what each configuration draws against eager fp32 (absent when not measured)
 QUALITY_FIELDS = ("drift_psnr_db", "drift_max_diff", "fidelity", "fidelity_held_out", "quality_samples")
 RESULT_FIELDS += QUALITY_FIELDS
 
@@ -199,7 +199,7 @@ TARGETS: tuple[Target, ...] = (
 )
 
 
-# Ratios the cold-start probe (engine/bench/cold_start.py) measures in fresh processes.
+# Ratios the cold-start probe (bench/cold_start.py) measures in fresh processes.
 COLD_START_KEYS = ("aot_cold_start_empty", "aot_cold_start_filled", "aot_warmup_filled", "aot_first_request",
                    "aot_memory", "aot_recompiles", "inprocess_first_image", "inprocess_steady",
                    "inprocess_aot_cold_start")
@@ -240,7 +240,7 @@ def _value(values: list[dict], pick=min, note: str = "") -> dict:
 
 
 def _quality_ratios(ok: list[dict]) -> dict[str, dict]:
-    """Drift and fidelity targets from the quality columns (engine/bench/quality.py)."""
+    """Drift and fidelity targets from the quality columns (bench/quality.py)."""
     def entry(r, value):
         return {"precision": r["precision"], "size": str(r["size"]), "mode": r["mode"], "value": value}
 

@@ -305,8 +305,8 @@ def add_export_parser(sub) -> None:
 
 
 # Every sub-command: its name -> "module:function" that adds its parser. Imported when the parser is built
-# (only the named command's when the command line names one: a one-shot run imports no bench module); an
-# ImportError there is a bug and is raised, never hidden.
+# (only the named command's when the command line names one); an ImportError there is a bug and is raised,
+# never hidden.
 COMMANDS = {
     "generate": "engine.cli:add_generate_parser",
     "devices": "engine.cli:add_devices_parser",
@@ -315,37 +315,39 @@ COMMANDS = {
     "step-caches": "engine.cli:add_step_caches_parser",
     "memory-levers": "engine.cli:add_memory_levers_parser",
     "export": "engine.cli:add_export_parser",
-    "bench": "engine.bench:add_bench_parser",
-    "soak": "engine.bench.soak:add_soak_parser",
-    "load": "engine.bench.load:add_load_parser",
-    "fairness": "engine.bench.fairness:add_fairness_parser",
-    "contention": "engine.bench.contention:add_contention_parser",
-    "cp-bench": "engine.bench.context_parallel:add_cp_bench_parser",
-    "advise": "engine.bench.advise:add_advise_parser",
-    "lora-bench": "engine.bench.lora:add_lora_bench_parser",
-    "memory-bench": "engine.bench.memory:add_memory_bench_parser",
-    "oneshot": "engine.bench.oneshot:add_oneshot_parser",
-    "fleet-bench": "engine.bench.fleet:add_fleet_bench_parser",
 }
+# The measuring commands live in the bench package (`python -m bench COMMAND`), which the engine never
+# imports: named here only so that `python -m engine bench` says where the command went.
+MEASURING = ("bench", "soak", "load", "fairness", "contention", "cp-bench", "advise", "lora-bench",
+             "memory-bench", "oneshot", "fleet-bench")
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser of every sub-command, or of `command` alone when it is one of them."""
+def build_parser(command: str | None = None, commands: dict[str, str] | None = None,
+                 prog: str = "python -m engine", description: str | None = __doc__) -> argparse.ArgumentParser:
+    """The parser of every sub-command of `commands` (the engine's by default), or of `command` alone when
+    it is one of them."""
     import importlib
 
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    commands = COMMANDS if commands is None else commands
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    for entry in [COMMANDS[command]] if command in COMMANDS else COMMANDS.values():
+    for entry in [commands[command]] if command in commands else commands.values():
         module, function = entry.split(":")
         getattr(importlib.import_module(module), function)(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, commands: dict[str, str] | None = None, prog: str = "python -m engine",
+         description: str | None = __doc__) -> int:
+    """Parse and run one sub-command; the bench's entry (bench/__main__.py) runs its own table through this."""
     argv = sys.argv[1:] if argv is None else argv
     command = next((word for word in argv if not word.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    if commands is None and command in MEASURING:
+        print(f"error: `{command}` measures and moved to the bench package: python -m bench {command} ...",
+              file=sys.stderr)
+        return 2
+    args = build_parser(command, commands, prog, description).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     quiet_third_party()  # the harmless library messages the app drops (engine/worker/logs.py)

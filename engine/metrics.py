@@ -1,7 +1,7 @@
 """One median and one percentile for every figure the project reports.
 
-Timings (engine/protocol/requests.py), the benchmark tables (engine/bench/), the soak's latencies
-(engine/bench/soak.py) and the UI's tables all summarise samples here, so "p95" or "median" means the same
+Timings (engine/protocol/requests.py), the benchmark tables (bench/), the soak's latencies
+(bench/soak.py) and the UI's tables all summarise samples here, so "p95" or "median" means the same
 thing everywhere.
 Pure Python: engine/protocol/ imports it and must stay free of torch and numpy.
 """

@@ -18,7 +18,7 @@
 #                                          # (sizes --max-batch on this GPU) -> $OUT/bench-gpu-batch/sweep.md
 #   bash scripts/bench_gpu.sh cp           # a third call: the context-parallel row -> $OUT/bench-gpu-cp/:
 #                                          # the same transformer on one GPU against Ulysses over 2 GPUs
-#                                          # (python -m engine cp-bench), then Ring with cuDNN attention;
+#                                          # (python -m bench cp-bench), then Ring with cuDNN attention;
 #                                          # skipped with a message where fewer than 2 GPUs are visible
 #   bash scripts/bench_gpu.sh levers       # a fourth call: quantized precisions (bf16 vs int8wo, int8dq, fp8)
 #                                          # on the full-size random-weight transformer, eager and compile
@@ -83,7 +83,7 @@ cp_row() {
   fi
   for layout in "ulysses native" "ring _native_cudnn"; do
     set -- $layout
-    timeout --signal=INT --kill-after=20 240 "$PY" -m engine cp-bench --preset flux1-dev --device cuda \
+    timeout --signal=INT --kill-after=20 240 "$PY" -m bench cp-bench --preset flux1-dev --device cuda \
       --precision bf16 --tp 2 --parallel "$1" --attention-backend "$2" --sizes 1024x1024 --modes eager \
       --runs 5 --timeout 200 --out "$CP_DIR/$1" 2>&1 | tee "$CP_DIR/$1.log"
     echo "context-parallel $1 exited ${PIPESTATUS[0]}"
@@ -101,7 +101,7 @@ if [ "${1:-}" = aot ]; then
   # model's own weights); hard limit 540 s.
   AOT_DIR="${OUT:-artifacts}/bench-gpu-aot"
   mkdir -p "$AOT_DIR"
-  timeout --signal=INT --kill-after=20 540 "$PY" -m engine bench "${COMMON[@]}" --modes eager,compile,aot \
+  timeout --signal=INT --kill-after=20 540 "$PY" -m bench bench "${COMMON[@]}" --modes eager,compile,aot \
     --time-budget 420 --out "$AOT_DIR" "$@" 2>&1 | tee "$AOT_DIR/bench.log"
   rc=${PIPESTATUS[0]}
   echo "aot bench exited $rc"
@@ -121,7 +121,7 @@ if [ "${1:-}" = batch ]; then
   for b in ${BATCH_SIZES:-1 2 4 8}; do
     left=$((540 - (SECONDS - SWEEP_START)))
     [ "$left" -gt 60 ] || { echo "batch $b: skipped, time is up"; break; }
-    timeout --signal=INT --kill-after=20 "$left" "$PY" -m engine bench "${COMMON[@]}" --modes compile \
+    timeout --signal=INT --kill-after=20 "$left" "$PY" -m bench bench "${COMMON[@]}" --modes compile \
       --images-per-call "$b" --steps 8 --runs 2 --time-budget $((left - 30)) --out "$BATCH_DIR/b$b" "$@" \
       2>&1 | tee "$BATCH_DIR/b$b.log"
   done
@@ -150,7 +150,7 @@ if [ "${1:-}" = memory ]; then
   mkdir -p "$MEM_DIR"
   # Each lever builds the 11.9 B-parameter transformer again (on the GPU, or in pinned host RAM for the
   # offloads: about 24 GB) and times one 28-step image; at most 300 s in all.
-  timeout --signal=INT --kill-after=20 300 "$PY" -m engine memory-bench --gpu flux1-dev --device cuda \
+  timeout --signal=INT --kill-after=20 300 "$PY" -m bench memory-bench --gpu flux1-dev --device cuda \
     --gpu-steps 28 --json "$@" > "$MEM_DIR/memory.json" 2> "$MEM_DIR/memory.log"
   rc=$?
   cat "$MEM_DIR/memory.json"
@@ -163,12 +163,12 @@ if [ "${1:-}" = levers ]; then
   LEV_DIR="${OUT:-artifacts}/bench-gpu-levers"
   mkdir -p "$LEV_DIR/quant" "$LEV_DIR/caches"
   # Quantized precisions on the full-size transformer (random weights: speed, not quality); fp8 needs sm_89+.
-  timeout --signal=INT --kill-after=20 330 "$PY" -m engine bench "${COMMON[@]}" --precisions bf16,int8wo,int8dq,fp8 \
+  timeout --signal=INT --kill-after=20 330 "$PY" -m bench bench "${COMMON[@]}" --precisions bf16,int8wo,int8dq,fp8 \
     --modes eager,compile --time-budget 250 --out "$LEV_DIR/quant" "$@" 2>&1 | tee "$LEV_DIR/quant/bench.log"
   rc=${PIPESTATUS[0]}
   # Step caches x precisions on the trained tiny-shapes pipeline: every offered combination, with drift and
   # fidelity; its per-image times are launch-bound on a GPU, so its speed-ups say little about a real model.
-  timeout --signal=INT --kill-after=20 180 "$PY" -m engine bench --preset tiny-shapes --device cuda \
+  timeout --signal=INT --kill-after=20 180 "$PY" -m bench bench --preset tiny-shapes --device cuda \
     --caches none,first-block:0.2,taylorseer:3:2,magcache,faster-cache,pyramid --precisions fp32,bf16,int8wo,fp8 \
     --modes eager,regional --steps 20 --runs 3 --quality-samples 16 --cache-dir /tmp/showcase-cache --no-progress \
     --out "$LEV_DIR/caches" 2>&1 | tee "$LEV_DIR/caches/bench.log"
@@ -179,7 +179,7 @@ fi
 # Main run: hard limit 390 s; no mode starts after 270 s; every finished mode is written to bench.json as
 # soon as it is measured. cuda-graphs comes right after compile (same compile plus CUDA graph capture);
 # max-autotune, the most expensive compile, last.
-timeout --signal=INT --kill-after=20 390 "$PY" -m engine bench "${COMMON[@]}" \
+timeout --signal=INT --kill-after=20 390 "$PY" -m bench bench "${COMMON[@]}" \
   --modes eager,compile,cuda-graphs,regional,max-autotune --matmul-roofline --time-budget 270 \
   --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/bench.log"
 rc=${PIPESTATUS[0]}
@@ -199,7 +199,7 @@ for n in ("_flash_3_hub", "_flash_3"):
 PYEOF
 )
 if [ -n "$FA3" ]; then
-  timeout --signal=INT --kill-after=20 150 "$PY" -m engine bench "${COMMON[@]}" --modes compile \
+  timeout --signal=INT --kill-after=20 150 "$PY" -m bench bench "${COMMON[@]}" --modes compile \
     --attention-backend "$FA3" --time-budget 60 --out "$FA3_DIR" 2>&1 | tee "$FA3_DIR/bench.log"
   echo "FA3 ($FA3) bench exited ${PIPESTATUS[0]}"
 else

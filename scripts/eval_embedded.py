@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 python scripts/eval_embedded.py [--model models/tiny-shapes] [--n 100] [--json out.json]
 
-The numbers in docs/embedded-model.md come from this script (engine.models.shapes.evaluate holds the definitions).
+The numbers in docs/embedded-model.md come from this script (training.shapes.evaluate holds the definitions).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from engine.models.shapes import evaluate  # noqa: E402
+from training.shapes import evaluate  # noqa: E402
 
 
 def main() -> None:

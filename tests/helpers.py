@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import psutil
 
-from engine.bench.soak import BAD_INPUTS, free_port  # noqa: F401 - one table and one port picker for tests and soak
+from bench.soak import BAD_INPUTS, free_port  # noqa: F401 - one table and one port picker for tests and soak
 
 T = TypeVar("T")
 

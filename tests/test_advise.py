@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from engine.bench import advise_report
-from engine.bench.advise import load_pick, result_path, save
-from engine.bench.advise_choice import (
+from bench import advise_report
+from bench.advise import load_pick, result_path, save
+from bench.advise_choice import (
     CHECKER_MIN_PSNR,
     AdvisePlan,
     Candidate,
@@ -19,8 +19,8 @@ from engine.bench.advise_choice import (
     scan_rank,
     stronger,
 )
-from engine.bench.advise_report import markdown
-from engine.bench.paired import PairedTiming
+from bench.advise_report import markdown
+from bench.paired import PairedTiming
 from engine.config.presets import get_preset
 from ui import advisor_views
 
@@ -208,7 +208,7 @@ def test_summary_table_and_json_show_one_speedup_per_configuration():
 def test_each_card_shows_the_worst_sample_beside_eager_fp32_and_their_difference():
     import numpy as np
 
-    from engine.bench import quality
+    from bench import quality
     from ui.advisor import advisor_cards_html
 
     ref = np.zeros((16, 16, 3), np.uint8)
@@ -240,8 +240,8 @@ def test_when_nothing_beats_eager_fp32_the_summary_says_so_without_a_final_round
 
 
 def test_with_a_lora_every_configuration_draws_the_style_and_eager_adds_it_fused():
+    from bench.advise_choice import plan_grid
     from engine import devices
-    from engine.bench.advise_choice import plan_grid
     from engine.protocol import LoraChoice
 
     styled = plan(lora=LoraChoice("swap"))
@@ -333,8 +333,8 @@ SPEEDS = {("fp32", "eager", "none"): 0.15, ("fp32", "compile", "none"): 0.088, (
 
 
 def run_advisor(minutes, progress=None):
+    from bench.advise import Advisor
     from engine import settings
-    from engine.bench.advise import Advisor
     from engine.protocol import Size
 
     clock = FakeClock()

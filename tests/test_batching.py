@@ -19,7 +19,6 @@ from helpers import wait_until
 from engine.config.flags import add_engine_arguments, engine_flags_argv, options_from_args
 from engine.config.presets import get_preset
 from engine.errors import Cancelled
-from engine.models.shapes.fidelity import check
 from engine.pipeline import batching
 from engine.protocol import (
     BucketKey,
@@ -32,6 +31,7 @@ from engine.protocol import (
     Size,
 )
 from engine.worker.client import EngineEvents, ProcessClient
+from training.shapes.fidelity import check
 
 KEY = EngineKey("tiny-shapes", "cpu", "fp32")
 PROMPTS = ("a red circle on a blue background", "a green square on a yellow background",

@@ -86,7 +86,7 @@ def test_bad_input_is_a_clear_error(args, message):
 def test_the_default_draws_its_example_prompt(tmp_path, cache_dir):
     """No --preset, no --prompt: the trained embedded model (committed in models/) draws the preset's first
     example prompt, as the pixel checker reads it."""
-    from engine.models.shapes.fidelity import check
+    from training.shapes.fidelity import check
 
     out = tmp_path / "default.png"
     proc = run_cli("generate", "--device", "cpu", "--size", "64x64", "--out", str(out), "--json",

@@ -1,4 +1,4 @@
-"""Typed configurations for Compare (engine/bench/configs.py): the form, the refusals, the ready-made lists."""
+"""Typed configurations for Compare (bench/configs.py): the form, the refusals, the ready-made lists."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from bench import configs
+from bench.advise import result_path
+from bench.configs import Configuration, parse_configurations
 from engine import devices
-from engine.bench import configs
-from engine.bench.advise import result_path
-from engine.bench.configs import Configuration, parse_configurations
 from engine.config.presets import get_preset
 from engine.protocol import LoraChoice
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.models.shapes import grammar
-from engine.models.shapes.fidelity import check, read
-from engine.models.shapes.grammar import COLOURS, HELD_OUT, SHAPES, Prompt, all_prompts, parse_prompt, render
-from engine.models.shapes.train import BUCKETS, DEFAULT_STEPS, MAX_SEQUENCE_LENGTH, SHIFT
+from training.shapes import grammar
+from training.shapes.fidelity import check, read
+from training.shapes.grammar import COLOURS, HELD_OUT, SHAPES, Prompt, all_prompts, parse_prompt, render
+from training.shapes.train import BUCKETS, DEFAULT_STEPS, MAX_SEQUENCE_LENGTH, SHIFT
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-shapes"
 SAMPLE = 12  # prompts per model test
@@ -129,7 +129,7 @@ def test_the_latents_describe_the_scene_exactly_also_when_corrupted(width, heigh
     the corrupted latents the decoder learns to clean up (the corruption never changes the scene)."""
     import torch
 
-    from engine.models.shapes import latents
+    from training.shapes import latents
 
     generator = torch.Generator().manual_seed(0)
     prompts = [all_prompts()[i] for i in torch.randint(0, len(all_prompts()), (64,), generator=generator)]
@@ -155,13 +155,13 @@ def _sample(n: int, seed: int):
 
 @pytest.fixture(scope="module")
 def pipe_fp32():
-    from engine.models.shapes.evaluate import load
+    from training.shapes.evaluate import load
 
     return load(MODEL, torch.float32)
 
 
 def _correct(pipe, width, height, seed):
-    from engine.models.shapes.evaluate import generate
+    from training.shapes.evaluate import generate
 
     prompts, seeds = _sample(SAMPLE, seed)
     images = generate(pipe, prompts, seeds, width, height, DEFAULT_STEPS, batch=SAMPLE)
@@ -195,7 +195,7 @@ def test_committed_model_draws_its_prompts_at_128x64(pipe_fp32):
 
 
 def test_committed_model_draws_in_bfloat16():
-    from engine.models.shapes.evaluate import load
+    from training.shapes.evaluate import load
 
     pipe = load(MODEL, torch.bfloat16)
     assert pipe.transformer.dtype == torch.bfloat16
@@ -204,7 +204,7 @@ def test_committed_model_draws_in_bfloat16():
 
 def test_committed_model_draws_held_out_prompts(pipe_fp32):
     """Combinations never trained on (grammar.HELD_OUT): the model composes words it saw apart."""
-    from engine.models.shapes.evaluate import generate
+    from training.shapes.evaluate import generate
 
     prompts = list(HELD_OUT[::2])  # 12 of the 24
     seeds = list(range(len(prompts)))

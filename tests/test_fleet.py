@@ -166,7 +166,7 @@ def test_sigterm_on_the_app_leaves_no_actor_and_no_engine_process(cache_dir, tin
 
 def test_the_fleet_bench_prints_both_paths_side_by_side(cache_dir, tiny_models, ray_cluster):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-m", "engine", "fleet-bench", "--ray", ray_cluster.address, "--rounds", "3",
+    run = subprocess.run([sys.executable, "-m", "bench", "fleet-bench", "--ray", ray_cluster.address, "--rounds", "3",
                           "--cache-dir", str(cache_dir), "--json"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

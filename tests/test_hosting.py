@@ -408,7 +408,7 @@ def test_the_soak_lists_a_process_tree_and_its_memory_from_proc():
 # -- the soak, short ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_soak_two_visitors_nothing_fails_or_hangs_and_nothing_is_left_behind(cache_dir, tiny_models, tmp_path):
-    """`python -m engine soak` in its short form: a real app process, 2 random visitors for 40 s (bad
+    """`python -m bench soak` in its short form: a real app process, 2 random visitors for 40 s (bad
     input and cancels included), a warm-bucket probe; then SIGTERM. Every request is answered (ok or a
     clear error), none fails or hangs, and no process outlives the app."""
     import json
@@ -417,7 +417,7 @@ def test_soak_two_visitors_nothing_fails_or_hangs_and_nothing_is_left_behind(cac
 
     out = tmp_path / "soak"
     proc = subprocess.run(
-        [sys.executable, "-m", "engine", "soak", "--visitors", "2", "--duration", "40", "--memory-budget", "3GiB",
+        [sys.executable, "-m", "bench", "soak", "--visitors", "2", "--duration", "40", "--memory-budget", "3GiB",
          "--idle-runs", "5", "--cache-dir", str(cache_dir), "--out", str(out), "--hang-s", "240"],
         capture_output=True, text=True, timeout=900)
     summary = json.loads((out / "soak.json").read_text())

@@ -1,5 +1,6 @@
 """A one-shot eager `python -m engine generate` imports what it runs: no compiler beyond what diffusers itself
-imports, no torchao (in the command's process, which runs the engine in-process, and in any worker)."""
+imports, no torchao (in the command's process, which runs the engine in-process, and in any worker), and
+nothing of the measuring (bench/) or training (training/) packages: serving needs neither."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ WRAPPER = """
 import atexit, sys
 atexit.register(lambda: print("PARENT-MODULES", sorted(m for m in sys.modules if m.startswith(("torchao",
                               "torch._inductor"))), file=sys.stderr, flush=True))
+atexit.register(lambda: print("PARENT-PACKAGES", sorted(m for m in sys.modules if m.split(".")[0] in ("bench",
+                              "training"))), file=sys.stderr, flush=True))
 from engine.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -54,6 +57,9 @@ def test_an_eager_one_shot_run_imports_no_compiler_and_no_torchao(cache_dir, tmp
     # The command's own process (its engine runs there, engine/cli.py oneshot_runtime): no torchao at exit.
     parent = set(ast.literal_eval(parent.removeprefix("PARENT-MODULES ")))
     assert not {m for m in parent if m.startswith("torchao")}, sorted(parent)
+    (packages,) = [line for line in run.stderr.splitlines() if line.startswith("PARENT-PACKAGES")]
+    assert ast.literal_eval(packages.removeprefix("PARENT-PACKAGES ")) == []
+    assert not {m for m in imported(run.stderr) if m.split(".")[0] in ("bench", "training")}  # nor in a worker
     engine = compiler_and_torchao(imported(run.stderr))
     assert not {m for m in engine if m.startswith("torchao")}, sorted(engine)
     # diffusers itself imports torch._dynamo, which imports a few inductor modules (its config): a bare
@@ -70,7 +76,7 @@ def test_an_eager_one_shot_run_imports_no_compiler_and_no_torchao(cache_dir, tmp
 
 
 def test_the_oneshot_bench_prints_the_ratio_against_a_bare_script(cache_dir):
-    run = subprocess.run([sys.executable, "-m", "engine", "oneshot", "--runs", "1", "--steps", "2", "--json",
+    run = subprocess.run([sys.executable, "-m", "bench", "oneshot", "--runs", "1", "--steps", "2", "--json",
                           "--cache-dir", str(cache_dir)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.splitlines()[-1])

@@ -1,4 +1,4 @@
-"""`python -m engine load`: a real burst against real app processes, batching off and on, in one run."""
+"""`python -m bench load`: a real burst against real app processes, batching off and on, in one run."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # starts the app twice
 
 def test_load_runs_a_burst_off_and_on_and_reports_every_figure(cache_dir, tmp_path):
     out = tmp_path / "load"
-    cmd = [sys.executable, "-m", "engine", "load", "--visitors", "3", "--rounds", "2", "--mode", "eager",
+    cmd = [sys.executable, "-m", "bench", "load", "--visitors", "3", "--rounds", "2", "--mode", "eager",
            "--steps", "2", "--max-batch", "2", "--batch-wait-ms", "200", "--phases", "off,on",
            "--cache-dir", str(cache_dir), "--out", str(out), "--warm-timeout", "300", "--timeout", "120"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600,

@@ -1,6 +1,6 @@
 """LoRA adapters (engine/pipeline/lora.py): hot-swapped on warm buckets with no recompile, images equal to a fresh
 pipeline with that adapter alone, bad adapters refused with what to change while the engine keeps serving, and
-the embedded model's trained styles read by the checker (engine/models/shapes/styles.py)."""
+the embedded model's trained styles read by the checker (training/shapes/styles.py)."""
 
 from __future__ import annotations
 
@@ -420,7 +420,7 @@ def test_compare_draws_one_card_per_adapter_named_in_its_caption(styled_manager)
     cards = handlers.render_compare(payload, thumbnails)[3]
     assert '<div class="c-lora">LoRA corner at scale 0.5, rank' in cards
     # a styled card's fidelity is the checker's verdict for what its style implies, not the plain prompt's
-    from engine.models.shapes import styles
+    from training.shapes import styles
 
     image = gallery[swap["gallery_index"]][0]
     assert swap["fidelity_this"] == styles.check(image, PROMPT, "swap").correct
@@ -501,7 +501,7 @@ def test_swaps_on_a_warm_compiled_bucket_recompile_nothing(cache_dir, adapters, 
 # -- the embedded model's trained styles ------------------------------------------------------------------------
 def test_the_committed_styles_are_small_diffusers_loras_on_the_same_layers():
     from engine.models import weights
-    from engine.models.shapes.styles import STYLES
+    from training.shapes.styles import STYLES
 
     layers = set()
     for style in STYLES:
@@ -516,7 +516,7 @@ def test_the_committed_styles_are_small_diffusers_loras_on_the_same_layers():
 
 @pytest.mark.parametrize("style", ["swap", "small", "corner"])
 def test_the_style_checker_reads_ground_truth_and_tells_the_styles_apart(style):
-    from engine.models.shapes import grammar, styles
+    from training.shapes import grammar, styles
 
     prompts = grammar.all_prompts()[::4]
     drawn = [styles.render(p, style, seed=i) for i, p in enumerate(prompts)]
@@ -535,8 +535,8 @@ STYLE_FLOORS = {"swap": 0.85, "small": 0.75, "corner": 0.85}
 @pytest.mark.parametrize("style", ["swap", "small", "corner"])
 def test_the_trained_styles_draw_held_out_prompts_as_they_imply(style):
     from engine.config.presets import get_preset
-    from engine.models.shapes import grammar, styles
-    from engine.models.shapes.evaluate import generate
+    from training.shapes import grammar, styles
+    from training.shapes.evaluate import generate
 
     scale = next(lora.scale for lora in get_preset("tiny-shapes").loras if lora.name == style)  # as served
     pipe = _fresh_pipeline(LORAS / style, scale)
@@ -552,7 +552,7 @@ def test_the_repeatability_bench_times_a_style_unfused_and_fused(cache_dir, tmp_
     """`bench --repeatability` takes LoRA entries (its engines get the slot) and times them like any other."""
     import json
 
-    from engine.cli import main
+    from bench.commands import main
 
     code = main(["bench", "--preset", "tiny-shapes", "--repeatability", "--configs",
                  "eager/fp32+lora=swap; eager/fp32+lora=swap:fused", "--repeat-budget", "2", "--repeat-max-rounds",

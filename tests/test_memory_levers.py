@@ -250,8 +250,8 @@ def test_text_encoders_beside_a_fake_accelerator(cache_dir, tiny_models):
 
 
 def test_compare_entries_take_memory_levers_and_refuse_impossible_pairs():
+    from bench import configs
     from engine import devices
-    from engine.bench import configs
     from engine.config.presets import get_preset
 
     entry = configs.parse_entry("eager/fp32+lora=swap+mem=group:block:2, vae-slicing@cpu")
@@ -280,7 +280,7 @@ def test_compare_shows_gib_beside_seconds():
 
 # -- the Advisor's memory bound ------------------------------------------------------------------------
 def _advisor_plan(**kw):
-    from engine.bench.advise_choice import AdvisePlan
+    from bench.advise_choice import AdvisePlan
     from engine.config.presets import get_preset
     from engine.protocol import Size
 
@@ -295,8 +295,8 @@ def _row(label, ms, peak_gib, **kw):
 
 
 def test_max_memory_picks_the_fastest_configuration_whose_peak_fits():
-    from engine.bench.advise_choice import choose
-    from engine.bench.advise_report import table_rows
+    from bench.advise_choice import choose
+    from bench.advise_report import table_rows
 
     def rows():
         return [_row("fp32/eager", 100, 2.0), _row("bf16/compile", 40, 3.0),
@@ -314,8 +314,8 @@ def test_max_memory_picks_the_fastest_configuration_whose_peak_fits():
 
 
 def test_the_advisor_measures_memory_levers_with_their_peak(cache_dir, tiny_models):
-    from engine.bench.advise import Advisor, config_key
-    from engine.bench.advise_choice import Candidate, final_entries
+    from bench.advise import Advisor, config_key
+    from bench.advise_choice import Candidate, final_entries
     from engine.protocol import EngineOptions
 
     plan = _advisor_plan(max_minutes=5, timing_images=2, quality_samples=1, cache_dir=cache_dir,
@@ -436,8 +436,8 @@ def test_a_bad_lever_flag_stops_the_program_naming_the_forms():
 
 def test_the_gpu_memory_bench_runs_its_levers_on_a_small_config():
     """scripts/bench_gpu.sh memory's code path on the CPU with a small Flux config (streams need CUDA)."""
+    from bench.memory_gpu import format_row, measure_lever
     from engine import devices
-    from engine.bench.memory_gpu import format_row, measure_lever
     from engine.config.presets import get_preset
     from engine.protocol import Size
 

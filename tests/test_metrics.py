@@ -39,8 +39,8 @@ def test_percentile_interpolates_between_order_statistics():
 
 
 def test_every_consumer_shares_the_one_definition():
+    from bench import soak, stats
     from engine import protocol
-    from engine.bench import soak, stats
     from ui import views
 
     assert protocol.median is stats.median is soak.median is views.median is median

@@ -1,4 +1,5 @@
-"""The wheel holds a startable app: every package, the presets, the embedded model and the console command.
+"""The wheel holds a startable app: every package (the engine, the UI, and the bench and training code the
+UI's Compare and Advisor tabs run), the presets, the embedded model and the console command.
 
 Built from a copy of the checkout (so no build/ or egg-info lands in it) and installed with
 `pip install --target` into a folder run from outside the checkout, so neither the checkout nor the
@@ -65,9 +66,9 @@ def _shipped(folder: str, pattern: str = "*") -> set[str]:
 
 def test_the_wheel_holds_every_package_the_data_and_the_command(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    packages = {p.parent.relative_to(REPO).as_posix() for top in ("engine", "ui")
+    packages = {p.parent.relative_to(REPO).as_posix() for top in ("engine", "bench", "training", "ui")
                 for p in (REPO / top).rglob("__init__.py") if "__pycache__" not in p.parts}
-    assert {"engine", "engine/models/shapes", "engine/tp", "ui"} <= packages
+    assert {"engine", "engine/tp", "bench", "training", "training/shapes", "ui"} <= packages
     for package in packages:
         sources = {p.relative_to(REPO).as_posix() for p in (REPO / package).glob("*.py")}
         assert sources <= names, f"{package}: {sorted(sources - names)} not in the wheel"
@@ -121,6 +122,11 @@ def test_the_installed_app_starts_outside_the_checkout(installed, tmp_path):
     assert presets.returncode == 0, presets.stderr[-3000:]
     names = {p["name"] for p in json.loads(presets.stdout)}
     assert {"tiny-shapes", "tiny-flux"} <= names
+
+    # The Advisor tab runs `python -m bench advise`: the measuring commands ship with the app.
+    measuring = _run_installed(installed, tmp_path, "-m", "bench", "--help")
+    assert measuring.returncode == 0, measuring.stderr[-3000:]
+    assert "usage: python -m bench" in measuring.stdout and "advise" in measuring.stdout
 
 
 def test_an_editable_install_builds_without_a_warning(tmp_path):

@@ -1,11 +1,11 @@
-"""The measuring discipline Compare, the Advisor and the bench share (engine/bench/paired.py): pure, no model."""
+"""The measuring discipline Compare, the Advisor and the bench share (bench/paired.py): pure, no model."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.bench import paired
-from engine.bench.paired import NO_DIFFERENCE, PairedTiming, measure_round_robin
+from bench import paired
+from bench.paired import NO_DIFFERENCE, PairedTiming, measure_round_robin
 
 
 def test_each_round_starts_one_configuration_further_along():
@@ -131,7 +131,7 @@ def _figures(**speedups):
 
 
 def test_the_repeatability_bench_compares_both_runs_and_the_ranking():
-    from engine.bench import repeat
+    from bench import repeat
 
     first = _figures(**{"eager/fp32": 1.0, "compile/fp32": 1.6, "eager/bf16": 1.2, "regional/fp32": 1.4})
     steady = _figures(**{"eager/fp32": 1.0, "compile/fp32": 1.7, "eager/bf16": 1.15, "regional/fp32": 1.35})
@@ -155,7 +155,7 @@ def test_the_repeatability_bench_compares_both_runs_and_the_ranking():
 
 
 def test_a_swap_between_overlapping_ranges_is_a_tie_not_a_changed_ranking():
-    from engine.bench import repeat
+    from bench import repeat
 
     def fig(speedup, low, high):
         return {"speedup": speedup, "iqr": [low, high]}

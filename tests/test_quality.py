@@ -1,4 +1,4 @@
-"""Drift and fidelity: the bench's quality columns and targets (engine/bench/quality.py), no model needed."""
+"""Drift and fidelity: the bench's quality columns and targets (bench/quality.py), no model needed."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from engine.bench import quality
-from engine.bench.stats import compute_ratios, evaluate_targets, speedup_table
+from bench import quality
+from bench.stats import compute_ratios, evaluate_targets, speedup_table
 
 
 def _img(value, size=(8, 8)):
@@ -80,7 +80,7 @@ def test_quality_targets_are_met_or_missed_from_the_columns():
 
 
 def test_the_shapes_checker_scores_grammar_prompts_and_skips_others():
-    from engine.models.shapes.grammar import render
+    from training.shapes.grammar import render
 
     checker = quality.fidelity_checker(type("P", (), {"fidelity": "shapes"})())
     drawn = np.asarray(render("a yellow triangle on a purple background", 64, 64, rng=3))
@@ -135,7 +135,7 @@ def test_a_lora_style_is_checked_against_what_the_style_implies():
     """A Compare card with a style on is scored as the style implies: the swapped picture of "a red circle
     on a blue background" is right for the "swap" style and wrong for the plain checker; a style the
     checker does not know is not scored at all."""
-    from engine.models.shapes import styles
+    from training.shapes import styles
 
     shapes = type("P", (), {"fidelity": "shapes"})()
     prompt = "a red circle on a blue background"

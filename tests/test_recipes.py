@@ -56,8 +56,8 @@ def _shapes_image(runner, mode="eager"):
 def test_quantized_precisions_quantize_the_denoiser_with_torchao(cache_dir, shapes_fp32, precision, tensor):
     import numpy as np
 
-    from engine.bench.quality import image_drift
-    from engine.models.shapes.fidelity import check
+    from bench.quality import image_drift
+    from training.shapes.fidelity import check
 
     runner = make_runner(cache_dir, preset="tiny-shapes", precision=precision)
     assert runner.precision.precision == precision and runner.precision.base == "fp32"

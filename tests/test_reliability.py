@@ -67,7 +67,7 @@ def generate(client, **overrides):
 
 def bad_inputs(model_root: Path):
     """(overrides, words the error must contain) — at least 40 kinds of bad input: the soak's table
-    (engine/bench/soak.py BAD_INPUTS) and what is bad on this host (its model folders, devices absent here, the
+    (bench/soak.py BAD_INPUTS) and what is bad on this host (its model folders, devices absent here, the
     Hub offline)."""
     return [
         *BAD_INPUTS,

@@ -13,7 +13,6 @@ from engine.config.presets import get_preset
 from engine.config.request import ImageRequest
 from engine.config.validation import build_request
 from engine.errors import InvalidRequest, UnsupportedCombination, scrub_paths
-from engine.models.shapes.fidelity import check
 from engine.pipeline import stepcache
 from engine.pipeline.runner import PipelineRunner
 from engine.protocol import (
@@ -28,6 +27,7 @@ from engine.protocol import (
     StepCache,
     StepCacheKind,
 )
+from training.shapes.fidelity import check
 
 PRESET = get_preset("tiny-shapes")
 CPU = devices.get_device("cpu")
@@ -255,7 +255,7 @@ def test_step_caches_command_lists_every_cache(capsys):
 def test_levers_targets_on_hand_made_rows():
     from types import SimpleNamespace
 
-    from engine.bench import levers
+    from bench import levers
 
     def row(precision, mode, cache, ms, fidelity, error=None):
         return {"precision": precision, "mode": mode, "cache": cache, "image_ms": [ms] if ms else [],
@@ -287,9 +287,9 @@ def test_levers_targets_on_hand_made_rows():
 
 @pytest.mark.slow  # two engines, a small levers bench
 def test_levers_bench_runs_caches_and_quantized_precisions(cache_dir, tiny_models, tmp_path):
-    from engine.bench import levers
-    from engine.bench.plan import plan_from_args
-    from engine.cli import build_parser
+    from bench import levers
+    from bench.commands import build_parser
+    from bench.plan import plan_from_args
 
     args = build_parser().parse_args([
         "bench", "--preset", "tiny-shapes", "--device", "cpu", "--caches", "none,first-block,FIRST-BLOCK:0.2",

@@ -145,7 +145,7 @@ def test_flux2_klein_tp_with_sharded_text_encoder_matches_one_process(cache_dir,
 def test_embedded_shapes_model_tp_draws_the_same_picture(cache_dir, tiny_models, tmp_path):
     """The trained default over 2 ranks: the image equals the single process (<= 2/255) and still draws
     its prompt."""
-    from engine.models.shapes.fidelity import check
+    from training.shapes.fidelity import check
 
     prompt = "a yellow triangle on a purple background"
     engine = SidecarClient(_config(cache_dir, "tiny-shapes"), dump_dir=tmp_path).start()

@@ -136,33 +136,33 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 # engine.devices and engine.pipeline.attention what the manager cannot tell (the device report, a device's
 # modes, the attention backends and step caches that can run), ui/views.py reuses the benchmark's
 # speedup_table and quality code so the UI and the bench agree, ui/advisor.py shows the advisor's
-# default bounds (it runs `python -m engine advise` in a child process) and reads its report out with the
-# CLI's own renderer (engine.bench.advise_report), and ui/compare.py reads typed
-# configurations and times them with the bench's paired plan (engine.bench.configs, engine.bench.paired).
+# default bounds (it runs `python -m bench advise` in a child process) and reads its report out with the
+# CLI's own renderer (bench.advise_report), and ui/compare.py reads typed
+# configurations and times them with the bench's paired plan (bench.configs, bench.paired).
 ALLOWED_ENGINE_IMPORTS = {
     "engine.protocol": None, "engine.errors": None, "engine.settings": None, "engine.serving.manager": {"EngineManager", "Caller"},
     "engine.pipeline.attention": {"attention_table", "DEFAULT"},
     "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
-    "engine.bench": {"speedup_table"},
-    "engine.bench.quality": {"fidelity_checker", "fmt_drift", "image_drift", "sample_prompts", "score", "diff_heatmap"},
-    "engine.bench.paired": {"PairedTiming", "current_marks", "engine_marks", "row_speedup_text"},
-    "engine.bench.configs": None,
+    "bench": {"speedup_table"},
+    "bench.quality": {"fidelity_checker", "fmt_drift", "image_drift", "sample_prompts", "score", "diff_heatmap"},
+    "bench.paired": {"PairedTiming", "current_marks", "engine_marks", "row_speedup_text"},
+    "bench.configs": None,
     "engine.metrics": {"median", "percentile"},
     "engine.pipeline.stepcache": {"available_step_caches"},
-    "engine.bench.advise": {"DEFAULT_FIDELITY_POINTS", "DEFAULT_MIN_PSNR", "CHECKER_MIN_PSNR"},
-    "engine.bench.advise_report": {"COLUMNS", "summary", "table_rows"},
+    "bench.advise": {"DEFAULT_FIDELITY_POINTS", "DEFAULT_MIN_PSNR", "CHECKER_MIN_PSNR"},
+    "bench.advise_report": {"COLUMNS", "summary", "table_rows"},
     "engine.config.validation": {"check_steps"},
     "engine.config.request": None,  # the request every edge builds
     "engine.config.placement": {"split_device"},  # a device field's chip or node (--ray)
     "engine.processes": {"pid_alive"},
     "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it  # a killed app's output folder is removed by the next start
 }
-ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "engine.bench": "views.py",
-           "engine.bench.quality": "views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
-           "engine.bench.advise": "advisor.py", "engine.bench.advise_report": "advisor.py",
+ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "bench": "views.py",
+           "bench.quality": "views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
+           "bench.advise": "advisor.py", "bench.advise_report": "advisor.py",
            "engine.config.validation": "compare.py", "engine.config.placement": "common.py",
            "engine.processes": "webtemp.py", "engine.serving.budget": "advisor.py",
-           "engine.bench.configs": "compare.py"}
+           "bench.configs": "compare.py"}
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 
 

@@ -1,6 +1,6 @@
-"""`python -m engine.models.train_embedded`: train the embedded shapes model and write models/tiny-shapes.
+"""`python -m training.train_embedded`: train the embedded shapes model and write models/tiny-shapes.
 
-A thin command line over engine.models.shapes.train, so the shipped weights can be reproduced with one command.
+A thin command line over training.shapes.train, so the shipped weights can be reproduced with one command.
 Training never runs as part of the app or the tests; they load the committed folder.
 """
 
@@ -13,11 +13,11 @@ import logging
 import sys
 from pathlib import Path
 
-from engine.models.shapes import train
+from training.shapes import train
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.models.train_embedded", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m training.train_embedded", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=train.DEFAULT_OUT, help="diffusers folder to write")
     parser.add_argument("--cache", type=Path, default=train.DEFAULT_CACHE, help="checkpoints and logs")
     parser.add_argument("--stage", choices=("vae", "transformer", "tune", "export", "all"), default="all")

@@ -1,6 +1,6 @@
-"""`python -m engine.models.train_loras`: train the embedded model's LoRA styles into models/tiny-shapes-loras.
+"""`python -m training.train_loras`: train the embedded model's LoRA styles into models/tiny-shapes-loras.
 
-A thin command line over engine.models.shapes.lora_train (fixed seeds: the committed adapters are reproduced
+A thin command line over training.shapes.lora_train (fixed seeds: the committed adapters are reproduced
 by one command). Never run by the app or the tests; they load the committed files.
 """
 
@@ -12,11 +12,11 @@ import logging
 import sys
 from pathlib import Path
 
-from engine.models.shapes import lora_train, styles
+from training.shapes import lora_train, styles
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.models.train_loras", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m training.train_loras", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=lora_train.DEFAULT_MODEL, help="the base model folder")
     parser.add_argument("--out", type=Path, default=lora_train.DEFAULT_OUT, help="folder of the adapters")
     parser.add_argument("--style", action="append", choices=styles.STYLES, help="train only these (default all)")

@@ -1,4 +1,4 @@
-"""The Advisor tab: `python -m engine advise` in a child process (it loads models and compiles; the web
+"""The Advisor tab: `python -m bench advise` in a child process (it loads models and compiles; the web
 server must stay responsive), its progress on a bar, Cancel ends the child. The speed-quality frontier
 is drawn from its JSON; "Apply in Generate" sets the Generate tab's selectors to the pick.
 """
@@ -17,9 +17,9 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from engine.bench.advise import CHECKER_MIN_PSNR, DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
-from engine.bench.advise_report import COLUMNS, table_rows
-from engine.bench.advise_report import summary as advice_summary
+from bench.advise import CHECKER_MIN_PSNR, DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_PSNR
+from bench.advise_report import COLUMNS, table_rows
+from bench.advise_report import summary as advice_summary
 from engine.errors import ShowcaseError
 from engine.protocol import parse_lora
 from engine.settings import pythonpath
@@ -40,7 +40,7 @@ def advisor_cards_html(result: dict | None) -> str:
     difference, and its speedup, drift and verdict."""
     if not result:
         return ""
-    from engine.bench.paired import row_speedup_text
+    from bench.paired import row_speedup_text
 
     pick = (result.get("pick") or {}).get("label")
     rows = [r for r in result.get("rows", []) if r.get("diff_png") and not r.get("error")]
@@ -68,7 +68,7 @@ RUNNING = "**Running** · "
 
 
 def advisor_messages(child):
-    """The messages a `python -m engine advise --progress-json` child writes (one JSON object a line:
+    """The messages a `python -m bench advise --progress-json` child writes (one JSON object a line:
     {"progress", "total", "desc"} while it runs, then {"result"}); its stderr is kept in the list returned
     first, for the failure message."""
     errors: list[str] = []
@@ -157,13 +157,13 @@ class AdvisorHandlers(HandlerBase):
         return f"**Cancelled** (at {status[len(RUNNING):].strip()}): the advisor process was stopped; no pick."
 
     def start_advisor(self, form: AdvisorForm) -> subprocess.Popen:
-        """`python -m engine advise --progress-json` in a child process of its own session (one JSON message
+        """`python -m bench advise --progress-json` in a child process of its own session (one JSON message
         a line on stdout: progress, then the result)."""
         try:
             model = self.manager.preset(form.preset)
         except Exception as exc:
             raise to_gradio_error(exc) from None
-        argv = [sys.executable, "-m", "engine", "advise", "--preset", model.name, "--device", form.device or "auto",
+        argv = [sys.executable, "-m", "bench", "advise", "--preset", model.name, "--device", form.device or "auto",
                 "--max-minutes", str(float(form.max_minutes or 5)), "--progress-json",
                 "--cache-dir", str(self.manager.cache_dir)]
         if form.size:

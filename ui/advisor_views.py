@@ -1,5 +1,5 @@
 """The Advisor tab's views: its speed-quality frontier (points, padded axes, the caption that names the
-frontier) and its table's column widths. Pure functions of the advisor's report (engine/bench/advise.py)."""
+frontier) and its table's column widths. Pure functions of the advisor's report (bench/advise.py)."""
 
 from __future__ import annotations
 

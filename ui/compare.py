@@ -4,12 +4,12 @@ Every configuration is priced against eager fp32 without a step cache on the fir
 first, and added when it is not among the picks): seconds per image, speedup, drift of every image
 against the reference's image of the same prompt and seed (PSNR, SSIM, max pixel difference, a heat map)
 and, for a model with a pixel checker, fidelity over several prompts. Drift and fidelity come from
-engine/bench/quality.py, the bench's own code, through ui/views.py.
+bench/quality.py, the bench's own code, through ui/views.py.
 
-The configurations are a typed list (engine/bench/configs.py: "eager/fp32; regional/bf16/first-block:0.2")
+The configurations are a typed list (bench/configs.py: "eager/fp32; regional/bf16/first-block:0.2")
 or the cross product of the checkboxes. Each is run first for its quality images, which also warm it
 (compile and warm-up reported apart); then all are timed round-robin with the reference by the bench's
-paired plan (engine/bench/paired.py) until each speedup's spread is known or the timing budget ends.
+paired plan (bench/paired.py) until each speedup's spread is known or the timing budget ends.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from itertools import product
 import gradio as gr
 import pandas as pd
 
-import engine.bench.configs as explicit
-from engine.bench.paired import PairedTiming, current_marks, engine_marks
+import bench.configs as explicit
+from bench.paired import PairedTiming, current_marks, engine_marks
 from engine.config.request import ImageRequest
 from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
@@ -220,13 +220,13 @@ class CompareHandlers(HandlerBase):
     def compare(self, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
         """The same prompt, seed, size and steps on every configuration (1–6): the typed list
         `configurations` ("mode/precision[/step cache][+lora=NAME[:SCALE][:fused]][@device]; ...",
-        engine/bench/configs.py: one entry per adapter gives one card per style) or else every device ×
+        bench/configs.py: one entry per adapter gives one card per style) or else every device ×
         precision × mode × step cache × LoRA style picked, plus eager fp32 without a cache on the first device when it is
         not among them. `form`: CompareForm's fields by name.
 
         Each configuration first draws its quality images (the prompt, then the fidelity prompts), which warm
         it; then every configuration is timed round-robin with the reference for up to `timing_s` seconds
-        (engine/bench/paired.py). Streams (gallery, results, thumbnails) at the start and after each
+        (bench/paired.py). Streams (gallery, results, thumbnails) at the start and after each
         configuration and round; results = {"configs", "done", "reference", "timing", "results": [...as_dict()
         + config, image_ms (timed), warmup_image_ms, speedup_figure, drift, fidelity, bucket costs],
         "speedup": speedup_table rows}; thumbnails: the cards' images and heat maps as data: URIs, by

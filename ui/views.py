@@ -577,20 +577,20 @@ def compare_step_rows(results: list[dict]) -> list[dict]:
 
 def fidelity_sample_prompts(preset, n: int, fallback: str) -> list[str]:
     """The Compare tab's fidelity prompts: the bench's seeded samples of the model's grammar."""
-    from engine.bench.quality import sample_prompts
+    from bench.quality import sample_prompts
 
     return sample_prompts(preset, n, seed=FIDELITY_SEED, fallback=fallback)
 
 
 def difference_picture(image, reference):
     """|image - reference| as a heat map (PIL), by the bench's quality code."""
-    from engine.bench.quality import diff_heatmap
+    from bench.quality import diff_heatmap
 
     return diff_heatmap(image, reference)
 
 
 def has_checker(preset) -> bool:
-    from engine.bench.quality import fidelity_checker
+    from bench.quality import fidelity_checker
 
     return fidelity_checker(preset) is not None
 
@@ -599,7 +599,7 @@ def price_quality(images: list, prompts: list[str], ref_images: list | None, pre
     """Under a Compare image: drift of every image against the reference's image of the same prompt and
     seed (the worst kept), and fidelity over the sample prompts (images[1:]) with the first image's own
     verdict, by the bench's quality.score; with a LoRA `style`, against what the style implies."""
-    from engine.bench.quality import fidelity_checker, fmt_drift, score
+    from bench.quality import fidelity_checker, fmt_drift, score
 
     out: dict = {}
     if ref_images is not None:
@@ -620,14 +620,14 @@ def price_quality(images: list, prompts: list[str], ref_images: list | None, pre
 
 
 def speedup_table(results: list[dict]) -> list[dict]:
-    """The Compare tab's speedup rows, computed by the benchmark's own speedup_table (engine.bench),
+    """The Compare tab's speedup rows, computed by the benchmark's own speedup_table (bench),
     so the UI, the CLI bench and docs/benchmarks.md agree.
 
     `results` are GenerateResult.as_dict() objects, optionally with "config", "compile_s" and
     "warmup_s" added (and "error" for a configuration that failed). The baseline is the eager run of
     the same engine and size; without one the speedup is None.
     """
-    from engine.bench import speedup_table as bench_speedup_table
+    from bench import speedup_table as bench_speedup_table
 
     rows = []
     for r, b in zip(results, bench_speedup_table(results), strict=True):

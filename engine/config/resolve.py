@@ -121,7 +121,7 @@ def resolve_source(config: EngineConfig) -> str:
         if not (folder / "model_index.json").is_file():
             raise ModelLoadError(f"preset {preset.name}: its model folder {folder} is missing or incomplete; "
                                  "restore it from the repository (git checkout -- models) or rebuild it with "
-                                 "`python -m engine.models.train_embedded`")
+                                 "`python -m training.train_embedded`")
         return str(folder)
     if Path(preset.source).is_absolute():
         roots = [Path(r) for r in config.allowed_roots] or None

@@ -226,7 +226,7 @@ def read_json_file(path, what: str):
         raise InvalidRequest(f"{what} is not JSON ({exc})") from None
 
 
-# The advisor's pick (python -m engine advise --out FILE): each field and what it must be.
+# The advisor's pick (python -m bench advise --out FILE): each field and what it must be.
 _PICK_FIELDS = {"precision": lambda v: str(Precision.parse(v, "precision")),
                 "mode": lambda v: str(Mode.parse(v, "mode")),
                 "step_cache": lambda v: str(StepCache.parse(v)),
@@ -251,7 +251,7 @@ def advice_pick(data, what: str = "the advisor file") -> dict:
     step_cache and attention, and the preset, device, size and steps it was measured for (as text)."""
     if not isinstance(data, dict):
         raise InvalidRequest(f"{what} holds a JSON {type(data).__name__}, not the advisor's object "
-                             "(python -m engine advise --out FILE writes one)")
+                             "(python -m bench advise --out FILE writes one)")
     pick = data.get("pick")
     if not pick:
         raise InvalidRequest(f"{what}: the advisor found no configuration within its bound")

@@ -102,7 +102,7 @@ class ModelPreset:
     max_sequence_length: int | None = None  # T5/LLM text tokens (None: the pipeline's default)
     description: str = ""
     repeated_blocks: tuple[str, ...] = ()
-    # A checker that scores images against prompts from the pixels alone ("shapes": engine/models/shapes/),
+    # A checker that scores images against prompts from the pixels alone ("shapes": training/shapes/),
     # for a model trained on a closed grammar; None: only drift between configurations is measured.
     fidelity: str | None = None
     examples: tuple[str, ...] = ()  # prompts this model draws well (the UI offers them)

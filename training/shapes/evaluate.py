@@ -4,7 +4,7 @@ fp32 against bf16, and the latency of one 64x64 image.
 Everything goes through `FluxPipeline.from_pretrained(folder)` and `pipe(...)` with the preset's settings,
 so the numbers are what the app serves. The definitions (also in docs/embedded-model.md):
 
-- fidelity: share of images the checker (engine.models.shapes.fidelity) reads as right on all three attributes;
+- fidelity: share of images the checker (training.shapes.fidelity) reads as right on all three attributes;
   per bucket, `n` random training prompts with random seeds (one seed per image, drawn from `seed`);
 - held out: every held-out prompt with `held_out_seeds` seeds each, at 64x64;
 - latency: median wall time of the whole `pipe(...)` call (text encoding, denoising, VAE decode) for one
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from engine.metrics import median
-from engine.models.shapes import grammar
-from engine.models.shapes.fidelity import check
-from engine.models.shapes.train import BUCKETS, DEFAULT_OUT, DEFAULT_STEPS, MAX_SEQUENCE_LENGTH
+from training.shapes import grammar
+from training.shapes.fidelity import check
+from training.shapes.train import BUCKETS, DEFAULT_OUT, DEFAULT_STEPS, MAX_SEQUENCE_LENGTH
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from engine.models.shapes.grammar import COLOURS, SIZE_RANGE, Prompt, parse_prompt
+from training.shapes.grammar import COLOURS, SIZE_RANGE, Prompt, parse_prompt
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.models.shapes import grammar
+from training.shapes import grammar
 
 SCALE = 4  # pixels per latent cell (vae_scale_factor)
 CHANNELS = 12

@@ -1,10 +1,10 @@
-"""Train the embedded model's LoRA styles (engine/models/shapes/styles.py) and write them as diffusers LoRAs.
+"""Train the embedded model's LoRA styles (training/shapes/styles.py) and write them as diffusers LoRAs.
 
 Each style is a rank-4 LoRA on the transformer's attention projections, trained with the base model's own
-rectified-flow recipe (engine/models/shapes/train.py) on analytic latents of scenes drawn in the style, with
+rectified-flow recipe (training/shapes/train.py) on analytic latents of scenes drawn in the style, with
 the prompt's own text embedding: "a red circle on a blue background" + swap learns to draw a blue circle on
 red. The base weights stay frozen, so with no adapter the model is unchanged. Fixed seeds, one thread,
-minutes on a CPU; `python -m engine.models.train_loras` writes models/tiny-shapes-loras/<style>/.
+minutes on a CPU; `python -m training.train_loras` writes models/tiny-shapes-loras/<style>/.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.models.shapes import grammar, sampling, styles, train
-from engine.models.shapes import latents as semantic
+from training.shapes import grammar, sampling, styles, train
+from training.shapes import latents as semantic
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def save(state: dict[str, torch.Tensor], out: Path) -> Path:
 def evaluate_style(pipe, folder: Path, style: str | None, seeds_each: int, width: int = 64, height: int = 64,
                    seed: int = 7) -> float:
     """Share of held-out prompts (seeds_each seeds each) the checker reads as drawn in `style` (None: no LoRA)."""
-    from engine.models.shapes.evaluate import generate, held_out_cases
+    from training.shapes.evaluate import generate, held_out_cases
 
     if style is not None:
         pipe.load_lora_weights(str(folder / style), weight_name=WEIGHT_NAME, adapter_name=style)

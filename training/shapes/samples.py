@@ -1,5 +1,5 @@
 """The seeds of the quality samples, named once: the bench, the levers bench and the advisor draw their
-sample prompts and images with these (engine/bench/quality.py), and the trainer's fidelity check draws
+sample prompts and images with these (bench/quality.py), and the trainer's fidelity check draws
 its prompts and images with the same prompt seed, so a trained model is graded on what the bench shows.
 Torch-free."""
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.models.shapes import grammar
-from engine.models.shapes import latents as semantic
-from engine.models.shapes.fidelity import check
+from training.shapes import grammar
+from training.shapes import latents as semantic
+from training.shapes.fidelity import check
 
 DEFAULT_STEPS = 8
 SHIFT = 3.0  # fixed (use_dynamic_shifting=False): one sigma schedule for every bucket

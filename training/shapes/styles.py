@@ -1,6 +1,6 @@
 """The embedded model's LoRA styles: what each adapter does to a scene, and how the checker reads it.
 
-Each style is defined once here, so the training data (engine/models/shapes/lora_train.py), the checker and
+Each style is defined once here, so the training data (training/shapes/lora_train.py), the checker and
 the tests agree on what "drawn as the LoRA implies" means:
 
 - swap:   the object and background colours exchanged ("a red circle on a blue background" -> a blue
@@ -11,7 +11,7 @@ the tests agree on what "drawn as the LoRA implies" means:
 - corner: the object's centre in the top-left quarter of the image.
 
 `check(image, prompt, style)` scores an image against the prompt the style implies: colours and shape
-from engine.models.shapes.fidelity, plus the style's geometry (the object's bounding box).
+from training.shapes.fidelity, plus the style's geometry (the object's bounding box).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from engine.models.shapes import fidelity, grammar
-from engine.models.shapes.grammar import Prompt
+from training.shapes import fidelity, grammar
+from training.shapes.grammar import Prompt
 
 STYLES: tuple[str, ...] = ("swap", "small", "corner")
 SMALL_RANGE = (0.35, 0.42)  # object side / shorter image side under "small"

@@ -1,15 +1,15 @@
 """Train the embedded text-to-image model (models/tiny-shapes) on the shapes grammar, on a CPU.
 
 The result is an ordinary diffusers FluxPipeline folder, so the app loads it like any Hub model. Training is
-reproducible from the repo (`python -m engine.models.train_embedded`): fixed seeds, step-based schedules (a
+reproducible from the repo (`python -m training.train_embedded`): fixed seeds, step-based schedules (a
 stage stopped by --minutes resumes from its checkpoint to the same end point), checkpoints under a cache
-folder, and data rendered on the fly by `engine.models.shapes.grammar` (no data set on disk).
+folder, and data rendered on the fly by `training.shapes.grammar` (no data set on disk).
 
 Stages (`--stage all` runs them one after the other; vae and transformer are independent and may also run
 side by side):
 
 1. vae: a x4 AutoencoderTiny (3 blocks: 64x64 pixels -> 16x16 latents -> 8x8 Flux tokens) over the semantic
-   latent space of `engine.models.shapes.latents` (cell positions, the object's centre and size, colours, shape
+   latent space of `training.shapes.latents` (cell positions, the object's centre and size, colours, shape
    code). The decoder renders the clean image from the analytic latents, mostly corrupted, so approximate
    latents still give the exact shape (L1 + MSE + an edge term on image gradients, which keeps corners);
    the encoder regresses the analytic latents from pixels on a share of each batch.
@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.models.shapes import grammar
-from engine.models.shapes import latents as semantic
-from engine.models.shapes.fidelity import check
-from engine.models.shapes.samples import PROMPT_SEED
-from engine.models.shapes.sampling import (
+from training.shapes import grammar
+from training.shapes import latents as semantic
+from training.shapes.fidelity import check
+from training.shapes.samples import PROMPT_SEED
+from training.shapes.sampling import (
     DEFAULT_STEPS,
     LATENT_CHANNELS,
     SHIFT,
@@ -59,7 +59,7 @@ from engine.models.shapes.sampling import (
     sample_latents,
     shift_sigma,
 )
-from engine.models.shapes.training import (
+from training.shapes.training import (
     GradientGroup,
     Settings,
     load_state,
@@ -357,7 +357,7 @@ def latent_batch(prompt_ids: list[int], width: int, height: int, generator: torc
 def transformer_fidelity(transformer, text, n: int = 48, seed: int = PROMPT_SEED) -> dict[str, float]:
     """Share of samples right when their latents are read with the exact rules (latents.render_exact), per
     bucket and on held-out prompts at 64x64: how well the transformer alone does, whatever the decoder."""
-    from engine.models.shapes.latents import render_exact
+    from training.shapes.latents import render_exact
 
     shift, scale = latent_scaling()
     config = SimpleNamespace(shift_factor=shift, scaling_factor=scale)  # what sample_latents reads of a VAE config

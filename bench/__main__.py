@@ -1,0 +1,5 @@
+import sys
+
+from bench.commands import main
+
+sys.exit(main())
