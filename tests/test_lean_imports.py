@@ -23,7 +23,7 @@ import atexit, sys
 atexit.register(lambda: print("PARENT-MODULES", sorted(m for m in sys.modules if m.startswith(("torchao",
                               "torch._inductor"))), file=sys.stderr, flush=True))
 atexit.register(lambda: print("PARENT-PACKAGES", sorted(m for m in sys.modules if m.split(".")[0] in ("bench",
-                              "training"))), file=sys.stderr, flush=True))
+                              "training")), file=sys.stderr, flush=True))
 from engine.cli import main
 sys.exit(main(sys.argv[1:]))
 """

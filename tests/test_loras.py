@@ -383,6 +383,7 @@ def test_the_board_shows_each_engines_slot_its_swaps_and_no_recompiles(styled_ma
     assert (lora["current"], lora["scale"]) == ("corner", 1.0)
     assert lora["swaps"] >= 1 and lora["median_swap_ms"] > 0 and lora["recompiles"] == 0
     assert lora["adapters"] == ["swap", "small", "corner"] and lora["target_rank"] > 0
+    assert lora["fused_bytes"] > 0  # the fused copy's weights, which the LoRA bench reads through the client
     board = [r for r in views.board_rows(manager.status()) if r[3] == views.LORA_SLOT]
     assert len(board) == 1 and board[0][5] == "corner at 1"
     assert "0 recompiles" in board[0][6] and board[0][9] == f"{lora['swaps']} swaps"

@@ -324,7 +324,7 @@ class LoraSlot:
                         target_rank=self.target_rank, current=self.state.adapter if self.state.scale > 0 else None,
                         scale=self.state.scale, swaps=self.state.swaps, median_swap_ms=median(self.state.swap_ms),
                         recompiles=self.state.recompiles, fuses=self.state.fuses,
-                        median_fuse_ms=median(self.state.fuse_ms))
+                        median_fuse_ms=median(self.state.fuse_ms), fused_bytes=self.fused_bytes)
 
 
 def _fused_linears(denoiser: torch.nn.Module) -> list[tuple[object, torch.nn.Linear]]:

@@ -416,9 +416,10 @@ class LoraInfo:
     recompiles: int = 0
     fuses: int = 0  # refreshes of the fused copy (fused LoRA, eager)
     median_fuse_ms: float | None = None
+    fused_bytes: int = 0  # the fused copy's weights (the targeted layers), what fused mode holds beyond the engine
 
     def as_dict(self) -> dict:
         return {"adapters": list(self.adapters), "refused": list(self.refused), "target_rank": self.target_rank,
                 "current": self.current, "scale": self.scale, "swaps": self.swaps,
                 "median_swap_ms": self.median_swap_ms, "recompiles": self.recompiles, "fuses": self.fuses,
-                "median_fuse_ms": self.median_fuse_ms}
+                "median_fuse_ms": self.median_fuse_ms, "fused_bytes": self.fused_bytes}
