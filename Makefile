@@ -33,7 +33,7 @@ test: setup browser
 	HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False $(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check engine ui tests app.py
+	$(BIN)/ruff check engine bench training ui tests app.py
 
 bench: setup
 	$(BIN)/python -m bench bench --preset tiny-flux --device cpu --modes eager,compile,regional \
