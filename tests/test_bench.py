@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import bench
 from bench import denoiser
 from bench.cache_probe import run_cache_probe
 from bench.plan import plan_from_args
 from bench.run import run_bench
-from engine import bench, devices
+from engine import devices
 from engine.errors import UnsupportedCombination
 from engine.pipeline import runner
 from engine.protocol import EngineOptions, Mode

@@ -224,6 +224,31 @@ def test_engine_layers_import_only_downwards():
     assert layer_violations(graph) == []
 
 
+def dangling_imports() -> list[str]:
+    """Every import of a project package's module that is not in the checkout (an old path after a move:
+    `engine.bench`, `engine.models.shapes`), in the packages, app.py, the tests and the scripts."""
+    files = [p for base in (*PACKAGES, "tests", "scripts") for p in (REPO / base).rglob("*.py")] + [REPO / "app.py"]
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                folder = REPO.joinpath(*parts)
+                if parts[0] in PACKAGES and not (folder.with_suffix(".py").is_file() or folder.is_dir()):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} imports {module}, which does not exist")
+    return found
+
+
+def test_no_import_names_a_module_that_moved_away():
+    assert dangling_imports() == []
+
+
 def test_the_package_checker_names_an_upward_import():
     graph = {
         "engine.serving.manager": {"bench.run"},  # the engine reaching into the bench
