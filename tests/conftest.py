@@ -47,6 +47,17 @@ def manager(cache_dir, tiny_models):
         yield m
 
 
+@pytest.fixture
+def fresh_manager(cache_dir, tiny_models):
+    """An engine manager of the test's own (no warm-up; engines start on first use): nothing earlier tests
+    started or queued on the session's `manager` (a compile under way, a loaded engine) shows in it. Shut
+    down, workers and all, when the test ends."""
+    from helpers import engine_manager
+
+    with engine_manager(cache_dir) as m:
+        yield m
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A Ray cluster of this machine for the fleet tests (engine/fleet/): a head with no CPUs (work goes to the

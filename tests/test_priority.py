@@ -9,7 +9,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from helpers import FakeClock, wait_until
 
 from engine.pipeline.faults import Faults
@@ -26,8 +25,8 @@ from engine.protocol import (
     StepProgress,
     Timings,
 )
-from engine.worker.loop import WorkerLoop
 from engine.worker import priority
+from engine.worker.loop import WorkerLoop
 from engine.worker.priority import RunCost, ShortRuns, ShortRunSlots, YieldToRequests
 
 SMALL, BIG = Size(64, 64), Size(128, 128)

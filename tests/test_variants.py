@@ -3,8 +3,6 @@ where its encoders, denoiser and decoder ran."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from helpers import make_request, make_runner
