@@ -29,6 +29,18 @@ def cache_dir() -> Path:
     return TEST_CACHE
 
 
+# Under `pytest -n 2` (pytest-xdist) each module runs whole on one worker, so a module's fixtures are built once.
+# These modules start torchrun ranks or look for them host-wide (test_fleet waits for "no rank left"): they
+# share one group, so they never run beside each other.
+HOST_WIDE_PROCESSES = {"test_tp.py", "test_tp_multinode.py", "test_cp.py", "test_fleet.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = "host-wide-processes" if item.path.name in HOST_WIDE_PROCESSES else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def tiny_models(cache_dir) -> dict[str, Path]:
     """Every random-weight tiny pipeline, built once (rebuilt only if the cache is wiped)."""

@@ -7,6 +7,7 @@ that only waits or picks a port stays cheap to import.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -74,6 +75,17 @@ class FakeClock:
 
     def __getattr__(self, name: str):  # the rest of the time module (strftime, ...) as it is
         return getattr(time, name)
+
+
+def waits_in(thread: threading.Thread, function: Callable) -> bool:
+    """Whether `thread` is inside `function` now (read from its Python frames): "it is blocked there" as a
+    condition to wait on, where a sleep would guess how long getting there takes."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code is function.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def process_gone(process: int | psutil.Process) -> bool:

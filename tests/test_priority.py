@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from helpers import FakeClock, wait_until
+from helpers import FakeClock, wait_until, waits_in
 
 from engine.pipeline.faults import Faults
 from engine.protocol import (
@@ -303,18 +303,8 @@ def _compile_like(yielder: YieldToRequests, progress: list, stop: threading.Even
         sys.setprofile(None)
 
 
-def _waits_in(thread: threading.Thread, function) -> bool:
-    """Whether `thread` is inside `function` now (its stack, from Python's own frames)."""
-    frame = sys._current_frames().get(thread.ident)
-    while frame is not None:
-        if frame.f_code is function.__code__:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _waits_in_hook(thread: threading.Thread) -> bool:
-    return _waits_in(thread, YieldToRequests.hook)
+    return waits_in(thread, YieldToRequests.hook)
 
 
 def test_the_compile_thread_waits_while_a_request_runs_and_resumes_after():
@@ -393,7 +383,7 @@ def test_a_request_waits_for_an_fx_trace_under_way_which_is_never_paused():
     assert inside.wait(5)
     requester = threading.Thread(target=request, daemon=True)
     requester.start()
-    wait_until(lambda: _waits_in(requester, YieldToRequests.request_started), 30, 0.01, "the request waiting")
+    wait_until(lambda: waits_in(requester, YieldToRequests.request_started), 30, 0.01, "the request waiting")
     assert order == []  # it waits while the trace is under way
     release.set()
     assert finished.wait(5)  # the trace ran to its end with the request pending: never paused inside

@@ -218,3 +218,14 @@ def test_fake_clock(clock):
     assert len([1, 2]) < 5
 '''
     assert wall_clock_asserts(snippet) == []
+
+
+def test_modules_that_look_for_processes_host_wide_run_apart_under_xdist():
+    """`make test` runs modules on two workers at once; one that scans every process on the host (psutil's
+    process_iter) would see another module's ranks or workers, so it joins the group that runs alone."""
+    from conftest import HOST_WIDE_PROCESSES
+
+    scanning = {path.name for path in _tests() if path.name.startswith("test_") and "process_iter(" in path.read_text()}
+    print(f"modules in the host-wide group: {sorted(HOST_WIDE_PROCESSES)}")
+    assert scanning - {"test_test_shape.py"} <= HOST_WIDE_PROCESSES
+    assert all((TESTS / name).is_file() for name in HOST_WIDE_PROCESSES), "a module in the group was renamed"
