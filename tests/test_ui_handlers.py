@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 import pytest
-from helpers import spy_generate
+from helpers import poll, spy_generate, wait_until
 
 from engine.config.request import ImageRequest
 from engine.errors import Cancelled, EngineCrashed
@@ -182,9 +182,7 @@ def test_cancel_stops_a_run_between_steps(handlers):
     outputs = []
     consumer = threading.Thread(target=lambda: outputs.extend(gen))
     consumer.start()
-    deadline = time.monotonic() + 60
-    while not any(isinstance(p, tuple) for p, _ in progress.calls) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: any(isinstance(p, tuple) for p, _ in progress.calls), 60, message="a step's progress")
     assert handlers.cancel(None).startswith("cancel")
     consumer.join(60)
     image, timings = outputs[-1]
@@ -203,9 +201,7 @@ def test_closing_the_handler_cancels_the_engine_request_between_steps(handlers, 
         if timings.get("running") and timings["timings"]["step_ms"]:
             break  # a partial with steps: the run is stepping
     gen.close()
-    deadline = time.monotonic() + 30
-    while not outcomes and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: outcomes, 30, message="the engine request ending")
     assert isinstance(outcomes[0], Cancelled), outcomes
     assert int(re.search(r"after step (\d+) of 200", str(outcomes[0])).group(1)) < 200
     assert handlers.runs.cancel("page:default") == "nothing to cancel"  # the run left the /cancel registry
@@ -259,9 +255,7 @@ def test_a_handler_closed_while_its_engine_loads_cancels_the_request_once_submit
     gen.close()
     manager.loaded.set()
     assert manager.submitted.wait(10)
-    deadline = time.monotonic() + 5
-    while not manager.cancelled and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: manager.cancelled, 30, 0.01, "the submitted request cancelled")
     assert manager.cancelled == ["req-1"]
 
 
@@ -321,9 +315,7 @@ def test_cancelling_an_async_handler_while_steps_flow_stops_its_engine_request()
                 await task
 
         asyncio.run(cancel_mid_run())
-        deadline = time.monotonic() + 10
-        while not manager.cancelled and time.monotonic() < deadline:
-            time.sleep(0.01)
+        poll(lambda m=manager: m.cancelled, 10, 0.01)
         assert manager.cancelled == ["req-1"], f"attempt {attempt}: the engine request was not cancelled"
 
 
