@@ -16,6 +16,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 WALL_CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
 APPENDERS = {"append", "extend", "add", "insert", "setdefault", "update"}
+SPREADERS = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr, ast.For, ast.Call)
 # calls whose result is still a time when their argument is one
 TRANSPARENT = {"max", "min", "sum", "abs", "round", "sorted", "float", "int", "list", "tuple", "median", "mean",
                "fsum", "quantile", "percentile"}
@@ -93,7 +94,8 @@ class _Scope:
 
     def settle(self, body: list[ast.AST]) -> None:
         """Spread the taint through assignments until nothing new holds a reading (order does not matter)."""
-        while any([self._grows(node) for stmt in body for node in ast.walk(stmt)]):
+        nodes = [node for stmt in body for node in ast.walk(stmt) if isinstance(node, SPREADERS)]
+        while any([self._grows(node) for node in nodes]):
             pass
 
 
@@ -107,6 +109,8 @@ def _clock_functions(tree: ast.AST) -> set[str]:
     while True:
         more = set()
         for fn in _functions(tree):
+            if fn.name in found or not any(isinstance(n, ast.Return) and n.value for n in ast.walk(fn)):
+                continue
             scope = _Scope(found)
             scope.settle(fn.body)
             returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return)]
