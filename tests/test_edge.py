@@ -88,9 +88,18 @@ def test_a_flood_of_joins_that_never_listen_leaves_a_real_visitor_served_within_
     """80 joins of 200-step requests from one address, each with a fresh session hash, never reading
     their stream: at most CLIENT_EVENTS are queued, none reaches the engine, /status, /system and
     /cancel keep answering, and a real visitor's request takes at most twice its idle time."""
-    manager, _, url, fn_index = app
+    manager, demo, url, fn_index = app
     visit(url, fn_index)  # the engine loaded
     idle = statistics.median(visit(url, fn_index) for _ in range(5))
+    # A flood event is dropped once its listening grace passes; on a busy machine the 80 joins can outlast
+    # it, and each drop frees a place: count them rather than assume the joins are quicker than the grace.
+    dropped, await_listener = [], demo.edge.await_listener
+
+    def counted_await(session, timeout=None):
+        heard = await_listener(session, timeout)
+        if not heard:
+            dropped.append(session)
+        return heard
 
     hostile = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=30)
     codes: list[int] = []
@@ -100,13 +109,18 @@ def test_a_flood_of_joins_that_never_listen_leaves_a_real_visitor_served_within_
             codes.append(join(hostile, url, fn_index, FLOOD, uuid.uuid4().hex[:11]).status_code)
 
     threads = [threading.Thread(target=flood, args=(10,)) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    demo.edge.await_listener = counted_await
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        during = len(dropped)
+    finally:
+        del demo.edge.await_listener
     hostile.close()
     accepted = codes.count(200)
-    assert len(codes) == 80 and 1 <= accepted <= CLIENT_EVENTS, codes
+    assert len(codes) == 80 and 1 <= accepted <= CLIENT_EVENTS + during, (codes, during)
 
     # They answer while the flood's events still wait in the queue (each joined one is dropped only after
     # the listening grace): these calls are not queued behind them.
