@@ -34,7 +34,7 @@ browser:
 TEST_WORKERS ?= 2
 test: setup browser
 	HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
-		--durations=15 $(PYTEST_ARGS)
+		--no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check engine ui tests app.py

@@ -36,9 +36,19 @@ HOST_WIDE_PROCESSES = {"test_tp.py", "test_tp_multinode.py", "test_cp.py", "test
 
 
 def pytest_collection_modifyitems(config, items):
+    groups = {}
     for item in items:
         group = "host-wide-processes" if item.path.name in HOST_WIDE_PROCESSES else item.path.name
         item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = group
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Longest first (make test passes --no-loadscope-reorder, so this is the order the groups are handed
+        # out): a group's slow and browser tests stand for its time, the quick modules fill in at the end.
+        weight = {}
+        for item in items:
+            heavy = item.get_closest_marker("slow") or item.get_closest_marker("browser")
+            weight[groups[item.nodeid]] = weight.get(groups[item.nodeid], 0) + (1 if heavy else 0)
+        items.sort(key=lambda item: -weight[groups[item.nodeid]])  # stable: a module keeps its own order
 
 
 @pytest.fixture(scope="session")
