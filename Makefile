@@ -29,8 +29,12 @@ run: setup
 browser:
 	@[ -x /usr/bin/chromium ] || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
 
+# Two pytest-xdist workers, each module whole on one (a module's app, engines and compiles are set up once);
+# much of a slow test is spent waiting on processes, sockets and the browser. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: setup browser
-	HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False $(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
+		--no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check engine bench training ui tests app.py

@@ -29,6 +29,28 @@ def cache_dir() -> Path:
     return TEST_CACHE
 
 
+# Under `pytest -n 2` (pytest-xdist) each module runs whole on one worker, so a module's fixtures are built once.
+# These modules start torchrun ranks or look for them host-wide (test_fleet waits for "no rank left"): they
+# share one group, so they never run beside each other.
+HOST_WIDE_PROCESSES = {"test_tp.py", "test_tp_multinode.py", "test_cp.py", "test_fleet.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    groups = {}
+    for item in items:
+        group = "host-wide-processes" if item.path.name in HOST_WIDE_PROCESSES else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = group
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Longest first (make test passes --no-loadscope-reorder, so this is the order the groups are handed
+        # out): a group's slow and browser tests stand for its time, the quick modules fill in at the end.
+        weight = {}
+        for item in items:
+            heavy = item.get_closest_marker("slow") or item.get_closest_marker("browser")
+            weight[groups[item.nodeid]] = weight.get(groups[item.nodeid], 0) + (1 if heavy else 0)
+        items.sort(key=lambda item: -weight[groups[item.nodeid]])  # stable: a module keeps its own order
+
+
 @pytest.fixture(scope="session")
 def tiny_models(cache_dir) -> dict[str, Path]:
     """Every random-weight tiny pipeline, built once (rebuilt only if the cache is wiped)."""
@@ -41,6 +63,17 @@ def tiny_models(cache_dir) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def manager(cache_dir, tiny_models):
     """A session-wide engine manager with no start-up warm-up (tests warm what they need)."""
+    from helpers import engine_manager
+
+    with engine_manager(cache_dir) as m:
+        yield m
+
+
+@pytest.fixture
+def fresh_manager(cache_dir, tiny_models):
+    """An engine manager of the test's own (no warm-up; engines start on first use): nothing earlier tests
+    started or queued on the session's `manager` (a compile under way, a loaded engine) shows in it. Shut
+    down, workers and all, when the test ends."""
     from helpers import engine_manager
 
     with engine_manager(cache_dir) as m:

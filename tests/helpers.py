@@ -7,6 +7,8 @@ that only waits or picks a port stays cheap to import.
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +40,52 @@ def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.0
         text = message() if callable(message) else message
         raise AssertionError(f"{text or 'condition'} not met within {timeout:g} s (last: {value!r})")
     return value
+
+
+class FakeClock:
+    """A clock that moves only when slept on, for code that waits in `time.sleep` and reads `time.monotonic`:
+    patch it over the module's `time` (monkeypatch.setattr(module, "time", clock)). `at(delay, fn)` runs fn
+    when a sleep passes that moment, so "the other side lets go after 0.1 s" is exact on any machine."""
+
+    def __init__(self, start: float = 0.0):
+        self.t = start
+        self._due: list[tuple[float, int, Callable[[], object]]] = []
+        self._lock = threading.Lock()
+
+    def monotonic(self) -> float:
+        return self.t
+
+    perf_counter = time = monotonic
+
+    def at(self, delay: float, fn: Callable[[], object]) -> None:
+        with self._lock:
+            self._due.append((self.t + delay, len(self._due), fn))
+            self._due.sort()
+
+    def sleep(self, seconds: float) -> None:
+        target = self.t + max(0.0, seconds)
+        while True:
+            with self._lock:
+                if not self._due or self._due[0][0] > target:
+                    break
+                when, _, fn = self._due.pop(0)
+            self.t = max(self.t, when)
+            fn()
+        self.t = target
+
+    def __getattr__(self, name: str):  # the rest of the time module (strftime, ...) as it is
+        return getattr(time, name)
+
+
+def waits_in(thread: threading.Thread, function: Callable) -> bool:
+    """Whether `thread` is inside `function` now (read from its Python frames): "it is blocked there" as a
+    condition to wait on, where a sleep would guess how long getting there takes."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code is function.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def process_gone(process: int | psutil.Process) -> bool:

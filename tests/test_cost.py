@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import pytest
-from helpers import engine_manager, make_request, wait_until
+from helpers import FakeClock, engine_manager, make_request, wait_until, waits_in
 
 from engine.config.presets import get_preset
 from engine.config.request import ImageRequest
@@ -175,7 +174,9 @@ def test_visitor_aot_served_from_a_loaded_package_warm_refused(public, monkeypat
 
 
 # -- a Compare yields to Generates ---------------------------------------------------------------
-def test_compare_image_waits_while_another_clients_generate_runs(public):
+def test_compare_image_waits_while_another_clients_generate_runs(public, monkeypatch):
+    from engine.serving import admission
+
     done = threading.Event()
     started = threading.Event()
 
@@ -187,16 +188,18 @@ def test_compare_image_waits_while_another_clients_generate_runs(public):
     t = threading.Thread(target=generate_running)
     t.start()
     started.wait(5)
-    assert public.flow.yield_to_generates("cpu", "10.0.0.5") < 0.1  # its own Generates: no wait
+    with monkeypatch.context() as patch:  # on a clock that only a wait could move: its own Generates, no wait
+        patch.setattr(admission, "time", FakeClock())
+        assert public.flow.yield_to_generates("cpu", "10.0.0.5") == 0.0
     waited = []
     waiter = threading.Thread(target=lambda: waited.append(public.flow.yield_to_generates("cpu", "10.0.0.6")))
     waiter.start()
-    time.sleep(0.3)
-    assert waiter.is_alive()  # still yielding
+    wait_until(lambda: waits_in(waiter, threading.Condition.wait), 10, 0.01, "the Compare yielding")
+    assert waiter.is_alive() and not waited  # still yielding while the other client's Generate runs
     done.set()
     waiter.join(5)
     t.join(5)
-    assert waited and waited[0] >= 0.3
+    assert waited and waited[0] > 0  # it went on once the Generate ended
 
 
 # -- engines take turns between clients (pure: the worker's queue) ---------------------------------

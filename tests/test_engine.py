@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import threading
-import time
 from concurrent.futures import wait
 
 import pytest
@@ -135,11 +135,10 @@ def test_cancel_stops_between_steps_and_engine_keeps_serving(engine):
     req = make_request(steps=200, width=128, height=128)
     future = engine.submit(req, on_progress=lambda p: started.set())
     assert started.wait(60)
-    t0 = time.time()
     engine.cancel(req.request_id)
-    with pytest.raises(Cancelled, match="cancelled after step"):
+    with pytest.raises(Cancelled, match=r"cancelled after step (\d+)") as cancelled:
         future.result(timeout=60)
-    assert time.time() - t0 < 5
+    assert int(re.search(r"after step (\d+)", str(cancelled.value))[1]) < 200  # between steps, not at the end
     assert engine.generate(make_request(seed=1), timeout=120).image().size == (64, 64)
 
 
@@ -168,12 +167,11 @@ def test_killed_worker_fails_the_request_then_restarts(cache_dir, tiny_models):
         first = manager.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32",
                                               size="64x64", prompt="ok"))
         old_pid = manager.engine(KEY).pid
-        t0 = time.time()
         manager.engine(KEY).inject_fault(Fault.CRASH)  # one-shot: the next request kills the worker
         with pytest.raises(EngineCrashed, match="exited with code"):
             manager.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32", size="64x64",
                                           prompt="ok"), timeout=60)
-        assert time.time() - t0 < 10
+        # named from the exit code: the crash was seen, not waited out by the 60 s timeout
         wait_until(lambda: manager.engine(KEY).pid != old_pid, 60, 0.1, "the worker restarting")
         again = manager.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32",
                                               size="64x64", prompt="ok"))

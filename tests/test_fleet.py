@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -121,12 +120,10 @@ def test_a_node_removed_mid_request_fails_that_request_naming_it_and_the_next_ru
     future = engine.submit(make_request(request_id="doomed", steps=400, prompt="a green triangle"),
                            on_progress=lambda p: started.set())
     assert started.wait(120)
-    removed_at = time.monotonic()
     ray_cluster.remove_node(node)
     try:
-        with pytest.raises(Exception) as info:
+        with pytest.raises(Exception) as info:  # a TimeoutError after 10 s would not name the node
             future.result(10)
-        assert time.monotonic() - removed_at < 10
         assert f"Ray actor on node {name}" in str(info.value), info.value
         # the manager's restart asks Ray again: the other node takes it, and serves the next request
         result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu", precision="fp32",

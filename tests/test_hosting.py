@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 from helpers import engine_manager, wait_until
@@ -243,10 +242,9 @@ def test_a_busy_engine_is_kept_and_the_new_one_refused_with_what_to_do(cache_dir
         worker = threading.Thread(target=long_request)
         worker.start()
         assert started.wait(120)
-        t0 = time.monotonic()
         with pytest.raises(BudgetExceeded) as refused:
             m.generate(ImageRequest(preset="tiny-sd3", device="cpu", precision="fp32", size="64x64", steps=1))
-        assert time.monotonic() - t0 < 5  # refused at once, not after waiting
+        assert worker.is_alive() and not outcome  # refused at once: the busy request still runs (cancelled below)
         text = str(refused.value)
         assert "tiny-flux@cpu/fp32" in text and "1-engine limit" in text
         assert "pick one of the loaded engines" in text and "--max-engines" in text

@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from helpers import FakeClock, wait_until, waits_in
 
 from engine.pipeline.faults import Faults
 from engine.protocol import (
@@ -24,6 +25,7 @@ from engine.protocol import (
     StepProgress,
     Timings,
 )
+from engine.worker import priority
 from engine.worker.loop import WorkerLoop
 from engine.worker.priority import RunCost, ShortRuns, ShortRunSlots, YieldToRequests
 
@@ -96,7 +98,8 @@ class _Runner:
         self.niceness: list[int] = []
         self.policy: list[int] = []
         self.threads: list[int] = []
-        self.step_at: list[list[float]] = []  # per request: when each step ended
+        self.step_at: list[list[float]] = []  # per request: when each step ended, on self.clock
+        self.clock = time
         self.announced: list[bool] = []  # per request: its own short-run byte set while it ran
         self.short_runs: ShortRuns | None = None
         self.measured_run: tuple[Size, float] | None = None  # the load's measuring run
@@ -112,7 +115,7 @@ class _Runner:
             self.announced.append(self.short_runs._map[self.short_runs.slot] == 1)
         self.step_at.append([])
         for step in range(1, request.steps + 1):
-            self.step_at[-1].append(time.monotonic())
+            self.step_at[-1].append(self.clock.monotonic())
             if on_step is not None:
                 on_step(StepProgress(request.request_id, step, request.steps, 1.0))
         timings = Timings(step_ms=(), encode_ms=0, denoise_ms=total, decode_ms=0, total_ms=total)
@@ -192,7 +195,9 @@ def test_accelerator_engines_do_not_order_by_niceness():
 
 
 # -- long requests step aside while another engine runs a short one -----------------------------
-def test_short_run_slots_make_long_requests_wait_for_short_ones_elsewhere_within_a_bound(tmp_path):
+def test_short_run_slots_make_long_requests_wait_for_short_ones_elsewhere_within_a_bound(tmp_path, monkeypatch):
+    clock = FakeClock()  # the waits below run on a clock that moves only while step_aside sleeps
+    monkeypatch.setattr(priority, "time", clock)
     slots = ShortRunSlots(tmp_path)
     short, long = slots.take(), slots.take()
     assert (short.slot, long.slot) == (0, 1)
@@ -202,17 +207,19 @@ def test_short_run_slots_make_long_requests_wait_for_short_ones_elsewhere_within
     assert long.step_aside() == 0.0  # its own byte does not count
     long.set_running(False)
 
+    poll_s = ShortRuns.POLL_S
     short.set_running(True)
-    threading.Timer(0.1, short.set_running, args=(False,)).start()
+    clock.at(0.1, lambda: short.set_running(False))
     waited = long.step_aside()
-    assert 0.08 <= waited < 1.5  # until the short one ended (a loaded machine may fire the timer late)
+    assert 0.1 <= waited < 0.1 + poll_s + 1e-9  # until the short one ended, not a poll longer
 
     short.set_running(True)
     cancel = threading.Event()
-    threading.Timer(0.05, cancel.set).start()
-    assert long.step_aside(cancel) < 1.5  # a cancel ends the wait
+    clock.at(0.05, cancel.set)
+    assert 0.05 <= long.step_aside(cancel) < 0.05 + poll_s + 1e-9  # a cancel ends the wait
     long.max_wait_s = 0.3
-    assert 0.3 <= long.step_aside() < 1.0  # never more than its bound per step
+    assert 0.3 <= long.step_aside() < 0.3 + poll_s + 1e-9  # never more than its bound per step
+    assert long.others_running()  # the short one still ran: the bound ended that wait
 
     slots.release(short.slot)  # its engine died with the byte set: cleared
     assert not long.others_running()
@@ -240,19 +247,21 @@ def test_a_long_request_waits_between_its_steps_while_another_engine_runs_a_shor
     assert runner.announced == [True, True]  # a short request marks its byte while it runs...
     assert not elsewhere.others_running()  # ...and clears it after
 
+    clock = FakeClock()  # moves only while a request steps aside: each wait below is exact
+    monkeypatch.setattr(priority, "time", clock)
+    runner.clock = clock
     elsewhere.set_running(True)  # another engine runs a short request for 0.2 s
-    threading.Timer(0.2, elsewhere.set_running, args=(False,)).start()
-    started = time.monotonic()
+    clock.at(0.2, lambda: elsewhere.set_running(False))
     loop.serve([_request(Mode.EAGER, 4)])  # 400 ms expected: long
     steps = runner.step_at[-1]
     assert runner.announced[-1] is False  # a long one does not
-    assert steps[0] - started >= 0.18  # it waited before its first step, until the short one ended
-    assert steps[-1] - steps[0] < 0.5  # then ran its steps without waiting (each would wait up to 5 s)
+    assert 0.2 <= steps[0] < 0.2 + ShortRuns.POLL_S + 1e-9  # it waited before its first step, until then
+    assert steps[-1] == steps[0]  # then ran its steps without waiting (each would wait up to 5 s)
 
     elsewhere.set_running(True)
-    started = time.monotonic()
+    started = clock.t
     loop.serve([_request(Mode.REGIONAL, 2)])  # short: never waits for other short ones
-    assert runner.step_at[-1][0] - started < 1.0  # a wait would last its 5 s bound
+    assert runner.step_at[-1][0] == started  # a wait would last its 5 s bound
     elsewhere.set_running(False)
     slots.remove()
 
@@ -294,6 +303,10 @@ def _compile_like(yielder: YieldToRequests, progress: list, stop: threading.Even
         sys.setprofile(None)
 
 
+def _waits_in_hook(thread: threading.Thread) -> bool:
+    return waits_in(thread, YieldToRequests.hook)
+
+
 def test_the_compile_thread_waits_while_a_request_runs_and_resumes_after():
     yielder = YieldToRequests(max_wait_s=5.0)
     progress: list = []
@@ -301,18 +314,15 @@ def test_the_compile_thread_waits_while_a_request_runs_and_resumes_after():
     compiler = threading.Thread(target=_compile_like, args=(yielder, progress, stop), daemon=True)
     compiler.start()
     try:
-        while len(progress) < 5:
-            time.sleep(0.01)
+        wait_until(lambda: len(progress) >= 5, 30, 0.01, "the compile thread's first passes")
+        before = len(progress)
         yielder.request_started()
-        time.sleep(0.05)  # the compile thread reaches its next Python call and waits there
+        wait_until(lambda: _waits_in_hook(compiler), 30, 0.01, "the compile thread pausing at its next Python call")
         during = len(progress)
-        time.sleep(0.3)
-        assert len(progress) - during <= 1  # at most the pass that was under way when the request began
+        assert during - before <= 1  # at most the pass that was under way when the request began
+        assert _waits_in_hook(compiler) and len(progress) == during  # still paused: no pass went by
         yielder.request_ended()
-        deadline = time.monotonic() + 5
-        while len(progress) <= during + 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(progress) > during + 1  # it goes on once the request is done
+        wait_until(lambda: len(progress) > during + 1, 30, 0.01, "the compile thread going on")
     finally:
         stop.set()
         yielder.request_ended()
@@ -333,11 +343,8 @@ def test_a_compile_thread_never_waits_more_than_its_bound_per_request():
     yielder.request_started()
     compiler = threading.Thread(target=compile_holding_a_lock, daemon=True)
     compiler.start()
-    time.sleep(0.05)
-    start = time.monotonic()
-    while len(progress) < 3:  # past its bound the compile thread runs beside this request
-        assert time.monotonic() - start < 5, "the compile thread never went on"
-        time.sleep(0.01)
+    # past its bound the compile thread runs beside this request
+    wait_until(lambda: len(progress) >= 3, 30, 0.01, "the compile thread going on past its bound")
     stop.set()
     assert held.acquire(timeout=5)  # the request gets the lock once the compile thread lets go of it
     held.release()
@@ -352,7 +359,7 @@ def test_a_request_waits_for_an_fx_trace_under_way_which_is_never_paused():
 
     yielder = YieldToRequests(max_wait_s=5.0)
     inside, release, finished = threading.Event(), threading.Event(), threading.Event()
-    marks: dict[str, float] = {}
+    order: list[str] = []
 
     def trace_like():
         sys.setprofile(yielder.hook)
@@ -362,26 +369,26 @@ def test_a_request_waits_for_an_fx_trace_under_way_which_is_never_paused():
             release.wait(5)
             _count_to(100)  # Python calls inside the trace while a request waits: none may pause
         finally:
-            marks["trace_ended"] = time.monotonic()
+            order.append("trace ended")
             fx._is_fx_tracing_flag = False
             sys.setprofile(None)
         finished.set()
 
     def request():
         yielder.request_started()
-        marks["request_started"] = time.monotonic()
+        order.append("request started")
 
     compiler = threading.Thread(target=trace_like, daemon=True)
     compiler.start()
     assert inside.wait(5)
     requester = threading.Thread(target=request, daemon=True)
     requester.start()
-    time.sleep(0.1)
-    assert "request_started" not in marks  # it waits while the trace is under way
+    wait_until(lambda: waits_in(requester, YieldToRequests.request_started), 30, 0.01, "the request waiting")
+    assert order == []  # it waits while the trace is under way
     release.set()
     assert finished.wait(5)  # the trace ran to its end with the request pending: never paused inside
     requester.join(5)
-    assert marks["request_started"] >= marks["trace_ended"]
+    assert order == ["trace ended", "request started"]
     yielder.request_ended()
 
 

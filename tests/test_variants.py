@@ -3,8 +3,6 @@ where its encoders, denoiser and decoder ran."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from helpers import make_request, make_runner
@@ -43,32 +41,46 @@ def test_a_variant_names_the_component_it_does_not_have(cache_dir, tiny_models):
         pipeline_over(runner.pipe, unet=None)
 
 
+class StepClock:
+    """A perf_counter that moves only when a component's forward (or the decode) ends, by that component's
+    own figure: the run's timings are then exact sums of what ran in each phase."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def perf_counter(self) -> float:
+        return self.t
+
+
 @pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sdxl"])
-def test_a_runs_timings_split_where_its_text_encoders_denoiser_and_decoder_ran(cache_dir, tiny_models, preset):
+def test_a_runs_timings_split_where_its_text_encoders_denoiser_and_decoder_ran(cache_dir, tiny_models, preset,
+                                                                              monkeypatch):
     """The denoise loop starts between the last text encoder call and the first denoiser call: encode_ms
-    holds the encoders, step_ms[0] the first denoiser call, decode_ms the vae decode."""
+    holds the encoders, step_ms[i] step i's denoiser calls, decode_ms the vae decode. On a clock that only
+    the components move (10 ms per encoder call, 100 ms per denoiser call, 1 s per decode) each figure is exact."""
+    import engine.pipeline.calls
+    import engine.pipeline.clock
+
     runner = make_runner(cache_dir, preset)
-    pipe, spans = runner.pipe, {}
+    pipe, calls, clock = runner.pipe, {"encoders": 0, "denoiser": 0, "decode": 0}, StepClock()
+    for module in (engine.pipeline.calls, engine.pipeline.clock):
+        monkeypatch.setattr(module, "time", clock)
+    cost_s = {"encoders": 0.010, "denoiser": 0.100, "decode": 1.0}
 
-    def timed(name, module):
-        def pre(*_):
-            spans.setdefault(name, []).append([time.perf_counter(), None])
+    def ran(name):
+        calls[name] += 1
+        clock.t += cost_s[name]
 
-        def post(*_):
-            spans[name][-1][1] = time.perf_counter()
-
-        return module.register_forward_pre_hook(pre), module.register_forward_hook(post)
-
-    handles = [*timed("encoders", pipe.text_encoder), *timed("encoders", pipe.text_encoder_2),
-               *timed("denoiser", getattr(pipe, runner.preset.denoiser))]
+    handles = [module.register_forward_hook(lambda *_, name=name: ran(name)) for name, module in
+               (("encoders", pipe.text_encoder), ("encoders", pipe.text_encoder_2),
+                ("denoiser", getattr(pipe, runner.preset.denoiser)))]
     decode = pipe.vae.decode
 
     def timed_decode(*args, **kwargs):
-        start = time.perf_counter()
         try:
             return decode(*args, **kwargs)
         finally:
-            spans["decode"] = [[start, time.perf_counter()]]
+            ran("decode")
 
     pipe.vae.decode = timed_decode
     try:
@@ -78,9 +90,10 @@ def test_a_runs_timings_split_where_its_text_encoders_denoiser_and_decoder_ran(c
         for handle in handles:
             handle.remove()
     t = result.timings
-    ms = {name: sum(b - a for a, b in calls) * 1000 for name, calls in spans.items()}
-    first_call_ms = (spans["denoiser"][0][1] - spans["denoiser"][0][0]) * 1000
-    assert len(t.step_ms) == 3 and abs(sum(t.step_ms) - t.denoise_ms) < 0.01
-    assert abs(t.encode_ms + t.denoise_ms + t.decode_ms - t.total_ms) < 0.01
-    assert t.encode_ms >= ms["encoders"] and t.step_ms[0] >= first_call_ms and t.decode_ms >= ms["decode"]
-    assert t.denoise_ms >= ms["denoiser"]
+    per_step = calls["denoiser"] // 3
+    assert calls["encoders"] >= 1 and per_step >= 1 and calls["denoiser"] == 3 * per_step and calls["decode"] == 1
+    assert t.encode_ms == pytest.approx(10 * calls["encoders"])
+    assert t.step_ms == pytest.approx((100 * per_step,) * 3)
+    assert t.denoise_ms == pytest.approx(300 * per_step)
+    assert t.decode_ms == pytest.approx(1000)
+    assert t.total_ms == pytest.approx(t.encode_ms + t.denoise_ms + t.decode_ms)
