@@ -37,6 +37,7 @@ def oneshot_runtime(mode: Mode, tp: int, device: str) -> str:
 
 
 def cmd_generate(args) -> int:
+    from engine.serving import stream
     from engine.serving.manager import make_manager
 
     settings.workers_at_own_priority()
@@ -49,12 +50,13 @@ def cmd_generate(args) -> int:
                            runtime=oneshot_runtime(mode, args.tp, args.device))
     try:
         prompt = args.prompt if args.prompt is not None else manager.preset(args.preset).example_prompt
-        result = manager.generate(ImageRequest(preset=args.preset, device=args.device,
-                                               precision=args.precision, mode=mode, size=size, prompt=prompt,
-                                               negative_prompt=args.negative_prompt, steps=args.steps,
-                                               guidance=args.guidance, seed=args.seed, tp=args.tp,
-                                               parallel=args.parallel, snap=not args.no_snap,
-                                               on_cold=args.on_cold, step_cache=args.cache, lora=args.lora))
+        # the request's event stream, read to its end (Ctrl-C closes it, which cancels the request)
+        result = stream.generate(manager, ImageRequest(preset=args.preset, device=args.device,
+                                                       precision=args.precision, mode=mode, size=size, prompt=prompt,
+                                                       negative_prompt=args.negative_prompt, steps=args.steps,
+                                                       guidance=args.guidance, seed=args.seed, tp=args.tp,
+                                                       parallel=args.parallel, snap=not args.no_snap,
+                                                       on_cold=args.on_cold, step_cache=args.cache, lora=args.lora))
     finally:
         manager.shutdown()
     if args.out:

@@ -208,7 +208,7 @@ def test_a_cancel_sent_right_after_submit_stops_the_request(app):
 def test_a_cancel_that_found_nothing_stops_the_one_run_it_meant():
     from ui.runs import CANCEL_AHEAD_S
 
-    runs = RunRegistry(manager=None)
+    runs = RunRegistry(cancel=lambda request_id: False)
     before = time.monotonic()
     runs.cancel("s")  # nothing runs yet: the cancel is remembered
     with runs.open("s", exclusive=True, joined_at=before) as run:

@@ -348,7 +348,7 @@ def test_a_sessions_second_run_is_refused_while_one_runs():
     from engine.errors import EngineBusy
     from ui.runs import RunRegistry
 
-    runs = RunRegistry(manager=None)
+    runs = RunRegistry(cancel=lambda request_id: False)
     with runs.open("visitor-a", exclusive=True):
         with pytest.raises(EngineBusy, match="already have a request running"):
             with runs.open("visitor-a", exclusive=True):

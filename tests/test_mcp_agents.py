@@ -32,16 +32,12 @@ def request_of(session: str, agent: str | None = None):
 
 def test_a_visitor_cannot_choose_an_agents_identity_and_cancel_its_run():
     """Agents' runs were keyed `mcp:<address>`; a visitor choosing that string as its session hash cancelled them."""
-    class Manager:
-        def cancel(self, request_id):
-            return True
-
     agent = request_of("a-session-of-gradios", agent="127.0.0.21")
     visitor = request_of("mcp:127.0.0.21")
     assert session_id(agent) != session_id(visitor)
-    runs = RunRegistry(Manager())
+    runs = RunRegistry(cancel=lambda request_id: True)
     with runs.open(session_id(agent), exclusive=True) as run:
-        run.submitted(Manager(), "r1")
+        run.submitted("r1")
         assert runs.cancel(session_id(visitor)) == "nothing to cancel"
         assert not run.cancelled
         assert runs.cancel(session_id(agent)) == "cancelling r1"  # the agent's own cancel still stops it

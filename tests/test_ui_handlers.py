@@ -16,10 +16,11 @@ from engine.config.request import ImageRequest
 from engine.errors import Cancelled, EngineCrashed
 from engine.protocol import EngineKey, StepProgress
 from engine.serving.manager import HostPolicy
+from engine.serving.stream import Step, request_events
 from ui import views
 from ui.generate import PARTIAL_EVERY_S, GenerateHandlers
 from ui.handlers import Handlers, UIDefaults
-from ui.runs import ProgressBar, RunRegistry
+from ui.runs import RunRegistry
 from ui.system import HIDDEN, environment_in_force, system_markdown
 
 
@@ -296,15 +297,15 @@ def test_cancelling_an_async_handler_while_steps_flow_stops_its_engine_request()
 
         manager.script = steps_until_cancelled
         manager.loaded.set()
-        runs = RunRegistry(manager)
+        runs = RunRegistry(manager.cancel)
         steps = []
 
-        async def consume(runs=runs, steps=steps):
+        async def consume(runs=runs, steps=steps, manager=manager):
             with runs.open("s") as run:
-                async for kind, payload in runs.astream(run, EngineKey("tiny-flux", "cpu", "fp32"),
-                                                        ImageRequest("tiny-flux"), ProgressBar(RecordingProgress())):
-                    if kind == "step":
-                        steps.append(payload.step)
+                async for event in request_events(manager, ImageRequest("tiny-flux"),
+                                                  key=EngineKey("tiny-flux", "cpu", "fp32"), run=run):
+                    if isinstance(event, Step):
+                        steps.append(event.progress.step)
 
         async def cancel_mid_run(steps=steps, after=20 + attempt * 7):
             task = asyncio.create_task(consume())

@@ -4,12 +4,11 @@ progress bar of ui/runs.py), from fake scheduler snapshots and boards: no engine
 from __future__ import annotations
 
 import threading
-import time
-from types import SimpleNamespace
 
 from engine.protocol import BucketInfo, BucketKey, BucketState, EngineKey, Mode, Size
+from engine.serving.stream import Idle, Started
 from ui import waiting
-from ui.runs import ProgressBar, Run, _Watch
+from ui.runs import ProgressBar, RunFeed
 
 KEY = EngineKey("tiny-shapes", "cpu", "fp32")
 
@@ -52,13 +51,11 @@ class _Engine:
 def test_a_loading_engines_bar_moves_with_the_time_waited():
     """A new engine loaded for 22.5 s behind a bar stuck at 0.0 %."""
     seen = []
-    manager = SimpleNamespace(status=lambda: [{"engine": "other", "load_s": 20.0}])
-    watch = _Watch(manager, Run(), KEY, ProgressBar(lambda value, desc="", **kw: seen.append((value, desc))),
-                   lambda item: None)
-    watch.engine = _Engine()
+    feed = RunFeed(ProgressBar(lambda value, desc="", **kw: seen.append((value, desc))), KEY, None,
+                   status=lambda: [{"engine": "other", "load_s": 20.0}], compiles=dict)
+    feed.see(Started(_Engine()))
     for waited in (2.0, 8.0, 15.0):
-        watch.since = time.monotonic() - waited
-        watch.idle()
+        feed.see(Idle(waited, submitted=False))
     shares = [value for value, _ in seen]
     assert shares == sorted(shares) and shares[0] > 0 and shares[-1] < 1 and len(set(shares)) == 3
     assert seen[-1][1].startswith(f"loading engine {KEY}") and "about 20 s" in seen[-1][1]

@@ -38,7 +38,7 @@ from engine.pipeline.attention import attention_table
 from engine.protocol import DEFAULT_PRESET, Mode, Precision, parse_ranks
 from engine.serving.manager import Caller
 from ui import quietlog
-from ui.runs import RunRegistry
+from ui.runs import ProgressBar, RunFeed, RunRegistry
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class HandlerBase:
     def __init__(self, manager, defaults: UIDefaults | None = None):
         self.manager = manager
         self.defaults = defaults or UIDefaults()
-        self.runs = RunRegistry(manager)
+        self.runs = RunRegistry(manager.cancel)
         # Both hold what visitors typed: bounded, so a visitor who types a million names costs nothing.
         self._keys = LRU()  # (preset, device, precision, tp, caller) -> EngineKey or error
         self._current = LRU(4 * MEMO_ENTRIES)  # session -> the EngineKey of its last request (public: its own)
@@ -312,6 +312,12 @@ class HandlerBase:
             self._require_listener(request)
         with self.runs.open(session_id(request), exclusive=self.public, joined_at=joined_at(request)) as run:
             yield run
+
+    def run_feed(self, key, bar: ProgressBar, steps=None) -> RunFeed:
+        """What a run on engine `key` shows on `bar` while it waits and steps (ui/runs.py)."""
+        scheduler = getattr(self.manager, "scheduler", None)
+        return RunFeed(bar, key, int(steps) if str(steps or "").isdigit() else None, self.manager.status,
+                       scheduler.snapshot if scheduler is not None else dict)
 
     async def await_listener(self, request: gr.Request | None) -> None:
         """open_run's listener check for an async handler: the wait runs in a worker thread."""

@@ -30,6 +30,7 @@ from engine.config.request import ImageRequest
 from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size, parse_lora
+from engine.serving import stream
 from ui import compare_ab, memory_views, views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
@@ -365,11 +366,14 @@ class Comparison:
         spec = self.image_request(config, text, seed)
         key = self.h.key_for(spec.preset, spec.device, spec.precision, caller=self.caller)
         bar = ProgressBar(self.progress, desc_prefix=desc, offset=offset, grand_total=self.grand_total)
+        feed = self.h.run_feed(key, bar, spec.steps)
         started = time.perf_counter()
-        with closing(self.h.runs.stream(self.run_state, key, spec, bar, ticket=self.ticket)) as stream:
-            for kind, item in stream:
-                if kind == "done":
-                    return item, time.perf_counter() - started
+        run = stream.request_events(self.h.manager, spec, key=key, run=self.run_state, ticket=self.ticket)
+        with closing(stream.blocking(run)) as events:
+            for event in events:
+                feed.see(event)
+                if (result := stream.result_of(event)) is not None:
+                    return result, time.perf_counter() - started
                 if time.perf_counter() - self.last_yield >= HEARTBEAT_S:
                     self.last_yield = time.perf_counter()
                     yield gr.skip(), gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here

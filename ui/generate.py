@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import random
 import time
-from contextlib import ExitStack, closing, contextmanager
+from collections.abc import Iterator
+from contextlib import ExitStack, aclosing, closing, contextmanager
 from dataclasses import dataclass
 
 import gradio as gr
@@ -17,11 +18,12 @@ from gradio.utils import get_upload_folder
 from PIL import Image
 
 from engine.config.request import API_FIELDS, FORM_FIELDS, ImageRequest
-from engine.errors import Cancelled, ShowcaseError
+from engine.errors import ShowcaseError
 from engine.protocol import EngineKey, Mode, Parallel, Size, parse_lora, ranks_choice
+from engine.serving import stream
 from ui import views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
-from ui.runs import ProgressBar
+from ui.runs import ProgressBar, RunFeed
 
 # The ranks selector: one process, or N ranks in each layout (engine.protocol.Parallel).
 RANK_CHOICES = [1] + [ranks_choice(n, layout) for n in (2, 4, 8) for layout in Parallel]
@@ -86,14 +88,43 @@ class RunView:
         """Settled (running=false), so generate_ended does not take it for a cancel."""
         return dict(self.partial, running=False, error=str(exc))
 
+    def outputs(self, event, feed: RunFeed, page: bool) -> Iterator[tuple]:
+        """What a handler yields for one event of its request's stream (none, one, or one then a raised
+        gr.Error), and the event shown on its progress bar. The page gets a partial at the start, heartbeats
+        and gr.skip() for the image it keeps; /generate (`page` False, the wire's form) none of those, None
+        for no image and the result's PNG file as it is."""
+        heartbeat = feed.see(event)
+        keep = gr.skip() if page else None
+        if isinstance(event, stream.Started):
+            update = self.started()  # /generate: no message yet, at a burst's start the server has every join
+            if page:  # to admit; the page shows this run from now on
+                yield keep, update
+        elif isinstance(event, stream.Idle) and heartbeat and page:
+            yield keep, keep  # a heartbeat: Gradio can close the handler here
+        elif isinstance(event, stream.Step):
+            if (update := self.step(event.progress)) is not None:
+                yield keep, update
+        elif isinstance(event, stream.Finished):
+            try:
+                image = event.result.image() if page else png_file(event.result)
+            except Exception as exc:
+                yield keep, self.failed(exc)
+                raise to_gradio_error(exc) from None
+            yield image, self.done(event.result)
+        elif isinstance(event, stream.Stopped):
+            gr.Warning(str(event.error), title="Cancelled", duration=4)
+            yield None, self.cancelled(event.error)
+        elif isinstance(event, stream.Failed):
+            yield keep, self.failed(event.error)
+            raise to_gradio_error(event.error) from None
 
-@contextmanager
-def png_file(result):
+
+def png_file(result) -> dict:
     """The result's PNG as a file in Gradio's temporary folder (under the cache folder: ui/webtemp.py), in the
     FileData form an output with postprocess=False sends: Gradio serves it from there as it is; the folder's
     bounds remove it later."""
     path = webtemp.save_output(result.image_png, get_upload_folder())
-    yield {"path": path, "orig_name": f"{result.request_id or 'image'}.png", "mime_type": "image/png",
+    return {"path": path, "orig_name": f"{result.request_id or 'image'}.png", "mime_type": "image/png",
            "meta": {"_type": "gradio.FileData"}}
 
 
@@ -186,36 +217,15 @@ class GenerateHandlers(HandlerBase):
         Streams (image, timings): a partial timings dict ("running": true) at the start and at most
         every PARTIAL_EVERY_S, then the result's as_dict() (the CLI's --json). /cancel ends it with
         cancelled=true and no image; a failure settles the partial (running=false) before the error.
-        Partials leave the page's image as it is (gr.skip()).
+        Partials leave the page's image as it is (gr.skip()). A sync generator (Gradio runs each of its
+        steps in a worker thread) reading the request's event stream through stream.blocking: closing it
+        stops the engine request between steps.
         """
         prepared = self._prepare(form, request, progress)
-        view = prepared.view
-        with ExitStack() as stack:
-            try:  # public mode: one running request per visitor
-                run = stack.enter_context(self.open_run(request))
-            except ShowcaseError as exc:
-                raise to_gradio_error(exc) from None
-            stream = stack.enter_context(closing(self.runs.stream(run, prepared.key, prepared.spec,
-                                                                  ProgressBar(progress))))
-            try:
-                # The engine request first, then the page's first update: that update is a round trip
-                # through Gradio's event loop, which a busy server makes wait.
-                next(stream)  # ("started", None)
-                yield gr.skip(), view.started()  # the page shows this run from now on
-                for kind, payload in stream:
-                    if kind == "wait":
-                        yield gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
-                    elif kind == "step":
-                        if (update := view.step(payload)) is not None:
-                            yield gr.skip(), update
-                    else:
-                        yield payload.image(), view.done(payload)
-            except Cancelled as exc:
-                gr.Warning(str(exc), title="Cancelled", duration=4)
-                yield None, view.cancelled(exc)
-            except Exception as exc:
-                yield gr.skip(), view.failed(exc)
-                raise to_gradio_error(exc) from None
+        feed = self.run_feed(prepared.key, ProgressBar(progress))
+        with self._registered(request) as run, closing(stream.blocking(self._events(prepared, run))) as events:
+            for event in events:
+                yield from prepared.view.outputs(event, feed, page=True)
 
     async def generate_api(self, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
         """/generate: what `generate` streams, for callers that read the result, as cheaply for the web
@@ -230,35 +240,31 @@ class GenerateHandlers(HandlerBase):
           encoded again.
         Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await."""
         prepared = self._prepare(form, request, progress, for_page=False)
-        view = prepared.view
+        feed = self.run_feed(prepared.key, ProgressBar(progress))
         try:
             await self.await_listener(request)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
+        with self._registered(request, listener_checked=True) as run:
+            async with aclosing(self._events(prepared, run)) as events:
+                async for event in events:
+                    for output in prepared.view.outputs(event, feed, page=False):
+                        yield output
+
+    @contextmanager
+    def _registered(self, request: gr.Request | None, listener_checked: bool = False):
+        """The handler's run (HandlerBase.open_run); a refusal (public mode: one running request per visitor)
+        as the gr.Error a visitor reads."""
         with ExitStack() as stack:
-            try:  # public mode: one running request per visitor
-                run = stack.enter_context(self.open_run(request, listener_checked=True))
+            try:
+                run = stack.enter_context(self.open_run(request, listener_checked=listener_checked))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
-            stream = self.runs.astream(run, prepared.key, prepared.spec, ProgressBar(progress))
-            try:
-                await anext(stream)  # ("started", None)
-                view.started()  # no message yet: at a burst's start the web server has every join to admit
-                async for kind, payload in stream:
-                    if kind == "step":
-                        if (update := view.step(payload)) is not None:
-                            yield None, update
-                    else:
-                        with png_file(payload) as image:
-                            yield image, view.done(payload)
-            except Cancelled as exc:
-                gr.Warning(str(exc), title="Cancelled", duration=4)
-                yield None, view.cancelled(exc)
-            except Exception as exc:
-                yield None, view.failed(exc)
-                raise to_gradio_error(exc) from None
-            finally:
-                await stream.aclose()
+            yield run
+
+    def _events(self, prepared: PreparedRun, run):
+        """The request's one event stream (engine/serving/stream.py)."""
+        return stream.request_events(self.manager, prepared.spec, key=prepared.key, run=run)
 
     def form_request(self, form: dict, request: gr.Request | None) -> ImageRequest:
         """The ImageRequest a form asks for, before its engine is resolved: text as the API sends it, where

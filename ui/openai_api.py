@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,8 +54,9 @@ from engine.errors import (
     scrub_paths,
 )
 from engine.protocol import Mode, Precision
+from engine.serving import stream
+from engine.serving.stream import Run
 from ui.common import ENGINE_QUEUE
-from ui.runs import Run
 
 log = logging.getLogger(__name__)
 
@@ -275,51 +276,48 @@ def read_call(body: dict, defaults, preset: str, caller: Caller, client: str) ->
 
 # -- the images ------------------------------------------------------------------------------------------
 class ImagesRun:
-    """The n images of one call: each one manager.generate in a thread of its own, sent together so an engine
-    that batches runs them as one pipeline call. `events()` yields ("step", index, StepProgress) and
-    ("done", index, GenerateResult) on the event loop; `stop()` cancels every image between steps."""
+    """The n images of one call: each one request's event stream (engine/serving/stream.py), started together so
+    an engine that batches runs them as one pipeline call. `events()` yields (index, event) of the images' Step,
+    Partial and Finished events; `stop()` cancels every image between steps. `open_events(spec, run)`: an
+    image's stream; `cancel(request_id)`: what stops a sent request."""
 
-    def __init__(self, manager, specs: list[ImageRequest]):
-        self.manager, self.specs = manager, specs
-        self.runs = [Run() for _ in specs]
+    def __init__(self, specs: list[ImageRequest], open_events, cancel):
+        self.specs = specs
+        self.runs = [Run(cancel) for _ in specs]
+        self.streams = [open_events(spec, run) for spec, run in zip(specs, self.runs, strict=True)]
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
+        self.pumps: list[asyncio.Task] = []
         self.left = len(specs)
 
-    def _put(self, item) -> None:
-        with suppress(RuntimeError):  # the loop closed (the app is stopping)
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
     def start(self) -> ImagesRun:
-        for index, (spec, run) in enumerate(zip(self.specs, self.runs, strict=True)):
-            threading.Thread(target=self._work, args=(index, spec, run), name=f"v1-image-{index}", daemon=True).start()
+        self.pumps = [asyncio.create_task(self._pump(index, events)) for index, events in enumerate(self.streams)]
         return self
 
-    def _work(self, index: int, spec: ImageRequest, run: Run) -> None:
-        manager = self.manager
-        try:
-            if run.cancelled:
-                raise Cancelled("cancelled before it started")
-            result = manager.generate(spec, on_progress=lambda p: self._put(("step", index, p)),
-                                      on_submit=lambda request_id: run.submitted(manager, request_id))
-            self._put(("done", index, result))
-        except BaseException as exc:  # noqa: BLE001 - handed to the request's handler
-            self._put(("error", index, exc))
+    async def _pump(self, index: int, events) -> None:
+        async with aclosing(events):
+            async for event in events:
+                self.queue.put_nowait((index, event))
 
     async def events(self):
-        """Every image's steps and results; raises the first image's error (after stopping the others)."""
-        while self.left:
-            kind, index, payload = await self.queue.get()
-            if kind == "error":
-                self.stop()
-                raise payload
-            if kind == "done":
-                self.left -= 1
-            yield kind, index, payload
+        """Every image's steps, partials and results; raises the first image's error (after stopping the
+        others). Left early, it stops the images still running."""
+        try:
+            while self.left:
+                index, event = await self.queue.get()
+                if isinstance(event, (stream.Failed, stream.Stopped)):
+                    self.stop()
+                    raise event.error
+                if isinstance(event, stream.Finished):
+                    self.left -= 1
+                if isinstance(event, (stream.Step, stream.Partial, stream.Finished)):
+                    yield index, event
+        finally:
+            for pump in self.pumps:
+                pump.cancel()  # a stream closed before its image is done stops its request
 
     def stop(self) -> None:
         for run in self.runs:
-            run.stop(self.manager)
+            run.stop()
 
 
 class OutputStore:
@@ -399,12 +397,12 @@ class Answer:
         }
 
 
-def partial_event(progress, index: int, number: int, size: str) -> dict:
+def partial_event(partial: stream.Partial, index: int, number: int, size: str) -> dict:
     """An image_generation.partial_image event (the SDK's ImageGenPartialImageEvent): image `index`'s
     `number`-th partial image, at its step."""
-    return {"type": "image_generation.partial_image", "b64_json": base64.b64encode(progress.previews[0]).decode("ascii"),
+    return {"type": "image_generation.partial_image", "b64_json": base64.b64encode(partial.png).decode("ascii"),
             "background": "opaque", "created_at": int(time.time()), "output_format": "png", "quality": "auto",
-            "size": size, "partial_image_index": number, "index": index, "step": progress.step, "steps": progress.total}
+            "size": size, "partial_image_index": number, "index": index, "step": partial.step, "steps": partial.total}
 
 
 def stream_event(kind: str, answer: Answer, result, index: int) -> dict:
@@ -545,12 +543,16 @@ class OpenAIRoutes:
         await anyio.to_thread.run_sync(self._check_call, call)  # may probe devices: not on the event loop
         self._hold(call, held)
         answer = Answer(call)
-        run = ImagesRun(self.h.manager, call.specs())
+        run = ImagesRun(call.specs(), self._events, self.h.manager.cancel)
         if call.stream:
             return StreamingResponse(self._stream(run, answer), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
         await self._run(run, answer, request)
         return JSONResponse(answer.body(self.store, str(request.base_url).rstrip("/")))
+
+    def _events(self, spec: ImageRequest, run: Run):
+        """An image's one event stream (engine/serving/stream.py)."""
+        return stream.request_events(self.h.manager, spec, run=run)
 
     def _check_call(self, call: ImagesCall) -> None:
         """What /generate checks before an engine starts (ui/generate.py _prepare): the engine the caller may
@@ -585,9 +587,10 @@ class OpenAIRoutes:
 
         watcher = asyncio.create_task(watch())
         try:
-            async for kind, index, payload in run.start().events():
-                if kind == "done":
-                    answer.results[index] = payload
+            async with aclosing(run.start().events()) as events:
+                async for index, event in events:
+                    if isinstance(event, stream.Finished):
+                        answer.results[index] = event.result
         finally:
             watcher.cancel()
 
@@ -598,14 +601,14 @@ class OpenAIRoutes:
         images."""
         done, partials = False, [0] * len(run.specs)
         try:
-            async for kind, index, payload in run.start().events():
-                if kind == "done":
-                    answer.results[index] = payload
-                    yield sse(stream_event("completed", answer, payload, index))
-                elif payload.previews:
-                    size = preview_size(payload.previews[0])
-                    yield sse(partial_event(payload, index, partials[index], size))
-                    partials[index] += 1
+            async with aclosing(run.start().events()) as events:
+                async for index, event in events:
+                    if isinstance(event, stream.Finished):
+                        answer.results[index] = event.result
+                        yield sse(stream_event("completed", answer, event.result, index))
+                    elif isinstance(event, stream.Partial):
+                        yield sse(partial_event(event, index, partials[index], preview_size(event.png)))
+                        partials[index] += 1
             done = True
         except Exception as exc:
             yield sse(api_error(exc).body(), "error")

@@ -1,14 +1,12 @@
-"""Engine requests started by UI handlers: streaming their steps, and stopping them.
-
-manager.generate blocks until the worker answers, so each request runs in a thread while the
-handler (a generator) streams its StepProgress to gr.Progress and to its outputs.
+"""Engine requests started by UI handlers: their sessions (for /cancel and the one-run rule), and what
+their event streams (engine/serving/stream.py) show on a handler's progress bar while they run.
 
 Two things stop a run, both between steps:
-- Gradio closes the handler's generator: a Cancel button (`cancels=[event]`), gradio_client's
-  job.cancel(), a closed browser tab. Gradio can only close a generator at a yield, so `stream`
-  yields a heartbeat at least every HEARTBEAT_S, also while the engine loads or the request waits
-  in its queue; closing it cancels the engine request, or, not submitted yet, cancels it the
-  moment it is submitted.
+- Gradio closes the handler: a Cancel button (`cancels=[event]`), gradio_client's job.cancel(), a
+  closed browser tab. Gradio can only close a sync generator at a yield, so a sync handler yields a
+  heartbeat at least every HEARTBEAT_S (RunFeed says when), also while the engine loads or the request
+  waits in its queue; an async handler can be cancelled at any await. Either way its event stream is
+  closed, which cancels the engine request, or, not submitted yet, cancels it the moment it is submitted.
 - the /cancel API: gradio_client callers name no event, so the session's runs are registered
   here; the engine request is cancelled and the handler returns the cancelled result. A /cancel can
   overtake the run it means (both wait in Gradio's queue; /cancel never waits long), or even reach
@@ -19,22 +17,18 @@ Two things stop a run, both between steps:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.config.request import ImageRequest
-from engine.errors import Cancelled, EngineBusy
+from engine.errors import EngineBusy
+from engine.serving.stream import Idle, Run, Started, Step
 from ui import waiting
 
-HEARTBEAT_S = 0.5  # about the longest a handler goes without a yield, i.e. without a chance to be closed
-POLL_S = 0.25  # how often a waiting run's progress text is refreshed
+HEARTBEAT_S = 0.5  # about the longest a sync handler goes without a yield, i.e. without a chance to be closed
 # A running step's progress bar is updated at most this often: each update is an event-stream message the
 # web server sends and the page parses, and a batch of 8 at ~20 ms a step would send 50 a second each.
 PROGRESS_EVERY_S = 0.1
@@ -53,32 +47,11 @@ class ProgressBar:
     grand_total: int | None = None
 
 
-@dataclass(eq=False)
-class Run:
-    """One handler call's engine requests (compare makes several, one after another)."""
-
-    request_id: str | None = None
-    cancelled: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def submitted(self, manager, request_id: str) -> None:
-        with self.lock:
-            self.request_id = request_id
-            cancel_now = self.cancelled
-        if cancel_now:  # stopped while its engine was still loading
-            manager.cancel(request_id)
-
-    def stop(self, manager) -> str | None:
-        """Mark the run cancelled and cancel its engine request; returns that request's id if one ran."""
-        with self.lock:
-            self.cancelled = True
-            request_id = self.request_id
-        return request_id if request_id and manager.cancel(request_id) else None
-
-
 class RunRegistry:
-    def __init__(self, manager):
-        self.manager = manager
+    """The runs in flight per session. `cancel(request_id)` cancels a sent engine request."""
+
+    def __init__(self, cancel: Callable[[str], bool]):
+        self._cancel = cancel
         self._sessions: dict[str, set[Run]] = {}
         # session -> (its last /cancel, whether that cancel found nothing to stop)
         self._cancelled_at: OrderedDict[str, tuple[float, bool]] = OrderedDict()
@@ -89,7 +62,7 @@ class RunRegistry:
         """A run registered under the caller's session for as long as its handler runs. `exclusive`
         (public mode): one running request per session, a second is refused at once. `joined_at`
         (time.monotonic() when its event joined the queue): a /cancel since then cancels it already."""
-        run = Run()
+        run = Run(self._cancel)
         with self._lock:
             at, found_nothing = self._cancelled_at.get(session, (None, False))
             if joined_at is not None and at is not None:
@@ -119,147 +92,65 @@ class RunRegistry:
                 self._cancelled_at.popitem(last=False)
         if not runs:
             return "nothing to cancel"
-        stopped = [request_id for run in runs if (request_id := run.stop(self.manager))]
+        stopped = [request_id for run in runs if (request_id := run.stop())]
         return f"cancelling {', '.join(stopped)}" if stopped else "cancel requested"
 
-    def stream(self, run: Run, key, spec: ImageRequest, bar: ProgressBar, ticket=None):
-        """Run manager.generate(spec) on engine `key` (the spec's) in a thread; yield ("started", None) as soon
-        as that thread runs, ("step", StepProgress), ("wait", None) heartbeats, then ("done", GenerateResult).
-        Raises the run's exception. `ticket`: the Compare's admission it runs on.
 
-        Closing this generator (GeneratorExit at a yield) stops the engine request.
-        """
-        events: queue.Queue = queue.Queue()
-        watch = _Watch(self.manager, run, key, bar, events.put)
-        watch.start(self.manager.engine(key, caller=spec.caller), spec, ticket)
-        try:
-            yield "started", None  # the caller may tell the page now: the request is already on its way
-            while True:
-                try:
-                    kind, payload = events.get(timeout=POLL_S)
-                except queue.Empty:
-                    if watch.idle():
-                        yield "wait", None
-                    continue
-                yield watch.event(kind, payload)
-                if kind == "done":
-                    return
-        finally:
-            watch.close()
+class RunFeed:
+    """What a request's events mean for its handler's progress bar: the waiting text (an estimate from what
+    this host measured: loads, compiles of the mode) until its first step, then its steps; and, for a sync
+    handler, when a heartbeat is due. `status()`: the engines' rows (EngineManager.status); `compiles()`:
+    the compile scheduler's snapshot; `steps`: the run's steps where the request names them (a Compare's bar)."""
 
-    async def astream(self, run: Run, key, spec: ImageRequest, bar: ProgressBar):
-        """stream() for an async handler: the same items, awaited on the event loop instead of a handler
-        thread (Gradio runs each step of a sync generator in a worker thread: a hop per item). No "wait"
-        heartbeats: an async handler can be cancelled at any await. Cancelling it stops the engine request."""
-        import anyio
-
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def put(item) -> None:  # from the request's thread
-            with contextlib.suppress(RuntimeError):  # the loop closed (the app is stopping)
-                loop.call_soon_threadsafe(events.put_nowait, item)
-
-        watch = _Watch(self.manager, run, key, bar, put)
-        # manager.engine() may spawn the engine's worker process: not on the event loop
-        watch.start(await anyio.to_thread.run_sync(lambda: self.manager.engine(key, caller=spec.caller)), spec)
-        try:
-            yield "started", None
-            while True:
-                try:
-                    # not asyncio.wait_for: on Python 3.11 it returns an item that arrived as the task was
-                    # cancelled and drops the cancel (job.cancel() would not stop the run)
-                    async with asyncio.timeout(POLL_S):
-                        kind, payload = await events.get()
-                except TimeoutError:
-                    watch.idle()
-                    continue
-                yield watch.event(kind, payload)
-                if kind == "done":
-                    return
-        finally:
-            watch.close()
-
-
-class _Watch:
-    """One engine request of a stream: the thread that makes it, and what each of its events means for the
-    progress bar (shared by RunRegistry.stream and astream). `put((kind, payload))` hands an event over."""
-
-    def __init__(self, manager, run: Run, key, bar: ProgressBar, put):
-        if run.cancelled:  # a /cancel came after this run's event joined the queue
-            raise Cancelled("cancelled before it started")
-        self.manager, self.run, self.key, self.bar, self.put = manager, run, key, bar, put
+    def __init__(self, bar: ProgressBar, key, steps: int | None, status: Callable[[], list[dict]],
+                 compiles: Callable[[], dict]):
+        self.bar, self.key, self.steps, self.status, self.compiles = bar, key, steps, status, compiles
         self.engine = None
-        self.stepping = self.answered = False
-        self.since = self.last_yield = time.monotonic()
-        self.steps: int | None = None  # the run's steps, where the request names them (a Compare's bar)
-        self.last_progress = 0.0
+        self.stepping = False
+        self.last_yield = self.last_progress = 0.0
 
-    def start(self, engine, spec: ImageRequest, ticket=None) -> None:
-        self.engine = engine
-        self.steps = int(spec.steps) if str(spec.steps or "").isdigit() else None
-        manager, run, put = self.manager, self.run, self.put
+    def see(self, event) -> bool:
+        """Show `event` on the bar; True for an Idle when a sync handler's heartbeat is due."""
+        now = time.monotonic()
+        if isinstance(event, Idle):
+            if not self.stepping:
+                self._show_waiting(event)
+            if now - self.last_yield < HEARTBEAT_S:
+                return False
+        elif isinstance(event, Started):
+            self.engine = event.engine
+        elif isinstance(event, Step):
+            self._show_step(event.progress, now)
+        self.last_yield = now
+        return isinstance(event, Idle)
 
-        def work() -> None:
-            try:
-                result = manager.generate(spec, on_progress=lambda p: put(("step", p)), ticket=ticket,
-                                          on_submit=lambda request_id: run.submitted(manager, request_id))
-                put(("done", result))
-            except BaseException as exc:  # noqa: BLE001 - handed to the handler
-                put(("error", exc))
+    def _show_waiting(self, idle: Idle) -> None:
+        desc, share = self.waiting(idle)
+        bar = self.bar
+        if bar.grand_total:  # a Compare's bar: this image's share of it moves with the wait
+            done = bar.offset + (share or 0.0) * (self.steps or 0)
+            bar.progress((round(done, 1), bar.grand_total), desc=bar.desc_prefix + desc)
+        else:
+            bar.progress(share or 0.0, desc=bar.desc_prefix + desc)
 
-        threading.Thread(target=work, name=f"ui-run-{self.key}", daemon=True).start()
-
-    def idle(self) -> bool:
-        """No event for POLL_S: refresh the waiting text; True when a heartbeat is due."""
-        if not self.stepping:
-            desc, share = self.waiting()
-            bar = self.bar
-            if bar.grand_total:  # a Compare's bar: this image's share of it moves with the wait
-                done = bar.offset + (share or 0.0) * (self.steps or 0)
-                bar.progress((round(done, 1), bar.grand_total), desc=bar.desc_prefix + desc)
-            else:
-                bar.progress(share or 0.0, desc=bar.desc_prefix + desc)
-        if time.monotonic() - self.last_yield >= HEARTBEAT_S:
-            self.last_yield = time.monotonic()
-            return True
-        return False
-
-    def waiting(self) -> tuple[str, float | None]:
-        """What the run waits for before its first step, and the share of that wait done (an estimate from
-        what this host measured: loads, compiles of the mode)."""
-        key, waited = self.key, time.monotonic() - self.since
+    def waiting(self, idle: Idle) -> tuple[str, float | None]:
+        """What the run waits for before its first step, and the share of that wait done."""
+        key, waited = self.key, idle.waited_s
         if not self.engine.ready.is_set():
-            loads = [row.get("load_s") for row in self.manager.status() if row.get("load_s")]
+            loads = [row.get("load_s") for row in self.status() if row.get("load_s")]
             return waiting.loading_text(key, waited, loads)
-        if self.run.request_id is None:
+        if not idle.submitted:
             return f"waiting for engine {key}…", None
-        scheduler = getattr(self.manager, "scheduler", None)
-        snapshot = scheduler.snapshot() if scheduler is not None else {}
-        compiling = waiting.compile_wait_text(key, snapshot, self.engine.buckets(), waited)
+        compiling = waiting.compile_wait_text(key, self.compiles(), self.engine.buckets(), waited)
         return compiling or (waiting.queued_text(key, self.engine.pending(), waited), None)
 
-    def event(self, kind: str, payload):
-        """The (kind, payload) to hand on; raises the run's error."""
-        if kind in ("done", "error"):
-            self.answered = True
-        if kind == "error":
-            raise payload
-        if kind == "step":
-            self.stepping = True
-            bar = self.bar
-            total = bar.grand_total or payload.total
-            # A single run's bar ends with its result; one bar over several runs (compare) shows each end.
-            last = payload.step >= payload.total and bar.grand_total is not None
-            if time.monotonic() - self.last_progress >= PROGRESS_EVERY_S or last:
-                self.last_progress = time.monotonic()
-                bar.progress((bar.offset + payload.step, total),
-                             desc=f"{bar.desc_prefix}step {payload.step}/{payload.total}", unit="steps")
-        self.last_yield = time.monotonic()
-        return kind, payload
-
-    def close(self) -> None:
-        if not self.answered:  # closed before the engine answered: stop the request
-            self.run.stop(self.manager)
-        with self.run.lock:
-            self.run.request_id = None
+    def _show_step(self, progress, now: float) -> None:
+        self.stepping = True
+        bar = self.bar
+        total = bar.grand_total or progress.total
+        # A single run's bar ends with its result; one bar over several runs (compare) shows each end.
+        last = progress.step >= progress.total and bar.grand_total is not None
+        if now - self.last_progress >= PROGRESS_EVERY_S or last:
+            self.last_progress = now
+            bar.progress((bar.offset + progress.step, total),
+                         desc=f"{bar.desc_prefix}step {progress.step}/{progress.total}", unit="steps")

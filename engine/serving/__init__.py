@@ -13,6 +13,8 @@
     cost.py         token-step prices and the visitors' cost budgets
     scheduler.py    one compile scheduler per host: at most `jobs` bucket compiles at a time
     telemetry.py    Prometheus metrics of the manager's requests
+    stream.py       request_events: one request as one async stream of typed events (every door reads it);
+                    blocking() for synchronous readers; Run, the handle that cancels it
     inprocess.py    the in-process runtime: a WorkerLoop on threads of the app's process (ZeroGPU)
     gpu.py          GPU calls of the in-process runtime: device work inside a function ZeroGPU schedules
 
