@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -14,7 +15,17 @@ from pathlib import Path
 import pytest
 
 from engine.errors import InvalidRequest, UnsupportedCombination
-from engine.protocol import STEP_CACHES, BatchingOptions, CacheParam, StepCache, StepCacheEntry, StepCacheKind
+from engine.protocol import (
+    STEP_CACHES,
+    BatchingOptions,
+    CacheParam,
+    EngineOptions,
+    Mode,
+    RecipeOptions,
+    StepCache,
+    StepCacheEntry,
+    StepCacheKind,
+)
 from engine.protocol.flagfields import NEGATED, OPTIONAL_BOOL, SWITCH, Decimal, OneOf, Whole, flag
 from engine.protocol.stepcaches import ATTENTION, ParamRange
 
@@ -176,3 +187,44 @@ def test_a_field_added_to_an_engine_config_is_an_engine_flag():
 
     args = _parser(MoreBatching).parse_args(["--batch-colour", "teal", "--max-batch", "4"])
     assert from_args(MoreBatching, args) == MoreBatching(max_batch=4, batch_colour="teal")
+
+
+def test_an_attention_backend_added_to_its_table_is_a_choice_a_row_and_a_refusal(monkeypatch):
+    import app
+    from engine import devices
+    from engine.pipeline import attention
+
+    monkeypatch.setitem(attention.BACKENDS, "made_up_flash",
+                        attention.Backend("made_up_flash", "sdpa", "a backend of a test", dtypes=attention.HALF))
+    args = app.build_parser().parse_args(["--attention-backend", "Made_Up_Flash"])
+    assert args.attention_backend == "made_up_flash"
+    spec = devices.get_device("cpu")
+    rows = {r["name"]: r for r in attention.attention_table(spec, "fp32")}
+    assert rows["made_up_flash"]["reason"] == "made_up_flash takes bf16 or fp16 only, not fp32"
+    with pytest.raises(UnsupportedCombination, match="attention backend 'made_up_flash' cannot run on CPU"):
+        attention.check_backend("made_up_flash", spec, "fp32")
+
+
+@dataclass(frozen=True)
+class TweakedRecipe(RecipeOptions):
+    tiny_tweak: bool = field(default=False, metadata=flag("tweak the denoiser a little", kind=SWITCH))
+
+
+def test_a_recipe_lever_is_its_field_and_one_row(monkeypatch):
+    """The field is the flag; the row says how it applies, which modes it rules out and whether the graph
+    changes with it."""
+    from engine.config.flags import from_args
+    from engine.pipeline import recipes
+
+    assert set(recipes.RECIPE_LEVERS) <= {f.name for f in dataclasses.fields(RecipeOptions)}
+    monkeypatch.setitem(recipes.RECIPE_LEVERS, "tiny_tweak", recipes.RecipeLever(
+        "tiny_tweak", load=lambda pipe, denoiser: f"tweaked {denoiser}", graph=True,
+        excludes={Mode.AOT: "a tweak cannot be exported"}))
+    recipe = from_args(TweakedRecipe, _parser(TweakedRecipe).parse_args(["--tiny-tweak", "--fuse-qkv"]))
+    assert recipe.tiny_tweak and recipe.fuse_qkv
+    options = EngineOptions(recipe=dataclasses.replace(recipe, fuse_qkv=False))
+    assert recipes.apply_load_steps(object(), "transformer", options) == ["tweaked transformer"]
+    assert recipes.excluded_mode(options, Mode.AOT) == "a tweak cannot be exported"
+    assert recipes.excluded_mode(options, Mode.EAGER) == ""
+    assert recipes.graph_options(options)["tiny_tweak"] is True
+    assert recipes.excluded_mode(EngineOptions(cpu_offload=True), Mode.COMPILE) == "CPU offload is on"

@@ -13,6 +13,7 @@ import ast
 import functools
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import settings
@@ -27,6 +28,7 @@ from engine.protocol.flagfields import (
     OneOf,
     Whole,
     field_default,
+    flag,
     flag_fields,
 )
 from engine.protocol.options import memory_text
@@ -273,6 +275,21 @@ def argv_of(cls, args) -> list[str]:
     return argv
 
 
+@dataclass(frozen=True)
+class SourceFlags:
+    """Where an engine's weights and caches come from (read by `presets_from_args` and the manager)."""
+
+    cache_dir: Path | None = field(default=None, metadata=flag(
+        "persistent folder for tiny models and compile caches (default: $SHOWCASE_CACHE_DIR or "
+        "~/.cache/diffusion-showcase)", check=Path))
+    model: str | None = field(default=None, metadata=flag(
+        "serve any Hub id or local diffusers folder (buckets from its family)"))
+    model_root: tuple[Path, ...] = field(default=(), metadata=flag(
+        "a folder local models may be loaded from (repeatable)", kind=APPEND, check=Path))
+    buckets: str | None = field(default=None, metadata=flag("comma-separated WxH buckets for --model",
+                                                            check=lambda text: _sizes(text)))
+
+
 ENGINE_FLAG_CONFIGS = (RecipeOptions, BatchingOptions)  # the EngineOptions parts whose fields are engine flags
 
 
@@ -281,13 +298,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, attention_backends: It
     registry lives in engine/pipeline/, above this layer; a caller that passes none leaves the name to the
     engine, which refuses an unknown one when it loads)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--cache-dir", type=Path, default=None,
-                   help="persistent folder for tiny models and compile caches (default: $SHOWCASE_CACHE_DIR or "
-                        "~/.cache/diffusion-showcase)")
-    g.add_argument("--model", default=None, help="serve any Hub id or local diffusers folder (buckets from its family)")
-    g.add_argument("--model-root", action="append", default=[], type=Path,
-                   help="a folder local models may be loaded from (repeatable)")
-    g.add_argument("--buckets", type=_sizes, default=None, help="comma-separated WxH buckets for --model")
+    add_fields(g, SourceFlags)
     names = tuple(attention_backends) if attention_backends is not None else None
     for cls in ENGINE_FLAG_CONFIGS:
         add_fields(g, cls, names={"attention_backend": (lambda: names) if names else None})
