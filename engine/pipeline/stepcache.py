@@ -105,7 +105,7 @@ def cache_status(kind, preset: ModelPreset, spec, mode) -> dict:
 def available_step_caches(preset: ModelPreset, device_spec, mode=Mode.EAGER) -> list[dict]:
     """Every step cache with whether it can run for `preset` on `device_spec` in `mode`, and why not:
     dicts of name, usable, why_not, params (defaults of its parameters), summary, form, default."""
-    return [cache_status(kind, preset, device_spec, mode) for kind in StepCacheKind]
+    return [cache_status(kind, preset, device_spec, mode) for kind in STEP_CACHES]
 
 
 def check_step_cache(cache, preset: ModelPreset, spec, mode) -> list[str]:

@@ -159,13 +159,7 @@ STEP_CACHES: dict[str, StepCacheEntry] = {e.name: e for e in (
 
 
 class _Registered(type):
-    """Iterating `StepCacheKind` walks the registry; `StepCacheKind.FIRST_BLOCK` is the entry "first-block"."""
-
-    def __iter__(cls):
-        return iter([cls(name) for name in STEP_CACHES])
-
-    def __len__(cls) -> int:
-        return len(STEP_CACHES)
+    """`StepCacheKind.FIRST_BLOCK` is the entry "first-block" (iterate STEP_CACHES for every name)."""
 
     def __getattr__(cls, attr: str):
         name = attr.lower().replace("_", "-")
