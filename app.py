@@ -19,24 +19,22 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import settings
-from engine.config.flags import OneLineParser, add_engine_arguments, as_text, one_of, options_from_args, whole
+from engine.config.flags import OneLineParser, add_engine_arguments, add_fields, options_from_args
 from engine.config.presets import get_preset
 from engine.config.request import API_KEYS_ADMIN
 from engine.config.validation import check_lora, check_preset_name
 from engine.errors import InvalidRequest, ShowcaseError
-from engine.protocol import Mode, Parallel, Precision, Size, parse_lora
+from engine.protocol import DEFAULT_PRESET, Mode, Parallel, Precision, Size, parse_lora
+from engine.protocol.flagfields import OPTIONAL_BOOL, SWITCH, OneOf, Whole, flag
 from engine.serving.budget import GIB
 from engine.serving.flags import (
+    HOSTING_FLAGS,
     MAX_QUEUE,
+    FleetFlags,
     HostingChoice,
-    add_budget_flags,
-    add_fleet_flags,
-    add_hosting_flags,
-    add_socket_flags,
-    add_visitor_flags,
     hosting_config,
     resolve_hosting,
 )
@@ -50,70 +48,78 @@ MAX_RANKS = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every flag is a field of a config dataclass (engine/config/flags.py `add_fields`), in this order."""
     from engine.pipeline.attention import BACKENDS
 
     d = settings.server_defaults()
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_server_flags(p.add_argument_group("server"), d)
-    add_default_engine_flags(p.add_argument_group("default engine"), d)
+    add_fields(p.add_argument_group("server"), ServerFlags, d)
+    add_fields(p.add_argument_group("default engine"), DefaultEngineFlags, d)
     h = p.add_argument_group("hosting (a Space or a shared box: see README 'Hosting')")
-    add_hosting_flags(h, d)
-    add_budget_flags(h, d)
-    add_visitor_flags(h, d)
-    add_socket_flags(h, d)
-    add_fleet_flags(p.add_argument_group("fleet (engines on the nodes of a Ray cluster: docs/multinode.md)"), d)
+    for flags in HOSTING_FLAGS:
+        add_fields(h, flags, d)
+    add_fields(p.add_argument_group("fleet (engines on the nodes of a Ray cluster: docs/multinode.md)"), FleetFlags, d)
     add_engine_arguments(p, attention_backends=BACKENDS)
     return p
 
 
-def add_server_flags(s, d: dict) -> None:
+@dataclass(frozen=True)
+class ServerFlags:
     """Where and how the web server listens and logs."""
-    s.add_argument("--host", default=d["host"], help="interface to bind (default 127.0.0.1; $SHOWCASE_HOST)")
-    s.add_argument("--port", type=whole(1, 65535), default=as_text(d["port"]), help="port (default 7860; $SHOWCASE_PORT)")
-    s.add_argument("--share", action="store_true", help="opt in to a public gradio.live share link")
-    s.add_argument("--auth", type=auth_text, default=d["auth"], metavar="USER:PASS",
-                   help="require this login (Gradio's own auth; $SHOWCASE_AUTH)")
-    s.add_argument("--queue-size", type=whole(1, MAX_QUEUE), default=as_text(d["queue_size"]),
-                   help="events that may wait in the queue before new ones are refused ($SHOWCASE_QUEUE_SIZE)")
-    s.add_argument("--theme", default=None, help="a Gradio theme name (default: Soft)")
-    s.add_argument("-v", "--verbose", action="store_true")
-    s.add_argument("--log-format", choices=("text", "json"), default=d["log_format"],
-                   help="console lines of the app and its workers: text, or one JSON object per line with the "
-                        "request id (for hosts that ship logs; $SHOWCASE_LOG_FORMAT)")
-    s.add_argument("--mcp", action=argparse.BooleanOptionalAction, default=d["mcp"],
-                   help="also serve the API as MCP tools for agents at /gradio_api/mcp/ (needs pip install "
-                        "\".[mcp]\"; default off; $SHOWCASE_MCP=1)")
+
+    host: str = field(default="127.0.0.1", metadata=flag("interface to bind (default 127.0.0.1; $SHOWCASE_HOST)",
+                                                         env="host"))
+    port: int = field(default=7860, metadata=flag("port (default 7860; $SHOWCASE_PORT)", check=Whole(1, 65535),
+                                                  env="port", as_text=True))
+    share: bool = field(default=False, metadata=flag("opt in to a public gradio.live share link", kind=SWITCH))
+    auth: str | None = field(default=None, metadata=flag(
+        "require this login (Gradio's own auth; $SHOWCASE_AUTH)", check=lambda text: auth_text(text),
+        metavar="USER:PASS", env="auth"))
+    queue_size: int = field(default=64, metadata=flag(
+        "events that may wait in the queue before new ones are refused ($SHOWCASE_QUEUE_SIZE)",
+        check=Whole(1, MAX_QUEUE), env="queue_size", as_text=True))
+    theme: str | None = field(default=None, metadata=flag("a Gradio theme name (default: Soft)"))
+    verbose: bool = field(default=False, metadata=flag(kind=SWITCH, short="-v"))
+    log_format: str = field(default="text", metadata=flag(
+        "console lines of the app and its workers: text, or one JSON object per line with the request id (for "
+        "hosts that ship logs; $SHOWCASE_LOG_FORMAT)", choices=("text", "json"), env="log_format"))
+    mcp: bool = field(default=False, metadata=flag(
+        "also serve the API as MCP tools for agents at /gradio_api/mcp/ (needs pip install \".[mcp]\"; default "
+        "off; $SHOWCASE_MCP=1)", kind=OPTIONAL_BOOL, env="mcp"))
 
 
-def add_default_engine_flags(e, d: dict) -> None:
+@dataclass(frozen=True)
+class DefaultEngineFlags:
     """The engine the app starts with, and Generate's selectors."""
-    precision = one_of(Precision.values, "precision")
-    mode = one_of(Mode.values, "mode")
-    e.add_argument("--preset", type=preset_or_model, default=d["preset"], help="model preset ($SHOWCASE_PRESET)")
-    e.add_argument("--device", default=d["device"], help="device or 'auto' ($SHOWCASE_DEVICE)")
-    e.add_argument("--precision", type=precision, default=d["precision"], help=f"{', '.join(Precision.values())} ($SHOWCASE_PRECISION)")
-    e.add_argument("--mode", type=mode, default=d["mode"], help=f"{', '.join(Mode.values())} ($SHOWCASE_MODE)")
-    e.add_argument("--config-from", default=None, metavar="FILE",
-                   help="the default engine and Generate's selectors from an advisor result (python -m engine "
-                        "advise --out FILE, or the Advisor tab's saved JSON): its pick's preset, device, "
-                        "precision, mode, step cache and attention backend")
-    e.add_argument("--tp", type=whole(1, MAX_RANKS), default=1,
-                   help="run the default engine over N ranks (a torchrun sidecar)")
-    e.add_argument("--parallel", choices=Parallel.values(), default=str(Parallel.TENSOR),
-                   help="how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring "
-                        "(context parallel: whole transformer on each rank, tokens split)")
-    e.add_argument("--tp-address", default=None, metavar="FILE",
-                   help="serve a running tensor-parallel sidecar as the default engine: FILE is the address file "
-                        "its node 0 wrote (python -m engine.tp.sidecar ... --address-file FILE; the token is read "
-                        "from the 0600 file it names). It may span several machines; the app never starts, "
-                        "restarts or stops it, shows it down with the reason when it stops, and re-attaches when "
-                        "it is back")
-    e.add_argument("--lora", type=lora_text, default=None, metavar="NAME[:SCALE][:fused]",
-                   help="the Generate page's LoRA style at start: one of the preset's (python -m engine presets "
-                        "lists them); turns on --loras")
-    e.add_argument("--warm", type=warm_text, default=d["warm"],
-                   help="buckets to pre-warm at start-up in --mode: 'all', 'none' or e.g. '64x64,128x128' "
-                        "($SHOWCASE_WARM)")
+
+    preset: str = field(default=DEFAULT_PRESET, metadata=flag(
+        "model preset ($SHOWCASE_PRESET)", check=lambda text: preset_or_model(text), env="preset"))
+    device: str = field(default="auto", metadata=flag("device or 'auto' ($SHOWCASE_DEVICE)", env="device"))
+    precision: str = field(default="fp32", metadata=flag(
+        f"{', '.join(Precision.values())} ($SHOWCASE_PRECISION)", check=OneOf(Precision.values, "precision"),
+        env="precision"))
+    mode: str = field(default="compile", metadata=flag(
+        f"{', '.join(Mode.values())} ($SHOWCASE_MODE)", check=OneOf(Mode.values, "mode"), env="mode"))
+    config_from: str | None = field(default=None, metadata=flag(
+        "the default engine and Generate's selectors from an advisor result (python -m engine advise --out FILE, "
+        "or the Advisor tab's saved JSON): its pick's preset, device, precision, mode, step cache and attention "
+        "backend", metavar="FILE"))
+    tp: int = field(default=1, metadata=flag("run the default engine over N ranks (a torchrun sidecar)",
+                                             check=Whole(1, MAX_RANKS)))
+    parallel: str = field(default=str(Parallel.TENSOR), metadata=flag(
+        "how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring (context parallel: whole "
+        "transformer on each rank, tokens split)", choices=Parallel.values()))
+    tp_address: str | None = field(default=None, metadata=flag(
+        "serve a running tensor-parallel sidecar as the default engine: FILE is the address file its node 0 wrote "
+        "(python -m engine.tp.sidecar ... --address-file FILE; the token is read from the 0600 file it names). It "
+        "may span several machines; the app never starts, restarts or stops it, shows it down with the reason "
+        "when it stops, and re-attaches when it is back", metavar="FILE"))
+    lora: str | None = field(default=None, metadata=flag(
+        "the Generate page's LoRA style at start: one of the preset's (python -m engine presets lists them); turns "
+        "on --loras", check=lambda text: lora_text(text), metavar="NAME[:SCALE][:fused]"))
+    warm: str = field(default="all", metadata=flag(
+        "buckets to pre-warm at start-up in --mode: 'all', 'none' or e.g. '64x64,128x128' ($SHOWCASE_WARM)",
+        check=lambda text: warm_text(text), env="warm"))
 
 
 def preset_or_model(text: str) -> str:

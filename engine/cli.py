@@ -19,7 +19,7 @@ from engine.config.presets import load_presets
 from engine.config.request import ImageRequest
 from engine.config.resolve import Catalog, resolve_source
 from engine.errors import ShowcaseError
-from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel, Size
+from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel, Size, step_cache_forms
 from engine.worker.logs import quiet_third_party
 
 
@@ -170,8 +170,7 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--on-cold", choices=OnCold.values(), default=OnCold.WAIT.value,
                    help="at a bucket that is not compiled yet: wait for the compile, or run eagerly")
     g.add_argument("--cache", default="none", metavar="TEXT",
-                   help="step cache: none, first-block[:THRESHOLD], taylorseer[:INTERVAL[:WARMUP]], magcache[:THRESHOLD], "
-                        "faster-cache[:INTERVAL], pyramid[:INTERVAL] (`python -m engine step-caches` lists which run here)")
+                   help=f"step cache: {step_cache_forms()} (`python -m engine step-caches` lists which run here)")
     g.add_argument("--lora", default=None, metavar="NAME[:SCALE]",
                    help="one of the preset's LoRA adapters (`python -m engine presets` lists them), scale 0-2 "
                         "(default: the preset's)")

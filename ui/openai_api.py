@@ -53,7 +53,7 @@ from engine.errors import (
     UnsupportedCombination,
     scrub_paths,
 )
-from engine.protocol import Mode, Precision
+from engine.protocol import Mode, Precision, step_cache_forms
 from engine.serving import stream
 from engine.serving.stream import Run
 from ui.common import ENGINE_QUEUE
@@ -80,8 +80,7 @@ EXTRA_FIELDS = {
     "guidance": "guidance scale, 0-50 (default: the model's)",
     "seed": "an integer >= 0: image i of n gets seed + i (default: a random seed, returned with each image)",
     "on_cold": "eager (serve a bucket that is not warm yet eagerly now) or wait (for its compile)",
-    "step_cache": "none, or first-block[:THRESHOLD], taylorseer[:INTERVAL][:WARMUP], magcache, faster-cache, "
-                  "pyramid (reuses denoiser work across steps)",
+    "step_cache": f"one of {step_cache_forms()} (reuses denoiser work across steps)",
     "lora": "none, or NAME[:SCALE][:fused], NAME one of the model's LoRA styles (GET /v1/loras)",
 }
 RESPONSE_FORMATS = ("b64_json", "url")

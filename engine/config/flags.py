@@ -13,15 +13,25 @@ import ast
 import functools
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import settings
-from engine.protocol import EngineOptions, MemoryLevers, Size, memory_forms
-
-MAX_BATCH = 64  # each batch size is one more graph per bucket, and the measuring run allocates the largest
-MAX_BATCH_WAIT_MS = 10_000.0
-MEMORY_POLICIES = ("speed", "auto", "memory")  # engine/serving/fit.py POLICIES  # a request waits at most this long for others to share its call
-
+from engine.protocol import BatchingOptions, EngineOptions, RecipeOptions, Size
+from engine.protocol.flagfields import (
+    APPEND,
+    NEGATED,
+    OPTIONAL_BOOL,
+    SWITCH,
+    Decimal,
+    Flag,
+    OneOf,
+    Whole,
+    field_default,
+    flag,
+    flag_fields,
+)
+from engine.protocol.options import memory_text
 
 _Refused = argparse.ArgumentTypeError  # argparse prints its text after "argument --flag: "
 
@@ -109,13 +119,20 @@ def _sizes(text) -> str:
         raise _Refused(str(exc)) from None
 
 
-def memory_levers(text) -> str:
-    """argparse type: a memory lever set (engine/protocol/memory.py), as its canonical text ("" none)."""
-    try:
-        levers = MemoryLevers.parse(text)
-    except ValueError as exc:  # InvalidRequest is a ValueError
-        raise _Refused(str(exc)) from None
-    return str(levers) if levers.enabled else ""
+def checked(parse: Callable) -> Callable[[str], object]:
+    """argparse type from a parser that raises ValueError (InvalidRequest is one) saying what it takes."""
+
+    def check(text):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise _Refused(str(exc)) from None
+
+    check.__name__ = getattr(parse, "__name__", "value")
+    return check
+
+
+memory_levers = checked(memory_text)  # argparse type: a memory lever set as its canonical text ("" none)
 
 
 _DEVICES = Path(__file__).resolve().parent.parent / "devices"
@@ -173,16 +190,107 @@ def per_device(field: str) -> str:
                      for value, names in sorted(groups.items(), key=lambda kv: kv[0], reverse=True))
 
 
-# (flag, EngineOptions field, help) for the plain on/off recipe flags.
-_SWITCHES = (
-    ("--fuse-qkv", "fuse_qkv", "fuse the denoiser's QKV projections"),
-    ("--channels-last", "channels_last", "channels_last for UNet/VAE convolutions"),
-    ("--cpu-offload", "cpu_offload", "model CPU offload (then only regional compile)"),
-    ("--max-autotune", "max_autotune", "torch.compile mode=max-autotune (inductor)"),
-    ("--dynamic", "dynamic", "dynamic-shape compile where the device allows"),
-    ("--cuda-graphs", "cuda_graphs", "CUDA graphs: compile with mode=reduce-overhead, aot with triton.cudagraphs "
-                                     "(CUDA only)"),
-)
+# ------------------------------------------------------------------------------------------------
+# Flags from config dataclasses: a field with `flag(...)` metadata (engine/protocol/flagfields.py) is a flag
+# ------------------------------------------------------------------------------------------------
+
+
+class _PerDevice:
+    """"{per_device[max_batch]}" in a help text: that DeviceSpec field per device kind."""
+
+    def __getitem__(self, field: str) -> str:
+        return per_device(field)
+
+
+def _argparse_type(check, names=None):
+    if isinstance(check, Whole):
+        return whole(check.low, check.high, zero=check.zero)
+    if isinstance(check, Decimal):
+        return decimal(check.low, check.high, zero=check.zero)
+    if isinstance(check, OneOf):
+        listed = names if names is not None else check.names
+        return one_of(listed, check.what, lower=check.lower) if listed is not None else str
+    return checked(check) if check is not None else None
+
+
+def _argument(f, how: Flag, defaults: dict | None, names: dict) -> tuple[tuple, dict]:
+    """add_argument's (names, keywords) for field `f`."""
+    default = field_default(f)
+    if how.env is not None and defaults is not None and defaults[how.env] is not None:
+        default = defaults[how.env]  # unset: the field's default
+    flags = (how.short, how.flag_name(f.name)) if how.short else (how.flag_name(f.name),)
+    text = how.help.format(default=default, per_device=_PerDevice()) if how.help else how.help
+    kw: dict = {"dest": how.dest or f.name, "help": text}
+    if how.kind in (SWITCH, NEGATED):
+        return flags, {**kw, "action": "store_true"}
+    if how.kind == OPTIONAL_BOOL:
+        return flags, {**kw, "action": argparse.BooleanOptionalAction, "default": default}
+    kind = _argparse_type(how.check, names.get(f.name))
+    kw.update(default=as_text(default) if how.as_text else default,
+              **{k: v for k, v in (("type", kind), ("metavar", how.metavar), ("choices", how.choices),
+                                   ("nargs", how.nargs), ("const", how.const)) if v is not None})
+    if how.kind == APPEND:
+        kw.update(action="append", default=list(default or ()))
+    return flags, kw
+
+
+def add_fields(group, cls, defaults: dict | None = None, names: dict | None = None) -> None:
+    """One argparse argument per flag field of config dataclass `cls`, in field order. `defaults`: the
+    environment's defaults by Flag.env key (settings.server_defaults()); `names`: field -> the names a
+    OneOf(None, ...) field may take."""
+    for f, how in flag_fields(cls):
+        flags, kw = _argument(f, how, defaults, names or {})
+        group.add_argument(*flags, **kw)
+
+
+def field_values(cls, args) -> dict:
+    """The parsed values of `cls`'s flag fields, by field name (a flag a parser lacks: the field's default)."""
+    values = {}
+    for f, how in flag_fields(cls):
+        value = getattr(args, how.dest or f.name, None if how.kind != SWITCH else False)
+        values[f.name] = (not value) if how.kind == NEGATED else value
+        if how.kind not in (SWITCH, NEGATED, OPTIONAL_BOOL) and value is None:
+            values[f.name] = field_default(f)
+    return values
+
+
+def from_args(cls, args, **overrides):
+    """Config dataclass `cls` from a parsed command line (its flag fields; `overrides` replace any)."""
+    return cls(**{**field_values(cls, args), **overrides})
+
+
+def argv_of(cls, args) -> list[str]:
+    """`cls`'s flag fields of a parsed command line as argv again, those that differ from the default."""
+    argv: list[str] = []
+    for f, how in flag_fields(cls):
+        value, default, name = field_values(cls, args)[f.name], field_default(f), how.flag_name(f.name)
+        if value == default or (how.kind == APPEND and not value):
+            continue
+        if how.kind in (SWITCH, NEGATED):
+            argv.append(name)
+        elif how.kind == OPTIONAL_BOOL:
+            argv.append(name if value else "--no-" + name.removeprefix("--"))
+        else:
+            argv += [name, f"{value:g}" if isinstance(value, float) else str(value)]
+    return argv
+
+
+@dataclass(frozen=True)
+class SourceFlags:
+    """Where an engine's weights and caches come from (read by `presets_from_args` and the manager)."""
+
+    cache_dir: Path | None = field(default=None, metadata=flag(
+        "persistent folder for tiny models and compile caches (default: $SHOWCASE_CACHE_DIR or "
+        "~/.cache/diffusion-showcase)", check=Path))
+    model: str | None = field(default=None, metadata=flag(
+        "serve any Hub id or local diffusers folder (buckets from its family)"))
+    model_root: tuple[Path, ...] = field(default=(), metadata=flag(
+        "a folder local models may be loaded from (repeatable)", kind=APPEND, check=Path))
+    buckets: str | None = field(default=None, metadata=flag("comma-separated WxH buckets for --model",
+                                                            check=lambda text: _sizes(text)))
+
+
+ENGINE_FLAG_CONFIGS = (RecipeOptions, BatchingOptions)  # the EngineOptions parts whose fields are engine flags
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, attention_backends: Iterable[str] | None = None) -> None:
@@ -190,85 +298,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser, attention_backends: It
     registry lives in engine/pipeline/, above this layer; a caller that passes none leaves the name to the
     engine, which refuses an unknown one when it loads)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--cache-dir", type=Path, default=None,
-                   help="persistent folder for tiny models and compile caches (default: $SHOWCASE_CACHE_DIR or "
-                        "~/.cache/diffusion-showcase)")
-    g.add_argument("--model", default=None, help="serve any Hub id or local diffusers folder (buckets from its family)")
-    g.add_argument("--model-root", action="append", default=[], type=Path,
-                   help="a folder local models may be loaded from (repeatable)")
-    g.add_argument("--buckets", type=_sizes, default=None, help="comma-separated WxH buckets for --model")
-    for flag, _, help_text in _SWITCHES:
-        g.add_argument(flag, action="store_true", help=help_text)
-    g.add_argument("--no-compile-vae", action="store_true", help="compile mode leaves vae.decode eager")
-    g.add_argument("--loras", action="store_true",
-                   help="give the preset's LoRA styles a hot-swap slot in the denoiser (off by default: the slot's "
-                        "matmuls run on every step, styled or not)")
-    g.add_argument("--inductor-flags", action=argparse.BooleanOptionalAction, default=None,
-                   help="flux-fast inductor flags (default: on for CUDA)")
+    add_fields(g, SourceFlags)
     names = tuple(attention_backends) if attention_backends is not None else None
-    g.add_argument("--attention-backend", default="native", metavar="NAME",
-                   type=one_of(lambda: names, "attention backend") if names else str,
-                   help="diffusers attention backend of the denoiser (native, _native_flash, flex, flash, _flash_3_hub, "
-                        "sage, ...); `python -m engine attention` lists which can run here and why not")
-    g.add_argument("--memory-lever", dest="memory_lever", type=memory_levers, default="", metavar="LEVERS",
-                   help="memory levers of the engines a request names none for, comma-separated: "
-                        f"{memory_forms()} (`python -m engine memory-levers` lists which run here)")
-    g.add_argument("--memory", dest="memory_policy", type=one_of(lambda: MEMORY_POLICIES, "memory policy"),
-                   default="speed", help="the memory levers of an engine no --memory-lever or request names: speed "
-                                         "(none), auto (the fastest set whose estimate fits the device's free "
-                                         "memory), memory (the smallest); README has the table")
-    g.add_argument("--prompt-cache", type=whole(0, 4096, zero="off"), default=EngineOptions.prompt_cache_entries,
-                   metavar="N", help="keep the embeddings of the last N prompts per engine, so a repeated prompt "
-                                     f"skips the text encoders (default {EngineOptions.prompt_cache_entries}, at "
-                                     f"most {EngineOptions.prompt_cache_mib} MiB)")
-    g.add_argument("--max-batch", type=whole(1, MAX_BATCH), default=None, metavar="N",
-                   help="at most N queued requests that can share a denoiser call (same bucket, steps, guidance, "
-                        f"step cache) run as one pipeline call; 1 turns batching off, at most {MAX_BATCH} "
-                        f"(default per device: {per_device('max_batch')})")
-    g.add_argument("--batch-wait-ms", type=decimal(0, MAX_BATCH_WAIT_MS), default=EngineOptions.batch_wait_ms,
-                   metavar="MS",
-                   help="how long a request waits after it arrives for others to share its call "
-                        f"(default {EngineOptions.batch_wait_ms:g}; requests queued behind a running call join at once)")
+    for cls in ENGINE_FLAG_CONFIGS:
+        add_fields(g, cls, names={"attention_backend": (lambda: names) if names else None})
 
 
 def options_from_args(args, **overrides) -> EngineOptions:
-    values = {field: getattr(args, field) for _, field, _ in _SWITCHES}
-    values.update(compile_vae=not args.no_compile_vae, inductor_flags=args.inductor_flags,
-                  attention_backend=getattr(args, "attention_backend", None) or "native",
-                  max_batch=getattr(args, "max_batch", None),
-                  batch_wait_ms=getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms),
-                  loras=getattr(args, "loras", False) or bool(getattr(args, "lora", None)),  # a style needs the slot
-                  memory=getattr(args, "memory_lever", "") or "",
-                  memory_policy=getattr(args, "memory_policy", "speed") or "speed",
-                  prompt_cache_entries=getattr(args, "prompt_cache", EngineOptions.prompt_cache_entries))
+    values = {name: value for cls in ENGINE_FLAG_CONFIGS for name, value in field_values(cls, args).items()}
+    values["attention_backend"] = values["attention_backend"] or "native"
+    values["loras"] = values["loras"] or bool(getattr(args, "lora", None))  # a style needs the slot
     values.update(overrides)
     return EngineOptions(**values)
 
 
 def engine_flags_argv(args) -> tuple[str, ...]:
-    """The recipe flags of a parsed command line as argv again (for a child process that must match)."""
-    flags = [flag for flag, field, _ in _SWITCHES if getattr(args, field, False)]
-    if getattr(args, "no_compile_vae", False):
-        flags.append("--no-compile-vae")
-    if getattr(args, "loras", False):
-        flags.append("--loras")
-    if args.inductor_flags is not None:
-        flags.append("--inductor-flags" if args.inductor_flags else "--no-inductor-flags")
-    backend = getattr(args, "attention_backend", None) or "native"
-    if backend != "native":
-        flags += ["--attention-backend", backend]
-    if getattr(args, "max_batch", None) is not None:
-        flags += ["--max-batch", str(args.max_batch)]
-    if getattr(args, "memory_lever", ""):
-        flags += ["--memory-lever", args.memory_lever]
-    if getattr(args, "memory_policy", "speed") != "speed":
-        flags += ["--memory", args.memory_policy]
-    if getattr(args, "prompt_cache", EngineOptions.prompt_cache_entries) != EngineOptions.prompt_cache_entries:
-        flags += ["--prompt-cache", str(args.prompt_cache)]
-    wait_ms = getattr(args, "batch_wait_ms", EngineOptions.batch_wait_ms)
-    if wait_ms != EngineOptions.batch_wait_ms:
-        flags += ["--batch-wait-ms", f"{wait_ms:g}"]
-    return tuple(flags)
+    """The engine flags of a parsed command line as argv again (for a child process that must match)."""
+    return tuple(flag for cls in ENGINE_FLAG_CONFIGS for flag in argv_of(cls, args))
 
 
 def model_roots_from_args(args) -> list[Path]:

@@ -49,6 +49,7 @@ import torch
 
 from engine import settings
 from engine.errors import scrub_paths
+from engine.pipeline import recipes
 from engine.pipeline.faults import COMPILE_FAILURE
 from engine.pipeline.variants import pipeline_over, vae_decoding_with
 from engine.processes import pid_alive
@@ -63,8 +64,6 @@ KEEP_PER_SLOT = 3  # key versions kept per (kind, device, precision, size, batch
 ORIGIN_LOADED = "loaded from package"
 ORIGIN_BUILT = "built now"
 DENOISER, VAE = "denoiser", "vae"
-# RecipeOptions that change the exported or compiled graph (and so are part of the key).
-GRAPH_OPTIONS = ("fuse_qkv", "channels_last", "max_autotune", "attention_backend", "cuda_graphs")
 
 
 class PackageError(Exception):
@@ -511,7 +510,7 @@ class AotEngine:
         r = self.runner
         component = self.denoiser_name if kind == DENOISER else "vae"
         module = self.real_denoiser if kind == DENOISER else r.pipe.vae
-        options = {name: getattr(r.options.recipe, name) for name in GRAPH_OPTIONS}
+        options = recipes.graph_options(r.options)  # the recipe levers that change the graph
         flags = r.options.recipe.inductor_flags
         options["inductor_flags"] = bool(r.spec.inductor_flags_default if flags is None else flags)
         return {

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -95,20 +97,53 @@ def quantize_denoiser(pipe, denoiser_name: str, precision: Precision) -> str:
     return f"{precision}: {what} quantization (torchao) of {linears} linear layers in the denoiser"
 
 
-# Load-time steps in the order they apply. Offload / .to(device) come after these (in the runner).
-LOAD_STEPS = (
-    ("fuse_qkv", step_fuse_qkv),
-    ("channels_last", step_channels_last),
-)
+@dataclass(frozen=True)
+class RecipeLever:
+    """One recipe lever, keyed by its RecipeOptions field (whose `flag(...)` metadata makes it a flag of the CLI
+    and app.py: name, type, default, help, range): the modes an engine with it on cannot run and why, whether
+    it changes the compiled or exported graph (then it is part of an aot package's key), and its load-time
+    step (pipe, denoiser name) -> notice. The compile-time levers (max_autotune, dynamic, cuda_graphs,
+    inductor_flags) are read by `compile_kwargs` and `aot_inductor_configs` below."""
+
+    name: str
+    load: Callable[[object, str], str] | None = None
+    graph: bool = False
+    excludes: dict[Mode, str] = field(default_factory=dict)
+
+
+# Offload hooks cannot be traced (seed: compile only the repeated blocks), and an aot package points at weights
+# that offload moves between devices.
+_OFFLOADED = "CPU offload is on"
+
+# In the order they apply (load steps: fuse before channels_last). Offload / .to(device) come after these.
+RECIPE_LEVERS: dict[str, RecipeLever] = {lever.name: lever for lever in (
+    RecipeLever("fuse_qkv", load=step_fuse_qkv, graph=True),
+    RecipeLever("channels_last", load=step_channels_last, graph=True),
+    RecipeLever("cpu_offload", excludes={Mode.COMPILE: _OFFLOADED, Mode.AOT: _OFFLOADED}),
+    RecipeLever("max_autotune", graph=True),
+    RecipeLever("attention_backend", graph=True),
+    RecipeLever("cuda_graphs", graph=True),
+)}
 
 
 def apply_load_steps(pipe, denoiser_name: str, options: EngineOptions) -> list[str]:
     notices = []
-    for name, step in LOAD_STEPS:
-        if getattr(options.recipe, name):
-            notices.append(step(pipe, denoiser_name))
-            log.info("recipe %s: %s", name, notices[-1])
+    for lever in RECIPE_LEVERS.values():
+        if lever.load is not None and getattr(options.recipe, lever.name):
+            notices.append(lever.load(pipe, denoiser_name))
+            log.info("recipe %s: %s", lever.name, notices[-1])
     return notices
+
+
+def excluded_mode(options: EngineOptions, mode: Mode) -> str:
+    """Why the engine's recipe levers rule `mode` out ("" when they do not)."""
+    return next((lever.excludes[mode] for lever in RECIPE_LEVERS.values()
+                 if mode in lever.excludes and getattr(options.recipe, lever.name)), "")
+
+
+def graph_options(options: EngineOptions) -> dict:
+    """The recipe levers that change the compiled or exported graph, with their values (an aot package's key)."""
+    return {lever.name: getattr(options.recipe, lever.name) for lever in RECIPE_LEVERS.values() if lever.graph}
 
 
 INDUCTOR_FLAGS = {

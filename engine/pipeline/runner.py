@@ -123,10 +123,8 @@ class PipelineRunner:
 
     def _excluded(self, mode: Mode) -> str:
         """Why this engine's options rule `mode` out ("" when they do not)."""
-        if self.options.recipe.cpu_offload and mode in (Mode.COMPILE, Mode.AOT):
-            # Offload hooks cannot be traced (seed: compile only the repeated blocks), and an aot package
-            # points at weights that offload moves between devices.
-            return "CPU offload is on"
+        if why := recipes.excluded_mode(self.options, mode):
+            return why
         if why := memory.excluded_mode(self.config.key.memory, mode):
             return why
         if mode is Mode.AOT and self.precision.precision.quantized:

@@ -51,40 +51,10 @@ from pathlib import Path
 
 from engine.errors import UnsupportedCombination
 from engine.pipeline.variants import pipeline_over
-from engine.protocol import STEP_CACHE_FORMS, STEP_CACHE_RANGES, Mode, ModelPreset, StepCache, StepCacheKind
+from engine.protocol import STEP_CACHES, CacheRun, Mode, ModelPreset, StepCache, StepCacheKind
+from engine.protocol.stepcaches import BLOCKS
 
 log = logging.getLogger(__name__)
-
-BLOCKS = "blocks"  # hooks on whole transformer blocks
-ATTENTION = "attention"  # hooks on attention layers inside the blocks
-
-
-@dataclass(frozen=True)
-class CacheKind:
-    kind: StepCacheKind
-    config: str  # diffusers config class
-    level: str  # where its hooks sit: BLOCKS or ATTENTION
-    summary: str
-    calibrated: bool = False
-
-
-KINDS: dict[StepCacheKind, CacheKind] = {k.kind: k for k in (
-    CacheKind(StepCacheKind.FIRST_BLOCK, "FirstBlockCacheConfig", BLOCKS,
-              "skip the remaining blocks while the first block's output barely changes"),
-    CacheKind(StepCacheKind.TAYLORSEER, "TaylorSeerCacheConfig", ATTENTION,
-              "compute every INTERVAL-th step after WARMUP, predict attention outputs in between"),
-    CacheKind(StepCacheKind.MAGCACHE, "MagCacheConfig", BLOCKS,
-              "skip steps by calibrated residual-magnitude ratios (one calibration run per preset and steps)",
-              calibrated=True),
-    CacheKind(StepCacheKind.FASTER_CACHE, "FasterCacheConfig", ATTENTION,
-              "reuse attention outputs, recomputed every INTERVAL steps in a timestep range"),
-    CacheKind(StepCacheKind.PYRAMID, "PyramidAttentionBroadcastConfig", ATTENTION,
-              "broadcast attention outputs, recomputed every INTERVAL steps in a timestep range"),
-)}
-
-# Modes whose denoiser is the loaded module itself (hooks on a clone of it run as they do eagerly).
-EAGER_MODES = (Mode.EAGER, Mode.DEFER_AND_FUSE)
-
 
 @functools.cache
 def denoiser_class(pipeline: str, denoiser: str) -> type | None:
@@ -114,40 +84,19 @@ def _denoiser_problem(preset: ModelPreset) -> str:
     return ""
 
 
-def _mode_problem(kind: CacheKind, mode: Mode) -> str:
-    if mode in EAGER_MODES:
-        return ""
-    if mode is Mode.REGIONAL:
-        if kind.level == BLOCKS:
-            return ""
-        return ("its hooks sit on the attention layers inside the repeated blocks that regional compiles, "
-                "and a compiled block cannot run them (diffusers disables compile for its hooks); use eager, or "
-                "first-block / magcache with regional")
-    if mode is Mode.COMPILE:
-        return ("compile traces the whole denoiser into one graph, which cannot skip its own blocks per step: "
-                "diffusers runs its cache hooks under torch.compiler.disable, which a fullgraph compile cannot "
-                "trace; use regional (first-block, magcache) or eager")
-    if mode is Mode.AOT:
-        return ("an aot package is one exported graph of the whole denoiser, which cannot skip its own blocks "
-                "per step; use regional (first-block, magcache) or eager")
-    return f"mode {mode} takes no step cache"
-
-
-def cache_status(kind: StepCacheKind, preset: ModelPreset, spec, mode) -> dict:
+def cache_status(kind, preset: ModelPreset, spec, mode) -> dict:
     """One row: can step cache `kind` run for `preset` on `spec` in `mode`, and why not."""
     mode = Mode.parse(mode, "mode")
-    names, defaults = STEP_CACHE_FORMS[kind]
-    row = {"name": kind.value, "usable": True, "why_not": "", "params": {n: defaults[n] for n in names},
-           "ranges": {n: str(STEP_CACHE_RANGES[kind][n]) for n in names},  # what diffusers' hooks run with
-           "summary": "every step computed in full" if kind is StepCacheKind.NONE else KINDS[kind].summary,
-           "form": kind.value + "".join(f"[:{n.upper()}]" for n in names), "default": str(StepCache(kind))}
-    if kind is StepCacheKind.NONE:
+    entry = StepCacheKind.parse(kind, "step cache").entry
+    row = {"name": entry.name, "usable": True, "why_not": "", "params": {p.name: p.default for p in entry.params},
+           "ranges": {p.name: str(p.range) for p in entry.params},  # what diffusers' hooks run with
+           "summary": entry.summary, "form": entry.form, "default": str(StepCache(entry.name))}
+    if not StepCache(entry.name).enabled:
         return row
-    info = KINDS[kind]
     if mode not in spec.modes:
         why = f"{spec.label} [{spec.name}] does not run mode {mode}"
     else:
-        why = _denoiser_problem(preset) or _mode_problem(info, mode)
+        why = _denoiser_problem(preset) or entry.mode_problem(mode)
     if why:
         row.update(usable=False, why_not=why)
     return row
@@ -156,7 +105,7 @@ def cache_status(kind: StepCacheKind, preset: ModelPreset, spec, mode) -> dict:
 def available_step_caches(preset: ModelPreset, device_spec, mode=Mode.EAGER) -> list[dict]:
     """Every step cache with whether it can run for `preset` on `device_spec` in `mode`, and why not:
     dicts of name, usable, why_not, params (defaults of its parameters), summary, form, default."""
-    return [cache_status(kind, preset, device_spec, mode) for kind in StepCacheKind]
+    return [cache_status(kind, preset, device_spec, mode) for kind in STEP_CACHES]
 
 
 def check_step_cache(cache, preset: ModelPreset, spec, mode) -> list[str]:
@@ -178,8 +127,8 @@ def format_table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         state = "usable" if r["usable"] else "no"
-        kind = StepCacheKind(r["name"])
-        spans = ", ".join(f"{n.upper()} {STEP_CACHE_RANGES[kind][n].span}" for n in r["params"])
+        entry = STEP_CACHES[r["name"]]
+        spans = ", ".join(f"{p.name.upper()} {p.range.span}" for p in entry.params)
         lines.append(f"{r['form']:{width}s}  {state:6s}  {r['why_not'] or r['summary']}"
                      + (f" (default {r['default']}; {spans})" if r["usable"] and r["params"] else ""))
     return "\n".join(lines)
@@ -266,11 +215,11 @@ class CachedDenoiser:
         self.counter = StepCounter()
         self._run = None  # the pipeline copy running now (timestep callbacks read it)
         denoiser = detached_clone(getattr(base_pipe, denoiser_name), clone_tree)
-        modules = hooked_modules(denoiser, KINDS[cache.kind].level)
+        modules = hooked_modules(denoiser, cache.entry.level)
         if not modules:
             raise UnsupportedCombination(
                 f"step cache {cache}: {type(denoiser).__name__} has none of the "
-                f"{KINDS[cache.kind].level} its hooks go on")
+                f"{cache.entry.level} its hooks go on")
         self.counter.modules = len(modules)
         for module in modules:
             self.counter.wrap(module)
@@ -298,27 +247,15 @@ class CachedDenoiser:
 
 
 def diffusers_config(cache: StepCache, *, steps: int, cfg: bool, timestep, mag_ratios=None, calibrate=False):
-    """The diffusers cache config for `cache` (what enable_cache takes)."""
+    """The diffusers cache config for `cache` (what enable_cache takes): its entry's class and arguments."""
     import diffusers
 
-    kind = cache.kind
-    if kind is StepCacheKind.FIRST_BLOCK:
-        return diffusers.FirstBlockCacheConfig(threshold=cache.threshold)
-    if kind is StepCacheKind.TAYLORSEER:
-        return diffusers.TaylorSeerCacheConfig(cache_interval=cache.interval, disable_cache_before_step=cache.warmup,
-                                               taylor_factors_dtype=None)
-    if kind is StepCacheKind.MAGCACHE:
-        if calibrate:
-            return diffusers.MagCacheConfig(calibrate=True, num_inference_steps=steps)
-        return diffusers.MagCacheConfig(threshold=cache.threshold, num_inference_steps=steps, mag_ratios=mag_ratios)
-    if kind is StepCacheKind.FASTER_CACHE:
-        return diffusers.FasterCacheConfig(spatial_attention_block_skip_range=cache.interval,
-                                           current_timestep_callback=timestep, is_guidance_distilled=not cfg,
-                                           tensor_format="BCHW")
-    if kind is StepCacheKind.PYRAMID:
-        return diffusers.PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=cache.interval,
-                                                         current_timestep_callback=timestep)
-    raise UnsupportedCombination(f"step cache {cache} has no diffusers config")
+    entry = cache.entry
+    config = getattr(diffusers, entry.config, None) if entry.config else None
+    if config is None:
+        raise UnsupportedCombination(f"step cache {cache} has no diffusers config")
+    run = CacheRun(steps=steps, cfg=cfg, timestep=timestep, mag_ratios=mag_ratios, calibrate=calibrate)
+    return config(**entry.arguments(cache, run))
 
 
 class CacheVariants:
@@ -346,12 +283,12 @@ class CacheVariants:
         ratios = data.get("mag_ratios") if data.get("source") == self.source_id else None
         return ratios if isinstance(ratios, list) and len(ratios) == steps else None
 
-    def calibrate(self, base_pipe, steps: int, run) -> list[float]:
-        """One full run with MagCache in calibration mode; the ratios are stored for (preset, steps).
-        `run(pipe, variant)` runs the pipeline once."""
+    def calibrate(self, base_pipe, steps: int, run, calibrated: StepCacheKind) -> list[float]:
+        """One full run with a calibrated cache (MagCache) in calibration mode; the ratios are stored for
+        (preset, steps). `run(pipe, variant)` runs the pipeline once."""
         ratios: list[float] = []
         variant = CachedDenoiser(
-            base_pipe, self.preset.denoiser, StepCache(StepCacheKind.MAGCACHE),
+            base_pipe, self.preset.denoiser, StepCache(calibrated),
             lambda v: diffusers_config(v.cache, steps=steps, cfg=self.preset.cfg, timestep=v.current_timestep,
                                        calibrate=True), self.clone_tree)
         for module in variant.denoiser.modules():
@@ -381,17 +318,17 @@ class CacheVariants:
             ) -> tuple[CachedDenoiser, list[str]]:
         """The variant for (mode, cache[, steps]) over `base_pipe` (`fused`: the fused-LoRA pipeline, a denoiser
         of its own); MagCache calibrates first where no calibration is stored."""
-        key = (mode, fused, str(cache), steps if cache.kind is StepCacheKind.MAGCACHE else None)
+        key = (mode, fused, str(cache), steps if cache.entry.calibrated else None)
         with self._lock:
             if key in self._variants:
                 self._variants.move_to_end(key)
                 return self._variants[key], []
         notices = []
         ratios = None
-        if cache.kind is StepCacheKind.MAGCACHE:
+        if cache.entry.calibrated:
             ratios = self.mag_ratios(steps)
             if ratios is None:
-                ratios = self.calibrate(base_pipe, steps, run)
+                ratios = self.calibrate(base_pipe, steps, run, cache.kind)
                 # Visitors read the notice: the cache folder's name, not its path on the server.
                 notices.append(f"magcache: calibrated {self.preset.name} at {steps} steps (one full run first); "
                                "stored in the cache folder (stepcache/magcache), reused from now on")

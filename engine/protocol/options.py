@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from engine import settings
+from engine.protocol.flagfields import NEGATED, OPTIONAL_BOOL, SWITCH, Decimal, OneOf, Whole, flag
+from engine.protocol.memory import MemoryLevers, memory_forms
 from engine.protocol.presets import ModelPreset
 from engine.protocol.vocabulary import EngineKey, Mode
 
@@ -22,32 +24,67 @@ class TestingOptions:
     fail_compiles: bool = False  # every compile and aot build fails
 
 
+MAX_BATCH = 64  # each batch size is one more graph per bucket, and the measuring run allocates the largest
+MAX_BATCH_WAIT_MS = 10_000.0  # a request waits at most this long for others to share its call
+MEMORY_POLICIES = ("speed", "auto", "memory")  # engine/serving/fit.py POLICIES
+
+
+def memory_text(text) -> str:
+    """A memory lever set (engine/protocol/memory.py) as its canonical text ("" none); InvalidRequest if bad."""
+    levers = MemoryLevers.parse(text)
+    return str(levers) if levers.enabled else ""
+
+
 @dataclass(frozen=True)
 class RecipeOptions:
-    """How the pipeline computes: each field is one named recipe step (engine/pipeline/recipes.py)."""
+    """How the pipeline computes: each field is one named recipe step (engine/pipeline/recipes.py), and the
+    ones with a `flag` are the engine flags of the CLI and app.py (engine/config/flags.py), in this order."""
 
-    cpu_offload: bool = False  # enable_model_cpu_offload(); then only regional compile is possible
-    channels_last: bool = False  # UNet / VAE convolutions in channels_last memory format
-    fuse_qkv: bool = False  # fuse_qkv_projections() on the denoiser
-    inductor_flags: bool | None = None  # flux-fast inductor flags; None = the device's default
-    max_autotune: bool = False  # torch.compile mode="max-autotune" (inductor devices only)
-    dynamic: bool = False  # dynamic=True + use_duck_shape=False (not on static-shape devices)
-    compile_vae: bool = True  # compile vae.decode too in "compile" mode
-    # diffusers attention backend set on the denoiser (engine/pipeline/attention.py lists each one, usable or why not)
-    attention_backend: str = "native"
+    fuse_qkv: bool = field(default=False, metadata=flag("fuse the denoiser's QKV projections", kind=SWITCH))
+    channels_last: bool = field(default=False, metadata=flag("channels_last for UNet/VAE convolutions",
+                                                             kind=SWITCH))
+    # enable_model_cpu_offload(); then only regional compile is possible
+    cpu_offload: bool = field(default=False, metadata=flag("model CPU offload (then only regional compile)",
+                                                           kind=SWITCH))
+    max_autotune: bool = field(default=False, metadata=flag("torch.compile mode=max-autotune (inductor)",
+                                                            kind=SWITCH))
+    # dynamic=True + use_duck_shape=False (not on static-shape devices)
+    dynamic: bool = field(default=False, metadata=flag("dynamic-shape compile where the device allows", kind=SWITCH))
     # torch.compile mode="reduce-overhead" (CUDA graphs) for compile; triton.cudagraphs for aot. CUDA only.
-    cuda_graphs: bool = False
+    cuda_graphs: bool = field(default=False, metadata=flag(
+        "CUDA graphs: compile with mode=reduce-overhead, aot with triton.cudagraphs (CUDA only)", kind=SWITCH))
+    compile_vae: bool = field(default=True, metadata=flag("compile mode leaves vae.decode eager", kind=NEGATED,
+                                                          name="--no-compile-vae", dest="no_compile_vae"))
     # The preset's LoRA adapters get a slot in the denoiser (engine/pipeline/lora.py). Off by default: the slot's
     # matmuls run on every step, styled or not (docs/benchmarks.md).
-    loras: bool = False
+    loras: bool = field(default=False, metadata=flag(
+        "give the preset's LoRA styles a hot-swap slot in the denoiser (off by default: the slot's matmuls run on "
+        "every step, styled or not)", kind=SWITCH))
+    # flux-fast inductor flags; None = the device's default
+    inductor_flags: bool | None = field(default=None, metadata=flag("flux-fast inductor flags (default: on for CUDA)",
+                                                                     kind=OPTIONAL_BOOL))
+    # diffusers attention backend set on the denoiser (engine/pipeline/attention.py lists each one, usable or why not)
+    attention_backend: str = field(default="native", metadata=flag(
+        "diffusers attention backend of the denoiser (native, _native_flash, flex, flash, _flash_3_hub, sage, ...); "
+        "`python -m engine attention` lists which can run here and why not", metavar="NAME",
+        check=OneOf(None, "attention backend")))
     # The memory levers an engine gets when a request names none (engine/protocol/memory.py; "" none).
-    memory: str = ""
+    memory: str = field(default="", metadata=flag(
+        f"memory levers of the engines a request names none for, comma-separated: {memory_forms()} (`python -m "
+        "engine memory-levers` lists which run here)", name="--memory-lever", dest="memory_lever", check=memory_text,
+        metavar="LEVERS"))
     # When a request names no levers and `memory` is "": "speed" none, "auto" the fastest set whose estimate
     # fits the device's free memory, "memory" the smallest (engine/serving/fit.py).
-    memory_policy: str = "speed"
+    memory_policy: str = field(default="speed", metadata=flag(
+        "the memory levers of an engine no --memory-lever or request names: speed (none), auto (the fastest set "
+        "whose estimate fits the device's free memory), memory (the smallest); README has the table",
+        name="--memory", check=OneOf(lambda: MEMORY_POLICIES, "memory policy")))
     # Embeddings of recent prompts kept per engine (engine/pipeline/prompts.py): at most this many, this many
     # MiB; 0 entries: off.
-    prompt_cache_entries: int = 64
+    prompt_cache_entries: int = field(default=64, metadata=flag(
+        "keep the embeddings of the last N prompts per engine, so a repeated prompt skips the text encoders "
+        "(default {default}, at most 256 MiB)", name="--prompt-cache", dest="prompt_cache",
+        check=Whole(0, 4096, zero="off"), metavar="N"))
     prompt_cache_mib: int = 256
 
 
@@ -70,8 +107,13 @@ class BatchingOptions:
     gathered for up to `batch_wait_ms` after the first one arrives (and while the previous call runs)."""
 
     max_queue: int = 16  # pending requests per engine before "busy, retry"
-    max_batch: int | None = None
-    batch_wait_ms: float = 15.0
+    max_batch: int | None = field(default=None, metadata=flag(
+        "at most N queued requests that can share a denoiser call (same bucket, steps, guidance, step cache) run as "
+        f"one pipeline call; 1 turns batching off, at most {MAX_BATCH} (default per device: "
+        "{per_device[max_batch]})", check=Whole(1, MAX_BATCH), metavar="N"))
+    batch_wait_ms: float = field(default=15.0, metadata=flag(
+        "how long a request waits after it arrives for others to share its call (default {default:g}; requests "
+        "queued behind a running call join at once)", check=Decimal(0, MAX_BATCH_WAIT_MS), metavar="MS"))
 
 
 # An EngineOptions field given or read by its flat name (the flags' and presets' spelling): its config, its

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from engine.metrics import median
 from engine.protocol.memory import MemoryLevers
 from engine.protocol.presets import LoraChoice, ModelPreset, check_lora_scale
+from engine.protocol.stepcaches import NO_STEP_CACHE, StepCache
 from engine.protocol.vocabulary import (
-    NO_STEP_CACHE,
     BucketInfo,
     BucketKey,
     EngineKey,
@@ -18,7 +18,6 @@ from engine.protocol.vocabulary import (
     Mode,
     OnCold,
     Size,
-    StepCache,
     _coerce,
 )
 

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import settings
-from engine.config.flags import as_text, comma_list, decimal, device_defaults, one_of, per_device, whole
+from engine.config.flags import comma_list, device_defaults, one_of
 from engine.config.presets import load_presets
 from engine.config.request import API_KEYS_ADMIN, load_api_keys
 from engine.errors import InvalidRequest, ShowcaseError
 from engine.fleet.config import MAX_REPLICAS, FleetConfig, private_address, resolve_address
 from engine.protocol import Mode, Precision
+from engine.protocol.flagfields import OPTIONAL_BOOL, SWITCH, Decimal, Whole, flag
 from engine.serving.budget import GIB, parse_size
 from engine.serving.cost import DEFAULT_REQUEST_COST, DEFAULT_VISITOR_COST, CostBudget, parse_cost
 from engine.serving.hosting import HostingConfig, HostPolicy, Runtime
@@ -25,48 +26,61 @@ MAX_THREADS = 1024
 MAX_SECONDS = 7 * 86400.0  # idle-unload and eviction ages: a week
 
 
-def add_hosting_flags(h, d: dict) -> None:
+# The hosting flags, one field each (engine/config/flags.py turns a field with `flag(...)` metadata into its
+# flag; `env` names its environment default in settings.server_defaults()). Their values are read off the
+# parsed flags by the functions below.
+
+
+def _preset_names(text: str) -> str:
+    return comma_list(one_of(load_presets, "preset", lower=False))(text)
+
+
+@dataclass(frozen=True)
+class HostingFlags:
     """Public or developer mode, the runtime, aot packages and what visitors may choose."""
-    precision = one_of(Precision.values, "precision")
-    mode = one_of(Mode.values, "mode")
-    preset_name = one_of(load_presets, "preset", lower=False)
-    h.add_argument("--public", action=argparse.BooleanOptionalAction, default=None,
-                   help="hosting mode: visitors choose only what the host offers, host operations need "
-                        "--admin-token ($SHOWCASE_PUBLIC=1; default: on when SPACE_ID is set, i.e. on a Space)")
-    h.add_argument("--runtime", choices=[str(r) for r in Runtime], default=d["runtime"],
-                   help="workers: one worker process per engine; inprocess: engines in the app's process, device "
-                        "work in GPU calls (ZeroGPU's spaces.GPU; compile/regional refused, aot instead). Default: "
-                        "inprocess when SPACES_ZERO_GPU is set, else workers ($SHOWCASE_RUNTIME)")
-    h.add_argument("--aot-dir", default=d["aot_dir"], metavar="DIR",
-                   help="aot packages on persistent storage (default: <cache-dir>/aot; on a Space with persistent "
-                        "storage, /data/showcase-aot; $SHOWCASE_AOT_DIR)")
-    h.add_argument("--aot-repo", default=d["aot_repo"], metavar="REPO_ID",
-                   help="a Hub model repo of aot packages (python -m engine export --push-to REPO_ID): packages "
-                        "missing locally are downloaded at start-up ($SHOWCASE_AOT_REPO; token: $HF_TOKEN)")
-    h.add_argument("--presets", type=comma_list(preset_name), default=d["presets"],
-                   help="comma-separated presets visitors may choose (public mode; default: --preset only; "
-                        "$SHOWCASE_PRESETS)")
-    h.add_argument("--precisions", type=comma_list(precision), default=d["precisions"],
-                   help="comma-separated precisions visitors may choose (public mode; default: all; $SHOWCASE_PRECISIONS)")
-    h.add_argument("--modes", type=comma_list(mode), default=d["modes"],
-                   help="comma-separated modes visitors may choose (public mode; default: all; $SHOWCASE_MODES)")
-    h.add_argument("--admin-token", default=d["admin_token"],
-                   help="secret that unlocks host operations (restart, warm everything, load past the budget) "
-                        "in public mode ($SHOWCASE_ADMIN_TOKEN; never logged)")
+
+    public: bool | None = field(default=None, metadata=flag(
+        "hosting mode: visitors choose only what the host offers, host operations need --admin-token "
+        "($SHOWCASE_PUBLIC=1; default: on when SPACE_ID is set, i.e. on a Space)", kind=OPTIONAL_BOOL))
+    runtime: str | None = field(default=None, metadata=flag(
+        "workers: one worker process per engine; inprocess: engines in the app's process, device work in GPU "
+        "calls (ZeroGPU's spaces.GPU; compile/regional refused, aot instead). Default: inprocess when "
+        "SPACES_ZERO_GPU is set, else workers ($SHOWCASE_RUNTIME)", choices=tuple(str(r) for r in Runtime),
+        env="runtime"))
+    aot_dir: str | None = field(default=None, metadata=flag(
+        "aot packages on persistent storage (default: <cache-dir>/aot; on a Space with persistent storage, "
+        "/data/showcase-aot; $SHOWCASE_AOT_DIR)", metavar="DIR", env="aot_dir"))
+    aot_repo: str | None = field(default=None, metadata=flag(
+        "a Hub model repo of aot packages (python -m engine export --push-to REPO_ID): packages missing locally "
+        "are downloaded at start-up ($SHOWCASE_AOT_REPO; token: $HF_TOKEN)", metavar="REPO_ID", env="aot_repo"))
+    presets: str | None = field(default=None, metadata=flag(
+        "comma-separated presets visitors may choose (public mode; default: --preset only; $SHOWCASE_PRESETS)",
+        check=_preset_names, env="presets"))
+    precisions: str | None = field(default=None, metadata=flag(
+        "comma-separated precisions visitors may choose (public mode; default: all; $SHOWCASE_PRECISIONS)",
+        check=comma_list(one_of(Precision.values, "precision")), env="precisions"))
+    modes: str | None = field(default=None, metadata=flag(
+        "comma-separated modes visitors may choose (public mode; default: all; $SHOWCASE_MODES)",
+        check=comma_list(one_of(Mode.values, "mode")), env="modes"))
+    admin_token: str | None = field(default=None, metadata=flag(
+        "secret that unlocks host operations (restart, warm everything, load past the budget) in public mode "
+        "($SHOWCASE_ADMIN_TOKEN; never logged)", env="admin_token"))
 
 
-def add_fleet_flags(h, d: dict) -> None:
+@dataclass(frozen=True)
+class FleetFlags:
     """Engines on the machines of a Ray cluster (engine/fleet/, docs/multinode.md)."""
-    h.add_argument("--ray", nargs="?", const="auto", default=d["ray"], metavar="ADDRESS",
-                   help="run engines as Ray actors on the nodes of a Ray cluster, placed by device: ADDRESS as "
-                        "`ray start` printed it (host:port), `auto` (the default with a bare --ray: $RAY_ADDRESS, "
-                        "else a cluster of this machine), or `local` ($SHOWCASE_RAY)")
-    h.add_argument("--replicas", type=whole(1, MAX_REPLICAS), default=as_text(d["replicas"] or 1), metavar="N",
-                   help="with --ray: copies of each engine on different nodes; requests go to the least-loaded "
-                        "one (default 1; $SHOWCASE_REPLICAS)")
-    h.add_argument("--ray-any-address", action="store_true",
-                   help="with --public and --ray: join a cluster whose address is neither loopback nor private "
-                        "(the cluster's own network must then be private: docs/multinode.md)")
+
+    ray: str | None = field(default=None, metadata=flag(
+        "run engines as Ray actors on the nodes of a Ray cluster, placed by device: ADDRESS as `ray start` printed "
+        "it (host:port), `auto` (the default with a bare --ray: $RAY_ADDRESS, else a cluster of this machine), or "
+        "`local` ($SHOWCASE_RAY)", nargs="?", const="auto", metavar="ADDRESS", env="ray"))
+    replicas: int = field(default=1, metadata=flag(
+        "with --ray: copies of each engine on different nodes; requests go to the least-loaded one (default 1; "
+        "$SHOWCASE_REPLICAS)", check=Whole(1, MAX_REPLICAS), metavar="N", env="replicas", as_text=True))
+    ray_any_address: bool = field(default=False, metadata=flag(
+        "with --public and --ray: join a cluster whose address is neither loopback nor private (the cluster's "
+        "own network must then be private: docs/multinode.md)", kind=SWITCH))
 
 
 def fleet_config(args, public: bool) -> FleetConfig | None:
@@ -84,77 +98,93 @@ def fleet_config(args, public: bool) -> FleetConfig | None:
     return FleetConfig(address=address, replicas=int(args.replicas), start_timeout_s=settings.fleet_start_timeout_s())
 
 
-def add_budget_flags(h, d: dict) -> None:
+@dataclass(frozen=True)
+class BudgetFlags:
     """What the engines of a device may hold, how many compile at once, when idle ones unload."""
-    h.add_argument("--memory-budget", type=memory_size, default=d["memory_budget"], metavar="SIZE",
-                   help="memory the engines of one device may hold, e.g. 3GiB (default: 50%% of RAM for cpu, "
-                        "90%% of free memory for accelerators; $SHOWCASE_MEMORY_BUDGET)")
-    h.add_argument("--max-engines", type=whole(1, MAX_ENGINES), default=d["max_engines"],
-                   help=f"engines per device at once (default per device kind: {per_device('max_engines')}; "
-                        "$SHOWCASE_MAX_ENGINES)")
-    h.add_argument("--compile-jobs", type=whole(1, MAX_THREADS), default=d["compile_jobs"],
-                   help="bucket compiles at once on this host (default: one per 4 cores, at least 1; "
-                        "$SHOWCASE_COMPILE_JOBS)")
-    h.add_argument("--idle-unload", type=decimal(1, MAX_SECONDS, zero="off"), default=d["idle_unload"],
-                   metavar="SECONDS",
-                   help="unload an engine nobody used for this long (default: off; $SHOWCASE_IDLE_UNLOAD)")
-    h.add_argument("--worker-threads", type=whole(1, MAX_THREADS), default=d["worker_threads"], metavar="N",
-                   help="compute threads per cpu engine (default: cores / --max-engines, at least 1; "
-                        "$SHOWCASE_WORKER_THREADS)")
-    h.add_argument("--public-evict-after", type=decimal(0, MAX_SECONDS), default=60.0, metavar="SECONDS",
-                   help="public mode: a visitor's request may unload an idle engine only after this long unused")
+
+    memory_budget: str | None = field(default=None, metadata=flag(
+        "memory the engines of one device may hold, e.g. 3GiB (default: 50%% of RAM for cpu, 90%% of free memory "
+        "for accelerators; $SHOWCASE_MEMORY_BUDGET)", check=lambda text: memory_size(text), metavar="SIZE",
+        env="memory_budget"))
+    max_engines: int | None = field(default=None, metadata=flag(
+        "engines per device at once (default per device kind: {per_device[max_engines]}; $SHOWCASE_MAX_ENGINES)",
+        check=Whole(1, MAX_ENGINES), env="max_engines"))
+    compile_jobs: int | None = field(default=None, metadata=flag(
+        "bucket compiles at once on this host (default: one per 4 cores, at least 1; $SHOWCASE_COMPILE_JOBS)",
+        check=Whole(1, MAX_THREADS), env="compile_jobs"))
+    idle_unload: float | None = field(default=None, metadata=flag(
+        "unload an engine nobody used for this long (default: off; $SHOWCASE_IDLE_UNLOAD)",
+        check=Decimal(1, MAX_SECONDS, zero="off"), metavar="SECONDS", env="idle_unload"))
+    worker_threads: int | None = field(default=None, metadata=flag(
+        "compute threads per cpu engine (default: cores / --max-engines, at least 1; $SHOWCASE_WORKER_THREADS)",
+        check=Whole(1, MAX_THREADS), metavar="N", env="worker_threads"))
+    public_evict_after: float = field(default=60.0, metadata=flag(
+        "public mode: a visitor's request may unload an idle engine only after this long unused",
+        check=Decimal(0, MAX_SECONDS), metavar="SECONDS"))
 
 
-def add_visitor_flags(h, d: dict) -> None:
+@dataclass(frozen=True)
+class VisitorFlags:
     """What one client may queue and cost, and whose X-Forwarded-For names the client."""
-    h.add_argument("--client-events", type=whole(1, MAX_QUEUE, zero="unbounded"), default=d["client_events"],
-                   metavar="N",
-                   help="requests one client (its address) may have waiting or running at once (default: 8 in "
-                        "public mode, unbounded otherwise; 0: unbounded; $SHOWCASE_CLIENT_EVENTS)")
-    h.add_argument("--max-request-cost", type=token_steps("--max-request-cost"), default=as_text(d["max_request_cost"]),
-                   metavar="TOKEN_STEPS",
-                   help="public mode: the most one visitor request may cost, in denoiser steps x latent tokens "
-                        "(x configurations x prompts for Compare); a costlier one is refused with what fits "
-                        f"(default {DEFAULT_REQUEST_COST}: 64 steps at tiny-shapes' 128x128; 0: unbounded; "
-                        "$SHOWCASE_MAX_REQUEST_COST)")
-    h.add_argument("--max-visitor-cost", type=token_steps("--max-visitor-cost"), default=as_text(d["max_visitor_cost"]),
-                   metavar="TOKEN_STEPS",
-                   help="public mode: the most one client address may have queued and running at once "
-                        f"(default {DEFAULT_VISITOR_COST}; 0: unbounded; $SHOWCASE_MAX_VISITOR_COST)")
-    h.add_argument("--api-keys", type=api_keys_flag, default=d["api_keys"], metavar="FILE",
-                   help="require an API key on the OpenAI-compatible /v1 API (Authorization: Bearer <key>): FILE "
-                        "holds the keys, one a line, re-read when it changes; 'admin-token': only --admin-token. "
-                        "The admin token is always a key and makes the caller the host (default: no key needed; "
-                        "$SHOWCASE_API_KEYS; keys are never logged)")
-    h.add_argument("--trusted-proxies", default=d["trusted_proxies"], metavar="NETS",
-                   help="comma-separated addresses/networks of reverse proxies whose X-Forwarded-For names the "
-                        "client (default: none, the connection's address is the client; $SHOWCASE_TRUSTED_PROXIES)")
+
+    client_events: int | None = field(default=None, metadata=flag(
+        "requests one client (its address) may have waiting or running at once (default: 8 in public mode, "
+        "unbounded otherwise; 0: unbounded; $SHOWCASE_CLIENT_EVENTS)", check=Whole(1, MAX_QUEUE, zero="unbounded"),
+        metavar="N", env="client_events"))
+    max_request_cost: str | None = field(default=None, metadata=flag(
+        "public mode: the most one visitor request may cost, in denoiser steps x latent tokens (x configurations x "
+        "prompts for Compare); a costlier one is refused with what fits (default "
+        f"{DEFAULT_REQUEST_COST}: 64 steps at tiny-shapes' 128x128; 0: unbounded; $SHOWCASE_MAX_REQUEST_COST)",
+        check=lambda text: token_steps("--max-request-cost")(text), metavar="TOKEN_STEPS", env="max_request_cost",
+        as_text=True))
+    max_visitor_cost: str | None = field(default=None, metadata=flag(
+        "public mode: the most one client address may have queued and running at once (default "
+        f"{DEFAULT_VISITOR_COST}; 0: unbounded; $SHOWCASE_MAX_VISITOR_COST)",
+        check=lambda text: token_steps("--max-visitor-cost")(text), metavar="TOKEN_STEPS", env="max_visitor_cost",
+        as_text=True))
+    api_keys: str | None = field(default=None, metadata=flag(
+        "require an API key on the OpenAI-compatible /v1 API (Authorization: Bearer <key>): FILE holds the keys, "
+        "one a line, re-read when it changes; 'admin-token': only --admin-token. The admin token is always a key "
+        "and makes the caller the host (default: no key needed; $SHOWCASE_API_KEYS; keys are never logged)",
+        check=lambda text: api_keys_flag(text), metavar="FILE", env="api_keys"))
+    trusted_proxies: str | None = field(default=None, metadata=flag(
+        "comma-separated addresses/networks of reverse proxies whose X-Forwarded-For names the client (default: "
+        "none, the connection's address is the client; $SHOWCASE_TRUSTED_PROXIES)", metavar="NETS",
+        env="trusted_proxies"))
 
 
-def add_socket_flags(h, d: dict) -> None:
+@dataclass(frozen=True)
+class SocketFlags:
     """Socket bounds (ui/sockets.py, same defaults; $SHOWCASE_<FLAG NAME>, e.g. $SHOWCASE_MAX_CONNECTIONS):
-    connections and request headers, before the HTTP parser. An environment value is checked as the flag would be."""
-    h.add_argument("--max-connections", type=whole(16, 1_000_000), default=as_text(d["max_connections"] or 1000),
-                   metavar="N",
-                   help="open connections, all clients together; past it an idle one of the address holding the most "
-                        "makes room, or the new one gets 503 (default 1000)")
-    h.add_argument("--max-connections-per-client", type=whole(1, 1_000_000, zero="unbounded"),
-                   default=as_text(d["max_connections_per_client"]), metavar="N",
-                   help="open connections from one address; past it 503 (default: 64 in public mode, unbounded "
-                        "otherwise; 0: unbounded; a --trusted-proxies peer counts only in the total)")
-    h.add_argument("--max-streams-per-client", type=whole(1, 1_000_000, zero="unbounded"),
-                   default=as_text(d["max_streams_per_client"]), metavar="N",
-                   help="event streams one address holds open (heartbeats, queue streams, MCP streams); past it "
-                        "429, and at the --max-connections cap the address holding the most gives up its oldest "
-                        "(default: 16 in public mode, unbounded otherwise; 0: unbounded)")
-    h.add_argument("--header-timeout", type=decimal(1.0, 600.0), default=as_text(d["header_timeout"] or 10.0),
-                   metavar="SECONDS",
-                   help="a request's headers must arrive within this from connecting (or from its first byte on a "
-                        "kept-alive connection), else 408 and closed (default 10)")
-    h.add_argument("--max-header-bytes", type=header_bytes, default=as_text(d["max_header_bytes"] or 32 * 1024),
-                   metavar="SIZE", help="a request line and headers together; past it 431 and closed (default 32KiB)")
-    h.add_argument("--max-headers", type=whole(8, 10_000), default=as_text(d["max_headers"] or 100), metavar="N",
-                   help="header lines in a request; past it 431 and closed (default 100)")
+    connections and request headers, before the HTTP parser. An environment value is checked as the flag
+    would be."""
+
+    max_connections: int = field(default=1000, metadata=flag(
+        "open connections, all clients together; past it an idle one of the address holding the most makes room, "
+        "or the new one gets 503 (default 1000)", check=Whole(16, 1_000_000), metavar="N", env="max_connections",
+        as_text=True))
+    max_connections_per_client: int | None = field(default=None, metadata=flag(
+        "open connections from one address; past it 503 (default: 64 in public mode, unbounded otherwise; 0: "
+        "unbounded; a --trusted-proxies peer counts only in the total)",
+        check=Whole(1, 1_000_000, zero="unbounded"), metavar="N", env="max_connections_per_client", as_text=True))
+    max_streams_per_client: int | None = field(default=None, metadata=flag(
+        "event streams one address holds open (heartbeats, queue streams, MCP streams); past it 429, and at the "
+        "--max-connections cap the address holding the most gives up its oldest (default: 16 in public mode, "
+        "unbounded otherwise; 0: unbounded)", check=Whole(1, 1_000_000, zero="unbounded"), metavar="N",
+        env="max_streams_per_client", as_text=True))
+    header_timeout: float = field(default=10.0, metadata=flag(
+        "a request's headers must arrive within this from connecting (or from its first byte on a kept-alive "
+        "connection), else 408 and closed (default 10)", check=Decimal(1.0, 600.0), metavar="SECONDS",
+        env="header_timeout", as_text=True))
+    max_header_bytes: int = field(default=32 * 1024, metadata=flag(
+        "a request line and headers together; past it 431 and closed (default 32KiB)",
+        check=lambda text: header_bytes(text), metavar="SIZE", env="max_header_bytes", as_text=True))
+    max_headers: int = field(default=100, metadata=flag(
+        "header lines in a request; past it 431 and closed (default 100)", check=Whole(8, 10_000), metavar="N",
+        env="max_headers", as_text=True))
+
+
+HOSTING_FLAGS = (HostingFlags, BudgetFlags, VisitorFlags, SocketFlags)  # app.py's "hosting" group, in order
 
 
 def api_keys_flag(text: str) -> str:
