@@ -4,7 +4,7 @@ Every configuration is priced against eager fp32 without a step cache on the fir
 first, and added when it is not among the picks): seconds per image, speedup, drift of every image
 against the reference's image of the same prompt and seed (PSNR, SSIM, max pixel difference, a heat map)
 and, for a model with a pixel checker, fidelity over several prompts. Drift and fidelity come from
-engine/bench/quality.py, the bench's own code, through ui/views.py.
+engine/bench/quality.py, the bench's own code, through ui/compare_views.py.
 
 The configurations are a typed list (engine/bench/configs.py: "eager/fp32; regional/bf16/first-block:0.2")
 or the cross product of the checkboxes. Each is run first for its quality images, which also warm it
@@ -30,7 +30,7 @@ from engine.config.request import ImageRequest
 from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size, parse_lora
-from ui import compare_ab, memory_views, views
+from ui import compare_ab, compare_views, memory_views, views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
 
@@ -106,7 +106,7 @@ class CompareHandlers(HandlerBase):
     def compare_loras(self, preset: str):
         """Preset changed: its LoRA styles, unfused and fused."""
         try:
-            return gr.update(choices=views.compare_lora_choices(self.manager.preset(preset),
+            return gr.update(choices=compare_views.compare_lora_choices(self.manager.preset(preset),
                                                                 self.manager.options.loras), value=["none"])
         except ShowcaseError:
             return gr.update(choices=[("none", "none")], value=["none"])
@@ -140,15 +140,15 @@ class CompareHandlers(HandlerBase):
             device = self.default_device(devices)
             picked = list(dict.fromkeys(typed_label(c, device) for c in typed))
             what, reference_device = "listed", device
-            chips = list(dict.fromkeys(views.parse_config(c)[0] for c in picked))  # across chips: each its own
-            own = [views.reference_label(chip) for chip in chips if chip != device] if len(chips) > 1 else []
+            chips = list(dict.fromkeys(compare_views.parse_config(c)[0] for c in picked))  # across chips: each its own
+            own = [compare_views.reference_label(chip) for chip in chips if chip != device] if len(chips) > 1 else []
         else:
             try:
                 styles = [explicit.lora_suffix(parse_lora(text)) for text in loras or ["none"]]
                 mems = [explicit.memory_suffix(explicit.split_levers(f"+mem={text}")[1]) for text in levers or ["none"]]
             except (ShowcaseError, ValueError) as exc:
                 raise gr.Error(str(exc), title="Invalid request") from None
-            picked = [views.config_label(d, p, m, c, style + mem) for d, p, m, c, style, mem in
+            picked = [compare_views.config_label(d, p, m, c, style + mem) for d, p, m, c, style, mem in
                       product(devices or [], precisions or [], modes or [], caches or [views.NO_CACHE], styles, mems)]
             what, reference_device = "device × precision × mode × step cache × LoRA × memory", (devices or [None])[0]
             own = []
@@ -160,13 +160,13 @@ class CompareHandlers(HandlerBase):
             raise gr.Error(
                 f"pick {MIN_CONFIGS}–{MAX_CONFIGS} configurations ({what}); these choices make {len(picked)}",
                 title="Invalid request")
-        reference = views.reference_label(reference_device)
+        reference = compare_views.reference_label(reference_device)
         picked += [c for c in own if c not in picked]  # each other chip's eager fp32, priced against too
         return [reference, *(c for c in picked if c != reference)], reference, reference in picked
 
     def refusal(self, preset: str, config: str) -> str | None:
         """Why a configuration cannot run here, by the engine's own checks (None: it can)."""
-        device, precision, mode, cache = views.parse_config(config)
+        device, precision, mode, cache = compare_views.parse_config(config)
         lora = explicit.split_lora(config)[1]
         try:
             spec = self.device_spec(device)
@@ -248,7 +248,7 @@ class CompareHandlers(HandlerBase):
                      for i, c in enumerate(missing))]
         gr.Warning(f"cancelled: {', '.join(missing) or 'nothing'} left without a result", title="Cancelled",
                    duration=4)
-        return {**payload, "done": True, "results": results, "speedup": views.speedup_table(results)}
+        return {**payload, "done": True, "results": results, "speedup": compare_views.speedup_table(results)}
 
     def render_compare(self, payload: dict | None, thumbnails: list[str] | None = None):
         """Cards and tables after every configuration; the plot once, when the comparison is done.
@@ -261,25 +261,25 @@ class CompareHandlers(HandlerBase):
         """
         payload = payload or {}
         results = payload.get("results", [])
-        frame = views.step_frame(views.compare_step_rows(results), views.COMPARE_STEP_COLUMNS)
+        frame = views.step_frame(compare_views.compare_step_rows(results), compare_views.COMPARE_STEP_COLUMNS)
         if payload.get("done", True):
             series = list(dict.fromkeys(frame["config"]))
-            frame, order = views.steps_as_labels(frame)
-            colors = views.series_colors(series)
+            frame, order = compare_views.steps_as_labels(frame)
+            colors = compare_views.series_colors(series)
             plot = gr.update(value=frame, colors_in_legend=series, color_map=colors, sort=order,
                              y_aggregate="mean" if order else None)  # labelled steps: one value per step and series
-            legend = views.legend_html(colors)
+            legend = compare_views.legend_html(colors)
         else:
             plot = legend = gr.skip()
-        price = pd.DataFrame(views.price_rows(results), columns=views.PRICE_COLUMNS)
-        costs = pd.DataFrame(views.cost_rows(results), columns=views.COST_COLUMNS)
+        price = pd.DataFrame(compare_views.price_rows(results), columns=compare_views.PRICE_COLUMNS)
+        costs = pd.DataFrame(compare_views.cost_rows(results), columns=compare_views.COST_COLUMNS)
         thumbnails = thumbnails or []
 
         def uri(r: dict, key: str):
             i = r.get(key)
             return thumbnails[i] if i is not None and i < len(thumbnails) else None
 
-        return plot, price, costs, views.compare_cards_html(results, [uri(r, "image_index") for r in results],
+        return plot, price, costs, compare_views.compare_cards_html(results, [uri(r, "image_index") for r in results],
                                                             heatmaps=[uri(r, "heatmap_index") for r in results]), legend
 
 
@@ -303,10 +303,10 @@ class Comparison:
         self.timing_budget = self._timing_budget(form.timing_s)
         self.refused = {c: why for c in self.configs if (why := h.refusal(form.preset, c))}
         n_samples = max(0, min(MAX_FIDELITY_PROMPTS, int(form.fidelity_prompts or 0))) \
-            if views.has_checker(self.model) else 0
+            if compare_views.has_checker(self.model) else 0
         self.n_samples = n_samples
         # The main prompt, then the sample prompts (seeded: every configuration draws the same ones).
-        self.prompts = [form.prompt, *views.fidelity_sample_prompts(self.model, n_samples, fallback=form.prompt)]
+        self.prompts = [form.prompt, *compare_views.fidelity_sample_prompts(self.model, n_samples, fallback=form.prompt)]
         self.seeds = [form.seed, *(FIDELITY_SEED + i for i in range(n_samples))]
         self.caller = h.caller(request)
         # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
@@ -332,7 +332,7 @@ class Comparison:
 
     def payload(self, done: bool = False) -> dict:
         return {"configs": self.configs, "done": done, "reference": self.reference, "results": self.results,
-                "timing": self.timing, "speedup": views.speedup_table(self.results)}
+                "timing": self.timing, "speedup": compare_views.speedup_table(self.results)}
 
     def outputs(self, done: bool = False) -> tuple:
         return self.gallery, self.payload(done), self.thumbnails
@@ -378,7 +378,7 @@ class Comparison:
     def image_request(self, config: str, text: str, seed) -> ImageRequest:
         """What one image of `config` asks the engine for: its device, precision, mode, step cache and LoRA
         (every configuration is priced the same way; a LoRA's is just one more lever)."""
-        device, precision, mode, cache = views.parse_config(config)
+        device, precision, mode, cache = compare_views.parse_config(config)
         lora = explicit.split_lora(config)[1]
         form = self.form
         return ImageRequest(form.preset, prompt=text, device=device, precision=precision, mode=mode,
@@ -429,8 +429,8 @@ class Comparison:
         is_reference = config == self.reference
         if is_reference:
             entry.update(reference=True, reference_note=self.note)
-        mode = views.parse_config(config)[2]
-        bucket = views.find_bucket(self.h.manager.status(), entry["engine"], mode, entry["bucket"])
+        mode = compare_views.parse_config(config)[2]
+        bucket = compare_views.find_bucket(self.h.manager.status(), entry["engine"], mode, entry["bucket"])
         if bucket:
             entry.update(compile_s=bucket.get("compile_s"), warmup_s=bucket.get("warmup_s"),
                          bucket_state=bucket.get("state"), cache_hits=bucket.get("cache_hits"))
@@ -439,13 +439,13 @@ class Comparison:
             self.ref_images = images
         lora = explicit.split_lora(config)[1]
         style = lora.name if lora.scale != 0 else None  # a style's cards are checked as the style implies
-        entry.update(views.price_quality(images, self.prompts, None if is_reference else self.ref_images,
+        entry.update(compare_views.price_quality(images, self.prompts, None if is_reference else self.ref_images,
                                          self.model, style))
         entry["image_index"] = len(self.thumbnails)
         self.thumbnails.append(thumbnail_uri(images[0]))
         if not is_reference and self.ref_images is not None:
             entry["heatmap_index"] = len(self.thumbnails)
-            self.thumbnails.append(thumbnail_uri(views.difference_picture(images[0], self.ref_images[0])))
+            self.thumbnails.append(thumbnail_uri(compare_views.difference_picture(images[0], self.ref_images[0])))
         entry["gallery_index"] = len(self.gallery)
         self.gallery.append((images[0], caption(entry)))
         return entry
@@ -517,7 +517,7 @@ class Comparison:
 
 def typed_label(config: explicit.Configuration, device: str) -> str:
     """A typed configuration's label ("cpu/fp32/compile+lora=swap:0.5"), on `device` when it names none."""
-    return views.config_label(config.device or device, config.precision, config.mode, config.step_cache,
+    return compare_views.config_label(config.device or device, config.precision, config.mode, config.step_cache,
                               explicit.lora_suffix(config.lora_choice) + explicit.memory_suffix(config.memory))
 
 
@@ -527,24 +527,25 @@ def caption(entry: dict) -> str:
     return " · ".join(filter(None, [
         entry["config"], (f"LoRA {entry['lora']} at {entry.get('lora_scale', 1):g}{' fused' if entry.get('lora_fused') else ''}"
          if entry.get("lora") else ""),
-        f"{views.per_image_s(entry):.3f} s / image{memory_views.gib_text(entry)}",
+        f"{compare_views.per_image_s(entry):.3f} s / image{memory_views.gib_text(entry)}",
         f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
         f"{entry['own_chip_figure']['text']} vs eager fp32 on its chip" if entry.get("own_chip_figure") else "",
         f"drift {entry['drift']}" if entry.get("drift") else "",
-        f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
+        f"fidelity {compare_views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
         "eager fallback" if entry.get("eager_fallback") else ""]))
 
 
 def apply_timing(plan: PairedTiming, entries: dict[str, dict]) -> None:
     """Each entry's one speedup (and its timed images) from the paired plan: every view reads these."""
-    chip_of_reference = views.parse_config(plan.reference)[0]
+    chip_of_reference = compare_views.parse_config(plan.reference)[0]
     for config, entry in entries.items():
         figure = plan.figure(config)
         if figure.images:
             entry["image_ms"] = [plan.times[config][r] for r in sorted(plan.times[config])]
             entry["speedup_figure"] = figure.as_dict()
-        own = views.reference_label(views.parse_config(config)[0])  # its chip's eager fp32, when on another chip
-        if figure.images and views.parse_config(config)[0] != chip_of_reference and own in entries and own != config:
+        chip = compare_views.parse_config(config)[0]
+        own = compare_views.reference_label(chip)  # its chip's eager fp32, when on another chip
+        if figure.images and chip != chip_of_reference and own in entries and own != config:
             entry["own_chip_figure"] = plan.figure(config, against=own).as_dict()
 
 
@@ -618,7 +619,7 @@ class ComparePage:
             h.step_cache_rows(self.preset.name, (available or ["cpu"])[0], "eager"))
         form["caches"] = gr.CheckboxGroup(cache_choices or [views.NO_CACHE], value=[views.NO_CACHE],
                                           label="Step caches (unavailable ones say why)", elem_id="c-caches")
-        form["loras"] = gr.CheckboxGroup(views.compare_lora_choices(self.preset, h.manager.options.loras),
+        form["loras"] = gr.CheckboxGroup(compare_views.compare_lora_choices(self.preset, h.manager.options.loras),
                                          value=["none"], label="LoRA styles (one card per style; fused: eager only)",
                                          elem_id="c-loras")
         form["levers"] = gr.CheckboxGroup(MEMORY_CHOICES, value=["none"], label="Memory levers (one card per set, "
@@ -641,8 +642,8 @@ class ComparePage:
     def results(self) -> None:
         self.cards = gr.HTML(elem_id="c-cards", label="Each configuration")
         self.ab_choice, self.ab_slider = compare_ab.add()
-        self.speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True, max_height=1400,
-                                  column_widths=views.PRICE_WIDTHS, label="Price of each configuration",
+        self.speed = gr.Dataframe(headers=compare_views.PRICE_COLUMNS, interactive=False, wrap=True, max_height=1400,
+                                  column_widths=compare_views.PRICE_WIDTHS, label="Price of each configuration",
                                   elem_id="c-speedup")
         gr.Markdown("s / image: median of the configuration's timed images; × vs eager fp32: the median of the "
                     "reference's time ÷ this one's, each pair timed in the same round-robin round (the start "
@@ -656,7 +657,7 @@ class ComparePage:
         self.plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
                                 x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot")
         self.legend = gr.HTML(elem_id="c-plot-legend")  # Vega's own legend is hidden (ui/blocks.py CSS)
-        self.costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
+        self.costs = gr.Dataframe(headers=compare_views.COST_COLUMNS, interactive=False, wrap=True,
                                   column_widths=COST_WIDTHS, label="Compile and warm-up costs", elem_id="c-costs")
         with gr.Accordion("Images at full size", open=False):
             self.gallery = gr.Gallery(label="Images", columns=4, height=260, elem_id="c-gallery", type="pil",
