@@ -317,11 +317,13 @@ def short_budget(pick: dict | None, needed_s: dict[str, float], max_minutes: flo
 
     `needed_s`: label -> the run's length (s) at which that configuration's timing or quality check fits.
     The budget named is the one that reaches the first plain configuration (a precision and a mode: no step
-    cache, whose drift usually fails the bound, nor another attention backend) where one was cut."""
+    cache, whose drift usually fails the bound, nor another attention backend) where one was cut, a compiled
+    one first: another precision run eagerly is cut sooner but is rarely what beats eager fp32."""
     if (pick is not None and not is_reference(pick)) or not needed_s:
         return None
     plain = {label: s for label, s in needed_s.items() if label.count("/") == 1}
-    first, seconds = min((plain or needed_s).items(), key=lambda kv: kv[1])
+    compiled = {label: s for label, s in plain.items() if not label.endswith("/eager")}
+    first, seconds = min((compiled or plain or needed_s).items(), key=lambda kv: kv[1])
     minutes = max(max_minutes + 0.5, math.ceil(seconds / 30) / 2)  # the Advisor tab's slider moves by 0.5
     return {"needed_minutes": minutes, "first": first, "cut": sorted(needed_s, key=needed_s.get)}
 
