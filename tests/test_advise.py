@@ -396,9 +396,11 @@ def test_a_budget_too_short_for_any_check_says_so_and_what_budget_would_do():
 def test_a_load_that_arrives_mid_scan_still_leaves_the_final_round_its_rounds():
     """Two runs in a row at 5 minutes, the second while the host's load rose from 2 to 12 on 2 cores: its scan
     budgeted the final round at the quiet speeds, left it 4 s, and the pick's 3 rounds read "no measurable
-    difference" 148 s past the budget. The estimates follow the reference's latest images, so the scan stops
+    difference" 148 s past the budget. The reserve follows the reference's latest images, so the scan stops
     in time for the final round's rounds."""
-    for load in (lambda t: 1.0, lambda t: 1.0 if t < 60 else 12.0):
+    # quiet; 12x slower from the first minute; 8x from 15 s, right after the reference was timed (priced at that
+    # load, every compile would have been cut)
+    for load in (lambda t: 1.0, lambda t: 1.0 if t < 60 else 12.0, lambda t: 1.0 if t < 15 else 8.0):
         report, runners, clock = run_advisor(5, load=load, jitter=0.05)
         confirm, pick = report["confirm"], report["pick"]
         assert pick["label"] == "fp32/compile" and pick["speedup"] >= 1.6, pick["speedup"]

@@ -388,17 +388,16 @@ class Advisor:
 
     def cost_s(self, c: Candidate) -> float:
         """About how long timing `c` takes (its images, the reference's beside them, its compile) and then
-        checking its quality, at the host's load now."""
+        checking its quality."""
         images = (1 + self.plan.timing_images) * self.estimate_s(c) \
             + self.plan.timing_images * (self.seconds(REF_KEY) or 0.0)
         compile_s = self.compiles.get(c.mode) or max(self.compiles.values(), default=DEFAULT_COMPILE_ESTIMATE_S)
-        return (images * 1.2 + (compile_s if self.needs_compile(c) else 0.0)
-                + len(self.prompts) * self.estimate_s(c) * 1.2) * self.slowdown()
+        return images * 1.2 + (compile_s if self.needs_compile(c) else 0.0) \
+            + len(self.prompts) * self.estimate_s(c) * 1.2
 
     def score_s(self, m: Measured) -> float:
-        """About how long checking `m`'s quality takes, at the host's load now."""
-        return len(self.prompts) * (self.seconds(config_key(m.candidate)) or self.estimate_s(m.candidate)) \
-            * 1.2 * self.slowdown()
+        """About how long checking `m`'s quality takes."""
+        return len(self.prompts) * (self.seconds(config_key(m.candidate)) or self.estimate_s(m.candidate)) * 1.2
 
     def fastest_s(self) -> float | None:
         """The fastest seconds per image measured, in the reference's terms (Advisor.seconds)."""
@@ -406,7 +405,8 @@ class Advisor:
         return min((t for t in times if t), default=None)
 
     def final_round_s(self) -> float:
-        """The final round: an untimed image of each entry, then confirm_pairs rounds, at the host's load now."""
+        """The final round: an untimed image of each entry, then confirm_pairs rounds, at the host's load now
+        (Advisor.slowdown)."""
         fastest = self.fastest_s()
         if not fastest:
             return 0.0
@@ -415,14 +415,16 @@ class Advisor:
 
     def reserve(self) -> float:
         """Kept free while scanning: the final round, and one more quality check at the fastest speed so far
-        (the configuration now timed checks its own within its cost)."""
+        (the configuration now timed checks its own within its cost), both at the host's load now. What the
+        scan times next is priced at the speeds measured, so a heavy spell costs it one configuration's
+        overrun, not every compile (priced at the spell's load, each was cut)."""
         fastest = self.fastest_s()
         return len(self.prompts) * fastest * 1.2 * self.slowdown() + self.final_round_s() if fastest else 0.0
 
     def slowdown(self) -> float:
         """How many times slower images run now than when the reference was first timed (at least 1): its
-        latest images, each timed beside another configuration's, against its first median. The estimates
-        scale by it, so a load that arrives mid-scan still leaves the checks and the final round their time."""
+        latest images, each timed beside another configuration's, against its first median. The reserve scales
+        by it, so a load that arrives mid-scan still leaves the final round its rounds."""
         ref = self.measured.get(REF_KEY)
         recent = [ms for m in reversed(self.measured.values()) for ms in reversed(m.ref_ms)][:RECENT_REF_IMAGES]
         if ref is None or not ref.s_per_image or not recent:
