@@ -111,6 +111,10 @@ def test_the_scan_times_compiled_modes_of_the_fastest_precisions_before_caches()
     assert order == ["fp32/eager", "bf16/eager", "fp32/regional", "fp32/compile", "bf16/compile",
                      "fp32/compile/attn=flex", "fp32/eager/first-block:0.2", "fp32/eager/first-block:0.4"]
     assert ranks["int8dq/regional"] is None  # int8dq failed eagerly (or was not measured): nothing builds on it
+    # a load that makes another precision read faster eagerly does not put its compiles before fp32's
+    measured[("bf16", "eager", "none", "native", False)] = 0.19
+    order = sorted((c for c in grid if scan_rank(c, measured.get)), key=lambda c: scan_rank(c, measured.get))
+    assert [c.label() for c in order][2:5] == ["fp32/regional", "fp32/compile", "bf16/compile"]
 
 
 def test_a_configuration_whose_quality_was_not_measured_is_never_picked():

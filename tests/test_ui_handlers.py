@@ -485,7 +485,7 @@ def test_the_ab_slider_puts_a_configuration_over_the_reference():
     from PIL import Image
 
     from ui import compare_ab
-    from ui.compare import thumbnail_uri
+    from ui.compare_views import thumbnail_uri
 
     red, blue = Image.new("RGB", (64, 64), (255, 0, 0)), Image.new("RGB", (64, 64), (0, 0, 255))
     payload = {"results": [{"config": "cpu/fp32/eager", "reference": True, "image_index": 0},

@@ -18,7 +18,7 @@ from ui import advisor, buckets, build_demo, compare, generate, system
 from ui.advisor import AdvisorHandlers
 from ui.buckets import BucketsHandlers
 from ui.common import UIDefaults
-from ui.compare import CompareHandlers
+from ui.compare import COMPARE_API_PARAMS, COMPARE_FIELDS, CompareHandlers
 from ui.generate import GENERATE_API_PARAMS, GenerateHandlers
 from ui.system import SystemHandlers
 
@@ -230,6 +230,19 @@ def test_each_tab_owns_its_views():
             ("ui.views", name) in imports(p) or name in attribute_uses(p, "views"))}
         inside = len(re.findall(rf"\b{name}\b", text)) > 1  # defined once, used by another shared view
         assert len(users) >= 2 or inside, f"ui/views.py {name} is used only by {sorted(users)}: move it there"
+
+
+def test_compare_says_what_each_parameter_takes_and_keeps_its_api(demo):
+    """/compare's parameters carry what they take, as /generate's do (view_api, the MCP tool's schema); names,
+    order and types stay CompareForm's, and the page keeps its labels."""
+    params = demo.get_api_info()["named_endpoints"]["/compare"]["parameters"]
+    assert [p["parameter_name"] for p in params] == list(COMPARE_FIELDS)
+    for p in params:
+        assert p["python_type"]["description"] == p["type"]["description"] == COMPARE_API_PARAMS[p["parameter_name"]]
+    by_name = {p["parameter_name"]: p for p in params}
+    assert by_name["steps"]["type"]["type"] == "number" and by_name["steps"]["python_type"]["type"] == "float"
+    assert by_name["modes"]["python_type"]["type"].startswith("list[Literal['eager', 'compile'")
+    assert by_name["prompt"]["label"] == "Prompt" and "1-200" in by_name["steps"]["python_type"]["description"]
 
 
 def test_the_generate_api_params_are_the_request_forms_api_fields():

@@ -14,8 +14,6 @@ paired plan (engine/bench/paired.py) until each speedup's spread is known or the
 
 from __future__ import annotations
 
-import base64
-import io
 import time
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, fields
@@ -30,15 +28,14 @@ from engine.config.request import ImageRequest
 from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size, parse_lora
-from ui import compare_ab, compare_views, memory_views, views
-from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
+from ui import compare_ab, compare_views, views
+from ui.common import ENGINE_QUEUE, FAST, HandlerBase, describe_input, to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
 
 COST_WIDTHS = ["24%", "10%", "11%", "11%", "12%", "11%", "21%"]  # no header narrower than its longest word
 MIN_CONFIGS, MAX_CONFIGS = 1, 6  # picked; the reference is added when it is not among them
 MAX_FIDELITY_PROMPTS = 32
 DEFAULT_FIDELITY_PROMPTS = 8
-THUMBNAIL_PX = 256
 DEFAULT_TIMING_S = 30.0  # seconds of round-robin timing after the quality images
 MAX_TIMING_S = 600.0
 TIMING_MIN_ROUNDS, TIMING_MAX_ROUNDS = 3, 12
@@ -54,15 +51,6 @@ COMPARE_API_DOC = (
     "against the reference with its spread and image count, drift (PSNR, SSIM, largest pixel difference) and, "
     "on a model with a checker, fidelity; a configuration that cannot run or fails carries a short reason. "
     "/cancel stops it between steps.")
-
-
-def thumbnail_uri(image) -> str:
-    """A PNG data: URI of the image, at most THUMBNAIL_PX on its longer side (the cards are small)."""
-    image = image.copy()
-    image.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG", compress_level=1)
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 @dataclass(frozen=True)
@@ -89,6 +77,30 @@ class CompareForm:
 
 
 COMPARE_FIELDS = tuple(f.name for f in fields(CompareForm))
+# What each /compare parameter takes, for its API schema (view_api, the MCP tool): the lists' values are
+# also in their types.
+COMPARE_API_PARAMS = {
+    "prompt": "what every configuration draws",
+    "preset": "a model preset (/system lists those a visitor may choose)",
+    "size": "WIDTHxHEIGHT, one of the preset's buckets (null: its first)",
+    "steps": "denoising steps, 1-200 (null: the preset's default)",
+    "guidance": "guidance scale, 0-50 (null: the preset's default)",
+    "seed": "an integer >= 0: every configuration draws this seed",
+    "devices": "devices to run on (null: the first available); /system says which are available here",
+    "precisions": "precisions to run at; with devices, modes, caches, loras and levers, their cross product is "
+                  f"the configurations ({MIN_CONFIGS}-{MAX_CONFIGS})",
+    "modes": "modes to run in (compiled modes compile their bucket first)",
+    "wait_for_warm": "true: wait for each compiled bucket (its compile reported apart); false: a cold bucket "
+                     "runs eagerly",
+    "caches": "step caches ('none': without one; each one a configuration can run)",
+    "fidelity_prompts": f"extra prompts each configuration draws for fidelity and drift, 0-{MAX_FIDELITY_PROMPTS}",
+    "configurations": "a typed list replacing the lists above: mode/precision[/step cache][+lora=NAME[:SCALE]"
+                      "[:fused]][+mem=LEVERS][@device] separated by ';', e.g. 'eager/fp32; compile/fp32' "
+                      "('' for the lists' cross product)",
+    "timing_s": f"seconds of round-robin timing after the quality images, 0-{MAX_TIMING_S:g}",
+    "loras": "LoRA styles: 'none', NAME or NAME:fused (fused: eager only), one configuration each",
+    "levers": "memory lever sets ('none' for the engine as it is), one configuration each",
+}
 # The Compare tab's memory lever sets (any other set: a typed entry's +mem=); one the device cannot run gets a
 # card saying why.
 MEMORY_CHOICES = ["none", "layerwise:fp8", "group:block:1:disk", "group:leaf", "model-offload",
@@ -442,12 +454,12 @@ class Comparison:
         entry.update(compare_views.price_quality(images, self.prompts, None if is_reference else self.ref_images,
                                          self.model, style))
         entry["image_index"] = len(self.thumbnails)
-        self.thumbnails.append(thumbnail_uri(images[0]))
+        self.thumbnails.append(compare_views.thumbnail_uri(images[0]))
         if not is_reference and self.ref_images is not None:
             entry["heatmap_index"] = len(self.thumbnails)
-            self.thumbnails.append(thumbnail_uri(compare_views.difference_picture(images[0], self.ref_images[0])))
+            self.thumbnails.append(compare_views.thumbnail_uri(compare_views.difference_picture(images[0], self.ref_images[0])))
         entry["gallery_index"] = len(self.gallery)
-        self.gallery.append((images[0], caption(entry)))
+        self.gallery.append((images[0], compare_views.caption(entry)))
         return entry
 
     # -- phase 2: timing, round-robin with the reference (the start rotating) until each spread is known --
@@ -470,16 +482,16 @@ class Comparison:
                 break
             yield from self.timing_round(plan, round_index, entries)
             round_index += 1
-            apply_timing(plan, entries)
+            compare_views.apply_timing(plan, entries)
             for entry in entries.values():
                 i = entry["gallery_index"]
-                self.gallery[i] = (self.gallery[i][0], caption(entry))
+                self.gallery[i] = (self.gallery[i][0], compare_views.caption(entry))
             self.timing.update(rounds=plan.rounds, stop_reason=plan.stop_reason)
             yield self.outputs()
             if "error" in plan.warm.get(self.reference, {}):
                 plan.stop_reason = "the reference failed while timed"
                 break
-        apply_timing(plan, entries)
+        compare_views.apply_timing(plan, entries)
         self.timing.update(rounds=plan.rounds, stop_reason="cancelled" if self.run_state.cancelled else plan.stop_reason)
         self.progress((self.grand_total, self.grand_total),
                       desc=f"timed {plan.rounds} rounds: {self.timing['stop_reason']}", unit="steps")
@@ -519,34 +531,6 @@ def typed_label(config: explicit.Configuration, device: str) -> str:
     """A typed configuration's label ("cpu/fp32/compile+lora=swap:0.5"), on `device` when it names none."""
     return compare_views.config_label(config.device or device, config.precision, config.mode, config.step_cache,
                               explicit.lora_suffix(config.lora_choice) + explicit.memory_suffix(config.memory))
-
-
-def caption(entry: dict) -> str:
-    """A gallery image's caption: its configuration, s / image, speedup, drift and fidelity."""
-    figure = entry.get("speedup_figure")
-    return " · ".join(filter(None, [
-        entry["config"], (f"LoRA {entry['lora']} at {entry.get('lora_scale', 1):g}{' fused' if entry.get('lora_fused') else ''}"
-         if entry.get("lora") else ""),
-        f"{compare_views.per_image_s(entry):.3f} s / image{memory_views.gib_text(entry)}",
-        f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
-        f"{entry['own_chip_figure']['text']} vs eager fp32 on its chip" if entry.get("own_chip_figure") else "",
-        f"drift {entry['drift']}" if entry.get("drift") else "",
-        f"fidelity {compare_views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
-        "eager fallback" if entry.get("eager_fallback") else ""]))
-
-
-def apply_timing(plan: PairedTiming, entries: dict[str, dict]) -> None:
-    """Each entry's one speedup (and its timed images) from the paired plan: every view reads these."""
-    chip_of_reference = compare_views.parse_config(plan.reference)[0]
-    for config, entry in entries.items():
-        figure = plan.figure(config)
-        if figure.images:
-            entry["image_ms"] = [plan.times[config][r] for r in sorted(plan.times[config])]
-            entry["speedup_figure"] = figure.as_dict()
-        chip = compare_views.parse_config(config)[0]
-        own = compare_views.reference_label(chip)  # its chip's eager fp32, when on another chip
-        if figure.images and chip != chip_of_reference and own in entries and own != config:
-            entry["own_chip_figure"] = plan.figure(config, against=own).as_dict()
 
 
 def build(h: CompareHandlers) -> None:
@@ -686,6 +670,8 @@ class ComparePage:
         # Gradio closes the running handler; closing it cancels the engine request between steps.
         self.cancel_btn.click(None, cancels=[run])
         run.then(h.compare_ended, results, results, **FAST)
+        for name, allowed in COMPARE_API_PARAMS.items():
+            describe_input(f[name], allowed)
         # Not the gallery as an input: Gradio would read its image files back from the shared upload folder,
         # where another process saving an identical image (same content hash, same path) can leave one
         # half-written.

@@ -4,10 +4,13 @@ fidelity from its quality code, imported on first use, so the UI and the bench a
 
 from __future__ import annotations
 
+import base64
 import html
+import io
 
 import pandas as pd
 
+from engine.bench.paired import PairedTiming
 from ui.memory_views import gib_text
 from ui.views import CACHED, NO_CACHE, SERIES_PALETTE, fmt_ms, fmt_s, fmt_steps, lora_text, median, step_rows
 
@@ -15,6 +18,7 @@ COMPARE_STEP_COLUMNS = ["step", "step_ms", "config"]
 SPEEDUP_COLUMNS = ["config", "median step", "total", "× step", "× total", "compile s", "warm-up s",
                    "break-even"]
 CACHED_SUFFIX = " · cached"
+THUMBNAIL_PX = 256
 COST_COLUMNS = ["config", "state", "compile s", "warm-up s", "cache hits", "waited s", "error"]
 FIDELITY_SEED = 7  # the bench's prompt-sampling seed: Compare scores the same prompts as its quality samples
 REFERENCE_TAG = "reference: eager fp32, no step cache"
@@ -314,3 +318,40 @@ def cost_rows(results: list[dict]) -> list[list]:
             fmt_s(r.get("waited_s")), r.get("error") or "",
         ])
     return out
+
+
+def caption(entry: dict) -> str:
+    """A gallery image's caption: its configuration, s / image, speedup, drift and fidelity."""
+    figure = entry.get("speedup_figure")
+    return " · ".join(filter(None, [
+        entry["config"], (f"LoRA {entry['lora']} at {entry.get('lora_scale', 1):g}{' fused' if entry.get('lora_fused') else ''}"
+         if entry.get("lora") else ""),
+        f"{per_image_s(entry):.3f} s / image{gib_text(entry)}",
+        f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
+        f"{entry['own_chip_figure']['text']} vs eager fp32 on its chip" if entry.get("own_chip_figure") else "",
+        f"drift {entry['drift']}" if entry.get("drift") else "",
+        f"fidelity {fmt_fidelity(entry)}" if "fidelity" in entry else "",
+        "eager fallback" if entry.get("eager_fallback") else ""]))
+
+
+def apply_timing(plan: PairedTiming, entries: dict[str, dict]) -> None:
+    """Each entry's one speedup (and its timed images) from the paired plan: every view reads these."""
+    chip_of_reference = parse_config(plan.reference)[0]
+    for config, entry in entries.items():
+        figure = plan.figure(config)
+        if figure.images:
+            entry["image_ms"] = [plan.times[config][r] for r in sorted(plan.times[config])]
+            entry["speedup_figure"] = figure.as_dict()
+        chip = parse_config(config)[0]
+        own = reference_label(chip)  # its chip's eager fp32, when on another chip
+        if figure.images and chip != chip_of_reference and own in entries and own != config:
+            entry["own_chip_figure"] = plan.figure(config, against=own).as_dict()
+
+
+def thumbnail_uri(image) -> str:
+    """A PNG data: URI of the image, at most THUMBNAIL_PX on its longer side (the cards are small)."""
+    image = image.copy()
+    image.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=1)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

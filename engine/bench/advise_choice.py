@@ -338,8 +338,10 @@ def scan_rank(c: Candidate, seconds: Callable[[tuple], float | None]) -> tuple |
     """Where `c` stands in the scan, from what is measured so far (lower goes first); None: not worth
     measuring (the configuration it builds on failed or was not measured).
 
-    The reference; every precision eagerly; the compiled modes, precisions that measured fastest eagerly
-    first; then step caches and attention backends on the configurations that measured fastest first.
+    The reference; every precision eagerly; the compiled modes, the reference's precision first (it draws
+    eager fp32's pictures, so its compiled modes are within any bound: under a load of 18 int8wo read
+    fastest eagerly by noise and its compiles went first), then the precisions that measured fastest
+    eagerly; then step caches and attention backends on the configurations that measured fastest first.
     `seconds((precision, mode, step_cache, attention))`: that configuration's s / image, None if unknown."""
     if is_reference(c.as_dict()):
         return (0,)
@@ -347,7 +349,7 @@ def scan_rank(c: Candidate, seconds: Callable[[tuple], float | None]) -> tuple |
         if c.mode == "eager":
             return (1, c.lora_fused)
         eager = seconds((c.precision, "eager", "none", "native", False))
-        return None if eager is None else (2, eager, MODES.index(c.mode))
+        return None if eager is None else (2, c.precision != REFERENCE["precision"], eager, MODES.index(c.mode))
     base = seconds((c.precision, c.mode, "none", "native", False))
     loosened = c.step_cache != "none" and not is_default(c.step_cache)
     return None if base is None else (3, base, loosened, c.attention != "native")
