@@ -101,7 +101,7 @@ class DefaultEngineFlags:
     mode: str = field(default="compile", metadata=flag(
         f"{', '.join(Mode.values())} ($SHOWCASE_MODE)", check=OneOf(Mode.values, "mode"), env="mode"))
     config_from: str | None = field(default=None, metadata=flag(
-        "the default engine and Generate's selectors from an advisor result (python -m engine advise --out FILE, "
+        "the default engine and Generate's selectors from an advisor result (python -m bench advise --out FILE, "
         "or the Advisor tab's saved JSON): its pick's preset, device, precision, mode, step cache and attention "
         "backend", metavar="FILE"))
     tp: int = field(default=1, metadata=flag("run the default engine over N ranks (a torchrun sidecar)",

@@ -49,6 +49,7 @@ from bench.advise_choice import (
 )
 from bench.advise_report import ABSENT, REFERENCE, markdown
 from bench.paired import PairedTiming, current_marks, measure_round_robin
+from engine.metrics import median
 from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold, Size
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class _Runners:
         from bench.measure import build_runner
         from bench.modes import MODE_TABLE
         from engine import devices
+        from engine.pipeline import attention
 
         key = (c.precision, c.attention, c.memory)
         if key not in self.runners:
@@ -80,10 +82,12 @@ class _Runners:
             self.runners[key] = runner
         runner = self.runners[key]
         devices.apply_precision(runner.precision)
+        attention.activate(c.attention)  # process-wide in diffusers: else a native runner ran the last one loaded
         return runner
 
 
 SLOWER_THAN_REFERENCE = 1.25  # after two timed images this much slower than eager fp32: not timed further
+RECENT_REF_IMAGES = 5  # the reference's latest images: how loaded the host is now (Advisor.slowdown)
 DEFAULT_COMPILE_ESTIMATE_S = 30.0  # before any compile has been measured
 REF_KEY = tuple(REFERENCE.values())
 
@@ -251,12 +255,16 @@ class Advisor:
         (the starting one rotates each round). Rounds past the deadline are dropped (MIN_FINAL_ROUNDS are
         always run)."""
         entries = {c.label(): c for c in final_entries(leaders, rows)}
+        # One untimed image each first: whatever one of them pays once after the others ran (a graph that
+        # recompiles, caches refilled) stays out of the timed rounds.
+        for c in entries.values():
+            self.image_ms(c, 499)
         plan = self.plan
         timing = PairedTiming(list(entries), reference=Candidate(**REFERENCE).label(),
                               min_rounds=min(MIN_FINAL_ROUNDS, plan.confirm_pairs), max_rounds=max(plan.confirm_pairs, 1),
                               budget_s=max(0.0, self.deadline - self.clock()))
-        # every entry is warm from the scan
-        measure_round_robin(timing, lambda label, i: self.image_ms(entries[label], 500 + i), marks=current_marks)
+        measure_round_robin(timing, lambda label, i: self.image_ms(entries[label], 500 + i), marks=current_marks,
+                            clock=self.clock)
         return timing
 
     def report(self, pick: dict | None, confirm: dict | None, rows: list[dict]) -> dict:
@@ -389,21 +397,39 @@ class Advisor:
 
     def score_s(self, m: Measured) -> float:
         """About how long checking `m`'s quality takes."""
-        return len(self.prompts) * (m.s_per_image or self.estimate_s(m.candidate)) * 1.2
+        return len(self.prompts) * (self.seconds(config_key(m.candidate)) or self.estimate_s(m.candidate)) * 1.2
 
     def fastest_s(self) -> float | None:
-        times = [m.s_per_image for m in self.measured.values() if m.s_per_image and not m.error]
-        return min(times) if times else None
+        """The fastest seconds per image measured, in the reference's terms (Advisor.seconds)."""
+        times = [self.seconds(k) for k in self.measured]
+        return min((t for t in times if t), default=None)
 
     def final_round_s(self) -> float:
+        """The final round: an untimed image of each entry, then confirm_pairs rounds, at the host's load now
+        (Advisor.slowdown)."""
         fastest = self.fastest_s()
-        return self.plan.confirm_pairs * ((self.seconds(REF_KEY) or 0.0) + FINALISTS * fastest) if fastest else 0.0
+        if not fastest:
+            return 0.0
+        return (self.plan.confirm_pairs + 1) * ((self.seconds(REF_KEY) or 0.0) + FINALISTS * fastest) \
+            * self.slowdown()
 
     def reserve(self) -> float:
         """Kept free while scanning: the final round, and one more quality check at the fastest speed so far
-        (the configuration now timed checks its own within its cost)."""
+        (the configuration now timed checks its own within its cost), both at the host's load now. What the
+        scan times next is priced at the speeds measured, so a heavy spell costs it one configuration's
+        overrun, not every compile (priced at the spell's load, each was cut)."""
         fastest = self.fastest_s()
-        return len(self.prompts) * fastest * 1.2 + self.final_round_s() if fastest else 0.0
+        return len(self.prompts) * fastest * 1.2 * self.slowdown() + self.final_round_s() if fastest else 0.0
+
+    def slowdown(self) -> float:
+        """How many times slower images run now than when the reference was first timed (at least 1): its
+        latest images, each timed beside another configuration's, against its first median. The reserve scales
+        by it, so a load that arrives mid-scan still leaves the final round its rounds."""
+        ref = self.measured.get(REF_KEY)
+        recent = [ms for m in reversed(self.measured.values()) for ms in reversed(m.ref_ms)][:RECENT_REF_IMAGES]
+        if ref is None or not ref.s_per_image or not recent:
+            return 1.0
+        return max(1.0, median(recent) / 1000 / ref.s_per_image)
 
     # -- bookkeeping
     def elapsed(self) -> float:

@@ -317,11 +317,13 @@ def short_budget(pick: dict | None, needed_s: dict[str, float], max_minutes: flo
 
     `needed_s`: label -> the run's length (s) at which that configuration's timing or quality check fits.
     The budget named is the one that reaches the first plain configuration (a precision and a mode: no step
-    cache, whose drift usually fails the bound, nor another attention backend) where one was cut."""
+    cache, whose drift usually fails the bound, nor another attention backend) where one was cut, a compiled
+    one first: another precision run eagerly is cut sooner but is rarely what beats eager fp32."""
     if (pick is not None and not is_reference(pick)) or not needed_s:
         return None
     plain = {label: s for label, s in needed_s.items() if label.count("/") == 1}
-    first, seconds = min((plain or needed_s).items(), key=lambda kv: kv[1])
+    compiled = {label: s for label, s in plain.items() if not label.endswith("/eager")}
+    first, seconds = min((compiled or plain or needed_s).items(), key=lambda kv: kv[1])
     minutes = max(max_minutes + 0.5, math.ceil(seconds / 30) / 2)  # the Advisor tab's slider moves by 0.5
     return {"needed_minutes": minutes, "first": first, "cut": sorted(needed_s, key=needed_s.get)}
 
@@ -336,8 +338,10 @@ def scan_rank(c: Candidate, seconds: Callable[[tuple], float | None]) -> tuple |
     """Where `c` stands in the scan, from what is measured so far (lower goes first); None: not worth
     measuring (the configuration it builds on failed or was not measured).
 
-    The reference; every precision eagerly; the compiled modes, precisions that measured fastest eagerly
-    first; then step caches and attention backends on the configurations that measured fastest first.
+    The reference; every precision eagerly; the compiled modes, the reference's precision first (it draws
+    eager fp32's pictures, so its compiled modes are within any bound: under a load of 18 int8wo read
+    fastest eagerly by noise and its compiles went first), then the precisions that measured fastest
+    eagerly; then step caches and attention backends on the configurations that measured fastest first.
     `seconds((precision, mode, step_cache, attention))`: that configuration's s / image, None if unknown."""
     if is_reference(c.as_dict()):
         return (0,)
@@ -345,7 +349,7 @@ def scan_rank(c: Candidate, seconds: Callable[[tuple], float | None]) -> tuple |
         if c.mode == "eager":
             return (1, c.lora_fused)
         eager = seconds((c.precision, "eager", "none", "native", False))
-        return None if eager is None else (2, eager, MODES.index(c.mode))
+        return None if eager is None else (2, c.precision != REFERENCE["precision"], eager, MODES.index(c.mode))
     base = seconds((c.precision, c.mode, "none", "native", False))
     loosened = c.step_cache != "none" and not is_default(c.step_cache)
     return None if base is None else (3, base, loosened, c.attention != "native")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 from bench import advise_report
 from bench.advise import load_pick, result_path, save
@@ -110,6 +111,10 @@ def test_the_scan_times_compiled_modes_of_the_fastest_precisions_before_caches()
     assert order == ["fp32/eager", "bf16/eager", "fp32/regional", "fp32/compile", "bf16/compile",
                      "fp32/compile/attn=flex", "fp32/eager/first-block:0.2", "fp32/eager/first-block:0.4"]
     assert ranks["int8dq/regional"] is None  # int8dq failed eagerly (or was not measured): nothing builds on it
+    # a load that makes another precision read faster eagerly does not put its compiles before fp32's
+    measured[("bf16", "eager", "none", "native", False)] = 0.19
+    order = sorted((c for c in grid if scan_rank(c, measured.get)), key=lambda c: scan_rank(c, measured.get))
+    assert [c.label() for c in order][2:5] == ["fp32/regional", "fp32/compile", "bf16/compile"]
 
 
 def test_a_configuration_whose_quality_was_not_measured_is_never_picked():
@@ -273,11 +278,15 @@ class FakeClock:
 
 class FakeRunners:
     """Runners that cost fake seconds: `speeds[(precision, mode, cache family)]` per image, `compile_s` per
-    compile. Compiled modes draw eager fp32's image; a step cache draws a noisy one (outside the bound)."""
+    compile. Compiled modes draw eager fp32's image; a step cache draws a noisy one (outside the bound).
+    `load(t)`: how many times slower an image runs at fake time t; `jitter`: each image's time varies by up
+    to this share (seeded), as a shared machine's do."""
 
-    def __init__(self, clock, speeds, compile_s=27.0):
+    def __init__(self, clock, speeds, compile_s=27.0, load=None, jitter=0.0):
         self.clock, self.speeds, self.compile_s = clock, speeds, compile_s
+        self.load, self.jitter, self.rng = load or (lambda t: 1.0), jitter, random.Random(41)
         self.calls: list[str] = []
+        self.images: list[tuple[str, int]] = []  # (configuration, seed) of every image drawn
 
     def get(self, c):
         return FakeRunner(self, c.precision)
@@ -312,8 +321,10 @@ class FakeRunner:
         cache = str(request.step_cache).split(":")[0]
         s = self.owner.speeds.get((self.precision, str(request.mode), cache)) or \
             self.owner.speeds[(self.precision, "eager", "none")]
+        s *= self.owner.load(self.owner.clock.t) * (1 + self.owner.rng.uniform(-1, 1) * self.owner.jitter)
         self.owner.clock.t += s
         self.owner.calls.append(f"{self.precision}/{request.mode}/{cache}")
+        self.owner.images.append((self.owner.calls[-1], request.seed))
         rng = np.random.default_rng(request.seed)
         pixels = rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)
         if cache != "none" or self.precision != "fp32":
@@ -332,13 +343,13 @@ SPEEDS = {("fp32", "eager", "none"): 0.15, ("fp32", "compile", "none"): 0.088, (
              for c in ("first-block", "magcache", "taylorseer", "faster-cache", "pyramid")}}
 
 
-def run_advisor(minutes, progress=None):
+def run_advisor(minutes, progress=None, **load):
     from bench.advise import Advisor
     from engine import settings
     from engine.protocol import Size
 
     clock = FakeClock()
-    runners = FakeRunners(clock, SPEEDS)
+    runners = FakeRunners(clock, SPEEDS, **load)
     p = AdvisePlan(preset=get_preset("tiny-shapes"), device="cpu", size=Size.parse("64x64"), steps=20,
                    max_minutes=minutes, quality_samples=6, prompt="a red circle", cache_dir=settings.cache_dir())
     report = Advisor(p, progress, clock=clock, runners=runners).run()
@@ -384,3 +395,53 @@ def test_a_budget_too_short_for_any_check_says_so_and_what_budget_would_do():
     # with more time, the budget named reaches the pick
     report, _, _ = run_advisor(short["needed_minutes"])
     assert report["pick"] is not None and report["pick"]["label"] != "fp32/eager"
+
+
+def test_a_load_that_arrives_mid_scan_still_leaves_the_final_round_its_rounds():
+    """Two runs in a row at 5 minutes, the second while the host's load rose from 2 to 12 on 2 cores: its scan
+    budgeted the final round at the quiet speeds, left it 4 s, and the pick's 3 rounds read "no measurable
+    difference" 148 s past the budget. The reserve follows the reference's latest images, so the scan stops
+    in time for the final round's rounds."""
+    # quiet; 12x slower from the first minute; 8x from 15 s, right after the reference was timed (priced at that
+    # load, every compile would have been cut)
+    for load in (lambda t: 1.0, lambda t: 1.0 if t < 60 else 12.0, lambda t: 1.0 if t < 15 else 8.0):
+        report, runners, clock = run_advisor(5, load=load, jitter=0.05)
+        confirm, pick = report["confirm"], report["pick"]
+        assert pick["label"] == "fp32/compile" and pick["speedup"] >= 1.6, pick["speedup"]
+        assert confirm["stop_reason"] in ("spread known", "8 rounds"), confirm["stop_reason"]  # not the budget
+        assert clock.t <= 5 * 60 * 1.02  # within the budget: the final round was reserved at this load
+        # one untimed image of each entry before the rounds (seed 499; the rounds' from 500): a graph that
+        # recompiles does so outside them
+        final = [(call, seed) for call, seed in runners.images if 499 <= seed < 600]
+        entries = {call for call, _ in final}
+        assert len(entries) >= 2 and [seed for _, seed in final[:len(entries)]] == [499] * len(entries)
+        assert sorted(seed for _, seed in final[len(entries):]) == sorted(
+            500 + r for r in range(confirm["rounds"]) for _ in entries)
+
+
+def test_each_runner_runs_its_own_attention_backend(monkeypatch):
+    """diffusers keeps one attention backend per process, the last one a model set, and a model left at native
+    follows it: after the advisor loaded its flex runner, the native runners ran flex and fp32/compile
+    recompiled on its next image (measured: 24-106 s, inside the final round's first round)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    from bench import advise, measure
+    from engine import devices
+    from engine.protocol import EngineOptions
+
+    class Loaded:
+        def __init__(self, attention):
+            self.attention, self.precision = attention, None
+
+        def load(self):  # what diffusers' set_attention_backend does to the process
+            _AttentionBackendRegistry.set_active_backend(AttentionBackendName(self.attention))
+
+    monkeypatch.setattr(_AttentionBackendRegistry, "_active_backend", _AttentionBackendRegistry._active_backend)
+    monkeypatch.setattr(measure, "build_runner", lambda plan, spec, precision, mode: Loaded(
+        "native" if plan.options.attention_backend == "native" else plan.options.attention_backend))
+    monkeypatch.setattr(devices, "apply_precision", lambda precision: None)
+
+    runners = advise._Runners(plan(options=EngineOptions()), spec=None)
+    for attention in ("native", "flex", "native", "_native_math", "native"):
+        runners.get(Candidate("fp32", "compile", attention=attention))
+        assert _AttentionBackendRegistry.get_active_backend()[0] == AttentionBackendName(attention)

@@ -303,7 +303,8 @@ def test_cancel_one_member_the_other_finishes_and_matches_solo(batched, solo_ima
 
 @pytest.mark.slow  # starts a worker, compiles
 def test_board_and_status_show_batch_sizes(batched):
-    from ui.views import board_rows, size_label
+    from ui.buckets_views import board_rows
+    from ui.views import size_label
 
     before = batched.status()["batching"]["served"].get("2", {"calls": 0, "requests": 0})
     [f.result(300) for f in together(batched, [request(i, seed=7 + i) for i in range(2)])]

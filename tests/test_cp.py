@@ -100,9 +100,9 @@ def test_ulysses_eager_matches_one_process_and_looks_like_tp(cp, tiny_models):
     diff = _matches(dump, result, tiny_models, request)
     print(f"tiny-flux ulysses2 eager: max abs diff {diff:.2e}, median step {result.timings.median_step_ms:.1f} ms")
     assert diff <= TOLERANCE
-    from ui import views
+    from ui import buckets_views
 
-    rows = [r for r in views.board_rows(manager.status()) if r[0] == str(key)]
+    rows = [r for r in buckets_views.board_rows(manager.status()) if r[0] == str(key)]
     assert [r[1:3] for r in rows[:1]] == [["cpu", "fp32"]] and len(rows) == len(board)
 
 

@@ -249,7 +249,7 @@ def test_a_compare_across_two_nodes_prices_each_against_its_own_chip_and_the_ref
     from gradio_client import Client
     from helpers import launch_demo
 
-    from ui import UIDefaults, views
+    from ui import UIDefaults, buckets_views
 
     demo, url = launch_demo(fleet_manager, UIDefaults(device="cpu", mode="eager"))
     try:
@@ -270,7 +270,7 @@ def test_a_compare_across_two_nodes_prices_each_against_its_own_chip_and_the_ref
     figure = results[other]["own_chip_figure"]  # and against eager fp32 on its own chip
     assert figure["images"] >= 1 and figure["iqr"][0] <= figure["speedup"] <= figure["iqr"][1]
     assert "vs eager fp32 on its chip" in gallery[1]["caption"] and "own_chip_figure" not in results[own]
-    devices = {row[1] for row in views.board_rows(fleet_manager.status())}
+    devices = {row[1] for row in buckets_views.board_rows(fleet_manager.status())}
     assert {"cpu on host-a", "cpu on host-b"} <= devices
 
 

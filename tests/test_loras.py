@@ -170,17 +170,17 @@ def test_visitors_pick_only_the_presets_adapters_by_name():
 
 
 def test_the_timings_table_shows_the_adapter_its_rank_and_the_swap():
-    from ui import views
+    from ui import generate_views
 
-    row = dict(views.stats_rows({"timings": {}, "lora": "swap", "lora_scale": 0.5, "lora_rank": 4,
+    row = dict(generate_views.stats_rows({"timings": {}, "lora": "swap", "lora_scale": 0.5, "lora_rank": 4,
                                  "lora_swap_ms": 21.4}))
     assert row["LoRA"] == "swap at scale 0.5, rank 4; hot-swapped in 21 ms (no recompile)"
-    assert dict(views.stats_rows({"timings": {}}))["LoRA"] == "none"
+    assert dict(generate_views.stats_rows({"timings": {}}))["LoRA"] == "none"
     fused = {"timings": {"step_ms": [3.0]}, "lora": "swap", "lora_scale": 1.0, "lora_rank": 4, "lora_fused": True,
              "lora_fuse_ms": 1.8}
-    assert dict(views.stats_rows(fused))["LoRA"] == ("swap at scale 1, rank 4; already in place; fused into the "
+    assert dict(generate_views.stats_rows(fused))["LoRA"] == ("swap at scale 1, rank 4; already in place; fused into the "
                                                       "weights in 2 ms")
-    assert "· LoRA swap at scale 1, rank 4" in views.run_summary(fused)  # under the image, not only in the table
+    assert "· LoRA swap at scale 1, rank 4" in generate_views.run_summary(fused)  # under the image, not only in the table
 
 
 def test_the_adapter_joins_the_batch_key():
@@ -372,7 +372,7 @@ def styled_manager(cache_dir):
 def test_the_board_shows_each_engines_slot_its_swaps_and_no_recompiles(styled_manager):
     """The slot's figures travel from the engine's loop to the app's status rows (LoraChanged), before the
     result of the call that changed them."""
-    from ui import views
+    from ui import buckets_views
 
     manager = styled_manager
     for lora in ("swap", "corner"):
@@ -384,14 +384,14 @@ def test_the_board_shows_each_engines_slot_its_swaps_and_no_recompiles(styled_ma
     assert lora["swaps"] >= 1 and lora["median_swap_ms"] > 0 and lora["recompiles"] == 0
     assert lora["adapters"] == ["swap", "small", "corner"] and lora["target_rank"] > 0
     assert lora["fused_bytes"] > 0  # the fused copy's weights, which the LoRA bench reads through the client
-    board = [r for r in views.board_rows(manager.status()) if r[3] == views.LORA_SLOT]
+    board = [r for r in buckets_views.board_rows(manager.status()) if r[3] == buckets_views.LORA_SLOT]
     assert len(board) == 1 and board[0][5] == "corner at 1"
     assert "0 recompiles" in board[0][6] and board[0][9] == f"{lora['swaps']} swaps"
     manager.generate(ImageRequest("tiny-shapes", prompt=PROMPT, width=64, height=64, steps=2, seed=1, mode="eager",
                                   lora="swap:fused"), timeout=120)
     lora = next(r for r in manager.status() if r["engine"].startswith("tiny-shapes"))["lora"]
     assert lora["fuses"] >= 1 and lora["median_fuse_ms"] > 0  # the fused copy's refreshes reach the board
-    assert "fuses (median" in next(r for r in views.board_rows(manager.status()) if r[3] == views.LORA_SLOT)[6]
+    assert "fuses (median" in next(r for r in buckets_views.board_rows(manager.status()) if r[3] == buckets_views.LORA_SLOT)[6]
 
 
 def test_compare_draws_one_card_per_adapter_named_in_its_caption(styled_manager):
@@ -449,13 +449,13 @@ def test_the_generate_page_starts_at_the_hosts_style_and_a_pick_takes_its_scale(
 def test_compare_checkboxes_offer_each_style_unfused_and_fused(styled_manager):
     """The LoRA checkboxes are one more axis of the cross product; fused cards run fused, and a fused entry in
     a compiled mode is refused with the reason instead of run."""
-    from ui import views
+    from ui import compare_views
     from ui.handlers import Handlers, UIDefaults
 
     handlers = Handlers(styled_manager, UIDefaults(device="cpu", mode="eager"))
-    choices = views.compare_lora_choices(styled_manager.preset("tiny-shapes"), True)
+    choices = compare_views.compare_lora_choices(styled_manager.preset("tiny-shapes"), True)
     assert ("swap fused", "swap:fused") in choices and choices[0] == ("none", "none")
-    assert views.compare_lora_choices(styled_manager.preset("tiny-shapes"), False) == [("none", "none")]
+    assert compare_views.compare_lora_choices(styled_manager.preset("tiny-shapes"), False) == [("none", "none")]
     configs = handlers._configs(["cpu"], ["fp32"], ["eager", "compile"], None, "", ["none", "swap:fused"])[0]
     assert configs == ["cpu/fp32/eager", "cpu/fp32/eager+lora=swap:fused", "cpu/fp32/compile",
                        "cpu/fp32/compile+lora=swap:fused"]

@@ -70,6 +70,8 @@ def test_an_agent_lists_the_public_endpoints_as_tools_with_descriptions(mcp_url)
     assert "warm" in tools["status"].description  # says what it is for
     advise = tools["advise_start"].inputSchema["properties"]  # each parameter says what it takes
     assert "1-30" in advise["max_minutes"]["description"] and "tiny-shapes" in advise["preset"]["description"]
+    compare = tools["compare"].inputSchema["properties"]
+    assert all(p.get("description") for p in compare.values()) and "1-200" in compare["steps"]["description"]
 
 
 def test_generate_returns_the_image_and_its_timings(mcp_url):

@@ -267,14 +267,14 @@ def test_compare_entries_take_memory_levers_and_refuse_impossible_pairs():
 
 
 def test_compare_shows_gib_beside_seconds():
-    from ui import views
+    from ui import compare_views, generate_views
 
     result = {"config": "cpu/fp32/eager+mem=layerwise:fp8", "timings": {"total_ms": 500.0, "step_ms": [1.0]},
               "peak_memory_bytes": 3 * 2**29, "weights_bytes": {"transformer": 2**28, "vae": 2**28}}
-    row = views.price_rows([result])[0]
+    row = compare_views.price_rows([result])[0]
     assert row[1] == "0.50 · 1.50 GiB peak · weights 0.50 GiB"
-    assert "1.50 GiB peak" in views.compare_cards_html([result], [None])
-    assert ["weights (memory levers: none)", "transformer 0.25 GiB, vae 0.25 GiB"] in views.stats_rows(
+    assert "1.50 GiB peak" in compare_views.compare_cards_html([result], [None])
+    assert ["weights (memory levers: none)", "transformer 0.25 GiB, vae 0.25 GiB"] in generate_views.stats_rows(
         {**result, "timings": {"step_ms": [1.0]}})
 
 

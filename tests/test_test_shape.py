@@ -1,6 +1,6 @@
 """The tests' own shape: no test asserts on the wall clock. On a busy 2-core CI a timed assert flakes; tests
 synchronise on events, fake clocks and counted calls (`wait_until` waits on a condition), and speed
-figures live in the benchmark (`python -m engine bench`), which prints them.
+figures live in the benchmark (`python -m bench bench`), which prints them.
 
 The check reads tests/ with ast: a value is a wall-clock reading when it comes from time.monotonic(),
 time.perf_counter(), time.time() (or their _ns forms), from a name, attribute or container that holds one,

@@ -17,7 +17,7 @@ from engine.errors import Cancelled, EngineCrashed
 from engine.protocol import EngineKey, StepProgress
 from engine.serving.manager import HostPolicy
 from engine.serving.stream import Step, request_events
-from ui import views
+from ui import buckets_views, compare_views, views
 from ui.generate import PARTIAL_EVERY_S, GenerateHandlers
 from ui.handlers import Handlers, UIDefaults
 from ui.runs import RunRegistry
@@ -61,7 +61,7 @@ def result_dict(engine="tiny-flux@cpu/fp32", mode="eager", median=10.0, total=10
 
 
 def test_speedup_table_against_eager_of_the_same_engine():
-    rows = views.speedup_table([
+    rows = compare_views.speedup_table([
         result_dict(config="cpu/fp32/eager", median=10.0, total=100.0),
         result_dict(config="cpu/fp32/regional", mode="regional", median=5.0, total=60.0, compile_s=8.0, warmup_s=0.0),
         result_dict(engine="tiny-flux@cpu/bf16", precision="bf16", config="cpu/bf16/compile", mode="compile",
@@ -75,9 +75,9 @@ def test_speedup_table_against_eager_of_the_same_engine():
     assert regional["break_even_images"] == 200  # 8 s compile / 0.04 s saved per image
     assert other_engine["speedup_step"] is None  # no eager run of tiny-flux@cpu/bf16 to compare with
     assert failed["error"] == "tpu is not available" and failed["speedup_step"] is None
-    display = views.speedup_display_rows(rows)
+    display = compare_views.speedup_display_rows(rows)
     assert display[1][3] == "2.00×" and "failed" in display[3][1]
-    assert all(len(r) == len(views.SPEEDUP_COLUMNS) for r in display)
+    assert all(len(r) == len(compare_views.SPEEDUP_COLUMNS) for r in display)
 
 
 def test_board_rows_show_loading_engines_and_every_bucket():
@@ -90,18 +90,18 @@ def test_board_rows_show_loading_engines_and_every_bucket():
              "error": "BackendCompilerFailed: boom"},
         ]},
     ]
-    rows = views.board_rows(status)
+    rows = buckets_views.board_rows(status)
     assert rows[0][:3] == ["tiny-sd3@cpu/bf16", "cpu", "bf16"] and rows[0][5] == "engine loading"
     assert rows[1][3:6] == ["regional", "64x64", "warm"] and rows[1][7] == "9.50" and rows[1][9] == 3
     assert rows[2][5] == "failed" and "boom" in rows[2][6]
-    assert all(len(r) == len(views.BOARD_COLUMNS) for r in rows)
+    assert all(len(r) == len(buckets_views.BOARD_COLUMNS) for r in rows)
     status[1]["lora"] = {"adapters": ["swap", "corner"], "refused": ["big"], "target_rank": 8, "current": "swap",
                          "scale": 0.5, "swaps": 3, "median_swap_ms": 14.25, "recompiles": 0}
-    slot = views.board_rows(status)[-1]  # after the engine's buckets
-    assert slot[3:6] == [views.LORA_SLOT, "", "swap at 0.5"] and slot[9] == "3 swaps"
+    slot = buckets_views.board_rows(status)[-1]  # after the engine's buckets
+    assert slot[3:6] == [buckets_views.LORA_SLOT, "", "swap at 0.5"] and slot[9] == "3 swaps"
     assert slot[6] == ("rank 8 · adapters swap, corner · median swap 14.2 ms · 0 recompiles · refused big "
                        "(see notices)")
-    assert len(slot) == len(views.BOARD_COLUMNS)
+    assert len(slot) == len(buckets_views.BOARD_COLUMNS)
     status[1]["lora"] = None
     engine = status[1]
     assert views.size_label("64x64", "regional", engine) == "64x64 · warm"
@@ -469,7 +469,7 @@ def test_the_ab_slider_puts_a_configuration_over_the_reference():
     from PIL import Image
 
     from ui import compare_ab
-    from ui.compare import thumbnail_uri
+    from ui.compare_views import thumbnail_uri
 
     red, blue = Image.new("RGB", (64, 64), (255, 0, 0)), Image.new("RGB", (64, 64), (0, 0, 255))
     payload = {"results": [{"config": "cpu/fp32/eager", "reference": True, "image_index": 0},

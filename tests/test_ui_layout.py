@@ -18,7 +18,7 @@ from ui import advisor, buckets, build_demo, compare, generate, system
 from ui.advisor import AdvisorHandlers
 from ui.buckets import BucketsHandlers
 from ui.common import UIDefaults
-from ui.compare import CompareHandlers
+from ui.compare import COMPARE_API_PARAMS, COMPARE_FIELDS, CompareHandlers
 from ui.generate import GENERATE_API_PARAMS, GenerateHandlers
 from ui.system import SystemHandlers
 
@@ -134,8 +134,9 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 # The UI reaches the engine through the manager it is given (EngineManager at most for type hints), the
 # typed protocol, the error classes and the settings (every environment variable is read there). Exceptions, each in one module: ui/common.py asks
 # engine.devices and engine.pipeline.attention what the manager cannot tell (the device report, a device's
-# modes, the attention backends and step caches that can run), ui/views.py reuses the benchmark's
-# speedup_table and quality code so the UI and the bench agree, ui/advisor.py shows the advisor's
+# modes, the attention backends and step caches that can run), ui/compare_views.py reuses the benchmark's
+# speedup_table and quality code so the UI and the bench agree, ui/views.py hands the tabs' views the metrics'
+# median, ui/advisor.py shows the advisor's
 # default bounds (it runs `python -m bench advise` in a child process) and reads its report out with the
 # CLI's own renderer (bench.advise_report), and ui/compare.py reads typed
 # configurations and times them with the bench's paired plan (bench.configs, bench.paired).
@@ -157,8 +158,8 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.processes": {"pid_alive"},
     "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it  # a killed app's output folder is removed by the next start
 }
-ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "bench": "views.py",
-           "bench.quality": "views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
+ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "bench": "compare_views.py",
+           "bench.quality": "compare_views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
            "bench.advise": "advisor.py", "bench.advise_report": "advisor.py",
            "engine.config.validation": "compare.py", "engine.config.placement": "common.py",
            "engine.processes": "webtemp.py", "engine.serving.budget": "advisor.py",
@@ -198,11 +199,50 @@ def test_ui_modules_use_only_the_engines_contract(path):
             assert path.name == owner, f"{path.name} imports {module}"
     if ("engine.devices", None) in imports(path):
         assert attribute_uses(path, "engine_devices") <= ALLOWED_ENGINE_IMPORTS["engine.devices"]
-    if path.name == "views.py":  # pure formatting: testable without a server
+    if path.name.endswith("views.py"):  # pure formatting: testable without a server
         assert not any(m.split(".")[0] == "gradio" for m, _ in imports(path))
     if path.stem in TAB_MODULES:  # tabs share ui.common / ui.runs / ui.views, never each other
         assert not {f"ui.{t}" for t in TAB_MODULES if t != path.stem} & {m for m, _ in imports(path)}
     assert "design.md" not in path.read_text()
+
+
+def top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def test_each_tab_owns_its_views():
+    """A tab's views sit beside it (ui/<tab>_views.py) and only that tab imports them; ui/views.py keeps only
+    what several modules show (each of its names used by two other UI modules, or by itself)."""
+    for tab in TAB_MODULES:
+        own = f"ui.{tab}_views"
+        importers = {p.stem for p in UI.glob("*.py") if any(m == own for m, _ in imports(p))}
+        assert importers <= {tab}, f"{own} imported by {sorted(importers - {tab})}"
+    shared = UI / "views.py"
+    text = shared.read_text()
+    for name in top_level_names(shared):
+        users = {p.stem for p in UI.glob("*.py") if p != shared and (
+            ("ui.views", name) in imports(p) or name in attribute_uses(p, "views"))}
+        inside = len(re.findall(rf"\b{name}\b", text)) > 1  # defined once, used by another shared view
+        assert len(users) >= 2 or inside, f"ui/views.py {name} is used only by {sorted(users)}: move it there"
+
+
+def test_compare_says_what_each_parameter_takes_and_keeps_its_api(demo):
+    """/compare's parameters carry what they take, as /generate's do (view_api, the MCP tool's schema); names,
+    order and types stay CompareForm's, and the page keeps its labels."""
+    params = demo.get_api_info()["named_endpoints"]["/compare"]["parameters"]
+    assert [p["parameter_name"] for p in params] == list(COMPARE_FIELDS)
+    for p in params:
+        assert p["python_type"]["description"] == p["type"]["description"] == COMPARE_API_PARAMS[p["parameter_name"]]
+    by_name = {p["parameter_name"]: p for p in params}
+    assert by_name["steps"]["type"]["type"] == "number" and by_name["steps"]["python_type"]["type"] == "float"
+    assert by_name["modes"]["python_type"]["type"].startswith("list[Literal['eager', 'compile'")
+    assert by_name["prompt"]["label"] == "Prompt" and "1-200" in by_name["steps"]["python_type"]["description"]
 
 
 def test_the_generate_api_params_are_the_request_forms_api_fields():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gradio as gr
 import pytest
 
-from ui import advisor_views, views
+from ui import advisor_views, compare_views, generate_views, views
 from ui.compare import CompareHandlers
 from ui.generate import GenerateHandlers
 
@@ -45,11 +45,11 @@ def test_the_generate_plot_spans_the_runs_steps_from_its_first_value(result, axi
 def test_every_series_of_a_full_compare_has_its_own_colour_and_legend_entry():
     """The legend repeated eager fp32's colour from the 7th series on, and its last entries were cut."""
     configs = [f"cpu/{p}/eager/{c}" for p in ("fp32", "bf16", "int8wo") for c in ("first-block:0.2", "magcache:0.06")]
-    names = ["cpu/fp32/eager"] + [n for c in configs for n in (c, c + views.CACHED_SUFFIX)]
-    colors = views.series_colors(names)
+    names = ["cpu/fp32/eager"] + [n for c in configs for n in (c, c + compare_views.CACHED_SUFFIX)]
+    colors = compare_views.series_colors(names)
     assert len(set(colors.values())) == len(names) == 13
-    assert colors[configs[0] + views.CACHED_SUFFIX] == views.tint(colors[configs[0]])  # its own hue, lighter
-    legend = views.legend_html(colors)
+    assert colors[configs[0] + compare_views.CACHED_SUFFIX] == compare_views.tint(colors[configs[0]])  # its own hue, lighter
+    legend = compare_views.legend_html(colors)
     assert legend.count('class="legend-item"') == 13 and "cpu/int8wo/eager/magcache:0.06 · cached" in legend
 
 
@@ -57,7 +57,7 @@ def test_cached_steps_are_their_own_series():
     result = {"engine": "e", "timings": {"step_ms": [10.0, 2.0, 11.0, 2.5]}, "cached_steps": [2, 4]}
     rows = views.step_rows(result)
     assert [r["steps"] for r in rows] == ["computed", "cached", "computed", "cached"]
-    compare = views.compare_step_rows([{**result, "config": "cpu/fp32/eager"}])
+    compare = compare_views.compare_step_rows([{**result, "config": "cpu/fp32/eager"}])
     assert [r["config"] for r in compare] == ["cpu/fp32/eager", "cpu/fp32/eager · cached"] * 2
 
 
@@ -102,7 +102,7 @@ def test_compare_adds_the_reference_and_prices_every_configuration(handlers):
     # another seed or prompt would read ~10 dB)
     assert bf16["drift_samples"] == 4 and bf16["drift_psnr_db"] > 20 and bf16["drift_max_diff"] > 0
     assert 0.0 <= bf16["fidelity"] <= 1.0 and bf16["fidelity_samples"] == 3 and bf16["fidelity_this"] in (True, False)
-    rows = {r[0]: r for r in views.price_rows(payload["results"])}
+    rows = {r[0]: r for r in compare_views.price_rows(payload["results"])}
     assert rows["cpu/fp32/eager (reference)"][2] == "1.00×"
     assert rows["cpu/bf16/eager"][2].endswith("×") and "worst of 4" in rows["cpu/bf16/eager"][5]
     assert "prompts)" in rows["cpu/bf16/eager"][6]
@@ -136,7 +136,7 @@ def test_compare_prices_a_step_cache_and_int8_against_the_reference(handlers):
     int8 = results["cpu/int8wo/eager"]
     assert int8["precision"] == "int8wo" and not int8["cached_steps"] and int8["drift_max_diff"] > 0
     assert 0.0 <= int8["fidelity"] <= 1.0 and int8["fidelity_samples"] == 2
-    rows = {r[0]: r for r in views.price_rows(payload["results"])}
+    rows = {r[0]: r for r in compare_views.price_rows(payload["results"])}
     n = len(cached["cached_steps"])
     assert rows["cpu/fp32/eager/taylorseer:3:2"][4] == f"{8 - n} / {n}"
     assert rows["cpu/fp32/eager (reference)"][4] == "8 / 0"
@@ -165,14 +165,14 @@ def test_the_run_summary_shows_notices_seed_memory_and_how_the_run_ended():
     done = {"engine": "tiny-shapes@cpu/fp32", "mode": "eager", "bucket": "128x128", "seed": 7,
             "peak_memory_bytes": 3 * 2**20, "notices": ["size 100x100 snapped to 128x128", "empty prompt"],
             "timings": {"step_ms": [5.0, 4.0], "total_ms": 20.0, "median_step_ms": 4.5}}
-    text = views.run_summary(done)
+    text = generate_views.run_summary(done)
     assert "20.0 ms" in text and "seed 7" in text and "3.0 MiB" in text
     assert "⚠ size 100x100 snapped to 128x128" in text and "⚠ empty prompt" in text
     cancelled = {**done, "cancelled": True, "message": "cancelled after step 2 of 60"}
-    assert views.run_summary(cancelled).startswith("**Cancelled** (cancelled after step 2 of 60)")
-    assert views.stats_rows(cancelled)[0] == ["run", "cancelled after step 2 of 60"]
-    assert views.run_summary({**done, "error": "out of memory"}) == "**Failed:** out of memory"
-    assert "Generate" in views.run_summary(None)
+    assert generate_views.run_summary(cancelled).startswith("**Cancelled** (cancelled after step 2 of 60)")
+    assert generate_views.stats_rows(cancelled)[0] == ["run", "cancelled after step 2 of 60"]
+    assert generate_views.run_summary({**done, "error": "out of memory"}) == "**Failed:** out of memory"
+    assert "Generate" in generate_views.run_summary(None)
 
 
 def test_a_step_cache_reason_shared_by_several_caches_is_said_once():
@@ -183,7 +183,7 @@ def test_a_step_cache_reason_shared_by_several_caches_is_said_once():
     labels = [label for label, _ in views.step_cache_choices(rows, short=True)]
     assert labels == ["none", "first-block · unavailable", "taylorseer · unavailable", "pyramid · unavailable",
                       "magcache · unavailable"]
-    reasons = views.step_cache_reasons(rows)
+    reasons = generate_views.step_cache_reasons(rows)
     assert reasons.count(why) == 1 and "(first-block, taylorseer, pyramid)" in reasons
     assert "(magcache): needs a calibration" in reasons
 
@@ -192,13 +192,13 @@ def test_the_history_keeps_the_last_runs_newest_first_with_their_figures():
     from PIL import Image
 
     history = []
-    for seed in range(views.HISTORY_RUNS + 2):
+    for seed in range(generate_views.HISTORY_RUNS + 2):
         timings = {"engine": "tiny-shapes@cpu/fp32", "mode": "eager", "bucket": "64x64", "seed": seed,
                    "step_cache": "first-block:0.2", "timings": {"step_ms": [1.0] * 4, "total_ms": 12.5}}
         history = GenerateHandlers.remember(history, Image.new("RGB", (512, 256)), timings)
-    assert len(history) == views.HISTORY_RUNS
+    assert len(history) == generate_views.HISTORY_RUNS
     thumb, caption, number = history[0]
-    assert number == views.HISTORY_RUNS + 2 and max(thumb.size) <= 256
+    assert number == generate_views.HISTORY_RUNS + 2 and max(thumb.size) <= 256
     assert caption == (f"#{number} · tiny-shapes@cpu/fp32 · eager 64x64 · first-block:0.2 · 4 steps · "
                        f"seed {number - 1} · 12.5 ms")
 
@@ -253,7 +253,7 @@ def test_the_compare_plot_ticks_whole_steps():
     plot, _, _ = CompareHandlers.render_compare(None, {"done": True, "results": results})[:3]
     assert plot["sort"] == ["1", "2", "3", "4"]  # one tick a step, in order (not 1.0, 1.5, 2.0, ...)
     assert plot_types(plot["value"], color="config")["step"] == "nominal"
-    many = [{"config": "a", "timings": {"step_ms": [1.0] * (views.LABELLED_STEPS + 1)}}]
+    many = [{"config": "a", "timings": {"step_ms": [1.0] * (compare_views.LABELLED_STEPS + 1)}}]
     plot, _, _ = CompareHandlers.render_compare(None, {"done": True, "results": many})[:3]
     assert plot["sort"] is None and plot_types(plot["value"], color="config")["step"] == "quantitative"
 
@@ -271,7 +271,7 @@ def test_compare_prices_memory_levers_in_seconds_and_gib(handlers):
     assert cast["weights_bytes"]["transformer"] <= 0.5 * reference["weights_bytes"]["transformer"]
     assert offloaded["drift_max_diff"] == 0  # group offload: the reference's pixels
     assert "fullgraph" in results["cpu/fp32/regional+mem=layerwise:fp8"]["error"]  # refused, with the reason
-    rows = {r[0]: r for r in views.price_rows(outputs[-1][1]["results"])}
+    rows = {r[0]: r for r in compare_views.price_rows(outputs[-1][1]["results"])}
     assert "GiB peak" in rows["cpu/fp32/eager+mem=layerwise:fp8"][1]
 
 

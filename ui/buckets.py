@@ -18,7 +18,7 @@ import pandas as pd
 from engine.errors import InvalidRequest, NotAllowed, ShowcaseError
 from engine.protocol import BucketKey, Mode, Size, ranks_choice
 from engine.serving.manager import Caller
-from ui import schemas, views
+from ui import buckets_views, schemas, views
 from ui.common import DEFAULT_ATTENTION, FAST, HandlerBase, document_api, to_gradio_error
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class BucketsHandlers(HandlerBase):
         """
         last = dict(last or {})
         status = self.manager.status()
-        rows = views.board_rows(status)
+        rows = buckets_views.board_rows(status)
         try:
             key = str(self.key_for(preset, device, precision, tp))
             engine = views.engine_state(status, key)
@@ -49,7 +49,7 @@ class BucketsHandlers(HandlerBase):
             last[name] = value
             return True
 
-        board = pd.DataFrame(rows, columns=views.BOARD_COLUMNS) if changed("board", repr(rows)) else gr.skip()
+        board = pd.DataFrame(rows, columns=buckets_views.BOARD_COLUMNS) if changed("board", repr(rows)) else gr.skip()
         line_out = line if changed("line", line) else gr.skip()
         size_out = gr.update(choices=sizes) if changed("sizes", repr(sizes)) else gr.skip()
         engines_out = gr.update(choices=engines) if changed("engines", repr(engines)) else gr.skip()
@@ -137,7 +137,7 @@ class BucketsHandlers(HandlerBase):
     def board_select(self, evt: gr.SelectData):
         """Clicking a board row fills the warm controls with its engine, mode and size."""
         row = getattr(evt, "row_value", None) or []
-        if len(row) < 5 or not row[0] or row[3] == views.LORA_SLOT:
+        if len(row) < 5 or not row[0] or row[3] == buckets_views.LORA_SLOT:
             return gr.skip(), gr.skip(), gr.skip()
         picked = str(row[3]).split(" · ", 1)[0]  # "aot · loaded from package" -> "aot"
         mode = picked if picked in Mode.values() and picked != "eager" else gr.skip()
@@ -155,7 +155,7 @@ class BucketsHandlers(HandlerBase):
         current = self.manager.engine_options(match.key)
         choices = [(r["name"] if r["usable"] else f"{r['name']} (cannot run: {r['reason']})", r["name"])
                    for r in rows]
-        return (gr.update(choices=choices, value=current.attention_backend), views.attention_markdown(rows),
+        return (gr.update(choices=choices, value=current.attention_backend), buckets_views.attention_markdown(rows),
                 gr.update(visible=self.cuda_graphs_possible(match.key.device), value=current.cuda_graphs))
 
     def restart_with_options(self, engine: str, backend: str, cuda_graphs: bool, admin_token: str = "",
@@ -222,7 +222,7 @@ def build(h: BucketsHandlers) -> BucketsTab:
                     "worker process; the page keeps working).")
         # Tall enough for every bucket of a few engines (the default engine alone has about 38 rows): the
         # board is the tab; an inner scroller showed 12 of them.
-        board = gr.Dataframe(headers=views.BOARD_COLUMNS, interactive=False, elem_id="board", wrap=True,
+        board = gr.Dataframe(headers=buckets_views.BOARD_COLUMNS, interactive=False, elem_id="board", wrap=True,
                              label="Bucket board", max_height=3200)
         with gr.Row():
             engine = gr.Dropdown([], label="Engine", elem_id="board-engine", allow_custom_value=True)

@@ -364,3 +364,10 @@ def document_api(dependency, params: dict[str, str] | None = None, returns: tupl
         component = blocks[block_id]
         component.label = returns[0]
         component._api_info = {**component._api_info, **(schema or {}), "description": returns[1]}
+
+
+def describe_input(component, allowed: str) -> None:
+    """Say in a page component's API schema what its parameter takes (view_api's description, the MCP tool's),
+    leaving its label, its type and the page as they are."""
+    info = component.api_info()
+    component.api_info = lambda: {**info, "description": allowed, "additional_description": allowed}

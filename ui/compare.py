@@ -4,7 +4,7 @@ Every configuration is priced against eager fp32 without a step cache on the fir
 first, and added when it is not among the picks): seconds per image, speedup, drift of every image
 against the reference's image of the same prompt and seed (PSNR, SSIM, max pixel difference, a heat map)
 and, for a model with a pixel checker, fidelity over several prompts. Drift and fidelity come from
-bench/quality.py, the bench's own code, through ui/views.py.
+bench/quality.py, the bench's own code, through ui/compare_views.py.
 
 The configurations are a typed list (bench/configs.py: "eager/fp32; regional/bf16/first-block:0.2")
 or the cross product of the checkboxes. Each is run first for its quality images, which also warm it
@@ -14,8 +14,6 @@ paired plan (bench/paired.py) until each speedup's spread is known or the timing
 
 from __future__ import annotations
 
-import base64
-import io
 import time
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, fields
@@ -31,15 +29,14 @@ from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size, parse_lora
 from engine.serving import stream
-from ui import compare_ab, memory_views, views
-from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
+from ui import compare_ab, compare_views, views
+from ui.common import ENGINE_QUEUE, FAST, HandlerBase, describe_input, to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
 
 COST_WIDTHS = ["24%", "10%", "11%", "11%", "12%", "11%", "21%"]  # no header narrower than its longest word
 MIN_CONFIGS, MAX_CONFIGS = 1, 6  # picked; the reference is added when it is not among them
 MAX_FIDELITY_PROMPTS = 32
 DEFAULT_FIDELITY_PROMPTS = 8
-THUMBNAIL_PX = 256
 DEFAULT_TIMING_S = 30.0  # seconds of round-robin timing after the quality images
 MAX_TIMING_S = 600.0
 TIMING_MIN_ROUNDS, TIMING_MAX_ROUNDS = 3, 12
@@ -55,15 +52,6 @@ COMPARE_API_DOC = (
     "against the reference with its spread and image count, drift (PSNR, SSIM, largest pixel difference) and, "
     "on a model with a checker, fidelity; a configuration that cannot run or fails carries a short reason. "
     "/cancel stops it between steps.")
-
-
-def thumbnail_uri(image) -> str:
-    """A PNG data: URI of the image, at most THUMBNAIL_PX on its longer side (the cards are small)."""
-    image = image.copy()
-    image.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG", compress_level=1)
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 @dataclass(frozen=True)
@@ -90,6 +78,30 @@ class CompareForm:
 
 
 COMPARE_FIELDS = tuple(f.name for f in fields(CompareForm))
+# What each /compare parameter takes, for its API schema (view_api, the MCP tool): the lists' values are
+# also in their types.
+COMPARE_API_PARAMS = {
+    "prompt": "what every configuration draws",
+    "preset": "a model preset (/system lists those a visitor may choose)",
+    "size": "WIDTHxHEIGHT, one of the preset's buckets (null: its first)",
+    "steps": "denoising steps, 1-200 (null: the preset's default)",
+    "guidance": "guidance scale, 0-50 (null: the preset's default)",
+    "seed": "an integer >= 0: every configuration draws this seed",
+    "devices": "devices to run on (null: the first available); /system says which are available here",
+    "precisions": "precisions to run at; with devices, modes, caches, loras and levers, their cross product is "
+                  f"the configurations ({MIN_CONFIGS}-{MAX_CONFIGS})",
+    "modes": "modes to run in (compiled modes compile their bucket first)",
+    "wait_for_warm": "true: wait for each compiled bucket (its compile reported apart); false: a cold bucket "
+                     "runs eagerly",
+    "caches": "step caches ('none': without one; each one a configuration can run)",
+    "fidelity_prompts": f"extra prompts each configuration draws for fidelity and drift, 0-{MAX_FIDELITY_PROMPTS}",
+    "configurations": "a typed list replacing the lists above: mode/precision[/step cache][+lora=NAME[:SCALE]"
+                      "[:fused]][+mem=LEVERS][@device] separated by ';', e.g. 'eager/fp32; compile/fp32' "
+                      "('' for the lists' cross product)",
+    "timing_s": f"seconds of round-robin timing after the quality images, 0-{MAX_TIMING_S:g}",
+    "loras": "LoRA styles: 'none', NAME or NAME:fused (fused: eager only), one configuration each",
+    "levers": "memory lever sets ('none' for the engine as it is), one configuration each",
+}
 # The Compare tab's memory lever sets (any other set: a typed entry's +mem=); one the device cannot run gets a
 # card saying why.
 MEMORY_CHOICES = ["none", "layerwise:fp8", "group:block:1:disk", "group:leaf", "model-offload",
@@ -107,7 +119,7 @@ class CompareHandlers(HandlerBase):
     def compare_loras(self, preset: str):
         """Preset changed: its LoRA styles, unfused and fused."""
         try:
-            return gr.update(choices=views.compare_lora_choices(self.manager.preset(preset),
+            return gr.update(choices=compare_views.compare_lora_choices(self.manager.preset(preset),
                                                                 self.manager.options.loras), value=["none"])
         except ShowcaseError:
             return gr.update(choices=[("none", "none")], value=["none"])
@@ -141,15 +153,15 @@ class CompareHandlers(HandlerBase):
             device = self.default_device(devices)
             picked = list(dict.fromkeys(typed_label(c, device) for c in typed))
             what, reference_device = "listed", device
-            chips = list(dict.fromkeys(views.parse_config(c)[0] for c in picked))  # across chips: each its own
-            own = [views.reference_label(chip) for chip in chips if chip != device] if len(chips) > 1 else []
+            chips = list(dict.fromkeys(compare_views.parse_config(c)[0] for c in picked))  # across chips: each its own
+            own = [compare_views.reference_label(chip) for chip in chips if chip != device] if len(chips) > 1 else []
         else:
             try:
                 styles = [explicit.lora_suffix(parse_lora(text)) for text in loras or ["none"]]
                 mems = [explicit.memory_suffix(explicit.split_levers(f"+mem={text}")[1]) for text in levers or ["none"]]
             except (ShowcaseError, ValueError) as exc:
                 raise gr.Error(str(exc), title="Invalid request") from None
-            picked = [views.config_label(d, p, m, c, style + mem) for d, p, m, c, style, mem in
+            picked = [compare_views.config_label(d, p, m, c, style + mem) for d, p, m, c, style, mem in
                       product(devices or [], precisions or [], modes or [], caches or [views.NO_CACHE], styles, mems)]
             what, reference_device = "device × precision × mode × step cache × LoRA × memory", (devices or [None])[0]
             own = []
@@ -161,13 +173,13 @@ class CompareHandlers(HandlerBase):
             raise gr.Error(
                 f"pick {MIN_CONFIGS}–{MAX_CONFIGS} configurations ({what}); these choices make {len(picked)}",
                 title="Invalid request")
-        reference = views.reference_label(reference_device)
+        reference = compare_views.reference_label(reference_device)
         picked += [c for c in own if c not in picked]  # each other chip's eager fp32, priced against too
         return [reference, *(c for c in picked if c != reference)], reference, reference in picked
 
     def refusal(self, preset: str, config: str) -> str | None:
         """Why a configuration cannot run here, by the engine's own checks (None: it can)."""
-        device, precision, mode, cache = views.parse_config(config)
+        device, precision, mode, cache = compare_views.parse_config(config)
         lora = explicit.split_lora(config)[1]
         try:
             spec = self.device_spec(device)
@@ -249,7 +261,7 @@ class CompareHandlers(HandlerBase):
                      for i, c in enumerate(missing))]
         gr.Warning(f"cancelled: {', '.join(missing) or 'nothing'} left without a result", title="Cancelled",
                    duration=4)
-        return {**payload, "done": True, "results": results, "speedup": views.speedup_table(results)}
+        return {**payload, "done": True, "results": results, "speedup": compare_views.speedup_table(results)}
 
     def render_compare(self, payload: dict | None, thumbnails: list[str] | None = None):
         """Cards and tables after every configuration; the plot once, when the comparison is done.
@@ -262,25 +274,25 @@ class CompareHandlers(HandlerBase):
         """
         payload = payload or {}
         results = payload.get("results", [])
-        frame = views.step_frame(views.compare_step_rows(results), views.COMPARE_STEP_COLUMNS)
+        frame = views.step_frame(compare_views.compare_step_rows(results), compare_views.COMPARE_STEP_COLUMNS)
         if payload.get("done", True):
             series = list(dict.fromkeys(frame["config"]))
-            frame, order = views.steps_as_labels(frame)
-            colors = views.series_colors(series)
+            frame, order = compare_views.steps_as_labels(frame)
+            colors = compare_views.series_colors(series)
             plot = gr.update(value=frame, colors_in_legend=series, color_map=colors, sort=order,
                              y_aggregate="mean" if order else None)  # labelled steps: one value per step and series
-            legend = views.legend_html(colors)
+            legend = compare_views.legend_html(colors)
         else:
             plot = legend = gr.skip()
-        price = pd.DataFrame(views.price_rows(results), columns=views.PRICE_COLUMNS)
-        costs = pd.DataFrame(views.cost_rows(results), columns=views.COST_COLUMNS)
+        price = pd.DataFrame(compare_views.price_rows(results), columns=compare_views.PRICE_COLUMNS)
+        costs = pd.DataFrame(compare_views.cost_rows(results), columns=compare_views.COST_COLUMNS)
         thumbnails = thumbnails or []
 
         def uri(r: dict, key: str):
             i = r.get(key)
             return thumbnails[i] if i is not None and i < len(thumbnails) else None
 
-        return plot, price, costs, views.compare_cards_html(results, [uri(r, "image_index") for r in results],
+        return plot, price, costs, compare_views.compare_cards_html(results, [uri(r, "image_index") for r in results],
                                                             heatmaps=[uri(r, "heatmap_index") for r in results]), legend
 
 
@@ -304,10 +316,10 @@ class Comparison:
         self.timing_budget = self._timing_budget(form.timing_s)
         self.refused = {c: why for c in self.configs if (why := h.refusal(form.preset, c))}
         n_samples = max(0, min(MAX_FIDELITY_PROMPTS, int(form.fidelity_prompts or 0))) \
-            if views.has_checker(self.model) else 0
+            if compare_views.has_checker(self.model) else 0
         self.n_samples = n_samples
         # The main prompt, then the sample prompts (seeded: every configuration draws the same ones).
-        self.prompts = [form.prompt, *views.fidelity_sample_prompts(self.model, n_samples, fallback=form.prompt)]
+        self.prompts = [form.prompt, *compare_views.fidelity_sample_prompts(self.model, n_samples, fallback=form.prompt)]
         self.seeds = [form.seed, *(FIDELITY_SEED + i for i in range(n_samples))]
         self.caller = h.caller(request)
         # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
@@ -333,7 +345,7 @@ class Comparison:
 
     def payload(self, done: bool = False) -> dict:
         return {"configs": self.configs, "done": done, "reference": self.reference, "results": self.results,
-                "timing": self.timing, "speedup": views.speedup_table(self.results)}
+                "timing": self.timing, "speedup": compare_views.speedup_table(self.results)}
 
     def outputs(self, done: bool = False) -> tuple:
         return self.gallery, self.payload(done), self.thumbnails
@@ -382,7 +394,7 @@ class Comparison:
     def image_request(self, config: str, text: str, seed) -> ImageRequest:
         """What one image of `config` asks the engine for: its device, precision, mode, step cache and LoRA
         (every configuration is priced the same way; a LoRA's is just one more lever)."""
-        device, precision, mode, cache = views.parse_config(config)
+        device, precision, mode, cache = compare_views.parse_config(config)
         lora = explicit.split_lora(config)[1]
         form = self.form
         return ImageRequest(form.preset, prompt=text, device=device, precision=precision, mode=mode,
@@ -433,8 +445,8 @@ class Comparison:
         is_reference = config == self.reference
         if is_reference:
             entry.update(reference=True, reference_note=self.note)
-        mode = views.parse_config(config)[2]
-        bucket = views.find_bucket(self.h.manager.status(), entry["engine"], mode, entry["bucket"])
+        mode = compare_views.parse_config(config)[2]
+        bucket = compare_views.find_bucket(self.h.manager.status(), entry["engine"], mode, entry["bucket"])
         if bucket:
             entry.update(compile_s=bucket.get("compile_s"), warmup_s=bucket.get("warmup_s"),
                          bucket_state=bucket.get("state"), cache_hits=bucket.get("cache_hits"))
@@ -443,15 +455,15 @@ class Comparison:
             self.ref_images = images
         lora = explicit.split_lora(config)[1]
         style = lora.name if lora.scale != 0 else None  # a style's cards are checked as the style implies
-        entry.update(views.price_quality(images, self.prompts, None if is_reference else self.ref_images,
+        entry.update(compare_views.price_quality(images, self.prompts, None if is_reference else self.ref_images,
                                          self.model, style))
         entry["image_index"] = len(self.thumbnails)
-        self.thumbnails.append(thumbnail_uri(images[0]))
+        self.thumbnails.append(compare_views.thumbnail_uri(images[0]))
         if not is_reference and self.ref_images is not None:
             entry["heatmap_index"] = len(self.thumbnails)
-            self.thumbnails.append(thumbnail_uri(views.difference_picture(images[0], self.ref_images[0])))
+            self.thumbnails.append(compare_views.thumbnail_uri(compare_views.difference_picture(images[0], self.ref_images[0])))
         entry["gallery_index"] = len(self.gallery)
-        self.gallery.append((images[0], caption(entry)))
+        self.gallery.append((images[0], compare_views.caption(entry)))
         return entry
 
     # -- phase 2: timing, round-robin with the reference (the start rotating) until each spread is known --
@@ -474,16 +486,16 @@ class Comparison:
                 break
             yield from self.timing_round(plan, round_index, entries)
             round_index += 1
-            apply_timing(plan, entries)
+            compare_views.apply_timing(plan, entries)
             for entry in entries.values():
                 i = entry["gallery_index"]
-                self.gallery[i] = (self.gallery[i][0], caption(entry))
+                self.gallery[i] = (self.gallery[i][0], compare_views.caption(entry))
             self.timing.update(rounds=plan.rounds, stop_reason=plan.stop_reason)
             yield self.outputs()
             if "error" in plan.warm.get(self.reference, {}):
                 plan.stop_reason = "the reference failed while timed"
                 break
-        apply_timing(plan, entries)
+        compare_views.apply_timing(plan, entries)
         self.timing.update(rounds=plan.rounds, stop_reason="cancelled" if self.run_state.cancelled else plan.stop_reason)
         self.progress((self.grand_total, self.grand_total),
                       desc=f"timed {plan.rounds} rounds: {self.timing['stop_reason']}", unit="steps")
@@ -521,35 +533,8 @@ class Comparison:
 
 def typed_label(config: explicit.Configuration, device: str) -> str:
     """A typed configuration's label ("cpu/fp32/compile+lora=swap:0.5"), on `device` when it names none."""
-    return views.config_label(config.device or device, config.precision, config.mode, config.step_cache,
+    return compare_views.config_label(config.device or device, config.precision, config.mode, config.step_cache,
                               explicit.lora_suffix(config.lora_choice) + explicit.memory_suffix(config.memory))
-
-
-def caption(entry: dict) -> str:
-    """A gallery image's caption: its configuration, s / image, speedup, drift and fidelity."""
-    figure = entry.get("speedup_figure")
-    return " · ".join(filter(None, [
-        entry["config"], (f"LoRA {entry['lora']} at {entry.get('lora_scale', 1):g}{' fused' if entry.get('lora_fused') else ''}"
-         if entry.get("lora") else ""),
-        f"{views.per_image_s(entry):.3f} s / image{memory_views.gib_text(entry)}",
-        f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
-        f"{entry['own_chip_figure']['text']} vs eager fp32 on its chip" if entry.get("own_chip_figure") else "",
-        f"drift {entry['drift']}" if entry.get("drift") else "",
-        f"fidelity {views.fmt_fidelity(entry)}" if "fidelity" in entry else "",
-        "eager fallback" if entry.get("eager_fallback") else ""]))
-
-
-def apply_timing(plan: PairedTiming, entries: dict[str, dict]) -> None:
-    """Each entry's one speedup (and its timed images) from the paired plan: every view reads these."""
-    chip_of_reference = views.parse_config(plan.reference)[0]
-    for config, entry in entries.items():
-        figure = plan.figure(config)
-        if figure.images:
-            entry["image_ms"] = [plan.times[config][r] for r in sorted(plan.times[config])]
-            entry["speedup_figure"] = figure.as_dict()
-        own = views.reference_label(views.parse_config(config)[0])  # its chip's eager fp32, when on another chip
-        if figure.images and views.parse_config(config)[0] != chip_of_reference and own in entries and own != config:
-            entry["own_chip_figure"] = plan.figure(config, against=own).as_dict()
 
 
 def build(h: CompareHandlers) -> None:
@@ -622,7 +607,7 @@ class ComparePage:
             h.step_cache_rows(self.preset.name, (available or ["cpu"])[0], "eager"))
         form["caches"] = gr.CheckboxGroup(cache_choices or [views.NO_CACHE], value=[views.NO_CACHE],
                                           label="Step caches (unavailable ones say why)", elem_id="c-caches")
-        form["loras"] = gr.CheckboxGroup(views.compare_lora_choices(self.preset, h.manager.options.loras),
+        form["loras"] = gr.CheckboxGroup(compare_views.compare_lora_choices(self.preset, h.manager.options.loras),
                                          value=["none"], label="LoRA styles (one card per style; fused: eager only)",
                                          elem_id="c-loras")
         form["levers"] = gr.CheckboxGroup(MEMORY_CHOICES, value=["none"], label="Memory levers (one card per set, "
@@ -645,8 +630,8 @@ class ComparePage:
     def results(self) -> None:
         self.cards = gr.HTML(elem_id="c-cards", label="Each configuration")
         self.ab_choice, self.ab_slider = compare_ab.add()
-        self.speed = gr.Dataframe(headers=views.PRICE_COLUMNS, interactive=False, wrap=True, max_height=1400,
-                                  column_widths=views.PRICE_WIDTHS, label="Price of each configuration",
+        self.speed = gr.Dataframe(headers=compare_views.PRICE_COLUMNS, interactive=False, wrap=True, max_height=1400,
+                                  column_widths=compare_views.PRICE_WIDTHS, label="Price of each configuration",
                                   elem_id="c-speedup")
         gr.Markdown("s / image: median of the configuration's timed images; × vs eager fp32: the median of the "
                     "reference's time ÷ this one's, each pair timed in the same round-robin round (the start "
@@ -660,7 +645,7 @@ class ComparePage:
         self.plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
                                 x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot")
         self.legend = gr.HTML(elem_id="c-plot-legend")  # Vega's own legend is hidden (ui/blocks.py CSS)
-        self.costs = gr.Dataframe(headers=views.COST_COLUMNS, interactive=False, wrap=True,
+        self.costs = gr.Dataframe(headers=compare_views.COST_COLUMNS, interactive=False, wrap=True,
                                   column_widths=COST_WIDTHS, label="Compile and warm-up costs", elem_id="c-costs")
         with gr.Accordion("Images at full size", open=False):
             self.gallery = gr.Gallery(label="Images", columns=4, height=260, elem_id="c-gallery", type="pil",
@@ -689,6 +674,8 @@ class ComparePage:
         # Gradio closes the running handler; closing it cancels the engine request between steps.
         self.cancel_btn.click(None, cancels=[run])
         run.then(h.compare_ended, results, results, **FAST)
+        for name, allowed in COMPARE_API_PARAMS.items():
+            describe_input(f[name], allowed)
         # Not the gallery as an input: Gradio would read its image files back from the shared upload folder,
         # where another process saving an identical image (same content hash, same path) can leave one
         # half-written.

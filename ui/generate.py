@@ -21,7 +21,7 @@ from engine.config.request import API_FIELDS, FORM_FIELDS, ImageRequest
 from engine.errors import ShowcaseError
 from engine.protocol import EngineKey, Mode, Parallel, Size, parse_lora, ranks_choice
 from engine.serving import stream
-from ui import views, webtemp
+from ui import generate_views, views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import ProgressBar, RunFeed
 
@@ -188,7 +188,7 @@ class GenerateHandlers(HandlerBase):
         choices = views.step_cache_choices(rows, short=True) or [("none", "none")]
         usable = {value for label, value in choices if " · unavailable" not in label}
         return gr.update(choices=choices, value=current if current in usable else "none",
-                         info=views.step_cache_reasons(rows) or None)
+                         info=generate_views.step_cache_reasons(rows) or None)
 
     def lora_choices(self, preset: str):
         """The new preset's LoRA adapters (none selected)."""
@@ -317,16 +317,16 @@ class GenerateHandlers(HandlerBase):
     def render_run(self, result: dict | None):
         """Per-step plot, stats table and summary line of one run (also of a partial, still-running one)."""
         rows = views.step_rows(result)
-        frame = views.step_frame(rows, views.STEP_COLUMNS, series=(views.COMPUTED, views.CACHED))
+        frame = views.step_frame(rows, generate_views.STEP_COLUMNS, series=(views.COMPUTED, views.CACHED))
         # The x axis spans the run's steps from the start: a first, empty partial made a one-value axis
         # ticked "1.000000" (and an empty y axis one at 0).
-        plot = gr.update(value=frame, x_lim=views.step_axis(result), y_lim=None if rows else [0, 1])
-        stats = pd.DataFrame(views.stats_rows(result), columns=views.STATS_COLUMNS)
-        return plot, stats, views.run_summary(result)
+        plot = gr.update(value=frame, x_lim=generate_views.step_axis(result), y_lim=None if rows else [0, 1])
+        stats = pd.DataFrame(generate_views.stats_rows(result), columns=generate_views.STATS_COLUMNS)
+        return plot, stats, generate_views.run_summary(result)
 
     def generate_page(self, history, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
         """The page's run: what `generate` streams, and with the image the run history (this session's last
-        views.HISTORY_RUNS images, newest first, each captioned with its configuration and figures)."""
+        HISTORY_RUNS images, newest first, each captioned with its configuration and figures)."""
         for image, timings in self.generate(request=request, progress=progress, **form):
             if isinstance(image, Image.Image) and isinstance(timings, dict):
                 history = self.remember(history, image, timings)
@@ -341,7 +341,8 @@ class GenerateHandlers(HandlerBase):
         number = history[0][2] + 1 if history else 1
         thumb = image.copy()
         thumb.thumbnail((HISTORY_PX, HISTORY_PX))
-        return [(thumb, views.history_caption(number, timings), number), *history][:views.HISTORY_RUNS]
+        caption = generate_views.history_caption(number, timings)
+        return [(thumb, caption, number), *history][:generate_views.HISTORY_RUNS]
 
 
 def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]:
@@ -457,7 +458,7 @@ class GeneratePage:
         form["on_cold"] = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")],
                                    value=d.on_cold, label="At a bucket that is not warm yet", elem_id="on-cold")
         with gr.Accordion("Devices on this machine", open=False):
-            gr.Markdown(views.device_notes(self.report))
+            gr.Markdown(generate_views.device_notes(self.report))
 
     def _step_cache_and_lora(self) -> None:
         h, d, form = self.h, self.d, self.form
@@ -466,7 +467,7 @@ class GeneratePage:
         form["step_cache"] = gr.Dropdown(cache_choices or [("none", "none")],
                                          value=d.step_cache if d.step_cache in {v for _, v in cache_choices}
                                          else "none", label="Step cache (reuses denoiser work across steps)",
-                                         info=views.step_cache_reasons(cache_rows) or None, elem_id="step-cache")
+                                         info=generate_views.step_cache_reasons(cache_rows) or None, elem_id="step-cache")
         with gr.Row():  # LoRA styles the preset lists: hot-swapped on warm graphs (engine/pipeline/lora.py)
             slot = h.manager.options.loras
             choices = views.lora_choices(self.preset, slot)
@@ -495,14 +496,14 @@ class GeneratePage:
                                          elem_id="step-plot", min_width=200,
                                          color_map={views.COMPUTED: views.SERIES_PALETTE[0],
                                                     views.CACHED: views.SERIES_PALETTE[1]})
-        self.summary = gr.Markdown(views.run_summary(None), elem_id="run-summary")
-        self.stats = gr.Dataframe(headers=views.STATS_COLUMNS, interactive=False, label="Timings",
+        self.summary = gr.Markdown(generate_views.run_summary(None), elem_id="run-summary")
+        self.stats = gr.Dataframe(headers=generate_views.STATS_COLUMNS, interactive=False, label="Timings",
                                   elem_id="stats", wrap=True, column_widths=["32%", "68%"], max_height=900)
         with gr.Accordion("Timings JSON (the CLI's --json)", open=False):
             self.timings = gr.JSON(elem_id="timings-json")
 
     def history(self) -> None:
-        self.history_gallery = gr.Gallery(label=f"Run history (this page's last {views.HISTORY_RUNS} images; "
+        self.history_gallery = gr.Gallery(label=f"Run history (this page's last {generate_views.HISTORY_RUNS} images; "
                                           "click one to flip through them)", columns=6, object_fit="contain",
                                           elem_id="history", type="pil", interactive=False, preview=False)
         self.history_state = gr.State([])

@@ -255,3 +255,13 @@ def format_table(rows: list[dict]) -> str:
         why = r["reason"] or r["note"] or r["summary"]
         lines.append(f"{r['name']:{width}s}  {state:6s}  {why}")
     return "\n".join(lines)
+
+
+def activate(name: str) -> None:
+    """Make `name` diffusers' process-wide attention backend. A model whose backend was left at `native` follows
+    that process-wide one, which set_attention_backend changes for every model in the process, and compiled
+    graphs guard on it: a process holding models with different backends (the advisor's runners) activates a
+    model's own before it runs, so a native model runs native and its graphs do not recompile."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    _AttentionBackendRegistry.set_active_backend(AttentionBackendName(str(name).strip().lower() or DEFAULT))
