@@ -156,7 +156,9 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.config.request": None,  # the request every edge builds
     "engine.config.placement": {"split_device"},  # a device field's chip or node (--ray)
     "engine.processes": {"pid_alive"},
-    "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it  # a killed app's output folder is removed by the next start
+    "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it
+    "engine.serving": {"stream"},  # every door reads a request's one event stream
+    "engine.serving.stream": {"Idle", "Run", "Started", "Step"},
 }
 ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "bench": "compare_views.py",
            "bench.quality": "compare_views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
