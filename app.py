@@ -180,7 +180,7 @@ class DefaultEngine:
 
     def key(self, manager):
         """Its EngineKey (ShowcaseError when the manager cannot make one)."""
-        return manager.make_key(self.preset, self.device, self.precision, self.tp, parallel=self.parallel)
+        return manager.gate.make_key(self.preset, self.device, self.precision, self.tp, parallel=self.parallel)
 
     def served_by(self, key) -> DefaultEngine:
         """The same selectors pointed at an attached engine's key."""
@@ -419,7 +419,7 @@ def start_default_engine(manager, args, engine: DefaultEngine, hosting: HostingC
         # engine must be loaded (and its GPU call decorated) before that.
         prewarm(manager, engine, args.warm, args.aot_repo)
         try:
-            manager.engine(manager.make_key(engine.preset, engine.device, engine.precision)).wait_ready(timeout=900)
+            manager.engine(manager.gate.make_key(engine.preset, engine.device, engine.precision)).wait_ready(timeout=900)
         except Exception as exc:
             log.warning("the default engine did not load before launch: %s", exc)
         return

@@ -113,14 +113,14 @@ def test_visitor_budget_counts_queued_and_running(public, monkeypatch):
     kwargs = dict(preset="tiny-shapes", device="cpu", size="128x128", steps=64, prompt="a fox", caller=Caller.VISITOR)
     first = threading.Thread(target=lambda: public.generate(ImageRequest(client="10.0.0.2", **kwargs)))
     first.start()
-    wait_until(lambda: public.held_cost("10.0.0.2") == 16_384, 5)
+    wait_until(lambda: public.flow.held("10.0.0.2") == 16_384, 5)
     with pytest.raises(EngineBusy, match="you have 16,384 token-steps of requests queued or running"):
         public.generate(ImageRequest(client="10.0.0.2", **kwargs))
     with public.admission("10.0.0.3", 16_384, Caller.VISITOR):  # another visitor is not held back
         pass
     release.set()
     first.join(5)
-    assert public.held_cost("10.0.0.2") == 0  # released when it ended
+    assert public.flow.held("10.0.0.2") == 0  # released when it ended
     public.generate(ImageRequest(client="10.0.0.2", **kwargs))
 
 

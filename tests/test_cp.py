@@ -45,7 +45,7 @@ def cp(cache_dir, tiny_models, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(SidecarClient, "__init__", partialmethod(SidecarClient.__init__, dump_dir=dump))
         manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=(), compile_vae=False))
-        key = manager.make_key(PRESET, "cpu", "fp32", 2, parallel="ulysses")
+        key = manager.gate.make_key(PRESET, "cpu", "fp32", 2, parallel="ulysses")
         engine = manager.engine(key)
         try:
             engine.wait_ready(300)
@@ -316,8 +316,13 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
         def make_key(self, preset, device, precision, tp=1, caller=None, parallel="tensor"):
             return EngineKey(preset, device, precision, tp, parallel)
 
-        def engine(self, key, caller=None):
-            return SimpleNamespace(ready=threading.Event())
+        @property
+        def gate(self):  # admits what it is given
+            return SimpleNamespace(make_key=self.make_key, admit=lambda spec: spec)
+
+        @property
+        def residency(self):  # an engine that never gets ready
+            return SimpleNamespace(get=lambda key: SimpleNamespace(ready=threading.Event()))
 
         def generate(self, spec, **hooks):
             self.calls.append(spec)

@@ -103,7 +103,7 @@ def test_a_device_no_node_has_is_refused_naming_the_nodes(fleet_manager):
     from engine.errors import DeviceUnavailable
 
     with pytest.raises(DeviceUnavailable) as info:
-        fleet_manager.make_key(PRESET, "cuda", "fp32")
+        fleet_manager.gate.make_key(PRESET, "cuda", "fp32")
     assert "no node with cuda (GPU)" in str(info.value) and "host-a" in str(info.value)
 
 
@@ -112,7 +112,7 @@ def test_a_node_removed_mid_request_fails_that_request_naming_it_and_the_next_ru
                                                                                                ray_cluster):
     from engine.config.request import ImageRequest
 
-    key = fleet_manager.make_key(PRESET, "cpu", "fp32")
+    key = fleet_manager.gate.make_key(PRESET, "cpu", "fp32")
     engine = fleet_manager.engine(key)
     assert engine.wait_ready(300)
     name = engine.node_name
@@ -189,7 +189,7 @@ def test_replicas_split_requests_least_loaded_and_skip_a_stopped_one(cache_dir, 
     from engine.fleet.config import FleetConfig
 
     with engine_manager(cache_dir, {"max_batch": 1}, fleet=FleetConfig(address=ray_cluster.address, replicas=2)) as m:
-        engine = m.engine(m.make_key(PRESET, "cpu", "fp32"))
+        engine = m.engine(m.gate.make_key(PRESET, "cpu", "fp32"))
         assert engine.kind == "ray-replicas"
         wait_until(lambda: len(engine.serving_replicas()) == 2, 300, message="both replicas ready")
         assert {r.node_name for r in engine.replicas} == {"host-a", "host-b"}  # Ray spread them
@@ -222,9 +222,9 @@ def test_a_request_names_a_node_and_the_cluster_is_the_device_list(fleet_manager
     from engine.config.request import ImageRequest
     from engine.errors import DeviceUnavailable
 
-    on_b = fleet_manager.make_key(PRESET, "cpu:node:host-b", "fp32")
+    on_b = fleet_manager.gate.make_key(PRESET, "cpu:node:host-b", "fp32")
     assert on_b.place == "node:host-b" and str(on_b) == f"{PRESET}@cpu:node:host-b/fp32"
-    assert fleet_manager.make_key(PRESET, "node:host-a", "fp32").device == "cpu"  # the best device host-a has
+    assert fleet_manager.gate.make_key(PRESET, "node:host-a", "fp32").device == "cpu"  # the best device host-a has
     for device in ("cpu:node:host-a", "cpu:node:host-b"):
         result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device=device, precision="fp32",
                                                      mode="eager", size="64x64", steps=2), timeout=300)
@@ -232,9 +232,9 @@ def test_a_request_names_a_node_and_the_cluster_is_the_device_list(fleet_manager
     nodes = {r["engine"]: r["node"] for r in fleet_manager.status()}
     assert nodes == {f"{PRESET}@cpu:node:host-a/fp32": "host-a", f"{PRESET}@cpu:node:host-b/fp32": "host-b"}
     with pytest.raises(DeviceUnavailable, match="no node 'nowhere'"):
-        fleet_manager.make_key(PRESET, "cpu:node:nowhere", "fp32")
+        fleet_manager.gate.make_key(PRESET, "cpu:node:nowhere", "fp32")
     with pytest.raises(DeviceUnavailable, match="with chip H100"):
-        fleet_manager.make_key(PRESET, "cpu:H100", "fp32")
+        fleet_manager.gate.make_key(PRESET, "cpu:H100", "fp32")
 
     report = {r["name"]: r for r in fleet_manager.devices_report()}
     assert report["cpu"]["available"] and report["cpu"]["nodes"] == ["host-a", "host-b"] and report["cpu"]["auto"]
@@ -281,7 +281,7 @@ def test_a_replica_on_a_lost_node_is_replaced_and_the_others_keep_serving(cache_
     from engine.fleet.config import FleetConfig
 
     with engine_manager(cache_dir, {"max_batch": 1}, fleet=FleetConfig(address=ray_cluster.address, replicas=2)) as m:
-        engine = m.engine(m.make_key(PRESET, "cpu", "fp32"))
+        engine = m.engine(m.gate.make_key(PRESET, "cpu", "fp32"))
         wait_until(lambda: len(engine.serving_replicas()) == 2, 300, message="both replicas ready")
         lost = engine.replicas[0]
         name = lost.node_name

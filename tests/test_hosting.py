@@ -196,13 +196,13 @@ def test_public_mode_lets_the_host_do_what_visitors_cannot(public_manager):
         public_manager.warm("tiny-flux", "cpu", "fp32", caller=Caller.VISITOR)  # every bucket
     with pytest.raises(NotAllowed, match="not loaded"):
         public_manager.warm("tiny-flux", "cpu", "fp32", mode="regional", size="64x64", caller=Caller.VISITOR)
-    assert public_manager.visitor_presets() == ["tiny-flux", "tiny-sd3"]
+    assert public_manager.gate.visitor_presets() == ["tiny-flux", "tiny-sd3"]
 
 
 def test_without_public_mode_visitors_keep_every_choice(cache_dir, tiny_models):
     with engine_manager(cache_dir) as m:
-        m.make_key("tiny-sdxl", "cpu", "fp16", caller=Caller.VISITOR)  # any preset, any precision
-        m.check_visitor_choice(mode="compile")
+        m.gate.make_key("tiny-sdxl", "cpu", "fp16", caller=Caller.VISITOR)  # any preset, any precision
+        m.gate.check_visitor_choice(mode="compile")
 
 
 # -- a manager within its budget: real workers ---------------------------------------------------

@@ -170,7 +170,7 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
     manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
     seen: list[SidecarClient] = []
     try:
-        key = manager.make_key("tiny-flux", "cpu", "fp32", tp=2)
+        key = manager.gate.make_key("tiny-flux", "cpu", "fp32", tp=2)
         engine = manager.engine(key)
         seen.append(engine)
         assert isinstance(engine, SidecarClient)

@@ -223,12 +223,11 @@ class ScriptedManager:
         self.loaded, self.submitted = threading.Event(), threading.Event()
         self.cancelled: list[str] = []
         self.script = script
+        self.gate = SimpleNamespace(make_key=self.make_key, admit=lambda spec: spec)  # admits what it is given
+        self.residency = SimpleNamespace(get=lambda key: SimpleNamespace(ready=self.loaded))
 
     def make_key(self, preset, device, precision, tp=1, caller=None):
         return EngineKey(preset, device, precision, tp)
-
-    def engine(self, key, caller=None):
-        return SimpleNamespace(ready=self.loaded)
 
     def generate(self, spec, *, on_progress, on_submit, **hooks):
         self.loaded.wait(30)
@@ -358,7 +357,7 @@ def test_warm_validates_then_returns_at_once(handlers):
 
 
 def test_tick_fills_the_board_and_skips_unchanged_outputs(handlers, manager):
-    manager.engine(manager.make_key("tiny-flux", "cpu", "fp32")).wait_ready(timeout=120)
+    manager.engine(manager.gate.make_key("tiny-flux", "cpu", "fp32")).wait_ready(timeout=120)
     board, line, sizes, engines, state = handlers.tick("tiny-flux", "cpu", "fp32", "compile", {})
     assert "tiny-flux@cpu/fp32" in list(board["engine"])
     assert "Ready" in line

@@ -233,7 +233,7 @@ class HandlerBase:
         if found is None:
             try:
                 layout = {"parallel": parallel} if tp > 1 and parallel.context else {}
-                found = self.manager.make_key(preset, device, precision, tp, caller=caller, **layout)
+                found = self.manager.gate.make_key(preset, device, precision, tp, caller=caller, **layout)
             except ShowcaseError as exc:
                 found = exc
             with self._lock:
@@ -251,7 +251,7 @@ class HandlerBase:
 
     def preset_names(self) -> list[str]:
         """The presets a visitor may pick (public mode: the host's list)."""
-        return self.manager.visitor_presets()
+        return self.manager.gate.visitor_presets()
 
     def precision_choices(self) -> list[str]:
         offered = self.manager.policy.precisions if self.public else None

@@ -311,7 +311,7 @@ class Comparison:
         self.caller = h.caller(request)
         # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
         # rounds that still give a spread; the host's grow until the spread is known or the budget ends.
-        self.max_rounds = TIMING_MIN_ROUNDS if h.manager.priced(self.caller) else TIMING_MAX_ROUNDS
+        self.max_rounds = TIMING_MIN_ROUNDS if h.manager.gate.priced(self.caller) else TIMING_MAX_ROUNDS
         self.rounds_cap = self.max_rounds if self.timing_budget > 0 else 0
         self.grand_total = len(self.configs) * (len(self.prompts) + self.rounds_cap) * self.steps
         self.results: list[dict] = []

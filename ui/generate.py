@@ -19,6 +19,7 @@ from PIL import Image
 from engine.config.request import API_FIELDS, FORM_FIELDS, ImageRequest
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import EngineKey, Mode, Parallel, Size, parse_lora, ranks_choice
+from engine.serving.gate import Admitted
 from ui import views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
 from ui.runs import ProgressBar
@@ -112,7 +113,7 @@ def _chosen(value):
 class PreparedRun:
     """What a Generate handler runs: the request, its engine and the view that streams its timings."""
 
-    spec: ImageRequest
+    spec: Admitted  # what the gate let through: manager.generate runs it as it is
     key: EngineKey
     view: RunView
 
@@ -284,8 +285,8 @@ class GenerateHandlers(HandlerBase):
         try:
             key = self.key_for(spec.preset, spec.device, spec.precision, form.get("tp", 1), caller=spec.caller)
             spec = spec.replace(tp=key.tp, parallel=key.parallel)
-            if self.public:  # a request over the cost budget is refused before its engine is started
-                self.manager.price_generate(spec.replace(preset=key.preset))
+            # the one gate: checked, routed and priced here, before the run starts its engine
+            admitted = self.manager.gate.admit(spec.replace(preset=key.preset))
             size_text = str(Size.parse(spec.size)) if spec.size else ""
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
@@ -296,7 +297,7 @@ class GenerateHandlers(HandlerBase):
                         "precision": key.precision, "mode": form.get("mode"), "bucket": size_text,
                         "steps": form.get("steps"), "step_cache": spec.step_cache or "none", "cached_steps": [],
                         "lora": spec.lora, "timings": {"step_ms": []}})
-        return PreparedRun(spec, key, view)
+        return PreparedRun(admitted, key, view)
 
     def generate_ended(self, timings: dict | None):
         """After the Generate event, however it ended. A partial still "running" means Gradio closed

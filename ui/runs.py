@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from engine.config.request import ImageRequest
 from engine.errors import Cancelled, EngineBusy
+from engine.serving.gate import Admitted
 from ui import waiting
 
 HEARTBEAT_S = 0.5  # about the longest a handler goes without a yield, i.e. without a chance to be closed
@@ -131,7 +132,7 @@ class RunRegistry:
         """
         events: queue.Queue = queue.Queue()
         watch = _Watch(self.manager, run, key, bar, events.put)
-        watch.start(self.manager.engine(key, caller=spec.caller), spec, ticket)
+        watch.start(spec, ticket)  # the run's thread starts or finds the engine (manager.generate)
         try:
             yield "started", None  # the caller may tell the page now: the request is already on its way
             while True:
@@ -151,8 +152,6 @@ class RunRegistry:
         """stream() for an async handler: the same items, awaited on the event loop instead of a handler
         thread (Gradio runs each step of a sync generator in a worker thread: a hop per item). No "wait"
         heartbeats: an async handler can be cancelled at any await. Cancelling it stops the engine request."""
-        import anyio
-
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -161,8 +160,7 @@ class RunRegistry:
                 loop.call_soon_threadsafe(events.put_nowait, item)
 
         watch = _Watch(self.manager, run, key, bar, put)
-        # manager.engine() may spawn the engine's worker process: not on the event loop
-        watch.start(await anyio.to_thread.run_sync(lambda: self.manager.engine(key, caller=spec.caller)), spec)
+        watch.start(spec)  # the run's thread starts or finds the engine (manager.generate): not the event loop
         try:
             yield "started", None
             while True:
@@ -189,15 +187,14 @@ class _Watch:
         if run.cancelled:  # a /cancel came after this run's event joined the queue
             raise Cancelled("cancelled before it started")
         self.manager, self.run, self.key, self.bar, self.put = manager, run, key, bar, put
-        self.engine = None
         self.stepping = self.answered = False
         self.since = self.last_yield = time.monotonic()
         self.steps: int | None = None  # the run's steps, where the request names them (a Compare's bar)
         self.last_progress = 0.0
 
-    def start(self, engine, spec: ImageRequest, ticket=None) -> None:
-        self.engine = engine
-        self.steps = int(spec.steps) if str(spec.steps or "").isdigit() else None
+    def start(self, spec: ImageRequest | Admitted, ticket=None) -> None:
+        steps = spec.request.steps if isinstance(spec, Admitted) else spec.steps
+        self.steps = int(steps) if str(steps or "").isdigit() else None
         manager, run, put = self.manager, self.run, self.put
 
         def work() -> None:
@@ -229,15 +226,16 @@ class _Watch:
         """What the run waits for before its first step, and the share of that wait done (an estimate from
         what this host measured: loads, compiles of the mode)."""
         key, waited = self.key, time.monotonic() - self.since
-        if not self.engine.ready.is_set():
+        engine = self.manager.residency.get(key)  # None until the run's thread has started it
+        if engine is None or not engine.ready.is_set():
             loads = [row.get("load_s") for row in self.manager.status() if row.get("load_s")]
             return waiting.loading_text(key, waited, loads)
         if self.run.request_id is None:
             return f"waiting for engine {key}…", None
         scheduler = getattr(self.manager, "scheduler", None)
         snapshot = scheduler.snapshot() if scheduler is not None else {}
-        compiling = waiting.compile_wait_text(key, snapshot, self.engine.buckets(), waited)
-        return compiling or (waiting.queued_text(key, self.engine.pending(), waited), None)
+        compiling = waiting.compile_wait_text(key, snapshot, engine.buckets(), waited)
+        return compiling or (waiting.queued_text(key, engine.pending(), waited), None)
 
     def event(self, kind: str, payload):
         """The (kind, payload) to hand on; raises the run's error."""
