@@ -101,7 +101,7 @@ def test_visitor_refused_over_request_cost_host_is_not(public, monkeypatch):
                                      caller=Caller.VISITOR, client="10.0.0.1"))
     assert public.engines() == []  # refused before an engine started
     ran = []
-    monkeypatch.setattr(public, "_run", lambda key, request, *a: ran.append(request))
+    monkeypatch.setattr(public, "_run", lambda admitted, *a: ran.append(admitted.request))
     public.generate(ImageRequest(preset="tiny-shapes", device="cpu", size="128x128", steps=200,
                                  prompt="a fox", caller=Caller.HOST))
     assert ran and ran[0].steps == 200  # reached the engine
@@ -165,7 +165,7 @@ def test_visitor_aot_served_from_a_loaded_package_warm_refused(public, monkeypat
         public.warm("tiny-shapes", "cpu", "fp32", "aot", "64x64", caller=Caller.VISITOR)
     monkeypatch.setitem(public.residency.loaded, key, LoadedEngine(key, [BucketKey(Mode.AOT, Size(64, 64))]))
     ran = []
-    monkeypatch.setattr(public, "_run", lambda key, request, *a: ran.append(request))
+    monkeypatch.setattr(public, "_run", lambda admitted, *a: ran.append(admitted.request))
     public.generate(ImageRequest(preset="tiny-shapes", device="cpu", mode="aot", size="64x64", prompt="a fox",
                                  caller=Caller.VISITOR, client="10.0.0.4"))
     assert ran and ran[0].mode is Mode.AOT and ran[0].client == "10.0.0.4"

@@ -91,7 +91,7 @@ def test_a_generate_from_the_page_is_checked_once(counted, caller):
     request = SimpleNamespace(username="host") if caller is Caller.HOST else None  # a Gradio login is the host
     counts.clear()
     outputs = list(handlers.generate(**form, request=request, progress=lambda *a, **k: None))
-    assert outputs[-1][1]["running"] is False and "error" not in outputs[-1][1]
+    assert outputs[-1][0] is not None and "error" not in outputs[-1][1]
     priced = caller is Caller.VISITOR
     assert dict(counts) == {"make_key": 1, "engine": 1, "residency.load": 1, "build_request": 1,
                             **({"check_generate": 1} if priced else {})}

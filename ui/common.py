@@ -157,6 +157,15 @@ def session_id(request: gr.Request | None) -> str:
     return "page:" + (getattr(request, "session_hash", None) or "default")
 
 
+def key_fields(preset, device, precision, tp) -> tuple[int, str]:
+    """(tp, parallel) of an engine's settings as a form sends them, the names checked to be text."""
+    for name, value in (("preset", preset), ("device", device), ("precision", precision)):
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{name} must be text, got {type(value).__name__}")
+    tp, parallel = parse_ranks(tp)  # 2, "2" or a ranks choice such as "2 · ulysses"
+    return tp, str(parallel) if tp > 1 and parallel.context else "tensor"
+
+
 class HandlerBase:
     """The manager, the UI defaults, memoised lookups and the runs in flight (for /cancel)."""
 
@@ -223,17 +232,13 @@ class HandlerBase:
 
     def key_for(self, preset: str, device: str, precision: str, tp=1, caller: Caller = Caller.VISITOR):
         """EngineKey for the settings, or raise the ShowcaseError saying why not (memoised)."""
-        for name, value in (("preset", preset), ("device", device), ("precision", precision)):
-            if not isinstance(value, str):
-                raise InvalidRequest(f"{name} must be text, got {type(value).__name__}")
-        tp, parallel = parse_ranks(tp)  # 2, "2" or a ranks choice such as "2 · ulysses"
+        tp, parallel = key_fields(preset, device, precision, tp)
         cache_key = (preset, device, precision, tp, parallel, caller)
         with self._lock:
             found = self._keys.get(cache_key)
         if found is None:
             try:
-                layout = {"parallel": parallel} if tp > 1 and parallel.context else {}
-                found = self.manager.gate.make_key(preset, device, precision, tp, caller=caller, **layout)
+                found = self.manager.gate.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
             except ShowcaseError as exc:
                 found = exc
             with self._lock:

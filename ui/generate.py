@@ -21,7 +21,7 @@ from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import EngineKey, Mode, Parallel, Size, parse_lora, ranks_choice
 from engine.serving.gate import Admitted
 from ui import views, webtemp
-from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
+from ui.common import ENGINE_QUEUE, FAST, HandlerBase, key_fields, to_gradio_error
 from ui.runs import ProgressBar
 
 # The ranks selector: one process, or N ranks in each layout (engine.protocol.Parallel).
@@ -283,10 +283,10 @@ class GenerateHandlers(HandlerBase):
         the field."""
         spec = self.form_request(form, request)
         try:
-            key = self.key_for(spec.preset, spec.device, spec.precision, form.get("tp", 1), caller=spec.caller)
-            spec = spec.replace(tp=key.tp, parallel=key.parallel)
-            # the one gate: checked, routed and priced here, before the run starts its engine
-            admitted = self.manager.gate.admit(spec.replace(preset=key.preset))
+            tp, parallel = key_fields(spec.preset, spec.device, spec.precision, form.get("tp", 1))
+            # the one gate: the key resolved, the request checked, routed and priced, before its engine starts
+            admitted = self.manager.gate.admit(spec.replace(tp=tp, parallel=parallel))
+            key = admitted.key
             size_text = str(Size.parse(spec.size)) if spec.size else ""
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
