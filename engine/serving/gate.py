@@ -46,11 +46,11 @@ class Admitted:
 class Gate:
     """The checks of a request, made once. Takes what it reads: the catalog (presets, keys), the memory
     levers, the host's policy (read at each call: the bench may swap it for a run), the runtime, the engine
-    loaded for a key (a visitor's aot request), and where a refusal is counted (telemetry)."""
+    loaded for a key (a visitor's aot request), and where a refusal is counted (`refused(labels, error=...)`)."""
 
     def __init__(self, catalog: Catalog, levers: fit.EngineLevers, host_policy: Callable[[], HostPolicy],
                  runtime: Runtime, loaded: Callable[[EngineKey], EngineClient | None],
-                 refused: Callable[[dict, BaseException], None]):
+                 refused: Callable[..., None]):
         self.catalog, self.levers, self.host_policy, self.runtime = catalog, levers, host_policy, runtime
         self.loaded, self.refused = loaded, refused
 
@@ -87,7 +87,7 @@ class Gate:
         try:
             return self._admit(spec, ticket, seen)
         except BaseException as exc:
-            self.refused(seen, exc)
+            self.refused(seen, error=exc)
             raise
 
     def _admit(self, spec: ImageRequest, ticket: Ticket | None, seen: dict) -> Admitted:
