@@ -109,7 +109,7 @@ def test_visitor_refused_over_request_cost_host_is_not(public, monkeypatch):
 
 def test_visitor_budget_counts_queued_and_running(public, monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(public, "_run", lambda *a: release.wait(10) and None)  # an engine that answers nothing
+    monkeypatch.setattr(public, "_submit", lambda *a: release.wait(10) and None)  # an engine that answers nothing
     kwargs = dict(preset="tiny-shapes", device="cpu", size="128x128", steps=64, prompt="a fox", caller=Caller.VISITOR)
     first = threading.Thread(target=lambda: public.generate(ImageRequest(client="10.0.0.2", **kwargs)))
     first.start()

@@ -244,13 +244,14 @@ class EngineManager:
                 stack.enter_context(self.flow.generate_in_flight(key.device, client))
             else:
                 self.flow.yield_to_generates(key.device, client)
-            result = self._submit(admitted, self.engine(key, caller=admitted.caller), hooks)
+            result = self._submit(admitted, hooks)
         notices = admitted.notices
         return dataclasses.replace(result, notices=notices + result.notices) if notices else result
 
-    def _submit(self, admitted: Admitted, engine: EngineClient, hooks: _RunHooks) -> GenerateResult:
+    def _submit(self, admitted: Admitted, hooks: _RunHooks) -> GenerateResult:
         on_progress, on_submit, timeout = hooks
         key, request = admitted.key, admitted.request
+        engine = self.engine(key, caller=admitted.caller)
         if self.gate.priced(admitted.caller):
             self.shares.used(key, request.client)
         if engine.pending() >= self.engine_options(key).max_queue:
