@@ -21,7 +21,7 @@ from functools import partialmethod
 
 import numpy as np
 import pytest
-from helpers import poll, process_gone
+from helpers import fake_gate, poll, process_gone
 from test_tp import _reference, _request
 
 from engine.config.presets import get_preset
@@ -317,8 +317,8 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
             return EngineKey(preset, device, precision, tp, parallel)
 
         @property
-        def gate(self):  # admits what it is given
-            return SimpleNamespace(make_key=self.make_key, admit=lambda spec: spec)
+        def gate(self):
+            return fake_gate(self.make_key)
 
         @property
         def residency(self):  # an engine that never gets ready
@@ -336,4 +336,4 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
     assert next(run)[1]["engine"] == "tiny-flux@cpu/fp32 ring2"
     with pytest.raises(gr.Error, match="recorded"):
         list(run)
-    assert manager.calls[0].tp == 2 and manager.calls[0].parallel == "ring"
+    assert manager.calls[0].key.tp == 2 and str(manager.calls[0].key.parallel) == "ring"

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 import pytest
-from helpers import spy_generate
+from helpers import fake_gate, spy_generate
 
 from engine.config.request import ImageRequest
 from engine.errors import Cancelled, EngineCrashed
@@ -223,10 +223,10 @@ class ScriptedManager:
         self.loaded, self.submitted = threading.Event(), threading.Event()
         self.cancelled: list[str] = []
         self.script = script
-        self.gate = SimpleNamespace(make_key=self.make_key, admit=lambda spec: spec)  # admits what it is given
+        self.gate = fake_gate(self.make_key)
         self.residency = SimpleNamespace(get=lambda key: SimpleNamespace(ready=self.loaded))
 
-    def make_key(self, preset, device, precision, tp=1, caller=None):
+    def make_key(self, preset, device, precision, tp=1, caller=None, parallel="tensor"):
         return EngineKey(preset, device, precision, tp)
 
     def generate(self, spec, *, on_progress, on_submit, **hooks):
