@@ -236,7 +236,7 @@ def prewarm(manager, engine: DefaultEngine, warm: str, aot_repo: str | None = No
         if not client.wait_ready(timeout=900):
             log.warning("engine %s is still loading after 900 s", key)
             return
-        row = next((r for r in manager.status() if r["engine"] == str(key)), {})
+        row = next((r for r in manager.residency.status_rows() if r["engine"] == str(key)), {})
         # Its start-up compiles are asked for just after it says it is ready: they are not on its board yet.
         log.info("engine %s ready in %.1f s; %s", key, row.get("load_s") or 0.0,
                  "no start-up compiles (--warm none)" if warm == "none" else

@@ -99,7 +99,7 @@ def test_visitor_refused_over_request_cost_host_is_not(public, monkeypatch):
     with pytest.raises(NotAllowed, match="at most 64 steps at 128x128 here"):
         public.generate(ImageRequest(preset="tiny-shapes", device="cpu", size="128x128", steps=200,
                                      caller=Caller.VISITOR, client="10.0.0.1"))
-    assert public.engines() == []  # refused before an engine started
+    assert public.residency.engines() == []  # refused before an engine started
     ran = []
     monkeypatch.setattr(public, "_run", lambda admitted, *a: ran.append(admitted.request))
     public.generate(ImageRequest(preset="tiny-shapes", device="cpu", size="128x128", steps=200,
@@ -137,7 +137,7 @@ def test_visitor_aot_refused_until_a_package_is_loaded(public):
                                              "the host"):
             public.generate(ImageRequest(preset="tiny-shapes", device="cpu", mode="aot", size="64x64",
                                          on_cold=on_cold, caller=Caller.VISITOR, client="10.0.0.4"))
-    assert public.engines() == []
+    assert public.residency.engines() == []
 
 
 class LoadedEngine:
@@ -255,7 +255,7 @@ def test_engine_serves_another_clients_short_request_after_one_run(cache_dir, ti
         stepping.wait(30)  # A0 runs
         for t in threads[1:]:
             t.start()
-        wait_until(lambda: m.engines()[0].pending() >= 4, 10)  # A0 running, A1..A3 sent behind it
+        wait_until(lambda: m.residency.engines()[0].pending() >= 4, 10)  # A0 running, A1..A3 sent behind it
         short = threading.Thread(target=run, args=("B", "10.0.0.2", 2))
         short.start()
         for t in [*threads, short]:
@@ -274,7 +274,7 @@ def test_host_builds_aot_visitor_then_served_from_the_package(cache_dir, tiny_mo
         built = m.generate(ImageRequest(caller=Caller.HOST,
                                         **kwargs))  # the host (admin token) may build or load it
         assert built.warm
-        board = {(b["mode"], b["size"]): b["state"] for b in m.status()[0]["buckets"] if b["batch"] == 1}
+        board = {(b["mode"], b["size"]): b["state"] for b in m.residency.status_rows()[0]["buckets"] if b["batch"] == 1}
         assert board[("aot", "64x64")] == BucketState.WARM.value
         served = m.generate(ImageRequest(caller=Caller.VISITOR, client="10.0.0.9", **kwargs))
         assert served.warm and served.bucket.mode is Mode.AOT
@@ -296,4 +296,4 @@ def test_handlers_refuse_over_budget_with_what_fits(public):
         list(h.generate(prompt="a red circle on a blue background", negative_prompt="", preset="tiny-shapes",
                         device="cpu", precision="fp32", mode="eager", size="128x128", steps="200", guidance="1",
                         seed="0", request=None, progress=lambda *a, **k: None))
-    assert public.engines() == []
+    assert public.residency.engines() == []

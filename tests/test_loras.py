@@ -378,19 +378,19 @@ def test_the_board_shows_each_engines_slot_its_swaps_and_no_recompiles(styled_ma
     for lora in ("swap", "corner"):
         manager.generate(ImageRequest("tiny-shapes", prompt=PROMPT, width=64, height=64, steps=2, seed=1,
                                       mode="eager", lora=lora), timeout=120)
-    row = next(r for r in manager.status() if r["engine"].startswith("tiny-shapes"))
+    row = next(r for r in manager.residency.status_rows() if r["engine"].startswith("tiny-shapes"))
     lora = row["lora"]
     assert (lora["current"], lora["scale"]) == ("corner", 1.0)
     assert lora["swaps"] >= 1 and lora["median_swap_ms"] > 0 and lora["recompiles"] == 0
     assert lora["adapters"] == ["swap", "small", "corner"] and lora["target_rank"] > 0
-    board = [r for r in views.board_rows(manager.status()) if r[3] == views.LORA_SLOT]
+    board = [r for r in views.board_rows(manager.residency.status_rows()) if r[3] == views.LORA_SLOT]
     assert len(board) == 1 and board[0][5] == "corner at 1"
     assert "0 recompiles" in board[0][6] and board[0][9] == f"{lora['swaps']} swaps"
     manager.generate(ImageRequest("tiny-shapes", prompt=PROMPT, width=64, height=64, steps=2, seed=1, mode="eager",
                                   lora="swap:fused"), timeout=120)
-    lora = next(r for r in manager.status() if r["engine"].startswith("tiny-shapes"))["lora"]
+    lora = next(r for r in manager.residency.status_rows() if r["engine"].startswith("tiny-shapes"))["lora"]
     assert lora["fuses"] >= 1 and lora["median_fuse_ms"] > 0  # the fused copy's refreshes reach the board
-    assert "fuses (median" in next(r for r in views.board_rows(manager.status()) if r[3] == views.LORA_SLOT)[6]
+    assert "fuses (median" in next(r for r in views.board_rows(manager.residency.status_rows()) if r[3] == views.LORA_SLOT)[6]
 
 
 def test_compare_draws_one_card_per_adapter_named_in_its_caption(styled_manager):

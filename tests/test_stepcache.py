@@ -323,8 +323,8 @@ def test_through_the_manager_and_a_worker(manager):
     with pytest.raises(InvalidRequest, match="valid forms"):
         manager.generate(ImageRequest(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT,
                                       step_cache="fast"))
-    engines = len(manager.engines())
+    engines = len(manager.residency.engines())
     with pytest.raises(UnsupportedCombination, match="one graph"):
         manager.generate(ImageRequest(preset="tiny-shapes", device="cpu", precision="int8wo", prompt=PROMPT,
                                       mode="compile", step_cache="first-block"))
-    assert len(manager.engines()) == engines  # refused before an int8wo engine started
+    assert len(manager.residency.engines()) == engines  # refused before an int8wo engine started

@@ -224,7 +224,8 @@ class ScriptedManager:
         self.cancelled: list[str] = []
         self.script = script
         self.gate = fake_gate(self.make_key)
-        self.residency = SimpleNamespace(get=lambda key: SimpleNamespace(ready=self.loaded))
+        # an engine loading until `loaded` is set; no earlier loads to estimate from
+        self.residency = SimpleNamespace(get=lambda key: SimpleNamespace(ready=self.loaded), status_rows=list)
 
     def make_key(self, preset, device, precision, tp=1, caller=None, parallel="tensor"):
         return EngineKey(preset, device, precision, tp)
@@ -243,9 +244,6 @@ class ScriptedManager:
     def cancel(self, request_id):
         self.cancelled.append(request_id)
         return True
-
-    def status(self) -> list[dict]:  # a waiting run estimates the load from the engines' earlier loads
-        return []
 
 
 def test_a_handler_closed_while_its_engine_loads_cancels_the_request_once_submitted():

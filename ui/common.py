@@ -250,7 +250,7 @@ class HandlerBase:
     def default_preset(self):
         """The defaults' preset, or the first one when that name does not resolve."""
         try:
-            return self.manager.preset(self.defaults.preset)
+            return self.manager.catalog.preset(self.defaults.preset)
         except ShowcaseError:
             return next(iter(self.manager.presets.values()))
 
@@ -264,7 +264,7 @@ class HandlerBase:
 
     def preset_sizes(self, preset: str) -> list[str]:
         try:
-            return [str(s) for s in self.manager.preset(preset).buckets]
+            return [str(s) for s in self.manager.catalog.preset(preset).buckets]
         except ShowcaseError:
             return []
 
@@ -279,7 +279,7 @@ class HandlerBase:
 
         try:
             spec = self.manager.device_spec(device)
-            return available_step_caches(self.manager.preset(preset), spec, mode)
+            return available_step_caches(self.manager.catalog.preset(preset), spec, mode)
         except ShowcaseError:
             return []
 

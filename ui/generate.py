@@ -123,7 +123,7 @@ class GenerateHandlers(HandlerBase):
     def preset_defaults(self, preset: str):
         """Preset changed: negative prompt shown only where the pipeline takes one; its steps/guidance."""
         try:
-            p = self.manager.preset(preset)
+            p = self.manager.catalog.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         return gr.update(visible=p.negative_prompt), gr.update(value=p.steps), gr.update(value=p.guidance)
@@ -145,7 +145,7 @@ class GenerateHandlers(HandlerBase):
             gr.Warning(str(exc), duration=6)
             line = views.engine_line(None, None, error=str(exc))
             return line, gr.update(choices=views.size_choices(sizes, mode, None)), mode_update
-        engine = views.engine_state(self.manager.status(), str(key))
+        engine = views.engine_state(self.manager.residency.status_rows(), str(key))
         size_update = gr.update(choices=views.size_choices(sizes, mode, engine))
         if size not in sizes and sizes:
             size_update = gr.update(choices=views.size_choices(sizes, mode, engine), value=sizes[0])
@@ -163,7 +163,7 @@ class GenerateHandlers(HandlerBase):
     def lora_choices(self, preset: str):
         """The new preset's LoRA adapters (none selected)."""
         try:
-            return gr.update(choices=views.lora_choices(self.manager.preset(preset), self.manager.options.loras),
+            return gr.update(choices=views.lora_choices(self.manager.catalog.preset(preset), self.manager.options.loras),
                              value="none")
         except ShowcaseError:
             return gr.update(choices=[("none", "none")], value="none")
@@ -171,7 +171,7 @@ class GenerateHandlers(HandlerBase):
     def lora_scale(self, preset: str, lora: str | None):
         """A style picked: the slider moves to that style's own scale (the preset's), which it then overrides."""
         try:
-            scale = next((s.scale for s in self.manager.preset(preset).loras if s.name == lora), None)
+            scale = next((s.scale for s in self.manager.catalog.preset(preset).loras if s.name == lora), None)
         except ShowcaseError:
             scale = None
         return gr.skip() if scale is None else gr.update(value=scale)
@@ -362,7 +362,7 @@ def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]
         "step_cache": "none, or one of " + ", ".join(c for c in caches if c != "none")
                       + " (/status and the page say which can run on an engine)",
         "lora": "none, or NAME[:SCALE][:fused] with NAME one of the preset's styles (`python -m engine presets` "
-                "lists them; the default preset's: " + (", ".join(lora.name for lora in h.manager.preset(preset).loras)
+                "lists them; the default preset's: " + (", ".join(lora.name for lora in h.manager.catalog.preset(preset).loras)
                                                         or "none") + "), SCALE 0-2 (default: the style's own) and "
                 ":fused to fold it into the weights (eager mode only)",
     }

@@ -501,7 +501,7 @@ class OpenAIRoutes:
         return self.h.preset_names()
 
     def _entry(self, name: str) -> dict:
-        preset = self.h.manager.preset(name)
+        preset = self.h.manager.catalog.preset(name)
         return {"id": name, "object": "model", "created": self.started, "owned_by": OWNER,
                 "buckets": [str(s) for s in preset.buckets], "steps": preset.steps, "guidance": preset.guidance,
                 "negative_prompt": preset.negative_prompt, "example_prompt": preset.example_prompt,
@@ -509,7 +509,7 @@ class OpenAIRoutes:
 
     def _styles(self, name: str) -> list[dict]:
         return [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}
-                for lora in self.h.manager.preset(name).loras]
+                for lora in self.h.manager.catalog.preset(name).loras]
 
     def models(self, caller: Caller, path: str) -> dict:
         """The presets, and the extra body fields POST /v1/images/generations takes beside OpenAI's."""

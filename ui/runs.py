@@ -228,7 +228,7 @@ class _Watch:
         key, waited = self.key, time.monotonic() - self.since
         engine = self.manager.residency.get(key)  # None until the run's thread has started it
         if engine is None or not engine.ready.is_set():
-            loads = [row.get("load_s") for row in self.manager.status() if row.get("load_s")]
+            loads = [row.get("load_s") for row in self.manager.residency.status_rows() if row.get("load_s")]
             return waiting.loading_text(key, waited, loads)
         if self.run.request_id is None:
             return f"waiting for engine {key}…", None

@@ -125,7 +125,7 @@ def measure(args, address: str) -> dict:
                 client_ms, engine_ms = _timed(managers[name], args, i)
                 samples[name]["client"].append(client_ms)
                 samples[name]["outside"].append(client_ms - engine_ms)
-        node = next(r.get("node") for r in managers["ray"].status() if r.get("kind") == "ray")
+        node = next(r.get("node") for r in managers["ray"].residency.status_rows() if r.get("kind") == "ray")
     finally:
         for manager in managers.values():
             manager.shutdown()

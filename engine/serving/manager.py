@@ -116,11 +116,7 @@ class EngineManager:
                              args=(self.policy.visitor_idle_unload_s, self._visitor_started,
                                    "started by a visitor, public mode")).start()
 
-    # -- lookup ----------------------------------------------------------------------------------
-    def preset(self, name: str) -> ModelPreset:
-        """A preset by name, or any Hub id / local diffusers folder under the allowed model roots."""
-        return self.catalog.preset(name)
-
+    # -- engines ---------------------------------------------------------------------------------
     def engine_options(self, key: EngineKey) -> EngineOptions:
         """Manager defaults (or the options an engine was started with), then the preset's per-device ones.
         Only the default engine warms a start-up list; others compile only what requests ask for."""
@@ -135,7 +131,6 @@ class EngineManager:
     def _config(self, key: EngineKey) -> EngineConfig:
         return self.catalog.config(key, self.engine_options(key), self.cache_dir)
 
-    # -- engines ---------------------------------------------------------------------------------
     def engine(self, key: EngineKey, options: EngineOptions | None = None,
                caller: Caller = Caller.HOST) -> EngineClient:
         """The engine for a key, started if needed (returns once it is admitted; it may still be loading).
@@ -185,16 +180,14 @@ class EngineManager:
         self.residency.unload(key)
         return self.engine(key)
 
-    def engines(self) -> list[EngineClient]:
-        return self.residency.engines()
-
     # -- cost (public mode: engine/serving/cost.py) -----------------------------------------------
     def price_compare(self, preset: str, size, steps: int, configurations: int, prompts: int, guidance=None,
                       caller: Caller = Caller.HOST) -> int:
         """A Compare's price in token-steps (0 when not priced), or NotAllowed saying what fits."""
         if not self.gate.priced(caller):
             return 0
-        return price_compare(self.policy.cost, self.preset(preset), size, steps, configurations, prompts, guidance)
+        return price_compare(self.policy.cost, self.catalog.preset(preset), size, steps, configurations, prompts,
+                             guidance)
 
     def batch_limit(self, key: EngineKey) -> int:
         """The most requests engine `key` runs as one pipeline call (1: it does not batch)."""
@@ -302,13 +295,9 @@ class EngineManager:
 
     def _check_visitor_warm(self, key: EngineKey, bucket: BucketKey) -> None:
         self.gate.check_visitor_choice(mode=bucket.mode)
-        policy.check_visitor_warm(self.policy, key, bucket, self.preset(key.preset), self.residency.get(key))
+        policy.check_visitor_warm(self.policy, key, bucket, self.catalog.preset(key.preset), self.residency.get(key))
 
-    # -- status ----------------------------------------------------------------------------------
-    def status(self) -> list[dict]:
-        """A row per loaded engine (its footprint with it), then one per evicted engine saying why."""
-        return self.residency.status_rows()
-
+    # -- status (each engine's rows: residency.status_rows()) ------------------------------------
     def host_status(self) -> dict:
         """Budgets, use, evictions and the compile scheduler: the host's view (/system, the soak)."""
         p = self.policy
