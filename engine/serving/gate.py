@@ -83,32 +83,28 @@ class Gate:
     def admit(self, spec: ImageRequest, ticket: Ticket | None = None) -> Admitted:
         """The request checked, routed and priced, or the ShowcaseError saying what to change (counted as
         refused). `ticket`: the Compare's admission it runs on (charged to its client, priced with it)."""
-        seen: dict = {}
+        seen: dict = {}  # the labels of a refusal, as far as it got
+        caller, price = spec.caller, 0
         try:
-            return self._admit(spec, ticket, seen)
+            key = self.make_key(spec.preset, spec.device, spec.precision, spec.tp, caller=caller,
+                                parallel=spec.parallel, levers=spec.memory)
+            seen["engine"] = str(key)
+            if caller is Caller.VISITOR:
+                self.check_visitor_choice(mode=spec.mode)
+            preset = self.catalog.preset(key.preset)
+            client = ticket.client if ticket is not None else spec.client
+            request, notices = build_request(preset, spec.replace(client=client))
+            seen.update(mode=str(request.mode), bucket=str(request.bucket.size))
+            notices += self._check_routable(key, preset, request)
+            if self.priced(caller):
+                host = self.host_policy()
+                if ticket is None:
+                    price = cost.check_generate(host.cost, preset, request.size, request.steps, request.guidance)
+                if request.mode is Mode.AOT:
+                    policy.check_visitor_aot(host, key, request.bucket, self.loaded(key))
         except BaseException as exc:
             self.refused(seen, error=exc)
             raise
-
-    def _admit(self, spec: ImageRequest, ticket: Ticket | None, seen: dict) -> Admitted:
-        caller = spec.caller
-        key = self.make_key(spec.preset, spec.device, spec.precision, spec.tp, caller=caller, parallel=spec.parallel,
-                            levers=spec.memory)
-        seen["engine"] = str(key)
-        if caller is Caller.VISITOR:
-            self.check_visitor_choice(mode=spec.mode)
-        preset = self.catalog.preset(key.preset)
-        client = ticket.client if ticket is not None else spec.client
-        request, notices = build_request(preset, spec.replace(client=client))
-        seen.update(mode=str(request.mode), bucket=str(request.bucket.size))
-        notices += self._check_routable(key, preset, request)
-        price = 0
-        if self.priced(caller):
-            host = self.host_policy()
-            if ticket is None:
-                price = cost.check_generate(host.cost, preset, request.size, request.steps, request.guidance)
-            if request.mode is Mode.AOT:
-                policy.check_visitor_aot(host, key, request.bucket, self.loaded(key))
         return Admitted(key, request, tuple(notices), price, caller, ticket)
 
     def _check_routable(self, key: EngineKey, preset: ModelPreset, request: GenerateRequest) -> tuple[str, ...]:
@@ -117,6 +113,8 @@ class Gate:
         device = devices.get_device(key.device)
         devices.check_mode(device, request.mode)  # its notices: the engine's own (check_mode, per mode)
         policy.check_runtime(self.runtime, key, request.mode)
+        if not request.step_cache.enabled:
+            return ()
         return tuple(stepcache.check_step_cache(request.step_cache, preset, device, request.mode))
 
     def check_images(self, admitted: Admitted, images: int, held: int) -> None:
