@@ -452,9 +452,9 @@ def test_compare_checkboxes_offer_each_style_unfused_and_fused(styled_manager):
     from ui.handlers import Handlers, UIDefaults
 
     handlers = Handlers(styled_manager, UIDefaults(device="cpu", mode="eager"))
-    choices = views.compare_lora_choices(styled_manager.preset("tiny-shapes"), True)
+    choices = views.compare_lora_choices(styled_manager.catalog.preset("tiny-shapes"), True)
     assert ("swap fused", "swap:fused") in choices and choices[0] == ("none", "none")
-    assert views.compare_lora_choices(styled_manager.preset("tiny-shapes"), False) == [("none", "none")]
+    assert views.compare_lora_choices(styled_manager.catalog.preset("tiny-shapes"), False) == [("none", "none")]
     configs = handlers._configs(["cpu"], ["fp32"], ["eager", "compile"], None, "", ["none", "swap:fused"])[0]
     assert configs == ["cpu/fp32/eager", "cpu/fp32/eager+lora=swap:fused", "cpu/fp32/compile",
                        "cpu/fp32/compile+lora=swap:fused"]
