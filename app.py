@@ -186,7 +186,7 @@ class DefaultEngine:
 
     def key(self, manager):
         """Its EngineKey (ShowcaseError when the manager cannot make one)."""
-        return manager.make_key(self.preset, self.device, self.precision, self.tp, parallel=self.parallel)
+        return manager.gate.make_key(self.preset, self.device, self.precision, self.tp, parallel=self.parallel)
 
     def served_by(self, key) -> DefaultEngine:
         """The same selectors pointed at an attached engine's key."""
@@ -242,7 +242,7 @@ def prewarm(manager, engine: DefaultEngine, warm: str, aot_repo: str | None = No
         if not client.wait_ready(timeout=900):
             log.warning("engine %s is still loading after 900 s", key)
             return
-        row = next((r for r in manager.status() if r["engine"] == str(key)), {})
+        row = next((r for r in manager.residency.status_rows() if r["engine"] == str(key)), {})
         # Its start-up compiles are asked for just after it says it is ready: they are not on its board yet.
         log.info("engine %s ready in %.1f s; %s", key, row.get("load_s") or 0.0,
                  "no start-up compiles (--warm none)" if warm == "none" else
@@ -425,7 +425,7 @@ def start_default_engine(manager, args, engine: DefaultEngine, hosting: HostingC
         # engine must be loaded (and its GPU call decorated) before that.
         prewarm(manager, engine, args.warm, args.aot_repo)
         try:
-            manager.engine(manager.make_key(engine.preset, engine.device, engine.precision)).wait_ready(timeout=900)
+            manager.engine(manager.gate.make_key(engine.preset, engine.device, engine.precision)).wait_ready(timeout=900)
         except Exception as exc:
             log.warning("the default engine did not load before launch: %s", exc)
         return

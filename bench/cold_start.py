@@ -201,7 +201,7 @@ def cmd_runtime_child(args) -> int:
                 times.append((time.perf_counter() - t0) * 1000)
             out["steady_ms"] = median(times)
         else:
-            key = manager.make_key(plan.preset.name, plan.device, plan.precisions[0])
+            key = manager.gate.make_key(plan.preset.name, plan.device, plan.precisions[0])
             engine = manager.engine(key)
             engine.wait_ready(plan.probe_timeout_s)
             loaded = time.time()

@@ -50,12 +50,12 @@ def measure(args, yields: bool) -> dict:
             return (time.perf_counter() - start) * 1000
 
         idle = [timed() for _ in range(args.idle_runs)]
-        others = [s for s in manager.preset(args.preset).buckets if str(s) != args.size]
+        others = [s for s in manager.catalog.preset(args.preset).buckets if str(s) != args.size]
         for size in others:
             manager.warm(args.preset, args.device, args.precision, mode=args.compile_mode, size=str(size))
 
         def compiling_rows() -> list[dict]:
-            return [b for e in manager.status() for b in e.get("buckets", [])
+            return [b for e in manager.residency.status_rows() for b in e.get("buckets", [])
                     if b["mode"] == args.compile_mode and b["size"] != args.size]
 
         busy: list[float] = []

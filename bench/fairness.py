@@ -49,7 +49,7 @@ class Bench:
         self.manager = EngineManager(
             cache_dir=args.cache_dir or settings.cache_dir(), options=EngineOptions(warm_sizes=(), max_batch=1),
             policy=HostPolicy(public=True, presets=(args.preset,), cost=self.budget))
-        self.preset = self.manager.preset(args.preset)
+        self.preset = self.manager.catalog.preset(args.preset)
         buckets = sorted(self.preset.buckets, key=lambda s: s.pixels)
         self.small_size, self.big_size = buckets[0], buckets[-1]
         allowed = cost.max_steps(request, self.preset, self.big_size) if request else args.max_steps

@@ -82,7 +82,7 @@ def warm_bucket(manager, args) -> None:
     if not Mode.parse(args.mode, "mode").compiled:
         return
     manager.warm(args.preset, args.device, args.precision, args.mode, args.size)
-    engine = manager.engine(manager.make_key(args.preset, args.device, args.precision))
+    engine = manager.engine(manager.gate.make_key(args.preset, args.device, args.precision))
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         states = {str(b.bucket): b.state for b in engine.buckets() if b.bucket.batch == 1}
@@ -113,7 +113,7 @@ def measure(args, address: str) -> dict:
         ready_s = {}
         for name, manager in managers.items():
             started = time.perf_counter()
-            manager.engine(manager.make_key(args.preset, args.device, args.precision)).wait_ready(600)
+            manager.engine(manager.gate.make_key(args.preset, args.device, args.precision)).wait_ready(600)
             ready_s[name] = time.perf_counter() - started  # a cold start: placement, process, imports, weights
             warm_bucket(manager, args)
             for seed in range(3):  # warm: the bucket (compiled if the mode is), the code paths, the allocator
@@ -125,7 +125,7 @@ def measure(args, address: str) -> dict:
                 client_ms, engine_ms = _timed(managers[name], args, i)
                 samples[name]["client"].append(client_ms)
                 samples[name]["outside"].append(client_ms - engine_ms)
-        node = next(r.get("node") for r in managers["ray"].status() if r.get("kind") == "ray")
+        node = next(r.get("node") for r in managers["ray"].residency.status_rows() if r.get("kind") == "ray")
     finally:
         for manager in managers.values():
             manager.shutdown()

@@ -49,7 +49,7 @@ def cmd_generate(args) -> int:
     manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(mode,), **overrides),
                            runtime=oneshot_runtime(mode, args.tp, args.device))
     try:
-        prompt = args.prompt if args.prompt is not None else manager.preset(args.preset).example_prompt
+        prompt = args.prompt if args.prompt is not None else manager.catalog.preset(args.preset).example_prompt
         # the request's event stream, read to its end (Ctrl-C closes it, which cancels the request)
         result = stream.generate(manager, ImageRequest(preset=args.preset, device=args.device,
                                                        precision=args.precision, mode=mode, size=size, prompt=prompt,

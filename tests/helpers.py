@@ -138,6 +138,22 @@ def engine_manager(cache_dir, options: dict | None = None, **hosting) -> Iterato
         manager.shutdown()
 
 
+def fake_gate(make_key):
+    """The gate of a stand-in manager: admits any request, keyed by `make_key`, built as the real gate builds it."""
+    from types import SimpleNamespace
+
+    from engine.config.presets import get_preset
+    from engine.config.validation import build_request
+    from engine.serving.gate import Admitted
+
+    def admit(spec):
+        request, notices = build_request(get_preset(spec.preset), spec)
+        key = make_key(spec.preset, spec.device, spec.precision, spec.tp, parallel=spec.parallel)
+        return Admitted(key, request, notices, 0, spec.caller)
+
+    return SimpleNamespace(make_key=make_key, admit=admit)
+
+
 def make_request(**fields):
     """A GenerateRequest for the tiny pipelines: REQUEST_DEFAULTS with `fields` on top."""
     from engine.protocol import GenerateRequest

@@ -269,13 +269,13 @@ def test_three_engines_compile_inside_the_cache_folder_after_diffusers_was_impor
     with engine_manager(cache, max_engines=3) as manager:
         for preset, precision in keys:  # one after the other: each engine starts after the last one compiled
             manager.warm(preset, "cpu", precision, mode="regional", size="64x64")
-            engine = manager.engines()[-1]
+            engine = manager.residency.engines()[-1]
             info = wait_until(lambda e=engine: next((b for b in e.buckets() if b.bucket == bucket
                                                      and b.state in (BucketState.WARM, BucketState.FAILED)), None),
                               1200, message=f"{engine.key} compiling {bucket}")
             assert info.state == BucketState.WARM, info.error
             print(f"{engine.key}: {bucket} warm, compile {info.compile_s:.1f} s, {info.cache_hits} cache hits")
-        reported = {str(e.key): e.folders() for e in manager.engines()}
+        reported = {str(e.key): e.folders() for e in manager.residency.engines()}
         report = system_report(manager, [{"name": "cpu", "label": "CPU", "available": True}])
     outside = _files(inherited)
     inside = _files(cache / "inductor")

@@ -98,9 +98,9 @@ def test_visitor_refused_over_request_cost_host_is_not(public, monkeypatch):
     with pytest.raises(NotAllowed, match="at most 64 steps at 128x128 here"):
         public.generate(ImageRequest(preset="tiny-shapes", device="cpu", size="128x128", steps=200,
                                      caller=Caller.VISITOR, client="10.0.0.1"))
-    assert public.engines() == []  # refused before an engine started
+    assert public.residency.engines() == []  # refused before an engine started
     ran = []
-    monkeypatch.setattr(public, "_run", lambda key, request, *a: ran.append(request))
+    monkeypatch.setattr(public, "_run", lambda admitted, *a: ran.append(admitted.request))
     public.generate(ImageRequest(preset="tiny-shapes", device="cpu", size="128x128", steps=200,
                                  prompt="a fox", caller=Caller.HOST))
     assert ran and ran[0].steps == 200  # reached the engine
@@ -108,18 +108,18 @@ def test_visitor_refused_over_request_cost_host_is_not(public, monkeypatch):
 
 def test_visitor_budget_counts_queued_and_running(public, monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(public, "_run", lambda *a: release.wait(10) and None)  # an engine that answers nothing
+    monkeypatch.setattr(public, "_submit", lambda *a: release.wait(10) and None)  # an engine that answers nothing
     kwargs = dict(preset="tiny-shapes", device="cpu", size="128x128", steps=64, prompt="a fox", caller=Caller.VISITOR)
     first = threading.Thread(target=lambda: public.generate(ImageRequest(client="10.0.0.2", **kwargs)))
     first.start()
-    wait_until(lambda: public.held_cost("10.0.0.2") == 16_384, 5)
+    wait_until(lambda: public.flow.held("10.0.0.2") == 16_384, 5)
     with pytest.raises(EngineBusy, match="you have 16,384 token-steps of requests queued or running"):
         public.generate(ImageRequest(client="10.0.0.2", **kwargs))
     with public.admission("10.0.0.3", 16_384, Caller.VISITOR):  # another visitor is not held back
         pass
     release.set()
     first.join(5)
-    assert public.held_cost("10.0.0.2") == 0  # released when it ended
+    assert public.flow.held("10.0.0.2") == 0  # released when it ended
     public.generate(ImageRequest(client="10.0.0.2", **kwargs))
 
 
@@ -136,7 +136,7 @@ def test_visitor_aot_refused_until_a_package_is_loaded(public):
                                              "the host"):
             public.generate(ImageRequest(preset="tiny-shapes", device="cpu", mode="aot", size="64x64",
                                          on_cold=on_cold, caller=Caller.VISITOR, client="10.0.0.4"))
-    assert public.engines() == []
+    assert public.residency.engines() == []
 
 
 class LoadedEngine:
@@ -164,7 +164,7 @@ def test_visitor_aot_served_from_a_loaded_package_warm_refused(public, monkeypat
         public.warm("tiny-shapes", "cpu", "fp32", "aot", "64x64", caller=Caller.VISITOR)
     monkeypatch.setitem(public.residency.loaded, key, LoadedEngine(key, [BucketKey(Mode.AOT, Size(64, 64))]))
     ran = []
-    monkeypatch.setattr(public, "_run", lambda key, request, *a: ran.append(request))
+    monkeypatch.setattr(public, "_run", lambda admitted, *a: ran.append(admitted.request))
     public.generate(ImageRequest(preset="tiny-shapes", device="cpu", mode="aot", size="64x64", prompt="a fox",
                                  caller=Caller.VISITOR, client="10.0.0.4"))
     assert ran and ran[0].mode is Mode.AOT and ran[0].client == "10.0.0.4"
@@ -258,7 +258,7 @@ def test_engine_serves_another_clients_short_request_after_one_run(cache_dir, ti
         stepping.wait(30)  # A0 runs
         for t in threads[1:]:
             t.start()
-        wait_until(lambda: m.engines()[0].pending() >= 4, 10)  # A0 running, A1..A3 sent behind it
+        wait_until(lambda: m.residency.engines()[0].pending() >= 4, 10)  # A0 running, A1..A3 sent behind it
         short = threading.Thread(target=run, args=("B", "10.0.0.2", 2))
         short.start()
         for t in [*threads, short]:
@@ -277,7 +277,7 @@ def test_host_builds_aot_visitor_then_served_from_the_package(cache_dir, tiny_mo
         built = m.generate(ImageRequest(caller=Caller.HOST,
                                         **kwargs))  # the host (admin token) may build or load it
         assert built.warm
-        board = {(b["mode"], b["size"]): b["state"] for b in m.status()[0]["buckets"] if b["batch"] == 1}
+        board = {(b["mode"], b["size"]): b["state"] for b in m.residency.status_rows()[0]["buckets"] if b["batch"] == 1}
         assert board[("aot", "64x64")] == BucketState.WARM.value
         served = m.generate(ImageRequest(caller=Caller.VISITOR, client="10.0.0.9", **kwargs))
         assert served.warm and served.bucket.mode is Mode.AOT
@@ -299,4 +299,4 @@ def test_handlers_refuse_over_budget_with_what_fits(public):
         list(h.generate(prompt="a red circle on a blue background", negative_prompt="", preset="tiny-shapes",
                         device="cpu", precision="fp32", mode="eager", size="128x128", steps="200", guidance="1",
                         seed="0", request=None, progress=lambda *a, **k: None))
-    assert public.engines() == []
+    assert public.residency.engines() == []

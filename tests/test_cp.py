@@ -21,7 +21,7 @@ from functools import partialmethod
 
 import numpy as np
 import pytest
-from helpers import poll, process_gone
+from helpers import fake_gate, poll, process_gone
 from test_tp import _reference, _request
 
 from engine.config.presets import get_preset
@@ -45,7 +45,7 @@ def cp(cache_dir, tiny_models, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(SidecarClient, "__init__", partialmethod(SidecarClient.__init__, dump_dir=dump))
         manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=(), compile_vae=False))
-        key = manager.make_key(PRESET, "cpu", "fp32", 2, parallel="ulysses")
+        key = manager.gate.make_key(PRESET, "cpu", "fp32", 2, parallel="ulysses")
         engine = manager.engine(key)
         try:
             engine.wait_ready(300)
@@ -79,7 +79,7 @@ def _matches(dump, result, tiny_models, request) -> float:
 def test_ulysses_eager_matches_one_process_and_looks_like_tp(cp, tiny_models):
     manager, key, engine, dump = cp
     assert str(key) == "tiny-flux@cpu/fp32 ulysses2" and key.parallel is Parallel.ULYSSES
-    status = next(s for s in manager.status() if s["engine"] == str(key))
+    status = next(s for s in manager.residency.status_rows() if s["engine"] == str(key))
     assert status["state"] == "ready" and status["kind"] == "tp-sidecar" and status["tp"] == 2
     assert status["parallel"] == "ulysses" and [r["rank"] for r in status["ranks"]] == [0, 1]
     assert any("context parallel (ulysses) over 2 ranks" in n for n in status["notices"])
@@ -102,7 +102,7 @@ def test_ulysses_eager_matches_one_process_and_looks_like_tp(cp, tiny_models):
     assert diff <= TOLERANCE
     from ui import buckets_views
 
-    rows = [r for r in buckets_views.board_rows(manager.status()) if r[0] == str(key)]
+    rows = [r for r in buckets_views.board_rows(manager.residency.status_rows()) if r[0] == str(key)]
     assert [r[1:3] for r in rows[:1]] == [["cpu", "fp32"]] and len(rows) == len(board)
 
 
@@ -114,7 +114,7 @@ def test_ulysses_compiled_bucket_matches_one_process(cp, tiny_models, mode):
     result = _generate(manager, request)  # on_cold="wait": every rank compiles the bucket first
     wall = time.perf_counter() - started
     assert result.warm and not result.eager_fallback
-    bucket = next(b for b in manager.status() if b["engine"] == str(key))["buckets"]
+    bucket = next(b for b in manager.residency.status_rows() if b["engine"] == str(key))["buckets"]
     bucket = next(b for b in bucket if b["mode"] == mode and b["size"] == "64x64")
     # Inductor really compiled (a regional clone that ran the original's eager blocks would compile nothing).
     assert bucket["state"] == "warm" and bucket["compile_s"] > 0 and bucket["cache_hits"] + bucket["cache_misses"] > 0
@@ -160,7 +160,7 @@ def test_ring_with_the_native_backend_is_refused_naming_the_reason(manager, monk
     assert "ring" in message and "log-sum-exp" in message and "'native'" in message
     assert "does not support return_lse=True" in message and "use --parallel ulysses or tensor" in message
     assert launched == []
-    assert not any(s["engine"].endswith("ring2") and s["state"] != "down" for s in manager.status())
+    assert not any(s["engine"].endswith("ring2") and s["state"] != "down" for s in manager.residency.status_rows())
 
 
 def test_bad_degrees_are_refused_naming_what_to_change(manager, tiny_models):
@@ -279,9 +279,9 @@ def test_two_nodes_in_ulysses_serve_the_manager_and_sigterm_stops_both(cache_dir
     attacher = SidecarAttacher(manager, nodes.address_file).start()
     try:
         ready = poll(lambda: any(s["engine"] == "tiny-flux@cpu/fp32 ulysses2" and s["state"] == "ready"
-                                      for s in manager.status()), 180, 0.5)
+                                      for s in manager.residency.status_rows()), 180, 0.5)
         assert ready, f"{attacher.last_error}\n{nodes.log(0)[-3000:]}\n{nodes.log(1)[-2000:]}"
-        engine = next(e for e in manager.engines() if str(e.key) == "tiny-flux@cpu/fp32 ulysses2")
+        engine = next(e for e in manager.residency.engines() if str(e.key) == "tiny-flux@cpu/fp32 ulysses2")
         assert "serves tiny-flux fp32 on cpu, ulysses2 over 2 nodes" in nodes.log(0)
         args = dict(prompt="a red fox in the snow", steps=4, guidance=3.5, seed=7)
         result = manager.generate(ImageRequest(preset=PRESET, device="cpu", precision="fp32", tp=2,
@@ -319,8 +319,13 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
         def make_key(self, preset, device, precision, tp=1, caller=None, parallel="tensor"):
             return EngineKey(preset, device, precision, tp, parallel)
 
-        def engine(self, key, caller=None):
-            return SimpleNamespace(ready=threading.Event())
+        @property
+        def gate(self):
+            return fake_gate(self.make_key)
+
+        @property
+        def residency(self):  # an engine that never gets ready
+            return SimpleNamespace(get=lambda key: SimpleNamespace(ready=threading.Event()), status_rows=list)
 
         def generate(self, spec, **hooks):
             self.calls.append(spec)
@@ -334,4 +339,4 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
     assert next(run)[1]["engine"] == "tiny-flux@cpu/fp32 ring2"
     with pytest.raises(gr.Error, match="recorded"):
         list(run)
-    assert manager.calls[0].tp == 2 and manager.calls[0].parallel == "ring"
+    assert manager.calls[0].key.tp == 2 and str(manager.calls[0].key.parallel) == "ring"

@@ -137,12 +137,12 @@ def test_a_flood_of_joins_that_never_listen_is_bounded_and_a_real_visitor_is_ser
     from ui.edge import LISTEN_GRACE_S
 
     def served() -> int:
-        return sum(b["requests_served"] for row in manager.status() for b in row["buckets"])
+        return sum(b["requests_served"] for row in manager.residency.status_rows() for b in row["buckets"])
 
     real = served()  # the real visitor's requests
 
     def a_flood_event_reached_the_engine() -> bool:
-        return served() > real or any(row.get("pending", 0) for row in manager.status())
+        return served() > real or any(row.get("pending", 0) for row in manager.residency.status_rows())
 
     # Through the listening grace and past it, every flood event is dropped before its engine sees it.
     assert not poll(a_flood_event_reached_the_engine, LISTEN_GRACE_S + 1, 0.2)
@@ -275,7 +275,7 @@ def test_a_bad_local_path_names_the_preset_and_no_internal_error(local_handlers,
 
 
 def test_the_largest_documented_seed_is_accepted_as_text(local_handlers):
-    preset = local_handlers.manager.preset("tiny-flux")
+    preset = local_handlers.manager.catalog.preset("tiny-flux")
     request, _ = build_request(preset, ImageRequest(preset.name, prompt="x", width=64, height=64,
                                                     seed=str(MAX_SEED)))
     assert request.seed == 2**63 - 1

@@ -177,7 +177,7 @@ def test_killed_worker_fails_the_request_then_restarts(cache_dir, tiny_models):
                                               size="64x64", prompt="ok"))
         assert again.image().tobytes() == first.image().tobytes()
         assert manager.engine(KEY).pid != old_pid
-    assert all(not e.alive for e in manager.engines())
+    assert all(not e.alive for e in manager.residency.engines())
 
 
 def test_restart_warms_from_the_persistent_cache(tmp_path, tiny_models):
@@ -315,4 +315,4 @@ def test_manager_validates_before_starting_anything(cache_dir):
             manager.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp4"))
         with pytest.raises(UnsupportedCombination, match="compute capability 8.9"):
             manager.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp8"))
-        assert manager.engines() == []
+        assert manager.residency.engines() == []

@@ -41,7 +41,7 @@ class Progress:
 
 # -- the stream ----------------------------------------------------------------------------------------
 def test_a_run_streams_its_start_steps_and_partial_images_then_its_result(manager):
-    key = manager.make_key("tiny-shapes", "cpu", "fp32")
+    key = manager.gate.make_key("tiny-shapes", "cpu", "fp32")
     events = [e for e in read_all(manager, ImageRequest(**SPEC, steps=4, previews=2), key=key)
               if not isinstance(e, Idle)]
     kinds = [type(e) for e in events]

@@ -84,7 +84,7 @@ def test_a_ray_engine_serves_progress_timings_cancel_and_its_node(fleet_manager)
                                     on_progress=steps.append, timeout=300)
     assert result.image_png.startswith(b"\x89PNG") and result.timings.total_ms > 0
     assert [p.step for p in steps][-1] == 3
-    (row,) = [r for r in fleet_manager.status() if r["state"] != "evicted"]
+    (row,) = [r for r in fleet_manager.residency.status_rows() if r["state"] != "evicted"]
     assert row["kind"] == "ray" and row["node"] in ("host-a", "host-b") and row["state"] == "ready"
     assert len(fleet_actors_alive()) == 1
     # cancel reaches the actor through the same protocol
@@ -102,7 +102,7 @@ def test_a_device_no_node_has_is_refused_naming_the_nodes(fleet_manager):
     from engine.errors import DeviceUnavailable
 
     with pytest.raises(DeviceUnavailable) as info:
-        fleet_manager.make_key(PRESET, "cuda", "fp32")
+        fleet_manager.gate.make_key(PRESET, "cuda", "fp32")
     assert "no node with cuda (GPU)" in str(info.value) and "host-a" in str(info.value)
 
 
@@ -111,7 +111,7 @@ def test_a_node_removed_mid_request_fails_that_request_naming_it_and_the_next_ru
                                                                                                ray_cluster):
     from engine.config.request import ImageRequest
 
-    key = fleet_manager.make_key(PRESET, "cpu", "fp32")
+    key = fleet_manager.gate.make_key(PRESET, "cpu", "fp32")
     engine = fleet_manager.engine(key)
     assert engine.wait_ready(300)
     name = engine.node_name
@@ -129,7 +129,7 @@ def test_a_node_removed_mid_request_fails_that_request_naming_it_and_the_next_ru
         result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu", precision="fp32",
                                                      mode="eager", size="64x64", steps=2), timeout=300)
         assert result.image_png.startswith(b"\x89PNG")
-        (row,) = [r for r in fleet_manager.status() if r["state"] != "evicted"]
+        (row,) = [r for r in fleet_manager.residency.status_rows() if r["state"] != "evicted"]
         assert row["node"] != name and row["state"] == "ready"
     finally:
         ray_cluster.add_node(**fleet_node_args(name))
@@ -186,7 +186,7 @@ def test_replicas_split_requests_least_loaded_and_skip_a_stopped_one(cache_dir, 
     from engine.fleet.config import FleetConfig
 
     with engine_manager(cache_dir, {"max_batch": 1}, fleet=FleetConfig(address=ray_cluster.address, replicas=2)) as m:
-        engine = m.engine(m.make_key(PRESET, "cpu", "fp32"))
+        engine = m.engine(m.gate.make_key(PRESET, "cpu", "fp32"))
         assert engine.kind == "ray-replicas"
         wait_until(lambda: len(engine.serving_replicas()) == 2, 300, message="both replicas ready")
         assert {r.node_name for r in engine.replicas} == {"host-a", "host-b"}  # Ray spread them
@@ -196,7 +196,7 @@ def test_replicas_split_requests_least_loaded_and_skip_a_stopped_one(cache_dir, 
         assert all(f.result(300).image_png for f in futures)
         split = {node: count - before[node] for node, count in served_by(engine).items()}
         assert sum(split.values()) == 16 and all(5 <= n <= 11 for n in split.values()), split
-        (row,) = [r for r in m.status() if r["state"] != "evicted"]
+        (row,) = [r for r in m.residency.status_rows() if r["state"] != "evicted"]
         assert row["kind"] == "ray-replicas" and {r["node"] for r in row["replicas"]} == {"host-a", "host-b"}
 
         stopped = engine.replicas[0]
@@ -219,19 +219,19 @@ def test_a_request_names_a_node_and_the_cluster_is_the_device_list(fleet_manager
     from engine.config.request import ImageRequest
     from engine.errors import DeviceUnavailable
 
-    on_b = fleet_manager.make_key(PRESET, "cpu:node:host-b", "fp32")
+    on_b = fleet_manager.gate.make_key(PRESET, "cpu:node:host-b", "fp32")
     assert on_b.place == "node:host-b" and str(on_b) == f"{PRESET}@cpu:node:host-b/fp32"
-    assert fleet_manager.make_key(PRESET, "node:host-a", "fp32").device == "cpu"  # the best device host-a has
+    assert fleet_manager.gate.make_key(PRESET, "node:host-a", "fp32").device == "cpu"  # the best device host-a has
     for device in ("cpu:node:host-a", "cpu:node:host-b"):
         result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device=device, precision="fp32",
                                                      mode="eager", size="64x64", steps=2), timeout=300)
         assert result.image_png.startswith(b"\x89PNG")
-    nodes = {r["engine"]: r["node"] for r in fleet_manager.status()}
+    nodes = {r["engine"]: r["node"] for r in fleet_manager.residency.status_rows()}
     assert nodes == {f"{PRESET}@cpu:node:host-a/fp32": "host-a", f"{PRESET}@cpu:node:host-b/fp32": "host-b"}
     with pytest.raises(DeviceUnavailable, match="no node 'nowhere'"):
-        fleet_manager.make_key(PRESET, "cpu:node:nowhere", "fp32")
+        fleet_manager.gate.make_key(PRESET, "cpu:node:nowhere", "fp32")
     with pytest.raises(DeviceUnavailable, match="with chip H100"):
-        fleet_manager.make_key(PRESET, "cpu:H100", "fp32")
+        fleet_manager.gate.make_key(PRESET, "cpu:H100", "fp32")
 
     report = {r["name"]: r for r in fleet_manager.devices_report()}
     assert report["cpu"]["available"] and report["cpu"]["nodes"] == ["host-a", "host-b"] and report["cpu"]["auto"]
@@ -270,7 +270,7 @@ def test_a_compare_across_two_nodes_prices_each_against_its_own_chip_and_the_ref
     figure = results[other]["own_chip_figure"]  # and against eager fp32 on its own chip
     assert figure["images"] >= 1 and figure["iqr"][0] <= figure["speedup"] <= figure["iqr"][1]
     assert "vs eager fp32 on its chip" in gallery[1]["caption"] and "own_chip_figure" not in results[own]
-    devices = {row[1] for row in buckets_views.board_rows(fleet_manager.status())}
+    devices = {row[1] for row in buckets_views.board_rows(fleet_manager.residency.status_rows())}
     assert {"cpu on host-a", "cpu on host-b"} <= devices
 
 
@@ -278,7 +278,7 @@ def test_a_replica_on_a_lost_node_is_replaced_and_the_others_keep_serving(cache_
     from engine.fleet.config import FleetConfig
 
     with engine_manager(cache_dir, {"max_batch": 1}, fleet=FleetConfig(address=ray_cluster.address, replicas=2)) as m:
-        engine = m.engine(m.make_key(PRESET, "cpu", "fp32"))
+        engine = m.engine(m.gate.make_key(PRESET, "cpu", "fp32"))
         wait_until(lambda: len(engine.serving_replicas()) == 2, 300, message="both replicas ready")
         lost = engine.replicas[0]
         name = lost.node_name
@@ -307,7 +307,7 @@ def test_a_node_that_joins_later_is_listed_and_used_by_its_chip(fleet_manager, r
         result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu:T4", precision="fp32",
                                                      mode="eager", size="64x64", steps=2), timeout=300)
         assert result.image_png.startswith(b"\x89PNG")
-        (row,) = [r for r in fleet_manager.status() if r["state"] != "evicted"]
+        (row,) = [r for r in fleet_manager.residency.status_rows() if r["state"] != "evicted"]
         assert row["node"] == "host-c" and row["chips"] == ["T4"] and row["where"] == "host-c (T4)"
     finally:
         fleet_manager.shutdown()
@@ -326,7 +326,7 @@ def test_a_tensor_parallel_engine_runs_its_ranks_on_one_node_and_leaves_nothing(
         result = m.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu", precision="fp32", tp=2,
                                          mode="eager", size="64x64", steps=2), timeout=600)
         assert result.image_png.startswith(b"\x89PNG")
-        (row,) = [r for r in m.status() if r["state"] != "evicted"]
+        (row,) = [r for r in m.residency.status_rows() if r["state"] != "evicted"]
         assert row["kind"] == "ray" and row["engine"].endswith("tp2") and row["node"] in ("host-a", "host-b")
         groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
         assert [g["strategy"] for g in groups] == ["STRICT_PACK"] and groups[0]["bundles"] == {0: {"CPU": 2.0}}

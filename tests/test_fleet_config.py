@@ -33,7 +33,7 @@ def test_a_placement_without_a_cluster_is_refused_naming_the_flag(cache_dir, tin
     from helpers import engine_manager
 
     with engine_manager(cache_dir) as manager, pytest.raises(InvalidRequest, match="--ray"):
-        manager.make_key("tiny-shapes", "cpu:node:host-a", "fp32")
+        manager.gate.make_key("tiny-shapes", "cpu:node:host-a", "fp32")
 
 
 def test_auto_is_rays_address_or_a_local_cluster():

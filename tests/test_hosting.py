@@ -187,7 +187,7 @@ def test_public_mode_refuses_what_the_host_does_not_offer(public_manager, overri
     request = dict(preset="tiny-flux", device="cpu", precision="fp32", mode="eager", size="64x64", steps=1)
     with pytest.raises(NotAllowed, match=words):
         public_manager.generate(ImageRequest(**{**request, **overrides}, caller=Caller.VISITOR))
-    assert not public_manager.engines()  # nothing was loaded for a refused request
+    assert not public_manager.residency.engines()  # nothing was loaded for a refused request
 
 
 def test_public_mode_lets_the_host_do_what_visitors_cannot(public_manager):
@@ -195,13 +195,13 @@ def test_public_mode_lets_the_host_do_what_visitors_cannot(public_manager):
         public_manager.warm("tiny-flux", "cpu", "fp32", caller=Caller.VISITOR)  # every bucket
     with pytest.raises(NotAllowed, match="not loaded"):
         public_manager.warm("tiny-flux", "cpu", "fp32", mode="regional", size="64x64", caller=Caller.VISITOR)
-    assert public_manager.visitor_presets() == ["tiny-flux", "tiny-sd3"]
+    assert public_manager.gate.visitor_presets() == ["tiny-flux", "tiny-sd3"]
 
 
 def test_without_public_mode_visitors_keep_every_choice(cache_dir, tiny_models):
     with engine_manager(cache_dir) as m:
-        m.make_key("tiny-sdxl", "cpu", "fp16", caller=Caller.VISITOR)  # any preset, any precision
-        m.check_visitor_choice(mode="compile")
+        m.gate.make_key("tiny-sdxl", "cpu", "fp16", caller=Caller.VISITOR)  # any preset, any precision
+        m.gate.check_visitor_choice(mode="compile")
 
 
 # -- a manager within its budget: real workers ---------------------------------------------------
@@ -214,17 +214,17 @@ def test_engines_stay_within_the_engine_count_lru_idle_ones_go_and_come_back(cac
         for preset, precision in KEYS[:2]:
             m.generate(ImageRequest(preset=preset, device="cpu", precision=precision, size="64x64", steps=1))
         first = EngineKey("tiny-flux", "cpu", "fp32")
-        assert {e.key for e in m.engines()} == {first, EngineKey("tiny-flux", "cpu", "bf16")}
-        assert all(m.budgets.footprint_of(e).measured for e in m.engines())  # reported once loaded
+        assert {e.key for e in m.residency.engines()} == {first, EngineKey("tiny-flux", "cpu", "bf16")}
+        assert all(m.budgets.footprint_of(e).measured for e in m.residency.engines())  # reported once loaded
         m.generate(ImageRequest(preset="tiny-sd3", device="cpu", precision="fp32", size="64x64", steps=1))
-        keys = {e.key for e in m.engines()}
+        keys = {e.key for e in m.residency.engines()}
         assert first not in keys and len(keys) == 2  # the least recently used idle engine went
-        evicted = [row for row in m.status() if row["state"] == "evicted"]
+        evicted = [row for row in m.residency.status_rows() if row["state"] == "evicted"]
         assert [row["engine"] for row in evicted] == [str(first)]
         assert "least recently used" in evicted[0]["error"] and "tiny-sd3" in evicted[0]["error"]
         # The next request reloads it (evicting the then least recently used one).
         m.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", steps=1))
-        assert first in {e.key for e in m.engines()} and m.host_status()["evictions"] == 2
+        assert first in {e.key for e in m.residency.engines()} and m.host_status()["evictions"] == 2
 
 
 @pytest.mark.slow
@@ -251,15 +251,15 @@ def test_a_busy_engine_is_kept_and_the_new_one_refused_with_what_to_do(cache_dir
         assert m.cancel(submitted[0])
         worker.join(120)
         assert outcome and "cancelled after step" in str(outcome[0])
-        assert [e.key.preset for e in m.engines()] == ["tiny-flux"]  # nothing running was lost
+        assert [e.key.preset for e in m.residency.engines()] == ["tiny-flux"]  # nothing running was lost
 
 
 @pytest.mark.slow
 def test_idle_engines_unload_after_the_idle_timeout(cache_dir, tiny_models):
     with engine_manager(cache_dir, idle_unload_s=2.0) as m:
         m.generate(ImageRequest(preset="tiny-flux", device="cpu", precision="fp32", size="64x64", steps=1))
-        wait_until(lambda: not m.engines(), 30, 0.2, "the idle engine unloading")
-        row = next(r for r in m.status() if r["state"] == "evicted")
+        wait_until(lambda: not m.residency.engines(), 30, 0.2, "the idle engine unloading")
+        row = next(r for r in m.residency.status_rows() if r["state"] == "evicted")
         assert "idle" in row["error"] and "--idle-unload" in row["error"]
 
 
@@ -299,13 +299,13 @@ def test_restart_is_the_hosts_hidden_operation(public_app):
     manager, _, client = public_app
     assert "/restart" not in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
     client.predict(**GOOD, api_name="/generate")  # loads tiny-flux fp32 for this visitor
-    pid = manager.engines()[0].pid
+    pid = manager.residency.engines()[0].pid
     # Undocumented: callable with positional arguments (preset, device, precision, admin_token).
     with pytest.raises(Exception, match="up to the host"):
         client.predict("tiny-flux", "cpu", "fp32", "", api_name="/restart")
     with pytest.raises(Exception, match="up to the host"):
         client.predict("tiny-flux", "cpu", "fp32", "wrong", api_name="/restart")
-    assert manager.engines()[0].pid == pid  # nobody else's request was interrupted
+    assert manager.residency.engines()[0].pid == pid  # nobody else's request was interrupted
     assert client.predict("tiny-flux", "cpu", "fp32", ADMIN, api_name="/restart")["restarted"]
 
 

@@ -151,7 +151,7 @@ def test_the_manager_refuses_what_cannot_run_in_process(cache_dir, tiny_models):
             m.warm("tiny-shapes", "cpu", "fp32", mode="regional", size="64x64")
         with pytest.raises(UnsupportedCombination, match="torchrun"):
             m.generate(ImageRequest(preset="tiny-shapes", device="cpu", tp=2, prompt=PROMPT))
-        assert m.engines() == []  # refused before any engine started
+        assert m.residency.engines() == []  # refused before any engine started
 
 
 @pytest.mark.slow

@@ -378,20 +378,20 @@ def test_the_board_shows_each_engines_slot_its_swaps_and_no_recompiles(styled_ma
     for lora in ("swap", "corner"):
         manager.generate(ImageRequest("tiny-shapes", prompt=PROMPT, width=64, height=64, steps=2, seed=1,
                                       mode="eager", lora=lora), timeout=120)
-    row = next(r for r in manager.status() if r["engine"].startswith("tiny-shapes"))
+    row = next(r for r in manager.residency.status_rows() if r["engine"].startswith("tiny-shapes"))
     lora = row["lora"]
     assert (lora["current"], lora["scale"]) == ("corner", 1.0)
     assert lora["swaps"] >= 1 and lora["median_swap_ms"] > 0 and lora["recompiles"] == 0
     assert lora["adapters"] == ["swap", "small", "corner"] and lora["target_rank"] > 0
     assert lora["fused_bytes"] > 0  # the fused copy's weights, which the LoRA bench reads through the client
-    board = [r for r in buckets_views.board_rows(manager.status()) if r[3] == buckets_views.LORA_SLOT]
+    board = [r for r in buckets_views.board_rows(manager.residency.status_rows()) if r[3] == buckets_views.LORA_SLOT]
     assert len(board) == 1 and board[0][5] == "corner at 1"
     assert "0 recompiles" in board[0][6] and board[0][9] == f"{lora['swaps']} swaps"
     manager.generate(ImageRequest("tiny-shapes", prompt=PROMPT, width=64, height=64, steps=2, seed=1, mode="eager",
                                   lora="swap:fused"), timeout=120)
-    lora = next(r for r in manager.status() if r["engine"].startswith("tiny-shapes"))["lora"]
+    lora = next(r for r in manager.residency.status_rows() if r["engine"].startswith("tiny-shapes"))["lora"]
     assert lora["fuses"] >= 1 and lora["median_fuse_ms"] > 0  # the fused copy's refreshes reach the board
-    assert "fuses (median" in next(r for r in buckets_views.board_rows(manager.status()) if r[3] == buckets_views.LORA_SLOT)[6]
+    assert "fuses (median" in next(r for r in buckets_views.board_rows(manager.residency.status_rows()) if r[3] == buckets_views.LORA_SLOT)[6]
 
 
 def test_compare_draws_one_card_per_adapter_named_in_its_caption(styled_manager):
@@ -453,9 +453,9 @@ def test_compare_checkboxes_offer_each_style_unfused_and_fused(styled_manager):
     from ui.handlers import Handlers, UIDefaults
 
     handlers = Handlers(styled_manager, UIDefaults(device="cpu", mode="eager"))
-    choices = compare_views.compare_lora_choices(styled_manager.preset("tiny-shapes"), True)
+    choices = compare_views.compare_lora_choices(styled_manager.catalog.preset("tiny-shapes"), True)
     assert ("swap fused", "swap:fused") in choices and choices[0] == ("none", "none")
-    assert compare_views.compare_lora_choices(styled_manager.preset("tiny-shapes"), False) == [("none", "none")]
+    assert compare_views.compare_lora_choices(styled_manager.catalog.preset("tiny-shapes"), False) == [("none", "none")]
     configs = handlers._configs(["cpu"], ["fp32"], ["eager", "compile"], None, "", ["none", "swap:fused"])[0]
     assert configs == ["cpu/fp32/eager", "cpu/fp32/eager+lora=swap:fused", "cpu/fp32/compile",
                        "cpu/fp32/compile+lora=swap:fused"]

@@ -87,7 +87,7 @@ def test_a_call_whose_agent_hung_up_is_cancelled(mcp_app, monkeypatch):
     outcomes = spy_generate(manager, monkeypatch)
 
     def stepping() -> bool:
-        return any(row.get("pending") for row in manager.status())
+        return any(row.get("pending") for row in manager.residency.status_rows())
 
     async def hang_up(session):
         call = asyncio.ensure_future(session.call_tool("generate", LONG))
@@ -145,7 +145,7 @@ def test_agents_on_several_addresses_batch_like_pages(mcp_app):
 
     async def burst():
         blocker = asyncio.ensure_future(as_agent(url, "127.0.0.50", lambda s: s.call_tool("generate", LONG)))
-        while not any(row.get("pending") for row in manager.status()):
+        while not any(row.get("pending") for row in manager.residency.status_rows()):
             await asyncio.sleep(0.05)
         calls = [as_agent(url, f"127.0.0.{51 + i}", lambda s, i=i: s.call_tool("generate", dict(CALL, seed=str(i))))
                  for i in range(8)]

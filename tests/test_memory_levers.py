@@ -393,7 +393,7 @@ def test_memory_auto_loads_a_lever_where_the_declared_memory_is_short(cache_dir,
     from engine.serving import fit
 
     with engine_manager(cache_dir, options={"memory_policy": "auto"}, runtime="inprocess") as m:
-        model = fit.model_for(m.preset("tiny-shapes"), fit.Path("models/tiny-shapes"), "fp32")
+        model = fit.model_for(m.catalog.preset("tiny-shapes"), fit.Path("models/tiny-shapes"), "fp32")
         cpu = devices.get_device("cpu")
         rows = fit.options(model, cpu, 128, 64, cpu.process_overhead_bytes)
         # declared: what this process holds, plus a little less than the engine's no-lever estimate

@@ -214,7 +214,7 @@ def test_a_v1_request_counts_against_the_same_per_client_bound_as_the_page(app, 
     long = dict(prompt=PROMPT, preset="tiny-shapes", device="cpu", precision="fp32", mode="eager", size="64x64",
                 steps="200", seed="1")
     job = page.submit(**long, api_name="/generate")
-    wait_until(lambda: manager.held_cost("127.0.0.1") > 0, timeout=60, message="the page's run started")
+    wait_until(lambda: manager.flow.held("127.0.0.1") > 0, timeout=60, message="the page's run started")
     refused = post(url, {"prompt": PROMPT, **EXTRA})
     assert refused.status_code == 429, refused.text
     assert "at most 1 per visitor" in error_of(refused)["message"]

@@ -152,7 +152,7 @@ def test_a_burst_from_eight_addresses_forms_a_batch_and_the_cost_budget_refuses(
     # Another address keeps the engine busy while the burst joins, so the burst waits together on the engine.
     blocker = threading.Thread(target=Page(url, "127.0.0.19").call, args=(fns["generate"], api_data(steps="64")))
     blocker.start()
-    wait_until(lambda: any(row.get("pending") for row in manager.status()), 60)
+    wait_until(lambda: any(row.get("pending") for row in manager.residency.status_rows()), 60)
     burst = all_at_once([lambda i=i: Page(url, f"127.0.0.{11 + i}").call(fns["generate"], api_data(seed=str(i)))
                          for i in range(8)])
     blocker.join()

@@ -216,11 +216,11 @@ def test_magcache_calibrates_once_per_steps_and_stores_it(runner):
     assert not any("magcache: calibrated" in n for n in other.notices)
 
 
-def test_refused_where_the_mode_cannot_hold_the_cache(runner):
-    with pytest.raises(UnsupportedCombination, match="one graph"):
-        runner.generate(_request("first-block", mode="compile"))
-    with pytest.raises(UnsupportedCombination, match="attention layers"):
-        runner.generate(_request("taylorseer", mode="regional"))
+def test_refused_where_the_mode_cannot_hold_the_cache():
+    """The gate refuses it (engine/serving/gate.py) before a request reaches any engine."""
+    for cache, mode, words in (("first-block", "compile", "one graph"), ("taylorseer", "regional", "attention layers")):
+        with pytest.raises(UnsupportedCombination, match=words):
+            stepcache.check_step_cache(cache, PRESET, CPU, Mode(mode))
 
 
 @pytest.mark.slow  # compiles a regional bucket
@@ -323,8 +323,8 @@ def test_through_the_manager_and_a_worker(manager):
     with pytest.raises(InvalidRequest, match="valid forms"):
         manager.generate(ImageRequest(preset="tiny-shapes", device="cpu", precision="fp32", prompt=PROMPT,
                                       step_cache="fast"))
-    engines = len(manager.engines())
+    engines = len(manager.residency.engines())
     with pytest.raises(UnsupportedCombination, match="one graph"):
         manager.generate(ImageRequest(preset="tiny-shapes", device="cpu", precision="int8wo", prompt=PROMPT,
                                       mode="compile", step_cache="first-block"))
-    assert len(manager.engines()) == engines  # refused before an int8wo engine started
+    assert len(manager.residency.engines()) == engines  # refused before an int8wo engine started

@@ -170,7 +170,7 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
     manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
     seen: list[SidecarClient] = []
     try:
-        key = manager.make_key("tiny-flux", "cpu", "fp32", tp=2)
+        key = manager.gate.make_key("tiny-flux", "cpu", "fp32", tp=2)
         engine = manager.engine(key)
         seen.append(engine)
         assert isinstance(engine, SidecarClient)
@@ -202,8 +202,8 @@ def test_killed_rank_fails_fast_then_restarts(cache_dir, tiny_models):
         assert poll(lambda: not engine.workdir.exists(), 10)  # no token or config left behind
 
         # Automatic restart (the engine had been ready, so the residency restarts it: a new sidecar).
-        assert poll(lambda: manager.engines() and manager.engines()[0] is not engine, 10)
-        restarted = manager.engines()[0]
+        assert poll(lambda: manager.residency.engines() and manager.residency.engines()[0] is not engine, 10)
+        restarted = manager.residency.engines()[0]
         seen.append(restarted)
         restarted.wait_ready(300)
         assert manager.generate(ImageRequest(preset="tiny-flux", device="cpu", tp=2, size="64x64", steps=2,

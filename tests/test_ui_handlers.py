@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 import pytest
-from helpers import poll, spy_generate, wait_until
+from helpers import fake_gate, poll, spy_generate, wait_until
 
 from engine.config.request import ImageRequest
 from engine.errors import Cancelled, EngineCrashed
@@ -220,12 +220,12 @@ class ScriptedManager:
         self.loaded, self.submitted = threading.Event(), threading.Event()
         self.cancelled: list[str] = []
         self.script = script
+        self.gate = fake_gate(self.make_key)
+        # an engine loading until `loaded` is set; no earlier loads to estimate from
+        self.residency = SimpleNamespace(get=lambda key: SimpleNamespace(ready=self.loaded), status_rows=list)
 
-    def make_key(self, preset, device, precision, tp=1, caller=None):
+    def make_key(self, preset, device, precision, tp=1, caller=None, parallel="tensor"):
         return EngineKey(preset, device, precision, tp)
-
-    def engine(self, key, caller=None):
-        return SimpleNamespace(ready=self.loaded)
 
     def generate(self, spec, *, on_progress, on_submit, **hooks):
         self.loaded.wait(30)
@@ -241,9 +241,6 @@ class ScriptedManager:
     def cancel(self, request_id):
         self.cancelled.append(request_id)
         return True
-
-    def status(self) -> list[dict]:  # a waiting run estimates the load from the engines' earlier loads
-        return []
 
 
 def test_a_handler_closed_while_its_engine_loads_cancels_the_request_once_submitted():
@@ -346,13 +343,13 @@ def test_warm_validates_then_returns_at_once(fresh_manager):
         handlers.warm("tiny-flux", "cpu", "fp32", "defer-and-fuse", "64x64")
     queued = handlers.warm("tiny-flux", "cpu", "fp32", "regional", "64x64")  # compiles in the worker
     assert queued == {"engine": "tiny-flux@cpu/fp32", "mode": "regional", "queued": ["64x64"]}
-    buckets = [b for row in fresh_manager.status() for b in row["buckets"] if b["mode"] == "regional"]
+    buckets = [b for row in fresh_manager.residency.status_rows() for b in row["buckets"] if b["mode"] == "regional"]
     assert all(b["state"] != "warm" for b in buckets), buckets  # returned before the compile ended
 
 
 def test_tick_fills_the_board_and_skips_unchanged_outputs(fresh_manager):
     manager, handlers = fresh_manager, Handlers(fresh_manager, UIDefaults(device="cpu", mode="eager"))
-    manager.engine(manager.make_key("tiny-flux", "cpu", "fp32")).wait_ready(timeout=120)
+    manager.engine(manager.gate.make_key("tiny-flux", "cpu", "fp32")).wait_ready(timeout=120)
     board, line, sizes, engines, state = handlers.tick("tiny-flux", "cpu", "fp32", "compile", {})
     assert "tiny-flux@cpu/fp32" in list(board["engine"])
     assert "Ready" in line
@@ -365,7 +362,7 @@ def test_tick_fills_the_board_and_skips_unchanged_outputs(fresh_manager):
 def test_select_engine_reports_an_unavailable_device_without_blocking(handlers, manager):
     line, _sizes, modes = handlers.select_engine("tiny-flux", "tpu", "fp32", "compile", "64x64")
     assert "not available" in line
-    assert not [row for row in manager.status() if "tpu" in row["engine"]]  # refused before any engine started
+    assert not [row for row in manager.residency.status_rows() if "tpu" in row["engine"]]  # refused before any engine started
     assert "defer-and-fuse" in modes["choices"]  # the device's own modes
 
 

@@ -50,10 +50,11 @@ class _Engine:
 
 def test_a_loading_engines_bar_moves_with_the_time_waited():
     """A new engine loaded for 22.5 s behind a bar stuck at 0.0 %."""
-    seen = []
+    seen, engine = [], _Engine()
     feed = RunFeed(ProgressBar(lambda value, desc="", **kw: seen.append((value, desc))), KEY, None,
-                   status=lambda: [{"engine": "other", "load_s": 20.0}], compiles=dict)
-    feed.see(Started(_Engine()))
+                   status=lambda: [{"engine": "other", "load_s": 20.0}], compiles=dict,
+                   engine_of=lambda key: engine)
+    feed.see(Started())
     for waited in (2.0, 8.0, 15.0):
         feed.see(Idle(waited, submitted=False))
     shares = [value for value, _ in seen]

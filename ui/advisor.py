@@ -160,7 +160,7 @@ class AdvisorHandlers(HandlerBase):
         """`python -m bench advise --progress-json` in a child process of its own session (one JSON message
         a line on stdout: progress, then the result)."""
         try:
-            model = self.manager.preset(form.preset)
+            model = self.manager.catalog.preset(form.preset)
         except Exception as exc:
             raise to_gradio_error(exc) from None
         argv = [sys.executable, "-m", "bench", "advise", "--preset", model.name, "--device", form.device or "auto",
@@ -184,7 +184,7 @@ class AdvisorHandlers(HandlerBase):
 
     def advisor_defaults(self, preset: str):
         sizes = self.preset_sizes(preset)
-        model = self.manager.preset(preset)
+        model = self.manager.catalog.preset(preset)
         return (gr.update(choices=sizes, value=sizes[0] if sizes else None), gr.update(value=model.steps),
                 gr.update(choices=views.lora_choices(model, self.manager.options.loras), value="none"))
 

@@ -1,6 +1,6 @@
 """The Buckets tab: every bucket of every loaded engine, warm-up and restart; /status, /warm, /restart.
 
-Bucket and engine states come from manager.status(), which only reads states the worker processes
+Bucket and engine states come from manager.residency.status_rows(), which only reads states the worker processes
 pushed, so polling it stays fast while a bucket compiles. Warm-ups run in the engine's worker; the
 handlers return at once and the board shows the bucket going queued -> compiling -> warm.
 """
@@ -32,7 +32,7 @@ class BucketsHandlers(HandlerBase):
         Outputs that did not change are skipped, so an open dropdown is not redrawn every second.
         """
         last = dict(last or {})
-        status = self.manager.status()
+        status = self.manager.residency.status_rows()
         rows = buckets_views.board_rows(status)
         try:
             key = str(self.key_for(preset, device, precision, tp))
@@ -67,7 +67,7 @@ class BucketsHandlers(HandlerBase):
                 if key != self.current_engine(request):
                     raise NotAllowed(f"{key} is not the engine you are using; you may warm buckets of the engine "
                                      "your last request ran on (other engines are up to the host)")
-            p = self.manager.preset(key.preset)
+            p = self.manager.catalog.preset(key.preset)
             self.check_mode(key.device, mode)
             if mode == "eager":
                 raise InvalidRequest("eager buckets need no warm-up; pick mode compile or regional")
@@ -101,7 +101,7 @@ class BucketsHandlers(HandlerBase):
 
     def _loaded(self, engine: str):
         """The loaded engine the board names `engine`, or None."""
-        return next((e for e in self.manager.engines() if str(e.key) == engine), None)
+        return next((e for e in self.manager.residency.engines() if str(e.key) == engine), None)
 
     def warm_from_board(self, engine: str, mode: str, size: str = "all", admin_token: str = "",
                         request: gr.Request = None):
@@ -182,7 +182,7 @@ class BucketsHandlers(HandlerBase):
     # -- typed API endpoints (gr.api derives their schema from these hints) -----------------------
     def status_api(self) -> list[dict]:
         """Every engine (state, load time, notices) and every bucket with its state, compile s, warm-up s."""
-        return self.manager.status()
+        return self.manager.residency.status_rows()
 
     def warm_api(self, preset: str, device: str, precision: str, mode: str = "compile",
                  size: str = "", admin_token: str = "", request: gr.Request = None) -> dict:

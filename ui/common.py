@@ -157,6 +157,15 @@ def session_id(request: gr.Request | None) -> str:
     return "page:" + (getattr(request, "session_hash", None) or "default")
 
 
+def key_fields(preset, device, precision, tp) -> tuple[int, str]:
+    """(tp, parallel) of an engine's settings as a form sends them, the names checked to be text."""
+    for name, value in (("preset", preset), ("device", device), ("precision", precision)):
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{name} must be text, got {type(value).__name__}")
+    tp, parallel = parse_ranks(tp)  # 2, "2" or a ranks choice such as "2 · ulysses"
+    return tp, str(parallel) if tp > 1 and parallel.context else "tensor"
+
+
 class HandlerBase:
     """The manager, the UI defaults, memoised lookups and the runs in flight (for /cancel)."""
 
@@ -223,17 +232,13 @@ class HandlerBase:
 
     def key_for(self, preset: str, device: str, precision: str, tp=1, caller: Caller = Caller.VISITOR):
         """EngineKey for the settings, or raise the ShowcaseError saying why not (memoised)."""
-        for name, value in (("preset", preset), ("device", device), ("precision", precision)):
-            if not isinstance(value, str):
-                raise InvalidRequest(f"{name} must be text, got {type(value).__name__}")
-        tp, parallel = parse_ranks(tp)  # 2, "2" or a ranks choice such as "2 · ulysses"
+        tp, parallel = key_fields(preset, device, precision, tp)
         cache_key = (preset, device, precision, tp, parallel, caller)
         with self._lock:
             found = self._keys.get(cache_key)
         if found is None:
             try:
-                layout = {"parallel": parallel} if tp > 1 and parallel.context else {}
-                found = self.manager.make_key(preset, device, precision, tp, caller=caller, **layout)
+                found = self.manager.gate.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
             except ShowcaseError as exc:
                 found = exc
             with self._lock:
@@ -245,13 +250,13 @@ class HandlerBase:
     def default_preset(self):
         """The defaults' preset, or the first one when that name does not resolve."""
         try:
-            return self.manager.preset(self.defaults.preset)
+            return self.manager.catalog.preset(self.defaults.preset)
         except ShowcaseError:
             return next(iter(self.manager.presets.values()))
 
     def preset_names(self) -> list[str]:
         """The presets a visitor may pick (public mode: the host's list)."""
-        return self.manager.visitor_presets()
+        return self.manager.gate.visitor_presets()
 
     def precision_choices(self) -> list[str]:
         offered = self.manager.policy.precisions if self.public else None
@@ -259,7 +264,7 @@ class HandlerBase:
 
     def preset_sizes(self, preset: str) -> list[str]:
         try:
-            return [str(s) for s in self.manager.preset(preset).buckets]
+            return [str(s) for s in self.manager.catalog.preset(preset).buckets]
         except ShowcaseError:
             return []
 
@@ -274,7 +279,7 @@ class HandlerBase:
 
         try:
             spec = self.manager.device_spec(device)
-            return available_step_caches(self.manager.preset(preset), spec, mode)
+            return available_step_caches(self.manager.catalog.preset(preset), spec, mode)
         except ShowcaseError:
             return []
 
@@ -316,8 +321,9 @@ class HandlerBase:
     def run_feed(self, key, bar: ProgressBar, steps=None) -> RunFeed:
         """What a run on engine `key` shows on `bar` while it waits and steps (ui/runs.py)."""
         scheduler = getattr(self.manager, "scheduler", None)
-        return RunFeed(bar, key, int(steps) if str(steps or "").isdigit() else None, self.manager.status,
-                       scheduler.snapshot if scheduler is not None else dict)
+        residency = self.manager.residency
+        return RunFeed(bar, key, int(steps) if str(steps or "").isdigit() else None, residency.status_rows,
+                       scheduler.snapshot if scheduler is not None else dict, residency.get)
 
     async def await_listener(self, request: gr.Request | None) -> None:
         """open_run's listener check for an async handler: the wait runs in a worker thread."""

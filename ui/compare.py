@@ -112,14 +112,14 @@ class CompareHandlers(HandlerBase):
     def compare_defaults(self, preset: str):
         """Preset changed: its buckets, steps and guidance."""
         sizes = self.preset_sizes(preset)
-        p = self.manager.preset(preset)
+        p = self.manager.catalog.preset(preset)
         return (gr.update(choices=sizes, value=sizes[0] if sizes else None), gr.update(value=p.steps),
                 gr.update(value=p.guidance))
 
     def compare_loras(self, preset: str):
         """Preset changed: its LoRA styles, unfused and fused."""
         try:
-            return gr.update(choices=compare_views.compare_lora_choices(self.manager.preset(preset),
+            return gr.update(choices=compare_views.compare_lora_choices(self.manager.catalog.preset(preset),
                                                                 self.manager.options.loras), value=["none"])
         except ShowcaseError:
             return gr.update(choices=[("none", "none")], value=["none"])
@@ -183,7 +183,7 @@ class CompareHandlers(HandlerBase):
         lora = explicit.split_lora(config)[1]
         try:
             spec = self.device_spec(device)
-            return explicit.refusal(self.manager.preset(preset), spec,
+            return explicit.refusal(self.manager.catalog.preset(preset), spec,
                                     explicit.Configuration(mode, precision, cache, None, lora.name, lora.scale,
                                                            lora.fused, explicit.split_levers(config)[1]),
                                     loras=self.manager.options.loras)
@@ -216,7 +216,7 @@ class CompareHandlers(HandlerBase):
         device = self.default_device(devices)
         try:
             spec = self.device_spec(device)
-            model = self.manager.preset(preset)
+            model = self.manager.catalog.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         if which == explicit.FRONTIER:
@@ -308,8 +308,8 @@ class Comparison:
         self.note = ("the reference, picked" if picked else
                      "the reference, added: every speedup and drift is measured against it")
         try:
-            self.size_text = str(Size.parse(form.size)) if form.size else str(h.manager.preset(form.preset).buckets[0])
-            self.model = h.manager.preset(form.preset)
+            self.size_text = str(Size.parse(form.size)) if form.size else str(h.manager.catalog.preset(form.preset).buckets[0])
+            self.model = h.manager.catalog.preset(form.preset)
             self.steps = check_steps(form.steps) if form.steps else self.model.steps
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
@@ -324,7 +324,7 @@ class Comparison:
         self.caller = h.caller(request)
         # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
         # rounds that still give a spread; the host's grow until the spread is known or the budget ends.
-        self.max_rounds = TIMING_MIN_ROUNDS if h.manager.priced(self.caller) else TIMING_MAX_ROUNDS
+        self.max_rounds = TIMING_MIN_ROUNDS if h.manager.gate.priced(self.caller) else TIMING_MAX_ROUNDS
         self.rounds_cap = self.max_rounds if self.timing_budget > 0 else 0
         self.grand_total = len(self.configs) * (len(self.prompts) + self.rounds_cap) * self.steps
         self.results: list[dict] = []
@@ -446,7 +446,7 @@ class Comparison:
         if is_reference:
             entry.update(reference=True, reference_note=self.note)
         mode = compare_views.parse_config(config)[2]
-        bucket = compare_views.find_bucket(self.h.manager.status(), entry["engine"], mode, entry["bucket"])
+        bucket = compare_views.find_bucket(self.h.manager.residency.status_rows(), entry["engine"], mode, entry["bucket"])
         if bucket:
             entry.update(compile_s=bucket.get("compile_s"), warmup_s=bucket.get("warmup_s"),
                          bucket_state=bucket.get("state"), cache_hits=bucket.get("cache_hits"))
@@ -526,7 +526,7 @@ class Comparison:
         """What else ran on the machine meanwhile (compiles, other engines' work, a load spike)."""
         try:
             compiles = self.h.manager.host_status().get("compiles")
-            return current_marks(lambda: engine_marks(self.h.manager.status(), own, compiles))
+            return current_marks(lambda: engine_marks(self.h.manager.residency.status_rows(), own, compiles))
         except Exception:  # a status read must not end the measurement
             return current_marks()
 

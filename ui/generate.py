@@ -21,8 +21,9 @@ from engine.config.request import API_FIELDS, FORM_FIELDS, ImageRequest
 from engine.errors import ShowcaseError
 from engine.protocol import EngineKey, Mode, Parallel, Size, parse_lora, ranks_choice
 from engine.serving import stream
+from engine.serving.gate import Admitted
 from ui import generate_views, views, webtemp
-from ui.common import ENGINE_QUEUE, FAST, HandlerBase, to_gradio_error
+from ui.common import ENGINE_QUEUE, FAST, HandlerBase, key_fields, to_gradio_error
 from ui.runs import ProgressBar, RunFeed
 
 # The ranks selector: one process, or N ranks in each layout (engine.protocol.Parallel).
@@ -143,7 +144,7 @@ def _chosen(value):
 class PreparedRun:
     """What a Generate handler runs: the request, its engine and the view that streams its timings."""
 
-    spec: ImageRequest
+    spec: Admitted  # what the gate let through: manager.generate runs it as it is
     key: EngineKey
     view: RunView
 
@@ -153,7 +154,7 @@ class GenerateHandlers(HandlerBase):
     def preset_defaults(self, preset: str):
         """Preset changed: negative prompt shown only where the pipeline takes one; its steps/guidance."""
         try:
-            p = self.manager.preset(preset)
+            p = self.manager.catalog.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         return gr.update(visible=p.negative_prompt), gr.update(value=p.steps), gr.update(value=p.guidance)
@@ -175,7 +176,7 @@ class GenerateHandlers(HandlerBase):
             gr.Warning(str(exc), duration=6)
             line = views.engine_line(None, None, error=str(exc))
             return line, gr.update(choices=views.size_choices(sizes, mode, None)), mode_update
-        engine = views.engine_state(self.manager.status(), str(key))
+        engine = views.engine_state(self.manager.residency.status_rows(), str(key))
         size_update = gr.update(choices=views.size_choices(sizes, mode, engine))
         if size not in sizes and sizes:
             size_update = gr.update(choices=views.size_choices(sizes, mode, engine), value=sizes[0])
@@ -193,7 +194,7 @@ class GenerateHandlers(HandlerBase):
     def lora_choices(self, preset: str):
         """The new preset's LoRA adapters (none selected)."""
         try:
-            return gr.update(choices=views.lora_choices(self.manager.preset(preset), self.manager.options.loras),
+            return gr.update(choices=views.lora_choices(self.manager.catalog.preset(preset), self.manager.options.loras),
                              value="none")
         except ShowcaseError:
             return gr.update(choices=[("none", "none")], value="none")
@@ -201,7 +202,7 @@ class GenerateHandlers(HandlerBase):
     def lora_scale(self, preset: str, lora: str | None):
         """A style picked: the slider moves to that style's own scale (the preset's), which it then overrides."""
         try:
-            scale = next((s.scale for s in self.manager.preset(preset).loras if s.name == lora), None)
+            scale = next((s.scale for s in self.manager.catalog.preset(preset).loras if s.name == lora), None)
         except ShowcaseError:
             scale = None
         return gr.skip() if scale is None else gr.update(value=scale)
@@ -288,10 +289,10 @@ class GenerateHandlers(HandlerBase):
         the field."""
         spec = self.form_request(form, request)
         try:
-            key = self.key_for(spec.preset, spec.device, spec.precision, form.get("tp", 1), caller=spec.caller)
-            spec = spec.replace(tp=key.tp, parallel=key.parallel)
-            if self.public:  # a request over the cost budget is refused before its engine is started
-                self.manager.price_generate(spec.replace(preset=key.preset))
+            tp, parallel = key_fields(spec.preset, spec.device, spec.precision, form.get("tp", 1))
+            # the one gate: the key resolved, the request checked, routed and priced, before its engine starts
+            admitted = self.manager.gate.admit(spec.replace(tp=tp, parallel=parallel))
+            key = admitted.key
             size_text = str(Size.parse(spec.size)) if spec.size else ""
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
@@ -302,7 +303,7 @@ class GenerateHandlers(HandlerBase):
                         "precision": key.precision, "mode": form.get("mode"), "bucket": size_text,
                         "steps": form.get("steps"), "step_cache": spec.step_cache or "none", "cached_steps": [],
                         "lora": spec.lora, "timings": {"step_ms": []}})
-        return PreparedRun(spec, key, view)
+        return PreparedRun(admitted, key, view)
 
     def generate_ended(self, timings: dict | None):
         """After the Generate event, however it ended. A partial still "running" means Gradio closed
@@ -368,7 +369,7 @@ def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]
         "step_cache": "none, or one of " + ", ".join(c for c in caches if c != "none")
                       + " (/status and the page say which can run on an engine)",
         "lora": "none, or NAME[:SCALE][:fused] with NAME one of the preset's styles (`python -m engine presets` "
-                "lists them; the default preset's: " + (", ".join(lora.name for lora in h.manager.preset(preset).loras)
+                "lists them; the default preset's: " + (", ".join(lora.name for lora in h.manager.catalog.preset(preset).loras)
                                                         or "none") + "), SCALE 0-2 (default: the style's own) and "
                 ":fused to fold it into the weights (eager mode only)",
     }

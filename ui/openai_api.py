@@ -11,7 +11,7 @@ LlamaIndex image tool already speaks.
 Served by an ASGI middleware in front of Gradio's routes (as /metrics is), in the app's process, so a request
 goes through the same edge (ui/edge.py: body bound, one of the client's events, one waiting in the engines'
 group), the same one-running-request-per-client rule (ui/runs.py), the same visitor choices and cost budget
-(EngineManager.price_generate, admission) and the same Caller identity as the page's /generate. The n images of
+(the manager's gate, admission) and the same Caller identity as the page's /generate. The n images of
 one call are n requests sent together, so an engine that batches runs them as one pipeline call.
 
 A host can require API keys (`Authorization: Bearer <key>`): a file of keys, one a line, re-read when it
@@ -498,7 +498,7 @@ class OpenAIRoutes:
         return self.h.preset_names()
 
     def _entry(self, name: str) -> dict:
-        preset = self.h.manager.preset(name)
+        preset = self.h.manager.catalog.preset(name)
         return {"id": name, "object": "model", "created": self.started, "owned_by": OWNER,
                 "buckets": [str(s) for s in preset.buckets], "steps": preset.steps, "guidance": preset.guidance,
                 "negative_prompt": preset.negative_prompt, "example_prompt": preset.example_prompt,
@@ -506,7 +506,7 @@ class OpenAIRoutes:
 
     def _styles(self, name: str) -> list[dict]:
         return [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}
-                for lora in self.h.manager.preset(name).loras]
+                for lora in self.h.manager.catalog.preset(name).loras]
 
     def models(self, caller: Caller, path: str) -> dict:
         """The presets, and the extra body fields POST /v1/images/generations takes beside OpenAI's."""
@@ -562,7 +562,8 @@ class OpenAIRoutes:
         if call.n > limit:
             raise ApiError(400, f"n must be from 1 to {limit} on {key} (its largest batch: the n images run as one "
                                 "pipeline call; the host sets --max-batch)", param="n")
-        h.manager.price_generate(spec.replace(preset=key.preset), images=call.n)
+        gate = h.manager.gate  # each image is then admitted alone; together they must fit the visitor's budget
+        gate.check_images(gate.admit(spec.replace(preset=key.preset)), call.n, h.manager.flow.held(spec.client))
 
     def _hold(self, call: ImagesCall, held: ExitStack) -> None:
         """One of the client's events at the web edge and, in public mode, its one running request, as a

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from engine.errors import EngineBusy
-from engine.serving.stream import Idle, Run, Started, Step
+from engine.serving.stream import Idle, Run, Step
 from ui import waiting
 
 HEARTBEAT_S = 0.5  # about the longest a sync handler goes without a yield, i.e. without a chance to be closed
@@ -99,13 +99,14 @@ class RunRegistry:
 class RunFeed:
     """What a request's events mean for its handler's progress bar: the waiting text (an estimate from what
     this host measured: loads, compiles of the mode) until its first step, then its steps; and, for a sync
-    handler, when a heartbeat is due. `status()`: the engines' rows (EngineManager.status); `compiles()`:
-    the compile scheduler's snapshot; `steps`: the run's steps where the request names them (a Compare's bar)."""
+    handler, when a heartbeat is due. `status()`: the engines' rows (Residency.status_rows); `compiles()`:
+    the compile scheduler's snapshot; `engine_of(key)`: the engine if it was started (a lookup that starts
+    nothing); `steps`: the run's steps where the request names them (a Compare's bar)."""
 
     def __init__(self, bar: ProgressBar, key, steps: int | None, status: Callable[[], list[dict]],
-                 compiles: Callable[[], dict]):
+                 compiles: Callable[[], dict], engine_of: Callable):
         self.bar, self.key, self.steps, self.status, self.compiles = bar, key, steps, status, compiles
-        self.engine = None
+        self.engine_of = engine_of
         self.stepping = False
         self.last_yield = self.last_progress = 0.0
 
@@ -117,8 +118,6 @@ class RunFeed:
                 self._show_waiting(event)
             if now - self.last_yield < HEARTBEAT_S:
                 return False
-        elif isinstance(event, Started):
-            self.engine = event.engine
         elif isinstance(event, Step):
             self._show_step(event.progress, now)
         self.last_yield = now
@@ -136,13 +135,14 @@ class RunFeed:
     def waiting(self, idle: Idle) -> tuple[str, float | None]:
         """What the run waits for before its first step, and the share of that wait done."""
         key, waited = self.key, idle.waited_s
-        if not self.engine.ready.is_set():
+        engine = self.engine_of(key)  # None until the run's thread has started it
+        if engine is None or not engine.ready.is_set():
             loads = [row.get("load_s") for row in self.status() if row.get("load_s")]
             return waiting.loading_text(key, waited, loads)
         if not idle.submitted:
             return f"waiting for engine {key}…", None
-        compiling = waiting.compile_wait_text(key, self.compiles(), self.engine.buckets(), waited)
-        return compiling or (waiting.queued_text(key, self.engine.pending(), waited), None)
+        compiling = waiting.compile_wait_text(key, self.compiles(), engine.buckets(), waited)
+        return compiling or (waiting.queued_text(key, engine.pending(), waited), None)
 
     def _show_step(self, progress, now: float) -> None:
         self.stepping = True

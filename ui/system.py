@@ -131,7 +131,7 @@ def engine_folders(manager) -> dict[str, Path]:
     """Each loaded engine's compile and temporary folders as its worker reported them (where it really
     writes, after any move to a temporary cache), one row per folder with the engines using it."""
     users: dict[tuple[str, str], list[str]] = {}
-    for engine in manager.engines():
+    for engine in manager.residency.engines():
         try:
             folders = engine.folders()
         except Exception:  # an engine going down must not hide the rest
@@ -222,7 +222,7 @@ def system_report(manager, devices_report: list[dict], edge=None) -> dict:
         "engines": [
             {"engine": e["engine"], "state": e["state"], "load_s": e.get("load_s"),
              "notices": e.get("notices", []), "error": e.get("error"), "footprint": e.get("footprint")}
-            for e in manager.status()
+            for e in manager.residency.status_rows()
         ],
         # budgets and use per device, engines started and evicted, the compile scheduler, the policy
         "host": manager.host_status(),

@@ -20,7 +20,6 @@ from collections.abc import Callable
 import torch
 
 from engine import devices
-from engine.config.presets import route_size
 from engine.errors import Cancelled, DeviceOutOfMemory, UnsupportedCombination
 from engine.pipeline import batching, memory, prompts, recipes, stepcache, variants
 from engine.pipeline.batchrun import BatchRun
@@ -192,11 +191,14 @@ class PipelineRunner:
 
     # -- running ----------------------------------------------------------------------------------
     def prepare(self, request: GenerateRequest) -> tuple[GenerateRequest, list[str]]:
-        """What is checked before a request runs (its mode, its step cache, its size snapped to a bucket):
-        the request at its bucket and the notices; raises what it cannot run with."""
+        """What only this engine knows, checked before a request runs: the modes its options leave it (answered
+        once per mode), its memory levers, its ranks, its LoRA adapters. The request, its size routed to a
+        bucket, its step cache and mode checked for the device, comes from the gate (engine/serving/gate.py):
+        asserted here, not checked again. Returns the request to run and the notices."""
+        if request.size not in self.preset.buckets:
+            raise AssertionError(f"request {request.request_id} at {request.size} is not a bucket of "
+                                 f"{self.preset.name}: a bug, requests are routed to a bucket by the gate (build_request)")
         notices = list(self.check_mode(request.mode))
-        # A step cache this mode cannot hold is refused before anything runs (never served without it).
-        notices += stepcache.check_step_cache(request.step_cache, self.preset, self.spec, request.mode)
         memory.check_request(self.config.key.memory, request.memory, request.mode, request.step_cache.enabled,
                              request.lora is not None)
         if request.step_cache.enabled and self.config.key.tp > 1:
@@ -204,9 +206,6 @@ class PipelineRunner:
             raise UnsupportedCombination(f"step cache {request.step_cache} is not available on a multi-rank engine "
                                          f"({self.config.key}, tensor or context parallel): run it on a "
                                          "single-device engine")
-        size, snapped = route_size(self.preset, request.width, request.height, snap=True)
-        notices += snapped
-        request = request.replace(width=size.width, height=size.height)
         if request.lora is not None:
             request, lora_notices = self._prepare_lora(request)
             notices += lora_notices

@@ -10,8 +10,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-from engine.config.request import ImageRequest
-from engine.config.validation import build_request
 from engine.errors import InvalidRequest
 from engine.protocol import ModelPreset, Size
 from engine.serving import cost
@@ -29,15 +27,6 @@ class Ticket:
 
     client: str
     cost: int
-
-
-def price_generate(budget: CostBudget, preset: ModelPreset, spec: ImageRequest) -> int:
-    """A Generate's price in token-steps, or NotAllowed saying what fits; bad input raises InvalidRequest.
-    Priced on its size, steps and guidance alone: the rest is checked (and named) when it runs."""
-    sized = ImageRequest(preset.name, size=spec.size, width=spec.width, height=spec.height, steps=spec.steps,
-                         guidance=spec.guidance)
-    request, _ = build_request(preset, sized)
-    return cost.check_generate(budget, preset, request.size, request.steps, request.guidance)
 
 
 def price_compare(budget: CostBudget, preset: ModelPreset, size, steps: int, configurations: int, prompts: int,

@@ -1,9 +1,9 @@
 """The engine manager: one engine per (model, device, precision, tp), started on demand, within budget.
 
-Everything user-facing goes through here: it validates up front (so bad input is answered at once
-with what to change), applies the host's policy (what visitors may choose in public mode), prices
-visitors' requests, routes them to their engine and reports every bucket -- including evicted engines
-and why. Which engines are loaded, within what budget, is its Residency's job (residency.py); how an
+Everything user-facing goes through here: its gate (gate.py) checks a request once, up front (so bad
+input is answered at once with what to change; the host's policy, what visitors may choose in public mode;
+the visitor's price), then the manager routes it to its engine and reports every bucket -- including
+evicted engines and why. Which engines are loaded, within what budget, is its Residency's job (residency.py); how an
 engine is started, the launcher's (launch.py).
 """
 
@@ -24,25 +24,23 @@ from engine.config.flags import presets_from_args
 from engine.config.placement import split_device
 from engine.config.request import Caller, ImageRequest
 from engine.config.resolve import Catalog
-from engine.config.validation import build_request
 from engine.errors import EngineBusy, NotAllowed, ShowcaseError
-from engine.pipeline import stepcache
 from engine.pipeline.batching import max_batch_for
 from engine.protocol import (
     BucketKey,
     EngineConfig,
     EngineKey,
     EngineOptions,
-    GenerateRequest,
     GenerateResult,
     Mode,
     ModelPreset,
     Size,
 )
-from engine.serving import cost, fit, policy
-from engine.serving.admission import RequestFlow, Ticket, price_compare, price_generate
+from engine.serving import fit, policy
+from engine.serving.admission import RequestFlow, Ticket, price_compare
 from engine.serving.footprints import DeviceBudgets
-from engine.serving.hosting import HostingConfig, HostPolicy, Runtime
+from engine.serving.gate import Admitted, Gate
+from engine.serving.hosting import HostingConfig, HostPolicy
 from engine.serving.launch import EngineLauncher, cpu_worker_threads
 from engine.serving.residency import Residency
 from engine.serving.scheduler import CompileScheduler
@@ -51,7 +49,7 @@ from engine.serving.telemetry import Telemetry
 from engine.worker import logs
 from engine.worker.client import EngineClient
 
-__all__ = ["Caller", "EngineManager", "HostPolicy", "HostingConfig", "Ticket", "cpu_worker_threads", "make_manager"]
+__all__ = ["Admitted", "Caller", "EngineManager", "HostPolicy", "HostingConfig", "Ticket", "cpu_worker_threads", "make_manager"]
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +102,9 @@ class EngineManager:
         self._options: dict[EngineKey, EngineOptions] = {}  # per engine, when started with its own
         self._running: dict[str, EngineClient] = {}  # request id -> engine, for cancel()
         self.flow = RequestFlow()
-        self.telemetry = Telemetry(self)  # Prometheus metrics (the app's /metrics)
+        self.telemetry = Telemetry(self.residency.status_rows, self.host_status)  # Prometheus metrics (/metrics)
+        self.gate = Gate(self.catalog, self.levers, lambda: self.policy, self.hosting.runtime, self.residency.get,
+                         self.telemetry.request_ended)  # every Generate is checked here, once
         self.shares = VisitorShares(self.policy.evict_idle_after_s)  # public mode: engines and compiles per visitor
         if self.hosting.idle_unload_s:
             threading.Thread(target=self.residency.unload_idle_forever, args=(self.hosting.idle_unload_s,),
@@ -116,36 +116,7 @@ class EngineManager:
                              args=(self.policy.visitor_idle_unload_s, self._visitor_started,
                                    "started by a visitor, public mode")).start()
 
-    # -- the hosting, as the app and the bench read it ------------------------------------------
-    @property
-    def runtime(self) -> Runtime:
-        return self.hosting.runtime
-
-    # -- lookup and validation -------------------------------------------------------------------
-    def preset(self, name: str) -> ModelPreset:
-        """A preset by name, or any Hub id / local diffusers folder under the allowed model roots."""
-        return self.catalog.preset(name)
-
-    def make_key(self, preset: str, device: str, precision: str, tp: int = 1,
-                 caller: Caller = Caller.HOST, parallel: str = "tensor", levers: str | None = None) -> EngineKey:
-        """Validate and resolve an engine key ("auto" -> the best available device); in public mode a
-        visitor may only pick what the host offers. `levers`: memory levers (None: the host's default; their
-        engine part goes into the key, refused with the reason where they cannot run)."""
-        if caller is Caller.VISITOR:
-            self.check_visitor_choice(preset=preset, precision=precision)
-        memory = self.levers.wanted(levers, host_decides=caller is Caller.VISITOR and self.policy.public)
-        key = self.catalog.make_key(preset, device, precision, tp, parallel, memory)
-        return self.levers.settle(key, named=levers is not None)
-
-    def check_visitor_choice(self, *, preset=None, precision=None, mode=None) -> None:
-        """NotAllowed naming what is offered when a public host does not offer this choice to visitors."""
-        policy.check_visitor_choice(self.policy, self.visitor_presets(), preset=preset, precision=precision,
-                                    mode=mode)
-
-    def visitor_presets(self) -> list[str]:
-        """The presets visitors may pick (public mode: the host's list)."""
-        return policy.visitor_presets(self.policy, self.presets)
-
+    # -- engines ---------------------------------------------------------------------------------
     def engine_options(self, key: EngineKey) -> EngineOptions:
         """Manager defaults (or the options an engine was started with), then the preset's per-device ones.
         Only the default engine warms a start-up list; others compile only what requests ask for."""
@@ -160,7 +131,6 @@ class EngineManager:
     def _config(self, key: EngineKey) -> EngineConfig:
         return self.catalog.config(key, self.engine_options(key), self.cache_dir)
 
-    # -- engines ---------------------------------------------------------------------------------
     def engine(self, key: EngineKey, options: EngineOptions | None = None,
                caller: Caller = Caller.HOST) -> EngineClient:
         """The engine for a key, started if needed (returns once it is admitted; it may still be loading).
@@ -210,32 +180,14 @@ class EngineManager:
         self.residency.unload(key)
         return self.engine(key)
 
-    def engines(self) -> list[EngineClient]:
-        return self.residency.engines()
-
     # -- cost (public mode: engine/serving/cost.py) -----------------------------------------------
-    def priced(self, caller: Caller) -> bool:
-        """Whether this caller's requests are priced against the host's cost budgets (visitors, public mode)."""
-        return caller is Caller.VISITOR and self.policy.public
-
     def price_compare(self, preset: str, size, steps: int, configurations: int, prompts: int, guidance=None,
                       caller: Caller = Caller.HOST) -> int:
         """A Compare's price in token-steps (0 when not priced), or NotAllowed saying what fits."""
-        if not self.priced(caller):
+        if not self.gate.priced(caller):
             return 0
-        return price_compare(self.policy.cost, self.preset(preset), size, steps, configurations, prompts, guidance)
-
-    def price_generate(self, spec: ImageRequest, images: int = 1) -> int:
-        """A Generate's price in token-steps (0 when its caller is not priced), or NotAllowed saying what fits;
-        bad input raises InvalidRequest naming the field. Checked by the UI before it starts an engine for it.
-        `images` > 1 (one call's n images, each then admitted alone): EngineBusy when together they do not fit
-        the visitor's budget now."""
-        if not self.priced(spec.caller):
-            return 0
-        price = price_generate(self.policy.cost, self.preset(spec.preset), spec)
-        if images > 1:
-            cost.check_visitor(self.policy.cost, self.held_cost(spec.client), images * price)
-        return price
+        return price_compare(self.policy.cost, self.catalog.preset(preset), size, steps, configurations, prompts,
+                             guidance)
 
     def batch_limit(self, key: EngineKey) -> int:
         """The most requests engine `key` runs as one pipeline call (1: it does not batch)."""
@@ -246,78 +198,54 @@ class EngineManager:
         """Hold `price` against the visitor's budget of queued and running cost while the block runs; EngineBusy
         at once when it does not fit. Yields the Ticket (of cost 0, holding nothing, when the caller is not
         priced: a Compare's images still run on it and yield to Generates)."""
-        if not self.priced(caller):
+        if not self.gate.priced(caller):
             yield Ticket(client, 0)
             return
         with self.flow.hold(self.policy.cost, client, price) as ticket:
             yield ticket
 
-    def held_cost(self, client: str) -> int:
-        """Token-steps the visitor has queued or running now."""
-        return self.flow.held(client)
-
-    def _check_visitor_aot(self, key: EngineKey, bucket: BucketKey) -> None:
-        policy.check_visitor_aot(self.policy, key, bucket, self.residency.get(key))
-
     # -- requests --------------------------------------------------------------------------------
-    def generate(self, spec: ImageRequest, *, on_progress=None, timeout: float | None = None, on_submit=None,
-                 ticket: Ticket | None = None) -> GenerateResult:
-        """Validate, route and run one request; raises a ShowcaseError with what to change. `spec.client` (a
-        visitor's address) gets its turn at the engine among the waiting clients; in public mode a visitor's
-        request is priced against the host's cost budgets first, unless it runs on a `ticket` (one image of a
-        Compare, which also waits while other clients' Generates run on its device). Hooks: `on_progress`
-        gets each StepProgress, `on_submit` the request id once sent; `timeout` cancels it after that many
-        seconds. Counted in self.telemetry; the log lines of its thread carry its request id."""
-        seen: dict = {}
-        logged_as = logs.REQUEST_ID.set(None)  # _generate sets the id once the request is built
+    def generate(self, spec: ImageRequest | Admitted, *, on_progress=None, timeout: float | None = None,
+                 on_submit=None, ticket: Ticket | None = None) -> GenerateResult:
+        """Run one request; raises a ShowcaseError with what to change. `spec`: the edge's request, checked
+        here by the gate, or what the gate already admitted (`manager.gate.admit(spec)`: the page checks a
+        request before its run starts). `spec.client` (a visitor's address) gets its turn at the engine among
+        the waiting clients; in public mode a visitor's request holds its price against the host's cost
+        budgets while it runs, unless it runs on a `ticket` (one image of a Compare, which also waits while
+        other clients' Generates run on its device). Hooks: `on_progress` gets each StepProgress,
+        `on_submit` the request id once sent; `timeout` cancels it after that many seconds. Counted in
+        self.telemetry; the log lines of its thread carry its request id."""
+        admitted = spec if isinstance(spec, Admitted) else self.gate.admit(spec, ticket)
+        logged_as = logs.REQUEST_ID.set(admitted.request.request_id)
         try:
-            result = self._generate(spec, seen, _RunHooks(on_progress, on_submit, timeout), ticket)
+            result = self._run(admitted, _RunHooks(on_progress, on_submit, timeout))
         except BaseException as exc:
-            self.telemetry.request_ended(seen, error=exc)
+            self.telemetry.request_ended(admitted.labels(), error=exc)
             raise
         finally:
             logs.REQUEST_ID.reset(logged_as)
-        self.telemetry.request_ended(seen, result=result)
+        self.telemetry.request_ended(admitted.labels(), result=result)
         return result
 
-    def _generate(self, spec: ImageRequest, seen: dict, hooks: _RunHooks, ticket: Ticket | None) -> GenerateResult:
-        caller = spec.caller
-        key = self.make_key(spec.preset, spec.device, spec.precision, spec.tp, caller=caller, parallel=spec.parallel,
-                            levers=spec.memory)
-        seen["engine"] = str(key)
-        if caller is Caller.VISITOR:
-            self.check_visitor_choice(mode=spec.mode)
-        p = self.preset(key.preset)
-        client = ticket.client if ticket is not None else spec.client
-        request, notices = build_request(p, spec.replace(client=client))
-        seen.update(mode=str(request.mode), bucket=str(request.bucket.size))
-        logs.REQUEST_ID.set(request.request_id)
-        self._check_routable(key, p, request)
+    def _run(self, admitted: Admitted, hooks: _RunHooks) -> GenerateResult:
+        """The admitted request on its engine: its price held, its turn among the device's Generates."""
+        key, client = admitted.key, admitted.request.client
         with contextlib.ExitStack() as stack:
-            if ticket is None and self.priced(caller):
-                price = cost.check_generate(self.policy.cost, p, request.size, request.steps, request.guidance)
-                stack.enter_context(self.admission(client, price, caller))
-            if request.mode is Mode.AOT and self.priced(caller):
-                self._check_visitor_aot(key, request.bucket)
-            if ticket is None:
+            if admitted.ticket is None:
+                if admitted.price:
+                    stack.enter_context(self.flow.hold(self.policy.cost, client, admitted.price))
                 stack.enter_context(self.flow.generate_in_flight(key.device, client))
             else:
                 self.flow.yield_to_generates(key.device, client)
-            result = self._run(key, request, caller, hooks)
-        return dataclasses.replace(result, notices=tuple(notices) + result.notices) if notices else result
+            result = self._submit(admitted, hooks)
+        notices = admitted.notices
+        return dataclasses.replace(result, notices=notices + result.notices) if notices else result
 
-    def _check_routable(self, key: EngineKey, preset: ModelPreset, request: GenerateRequest) -> None:
-        """What the engine's device or runtime cannot run is refused before any engine starts."""
-        device = devices.get_device(key.device)
-        devices.check_mode(device, request.mode)  # refused here; its notices come with the result
-        self._check_runtime(key, request.mode)
-        if request.step_cache.enabled:
-            stepcache.check_step_cache(request.step_cache, preset, device, request.mode)
-
-    def _run(self, key: EngineKey, request: GenerateRequest, caller: Caller, hooks: _RunHooks) -> GenerateResult:
+    def _submit(self, admitted: Admitted, hooks: _RunHooks) -> GenerateResult:
         on_progress, on_submit, timeout = hooks
-        engine = self.engine(key, caller=caller)
-        if self.priced(caller):
+        key, request = admitted.key, admitted.request
+        engine = self.engine(key, caller=admitted.caller)
+        if self.gate.priced(admitted.caller):
             self.shares.used(key, request.client)
         if engine.pending() >= self.engine_options(key).max_queue:
             raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")
@@ -356,27 +284,20 @@ class EngineManager:
         visitor = caller is Caller.VISITOR and self.policy.public
         if visitor and not size:
             raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
-        key = self.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
+        key = self.gate.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
         bucket = BucketKey(Mode.parse(mode, "mode"), Size.parse(size)) if size else None
         if visitor:
             self._check_visitor_warm(key, bucket)
-        self._check_runtime(key, bucket.mode if bucket else None)
+        policy.check_runtime(self.hosting.runtime, key, bucket.mode if bucket else None)
         engine = self.engine(key, caller=caller)
         engine.wait_ready(timeout=600)
         engine.warm(bucket)
 
     def _check_visitor_warm(self, key: EngineKey, bucket: BucketKey) -> None:
-        self.check_visitor_choice(mode=bucket.mode)
-        policy.check_visitor_warm(self.policy, key, bucket, self.preset(key.preset), self.residency.get(key))
+        self.gate.check_visitor_choice(mode=bucket.mode)
+        policy.check_visitor_warm(self.policy, key, bucket, self.catalog.preset(key.preset), self.residency.get(key))
 
-    def _check_runtime(self, key: EngineKey, mode: Mode | None) -> None:
-        policy.check_runtime(self.runtime, key, mode)
-
-    # -- status ----------------------------------------------------------------------------------
-    def status(self) -> list[dict]:
-        """A row per loaded engine (its footprint with it), then one per evicted engine saying why."""
-        return self.residency.status_rows()
-
+    # -- status (each engine's rows: residency.status_rows()) ------------------------------------
     def host_status(self) -> dict:
         """Budgets, use, evictions and the compile scheduler: the host's view (/system, the soak)."""
         p = self.policy
@@ -386,7 +307,7 @@ class EngineManager:
             "evictions": self.residency.evictions,
             "compiles": self.scheduler.snapshot(),
             "idle_unload_s": self.hosting.idle_unload_s,
-            "policy": {"public": p.public, "presets": self.visitor_presets(),
+            "policy": {"public": p.public, "presets": self.gate.visitor_presets(),
                        "precisions": [str(x) for x in p.precisions] if p.precisions else None,
                        "modes": [str(x) for x in p.modes] if p.modes else None,
                        "evict_idle_after_s": p.evict_idle_after_s, **p.cost.describe()},

@@ -32,10 +32,7 @@ CLOSE_S = 10.0  # the longest blocking().close() waits for the stream's own clea
 # -- the events ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Started:
-    """The request is on its way. `engine`: the EngineClient it runs on, where the stream was given its key
-    (for waiting texts: loading, queued, compiling); None otherwise."""
-
-    engine: object = None
+    """The request is on its way: its thread runs manager.generate, which starts or finds its engine."""
 
 
 @dataclass(frozen=True)
@@ -123,8 +120,8 @@ class Run:
 # -- the stream ----------------------------------------------------------------------------------------
 async def request_events(manager, spec: ImageRequest, *, key: EngineKey | None = None, run: Run | None = None,
                          ticket=None, idle_s: float = IDLE_S) -> AsyncIterator[Event]:
-    """The events of one manager.generate(spec). `key`: the spec's engine, looked up (and started) first so
-    Started carries it; `run`: the caller's cancel handle (one of its own otherwise); `ticket`: the Compare's
+    """The events of one manager.generate(spec): `spec` an ImageRequest, or what the gate admitted
+    (engine/serving/gate.py) where the caller admitted it itself; `key`: its engine (for the thread's name); `run`: the caller's cancel handle (one of its own otherwise); `ticket`: the Compare's
     admission it runs on. Ends with Finished, Failed or Stopped; closed before that, it stops the request."""
     run = run if run is not None else Run(manager.cancel)
     if run.cancelled:  # a /cancel came after its caller's event joined the queue
@@ -143,8 +140,7 @@ async def request_events(manager, spec: ImageRequest, *, key: EngineKey | None =
 
     def work() -> None:
         try:
-            # manager.engine may spawn the engine's worker process: here, not on the event loop
-            put(Started(manager.engine(key, caller=spec.caller) if key is not None else None))
+            put(Started())  # manager.generate may spawn the engine's worker process: here, not on the loop
             put(Finished(manager.generate(spec, on_progress=lambda p: put(Step(p)), on_submit=submitted,
                                           ticket=ticket)))
         except Cancelled as exc:
@@ -152,7 +148,8 @@ async def request_events(manager, spec: ImageRequest, *, key: EngineKey | None =
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             put(Failed(exc))
 
-    threading.Thread(target=work, name=f"run-{key or spec.preset}", daemon=True).start()
+    threading.Thread(target=work, name=f"run-{key or getattr(spec, 'key', None) or spec.preset}",
+                     daemon=True).start()
     since, started, ended = time.monotonic(), False, False
     try:
         while not ended:

@@ -3,8 +3,8 @@
 Recorded in the process that holds the manager (the web server): every request's outcome and timings
 reach it over the worker protocol (GenerateResult, its Timings, or the error), so the figures of every
 worker process are counted once, here, and nothing is shared through files. What the engines are (bucket
-states, compile seconds, memory, queue depth) is read from manager.status() and host_status() when the
-metrics are scraped, by a custom collector. Each manager has its own CollectorRegistry, so two apps (or
+states, compile seconds, memory, queue depth) is read from the engines' status rows and the host's status
+when the metrics are scraped, by a custom collector. Each manager has its own CollectorRegistry, so two apps (or
 two tests) in one process never mix their figures.
 """
 
@@ -57,10 +57,12 @@ def outcome_of(error: BaseException | None) -> tuple[str, str]:
 
 
 class Telemetry:
-    """The manager's metrics: `request_ended` after each request; `scrape()` the exposition text."""
+    """The manager's metrics: `request_ended` after each request; `scrape()` the exposition text. `status`: a
+row per engine (Residency.status_rows), `host_status`: the host's view (EngineManager.host_status); without
+them only the counters and the web edge's refusals are exported."""
 
-    def __init__(self, manager=None):
-        self.manager = manager
+    def __init__(self, status: Callable[[], list[dict]] | None = None, host_status: Callable[[], dict] | None = None):
+        self.status, self.host_status = status, host_status
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -137,8 +139,7 @@ class _EngineCollector:
             for reason, count in sorted(dict(t.edge_refusals()).items()):
                 edge.add_metric([reason], count)
             yield edge
-        manager = t.manager
-        if manager is None:
+        if t.status is None or t.host_status is None:
             return
         engines = GaugeMetricFamily("showcase_engines", "Engines by state (loading, ready, failed, evicted, ...).",
                                     labels=["engine", "state"])
@@ -153,7 +154,7 @@ class _EngineCollector:
         engine_mem = GaugeMetricFamily("showcase_engine_memory_bytes", "Device memory one engine holds (its "
                                        "footprint: on cpu, the worker's resident memory).",
                                        labels=["engine", "device"])
-        for row in manager.status():
+        for row in t.status():
             name = row["engine"]
             engines.add_metric([name, str(row.get("state") or "")], 1)
             pending.add_metric([name], row.get("pending") or 0)
@@ -171,7 +172,7 @@ class _EngineCollector:
                 engine_mem.add_metric([name, name.rsplit("@", 1)[-1].split("/", 1)[0]],
                                       footprint["device_gib"] * GIB)
         yield from (engines, pending, buckets, compile_s, warmup_s, engine_mem)
-        host = manager.host_status()
+        host = t.host_status()
         budget = GaugeMetricFamily("showcase_memory_budget_bytes", "Memory the engines of a device may hold.",
                                    labels=["device"])
         used = GaugeMetricFamily("showcase_memory_used_bytes", "Memory the engines of a device hold now (the web "
