@@ -45,7 +45,7 @@ def test_a_run_streams_its_start_steps_and_partial_images_then_its_result(manage
     events = [e for e in read_all(manager, ImageRequest(**SPEC, steps=4, previews=2), key=key)
               if not isinstance(e, Idle)]
     kinds = [type(e) for e in events]
-    assert kinds[0] is Started and events[0].engine.key == key
+    assert kinds[0] is Started and manager.residency.get(key) is not None  # generate started its engine
     assert kinds[1] is Submitted and kinds[-1] is Finished, kinds
     assert [e.progress.step for e in events if isinstance(e, Step)] == [1, 2, 3, 4]
     partials = [i for i, e in enumerate(events) if isinstance(e, Partial)]
@@ -209,7 +209,7 @@ def test_the_cli_reads_the_stream(manager, opened, monkeypatch, capsys):
     for name in ("SHOWCASE_WORKER_NICENESS", "SHOWCASE_COMPILE_NICENESS"):  # the command sets them for its workers
         monkeypatch.setenv(name, "0")
     # the session's manager, which the command must not shut down
-    shared = SimpleNamespace(preset=manager.preset, engine=manager.engine, generate=manager.generate,
+    shared = SimpleNamespace(catalog=manager.catalog, engine=manager.engine, generate=manager.generate,
                              cancel=manager.cancel, shutdown=lambda: None)
     monkeypatch.setattr("engine.serving.manager.make_manager", lambda *args, **kwargs: shared)
     assert cli.main(["generate", "--preset", "tiny-shapes", "--device", "cpu", "--mode", "eager", "--steps", "2",

@@ -159,6 +159,7 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it
     "engine.serving": {"stream"},  # every door reads a request's one event stream
     "engine.serving.stream": {"Idle", "Run", "Started", "Step"},
+    "engine.serving.gate": {"Admitted"},  # what the gate let through, run as it is
 }
 ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "bench": "compare_views.py",
            "bench.quality": "compare_views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
