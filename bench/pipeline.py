@@ -338,7 +338,7 @@ def measure_engine_overhead(runner: PipelineRunner, mode: Mode, size: Size, step
                             guidance: float, bar=None) -> dict:
     """runner.generate(request) vs calling the same (compiled) pipeline object directly with the same
     arguments, interleaved (the order alternates each pair), wall time around each call; medians."""
-    pipe = runner.variant(mode)
+    pipe = runner.variants.get(mode)
     spec = runner.spec
     engine_ms: list[float] = []
     bare_ms: list[float] = []

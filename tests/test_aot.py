@@ -60,14 +60,14 @@ def runner(cache_dir, tiny_models):
 
 
 def capture(runner) -> tuple[tuple, dict]:
-    return runner.aot.capture(BUCKET, runner.preset.guidance, decode=False).denoiser
+    return runner.variants.aot.capture(BUCKET, runner.preset.guidance, decode=False).denoiser
 
 
 # ---- keys -----------------------------------------------------------------------------------------
 
 
 def test_package_key_changes_with_each_invalidating_input(runner, monkeypatch, tmp_path):
-    engine = runner.aot
+    engine = runner.variants.aot
     base = engine.package_key(aot.DENOISER, Size(64, 64), 1)
     keys = {"base": base}
     keys["size"] = engine.package_key(aot.DENOISER, Size(128, 64), 1)
@@ -75,16 +75,20 @@ def test_package_key_changes_with_each_invalidating_input(runner, monkeypatch, t
     keys["kind"] = engine.package_key(aot.VAE, Size(64, 64), 1)
     for field, value in (("fuse_qkv", True), ("attention_backend", "_native_math"), ("cuda_graphs", True),
                          ("max_autotune", True), ("channels_last", True), ("inductor_flags", True)):
-        monkeypatch.setattr(runner, "options", dataclasses.replace(runner.options, **{field: value}))
+        recipe = dataclasses.replace(engine.target.recipe, **{field: value})
+        monkeypatch.setattr(engine, "target", dataclasses.replace(engine.target, recipe=recipe))
         keys[field] = engine.package_key(aot.DENOISER, Size(64, 64), 1)
         monkeypatch.undo()
-    monkeypatch.setattr(runner, "precision", dataclasses.replace(runner.precision, precision="bf16"))
+    precision = dataclasses.replace(engine.target.precision, precision="bf16")
+    monkeypatch.setattr(engine, "target", dataclasses.replace(engine.target, precision=precision))
     keys["precision"] = engine.package_key(aot.DENOISER, Size(64, 64), 1)
     monkeypatch.undo()
-    monkeypatch.setattr(runner, "spec", dataclasses.replace(runner.spec, aot_target_fn=lambda: "x86_64 avx512"))
+    spec = dataclasses.replace(engine.target.spec, aot_target_fn=lambda: "x86_64 avx512")
+    monkeypatch.setattr(engine, "target", dataclasses.replace(engine.target, spec=spec))
     keys["target"] = engine.package_key(aot.DENOISER, Size(64, 64), 1)
     monkeypatch.undo()
-    monkeypatch.setattr(runner, "preset", dataclasses.replace(runner.preset, max_sequence_length=128))
+    preset = dataclasses.replace(engine.target.preset, max_sequence_length=128)
+    monkeypatch.setattr(engine, "target", dataclasses.replace(engine.target, preset=preset))
     keys["text_len"] = engine.package_key(aot.DENOISER, Size(64, 64), 1)
     monkeypatch.undo()
     for field in ("torch", "diffusers", "libstdc++"):
@@ -110,7 +114,7 @@ def test_package_key_changes_with_each_invalidating_input(runner, monkeypatch, t
 
 def test_stale_package_is_never_loaded_and_says_why(runner, monkeypatch, tmp_path):
     """A package whose key differs (here: built by another torch) is reported stale and rebuilt, not loaded."""
-    engine = runner.aot
+    engine = runner.variants.aot
     key = engine.package_key(aot.DENOISER, Size(64, 64), 1)
     store = aot.PackageStore(tmp_path / "aot")
     old = {**key, "torch": "2.12.0"}
@@ -142,7 +146,7 @@ def test_corrupt_package_is_reported_on_the_board_and_rebuilt(runner, cache_dir,
     # A copy of the store (the tiny models linked, not copied), so the persistent packages stay intact.
     (tmp_path / "models").symlink_to(cache_dir / "models")
     shutil.copytree(cache_dir / "aot" / "tiny-flux", tmp_path / "aot" / "tiny-flux")
-    key = runner.aot.package_key(aot.DENOISER, Size(64, 64), 1)
+    key = runner.variants.aot.package_key(aot.DENOISER, Size(64, 64), 1)
     folder = aot.PackageStore(tmp_path / "aot").folder(key)
     package = folder / aot.PACKAGE
     size = package.stat().st_size
@@ -189,8 +193,8 @@ def test_a_package_for_a_cpu_this_machine_is_not_is_refused(runner, cache_dir, m
         pytest.skip("the instruction-set check reads x86 flags")
     # The key's instruction set, read from the flags, is the one inductor's own probe picks here.
     assert devices.resolve_device("cpu").aot_target() == f"{platform.machine()} {cpu_vec_isa.pick_vec_isa()}"
-    folder = aot.PackageStore(cache_dir / "aot").folder(runner.aot.package_key(aot.DENOISER, Size(64, 64), 1))
-    constants = runner.aot.constants(aot.DENOISER)
+    folder = aot.PackageStore(cache_dir / "aot").folder(runner.variants.aot.package_key(aot.DENOISER, Size(64, 64), 1))
+    constants = runner.variants.aot.constants(aot.DENOISER)
     aot.load_package(folder, constants)  # this machine built it: loads
     monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["sse"])
     with pytest.raises(aot.PackageError, match="CPU instructions this machine lacks") as err:
@@ -206,9 +210,9 @@ def test_aot_output_matches_eager(runner):
     real = runner.pipe.transformer
     with torch.no_grad():
         eager = real(*args, **kwargs)[0]
-        before = runner.aot.denoiser.hits
-        packaged = runner.aot.denoiser(*args, **kwargs)[0]
-    assert runner.aot.denoiser.hits == before + 1  # it really ran the package
+        before = runner.variants.aot.denoiser.hits
+        packaged = runner.variants.aot.denoiser(*args, **kwargs)[0]
+    assert runner.variants.aot.denoiser.hits == before + 1  # it really ran the package
     assert (packaged - eager).abs().max().item() < 1e-4
     a = runner.generate(request(mode="eager", seed=5))
     b = runner.generate(request(seed=5))
@@ -220,7 +224,7 @@ def test_aot_output_matches_eager(runner):
 
 
 def test_packages_read_the_engines_own_weights(runner):
-    engine = runner.aot
+    engine = runner.variants.aot
     real = runner.pipe.transformer
     constants = engine.constants(aot.DENOISER)
     params = dict(real.named_parameters())
@@ -358,7 +362,7 @@ def test_a_batched_bucket_has_its_own_packages_and_serves_a_batch(runner):
     bucket = BucketKey(Mode.AOT, Size(64, 64), 2)
     info = runner.warm_bucket(bucket)
     assert info.state == BucketState.WARM, info.error
-    folders = {p.name for p in runner.aot.store.root.rglob("*-64x64-b*") if p.is_dir()}
+    folders = {p.name for p in runner.variants.aot.store.root.rglob("*-64x64-b*") if p.is_dir()}
     assert any(name.endswith("-b2") and name.startswith("denoiser") for name in folders), folders
     assert any(name.endswith("-b2") and name.startswith("vae") for name in folders), folders
     members = [request(seed=3, request_id="b0"), request(seed=4, prompt="a blue bird", request_id="b1")]

@@ -226,5 +226,5 @@ def test_a_recipe_lever_is_its_field_and_one_row(monkeypatch):
     assert recipes.apply_load_steps(object(), "transformer", options) == ["tweaked transformer"]
     assert recipes.excluded_mode(options, Mode.AOT) == "a tweak cannot be exported"
     assert recipes.excluded_mode(options, Mode.EAGER) == ""
-    assert recipes.graph_options(options)["tiny_tweak"] is True
+    assert recipes.graph_options(options.recipe)["tiny_tweak"] is True
     assert recipes.excluded_mode(EngineOptions(cpu_offload=True), Mode.COMPILE) == "CPU offload is on"

@@ -127,10 +127,10 @@ def test_recompile_limit_covers_every_bucket():
 def test_variants_share_weights_and_keep_eager_eager(cache_dir, tiny_models):
     runner = make_runner(cache_dir, compile_vae=False)
     base = runner.pipe.transformer
-    compiled = runner.variant("compile")
+    compiled = runner.variants.get("compile")
     assert compiled.transformer._orig_mod is base
     assert compiled.vae is runner.pipe.vae  # compile_vae=False leaves the VAE alone
-    regional = runner.variant("regional").transformer
+    regional = runner.variants.get("regional").transformer
     assert regional is not base
     assert {p.data_ptr() for p in regional.parameters()} == {p.data_ptr() for p in base.parameters()}
     blocks = [m for m in regional.modules() if type(m).__name__ in base._repeated_blocks]
@@ -140,7 +140,7 @@ def test_variants_share_weights_and_keep_eager_eager(cache_dir, tiny_models):
 
 def test_compile_vae_wraps_decode_on_a_copy(cache_dir, tiny_models):
     runner = make_runner(cache_dir)
-    variant = runner.variant("compile")
+    variant = runner.variants.get("compile")
     assert variant.vae is not runner.pipe.vae
     assert variant.vae.decode is not runner.pipe.vae.decode
     assert "decode" not in runner.pipe.vae.__dict__

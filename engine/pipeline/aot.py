@@ -7,7 +7,7 @@ is loaded with `load_constants(..., user_managed=True)` pointing at the tensors 
 so four buckets cost about what one does.
 
 Per bucket, and per denoiser batch shape (classifier-free guidance doubles the batch, so a CFG preset
-gets two packages, as `warm_guidances()` warms two compiled graphs; a batched bucket of n images,
+gets two packages, as the warm-up warms two compiled graphs (`WarmRequests.guidances`); a batched bucket of n images,
 engine/pipeline/batching.py, has its own packages at n times those batches, and a vae.decode package at n):
 
 1. capture: one short eager run of the pipeline at the bucket, with stand-ins that record the exact
@@ -471,22 +471,37 @@ class _Recorder(_Delegate):
         return self.__dict__["_real"](*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class AotTarget:
+    """What an engine's aot packages are built for, and keyed by: its preset, recipe options, device spec,
+    precision plan, the model source from_pretrained loaded, and the folder its packages live in."""
+
+    preset: object
+    recipe: object
+    spec: object
+    precision: object
+    source: str
+    store_root: Path
+
+
 class AotEngine:
-    """Mode aot of one runner: the variant pipeline (its denoiser and vae.decode dispatch to packages) and
+    """Mode aot of one engine: the variant pipeline (its denoiser and vae.decode dispatch to packages) and
     the per-bucket warm-up that loads each package or builds the missing ones.
 
-    `runner` is the PipelineRunner (engine/pipeline/runner.py): its pipeline, preset, options, device spec,
-    precision, cache folder, and `_call` / `warm_request` to run the capture."""
+    Built on the engine's loaded pipeline `base`, for `target`; the capture runs the warm-up's requests
+    (`requests`: engine/pipeline/warmup.py WarmRequests) through `caller` (engine/pipeline/calls.py); `faults`
+    says whether a build must fail; `batch_sizes` are the engine's (a size's packages, one per batch)."""
 
-    def __init__(self, runner, inductor_configs: dict):
-        self.runner = runner
+    def __init__(self, base, target: AotTarget, requests, caller, faults, batch_sizes: tuple[int, ...],
+                 inductor_configs: dict):
+        self.base, self.target, self.requests, self.caller, self.faults = base, target, requests, caller, faults
+        self.batch_sizes = batch_sizes
         self.inductor_configs = inductor_configs
-        self.store = PackageStore(settings.aot_dir() or runner.config.cache_path() / "aot")
-        base = runner.pipe
-        self.denoiser_name = runner.preset.denoiser
+        self.store = PackageStore(settings.aot_dir() or target.store_root)
+        self.denoiser_name = target.preset.denoiser
         self.real_denoiser = getattr(base, self.denoiser_name)
         self.denoiser = AotDenoiser(self.real_denoiser)
-        self.decoder = AotDecoder(base.vae) if runner.options.recipe.compile_vae and getattr(base, "vae", None) else None
+        self.decoder = AotDecoder(base.vae) if target.recipe.compile_vae and getattr(base, "vae", None) else None
         replaced = {self.denoiser_name: self.denoiser}
         if self.decoder is not None:
             replaced["vae"] = vae_decoding_with(base.vae, self.decoder)
@@ -497,39 +512,39 @@ class AotEngine:
     # -- keys ---------------------------------------------------------------------------------------
     def batch(self, guidance: float, images: int = 1) -> int:
         """The denoiser's batch for `images` images in one call (engine/pipeline/batching.py)."""
-        preset = self.runner.preset
+        preset = self.target.preset
         return (2 if preset.cfg and guidance > 1.0 else 1) * images
 
     def _model_id(self, component: str) -> str:
         with self._keys_lock:
             if component not in self._model_ids:
-                self._model_ids[component] = model_fingerprint(self.runner.source, component)
+                self._model_ids[component] = model_fingerprint(self.target.source, component)
             return self._model_ids[component]
 
     def package_key(self, kind: str, size: Size, batch: int) -> dict:
-        r = self.runner
+        t = self.target
         component = self.denoiser_name if kind == DENOISER else "vae"
-        module = self.real_denoiser if kind == DENOISER else r.pipe.vae
-        options = recipes.graph_options(r.options)  # the recipe levers that change the graph
-        flags = r.options.recipe.inductor_flags
-        options["inductor_flags"] = bool(r.spec.inductor_flags_default if flags is None else flags)
+        module = self.real_denoiser if kind == DENOISER else self.base.vae
+        options = recipes.graph_options(t.recipe)  # the recipe levers that change the graph
+        flags = t.recipe.inductor_flags
+        options["inductor_flags"] = bool(t.spec.inductor_flags_default if flags is None else flags)
         return {
-            "format": AOT_FORMAT, "kind": kind, "preset": r.preset.name, "pipeline": r.preset.pipeline,
+            "format": AOT_FORMAT, "kind": kind, "preset": t.preset.name, "pipeline": t.preset.pipeline,
             "module": type(module).__name__, "model": self._model_id(component),
-            "precision": str(r.precision.precision), "device": r.spec.name, "target": r.spec.aot_target(),
-            **runtime_fingerprint(), "options": options, "text_len": r.preset.max_sequence_length,
+            "precision": str(t.precision.precision), "device": t.spec.name, "target": t.spec.aot_target(),
+            **runtime_fingerprint(), "options": options, "text_len": t.preset.max_sequence_length,
             "size": str(size), "batch": batch,
         }
 
     def constants(self, kind: str) -> dict[str, torch.Tensor]:
         if kind == DENOISER:
             return constants_of(self.real_denoiser)
-        return constants_of(self.runner.pipe.vae, prefix="vae.")
+        return constants_of(self.base.vae, prefix="vae.")
 
     # -- capture ------------------------------------------------------------------------------------
     def capture(self, bucket: BucketKey, guidance: float, decode: bool) -> _Capture:
         """One eager run at the bucket recording what the pipeline passes the denoiser (and vae.decode)."""
-        r, captured = self.runner, _Capture()
+        captured = _Capture()
         replaced = {self.denoiser_name: _Recorder(self.real_denoiser, captured, stop=not decode)}
         if decode:
 
@@ -537,17 +552,17 @@ class AotEngine:
                 captured.decode = ((z, *args), kwargs)
                 raise _StopCapture
 
-            replaced["vae"] = vae_decoding_with(r.pipe.vae, record_decode)
-        run = pipeline_over(r.pipe, **replaced)
-        request = r.warm_request(BucketKey(Mode.EAGER, bucket.size), guidance).replace(
+            replaced["vae"] = vae_decoding_with(self.base.vae, record_decode)
+        run = pipeline_over(self.base, **replaced)
+        request = self.requests.request(BucketKey(Mode.EAGER, bucket.size), guidance).replace(
             steps=1, request_id=f"aot-capture-{bucket}")
         members = [request.replace(seed=i) for i in range(bucket.batch)] if bucket.batch > 1 else None
         try:
-            r.caller.call(run, request, members=members)
+            self.caller.call(run, request, members=members)
         except _StopCapture:
             pass
         if captured.denoiser is None or (decode and captured.decode is None):
-            raise RuntimeError(f"the {r.preset.pipeline} run at {bucket.size} never called the "
+            raise RuntimeError(f"the {self.target.preset.pipeline} run at {bucket.size} never called the "
                                f"{'decoder' if captured.denoiser else 'denoiser'}: nothing to export")
         return captured
 
@@ -557,7 +572,7 @@ class AotEngine:
         text for the board and notices; `report(text)` is told what happens while it happens."""
         report = report or (lambda text: None)
         built, problems = [], []
-        guidances = self.runner.warm_guidances()
+        guidances = self.requests.guidances()
         for i, guidance in enumerate(guidances):
             kinds = [DENOISER] + ([VAE] if self.decoder is not None and i == 0 else [])
             captured = None
@@ -588,12 +603,12 @@ class AotEngine:
         return origin, [f"aot {bucket}: {p}" for p in problems]
 
     def _build(self, kind: str, key: dict, captured: _Capture) -> None:
-        if self.runner.faults.should_fail_compile():
+        if self.faults.should_fail_compile():
             raise RuntimeError(COMPILE_FAILURE)
         if kind == DENOISER:
             module, (args, kwargs) = self.real_denoiser, captured.denoiser
         else:
-            module, (args, kwargs) = _DecodeModule(self.runner.pipe.vae), (captured.decode[0][:1], {})
+            module, (args, kwargs) = _DecodeModule(self.base.vae), (captured.decode[0][:1], {})
         staging = self.store.staging(key)
         start = time.perf_counter()
         try:
@@ -605,8 +620,8 @@ class AotEngine:
 
     def remove_packages(self, size: Size) -> None:
         """Delete this engine's packages for a size (every batch shape), so the next warm-up builds them."""
-        for guidance in self.runner.warm_guidances():
-            for images in getattr(self.runner, "batch_sizes", (1,)):
+        for guidance in self.requests.guidances():
+            for images in self.batch_sizes:
                 for kind, batch in ((DENOISER, self.batch(guidance, images)), (VAE, images)):
                     self.store.remove(self.store.folder(self.package_key(kind, size, batch)))
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from engine.errors import Cancelled
 from engine.pipeline import batching
@@ -16,6 +17,17 @@ from engine.protocol import BucketKey, GenerateRequest, GenerateResult, Mode, St
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class BatchHooks:
+    """What the caller of a batch hears (see BatchRun): each step, a member's leaving, a member's result, and
+    each member's cancel (None: none can be cancelled)."""
+
+    on_step: Callable | None = None
+    cancels: list[threading.Event] | None = None
+    on_leave: Callable | None = None
+    on_result: Callable | None = None
+
+
 class BatchRun:
     """One `PipelineRunner.generate_batch` call. Its outcomes: per request, its GenerateResult, the exception
     it failed with, or None when it already left through `on_leave(index, Cancelled)` or was answered through
@@ -24,14 +36,18 @@ class BatchRun:
     device decodes a batch's images apart, each member's result goes to `on_result` as soon as its image is
     decoded. `on_step(progress)` gets each member's StepProgress (its own request id; the step is shared:
     batch_size). A member that cannot run (mode, step cache, size) fails alone first; if the shared call
-    fails, each member not answered yet runs again alone, so each gets its own outcome."""
+    fails, each member not answered yet runs again alone, so each gets its own outcome.
 
-    def __init__(self, runner, requests: list[GenerateRequest], on_step=None,
-                 cancels: list[threading.Event] | None = None, on_leave=None, on_result=None):
-        self.runner = runner
+    The engine's steps it runs (engine/pipeline/runner.py): `prepare(request)` checks a member,
+    `generate(request, on_step=, cancel=)` runs one alone, `run_call(...)` makes the shared call, `result(...)`
+    makes a member's GenerateResult; `board` counts what was served."""
+
+    def __init__(self, requests: list[GenerateRequest], hooks: BatchHooks, prepare, generate, run_call, result,
+                 board):
+        self.prepare, self.generate, self.run_call, self.result, self.board = prepare, generate, run_call, result, board
         self.requests = requests
-        self.on_step, self.on_leave, self.on_result = on_step, on_leave, on_result
-        self.cancels = cancels or [threading.Event() for _ in requests]
+        self.on_step, self.on_leave, self.on_result = hooks.on_step, hooks.on_leave, hooks.on_result
+        self.cancels = hooks.cancels or [threading.Event() for _ in requests]
         self.outcomes: list = [None] * len(requests)
         self.answered: set[int] = set()  # indexes answered through on_result
         # The shared call's members (the requests that passed their checks), set by `run`
@@ -61,7 +77,7 @@ class BatchRun:
     def _prepare_each(self) -> None:
         for i, request in enumerate(self.requests):
             try:
-                prepared, notices = self.runner.prepare(request)
+                prepared, notices = self.prepare(request)
             except Exception as exc:  # noqa: BLE001 - its own outcome
                 self.outcomes[i] = exc
                 continue
@@ -72,7 +88,7 @@ class BatchRun:
 
     def _alone(self, i: int):
         try:
-            return self.runner.generate(self.requests[i], on_step=self.on_step, cancel=self.cancels[i])
+            return self.generate(self.requests[i], on_step=self.on_step, cancel=self.cancels[i])
         except Exception as exc:  # noqa: BLE001 - its own outcome
             return exc
 
@@ -90,8 +106,8 @@ class BatchRun:
         lead, k = self.members[0], len(self.members)
         bucket = lead.bucket.batched(k)
         everyone = batching.AllSet([self.cancels[i] for i in self.indexes])
-        run = self.runner.run_call(bucket, lead, self.call_notices, self._member_steps, everyone, members=self.members,
-                                   on_image=self._image_ready if self.on_result is not None else None)
+        run = self.run_call(bucket, lead, self.call_notices, self._member_steps, everyone, members=self.members,
+                            on_image=self._image_ready if self.on_result is not None else None)
         if run.cancelled_at is not None:
             raise Cancelled(f"every request of a batch of {k} cancelled after step {run.cancelled_at}")
         results = [None if self.left[j] or self.indexes[j] in self.answered else self._result(j, image, run)
@@ -99,12 +115,12 @@ class BatchRun:
         # Counted where it ran: an eager batch (eager mode, or a batch size not warm yet) on the eager row
         ran = bucket if not run.eager_fallback else BucketKey(Mode.EAGER, bucket.size, k)
         answered = sum(self.indexes[j] in self.answered for j in range(k))
-        self.runner.board.served(ran, requests=sum(r is not None for r in results) + answered)
+        self.board.served(ran, requests=sum(r is not None for r in results) + answered)
         return results
 
     def _result(self, j: int, image, run: CallOutcome) -> GenerateResult:
-        return self.runner.result(self.members[j], image, run, self.notices[j] + self.call_notices,
-                                  batch_size=len(self.members))
+        return self.result(self.members[j], image, run, self.notices[j] + self.call_notices,
+                           batch_size=len(self.members))
 
     def _member_left(self, j: int, step: int) -> bool:
         """Whether member j has left; one whose cancel is set leaves now (told through on_leave)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -61,45 +62,48 @@ def compile_denoiser(denoiser: torch.nn.Module, mode: Mode, compile_kwargs: dict
 
 
 class VariantSet:
-    """The pipeline of each mode of one runner (engine/pipeline/runner.py), built once on its loaded weights;
-    compiled modules compile lazily per shape. The aot variant's AotEngine is kept as `aot`."""
+    """The pipeline of each mode of one engine, built once on its loaded weights; compiled modules compile
+    lazily per shape. It reads the engine's preset (its denoiser), options and device (the compile recipe),
+    adds the recipe's notices to the engine's `notices` and asks `faults` whether a compile must fail.
+    `build_aot(pipe, inductor_configs)` makes the aot variant's AotEngine (engine/pipeline/aot.py), kept as
+    `aot`; `on_built(mode, pipe)` is told of each variant the first time it is handed out."""
 
-    def __init__(self, runner):
-        self.runner = runner
+    def __init__(self, preset, options, spec, faults, notices: list[str],
+                 build_aot: Callable[[object, dict], object], on_built: Callable[[Mode, object], None]):
+        self.preset, self.options, self.spec, self.faults, self.notices = preset, options, spec, faults, notices
+        self.build_aot, self.on_built = build_aot, on_built
         self.aot = None  # engine/pipeline/aot.py AotEngine, built with the aot variant
         self._built: dict[Mode, object] = {}
+        self._handed: set[Mode] = set()
         self._lock = threading.Lock()
 
     def loaded(self, pipe) -> None:
         """The loaded pipeline: the eager variant (every other one is built over its components)."""
         self._built[Mode.EAGER] = pipe
 
-    def has(self, mode: Mode) -> bool:
-        return mode in self._built
-
     def get(self, mode: Mode):
         mode = Mode.parse(mode, "mode")
         with self._lock:
             if mode not in self._built:
                 self._built[mode] = self._build(mode)
+            if mode not in self._handed:
+                self.on_built(mode, self._built[mode])
+                self._handed.add(mode)
             return self._built[mode]
 
     def _build(self, mode: Mode):
-        runner = self.runner
-        base = runner.pipe
+        base = self._built[Mode.EAGER]
         if mode is Mode.DEFER_AND_FUSE:
             return base  # same modules; the eager mode is switched per run (devices.enter_eager_mode)
         if mode is Mode.AOT:
-            from engine.pipeline import aot
-
-            self.aot = aot.AotEngine(runner, recipes.aot_inductor_configs(runner.options, runner.spec))
+            self.aot = self.build_aot(base, recipes.aot_inductor_configs(self.options, self.spec))
             return self.aot.pipe
-        kwargs, notices = recipes.compile_kwargs(runner.options, runner.spec, mode=mode)
-        runner.notices += notices
-        if runner.faults.should_fail_compile():
+        kwargs, notices = recipes.compile_kwargs(self.options, self.spec, mode=mode)
+        self.notices += notices
+        if self.faults.should_fail_compile():
             kwargs["backend"] = failing_backend
-        denoiser = runner.preset.denoiser
+        denoiser = self.preset.denoiser
         replaced = {denoiser: compile_denoiser(getattr(base, denoiser), mode, kwargs)}
-        if mode is Mode.COMPILE and runner.options.recipe.compile_vae:
+        if mode is Mode.COMPILE and self.options.recipe.compile_vae:
             replaced["vae"] = vae_decoding_with(base.vae, torch.compile(base.vae.decode, **{**kwargs, "fullgraph": False}))
         return pipeline_over(base, **replaced)

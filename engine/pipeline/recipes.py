@@ -141,9 +141,10 @@ def excluded_mode(options: EngineOptions, mode: Mode) -> str:
                  if mode in lever.excludes and getattr(options.recipe, lever.name)), "")
 
 
-def graph_options(options: EngineOptions) -> dict:
-    """The recipe levers that change the compiled or exported graph, with their values (an aot package's key)."""
-    return {lever.name: getattr(options.recipe, lever.name) for lever in RECIPE_LEVERS.values() if lever.graph}
+def graph_options(recipe) -> dict:
+    """The recipe levers (RecipeOptions) that change the compiled or exported graph, with their values (an aot
+    package's key)."""
+    return {lever.name: getattr(recipe, lever.name) for lever in RECIPE_LEVERS.values() if lever.graph}
 
 
 INDUCTOR_FLAGS = {

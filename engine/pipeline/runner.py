@@ -22,7 +22,7 @@ import torch
 from engine import devices
 from engine.errors import Cancelled, DeviceOutOfMemory, UnsupportedCombination
 from engine.pipeline import batching, memory, prompts, recipes, stepcache, variants
-from engine.pipeline.batchrun import BatchRun
+from engine.pipeline.batchrun import BatchHooks, BatchRun
 from engine.pipeline.board import BucketBoard, describe_failure
 from engine.pipeline.calls import CallOutcome, PipelineCaller, pipeline_call_kwargs
 from engine.pipeline.clock import compiles_in_this_thread
@@ -34,7 +34,7 @@ from engine.pipeline.lora import SlotChange
 from engine.pipeline.modes import VariantSet, clone_module_tree, compile_denoiser
 from engine.pipeline.png import encode_png
 from engine.pipeline.progress import progress_bar
-from engine.pipeline.warmup import Warmup
+from engine.pipeline.warmup import WarmRequests, Warmup, startup_buckets, warm_refusal
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -45,6 +45,7 @@ from engine.protocol import (
     Footprint,
     GenerateRequest,
     GenerateResult,
+    LoraChoice,
     LoraInfo,
     Mode,
     Size,
@@ -91,12 +92,15 @@ class PipelineRunner:
         self.folders_notice = ""  # why the compile folders moved (a full or read-only cache disk), once they have
         self.step_caches: stepcache.CacheVariants | None = None  # (mode, step cache) variants, once loaded
         self.loras = None  # the preset's LoRA adapters, hot-swapped into one slot (engine/pipeline/lora.py)
-        self.variants = VariantSet(self)
+        self.variants = VariantSet(self.preset, self.options, self.spec, self.faults, self.notices, self._build_aot,
+                                   self._variant_built)
         self.caller = PipelineCaller(self.preset, self.spec, self.options)
-        self.warmup = Warmup(self)
         # Requests that can share a denoiser call run as one call of up to max_batch images (batching.py)
         self.max_batch = self.largest_batch()
         self.batch_sizes = batching.batch_sizes(self.max_batch)
+        self.warm_requests = WarmRequests(self.preset, self.options.warmup.steps)
+        self.warmup = Warmup(self.board, self.variants, self.warm_requests, self.caller, self.spec, self.notices,
+                             self._lora_slot_off, self._cache_moved)
         for mode in self.modes():
             for size in self.preset.buckets:
                 self.board.add(BucketKey(mode, size), BucketState.COLD if mode.compiled else BucketState.WARM)
@@ -105,16 +109,6 @@ class PipelineRunner:
     def largest_batch(self) -> int:
         """How many requests one call may serve (the --max-batch flag, else the device's default)."""
         return batching.max_batch_for(self.options.batching.max_batch, self.spec, self.config.key.tp)
-
-    @property
-    def compute_precision(self) -> str:
-        """The dtype activations run in (a quantized precision's base: what attention kernels see)."""
-        return self.precision.base or self.precision.precision
-
-    @property
-    def aot(self):
-        """The aot variant's AotEngine (engine/pipeline/aot.py): its packages and store (None until built)."""
-        return self.variants.aot
 
     def modes(self) -> tuple[Mode, ...]:
         """Modes this engine can run: the device's, minus what its options rule out."""
@@ -182,12 +176,17 @@ class PipelineRunner:
         log.info("loaded %s in %.2fs", self.config.key, self.load_s)
         return self.load_s
 
-    def variant(self, mode: Mode):
-        """The pipeline object for a mode (built once; compiled modules compile lazily per shape)."""
-        return self.variants.get(mode)
+    def _build_aot(self, pipe, inductor_configs: dict):
+        """The aot variant's AotEngine (engine/pipeline/aot.py) on the loaded pipeline."""
+        from engine.pipeline import aot
 
-    def has_variant(self, mode: Mode) -> bool:
-        return self.variants.has(mode)
+        target = aot.AotTarget(self.preset, self.options.recipe, self.spec, self.precision, self.source,
+                               self.config.cache_path() / "aot")
+        return aot.AotEngine(pipe, target, self.warm_requests, self.caller, self.faults, self.batch_sizes,
+                             inductor_configs)
+
+    def _variant_built(self, mode: Mode, pipe) -> None:
+        """A hook for subclasses: a mode's pipeline, the first time it is handed out (engine/tp/runner.py)."""
 
     # -- running ----------------------------------------------------------------------------------
     def prepare(self, request: GenerateRequest) -> tuple[GenerateRequest, list[str]]:
@@ -251,7 +250,8 @@ class PipelineRunner:
     def generate_batch(self, requests: list[GenerateRequest], on_step=None,
                        cancels: list[threading.Event] | None = None, on_leave=None, on_result=None) -> list:
         """Run requests that can share a denoiser call as one pipeline call (BatchRun says what each gets)."""
-        return BatchRun(self, requests, on_step, cancels, on_leave, on_result).run()
+        hooks = BatchHooks(on_step, cancels, on_leave, on_result)
+        return BatchRun(requests, hooks, self.prepare, self.generate, self.run_call, self.result, self.board).run()
 
     def run_call(self, bucket: BucketKey, request: GenerateRequest, notices: list[str], on_step, cancel,
                  members: list[GenerateRequest] | None = None, on_image=None) -> CallOutcome:
@@ -267,7 +267,7 @@ class PipelineRunner:
             notices.append(f"bucket {bucket} is {state}{reason}; served eagerly on the same weights")
             request = request.replace(mode=Mode.EAGER)
             members = [m.replace(mode=Mode.EAGER) for m in members] if members else members
-        pipe = self.variant(request.mode)
+        pipe = self.variants.get(request.mode)
         with self.run_lock:
             if self.faults.take(Fault.OOM):
                 raise self._out_of_memory(torch.OutOfMemoryError("injected out-of-memory"))
@@ -278,7 +278,8 @@ class PipelineRunner:
     def _call_locked(self, bucket, pipe, request, notices, hooks: _CallHooks, eager_fallback: bool) -> CallOutcome:
         """run_call's part under the run lock: the LoRA selected, the step cache's variant, the call measured."""
         compiles_before = compiles_in_this_thread()
-        aot_before = self.aot.counters()[1] if self.aot and request.mode is Mode.AOT else None
+        aot = self.variants.aot
+        aot_before = aot.counters()[1] if aot and request.mode is Mode.AOT else None
         cached = None
         if request.lora_fused:  # built before the slot is selected, which fuses into it
             pipe = self.loras.fused_pipeline(pipe)
@@ -292,7 +293,7 @@ class PipelineRunner:
         def image_ready(index, image, timings):
             hooks.on_image(index, image, outcome(None, timings, None))
 
-        apart = hooks.on_image is not None and self._decodes_apart(request, pipe)
+        apart = hooks.on_image is not None and variants.decodes_apart(self.spec, self.board, request, pipe)
         try:
             if request.step_cache.enabled:
                 cached, cache_notices = self.step_caches.get(
@@ -310,19 +311,11 @@ class PipelineRunner:
         if self.loras is not None and request.mode.compiled:  # a warm graph (a cold bucket ran eager)
             self.loras.served(recompiles)
         cached_steps = cached.finish() if cached is not None else ()
-        if aot_before is not None and self.aot.counters()[1] > aot_before:
+        if aot_before is not None and aot.counters()[1] > aot_before:
             notices.append(f"aot: a call at {bucket} matched no package (not the exported shapes or "
                            "arguments) and ran eagerly")
         return CallOutcome(images, timings, cancelled_at, eager_fallback, recompiles, cached_steps,
                            self.spec.peak_memory_bytes(), slot)
-
-    def _decodes_apart(self, request: GenerateRequest, pipe) -> bool:
-        """Whether a batch led by `request` (its mode after any eager fallback) decodes its images apart: the
-        device says it pays (DeviceSpec.decode_batch_apart), the pipeline does nothing after its decode,
-        and a compiled mode has its graph for one image warm (decoding one would compile it otherwise)."""
-        if not self.spec.decode_batch_apart or not variants.can_decode_apart(pipe):
-            return False
-        return not request.mode.compiled or self.board.is_warm(request.bucket.batched(1))
 
     def result(self, request: GenerateRequest, image, run: CallOutcome, notices: list[str], batch_size: int = 1
                ) -> GenerateResult:
@@ -346,19 +339,32 @@ class PipelineRunner:
         )
 
     # -- warm-up (warmup.py) ------------------------------------------------------------------------
-    def warm_request(self, bucket: BucketKey, guidance: float | None = None) -> GenerateRequest:
-        return self.warmup.request(bucket, guidance)
-
-    def warm_guidances(self) -> tuple[float, ...]:
-        return self.warmup.guidances()
-
     def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
-        """Compile and warm one bucket: first call compiles (compile_s), second is the warm-up run."""
+        """Compile and warm one bucket (Warmup): first call compiles (compile_s), second is the warm-up run.
+        An eager bucket is warm as it is; one this engine cannot compile fails with the reason."""
+        if not bucket.mode.compiled:
+            return self.board.update(bucket, state=BucketState.WARM)
+        if (refusal := warm_refusal(bucket, self.check_mode, self.preset, self.batch_sizes)) is not None:
+            return self.board.update(bucket, state=BucketState.FAILED, error=str(refusal))
         return self.warmup.bucket(bucket)
 
     def buckets_to_warm(self) -> list[BucketKey]:
         """The configured start-up warm list, most-used size first (the preset's order)."""
-        return self.warmup.startup_buckets()
+        return startup_buckets(self.options.warmup, self.preset.buckets, self.modes(), self.batch_sizes)
+
+    def _lora_slot_off(self) -> None:
+        """Before an aot export: its packages hold the slot's scaling tensors as constants, captured with no
+        LoRA (aot serves none)."""
+        if self.loras is not None:
+            with self.run_lock:
+                self.loras.select(LoraChoice())
+
+    def _cache_moved(self, notice: str) -> None:
+        """Compiles moved to a temporary cache (a full or read-only cache disk): said once on the engine, and
+        why the worker reports new folders."""
+        if notice not in self.notices:
+            self.notices.append(notice)
+        self.folders_notice = notice
 
     # -- what the engine announces ----------------------------------------------------------------
     def ready_info(self) -> EngineReady:
@@ -388,7 +394,7 @@ class PipelineRunner:
         """One eager step at the largest bucket and the largest batch: the activation peak a call can reach
         (budgeting); the run time a request alone would take is learnt from a batch of one."""
         largest = max(self.preset.buckets, key=lambda s: s.pixels)
-        request = self.warm_request(BucketKey(Mode.EAGER, largest)).replace(steps=1, request_id="footprint")
+        request = self.warm_requests.request(BucketKey(Mode.EAGER, largest)).replace(steps=1, request_id="footprint")
         self.spec.reset_peak_memory()
         with self.run_lock:
             start = time.perf_counter()
@@ -427,8 +433,8 @@ def export_aot_packages(config, sizes: tuple[Size, ...] | None = None, rebuild: 
         bucket = BucketKey(Mode.AOT, size)
         bar.set_postfix_str(str(size))
         if rebuild:
-            runner.variant(Mode.AOT)
-            runner.aot.remove_packages(size)
+            runner.variants.get(Mode.AOT)
+            runner.variants.aot.remove_packages(size)
         start = time.perf_counter()
         info = runner.warm_bucket(bucket)
         rows.append({"bucket": str(bucket), "state": info.state.value, "origin": info.origin, "error": info.error,

@@ -66,6 +66,15 @@ def can_decode_apart(pipe) -> bool:
             and hasattr(getattr(pipe, "image_processor", None), "postprocess") and hasattr(pipe, "vae"))
 
 
+def decodes_apart(spec, board, request, pipe) -> bool:
+    """Whether a batch led by `request` (its mode after any eager fallback) decodes its images apart: the
+    device says it pays (DeviceSpec.decode_batch_apart), the pipeline does nothing after its decode, and a
+    compiled mode has its graph for one image warm on `board` (decoding one would compile it otherwise)."""
+    if not spec.decode_batch_apart or not can_decode_apart(pipe):
+        return False
+    return not request.mode.compiled or board.is_warm(request.bucket.batched(1))
+
+
 def decode_apart(run, on_image) -> None:
     """Make `run` (a run_copy) decode its batch's latents one at a time: `on_image(index, image)` gets each
     image (PIL) as soon as it is decoded, while the pipeline goes on with the rest. The pipeline then

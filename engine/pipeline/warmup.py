@@ -5,31 +5,32 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
+from engine import devices
 from engine.config import caches
 from engine.errors import InvalidRequest
 from engine.pipeline.board import describe_failure
 from engine.pipeline.clock import cache_counters
-from engine.protocol import BucketInfo, BucketKey, BucketState, GenerateRequest, LoraChoice, Mode, Size
+from engine.protocol import BucketInfo, BucketKey, BucketState, GenerateRequest, Mode, Size
 
 log = logging.getLogger(__name__)
 
 
-class Warmup:
-    """The warm-up of one runner's buckets (engine/pipeline/runner.py): its board, variants and options."""
+class WarmRequests:
+    """The warm-up's requests at a bucket (a compile's first calls, the warm-up run, the aot capture and the
+    measuring run): the preset's guidance, `steps` steps."""
 
-    def __init__(self, runner):
-        self.runner = runner
+    def __init__(self, preset, steps: int):
+        self.preset, self.steps = preset, steps
 
-    # -- the warm-up requests ---------------------------------------------------------------------
     def request(self, bucket: BucketKey, guidance: float | None = None) -> GenerateRequest:
-        r = self.runner
         return GenerateRequest(
             prompt="warm-up",
             width=bucket.size.width,
             height=bucket.size.height,
-            steps=r.options.warmup.steps,
-            guidance=r.preset.guidance if guidance is None else guidance,
+            steps=self.steps,
+            guidance=self.preset.guidance if guidance is None else guidance,
             seed=0,
             mode=bucket.mode,
             request_id=f"warm-{bucket}",
@@ -42,41 +43,37 @@ class Warmup:
         request = self.request(bucket, guidance)
         return [request.replace(seed=i, request_id=f"{request.request_id}-{i}") for i in range(bucket.batch)]
 
-    def call(self, pipe, bucket: BucketKey, guidance: float | None = None):
-        return self.runner.caller.call(pipe, self.request(bucket, guidance), members=self.members(bucket, guidance))
-
     def guidances(self) -> tuple[float, ...]:
         # With classifier-free guidance, guidance <= 1 halves the denoiser batch: a second shape.
         # Warm both so changing guidance never recompiles.
-        preset = self.runner.preset
-        g = preset.guidance
-        return (g, 1.0) if preset.cfg and g > 1.0 else (g,)
+        g = self.preset.guidance
+        return (g, 1.0) if self.preset.cfg and g > 1.0 else (g,)
+
+
+class Warmup:
+    """The compile and warm-up of one engine's compiled buckets: its board, its variants (engine/pipeline/
+    modes.py), the warm-up requests, the caller that runs them, the device (its compile folders) and the
+    engine's notices. `lora_off()` runs before an aot export (its packages hold no LoRA slot);
+    `cache_moved(notice)` is told when compiles moved to a temporary cache."""
+
+    def __init__(self, board, variants, requests: WarmRequests, caller, spec, notices: list[str],
+                 lora_off: Callable[[], None], cache_moved: Callable[[str], None]):
+        self.board, self.variants, self.requests, self.caller = board, variants, requests, caller
+        self.spec, self.notices = spec, notices
+        self.lora_off, self.cache_moved = lora_off, cache_moved
+
+    def call(self, pipe, bucket: BucketKey, guidance: float | None = None):
+        return self.caller.call(pipe, self.requests.request(bucket, guidance),
+                                members=self.requests.members(bucket, guidance))
 
     # -- one bucket -------------------------------------------------------------------------------
-    def _refusal(self, bucket: BucketKey) -> Exception | None:
-        """Why `bucket` cannot be compiled on this engine (None when it can)."""
-        r = self.runner
-        try:
-            r.check_mode(bucket.mode)
-            if bucket.size not in r.preset.buckets:
-                raise InvalidRequest(f"{bucket.size} is not a bucket of {r.preset.name}")
-            if bucket.batch not in r.batch_sizes:
-                raise InvalidRequest(f"batch size {bucket.batch} is not one of this engine's "
-                                     f"({', '.join(map(str, r.batch_sizes))}; --max-batch)")
-        except Exception as exc:  # noqa: BLE001 - the board shows it
-            return exc
-        return None
-
     def bucket(self, bucket: BucketKey) -> BucketInfo:
-        """Compile and warm one bucket: first call compiles (compile_s), second is the warm-up run."""
-        board = self.runner.board
-        if not bucket.mode.compiled:
-            return board.update(bucket, state=BucketState.WARM)
-        if (refusal := self._refusal(bucket)) is not None:
-            return board.update(bucket, state=BucketState.FAILED, error=str(refusal))
+        """Compile and warm one compiled bucket this engine can run (engine/pipeline/runner.py checks that):
+        first call compiles (compile_s), second is the warm-up run."""
+        board = self.board
         board.update(bucket, state=BucketState.COMPILING, error=None, origin=None)
         try:
-            pipe = self.runner.variant(bucket.mode)
+            pipe = self.variants.get(bucket.mode)
             hits_before, misses_before = cache_counters()
             start = time.perf_counter()
             origin = self._compile(pipe, bucket)
@@ -93,7 +90,7 @@ class Warmup:
 
     def _warm_run(self, pipe, bucket: BucketKey) -> None:
         """The warm-up run after the compile; at an aot bucket it must have run the packages."""
-        aot = self.runner.aot if bucket.mode is Mode.AOT else None
+        aot = self.variants.aot if bucket.mode is Mode.AOT else None
         aot_misses = aot.counters()[1] if aot is not None else 0
         self.call(pipe, bucket)
         if aot is not None and aot.counters()[1] > aot_misses:
@@ -118,14 +115,13 @@ class Warmup:
     def _first_calls(self, pipe, bucket: BucketKey) -> str | None:
         if bucket.mode is Mode.AOT:
             return self._load_or_build_aot(bucket)
-        for guidance in self.guidances():
+        for guidance in self.requests.guidances():
             self.call(pipe, bucket, guidance)
         return None
 
     def _recover(self, bucket: BucketKey, exc: Exception) -> str | None:
         """After a failed first compile: move to a temporary cache, or drop the on-disk caches (raises `exc`
         again when neither can help). Returns the bucket's origin."""
-        r = self.runner
         unwritable = caches.unwritable_cause(exc, self.compile_folders())
         if unwritable is not None:
             return self._move_cache(bucket, unwritable)
@@ -138,55 +134,65 @@ class Warmup:
                   f"retrying without the cache"
                   f"{f' (removed {len(removed)} corrupt file(s))' if removed else ''}")
         log.warning(notice)
-        r.notices.append(notice)
+        self.notices.append(notice)
         caches.disable_compile_caches()
         return None
 
     def _load_or_build_aot(self, bucket: BucketKey) -> str:
-        r = self.runner
-        if r.loras is not None:
-            # An export holds the slot's scaling tensors as constants: captured with no LoRA (aot serves none).
-            with r.run_lock:
-                r.loras.select(LoraChoice())
-        origin, notices = r.aot.warm(bucket, report=lambda text: r.board.update(bucket, origin=text))
-        r.notices += notices
+        self.lora_off()
+        origin, notices = self.variants.aot.warm(bucket, report=lambda text: self.board.update(bucket, origin=text))
+        self.notices += notices
         return origin
 
     # -- the compile folders ----------------------------------------------------------------------
     def compile_folders(self) -> tuple[str, ...]:
         """The folders a compile writes to: inductor's cache, the compilers' temporary files, aot packages."""
-        folders = [folder for _, folder in self.runner.folders()]
-        if self.runner.aot is not None:
-            folders.append(str(self.runner.aot.store.root))
+        folders = list(devices.folders_in_force(self.spec).values())
+        if self.variants.aot is not None:
+            folders.append(str(self.variants.aot.store.root))
         return tuple(folders)
 
     def _move_cache(self, bucket: BucketKey, unwritable: caches.Unwritable) -> str:
         """Compiles (and aot packages) go to a temporary cache from now on; the notice goes on the engine and the
         bucket, and the worker reports its new folders (engine/worker/loop.py)."""
-        r = self.runner
         folder, notice = caches.switch_to_temporary_compile_cache(unwritable)
-        if r.aot is not None:
+        if self.variants.aot is not None:
             from engine.pipeline import aot
 
-            r.aot.store = aot.PackageStore(folder / "aot")
-        if notice not in r.notices:
-            r.notices.append(notice)
-        r.folders_notice = notice
+            self.variants.aot.store = aot.PackageStore(folder / "aot")
+        self.cache_moved(notice)
         origin = f"compiled in a temporary cache ({unwritable.what})"
-        r.board.update(bucket, origin=origin)
+        self.board.update(bucket, origin=origin)
         return origin
 
-    # -- the start-up list ------------------------------------------------------------------------
-    def startup_buckets(self) -> list[BucketKey]:
-        """The configured start-up warm list, most-used size first (the preset's order)."""
-        r, warmup = self.runner, self.runner.options.warmup
-        sizes = r.preset.buckets
-        if warmup.sizes is not None:
-            sizes = tuple(Size.parse(s) for s in warmup.sizes)
-        modes = r.modes()
-        solo = [BucketKey(m, s) for s in sizes for m in warmup.modes if m in modes]
-        # Then the batch sizes of the first size (the default bucket), the largest first: it serves a burst
-        # in the fewest calls, and a group the largest cannot fill runs as the smaller warm ones meanwhile.
-        batched = [BucketKey(m, sizes[0], b) for b in reversed(r.batch_sizes[1:])
-                   for m in warmup.modes if m in modes and m.compiled] if sizes else []
-        return solo + batched
+
+
+# -- refusals and the start-up list ---------------------------------------------------------------------
+def warm_refusal(bucket: BucketKey, check_mode: Callable, preset, batch_sizes: tuple[int, ...]) -> Exception | None:
+    """Why `bucket` cannot be compiled on an engine (None when it can): its mode (`check_mode`), a size not
+    among the preset's buckets, a batch size not among the engine's."""
+    try:
+        check_mode(bucket.mode)
+        if bucket.size not in preset.buckets:
+            raise InvalidRequest(f"{bucket.size} is not a bucket of {preset.name}")
+        if bucket.batch not in batch_sizes:
+            raise InvalidRequest(f"batch size {bucket.batch} is not one of this engine's "
+                                 f"({', '.join(map(str, batch_sizes))}; --max-batch)")
+    except Exception as exc:  # noqa: BLE001 - the board shows it
+        return exc
+    return None
+
+
+def startup_buckets(warmup, buckets: tuple[Size, ...], modes: tuple[Mode, ...], batch_sizes: tuple[int, ...]
+                    ) -> list[BucketKey]:
+    """The configured start-up warm list (`warmup`: WarmupOptions), most-used size first (the preset's
+    order of `buckets`), in the engine's `modes`."""
+    sizes = buckets
+    if warmup.sizes is not None:
+        sizes = tuple(Size.parse(s) for s in warmup.sizes)
+    solo = [BucketKey(m, s) for s in sizes for m in warmup.modes if m in modes]
+    # Then the batch sizes of the first size (the default bucket), the largest first: it serves a burst
+    # in the fewest calls, and a group the largest cannot fill runs as the smaller warm ones meanwhile.
+    batched = [BucketKey(m, sizes[0], b) for b in reversed(batch_sizes[1:])
+               for m in warmup.modes if m in modes and m.compiled] if sizes else []
+    return solo + batched

@@ -149,9 +149,9 @@ class LazyPackage:
 
 def install_committed(runner: PipelineRunner, size: Size) -> bool:
     """Install every committed package of a size lazily; False when one is missing (nothing installed)."""
-    engine = runner.aot
+    engine = runner.variants.aot
     planned = []
-    for i, guidance in enumerate(runner.warm_guidances()):
+    for i, guidance in enumerate(runner.warm_requests.guidances()):
         kinds = [aot.DENOISER] + ([aot.VAE] if engine.decoder is not None and i == 0 else [])
         for kind in kinds:
             batch = engine.batch(guidance) if kind == aot.DENOISER else 1
@@ -221,7 +221,7 @@ class GpuRunner:
             apply_info(runner, info)  # the app's view of the bucket (a reused ZeroGPU process may lag behind)
         if (request.mode is Mode.AOT and info is not None and info.state == BucketState.WARM
                 and info.bucket.size not in self._installed):
-            runner.variant(Mode.AOT)
+            runner.variants.get(Mode.AOT)
             if install_committed(runner, info.bucket.size):
                 self._installed.add(info.bucket.size)
         if not remote and on_step is not None:
@@ -294,7 +294,7 @@ class GpuRunner:
             return runner.warm_bucket(bucket)
         try:
             runner.check_mode(bucket.mode)
-            runner.variant(Mode.AOT)  # keys and store, no device work
+            runner.variants.get(Mode.AOT)  # keys and store, no device work
             present = install_committed(runner, bucket.size) if self.gpu.forks else False
         except Exception as exc:
             return runner.board.update(bucket, state=BucketState.FAILED, error=str(exc))

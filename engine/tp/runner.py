@@ -88,7 +88,6 @@ class TensorParallelRunner(PipelineRunner):
         self._last_op = time.monotonic()
         self._stopped = False
         self._dump_path: Path | None = None
-        self._variant_hooks_lock = threading.Lock()
 
     # -- loading ---------------------------------------------------------------------------------
     def load_device(self) -> str:
@@ -164,19 +163,14 @@ class TensorParallelRunner(PipelineRunner):
             f"{self.parallel} parallel runs one operation at a time on all ranks: a request that arrives while a "
             "bucket compiles waits for the compile instead of running eagerly alongside it")
 
-    def variant(self, mode: Mode):
+    def _variant_built(self, mode: Mode, pipe) -> None:
         """Regional compile clones the denoiser's module tree; diffusers' context-parallel hooks replace
         `forward` with a function bound to the original module, so the clone would run the original's eager
         blocks. The clone gets its own hooks. With a dump folder, each variant's image processor dumps."""
-        mode = Mode.parse(mode, "mode")
-        with self._variant_hooks_lock:
-            built = self.has_variant(mode)
-            pipe = super().variant(mode)
-            if not built and mode is Mode.REGIONAL and self.parallel.context:
-                _rehook_context_parallel(getattr(pipe, self.preset.denoiser), getattr(self.pipe, self.preset.denoiser))
-            if self.dump_dir is not None and self.group.leader:
-                self._install_dump_hook(pipe.image_processor)
-            return pipe
+        if mode is Mode.REGIONAL and self.parallel.context:
+            _rehook_context_parallel(getattr(pipe, self.preset.denoiser), getattr(self.pipe, self.preset.denoiser))
+        if self.dump_dir is not None and self.group.leader:
+            self._install_dump_hook(pipe.image_processor)
 
     def _install_dump_hook(self, processor) -> None:
         """Test/debug hook: rank 0 also saves each request's decoded float image (HxWx3 in [0, 1]) as

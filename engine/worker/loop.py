@@ -68,7 +68,7 @@ from engine.worker.priority import (
     lower_this_thread_priority,
     run_on_lowered_thread,
 )
-from engine.worker.serving import RequestRecord, ServeCall, run_variant, serve_niced
+from engine.worker.serving import CallRules, RequestRecord, ServeCall, run_variant, serve_niced
 
 EARLY_CANCELS_KEPT = 256  # cancels for requests not received yet (a cancel overtaking its request)
 log = logging.getLogger(__name__)
@@ -368,7 +368,8 @@ class WorkerLoop:
         return settings.switch_interval_s()
 
     def _serve(self, request: GenerateRequest) -> None:
-        serve_niced(self._extra_niceness(request), lambda **kw: self._serve_one(request, **kw), "worker-serve")
+        warm = self._is_warm(request.bucket) or (request.mode.compiled and request.on_cold is OnCold.WAIT)
+        serve_niced(self._extra_niceness(request, warm), lambda **kw: self._serve_one(request, **kw), "worker-serve")
 
     def _serve_one(self, request: GenerateRequest, long: bool = False) -> None:
         """Serve one request; with on_cold=wait at a bucket not warm yet, once compiled."""
@@ -382,7 +383,7 @@ class WorkerLoop:
             self.send(RequestFailed(request.request_id, exc))
             self._forget(request)
             return
-        self._serve_call([request], _GenerateOne(self.runner, request), long=long)
+        self._serve_call([request], _generate_one(self.runner.generate, request), long=long)
 
     def _serve_batch(self, group: list[GenerateRequest]) -> None:
         """Serve requests sharing one pipeline call. To the host's CPU rules it is one run: niced by its own
@@ -392,13 +393,9 @@ class WorkerLoop:
             for request in live:
                 self._serve(request)
             return
-        extra = 0
-        if self.run_cost is not None:
-            lead = live[0]
-            warm = self._is_warm(lead.bucket.batched(len(live))) or not lead.mode.compiled
-            extra = self.run_cost.extra_niceness(run_variant(lead.mode, warm, len(live)), lead.bucket.size,
-                                                 lead.steps)
-        call = _GenerateBatch(self.runner, live)
+        warm = self._is_warm(live[0].bucket.batched(len(live))) or not live[0].mode.compiled
+        extra = self._extra_niceness(live[0], warm, len(live))
+        call = _generate_batch(self.runner.generate_batch, live)
         serve_niced(extra, lambda **kw: self._serve_call(live, call, **kw), "worker-serve-batch")
 
     def _cancelled_before_start(self, request: GenerateRequest) -> bool:
@@ -412,7 +409,8 @@ class WorkerLoop:
     def _serve_call(self, group: list[GenerateRequest], call, long: bool = False) -> None:
         """One call's requests served (ServeCall), then forgotten."""
         try:
-            ServeCall(self, group, [self._record(r.request_id) for r in group], long=long).serve(call)
+            ServeCall(group, [self._record(r.request_id) for r in group], self.send, self.runner.faults,
+                      CallRules(self.compile_yield, self.run_cost, self.short_runs), self.report_lora, long).serve(call)
         finally:
             for request in group:
                 self._forget(request)
@@ -437,35 +435,32 @@ class WorkerLoop:
             with self._lock:
                 self._bucket_demand(bucket).waiting -= 1
 
-    def _extra_niceness(self, request: GenerateRequest) -> int:
+    def _extra_niceness(self, lead: GenerateRequest, warm: bool, batch: int = 1) -> int:
+        """How many nice steps lower a call led by `lead` runs (its expected time; 0 where runs are not ordered)."""
         if self.run_cost is None:
             return 0
-        warm = self._is_warm(request.bucket) or (request.mode.compiled and request.on_cold is OnCold.WAIT)
-        return self.run_cost.extra_niceness(run_variant(request.mode, warm), request.bucket.size, request.steps)
+        return self.run_cost.extra_niceness(run_variant(lead.mode, warm, batch), lead.bucket.size, lead.steps)
 
 
-class _GenerateOne:
-    """A call of one request: `runner.generate`, its outcome in a list of one."""
+def _generate_one(generate, request: GenerateRequest):
+    """A call of one request (ServeCall's `call`): `generate`, its outcome in a list of one."""
 
-    def __init__(self, runner, request: GenerateRequest):
-        self.runner, self.request = runner, request
-
-    def __call__(self, on_step, cancels, on_leave, on_result) -> list:
+    def call(on_step, cancels, on_leave, on_result) -> list:
         try:
-            return [self.runner.generate(self.request, on_step=on_step, cancel=cancels[0])]
+            return [generate(request, on_step=on_step, cancel=cancels[0])]
         except Exception as exc:  # noqa: BLE001 - its outcome
             return [exc]
 
+    return call
 
-class _GenerateBatch:
-    """A call of requests sharing one pipeline call: `runner.generate_batch`."""
 
-    def __init__(self, runner, group: list[GenerateRequest]):
-        self.runner, self.group = runner, group
+def _generate_batch(generate_batch, group: list[GenerateRequest]):
+    """A call of requests sharing one pipeline call (ServeCall's `call`): `generate_batch`."""
 
-    def __call__(self, on_step, cancels, on_leave, on_result) -> list:
-        return self.runner.generate_batch(self.group, on_step=on_step, cancels=cancels, on_leave=on_leave,
-                                          on_result=on_result)
+    def call(on_step, cancels, on_leave, on_result) -> list:
+        return generate_batch(group, on_step=on_step, cancels=cancels, on_leave=on_leave, on_result=on_result)
+
+    return call
 
 
 class BestEffortOutput:

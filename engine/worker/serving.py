@@ -9,13 +9,15 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import ShowcaseError
 from engine.pipeline.batching import AllSet
+from engine.pipeline.faults import Faults
 from engine.protocol import Fault, GenerateRequest, GenerateResult, Progress, RequestFailed, Result
 from engine.worker import logs
-from engine.worker.priority import lower_this_thread_priority
+from engine.worker.priority import RunCost, ShortRuns, YieldToRequests, lower_this_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -31,18 +33,31 @@ class RequestRecord:
         return (now - self.received_at) * 1000 if self.received_at is not None else 0.0
 
 
+@dataclass(frozen=True)
+class CallRules:
+    """The host's CPU rules a call follows (engine/worker/priority.py): the compile thread steps aside while
+    it runs, its time teaches the expected cost (`run_cost`; None: no ordering here), and its short-run slot
+    (`short_runs`; None: none)."""
+
+    compile_yield: YieldToRequests
+    run_cost: RunCost | None = None
+    short_runs: ShortRuns | None = None
+
+
 class ServeCall:
     """One call's requests served: `call(on_step, cancels, on_leave, on_result)` returns each one's outcome
     (its GenerateResult, the exception it failed with, or None when it was already answered through
-    on_leave or on_result). `loop` is the WorkerLoop: where messages go, the runner, the CPU rules."""
+    on_leave or on_result). Messages go to `send`; `faults` are the engine's test hooks; `rules` the CPU
+    rules; `report_lora()` runs before each result is sent (the LoRA slot it changed goes first)."""
 
-    def __init__(self, loop, group: list[GenerateRequest], records: list[RequestRecord], long: bool = False):
-        self.loop = loop
+    def __init__(self, group: list[GenerateRequest], records: list[RequestRecord], send: Callable, faults: Faults,
+                 rules: CallRules, report_lora: Callable[[], None], long: bool = False):
         self.group = group
+        self.send, self.faults, self.rules, self.report_lora = send, faults, rules, report_lora
         self.cancels = [record.cancel for record in records]
         self.long = long
-        self.crash = loop.runner.faults.take(Fault.CRASH)
-        short_runs = loop.short_runs
+        self.crash = faults.take(Fault.CRASH)
+        short_runs = rules.short_runs
         self.short_runs = short_runs if short_runs is not None and not long else None  # a short run announces
         self.step_aside = short_runs.step_aside if short_runs is not None and long else None
         self.everyone = AllSet(self.cancels)
@@ -67,7 +82,7 @@ class ServeCall:
     # -- the phases -------------------------------------------------------------------------------
     def _run(self, call) -> list:
         """The call itself, with the compile thread stepping aside and the short-run slot held."""
-        self.loop.compile_yield.request_started()
+        self.rules.compile_yield.request_started()
         if self.short_runs is not None:
             self.short_runs.set_running(True)
         try:
@@ -77,7 +92,7 @@ class ServeCall:
         finally:
             if self.short_runs is not None:
                 self.short_runs.set_running(False)
-            self.loop.compile_yield.request_ended()
+            self.rules.compile_yield.request_ended()
 
     def _deliver(self, outcomes: list) -> None:
         """Each outcome not answered yet: its result, or its failure."""
@@ -87,14 +102,14 @@ class ServeCall:
             if isinstance(outcome, GenerateResult):
                 self.on_result(index, outcome)
             elif isinstance(outcome, ShowcaseError):
-                self.loop.send(RequestFailed(request.request_id, outcome))
+                self.send(RequestFailed(request.request_id, outcome))
             else:
                 log.error("request %s failed", request.request_id, exc_info=outcome)
-                self.loop.send(RequestFailed(request.request_id, ShowcaseError(f"{type(outcome).__name__}: {outcome}")))
+                self.send(RequestFailed(request.request_id, ShowcaseError(f"{type(outcome).__name__}: {outcome}")))
 
     def _record_cost(self) -> None:
         """The call's time, for the next requests' expected cost: its last result came at its end."""
-        run_cost = self.loop.run_cost
+        run_cost = self.rules.run_cost
         if run_cost is None or not self.answered:
             return
         last = max(self.answered, key=lambda result: result.timings.total_ms)
@@ -105,25 +120,25 @@ class ServeCall:
         done = {result.request_id for result in self.answered}
         for request in self.group:
             if request.request_id not in done:
-                self.loop.send(RequestFailed(request.request_id, ShowcaseError(f"{type(exc).__name__}: {exc}")))
+                self.send(RequestFailed(request.request_id, ShowcaseError(f"{type(exc).__name__}: {exc}")))
 
     # -- what the runner calls back ---------------------------------------------------------------
     def on_step(self, progress) -> None:
-        self.loop.send(Progress(progress))
+        self.send(Progress(progress))
         if self.crash:
-            self.loop.runner.faults.crash()  # armed by a test: the worker dies mid-request
+            self.faults.crash()  # armed by a test: the worker dies mid-request
         if self.step_aside is not None and self.stepped < progress.step < progress.total:
             self.stepped = progress.step  # once per shared step
             self.step_aside(self.everyone)
 
     def on_leave(self, index: int, error: ShowcaseError) -> None:
-        self.loop.send(RequestFailed(self.group[index].request_id, error))
+        self.send(RequestFailed(self.group[index].request_id, error))
 
     def on_result(self, index: int, result: GenerateResult) -> None:
         self.answered.append(result)
-        self.loop.report_lora()
+        self.report_lora()
         timings = dataclasses.replace(result.timings, queued_ms=self.queued_ms[self.group[index].request_id])
-        self.loop.send(Result(dataclasses.replace(result, timings=timings)))
+        self.send(Result(dataclasses.replace(result, timings=timings)))
 
 
 def run_variant(mode, warm: bool, batch: int = 1) -> str:
