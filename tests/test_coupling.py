@@ -13,21 +13,17 @@ SOURCES = sorted([*ROOT.joinpath("engine").rglob("*.py"), *ROOT.joinpath("ui").r
 # Construction sites that still hand a part its parent, in other helpers' areas (path, line text). Each
 # entry names who owns it; the list only shrinks (the lead empties it at merge).
 PARENT_ALLOWLIST: set[tuple[str, str]] = {
-    # the admission-gate helper of issue 38 narrows Telemetry
-    ("engine/serving/manager.py", "Telemetry(self)"),
-    # the event-stream and UI-adapters helper of issue 38 (ui/)
+    # Left for the next reshaping: a Compare call and an MCP agent's call each still read several of their
+    # handler's members; the edge's middleware asks its guard five things (refusals, body bound, streams, log).
     ("ui/compare.py", "Comparison(self, CompareForm(**form), request, progress)"),
     ("ui/mcp.py", "AgentCall(self, as_queue_join(self.server.mcp_server.request_context.request), "
                   "self.fn_index[api_name.lstrip('/')], list(args))"),
-    # ui/: Starlette middleware registered with the route object that answers (ui/ owner)
     ("ui/edge.py", "Middleware(_EdgeMiddleware, guard=self)"),
-    ("ui/metrics.py", "Middleware(_MetricsMiddleware, route=self)"),
-    ("ui/openai_api.py", "Middleware(_OpenAIMiddleware, routes=self)"),
 }
 
 # Forwarding-only public methods today (the issue's target: at most 5 across the code; the test prints
 # them). The ceiling only goes down: lower it when one goes.
-MAX_FORWARDING_METHODS = 23
+MAX_FORWARDING_METHODS = 18
 
 
 # --- a part constructed with its parent -------------------------------------------------------------

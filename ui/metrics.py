@@ -56,27 +56,27 @@ class MetricsRoute:
     def middleware(self):
         from starlette.middleware import Middleware
 
-        return Middleware(_MetricsMiddleware, route=self)
+        return Middleware(_MetricsMiddleware, refusal=self.refusal, scrape=self.telemetry.scrape)
 
 
 class _MetricsMiddleware:
-    def __init__(self, app, route: MetricsRoute):
-        self.app = app
-        self.route = route
+    def __init__(self, app, refusal, scrape):
+        # refusal(scope): MetricsRoute's (status, message) or None; scrape(): the exposition's bytes
+        self.app, self.refusal, self.scrape = app, refusal, scrape
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"].rstrip("/") != PATH:
             return await self.app(scope, receive, send)
         if scope.get("method") not in ("GET", "HEAD"):
             return await _answer(send, 405, b'{"detail": "GET /metrics"}', "application/json")
-        refusal = self.route.refusal(scope)
+        refusal = self.refusal(scope)
         if refusal is not None:
             status, message = refusal
             headers = [(b"www-authenticate", b"Bearer")] if status == 401 else []
             return await _answer(send, status, json.dumps({"detail": message}).encode(), "application/json", headers)
         import anyio
 
-        body = await anyio.to_thread.run_sync(self.route.telemetry.scrape)  # reads the manager's status
+        body = await anyio.to_thread.run_sync(self.scrape)  # reads the manager's status
         await _answer(send, 200, body if scope.get("method") == "GET" else b"", CONTENT_TYPE_LATEST)
 
 

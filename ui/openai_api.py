@@ -450,7 +450,7 @@ class OpenAIRoutes:
     def middleware(self):
         from starlette.middleware import Middleware
 
-        return Middleware(_OpenAIMiddleware, routes=self)
+        return Middleware(_OpenAIMiddleware, handle=self.handle)
 
     async def handle(self, scope, receive, send) -> None:
         """Answer one /v1 request; what it holds (its place at the edge, its run) is let go once the answer,
@@ -621,11 +621,11 @@ class OpenAIRoutes:
 
 
 class _OpenAIMiddleware:
-    def __init__(self, app, routes: OpenAIRoutes):
-        self.app, self.routes = app, routes
+    def __init__(self, app, handle):
+        self.app, self.handle = app, handle  # handle: OpenAIRoutes.handle, the /v1 routes' one entry
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "") if scope["type"] == "http" else ""
         if path == PREFIX or path.startswith(PREFIX + "/"):
-            return await self.routes.handle(scope, receive, send)
+            return await self.handle(scope, receive, send)
         return await self.app(scope, receive, send)
