@@ -35,7 +35,7 @@ from engine.errors import (
 )
 from engine.pipeline.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401 - the tabs import it from here
 from engine.pipeline.attention import attention_table
-from engine.protocol import DEFAULT_PRESET, Mode, Precision, parse_ranks
+from engine.protocol import DEFAULT_PRESET, MemoryLevers, Mode, Precision, parse_ranks
 from engine.serving.manager import Caller
 from ui import quietlog
 from ui.runs import RunRegistry
@@ -165,7 +165,7 @@ class HandlerBase:
         self.defaults = defaults or UIDefaults()
         self.runs = RunRegistry(manager)
         # Both hold what visitors typed: bounded, so a visitor who types a million names costs nothing.
-        self._keys = LRU()  # (preset, device, precision, tp, caller) -> EngineKey or error
+        self._keys = LRU()  # (preset, device, precision, tp, caller, levers) -> EngineKey or error
         self._current = LRU(4 * MEMO_ENTRIES)  # session -> the EngineKey of its last request (public: its own)
         self._devices_report: list[dict] | None = None
         self._lock = threading.Lock()
@@ -221,19 +221,23 @@ class HandlerBase:
         with self._lock:
             return self._current.get(session_id(request))
 
-    def key_for(self, preset: str, device: str, precision: str, tp=1, caller: Caller = Caller.VISITOR):
-        """EngineKey for the settings, or raise the ShowcaseError saying why not (memoised)."""
+    def key_for(self, preset: str, device: str, precision: str, tp=1, caller: Caller = Caller.VISITOR,
+                levers: str | None = None):
+        """EngineKey for the settings, or raise the ShowcaseError saying why not (memoised). `levers`: memory
+        levers (None: the host's)."""
         for name, value in (("preset", preset), ("device", device), ("precision", precision)):
             if not isinstance(value, str):
                 raise InvalidRequest(f"{name} must be text, got {type(value).__name__}")
         tp, parallel = parse_ranks(tp)  # 2, "2" or a ranks choice such as "2 · ulysses"
-        cache_key = (preset, device, precision, tp, parallel, caller)
+        if levers is not None:  # bad text is refused here, never remembered
+            levers = str(MemoryLevers.parse(levers).engine_part())
+        cache_key = (preset, device, precision, tp, parallel, caller, levers)
         with self._lock:
             found = self._keys.get(cache_key)
         if found is None:
             try:
                 layout = {"parallel": parallel} if tp > 1 and parallel.context else {}
-                found = self.manager.make_key(preset, device, precision, tp, caller=caller, **layout)
+                found = self.manager.make_key(preset, device, precision, tp, caller=caller, levers=levers, **layout)
             except ShowcaseError as exc:
                 found = exc
             with self._lock:
