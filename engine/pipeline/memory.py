@@ -202,6 +202,10 @@ def lora_refusal(levers) -> str:
 
 
 # -- applying them (torch from here on) ------------------------------------------------------------
+# Beside diffusers' own skips (norms, embeddings, a top-level proj_in / proj_out), layerwise casting keeps the
+# denoiser's first and last layers under their other names in the compute precision: in fp8, Flux's input
+# projection (x_embedder) alone cost most of the embedded model's fidelity to fp32 (docs/benchmarks.md).
+LAYERWISE_KEEP = ("^x_embedder$", "^conv_in$", "^conv_out$")
 
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -260,9 +264,13 @@ def apply_engine_levers(pipe, denoiser_name: str, levers, device: str, compute_d
     denoiser = getattr(pipe, denoiser_name)
     notices = []
     if levers.layerwise:
+        from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
         storage = torch.float8_e5m2 if levers.layerwise == "fp8-e5m2" else torch.float8_e4m3fn
-        denoiser.enable_layerwise_casting(storage_dtype=storage, compute_dtype=compute_dtype)
-        notices.append(f"layerwise casting: denoiser weights stored in {storage}, computed in {compute_dtype}")
+        denoiser.enable_layerwise_casting(storage_dtype=storage, compute_dtype=compute_dtype,
+                                          skip_modules_pattern=(*DEFAULT_SKIP_MODULES_PATTERN, *LAYERWISE_KEEP))
+        notices.append(f"layerwise casting: denoiser weights stored in {storage}, computed in {compute_dtype} "
+                       "(input and output projections, norms and embeddings keep theirs)")
     if levers.offload == "model":
         pipe.enable_model_cpu_offload(device=device)
         return [*notices, "model offload: each model moves to the device only while it runs"]

@@ -32,7 +32,8 @@ PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "int8wo": 1, "int
 ACTIVATION_PER_TOKEN_DIM = 24.0  # activation bytes per (token x hidden width x dtype byte); docs/benchmarks.md
 TEXT_TOKENS = 512  # Flux's T5 sequence: joint attention runs over image and text tokens
 # diffusers' layerwise casting leaves these modules in the compute precision (DEFAULT_SKIP_MODULES_PATTERN)
-_SKIP_CAST = re.compile(r"pos_embed|patch_embed|norm|^proj_in\.|^proj_out\.")
+# and this engine's own additions (engine/pipeline/memory.py LAYERWISE_KEEP)
+_SKIP_CAST = re.compile(r"pos_embed|patch_embed|norm|^(proj_in|proj_out|x_embedder|conv_in|conv_out)\.")
 _BLOCK = re.compile(r"^(.*blocks)\.(\d+)\.")
 # Parameter counts of published components a preset loads from the Hub, for estimates where they are not
 # downloaded (the denoiser's come from its denoiser_config).
