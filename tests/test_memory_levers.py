@@ -157,7 +157,15 @@ def _pixels(result):
 def test_group_offload_to_disk_serves_the_same_image(runners, cache_dir):
     plain, offloaded = runners(""), runners("group:block:1:disk")
     request = GenerateRequest(**REQUEST)
+    # weights read back from disk sit at the address (modulo 64 bytes) they had as loaded: the group files'
+    # layout sent the CPU's matmuls another way through each row and moved a large model's image by 1/255
+    den, in_phase = offloaded.pipe.transformer, []
+    for name in ("transformer_blocks.0.attn.to_q", "single_transformer_blocks.1.proj_mlp", "x_embedder"):
+        phase = plain.pipe.transformer.get_submodule(name).weight.data_ptr() % 64
+        den.get_submodule(name).register_forward_pre_hook(
+            lambda m, args, phase=phase: in_phase.append(m.weight.data_ptr() % 64 == phase))
     a, b = plain.generate(request), offloaded.generate(request)
+    assert len(in_phase) == 3 * REQUEST["steps"] and all(in_phase)
     assert np.abs(_pixels(a) - _pixels(b)).max() == 0
     assert any("files in" in n for n in offloaded.notices)
     folder = next(n for n in offloaded.notices if "files in" in n).split("files in ")[1].rstrip(")")
