@@ -237,7 +237,8 @@ class HandlerBase:
         if found is None:
             try:
                 layout = {"parallel": parallel} if tp > 1 and parallel.context else {}
-                found = self.manager.make_key(preset, device, precision, tp, caller=caller, levers=levers, **layout)
+                named = {"levers": levers} if levers is not None else {}  # None: the manager's default
+                found = self.manager.make_key(preset, device, precision, tp, caller=caller, **layout, **named)
             except ShowcaseError as exc:
                 found = exc
             with self._lock:
