@@ -47,7 +47,7 @@ from bench.advise_choice import (
     short_budget,
     within_bound,
 )
-from bench.advise_report import ABSENT, REFERENCE, markdown
+from bench.advise_report import ABSENT, REFERENCE, markdown, memory_frontier
 from bench.paired import PairedTiming, current_marks, measure_round_robin
 from engine.metrics import median
 from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold, Size
@@ -275,6 +275,7 @@ class Advisor:
                       "min_ssim": plan.min_ssim, "max_memory_bytes": plan.max_memory_bytes},
             "quality_samples": len(self.prompts), "timing_images": plan.timing_images,
             "reference": REFERENCE, "lora": plan.lora.text(), "pick": pick, "confirm": confirm, "rows": rows,
+            "memory_frontier": [r["label"] for r in memory_frontier({"rows": rows})],
             "skipped": self.skipped,
             "elapsed_s": self.elapsed(), "max_minutes": plan.max_minutes,
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -305,7 +305,8 @@ def choose(rows: list[dict], plan: AdvisePlan) -> tuple[dict | None, list[dict]]
             if base and base.get("speedup") and r["speedup"] <= base["speedup"]:
                 ok, why = False, f"the step cache measured no faster than {base['label']}"
         r["eligible"], r["why_not"] = ok, why
-        if ok and plan.max_memory_bytes and not (r.get("peak_bytes") or 0) <= plan.max_memory_bytes:
+        # a peak not measured cannot be said to fit
+        if ok and plan.max_memory_bytes and (r.get("peak_bytes") is None or r["peak_bytes"] > plan.max_memory_bytes):
             r["eligible"], r["why_not"] = False, over_memory(r, plan.max_memory_bytes)
     eligible = [r for r in rows if r["eligible"]]
     return (max(eligible, key=lambda r: r["speedup"]) if eligible else None), rows

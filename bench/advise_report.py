@@ -57,6 +57,26 @@ def peak_text(row: dict) -> str:
     return "" if row.get("peak_bytes") is None else f" · {row['peak_bytes'] / 2**30:.2f} GiB"
 
 
+def memory_frontier(report: dict | None) -> list[dict]:
+    """The measured configurations no other beats on both seconds per image and measured peak memory, fastest
+    first (the speed-memory frontier, beside the speed-quality one)."""
+    rows = [r for r in (report or {}).get("rows", [])
+            if not r.get("error") and r.get("s_per_image") is not None and r.get("peak_bytes") is not None]
+    best, out = float("inf"), []
+    for r in sorted(rows, key=lambda r: (r["s_per_image"], r["peak_bytes"])):
+        if r["peak_bytes"] < best:
+            out.append(r)
+            best = r["peak_bytes"]
+    return out
+
+
+def memory_frontier_text(report: dict | None) -> str:
+    """"Speed–memory frontier, fastest first: a (0.120 s, 0.41 GiB) → b (0.300 s, 0.20 GiB)" ("" unmeasured)."""
+    steps = [f"{r['label']} ({r['s_per_image']:.3f} s, {r['peak_bytes'] / 2**30:.2f} GiB)"
+             for r in memory_frontier(report)]
+    return "Speed–memory frontier, fastest first: " + " → ".join(steps) if steps else ""
+
+
 def summary(report: dict) -> str:
     """What was measured, the pick with its final-round speedup, the bound and where the file went."""
     pick = report.get("pick")
@@ -114,4 +134,4 @@ def markdown(report: dict) -> str:
                 + (f", {threads} CPU thread{'s' if threads > 1 else ''}" if threads else "") + ".")
     table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     table += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in table_rows(report)]
-    return "\n\n".join([summary(report), measured, "\n".join(table)])
+    return "\n\n".join(filter(None, [summary(report), measured, memory_frontier_text(report), "\n".join(table)]))

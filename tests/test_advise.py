@@ -390,7 +390,7 @@ def test_a_budget_too_short_for_any_check_says_so_and_what_budget_would_do():
     # nothing to apply: Generate keeps its (faster) configuration
     from ui.advisor import AdvisorHandlers
 
-    apply_button = AdvisorHandlers.render_advice(None, {**report, "elapsed_s": clock.t})[2]
+    apply_button = AdvisorHandlers.render_advice(None, {**report, "elapsed_s": clock.t})[3]
     assert apply_button["interactive"] is False and apply_button["value"] == "Apply in Generate"
     # with more time, the budget named reaches the pick
     report, _, _ = run_advisor(short["needed_minutes"])

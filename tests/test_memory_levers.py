@@ -157,7 +157,15 @@ def _pixels(result):
 def test_group_offload_to_disk_serves_the_same_image(runners, cache_dir):
     plain, offloaded = runners(""), runners("group:block:1:disk")
     request = GenerateRequest(**REQUEST)
+    # weights read back from disk sit at the address (modulo 64 bytes) they had as loaded: the group files'
+    # layout sent the CPU's matmuls another way through each row and moved a large model's image by 1/255
+    den, in_phase = offloaded.pipe.transformer, []
+    for name in ("transformer_blocks.0.attn.to_q", "single_transformer_blocks.1.proj_mlp", "x_embedder"):
+        phase = plain.pipe.transformer.get_submodule(name).weight.data_ptr() % 64
+        den.get_submodule(name).register_forward_pre_hook(
+            lambda m, args, phase=phase: in_phase.append(m.weight.data_ptr() % 64 == phase))
     a, b = plain.generate(request), offloaded.generate(request)
+    assert len(in_phase) == 3 * REQUEST["steps"] and all(in_phase)
     assert np.abs(_pixels(a) - _pixels(b)).max() == 0
     assert any("files in" in n for n in offloaded.notices)
     folder = next(n for n in offloaded.notices if "files in" in n).split("files in ")[1].rstrip(")")
@@ -168,6 +176,8 @@ def test_group_offload_to_disk_serves_the_same_image(runners, cache_dir):
 
 
 def test_layerwise_fp8_halves_the_denoiser_and_refuses_compile(runners):
+    import torch
+
     from engine.pipeline.footprint import weights_bytes
 
     plain, cast = runners(""), runners("layerwise:fp8")
@@ -178,6 +188,10 @@ def test_layerwise_fp8_halves_the_denoiser_and_refuses_compile(runners):
 
     assert denoiser_bytes(cast) <= 0.5 * denoiser_bytes(plain)
     assert weights_bytes(cast.pipe) < weights_bytes(plain.pipe)
+    # the first and last layers keep fp32 (the input projection cost most of the PSNR in fp8), the blocks do not
+    den = cast.pipe.transformer
+    assert den.x_embedder.weight.dtype == den.proj_out.weight.dtype == den.norm_out.linear.weight.dtype == torch.float32
+    assert den.transformer_blocks[0].attn.to_q.weight.dtype == den.context_embedder.weight.dtype == torch.float8_e4m3fn
     request = GenerateRequest(**REQUEST)
     diff = np.abs(_pixels(plain.generate(request)) - _pixels(cast.generate(request))).astype(float)
     assert 10 * np.log10(255**2 / max((diff**2).mean(), 1e-9)) >= 30  # close, not equal
@@ -291,7 +305,7 @@ def _row(label, ms, peak_gib, **kw):
     precision, mode = label.split("/")[:2]
     return {"precision": precision, "mode": mode, "step_cache": "none", "attention": "native", "label": label,
             "s_per_image": ms / 1000, "fidelity": 0.94, "drift_psnr_db": None, "drift_max_diff": 0, "error": None,
-            "peak_bytes": int(peak_gib * 2**30), **kw}
+            "peak_bytes": None if peak_gib is None else int(peak_gib * 2**30), **kw}
 
 
 def test_max_memory_picks_the_fastest_configuration_whose_peak_fits():
@@ -311,6 +325,37 @@ def test_max_memory_picks_the_fastest_configuration_whose_peak_fits():
     assert choose(rows(), _advisor_plan(max_memory_bytes=2**30))[0] is None  # nothing fits: no pick
     report = {"rows": table, "pick": pick}
     assert any(cells[1] == "0.130 · 1.20 GiB" for cells in table_rows(report))
+
+
+def test_the_advisors_frontier_shows_seconds_against_gib_too():
+    from engine.bench.advise_choice import choose
+    from engine.bench.advise_report import markdown, memory_frontier
+
+    from ui import advisor_views
+    from ui.advisor import AdvisorHandlers
+
+    rows = [_row("fp32/eager", 100, 2.0), _row("bf16/compile", 40, 3.0), _row("bf16/eager", 60, 3.5),
+            _row("fp32/eager/mem=layerwise:fp8", 130, 1.2, memory="layerwise:fp8"),
+            _row("fp32/eager/mem=group:block:1:disk", 700, 1.5, memory="group:block:1:disk"),
+            _row("fp32/regional", 50, None)]  # no peak measured: not on the GiB axis
+    pick, table = choose(rows, _advisor_plan(max_memory_bytes=int(2.5 * 2**30)))
+    report = {"preset": "tiny-shapes", "device": "cpu", "size": "64x64", "steps": 4, "elapsed_s": 1.0,
+              "rows": table, "pick": pick}
+    assert pick["label"] == "fp32/eager"  # fp32/regional is faster, but its peak was not measured
+    # bf16/eager is slower and bigger than bf16/compile; the disk offload slower and bigger than fp8
+    assert [r["label"] for r in memory_frontier(report)] == ["bf16/compile", "fp32/eager",
+                                                             "fp32/eager/mem=layerwise:fp8"]
+    assert ("Speed–memory frontier, fastest first: bf16/compile (0.040 s, 3.00 GiB) → fp32/eager (0.100 s, "
+            "2.00 GiB) → fp32/eager/mem=layerwise:fp8 (0.130 s, 1.20 GiB)") in markdown(report)
+    points = advisor_views.memory_points(report)
+    assert len(points) == 5 and {p["verdict"] for p in points} == {"pick", "within bound", "outside bound"}
+    frontier = advisor_views.frontier(points, "peak_gib", higher=False)
+    assert [p["configuration"] for p in frontier] == [r["label"] for r in memory_frontier(report)]
+    assert "fp32/eager/mem=layerwise:fp8 (0.130 s, 1.20 GiB)" in advisor_views.memory_frontier_caption(report)
+    plot = AdvisorHandlers.render_advice(None, report)[1]  # the Advisor tab's second plot
+    assert list(plot["value"].columns) == advisor_views.ADVISOR_MEMORY_COLUMNS
+    assert sorted(plot["value"]["peak_gib"]) == pytest.approx([1.2, 1.5, 2.0, 3.0, 3.5])
+    assert plot["y_lim"][0] < 1.2 and plot["y_lim"][1] > 3.5
 
 
 def test_the_advisor_measures_memory_levers_with_their_peak(cache_dir, tiny_models):
@@ -343,6 +388,58 @@ def test_the_advisor_tab_checks_its_memory_bound():
     assert checked_size(" 16GiB ") == str(16 * 2**30)
     with pytest.raises(gr.Error, match="3GiB"):
         checked_size("lots")
+
+
+@pytest.mark.slow
+def test_generate_takes_memory_levers_from_its_form_and_the_api(manager):
+    """/generate's last parameter (positional callers unchanged) and the page's field: lever sets this engine can
+    take, each with its estimated peak and price; the engine started carries them; bad or impossible sets are
+    refused naming what to change."""
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+    from helpers import launch_demo
+
+    from ui.handlers import UIDefaults
+
+    demo, url = launch_demo(manager, UIDefaults(preset="tiny-shapes", device="cpu", mode="eager"))
+    try:
+        client = Client(url, verbose=False)
+        params = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/generate"]["parameters"]
+        assert params[-1]["parameter_name"] == "memory" and params[-1]["parameter_has_default"]
+        assert "group:block[:N][:stream][:disk]" in params[-1]["python_type"]["description"]
+        field = next(c for c in demo.config["components"] if c["props"].get("elem_id") == "memory")["props"]
+        labels = dict((value, label) for label, value in field["choices"])
+        assert field["value"] == "none" and {"none", "layerwise:fp8", "group:block:1:disk"} <= set(labels)
+        assert "MiB peak" in labels["layerwise:fp8"] and "1.3× the time" in labels["layerwise:fp8"]
+        form = dict(prompt="a red circle", negative_prompt="", preset="tiny-shapes", device="cpu", precision="fp32",
+                    mode="eager", size="64x64", steps="2", guidance="", seed="3")
+        _, plain = client.predict(*form.values(), api_name="/generate")  # positionally, without memory
+        _, cast = client.predict(**form, memory="layerwise:fp8", api_name="/generate")
+        assert plain["engine"] == "tiny-shapes@cpu/fp32"
+        assert cast["engine"] == "tiny-shapes@cpu/fp32+layerwise:fp8" and cast["memory"] == "layerwise:fp8"
+        with pytest.raises(AppError, match="unknown memory lever 'warp-drive'"):
+            client.predict(**form, memory="warp-drive", api_name="/generate")
+        with pytest.raises(AppError, match="Dynamo"):
+            client.predict(**{**form, "mode": "compile"}, memory="layerwise:fp8", api_name="/generate")
+    finally:
+        demo.close()
+
+
+def test_the_memory_field_lists_what_the_mode_can_run_and_the_hosts_choice(manager):
+    from ui import memory_views
+    from ui.handlers import Handlers, UIDefaults
+
+    h = Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+    eager = h.memory_choices("tiny-shapes", "cpu", "fp32", "eager", 1, "layerwise:fp8")
+    assert eager["value"] == "layerwise:fp8"
+    compiled = h.memory_choices("tiny-shapes", "cpu", "fp32", "compile", 1, "layerwise:fp8")
+    assert compiled["value"] == "none" and "Dynamo" in compiled["info"]  # falls back, says why
+    assert all("unavailable" in label for label, value in compiled["choices"] if value != "none")
+    rows = [{"levers": "none", "time_factor": 1.0, "why_not": "", "device_bytes": 3 * 2**30,
+             "weights_bytes": 2**30, "size": "64x64", "unknown": ""}]
+    assert memory_views.memory_choices(rows, "layerwise:fp8", public=True) == [("host's choice (layerwise:fp8)", "")]
+    assert memory_views.memory_choices(rows, "", public=False) == [
+        ("none · ≈ 3.00 GiB peak, weights 1.00 GiB · ≈ 1× the time", "none")]
 
 
 # -- fit: the estimate and --memory auto ---------------------------------------------------------------

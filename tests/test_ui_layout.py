@@ -27,7 +27,8 @@ PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "sys
               "advise_start", "advise_poll"}  # the advisor as a start/poll pair (ui/mcp.py)
 TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
-                 "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "lora-fused", "generate-btn",
+                 "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "lora-fused", "memory",
+                 "generate-btn",
                  "cancel-btn", "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output",
                  "run-summary", "history", "gen-row", "gen-buttons", "gen-image-row"},
     "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",
@@ -40,7 +41,8 @@ TAB_IDS = {
                 "c-config-list", "c-timing", "c-config-check", "c-status", "c-plot-legend", "c-levers"},
     "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-lora", "a-minutes", "a-fidelity-points",
                 "a-min-psnr", "a-max-memory",
-                "advise-btn", "a-cancel-btn", "a-apply-btn", "a-status", "a-summary", "a-frontier", "a-table",
+                "advise-btn", "a-cancel-btn", "a-apply-btn", "a-status", "a-summary", "a-frontier", "a-memory-frontier",
+                "a-table",
                 "a-json", "a-cards"},
     "system": {"system-refresh", "system"},
 }
@@ -125,7 +127,7 @@ def test_cancel_buttons_use_gradio_cancels_on_their_tab_run(demo):
 def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
     select = [d for d in demo.config["dependencies"] if (d["api_name"] or "").startswith("select_engine")]
     assert len(select) == 1
-    assert sorted(t[1] for t in select[0]["targets"]) == ["change"] * 5 + ["load"]
+    assert sorted(t[1] for t in select[0]["targets"]) == ["change"] * 6 + ["load"]
     tick = [d for d in demo.config["dependencies"] if (d["api_name"] or "").startswith("tick")]
     assert len(tick) == 1 and sorted(t[1] for t in tick[0]["targets"]) == ["load", "tick"]
 

@@ -148,7 +148,8 @@ class AdvisorHandlers(HandlerBase):
             yield gr.skip(), gr.skip(), f"**Failed:** {failure}"
             raise gr.Error(failure, title="Advisor failed")
         done = f"**Done** in {result.get('elapsed_s', 0):.0f} s: the pick and every measured configuration are below."
-        yield advice_summary(result) + "\n\n" + advisor_views.frontier_caption(result), result, done
+        captions = [advisor_views.frontier_caption(result), advisor_views.memory_frontier_caption(result)]
+        yield "\n\n".join([advice_summary(result), *filter(None, captions)]), result, done
 
     def advise_ended(self, status: str | None):
         """After the advisor's event, however it ended: a status still "running" means Cancel closed it."""
@@ -189,7 +190,8 @@ class AdvisorHandlers(HandlerBase):
                 gr.update(choices=views.lora_choices(model, self.manager.options.loras), value="none"))
 
     def render_advice(self, result: dict | None):
-        """The frontier plot, the table and the apply button's state."""
+        """The frontier plots (seconds against quality, and against the measured peak GiB), the table and the
+        apply button's state."""
         rows = table_rows(result)
         frame = pd.DataFrame(advisor_views.advisor_points(result), columns=advisor_views.ADVISOR_POINT_COLUMNS)
         frame = frame.astype({"s_per_image": "float64", "quality": "float64", "configuration": "string",
@@ -200,12 +202,13 @@ class AdvisorHandlers(HandlerBase):
         plot = gr.update(value=frame, x_lim=x_lim, y_lim=y_lim)
         table = pd.DataFrame(rows, columns=COLUMNS)
         pick = (result or {}).get("pick")
-        return plot, table, gr.update(interactive=pick is not None,
-                                      value=f"Apply {pick['label']} in Generate" if pick else "Apply in Generate"), \
+        return plot, memory_plot(result), table, gr.update(
+            interactive=pick is not None, value=f"Apply {pick['label']} in Generate" if pick else "Apply in Generate"), \
             advisor_cards_html(result)
 
     def apply_advice(self, result: dict | None):
-        """Generate's precision, mode and step cache (and its preset, device, size, steps) from the pick."""
+        """Generate's precision, mode, step cache and memory levers (and its preset, device, size, steps) from
+        the pick."""
         pick = (result or {}).get("pick")
         if not pick:
             raise gr.Error("no pick to apply: run the advisor first", title="Nothing to apply")
@@ -215,7 +218,18 @@ class AdvisorHandlers(HandlerBase):
                 gr.update(value=pick["precision"]), gr.update(value=pick["mode"]),
                 gr.update(value=pick["step_cache"]), gr.update(value=result["size"]),
                 gr.update(value=result["steps"]), gr.update(value=lora.name or "none"),
-                gr.update(value=bool(pick.get("lora_fused"))), gr.Tabs(selected="generate"))
+                gr.update(value=bool(pick.get("lora_fused"))), gr.update(value=pick.get("memory") or ("" if self.public else "none")),
+                gr.Tabs(selected="generate"))
+
+
+def memory_plot(result: dict | None):
+    """The speed-memory plot's update: seconds per image against the measured peak GiB."""
+    frame = pd.DataFrame(advisor_views.memory_points(result), columns=advisor_views.ADVISOR_MEMORY_COLUMNS)
+    frame = frame.astype({"s_per_image": "float64", "peak_gib": "float64", "configuration": "string",
+                          "verdict": "string"})
+    return gr.update(value=frame, x_lim=advisor_views.padded_limits(frame["s_per_image"],
+                                                                    min_share=advisor_views.TIME_AXIS_SHARE),
+                     y_lim=advisor_views.padded_limits(frame["peak_gib"]))
 
 
 def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
@@ -261,6 +275,12 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
                                       color_title="", x_axis_format=".3~r", y_axis_format=".4~r",
                                       tooltip=["configuration", "s_per_image", "quality", "verdict"], height=340,
                                       elem_id="a-frontier")
+            memory_frontier = gr.ScatterPlot(x="s_per_image", y="peak_gib", color="verdict", title="Speed–memory "
+                                             "frontier", x_title="s per image (lower is faster)",
+                                             y_title="measured peak GiB (lower fits more)", color_title="",
+                                             x_axis_format=".3~r", y_axis_format=".3~r", height=340,
+                                             tooltip=list(advisor_views.ADVISOR_MEMORY_COLUMNS),
+                                             elem_id="a-memory-frontier")
         cards = gr.HTML(elem_id="a-cards", label="Each configuration: its image, eager fp32's, the difference")
         table = gr.Dataframe(headers=COLUMNS, interactive=False, wrap=True, label="Every configuration",
                              column_widths=advisor_views.ADVISOR_WIDTHS, elem_id="a-table")
@@ -275,7 +295,7 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
                         show_progress_on=[status])
     cancel_btn.click(None, cancels=[run])
     run.then(h.advise_ended, status, status, **FAST)
-    result.change(h.render_advice, result, [frontier, table, apply_btn, cards], **FAST)
+    result.change(h.render_advice, result, [frontier, memory_frontier, table, apply_btn, cards], **FAST)
     apply_btn.click(h.apply_advice, result, [settings.preset, settings.device, settings.precision, settings.mode,
                                               settings.step_cache, settings.size, settings.steps, settings.lora,
-                                              settings.lora_fused, tabs], **FAST)
+                                              settings.lora_fused, settings.memory, tabs], **FAST)

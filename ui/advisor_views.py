@@ -1,9 +1,11 @@
-"""The Advisor tab's views: its speed-quality frontier (points, padded axes, the caption that names the
-frontier) and its table's column widths. Pure functions of the advisor's report (bench/advise.py)."""
+"""The Advisor tab's views: its speed-quality and speed-memory frontiers (points, padded axes, the captions that
+name each frontier) and its table's column widths. Pure functions of the advisor's report (bench/advise.py)."""
 
 from __future__ import annotations
 
 ADVISOR_POINT_COLUMNS = ["configuration", "s_per_image", "quality", "verdict"]
+ADVISOR_MEMORY_COLUMNS = ["configuration", "s_per_image", "peak_gib", "verdict"]
+GIB = 2**30
 # No header narrower than its longest word; the reasons (last column) get the rest and wrap.
 ADVISOR_WIDTHS = ["19%", "8%", "9%", "12%", "8%", "9%", "8%", "27%"]
 IDENTICAL_PSNR_DB = 100.0  # where an image identical to eager fp32 is drawn on the PSNR axis
@@ -22,10 +24,23 @@ def advisor_points(result: dict | None) -> list[dict]:
             q = r["fidelity"] * 100
         else:
             q = IDENTICAL_PSNR_DB if not r.get("drift_max_diff") else r.get("drift_psnr_db")
-        verdict = "pick" if r["label"] == pick else ("within bound" if r.get("eligible") else "outside bound")
         points.append({"configuration": r["label"], "s_per_image": r["s_per_image"], "quality": q,
-                       "verdict": verdict})
+                       "verdict": _verdict(r, pick)})
     return points
+
+
+def _verdict(row: dict, pick: str | None) -> str:
+    return "pick" if row["label"] == pick else ("within bound" if row.get("eligible") else "outside bound")
+
+
+def memory_points(result: dict | None) -> list[dict]:
+    """The speed-memory frontier's points: seconds per image against the measured peak (GiB: the engine's
+    weights and what an image adds), every configuration whose peak was measured (its quality need not be)."""
+    pick = ((result or {}).get("pick") or {}).get("label")
+    return [{"configuration": r["label"], "s_per_image": r["s_per_image"], "peak_gib": r["peak_bytes"] / GIB,
+             "verdict": _verdict(r, pick)}
+            for r in (result or {}).get("rows", [])
+            if not r.get("error") and r.get("s_per_image") is not None and r.get("peak_bytes") is not None]
 
 
 TIME_AXIS_SHARE = 0.1  # the Advisor's seconds axis: at least this share of the time on each side
@@ -43,13 +58,15 @@ def padded_limits(values, min_share: float = 0.05) -> list[float] | None:
     return [round(low - pad, 4), round(high + pad, 4)]
 
 
-def frontier(points: list[dict]) -> list[dict]:
-    """The points no other point beats on both speed and quality, fastest first."""
+def frontier(points: list[dict], y: str = "quality", higher: bool = True) -> list[dict]:
+    """The points no other point beats on both speed and `y` (quality: higher is better; peak_gib: lower),
+    fastest first."""
+    sign = 1 if higher else -1
     best, out = float("-inf"), []
-    for p in sorted(points, key=lambda p: (p["s_per_image"], -p["quality"])):
-        if p["quality"] > best:
+    for p in sorted(points, key=lambda p: (p["s_per_image"], -sign * p[y])):
+        if sign * p[y] > best:
             out.append(p)
-            best = p["quality"]
+            best = sign * p[y]
     return out
 
 
@@ -64,3 +81,13 @@ def frontier_caption(result: dict | None) -> str:
     drawn = (f"{len(points)} configurations drawn" if measured == len(points) else
              f"{len(points)} of {measured} measured configurations drawn (the others have no quality score)")
     return f"{drawn}. Frontier, fastest first: " + " → ".join(steps)
+
+
+def memory_frontier_caption(result: dict | None) -> str:
+    """The speed-memory frontier named under its plot ("" where no peak was measured)."""
+    points = memory_points(result)
+    if not points:
+        return ""
+    steps = [f"{p['configuration']} ({p['s_per_image']:.3f} s, {p['peak_gib']:.2f} GiB)"
+             for p in frontier(points, "peak_gib", higher=False)]
+    return f"Speed–memory frontier ({len(points)} measured peaks), fastest first: " + " → ".join(steps)

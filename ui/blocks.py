@@ -145,7 +145,8 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
         # One status read per second refreshes the board, the engine line and the size labels.
         last = gr.State({})
         gr.on([gr.Timer(h.defaults.poll_s).tick, demo.load], h.tick,
-              [settings.preset, settings.device, settings.precision, settings.mode, last, settings.tp],
+              [settings.preset, settings.device, settings.precision, settings.mode, last, settings.tp,
+               settings.memory],
               [buckets_tab.board, engine_line, settings.size, buckets_tab.engine, last], **FAST)
     # Queue positions are sent every QUEUE_STATUS_S, not to every waiting event each time one starts (a burst
     # of n visitors made n²/2 messages at its start, when the web server is busiest).

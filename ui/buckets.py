@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class BucketsHandlers(HandlerBase):
-    def tick(self, preset, device, precision, mode, last: dict | None, tp=1):
+    def tick(self, preset, device, precision, mode, last: dict | None, tp=1, memory: str | None = None):
         """The shared timer's poll: the bucket board and its engine list, and, from the same status
         read, the header's engine line and the Generate tab's size labels.
 
@@ -35,7 +35,7 @@ class BucketsHandlers(HandlerBase):
         status = self.manager.residency.status_rows()
         rows = buckets_views.board_rows(status)
         try:
-            key = str(self.key_for(preset, device, precision, tp))
+            key = str(self.key_for(preset, device, precision, tp, levers=memory or None))
             engine = views.engine_state(status, key)
             line = views.engine_line(key, engine)
         except ShowcaseError as exc:

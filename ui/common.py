@@ -35,7 +35,7 @@ from engine.errors import (
 )
 from engine.pipeline.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401 - the tabs import it from here
 from engine.pipeline.attention import attention_table
-from engine.protocol import DEFAULT_PRESET, Mode, Precision, parse_ranks
+from engine.protocol import DEFAULT_PRESET, MemoryLevers, Mode, Precision, parse_ranks
 from engine.serving.manager import Caller
 from ui import quietlog
 from ui.runs import ProgressBar, RunFeed, RunRegistry
@@ -174,7 +174,7 @@ class HandlerBase:
         self.defaults = defaults or UIDefaults()
         self.runs = RunRegistry(manager.cancel)
         # Both hold what visitors typed: bounded, so a visitor who types a million names costs nothing.
-        self._keys = LRU()  # (preset, device, precision, tp, caller) -> EngineKey or error
+        self._keys = LRU()  # (preset, device, precision, tp, caller, levers) -> EngineKey or error
         self._current = LRU(4 * MEMO_ENTRIES)  # session -> the EngineKey of its last request (public: its own)
         self._devices_report: list[dict] | None = None
         self._lock = threading.Lock()
@@ -230,15 +230,21 @@ class HandlerBase:
         with self._lock:
             return self._current.get(session_id(request))
 
-    def key_for(self, preset: str, device: str, precision: str, tp=1, caller: Caller = Caller.VISITOR):
-        """EngineKey for the settings, or raise the ShowcaseError saying why not (memoised)."""
+    def key_for(self, preset: str, device: str, precision: str, tp=1, caller: Caller = Caller.VISITOR,
+                levers: str | None = None):
+        """EngineKey for the settings, or raise the ShowcaseError saying why not (memoised). `levers`: memory
+        levers (None: the host's)."""
         tp, parallel = key_fields(preset, device, precision, tp)
-        cache_key = (preset, device, precision, tp, parallel, caller)
+        if levers is not None:  # bad text is refused here, never remembered
+            levers = str(MemoryLevers.parse(levers).engine_part())
+        cache_key = (preset, device, precision, tp, parallel, caller, levers)
         with self._lock:
             found = self._keys.get(cache_key)
         if found is None:
             try:
-                found = self.manager.gate.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
+                named = {"levers": levers} if levers is not None else {}  # None: the manager's default
+                found = self.manager.gate.make_key(preset, device, precision, tp, caller=caller, parallel=parallel,
+                                                   **named)
             except ShowcaseError as exc:
                 found = exc
             with self._lock:

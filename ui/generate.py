@@ -19,10 +19,10 @@ from PIL import Image
 
 from engine.config.request import API_FIELDS, FORM_FIELDS, ImageRequest
 from engine.errors import ShowcaseError
-from engine.protocol import EngineKey, Mode, Parallel, Size, parse_lora, ranks_choice
+from engine.protocol import EngineKey, Mode, Parallel, Size, memory_forms, parse_lora, ranks_choice
 from engine.serving import stream
 from engine.serving.gate import Admitted
-from ui import generate_views, views, webtemp
+from ui import generate_views, memory_views, views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, key_fields, to_gradio_error
 from ui.runs import ProgressBar, RunFeed
 
@@ -160,7 +160,7 @@ class GenerateHandlers(HandlerBase):
         return gr.update(visible=p.negative_prompt), gr.update(value=p.steps), gr.update(value=p.guidance)
 
     def select_engine(self, preset: str, device: str, precision: str, mode: str, size: str | None = None,
-                      tp=1):
+                      tp=1, memory: str | None = None):
         """Settings that need another engine start it now (in the background) and say it is loading.
 
         Returns (engine status line, size choices, mode choices). Never blocks: manager.engine()
@@ -170,7 +170,7 @@ class GenerateHandlers(HandlerBase):
         mode_update = gr.update(choices=modes, value=mode if mode in modes else "eager")
         sizes = self.preset_sizes(preset)
         try:
-            key = self.key_for(preset, device, precision, tp)
+            key = self.key_for(preset, device, precision, tp, levers=_given(memory))
             self.manager.engine(key, caller=self.caller())
         except ShowcaseError as exc:
             gr.Warning(str(exc), duration=6)
@@ -190,6 +190,19 @@ class GenerateHandlers(HandlerBase):
         usable = {value for label, value in choices if " · unavailable" not in label}
         return gr.update(choices=choices, value=current if current in usable else "none",
                          info=generate_views.step_cache_reasons(rows) or None)
+
+    def memory_choices(self, preset: str, device: str, precision: str, mode: str, tp=1, current: str | None = None):
+        """The memory lever sets this engine can take on its device, each with its estimated peak and price in
+        time (ui/memory_views.py); a choice the new settings cannot run falls back to the first."""
+        host = self.manager.levers.host_choice()
+        try:
+            rows = self.manager.levers.choices(self.key_for(preset, device, precision, tp), mode)
+        except ShowcaseError:
+            rows = []
+        choices = memory_views.memory_choices(rows, host, self.public) or [("none", "none")]
+        usable = memory_views.usable_values(rows) & {value for _, value in choices}
+        return gr.update(choices=choices, value=current if current in usable else choices[0][1],
+                         info=memory_views.memory_info(rows, host))
 
     def lora_choices(self, preset: str):
         """The new preset's LoRA adapters (none selected)."""
@@ -281,6 +294,7 @@ class GenerateHandlers(HandlerBase):
             # "NAME[:SCALE][:fused]"; the page's slider scale and fused box win
             lora=lora, lora_scale=_given(form.get("lora_scale")) if lora else None,
             lora_fused=bool(form["lora_fused"]) if lora and form.get("lora_fused") is not None else None,
+            memory=_given(form.get("memory")),  # '': the host's levers; "none": no lever
             caller=self.caller(request), client=self.client_of(request),
         )
 
@@ -372,6 +386,8 @@ def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]
                 "lists them; the default preset's: " + (", ".join(lora.name for lora in h.manager.catalog.preset(preset).loras)
                                                         or "none") + "), SCALE 0-2 (default: the style's own) and "
                 ":fused to fold it into the weights (eager mode only)",
+        "memory": "'' for the host's choice, or " + memory_forms()
+                  + " (`python -m engine memory-levers --preset P` lists which run here, with their price)",
     }
 
 
@@ -389,6 +405,7 @@ class GenerateTab:
     steps: gr.Slider
     lora: gr.Dropdown | None = None
     lora_fused: gr.Checkbox | None = None
+    memory: gr.Dropdown | None = None
 
 
 def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> GenerateTab:
@@ -409,7 +426,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
     page.wire_settings(demo, engine_line)
     f = page.form
     return GenerateTab(f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"], f["step_cache"],
-                       f["steps"], f["lora"], f["lora_fused"])
+                       f["steps"], f["lora"], f["lora_fused"], f["memory"])
 
 
 class GeneratePage:
@@ -447,6 +464,7 @@ class GeneratePage:
         form["size"] = gr.Dropdown(views.size_choices(sizes, d.mode, None), value=sizes[0],
                                    label="Resolution bucket", allow_custom_value=True, elem_id="size")
         self._step_cache_and_lora()
+        form["memory"] = self._memory_field()
         form["steps"] = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="steps")
         form["guidance"] = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
                                      elem_id="guidance")
@@ -484,6 +502,15 @@ class GeneratePage:
             form["lora_fused"] = gr.Checkbox(start.fused and name != "none", label="Fuse into the weights (eager only: no per-step "
                                              "LoRA cost, a fuse when the style changes)", elem_id="lora-fused")
 
+    def _memory_field(self) -> gr.Dropdown:
+        """Memory levers: the sets this engine can take here, each with its price; a private host's may type any."""
+        h = self.h
+        update = h.memory_choices(self.preset.name, self.d.device, self.d.precision, self.first_mode,
+                                  ranks_choice(self.d.tp, self.d.parallel))
+        return gr.Dropdown(update["choices"], value=update["value"], info=update["info"], allow_custom_value=not h.public,
+                           interactive=not h.public, label="Memory levers (where the weights live: estimated peak "
+                           "and time beside each)", elem_id="memory")
+
     def outputs(self) -> None:
         with gr.Row(elem_id="gen-buttons"):
             self.generate_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn")
@@ -515,7 +542,7 @@ class GeneratePage:
         defaults = {"prompt": preset.example_prompt, "preset": preset.name, "device": d.device,
                     "precision": d.precision, "mode": d.mode, "seed": "0", "on_cold": d.on_cold,
                     "tp": str(ranks_choice(d.tp, d.parallel)),
-                    "step_cache": d.step_cache}  # size/steps/guidance: "" means the preset's default
+                    "step_cache": d.step_cache}  # size/steps/guidance/memory: "" means the preset's (host's) default
         allowed = api_allowed(self.h, preset.name, d.device)
         self.api_form = {name: api_text(name, defaults.get(name, ""), allowed[name]) for name in GENERATE_API_PARAMS}
         self.api_image = gr.Image(type="pil", format="png", visible=False, label="image")
@@ -550,9 +577,11 @@ class GeneratePage:
         f["preset"].change(h.preset_defaults, f["preset"], [f["negative_prompt"], f["steps"], f["guidance"]], **FAST)
         f["preset"].change(h.lora_choices, f["preset"], f["lora"], **FAST)
         f["lora"].input(h.lora_scale, [f["preset"], f["lora"]], f["lora_scale"], **FAST)
-        engine_settings = [f["preset"], f["device"], f["precision"], f["mode"], f["tp"]]
+        engine_settings = [f["preset"], f["device"], f["precision"], f["mode"], f["tp"], f["memory"]]
         gr.on([c.change for c in engine_settings] + [demo.load], h.select_engine,
-              [f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"]],
+              [f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"], f["memory"]],
               [engine_line, f["size"], f["mode"]], **FAST)
+        gr.on([f[name].change for name in ("preset", "device", "precision", "mode", "tp")], h.memory_choices,
+              [f["preset"], f["device"], f["precision"], f["mode"], f["tp"], f["memory"]], f["memory"], **FAST)
         gr.on([f["preset"].change, f["device"].change, f["mode"].change], h.step_cache_choices,
               [f["preset"], f["device"], f["mode"], f["step_cache"]], f["step_cache"], **FAST)

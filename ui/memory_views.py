@@ -23,3 +23,49 @@ def weights_line(result: dict) -> str:
     """"transformer 0.03 GiB, vae 0.01 GiB, ..." : the engine's weights by component, largest first."""
     rows = sorted((result.get("weights_bytes") or {}).items(), key=lambda kv: -kv[1])
     return ", ".join(f"{name} {gib(size)} GiB" for name, size in rows if size)
+
+
+def size_text(value) -> str:
+    """Bytes as "0.41 GiB", or "38 MiB" below a GiB (the tiny models' levers differ by MiB)."""
+    return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / 2**20:.0f} MiB"
+
+
+def lever_label(row: dict) -> str:
+    """"layerwise:fp8 · ≈ 0.69 GiB peak, weights 12 MiB · ≈ 1.3× the time" (· unavailable: why)."""
+    parts = [row["levers"]]
+    if row.get("device_bytes") is not None:
+        parts.append(f"≈ {size_text(row['device_bytes'])} peak, weights {size_text(row['weights_bytes'])}")
+    parts.append(f"≈ {row['time_factor']:g}× the time")
+    return " · ".join(parts) + (" · unavailable" if row.get("why_not") else "")
+
+
+def host_label(host: str) -> str:
+    return f"host's choice ({host or 'none'})"
+
+
+def memory_choices(rows: list[dict], host: str, public: bool) -> list[tuple[str, str]]:
+    """The Generate page's memory field: (label, value) per lever set the engine can take, its price beside
+    it; first the host's choice ("" the value: what a request naming none gets). A public host keeps the
+    choice: its visitors see only that."""
+    first = [(host_label(host), "")] if host or public else []
+    return first if public else first + [(lever_label(r), r["levers"]) for r in rows]
+
+
+def usable_values(rows: list[dict]) -> set[str]:
+    return {"", *(r["levers"] for r in rows if not r.get("why_not"))}
+
+
+def memory_info(rows: list[dict], host: str) -> str:
+    """Under the field: what the figures are, and why the unavailable sets cannot run here (each reason once)."""
+    size = next((r["size"] for r in rows if r.get("size")), None)
+    unknown = next((r["unknown"] for r in rows if r.get("unknown")), "")
+    head = (f"no memory estimate here ({unknown[:120]}); time against no lever" if unknown else
+            f"estimated peak at {size} (weights as each set leaves them, activations, the process); time against "
+            "no lever" if size else "no memory lever can run with these settings")
+    if host:
+        head += f"; the host's choice: {host}"
+    why: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("why_not"):
+            why.setdefault(r["why_not"], []).append(r["levers"])
+    return ". ".join([head, *(f"Unavailable: {', '.join(names)} ({reason})" for reason, names in why.items())])

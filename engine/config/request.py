@@ -60,6 +60,7 @@ FORM = (
     FormField("seed"), FormField("on_cold"), FormField("tp"), FormField("step_cache"), FormField("lora"),
     FormField("lora_scale", api=False),  # the page's slider; an API caller writes "NAME:SCALE"
     FormField("lora_fused", api=False),  # the page's checkbox; an API caller writes "NAME[:SCALE]:fused"
+    FormField("memory"),  # memory levers: '' the host's, "none" no lever (last: positional callers keep working)
 )
 FORM_FIELDS = tuple(f.name for f in FORM)
 API_FIELDS = tuple(f.name for f in FORM if f.api)

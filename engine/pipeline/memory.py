@@ -202,6 +202,10 @@ def lora_refusal(levers) -> str:
 
 
 # -- applying them (torch from here on) ------------------------------------------------------------
+# Beside diffusers' own skips (norms, embeddings, a top-level proj_in / proj_out), layerwise casting keeps the
+# denoiser's first and last layers under their other names in the compute precision: in fp8, Flux's input
+# projection (x_embedder) alone cost most of the embedded model's fidelity to fp32 (docs/benchmarks.md).
+LAYERWISE_KEEP = ("^x_embedder$", "^conv_in$", "^conv_out$")
 
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -237,6 +241,58 @@ def _offload_folder(cache_path: Path) -> str:
     return folder
 
 
+WEIGHT_ALIGNMENT = 64  # bytes: the widest vector a CPU's matmul kernels align their loads to
+
+
+def weight_phases(module) -> dict:
+    """Each parameter and buffer of `module` -> its address modulo WEIGHT_ALIGNMENT, as loaded."""
+    return {t: t.data_ptr() % WEIGHT_ALIGNMENT for t in (*module.parameters(), *module.buffers())}
+
+
+def _disk_onloads_in_phase(denoiser, phases: dict) -> int:
+    """Each disk-offloaded group's tensors, once read back, at the address (modulo 64 bytes) they had when the
+    engine loaded them. The CPU's matmul kernels split a row differently by its alignment, which changes the
+    summation order: read back from the group files (another layout than the model's own files) the weights
+    moved a large model's image by 1/255 (docs/benchmarks.md). A tensor out of phase is copied once per
+    onload. Returns the groups wrapped."""
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    groups = {}
+    for module in denoiser.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        hook = registry.get_hook(_GROUP_OFFLOADING) if registry is not None else None
+        if hook is not None and getattr(hook.group, "offload_to_disk_path", None):
+            groups[id(hook.group)] = hook.group
+    for group in groups.values():
+        group._onload_from_disk = _in_phase(group, group._onload_from_disk, phases)
+    return len(groups)
+
+
+def _in_phase(group, onload: Callable, phases: dict) -> Callable:
+    def onload_in_phase():
+        onload()
+        for tensor in group.key_to_tensor.values():
+            phase = phases.get(tensor, 0)
+            if tensor.data.data_ptr() % WEIGHT_ALIGNMENT != phase:
+                tensor.data = at_phase(tensor.data, phase)
+    return onload_in_phase
+
+
+def at_phase(tensor, phase: int):
+    """A copy of `tensor` whose address is `phase` modulo WEIGHT_ALIGNMENT (a plain clone where the phase is not
+    a whole number of its elements)."""
+    import torch
+
+    size = tensor.element_size()
+    if phase % size:
+        return tensor.clone()
+    buffer = torch.empty(tensor.numel() + WEIGHT_ALIGNMENT // size, dtype=tensor.dtype, device=tensor.device)
+    shift = ((phase - buffer.data_ptr()) % WEIGHT_ALIGNMENT) // size
+    out = buffer[shift:shift + tensor.numel()].view(tensor.shape)
+    out.copy_(tensor)
+    return out
+
+
 def _group_offload(denoiser, levers: MemoryLevers, device: str, cache_path: Path) -> str:
     import torch
 
@@ -246,7 +302,11 @@ def _group_offload(denoiser, levers: MemoryLevers, device: str, cache_path: Path
         kwargs["num_blocks_per_group"] = levers.group_blocks
     if levers.group_disk:
         kwargs["offload_to_disk_path"] = _offload_folder(cache_path)
+    on_cpu = levers.group_disk and torch.device(device).type == "cpu"  # elsewhere a copy to the device follows
+    phases = weight_phases(denoiser) if on_cpu else {}
     denoiser.enable_group_offload(**kwargs)
+    if on_cpu:
+        _disk_onloads_in_phase(denoiser, phases)
     return f" (files in {kwargs['offload_to_disk_path']})" if levers.group_disk else ""
 
 
@@ -260,9 +320,13 @@ def apply_engine_levers(pipe, denoiser_name: str, levers, device: str, compute_d
     denoiser = getattr(pipe, denoiser_name)
     notices = []
     if levers.layerwise:
+        from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
         storage = torch.float8_e5m2 if levers.layerwise == "fp8-e5m2" else torch.float8_e4m3fn
-        denoiser.enable_layerwise_casting(storage_dtype=storage, compute_dtype=compute_dtype)
-        notices.append(f"layerwise casting: denoiser weights stored in {storage}, computed in {compute_dtype}")
+        denoiser.enable_layerwise_casting(storage_dtype=storage, compute_dtype=compute_dtype,
+                                          skip_modules_pattern=(*DEFAULT_SKIP_MODULES_PATTERN, *LAYERWISE_KEEP))
+        notices.append(f"layerwise casting: denoiser weights stored in {storage}, computed in {compute_dtype} "
+                       "(input and output projections, norms and embeddings keep theirs)")
     if levers.offload == "model":
         pipe.enable_model_cpu_offload(device=device)
         return [*notices, "model offload: each model moves to the device only while it runs"]

@@ -32,7 +32,8 @@ PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "int8wo": 1, "int
 ACTIVATION_PER_TOKEN_DIM = 24.0  # activation bytes per (token x hidden width x dtype byte); docs/benchmarks.md
 TEXT_TOKENS = 512  # Flux's T5 sequence: joint attention runs over image and text tokens
 # diffusers' layerwise casting leaves these modules in the compute precision (DEFAULT_SKIP_MODULES_PATTERN)
-_SKIP_CAST = re.compile(r"pos_embed|patch_embed|norm|^proj_in\.|^proj_out\.")
+# and this engine's own additions (engine/pipeline/memory.py LAYERWISE_KEEP)
+_SKIP_CAST = re.compile(r"pos_embed|patch_embed|norm|^(proj_in|proj_out|x_embedder|conv_in|conv_out)\.")
 _BLOCK = re.compile(r"^(.*blocks)\.(\d+)\.")
 # Parameter counts of published components a preset loads from the Hub, for estimates where they are not
 # downloaded (the denoiser's come from its denoiser_config).
@@ -222,14 +223,24 @@ def choose(estimates: list[Estimate], free_bytes: int | None, policy: str) -> tu
                       f"needs ≈ {smallest.device_bytes / GIB:.2f} GiB")
 
 
+@functools.lru_cache(maxsize=32)
+def _model_at(preset, source: str, precision: str) -> Model:
+    return model_for(preset, Path(source) if Path(source).is_dir() else None, precision)
+
+
+def engine_model(config) -> Model:
+    """The estimate's view of an engine `config` (its weights' headers, read once per source and precision);
+    ShowcaseError where they cannot be read here."""
+    from engine.config.resolve import resolve_source
+
+    return _model_at(config.preset, resolve_source(config), str(config.key.precision))
+
+
 def fitted_levers(config, spec, free_bytes: int | None, policy: str) -> tuple[str, str]:
     """(levers, why) for an engine `config` whose request and host name none, by `policy` (POLICIES), sized
     for its largest bucket; ("", why) where its weights cannot be read here."""
-    from engine.config.resolve import resolve_source
-
     try:
-        source = Path(resolve_source(config))
-        model = model_for(config.preset, source if source.is_dir() else None, str(config.key.precision))
+        model = engine_model(config)
     except ShowcaseError as exc:
         return "", f"{policy}: no estimate ({exc})"
     size = max(config.preset.buckets, key=lambda s: s.pixels)
@@ -267,6 +278,42 @@ class EngineLevers:
                      quantized=bool(key.precision and key.precision.quantized), cpu_offload=self.recipe.cpu_offload)
         return key
 
+    def host_choice(self) -> str:
+        """What an engine gets where nobody names levers: the host's set, "--memory auto|memory" or "" (none)."""
+        if self.default.enabled:
+            return str(self.default)
+        return "" if self.recipe.memory_policy == "speed" else f"--memory {self.recipe.memory_policy}"
+
+    def choices(self, key, mode) -> list[dict]:
+        """Each lever set of CANDIDATES that engine `key` (its own levers aside) can take on its device, fastest
+        first: its estimated peak and weights at the largest bucket (None where the weights cannot be read here),
+        its price in time, and why it cannot run in `mode` or with the key's ranks ("" it can). The Generate
+        page's memory field."""
+        from engine import devices
+        from engine.pipeline.memory import check_levers, excluded_mode
+
+        spec, config = devices.get_device(key.device), self.config_for(key)
+        try:
+            model, unknown = engine_model(config), ""
+        except ShowcaseError as exc:
+            model, unknown = None, str(exc)
+        size = max(config.preset.buckets, key=lambda s: s.pixels)
+        rows = []
+        for levers, factor in CANDIDATES:
+            try:
+                check_levers(levers, spec, tp=key.tp, quantized=str(key.precision) in QUANTIZED)
+            except ShowcaseError as exc:
+                if key.tp > 1 and levers:  # every set is refused the same way: say it once, on each row
+                    rows.append({"levers": levers, "time_factor": factor, "why_not": str(exc)})
+                continue
+            est = None if model is None else model.estimate(levers, size.width, size.height,
+                                                            spec.host_memory_is_device_memory,
+                                                            spec.process_overhead_bytes, factor)
+            rows.append({"levers": levers or "none", "time_factor": factor, "why_not": excluded_mode(levers, mode),
+                         "device_bytes": est and est.device_bytes, "weights_bytes": est and est.weights_bytes,
+                         "size": str(size), "unknown": unknown})
+        return rows
+
     def fitted(self, key) -> str:
         """The levers --memory auto|memory picks for `key`, for the device's budget less what this process holds."""
         from engine import devices
@@ -284,11 +331,9 @@ class EngineLevers:
 def lever_weights(config, weights: int) -> int:
     """What an engine with memory levers holds of `weights` (its key's levers applied to its estimate)."""
     from engine import devices
-    from engine.config.resolve import resolve_source
 
     try:
-        source = Path(resolve_source(config))
-        model = model_for(config.preset, source if source.is_dir() else None, str(config.key.precision))
+        model = engine_model(config)
     except ShowcaseError:
         return weights
     host = devices.get_device(config.key.device).host_memory_is_device_memory
