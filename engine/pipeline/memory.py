@@ -302,7 +302,10 @@ def _group_offload(denoiser, levers: MemoryLevers, device: str, cache_path: Path
         kwargs["num_blocks_per_group"] = levers.group_blocks
     if levers.group_disk:
         kwargs["offload_to_disk_path"] = _offload_folder(cache_path)
-    on_cpu = levers.group_disk and torch.device(device).type == "cpu"  # elsewhere a copy to the device follows
+    from engine import devices
+
+    # where host memory is the device, onloaded weights are used where they land; elsewhere a copy follows
+    on_cpu = levers.group_disk and devices.get_device(device).host_memory_is_device_memory
     phases = weight_phases(denoiser) if on_cpu else {}
     denoiser.enable_group_offload(**kwargs)
     if on_cpu:
