@@ -228,3 +228,11 @@ def fleet_actors_alive() -> list[dict]:
     from ray._private.state import actors
 
     return [a for a in actors().values() if a["State"] == "ALIVE" and "EngineActor" in a["ActorClassName"]]
+
+
+def chromium_env() -> dict:
+    """The browser's environment with TMPDIR at /tmp: an earlier in-process engine may have pointed TMPDIR into
+    a test's folder, and Chromium's singleton socket there passes AF_UNIX's 107-byte path limit."""
+    import os
+
+    return {**os.environ, "TMPDIR": "/tmp"}

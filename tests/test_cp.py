@@ -331,6 +331,9 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
             self.calls.append(spec)
             raise EngineBusy("recorded")
 
+        def cancel(self, request_id):
+            return False
+
     manager = Recorder()
     handlers = GenerateHandlers(manager, UIDefaults(device="cpu", tp=2, parallel="ulysses"))
     run = handlers.generate(prompt="fox", negative_prompt="", preset=PRESET, device="cpu", precision="fp32",

@@ -330,7 +330,6 @@ def test_max_memory_picks_the_fastest_configuration_whose_peak_fits():
 def test_the_advisors_frontier_shows_seconds_against_gib_too():
     from bench.advise_choice import choose
     from bench.advise_report import markdown, memory_frontier
-
     from ui import advisor_views
     from ui.advisor import AdvisorHandlers
 

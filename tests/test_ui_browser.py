@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import launch_demo
+from helpers import chromium_env, launch_demo, wait_until
 
 from engine.config.presets import get_preset
 from engine.config.request import ImageRequest
@@ -47,7 +47,7 @@ def page(app_url):
 
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, env=chromium_env())
         pg = browser.new_page(viewport={"width": 1400, "height": 1000})
         pg.set_default_timeout(30_000)
         pg.app_url = app_url
@@ -373,7 +373,6 @@ def test_compare_cancel_stops_the_comparison(page, manager, monkeypatch):
     test does not depend on how fast a headless browser on a busy machine takes the click.
     """
     blockers: list[str] = []
-    cancelled: list[str] = []
     real_cancel = manager.cancel
 
     def occupy_the_engine():
@@ -394,8 +393,6 @@ def test_compare_cancel_stops_the_comparison(page, manager, monkeypatch):
         time.sleep(0.05)
     try:
         assert len(blockers) == len(busy), "the engine never took the blocking requests"
-        monkeypatch.setattr(manager, "cancel", lambda request_id: cancelled.append(request_id) or
-                            real_cancel(request_id))
         outcomes, submitted = spy_on_generate(manager, monkeypatch)
         steps = page.locator("#c-steps input[type=number]")
         steps.fill("200")
@@ -403,9 +400,8 @@ def test_compare_cancel_stops_the_comparison(page, manager, monkeypatch):
         page.click("#compare-btn")
         assert submitted.wait(60)  # the first configuration's request is queued behind the blockers
         page.click("#c-cancel-btn")
-        while not cancelled and time.monotonic() < deadline + 60:  # Gradio closed the handler
-            time.sleep(0.05)
-        assert cancelled, "the Cancel button did not stop the comparison"
+        # Gradio closed the handler, which cancelled its request: it ends while the blockers still run
+        wait_until(lambda: outcomes, 120, message="the Cancel button did not stop the comparison")
     finally:
         for request_id in blockers:
             real_cancel(request_id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import launch_demo
+from helpers import chromium_env, launch_demo
 
 from ui.handlers import UIDefaults
 
@@ -32,7 +32,7 @@ def page(manager):
     ARTIFACTS.mkdir(exist_ok=True)
     demo, url = launch_demo(manager, UIDefaults())
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM),
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), env=chromium_env(),
                                     args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         pg = browser.new_page(viewport={"width": 1280, "height": 800})
         pg.set_default_timeout(60_000)
