@@ -136,15 +136,18 @@ def test_a_node_removed_mid_request_fails_that_request_naming_it_and_the_next_ru
         ray_cluster.wait_for_nodes()
 
 
-def test_sigterm_on_the_app_leaves_no_actor_and_no_engine_process(cache_dir, tiny_models, ray_cluster):
+def test_sigterm_on_the_app_leaves_no_actor_and_no_engine_process(cache_dir, tiny_models, ray_cluster, tmp_path):
     import psutil
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "SHOWCASE_CACHE_DIR": str(cache_dir)}
-    app = subprocess.Popen([sys.executable, "app.py", "--ray", ray_cluster.address, "--device", "cpu", "--mode",
-                            "eager", "--warm", "none", "--port", str(free_port()), "--no-mcp"], cwd=REPO, env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "app.log"  # a file, not an unread pipe: a full pipe would block the app's logging
+    with log.open("w") as out:
+        app = subprocess.Popen([sys.executable, "app.py", "--ray", ray_cluster.address, "--device", "cpu", "--mode",
+                                "eager", "--warm", "none", "--port", str(free_port()), "--no-mcp"], cwd=REPO,
+                               env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
-        actors = wait_until(fleet_actors_alive, 180, interval=0.5, message="the app's engine actor alive")
+        actors = wait_until(fleet_actors_alive, 180, interval=0.5,
+                            message=lambda: f"the app's engine actor alive (app log: {log.read_text()[-3000:]})")
         pid = actors[0]["Pid"]
         app.send_signal(signal.SIGTERM)
         app.wait(30)

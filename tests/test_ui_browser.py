@@ -452,6 +452,9 @@ def test_compare_price_reads_at_1280x800(page):
             assert re.match(r"fidelity: \d+ % \(\d/4 prompts\) · ", fidelity.inner_text())
             for part in (card.locator(".c-time"), drift, fidelity, card.locator("img").first):
                 assert in_view(page, part), f"card {i}: {part} is not in view"
+        # the cards come after the quality images; the paired speedups after the timing rounds that follow
+        page.wait_for_function("document.querySelector('#c-speedup').innerText.includes('(reference, ')",
+                               timeout=300_000)
         page.screenshot(path=str(ARTIFACTS / "ui_compare_1280.png"))
         table = page.locator("#c-speedup")
         table.scroll_into_view_if_needed()
