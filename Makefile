@@ -29,9 +29,9 @@ run: setup
 browser:
 	@[ -x /usr/bin/chromium ] || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
 
-# One process by default: the fleet and TP tests check the whole host for leftover ranks and actors, which a
-# second worker's own ranks fail. TEST_WORKERS=2: two pytest-xdist workers, each module whole on one.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers, each module whole on one (its module fixtures built once); the modules that start
+# torchrun ranks or a Ray cluster share one group. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: setup browser
 	HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
 		--no-loadscope-reorder --durations=15 $(PYTEST_ARGS)

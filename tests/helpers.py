@@ -97,6 +97,20 @@ def process_gone(process: int | psutil.Process) -> bool:
         return True
 
 
+def own_processes(text: str) -> list[dict]:
+    """This test process's descendants whose command line holds `text` (pid, cmdline): a Ray cluster or a
+    torchrun group it started, never another pytest worker's."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+            if text in cmdline and child.status() != psutil.STATUS_ZOMBIE:
+                found.append({"pid": child.pid, "cmdline": cmdline})
+        except psutil.Error:  # gone meanwhile
+            continue
+    return found
+
+
 # -- engines -------------------------------------------------------------------------------------------
 REQUEST_DEFAULTS = dict(prompt="a red fox", width=64, height=64, steps=4, guidance=3.5, seed=0, mode="eager")
 

@@ -13,7 +13,16 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import engine_manager, fleet_actors_alive, fleet_node_args, free_port, make_request, wait_until
+from helpers import (
+    engine_manager,
+    fleet_actors_alive,
+    fleet_node_args,
+    free_port,
+    make_request,
+    own_processes,
+    process_gone,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow  # a Ray cluster, actors that import torch and load a pipeline
 
@@ -137,8 +146,6 @@ def test_a_node_removed_mid_request_fails_that_request_naming_it_and_the_next_ru
 
 
 def test_sigterm_on_the_app_leaves_no_actor_and_no_engine_process(cache_dir, tiny_models, ray_cluster, tmp_path):
-    import psutil
-
     env = {**os.environ, "PYTHONPATH": str(REPO), "SHOWCASE_CACHE_DIR": str(cache_dir)}
     log = tmp_path / "app.log"  # a file, not an unread pipe: a full pipe would block the app's logging
     with log.open("w") as out:
@@ -153,11 +160,8 @@ def test_sigterm_on_the_app_leaves_no_actor_and_no_engine_process(cache_dir, tin
         app.wait(30)
         wait_until(lambda: not fleet_actors_alive(), 10, interval=0.2, message="no engine actor left")
         if pid:
-            wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
-                       10, message=f"the actor's process {pid} gone")
-        left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
-                if "EngineActor" in " ".join(p.info["cmdline"] or [])]
-        assert left == []
+            wait_until(lambda: process_gone(pid), 10, message=f"the actor's process {pid} gone")
+        assert own_processes("EngineActor") == []
     finally:
         if app.poll() is None:
             app.kill()
@@ -319,7 +323,6 @@ def test_a_node_that_joins_later_is_listed_and_used_by_its_chip(fleet_manager, r
 
 def test_a_tensor_parallel_engine_runs_its_ranks_on_one_node_and_leaves_nothing(cache_dir, tiny_models,
                                                                                ray_cluster):
-    import psutil
     from ray.util import placement_group_table
 
     from engine.config.request import ImageRequest
@@ -336,6 +339,4 @@ def test_a_tensor_parallel_engine_runs_its_ranks_on_one_node_and_leaves_nothing(
     wait_until(lambda: not fleet_actors_alive(), 15, message="the engine actor gone")
     wait_until(lambda: not [g for g in placement_group_table().values() if g["state"] == "CREATED"], 15,
                message="the placement group removed")
-    wait_until(lambda: not [p for p in psutil.process_iter(["cmdline"])
-                            if "engine.tp.sidecar" in " ".join(p.info["cmdline"] or [])], 15,
-               message="no rank left")
+    wait_until(lambda: not own_processes("engine.tp.sidecar"), 15, message="no rank left")
