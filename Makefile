@@ -33,7 +33,7 @@ browser:
 # torchrun ranks or a Ray cluster share one group. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: setup browser
-	HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
+	HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope \
 		--no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 lint: setup

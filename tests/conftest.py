@@ -30,25 +30,39 @@ def cache_dir() -> Path:
 
 
 # Under `pytest -n 2` (pytest-xdist) each module runs whole on one worker, so a module's fixtures are built once.
-# These modules start torchrun ranks or look for them host-wide (test_fleet waits for "no rank left"): they
-# share one group, so they never run beside each other.
+# These modules start torchrun ranks or a Ray cluster: they share one group, so they never run beside each other.
 HOST_WIDE_PROCESSES = {"test_tp.py", "test_tp_multinode.py", "test_cp.py", "test_fleet.py"}
 
 
+def test_group(nodeid: str) -> str:
+    """The unit of work a test is handed out in: its module, or the host-wide group."""
+    module = nodeid.split("::", 1)[0].split("@", 1)[0]
+    return "host-wide-processes" if Path(module).name in HOST_WIDE_PROCESSES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Hand out whole modules (and the host-wide group). xdist's own `--dist loadgroup` marks do not group
+    under pytest 9.2 (it renames `item._nodeid`, which pytest no longer reads), so the grouping is ours."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    return ModuleGroups(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    groups = {}
-    for item in items:
-        group = "host-wide-processes" if item.path.name in HOST_WIDE_PROCESSES else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
-        groups[item.nodeid] = group
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # Longest first (make test passes --no-loadscope-reorder, so this is the order the groups are handed
         # out): a group's slow and browser tests stand for its time, the quick modules fill in at the end.
         weight = {}
         for item in items:
             heavy = item.get_closest_marker("slow") or item.get_closest_marker("browser")
-            weight[groups[item.nodeid]] = weight.get(groups[item.nodeid], 0) + (1 if heavy else 0)
-        items.sort(key=lambda item: -weight[groups[item.nodeid]])  # stable: a module keeps its own order
+            group = test_group(item.nodeid)
+            weight[group] = weight.get(group, 0) + (1 if heavy else 0)
+        items.sort(key=lambda item: -weight[test_group(item.nodeid)])  # stable: a module keeps its own order
 
 
 @pytest.fixture(scope="session")

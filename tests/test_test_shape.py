@@ -233,3 +233,35 @@ def test_modules_that_look_for_processes_host_wide_run_apart_under_xdist():
     print(f"modules in the host-wide group: {sorted(HOST_WIDE_PROCESSES)}")
     assert scanning - {"test_test_shape.py"} <= HOST_WIDE_PROCESSES
     assert all((TESTS / name).is_file() for name in HOST_WIDE_PROCESSES), "a module in the group was renamed"
+
+
+def test_two_workers_get_whole_modules_and_the_host_wide_group_together(tmp_path):
+    """`make test`'s two xdist workers: every test of a module on one worker, and the host-wide group's
+    modules on one worker, with this folder's own conftest (its scheduler) doing the grouping."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import HOST_WIDE_PROCESSES
+
+    (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    log = tmp_path / "workers.log"
+    body = "import os\n" + "".join(
+        f"def test_{i}():\n    open({str(log)!r}, 'a').write(__name__ + ' ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+        for i in range(4))
+    host_wide = sorted(HOST_WIDE_PROCESSES)[:2]
+    for name in [*host_wide, "test_alpha.py", "test_beta.py", "test_gamma.py"]:
+        (tmp_path / name).write_text(body)
+    env = {**os.environ, "SHOWCASE_TEST_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadscope",
+                          "--no-loadscope-reorder", "-p", "no:cacheprovider", "-p", "no:randomly", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    workers: dict[str, set[str]] = {}
+    for line in log.read_text().splitlines():
+        module, worker = line.split()
+        workers.setdefault(module, set()).add(worker)
+    print(f"workers per module: {workers}")
+    assert len(workers) == 5 and all(len(w) == 1 for w in workers.values()), workers
+    first, second = (Path(name).stem for name in host_wide)
+    assert workers[first] == workers[second]
