@@ -221,12 +221,8 @@ class WorkerLoop:
         record = self._records.get(message.request_id)
         if record is not None:
             record.cancel.set()
-            # Still waiting: answered now, so its caller (and its place in the client's queue count) does not
-            # wait for the requests ahead of it to run; one already taken for a call stops at its flag.
-            if (request := self.batcher.withdraw(message.request_id)) is not None:
-                self.send(RequestFailed(request.request_id, Cancelled(
-                    f"request {request.request_id} cancelled before it started")))
-                self._forget(request)
+            if (request := self.batcher.withdraw(message.request_id)) is not None:  # still queued: answered now
+                self._cancelled_before_start(request)
             return
         # Not received yet (or long finished): kept, bounded, in case its Generate follows.
         self._early_cancels[message.request_id] = True
