@@ -332,10 +332,20 @@ def test_the_board_shows_a_bucket_becoming_warm(page):
     page.screenshot(path=str(ARTIFACTS / "ui_board.png"), full_page=True)
 
 
-def test_compare_shows_latencies_speedups_and_images_side_by_side(page):
+def open_compare(page) -> None:
+    """The Compare tab at the WATCHED size, the page loaded first where no earlier test has (a test run alone)."""
+    if not page.url.startswith(page.app_url):
+        page.goto(page.app_url)
+        page.wait_for_selector("#generate-btn")
+        page.wait_for_function("document.querySelector('#engine-line').innerText.includes('Ready')",
+                               timeout=180_000)
     page.get_by_role("tab", name="Compare").click()
     choose(page, "c-size", WATCHED)
     page.keyboard.press("Escape")
+
+
+def test_compare_shows_latencies_speedups_and_images_side_by_side(page):
+    open_compare(page)
     page.click("#compare-btn")
     page.wait_for_function("document.querySelectorAll('#c-speedup .virtual-body [role=row]').length === 2", timeout=240_000)
     # The images are on the cards (the gallery sits in a closed accordion), one per configuration.
@@ -365,8 +375,6 @@ def test_compare_shows_latencies_speedups_and_images_side_by_side(page):
     page.screenshot(path=str(ARTIFACTS / "ui_compare.png"), full_page=True)
 
 
-@pytest.mark.xfail(reason="since requests read one event stream, the Cancel button stops the request (checked "
-                   "first) but the page shows no 'Cancelled' toast within 30 s: open, see the closing note", strict=False)
 def test_compare_cancel_stops_the_comparison(page, manager, monkeypatch):
     """Cancel while the first configuration's request waits in its engine's queue: it never runs, nor
     does the second configuration, and the page shows both cancelled.
@@ -374,6 +382,7 @@ def test_compare_cancel_stops_the_comparison(page, manager, monkeypatch):
     Requests that are not the page's keep the engine busy until the page's request is cancelled, so the
     test does not depend on how fast a headless browser on a busy machine takes the click.
     """
+    open_compare(page)
     blockers: list[str] = []
     real_cancel = manager.cancel
 
@@ -402,8 +411,11 @@ def test_compare_cancel_stops_the_comparison(page, manager, monkeypatch):
         page.click("#compare-btn")
         assert submitted.wait(60)  # the first configuration's request is queued behind the blockers
         page.click("#c-cancel-btn")
-        # Gradio closed the handler, which cancelled its request: it ends while the blockers still run
+        # Gradio closed the handler, which cancelled its request: it ends while the blockers still run (the
+        # engine answers a cancelled request that waits at once, not when its turn comes: the page's 4 s
+        # toast was long gone by then)
         wait_until(lambda: outcomes, 120, message="the Cancel button did not stop the comparison")
+        assert all(thread.is_alive() for thread in busy), "the page's request was answered only at its turn"
     finally:
         for request_id in blockers:
             real_cancel(request_id)

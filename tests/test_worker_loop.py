@@ -16,6 +16,7 @@ from engine.pipeline.runner import BucketBoard
 from engine.protocol import (
     BucketKey,
     BucketState,
+    Cancel,
     CompileGranted,
     CompileWanted,
     EngineKey,
@@ -176,6 +177,49 @@ def test_the_app_and_the_cli_start_engines_with_the_test_hooks_off():
     assert Faults(EngineOptions().testing).should_fail_compile() is False
     with pytest.raises(InvalidRequest, match="fault injection is off"):
         Faults(EngineOptions().testing).arm(Fault.OOM)
+
+
+class _HeldRunner(_Runner):
+    """Its generate runs until the test lets it finish (`finish`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.finish = threading.Event()
+
+    def generate(self, request, on_step=None, cancel=None):
+        self.generating.set()
+        assert self.finish.wait(30)
+        self.ran_at.append(BucketState.COLD)  # eager: its bucket is not on the board
+        timings = Timings(step_ms=(1.0,), encode_ms=0, denoise_ms=1, decode_ms=0, total_ms=1)
+        return GenerateResult(request.request_id, KEY, request.bucket, b"", timings, warm=False,
+                              eager_fallback=False, recompiles=0, peak_memory_bytes=None, steps=request.steps)
+
+
+def test_a_waiting_request_cancelled_is_answered_at_once_not_at_its_turn():
+    """A Compare cancelled while its request waited behind others: its answer came only when the requests
+    ahead had run (~20 s), so its caller waited that long. The receiver answers it at once (before it handles
+    the next message: no timing involved), and the serving loop never runs it."""
+    runner = _HeldRunner()
+    ours, received, serving = start_loop(runner)
+    ahead, waiting, after = make_request(), make_request(), make_request()
+    try:
+        ours.send(Generate(ahead))
+        assert runner.generating.wait(30)  # the serving thread is busy with `ahead`
+        ours.send(Generate(waiting))
+        ours.send(Cancel(waiting.request_id))
+        ours.send(InjectFault(Fault.OOM))  # answered by the receiver right after the cancel: a marker
+        first = _next(received, RequestFailed)
+        assert first.request_id == waiting.request_id and "cancelled before it started" in str(first.error), first
+        assert "fault injection is off" in str(_next(received, RequestFailed).error)
+        ours.send(Generate(after))
+        runner.finish.set()
+        assert [_next_result(received).request_id for _ in range(2)] == [ahead.request_id, after.request_id]
+        assert len(runner.ran_at) == 2  # the cancelled one never ran
+    finally:
+        runner.finish.set()
+        ours.send(Shutdown())
+        ours.close()
+        serving.join(10)
 
 
 class _SlowBackgroundRunner(_Runner):

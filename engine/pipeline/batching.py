@@ -23,7 +23,7 @@ window slides with each joiner). A lone request waits `wait_ms`; a burst that re
 request at a time through the web server still forms one call; the first of a group waits at most
 (max_batch − 1) × `wait_ms`, and only while requests keep joining.
 Requests that queued while the previous call ran are already waiting, so under load the window costs
-nothing.
+nothing. A request cancelled while it waits leaves the queue at once (`withdraw`).
 
 Fair between clients: the next call's first request is the oldest waiting one of the client whose last
 turn is the longest ago (a client never served yet goes first), so one visitor's queued requests delay
@@ -131,6 +131,21 @@ class Gatherer:
         """Requests waiting (the source's and the backlog's)."""
         with self._lock:
             return len(self._backlog) + self.source.qsize()
+
+    def withdraw(self, request_id: str) -> GenerateRequest | None:
+        """Take a waiting request out of the queue (a cancel: it is answered now, not when its turn comes);
+        None when it is not waiting, i.e. already taken for a call (its cancel flag stops it there)."""
+        with self._lock:
+            for item in self._backlog:
+                if item.request_id == request_id:
+                    self._backlog.remove(item)
+                    return item
+            with self.source.mutex:  # still in the receiver's queue: a blocked get() waits on, unharmed
+                for item in self.source.queue:
+                    if item is not None and item.request_id == request_id:
+                        self.source.queue.remove(item)
+                        return item
+        return None
 
     def _pop(self, block: bool, timeout: float | None = None):
         with self._lock:

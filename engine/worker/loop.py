@@ -221,6 +221,8 @@ class WorkerLoop:
         record = self._records.get(message.request_id)
         if record is not None:
             record.cancel.set()
+            if (request := self.batcher.withdraw(message.request_id)) is not None:  # still queued: answered now
+                self._cancelled_before_start(request)
             return
         # Not received yet (or long finished): kept, bounded, in case its Generate follows.
         self._early_cancels[message.request_id] = True
