@@ -10,17 +10,61 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import settings
 from engine.config import caches
-from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
+from engine.config.flags import (
+    add_engine_arguments,
+    add_fields,
+    from_args,
+    options_from_args,
+    presets_from_args,
+)
 from engine.config.presets import load_presets
 from engine.config.request import ImageRequest
 from engine.config.resolve import Catalog, resolve_source
 from engine.errors import ShowcaseError
 from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel, Size, step_cache_forms
+from engine.protocol.flagfields import SWITCH, flag
 from engine.worker.logs import quiet_third_party
+
+# Each sub-command's own flags are the fields of its dataclass below (engine/config/flags.py `add_fields` makes
+# a field with `flag(...)` metadata its flag); the command reads them back with `from_args`. The engine flags
+# (add_engine_arguments) are the config dataclasses' own.
+MODES = ", ".join(Mode.values())
+
+
+@dataclass(frozen=True)
+class GenerateFlags:
+    """`generate`: one request, and what to do with its image."""
+
+    preset: str = field(default=DEFAULT_PRESET, metadata=flag())
+    device: str = field(default="auto", metadata=flag())
+    precision: str = field(default="fp32", metadata=flag())
+    mode: str = field(default="eager", metadata=flag(MODES))
+    size: str | None = field(default=None, metadata=flag(
+        "WIDTHxHEIGHT (snapped to the nearest bucket unless --no-snap)"))
+    no_snap: bool = field(default=False, metadata=flag("refuse sizes that are not a bucket", kind=SWITCH))
+    steps: int | None = field(default=None, metadata=flag(check=int))
+    guidance: float | None = field(default=None, metadata=flag(check=float))
+    seed: int = field(default=0, metadata=flag(check=int))
+    prompt: str | None = field(default=None, metadata=flag("default: the preset's first example prompt"))
+    negative_prompt: str | None = field(default=None, metadata=flag())
+    on_cold: str = field(default=OnCold.WAIT.value, metadata=flag(
+        "at a bucket that is not compiled yet: wait for the compile, or run eagerly", choices=OnCold.values()))
+    cache: str = field(default="none", metadata=flag(
+        f"step cache: {step_cache_forms()} (`python -m engine step-caches` lists which run here)", metavar="TEXT"))
+    lora: str | None = field(default=None, metadata=flag(
+        "one of the preset's LoRA adapters (`python -m engine presets` lists them), scale 0-2 (default: the "
+        "preset's)", metavar="NAME[:SCALE]"))
+    tp: int = field(default=1, metadata=flag("run the engine over N ranks (torchrun sidecar)", check=int))
+    parallel: str = field(default=Parallel.TENSOR.value, metadata=flag(
+        "how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring (context parallel: "
+        "tokens split)", choices=Parallel.values()))
+    out: str | None = field(default=None, metadata=flag("write the PNG here"))
+    json: bool = field(default=False, metadata=flag("print one JSON object with the timings", kind=SWITCH))
 
 
 def oneshot_runtime(mode: Mode, tp: int, device: str) -> str:
@@ -40,29 +84,31 @@ def cmd_generate(args) -> int:
     from engine.serving import stream
     from engine.serving.manager import make_manager
 
+    o = from_args(GenerateFlags, args)
     settings.workers_at_own_priority()
-    size = Size.parse(args.size) if args.size else None
+    size = Size.parse(o.size) if o.size else None
     # A one-shot run warms only the bucket it needs, and waits for it unless --on-cold eager.
-    mode = Mode.parse(args.mode, "mode")
+    mode = Mode.parse(o.mode, "mode")
     # A one-shot run that names a style gets the LoRA slot; one that does not pays nothing for it.
-    overrides = {"loras": True} if args.lora else {}
+    overrides = {"loras": True} if o.lora else {}
     manager = make_manager(args, options_from_args(args, warm_sizes=(), warm_modes=(mode,), **overrides),
-                           runtime=oneshot_runtime(mode, args.tp, args.device))
+                           runtime=oneshot_runtime(mode, o.tp, o.device))
+    preset = args.preset  # with --model, make_manager (presets_from_args) named the model's own preset here
     try:
-        prompt = args.prompt if args.prompt is not None else manager.catalog.preset(args.preset).example_prompt
+        prompt = o.prompt if o.prompt is not None else manager.catalog.preset(preset).example_prompt
         # the request's event stream, read to its end (Ctrl-C closes it, which cancels the request)
-        result = stream.generate(manager, ImageRequest(preset=args.preset, device=args.device,
-                                                       precision=args.precision, mode=mode, size=size, prompt=prompt,
-                                                       negative_prompt=args.negative_prompt, steps=args.steps,
-                                                       guidance=args.guidance, seed=args.seed, tp=args.tp,
-                                                       parallel=args.parallel, snap=not args.no_snap,
-                                                       on_cold=args.on_cold, step_cache=args.cache, lora=args.lora))
+        result = stream.generate(manager, ImageRequest(preset=preset, device=o.device, precision=o.precision,
+                                                       mode=mode, size=size, prompt=prompt,
+                                                       negative_prompt=o.negative_prompt, steps=o.steps,
+                                                       guidance=o.guidance, seed=o.seed, tp=o.tp,
+                                                       parallel=o.parallel, snap=not o.no_snap,
+                                                       on_cold=o.on_cold, step_cache=o.cache, lora=o.lora))
     finally:
         manager.shutdown()
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_bytes(result.image_png)
-    if args.json:
+    if o.out:
+        Path(o.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(o.out).write_bytes(result.image_png)
+    if o.json:
         print(json.dumps(result.as_dict(), indent=None))
     else:
         t = result.timings
@@ -76,16 +122,23 @@ def cmd_generate(args) -> int:
             print(f"  LoRA {result.lora} at scale {result.lora_scale:g} (rank {result.lora_rank}{swap})")
         for notice in result.notices:
             print(f"  note: {notice}")
-        if args.out:
-            print(f"wrote {args.out}")
+        if o.out:
+            print(f"wrote {o.out}")
     return 0
+
+
+@dataclass(frozen=True)
+class ListFlags:
+    """`devices`, `presets`: a table, or JSON."""
+
+    json: bool = field(default=False, metadata=flag(kind=SWITCH))
 
 
 def cmd_devices(args) -> int:
     from engine.devices import devices_report
 
     report = devices_report()
-    if args.json:
+    if from_args(ListFlags, args).json:
         print(json.dumps(report, indent=2))
     else:
         for d in report:
@@ -96,7 +149,7 @@ def cmd_devices(args) -> int:
 
 def cmd_presets(args) -> int:
     presets = load_presets()
-    if args.json:
+    if from_args(ListFlags, args).json:
         print(json.dumps([p.describe() for p in presets.values()], indent=2))
         return 0
     for p in presets.values():
@@ -107,15 +160,25 @@ def cmd_presets(args) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class AttentionFlags:
+    """`attention`: the backends of one device at one precision."""
+
+    device: str = field(default="auto", metadata=flag())
+    precision: str = field(default="bf16", metadata=flag("flash, cuDNN, sage and FA3 kernels take bf16/fp16 only"))
+    json: bool = field(default=False, metadata=flag(kind=SWITCH))
+
+
 def cmd_attention(args) -> int:
     from engine import devices
     from engine.pipeline import attention
 
-    spec = devices.resolve_device(args.device) if args.device == devices.AUTO else devices.get_device(args.device)
+    o = from_args(AttentionFlags, args)
+    spec = devices.resolve_device(o.device) if o.device == devices.AUTO else devices.get_device(o.device)
     available = spec.probe()
-    precision = devices.plan_precision(spec, args.precision).precision if available.available else args.precision
+    precision = devices.plan_precision(spec, o.precision).precision if available.available else o.precision
     rows = attention.attention_table(spec, precision)
-    if args.json:
+    if o.json:
         print(json.dumps({"device": spec.name, "available": available.available, "reason": available.reason,
                           "precision": str(precision), "backends": rows}, indent=2))
         return 0
@@ -130,15 +193,16 @@ def cmd_export(args) -> int:
     from engine.pipeline import runner
 
     catalog = Catalog(*presets_from_args(args))
-    key = catalog.make_key(args.preset, args.device, args.precision)
+    o = from_args(ExportFlags, args)  # after presets_from_args: --model names its own preset
+    key = catalog.make_key(o.preset, o.device, o.precision)
     cache = caches.prepare_cache_dir(args.cache_dir or settings.cache_dir())
     for notice in cache.notices:
         print(f"warning: {notice}", file=sys.stderr)
     options = catalog.options_for(key, options_from_args(args, warm_sizes=(), warm_modes=()))
     config = catalog.config(key, options, cache.path)
-    sizes = tuple(Size.parse(s) for s in args.sizes.split(",") if s.strip()) if args.sizes else None
-    rows = runner.export_aot_packages(config, sizes, rebuild=args.rebuild, progress=not args.no_progress)
-    if args.json:
+    sizes = tuple(Size.parse(s) for s in o.sizes.split(",") if s.strip()) if o.sizes else None
+    rows = runner.export_aot_packages(config, sizes, rebuild=o.rebuild, progress=not o.no_progress)
+    if o.json:
         print(json.dumps(rows, indent=2))
     else:
         for r in rows:
@@ -146,62 +210,47 @@ def cmd_export(args) -> int:
             print(f"{r['bucket']:16s} {what}  ({r['seconds']:.1f} s)")
         print(f"packages in {settings.aot_dir() or config.cache_path() / 'aot'}")
     ok = all(r["state"] == "warm" for r in rows)
-    if ok and args.push_to:
+    if ok and o.push_to:
         from engine.pipeline import aot_hub
 
-        url = aot_hub.push_packages(args.push_to, settings.aot_dir() or config.cache_path() / "aot", preset=key.preset)
-        print(f"pushed to {args.push_to}: {url}", file=sys.stderr)
+        url = aot_hub.push_packages(o.push_to, settings.aot_dir() or config.cache_path() / "aot", preset=key.preset)
+        print(f"pushed to {o.push_to}: {url}", file=sys.stderr)
     return 0 if ok else 1
 
 
 def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate one image and print its timings")
-    g.add_argument("--preset", default=DEFAULT_PRESET)
-    g.add_argument("--device", default="auto")
-    g.add_argument("--precision", default="fp32")
-    g.add_argument("--mode", default="eager", help=", ".join(Mode.values()))
-    g.add_argument("--size", default=None, help="WIDTHxHEIGHT (snapped to the nearest bucket unless --no-snap)")
-    g.add_argument("--no-snap", action="store_true", help="refuse sizes that are not a bucket")
-    g.add_argument("--steps", type=int, default=None)
-    g.add_argument("--guidance", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--prompt", default=None, help="default: the preset's first example prompt")
-    g.add_argument("--negative-prompt", default=None)
-    g.add_argument("--on-cold", choices=OnCold.values(), default=OnCold.WAIT.value,
-                   help="at a bucket that is not compiled yet: wait for the compile, or run eagerly")
-    g.add_argument("--cache", default="none", metavar="TEXT",
-                   help=f"step cache: {step_cache_forms()} (`python -m engine step-caches` lists which run here)")
-    g.add_argument("--lora", default=None, metavar="NAME[:SCALE]",
-                   help="one of the preset's LoRA adapters (`python -m engine presets` lists them), scale 0-2 "
-                        "(default: the preset's)")
-    g.add_argument("--tp", type=int, default=1, help="run the engine over N ranks (torchrun sidecar)")
-    g.add_argument("--parallel", choices=Parallel.values(), default=Parallel.TENSOR.value,
-                   help="how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring "
-                        "(context parallel: tokens split)")
-    g.add_argument("--out", default=None, help="write the PNG here")
-    g.add_argument("--json", action="store_true", help="print one JSON object with the timings")
+    add_fields(g, GenerateFlags)
     add_engine_arguments(g)
     g.set_defaults(func=cmd_generate)
 
 
 def add_devices_parser(sub) -> None:
     d = sub.add_parser("devices", help="list devices: available, or why not")
-    d.add_argument("--json", action="store_true")
+    add_fields(d, ListFlags)
     d.set_defaults(func=cmd_devices)
 
 
 def add_presets_parser(sub) -> None:
     p = sub.add_parser("presets", help="list model presets and their buckets")
-    p.add_argument("--json", action="store_true")
+    add_fields(p, ListFlags)
     p.set_defaults(func=cmd_presets)
 
 
 def add_attention_parser(sub) -> None:
     a = sub.add_parser("attention", help="list diffusers attention backends: which can run here, and why not")
-    a.add_argument("--device", default="auto")
-    a.add_argument("--precision", default="bf16", help="flash, cuDNN, sage and FA3 kernels take bf16/fp16 only")
-    a.add_argument("--json", action="store_true")
+    add_fields(a, AttentionFlags)
     a.set_defaults(func=cmd_attention)
+
+
+@dataclass(frozen=True)
+class StepCacheFlags:
+    """`step-caches`: which caches run for a preset on a device in a mode."""
+
+    preset: str = field(default=DEFAULT_PRESET, metadata=flag())
+    device: str = field(default="auto", metadata=flag())
+    mode: str = field(default="eager", metadata=flag(MODES))
+    json: bool = field(default=False, metadata=flag(kind=SWITCH))
 
 
 def cmd_step_caches(args) -> int:
@@ -209,38 +258,50 @@ def cmd_step_caches(args) -> int:
     from engine.pipeline import stepcache
 
     catalog = Catalog(*presets_from_args(args))
-    preset = catalog.preset(args.preset)
-    spec = devices.resolve_device(args.device) if args.device == devices.AUTO else devices.get_device(args.device)
-    rows = stepcache.available_step_caches(preset, spec, args.mode)
-    if args.json:
-        print(json.dumps({"preset": preset.name, "device": spec.name, "mode": args.mode, "caches": rows}, indent=2))
+    o = from_args(StepCacheFlags, args)  # after presets_from_args: --model names its own preset
+    preset = catalog.preset(o.preset)
+    spec = devices.resolve_device(o.device) if o.device == devices.AUTO else devices.get_device(o.device)
+    rows = stepcache.available_step_caches(preset, spec, o.mode)
+    if o.json:
+        print(json.dumps({"preset": preset.name, "device": spec.name, "mode": o.mode, "caches": rows}, indent=2))
         return 0
-    print(f"step caches for {preset.name} on {spec.label} [{spec.name}], mode {args.mode}")
+    print(f"step caches for {preset.name} on {spec.label} [{spec.name}], mode {o.mode}")
     print(stepcache.format_table(rows))
     return 0
 
 
 def add_step_caches_parser(sub) -> None:
     s = sub.add_parser("step-caches", help="list diffusers step caches: which can run for a preset here, and why not")
-    s.add_argument("--preset", default=DEFAULT_PRESET)
-    s.add_argument("--device", default="auto")
-    s.add_argument("--mode", default="eager", help=", ".join(Mode.values()))
-    s.add_argument("--json", action="store_true")
+    add_fields(s, StepCacheFlags)
     add_engine_arguments(s)
     s.set_defaults(func=cmd_step_caches)
+
+
+@dataclass(frozen=True)
+class MemoryLeverFlags:
+    """`memory-levers`: the levers of a device (and mode), or a preset's estimate per lever set."""
+
+    device: str = field(default="auto", metadata=flag())
+    mode: str | None = field(default=None, metadata=flag("only as combined with this mode: " + MODES))
+    preset: str | None = field(default=None, metadata=flag("estimate this preset's memory with each lever set instead"))
+    precision: str = field(default="bf16", metadata=flag())
+    size: str | None = field(default=None, metadata=flag("WxH (default: the preset's largest bucket)"))
+    free: str | None = field(default=None, metadata=flag("the memory --memory auto fits, e.g. 22GiB", metavar="SIZE"))
+    json: bool = field(default=False, metadata=flag(kind=SWITCH))
 
 
 def cmd_memory_levers(args) -> int:
     from engine import devices
     from engine.pipeline import memory
 
-    spec = devices.resolve_device(args.device) if args.device == devices.AUTO else devices.get_device(args.device)
-    if args.preset:
+    o = from_args(MemoryLeverFlags, args)
+    spec = devices.resolve_device(o.device) if o.device == devices.AUTO else devices.get_device(o.device)
+    if o.preset:
         return print_fit(args, spec)
-    mode = Mode.parse(args.mode, "mode") if args.mode else None
+    mode = Mode.parse(o.mode, "mode") if o.mode else None
     rows = memory.lever_table(spec, mode)
-    if args.json:
-        print(json.dumps({"device": spec.name, "mode": args.mode, "levers": rows}, indent=2))
+    if o.json:
+        print(json.dumps({"device": spec.name, "mode": o.mode, "levers": rows}, indent=2))
         return 0
     print(f"memory levers on {spec.label} [{spec.name}]" + (f", mode {mode}" if mode else "")
           + " (engine: part of the engine key; request: set per request)")
@@ -253,23 +314,24 @@ def print_fit(args, spec) -> int:
     from engine.serving import budget, fit
 
     catalog = Catalog(*presets_from_args(args))
-    preset = catalog.preset(args.preset)
-    size = Size.parse(args.size) if args.size else max(preset.buckets, key=lambda s: s.pixels)
-    key = catalog.make_key(preset.name, spec.name, args.precision) if spec.probe().available else None
+    o = from_args(MemoryLeverFlags, args)  # after presets_from_args: --model names its own preset
+    preset = catalog.preset(o.preset)
+    size = Size.parse(o.size) if o.size else max(preset.buckets, key=lambda s: s.pixels)
+    key = catalog.make_key(preset.name, spec.name, o.precision) if spec.probe().available else None
     source = None if key is None else Path(resolve_source(catalog.config(key, options_from_args(args),
                                                                          settings.cache_dir())))
-    model = fit.model_for(preset, source if source is not None and source.is_dir() else None, args.precision)
+    model = fit.model_for(preset, source if source is not None and source.is_dir() else None, o.precision)
     rows = fit.options(model, spec, size.width, size.height, spec.process_overhead_bytes)
-    free = budget.parse_size(args.free) if args.free else (
+    free = budget.parse_size(o.free) if o.free else (
         spec.default_memory_budget()[0] if spec.probe().available else None)
-    if args.json:
+    if o.json:
         print(json.dumps({"preset": preset.name, "device": spec.name, "size": str(size), "estimates": [
             e.as_dict() for e in rows], "picks": {p: fit.choose(rows, free, p)[0].levers for p in fit.POLICIES}}))
         return 0
-    print(f"{preset.name} {args.precision} at {size} on {spec.label} [{spec.name}]: estimated peak per lever set")
+    print(f"{preset.name} {o.precision} at {size} on {spec.label} [{spec.name}]: estimated peak per lever set")
     for e in rows:
         print(f"  {e.levers or 'none':38s} {e.device_bytes / 2**30:7.2f} GiB  ≈ {e.time_factor:g}× the time")
-    print(fit.advice_line(preset.name, args.precision, rows))
+    print(fit.advice_line(preset.name, o.precision, rows))
     for policy in fit.POLICIES:
         print(f"--memory {policy}: {fit.choose(rows, free, policy)[1]}")
     return 0
@@ -278,29 +340,31 @@ def print_fit(args, spec) -> int:
 def add_memory_levers_parser(sub) -> None:
     m = sub.add_parser("memory-levers", help="list memory levers (offload, layerwise casting, VAE tiling, ...): which "
                                              "can run on a device, with which modes, and why not")
-    m.add_argument("--device", default="auto")
-    m.add_argument("--mode", default=None, help="only as combined with this mode: " + ", ".join(Mode.values()))
-    m.add_argument("--preset", default=None, help="estimate this preset's memory with each lever set instead")
-    m.add_argument("--precision", default="bf16")
-    m.add_argument("--size", default=None, help="WxH (default: the preset's largest bucket)")
-    m.add_argument("--free", default=None, metavar="SIZE", help="the memory --memory auto fits, e.g. 22GiB")
-    m.add_argument("--json", action="store_true")
+    add_fields(m, MemoryLeverFlags)
     add_engine_arguments(m)
     m.set_defaults(func=cmd_memory_levers)
 
 
+@dataclass(frozen=True)
+class ExportFlags:
+    """`export`: which buckets of which engine, and where the packages go."""
+
+    preset: str = field(default=DEFAULT_PRESET, metadata=flag())
+    device: str = field(default="auto", metadata=flag())
+    precision: str = field(default="fp32", metadata=flag())
+    sizes: str | None = field(default=None, metadata=flag(
+        "comma-separated WxH buckets (default: every bucket of the preset)"))
+    rebuild: bool = field(default=False, metadata=flag("build even where a valid package exists", kind=SWITCH))
+    no_progress: bool = field(default=False, metadata=flag(kind=SWITCH))
+    json: bool = field(default=False, metadata=flag("print one JSON list, a row per bucket", kind=SWITCH))
+    push_to: str | None = field(default=None, metadata=flag(
+        "then upload the preset's packages to this Hub model repo (created private; token: $HF_TOKEN); the app "
+        "downloads them with --aot-repo", metavar="REPO_ID"))
+
+
 def add_export_parser(sub) -> None:
     e = sub.add_parser("export", help="build the aot (AOTInductor) packages of an engine's buckets ahead of time")
-    e.add_argument("--preset", default=DEFAULT_PRESET)
-    e.add_argument("--device", default="auto")
-    e.add_argument("--precision", default="fp32")
-    e.add_argument("--sizes", default=None, help="comma-separated WxH buckets (default: every bucket of the preset)")
-    e.add_argument("--rebuild", action="store_true", help="build even where a valid package exists")
-    e.add_argument("--no-progress", action="store_true")
-    e.add_argument("--json", action="store_true", help="print one JSON list, a row per bucket")
-    e.add_argument("--push-to", default=None, metavar="REPO_ID",
-                   help="then upload the preset's packages to this Hub model repo (created private; token: $HF_TOKEN); "
-                        "the app downloads them with --aot-repo")
+    add_fields(e, ExportFlags)
     add_engine_arguments(e)  # options that change the graph (--fuse-qkv, --attention-backend, ...) must match the app's
     e.set_defaults(func=cmd_export)
 
@@ -323,6 +387,13 @@ MEASURING = ("bench", "soak", "load", "fairness", "contention", "cp-bench", "adv
              "memory-bench", "oneshot", "fleet-bench")
 
 
+@dataclass(frozen=True)
+class CommandLine:
+    """The flags before the sub-command's name."""
+
+    verbose: bool = field(default=False, metadata=flag(kind=SWITCH, short="-v"))
+
+
 def build_parser(command: str | None = None, commands: dict[str, str] | None = None,
                  prog: str = "python -m engine", description: str | None = __doc__) -> argparse.ArgumentParser:
     """The parser of every sub-command of `commands` (the engine's by default), or of `command` alone when
@@ -331,7 +402,7 @@ def build_parser(command: str | None = None, commands: dict[str, str] | None = N
 
     commands = COMMANDS if commands is None else commands
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    add_fields(parser, CommandLine)
     sub = parser.add_subparsers(dest="command", required=True)
     for entry in [commands[command]] if command in commands else commands.values():
         module, function = entry.split(":")
@@ -349,7 +420,7 @@ def main(argv: list[str] | None = None, commands: dict[str, str] | None = None, 
               file=sys.stderr)
         return 2
     args = build_parser(command, commands, prog, description).parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if from_args(CommandLine, args).verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     quiet_third_party()  # the harmless library messages the app drops (engine/worker/logs.py)
     try:

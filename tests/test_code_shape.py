@@ -43,6 +43,30 @@ def test_no_module_is_longer_than_700_lines():
     assert {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES} == {}
 
 
+# engine/'s add_argument calls: the one in engine/config/flags.py `add_fields`; every flag is a field of a config
+# dataclass (engine, hosting, app, CLI sub-command, sidecar and client flags alike), so a new option is one field.
+MAX_ENGINE_ADD_ARGUMENT = 1
+
+
+def add_argument_calls(top: str) -> dict[str, int]:
+    """`.add_argument(...)` calls per module of package `top` (add_argument_group and the like not counted)."""
+    counts: dict[str, int] = {}
+    for path in sorted(ROOT.joinpath(top).rglob("*.py")):
+        calls = sum(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_argument" for node in ast.walk(ast.parse(path.read_text())))
+        if calls:
+            counts[str(path.relative_to(ROOT))] = calls
+    return counts
+
+
+def test_engine_flags_come_from_config_fields_not_add_argument_calls():
+    counts = add_argument_calls("engine")
+    print(f"add_argument calls in engine/: {sum(counts.values())} (ceiling {MAX_ENGINE_ADD_ARGUMENT}): {counts}")
+    assert sum(counts.values()) <= MAX_ENGINE_ADD_ARGUMENT, (
+        f"{counts}: declare a flag as a field with flag(...) metadata (engine/protocol/flagfields.py) and "
+        "add it with add_fields (engine/config/flags.py)")
+
+
 def test_ruff_complexity_and_argument_rules_pass():
     """C901 (branching) and PLR0913 (more than 8 parameters) with the thresholds in pyproject.toml."""
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "C901,PLR0913", "--no-cache",

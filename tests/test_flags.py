@@ -169,3 +169,39 @@ def test_help_shows_the_registrys_per_device_defaults_as_the_readme_does():
     readme = re.sub(r"\s+", " ", (REPO / "README.md").read_text())
     assert f"(default per device: {shown};" in readme
     assert f"(default {per_device('max_engines')}:" in readme
+
+
+def test_cli_sidecar_and_client_flags_are_fields_that_refuse_as_argparse_did(capsys):
+    """The sub-command, sidecar and client flags are dataclass fields: a typed field keeps argparse's own refusal
+    ("invalid int value"), a choice its "invalid choice", a positional field stays required, and the parsed
+    command line reads back as the dataclass the command uses."""
+    import argparse
+
+    from engine.cli import GenerateFlags, build_parser
+    from engine.config.flags import add_fields, argv_of, from_args
+    from engine.tp.client import ClientFlags
+    from engine.tp.flags import SidecarFlags
+    from engine.tp.sidecar import build_parser as sidecar_parser
+
+    def refusal(parser, argv) -> str:
+        with pytest.raises(SystemExit) as ended:
+            parser.parse_args(argv)
+        assert ended.value.code == 2
+        return capsys.readouterr().err.splitlines()[-1]
+
+    assert refusal(build_parser("generate"), ["generate", "--steps", "x"]).endswith(
+        "error: argument --steps: invalid int value: 'x'")
+    assert refusal(build_parser("generate"), ["generate", "--on-cold", "later"]).endswith(
+        "error: argument --on-cold: invalid choice: 'later' (choose from 'eager', 'wait')")
+    assert refusal(sidecar_parser(), ["--join-timeout", "soon"]).endswith(
+        "error: argument --join-timeout: invalid float value: 'soon'")
+    client = argparse.ArgumentParser(prog="client")
+    add_fields(client, ClientFlags)
+    assert refusal(client, []).endswith("error: the following arguments are required: address_file")
+
+    o = from_args(GenerateFlags, build_parser("generate").parse_args(["generate", "--seed", "7", "--no-snap"]))
+    assert (o.seed, o.no_snap, o.steps, o.on_cold) == (7, True, None, "wait")
+    sidecar = from_args(SidecarFlags, sidecar_parser().parse_args(["--warm", "eager", "--warm", "compile", "-v"]))
+    assert (sidecar.warm, sidecar.verbose, sidecar.tp, sidecar.join_timeout) == (["eager", "compile"], True, 2, 600)
+    argv = ["a.json", "--steps", "3", "--shutdown"]
+    assert argv_of(ClientFlags, client.parse_args(argv)) == argv

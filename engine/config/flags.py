@@ -22,6 +22,7 @@ from engine.protocol.flagfields import (
     APPEND,
     NEGATED,
     OPTIONAL_BOOL,
+    POSITIONAL,
     SWITCH,
     Decimal,
     Flag,
@@ -210,6 +211,8 @@ def _argparse_type(check, names=None):
     if isinstance(check, OneOf):
         listed = names if names is not None else check.names
         return one_of(listed, check.what, lower=check.lower) if listed is not None else str
+    if isinstance(check, type):
+        return check  # int, float, Path: argparse's own refusal ("invalid int value: 'x'")
     return checked(check) if check is not None else None
 
 
@@ -221,6 +224,8 @@ def _argument(f, how: Flag, defaults: dict | None, names: dict) -> tuple[tuple, 
     flags = (how.short, how.flag_name(f.name)) if how.short else (how.flag_name(f.name),)
     text = how.help.format(default=default, per_device=_PerDevice()) if how.help else how.help
     kw: dict = {"dest": how.dest or f.name, "help": text}
+    if how.kind == POSITIONAL:  # argparse names a positional's dest after it, and refuses a second one
+        flags, kw = (f.name,), {"help": text}
     if how.kind in (SWITCH, NEGATED):
         return flags, {**kw, "action": "store_true"}
     if how.kind == OPTIONAL_BOOL:
@@ -270,6 +275,8 @@ def argv_of(cls, args) -> list[str]:
             argv.append(name)
         elif how.kind == OPTIONAL_BOOL:
             argv.append(name if value else "--no-" + name.removeprefix("--"))
+        elif how.kind == POSITIONAL:
+            argv.append(str(value))
         else:
             argv += [name, f"{value:g}" if isinstance(value, float) else str(value)]
     return argv

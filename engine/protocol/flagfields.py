@@ -17,6 +17,7 @@ NEGATED = "negated"  # --no-flag sets the field False (default True)
 OPTIONAL_BOOL = "optional-bool"  # --flag / --no-flag; None when neither is given
 VALUE = "value"  # --flag VALUE
 APPEND = "append"  # --flag VALUE, repeatable
+POSITIONAL = "positional"  # VALUE with no flag name before it, named after the field
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Flag:
     name: str | None = None  # default: --field-name
     dest: str | None = None  # default: the field's name
     kind: str = VALUE
-    check: object = None  # Whole | Decimal | OneOf | callable(text) -> value | None (text as given)
+    check: object = None  # Whole | Decimal | OneOf | a type (int, Path) | callable(text) -> value | None (text)
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     env: str | None = None

@@ -35,12 +35,15 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import devices
+from engine.config.flags import add_fields, from_args
 from engine.config.resolve import resolve_source
 from engine.errors import EngineCrashed, InvalidRequest, ModelLoadError, ShowcaseError
 from engine.protocol import GenerateRequest, Mode, OnCold, RankExit, Size
+from engine.protocol.flagfields import POSITIONAL, SWITCH, flag
 from engine.tp import launch
 from engine.tp.tokens import new_token, write_private
 from engine.worker.client import ConnectionClient, EngineEvents
@@ -337,19 +340,27 @@ def connect(address_file: str | Path, timeout: float = 600.0) -> ConnectionClien
     return attach(address_file, timeout)
 
 
+@dataclass(frozen=True)
+class ClientFlags:
+    """`python -m engine.tp.client`: the sidecar to reach and the one request to send it."""
+
+    address_file: Path | None = field(default=None, metadata=flag(kind=POSITIONAL, check=Path))
+    prompt: str = field(default="a red fox in the snow", metadata=flag())
+    size: str = field(default="64x64", metadata=flag())
+    steps: int = field(default=4, metadata=flag(check=int))
+    guidance: float = field(default=3.5, metadata=flag(check=float))
+    seed: int = field(default=0, metadata=flag(check=int))
+    mode: str = field(default="eager", metadata=flag())
+    out: str | None = field(default=None, metadata=flag())
+    shutdown: bool = field(default=False, metadata=flag(
+        "stop the sidecar afterwards (default: leave it serving)", kind=SWITCH))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.tp.client",
                                 description="Send one request to a sidecar started with python -m engine.tp.sidecar")
-    p.add_argument("address_file", type=Path)
-    p.add_argument("--prompt", default="a red fox in the snow")
-    p.add_argument("--size", default="64x64")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--guidance", type=float, default=3.5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mode", default="eager")
-    p.add_argument("--out", default=None)
-    p.add_argument("--shutdown", action="store_true", help="stop the sidecar afterwards (default: leave it serving)")
-    args = p.parse_args(argv)
+    add_fields(p, ClientFlags)
+    args = from_args(ClientFlags, p.parse_args(argv))
     try:
         engine = connect(args.address_file)
         size = Size.parse(args.size)

@@ -33,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine import settings
+from engine.config.flags import add_fields, from_args
 from engine.errors import EngineBusy, EngineCrashed, InvalidRequest, ModelLoadError, ShowcaseError
 from engine.processes import pid_alive
 from engine.protocol import (
@@ -48,6 +49,7 @@ from engine.protocol import (
     RequestFailed,
     Shutdown,
 )
+from engine.tp.flags import SidecarFlags
 from engine.tp.tokens import new_token, read_token, write_address, write_private
 from engine.worker.loop import WorkerLoop
 
@@ -82,56 +84,13 @@ keep HOST on a private network: the token authenticates, it does not encrypt. Se
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.tp.launch import JOIN_TIMEOUT_S
-    from engine.tp.liveness import NODE_TIMEOUT_S
-
     p = argparse.ArgumentParser(
         prog="python -m engine.tp.sidecar",
         description="Tensor-parallel engine sidecar (torchrun): run it once on every node; node 0 serves.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", type=Path, default=None,
-                   help="pickled EngineConfig written by the app (0600); otherwise built from the flags below")
-    p.add_argument("--preset", default=None, help="model preset (default tiny-flux); the same on every node")
-    p.add_argument("--device", default="auto", help="cpu, cuda, xpu, neuron, tpu (or auto)")
-    p.add_argument("--precision", default=None, help="fp32 (default), tf32, bf16, fp16; the same on every node")
-    p.add_argument("--warm", action="append", default=[], metavar="MODE",
-                   help="warm every bucket of MODE at start (repeatable; default: none)")
-    p.add_argument("--cache-dir", type=Path, default=None, help="this node's cache folder (models, compiles)")
-    p.add_argument("--tp", type=int, default=2,
-                   help="ranks on EACH node (torchrun --nproc-per-node), not in all: the engine has "
-                        "--tp x --nnodes ranks (default 2)")
-    p.add_argument("--parallel", default=None, choices=("tensor", "ulysses", "ring"),
-                   help="how the ranks split the transformer: tensor (weights sharded; default), ulysses or ring "
-                        "(context parallel: whole transformer on every rank, tokens split); the same on every node")
-    p.add_argument("--nnodes", type=int, default=1, help="machines the engine spans (default 1)")
-    p.add_argument("--node-rank", type=int, default=0,
-                   help="this machine's place, 0 .. nnodes-1; node 0 serves, the others join it (default 0)")
-    p.add_argument("--rdzv-endpoint", default=None,
-                   help="HOST:PORT on node 0 that every node reaches, for --nnodes > 1 (the same on every node)")
-    p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_S, metavar="SECONDS",
-                   help=f"how long node 0 waits for the other nodes to join, and they for node 0 "
-                        f"(default {JOIN_TIMEOUT_S} s)")
-    p.add_argument("--node-timeout", type=float, default=NODE_TIMEOUT_S, metavar="SECONDS",
-                   help=f"a rank silent (no heartbeat) this long is declared gone: the request in flight fails "
-                        f"naming its node and the sidecar stops (default {NODE_TIMEOUT_S:g} s)")
-    p.add_argument("--print-command", action="store_true", help="print the commands and exit")
-    p.add_argument("--listen", default=None, metavar="HOST",
-                   help="node 0: the interface rank 0 listens on (default 127.0.0.1, this machine only); "
-                        "needs --token-file; keep it on a private network")
-    p.add_argument("--port", type=int, default=0, help="rank 0's port (default: a free one)")
-    p.add_argument("--address-file", type=Path, default=None,
-                   help="node 0: rank 0 writes {host, port, token_file, ...} here (0600; the token is in a "
-                        "separate 0600 file next to it); app.py --tp-address reads it")
-    p.add_argument("--token-file", type=Path, default=None,
-                   help="node 0: a long-lived token (0600, made with python -m engine.tp.tokens FILE) instead of "
-                        "a new one per launch; required with --listen")
-    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the app) is gone")
-    p.add_argument("--dist-timeout", type=float, default=None, help="collective timeout in seconds")
-    p.add_argument("--dump-dir", type=Path, default=None,
-                   help="test/debug: rank 0 saves each request's float image as <request_id>.npy")
-    p.add_argument("-v", "--verbose", action="store_true")
+    add_fields(p, SidecarFlags)
     return p
 
 
@@ -139,7 +98,7 @@ def under_torchrun() -> bool:
     return settings.launched_by_torchrun()
 
 
-def config_from_args(args, world_size: int) -> EngineConfig:
+def config_from_args(args: SidecarFlags, world_size: int) -> EngineConfig:
     if args.config is not None:
         config = pickle.loads(Path(args.config).read_bytes())  # written 0600 by our own launcher
     else:
@@ -187,7 +146,7 @@ class _Rank0Server:
     backlog); started by the app itself (--parent-pid), the socket closes after its one client. Handshakes
     run side by side, each within wire.HANDSHAKE_S in all: silent or slow peers never hold up a real one."""
 
-    def __init__(self, args, config: EngineConfig):
+    def __init__(self, args: SidecarFlags, config: EngineConfig):
         from multiprocessing.connection import Listener
 
         from engine.tp.launch import check_listen_host
@@ -455,7 +414,7 @@ class RankProcess:
     group, liveness), agree on rank 0's config, load the shard on every rank, then follow rank 0 (every
     other rank) or serve clients (rank 0) until shutdown. Every ending exits the process (_exit)."""
 
-    def __init__(self, args):
+    def __init__(self, args: SidecarFlags):
         self.args = args
         self.rank, self.world = settings.torchrun_rank(), settings.torchrun_world_size()
         self.node = settings.torchrun_group_rank()
@@ -637,7 +596,7 @@ class RankProcess:
                            folders=ready.folders)
 
 
-def rank_main(args) -> None:
+def rank_main(args: SidecarFlags) -> None:
     RankProcess(args).run()
 
 
@@ -662,7 +621,7 @@ class _TrackedConnection:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = from_args(SidecarFlags, build_parser().parse_args(argv))
     if under_torchrun():
         rank_main(args)
         return RankExit.OK  # not reached: rank_main exits
