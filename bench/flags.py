@@ -15,7 +15,7 @@ from pathlib import Path
 
 from engine.config.flags import add_engine_arguments, add_fields
 from engine.protocol import MAX_STEPS, Mode, Precision
-from engine.protocol.flagfields import OPTIONAL_BOOL, SWITCH, Decimal, OneOf, Whole, flag
+from engine.protocol.flagfields import APPEND, OPTIONAL_BOOL, SWITCH, Decimal, OneOf, Whole, flag
 
 MAX_COUNT = 100_000  # runs, rounds, samples, visitors: past this a count is a typo
 MAX_SECONDS = 7 * 86400.0  # durations and timeouts: a week
@@ -67,6 +67,11 @@ def seconds(default: float | None, help: str | None = None, *, low: float = 0.0,
 def number(default: float | None, low: float, high: float, help: str | None = None):
     """A rate, a share, a bound: a finite number in low..high."""
     return field(default=default, metadata=flag(help, check=Decimal(low, high)))
+
+
+def app_args():
+    """--app-arg, repeatable: extra app.py arguments of a command that starts the app."""
+    return field(default=(), metadata=flag("extra app.py argument (repeatable)", kind=APPEND))
 
 
 # ---- flags several commands share ---------------------------------------------------------------------
