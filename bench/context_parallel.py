@@ -52,7 +52,7 @@ class CpBenchOptions:
     runs: int = flags.count(10, "timed steps per configuration (after 2 warm-up steps)")
     timeout: float = flags.seconds(540.0, "seconds the ranks may take in all")
     out: Path | None = flags.out(None, f"write {RESULT_FILE} here", check=Path)
-    rank_side: Path | None = flags.hidden(check=Path)  # a torchrun rank: its result folder
+    rank_side: Path | None = flags.hidden("--rank-side", check=Path)  # a torchrun rank: its result folder
 
 
 def add_cp_bench_parser(sub) -> None:

@@ -33,9 +33,9 @@ def add_command(sub, name: str, options, run, *, engine: bool = False, **parser)
     return p
 
 
-def hidden(default=None, **how):
-    """A flag a parent process passes to its child (not in --help)."""
-    return field(default=default, metadata=flag(argparse.SUPPRESS, **how))
+def hidden(name: str, default=None, **how):
+    """A flag a parent process passes to its child (not in --help), spelled `name` (e.g. "--_child")."""
+    return field(default=default, metadata=flag(argparse.SUPPRESS, name=name, **how))
 
 
 def text(default: str | None = None, help: str | None = None, **how):
