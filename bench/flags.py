@@ -71,7 +71,7 @@ def number(default: float | None, low: float, high: float, help: str | None = No
 
 def app_args():
     """--app-arg, repeatable: extra app.py arguments of a command that starts the app."""
-    return field(default=(), metadata=flag("extra app.py argument (repeatable)", kind=APPEND))
+    return field(default_factory=list, metadata=flag("extra app.py argument (repeatable)", kind=APPEND))
 
 
 # ---- flags several commands share ---------------------------------------------------------------------

@@ -262,7 +262,7 @@ class LoadOptions:
     timeout: float = flags.seconds(300, "seconds a request may take")
     cache_dir: Path | None = flags.cache_dir(check=Path)
     out: str = flags.out("artifacts/load", "app logs and summary.json")
-    app_arg: tuple[str, ...] = flags.app_args()
+    app_arg: list[str] = flags.app_args()
 
 
 def add_load_parser(sub) -> None:

@@ -656,7 +656,7 @@ class SoakOptions:
     cache_dir: Path | None = flags.cache_dir(check=Path)
     seed: int = flags.count(0, low=0, high=MAX_SEED)
     out: str | None = flags.out("artifacts/soak", "folder for soak.json and the app log")
-    app_arg: tuple[str, ...] = flags.app_args()
+    app_arg: list[str] = flags.app_args()
 
 
 def add_soak_parser(sub) -> None:
