@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.cli import BenchOptions
+from bench.bench_options import BenchOptions
 from bench.measure import build_runner
 from bench.modes import MODE_TABLE
 from bench.plan import BenchPlan, plan_from_args

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.cli import BenchOptions
+from bench.bench_options import BenchOptions
 from bench.modes import BENCH_MODES
 from engine import devices, settings
 from engine.config.flags import (

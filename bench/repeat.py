@@ -145,7 +145,7 @@ def run(plan, runners, configurations: list[explicit.Configuration], budget_s: f
 def main(args) -> int:
     from bench.advise import _Runners, serving_threads
     from bench.advise_choice import AdvisePlan
-    from bench.cli import BenchOptions
+    from bench.bench_options import BenchOptions
     from engine import devices, settings
     from engine.config.flags import SourceFlags, from_args, model_roots_from_args, options_from_args
     from engine.config.presets import get_preset

@@ -8,8 +8,8 @@ import sys
 
 import torch
 
+from bench.bench_options import BenchOptions
 from bench.cache_probe import cmd_compile_probe
-from bench.cli import BenchOptions
 from bench.cold_start import cmd_cold_start_child, cmd_runtime_child
 from bench.denoiser import run_denoiser_bench
 from bench.pipeline import run_pipeline_bench

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_BENCH_ADD_ARGUMENT = 0
 
 OPTIONS = {  # command -> its options dataclass; `True`: the engine flags follow its own
-    "bench": ("bench.cli:BenchOptions", True),
+    "bench": ("bench.bench_options:BenchOptions", True),
     "soak": ("bench.soak:SoakOptions", False),
     "load": ("bench.load:LoadOptions", False),
     "fairness": ("bench.fairness:FairnessOptions", False),
