@@ -26,9 +26,10 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench import quality
+from bench import flags, quality
 from bench.advise_choice import (
     CHECKER_MIN_PSNR,
     DEFAULT_FIDELITY_POINTS,
@@ -49,6 +50,7 @@ from bench.advise_choice import (
 )
 from bench.advise_report import ABSENT, REFERENCE, markdown, memory_frontier
 from bench.paired import PairedTiming, current_marks, measure_round_robin
+from engine.config.flags import from_args
 from engine.metrics import median
 from engine.protocol import BucketKey, BucketState, GenerateRequest, Mode, OnCold, Size
 
@@ -504,39 +506,40 @@ def cmd_advise(args) -> int:
     from engine.config.validation import check_lora
 
     started = time.perf_counter()  # the budget covers loading torch too
-    preset = get_preset(args.preset)
-    spec = devices.resolve_device(args.device)
-    size = Size.parse(args.size) if args.size else preset.buckets[0]
+    opts = from_args(AdviseOptions, args)
+    preset = get_preset(opts.preset)
+    spec = devices.resolve_device(opts.device)
+    size = Size.parse(opts.size) if opts.size else preset.buckets[0]
     route_size(preset, size.width, size.height, snap=False)  # must be one of the buckets
-    threads = args.threads or serving_threads(spec)
+    threads = opts.threads or serving_threads(spec)
     if threads:
         import torch
 
         torch.set_num_threads(threads)
     cache_dir = Path(args.cache_dir) if args.cache_dir else settings.cache_dir()
-    lora = check_lora(preset, args.lora)  # unfused: the fused configurations are added to the grid
+    lora = check_lora(preset, opts.lora)  # unfused: the fused configurations are added to the grid
     if lora.fused:
         raise SystemExit("--lora: name the style without ':fused'; the advisor measures it unfused and fused")
     plan = AdvisePlan(
-        preset=preset, device=spec.name, size=size, steps=args.steps or preset.steps, max_minutes=args.max_minutes,
-        timing_images=args.timing_images, quality_samples=args.quality_samples, confirm_pairs=args.confirm_pairs,
-        fidelity_points=args.fidelity_points, min_psnr_db=args.min_psnr, min_ssim=args.min_ssim, cache_dir=cache_dir,
+        preset=preset, device=spec.name, size=size, steps=opts.steps or preset.steps, max_minutes=opts.max_minutes,
+        timing_images=opts.timing_images, quality_samples=opts.quality_samples, confirm_pairs=opts.confirm_pairs,
+        fidelity_points=opts.fidelity_points, min_psnr_db=opts.min_psnr, min_ssim=opts.min_ssim, cache_dir=cache_dir,
         options=options_from_args(args, warm_sizes=(), warm_modes=(), **({"loras": True} if lora.name else {})),
         allowed_roots=tuple(str(r) for r in model_roots_from_args(args)), prompt=preset.example_prompt,
-        started=started, lora=lora, **memory_plan(args),
+        started=started, lora=lora, **memory_plan(opts),
     )
 
     def on_progress(done: int, total: int, desc: str) -> None:
-        if args.progress_json:
+        if opts.progress_json:
             print(json.dumps({"progress": done, "total": total, "desc": desc}), flush=True)
         else:
             print(f"[{done}/{total} s] {desc}", file=sys.stderr, flush=True)
 
     report = advise(plan, on_progress)
     report["threads"] = threads
-    path = save(report, args.out or result_path(cache_dir, preset.name, spec.name, size, plan.steps))
+    path = save(report, opts.out or result_path(cache_dir, preset.name, spec.name, size, plan.steps))
     report["saved"] = str(path)
-    if args.progress_json:
+    if opts.progress_json:
         print(json.dumps({"result": report}), flush=True)
     else:
         print(markdown(report))
@@ -549,54 +552,55 @@ def cmd_advise(args) -> int:
 DEFAULT_LEVER_SETS = ("layerwise:fp8", "group:block:1", "model-offload", "sequential-offload")
 
 
-def memory_plan(args) -> dict:
+def memory_plan(opts: AdviseOptions) -> dict:
     """AdvisePlan's memory fields from --max-memory and --memory-levers."""
     from engine.serving.budget import parse_size
 
-    bound = parse_size(args.max_memory) if args.max_memory else None
-    sets = tuple(s.strip() for s in (args.memory_levers or "").split(";") if s.strip())
+    bound = parse_size(opts.max_memory) if opts.max_memory else None
+    sets = tuple(s.strip() for s in (opts.memory_levers or "").split(";") if s.strip())
     return {"max_memory_bytes": bound, "memory_levers": sets or (DEFAULT_LEVER_SETS if bound else ())}
+
+
+@dataclass(frozen=True)
+class AdviseOptions:
+    """`advise`'s flags (the engine flags follow them)."""
+
+    preset: str = flags.preset("tiny-shapes")
+    device: str = flags.device("auto")
+    size: str | None = flags.size(None, "WxH bucket (default: the preset's first)")
+    steps: int | None = flags.steps(None, "default: the preset's")
+    max_minutes: float = flags.number(5.0, 0.0, flags.MAX_SECONDS / 60, "time budget; what does not fit is skipped")
+    timing_images: int = flags.count(5, "timed images per configuration (median)")
+    quality_samples: int = flags.count(16, "fidelity prompts (a model with a checker) / drift samples per "
+                                           "configuration")
+    confirm_pairs: int = flags.count(8, "final round: the leaders and eager fp32 timed this many times each, "
+                                        "round-robin")
+    fidelity_points: float = flags.number(DEFAULT_FIDELITY_POINTS, 0.0, 100.0, "bound: fidelity at most this many "
+                                          "points below eager fp32 (models with a checker)")
+    min_psnr: float | None = flags.number(None, 0.0, 1000.0, f"bound: drift PSNR against eager fp32 (default "
+                                          f"{DEFAULT_MIN_PSNR:g} dB, {CHECKER_MIN_PSNR:g} dB on models with a "
+                                          "checker, beside --fidelity-points)")
+    min_ssim: float | None = flags.number(None, 0.0, 1.0, "bound: drift SSIM against eager fp32 (0-1; default off: "
+                                                          "PSNR and fidelity bound)")
+    out: Path | None = flags.out(None, "results JSON (default: <cache dir>/advisor/<preset>@<device>-<size>-"
+                                       "<steps>steps.json)", check=Path)
+    progress_json: bool = flags.switch("progress and the result as JSON lines on stdout")
+    lora: str | None = flags.text(None, "one of the preset's LoRA styles: every configuration draws with it "
+                                        "(fidelity checked as the style implies), and eager also runs it fused into "
+                                        "the weights", metavar="NAME[:SCALE]")
+    max_memory: str | None = flags.text(None, "pick the fastest configuration whose measured peak (weights + what "
+                                              "an image adds) fits, e.g. 16GiB; memory lever sets are measured too",
+                                        metavar="SIZE")
+    memory_levers: str | None = flags.text(None, "memory lever sets to measure (fp32 eager), separated by ';', e.g. "
+                                                 "'layerwise:fp8;group:block:1:disk' (default with --max-memory: "
+                                                 f"{'; '.join(DEFAULT_LEVER_SETS)})", metavar="SETS")
+    threads: int | None = flags.threads("torch CPU threads (default on a CPU: the app's per-worker share of the "
+                                        "cores)")
 
 
 def add_advise_parser(subparsers):
     """Register `advise` on the CLI's subparsers (bench/commands.py calls this); imports no torch."""
-    from engine.config.flags import add_engine_arguments
-
-    a = subparsers.add_parser(
-        "advise", help="measure precision x mode x step cache x attention here; pick the fastest within a "
-                       "quality bound", description=__doc__.split("\n\n")[0])
-    a.add_argument("--preset", default="tiny-shapes")
-    a.add_argument("--device", default="auto")
-    a.add_argument("--size", default=None, help="WxH bucket (default: the preset's first)")
-    a.add_argument("--steps", type=int, default=None, help="default: the preset's")
-    a.add_argument("--max-minutes", type=float, default=5.0, help="time budget; what does not fit is skipped")
-    a.add_argument("--timing-images", type=int, default=5, help="timed images per configuration (median)")
-    a.add_argument("--quality-samples", type=int, default=16,
-                   help="fidelity prompts (a model with a checker) / drift samples per configuration")
-    a.add_argument("--confirm-pairs", type=int, default=8,
-                   help="final round: the leaders and eager fp32 timed this many times each, round-robin")
-    a.add_argument("--fidelity-points", type=float, default=DEFAULT_FIDELITY_POINTS,
-                   help="bound: fidelity at most this many points below eager fp32 (models with a checker)")
-    a.add_argument("--min-psnr", type=float, default=None,
-                   help=f"bound: drift PSNR against eager fp32 (default {DEFAULT_MIN_PSNR:g} dB, "
-                        f"{CHECKER_MIN_PSNR:g} dB on models with a checker, beside --fidelity-points)")
-    a.add_argument("--min-ssim", type=float, default=None,
-                   help="bound: drift SSIM against eager fp32 (0-1; default off: PSNR and fidelity bound)")
-    a.add_argument("--out", type=Path, default=None,
-                   help="results JSON (default: <cache dir>/advisor/<preset>@<device>-<size>-<steps>steps.json)")
-    a.add_argument("--progress-json", action="store_true", help="progress and the result as JSON lines on stdout")
-    a.add_argument("--lora", default=None, metavar="NAME[:SCALE]",
-                   help="one of the preset's LoRA styles: every configuration draws with it (fidelity checked "
-                        "as the style implies), and eager also runs it fused into the weights")
-    a.add_argument("--max-memory", default=None, metavar="SIZE",
-                   help="pick the fastest configuration whose measured peak (weights + what an image adds) fits, "
-                        "e.g. 16GiB; memory lever sets are measured too")
-    a.add_argument("--memory-levers", default=None, metavar="SETS",
-                   help="memory lever sets to measure (fp32 eager), separated by ';', e.g. "
-                        "'layerwise:fp8;group:block:1:disk' (default with --max-memory: "
-                        f"{'; '.join(DEFAULT_LEVER_SETS)})")
-    a.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default on a CPU: the app's per-worker share of the cores)")
-    add_engine_arguments(a)
-    a.set_defaults(func=cmd_advise)
-    return a
+    return flags.add_command(subparsers, "advise", AdviseOptions, cmd_advise, engine=True,
+                             description=__doc__.split("\n\n")[0],
+                             help="measure precision x mode x step cache x attention here; pick the fastest within "
+                                  "a quality bound")

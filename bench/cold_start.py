@@ -28,12 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.bench_options import BenchOptions
 from bench.measure import build_runner
 from bench.modes import MODE_TABLE
 from bench.plan import BenchPlan, plan_from_args
 from bench.report import fmt
 from bench.stats import median, ratio
 from engine import devices, settings
+from engine.config.flags import from_args
 from engine.config.request import ImageRequest
 from engine.devices import INDUCTOR_CACHE_VAR
 from engine.protocol import BucketKey, EngineOptions, GenerateRequest, Mode, OnCold
@@ -183,7 +185,7 @@ def cmd_runtime_child(args) -> int:
 
     started = psutil.Process().create_time()
     plan = plan_from_args(args)
-    runtime, mode = args._runtime_child.split(":")
+    runtime, mode = from_args(BenchOptions, args)._runtime_child.split(":")
     manager = EngineManager(cache_dir=plan.cache_dir, options=EngineOptions(warm_sizes=(), warm_modes=()),
                             runtime=runtime, auto_restart=False)
     out: dict = {"runtime": runtime, "mode": mode}

@@ -12,13 +12,15 @@ compile seconds of each bucket (what stepping aside costs the compiles).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench import flags
+from engine.config.flags import from_args
 from engine.config.request import ImageRequest
 from engine.metrics import median
 from engine.protocol import EngineOptions
@@ -31,40 +33,40 @@ def _p95(values: list[float]) -> float:
     return s[round(0.95 * (len(s) - 1))]
 
 
-def measure(args, yields: bool) -> dict:
+def measure(opts, yields: bool) -> dict:
     from engine.serving.manager import EngineManager
 
     os.environ["SHOWCASE_COMPILE_YIELD"] = "1" if yields else "0"  # the worker reads it when it starts
     cache = tempfile.mkdtemp(prefix="contention-")
     manager = EngineManager(cache_dir=cache, options=EngineOptions(warm_sizes=()))
-    request = dict(preset=args.preset, device=args.device, precision=args.precision, prompt="a red circle",
-                   steps=args.steps)
+    request = dict(preset=opts.preset, device=opts.device, precision=opts.precision, prompt="a red circle",
+                   steps=opts.steps)
     try:
-        manager.generate(ImageRequest(**request, mode=args.mode, size=args.size, on_cold="wait"))
+        manager.generate(ImageRequest(**request, mode=opts.mode, size=opts.size, on_cold="wait"))
 
         def timed() -> float:
             start = time.perf_counter()
-            result = manager.generate(ImageRequest(**request, mode=args.mode, size=args.size))
+            result = manager.generate(ImageRequest(**request, mode=opts.mode, size=opts.size))
             if not result.warm:
-                raise RuntimeError(f"{args.mode} {args.size} was not warm")
+                raise RuntimeError(f"{opts.mode} {opts.size} was not warm")
             return (time.perf_counter() - start) * 1000
 
-        idle = [timed() for _ in range(args.idle_runs)]
-        others = [s for s in manager.catalog.preset(args.preset).buckets if str(s) != args.size]
+        idle = [timed() for _ in range(opts.idle_runs)]
+        others = [s for s in manager.catalog.preset(opts.preset).buckets if str(s) != opts.size]
         for size in others:
-            manager.warm(args.preset, args.device, args.precision, mode=args.compile_mode, size=str(size))
+            manager.warm(opts.preset, opts.device, opts.precision, mode=opts.compile_mode, size=str(size))
 
         def compiling_rows() -> list[dict]:
             return [b for e in manager.residency.status_rows() for b in e.get("buckets", [])
-                    if b["mode"] == args.compile_mode and b["size"] != args.size]
+                    if b["mode"] == opts.compile_mode and b["size"] != opts.size]
 
         busy: list[float] = []
         start = time.monotonic()
-        while time.monotonic() - start < args.duration:
+        while time.monotonic() - start < opts.duration:
             if busy and not any(b["state"] in ("queued", "compiling") for b in compiling_rows()):
                 break
             busy.append(timed())
-            time.sleep(args.gap_s)
+            time.sleep(opts.gap_s)
         elapsed = time.monotonic() - start
         compiles = {b["size"]: (b["state"], b["compile_s"], b["cache_hits"], b["cache_misses"])
                     for b in compiling_rows()}
@@ -98,33 +100,38 @@ def print_run(row: dict) -> None:
 
 
 def main(args) -> int:
-    rows = [measure(args, yields=True)]
-    if args.compare:
-        rows.append(measure(args, yields=False))
+    opts = from_args(ContentionOptions, args)
+    rows = [measure(opts, yields=True)]
+    if opts.compare:
+        rows.append(measure(opts, yields=False))
     for row in rows:
         print_run(row)
-    if args.out:
-        out = Path(args.out)
+    if opts.out:
+        out = Path(opts.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "contention.json").write_text(json.dumps(rows, indent=2))
-    return 0 if rows[0]["p95_over_idle"] <= TARGET or not args.strict else 1
+    return 0 if rows[0]["p95_over_idle"] <= TARGET or not opts.strict else 1
+
+
+@dataclass(frozen=True)
+class ContentionOptions:
+    """`contention`'s flags."""
+
+    preset: str = flags.preset("tiny-flux")
+    device: str = flags.device("cpu")
+    precision: str = flags.precision("fp32")
+    mode: str = flags.mode("regional", "mode of the warm bucket that is measured")
+    size: str = flags.size("64x64", "the warm bucket")
+    compile_mode: str = flags.mode("compile", "mode of the buckets compiled meanwhile")
+    steps: int = flags.steps(2)
+    idle_runs: int = flags.count(20)
+    gap_s: float = flags.seconds(0.05, "pause between requests")
+    duration: float = flags.seconds(240.0, "longest compiling phase (seconds)")
+    compare: bool = flags.either(True, "also measure with SHOWCASE_COMPILE_YIELD=0, side by side")
+    out: str | None = flags.out("artifacts/contention")
+    strict: bool = flags.switch("exit 1 when the target is missed")
 
 
 def add_contention_parser(sub) -> None:
-    c = sub.add_parser("contention", help="a warm bucket's latency while its worker compiles other buckets",
-                       description=__doc__.split("\n\n")[0])
-    c.add_argument("--preset", default="tiny-flux")
-    c.add_argument("--device", default="cpu")
-    c.add_argument("--precision", default="fp32")
-    c.add_argument("--mode", default="regional", help="mode of the warm bucket that is measured")
-    c.add_argument("--size", default="64x64", help="the warm bucket")
-    c.add_argument("--compile-mode", default="compile", help="mode of the buckets compiled meanwhile")
-    c.add_argument("--steps", type=int, default=2)
-    c.add_argument("--idle-runs", type=int, default=20)
-    c.add_argument("--gap-s", type=float, default=0.05, help="pause between requests")
-    c.add_argument("--duration", type=float, default=240.0, help="longest compiling phase (seconds)")
-    c.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
-                   help="also measure with SHOWCASE_COMPILE_YIELD=0, side by side")
-    c.add_argument("--out", default="artifacts/contention")
-    c.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
-    c.set_defaults(func=main)
+    flags.add_command(sub, "contention", ContentionOptions, main, description=__doc__.split("\n\n")[0],
+                      help="a warm bucket's latency while its worker compiles other buckets")

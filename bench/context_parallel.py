@@ -16,7 +16,6 @@ This module imports no torch at import time (bench/commands.py builds its parser
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -24,51 +23,60 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench import flags
+from engine.config.flags import argv_of, from_args
 from engine.metrics import median
 from engine.protocol import Size
 
 RESULT_FILE = "cp-bench.json"
 
 
+@dataclass(frozen=True)
+class CpBenchOptions:
+    """`cp-bench`'s flags (the launcher passes them on to its ranks: `argv_of`)."""
+
+    preset: str = flags.preset("tiny-flux", "a Flux preset (denoiser_config, or a tiny/bundled model)")
+    device: str = flags.device("cpu")
+    precision: str = flags.precision("fp32")
+    tp: int = flags.count(2, "ranks", high=flags.MAX_THREADS)
+    parallel: str = flags.text("ulysses", choices=("ulysses", "ring"))
+    attention_backend: str = flags.text("native")
+    modes: str = flags.text("eager", "comma-separated: eager, compile")
+    sizes: str = flags.sizes("256x256", "comma-separated WxH (any multiple of 16)")
+    text_len: int | None = flags.count(None, "text tokens (default: the preset's)", zero="the preset's")
+    threads: int | None = flags.threads("CPU threads of the single process and of each rank (default: cores / "
+                                        "ranks, at least 1)")
+    runs: int = flags.count(10, "timed steps per configuration (after 2 warm-up steps)")
+    timeout: float = flags.seconds(540.0, "seconds the ranks may take in all")
+    out: Path | None = flags.out(None, f"write {RESULT_FILE} here", check=Path)
+    rank_side: Path | None = flags.hidden("--rank-side", check=Path)  # a torchrun rank: its result folder
+
+
 def add_cp_bench_parser(sub) -> None:
-    b = sub.add_parser("cp-bench", help="one process vs N context-parallel ranks (Ulysses / Ring): step medians")
-    b.add_argument("--preset", default="tiny-flux", help="a Flux preset (denoiser_config, or a tiny/bundled model)")
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--precision", default="fp32")
-    b.add_argument("--tp", type=int, default=2, help="ranks")
-    b.add_argument("--parallel", default="ulysses", choices=("ulysses", "ring"))
-    b.add_argument("--attention-backend", default="native")
-    b.add_argument("--modes", default="eager", help="comma-separated: eager, compile")
-    b.add_argument("--sizes", default="256x256", help="comma-separated WxH (any multiple of 16)")
-    b.add_argument("--text-len", type=int, default=None, help="text tokens (default: the preset's)")
-    b.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of the single process and of each rank (default: cores / ranks, at least 1)")
-    b.add_argument("--runs", type=int, default=10, help="timed steps per configuration (after 2 warm-up steps)")
-    b.add_argument("--timeout", type=float, default=540.0, help="seconds the ranks may take in all")
-    b.add_argument("--out", type=Path, default=None, help=f"write {RESULT_FILE} here")
-    b.add_argument("--rank-side", type=Path, default=None, help=argparse.SUPPRESS)  # a torchrun rank: result folder
-    b.set_defaults(func=cmd_cp_bench)
+    flags.add_command(sub, "cp-bench", CpBenchOptions, cmd_cp_bench,
+                      help="one process vs N context-parallel ranks (Ulysses / Ring): step medians")
 
 
 # -- shared by the launcher and the ranks ---------------------------------------------------------------
-def _setup(args):
+def _setup(opts):
     import torch
 
     from bench.denoiser import denoiser_class
     from engine import devices
     from engine.config.presets import get_preset
 
-    preset = get_preset(args.preset)
+    preset = get_preset(opts.preset)
     if preset.pipeline != "FluxPipeline":
         raise SystemExit(f"cp-bench builds Flux inputs; {preset.name} is a {preset.pipeline}")
     cls = denoiser_class(preset.pipeline)
     cfg = dict(preset.denoiser_config or _model_config(preset, cls))
-    spec = devices.get_device(args.device)
-    dtype = devices.plan_precision(spec, args.precision).dtype
-    sizes = [Size.parse(s) for s in args.sizes.split(",")]
-    text_len = args.text_len or preset.max_sequence_length or 512
+    spec = devices.get_device(opts.device)
+    dtype = devices.plan_precision(spec, opts.precision).dtype
+    sizes = [Size.parse(s) for s in opts.sizes.split(",")]
+    text_len = opts.text_len or preset.max_sequence_length or 512
     return torch, preset, cls, cfg, spec, dtype, sizes, text_len
 
 
@@ -118,37 +126,37 @@ def _variant(torch, model, mode: str):
     return torch.compile(model) if mode == "compile" else model
 
 
-def _set_threads(torch, args) -> None:
+def _set_threads(torch, opts) -> None:
     # The same count for the single process and each rank: a CPU's cores oversubscribed by spinning OpenMP
     # threads make any ratio meaningless.
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.tp))
+    torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // opts.tp))
 
 
 # -- a torchrun rank ------------------------------------------------------------------------------------
-def _rank_main(args) -> int:
-    torch, preset, cls, cfg, spec, dtype, sizes, text_len = _setup(args)
+def _rank_main(opts) -> int:
+    torch, preset, cls, cfg, spec, dtype, sizes, text_len = _setup(opts)
     import torch.distributed as dist
 
     from bench.denoiser import DenoiserShape, denoiser_inputs
     from engine.tp.group import init_group
     from engine.tp.runner import enable_context_parallel
 
-    _set_threads(torch, args)
+    _set_threads(torch, opts)
     group = init_group(spec, 600)
-    model = _build(torch, cls, cfg, group.device, dtype, args.attention_backend)
-    enable_context_parallel(model, spec, args.parallel, group.world_size)
+    model = _build(torch, cls, cfg, group.device, dtype, opts.attention_backend)
+    enable_context_parallel(model, spec, opts.parallel, group.world_size)
     results = []
-    for mode in args.modes.split(","):
+    for mode in opts.modes.split(","):
         fn = _variant(torch, model, mode)
         for size in sizes:
             inputs = denoiser_inputs(DenoiserShape(preset.pipeline, cfg, size, text_len), str(group.device), dtype)
-            times, out = _time(torch, fn, inputs, spec, args.runs)
+            times, out = _time(torch, fn, inputs, spec, opts.runs)
             if group.leader:
                 name = f"{mode}-{size}"
-                torch.save(out.float().cpu(), args.rank_side / f"{name}.pt")
+                torch.save(out.float().cpu(), opts.rank_side / f"{name}.pt")
                 results.append({"mode": mode, "size": str(size), "median_ms": median(times), "step_ms": times})
     if group.leader:
-        (args.rank_side / "ranks.json").write_text(json.dumps(
+        (opts.rank_side / "ranks.json").write_text(json.dumps(
             {"results": results, "threads_per_rank": torch.get_num_threads(), "backend": spec.dist_backend}))
     dist.barrier(group=group.control)
     dist.destroy_process_group()
@@ -156,53 +164,47 @@ def _rank_main(args) -> int:
 
 
 # -- the launcher ---------------------------------------------------------------------------------------
-def _run_ranks(args, folder: Path) -> None:
-    flags = ["--preset", args.preset, "--device", args.device, "--precision", args.precision, "--tp", str(args.tp),
-             "--parallel", args.parallel, "--attention-backend", args.attention_backend, "--modes", args.modes,
-             "--sizes", args.sizes, "--runs", str(args.runs), "--rank-side", str(folder)]
-    if args.threads:
-        flags += ["--threads", str(args.threads)]
-    if args.text_len:
-        flags += ["--text-len", str(args.text_len)]
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}",
-            "-m", "bench", "cp-bench", *flags]
+def _run_ranks(opts, folder: Path) -> None:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={opts.tp}",
+            "-m", "bench", "cp-bench", *argv_of(CpBenchOptions, opts), "--rank-side", str(folder)]
     proc = subprocess.Popen(argv, process_group=0)
     try:
-        rc = proc.wait(args.timeout)
+        rc = proc.wait(opts.timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(15)
-        raise SystemExit(f"the {args.tp} ranks did not finish within --timeout {args.timeout:g} s") from None
+        raise SystemExit(f"the {opts.tp} ranks did not finish within --timeout {opts.timeout:g} s") from None
     if rc:
-        raise SystemExit(f"the {args.tp} ranks failed (exit {rc}); see the output above")
+        raise SystemExit(f"the {opts.tp} ranks failed (exit {rc}); see the output above")
 
 
 def cmd_cp_bench(args) -> int:
-    if args.rank_side is not None:
-        return _rank_main(args)
-    torch, preset, cls, cfg, spec, dtype, sizes, text_len = _setup(args)
+    opts = from_args(CpBenchOptions, args)
+    if opts.rank_side is not None:
+        return _rank_main(opts)
+    torch, preset, cls, cfg, spec, dtype, sizes, text_len = _setup(opts)
     from bench.denoiser import DenoiserShape, denoiser_inputs
     from engine.tp import plan
 
     # The same up-front check as the engine (heads, backend; token counts at the benchmarked sizes).
     with tempfile.TemporaryDirectory(prefix="cp-bench-config-") as source:
         _write_config(Path(source), preset, cls, cfg)
-        plan.check_context(_plan_preset(preset, sizes, text_len), source, args.tp, args.parallel,
-                           args.attention_backend, spec)
-    _set_threads(torch, args)
+        plan.check_context(_plan_preset(preset, sizes, text_len), source, opts.tp, opts.parallel,
+                           opts.attention_backend, spec)
+    _set_threads(torch, opts)
     single = {}
-    model = _build(torch, cls, cfg, spec.torch_device, dtype, args.attention_backend)
-    for mode in args.modes.split(","):
+    model = _build(torch, cls, cfg, spec.torch_device, dtype, opts.attention_backend)
+    for mode in opts.modes.split(","):
         fn = _variant(torch, model, mode)
         for size in sizes:
             inputs = denoiser_inputs(DenoiserShape(preset.pipeline, cfg, size, text_len), spec.torch_device, dtype)
-            times, out = _time(torch, fn, inputs, spec, args.runs)
+            times, out = _time(torch, fn, inputs, spec, opts.runs)
             single[f"{mode}-{size}"] = (median(times), out.float().cpu())
     threads = torch.get_num_threads()
     del model
     with tempfile.TemporaryDirectory(prefix="cp-bench-") as tmp:
         folder = Path(tmp)
-        _run_ranks(args, folder)
+        _run_ranks(opts, folder)
         ranks = json.loads((folder / "ranks.json").read_text())
         rows = []
         for r in ranks["results"]:
@@ -210,22 +212,22 @@ def cmd_cp_bench(args) -> int:
             median_1, out_1 = single[name]
             diff = float((torch.load(folder / f"{name}.pt") - out_1).abs().max())
             rows.append({**r, "single_ms": median_1, "ratio": median_1 / r["median_ms"], "max_abs_diff": diff})
-    layout = f"{args.parallel}{args.tp}"
+    layout = f"{opts.parallel}{opts.tp}"
     image_tokens = {str(s): (s.width // 16) * (s.height // 16) for s in sizes}
-    print(f"cp-bench {preset.name} {cls.__name__} {args.precision} on {spec.name}: 1 process ({threads} threads) vs "
+    print(f"cp-bench {preset.name} {cls.__name__} {opts.precision} on {spec.name}: 1 process ({threads} threads) vs "
           f"{layout} ({ranks['backend']}, {ranks['threads_per_rank']} threads per rank), text {text_len} tokens, "
-          f"median of {args.runs} steps")
+          f"median of {opts.runs} steps")
     print(f"{'mode':8s} {'size':9s} {'tokens':>6s} {'1 proc ms':>10s} {layout + ' ms':>12s} {'speed-up':>9s} "
           f"{'max diff':>9s}")
     for r in rows:
         print(f"{r['mode']:8s} {r['size']:9s} {image_tokens[r['size']] + text_len:6d} {r['single_ms']:10.2f} "
               f"{r['median_ms']:12.2f} {r['ratio']:8.2f}x {r['max_abs_diff']:9.1e}")
-    report = {"preset": preset.name, "device": spec.name, "precision": args.precision, "parallel": args.parallel,
-              "ranks": args.tp, "text_len": text_len, "threads_single": threads,
+    report = {"preset": preset.name, "device": spec.name, "precision": opts.precision, "parallel": opts.parallel,
+              "ranks": opts.tp, "text_len": text_len, "threads_single": threads,
               "threads_per_rank": ranks["threads_per_rank"], "rows": rows}
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / RESULT_FILE).write_text(json.dumps(report, indent=2))
+    if opts.out:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        (opts.out / RESULT_FILE).write_text(json.dumps(report, indent=2))
     return 0
 
 

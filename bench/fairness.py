@@ -25,9 +25,12 @@ import json
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench import flags
 from engine import settings
+from engine.config.flags import from_args
 from engine.config.request import ImageRequest
 from engine.errors import ShowcaseError
 from engine.metrics import median
@@ -39,34 +42,34 @@ A, B = "10.0.0.1", "10.0.0.2"  # two visitors' addresses
 
 
 class Bench:
-    def __init__(self, args):
+    def __init__(self, opts: FairnessOptions):
         from engine.serving.manager import EngineManager, HostPolicy  # torch: not for `--help`
 
-        self.args = args
-        request = cost.parse_cost(args.max_request_cost, "--max-request-cost")
-        visitor = cost.parse_cost(args.max_visitor_cost, "--max-visitor-cost")
+        self.opts = opts
+        request = cost.parse_cost(opts.max_request_cost, "--max-request-cost")
+        visitor = cost.parse_cost(opts.max_visitor_cost, "--max-visitor-cost")
         self.budget = CostBudget(request=request, visitor=visitor)
         self.manager = EngineManager(
-            cache_dir=args.cache_dir or settings.cache_dir(), options=EngineOptions(warm_sizes=(), max_batch=1),
-            policy=HostPolicy(public=True, presets=(args.preset,), cost=self.budget))
-        self.preset = self.manager.catalog.preset(args.preset)
+            cache_dir=opts.cache_dir or settings.cache_dir(), options=EngineOptions(warm_sizes=(), max_batch=1),
+            policy=HostPolicy(public=True, presets=(opts.preset,), cost=self.budget))
+        self.preset = self.manager.catalog.preset(opts.preset)
         buckets = sorted(self.preset.buckets, key=lambda s: s.pixels)
         self.small_size, self.big_size = buckets[0], buckets[-1]
-        allowed = cost.max_steps(request, self.preset, self.big_size) if request else args.max_steps
-        self.big_steps = max(1, min(args.max_steps, allowed))
+        allowed = cost.max_steps(request, self.preset, self.big_size) if request else opts.max_steps
+        self.big_steps = max(1, min(opts.max_steps, allowed))
 
     def generate(self, client: str, size: Size, steps: int, seed: int = 0, **extra) -> float:
         """One visitor Generate; its latency in seconds (wall, as the visitor waits)."""
         from engine.serving.manager import Caller
 
         start = time.perf_counter()
-        self.manager.generate(ImageRequest(preset=self.preset.name, device=self.args.device, size=str(size),
+        self.manager.generate(ImageRequest(preset=self.preset.name, device=self.opts.device, size=str(size),
                                            steps=steps, prompt=self.preset.example_prompt, seed=seed,
                                            caller=Caller.VISITOR, client=client), **extra)
         return time.perf_counter() - start
 
     def small(self, client: str = B, seed: int = 0) -> float:
-        return self.generate(client, self.small_size, self.args.small_steps, seed)
+        return self.generate(client, self.small_size, self.opts.small_steps, seed)
 
     def big(self, client: str, steps: int | None = None, seed: int = 0) -> float:
         return self.generate(client, self.big_size, steps or self.big_steps, seed)
@@ -74,8 +77,8 @@ class Bench:
     def idle(self) -> dict:
         self.small(seed=99)
         self.big(B, seed=99)  # loaded, and each size run once
-        return {"small_s": median([self.small(seed=i) for i in range(self.args.rounds)]),
-                "big_s": median([self.big(B, seed=i) for i in range(max(1, self.args.rounds // 2))])}
+        return {"small_s": median([self.small(seed=i) for i in range(self.opts.rounds)]),
+                "big_s": median([self.big(B, seed=i) for i in range(max(1, self.opts.rounds // 2))])}
 
     def eight_costliest(self, idle: dict, visitor_budget: bool, b_client: str = B) -> dict:
         """A sends eight costliest Generates at once; B then sends a costliest one, then a small one. With
@@ -119,11 +122,11 @@ class Bench:
         from engine.serving.manager import Caller
 
         prompts = 1 + (8 if self.preset.fidelity else 0)  # the Compare tab's default fidelity prompts
-        per_image = cost.price(self.preset, self.small_size, self.args.small_steps)
+        per_image = cost.price(self.preset, self.small_size, self.opts.small_steps)
         if self.budget.request is not None:  # the most images the budget allows: prompts first, then configurations
             prompts = max(1, min(prompts, self.budget.request // per_image))
         configs = 6 if self.budget.request is None else max(1, min(6, self.budget.request // (per_image * prompts)))
-        price = self.manager.price_compare(self.preset.name, self.small_size, self.args.small_steps, configs,
+        price = self.manager.price_compare(self.preset.name, self.small_size, self.opts.small_steps, configs,
                                            prompts, caller=Caller.VISITOR)
         config_s: list[float] = []
         done = threading.Event()
@@ -134,7 +137,7 @@ class Bench:
                     for c in range(configs):
                         start = time.perf_counter()
                         for p in range(prompts):
-                            self.generate(A, self.small_size, self.args.small_steps, seed=1000 * c + p, ticket=ticket)
+                            self.generate(A, self.small_size, self.opts.small_steps, seed=1000 * c + p, ticket=ticket)
                         config_s.append(time.perf_counter() - start)
             finally:
                 done.set()
@@ -147,7 +150,7 @@ class Bench:
             time.sleep(0.05)
         thread.join()
         one_config = median(config_s)
-        return {"configurations": configs, "prompts": prompts, "steps": self.args.small_steps,
+        return {"configurations": configs, "prompts": prompts, "steps": self.opts.small_steps,
                 "size": str(self.small_size), "price": price, "config_median_s": one_config,
                 "b_small_n": len(waits), "b_small_median_s": median(waits), "b_small_max_s": max(waits),
                 "b_small_max_wait_s": max(waits) - idle["small_s"],
@@ -156,8 +159,8 @@ class Bench:
     def run(self) -> dict:
         try:
             idle = self.idle()
-            return {"preset": self.preset.name, "device": self.args.device, "budget": self.budget.describe(),
-                    "small": f"{self.args.small_steps} steps at {self.small_size}",
+            return {"preset": self.preset.name, "device": self.opts.device, "budget": self.budget.describe(),
+                    "small": f"{self.opts.small_steps} steps at {self.small_size}",
                     "costliest": f"{self.big_steps} steps at {self.big_size}", "idle": idle,
                     "load_before": os.getloadavg()[0],
                     "eight_costliest": [self.eight_costliest(idle, True), self.eight_costliest(idle, False),
@@ -185,32 +188,32 @@ def print_summary(s: dict) -> None:
           f" s, its longest wait {c['max_wait_x_config']:.2f} x one configuration")
 
 
-def build_parser(sub=None) -> argparse.ArgumentParser:
-    kwargs = dict(help="one visitor's costliest requests against another visitor's wait (cost budgets, turns)",
-                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p = sub.add_parser("fairness", **kwargs) if sub is not None else argparse.ArgumentParser(prog="bench fairness",
-                                                                                           **kwargs)
-    p.add_argument("--preset", default=settings.DEFAULT_PRESET)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--small-steps", type=int, default=8)
-    p.add_argument("--max-steps", type=int, default=200, help="the costliest Generate's steps at most")
-    p.add_argument("--max-request-cost", default=str(cost.DEFAULT_REQUEST_COST))
-    p.add_argument("--max-visitor-cost", default=str(cost.DEFAULT_VISITOR_COST))
-    p.add_argument("--rounds", type=int, default=5, help="idle runs of the small request (half for the costliest)")
-    p.add_argument("--cache-dir", type=Path, default=None)
-    p.add_argument("--out", default=None, help="write the figures as JSON here")
-    p.set_defaults(func=cmd_fairness)
-    return p
+@dataclass(frozen=True)
+class FairnessOptions:
+    """`fairness`'s flags."""
+
+    preset: str = flags.preset(settings.DEFAULT_PRESET)
+    device: str = flags.device("cpu")
+    small_steps: int = flags.steps(8)
+    max_steps: int = flags.steps(200, "the costliest Generate's steps at most")
+    max_request_cost: str = flags.text(str(cost.DEFAULT_REQUEST_COST))
+    max_visitor_cost: str = flags.text(str(cost.DEFAULT_VISITOR_COST))
+    rounds: int = flags.count(5, "idle runs of the small request (half for the costliest)")
+    cache_dir: Path | None = flags.cache_dir(check=Path)
+    out: str | None = flags.out(None, "write the figures as JSON here")
 
 
 def add_fairness_parser(sub) -> None:
-    build_parser(sub)
+    flags.add_command(sub, "fairness", FairnessOptions, cmd_fairness, description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      help="one visitor's costliest requests against another visitor's wait (cost budgets, turns)")
 
 
 def cmd_fairness(args) -> int:
-    summary = Bench(args).run()
+    opts = from_args(FairnessOptions, args)
+    summary = Bench(opts).run()
     print_summary(summary)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+    if opts.out:
+        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.out).write_text(json.dumps(summary, indent=1))
     return 0

@@ -20,7 +20,10 @@ import json
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+from bench import flags
+from engine.config.flags import from_args
 from engine.config.request import ImageRequest
 from engine.errors import ShowcaseError
 from engine.metrics import median, percentile
@@ -29,21 +32,27 @@ from engine.protocol import EngineOptions, Mode, Size
 TARGET_MS = 15.0  # the Ray engine's median may cost at most this much more per request than a local worker's
 
 
+@dataclass(frozen=True)
+class FleetBenchOptions:
+    """`fleet-bench`'s flags."""
+
+    ray: str | None = flags.text(None, "an existing Ray cluster (default: start one of this machine for the run)",
+                                 metavar="ADDRESS")
+    preset: str = flags.preset("tiny-shapes")
+    device: str = flags.device("cpu")
+    precision: str = flags.precision("fp32")
+    mode: str = flags.mode("eager", "the bucket's mode (a compiled one is warmed first)")
+    size: str = flags.size("64x64")
+    steps: int = flags.steps(2)
+    rounds: int = flags.count(30, "requests on each engine (default 30)")
+    cache_dir: str | None = flags.cache_dir()
+    json: bool = flags.as_json("print the result as one JSON line")
+
+
 def add_fleet_bench_parser(sub) -> None:
-    p = sub.add_parser("fleet-bench", help="per-request overhead of an engine in a Ray actor vs a local worker "
-                                           "(medians and spreads side by side)")
-    p.add_argument("--ray", default=None, metavar="ADDRESS",
-                   help="an existing Ray cluster (default: start one of this machine for the run)")
-    p.add_argument("--preset", default="tiny-shapes")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--precision", default="fp32")
-    p.add_argument("--mode", default="eager", help="the bucket's mode (a compiled one is warmed first)")
-    p.add_argument("--size", default="64x64")
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=30, help="requests on each engine (default 30)")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    p.set_defaults(func=cmd_fleet_bench)
+    flags.add_command(sub, "fleet-bench", FleetBenchOptions, cmd_fleet_bench,
+                      help="per-request overhead of an engine in a Ray actor vs a local worker (medians and spreads "
+                           "side by side)")
 
 
 @contextmanager
@@ -65,41 +74,41 @@ def local_cluster():
         cluster.shutdown()
 
 
-def _request(args, seed: int) -> ImageRequest:
-    return ImageRequest(args.preset, prompt="a red circle", device=args.device, precision=args.precision,
-                        mode=args.mode, size=args.size, steps=args.steps, seed=seed)
+def _request(opts, seed: int) -> ImageRequest:
+    return ImageRequest(opts.preset, prompt="a red circle", device=opts.device, precision=opts.precision,
+                        mode=opts.mode, size=opts.size, steps=opts.steps, seed=seed)
 
 
-def _timed(manager, args, seed: int) -> tuple[float, float]:
+def _timed(manager, opts, seed: int) -> tuple[float, float]:
     """(client ms, engine ms) of one request."""
     started = time.perf_counter()
-    result = manager.generate(_request(args, seed), timeout=600)
+    result = manager.generate(_request(opts, seed), timeout=600)
     return (time.perf_counter() - started) * 1000, result.timings.total_ms
 
 
-def warm_bucket(manager, args) -> None:
+def warm_bucket(manager, opts) -> None:
     """A compiled mode: compile the bucket and wait until it is warm (eager buckets always are)."""
-    if not Mode.parse(args.mode, "mode").compiled:
+    if not Mode.parse(opts.mode, "mode").compiled:
         return
-    manager.warm(args.preset, args.device, args.precision, args.mode, args.size)
-    engine = manager.engine(manager.gate.make_key(args.preset, args.device, args.precision))
+    manager.warm(opts.preset, opts.device, opts.precision, opts.mode, opts.size)
+    engine = manager.engine(manager.gate.make_key(opts.preset, opts.device, opts.precision))
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         states = {str(b.bucket): b.state for b in engine.buckets() if b.bucket.batch == 1}
-        state = states.get(f"{args.mode}:{Size.parse(args.size)}")
+        state = states.get(f"{opts.mode}:{Size.parse(opts.size)}")
         if state == "warm":
             return
         if state == "failed":
-            raise ShowcaseError(f"the {args.mode} bucket {args.size} failed to compile")
+            raise ShowcaseError(f"the {opts.mode} bucket {opts.size} failed to compile")
         time.sleep(0.5)
-    raise ShowcaseError(f"the {args.mode} bucket {args.size} was not warm within 900 s")
+    raise ShowcaseError(f"the {opts.mode} bucket {opts.size} was not warm within 900 s")
 
 
 def _spread(values: list[float]) -> dict:
     return {"median": median(values), "p10": percentile(values, 0.1), "p90": percentile(values, 0.9)}
 
 
-def measure(args, address: str) -> dict:
+def measure(opts, address: str) -> dict:
     from engine.fleet.cluster import join
     from engine.fleet.config import FleetConfig
     from engine.serving.manager import EngineManager
@@ -107,22 +116,22 @@ def measure(args, address: str) -> dict:
     fleet = FleetConfig(address=address)
     join(fleet)
     options = EngineOptions(warm_sizes=(), max_batch=1)  # one request per call: no wait for a batch to fill
-    managers = {"local": EngineManager(args.cache_dir, options=options),
-                "ray": EngineManager(args.cache_dir, options=options, fleet=fleet)}
+    managers = {"local": EngineManager(opts.cache_dir, options=options),
+                "ray": EngineManager(opts.cache_dir, options=options, fleet=fleet)}
     try:
         ready_s = {}
         for name, manager in managers.items():
             started = time.perf_counter()
-            manager.engine(manager.gate.make_key(args.preset, args.device, args.precision)).wait_ready(600)
+            manager.engine(manager.gate.make_key(opts.preset, opts.device, opts.precision)).wait_ready(600)
             ready_s[name] = time.perf_counter() - started  # a cold start: placement, process, imports, weights
-            warm_bucket(manager, args)
+            warm_bucket(manager, opts)
             for seed in range(3):  # warm: the bucket (compiled if the mode is), the code paths, the allocator
-                _timed(manager, args, seed)
+                _timed(manager, opts, seed)
         samples: dict[str, dict[str, list[float]]] = {name: {"client": [], "outside": []} for name in managers}
-        for i in range(args.rounds):
+        for i in range(opts.rounds):
             order = ("local", "ray") if i % 2 == 0 else ("ray", "local")
             for name in order:
-                client_ms, engine_ms = _timed(managers[name], args, i)
+                client_ms, engine_ms = _timed(managers[name], opts, i)
                 samples[name]["client"].append(client_ms)
                 samples[name]["outside"].append(client_ms - engine_ms)
         node = next(r.get("node") for r in managers["ray"].residency.status_rows() if r.get("kind") == "ray")
@@ -132,7 +141,7 @@ def measure(args, address: str) -> dict:
     result = {name: {kind: _spread(values) for kind, values in row.items()} for name, row in samples.items()}
     overhead = result["ray"]["client"]["median"] - result["local"]["client"]["median"]
     outside = result["ray"]["outside"]["median"] - result["local"]["outside"]["median"]
-    return {"bucket": f"{args.mode}:{args.size}", "steps": args.steps, "rounds": args.rounds, "node": node,
+    return {"bucket": f"{opts.mode}:{opts.size}", "steps": opts.steps, "rounds": opts.rounds, "node": node,
             **result, "overhead_ms": overhead, "outside_overhead_ms": outside, "target_ms": TARGET_MS,
             "met": overhead <= TARGET_MS, "ready_s": ready_s, "load_avg": list(os.getloadavg())}
 
@@ -153,10 +162,11 @@ def report(r: dict) -> str:
 
 
 def cmd_fleet_bench(args) -> int:
-    if args.ray:
-        result = measure(args, args.ray)
+    opts = from_args(FleetBenchOptions, args)
+    if opts.ray:
+        result = measure(opts, opts.ray)
     else:
         with local_cluster() as address:
-            result = measure(args, address)
-    print(json.dumps(result) if args.json else report(result))
+            result = measure(opts, address)
+    print(json.dumps(result) if opts.json else report(result))
     return 0

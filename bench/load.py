@@ -25,20 +25,24 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench import flags
 from bench.soak import PageClient, free_port
 from engine import settings
+from engine.config.flags import from_args
 from engine.metrics import median, percentile
 from engine.processes import pid_alive, process_tree
 from engine.protocol import GENERIC_PROMPT
+from engine.protocol.options import MAX_BATCH, MAX_BATCH_WAIT_MS
 
 REPO = settings.REPO_ROOT
 
 
 class Phase:
-    def __init__(self, args, name: str, max_batch: int | None):
-        self.args, self.name, self.max_batch = args, name, max_batch
+    def __init__(self, opts: LoadOptions, name: str, max_batch: int | None):
+        self.opts, self.name, self.max_batch = opts, name, max_batch
         self.app: subprocess.Popen | None = None
         self.url = ""
         self.latencies: list[float] = []
@@ -53,21 +57,21 @@ class Phase:
         self.served: dict = {}
         from engine.config.presets import get_preset
 
-        self.prompts = get_preset(args.preset).examples or (GENERIC_PROMPT,)  # each visitor its own prompt
+        self.prompts = get_preset(opts.preset).examples or (GENERIC_PROMPT,)  # each visitor its own prompt
 
     def start(self) -> None:
         port = free_port()
-        argv = [sys.executable, str(REPO / "app.py"), "--port", str(port), "--device", self.args.device,
-                "--preset", self.args.preset, "--warm", self.args.size, "--mode", self.args.mode,
+        argv = [sys.executable, str(REPO / "app.py"), "--port", str(port), "--device", self.opts.device,
+                "--preset", self.opts.preset, "--warm", self.opts.size, "--mode", self.opts.mode,
                 "--client-events", "0"]  # every visitor connects from this machine's address
         if self.max_batch is not None:
             argv += ["--max-batch", str(self.max_batch)]
-        if self.args.batch_wait_ms is not None:
-            argv += ["--batch-wait-ms", str(self.args.batch_wait_ms)]
-        if self.args.cache_dir:
-            argv += ["--cache-dir", str(self.args.cache_dir)]
-        argv += self.args.app_arg
-        out = Path(self.args.out)
+        if self.opts.batch_wait_ms is not None:
+            argv += ["--batch-wait-ms", str(self.opts.batch_wait_ms)]
+        if self.opts.cache_dir:
+            argv += ["--cache-dir", str(self.opts.cache_dir)]
+        argv += self.opts.app_arg
+        out = Path(self.opts.out)
         out.mkdir(parents=True, exist_ok=True)
         self.log = open(out / f"app-{self.name}.log", "wb")  # noqa: SIM115 - the app writes to it while it lives
         env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
@@ -81,7 +85,7 @@ class Phase:
         deadline = time.monotonic() + 300
         while True:
             try:
-                return PageClient(Client(self.url, verbose=False), timeout=self.args.timeout)
+                return PageClient(Client(self.url, verbose=False), timeout=self.opts.timeout)
             except Exception:
                 if self.app.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the app at {self.url} did not come up; see {self.log.name}") from None
@@ -89,30 +93,30 @@ class Phase:
 
     def params(self, visitor: int, round_: int) -> dict:
         prompts = self.prompts
-        return dict(prompt=prompts[(visitor + round_) % len(prompts)], negative_prompt="", preset=self.args.preset,
-                    device=self.args.device, precision="fp32", mode=self.args.mode, size=self.args.size,
-                    steps=str(self.args.steps), guidance="", seed=str(1000 * round_ + visitor), on_cold="eager",
+        return dict(prompt=prompts[(visitor + round_) % len(prompts)], negative_prompt="", preset=self.opts.preset,
+                    device=self.opts.device, precision="fp32", mode=self.opts.mode, size=self.opts.size,
+                    steps=str(self.opts.steps), guidance="", seed=str(1000 * round_ + visitor), on_cold="eager",
                     tp="1")
 
     def wait_warm(self, page: PageClient) -> list[int]:
         """Until the bucket is warm at every batch size of the engine; returns those sizes."""
-        deadline = time.monotonic() + self.args.warm_timeout
+        deadline = time.monotonic() + self.opts.warm_timeout
         page.predict(self.params(0, 0))  # loads the engine
         while time.monotonic() < deadline:
             for engine in page.call("status")[0]:
-                if not str(engine.get("engine", "")).startswith(f"{self.args.preset}@"):
+                if not str(engine.get("engine", "")).startswith(f"{self.opts.preset}@"):
                     continue
                 sizes = (engine.get("batching") or {}).get("batch_sizes") or [1]
-                warm = {b.get("batch", 1) for b in engine.get("buckets", []) if b.get("mode") == self.args.mode
-                        and b.get("size") == self.args.size and b.get("state") == "warm"}
-                if self.args.mode == "eager" or set(sizes) <= warm:
+                warm = {b.get("batch", 1) for b in engine.get("buckets", []) if b.get("mode") == self.opts.mode
+                        and b.get("size") == self.opts.size and b.get("state") == "warm"}
+                if self.opts.mode == "eager" or set(sizes) <= warm:
                     return sizes
             time.sleep(1.0)
-        raise RuntimeError(f"{self.args.mode}:{self.args.size} was not warm at every batch size within "
-                           f"{self.args.warm_timeout}s")
+        raise RuntimeError(f"{self.opts.mode}:{self.opts.size} was not warm at every batch size within "
+                           f"{self.opts.warm_timeout}s")
 
     def burst(self) -> None:
-        n = self.args.visitors
+        n = self.opts.visitors
         pages = [self.page() for _ in range(n)]
         barrier = threading.Barrier(n)
         lock = threading.Lock()
@@ -138,7 +142,7 @@ class Phase:
                             self.web_ms.append(seconds * 1000 - float(timings["handler_ms"]))
                         self.record_call(timings)
 
-        for record, rounds in ((False, 1), (True, self.args.rounds)):  # one round to settle, then measured
+        for record, rounds in ((False, 1), (True, self.opts.rounds)):  # one round to settle, then measured
             threads = [threading.Thread(target=visitor, args=(i, rounds, record), daemon=True) for i in range(n)]
             start = time.perf_counter()
             for t in threads:
@@ -162,7 +166,7 @@ class Phase:
 
     def read_status(self, page: PageClient) -> None:
         for engine in page.call("status")[0]:
-            if str(engine.get("engine", "")).startswith(f"{self.args.preset}@"):
+            if str(engine.get("engine", "")).startswith(f"{self.opts.preset}@"):
                 self.served = (engine.get("batching") or {}).get("served", {})
 
     def stop(self) -> None:
@@ -191,8 +195,8 @@ class Phase:
         try:
             page = self.page()
             sizes = self.wait_warm(page)
-            print(f"[load] {self.name}: warm at batch sizes {sizes}; {self.args.visitors} visitors x "
-                  f"{self.args.rounds} rounds", flush=True)
+            print(f"[load] {self.name}: warm at batch sizes {sizes}; {self.opts.visitors} visitors x "
+                  f"{self.opts.rounds} rounds", flush=True)
             self.burst()
             self.read_status(page)
         finally:
@@ -239,38 +243,39 @@ def print_summary(rows: list[dict], ratios: dict) -> None:
                   "the web round trip, which a batched burst runs at its start and end")
 
 
-def build_parser(sub=None) -> argparse.ArgumentParser:
-    kwargs = dict(help="a burst of visitors at one bucket against a real app, batching off and on",
-                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p = sub.add_parser("load", **kwargs) if sub is not None else argparse.ArgumentParser(prog="bench load", **kwargs)
-    p.add_argument("--visitors", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=10, help="measured bursts (after one to settle)")
-    p.add_argument("--preset", default=settings.DEFAULT_PRESET)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--mode", default="compile")
-    p.add_argument("--size", default="64x64")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--max-batch", type=int, default=None,
-                   help="the batching phase's --max-batch (default: the device's)")
-    p.add_argument("--batch-wait-ms", type=float, default=None)
-    p.add_argument("--phases", default="off,on", help="off (--max-batch 1), on, in this order (repeat to alternate)")
-    p.add_argument("--warm-timeout", type=float, default=900)
-    p.add_argument("--timeout", type=float, default=300, help="seconds a request may take")
-    p.add_argument("--cache-dir", type=Path, default=None)
-    p.add_argument("--out", default="artifacts/load", help="app logs and summary.json")
-    p.add_argument("--app-arg", action="append", default=[], help="extra app.py argument (repeatable)")
-    p.set_defaults(func=cmd_load)
-    return p
+@dataclass(frozen=True)
+class LoadOptions:
+    """`load`'s flags."""
+
+    visitors: int = flags.count(8)
+    rounds: int = flags.count(10, "measured bursts (after one to settle)")
+    preset: str = flags.preset(settings.DEFAULT_PRESET)
+    device: str = flags.device("cpu")
+    mode: str = flags.mode("compile")
+    size: str = flags.size("64x64")
+    steps: int = flags.steps(8)
+    max_batch: int | None = flags.count(None, "the batching phase's --max-batch (default: the device's)",
+                                        high=MAX_BATCH)
+    batch_wait_ms: float | None = flags.number(None, 0.0, MAX_BATCH_WAIT_MS)
+    phases: str = flags.text("off,on", "off (--max-batch 1), on, in this order (repeat to alternate)")
+    warm_timeout: float = flags.seconds(900)
+    timeout: float = flags.seconds(300, "seconds a request may take")
+    cache_dir: Path | None = flags.cache_dir(check=Path)
+    out: str = flags.out("artifacts/load", "app logs and summary.json")
+    app_arg: list[str] = flags.app_args()
 
 
 def add_load_parser(sub) -> None:
-    build_parser(sub)
+    flags.add_command(sub, "load", LoadOptions, cmd_load, description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      help="a burst of visitors at one bucket against a real app, batching off and on")
 
 
 def cmd_load(args) -> int:
+    opts = from_args(LoadOptions, args)
     rows = []
-    for name in [p for p in args.phases.split(",") if p]:
-        phase = Phase(args, name, 1 if name == "off" else args.max_batch)
+    for name in [p for p in opts.phases.split(",") if p]:
+        phase = Phase(opts, name, 1 if name == "off" else opts.max_batch)
         phase.run()
         rows.append(phase.summary())
     by = {}
@@ -286,7 +291,7 @@ def cmd_load(args) -> int:
         if med("on", "call_per_image_p50_ms") and med("off", "call_per_image_p50_ms"):  # the engine's calls alone
             ratios["engine"] = med("off", "call_per_image_p50_ms") / med("on", "call_per_image_p50_ms")
     print_summary(rows, ratios)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "summary.json").write_text(json.dumps({"phases": rows, "ratios": ratios}, indent=1))
+    Path(opts.out).mkdir(parents=True, exist_ok=True)
+    (Path(opts.out) / "summary.json").write_text(json.dumps({"phases": rows, "ratios": ratios}, indent=1))
     bad = any(r["failed"] or r["recompiles"] or r["orphans"] for r in rows)
     return 1 if bad else 0

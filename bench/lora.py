@@ -20,8 +20,11 @@ import json
 import os
 import queue
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench import flags
+from engine.config.flags import from_args
 from engine.metrics import median
 from engine.protocol import (
     DEFAULT_PRESET,
@@ -207,23 +210,30 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class LoraBenchOptions:
+    """`lora-bench`'s flags."""
+
+    preset: str = flags.preset(DEFAULT_PRESET)
+    size: str = flags.size("64x64")
+    modes: str = flags.text("eager,compile,regional")
+    repeats: int = flags.count(5)
+    cache_dir: str | None = flags.cache_dir()
+    json: bool = flags.as_json()
+
+
 def cmd_lora_bench(args) -> int:
     from engine import settings
 
-    modes = tuple(Mode.parse(m, "mode") for m in args.modes.split(","))
-    cache = Path(args.cache_dir) if args.cache_dir else settings.cache_dir()
-    report = run_lora_bench(args.preset, Size.parse(args.size), modes, args.repeats, cache)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    opts = from_args(LoraBenchOptions, args)
+    modes = tuple(Mode.parse(m, "mode") for m in opts.modes.split(","))
+    cache = Path(opts.cache_dir) if opts.cache_dir else settings.cache_dir()
+    report = run_lora_bench(opts.preset, Size.parse(opts.size), modes, opts.repeats, cache)
+    print(json.dumps(report, indent=2) if opts.json else format_report(report))
     return 0
 
 
 def add_lora_bench_parser(sub) -> None:
-    b = sub.add_parser("lora-bench", help="LoRA hot-swap time and recompiles, first request after a swap, and the "
-                                          "per-step price of no / unfused / fused LoRA (cpu)")
-    b.add_argument("--preset", default=DEFAULT_PRESET)
-    b.add_argument("--size", default="64x64")
-    b.add_argument("--modes", default="eager,compile,regional")
-    b.add_argument("--repeats", type=int, default=5)
-    b.add_argument("--cache-dir", default=None)
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_lora_bench)
+    flags.add_command(sub, "lora-bench", LoraBenchOptions, cmd_lora_bench,
+                      help="LoRA hot-swap time and recompiles, first request after a swap, and the per-step price "
+                           "of no / unfused / fused LoRA (cpu)")

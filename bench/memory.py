@@ -19,8 +19,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench import flags
+from engine.config.flags import from_args
 from engine.metrics import median
 
 GIB = 2**30
@@ -215,45 +218,52 @@ def _pct(share) -> str:
     return "—" if share is None else f"{share * 100:.0f} %"
 
 
+@dataclass(frozen=True)
+class MemoryBenchOptions:
+    """`memory-bench`'s flags."""
+
+    cache_dir: str | None = flags.cache_dir()
+    only: str | None = flags.text(None, "comma-separated: layerwise, prompt_cache, offload")
+    samples: int = flags.count(16, "fidelity prompts (layerwise)")
+    steps: int = flags.steps(8)
+    rounds: int = flags.count(6, "alternating timed images per configuration (layerwise)")
+    prompts: int = flags.count(6, "prompts encoded twice (prompt cache)")
+    denoiser_gib: float = flags.number(1.0, 0.001, 1024.0, "the random Flux denoiser's fp32 size (offload)")
+    offload_steps: int = flags.steps(2)
+    runs: int = flags.count(3, "timed generates per engine (offload)")
+    gpu: str | None = flags.text(None, "instead: the preset's full-size denoiser (denoiser_config, random weights) "
+                                       "in bf16 at 1024x1024 with each lever on --device (bench/memory_gpu.py)",
+                                 metavar="PRESET")
+    device: str = flags.device("cuda")
+    gpu_steps: int = flags.steps(28)
+    json: bool = flags.as_json()
+
+
 def cmd_memory_bench(args) -> int:
     from engine import settings
 
-    if args.gpu:
+    opts = from_args(MemoryBenchOptions, args)
+    if opts.gpu:
         from bench.memory_gpu import run_gpu_levers
 
-        rows = run_gpu_levers(args.gpu, args.device, args.gpu_steps)
-        if args.json:
+        rows = run_gpu_levers(opts.gpu, opts.device, opts.gpu_steps)
+        if opts.json:
             print(json.dumps(rows))
         return 0 if not any(r.get("error") for r in rows) else 1
-    cache_dir = Path(args.cache_dir) if args.cache_dir else settings.cache_dir()
+    cache_dir = Path(opts.cache_dir) if opts.cache_dir else settings.cache_dir()
     started, rows = time.perf_counter(), {}
-    parts = args.only.split(",") if args.only else ["layerwise", "prompt_cache", "offload"]
+    parts = opts.only.split(",") if opts.only else ["layerwise", "prompt_cache", "offload"]
     if "layerwise" in parts:
-        rows["layerwise"] = layerwise_row(cache_dir, args.samples, args.steps, args.rounds)
+        rows["layerwise"] = layerwise_row(cache_dir, opts.samples, opts.steps, opts.rounds)
     if "prompt_cache" in parts:
-        rows["prompt_cache"] = prompt_cache_row(cache_dir, args.prompts, args.steps)
+        rows["prompt_cache"] = prompt_cache_row(cache_dir, opts.prompts, opts.steps)
     if "offload" in parts:
-        rows["offload"] = offload_row(cache_dir, args.denoiser_gib, args.offload_steps, args.runs)
-    print(json.dumps({**rows, "elapsed_s": time.perf_counter() - started}, default=str) if args.json else report(rows))
+        rows["offload"] = offload_row(cache_dir, opts.denoiser_gib, opts.offload_steps, opts.runs)
+    print(json.dumps({**rows, "elapsed_s": time.perf_counter() - started}, default=str) if opts.json else report(rows))
     return 0
 
 
 def add_memory_bench_parser(sub) -> None:
-    b = sub.add_parser("memory-bench", help="what memory levers save and cost: layerwise fp8, group offload to "
-                                            "disk on a >= 1 GiB denoiser, the prompt cache")
-    b.add_argument("--cache-dir", default=None)
-    b.add_argument("--only", default=None, help="comma-separated: layerwise, prompt_cache, offload")
-    b.add_argument("--samples", type=int, default=16, help="fidelity prompts (layerwise)")
-    b.add_argument("--steps", type=int, default=8)
-    b.add_argument("--rounds", type=int, default=6, help="alternating timed images per configuration (layerwise)")
-    b.add_argument("--prompts", type=int, default=6, help="prompts encoded twice (prompt cache)")
-    b.add_argument("--denoiser-gib", type=float, default=1.0, help="the random Flux denoiser's fp32 size (offload)")
-    b.add_argument("--offload-steps", type=int, default=2)
-    b.add_argument("--runs", type=int, default=3, help="timed generates per engine (offload)")
-    b.add_argument("--gpu", default=None, metavar="PRESET",
-                   help="instead: the preset's full-size denoiser (denoiser_config, random weights) in bf16 at "
-                        "1024x1024 with each lever on --device (bench/memory_gpu.py)")
-    b.add_argument("--device", default="cuda")
-    b.add_argument("--gpu-steps", type=int, default=28)
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_memory_bench)
+    flags.add_command(sub, "memory-bench", MemoryBenchOptions, cmd_memory_bench,
+                      help="what memory levers save and cost: layerwise fp8, group offload to disk on a >= 1 GiB "
+                           "denoiser, the prompt cache")

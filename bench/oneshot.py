@@ -20,10 +20,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench import flags
 from bench.stats import ratio
-from engine.config.flags import add_engine_arguments, options_from_args, presets_from_args
+from engine.config.flags import SourceFlags, from_args, options_from_args, presets_from_args
 from engine.metrics import median
 from engine.protocol import EngineKey, Size
 
@@ -42,17 +44,22 @@ pipe(**kwargs).images[0].save(out)
 """
 
 
+@dataclass(frozen=True)
+class OneshotOptions:
+    """`oneshot`'s flags (the engine flags follow them: --model, --cache-dir, ...)."""
+
+    preset: str = flags.preset("tiny-shapes", "a preset whose weights are a local folder")
+    size: str = flags.size("64x64")
+    steps: int | None = flags.steps(None, "default: the preset's")
+    runs: int = flags.count(3, "fresh processes of each (default 3)")
+    prompt: str | None = flags.text(None, "default: the preset's example prompt")
+    json: bool = flags.as_json("print the result as one JSON line")
+
+
 def add_oneshot_parser(sub) -> None:
-    p = sub.add_parser("oneshot", help="a fresh `generate --mode eager` process against a bare diffusers script "
-                                       "(medians of interleaved runs, the ratio)")
-    p.add_argument("--preset", default="tiny-shapes", help="a preset whose weights are a local folder")
-    p.add_argument("--size", default="64x64")
-    p.add_argument("--steps", type=int, default=None, help="default: the preset's")
-    p.add_argument("--runs", type=int, default=3, help="fresh processes of each (default 3)")
-    p.add_argument("--prompt", default=None, help="default: the preset's example prompt")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    add_engine_arguments(p)
-    p.set_defaults(func=cmd_oneshot)
+    flags.add_command(sub, "oneshot", OneshotOptions, cmd_oneshot, engine=True,
+                      help="a fresh `generate --mode eager` process against a bare diffusers script (medians of "
+                           "interleaved runs, the ratio)")
 
 
 def model_folder(args) -> tuple[object, str]:
@@ -89,40 +96,41 @@ def _timed(argv: list[str], env: dict) -> tuple[float, float]:
 
 
 def cmd_oneshot(args) -> int:
+    opts, source = from_args(OneshotOptions, args), from_args(SourceFlags, args)
     preset, folder = model_folder(args)
-    size = Size.parse(args.size)
-    steps = args.steps or preset.steps
-    prompt = args.prompt if args.prompt is not None else preset.example_prompt
+    size = Size.parse(opts.size)
+    steps = opts.steps or preset.steps
+    prompt = opts.prompt if opts.prompt is not None else preset.example_prompt
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="showcase-oneshot-") as tmp:
         engine_argv = [sys.executable, "-m", "engine", "generate", "--preset", preset.name, "--device", "cpu",
                        "--precision", "fp32", "--mode", "eager", "--size", str(size), "--steps", str(steps),
                        "--seed", "0", "--prompt", prompt, "--out", str(Path(tmp, "engine.png"))]
-        if args.cache_dir:
-            engine_argv += ["--cache-dir", str(args.cache_dir)]
-        if args.model:
-            engine_argv += ["--model", args.model]
+        if source.cache_dir:
+            engine_argv += ["--cache-dir", str(source.cache_dir)]
+        if source.model:
+            engine_argv += ["--model", source.model]
         bare_argv = [sys.executable, "-c", BARE_SCRIPT, folder, prompt, str(size.width), str(size.height),
                      str(steps), str(preset.guidance), "0", str(Path(tmp, "bare.png"))]
         if preset.max_sequence_length:
             bare_argv.append(str(preset.max_sequence_length))
         load_before = os.getloadavg()
         engine_runs, bare_runs = [], []
-        for i in range(args.runs):
+        for i in range(opts.runs):
             pair = ((engine_argv, engine_runs), (bare_argv, bare_runs))
             for argv, out in (pair if i % 2 == 0 else pair[::-1]):
                 out.append(_timed(argv, env))
     engine_s, bare_s = [w for w, _ in engine_runs], [w for w, _ in bare_runs]
     engine_cpu, bare_cpu = [c for _, c in engine_runs], [c for _, c in bare_runs]
     e, b = median(engine_s), median(bare_s)
-    result = {"preset": preset.name, "size": str(size), "steps": steps, "runs": args.runs,
+    result = {"preset": preset.name, "size": str(size), "steps": steps, "runs": opts.runs,
               "engine_s": [round(x, 3) for x in engine_s], "bare_s": [round(x, 3) for x in bare_s],
               "engine_median_s": round(e, 3), "bare_median_s": round(b, 3), "ratio": round(ratio(e, b), 3),
               "engine_cpu_s": [round(x, 3) for x in engine_cpu], "bare_cpu_s": [round(x, 3) for x in bare_cpu],
               "cpu_ratio": round(ratio(median(engine_cpu), median(bare_cpu)), 3),
               "target": TARGET_RATIO, "load_avg": [round(x, 2) for x in os.getloadavg()],
               "load_avg_before": [round(x, 2) for x in load_before], "cores": os.cpu_count()}
-    if args.json:
+    if opts.json:
         print(json.dumps(result))
     else:
         print(f"fresh `python -m engine generate --mode eager` ({preset.name} {size}, {steps} steps): "

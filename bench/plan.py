@@ -12,9 +12,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.bench_options import BenchOptions
 from bench.modes import BENCH_MODES
 from engine import devices, settings
-from engine.config.flags import engine_flags_argv, model_roots_from_args, options_from_args
+from engine.config.flags import (
+    SourceFlags,
+    engine_flags_argv,
+    from_args,
+    model_roots_from_args,
+    options_from_args,
+)
 from engine.config.presets import get_preset, preset_for_model, route_size
 from engine.errors import InvalidRequest
 from engine.protocol import GENERIC_PROMPT, EngineOptions, ModelPreset, Size, StepCache
@@ -80,12 +87,12 @@ def _load_override(text: str | None) -> dict | None:
     return value
 
 
-def _preset_and_model_args(args, roots: list[Path]) -> tuple[ModelPreset, list[str]]:
-    if not args.model:
-        return get_preset(args.preset), []
-    preset = preset_for_model(args.model, roots, buckets=args.buckets)
-    model_args = ["--model", args.model] + (["--buckets", args.buckets] if args.buckets else [])
-    for root in args.model_root:
+def _preset_and_model_args(preset_name: str, source: SourceFlags, roots: list[Path]) -> tuple[ModelPreset, list[str]]:
+    if not source.model:
+        return get_preset(preset_name), []
+    preset = preset_for_model(source.model, roots, buckets=source.buckets)
+    model_args = ["--model", source.model] + (["--buckets", source.buckets] if source.buckets else [])
+    for root in source.model_root:
         model_args += ["--model-root", str(root)]
     return preset, model_args
 
@@ -100,44 +107,46 @@ def _check_sizes(preset: ModelPreset, sizes: tuple[Size, ...], random_weights: b
 
 
 def plan_from_args(args) -> BenchPlan:
-    cache_dir = Path(args.cache_dir) if args.cache_dir else settings.cache_dir()
+    """The plan of a parsed `bench` command line: its own flags (BenchOptions) and the engine's."""
+    opts, source = from_args(BenchOptions, args), from_args(SourceFlags, args)
+    cache_dir = Path(source.cache_dir) if source.cache_dir else settings.cache_dir()
     roots = model_roots_from_args(args)
-    preset, model_args = _preset_and_model_args(args, roots)
-    modes = _split(args.modes)
+    preset, model_args = _preset_and_model_args(opts.preset, source, roots)
+    modes = _split(opts.modes)
     for m in modes:
         if m not in BENCH_MODES:
             raise InvalidRequest(f"unknown mode {m!r}: choose from {', '.join(BENCH_MODES)}")
-    precisions = _split(args.precisions)
-    caches = tuple(dict.fromkeys(str(StepCache.parse(c)) for c in _split(args.caches or "")))
-    if caches and args.random_weights:
+    precisions = _split(opts.precisions)
+    caches = tuple(dict.fromkeys(str(StepCache.parse(c)) for c in _split(opts.caches or "")))
+    if caches and opts.random_weights:
         raise InvalidRequest("--caches runs the whole pipeline (step caches need its scheduler); drop --random-weights")
     if not modes or not precisions:
         raise InvalidRequest("--modes and --precisions need at least one value each")
-    spec = devices.resolve_device(args.device)
+    spec = devices.resolve_device(opts.device)
     for p in precisions:
         devices.plan_precision(spec, p)  # refuses what the device cannot run, with the reason
-    sizes = tuple(Size.parse(s) for s in _split(args.sizes)) if args.sizes else preset.buckets[:1]
-    _check_sizes(preset, sizes, bool(args.random_weights))
-    steps = args.steps or preset.steps
-    if steps < 1 or args.runs < 1:
+    sizes = tuple(Size.parse(s) for s in _split(opts.sizes)) if opts.sizes else preset.buckets[:1]
+    _check_sizes(preset, sizes, bool(opts.random_weights))
+    steps = opts.steps or preset.steps
+    if steps < 1 or opts.runs < 1:
         raise InvalidRequest("--steps and --runs must be at least 1")
-    overhead = args.overhead_runs if args.overhead_runs is not None else 2 * args.runs
-    cold = getattr(args, "cold_start_probe", "off")
-    cold_start = (cold == "on" or (cold == "auto" and "aot" in modes)) and not args.random_weights
+    overhead = opts.overhead_runs if opts.overhead_runs is not None else 2 * opts.runs
+    cold = opts.cold_start_probe
+    cold_start = (cold == "on" or (cold == "auto" and "aot" in modes)) and not opts.random_weights
     return BenchPlan(
         preset=preset, device=spec.name, modes=modes, precisions=precisions, sizes=sizes, steps=steps,
-        runs=args.runs, options=options_from_args(args, warm_sizes=(), warm_modes=()), cache_dir=cache_dir,
-        allowed_roots=tuple(str(r) for r in roots), prompt=args.prompt or preset.example_prompt, overhead_pairs=overhead,
-        cache_probe=args.cache_probe, probe_timeout_s=args.probe_timeout, progress=not args.no_progress,
-        cold_start_probe=cold_start, cold_start_runs=getattr(args, "cold_start_runs", 5),
-        model_args=tuple(model_args), random_weights=bool(args.random_weights),
-        config_override=_load_override(args.denoiser_config_override),
-        text_len=args.text_len, matmul_roofline=args.matmul_roofline, warmup_calls=args.warmup_calls,
-        time_budget_s=args.time_budget, out=Path(args.out) if args.out else None, force=args.force,
-        threads=args.threads, engine_args=engine_flags_argv(args),
-        quality_samples=(args.quality_samples if args.quality_samples is not None
+        runs=opts.runs, options=options_from_args(args, warm_sizes=(), warm_modes=()), cache_dir=cache_dir,
+        allowed_roots=tuple(str(r) for r in roots), prompt=opts.prompt or preset.example_prompt, overhead_pairs=overhead,
+        cache_probe=opts.cache_probe, probe_timeout_s=opts.probe_timeout, progress=not opts.no_progress,
+        cold_start_probe=cold_start, cold_start_runs=opts.cold_start_runs,
+        model_args=tuple(model_args), random_weights=bool(opts.random_weights),
+        config_override=_load_override(opts.denoiser_config_override),
+        text_len=opts.text_len, matmul_roofline=opts.matmul_roofline, warmup_calls=opts.warmup_calls,
+        time_budget_s=opts.time_budget, out=Path(opts.out) if opts.out else None, force=opts.force,
+        threads=opts.threads, engine_args=engine_flags_argv(args),
+        quality_samples=(opts.quality_samples if opts.quality_samples is not None
                          else 100 if preset.fidelity else 3),
         caches=caches,
-        images_per_call=max(1, getattr(args, "images_per_call", 1) or 1),
+        images_per_call=max(1, opts.images_per_call or 1),
         command="python -m engine " + " ".join(a for a in sys.argv[1:] if a) if sys.argv else "",
     )

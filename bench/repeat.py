@@ -145,15 +145,17 @@ def run(plan, runners, configurations: list[explicit.Configuration], budget_s: f
 def main(args) -> int:
     from bench.advise import _Runners, serving_threads
     from bench.advise_choice import AdvisePlan
+    from bench.bench_options import BenchOptions
     from engine import devices, settings
-    from engine.config.flags import model_roots_from_args, options_from_args
+    from engine.config.flags import SourceFlags, from_args, model_roots_from_args, options_from_args
     from engine.config.presets import get_preset
 
-    preset = get_preset(args.preset)
-    spec = devices.resolve_device(args.device)
-    size = Size.parse(args.sizes.split(",")[0]) if args.sizes else preset.buckets[0]
+    opts, source = from_args(BenchOptions, args), from_args(SourceFlags, args)
+    preset = get_preset(opts.preset)
+    spec = devices.resolve_device(opts.device)
+    size = Size.parse(opts.sizes.split(",")[0]) if opts.sizes else preset.buckets[0]
     try:
-        configurations = explicit.parse_configurations(args.configs or DEFAULT_CONFIGS)
+        configurations = explicit.parse_configurations(opts.configs or DEFAULT_CONFIGS)
     except ValueError as exc:
         print(f"--configs: {exc}", file=sys.stderr)
         return 2
@@ -163,27 +165,27 @@ def main(args) -> int:
         if why:
             print(f"--configs: {c.text()} cannot run here: {why}", file=sys.stderr)
             return 2
-    threads = args.threads or serving_threads(spec)
+    threads = opts.threads or serving_threads(spec)
     if threads:
         import torch
 
         torch.set_num_threads(threads)
-    cache_dir = Path(args.cache_dir) if args.cache_dir else settings.cache_dir()
+    cache_dir = Path(source.cache_dir) if source.cache_dir else settings.cache_dir()
     devices.apply_environment(spec, cache_dir)
     import diffusers  # noqa: F401 - after the cache environment (see bench/pipeline.py)
 
-    plan = AdvisePlan(preset=preset, device=spec.name, size=size, steps=args.steps or preset.steps,
+    plan = AdvisePlan(preset=preset, device=spec.name, size=size, steps=opts.steps or preset.steps,
                       cache_dir=cache_dir, options=options_from_args(args, warm_sizes=(), warm_modes=(),
                                                                      loras=loras or args.loras),
                       allowed_roots=tuple(str(r) for r in model_roots_from_args(args)),
-                      prompt=args.prompt or preset.example_prompt)
+                      prompt=opts.prompt or preset.example_prompt)
     runners = _Runners(plan, spec)  # both runs on the same loaded weights, as the app's engines would be
     load_before = [round(x, 2) for x in os.getloadavg()]
     runs = []
     for i in range(2):
         print(f"run {i + 1} of 2 ...", file=sys.stderr, flush=True)
-        runs.append(run(plan, runners, configurations, args.repeat_budget, args.repeat_spread,
-                        args.repeat_max_rounds))
+        runs.append(run(plan, runners, configurations, opts.repeat_budget, opts.repeat_spread,
+                        opts.repeat_max_rounds))
     load_after = [round(x, 2) for x in os.getloadavg()]
     report = {"preset": preset.name, "device": spec.name, "size": str(size), "steps": plan.steps, "threads": threads,
               "configs": [c.text() for c in configurations], "load_before": load_before, "load_after": load_after,
@@ -191,11 +193,11 @@ def main(args) -> int:
               "comparison": compare_runs(runs[0]["figures"], runs[1]["figures"]),
               "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(markdown(report))
-    if args.out:
-        path = Path(args.out) / "repeatability.json"
+    if opts.out:
+        path = Path(opts.out) / "repeatability.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1, default=str))
         print(f"wrote {path}", file=sys.stderr)
     ok = report["comparison"]["ranking_held_but_ties"] and report["comparison"]["all_within"]
-    return 1 if args.strict and not ok else 0
+    return 1 if opts.strict and not ok else 0
 

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from bench.bench_options import BenchOptions
 from bench.cache_probe import cmd_compile_probe
 from bench.cold_start import cmd_cold_start_child, cmd_runtime_child
 from bench.denoiser import run_denoiser_bench
@@ -15,6 +16,7 @@ from bench.pipeline import run_pipeline_bench
 from bench.plan import BenchPlan, plan_from_args
 from bench.report import assemble_report, markdown_report, write_outputs
 from engine import devices
+from engine.config.flags import from_args
 
 
 def run_bench(plan: BenchPlan) -> dict:
@@ -26,15 +28,16 @@ def run_bench(plan: BenchPlan) -> dict:
 
 
 def main(args) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args._compile_probe:
+    opts = from_args(BenchOptions, args)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    if opts._compile_probe:
         return cmd_compile_probe(args)
-    if args._cold_start_child:
+    if opts._cold_start_child:
         return cmd_cold_start_child(args)
-    if args._runtime_child:
+    if opts._runtime_child:
         return cmd_runtime_child(args)
-    if getattr(args, "repeatability", False):
+    if opts.repeatability:
         from bench import repeat
 
         return repeat.main(args)
@@ -47,12 +50,12 @@ def main(args) -> int:
         print(levers.markdown(report))
         for kind, path in paths.items():
             print(f"wrote {kind}: {path}", file=sys.stderr)
-        return 1 if args.strict and report["missed"] else 0
+        return 1 if opts.strict and report["missed"] else 0
     report = run_bench(plan)
-    paths = write_outputs(report, plan.out, chart=not args.no_chart) if plan.out else {}
+    paths = write_outputs(report, plan.out, chart=not opts.no_chart) if plan.out else {}
     print(markdown_report(report))
     for kind, path in paths.items():
         print(f"wrote {kind}: {path}", file=sys.stderr)
-    if args.strict and report["missed"]:
+    if opts.strict and report["missed"]:
         return 1
     return 0

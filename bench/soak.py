@@ -17,7 +17,6 @@ The visitors talk HTTP through gradio_client (the client library, not gradio its
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import json
@@ -33,7 +32,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench import flags
 from engine import settings
+from engine.config.flags import from_args
+from engine.config.validation import MAX_SEED
 from engine.metrics import median, percentile
 from engine.processes import process_tree, resident_bytes
 from engine.serving.budget import GIB, parse_size
@@ -203,8 +205,8 @@ def free_port() -> int:
 
 
 class Soak:
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, opts: SoakOptions):
+        self.opts = opts
         self.report = SoakReport()
         self.stop = threading.Event()
         self.app: subprocess.Popen | None = None
@@ -215,28 +217,28 @@ class Soak:
         self.compiling_shared = mp.get_context("spawn").Event()
         self.compiling = self.compiling_shared
         self.engine_compiling = mp.get_context("spawn").Event()  # in the probe's engine
-        self.presets = [p for p in args.presets.split(",") if p] if args.presets else [settings.DEFAULT_PRESET]
-        self.precisions = args.precisions.split(",")
-        self.modes = args.modes.split(",")
-        self.rng = random.Random(args.seed)
+        self.presets = [p for p in opts.presets.split(",") if p] if opts.presets else [settings.DEFAULT_PRESET]
+        self.precisions = opts.precisions.split(",")
+        self.modes = opts.modes.split(",")
+        self.rng = random.Random(opts.seed)
 
     # -- the app -----------------------------------------------------------------------------------
     def start_app(self) -> None:
         port = free_port()
-        argv = [sys.executable, str(REPO / "app.py"), "--port", str(port), "--device", self.args.device,
-                "--preset", self.presets[0], "--warm", self.args.warm, "--mode", self.args.probe_mode,
-                "--memory-budget", self.args.memory_budget, "--compile-jobs", str(self.args.compile_jobs)]
-        if self.args.public:
+        argv = [sys.executable, str(REPO / "app.py"), "--port", str(port), "--device", self.opts.device,
+                "--preset", self.presets[0], "--warm", self.opts.warm, "--mode", self.opts.probe_mode,
+                "--memory-budget", self.opts.memory_budget, "--compile-jobs", str(self.opts.compile_jobs)]
+        if self.opts.public:
             argv += ["--public", "--presets", ",".join(self.presets), "--precisions", ",".join(self.precisions),
                      "--modes", ",".join(self.modes)]
             # Every simulated visitor connects from this machine's address: the per-address bound would
             # count them as one client (they stand in for browsers on other machines).
             argv += ["--client-events", "0"]
-        if self.args.cache_dir:
-            argv += ["--cache-dir", str(self.args.cache_dir)]
-        argv += self.args.app_arg
+        if self.opts.cache_dir:
+            argv += ["--cache-dir", str(self.opts.cache_dir)]
+        argv += self.opts.app_arg
         env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
-        log_path = Path(self.args.out or "artifacts/soak") / "app.log"
+        log_path = Path(self.opts.out or "artifacts/soak") / "app.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.app_log = open(log_path, "wb")  # noqa: SIM115 - the app writes to it while it lives
         # Its own process group (the orphan check kills the group), in the soak's session: where Linux's
@@ -319,12 +321,12 @@ class Soak:
             # job.cancel() posts its cancel later, from a thread, where it can meet the next request).
             _, race = self._result(client, lambda: client.submit(api_name="/cancel"))
             try:
-                job.result(timeout=self.args.hang_s)
+                job.result(timeout=self.opts.hang_s)
             except Exception:
                 pass
             return Outcome("cancelled", time.monotonic() - start, config=config, client_race=race)
         except TimeoutError as exc:
-            return Outcome("hung", time.monotonic() - start, f"no answer in {self.args.hang_s}s: {exc}", config=config)
+            return Outcome("hung", time.monotonic() - start, f"no answer in {self.opts.hang_s}s: {exc}", config=config)
         except Exception as exc:
             text = str(exc).strip()
             failed = isinstance(exc, ClientRaceTwice) or text.lower() in GENERIC_ERRORS or "Traceback" in text
@@ -340,11 +342,11 @@ class Soak:
         _settle_event_stream; about 1 in 800 calls on a loaded 2-core box, right after another answer): sent
         again once, and counted apart, not hidden. A second one counts as a failure."""
         try:
-            return submit().result(timeout=self.args.hang_s), False
+            return submit().result(timeout=self.opts.hang_s), False
         except concurrent.futures.CancelledError:
             _settle_event_stream(client, timeout=10.0)
             try:
-                return submit().result(timeout=self.args.hang_s), True
+                return submit().result(timeout=self.opts.hang_s), True
             except concurrent.futures.CancelledError as exc:
                 raise ClientRaceTwice("CancelledError on the second try too (gradio_client's stream race?)") from exc
 
@@ -359,39 +361,39 @@ class Soak:
                        queued_s=(t.get("queued_ms") or 0) / 1000)
 
     def browser_probe(self, client) -> PageClient | None:
-        return PageClient(client, self.args.hang_s) if self.args.probe_client == "browser" else None
+        return PageClient(client, self.opts.hang_s) if self.opts.probe_client == "browser" else None
 
     def random_params(self) -> tuple[dict, str]:
         params = dict(prompt="a red circle on a blue background", negative_prompt="",
-                      preset=self.rng.choice(self.presets), device=self.args.device,
+                      preset=self.rng.choice(self.presets), device=self.opts.device,
                       precision=self.rng.choice(self.precisions), mode=self.rng.choice(self.modes),
-                      size=self.rng.choice(self.args.sizes.split(",")), steps=str(self.rng.randint(2, 4)),
+                      size=self.rng.choice(self.opts.sizes.split(",")), steps=str(self.rng.randint(2, 4)),
                       guidance="", seed=str(self.rng.randint(0, 1000)), on_cold="eager", tp="1")
         expect = ""
-        if self.rng.random() < self.args.bad_rate:
+        if self.rng.random() < self.opts.bad_rate:
             bad, expect = self.rng.choice(BAD_INPUTS)
             params.update(bad)
         return params, expect
 
     def visitor(self, index: int, deadline: float, out) -> None:
         client = self.client()
-        rng = random.Random(self.args.seed + index)
-        self.rng = random.Random(self.args.seed * 1000 + index)
+        rng = random.Random(self.opts.seed + index)
+        self.rng = random.Random(self.opts.seed * 1000 + index)
         previous = None
         while time.time() < deadline:
             params, _ = self.random_params()
-            cancel_after = rng.uniform(0.05, 0.5) if rng.random() < self.args.cancel_rate else None
+            cancel_after = rng.uniform(0.05, 0.5) if rng.random() < self.opts.cancel_rate else None
             outcome = self.request(client, params, cancel_after=cancel_after)
             if outcome.kind == "failed" and previous is not None:  # what came just before, to explain it
                 outcome.detail += f" [visitor {index}'s previous request: {previous.kind}, {previous.config}]"
             out.put(outcome)
             previous = outcome
-            time.sleep(rng.uniform(0.0, self.args.think_s))
+            time.sleep(rng.uniform(0.0, self.opts.think_s))
 
     def probe_params(self) -> dict:
         return dict(prompt="a red circle on a blue background", negative_prompt="", preset=self.presets[0],
-                    device=self.args.device, precision=self.precisions[0], mode=self.args.probe_mode,
-                    size=self.args.sizes.split(",")[0], steps="2", guidance="", seed="1", on_cold="eager", tp="1")
+                    device=self.opts.device, precision=self.precisions[0], mode=self.opts.probe_mode,
+                    size=self.opts.sizes.split(",")[0], steps="2", guidance="", seed="1", on_cold="eager", tp="1")
 
     def probe(self, deadline: float, out) -> None:
         client = self.client()
@@ -401,17 +403,17 @@ class Soak:
             outcome = self.request(client, self.probe_params(), probe=True, browser=browser)
             outcome.engine_compiling = own_engine_compiling
             out.put(outcome)
-            time.sleep(self.args.probe_interval)
+            time.sleep(self.opts.probe_interval)
 
     def wait_warm_probe(self, client) -> None:
         """Until the probe's bucket is warm (the default engine compiles it at start-up)."""
-        deadline = time.monotonic() + self.args.warm_timeout
+        deadline = time.monotonic() + self.opts.warm_timeout
         while time.monotonic() < deadline:
             _, timings = client.predict(**self.probe_params(), api_name="/generate")
             if timings.get("warm"):
                 return
             time.sleep(1.0)
-        raise RuntimeError(f"the probe bucket was not warm within {self.args.warm_timeout}s")
+        raise RuntimeError(f"the probe bucket was not warm within {self.opts.warm_timeout}s")
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> SoakReport:
@@ -422,7 +424,7 @@ class Soak:
             client = self.client()
             self.wait_warm_probe(client)
             browser = self.browser_probe(client)  # idle runs measure with the probe's own client
-            for _ in range(self.args.idle_runs):
+            for _ in range(self.opts.idle_runs):
                 start = time.monotonic()
                 if browser is not None:
                     timings = browser.predict(self.probe_params())
@@ -451,14 +453,14 @@ class Soak:
 
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        deadline = time.time() + self.args.duration
-        roles = [("visitor", i) for i in range(self.args.visitors)] + [("probe", 0)]
-        procs = [ctx.Process(target=_client_main, args=(role, i, self.url, self.args, deadline,
+        deadline = time.time() + self.opts.duration
+        roles = [("visitor", i) for i in range(self.opts.visitors)] + [("probe", 0)]
+        procs = [ctx.Process(target=_client_main, args=(role, i, self.url, self.opts, deadline,
                                                          (self.compiling_shared, self.engine_compiling), out), daemon=True) for role, i in roles]
         for p in procs:
             p.start()
         finished = 0
-        hard_stop = deadline + self.args.hang_s + 60
+        hard_stop = deadline + self.opts.hang_s + 60
         while finished < len(procs) and time.time() < hard_stop:
             try:
                 item = out.get(timeout=1.0)
@@ -521,15 +523,15 @@ def lower_visitor_priority(niceness: int) -> None:
         pass  # not Linux, or no autogroup: the process niceness above is what counts
 
 
-def _client_main(role: str, index: int, url: str, args, deadline: float, compiling, out) -> None:
+def _client_main(role: str, index: int, url: str, opts: SoakOptions, deadline: float, compiling, out) -> None:
     """One visitor (or the probe) in its own process: requests until `deadline` (wall clock), each
     outcome put on `out`, then None."""
-    soak = Soak(args)
+    soak = Soak(opts)
     soak.url, (soak.compiling, soak.engine_compiling) = url, compiling
-    if role != "probe" and args.visitor_niceness:
+    if role != "probe" and opts.visitor_niceness:
         # Visitors stand in for browsers on other machines: their own client work (HTTP, SSE, image
         # downloads) must not take the 2 cores from the server they load. The probe, which measures, is not niced.
-        lower_visitor_priority(args.visitor_niceness)
+        lower_visitor_priority(opts.visitor_niceness)
     try:
         if role == "probe":
             soak.probe(deadline, out)
@@ -539,7 +541,7 @@ def _client_main(role: str, index: int, url: str, args, deadline: float, compili
         out.put(None)
 
 
-def summarize(report: SoakReport, args) -> dict:
+def summarize(report: SoakReport, opts: SoakOptions) -> dict:
     counts = report.counts()
     probe = [o.seconds for o in report.outcomes if o.probe and o.kind == "ok" and o.warm]
     probe_compiling = [o.seconds for o in report.outcomes if o.probe and o.kind == "ok" and o.warm and o.compiling]
@@ -549,7 +551,7 @@ def summarize(report: SoakReport, args) -> dict:
     probe_engine = [o.engine_s for o in report.outcomes if o.probe and o.kind == "ok" and o.warm and o.engine_s]
     probe_handler = [o.handler_s for o in report.outcomes if o.probe and o.kind == "ok" and o.warm and o.handler_s]
     idle = median(report.idle_s) if report.idle_s else None
-    budget = parse_size(args.memory_budget)
+    budget = parse_size(opts.memory_budget)
     engines = report.status.get("engines") or []
     system = report.status.get("system") or {}
     host = system.get("host") or {}
@@ -557,7 +559,7 @@ def summarize(report: SoakReport, args) -> dict:
     p95 = percentile(probe, 0.95)
     p95_c = percentile(probe_compiling, 0.95)
     summary = {
-        "visitors": args.visitors, "duration_s": args.duration, "requests": len(report.outcomes), **counts,
+        "visitors": opts.visitors, "duration_s": opts.duration, "requests": len(report.outcomes), **counts,
         "failed_or_hung": counts["failed"] + counts["hung"],
         "client_race_retries": sum(o.client_race for o in report.outcomes),
         "peak_rss_gib": round(report.peak_rss / GIB, 3), "budget_gib": round(budget / GIB, 3) if budget else None,
@@ -622,53 +624,53 @@ def print_summary(s: dict) -> None:
         print(f"  clear error x{count}: {gist}")
 
 
-def build_parser(sub=None) -> argparse.ArgumentParser:
-    kwargs = dict(description=__doc__.split("\n\n")[0])
-    p = sub.add_parser("soak", help="simulated visitors against a real app process", **kwargs) if sub else \
-        argparse.ArgumentParser(prog="python -m bench soak", **kwargs)
-    p.add_argument("--visitors", type=int, default=4)
-    p.add_argument("--duration", type=float, default=180.0, help="seconds of visitor traffic")
-    p.add_argument("--memory-budget", default="3GiB")
-    p.add_argument("--compile-jobs", type=int, default=1)
-    p.add_argument("--presets", default=f"{settings.DEFAULT_PRESET},tiny-sd3",
-                   help="what visitors may pick (the first is the app's default engine, the probe's)")
-    p.add_argument("--precisions", default="fp32,bf16,fp16")
-    p.add_argument("--modes", default="eager,compile,regional")
-    p.add_argument("--sizes", default="64x64,128x128,64x128,128x64")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--probe-mode", default="regional", help="mode of the warm bucket the probe visitor measures")
-    p.add_argument("--warm", default="64x64", help="app.py --warm for the default engine")
-    p.add_argument("--public", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--cancel-rate", type=float, default=0.1)
-    p.add_argument("--bad-rate", type=float, default=0.1)
-    p.add_argument("--think-s", type=float, default=1.0, help="a visitor waits up to this long between requests")
-    p.add_argument("--probe-interval", type=float, default=0.5)
-    p.add_argument("--probe-client", choices=("browser", "gradio_client"), default="browser",
-                   help="how the probe talks to the app: the queue protocol directly, as a page does, or "
-                        "through gradio_client (whose polling threads add their own delays on a busy host)")
-    p.add_argument("--visitor-niceness", type=int, default=19,
-                   help="CPU niceness of the visitor processes (they stand in for remote browsers; 0 = none)")
-    p.add_argument("--idle-runs", type=int, default=15)
-    p.add_argument("--hang-s", type=float, default=300.0, help="a request without an answer this long is hung")
-    p.add_argument("--warm-timeout", type=float, default=600.0)
-    p.add_argument("--cache-dir", type=Path, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="artifacts/soak", help="folder for soak.json and the app log")
-    p.add_argument("--app-arg", action="append", default=[], help="extra app.py argument (repeatable)")
-    p.set_defaults(func=cmd_soak)
-    return p
+@dataclass(frozen=True)
+class SoakOptions:
+    """`soak`'s flags (the visitor processes get a copy)."""
+
+    visitors: int = flags.count(4)
+    duration: float = flags.seconds(180.0, "seconds of visitor traffic")
+    memory_budget: str = flags.text("3GiB")
+    compile_jobs: int = flags.count(1, high=flags.MAX_THREADS)
+    presets: str = flags.text(f"{settings.DEFAULT_PRESET},tiny-sd3",
+                              "what visitors may pick (the first is the app's default engine, the probe's)")
+    precisions: str = flags.text("fp32,bf16,fp16")
+    modes: str = flags.text("eager,compile,regional")
+    sizes: str = flags.sizes("64x64,128x128,64x128,128x64")
+    device: str = flags.device("cpu")
+    probe_mode: str = flags.mode("regional", "mode of the warm bucket the probe visitor measures")
+    warm: str = flags.text("64x64", "app.py --warm for the default engine")
+    public: bool = flags.either(True)
+    cancel_rate: float = flags.number(0.1, 0.0, 1.0)
+    bad_rate: float = flags.number(0.1, 0.0, 1.0)
+    think_s: float = flags.seconds(1.0, "a visitor waits up to this long between requests")
+    probe_interval: float = flags.seconds(0.5)
+    probe_client: str = flags.text("browser", "how the probe talks to the app: the queue protocol directly, as a "
+                                   "page does, or through gradio_client (whose polling threads add their own delays "
+                                   "on a busy host)", choices=("browser", "gradio_client"))
+    visitor_niceness: int = flags.count(19, "CPU niceness of the visitor processes (they stand in for remote "
+                                        "browsers; 0 = none)", low=0, high=19)
+    idle_runs: int = flags.count(15)
+    hang_s: float = flags.seconds(300.0, "a request without an answer this long is hung")
+    warm_timeout: float = flags.seconds(600.0)
+    cache_dir: Path | None = flags.cache_dir(check=Path)
+    seed: int = flags.count(0, low=0, high=MAX_SEED)
+    out: str | None = flags.out("artifacts/soak", "folder for soak.json and the app log")
+    app_arg: list[str] = flags.app_args()
 
 
 def add_soak_parser(sub) -> None:
-    build_parser(sub)
+    flags.add_command(sub, "soak", SoakOptions, cmd_soak, description=__doc__.split("\n\n")[0],
+                      help="simulated visitors against a real app process")
 
 
 def cmd_soak(args) -> int:
-    report = Soak(args).run()
-    summary = summarize(report, args)
+    opts = from_args(SoakOptions, args)
+    report = Soak(opts).run()
+    summary = summarize(report, opts)
     print_summary(summary)
-    if args.out:
-        out = Path(args.out)
+    if opts.out:
+        out = Path(opts.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "soak.json").write_text(json.dumps(summary, indent=2))
         # every request, for a closer look (e.g. where the probe's round trip went: handler_s, engine_s)
