@@ -182,7 +182,7 @@ class CompareHandlers(HandlerBase):
         device, precision, mode, cache = compare_views.parse_config(config)
         lora = explicit.split_lora(config)[1]
         try:
-            spec = self.device_spec(device)
+            spec = self.manager.device_spec(device)
             return explicit.refusal(self.manager.catalog.preset(preset), spec,
                                     explicit.Configuration(mode, precision, cache, None, lora.name, lora.scale,
                                                            lora.fused, explicit.split_levers(config)[1]),
@@ -215,7 +215,7 @@ class CompareHandlers(HandlerBase):
             return gr.skip()
         device = self.default_device(devices)
         try:
-            spec = self.device_spec(device)
+            spec = self.manager.device_spec(device)
             model = self.manager.catalog.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
@@ -573,7 +573,7 @@ class ComparePage:
         sizes = [str(s) for s in preset.buckets]
         form["prompt"] = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="c-prompt")
         with gr.Row():
-            form["preset"] = gr.Dropdown(h.preset_names(), value=preset.name, label="Model preset",
+            form["preset"] = gr.Dropdown(h.manager.gate.visitor_presets(), value=preset.name, label="Model preset",
                                          elem_id="c-preset")
             form["size"] = gr.Dropdown(sizes, value=sizes[0], label="Size", allow_custom_value=True,
                                        elem_id="c-size")

@@ -278,7 +278,7 @@ class AdviceJobs:
               fidelity_points: str = "", min_psnr: str = "", admin_token: str = "",
               request: gr.Request = None) -> dict:
         """Start the advisor in the background; returns {"job", "state"} at once (poll /advise_poll)."""
-        if self.h.public and self.h.caller(request, admin_token) is not Caller.HOST:
+        if self.h.manager.policy.public and self.h.caller(request, admin_token) is not Caller.HOST:
             raise gr.Error("the advisor loads and compiles many engines: a host operation (admin_token) on this "
                            "public server", title="Not allowed")
         with self._lock:
