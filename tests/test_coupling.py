@@ -13,11 +13,8 @@ SOURCES = sorted([*ROOT.joinpath("engine").rglob("*.py"), *ROOT.joinpath("ui").r
 # Construction sites that still hand a part its parent, in other helpers' areas (path, line text). Each
 # entry names who owns it; the list only shrinks (the lead empties it at merge).
 PARENT_ALLOWLIST: set[tuple[str, str]] = {
-    # Left for the next reshaping: a Compare call and an MCP agent's call each still read several of their
-    # handler's members; the edge's middleware asks its guard five things (refusals, body bound, streams, log).
-    ("ui/compare.py", "Comparison(self, CompareForm(**form), request, progress)"),
-    ("ui/mcp.py", "AgentCall(self, as_queue_join(self.server.mcp_server.request_context.request), "
-                  "self.fn_index[api_name.lstrip('/')], list(args))"),
+    # Left for the next reshaping: the edge's middleware asks its guard five things (refusals, body bound,
+    # streams, log).
     ("ui/edge.py", "Middleware(_EdgeMiddleware, guard=self)"),
 }
 
