@@ -65,7 +65,8 @@ def frontier_caption(result: dict | None) -> str:
     if not points:
         return ""
     unit = "%" if any(r.get("fidelity") is not None for r in (result or {}).get("rows", [])) else "dB"
-    steps = [f"{p['configuration']} ({p['s_per_image']:.3f} s, {p['quality']:.1f} {unit})" for p in frontier(points)]
+    steps = [f"{p['configuration']} ({p['s_per_image']:.3f} s, {p['quality']:.1f} {unit})"
+             for p in frontier(points, "quality")]
     measured = len([r for r in (result or {}).get("rows", []) if not r.get("error")])
     drawn = (f"{len(points)} configurations drawn" if measured == len(points) else
              f"{len(points)} of {measured} measured configurations drawn (the others have no quality score)")
