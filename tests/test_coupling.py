@@ -26,8 +26,10 @@ MAX_FORWARDING_METHODS = 3
 
 # --- a part constructed with its parent -------------------------------------------------------------
 def _is_class_name(func: ast.expr) -> bool:
-    """Whether a call's callee reads as a class (`Name(...)`, `module.Name(...)`): CapWords."""
+    """Whether a call's callee reads as a class (`Name(...)`, `module.Name(...)`, a private `_Name(...)`):
+    CapWords."""
     name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    name = name.lstrip("_")
     return name[:1].isupper() and not name.isupper()
 
 
@@ -224,6 +226,7 @@ PARENT_SNIPPET = '''
 class Runner:
     def __init__(self):
         self.warmup = Warmup(self)
+        self.relay = _Relay(self)
         self.board = Board(key, listener=self.changed)
         r = self
         self.other = parts.Other(options=r)
@@ -290,7 +293,7 @@ class Runner:
 
 def test_the_parent_check_finds_a_part_given_its_parent():
     found = [call for _, call in parts_given_their_parent([("<code>", ast.parse(PARENT_SNIPPET))])]
-    assert found == ["Warmup(self)", "parts.Other(options=r)", "Call(loop)", "Aot(runner)"]
+    assert found == ["Warmup(self)", "_Relay(self)", "parts.Other(options=r)", "Call(loop)", "Aot(runner)"]
 
 
 def test_the_forwarding_check_finds_methods_that_only_forward():

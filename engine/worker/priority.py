@@ -34,6 +34,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 from engine import settings
 from engine.protocol import Size
@@ -115,27 +116,6 @@ class CompileSetAside(BaseException):
     must not take it for a failed compile."""
 
 
-class _CompileRun:
-    """One granted bucket on the compile thread: which bucket it works on, the hook on the thread (again: a
-    set-aside unsets it), and whether its compile was set aside (CompileSetAside is taken here)."""
-
-    def __init__(self, owner: YieldToRequests, bucket, hooked: bool):
-        self.owner, self.bucket, self.hooked, self.set_aside = owner, bucket, hooked, False
-
-    def __enter__(self) -> _CompileRun:
-        self.owner.compiling = self.bucket
-        if self.hooked:
-            sys.setprofile(self.owner.hook)  # this thread only
-        return self
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        self.owner.compiling = None
-        if self.owner._set_aside == self.bucket:  # asked as it ended: not for a later compile of the bucket
-            self.owner._set_aside = None
-        self.set_aside = kind is not None and issubclass(kind, CompileSetAside)
-        return self.set_aside
-
-
 class YieldToRequests:
     """Lets the compile thread step aside while a request runs in the same worker.
 
@@ -166,9 +146,23 @@ class YieldToRequests:
         if current is not None and current != waited and not is_waited_for(current):
             self._set_aside = current
 
-    def compiling_of(self, bucket, hooked: bool) -> _CompileRun:
-        """The compile thread's block for one granted bucket (`hooked`: with this hook on the thread)."""
-        return _CompileRun(self, bucket, hooked)
+    @contextmanager
+    def compiling_of(self, bucket, hooked: bool):
+        """The compile thread's block for one granted bucket (`hooked`: with this hook on the thread, again: a
+        set-aside unsets it). Yields what says, once the block ends, whether its compile was set aside
+        (CompileSetAside is taken here)."""
+        run = SimpleNamespace(set_aside=False)
+        self.compiling = bucket
+        if hooked:
+            sys.setprofile(self.hook)  # this thread only
+        try:
+            yield run
+        except CompileSetAside:
+            run.set_aside = True
+        finally:
+            self.compiling = None
+            if self._set_aside == bucket:  # asked as it ended: not for a later compile of the bucket
+                self._set_aside = None
 
     @contextmanager
     def request(self):
