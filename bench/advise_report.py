@@ -57,17 +57,28 @@ def peak_text(row: dict) -> str:
     return "" if row.get("peak_bytes") is None else f" · {row['peak_bytes'] / 2**30:.2f} GiB"
 
 
+def frontier(items: list[dict], y: str, higher: bool = True) -> list[dict]:
+    """The items no other beats on both seconds per image and `y` (quality: higher is better; a peak: lower),
+    fastest first: the Advisor's speed-quality and speed-memory frontiers, for the CLI and the UI alike."""
+    sign = 1 if higher else -1
+    best, out = float("-inf"), []
+    for item in sorted(items, key=lambda i: (i["s_per_image"], -sign * i[y])):
+        if sign * item[y] > best:
+            out.append(item)
+            best = sign * item[y]
+    return out
+
+
+def peak_rows(report: dict | None) -> list[dict]:
+    """The measured configurations whose seconds per image and peak memory were both measured."""
+    return [r for r in (report or {}).get("rows", [])
+            if not r.get("error") and r.get("s_per_image") is not None and r.get("peak_bytes") is not None]
+
+
 def memory_frontier(report: dict | None) -> list[dict]:
     """The measured configurations no other beats on both seconds per image and measured peak memory, fastest
     first (the speed-memory frontier, beside the speed-quality one)."""
-    rows = [r for r in (report or {}).get("rows", [])
-            if not r.get("error") and r.get("s_per_image") is not None and r.get("peak_bytes") is not None]
-    best, out = float("inf"), []
-    for r in sorted(rows, key=lambda r: (r["s_per_image"], r["peak_bytes"])):
-        if r["peak_bytes"] < best:
-            out.append(r)
-            best = r["peak_bytes"]
-    return out
+    return frontier(peak_rows(report), "peak_bytes", higher=False)
 
 
 def memory_frontier_text(report: dict | None) -> str:

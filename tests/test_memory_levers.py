@@ -329,7 +329,7 @@ def test_max_memory_picks_the_fastest_configuration_whose_peak_fits():
 
 def test_the_advisors_frontier_shows_seconds_against_gib_too():
     from bench.advise_choice import choose
-    from bench.advise_report import markdown, memory_frontier
+    from bench.advise_report import frontier, markdown, memory_frontier
     from ui import advisor_views
     from ui.advisor import AdvisorHandlers
 
@@ -348,8 +348,8 @@ def test_the_advisors_frontier_shows_seconds_against_gib_too():
             "2.00 GiB) → fp32/eager/mem=layerwise:fp8 (0.130 s, 1.20 GiB)") in markdown(report)
     points = advisor_views.memory_points(report)
     assert len(points) == 5 and {p["verdict"] for p in points} == {"pick", "within bound", "outside bound"}
-    frontier = advisor_views.frontier(points, "peak_gib", higher=False)
-    assert [p["configuration"] for p in frontier] == [r["label"] for r in memory_frontier(report)]
+    drawn = frontier(points, "peak_gib", higher=False)  # the plot's points (GiB), the same frontier
+    assert [p["configuration"] for p in drawn] == [r["label"] for r in memory_frontier(report)]
     assert "fp32/eager/mem=layerwise:fp8 (0.130 s, 1.20 GiB)" in advisor_views.memory_frontier_caption(report)
     plot = AdvisorHandlers.render_advice(None, report)[1]  # the Advisor tab's second plot
     assert list(plot["value"].columns) == advisor_views.ADVISOR_MEMORY_COLUMNS

@@ -316,16 +316,14 @@ def test_the_compile_thread_waits_while_a_request_runs_and_resumes_after():
     try:
         wait_until(lambda: len(progress) >= 5, 30, 0.01, "the compile thread's first passes")
         before = len(progress)
-        yielder.request_started()
-        wait_until(lambda: _waits_in_hook(compiler), 30, 0.01, "the compile thread pausing at its next Python call")
-        during = len(progress)
-        assert during - before <= 1  # at most the pass that was under way when the request began
-        assert _waits_in_hook(compiler) and len(progress) == during  # still paused: no pass went by
-        yielder.request_ended()
+        with yielder.request():
+            wait_until(lambda: _waits_in_hook(compiler), 30, 0.01, "the compile thread pausing at its next Python call")
+            during = len(progress)
+            assert during - before <= 1  # at most the pass that was under way when the request began
+            assert _waits_in_hook(compiler) and len(progress) == during  # still paused: no pass went by
         wait_until(lambda: len(progress) > during + 1, 30, 0.01, "the compile thread going on")
     finally:
         stop.set()
-        yielder.request_ended()
         compiler.join(5)
 
 
@@ -340,15 +338,14 @@ def test_a_compile_thread_never_waits_more_than_its_bound_per_request():
         with held:
             _compile_like(yielder, progress, stop)
 
-    yielder.request_started()
-    compiler = threading.Thread(target=compile_holding_a_lock, daemon=True)
-    compiler.start()
-    # past its bound the compile thread runs beside this request
-    wait_until(lambda: len(progress) >= 3, 30, 0.01, "the compile thread going on past its bound")
-    stop.set()
-    assert held.acquire(timeout=5)  # the request gets the lock once the compile thread lets go of it
-    held.release()
-    yielder.request_ended()
+    with yielder.request():
+        compiler = threading.Thread(target=compile_holding_a_lock, daemon=True)
+        compiler.start()
+        # past its bound the compile thread runs beside this request
+        wait_until(lambda: len(progress) >= 3, 30, 0.01, "the compile thread going on past its bound")
+        stop.set()
+        assert held.acquire(timeout=5)  # the request gets the lock once the compile thread lets go of it
+        held.release()
     compiler.join(5)
 
 
@@ -375,21 +372,20 @@ def test_a_request_waits_for_an_fx_trace_under_way_which_is_never_paused():
         finished.set()
 
     def request():
-        yielder.request_started()
-        order.append("request started")
+        with yielder.request():
+            order.append("request started")
 
     compiler = threading.Thread(target=trace_like, daemon=True)
     compiler.start()
     assert inside.wait(5)
     requester = threading.Thread(target=request, daemon=True)
     requester.start()
-    wait_until(lambda: waits_in(requester, YieldToRequests.request_started), 30, 0.01, "the request waiting")
+    wait_until(lambda: waits_in(requester, YieldToRequests._begin), 30, 0.01, "the request waiting")
     assert order == []  # it waits while the trace is under way
     release.set()
     assert finished.wait(5)  # the trace ran to its end with the request pending: never paused inside
     requester.join(5)
     assert order == ["trace ended", "request started"]
-    yielder.request_ended()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")

@@ -308,3 +308,22 @@ def test_a_real_compile_set_aside_unwinds_and_compiles_again(cache_dir, tiny_mod
         ours.send(Shutdown())
         ours.close()
         serving.join(10)
+
+
+@pytest.mark.parametrize("asks_to_stop", [True, False], ids=["shutdown", "hang-up"])
+def test_the_sidecar_loop_tells_a_shutdown_from_a_hang_up(asks_to_stop):
+    """A sidecar started by hand exits when its client asks it to, and waits for the next client when the
+    client only hangs up: its loop notes which it was (engine/tp/sidecar.py RankProcess.serve)."""
+    from engine.tp.sidecar import SidecarLoop
+
+    runner = _Runner()
+    runner.broken = None
+    ours, theirs = LocalConnection.pair()
+    loop = SidecarLoop(theirs, runner)
+    serving = threading.Thread(target=loop.run, daemon=True)
+    serving.start()
+    if asks_to_stop:
+        ours.send(Shutdown())
+    ours.close()
+    serving.join(10)
+    assert not serving.is_alive() and loop.shutdown_asked is asks_to_stop

@@ -118,7 +118,7 @@ class AdvisorHandlers(HandlerBase):
         """Run the advisor (`form`: AdvisorForm's fields); streams (report markdown, results JSON, status
         line). Closing the handler (Cancel) ends the child process and its compile workers (advise_ended then
         says it was cancelled)."""
-        if self.public:
+        if self.manager.policy.public:
             raise gr.Error("the advisor loads and compiles many engines: a host operation, not offered in "
                            "public mode", title="Not allowed")
         child = self.start_advisor(AdvisorForm(**form))
@@ -218,7 +218,8 @@ class AdvisorHandlers(HandlerBase):
                 gr.update(value=pick["precision"]), gr.update(value=pick["mode"]),
                 gr.update(value=pick["step_cache"]), gr.update(value=result["size"]),
                 gr.update(value=result["steps"]), gr.update(value=lora.name or "none"),
-                gr.update(value=bool(pick.get("lora_fused"))), gr.update(value=pick.get("memory") or ("" if self.public else "none")),
+                gr.update(value=bool(pick.get("lora_fused"))),
+                gr.update(value=pick.get("memory") or ("" if self.manager.policy.public else "none")),
                 gr.Tabs(selected="generate"))
 
 
@@ -247,7 +248,8 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
             "run here, or would not fit the time budget, is skipped and listed. A step cache is picked only "
             "where it measured faster than the same configuration without it.")
         with gr.Row():
-            a_preset = gr.Dropdown(h.preset_names(), value=preset.name, label="Model preset", elem_id="a-preset")
+            a_preset = gr.Dropdown(h.manager.gate.visitor_presets(), value=preset.name, label="Model preset",
+                                   elem_id="a-preset")
             a_device = gr.Dropdown(views.device_choices(report, short=True), value=h.defaults.device,
                                    label="Device", elem_id="a-device")
             a_size = gr.Dropdown(sizes, value=sizes[0], label="Size", elem_id="a-size")

@@ -1,7 +1,10 @@
 """The Advisor tab's views: its speed-quality and speed-memory frontiers (points, padded axes, the captions that
-name each frontier) and its table's column widths. Pure functions of the advisor's report (bench/advise.py)."""
+name each frontier) and its table's column widths. Pure functions of the advisor's report (bench/advise.py);
+which points make a frontier is bench/advise_report.py's `frontier`, the CLI's report's too."""
 
 from __future__ import annotations
+
+from bench.advise_report import frontier, peak_rows
 
 ADVISOR_POINT_COLUMNS = ["configuration", "s_per_image", "quality", "verdict"]
 ADVISOR_MEMORY_COLUMNS = ["configuration", "s_per_image", "peak_gib", "verdict"]
@@ -38,9 +41,7 @@ def memory_points(result: dict | None) -> list[dict]:
     weights and what an image adds), every configuration whose peak was measured (its quality need not be)."""
     pick = ((result or {}).get("pick") or {}).get("label")
     return [{"configuration": r["label"], "s_per_image": r["s_per_image"], "peak_gib": r["peak_bytes"] / GIB,
-             "verdict": _verdict(r, pick)}
-            for r in (result or {}).get("rows", [])
-            if not r.get("error") and r.get("s_per_image") is not None and r.get("peak_bytes") is not None]
+             "verdict": _verdict(r, pick)} for r in peak_rows(result)]
 
 
 TIME_AXIS_SHARE = 0.1  # the Advisor's seconds axis: at least this share of the time on each side
@@ -58,25 +59,14 @@ def padded_limits(values, min_share: float = 0.05) -> list[float] | None:
     return [round(low - pad, 4), round(high + pad, 4)]
 
 
-def frontier(points: list[dict], y: str = "quality", higher: bool = True) -> list[dict]:
-    """The points no other point beats on both speed and `y` (quality: higher is better; peak_gib: lower),
-    fastest first."""
-    sign = 1 if higher else -1
-    best, out = float("-inf"), []
-    for p in sorted(points, key=lambda p: (p["s_per_image"], -sign * p[y])):
-        if sign * p[y] > best:
-            out.append(p)
-            best = sign * p[y]
-    return out
-
-
 def frontier_caption(result: dict | None) -> str:
     """The frontier's configurations named under the plot (the plot marks them only by colour)."""
     points = advisor_points(result)
     if not points:
         return ""
     unit = "%" if any(r.get("fidelity") is not None for r in (result or {}).get("rows", [])) else "dB"
-    steps = [f"{p['configuration']} ({p['s_per_image']:.3f} s, {p['quality']:.1f} {unit})" for p in frontier(points)]
+    steps = [f"{p['configuration']} ({p['s_per_image']:.3f} s, {p['quality']:.1f} {unit})"
+             for p in frontier(points, "quality")]
     measured = len([r for r in (result or {}).get("rows", []) if not r.get("error")])
     drawn = (f"{len(points)} configurations drawn" if measured == len(points) else
              f"{len(points)} of {measured} measured configurations drawn (the others have no quality score)")

@@ -61,7 +61,7 @@ class BucketsHandlers(HandlerBase):
         Public mode, a visitor: one bucket of the engine they are using, nothing else."""
         try:
             key = self.key_for(preset, device, precision, tp, caller=caller)
-            if caller is Caller.VISITOR and self.public:
+            if caller is Caller.VISITOR and self.manager.policy.public:
                 if not size or size == "all":
                     raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
                 if key != self.current_engine(request):
@@ -80,7 +80,8 @@ class BucketsHandlers(HandlerBase):
             else:
                 sizes = [str(b) for b in p.buckets]
             engine = self.manager.engine(key, caller=caller)
-            if caller is Caller.VISITOR and self.public:  # at most one compile queued per visitor at once
+            # at most one compile queued per visitor at once
+            if caller is Caller.VISITOR and self.manager.policy.public:
                 bucket = BucketKey(Mode.parse(mode, "mode"), Size.parse(sizes[0]))
                 self.manager.shares.check_warm(self.client_of(request), engine, bucket)
         except ShowcaseError as exc:
@@ -118,7 +119,7 @@ class BucketsHandlers(HandlerBase):
         self.warm_from_board(engine, mode, "all", admin_token, request)
 
     def _check_host(self, caller: Caller, what: str) -> None:
-        if self.public and caller is not Caller.HOST:
+        if self.manager.policy.public and caller is not Caller.HOST:
             raise to_gradio_error(NotAllowed(f"{what} is up to the host on this server (it interrupts other "
                                              "visitors); it needs the admin token"))
 
@@ -182,6 +183,7 @@ class BucketsHandlers(HandlerBase):
     # -- typed API endpoints (gr.api derives their schema from these hints) -----------------------
     def status_api(self) -> list[dict]:
         """Every engine (state, load time, notices) and every bucket with its state, compile s, warm-up s."""
+        # kept: the /status endpoint; gr.api and MCP read its hints and docstring for the client's API page
         return self.manager.residency.status_rows()
 
     def warm_api(self, preset: str, device: str, precision: str, mode: str = "compile",
@@ -245,9 +247,9 @@ def build(h: BucketsHandlers) -> BucketsTab:
             backends_md = gr.Markdown("Pick a loaded engine to see which attention backends can run on it.",
                                       elem_id="attention-table")
         admin_token = gr.Textbox(label="Admin token (host operations on this public server)", type="password",
-                                 visible=h.public, elem_id="admin-token")
+                                 visible=h.manager.policy.public, elem_id="admin-token")
         engine_params = {
-            "preset": "one of " + ", ".join(h.preset_names()),
+            "preset": "one of " + ", ".join(h.manager.gate.visitor_presets()),
             "device": "auto, or a device /system lists as available",
             "precision": "one of " + ", ".join(h.precision_choices()),
         }
@@ -263,7 +265,7 @@ def build(h: BucketsHandlers) -> BucketsTab:
                      returns=("queued", "{engine, mode, queued: the sizes it compiles now}; /status shows them warm"),
                      schema=schemas.WARMED)
         document_api(gr.api(h.restart_api, api_name="restart", concurrency_limit=None,
-                            api_visibility="undocumented" if h.public else "public"),
+                            api_visibility="undocumented" if h.manager.policy.public else "public"),
                      {**engine_params, "admin_token": "public servers only: the host's token"},
                      returns=("restarted", "{engine, restarted: true}"), schema=schemas.RESTARTED)
 

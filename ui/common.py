@@ -201,10 +201,6 @@ class HandlerBase:
         return max(1, slots) * RUNS_PER_ENGINE
 
     # -- who is asking ------------------------------------------------------------------------------
-    @property
-    def public(self) -> bool:
-        return self.manager.policy.public
-
     def caller(self, request: gr.Request | None = None, admin_token: str | None = None) -> Caller:
         """HOST with the admin token or a Gradio login (--auth); everyone else is a VISITOR (which only
         matters in public mode: without it visitors may do what the host can)."""
@@ -260,12 +256,8 @@ class HandlerBase:
         except ShowcaseError:
             return next(iter(self.manager.presets.values()))
 
-    def preset_names(self) -> list[str]:
-        """The presets a visitor may pick (public mode: the host's list)."""
-        return self.manager.gate.visitor_presets()
-
     def precision_choices(self) -> list[str]:
-        offered = self.manager.policy.precisions if self.public else None
+        offered = self.manager.policy.precisions if self.manager.policy.public else None
         return [str(p) for p in offered] if offered else list(Precision.values())
 
     def preset_sizes(self, preset: str) -> list[str]:
@@ -273,11 +265,6 @@ class HandlerBase:
             return [str(s) for s in self.manager.catalog.preset(preset).buckets]
         except ShowcaseError:
             return []
-
-    def device_spec(self, device: str):
-        """The DeviceSpec a device choice resolves to ("auto" and, under --ray, a chip or node included);
-        ShowcaseError saying why not."""
-        return self.manager.device_spec(device)
 
     def step_cache_rows(self, preset: str, device: str, mode: str) -> list[dict]:
         """Every step cache for a preset, device and mode: usable, or why not (engine/pipeline/stepcache.py)."""
@@ -309,7 +296,7 @@ class HandlerBase:
                 modes = list(engine_devices.get_device(split_device(device)[0]).modes)
             except ShowcaseError:
                 modes = list(Mode.values())
-        offered = self.manager.policy.modes if self.public else None
+        offered = self.manager.policy.modes if self.manager.policy.public else None
         return [str(m) for m in modes if not offered or m in offered]
 
     # -- a run ------------------------------------------------------------------------------------
@@ -321,7 +308,8 @@ class HandlerBase:
         running request per session."""
         if not listener_checked:
             self._require_listener(request)
-        with self.runs.open(session_id(request), exclusive=self.public, joined_at=joined_at(request)) as run:
+        with self.runs.open(session_id(request), exclusive=self.manager.policy.public,
+                            joined_at=joined_at(request)) as run:
             yield run
 
     def run_feed(self, key, bar: ProgressBar, steps=None) -> RunFeed:

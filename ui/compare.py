@@ -15,8 +15,10 @@ paired plan (bench/paired.py) until each speedup's spread is known or the timing
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, fields
+from functools import partial
 from itertools import product
 
 import gradio as gr
@@ -29,6 +31,7 @@ from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size, parse_lora
 from engine.serving import stream
+from engine.serving.manager import Caller
 from ui import compare_ab, compare_views, views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, describe_input, to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
@@ -75,6 +78,19 @@ class CompareForm:
     timing_s: float | str | None = DEFAULT_TIMING_S
     loras: list[str] | None = None  # "none", "NAME" or "NAME:fused": one more axis of the cross product
     levers: list[str] | None = None  # "none" or a memory lever set (MEMORY_CHOICES): one more axis
+
+
+@dataclass(frozen=True)
+class CompareCall:
+    """Who runs a comparison and what it uses of the handlers (their callables, never the handlers)."""
+
+    caller: Caller
+    client: str  # whom the edge's admission holds the call against (HandlerBase.client_of)
+    open_run: Callable  # () -> the call's run, registered for /cancel (HandlerBase.open_run)
+    key_for: Callable  # (preset, device, precision, caller=) -> the engine key, memoised
+    run_feed: Callable  # (key, bar, steps) -> what a run shows on the progress bar
+    configs: tuple[list[str], str, bool]  # the configurations, the reference, whether it was picked
+    refused: dict[str, str]  # configuration -> why it cannot run here
 
 
 COMPARE_FIELDS = tuple(f.name for f in fields(CompareForm))
@@ -151,7 +167,7 @@ class CompareHandlers(HandlerBase):
             except ValueError as exc:
                 raise gr.Error(str(exc), title="Invalid request") from None
             device = self.default_device(devices)
-            picked = list(dict.fromkeys(typed_label(c, device) for c in typed))
+            picked = list(dict.fromkeys(compare_views.typed_label(c, device) for c in typed))
             what, reference_device = "listed", device
             chips = list(dict.fromkeys(compare_views.parse_config(c)[0] for c in picked))  # across chips: each its own
             own = [compare_views.reference_label(chip) for chip in chips if chip != device] if len(chips) > 1 else []
@@ -182,7 +198,7 @@ class CompareHandlers(HandlerBase):
         device, precision, mode, cache = compare_views.parse_config(config)
         lora = explicit.split_lora(config)[1]
         try:
-            spec = self.device_spec(device)
+            spec = self.manager.device_spec(device)
             return explicit.refusal(self.manager.catalog.preset(preset), spec,
                                     explicit.Configuration(mode, precision, cache, None, lora.name, lora.scale,
                                                            lora.fused, explicit.split_levers(config)[1]),
@@ -203,7 +219,7 @@ class CompareHandlers(HandlerBase):
         device = self.default_device(devices)
         lines = []
         for c in typed:
-            label = typed_label(c, device)
+            label = compare_views.typed_label(c, device)
             why = self.refusal(preset, label)
             lines.append(f"- ✗ `{label}`: {why}" if why else f"- ✓ `{label}`")
         return "\n".join(lines)
@@ -215,7 +231,7 @@ class CompareHandlers(HandlerBase):
             return gr.skip()
         device = self.default_device(devices)
         try:
-            spec = self.device_spec(device)
+            spec = self.manager.device_spec(device)
             model = self.manager.catalog.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
@@ -246,8 +262,12 @@ class CompareHandlers(HandlerBase):
         image_index / heatmap_index. A configuration that cannot run here or fails is reported with a short
         reason; the others still run.
         """
-        comparison = Comparison(self, CompareForm(**form), request, progress)
-        yield from comparison.run()
+        f = CompareForm(**form)
+        configs = self._configs(f.devices, f.precisions, f.modes, f.caches, f.configurations, f.loras, f.levers)
+        refused = {c: why for c in configs[0] if (why := self.refusal(f.preset, c))}
+        call = CompareCall(self.caller(request), self.client_of(request), partial(self.open_run, request),
+                           self.key_for, self.run_feed, configs, refused)
+        yield from Comparison(self.manager, f, call, progress).run()
 
     def compare_ended(self, payload: dict | None):
         """After the Compare event, however it ended. Results not "done" mean Gradio closed the handler
@@ -301,30 +321,27 @@ class Comparison:
     phases: the quality images of each configuration, then the paired timing rounds. Streams
     (gallery, results, thumbnails) after each configuration and round."""
 
-    def __init__(self, h: CompareHandlers, form: CompareForm, request: gr.Request | None, progress):
-        self.h, self.form, self.request, self.progress = h, form, request, progress
-        self.configs, self.reference, picked = h._configs(form.devices, form.precisions, form.modes, form.caches,
-                                                          form.configurations, form.loras, form.levers)
+    def __init__(self, manager, form: CompareForm, call: CompareCall, progress):
+        self.manager, self.form, self.call, self.progress = manager, form, call, progress
+        self.configs, self.reference, picked = call.configs
         self.note = ("the reference, picked" if picked else
                      "the reference, added: every speedup and drift is measured against it")
         try:
-            self.size_text = str(Size.parse(form.size)) if form.size else str(h.manager.catalog.preset(form.preset).buckets[0])
-            self.model = h.manager.catalog.preset(form.preset)
+            self.size_text = str(Size.parse(form.size)) if form.size else str(manager.catalog.preset(form.preset).buckets[0])
+            self.model = manager.catalog.preset(form.preset)
             self.steps = check_steps(form.steps) if form.steps else self.model.steps
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         self.timing_budget = self._timing_budget(form.timing_s)
-        self.refused = {c: why for c in self.configs if (why := h.refusal(form.preset, c))}
         n_samples = max(0, min(MAX_FIDELITY_PROMPTS, int(form.fidelity_prompts or 0))) \
             if compare_views.has_checker(self.model) else 0
         self.n_samples = n_samples
         # The main prompt, then the sample prompts (seeded: every configuration draws the same ones).
         self.prompts = [form.prompt, *compare_views.fidelity_sample_prompts(self.model, n_samples, fallback=form.prompt)]
         self.seeds = [form.seed, *(FIDELITY_SEED + i for i in range(n_samples))]
-        self.caller = h.caller(request)
         # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
         # rounds that still give a spread; the host's grow until the spread is known or the budget ends.
-        self.max_rounds = TIMING_MIN_ROUNDS if h.manager.gate.priced(self.caller) else TIMING_MAX_ROUNDS
+        self.max_rounds = TIMING_MIN_ROUNDS if manager.gate.priced(call.caller) else TIMING_MAX_ROUNDS
         self.rounds_cap = self.max_rounds if self.timing_budget > 0 else 0
         self.grand_total = len(self.configs) * (len(self.prompts) + self.rounds_cap) * self.steps
         self.results: list[dict] = []
@@ -352,15 +369,14 @@ class Comparison:
 
     def run(self):
         """The whole comparison: admitted (and, for a visitor, priced as a whole), then its two phases."""
-        h = self.h
+        manager = self.manager
         with ExitStack() as stack:
             try:  # public mode: one running request per visitor, priced as a whole before anything runs
-                self.run_state = stack.enter_context(h.open_run(self.request))
-                price = h.manager.price_compare(self.form.preset, self.size_text, self.steps, len(self.configs),
-                                                len(self.prompts) + self.rounds_cap, self.form.guidance,
-                                                caller=self.caller)
-                self.ticket = stack.enter_context(h.manager.admission(h.client_of(self.request), price,
-                                                                      self.caller))
+                self.run_state = stack.enter_context(self.call.open_run())
+                price = manager.price_compare(self.form.preset, self.size_text, self.steps, len(self.configs),
+                                              len(self.prompts) + self.rounds_cap, self.form.guidance,
+                                              caller=self.call.caller)
+                self.ticket = stack.enter_context(manager.admission(self.call.client, price, self.call.caller))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
             yield self.outputs()  # the page shows this comparison from now on
@@ -376,11 +392,11 @@ class Comparison:
     def draw(self, config: str, text: str, seed, desc: str, offset: int):
         """One image of `config` through the engine; yields heartbeats, returns (result, seconds)."""
         spec = self.image_request(config, text, seed)
-        key = self.h.key_for(spec.preset, spec.device, spec.precision, caller=self.caller)
+        key = self.call.key_for(spec.preset, spec.device, spec.precision, caller=self.call.caller)
         bar = ProgressBar(self.progress, desc_prefix=desc, offset=offset, grand_total=self.grand_total)
-        feed = self.h.run_feed(key, bar, spec.steps)
+        feed = self.call.run_feed(key, bar, spec.steps)
         started = time.perf_counter()
-        run = stream.request_events(self.h.manager, spec, key=key, run=self.run_state, ticket=self.ticket)
+        run = stream.request_events(self.manager, spec, key=key, run=self.run_state, ticket=self.ticket)
         with closing(stream.blocking(run)) as events:
             for event in events:
                 feed.see(event)
@@ -400,7 +416,7 @@ class Comparison:
         return ImageRequest(form.preset, prompt=text, device=device, precision=precision, mode=mode,
                             size=self.size_text, steps=self.steps, guidance=form.guidance, seed=seed,
                             on_cold="wait" if form.wait_for_warm else "eager",
-                            step_cache=None if cache == views.NO_CACHE else cache, caller=self.caller,
+                            step_cache=None if cache == views.NO_CACHE else cache, caller=self.call.caller,
                             lora=lora.text(), lora_fused=lora.fused, memory=explicit.split_levers(config)[1] or None)
 
     # -- phase 1: quality images, one configuration after another (they also warm each one) ------------
@@ -409,8 +425,8 @@ class Comparison:
         if self.run_state.cancelled:
             results.append({"config": config, "error": "cancelled before it started"})
             return
-        if config in self.refused:
-            results.append({"config": config, "error": f"not run: {self.refused[config]}", "refused": True,
+        if config in self.call.refused:
+            results.append({"config": config, "error": f"not run: {self.call.refused[config]}", "refused": True,
                             "reference": config == reference})
             yield self.outputs()
             return
@@ -446,7 +462,7 @@ class Comparison:
         if is_reference:
             entry.update(reference=True, reference_note=self.note)
         mode = compare_views.parse_config(config)[2]
-        bucket = compare_views.find_bucket(self.h.manager.residency.status_rows(), entry["engine"], mode, entry["bucket"])
+        bucket = compare_views.find_bucket(self.manager.residency.status_rows(), entry["engine"], mode, entry["bucket"])
         if bucket:
             entry.update(compile_s=bucket.get("compile_s"), warmup_s=bucket.get("warmup_s"),
                          bucket_state=bucket.get("state"), cache_hits=bucket.get("cache_hits"))
@@ -525,16 +541,10 @@ class Comparison:
     def marks(self, own: set) -> list[str]:
         """What else ran on the machine meanwhile (compiles, other engines' work, a load spike)."""
         try:
-            compiles = self.h.manager.host_status().get("compiles")
-            return current_marks(lambda: engine_marks(self.h.manager.residency.status_rows(), own, compiles))
+            compiles = self.manager.host_status().get("compiles")
+            return current_marks(lambda: engine_marks(self.manager.residency.status_rows(), own, compiles))
         except Exception:  # a status read must not end the measurement
             return current_marks()
-
-
-def typed_label(config: explicit.Configuration, device: str) -> str:
-    """A typed configuration's label ("cpu/fp32/compile+lora=swap:0.5"), on `device` when it names none."""
-    return compare_views.config_label(config.device or device, config.precision, config.mode, config.step_cache,
-                              explicit.lora_suffix(config.lora_choice) + explicit.memory_suffix(config.memory))
 
 
 def build(h: CompareHandlers) -> None:
@@ -573,7 +583,7 @@ class ComparePage:
         sizes = [str(s) for s in preset.buckets]
         form["prompt"] = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="c-prompt")
         with gr.Row():
-            form["preset"] = gr.Dropdown(h.preset_names(), value=preset.name, label="Model preset",
+            form["preset"] = gr.Dropdown(h.manager.gate.visitor_presets(), value=preset.name, label="Model preset",
                                          elem_id="c-preset")
             form["size"] = gr.Dropdown(sizes, value=sizes[0], label="Size", allow_custom_value=True,
                                        elem_id="c-size")

@@ -10,6 +10,7 @@ import io
 
 import pandas as pd
 
+import bench.configs as explicit
 from bench.paired import PairedTiming
 from ui.memory_views import gib_text
 from ui.views import CACHED, NO_CACHE, SERIES_PALETTE, fmt_ms, fmt_s, fmt_steps, lora_text, median, step_rows
@@ -34,6 +35,12 @@ def config_label(device: str, precision: str, mode: str, cache: str = NO_CACHE, 
     the typed list's spelling: ui/compare.py writes and reads it) when a LoRA is."""
     base = f"{device}/{precision}/{mode}"
     return (base if not cache or cache == NO_CACHE else f"{base}/{cache}") + lora
+
+
+def typed_label(config, device: str) -> str:
+    """A typed configuration's label ("cpu/fp32/compile+lora=swap:0.5"), on `device` when it names none."""
+    return config_label(config.device or device, config.precision, config.mode, config.step_cache,
+                        explicit.lora_suffix(config.lora_choice) + explicit.memory_suffix(config.memory))
 
 
 def parse_config(label: str) -> tuple[str, str, str, str]:

@@ -199,7 +199,7 @@ class GenerateHandlers(HandlerBase):
             rows = self.manager.levers.choices(self.key_for(preset, device, precision, tp), mode)
         except ShowcaseError:
             rows = []
-        choices = memory_views.memory_choices(rows, host, self.public) or [("none", "none")]
+        choices = memory_views.memory_choices(rows, host, self.manager.policy.public) or [("none", "none")]
         usable = memory_views.usable_values(rows) & {value for _, value in choices}
         return gr.update(choices=choices, value=current if current in usable else choices[0][1],
                          info=memory_views.memory_info(rows, host))
@@ -362,12 +362,13 @@ class GenerateHandlers(HandlerBase):
 
 def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]:
     """What each /generate parameter takes, for its API schema."""
-    presets = ", ".join(h.preset_names())
+    presets = ", ".join(h.manager.gate.visitor_presets())
     caches = [value for _, value in views.step_cache_choices(h.step_cache_rows(preset, device, "eager"))]
     return {
         "prompt": "what to draw",
         "negative_prompt": "what to keep out of the image ('' for nothing; only presets that take one)",
-        "preset": f"one of {presets}" + ("" if h.public else ", or a Hub id / local diffusers folder"),
+        "preset": f"one of {presets}"
+                  + ("" if h.manager.policy.public else ", or a Hub id / local diffusers folder"),
         "device": "auto, or one of " + ", ".join(r["name"] for r in h.devices_report())
                   + " (/system says which are available here)",
         "precision": "one of " + ", ".join(h.precision_choices()),
@@ -451,8 +452,10 @@ class GeneratePage:
         form["negative_prompt"] = gr.Textbox(label="Negative prompt", lines=1, visible=preset.negative_prompt,
                                              elem_id="negative-prompt")
         with gr.Row():
-            form["preset"] = gr.Dropdown(h.preset_names(), value=preset.name, allow_custom_value=not h.public,
-                                         label="Model preset" if h.public else
+            public = h.manager.policy.public
+            form["preset"] = gr.Dropdown(h.manager.gate.visitor_presets(), value=preset.name,
+                                         allow_custom_value=not public,
+                                         label="Model preset" if public else
                                          "Model preset (or a Hub id / local diffusers folder)", elem_id="preset")
             form["device"] = gr.Dropdown(views.device_choices(self.report), value=d.device, label="Device",
                                          elem_id="device")
@@ -507,8 +510,9 @@ class GeneratePage:
         h = self.h
         update = h.memory_choices(self.preset.name, self.d.device, self.d.precision, self.first_mode,
                                   ranks_choice(self.d.tp, self.d.parallel))
-        return gr.Dropdown(update["choices"], value=update["value"], info=update["info"], allow_custom_value=not h.public,
-                           interactive=not h.public, label="Memory levers (where the weights live: estimated peak "
+        public = h.manager.policy.public
+        return gr.Dropdown(update["choices"], value=update["value"], info=update["info"], allow_custom_value=not public,
+                           interactive=not public, label="Memory levers (where the weights live: estimated peak "
                            "and time beside each)", elem_id="memory")
 
     def outputs(self) -> None:

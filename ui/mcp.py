@@ -30,6 +30,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import gradio as gr
 
@@ -181,8 +183,8 @@ class AgentCalls:
         return "mcp-" + hmac.new(self._secret, agent.encode(), hashlib.sha256).hexdigest()[:32]
 
     def submit(self, *args, api_name: str, headers: dict | None = None) -> AgentCall:  # noqa: ARG002 - Gradio's call
-        return AgentCall(self, as_queue_join(self.server.mcp_server.request_context.request),
-                         self.fn_index[api_name.lstrip("/")], list(args))
+        return AgentCall(partial(self.run, as_queue_join(self.server.mcp_server.request_context.request),
+                                 self.fn_index[api_name.lstrip("/")], list(args)))
 
     async def run(self, request, fn_index: int, data: list) -> list:
         """Join the queue as the call's agent; the outputs, or RuntimeError with the app's message."""
@@ -252,13 +254,14 @@ def as_queue_join(request):
 
 
 class AgentCall:
-    """One queued tool call, as Gradio's call_tool holds it between submit and its result."""
+    """One queued tool call, as Gradio's call_tool holds it between submit and its result; `run` joins the
+    queue as the agent (AgentCalls.run with the call's request, endpoint and inputs)."""
 
-    def __init__(self, calls: AgentCalls, request, fn_index: int, data: list):
-        self.calls, self.request, self.fn_index, self.data = calls, request, fn_index, data
+    def __init__(self, run: Callable[[], Awaitable[list]]):
+        self._run = run
 
     async def result(self) -> list:
-        return await self.calls.run(self.request, self.fn_index, self.data)
+        return await self._run()
 
 
 JOBS_KEPT = 16  # finished advisor jobs whose results stay readable (the oldest are forgotten first)
@@ -278,7 +281,7 @@ class AdviceJobs:
               fidelity_points: str = "", min_psnr: str = "", admin_token: str = "",
               request: gr.Request = None) -> dict:
         """Start the advisor in the background; returns {"job", "state"} at once (poll /advise_poll)."""
-        if self.h.public and self.h.caller(request, admin_token) is not Caller.HOST:
+        if self.h.manager.policy.public and self.h.caller(request, admin_token) is not Caller.HOST:
             raise gr.Error("the advisor loads and compiles many engines: a host operation (admin_token) on this "
                            "public server", title="Not allowed")
         with self._lock:

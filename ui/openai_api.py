@@ -495,7 +495,7 @@ class OpenAIRoutes:
         """The presets this caller may send as `model` (public mode: a visitor, the host's list)."""
         if caller is Caller.HOST:
             return list(self.h.manager.presets)
-        return self.h.preset_names()
+        return self.h.manager.gate.visitor_presets()
 
     def _entry(self, name: str) -> dict:
         preset = self.h.manager.catalog.preset(name)
@@ -574,7 +574,7 @@ class OpenAIRoutes:
             if refusal:
                 raise ApiError(429, refusal, "rate_limit_error", code="too_many_requests")
         try:
-            held.enter_context(h.runs.open(f"v1:{client}", exclusive=h.public))
+            held.enter_context(h.runs.open(f"v1:{client}", exclusive=h.manager.policy.public))
         except ShowcaseError as exc:
             raise api_error(exc) from None
 
@@ -615,9 +615,6 @@ class OpenAIRoutes:
         finally:
             if not done:
                 run.stop()
-
-    def close(self) -> None:
-        self.store.close()
 
 
 class _OpenAIMiddleware:

@@ -295,7 +295,7 @@ class SystemHandlers(HandlerBase):
     def system(self, refresh: bool = True) -> dict:
         """The report; `refresh` probes the devices again (the Refresh button). Public mode: for_visitors."""
         report = system_report(self.manager, self.devices_report(refresh=refresh), self.edge)
-        if not self.public:
+        if not self.manager.policy.public:
             return report
         report["versions"]["platform"] = f"{platform.system()} {platform.machine()}"
         return for_visitors(report)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import ray
@@ -25,7 +26,7 @@ import ray
 from engine.errors import EngineCrashed, ShowcaseError
 from engine.fleet.client import RayClient
 from engine.fleet.config import ANYWHERE, FleetConfig, Placement
-from engine.protocol import BucketInfo, BucketKey, CompileWanted, GenerateRequest
+from engine.protocol import BucketInfo, BucketKey, GenerateRequest
 from engine.worker.client import EngineEvents
 
 log = logging.getLogger(__name__)
@@ -36,25 +37,17 @@ MAX_REPLACEMENTS = 8  # lost replicas replaced over the set's life; past it the 
 
 
 class _Relay(EngineEvents):
-    """What a replica tells: forwarded to the set's owner, the replica itself named where it must answer."""
+    """What the replicas tell, each wired straight to where it is handled (no hop between): readiness, loss
+    and footprint to the set's handlers; compile wishes and ends to whoever serves the set, naming the
+    replica (its scheduler grants the replica that asks, not the set)."""
 
-    def __init__(self, owner: ReplicaSet):
-        self.owner = owner
+    def __init__(self, ready: Callable, down: Callable, footprint: Callable, events: EngineEvents):
+        self.engine_ready, self.engine_down, self.footprint_changed = ready, down, footprint
+        self.serve(events)
 
-    def engine_ready(self, engine) -> None:
-        self.owner.replica_ready(engine)
-
-    def engine_down(self, engine) -> None:
-        self.owner.replica_down(engine)
-
-    def footprint_changed(self, engine) -> None:
-        self.owner.events.footprint_changed(self.owner)
-
-    def compile_wanted(self, engine, wish: CompileWanted) -> None:
-        self.owner.events.compile_wanted(engine, wish)  # the scheduler grants it to that replica
-
-    def compile_finished(self, engine, bucket: BucketKey) -> None:
-        self.owner.events.compile_finished(engine, bucket)
+    def serve(self, events: EngineEvents) -> None:
+        """Hand the replicas' compile wishes and ends to `events` from now on."""
+        self.compile_wanted, self.compile_finished = events.compile_wanted, events.compile_finished
 
 
 class ReplicaSet:
@@ -66,7 +59,9 @@ class ReplicaSet:
     def __init__(self, config, env: dict[str, str], fleet: FleetConfig, placement: Placement = ANYWHERE,
                  events: EngineEvents | None = None):
         self.config, self.env, self.fleet, self.placement = config, env, fleet, placement
+        self._key = config.key
         self.events = events or EngineEvents()
+        self._relay = _Relay(self.replica_ready, self.replica_down, self._replica_footprint, self.events)
         self.replicas: list[RayClient] = []
         self.ready = threading.Event()
         self.error: ShowcaseError | None = None
@@ -80,7 +75,7 @@ class ReplicaSet:
 
     @property
     def key(self):
-        return self.config.key
+        return self._key
 
     @property
     def info(self):
@@ -96,6 +91,7 @@ class ReplicaSet:
 
     def subscribe(self, events: EngineEvents) -> None:
         self.events = events
+        self._relay.serve(events)
 
     def start(self) -> ReplicaSet:
         for _ in range(self.fleet.replicas):
@@ -104,7 +100,7 @@ class ReplicaSet:
         return self
 
     def _new_replica(self) -> RayClient:
-        return RayClient(self.config, self.env, self.fleet, self.placement, _Relay(self), spread=True).start()
+        return RayClient(self.config, self.env, self.fleet, self.placement, self._relay, spread=True).start()
 
     # -- what replicas tell ----------------------------------------------------------------------
     def replica_ready(self, replica: RayClient) -> None:
@@ -113,6 +109,9 @@ class ReplicaSet:
         if first:
             self.events.engine_ready(self)
         self._spread_warm_buckets()
+
+    def _replica_footprint(self, replica: RayClient) -> None:
+        self.events.footprint_changed(self)  # the set's footprint is its first measured replica's
 
     def _release_compiles(self, replica: RayClient) -> None:
         """The host's compile slots a gone replica held or waited for are freed (the scheduler knows the

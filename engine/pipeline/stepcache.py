@@ -215,11 +215,11 @@ class CachedDenoiser:
         self.counter = StepCounter()
         self._run = None  # the pipeline copy running now (timestep callbacks read it)
         denoiser = detached_clone(getattr(base_pipe, denoiser_name), clone_tree)
-        modules = hooked_modules(denoiser, cache.entry.level)
+        modules = hooked_modules(denoiser, cache.kind.entry.level)
         if not modules:
             raise UnsupportedCombination(
                 f"step cache {cache}: {type(denoiser).__name__} has none of the "
-                f"{cache.entry.level} its hooks go on")
+                f"{cache.kind.entry.level} its hooks go on")
         self.counter.modules = len(modules)
         for module in modules:
             self.counter.wrap(module)
@@ -250,7 +250,7 @@ def diffusers_config(cache: StepCache, *, steps: int, cfg: bool, timestep, mag_r
     """The diffusers cache config for `cache` (what enable_cache takes): its entry's class and arguments."""
     import diffusers
 
-    entry = cache.entry
+    entry = cache.kind.entry
     config = getattr(diffusers, entry.config, None) if entry.config else None
     if config is None:
         raise UnsupportedCombination(f"step cache {cache} has no diffusers config")
@@ -318,14 +318,14 @@ class CacheVariants:
             ) -> tuple[CachedDenoiser, list[str]]:
         """The variant for (mode, cache[, steps]) over `base_pipe` (`fused`: the fused-LoRA pipeline, a denoiser
         of its own); MagCache calibrates first where no calibration is stored."""
-        key = (mode, fused, str(cache), steps if cache.entry.calibrated else None)
+        key = (mode, fused, str(cache), steps if cache.kind.entry.calibrated else None)
         with self._lock:
             if key in self._variants:
                 self._variants.move_to_end(key)
                 return self._variants[key], []
         notices = []
         ratios = None
-        if cache.entry.calibrated:
+        if cache.kind.entry.calibrated:
             ratios = self.mag_ratios(steps)
             if ratios is None:
                 ratios = self.calibrate(base_pipe, steps, run, cache.kind)

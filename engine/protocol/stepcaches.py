@@ -296,12 +296,8 @@ class StepCache:
     def enabled(self) -> bool:
         return self.kind != NONE
 
-    @property
-    def entry(self) -> StepCacheEntry:
-        return self.kind.entry
-
     def __str__(self) -> str:
-        return ":".join([self.kind.value, *(f"{getattr(self, n):g}" for n in self.entry.names)])
+        return ":".join([self.kind.value, *(f"{getattr(self, n):g}" for n in self.kind.entry.names)])
 
 
 NO_STEP_CACHE = StepCache()

@@ -71,9 +71,6 @@ class DeviceBudgets:
         if engine.footprint is not None:
             self._footprints[engine.key] = engine.footprint
 
-    def measured(self, key: EngineKey) -> Footprint | None:
-        return self._footprints.get(key)
-
     def footprint_of(self, engine) -> Footprint:
         """What an engine counts against its budget: measured once loaded, estimated before."""
         return engine.footprint or self._footprints.get(engine.key) or self.estimate(engine.key)

@@ -109,8 +109,18 @@ class LocalConnection:
 
 
 class InProcessRunner(PipelineRunner):
-    """A PipelineRunner without compile and regional modes (see REFUSED_MODES), one request per call: each
-    request is its own GPU call, whose duration is asked for from that request's steps."""
+    """A PipelineRunner without compile and regional modes (see REFUSED_MODES), one request per call, whose
+    `generate` and `warm_bucket` are GPU calls (`gpu`): each request is its own, whose duration is asked for
+    from that request's steps. The device work runs in `_gpu_task`, with PipelineRunner's own calls."""
+
+    def __init__(self, config, gpu: GpuCalls, listener=None):
+        super().__init__(config, listener=listener)
+        self.gpu = gpu
+        self.durations = Durations()
+        self._owner = os.getpid()
+        self._installed: set[Size] = set()  # aot sizes whose packages this process's runner holds
+        # Wrapped once, before any GPU call forks: ZeroGPU finds its functions at start-up.
+        self._task = gpu.wrap(self._gpu_task)
 
     def largest_batch(self) -> int:
         return 1
@@ -127,6 +137,131 @@ class InProcessRunner(PipelineRunner):
             return base
         device = self.weights_bytes() + (self._peak_bytes or 0)
         return Footprint(device_bytes=int(device), host_rss_bytes=0, weights_bytes=base.weights_bytes)
+
+    # -- inside the GPU call ---------------------------------------------------------------------------
+    def _gpu_task(self, duration_s, op, payload, owner):
+        """The device work. Runs where the GPU is (a forked process on ZeroGPU): everything it needs comes
+        from memory inherited at the fork and its arguments; everything the app must learn it yields."""
+        remote = os.getpid() != owner
+        changes: dict[BucketKey, BucketInfo] = {}
+        if remote:  # the app's board is not this process's: collect what changes, send it back
+            self.board.listener = lambda info: changes.__setitem__(info.bucket, info)
+        try:
+            if op == "generate":
+                yield from self._generate_here(remote, *payload)
+            else:
+                info = super().warm_bucket(payload)  # the device work itself
+                if info.state == BucketState.WARM and payload.mode is Mode.AOT:
+                    self._installed.add(payload.size)
+                yield "warmed", info
+        except ShowcaseError as exc:
+            yield "error", exc
+        except Exception as exc:  # what the app can show; the traceback stays in this process's log
+            log.error("GPU call %s failed:\n%s", op, traceback.format_exc())
+            yield "error", ShowcaseError(f"{type(exc).__name__}: {exc}")
+        for info in changes.values():
+            yield "bucket", info
+
+    def _generate_here(self, remote: bool, request: GenerateRequest, cancel, info: BucketInfo | None,
+                       on_step=None):
+        here = super().generate  # the device work itself, not this class's GPU call
+        if remote and info is not None:
+            apply_info(self, info)  # the app's view of the bucket (a reused ZeroGPU process may lag behind)
+        if (request.mode is Mode.AOT and info is not None and info.state == BucketState.WARM
+                and info.bucket.size not in self._installed):
+            self.variants.get(Mode.AOT)
+            if install_committed(self, info.bucket.size):
+                self._installed.add(info.bucket.size)
+        if not remote and on_step is not None:
+            # Same process: on the calling thread, progress straight to the caller. A thread per request
+            # would give each its own OpenMP pool on cpu (pools of finished threads kept spinning).
+            yield "result", here(request, on_step=on_step, cancel=cancel)
+            return
+        events: queue.Queue = queue.Queue()
+
+        def run():
+            try:
+                events.put(("result", here(request, on_step=lambda p: events.put(("progress", p)), cancel=cancel)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the generator, raised there
+                events.put(("raise", exc))
+
+        threading.Thread(target=run, name=f"gpu-call-{request.request_id}", daemon=True).start()
+        while True:
+            kind, value = events.get()
+            if kind == "raise":
+                raise value
+            yield kind, value
+            if kind == "result":
+                return
+
+    # -- in the app --------------------------------------------------------------------------------
+    def _variant(self, request: GenerateRequest) -> str:
+        info = self.board.get(request.bucket)
+        warm = request.mode.compiled and info is not None and info.state == BucketState.WARM
+        return str(request.mode) if warm else "eager"
+
+    def duration_for(self, request: GenerateRequest) -> int:
+        return self.durations.for_request(self._variant(request), request.bucket.size, request.steps)
+
+    def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None
+                 ) -> GenerateResult:
+        self.check_mode(request.mode)  # refused modes answer here, before a GPU is asked for
+        cancel = cancel or threading.Event()
+        flag = self.gpu.cancel_flag(request.request_id, cancel)
+        done = threading.Event()
+        self.gpu.watch_cancel(flag, cancel, done)
+        info = self.board.get(request.bucket)
+        result = None
+        payload = (request, flag, info) if self.gpu.forks else (request, flag, info, on_step or (lambda p: None))
+        try:
+            events = self.gpu.call(self._task, f"generate {request.bucket}", self.duration_for(request),
+                                   "generate", payload, self._owner)
+            for kind, value in events:
+                if kind == "progress" and on_step is not None:
+                    on_step(value)
+                elif kind == "result":
+                    result = value
+                elif kind == "bucket" and self.gpu.forks:
+                    apply_info(self, value)
+                elif kind == "error":
+                    raise value
+        finally:
+            done.set()
+            self.gpu.clear(flag)
+        if result is None:
+            raise ShowcaseError(f"request {request.request_id}: the GPU call ended without a result")
+        variant = str(result.bucket.mode) if result.warm and result.bucket.mode.compiled else "eager"
+        self.durations.record(variant, result.bucket.size, result.steps, result.timings.step_ms)
+        return result
+
+    def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
+        if bucket.mode is not Mode.AOT:  # eager: nothing to do; compile/regional: refused with the reason
+            return super().warm_bucket(bucket)
+        try:
+            self.check_mode(bucket.mode)
+            self.variants.get(Mode.AOT)  # keys and store, no device work
+            present = install_committed(self, bucket.size) if self.gpu.forks else False
+        except Exception as exc:
+            return self.board.update(bucket, state=BucketState.FAILED, error=str(exc))
+        duration = PACKAGES_PRESENT_DURATION_S if present else int(settings.gpu_build_duration_s())
+        self.board.update(bucket, state=BucketState.COMPILING, error=None, origin=None)
+        final = None
+        for kind, value in self.gpu.call(self._task, f"aot {bucket}", duration, "warm", bucket, self._owner):
+            if kind == "warmed":
+                final = value
+            elif kind == "error":
+                return self.board.update(bucket, state=BucketState.FAILED, error=str(value))
+        if final is None:
+            return self.board.update(bucket, state=BucketState.FAILED, error="the GPU call ended without a result")
+        if self.gpu.forks:  # built or loaded over there: install what was committed here, loaded on first use
+            if final.state == BucketState.WARM and not install_committed(self, bucket.size):
+                return self.board.update(bucket, state=BucketState.FAILED,
+                                         error="the GPU call warmed the bucket but its packages are not in the store")
+            self._installed.add(bucket.size)
+            apply_info(self, final)
+        elif final.state == BucketState.WARM:
+            self._installed.add(bucket.size)
+        return self.board.get(bucket)
 
 
 class LazyPackage:
@@ -175,150 +310,6 @@ def apply_info(runner: PipelineRunner, info: BucketInfo) -> None:
     runner.board.update(info.bucket, **{name: getattr(info, name) for name in _INFO_FIELDS})
 
 
-class GpuRunner:
-    """What the WorkerLoop drives: the runner, with `generate` and `warm_bucket` as GPU calls."""
-
-    def __init__(self, runner: InProcessRunner, gpu: GpuCalls):
-        self._runner = runner
-        self.gpu = gpu
-        self.durations = Durations()
-        self._owner = os.getpid()
-        self._installed: set[Size] = set()  # aot sizes whose packages this process's runner holds
-        # Wrapped once, before any GPU call forks: ZeroGPU finds its functions at start-up.
-        self._task = gpu.wrap(self._gpu_task)
-
-    def __getattr__(self, name):
-        return getattr(self._runner, name)
-
-    # -- inside the GPU call ---------------------------------------------------------------------------
-    def _gpu_task(self, duration_s, op, payload, owner):
-        """The device work. Runs where the GPU is (a forked process on ZeroGPU): everything it needs comes
-        from memory inherited at the fork and its arguments; everything the app must learn it yields."""
-        runner = self._runner
-        remote = os.getpid() != owner
-        changes: dict[BucketKey, BucketInfo] = {}
-        if remote:  # the app's board is not this process's: collect what changes, send it back
-            runner.board.listener = lambda info: changes.__setitem__(info.bucket, info)
-        try:
-            if op == "generate":
-                yield from self._generate_here(runner, remote, *payload)
-            else:
-                info = runner.warm_bucket(payload)
-                if info.state == BucketState.WARM and payload.mode is Mode.AOT:
-                    self._installed.add(payload.size)
-                yield "warmed", info
-        except ShowcaseError as exc:
-            yield "error", exc
-        except Exception as exc:  # what the app can show; the traceback stays in this process's log
-            log.error("GPU call %s failed:\n%s", op, traceback.format_exc())
-            yield "error", ShowcaseError(f"{type(exc).__name__}: {exc}")
-        for info in changes.values():
-            yield "bucket", info
-
-    def _generate_here(self, runner, remote: bool, request: GenerateRequest, cancel, info: BucketInfo | None,
-                       on_step=None):
-        if remote and info is not None:
-            apply_info(runner, info)  # the app's view of the bucket (a reused ZeroGPU process may lag behind)
-        if (request.mode is Mode.AOT and info is not None and info.state == BucketState.WARM
-                and info.bucket.size not in self._installed):
-            runner.variants.get(Mode.AOT)
-            if install_committed(runner, info.bucket.size):
-                self._installed.add(info.bucket.size)
-        if not remote and on_step is not None:
-            # Same process: on the calling thread, progress straight to the caller. A thread per request
-            # would give each its own OpenMP pool on cpu (pools of finished threads kept spinning).
-            yield "result", runner.generate(request, on_step=on_step, cancel=cancel)
-            return
-        events: queue.Queue = queue.Queue()
-
-        def run():
-            try:
-                events.put(("result", runner.generate(request, on_step=lambda p: events.put(("progress", p)),
-                                                      cancel=cancel)))
-            except BaseException as exc:  # noqa: BLE001 - handed to the generator, raised there
-                events.put(("raise", exc))
-
-        threading.Thread(target=run, name=f"gpu-call-{request.request_id}", daemon=True).start()
-        while True:
-            kind, value = events.get()
-            if kind == "raise":
-                raise value
-            yield kind, value
-            if kind == "result":
-                return
-
-    # -- in the app --------------------------------------------------------------------------------
-    def _variant(self, request: GenerateRequest) -> str:
-        info = self._runner.board.get(request.bucket)
-        warm = request.mode.compiled and info is not None and info.state == BucketState.WARM
-        return str(request.mode) if warm else "eager"
-
-    def duration_for(self, request: GenerateRequest) -> int:
-        return self.durations.for_request(self._variant(request), request.bucket.size, request.steps)
-
-    def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None
-                 ) -> GenerateResult:
-        runner = self._runner
-        runner.check_mode(request.mode)  # refused modes answer here, before a GPU is asked for
-        cancel = cancel or threading.Event()
-        flag = self.gpu.cancel_flag(request.request_id, cancel)
-        done = threading.Event()
-        self.gpu.watch_cancel(flag, cancel, done)
-        info = runner.board.get(request.bucket)
-        result = None
-        payload = (request, flag, info) if self.gpu.forks else (request, flag, info, on_step or (lambda p: None))
-        try:
-            events = self.gpu.call(self._task, f"generate {request.bucket}", self.duration_for(request),
-                                   "generate", payload, self._owner)
-            for kind, value in events:
-                if kind == "progress" and on_step is not None:
-                    on_step(value)
-                elif kind == "result":
-                    result = value
-                elif kind == "bucket" and self.gpu.forks:
-                    apply_info(runner, value)
-                elif kind == "error":
-                    raise value
-        finally:
-            done.set()
-            self.gpu.clear(flag)
-        if result is None:
-            raise ShowcaseError(f"request {request.request_id}: the GPU call ended without a result")
-        variant = str(result.bucket.mode) if result.warm and result.bucket.mode.compiled else "eager"
-        self.durations.record(variant, result.bucket.size, result.steps, result.timings.step_ms)
-        return result
-
-    def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
-        runner = self._runner
-        if bucket.mode is not Mode.AOT:  # eager: nothing to do; compile/regional: refused with the reason
-            return runner.warm_bucket(bucket)
-        try:
-            runner.check_mode(bucket.mode)
-            runner.variants.get(Mode.AOT)  # keys and store, no device work
-            present = install_committed(runner, bucket.size) if self.gpu.forks else False
-        except Exception as exc:
-            return runner.board.update(bucket, state=BucketState.FAILED, error=str(exc))
-        duration = PACKAGES_PRESENT_DURATION_S if present else int(settings.gpu_build_duration_s())
-        runner.board.update(bucket, state=BucketState.COMPILING, error=None, origin=None)
-        final = None
-        for kind, value in self.gpu.call(self._task, f"aot {bucket}", duration, "warm", bucket, self._owner):
-            if kind == "warmed":
-                final = value
-            elif kind == "error":
-                return runner.board.update(bucket, state=BucketState.FAILED, error=str(value))
-        if final is None:
-            return runner.board.update(bucket, state=BucketState.FAILED, error="the GPU call ended without a result")
-        if self.gpu.forks:  # built or loaded over there: install what was committed here, loaded on first use
-            if final.state == BucketState.WARM and not install_committed(runner, bucket.size):
-                return runner.board.update(bucket, state=BucketState.FAILED,
-                                           error="the GPU call warmed the bucket but its packages are not in the store")
-            self._installed.add(bucket.size)
-            apply_info(runner, final)
-        elif final.state == BucketState.WARM:
-            self._installed.add(bucket.size)
-        return runner.board.get(bucket)
-
-
 class InProcessLoop(WorkerLoop):
     """The worker's loop on threads of the app's process."""
 
@@ -340,7 +331,7 @@ class InProcessClient(ConnectionClient):
         self.config = config
         self.threads = threads  # cpu: compute threads, as a worker gets (the manager's share of the cores)
         self.gpu = gpu or make_gpu_calls()
-        self.runner: GpuRunner | None = None
+        self.runner: InProcessRunner | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -374,15 +365,14 @@ class InProcessClient(ConnectionClient):
                 # Process-wide, as OMP_NUM_THREADS is for a worker: more compute threads than this share
                 # spin against the web server and each other (docs/spaces.md).
                 torch.set_num_threads(self.threads)
-            runner = InProcessRunner(self.config, listener=listener)
-            self.runner = gpu_runner = GpuRunner(runner, self.gpu)
-            made["loop"] = loop = InProcessLoop(conn, gpu_runner, max_queue=self.config.options.batching.max_queue)
+            self.runner = runner = InProcessRunner(self.config, self.gpu, listener=listener)
+            made["loop"] = loop = InProcessLoop(conn, runner, max_queue=self.config.options.batching.max_queue)
             runner.load()
             if not self.gpu.forks:  # the measuring step runs device work: only where this process has the device
                 runner.measure_peak()
                 loop.learn_from_measuring_run()
                 size, ms = runner.measured_run
-                gpu_runner.durations.record("eager", size, 1, (ms,))  # an overestimate of one step: safe
+                runner.durations.record("eager", size, 1, (ms,))  # an overestimate of one step: safe
             return loop
 
         try:

@@ -91,7 +91,7 @@ them only the counters and the web edge's refusals are exported."""
                                     "had a step cache, by its kind.", ["engine", "step_cache"], registry=r)
         # reason -> visitors refused at the web edge (ui/edge.py sets it: body size, uploads, per client, ...)
         self.edge_refusals: Callable[[], Mapping[str, int]] | None = None
-        r.register(_EngineCollector(self))
+        r.register(self)  # the gauges below (`collect`), read when scraped
 
     def request_ended(self, labels: Mapping[str, str], result=None, error: BaseException | None = None) -> None:
         """Count one request: `labels` (engine, mode, bucket) as far as it got, its result or its error."""
@@ -121,18 +121,12 @@ them only the counters and the web edge's refusals are exported."""
         """The Prometheus text exposition of everything above."""
         return generate_latest(self.registry)
 
-
-class _EngineCollector:
-    """Gauges read from the manager when scraped: what is loaded, warm and held now."""
-
-    def __init__(self, telemetry: Telemetry):
-        self.telemetry = telemetry
-
+    # -- a collector of its own: gauges read from the manager when scraped: what is loaded, warm and held now
     def describe(self):
         return []  # families depend on what is loaded; collected at scrape time only
 
     def collect(self):
-        t = self.telemetry
+        t = self
         if t.edge_refusals is not None:
             edge = CounterMetricFamily("showcase_edge_refusals", "Visitors' HTTP requests refused at the web edge "
                                        "before any handler, by reason.", labels=["reason"])

@@ -201,7 +201,7 @@ class SidecarAttacher:
         return self
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stop.set()  # kept: the thread's own stop event, not a part; callers need no Event of ours
 
     def wait_attached(self, timeout: float) -> AttachedSidecarClient | None:
         """The engine once attached; None when the first attempt failed or `timeout` passed (still loading)."""

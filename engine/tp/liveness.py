@@ -77,7 +77,7 @@ class Liveness:
         return self
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stop.set()  # kept: the thread's own stop event, not a part; callers need no Event of ours
 
     def _beat(self, on_store_lost) -> None:
         store, last_ok = None, time.monotonic()

@@ -47,7 +47,6 @@ from engine.protocol import (
     RankExit,
     Ready,
     RequestFailed,
-    Shutdown,
 )
 from engine.tp.flags import SidecarFlags
 from engine.tp.tokens import new_token, read_token, write_address, write_private
@@ -244,7 +243,7 @@ class _Rank0Server:
         with self._lock:
             self._queued = False
             self._current = f"connected from {peer} since {time.strftime('%H:%M:%S')}"
-        return _TrackedConnection(conn)
+        return conn
 
     def release(self) -> None:
         with self._lock:
@@ -275,6 +274,11 @@ class SidecarLoop(WorkerLoop):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.run_cost = None
+        self.shutdown_asked = False  # the client asked the sidecar to stop (not a mere hang-up)
+
+    def _on_shutdown(self, message) -> None:
+        self.shutdown_asked = True
+        super()._on_shutdown(message)
 
     def halt(self) -> None:
         self._stop.set()
@@ -584,7 +588,7 @@ class RankProcess:
                 return RankExit.GROUP_BROKEN
             conn.close()
             self.server.release()
-            if conn.shutdown_requested or self.from_app:
+            if loop.shutdown_asked or self.from_app:
                 return RankExit.OK
             print("[tp sidecar] client disconnected; waiting for the next one", flush=True)
 
@@ -598,26 +602,6 @@ class RankProcess:
 
 def rank_main(args: SidecarFlags) -> None:
     RankProcess(args).run()
-
-
-class _TrackedConnection:
-    """A Connection that remembers whether the client asked for shutdown (vs. just disconnecting)."""
-
-    def __init__(self, conn):
-        self._conn = conn
-        self.shutdown_requested = False
-
-    def recv(self):
-        message = self._conn.recv()
-        if isinstance(message, Shutdown):
-            self.shutdown_requested = True
-        return message
-
-    def send(self, message) -> None:
-        self._conn.send(message)
-
-    def close(self) -> None:
-        self._conn.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -341,7 +341,7 @@ class WorkerLoop:
         held the GIL in whichever thread allocated last: a request's (docs/hosting.md). Collect now, when
         no request runs, and freeze what survives (the compiled graphs stay for the engine's life), so
         later full passes only walk what is new."""
-        self.compile_yield.wait_idle(timeout=5.0)
+        self.compile_yield.idle.wait(timeout=5.0)
         gc.collect()
         gc.freeze()
 

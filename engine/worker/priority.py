@@ -32,7 +32,9 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 from engine import settings
 from engine.protocol import Size
@@ -114,27 +116,6 @@ class CompileSetAside(BaseException):
     must not take it for a failed compile."""
 
 
-class _CompileRun:
-    """One granted bucket on the compile thread: which bucket it works on, the hook on the thread (again: a
-    set-aside unsets it), and whether its compile was set aside (CompileSetAside is taken here)."""
-
-    def __init__(self, owner: YieldToRequests, bucket, hooked: bool):
-        self.owner, self.bucket, self.hooked, self.set_aside = owner, bucket, hooked, False
-
-    def __enter__(self) -> _CompileRun:
-        self.owner.compiling = self.bucket
-        if self.hooked:
-            sys.setprofile(self.owner.hook)  # this thread only
-        return self
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        self.owner.compiling = None
-        if self.owner._set_aside == self.bucket:  # asked as it ended: not for a later compile of the bucket
-            self.owner._set_aside = None
-        self.set_aside = kind is not None and issubclass(kind, CompileSetAside)
-        return self.set_aside
-
-
 class YieldToRequests:
     """Lets the compile thread step aside while a request runs in the same worker.
 
@@ -149,8 +130,8 @@ class YieldToRequests:
     def __init__(self, max_wait_s: float = 0.5):
         self.max_wait_s = max_wait_s
         self.yields = True  # False: the hook only sets compiles aside
-        self._idle = threading.Event()
-        self._idle.set()
+        self.idle = threading.Event()  # set while no request runs (between `request()` blocks)
+        self.idle.set()
         self._request = 0  # the running (or last) request's number
         self._gave_up_on = -1  # the request whose wait ran out: the compile thread runs beside it
         self.compiling = None  # the bucket the compile thread works on (set by it)
@@ -165,13 +146,36 @@ class YieldToRequests:
         if current is not None and current != waited and not is_waited_for(current):
             self._set_aside = current
 
-    def compiling_of(self, bucket, hooked: bool) -> _CompileRun:
-        """The compile thread's block for one granted bucket (`hooked`: with this hook on the thread)."""
-        return _CompileRun(self, bucket, hooked)
+    @contextmanager
+    def compiling_of(self, bucket, hooked: bool):
+        """The compile thread's block for one granted bucket (`hooked`: with this hook on the thread, again: a
+        set-aside unsets it). Yields what says, once the block ends, whether its compile was set aside
+        (CompileSetAside is taken here)."""
+        run = SimpleNamespace(set_aside=False)
+        self.compiling = bucket
+        if hooked:
+            sys.setprofile(self.hook)  # this thread only
+        try:
+            yield run
+        except CompileSetAside:
+            run.set_aside = True
+        finally:
+            self.compiling = None
+            if self._set_aside == bucket:  # asked as it ended: not for a later compile of the bucket
+                self._set_aside = None
 
-    def request_started(self) -> None:
+    @contextmanager
+    def request(self):
+        """A request runs for the block: the compile thread waits at its next Python call until it ends."""
+        self._begin()
+        try:
+            yield
+        finally:
+            self.idle.set()
+
+    def _begin(self) -> None:
         self._request += 1
-        self._idle.clear()
+        self.idle.clear()
         # The compile thread may be inside a torch.fx symbolic trace, which patches torch.nn.Module.__call__
         # for every thread until it ends: a request run then fails ("module is not installed as a
         # submodule"). The hook lets a trace under way finish (it never pauses inside one, and pauses
@@ -179,12 +183,6 @@ class YieldToRequests:
         deadline = time.monotonic() + 10 * self.max_wait_s
         while fx_tracing() and time.monotonic() < deadline:
             time.sleep(0.001)
-
-    def request_ended(self) -> None:
-        self._idle.set()
-
-    def wait_idle(self, timeout: float) -> bool:
-        return self._idle.wait(timeout)
 
     def hook(self, frame, event, arg) -> None:
         if event != "call":
@@ -195,10 +193,10 @@ class YieldToRequests:
             # Raised from a profile function, it propagates in the called frame, as if that function had
             # failed (and unsets the hook: the warm-up thread installs it again before its next compile).
             raise CompileSetAside(f"compile of {self.compiling} set aside for a request waiting for another")
-        if not self.yields or self._idle.is_set() or self._gave_up_on == self._request or fx_tracing():
+        if not self.yields or self.idle.is_set() or self._gave_up_on == self._request or fx_tracing():
             return
         request = self._request
-        if not self._idle.wait(self.max_wait_s):
+        if not self.idle.wait(self.max_wait_s):
             self._gave_up_on = request
 
 

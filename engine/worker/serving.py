@@ -82,17 +82,16 @@ class ServeCall:
     # -- the phases -------------------------------------------------------------------------------
     def _run(self, call) -> list:
         """The call itself, with the compile thread stepping aside and the short-run slot held."""
-        self.rules.compile_yield.request_started()
-        if self.short_runs is not None:
-            self.short_runs.set_running(True)
-        try:
-            if self.step_aside is not None:
-                self.step_aside(self.everyone)  # before its first step too
-            return call(self.on_step, self.cancels, self.on_leave, self.on_result)
-        finally:
+        with self.rules.compile_yield.request():
             if self.short_runs is not None:
-                self.short_runs.set_running(False)
-            self.rules.compile_yield.request_ended()
+                self.short_runs.set_running(True)
+            try:
+                if self.step_aside is not None:
+                    self.step_aside(self.everyone)  # before its first step too
+                return call(self.on_step, self.cancels, self.on_leave, self.on_result)
+            finally:
+                if self.short_runs is not None:
+                    self.short_runs.set_running(False)
 
     def _deliver(self, outcomes: list) -> None:
         """Each outcome not answered yet: its result, or its failure."""
