@@ -55,7 +55,8 @@ class GenerateFlags:
     on_cold: str = field(default=OnCold.WAIT.value, metadata=flag(
         "at a bucket that is not compiled yet: wait for the compile, or run eagerly", choices=OnCold.values()))
     cache: str = field(default="none", metadata=flag(
-        f"step cache: {step_cache_forms()} (`python -m engine step-caches` lists which run here)", metavar="TEXT"))
+        lambda: f"step cache: {step_cache_forms()} (`python -m engine step-caches` lists which run here)",
+        metavar="TEXT"))
     lora: str | None = field(default=None, metadata=flag(
         "one of the preset's LoRA adapters (`python -m engine presets` lists them), scale 0-2 (default: the "
         "preset's)", metavar="NAME[:SCALE]"))

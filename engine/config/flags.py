@@ -222,7 +222,8 @@ def _argument(f, how: Flag, defaults: dict | None, names: dict) -> tuple[tuple, 
     if how.env is not None and defaults is not None and defaults[how.env] is not None:
         default = defaults[how.env]  # unset: the field's default
     flags = (how.short, how.flag_name(f.name)) if how.short else (how.flag_name(f.name),)
-    text = how.help.format(default=default, per_device=_PerDevice()) if how.help else how.help
+    text = how.help() if callable(how.help) else how.help  # a callable: text read from a registry now
+    text = text.format(default=default, per_device=_PerDevice()) if text else text
     kw: dict = {"dest": how.dest or f.name, "help": text}
     if how.kind == POSITIONAL:  # argparse names a positional's dest after it, and refuses a second one
         flags, kw = (f.name,), {"help": text}

@@ -50,11 +50,12 @@ class OneOf:
 
 @dataclass(frozen=True)
 class Flag:
-    """A field's flag. `help` may hold "{default}" (the field's default) and "{per_device[FIELD]}" (a
+    """A field's flag. `help` (or a callable giving it when the parser is built, for text read from a
+    registry) may hold "{default}" (the field's default) and "{per_device[FIELD]}" (a
     DeviceSpec field per device kind). `env`: the key of settings.server_defaults() whose value is the
     default (an environment variable), checked as the flag would be when `as_text`."""
 
-    help: str | None = None
+    help: str | Callable[[], str] | None = None
     name: str | None = None  # default: --field-name
     dest: str | None = None  # default: the field's name
     kind: str = VALUE
