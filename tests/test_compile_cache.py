@@ -47,7 +47,7 @@ _WARM = textwrap.dedent("""
                           EngineOptions(warm_sizes=()), sys.argv[1])
     runner = PipelineRunner(config)
     runner.load()
-    info = runner.warm_bucket(BucketKey(Mode.COMPILE, Size(64, 64)))
+    info = runner.warm_bucket(BucketKey(Mode.REGIONAL, Size(64, 64)))
     print("RESULT " + json.dumps({"state": info.state.value, "error": info.error, "notices": runner.notices}))
 """)
 
@@ -114,7 +114,7 @@ def test_a_cache_that_turns_read_only_moves_the_compile_to_a_temporary_cache(tmp
         return real_write(path, *args, **kwargs)
 
     monkeypatch.setattr(codecache, "write_atomic", write_atomic)
-    info = runner.warm_bucket(BucketKey(Mode.COMPILE, Size(64, 64)))
+    info = runner.warm_bucket(BucketKey(Mode.REGIONAL, Size(64, 64)))
     print(f"read-only cache: {info.state.value}, origin {info.origin!r}")
     assert info.state == BucketState.WARM, info.error
     assert info.origin == "compiled in a temporary cache (the compile cache disk is read-only)", info.origin
