@@ -6,7 +6,6 @@ naming the flag. Parsers only: nothing loads."""
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib
 from pathlib import Path
@@ -20,7 +19,6 @@ from engine.protocol.flagfields import flag_fields
 ROOT = Path(__file__).resolve().parent.parent
 
 # Every flag of a measuring command is a field of its options dataclass: a new option is one field.
-MAX_BENCH_ADD_ARGUMENT = 0
 
 OPTIONS = {  # command -> its options dataclass; `True`: the engine flags follow its own
     "bench": ("bench.bench_options:BenchOptions", True),
@@ -55,24 +53,6 @@ def _engine_dests() -> set[str]:
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     return _dests(parser)
-
-
-def add_argument_calls(top: str) -> dict[str, int]:
-    """`.add_argument(...)` calls per module of package `top`."""
-    counts = {}
-    for path in sorted((ROOT / top).rglob("*.py")):
-        calls = sum(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "add_argument" for node in ast.walk(ast.parse(path.read_text())))
-        if calls:
-            counts[str(path.relative_to(ROOT))] = calls
-    return counts
-
-
-def test_bench_flags_come_from_option_fields_not_add_argument_calls():
-    counts = add_argument_calls("bench")
-    print(f"add_argument calls in bench/: {sum(counts.values())} (ceiling {MAX_BENCH_ADD_ARGUMENT}): {counts}")
-    assert sum(counts.values()) <= MAX_BENCH_ADD_ARGUMENT, (
-        f"{counts}: declare the flag as a field of the command's options dataclass (bench/flags.py)")
 
 
 def test_every_command_has_its_options_table_entry():

@@ -67,6 +67,12 @@ def test_engine_flags_come_from_config_fields_not_add_argument_calls():
         "add it with add_fields (engine/config/flags.py)")
 
 
+
+def test_bench_flags_come_from_option_fields_not_add_argument_calls():
+    counts = add_argument_calls("bench")
+    print(f"add_argument calls in bench/: {sum(counts.values())} (none allowed): {counts}")
+    assert not counts, f"{counts}: declare the flag as a field of the command's options dataclass (bench/flags.py)"
+
 def test_ruff_complexity_and_argument_rules_pass():
     """C901 (branching) and PLR0913 (more than 8 parameters) with the thresholds in pyproject.toml."""
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "C901,PLR0913", "--no-cache",
