@@ -16,8 +16,6 @@ from bench.commands import COMMANDS, build_parser
 from engine.config.flags import add_engine_arguments, argv_of, from_args
 from engine.protocol.flagfields import flag_fields
 
-ROOT = Path(__file__).resolve().parent.parent
-
 # Every flag of a measuring command is a field of its options dataclass: a new option is one field.
 
 OPTIONS = {  # command -> its options dataclass; `True`: the engine flags follow its own
