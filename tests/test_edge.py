@@ -94,7 +94,7 @@ def test_a_flood_of_joins_that_never_listen_is_bounded_and_a_real_visitor_is_ser
     idle = statistics.median(visit(url, fn_index) for _ in range(5))
     # A flood event is dropped once its listening grace passes; on a busy machine the 80 joins can outlast
     # it, and each drop frees a place: count them rather than assume the joins are quicker than the grace.
-    dropped, await_listener = [], demo.edge.await_listener
+    dropped, await_listener = [], demo.edge.streams.await_listener
 
     def counted_await(session, timeout=None):
         heard = await_listener(session, timeout)
@@ -110,7 +110,7 @@ def test_a_flood_of_joins_that_never_listen_is_bounded_and_a_real_visitor_is_ser
             codes.append(join(hostile, url, fn_index, FLOOD, uuid.uuid4().hex[:11]).status_code)
 
     threads = [threading.Thread(target=flood, args=(10,)) for _ in range(8)]
-    demo.edge.await_listener = counted_await
+    demo.edge.streams.await_listener = counted_await
     try:
         for t in threads:
             t.start()
@@ -118,7 +118,7 @@ def test_a_flood_of_joins_that_never_listen_is_bounded_and_a_real_visitor_is_ser
             t.join()
         during = len(dropped)
     finally:
-        del demo.edge.await_listener
+        del demo.edge.streams.await_listener
     hostile.close()
     accepted = codes.count(200)
     assert len(codes) == 80 and 1 <= accepted <= CLIENT_EVENTS + during, (codes, during)

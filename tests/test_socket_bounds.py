@@ -342,7 +342,7 @@ def test_streams_behind_a_trusted_proxy_count_for_the_client_it_names():
     import asyncio
     import ipaddress
 
-    from ui.edge import EdgeConfig, EdgeGuard, _EdgeMiddleware
+    from ui.edge import EdgeConfig, EdgeGuard
 
     guard = EdgeGuard(EdgeConfig(trusted_proxies=(ipaddress.ip_network("10.0.0.1/32"),),
                                  sockets=SocketBounds(streams_per_client=2)))
@@ -355,7 +355,8 @@ def test_streams_behind_a_trusted_proxy_count_for_the_client_it_names():
             await release.wait()
             await send({"type": "http.response.body", "body": b""})
 
-        middleware = _EdgeMiddleware(stream, guard)
+        spec = guard.middleware()  # as Starlette builds it
+        middleware = spec.cls(stream, *spec.args, **spec.kwargs)
 
         async def call(client: str):
             scope = {"type": "http", "method": "GET", "path": "/gradio_api/heartbeat/x", "query_string": b"",
@@ -383,7 +384,7 @@ def test_streams_behind_a_trusted_proxy_count_for_the_client_it_names():
 
     asyncio.run(main())
     assert guard.refused["too many streams from one address"] == 1
-    assert not guard._proxied_streams
+    assert not guard.streams._proxied
 
 
 @pytest.mark.parametrize("parser", PARSERS)

@@ -215,7 +215,7 @@ class HandlerBase:
         """Who the engines take turns between and the cost budget is held against: the client's address
         (ui/edge.py), or its session where no connection is known (a test calling a handler)."""
         if self.edge is not None and getattr(request, "request", None) is not None:
-            return self.edge.client_of(request)
+            return self.edge.callers.client_of(request)
         return f"session {session_id(request)}"
 
     def remember_engine(self, request: gr.Request | None, key) -> None:
@@ -322,7 +322,7 @@ class HandlerBase:
     async def await_listener(self, request: gr.Request | None) -> None:
         """open_run's listener check for an async handler: the wait runs in a worker thread."""
         if self.edge is not None and getattr(request, "session_hash", None) \
-                and not self.edge.listening(request.session_hash):
+                and not self.edge.streams.listening(request.session_hash):
             import anyio
 
             await anyio.to_thread.run_sync(self._require_listener, request)
@@ -332,7 +332,7 @@ class HandlerBase:
             from ui.edge import ClientGone
 
             session = request.session_hash  # its event stream's, also for an MCP call
-            if not self.edge.await_listener(session):
+            if not self.edge.streams.await_listener(session):
                 log.info("dropped an event of session %s: its client is not listening", session[:12])
                 raise ClientGone("nobody is listening for this request's result; it was dropped")
 

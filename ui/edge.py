@@ -106,25 +106,14 @@ async def _refuse(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class EdgeGuard:
-    """One per app: the body/upload middleware, the queue hook and the listening sessions."""
+class Callers:
+    """Who sent a request: its address (behind trusted proxies, the forwarded one), or for an MCP tool call
+    the agent that made it, named in a header this edge signed."""
 
-    def __init__(self, config: EdgeConfig | None = None):
-        self.config = config or EdgeConfig()
-        self._lock = threading.Lock()
-        self._listeners: Counter[str] = Counter()  # session -> event streams open now
-        self._joining: Counter[str] = Counter()  # client -> joins under way (not in the queue yet)
-        self._joining_groups: Counter[str] = Counter()
-        self._proxied_streams: Counter[str] = Counter()  # client behind a trusted proxy -> its held streams
-        self.queue = None
-        self.api_names: frozenset[str] | None = None  # the app's named endpoints (install)
-        self.refused = Counter()  # reason -> count, for /system and /metrics
+    def __init__(self, trusted_proxies: tuple):
+        self.trusted_proxies = trusted_proxies
         self._secret = secrets.token_bytes(32)  # signs MCP caller headers (mark_mcp_caller); never leaves here
-        bounds = self.config.sockets
-        self.sockets = SocketGuard(bounds, self.config.trusted_proxies) if bounds is not None else None
-        self.log = quietlog.LogBudget()
 
-    # -- who -----------------------------------------------------------------------------------
     def client_of(self, request) -> str:
         """The client of a Starlette/fastapi request (or a gr.Request's underlying one); for an MCP tool
         call (which Gradio makes over loopback) the agent that called it."""
@@ -134,10 +123,10 @@ class EdgeGuard:
         if caller is not None:
             return caller
         peer = getattr(getattr(request, "client", None), "host", None)
-        return client_address(peer, headers.get("x-forwarded-for"), self.config.trusted_proxies)
+        return client_address(peer, headers.get("x-forwarded-for"), self.trusted_proxies)
 
     def mcp_caller(self, value: str | None) -> str | None:
-        """The address in an MCP caller header this guard signed, else None (a forged one names nobody)."""
+        """The address in an MCP caller header this edge signed, else None (a forged one names nobody)."""
         address, _, signature = (value or "").rpartition(" ")
         if address and hmac.compare_digest(signature, self._sign(address)):
             return address
@@ -148,44 +137,61 @@ class EdgeGuard:
 
     def mark_mcp_caller(self, scope) -> None:
         """An MCP request: Gradio copies its headers onto the loopback API call it makes for the tool, so a
-        header naming the agent's address, signed with this guard's secret, makes that call count against
+        header naming the agent's address, signed with this edge's secret, makes that call count against
         the agent's own bounds (and not all agents' against one loopback address)."""
         peer = (scope.get("client") or (None,))[0]
-        address = client_address(peer, _header(scope, b"x-forwarded-for"), self.config.trusted_proxies)
+        address = client_address(peer, _header(scope, b"x-forwarded-for"), self.trusted_proxies)
         name = MCP_CALLER_HEADER.encode()
         headers = [(k, v) for k, v in scope.get("headers") or () if k.lower() != name]
         headers.append((name, f"{address} {self._sign(address)}".encode("latin-1")))
         scope["headers"] = headers
 
-    # -- listening -------------------------------------------------------------------------------
+
+class Streams:
+    """The event streams open now: which sessions listen for their results, and how many streams each client
+    behind a trusted proxy holds. `queue` is Gradio's queue (set when the edge is installed): it tells which
+    events and sessions exist."""
+
+    def __init__(self, trusted_proxies: tuple, listen_grace_s: float, streams_per_client: int | None):
+        self.trusted_proxies, self.listen_grace_s, self.per_client = trusted_proxies, listen_grace_s, streams_per_client
+        self.queue = None
+        self._lock = threading.Lock()
+        self._listeners: Counter[str] = Counter()  # session -> event streams open now
+        self._proxied: Counter[str] = Counter()  # client behind a trusted proxy -> its held streams
+
     def listening(self, session: str) -> bool:
         with self._lock:
             return self._listeners[session] > 0
 
     @contextmanager
-    def listener(self, session: str):
-        """`session` counts as listening while the block runs: an MCP tool call reads its result in this
-        process, not through an event stream (ui/mcp.py)."""
-        with self._lock:
-            self._listeners[session] += 1
+    def listener(self, session: str | None):
+        """`session` counts as listening while the block runs (None: nothing counted): an open event stream,
+        or an MCP tool call reading its result in this process (ui/mcp.py)."""
+        if session is not None:
+            with self._lock:
+                self._listeners[session] += 1
         try:
             yield
         finally:
-            with self._lock:
-                self._listeners[session] -= 1
-                if self._listeners[session] <= 0:
-                    del self._listeners[session]
+            if session is not None:
+                with self._lock:
+                    self._listeners[session] -= 1
+                    if self._listeners[session] <= 0:
+                        del self._listeners[session]
 
     def await_listener(self, session: str, timeout: float | None = None) -> bool:
         """Wait (in a handler thread) up to `timeout` for the session's event stream to be open."""
-        deadline = time.monotonic() + (self.config.listen_grace_s if timeout is None else timeout)
+        deadline = time.monotonic() + (self.listen_grace_s if timeout is None else timeout)
         while not self.listening(session):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
         return True
 
-    def _stream_session(self, scope) -> str | None:
+    def session_of(self, scope) -> str | None:
+        """The session whose results a GET event stream carries, else None."""
+        if scope.get("method") != "GET":
+            return None
         path = scope["path"].rstrip("/")
         if path.endswith("/queue/data"):
             values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_hash")
@@ -202,42 +208,61 @@ class EdgeGuard:
         return None
 
     @contextmanager
-    def proxied_stream(self, scope):
+    def proxied(self, scope):
         """A held stream that came through a trusted proxy, counted for the client it names (the socket layer
         sees only the proxy, whose connections carry many visitors); yields False when that client holds its
         share already."""
-        bounds = self.sockets.bounds if self.sockets is not None else None
-        cap = bounds.streams_per_client if bounds is not None else None
+        cap = self.per_client
         peer = (scope.get("client") or (None,))[0]
         if (not cap or scope.get("method") != "GET" or not is_stream_path(scope["path"].encode("latin-1", "replace"))
-                or not in_networks(str(peer), self.config.trusted_proxies)):
+                or not in_networks(str(peer), self.trusted_proxies)):
             yield True
             return
-        client = client_address(peer, _header(scope, b"x-forwarded-for"), self.config.trusted_proxies)
+        client = client_address(peer, _header(scope, b"x-forwarded-for"), self.trusted_proxies)
         with self._lock:
-            admitted = self._proxied_streams[client] < cap
+            admitted = self._proxied[client] < cap
             if admitted:
-                self._proxied_streams[client] += 1
+                self._proxied[client] += 1
         try:
             yield admitted
         finally:
             if admitted:
                 with self._lock:
-                    self._proxied_streams[client] -= 1
-                    if self._proxied_streams[client] <= 0:
-                        del self._proxied_streams[client]
+                    self._proxied[client] -= 1
+                    if self._proxied[client] <= 0:
+                        del self._proxied[client]
 
-    def unknown_stream(self, session: str | None) -> bool:
+    def unknown(self, session: str | None) -> bool:
         """A GET of an event stream for a session with nothing pending (never joined, or long finished): Gradio
         would answer it with an error it raises after the stream began (two tracebacks per request)."""
         pending = getattr(self.queue, "pending_messages_per_session", None)
         return session is not None and pending is not None and session not in pending
 
+
+class EdgeGuard:
+    """One per app: the body/upload middleware, the queue hook, who asks (`callers`) and the open event
+    streams (`streams`)."""
+
+    def __init__(self, config: EdgeConfig | None = None):
+        self.config = config or EdgeConfig()
+        self._lock = threading.Lock()
+        self._joining: Counter[str] = Counter()  # client -> joins under way (not in the queue yet)
+        self._joining_groups: Counter[str] = Counter()
+        self.queue = None
+        self.api_names: frozenset[str] | None = None  # the app's named endpoints (install)
+        self.refused = Counter()  # reason -> count, for /system and /metrics
+        bounds = self.config.sockets
+        self.sockets = SocketGuard(bounds, self.config.trusted_proxies) if bounds is not None else None
+        self.log = quietlog.LogBudget()
+        self.callers = Callers(self.config.trusted_proxies)
+        self.streams = Streams(self.config.trusted_proxies, self.config.listen_grace_s,
+                               bounds.streams_per_client if bounds is not None else None)
+
     # -- the queue hook ----------------------------------------------------------------------------
     def install(self, demo) -> None:
         """Hook demo's queue (after demo.queue()): per-client and per-group bounds on joining."""
         queue = demo._queue
-        self.queue = queue
+        self.queue = self.streams.queue = queue
         self.api_names = frozenset(fn.api_name for fn in demo.fns.values() if fn.api_name)
         original = queue.push
         group_queue = self.config.group_queue
@@ -250,7 +275,7 @@ class EdgeGuard:
         from gradio import route_utils
 
         async def push(body, request, username):
-            client = self.client_of(request)
+            client = self.callers.client_of(request)
             try:
                 fn = route_utils.get_fn(demo, None, body)
             except Exception:  # an unknown function or session: the visitor's mistake, answered 400
@@ -262,7 +287,7 @@ class EdgeGuard:
             if refusal:
                 return False, refusal, "queue_full"
             request.state.joined_at = time.monotonic()  # what /cancel compares against (ui/runs.py)
-            if self.mcp_caller(request.headers.get(MCP_CALLER_HEADER)) is not None:
+            if self.callers.mcp_caller(request.headers.get(MCP_CALLER_HEADER)) is not None:
                 request.state.mcp_caller = client  # its runs and /cancel: the agent's own (ui/common.py)
             try:
                 return await original(body=body, request=request, username=username)
@@ -308,7 +333,8 @@ class EdgeGuard:
                 return (f"The queue is full ({waiting} requests waiting for this "
                         "action); retry in a few seconds")
             if config.client_events is not None:
-                mine = self._joining[client] + sum(1 for e in self._events() if self.client_of(e.request) == client)
+                mine = self._joining[client] + sum(1 for e in self._events()
+                                                if self.callers.client_of(e.request) == client)
                 if mine >= config.client_events:
                     self.refused["per client"] += 1
                     return (f"You already have {mine} requests waiting or running on this "
@@ -330,7 +356,9 @@ class EdgeGuard:
     def middleware(self):
         from starlette.middleware import Middleware
 
-        return Middleware(_EdgeMiddleware, guard=self)
+        # Built when the app starts, after install: api_names is known by then.
+        return Middleware(_EdgeMiddleware, streams=self.streams, callers=self.callers, refused=self.refused,
+                          log=self.log, max_body_bytes=self.config.max_body_bytes, api_names=self.api_names)
 
     def snapshot(self) -> dict:
         c = self.config
@@ -382,9 +410,10 @@ class _CountedBody:
 
 
 class _EdgeMiddleware:
-    def __init__(self, app, guard: EdgeGuard):
-        self.app = app
-        self.guard = guard
+    def __init__(self, app, streams: Streams, callers: Callers, refused: Counter, log: quietlog.LogBudget,
+                 max_body_bytes: int, api_names: frozenset[str] | None):
+        self.app, self.streams, self.callers, self.refused, self.log = app, streams, callers, refused, log
+        self.max_body_bytes, self.api_names = max_body_bytes, api_names
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -393,19 +422,20 @@ class _EdgeMiddleware:
         if refusal is not None:
             reason, status, message = refusal
             if reason:
-                self.guard.refused[reason] += 1
+                self.refused[reason] += 1
             await _refuse(send, status, message)
             return
-        body = _CountedBody(receive, send, self.guard.config.max_body_bytes)
-        with self.guard.proxied_stream(scope) as admitted, self._listening(scope) as session:
+        body = _CountedBody(receive, send, self.max_body_bytes)
+        session = self.streams.session_of(scope)
+        with self.streams.proxied(scope) as admitted, self.streams.listener(session):
             if not admitted:
-                self.guard.refused["too many streams from one address"] += 1
+                self.refused["too many streams from one address"] += 1
                 await _refuse(send, *REASONS["too many streams from one address"])
                 return
-            if self.guard.unknown_stream(session):
-                self.guard.refused["unknown event"] += 1
-                self.guard.log.line(self._client(scope), "%s %s refused: no such event or session",
-                                    scope.get("method"), scope["path"][:120])
+            if self.streams.unknown(session):
+                self.refused["unknown event"] += 1
+                self.log.line(self._client(scope), "%s %s refused: no such event or session",
+                              scope.get("method"), scope["path"][:120])
                 await _refuse(send, 404, "No such event or session: it finished, or it never joined the queue")
                 return
             try:
@@ -416,20 +446,20 @@ class _EdgeMiddleware:
                 if not body.over:
                     await self._failed(scope, body, exc)
         if body.over and not body.started:
-            self.guard.refused["body size"] += 1
+            self.refused["body size"] += 1
             await _refuse(send, 413, f"Request body is over this server's limit of {body.limit:,} bytes "
                                      "(prompts are at most 4,000 characters)")
 
     def _client(self, scope) -> str:
         from starlette.requests import Request
 
-        return self.guard.client_of(Request(scope))
+        return self.callers.client_of(Request(scope))
 
     async def _failed(self, scope, body: _CountedBody, exc: Exception) -> None:
         """A request the app failed: logged within the visitors' log budget (one line when it was the visitor's
         fault), answered 4xx or 500 when no answer began, else its answer ended."""
         what = f"{scope.get('method')} {scope['path'][:120]}"
-        status = self.guard.log.failure(self._client(scope), what, exc)
+        status = self.log.failure(self._client(scope), what, exc)
         if not body.started:
             message = ("This request names a function, event or input this app does not have; see /gradio_api/info"
                        if status else "The server failed on this request; it is logged")
@@ -439,10 +469,10 @@ class _EdgeMiddleware:
 
     def _screen(self, scope) -> tuple[str | None, int, str] | None:
         """(refusal reason counted, status, message) for a request refused before the app sees it."""
-        guard, limit = self.guard, self.guard.config.max_body_bytes
+        limit = self.max_body_bytes
         path = scope["path"].rstrip("/")
         if "/gradio_api/mcp" in path:
-            guard.mark_mcp_caller(scope)
+            self.callers.mark_mcp_caller(scope)
         content_type = (_header(scope, b"content-type") or "").lower()
         if path.endswith("/upload") or content_type.startswith("multipart/"):
             return "upload", 403, "This app takes no uploads"
@@ -466,7 +496,7 @@ class _EdgeMiddleware:
 
     def _unknown_api(self, scope, path: str) -> bool:
         """A POST to .../call/<api> or .../call/v2/<api> for an API the app does not have."""
-        names = self.guard.api_names
+        names = self.api_names
         parts = path.split("/")
         if names is None or scope.get("method") != "POST" or "call" not in parts:
             return False
@@ -474,20 +504,3 @@ class _EdgeMiddleware:
         if rest[:1] == ["v2"]:
             rest = rest[1:]
         return len(rest) == 1 and rest[0] not in names
-
-    @contextmanager
-    def _listening(self, scope):
-        """Count a GET stream's listener for its session while it is open."""
-        guard = self.guard
-        session = guard._stream_session(scope) if scope.get("method") == "GET" else None
-        if session is not None:
-            with guard._lock:
-                guard._listeners[session] += 1
-        try:
-            yield session
-        finally:
-            if session is not None:
-                with guard._lock:
-                    guard._listeners[session] -= 1
-                    if guard._listeners[session] <= 0:
-                        del guard._listeners[session]

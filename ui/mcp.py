@@ -5,7 +5,7 @@ A tool call is an event of the app's own queue, joined in this process with the 
 (`AgentCalls`; Gradio's way, one gradio_client shared by every agent over loopback, let one agent fill it),
 so public mode's bounds hold per agent as they do per page: the visitor's choices, one running request
 per agent, the per-client bound of ui/edge.py (the edge names the agent by its address, see
-`EdgeGuard.mark_mcp_caller`), the cost budget, host operations only with admin_token. A refusal reaches the
+`Callers.mark_mcp_caller` in ui/edge.py), the cost budget, host operations only with admin_token. A refusal reaches the
 agent as a tool error carrying the app's message; a call whose agent hangs up is cancelled.
 
 Here: the tools' names (the endpoints', not the handlers' function names) and descriptions an agent can act
@@ -191,10 +191,10 @@ class AgentCalls:
         from gradio.data_classes import PredictBodyInternal
 
         queue, edge = self.demo._queue, self.demo.edge
-        session = self.session_of(edge.client_of(request))
+        session = self.session_of(edge.callers.client_of(request))
         body = PredictBodyInternal(data=data, fn_index=fn_index, session_hash=session, event_data=None,
                                    trigger_id=None, request=request)
-        with edge.listener(session):  # the handler's listener check: the result is read here
+        with edge.streams.listener(session):  # the handler's listener check: the result is read here
             joined, event_id, _ = await queue.push(body=body, request=request, username=None)
             if not joined:
                 raise RuntimeError(str(event_id))  # the edge's refusal, with what to do

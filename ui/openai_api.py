@@ -536,7 +536,7 @@ class OpenAIRoutes:
             body = check_body(json.loads(await request.body() or b"null"))
         except (ValueError, UnicodeError):
             raise ApiError(400, "the body must be JSON (Content-Type: application/json)") from None
-        client = self.h.edge.client_of(request) if self.h.edge is not None else f"v1 {request.client.host}"
+        client = self.h.edge.callers.client_of(request) if self.h.edge is not None else f"v1 {request.client.host}"
         preset = _text(body, "model") or self.h.default_preset().name
         call = read_call(body, self.h.defaults, preset, caller, client)
         await anyio.to_thread.run_sync(self._check_call, call)  # may probe devices: not on the event loop
