@@ -274,7 +274,7 @@ def attach_sidecar(manager, args):
     ATTACH_WAIT_S its engine is the default one. Returns (attacher, its key or None)."""
     from engine.tp.attach import SidecarAttacher
 
-    attacher = SidecarAttacher(manager, args.tp_address).start()
+    attacher = SidecarAttacher(manager.adopt, args.tp_address).start()
     engine = attacher.wait_attached(ATTACH_WAIT_S)
     if engine is None:
         # The UI keeps the flags' defaults meanwhile: pointing it at the sidecar's key before the engine is

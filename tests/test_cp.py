@@ -276,7 +276,7 @@ def test_two_nodes_in_ulysses_serve_the_manager_and_sigterm_stops_both(cache_dir
     nodes = UlyssesNodes(cache_dir, tmp_path)
     nodes.start()
     manager = EngineManager(cache_dir=cache_dir, options=EngineOptions(warm_sizes=()))
-    attacher = SidecarAttacher(manager, nodes.address_file).start()
+    attacher = SidecarAttacher(manager.adopt, nodes.address_file).start()
     try:
         ready = poll(lambda: any(s["engine"] == "tiny-flux@cpu/fp32 ulysses2" and s["state"] == "ready"
                                       for s in manager.residency.status_rows()), 180, 0.5)

@@ -20,6 +20,7 @@ import logging
 import shlex
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.errors import EngineCrashed, InvalidRequest, ShowcaseError
@@ -172,11 +173,12 @@ def connect(address_file: str | Path, timeout: float = 600.0) -> AttachedSidecar
 
 
 class SidecarAttacher:
-    """Keeps one sidecar attached to a manager: attach, adopt, notice it is down, attach again."""
+    """Keeps one sidecar attached to a manager: attach, hand the engine to `adopt` (the manager's), notice it
+    is down, attach again."""
 
-    def __init__(self, manager, address_file: str | Path, retry_s: float = RETRY_S,
-                 ready_timeout_s: float = READY_TIMEOUT_S):
-        self.manager = manager
+    def __init__(self, adopt: Callable[[AttachedSidecarClient], None], address_file: str | Path,
+                 retry_s: float = RETRY_S, ready_timeout_s: float = READY_TIMEOUT_S):
+        self.adopt = adopt
         self.address_file = Path(address_file)
         self.retry_s = retry_s
         self.ready_timeout_s = ready_timeout_s
@@ -193,7 +195,7 @@ class SidecarAttacher:
         if self._stop.is_set():  # the app is shutting down: do not hand the manager a new engine
             engine.close()
             raise SidecarNotRunning("the app is shutting down")
-        self.manager.adopt(engine)
+        self.adopt(engine)
         return engine
 
     def start(self) -> SidecarAttacher:
