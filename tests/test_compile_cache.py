@@ -103,7 +103,7 @@ def _worker_warms(cache: Path):
         engine.warm(BUCKET)
         info = wait_until(lambda: next((b for b in engine.buckets() if b.bucket == BUCKET
                                         and b.state in (BucketState.WARM, BucketState.FAILED)), None),
-                          600, message=f"{BUCKET} warming")
+                          300, message=f"{BUCKET} warming")
     except BaseException:
         engine.close()
         raise
