@@ -21,6 +21,10 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ["SHOWCASE_CACHE_DIR"] = str(TEST_CACHE)
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(TEST_CACHE / "inductor"))
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+# One compute thread per process: two test workers already fill two cores, and inductor writes the thread
+# count into its CPU kernels, so engines a manager starts (one thread each when it allows several engines)
+# and those a test starts on its own would otherwise compile the same graph twice under two keys.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -244,13 +244,15 @@ def _files(folder: Path) -> list[Path]:
     return [f for f in folder.rglob("*") if f.is_file()] if folder.exists() else []
 
 
-@pytest.mark.slow  # three workers, two cold regional compiles (minutes on 2 shared, busy cores)
+@pytest.mark.slow  # three workers (each compiles, or loads what the session compiled)
 @pytest.mark.timeout(1800)
-def test_three_engines_compile_inside_the_cache_folder_after_diffusers_was_imported(tmp_path, tiny_models,
+def test_three_engines_compile_inside_the_cache_folder_after_diffusers_was_imported(tmp_path, cache_dir,
                                                                                      monkeypatch):
     """As in a running app: the web process has imported diffusers (TORCHINDUCTOR_CACHE_DIR is torch's default
     in its environment); the first engine and the ones started after it all compile under --cache-dir, and
-    /system shows the folders each worker reported."""
+    /system shows the folders each worker reported. --cache-dir is the session's: graphs other tests compile
+    there are hits, graphs compiled here serve them, and a worker that looked elsewhere would compile again,
+    into torch's default folder."""
     from ui.system import system_report
 
     system_tmp = tmp_path / "system-tmp"  # this process's temporary folder, as /tmp is the app's
@@ -260,13 +262,15 @@ def test_three_engines_compile_inside_the_cache_folder_after_diffusers_was_impor
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     inherited = Path(torch_default_folder())
     assert inherited.parent == system_tmp
-    cache = tmp_path / "cache"
+    cache = cache_dir
     # tf32 runs as fp32 on cpu: the third engine's graphs are in the cache the first one filled, so it finds
     # them only if it looks under --cache-dir (elsewhere it compiles again, into that folder)
-    keys = [("tiny-flux", "fp32"), ("tiny-flux", "bf16"), ("tiny-flux", "tf32")]
-    _link_models(cache, tiny_models, {preset for preset, _ in keys})
+    keys = [("tiny-flux", "fp32"), ("tiny-shapes", "fp32"), ("tiny-flux", "tf32")]
     bucket = BucketKey(Mode.REGIONAL, Size(64, 64))
-    with engine_manager(cache, max_engines=3) as manager:
+    warmed = []
+    # A thread per core, as a worker started on its own has: inductor writes the thread count into its kernels,
+    # so these are the graphs tests/test_engine.py and tests/test_batching.py compile in the session's cache.
+    with engine_manager(cache, max_engines=3, worker_threads=os.cpu_count()) as manager:
         for preset, precision in keys:  # one after the other: each engine starts after the last one compiled
             manager.warm(preset, "cpu", precision, mode="regional", size="64x64")
             engine = manager.residency.engines()[-1]
@@ -274,13 +278,13 @@ def test_three_engines_compile_inside_the_cache_folder_after_diffusers_was_impor
                                                      and b.state in (BucketState.WARM, BucketState.FAILED)), None),
                               1200, message=f"{engine.key} compiling {bucket}")
             assert info.state == BucketState.WARM, info.error
-            print(f"{engine.key}: {bucket} warm, compile {info.compile_s:.1f} s, {info.cache_hits} cache hits")
+            warmed.append(info)
+            print(f"{engine.key}: {bucket} warm, compile {info.compile_s:.1f} s, {info.cache_hits} cache hits, "
+                  f"{info.cache_misses} misses")
         reported = {str(e.key): e.folders() for e in manager.residency.engines()}
         report = system_report(manager, [{"name": "cpu", "label": "CPU", "available": True}])
     outside = _files(inherited)
-    inside = _files(cache / "inductor")
-    print(f"3 engines: {len(inside)} files under <cache-dir>/inductor, {len(outside)} under the system temp "
-          f"folder's inductor cache")
+    print(f"3 engines: {len(outside)} files under the system temp folder's inductor cache")
     assert len(reported) == 3
     for key, folders in reported.items():
         assert folders["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "inductor"), (key, folders)
@@ -289,7 +293,8 @@ def test_three_engines_compile_inside_the_cache_folder_after_diffusers_was_impor
         assert Path(folders["TMPDIR"]).is_relative_to(cache), (key, folders)
         assert Path(folders[PRECOMPILED_HEADERS]).is_relative_to(cache), (key, folders)
     assert not outside, outside[:5]
-    assert inside
+    # The third engine read what the first one left under --cache-dir: every graph a hit
+    assert warmed[2].cache_hits > 0 and warmed[2].cache_misses == 0, warmed[2]
     rows = {row["folder"]: row["location"] for row in report["caches"]}
     assert any(label.startswith("inductor (in use by") and loc == str(cache / "inductor") for label, loc in rows.items())
     assert str(inherited) not in rows.values() and report["environment"]["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "inductor")

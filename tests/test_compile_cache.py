@@ -1,13 +1,18 @@
-"""The compile cache's promise: a corrupt or unwritable cache never costs a bucket, nothing lands outside it.
+"""The compile cache's promise: a restart warms from it; a corrupt or unwritable cache never costs a bucket, nothing
+lands outside it.
 
+- A cold process fills the cache folder (misses, nothing in the system's temporary folder); a worker started
+  on the same folder afterwards compiles from it (hits, no misses).
 - Every compiled module of a populated cache overwritten with garbage: a fresh engine's bucket still
-  becomes warm (the broken files are removed, not found again by inductor's C++ code cache).
+  becomes warm (the broken files are removed, not found again by inductor's C++ code cache). Every file of
+  it overwritten with garbage: the bucket warms and serves too.
 - A cache that turns read-only while the engine runs: the compile moves to a temporary cache, with the
   notice on the engine and on the bucket.
 - A `.building-*` folder of an aot build whose process is gone is removed when the store opens.
 - Temporary files and inductor's precompiled headers point inside the cache folder; a compile run leaves
   nothing in the system's temporary folder.
-Each compile runs in its own process (inductor keeps loaded modules in memory) on a cache of its own.
+Each compile runs in its own process (inductor keeps loaded modules in memory). The module pays one cold
+compile: the restart reads the folder it filled, and each corruption is done to a copy of it.
 """
 
 from __future__ import annotations
@@ -15,16 +20,19 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from helpers import torch_configs_restored
+from helpers import engine_config, make_request, torch_configs_restored, wait_until
 
 from engine.protocol import BucketKey, BucketState, Mode, Size
+from engine.worker.client import ProcessClient
 
 
 @pytest.fixture
@@ -48,7 +56,8 @@ _WARM = textwrap.dedent("""
     runner = PipelineRunner(config)
     runner.load()
     info = runner.warm_bucket(BucketKey(Mode.REGIONAL, Size(64, 64)))
-    print("RESULT " + json.dumps({"state": info.state.value, "error": info.error, "notices": runner.notices}))
+    print("RESULT " + json.dumps({"state": info.state.value, "error": info.error, "notices": runner.notices,
+                                  "hits": info.cache_hits, "misses": info.cache_misses}))
 """)
 
 
@@ -66,20 +75,84 @@ def _warm_in_a_process(cache: Path, system_tmp: Path, tiny_models) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def test_corrupt_compiled_modules_are_removed_and_the_bucket_warms(tmp_path, tiny_models):
-    cache, system_tmp = tmp_path / "cache", tmp_path / "system-tmp"
+BUCKET = BucketKey(Mode.REGIONAL, Size(64, 64))
+
+
+@pytest.fixture(scope="module")
+def populated(tmp_path_factory, tiny_models) -> SimpleNamespace:
+    """A cache folder a cold process filled with the regional 64x64 graphs, in a fresh process whose system
+    temporary folder is elsewhere. Tests restart on it as it is, or corrupt a copy of it."""
+    root = tmp_path_factory.mktemp("populated")
+    cache, system_tmp = root / "cache", root / "system-tmp"
     system_tmp.mkdir()
-    first = _warm_in_a_process(cache, system_tmp, tiny_models)
-    assert first["state"] == BucketState.WARM.value, first
-    assert not list(system_tmp.glob("torchinductor_*")), list(system_tmp.iterdir())  # nothing outside the cache
+    cold = _warm_in_a_process(cache, system_tmp, tiny_models)
+    return SimpleNamespace(cache=cache, system_tmp=system_tmp, cold=cold)
+
+
+def _copy_of(populated, tmp_path) -> Path:
+    """The populated folder copied (the tiny model stays a link): what a test corrupts."""
+    return Path(shutil.copytree(populated.cache, tmp_path / "cache", symlinks=True))
+
+
+def _worker_warms(cache: Path):
+    """A worker process on `cache` (as the app starts one): its regional 64x64 bucket once warm (or failed),
+    with the worker, which the caller closes."""
+    engine = ProcessClient(engine_config(cache), env={"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}).start()
+    try:
+        assert engine.wait_ready(timeout=300)
+        engine.warm(BUCKET)
+        info = wait_until(lambda: next((b for b in engine.buckets() if b.bucket == BUCKET
+                                        and b.state in (BucketState.WARM, BucketState.FAILED)), None),
+                          300, message=f"{BUCKET} warming")
+    except BaseException:
+        engine.close()
+        raise
+    return engine, info
+
+
+def test_a_cold_compile_misses_and_writes_nothing_outside_the_cache(populated):
+    cold = populated.cold
+    assert cold["state"] == BucketState.WARM.value, cold
+    assert cold["misses"] > 0 and cold["hits"] == 0, cold
+    assert not list(populated.system_tmp.glob("torchinductor_*")), list(populated.system_tmp.iterdir())
+    assert list((populated.cache / "inductor").rglob("*.so"))
+
+
+def test_restart_warms_from_the_persistent_cache(populated):
+    """A fresh worker on the folder a cold process filled compiles from it: hits, no misses."""
+    engine, info = _worker_warms(populated.cache)
+    try:
+        print(f"regional compile: cold process {populated.cold['misses']} misses, restart {info.compile_s:.1f} s "
+              f"with {info.cache_hits} hits")
+        assert info.state == BucketState.WARM, info.error
+        assert info.cache_hits > 0 and info.cache_misses == 0, info
+    finally:
+        engine.close()
+
+
+def test_corrupt_compiled_modules_are_removed_and_the_bucket_warms(populated, tmp_path, tiny_models):
+    cache = _copy_of(populated, tmp_path)
     modules = sorted((cache / "inductor").rglob("*.so"))
     assert modules
     for module in modules:
         module.write_bytes(b"garbage, not a shared library" * 10)
-    second = _warm_in_a_process(cache, system_tmp, tiny_models)
+    second = _warm_in_a_process(cache, populated.system_tmp, tiny_models)
     print(f"{len(modules)} compiled modules overwritten: {second}")
     assert second["state"] == BucketState.WARM.value, second
     assert not [m for m in (cache / "inductor").rglob("*.so") if m.read_bytes()[:4] != b"\x7fELF"]
+
+
+def test_a_cache_whose_every_file_is_garbage_still_warms_and_serves(populated, tmp_path):
+    cache = _copy_of(populated, tmp_path)
+    for f in (cache / "inductor").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\x00garbage" * 7)
+    engine, info = _worker_warms(cache)
+    try:
+        assert info.state == BucketState.WARM, info.error
+        assert engine.generate(make_request(mode="regional"), timeout=120).warm
+    finally:
+        engine.close()
 
 
 def test_a_cache_that_turns_read_only_moves_the_compile_to_a_temporary_cache(tmp_path, tiny_models, monkeypatch,
