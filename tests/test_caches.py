@@ -268,9 +268,9 @@ def test_three_engines_compile_inside_the_cache_folder_after_diffusers_was_impor
     keys = [("tiny-flux", "fp32"), ("tiny-shapes", "fp32"), ("tiny-flux", "tf32")]
     bucket = BucketKey(Mode.REGIONAL, Size(64, 64))
     warmed = []
-    # A thread per core, as a worker started on its own has: inductor writes the thread count into its kernels,
-    # so these are the graphs tests/test_engine.py and tests/test_batching.py compile in the session's cache.
-    with engine_manager(cache, max_engines=3, worker_threads=os.cpu_count()) as manager:
+    # One thread each, as every test process has (tests/conftest.py): inductor writes the thread count into its
+    # kernels, so these are the graphs tests/test_engine.py and tests/test_batching.py compile in the session's cache.
+    with engine_manager(cache, max_engines=3) as manager:
         for preset, precision in keys:  # one after the other: each engine starts after the last one compiled
             manager.warm(preset, "cpu", precision, mode="regional", size="64x64")
             engine = manager.residency.engines()[-1]
