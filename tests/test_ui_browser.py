@@ -32,8 +32,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-s
                  "--no-first-run"]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 # The regional bucket this module warms from the board, then compares at: the default preset's first
-# bucket, whose regional graph other tests (the soak's probe, batching, step caches) compile into the
-# session's cache too, so one of them compiles it and the rest load it.
+# bucket, whose regional graph other tests (batching, step caches) compile into the session's cache too, so
+# one of them compiles it and the rest load it.
 WATCHED = "64x64"
 
 if not CHROMIUM.exists():
