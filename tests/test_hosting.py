@@ -273,9 +273,10 @@ def test_soak_two_visitors_nothing_fails_or_hangs_and_nothing_is_left_behind(cac
     clear error), none fails or hangs, and no process outlives the app.
 
     The visitors' choices are seeded: with seed 48 and bad input and cancels at 0.3 each, one visitor's first
-    request is bad input and the other's a cancel, so a short run on a busy machine sees both; next come a
-    compile-mode bucket that is not warm (served eagerly while it compiles) and a second engine. The probe's
-    bucket is tiny-flux's regional 64x64, a graph other tests compile into the session's cache too."""
+    request is bad input and the other's a cancel (of a request that starts a second engine), so a short run
+    on a busy machine sees both; a compile-mode bucket that is not warm (served eagerly while it compiles)
+    comes next. The probe's bucket is tiny-flux's regional 64x64, a graph other tests compile into the
+    session's cache too."""
     import json
     import subprocess
     import sys
