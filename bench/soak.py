@@ -493,14 +493,12 @@ class Soak:
         except subprocess.TimeoutExpired:
             pass
         self.report.exit_s = time.monotonic() - start
-        time.sleep(max(0.0, 10.0 - self.report.exit_s))  # every child has 10 s from SIGTERM to be gone
-        for pid in sorted(self.report.pids_seen - {self.app.pid}):
-            try:
-                proc = psutil.Process(pid)
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    self.report.orphans.append(pid)
-            except psutil.NoSuchProcess:
-                pass
+        children = sorted(self.report.pids_seen - {self.app.pid})
+        # every child has 10 s from SIGTERM to be gone: an orphan is one still there then (no need to wait
+        # out the 10 s once all are gone)
+        while time.monotonic() - start < 10.0 and any(_alive(pid) for pid in children):
+            time.sleep(0.1)
+        self.report.orphans += [pid for pid in children if _alive(pid)]
         if self.app.poll() is None:
             self.report.orphans.append(self.app.pid)
         try:
@@ -508,6 +506,16 @@ class Soak:
         except (ProcessLookupError, PermissionError):
             pass
         self.app_log.close()
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie waiting to be reaped."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def lower_visitor_priority(niceness: int) -> None:

@@ -1,8 +1,11 @@
 """The app in a real headless Chromium (Debian's, driven by PyPI playwright; never `playwright install`).
 
-One app and one page per module; the tests run in file order like one user's session: load the page,
-generate, switch bucket, warm a bucket on the board, compare (also in a 1280x800 window). Screenshots
-land in artifacts/.
+One app, one engine manager and one page per module; the tests run in file order like one user's session:
+load the page, warm a bucket on the board, compare (also in a 1280x800 window), then generate, switch
+bucket, cancel. The Generates run in the page's default compile mode at cold buckets: served eagerly, they
+queue full compiles in the background that no test here waits for. Coming after the board and the compare,
+those compiles neither run ahead of the bucket the board warms nor beside the compare's timing rounds, and
+they end with the module's manager. Screenshots land in artifacts/.
 """
 
 from __future__ import annotations
@@ -28,10 +31,23 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-s
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--no-first-run"]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
-WATCHED = "64x128"  # the regional bucket this module warms from the board, then compares at
+# The regional bucket this module warms from the board, then compares at: the default preset's first
+# bucket, whose regional graph other tests (batching, step caches) compile into the session's cache too, so
+# one of them compiles it and the rest load it.
+WATCHED = "64x64"
 
 if not CHROMIUM.exists():
     pytest.skip("Chromium is missing: run `make browser` (apt-get install -y chromium)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def manager(cache_dir, tiny_models):
+    """The page's own engine manager (the session's is not used here): shut down with the module, workers,
+    background compiles and all."""
+    from helpers import engine_manager
+
+    with engine_manager(cache_dir) as m:
+        yield m
 
 
 @pytest.fixture(scope="module")
@@ -155,48 +171,6 @@ def test_page_renders_and_the_default_engine_gets_ready(page):
         assert page.get_by_role("tab", name=tab).is_visible()
 
 
-def test_generate_shows_the_image_and_one_plot_point_per_step(page):
-    """At 1280x800, scrolled down to the steps slider (the controls are taller than the window), the image
-    and the run's progress stay in view after pressing Generate; the per-step line is drawn, one point a step."""
-    page.set_viewport_size({"width": 1280, "height": 800})
-    try:
-        steps = page.locator("#steps input[type=number]")
-        steps.fill("5")
-        steps.press("Enter")
-        assert page.evaluate("scrollY") > 0  # the slider sits below the fold: the page scrolled to it
-        page.click("#generate-btn")
-        # the progress (queued / loading / step n/5) is drawn over the image while it runs
-        page.wait_for_function("/queued|loading|waiting|step \\d/.test(document.querySelector('#output-image').innerText)"
-                               " || document.querySelector('#output-image img')", timeout=60_000)
-        assert in_view(page, page.locator("#output-image")), "the image and its progress are off-screen"
-        page.wait_for_function("document.querySelector('#output-image img')?.naturalWidth === 64", timeout=120_000)
-        page.wait_for_function("document.querySelector('#stats')?.innerText.includes('(5 steps)')")
-        page.wait_for_function(
-            "Array.from(document.querySelectorAll('#step-plot g.mark-line path')).some(p => (p.getAttribute('d') || '')"
-            ".split(/[ML]/).length - 1 === 5)")
-        assert in_view(page, page.locator("#output-image img")) and in_view(page, page.locator("#step-plot"))
-        lines = drawn_lines(page, "step-plot")
-        assert [points for points, _, _ in lines] == [5], lines
-        (_, stroke, width), = lines
-        assert stroke not in ("none", "", "rgba(0, 0, 0, 0)") and width > 0, lines  # a visible line
-        legend = page.eval_on_selector_all("#step-plot g.role-legend-label text", "ts => ts.map(t => t.textContent)")
-        assert legend == ["computed", "cached"]
-        stats = dict(r[:2] for r in table_rows(page, "stats") if len(r) >= 2)
-        assert "eager fallback" in stats["bucket"]  # compile mode at a bucket that is not warm yet: served now
-        assert stats["total"].endswith("ms")
-        # Outside any scroller: the notice, the seed, the peak memory; the history holds the image.
-        summary = page.locator("#run-summary")
-        assert in_view(page, summary) and "served eagerly" in summary.inner_text()
-        assert "seed 0" in summary.inner_text() and "peak memory" in summary.inner_text()
-        assert page.locator("#history img").count() == 1
-        assert "5 steps" in page.inner_text("#history")
-        assert not squeezed_headers(page, "stats")
-        close_toasts(page)
-        page.screenshot(path=str(ARTIFACTS / "ui_generate_1280.png"))
-    finally:
-        page.set_viewport_size({"width": 1400, "height": 1000})
-
-
 def spy_on_generate(manager, monkeypatch) -> tuple[list, threading.Event]:
     """How each engine request the UI makes ends (result or exception), and an event set once the first
     one is submitted to its engine."""
@@ -230,60 +204,6 @@ def stopped_early(outcomes: list, steps: int, timeout: float = 60) -> str:
     return message
 
 
-def test_switching_bucket_generates_at_that_size(page):
-    choose(page, "size", "128x128")
-    page.click("#generate-btn")
-    page.wait_for_function("document.querySelector('#output-image img')?.naturalWidth === 128", timeout=120_000)
-    page.wait_for_function("document.querySelector('#stats')?.innerText.includes('128x128')")
-    assert image_width(page, "output-image") == 128
-    close_toasts(page)
-    page.screenshot(path=str(ARTIFACTS / "ui_generate.png"), full_page=True)
-    # Every bucket label carries its state, e.g. "128x128 · cold".
-    page.click("#size input")
-    labels = page.eval_on_selector_all("#size [role=option]", "os => os.map(o => o.getAttribute('aria-label'))")
-    page.keyboard.press("Escape")
-    assert len(labels) == 4 and all(re.match(r"^\d+x\d+ · (cold|queued|compiling|warm|failed)$", s) for s in labels)
-
-
-def test_cancel_stops_the_run_between_steps(page, manager, monkeypatch):
-    """The Cancel button (Gradio's cancels=) closes the handler, which cancels the engine request.
-
-    Clicked as soon as the request reaches its engine, at 128x128 (the bucket picked above): a tiny
-    model steps so fast that, later in a run, the page's progress updates can keep a headless browser
-    on a busy machine from taking the click before the run is over.
-    """
-    outcomes, submitted = spy_on_generate(manager, monkeypatch)
-    steps = page.locator("#steps input[type=number]")
-    steps.fill("200")
-    steps.press("Enter")
-    page.click("#generate-btn")
-    assert submitted.wait(120)
-    clicked = time.monotonic()
-    page.click("#cancel-btn")
-    message = stopped_early(outcomes, 200)
-    print(f"Cancel: the engine request ended {time.monotonic() - clicked:.2f} s after the click: {message}")
-    # The page shows the run cancelled: a toast, no image, the stats of what ran without a progress row.
-    page.locator("[data-testid='toast-body']", has_text="Cancelled").first.wait_for()
-    page.wait_for_function("document.querySelector('#stats').innerText.includes('denoise')")
-    assert "progress" not in page.inner_text("#stats")
-    assert page.locator("#output-image img").count() == 0
-    page.wait_for_function("document.querySelector('#run-summary').innerText.startsWith('Cancelled')")
-    assert "cancelled after step" in page.inner_text("#stats")
-    close_toasts(page)
-    steps.fill("5")
-    steps.press("Enter")
-
-
-def test_an_unavailable_device_is_refused_with_its_reason(page):
-    choose(page, "device", "tpu")
-    page.wait_for_function("document.querySelector('#engine-line').innerText.includes('not available')")
-    page.click("#generate-btn")
-    toast = page.locator("[data-testid='toast-body']", has_text="torch_tpu").first
-    toast.wait_for()
-    choose(page, "device", "auto")
-    page.wait_for_function("document.querySelector('#engine-line').innerText.includes('Ready')")
-
-
 def test_the_board_shows_a_bucket_becoming_warm(page):
     page.get_by_role("tab", name="Buckets").click()
     page.wait_for_function("document.querySelectorAll('#board .virtual-body [role=row]').length >= 12")
@@ -293,8 +213,8 @@ def test_the_board_shows_a_bucket_becoming_warm(page):
     choose(page, "board-size", WATCHED)
 
     def watched_state():
-        # The board lists every bucket of every loaded engine (in the whole suite, earlier modules' engines
-        # too) in a virtual grid that draws only the rows in view: scroll through it until the row shows.
+        # The board lists every bucket of every loaded engine in a virtual grid that draws only the rows in
+        # view: scroll through it until the row shows.
         for top in range(0, 40):
             for row in table_rows(page, "board"):
                 if row[0] == engine and row[3] == "regional" and row[4] == WATCHED:
@@ -508,6 +428,104 @@ def test_advisor_progress_is_in_view_while_it_runs_and_a_cancel_says_so(page):
         assert in_view(page, status) and "no pick" in status.inner_text()
     finally:
         page.set_viewport_size({"width": 1400, "height": 1000})
+
+
+def test_generate_shows_the_image_and_one_plot_point_per_step(page):
+    """At 1280x800, scrolled down to the steps slider (the controls are taller than the window), the image
+    and the run's progress stay in view after pressing Generate; the per-step line is drawn, one point a step."""
+    page.set_viewport_size({"width": 1280, "height": 800})
+    try:
+        page.get_by_role("tab", name="Generate").click()
+        page.evaluate("window.scrollTo(0, 0)")  # from the top, as a page just loaded (earlier tests scrolled)
+        steps = page.locator("#steps input[type=number]")
+        steps.fill("5")
+        steps.press("Enter")
+        assert page.evaluate("scrollY") > 0  # the slider sits below the fold: the page scrolled to it
+        page.click("#generate-btn")
+        # the progress (queued / loading / step n/5) is drawn over the image while it runs
+        page.wait_for_function("/queued|loading|waiting|step \\d/.test(document.querySelector('#output-image').innerText)"
+                               " || document.querySelector('#output-image img')", timeout=60_000)
+        assert in_view(page, page.locator("#output-image")), "the image and its progress are off-screen"
+        page.wait_for_function("document.querySelector('#output-image img')?.naturalWidth === 64", timeout=120_000)
+        page.wait_for_function("document.querySelector('#stats')?.innerText.includes('(5 steps)')")
+        page.wait_for_function(
+            "Array.from(document.querySelectorAll('#step-plot g.mark-line path')).some(p => (p.getAttribute('d') || '')"
+            ".split(/[ML]/).length - 1 === 5)")
+        assert in_view(page, page.locator("#output-image img")) and in_view(page, page.locator("#step-plot"))
+        lines = drawn_lines(page, "step-plot")
+        assert [points for points, _, _ in lines] == [5], lines
+        (_, stroke, width), = lines
+        assert stroke not in ("none", "", "rgba(0, 0, 0, 0)") and width > 0, lines  # a visible line
+        legend = page.eval_on_selector_all("#step-plot g.role-legend-label text", "ts => ts.map(t => t.textContent)")
+        assert legend == ["computed", "cached"]
+        stats = dict(r[:2] for r in table_rows(page, "stats") if len(r) >= 2)
+        assert "eager fallback" in stats["bucket"]  # compile mode at a bucket that is not warm yet: served now
+        assert stats["total"].endswith("ms")
+        # Outside any scroller: the notice, the seed, the peak memory; the history holds the image.
+        summary = page.locator("#run-summary")
+        assert in_view(page, summary) and "served eagerly" in summary.inner_text()
+        assert "seed 0" in summary.inner_text() and "peak memory" in summary.inner_text()
+        assert page.locator("#history img").count() == 1
+        assert "5 steps" in page.inner_text("#history")
+        assert not squeezed_headers(page, "stats")
+        close_toasts(page)
+        page.screenshot(path=str(ARTIFACTS / "ui_generate_1280.png"))
+    finally:
+        page.set_viewport_size({"width": 1400, "height": 1000})
+
+
+def test_switching_bucket_generates_at_that_size(page):
+    choose(page, "size", "128x128")
+    page.click("#generate-btn")
+    page.wait_for_function("document.querySelector('#output-image img')?.naturalWidth === 128", timeout=120_000)
+    page.wait_for_function("document.querySelector('#stats')?.innerText.includes('128x128')")
+    assert image_width(page, "output-image") == 128
+    close_toasts(page)
+    page.screenshot(path=str(ARTIFACTS / "ui_generate.png"), full_page=True)
+    # Every bucket label carries its state, e.g. "128x128 · cold".
+    page.click("#size input")
+    labels = page.eval_on_selector_all("#size [role=option]", "os => os.map(o => o.getAttribute('aria-label'))")
+    page.keyboard.press("Escape")
+    assert len(labels) == 4 and all(re.match(r"^\d+x\d+ · (cold|queued|compiling|warm|failed)$", s) for s in labels)
+
+
+def test_cancel_stops_the_run_between_steps(page, manager, monkeypatch):
+    """The Cancel button (Gradio's cancels=) closes the handler, which cancels the engine request.
+
+    Clicked as soon as the request reaches its engine, at 128x128 (the bucket picked above): a tiny
+    model steps so fast that, later in a run, the page's progress updates can keep a headless browser
+    on a busy machine from taking the click before the run is over.
+    """
+    outcomes, submitted = spy_on_generate(manager, monkeypatch)
+    steps = page.locator("#steps input[type=number]")
+    steps.fill("200")
+    steps.press("Enter")
+    page.click("#generate-btn")
+    assert submitted.wait(120)
+    clicked = time.monotonic()
+    page.click("#cancel-btn")
+    message = stopped_early(outcomes, 200)
+    print(f"Cancel: the engine request ended {time.monotonic() - clicked:.2f} s after the click: {message}")
+    # The page shows the run cancelled: a toast, no image, the stats of what ran without a progress row.
+    page.locator("[data-testid='toast-body']", has_text="Cancelled").first.wait_for()
+    page.wait_for_function("document.querySelector('#stats').innerText.includes('denoise')")
+    assert "progress" not in page.inner_text("#stats")
+    assert page.locator("#output-image img").count() == 0
+    page.wait_for_function("document.querySelector('#run-summary').innerText.startsWith('Cancelled')")
+    assert "cancelled after step" in page.inner_text("#stats")
+    close_toasts(page)
+    steps.fill("5")
+    steps.press("Enter")
+
+
+def test_an_unavailable_device_is_refused_with_its_reason(page):
+    choose(page, "device", "tpu")
+    page.wait_for_function("document.querySelector('#engine-line').innerText.includes('not available')")
+    page.click("#generate-btn")
+    toast = page.locator("[data-testid='toast-body']", has_text="torch_tpu").first
+    toast.wait_for()
+    choose(page, "device", "auto")
+    page.wait_for_function("document.querySelector('#engine-line').innerText.includes('Ready')")
 
 
 def test_system_tab_shows_devices_and_no_secrets(page):
