@@ -69,6 +69,9 @@ def join(config: FleetConfig) -> None:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ShowcaseError(f"--ray {config.address}: cannot join the Ray cluster ({exc}); start it with "
                             "`ray start --head` and pass its address (docs/multinode.md)") from None
+    # Ray builds its serializers with the first object it sends, importing pydantic.v1 then: from an engine's
+    # start thread that import raced the web server's threads (KeyError: 'pydantic.v1'). Build them here.
+    ray.put(None)
     log.warning("joined the Ray cluster at %s: %d node(s)", config.address, len(nodes()))
 
 
