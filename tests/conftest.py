@@ -25,6 +25,10 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 # count into its CPU kernels, so engines a manager starts (one thread each when it allows several engines)
 # and those a test starts on its own would otherwise compile the same graph twice under two keys.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Compiles in the compiling process, without inductor's pool of compile workers (each a fresh Python importing
+# torch): on two busy cores the pool only adds start-up. The soak (tests/test_hosting.py) keeps the pool, so a
+# SIGTERM in the middle of a compile still meets its workers.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -282,11 +282,13 @@ def test_soak_two_visitors_nothing_fails_or_hangs_and_nothing_is_left_behind(cac
     import sys
 
     out = tmp_path / "soak"
+    # inductor's compile workers, as an app has them (the suite turns them off): SIGTERM meets them mid-compile
+    with_compile_workers = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "soak", "--visitors", "2", "--duration", "30", "--memory-budget", "3GiB",
          "--presets", "tiny-flux,tiny-sd3", "--seed", "48", "--bad-rate", "0.3", "--cancel-rate", "0.3",
          "--idle-runs", "5", "--cache-dir", str(cache_dir), "--out", str(out), "--hang-s", "240"],
-        capture_output=True, text=True, timeout=900)
+        capture_output=True, text=True, timeout=900, env=with_compile_workers)
     summary = json.loads((out / "soak.json").read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["failed_or_hung"] == 0 and summary["orphans"] == [], summary
