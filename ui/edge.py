@@ -248,7 +248,6 @@ class EdgeGuard:
         self._lock = threading.Lock()
         self._joining: Counter[str] = Counter()  # client -> joins under way (not in the queue yet)
         self._joining_groups: Counter[str] = Counter()
-        self.queue = None
         self.api_names: frozenset[str] | None = None  # the app's named endpoints (install)
         self.refused = Counter()  # reason -> count, for /system and /metrics
         bounds = self.config.sockets
@@ -262,7 +261,7 @@ class EdgeGuard:
     def install(self, demo) -> None:
         """Hook demo's queue (after demo.queue()): per-client and per-group bounds on joining."""
         queue = demo._queue
-        self.queue = self.streams.queue = queue
+        self.streams.queue = queue
         self.api_names = frozenset(fn.api_name for fn in demo.fns.values() if fn.api_name)
         original = queue.push
         group_queue = self.config.group_queue
@@ -323,7 +322,7 @@ class EdgeGuard:
     def _admit(self, group: str, client: str) -> str | None:
         """Reserve a place for one join, or the message that refuses it. No await inside: the event
         loop cannot interleave two joins between the count and the reservation."""
-        q = self.queue
+        q = self.streams.queue
         config = self.config
         with self._lock:
             waiting = q.event_queue_per_concurrency_id.get(group)
@@ -345,7 +344,7 @@ class EdgeGuard:
         return None
 
     def _events(self):
-        q = self.queue
+        q = self.streams.queue
         for event_queue in list(q.event_queue_per_concurrency_id.values()):
             yield from list(event_queue.queue)
         for job in list(q.active_jobs):
