@@ -49,7 +49,18 @@ class ModelLoadError(ShowcaseError):
 
 
 class EngineBusy(ShowcaseError):
-    """The queue is full; retry later."""
+    """The queue is full; retry later. `retry_after_s`: when a retry may be served (HTTP's Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return (self.__class__, (self.message, self.retry_after_s))
+
+    def retry_after(self) -> int:
+        """Whole seconds to put in a Retry-After header (at least 1)."""
+        return max(1, min(3600, round(self.retry_after_s or 5)))
 
 
 class EngineCrashed(ShowcaseError):

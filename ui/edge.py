@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 256 * 1024  # a /generate body with 2 × 4,000-character prompts is ~10 KB
 LISTEN_GRACE_S = 3.0  # a page or gradio_client opens its event stream right after joining
 CLIENT_EVENTS = 8  # public mode: events one client may have waiting or running
+RETRY_STATUSES = (429, 503)  # refusals that say when to retry (Retry-After)
+RETRY_AFTER_S = 5  # a refusal at the edge: a place frees when one request ends
 MCP_CALLER_HEADER = "x-showcase-mcp-caller"  # an MCP tool call's agent (EdgeGuard.mark_mcp_caller)
 
 
@@ -102,8 +104,15 @@ async def _refuse(send, status: int, message: str) -> None:
     body = json.dumps({"detail": message}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *_retry_after(status)]})
     await send({"type": "http.response.body", "body": body})
+
+
+def _retry_after(status: int, headers=()) -> list:
+    """A Retry-After header for a refusal that a retry may pass (429, 503) when it carries none yet."""
+    if status not in RETRY_STATUSES or any(k.lower() == b"retry-after" for k, _ in headers):
+        return []
+    return [(b"retry-after", str(RETRY_AFTER_S).encode())]
 
 
 class Callers:
@@ -326,14 +335,15 @@ class EdgeGuard:
         config = self.config
         with self._lock:
             waiting = q.event_queue_per_concurrency_id.get(group)
+            holders = Counter(self.callers.client_of(e.request) for e in self._events()) + self._joining
             waiting = (len(waiting.queue) if waiting is not None else 0) + self._joining_groups[group]
-            if config.group_queue is not None and waiting >= config.group_queue:
+            if config.group_queue is not None and waiting >= config.group_queue and not self._fair_turn(
+                    holders, client, waiting):
                 self.refused["queue full"] += 1
                 return (f"The queue is full ({waiting} requests waiting for this "
                         "action); retry in a few seconds")
             if config.client_events is not None:
-                mine = self._joining[client] + sum(1 for e in self._events()
-                                                if self.callers.client_of(e.request) == client)
+                mine = holders[client]
                 if mine >= config.client_events:
                     self.refused["per client"] += 1
                     return (f"You already have {mine} requests waiting or running on this "
@@ -342,6 +352,13 @@ class EdgeGuard:
             self._joining[client] += 1
             self._joining_groups[group] += 1
         return None
+
+    def _fair_turn(self, holders: Counter, client: str, waiting: int) -> bool:
+        """A full group still takes a client holding fewer events than an equal share of it (a newcomer
+        among a few heavy clients), up to twice its bound: the heavy ones are refused, not everyone else."""
+        bound = self.config.group_queue
+        share = bound // (len(holders | Counter({client: 1})) or 1)
+        return waiting < 2 * bound and holders[client] < share
 
     def _events(self):
         q = self.streams.queue
@@ -403,6 +420,9 @@ class _CountedBody:
             return  # the app's answer to a body it never got whole
         if message["type"] == "http.response.start":
             self.started = True
+            headers = list(message.get("headers") or ())
+            if extra := _retry_after(message.get("status", 200), headers):  # Gradio's "queue_full" 503
+                message = {**message, "headers": headers + extra}
         elif message["type"] == "http.response.body" and not message.get("more_body"):
             self.ended = True
         await self._send(message)

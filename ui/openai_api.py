@@ -84,6 +84,7 @@ EXTRA_FIELDS = {
     "lora": "none, or NAME[:SCALE][:fused], NAME one of the model's LoRA styles (GET /v1/loras)",
 }
 RESPONSE_FORMATS = ("b64_json", "url")
+DEFAULT_RETRY_AFTER_S = 5  # a 429 whose cause gives no better estimate
 
 
 class ApiError(Exception):
@@ -93,6 +94,7 @@ class ApiError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.retry_after: int | None = None  # seconds, sent as Retry-After (a 429)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -125,7 +127,10 @@ def api_error(exc: BaseException) -> ApiError:
                                   (500, "server_error", "generation_failed"))
         # the engine's messages name their field first ("steps must be ...", "unknown mode 'warp' ...")
         named = next((PARAM_OF[w] for w in re.findall(r"[a-z_]+", message.lower())[:3] if w in PARAM_OF), None)
-        return ApiError(status, message, kind, named if status == 400 else None, code)
+        error = ApiError(status, message, kind, named if status == 400 else None, code)
+        if isinstance(exc, EngineBusy):
+            error.retry_after = exc.retry_after()
+        return error
     log.error("unexpected error in the /v1 API", exc_info=exc)
     return ApiError(500, f"unexpected {type(exc).__name__} on the server; it was logged and the server keeps "
                          "serving", "server_error", code="internal_error")
@@ -435,7 +440,9 @@ def sse(event: dict, name: str | None = None) -> bytes:
 def error_response(error: ApiError):
     from starlette.responses import JSONResponse
 
-    headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
+    headers = {"www-authenticate": "Bearer"} if error.status == 401 else {}
+    if error.status == 429:
+        headers["retry-after"] = str(error.retry_after or DEFAULT_RETRY_AFTER_S)
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 

@@ -36,7 +36,7 @@ from engine.protocol import (
     ModelPreset,
     Size,
 )
-from engine.serving import fit, policy
+from engine.serving import cost, fit, policy
 from engine.serving.admission import RequestFlow, Ticket, price_compare
 from engine.serving.footprints import DeviceBudgets
 from engine.serving.gate import Admitted, Gate
@@ -46,6 +46,7 @@ from engine.serving.residency import Residency
 from engine.serving.scheduler import CompileScheduler
 from engine.serving.shares import VisitorShares
 from engine.serving.telemetry import Telemetry
+from engine.serving.turns import Turns
 from engine.worker import logs
 from engine.worker.client import EngineClient
 
@@ -102,6 +103,7 @@ class EngineManager:
         self._options: dict[EngineKey, EngineOptions] = {}  # per engine, when started with its own
         self._running: dict[str, EngineClient] = {}  # request id -> engine, for cancel()
         self.flow = RequestFlow()
+        self.turns = Turns()  # places at each engine, in turns between clients by cost (turns.py)
         self.telemetry = Telemetry(self.residency.status_rows, self.host_status)  # Prometheus metrics (/metrics)
         self.gate = Gate(self.catalog, self.levers, lambda: self.policy, self.hosting.runtime, self.residency.get,
                          self.telemetry.request_ended)  # every Generate is checked here, once
@@ -242,13 +244,30 @@ class EngineManager:
         return dataclasses.replace(result, notices=notices + result.notices) if notices else result
 
     def _submit(self, admitted: Admitted, hooks: _RunHooks) -> GenerateResult:
-        on_progress, on_submit, timeout = hooks
+        timeout = hooks.timeout
         key, request = admitted.key, admitted.request
         engine = self.engine(key, caller=admitted.caller)
         if self.gate.priced(admitted.caller):
             self.shares.used(key, request.client)
-        if engine.pending() >= self.engine_options(key).max_queue:
-            raise EngineBusy(f"engine {key} has {engine.pending()} requests waiting; retry in a few seconds")
+        with self.turns.turn(key, request.client, self._turn_cost(admitted), self.engine_options(key).max_queue,
+                             request.request_id, timeout):
+            if not engine.alive:  # it went (evicted, crashed) while this request waited for its turn
+                engine = self.engine(key, caller=admitted.caller)
+            return self._send(engine, admitted, hooks)
+
+    def _turn_cost(self, admitted: Admitted) -> int:
+        """What a request costs its client's turns: its price, or (not priced) the same token-steps unpriced."""
+        if admitted.price:
+            return admitted.price
+        request = admitted.request
+        try:
+            return cost.price(self.catalog.preset(admitted.key.preset), request.size, request.steps, request.guidance)
+        except ShowcaseError:
+            return 1
+
+    def _send(self, engine: EngineClient, admitted: Admitted, hooks: _RunHooks) -> GenerateResult:
+        on_progress, on_submit, timeout = hooks
+        request = admitted.request
         engine.wait_ready(timeout=600)
         # Registered before it is sent, so a cancel in between reaches the engine (it keeps cancels of
         # requests it has not received yet).
@@ -273,7 +292,7 @@ class EngineManager:
         """Stop a running request between steps (it then fails with Cancelled). False if unknown."""
         engine = self._running.get(request_id)
         if engine is None:
-            return False
+            return self.turns.cancel(request_id)  # still waiting for its turn
         engine.cancel(request_id)
         return True
 

@@ -1,0 +1,167 @@
+"""Issue 50, item 1: turns at an engine, not a global cap. Callers flooding within their bounds kept an engine
+full ("has 16 requests waiting") and a fresh visitor got 59 of 60 tries refused; now a request past the
+engine's places waits, and a new client gets the next place (engine/serving/turns.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers import engine_manager, wait_until
+
+from engine.errors import Cancelled, EngineBusy
+from engine.serving.turns import Turns
+
+KEY = "engine"
+
+
+class Flood:
+    """Requests of several clients at one engine of `capacity` places; each holds its place until released.
+    `placed` lists the clients in the order they got a place."""
+
+    def __init__(self, turns: Turns, capacity: int):
+        self.turns, self.capacity = turns, capacity
+        self.placed: list[str] = []
+        self.errors: dict[str, BaseException] = {}
+        self.release: dict[str, threading.Event] = {}
+        self.threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def send(self, client: str, name: str, cost: int = 100) -> None:
+        self.release[name] = threading.Event()
+
+        def run() -> None:
+            try:
+                with self.turns.turn(KEY, client, cost, self.capacity, request_id=name):
+                    with self._lock:
+                        self.placed.append(name)
+                    self.release[name].wait(30)
+            except BaseException as exc:  # noqa: BLE001 - recorded for the test
+                self.errors[name] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def waiting(self) -> int:
+        return self.turns.snapshot()["engines"].get(KEY, {}).get("waiting", 0)
+
+    def finish(self, name: str) -> None:
+        count = len(self.placed)
+        self.release[name].set()
+        wait_until(lambda: len(self.placed) > count or not self.waiting(), timeout=10)
+
+
+def test_a_fresh_client_gets_the_next_place_while_two_clients_keep_the_engine_full():
+    turns = Turns()
+    flood = Flood(turns, capacity=2)
+    for i in range(3):  # two clients, three requests each: two run, four wait
+        flood.send("10.0.0.1", f"a{i}")
+        wait_until(lambda i=i: len(flood.placed) + flood.waiting() == 2 * i + 1, timeout=10)
+        flood.send("10.0.0.2", f"b{i}")
+        wait_until(lambda i=i: len(flood.placed) + flood.waiting() == 2 * i + 2, timeout=10)
+    assert flood.placed == ["a0", "b0"] and flood.waiting() == 4
+    flood.send("10.0.0.9", "fresh")
+    wait_until(lambda: flood.waiting() == 5, timeout=10)
+    flood.finish("a0")
+    assert flood.placed[-1] == "fresh"  # ahead of the four that waited longer
+    # Then the two floods alternate: no client is served twice before the other once.
+    for name in ("b0", "fresh", "a1", "b1"):
+        flood.finish(name)
+    assert flood.placed[3:] == ["a1", "b1", "a2", "b2"]
+    assert not flood.errors
+
+
+def test_costlier_requests_take_fewer_turns():
+    """By cost, not by count: a client sending requests 4 times as costly gets a turn a quarter as often."""
+    turns = Turns(waiting_per_place=8)
+    flood = Flood(turns, capacity=1)
+    flood.send("big", "big0", cost=400)
+    wait_until(lambda: flood.placed == ["big0"], timeout=10)
+    for i in range(1, 3):
+        flood.send("big", f"big{i}", cost=400)
+    for i in range(5):
+        flood.send("small", f"small{i}", cost=100)
+    wait_until(lambda: flood.waiting() == 7, timeout=10)
+    for _ in range(7):
+        flood.finish(flood.placed[-1])
+    order = [name.rstrip("0123456789") for name in flood.placed]
+    assert order[:6] == ["big", "small", "small", "small", "small", "big"], flood.placed
+
+
+def test_a_full_waiting_line_sheds_the_heaviest_clients_newest_request_never_a_newcomers():
+    turns = Turns(waiting_per_place=2)
+    flood = Flood(turns, capacity=1)
+    flood.send("hog", "hog0")
+    wait_until(lambda: flood.placed == ["hog0"], timeout=10)
+    for i in range(1, 3):
+        flood.send("hog", f"hog{i}")
+    wait_until(lambda: flood.waiting() == 2, timeout=10)
+    flood.send("10.0.0.9", "fresh")  # the line holds 2: the hog's newest goes, the newcomer stays
+    wait_until(lambda: "hog2" in flood.errors, timeout=10)
+    error = flood.errors["hog2"]
+    assert isinstance(error, EngineBusy) and "you have the most requests in it" in str(error)
+    assert error.retry_after() >= 1
+    flood.finish("hog0")
+    assert flood.placed == ["hog0", "fresh"] and "fresh" not in flood.errors
+    assert turns.snapshot()["shed"] == 1
+
+
+def test_a_request_cancelled_while_it_waits_for_its_turn_stops_there():
+    turns = Turns()
+    flood = Flood(turns, capacity=1)
+    flood.send("a", "first")
+    wait_until(lambda: flood.placed == ["first"], timeout=10)
+    flood.send("b", "second")
+    wait_until(lambda: flood.waiting() == 1, timeout=10)
+    assert turns.cancel("second") and not turns.cancel("nobody")
+    wait_until(lambda: "second" in flood.errors, timeout=10)
+    assert isinstance(flood.errors["second"], Cancelled)
+    flood.release["first"].set()
+    wait_until(lambda: turns.snapshot()["engines"] == {}, timeout=10)  # its place given back, nobody waits
+
+
+@pytest.mark.slow
+def test_a_fresh_visitor_is_served_while_two_visitors_flood_an_engine_within_their_bounds(cache_dir, tiny_models):
+    """Through the manager, public mode: two visitors each keep requests at an engine of 2 places (within their
+    cost bound); a third visitor's first request is served, not refused, and the engine's turns put it ahead
+    of the floods' queued requests."""
+    from engine.config.request import ImageRequest
+    from engine.protocol import Mode, Precision
+    from engine.serving.hosting import HostPolicy
+    from engine.serving.manager import Caller
+
+    policy = HostPolicy(public=True, presets=("tiny-shapes",), precisions=(Precision.FP32,), modes=(Mode.EAGER,))
+    with engine_manager(cache_dir, options=dict(max_queue=2, max_batch=1), policy=policy) as manager:
+        def request(client: str, steps: int, seed: int) -> ImageRequest:
+            return ImageRequest(preset="tiny-shapes", device="cpu", precision="fp32", mode="eager", size="64x64",
+                                steps=steps, seed=seed, prompt="a red circle", caller=Caller.VISITOR, client=client)
+
+        manager.generate(request("warm", 1, 0))
+        finished: list[str] = []
+        refused: list[str] = []
+        stop = threading.Event()
+
+        def flood(client: str) -> None:
+            seed = 0
+            while not stop.is_set():
+                seed += 1
+                try:
+                    manager.generate(request(client, 12, seed))
+                    finished.append(client)
+                except EngineBusy:
+                    refused.append(client)
+
+        floods = [threading.Thread(target=flood, args=(c,), daemon=True) for c in ("10.0.0.1", "10.0.0.1",
+                                                                                   "10.0.0.2", "10.0.0.2")]
+        for thread in floods:
+            thread.start()
+        wait_until(lambda: len(finished) >= 4, timeout=120)
+        before = len(finished)
+        manager.generate(request("10.0.0.9", 2, 7))  # served on its first try: no EngineBusy raised
+        served_ahead = len(finished) - before
+        stop.set()
+        for thread in floods:
+            thread.join(120)
+    assert served_ahead <= 3, f"{served_ahead} flood requests finished while the fresh visitor waited"
+    assert not refused, refused
