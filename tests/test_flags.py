@@ -78,6 +78,9 @@ BAD_FLAGS = [
     (lambda t: ["--api-keys", str(t / "absent.txt")], "--api-keys", "cannot read the key file"),
     (lambda t: ["--api-keys", _write(t, "keys.txt", "# none yet\n\n")], "--api-keys", "holds no key"),
     (lambda t: ["--api-keys", "admin-token"], "--api-keys", "admin-token needs --admin-token"),
+    # issue 50: a 2-character key was accepted without a word
+    (lambda t: ["--api-keys", _write(t, "keys.txt", "ab\n")], "--api-keys", "shorter than 16 characters"),
+    (lambda t: ["--admin-token", "s3cret"], "--admin-token", "a token of 6 characters can be guessed"),
 ]
 
 

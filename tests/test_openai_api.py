@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai", reason="the /v1 tests use the official op
 
 PROMPT = "a red circle on a blue background"
 EXTRA = {"device": "cpu", "precision": "fp32", "mode": "eager", "steps": 2}
-VISITOR_KEY = "visitor-key-1"
+VISITOR_KEY = "visitor-key-1-of-this-host"
 ADMIN = "host-secret"
 
 
@@ -199,9 +199,9 @@ def test_keys_routes_and_methods(app):
 
 def test_a_new_key_in_the_file_works_without_a_restart(app):
     url, _, keys = app
-    assert httpx.get(url + "v1/models", headers={"authorization": "Bearer rotated"}, timeout=30).status_code == 401
-    keys.write_text(f"{VISITOR_KEY}\nrotated\n")
-    assert httpx.get(url + "v1/models", headers={"authorization": "Bearer rotated"}, timeout=30).status_code == 200
+    assert httpx.get(url + "v1/models", headers={"authorization": "Bearer rotated-key-of-the-host"}, timeout=30).status_code == 401
+    keys.write_text(f"{VISITOR_KEY}\nrotated-key-of-the-host\n")
+    assert httpx.get(url + "v1/models", headers={"authorization": "Bearer rotated-key-of-the-host"}, timeout=30).status_code == 200
 
 
 def test_a_v1_request_counts_against_the_same_per_client_bound_as_the_page(app, monkeypatch):

@@ -193,7 +193,7 @@ def test_log_lines_are_bounded_per_visitor_and_in_total(caplog):
         "195 more lines visitors caused were not logged in the last 0 s (from 99 visitor(s))", "after"]
 
 
-def test_a_client_error_is_one_line_and_a_new_failure_shows_its_traceback_once(caplog):
+def test_a_client_error_is_one_line_and_a_new_failure_shows_its_traceback_once_at_debug(caplog):
     from fastapi import HTTPException
 
     from ui.quietlog import LogBudget
@@ -206,12 +206,14 @@ def test_a_client_error_is_one_line_and_a_new_failure_shows_its_traceback_once(c
         except Exception as caught:
             return caught
 
-    with caplog.at_level(logging.WARNING, logger="ui.visitors"):
+    with caplog.at_level(logging.DEBUG, logger="ui.visitors"):
         assert budget.failure("a", "GET /x", fail(HTTPException(404))) == 404
         assert budget.failure("a", "GET /x", fail(RuntimeError("bug"))) is None
         assert budget.failure("a", "GET /x", fail(RuntimeError("bug"))) is None
     records = [r for r in caplog.records if r.name == "ui.visitors"]
-    assert [bool(r.exc_info) for r in records] == [False, True, False]
+    assert [(r.levelname, bool(r.exc_info)) for r in records] == [
+        ("WARNING", False), ("ERROR", False), ("DEBUG", True), ("ERROR", False)]
+    assert budget.unexpected == {"RuntimeError": 2}  # the server's failures, counted for /metrics
 
 
 def test_outputs_are_bounded_by_age_and_bytes(tmp_path):
@@ -228,7 +230,7 @@ def test_outputs_are_bounded_by_age_and_bytes(tmp_path):
     assert sorted(p.name for p in tmp_path.rglob("*.png")) == ["out0.png", "out1.png", "out2.png", "out3.png"]
 
 
-def test_a_handlers_repeated_unexpected_failure_logs_its_traceback_once(caplog, monkeypatch):
+def test_a_handlers_repeated_unexpected_failure_is_counted_and_logs_no_traceback(caplog, monkeypatch):
     from ui import quietlog
     from ui.common import to_gradio_error
 
@@ -244,4 +246,5 @@ def test_a_handlers_repeated_unexpected_failure_logs_its_traceback_once(caplog, 
         for _ in range(20):
             to_gradio_error(bug())
     records = [r for r in caplog.records if r.name == "ui.visitors"]
-    assert len(records) <= quietlog.PER_CLIENT and sum(bool(r.exc_info) for r in records) == 1
+    assert len(records) <= quietlog.PER_CLIENT and not any(r.exc_info for r in records)  # tracebacks: debug only
+    assert quietlog._installed.unexpected == {"KeyError": 20}

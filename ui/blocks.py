@@ -158,7 +158,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     telemetry = getattr(manager, "telemetry", None)
     if telemetry is not None:
         demo.metrics = MetricsRoute(telemetry, h.manager.policy.public, h.defaults.admin_token, edge=guard)
-    demo.openai = OpenAIRoutes(h, ApiKeys(h.defaults.api_keys, h.defaults.admin_token))
+    demo.openai = OpenAIRoutes(h, ApiKeys(h.defaults.api_keys, h.defaults.admin_token, guard.keys))
     atexit.register(demo.openai.store.close)  # the images its "url" answers point at
     mcp.describe_tools(demo)
     return demo

@@ -37,6 +37,7 @@ from urllib.parse import parse_qs
 
 from engine.errors import ShowcaseError
 from ui import quietlog
+from ui.keyguard import KeyGuard
 from ui.sockets import REASONS, SocketBounds, SocketGuard, in_networks, is_stream_path
 
 log = logging.getLogger(__name__)
@@ -262,6 +263,7 @@ class EdgeGuard:
         bounds = self.config.sockets
         self.sockets = SocketGuard(bounds, self.config.trusted_proxies) if bounds is not None else None
         self.log = quietlog.LogBudget()
+        self.keys = KeyGuard()  # failed API-key checks per address (ui/openai_api.py ApiKeys)
         self.callers = Callers(self.config.trusted_proxies)
         self.streams = Streams(self.config.trusted_proxies, self.config.listen_grace_s,
                                bounds.streams_per_client if bounds is not None else None)

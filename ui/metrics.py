@@ -20,6 +20,10 @@ PATH = "/metrics"
 def edge_refusals(edge) -> dict:
     """Refusals by reason: of requests (ui/edge.py) and of connections before a request (ui/sockets.py)."""
     counts = dict(edge.refused)
+    keys = getattr(edge, "keys", None)
+    if keys is not None:  # /v1 API keys: wrong ones (401) and checks refused while an address is shut (429)
+        counts.update({reason: keys.counts[kind] for kind, reason in (("failed", "failed API key"),
+                                                                      ("throttled", "API key checks throttled"))})
     if edge.sockets is not None:
         for reason, n in edge.sockets.snapshot()["refused"].items():
             counts[reason] = counts.get(reason, 0) + n
@@ -33,6 +37,7 @@ class MetricsRoute:
         self.admin_token = admin_token
         if edge is not None:  # visitors refused at the web edge, by reason (ui/edge.py, ui/sockets.py)
             telemetry.edge_refusals = lambda: edge_refusals(edge)
+            telemetry.unexpected_errors = lambda: dict(edge.log.unexpected)  # ui/quietlog.py
 
     def refusal(self, scope) -> tuple[int, str] | None:
         """(status, message) when this scrape may not read the metrics, else None."""

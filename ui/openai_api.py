@@ -40,6 +40,7 @@ from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.config import strict
 from engine.config.request import API_KEYS_ADMIN, MAX_PREVIEWS, Caller, ImageRequest, load_api_keys
 from engine.errors import (
     BudgetExceeded,
@@ -56,7 +57,9 @@ from engine.errors import (
 from engine.protocol import Mode, Precision, step_cache_forms
 from engine.serving import stream
 from engine.serving.stream import Run
+from ui import quietlog
 from ui.common import ENGINE_QUEUE
+from ui.keyguard import KeyGuard, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +120,9 @@ PARAM_OF = {"preset": "model", "size": "size", "prompt": "prompt", "steps": "ste
             "step": "step_cache", "on_cold": "on_cold", "negative_prompt": "negative_prompt"}
 
 
-def api_error(exc: BaseException) -> ApiError:
-    """The engine's error as OpenAI's: its own message (server paths scrubbed), the status its kind maps to."""
+def api_error(exc: BaseException, client: str = quietlog.HANDLERS) -> ApiError:
+    """The engine's error as OpenAI's: its own message (server paths scrubbed), the status its kind maps to; an
+    unexpected one counted and logged within the visitors' budget (ui/quietlog.py), for `client`."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ShowcaseError):
@@ -131,7 +135,7 @@ def api_error(exc: BaseException) -> ApiError:
         if isinstance(exc, EngineBusy):
             error.retry_after = exc.retry_after()
         return error
-    log.error("unexpected error in the /v1 API", exc_info=exc)
+    quietlog.unexpected("the /v1 API", exc, client)
     return ApiError(500, f"unexpected {type(exc).__name__} on the server; it was logged and the server keeps "
                          "serving", "server_error", code="internal_error")
 
@@ -141,8 +145,9 @@ class ApiKeys:
     """Who a /v1 request is. `spec`: None (no key required), API_KEYS_ADMIN or a key file (app.py --api-keys); the
     admin token is always a key, and the host's."""
 
-    def __init__(self, spec: str | None, admin_token: str | None):
+    def __init__(self, spec: str | None, admin_token: str | None, guard: KeyGuard | None = None):
         self.spec, self.admin_token = spec, admin_token
+        self.guard = guard or KeyGuard()  # failed checks per address: backoff, 429 (ui/keyguard.py)
         self._keys: frozenset[str] = frozenset()
         self._stamp = None
         self._lock = threading.Lock()
@@ -168,21 +173,37 @@ class ApiKeys:
                 self._stamp = stamp
             return self._keys
 
-    def caller(self, authorization: str | None) -> Caller:
+    def caller(self, authorization: str | None, client: str = "unknown") -> Caller:
         """HOST for the admin token; VISITOR for a key of the file or, where none is required, for anyone;
-        ApiError 401 otherwise."""
+        ApiError 401 otherwise, and 429 (no key compared) while `client` is shut after failed keys."""
         scheme, _, sent = (authorization or "").partition(" ")
         sent = sent.strip() if scheme.lower() == "bearer" else ""
+        if sent and (shut := self.guard.shut_for(client)):
+            error = ApiError(429, f"too many wrong API keys from your address: key checks pause for "
+                                  f"{retry_after(shut)} s; check your key", "rate_limit_error",
+                             code="too_many_failed_keys")
+            error.retry_after = retry_after(shut)
+            raise error
+        caller = self._match(sent)
+        if caller is not None:
+            self.guard.succeeded(client)
+            return caller
+        if sent:
+            failures = self.guard.failed(client)
+            quietlog.visitor_line(client, "wrong /v1 API key from %s (%d in a row)", client, failures)
+        raise ApiError(401, "this server's /v1 API needs an API key: send Authorization: Bearer <key> (the "
+                            "openai SDK's api_key); ask the host for one" if not sent else
+                       "the API key sent is not one of this server's; check it, or ask the host for one",
+                       code="invalid_api_key")
+
+    def _match(self, sent: str) -> Caller | None:
         if sent and self.admin_token and hmac.compare_digest(sent.encode(), self.admin_token.encode()):
             return Caller.HOST
         if not self.required:
             return Caller.VISITOR
         if sent and any(hmac.compare_digest(sent.encode(), key.encode()) for key in self._file_keys()):
             return Caller.VISITOR
-        raise ApiError(401, "this server's /v1 API needs an API key: send Authorization: Bearer <key> (the "
-                            "openai SDK's api_key); ask the host for one" if not sent else
-                       "the API key sent is not one of this server's; check it, or ask the host for one",
-                       code="invalid_api_key")
+        return None
 
 
 # -- the request -----------------------------------------------------------------------------------------
@@ -207,9 +228,10 @@ def _whole(body: dict, name: str, default: int, low: int, high: int | None = Non
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
-        raise ApiError(400, f"{name} must be a whole number, got {str(value)[:40]!r}", param=name)
-    value = int(value)
+    try:
+        value = strict.whole(value, name)
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), param=name) from None
     if value < low or (high is not None and value > high):
         raise ApiError(400, f"{name} must be from {low} to {high}, got {value}" if high is not None else
                        f"{name} must be at least {low}, got {value}", param=name)
@@ -272,8 +294,11 @@ def read_call(body: dict, defaults, preset: str, caller: Caller, client: str) ->
         step_cache=None if step_cache in (None, "", "none") else step_cache,
         lora=None if lora in (None, "", "none") else lora, caller=caller, client=client,
         previews=_whole(body, "partial_images", 0, 0, MAX_PREVIEWS) if body.get("stream") else 0)
-    if not random_seed and not str(seed).strip().isdigit():
-        raise ApiError(400, f"seed must be a whole number >= 0, got {str(seed)[:40]!r}", param="seed")
+    if not random_seed:
+        try:
+            _whole(body, "seed", 0, 0)
+        except ApiError:
+            raise ApiError(400, f"seed must be a whole number >= 0, got {str(seed)[:40]!r}", param="seed") from None
     return ImagesCall(spec, n=_whole(body, "n", 1, 1), response_format=body.get("response_format") or "b64_json",
                       stream=bool(body.get("stream", False)), user=body.get("user"), notices=notices)
 
@@ -469,7 +494,7 @@ class OpenAIRoutes:
             try:
                 response = await self._route(request, held)
             except Exception as exc:  # every failure answers in OpenAI's shape; the server keeps serving
-                response = error_response(api_error(exc))
+                response = error_response(api_error(exc, self._client(request)))
             await response(scope, receive, send)
 
     async def _route(self, request, held: ExitStack):
@@ -492,7 +517,7 @@ class OpenAIRoutes:
                                 "/v1/loras and POST /v1/images/generations", code="unknown_url")
         if method != allowed:
             raise ApiError(405, f"{PREFIX}{path} takes {allowed}, not {method}", code="method_not_allowed")
-        caller = self.keys.caller(request.headers.get("authorization"))
+        caller = self.keys.caller(request.headers.get("authorization"), self._client(request))
         if answer is None:
             return await self.generations(request, caller, held)
         return JSONResponse(answer(caller, path))
@@ -540,10 +565,10 @@ class OpenAIRoutes:
         from starlette.responses import JSONResponse, StreamingResponse
 
         try:
-            body = check_body(json.loads(await request.body() or b"null"))
-        except (ValueError, UnicodeError):
-            raise ApiError(400, "the body must be JSON (Content-Type: application/json)") from None
-        client = self.h.edge.callers.client_of(request) if self.h.edge is not None else f"v1 {request.client.host}"
+            body = check_body(strict.loads(await request.body() or b"null"))
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc)) from None
+        client = self._client(request)
         preset = _text(body, "model") or self.h.default_preset().name
         call = read_call(body, self.h.defaults, preset, caller, client)
         await anyio.to_thread.run_sync(self._check_call, call)  # may probe devices: not on the event loop
@@ -555,6 +580,12 @@ class OpenAIRoutes:
                                      headers={"cache-control": "no-cache"})
         await self._run(run, answer, request)
         return JSONResponse(answer.body(self.store, str(request.base_url).rstrip("/")))
+
+    def _client(self, request) -> str:
+        """Who sent a /v1 request: the edge's client (its address, or an agent's), else the peer's address."""
+        if self.h.edge is not None:
+            return self.h.edge.callers.client_of(request)
+        return f"v1 {getattr(request.client, 'host', 'unknown')}"
 
     def _events(self, spec: ImageRequest, run: Run):
         """An image's one event stream (engine/serving/stream.py)."""

@@ -4,8 +4,8 @@ What a visitor sends wrong (an unknown event id or function, inputs Gradio canno
 session that does not exist) used to reach the log as Gradio's or uvicorn's traceback, several KB per request:
 one connection could write megabytes a second. Now:
 - a client error is one line (its kind and the first line of its message), never a traceback;
-- an unexpected error shows its traceback the first time its code location fails (at most SIGNATURES of
-  them), one line afterwards;
+- an unexpected error is one line and counted by kind (/metrics); its traceback goes to the debug level the
+  first time its code location fails (at most SIGNATURES of them);
 - each visitor (its address; "queue" for Gradio's queue, which knows no address) writes at most PER_CLIENT
   lines per WINDOW_S and all of them together at most TOTAL; what is held back is counted and said in one
   line when the next window opens.
@@ -75,6 +75,7 @@ class LogBudget:
         self._lines: Counter[str] = Counter()
         self._held: Counter[str] = Counter()
         self._signatures: set = set()
+        self.unexpected: Counter[str] = Counter()  # the server's own failures by kind (/metrics)
 
     def allow(self, client: str) -> bool:
         """Whether `client` may write one more line now (counted when it may not)."""
@@ -109,14 +110,18 @@ class LogBudget:
     def failure(self, client: str, what: str, exc: BaseException) -> int | None:
         """Log a request's failure within the budget; returns the 4xx when it was the visitor's fault."""
         status = client_status(exc)
+        if status is None:
+            with self._lock:
+                self.unexpected[type(exc).__name__[:40]] += 1
         if not self.allow(client):
             return status
         if status is not None:
             log.warning("%s from %s: %s (answered %d)", what, client, gist(exc), status)
         elif self.first_of(exc):
-            log.error("%s from %s failed", what, client, exc_info=exc)
+            log.error("%s from %s failed: %s (its traceback at debug level)", what, client, gist(exc))
+            log.debug("%s from %s failed", what, client, exc_info=exc)
         else:
-            log.error("%s from %s failed: %s (traceback logged before)", what, client, gist(exc))
+            log.error("%s from %s failed: %s", what, client, gist(exc))
         return status
 
     def line(self, client: str, message: str, *args) -> None:
@@ -176,14 +181,25 @@ class _QuietTraceback:
 _installed: LogBudget | None = None  # the latest app's (install)
 
 
-def unexpected(what: str, exc: BaseException) -> None:
-    """An unexpected failure of a handler: its traceback the first time its code location fails, one line
-    afterwards, within the visitors' budget (a visitor may trigger the same bug again and again)."""
+def unexpected(what: str, exc: BaseException, client: str = HANDLERS) -> None:
+    """An unexpected failure of a handler (`client`: who sent the request, when known): counted, one line
+    within the visitors' budget (a visitor may trigger the same bug again and again), its traceback at debug
+    level the first time its code location fails."""
     budget = _installed
     if budget is None:
-        log.error("unexpected error in %s", what, exc_info=exc)
+        log.error("unexpected error in %s: %s", what, gist(exc))
+        log.debug("unexpected error in %s", what, exc_info=exc)
     else:
-        budget.failure(HANDLERS, f"a request to {what}", exc)
+        budget.failure(client, f"a request to {what}", exc)
+
+
+def visitor_line(client: str, message: str, *args) -> None:
+    """One line a visitor caused, within the latest app's budget (or logged when no app is installed)."""
+    budget = _installed
+    if budget is None:
+        log.warning(message, *args)
+    else:
+        budget.line(client, message, *args)
 
 
 def install(budget: LogBudget, demo) -> None:

@@ -41,7 +41,23 @@ def load_api_keys(path: str) -> frozenset[str]:
     keys = frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
     if not keys:
         raise InvalidRequest(f"the key file {path} holds no key; write one key a line")
+    short = sum(len(key) < MIN_KEY_CHARS for key in keys)
+    if short:
+        raise InvalidRequest(f"the key file {path} holds {short} key(s) shorter than {MIN_KEY_CHARS} characters, "
+                             f"which can be guessed; {KEY_ADVICE}")
     return keys
+
+
+MIN_KEY_CHARS = 16  # an API key or admin token: 16 random characters are about 96 bits
+KEY_ADVICE = "make one with: python -c 'import secrets; print(secrets.token_urlsafe(24))'"
+
+
+def check_secret(text: str) -> str:
+    """--admin-token: at least MIN_KEY_CHARS characters (it is a key of the /v1 API and of /metrics too)."""
+    if len(text.strip()) < MIN_KEY_CHARS:
+        raise InvalidRequest(f"a token of {len(text.strip())} characters can be guessed; give at least "
+                             f"{MIN_KEY_CHARS} ({KEY_ADVICE})")
+    return text
 
 
 @dataclass(frozen=True)

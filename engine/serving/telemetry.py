@@ -91,6 +91,8 @@ them only the counters and the web edge's refusals are exported."""
                                     "had a step cache, by its kind.", ["engine", "step_cache"], registry=r)
         # reason -> visitors refused at the web edge (ui/edge.py sets it: body size, uploads, per client, ...)
         self.edge_refusals: Callable[[], Mapping[str, int]] | None = None
+        # kind -> the web server's unexpected failures of visitors' requests (ui/quietlog.py counts them)
+        self.unexpected_errors: Callable[[], Mapping[str, int]] | None = None
         r.register(self)  # the gauges below (`collect`), read when scraped
 
     def request_ended(self, labels: Mapping[str, str], result=None, error: BaseException | None = None) -> None:
@@ -133,6 +135,13 @@ them only the counters and the web edge's refusals are exported."""
             for reason, count in sorted(dict(t.edge_refusals()).items()):
                 edge.add_metric([reason], count)
             yield edge
+        if t.unexpected_errors is not None:
+            failed = CounterMetricFamily("showcase_unexpected_errors", "Visitors' requests the web server failed "
+                                         "on unexpectedly (each logged in one line), by exception kind.",
+                                         labels=["kind"])
+            for kind, count in sorted(dict(t.unexpected_errors()).items()):
+                failed.add_metric([kind], count)
+            yield failed
         if t.status is None or t.host_status is None:
             return
         engines = GaugeMetricFamily("showcase_engines", "Engines by state (loading, ready, failed, evicted, ...).",

@@ -1,0 +1,143 @@
+"""Issue 50, items 2 and 3: every error path of the /v1 door is typed and quiet, and API keys resist guessing.
+
+The hostile run: `"n": "²"` (passes isdigit(), fails int()), 4,500-digit numbers and deeply nested JSON each
+answered HTTP 500 with a traceback (300 calls wrote 323 KB of log); 1,296 key guesses from one address in 11 s
+got 1,295 × 401 and a 200, no 429, no log line, no counter in /metrics.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from helpers import engine_manager, launch_demo
+
+from engine.config import strict
+from engine.errors import InvalidRequest
+from ui import quietlog
+
+KEY = "visitor-key-of-the-quiet-doors"
+ADMIN = "admin-token-of-the-quiet-doors"
+GOOD = {"model": "tiny-shapes", "prompt": "a red circle on a blue background", "size": "64x64", "steps": 1}
+DIGITS = "9" * 4500
+MALFORMED = [  # (body text, what the 400 names)
+    ('{"model": "tiny-shapes", "prompt": "x", "n": "\u00b2"}', "n must be a whole number"),
+    ('{"model": "tiny-shapes", "prompt": "x", "n": "\u0661\u0662"}', "n must be a whole number"),
+    ('{"model": "tiny-shapes", "prompt": "x", "n": "' + DIGITS + '"}', "more than 40 digits"),
+    ('{"model": "tiny-shapes", "prompt": "x", "n": ' + DIGITS + "}", "more than 40 digits"),
+    ('{"model": "tiny-shapes", "prompt": "x", "stream": true, "partial_images": "' + "7" * 5000 + '"}',
+     "more than 40 digits"),
+    ('{"model": "tiny-shapes", "prompt": "x", "seed": "\u00b2"}', "seed must be a whole number"),
+    ('{"model": "tiny-shapes", "prompt": "x", "steps": 1e999999}', "is out of range"),
+    ('{"model": "tiny-shapes", "prompt": "x", "n": NaN}', "NaN is not a JSON number"),
+    ("[" * 100_000 + "]" * 100_000, "nests arrays or objects more than 32 deep"),
+    ('{"a": ' * 5000 + "1" + "}" * 5000, "nests arrays or objects more than 32 deep"),
+    ('{"model": "tiny-shapes", "prompt": "x", "n": 1', "the body must be JSON"),
+    ("\xff\xfe", "the body must be JSON"),
+]
+
+
+def test_the_strict_grammar_reads_ascii_digits_only_and_bounds_digits_and_nesting():
+    assert strict.whole("12", "n") == 12 and strict.whole(" -3 ", "n") == -3 and strict.whole(7, "n") == 7
+    for bad in ("\u00b2", "\u0661\u0662", "1.5", "", "1e3", True, None, 1.0, "9" * 41):
+        with pytest.raises(InvalidRequest):
+            strict.whole(bad, "n")
+    assert strict.loads('{"a": [1, 2.5, "[[[["]}') == {"a": [1, 2.5, "[[[["]}
+    assert strict.depth('{"a": "]]]{{{", "b": [[]]}') == 3
+    with pytest.raises(InvalidRequest, match="more than 40 digits"):
+        strict.loads("1" * 41)
+
+
+@pytest.fixture(scope="module")
+def app(cache_dir, tmp_path_factory):
+    """Public mode, keys required, behind a trusted loopback proxy: each request names its own address."""
+    from engine.serving.manager import HostPolicy
+    from ui.edge import EdgeConfig
+    from ui.handlers import UIDefaults
+
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(KEY + "\n")
+    policy = HostPolicy(public=True, presets=("tiny-shapes",))
+    with engine_manager(cache_dir, policy=policy) as manager:
+        demo, url = launch_demo(manager, UIDefaults(preset="tiny-shapes", device="cpu", mode="eager",
+                                                    admin_token=ADMIN, api_keys=str(keys)),
+                                edge=EdgeConfig(trusted_proxies=(ipaddress.ip_network("127.0.0.1/32"),)))
+        try:
+            yield url.rstrip("/"), manager
+        finally:
+            demo.close()
+
+
+def post(http: httpx.Client, url: str, body: str | bytes, address: str, key: str = KEY) -> httpx.Response:
+    return http.post(url + "/v1/images/generations", content=body.encode("latin-1") if isinstance(body, str) and
+                     body.startswith("\xff") else body,
+                     headers={"authorization": f"Bearer {key}", "content-type": "application/json",
+                              "x-forwarded-for": address})
+
+
+def test_300_malformed_v1_calls_from_10_addresses_are_400s_without_a_traceback(app, caplog):
+    url, manager = app
+    calls = [(body, words, f"10.5.0.{i % 10}") for i in range(300) for body, words in [MALFORMED[i % len(MALFORMED)]]]
+    with caplog.at_level(logging.INFO), httpx.Client(timeout=60) as http:
+        answers = [(post(http, url, body, address), words) for body, words, address in calls]
+    for answer, words in answers:
+        assert answer.status_code == 400, (answer.status_code, answer.text[:200])
+        assert words in answer.json()["error"]["message"], (words, answer.text[:200])
+    served = [r for r in caplog.records if not r.name.startswith(("httpx", "httpcore"))]  # the server's lines
+    assert not any(r.exc_info for r in served)
+    assert len(served) <= quietlog.TOTAL, [r.getMessage()[:100] for r in served]
+    assert sum(len(r.getMessage()) for r in served) < 20_000  # the hostile run: 323,220 bytes
+
+
+def test_an_unexpected_v1_failure_is_counted_and_logged_in_one_line(app, caplog, monkeypatch):
+    from ui.openai_api import OpenAIRoutes
+
+    url, _ = app
+
+    def broken(self, caller, path):
+        raise RuntimeError("a bug in the listing")
+
+    monkeypatch.setattr(OpenAIRoutes, "models", broken)
+    with caplog.at_level(logging.DEBUG, logger="ui.visitors"), httpx.Client(timeout=30) as http:
+        answers = [http.get(url + "/v1/models", headers={"authorization": f"Bearer {KEY}",
+                                                          "x-forwarded-for": "10.6.0.1"}) for _ in range(12)]
+        metrics = http.get(url + "/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
+    assert {a.status_code for a in answers} == {500}
+    assert "unexpected RuntimeError" in answers[0].json()["error"]["message"]
+    records = [r for r in caplog.records if r.name == "ui.visitors" and r.levelno >= logging.WARNING]
+    assert len(records) <= quietlog.PER_CLIENT and not any(r.exc_info for r in records)
+    assert any(r.exc_info for r in caplog.records if r.levelno == logging.DEBUG)  # the traceback, at debug only
+    count = next(line for line in metrics.splitlines() if line.startswith('showcase_unexpected_errors_total{kind='
+                                                                          '"RuntimeError"}'))
+    assert float(count.split()[-1]) >= 12
+
+
+def test_1296_key_guesses_from_one_address_are_throttled_counted_and_logged_within_the_budget(app, caplog):
+    url, _ = app
+    guesses = [f"guess-{i:04d}-of-a-visitor-key" for i in range(1296)]
+
+    def guess(key: str) -> httpx.Response:
+        return http.get(url + "/v1/models", headers={"authorization": f"Bearer {key}", "x-forwarded-for": "10.7.0.1"})
+
+    with caplog.at_level(logging.INFO), httpx.Client(timeout=60, limits=httpx.Limits(max_connections=8)) as http, \
+            ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(guess, guesses))
+        right_but_shut = guess(KEY)
+        other_address = http.get(url + "/v1/models", headers={"authorization": f"Bearer {KEY}",
+                                                              "x-forwarded-for": "10.7.0.2"})
+        metrics = http.get(url + "/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
+    codes = [a.status_code for a in answers]
+    assert set(codes) <= {401, 429} and 200 not in codes
+    throttled = codes[20:].count(429)
+    assert throttled >= 0.95 * len(codes[20:]), f"{throttled} of {len(codes[20:])} answered 429"
+    shut = next(a for a in answers if a.status_code == 429)
+    assert int(shut.headers["retry-after"]) >= 1 and "too many wrong API keys" in shut.json()["error"]["message"]
+    assert right_but_shut.status_code == 429  # while shut, no key is compared: a guess cannot be confirmed
+    assert other_address.status_code == 200  # other addresses are not shut out
+    failed = next(line for line in metrics.splitlines() if 'reason="failed API key"' in line)
+    assert float(failed.split()[-1]) == codes.count(401)
+    lines = [r for r in caplog.records if r.name == "ui.visitors"]
+    assert 1 <= len(lines) <= quietlog.PER_CLIENT + 1 and not any(r.exc_info for r in caplog.records)
