@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from engine import settings
 from engine.config.flags import comma_list, device_defaults, one_of
 from engine.config.presets import load_presets
-from engine.config.request import API_KEYS_ADMIN, load_api_keys
+from engine.config.request import API_KEYS_ADMIN, check_secret, load_api_keys
 from engine.errors import InvalidRequest, ShowcaseError
 from engine.fleet.config import MAX_REPLICAS, FleetConfig, private_address, resolve_address
 from engine.protocol import Mode, Precision
@@ -56,6 +56,9 @@ class HostingFlags:
     presets: str | None = field(default=None, metadata=flag(
         "comma-separated presets visitors may choose (public mode; default: --preset only; $SHOWCASE_PRESETS)",
         check=_preset_names, env="presets"))
+    pin: str | None = field(default=None, metadata=flag(
+        "comma-separated presets whose engines a visitor's engine never evicts (public mode; the default engine "
+        "always is pinned; visitors' engines share what the budget leaves)", check=_preset_names))
     precisions: str | None = field(default=None, metadata=flag(
         "comma-separated precisions visitors may choose (public mode; default: all; $SHOWCASE_PRECISIONS)",
         check=comma_list(one_of(Precision.values, "precision")), env="precisions"))
@@ -64,7 +67,8 @@ class HostingFlags:
         check=comma_list(one_of(Mode.values, "mode")), env="modes"))
     admin_token: str | None = field(default=None, metadata=flag(
         "secret that unlocks host operations (restart, warm everything, load past the budget) in public mode "
-        "($SHOWCASE_ADMIN_TOKEN; never logged)", env="admin_token"))
+        "($SHOWCASE_ADMIN_TOKEN; never logged; at least 16 characters)", env="admin_token",
+        check=lambda text: secret_flag(text)))
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,14 @@ def api_keys_flag(text: str) -> str:
     return text
 
 
+def secret_flag(text: str) -> str:
+    """--admin-token: long enough not to be guessed."""
+    try:
+        return check_secret(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def memory_size(text: str) -> str:
     """--memory-budget: a size no smaller than the least any engine is estimated to need (a worker process
     alone: DeviceSpec.process_overhead_bytes, the smallest over the devices; each device's own figure is
@@ -292,7 +304,8 @@ def host_policy(args, public: bool, preset: str | None = None):
     return HostPolicy(public=True, presets=presets,
                       precisions=_choices(args.precisions, lambda t: Precision.parse(t, "precision")),
                       modes=_choices(args.modes, lambda t: Mode.parse(t, "mode")),
-                      evict_idle_after_s=args.public_evict_after, cost=cost_budget(args))
+                      evict_idle_after_s=args.public_evict_after, cost=cost_budget(args),
+                      pinned=_choices(args.pin, str.strip) or ())
 
 
 def hosting_config(args, hosting: HostingChoice, preset: str):

@@ -43,6 +43,8 @@ class HostPolicy:
     # Public mode: the most a visitor's request may cost, and a visitor may hold queued and running
     # (token-steps, engine/serving/cost.py).
     cost: CostBudget = CostBudget()
+    # Public mode: presets whose engines a visitor's engine never evicts (the default engine always is pinned).
+    pinned: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

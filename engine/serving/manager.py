@@ -148,15 +148,22 @@ class EngineManager:
             return self.residency.load(key)
         if key.tp > 1:
             raise NotAllowed(f"{key} is not loaded, and starting a tensor-parallel engine is up to the host")
+        if self.pinned(key):  # the host's engine, asked for by a visitor: it makes room as the host's would
+            return self.residency.load(key, kept=lambda other: other != key and self.pinned(other))
         same_device = [k for k in self.residency.engines_keys() if k.device == key.device]
         overheld = self.shares.overheld(same_device, self.budgets.device_budget(key.device).max_engines)
-        engine = self.residency.load(key, self.policy.evict_idle_after_s, unprotected=frozenset(overheld))
+        engine = self.residency.load(key, self.policy.evict_idle_after_s, unprotected=frozenset(overheld),
+                                     kept=self.pinned)
         if not self._is_default(key):
             self.shares.visitor_started.add(key)
         return engine
 
+    def pinned(self, key: EngineKey) -> bool:
+        """Whether a visitor's engine may never evict `key`'s: the default engine and the host's --pin presets."""
+        return key == self.default_key or key.preset in self.policy.pinned
+
     def _visitor_started(self, key: EngineKey) -> bool:
-        return key in self.shares.visitor_started and not self._is_default(key)
+        return key in self.shares.visitor_started and not self._is_default(key) and not self.pinned(key)
 
     def adopt(self, engine: EngineClient) -> EngineClient:
         """Serve an engine the app did not start (a tensor-parallel sidecar attached with --tp-address):

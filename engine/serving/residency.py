@@ -102,10 +102,10 @@ class Residency(EngineEvents):
 
     # -- loading ---------------------------------------------------------------------------------
     def load(self, key: EngineKey, protect_used_within_s: float | None = None,
-             unprotected: frozenset = frozenset()) -> EngineClient:
+             unprotected: frozenset = frozenset(), kept: Callable[[EngineKey], bool] | None = None) -> EngineClient:
         """The engine for `key`, started if needed, making room by evicting idle engines (not those used within
-        `protect_used_within_s`, but for the `unprotected` ones); returns once it is admitted (it may still be
-        loading)."""
+        `protect_used_within_s`, but for the `unprotected` ones, and never those `kept` says: the host's pinned
+        engines, for a visitor's); returns once it is admitted (it may still be loading)."""
         with self.lock:
             self._check_open()
             if (engine := self.serving(key)) is not None:
@@ -115,7 +115,7 @@ class Residency(EngineEvents):
                 if (engine := self.serving(key)) is not None:
                     return engine
             self.make_room(key, self.budgets.estimate(key).device_bytes, protect_used_within_s,
-                           unprotected=unprotected)
+                           unprotected=unprotected, kept=kept)
             with self.lock:
                 self._check_open()
                 engine = self._start(key)
@@ -156,10 +156,15 @@ class Residency(EngineEvents):
 
     # -- room and eviction -----------------------------------------------------------------------
     def make_room(self, key: EngineKey, need: int, protect_used_within_s: float | None = None,
-                  exclude: EngineClient | None = None, unprotected: frozenset = frozenset()) -> None:
-        """Evict least-recently-used idle engines so `need` fits; raise BudgetExceeded when it cannot."""
+                  exclude: EngineClient | None = None, unprotected: frozenset = frozenset(),
+                  kept: Callable[[EngineKey], bool] | None = None) -> None:
+        """Evict least-recently-used idle engines so `need` fits (never one `kept` says); raise BudgetExceeded
+        when it cannot."""
         limits = self.budgets.device_budget(key.device)
         residents = self.residents(key.device, exclude)
+        if kept is not None:
+            pinned = {str(e.key) for e in self.engines() if kept(e.key)}
+            residents = [dataclasses.replace(r, evictable=False) if r.name in pinned else r for r in residents]
         if protect_used_within_s is not None:
             cutoff = time.monotonic() - protect_used_within_s
             names = {str(k) for k in unprotected}
