@@ -13,7 +13,10 @@ told apart by their client address as the web app does) on one preset and device
 - the costliest Compare a visitor may ask for (configurations × the prompts the Compare tab sends, all
   eager on the same engine so no compile enters the figure) run as ui/compare.py runs it, one admission
   and one image at a time, while B sends small Generates one after another: B's latency against one
-  configuration's run.
+  configuration's run;
+- --flood-callers visitors each keeping one request at the engine (more than its max_queue places: they
+  used to fill it and refuse everyone else), and a fresh visitor's small Generates among them: the tries
+  each took (served on the first, now that a request past the places waits its turn) and its wait.
 
 Figures go in docs/hosting.md; timings depend on the load of the machine (printed with them).
 """
@@ -156,6 +159,50 @@ class Bench:
                 "b_small_max_wait_s": max(waits) - idle["small_s"],
                 "max_wait_x_config": (max(waits) - idle["small_s"]) / one_config}
 
+    def flooded(self, idle: dict) -> dict:
+        """--flood-callers visitors each keep one request of --flood-steps at the smallest bucket at the engine
+        (each within its bounds, more of them than the engine's places); a fresh visitor then sends small
+        Generates: how many tries until one is served, and its wait against idle."""
+        stop, refused, served = threading.Event(), [], []
+
+        def flood(i: int) -> None:
+            seed = 0
+            while not stop.is_set():
+                seed += 1
+                try:
+                    self.generate(f"10.1.0.{i}", self.small_size, self.opts.flood_steps, seed=seed)
+                    served.append(i)
+                except ShowcaseError:
+                    refused.append(i)
+                    time.sleep(0.2)
+
+        threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(self.opts.flood_callers)]
+        for t in threads:
+            t.start()
+        try:
+            while len(served) < self.opts.flood_callers // 2:  # the floods have filled the engine's places
+                time.sleep(0.1)
+            tries, waits = [], []
+            for round_ in range(self.opts.rounds):
+                attempt = 0
+                while True:
+                    attempt += 1
+                    try:
+                        waits.append(self.small(f"10.2.0.{round_}", seed=100 + round_))  # a new visitor each
+                        break
+                    except ShowcaseError:
+                        time.sleep(0.5)
+                tries.append(attempt)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(600)
+        wait, idle_after = median(waits), median([self.small(seed=200 + i) for i in range(self.opts.rounds)])
+        return {"idle_after_s": idle_after, "fresh_x_idle_after": wait / idle_after, "callers": self.opts.flood_callers, "flood_steps": self.opts.flood_steps, "fresh_tries": tries,
+                "fresh_wait_median_s": wait, "fresh_wait_max_s": max(waits), "fresh_x_idle": wait / idle["small_s"],
+                "flood_served": len(served), "flood_refused": len(refused),
+                "turns": self.manager.turns.snapshot()["shed"]}
+
     def run(self) -> dict:
         try:
             idle = self.idle()
@@ -165,7 +212,8 @@ class Bench:
                     "load_before": os.getloadavg()[0],
                     "eight_costliest": [self.eight_costliest(idle, True), self.eight_costliest(idle, False),
                                         self.eight_costliest(idle, False, b_client=A)],
-                    "compare": self.costliest_compare(idle), "load_after": os.getloadavg()[0]}
+                    "compare": self.costliest_compare(idle), "flooded": self.flooded(idle),
+                    "load_after": os.getloadavg()[0]}
         finally:
             self.manager.shutdown()
 
@@ -186,6 +234,12 @@ def print_summary(s: dict) -> None:
           f"at {c['size']}, {c['price']} token-steps): one configuration {c['config_median_s']:.3f} s; B's small "
           f"Generate during it ({c['b_small_n']}): median {c['b_small_median_s']:.3f} s, max {c['b_small_max_s']:.3f}"
           f" s, its longest wait {c['max_wait_x_config']:.2f} x one configuration")
+    f = s["flooded"]
+    print(f"{f['callers']} visitors each keeping a {f['flood_steps']}-step request at the engine "
+          f"({f['flood_served']} served, {f['flood_refused']} refused, {f['turns']} shed from the line): a fresh "
+          f"visitor's small Generate served on try {', '.join(map(str, f['fresh_tries']))}; its wait median "
+          f"{f['fresh_wait_median_s']:.3f} s, max {f['fresh_wait_max_s']:.3f} s (x{f['fresh_x_idle']:.2f} idle; "
+          f"x{f['fresh_x_idle_after']:.2f} the idle {f['idle_after_s']:.3f} s measured right after)")
 
 
 @dataclass(frozen=True)
@@ -198,7 +252,10 @@ class FairnessOptions:
     max_steps: int = flags.steps(200, "the costliest Generate's steps at most")
     max_request_cost: str = flags.text(str(cost.DEFAULT_REQUEST_COST))
     max_visitor_cost: str = flags.text(str(cost.DEFAULT_VISITOR_COST))
-    rounds: int = flags.count(5, "idle runs of the small request (half for the costliest)")
+    rounds: int = flags.count(5, "idle runs of the small request (half for the costliest); the fresh visitor's "
+                                 "tries among the floods")
+    flood_callers: int = flags.count(20, "visitors each keeping one request at the engine (more than its places)")
+    flood_steps: int = flags.steps(32, "steps of each flooding visitor's request (at the smallest bucket)")
     cache_dir: Path | None = flags.cache_dir(check=Path)
     out: str | None = flags.out(None, "write the figures as JSON here")
 
