@@ -393,6 +393,7 @@ def build_manager(parser, args, engine: DefaultEngine, hosting: HostingChoice):
         advised["loras"] = True  # a style needs the slot
     manager = make_manager(args, options_from_args(args, warm_sizes=sizes, warm_modes=modes, **advised),
                            hosting_config(args, hosting, engine.preset))
+    join_fleet(manager)  # before the default engine's key: under --ray its device is looked for on the nodes
     try:
         manager.default_key = engine.key(manager)
     except ShowcaseError as exc:  # the UI still starts and shows the reason
@@ -547,7 +548,6 @@ def main(argv: list[str] | None = None) -> int:
         if hosting.public and not (args.admin_token or auth):
             log.warning("public mode without --admin-token or --auth: host operations (restart, warm all) are off")
         manager = build_manager(parser, args, engine, hosting)
-        join_fleet(manager)
     except ShowcaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -238,6 +238,17 @@ def ray_address() -> str | None:
     return _env("RAY_ADDRESS")
 
 
+def ray_current_cluster() -> str | None:
+    """The cluster Ray's `ray.init("auto")` joins when RAY_ADDRESS is unset: the address the last `ray start`
+    wrote to ray_current_cluster in Ray's temp folder ($RAY_TMPDIR, else $TMPDIR, else /tmp, then "ray")."""
+    base = _env("RAY_TMPDIR") or _env("TMPDIR") or os.path.join(os.sep, "tmp")
+    try:
+        with open(os.path.join(base, "ray", "ray_current_cluster"), encoding="utf-8") as f:
+            return f.read(512).strip() or None
+    except (OSError, UnicodeError):
+        return None
+
+
 def fleet_start_timeout_s() -> float:
     """How long a Ray engine may wait for a node to take it and start its actor (engine/fleet/client.py)."""
     return float(_env("SHOWCASE_FLEET_START_S", "120"))

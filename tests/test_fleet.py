@@ -340,3 +340,39 @@ def test_a_tensor_parallel_engine_runs_its_ranks_on_one_node_and_leaves_nothing(
     wait_until(lambda: not [g for g in placement_group_table().values() if g["state"] == "CREATED"], 15,
                message="the placement group removed")
     wait_until(lambda: not own_processes("engine.tp.sidecar"), 15, message="no rank left")
+
+
+PUBLIC_LOCAL_START = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+import app
+parser = app.build_parser()
+args = parser.parse_args(["--public", "--ray", "local", "--device", "cpu", "--mode", "eager", "--warm", "none"])
+engine = app.check_flags(parser, args)
+hosting = app.resolve_hosting(args, engine.mode)
+manager = app.build_manager(parser, args, engine, hosting)
+print("DEFAULT", manager.default_key, file=sys.stderr, flush=True)
+manager.shutdown()
+app.leave_fleet(manager)
+"""
+
+
+def test_public_ray_local_ignores_a_public_ray_address_and_says_one_true_thing(tmp_path):
+    """Issue 50: `--public --ray local` with RAY_ADDRESS=8.8.8.8:6379 tried to join it for two minutes. Run in a
+    network namespace with only loopback (`unshare -rn`): nothing could leave the machine even if it tried. Issue
+    51: start-up said "no node of the Ray cluster has a device" and then "joined"; the default engine's device is
+    now looked for after joining."""
+    import shutil
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode:
+        pytest.skip("no unprivileged network namespaces here (unshare -rn)")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": "8.8.8.8:6379", "SHOWCASE_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run(["unshare", "-rn", "sh", "-c", 'ip link set lo up 2>/dev/null; exec "$0" -c "$1"',
+                          sys.executable, PUBLIC_LOCAL_START], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    assert sum("RAY_ADDRESS (8.8.8.8:6379) is ignored" in line for line in lines) == 1, out.stderr[-3000:]
+    assert any("joined the Ray cluster at local: 1 node(s)" in line for line in lines)
+    assert not any("no node of the Ray cluster" in line for line in lines), out.stderr[-3000:]
+    assert any(line.startswith("DEFAULT tiny-shapes@cpu") for line in lines), out.stderr[-3000:]

@@ -90,3 +90,47 @@ def test_each_device_asks_ray_for_one_unit_of_its_resource(device, options):
     from engine import devices
 
     assert devices.get_device(device).ray_actor_resources() == options
+
+
+# -- issue 50, item 5: the address a public app joins is resolved before the check -------------------------------
+PUBLIC = "8.8.8.8:6379"
+
+
+def test_a_public_app_checks_the_address_ray_would_read_from_the_environment_or_its_cluster_file(
+        monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(PUBLIC + "\n")
+    with pytest.raises(SystemExit, match=f"--ray {PUBLIC}: a public app joins only"):
+        _hosting(["--public", "--ray"], monkeypatch)  # auto: the cluster file names it
+    monkeypatch.setenv("RAY_ADDRESS", PUBLIC)
+    with pytest.raises(SystemExit, match=f"--ray {PUBLIC}"):
+        _hosting(["--public", "--ray", "auto"], monkeypatch)
+    # local starts a cluster of this machine, whatever the environment and the cluster file name
+    assert _hosting(["--public", "--ray", "local"], monkeypatch).fleet.address == LOCAL
+    assert resolve_address("auto", None, "10.0.0.7:6379") == "10.0.0.7:6379"
+
+
+def test_ray_local_starts_its_own_cluster_and_says_the_environments_address_is_ignored(monkeypatch, caplog):
+    """ray.init(address=None) reads RAY_ADDRESS and Ray's cluster file; "local" reads neither (ray.init mocked:
+    nothing starts, nothing is reached)."""
+    import logging
+
+    pytest.importorskip("ray")
+    from engine.fleet import cluster
+    from engine.fleet.config import FleetConfig
+
+    calls = []
+    monkeypatch.setenv("RAY_ADDRESS", PUBLIC)
+    monkeypatch.setattr(cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(cluster.ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(cluster.ray, "put", lambda value: None)
+    monkeypatch.setattr(cluster, "nodes", lambda: ["this machine"])
+    with caplog.at_level(logging.INFO, logger="engine.fleet.cluster"):
+        cluster.join(FleetConfig(address=LOCAL))
+    (kwargs,) = calls
+    assert kwargs["address"] == "local" and kwargs["include_dashboard"] is False
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"RAY_ADDRESS ({PUBLIC}) is ignored" in line for line in lines), lines
+    assert lines[-1] == "joined the Ray cluster at local: 1 node(s)"

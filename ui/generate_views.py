@@ -52,7 +52,8 @@ def stats_rows(result: dict | None) -> list[list[str]]:
     elif result.get("error"):
         ended = [["run", f"failed: {result['error']}"]]
     return ended + [
-        ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"],
+        ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"
+                   + (f" on node {result['node']}" if result.get("node") else "")],
         ["encode", fmt_ms(t.get("encode_ms"))],
         ["denoise", f"{fmt_ms(t.get('denoise_ms'))} ({len(steps)} steps)"],
         ["decode", fmt_ms(t.get("decode_ms"))],
@@ -81,6 +82,8 @@ def run_summary(result: dict | None) -> str:
     t = result.get("timings") or {}
     steps = t.get("step_ms") or []
     where = f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}".strip(" ·")
+    if result.get("node"):  # under --ray: the node that served it
+        where += f" on node {result['node']}"
     if result.get("running"):
         return f"**Running** on {where}: step {len(steps)} of {result.get('steps') or '?'}"
     if result.get("cancelled"):

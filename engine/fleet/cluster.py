@@ -17,7 +17,7 @@ from pathlib import Path
 
 import ray
 
-from engine import devices
+from engine import devices, settings
 from engine.errors import ShowcaseError
 from engine.fleet.config import LOCAL, FleetConfig, Placement
 
@@ -60,9 +60,14 @@ def join(config: FleetConfig) -> None:
         return
     try:
         if config.address == LOCAL:
-            # Ray's own default folder: this process's TMPDIR points into the cache folder, and Ray's socket
-            # paths under a long one pass AF_UNIX's 107-byte limit
-            ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False,
+            # address="local": Ray starts a cluster of this machine and reads neither RAY_ADDRESS nor its
+            # ray_current_cluster file (address=None reads both). Ray's own default folder: this process's TMPDIR
+            # points into the cache folder, and Ray's socket paths under a long one pass AF_UNIX's 107-byte limit
+            ignored = settings.ray_address()
+            if ignored:
+                log.warning("--ray local: starting a Ray cluster of this machine; RAY_ADDRESS (%s) is ignored",
+                            ignored)
+            ray.init(address=LOCAL, include_dashboard=False, configure_logging=False, log_to_driver=False,
                      _temp_dir=str(Path(os.sep, "tmp", "ray")))
         else:
             ray.init(address=config.address, configure_logging=False, log_to_driver=False)

@@ -30,11 +30,14 @@ class FleetConfig:
             raise InvalidRequest(f"replicas {self.replicas}: allowed 1 to {MAX_REPLICAS}")
 
 
-def resolve_address(flag: str | None, ray_address: str | None) -> str:
-    """--ray's value: `auto` (or the bare flag) is Ray's RAY_ADDRESS when set, else a local cluster."""
+def resolve_address(flag: str | None, ray_address: str | None, current_cluster: str | None = None) -> str:
+    """The address the app will join, resolved before anything joins (so a public app's check applies to it):
+    `auto` (or the bare flag) is Ray's RAY_ADDRESS when set, else the cluster Ray's ray_current_cluster file
+    names (what ray.init("auto") would join), else a local cluster; `local` starts a cluster of this machine
+    whatever the environment names."""
     text = (flag or "auto").strip()
     if text == "auto":
-        return ray_address or LOCAL
+        return ray_address or current_cluster or LOCAL
     return text
 
 

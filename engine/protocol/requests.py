@@ -122,6 +122,7 @@ class GenerateResult:
     # The engine's weights by component (name, bytes as stored: layerwise fp8 counts 1 byte a weight), the
     # price of its memory levers beside peak_memory_bytes.
     weights_by_component: tuple[tuple[str, int], ...] = ()
+    node: str | None = None  # under --ray: the cluster node whose engine served it
 
     @property
     def computed_steps(self) -> int:
@@ -163,6 +164,7 @@ class GenerateResult:
             "lora_fused": self.lora_fused,
             "lora_fuse_ms": self.lora_fuse_ms,
             "weights_bytes": dict(self.weights_by_component),
+            **({"node": self.node} if self.node else {}),
             "timings": {
                 "step_ms": list(t.step_ms),
                 "first_step_ms": t.first_step_ms,

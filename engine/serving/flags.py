@@ -94,7 +94,7 @@ def fleet_config(args, public: bool) -> FleetConfig | None:
         if int(args.replicas) > 1:
             raise SystemExit("--replicas needs --ray (the copies run on the nodes of a Ray cluster)")
         return None
-    address = resolve_address(args.ray, settings.ray_address())
+    address = resolve_address(args.ray, settings.ray_address(), settings.ray_current_cluster())
     if public and not private_address(address) and not args.ray_any_address:
         raise SystemExit(f"--ray {address}: a public app joins only a cluster on loopback or a private network "
                          "(a Ray cluster runs whatever its members send it); pass --ray-any-address if that "

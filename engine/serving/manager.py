@@ -293,7 +293,8 @@ class EngineManager:
             raise EngineBusy(f"request {request.request_id} did not finish within {timeout}s and was cancelled") from None
         finally:
             self._running.pop(request.request_id, None)
-        return result
+        node = getattr(engine, "node_name", None)  # an engine on a Ray node (engine/fleet/client.py)
+        return dataclasses.replace(result, node=node) if isinstance(node, str) and node else result
 
     def cancel(self, request_id: str) -> bool:
         """Stop a running request between steps (it then fails with Cancelled). False if unknown."""
