@@ -535,6 +535,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # every flag's value is checked here (engine/config/flags.py)
     configure_logging(args)
+    try:
+        return start(parser, args)
+    except SystemExit as exc:  # a combination of flags refused after parsing: status 2, as a bad value's
+        if isinstance(exc.code, str):
+            parser.error(exc.code)
+        raise
+
+
+def start(parser, args) -> int:
+    """Check the flags' combinations, build the manager, serve until stopped."""
     engine = check_flags(parser, args)
     hosting = resolve_hosting(args, engine.mode)
     for line in hosting.lines:

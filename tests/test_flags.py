@@ -208,3 +208,19 @@ def test_cli_sidecar_and_client_flags_are_fields_that_refuse_as_argparse_did(cap
     assert (sidecar.warm, sidecar.verbose, sidecar.tp, sidecar.join_timeout) == (["eager", "compile"], True, 2, 600)
     argv = ["a.json", "--steps", "3", "--shutdown"]
     assert argv_of(ClientFlags, client.parse_args(argv)) == argv
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--replicas", "2"], "--replicas needs --ray"),
+    (["--public", "--ray", "8.8.8.8:6379"], "a public app joins only a cluster on loopback or a private network"),
+])
+def test_a_refused_combination_of_flags_exits_with_status_2_in_one_line(argv, words):
+    """Issue 50: a combination refused after parsing exited with status 1, where README says 2."""
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    ended = json.loads(out.stdout.strip().splitlines()[-1])
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert ended["code"] == 2, out.stderr
+    errors = [line for line in lines if "error" in line.lower()]  # after the start-up's info lines
+    assert errors == [lines[-1]] and lines[-1].startswith("app.py: error: ") and words in lines[-1], out.stderr
+    assert "Traceback" not in out.stderr

@@ -141,3 +141,22 @@ def test_1296_key_guesses_from_one_address_are_throttled_counted_and_logged_with
     assert float(failed.split()[-1]) == codes.count(401)
     lines = [r for r in caplog.records if r.name == "ui.visitors"]
     assert 1 <= len(lines) <= quietlog.PER_CLIENT + 1 and not any(r.exc_info for r in caplog.records)
+
+
+def test_a_validation_error_a_handler_raises_is_one_line_never_a_traceback_nor_counted_unexpected(caplog):
+    """Compare's validation errors (gr.Error) logged a traceback the first time per code location."""
+    import gradio as gr
+
+    from ui.compare import CompareHandlers
+
+    budget = quietlog.LogBudget()
+    try:
+        raise gr.Error("pick 2–12 configurations; these choices make 1", title="Invalid request")
+    except gr.Error as exc:
+        caught = exc
+    with caplog.at_level(logging.DEBUG, logger="ui.visitors"):
+        assert budget.failure(quietlog.QUEUE, "an event", caught) == 400
+    assert not any(r.exc_info for r in caplog.records) and not budget.unexpected
+    with pytest.raises(gr.Error) as refused:
+        CompareHandlers._configs(None, ["cpu"], ["fp32"], [], [])  # no mode picked: no configuration
+    assert refused.value.print_exception is False  # Gradio prints no traceback for it

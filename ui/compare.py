@@ -165,7 +165,7 @@ class CompareHandlers(HandlerBase):
             try:
                 typed = explicit.parse_configurations(configurations)
             except ValueError as exc:
-                raise gr.Error(str(exc), title="Invalid request") from None
+                raise gr.Error(str(exc), title="Invalid request", print_exception=False) from None
             device = self.default_device(devices)
             picked = list(dict.fromkeys(compare_views.typed_label(c, device) for c in typed))
             what, reference_device = "listed", device
@@ -176,7 +176,7 @@ class CompareHandlers(HandlerBase):
                 styles = [explicit.lora_suffix(parse_lora(text)) for text in loras or ["none"]]
                 mems = [explicit.memory_suffix(explicit.split_levers(f"+mem={text}")[1]) for text in levers or ["none"]]
             except (ShowcaseError, ValueError) as exc:
-                raise gr.Error(str(exc), title="Invalid request") from None
+                raise gr.Error(str(exc), title="Invalid request", print_exception=False) from None
             picked = [compare_views.config_label(d, p, m, c, style + mem) for d, p, m, c, style, mem in
                       product(devices or [], precisions or [], modes or [], caches or [views.NO_CACHE], styles, mems)]
             what, reference_device = "device × precision × mode × step cache × LoRA × memory", (devices or [None])[0]
@@ -184,11 +184,11 @@ class CompareHandlers(HandlerBase):
             for p in precisions or []:
                 if p not in Precision.values():
                     raise gr.Error(f"unknown precision {p!r}; choose from {', '.join(Precision.values())}",
-                                   title="Invalid request")
+                                   title="Invalid request", print_exception=False)
         if not MIN_CONFIGS <= len(picked) <= MAX_CONFIGS:
             raise gr.Error(
                 f"pick {MIN_CONFIGS}–{MAX_CONFIGS} configurations ({what}); these choices make {len(picked)}",
-                title="Invalid request")
+                title="Invalid request", print_exception=False)
         reference = compare_views.reference_label(reference_device)
         picked += [c for c in own if c not in picked]  # each other chip's eager fp32, priced against too
         return [reference, *(c for c in picked if c != reference)], reference, reference in picked
@@ -358,7 +358,7 @@ class Comparison:
             return min(MAX_TIMING_S, max(0.0, float(DEFAULT_TIMING_S if timing_s is None else timing_s)))
         except (TypeError, ValueError):
             raise gr.Error(f"timing seconds must be a number from 0 to {MAX_TIMING_S:g}, not {timing_s!r}",
-                           title="Invalid request") from None
+                           title="Invalid request", print_exception=False) from None
 
     def payload(self, done: bool = False) -> dict:
         return {"configs": self.configs, "done": done, "reference": self.reference, "results": self.results,

@@ -54,6 +54,8 @@ def client_status(exc: BaseException) -> int | None:
             return status
         if type(e).__name__ == "FnIndexInferError":
             return 404
+        if type(e).__name__ == "Error" and type(e).__module__ == "gradio.exceptions":  # gr.Error: says what to change
+            return 400
         frames = {frame.name for frame in traceback.extract_tb(e.__traceback__)}
         if frames & CLIENT_FRAMES:
             return 404 if isinstance(e, KeyError | IndexError) else 400
