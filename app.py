@@ -513,6 +513,9 @@ def serve(manager, args, engine: DefaultEngine, hosting: HostingChoice, auth) ->
         if attacher is None:  # with --tp-address the sidecar is the default engine: nothing to start here
             start_default_engine(manager, args, engine, hosting)
         demo = launch_ui(manager, args, engine, hosting.public, auth)
+        from engine.devices.environment import remove_empty_default_inductor_folder
+
+        remove_empty_default_inductor_folder()  # torch made it at import in the system temp; nothing here compiles
         demo.block_thread()
     except KeyboardInterrupt:
         pass

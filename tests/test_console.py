@@ -32,10 +32,10 @@ runpy.run_path("app.py", run_name="__main__")
 """
 
 
-def run_app_until_ready(args: list[str], timeout: float = 420) -> tuple[list[str], list[str]]:
+def run_app_until_ready(args: list[str], timeout: float = 420, **env_vars: str) -> tuple[list[str], list[str]]:
     """Start the app (the embedded default), wait for its URL and its default engine's ready line, stop it
     with SIGTERM; returns (lines printed until ready, lines printed after)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GRADIO_ANALYTICS_ENABLED": "False", **env_vars}
     child = subprocess.Popen([sys.executable, "-c", WRAPPER, "--port", str(free_port()), *args], cwd=REPO,
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -62,8 +62,12 @@ def run_app_until_ready(args: list[str], timeout: float = 420) -> tuple[list[str
 
 
 @pytest.mark.slow  # starts the app and its default engine
-def test_make_run_prints_what_the_app_does_and_no_third_party_noise(cache_dir):
-    before, after = run_app_until_ready(["--cache-dir", str(cache_dir)])
+def test_make_run_prints_what_the_app_does_and_no_third_party_noise(cache_dir, tmp_path):
+    system_temp = tmp_path / "system-temp"
+    system_temp.mkdir()
+    before, after = run_app_until_ready(["--cache-dir", str(cache_dir)], TMPDIR=str(system_temp))
+    # issue 50: torch's default inductor folder and Gradio's vibe_edit_history were left empty in the system temp
+    assert not [p.name for p in system_temp.rglob("*") if p.is_dir() and not any(p.iterdir())]
     assert any(URL_LINE in line for line in before)
     url_at = next(i for i, line in enumerate(before) if URL_LINE in line)
     noise = [line for line in before if not OURS.search(line)]

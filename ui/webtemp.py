@@ -43,9 +43,10 @@ def use_cache_folder(cache_dir: Path | str) -> Path:
     os.environ["GRADIO_TEMP_DIR"] = str(folder)  # what gradio.utils.get_upload_folder() returns from now on
     global _owned
     _owned = folder
-    mcp = sys.modules.get("gradio.mcp")
-    if mcp is not None:  # read once when it was imported
-        mcp.DEFAULT_TEMP_DIR = str(folder)
+    for name in ("gradio.mcp", "gradio.route_utils", "gradio.routes", "gradio.screen_recording_utils"):
+        module = sys.modules.get(name)
+        if module is not None:  # read once when it was imported (routes makes vibe_edit_history/ there)
+            module.DEFAULT_TEMP_DIR = str(folder)
     return folder
 
 

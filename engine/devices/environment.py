@@ -99,12 +99,17 @@ def precompiled_header_dir() -> str:
         if isinstance(finder, _HeaderDirOnImport):
             return str(finder.folder)
     # torch's own formula (codecache: default_cache_dir()/precompiled_headers), without importing inductor
+    return str(torch_default_inductor_folder() / "precompiled_headers")
+
+
+def torch_default_inductor_folder() -> Path:
+    """torch's default inductor folder (runtime/cache_dir_utils.py default_cache_dir), computed alike."""
     try:
         user = getpass.getuser()
     except (KeyError, ModuleNotFoundError, OSError):
         user = f"uid_{os.getuid()}"
     user = re.sub(r'[\\/:*?"<>|]', "_", user)
-    return str(Path(tempfile.gettempdir()) / f"{TORCH_DEFAULT_INDUCTOR_PREFIX}{user}" / "precompiled_headers")
+    return Path(tempfile.gettempdir()) / f"{TORCH_DEFAULT_INDUCTOR_PREFIX}{user}"
 
 
 def temp_dir(cache_dir: Path) -> Path:
@@ -162,6 +167,18 @@ class _HeaderDirOnImport(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_then_point
         return spec
+
+
+def remove_empty_default_inductor_folder() -> bool:
+    """`import torch._dynamo` creates torch's default inductor folder (`<temp>/torchinductor_<user>`) even in a
+    process that never compiles (the web server): left empty in the system temp. Removed when empty (a
+    process that compiles there creates it again); True when it was."""
+    folder = torch_default_inductor_folder()
+    try:
+        folder.rmdir()
+    except OSError:  # absent, or not empty: someone uses it
+        return False
+    return True
 
 
 def contain_temporary_files(cache_dir: Path, inductor_cache: str | None) -> None:
