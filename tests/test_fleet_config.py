@@ -131,6 +131,18 @@ def test_ray_local_starts_its_own_cluster_and_says_the_environments_address_is_i
         cluster.join(FleetConfig(address=LOCAL))
     (kwargs,) = calls
     assert kwargs["address"] == "local" and kwargs["include_dashboard"] is False
+    assert kwargs["_temp_dir"] == "/tmp/ray"  # no cache folder named: Ray's own
     lines = [r.getMessage() for r in caplog.records]
     assert any(f"RAY_ADDRESS ({PUBLIC}) is ignored" in line for line in lines), lines
     assert lines[-1] == "joined the Ray cluster at local: 1 node(s)"
+
+
+def test_a_local_clusters_sessions_and_logs_go_under_the_cache_folder_when_its_path_allows(monkeypatch, tmp_path):
+    from engine.fleet.config import RAY_DEFAULT_TEMP_DIR, RAY_TEMP_DIR_CHARS, FleetConfig
+
+    short = "/srv/cache/ray"
+    assert FleetConfig(temp_dir=short).local_temp_dir() == short
+    assert FleetConfig(temp_dir="/" + "c" * RAY_TEMP_DIR_CHARS + "/ray").local_temp_dir() == RAY_DEFAULT_TEMP_DIR
+    assert FleetConfig().local_temp_dir() == RAY_DEFAULT_TEMP_DIR
+    hosting = _hosting(["--ray", "local", "--cache-dir", str(tmp_path)], monkeypatch)
+    assert hosting.fleet.temp_dir == str(tmp_path / "ray")

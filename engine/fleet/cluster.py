@@ -10,10 +10,8 @@ address (with the start of its id where several nodes share an address, as simul
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import ray
 
@@ -61,14 +59,17 @@ def join(config: FleetConfig) -> None:
     try:
         if config.address == LOCAL:
             # address="local": Ray starts a cluster of this machine and reads neither RAY_ADDRESS nor its
-            # ray_current_cluster file (address=None reads both). Ray's own default folder: this process's TMPDIR
-            # points into the cache folder, and Ray's socket paths under a long one pass AF_UNIX's 107-byte limit
+            # ray_current_cluster file (address=None reads both). Its sessions and logs go under the cache
+            # folder where its path is short enough for Ray's sockets (FleetConfig.local_temp_dir)
             ignored = settings.ray_address()
             if ignored:
                 log.warning("--ray local: starting a Ray cluster of this machine; RAY_ADDRESS (%s) is ignored",
                             ignored)
+            temp_dir = config.local_temp_dir()
+            if temp_dir != config.temp_dir and config.temp_dir:
+                log.info("Ray's session logs: %s (the cache folder's path is too long for Ray's sockets)", temp_dir)
             ray.init(address=LOCAL, include_dashboard=False, configure_logging=False, log_to_driver=False,
-                     _temp_dir=str(Path(os.sep, "tmp", "ray")))
+                     _temp_dir=temp_dir)
         else:
             ray.init(address=config.address, configure_logging=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:

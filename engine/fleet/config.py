@@ -14,6 +14,10 @@ __all__ = ["ANYWHERE", "LOCAL", "MAX_REPLICAS", "FleetConfig", "Placement", "add
 
 MAX_REPLICAS = 16
 LOCAL = "local"  # --ray local: start a cluster of this machine alone
+# Ray's sockets are <temp>/session_<date>_<time>_<micros>_<pid>/sockets/plasma_store: about 70 characters past
+# its temp folder, and a socket path may have at most 107 bytes.
+RAY_TEMP_DIR_CHARS = 36
+RAY_DEFAULT_TEMP_DIR = "/tmp/ray"
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,14 @@ class FleetConfig:
     address: str = LOCAL
     replicas: int = 1
     start_timeout_s: float = 120.0  # a node must take an engine's actor and start it within this
+    temp_dir: str | None = None  # a local cluster's session folders and logs (the app's: <cache-dir>/ray)
+
+    def local_temp_dir(self) -> str:
+        """Where a local cluster keeps its sessions and logs: `temp_dir` when Ray's socket paths under it stay
+        within AF_UNIX's 107 bytes, else Ray's own default folder."""
+        if self.temp_dir and len(self.temp_dir) <= RAY_TEMP_DIR_CHARS:
+            return self.temp_dir
+        return RAY_DEFAULT_TEMP_DIR
 
     def __post_init__(self):
         if not 1 <= int(self.replicas) <= MAX_REPLICAS:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine import settings
 from engine.config.flags import comma_list, device_defaults, one_of
@@ -99,7 +100,8 @@ def fleet_config(args, public: bool) -> FleetConfig | None:
         raise SystemExit(f"--ray {address}: a public app joins only a cluster on loopback or a private network "
                          "(a Ray cluster runs whatever its members send it); pass --ray-any-address if that "
                          "network is private all the same")
-    return FleetConfig(address=address, replicas=int(args.replicas), start_timeout_s=settings.fleet_start_timeout_s())
+    return FleetConfig(address=address, replicas=int(args.replicas), start_timeout_s=settings.fleet_start_timeout_s(),
+                       temp_dir=str(Path(args.cache_dir or settings.cache_dir()).expanduser().absolute() / "ray"))
 
 
 @dataclass(frozen=True)
