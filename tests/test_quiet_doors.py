@@ -160,3 +160,25 @@ def test_a_validation_error_a_handler_raises_is_one_line_never_a_traceback_nor_c
     with pytest.raises(gr.Error) as refused:
         CompareHandlers._configs(None, ["cpu"], ["fp32"], [], [])  # no mode picked: no configuration
     assert refused.value.print_exception is False  # Gradio prints no traceback for it
+
+
+def test_gradios_per_session_tables_are_bounded_past_the_state_cap(manager):
+    """Sessions crept about 8 KB each past the 500-session state cap: a streaming run's last outputs, the
+    messages and event ids of sessions nobody reads. Each table now keeps at most twice the cap."""
+    from ui import build_demo
+    from ui.blocks import STATE_SESSIONS
+    from ui.sessions import SESSIONS_PER_STATE
+
+    demo = build_demo(manager)
+    cap = SESSIONS_PER_STATE * STATE_SESSIONS
+    for i in range(3 * cap):
+        demo.pending_diff_streams[f"s{i}"]["run"] = [None] * 12  # as Gradio's handle_streaming_diffs does
+        demo.pending_streams[f"s{i}"].setdefault("run", {})
+        demo._queue.pending_event_ids_session[f"s{i}"] = {f"e{i}"}
+        demo._queue.pending_messages_per_session[f"s{i}"] = object()
+    for table in (demo.pending_diff_streams, demo.pending_streams, demo._queue.pending_event_ids_session,
+                  demo._queue.pending_messages_per_session):
+        assert len(table) == cap and f"s{3 * cap - 1}" in table and "s0" not in table
+    with pytest.raises(KeyError):
+        demo._queue.pending_event_ids_session["never"]  # still a dict's answer to a session it does not have
+    demo.close()

@@ -21,6 +21,7 @@ from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
 from ui.metrics import MetricsRoute
 from ui.openai_api import ApiKeys, OpenAIRoutes
+from ui.sessions import bound_sessions
 from ui.sockets import install_server_hook, public_bounds
 
 __all__ = ["GENERATE_API_PARAMS", "build_demo", "launch_kwargs"]
@@ -152,6 +153,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     # of n visitors made n²/2 messages at its start, when the web server is busiest).
     demo.queue(max_size=queue_size, status_update_rate=QUEUE_STATUS_S)
     poll_queue_less_often(demo)
+    bound_sessions(demo, STATE_SESSIONS)  # Gradio's other per-session tables (ui/sessions.py)
     settle_queue_groups(demo)
     guard.install(demo)
     demo.edge = guard
