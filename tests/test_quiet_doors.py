@@ -182,3 +182,20 @@ def test_gradios_per_session_tables_are_bounded_past_the_state_cap(manager):
     with pytest.raises(KeyError):
         demo._queue.pending_event_ids_session["never"]  # still a dict's answer to a session it does not have
     demo.close()
+
+
+@pytest.mark.parametrize("steps", ["\u00b2", "9" * 4500, "\u0661\u0662"])
+def test_the_gradio_apis_number_fields_are_typed_errors_never_unexpected_ones(steps):
+    """The page's and /generate's run feed read steps with isdigit() (then int() failed on "²" and 4,500
+    digits); the memory lever field read block counts the same way."""
+    from engine.config.presets import get_preset
+    from engine.config.request import ImageRequest
+    from engine.config.validation import build_request
+    from engine.protocol import MemoryLevers
+    from ui.common import _steps_or_none
+
+    assert _steps_or_none(steps) is None and _steps_or_none("8") == 8
+    with pytest.raises(InvalidRequest, match="steps"):
+        build_request(get_preset("tiny-shapes"), ImageRequest(preset="tiny-shapes", prompt="x", steps=steps))
+    with pytest.raises(InvalidRequest, match="memory lever"):
+        MemoryLevers.parse(f"group:block:{steps[:100]}")

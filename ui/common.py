@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from engine import devices as engine_devices
+from engine.config import strict
 from engine.config.placement import split_device
 from engine.errors import (
     BudgetExceeded,
@@ -118,6 +119,15 @@ def to_gradio_error(exc: BaseException, public: bool = True) -> gr.Error:
     quietlog.unexpected("a UI handler", exc)
     title, message = _unexpected_message(exc)
     return gr.Error(message, title=title, print_exception=False)
+
+
+def _steps_or_none(steps) -> int | None:
+    """The steps a form asked for, when they are a whole number ("²" passes isdigit() and fails int()); else
+    None (the request's own check names the field)."""
+    try:
+        return strict.whole(steps, "steps")
+    except InvalidRequest:
+        return None
 
 
 class LRU(OrderedDict):
@@ -316,7 +326,7 @@ class HandlerBase:
         """What a run on engine `key` shows on `bar` while it waits and steps (ui/runs.py)."""
         scheduler = getattr(self.manager, "scheduler", None)
         residency = self.manager.residency
-        return RunFeed(bar, key, int(steps) if str(steps or "").isdigit() else None, residency.status_rows,
+        return RunFeed(bar, key, _steps_or_none(steps), residency.status_rows,
                        scheduler.snapshot if scheduler is not None else dict, residency.get)
 
     async def await_listener(self, request: gr.Request | None) -> None:

@@ -53,7 +53,7 @@ def _whole(value) -> int:
         return int(value)
     if isinstance(value, str):
         text = value.strip()
-        if len(text) > 40:
+        if len(text) > 40 or not text.isascii():  # int() reads "١٢" as 12 (strict.py: ASCII digits only)
             raise ValueError
         try:
             return int(text)

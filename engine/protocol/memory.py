@@ -151,7 +151,7 @@ def _parse_group(token: str, rest: list[str]) -> dict:
     for word in rest[1:]:
         if word in ("stream", "disk"):
             fields[f"group_{word}"] = True
-        elif rest[0] == "block" and word.isdigit() and "group_blocks" not in fields:
+        elif rest[0] == "block" and word.isascii() and word.isdigit() and len(word) <= 9 and "group_blocks" not in fields:
             blocks = int(word)
             if not 1 <= blocks <= MAX_BLOCKS_PER_GROUP:
                 raise InvalidRequest(f"memory lever {token!r}: blocks per group {blocks} is out of range: allowed "
