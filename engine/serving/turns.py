@@ -6,7 +6,9 @@ full and refused everyone else. Here it waits instead, and the next place goes t
 turn is due: start-time fair queueing by cost (each client's requests are tagged with the token-steps
 served to it before them; the smallest tag goes first, a client that has not asked lately starts at the
 engine's current tag), the cost-weighted form of round-robin the cost budgets price
-(engine/serving/cost.py). A new client's request therefore takes the next free place.
+(engine/serving/cost.py). A new client's request therefore takes the next free place, and an eighth of the
+places are kept for such requests: clients ahead of their share leave them free, so a newcomer is sent to the
+worker at once and runs after the call under way (the worker takes turns between clients too).
 
 The waiting list is bounded too; when it is full the request refused is the newest of the client with the
 most waiting, never a newcomer's because of others. A refusal says when to retry (EngineBusy.retry_after_s,
@@ -38,6 +40,11 @@ class _Waiter:
     since: float = field(default_factory=time.monotonic)
 
 
+def reserved(capacity: int) -> int:
+    """Places kept for requests not ahead of their share: an eighth, at least one (none at a 1-place engine)."""
+    return max(1, capacity // 8) if capacity > 1 else 0
+
+
 class _Line:
     """One engine's places and waiting list (under Turns' condition)."""
 
@@ -56,9 +63,15 @@ class _Line:
         return start
 
     def grant(self, capacity: int) -> bool:
+        """Place waiting requests, smallest tag first. The last `reserved(capacity)` places only take a request
+        whose client is not ahead of the engine's virtual time (a newcomer, or one owed its share): so callers
+        keeping the engine full leave a place for the next caller, who then runs right after the call under way."""
         granted = False
-        while self.placed < capacity and self.waiting:
+        while self.waiting:
             first = min(self.waiting, key=lambda w: (w.start, w.seq))
+            limit = capacity if first.start <= self.now else capacity - reserved(capacity)
+            if self.placed >= limit:
+                break
             self.waiting.remove(first)
             first.state = "placed"
             self.placed += 1
