@@ -380,7 +380,11 @@ class Soak:
         rng = random.Random(self.opts.seed + index)
         self.rng = random.Random(self.opts.seed * 1000 + index)
         previous = None
-        while time.time() < deadline:
+        sent = 0
+        # The first request always goes out: a visitor process (niced, importing its client) can take longer than
+        # a short run's duration to start on a loaded machine, and a run whose visitors sent nothing measures nothing.
+        while not sent or time.time() < deadline:
+            sent += 1
             params, _ = self.random_params()
             cancel_after = rng.uniform(0.05, 0.5) if rng.random() < self.opts.cancel_rate else None
             outcome = self.request(client, params, cancel_after=cancel_after)

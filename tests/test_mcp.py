@@ -165,3 +165,16 @@ def test_the_advisor_is_a_host_only_start_poll_pair(mcp_url):
         return [p for p in psutil.Process().children(recursive=True) if "advise" in " ".join(p.cmdline())]
 
     wait_until(lambda: not advisors(), timeout=30, message="the cancelled advisor's process is still running")
+
+
+def test_an_mcp_body_nested_too_deep_or_with_a_4500_digit_number_is_a_400_not_a_500(mcp_url):
+    """Issue 50: the MCP server's JSON parser recursed past Python's limit, or refused to read the int: HTTP 500
+    and a traceback each. The web edge reads JSON bodies strictly first (engine/config/strict.py)."""
+    import httpx
+
+    headers = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
+    deep = httpx.post(mcp_url, content="[" * 100_000 + "]" * 100_000, headers=headers, timeout=60)
+    long = httpx.post(mcp_url, content='{"jsonrpc": "2.0", "id": ' + "9" * 4500 + ', "method": "tools/list"}',
+                      headers=headers, timeout=60)
+    assert (deep.status_code, long.status_code) == (400, 400), (deep.text[:200], long.text[:200])
+    assert "more than 32 deep" in deep.json()["detail"] and "more than 40 digits" in long.json()["detail"]

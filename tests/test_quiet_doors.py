@@ -199,3 +199,15 @@ def test_the_gradio_apis_number_fields_are_typed_errors_never_unexpected_ones(st
         build_request(get_preset("tiny-shapes"), ImageRequest(preset="tiny-shapes", prompt="x", steps=steps))
     with pytest.raises(InvalidRequest, match="memory lever"):
         MemoryLevers.parse(f"group:block:{steps[:100]}")
+
+
+@pytest.mark.parametrize("path", ["/gradio_api/call/generate", "/gradio_api/queue/join", "/gradio_api/run/predict"])
+def test_the_gradio_apis_deep_or_long_json_is_a_400_without_a_traceback(app, caplog, path):
+    url, _ = app
+    with caplog.at_level(logging.INFO), httpx.Client(timeout=60) as http:
+        answers = [http.post(url + path, content=body, headers={"content-type": "application/json",
+                                                                  "x-forwarded-for": "10.8.0.1"})
+                   for body in ("[" * 100_000 + "]" * 100_000, '{"data": [' + DIGITS + "]}")]
+    assert [a.status_code for a in answers] == [400, 400], [a.text[:200] for a in answers]
+    assert "more than 32 deep" in answers[0].json()["detail"] and "40 digits" in answers[1].json()["detail"]
+    assert not any(r.exc_info for r in caplog.records if not r.name.startswith(("httpx", "httpcore")))

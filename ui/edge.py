@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs
 
-from engine.errors import ShowcaseError
+from engine.config import strict
+from engine.errors import InvalidRequest, ShowcaseError
 from ui import quietlog
 from ui.keyguard import KeyGuard
 from ui.sockets import REASONS, SocketBounds, SocketGuard, in_networks, is_stream_path
@@ -387,6 +388,28 @@ class EdgeGuard:
                 **({"sockets": self.sockets.snapshot()} if self.sockets is not None else {})}
 
 
+def _json_post(scope) -> bool:
+    """A JSON body the app's routes parse themselves (Gradio's API, MCP); /v1 reads its own strictly."""
+    if scope.get("method") not in ("POST", "PUT", "PATCH") or scope["path"].startswith("/v1"):
+        return False
+    return (_header(scope, b"content-type") or "application/json").lower().startswith("application/json")
+
+
+def _replay(data: bytes, after, gone: dict | None = None):
+    """A receive that gives `data` as the whole body, then `gone` (the disconnect already read) or what the
+    server's own receive, `after`, says next (a disconnect when the client goes)."""
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        return gone if gone is not None else await after()
+
+    return receive
+
+
 def _own_output(scope, asked: str) -> bool:
     """Whether `/file=<asked>` names a file in this app's own temporary folder (Gradio's App keeps it)."""
     folder = getattr(scope.get("app"), "uploaded_file_dir", None)
@@ -446,6 +469,14 @@ class _EdgeMiddleware:
                 self.refused[reason] += 1
             await _refuse(send, status, message)
             return
+        if _json_post(scope):  # read whole (bounded) and checked before any parser recurses into it
+            receive, refusal = await self._checked_json(scope, receive)
+            if refusal is not None:
+                self.refused[refusal[0]] += 1
+                self.log.line(self._client(scope), "%s %s refused: %s", scope.get("method"), scope["path"][:120],
+                              refusal[2][:160])
+                await _refuse(send, refusal[1], refusal[2])
+                return
         body = _CountedBody(receive, send, self.max_body_bytes)
         session = self.streams.session_of(scope)
         with self.streams.proxied(scope) as admitted, self.streams.listener(session):
@@ -470,6 +501,30 @@ class _EdgeMiddleware:
             self.refused["body size"] += 1
             await _refuse(send, 413, f"Request body is over this server's limit of {body.limit:,} bytes "
                                      "(prompts are at most 4,000 characters)")
+
+    async def _checked_json(self, scope, receive):
+        """(a receive that replays the body, None) or (None, (reason, status, message)) for a JSON body over the
+        size bound, nesting deeper than strict.MAX_DEPTH or with a number of more than strict.MAX_DIGITS digits
+        (Python's parser recursed past its limit, or refused to read the int: a 500 and a traceback each)."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return _replay(b"".join(chunks), receive, message), None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return None, ("body size", 413, f"Request body is over this server's limit of "
+                                                f"{self.max_body_bytes:,} bytes (prompts are at most 4,000 characters)")
+            if not message.get("more_body"):
+                break
+        data = b"".join(chunks)
+        try:
+            strict.loads(data)
+        except InvalidRequest as exc:
+            if "must be JSON" not in str(exc):  # JSON the app cannot read: its own parser answers that
+                return None, ("malformed JSON", 400, str(exc))
+        return _replay(data, receive), None
 
     def _client(self, scope) -> str:
         from starlette.requests import Request
