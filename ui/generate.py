@@ -334,8 +334,11 @@ class GenerateHandlers(HandlerBase):
         rows = views.step_rows(result)
         frame = views.step_frame(rows, generate_views.STEP_COLUMNS, series=(views.COMPUTED, views.CACHED))
         # The x axis spans the run's steps from the start: a first, empty partial made a one-value axis
-        # ticked "1.000000" (and an empty y axis one at 0).
-        plot = gr.update(value=frame, x_lim=generate_views.step_axis(result), y_lim=None if rows else [0, 1])
+        # ticked "1.000000". No y_lim, ever: Vega takes the y range from the data. The browser keeps a
+        # LinePlot's last y_lim when an update sets it to None (an empty partial's [0, 1] stayed for the whole
+        # run and drew the line far above the chart), and a y_lim that follows the data rebuilds the chart on
+        # every step, and racing rebuilds leave a stale line.
+        plot = gr.update(value=frame, x_lim=generate_views.step_axis(result))
         stats = pd.DataFrame(generate_views.stats_rows(result), columns=generate_views.STATS_COLUMNS)
         return plot, stats, generate_views.run_summary(result)
 
