@@ -22,7 +22,7 @@ from engine.errors import ShowcaseError
 from engine.protocol import EngineKey, Mode, Parallel, Size, memory_forms, parse_lora, ranks_choice
 from engine.serving import stream
 from engine.serving.gate import Admitted
-from ui import generate_views, memory_views, views, webtemp
+from ui import generate_views, memory_views, views, waiting, webtemp
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, key_fields, to_gradio_error
 from ui.runs import ProgressBar, RunFeed
 
@@ -148,6 +148,10 @@ class PreparedRun:
     key: EngineKey
     view: RunView
 
+    def compile_bucket(self) -> str | None:
+        request = self.spec.request
+        return waiting.compile_bucket(request.mode, request.size, request.on_cold)
+
 
 class GenerateHandlers(HandlerBase):
     # -- settings --------------------------------------------------------------------------------
@@ -236,7 +240,7 @@ class GenerateHandlers(HandlerBase):
         stops the engine request between steps.
         """
         prepared = self._prepare(form, request, progress)
-        feed = self.run_feed(prepared.key, ProgressBar(progress))
+        feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
         with self._registered(request) as run, closing(stream.blocking(self._events(prepared, run))) as events:
             for event in events:
                 yield from prepared.view.outputs(event, feed, page=True)
@@ -254,7 +258,7 @@ class GenerateHandlers(HandlerBase):
           encoded again.
         Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await."""
         prepared = self._prepare(form, request, progress, for_page=False)
-        feed = self.run_feed(prepared.key, ProgressBar(progress))
+        feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
         try:
             await self.await_listener(request)
         except ShowcaseError as exc:

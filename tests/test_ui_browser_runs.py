@@ -1,13 +1,15 @@
-"""The per-step plots in a real headless Chromium: every drawn point of a line lies inside its plot area.
+"""What a run shows in a real headless Chromium: every drawn point of a per-step line lies inside its plot
+area, and a Compare that waits on a compile says which one while it waits, the words moving.
 
 A test that only finds a path passes when the y axis stays at 0-1 ms and the line is drawn thousands of
 pixels above the chart; this one reads the path's vertices in screen coordinates and the plot frame's box.
 One app and one page (eager by default, so no Generate queues a background compile); Generate three times
-at different step counts, then a Compare at the shared regional graph.
+at different step counts, then a Compare whose regional compile waits in line, then the plot of a Compare.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -108,11 +110,65 @@ def test_generate_draws_every_point_inside_the_plot(page, steps):
     assert counts == [steps] and not outside, (counts, outside)
 
 
-def test_compare_draws_every_point_inside_the_plot(page):
+class _Held:
+    """A compile that holds the host's compile slots as a waited-for one (the scheduler's public `want`), so
+    the Compare's own compile waits in line behind it until the test lets it go."""
+
+    key = "a held compile"
+
+    def grant_compile(self, bucket) -> None:
+        pass
+
+
+def progress_text(page) -> str:
+    """The Compare's progress as drawn over its status line (Gradio's progress overlay)."""
+    return page.evaluate("() => (document.querySelector('#c-status')?.innerText || '').replace(/\\s+/g, ' ')")
+
+
+def open_compare(page) -> None:
     page.get_by_role("tab", name="Compare").click()
     page.click("#c-size input")
     page.locator(f'#c-size [role=option][aria-label^="{WATCHED}"]').first.click()
     page.keyboard.press("Escape")
+
+
+def test_a_compare_waiting_on_a_compile_names_it_and_its_words_move(page, manager):
+    """The issue: 20 s into a Compare that waited 79 s for a regional compile, the page read only
+    "queued on …: 0 earlier requests ahead" (or its placeholder). Sampled once a second, the progress names
+    the compile (regional:64x64) and never reads the same for 5 samples in a row."""
+    from engine.protocol import BucketKey, Mode, Size
+
+    open_compare(page)
+    for elem_id in ("c-timing", "c-fidelity-prompts"):
+        box = page.locator(f"#{elem_id} input[type=number]")
+        box.fill("0")
+        box.press("Enter")
+    held = [(_Held(), BucketKey(Mode("compile"), Size(8, 8 * (i + 1))))
+            for i in range(manager.scheduler.jobs)]
+    for engine, bucket in held:
+        manager.scheduler.want(engine, bucket, waiting=1)
+    try:
+        page.click("#compare-btn")
+        page.wait_for_function("(document.querySelector('#c-status')?.innerText || '').includes('regional:64x64')",
+                               timeout=240_000)
+        samples = []
+        for _ in range(12):
+            samples.append(progress_text(page))
+            page.wait_for_timeout(1000)
+    finally:
+        for engine, bucket in held:
+            manager.scheduler.finished(engine, bucket)
+    shown = [s for s in samples if "steps |" in s or "%" in s]  # the overlay, not a heartbeat's blank
+    assert len(shown) >= 9, samples
+    assert all(f"compile of regional:{WATCHED}" in s or f"compiling regional:{WATCHED}" in s for s in shown), shown
+    runs = max(len(list(group)) for _, group in itertools.groupby(shown))
+    assert runs < 5, shown  # the words move at least every 5 s
+    page.wait_for_function("document.querySelectorAll('#c-speedup .virtual-body [role=row]').length === 2",
+                           timeout=300_000)
+
+
+def test_compare_draws_every_point_inside_the_plot(page):
+    open_compare(page)
     page.click("#compare-btn")
     page.wait_for_function("document.querySelectorAll('#c-speedup .virtual-body [role=row]').length === 2",
                            timeout=300_000)
