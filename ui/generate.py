@@ -184,7 +184,8 @@ class GenerateHandlers(HandlerBase):
         size_update = gr.update(choices=views.size_choices(sizes, mode, engine))
         if size not in sizes and sizes:
             size_update = gr.update(choices=views.size_choices(sizes, mode, engine), value=sizes[0])
-        return views.engine_line(str(key), engine), size_update, mode_update
+        load_s = waiting.load_estimate_s([r.get("load_s") for r in self.manager.residency.status_rows()])
+        return views.engine_line(str(key), engine, load_s=load_s), size_update, mode_update
 
     def step_cache_choices(self, preset: str, device: str, mode: str, current: str | None = None):
         """The step caches this preset, device and mode can use; unusable ones say why. A choice the
@@ -203,10 +204,26 @@ class GenerateHandlers(HandlerBase):
             rows = self.manager.levers.choices(self.key_for(preset, device, precision, tp), mode)
         except ShowcaseError:
             rows = []
-        choices = memory_views.memory_choices(rows, host, self.manager.policy.public) or [("none", "none")]
+        loads = self.new_engine_loads(preset, device, precision, tp, [r["levers"] for r in rows])
+        choices = memory_views.memory_choices(rows, host, self.manager.policy.public, loads) or [("none", "none")]
         usable = memory_views.usable_values(rows) & {value for _, value in choices}
         return gr.update(choices=choices, value=current if current in usable else choices[0][1],
                          info=memory_views.memory_info(rows, host))
+
+    def new_engine_loads(self, preset: str, device: str, precision: str, tp, levers: list[str]) -> dict[str, float]:
+        """The lever sets whose engine is not loaded (choosing one starts it), each with about how long a load
+        takes here (the median of this host's loads)."""
+        residency = self.manager.residency
+        estimate = waiting.load_estimate_s([r.get("load_s") for r in residency.status_rows()])
+        loads = {}
+        for value in levers:
+            try:
+                engine = residency.get(self.key_for(preset, device, precision, tp, levers=_given(value)))
+            except ShowcaseError:
+                continue
+            if engine is None or not engine.ready.is_set():
+                loads[value] = estimate
+        return loads
 
     def lora_choices(self, preset: str):
         """The new preset's LoRA adapters (none selected)."""
