@@ -208,6 +208,11 @@ def test_summary_table_and_json_show_one_speedup_per_configuration():
     assert text in markdown(report)
     json_row = next(r for r in report["rows"] if r["label"] == "bf16/eager")
     assert json_row["speedup"] == expected.speedup and json_row["scan_speedup"] == 1.80
+    assert "paired_speedup" not in json_row  # the saved JSON held 1.61 there beside the final round's 1.236
+    # the pick says its margin over the quality floor (a pick sat at 25.0008 dB on a 25 dB floor)
+    assert ", PSNR 31.0000 dB: 6.0 dB over its 25 dB floor" in advise_report.summary(report)
+    thin = {**report, "pick": {**report["pick"], "drift_psnr_db": 25.0008}}
+    assert "0.0008 dB over its 25 dB floor (a thin margin" in advise_report.summary(thin)
 
 
 def test_each_card_shows_the_worst_sample_beside_eager_fp32_and_their_difference():
