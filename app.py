@@ -462,8 +462,12 @@ def launch_ui(manager, args, engine: DefaultEngine, public: bool, auth):
         show_error=False,  # only the app's own gr.Error messages reach a visitor (ui/common.py)
         mcp_server=args.mcp,
         prevent_thread_lock=True,
+        quiet=True,  # Gradio's own lines told a --share app to "set `share=True` in `launch()`"
         **launch_kwargs(args.theme, demo),
     )
+    print(f"* Running on local URL:  {demo.local_url.rstrip('/')}", flush=True)
+    if demo.share_url:
+        print(f"* Running on public URL: {demo.share_url}", flush=True)
     if args.mcp:
         from ui import mcp
 

@@ -395,6 +395,7 @@ def apply_final_round(rows: list[dict], confirm: dict) -> dict | None:
         if figure and figure.get("speedup") is not None and not r.get("error"):
             r["scan_speedup"] = r.get("speedup")
             r["speedup"], r["speedup_figure"], r["speedup_source"] = figure["speedup"], figure, "final round"
+            r.pop("paired_speedup", None)  # the scan's, kept as scan_speedup: one "speedup" per configuration
     return next((r for r in rows if r["label"] == confirm["pick"]), None)
 
 

@@ -106,7 +106,8 @@ def summary(report: dict) -> str:
         parts.append(f"**Pick: `{pick['label']}`** — {pick['s_per_image']:.3f} s per image, "
                      f"**{row_speedup_text(pick)}** eager fp32 (final round: "
                      f"{(confirm.get('pick_ms_median') or 0):.1f} vs {(confirm.get('reference_ms_median') or 0):.1f} "
-                     f"ms, medians of {confirm.get('rounds')} rounds), fidelity {pct(pick.get('fidelity'))}.")
+                     f"ms, medians of {confirm.get('rounds')} rounds), fidelity {pct(pick.get('fidelity'))}"
+                     f"{margin_text(pick, report.get('bound') or {})}.")
     limits = bound_text(report.get("bound") or {})
     if limits:
         parts.append("Bound: " + ", ".join(limits) + ".")
@@ -123,6 +124,17 @@ def short_budget_text(report: dict, short: dict) -> str:
             f"of any configuration faster than eager fp32 ({len(cut)} cut for time, first `{short['first']}`). "
             f"About **{short['needed_minutes']:g} min** would reach `{short['first']}`'s check. Nothing to "
             "apply: Generate keeps its configuration.")
+
+
+def margin_text(pick: dict, bound: dict) -> str:
+    """", PSNR 25.0008 dB: 0.0008 dB over its 25 dB floor": how close the pick came to the quality bound."""
+    floor, psnr = bound.get("min_psnr_db"), pick.get("drift_psnr_db")
+    if floor is None or psnr is None or psnr == float("inf"):
+        return ""
+    margin = psnr - floor
+    figure = f"{margin:.4f}" if abs(margin) < 0.1 else f"{margin:.1f}"
+    thin = " (a thin margin: another run may not pick it)" if abs(margin) < 0.1 else ""
+    return f", PSNR {psnr:.4f} dB: {figure} dB over its {floor:g} dB floor{thin}"
 
 
 def bound_text(bound: dict) -> list[str]:

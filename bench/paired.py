@@ -87,7 +87,8 @@ def engine_marks(status: Iterable[dict], own_engines: Iterable[str] = (), compil
     compiling anywhere, and requests pending on an engine that is not one being measured."""
     own = {str(e) for e in own_engines}
     marks: list[str] = []
-    compiling = sorted({f"{row.get('engine')} {b.get('mode', '')} {b.get('size', '')}".strip()
+    # One spelling for both sources, the scheduler's bucket ("regional:64x64"), so one compile is one mark.
+    compiling = sorted({f"{row.get('engine')} {b.get('mode', '')}:{b.get('size', '')}"
                         for row in status for b in row.get("buckets") or [] if b.get("state") == "compiling"})
     running = [f"{c.get('engine')} {c.get('bucket')}" for c in (compiles or {}).get("running", [])]
     for what in dict.fromkeys(compiling + running):

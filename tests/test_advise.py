@@ -208,6 +208,11 @@ def test_summary_table_and_json_show_one_speedup_per_configuration():
     assert text in markdown(report)
     json_row = next(r for r in report["rows"] if r["label"] == "bf16/eager")
     assert json_row["speedup"] == expected.speedup and json_row["scan_speedup"] == 1.80
+    assert "paired_speedup" not in json_row  # the saved JSON held 1.61 there beside the final round's 1.236
+    # the pick says its margin over the quality floor (a pick sat at 25.0008 dB on a 25 dB floor)
+    assert ", PSNR 31.0000 dB: 6.0 dB over its 25 dB floor" in advise_report.summary(report)
+    thin = {**report, "pick": {**report["pick"], "drift_psnr_db": 25.0008}}
+    assert "0.0008 dB over its 25 dB floor (a thin margin" in advise_report.summary(thin)
 
 
 def test_each_card_shows_the_worst_sample_beside_eager_fp32_and_their_difference():
@@ -445,3 +450,23 @@ def test_each_runner_runs_its_own_attention_backend(monkeypatch):
     for attention in ("native", "flex", "native", "_native_math", "native"):
         runners.get(Candidate("fp32", "compile", attention=attention))
         assert _AttentionBackendRegistry.get_active_backend()[0] == AttentionBackendName(attention)
+
+
+def test_the_advisor_bar_moves_with_the_clock_between_the_childs_messages(monkeypatch):
+    """The bar read "28/60 steps" for as long as a compile ran: the child says nothing meanwhile. Between its
+    messages the bar moves on in seconds, saying how long the current step has taken."""
+    from helpers import FakeClock
+
+    from ui import advisor
+
+    clock, seen = FakeClock(100.0), []
+    monkeypatch.setattr(advisor, "time", clock)
+    bar = advisor.AdvisorBar(lambda value, desc="", unit="": seen.append((value, desc, unit)))
+    assert bar.show({"tick": True}) == "starting"  # no budget known yet: no bar
+    assert bar.show({"progress": 28, "total": 60, "desc": "fp32/regional (compiling)"}) == \
+        "28 s of 60 s: fp32/regional (compiling)"
+    clock.sleep(5)
+    assert bar.show({"tick": True}) == "33 s of 60 s: fp32/regional (compiling) (5 s on it)"
+    assert seen[-1] == ((33, 60), "advisor: fp32/regional (compiling) (5 s on it)", "s")
+    clock.sleep(100)
+    assert seen[-1][0] != (60, 60) and bar.show({"tick": True}).startswith("60 s of 60 s")  # never past its budget

@@ -20,7 +20,7 @@ URL_LINE = "Running on local URL:"
 READY = re.compile(r"INFO app: engine \S+ ready in")
 # A line of ours: the app's and the engine's loggers (a worker's start with its engine), Gradio's own launch lines.
 OURS = re.compile(r"^(\[worker [^\]]+\] )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) (app|engine|ui)[\w.]*( \[[\w,]+\])?: "
-                  r"|^\* (Running on local URL|To create a public link)|^$")
+                  r"|^\* Running on local URL|^$")
 # The web process prints these modules' names when it exits (after SIGTERM): none may be loaded.
 HEAVY = ("torchao", "torch._inductor.codecache", "torch._inductor.compile_fx")
 WRAPPER = f"""
@@ -74,6 +74,10 @@ def test_make_run_prints_what_the_app_does_and_no_third_party_noise(cache_dir, t
     assert noise == [], "third-party lines before the engine was ready:\n" + "\n".join(noise)
     says = "\n".join(before[:url_at])
     assert "INFO app: loading tiny-shapes@" in says  # what it is doing, before the URL
+    assert url_at <= 5, says  # at most 5 lines before the URL
+    # Gradio told an app whose flag is --share to "set `share=True` in `launch()`"; torch's LeafSpec warnings
+    printed = "\n".join(before + after)
+    assert "share=True" not in printed and "LeafSpec" not in printed and "Warning" not in says, printed
     assert any(READY.search(line) for line in before)
     (modules,) = [line for line in after if line.startswith("WEB-MODULES")]
     assert modules == "WEB-MODULES []", modules

@@ -89,6 +89,7 @@ def test_generate_returns_the_image_and_its_timings(mcp_url):
     figures = json.loads(timings[0])  # JSON an agent can read, not Python's repr
     assert figures["engine"] == "tiny-shapes@cpu/fp32" and figures["seed"] == 3
     assert len(figures["timings"]["step_ms"]) == 2
+    assert not [t for t in texts(result) if "gradio_api/file=" in t or "/web/" in t]  # no server path
 
 
 def test_a_refusal_in_public_mode_is_a_tool_error_with_the_apps_message(mcp_url):

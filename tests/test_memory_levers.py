@@ -290,6 +290,9 @@ def test_compare_shows_gib_beside_seconds():
     assert "1.50 GiB peak" in compare_views.compare_cards_html([result], [None])
     assert ["weights (memory levers: none)", "transformer 0.25 GiB, vae 0.25 GiB"] in generate_views.stats_rows(
         {**result, "timings": {"step_ms": [1.0]}})
+    # fp8-stored weights of a small model: their bytes, not "transformer 0.00 GiB"
+    small = {**result, "timings": {"step_ms": [1.0]}, "weights_bytes": {"transformer": 3 * 2**20, "vae": 2**19}}
+    assert ["weights (memory levers: none)", "transformer 3.0 MiB, vae 0.5 MiB"] in generate_views.stats_rows(small)
 
 
 # -- the Advisor's memory bound ------------------------------------------------------------------------
@@ -439,6 +442,20 @@ def test_the_memory_field_lists_what_the_mode_can_run_and_the_hosts_choice(manag
     assert memory_views.memory_choices(rows, "layerwise:fp8", public=True) == [("host's choice (layerwise:fp8)", "")]
     assert memory_views.memory_choices(rows, "", public=False) == [
         ("none · ≈ 3.00 GiB peak, weights 1.00 GiB · ≈ 1× the time", "none")]
+    # a set whose engine is not loaded says so before the click, with this host's load estimate
+    assert memory_views.memory_choices(rows, "", public=False, loads={"none": 18.4}) == [
+        ("none · ≈ 3.00 GiB peak, weights 1.00 GiB · ≈ 1× the time · loads a new engine: ≈ 18 s", "none")]
+    labels = {value: label for label, value in eager["choices"]}
+    fp8_loaded = manager.residency.get(h.key_for("tiny-shapes", "cpu", "fp32", 1, levers="layerwise:fp8"))
+    assert ("loads a new engine: ≈" in labels["layerwise:fp8"]) == (fp8_loaded is None
+                                                                    or not fp8_loaded.ready.is_set())
+
+
+def test_the_engine_line_says_a_new_engine_loads_and_about_how_long():
+    from ui import views
+
+    line = views.engine_line("tiny-shapes@cpu/fp32+layerwise:fp8", {"state": "loading"}, load_s=18.6)
+    assert "a new engine loads: ≈ 19 s here" in line and "a Generate now waits for it" in line
 
 
 # -- fit: the estimate and --memory auto ---------------------------------------------------------------

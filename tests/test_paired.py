@@ -107,7 +107,11 @@ def test_engine_and_load_marks():
               {"engine": "other", "pending": 2, "buckets": [{"mode": "compile", "size": "64x64",
                                                              "state": "compiling"}]}]
     marks = paired.engine_marks(status, own_engines=["mine"])
-    assert marks == ["compile running (other compile 64x64)", "another engine's work (other)"]
+    assert marks == ["compile running (other compile:64x64)", "another engine's work (other)"]
+    # the scheduler's word for the same compile is the same mark, spelt once (cards showed both spellings)
+    both = paired.engine_marks(status, own_engines=["mine"],
+                               compiles={"running": [{"engine": "other", "bucket": "compile:64x64"}]})
+    assert both == marks
     assert paired.engine_marks(status[:1], own_engines=["mine"]) == []
     assert paired.load_marks(3.5, 2) == ["host load 3.5 on 2 cores"]
     assert paired.load_marks(1.5, 2) == []

@@ -60,3 +60,31 @@ def test_a_loading_engines_bar_moves_with_the_time_waited():
     shares = [value for value, _ in seen]
     assert shares == sorted(shares) and shares[0] > 0 and shares[-1] < 1 and len(set(shares)) == 3
     assert seen[-1][1].startswith(f"loading engine {KEY}") and "about 20 s" in seen[-1][1]
+
+
+def test_a_request_names_the_compile_of_its_bucket_though_it_came_after_the_grant():
+    """A Compare waited 79 s for a regional compile reading "queued on …: 0 earlier requests ahead": the compile
+    was granted (as a background warm-up) before the request waited, so its entry counted no waiter."""
+    snapshot = {"running": [{"engine": str(KEY), "bucket": "regional:64x64", "waiting": 0, "running_s": 14.0}],
+                "queued": []}
+    bucket = waiting.compile_bucket("regional", "64x64", "wait")
+    text, share = waiting.compile_wait_text(KEY, snapshot, [], 9.0, bucket)
+    assert text.startswith(f"compiling regional:64x64 on {KEY}: 14 s so far") and share == 14.0 / 30.0
+    assert waiting.compile_wait_text(KEY, snapshot, [], 9.0) is None  # without the bucket: nobody waits on it
+    # the scheduler has no word (no host scheduler): the engine's board has
+    board = [BucketInfo(KEY, BucketKey(Mode("regional"), Size.parse("64x64")), BucketState.COMPILING)]
+    text, share = waiting.compile_wait_text(KEY, {}, board, 6.0, bucket)
+    assert text.startswith(f"compiling regional:64x64 on {KEY} (compiling): waited 6 s") and share == 6.0 / 30.0
+    # a cold bucket served eagerly waits for no compile
+    assert waiting.compile_bucket("regional", "64x64", "eager") is None
+    assert waiting.compile_bucket("eager", "64x64", "wait") is None
+
+
+def test_the_feed_passes_its_bucket_to_the_wait_text():
+    seen, engine = [], _Engine()
+    engine.ready.set()
+    snapshot = {"running": [{"engine": str(KEY), "bucket": "regional:64x64", "waiting": 0, "running_s": 3.0}]}
+    feed = RunFeed(ProgressBar(lambda value, desc="", **kw: seen.append(desc)), KEY, None, status=list,
+                   compiles=lambda: snapshot, engine_of=lambda key: engine, bucket="regional:64x64")
+    feed.see(Idle(4.0, submitted=True))
+    assert seen and seen[-1].startswith("compiling regional:64x64")

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,11 +76,55 @@ def advisor_messages(child):
     errors: list[str] = []
     threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True).start()
     yield errors
-    for line in child.stdout:
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in child.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    while (line := _next_line(lines)) is not None:
+        if line == TICK:
+            yield {"tick": True}
+            continue
         try:
             yield json.loads(line)
         except ValueError:
             continue
+
+
+TICK = ""  # no line from the child for TICK_S: the bar moves with the clock (a compile sends none for minutes)
+TICK_S = 1.0
+
+
+def _next_line(lines: queue.Queue):
+    try:
+        return lines.get(timeout=TICK_S)
+    except queue.Empty:
+        return TICK
+
+
+class AdvisorBar:
+    """The Advisor's bar in seconds of its budget: the child's last word, moved on by the clock between its
+    messages (it sent "28/60" and nothing else for as long as a compile ran)."""
+
+    def __init__(self, progress):
+        self.progress, self.done, self.total, self.desc = progress, 0, None, "starting"
+        self.at = time.monotonic()
+
+    def show(self, message: dict) -> str:
+        """The bar for a child's message or a tick; returns the status line's words."""
+        if "progress" in message:
+            self.done, self.total, self.desc = message["progress"], message["total"], message["desc"]
+            self.at = time.monotonic()
+        since = time.monotonic() - self.at
+        if not self.total:
+            return self.desc
+        done = min(self.total, self.done + since)
+        on_it = f" ({since:.0f} s on it)" if since >= 2 else ""
+        self.progress((round(done), self.total), desc=f"advisor: {self.desc}{on_it}", unit="s")
+        return f"{done:.0f} s of {self.total} s: {self.desc}{on_it}"
 
 
 def running(what: str) -> str:
@@ -126,13 +172,11 @@ class AdvisorHandlers(HandlerBase):
         errors = next(messages)
         progress(0, desc="advisor: starting (loads the model once per precision)")
         yield gr.skip(), gr.skip(), running("starting: loads the model once per precision")
-        result = None
+        result, bar = None, AdvisorBar(progress)
         try:
             for message in messages:
-                if "progress" in message:
-                    progress((message["progress"], message["total"]), desc=f"advisor: {message['desc']}")
-                    yield gr.skip(), gr.skip(), running(f"{message['progress']} s of {message['total']} s: "
-                                                        f"{message['desc']}")
+                if "progress" in message or "tick" in message:
+                    yield gr.skip(), gr.skip(), running(bar.show(message))
                 elif "result" in message:
                     result = message["result"]
             child.wait()

@@ -35,7 +35,10 @@ CSS = """
   #gen-output { position: sticky; top: 8px; align-self: flex-start; }
 }
 #run-summary { min-height: 2.4em; font-variant-numeric: tabular-nums; }
-#a-status { min-height: 3.2em; }
+#a-status { min-height: 4.5em; }
+/* A run's progress drawn over its status line covers it (Gradio draws a Markdown's progress translucent: the
+   Advisor's bar text ran over the status words beneath it). */
+#a-status .wrap.translucent, #c-status .wrap.translucent { background: var(--block-background-fill); }
 #c-cards, #c-status { min-height: 4em; }
 #engine-line { min-height: 1.6em; }
 #board { font-variant-numeric: tabular-nums; }

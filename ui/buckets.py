@@ -18,7 +18,7 @@ import pandas as pd
 from engine.errors import InvalidRequest, NotAllowed, ShowcaseError
 from engine.protocol import BucketKey, Mode, Size, ranks_choice
 from engine.serving.manager import Caller
-from ui import buckets_views, schemas, views
+from ui import buckets_views, schemas, views, waiting
 from ui.common import DEFAULT_ATTENTION, FAST, HandlerBase, document_api, to_gradio_error
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class BucketsHandlers(HandlerBase):
         try:
             key = str(self.key_for(preset, device, precision, tp, levers=memory or None))
             engine = views.engine_state(status, key)
-            line = views.engine_line(key, engine)
+            line = views.engine_line(key, engine, load_s=waiting.load_estimate_s([r.get("load_s") for r in status]))
         except ShowcaseError as exc:
             line, engine = views.engine_line(None, None, error=str(exc)), None
         sizes = views.size_choices(self.preset_sizes(preset), mode, engine)

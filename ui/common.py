@@ -322,12 +322,13 @@ class HandlerBase:
                             joined_at=joined_at(request)) as run:
             yield run
 
-    def run_feed(self, key, bar: ProgressBar, steps=None) -> RunFeed:
-        """What a run on engine `key` shows on `bar` while it waits and steps (ui/runs.py)."""
+    def run_feed(self, key, bar: ProgressBar, steps=None, bucket: str | None = None) -> RunFeed:
+        """What a run on engine `key` shows on `bar` while it waits and steps (ui/runs.py); `bucket`: the one
+        it waits for the compile of (waiting.compile_bucket)."""
         scheduler = getattr(self.manager, "scheduler", None)
         residency = self.manager.residency
         return RunFeed(bar, key, _steps_or_none(steps), residency.status_rows,
-                       scheduler.snapshot if scheduler is not None else dict, residency.get)
+                       scheduler.snapshot if scheduler is not None else dict, residency.get, bucket)
 
     async def await_listener(self, request: gr.Request | None) -> None:
         """open_run's listener check for an async handler: the wait runs in a worker thread."""

@@ -32,7 +32,7 @@ from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size, parse_lora
 from engine.serving import stream
 from engine.serving.manager import Caller
-from ui import compare_ab, compare_views, views
+from ui import compare_ab, compare_views, views, waiting
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, describe_input, to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
 
@@ -394,7 +394,7 @@ class Comparison:
         spec = self.image_request(config, text, seed)
         key = self.call.key_for(spec.preset, spec.device, spec.precision, caller=self.call.caller)
         bar = ProgressBar(self.progress, desc_prefix=desc, offset=offset, grand_total=self.grand_total)
-        feed = self.call.run_feed(key, bar, spec.steps)
+        feed = self.call.run_feed(key, bar, spec.steps, waiting.compile_bucket(spec.mode, self.size_text, spec.on_cold))
         started = time.perf_counter()
         run = stream.request_events(self.manager, spec, key=key, run=self.run_state, ticket=self.ticket)
         with closing(stream.blocking(run)) as events:

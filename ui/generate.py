@@ -22,7 +22,7 @@ from engine.errors import ShowcaseError
 from engine.protocol import EngineKey, Mode, Parallel, Size, memory_forms, parse_lora, ranks_choice
 from engine.serving import stream
 from engine.serving.gate import Admitted
-from ui import generate_views, memory_views, views, webtemp
+from ui import generate_views, memory_views, views, waiting, webtemp
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, key_fields, to_gradio_error
 from ui.runs import ProgressBar, RunFeed
 
@@ -148,6 +148,10 @@ class PreparedRun:
     key: EngineKey
     view: RunView
 
+    def compile_bucket(self) -> str | None:
+        request = self.spec.request
+        return waiting.compile_bucket(request.mode, request.size, request.on_cold)
+
 
 class GenerateHandlers(HandlerBase):
     # -- settings --------------------------------------------------------------------------------
@@ -180,7 +184,8 @@ class GenerateHandlers(HandlerBase):
         size_update = gr.update(choices=views.size_choices(sizes, mode, engine))
         if size not in sizes and sizes:
             size_update = gr.update(choices=views.size_choices(sizes, mode, engine), value=sizes[0])
-        return views.engine_line(str(key), engine), size_update, mode_update
+        load_s = waiting.load_estimate_s([r.get("load_s") for r in self.manager.residency.status_rows()])
+        return views.engine_line(str(key), engine, load_s=load_s), size_update, mode_update
 
     def step_cache_choices(self, preset: str, device: str, mode: str, current: str | None = None):
         """The step caches this preset, device and mode can use; unusable ones say why. A choice the
@@ -199,10 +204,26 @@ class GenerateHandlers(HandlerBase):
             rows = self.manager.levers.choices(self.key_for(preset, device, precision, tp), mode)
         except ShowcaseError:
             rows = []
-        choices = memory_views.memory_choices(rows, host, self.manager.policy.public) or [("none", "none")]
+        loads = self.new_engine_loads(preset, device, precision, tp, [r["levers"] for r in rows])
+        choices = memory_views.memory_choices(rows, host, self.manager.policy.public, loads) or [("none", "none")]
         usable = memory_views.usable_values(rows) & {value for _, value in choices}
         return gr.update(choices=choices, value=current if current in usable else choices[0][1],
                          info=memory_views.memory_info(rows, host))
+
+    def new_engine_loads(self, preset: str, device: str, precision: str, tp, levers: list[str]) -> dict[str, float]:
+        """The lever sets whose engine is not loaded (choosing one starts it), each with about how long a load
+        takes here (the median of this host's loads)."""
+        residency = self.manager.residency
+        estimate = waiting.load_estimate_s([r.get("load_s") for r in residency.status_rows()])
+        loads = {}
+        for value in levers:
+            try:
+                engine = residency.get(self.key_for(preset, device, precision, tp, levers=_given(value)))
+            except ShowcaseError:
+                continue
+            if engine is None or not engine.ready.is_set():
+                loads[value] = estimate
+        return loads
 
     def lora_choices(self, preset: str):
         """The new preset's LoRA adapters (none selected)."""
@@ -236,7 +257,7 @@ class GenerateHandlers(HandlerBase):
         stops the engine request between steps.
         """
         prepared = self._prepare(form, request, progress)
-        feed = self.run_feed(prepared.key, ProgressBar(progress))
+        feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
         with self._registered(request) as run, closing(stream.blocking(self._events(prepared, run))) as events:
             for event in events:
                 yield from prepared.view.outputs(event, feed, page=True)
@@ -254,7 +275,7 @@ class GenerateHandlers(HandlerBase):
           encoded again.
         Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await."""
         prepared = self._prepare(form, request, progress, for_page=False)
-        feed = self.run_feed(prepared.key, ProgressBar(progress))
+        feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
         try:
             await self.await_listener(request)
         except ShowcaseError as exc:
@@ -334,8 +355,11 @@ class GenerateHandlers(HandlerBase):
         rows = views.step_rows(result)
         frame = views.step_frame(rows, generate_views.STEP_COLUMNS, series=(views.COMPUTED, views.CACHED))
         # The x axis spans the run's steps from the start: a first, empty partial made a one-value axis
-        # ticked "1.000000" (and an empty y axis one at 0).
-        plot = gr.update(value=frame, x_lim=generate_views.step_axis(result), y_lim=None if rows else [0, 1])
+        # ticked "1.000000". No y_lim, ever: Vega takes the y range from the data. The browser keeps a
+        # LinePlot's last y_lim when an update sets it to None (an empty partial's [0, 1] stayed for the whole
+        # run and drew the line far above the chart), and a y_lim that follows the data rebuilds the chart on
+        # every step, and racing rebuilds leave a stale line.
+        plot = gr.update(value=frame, x_lim=generate_views.step_axis(result))
         stats = pd.DataFrame(generate_views.stats_rows(result), columns=generate_views.STATS_COLUMNS)
         return plot, stats, generate_views.run_summary(result)
 

@@ -149,9 +149,15 @@ def serve(demo) -> None:
     postprocess = server.postprocess_output_data
 
     def as_json(data, root_url: str) -> list:
-        return postprocess([_json_text(value) for value in data], root_url)
+        return _no_server_paths(postprocess([_json_text(value) for value in data], root_url))
 
     server.postprocess_output_data = as_json
+
+
+def _no_server_paths(contents: list) -> list:
+    """Gradio adds "Image URL: …/gradio_api/file=<the app's cache folder>/….png" beside each image it sends
+    inline: a server path an agent has no use for (the image is in the result)."""
+    return [c for c in contents if not (getattr(c, "type", "") == "text" and "/gradio_api/file=" in c.text)]
 
 
 def _json_text(value):

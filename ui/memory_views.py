@@ -20,9 +20,11 @@ def gib_text(result: dict) -> str:
 
 
 def weights_line(result: dict) -> str:
-    """"transformer 0.03 GiB, vae 0.01 GiB, ..." : the engine's weights by component, largest first."""
+    """"transformer 1.20 GiB, vae 80.0 MiB, ..." : the engine's weights by component as stored, largest first
+    (MiB below 0.1 GiB: fp8-stored weights of a small model read "transformer 0.00 GiB" in GiB)."""
     rows = sorted((result.get("weights_bytes") or {}).items(), key=lambda kv: -kv[1])
-    return ", ".join(f"{name} {gib(size)} GiB" for name, size in rows if size)
+    return ", ".join(f"{name} {gib(size)} GiB" if size >= GIB / 10 else f"{name} {size / 2**20:.1f} MiB"
+                     for name, size in rows if size)
 
 
 def size_text(value) -> str:
@@ -30,25 +32,29 @@ def size_text(value) -> str:
     return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / 2**20:.0f} MiB"
 
 
-def lever_label(row: dict) -> str:
-    """"layerwise:fp8 · ≈ 0.69 GiB peak, weights 12 MiB · ≈ 1.3× the time" (· unavailable: why)."""
+def lever_label(row: dict, load_s: float | None = None) -> str:
+    """"layerwise:fp8 · ≈ 0.69 GiB peak, weights 12 MiB · ≈ 1.3× the time" (· unavailable), and where the set
+    needs an engine not loaded yet (`load_s`: about how long a load takes here) "· loads a new engine: ≈ 18 s"."""
     parts = [row["levers"]]
     if row.get("device_bytes") is not None:
         parts.append(f"≈ {size_text(row['device_bytes'])} peak, weights {size_text(row['weights_bytes'])}")
     parts.append(f"≈ {row['time_factor']:g}× the time")
-    return " · ".join(parts) + (" · unavailable" if row.get("why_not") else "")
+    if row.get("why_not"):
+        return " · ".join(parts) + " · unavailable"
+    return " · ".join(parts) + (f" · loads a new engine: ≈ {load_s:.0f} s" if load_s is not None else "")
 
 
 def host_label(host: str) -> str:
     return f"host's choice ({host or 'none'})"
 
 
-def memory_choices(rows: list[dict], host: str, public: bool) -> list[tuple[str, str]]:
+def memory_choices(rows: list[dict], host: str, public: bool, loads: dict[str, float] | None = None) -> list[tuple[str, str]]:
     """The Generate page's memory field: (label, value) per lever set the engine can take, its price beside
     it; first the host's choice ("" the value: what a request naming none gets). A public host keeps the
-    choice: its visitors see only that."""
+    choice: its visitors see only that. `loads`: the sets that need a new engine, and its load's estimate."""
     first = [(host_label(host), "")] if host or public else []
-    return first if public else first + [(lever_label(r), r["levers"]) for r in rows]
+    loads = loads or {}
+    return first if public else first + [(lever_label(r, loads.get(r["levers"])), r["levers"]) for r in rows]
 
 
 def usable_values(rows: list[dict]) -> set[str]:

@@ -4,7 +4,8 @@ LlamaIndex image tool already speaks.
     GET  /v1/models                  the presets a caller may use (data[].id is the `model` to send)
     GET  /v1/models/{model}          one of them, with its buckets, defaults and LoRA styles
     GET  /v1/loras                   every such preset's LoRA styles
-    POST /v1/images/generations      `model` = preset, `prompt`, `n`, `size`, `response_format`, `stream`, `user`;
+    POST /v1/images/generations      `model` = preset (or an OpenAI name: choose_model), `prompt`, `n`, `size`,
+                                     `response_format`, `stream`, `user`;
                                      the showcase's own fields as extra body fields (EXTRA_FIELDS)
     GET  /v1/images/files/{name}     an image a `response_format: "url"` answer points at
 
@@ -37,7 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 from contextlib import ExitStack, aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.config import strict
@@ -88,6 +89,13 @@ EXTRA_FIELDS = {
 }
 RESPONSE_FORMATS = ("b64_json", "url")
 DEFAULT_RETRY_AFTER_S = 5  # a 429 whose cause gives no better estimate
+# OpenAI's model families and the response_format its API documents as each one's default: DALL-E answers a
+# URL, gpt-image-* base64 (its only form). A client that names one (LangChain's DallEAPIWrapper sends dall-e-2
+# and reads `.url`; Open WebUI sends its configured name) is served by the host's default model, and told so.
+OPENAI_FAMILIES = (("dall-e-", "url"), ("gpt-image-", "b64_json"))
+# This server's own model names (its presets) answer base64 unless the caller asks for a url: the image in the
+# answer, as gpt-image-* does and as every client that sent no response_format here has read it.
+PRESET_FORMAT = "b64_json"
 
 
 class ApiError(Exception):
@@ -303,6 +311,33 @@ def read_call(body: dict, defaults, preset: str, caller: Caller, client: str) ->
                       stream=bool(body.get("stream", False)), user=body.get("user"), notices=notices)
 
 
+@dataclass(frozen=True)
+class ModelChoice:
+    """The preset a `model` name is served by, the response_format it answers when none is sent, and what the
+    caller is told (an OpenAI name served by this server's default model)."""
+
+    preset: str
+    response_format: str
+    notice: str | None = None
+
+
+def choose_model(name: str | None, presets, default: str, offered: list[str]) -> ModelChoice:
+    """`model` as a client sends it: no name is the default preset; a preset of this server is itself (the
+    manager's gate then says whether this caller may use it); an OpenAI family name is the default preset with
+    that family's default response_format; anything else is a 404 naming the models the caller may send."""
+    if name is None or not name.strip():
+        return ModelChoice(default, PRESET_FORMAT)
+    if name in presets:
+        return ModelChoice(name, PRESET_FORMAT)
+    family = next((fmt for prefix, fmt in OPENAI_FAMILIES if name.lower().startswith(prefix)), None)
+    if family:
+        return ModelChoice(default, family, f"model {name} is served by {default}, this server's default model "
+                                            f"(answered as {family}, OpenAI's default for it)")
+    raise ApiError(404, f"model {name[:60]!r} is not a model of this server; send one of: {', '.join(offered)} "
+                        f"(GET /v1/models), or an OpenAI name (dall-e-2, dall-e-3, gpt-image-1), which {default} "
+                        "serves", param="model", code="model_not_found")
+
+
 # -- the images ------------------------------------------------------------------------------------------
 class ImagesRun:
     """The n images of one call: each one request's event stream (engine/serving/stream.py), started together so
@@ -424,6 +459,14 @@ class Answer:
                         "total_ms": [r.timings.total_ms for r in results]},
             **({"safety_identifier": self.call.user} if self.call.user else {}),
         }
+
+
+def public_root(request) -> str:
+    """The app's address as the caller reached it, for the URLs of a "url" answer: behind a proxy its
+    X-Forwarded-Host and -Proto, under a root path that path (Gradio's own rule for its file URLs)."""
+    from gradio.route_utils import get_root_url
+
+    return get_root_url(request, request.url.path, request.scope.get("root_path") or None)
 
 
 def partial_event(partial: stream.Partial, index: int, number: int, size: str) -> dict:
@@ -569,8 +612,12 @@ class OpenAIRoutes:
         except InvalidRequest as exc:
             raise ApiError(400, str(exc)) from None
         client = self._client(request)
-        preset = _text(body, "model") or self.h.default_preset().name
-        call = read_call(body, self.h.defaults, preset, caller, client)
+        model = choose_model(_text(body, "model"), self.h.manager.presets, self.h.default_preset().name,
+                             self._names(caller))
+        body = {**body, "response_format": body.get("response_format") or model.response_format}
+        call = read_call(body, self.h.defaults, model.preset, caller, client)
+        if model.notice:
+            call = replace(call, notices=(model.notice, *call.notices))
         await anyio.to_thread.run_sync(self._check_call, call)  # may probe devices: not on the event loop
         self._hold(call, held)
         answer = Answer(call)
@@ -579,7 +626,7 @@ class OpenAIRoutes:
             return StreamingResponse(self._stream(run, answer), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
         await self._run(run, answer, request)
-        return JSONResponse(answer.body(self.store, str(request.base_url).rstrip("/")))
+        return JSONResponse(answer.body(self.store, public_root(request)))
 
     def _client(self, request) -> str:
         """Who sent a /v1 request: the edge's client (its address, or an agent's), else the peer's address."""

@@ -101,12 +101,13 @@ class RunFeed:
     this host measured: loads, compiles of the mode) until its first step, then its steps; and, for a sync
     handler, when a heartbeat is due. `status()`: the engines' rows (Residency.status_rows); `compiles()`:
     the compile scheduler's snapshot; `engine_of(key)`: the engine if it was started (a lookup that starts
-    nothing); `steps`: the run's steps where the request names them (a Compare's bar)."""
+    nothing); `steps`: the run's steps where the request names them (a Compare's bar); `bucket`: the bucket
+    it waits for the compile of (waiting.compile_bucket), so the wait names that compile."""
 
     def __init__(self, bar: ProgressBar, key, steps: int | None, status: Callable[[], list[dict]],
-                 compiles: Callable[[], dict], engine_of: Callable):
+                 compiles: Callable[[], dict], engine_of: Callable, bucket: str | None = None):
         self.bar, self.key, self.steps, self.status, self.compiles = bar, key, steps, status, compiles
-        self.engine_of = engine_of
+        self.engine_of, self.bucket = engine_of, bucket
         self.stepping = False
         self.last_yield = self.last_progress = 0.0
 
@@ -141,7 +142,7 @@ class RunFeed:
             return waiting.loading_text(key, waited, loads)
         if not idle.submitted:
             return f"waiting for engine {key}…", None
-        compiling = waiting.compile_wait_text(key, self.compiles(), engine.buckets(), waited)
+        compiling = waiting.compile_wait_text(key, self.compiles(), engine.buckets(), waited, self.bucket)
         return compiling or (waiting.queued_text(key, engine.pending(), waited), None)
 
     def _show_step(self, progress, now: float) -> None:

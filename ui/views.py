@@ -120,16 +120,19 @@ def size_choices(sizes: list[str], mode: str, engine: dict | None) -> list[tuple
     return [(size_label(s, mode, engine), s) for s in sizes]
 
 
-def engine_line(engine_name: str | None, engine: dict | None, error: str | None = None) -> str:
-    """One status line for the engine the Generate settings point at."""
+def engine_line(engine_name: str | None, engine: dict | None, error: str | None = None,
+                load_s: float | None = None) -> str:
+    """One status line for the engine the Generate settings point at (`load_s`: about how long a load takes
+    here, said while a new engine loads: a request now waits for it)."""
     if error:
         return f"**Unavailable:** {error}"
     if engine is None:
         return f"**Not loaded:** engine {engine_name} starts on first use"
     state = engine.get("state")
     if state == "loading":
-        return (f"**Loading** engine {engine_name}: its worker is loading the weights "
-                "(the page keeps working)…")
+        took = f": ≈ {load_s:.0f} s here" if load_s else ""
+        return (f"**Loading** engine {engine_name} (a new engine loads{took}): its worker is loading the weights; "
+                "a Generate now waits for it (the page keeps working)…")
     if state == "down":
         return f"**Down:** engine {engine_name}: {engine.get('error')}"
     buckets = engine.get("buckets", [])

@@ -38,12 +38,30 @@ def _ahead_text(running: list[dict]) -> str:
     return "; ".join(f"{r['bucket']} on {r['engine']} ({r['running_s']:.0f} s so far)" for r in running)
 
 
-def compile_wait_text(key, snapshot: dict, buckets, waited_s: float) -> tuple[str, float | None] | None:
-    """(text, share of the compile done) when a request on engine `key` waits for a bucket's compile
-    (the scheduler knows it by its waiting count); None when it waits for nothing the scheduler holds."""
+def compile_bucket(mode, size, on_cold) -> str | None:
+    """The bucket ("mode:WxH") a request waits for the compile of before its first step: a compiled mode
+    with on_cold=wait; None where a cold bucket is served eagerly."""
+    if str(mode) == "eager" or str(on_cold) != "wait":
+        return None
+    return f"{mode}:{size}"
+
+
+def _waits_on(entry: dict, engine: str, bucket: str | None) -> bool:
+    """A scheduler entry is the compile this request waits for: its engine's, of its bucket (where the request
+    names it: the entry's `waiting` counts only requests that waited before the compile was granted)."""
+    if entry["engine"] != engine:
+        return False
+    return entry["bucket"] == bucket if bucket else bool(entry.get("waiting"))
+
+
+def compile_wait_text(key, snapshot: dict, buckets, waited_s: float,
+                      bucket: str | None = None) -> tuple[str, float | None] | None:
+    """(text, share of the compile done) when a request on engine `key` waits for a bucket's compile: the
+    scheduler's running or queued compile of `bucket` ("mode:WxH"; without it, one a request waits for), else
+    the engine's board showing that bucket compiling or queued; None when it waits for no compile."""
     engine = str(key)
     for r in snapshot.get("running", []):
-        if r["engine"] == engine and r.get("waiting"):
+        if _waits_on(r, engine, bucket):
             mode = r["bucket"].split(":")[0]
             estimate = compile_estimate_s(buckets, mode) or DEFAULT_COMPILE_S
             others = [o for o in snapshot.get("running", []) if o is not r]
@@ -53,14 +71,24 @@ def compile_wait_text(key, snapshot: dict, buckets, waited_s: float) -> tuple[st
                     min(0.95, r["running_s"] / estimate))
     queued = snapshot.get("queued", [])
     for position, q in enumerate(queued, start=1):
-        if q["engine"] == engine and q.get("waiting"):
+        if _waits_on(q, engine, bucket):
             running = snapshot.get("running", [])
             ahead = (f"behind {len(running)} running compile{'s' if len(running) != 1 else ''}: "
                      f"{_ahead_text(running)}") if running else "starting"
             line = "next in line" if position == 1 else f"{position} in line"
             return (f"compile of {q['bucket']} on {engine} queued ({line}), {ahead}; waited {waited_s:.0f} s…",
                     None)
-    return None
+    return _board_compile_text(engine, buckets, bucket, waited_s)
+
+
+def _board_compile_text(engine: str, buckets, bucket: str | None, waited_s: float) -> tuple[str, float] | None:
+    """The engine's own word where the scheduler has none (no host scheduler, or the grant not seen yet)."""
+    info = next((b for b in buckets if bucket and str(b.bucket) == bucket), None)
+    if info is None or str(info.state) not in ("compiling", "queued"):
+        return None
+    estimate = compile_estimate_s(buckets, str(info.bucket.mode)) or DEFAULT_COMPILE_S
+    return (f"compiling {bucket} on {engine} ({info.state}): waited {waited_s:.0f} s, a compile of this mode "
+            f"takes about {estimate:.0f} s here…", min(0.95, waited_s / estimate))
 
 
 def queued_text(key, pending: int, waited_s: float) -> str:

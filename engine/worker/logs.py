@@ -18,6 +18,7 @@ import logging
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 
 from engine import settings
@@ -49,6 +50,14 @@ HARMLESS = (
 )
 
 
+# (category, the start of its message): library warnings of the same kind, printed by `warnings` itself.
+HARMLESS_WARNINGS = (
+    # torch 2.13 deprecates pytree's LeafSpec, which torchao 0.18 and diffusers still build: two lines at the
+    # first compile, nothing a user could act on.
+    (FutureWarning, r".*LeafSpec"),
+)
+
+
 class _Harmless(logging.Filter):
     def __init__(self, words: list[tuple[str, ...]]):
         super().__init__()
@@ -77,6 +86,8 @@ def quiet_third_party() -> None:
         by_logger.setdefault(name, []).append(words)
     for name, words in by_logger.items():
         logging.getLogger(name).addFilter(_Harmless(words))
+    for category, message in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
 
 
 def thread_locks_for_progress_bars() -> None:
