@@ -42,6 +42,8 @@ class GenerateRequest:
     # Who asked (a visitor's address; "" for the host): an engine serves its waiting clients in turn.
     client: str = ""
     previews: int = 0  # partial images streamed while it runs (engine/pipeline/preview.py), at most MAX_PREVIEWS
+    num_frames: int = 0  # a video preset's clip length (a frame bucket); 0: an image
+    fps: int = 0  # the clip's frames per second (its MP4's rate)
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
@@ -67,7 +69,7 @@ class GenerateRequest:
 
     @property
     def bucket(self) -> BucketKey:
-        return BucketKey(self.mode, self.size)
+        return BucketKey(self.mode, self.size, frames=self.num_frames)
 
     def replace(self, **changes) -> GenerateRequest:
         return dataclasses.replace(self, **changes)
@@ -122,6 +124,11 @@ class GenerateResult:
     # The engine's weights by component (name, bytes as stored: layerwise fp8 counts 1 byte a weight), the
     # price of its memory levers beside peak_memory_bytes.
     weights_by_component: tuple[tuple[str, int], ...] = ()
+    # A clip (a video preset): its MP4 (image_png is its first frame), frame count, rate and encode time.
+    video_mp4: bytes = b""
+    num_frames: int = 0
+    fps: int = 0
+    video_encode_ms: float | None = None
 
     @property
     def computed_steps(self) -> int:
@@ -163,6 +170,8 @@ class GenerateResult:
             "lora_fused": self.lora_fused,
             "lora_fuse_ms": self.lora_fuse_ms,
             "weights_bytes": dict(self.weights_by_component),
+            **({"frames": self.num_frames, "fps": self.fps, "video_bytes": len(self.video_mp4),
+                "video_encode_ms": self.video_encode_ms} if self.num_frames else {}),
             "timings": {
                 "step_ms": list(t.step_ms),
                 "first_step_ms": t.first_step_ms,

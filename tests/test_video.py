@@ -1,0 +1,93 @@
+"""Clips: a video preset's fields (num_frames, fps) checked and routed to (size, frames) buckets, the tiny Wan
+pipeline's clip as a playable MP4 with the requested frame count, a clip's price by its tokens, and a warm
+compiled video bucket serving clips with no recompile."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import make_runner
+
+from engine.config.presets import get_preset, load_presets
+from engine.config.request import ImageRequest
+from engine.config.validation import build_request
+from engine.errors import InvalidRequest, NotAllowed
+from engine.pipeline.clip import decode_mp4
+from engine.protocol import BucketKey, BucketState, Mode, Size
+from engine.serving import cost
+
+
+def _build(**fields):
+    spec = ImageRequest(**{"preset": "tiny-wan", "prompt": "a red circle moving right", **fields})
+    return build_request(get_preset(spec.preset), spec)
+
+
+def test_video_presets_declare_frame_buckets_of_their_rule():
+    videos = {name: p for name, p in load_presets().items() if p.video}
+    assert {"tiny-wan", "wan2.1-t2v-1.3b", "wan2.2-ti2v-5b"} <= set(videos)
+    for preset in videos.values():
+        assert all((f - 1) % preset.frame_step == 0 for f in preset.frames), preset.name
+    assert not get_preset("tiny-flux").video
+
+
+def test_frames_route_to_a_frame_bucket_with_a_notice():
+    request, notices = _build(size="32x32", num_frames="10", fps="8")
+    assert (request.num_frames, request.fps, str(request.bucket)) == (10 - 1, 8, "eager:32x32x9f")
+    assert any("num_frames 10 is not 4k + 1; snapped to the nearest frame bucket 9" in n for n in notices)
+    request, notices = _build(num_frames="", fps="")  # the preset's first bucket and rate
+    assert (request.num_frames, request.fps, notices) == (17, 16, ())
+    request, notices = _build(num_frames=21)  # 4k + 1 but not a bucket
+    assert request.num_frames == 17 and "is not one of its buckets" in notices[0]
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"num_frames": "many"}, "num_frames must be a whole number"),
+    ({"num_frames": 10_000}, "num_frames must be from 1 to"),
+    ({"num_frames": 2.5}, "num_frames must be a whole number"),
+    ({"fps": 0.5}, "fps must be a whole number"),
+    ({"fps": 500}, "fps must be from 1 to 60"),
+    ({"num_frames": 13, "snap": False}, "not a frame bucket of tiny-wan"),
+])
+def test_bad_video_fields_say_what_to_change(fields, words):
+    with pytest.raises(InvalidRequest, match=words):
+        _build(**fields)
+
+
+def test_an_image_preset_ignores_frames_with_a_notice():
+    spec = ImageRequest(preset="tiny-flux", prompt="x", num_frames=17)
+    request, notices = build_request(get_preset("tiny-flux"), spec)
+    assert request.num_frames == 0 and request.bucket.frames == 0
+    assert "tiny-flux makes images; num_frames ignored" in notices
+
+
+def test_a_clip_costs_its_tokens_frames_times_size():
+    wan = get_preset("tiny-wan")
+    one_frame = cost.price(wan, Size(32, 32), 4)
+    assert cost.price(wan, Size(32, 32), 4, frames=17) == one_frame * 5  # 17 frames: 5 latent frames
+    budget = cost.CostBudget(request=one_frame * 5, visitor=None)
+    assert cost.check_generate(budget, wan, Size(32, 32), 4, frames=17) == one_frame * 5
+    with pytest.raises(NotAllowed, match=r"9 latent frames \(33 frames\).*at most 17 frames"):
+        cost.check_generate(budget, wan, Size(32, 32), 4, frames=33)
+
+
+def test_tiny_wan_makes_a_playable_clip_of_the_asked_frames(cache_dir):
+    runner = make_runner(cache_dir, "tiny-wan")
+    assert {str(i.bucket) for i in runner.board.all()} >= {"compile:32x32x17f", "regional:16x16x9f"}
+    request, _ = _build(size="16x16", num_frames=9, steps=2)
+    result = runner.generate(request)
+    frames = decode_mp4(result.video_mp4)
+    assert (len(frames), frames[0].shape, result.num_frames, result.fps) == (9, (16, 16, 3), 9, 16)
+    assert result.image().size == (16, 16)  # the poster: the first frame
+    assert result.as_dict()["frames"] == 9 and result.timings.decode_ms > 0
+    assert Mode.AOT not in runner.modes()
+
+
+@pytest.mark.slow
+def test_a_warm_regional_video_bucket_serves_five_clips_without_recompiling(cache_dir):
+    runner = make_runner(cache_dir, "tiny-wan")
+    bucket = BucketKey(Mode.REGIONAL, Size(32, 32), frames=17)
+    assert runner.warm_bucket(bucket).state is BucketState.WARM
+    request, _ = _build(size="32x32", num_frames=17, mode="regional", steps=2)
+    results = [runner.generate(request.replace(seed=seed, request_id=f"clip-{seed}")) for seed in range(5)]
+    assert [(r.warm, r.recompiles, r.bucket) for r in results] == [(True, 0, bucket)] * 5
+    assert all(len(decode_mp4(r.video_mp4)) == 17 for r in results)
+    assert runner.board.get(bucket).requests_served == 5
