@@ -91,3 +91,17 @@ def test_a_warm_regional_video_bucket_serves_five_clips_without_recompiling(cach
     assert [(r.warm, r.recompiles, r.bucket) for r in results] == [(True, 0, bucket)] * 5
     assert all(len(decode_mp4(r.video_mp4)) == 17 for r in results)
     assert runner.board.get(bucket).requests_served == 5
+
+
+@pytest.mark.slow
+def test_cli_writes_the_clip_as_mp4(tmp_path, cache_dir):
+    from test_cli import last_json, run_cli
+
+    out = tmp_path / "clip.mp4"
+    proc = run_cli("generate", "--preset", "tiny-wan", "--device", "cpu", "--size", "16x16", "--steps", "2",
+                   "--frames", "10", "--out", str(out), "--json", "--cache-dir", str(cache_dir))
+    assert proc.returncode == 0, proc.stderr
+    shown = last_json(proc.stdout)
+    assert (shown["frames"], shown["bucket"], shown["fps"]) == (9, "16x16", 16)
+    assert any("snapped to the nearest frame bucket 9" in n for n in shown["notices"])
+    assert len(decode_mp4(out.read_bytes())) == 9
