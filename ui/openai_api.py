@@ -7,6 +7,7 @@ LlamaIndex image tool already speaks.
     POST /v1/images/generations      `model` = preset, `prompt`, `n`, `size`, `response_format`, `stream`, `user`;
                                      the showcase's own fields as extra body fields (EXTRA_FIELDS)
     GET  /v1/images/files/{name}     an image a `response_format: "url"` answer points at
+    /v1/videos ...                   clips as jobs, as the SDK's client.videos speaks (ui/openai_videos.py)
 
 Served by an ASGI middleware in front of Gradio's routes (as /metrics is), in the app's process, so a request
 goes through the same edge (ui/edge.py: body bound, one of the client's events, one waiting in the engines'
@@ -446,6 +447,9 @@ class OpenAIRoutes:
         self.h, self.keys = handlers, keys
         self.store = OutputStore()
         self.started = int(time.time())
+        from ui.openai_videos import VideoJobs  # it builds on this module's errors
+
+        self.videos = VideoJobs(handlers)
 
     def middleware(self):
         from starlette.middleware import Middleware
@@ -477,6 +481,8 @@ class OpenAIRoutes:
                 raise ApiError(404, "no such image here (images are kept for the last "
                                     f"{self.store.kept} answers)", code="not_found")
             return Response(png, media_type="image/png", headers={"cache-control": "private, max-age=3600"})
+        if path == "/videos" or path.startswith("/videos/"):
+            return await self.videos.route(request, path, method, self.keys.caller(request.headers.get("authorization")))
         allowed, answer = routes.get(path, (None, None))
         if path.startswith("/models/"):
             allowed, answer = "GET", self.model
@@ -502,7 +508,8 @@ class OpenAIRoutes:
         return {"id": name, "object": "model", "created": self.started, "owned_by": OWNER,
                 "buckets": [str(s) for s in preset.buckets], "steps": preset.steps, "guidance": preset.guidance,
                 "negative_prompt": preset.negative_prompt, "example_prompt": preset.example_prompt,
-                "loras": [lora["name"] for lora in self._styles(name)]}
+                "loras": [lora["name"] for lora in self._styles(name)],
+                **({"frames": list(preset.frames), "fps": preset.fps} if preset.video else {})}
 
     def _styles(self, name: str) -> list[dict]:
         return [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}
