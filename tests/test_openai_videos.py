@@ -11,7 +11,7 @@ import pytest
 from helpers import engine_manager, launch_demo
 from PIL import Image
 
-from engine.pipeline.clip import decode_mp4
+from engine.protocol import decode_mp4
 
 pytestmark = pytest.mark.slow  # launches the app and generates
 
@@ -33,7 +33,8 @@ def app(cache_dir, tmp_path_factory):
     keys.write_text(KEY + "\n")
     policy = HostPolicy(public=True, presets=("tiny-wan", "tiny-flux"), cost=CostBudget(request=500, visitor=1000))
     with engine_manager(cache_dir, policy=policy) as manager:
-        demo, url = launch_demo(manager, UIDefaults(preset="tiny-wan", device="cpu", mode="eager", api_keys=str(keys)))
+        demo, url = launch_demo(manager, UIDefaults(preset="tiny-wan", device="cpu", mode="eager", api_keys=str(keys)),
+                                mcp_server=True)
         try:
             yield url
         finally:
@@ -94,3 +95,30 @@ def test_unknown_jobs_and_unready_content_answer_in_openais_shape(app):
     bad = httpx.post(app + "v1/videos", json={"model": "tiny-wan"}, headers=headers, timeout=30)
     assert bad.status_code == 400 and "prompt is required" in bad.json()["error"]["message"]
     assert httpx.get(app + "v1/videos", timeout=30).status_code == 401  # keys are required here
+
+
+def test_generate_video_gives_gradio_client_the_clip_its_frames_and_figures(app):
+    from gradio_client import Client
+
+    from ui.generate_video import clip_summary
+
+    video, frames, timings = Client(app, verbose=False).predict(
+        prompt=PROMPT, negative_prompt="", preset="tiny-wan", device="cpu", precision="fp32", mode="eager",
+        size="16x16", num_frames=10, fps=8, steps=2, guidance=5.0, seed=1, on_cold="eager", api_name="/generate_video")
+    with open(video, "rb") as f:
+        assert len(decode_mp4(f.read())) == 9
+    assert len(frames) == 9 and (timings["frames"], timings["fps"], timings["bucket"]) == (9, 8, "16x16")
+    assert "num_frames 10 is not 4k + 1; snapped to the nearest frame bucket 9 (9, 17, 33)" in timings["notices"]
+    summary = clip_summary(timings)
+    assert "**9 frames** at 8 fps" in summary and "ms per frame" in summary and "VAE decode" in summary
+
+
+def test_an_agent_finds_generate_video_among_the_mcp_tools(app):
+    from test_mcp import session_run
+
+    async def work(session):
+        return (await session.list_tools()).tools
+
+    tools = {t.name: t for t in session_run(app + "gradio_api/mcp/", work)}
+    assert "clip" in tools["generate_video"].description
+    assert {"prompt", "preset", "size", "num_frames", "fps", "steps"} <= set(tools["generate_video"].inputSchema["properties"])

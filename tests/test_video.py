@@ -11,8 +11,7 @@ from engine.config.presets import get_preset, load_presets
 from engine.config.request import ImageRequest
 from engine.config.validation import build_request
 from engine.errors import InvalidRequest, NotAllowed
-from engine.pipeline.clip import decode_mp4
-from engine.protocol import BucketKey, BucketState, Mode, Size
+from engine.protocol import BucketKey, BucketState, Mode, Size, decode_mp4
 from engine.serving import cost
 
 

@@ -443,13 +443,11 @@ def error_response(error: ApiError):
 class OpenAIRoutes:
     """The /v1 routes on the app's handlers (ui/handlers.py): their manager, defaults, runs and web edge."""
 
-    def __init__(self, handlers, keys: ApiKeys):
+    def __init__(self, handlers, keys: ApiKeys, videos=None):
         self.h, self.keys = handlers, keys
+        self.videos = videos  # the /v1/videos jobs (ui/openai_videos.py VideoJobs), or None: no videos API
         self.store = OutputStore()
         self.started = int(time.time())
-        from ui.openai_videos import VideoJobs  # it builds on this module's errors
-
-        self.videos = VideoJobs(handlers)
 
     def middleware(self):
         from starlette.middleware import Middleware
@@ -481,7 +479,7 @@ class OpenAIRoutes:
                 raise ApiError(404, "no such image here (images are kept for the last "
                                     f"{self.store.kept} answers)", code="not_found")
             return Response(png, media_type="image/png", headers={"cache-control": "private, max-age=3600"})
-        if path == "/videos" or path.startswith("/videos/"):
+        if self.videos is not None and (path == "/videos" or path.startswith("/videos/")):
             return await self.videos.route(request, path, method, self.keys.caller(request.headers.get("authorization")))
         allowed, answer = routes.get(path, (None, None))
         if path.startswith("/models/"):

@@ -283,17 +283,15 @@ class VideoJobs:
         result = job.result
         if variant == "video":
             return Response(result.video_mp4, media_type="video/mp4")
-        png = result.image_png if variant == "thumbnail" else spritesheet(result.video_mp4)
+        png = result.image_png if variant == "thumbnail" else spritesheet(result.frames())
         return Response(png, media_type="image/png")
 
 
-def spritesheet(mp4: bytes) -> bytes:
+def spritesheet(frames: list) -> bytes:
     """Every frame of a clip side by side, as one PNG (the per-frame strip)."""
     import numpy as np
     from PIL import Image
 
-    from engine.pipeline.clip import decode_mp4
-
     buf = io.BytesIO()
-    Image.fromarray(np.concatenate(decode_mp4(mp4), axis=1)).save(buf, format="PNG", compress_level=1)
+    Image.fromarray(np.concatenate(frames, axis=1)).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()

@@ -36,20 +36,6 @@ def encode_mp4(frames, fps: int) -> bytes:
         return path.read_bytes()
 
 
-def decode_mp4(data: bytes) -> list[np.ndarray]:
-    """The frames of an MP4 (HxWx3 uint8 each): what a per-frame strip shows and a test counts."""
-    import imageio_ffmpeg
-
-    with tempfile.TemporaryDirectory(prefix="clip-") as folder:
-        path = Path(folder) / "clip.mp4"
-        path.write_bytes(data)
-        reader = imageio_ffmpeg.read_frames(str(path))
-        meta = reader.__next__()
-        width, height = meta["size"]
-        frames = [np.frombuffer(raw, dtype=np.uint8).reshape(height, width, 3).copy() for raw in reader]
-    return frames
-
-
 @dataclass(frozen=True)
 class Clip:
     """What a result carries of a call's output: its poster (the image, or a clip's first frame) and, for a

@@ -143,6 +143,10 @@ class GenerateResult:
 
         return Image.open(io.BytesIO(self.image_png))
 
+    def frames(self) -> list:
+        """A clip's frames as its MP4 holds them (HxWx3 uint8 arrays); [] for an image."""
+        return decode_mp4(self.video_mp4) if self.video_mp4 else []
+
     def as_dict(self) -> dict:
         """The JSON the CLI's --json and the API's /generate return."""
         t = self.timings
@@ -184,6 +188,23 @@ class GenerateResult:
                 "queued_ms": t.queued_ms,
             },
         }
+
+
+def decode_mp4(data: bytes) -> list:
+    """The frames of an MP4 (HxWx3 uint8 arrays), read by the ffmpeg binary of the imageio-ffmpeg wheel: what a
+    per-frame strip shows and a client counts."""
+    import tempfile
+    from pathlib import Path
+
+    import imageio_ffmpeg
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="clip-") as folder:
+        path = Path(folder) / "clip.mp4"
+        path.write_bytes(data)
+        reader = imageio_ffmpeg.read_frames(str(path))
+        width, height = next(reader)["size"]
+        return [np.frombuffer(raw, dtype=np.uint8).reshape(height, width, 3).copy() for raw in reader]
 
 
 @dataclass(frozen=True)
