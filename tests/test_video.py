@@ -10,7 +10,8 @@ from helpers import make_runner
 from engine.config.presets import get_preset, load_presets
 from engine.config.request import ImageRequest
 from engine.config.validation import build_request
-from engine.errors import InvalidRequest, NotAllowed
+from engine.config.video import warm_bucket
+from engine.errors import Cancelled, InvalidRequest, NotAllowed
 from engine.protocol import BucketKey, BucketState, Mode, Size, decode_mp4
 from engine.serving import cost
 
@@ -78,6 +79,39 @@ def test_tiny_wan_makes_a_playable_clip_of_the_asked_frames(cache_dir):
     assert result.image().size == (16, 16)  # the poster: the first frame
     assert result.as_dict()["frames"] == 9 and result.timings.decode_ms > 0
     assert Mode.AOT not in runner.modes()
+
+
+def test_a_warm_names_a_video_bucket_by_size_and_frames():
+    wan = get_preset("tiny-wan")
+    assert warm_bucket(wan, "compile", "32x32x9") == BucketKey(Mode.COMPILE, Size(32, 32), frames=9)
+    assert warm_bucket(wan, "regional", "16x16").frames == 17  # its first (most-used) frame count
+    with pytest.raises(InvalidRequest, match="13 frames is not a frame bucket of tiny-wan; pick one of 17, 9, 33"):
+        warm_bucket(wan, "compile", "32x32x13")
+    assert warm_bucket(get_preset("tiny-flux"), "compile", "64x64") == BucketKey(Mode.COMPILE, Size(64, 64))
+
+
+def test_the_board_shows_a_video_buckets_frames():
+    from ui.buckets_views import board_rows
+
+    engine = {"engine": "tiny-wan@cpu/fp32", "state": "ready",
+              "buckets": [{"mode": "compile", "size": "32x32", "frames": 17, "state": "warm", "requests_served": 5}]}
+    assert board_rows([engine])[0][4] == "32x32 × 17 frames"
+
+
+def test_a_clip_cancelled_mid_run_stops_between_steps(cache_dir):
+    import threading
+
+    runner = make_runner(cache_dir, "tiny-wan")
+    request, _ = _build(size="16x16", num_frames=9, steps=4)
+    cancel, seen = threading.Event(), []
+
+    def on_step(progress):
+        seen.append(progress.step)
+        cancel.set()  # asked to stop during the first step
+
+    with pytest.raises(Cancelled, match="cancelled after step 1 of 4"):
+        runner.generate(request, on_step=on_step, cancel=cancel)
+    assert seen == [1]
 
 
 @pytest.mark.slow

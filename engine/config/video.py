@@ -10,7 +10,7 @@ nearest one with a notice (refused when the request asked not to snap).
 from __future__ import annotations
 
 from engine.errors import InvalidRequest
-from engine.protocol import ModelPreset
+from engine.protocol import BucketKey, Mode, ModelPreset, Size
 
 MAX_FPS = 60
 
@@ -75,3 +75,17 @@ def video_fields(preset: ModelPreset, num_frames, fps, snap: bool = True) -> tup
         return 0, 0, notice
     frames, notices = route_frames(preset, num_frames, snap)
     return frames, check_fps(preset, fps), notices
+
+
+def warm_bucket(preset: ModelPreset, mode, text: str) -> BucketKey:
+    """The bucket a warm names: "WxH" (a video preset: at its first frame count) or "WxHxF" (F one of its frame
+    buckets)."""
+    parts = str(text).lower().replace(" ", "").split("x")
+    frames = preset.frames[0] if preset.video else 0
+    if len(parts) == 3 and preset.video:
+        frames = _whole("frames", parts[2])
+        if frames not in preset.frames:
+            raise InvalidRequest(f"{frames} frames is not a frame bucket of {preset.name}; pick one of "
+                                 f"{', '.join(map(str, preset.frames))}")
+        text = "x".join(parts[:2])
+    return BucketKey(Mode.parse(mode, "mode"), Size.parse(text), frames=frames)
