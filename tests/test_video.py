@@ -138,3 +138,17 @@ def test_cli_writes_the_clip_as_mp4(tmp_path, cache_dir):
     assert (shown["frames"], shown["bucket"], shown["fps"]) == (9, "16x16", 16)
     assert any("snapped to the nearest frame bucket 9" in n for n in shown["notices"])
     assert len(decode_mp4(out.read_bytes())) == 9
+
+
+def test_the_video_bench_prints_per_clip_and_per_frame_with_the_ratio_and_spread():
+    from bench.video import format_report
+
+    row = {"clip_s": {"median": 0.2, "p10": 0.18, "p90": 0.25}, "frame_ms": {"median": 11.8}, "decode_share": 0.25,
+           "recompiles": 0, "warm": True}
+    report = {"preset": "tiny-wan", "size": "32x32", "frames": 17, "steps": 4, "repeats": 5, "load": 6.0,
+              "modes": {"eager": row, "regional": {**row, "vs_eager": {"median": 0.7, "p10": 0.6, "p90": 0.8}}},
+              "errors": {"compile": "a reason"}}
+    lines = format_report(report).splitlines()
+    assert lines[0].startswith("video on tiny-wan at 32x32 x 17 frames, 4 steps, 5 rounds")
+    assert "0.70 (0.60-0.80)" in lines[3] and "11.8" in lines[3] and "25%" in lines[3]
+    assert lines[4] == "compile   failed to compile: a reason"
