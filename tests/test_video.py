@@ -152,3 +152,14 @@ def test_the_video_bench_prints_per_clip_and_per_frame_with_the_ratio_and_spread
     assert lines[0].startswith("video on tiny-wan at 32x32 x 17 frames, 4 steps, 5 rounds")
     assert "0.70 (0.60-0.80)" in lines[3] and "11.8" in lines[3] and "25%" in lines[3]
     assert lines[4] == "compile   failed to compile: a reason"
+
+
+def test_the_generate_page_shows_frames_and_fps_for_video_presets_only(manager):
+    from ui.generate_video import VideoHandlers
+
+    h = VideoHandlers(manager)
+    assert h.clip_fields("tiny-wan")["visible"] is True
+    assert h.clip_fields("tiny-flux")["visible"] is False
+    assert "tiny-wan" in h.video_presets() and "tiny-flux" not in h.video_presets()
+    sizes, frames, fps, steps = h.video_defaults("tiny-wan")
+    assert (sizes["value"], frames["value"], fps["value"], steps["value"]) == ("32x32", 17, 16, 4)
