@@ -99,9 +99,9 @@ def build(h: VideoHandlers) -> None:
                 with gr.Row():
                     run_btn = gr.Button("Generate clip", variant="primary", elem_id="video-btn")
                     cancel_btn = gr.Button("Cancel", variant="stop", elem_id="video-cancel-btn")
-                player = gr.Video(label="Clip", interactive=False, autoplay=True, loop=True, height=300,
+                player = gr.Video(label="video", interactive=False, autoplay=True, loop=True, height=300,
                                   elem_id="video-player")
-                strip = gr.Gallery(label="Frames", columns=9, height=200, object_fit="contain", elem_id="video-frames",
+                strip = gr.Gallery(label="frames", columns=9, height=200, object_fit="contain", elem_id="video-frames",
                                    interactive=False, preview=False)
                 clip_line = gr.Markdown(elem_id="video-summary")
                 plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this clip",
@@ -110,7 +110,7 @@ def build(h: VideoHandlers) -> None:
                 stats = gr.Dataframe(interactive=False, label="Timings (stages: text encode, denoise, VAE decode)",
                                      elem_id="video-stats", wrap=True)
                 with gr.Accordion("Timings JSON", open=False):
-                    timings = gr.JSON(elem_id="video-timings")
+                    timings = gr.JSON(label="timings", elem_id="video-timings")
     run = run_btn.click(h.generate_video, None, [player, strip, timings], inputs_kwargs=form,
                         api_name="generate_video", api_description=GENERATE_VIDEO_DOC, show_progress="full",
                         show_progress_on=[player], concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots())
