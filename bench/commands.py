@@ -22,6 +22,7 @@ COMMANDS = {
     "memory-bench": "bench.memory:add_memory_bench_parser",
     "oneshot": "bench.oneshot:add_oneshot_parser",
     "fleet-bench": "bench.fleet:add_fleet_bench_parser",
+    "video-bench": "bench.video:add_video_bench_parser",
 }
 
 

@@ -64,8 +64,13 @@ class GenerateFlags:
     parallel: str = field(default=Parallel.TENSOR.value, metadata=flag(
         "how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring (context parallel: "
         "tokens split)", choices=Parallel.values()))
-    out: str | None = field(default=None, metadata=flag("write the PNG here"))
+    out: str | None = field(default=None, metadata=flag("write the PNG here (a video preset's clip: the MP4)"))
     json: bool = field(default=False, metadata=flag("print one JSON object with the timings", kind=SWITCH))
+    frames: int | None = field(default=None, metadata=flag(
+        "a video preset's clip length (snapped to its frame buckets, 4k + 1 for Wan; default: its first)",
+        check=int))
+    fps: int | None = field(default=None, metadata=flag("a clip's frames per second (default: the preset's)",
+                                                        check=int))
 
 
 def oneshot_runtime(mode: Mode, tp: int, device: str) -> str:
@@ -103,12 +108,13 @@ def cmd_generate(args) -> int:
                                                        negative_prompt=o.negative_prompt, steps=o.steps,
                                                        guidance=o.guidance, seed=o.seed, tp=o.tp,
                                                        parallel=o.parallel, snap=not o.no_snap,
-                                                       on_cold=o.on_cold, step_cache=o.cache, lora=o.lora))
+                                                       on_cold=o.on_cold, step_cache=o.cache, lora=o.lora,
+                                                       num_frames=o.frames, fps=o.fps))
     finally:
         manager.shutdown()
     if o.out:
         Path(o.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(o.out).write_bytes(result.image_png)
+        Path(o.out).write_bytes(result.video_mp4 or result.image_png)
     if o.json:
         print(json.dumps(result.as_dict(), indent=None))
     else:
@@ -118,6 +124,9 @@ def cmd_generate(args) -> int:
         if result.step_cache.enabled:
             print(f"  step cache {result.step_cache}: {len(result.cached_steps)} of {result.steps} steps cached "
                   f"({', '.join(map(str, result.cached_steps)) or 'none'})")
+        if result.num_frames:
+            print(f"  clip: {result.num_frames} frames at {result.fps} fps, decode {t.decode_ms:.1f} ms, "
+                  f"MP4 {len(result.video_mp4):,} bytes in {result.video_encode_ms:.0f} ms")
         if result.lora:
             swap = f", swapped in {result.lora_swap_ms:.0f} ms" if result.lora_swap_ms is not None else ""
             print(f"  LoRA {result.lora} at scale {result.lora_scale:g} (rank {result.lora_rank}{swap})")

@@ -35,7 +35,7 @@ CONFIGS = {  # the hostile run's: --public --presets tiny-shapes,tiny-flux --mcp
 FIELDS = {"prompt": "a red circle on a blue background", "negative_prompt": "", "preset": "tiny-shapes",
           "device": "cpu", "precision": "fp32", "mode": "eager", "size": "64x64", "steps": "8", "guidance": "",
           "seed": "1", "on_cold": "eager", "tp": "1", "step_cache": "none", "lora": "none",
-          "memory": ""}
+          "memory": "", "num_frames": "", "fps": ""}
 COSTLIEST = dict(size="128x128", steps="64")  # 16,384 token-steps: --max-request-cost's default
 
 
@@ -60,7 +60,7 @@ def test_no_event_with_a_lower_limit_joins_the_engines_group(config, cache_dir):
         demo = build_demo(manager, defaults)
         slots = demo.fns[next(i for i, f in demo.fns.items() if f.api_name == "generate")].concurrency_limit
         engines = queue_groups(demo)[ENGINE_QUEUE]
-        assert set(engines) == {"generate", "generate_ui", "compare"}, engines
+        assert set(engines) == {"generate", "generate_ui", "generate_video", "compare"}, engines
         assert set(engines.values()) == {slots} and slots >= 8, engines
         # The group's queue exists from the start with that limit: no later event can lower it.
         assert demo._queue.event_queue_per_concurrency_id[ENGINE_QUEUE].concurrency_limit == slots

@@ -14,20 +14,22 @@ import gradio as gr
 import pytest
 
 from engine.config.request import FORM, FORM_FIELDS, ImageRequest
-from ui import advisor, buckets, build_demo, compare, generate, system
+from ui import advisor, buckets, build_demo, compare, generate, generate_video, system
 from ui.advisor import AdvisorHandlers
 from ui.buckets import BucketsHandlers
 from ui.common import UIDefaults
 from ui.compare import COMPARE_API_PARAMS, COMPARE_FIELDS, CompareHandlers
 from ui.generate import GENERATE_API_PARAMS, GenerateHandlers
+from ui.generate_video import VideoHandlers
 from ui.system import SystemHandlers
 
 UI = Path(__file__).resolve().parent.parent / "ui"
 PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "system",
-              "advise_start", "advise_poll"}  # the advisor as a start/poll pair (ui/mcp.py)
+              "advise_start", "advise_poll", "generate_video"}  # the advisor as a start/poll pair (ui/mcp.py)
 TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
                  "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "lora-fused", "memory",
+                 "frames", "fps",
                  "generate-btn",
                  "cancel-btn", "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output",
                  "run-summary", "history", "gen-row", "gen-buttons", "gen-image-row"},
@@ -45,10 +47,14 @@ TAB_IDS = {
                 "a-table",
                 "a-json", "a-cards"},
     "system": {"system-refresh", "system"},
+    "video": {"video-prompt", "video-negative", "video-preset", "video-device", "video-precision", "video-mode",
+              "video-size", "video-frames-count", "video-fps", "video-steps", "video-guidance", "video-seed",
+              "video-on-cold", "video-btn", "video-cancel-btn", "video-player", "video-frames", "video-summary",
+              "video-plot", "video-run-summary", "video-stats", "video-timings"},
 }
 TAB_APIS = {"generate": {"generate"}, "buckets": {"status", "warm", "restart"}, "compare": {"compare"},
             "advisor": set(),
-            "system": {"system"}}
+            "system": {"system"}, "video": {"generate_video"}}
 
 
 def elem_ids(demo: gr.Blocks) -> set[str]:
@@ -89,6 +95,8 @@ def build_tab(name, manager):
             elif name == "advisor":
                 settings = generate.build(GenerateHandlers(manager, defaults), blocks, line)
                 advisor.build(AdvisorHandlers(manager, defaults), settings, tabs)
+            elif name == "video":
+                generate_video.build(VideoHandlers(manager, defaults))
             else:
                 system.build(SystemHandlers(manager, defaults))
     return blocks
@@ -104,7 +112,7 @@ def test_each_tab_module_builds_alone_with_its_own_handlers(manager, name):
 
 def test_the_app_has_the_tabs_element_ids_and_exactly_the_public_api(demo):
     tabs = [c["props"]["label"] for c in demo.config["components"] if c["type"] == "tabitem"]
-    assert tabs == ["Generate", "Buckets", "Compare", "Advisor", "System"]
+    assert tabs == ["Generate", "Video", "Buckets", "Compare", "Advisor", "System"]
     assert elem_ids(demo) == set().union(*TAB_IDS.values()) | {"engine-line"}
     assert public_apis(demo) == PUBLIC_API
     params = demo.get_api_info()["named_endpoints"]["/generate"]["parameters"]

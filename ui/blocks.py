@@ -14,13 +14,14 @@ import os
 import gradio as gr
 
 from engine import settings
-from ui import advisor, buckets, compare, generate, mcp, system
+from ui import advisor, buckets, compare, generate, generate_video, mcp, system
 from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
 from ui.metrics import MetricsRoute
 from ui.openai_api import ApiKeys, OpenAIRoutes
+from ui.openai_videos import VideoJobs
 from ui.sessions import bound_sessions
 from ui.sockets import install_server_hook, public_bounds
 
@@ -139,6 +140,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
         engine_line = gr.Markdown(elem_id="engine-line")
         with gr.Tabs() as tabs:
             settings = generate.build(h, demo, engine_line)
+            generate_video.build(h)  # clips from the video presets (ui/generate_video.py), /generate_video
             buckets_tab = buckets.build(h)
             compare.build(h)
             advisor.build(h, settings, tabs)
@@ -163,7 +165,7 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     telemetry = getattr(manager, "telemetry", None)
     if telemetry is not None:
         demo.metrics = MetricsRoute(telemetry, h.manager.policy.public, h.defaults.admin_token, edge=guard)
-    demo.openai = OpenAIRoutes(h, ApiKeys(h.defaults.api_keys, h.defaults.admin_token, guard.keys))
+    demo.openai = OpenAIRoutes(h, ApiKeys(h.defaults.api_keys, h.defaults.admin_token, guard.keys), VideoJobs(h))
     atexit.register(demo.openai.store.close)  # the images its "url" answers point at
     mcp.describe_tools(demo)
     return demo

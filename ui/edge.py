@@ -550,7 +550,8 @@ class _EdgeMiddleware:
         if "/gradio_api/mcp" in path:
             self.callers.mark_mcp_caller(scope)
         content_type = (_header(scope, b"content-type") or "").lower()
-        if path.endswith("/upload") or content_type.startswith("multipart/"):
+        # The openai SDK posts a video job as a form (its fields only: ui/openai_videos.py refuses a file part)
+        if path.endswith("/upload") or (content_type.startswith("multipart/") and path != "/v1/videos"):
             return "upload", 403, "This app takes no uploads"
         if self._unknown_api(scope, path):
             return "unknown function", 404, "This app has no such API; see /gradio_api/info"

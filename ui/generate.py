@@ -224,6 +224,12 @@ class GenerateHandlers(HandlerBase):
             if engine is None or not engine.ready.is_set():
                 loads[value] = estimate
         return loads
+    def clip_fields(self, preset: str):
+        """Frames and fps shown only for a video preset (its declaration: ModelPreset.frames)."""
+        try:
+            return gr.update(visible=self.manager.catalog.preset(preset).video)
+        except ShowcaseError:
+            return gr.update(visible=False)
 
     def lora_choices(self, preset: str):
         """The new preset's LoRA adapters (none selected)."""
@@ -316,6 +322,7 @@ class GenerateHandlers(HandlerBase):
             lora=lora, lora_scale=_given(form.get("lora_scale")) if lora else None,
             lora_fused=bool(form["lora_fused"]) if lora and form.get("lora_fused") is not None else None,
             memory=_given(form.get("memory")),  # '': the host's levers; "none": no lever
+            num_frames=_given(form.get("num_frames")), fps=_given(form.get("fps")),  # video presets' (ui/video.py)
             caller=self.caller(request), client=self.client_of(request),
         )
 
@@ -413,6 +420,9 @@ def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]
                 ":fused to fold it into the weights (eager mode only)",
         "memory": "'' for the host's choice, or " + memory_forms()
                   + " (`python -m engine memory-levers --preset P` lists which run here, with their price)",
+        "num_frames": "a video preset's clip length, snapped to its frame buckets ('' for its first; image presets "
+                      "ignore it; /generate_video returns the clip)",
+        "fps": "a video preset's frames per second ('' for its own)",
     }
 
 
@@ -501,6 +511,9 @@ class GeneratePage:
         form["tp"] = gr.Dropdown(RANK_CHOICES, value=ranks_choice(d.tp, d.parallel),
                                  label="Ranks · layout (>1: torchrun sidecar; tensor shards the weights, "
                                  "ulysses / ring split the tokens)", elem_id="tp")
+        with gr.Row(visible=preset.video) as self.clip_row:  # a video preset's fields (its poster shows here)
+            form["num_frames"] = gr.Number(value=None, precision=0, label="Frames (video presets)", elem_id="frames")
+            form["fps"] = gr.Number(value=None, precision=0, label="fps", elem_id="fps")
         form["on_cold"] = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")],
                                    value=d.on_cold, label="At a bucket that is not warm yet", elem_id="on-cold")
         with gr.Accordion("Devices on this machine", open=False):
@@ -604,6 +617,7 @@ class GeneratePage:
         h, f = self.h, self.form
         f["preset"].change(h.preset_defaults, f["preset"], [f["negative_prompt"], f["steps"], f["guidance"]], **FAST)
         f["preset"].change(h.lora_choices, f["preset"], f["lora"], **FAST)
+        f["preset"].change(h.clip_fields, f["preset"], self.clip_row, **FAST)
         f["lora"].input(h.lora_scale, [f["preset"], f["lora"]], f["lora_scale"], **FAST)
         engine_settings = [f["preset"], f["device"], f["precision"], f["mode"], f["tp"], f["memory"]]
         gr.on([c.change for c in engine_settings] + [demo.load], h.select_engine,

@@ -64,6 +64,12 @@ DESCRIPTIONS = {
         "on_cold: 'eager' serves a bucket that is not compiled yet eagerly now, 'wait' waits for its compile; "
         "step_cache: none, first-block, taylorseer, ...; lora: none or NAME[:SCALE][:fused]. A request the server "
         "does not offer fails with the reason and what to change."),
+    "generate_video": (
+        "Generate one short clip with a video preset (tiny-wan, Wan 2.x: text to video). Returns the MP4, its frames "
+        "and its timings as JSON (frames, fps, step_ms, encode_ms, denoise_ms, decode_ms, total_ms, video_encode_ms, "
+        "recompiles, peak memory, notices). preset: a video preset; size 'WxH' (one of its buckets); num_frames: "
+        "snapped to its frame buckets (4k + 1 for Wan, e.g. 9, 17, 33); fps; steps, guidance, seed: numbers; mode: "
+        "eager, compile or regional. A clip costs its frames x size in the visitor's budget."),
     "compare": (
         "Run one prompt, seed, size and steps on 1-6 device x precision x mode (x step cache) configurations and "
         "return the images and a JSON object of each one's seconds per image, speedup against eager fp32, drift "

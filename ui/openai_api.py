@@ -8,6 +8,7 @@ LlamaIndex image tool already speaks.
                                      `response_format`, `stream`, `user`;
                                      the showcase's own fields as extra body fields (EXTRA_FIELDS)
     GET  /v1/images/files/{name}     an image a `response_format: "url"` answer points at
+    /v1/videos ...                   clips as jobs, as the SDK's client.videos speaks (ui/openai_videos.py)
 
 Served by an ASGI middleware in front of Gradio's routes (as /metrics is), in the app's process, so a request
 goes through the same edge (ui/edge.py: body bound, one of the client's events, one waiting in the engines'
@@ -517,8 +518,9 @@ def error_response(error: ApiError):
 class OpenAIRoutes:
     """The /v1 routes on the app's handlers (ui/handlers.py): their manager, defaults, runs and web edge."""
 
-    def __init__(self, handlers, keys: ApiKeys):
+    def __init__(self, handlers, keys: ApiKeys, videos=None):
         self.h, self.keys = handlers, keys
+        self.videos = videos  # the /v1/videos jobs (ui/openai_videos.py VideoJobs), or None: no videos API
         self.store = OutputStore()
         self.started = int(time.time())
 
@@ -552,6 +554,8 @@ class OpenAIRoutes:
                 raise ApiError(404, "no such image here (images are kept for the last "
                                     f"{self.store.kept} answers)", code="not_found")
             return Response(png, media_type="image/png", headers={"cache-control": "private, max-age=3600"})
+        if self.videos is not None and (path == "/videos" or path.startswith("/videos/")):
+            return await self.videos.route(request, path, method, self.keys.caller(request.headers.get("authorization")))
         allowed, answer = routes.get(path, (None, None))
         if path.startswith("/models/"):
             allowed, answer = "GET", self.model
@@ -577,7 +581,8 @@ class OpenAIRoutes:
         return {"id": name, "object": "model", "created": self.started, "owned_by": OWNER,
                 "buckets": [str(s) for s in preset.buckets], "steps": preset.steps, "guidance": preset.guidance,
                 "negative_prompt": preset.negative_prompt, "example_prompt": preset.example_prompt,
-                "loras": [lora["name"] for lora in self._styles(name)]}
+                "loras": [lora["name"] for lora in self._styles(name)],
+                **({"frames": list(preset.frames), "fps": preset.fps} if preset.video else {})}
 
     def _styles(self, name: str) -> list[dict]:
         return [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}

@@ -15,6 +15,7 @@ from functools import cache
 from pathlib import Path
 
 from engine import settings
+from engine.config.video import check_frame_buckets
 from engine.errors import InvalidRequest, ModelLoadError
 from engine.protocol import LoraSource, ModelPreset, Size
 
@@ -80,6 +81,9 @@ def load_presets() -> dict[str, ModelPreset]:
             denoiser_config=d.get("denoiser_config"),
             loras=_loras(name, d.get("loras", ())),
             lora_rank=d.get("lora_rank"),
+            frames=check_frame_buckets(name, d.get("frames", ()), int(d.get("frame_step", 4))),
+            frame_step=int(d.get("frame_step", 4)),
+            fps=int(d.get("fps", 16)),
         )
     return presets
 

@@ -77,6 +77,7 @@ FORM = (
     FormField("lora_scale", api=False),  # the page's slider; an API caller writes "NAME:SCALE"
     FormField("lora_fused", api=False),  # the page's checkbox; an API caller writes "NAME[:SCALE]:fused"
     FormField("memory"),  # memory levers: '' the host's, "none" no lever (last: positional callers keep working)
+    FormField("num_frames"), FormField("fps"),  # a video preset's clip ('' its defaults; images ignore them)
 )
 FORM_FIELDS = tuple(f.name for f in FORM)
 API_FIELDS = tuple(f.name for f in FORM if f.api)
@@ -113,6 +114,8 @@ class ImageRequest:
     lora_fused: bool | None = None  # None: as `lora` says
     previews: int | str = 0  # partial images to stream while it runs (the /v1 API's partial_images)
     memory: str | None = None  # memory levers (engine/protocol/memory.py); None: the host's default
+    num_frames: int | str | None = None  # a video preset's frame count (engine/config/video.py); None: its first
+    fps: int | str | None = None  # a clip's frames per second; None: the preset's
     # who asks
     caller: Caller = Caller.HOST
     client: str = ""  # the visitor's address: engines take turns between clients, budgets are held per client

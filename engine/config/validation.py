@@ -15,6 +15,7 @@ from pathlib import Path
 
 from engine.config.presets import load_presets, looks_like_model_ref, route_size
 from engine.config.request import MAX_PREVIEWS, ImageRequest
+from engine.config.video import video_fields
 from engine.errors import InvalidRequest
 from engine.protocol import (
     MAX_STEPS,
@@ -130,6 +131,7 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
         raise InvalidRequest(f"seed must be between 0 and {MAX_SEED}, got {seed}")
     size, size_notices = route_size(preset, width, height, snap=spec.snap)
     lora = check_lora(preset, spec.lora, spec.lora_scale, spec.lora_fused)
+    num_frames, fps, video_notices = video_fields(preset, spec.num_frames, spec.fps, snap=spec.snap)
     request = GenerateRequest(
         prompt=prompt,
         negative_prompt=negative or None,
@@ -147,8 +149,10 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
         memory=str(MemoryLevers.parse(spec.memory).request_part()),
         client=spec.client,
         previews=check_previews(spec.previews),
+        num_frames=num_frames,
+        fps=fps,
     )
-    return request, notices + size_notices
+    return request, notices + size_notices + video_notices
 
 
 def check_previews(previews) -> int:

@@ -32,10 +32,14 @@ import torch
 
 from engine import settings
 from engine.errors import InvalidRequest, ModelLoadError
-from engine.models.tiny_builders import BUILDERS, TINY_PRESETS
+from engine.models.tiny_builders import BUILDERS as IMAGE_BUILDERS
+from engine.models.tiny_builders import TINY_PRESETS
+from engine.models.tiny_video import VIDEO_BUILDERS, VIDEO_PRESETS
 from engine.settings import REPO_ROOT
 
 logger = logging.getLogger(__name__)
+
+BUILDERS = {**IMAGE_BUILDERS, **VIDEO_BUILDERS}
 
 # Written last (inside the temporary folder, before the atomic rename): a folder without it is not a
 # finished build. It records the recipe version so a stale cache can be recognised.
@@ -47,7 +51,7 @@ RECIPE_VERSION = 1
 
 def _check_name(name: str) -> None:
     if name not in BUILDERS:
-        raise InvalidRequest(f"Unknown tiny pipeline {name!r}; choose one of: {', '.join(TINY_PRESETS)}.")
+        raise InvalidRequest(f"Unknown tiny pipeline {name!r}; choose one of: {', '.join(TINY_PRESETS + VIDEO_PRESETS)}.")
 
 
 def build_tiny_pipeline(name: str, out_dir: Path) -> None:

@@ -68,8 +68,8 @@ def batch_sizes(max_batch: int) -> tuple[int, ...]:
 
 def batch_key(request: GenerateRequest) -> tuple | None:
     """What must be equal for requests to share one call; None: the request runs alone."""
-    if request.step_cache.kind in DATA_DEPENDENT_CACHES:
-        return None
+    if request.step_cache.kind in DATA_DEPENDENT_CACHES or request.num_frames:
+        return None  # a clip runs alone
     return (request.mode, request.width, request.height, request.steps, float(request.guidance),
             bool(request.negative_prompt), request.step_cache, request.on_cold,
             request.lora_choice,  # one adapter at one scale, fused or not, per call

@@ -37,6 +37,8 @@ def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, ou
                    else [torch.Generator("cpu").manual_seed(r.seed) for r in batch]),
         output_type=output_type,
     )
+    if request.num_frames:
+        kwargs["num_frames"] = request.num_frames
     if request.negative_prompt and preset.negative_prompt:
         kwargs["negative_prompt"] = request.negative_prompt if members is None else \
             [r.negative_prompt or "" for r in batch]
@@ -148,7 +150,8 @@ class PipelineCaller:
         if self.prompts is not None:
             self.prompts.bind(run)
         with memory.vae_levers(run.vae, request.memory) if request.memory else contextlib.nullcontext():
-            images = run(**kwargs).images
+            output = run(**kwargs)
+            images = output.frames if request.num_frames else output.images  # a clip: one list of frames each
         end = time.perf_counter()
         images = decoded if decoded else images
         return (list(images) if members else images[0]), clock.timings(end), step_ends.cancelled_at

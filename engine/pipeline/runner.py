@@ -25,6 +25,7 @@ from engine.pipeline import batching, memory, prompts, recipes, stepcache, varia
 from engine.pipeline.batchrun import BatchHooks, BatchRun
 from engine.pipeline.board import BucketBoard, describe_failure
 from engine.pipeline.calls import CallOutcome, PipelineCaller, pipeline_call_kwargs
+from engine.pipeline.clip import Clip
 from engine.pipeline.clock import compiles_in_this_thread
 from engine.pipeline.clock import install_compile_counter as _install_compile_counter
 from engine.pipeline.faults import Faults
@@ -34,7 +35,7 @@ from engine.pipeline.lora import SlotChange
 from engine.pipeline.modes import VariantSet, clone_module_tree, compile_denoiser
 from engine.pipeline.png import encode_png
 from engine.pipeline.progress import progress_bar
-from engine.pipeline.warmup import WarmRequests, Warmup, startup_buckets, warm_refusal
+from engine.pipeline.warmup import WarmRequests, Warmup, preset_buckets, startup_buckets, warm_refusal
 from engine.protocol import (
     BucketInfo,
     BucketKey,
@@ -102,13 +103,13 @@ class PipelineRunner:
         self.warmup = Warmup(self.board, self.variants, self.warm_requests, self.caller, self.spec, self.notices,
                              self._lora_slot_off, self._cache_moved)
         for mode in self.modes():
-            for size in self.preset.buckets:
-                self.board.add(BucketKey(mode, size), BucketState.COLD if mode.compiled else BucketState.WARM)
+            for bucket in preset_buckets(self.preset, mode):
+                self.board.add(bucket, BucketState.COLD if mode.compiled else BucketState.WARM)
 
     # -- what this engine can run -----------------------------------------------------------------
     def largest_batch(self) -> int:
-        """How many requests one call may serve (the --max-batch flag, else the device's default)."""
-        return batching.max_batch_for(self.options.batching.max_batch, self.spec, self.config.key.tp)
+        """How many requests one call may serve (the --max-batch flag, else the device's default); clips run alone."""
+        return 1 if self.preset.video else batching.max_batch_for(self.options.batching.max_batch, self.spec, self.config.key.tp)
 
     def modes(self) -> tuple[Mode, ...]:
         """Modes this engine can run: the device's, minus what its options rule out."""
@@ -125,6 +126,8 @@ class PipelineRunner:
             # up by name on the engine's own (still quantized) model, where they do not exist.
             return (f"{self.precision.precision} weights are torchao tensor subclasses, which an aot package cannot "
                     "take from the engine's model (export unwraps them into other tensors)")
+        if mode is Mode.AOT and self.preset.video:
+            return "aot packages are exported per image bucket; a video bucket (size x frames) compiles or is regional"
         if mode is Mode.AOT and self.config.key.tp > 1:
             return "a tensor-parallel engine's weights are sharded DTensors, which aot packages do not take"
         return ""
@@ -159,7 +162,8 @@ class PipelineRunner:
         start = time.perf_counter()
         loader = PipelineLoader(self.config, self.spec, self.precision, self.load_device(), self.component_overrides)
         # A graph per mode x bucket x batch size, and a second batch shape per bucket with classifier-free guidance
-        loaded = loader.load(graphs=len(self.modes()) * len(self.preset.buckets) * 2 * len(self.batch_sizes))
+        graphs = len(self.modes()) * len(preset_buckets(self.preset, Mode.EAGER)) * 2 * len(self.batch_sizes)
+        loaded = loader.load(graphs=graphs)
         self.source, self.loras, pipe = loaded.source, loaded.loras, loaded.pipe
         self.notices += loaded.notices
         self.pipe = pipe
@@ -194,7 +198,7 @@ class PipelineRunner:
         once per mode), its memory levers, its ranks, its LoRA adapters. The request, its size routed to a
         bucket, its step cache and mode checked for the device, comes from the gate (engine/serving/gate.py):
         asserted here, not checked again. Returns the request to run and the notices."""
-        if request.size not in self.preset.buckets:
+        if request.size not in self.preset.buckets or request.num_frames not in (self.preset.frames or (0,)):
             raise AssertionError(f"request {request.request_id} at {request.size} is not a bucket of "
                                  f"{self.preset.name}: a bug, requests are routed to a bucket by the gate (build_request)")
         notices = list(self.check_mode(request.mode))
@@ -319,16 +323,18 @@ class PipelineRunner:
 
     def result(self, request: GenerateRequest, image, run: CallOutcome, notices: list[str], batch_size: int = 1
                ) -> GenerateResult:
+        clip = Clip.of(image, request)
         return GenerateResult(
             request_id=request.request_id, engine=self.config.key, bucket=request.bucket,
-            image_png=encode_png(image, request, self.config.key), timings=run.timings, warm=not run.eager_fallback,
+            image_png=encode_png(clip.poster, request, self.config.key), timings=run.timings, warm=not run.eager_fallback,
             eager_fallback=run.eager_fallback, recompiles=run.recompiles, peak_memory_bytes=run.peak,
             notices=tuple(notices), seed=request.seed, steps=request.steps, step_cache=request.step_cache,
             cached_steps=run.cached_steps, batch_size=batch_size, lora=request.lora,
             lora_scale=request.lora_scale if request.lora else None,
             lora_rank=self.loras.rank(request.lora) if self.loras is not None else None,
             lora_swap_ms=run.lora.swap_ms, lora_fused=request.lora_fused and request.lora is not None,
-            lora_fuse_ms=run.lora.fuse_ms, weights_by_component=component_bytes(self.pipe))
+            lora_fuse_ms=run.lora.fuse_ms, weights_by_component=component_bytes(self.pipe),
+            video_mp4=clip.mp4, num_frames=request.num_frames, fps=request.fps, video_encode_ms=clip.encode_ms)
 
     def _out_of_memory(self, exc: Exception) -> DeviceOutOfMemory:
         gc.collect()
@@ -350,7 +356,8 @@ class PipelineRunner:
 
     def buckets_to_warm(self) -> list[BucketKey]:
         """The configured start-up warm list, most-used size first (the preset's order)."""
-        return startup_buckets(self.options.warmup, self.preset.buckets, self.modes(), self.batch_sizes)
+        return startup_buckets(self.options.warmup, self.preset.buckets, self.modes(), self.batch_sizes,
+                               self.preset.frames)
 
     def _lora_slot_off(self) -> None:
         """Before an aot export: its packages hold the slot's scaling tensors as constants, captured with no
@@ -394,7 +401,9 @@ class PipelineRunner:
         """One eager step at the largest bucket and the largest batch: the activation peak a call can reach
         (budgeting); the run time a request alone would take is learnt from a batch of one."""
         largest = max(self.preset.buckets, key=lambda s: s.pixels)
-        request = self.warm_requests.request(BucketKey(Mode.EAGER, largest)).replace(steps=1, request_id="footprint")
+        frames = max(self.preset.frames, default=0)
+        request = self.warm_requests.request(BucketKey(Mode.EAGER, largest, frames=frames)).replace(
+            steps=1, request_id="footprint")
         self.spec.reset_peak_memory()
         with self.run_lock:
             start = time.perf_counter()

@@ -34,6 +34,8 @@ class WarmRequests:
             seed=0,
             mode=bucket.mode,
             request_id=f"warm-{bucket}",
+            num_frames=bucket.frames,
+            fps=self.preset.fps if bucket.frames else 0,
         )
 
     def members(self, bucket: BucketKey, guidance: float | None = None) -> list[GenerateRequest] | None:
@@ -175,6 +177,9 @@ def warm_refusal(bucket: BucketKey, check_mode: Callable, preset, batch_sizes: t
         check_mode(bucket.mode)
         if bucket.size not in preset.buckets:
             raise InvalidRequest(f"{bucket.size} is not a bucket of {preset.name}")
+        if bucket.frames not in (preset.frames or (0,)):
+            frames = ", ".join(map(str, preset.frames)) or "none: it makes images"
+            raise InvalidRequest(f"{bucket.frames} frames is not a frame bucket of {preset.name} ({frames})")
         if bucket.batch not in batch_sizes:
             raise InvalidRequest(f"batch size {bucket.batch} is not one of this engine's "
                                  f"({', '.join(map(str, batch_sizes))}; --max-batch)")
@@ -183,14 +188,19 @@ def warm_refusal(bucket: BucketKey, check_mode: Callable, preset, batch_sizes: t
     return None
 
 
-def startup_buckets(warmup, buckets: tuple[Size, ...], modes: tuple[Mode, ...], batch_sizes: tuple[int, ...]
-                    ) -> list[BucketKey]:
+def preset_buckets(preset, mode: Mode) -> list[BucketKey]:
+    """Every bucket of a preset in one mode: its sizes, and for a video preset each size at each frame count."""
+    return [BucketKey(mode, size, frames=frames) for size in preset.buckets for frames in (preset.frames or (0,))]
+
+
+def startup_buckets(warmup, buckets: tuple[Size, ...], modes: tuple[Mode, ...], batch_sizes: tuple[int, ...],
+                    frames: tuple[int, ...] = ()) -> list[BucketKey]:
     """The configured start-up warm list (`warmup`: WarmupOptions), most-used size first (the preset's
-    order of `buckets`), in the engine's `modes`."""
+    order of `buckets`), in the engine's `modes`; a video preset's sizes at its first (most-used) frame count."""
     sizes = buckets
     if warmup.sizes is not None:
         sizes = tuple(Size.parse(s) for s in warmup.sizes)
-    solo = [BucketKey(m, s) for s in sizes for m in warmup.modes if m in modes]
+    solo = [BucketKey(m, s, frames=frames[0] if frames else 0) for s in sizes for m in warmup.modes if m in modes]
     # Then the batch sizes of the first size (the default bucket), the largest first: it serves a burst
     # in the fewest calls, and a group the largest cannot fill runs as the smaller warm ones meanwhile.
     batched = [BucketKey(m, sizes[0], b) for b in reversed(batch_sizes[1:])

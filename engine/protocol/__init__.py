@@ -74,6 +74,7 @@ from engine.protocol.requests import (
     GenerateResult,
     StepProgress,
     Timings,
+    decode_mp4,
 )
 from engine.protocol.stepcaches import (
     NO_STEP_CACHE,
@@ -166,6 +167,7 @@ __all__ = [
     "TPOpKind",
     "TestingOptions",
     "Timings",
+    "decode_mp4",
     "Warm",
     "check_lora_scale",
     "dispatch",

@@ -113,6 +113,16 @@ class ModelPreset:
     # hot-swapping (None: the largest among them, read from their files).
     loras: tuple[LoraSource, ...] = ()
     lora_rank: int | None = None
+    # A video family: its frame-count buckets, most-used first (empty: the preset makes images), the step
+    # between valid frame counts (Wan: 4k + 1, its VAE's temporal compression) and the default fps.
+    frames: tuple[int, ...] = ()
+    frame_step: int = 4
+    fps: int = 16
+
+    @property
+    def video(self) -> bool:
+        """Whether it makes clips (num_frames and fps are its sampling fields)."""
+        return bool(self.frames)
 
     @property
     def random_tiny(self) -> str | None:
@@ -147,6 +157,7 @@ class ModelPreset:
             "advice": dict(self.advice),
             "loras": [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}
                       for lora in self.loras],
+            **({"frames": list(self.frames), "fps": self.fps} if self.video else {}),
         }
 
 

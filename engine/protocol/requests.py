@@ -42,6 +42,8 @@ class GenerateRequest:
     # Who asked (a visitor's address; "" for the host): an engine serves its waiting clients in turn.
     client: str = ""
     previews: int = 0  # partial images streamed while it runs (engine/pipeline/preview.py), at most MAX_PREVIEWS
+    num_frames: int = 0  # a video preset's clip length (a frame bucket); 0: an image
+    fps: int = 0  # the clip's frames per second (its MP4's rate)
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
@@ -67,7 +69,7 @@ class GenerateRequest:
 
     @property
     def bucket(self) -> BucketKey:
-        return BucketKey(self.mode, self.size)
+        return BucketKey(self.mode, self.size, frames=self.num_frames)
 
     def replace(self, **changes) -> GenerateRequest:
         return dataclasses.replace(self, **changes)
@@ -123,6 +125,11 @@ class GenerateResult:
     # price of its memory levers beside peak_memory_bytes.
     weights_by_component: tuple[tuple[str, int], ...] = ()
     node: str | None = None  # under --ray: the cluster node whose engine served it
+    # A clip (a video preset): its MP4 (image_png is its first frame), frame count, rate and encode time.
+    video_mp4: bytes = b""
+    num_frames: int = 0
+    fps: int = 0
+    video_encode_ms: float | None = None
 
     @property
     def computed_steps(self) -> int:
@@ -136,6 +143,10 @@ class GenerateResult:
         from PIL import Image
 
         return Image.open(io.BytesIO(self.image_png))
+
+    def frames(self) -> list:
+        """A clip's frames as its MP4 holds them (HxWx3 uint8 arrays); [] for an image."""
+        return decode_mp4(self.video_mp4) if self.video_mp4 else []
 
     def as_dict(self) -> dict:
         """The JSON the CLI's --json and the API's /generate return."""
@@ -165,6 +176,8 @@ class GenerateResult:
             "lora_fuse_ms": self.lora_fuse_ms,
             "weights_bytes": dict(self.weights_by_component),
             **({"node": self.node} if self.node else {}),
+            **({"frames": self.num_frames, "fps": self.fps, "video_bytes": len(self.video_mp4),
+                "video_encode_ms": self.video_encode_ms} if self.num_frames else {}),
             "timings": {
                 "step_ms": list(t.step_ms),
                 "first_step_ms": t.first_step_ms,
@@ -177,6 +190,23 @@ class GenerateResult:
                 "queued_ms": t.queued_ms,
             },
         }
+
+
+def decode_mp4(data: bytes) -> list:
+    """The frames of an MP4 (HxWx3 uint8 arrays), read by the ffmpeg binary of the imageio-ffmpeg wheel: what a
+    per-frame strip shows and a client counts."""
+    import tempfile
+    from pathlib import Path
+
+    import imageio_ffmpeg
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="clip-") as folder:
+        path = Path(folder) / "clip.mp4"
+        path.write_bytes(data)
+        reader = imageio_ffmpeg.read_frames(str(path))
+        width, height = next(reader)["size"]
+        return [np.frombuffer(raw, dtype=np.uint8).reshape(height, width, 3).copy() for raw in reader]
 
 
 @dataclass(frozen=True)

@@ -203,12 +203,14 @@ class BucketKey:
     mode: Mode
     size: Size
     batch: int = 1
+    frames: int = 0  # a video bucket's frame count (its latents' shape has them); 0: an image
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
 
     def __str__(self) -> str:
-        return f"{self.mode}:{self.size}" + (f"/b{self.batch}" if self.batch > 1 else "")
+        return (f"{self.mode}:{self.size}" + (f"x{self.frames}f" if self.frames else "")
+                + (f"/b{self.batch}" if self.batch > 1 else ""))
 
     def solo(self) -> BucketKey:
         """The same bucket at batch size 1."""
@@ -240,6 +242,7 @@ class BucketInfo:
             **self.engine.as_dict(),
             "mode": str(self.bucket.mode),
             "size": str(self.bucket.size),
+            "frames": self.bucket.frames,
             "batch": self.bucket.batch,
             "batches_served": self.batches_served,
             "state": self.state.value,

@@ -40,11 +40,18 @@ def tokens_per_image_step(preset: ModelPreset, size: Size, guidance: float | Non
     return tokens * (2 if preset.cfg and float(guidance) > 1.0 else 1)
 
 
-def price(preset: ModelPreset, size: Size, steps: int, guidance: float | None = None, images: int = 1) -> int:
-    """Token-steps of `images` images of `steps` steps at `size` (a Compare: configurations × prompts)."""
+def latent_frames(preset: ModelPreset, frames: int) -> int:
+    """Latent frames a clip of `frames` frames denoises (Wan: (frames - 1) / 4 + 1); 1 for an image (0 frames)."""
+    return (frames - 1) // preset.frame_step + 1 if frames > 0 else 1
+
+
+def price(preset: ModelPreset, size: Size, steps: int, guidance: float | None = None, images: int = 1,
+          frames: int = 0) -> int:
+    """Token-steps of `images` images of `steps` steps at `size` (a Compare: configurations × prompts); a clip of
+    `frames` frames costs its latent frames' tokens (frames × size, as the denoiser sees them)."""
     if steps < 1 or images < 1:
         raise InvalidRequest(f"a request runs at least one step of one image (got {steps} steps, {images} images)")
-    return steps * tokens_per_image_step(preset, size, guidance) * images
+    return steps * tokens_per_image_step(preset, size, guidance) * latent_frames(preset, frames) * images
 
 
 def parse_cost(text, flag: str) -> int | None:
@@ -81,11 +88,13 @@ def max_steps(budget: int, preset: ModelPreset, size: Size, guidance: float | No
 
 
 def check_generate(budget: CostBudget, preset: ModelPreset, size: Size, steps: int,
-                   guidance: float | None = None) -> int:
-    """The price of one image, or NotAllowed saying what fits: fewer steps, or a smaller bucket."""
-    cost = price(preset, size, steps, guidance)
+                   guidance: float | None = None, frames: int = 0) -> int:
+    """The price of one image (or clip), or NotAllowed saying what fits: fewer steps, or a smaller bucket."""
+    cost = price(preset, size, steps, guidance, frames=frames)
     if budget.request is None or cost <= budget.request:
         return cost
+    if frames:
+        raise NotAllowed(_clip_refusal(budget.request, cost, preset, size, steps, guidance, frames))
     allowed = max_steps(budget.request, preset, size, guidance)
     hint = f"at most {_n(allowed, 'step')} at {size} here" if allowed else f"{size} does not fit here at any step count"
     smaller = [s for s in sorted(preset.buckets, key=lambda s: s.pixels) if s.pixels < size.pixels
@@ -134,3 +143,14 @@ def check_visitor(budget: CostBudget, held: int, cost: int) -> None:
     raise EngineBusy(f"you have {held:,} token-steps of requests queued or running and this one costs {cost:,}; "
                      f"this server allows {budget.visitor:,} per visitor at once: wait for yours to finish "
                      "(or cancel one), then send it again")
+
+
+def _clip_refusal(allowed: int, cost: int, preset: ModelPreset, size: Size, steps: int, guidance, frames: int) -> str:
+    """Why a clip is over the request budget, and the longest clip (of the preset's frame buckets) that fits."""
+    tokens = tokens_per_image_step(preset, size, guidance)
+    fitting = [f for f in sorted(preset.frames) if price(preset, size, steps, guidance, frames=f) <= allowed]
+    hint = (f"at most {fitting[-1]} frames at {size} and {_n(steps, 'step')} here" if fitting
+            else f"fewer steps or a smaller size ({size} at {_n(steps, 'step')} does not fit at any frame count)")
+    return (f"this clip costs {cost:,} token-steps ({_n(steps, 'step')} × {tokens} latent tokens at {size} × "
+            f"{latent_frames(preset, frames)} latent frames ({frames} frames)) and this server allows {allowed:,} "
+            f"per request: {hint}")

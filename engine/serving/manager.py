@@ -24,6 +24,7 @@ from engine.config.flags import presets_from_args
 from engine.config.placement import split_device
 from engine.config.request import Caller, ImageRequest
 from engine.config.resolve import Catalog
+from engine.config.video import warm_bucket
 from engine.errors import EngineBusy, NotAllowed, ShowcaseError
 from engine.pipeline.batching import max_batch_for
 from engine.protocol import (
@@ -34,7 +35,6 @@ from engine.protocol import (
     GenerateResult,
     Mode,
     ModelPreset,
-    Size,
 )
 from engine.serving import cost, fit, policy
 from engine.serving.admission import RequestFlow, Ticket, price_compare
@@ -312,7 +312,7 @@ class EngineManager:
         if visitor and not size:
             raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
         key = self.gate.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
-        bucket = BucketKey(Mode.parse(mode, "mode"), Size.parse(size)) if size else None
+        bucket = warm_bucket(self.catalog.preset(key.preset), mode, size) if size else None
         if visitor:
             self._check_visitor_warm(key, bucket)
         policy.check_runtime(self.hosting.runtime, key, bucket.mode if bucket else None)

@@ -1,0 +1,124 @@
+"""The videos API (/v1/videos, ui/openai_videos.py) through the official `openai` SDK against the running app
+(public mode, tiny-wan on cpu): a job polled to completion and its MP4 downloaded with the frames asked for,
+its thumbnail and per-frame strip, a clip priced by its tokens, and errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import pytest
+from helpers import engine_manager, launch_demo
+from PIL import Image
+
+from engine.protocol import decode_mp4
+
+pytestmark = pytest.mark.slow  # launches the app and generates
+
+openai = pytest.importorskip("openai", reason="the /v1 tests use the official openai SDK (the dev extra)")
+
+PROMPT = "a yellow triangle moving left on a purple background"
+KEY = "visitor-key"
+
+
+@pytest.fixture(scope="module")
+def app(cache_dir, tmp_path_factory):
+    """Public mode offering tiny-wan and tiny-flux; a request may cost 500 token-steps (a 16x16 clip of 9 frames
+    in 2 steps costs 12, a 64x64 one of 33 frames in 4 steps 1152)."""
+    from engine.serving.cost import CostBudget
+    from engine.serving.manager import HostPolicy
+    from ui.handlers import UIDefaults
+
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(KEY + "\n")
+    policy = HostPolicy(public=True, presets=("tiny-wan", "tiny-flux"), cost=CostBudget(request=500, visitor=1000))
+    with engine_manager(cache_dir, policy=policy) as manager:
+        demo, url = launch_demo(manager, UIDefaults(preset="tiny-wan", device="cpu", mode="eager", api_keys=str(keys)),
+                                mcp_server=True)
+        try:
+            yield url
+        finally:
+            demo.close()
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=app + "v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def test_create_and_poll_then_download_gives_a_playable_mp4_of_the_asked_frames(client):
+    video = client.videos.create_and_poll(model="tiny-wan", prompt=PROMPT, size="16x16", poll_interval_ms=100,
+                                          extra_body={"num_frames": 9, "steps": 2, "seed": 3})
+    assert (video.status, video.progress, video.size, video.object) == ("completed", 100, "16x16", "video")
+    assert video.model == "tiny-wan" and video.error is None and video.completed_at >= video.created_at
+    frames = decode_mp4(client.videos.download_content(video.id).read())
+    assert (len(frames), frames[0].shape) == (9, (16, 16, 3))
+    assert video.seconds == f"{9 / 16:.2f}" and video.timings["frames"] == 9
+    thumbnail = Image.open(io.BytesIO(client.videos.download_content(video.id, variant="thumbnail").read()))
+    strip = Image.open(io.BytesIO(client.videos.download_content(video.id, variant="spritesheet").read()))
+    assert (thumbnail.size, strip.size) == ((16, 16), (9 * 16, 16))
+    assert client.videos.retrieve(video.id).status == "completed"
+    assert video.id in [v.id for v in client.videos.list().data]
+
+
+def test_seconds_become_frames_snapped_to_a_bucket(client):
+    video = client.videos.create_and_poll(model="tiny-wan", prompt=PROMPT, size="16x16", seconds="4",
+                                          poll_interval_ms=100, extra_body={"fps": 4, "steps": 2})
+    assert video.status == "completed", video.error
+    assert video.timings["frames"] == 17  # 4 s x 4 fps + 1
+    assert len(decode_mp4(client.videos.download_content(video.id).read())) == 17
+
+
+def test_a_clip_over_the_budget_is_refused_naming_what_fits(client):
+    with pytest.raises(openai.PermissionDeniedError) as err:
+        client.videos.create(model="tiny-wan", prompt=PROMPT, size="64x64", extra_body={"num_frames": 33})
+    assert "this clip costs 1,152 token-steps" in str(err.value) and "allows 500 per request" in str(err.value)
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"model": "tiny-flux"}, "model tiny-flux makes images, not clips; choose a video model: tiny-wan"),
+    ({"num_frames": "lots"}, "num_frames must be a whole number"),
+    ({"fps": "900"}, "fps must be from 1 to 60"),
+    ({"colour": "red"}, "unknown field 'colour'"),
+])
+def test_bad_fields_are_refused_with_the_apps_message(client, fields, words):
+    body = {"model": "tiny-wan", "prompt": PROMPT, **fields}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(**{k: body.pop(k) for k in ("model", "prompt")}, extra_body=body)
+    assert words in str(err.value)
+
+
+def test_unknown_jobs_and_unready_content_answer_in_openais_shape(app):
+    headers = {"authorization": f"Bearer {KEY}"}
+    missing = httpx.get(app + "v1/videos/video_nope", headers=headers, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    bad = httpx.post(app + "v1/videos", json={"model": "tiny-wan"}, headers=headers, timeout=30)
+    assert bad.status_code == 400 and "prompt is required" in bad.json()["error"]["message"]
+    assert httpx.get(app + "v1/videos", timeout=30).status_code == 401  # keys are required here
+
+
+def test_generate_video_gives_gradio_client_the_clip_its_frames_and_figures(app):
+    from gradio_client import Client
+
+    from ui.generate_video import clip_summary
+
+    video, frames, timings = Client(app, verbose=False).predict(
+        prompt=PROMPT, negative_prompt="", preset="tiny-wan", device="cpu", precision="fp32", mode="eager",
+        size="16x16", num_frames=10, fps=8, steps=2, guidance=5.0, seed=1, on_cold="eager", api_name="/generate_video")
+    with open(video, "rb") as f:
+        assert len(decode_mp4(f.read())) == 9
+    assert len(frames) == 9 and (timings["frames"], timings["fps"], timings["bucket"]) == (9, 8, "16x16")
+    assert "num_frames 10 is not 4k + 1; snapped to the nearest frame bucket 9 (9, 17, 33)" in timings["notices"]
+    summary = clip_summary(timings)
+    assert "**9 frames** at 8 fps" in summary and "ms per frame" in summary and "VAE decode" in summary
+
+
+def test_an_agent_finds_generate_video_among_the_mcp_tools(app):
+    from test_mcp import session_run
+
+    async def work(session):
+        return (await session.list_tools()).tools
+
+    tools = {t.name: t for t in session_run(app + "gradio_api/mcp/", work)}
+    assert "clip" in tools["generate_video"].description
+    assert {"prompt", "preset", "size", "num_frames", "fps", "steps"} <= set(tools["generate_video"].inputSchema["properties"])

@@ -1,0 +1,152 @@
+"""Generate's video mode, shown in a tab of its own ("Video"): a clip from a video preset (text to video), played
+(gr.Video), its frames side by side, and the same figures as Generate (per-step plot, stages with the VAE decode's
+share, recompiles, peak memory); `/generate_video` for gradio_client and the MCP tool of that name.
+
+The run is Generate's (ui/generate.py: the one gate, the event stream, cancel between steps), with the clip's
+MP4 saved where Gradio serves outputs from (ui/webtemp.py: bounded, removed at shutdown) and its frames read
+back from it, so the strip shows what the player plays.
+"""
+
+from __future__ import annotations
+
+from contextlib import closing
+
+import gradio as gr
+from gradio.utils import get_upload_folder
+
+from engine.errors import ShowcaseError
+from engine.serving import stream
+from ui import views, webtemp
+from ui.common import ENGINE_QUEUE, FAST, to_gradio_error
+from ui.generate import GenerateHandlers
+from ui.runs import ProgressBar
+
+# The tab's fields, in /generate_video's order (gradio_client callers pass them positionally: append only).
+VIDEO_FIELDS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "num_frames", "fps",
+                "steps", "guidance", "seed", "on_cold")
+STRIP_FRAMES = 33  # frames the strip shows at most (evenly picked from a longer clip)
+GENERATE_VIDEO_DOC = (
+    "Generate one clip with a video preset (tiny-wan, Wan 2.x). Returns (video, frames, timings): the MP4, its "
+    "frames as images, and the run's figures as JSON (the CLI's --json: frames, fps, step_ms, encode/denoise/decode/"
+    "total ms, video_encode_ms, recompiles, peak memory, notices such as a frame count snapped to its bucket). "
+    "Every parameter is text or a number; '' takes the preset's default.")
+
+
+def clip_summary(result: dict | None) -> str:
+    """The clip's own figures: frames and rate, seconds per clip and per frame, the VAE decode's share."""
+    if not result or not result.get("frames") or result.get("running"):
+        return ""
+    t = result["timings"]
+    total, frames = t["total_ms"], result["frames"]
+    share = 100 * t["decode_ms"] / total if total else 0
+    return (f"**{frames} frames** at {result['fps']} fps ({frames / result['fps']:.2f} s of video) · "
+            f"{total / 1000:.2f} s per clip, {total / frames:.1f} ms per frame · VAE decode {t['decode_ms']:.0f} ms "
+            f"({share:.0f} % of the run) · MP4 {result['video_bytes']:,} bytes, encoded in "
+            f"{result['video_encode_ms']:.0f} ms")
+
+
+def frame_strip(result) -> list[tuple]:
+    """(frame, caption) of a clip's frames as the MP4 holds them, at most STRIP_FRAMES evenly spread."""
+    frames = result.frames()
+    step = max(1, -(-len(frames) // STRIP_FRAMES))
+    return [(frame, f"frame {i + 1}") for i, frame in enumerate(frames) if i % step == 0]
+
+
+class VideoHandlers(GenerateHandlers):
+    """Generate's handlers and the clip's: the run is Generate's, its result shown as a clip."""
+
+    def video_presets(self) -> list[str]:
+        return [name for name in self.manager.gate.visitor_presets() if self.manager.catalog.preset(name).video]
+
+    def video_defaults(self, preset: str):
+        """A video preset's sizes, first frame bucket, rate and steps."""
+        try:
+            p = self.manager.catalog.preset(preset)
+        except ShowcaseError as exc:
+            raise to_gradio_error(exc) from None
+        sizes = [str(s) for s in p.buckets]
+        return (gr.update(choices=sizes, value=sizes[0]), gr.update(value=p.frames[0] if p.video else None),
+                gr.update(value=p.fps), gr.update(value=p.steps))
+
+    def generate_video(self, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
+        """One clip: streams (video, frames, timings) as Generate streams (image, timings); the video and its
+        frames come with the result."""
+        prepared = self._prepare(form, request, progress)
+        feed = self.run_feed(prepared.key, ProgressBar(progress))
+        with self._registered(request) as run, closing(stream.blocking(self._events(prepared, run))) as events:
+            for event in events:
+                if isinstance(event, stream.Finished) and event.result.video_mp4:
+                    result = event.result
+                    path = webtemp.save_output(result.video_mp4, get_upload_folder(), suffix=".mp4")
+                    yield path, frame_strip(result), prepared.view.done(result)
+                    continue
+                for image, timings in prepared.view.outputs(event, feed, page=True):
+                    yield (None if image is None else gr.skip()), gr.skip(), timings
+
+
+def build(h: VideoHandlers) -> None:
+    """The tab (inside gr.Tabs) and its events."""
+    presets = h.video_presets()
+    with gr.Tab("Video", id="video"):
+        if not presets:  # /generate_video stays (an API's shape does not follow the host's list) and says why
+            gr.Markdown("No video preset is offered on this server (a host lists one, e.g. tiny-wan, in its presets).")
+        first = h.manager.catalog.preset(presets[0] if presets else "tiny-wan")
+        d = h.defaults
+        with gr.Row():
+            with gr.Column(scale=2, min_width=320):
+                form = _controls(h, presets, first, d)
+            with gr.Column(scale=3, min_width=340):
+                with gr.Row():
+                    run_btn = gr.Button("Generate clip", variant="primary", elem_id="video-btn")
+                    cancel_btn = gr.Button("Cancel", variant="stop", elem_id="video-cancel-btn")
+                player = gr.Video(label="video", interactive=False, autoplay=True, loop=True, height=300,
+                                  elem_id="video-player")
+                strip = gr.Gallery(label="frames", columns=9, height=200, object_fit="contain", elem_id="video-frames",
+                                   interactive=False, preview=False)
+                clip_line = gr.Markdown(elem_id="video-summary")
+                plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this clip",
+                                   x_title="step", y_title="ms", color_title="", height=240, elem_id="video-plot")
+                summary = gr.Markdown(elem_id="video-run-summary")
+                stats = gr.Dataframe(interactive=False, label="Timings (stages: text encode, denoise, VAE decode)",
+                                     elem_id="video-stats", wrap=True)
+                with gr.Accordion("Timings JSON", open=False):
+                    timings = gr.JSON(label="timings", elem_id="video-timings")
+    run = run_btn.click(h.generate_video, None, [player, strip, timings], inputs_kwargs=form,
+                        api_name="generate_video", api_description=GENERATE_VIDEO_DOC, show_progress="full",
+                        show_progress_on=[player], concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots())
+    cancel_btn.click(None, cancels=[run])
+    timings.change(h.render_run, timings, [plot, stats, summary], **FAST)
+    timings.change(clip_summary, timings, clip_line, **FAST)
+    form["preset"].change(h.video_defaults, form["preset"], [form["size"], form["num_frames"], form["fps"],
+                                                             form["steps"]], **FAST)
+
+
+def _controls(h: VideoHandlers, presets: list[str], first, d) -> dict:
+    """The clip's fields by name (VIDEO_FIELDS); dropdowns take typed values so our checks name what is wrong."""
+    form = {"prompt": gr.Textbox(label="Prompt", value="a yellow triangle moving left on a purple background",
+                                 lines=2, elem_id="video-prompt"),
+            "negative_prompt": gr.Textbox(label="Negative prompt", lines=1, elem_id="video-negative")}
+    with gr.Row():
+        form["preset"] = gr.Dropdown(presets, value=first.name, label="Video preset", allow_custom_value=True,
+                                     elem_id="video-preset")
+        form["device"] = gr.Dropdown(views.device_choices(h.devices_report()), value=d.device, label="Device",
+                                     allow_custom_value=True, elem_id="video-device")
+    with gr.Row():
+        form["precision"] = gr.Dropdown(h.precision_choices(), value=d.precision, label="Precision",
+                                        allow_custom_value=True, elem_id="video-precision")
+        form["mode"] = gr.Dropdown(["eager", "compile", "regional"], value="eager", label="Mode",
+                                   allow_custom_value=True, elem_id="video-mode")
+    sizes = [str(s) for s in first.buckets]
+    with gr.Row():
+        form["size"] = gr.Dropdown(sizes, value=sizes[0], label="Size bucket", allow_custom_value=True,
+                                   elem_id="video-size")
+        form["num_frames"] = gr.Number(value=first.frames[0], precision=0, label="Frames (snapped to a frame bucket)",
+                                       elem_id="video-frames-count")
+        form["fps"] = gr.Number(value=first.fps, precision=0, label="fps", elem_id="video-fps")
+    with gr.Row():
+        form["steps"] = gr.Number(value=first.steps, precision=0, label="Steps", elem_id="video-steps")
+        form["guidance"] = gr.Number(value=first.guidance, label="Guidance", elem_id="video-guidance")
+        form["seed"] = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="video-seed")
+    form["on_cold"] = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")], value=d.on_cold,
+                               label="At a bucket that is not warm yet", elem_id="video-on-cold")
+    return {name: form[name] for name in VIDEO_FIELDS}

@@ -1,0 +1,297 @@
+"""The OpenAI videos API on the app's /v1 (ui/openai_api.py hands it every /v1/videos path): what the `openai`
+SDK's `client.videos` speaks.
+
+    POST   /v1/videos                 a job: `prompt`, `model` (a video preset), `size`, `seconds`; the showcase's
+                                      own fields as extra form fields (VIDEO_FIELDS: num_frames, fps, steps, ...)
+    GET    /v1/videos                 the caller's jobs kept here
+    GET    /v1/videos/{id}            one job: status queued | in_progress | completed | failed, progress 0-100
+    GET    /v1/videos/{id}/content    its MP4 (variant=video), first frame (thumbnail, PNG) or every frame side by
+                                      side (spritesheet, PNG)
+    DELETE /v1/videos/{id}            stops it between steps (if it runs) and forgets it
+
+A job is one request through the manager, as the page's Generate is: checked and priced by the gate when it is
+created (a bad field or a clip over the visitor's budget is refused there, with the app's message), then run
+in the background with the client's place at the edge and its one running request held until it ends. Clips
+live in memory only, the last JOBS_KEPT jobs (the oldest finished one goes first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import secrets
+import time
+from collections import OrderedDict
+from contextlib import ExitStack, aclosing
+from dataclasses import dataclass, field
+
+from engine.config.request import Caller, ImageRequest
+from engine.serving import stream
+from engine.serving.stream import Run
+from ui.common import ENGINE_QUEUE
+from ui.openai_api import PREFIX, ApiError, api_error
+
+JOBS_KEPT = 32
+# The showcase's own fields a job takes beside OpenAI's (the SDK's extra_body; form fields on the wire).
+VIDEO_FIELDS = {
+    "num_frames": "frames of the clip (snapped to the model's frame buckets, 4k + 1 for Wan; default: its first); "
+                  "beats `seconds`",
+    "fps": "frames per second of the MP4 (default: the model's)",
+    "negative_prompt": "what to keep out of the clip", "steps": "denoising steps (default: the model's)",
+    "guidance": "guidance scale", "seed": "an integer >= 0 (default 0)",
+    "mode": "eager, compile or regional", "device": "auto or a device name", "precision": "fp32, bf16, ...",
+    "on_cold": "eager or wait (for the bucket's compile)", "step_cache": "a step cache, or none",
+}
+OPENAI_VIDEO_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
+VARIANTS = ("video", "thumbnail", "spritesheet")
+
+
+@dataclass
+class VideoJob:
+    """One clip's job as the SDK's `Video` reads it, and what it made."""
+
+    id: str
+    model: str
+    prompt: str
+    size: str
+    client: str
+    run: Run
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    status: str = "queued"
+    progress: int = 0
+    completed_at: int | None = None
+    error: dict | None = None
+    result: object = None  # the GenerateResult once completed
+    seconds: str = "0"
+
+    def body(self) -> dict:
+        result = self.result
+        extra = {"frames": result.num_frames, "fps": result.fps, "timings": result.as_dict()} if result else {}
+        return {"id": self.id, "object": "video", "created_at": self.created_at, "completed_at": self.completed_at,
+                "expires_at": None, "model": self.model, "prompt": self.prompt, "progress": self.progress,
+                "seconds": self.seconds, "size": self.size, "status": self.status, "error": self.error,
+                "remixed_from_video_id": None, **extra}
+
+    def step(self, progress) -> None:
+        self.status = "in_progress"
+        self.progress = min(99, int(100 * progress.step / max(1, progress.total)))  # 100: the clip is encoded
+
+    def finished(self, result) -> None:
+        self.result, self.status, self.progress = result, "completed", 100
+        self.size, self.completed_at = str(result.bucket.size), int(time.time())
+        self.seconds = f"{result.num_frames / max(1, result.fps):.2f}"
+
+    def failed(self, exc: BaseException) -> None:
+        error = api_error(exc)
+        self.status, self.completed_at = "failed", int(time.time())
+        self.error = {"code": error.code or "generation_failed", "message": error.message}
+
+
+def _field(form, name: str) -> str | None:
+    value = form.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ApiError(400, f"{name} must be text or a number", param=name)
+
+
+async def read_form(request) -> dict:
+    """The job's fields, from a multipart form (what the SDK sends) or a JSON object."""
+    if request.headers.get("content-type", "").startswith("application/json"):
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (ValueError, UnicodeError):
+            raise ApiError(400, "the body must be JSON or a multipart form") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object with a prompt")
+        return body
+    from starlette.formparsers import MultiPartException
+
+    try:
+        form = await request.form(max_files=0, max_fields=32)
+    except MultiPartException as exc:
+        if "files" in str(exc).lower():
+            raise ApiError(400, "input_reference: image-to-video is not served here yet (the video presets on this "
+                                "server are text to video); leave it out", param="input_reference") from None
+        raise ApiError(400, f"the form cannot be read ({exc}); send the job's fields as text") from None
+    return dict(form.items())
+
+
+def check_form(form: dict) -> None:
+    unknown = [name for name in form if name not in (*OPENAI_VIDEO_FIELDS, *VIDEO_FIELDS)]
+    if unknown:
+        raise ApiError(400, f"unknown field {str(unknown[0])[:40]!r}; /v1/videos takes "
+                            f"{', '.join(OPENAI_VIDEO_FIELDS)} and {', '.join(VIDEO_FIELDS)}", param=str(unknown[0])[:40])
+    if not isinstance(form.get("prompt"), str) or not form["prompt"].strip():
+        raise ApiError(400, "prompt is required: the text of the clip to make", param="prompt")
+    if form.get("input_reference") not in (None, ""):
+        raise ApiError(400, "input_reference: image-to-video is not served here yet (the video presets on this "
+                            "server are text to video); leave it out", param="input_reference")
+
+
+def frames_asked(form: dict, fps_default: int) -> str | None:
+    """num_frames as sent, else `seconds` × fps + 1 (Wan's clips keep a first frame), else None (the model's)."""
+    frames = _field(form, "num_frames")
+    if frames not in (None, ""):
+        return frames
+    seconds = _field(form, "seconds")
+    if seconds in (None, ""):
+        return None
+    try:
+        fps = int(_field(form, "fps") or fps_default)
+        return str(round(float(seconds) * fps) + 1)
+    except ValueError:
+        raise ApiError(400, f"seconds must be a number, got {str(seconds)[:40]!r}", param="seconds") from None
+
+
+class VideoJobs:
+    """The /v1/videos routes on the app's handlers (their manager, defaults, runs and web edge)."""
+
+    def __init__(self, handlers, kept: int = JOBS_KEPT):
+        self.h, self.kept = handlers, kept
+        self.jobs: OrderedDict[str, VideoJob] = OrderedDict()
+        self.tasks: set[asyncio.Task] = set()
+
+    async def route(self, request, path: str, method: str, caller: Caller):
+        """Answer one /v1/videos request (`path` after /v1)."""
+        from starlette.responses import JSONResponse
+
+        parts = path.split("/")[2:]  # "/videos/ID/content" -> ["ID", "content"]
+        if not parts and method == "POST":
+            return JSONResponse(await self.create(request, caller))
+        if not parts and method == "GET":
+            client = self._client(request)
+            return JSONResponse({"object": "list", "data": [j.body() for j in self.jobs.values() if j.client == client],
+                                 "has_more": False})
+        job = self._job(parts[0] if parts else "")
+        if len(parts) == 1 and method == "GET":
+            return JSONResponse(job.body())
+        if len(parts) == 1 and method == "DELETE":
+            job.run.stop()
+            self.jobs.pop(job.id, None)
+            return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})
+        if len(parts) == 2 and parts[1] == "content" and method in ("GET", "HEAD"):
+            return self.content(job, request.query_params.get("variant") or "video")
+        raise ApiError(404, f"no route {method} {PREFIX}{path}; the videos API serves POST/GET /v1/videos, GET and "
+                            "DELETE /v1/videos/{id}, GET /v1/videos/{id}/content", code="unknown_url")
+
+    def _client(self, request) -> str:
+        return self.h.edge.callers.client_of(request) if self.h.edge is not None else f"v1 {request.client.host}"
+
+    def _job(self, job_id: str) -> VideoJob:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise ApiError(404, f"no video {job_id[:40]!r} here (the last {self.kept} jobs are kept)",
+                           param="video_id", code="not_found")
+        return job
+
+    async def create(self, request, caller: Caller) -> dict:
+        import anyio
+
+        form = await read_form(request)
+        check_form(form)
+        client = self._client(request)
+        name = _field(form, "model") or self.h.default_preset().name
+        spec = self._spec(form, name, caller, client)
+        admitted = await anyio.to_thread.run_sync(self._admit, spec)  # checked and priced now, run in the background
+        held = ExitStack()
+        try:
+            self._hold(client, held)
+        except BaseException:
+            held.close()
+            raise
+        job = VideoJob(id=f"video_{secrets.token_hex(12)}", model=admitted.key.preset, prompt=spec.prompt,
+                       size=str(admitted.request.size), client=client, run=Run(self.h.manager.cancel),
+                       seconds=f"{admitted.request.num_frames / max(1, admitted.request.fps):.2f}")
+        self._keep(job)
+        task = asyncio.create_task(self._run(job, admitted, held))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return job.body()
+
+    def _spec(self, form: dict, name: str, caller: Caller, client: str) -> ImageRequest:
+        if name not in self.h.manager.presets:
+            raise ApiError(404, f"model {name[:60]!r} is not offered here (GET /v1/models)", param="model",
+                           code="model_not_found")
+        preset = self.h.manager.catalog.preset(name)
+        if not preset.video:
+            videos = [n for n in self.h.manager.presets if self.h.manager.catalog.preset(n).video]
+            raise ApiError(400, f"model {name} makes images, not clips; choose a video model: "
+                                f"{', '.join(videos) or 'none is offered on this server'}", param="model")
+        d = self.h.defaults
+        seed = _field(form, "seed")
+        return ImageRequest(
+            preset=name, prompt=form["prompt"], negative_prompt=_field(form, "negative_prompt") or None,
+            device=_field(form, "device") or d.device, precision=_field(form, "precision") or d.precision,
+            mode=_field(form, "mode") or d.mode, size=_field(form, "size") or None, steps=_field(form, "steps"),
+            guidance=_field(form, "guidance"), seed=seed if seed not in (None, "") else 0,
+            on_cold=_field(form, "on_cold") or d.on_cold, step_cache=_field(form, "step_cache"),
+            num_frames=frames_asked(form, preset.fps), fps=_field(form, "fps"), caller=caller, client=client)
+
+    def _admit(self, spec: ImageRequest):
+        h = self.h
+        key = h.key_for(spec.preset, spec.device, spec.precision, 1, caller=spec.caller)
+        return h.manager.gate.admit(spec.replace(preset=key.preset))
+
+    def _hold(self, client: str, held: ExitStack) -> None:
+        """One of the client's events at the web edge and, in public mode, its one running request, held until
+        the job ends (as the page's Generate holds them while it runs)."""
+        h = self.h
+        if h.edge is not None:
+            refusal = held.enter_context(h.edge.outside_queue(ENGINE_QUEUE, client))
+            if refusal:
+                raise ApiError(429, refusal, "rate_limit_error", code="too_many_requests")
+        try:
+            held.enter_context(h.runs.open(f"v1:{client}", exclusive=h.manager.policy.public))
+        except Exception as exc:
+            raise api_error(exc) from None
+
+    def _keep(self, job: VideoJob) -> None:
+        self.jobs[job.id] = job
+        while len(self.jobs) > self.kept:
+            done = next((j for j in self.jobs.values() if j.status in ("completed", "failed")), None)
+            if done is None:
+                break
+            del self.jobs[done.id]
+
+    async def _run(self, job: VideoJob, admitted, held: ExitStack) -> None:
+        try:
+            async with aclosing(stream.request_events(self.h.manager, admitted, run=job.run)) as events:
+                async for event in events:
+                    if isinstance(event, stream.Step):
+                        job.step(event.progress)
+                    elif isinstance(event, stream.Finished):
+                        job.finished(event.result)
+                    elif isinstance(event, (stream.Failed, stream.Stopped)):
+                        job.failed(event.error)
+        except Exception as exc:  # noqa: BLE001 - the job says it failed; the server keeps serving
+            job.failed(exc)
+        finally:
+            held.close()
+
+    def content(self, job: VideoJob, variant: str):
+        from starlette.responses import Response
+
+        if variant not in VARIANTS:
+            raise ApiError(400, f"variant must be one of {', '.join(VARIANTS)}, got {variant[:40]!r}", param="variant")
+        if job.status != "completed":
+            raise ApiError(409 if job.status != "failed" else 400, f"video {job.id} is {job.status}"
+                           + (f" ({job.progress} %): poll GET /v1/videos/{job.id} until it is completed"
+                              if job.status != "failed" else f": {job.error['message']}"), code="video_not_ready")
+        result = job.result
+        if variant == "video":
+            return Response(result.video_mp4, media_type="video/mp4")
+        png = result.image_png if variant == "thumbnail" else spritesheet(result.frames())
+        return Response(png, media_type="image/png")
+
+
+def spritesheet(frames: list) -> bytes:
+    """Every frame of a clip side by side, as one PNG (the per-frame strip)."""
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.concatenate(frames, axis=1)).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
