@@ -60,7 +60,9 @@ FORM = (
     FormField("seed"), FormField("on_cold"), FormField("tp"), FormField("step_cache"), FormField("lora"),
     FormField("lora_scale", api=False),  # the page's slider; an API caller writes "NAME:SCALE"
     FormField("lora_fused", api=False),  # the page's checkbox; an API caller writes "NAME[:SCALE]:fused"
-    FormField("memory"),  # memory levers: '' the host's, "none" no lever (last: positional callers keep working)
+    FormField("memory"),  # memory levers: '' the host's, "none" no lever
+    # Input images (engine/config/images.py), appended: positional callers of the fields above keep working.
+    FormField("images"), FormField("mask"), FormField("strength"),
 )
 FORM_FIELDS = tuple(f.name for f in FORM)
 API_FIELDS = tuple(f.name for f in FORM if f.api)
@@ -97,6 +99,13 @@ class ImageRequest:
     lora_fused: bool | None = None  # None: as `lora` says
     previews: int | str = 0  # partial images to stream while it runs (the /v1 API's partial_images)
     memory: str | None = None  # memory levers (engine/protocol/memory.py); None: the host's default
+    # Input images as uploaded (encoded files' bytes, checked once by engine/config/images.py): the first is the
+    # source of img2img, inpaint and an instruction edit; all are references for FLUX.2. `mask`: white where an
+    # inpaint repaints. `strength`: img2img / inpaint only (None: 0.6). With no size, an edit's output follows
+    # the source's (snapped to a bucket).
+    images: tuple[bytes, ...] = ()
+    mask: bytes | None = None
+    strength: float | str | None = None
     # who asks
     caller: Caller = Caller.HOST
     client: str = ""  # the visitor's address: engines take turns between clients, budgets are held per client

@@ -12,9 +12,30 @@ from engine.config import caches
 from engine.errors import InvalidRequest
 from engine.pipeline.board import describe_failure
 from engine.pipeline.clock import cache_counters
-from engine.protocol import BucketInfo, BucketKey, BucketState, GenerateRequest, Mode, Size
+from engine.protocol import BucketInfo, BucketKey, BucketState, GenerateRequest, Mode, PixelImage, Size
 
 log = logging.getLogger(__name__)
+
+
+def synthetic_inputs(preset, bucket: BucketKey) -> dict:
+    """A warm-up's input images at `bucket`: a mid-grey source at the output size (img2img, inpaint), a mask
+    repainting its centre, the bucket's references: the shapes a request's resized uploads have, so the graph
+    it compiles is the one they run."""
+    inputs = preset.inputs
+    if not inputs.takes_images:
+        return {}
+    size = bucket.size
+    sizes = bucket.refs if inputs.in_sequence else (size,)
+    images = tuple(PixelImage(s.width, s.height, bytes([128]) * (s.width * s.height * 3)) for s in sizes)
+    fields = {"images": images, "images_in_sequence": inputs.in_sequence and bool(images)}
+    if inputs.takes_strength:
+        fields["strength"] = 1.0  # every step runs: the same graph, the whole schedule warmed
+    if inputs.takes_mask:
+        rows = [bytes(size.width // 4) + bytes([255]) * (size.width - size.width // 4 * 2) + bytes(size.width // 4)
+                if size.height // 4 <= y < size.height - size.height // 4 else bytes(size.width)
+                for y in range(size.height)]
+        fields["mask"] = PixelImage(size.width, size.height, b"".join(rows), "L")
+    return fields
 
 
 class WarmRequests:
@@ -34,6 +55,7 @@ class WarmRequests:
             seed=0,
             mode=bucket.mode,
             request_id=f"warm-{bucket}",
+            **synthetic_inputs(self.preset, bucket),
         )
 
     def members(self, bucket: BucketKey, guidance: float | None = None) -> list[GenerateRequest] | None:
@@ -175,6 +197,7 @@ def warm_refusal(bucket: BucketKey, check_mode: Callable, preset, batch_sizes: t
         check_mode(bucket.mode)
         if bucket.size not in preset.buckets:
             raise InvalidRequest(f"{bucket.size} is not a bucket of {preset.name}")
+        check_refs(bucket, preset)
         if bucket.batch not in batch_sizes:
             raise InvalidRequest(f"batch size {bucket.batch} is not one of this engine's "
                                  f"({', '.join(map(str, batch_sizes))}; --max-batch)")
@@ -183,16 +206,31 @@ def warm_refusal(bucket: BucketKey, check_mode: Callable, preset, batch_sizes: t
     return None
 
 
-def startup_buckets(warmup, buckets: tuple[Size, ...], modes: tuple[Mode, ...], batch_sizes: tuple[int, ...]
-                    ) -> list[BucketKey]:
-    """The configured start-up warm list (`warmup`: WarmupOptions), most-used size first (the preset's
-    order of `buckets`), in the engine's `modes`."""
-    sizes = buckets
+def check_refs(bucket: BucketKey, preset) -> None:
+    """An edit bucket's references: as many as the preset takes, each at the output size (engine/config/
+    images.py resizes every upload to it), and none where the preset's images do not join the sequence."""
+    if not bucket.refs:
+        return
+    if not preset.inputs.in_sequence:
+        raise InvalidRequest(f"{preset.name} takes {preset.inputs.describe()}: its buckets have no references")
+    if len(bucket.refs) > preset.max_references or any(r != bucket.size for r in bucket.refs):
+        raise InvalidRequest(f"{bucket} is not a bucket of {preset.name}: at most {preset.max_references} "
+                             f"reference(s), each at the output size {bucket.size}")
+    if bucket.mode is Mode.AOT:
+        raise InvalidRequest("aot packages are exported for text-to-image buckets only; an edit bucket compiles "
+                             "(compile or regional)")
+
+
+def startup_buckets(warmup, preset, modes: tuple[Mode, ...], batch_sizes: tuple[int, ...]) -> list[BucketKey]:
+    """The configured start-up warm list (`warmup`: WarmupOptions), most-used size first (the `preset`'s
+    order of buckets, each with its default references), in the engine's `modes`."""
+    sizes = preset.buckets
     if warmup.sizes is not None:
         sizes = tuple(Size.parse(s) for s in warmup.sizes)
-    solo = [BucketKey(m, s) for s in sizes for m in warmup.modes if m in modes]
+    solo = [BucketKey(m, s, refs=preset.reference_layouts(s)[0]) for s in sizes for m in warmup.modes if m in modes]
+    solo = [b for b in solo if not (b.refs and b.mode is Mode.AOT)]
     # Then the batch sizes of the first size (the default bucket), the largest first: it serves a burst
     # in the fewest calls, and a group the largest cannot fill runs as the smaller warm ones meanwhile.
-    batched = [BucketKey(m, sizes[0], b) for b in reversed(batch_sizes[1:])
+    batched = [BucketKey(m, sizes[0], b, refs=preset.reference_layouts(sizes[0])[0]) for b in reversed(batch_sizes[1:])
                for m in warmup.modes if m in modes and m.compiled] if sizes else []
     return solo + batched

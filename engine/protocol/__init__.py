@@ -58,9 +58,11 @@ from engine.protocol.options import (
 )
 from engine.protocol.presets import (
     DEFAULT_PRESET,
+    DEFAULT_STRENGTH,
     GENERIC_PROMPT,
     LORA_SCALE_RANGE,
     RANDOM_TINY_PREFIXES,
+    ImageInputs,
     LoraChoice,
     LoraSource,
     ModelPreset,
@@ -72,8 +74,10 @@ from engine.protocol.requests import (
     Footprint,
     GenerateRequest,
     GenerateResult,
+    PixelImage,
     StepProgress,
     Timings,
+    denoise_steps,
 )
 from engine.protocol.stepcaches import (
     NO_STEP_CACHE,
@@ -116,6 +120,9 @@ __all__ = [
     "CompileGranted",
     "CompileWanted",
     "DEFAULT_PRESET",
+    "DEFAULT_STRENGTH",
+    "ImageInputs",
+    "PixelImage",
     "EngineConfig",
     "EngineKey",
     "EngineOptions",
@@ -168,6 +175,7 @@ __all__ = [
     "Timings",
     "Warm",
     "check_lora_scale",
+    "denoise_steps",
     "dispatch",
     "median",
     "parse_lora",

@@ -198,17 +198,22 @@ class EngineKey:
 @dataclass(frozen=True, order=True)
 class BucketKey:
     """One compiled graph per (mode, size) of an engine, and per batch size where requests run batched
-    (engine/pipeline/batching.py): `batch` images in one pipeline call; 1 is a request run alone."""
+    (engine/pipeline/batching.py): `batch` images in one pipeline call; 1 is a request run alone. `refs`: the
+    sizes of the reference images whose latent tokens join the denoiser's sequence (an instruction edit, FLUX.2's
+    references), each another graph; () for text to image, img2img and inpaint (their source is the start
+    latent, of the output's shape)."""
 
     mode: Mode
     size: Size
     batch: int = 1
+    refs: tuple[Size, ...] = ()
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
 
     def __str__(self) -> str:
-        return f"{self.mode}:{self.size}" + (f"/b{self.batch}" if self.batch > 1 else "")
+        return (f"{self.mode}:{self.size}" + "".join(f"+ref{r}" for r in self.refs)
+                + (f"/b{self.batch}" if self.batch > 1 else ""))
 
     def solo(self) -> BucketKey:
         """The same bucket at batch size 1."""
