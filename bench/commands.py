@@ -23,6 +23,7 @@ COMMANDS = {
     "oneshot": "bench.oneshot:add_oneshot_parser",
     "fleet-bench": "bench.fleet:add_fleet_bench_parser",
     "video-bench": "bench.video:add_video_bench_parser",
+    "edit-bench": "bench.edit:add_edit_bench_parser",
 }
 
 

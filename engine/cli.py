@@ -22,12 +22,13 @@ from engine.config.flags import (
     options_from_args,
     presets_from_args,
 )
+from engine.config.images import read_image_file
 from engine.config.presets import load_presets
 from engine.config.request import ImageRequest
 from engine.config.resolve import Catalog, resolve_source
 from engine.errors import ShowcaseError
 from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel, Size, step_cache_forms
-from engine.protocol.flagfields import SWITCH, flag
+from engine.protocol.flagfields import APPEND, SWITCH, flag
 from engine.worker.logs import quiet_third_party
 
 # Each sub-command's own flags are the fields of its dataclass below (engine/config/flags.py `add_fields` makes
@@ -64,6 +65,13 @@ class GenerateFlags:
     parallel: str = field(default=Parallel.TENSOR.value, metadata=flag(
         "how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring (context parallel: "
         "tokens split)", choices=Parallel.values()))
+    image: list[str] = field(default_factory=list, metadata=flag(
+        "an input image (repeatable): the source to edit (img2img, inpaint, an instruction edit), or FLUX.2's "
+        "references; the preset says which it takes", kind=APPEND, metavar="PATH"))
+    mask: str | None = field(default=None, metadata=flag(
+        "inpainting mask (white: repaint), at the source image's size", metavar="PATH"))
+    strength: float | None = field(default=None, metadata=flag(
+        "img2img / inpaint: how much of the schedule runs from the noised source (0-1, default 0.6)", check=float))
     out: str | None = field(default=None, metadata=flag("write the PNG here (a video preset's clip: the MP4)"))
     json: bool = field(default=False, metadata=flag("print one JSON object with the timings", kind=SWITCH))
     frames: int | None = field(default=None, metadata=flag(
@@ -91,6 +99,9 @@ def cmd_generate(args) -> int:
     from engine.serving.manager import make_manager
 
     o = from_args(GenerateFlags, args)
+    # read (bounded) before any engine starts; decoded and checked once, at the gate
+    images = tuple(read_image_file(path, f"--image {i + 1}") for i, path in enumerate(o.image))
+    mask = read_image_file(o.mask, "--mask") if o.mask else None
     settings.workers_at_own_priority()
     size = Size.parse(o.size) if o.size else None
     # A one-shot run warms only the bucket it needs, and waits for it unless --on-cold eager.
@@ -109,7 +120,8 @@ def cmd_generate(args) -> int:
                                                        guidance=o.guidance, seed=o.seed, tp=o.tp,
                                                        parallel=o.parallel, snap=not o.no_snap,
                                                        on_cold=o.on_cold, step_cache=o.cache, lora=o.lora,
-                                                       num_frames=o.frames, fps=o.fps))
+                                                       num_frames=o.frames, fps=o.fps,
+                                                       images=images, mask=mask, strength=o.strength))
     finally:
         manager.shutdown()
     if o.out:
@@ -394,7 +406,7 @@ COMMANDS = {
 # The measuring commands live in the bench package (`python -m bench COMMAND`), which the engine never
 # imports: named here only so that `python -m engine bench` says where the command went.
 MEASURING = ("bench", "soak", "load", "fairness", "contention", "cp-bench", "advise", "lora-bench",
-             "memory-bench", "oneshot", "fleet-bench")
+             "memory-bench", "oneshot", "fleet-bench", "edit-bench")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ OPTIONS = {  # command -> its options dataclass; `True`: the engine flags follow
     "oneshot": ("bench.oneshot:OneshotOptions", True),
     "fleet-bench": ("bench.fleet:FleetBenchOptions", False),
     "video-bench": ("bench.video:VideoBenchOptions", False),
+    "edit-bench": ("bench.edit:EditBenchOptions", False),
 }
 
 

@@ -38,7 +38,8 @@ MAX_BODY_BYTES = 256 * 1024  # ui.edge.MAX_BODY_BYTES
 QUEUE_SIZE = 16
 FLOOD_FIELDS = {"prompt": "x", "negative_prompt": "", "preset": "tiny-flux", "device": "cpu", "precision": "fp32",
                 "mode": "eager", "size": "128x128", "steps": "200", "guidance": "", "seed": "1", "on_cold": "eager",
-                "tp": "1", "step_cache": "none", "lora": "none", "memory": "", "num_frames": "", "fps": ""}
+                "tp": "1", "step_cache": "none", "lora": "none", "memory": "", "num_frames": "", "fps": "",
+                "images": None, "mask": None, "strength": ""}
 FLOOD = [FLOOD_FIELDS[name] for name in GENERATE_API_PARAMS]  # a raw join sends every input, in order
 REAL_FIELDS = dict(FLOOD_FIELDS, prompt="a red circle on a blue background", size="64x64", steps="4")
 REAL = [REAL_FIELDS[name] for name in GENERATE_API_PARAMS]

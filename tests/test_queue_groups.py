@@ -35,7 +35,8 @@ CONFIGS = {  # the hostile run's: --public --presets tiny-shapes,tiny-flux --mcp
 FIELDS = {"prompt": "a red circle on a blue background", "negative_prompt": "", "preset": "tiny-shapes",
           "device": "cpu", "precision": "fp32", "mode": "eager", "size": "64x64", "steps": "8", "guidance": "",
           "seed": "1", "on_cold": "eager", "tp": "1", "step_cache": "none", "lora": "none",
-          "memory": "", "num_frames": "", "fps": ""}
+          "memory": "", "num_frames": "", "fps": "",
+          "images": None, "mask": None, "strength": ""}
 COSTLIEST = dict(size="128x128", steps="64")  # 16,384 token-steps: --max-request-cost's default
 
 

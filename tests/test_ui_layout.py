@@ -30,6 +30,7 @@ TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
                  "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "lora-fused", "memory",
                  "frames", "fps",
+                 "input-images", "input-mask", "strength",
                  "generate-btn",
                  "cancel-btn", "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output",
                  "run-summary", "history", "gen-row", "gen-buttons", "gen-image-row"},
@@ -164,6 +165,7 @@ ALLOWED_ENGINE_IMPORTS = {
     "bench.advise_report": {"COLUMNS", "summary", "table_rows"},
     "engine.config.validation": {"check_steps"},
     "engine.config.request": None,  # the request every edge builds
+    "engine.config.images": {"MAX_IMAGES", "read_image_file"},  # an upload read bounded, as the CLI reads a file
     "engine.config.placement": {"split_device"},  # a device field's chip or node (--ray)
     "engine.processes": {"pid_alive"},
     "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it
@@ -175,7 +177,7 @@ ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.p
            "bench.quality": "compare_views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
            "bench.advise": "advisor.py", "bench.advise_report": ("advisor.py", "advisor_views.py"),
            "engine.config.validation": "compare.py", "engine.config.placement": "common.py",
-           "engine.processes": "webtemp.py", "engine.serving.budget": "advisor.py",
+           "engine.processes": "webtemp.py", "engine.config.images": "uploads.py", "engine.serving.budget": "advisor.py",
            "bench.configs": ("compare.py", "compare_views.py")}  # a tab's module, or its views
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 

@@ -37,6 +37,8 @@ def board_rows(status: list[dict]) -> list[list]:
             size, served = b.get("size", ""), b.get("requests_served", 0)
             if b.get("frames"):  # a video bucket: (size, frames)
                 size = f"{size} × {b['frames']} frames"
+            if b.get("references"):  # an edit bucket: its references' tokens are part of the graph
+                size = f"{size} + ref {' + '.join(b['references'])}"
             if b.get("batch", 1) > 1:  # a batch size's own graph: requests it served, in how many calls
                 size = f"{size} · batch {b['batch']}"
                 served = f"{served} in {b.get('batches_served', 0)} calls"

@@ -25,6 +25,7 @@ from engine.serving.gate import Admitted
 from ui import generate_views, memory_views, views, waiting, webtemp
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, key_fields, to_gradio_error
 from ui.runs import ProgressBar, RunFeed
+from ui.uploads import upload, uploads
 
 # The ranks selector: one process, or N ranks in each layout (engine.protocol.Parallel).
 RANK_CHOICES = [1] + [ranks_choice(n, layout) for n in (2, 4, 8) for layout in Parallel]
@@ -32,6 +33,7 @@ MAX_UI_SEED = 2**31 - 1  # browsers hold integers exactly only up to 2**53; keep
 PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one redraws the plot)
 # The /generate API's parameters, in order: the request form's fields an API caller sets.
 GENERATE_API_PARAMS = API_FIELDS
+API_FILES = ("images", "mask")  # /generate's file inputs (handle_file); the others are text
 HISTORY_PX = 256  # a history image's longer side: the history keeps thumbnails, not every full image
 GENERATE_API_DOC = (
     "Generate one image. Returns (image, timings): image is the PNG (None in partial results and when the "
@@ -47,6 +49,18 @@ def api_text(name: str, value: str, allowed: str) -> gr.Textbox:
     only "string"). Not a Textbox subclass: Gradio would write a .pyi stub beside this module for one."""
     box = gr.Textbox(value=value, visible=False, label=name)
     box.api_info = lambda: {"type": "string", "description": allowed, "additional_description": allowed}
+    return box
+
+
+def api_file(name: str, count: str, allowed: str) -> gr.File:
+    """A hidden file parameter of /generate (gradio_client: handle_file(PATH)) whose schema says what it takes."""
+    box = gr.File(file_count=count, visible=False, label=name)
+    info = box.api_info
+
+    def described() -> dict:
+        return {**info(), "description": allowed, "additional_description": allowed}
+
+    box.api_info = described
     return box
 
 
@@ -323,14 +337,15 @@ class GenerateHandlers(HandlerBase):
             lora_fused=bool(form["lora_fused"]) if lora and form.get("lora_fused") is not None else None,
             memory=_given(form.get("memory")),  # '': the host's levers; "none": no lever
             num_frames=_given(form.get("num_frames")), fps=_given(form.get("fps")),  # video presets' (ui/video.py)
+            images=uploads(form.get("images")), mask=upload(form.get("mask")), strength=_given(form.get("strength")),
             caller=self.caller(request), client=self.client_of(request),
         )
 
     def _prepare(self, form: dict, request, progress, for_page: bool = True) -> PreparedRun:
         """A run's request, engine key and view from the handler's form; bad input raises gr.Error naming
         the field."""
-        spec = self.form_request(form, request)
         try:
+            spec = self.form_request(form, request)  # an upload is read here (bounded)
             tp, parallel = key_fields(spec.preset, spec.device, spec.precision, form.get("tp", 1))
             # the one gate: the key resolved, the request checked, routed and priced, before its engine starts
             admitted = self.manager.gate.admit(spec.replace(tp=tp, parallel=parallel))
@@ -423,6 +438,11 @@ def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]
         "num_frames": "a video preset's clip length, snapped to its frame buckets ('' for its first; image presets "
                       "ignore it; /generate_video returns the clip)",
         "fps": "a video preset's frames per second ('' for its own)",
+        "images": "input images, handle_file(PATH) each (PNG, JPEG, WebP, ...; at most 32 MiB each): the source to "
+                  "edit for edit / img2img / inpaint presets, references for FLUX.2; [] for text to image",
+        "mask": "inpaint presets: handle_file(PATH) of a mask at the source's size, white where it repaints",
+        "strength": "img2img / inpaint presets: 0-1, how much of the schedule runs from the noised source ('' for "
+                    "0.6; other presets take none)",
     }
 
 
@@ -514,10 +534,25 @@ class GeneratePage:
         with gr.Row(visible=preset.video) as self.clip_row:  # a video preset's fields (its poster shows here)
             form["num_frames"] = gr.Number(value=None, precision=0, label="Frames (video presets)", elem_id="frames")
             form["fps"] = gr.Number(value=None, precision=0, label="fps", elem_id="fps")
+        self._image_inputs()
         form["on_cold"] = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")],
                                    value=d.on_cold, label="At a bucket that is not warm yet", elem_id="on-cold")
         with gr.Accordion("Devices on this machine", open=False):
             gr.Markdown(generate_views.device_notes(self.report))
+
+    def _image_inputs(self) -> None:
+        """Input images for presets that edit (engine/config/images.py): the source or references, a mask, a
+        strength; a preset refuses what its family does not take."""
+        form = self.form
+        with gr.Accordion("Input images (edit, img2img, inpaint, references)", open=False):
+            form["images"] = gr.File(file_count="multiple", file_types=["image"], type="filepath",
+                                     label="Images (the first is the source; all are references for FLUX.2)",
+                                     elem_id="input-images")
+            with gr.Row():
+                form["mask"] = gr.File(file_types=["image"], type="filepath", elem_id="input-mask",
+                                       label="Mask (inpaint: white repaints), at the source's size")
+                form["strength"] = gr.Number(value=None, minimum=0.0, maximum=1.0, elem_id="strength",
+                                             label="Strength (img2img / inpaint; empty: 0.6)")
 
     def _step_cache_and_lora(self) -> None:
         h, d, form = self.h, self.d, self.form
@@ -585,7 +620,12 @@ class GeneratePage:
                     "tp": str(ranks_choice(d.tp, d.parallel)),
                     "step_cache": d.step_cache}  # size/steps/guidance/memory: "" means the preset's (host's) default
         allowed = api_allowed(self.h, preset.name, d.device)
-        self.api_form = {name: api_text(name, defaults.get(name, ""), allowed[name]) for name in GENERATE_API_PARAMS}
+        self.api_form = {name: api_text(name, defaults.get(name, ""), allowed[name]) for name in GENERATE_API_PARAMS
+                         if name not in API_FILES}
+        # uploads: gradio_client's handle_file(PATH) (a list of them for images)
+        for name, count in (("images", "multiple"), ("mask", "single")):
+            self.api_form[name] = api_file(name, count, allowed[name])
+        self.api_form = {name: self.api_form[name] for name in GENERATE_API_PARAMS}  # FORM's order
         self.api_image = gr.Image(type="pil", format="png", visible=False, label="image")
         self.api_timings = gr.JSON(visible=False, label="timings")
         self.api_button = gr.Button(visible=False)

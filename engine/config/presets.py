@@ -17,17 +17,31 @@ from pathlib import Path
 from engine import settings
 from engine.config.video import check_frame_buckets
 from engine.errors import InvalidRequest, ModelLoadError
-from engine.protocol import LoraSource, ModelPreset, Size
+from engine.protocol import ImageInputs, LoraSource, ModelPreset, Size
 
 MAX_SIDE = 4096
 # pipeline class (model_index.json "_class_name") -> (family, denoiser, alignment, cfg, negative_prompt)
 PIPELINE_FAMILIES: dict[str, tuple[str, str, int, bool, bool]] = {
     "FluxPipeline": ("flux", "transformer", 16, False, False),
+    "FluxKontextPipeline": ("flux", "transformer", 16, False, False),
+    "FluxImg2ImgPipeline": ("flux", "transformer", 16, False, False),
+    "FluxInpaintPipeline": ("flux", "transformer", 16, False, False),
+    "QwenImageEditPlusPipeline": ("qwen", "transformer", 16, True, True),
     "Flux2Pipeline": ("flux", "transformer", 16, False, False),
     "Flux2KleinPipeline": ("flux", "transformer", 16, False, False),
     "StableDiffusion3Pipeline": ("sd3", "transformer", 16, True, True),
     "StableDiffusionXLPipeline": ("sdxl", "unet", 8, True, True),
     "StableDiffusionPipeline": ("default", "unet", 8, True, True),
+}
+# pipeline class -> (the input images it takes, at most how many): a preset's defaults for `inputs` and
+# `max_references` (a folder or Hub id named with --model gets them from its class).
+PIPELINE_INPUTS: dict[str, tuple[ImageInputs, int]] = {
+    "FluxKontextPipeline": (ImageInputs.EDIT, 1),
+    "FluxImg2ImgPipeline": (ImageInputs.IMG2IMG, 1),
+    "FluxInpaintPipeline": (ImageInputs.INPAINT, 1),
+    "Flux2Pipeline": (ImageInputs.REFERENCES, 10),  # diffusers warns beyond 10 (its model card's bound)
+    "Flux2KleinPipeline": (ImageInputs.REFERENCES, 4),
+    "QwenImageEditPlusPipeline": (ImageInputs.REFERENCES, 3),  # the 2509 model card: one to three images
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -84,8 +98,21 @@ def load_presets() -> dict[str, ModelPreset]:
             frames=check_frame_buckets(name, d.get("frames", ()), int(d.get("frame_step", 4))),
             frame_step=int(d.get("frame_step", 4)),
             fps=int(d.get("fps", 16)),
+            **_image_inputs(name, d),
         )
     return presets
+
+
+def _image_inputs(name: str, d: dict) -> dict:
+    """A preset's `inputs`, `max_references` and `base_pipeline` (defaults: its pipeline class's, PIPELINE_INPUTS)."""
+    inputs, most = PIPELINE_INPUTS.get(d["pipeline"], (ImageInputs.TEXT, 0))
+    inputs = ImageInputs.parse(d.get("inputs", inputs), name)
+    most = int(d.get("max_references", most if inputs.takes_images else 0))
+    if inputs.takes_images and most < 1 or not inputs.takes_images and most:
+        raise ValueError(f"preset {name}: max_references {most} does not fit inputs {inputs}")
+    if inputs in (ImageInputs.EDIT, ImageInputs.IMG2IMG, ImageInputs.INPAINT) and most != 1:
+        raise ValueError(f"preset {name}: {inputs} takes one image; set max_references = 1")
+    return {"inputs": inputs, "max_references": most, "base_pipeline": d.get("base_pipeline")}
 
 
 def _loras(preset: str, table) -> tuple[LoraSource, ...]:
@@ -171,6 +198,7 @@ def preset_for_model(ref: str, allowed_roots: list[Path] | None = None, buckets:
         negative_prompt=negative,
         tp=denoiser == "transformer",
         description=f"{cls} from {ref}",
+        **_image_inputs(ref, {"pipeline": cls}),
     )
 
 

@@ -78,6 +78,8 @@ FORM = (
     FormField("lora_fused", api=False),  # the page's checkbox; an API caller writes "NAME[:SCALE]:fused"
     FormField("memory"),  # memory levers: '' the host's, "none" no lever (last: positional callers keep working)
     FormField("num_frames"), FormField("fps"),  # a video preset's clip ('' its defaults; images ignore them)
+    # Input images (engine/config/images.py), appended: positional callers of the fields above keep working.
+    FormField("images"), FormField("mask"), FormField("strength"),
 )
 FORM_FIELDS = tuple(f.name for f in FORM)
 API_FIELDS = tuple(f.name for f in FORM if f.api)
@@ -116,6 +118,13 @@ class ImageRequest:
     memory: str | None = None  # memory levers (engine/protocol/memory.py); None: the host's default
     num_frames: int | str | None = None  # a video preset's frame count (engine/config/video.py); None: its first
     fps: int | str | None = None  # a clip's frames per second; None: the preset's
+    # Input images as uploaded (encoded files' bytes, checked once by engine/config/images.py): the first is the
+    # source of img2img, inpaint and an instruction edit; all are references for FLUX.2. `mask`: white where an
+    # inpaint repaints. `strength`: img2img / inpaint only (None: 0.6). With no size, an edit's output follows
+    # the source's (snapped to a bucket).
+    images: tuple[bytes, ...] = ()
+    mask: bytes | None = None
+    strength: float | str | None = None
     # who asks
     caller: Caller = Caller.HOST
     client: str = ""  # the visitor's address: engines take turns between clients, budgets are held per client

@@ -13,6 +13,7 @@ import re
 import stat
 from pathlib import Path
 
+from engine.config import images as image_inputs
 from engine.config.presets import load_presets, looks_like_model_ref, route_size
 from engine.config.request import MAX_PREVIEWS, ImageRequest
 from engine.config.video import video_fields
@@ -113,6 +114,9 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
     """The spec validated and routed to `preset`'s buckets: the worker's GenerateRequest plus the notices to
     show with its result. Raises InvalidRequest naming the field and what to change."""
     width, height = spec.dimensions(preset.buckets)  # a size that is not "WxH" is refused first
+    decoded = image_inputs.decode_inputs(preset, spec.images, spec.mask, spec.strength)
+    if decoded.source_size is not None and spec.size is None and spec.width is None and spec.height is None:
+        width, height = decoded.source_size.width, decoded.source_size.height  # an edit keeps its source's shape
     mode = Mode.parse(spec.mode, "mode")
     step_cache = StepCache.parse(spec.step_cache)
     on_cold = OnCold.parse(spec.on_cold, "on_cold")
@@ -132,6 +136,7 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
     size, size_notices = route_size(preset, width, height, snap=spec.snap)
     lora = check_lora(preset, spec.lora, spec.lora_scale, spec.lora_fused)
     num_frames, fps, video_notices = video_fields(preset, spec.num_frames, spec.fps, snap=spec.snap)
+    inputs = image_inputs.fit_inputs(preset, decoded, size, spec.strength)
     request = GenerateRequest(
         prompt=prompt,
         negative_prompt=negative or None,
@@ -151,8 +156,13 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
         previews=check_previews(spec.previews),
         num_frames=num_frames,
         fps=fps,
+        images=inputs.images,
+        mask=inputs.mask,
+        strength=inputs.strength,
+        images_in_sequence=inputs.in_sequence,
+        images_shared=inputs.shared,
     )
-    return request, notices + size_notices + video_notices
+    return request, notices + size_notices + video_notices + inputs.notices
 
 
 def check_previews(previews) -> int:

@@ -57,7 +57,7 @@ class BucketBoard:
 
     def all(self) -> list[BucketInfo]:
         with self._lock:
-            return sorted(self._infos.values(), key=lambda i: (i.bucket.mode, i.bucket.size))
+            return sorted(self._infos.values(), key=lambda i: (i.bucket.mode, i.bucket.size, len(i.bucket.refs)))
 
     def event(self, bucket: BucketKey) -> threading.Event:
         with self._lock:

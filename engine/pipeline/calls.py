@@ -17,7 +17,7 @@ from engine import devices
 from engine.pipeline import memory, preview, recipes, stepcache, variants
 from engine.pipeline.clock import RunClock
 from engine.pipeline.lora import SlotChange
-from engine.protocol import EngineOptions, GenerateRequest, ModelPreset, StepProgress, Timings
+from engine.protocol import EngineOptions, GenerateRequest, ImageInputs, ModelPreset, StepProgress, Timings
 
 
 def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, output_type: str = "pil",
@@ -44,6 +44,31 @@ def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, ou
             [r.negative_prompt or "" for r in batch]
     if preset.max_sequence_length and _takes_argument(type(pipe), "max_sequence_length"):
         kwargs["max_sequence_length"] = preset.max_sequence_length
+    if preset.cfg and _takes_argument(type(pipe), "true_cfg_scale"):  # Qwen-Image: guidance is true CFG
+        kwargs["true_cfg_scale"] = kwargs.pop("guidance_scale")
+    kwargs.update(image_kwargs(preset, request, members))
+    return kwargs
+
+
+def image_kwargs(preset: ModelPreset, request: GenerateRequest, members: list[GenerateRequest] | None = None) -> dict:
+    """The input images' arguments of a pipeline call, by the preset's `inputs` (engine/config/images.py checked
+    and resized them to the bucket): a batch passes one source per member, in order."""
+    inputs = preset.inputs
+    # Kontext resizes a reference to about 1024² and its output to max_area (1024² unless told): the bucket's
+    # sizes are kept, the output's area bounds both.
+    edit = dict(_auto_resize=False, max_area=request.width * request.height) if inputs is ImageInputs.EDIT else {}
+    if not request.images:
+        return edit
+    batch = members or [request]
+    if inputs is ImageInputs.REFERENCES:  # FLUX.2 / Qwen-Image-Edit-Plus: a list of references, one call's
+        return {"image": [image.to_pil() for image in request.images]}
+    sources = [r.images[0].to_pil() for r in batch]
+    kwargs = {"image": sources[0] if members is None else sources, **edit}
+    if inputs.takes_strength:
+        kwargs["strength"] = request.strength
+    if inputs.takes_mask:
+        masks = [r.mask.to_pil() for r in batch]
+        kwargs["mask_image"] = masks[0] if members is None else masks
     return kwargs
 
 
@@ -75,7 +100,7 @@ class _StepEnds:
         self.clock, self.request, self.batch_size, self.graphs = clock, request, batch_size, graphs
         self.on_step, self.cancel, self.cached = on_step, cancel, cached
         self.cancelled_at: int | None = None
-        self.preview_at = preview.preview_steps(request.steps, request.previews) if on_step else frozenset()
+        self.preview_at = preview.preview_steps(request.denoise_steps, request.previews) if on_step else frozenset()
         self.vae = None  # the run's own VAE, for partial images (a batch decoded apart wraps the run's)
 
     def __call__(self, pipe, i, t, callback_kwargs) -> dict:
@@ -85,7 +110,7 @@ class _StepEnds:
         step_ms = self.clock.mark_step_end()
         from_cache = self.cached.counter.step_end() if self.cached is not None else False
         if self.on_step:
-            self.on_step(StepProgress(self.request.request_id, i + 1, self.request.steps, step_ms, cached=from_cache,
+            self.on_step(StepProgress(self.request.request_id, i + 1, self.request.denoise_steps, step_ms, cached=from_cache,
                                       batch_size=self.batch_size, previews=self._previews(pipe, i + 1, callback_kwargs)))
         if self.cancel is not None and self.cancel.is_set() and self.cancelled_at is None:
             self.cancelled_at = i + 1

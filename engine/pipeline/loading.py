@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from engine import devices
 from engine.config.resolve import resolve_source
 from engine.errors import ModelLoadError
-from engine.pipeline import attention, lora, memory, recipes
+from engine.pipeline import attention, lora, memory, recipes, variants
 from engine.pipeline.clock import install_compile_counter
 from engine.pipeline.progress import quiet_library_consoles
 from engine.protocol import EngineConfig
@@ -88,7 +88,7 @@ class PipelineLoader:
         return diffusers
 
     def _from_pretrained(self, diffusers) -> LoadedPipeline:
-        pipeline_cls = getattr(diffusers, self.preset.pipeline)
+        pipeline_cls = getattr(diffusers, self.preset.base_pipeline or self.preset.pipeline)
         source = resolve_source(self.config)
         try:
             pipe = pipeline_cls.from_pretrained(
@@ -99,6 +99,8 @@ class PipelineLoader:
                 f"could not load {self.preset.name!r} from {source!r}: {str(exc).splitlines()[0]}; "
                 "check the path, or download the model first when offline"
             ) from None
+        if self.preset.base_pipeline:  # img2img / inpaint over a text-to-image folder: the same modules
+            pipe = variants.pipeline_as(pipe, getattr(diffusers, self.preset.pipeline))
         pipe.set_progress_bar_config(disable=True)
         if self.preset.repeated_blocks:
             getattr(pipe, self.preset.denoiser)._repeated_blocks = list(self.preset.repeated_blocks)

@@ -103,7 +103,7 @@ class PipelineRunner:
         self.warmup = Warmup(self.board, self.variants, self.warm_requests, self.caller, self.spec, self.notices,
                              self._lora_slot_off, self._cache_moved)
         for mode in self.modes():
-            for bucket in preset_buckets(self.preset, mode):
+            for bucket in preset_buckets(self.preset, mode):  # an edit's or a clip's bucket is a row of its own
                 self.board.add(bucket, BucketState.COLD if mode.compiled else BucketState.WARM)
 
     # -- what this engine can run -----------------------------------------------------------------
@@ -301,7 +301,7 @@ class PipelineRunner:
         try:
             if request.step_cache.enabled:
                 cached, cache_notices = self.step_caches.get(
-                    request.mode, pipe, request.step_cache, request.steps,
+                    request.mode, pipe, request.step_cache, request.denoise_steps,
                     lambda p, v: self.caller.call(p, request.replace(request_id="calibrate"), cached=v),
                     fused=request.lora_fused)
                 notices += cache_notices
@@ -328,7 +328,7 @@ class PipelineRunner:
             request_id=request.request_id, engine=self.config.key, bucket=request.bucket,
             image_png=encode_png(clip.poster, request, self.config.key), timings=run.timings, warm=not run.eager_fallback,
             eager_fallback=run.eager_fallback, recompiles=run.recompiles, peak_memory_bytes=run.peak,
-            notices=tuple(notices), seed=request.seed, steps=request.steps, step_cache=request.step_cache,
+            notices=tuple(notices), seed=request.seed, steps=request.denoise_steps, step_cache=request.step_cache,
             cached_steps=run.cached_steps, batch_size=batch_size, lora=request.lora,
             lora_scale=request.lora_scale if request.lora else None,
             lora_rank=self.loras.rank(request.lora) if self.loras is not None else None,
@@ -356,8 +356,7 @@ class PipelineRunner:
 
     def buckets_to_warm(self) -> list[BucketKey]:
         """The configured start-up warm list, most-used size first (the preset's order)."""
-        return startup_buckets(self.options.warmup, self.preset.buckets, self.modes(), self.batch_sizes,
-                               self.preset.frames)
+        return startup_buckets(self.options.warmup, self.preset, self.modes(), self.batch_sizes)
 
     def _lora_slot_off(self) -> None:
         """Before an aot export: its packages hold the slot's scaling tensors as constants, captured with no
@@ -402,7 +401,8 @@ class PipelineRunner:
         (budgeting); the run time a request alone would take is learnt from a batch of one."""
         largest = max(self.preset.buckets, key=lambda s: s.pixels)
         frames = max(self.preset.frames, default=0)
-        request = self.warm_requests.request(BucketKey(Mode.EAGER, largest, frames=frames)).replace(
+        most_refs = self.preset.reference_layouts(largest)[-1]  # the most tokens a call at this size holds
+        request = self.warm_requests.request(BucketKey(Mode.EAGER, largest, frames=frames, refs=most_refs)).replace(
             steps=1, request_id="footprint")
         self.spec.reset_peak_memory()
         with self.run_lock:

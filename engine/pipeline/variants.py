@@ -42,6 +42,18 @@ def pipeline_over(base, **replaced):
     return pipe
 
 
+def pipeline_as(base, cls):
+    """A pipeline of another class `cls` over `base`'s components (FluxImg2ImgPipeline or FluxInpaintPipeline
+    over a FluxPipeline's weights): built like `pipeline_over`, for the reasons its docstring gives; the
+    components `cls` does not take stay out."""
+    params = inspect.signature(cls.__init__).parameters
+    components = {name: module for name, module in base.components.items() if name in params}
+    settings = {name: base.config[name] for name in params if name not in components and name in base.config}
+    pipe = cls(**components, **settings)
+    pipe.set_progress_bar_config(**getattr(base, "_progress_bar_config", {}))
+    return pipe
+
+
 def vae_decoding_with(vae, decode):
     """`vae` with its own `decode` (compiled, or an aot package): a shallow copy, so every Parameter,
     buffer and submodule stays the loaded vae's."""
@@ -55,6 +67,7 @@ def vae_decoding_with(vae, decode):
 # safety checker, resizing back from a binned resolution): it decodes its batch whole.
 DECODE_THEN_POSTPROCESS = frozenset({
     "FluxPipeline", "Flux2Pipeline", "Flux2KleinPipeline", "StableDiffusion3Pipeline", "StableDiffusionXLPipeline",
+    "FluxKontextPipeline", "FluxImg2ImgPipeline",
 })
 
 

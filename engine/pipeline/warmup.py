@@ -12,9 +12,40 @@ from engine.config import caches
 from engine.errors import InvalidRequest
 from engine.pipeline.board import describe_failure
 from engine.pipeline.clock import cache_counters
-from engine.protocol import BucketInfo, BucketKey, BucketState, GenerateRequest, Mode, Size
+from engine.protocol import (
+    BucketInfo,
+    BucketKey,
+    BucketState,
+    GenerateRequest,
+    ImageInputs,
+    Mode,
+    PixelImage,
+    Size,
+)
 
 log = logging.getLogger(__name__)
+
+
+def synthetic_inputs(preset, bucket: BucketKey) -> dict:
+    """A warm-up's input images at `bucket`: a mid-grey source at the output size (img2img, inpaint), a mask
+    repainting its centre, the bucket's references: the shapes a request's resized uploads have, so the graph
+    it compiles is the one they run."""
+    inputs = preset.inputs
+    if not inputs.takes_images:
+        return {}
+    size = bucket.size
+    sizes = bucket.refs if inputs.in_sequence else (size,)
+    images = tuple(PixelImage(s.width, s.height, bytes([128]) * (s.width * s.height * 3)) for s in sizes)
+    fields = {"images": images, "images_in_sequence": inputs.in_sequence and bool(images),
+              "images_shared": inputs is ImageInputs.REFERENCES and bool(images)}
+    if inputs.takes_strength:
+        fields["strength"] = 1.0  # every step runs: the same graph, the whole schedule warmed
+    if inputs.takes_mask:
+        rows = [bytes(size.width // 4) + bytes([255]) * (size.width - size.width // 4 * 2) + bytes(size.width // 4)
+                if size.height // 4 <= y < size.height - size.height // 4 else bytes(size.width)
+                for y in range(size.height)]
+        fields["mask"] = PixelImage(size.width, size.height, b"".join(rows), "L")
+    return fields
 
 
 class WarmRequests:
@@ -36,6 +67,7 @@ class WarmRequests:
             request_id=f"warm-{bucket}",
             num_frames=bucket.frames,
             fps=self.preset.fps if bucket.frames else 0,
+            **synthetic_inputs(self.preset, bucket),
         )
 
     def members(self, bucket: BucketKey, guidance: float | None = None) -> list[GenerateRequest] | None:
@@ -180,6 +212,7 @@ def warm_refusal(bucket: BucketKey, check_mode: Callable, preset, batch_sizes: t
         if bucket.frames not in (preset.frames or (0,)):
             frames = ", ".join(map(str, preset.frames)) or "none: it makes images"
             raise InvalidRequest(f"{bucket.frames} frames is not a frame bucket of {preset.name} ({frames})")
+        check_refs(bucket, preset)
         if bucket.batch not in batch_sizes:
             raise InvalidRequest(f"batch size {bucket.batch} is not one of this engine's "
                                  f"({', '.join(map(str, batch_sizes))}; --max-batch)")
@@ -189,20 +222,41 @@ def warm_refusal(bucket: BucketKey, check_mode: Callable, preset, batch_sizes: t
 
 
 def preset_buckets(preset, mode: Mode) -> list[BucketKey]:
-    """Every bucket of a preset in one mode: its sizes, and for a video preset each size at each frame count."""
-    return [BucketKey(mode, size, frames=frames) for size in preset.buckets for frames in (preset.frames or (0,))]
+    """Every bucket of a preset in one mode: its sizes, each with its reference layouts (an edit's) and, for a
+    video preset, at each frame count. aot packages are exported for text-to-image buckets only."""
+    return [BucketKey(mode, size, frames=frames, refs=refs) for size in preset.buckets
+            for refs in preset.reference_layouts(size) if not (refs and mode is Mode.AOT)
+            for frames in (preset.frames or (0,))]
 
 
-def startup_buckets(warmup, buckets: tuple[Size, ...], modes: tuple[Mode, ...], batch_sizes: tuple[int, ...],
-                    frames: tuple[int, ...] = ()) -> list[BucketKey]:
-    """The configured start-up warm list (`warmup`: WarmupOptions), most-used size first (the preset's
-    order of `buckets`), in the engine's `modes`; a video preset's sizes at its first (most-used) frame count."""
-    sizes = buckets
+def check_refs(bucket: BucketKey, preset) -> None:
+    """An edit bucket's references: as many as the preset takes, each at the output size (engine/config/
+    images.py resizes every upload to it), and none where the preset's images do not join the sequence."""
+    if not bucket.refs:
+        return
+    if not preset.inputs.in_sequence:
+        raise InvalidRequest(f"{preset.name} takes {preset.inputs.describe()}: its buckets have no references")
+    if len(bucket.refs) > preset.max_references or any(r != bucket.size for r in bucket.refs):
+        raise InvalidRequest(f"{bucket} is not a bucket of {preset.name}: at most {preset.max_references} "
+                             f"reference(s), each at the output size {bucket.size}")
+    if bucket.mode is Mode.AOT:
+        raise InvalidRequest("aot packages are exported for text-to-image buckets only; an edit bucket compiles "
+                             "(compile or regional)")
+
+
+def startup_buckets(warmup, preset, modes: tuple[Mode, ...], batch_sizes: tuple[int, ...]) -> list[BucketKey]:
+    """The configured start-up warm list (`warmup`: WarmupOptions), most-used size first (the `preset`'s
+    order of buckets, each with its default references), in the engine's `modes`."""
+    sizes = preset.buckets
     if warmup.sizes is not None:
         sizes = tuple(Size.parse(s) for s in warmup.sizes)
-    solo = [BucketKey(m, s, frames=frames[0] if frames else 0) for s in sizes for m in warmup.modes if m in modes]
+    frames = preset.frames[0] if preset.frames else 0  # a video preset's sizes at its most-used frame count
+    solo = [BucketKey(m, s, frames=frames, refs=preset.reference_layouts(s)[0])
+            for s in sizes for m in warmup.modes if m in modes]
+    solo = [b for b in solo if not (b.refs and b.mode is Mode.AOT)]
     # Then the batch sizes of the first size (the default bucket), the largest first: it serves a burst
     # in the fewest calls, and a group the largest cannot fill runs as the smaller warm ones meanwhile.
-    batched = [BucketKey(m, sizes[0], b) for b in reversed(batch_sizes[1:])
+    batched = [BucketKey(m, sizes[0], b, frames=frames, refs=preset.reference_layouts(sizes[0])[0])
+               for b in reversed(batch_sizes[1:])
                for m in warmup.modes if m in modes and m.compiled] if sizes else []
     return solo + batched

@@ -58,9 +58,11 @@ from engine.protocol.options import (
 )
 from engine.protocol.presets import (
     DEFAULT_PRESET,
+    DEFAULT_STRENGTH,
     GENERIC_PROMPT,
     LORA_SCALE_RANGE,
     RANDOM_TINY_PREFIXES,
+    ImageInputs,
     LoraChoice,
     LoraSource,
     ModelPreset,
@@ -72,9 +74,11 @@ from engine.protocol.requests import (
     Footprint,
     GenerateRequest,
     GenerateResult,
+    PixelImage,
     StepProgress,
     Timings,
     decode_mp4,
+    denoise_steps,
 )
 from engine.protocol.stepcaches import (
     NO_STEP_CACHE,
@@ -117,6 +121,9 @@ __all__ = [
     "CompileGranted",
     "CompileWanted",
     "DEFAULT_PRESET",
+    "DEFAULT_STRENGTH",
+    "ImageInputs",
+    "PixelImage",
     "EngineConfig",
     "EngineKey",
     "EngineOptions",
@@ -170,6 +177,7 @@ __all__ = [
     "decode_mp4",
     "Warm",
     "check_lora_scale",
+    "denoise_steps",
     "dispatch",
     "median",
     "parse_lora",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass, field
 
@@ -83,6 +84,56 @@ def parse_lora(text) -> LoraChoice:
     return LoraChoice(name, check_lora_scale(numbers[0]) if numbers else None, fused)
 
 
+class ImageInputs(enum.StrEnum):
+    """Which input images a preset's pipeline takes (its `inputs` in presets/models.toml): a request field the
+    family does not take is refused by this declaration (engine/config/images.py), not by a handler."""
+
+    TEXT = "text"  # text to image: no input image
+    IMG2IMG = "img2img"  # one source image, noised to `strength` (FluxImg2ImgPipeline, ...)
+    INPAINT = "inpaint"  # a source, a mask (white: repaint) and `strength` (FluxInpaintPipeline, ...)
+    EDIT = "edit"  # an instruction edit of one reference whose tokens join the sequence (FluxKontextPipeline)
+    REFERENCES = "references"  # 0..max_references references joining the sequence (FLUX.2, Qwen-Image-Edit-Plus)
+
+    @classmethod
+    def parse(cls, value, preset: str = "") -> ImageInputs:
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            raise InvalidRequest(f"preset {preset}: inputs {value!r} is not one of "
+                                 f"{', '.join(m.value for m in cls)}") from None
+
+    @property
+    def takes_images(self) -> bool:
+        return self is not ImageInputs.TEXT
+
+    @property
+    def needs_source(self) -> bool:
+        """At least one image is required (else the pipeline has nothing to edit)."""
+        return self in (ImageInputs.IMG2IMG, ImageInputs.INPAINT, ImageInputs.EDIT)
+
+    @property
+    def takes_strength(self) -> bool:
+        return self in (ImageInputs.IMG2IMG, ImageInputs.INPAINT)
+
+    @property
+    def takes_mask(self) -> bool:
+        return self is ImageInputs.INPAINT
+
+    @property
+    def in_sequence(self) -> bool:
+        """The references' latent tokens join the denoiser's sequence: each one is part of the bucket."""
+        return self in (ImageInputs.EDIT, ImageInputs.REFERENCES)
+
+    def describe(self) -> str:
+        return {ImageInputs.TEXT: "text to image only", ImageInputs.IMG2IMG: "one source image and a strength",
+                ImageInputs.INPAINT: "one source image, a mask and a strength",
+                ImageInputs.EDIT: "one image to edit by instruction",
+                ImageInputs.REFERENCES: "reference images"}[self]
+
+
+DEFAULT_STRENGTH = 0.6  # diffusers' img2img/inpaint default: 60 % of the schedule runs from the noised source
+
+
 @dataclass(frozen=True)
 class ModelPreset:
     name: str
@@ -123,6 +174,12 @@ class ModelPreset:
     def video(self) -> bool:
         """Whether it makes clips (num_frames and fps are its sampling fields)."""
         return bool(self.frames)
+    # Which input images it takes, and at most how many (the source counts as one); `base_pipeline`: the class
+    # the weights load as when `pipeline` is built over its components (img2img / inpaint over a text-to-image
+    # folder, engine/pipeline/variants.py `pipeline_as`); None: `pipeline` loads them.
+    inputs: ImageInputs = ImageInputs.TEXT
+    max_references: int = 0
+    base_pipeline: str | None = None
 
     @property
     def random_tiny(self) -> str | None:
@@ -134,6 +191,16 @@ class ModelPreset:
     def bundled(self) -> str | None:
         """Folder inside this repository ("repo:models/tiny-shapes": the trained embedded model), or None."""
         return self.source.removeprefix("repo:") if self.source.startswith("repo:") else None
+
+    def reference_layouts(self, size: Size) -> tuple[tuple[Size, ...], ...]:
+        """The reference sizes of this preset's buckets at output `size`, the default first (what warms at
+        start-up): none for text, img2img and inpaint (their source is the start latent); one reference at the
+        output's size for an instruction edit; none or one for FLUX.2 (more are their own buckets, on demand)."""
+        if self.inputs is ImageInputs.EDIT:
+            return ((size,),)
+        if self.inputs is ImageInputs.REFERENCES:
+            return ((), (size,))
+        return ((),)
 
     @property
     def example_prompt(self) -> str:
@@ -155,6 +222,8 @@ class ModelPreset:
             "description": self.description,
             "examples": list(self.examples),
             "advice": dict(self.advice),
+            "inputs": str(self.inputs),
+            "max_references": self.max_references,
             "loras": [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}
                       for lora in self.loras],
             **({"frames": list(self.frames), "fps": self.fps} if self.video else {}),

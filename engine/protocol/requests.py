@@ -23,6 +23,44 @@ from engine.protocol.vocabulary import (
 
 
 @dataclass(frozen=True)
+class PixelImage:
+    """A decoded input image as the worker gets it: 8-bit pixels, row by row (`mode` "RGB", or "L" for a mask),
+    already checked and resized to its bucket by engine/config/images.py. Raw pixels rather than PNG: the
+    worker neither decodes nor trusts an upload, and pickling bytes costs what copying them does."""
+
+    width: int
+    height: int
+    data: bytes = field(repr=False)
+    mode: str = "RGB"
+
+    def __post_init__(self):
+        channels = {"RGB": 3, "L": 1}.get(self.mode)
+        if channels is None or len(self.data) != self.width * self.height * channels:
+            raise ValueError(f"PixelImage {self.width}x{self.height} {self.mode}: {len(self.data)} bytes do not fit")
+
+    @property
+    def size(self) -> Size:
+        return Size(self.width, self.height)
+
+    @classmethod
+    def from_pil(cls, image) -> PixelImage:
+        return cls(image.width, image.height, image.tobytes(), image.mode)
+
+    def to_pil(self):
+        from PIL import Image
+
+        return Image.frombytes(self.mode, (self.width, self.height), self.data)
+
+
+def denoise_steps(steps: int, strength: float | None) -> int:
+    """Steps an img2img / inpaint pipeline runs of `steps` at `strength` (diffusers' get_timesteps: the schedule's
+    last `steps * strength`); all of them without a strength."""
+    if strength is None:
+        return steps
+    return steps - int(max(steps - steps * strength, 0))
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     prompt: str
     width: int
@@ -44,6 +82,16 @@ class GenerateRequest:
     previews: int = 0  # partial images streamed while it runs (engine/pipeline/preview.py), at most MAX_PREVIEWS
     num_frames: int = 0  # a video preset's clip length (a frame bucket); 0: an image
     fps: int = 0  # the clip's frames per second (its MP4's rate)
+    # Input images (engine/config/images.py): the source first (img2img, inpaint, an instruction edit), or
+    # FLUX.2's references; each at its bucket's size. `images_in_sequence`: their tokens join the denoiser's
+    # sequence (each one is part of the bucket). `strength`: img2img / inpaint only (None: none).
+    images: tuple[PixelImage, ...] = ()
+    mask: PixelImage | None = None
+    strength: float | None = None
+    images_in_sequence: bool = False
+    # FLUX.2's references are one call's, shared by its images: requests batch only with the same ones (an
+    # edit's or img2img's source is each member's own)
+    images_shared: bool = False
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
@@ -68,8 +116,18 @@ class GenerateRequest:
         return LoraChoice(self.lora, self.lora_scale, self.lora_fused)
 
     @property
+    def refs(self) -> tuple[Size, ...]:
+        """The sizes of the references whose tokens join the sequence (part of the bucket)."""
+        return tuple(image.size for image in self.images) if self.images_in_sequence else ()
+
+    @property
+    def denoise_steps(self) -> int:
+        """Denoiser steps this request runs: its steps, or the share of them its strength leaves (img2img)."""
+        return denoise_steps(self.steps, self.strength)
+
+    @property
     def bucket(self) -> BucketKey:
-        return BucketKey(self.mode, self.size, frames=self.num_frames)
+        return BucketKey(self.mode, self.size, frames=self.num_frames, refs=self.refs)
 
     def replace(self, **changes) -> GenerateRequest:
         return dataclasses.replace(self, **changes)
@@ -156,6 +214,7 @@ class GenerateResult:
             **self.engine.as_dict(),
             "mode": str(self.bucket.mode),
             "bucket": str(self.bucket.size),
+            "references": [str(r) for r in self.bucket.refs],  # an edit bucket's reference sizes
             "seed": self.seed,
             "steps": self.steps,
             "warm": self.warm,

@@ -198,18 +198,23 @@ class EngineKey:
 @dataclass(frozen=True, order=True)
 class BucketKey:
     """One compiled graph per (mode, size) of an engine, and per batch size where requests run batched
-    (engine/pipeline/batching.py): `batch` images in one pipeline call; 1 is a request run alone."""
+    (engine/pipeline/batching.py): `batch` images in one pipeline call; 1 is a request run alone. `refs`: the
+    sizes of the reference images whose latent tokens join the denoiser's sequence (an instruction edit, FLUX.2's
+    references), each another graph; () for text to image, img2img and inpaint (their source is the start
+    latent, of the output's shape)."""
 
     mode: Mode
     size: Size
     batch: int = 1
     frames: int = 0  # a video bucket's frame count (its latents' shape has them); 0: an image
+    refs: tuple[Size, ...] = ()
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
 
     def __str__(self) -> str:
         return (f"{self.mode}:{self.size}" + (f"x{self.frames}f" if self.frames else "")
+                + "".join(f"+ref{r}" for r in self.refs)
                 + (f"/b{self.batch}" if self.batch > 1 else ""))
 
     def solo(self) -> BucketKey:
@@ -244,6 +249,7 @@ class BucketInfo:
             "size": str(self.bucket.size),
             "frames": self.bucket.frames,
             "batch": self.bucket.batch,
+            "references": [str(r) for r in self.bucket.refs],  # an edit bucket's reference sizes ([]: none)
             "batches_served": self.batches_served,
             "state": self.state.value,
             "error": self.error,

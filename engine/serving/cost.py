@@ -30,12 +30,15 @@ def _n(count: int, word: str) -> str:
     return f"{count} {word}" + ("" if count == 1 else "s")
 
 
-def tokens_per_image_step(preset: ModelPreset, size: Size, guidance: float | None = None) -> int:
+def tokens_per_image_step(preset: ModelPreset, size: Size, guidance: float | None = None,
+                          refs: tuple[Size, ...] = ()) -> int:
     """Latent tokens one denoiser step computes for one image at `size`. A transformer packs 2×2 latent
     pixels per token (the preset's alignment is that patch in image pixels); a UNet computes every latent
-    pixel (half the alignment). Classifier-free guidance (guidance > 1 on a cfg pipeline) doubles it."""
+    pixel (half the alignment). `refs`: reference images whose tokens join the sequence (an instruction edit,
+    FLUX.2's references), each counted like an output of its size. Classifier-free guidance (guidance > 1 on
+    a cfg pipeline) doubles it."""
     side = preset.alignment if preset.denoiser == "transformer" else max(1, preset.alignment // 2)
-    tokens = math.ceil(size.width / side) * math.ceil(size.height / side)
+    tokens = sum(math.ceil(s.width / side) * math.ceil(s.height / side) for s in (size, *refs))
     guidance = preset.guidance if guidance is None else guidance
     return tokens * (2 if preset.cfg and float(guidance) > 1.0 else 1)
 
@@ -46,12 +49,13 @@ def latent_frames(preset: ModelPreset, frames: int) -> int:
 
 
 def price(preset: ModelPreset, size: Size, steps: int, guidance: float | None = None, images: int = 1,
-          frames: int = 0) -> int:
-    """Token-steps of `images` images of `steps` steps at `size` (a Compare: configurations × prompts); a clip of
-    `frames` frames costs its latent frames' tokens (frames × size, as the denoiser sees them)."""
+          refs: tuple[Size, ...] = (), frames: int = 0) -> int:
+    """Token-steps of `images` images of `steps` steps at `size` (a Compare: configurations × prompts), with
+    `refs` references in each one's sequence; a clip of `frames` frames costs its latent frames' tokens (frames ×
+    size, as the denoiser sees them)."""
     if steps < 1 or images < 1:
         raise InvalidRequest(f"a request runs at least one step of one image (got {steps} steps, {images} images)")
-    return steps * tokens_per_image_step(preset, size, guidance) * latent_frames(preset, frames) * images
+    return steps * tokens_per_image_step(preset, size, guidance, refs) * latent_frames(preset, frames) * images
 
 
 def parse_cost(text, flag: str) -> int | None:
@@ -88,13 +92,19 @@ def max_steps(budget: int, preset: ModelPreset, size: Size, guidance: float | No
 
 
 def check_generate(budget: CostBudget, preset: ModelPreset, size: Size, steps: int,
-                   guidance: float | None = None, frames: int = 0) -> int:
-    """The price of one image (or clip), or NotAllowed saying what fits: fewer steps, or a smaller bucket."""
-    cost = price(preset, size, steps, guidance, frames=frames)
+                   guidance: float | None = None, refs: tuple[Size, ...] = (), frames: int = 0) -> int:
+    """The price of one image (`refs`: its references' sizes, each adding its tokens) or clip, or NotAllowed
+    saying what fits: fewer steps, or a smaller bucket."""
+    cost = price(preset, size, steps, guidance, refs=refs, frames=frames)
     if budget.request is None or cost <= budget.request:
         return cost
     if frames:
         raise NotAllowed(_clip_refusal(budget.request, cost, preset, size, steps, guidance, frames))
+    if refs:
+        raise NotAllowed(f"this edit costs {cost:,} token-steps ({_n(steps, 'step')} × "
+                         f"{tokens_per_image_step(preset, size, guidance, refs)} latent tokens at {size}, "
+                         f"{_n(len(refs), 'reference')} included) and this server allows {budget.request:,} per "
+                         "request: fewer steps, a smaller size or fewer references")
     allowed = max_steps(budget.request, preset, size, guidance)
     hint = f"at most {_n(allowed, 'step')} at {size} here" if allowed else f"{size} does not fit here at any step count"
     smaller = [s for s in sorted(preset.buckets, key=lambda s: s.pixels) if s.pixels < size.pixels

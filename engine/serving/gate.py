@@ -99,8 +99,8 @@ class Gate:
             if self.priced(caller):
                 host = self.host_policy()
                 if ticket is None:
-                    price = cost.check_generate(host.cost, preset, request.size, request.steps, request.guidance,
-                                                frames=request.num_frames)
+                    price = cost.check_generate(host.cost, preset, request.size, request.denoise_steps,
+                                               request.guidance, request.refs, frames=request.num_frames)
                 if request.mode is Mode.AOT:
                     policy.check_visitor_aot(host, key, request.bucket, self.loaded(key))
         except BaseException as exc:

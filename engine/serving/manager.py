@@ -268,7 +268,8 @@ class EngineManager:
             return admitted.price
         request = admitted.request
         try:
-            return cost.price(self.catalog.preset(admitted.key.preset), request.size, request.steps, request.guidance)
+            return cost.price(self.catalog.preset(admitted.key.preset), request.size, request.denoise_steps,
+                              request.guidance, refs=request.refs, frames=request.num_frames)
         except ShowcaseError:
             return 1
 
@@ -312,13 +313,20 @@ class EngineManager:
         if visitor and not size:
             raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
         key = self.gate.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
-        bucket = warm_bucket(self.catalog.preset(key.preset), mode, size) if size else None
+        bucket = self._bucket(key, mode, size) if size else None
         if visitor:
             self._check_visitor_warm(key, bucket)
         policy.check_runtime(self.hosting.runtime, key, bucket.mode if bucket else None)
         engine = self.engine(key, caller=caller)
         engine.wait_ready(timeout=600)
         engine.warm(bucket)
+
+    def _bucket(self, key: EngineKey, mode, size: str) -> BucketKey:
+        """The bucket warming `size` compiles ("WxH", or a video preset's "WxHxF"): with the preset's default
+        references (an edit's one reference)."""
+        preset = self.catalog.preset(key.preset)
+        bucket = warm_bucket(preset, mode, size)
+        return dataclasses.replace(bucket, refs=preset.reference_layouts(bucket.size)[0])
 
     def _check_visitor_warm(self, key: EngineKey, bucket: BucketKey) -> None:
         self.gate.check_visitor_choice(mode=bucket.mode)
