@@ -32,12 +32,8 @@ import json
 import logging
 import random
 import re
-import secrets
-import shutil
-import tempfile
 import threading
 import time
-from collections import OrderedDict
 from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -62,12 +58,12 @@ from engine.serving.stream import Run
 from ui import quietlog
 from ui.common import ENGINE_QUEUE
 from ui.keyguard import KeyGuard, retry_after
+from ui.openai_store import OutputStore
 
 log = logging.getLogger(__name__)
 
 PREFIX = "/v1"
 OWNER = "diffusion-showcase"
-FILES_KEPT = 256  # images a "url" answer may point at (the oldest are deleted first)
 USER_CHARS = 256
 MAX_SEED = 2**31 - 1
 # The OpenAI fields this server reads, and those it takes and leaves (they mean nothing to a diffusers pipeline).
@@ -383,45 +379,6 @@ class ImagesRun:
     def stop(self) -> None:
         for run in self.runs:
             run.stop()
-
-
-class OutputStore:
-    """The images a "url" answer points at: PNG files under unguessable names in a folder of this app's own,
-    the last FILES_KEPT kept."""
-
-    def __init__(self, kept: int = FILES_KEPT):
-        self.kept = kept
-        self.folder: Path | None = None
-        self._files: OrderedDict[str, Path] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def put(self, png: bytes) -> str:
-        name = f"{secrets.token_urlsafe(18)}.png"
-        with self._lock:
-            if self.folder is None:
-                self.folder = Path(tempfile.mkdtemp(prefix="showcase-v1-"))
-            path = self.folder / name
-            path.write_bytes(png)
-            self._files[name] = path
-            while len(self._files) > self.kept:
-                _, old = self._files.popitem(last=False)
-                old.unlink(missing_ok=True)
-        return name
-
-    def get(self, name: str) -> bytes | None:
-        with self._lock:
-            path = self._files.get(name)
-        try:
-            return path.read_bytes() if path is not None else None
-        except OSError:
-            return None
-
-    def close(self) -> None:
-        with self._lock:
-            if self.folder is not None:
-                shutil.rmtree(self.folder, ignore_errors=True)
-                self.folder = None
-            self._files.clear()
 
 
 @dataclass
