@@ -61,7 +61,7 @@ def serve(parser: str, bounds: SocketBounds, trusted=(), record: list | None = N
         base = Recording
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(hello, host="127.0.0.1", port=port, http=guard.protocol(base),
-                                           log_level="warning", lifespan="off"))
+                                           ws="none", log_level="warning", lifespan="off"))  # as the app's hook
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started, timeout=10, message="the uvicorn server to start")

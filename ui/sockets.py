@@ -682,6 +682,9 @@ def install_server_hook() -> None:
             guard = guard_of(config.app)
             if guard is not None and not config.loaded:
                 config.http = guard.protocol_for(config.http)
+                # Gradio speaks HTTP and SSE only; a websocket library in the environment (langsmith brings one)
+                # would answer each Upgrade with a failed handshake and an ERROR line a visitor can repeat.
+                config.ws = "none"
                 guard.fit_descriptors()
             super().__init__(config, *args, **kwargs)
 
