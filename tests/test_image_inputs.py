@@ -47,7 +47,8 @@ def edit(**fields) -> ImageRequest:
 def test_image_fields_are_appended_to_the_form_so_positional_callers_keep_working():
     assert FORM_FIELDS[-3:] == ("images", "mask", "strength")
     assert API_FIELDS[-3:] == ("images", "mask", "strength")
-    assert FORM_FIELDS.index("memory") == len(FORM_FIELDS) - 4
+    # the fields before them keep their places (memory, then the clip's two, were the last before them)
+    assert FORM_FIELDS[:FORM_FIELDS.index("memory") + 3][-3:] == ("memory", "num_frames", "fps")
 
 
 def test_presets_declare_the_inputs_their_family_takes():
