@@ -3,7 +3,7 @@ per-step plot's axis and the device notes. Pure: no gradio, tested without a ser
 
 from __future__ import annotations
 
-from ui.memory_views import weights_line
+from ui.memory_views import WHY_NOT_TITLE, weights_line
 from ui.views import NO_CACHE, fmt_bytes, fmt_ms, fmt_steps, lora_text, median, why_not
 
 STATS_COLUMNS = ["metric", "value"]
@@ -123,10 +123,16 @@ def device_notes(report: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def step_cache_reasons(rows: list[dict]) -> str:
+def step_cache_note(rows: list[dict]) -> str | None:
+    """The step cache field's info: how many cannot run here, the reasons in the accordion under it."""
+    unavailable = sum(1 for r in rows if not r.get("usable"))
+    return f"{unavailable} unavailable here: why under \"{WHY_NOT_TITLE}\"" if unavailable else None
+
+
+def step_cache_reasons(rows: list[dict], sep: str = " · ") -> str:
     """Why the unusable step caches cannot run, each reason once: "first-block, pyramid: <why>"."""
     by_reason: dict[str, list[str]] = {}
     for r in rows:
         if not r.get("usable"):
             by_reason.setdefault(why_not(r), []).append(r["name"])
-    return " · ".join(f"unavailable ({', '.join(names)}): {why}" for why, names in by_reason.items())
+    return sep.join(f"unavailable ({', '.join(names)}): {why}" for why, names in by_reason.items())
