@@ -10,6 +10,12 @@ STATS_COLUMNS = ["metric", "value"]
 STEP_COLUMNS = ["step", "step_ms", "steps"]
 
 
+def _bucket_of(result: dict) -> str:
+    """"regional:64x64": the one spelling of a bucket the page uses (the verdicts and the compile waits too)."""
+    mode, bucket = result.get("mode") or "", result.get("bucket") or ""
+    return f"{mode}:{bucket}" if mode and bucket else mode or bucket
+
+
 def step_axis(result: dict | None) -> list[float] | None:
     """The per-step plot's x range: step 1 to the run's steps (None: no run)."""
     if not result:
@@ -36,7 +42,7 @@ def stats_rows(result: dict | None) -> list[list[str]]:
     steps = t.get("step_ms") or []
     if result.get("running"):
         rows = [
-            ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"],
+            ["engine", f"{result.get('engine', '')} · {_bucket_of(result)}"],
             ["progress", f"step {len(steps)} of {result.get('steps', '?')}"
              + (f" ({len(result['cached_steps'])} from the step cache)" if result.get("cached_steps") else "")],
         ]
@@ -52,7 +58,7 @@ def stats_rows(result: dict | None) -> list[list[str]]:
     elif result.get("error"):
         ended = [["run", f"failed: {result['error']}"]]
     return ended + [
-        ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"],
+        ["engine", f"{result.get('engine', '')} · {_bucket_of(result)}"],
         ["encode", fmt_ms(t.get("encode_ms"))],
         ["denoise", f"{fmt_ms(t.get('denoise_ms'))} ({len(steps)} steps)"],
         ["decode", fmt_ms(t.get("decode_ms"))],
@@ -80,7 +86,7 @@ def run_summary(result: dict | None) -> str:
         return "Press **Generate**: the image, its progress and its timings appear here."
     t = result.get("timings") or {}
     steps = t.get("step_ms") or []
-    where = f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}".strip(" ·")
+    where = f"{result.get('engine', '')} · {_bucket_of(result)}".strip(" ·")
     if result.get("running"):
         return f"**Running** on {where}: step {len(steps)} of {result.get('steps') or '?'}"
     if result.get("cancelled"):
@@ -102,10 +108,10 @@ HISTORY_RUNS = 12  # images a page keeps in its run history (the oldest go first
 
 
 def history_caption(number: int, result: dict) -> str:
-    """"#3 · tiny-shapes@cpu/fp32 · eager 64x64 · 8 steps · seed 7 · 41.2 ms": a history entry's
+    """"#3 · tiny-shapes@cpu/fp32 · eager:64x64 · 8 steps · seed 7 · 41.2 ms": a history entry's
     configuration and figures."""
     t = result.get("timings") or {}
-    parts = [f"#{number}", result.get("engine", ""), f"{result.get('mode', '')} {result.get('bucket', '')}".strip(),
+    parts = [f"#{number}", result.get("engine", ""), f"{_bucket_of(result)}".strip(),
              f"{len(t.get('step_ms') or [])} steps", f"seed {result.get('seed', '')}", fmt_ms(t.get("total_ms"))]
     if result.get("step_cache") and result["step_cache"] != NO_CACHE:
         parts.insert(3, result["step_cache"])
