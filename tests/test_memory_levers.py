@@ -435,7 +435,9 @@ def test_the_memory_field_lists_what_the_mode_can_run_and_the_hosts_choice(manag
     eager = h.memory_choices("tiny-shapes", "cpu", "fp32", "eager", 1, "layerwise:fp8")
     assert eager["value"] == "layerwise:fp8"
     compiled = h.memory_choices("tiny-shapes", "cpu", "fp32", "compile", 1, "layerwise:fp8")
-    assert compiled["value"] == "none" and "Dynamo" in compiled["info"]  # falls back, says why
+    assert compiled["value"] == "none" and "unavailable here: why under" in compiled["info"]  # falls back
+    why = h.why_not("tiny-shapes", "cpu", "fp32", "compile", 1)  # the reasons, in the accordion under the field
+    assert "Dynamo" in why and "Dynamo" not in compiled["info"] and len(compiled["info"]) < 200
     assert all("unavailable" in label for label, value in compiled["choices"] if value != "none")
     rows = [{"levers": "none", "time_factor": 1.0, "why_not": "", "device_bytes": 3 * 2**30,
              "weights_bytes": 2**30, "size": "64x64", "unknown": ""}]

@@ -31,6 +31,7 @@ TAB_IDS = {
                  "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "lora-fused", "memory",
                  "frames", "fps",
                  "input-images", "input-mask", "strength",
+                 "why-not",
                  "generate-btn",
                  "cancel-btn", "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output",
                  "run-summary", "history", "gen-row", "gen-buttons", "gen-image-row"},

@@ -200,7 +200,7 @@ def test_the_history_keeps_the_last_runs_newest_first_with_their_figures():
     assert len(history) == generate_views.HISTORY_RUNS
     thumb, caption, number = history[0]
     assert number == generate_views.HISTORY_RUNS + 2 and max(thumb.size) <= 256
-    assert caption == (f"#{number} · tiny-shapes@cpu/fp32 · eager 64x64 · first-block:0.2 · 4 steps · "
+    assert caption == (f"#{number} · tiny-shapes@cpu/fp32 · eager:64x64 · first-block:0.2 · 4 steps · "
                        f"seed {number - 1} · 12.5 ms")
 
 

@@ -113,7 +113,8 @@ class BucketsHandlers(HandlerBase):
         key = match.key
         result = self.warm(key.preset, key.device, key.precision, mode, size, tp=ranks_choice(key.tp, key.parallel),
                            caller=self.caller(request, admin_token), request=request)
-        gr.Info(f"queued warm-up of {mode} {', '.join(result['queued'])} on {result['engine']}", duration=3)
+        gr.Info(f"queued warm-up of {', '.join(f'{mode}:{size}' for size in result['queued'])} on {result['engine']}",
+                duration=3)
 
     def warm_all_from_board(self, engine: str, mode: str, admin_token: str = "", request: gr.Request = None):
         self.warm_from_board(engine, mode, "all", admin_token, request)

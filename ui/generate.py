@@ -208,7 +208,18 @@ class GenerateHandlers(HandlerBase):
         choices = views.step_cache_choices(rows, short=True) or [("none", "none")]
         usable = {value for label, value in choices if " · unavailable" not in label}
         return gr.update(choices=choices, value=current if current in usable else "none",
-                         info=generate_views.step_cache_reasons(rows) or None)
+                         info=generate_views.step_cache_note(rows))
+
+    def why_not(self, preset: str, device: str, precision: str, mode: str, tp=1) -> str:
+        """The accordion under the memory and step cache fields: why each unavailable choice cannot run here."""
+        try:
+            levers = memory_views.memory_why(self.manager.levers.choices(self.key_for(preset, device, precision, tp),
+                                                                         mode))
+        except ShowcaseError:
+            levers = ""
+        caches = generate_views.step_cache_reasons(self.step_cache_rows(preset, device, mode), sep="\n- step caches ")
+        lines = [levers, f"- step caches {caches}" if caches else ""]
+        return "\n".join(filter(None, lines)) or "Every choice can run with these settings."
 
     def memory_choices(self, preset: str, device: str, precision: str, mode: str, tp=1, current: str | None = None):
         """The memory lever sets this engine can take on its device, each with its estimated peak and price in
@@ -561,7 +572,10 @@ class GeneratePage:
         form["step_cache"] = gr.Dropdown(cache_choices or [("none", "none")],
                                          value=d.step_cache if d.step_cache in {v for _, v in cache_choices}
                                          else "none", label="Step cache (reuses denoiser work across steps)",
-                                         info=generate_views.step_cache_reasons(cache_rows) or None, elem_id="step-cache")
+                                         info=generate_views.step_cache_note(cache_rows), elem_id="step-cache")
+        with gr.Accordion(memory_views.WHY_NOT_TITLE, open=False):
+            self.why_not = gr.Markdown(h.why_not(self.preset.name, d.device, d.precision, self.first_mode,
+                                                 ranks_choice(d.tp, d.parallel)), elem_id="why-not")
         with gr.Row():  # LoRA styles the preset lists: hot-swapped on warm graphs (engine/pipeline/lora.py)
             slot = h.manager.options.loras
             choices = views.lora_choices(self.preset, slot)
@@ -665,5 +679,7 @@ class GeneratePage:
               [engine_line, f["size"], f["mode"]], **FAST)
         gr.on([f[name].change for name in ("preset", "device", "precision", "mode", "tp")], h.memory_choices,
               [f["preset"], f["device"], f["precision"], f["mode"], f["tp"], f["memory"]], f["memory"], **FAST)
+        gr.on([f[name].change for name in ("preset", "device", "precision", "mode", "tp")], h.why_not,
+              [f["preset"], f["device"], f["precision"], f["mode"], f["tp"]], self.why_not, **FAST)
         gr.on([f["preset"].change, f["device"].change, f["mode"].change], h.step_cache_choices,
               [f["preset"], f["device"], f["mode"], f["step_cache"]], f["step_cache"], **FAST)

@@ -3,11 +3,17 @@ per-step plot's axis and the device notes. Pure: no gradio, tested without a ser
 
 from __future__ import annotations
 
-from ui.memory_views import weights_line
+from ui.memory_views import WHY_NOT_TITLE, weights_line
 from ui.views import NO_CACHE, fmt_bytes, fmt_ms, fmt_steps, lora_text, median, why_not
 
 STATS_COLUMNS = ["metric", "value"]
 STEP_COLUMNS = ["step", "step_ms", "steps"]
+
+
+def _bucket_of(result: dict) -> str:
+    """"regional:64x64": the one spelling of a bucket the page uses (the verdicts and the compile waits too)."""
+    mode, bucket = result.get("mode") or "", result.get("bucket") or ""
+    return f"{mode}:{bucket}" if mode and bucket else mode or bucket
 
 
 def step_axis(result: dict | None) -> list[float] | None:
@@ -36,7 +42,7 @@ def stats_rows(result: dict | None) -> list[list[str]]:
     steps = t.get("step_ms") or []
     if result.get("running"):
         rows = [
-            ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"],
+            ["engine", f"{result.get('engine', '')} · {_bucket_of(result)}"],
             ["progress", f"step {len(steps)} of {result.get('steps', '?')}"
              + (f" ({len(result['cached_steps'])} from the step cache)" if result.get("cached_steps") else "")],
         ]
@@ -52,7 +58,7 @@ def stats_rows(result: dict | None) -> list[list[str]]:
     elif result.get("error"):
         ended = [["run", f"failed: {result['error']}"]]
     return ended + [
-        ["engine", f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}"
+        ["engine", f"{result.get('engine', '')} · {_bucket_of(result)}"
                    + (f" on node {result['node']}" if result.get("node") else "")],
         ["encode", fmt_ms(t.get("encode_ms"))],
         ["denoise", f"{fmt_ms(t.get('denoise_ms'))} ({len(steps)} steps)"],
@@ -81,7 +87,7 @@ def run_summary(result: dict | None) -> str:
         return "Press **Generate**: the image, its progress and its timings appear here."
     t = result.get("timings") or {}
     steps = t.get("step_ms") or []
-    where = f"{result.get('engine', '')} · {result.get('mode', '')} {result.get('bucket', '')}".strip(" ·")
+    where = f"{result.get('engine', '')} · {_bucket_of(result)}".strip(" ·")
     if result.get("node"):  # under --ray: the node that served it
         where += f" on node {result['node']}"
     if result.get("running"):
@@ -105,10 +111,10 @@ HISTORY_RUNS = 12  # images a page keeps in its run history (the oldest go first
 
 
 def history_caption(number: int, result: dict) -> str:
-    """"#3 · tiny-shapes@cpu/fp32 · eager 64x64 · 8 steps · seed 7 · 41.2 ms": a history entry's
+    """"#3 · tiny-shapes@cpu/fp32 · eager:64x64 · 8 steps · seed 7 · 41.2 ms": a history entry's
     configuration and figures."""
     t = result.get("timings") or {}
-    parts = [f"#{number}", result.get("engine", ""), f"{result.get('mode', '')} {result.get('bucket', '')}".strip(),
+    parts = [f"#{number}", result.get("engine", ""), f"{_bucket_of(result)}".strip(),
              f"{len(t.get('step_ms') or [])} steps", f"seed {result.get('seed', '')}", fmt_ms(t.get("total_ms"))]
     if result.get("step_cache") and result["step_cache"] != NO_CACHE:
         parts.insert(3, result["step_cache"])
@@ -126,10 +132,16 @@ def device_notes(report: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def step_cache_reasons(rows: list[dict]) -> str:
+def step_cache_note(rows: list[dict]) -> str | None:
+    """The step cache field's info: how many cannot run here, the reasons in the accordion under it."""
+    unavailable = sum(1 for r in rows if not r.get("usable"))
+    return f"{unavailable} unavailable here: why under \"{WHY_NOT_TITLE}\"" if unavailable else None
+
+
+def step_cache_reasons(rows: list[dict], sep: str = " · ") -> str:
     """Why the unusable step caches cannot run, each reason once: "first-block, pyramid: <why>"."""
     by_reason: dict[str, list[str]] = {}
     for r in rows:
         if not r.get("usable"):
             by_reason.setdefault(why_not(r), []).append(r["name"])
-    return " · ".join(f"unavailable ({', '.join(names)}): {why}" for why, names in by_reason.items())
+    return sep.join(f"unavailable ({', '.join(names)}): {why}" for why, names in by_reason.items())

@@ -70,8 +70,17 @@ def memory_info(rows: list[dict], host: str) -> str:
             "no lever" if size else "no memory lever can run with these settings")
     if host:
         head += f"; the host's choice: {host}"
+    unavailable = sum(1 for r in rows if r.get("why_not"))
+    return head + (f". {unavailable} unavailable here: why under \"{WHY_NOT_TITLE}\"" if unavailable else "")
+
+
+WHY_NOT_TITLE = "Why some choices are unavailable"  # the Generate tab's accordion under these fields
+
+
+def memory_why(rows: list[dict]) -> str:
+    """Why the unavailable lever sets cannot run here, each reason once (the field's info only counts them)."""
     why: dict[str, list[str]] = {}
     for r in rows:
         if r.get("why_not"):
             why.setdefault(r["why_not"], []).append(r["levers"])
-    return ". ".join([head, *(f"Unavailable: {', '.join(names)} ({reason})" for reason, names in why.items())])
+    return "\n".join(f"- memory levers {', '.join(names)}: {reason}" for reason, names in why.items())
