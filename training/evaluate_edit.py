@@ -47,6 +47,12 @@ def evaluate(model: Path, seeds: int, seed: int, baseline: bool, train_sample: i
     scores = edit_eval.score_edits(edits, sources, edit_eval.run_kontext(pipe, edits, sources, seed))
     result["held_out"] = _report("tiny-shapes-edit, held out (FluxKontextPipeline)", scores,
                                  time.perf_counter() - started)
+    started = time.perf_counter()
+    exact = edit_eval.exact_references(pipe, edits, edit_eval.source_boxes(edits, seed))
+    result["held_out_exact_reference"] = _report(
+        "tiny-shapes-edit, held out, reference given as the source's exact latents (no VAE encoder)",
+        edit_eval.score_edits(edits, sources, edit_eval.run_kontext(pipe, edits, exact, seed)),
+        time.perf_counter() - started)
     if train_sample:
         generator = torch.Generator().manual_seed(seed + 1)
         pool = training_edits()

@@ -18,7 +18,15 @@ import torch
 
 from training.shapes import grammar
 from training.shapes.edit_fidelity import EditFidelity, edit_fidelity
-from training.shapes.edit_train import DEFAULT_OUT, MAX_SEQUENCE_LENGTH, SIZE, SOURCE_MODEL, STEPS, render
+from training.shapes.edit_train import (
+    DEFAULT_OUT,
+    MAX_SEQUENCE_LENGTH,
+    SIZE,
+    SOURCE_MODEL,
+    STEPS,
+    render,
+    scene_latents,
+)
 from training.shapes.edits import KINDS, Edit
 
 BASELINE_STRENGTH = 0.6
@@ -40,15 +48,25 @@ def load_img2img_baseline(folder: Path | str = SOURCE_MODEL, dtype: torch.dtype 
     return pipe
 
 
+def source_boxes(edits: list[Edit], seed: int) -> torch.Tensor:
+    return grammar.sample_boxes(len(edits), SIZE, SIZE, torch.Generator().manual_seed(seed))
+
+
 def sources_for(edits: list[Edit], seed: int):
     """Ground-truth 64x64 renders of each edit's source, in seeded random boxes (PIL images)."""
-    generator = torch.Generator().manual_seed(seed)
-    boxes = grammar.sample_boxes(len(edits), SIZE, SIZE, generator)
-    return grammar.to_pil(render([e.source for e in edits], boxes))
+    return grammar.to_pil(render([e.source for e in edits], source_boxes(edits, seed)))
+
+
+def exact_references(pipe, edits: list[Edit], boxes: torch.Tensor) -> torch.Tensor:
+    """The sources' exact (analytic) latents, normalised as the pipeline normalises encoded ones: passed as
+    `image` (12 channels), FluxKontextPipeline uses them as the reference latents without the VAE encoder."""
+    z = scene_latents([e.source for e in edits], boxes)
+    return (z - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
 
 
 def run_kontext(pipe, edits: list[Edit], sources, seed: int, batch: int = 64):
-    """Edited images: the instruction and the source through FluxKontextPipeline, one generator per edit."""
+    """Edited images: the instruction and the source through FluxKontextPipeline, one generator per edit.
+    `sources`: PIL images (encoded by the pipeline's VAE) or a tensor of reference latents."""
     images = []
     for start in range(0, len(edits), batch):
         chunk = edits[start : start + batch]
