@@ -54,6 +54,7 @@ class Reading:
     fill: float = float("nan")
     taper: float = float("nan")
     note: str = ""
+    box: tuple[int, int, int, int] | None = None  # the object's bounding box (x0, y0, x1, y1), x1/y1 exclusive
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,8 @@ def read(image: Image.Image | np.ndarray) -> Reading:
         shape = "circle"
     else:
         notes.append(f"no shape has fill {fill:.2f} and taper {taper:.2f}")
-    return Reading(background, colour, shape, fill=fill, taper=taper, note="; ".join(notes))
+    box = (int(cols[0]), int(rows[0]), int(cols[-1]) + 1, int(rows[-1]) + 1)
+    return Reading(background, colour, shape, fill=fill, taper=taper, note="; ".join(notes), box=box)
 
 
 def check(image: Image.Image | np.ndarray, prompt: Prompt | str) -> Fidelity:

@@ -1,0 +1,50 @@
+"""`python -m training.train_edit`: train tiny-shapes-edit and write models/tiny-shapes-edit.
+
+A thin command line over training.shapes.edit_train (fine-tune the tiny-shapes transformer in FLUX.1 Kontext
+form on edits of the shapes grammar; fixed seeds; checkpoints in .cache/train-edit). `--minutes M` stops at
+the next checkpoint once M minutes of training have passed and a rerun resumes; the export runs when the
+last step is done (or alone with `--stage export`). Training never runs as part of the app or the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+from training.shapes import edit_train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.train_edit", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=edit_train.DEFAULT_OUT, help="diffusers folder to write")
+    parser.add_argument("--cache", type=Path, default=edit_train.DEFAULT_CACHE, help="checkpoints and logs")
+    parser.add_argument("--stage", choices=("train", "export", "all"), default="all")
+    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                        help="continue from the checkpoint")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="stop (checkpointed) after this much training; rerun to resume")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
+                        help="override a training setting, e.g. --set steps=1500 (changes the result)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    settings = edit_train.EditSettings()
+    names = {f.name for f in dataclasses.fields(settings)}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if name not in names:
+            parser.error(f"unknown setting {name!r}; known: {', '.join(sorted(names))}")
+        parsed = json.loads(value)
+        setattr(settings, name, tuple(parsed) if isinstance(parsed, list) else parsed)
+    done = edit_train.run(args.out, args.cache, args.minutes, settings, args.resume, args.stage)
+    if not done:
+        logging.getLogger(__name__).warning("stopped at a checkpoint (--minutes); rerun to resume")
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
