@@ -185,3 +185,14 @@ def test_clip_drift_and_flicker_read_frames():
     assert clip_drift(moving, still)["max_diff"] == 20
     with pytest.raises(ValueError, match="clips of different lengths"):
         clip_drift(moving, still[:2])
+
+
+def test_a_gpu_calls_duration_is_learnt_per_clip_length():
+    from engine.serving.gpu import Durations
+
+    short, long = BucketKey(Mode.EAGER, Size(32, 32), frames=9), BucketKey(Mode.EAGER, Size(32, 32), frames=33)
+    assert (short.shape, long.shape, BucketKey(Mode.EAGER, Size(32, 32)).shape) == ("32x32x9f", "32x32x33f", "32x32")
+    durations = Durations(default_s=60, max_s=120)
+    durations.record("eager", short.shape, 4, (100.0,) * 4)
+    assert durations.for_request("eager", short.shape, 4) < 60  # learnt
+    assert durations.for_request("eager", long.shape, 4) == 60  # not taken from a clip a quarter as long

@@ -212,6 +212,11 @@ class BucketKey:
         return (f"{self.mode}:{self.size}" + (f"x{self.frames}f" if self.frames else "")
                 + (f"/b{self.batch}" if self.batch > 1 else ""))
 
+    @property
+    def shape(self) -> str:
+        """What its calls' time follows: the size, and a clip's frames ("32x32", "32x32x17f")."""
+        return f"{self.size}x{self.frames}f" if self.frames else str(self.size)
+
     def solo(self) -> BucketKey:
         """The same bucket at batch size 1."""
         return dataclasses.replace(self, batch=1)
