@@ -127,6 +127,22 @@ def worst_drift(drifts: list[dict]) -> dict:
     return {"psnr_db": min(psnrs) if psnrs else None, "max_diff": max(d["max_diff"] for d in drifts)}
 
 
+def clip_drift(frames: list, reference: list) -> dict:
+    """A clip against the reference clip (the same seed under eager fp32): its worst frame (lowest PSNR) and the
+    largest pixel difference over every frame."""
+    if len(frames) != len(reference):
+        raise ValueError(f"clips of different lengths: {len(frames)} vs {len(reference)} frames")
+    return worst_drift([image_drift(a, b) for a, b in zip(frames, reference, strict=True)])
+
+
+def flicker(frames: list) -> float | None:
+    """Temporal flicker: the mean absolute change (0-255) between consecutive frames (None for one frame)."""
+    if len(frames) < 2:
+        return None
+    arrays = [to_array(f).astype(np.float64) for f in frames]
+    return float(np.mean([np.mean(np.abs(b - a)) for a, b in zip(arrays, arrays[1:], strict=False)]))
+
+
 def fmt_drift(psnr_db, max_diff) -> str:
     """'identical', '48.2 dB / 6' (PSNR / largest pixel difference), or '—' when not measured."""
     if max_diff is None:

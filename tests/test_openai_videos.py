@@ -122,3 +122,20 @@ def test_an_agent_finds_generate_video_among_the_mcp_tools(app):
     tools = {t.name: t for t in session_run(app + "gradio_api/mcp/", work)}
     assert "clip" in tools["generate_video"].description
     assert {"prompt", "preset", "size", "num_frames", "fps", "steps"} <= set(tools["generate_video"].inputSchema["properties"])
+
+
+def test_a_deleted_job_is_gone_and_frees_the_visitors_one_running_request(app):
+    from helpers import wait_until
+
+    headers = {"authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny-wan", "prompt": PROMPT, "size": "16x16", "num_frames": 9, "steps": 60}
+    job = httpx.post(app + "v1/videos", json=body, headers=headers, timeout=60).json()
+    assert job["status"] in ("queued", "in_progress") and job["progress"] < 100
+    deleted = httpx.delete(app + f"v1/videos/{job['id']}", headers=headers, timeout=30).json()
+    assert deleted == {"id": job["id"], "object": "video.deleted", "deleted": True}
+    assert httpx.get(app + f"v1/videos/{job['id']}", headers=headers, timeout=30).status_code == 404
+
+    def next_job_accepted():  # public mode: one running request per visitor, released once the stopped job ends
+        return httpx.post(app + "v1/videos", json={**body, "steps": 2}, headers=headers, timeout=60).status_code == 200
+
+    wait_until(next_job_accepted, timeout=120, interval=0.5, message="a new job after the deleted one")

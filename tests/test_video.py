@@ -52,6 +52,12 @@ def test_bad_video_fields_say_what_to_change(fields, words):
         _build(**fields)
 
 
+def test_an_image_to_video_preset_says_it_needs_a_source_image():
+    spec = ImageRequest(preset="wan2.1-i2v-14b-480p", prompt="x")
+    with pytest.raises(InvalidRequest, match="makes a clip from a source image .* pick a text-to-video preset"):
+        build_request(get_preset(spec.preset), spec)
+
+
 def test_an_image_preset_ignores_frames_with_a_notice():
     spec = ImageRequest(preset="tiny-flux", prompt="x", num_frames=17)
     request, notices = build_request(get_preset("tiny-flux"), spec)
@@ -144,13 +150,15 @@ def test_the_video_bench_prints_per_clip_and_per_frame_with_the_ratio_and_spread
     from bench.video import format_report
 
     row = {"clip_s": {"median": 0.2, "p10": 0.18, "p90": 0.25}, "frame_ms": {"median": 11.8}, "decode_share": 0.25,
-           "recompiles": 0, "warm": True}
+           "recompiles": 0, "warm": True, "flicker": 3.25}
     report = {"preset": "tiny-wan", "size": "32x32", "frames": 17, "steps": 4, "repeats": 5, "load": 6.0,
-              "modes": {"eager": row, "regional": {**row, "vs_eager": {"median": 0.7, "p10": 0.6, "p90": 0.8}}},
+              "modes": {"eager": row, "regional": {**row, "vs_eager": {"median": 0.7, "p10": 0.6, "p90": 0.8},
+                                                   "drift": {"worst_frame_psnr_db": 41.0, "max_diff": 9}}},
               "errors": {"compile": "a reason"}}
     lines = format_report(report).splitlines()
     assert lines[0].startswith("video on tiny-wan at 32x32 x 17 frames, 4 steps, 5 rounds")
-    assert "0.70 (0.60-0.80)" in lines[3] and "11.8" in lines[3] and "25%" in lines[3]
+    assert "0.70 (0.60-0.80)" in lines[3] and "11.8" in lines[3] and "25%" in lines[3] and "3.2" in lines[3]
+    assert lines[3].endswith("41.0 dB / 9") and lines[2].endswith("—")
     assert lines[4] == "compile   failed to compile: a reason"
 
 
@@ -163,3 +171,28 @@ def test_the_generate_page_shows_frames_and_fps_for_video_presets_only(manager):
     assert "tiny-wan" in h.video_presets() and "tiny-flux" not in h.video_presets()
     sizes, frames, fps, steps = h.video_defaults("tiny-wan")
     assert (sizes["value"], frames["value"], fps["value"], steps["value"]) == ("32x32", 17, 16, 4)
+
+
+def test_clip_drift_and_flicker_read_frames():
+    import numpy as np
+
+    from bench.quality import clip_drift, flicker
+
+    still = [np.full((4, 4, 3), 100, np.uint8)] * 3
+    moving = [np.full((4, 4, 3), 100 + 10 * i, np.uint8) for i in range(3)]
+    assert flicker(still) == 0.0 and flicker(moving) == 10.0 and flicker(still[:1]) is None
+    assert clip_drift(still, still) == {"psnr_db": None, "max_diff": 0}
+    assert clip_drift(moving, still)["max_diff"] == 20
+    with pytest.raises(ValueError, match="clips of different lengths"):
+        clip_drift(moving, still[:2])
+
+
+def test_a_gpu_calls_duration_is_learnt_per_clip_length():
+    from engine.serving.gpu import Durations
+
+    short, long = BucketKey(Mode.EAGER, Size(32, 32), frames=9), BucketKey(Mode.EAGER, Size(32, 32), frames=33)
+    assert (short.shape, long.shape, BucketKey(Mode.EAGER, Size(32, 32)).shape) == ("32x32x9f", "32x32x33f", "32x32")
+    durations = Durations(default_s=60, max_s=120)
+    durations.record("eager", short.shape, 4, (100.0,) * 4)
+    assert durations.for_request("eager", short.shape, 4) < 60  # learnt
+    assert durations.for_request("eager", long.shape, 4) == 60  # not taken from a clip a quarter as long

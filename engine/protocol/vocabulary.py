@@ -217,6 +217,11 @@ class BucketKey:
                 + "".join(f"+ref{r}" for r in self.refs)
                 + (f"/b{self.batch}" if self.batch > 1 else ""))
 
+    @property
+    def shape(self) -> str:
+        """What its calls' time follows: the size, and a clip's frames ("32x32", "32x32x17f")."""
+        return f"{self.size}x{self.frames}f" if self.frames else str(self.size)
+
     def solo(self) -> BucketKey:
         """The same bucket at batch size 1."""
         return dataclasses.replace(self, batch=1)

@@ -201,7 +201,7 @@ class InProcessRunner(PipelineRunner):
         return str(request.mode) if warm else "eager"
 
     def duration_for(self, request: GenerateRequest) -> int:
-        return self.durations.for_request(self._variant(request), request.bucket.size, request.steps)
+        return self.durations.for_request(self._variant(request), request.bucket.shape, request.steps)
 
     def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None
                  ) -> GenerateResult:
@@ -231,7 +231,7 @@ class InProcessRunner(PipelineRunner):
         if result is None:
             raise ShowcaseError(f"request {request.request_id}: the GPU call ended without a result")
         variant = str(result.bucket.mode) if result.warm and result.bucket.mode.compiled else "eager"
-        self.durations.record(variant, result.bucket.size, result.steps, result.timings.step_ms)
+        self.durations.record(variant, result.bucket.shape, result.steps, result.timings.step_ms)
         return result
 
     def warm_bucket(self, bucket: BucketKey) -> BucketInfo:

@@ -100,7 +100,7 @@ them only the counters and the web edge's refusals are exported."""
         outcome, reason = outcome_of(error)
         engine, mode, bucket = (str(labels.get(k) or "") for k in ("engine", "mode", "bucket"))
         if result is not None:
-            engine, mode, bucket = result.engine, str(result.bucket.mode), str(result.bucket.size)
+            engine, mode, bucket = result.engine, str(result.bucket.mode), result.bucket.shape  # a clip: size and frames
         self.requests.labels(engine, mode, bucket, outcome, reason).inc()
         if result is None:
             return
