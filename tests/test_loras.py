@@ -434,7 +434,8 @@ def test_the_generate_page_starts_at_the_hosts_style_and_a_pick_takes_its_scale(
     import gradio as gr
 
     from ui import generate
-    from ui.handlers import GenerateHandlers, UIDefaults
+    from ui.generate import GenerateHandlers
+    from ui.handlers import UIDefaults
 
     handlers = GenerateHandlers(styled_manager, UIDefaults(device="cpu", mode="eager", lora="corner:0.5:fused"))
     with gr.Blocks() as blocks:
