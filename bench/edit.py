@@ -127,7 +127,7 @@ class EditBenchOptions:
 
 
 def _spread(values: list[float]) -> tuple[float | None, float | None]:
-    return percentile(values, 10), percentile(values, 90)
+    return percentile(values, 0.1), percentile(values, 0.9)
 
 
 class EditCost:
