@@ -380,7 +380,7 @@ def _uploaded(scope, asked: str) -> bool:
         resolved = str(Path(asked).resolve())
     except (OSError, ValueError):
         return True
-    return any(str(Path(u).resolve()) == resolved for u in uploads)
+    return asked in uploads or resolved in uploads  # Gradio keeps the absolute paths it answered
 
 
 def _own_output(scope, asked: str) -> bool:
