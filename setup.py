@@ -10,7 +10,8 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 # folder (relative to the repository root) -> files of it to ship
-BUNDLED = {"presets": "*.toml", "models/tiny-shapes": "**/*", "models/tiny-shapes-loras": "**/*"}
+BUNDLED = {"presets": "*.toml", "models/tiny-shapes": "**/*", "models/tiny-shapes-edit": "**/*",
+           "models/tiny-shapes-loras": "**/*"}
 
 
 class BuildPyWithData(build_py):

@@ -73,7 +73,8 @@ def test_the_wheel_holds_every_package_the_data_and_the_command(wheel):
         sources = {p.relative_to(REPO).as_posix() for p in (REPO / package).glob("*.py")}
         assert sources <= names, f"{package}: {sorted(sources - names)} not in the wheel"
     assert "app.py" in names
-    data = _shipped("presets", "*.toml") | _shipped("models/tiny-shapes") | _shipped("models/tiny-shapes-loras")
+    data = (_shipped("presets", "*.toml") | _shipped("models/tiny-shapes") | _shipped("models/tiny-shapes-edit")
+            | _shipped("models/tiny-shapes-loras"))
     assert any(n.endswith(".safetensors") for n in data) and "presets/models.toml" in data
     missing = {f"engine/_data/{n}" for n in data} - names
     assert not missing, f"data not in the wheel: {sorted(missing)}"
