@@ -157,7 +157,8 @@ ALLOWED_ENGINE_IMPORTS = {
     "bench.advise_report": {"COLUMNS", "summary", "table_rows"},
     "engine.config.validation": {"check_steps"},
     "engine.config.request": None,  # the request every edge builds
-    "engine.config.images": {"MAX_IMAGES", "read_image_file"},  # an upload read bounded, as the CLI reads a file
+    "engine.config.images": {"MAX_IMAGES", "read_image_file",  # an upload read bounded, as the CLI reads a file
+                             "MAX_UPLOAD_BYTES", "MAX_UPLOADS_BYTES"},  # /v1/images/edits' multipart bounds
     "engine.config.placement": {"split_device"},  # a device field's chip or node (--ray)
     "engine.processes": {"pid_alive"},
     "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it
@@ -169,7 +170,7 @@ ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.p
            "bench.quality": "compare_views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
            "bench.advise": "advisor.py", "bench.advise_report": ("advisor.py", "advisor_views.py"),
            "engine.config.validation": "compare.py", "engine.config.placement": "common.py",
-           "engine.processes": "webtemp.py", "engine.config.images": "uploads.py", "engine.serving.budget": "advisor.py",
+           "engine.processes": "webtemp.py", "engine.config.images": ("uploads.py", "openai_edits.py"), "engine.serving.budget": "advisor.py",
            "bench.configs": ("compare.py", "compare_views.py")}  # a tab's module, or its views
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 

@@ -1,7 +1,8 @@
 """The web edge: what a visitor's HTTP request may cost before a handler sees it.
 
 - Every request body is bounded (Content-Length checked before reading, streamed bytes counted);
-  multipart bodies and the upload route are refused: the app takes no uploads.
+  multipart bodies and the upload route are refused, except on the routes of UPLOAD_ROUTES, which read
+  their own multipart body bounded as it arrives (POST /v1/images/edits).
 - Gradio's queue is hooked at `Queue.push` (every join route goes through it): each client (its
   address, see `client_address`) may hold a bounded number of events waiting or running, and each
   concurrency group has its own queue bound, so a full generate queue never refuses /status, /cancel
@@ -42,6 +43,8 @@ from ui.sockets import REASONS, SocketBounds, SocketGuard, in_networks, is_strea
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024  # a /generate body with 2 × 4,000-character prompts is ~10 KB
+# Routes that read a multipart body of their own, bounded as it arrives, and their body bound (the route's own).
+UPLOAD_ROUTES = {"/v1/images/edits": 65 * 2**20}  # ui/openai_edits.py EDIT_BODY_BYTES
 LISTEN_GRACE_S = 3.0  # a page or gradio_client opens its event stream right after joining
 CLIENT_EVENTS = 8  # public mode: events one client may have waiting or running
 MCP_CALLER_HEADER = "x-showcase-mcp-caller"  # an MCP tool call's agent (EdgeGuard.mark_mcp_caller)
@@ -424,7 +427,7 @@ class _EdgeMiddleware:
                 self.refused[reason] += 1
             await _refuse(send, status, message)
             return
-        body = _CountedBody(receive, send, self.max_body_bytes)
+        body = _CountedBody(receive, send, UPLOAD_ROUTES.get(scope["path"].rstrip("/"), self.max_body_bytes))
         session = self.streams.session_of(scope)
         with self.streams.proxied(scope) as admitted, self.streams.listener(session):
             if not admitted:
@@ -468,12 +471,12 @@ class _EdgeMiddleware:
 
     def _screen(self, scope) -> tuple[str | None, int, str] | None:
         """(refusal reason counted, status, message) for a request refused before the app sees it."""
-        limit = self.max_body_bytes
         path = scope["path"].rstrip("/")
+        limit = UPLOAD_ROUTES.get(path, self.max_body_bytes)
         if "/gradio_api/mcp" in path:
             self.callers.mark_mcp_caller(scope)
         content_type = (_header(scope, b"content-type") or "").lower()
-        if path.endswith("/upload") or content_type.startswith("multipart/"):
+        if (path.endswith("/upload") or content_type.startswith("multipart/")) and path not in UPLOAD_ROUTES:
             return "upload", 403, "This app takes no uploads"
         if self._unknown_api(scope, path):
             return "unknown function", 404, "This app has no such API; see /gradio_api/info"

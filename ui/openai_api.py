@@ -6,6 +6,7 @@ LlamaIndex image tool already speaks.
     GET  /v1/loras                   every such preset's LoRA styles
     POST /v1/images/generations      `model` = preset, `prompt`, `n`, `size`, `response_format`, `stream`, `user`;
                                      the showcase's own fields as extra body fields (EXTRA_FIELDS)
+    POST /v1/images/edits            the same, multipart, with `image` / `image[]` and `mask` (ui/openai_edits.py)
     GET  /v1/images/files/{name}     an image a `response_format: "url"` answer points at
 
 Served by an ASGI middleware in front of Gradio's routes (as /metrics is), in the app's process, so a request
@@ -112,7 +113,8 @@ STATUS_OF = (
 )
 PARAM_OF = {"preset": "model", "size": "size", "prompt": "prompt", "steps": "steps", "guidance": "guidance",
             "seed": "seed", "precision": "precision", "mode": "mode", "device": "device", "lora": "lora",
-            "step": "step_cache", "on_cold": "on_cold", "negative_prompt": "negative_prompt"}
+            "step": "step_cache", "on_cold": "on_cold", "negative_prompt": "negative_prompt",
+            "image": "image", "mask": "mask", "strength": "strength"}  # an upload's field (/v1/images/edits)
 
 
 def api_error(exc: BaseException) -> ApiError:
@@ -191,6 +193,7 @@ class ImagesCall:
     stream: bool = False
     user: str | None = None
     notices: tuple[str, ...] = ()
+    events: str = "image_generation"  # the stream's event types: image_generation.*, or image_edit.* for an edit
 
     def specs(self) -> list[ImageRequest]:
         """One request per image: seed, seed + 1, ..."""
@@ -396,17 +399,18 @@ class Answer:
         }
 
 
-def partial_event(partial: stream.Partial, index: int, number: int, size: str) -> dict:
-    """An image_generation.partial_image event (the SDK's ImageGenPartialImageEvent): image `index`'s
+def partial_event(partial: stream.Partial, index: int, number: int, size: str, events: str = "image_generation") -> dict:
+    """An image_generation.partial_image event (the SDK's ImageGenPartialImageEvent; image_edit.partial_image for
+    an edit): image `index`'s
     `number`-th partial image, at its step."""
-    return {"type": "image_generation.partial_image", "b64_json": base64.b64encode(partial.png).decode("ascii"),
+    return {"type": f"{events}.partial_image", "b64_json": base64.b64encode(partial.png).decode("ascii"),
             "background": "opaque", "created_at": int(time.time()), "output_format": "png", "quality": "auto",
             "size": size, "partial_image_index": number, "index": index, "step": partial.step, "steps": partial.total}
 
 
 def stream_event(kind: str, answer: Answer, result, index: int) -> dict:
     """An image_generation.completed event as the SDK's ImageGenStreamEvent reads it."""
-    event = {"type": f"image_generation.{kind}", "b64_json": base64.b64encode(result.image_png).decode("ascii"),
+    event = {"type": f"{answer.call.events}.{kind}", "b64_json": base64.b64encode(result.image_png).decode("ascii"),
              "background": "opaque", "created_at": int(time.time()), "output_format": "png", "quality": "auto",
              "size": str(result.bucket.size), "index": index}
     if kind == "completed":
@@ -470,7 +474,7 @@ class OpenAIRoutes:
 
         path, method = request.url.path[len(PREFIX):].rstrip("/"), request.method
         routes = {"/models": ("GET", self.models), "/loras": ("GET", self.loras),
-                  "/images/generations": ("POST", None)}
+                  "/images/generations": ("POST", None), "/images/edits": ("POST", None)}
         if path.startswith("/images/files/") and method in ("GET", "HEAD"):
             png = self.store.get(path.rsplit("/", 1)[-1])
             if png is None:
@@ -482,10 +486,15 @@ class OpenAIRoutes:
             allowed, answer = "GET", self.model
         if allowed is None:
             raise ApiError(404, f"no route {method} {PREFIX}{path}; this server serves GET /v1/models, GET "
-                                "/v1/loras and POST /v1/images/generations", code="unknown_url")
+                                "/v1/loras, POST /v1/images/generations and POST /v1/images/edits",
+                           code="unknown_url")
         if method != allowed:
             raise ApiError(405, f"{PREFIX}{path} takes {allowed}, not {method}", code="method_not_allowed")
         caller = self.keys.caller(request.headers.get("authorization"))
+        if answer is None and path == "/images/edits":  # multipart, read bounded: ui/openai_edits.py
+            from ui.openai_edits import read_edit_call
+
+            return await self.answer(await read_edit_call(self, request, caller), request, held)
         if answer is None:
             return await self.generations(request, caller, held)
         return JSONResponse(answer(caller, path))
@@ -529,9 +538,6 @@ class OpenAIRoutes:
 
     # -- generations -------------------------------------------------------------------------------------
     async def generations(self, request, caller: Caller, held: ExitStack):
-        import anyio
-        from starlette.responses import JSONResponse, StreamingResponse
-
         try:
             body = check_body(json.loads(await request.body() or b"null"))
         except (ValueError, UnicodeError):
@@ -539,6 +545,13 @@ class OpenAIRoutes:
         client = self.h.edge.callers.client_of(request) if self.h.edge is not None else f"v1 {request.client.host}"
         preset = _text(body, "model") or self.h.default_preset().name
         call = read_call(body, self.h.defaults, preset, caller, client)
+        return await self.answer(call, request, held)
+
+    async def answer(self, call: ImagesCall, request, held: ExitStack):
+        """A checked call's images (generations and edits alike): JSON, or server-sent events when it streams."""
+        import anyio
+        from starlette.responses import JSONResponse, StreamingResponse
+
         await anyio.to_thread.run_sync(self._check_call, call)  # may probe devices: not on the event loop
         self._hold(call, held)
         answer = Answer(call)
@@ -607,7 +620,8 @@ class OpenAIRoutes:
                         answer.results[index] = event.result
                         yield sse(stream_event("completed", answer, event.result, index))
                     elif isinstance(event, stream.Partial):
-                        yield sse(partial_event(event, index, partials[index], preview_size(event.png)))
+                        yield sse(partial_event(event, index, partials[index], preview_size(event.png),
+                                                answer.call.events))
                         partials[index] += 1
             done = True
         except Exception as exc:
