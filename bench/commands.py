@@ -22,6 +22,7 @@ COMMANDS = {
     "memory-bench": "bench.memory:add_memory_bench_parser",
     "oneshot": "bench.oneshot:add_oneshot_parser",
     "fleet-bench": "bench.fleet:add_fleet_bench_parser",
+    "edit-bench": "bench.edit:add_edit_bench_parser",
 }
 
 

@@ -30,6 +30,7 @@ OPTIONS = {  # command -> its options dataclass; `True`: the engine flags follow
     "memory-bench": ("bench.memory:MemoryBenchOptions", False),
     "oneshot": ("bench.oneshot:OneshotOptions", True),
     "fleet-bench": ("bench.fleet:FleetBenchOptions", False),
+    "edit-bench": ("bench.edit:EditBenchOptions", False),
 }
 
 

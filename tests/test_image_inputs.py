@@ -134,7 +134,7 @@ def test_a_decompression_bomb_is_refused_from_its_header():
 
 
 def test_a_file_over_the_byte_bound_is_refused_before_decoding():
-    with pytest.raises(InvalidRequest, match="MiB; upload at most 32 MiB"):
+    with pytest.raises(InvalidRequest, match="bytes; upload at most 32 MiB"):
         image_inputs.decode(b"\x89PNG" + bytes(image_inputs.MAX_UPLOAD_BYTES), 0)
 
 
@@ -195,3 +195,47 @@ def test_the_cli_reads_a_file_bounded(tmp_path):
         image_inputs.read_image_file(tmp_path / "missing.png", "--image 1")
     with pytest.raises(InvalidRequest, match="not a regular file"):
         image_inputs.read_image_file(tmp_path, "--image 1")
+
+
+def test_an_edit_costs_its_references_tokens_in_a_visitors_budget():
+    from engine.errors import NotAllowed
+    from engine.serving import cost
+
+    preset, size = get_preset("tiny-shapes-edit"), Size(64, 64)
+    assert cost.tokens_per_image_step(preset, size, refs=(size,)) == 2 * cost.tokens_per_image_step(preset, size)
+    assert cost.price(preset, size, 8, refs=(size, size)) == 3 * cost.price(preset, size, 8)
+    text_fits = cost.check_generate(cost.CostBudget(request=8 * 64), preset, size, 8)
+    assert text_fits == 8 * 64
+    with pytest.raises(NotAllowed, match="1 reference included"):
+        cost.check_generate(cost.CostBudget(request=8 * 64), preset, size, 8, refs=(size,))
+
+
+def test_twenty_malformed_uploads_each_get_a_clear_error_naming_what_to_change():
+    from bench.edit import bad_uploads
+
+    table = bad_uploads()
+    assert len(table) == 20
+    answers = []
+    for _what, fields in table:
+        preset = fields.pop("preset", "tiny-shapes-edit")
+        with pytest.raises(InvalidRequest) as refused:
+            build_request(get_preset(preset), ImageRequest(preset=preset, prompt="make it green", **fields))
+        answers.append(str(refused.value))
+    assert all(("image" in a or "mask" in a or "strength" in a) and len(a) < 300 for a in answers), answers
+    assert len(set(answers)) >= 15  # each says what is wrong with its own upload
+
+
+def test_edits_batch_by_bucket_and_flux2_only_with_the_same_references():
+    from engine.pipeline.batching import batch_key
+
+    def built(preset, **fields):
+        return build_request(get_preset(preset), ImageRequest(preset=preset, size="64x64", **fields))[0]
+
+    red, blue = rgb(colour=(255, 0, 0)), rgb(colour=(0, 0, 255))
+    assert batch_key(built("tiny-shapes-edit", images=(red,))) == batch_key(built("tiny-shapes-edit", images=(blue,)))
+    assert batch_key(built("tiny-flux2-klein", images=(red,))) != batch_key(built("tiny-flux2-klein", images=(blue,)))
+    assert batch_key(built("tiny-flux2-klein", images=(red,))) == batch_key(built("tiny-flux2-klein", images=(red,),
+                                                                                  seed=3))
+    assert batch_key(built("tiny-flux2-klein")) != batch_key(built("tiny-flux2-klein", images=(red,)))
+    img2img = [built("tiny-shapes-img2img", images=(red,), strength=s) for s in (0.5, 0.5, 0.7)]
+    assert batch_key(img2img[0]) == batch_key(img2img[1]) != batch_key(img2img[2])

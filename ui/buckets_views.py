@@ -35,6 +35,8 @@ def board_rows(status: list[dict]) -> list[list]:
             if b.get("origin"):  # aot: "loaded from package" / "built now"
                 mode = f"{mode} · {b['origin']}"
             size, served = b.get("size", ""), b.get("requests_served", 0)
+            if b.get("references"):  # an edit bucket: its references' tokens are part of the graph
+                size = f"{size} + ref {' + '.join(b['references'])}"
             if b.get("batch", 1) > 1:  # a batch size's own graph: requests it served, in how many calls
                 size = f"{size} · batch {b['batch']}"
                 served = f"{served} in {b.get('batches_served', 0)} calls"

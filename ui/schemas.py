@@ -25,6 +25,7 @@ def obj(more: bool = True, **properties) -> dict:
 ENGINE_NAME = (STR, "preset@device/precision, e.g. tiny-shapes@cpu/fp32")
 BUCKET = obj(
     mode=STR, size=(STR, "WIDTHxHEIGHT"), batch=(INT, "images per pipeline call of this graph"),
+    references=(array(STR), "an edit bucket's reference sizes, each WIDTHxHEIGHT ([]: text to image)"),
     state={"enum": ["cold", "queued", "compiling", "warm", "failed"]}, error=optional(STR),
     compile_s=optional(NUM), warmup_s=optional(NUM), requests_served=INT, batches_served=INT,
 )

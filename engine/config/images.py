@@ -20,7 +20,7 @@ import io
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
-from engine.protocol import DEFAULT_STRENGTH, ModelPreset, PixelImage, Size
+from engine.protocol import DEFAULT_STRENGTH, ImageInputs, ModelPreset, PixelImage, Size
 
 MAX_UPLOAD_BYTES = 32 * 2**20  # one file, before decoding
 MAX_UPLOADS_BYTES = 64 * 2**20  # all of a request's files together
@@ -43,6 +43,7 @@ class CheckedImages:
     mask: PixelImage | None = None
     strength: float | None = None
     in_sequence: bool = False
+    shared: bool = False
     notices: tuple[str, ...] = ()
 
 
@@ -58,8 +59,8 @@ def _bytes_of(name: str, data) -> bytes:
     if not data:
         raise InvalidRequest(f"{name} is empty; upload a PNG, JPEG or WebP image")
     if len(data) > MAX_UPLOAD_BYTES:
-        raise InvalidRequest(f"{name} is {len(data) / 2**20:.1f} MiB; upload at most {MAX_UPLOAD_BYTES // 2**20} MiB "
-                             "(a smaller or compressed image)")
+        raise InvalidRequest(f"{name} is {len(data):,} bytes; upload at most {MAX_UPLOAD_BYTES // 2**20} MiB "
+                             f"({MAX_UPLOAD_BYTES:,} bytes: a smaller or compressed image)")
     return data
 
 
@@ -265,6 +266,7 @@ def fit_inputs(preset: ModelPreset, decoded: Decoded, size: Size, strength) -> C
         mask=PixelImage.from_pil(mask) if mask is not None else None,
         strength=check_strength(strength) if inputs.takes_strength else None,
         in_sequence=inputs.in_sequence and bool(fitted),
+        shared=inputs is ImageInputs.REFERENCES and bool(fitted),
         notices=tuple(notices),
     )
 

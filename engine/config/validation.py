@@ -156,6 +156,7 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
         mask=inputs.mask,
         strength=inputs.strength,
         images_in_sequence=inputs.in_sequence,
+        images_shared=inputs.shared,
     )
     return request, notices + size_notices + inputs.notices
 

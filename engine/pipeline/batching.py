@@ -75,7 +75,8 @@ def batch_key(request: GenerateRequest) -> tuple | None:
             request.lora_choice,  # one adapter at one scale, fused or not, per call
             request.previews,  # partial images are decoded at the steps their count spreads over
             request.memory,
-            request.refs, request.strength, request.mask is not None)  # an edit bucket's graph, img2img's schedule
+            request.refs, request.strength, request.mask is not None,  # an edit bucket's graph, img2img's schedule
+            request.images if request.images_shared else None)  # FLUX.2's references: the call's own
 
 
 def chunk(n: int, sizes) -> int:

@@ -104,6 +104,8 @@ class PipelineRunner:
         for mode in self.modes():
             for size in self.preset.buckets:
                 for refs in self.preset.reference_layouts(size):  # an edit bucket is a row of its own
+                    if refs and mode is Mode.AOT:
+                        continue  # aot packages are exported for text-to-image buckets (warmup.check_refs)
                     self.board.add(BucketKey(mode, size, refs=refs),
                                    BucketState.COLD if mode.compiled else BucketState.WARM)
 

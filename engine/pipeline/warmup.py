@@ -12,7 +12,16 @@ from engine.config import caches
 from engine.errors import InvalidRequest
 from engine.pipeline.board import describe_failure
 from engine.pipeline.clock import cache_counters
-from engine.protocol import BucketInfo, BucketKey, BucketState, GenerateRequest, Mode, PixelImage, Size
+from engine.protocol import (
+    BucketInfo,
+    BucketKey,
+    BucketState,
+    GenerateRequest,
+    ImageInputs,
+    Mode,
+    PixelImage,
+    Size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +36,8 @@ def synthetic_inputs(preset, bucket: BucketKey) -> dict:
     size = bucket.size
     sizes = bucket.refs if inputs.in_sequence else (size,)
     images = tuple(PixelImage(s.width, s.height, bytes([128]) * (s.width * s.height * 3)) for s in sizes)
-    fields = {"images": images, "images_in_sequence": inputs.in_sequence and bool(images)}
+    fields = {"images": images, "images_in_sequence": inputs.in_sequence and bool(images),
+              "images_shared": inputs is ImageInputs.REFERENCES and bool(images)}
     if inputs.takes_strength:
         fields["strength"] = 1.0  # every step runs: the same graph, the whole schedule warmed
     if inputs.takes_mask:

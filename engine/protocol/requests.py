@@ -87,6 +87,9 @@ class GenerateRequest:
     mask: PixelImage | None = None
     strength: float | None = None
     images_in_sequence: bool = False
+    # FLUX.2's references are one call's, shared by its images: requests batch only with the same ones (an
+    # edit's or img2img's source is each member's own)
+    images_shared: bool = False
 
     def __post_init__(self):
         _coerce(self, "mode", Mode)
@@ -199,6 +202,7 @@ class GenerateResult:
             **self.engine.as_dict(),
             "mode": str(self.bucket.mode),
             "bucket": str(self.bucket.size),
+            "references": [str(r) for r in self.bucket.refs],  # an edit bucket's reference sizes
             "seed": self.seed,
             "steps": self.steps,
             "warm": self.warm,

@@ -246,6 +246,7 @@ class BucketInfo:
             "mode": str(self.bucket.mode),
             "size": str(self.bucket.size),
             "batch": self.bucket.batch,
+            "references": [str(r) for r in self.bucket.refs],  # an edit bucket's reference sizes ([]: none)
             "batches_served": self.batches_served,
             "state": self.state.value,
             "error": self.error,

@@ -285,13 +285,17 @@ class EngineManager:
         if visitor and not size:
             raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
         key = self.gate.make_key(preset, device, precision, tp, caller=caller, parallel=parallel)
-        bucket = BucketKey(Mode.parse(mode, "mode"), Size.parse(size)) if size else None
+        bucket = self._bucket(key, Mode.parse(mode, "mode"), Size.parse(size)) if size else None
         if visitor:
             self._check_visitor_warm(key, bucket)
         policy.check_runtime(self.hosting.runtime, key, bucket.mode if bucket else None)
         engine = self.engine(key, caller=caller)
         engine.wait_ready(timeout=600)
         engine.warm(bucket)
+
+    def _bucket(self, key: EngineKey, mode: Mode, size: Size) -> BucketKey:
+        """The bucket warming `size` compiles: with the preset's default references (an edit's one reference)."""
+        return BucketKey(mode, size, refs=self.catalog.preset(key.preset).reference_layouts(size)[0])
 
     def _check_visitor_warm(self, key: EngineKey, bucket: BucketKey) -> None:
         self.gate.check_visitor_choice(mode=bucket.mode)

@@ -425,7 +425,10 @@ class ProcessClient(ConnectionClient):
         try:
             root = psutil.Process(self.pid)
             stopped = root.status() == psutil.STATUS_STOPPED
-            cpu = sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+            # Reaped children count too (children_user/system): a compiler that exits took its CPU time out of the
+            # live processes' sum, which then looked quiet while the next one ran (an edit bucket's C++ kernels,
+            # at nice 15 on a loaded host).
+            cpu = sum(sum(p.cpu_times()[:4]) for p in [root, *root.children(recursive=True)])
         except psutil.Error:
             return None
         now = time.monotonic()
