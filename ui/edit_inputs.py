@@ -1,0 +1,71 @@
+"""The Generate tab's input images as the preset declares them (engine/protocol/presets.py `ImageInputs`): the
+image area shows where the preset takes images (open), the mask where it inpaints, the strength where it takes
+one; "Edit this" puts the image on show into the image area, choosing a preset that edits when the one chosen
+draws from text only. The request's fields themselves (`images`, `mask`, `strength`) are the form's widgets
+(ui/generate.py `_image_inputs`); nothing here decodes an image.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from engine.errors import ShowcaseError
+from ui.common import FAST, to_gradio_error
+
+NOTHING_TO_EDIT = "There is no image to edit yet: generate one first"
+
+
+class EditInputs:
+    """The handlers behind the image area's visibility and "Edit this" (`h`: the tab's GenerateHandlers: its
+    manager's catalog and the visitor's presets)."""
+
+    def __init__(self, h):
+        self.h = h
+
+    def _inputs(self, preset: str):
+        try:
+            return self.h.manager.catalog.preset(preset).inputs
+        except ShowcaseError as exc:
+            raise to_gradio_error(exc) from None
+
+    def visibility(self, preset: str):
+        """(image area, images, mask, strength) updates for the preset chosen."""
+        inputs = self._inputs(preset)
+        source = "the first is the source to edit" if inputs.needs_source else "references"
+        return (gr.update(visible=inputs.takes_images, open=inputs.takes_images),
+                gr.update(visible=inputs.takes_images, label=f"Images ({inputs.describe()}; {source})"),
+                gr.update(visible=inputs.takes_mask), gr.update(visible=inputs.takes_strength))
+
+    def edit_preset(self, preset: str) -> str:
+        """`preset` when it takes images, else the first preset the visitor may choose that edits."""
+        if self._inputs(preset).takes_images:
+            return preset
+        catalog = self.h.manager.catalog
+        editing = [name for name in self.h.manager.gate.visitor_presets() if catalog.preset(name).inputs.needs_source]
+        if not editing:
+            raise gr.Error("No preset that edits is offered here; the host adds one (e.g. tiny-shapes-edit)")
+        return editing[0]
+
+    def edit_this(self, image, preset: str):
+        """The image on show as the image area's one image (written to Gradio's own upload folder, which the app
+        tidies), and a preset that edits."""
+        from gradio import processing_utils, utils
+
+        if image is None:
+            raise gr.Error(NOTHING_TO_EDIT)
+        chosen = self.edit_preset(preset)
+        path = processing_utils.save_pil_to_cache(image, cache_dir=utils.get_upload_folder(), name="source",
+                                                  format="png")
+        return [path], gr.update(value=chosen)
+
+
+def edit_button() -> gr.Button:
+    return gr.Button("Edit this", size="sm", elem_id="edit-this")
+
+
+def wire(page, button: gr.Button, demo: gr.Blocks) -> None:
+    """The image area follows the preset; `button` ("Edit this") takes the output image (`page`: GeneratePage)."""
+    edits, f = EditInputs(page.h), page.form
+    shown = [page.image_area, f["images"], f["mask"], f["strength"]]
+    gr.on([f["preset"].change, demo.load], edits.visibility, f["preset"], shown, **FAST)
+    button.click(edits.edit_this, [page.image, f["preset"]], [f["images"], f["preset"]], **FAST)
