@@ -57,6 +57,7 @@ def test_edit_this_then_make_the_circle_green(page):
     from training.shapes.fidelity import read
 
     assert not page.locator("#input-images").is_visible()  # tiny-shapes draws from text: no image area
+    assert not page.locator("#edit-ab").is_visible()
     page.fill("#prompt textarea", "a red circle on a blue background")
     page.locator("#steps input[type=number]").fill("4")
     page.click("#generate-btn")
@@ -78,6 +79,8 @@ def test_edit_this_then_make_the_circle_green(page):
                            timeout=300_000)
     summary = page.inner_text("#run-summary")
     assert "tiny-shapes-edit" in page.inner_text("#stats") or "tiny-shapes-edit" in summary, summary
+    page.wait_for_selector("#edit-ab", state="visible")  # the A/B slider: source against result
+    assert page.locator("#edit-ab img").count() == 2
     edited = output_image(page)
     assert edited.size == (64, 64) and edited.tobytes() != source.tobytes()
     reading = read(edited)

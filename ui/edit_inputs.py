@@ -1,7 +1,7 @@
 """The Generate tab's input images as the preset declares them (engine/protocol/presets.py `ImageInputs`): the
 image area shows where the preset takes images (open), the mask where it inpaints, the strength where it takes
 one; "Edit this" puts the image on show into the image area, choosing a preset that edits when the one chosen
-draws from text only. The request's fields themselves (`images`, `mask`, `strength`) are the form's widgets
+draws from text only; after an edit, an A/B slider shows its source against its result. The request's fields themselves (`images`, `mask`, `strength`) are the form's widgets
 (ui/generate.py `_image_inputs`); nothing here decodes an image.
 """
 
@@ -12,6 +12,7 @@ import gradio as gr
 from engine.errors import ShowcaseError
 from ui.common import FAST, to_gradio_error
 
+MAX_SOURCE_PIXELS = 4096 * 4096  # engine/config/images.py MAX_INPUT_PIXELS: what the gate lets through
 NOTHING_TO_EDIT = "There is no image to edit yet: generate one first"
 
 
@@ -59,13 +60,41 @@ class EditInputs:
         return [path], gr.update(value=chosen)
 
 
+    @staticmethod
+    def source_against_result(images, image, preset_inputs_take_images: bool = True):
+        """The A/B slider after a run: (source, result) when the run edited a source, else hidden."""
+        first = images[0] if isinstance(images, list | tuple) and images else None
+        path = first.get("path") if isinstance(first, dict) else getattr(first, "path", first)
+        if image is None or not path or not preset_inputs_take_images:
+            return gr.update(visible=False, value=None)
+        from PIL import Image
+
+        try:  # the source already passed the gate's checks (the run succeeded); a file since gone shows nothing
+            with Image.open(path) as source:
+                if source.width * source.height > MAX_SOURCE_PIXELS:
+                    return gr.update(visible=False, value=None)
+                return gr.update(visible=True, value=(source.convert("RGB").resize(image.size), image))
+        except (OSError, ValueError, Image.DecompressionBombError):
+            return gr.update(visible=False, value=None)
+
+    def after_run(self, images, image, preset: str):
+        return self.source_against_result(images, image, self._inputs(preset).takes_images)
+
+
+def ab_slider() -> gr.ImageSlider:
+    return gr.ImageSlider(label="Source | result (drag the handle)", type="pil", visible=False, interactive=False,
+                          elem_id="edit-ab", height=300)
+
+
 def edit_button() -> gr.Button:
     return gr.Button("Edit this", size="sm", elem_id="edit-this")
 
 
-def wire(page, button: gr.Button, demo: gr.Blocks) -> None:
-    """The image area follows the preset; `button` ("Edit this") takes the output image (`page`: GeneratePage)."""
+def wire(page, button: gr.Button, slider: gr.ImageSlider, demo: gr.Blocks) -> None:
+    """The image area follows the preset; `button` ("Edit this") takes the output image; `slider` shows an
+    edit's source against its result (`page`: GeneratePage)."""
     edits, f = EditInputs(page.h), page.form
     shown = [page.image_area, f["images"], f["mask"], f["strength"]]
     gr.on([f["preset"].change, demo.load], edits.visibility, f["preset"], shown, **FAST)
     button.click(edits.edit_this, [page.image, f["preset"]], [f["images"], f["preset"]], **FAST)
+    page.image.change(edits.after_run, [f["images"], page.image, f["preset"]], slider, **FAST)

@@ -445,7 +445,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
             page.api()
     page.wire_runs()
     page.wire_settings(demo, engine_line)
-    edit_inputs.wire(page, page.edit_btn, demo)
+    edit_inputs.wire(page, page.edit_btn, page.edit_ab, demo)
     f = page.form
     return GenerateTab(f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"], f["step_cache"],
                        f["steps"], f["lora"], f["lora_fused"], f["memory"])
@@ -565,6 +565,7 @@ class GeneratePage:
                                          color_map={views.COMPUTED: views.SERIES_PALETTE[0],
                                                     views.CACHED: views.SERIES_PALETTE[1]})
         self.edit_btn = edit_inputs.edit_button()  # the output into the image area (ui/edit_inputs.py)
+        self.edit_ab = edit_inputs.ab_slider()  # an edit's source against its result
         self.summary = gr.Markdown(generate_views.run_summary(None), elem_id="run-summary")
         self.stats = gr.Dataframe(headers=generate_views.STATS_COLUMNS, interactive=False, label="Timings",
                                   elem_id="stats", wrap=True, column_widths=["32%", "68%"], max_height=900)
