@@ -11,6 +11,7 @@ import gradio as gr
 
 from engine.errors import ShowcaseError
 from ui.common import FAST, to_gradio_error
+from ui.uploads import uploads
 
 MAX_SOURCE_PIXELS = 4096 * 4096  # engine/config/images.py MAX_INPUT_PIXELS: what the gate lets through
 NOTHING_TO_EDIT = "There is no image to edit yet: generate one first"
@@ -36,6 +37,10 @@ class EditInputs:
         return (gr.update(visible=inputs.takes_images, open=inputs.takes_images),
                 gr.update(visible=inputs.takes_images, label=f"Images ({inputs.describe()}; {source})"),
                 gr.update(visible=inputs.takes_mask), gr.update(visible=inputs.takes_strength))
+
+    def takes_images(self, preset: str):
+        """Compare's image input: shown where the preset takes images."""
+        return gr.update(visible=self._inputs(preset).takes_images)
 
     def edit_preset(self, preset: str) -> str:
         """`preset` when it takes images, else the first preset the visitor may choose that edits."""
@@ -79,6 +84,18 @@ class EditInputs:
 
     def after_run(self, images, image, preset: str):
         return self.source_against_result(images, image, self._inputs(preset).takes_images)
+
+
+def sources(files) -> tuple[bytes, ...]:
+    """Compare's uploaded images as the request's bytes (read bounded, ui/uploads.py; decoded at the gate)."""
+    return uploads(files)
+
+
+def compare_images(visible: bool) -> gr.File:
+    return gr.File(value=[], file_count="multiple", file_types=["image"], type="filepath", visible=visible,
+                   elem_id="c-images",
+                   label="Images to edit (presets that edit): every configuration edits the same source; drift is "
+                         "each edit against eager fp32's edit")
 
 
 def ab_slider() -> gr.ImageSlider:

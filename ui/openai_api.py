@@ -446,8 +446,9 @@ def error_response(error: ApiError):
 class OpenAIRoutes:
     """The /v1 routes on the app's handlers (ui/handlers.py): their manager, defaults, runs and web edge."""
 
-    def __init__(self, handlers, keys: ApiKeys):
-        self.h, self.keys = handlers, keys
+    def __init__(self, handlers, keys: ApiKeys, read_edit=None):
+        # read_edit: (routes, request, caller) -> ImagesCall, POST /v1/images/edits' reader (ui/openai_edits.py)
+        self.h, self.keys, self.read_edit = handlers, keys, read_edit
         self.store = OutputStore()
         self.started = int(time.time())
 
@@ -474,7 +475,9 @@ class OpenAIRoutes:
 
         path, method = request.url.path[len(PREFIX):].rstrip("/"), request.method
         routes = {"/models": ("GET", self.models), "/loras": ("GET", self.loras),
-                  "/images/generations": ("POST", None), "/images/edits": ("POST", None)}
+                  "/images/generations": ("POST", None)}
+        if self.read_edit is not None:
+            routes["/images/edits"] = ("POST", None)
         if path.startswith("/images/files/") and method in ("GET", "HEAD"):
             png = self.store.get(path.rsplit("/", 1)[-1])
             if png is None:
@@ -491,10 +494,8 @@ class OpenAIRoutes:
         if method != allowed:
             raise ApiError(405, f"{PREFIX}{path} takes {allowed}, not {method}", code="method_not_allowed")
         caller = self.keys.caller(request.headers.get("authorization"))
-        if answer is None and path == "/images/edits":  # multipart, read bounded: ui/openai_edits.py
-            from ui.openai_edits import read_edit_call
-
-            return await self.answer(await read_edit_call(self, request, caller), request, held)
+        if answer is None and path == "/images/edits":  # multipart, read bounded
+            return await self.answer(await self.read_edit(self, request, caller), request, held)
         if answer is None:
             return await self.generations(request, caller, held)
         return JSONResponse(answer(caller, path))
