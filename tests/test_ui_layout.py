@@ -28,7 +28,7 @@ PUBLIC_API = {"generate", "cancel", "compare", "status", "warm", "restart", "sys
 TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
                  "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "lora-fused", "memory",
-                 "input-images", "input-mask", "strength", "edit-this", "edit-ab",
+                 "input-images", "input-mask", "strength", "edit-this", "edit-ab", "edit-history",
                  "generate-btn",
                  "cancel-btn", "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output",
                  "run-summary", "history", "gen-row", "gen-buttons", "gen-image-row"},

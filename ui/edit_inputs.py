@@ -64,6 +64,17 @@ class EditInputs:
                                                   format="png")
         return [path], gr.update(value=chosen)
 
+    @staticmethod
+    def remember(evt: gr.SelectData) -> int | None:
+        """The run-history image picked (its index: the image itself is the session's own, never the browser's)."""
+        return evt.index if isinstance(evt.index, int) else None
+
+    def edit_history(self, index: int | None, history: list, preset: str):
+        """"Edit the picked image" of the run history (a thumbnail, at most 256 px a side)."""
+        if index is None or not 0 <= index < len(history or []):
+            raise gr.Error("Pick an image of the run history first (click it), then edit it")
+        return self.edit_this(history[index][0], preset)
+
 
     @staticmethod
     def source_against_result(images, image, preset_inputs_take_images: bool = True):
@@ -107,11 +118,18 @@ def edit_button() -> gr.Button:
     return gr.Button("Edit this", size="sm", elem_id="edit-this")
 
 
-def wire(page, button: gr.Button, slider: gr.ImageSlider, demo: gr.Blocks) -> None:
-    """The image area follows the preset; `button` ("Edit this") takes the output image; `slider` shows an
-    edit's source against its result (`page`: GeneratePage)."""
+def history_button() -> tuple[gr.Button, gr.State]:
+    return gr.Button("Edit the picked image", size="sm", elem_id="edit-history"), gr.State(None)
+
+
+def wire(page, demo: gr.Blocks) -> None:
+    """The image area follows the preset; "Edit this" takes the output image, "Edit the picked image" the run
+    history's; the slider shows an edit's source against its result (`page`: GeneratePage)."""
     edits, f = EditInputs(page.h), page.form
     shown = [page.image_area, f["images"], f["mask"], f["strength"]]
     gr.on([f["preset"].change, demo.load], edits.visibility, f["preset"], shown, **FAST)
-    button.click(edits.edit_this, [page.image, f["preset"]], [f["images"], f["preset"]], **FAST)
-    page.image.change(edits.after_run, [f["images"], page.image, f["preset"]], slider, **FAST)
+    page.edit_btn.click(edits.edit_this, [page.image, f["preset"]], [f["images"], f["preset"]], **FAST)
+    page.image.change(edits.after_run, [f["images"], page.image, f["preset"]], page.edit_ab, **FAST)
+    page.history_gallery.select(edits.remember, None, page.history_pick, **FAST)
+    page.history_edit.click(edits.edit_history, [page.history_pick, page.history_state, f["preset"]],
+                            [f["images"], f["preset"]], **FAST)

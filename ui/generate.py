@@ -445,7 +445,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
             page.api()
     page.wire_runs()
     page.wire_settings(demo, engine_line)
-    edit_inputs.wire(page, page.edit_btn, page.edit_ab, demo)
+    edit_inputs.wire(page, demo)
     f = page.form
     return GenerateTab(f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"], f["step_cache"],
                        f["steps"], f["lora"], f["lora_fused"], f["memory"])
@@ -577,6 +577,7 @@ class GeneratePage:
                                           "click one to flip through them)", columns=6, object_fit="contain",
                                           elem_id="history", type="pil", interactive=False, preview=False)
         self.history_state = gr.State([])
+        self.history_edit, self.history_pick = edit_inputs.history_button()  # its picked image to the image area
 
     def api(self) -> None:
         """/generate's hidden text inputs, one per API field, and its outputs."""
