@@ -89,14 +89,21 @@ def _bomb_child(queue) -> None:
     bomb = png_declaring(*BOMB_SIZE)
     warm = _encoded("RGB")  # PIL's PNG decoder loaded and used once, so its own import is not counted
     build_request(preset, ImageRequest(preset=preset.name, images=(warm,)))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before, rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, _rss_kb()
     try:
         build_request(preset, ImageRequest(preset=preset.name, images=(bomb,)))
         answer = "accepted"
     except InvalidRequest as exc:
         answer = str(exc)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    queue.put({"bytes": len(bomb), "peak_rss_growth_mb": (after - before) / 1024, "answer": answer})
+    after, rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, _rss_kb()
+    queue.put({"bytes": len(bomb), "peak_rss_growth_mb": (after - before) / 1024,
+               "rss_growth_mb": (rss_after - rss_before) / 1024, "rss_mb": rss_after / 1024, "answer": answer})
+
+
+def _rss_kb() -> int:
+    """This process's resident memory now (kB), from /proc (Linux)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
 
 
 def measure_bomb() -> dict:
@@ -127,7 +134,7 @@ class EditBenchOptions:
 
 
 def _spread(values: list[float]) -> tuple[float | None, float | None]:
-    return percentile(values, 10), percentile(values, 90)
+    return percentile(values, 0.1), percentile(values, 0.9)
 
 
 class EditCost:
@@ -219,7 +226,8 @@ def format_report(report: dict) -> str:
                  f"x{c['token_ratio']:.2f} ({c['tokens']['edit']} vs {c['tokens']['text']} tokens a step)")
     b = report["bomb"]
     lines.append(f"bomb: {b['bytes']} bytes declaring {BOMB_SIZE[0]}x{BOMB_SIZE[1]}: peak RSS +"
-                 f"{b['peak_rss_growth_mb']:.1f} MB (target < 50); answer: {b['answer']}")
+                 f"{b['peak_rss_growth_mb']:.1f} MB, RSS +{b['rss_growth_mb']:.1f} MB of {b['rss_mb']:.0f} MB "
+                 f"(target < 50); answer: {b['answer']}")
     bad = report["malformed"]
     lines.append(f"malformed: {sum(a['refused'] for a in bad)} of {len(bad) - 1} refused, then: {bad[-1]['answer']}")
     lines += [f"  {a['upload']:34} {a['answer'][:110]}" for a in bad[:-1]]

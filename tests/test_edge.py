@@ -179,12 +179,17 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(app):
 
 
 @pytest.mark.slow
-def test_uploads_are_refused_and_nothing_uploaded_is_served(app):
+def test_uploads_are_taken_on_the_upload_route_only_and_nothing_uploaded_is_served(app):
+    """Input images (edits) come through Gradio's upload route, bounded; no other multipart body is read, and
+    what was uploaded is never served back by /file=, to anyone."""
     _, _, url, _ = app
     with httpx.Client(timeout=30) as http:
         answer = http.post(f"{url}/gradio_api/upload",
                            files={"files": ("x.html", b"<script>alert(1)</script>", "text/html")})
-        assert answer.status_code == 403 and "uploads" in answer.json()["detail"]
+        assert answer.status_code == 200, answer.text
+        (stored,) = answer.json()
+        answer = http.get(f"{url}/gradio_api/file={stored}")
+        assert answer.status_code == 403 and b"alert" not in answer.content
         answer = http.post(f"{url}/gradio_api/component_server",
                            files={"files": ("x.html", b"<p>", "text/html")})
         assert answer.status_code == 403

@@ -53,3 +53,42 @@ def test_a_stopped_worker_fails_its_requests_with_the_reason_and_restarts(cache_
         assert "stuck" in str(outcome[0]) and "stopped" in str(outcome[0]), outcome[0]
         wait_until(lambda: manager.engine(EngineKey("tiny-shapes", "cpu", "fp32")).pid != pid, 60)
         assert manager.generate(ImageRequest(**spec, steps=2)).image is not None  # restarted, serving
+
+
+
+def test_a_worker_whose_compilers_come_and_go_is_not_taken_for_stuck():
+    """A worker compiling runs one C++ compiler after another: a long one, then short ones. Each one's CPU time
+    still counts once it exits (its parent reaped it), so the worker never looks quiet because a compiler
+    ended (the live processes' sum fell by the long one's time, and the short ones took seconds to pass it)."""
+    import subprocess
+    import sys
+
+    from helpers import poll
+
+    from engine.worker.client import ProcessClient
+
+    def burn(seconds: float) -> str:
+        return f"import time\nend = time.process_time() + {seconds}\nwhile time.process_time() < end: pass"
+
+    steps = [burn(2.0)] + [burn(0.1)] * 40
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys\n"
+                               f"for code in {steps!r}:\n    subprocess.run([sys.executable, '-c', code])"])
+
+    class Compiling(ProcessClient):  # the watch's view of a worker with one request and nothing to say
+        def __init__(self):
+            self._cpu_seen, self.last_heard = None, 0.0
+
+        pid = property(lambda self: parent.pid)
+        alive = property(lambda self: parent.poll() is None)
+
+        def pending(self) -> int:
+            return 1
+
+    watched = Compiling()
+    try:
+        said = poll(lambda: watched.stalled(1.5) or (parent.poll() is not None and "ended"), timeout=20.0,
+                    interval=0.1)
+        assert not said or said == "ended", said
+    finally:
+        parent.kill()
+        parent.wait()

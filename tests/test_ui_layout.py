@@ -157,8 +157,7 @@ ALLOWED_ENGINE_IMPORTS = {
     "bench.advise_report": {"COLUMNS", "summary", "table_rows"},
     "engine.config.validation": {"check_steps"},
     "engine.config.request": None,  # the request every edge builds
-    "engine.config.images": {"MAX_IMAGES", "read_image_file",  # an upload read bounded, as the CLI reads a file
-                             "MAX_UPLOAD_BYTES", "MAX_UPLOADS_BYTES"},  # /v1/images/edits' multipart bounds
+    "engine.config.images": {"MAX_IMAGES", "MAX_UPLOAD_BYTES", "MAX_UPLOADS_BYTES", "read_image_file"},  # an upload read bounded, as the CLI reads a file
     "engine.config.placement": {"split_device"},  # a device field's chip or node (--ray)
     "engine.processes": {"pid_alive"},
     "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it

@@ -23,6 +23,7 @@ from ui.metrics import MetricsRoute
 from ui.openai_api import ApiKeys, OpenAIRoutes
 from ui.openai_edits import read_edit_call
 from ui.sockets import install_server_hook, public_bounds
+from ui.uploads import MAX_UPLOAD_BYTES
 
 __all__ = ["GENERATE_API_PARAMS", "build_demo", "launch_kwargs"]
 
@@ -104,7 +105,8 @@ def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> di
     monitoring = settings.gradio_analytics_cache_frequency() != QUEUE_STATISTICS_OFF[
         "GRADIO_ANALYTICS_CACHE_FREQUENCY"]
     kwargs = {"theme": theme or gr.themes.Soft(), "css": CSS, "enable_monitoring": monitoring,
-              "state_session_capacity": STATE_SESSIONS, "max_file_size": 1}
+              "state_session_capacity": STATE_SESSIONS,
+              "max_file_size": MAX_UPLOAD_BYTES}  # input images (edits); ui/edge.py bounds the request
     guard = getattr(demo, "edge", None)
     if guard is not None:
         kwargs["app_kwargs"] = {"middleware": [guard.middleware()]}

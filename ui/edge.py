@@ -1,8 +1,10 @@
 """The web edge: what a visitor's HTTP request may cost before a handler sees it.
 
 - Every request body is bounded (Content-Length checked before reading, streamed bytes counted);
-  multipart bodies and the upload route are refused, except on the routes of UPLOAD_ROUTES, which read
-  their own multipart body bounded as it arrives (POST /v1/images/edits).
+  multipart bodies are refused but on Gradio's upload route, which takes input images (edits) within
+  MAX_UPLOAD_BODY_BYTES (engine/config/images.py bounds each file and decodes it once), and on the routes
+  of UPLOAD_ROUTES, which read their own multipart body bounded as it arrives (POST /v1/images/edits);
+  what is uploaded is never served back by `/file=`, to its sender or anyone else.
 - Gradio's queue is hooked at `Queue.push` (every join route goes through it): each client (its
   address, see `client_address`) may hold a bounded number of events waiting or running, and each
   concurrency group has its own queue bound, so a full generate queue never refuses /status, /cancel
@@ -39,10 +41,12 @@ from urllib.parse import parse_qs
 from engine.errors import ShowcaseError
 from ui import quietlog
 from ui.sockets import REASONS, SocketBounds, SocketGuard, in_networks, is_stream_path
+from ui.uploads import MAX_UPLOADS_BYTES
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024  # a /generate body with 2 × 4,000-character prompts is ~10 KB
+MAX_UPLOAD_BODY_BYTES = MAX_UPLOADS_BYTES + 64 * 1024  # one request's input images and the multipart framing
 # Routes that read a multipart body of their own, bounded as it arrives, and their body bound (the route's own).
 UPLOAD_ROUTES = {"/v1/images/edits": 65 * 2**20}  # ui/openai_edits.py EDIT_BODY_BYTES
 LISTEN_GRACE_S = 3.0  # a page or gradio_client opens its event stream right after joining
@@ -366,9 +370,20 @@ class EdgeGuard:
         c = self.config
         return {"max_body_bytes": c.max_body_bytes, "client_events": c.client_events,
                 "queue_per_action": c.group_queue, "listen_grace_s": c.listen_grace_s,
-                "trusted_proxies": [str(n) for n in c.trusted_proxies], "uploads": "refused",
+                "trusted_proxies": [str(n) for n in c.trusted_proxies], "uploads": f"input images on /gradio_api/upload, at most {MAX_UPLOAD_BODY_BYTES:,} bytes",
                 "refused": dict(self.refused),
                 **({"sockets": self.sockets.snapshot()} if self.sockets is not None else {})}
+
+
+def _uploaded(scope, asked: str) -> bool:
+    """Whether `/file=<asked>` names a file a visitor uploaded (Gradio lists them in its upload_file_set)."""
+    blocks = getattr(scope.get("app"), "blocks", None)
+    uploads = getattr(blocks, "upload_file_set", None) or ()
+    try:
+        resolved = str(Path(asked).resolve())
+    except (OSError, ValueError):
+        return True
+    return asked in uploads or resolved in uploads  # Gradio keeps the absolute paths it answered
 
 
 def _own_output(scope, asked: str) -> bool:
@@ -427,7 +442,10 @@ class _EdgeMiddleware:
                 self.refused[reason] += 1
             await _refuse(send, status, message)
             return
-        body = _CountedBody(receive, send, UPLOAD_ROUTES.get(scope["path"].rstrip("/"), self.max_body_bytes))
+        path = scope["path"].rstrip("/")
+        body = _CountedBody(receive, send, UPLOAD_ROUTES.get(path, MAX_UPLOAD_BODY_BYTES
+                                                             if path.endswith("/gradio_api/upload") else
+                                                             self.max_body_bytes))
         session = self.streams.session_of(scope)
         with self.streams.proxied(scope) as admitted, self.streams.listener(session):
             if not admitted:
@@ -476,13 +494,17 @@ class _EdgeMiddleware:
         if "/gradio_api/mcp" in path:
             self.callers.mark_mcp_caller(scope)
         content_type = (_header(scope, b"content-type") or "").lower()
-        if (path.endswith("/upload") or content_type.startswith("multipart/")) and path not in UPLOAD_ROUTES:
-            return "upload", 403, "This app takes no uploads"
+        if path.endswith("/gradio_api/upload") and scope.get("method") == "POST":
+            limit = MAX_UPLOAD_BODY_BYTES  # input images; Gradio bounds each file (launch's max_file_size)
+        elif (path.endswith("/upload") or content_type.startswith("multipart/")) and path not in UPLOAD_ROUTES:
+            return "upload", 403, "This app takes uploads of input images only, on /gradio_api/upload"
         if self._unknown_api(scope, path):
             return "unknown function", 404, "This app has no such API; see /gradio_api/info"
         if path.endswith("/deep_link"):
             return "deep link", 404, "This app keeps no deep links"
         if "/file=" in path and not _own_output(scope, path.split("/file=", 1)[1]):
+            return "file", 403, "Files are served only from this app's own outputs"
+        if "/file=" in path and _uploaded(scope, path.split("/file=", 1)[1]):
             return "file", 403, "Files are served only from this app's own outputs"
         length = _header(scope, b"content-length")
         if length is None:

@@ -255,7 +255,8 @@ class GenerateHandlers(HandlerBase):
             for event in events:
                 yield from prepared.view.outputs(event, feed, page=True)
 
-    async def generate_api(self, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
+    async def generate_api(self, request: gr.Request = None, progress=gr.Progress(), images=None, mask=None,  # noqa: B008
+                           **form):
         """/generate: what `generate` streams, for callers that read the result, as cheaply for the web
         server as Gradio allows (in a burst, its time per request bounds how fast results go out):
         - an async generator: Gradio runs each step of a sync one in a worker thread;
@@ -266,8 +267,9 @@ class GenerateHandlers(HandlerBase):
           waits): each message costs the web server time that, at a burst's start, delays the others;
         - the image is the worker's PNG as it is (a file Gradio copies into its cache), not decoded and
           encoded again.
-        Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await."""
-        prepared = self._prepare(form, request, progress, for_page=False)
+        Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await. `images` and
+        `mask` are named so that Gradio's API page offers them as optional (None: no upload)."""
+        prepared = self._prepare({**form, "images": images, "mask": mask}, request, progress, for_page=False)
         feed = self.run_feed(prepared.key, ProgressBar(progress))
         try:
             await self.await_listener(request)

@@ -9,8 +9,10 @@ refused a path outside its upload folder), or a list of either. The file is read
 
 from __future__ import annotations
 
-from engine.config.images import MAX_IMAGES, read_image_file
+from engine.config.images import MAX_IMAGES, MAX_UPLOAD_BYTES, MAX_UPLOADS_BYTES, read_image_file
 from engine.errors import InvalidRequest
+
+__all__ = ["MAX_UPLOADS_BYTES", "MAX_UPLOAD_BYTES", "upload", "uploads"]  # the edge's and launch's bounds
 
 
 def _path_of(value, name: str) -> str | None:
