@@ -19,6 +19,7 @@ def edits(manager):
 def test_the_image_area_follows_what_the_preset_takes(edits):
     area, images, mask, strength = edits.visibility("tiny-shapes")
     assert area["visible"] is False and images["visible"] is False
+    assert images["value"] is None and mask["value"] is None  # hidden fields send nothing the preset refuses
     area, images, mask, strength = edits.visibility("tiny-shapes-edit")
     assert area["visible"] is True and area["open"] is True and "source" in images["label"]
     assert mask["visible"] is False and strength["visible"] is False

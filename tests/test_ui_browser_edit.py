@@ -47,23 +47,54 @@ def page(cache_dir, tiny_models):
 
 def output_image(page) -> Image.Image:
     """The output as the page shows it (its img element's pixels, read back through a canvas)."""
+    page.wait_for_function("(() => { const img = document.querySelector('#output-image img');"
+                           " return img && img.complete && img.naturalWidth > 0; })()", timeout=30_000)
     data = page.evaluate("""() => { const img = document.querySelector('#output-image img');
         const c = document.createElement('canvas'); c.width = img.naturalWidth; c.height = img.naturalHeight;
         c.getContext('2d').drawImage(img, 0, 0); return c.toDataURL('image/png'); }""")
     return Image.open(io.BytesIO(base64.b64decode(data.split(",", 1)[1]))).convert("RGB")
 
 
-def test_edit_this_then_make_the_circle_green(page):
+def test_an_uploaded_picture_is_edited(page, tmp_path):
+    """A visitor picks the preset that edits, uploads a picture into the image area and runs an instruction."""
+    from PIL import ImageDraw
+
     from training.shapes.fidelity import read
 
     assert not page.locator("#input-images").is_visible()  # tiny-shapes draws from text: no image area
     assert not page.locator("#edit-ab").is_visible()
+    page.click("#preset input")
+    page.locator('#preset [role=option][aria-label^="tiny-shapes-edit"]').first.click()
+    page.wait_for_selector("#input-images", state="visible")
+
+    picture = Image.new("RGB", (64, 64), (240, 240, 240))
+    ImageDraw.Draw(picture).rectangle((18, 18, 46, 46), fill=(220, 30, 30))
+    picture.save(tmp_path / "upload.png")
+    page.locator("#input-images input[type=file]").set_input_files(str(tmp_path / "upload.png"))
+    page.wait_for_function("document.querySelector('#input-images')?.innerText.includes('upload')", timeout=60_000)
+    page.locator("#steps input[type=number]").fill("4")
+    page.fill("#prompt textarea", "make the square green")
+    page.click("#generate-btn")
+    page.wait_for_function("document.querySelector('#history')?.querySelectorAll('img').length === 1",
+                           timeout=300_000)
+    edited = output_image(page)
+    print(f"the uploaded picture read as {read(picture)}; its edit read as {read(edited)}")
+    assert edited.size == (64, 64) and read(edited).background is not None
+    page.wait_for_function("document.querySelectorAll('#edit-ab img').length === 2", timeout=30_000)  # A/B
+
+
+def test_edit_this_then_make_the_circle_green(page):
+    from training.shapes.fidelity import read
+
+    page.click("#preset input")
+    page.locator('#preset [role=option][aria-label="tiny-shapes"]').first.click()
+    page.wait_for_selector("#input-images", state="hidden")
     page.fill("#prompt textarea", "a red circle on a blue background")
     page.locator("#steps input[type=number]").fill("4")
     page.click("#generate-btn")
     page.wait_for_function("document.querySelector('#output-image img')?.naturalWidth === 64", timeout=180_000)
-    page.wait_for_function("document.querySelector('#history')?.querySelectorAll('img').length === 1",
-                           timeout=60_000)
+    page.wait_for_function("document.querySelector('#history')?.querySelectorAll('img').length === 2",
+                           timeout=180_000)
     source = output_image(page)
 
     page.click("#edit-this")
@@ -75,12 +106,11 @@ def test_edit_this_then_make_the_circle_green(page):
 
     page.fill("#prompt textarea", "make the circle green")
     page.click("#generate-btn")
-    page.wait_for_function("document.querySelector('#history')?.querySelectorAll('img').length === 2",
+    page.wait_for_function("document.querySelector('#history')?.querySelectorAll('img').length === 3",
                            timeout=300_000)
     summary = page.inner_text("#run-summary")
     assert "tiny-shapes-edit" in page.inner_text("#stats") or "tiny-shapes-edit" in summary, summary
-    page.wait_for_selector("#edit-ab", state="visible")  # the A/B slider: source against result
-    assert page.locator("#edit-ab img").count() == 2
+    page.wait_for_function("document.querySelectorAll('#edit-ab img').length === 2", timeout=30_000)  # A/B
     edited = output_image(page)
     assert edited.size == (64, 64) and edited.tobytes() != source.tobytes()
     reading = read(edited)
@@ -89,3 +119,4 @@ def test_edit_this_then_make_the_circle_green(page):
     trained = "edit" in (EDIT_MODEL / "training.json").read_text().lower()
     if trained:  # the trained Kontext model (not a placeholder with the text-to-image weights)
         assert reading.colour == "green", reading
+

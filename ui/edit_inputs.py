@@ -34,9 +34,12 @@ class EditInputs:
         """(image area, images, mask, strength) updates for the preset chosen."""
         inputs = self._inputs(preset)
         source = "the first is the source to edit" if inputs.needs_source else "references"
+        cleared = {"value": None}  # a hidden field sends nothing: the preset would refuse what it does not take
         return (gr.update(visible=inputs.takes_images, open=inputs.takes_images),
-                gr.update(visible=inputs.takes_images, label=f"Images ({inputs.describe()}; {source})"),
-                gr.update(visible=inputs.takes_mask), gr.update(visible=inputs.takes_strength))
+                gr.update(visible=inputs.takes_images, label=f"Images ({inputs.describe()}; {source})",
+                          **({} if inputs.takes_images else cleared)),
+                gr.update(visible=inputs.takes_mask, **({} if inputs.takes_mask else cleared)),
+                gr.update(visible=inputs.takes_strength, **({} if inputs.takes_strength else cleared)))
 
     def takes_images(self, preset: str):
         """Compare's image input: shown where the preset takes images."""
