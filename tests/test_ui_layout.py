@@ -30,7 +30,7 @@ TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
                  "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "lora-fused", "memory",
                  "frames", "fps",
-                 "input-images", "input-mask", "strength",
+                 "input-images", "input-mask", "strength", "edit-this", "edit-ab", "edit-history",
                  "why-not",
                  "generate-btn",
                  "cancel-btn", "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output",
@@ -38,7 +38,7 @@ TAB_IDS = {
     "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",
                 "restart-btn", "admin-token", "attention-backend", "cuda-graphs", "restart-options-btn",
                 "attention-table"},
-    "compare": {"c-prompt", "c-preset", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
+    "compare": {"c-prompt", "c-preset", "c-images", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
                 "c-speedup", "c-costs", "c-json", "c-caches", "c-loras", "c-ab-choice", "c-ab", "c-fidelity-prompts",
                 "c-cards", "c-configs",
@@ -179,7 +179,7 @@ ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.p
            "bench.quality": "compare_views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
            "bench.advise": "advisor.py", "bench.advise_report": ("advisor.py", "advisor_views.py"),
            "engine.config.validation": "compare.py", "engine.config.placement": "common.py",
-           "engine.processes": "webtemp.py", "engine.config.images": "uploads.py", "engine.serving.budget": "advisor.py",
+           "engine.processes": "webtemp.py", "engine.config.images": ("uploads.py", "openai_edits.py"), "engine.serving.budget": "advisor.py",
            "bench.configs": ("compare.py", "compare_views.py")}  # a tab's module, or its views
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 

@@ -21,6 +21,7 @@ from ui.generate import GENERATE_API_PARAMS
 from ui.handlers import Handlers, UIDefaults
 from ui.metrics import MetricsRoute
 from ui.openai_api import ApiKeys, OpenAIRoutes
+from ui.openai_edits import read_edit_call
 from ui.openai_videos import VideoJobs
 from ui.sessions import bound_sessions
 from ui.sockets import install_server_hook, public_bounds
@@ -167,7 +168,8 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     telemetry = getattr(manager, "telemetry", None)
     if telemetry is not None:
         demo.metrics = MetricsRoute(telemetry, h.manager.policy.public, h.defaults.admin_token, edge=guard)
-    demo.openai = OpenAIRoutes(h, ApiKeys(h.defaults.api_keys, h.defaults.admin_token, guard.keys), VideoJobs(h))
+    demo.openai = OpenAIRoutes(h, ApiKeys(h.defaults.api_keys, h.defaults.admin_token, guard.keys), VideoJobs(h),
+                               read_edit=read_edit_call)
     atexit.register(demo.openai.store.close)  # the images its "url" answers point at
     mcp.describe_tools(demo)
     return demo

@@ -32,7 +32,7 @@ from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size, parse_lora
 from engine.serving import stream
 from engine.serving.manager import Caller
-from ui import compare_ab, compare_views, views, waiting
+from ui import compare_ab, compare_views, edit_inputs, views, waiting
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, describe_input, to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
 
@@ -78,6 +78,7 @@ class CompareForm:
     timing_s: float | str | None = DEFAULT_TIMING_S
     loras: list[str] | None = None  # "none", "NAME" or "NAME:fused": one more axis of the cross product
     levers: list[str] | None = None  # "none" or a memory lever set (MEMORY_CHOICES): one more axis
+    images: list | None = None  # presets that edit: every configuration edits these (ui/edit_inputs.py)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ COMPARE_API_PARAMS = {
     "timing_s": f"seconds of round-robin timing after the quality images, 0-{MAX_TIMING_S:g}",
     "loras": "LoRA styles: 'none', NAME or NAME:fused (fused: eager only), one configuration each",
     "levers": "memory lever sets ('none' for the engine as it is), one configuration each",
+    "images": "presets that edit: the source (and references) every configuration edits, handle_file(PATH) each",
 }
 # The Compare tab's memory lever sets (any other set: a typed entry's +mem=); one the device cannot run gets a
 # card saying why.
@@ -330,11 +332,12 @@ class Comparison:
             self.size_text = str(Size.parse(form.size)) if form.size else str(manager.catalog.preset(form.preset).buckets[0])
             self.model = manager.catalog.preset(form.preset)
             self.steps = check_steps(form.steps) if form.steps else self.model.steps
+            self.sources = edit_inputs.sources(form.images)  # read once, bounded; the gate checks them per configuration
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         self.timing_budget = self._timing_budget(form.timing_s)
         n_samples = max(0, min(MAX_FIDELITY_PROMPTS, int(form.fidelity_prompts or 0))) \
-            if compare_views.has_checker(self.model) else 0
+            if compare_views.has_checker(self.model) and not self.sources else 0  # text prompts: no edit
         self.n_samples = n_samples
         # The main prompt, then the sample prompts (seeded: every configuration draws the same ones).
         self.prompts = [form.prompt, *compare_views.fidelity_sample_prompts(self.model, n_samples, fallback=form.prompt)]
@@ -417,7 +420,8 @@ class Comparison:
                             size=self.size_text, steps=self.steps, guidance=form.guidance, seed=seed,
                             on_cold="wait" if form.wait_for_warm else "eager",
                             step_cache=None if cache == views.NO_CACHE else cache, caller=self.call.caller,
-                            lora=lora.text(), lora_fused=lora.fused, memory=explicit.split_levers(config)[1] or None)
+                            lora=lora.text(), lora_fused=lora.fused, memory=explicit.split_levers(config)[1] or None,
+                            images=self.sources)
 
     # -- phase 1: quality images, one configuration after another (they also warm each one) ------------
     def quality_images(self, index: int, config: str):
@@ -587,6 +591,7 @@ class ComparePage:
                                          elem_id="c-preset")
             form["size"] = gr.Dropdown(sizes, value=sizes[0], label="Size", allow_custom_value=True,
                                        elem_id="c-size")
+        form["images"] = edit_inputs.compare_images(preset.inputs.takes_images)
         with gr.Row():
             form["steps"] = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="c-steps")
             form["guidance"] = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
@@ -668,6 +673,7 @@ class ComparePage:
         h, f = self.h, self.form
         f["preset"].change(h.compare_defaults, f["preset"], [f["size"], f["steps"], f["guidance"]], **FAST)
         f["preset"].change(h.compare_loras, f["preset"], f["loras"], **FAST)
+        f["preset"].change(edit_inputs.EditInputs(h).takes_images, f["preset"], f["images"], **FAST)
         self.config_list.input(h.configuration_list, [self.config_list, f["preset"], f["devices"], f["size"],
                                                       f["steps"]], f["configurations"], **FAST)
         gr.on([f["configurations"].change, f["preset"].change, f["devices"].change], h.check_configurations,

@@ -22,7 +22,7 @@ from engine.errors import ShowcaseError
 from engine.protocol import EngineKey, Mode, Parallel, Size, memory_forms, parse_lora, ranks_choice
 from engine.serving import stream
 from engine.serving.gate import Admitted
-from ui import generate_views, memory_views, views, waiting, webtemp
+from ui import edit_inputs, generate_views, memory_views, views, waiting, webtemp
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, key_fields, to_gradio_error
 from ui.runs import ProgressBar, RunFeed
 from ui.uploads import upload, uploads
@@ -492,6 +492,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
             page.api()
     page.wire_runs()
     page.wire_settings(demo, engine_line)
+    edit_inputs.wire(page, demo)
     f = page.form
     return GenerateTab(f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"], f["step_cache"],
                        f["steps"], f["lora"], f["lora_fused"], f["memory"])
@@ -557,7 +558,7 @@ class GeneratePage:
         """Input images for presets that edit (engine/config/images.py): the source or references, a mask, a
         strength; a preset refuses what its family does not take."""
         form = self.form
-        with gr.Accordion("Input images (edit, img2img, inpaint, references)", open=False):
+        with gr.Accordion("Input images (edit, img2img, inpaint, references)", open=False) as self.image_area:
             form["images"] = gr.File(file_count="multiple", file_types=["image"], type="filepath",
                                      label="Images (the first is the source; all are references for FLUX.2)",
                                      elem_id="input-images")
@@ -616,6 +617,8 @@ class GeneratePage:
                                          elem_id="step-plot", min_width=200,
                                          color_map={views.COMPUTED: views.SERIES_PALETTE[0],
                                                     views.CACHED: views.SERIES_PALETTE[1]})
+        self.edit_btn = edit_inputs.edit_button()  # the output into the image area (ui/edit_inputs.py)
+        self.edit_ab = edit_inputs.ab_slider()  # an edit's source against its result
         self.summary = gr.Markdown(generate_views.run_summary(None), elem_id="run-summary")
         self.stats = gr.Dataframe(headers=generate_views.STATS_COLUMNS, interactive=False, label="Timings",
                                   elem_id="stats", wrap=True, column_widths=["32%", "68%"], max_height=900)
@@ -627,6 +630,7 @@ class GeneratePage:
                                           "click one to flip through them)", columns=6, object_fit="contain",
                                           elem_id="history", type="pil", interactive=False, preview=False)
         self.history_state = gr.State([])
+        self.history_edit, self.history_pick = edit_inputs.history_button()  # its picked image to the image area
 
     def api(self) -> None:
         """/generate's hidden text inputs, one per API field, and its outputs."""

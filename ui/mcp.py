@@ -49,6 +49,12 @@ from ui.common import document_api
 log = logging.getLogger(__name__)
 
 MCP_PATH = "/gradio_api/mcp/"
+FILE_INPUTS = ("images", "mask")  # /generate's uploads: optional (text to image sends none)
+FILE_LIST_ITEMS = 16  # the files of a list a tool call may send (engine/config/images.py MAX_IMAGES)
+FILE_NOTE = (" To edit a picture, images is a list of image URLs: http(s)://... or data:image/png;base64,... (the "
+             "first is the source; a preset that edits, e.g. tiny-shapes-edit with 'make the circle green'; FLUX.2 "
+             "presets take several references); mask, one such URL, white where an inpaint preset repaints; "
+             "strength 0-1 for img2img / inpaint presets. Leave them out for text to image.")
 # endpoint -> what an agent reads in tools/list (parameters are listed by Gradio with their types)
 DESCRIPTIONS = {
     "generate": (
@@ -135,6 +141,8 @@ def serve(demo) -> None:
         return
     server.tool_to_endpoint = {server.tool_prefix + endpoint.lstrip("/"): endpoint
                                for endpoint in server.tool_to_endpoint.values()}
+    optional_files(server.api_info)
+    server.get_input_schema = url_lists(server.get_input_schema)
     calls = AgentCalls(demo, server)
     server._get_or_create_client = lambda: calls  # what call_tool submits a queued call to
 
@@ -149,6 +157,8 @@ def serve(demo) -> None:
         # A parameter the handler's docstring does not describe keeps what document_api wrote (Gradio's own
         # empty text would replace it)
         description, parameters = describe(block_fn, tool_name)
+        if description.endswith(server._file_data_tool_description):  # Gradio's note names a tool not served here
+            description = description[:-len(server._file_data_tool_description)] + FILE_NOTE
         return description, {name: text for name, text in parameters.items() if text}
 
     server.get_fn_description = described
@@ -164,6 +174,32 @@ def _no_server_paths(contents: list) -> list:
     """Gradio adds "Image URL: …/gradio_api/file=<the app's cache folder>/….png" beside each image it sends
     inline: a server path an agent has no use for (the image is in the result)."""
     return [c for c in contents if not (getattr(c, "type", "") == "text" and "/gradio_api/file=" in c.text)]
+
+
+def optional_files(api_info: dict) -> None:
+    """A tool's file inputs (FILE_INPUTS) as optional parameters: Gradio marks a File without a value required,
+    so an agent asking for text to image would have to send an image."""
+    for endpoint in api_info.get("named_endpoints", {}).values():
+        for parameter in endpoint.get("parameters", []):
+            if parameter.get("parameter_name") in FILE_INPUTS and not parameter.get("parameter_has_default"):
+                parameter.update(parameter_has_default=True, parameter_default=None)
+
+
+def url_lists(get_input_schema):
+    """Gradio's MCP schema of a list of files (/generate's images) as a list of URL strings. Gradio keeps a $ref
+    to $defs it leaves inside the parameter (a client's validator cannot resolve it: "PointerToNowhere") and marks
+    the list's items where a call's values sit at [name, 0], [name, 1], ... (so none would become a file)."""
+    def schema(tool_name: str, parameters=None):
+        simplified, positions = get_input_schema(tool_name, parameters)
+        for name in {p[0] for p in positions if len(p) == 2 and p[1] == "items"}:
+            node = simplified["properties"][name]
+            simplified["properties"][name] = {
+                "type": "array", "items": {"type": "string", "format": node["items"].get("format", "url")},
+                **{key: node[key] for key in ("description", "default") if key in node}}
+            positions = [p for p in positions if p[:1] != [name]] + [[name, i] for i in range(FILE_LIST_ITEMS)]
+        return simplified, positions
+
+    return schema
 
 
 def _json_text(value):

@@ -7,6 +7,7 @@ LlamaIndex image tool already speaks.
     POST /v1/images/generations      `model` = preset (or an OpenAI name: choose_model), `prompt`, `n`, `size`,
                                      `response_format`, `stream`, `user`;
                                      the showcase's own fields as extra body fields (EXTRA_FIELDS)
+    POST /v1/images/edits            the same, multipart, with `image` / `image[]` and `mask` (ui/openai_edits.py)
     GET  /v1/images/files/{name}     an image a `response_format: "url"` answer points at
     /v1/videos ...                   clips as jobs, as the SDK's client.videos speaks (ui/openai_videos.py)
 
@@ -122,7 +123,8 @@ STATUS_OF = (
 )
 PARAM_OF = {"preset": "model", "size": "size", "prompt": "prompt", "steps": "steps", "guidance": "guidance",
             "seed": "seed", "precision": "precision", "mode": "mode", "device": "device", "lora": "lora",
-            "step": "step_cache", "on_cold": "on_cold", "negative_prompt": "negative_prompt"}
+            "step": "step_cache", "on_cold": "on_cold", "negative_prompt": "negative_prompt",
+            "image": "image", "mask": "mask", "strength": "strength"}  # an upload's field (/v1/images/edits)
 
 
 def api_error(exc: BaseException, client: str = quietlog.HANDLERS) -> ApiError:
@@ -222,6 +224,7 @@ class ImagesCall:
     stream: bool = False
     user: str | None = None
     notices: tuple[str, ...] = ()
+    events: str = "image_generation"  # the stream's event types: image_generation.*, or image_edit.* for an edit
 
     def specs(self) -> list[ImageRequest]:
         """One request per image: seed, seed + 1, ..."""
@@ -427,17 +430,18 @@ def public_root(request) -> str:
     return get_root_url(request, request.url.path, request.scope.get("root_path") or None)
 
 
-def partial_event(partial: stream.Partial, index: int, number: int, size: str) -> dict:
-    """An image_generation.partial_image event (the SDK's ImageGenPartialImageEvent): image `index`'s
+def partial_event(partial: stream.Partial, index: int, number: int, size: str, events: str = "image_generation") -> dict:
+    """An image_generation.partial_image event (the SDK's ImageGenPartialImageEvent; image_edit.partial_image for
+    an edit): image `index`'s
     `number`-th partial image, at its step."""
-    return {"type": "image_generation.partial_image", "b64_json": base64.b64encode(partial.png).decode("ascii"),
+    return {"type": f"{events}.partial_image", "b64_json": base64.b64encode(partial.png).decode("ascii"),
             "background": "opaque", "created_at": int(time.time()), "output_format": "png", "quality": "auto",
             "size": size, "partial_image_index": number, "index": index, "step": partial.step, "steps": partial.total}
 
 
 def stream_event(kind: str, answer: Answer, result, index: int) -> dict:
     """An image_generation.completed event as the SDK's ImageGenStreamEvent reads it."""
-    event = {"type": f"image_generation.{kind}", "b64_json": base64.b64encode(result.image_png).decode("ascii"),
+    event = {"type": f"{answer.call.events}.{kind}", "b64_json": base64.b64encode(result.image_png).decode("ascii"),
              "background": "opaque", "created_at": int(time.time()), "output_format": "png", "quality": "auto",
              "size": str(result.bucket.size), "index": index}
     if kind == "completed":
@@ -475,8 +479,9 @@ def error_response(error: ApiError):
 class OpenAIRoutes:
     """The /v1 routes on the app's handlers (ui/handlers.py): their manager, defaults, runs and web edge."""
 
-    def __init__(self, handlers, keys: ApiKeys, videos=None):
-        self.h, self.keys = handlers, keys
+    def __init__(self, handlers, keys: ApiKeys, videos=None, read_edit=None):
+        # read_edit: (routes, request, caller) -> ImagesCall, POST /v1/images/edits' reader (ui/openai_edits.py)
+        self.h, self.keys, self.read_edit = handlers, keys, read_edit
         self.videos = videos  # the /v1/videos jobs (ui/openai_videos.py VideoJobs), or None: no videos API
         self.store = OutputStore()
         self.started = int(time.time())
@@ -505,6 +510,8 @@ class OpenAIRoutes:
         path, method = request.url.path[len(PREFIX):].rstrip("/"), request.method
         routes = {"/models": ("GET", self.models), "/loras": ("GET", self.loras),
                   "/images/generations": ("POST", None)}
+        if self.read_edit is not None:
+            routes["/images/edits"] = ("POST", None)
         if path.startswith("/images/files/") and method in ("GET", "HEAD"):
             png = self.store.get(path.rsplit("/", 1)[-1])
             if png is None:
@@ -518,10 +525,13 @@ class OpenAIRoutes:
             allowed, answer = "GET", self.model
         if allowed is None:
             raise ApiError(404, f"no route {method} {PREFIX}{path}; this server serves GET /v1/models, GET "
-                                "/v1/loras and POST /v1/images/generations", code="unknown_url")
+                                "/v1/loras, POST /v1/images/generations and POST /v1/images/edits",
+                           code="unknown_url")
         if method != allowed:
             raise ApiError(405, f"{PREFIX}{path} takes {allowed}, not {method}", code="method_not_allowed")
         caller = self.keys.caller(request.headers.get("authorization"), self._client(request))
+        if answer is None and path == "/images/edits":  # multipart, read bounded
+            return await self.answer(await self.read_edit(self, request, caller), request, held)
         if answer is None:
             return await self.generations(request, caller, held)
         return JSONResponse(answer(caller, path))
@@ -566,9 +576,6 @@ class OpenAIRoutes:
 
     # -- generations -------------------------------------------------------------------------------------
     async def generations(self, request, caller: Caller, held: ExitStack):
-        import anyio
-        from starlette.responses import JSONResponse, StreamingResponse
-
         try:
             body = check_body(strict.loads(await request.body() or b"null"))
         except InvalidRequest as exc:
@@ -580,6 +587,13 @@ class OpenAIRoutes:
         call = read_call(body, self.h.defaults, model.preset, caller, client)
         if model.notice:
             call = replace(call, notices=(model.notice, *call.notices))
+        return await self.answer(call, request, held)
+
+    async def answer(self, call: ImagesCall, request, held: ExitStack):
+        """A checked call's images (generations and edits alike): JSON, or server-sent events when it streams."""
+        import anyio
+        from starlette.responses import JSONResponse, StreamingResponse
+
         await anyio.to_thread.run_sync(self._check_call, call)  # may probe devices: not on the event loop
         self._hold(call, held)
         answer = Answer(call)
@@ -654,7 +668,8 @@ class OpenAIRoutes:
                         answer.results[index] = event.result
                         yield sse(stream_event("completed", answer, event.result, index))
                     elif isinstance(event, stream.Partial):
-                        yield sse(partial_event(event, index, partials[index], preview_size(event.png)))
+                        yield sse(partial_event(event, index, partials[index], preview_size(event.png),
+                                                answer.call.events))
                         partials[index] += 1
             done = True
         except Exception as exc:

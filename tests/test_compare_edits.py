@@ -1,0 +1,68 @@
+"""Compare on an edit (ui/compare.py with ui/edit_inputs.py): every configuration edits the same source, each
+edit's drift is against eager fp32's edit, side by side (bf16 here; eager on cpu: nothing compiles)."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image, ImageDraw
+
+from ui.handlers import Handlers, UIDefaults
+
+pytestmark = pytest.mark.slow  # loads the edit preset's engine and runs two configurations
+
+
+class _Progress:
+    def __call__(self, progress, desc=None, total=None, unit="steps"):
+        pass
+
+
+@pytest.fixture(scope="module")
+def handlers(manager):
+    return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+
+
+def source(tmp_path) -> str:
+    image = Image.new("RGB", (64, 64), (30, 30, 200))
+    ImageDraw.Draw(image).ellipse((16, 16, 48, 48), fill=(220, 30, 30))
+    path = tmp_path / "source.png"
+    image.save(path)
+    return str(path)
+
+
+def compare(handlers, **form):
+    return list(handlers.compare(**{**dict(prompt="make the circle green", preset="tiny-shapes-edit", size="64x64",
+                                           steps=2, guidance=None, seed=3, devices=["cpu"], precisions=None,
+                                           modes=None, wait_for_warm=False, timing_s=0), **form},
+                                 request=None, progress=_Progress()))
+
+
+def test_compare_edits_the_same_source_in_every_configuration(handlers, tmp_path):
+    outputs = compare(handlers, images=[source(tmp_path)],
+                      configurations="eager/fp32; eager/bf16")
+    gallery, payload, _ = outputs[-1]
+    results = {r["config"]: r for r in payload["results"]}
+    assert list(results) == ["cpu/fp32/eager", "cpu/bf16/eager"], payload
+    assert all("error" not in r for r in results.values()), results
+    assert all(r["engine"].startswith("tiny-shapes-edit@") for r in results.values())
+    assert all(r["references"] == ["64x64"] for r in results.values()), results  # the source: part of the bucket
+    assert len(gallery) == 2  # one edit each: the shapes grammar's text prompts are not drawn for an edit
+    bf16 = results["cpu/bf16/eager"]
+    assert bf16["drift_psnr_db"] is not None and "dB" in bf16["drift"], bf16  # against eager fp32's edit
+    print(f"bf16 edit against eager fp32's: {bf16['drift']}")
+    reference = results["cpu/fp32/eager"]
+    assert reference.get("reference") or payload["reference"] == "cpu/fp32/eager"
+
+
+def test_compare_refuses_a_source_for_a_preset_that_draws_from_text(handlers, tmp_path):
+    import gradio as gr
+
+    with pytest.raises(gr.Error, match="takes text to image only: remove the input image"):
+        compare(handlers, preset="tiny-shapes", images=[source(tmp_path)], configurations="eager/fp32")
+
+
+def test_compare_shows_its_image_input_only_for_presets_that_edit(handlers):
+    from ui.edit_inputs import EditInputs
+
+    edits = EditInputs(handlers)
+    assert edits.takes_images("tiny-shapes-edit")["visible"] is True
+    assert edits.takes_images("tiny-shapes")["visible"] is False
