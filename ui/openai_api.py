@@ -519,7 +519,8 @@ class OpenAIRoutes:
                                     f"{self.store.kept} answers)", code="not_found")
             return Response(png, media_type="image/png", headers={"cache-control": "private, max-age=3600"})
         if self.videos is not None and (path == "/videos" or path.startswith("/videos/")):
-            return await self.videos.route(request, path, method, self.keys.caller(request.headers.get("authorization")))
+            caller = self.keys.caller(request.headers.get("authorization"), self._client(request))
+            return await self.videos.route(request, path, method, caller)
         allowed, answer = routes.get(path, (None, None))
         if path.startswith("/models/"):
             allowed, answer = "GET", self.model
