@@ -211,3 +211,13 @@ def test_the_gradio_apis_deep_or_long_json_is_a_400_without_a_traceback(app, cap
     assert [a.status_code for a in answers] == [400, 400], [a.text[:200] for a in answers]
     assert "more than 32 deep" in answers[0].json()["detail"] and "40 digits" in answers[1].json()["detail"]
     assert not any(r.exc_info for r in caplog.records if not r.name.startswith(("httpx", "httpcore")))
+
+
+def test_a_results_line_and_stats_name_the_ray_node_that_served_it():
+    from ui.generate_views import run_summary, stats_rows
+
+    result = {"engine": "tiny-shapes@cpu/fp32", "mode": "eager", "bucket": "64x64", "steps": 2, "seed": 1,
+              "node": "h100-a", "timings": {"step_ms": [5.0, 5.0], "total_ms": 20.0, "median_step_ms": 5.0}}
+    assert "on node h100-a" in run_summary(result)
+    assert any(row[0] == "engine" and row[1].endswith("on node h100-a") for row in stats_rows(result))
+    assert "on node" not in run_summary({**result, "node": None})
