@@ -117,6 +117,7 @@ class SoakReport:
     pids_seen: set[int] = field(default_factory=set)
     orphans: list[int] = field(default_factory=list)
     exit_s: float | None = None
+    exited: bool | None = None  # the app ended on SIGTERM within the time it is given
     status: dict = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
@@ -497,6 +498,7 @@ class Soak:
         except subprocess.TimeoutExpired:
             pass
         self.report.exit_s = time.monotonic() - start
+        self.report.exited = self.app.poll() is not None  # by itself, within the 15 s it is given
         children = sorted(self.report.pids_seen - {self.app.pid})
         # every child has 10 s from SIGTERM to be gone: an orphan is one still there then (no need to wait
         # out the 10 s once all are gone)
@@ -591,7 +593,7 @@ def summarize(report: SoakReport, opts: SoakOptions) -> dict:
         "idle_handler_median_s": median(report.idle_handler_s) if report.idle_handler_s else None,
         "probe_handler_p50_s": percentile(probe_handler, 0.5),
         "probe_handler_p95_s": percentile(probe_handler, 0.95),
-        "exit_s": round(report.exit_s, 2) if report.exit_s is not None else None,
+        "exit_s": round(report.exit_s, 2) if report.exit_s is not None else None, "exited": report.exited,
         "orphans": report.orphans,
         "failures": [o.detail for o in report.outcomes if o.kind in ("failed", "hung")][:10],
         # What the clear errors said, most frequent first (bad input on purpose, budget refusals, ...).

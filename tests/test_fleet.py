@@ -95,6 +95,8 @@ def test_a_ray_engine_serves_progress_timings_cancel_and_its_node(fleet_manager)
     assert [p.step for p in steps][-1] == 3
     (row,) = [r for r in fleet_manager.residency.status_rows() if r["state"] != "evicted"]
     assert row["kind"] == "ray" and row["node"] in ("host-a", "host-b") and row["state"] == "ready"
+    # issue 51: the result (its line on the page, its timings' JSON) names the node that served it
+    assert result.node == row["node"] and result.as_dict()["node"] == row["node"]
     assert len(fleet_actors_alive()) == 1
     # cancel reaches the actor through the same protocol
     engine = fleet_manager.residency.engines()[0]

@@ -211,3 +211,34 @@ def test_the_gradio_apis_deep_or_long_json_is_a_400_without_a_traceback(app, cap
     assert [a.status_code for a in answers] == [400, 400], [a.text[:200] for a in answers]
     assert "more than 32 deep" in answers[0].json()["detail"] and "40 digits" in answers[1].json()["detail"]
     assert not any(r.exc_info for r in caplog.records if not r.name.startswith(("httpx", "httpcore")))
+
+
+def test_a_results_line_and_stats_name_the_ray_node_that_served_it():
+    from ui.generate_views import run_summary, stats_rows
+
+    result = {"engine": "tiny-shapes@cpu/fp32", "mode": "eager", "bucket": "64x64", "steps": 2, "seed": 1,
+              "node": "h100-a", "timings": {"step_ms": [5.0, 5.0], "total_ms": 20.0, "median_step_ms": 5.0}}
+    assert "on node h100-a" in run_summary(result)
+    assert any(row[0] == "engine" and row[1].endswith("on node h100-a") for row in stats_rows(result))
+    assert "on node" not in run_summary({**result, "node": None})
+
+
+def test_a_full_queue_group_still_takes_a_caller_holding_less_than_an_equal_share():
+    """The group's bound (--queue-size) refused everyone once a few clients filled it; now the full group still
+    takes a client holding fewer events than an equal share, up to twice its bound, and refuses the heavy ones."""
+    from types import SimpleNamespace
+
+    from ui.edge import EdgeConfig, EdgeGuard
+
+    def event(address: str):
+        return SimpleNamespace(request=SimpleNamespace(headers={}, client=SimpleNamespace(host=address)))
+
+    guard = EdgeGuard(EdgeConfig(group_queue=8, client_events=None, sockets=None))
+    waiting = [event(f"10.0.0.{i % 2}") for i in range(8)]  # two clients, 4 events each: the group is full
+    guard.streams.queue = SimpleNamespace(event_queue_per_concurrency_id={"engines": SimpleNamespace(queue=waiting)},
+                                          active_jobs=[])
+    assert "The queue is full" in guard._admit("engines", "10.0.0.0")  # a heavy client: refused
+    assert guard._admit("engines", "10.0.0.9") is None  # a newcomer: 0 of an equal share of 8 / 3
+    guard._release("engines", "10.0.0.9")
+    waiting.extend(event(f"10.1.0.{i}") for i in range(8))  # twice the bound: no one more
+    assert "The queue is full" in guard._admit("engines", "10.0.0.9")

@@ -112,6 +112,10 @@ class RayClient(ConnectionClient):
             return self.node.name
         return self.where.get("host", "?")
 
+    def node_of(self, request_id: str) -> str:
+        """The node that serves this engine's requests (its result names it)."""
+        return self.node_name
+
     def describe_exit(self) -> str:
         self._verdict_known.wait(VERDICT_WAIT_S)
         node = cluster.node_by_id(self.where["node_id"]) if self.where and ray.is_initialized() else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -30,6 +31,7 @@ from engine.protocol import BucketInfo, BucketKey, GenerateRequest
 from engine.worker.client import EngineEvents
 
 log = logging.getLogger(__name__)
+SERVED_BY_KEPT = 1024  # requests whose replica's node is remembered for their result
 
 PING_EVERY_S = 0.5
 PING_TIMEOUT_S = 1.5  # a replica silent this long is stalled: no new requests until it answers
@@ -68,6 +70,7 @@ class ReplicaSet:
         self.last_used = time.monotonic()
         self._lock = threading.Lock()
         self._routes: dict[str, RayClient] = {}  # request id -> the replica serving it
+        self._served_by: OrderedDict[str, str] = OrderedDict()  # request id -> its replica's node (the last 1,024)
         self._stalled: set[int] = set()  # ids of replicas that did not answer the last ping
         self._used: dict[int, float] = {}  # id(replica) -> when it was last given a request
         self._closed = False
@@ -160,9 +163,17 @@ class ReplicaSet:
                 return future
             self._used[id(replica)] = time.monotonic()
             self._routes[request.request_id] = replica
+            self._served_by[request.request_id] = replica.node_name
+            while len(self._served_by) > SERVED_BY_KEPT:
+                self._served_by.popitem(last=False)
             future = replica.submit(request, on_progress)
         future.add_done_callback(lambda _f, rid=request.request_id: self._routes.pop(rid, None))
         return future
+
+    def node_of(self, request_id: str) -> str | None:
+        """The node of the replica a request was sent to (its result names it)."""
+        with self._lock:
+            return self._served_by.get(request_id)
 
     def cancel(self, request_id: str) -> None:
         replica = self._routes.get(request_id)

@@ -294,7 +294,8 @@ class EngineManager:
             raise EngineBusy(f"request {request.request_id} did not finish within {timeout}s and was cancelled") from None
         finally:
             self._running.pop(request.request_id, None)
-        node = getattr(engine, "node_name", None)  # an engine on a Ray node (engine/fleet/client.py)
+        node_of = getattr(engine, "node_of", None)  # an engine on Ray nodes (engine/fleet/client.py, replicas.py)
+        node = node_of(request.request_id) if node_of is not None else None
         return dataclasses.replace(result, node=node) if isinstance(node, str) and node else result
 
     def cancel(self, request_id: str) -> bool:
