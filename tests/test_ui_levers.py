@@ -284,3 +284,20 @@ def test_compare_crosses_memory_lever_sets_and_refuses_what_cannot_run(handlers)
     assert "nowhere to offload" in handlers.refusal("tiny-shapes", "cpu/fp32/eager+mem=model-offload")
     with pytest.raises(gr.Error, match="unknown memory lever"):
         handlers._configs(["cpu"], ["fp32"], ["eager"], None, "", None, ["warp"])
+
+
+def test_a_precision_whose_engine_is_not_loaded_says_it_loads_one_before_the_click(handlers, monkeypatch):
+    import threading
+
+    fp32 = handlers.key_for("tiny-shapes", "cpu", "fp32")
+    ready = type("Engine", (), {"ready": threading.Event()})()
+    ready.ready.set()
+    residency = handlers.manager.residency
+    monkeypatch.setattr(residency, "get", lambda key: ready if key == fp32 else None)
+    monkeypatch.setattr(residency, "status_rows", lambda: [{"load_s": 17.6}, {"load_s": 18.4}, {"load_s": None}])
+    labels = dict((value, label) for label, value in handlers.precision_labels("tiny-shapes", "cpu", 1, ""))
+    assert labels["fp32"] == "fp32"  # loaded: choosing it starts nothing
+    assert labels["bf16"] == "bf16 · loads a new engine: ≈ 18 s"  # the median of this host's loads
+    update = handlers.precision_field("tiny-shapes", "cpu", 1, "layerwise:fp8")  # another lever set: another engine
+    assert "value" not in update and [value for _, value in update["choices"]] == handlers.precision_choices()
+    assert ("fp32 · loads a new engine: ≈ 18 s", "fp32") in update["choices"]

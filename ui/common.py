@@ -38,7 +38,7 @@ from engine.pipeline.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401
 from engine.pipeline.attention import attention_table
 from engine.protocol import DEFAULT_PRESET, MemoryLevers, Mode, Precision, parse_ranks
 from engine.serving.manager import Caller
-from ui import quietlog
+from ui import memory_views, quietlog, waiting
 from ui.runs import ProgressBar, RunFeed, RunRegistry
 
 log = logging.getLogger(__name__)
@@ -269,6 +269,28 @@ class HandlerBase:
     def precision_choices(self) -> list[str]:
         offered = self.manager.policy.precisions if self.manager.policy.public else None
         return [str(p) for p in offered] if offered else list(Precision.values())
+
+    def precision_labels(self, preset: str, device: str, tp=1, memory: str | None = None) -> list[tuple[str, str]]:
+        """The precision field's (label, value) choices: a precision whose engine (with these settings and memory
+        levers, "" or None the host's) is not loaded says so before the click, with about how long a load takes
+        here; the value stays the precision's name."""
+        levers = memory if memory and str(memory).strip() else None
+        keys = {}
+        for precision in self.precision_choices():
+            try:
+                keys[precision] = self.key_for(preset, device, precision, tp, levers=levers)
+            except ShowcaseError:
+                continue  # not offered with these settings: selecting it says why (select_engine)
+        loads = self.new_engine_loads(keys)
+        return [(p + memory_views.new_engine_note(loads.get(p)), p) for p in self.precision_choices()]
+
+    def new_engine_loads(self, keys: dict) -> dict:
+        """Of the choices (value -> the EngineKey it selects), those whose engine is not loaded (choosing one
+        starts it), each with about how long a load takes here (the median of this host's loads)."""
+        residency = self.manager.residency
+        estimate = waiting.load_estimate_s([r.get("load_s") for r in residency.status_rows()])
+        loaded = {value: residency.get(key) for value, key in keys.items()}
+        return {value: estimate for value, engine in loaded.items() if engine is None or not engine.ready.is_set()}
 
     def preset_sizes(self, preset: str) -> list[str]:
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, aclosing, closing, contextmanager
+from contextlib import ExitStack, aclosing, closing, contextmanager, suppress
 from dataclasses import dataclass
 
 import gradio as gr
@@ -229,26 +229,20 @@ class GenerateHandlers(HandlerBase):
             rows = self.manager.levers.choices(self.key_for(preset, device, precision, tp), mode)
         except ShowcaseError:
             rows = []
-        loads = self.new_engine_loads(preset, device, precision, tp, [r["levers"] for r in rows])
+        keys = {}
+        for value in (r["levers"] for r in rows):
+            with suppress(ShowcaseError):  # a set these settings cannot take: its row says why
+                keys[value] = self.key_for(preset, device, precision, tp, levers=_given(value))
+        loads = self.new_engine_loads(keys)
         choices = memory_views.memory_choices(rows, host, self.manager.policy.public, loads) or [("none", "none")]
         usable = memory_views.usable_values(rows) & {value for _, value in choices}
         return gr.update(choices=choices, value=current if current in usable else choices[0][1],
                          info=memory_views.memory_info(rows, host))
 
-    def new_engine_loads(self, preset: str, device: str, precision: str, tp, levers: list[str]) -> dict[str, float]:
-        """The lever sets whose engine is not loaded (choosing one starts it), each with about how long a load
-        takes here (the median of this host's loads)."""
-        residency = self.manager.residency
-        estimate = waiting.load_estimate_s([r.get("load_s") for r in residency.status_rows()])
-        loads = {}
-        for value in levers:
-            try:
-                engine = residency.get(self.key_for(preset, device, precision, tp, levers=_given(value)))
-            except ShowcaseError:
-                continue
-            if engine is None or not engine.ready.is_set():
-                loads[value] = estimate
-        return loads
+    def precision_field(self, preset: str, device: str, tp=1, memory: str | None = None):
+        """The precision choices relabelled for new settings (which need a new engine); the value stays."""
+        return gr.update(choices=self.precision_labels(preset, device, tp, memory))
+
     def clip_fields(self, preset: str):
         """Frames and fps shown only for a video preset (its declaration: ModelPreset.frames)."""
         try:
@@ -528,7 +522,8 @@ class GeneratePage:
             form["device"] = gr.Dropdown(views.device_choices(self.report), value=d.device, label="Device",
                                          elem_id="device")
         with gr.Row():
-            form["precision"] = gr.Dropdown(h.precision_choices(), value=d.precision, label="Precision",
+            form["precision"] = gr.Dropdown(h.precision_labels(preset.name, d.device, ranks_choice(d.tp, d.parallel)),
+                                            value=d.precision, label="Precision",
                                             elem_id="precision")
             form["mode"] = gr.Dropdown(self.modes, value=self.first_mode, label="Mode", elem_id="mode")
         sizes = [str(s) for s in preset.buckets]
@@ -685,6 +680,8 @@ class GeneratePage:
               [engine_line, f["size"], f["mode"]], **FAST)
         gr.on([f[name].change for name in ("preset", "device", "precision", "mode", "tp")], h.memory_choices,
               [f["preset"], f["device"], f["precision"], f["mode"], f["tp"], f["memory"]], f["memory"], **FAST)
+        gr.on([f[name].change for name in ("preset", "device", "precision", "tp", "memory")], h.precision_field,
+              [f["preset"], f["device"], f["tp"], f["memory"]], f["precision"], **FAST)
         gr.on([f[name].change for name in ("preset", "device", "precision", "mode", "tp")], h.why_not,
               [f["preset"], f["device"], f["precision"], f["mode"], f["tp"]], self.why_not, **FAST)
         gr.on([f["preset"].change, f["device"].change, f["mode"].change], h.step_cache_choices,

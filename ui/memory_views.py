@@ -41,7 +41,13 @@ def lever_label(row: dict, load_s: float | None = None) -> str:
     parts.append(f"≈ {row['time_factor']:g}× the time")
     if row.get("why_not"):
         return " · ".join(parts) + " · unavailable"
-    return " · ".join(parts) + (f" · loads a new engine: ≈ {load_s:.0f} s" if load_s is not None else "")
+    return " · ".join(parts) + new_engine_note(load_s)
+
+
+def new_engine_note(load_s: float | None) -> str:
+    """" · loads a new engine: ≈ 18 s" after a choice whose engine is not loaded (`load_s`: about how long a
+    load takes here), "" for one whose engine is (or None)."""
+    return f" · loads a new engine: ≈ {load_s:.0f} s" if load_s is not None else ""
 
 
 def host_label(host: str) -> str:
