@@ -2,7 +2,7 @@
 
 Open WebUI's "openai" image engine, configured by nothing but its settings (engine, base URL, key, model, size),
 draws an image through the app: this script installs Open WebUI into a virtual environment of its own (once,
-about 5 minutes and 2 GB), starts it on loopback with a fresh data folder, signs in (its auth is off), asks
+about 5 minutes and 7 GB), starts it on loopback with a fresh data folder, signs in (its auth is off), asks
 it for an image, downloads what it stored and reads it with the embedded model's pixel checker.
 
     python app.py &                                   # the app, on 127.0.0.1:7860
