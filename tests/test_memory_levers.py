@@ -407,8 +407,11 @@ def test_generate_takes_memory_levers_from_its_form_and_the_api(manager):
     try:
         client = Client(url, verbose=False)
         params = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/generate"]["parameters"]
-        assert params[-1]["parameter_name"] == "memory" and params[-1]["parameter_has_default"]
-        assert "group:block[:N][:stream][:disk]" in params[-1]["python_type"]["description"]
+        names = [p["parameter_name"] for p in params]
+        memory = params[names.index("memory")]  # after the fields positional callers already send
+        assert names[names.index("memory") + 1:] == ["num_frames", "fps", "images", "mask", "strength"]
+        assert memory["parameter_has_default"]
+        assert "group:block[:N][:stream][:disk]" in memory["python_type"]["description"]
         field = next(c for c in demo.config["components"] if c["props"].get("elem_id") == "memory")["props"]
         labels = dict((value, label) for label, value in field["choices"])
         assert field["value"] == "none" and {"none", "layerwise:fp8", "group:block:1:disk"} <= set(labels)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # launches the app and generates
 openai = pytest.importorskip("openai", reason="the /v1 tests use the official openai SDK (the dev extra)")
 
 PROMPT = "a yellow triangle moving left on a purple background"
-KEY = "visitor-key"
+KEY = "visitor-key-for-the-clips"  # keys are at least 16 characters
 
 
 @pytest.fixture(scope="module")
