@@ -9,13 +9,12 @@ last step is done (or alone with `--stage export`). Training never runs as part 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 import sys
 from pathlib import Path
 
 from training.shapes import edit_train
+from training.shapes.training import override_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,13 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = edit_train.EditSettings()
-    names = {f.name for f in dataclasses.fields(settings)}
-    for item in args.set:
-        name, _, value = item.partition("=")
-        if name not in names:
-            parser.error(f"unknown setting {name!r}; known: {', '.join(sorted(names))}")
-        parsed = json.loads(value)
-        setattr(settings, name, tuple(parsed) if isinstance(parsed, list) else parsed)
+    override_settings(settings, args.set, parser.error)
     done = edit_train.run(args.out, args.cache, args.minutes, settings, args.resume, args.stage)
     if not done:
         logging.getLogger(__name__).warning("stopped at a checkpoint (--minutes); rerun to resume")

@@ -7,13 +7,12 @@ Training never runs as part of the app or the tests; they load the committed fol
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 import sys
 from pathlib import Path
 
 from training.shapes import train
+from training.shapes.training import override_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,13 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     settings = train.Settings()
-    names = {f.name for f in dataclasses.fields(settings)}
-    for item in args.set:
-        name, _, value = item.partition("=")
-        if name not in names:
-            parser.error(f"unknown setting {name!r}; known: {', '.join(sorted(names))}")
-        parsed = json.loads(value)
-        setattr(settings, name, tuple(parsed) if isinstance(parsed, list) else parsed)
+    override_settings(settings, args.set, parser.error)
     try:
         train.run(args.stage, args.out, args.cache, args.resume, args.minutes, settings)
     except TimeoutError as stopped:

@@ -476,6 +476,19 @@ def error_response(error: ApiError):
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+def hold_turn(h, client: str, held: ExitStack) -> None:
+    """One of the client's events at the web edge and, in public mode, its one running request, held in `held`
+    (as a page's Generate holds them while it runs); `h`: the app's handlers."""
+    if h.edge is not None:
+        refusal = held.enter_context(h.edge.outside_queue(ENGINE_QUEUE, client))
+        if refusal:
+            raise ApiError(429, refusal, "rate_limit_error", code="too_many_requests")
+    try:
+        held.enter_context(h.runs.open(f"v1:{client}", exclusive=h.manager.policy.public))
+    except ShowcaseError as exc:
+        raise api_error(exc) from None
+
+
 class OpenAIRoutes:
     """The /v1 routes on the app's handlers (ui/handlers.py): their manager, defaults, runs and web edge."""
 
@@ -596,7 +609,7 @@ class OpenAIRoutes:
         from starlette.responses import JSONResponse, StreamingResponse
 
         await anyio.to_thread.run_sync(self._check_call, call)  # may probe devices: not on the event loop
-        self._hold(call, held)
+        hold_turn(self.h, call.spec.client, held)
         answer = Answer(call)
         run = ImagesRun(call.specs(), self._events, self.h.manager.cancel)
         if call.stream:
@@ -627,18 +640,6 @@ class OpenAIRoutes:
         gate = h.manager.gate  # each image is then admitted alone; together they must fit the visitor's budget
         gate.check_images(gate.admit(spec.replace(preset=key.preset)), call.n, h.manager.flow.held(spec.client))
 
-    def _hold(self, call: ImagesCall, held: ExitStack) -> None:
-        """One of the client's events at the web edge and, in public mode, its one running request, as a
-        page's Generate holds them."""
-        client, h = call.spec.client, self.h
-        if h.edge is not None:
-            refusal = held.enter_context(h.edge.outside_queue(ENGINE_QUEUE, client))
-            if refusal:
-                raise ApiError(429, refusal, "rate_limit_error", code="too_many_requests")
-        try:
-            held.enter_context(h.runs.open(f"v1:{client}", exclusive=h.manager.policy.public))
-        except ShowcaseError as exc:
-            raise api_error(exc) from None
 
     async def _run(self, run: ImagesRun, answer: Answer, request) -> None:
         """Every image into `answer`; a client that goes away stops them between steps."""

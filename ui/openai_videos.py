@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from engine.config.request import Caller, ImageRequest
 from engine.serving import stream
 from engine.serving.stream import Run
-from ui.common import ENGINE_QUEUE
-from ui.openai_api import PREFIX, ApiError, api_error
+from ui.openai_api import PREFIX, ApiError, api_error, hold_turn
 
 JOBS_KEPT = 32
 # The showcase's own fields a job takes beside OpenAI's (the SDK's extra_body; form fields on the wire).
@@ -198,7 +197,7 @@ class VideoJobs:
         admitted = await anyio.to_thread.run_sync(self._admit, spec)  # checked and priced now, run in the background
         held = ExitStack()
         try:
-            self._hold(client, held)
+            hold_turn(self.h, client, held)
         except BaseException:
             held.close()
             raise
@@ -234,19 +233,6 @@ class VideoJobs:
         h = self.h
         key = h.key_for(spec.preset, spec.device, spec.precision, 1, caller=spec.caller)
         return h.manager.gate.admit(spec.replace(preset=key.preset))
-
-    def _hold(self, client: str, held: ExitStack) -> None:
-        """One of the client's events at the web edge and, in public mode, its one running request, held until
-        the job ends (as the page's Generate holds them while it runs)."""
-        h = self.h
-        if h.edge is not None:
-            refusal = held.enter_context(h.edge.outside_queue(ENGINE_QUEUE, client))
-            if refusal:
-                raise ApiError(429, refusal, "rate_limit_error", code="too_many_requests")
-        try:
-            held.enter_context(h.runs.open(f"v1:{client}", exclusive=h.manager.policy.public))
-        except Exception as exc:
-            raise api_error(exc) from None
 
     def _keep(self, job: VideoJob) -> None:
         self.jobs[job.id] = job

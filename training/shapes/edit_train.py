@@ -35,7 +35,7 @@ from training.shapes import grammar
 from training.shapes import latents as semantic
 from training.shapes.edit_fidelity import edit_fidelity
 from training.shapes.sampling import call_transformer, image_ids, inference_sigmas, pack, shift_sigma, unpack
-from training.shapes.training import load_state, log_jsonl, lr_factor, save_state
+from training.shapes.training import load_state, log_jsonl, lr_factor, save_state, step_and_average
 
 logger = logging.getLogger(__name__)
 
@@ -247,12 +247,7 @@ class EditTraining:
             loss = F.mse_loss(pred, noise - x0)
         self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.parameters, 1.0)
-        self.optimizer.step()
-        decay = min(self.settings.ema, (1 + self.step) / (10 + self.step))
-        with torch.no_grad():
-            for e, p in zip(self.ema.parameters(), self.parameters, strict=True):
-                e.lerp_(p, 1 - decay)
+        step_and_average(self.optimizer, self.parameters, self.ema, self.settings.ema, self.step)
         self.step += 1
         self.losses.append(loss.item())
 

@@ -67,6 +67,7 @@ from training.shapes.training import (
     lr_factor,
     save_state,
     spawn,
+    step_and_average,
 )
 
 logger = logging.getLogger(__name__)
@@ -473,12 +474,7 @@ class _TransformerTraining:
         self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
         self.group.average_gradients(self.parameters)
-        torch.nn.utils.clip_grad_norm_(self.parameters, 1.0)
-        self.optimizer.step()
-        decay = min(self.settings.ema, (1 + self.step) / (10 + self.step))
-        with torch.no_grad():
-            for e, p in zip(self.ema.parameters(), self.parameters, strict=True):
-                e.lerp_(p, 1 - decay)
+        step_and_average(self.optimizer, self.parameters, self.ema, self.settings.ema, self.step)
         self.step += 1
         self.losses.append(loss.item())
 

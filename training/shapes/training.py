@@ -126,3 +126,28 @@ class GradientGroup:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+def override_settings(settings, items: list[str], error) -> None:
+    """`--set NAME=JSON` items applied to a settings dataclass in place (a JSON list becomes a tuple);
+    `error(message)` for an unknown name (argparse's parser.error)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(settings)}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in names:
+            error(f"unknown setting {name!r}; known: {', '.join(sorted(names))}")
+        parsed = json.loads(value)
+        setattr(settings, name, tuple(parsed) if isinstance(parsed, list) else parsed)
+
+
+def step_and_average(optimizer, parameters, ema, ema_decay: float, step: int) -> None:
+    """One optimiser step after the gradients are in (clipped to norm 1), then the EMA copy follows with the
+    warm-up decay min(ema_decay, (1 + step) / (10 + step))."""
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+    optimizer.step()
+    decay = min(ema_decay, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), parameters, strict=True):
+            e.lerp_(p, 1 - decay)
