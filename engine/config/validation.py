@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import stat
 from pathlib import Path
 
 from engine.config import images as image_inputs
+from engine.config import strict
 from engine.config.presets import load_presets, looks_like_model_ref, route_size
 from engine.config.request import MAX_PREVIEWS, ImageRequest
 from engine.config.video import video_fields
@@ -199,19 +199,6 @@ def check_precision(precision: str) -> Precision:
 # level and a deeply nested file raised RecursionError.
 MAX_JSON_BYTES = 4 * 2**20
 MAX_JSON_DEPTH = 32
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-
-
-def json_depth(text: str) -> int:
-    """How deeply `text`'s arrays and objects nest (brackets inside strings do not count)."""
-    depth = deepest = 0
-    for char in _JSON_STRING.sub('""', text):
-        if char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth -= 1
-    return deepest
 
 
 def read_json_file(path, what: str):
@@ -231,7 +218,7 @@ def read_json_file(path, what: str):
         raise InvalidRequest(f"{what} cannot be read ({exc.strerror or type(exc).__name__})") from None
     except UnicodeDecodeError:
         raise InvalidRequest(f"{what} is not UTF-8 text; give the advisor's JSON file") from None
-    depth = json_depth(text)
+    depth = strict.depth(text)
     if depth > MAX_JSON_DEPTH:
         raise InvalidRequest(f"{what} nests {depth} levels deep; at most {MAX_JSON_DEPTH} are read")
     try:
