@@ -6,14 +6,18 @@ image ids are the noisy latents' ids with the first coordinate set to 1. The tra
 reference tokens is dropped. Training uses exactly that packing (`kontext_inputs`), so the stock pipeline
 runs the result.
 
+Stages: the edit folder's own VAE encoder first (training.shapes.edit_encoder; tiny-shapes' decoder, frozen),
+then the transformer: a plain loss, then the object's centre and size weighted (`geometry_from`), then a
+copy stage (`copy_from`: a fresh warm-up and cosine, the geometry weighted more).
+
 Data (none on disk): a random training edit (training.shapes.edits; the three kinds equally often), a
 random box, the analytic latents of the target scene (what the transformer learns to write, as in the
 tiny-shapes transformer stage) and the source scene as the reference: the VAE encoder's latents of the
 rendered source for `encoded_share` of each batch (what inference sees: the pipeline encodes pixels),
 the analytic source latents for the rest. Rectified flow with the tiny-shapes recipe (half the noise levels
 the exact 8-step sigmas, half logit-normal through the same shift; AdamW, warm-up, cosine to a tenth; EMA,
-which ships), at 64x64. The text encoders, tokenizers, VAE and scheduler are tiny-shapes' own, frozen, and
-exported byte for byte; only the transformer changes.
+which ships), at 64x64. The text encoders, tokenizers and scheduler are tiny-shapes' own, frozen, and exported
+byte for byte; the VAE is tiny-shapes' decoder with the edit encoder.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ COPIED = ("scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer
 class EditSettings:
     seed: int = 0
     threads: int = 1
-    steps: int = 2400
+    steps: int = 3750
     batch: int = 32
     lr: float = 1e-3
     warmup: int = 100
@@ -72,7 +76,7 @@ class EditSettings:
     copy_encoded_share: float = 0.9
     copy_geometry_weight: float = 12.0
     # The encoder stage (training.shapes.edit_encoder), before the transformer.
-    encoder_steps: int = 700
+    encoder_steps: int = 1800
     encoder_batch: int = 32
     encoder_lr: float = 2e-3
     encoder_warmup: int = 50
