@@ -97,7 +97,9 @@ def test_a_batch_of_edits_runs_as_one_call_and_draws_what_each_would_alone(cache
     batch = runner.generate_batch(requests)
     alone = runner.generate(requests[1])
     assert [r.batch_size for r in batch] == [2, 2] and batch[0].image_png != batch[1].image_png
-    assert np.array_equal(np.asarray(alone.image()), np.asarray(batch[1].image()))
+    # fp32 kernels for a batch of 2 and of 1 round the last bits differently: a level, in a pixel or so.
+    difference = np.abs(np.asarray(alone.image(), dtype=np.int16) - np.asarray(batch[1].image(), dtype=np.int16))
+    assert difference.max() <= 1 and (difference > 0).mean() < 0.01
 
 
 def test_generate_for_gradio_client_takes_images_with_handle_file(manager, tmp_path):

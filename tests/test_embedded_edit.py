@@ -2,10 +2,11 @@
 checker, the committed folder, and a floor on held-out edits through the stock FluxKontextPipeline at
 64x64 that an untrained copy (tiny-shapes loaded in Kontext form) fails.
 
-The committed weights do not reach the issue's target (90 % of held-out edits right with the geometry
-kept; measured 4.9 %, docs/embedded-model.md): they read the instruction and keep the attributes it does
-not name (63.7 % of held-out edits read as the target scene) but move the object. The floor is therefore
-on the attributes (7 of these 12 measured, 0 for the untrained copy), plus the box overlap's median.
+The committed weights do not reach the target (90 % of held-out edits right with the geometry kept;
+docs/embedded-model.md has the measured share): they read the instruction and keep the attributes it does
+not name in most held-out edits, but the object often comes back a few pixels off. The floors are therefore
+on the attributes (12 of these 12 measured, 0 for the untrained copy), on the edits right with the
+geometry (7 measured), and on the box overlap's median; plus the edit folder's own VAE encoder's reading.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "tiny-shapes-edit"
 BASE = ROOT / "models" / "tiny-shapes"
 PER_KIND = 4  # held-out edits per instruction kind in the model test
-FLOOR = 5  # of 12 read as the target scene (measured 7; the untrained copy 0)
+FLOOR = 10  # of 12 read as the target scene (measured 12; the untrained copy 0)
+RIGHT_FLOOR = 5  # of 12 right with the geometry kept (measured 7)
+ENCODER_CENTRE_PX = 3.0  # median centre error of the edit encoder (measured 1; tiny-shapes' encoder 17)
 
 
 def _sample(per_kind: int = PER_KIND) -> list[Edit]:
@@ -136,6 +139,30 @@ def test_committed_folder_is_kontext_small_and_reuses_tiny_shapes_parts():
         BASE / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
 
 
+def test_the_edit_vae_is_tiny_shapes_decoder_with_its_own_encoder():
+    from safetensors.torch import load_file
+
+    mine, base = (load_file(folder / "vae" / "diffusion_pytorch_model.safetensors") for folder in (MODEL, BASE))
+    decoder = [k for k in base if k.startswith("decoder.")]
+    assert decoder and all(torch.equal(mine[k], base[k]) for k in decoder)
+    assert {k for k in mine if k.startswith("decoder.")} == set(decoder)
+    config = json.loads((MODEL / "vae" / "config.json").read_text())
+    assert {k: v for k, v in config.items() if "encoder" not in k and not k.startswith("_")} == {
+        k: v for k, v in json.loads((BASE / "vae" / "config.json").read_text()).items()
+        if "encoder" not in k and not k.startswith("_")}
+
+
+def test_the_edit_encoder_reads_the_scene_from_pixels():
+    from diffusers import AutoencoderTiny
+
+    from training.shapes.edit_encoder import encoder_accuracy
+
+    vae = AutoencoderTiny.from_pretrained(MODEL / "vae", torch_dtype=torch.float32)
+    accuracy = encoder_accuracy(vae, n=128)
+    assert accuracy["centre_px_median"] <= ENCODER_CENTRE_PX, accuracy
+    assert min(accuracy["shape_right"], accuracy["colour_right"], accuracy["background_right"]) >= 0.95, accuracy
+
+
 def _edit_score(folder: Path, edits: list[Edit]):
     torch.manual_seed(0)
     pipe = load_edit_pipeline(folder)
@@ -158,7 +185,8 @@ def test_committed_model_edits_held_out_combinations():
     right = sum(s.attributes_right for s in scores.scores)
     assert right >= FLOOR, [(e.instruction, str(e.source), s.note) for e, s in zip(edits, scores.scores,
                                                                                   strict=True)]
-    assert scores.iou_median() >= 0.4  # measured 0.48 (the untrained copy 0.33)
+    assert sum(s.correct for s in scores.scores) >= RIGHT_FLOOR
+    assert scores.iou_median() >= 0.7  # measured 0.79 (the untrained copy 0.33)
 
 
 def test_an_untrained_copy_fails_the_same_edits():

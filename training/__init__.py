@@ -7,7 +7,8 @@
     train_embedded.py   `python -m training.train_embedded`: retrain models/tiny-shapes
     train_loras.py      `python -m training.train_loras`: retrain models/tiny-shapes-loras
     train_edit.py       `python -m training.train_edit`: retrain models/tiny-shapes-edit (FLUX.1 Kontext form;
-                        edit grammar shapes/edits.py, checker shapes/edit_fidelity.py, loop shapes/edit_train.py)
+                        edit grammar shapes/edits.py, checker shapes/edit_fidelity.py, its VAE encoder
+                        shapes/edit_encoder.py, loop shapes/edit_train.py)
     evaluate_edit.py    `python -m training.evaluate_edit`: its held-out accuracy and the img2img baseline
 
 Outside the engine: serving loads the committed folders like any diffusers pipeline and LoRA files and never

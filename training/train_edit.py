@@ -1,9 +1,11 @@
 """`python -m training.train_edit`: train tiny-shapes-edit and write models/tiny-shapes-edit.
 
-A thin command line over training.shapes.edit_train (fine-tune the tiny-shapes transformer in FLUX.1 Kontext
-form on edits of the shapes grammar; fixed seeds; checkpoints in .cache/train-edit). `--minutes M` stops at
-the next checkpoint once M minutes of training have passed and a rerun resumes; the export runs when the
-last step is done (or alone with `--stage export`). Training never runs as part of the app or the tests.
+A thin command line over training.shapes.edit_train: first the edit folder's own VAE encoder
+(training.shapes.edit_encoder: pixels to the analytic latents), then the tiny-shapes transformer fine-tuned in
+FLUX.1 Kontext form on edits of the shapes grammar; fixed seeds; checkpoints in .cache/train-edit.
+`--minutes M` stops at the next checkpoint once M minutes of training have passed and a rerun resumes; the
+export runs when the last step is done (or alone with `--stage export`). Training never runs as part of the
+app or the tests.
 """
 
 from __future__ import annotations

@@ -6,14 +6,18 @@ image ids are the noisy latents' ids with the first coordinate set to 1. The tra
 reference tokens is dropped. Training uses exactly that packing (`kontext_inputs`), so the stock pipeline
 runs the result.
 
+Stages: the edit folder's own VAE encoder first (training.shapes.edit_encoder; tiny-shapes' decoder, frozen),
+then the transformer: a plain loss, then the object's centre and size weighted (`geometry_from`), then a
+copy stage (`copy_from`: a fresh warm-up and cosine, the geometry weighted more).
+
 Data (none on disk): a random training edit (training.shapes.edits; the three kinds equally often), a
 random box, the analytic latents of the target scene (what the transformer learns to write, as in the
 tiny-shapes transformer stage) and the source scene as the reference: the VAE encoder's latents of the
 rendered source for `encoded_share` of each batch (what inference sees: the pipeline encodes pixels),
 the analytic source latents for the rest. Rectified flow with the tiny-shapes recipe (half the noise levels
 the exact 8-step sigmas, half logit-normal through the same shift; AdamW, warm-up, cosine to a tenth; EMA,
-which ships), at 64x64. The text encoders, tokenizers, VAE and scheduler are tiny-shapes' own, frozen, and
-exported byte for byte; only the transformer changes.
+which ships), at 64x64. The text encoders, tokenizers and scheduler are tiny-shapes' own, frozen, and exported
+byte for byte; the VAE is tiny-shapes' decoder with the edit encoder.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from training.shapes import edit_encoder, grammar
 from training.shapes import edits as edit_grammar
-from training.shapes import grammar
 from training.shapes import latents as semantic
 from training.shapes.edit_fidelity import edit_fidelity
 from training.shapes.sampling import call_transformer, image_ids, inference_sigmas, pack, shift_sigma, unpack
@@ -45,14 +49,14 @@ DEFAULT_CACHE = Path(".cache/train-edit")
 SIZE = 64  # trained at 64x64
 MAX_SEQUENCE_LENGTH = 24  # the longest instruction is 20 T5 tokens with </s> (tests)
 STEPS = 8
-COPIED = ("scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae")
+COPIED = ("scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 
 
 @dataclass
 class EditSettings:
     seed: int = 0
     threads: int = 1
-    steps: int = 1750
+    steps: int = 3750
     batch: int = 32
     lr: float = 1e-3
     warmup: int = 100
@@ -64,6 +68,20 @@ class EditSettings:
     # this step on their squared error weighs `geometry_weight` times the other channels' (mean weight 1).
     geometry_weight: float = 8.0
     geometry_from: int = 1100
+    # Stage 3, from copy_from on: a fresh warm-up and cosine at copy_lr, references encoded by the edit
+    # folder's own encoder for copy_encoded_share of each batch, the geometry weighted copy_geometry_weight.
+    copy_from: int = 1750
+    copy_lr: float = 5e-4
+    copy_warmup: int = 50
+    copy_encoded_share: float = 0.9
+    copy_geometry_weight: float = 12.0
+    # The encoder stage (training.shapes.edit_encoder), before the transformer.
+    encoder_steps: int = 1800
+    encoder_batch: int = 32
+    encoder_lr: float = 2e-3
+    encoder_warmup: int = 50
+    encoder_extra_blocks: int = 4
+    encoder_geometry_weight: float = 10.0
     kind_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)  # colour, background, shape
     checkpoint_every: int = 50
     eval_every: int = 200
@@ -192,10 +210,10 @@ class EditTraining:
     """Steps of draw a batch, learn from it; every checkpoint_every steps a checkpoint, every eval_every an
     evaluation of the EMA on held-out edits. Resumes from cache/edit.ckpt."""
 
-    def __init__(self, settings: EditSettings, cache: Path):
-        self.settings, self.cache = settings, cache
+    def __init__(self, settings: EditSettings, cache: Path, vae):
+        self.settings, self.cache, self.vae = settings, cache, vae
         self.text = instruction_embeddings(cache)
-        self.transformer, self.vae = load_components()
+        self.transformer, _ = load_components()
         self.ema, _ = load_components()
         self.ema.eval().requires_grad_(False)
         self.parameters = list(self.transformer.parameters())
@@ -206,6 +224,7 @@ class EditTraining:
         self.rows = {text: i for i, text in enumerate(edit_grammar.instructions())}
         self.disc_sigmas = inference_sigmas()
         self.loss_weights = geometry_weights(settings.geometry_weight)
+        self.copy_weights = geometry_weights(settings.copy_geometry_weight)
         if (state := load_state(cache / "edit.ckpt")) is not None:
             self.transformer.load_state_dict(state["model"])
             self.ema.load_state_dict(state["ema"])
@@ -226,7 +245,7 @@ class EditTraining:
         x0 = pack(normalise(self.vae, scene_latents([e.target for e in chosen], boxes)))
         analytic = pack(normalise(self.vae, scene_latents(sources, boxes)))
         encoded = encode_reference(self.vae, render(sources, boxes))
-        share = settings.encoded_share if self.step >= settings.geometry_from else settings.early_encoded_share
+        share = (settings.early_encoded_share, settings.encoded_share, settings.copy_encoded_share)[self.stage]
         use_encoded = (torch.rand(n, generator=g) < share).view(-1, 1, 1)
         reference = torch.where(use_encoded, encoded, analytic)
         discrete = torch.rand(n, generator=g) < settings.discrete_sigma_share
@@ -241,15 +260,28 @@ class EditTraining:
             group["lr"] = lr
         s = sigma.view(-1, 1, 1)
         pred = predict(self.transformer, (1 - s) * x0 + s * noise, reference, sigma, self.text, rows)
-        if self.step >= self.settings.geometry_from:
-            loss = ((pred - (noise - x0)).pow(2) * self.loss_weights).mean()
-        else:
+        if self.stage == 0:
             loss = F.mse_loss(pred, noise - x0)
+        else:
+            weights = self.loss_weights if self.stage == 1 else self.copy_weights
+            loss = ((pred - (noise - x0)).pow(2) * weights).mean()
         self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
         step_and_average(self.optimizer, self.parameters, self.ema, self.settings.ema, self.step)
         self.step += 1
         self.losses.append(loss.item())
+
+    @property
+    def stage(self) -> int:
+        """0: plain loss, 1: the geometry weighted, 2: the copy stage (see EditSettings)."""
+        return int(self.step >= self.settings.geometry_from) + int(self.step >= self.settings.copy_from)
+
+    def learning_rate(self) -> float:
+        """The cosine over stages 1-2 (to copy_from), then a fresh warm-up and cosine for the copy stage."""
+        s = self.settings
+        if self.stage < 2:
+            return s.lr * lr_factor(self.step, min(s.copy_from, s.steps), s.warmup)
+        return s.copy_lr * lr_factor(self.step - s.copy_from, s.steps - s.copy_from, s.copy_warmup)
 
     def run(self, minutes: float | None) -> bool:
         """Train until the last step or, past `minutes`, the next checkpoint. True when finished."""
@@ -258,7 +290,7 @@ class EditTraining:
         self.transformer.train()
         bar = tqdm(total=settings.steps, initial=self.step, desc="edit transformer", dynamic_ncols=True)
         while self.step < settings.steps:
-            lr = settings.lr * lr_factor(self.step, settings.steps, settings.warmup)
+            lr = self.learning_rate()
             self.learn(*self.draw_batch(), lr)
             bar.update(1)
             bar.set_postfix(loss=f"{np.mean(self.losses[-50:]):.4f}", lr=f"{lr:.1e}")
@@ -291,9 +323,20 @@ class EditTraining:
 # --------------------------------------------------------------------------------------------------
 # Export.
 # --------------------------------------------------------------------------------------------------
-def export(cache: Path, out: Path, source: Path = SOURCE_MODEL, info: dict | None = None) -> Path:
-    """models/tiny-shapes-edit: tiny-shapes' frozen parts copied byte for byte, the EMA transformer in
-    float16 safetensors, a model_index.json naming FluxKontextPipeline and training.json."""
+def save_vae(vae, folder: Path) -> None:
+    """The VAE in float16 safetensors. AutoencoderTiny registers block_out_channels (the pipeline's
+    vae_scale_factor reads it) but does not take it: left in config.json it makes every load warn."""
+    vae.to(torch.float16).save_pretrained(folder, safe_serialization=True)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("block_out_channels", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    vae.to(torch.float32)
+
+
+def export(cache: Path, out: Path, vae, source: Path = SOURCE_MODEL, info: dict | None = None) -> Path:
+    """models/tiny-shapes-edit: tiny-shapes' frozen parts copied byte for byte, the EMA transformer and `vae`
+    (the edit encoder, tiny-shapes' decoder) in float16 safetensors, a model_index.json naming
+    FluxKontextPipeline and training.json."""
     state = load_state(cache / "edit.ckpt")
     if state is None:
         raise FileNotFoundError(f"no edit checkpoint in {cache}; train first")
@@ -306,6 +349,7 @@ def export(cache: Path, out: Path, source: Path = SOURCE_MODEL, info: dict | Non
     for name in COPIED:
         shutil.copytree(source / name, out / name)
     transformer.to(torch.float16).save_pretrained(out / "transformer", safe_serialization=True)
+    save_vae(vae, out / "vae")
     index = json.loads((source / "model_index.json").read_text())
     index["_class_name"] = "FluxKontextPipeline"
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -335,10 +379,16 @@ def run(out: Path = DEFAULT_OUT, cache: Path = DEFAULT_CACHE, minutes: float | N
         (cache / "edit-log.jsonl").unlink(missing_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "settings.json").write_text(json.dumps(asdict(settings), indent=2))
-    finished = True
-    if stage in ("train", "all"):
-        finished = EditTraining(settings, cache).run(minutes)
-    if stage == "export" or (stage == "all" and finished):
-        export(cache, out)
+    _, tiny_vae = load_components()
+    if stage == "export":
+        export(cache, out, edit_encoder.load_trained(tiny_vae, settings, cache))
+        return True
+    started = time.perf_counter()
+    vae, finished = edit_encoder.train_encoder(tiny_vae, settings, cache, minutes)
+    if finished:
+        left = None if minutes is None else max(0.0, minutes - (time.perf_counter() - started) / 60)
+        finished = EditTraining(settings, cache, vae).run(left)
+    if stage == "all" and finished:
+        export(cache, out, vae)
     return finished
 
