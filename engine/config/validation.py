@@ -39,7 +39,6 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
     lora = params.lora_overrides(checked.pop("lora"), checked.pop("lora_scale"), checked.pop("lora_fused"))
     num_frames, fps, video_notices = video_fields(preset, spec.num_frames, spec.fps, snap=spec.snap)
     inputs = image_inputs.fit_inputs(preset, decoded, size, spec.strength)
-    checked["negative_prompt"] = checked["negative_prompt"] or None
     request = GenerateRequest(
         **checked, width=size.width, height=size.height,
         lora=lora.name, lora_scale=lora.scale, lora_fused=lora.fused, client=spec.client,

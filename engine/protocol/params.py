@@ -195,12 +195,17 @@ class Field:
         notice."""
         value, notices = self.check(value, preset)
         if value and self.ignored and not self.taken_by(preset):
-            return self.type(), notices + (self.ignored.format(pipeline=preset.pipeline),)
+            return self.default, notices + (self.ignored.format(pipeline=preset.pipeline),)
         return value, notices
 
 
-def _prompt(name: str) -> Check:
-    return lambda value, preset: check_prompt(name, value)
+def _prompt(name: str, empty=""):
+    """check_prompt, with `empty` for a blank text (an optional text: None)."""
+    def check(value, preset: ModelPreset):
+        text, notices = check_prompt(name, value)
+        return text or empty, notices
+
+    return check
 
 
 def _steps(value, preset: ModelPreset):
@@ -254,7 +259,7 @@ def _lora_help(preset: ModelPreset | None) -> str:
 FIELDS = (
     Field("prompt", str, "", "Prompt", "what to draw", check=_prompt("prompt"), in_png=True),
     Field("negative_prompt", str, None, "Negative prompt", "what to keep out of the image ('' for nothing; only "
-          "presets that take one)", check=_prompt("negative_prompt"), needs=Needs.NEGATIVE_PROMPT,
+          "presets that take one)", check=_prompt("negative_prompt", None), needs=Needs.NEGATIVE_PROMPT,
           ignored="{pipeline} takes no negative prompt; it was ignored", batch=bool, in_png=True),
     Field("preset", str, None, "Model preset", "a preset of `python -m engine presets`, or a Hub id / local "
           "diffusers folder", role=Role.ENGINE),
