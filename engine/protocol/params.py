@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
+from engine.protocol.flagfields import APPEND, flag
 from engine.protocol.memory import MemoryLevers, memory_forms
-from engine.protocol.presets import LoraChoice, ModelPreset, check_lora_scale, parse_lora
+from engine.protocol.presets import DEFAULT_PRESET, LoraChoice, ModelPreset, check_lora_scale, parse_lora
 from engine.protocol.stepcaches import StepCache, step_cache_forms
 from engine.protocol.vocabulary import MAX_STEPS, Mode, OnCold, Precision
 
@@ -165,7 +166,8 @@ class Field:
     """One request field. `help`: what it takes (text, or a function of the preset for allowed values read from
     it); `api`: a parameter of /generate (else the page's alone); `ignored`: the notice when a family that does
     not take it gets it ('' : its routing refuses it);
-    `batch`: how its value enters the batching key (requests share a pipeline call only with equal keys; None: it
+    `cli`: how it is a flag of the CLI's `generate` (Flag's keywords, "default" its default there; None: no
+    flag); `batch`: how its value enters the batching key (requests share a pipeline call only with equal keys; None: it
     does not); `in_png`: written into the PNG's generation parameters."""
 
     name: str
@@ -180,6 +182,7 @@ class Field:
     ignored: str = ""
     batch: Callable[[object], object] | None = None
     in_png: bool = False
+    cli: dict | None = dataclasses.field(default_factory=dict)
 
     def describe(self, preset: ModelPreset | None = None) -> str:
         """Its help, with the allowed values the preset declares where it has them."""
@@ -257,61 +260,85 @@ def _lora_help(preset: ModelPreset | None) -> str:
 
 # In the order of the /generate API (gradio_client callers pass them positionally: never reorder, append only).
 FIELDS = (
-    Field("prompt", str, "", "Prompt", "what to draw", check=_prompt("prompt"), in_png=True),
+    Field("prompt", str, "", "Prompt", "what to draw", check=_prompt("prompt"), in_png=True,
+          cli=dict(default=None, help="default: the preset's first example prompt")),
     Field("negative_prompt", str, None, "Negative prompt", "what to keep out of the image ('' for nothing; only "
           "presets that take one)", check=_prompt("negative_prompt", None), needs=Needs.NEGATIVE_PROMPT,
           ignored="{pipeline} takes no negative prompt; it was ignored", batch=bool, in_png=True),
     Field("preset", str, None, "Model preset", "a preset of `python -m engine presets`, or a Hub id / local "
-          "diffusers folder", role=Role.ENGINE),
+          "diffusers folder", role=Role.ENGINE, cli=dict(default=DEFAULT_PRESET)),
     Field("device", str, "auto", "Device", "auto, or a device name (/system says which are available here)",
           role=Role.ENGINE),
     Field("precision", str, "fp32", "Precision", "one of " + ", ".join(Precision.values()), role=Role.ENGINE),
     Field("mode", str, Mode.EAGER, "Mode", "one of " + ", ".join(Mode.values()) + " (compiled modes serve eagerly "
           "until their bucket is warm, see on_cold)", check=_plain(lambda v: Mode.parse(v, "mode")), batch=_same,
-          in_png=True),
+          in_png=True, cli=dict(default=Mode.EAGER.value)),
     Field("size", str, None, "Resolution bucket", "WIDTHxHEIGHT, snapped to the preset's nearest bucket ('' for "
-          "its first bucket)", role=Role.ROUTED),
+          "its first bucket)", role=Role.ROUTED, cli=dict(help="WIDTHxHEIGHT (snapped to the nearest bucket unless "
+                                                           "--no-snap)")),
     Field("steps", int, None, "Steps", f"denoising steps, 1-{MAX_STEPS} ('' for the preset's default)",
-          check=_steps, batch=_same, in_png=True),
+          check=_steps, batch=_same, in_png=True, cli=dict(check=int)),
     Field("guidance", float, None, "Guidance", f"guidance scale, 0-{MAX_GUIDANCE:g} ('' for the preset's default)",
-          check=_guidance, batch=float, in_png=True),
+          check=_guidance, batch=float, in_png=True, cli=dict(check=float)),
     Field("seed", int, 0, "Seed", "an integer >= 0 (the same seed, settings and prompt draw the same image)",
-          check=_seed, in_png=True),
+          check=_seed, in_png=True, cli=dict(check=int)),
     Field("on_cold", str, OnCold.EAGER, "At a bucket that is not warm yet", "at a compiled mode's bucket that is not "
           "warm yet: eager (serve now, uncompiled) or wait (wait for its compile)",
-          check=_plain(lambda v: OnCold.parse(v, "on_cold")), batch=_same),
-    Field("tp", int, 1, "Ranks", "ranks (> 1 runs on the torchrun sidecar)", role=Role.ENGINE),
+          check=_plain(lambda v: OnCold.parse(v, "on_cold")), batch=_same,
+          cli=dict(default=OnCold.WAIT.value, choices=OnCold.values())),  # a one-shot run waits for its bucket
+    Field("tp", int, 1, "Ranks", "ranks (> 1 runs on the torchrun sidecar)", role=Role.ENGINE, cli=dict(check=int)),
     Field("step_cache", str, None, "Step cache (reuses denoiser work across steps)",
-          lambda preset: f"none, or one of {step_cache_forms()}", check=_plain(StepCache.parse), batch=_same,
-          in_png=True),
-    Field("lora", str, None, "LoRA style", _lora_help, check=_lora, batch=_same, in_png=True),
+          lambda preset: f"one of {step_cache_forms()} (`python -m engine step-caches` lists which run "
+          "here)", check=_plain(StepCache.parse), batch=_same, in_png=True,
+          cli=dict(default="none", name="--cache", metavar="TEXT")),
+    Field("lora", str, None, "LoRA style", _lora_help, check=_lora, batch=_same, in_png=True,
+          cli=dict(metavar="NAME[:SCALE][:fused]")),
     # the page's slider and checkbox; an API caller writes "NAME:SCALE" and "NAME[:SCALE]:fused"
     Field("lora_scale", float, None, "LoRA scale", "the style's scale, 0-2 (default: the style's own)",
-          check=_lora_scale, api=False, batch=_same, in_png=True),
+          check=_lora_scale, api=False, batch=_same, in_png=True, cli=None),
     Field("lora_fused", bool, None, "Fuse into the weights", "fold the style into the weights (eager only)",
-          check=_plain(lambda v: None if v is None else bool(v)), api=False, batch=_same),
+          check=_plain(lambda v: None if v is None else bool(v)), api=False, batch=_same, cli=None),
     # memory levers: '' the host's, "none" no lever (last of the first fields: positional callers keep working)
     Field("memory", str, None, "Memory levers", lambda preset: "'' for the host's choice, or " + memory_forms()
           + " (`python -m engine memory-levers --preset P` lists which run here, with their price)",
-          check=_plain(_memory), batch=_same),
+          check=_plain(_memory), batch=_same, cli=None),  # the CLI's --memory is the engine's
     Field("num_frames", int, None, "Frames", "a video preset's clip length, snapped to its frame buckets ('' for "
-          "its first; image presets ignore it)", role=Role.ROUTED, needs=Needs.VIDEO),
+          "its first; image presets ignore it)", role=Role.ROUTED, needs=Needs.VIDEO, cli=dict(name="--frames",
+                                                                                               check=int)),
     Field("fps", int, None, "fps", "a video preset's frames per second ('' for its own)", role=Role.ROUTED,
-          needs=Needs.VIDEO),
+          needs=Needs.VIDEO, cli=dict(check=int)),
     # Input images (engine/config/images.py), appended: positional callers of the fields above keep working.
     Field("images", tuple, (), "Images", "input images (PNG, JPEG, WebP, ...; at most 32 MiB each): the source to "
           "edit for edit / img2img / inpaint presets, references for FLUX.2; none for text to image",
-          role=Role.ROUTED, needs=Needs.IMAGES),
+          role=Role.ROUTED, needs=Needs.IMAGES, cli=dict(name="--image", kind=APPEND, metavar="PATH",
+                                                          help="an input image (repeatable): the source to edit "
+                                                          "(img2img, inpaint, an instruction edit), or FLUX.2's "
+                                                          "references; the preset says which it takes")),
     Field("mask", bytes, None, "Mask", "inpaint presets: a mask at the source's size, white where it repaints",
-          role=Role.ROUTED, needs=Needs.MASK, batch=lambda mask: mask is not None),
+          role=Role.ROUTED, needs=Needs.MASK, batch=lambda mask: mask is not None, cli=dict(metavar="PATH")),
     Field("strength", float, None, "Strength", "img2img / inpaint presets: 0-1, how much of the schedule runs from "
           "the noised source ('' for 0.6; other presets take none)", role=Role.ROUTED, needs=Needs.STRENGTH,
-          batch=_same),
+          batch=_same, cli=dict(check=float)),
 )
 BY_NAME = {f.name: f for f in FIELDS}
 SAMPLING = tuple(f for f in FIELDS if f.role is Role.SAMPLING)
 PNG_FIELDS = tuple(f.name for f in FIELDS if f.in_png)
 BATCH_FIELDS = tuple(f for f in FIELDS if f.batch is not None)
+
+
+def cli_fields() -> list[tuple[str, object, dataclasses.Field]]:
+    """The CLI `generate`'s flag fields (engine/cli.py makes its dataclass of them), in FIELDS' order."""
+    fields = []
+    for f in FIELDS:
+        if f.cli is None:
+            continue
+        how = dict(f.cli)
+        default, text = how.pop("default", f.default), how.pop("help", f.help)
+        text = text if isinstance(text, str) else (lambda f=f: f.describe(None))
+        spec = (dataclasses.field(default_factory=list, metadata=flag(text, **how)) if how.get("kind") == APPEND
+                else dataclasses.field(default=default, metadata=flag(text or None, **how)))
+        fields.append((f.name, f.type | None, spec))
+    return fields
 
 
 def field_help(preset: ModelPreset | None = None, names=None) -> dict[str, str]:
