@@ -183,6 +183,7 @@ class Field:
     batch: Callable[[object], object] | None = None
     in_png: bool = False
     cli: dict | None = dataclasses.field(default_factory=dict)
+    choices: tuple[tuple[str, str], ...] = ()  # a page's (label, value) choices, where they are fixed
 
     def describe(self, preset: ModelPreset | None = None) -> str:
         """Its help, with the allowed values the preset declares where it has them."""
@@ -285,7 +286,8 @@ FIELDS = (
     Field("on_cold", str, OnCold.EAGER, "At a bucket that is not warm yet", "at a compiled mode's bucket that is not "
           "warm yet: eager (serve now, uncompiled) or wait (wait for its compile)",
           check=_plain(lambda v: OnCold.parse(v, "on_cold")), batch=_same,
-          cli=dict(default=OnCold.WAIT.value, choices=OnCold.values())),  # a one-shot run waits for its bucket
+          cli=dict(default=OnCold.WAIT.value, choices=OnCold.values()),
+          choices=(("serve eagerly now", OnCold.EAGER.value), ("wait for its compile", OnCold.WAIT.value))),  # a one-shot run waits for its bucket
     Field("tp", int, 1, "Ranks", "ranks (> 1 runs on the torchrun sidecar)", role=Role.ENGINE, cli=dict(check=int)),
     Field("step_cache", str, None, "Step cache (reuses denoiser work across steps)",
           lambda preset: f"one of {step_cache_forms()} (`python -m engine step-caches` lists which run "
@@ -296,27 +298,28 @@ FIELDS = (
     # the page's slider and checkbox; an API caller writes "NAME:SCALE" and "NAME[:SCALE]:fused"
     Field("lora_scale", float, None, "LoRA scale", "the style's scale, 0-2 (default: the style's own)",
           check=_lora_scale, api=False, batch=_same, in_png=True, cli=None),
-    Field("lora_fused", bool, None, "Fuse into the weights", "fold the style into the weights (eager only)",
+    Field("lora_fused", bool, None, "Fuse into the weights (eager only: no per-step LoRA cost, a fuse when the style changes)",
+          "fold the style into the weights (eager only)",
           check=_plain(lambda v: None if v is None else bool(v)), api=False, batch=_same, cli=None),
     # memory levers: '' the host's, "none" no lever (last of the first fields: positional callers keep working)
     Field("memory", str, None, "Memory levers", lambda preset: "'' for the host's choice, or " + memory_forms()
           + " (`python -m engine memory-levers --preset P` lists which run here, with their price)",
           check=_plain(_memory), batch=_same, cli=None),  # the CLI's --memory is the engine's
-    Field("num_frames", int, None, "Frames", "a video preset's clip length, snapped to its frame buckets ('' for "
+    Field("num_frames", int, None, "Frames (video presets)", "a video preset's clip length, snapped to its frame buckets ('' for "
           "its first; image presets ignore it)", role=Role.ROUTED, needs=Needs.VIDEO, cli=dict(name="--frames",
                                                                                                check=int)),
     Field("fps", int, None, "fps", "a video preset's frames per second ('' for its own)", role=Role.ROUTED,
           needs=Needs.VIDEO, cli=dict(check=int)),
     # Input images (engine/config/images.py), appended: positional callers of the fields above keep working.
-    Field("images", tuple, (), "Images", "input images (PNG, JPEG, WebP, ...; at most 32 MiB each): the source to "
+    Field("images", tuple, (), "Images (the first is the source; all are references for FLUX.2)", "input images (PNG, JPEG, WebP, ...; at most 32 MiB each): the source to "
           "edit for edit / img2img / inpaint presets, references for FLUX.2; none for text to image",
           role=Role.ROUTED, needs=Needs.IMAGES, cli=dict(name="--image", kind=APPEND, metavar="PATH",
                                                           help="an input image (repeatable): the source to edit "
                                                           "(img2img, inpaint, an instruction edit), or FLUX.2's "
                                                           "references; the preset says which it takes")),
-    Field("mask", bytes, None, "Mask", "inpaint presets: a mask at the source's size, white where it repaints",
+    Field("mask", bytes, None, "Mask (inpaint: white repaints), at the source's size", "inpaint presets: a mask at the source's size, white where it repaints",
           role=Role.ROUTED, needs=Needs.MASK, batch=lambda mask: mask is not None, cli=dict(metavar="PATH")),
-    Field("strength", float, None, "Strength", "img2img / inpaint presets: 0-1, how much of the schedule runs from "
+    Field("strength", float, None, "Strength (img2img / inpaint; empty: 0.6)", "img2img / inpaint presets: 0-1, how much of the schedule runs from "
           "the noised source ('' for 0.6; other presets take none)", role=Role.ROUTED, needs=Needs.STRENGTH,
           batch=_same, cli=dict(check=float)),
 )
@@ -339,6 +342,16 @@ def cli_fields() -> list[tuple[str, object, dataclasses.Field]]:
                 else dataclasses.field(default=default, metadata=flag(text or None, **how)))
         fields.append((f.name, f.type | None, spec))
     return fields
+
+
+def label(name: str) -> str:
+    """The field's label on a page."""
+    return BY_NAME[name].label
+
+
+def choices(name: str) -> list[tuple[str, str]]:
+    """The field's fixed (label, value) choices on a page."""
+    return list(BY_NAME[name].choices)
 
 
 def field_help(preset: ModelPreset | None = None, names=None) -> dict[str, str]:
