@@ -263,8 +263,8 @@ def _lora_help(preset: ModelPreset | None) -> str:
 FIELDS = (
     Field("prompt", str, "", "Prompt", "what to draw", check=_prompt("prompt"), in_png=True,
           cli=dict(default=None, help="default: the preset's first example prompt")),
-    Field("negative_prompt", str, None, "Negative prompt", "what to keep out of the image ('' for nothing; only "
-          "presets that take one)", check=_prompt("negative_prompt", None), needs=Needs.NEGATIVE_PROMPT,
+    Field("negative_prompt", str, None, "Negative prompt", "what to keep out of the image (only presets that take "
+          "one)", check=_prompt("negative_prompt", None), needs=Needs.NEGATIVE_PROMPT,
           ignored="{pipeline} takes no negative prompt; it was ignored", batch=bool, in_png=True),
     Field("preset", str, None, "Model preset", "a preset of `python -m engine presets`, or a Hub id / local "
           "diffusers folder", role=Role.ENGINE, cli=dict(default=DEFAULT_PRESET)),
@@ -274,12 +274,12 @@ FIELDS = (
     Field("mode", str, Mode.EAGER, "Mode", "one of " + ", ".join(Mode.values()) + " (compiled modes serve eagerly "
           "until their bucket is warm, see on_cold)", check=_plain(lambda v: Mode.parse(v, "mode")), batch=_same,
           in_png=True, cli=dict(default=Mode.EAGER.value)),
-    Field("size", str, None, "Resolution bucket", "WIDTHxHEIGHT, snapped to the preset's nearest bucket ('' for "
-          "its first bucket)", role=Role.ROUTED, cli=dict(help="WIDTHxHEIGHT (snapped to the nearest bucket unless "
+    Field("size", str, None, "Resolution bucket", "WIDTHxHEIGHT, snapped to the preset's nearest bucket (default: "
+          "its first)", role=Role.ROUTED, cli=dict(help="WIDTHxHEIGHT (snapped to the nearest bucket unless "
                                                            "--no-snap)")),
-    Field("steps", int, None, "Steps", f"denoising steps, 1-{MAX_STEPS} ('' for the preset's default)",
+    Field("steps", int, None, "Steps", f"denoising steps, 1-{MAX_STEPS} (default: the preset's)",
           check=_steps, batch=_same, in_png=True, cli=dict(check=int)),
-    Field("guidance", float, None, "Guidance", f"guidance scale, 0-{MAX_GUIDANCE:g} ('' for the preset's default)",
+    Field("guidance", float, None, "Guidance", f"guidance scale, 0-{MAX_GUIDANCE:g} (default: the preset's)",
           check=_guidance, batch=float, in_png=True, cli=dict(check=float)),
     Field("seed", int, 0, "Seed", "an integer >= 0 (the same seed, settings and prompt draw the same image)",
           check=_seed, in_png=True, cli=dict(check=int)),
@@ -302,13 +302,13 @@ FIELDS = (
           "fold the style into the weights (eager only)",
           check=_plain(lambda v: None if v is None else bool(v)), api=False, batch=_same, cli=None),
     # memory levers: '' the host's, "none" no lever (last of the first fields: positional callers keep working)
-    Field("memory", str, None, "Memory levers", lambda preset: "'' for the host's choice, or " + memory_forms()
+    Field("memory", str, None, "Memory levers", lambda preset: "the host's choice by default, or " + memory_forms()
           + " (`python -m engine memory-levers --preset P` lists which run here, with their price)",
           check=_plain(_memory), batch=_same, cli=None),  # the CLI's --memory is the engine's
-    Field("num_frames", int, None, "Frames (video presets)", "a video preset's clip length, snapped to its frame buckets ('' for "
+    Field("num_frames", int, None, "Frames (video presets)", "a video preset's clip length, snapped to its frame buckets (default: "
           "its first; image presets ignore it)", role=Role.ROUTED, needs=Needs.VIDEO, cli=dict(name="--frames",
                                                                                                check=int)),
-    Field("fps", int, None, "fps", "a video preset's frames per second ('' for its own)", role=Role.ROUTED,
+    Field("fps", int, None, "fps", "a video preset's frames per second (default: its own)", role=Role.ROUTED,
           needs=Needs.VIDEO, cli=dict(check=int)),
     # Input images (engine/config/images.py), appended: positional callers of the fields above keep working.
     Field("images", tuple, (), "Images (the first is the source; all are references for FLUX.2)", "input images (PNG, JPEG, WebP, ...; at most 32 MiB each): the source to "
@@ -320,7 +320,7 @@ FIELDS = (
     Field("mask", bytes, None, "Mask (inpaint: white repaints), at the source's size", "inpaint presets: a mask at the source's size, white where it repaints",
           role=Role.ROUTED, needs=Needs.MASK, batch=lambda mask: mask is not None, cli=dict(metavar="PATH")),
     Field("strength", float, None, "Strength (img2img / inpaint; empty: 0.6)", "img2img / inpaint presets: 0-1, how much of the schedule runs from "
-          "the noised source ('' for 0.6; other presets take none)", role=Role.ROUTED, needs=Needs.STRENGTH,
+          "the noised source (default: 0.6; other presets take none)", role=Role.ROUTED, needs=Needs.STRENGTH,
           batch=_same, cli=dict(check=float)),
 )
 BY_NAME = {f.name: f for f in FIELDS}
