@@ -253,10 +253,10 @@ def _plain(parse: Callable[[object], object]) -> Check:
 
 
 def _lora_help(preset: ModelPreset | None) -> str:
-    styles = ", ".join(lora.name for lora in preset.loras) if preset is not None else ""
+    styles = "" if preset is None else "; the default preset's: " + (", ".join(s.name for s in preset.loras) or "none")
     return ("none, or NAME[:SCALE][:fused] with NAME one of the preset's styles (`python -m engine presets` lists "
-            f"them; the default preset's: {styles or 'none'}), SCALE 0-2 (default: the style's own) and :fused to "
-            "fold it into the weights (eager mode only)")
+            f"them{styles}), SCALE 0-2 (default: the style's own) and :fused to fold it into the weights (eager mode "
+            "only)")
 
 
 # In the order of the /generate API (gradio_client callers pass them positionally: never reorder, append only).
