@@ -73,8 +73,7 @@ OPENAI_FIELDS = ("model", "prompt", "n", "size", "response_format", "stream", "p
 IGNORED_FIELDS = ("quality", "style", "moderation", "output_compression", "safety_identifier")
 # The showcase's own request fields, as extra body fields (the openai SDK's `extra_body`).
 EXTRA_FIELDS = {
-    **params.field_help(None, ("negative_prompt", "device", "precision", "mode", "steps", "guidance", "seed", "on_cold",
-                               "step_cache", "lora")),
+    **params.field_help(None, params.v1_fields("images")),
     # what this API's own semantics add to the declared help
     "device": "auto, or a device name: cpu, cuda, ... (the page's System tab and the /system API list those here)",
     "seed": "an integer >= 0: image i of n gets seed + i (default: a random seed, returned with each image)",

@@ -35,8 +35,7 @@ from ui.openai_api import PREFIX, ApiError, api_error, hold_turn
 JOBS_KEPT = 32
 # The showcase's own fields a job takes beside OpenAI's (the SDK's extra_body; form fields on the wire).
 VIDEO_FIELDS = {
-    **params.field_help(None, ("num_frames", "fps", "negative_prompt", "steps", "guidance", "seed", "mode", "device",
-                               "precision", "on_cold", "step_cache")),
+    **params.field_help(None, params.v1_fields("videos")),
     # what this API adds to the declared help
     "num_frames": "frames of the clip (snapped to the model's frame buckets, 4k + 1 for Wan; default: its first); "
                   "beats `seconds`",

@@ -184,6 +184,7 @@ class Field:
     in_png: bool = False
     cli: dict | None = dataclasses.field(default_factory=dict)
     choices: tuple[tuple[str, str], ...] = ()  # a page's (label, value) choices, where they are fixed
+    v1: tuple[str, ...] = ()  # the /v1 doors ("images", "videos") that take it as an extra body field
 
     def describe(self, preset: ModelPreset | None = None) -> str:
         """Its help, with the allowed values the preset declares where it has them."""
@@ -259,69 +260,73 @@ def _lora_help(preset: ModelPreset | None) -> str:
             "only)")
 
 
+V1 = ("images", "videos")  # both /v1 doors
 # In the order of the /generate API (gradio_client callers pass them positionally: never reorder, append only).
 FIELDS = (
     Field("prompt", str, "", "Prompt", "what to draw", check=_prompt("prompt"), in_png=True,
           cli=dict(default=None, help="default: the preset's first example prompt")),
     Field("negative_prompt", str, None, "Negative prompt", "what to keep out of the image (only presets that take "
           "one)", check=_prompt("negative_prompt", None), needs=Needs.NEGATIVE_PROMPT,
-          ignored="{pipeline} takes no negative prompt; it was ignored", batch=bool, in_png=True),
+          ignored="{pipeline} takes no negative prompt; it was ignored", batch=bool, in_png=True, v1=V1),
     Field("preset", str, None, "Model preset", "a preset of `python -m engine presets`, or a Hub id / local "
           "diffusers folder", role=Role.ENGINE, cli=dict(default=DEFAULT_PRESET)),
     Field("device", str, "auto", "Device", "auto, or a device name (/system says which are available here)",
-          role=Role.ENGINE),
-    Field("precision", str, "fp32", "Precision", "one of " + ", ".join(Precision.values()), role=Role.ENGINE),
+          role=Role.ENGINE, v1=V1),
+    Field("precision", str, "fp32", "Precision", "one of " + ", ".join(Precision.values()), role=Role.ENGINE,
+          v1=V1),
     Field("mode", str, Mode.EAGER, "Mode", "one of " + ", ".join(Mode.values()) + " (compiled modes serve eagerly "
           "until their bucket is warm, see on_cold)", check=_plain(lambda v: Mode.parse(v, "mode")), batch=_same,
-          in_png=True, cli=dict(default=Mode.EAGER.value)),
+          in_png=True, cli=dict(default=Mode.EAGER.value), v1=V1),
     Field("size", str, None, "Resolution bucket", "WIDTHxHEIGHT, snapped to the preset's nearest bucket (default: "
-          "its first)", role=Role.ROUTED, cli=dict(help="WIDTHxHEIGHT (snapped to the nearest bucket unless "
-                                                           "--no-snap)")),
+          "its first)", role=Role.ROUTED,
+          cli=dict(help="WIDTHxHEIGHT (snapped to the nearest bucket unless --no-snap)")),
     Field("steps", int, None, "Steps", f"denoising steps, 1-{MAX_STEPS} (default: the preset's)",
-          check=_steps, batch=_same, in_png=True, cli=dict(check=int)),
+          check=_steps, batch=_same, in_png=True, cli=dict(check=int), v1=V1),
     Field("guidance", float, None, "Guidance", f"guidance scale, 0-{MAX_GUIDANCE:g} (default: the preset's)",
-          check=_guidance, batch=float, in_png=True, cli=dict(check=float)),
+          check=_guidance, batch=float, in_png=True, cli=dict(check=float), v1=V1),
     Field("seed", int, 0, "Seed", "an integer >= 0 (the same seed, settings and prompt draw the same image)",
-          check=_seed, in_png=True, cli=dict(check=int)),
+          check=_seed, in_png=True, cli=dict(check=int), v1=V1),
     Field("on_cold", str, OnCold.EAGER, "At a bucket that is not warm yet", "at a compiled mode's bucket that is not "
           "warm yet: eager (serve now, uncompiled) or wait (wait for its compile)",
-          check=_plain(lambda v: OnCold.parse(v, "on_cold")), batch=_same,
-          cli=dict(default=OnCold.WAIT.value, choices=OnCold.values()),
-          choices=(("serve eagerly now", OnCold.EAGER.value), ("wait for its compile", OnCold.WAIT.value))),  # a one-shot run waits for its bucket
+          check=_plain(lambda v: OnCold.parse(v, "on_cold")), batch=_same, v1=V1,
+          choices=(("serve eagerly now", OnCold.EAGER.value), ("wait for its compile", OnCold.WAIT.value)),
+          cli=dict(default=OnCold.WAIT.value, choices=OnCold.values())),  # a one-shot run waits for its bucket
     Field("tp", int, 1, "Ranks", "ranks (> 1 runs on the torchrun sidecar)", role=Role.ENGINE, cli=dict(check=int)),
     Field("step_cache", str, None, "Step cache (reuses denoiser work across steps)",
-          lambda preset: f"one of {step_cache_forms()} (`python -m engine step-caches` lists which run "
-          "here)", check=_plain(StepCache.parse), batch=_same, in_png=True,
+          lambda preset: f"one of {step_cache_forms()} (`python -m engine step-caches` lists which run here)",
+          check=_plain(StepCache.parse), batch=_same, in_png=True, v1=V1,
           cli=dict(default="none", name="--cache", metavar="TEXT")),
     Field("lora", str, None, "LoRA style", _lora_help, check=_lora, batch=_same, in_png=True,
-          cli=dict(metavar="NAME[:SCALE][:fused]")),
+          cli=dict(metavar="NAME[:SCALE][:fused]"), v1=("images",)),
     # the page's slider and checkbox; an API caller writes "NAME:SCALE" and "NAME[:SCALE]:fused"
     Field("lora_scale", float, None, "LoRA scale", "the style's scale, 0-2 (default: the style's own)",
           check=_lora_scale, api=False, batch=_same, in_png=True, cli=None),
-    Field("lora_fused", bool, None, "Fuse into the weights (eager only: no per-step LoRA cost, a fuse when the style changes)",
+    Field("lora_fused", bool, None,
+          "Fuse into the weights (eager only: no per-step LoRA cost, a fuse when the style changes)",
           "fold the style into the weights (eager only)",
           check=_plain(lambda v: None if v is None else bool(v)), api=False, batch=_same, cli=None),
     # memory levers: '' the host's, "none" no lever (last of the first fields: positional callers keep working)
     Field("memory", str, None, "Memory levers", lambda preset: "the host's choice by default, or " + memory_forms()
           + " (`python -m engine memory-levers --preset P` lists which run here, with their price)",
           check=_plain(_memory), batch=_same, cli=None),  # the CLI's --memory is the engine's
-    Field("num_frames", int, None, "Frames (video presets)", "a video preset's clip length, snapped to its frame buckets (default: "
-          "its first; image presets ignore it)", role=Role.ROUTED, needs=Needs.VIDEO, cli=dict(name="--frames",
-                                                                                               check=int)),
+    Field("num_frames", int, None, "Frames (video presets)", "a video preset's clip length, snapped to its frame "
+          "buckets (default: its first; image presets ignore it)", role=Role.ROUTED, needs=Needs.VIDEO,
+          cli=dict(name="--frames", check=int), v1=("videos",)),
     Field("fps", int, None, "fps", "a video preset's frames per second (default: its own)", role=Role.ROUTED,
-          needs=Needs.VIDEO, cli=dict(check=int)),
+          needs=Needs.VIDEO, cli=dict(check=int), v1=("videos",)),
     # Input images (engine/config/images.py), appended: positional callers of the fields above keep working.
-    Field("images", tuple, (), "Images (the first is the source; all are references for FLUX.2)", "input images (PNG, JPEG, WebP, ...; at most 32 MiB each): the source to "
-          "edit for edit / img2img / inpaint presets, references for FLUX.2; none for text to image",
-          role=Role.ROUTED, needs=Needs.IMAGES, cli=dict(name="--image", kind=APPEND, metavar="PATH",
-                                                          help="an input image (repeatable): the source to edit "
-                                                          "(img2img, inpaint, an instruction edit), or FLUX.2's "
-                                                          "references; the preset says which it takes")),
-    Field("mask", bytes, None, "Mask (inpaint: white repaints), at the source's size", "inpaint presets: a mask at the source's size, white where it repaints",
-          role=Role.ROUTED, needs=Needs.MASK, batch=lambda mask: mask is not None, cli=dict(metavar="PATH")),
-    Field("strength", float, None, "Strength (img2img / inpaint; empty: 0.6)", "img2img / inpaint presets: 0-1, how much of the schedule runs from "
-          "the noised source (default: 0.6; other presets take none)", role=Role.ROUTED, needs=Needs.STRENGTH,
-          batch=_same, cli=dict(check=float)),
+    Field("images", tuple, (), "Images (the first is the source; all are references for FLUX.2)",
+          "input images (PNG, JPEG, WebP, ...; at most 32 MiB each): the source to edit for edit / img2img / "
+          "inpaint presets, references for FLUX.2; none for text to image", role=Role.ROUTED, needs=Needs.IMAGES,
+          cli=dict(name="--image", kind=APPEND, metavar="PATH", help="an input image (repeatable): the source to "
+                   "edit (img2img, inpaint, an instruction edit), or FLUX.2's references; the preset says which it "
+                   "takes")),
+    Field("mask", bytes, None, "Mask (inpaint: white repaints), at the source's size",
+          "inpaint presets: a mask at the source's size, white where it repaints", role=Role.ROUTED,
+          needs=Needs.MASK, batch=lambda mask: mask is not None, cli=dict(metavar="PATH")),
+    Field("strength", float, None, "Strength (img2img / inpaint; empty: 0.6)", "img2img / inpaint presets: 0-1, how "
+          "much of the schedule runs from the noised source (default: 0.6; other presets take none)",
+          role=Role.ROUTED, needs=Needs.STRENGTH, batch=_same, cli=dict(check=float)),
 )
 BY_NAME = {f.name: f for f in FIELDS}
 SAMPLING = tuple(f for f in FIELDS if f.role is Role.SAMPLING)
@@ -342,6 +347,11 @@ def cli_fields() -> list[tuple[str, object, dataclasses.Field]]:
                 else dataclasses.field(default=default, metadata=flag(text or None, **how)))
         fields.append((f.name, f.type | None, spec))
     return fields
+
+
+def v1_fields(door: str) -> tuple[str, ...]:
+    """The extra body fields a /v1 door ("images", "videos") takes beside OpenAI's, in FIELDS' order."""
+    return tuple(f.name for f in FIELDS if door in f.v1)
 
 
 def label(name: str) -> str:
