@@ -354,7 +354,7 @@ class Advisor:
     def request(self, c: Candidate, prompt: str, seed: int, steps: int | None = None) -> GenerateRequest:
         cache = {"step_cache": c.step_cache} if c.step_cache != "none" else {}
         plan = self.plan
-        return GenerateRequest(prompt=prompt, width=plan.size.width, height=plan.size.height,
+        return GenerateRequest.checked(prompt=prompt, width=plan.size.width, height=plan.size.height,
                                steps=steps or plan.steps, guidance=plan.preset.guidance, seed=seed,
                                mode=Mode(c.mode), on_cold=OnCold.EAGER, lora=plan.lora.name,
                                lora_scale=plan.lora.scale, lora_fused=c.lora_fused, **cache)

@@ -89,7 +89,7 @@ def _requests(runner, plan: BenchPlan, mode: Mode, out: dict) -> None:
     """The first request at each bucket, then steady ones round-robin: per bucket, first / steady median."""
 
     def run(size, seed):
-        request = GenerateRequest(prompt=plan.prompt, width=size.width, height=size.height, steps=plan.steps,
+        request = GenerateRequest.checked(prompt=plan.prompt, width=size.width, height=size.height, steps=plan.steps,
                                   guidance=plan.preset.guidance, seed=seed, mode=mode, on_cold=OnCold.EAGER)
         result = runner.generate(request)
         out["request_recompiles"] = out.get("request_recompiles", 0) + result.recompiles

@@ -93,7 +93,7 @@ class _LeversRun:
     def request(self, config, seed, prompt=None, steps=None):
         _, mode, cache = config
         plan, size = self.plan, self.size
-        return GenerateRequest(prompt=prompt or plan.prompt, width=size.width, height=size.height,
+        return GenerateRequest.checked(prompt=prompt or plan.prompt, width=size.width, height=size.height,
                                steps=steps or plan.steps, guidance=plan.preset.guidance, seed=seed,
                                mode=MODE_TABLE[mode].engine, on_cold=OnCold.EAGER, step_cache=cache)
 

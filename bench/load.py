@@ -93,7 +93,7 @@ class Phase:
 
     def params(self, visitor: int, round_: int) -> dict:
         prompts = self.prompts
-        return dict(prompt=prompts[(visitor + round_) % len(prompts)], negative_prompt="", preset=self.opts.preset,
+        return dict(prompt=prompts[(visitor + round_) % len(prompts)], preset=self.opts.preset,
                     device=self.opts.device, precision="fp32", mode=self.opts.mode, size=self.opts.size,
                     steps=str(self.opts.steps), guidance="", seed=str(1000 * round_ + visitor), on_cold="eager",
                     tp="1")

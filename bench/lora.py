@@ -46,7 +46,7 @@ REQUEST_TIMEOUT_S = 600
 
 def _request(preset, size: Size, mode: Mode, lora: str | None, seed: int = 0, fused: bool = False
              ) -> GenerateRequest:
-    return GenerateRequest(prompt=preset.example_prompt, width=size.width, height=size.height, steps=preset.steps,
+    return GenerateRequest.checked(prompt=preset.example_prompt, width=size.width, height=size.height, steps=preset.steps,
                            guidance=preset.guidance, seed=seed, mode=mode, lora=lora, lora_fused=fused)
 
 

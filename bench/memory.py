@@ -42,7 +42,7 @@ def _runner(preset, levers: str, cache_dir: Path, precision: str = "fp32"):
 def _request(prompt: str, seed: int, steps: int, size: int = 64):
     from engine.protocol import GenerateRequest
 
-    return GenerateRequest(prompt=prompt, width=size, height=size, steps=steps, guidance=3.5, seed=seed)
+    return GenerateRequest.checked(prompt=prompt, width=size, height=size, steps=steps, guidance=3.5, seed=seed)
 
 
 def _denoiser_bytes(runner) -> int:
@@ -152,7 +152,7 @@ CHILD = textwrap.dedent("""
     options = EngineOptions(warm_sizes=(), prompt_cache_entries=0)
     runner = PipelineRunner(EngineConfig(key, preset, options, {cache!r}, (str(Path({folder!r}).parent),)))
     runner.load()
-    request = GenerateRequest(prompt="a red circle", width=64, height=64, steps={steps}, guidance=3.5, seed=0)
+    request = GenerateRequest.checked(prompt="a red circle", width=64, height=64, steps={steps}, guidance=3.5, seed=0)
     runner.generate(request)  # first calls at this shape
     times = []
     for _ in range({runs}):

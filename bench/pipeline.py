@@ -64,7 +64,7 @@ class _Run:
     def request(self, mode: Mode, size: Size, seed: int, steps: int | None = None,
                 rid: str | None = None) -> GenerateRequest:
         kwargs = {"request_id": rid} if rid else {}
-        return GenerateRequest(
+        return GenerateRequest.checked(
             prompt=self.plan.prompt, width=size.width, height=size.height, steps=steps or self.plan.steps,
             guidance=self.plan.preset.guidance, seed=seed, mode=mode, on_cold=OnCold.EAGER, **kwargs,
         )
@@ -345,7 +345,7 @@ def measure_engine_overhead(runner: PipelineRunner, mode: Mode, size: Size, step
     bare_recompiles = 0
 
     def engine_call(seed: int) -> None:
-        req = GenerateRequest(prompt=prompt, width=size.width, height=size.height, steps=steps,
+        req = GenerateRequest.checked(prompt=prompt, width=size.width, height=size.height, steps=steps,
                               guidance=guidance, seed=seed, mode=mode, on_cold=OnCold.EAGER)
         start = time.perf_counter()
         runner.generate(req)
@@ -358,7 +358,7 @@ def measure_engine_overhead(runner: PipelineRunner, mode: Mode, size: Size, step
         start = time.perf_counter()
         # Exactly what a user writes (the pipeline's own no_grad, as in the engine): any different grad
         # mode (e.g. inference_mode) would fail the graphs' guards and recompile.
-        request = GenerateRequest(prompt=prompt, width=size.width, height=size.height, steps=steps,
+        request = GenerateRequest.checked(prompt=prompt, width=size.width, height=size.height, steps=steps,
                                   guidance=guidance, seed=seed, mode=mode)
         pipe(**pipeline_call_kwargs(runner.preset, pipe, request))
         spec.synchronize()

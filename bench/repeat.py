@@ -111,7 +111,7 @@ def run(plan, runners, configurations: list[explicit.Configuration], budget_s: f
 
     def request(c: explicit.Configuration, i: int) -> GenerateRequest:
         cache = {"step_cache": c.step_cache} if c.step_cache != "none" else {}
-        return GenerateRequest(prompt=plan.prompt, width=plan.size.width, height=plan.size.height, steps=plan.steps,
+        return GenerateRequest.checked(prompt=plan.prompt, width=plan.size.width, height=plan.size.height, steps=plan.steps,
                                guidance=plan.preset.guidance, seed=seed + i, mode=Mode(c.mode), on_cold=OnCold.EAGER,
                                lora=c.lora, lora_scale=c.lora_scale, lora_fused=c.lora_fused, **cache)
 

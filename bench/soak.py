@@ -365,7 +365,7 @@ class Soak:
         return PageClient(client, self.opts.hang_s) if self.opts.probe_client == "browser" else None
 
     def random_params(self) -> tuple[dict, str]:
-        params = dict(prompt="a red circle on a blue background", negative_prompt="",
+        params = dict(prompt="a red circle on a blue background",
                       preset=self.rng.choice(self.presets), device=self.opts.device,
                       precision=self.rng.choice(self.precisions), mode=self.rng.choice(self.modes),
                       size=self.rng.choice(self.opts.sizes.split(",")), steps=str(self.rng.randint(2, 4)),
@@ -396,7 +396,7 @@ class Soak:
             time.sleep(rng.uniform(0.0, self.opts.think_s))
 
     def probe_params(self) -> dict:
-        return dict(prompt="a red circle on a blue background", negative_prompt="", preset=self.presets[0],
+        return dict(prompt="a red circle on a blue background", preset=self.presets[0],
                     device=self.opts.device, precision=self.precisions[0], mode=self.opts.probe_mode,
                     size=self.opts.sizes.split(",")[0], steps="2", guidance="", seed="1", on_cold="eager", tp="1")
 

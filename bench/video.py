@@ -48,7 +48,7 @@ class Clip:
     steps: int
 
     def request(self, preset, mode: Mode, seed: int) -> GenerateRequest:
-        return GenerateRequest(prompt=PROMPT, width=self.size.width, height=self.size.height, steps=self.steps,
+        return GenerateRequest.checked(prompt=PROMPT, width=self.size.width, height=self.size.height, steps=self.steps,
                                guidance=preset.guidance, seed=seed, mode=mode, num_frames=self.frames,
                                fps=preset.fps)
 

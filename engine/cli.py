@@ -7,6 +7,7 @@ module (and `--help`, `presets`) never imports torch: sub-commands import what t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -27,8 +28,8 @@ from engine.config.presets import load_presets
 from engine.config.request import ImageRequest
 from engine.config.resolve import Catalog, resolve_source
 from engine.errors import ShowcaseError
-from engine.protocol import DEFAULT_PRESET, Mode, OnCold, Parallel, Size, step_cache_forms
-from engine.protocol.flagfields import APPEND, SWITCH, flag
+from engine.protocol import DEFAULT_PRESET, Mode, Parallel, Size, params
+from engine.protocol.flagfields import SWITCH, flag
 from engine.worker.logs import quiet_third_party
 
 # Each sub-command's own flags are the fields of its dataclass below (engine/config/flags.py `add_fields` makes
@@ -37,48 +38,16 @@ from engine.worker.logs import quiet_third_party
 MODES = ", ".join(Mode.values())
 
 
-@dataclass(frozen=True)
-class GenerateFlags:
-    """`generate`: one request, and what to do with its image."""
-
-    preset: str = field(default=DEFAULT_PRESET, metadata=flag())
-    device: str = field(default="auto", metadata=flag())
-    precision: str = field(default="fp32", metadata=flag())
-    mode: str = field(default="eager", metadata=flag(MODES))
-    size: str | None = field(default=None, metadata=flag(
-        "WIDTHxHEIGHT (snapped to the nearest bucket unless --no-snap)"))
-    no_snap: bool = field(default=False, metadata=flag("refuse sizes that are not a bucket", kind=SWITCH))
-    steps: int | None = field(default=None, metadata=flag(check=int))
-    guidance: float | None = field(default=None, metadata=flag(check=float))
-    seed: int = field(default=0, metadata=flag(check=int))
-    prompt: str | None = field(default=None, metadata=flag("default: the preset's first example prompt"))
-    negative_prompt: str | None = field(default=None, metadata=flag())
-    on_cold: str = field(default=OnCold.WAIT.value, metadata=flag(
-        "at a bucket that is not compiled yet: wait for the compile, or run eagerly", choices=OnCold.values()))
-    cache: str = field(default="none", metadata=flag(
-        lambda: f"step cache: {step_cache_forms()} (`python -m engine step-caches` lists which run here)",
-        metavar="TEXT"))
-    lora: str | None = field(default=None, metadata=flag(
-        "one of the preset's LoRA adapters (`python -m engine presets` lists them), scale 0-2 (default: the "
-        "preset's)", metavar="NAME[:SCALE]"))
-    tp: int = field(default=1, metadata=flag("run the engine over N ranks (torchrun sidecar)", check=int))
-    parallel: str = field(default=Parallel.TENSOR.value, metadata=flag(
+# `generate`: one request (its sampling fields' flags come from their declarations, engine/protocol/params.py),
+# and what to do with its image.
+GenerateFlags = dataclasses.make_dataclass("GenerateFlags", [*params.cli_fields(), *(
+    ("no_snap", bool, field(default=False, metadata=flag("refuse sizes that are not a bucket", kind=SWITCH))),
+    ("parallel", str, field(default=Parallel.TENSOR.value, metadata=flag(
         "how --tp ranks split the transformer: tensor (weights sharded), ulysses or ring (context parallel: "
-        "tokens split)", choices=Parallel.values()))
-    image: list[str] = field(default_factory=list, metadata=flag(
-        "an input image (repeatable): the source to edit (img2img, inpaint, an instruction edit), or FLUX.2's "
-        "references; the preset says which it takes", kind=APPEND, metavar="PATH"))
-    mask: str | None = field(default=None, metadata=flag(
-        "inpainting mask (white: repaint), at the source image's size", metavar="PATH"))
-    strength: float | None = field(default=None, metadata=flag(
-        "img2img / inpaint: how much of the schedule runs from the noised source (0-1, default 0.6)", check=float))
-    out: str | None = field(default=None, metadata=flag("write the PNG here (a video preset's clip: the MP4)"))
-    json: bool = field(default=False, metadata=flag("print one JSON object with the timings", kind=SWITCH))
-    frames: int | None = field(default=None, metadata=flag(
-        "a video preset's clip length (snapped to its frame buckets, 4k + 1 for Wan; default: its first)",
-        check=int))
-    fps: int | None = field(default=None, metadata=flag("a clip's frames per second (default: the preset's)",
-                                                        check=int))
+        "tokens split)", choices=Parallel.values()))),
+    ("out", str | None, field(default=None, metadata=flag("write the PNG here (a video preset's clip: the MP4)"))),
+    ("json", bool, field(default=False, metadata=flag("print one JSON object with the timings", kind=SWITCH))),
+)], frozen=True)
 
 
 def oneshot_runtime(mode: Mode, tp: int, device: str) -> str:
@@ -100,7 +69,7 @@ def cmd_generate(args) -> int:
 
     o = from_args(GenerateFlags, args)
     # read (bounded) before any engine starts; decoded and checked once, at the gate
-    images = tuple(read_image_file(path, f"--image {i + 1}") for i, path in enumerate(o.image))
+    images = tuple(read_image_file(path, f"--image {i + 1}") for i, path in enumerate(o.images))
     mask = read_image_file(o.mask, "--mask") if o.mask else None
     settings.workers_at_own_priority()
     size = Size.parse(o.size) if o.size else None
@@ -114,14 +83,10 @@ def cmd_generate(args) -> int:
     try:
         prompt = o.prompt if o.prompt is not None else manager.catalog.preset(preset).example_prompt
         # the request's event stream, read to its end (Ctrl-C closes it, which cancels the request)
-        result = stream.generate(manager, ImageRequest(preset=preset, device=o.device, precision=o.precision,
-                                                       mode=mode, size=size, prompt=prompt,
-                                                       negative_prompt=o.negative_prompt, steps=o.steps,
-                                                       guidance=o.guidance, seed=o.seed, tp=o.tp,
-                                                       parallel=o.parallel, snap=not o.no_snap,
-                                                       on_cold=o.on_cold, step_cache=o.cache, lora=o.lora,
-                                                       num_frames=o.frames, fps=o.fps,
-                                                       images=images, mask=mask, strength=o.strength))
+        fields = {name: getattr(o, name) for name, _, _ in params.cli_fields()}
+        result = stream.generate(manager, ImageRequest(**{**fields, "preset": preset, "mode": mode, "size": size,
+                                                          "prompt": prompt, "images": images, "mask": mask},
+                                                       parallel=o.parallel, snap=not o.no_snap))
     finally:
         manager.shutdown()
     if o.out:

@@ -172,7 +172,7 @@ def make_request(**fields):
     """A GenerateRequest for the tiny pipelines: REQUEST_DEFAULTS with `fields` on top."""
     from engine.protocol import GenerateRequest
 
-    return GenerateRequest(**{**REQUEST_DEFAULTS, **fields})
+    return GenerateRequest.checked(**{**REQUEST_DEFAULTS, **fields})
 
 
 # -- the app -------------------------------------------------------------------------------------------

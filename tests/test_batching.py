@@ -42,7 +42,7 @@ B64 = Size(64, 64)
 def request(i: int = 0, **fields) -> GenerateRequest:
     base = dict(prompt=PROMPTS[i % len(PROMPTS)], width=64, height=64, steps=6, guidance=1.0, seed=100 + i,
                 mode="regional")
-    return GenerateRequest(**{**base, **fields})
+    return GenerateRequest.checked(**{**base, **fields})
 
 
 # -- admission (no torch) --------------------------------------------------------------------------
@@ -439,7 +439,7 @@ def test_every_pipeline_that_decodes_apart_gives_the_images_of_one_decode(cache_
                                                                        "StableDiffusion3Pipeline",
                                                                        "StableDiffusionXLPipeline"}
     size = runner.preset.buckets[0]
-    members = [GenerateRequest(prompt=PROMPTS[i], width=size.width, height=size.height, steps=2, seed=i,
+    members = [GenerateRequest.checked(prompt=PROMPTS[i], width=size.width, height=size.height, steps=2, seed=i,
                                guidance=runner.preset.guidance, mode="eager", request_id=f"{preset}-{i}")
                for i in range(2)]
     answered = []

@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent(
     out["auto"] = devices.resolve_device("auto").name
     out["transformer_device"] = str(next(neuron.pipe.transformer.parameters()).device)
     out["neff_cache"] = __import__("os").environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
-    req = GenerateRequest(prompt="a red fox", width=64, height=64, steps=2, guidance=3.5, seed=0)
+    req = GenerateRequest.checked(prompt="a red fox", width=64, height=64, steps=2, guidance=3.5, seed=0)
     a = np.asarray(neuron.generate(req).image(), dtype=np.float32)
     b = np.asarray(cpu.generate(req).image(), dtype=np.float32)
     out["eager_max_diff"] = float(abs(a - b).max())

@@ -103,7 +103,7 @@ def _request(**fields):
     from engine.protocol import GenerateRequest
 
     base = dict(prompt=PROMPT, width=64, height=64, steps=8, guidance=1.0, seed=0, mode="eager")
-    return GenerateRequest(**{**base, **fields})
+    return GenerateRequest.checked(**{**base, **fields})
 
 
 def _engine(cache_dir, kind):
@@ -200,7 +200,7 @@ config = EngineConfig(EngineKey("tiny-shapes", "cpu", "fp32"), get_preset("tiny-
 runner_engine = InProcessClient(config, gpu=make_gpu_calls("direct")).start()
 runner_engine.wait_ready(300)
 info = runner_engine.runner.warm_bucket(BucketKey(Mode.AOT, Size(64, 64)))
-result = runner_engine.generate(GenerateRequest(prompt=sys.argv[2], width=64, height=64, steps=8, guidance=1.0,
+result = runner_engine.generate(GenerateRequest.checked(prompt=sys.argv[2], width=64, height=64, steps=8, guidance=1.0,
                                                 seed=0, mode="aot"), timeout=300)
 runner_engine.close()
 sys.stdout.buffer.write(b"RESULT " + json.dumps({"state": info.state.value, "origin": info.origin,

@@ -111,7 +111,7 @@ def runner(cache_dir, adapters):
 
 
 def _request(**fields) -> GenerateRequest:
-    return GenerateRequest(**{"prompt": PROMPT, "width": 64, "height": 64, "steps": 8, "guidance": 1.0, "seed": 3,
+    return GenerateRequest.checked(**{"prompt": PROMPT, "width": 64, "height": 64, "steps": 8, "guidance": 1.0, "seed": 3,
                               "mode": "eager", **fields})
 
 

@@ -37,7 +37,7 @@ def test_engine_key_carries_the_engine_levers_only():
     assert str(key) == "tiny-shapes@cpu/fp32+group:leaf"
     assert key != EngineKey("tiny-shapes", "cpu", "fp32")
     assert EngineKey("tiny-shapes", "cpu", "fp32", memory="vae-slicing") == EngineKey("tiny-shapes", "cpu", "fp32")
-    assert GenerateRequest(**REQUEST, memory="vae-slicing,group:leaf").memory == "vae-slicing"
+    assert GenerateRequest.checked(**REQUEST, memory="vae-slicing,group:leaf").memory == "vae-slicing"
 
 
 def _gpu_like(spec):
@@ -156,7 +156,7 @@ def _pixels(result):
 
 def test_group_offload_to_disk_serves_the_same_image(runners, cache_dir):
     plain, offloaded = runners(""), runners("group:block:1:disk")
-    request = GenerateRequest(**REQUEST)
+    request = GenerateRequest.checked(**REQUEST)
     # weights read back from disk sit at the address (modulo 64 bytes) they had as loaded: the group files'
     # layout sent the CPU's matmuls another way through each row and moved a large model's image by 1/255
     den, in_phase = offloaded.pipe.transformer, []
@@ -192,7 +192,7 @@ def test_layerwise_fp8_halves_the_denoiser_and_refuses_compile(runners):
     den = cast.pipe.transformer
     assert den.x_embedder.weight.dtype == den.proj_out.weight.dtype == den.norm_out.linear.weight.dtype == torch.float32
     assert den.transformer_blocks[0].attn.to_q.weight.dtype == den.context_embedder.weight.dtype == torch.float8_e4m3fn
-    request = GenerateRequest(**REQUEST)
+    request = GenerateRequest.checked(**REQUEST)
     diff = np.abs(_pixels(plain.generate(request)) - _pixels(cast.generate(request))).astype(float)
     assert 10 * np.log10(255**2 / max((diff**2).mean(), 1e-9)) >= 30  # close, not equal
     with pytest.raises(UnsupportedCombination, match="Dynamo"):
@@ -201,7 +201,7 @@ def test_layerwise_fp8_halves_the_denoiser_and_refuses_compile(runners):
 
 def test_vae_levers_per_request_and_the_prompt_cache(runners):
     plain = runners("")
-    request = GenerateRequest(**REQUEST)
+    request = GenerateRequest.checked(**REQUEST)
     first = plain.generate(request.replace(prompt="two blue squares"))
     hits = plain.caller.prompts.cache.hits
     again = plain.generate(request.replace(prompt="two blue squares", memory="vae-slicing"))
@@ -227,7 +227,7 @@ def runner(device, levers=""):
     r.load()
     return r
 
-req = GenerateRequest(prompt="a red circle", width=64, height=64, steps=2, guidance=3.5, seed=0)
+req = GenerateRequest.checked(prompt="a red circle", width=64, height=64, steps=2, guidance=3.5, seed=0)
 ref = np.asarray(runner("cpu").generate(req).image(), dtype=np.int16)
 out = {{}}
 for levers in ("encoders:cpu", "encoders:offload"):

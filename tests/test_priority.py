@@ -142,7 +142,7 @@ class _Conn:
 
 
 def _request(mode: Mode, steps: int) -> GenerateRequest:
-    return GenerateRequest("a red circle", 64, 64, steps=steps, guidance=0.0, seed=0, mode=mode)
+    return GenerateRequest.checked("a red circle", 64, 64, steps=steps, guidance=0.0, seed=0, mode=mode)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")

@@ -48,7 +48,7 @@ def _shapes_image(runner, mode="eager"):
     from engine.protocol import GenerateRequest
 
     size = runner.preset.buckets[0]
-    request = GenerateRequest(runner.preset.example_prompt, size.width, size.height, 8, 1.0, 1, mode=mode)
+    request = GenerateRequest.checked(runner.preset.example_prompt, size.width, size.height, 8, 1.0, 1, mode=mode)
     return np.asarray(runner.generate(request).image().convert("RGB"))
 
 
@@ -247,7 +247,7 @@ def test_step_callback_reads_cloned_outputs_under_cuda_graphs(cache_dir, monkeyp
     runner.caller.spec = runner.spec
     runner.caller.scheduler_template = _FakeScheduler()
     pipe, progress, cancel = _FakePipe(), [], threading.Event()
-    req = GenerateRequest(prompt="x", width=64, height=64, steps=5, guidance=3.5, seed=0, mode="compile")
+    req = GenerateRequest.checked(prompt="x", width=64, height=64, steps=5, guidance=3.5, seed=0, mode="compile")
 
     def on_step(p):
         progress.append(p)
@@ -273,7 +273,7 @@ def test_quantized_engine_compiles_regionally_and_takes_a_block_cache(cache_dir)
     runner = make_runner(cache_dir, preset="tiny-shapes", precision="int8wo")
     size = runner.preset.buckets[0]
     assert runner.warm_bucket(BucketKey(Mode.REGIONAL, size)).state is BucketState.WARM
-    request = GenerateRequest(runner.preset.example_prompt, size.width, size.height, 12, 1.0, 3, mode="regional",
+    request = GenerateRequest.checked(runner.preset.example_prompt, size.width, size.height, 12, 1.0, 3, mode="regional",
                               step_cache="first-block:0.2")
     result = runner.generate(request)
     assert result.warm and result.recompiles == 0 and result.cached_steps

@@ -76,7 +76,7 @@ def test_parameters_diffusers_cannot_run_are_refused_naming_field_and_range(text
 
 
 def test_request_and_result_carry_the_cache():
-    request = GenerateRequest("a red circle on a blue background", 64, 64, 8, 1.0, 0, step_cache="first-block:0.3")
+    request = GenerateRequest.checked("a red circle on a blue background", 64, 64, 8, 1.0, 0, step_cache="first-block:0.3")
     assert request.step_cache == StepCache(StepCacheKind.FIRST_BLOCK, threshold=0.3)
     built, _ = build_request(PRESET, ImageRequest(PRESET.name, prompt="x", width=64, height=64,
                                                   step_cache="taylorseer:4"))
@@ -128,7 +128,7 @@ PROMPT = "a red circle on a blue background"
 
 def _request(cache="none", mode="eager", steps=STEPS, seed=3) -> GenerateRequest:
     size = PRESET.buckets[0]
-    return GenerateRequest(PROMPT, size.width, size.height, steps, PRESET.guidance, seed, mode=mode, step_cache=cache)
+    return GenerateRequest.checked(PROMPT, size.width, size.height, steps, PRESET.guidance, seed, mode=mode, step_cache=cache)
 
 
 def _run(runner, request) -> tuple[GenerateResult, list]:

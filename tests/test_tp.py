@@ -45,7 +45,7 @@ def _config(cache_dir, preset, **preset_changes) -> EngineConfig:
 
 def _request(request_id: str, mode: str = "eager", size: int = 64, steps: int = 4, guidance: float = 3.5,
              seed: int = 0) -> GenerateRequest:
-    return GenerateRequest(prompt=PROMPT, width=size, height=size, steps=steps, guidance=guidance, seed=seed,
+    return GenerateRequest.checked(prompt=PROMPT, width=size, height=size, steps=steps, guidance=guidance, seed=seed,
                            mode=mode, on_cold="wait", request_id=request_id)
 
 

@@ -19,7 +19,7 @@ from PIL import Image
 
 from engine.config.request import API_FIELDS, FORM_FIELDS, ImageRequest
 from engine.errors import ShowcaseError
-from engine.protocol import EngineKey, Mode, Parallel, Size, memory_forms, parse_lora, ranks_choice
+from engine.protocol import EngineKey, Parallel, Size, params, parse_lora, ranks_choice
 from engine.serving import stream
 from engine.serving.gate import Admitted
 from ui import edit_inputs, generate_views, memory_views, views, waiting, webtemp
@@ -34,6 +34,8 @@ PARTIAL_EVERY_S = 0.2  # stream a partial result at most this often (each one re
 # The /generate API's parameters, in order: the request form's fields an API caller sets.
 GENERATE_API_PARAMS = API_FIELDS
 API_FILES = ("images", "mask")  # /generate's file inputs (handle_file); the others are text
+# Fields read as sent (the gate names what is wrong with them); any other left '' takes its default.
+AS_SENT = ("prompt", "preset", "device", "precision", "mode")
 HISTORY_PX = 256  # a history image's longer side: the history keeps thumbnails, not every full image
 GENERATE_API_DOC = (
     "Generate one image. Returns (image, timings): image is the PNG (None in partial results and when the "
@@ -332,21 +334,17 @@ class GenerateHandlers(HandlerBase):
         """The ImageRequest a form asks for, before its engine is resolved: text as the API sends it, where
         '' (or nothing) takes the default and "none" picks no step cache or LoRA; caller and client from
         the connection."""
+        fields = {name: form.get(name) if name in AS_SENT else _given(form.get(name)) for name in FORM_FIELDS}
         lora = _chosen(form.get("lora"))
-        return ImageRequest(
-            preset=form.get("preset"), device=form.get("device"), precision=form.get("precision"),
-            mode=form.get("mode"), size=form.get("size") or None, prompt=form.get("prompt"),
-            negative_prompt=form.get("negative_prompt") or None, steps=_given(form.get("steps")),
-            guidance=_given(form.get("guidance")), seed=0 if _given(form.get("seed")) is None else form["seed"],
-            on_cold=form.get("on_cold") or self.defaults.on_cold, step_cache=_chosen(form.get("step_cache")),
+        return ImageRequest(**{
+            **fields, "seed": 0 if fields["seed"] is None else fields["seed"],
+            "on_cold": fields["on_cold"] or self.defaults.on_cold, "step_cache": _chosen(form.get("step_cache")),
             # "NAME[:SCALE][:fused]"; the page's slider scale and fused box win
-            lora=lora, lora_scale=_given(form.get("lora_scale")) if lora else None,
-            lora_fused=bool(form["lora_fused"]) if lora and form.get("lora_fused") is not None else None,
-            memory=_given(form.get("memory")),  # '': the host's levers; "none": no lever
-            num_frames=_given(form.get("num_frames")), fps=_given(form.get("fps")),  # video presets' (ui/video.py)
-            images=uploads(form.get("images")), mask=upload(form.get("mask")), strength=_given(form.get("strength")),
-            caller=self.caller(request), client=self.client_of(request),
-        )
+            "lora": lora, "lora_scale": fields["lora_scale"] if lora else None,
+            "lora_fused": bool(form["lora_fused"]) if lora and form.get("lora_fused") is not None else None,
+            "images": uploads(form.get("images")), "mask": upload(form.get("mask")),
+            "tp": 1,  # the engine key's ranks: resolved by _prepare (key_fields)
+        }, caller=self.caller(request), client=self.client_of(request))
 
     def _prepare(self, form: dict, request, progress, for_page: bool = True) -> PreparedRun:
         """A run's request, engine key and view from the handler's form; bad input raises gr.Error naming
@@ -414,43 +412,21 @@ class GenerateHandlers(HandlerBase):
 
 
 def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]:
-    """What each /generate parameter takes, for its API schema."""
+    """What each /generate parameter takes, for its API schema: each field's declared help
+    (engine/protocol/params.py) with the default preset's values, and what this host offers for the engine's."""
     presets = ", ".join(h.manager.gate.visitor_presets())
     caches = [value for _, value in views.step_cache_choices(h.step_cache_rows(preset, device, "eager"))]
-    return {
-        "prompt": "what to draw",
-        "negative_prompt": "what to keep out of the image ('' for nothing; only presets that take one)",
-        "preset": f"one of {presets}"
-                  + ("" if h.manager.policy.public else ", or a Hub id / local diffusers folder"),
-        "device": "auto, or one of " + ", ".join(r["name"] for r in h.devices_report())
-                  + " (/system says which are available here)",
-        "precision": "one of " + ", ".join(h.precision_choices()),
-        "mode": "one of " + ", ".join(Mode.values()) + " (compiled modes serve eagerly until their bucket is warm, "
-                "see on_cold)",
-        "size": "WIDTHxHEIGHT, snapped to the preset's nearest bucket ('' for its first bucket)",
-        "steps": "denoising steps, 1-200 ('' for the preset's default)",
-        "guidance": "guidance scale, 0-50 ('' for the preset's default)",
-        "seed": "an integer >= 0 (the same seed, settings and prompt draw the same image)",
-        "on_cold": "at a compiled mode's bucket that is not warm yet: eager (serve now, uncompiled) or wait "
-                   "(wait for its compile)",
-        "tp": "ranks: " + ", ".join(str(c) for c in RANK_CHOICES) + " (> 1 runs on the torchrun sidecar)",
-        "step_cache": "none, or one of " + ", ".join(c for c in caches if c != "none")
-                      + " (/status and the page say which can run on an engine)",
-        "lora": "none, or NAME[:SCALE][:fused] with NAME one of the preset's styles (`python -m engine presets` "
-                "lists them; the default preset's: " + (", ".join(lora.name for lora in h.manager.catalog.preset(preset).loras)
-                                                        or "none") + "), SCALE 0-2 (default: the style's own) and "
-                ":fused to fold it into the weights (eager mode only)",
-        "memory": "'' for the host's choice, or " + memory_forms()
-                  + " (`python -m engine memory-levers --preset P` lists which run here, with their price)",
-        "num_frames": "a video preset's clip length, snapped to its frame buckets ('' for its first; image presets "
-                      "ignore it; /generate_video returns the clip)",
-        "fps": "a video preset's frames per second ('' for its own)",
-        "images": "input images, handle_file(PATH) each (PNG, JPEG, WebP, ...; at most 32 MiB each): the source to "
-                  "edit for edit / img2img / inpaint presets, references for FLUX.2; [] for text to image",
-        "mask": "inpaint presets: handle_file(PATH) of a mask at the source's size, white where it repaints",
-        "strength": "img2img / inpaint presets: 0-1, how much of the schedule runs from the noised source ('' for "
-                    "0.6; other presets take none)",
-    }
+    allowed = params.field_help(h.manager.catalog.preset(preset), GENERATE_API_PARAMS)
+    uploads = {name: "handle_file(PATH)" + (" each" if name == "images" else "") + ": " + allowed[name]
+               for name in API_FILES}
+    return {**allowed, **uploads,
+            "preset": f"one of {presets}" + ("" if h.manager.policy.public else ", or a Hub id / local diffusers folder"),
+            "device": "auto, or one of " + ", ".join(r["name"] for r in h.devices_report())
+                      + " (/system says which are available here)",
+            "precision": "one of " + ", ".join(h.precision_choices()),
+            "tp": "ranks: " + ", ".join(str(c) for c in RANK_CHOICES) + " (> 1 runs on the torchrun sidecar)",
+            "step_cache": "none, or one of " + ", ".join(c for c in caches if c != "none")
+                          + " (/status and the page say which can run on an engine)"}
 
 
 @dataclass
@@ -507,11 +483,11 @@ class GeneratePage:
     def controls(self) -> None:
         """The request's settings, each one a field of the form."""
         h, d, preset, form = self.h, self.d, self.preset, self.form
-        form["prompt"] = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="prompt")
+        form["prompt"] = gr.Textbox(label=params.label("prompt"), value=preset.example_prompt, lines=2, elem_id="prompt")
         if preset.examples:  # prompts the default model draws well (its grammar)
             gr.Examples([[e] for e in preset.examples], inputs=[form["prompt"]],
                         label=f"Prompts {preset.name} can draw", elem_id="examples")
-        form["negative_prompt"] = gr.Textbox(label="Negative prompt", lines=1, visible=preset.negative_prompt,
+        form["negative_prompt"] = gr.Textbox(label=params.label("negative_prompt"), lines=1, visible=preset.negative_prompt,
                                              elem_id="negative-prompt")
         with gr.Row():
             public = h.manager.policy.public
@@ -519,33 +495,33 @@ class GeneratePage:
                                          allow_custom_value=not public,
                                          label="Model preset" if public else
                                          "Model preset (or a Hub id / local diffusers folder)", elem_id="preset")
-            form["device"] = gr.Dropdown(views.device_choices(self.report), value=d.device, label="Device",
+            form["device"] = gr.Dropdown(views.device_choices(self.report), value=d.device, label=params.label("device"),
                                          elem_id="device")
         with gr.Row():
             form["precision"] = gr.Dropdown(h.precision_labels(preset.name, d.device, ranks_choice(d.tp, d.parallel)),
-                                            value=d.precision, label="Precision",
+                                            value=d.precision, label=params.label("precision"),
                                             elem_id="precision")
-            form["mode"] = gr.Dropdown(self.modes, value=self.first_mode, label="Mode", elem_id="mode")
+            form["mode"] = gr.Dropdown(self.modes, value=self.first_mode, label=params.label("mode"), elem_id="mode")
         sizes = [str(s) for s in preset.buckets]
         form["size"] = gr.Dropdown(views.size_choices(sizes, d.mode, None), value=sizes[0],
-                                   label="Resolution bucket", allow_custom_value=True, elem_id="size")
+                                   label=params.label("size"), allow_custom_value=True, elem_id="size")
         self._step_cache_and_lora()
         form["memory"] = self._memory_field()
-        form["steps"] = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="steps")
-        form["guidance"] = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
+        form["steps"] = gr.Slider(1, params.MAX_STEPS, value=preset.steps, step=1, label=params.label("steps"), elem_id="steps")
+        form["guidance"] = gr.Slider(0.0, params.MAX_GUIDANCE, value=preset.guidance, step=0.1, label=params.label("guidance"),
                                      elem_id="guidance")
         with gr.Row():
-            form["seed"] = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
+            form["seed"] = gr.Number(value=0, precision=0, minimum=0, label=params.label("seed"), elem_id="seed")
             self.randomize = gr.Checkbox(False, label="New random seed each run", elem_id="randomize")
         form["tp"] = gr.Dropdown(RANK_CHOICES, value=ranks_choice(d.tp, d.parallel),
                                  label="Ranks · layout (>1: torchrun sidecar; tensor shards the weights, "
                                  "ulysses / ring split the tokens)", elem_id="tp")
         with gr.Row(visible=preset.video) as self.clip_row:  # a video preset's fields (its poster shows here)
-            form["num_frames"] = gr.Number(value=None, precision=0, label="Frames (video presets)", elem_id="frames")
-            form["fps"] = gr.Number(value=None, precision=0, label="fps", elem_id="fps")
+            form["num_frames"] = gr.Number(value=None, precision=0, label=params.label("num_frames"), elem_id="frames")
+            form["fps"] = gr.Number(value=None, precision=0, label=params.label("fps"), elem_id="fps")
         self._image_inputs()
-        form["on_cold"] = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")],
-                                   value=d.on_cold, label="At a bucket that is not warm yet", elem_id="on-cold")
+        form["on_cold"] = gr.Radio(params.choices("on_cold"),
+                                   value=d.on_cold, label=params.label("on_cold"), elem_id="on-cold")
         with gr.Accordion("Devices on this machine", open=False):
             gr.Markdown(generate_views.device_notes(self.report))
 
@@ -555,13 +531,13 @@ class GeneratePage:
         form = self.form
         with gr.Accordion("Input images (edit, img2img, inpaint, references)", open=False) as self.image_area:
             form["images"] = gr.File(file_count="multiple", file_types=["image"], type="filepath",
-                                     label="Images (the first is the source; all are references for FLUX.2)",
+                                     label=params.label("images"),
                                      elem_id="input-images")
             with gr.Row():
                 form["mask"] = gr.File(file_types=["image"], type="filepath", elem_id="input-mask",
-                                       label="Mask (inpaint: white repaints), at the source's size")
+                                       label=params.label("mask"))
                 form["strength"] = gr.Number(value=None, minimum=0.0, maximum=1.0, elem_id="strength",
-                                             label="Strength (img2img / inpaint; empty: 0.6)")
+                                             label=params.label("strength"))
 
     def _step_cache_and_lora(self) -> None:
         h, d, form = self.h, self.d, self.form
@@ -569,7 +545,7 @@ class GeneratePage:
         cache_choices = views.step_cache_choices(cache_rows, short=True)
         form["step_cache"] = gr.Dropdown(cache_choices or [("none", "none")],
                                          value=d.step_cache if d.step_cache in {v for _, v in cache_choices}
-                                         else "none", label="Step cache (reuses denoiser work across steps)",
+                                         else "none", label=params.label("step_cache"),
                                          info=generate_views.step_cache_note(cache_rows), elem_id="step-cache")
         with gr.Accordion(memory_views.WHY_NOT_TITLE, open=False):
             self.why_not = gr.Markdown(h.why_not(self.preset.name, d.device, d.precision, self.first_mode,
@@ -584,10 +560,9 @@ class GeneratePage:
             form["lora"] = gr.Dropdown(choices, value=name, elem_id="lora",
                                        label="LoRA style (hot-swapped: no recompile)" if slot else
                                        "LoRA style (off: the host starts the app with --loras)")
-            form["lora_scale"] = gr.Slider(0.0, 2.0, value=scale, step=0.05, label="LoRA scale",
+            form["lora_scale"] = gr.Slider(0.0, 2.0, value=scale, step=0.05, label=params.label("lora_scale"),
                                            elem_id="lora-scale")
-            form["lora_fused"] = gr.Checkbox(start.fused and name != "none", label="Fuse into the weights (eager only: no per-step "
-                                             "LoRA cost, a fuse when the style changes)", elem_id="lora-fused")
+            form["lora_fused"] = gr.Checkbox(start.fused and name != "none", label=params.label("lora_fused"), elem_id="lora-fused")
 
     def _memory_field(self) -> gr.Dropdown:
         """Memory levers: the sets this engine can take here, each with its price; a private host's may type any."""

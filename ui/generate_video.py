@@ -15,6 +15,7 @@ import gradio as gr
 from gradio.utils import get_upload_folder
 
 from engine.errors import ShowcaseError
+from engine.protocol import params
 from engine.serving import stream
 from ui import views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, to_gradio_error
@@ -123,18 +124,18 @@ def build(h: VideoHandlers) -> None:
 
 def _controls(h: VideoHandlers, presets: list[str], first, d) -> dict:
     """The clip's fields by name (VIDEO_FIELDS); dropdowns take typed values so our checks name what is wrong."""
-    form = {"prompt": gr.Textbox(label="Prompt", value="a yellow triangle moving left on a purple background",
+    form = {"prompt": gr.Textbox(label=params.label("prompt"), value="a yellow triangle moving left on a purple background",
                                  lines=2, elem_id="video-prompt"),
-            "negative_prompt": gr.Textbox(label="Negative prompt", lines=1, elem_id="video-negative")}
+            "negative_prompt": gr.Textbox(label=params.label("negative_prompt"), lines=1, elem_id="video-negative")}
     with gr.Row():
         form["preset"] = gr.Dropdown(presets, value=first.name, label="Video preset", allow_custom_value=True,
                                      elem_id="video-preset")
-        form["device"] = gr.Dropdown(views.device_choices(h.devices_report()), value=d.device, label="Device",
+        form["device"] = gr.Dropdown(views.device_choices(h.devices_report()), value=d.device, label=params.label("device"),
                                      allow_custom_value=True, elem_id="video-device")
     with gr.Row():
-        form["precision"] = gr.Dropdown(h.precision_choices(), value=d.precision, label="Precision",
+        form["precision"] = gr.Dropdown(h.precision_choices(), value=d.precision, label=params.label("precision"),
                                         allow_custom_value=True, elem_id="video-precision")
-        form["mode"] = gr.Dropdown(["eager", "compile", "regional"], value="eager", label="Mode",
+        form["mode"] = gr.Dropdown(["eager", "compile", "regional"], value="eager", label=params.label("mode"),
                                    allow_custom_value=True, elem_id="video-mode")
     sizes = [str(s) for s in first.buckets]
     with gr.Row():
@@ -142,11 +143,11 @@ def _controls(h: VideoHandlers, presets: list[str], first, d) -> dict:
                                    elem_id="video-size")
         form["num_frames"] = gr.Number(value=first.frames[0], precision=0, label="Frames (snapped to a frame bucket)",
                                        elem_id="video-frames-count")
-        form["fps"] = gr.Number(value=first.fps, precision=0, label="fps", elem_id="video-fps")
+        form["fps"] = gr.Number(value=first.fps, precision=0, label=params.label("fps"), elem_id="video-fps")
     with gr.Row():
-        form["steps"] = gr.Number(value=first.steps, precision=0, label="Steps", elem_id="video-steps")
-        form["guidance"] = gr.Number(value=first.guidance, label="Guidance", elem_id="video-guidance")
-        form["seed"] = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="video-seed")
-    form["on_cold"] = gr.Radio([("serve eagerly now", "eager"), ("wait for its compile", "wait")], value=d.on_cold,
-                               label="At a bucket that is not warm yet", elem_id="video-on-cold")
+        form["steps"] = gr.Number(value=first.steps, precision=0, label=params.label("steps"), elem_id="video-steps")
+        form["guidance"] = gr.Number(value=first.guidance, label=params.label("guidance"), elem_id="video-guidance")
+        form["seed"] = gr.Number(value=0, precision=0, minimum=0, label=params.label("seed"), elem_id="video-seed")
+    form["on_cold"] = gr.Radio(params.choices("on_cold"), value=d.on_cold,
+                               label=params.label("on_cold"), elem_id="video-on-cold")
     return {name: form[name] for name in VIDEO_FIELDS}

@@ -35,6 +35,8 @@ from functools import partial
 
 import gradio as gr
 
+from engine.config.request import API_FIELDS
+from engine.protocol import params
 from engine.serving.manager import Caller
 from ui import schemas
 from ui.advisor import (
@@ -62,14 +64,11 @@ DESCRIPTIONS = {
         "(PNG), then its timings as a JSON object (json.loads it): request_id, engine, mode, bucket (the size it "
         "ran at), seed, steps, warm (a compiled graph served it), eager_fallback, recompiles, notices (e.g. a size "
         "snapped to its bucket), batch_size, peak_memory_bytes and timings {step_ms: [one per step], encode_ms, "
-        "denoise_ms, decode_ms, total_ms, queued_ms}. Every parameter is text; empty means the default. prompt: "
-        "what to draw (the default model tiny-shapes draws 'a {colour} {circle|square|triangle} on a {colour} "
-        "background'); preset: a model preset (system lists what visitors may choose); device: 'auto', 'cpu', "
-        "'cuda', ...; precision: fp32, bf16, fp16, int8wo, int8dq, fp8; mode: eager, compile, regional, aot; size: "
-        "'WxH', one of the preset's buckets (e.g. 64x64); steps 1-200, guidance 0-50, seed >= 0: numbers; "
-        "on_cold: 'eager' serves a bucket that is not compiled yet eagerly now, 'wait' waits for its compile; "
-        "step_cache: none, first-block, taylorseer, ...; lora: none or NAME[:SCALE][:fused]. A request the server "
-        "does not offer fails with the reason and what to change."),
+        "denoise_ms, decode_ms, total_ms, queued_ms}. Every parameter is text; empty means the default. The default "
+        "model tiny-shapes draws 'a {colour} {circle|square|triangle} on a {colour} background'. "
+        + "; ".join(f"{name}: {text}" for name, text in params.field_help(None, API_FIELDS).items()
+                    if name not in FILE_INPUTS)
+        + ". A request the server does not offer fails with the reason and what to change."),
     "generate_video": (
         "Generate one short clip with a video preset (tiny-wan, Wan 2.x: text to video). Returns the MP4, its frames "
         "and its timings as JSON (frames, fps, step_ms, encode_ms, denoise_ms, decode_ms, total_ms, video_encode_ms, "

@@ -53,7 +53,7 @@ from engine.errors import (
     UnsupportedCombination,
     scrub_paths,
 )
-from engine.protocol import Mode, Precision, step_cache_forms
+from engine.protocol import params
 from engine.serving import stream
 from engine.serving.stream import Run
 from ui import quietlog
@@ -73,18 +73,14 @@ OPENAI_FIELDS = ("model", "prompt", "n", "size", "response_format", "stream", "p
 IGNORED_FIELDS = ("quality", "style", "moderation", "output_compression", "safety_identifier")
 # The showcase's own request fields, as extra body fields (the openai SDK's `extra_body`).
 EXTRA_FIELDS = {
-    "negative_prompt": "what to keep out of the image (presets that take one)",
+    **params.field_help(None, params.v1_fields("images")),
+    # what this API's own semantics add to the declared help
     "device": "auto, or a device name: cpu, cuda, ... (the page's System tab and the /system API list those here)",
-    "precision": "one of " + ", ".join(Precision.values()),
-    "mode": "one of " + ", ".join(Mode.values()) + " (a compiled mode serves eagerly until its bucket is warm, see "
-            "on_cold)",
-    "steps": "denoising steps, 1-200 (default: the model's)",
-    "guidance": "guidance scale, 0-50 (default: the model's)",
     "seed": "an integer >= 0: image i of n gets seed + i (default: a random seed, returned with each image)",
-    "on_cold": "eager (serve a bucket that is not warm yet eagerly now) or wait (for its compile)",
-    "step_cache": f"one of {step_cache_forms()} (reuses denoiser work across steps)",
     "lora": "none, or NAME[:SCALE][:fused], NAME one of the model's LoRA styles (GET /v1/loras)",
 }
+# The extra fields a missing value takes from the page's /generate defaults (UIDefaults) for.
+PAGE_DEFAULTS = ("device", "precision", "mode", "on_cold", "step_cache")
 RESPONSE_FORMATS = ("b64_json", "url")
 DEFAULT_RETRY_AFTER_S = 5  # a 429 whose cause gives no better estimate
 # OpenAI's model families and the response_format its API documents as each one's default: DALL-E answers a
@@ -290,17 +286,14 @@ def read_call(body: dict, defaults, preset: str, caller: Caller, client: str) ->
     size = _text(body, "size")
     seed = _text(body, "seed")
     random_seed = seed is None or not seed.strip()
-    lora = _text(body, "lora")
-    step_cache = _text(body, "step_cache", defaults.step_cache)
     notices = tuple(f"{name} is not used by this server" for name in IGNORED_FIELDS if name in body)
+    given = {name: _text(body, name, getattr(defaults, name) if name in PAGE_DEFAULTS else None)
+             for name in EXTRA_FIELDS}
     spec = ImageRequest(
-        preset=preset, prompt=body["prompt"], negative_prompt=_text(body, "negative_prompt") or None,
-        device=_text(body, "device", defaults.device), precision=_text(body, "precision", defaults.precision),
-        mode=_text(body, "mode", defaults.mode), size=None if size in (None, "", "auto") else size,
-        steps=_text(body, "steps"), guidance=_text(body, "guidance"),
-        seed=random.randint(0, MAX_SEED) if random_seed else seed, on_cold=_text(body, "on_cold", defaults.on_cold),
-        step_cache=None if step_cache in (None, "", "none") else step_cache,
-        lora=None if lora in (None, "", "none") else lora, caller=caller, client=client,
+        **{**given, "seed": random.randint(0, MAX_SEED) if random_seed else seed,
+           **{name: None for name in ("step_cache", "lora") if given[name] in (None, "", "none")}},
+        preset=preset, prompt=body["prompt"], size=None if size in (None, "", "auto") else size,
+        caller=caller, client=client,
         previews=_whole(body, "partial_images", 0, 0, MAX_PREVIEWS) if body.get("stream") else 0)
     if not random_seed:
         try:

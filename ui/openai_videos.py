@@ -27,6 +27,7 @@ from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field
 
 from engine.config.request import Caller, ImageRequest
+from engine.protocol import params
 from engine.serving import stream
 from engine.serving.stream import Run
 from ui.openai_api import PREFIX, ApiError, api_error, hold_turn
@@ -34,14 +35,14 @@ from ui.openai_api import PREFIX, ApiError, api_error, hold_turn
 JOBS_KEPT = 32
 # The showcase's own fields a job takes beside OpenAI's (the SDK's extra_body; form fields on the wire).
 VIDEO_FIELDS = {
+    **params.field_help(None, params.v1_fields("videos")),
+    # what this API adds to the declared help
     "num_frames": "frames of the clip (snapped to the model's frame buckets, 4k + 1 for Wan; default: its first); "
                   "beats `seconds`",
-    "fps": "frames per second of the MP4 (default: the model's)",
-    "negative_prompt": "what to keep out of the clip", "steps": "denoising steps (default: the model's)",
-    "guidance": "guidance scale", "seed": "an integer >= 0 (default 0)",
-    "mode": "eager, compile or regional", "device": "auto or a device name", "precision": "fp32, bf16, ...",
-    "on_cold": "eager or wait (for the bucket's compile)", "step_cache": "a step cache, or none",
+    "seed": "an integer >= 0 (default 0)", "mode": "eager, compile or regional",
 }
+# The fields a missing value takes from the page's defaults (UIDefaults) for.
+PAGE_DEFAULTS = ("device", "precision", "mode", "on_cold")
 OPENAI_VIDEO_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
 VARIANTS = ("video", "thumbnail", "spritesheet")
 
@@ -220,14 +221,12 @@ class VideoJobs:
             raise ApiError(400, f"model {name} makes images, not clips; choose a video model: "
                                 f"{', '.join(videos) or 'none is offered on this server'}", param="model")
         d = self.h.defaults
-        seed = _field(form, "seed")
-        return ImageRequest(
-            preset=name, prompt=form["prompt"], negative_prompt=_field(form, "negative_prompt") or None,
-            device=_field(form, "device") or d.device, precision=_field(form, "precision") or d.precision,
-            mode=_field(form, "mode") or d.mode, size=_field(form, "size") or None, steps=_field(form, "steps"),
-            guidance=_field(form, "guidance"), seed=seed if seed not in (None, "") else 0,
-            on_cold=_field(form, "on_cold") or d.on_cold, step_cache=_field(form, "step_cache"),
-            num_frames=frames_asked(form, preset.fps), fps=_field(form, "fps"), caller=caller, client=client)
+        given = {field: _field(form, field) for field in VIDEO_FIELDS}
+        given.update({field: given[field] or getattr(d, field) for field in PAGE_DEFAULTS})
+        return ImageRequest(**{**given, "seed": given["seed"] if given["seed"] not in (None, "") else 0,
+                               "num_frames": frames_asked(form, preset.fps)},
+                            preset=name, prompt=form["prompt"], size=_field(form, "size") or None, caller=caller,
+                            client=client)
 
     def _admit(self, spec: ImageRequest):
         h = self.h

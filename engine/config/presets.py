@@ -13,6 +13,7 @@ import re
 import tomllib
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 from engine import settings
 from engine.config.video import check_frame_buckets
@@ -20,18 +21,31 @@ from engine.errors import InvalidRequest, ModelLoadError
 from engine.protocol import ImageInputs, LoraSource, ModelPreset, Size
 
 MAX_SIDE = 4096
-# pipeline class (model_index.json "_class_name") -> (family, denoiser, alignment, cfg, negative_prompt)
-PIPELINE_FAMILIES: dict[str, tuple[str, str, int, bool, bool]] = {
-    "FluxPipeline": ("flux", "transformer", 16, False, False),
-    "FluxKontextPipeline": ("flux", "transformer", 16, False, False),
-    "FluxImg2ImgPipeline": ("flux", "transformer", 16, False, False),
-    "FluxInpaintPipeline": ("flux", "transformer", 16, False, False),
-    "QwenImageEditPlusPipeline": ("qwen", "transformer", 16, True, True),
-    "Flux2Pipeline": ("flux", "transformer", 16, False, False),
-    "Flux2KleinPipeline": ("flux", "transformer", 16, False, False),
-    "StableDiffusion3Pipeline": ("sd3", "transformer", 16, True, True),
-    "StableDiffusionXLPipeline": ("sdxl", "unet", 8, True, True),
-    "StableDiffusionPipeline": ("default", "unet", 8, True, True),
+
+
+class Family(NamedTuple):
+    """What a pipeline class is, as a preset declares it: its bucket family, denoiser and size alignment, and the
+    switches of the fields it takes (a CFG pipeline takes a negative prompt, engine/protocol/params.py)."""
+
+    family: str
+    denoiser: str
+    alignment: int
+    cfg: bool
+    negative_prompt: bool
+
+
+# pipeline class (model_index.json "_class_name") -> its Family: a folder or Hub id named with --model gets it
+PIPELINE_FAMILIES: dict[str, Family] = {
+    "FluxPipeline": Family("flux", "transformer", 16, False, False),
+    "FluxKontextPipeline": Family("flux", "transformer", 16, False, False),
+    "FluxImg2ImgPipeline": Family("flux", "transformer", 16, False, False),
+    "FluxInpaintPipeline": Family("flux", "transformer", 16, False, False),
+    "QwenImageEditPlusPipeline": Family("qwen", "transformer", 16, True, True),
+    "Flux2Pipeline": Family("flux", "transformer", 16, False, False),
+    "Flux2KleinPipeline": Family("flux", "transformer", 16, False, False),
+    "StableDiffusion3Pipeline": Family("sd3", "transformer", 16, True, True),
+    "StableDiffusionXLPipeline": Family("sdxl", "unet", 8, True, True),
+    "StableDiffusionPipeline": Family("default", "unet", 8, True, True),
 }
 # pipeline class -> (the input images it takes, at most how many): a preset's defaults for `inputs` and
 # `max_references` (a folder or Hub id named with --model gets them from its class).
@@ -43,6 +57,8 @@ PIPELINE_INPUTS: dict[str, tuple[ImageInputs, int]] = {
     "Flux2KleinPipeline": (ImageInputs.REFERENCES, 4),
     "QwenImageEditPlusPipeline": (ImageInputs.REFERENCES, 3),  # the 2509 model card: one to three images
 }
+# A preset's switches (cfg, negative_prompt, tp, ...): its true-or-false fields, false unless models.toml sets them
+SWITCHES = tuple(f.name for f in dataclasses.fields(ModelPreset) if f.type == "bool")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -80,10 +96,7 @@ def load_presets() -> dict[str, ModelPreset]:
             guidance=float(d["guidance"]),
             buckets=buckets,
             alignment=int(d["alignment"]),
-            cfg=bool(d.get("cfg", False)),
-            negative_prompt=bool(d.get("negative_prompt", False)),
-            tp=bool(d.get("tp", False)),
-            tp_text_encoder=bool(d.get("tp_text_encoder", False)),
+            **{name: bool(d.get(name, False)) for name in SWITCHES},
             min_tp=int(d.get("min_tp", 1)),
             max_sequence_length=d.get("max_sequence_length"),
             description=d.get("description", ""),
@@ -178,25 +191,21 @@ def preset_for_model(ref: str, allowed_roots: list[Path] | None = None, buckets:
             f"model {ref!r} uses pipeline {cls!r}, which needs remote code or is not supported; "
             f"supported pipelines: {', '.join(PIPELINE_FAMILIES)} (remote code is never trusted)"
         )
-    family, denoiser, alignment, cfg, negative = PIPELINE_FAMILIES[cls]
+    family = PIPELINE_FAMILIES[cls]
     bucket_sizes = (
-        tuple(Size.parse(s) for s in buckets.split(",")) if buckets else family_buckets(family)
+        tuple(Size.parse(s) for s in buckets.split(",")) if buckets else family_buckets(family.family)
     )
-    _check_buckets(ref, bucket_sizes, alignment)
+    _check_buckets(ref, bucket_sizes, family.alignment)
     default_steps = 4 if "schnell" in ref.lower() or "klein" in ref.lower() else 28
     return ModelPreset(
         name=ref,
         pipeline=cls,
         source=source,
-        family=family,
-        denoiser=denoiser,
+        **family._asdict(),
         steps=default_steps,
         guidance=0.0 if "schnell" in ref.lower() else 3.5,
         buckets=bucket_sizes,
-        alignment=alignment,
-        cfg=cfg,
-        negative_prompt=negative,
-        tp=denoiser == "transformer",
+        tp=family.denoiser == "transformer",
         description=f"{cls} from {ref}",
         **_image_inputs(ref, {"pipeline": cls}),
     )

@@ -6,9 +6,9 @@ and who asks (caller, client). It is built once at the edge and handed unchanged
 worker's `GenerateRequest`. Values arrive as the edge has them (the API's are text); nothing here checks
 them, so one place says what is wrong with a field.
 
-`FORM` is the one ordered list of the fields a page or an API caller sets: the /generate API's parameters,
-the Generate page's inputs and the handlers' keyword arguments all derive from it. A new field is one
-entry here (plus its dataclass field and its widget).
+`FORM` is the one ordered list of the fields a page or an API caller sets (engine/protocol/params.py declares
+each): the /generate API's parameters, the Generate page's inputs and the handlers' keyword arguments all
+derive from it. A new field is one declaration there (plus its dataclass field here and its widget).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
-from engine.protocol import Mode, OnCold, Parallel, Size
+from engine.protocol import Mode, OnCold, Parallel, Size, params
 
 MAX_PREVIEWS = 3  # partial images of one run (OpenAI's partial_images takes 0-3): each is a VAE decode
 API_KEYS_ADMIN = "admin-token"  # app.py --api-keys admin-token: the admin token is the one key
@@ -60,27 +60,9 @@ def check_secret(text: str) -> str:
     return text
 
 
-@dataclass(frozen=True)
-class FormField:
-    """A request field a person or an API caller sets; `api`: a parameter of /generate (else the page's
-    alone)."""
-
-    name: str
-    api: bool = True
-
-
-# In the order of the /generate API (gradio_client callers pass them positionally: never reorder).
-FORM = (
-    FormField("prompt"), FormField("negative_prompt"), FormField("preset"), FormField("device"),
-    FormField("precision"), FormField("mode"), FormField("size"), FormField("steps"), FormField("guidance"),
-    FormField("seed"), FormField("on_cold"), FormField("tp"), FormField("step_cache"), FormField("lora"),
-    FormField("lora_scale", api=False),  # the page's slider; an API caller writes "NAME:SCALE"
-    FormField("lora_fused", api=False),  # the page's checkbox; an API caller writes "NAME[:SCALE]:fused"
-    FormField("memory"),  # memory levers: '' the host's, "none" no lever (last: positional callers keep working)
-    FormField("num_frames"), FormField("fps"),  # a video preset's clip ('' its defaults; images ignore them)
-    # Input images (engine/config/images.py), appended: positional callers of the fields above keep working.
-    FormField("images"), FormField("mask"), FormField("strength"),
-)
+# The fields a page or an API caller sets, in the order of the /generate API, each declared once
+# (engine/protocol/params.py: gradio_client callers pass them positionally, so new ones are appended).
+FORM = params.FIELDS
 FORM_FIELDS = tuple(f.name for f in FORM)
 API_FIELDS = tuple(f.name for f in FORM if f.api)
 

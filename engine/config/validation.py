@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import stat
 from pathlib import Path
 
@@ -18,177 +17,43 @@ from engine.config.presets import load_presets, looks_like_model_ref, route_size
 from engine.config.request import MAX_PREVIEWS, ImageRequest
 from engine.config.video import video_fields
 from engine.errors import InvalidRequest
-from engine.protocol import (
-    MAX_STEPS,
-    GenerateRequest,
-    LoraChoice,
-    MemoryLevers,
-    Mode,
-    ModelPreset,
-    OnCold,
-    Precision,
-    Size,
-    StepCache,
-    check_lora_scale,
-    parse_lora,
-)
-
-MAX_PROMPT_CHARS = 4000
-LONG_PROMPT_WORDS = 60  # ~77 CLIP tokens: beyond this the CLIP encoders see only the start
-MAX_GUIDANCE = 50.0
-MAX_SEED = 2**63 - 1
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _whole(value) -> int:
-    """A whole number from an int, a float with no fraction or text ("12", "12.0", "9223372036854775807"):
-    text is read exactly (float() would round seeds above 2**53)."""
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError
-        return int(value)
-    if isinstance(value, str):
-        text = value.strip()
-        if len(text) > 40 or not text.isascii():  # int() reads "١٢" as 12 (strict.py: ASCII digits only)
-            raise ValueError
-        try:
-            return int(text)
-        except ValueError:
-            number = float(text)  # "12.0", "1e3"
-            if not number.is_integer():
-                raise ValueError from None
-            return int(number)
-    raise TypeError
-
-
-def _number(name: str, value, kind=float):
-    if isinstance(value, bool) or value is None:
-        raise InvalidRequest(f"{name} must be a number, got {_shown(value)}")
-    try:
-        number = _whole(value) if kind is int else kind(value)
-    except (TypeError, ValueError, OverflowError):
-        value = _shown(value)
-        raise InvalidRequest(f"{name} must be a {'whole number' if kind is int else 'number'}, got {value}") from None
-    if kind is float and not math.isfinite(number):
-        raise InvalidRequest(f"{name} must be finite, got {_shown(value)}")
-    return number
-
-
-def check_steps(steps) -> int:
-    steps = _number("steps", steps, int)
-    if not 1 <= steps <= MAX_STEPS:
-        raise InvalidRequest(f"steps must be between 1 and {MAX_STEPS}, got {steps}")
-    return steps
-
-
-def check_prompt(name: str, prompt) -> tuple[str, tuple[str, ...]]:
-    if prompt is None:
-        prompt = ""
-    if not isinstance(prompt, str):
-        raise InvalidRequest(f"{name} must be text, got {type(prompt).__name__}")
-    if "\x00" in prompt:
-        raise InvalidRequest(f"{name} contains a NUL character; remove it")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as exc:  # a lone surrogate (half of a UTF-16 pair): tokenizers fail on it
-        raise InvalidRequest(f"{name} contains an invalid character at position {exc.start} (a lone UTF-16 "
-                             "surrogate); remove it") from None
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise InvalidRequest(f"{name} is {len(prompt)} characters; shorten it to at most {MAX_PROMPT_CHARS}")
-    notices = []
-    if name == "prompt" and not prompt.strip():
-        notices.append("empty prompt: the image is unconditioned")
-    if len(prompt.split()) > LONG_PROMPT_WORDS:
-        notices.append(f"{name} is long ({len(prompt.split())} words): text encoders read only their token "
-                       "limit (77 tokens for CLIP) and the rest is truncated")
-    return prompt, tuple(notices)
+from engine.protocol import GenerateRequest, Mode, ModelPreset, Precision, Size, StepCache, params, parse_lora
+from engine.protocol.params import MAX_SEED, _shown, check_lora, check_prompt, check_steps, number  # noqa: F401
 
 
 def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequest, tuple[str, ...]]:
     """The spec validated and routed to `preset`'s buckets: the worker's GenerateRequest plus the notices to
-    show with its result. Raises InvalidRequest naming the field and what to change."""
+    show with its result. Raises InvalidRequest naming the field and what to change.
+
+    Each sampling field is checked once, by its declaration (engine/protocol/params.py); the routed ones (size,
+    frames, input images) read several fields together against the preset's buckets and inputs."""
     width, height = spec.dimensions(preset.buckets)  # a size that is not "WxH" is refused first
     decoded = image_inputs.decode_inputs(preset, spec.images, spec.mask, spec.strength)
     if decoded.source_size is not None and spec.size is None and spec.width is None and spec.height is None:
         width, height = decoded.source_size.width, decoded.source_size.height  # an edit keeps its source's shape
-    mode = Mode.parse(spec.mode, "mode")
-    step_cache = StepCache.parse(spec.step_cache)
-    on_cold = OnCold.parse(spec.on_cold, "on_cold")
-    prompt, notices = check_prompt("prompt", spec.prompt)
-    negative, neg_notices = check_prompt("negative_prompt", spec.negative_prompt)
-    notices += neg_notices
-    if negative and not preset.negative_prompt:
-        notices += (f"{preset.pipeline} takes no negative prompt; it was ignored",)
-        negative = ""
-    steps = preset.steps if spec.steps is None else check_steps(spec.steps)
-    guidance = preset.guidance if spec.guidance is None else _number("guidance", spec.guidance)
-    if not 0.0 <= guidance <= MAX_GUIDANCE:
-        raise InvalidRequest(f"guidance must be between 0 and {MAX_GUIDANCE}, got {guidance}")
-    seed = _number("seed", spec.seed, int)
-    if not 0 <= seed <= MAX_SEED:
-        raise InvalidRequest(f"seed must be between 0 and {MAX_SEED}, got {seed}")
+    checked, notices = {}, ()
+    for field in params.SAMPLING:
+        checked[field.name], more = field.parse(getattr(spec, field.name), preset)
+        notices += more
     size, size_notices = route_size(preset, width, height, snap=spec.snap)
-    lora = check_lora(preset, spec.lora, spec.lora_scale, spec.lora_fused)
+    lora = params.lora_overrides(checked.pop("lora"), checked.pop("lora_scale"), checked.pop("lora_fused"))
     num_frames, fps, video_notices = video_fields(preset, spec.num_frames, spec.fps, snap=spec.snap)
     inputs = image_inputs.fit_inputs(preset, decoded, size, spec.strength)
     request = GenerateRequest(
-        prompt=prompt,
-        negative_prompt=negative or None,
-        width=size.width,
-        height=size.height,
-        steps=steps,
-        guidance=guidance,
-        seed=seed,
-        mode=mode,
-        on_cold=on_cold,
-        step_cache=step_cache,
-        lora=lora.name,
-        lora_scale=lora.scale,
-        lora_fused=lora.fused,
-        memory=str(MemoryLevers.parse(spec.memory).request_part()),
-        client=spec.client,
-        previews=check_previews(spec.previews),
-        num_frames=num_frames,
-        fps=fps,
-        images=inputs.images,
-        mask=inputs.mask,
-        strength=inputs.strength,
-        images_in_sequence=inputs.in_sequence,
-        images_shared=inputs.shared,
+        **checked, width=size.width, height=size.height,
+        lora=lora.name, lora_scale=lora.scale, lora_fused=lora.fused, client=spec.client,
+        previews=check_previews(spec.previews), num_frames=num_frames, fps=fps, images=inputs.images,
+        mask=inputs.mask, strength=inputs.strength, images_in_sequence=inputs.in_sequence, images_shared=inputs.shared,
     )
     return request, notices + size_notices + video_notices + inputs.notices
 
 
 def check_previews(previews) -> int:
     """Partial images a run streams: a whole number from 0 to MAX_PREVIEWS."""
-    count = _number("partial_images", previews, int)
+    count = number("partial_images", previews, int)
     if not 0 <= count <= MAX_PREVIEWS:
         raise InvalidRequest(f"partial_images must be from 0 to {MAX_PREVIEWS}, got {count}")
     return count
-
-
-def check_lora(preset: ModelPreset, lora, scale=None, fused: bool | None = None) -> LoraChoice:
-    """The choice in "NAME[:SCALE][:fused]", with a separate scale and fused flag (the page's slider and
-    checkbox) taking precedence; only the preset's adapters by name (a visitor can never name a file or a
-    Hub repo)."""
-    choice = parse_lora(lora)
-    if choice.name is None:
-        return choice
-    names = [source.name for source in preset.loras]
-    if choice.name not in names:
-        offered = f"choose one of {', '.join(names)} (or none)" if names else "it lists no LoRA adapters"
-        raise InvalidRequest(f"unknown LoRA {choice.name!r} for {preset.name}: {offered}")
-    if scale not in (None, ""):
-        choice = dataclasses.replace(choice, scale=check_lora_scale(scale))
-    if fused is not None:
-        choice = dataclasses.replace(choice, fused=bool(fused))
-    return choice
 
 
 def check_precision(precision: str) -> Precision:

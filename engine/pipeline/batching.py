@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from engine.protocol import GenerateRequest, StepCacheKind
+from engine.protocol import GenerateRequest, StepCacheKind, params
 
 # Step caches whose per-step decision reads the whole batch tensor: their requests run alone.
 DATA_DEPENDENT_CACHES = frozenset({StepCacheKind.FIRST_BLOCK})
@@ -68,14 +68,13 @@ def batch_sizes(max_batch: int) -> tuple[int, ...]:
 
 def batch_key(request: GenerateRequest) -> tuple | None:
     """What must be equal for requests to share one call; None: the request runs alone."""
-    if request.step_cache.kind in DATA_DEPENDENT_CACHES or request.num_frames:
+    bucket = request.bucket  # mode, size, frames and an edit bucket's references: one graph
+    if request.step_cache.kind in DATA_DEPENDENT_CACHES or bucket.frames:
         return None  # a clip runs alone
-    return (request.mode, request.width, request.height, request.steps, float(request.guidance),
-            bool(request.negative_prompt), request.step_cache, request.on_cold,
-            request.lora_choice,  # one adapter at one scale, fused or not, per call
+    # the sampling fields' own (engine/protocol/params.py): steps, guidance, one adapter at one scale, ...
+    fields = tuple(field.batch(getattr(request, field.name)) for field in params.BATCH_FIELDS)
+    return (bucket, fields,
             request.previews,  # partial images are decoded at the steps their count spreads over
-            request.memory,
-            request.refs, request.strength, request.mask is not None,  # an edit bucket's graph, img2img's schedule
             request.images if request.images_shared else None)  # FLUX.2's references: the call's own
 
 

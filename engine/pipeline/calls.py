@@ -18,6 +18,7 @@ from engine.pipeline import memory, preview, recipes, stepcache, variants
 from engine.pipeline.clock import RunClock
 from engine.pipeline.lora import SlotChange
 from engine.protocol import EngineOptions, GenerateRequest, ImageInputs, ModelPreset, StepProgress, Timings
+from engine.protocol.params import Needs
 
 
 def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, output_type: str = "pil",
@@ -25,7 +26,16 @@ def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, ou
     """The pipeline call for a request — what the engine runs, and what a bare diffusers call must pass
     to be compared with it (bench, TP tests). A CPU generator makes seeds mean the same on every device.
     `members`: a batch (engine/pipeline/batching.py) sharing `request`'s size, steps and guidance: one prompt and
-    one generator per member, so each image's noise is what that request alone would start from."""
+    one generator per member, so each image's noise is what that request alone would start from. Each family
+    adapter below adds the arguments of the fields its capability takes (engine/protocol/params.py `Needs`)."""
+    kwargs = dict(output_type=output_type)
+    for needs, adapter in FAMILY_ADAPTERS.items():
+        if needs is None or needs.taken_by(preset):
+            kwargs.update(adapter(preset, pipe, request, members))
+    return kwargs
+
+
+def _every_family(preset: ModelPreset, pipe, request: GenerateRequest, members) -> dict:
     batch = members or [request]
     kwargs = dict(
         prompt=request.prompt if members is None else [r.prompt for r in batch],
@@ -35,19 +45,23 @@ def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, ou
         guidance_scale=request.guidance,
         generator=(torch.Generator("cpu").manual_seed(request.seed) if members is None
                    else [torch.Generator("cpu").manual_seed(r.seed) for r in batch]),
-        output_type=output_type,
     )
-    if request.num_frames:
-        kwargs["num_frames"] = request.num_frames
-    if request.negative_prompt and preset.negative_prompt:
-        kwargs["negative_prompt"] = request.negative_prompt if members is None else \
-            [r.negative_prompt or "" for r in batch]
     if preset.max_sequence_length and _takes_argument(type(pipe), "max_sequence_length"):
         kwargs["max_sequence_length"] = preset.max_sequence_length
     if preset.cfg and _takes_argument(type(pipe), "true_cfg_scale"):  # Qwen-Image: guidance is true CFG
         kwargs["true_cfg_scale"] = kwargs.pop("guidance_scale")
-    kwargs.update(image_kwargs(preset, request, members))
     return kwargs
+
+
+def _negative_prompt(preset: ModelPreset, pipe, request: GenerateRequest, members) -> dict:
+    if not request.negative_prompt:
+        return {}
+    return {"negative_prompt": request.negative_prompt if members is None else
+            [r.negative_prompt or "" for r in members]}
+
+
+def _video(preset: ModelPreset, pipe, request: GenerateRequest, members) -> dict:
+    return {"num_frames": request.num_frames} if request.num_frames else {}
 
 
 def image_kwargs(preset: ModelPreset, request: GenerateRequest, members: list[GenerateRequest] | None = None) -> dict:
@@ -70,6 +84,16 @@ def image_kwargs(preset: ModelPreset, request: GenerateRequest, members: list[Ge
         masks = [r.mask.to_pil() for r in batch]
         kwargs["mask_image"] = masks[0] if members is None else masks
     return kwargs
+
+
+# A pipeline family's capability (None: every family) -> the call arguments of the fields it takes: a new field
+# is taught to the families that take it here, once.
+FAMILY_ADAPTERS = {
+    None: _every_family,
+    Needs.NEGATIVE_PROMPT: _negative_prompt,
+    Needs.VIDEO: _video,
+    Needs.IMAGES: lambda preset, pipe, request, members: image_kwargs(preset, request, members),
+}
 
 
 @functools.cache

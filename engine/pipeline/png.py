@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from engine.protocol import EngineKey, GenerateRequest
+from engine.protocol import EngineKey, GenerateRequest, params
 
 
 def encode_png(image, request: GenerateRequest, engine: EngineKey) -> bytes:
@@ -22,10 +22,8 @@ def png_info(request: GenerateRequest, engine: EngineKey):
     from PIL.PngImagePlugin import PngInfo
 
     info = PngInfo()
+    fields = {name: getattr(request, name) for name in params.PNG_FIELDS}
     info.add_text("diffusion-showcase", json.dumps({
-        "request_id": request.request_id, "engine": str(engine), "mode": request.mode,
-        "size": str(request.size), "seed": request.seed, "steps": request.steps, "guidance": request.guidance,
-        "prompt": request.prompt, "negative_prompt": request.negative_prompt,
-        "step_cache": str(request.step_cache), "lora": request.lora, "lora_scale": request.lora_scale,
-    }))
+        "request_id": request.request_id, "engine": str(engine), "size": str(request.size), **fields,
+    }, default=str))  # a step cache as its text
     return info

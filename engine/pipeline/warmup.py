@@ -56,7 +56,7 @@ class WarmRequests:
         self.preset, self.steps = preset, steps
 
     def request(self, bucket: BucketKey, guidance: float | None = None) -> GenerateRequest:
-        return GenerateRequest(
+        return GenerateRequest.checked(
             prompt="warm-up",
             width=bucket.size.width,
             height=bucket.size.height,

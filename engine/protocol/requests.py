@@ -18,7 +18,6 @@ from engine.protocol.vocabulary import (
     Mode,
     OnCold,
     Size,
-    _coerce,
 )
 
 
@@ -93,19 +92,13 @@ class GenerateRequest:
     # edit's or img2img's source is each member's own)
     images_shared: bool = False
 
-    def __post_init__(self):
-        _coerce(self, "mode", Mode)
-        _coerce(self, "on_cold", OnCold)
-        if self.lora is not None and str(self.lora).strip().lower() in ("", "none"):
-            object.__setattr__(self, "lora", None)
-        if self.lora is None:
-            object.__setattr__(self, "lora_fused", False)
-        if self.lora_scale is not None:
-            object.__setattr__(self, "lora_scale", check_lora_scale(self.lora_scale))
-        levers = MemoryLevers.parse(self.memory).request_part()
-        object.__setattr__(self, "memory", str(levers) if levers.enabled else "")
-        if not isinstance(self.step_cache, StepCache):
-            object.__setattr__(self, "step_cache", StepCache.parse(self.step_cache))
+    @classmethod
+    def checked(cls, *values, **fields) -> GenerateRequest:
+        """A request from fields as a caller writes them (text modes, step caches and memory levers, "none" for no
+        LoRA), made canonical: what warm-up, the benches and tests build. The gate's requests are canonical
+        already (engine/config/validation.py checked each field once)."""
+        fields.update(zip((f.name for f in dataclasses.fields(cls)), values, strict=False))
+        return cls(**_canonical(fields))
 
     @property
     def size(self) -> Size:
@@ -130,7 +123,29 @@ class GenerateRequest:
         return BucketKey(self.mode, self.size, frames=self.num_frames, refs=self.refs)
 
     def replace(self, **changes) -> GenerateRequest:
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`, written as `checked` takes them."""
+        return dataclasses.replace(self, **_canonical({"lora": self.lora, **changes}))
+
+
+def _canonical(fields: dict) -> dict:
+    """The fields a caller wrote, in the form a checked request holds them."""
+    fields = dict(fields)
+    for name, kind in (("mode", Mode), ("on_cold", OnCold)):
+        if name in fields:
+            fields[name] = kind.parse(fields[name], name)
+    if "lora" in fields:
+        lora = fields["lora"]
+        fields["lora"] = None if lora is None or str(lora).strip().lower() in ("", "none") else lora
+        if fields["lora"] is None:
+            fields["lora_fused"] = False
+    if fields.get("lora_scale") is not None:
+        fields["lora_scale"] = check_lora_scale(fields["lora_scale"])
+    if "memory" in fields:
+        levers = MemoryLevers.parse(fields["memory"]).request_part()
+        fields["memory"] = str(levers) if levers.enabled else ""
+    if "step_cache" in fields and not isinstance(fields["step_cache"], StepCache):
+        fields["step_cache"] = StepCache.parse(fields["step_cache"])
+    return fields
 
 
 @dataclass(frozen=True)

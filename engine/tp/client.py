@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = connect(args.address_file)
         size = Size.parse(args.size)
         mode = Mode.parse(args.mode, "mode")
-        result = engine.generate(GenerateRequest(prompt=args.prompt, width=size.width, height=size.height,
+        result = engine.generate(GenerateRequest.checked(prompt=args.prompt, width=size.width, height=size.height,
                                                  steps=args.steps, guidance=args.guidance, seed=args.seed,
                                                  mode=mode, on_cold=OnCold.WAIT))
     except ShowcaseError as exc:
