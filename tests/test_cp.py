@@ -335,7 +335,7 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
             return False
 
     manager = Recorder()
-    handlers = GenerateHandlers(manager, UIDefaults(device="cpu", tp=2, parallel="ulysses"))
+    handlers = GenerateHandlers(manager.serving(), UIDefaults(device="cpu", tp=2, parallel="ulysses"))
     run = handlers.generate(prompt="fox", negative_prompt="", preset=PRESET, device="cpu", precision="fp32",
                             mode="eager", size="64x64", steps=4, guidance=3.5, seed=0, on_cold="eager", tp="2 · ring",
                             request=None, progress=RecordingProgress())

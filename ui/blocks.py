@@ -14,6 +14,7 @@ import os
 import gradio as gr
 
 from engine import settings
+from engine.serving.interface import Serving
 from ui import advisor, buckets, compare, generate, generate_video, mcp, system
 from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
@@ -123,14 +124,14 @@ def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> di
     return kwargs
 
 
-def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64,
+def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size: int = 64,
                handlers: Handlers | None = None, edge: EdgeConfig | None = None) -> gr.Blocks:
     """The app. `queue_size` bounds the events waiting for each action (beyond it users are told the
     queue is full); `edge`: the web edge's bounds (default: per-client bounds in public mode only)."""
-    h = handlers or Handlers(manager, defaults)
+    h = handlers or Handlers(serving, defaults)
     if edge is None:
-        edge = EdgeConfig(client_events=CLIENT_EVENTS if manager.policy.public else None,
-                          **({"sockets": public_bounds()} if manager.policy.public else {}))
+        edge = EdgeConfig(client_events=CLIENT_EVENTS if serving.public() else None,
+                          **({"sockets": public_bounds()} if serving.public() else {}))
     guard = EdgeGuard(EdgeConfig(**{**edge.__dict__, "group_queue": queue_size}))
     h.edge = guard
     queue_statistics_off()  # read by Gradio's queue when demo.queue() creates it
@@ -165,9 +166,9 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     settle_queue_groups(demo)
     guard.install(demo)
     demo.edge = guard
-    telemetry = getattr(manager, "telemetry", None)
+    telemetry = getattr(serving, "telemetry", None)  # a stand-in serving in tests may have none
     if telemetry is not None:
-        demo.metrics = MetricsRoute(telemetry, h.manager.policy.public, h.defaults.admin_token, edge=guard)
+        demo.metrics = MetricsRoute(telemetry, h.serving.public(), h.defaults.admin_token, edge=guard)
     demo.openai = OpenAIRoutes(h, ApiKeys(h.defaults.api_keys, h.defaults.admin_token, guard.keys), VideoJobs(h),
                                read_edit=read_edit_call)
     atexit.register(demo.openai.store.close)  # the images its "url" answers point at

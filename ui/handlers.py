@@ -18,4 +18,4 @@ __all__ = ["Handlers", "UIDefaults"]
 
 
 class Handlers(VideoHandlers, BucketsHandlers, CompareHandlers, AdvisorHandlers, SystemHandlers):
-    """Handlers(manager, defaults): one manager, one set of lookups and runs for every tab."""
+    """Handlers(serving, defaults): one serving interface, one set of lookups and runs for every tab."""

@@ -35,7 +35,7 @@ from functools import partial
 
 import gradio as gr
 
-from engine.serving.manager import Caller
+from engine.serving.interface import Caller
 from ui import schemas
 from ui.advisor import (
     CHECKER_MIN_PSNR,
@@ -329,7 +329,7 @@ class AdviceJobs:
               fidelity_points: str = "", min_psnr: str = "", admin_token: str = "",
               request: gr.Request = None) -> dict:
         """Start the advisor in the background; returns {"job", "state"} at once (poll /advise_poll)."""
-        if self.h.manager.policy.public and self.h.caller(request, admin_token) is not Caller.HOST:
+        if self.h.serving.public() and self.h.caller(request, admin_token) is not Caller.HOST:
             raise gr.Error("the advisor loads and compiles many engines: a host operation (admin_token) on this "
                            "public server", title="Not allowed")
         with self._lock:
@@ -410,7 +410,7 @@ def advisor_api(handlers) -> AdviceJobs:
     atexit.register(jobs.close)  # a running advisor is the app's child: it ends with the app
     job = ("job", "the advisor job: {job, state, progress, desc, elapsed_s, error, result (once done: pick, rows)}")
     document_api(gr.api(jobs.start, api_name="advise_start", concurrency_limit=None), {
-        "preset": "one of " + ", ".join(handlers.manager.presets),
+        "preset": "one of " + ", ".join(handlers.serving.preset_names()),
         "device": "auto, or one of " + ", ".join(r["name"] for r in handlers.devices_report())
                   + " (/system says which are available here)",
         "size": "WIDTHxHEIGHT, one of the preset's buckets ('' for its first)",
