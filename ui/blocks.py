@@ -19,7 +19,7 @@ from ui import advisor, buckets, compare, generate, generate_video, mcp, system
 from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
-from ui.handlers import Handlers, UIDefaults
+from ui.handlers import PAGE_KINDS, PageHandlers, UIDefaults, UIState
 from ui.metrics import MetricsRoute
 from ui.openai_api import ApiKeys, OpenAIRoutes
 from ui.openai_edits import read_edit_call
@@ -124,16 +124,25 @@ def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> di
     return kwargs
 
 
+def page_handlers(serving: Serving, defaults: UIDefaults | None, guard: EdgeGuard) -> PageHandlers:
+    """Each page's own handlers, sharing one UIState (runs for /cancel, memoised keys, the device report)."""
+    state = UIState(serving.cancel)
+    pages = PageHandlers(*(kind(serving, defaults, state) for kind in PAGE_KINDS))
+    for handlers in pages:
+        handlers.edge = guard
+    return pages
+
+
 def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size: int = 64,
-               handlers: Handlers | None = None, edge: EdgeConfig | None = None) -> gr.Blocks:
+               edge: EdgeConfig | None = None) -> gr.Blocks:
     """The app. `queue_size` bounds the events waiting for each action (beyond it users are told the
     queue is full); `edge`: the web edge's bounds (default: per-client bounds in public mode only)."""
-    h = handlers or Handlers(serving, defaults)
     if edge is None:
         edge = EdgeConfig(client_events=CLIENT_EVENTS if serving.public() else None,
                           **({"sockets": public_bounds()} if serving.public() else {}))
     guard = EdgeGuard(EdgeConfig(**{**edge.__dict__, "group_queue": queue_size}))
-    h.edge = guard
+    pages = page_handlers(serving, defaults, guard)
+    h = pages.shared
     queue_statistics_off()  # read by Gradio's queue when demo.queue() creates it
     with gr.Blocks(title="Diffusion Showcase", delete_cache=(900, 3600), analytics_enabled=False) as demo:
         gr.Markdown(
@@ -143,18 +152,18 @@ def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size:
         )
         engine_line = gr.Markdown(elem_id="engine-line")
         with gr.Tabs() as tabs:
-            settings = generate.build(h, demo, engine_line)
-            generate_video.build(h)  # clips from the video presets (ui/generate_video.py), /generate_video
-            buckets_tab = buckets.build(h)
-            compare.build(h)
-            advisor.build(h, settings, tabs)
-            system.build(h)
+            settings = generate.build(pages.generate, demo, engine_line)
+            generate_video.build(pages.generate)  # clips from the video presets (ui/generate_video.py)
+            buckets_tab = buckets.build(pages.buckets)
+            compare.build(pages.compare)
+            advisor.build(pages.advisor, settings, tabs)
+            system.build(pages.system)
         gr.api(h.cancel_api, api_name="cancel", concurrency_limit=None)  # runs of both Generate and Compare
-        demo.advice_jobs = mcp.advisor_api(h)  # the advisor as a start/poll pair (API and MCP tools)
+        demo.advice_jobs = mcp.advisor_api(pages.advisor)  # the advisor as a start/poll pair (API and MCP tools)
 
         # One status read per second refreshes the board, the engine line and the size labels.
         last = gr.State({})
-        gr.on([gr.Timer(h.defaults.poll_s).tick, demo.load], h.tick,
+        gr.on([gr.Timer(h.defaults.poll_s).tick, demo.load], pages.buckets.tick,
               [settings.preset, settings.device, settings.precision, settings.mode, last, settings.tp,
                settings.memory],
               [buckets_tab.board, engine_line, settings.size, buckets_tab.engine, last], **FAST)

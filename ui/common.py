@@ -176,25 +176,36 @@ def key_fields(preset, device, precision, tp) -> tuple[int, str]:
     return tp, str(parallel) if tp > 1 and parallel.context else "tensor"
 
 
-class HandlerBase:
-    """The serving interface, the UI defaults, memoised lookups and the runs in flight (for /cancel)."""
+class UIState:
+    """What every page's handlers share: the runs in flight (one /cancel stops a session's Generate and
+    Compare alike), memoised engine keys, each session's engine and the device report."""
 
-    def __init__(self, serving: Serving, defaults: UIDefaults | None = None):
+    def __init__(self, cancel):
+        self.runs = RunRegistry(cancel)
+        # Both hold what visitors typed: bounded, so a visitor who types a million names costs nothing.
+        self.keys = LRU()  # (preset, device, precision, tp, caller, levers) -> EngineKey or error
+        self.current = LRU(4 * MEMO_ENTRIES)  # session -> the EngineKey of its last request (public: its own)
+        self.devices_report: list[dict] | None = None
+        self.lock = threading.Lock()
+
+
+class HandlerBase:
+    """The serving interface, the UI defaults and the state the pages share (`state`: a page's own when None)."""
+
+    def __init__(self, serving: Serving, defaults: UIDefaults | None = None, state: UIState | None = None):
         self.serving = serving
         self.defaults = defaults or UIDefaults()
-        self.runs = RunRegistry(serving.cancel)
-        # Both hold what visitors typed: bounded, so a visitor who types a million names costs nothing.
-        self._keys = LRU()  # (preset, device, precision, tp, caller, levers) -> EngineKey or error
-        self._current = LRU(4 * MEMO_ENTRIES)  # session -> the EngineKey of its last request (public: its own)
-        self._devices_report: list[dict] | None = None
-        self._lock = threading.Lock()
+        self.state = state or UIState(serving.cancel)
+        self.runs = self.state.runs
+        self._keys, self._current, self._lock = self.state.keys, self.state.current, self.state.lock
         self.edge = None  # the web edge (ui/edge.py EdgeGuard), set by build_demo
 
     # -- lookups (memoised: device probes do not change while the server runs) -------------------
     def devices_report(self, refresh: bool = False) -> list[dict]:
-        if self._devices_report is None or refresh:
-            self._devices_report = self.serving.devices_report()  # under --ray: the cluster's
-        return self._devices_report
+        state = self.state
+        if state.devices_report is None or refresh:
+            state.devices_report = self.serving.devices_report()  # under --ray: the cluster's
+        return state.devices_report
 
     def run_slots(self) -> int:
         """Handlers that may run requests at once. Each engine runs one request at a time in its worker
