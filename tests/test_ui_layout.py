@@ -202,6 +202,22 @@ def attribute_uses(path: Path, alias: str) -> set[str]:
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == alias}
 
 
+def serving_uses() -> set[str]:
+    """Every member the UI reads of the serving interface it is given (`serving.X`, `self.serving.X`, ...)."""
+    return {n.attr for path in UI.glob("*.py") for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute) and (isinstance(n.value, ast.Name) and n.value.id == "serving"
+                                                  or isinstance(n.value, ast.Attribute) and n.value.attr == "serving")}
+
+
+def test_the_ui_uses_only_the_serving_interface_and_the_manager_implements_it(manager):
+    from engine.serving.interface import Serving
+
+    members = {name for name in {*vars(Serving), *Serving.__annotations__} if not name.startswith("_")}
+    assert serving_uses() - members == set(), "the UI reads something the Serving protocol does not declare"
+    serving = manager.serving()
+    assert sorted(name for name in members if not hasattr(serving, name)) == []
+
+
 @pytest.mark.parametrize("path", sorted(UI.glob("*.py")), ids=lambda p: p.name)
 def test_ui_modules_use_only_the_engines_contract(path):
     for module, name in imports(path):

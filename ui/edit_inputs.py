@@ -10,7 +10,7 @@ from __future__ import annotations
 import gradio as gr
 
 from engine.errors import ShowcaseError
-from ui.common import FAST, to_gradio_error
+from ui.common import FAST, HandlerBase, to_gradio_error
 from ui.uploads import uploads
 
 MAX_SOURCE_PIXELS = 4096 * 4096  # engine/config/images.py MAX_INPUT_PIXELS: what the gate lets through
@@ -21,7 +21,7 @@ class EditInputs:
     """The handlers behind the image area's visibility and "Edit this" (`h`: the tab's GenerateHandlers: its
     serving interface's presets and the visitor's)."""
 
-    def __init__(self, h):
+    def __init__(self, h: HandlerBase):
         self.h = h
 
     def _inputs(self, preset: str):

@@ -42,6 +42,7 @@ from ui.advisor import (
     DEFAULT_FIDELITY_POINTS,
     DEFAULT_MIN_PSNR,
     AdvisorForm,
+    AdvisorHandlers,
     advisor_messages,
 )
 from ui.common import document_api
@@ -318,7 +319,7 @@ JOBS_KEPT = 16  # finished advisor jobs whose results stay readable (the oldest 
 class AdviceJobs:
     """/advise_start and /advise_poll: the Advisor tab's child process, run in the background."""
 
-    def __init__(self, handlers):
+    def __init__(self, handlers: AdvisorHandlers):
         self.h = handlers
         self._jobs: OrderedDict[str, dict] = OrderedDict()
         self._lock = threading.Lock()
@@ -403,7 +404,7 @@ def _stop(child: subprocess.Popen) -> None:
                 pass
 
 
-def advisor_api(handlers) -> AdviceJobs:
+def advisor_api(handlers: AdvisorHandlers) -> AdviceJobs:
     """The start/poll pair as API endpoints (so MCP tools), inside the Blocks, each parameter named with what
     it takes and the job's JSON typed."""
     jobs = AdviceJobs(handlers)

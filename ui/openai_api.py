@@ -57,7 +57,7 @@ from engine.protocol import Mode, Precision, step_cache_forms
 from engine.serving import stream
 from engine.serving.stream import Run
 from ui import quietlog
-from ui.common import ENGINE_QUEUE
+from ui.common import ENGINE_QUEUE, HandlerBase
 from ui.keyguard import KeyGuard, retry_after
 from ui.openai_store import OutputStore
 
@@ -492,7 +492,7 @@ def hold_turn(h, client: str, held: ExitStack) -> None:
 class OpenAIRoutes:
     """The /v1 routes on the app's handlers (ui/handlers.py): their serving interface, defaults, runs and web edge."""
 
-    def __init__(self, handlers, keys: ApiKeys, videos=None, read_edit=None):
+    def __init__(self, handlers: HandlerBase, keys: ApiKeys, videos=None, read_edit=None):
         # read_edit: (routes, request, caller) -> ImagesCall, POST /v1/images/edits' reader (ui/openai_edits.py)
         self.h, self.keys, self.read_edit = handlers, keys, read_edit
         self.videos = videos  # the /v1/videos jobs (ui/openai_videos.py VideoJobs), or None: no videos API

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from engine.config.request import Caller, ImageRequest
 from engine.serving import stream
 from engine.serving.stream import Run
+from ui.common import HandlerBase
 from ui.openai_api import PREFIX, ApiError, api_error, hold_turn
 
 JOBS_KEPT = 32
@@ -148,7 +149,7 @@ def frames_asked(form: dict, fps_default: int) -> str | None:
 class VideoJobs:
     """The /v1/videos routes on the app's handlers (their serving interface, defaults, runs and web edge)."""
 
-    def __init__(self, handlers, kept: int = JOBS_KEPT):
+    def __init__(self, handlers: HandlerBase, kept: int = JOBS_KEPT):
         self.h, self.kept = handlers, kept
         self.jobs: OrderedDict[str, VideoJob] = OrderedDict()
         self.tasks: set[asyncio.Task] = set()
