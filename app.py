@@ -20,6 +20,8 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine import settings
 from engine.config.flags import OneLineParser, add_engine_arguments, add_fields, options_from_args
@@ -39,6 +41,12 @@ from engine.serving.flags import (
     resolve_hosting,
 )
 from engine.serving.hosting import Runtime
+
+if TYPE_CHECKING:
+    from engine.fleet.config import FleetConfig
+    from engine.protocol import EngineKey
+    from engine.serving.interface import Serving
+    from engine.serving.manager import EngineManager
 
 log = logging.getLogger("app")
 
@@ -184,9 +192,9 @@ class DefaultEngine:
         return cls(args.preset, args.device, args.precision, args.mode, args.tp, args.parallel,
                    lora=args.lora or "none")
 
-    def key(self, manager):
-        """Its EngineKey (ShowcaseError when the manager cannot make one)."""
-        return manager.gate.make_key(self.preset, self.device, self.precision, self.tp, parallel=self.parallel)
+    def key(self, serving: Serving) -> EngineKey:
+        """Its EngineKey (ShowcaseError when the serving interface cannot make one)."""
+        return serving.make_key(self.preset, self.device, self.precision, self.tp, parallel=self.parallel)
 
     def served_by(self, key) -> DefaultEngine:
         """The same selectors pointed at an attached engine's key."""
@@ -231,18 +239,18 @@ def parse_auth(value: str | None) -> tuple[str, str] | None:
     return user, password
 
 
-def prewarm(manager, engine: DefaultEngine, warm: str, aot_repo: str | None = None) -> None:
+def prewarm(serving: Serving, engine: DefaultEngine, warm: str, aot_repo: str | None = None) -> None:
     """Start the default engine now; its worker loads the weights and warms the buckets (`warm`) by itself."""
     try:
-        key = engine.key(manager)
+        key = engine.key(serving)
         if aot_repo:
-            pull_packages(manager, aot_repo, engine.preset)
-        client = manager.engine(key)
+            pull_packages(serving.cache_dir, aot_repo, engine.preset)
+        client = serving.engine(key)
         log.info("loading %s; then compiling its %s buckets (%s) in the background", key, engine.mode, warm)
         if not client.wait_ready(timeout=900):
             log.warning("engine %s is still loading after 900 s", key)
             return
-        row = next((r for r in manager.residency.status_rows() if r["engine"] == str(key)), {})
+        row = next((r for r in serving.status_rows() if r["engine"] == str(key)), {})
         # Its start-up compiles are asked for just after it says it is ready: they are not on its board yet.
         log.info("engine %s ready in %.1f s; %s", key, row.get("load_s") or 0.0,
                  "no start-up compiles (--warm none)" if warm == "none" else
@@ -253,11 +261,11 @@ def prewarm(manager, engine: DefaultEngine, warm: str, aot_repo: str | None = No
         log.warning("could not start the default engine: %s", exc)
 
 
-def pull_packages(manager, repo: str, preset: str) -> None:
+def pull_packages(cache_dir: Path, repo: str, preset: str) -> None:
     """Download the Hub repo's aot packages of the default preset that are not here yet."""
     from engine.pipeline import aot_hub
 
-    root = settings.aot_dir() or manager.cache_dir / "aot"
+    root = settings.aot_dir() or cache_dir / "aot"
     try:
         fetched = aot_hub.pull_packages(repo, root, preset=preset)
         log.info("aot packages from %s: %d new file(s) in %s", repo, len(fetched), root)
@@ -269,7 +277,7 @@ ATTACH_WAIT_S = 15.0  # at start-up, how long to wait for an attached sidecar be
 UI_TP_CHOICES = (1, 2, 4, 8)  # the UI's tensor-parallel dropdown (ui/blocks.py); other counts: the API
 
 
-def attach_sidecar(manager, args):
+def attach_sidecar(manager: EngineManager, args):
     """--tp-address: attach (and keep re-attaching) to a sidecar the host started. Once attached within
     ATTACH_WAIT_S its engine is the default one. Returns (attacher, its key or None)."""
     from engine.tp.attach import SidecarAttacher
@@ -309,16 +317,17 @@ def apply_advice(engine: DefaultEngine, path: str) -> DefaultEngine:
                                lora=pick["lora"] if pick["lora"] != "none" else engine.lora)
 
 
-def check_engine_room(args, manager, device: str) -> str | None:
+def check_engine_room(args, serving: Serving, device: str) -> str | None:
     """What is wrong with --memory-budget on `device`, if anything: it must hold the smallest engine there,
     a worker process (DeviceSpec.process_overhead_bytes) beside this process's own memory where the
     device's memory is the host's. Checked before any engine starts."""
     from engine import devices  # imports torch: only once the flags are parsed
 
-    if manager.hosting.memory_budget is None:
+    budget = serving.memory_budget()
+    if budget is None:
         return None
-    need = devices.get_device(device).process_overhead_bytes + manager.budgets.app_bytes(device)
-    if manager.hosting.memory_budget >= need:
+    need = devices.get_device(device).process_overhead_bytes + serving.app_bytes(device)
+    if budget >= need:
         return None
     return (f"argument --memory-budget: {args.memory_budget} leaves no room for an engine on {device} (a worker "
             f"process there is estimated at {need / GIB:.2f} GiB with this server's own memory); allowed: at "
@@ -380,7 +389,7 @@ def prepare_runtime(hosting: HostingChoice) -> None:
         import spaces  # noqa: F401 - before torch touches CUDA (ZeroGPU patches it)
 
 
-def build_manager(parser, args, engine: DefaultEngine, hosting: HostingChoice):
+def build_manager(parser, args, engine: DefaultEngine, hosting: HostingChoice) -> EngineManager:
     """The engine manager with its default engine's key; exits naming the flag when --memory-budget leaves
     no room for that engine."""
     from engine.serving.manager import make_manager
@@ -391,21 +400,23 @@ def build_manager(parser, args, engine: DefaultEngine, hosting: HostingChoice):
     advised = {"attention_backend": engine.attention_backend} if engine.attention_backend else {}
     if engine.lora != "none":
         advised["loras"] = True  # a style needs the slot
-    manager = make_manager(args, options_from_args(args, warm_sizes=sizes, warm_modes=modes, **advised),
-                           hosting_config(args, hosting, engine.preset))
-    join_fleet(manager)  # before the default engine's key: under --ray its device is looked for on the nodes
+    config = hosting_config(args, hosting, engine.preset)
+    manager = make_manager(args, options_from_args(args, warm_sizes=sizes, warm_modes=modes, **advised), config)
+    join_fleet(config.fleet, manager)  # before the default engine's key: under --ray its device is on the nodes
+    serving = manager.serving()
     try:
-        manager.default_key = engine.key(manager)
+        manager.default_key = engine.key(serving)
     except ShowcaseError as exc:  # the UI still starts and shows the reason
         log.warning("default engine %s/%s/%s: %s", engine.preset, engine.device, engine.precision, exc)
-    problem = manager.default_key and check_engine_room(args, manager, manager.default_key.device)
+    default = manager.default_key
+    problem = default and check_engine_room(args, serving, default.device)
     if problem:
         manager.shutdown()
         parser.error(problem)
     return manager
 
 
-def attach_default(manager, args, engine: DefaultEngine):
+def attach_default(manager: EngineManager, args, engine: DefaultEngine):
     """--tp-address: the attached sidecar becomes the default engine (the UI's too, where its rank count is one
     of the UI's). Returns (attacher or None, the default engine)."""
     if not args.tp_address:
@@ -419,14 +430,14 @@ def attach_default(manager, args, engine: DefaultEngine):
     return attacher, engine
 
 
-def start_default_engine(manager, args, engine: DefaultEngine, hosting: HostingChoice) -> None:
+def start_default_engine(serving: Serving, args, engine: DefaultEngine, hosting: HostingChoice) -> None:
     """Load the default engine: before launch on ZeroGPU, else in the background while the UI comes up."""
     if hosting.runtime is Runtime.INPROCESS and settings.zero_gpu():
         # ZeroGPU packs the weights and registers the GPU functions when the app launches: the default
         # engine must be loaded (and its GPU call decorated) before that.
-        prewarm(manager, engine, args.warm, args.aot_repo)
+        prewarm(serving, engine, args.warm, args.aot_repo)
         try:
-            manager.engine(manager.gate.make_key(engine.preset, engine.device, engine.precision)).wait_ready(timeout=900)
+            serving.engine(serving.make_key(engine.preset, engine.device, engine.precision)).wait_ready(timeout=900)
         except Exception as exc:
             log.warning("the default engine did not load before launch: %s", exc)
         return
@@ -438,19 +449,19 @@ def start_default_engine(manager, args, engine: DefaultEngine, hosting: HostingC
         import transformers
 
         diffusers.DiffusionPipeline, transformers.PreTrainedModel  # noqa: B018 - resolves the lazy modules
-    threading.Thread(target=prewarm, args=(manager, engine, args.warm, args.aot_repo), name="prewarm",
+    threading.Thread(target=prewarm, args=(serving, engine, args.warm, args.aot_repo), name="prewarm",
                      daemon=True).start()
 
 
-def launch_ui(manager, args, engine: DefaultEngine, public: bool, auth):
-    """Build the Gradio app and start serving it (without blocking); returns the demo."""
+def launch_ui(serving: Serving, args, engine: DefaultEngine, public: bool, auth):
+    """Build the Gradio app on the serving interface and start serving it (without blocking); returns the demo."""
     from ui import UIDefaults, build_demo, launch_kwargs, webtemp
 
-    outputs = webtemp.use_cache_folder(manager.cache_dir)  # before the app is built: Gradio reads it then
+    outputs = webtemp.use_cache_folder(serving.cache_dir)  # before the app is built: Gradio reads it then
     defaults = UIDefaults(preset=engine.preset, device=engine.device, precision=engine.precision, mode=engine.mode,
                           tp=engine.tp, parallel=engine.parallel, admin_token=args.admin_token,
                           step_cache=engine.step_cache, lora=engine.lora, api_keys=args.api_keys)
-    demo = build_demo(manager, defaults, queue_size=args.queue_size, edge=edge_config(args, public))
+    demo = build_demo(serving, defaults, queue_size=args.queue_size, edge=edge_config(args, public))
     demo.web_temp = outputs
     demo.launch(
         server_name=args.host,
@@ -480,22 +491,23 @@ def launch_ui(manager, args, engine: DefaultEngine, public: bool, auth):
     return demo
 
 
-def join_fleet(manager) -> None:
-    """--ray: make this process a driver of the cluster (ray is imported here and nowhere without --ray)."""
-    if manager.hosting.fleet is None:
+def join_fleet(fleet: FleetConfig | None, manager: EngineManager) -> None:
+    """--ray (`fleet`): make this process a driver of the cluster (ray is imported here and nowhere without
+    --ray); the manager's engines stop when it cannot."""
+    if fleet is None:
         return
     from engine.fleet.cluster import join
 
     try:
-        join(manager.hosting.fleet)
+        join(fleet)
     except ShowcaseError:
         manager.shutdown()
         raise
 
 
-def leave_fleet(manager) -> None:
+def leave_fleet(serving: Serving) -> None:
     """After the engines closed: disconnect from the cluster, which ends any actor of this app still there."""
-    if manager.hosting.fleet is not None:
+    if serving.fleet():
         from engine.fleet.cluster import leave
 
         leave()
@@ -506,17 +518,17 @@ def on_sigterm(signum, frame):
     raise SystemExit(0)
 
 
-def serve(manager, args, engine: DefaultEngine, hosting: HostingChoice, auth) -> int:
+def serve(manager: EngineManager, args, engine: DefaultEngine, hosting: HostingChoice, auth) -> int:
     """Attach or start the default engine, serve the UI until stopped, then stop every engine."""
     import gradio as gr  # noqa: F401 - after GRADIO_ANALYTICS_ENABLED is set
 
-    demo = None
+    demo, serving = None, manager.serving()
     attacher, engine = attach_default(manager, args, engine)
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         if attacher is None:  # with --tp-address the sidecar is the default engine: nothing to start here
-            start_default_engine(manager, args, engine, hosting)
-        demo = launch_ui(manager, args, engine, hosting.public, auth)
+            start_default_engine(serving, args, engine, hosting)
+        demo = launch_ui(serving, args, engine, hosting.public, auth)
         from engine.devices.environment import remove_empty_default_inductor_folder
 
         remove_empty_default_inductor_folder()  # torch made it at import in the system temp; nothing here compiles
@@ -528,7 +540,7 @@ def serve(manager, args, engine: DefaultEngine, hosting: HostingChoice, auth) ->
         if attacher is not None:
             attacher.stop()  # an attached sidecar is only disconnected: it keeps running for the next app
         manager.shutdown()
-        leave_fleet(manager)
+        leave_fleet(serving)
         if demo is not None:
             demo.close()
             from ui import webtemp

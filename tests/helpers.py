@@ -181,7 +181,7 @@ def launch_demo(manager, defaults=None, queue_size: int = 8, edge=None, **launch
     arguments of demo.launch (e.g. mcp_server=True)."""
     from ui import build_demo, launch_kwargs
 
-    demo = build_demo(manager, defaults, queue_size=queue_size, edge=edge)
+    demo = build_demo(manager.serving(), defaults, queue_size=queue_size, edge=edge)
     port = free_port()
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, ssr_mode=False, quiet=True,
                 **launch_kwargs(demo=demo), **launch)

@@ -282,7 +282,7 @@ def test_three_engines_compile_inside_the_cache_folder_after_diffusers_was_impor
             print(f"{engine.key}: {bucket} warm, compile {info.compile_s:.1f} s, {info.cache_hits} cache hits, "
                   f"{info.cache_misses} misses")
         reported = {str(e.key): e.folders() for e in manager.residency.engines()}
-        report = system_report(manager, [{"name": "cpu", "label": "CPU", "available": True}])
+        report = system_report(manager.serving(), [{"name": "cpu", "label": "CPU", "available": True}])
     outside = _files(inherited)
     print(f"3 engines: {len(outside)} files under the system temp folder's inductor cache")
     assert len(reported) == 3

@@ -18,7 +18,7 @@ class _Progress:
 
 @pytest.fixture(scope="module")
 def handlers(manager):
-    return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+    return Handlers(manager.serving(), UIDefaults(device="cpu", mode="eager"))
 
 
 def source(tmp_path) -> str:

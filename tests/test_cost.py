@@ -289,7 +289,7 @@ def test_handlers_refuse_over_budget_with_what_fits(public):
 
     from ui.handlers import Handlers, UIDefaults
 
-    h = Handlers(public, UIDefaults(device="cpu", mode="eager", preset="tiny-shapes"))
+    h = Handlers(public.serving(), UIDefaults(device="cpu", mode="eager", preset="tiny-shapes"))
     with pytest.raises(gr.Error, match="this comparison costs 36,864 token-steps .* at most 6 configurations × 5 "
                                        "images each or 2 configurations × 12 images each at 8 steps"):
         list(h.compare(prompt="a red circle on a blue background", preset="tiny-shapes", size="64x64",

@@ -310,22 +310,33 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
 
     from engine.errors import EngineBusy
     from engine.serving.manager import HostPolicy
+    from engine.serving.stream import request_events
     from ui.common import UIDefaults
     from ui.generate import GenerateHandlers
 
     class Recorder:
-        presets, policy, calls = {}, HostPolicy(), []
+        """Stands in for the serving interface (engine/serving/interface.py)."""
+
+        calls: list = []
+        status_rows, compiles = list, dict
+
+        def serving(self):
+            return self
+
+        def public(self):
+            return HostPolicy().public
 
         def make_key(self, preset, device, precision, tp=1, caller=None, parallel="tensor"):
             return EngineKey(preset, device, precision, tp, parallel)
 
-        @property
-        def gate(self):
-            return fake_gate(self.make_key)
+        def admit(self, spec, ticket=None):
+            return fake_gate(self.make_key).admit(spec)
 
-        @property
-        def residency(self):  # an engine that never gets ready
-            return SimpleNamespace(get=lambda key: SimpleNamespace(ready=threading.Event()), status_rows=list)
+        def loaded_engine(self, key):  # an engine that never gets ready
+            return SimpleNamespace(ready=threading.Event())
+
+        def events(self, spec, **options):
+            return request_events(self, spec, **options)
 
         def generate(self, spec, **hooks):
             self.calls.append(spec)
@@ -335,7 +346,7 @@ def test_the_ui_ranks_choice_reaches_the_manager_with_its_layout():
             return False
 
     manager = Recorder()
-    handlers = GenerateHandlers(manager, UIDefaults(device="cpu", tp=2, parallel="ulysses"))
+    handlers = GenerateHandlers(manager.serving(), UIDefaults(device="cpu", tp=2, parallel="ulysses"))
     run = handlers.generate(prompt="fox", negative_prompt="", preset=PRESET, device="cpu", precision="fp32",
                             mode="eager", size="64x64", steps=4, guidance=3.5, seed=0, on_cold="eager", tp="2 · ring",
                             request=None, progress=RecordingProgress())

@@ -247,7 +247,7 @@ def test_clients_are_their_address_and_a_forwarded_header_counts_only_from_a_tru
 @pytest.fixture(scope="module")
 def local_handlers(cache_dir, tiny_models):
     with engine_manager(cache_dir) as m:
-        yield Handlers(m, UIDefaults(device="cpu", mode="eager"))
+        yield Handlers(m.serving(), UIDefaults(device="cpu", mode="eager"))
 
 
 def test_an_os_error_names_the_condition_and_no_path():
@@ -281,7 +281,7 @@ def test_a_bad_local_path_names_the_preset_and_no_internal_error(local_handlers,
 
 
 def test_the_largest_documented_seed_is_accepted_as_text(local_handlers):
-    preset = local_handlers.manager.catalog.preset("tiny-flux")
+    preset = local_handlers.serving.preset("tiny-flux")
     request, _ = build_request(preset, ImageRequest(preset.name, prompt="x", width=64, height=64,
                                                     seed=str(MAX_SEED)))
     assert request.seed == 2**63 - 1
@@ -300,9 +300,9 @@ def test_what_visitors_typed_is_remembered_in_a_bounded_cache(local_handlers):
 def test_the_web_servers_memory_is_counted_in_the_cpu_budget(local_handlers):
     from engine.serving.budget import plan_room
 
-    manager = local_handlers.manager
-    assert manager.budgets.app_bytes("cpu") > 50 * 2**20
-    assert manager.host_status()["devices"].get("cpu", {"web_server_gib": 1})["web_server_gib"] >= 0
+    serving = local_handlers.serving
+    assert serving.app_bytes("cpu") > 50 * 2**20
+    assert serving.host_status()["devices"].get("cpu", {"web_server_gib": 1})["web_server_gib"] >= 0
     plan = plan_room(3, DeviceBudget("cpu", 10, 4, "test"), [], reserved=8)
     assert not plan.fits and "web server" in plan.reason
 
@@ -319,7 +319,7 @@ def test_system_hides_secrets_by_value_and_shows_the_workers_cache_folders(cache
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     with engine_manager(tmp_path / "cache") as manager:
-        report = system_report(manager, [{"name": "cpu", "label": "CPU", "available": True}])
+        report = system_report(manager.serving(), [{"name": "cpu", "label": "CPU", "available": True}])
     inductor = str(tmp_path / "cache" / "inductor")
     assert report["environment"]["TORCHINDUCTOR_CACHE_DIR"] == inductor
     assert inductor in [row["location"] for row in report["caches"]]

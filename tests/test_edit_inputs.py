@@ -13,7 +13,7 @@ from ui.handlers import Handlers, UIDefaults
 
 @pytest.fixture(scope="module")
 def edits(manager):
-    return EditInputs(Handlers(manager, UIDefaults(device="cpu", mode="eager")))
+    return EditInputs(Handlers(manager.serving(), UIDefaults(device="cpu", mode="eager")))
 
 
 def test_the_image_area_follows_what_the_preset_takes(edits):

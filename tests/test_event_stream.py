@@ -154,13 +154,13 @@ def _has_mcp() -> bool:
 
 
 def test_the_pages_handler_reads_the_stream(manager, opened):
-    handlers = Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+    handlers = Handlers(manager.serving(), UIDefaults(device="cpu", mode="eager"))
     outputs = list(handlers.generate(**FORM, request=None, progress=Progress()))
     assert len(opened) == 1 and outputs[-1][1]["cancelled"] is False and outputs[-1][0].size == (64, 64)
 
 
 def test_the_generate_api_handler_reads_the_stream(manager, opened):
-    handlers = Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+    handlers = Handlers(manager.serving(), UIDefaults(device="cpu", mode="eager"))
 
     async def main():
         return [out async for out in handlers.generate_api(request=None, progress=Progress(),

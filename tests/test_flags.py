@@ -147,12 +147,13 @@ def test_a_budget_that_holds_no_engine_on_its_device_is_refused():
     from engine import devices
 
     overhead = devices.get_device("cpu").process_overhead_bytes
-    manager = SimpleNamespace(hosting=SimpleNamespace(memory_budget=overhead), budgets=SimpleNamespace(app_bytes=lambda device: 300 * 2**20))
-    problem = app.check_engine_room(SimpleNamespace(memory_budget="700MiB"), manager, "cpu")
+    budget = [overhead]
+    serving = SimpleNamespace(memory_budget=lambda: budget[0], app_bytes=lambda device: 300 * 2**20)
+    problem = app.check_engine_room(SimpleNamespace(memory_budget="700MiB"), serving, "cpu")
     assert problem.startswith("argument --memory-budget: 700MiB leaves no room for an engine on cpu")
     assert "allowed: at least" in problem
-    manager.hosting.memory_budget = overhead + 300 * 2**20
-    assert app.check_engine_room(SimpleNamespace(memory_budget="1GiB"), manager, "cpu") is None
+    budget[0] = overhead + 300 * 2**20
+    assert app.check_engine_room(SimpleNamespace(memory_budget="1GiB"), serving, "cpu") is None
 
 
 def test_help_shows_the_registrys_per_device_defaults_as_the_readme_does():

@@ -40,10 +40,10 @@ args = parser.parse_args(["--device", "cpu", "--mode", "eager", "--warm", "none"
 engine = app.check_flags(parser, args)
 hosting = app.resolve_hosting(args, engine.mode)
 manager = app.build_manager(parser, args, engine, hosting)
-app.join_fleet(manager)
+app.join_fleet(None, manager)
 manager.engine(manager.default_key).wait_ready(120)
 manager.shutdown()
-app.leave_fleet(manager)
+app.leave_fleet(manager.serving())
 """
 
 
@@ -242,7 +242,7 @@ def test_a_request_names_a_node_and_the_cluster_is_the_device_list(fleet_manager
     with pytest.raises(DeviceUnavailable, match="with chip H100"):
         fleet_manager.gate.make_key(PRESET, "cpu:H100", "fp32")
 
-    report = {r["name"]: r for r in fleet_manager.devices_report()}
+    report = {r["name"]: r for r in fleet_manager.serving().devices_report()}
     assert report["cpu"]["available"] and report["cpu"]["nodes"] == ["host-a", "host-b"] and report["cpu"]["auto"]
     assert report["cpu:node:host-a"]["nodes"] == ["host-a"]
     assert not report["cuda"]["available"] and "GPU" in report["cuda"]["reason"]
@@ -306,12 +306,12 @@ def test_a_replica_on_a_lost_node_is_replaced_and_the_others_keep_serving(cache_
 def test_a_node_that_joins_later_is_listed_and_used_by_its_chip(fleet_manager, ray_cluster):
     from engine.config.request import ImageRequest
 
-    assert "cpu:T4" not in {r["name"] for r in fleet_manager.devices_report()}
+    assert "cpu:T4" not in {r["name"] for r in fleet_manager.serving().devices_report()}
     # a node whose chip Ray would report as T4 (accelerator_type), joining while the app runs
     late = ray_cluster.add_node(**{**fleet_node_args("host-c"), "resources": {"host-c": 1, "accelerator_type:T4": 1}})
     try:
         ray_cluster.wait_for_nodes()
-        report = {r["name"]: r for r in fleet_manager.devices_report()}
+        report = {r["name"]: r for r in fleet_manager.serving().devices_report()}
         assert report["cpu:T4"]["nodes"] == ["host-c"] and report["cpu:T4"]["label"] == "T4 · 1 node(s)"
         result = fleet_manager.generate(ImageRequest(PRESET, prompt="a red circle", device="cpu:T4", precision="fp32",
                                                      mode="eager", size="64x64", steps=2), timeout=300)
@@ -355,7 +355,7 @@ hosting = app.resolve_hosting(args, engine.mode)
 manager = app.build_manager(parser, args, engine, hosting)
 print("DEFAULT", manager.default_key, file=sys.stderr, flush=True)
 manager.shutdown()
-app.leave_fleet(manager)
+app.leave_fleet(manager.serving())
 """
 
 

@@ -399,7 +399,7 @@ def test_compare_draws_one_card_per_adapter_named_in_its_caption(styled_manager)
     ImageRequest carries it), priced against the same eager fp32 reference as every configuration."""
     from ui.handlers import Handlers, UIDefaults
 
-    handlers = Handlers(styled_manager, UIDefaults(device="cpu", mode="eager"))
+    handlers = Handlers(styled_manager.serving(), UIDefaults(device="cpu", mode="eager"))
     typed = "eager/fp32+lora=swap; eager/fp32+lora=corner:0.5; eager/fp32+lora=nope; eager/int8wo+lora=swap:fused"
     check = handlers.check_configurations("tiny-shapes", ["cpu"], typed)
     assert "✓ `cpu/fp32/eager+lora=swap`" in check and "✓ `cpu/fp32/eager+lora=corner:0.5`" in check
@@ -437,7 +437,7 @@ def test_the_generate_page_starts_at_the_hosts_style_and_a_pick_takes_its_scale(
     from ui.generate import GenerateHandlers
     from ui.handlers import UIDefaults
 
-    handlers = GenerateHandlers(styled_manager, UIDefaults(device="cpu", mode="eager", lora="corner:0.5:fused"))
+    handlers = GenerateHandlers(styled_manager.serving(), UIDefaults(device="cpu", mode="eager", lora="corner:0.5:fused"))
     with gr.Blocks() as blocks:
         tab = generate.build(handlers, blocks, gr.Markdown())
     assert (tab.lora.value, tab.lora_fused.value) == ("corner", True)
@@ -453,7 +453,7 @@ def test_compare_checkboxes_offer_each_style_unfused_and_fused(styled_manager):
     from ui import compare_views
     from ui.handlers import Handlers, UIDefaults
 
-    handlers = Handlers(styled_manager, UIDefaults(device="cpu", mode="eager"))
+    handlers = Handlers(styled_manager.serving(), UIDefaults(device="cpu", mode="eager"))
     choices = compare_views.compare_lora_choices(styled_manager.catalog.preset("tiny-shapes"), True)
     assert ("swap fused", "swap:fused") in choices and choices[0] == ("none", "none")
     assert compare_views.compare_lora_choices(styled_manager.catalog.preset("tiny-shapes"), False) == [("none", "none")]

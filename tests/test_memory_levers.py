@@ -434,7 +434,7 @@ def test_the_memory_field_lists_what_the_mode_can_run_and_the_hosts_choice(manag
     from ui import memory_views
     from ui.handlers import Handlers, UIDefaults
 
-    h = Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+    h = Handlers(manager.serving(), UIDefaults(device="cpu", mode="eager"))
     eager = h.memory_choices("tiny-shapes", "cpu", "fp32", "eager", 1, "layerwise:fp8")
     assert eager["value"] == "layerwise:fp8"
     compiled = h.memory_choices("tiny-shapes", "cpu", "fp32", "compile", 1, "layerwise:fp8")

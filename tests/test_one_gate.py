@@ -85,7 +85,7 @@ def test_a_generate_from_the_page_is_checked_once(counted, caller):
     from ui.handlers import Handlers, UIDefaults
 
     manager, counts = counted
-    handlers = Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+    handlers = Handlers(manager.serving(), UIDefaults(device="cpu", mode="eager"))
     form = dict(prompt="a red circle", negative_prompt="", preset="tiny-shapes", device="cpu", precision="fp32",
                 mode="eager", size="64x64", steps=2, guidance=3.5, seed=0, on_cold="eager")
     request = SimpleNamespace(username="host") if caller is Caller.HOST else None  # a Gradio login is the host
@@ -125,7 +125,7 @@ def test_the_page_shows_the_gates_refusal(counted):
     from ui.handlers import Handlers, UIDefaults
 
     manager, counts = counted
-    handlers = Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+    handlers = Handlers(manager.serving(), UIDefaults(device="cpu", mode="eager"))
     counts.clear()
     with pytest.raises(gr.Error, match="steps must be between 1 and"):
         list(handlers.generate(prompt="x", negative_prompt="", preset="tiny-shapes", device="cpu", precision="fp32",

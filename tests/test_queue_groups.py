@@ -58,7 +58,7 @@ def test_no_event_with_a_lower_limit_joins_the_engines_group(config, cache_dir):
     from ui.blocks import queue_groups
 
     with built(config, cache_dir) as (manager, defaults):
-        demo = build_demo(manager, defaults)
+        demo = build_demo(manager.serving(), defaults)
         slots = demo.fns[next(i for i, f in demo.fns.items() if f.api_name == "generate")].concurrency_limit
         engines = queue_groups(demo)[ENGINE_QUEUE]
         assert set(engines) == {"generate", "generate_ui", "generate_video", "compare"}, engines

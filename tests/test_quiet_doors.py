@@ -169,7 +169,7 @@ def test_gradios_per_session_tables_are_bounded_past_the_state_cap(manager):
     from ui.blocks import STATE_SESSIONS
     from ui.sessions import SESSIONS_PER_STATE
 
-    demo = build_demo(manager)
+    demo = build_demo(manager.serving())
     cap = SESSIONS_PER_STATE * STATE_SESSIONS
     for i in range(3 * cap):
         demo.pending_diff_streams[f"s{i}"]["run"] = [None] * 12  # as Gradio's handle_streaming_diffs does

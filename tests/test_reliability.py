@@ -149,7 +149,7 @@ def test_twenty_clients_times_ten_requests_no_failures_no_cross_talk(manager_and
 def test_a_full_queue_answers_busy_instead_of_hanging(manager_and_url):
     manager, _ = manager_and_url
     demo, url = launch(manager, queue_size=1)
-    slots = Handlers(manager).run_slots()  # handlers that run at once; one more waits in the queue
+    slots = Handlers(manager.serving()).run_slots()  # handlers that run at once; one more waits in the queue
     try:
         c = Client(url, verbose=False)
         jobs = [c.submit(**{**GOOD, "steps": 200, "size": "128x128", "seed": k}, api_name="/generate")

@@ -443,7 +443,7 @@ def test_launched_app_is_bounded_and_system_counts_it(app, manager):
     demo, port = app
 
     def sockets():
-        return web_server(manager, demo.edge)["edge"]["sockets"]
+        return web_server(manager.serving(), demo.edge)["edge"]["sockets"]
 
     before = sockets()
     assert before["max_header_bytes"] == 4096 and before["per_client"] == 4

@@ -36,7 +36,7 @@ class RecordingProgress:
 
 @pytest.fixture(scope="module")
 def handlers(manager):
-    return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+    return Handlers(manager.serving(), UIDefaults(device="cpu", mode="eager"))
 
 
 def fox(**overrides) -> dict:
@@ -211,18 +211,28 @@ def test_closing_the_handler_cancels_the_engine_request_between_steps(handlers, 
 
 
 class ScriptedManager:
-    """Stands in for EngineManager: an engine that loads until `loaded` is set, then `script` runs."""
-
-    presets: dict = {}
-    policy = HostPolicy()
+    """Stands in for the manager's serving interface (engine/serving/interface.py): an engine that loads until
+    `loaded` is set, then `script` runs."""
 
     def __init__(self, script=None):
         self.loaded, self.submitted = threading.Event(), threading.Event()
         self.cancelled: list[str] = []
         self.script = script
-        self.gate = fake_gate(self.make_key)
+        self.admit = fake_gate(self.make_key).admit
         # an engine loading until `loaded` is set; no earlier loads to estimate from
-        self.residency = SimpleNamespace(get=lambda key: SimpleNamespace(ready=self.loaded), status_rows=list)
+        self.status_rows, self.compiles = list, dict
+
+    def serving(self):
+        return self
+
+    def public(self):
+        return HostPolicy().public
+
+    def loaded_engine(self, key):
+        return SimpleNamespace(ready=self.loaded)
+
+    def events(self, spec, **options):
+        return request_events(self, spec, **options)
 
     def make_key(self, preset, device, precision, tp=1, caller=None, parallel="tensor"):
         return EngineKey(preset, device, precision, tp)
@@ -245,7 +255,7 @@ class ScriptedManager:
 
 def test_a_handler_closed_while_its_engine_loads_cancels_the_request_once_submitted():
     manager = ScriptedManager()
-    h = GenerateHandlers(manager, UIDefaults(device="cpu"))
+    h = GenerateHandlers(manager.serving(), UIDefaults(device="cpu"))
     gen = h.generate(**fox(), request=None, progress=RecordingProgress())
     assert next(gen)[1]["running"] is True  # the page shows the run from its start
     # a heartbeat while the engine loads (it never would: loaded waits 30 s), so Gradio can close it
@@ -266,7 +276,7 @@ def test_a_failure_mid_run_settles_the_partial_so_it_is_not_shown_as_cancelled()
 
     manager = ScriptedManager(crash_after_two_steps)
     manager.loaded.set()
-    h = GenerateHandlers(manager, UIDefaults(device="cpu"))
+    h = GenerateHandlers(manager.serving(), UIDefaults(device="cpu"))
     outputs = []
     with pytest.raises(gr.Error, match="exited with code 9"):
         for out in h.generate(**fox(), request=None, progress=RecordingProgress()):
@@ -334,7 +344,7 @@ def test_after_a_cancel_the_last_partial_is_shown_cancelled(handlers):
 
 
 def test_warm_validates_then_returns_at_once(fresh_manager):
-    handlers = Handlers(fresh_manager, UIDefaults(device="cpu", mode="eager"))  # its compile ends with it
+    handlers = Handlers(fresh_manager.serving(), UIDefaults(device="cpu", mode="eager"))  # its compile ends with it
     with pytest.raises(gr.Error, match="not a bucket"):
         handlers.warm("tiny-flux", "cpu", "fp32", "regional", "96x96")
     with pytest.raises(gr.Error, match="no warm-up"):
@@ -348,7 +358,7 @@ def test_warm_validates_then_returns_at_once(fresh_manager):
 
 
 def test_tick_fills_the_board_and_skips_unchanged_outputs(fresh_manager):
-    manager, handlers = fresh_manager, Handlers(fresh_manager, UIDefaults(device="cpu", mode="eager"))
+    manager, handlers = fresh_manager, Handlers(fresh_manager.serving(), UIDefaults(device="cpu", mode="eager"))
     manager.engine(manager.gate.make_key("tiny-flux", "cpu", "fp32")).wait_ready(timeout=120)
     board, line, sizes, engines, state = handlers.tick("tiny-flux", "cpu", "fp32", "compile", {})
     assert "tiny-flux@cpu/fp32" in list(board["engine"])

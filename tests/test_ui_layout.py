@@ -79,7 +79,7 @@ def by_name(demo: gr.Blocks, api_name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def demo(manager):
-    return build_demo(manager, UIDefaults(device="cpu", mode="eager"))
+    return build_demo(manager.serving(), UIDefaults(device="cpu", mode="eager"))
 
 
 def build_tab(name, manager):
@@ -89,18 +89,18 @@ def build_tab(name, manager):
         line = gr.Markdown()
         with gr.Tabs() as tabs:
             if name == "generate":
-                generate.build(GenerateHandlers(manager, defaults), blocks, line)
+                generate.build(GenerateHandlers(manager.serving(), defaults), blocks, line)
             elif name == "buckets":
-                buckets.build(BucketsHandlers(manager, defaults))
+                buckets.build(BucketsHandlers(manager.serving(), defaults))
             elif name == "compare":
-                compare.build(CompareHandlers(manager, defaults))
+                compare.build(CompareHandlers(manager.serving(), defaults))
             elif name == "advisor":
-                settings = generate.build(GenerateHandlers(manager, defaults), blocks, line)
-                advisor.build(AdvisorHandlers(manager, defaults), settings, tabs)
+                settings = generate.build(GenerateHandlers(manager.serving(), defaults), blocks, line)
+                advisor.build(AdvisorHandlers(manager.serving(), defaults), settings, tabs)
             elif name == "video":
-                generate_video.build(VideoHandlers(manager, defaults))
+                generate_video.build(VideoHandlers(manager.serving(), defaults))
             else:
-                system.build(SystemHandlers(manager, defaults))
+                system.build(SystemHandlers(manager.serving(), defaults))
     return blocks
 
 
@@ -143,9 +143,9 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 
 
 # -- module boundaries -----------------------------------------------------------------------------
-# The UI reaches the engine through the manager it is given (EngineManager at most for type hints), the
-# typed protocol, the error classes and the settings (every environment variable is read there). Exceptions, each in one module: ui/common.py asks
-# engine.devices and engine.pipeline.attention what the manager cannot tell (the device report, a device's
+# The UI reaches the engine through the serving interface it is given (engine/serving/interface.py: Serving,
+# never the EngineManager), the typed protocol, the error classes and the settings (every environment variable is read there). Exceptions, each in one module: ui/common.py asks
+# engine.devices and engine.pipeline.attention what the serving interface cannot tell (the device report, a device's
 # modes, the attention backends and step caches that can run), ui/compare_views.py reuses the benchmark's
 # speedup_table and quality code so the UI and the bench agree, ui/views.py hands the tabs' views the metrics'
 # median, ui/advisor.py shows the advisor's
@@ -153,7 +153,7 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 # CLI's own renderer (bench.advise_report), and ui/compare.py reads typed
 # configurations and times them with the bench's paired plan (bench.configs, bench.paired).
 ALLOWED_ENGINE_IMPORTS = {
-    "engine.protocol": None, "engine.errors": None, "engine.settings": None, "engine.serving.manager": {"EngineManager", "Caller"},
+    "engine.protocol": None, "engine.errors": None, "engine.settings": None, "engine.serving.interface": {"Serving", "Caller"},
     "engine.pipeline.attention": {"attention_table", "DEFAULT"},
     "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
     "bench": {"speedup_table"},
@@ -200,6 +200,22 @@ def imports(path: Path) -> list[tuple[str, str | None]]:
 def attribute_uses(path: Path, alias: str) -> set[str]:
     return {n.attr for n in ast.walk(ast.parse(path.read_text()))
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == alias}
+
+
+def serving_uses() -> set[str]:
+    """Every member the UI reads of the serving interface it is given (`serving.X`, `self.serving.X`, ...)."""
+    return {n.attr for path in UI.glob("*.py") for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute) and (isinstance(n.value, ast.Name) and n.value.id == "serving"
+                                                  or isinstance(n.value, ast.Attribute) and n.value.attr == "serving")}
+
+
+def test_the_ui_uses_only_the_serving_interface_and_the_manager_implements_it(manager):
+    from engine.serving.interface import Serving
+
+    members = {name for name in {*vars(Serving), *Serving.__annotations__} if not name.startswith("_")}
+    assert serving_uses() - members == set(), "the UI reads something the Serving protocol does not declare"
+    serving = manager.serving()
+    assert sorted(name for name in members if not hasattr(serving, name)) == []
 
 
 @pytest.mark.parametrize("path", sorted(UI.glob("*.py")), ids=lambda p: p.name)

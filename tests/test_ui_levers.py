@@ -79,7 +79,7 @@ class Progress:
 def handlers(manager):
     from ui.handlers import Handlers, UIDefaults
 
-    return Handlers(manager, UIDefaults(device="cpu", mode="eager"))
+    return Handlers(manager.serving(), UIDefaults(device="cpu", mode="eager"))
 
 
 def run_compare(handlers, precisions, modes, caches=None, fidelity_prompts=3,
@@ -292,9 +292,9 @@ def test_a_precision_whose_engine_is_not_loaded_says_it_loads_one_before_the_cli
     fp32 = handlers.key_for("tiny-shapes", "cpu", "fp32")
     ready = type("Engine", (), {"ready": threading.Event()})()
     ready.ready.set()
-    residency = handlers.manager.residency
-    monkeypatch.setattr(residency, "get", lambda key: ready if key == fp32 else None)
-    monkeypatch.setattr(residency, "status_rows", lambda: [{"load_s": 17.6}, {"load_s": 18.4}, {"load_s": None}])
+    serving = handlers.serving
+    monkeypatch.setattr(serving, "loaded_engine", lambda key: ready if key == fp32 else None)
+    monkeypatch.setattr(serving, "status_rows", lambda: [{"load_s": 17.6}, {"load_s": 18.4}, {"load_s": None}])
     labels = dict((value, label) for label, value in handlers.precision_labels("tiny-shapes", "cpu", 1, ""))
     assert labels["fp32"] == "fp32"  # loaded: choosing it starts nothing
     assert labels["bf16"] == "bf16 · loads a new engine: ≈ 18 s"  # the median of this host's loads

@@ -165,7 +165,7 @@ def test_the_video_bench_prints_per_clip_and_per_frame_with_the_ratio_and_spread
 def test_the_generate_page_shows_frames_and_fps_for_video_presets_only(manager):
     from ui.generate_video import VideoHandlers
 
-    h = VideoHandlers(manager)
+    h = VideoHandlers(manager.serving())
     assert h.clip_fields("tiny-wan")["visible"] is True
     assert h.clip_fields("tiny-flux")["visible"] is False
     assert "tiny-wan" in h.video_presets() and "tiny-flux" not in h.video_presets()

@@ -1,4 +1,4 @@
-"""Gradio Blocks UI on the engine's client protocol (EngineManager); engine/ never imports this."""
+"""Gradio Blocks UI on the engine's serving interface (engine/serving/interface.py); engine/ never imports this."""
 
 from ui.blocks import build_demo, launch_kwargs
 from ui.handlers import Handlers, UIDefaults

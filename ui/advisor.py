@@ -164,7 +164,7 @@ class AdvisorHandlers(HandlerBase):
         """Run the advisor (`form`: AdvisorForm's fields); streams (report markdown, results JSON, status
         line). Closing the handler (Cancel) ends the child process and its compile workers (advise_ended then
         says it was cancelled)."""
-        if self.manager.policy.public:
+        if self.serving.public():
             raise gr.Error("the advisor loads and compiles many engines: a host operation, not offered in "
                            "public mode", title="Not allowed")
         child = self.start_advisor(AdvisorForm(**form))
@@ -205,12 +205,12 @@ class AdvisorHandlers(HandlerBase):
         """`python -m bench advise --progress-json` in a child process of its own session (one JSON message
         a line on stdout: progress, then the result)."""
         try:
-            model = self.manager.catalog.preset(form.preset)
+            model = self.serving.preset(form.preset)
         except Exception as exc:
             raise to_gradio_error(exc) from None
         argv = [sys.executable, "-m", "bench", "advise", "--preset", model.name, "--device", form.device or "auto",
                 "--max-minutes", str(float(form.max_minutes or 5)), "--progress-json",
-                "--cache-dir", str(self.manager.cache_dir)]
+                "--cache-dir", str(self.serving.cache_dir)]
         if form.size:
             argv += ["--size", str(form.size)]
         if form.steps:
@@ -229,9 +229,9 @@ class AdvisorHandlers(HandlerBase):
 
     def advisor_defaults(self, preset: str):
         sizes = self.preset_sizes(preset)
-        model = self.manager.catalog.preset(preset)
+        model = self.serving.preset(preset)
         return (gr.update(choices=sizes, value=sizes[0] if sizes else None), gr.update(value=model.steps),
-                gr.update(choices=views.lora_choices(model, self.manager.options.loras), value="none"))
+                gr.update(choices=views.lora_choices(model, self.serving.lora_slot()), value="none"))
 
     def render_advice(self, result: dict | None):
         """The frontier plots (seconds against quality, and against the measured peak GiB), the table and the
@@ -263,7 +263,7 @@ class AdvisorHandlers(HandlerBase):
                 gr.update(value=pick["step_cache"]), gr.update(value=result["size"]),
                 gr.update(value=result["steps"]), gr.update(value=lora.name or "none"),
                 gr.update(value=bool(pick.get("lora_fused"))),
-                gr.update(value=pick.get("memory") or ("" if self.manager.policy.public else "none")),
+                gr.update(value=pick.get("memory") or ("" if self.serving.public() else "none")),
                 gr.Tabs(selected="generate"))
 
 
@@ -292,13 +292,13 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
             "run here, or would not fit the time budget, is skipped and listed. A step cache is picked only "
             "where it measured faster than the same configuration without it.")
         with gr.Row():
-            a_preset = gr.Dropdown(h.manager.gate.visitor_presets(), value=preset.name, label="Model preset",
+            a_preset = gr.Dropdown(h.serving.visitor_presets(), value=preset.name, label="Model preset",
                                    elem_id="a-preset")
             a_device = gr.Dropdown(views.device_choices(report, short=True), value=h.defaults.device,
                                    label="Device", elem_id="a-device")
             a_size = gr.Dropdown(sizes, value=sizes[0], label="Size", elem_id="a-size")
             a_steps = gr.Number(value=preset.steps, precision=0, minimum=1, label="Steps", elem_id="a-steps")
-            a_lora = gr.Dropdown(views.lora_choices(preset, h.manager.options.loras), value="none",
+            a_lora = gr.Dropdown(views.lora_choices(preset, h.serving.lora_slot()), value="none",
                                  label="LoRA style (measured unfused and, eager, fused)", elem_id="a-lora")
         with gr.Row():
             minutes = gr.Slider(1, 30, value=5, step=0.5, label="Time budget (minutes)", elem_id="a-minutes")

@@ -14,11 +14,12 @@ import os
 import gradio as gr
 
 from engine import settings
+from engine.serving.interface import Serving
 from ui import advisor, buckets, compare, generate, generate_video, mcp, system
 from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
-from ui.handlers import Handlers, UIDefaults
+from ui.handlers import PAGE_KINDS, PageHandlers, UIDefaults, UIState
 from ui.metrics import MetricsRoute
 from ui.openai_api import ApiKeys, OpenAIRoutes
 from ui.openai_edits import read_edit_call
@@ -123,16 +124,25 @@ def launch_kwargs(theme: str | None = None, demo: gr.Blocks | None = None) -> di
     return kwargs
 
 
-def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64,
-               handlers: Handlers | None = None, edge: EdgeConfig | None = None) -> gr.Blocks:
+def page_handlers(serving: Serving, defaults: UIDefaults | None, guard: EdgeGuard) -> PageHandlers:
+    """Each page's own handlers, sharing one UIState (runs for /cancel, memoised keys, the device report)."""
+    state = UIState(serving.cancel)
+    pages = PageHandlers(*(kind(serving, defaults, state) for kind in PAGE_KINDS))
+    for handlers in pages:
+        handlers.edge = guard
+    return pages
+
+
+def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size: int = 64,
+               edge: EdgeConfig | None = None) -> gr.Blocks:
     """The app. `queue_size` bounds the events waiting for each action (beyond it users are told the
     queue is full); `edge`: the web edge's bounds (default: per-client bounds in public mode only)."""
-    h = handlers or Handlers(manager, defaults)
     if edge is None:
-        edge = EdgeConfig(client_events=CLIENT_EVENTS if manager.policy.public else None,
-                          **({"sockets": public_bounds()} if manager.policy.public else {}))
+        edge = EdgeConfig(client_events=CLIENT_EVENTS if serving.public() else None,
+                          **({"sockets": public_bounds()} if serving.public() else {}))
     guard = EdgeGuard(EdgeConfig(**{**edge.__dict__, "group_queue": queue_size}))
-    h.edge = guard
+    pages = page_handlers(serving, defaults, guard)
+    h = pages.shared
     queue_statistics_off()  # read by Gradio's queue when demo.queue() creates it
     with gr.Blocks(title="Diffusion Showcase", delete_cache=(900, 3600), analytics_enabled=False) as demo:
         gr.Markdown(
@@ -142,18 +152,18 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
         )
         engine_line = gr.Markdown(elem_id="engine-line")
         with gr.Tabs() as tabs:
-            settings = generate.build(h, demo, engine_line)
-            generate_video.build(h)  # clips from the video presets (ui/generate_video.py), /generate_video
-            buckets_tab = buckets.build(h)
-            compare.build(h)
-            advisor.build(h, settings, tabs)
-            system.build(h)
+            settings = generate.build(pages.generate, demo, engine_line)
+            generate_video.build(pages.generate)  # clips from the video presets (ui/generate_video.py)
+            buckets_tab = buckets.build(pages.buckets)
+            compare.build(pages.compare)
+            advisor.build(pages.advisor, settings, tabs)
+            system.build(pages.system)
         gr.api(h.cancel_api, api_name="cancel", concurrency_limit=None)  # runs of both Generate and Compare
-        demo.advice_jobs = mcp.advisor_api(h)  # the advisor as a start/poll pair (API and MCP tools)
+        demo.advice_jobs = mcp.advisor_api(pages.advisor)  # the advisor as a start/poll pair (API and MCP tools)
 
         # One status read per second refreshes the board, the engine line and the size labels.
         last = gr.State({})
-        gr.on([gr.Timer(h.defaults.poll_s).tick, demo.load], h.tick,
+        gr.on([gr.Timer(h.defaults.poll_s).tick, demo.load], pages.buckets.tick,
               [settings.preset, settings.device, settings.precision, settings.mode, last, settings.tp,
                settings.memory],
               [buckets_tab.board, engine_line, settings.size, buckets_tab.engine, last], **FAST)
@@ -165,9 +175,9 @@ def build_demo(manager, defaults: UIDefaults | None = None, queue_size: int = 64
     settle_queue_groups(demo)
     guard.install(demo)
     demo.edge = guard
-    telemetry = getattr(manager, "telemetry", None)
+    telemetry = getattr(serving, "telemetry", None)  # a stand-in serving in tests may have none
     if telemetry is not None:
-        demo.metrics = MetricsRoute(telemetry, h.manager.policy.public, h.defaults.admin_token, edge=guard)
+        demo.metrics = MetricsRoute(telemetry, h.serving.public(), h.defaults.admin_token, edge=guard)
     demo.openai = OpenAIRoutes(h, ApiKeys(h.defaults.api_keys, h.defaults.admin_token, guard.keys), VideoJobs(h),
                                read_edit=read_edit_call)
     atexit.register(demo.openai.store.close)  # the images its "url" answers point at

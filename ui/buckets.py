@@ -1,6 +1,6 @@
 """The Buckets tab: every bucket of every loaded engine, warm-up and restart; /status, /warm, /restart.
 
-Bucket and engine states come from manager.residency.status_rows(), which only reads states the worker processes
+Bucket and engine states come from the serving interface's status_rows(), which only reads states the worker processes
 pushed, so polling it stays fast while a bucket compiles. Warm-ups run in the engine's worker; the
 handlers return at once and the board shows the bucket going queued -> compiling -> warm.
 """
@@ -17,7 +17,7 @@ import pandas as pd
 
 from engine.errors import InvalidRequest, NotAllowed, ShowcaseError
 from engine.protocol import BucketKey, Mode, Size, ranks_choice
-from engine.serving.manager import Caller
+from engine.serving.interface import Caller
 from ui import buckets_views, schemas, views, waiting
 from ui.common import DEFAULT_ATTENTION, FAST, HandlerBase, document_api, to_gradio_error
 
@@ -32,7 +32,7 @@ class BucketsHandlers(HandlerBase):
         Outputs that did not change are skipped, so an open dropdown is not redrawn every second.
         """
         last = dict(last or {})
-        status = self.manager.residency.status_rows()
+        status = self.serving.status_rows()
         rows = buckets_views.board_rows(status)
         try:
             key = str(self.key_for(preset, device, precision, tp, levers=memory or None))
@@ -61,13 +61,13 @@ class BucketsHandlers(HandlerBase):
         Public mode, a visitor: one bucket of the engine they are using, nothing else."""
         try:
             key = self.key_for(preset, device, precision, tp, caller=caller)
-            if caller is Caller.VISITOR and self.manager.policy.public:
+            if caller is Caller.VISITOR and self.serving.public():
                 if not size or size == "all":
                     raise NotAllowed("warming every bucket is up to the host; warm one bucket of your engine")
                 if key != self.current_engine(request):
                     raise NotAllowed(f"{key} is not the engine you are using; you may warm buckets of the engine "
                                      "your last request ran on (other engines are up to the host)")
-            p = self.manager.catalog.preset(key.preset)
+            p = self.serving.preset(key.preset)
             self.check_mode(key.device, mode)
             if mode == "eager":
                 raise InvalidRequest("eager buckets need no warm-up; pick mode compile or regional")
@@ -79,11 +79,11 @@ class BucketsHandlers(HandlerBase):
                 sizes = [str(wanted)]
             else:
                 sizes = [str(b) for b in p.buckets]
-            engine = self.manager.engine(key, caller=caller)
+            engine = self.serving.engine(key, caller=caller)
             # at most one compile queued per visitor at once
-            if caller is Caller.VISITOR and self.manager.policy.public:
+            if caller is Caller.VISITOR and self.serving.public():
                 bucket = BucketKey(Mode.parse(mode, "mode"), Size.parse(sizes[0]))
-                self.manager.shares.check_warm(self.client_of(request), engine, bucket)
+                self.serving.check_warm(self.client_of(request), engine, bucket)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
 
@@ -91,7 +91,7 @@ class BucketsHandlers(HandlerBase):
             for s in sizes:
                 try:
                     layout = {"parallel": key.parallel} if key.parallel.context else {}
-                    self.manager.warm(key.preset, key.device, key.precision, mode=mode, size=s, tp=key.tp,
+                    self.serving.warm(key.preset, key.device, key.precision, mode=mode, size=s, tp=key.tp,
                                       caller=caller, **layout)
                 except ShowcaseError as exc:
                     log.warning("warm-up of %s %s:%s failed: %s", key, mode, s, exc)
@@ -102,7 +102,7 @@ class BucketsHandlers(HandlerBase):
 
     def _loaded(self, engine: str):
         """The loaded engine the board names `engine`, or None."""
-        return next((e for e in self.manager.residency.engines() if str(e.key) == engine), None)
+        return next((e for e in self.serving.engines() if str(e.key) == engine), None)
 
     def warm_from_board(self, engine: str, mode: str, size: str = "all", admin_token: str = "",
                         request: gr.Request = None):
@@ -120,7 +120,7 @@ class BucketsHandlers(HandlerBase):
         self.warm_from_board(engine, mode, "all", admin_token, request)
 
     def _check_host(self, caller: Caller, what: str) -> None:
-        if self.manager.policy.public and caller is not Caller.HOST:
+        if self.serving.public() and caller is not Caller.HOST:
             raise to_gradio_error(NotAllowed(f"{what} is up to the host on this server (it interrupts other "
                                              "visitors); it needs the admin token"))
 
@@ -130,7 +130,7 @@ class BucketsHandlers(HandlerBase):
         if match is None:
             raise gr.Error(f"no loaded engine named {engine!r}", title="Invalid request")
         try:
-            self.manager.restart(match.key)
+            self.serving.restart(match.key)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         gr.Info(f"restarting {engine}: its worker loads again and re-warms from the compile cache",
@@ -154,7 +154,7 @@ class BucketsHandlers(HandlerBase):
             return (gr.update(choices=[DEFAULT_ATTENTION], value=DEFAULT_ATTENTION),
                     "Pick a loaded engine to see which attention backends can run on it.", gr.update(visible=False))
         rows = self.attention_rows(match.key)
-        current = self.manager.engine_options(match.key)
+        current = self.serving.engine_options(match.key)
         choices = [(r["name"] if r["usable"] else f"{r['name']} (cannot run: {r['reason']})", r["name"])
                    for r in rows]
         return (gr.update(choices=choices, value=current.attention_backend), buckets_views.attention_markdown(rows),
@@ -167,10 +167,10 @@ class BucketsHandlers(HandlerBase):
         match = self._loaded(engine)
         if match is None:
             raise gr.Error(f"no loaded engine named {engine!r}", title="Invalid request")
-        options = dataclasses.replace(self.manager.engine_options(match.key), attention_backend=backend or "native",
+        options = dataclasses.replace(self.serving.engine_options(match.key), attention_backend=backend or "native",
                                       cuda_graphs=bool(cuda_graphs))
         try:
-            self.manager.restart(match.key, options=options)
+            self.serving.restart(match.key, options=options)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         gr.Info(f"restarting {engine} with attention backend {options.attention_backend}"
@@ -179,13 +179,13 @@ class BucketsHandlers(HandlerBase):
     def board_sizes(self, engine: str):
         """The picked engine's buckets for the Size dropdown."""
         preset = (engine or "").split("@", 1)[0]
-        return gr.update(choices=self.preset_sizes(preset) if preset in self.manager.presets else [])
+        return gr.update(choices=self.preset_sizes(preset) if preset in self.serving.preset_names() else [])
 
     # -- typed API endpoints (gr.api derives their schema from these hints) -----------------------
     def status_api(self) -> list[dict]:
         """Every engine (state, load time, notices) and every bucket with its state, compile s, warm-up s."""
         # kept: the /status endpoint; gr.api and MCP read its hints and docstring for the client's API page
-        return self.manager.residency.status_rows()
+        return self.serving.status_rows()
 
     def warm_api(self, preset: str, device: str, precision: str, mode: str = "compile",
                  size: str = "", admin_token: str = "", request: gr.Request = None) -> dict:
@@ -202,7 +202,7 @@ class BucketsHandlers(HandlerBase):
         self._check_host(caller, "restarting an engine")
         try:
             key = self.key_for(preset, device, precision, caller=caller)
-            self.manager.restart(key)
+            self.serving.restart(key)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         return {"engine": str(key), "restarted": True}
@@ -248,9 +248,9 @@ def build(h: BucketsHandlers) -> BucketsTab:
             backends_md = gr.Markdown("Pick a loaded engine to see which attention backends can run on it.",
                                       elem_id="attention-table")
         admin_token = gr.Textbox(label="Admin token (host operations on this public server)", type="password",
-                                 visible=h.manager.policy.public, elem_id="admin-token")
+                                 visible=h.serving.public(), elem_id="admin-token")
         engine_params = {
-            "preset": "one of " + ", ".join(h.manager.gate.visitor_presets()),
+            "preset": "one of " + ", ".join(h.serving.visitor_presets()),
             "device": "auto, or a device /system lists as available",
             "precision": "one of " + ", ".join(h.precision_choices()),
         }
@@ -266,7 +266,7 @@ def build(h: BucketsHandlers) -> BucketsTab:
                      returns=("queued", "{engine, mode, queued: the sizes it compiles now}; /status shows them warm"),
                      schema=schemas.WARMED)
         document_api(gr.api(h.restart_api, api_name="restart", concurrency_limit=None,
-                            api_visibility="undocumented" if h.manager.policy.public else "public"),
+                            api_visibility="undocumented" if h.serving.public() else "public"),
                      {**engine_params, "admin_token": "public servers only: the host's token"},
                      returns=("restarted", "{engine, restarted: true}"), schema=schemas.RESTARTED)
 

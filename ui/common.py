@@ -1,8 +1,8 @@
 """What every tab's handlers share: defaults, error mapping, the caller's session, engine lookups.
 
-The UI reaches the engine through the EngineManager it is given, the typed protocol and the
-engine's error classes. Devices are looked up in engine.devices, here only, because the manager
-has no device query of its own. Each tab's handlers subclass HandlerBase (ui/handlers.py
+The UI reaches the engine through the Serving interface it is given (engine/serving/interface.py), the
+typed protocol and the engine's error classes. Devices are looked up in engine.devices, here only, where
+the interface has no device query of its own. Each tab's handlers subclass HandlerBase (ui/handlers.py
 combines them).
 """
 
@@ -37,7 +37,7 @@ from engine.errors import (
 from engine.pipeline.attention import DEFAULT as DEFAULT_ATTENTION  # noqa: F401 - the tabs import it from here
 from engine.pipeline.attention import attention_table
 from engine.protocol import DEFAULT_PRESET, MemoryLevers, Mode, Precision, parse_ranks
-from engine.serving.manager import Caller
+from engine.serving.interface import Caller, Serving
 from ui import memory_views, quietlog, waiting
 from ui.runs import ProgressBar, RunFeed, RunRegistry
 
@@ -176,25 +176,36 @@ def key_fields(preset, device, precision, tp) -> tuple[int, str]:
     return tp, str(parallel) if tp > 1 and parallel.context else "tensor"
 
 
-class HandlerBase:
-    """The manager, the UI defaults, memoised lookups and the runs in flight (for /cancel)."""
+class UIState:
+    """What every page's handlers share: the runs in flight (one /cancel stops a session's Generate and
+    Compare alike), memoised engine keys, each session's engine and the device report."""
 
-    def __init__(self, manager, defaults: UIDefaults | None = None):
-        self.manager = manager
-        self.defaults = defaults or UIDefaults()
-        self.runs = RunRegistry(manager.cancel)
+    def __init__(self, cancel):
+        self.runs = RunRegistry(cancel)
         # Both hold what visitors typed: bounded, so a visitor who types a million names costs nothing.
-        self._keys = LRU()  # (preset, device, precision, tp, caller, levers) -> EngineKey or error
-        self._current = LRU(4 * MEMO_ENTRIES)  # session -> the EngineKey of its last request (public: its own)
-        self._devices_report: list[dict] | None = None
-        self._lock = threading.Lock()
+        self.keys = LRU()  # (preset, device, precision, tp, caller, levers) -> EngineKey or error
+        self.current = LRU(4 * MEMO_ENTRIES)  # session -> the EngineKey of its last request (public: its own)
+        self.devices_report: list[dict] | None = None
+        self.lock = threading.Lock()
+
+
+class HandlerBase:
+    """The serving interface, the UI defaults and the state the pages share (`state`: a page's own when None)."""
+
+    def __init__(self, serving: Serving, defaults: UIDefaults | None = None, state: UIState | None = None):
+        self.serving = serving
+        self.defaults = defaults or UIDefaults()
+        self.state = state or UIState(serving.cancel)
+        self.runs = self.state.runs
+        self._keys, self._current, self._lock = self.state.keys, self.state.current, self.state.lock
         self.edge = None  # the web edge (ui/edge.py EdgeGuard), set by build_demo
 
     # -- lookups (memoised: device probes do not change while the server runs) -------------------
     def devices_report(self, refresh: bool = False) -> list[dict]:
-        if self._devices_report is None or refresh:
-            self._devices_report = self.manager.devices_report()  # under --ray: the cluster's
-        return self._devices_report
+        state = self.state
+        if state.devices_report is None or refresh:
+            state.devices_report = self.serving.devices_report()  # under --ray: the cluster's
+        return state.devices_report
 
     def run_slots(self) -> int:
         """Handlers that may run requests at once. Each engine runs one request at a time in its worker
@@ -205,7 +216,7 @@ class HandlerBase:
         for r in self.devices_report():
             if r.get("available"):
                 try:
-                    slots += self.manager.budgets.device_budget(r["name"]).max_engines
+                    slots += self.serving.max_engines(r["name"])
                 except ShowcaseError:
                     slots += 1
         return max(1, slots) * RUNS_PER_ENGINE
@@ -248,8 +259,8 @@ class HandlerBase:
             found = self._keys.get(cache_key)
         if found is None:
             try:
-                named = {"levers": levers} if levers is not None else {}  # None: the manager's default
-                found = self.manager.gate.make_key(preset, device, precision, tp, caller=caller, parallel=parallel,
+                named = {"levers": levers} if levers is not None else {}  # None: the host's default
+                found = self.serving.make_key(preset, device, precision, tp, caller=caller, parallel=parallel,
                                                    **named)
             except ShowcaseError as exc:
                 found = exc
@@ -262,12 +273,12 @@ class HandlerBase:
     def default_preset(self):
         """The defaults' preset, or the first one when that name does not resolve."""
         try:
-            return self.manager.catalog.preset(self.defaults.preset)
+            return self.serving.preset(self.defaults.preset)
         except ShowcaseError:
-            return next(iter(self.manager.presets.values()))
+            return self.serving.preset(self.serving.preset_names()[0])
 
     def precision_choices(self) -> list[str]:
-        offered = self.manager.policy.precisions if self.manager.policy.public else None
+        offered = self.serving.offered_precisions()
         return [str(p) for p in offered] if offered else list(Precision.values())
 
     def precision_labels(self, preset: str, device: str, tp=1, memory: str | None = None) -> list[tuple[str, str]]:
@@ -287,14 +298,14 @@ class HandlerBase:
     def new_engine_loads(self, keys: dict) -> dict:
         """Of the choices (value -> the EngineKey it selects), those whose engine is not loaded (choosing one
         starts it), each with about how long a load takes here (the median of this host's loads)."""
-        residency = self.manager.residency
-        estimate = waiting.load_estimate_s([r.get("load_s") for r in residency.status_rows()])
-        loaded = {value: residency.get(key) for value, key in keys.items()}
+        serving = self.serving
+        estimate = waiting.load_estimate_s([r.get("load_s") for r in serving.status_rows()])
+        loaded = {value: serving.loaded_engine(key) for value, key in keys.items()}
         return {value: estimate for value, engine in loaded.items() if engine is None or not engine.ready.is_set()}
 
     def preset_sizes(self, preset: str) -> list[str]:
         try:
-            return [str(s) for s in self.manager.catalog.preset(preset).buckets]
+            return [str(s) for s in self.serving.preset(preset).buckets]
         except ShowcaseError:
             return []
 
@@ -303,8 +314,8 @@ class HandlerBase:
         from engine.pipeline.stepcache import available_step_caches
 
         try:
-            spec = self.manager.device_spec(device)
-            return available_step_caches(self.manager.catalog.preset(preset), spec, mode)
+            spec = self.serving.device_spec(device)
+            return available_step_caches(self.serving.preset(preset), spec, mode)
         except ShowcaseError:
             return []
 
@@ -322,13 +333,13 @@ class HandlerBase:
     def device_modes(self, device: str) -> list[str]:
         """The modes the device runs (public mode: of those, the ones the host offers)."""
         try:
-            modes = list(self.manager.device_spec(device).modes)
+            modes = list(self.serving.device_spec(device).modes)
         except ShowcaseError:
             try:
                 modes = list(engine_devices.get_device(split_device(device)[0]).modes)
             except ShowcaseError:
                 modes = list(Mode.values())
-        offered = self.manager.policy.modes if self.manager.policy.public else None
+        offered = self.serving.offered_modes()
         return [str(m) for m in modes if not offered or m in offered]
 
     # -- a run ------------------------------------------------------------------------------------
@@ -340,17 +351,15 @@ class HandlerBase:
         running request per session."""
         if not listener_checked:
             self._require_listener(request)
-        with self.runs.open(session_id(request), exclusive=self.manager.policy.public,
+        with self.runs.open(session_id(request), exclusive=self.serving.public(),
                             joined_at=joined_at(request)) as run:
             yield run
 
     def run_feed(self, key, bar: ProgressBar, steps=None, bucket: str | None = None) -> RunFeed:
         """What a run on engine `key` shows on `bar` while it waits and steps (ui/runs.py); `bucket`: the one
         it waits for the compile of (waiting.compile_bucket)."""
-        scheduler = getattr(self.manager, "scheduler", None)
-        residency = self.manager.residency
-        return RunFeed(bar, key, _steps_or_none(steps), residency.status_rows,
-                       scheduler.snapshot if scheduler is not None else dict, residency.get, bucket)
+        serving = self.serving
+        return RunFeed(bar, key, _steps_or_none(steps), serving.status_rows, serving.compiles, serving.loaded_engine, bucket)
 
     async def await_listener(self, request: gr.Request | None) -> None:
         """open_run's listener check for an async handler: the wait runs in a worker thread."""

@@ -31,7 +31,7 @@ from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Mode, Precision, Size, parse_lora
 from engine.serving import stream
-from engine.serving.manager import Caller
+from engine.serving.interface import Caller, Serving
 from ui import compare_ab, compare_views, edit_inputs, views, waiting
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, describe_input, to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
@@ -130,15 +130,15 @@ class CompareHandlers(HandlerBase):
     def compare_defaults(self, preset: str):
         """Preset changed: its buckets, steps and guidance."""
         sizes = self.preset_sizes(preset)
-        p = self.manager.catalog.preset(preset)
+        p = self.serving.preset(preset)
         return (gr.update(choices=sizes, value=sizes[0] if sizes else None), gr.update(value=p.steps),
                 gr.update(value=p.guidance))
 
     def compare_loras(self, preset: str):
         """Preset changed: its LoRA styles, unfused and fused."""
         try:
-            return gr.update(choices=compare_views.compare_lora_choices(self.manager.catalog.preset(preset),
-                                                                self.manager.options.loras), value=["none"])
+            return gr.update(choices=compare_views.compare_lora_choices(self.serving.preset(preset),
+                                                                self.serving.lora_slot()), value=["none"])
         except ShowcaseError:
             return gr.update(choices=[("none", "none")], value=["none"])
 
@@ -200,11 +200,11 @@ class CompareHandlers(HandlerBase):
         device, precision, mode, cache = compare_views.parse_config(config)
         lora = explicit.split_lora(config)[1]
         try:
-            spec = self.manager.device_spec(device)
-            return explicit.refusal(self.manager.catalog.preset(preset), spec,
+            spec = self.serving.device_spec(device)
+            return explicit.refusal(self.serving.preset(preset), spec,
                                     explicit.Configuration(mode, precision, cache, None, lora.name, lora.scale,
                                                            lora.fused, explicit.split_levers(config)[1]),
-                                    loras=self.manager.options.loras)
+                                    loras=self.serving.lora_slot())
         except ShowcaseError as exc:
             return explicit.first_line(str(exc))
         except ValueError as exc:  # a mode or precision this engine does not know
@@ -233,13 +233,13 @@ class CompareHandlers(HandlerBase):
             return gr.skip()
         device = self.default_device(devices)
         try:
-            spec = self.manager.device_spec(device)
-            model = self.manager.catalog.preset(preset)
+            spec = self.serving.device_spec(device)
+            model = self.serving.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         if which == explicit.FRONTIER:
             size_text = str(size or model.buckets[0])
-            found = explicit.saved_frontier(self.manager.cache_dir, model.name, spec.name, size_text,
+            found = explicit.saved_frontier(self.serving.cache_dir, model.name, spec.name, size_text,
                                             int(steps or model.steps))
             if not found:
                 raise gr.Error(f"no Advisor result for {model.name} on {spec.name} at {size_text}, "
@@ -269,7 +269,7 @@ class CompareHandlers(HandlerBase):
         refused = {c: why for c in configs[0] if (why := self.refusal(f.preset, c))}
         call = CompareCall(self.caller(request), self.client_of(request), partial(self.open_run, request),
                            self.key_for, self.run_feed, configs, refused)
-        yield from Comparison(self.manager, f, call, progress).run()
+        yield from Comparison(self.serving, f, call, progress).run()
 
     def compare_ended(self, payload: dict | None):
         """After the Compare event, however it ended. Results not "done" mean Gradio closed the handler
@@ -323,14 +323,14 @@ class Comparison:
     phases: the quality images of each configuration, then the paired timing rounds. Streams
     (gallery, results, thumbnails) after each configuration and round."""
 
-    def __init__(self, manager, form: CompareForm, call: CompareCall, progress):
-        self.manager, self.form, self.call, self.progress = manager, form, call, progress
+    def __init__(self, serving: Serving, form: CompareForm, call: CompareCall, progress):
+        self.serving, self.form, self.call, self.progress = serving, form, call, progress
         self.configs, self.reference, picked = call.configs
         self.note = ("the reference, picked" if picked else
                      "the reference, added: every speedup and drift is measured against it")
         try:
-            self.size_text = str(Size.parse(form.size)) if form.size else str(manager.catalog.preset(form.preset).buckets[0])
-            self.model = manager.catalog.preset(form.preset)
+            self.size_text = str(Size.parse(form.size)) if form.size else str(serving.preset(form.preset).buckets[0])
+            self.model = serving.preset(form.preset)
             self.steps = check_steps(form.steps) if form.steps else self.model.steps
             self.sources = edit_inputs.sources(form.images)  # read once, bounded; the gate checks them per configuration
         except ShowcaseError as exc:
@@ -344,7 +344,7 @@ class Comparison:
         self.seeds = [form.seed, *(FIDELITY_SEED + i for i in range(n_samples))]
         # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
         # rounds that still give a spread; the host's grow until the spread is known or the budget ends.
-        self.max_rounds = TIMING_MIN_ROUNDS if manager.gate.priced(call.caller) else TIMING_MAX_ROUNDS
+        self.max_rounds = TIMING_MIN_ROUNDS if serving.priced(call.caller) else TIMING_MAX_ROUNDS
         self.rounds_cap = self.max_rounds if self.timing_budget > 0 else 0
         self.grand_total = len(self.configs) * (len(self.prompts) + self.rounds_cap) * self.steps
         self.results: list[dict] = []
@@ -372,14 +372,14 @@ class Comparison:
 
     def run(self):
         """The whole comparison: admitted (and, for a visitor, priced as a whole), then its two phases."""
-        manager = self.manager
+        serving = self.serving
         with ExitStack() as stack:
             try:  # public mode: one running request per visitor, priced as a whole before anything runs
                 self.run_state = stack.enter_context(self.call.open_run())
-                price = manager.price_compare(self.form.preset, self.size_text, self.steps, len(self.configs),
+                price = serving.price_compare(self.form.preset, self.size_text, self.steps, len(self.configs),
                                               len(self.prompts) + self.rounds_cap, self.form.guidance,
                                               caller=self.call.caller)
-                self.ticket = stack.enter_context(manager.admission(self.call.client, price, self.call.caller))
+                self.ticket = stack.enter_context(serving.admission(self.call.client, price, self.call.caller))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
             yield self.outputs()  # the page shows this comparison from now on
@@ -399,7 +399,7 @@ class Comparison:
         bar = ProgressBar(self.progress, desc_prefix=desc, offset=offset, grand_total=self.grand_total)
         feed = self.call.run_feed(key, bar, spec.steps, waiting.compile_bucket(spec.mode, self.size_text, spec.on_cold))
         started = time.perf_counter()
-        run = stream.request_events(self.manager, spec, key=key, run=self.run_state, ticket=self.ticket)
+        run = self.serving.events(spec, key=key, run=self.run_state, ticket=self.ticket)
         with closing(stream.blocking(run)) as events:
             for event in events:
                 feed.see(event)
@@ -466,7 +466,7 @@ class Comparison:
         if is_reference:
             entry.update(reference=True, reference_note=self.note)
         mode = compare_views.parse_config(config)[2]
-        bucket = compare_views.find_bucket(self.manager.residency.status_rows(), entry["engine"], mode, entry["bucket"])
+        bucket = compare_views.find_bucket(self.serving.status_rows(), entry["engine"], mode, entry["bucket"])
         if bucket:
             entry.update(compile_s=bucket.get("compile_s"), warmup_s=bucket.get("warmup_s"),
                          bucket_state=bucket.get("state"), cache_hits=bucket.get("cache_hits"))
@@ -545,8 +545,8 @@ class Comparison:
     def marks(self, own: set) -> list[str]:
         """What else ran on the machine meanwhile (compiles, other engines' work, a load spike)."""
         try:
-            compiles = self.manager.host_status().get("compiles")
-            return current_marks(lambda: engine_marks(self.manager.residency.status_rows(), own, compiles))
+            compiles = self.serving.host_status().get("compiles")
+            return current_marks(lambda: engine_marks(self.serving.status_rows(), own, compiles))
         except Exception:  # a status read must not end the measurement
             return current_marks()
 
@@ -587,7 +587,7 @@ class ComparePage:
         sizes = [str(s) for s in preset.buckets]
         form["prompt"] = gr.Textbox(label="Prompt", value=preset.example_prompt, lines=2, elem_id="c-prompt")
         with gr.Row():
-            form["preset"] = gr.Dropdown(h.manager.gate.visitor_presets(), value=preset.name, label="Model preset",
+            form["preset"] = gr.Dropdown(h.serving.visitor_presets(), value=preset.name, label="Model preset",
                                          elem_id="c-preset")
             form["size"] = gr.Dropdown(sizes, value=sizes[0], label="Size", allow_custom_value=True,
                                        elem_id="c-size")
@@ -622,7 +622,7 @@ class ComparePage:
             h.step_cache_rows(self.preset.name, (available or ["cpu"])[0], "eager"))
         form["caches"] = gr.CheckboxGroup(cache_choices or [views.NO_CACHE], value=[views.NO_CACHE],
                                           label="Step caches (unavailable ones say why)", elem_id="c-caches")
-        form["loras"] = gr.CheckboxGroup(compare_views.compare_lora_choices(self.preset, h.manager.options.loras),
+        form["loras"] = gr.CheckboxGroup(compare_views.compare_lora_choices(self.preset, h.serving.lora_slot()),
                                          value=["none"], label="LoRA styles (one card per style; fused: eager only)",
                                          elem_id="c-loras")
         form["levers"] = gr.CheckboxGroup(MEMORY_CHOICES, value=["none"], label="Memory levers (one card per set, "

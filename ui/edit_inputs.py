@@ -10,7 +10,7 @@ from __future__ import annotations
 import gradio as gr
 
 from engine.errors import ShowcaseError
-from ui.common import FAST, to_gradio_error
+from ui.common import FAST, HandlerBase, to_gradio_error
 from ui.uploads import uploads
 
 MAX_SOURCE_PIXELS = 4096 * 4096  # engine/config/images.py MAX_INPUT_PIXELS: what the gate lets through
@@ -19,14 +19,14 @@ NOTHING_TO_EDIT = "There is no image to edit yet: generate one first"
 
 class EditInputs:
     """The handlers behind the image area's visibility and "Edit this" (`h`: the tab's GenerateHandlers: its
-    manager's catalog and the visitor's presets)."""
+    serving interface's presets and the visitor's)."""
 
-    def __init__(self, h):
+    def __init__(self, h: HandlerBase):
         self.h = h
 
     def _inputs(self, preset: str):
         try:
-            return self.h.manager.catalog.preset(preset).inputs
+            return self.h.serving.preset(preset).inputs
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
 
@@ -49,8 +49,8 @@ class EditInputs:
         """`preset` when it takes images, else the first preset the visitor may choose that edits."""
         if self._inputs(preset).takes_images:
             return preset
-        catalog = self.h.manager.catalog
-        editing = [name for name in self.h.manager.gate.visitor_presets() if catalog.preset(name).inputs.needs_source]
+        serving = self.h.serving
+        editing = [name for name in serving.visitor_presets() if serving.preset(name).inputs.needs_source]
         if not editing:
             raise gr.Error("No preset that edits is offered here; the host adds one (e.g. tiny-shapes-edit)")
         return editing[0]

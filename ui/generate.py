@@ -160,7 +160,7 @@ def _chosen(value):
 class PreparedRun:
     """What a Generate handler runs: the request, its engine and the view that streams its timings."""
 
-    spec: Admitted  # what the gate let through: manager.generate runs it as it is
+    spec: Admitted  # what the gate let through: serving.generate runs it as it is
     key: EngineKey
     view: RunView
 
@@ -174,7 +174,7 @@ class GenerateHandlers(HandlerBase):
     def preset_defaults(self, preset: str):
         """Preset changed: negative prompt shown only where the pipeline takes one; its steps/guidance."""
         try:
-            p = self.manager.catalog.preset(preset)
+            p = self.serving.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         return gr.update(visible=p.negative_prompt), gr.update(value=p.steps), gr.update(value=p.guidance)
@@ -183,7 +183,7 @@ class GenerateHandlers(HandlerBase):
                       tp=1, memory: str | None = None):
         """Settings that need another engine start it now (in the background) and say it is loading.
 
-        Returns (engine status line, size choices, mode choices). Never blocks: manager.engine()
+        Returns (engine status line, size choices, mode choices). Never blocks: serving.engine()
         only spawns the worker process.
         """
         modes = self.device_modes(device)
@@ -191,16 +191,16 @@ class GenerateHandlers(HandlerBase):
         sizes = self.preset_sizes(preset)
         try:
             key = self.key_for(preset, device, precision, tp, levers=_given(memory))
-            self.manager.engine(key, caller=self.caller())
+            self.serving.engine(key, caller=self.caller())
         except ShowcaseError as exc:
             gr.Warning(str(exc), duration=6)
             line = views.engine_line(None, None, error=str(exc))
             return line, gr.update(choices=views.size_choices(sizes, mode, None)), mode_update
-        engine = views.engine_state(self.manager.residency.status_rows(), str(key))
+        engine = views.engine_state(self.serving.status_rows(), str(key))
         size_update = gr.update(choices=views.size_choices(sizes, mode, engine))
         if size not in sizes and sizes:
             size_update = gr.update(choices=views.size_choices(sizes, mode, engine), value=sizes[0])
-        load_s = waiting.load_estimate_s([r.get("load_s") for r in self.manager.residency.status_rows()])
+        load_s = waiting.load_estimate_s([r.get("load_s") for r in self.serving.status_rows()])
         return views.engine_line(str(key), engine, load_s=load_s), size_update, mode_update
 
     def step_cache_choices(self, preset: str, device: str, mode: str, current: str | None = None):
@@ -215,7 +215,7 @@ class GenerateHandlers(HandlerBase):
     def why_not(self, preset: str, device: str, precision: str, mode: str, tp=1) -> str:
         """The accordion under the memory and step cache fields: why each unavailable choice cannot run here."""
         try:
-            levers = memory_views.memory_why(self.manager.levers.choices(self.key_for(preset, device, precision, tp),
+            levers = memory_views.memory_why(self.serving.lever_choices(self.key_for(preset, device, precision, tp),
                                                                          mode))
         except ShowcaseError:
             levers = ""
@@ -226,9 +226,9 @@ class GenerateHandlers(HandlerBase):
     def memory_choices(self, preset: str, device: str, precision: str, mode: str, tp=1, current: str | None = None):
         """The memory lever sets this engine can take on its device, each with its estimated peak and price in
         time (ui/memory_views.py); a choice the new settings cannot run falls back to the first."""
-        host = self.manager.levers.host_choice()
+        host = self.serving.host_levers()
         try:
-            rows = self.manager.levers.choices(self.key_for(preset, device, precision, tp), mode)
+            rows = self.serving.lever_choices(self.key_for(preset, device, precision, tp), mode)
         except ShowcaseError:
             rows = []
         keys = {}
@@ -236,7 +236,7 @@ class GenerateHandlers(HandlerBase):
             with suppress(ShowcaseError):  # a set these settings cannot take: its row says why
                 keys[value] = self.key_for(preset, device, precision, tp, levers=_given(value))
         loads = self.new_engine_loads(keys)
-        choices = memory_views.memory_choices(rows, host, self.manager.policy.public, loads) or [("none", "none")]
+        choices = memory_views.memory_choices(rows, host, self.serving.public(), loads) or [("none", "none")]
         usable = memory_views.usable_values(rows) & {value for _, value in choices}
         return gr.update(choices=choices, value=current if current in usable else choices[0][1],
                          info=memory_views.memory_info(rows, host))
@@ -248,14 +248,14 @@ class GenerateHandlers(HandlerBase):
     def clip_fields(self, preset: str):
         """Frames and fps shown only for a video preset (its declaration: ModelPreset.frames)."""
         try:
-            return gr.update(visible=self.manager.catalog.preset(preset).video)
+            return gr.update(visible=self.serving.preset(preset).video)
         except ShowcaseError:
             return gr.update(visible=False)
 
     def lora_choices(self, preset: str):
         """The new preset's LoRA adapters (none selected)."""
         try:
-            return gr.update(choices=views.lora_choices(self.manager.catalog.preset(preset), self.manager.options.loras),
+            return gr.update(choices=views.lora_choices(self.serving.preset(preset), self.serving.lora_slot()),
                              value="none")
         except ShowcaseError:
             return gr.update(choices=[("none", "none")], value="none")
@@ -263,7 +263,7 @@ class GenerateHandlers(HandlerBase):
     def lora_scale(self, preset: str, lora: str | None):
         """A style picked: the slider moves to that style's own scale (the preset's), which it then overrides."""
         try:
-            scale = next((s.scale for s in self.manager.catalog.preset(preset).loras if s.name == lora), None)
+            scale = next((s.scale for s in self.serving.preset(preset).loras if s.name == lora), None)
         except ShowcaseError:
             scale = None
         return gr.skip() if scale is None else gr.update(value=scale)
@@ -328,7 +328,7 @@ class GenerateHandlers(HandlerBase):
 
     def _events(self, prepared: PreparedRun, run):
         """The request's one event stream (engine/serving/stream.py)."""
-        return stream.request_events(self.manager, prepared.spec, key=prepared.key, run=run)
+        return self.serving.events(prepared.spec, key=prepared.key, run=run)
 
     def form_request(self, form: dict, request: gr.Request | None) -> ImageRequest:
         """The ImageRequest a form asks for, before its engine is resolved: text as the API sends it, where
@@ -353,7 +353,7 @@ class GenerateHandlers(HandlerBase):
             spec = self.form_request(form, request)  # an upload is read here (bounded)
             tp, parallel = key_fields(spec.preset, spec.device, spec.precision, form.get("tp", 1))
             # the one gate: the key resolved, the request checked, routed and priced, before its engine starts
-            admitted = self.manager.gate.admit(spec.replace(tp=tp, parallel=parallel))
+            admitted = self.serving.admit(spec.replace(tp=tp, parallel=parallel))
             key = admitted.key
             size_text = str(Size.parse(spec.size)) if spec.size else ""
         except ShowcaseError as exc:
@@ -414,13 +414,13 @@ class GenerateHandlers(HandlerBase):
 def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]:
     """What each /generate parameter takes, for its API schema: each field's declared help
     (engine/protocol/params.py) with the default preset's values, and what this host offers for the engine's."""
-    presets = ", ".join(h.manager.gate.visitor_presets())
+    presets = ", ".join(h.serving.visitor_presets())
     caches = [value for _, value in views.step_cache_choices(h.step_cache_rows(preset, device, "eager"))]
-    allowed = params.field_help(h.manager.catalog.preset(preset), GENERATE_API_PARAMS)
+    allowed = params.field_help(h.serving.preset(preset), GENERATE_API_PARAMS)
     uploads = {name: "handle_file(PATH)" + (" each" if name == "images" else "") + ": " + allowed[name]
                for name in API_FILES}
     return {**allowed, **uploads,
-            "preset": f"one of {presets}" + ("" if h.manager.policy.public else ", or a Hub id / local diffusers folder"),
+            "preset": f"one of {presets}" + ("" if h.serving.public() else ", or a Hub id / local diffusers folder"),
             "device": "auto, or one of " + ", ".join(r["name"] for r in h.devices_report())
                       + " (/system says which are available here)",
             "precision": "one of " + ", ".join(h.precision_choices()),
@@ -490,8 +490,8 @@ class GeneratePage:
         form["negative_prompt"] = gr.Textbox(label=params.label("negative_prompt"), lines=1, visible=preset.negative_prompt,
                                              elem_id="negative-prompt")
         with gr.Row():
-            public = h.manager.policy.public
-            form["preset"] = gr.Dropdown(h.manager.gate.visitor_presets(), value=preset.name,
+            public = h.serving.public()
+            form["preset"] = gr.Dropdown(h.serving.visitor_presets(), value=preset.name,
                                          allow_custom_value=not public,
                                          label="Model preset" if public else
                                          "Model preset (or a Hub id / local diffusers folder)", elem_id="preset")
@@ -551,7 +551,7 @@ class GeneratePage:
             self.why_not = gr.Markdown(h.why_not(self.preset.name, d.device, d.precision, self.first_mode,
                                                  ranks_choice(d.tp, d.parallel)), elem_id="why-not")
         with gr.Row():  # LoRA styles the preset lists: hot-swapped on warm graphs (engine/pipeline/lora.py)
-            slot = h.manager.options.loras
+            slot = h.serving.lora_slot()
             choices = views.lora_choices(self.preset, slot)
             start = parse_lora(d.lora)  # app.py --lora
             name = start.name if start.name in {value for _, value in choices} else "none"
@@ -569,7 +569,7 @@ class GeneratePage:
         h = self.h
         update = h.memory_choices(self.preset.name, self.d.device, self.d.precision, self.first_mode,
                                   ranks_choice(self.d.tp, self.d.parallel))
-        public = h.manager.policy.public
+        public = h.serving.public()
         return gr.Dropdown(update["choices"], value=update["value"], info=update["info"], allow_custom_value=not public,
                            interactive=not public, label="Memory levers (where the weights live: estimated peak "
                            "and time beside each)", elem_id="memory")

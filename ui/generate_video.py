@@ -57,12 +57,12 @@ class VideoHandlers(GenerateHandlers):
     """Generate's handlers and the clip's: the run is Generate's, its result shown as a clip."""
 
     def video_presets(self) -> list[str]:
-        return [name for name in self.manager.gate.visitor_presets() if self.manager.catalog.preset(name).video]
+        return [name for name in self.serving.visitor_presets() if self.serving.preset(name).video]
 
     def video_defaults(self, preset: str):
         """A video preset's sizes, first frame bucket, rate and steps."""
         try:
-            p = self.manager.catalog.preset(preset)
+            p = self.serving.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         sizes = [str(s) for s in p.buckets]
@@ -91,7 +91,7 @@ def build(h: VideoHandlers) -> None:
     with gr.Tab("Video", id="video"):
         if not presets:  # /generate_video stays (an API's shape does not follow the host's list) and says why
             gr.Markdown("No video preset is offered on this server (a host lists one, e.g. tiny-wan, in its presets).")
-        first = h.manager.catalog.preset(presets[0] if presets else "tiny-wan")
+        first = h.serving.preset(presets[0] if presets else "tiny-wan")
         d = h.defaults
         with gr.Row():
             with gr.Column(scale=2, min_width=320):

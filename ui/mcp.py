@@ -37,13 +37,14 @@ import gradio as gr
 
 from engine.config.request import API_FIELDS
 from engine.protocol import params
-from engine.serving.manager import Caller
+from engine.serving.interface import Caller
 from ui import schemas
 from ui.advisor import (
     CHECKER_MIN_PSNR,
     DEFAULT_FIDELITY_POINTS,
     DEFAULT_MIN_PSNR,
     AdvisorForm,
+    AdvisorHandlers,
     advisor_messages,
 )
 from ui.common import document_api
@@ -317,7 +318,7 @@ JOBS_KEPT = 16  # finished advisor jobs whose results stay readable (the oldest 
 class AdviceJobs:
     """/advise_start and /advise_poll: the Advisor tab's child process, run in the background."""
 
-    def __init__(self, handlers):
+    def __init__(self, handlers: AdvisorHandlers):
         self.h = handlers
         self._jobs: OrderedDict[str, dict] = OrderedDict()
         self._lock = threading.Lock()
@@ -328,7 +329,7 @@ class AdviceJobs:
               fidelity_points: str = "", min_psnr: str = "", admin_token: str = "",
               request: gr.Request = None) -> dict:
         """Start the advisor in the background; returns {"job", "state"} at once (poll /advise_poll)."""
-        if self.h.manager.policy.public and self.h.caller(request, admin_token) is not Caller.HOST:
+        if self.h.serving.public() and self.h.caller(request, admin_token) is not Caller.HOST:
             raise gr.Error("the advisor loads and compiles many engines: a host operation (admin_token) on this "
                            "public server", title="Not allowed")
         with self._lock:
@@ -402,14 +403,14 @@ def _stop(child: subprocess.Popen) -> None:
                 pass
 
 
-def advisor_api(handlers) -> AdviceJobs:
+def advisor_api(handlers: AdvisorHandlers) -> AdviceJobs:
     """The start/poll pair as API endpoints (so MCP tools), inside the Blocks, each parameter named with what
     it takes and the job's JSON typed."""
     jobs = AdviceJobs(handlers)
     atexit.register(jobs.close)  # a running advisor is the app's child: it ends with the app
     job = ("job", "the advisor job: {job, state, progress, desc, elapsed_s, error, result (once done: pick, rows)}")
     document_api(gr.api(jobs.start, api_name="advise_start", concurrency_limit=None), {
-        "preset": "one of " + ", ".join(handlers.manager.presets),
+        "preset": "one of " + ", ".join(handlers.serving.preset_names()),
         "device": "auto, or one of " + ", ".join(r["name"] for r in handlers.devices_report())
                   + " (/system says which are available here)",
         "size": "WIDTHxHEIGHT, one of the preset's buckets ('' for its first)",

@@ -57,7 +57,7 @@ from engine.protocol import params
 from engine.serving import stream
 from engine.serving.stream import Run
 from ui import quietlog
-from ui.common import ENGINE_QUEUE
+from ui.common import ENGINE_QUEUE, HandlerBase
 from ui.keyguard import KeyGuard, retry_after
 from ui.openai_store import OutputStore
 
@@ -316,7 +316,7 @@ class ModelChoice:
 
 def choose_model(name: str | None, presets, default: str, offered: list[str]) -> ModelChoice:
     """`model` as a client sends it: no name is the default preset; a preset of this server is itself (the
-    manager's gate then says whether this caller may use it); an OpenAI family name is the default preset with
+    serving gate then says whether this caller may use it); an OpenAI family name is the default preset with
     that family's default response_format; anything else is a 404 naming the models the caller may send."""
     if name is None or not name.strip():
         return ModelChoice(default, PRESET_FORMAT)
@@ -477,15 +477,15 @@ def hold_turn(h, client: str, held: ExitStack) -> None:
         if refusal:
             raise ApiError(429, refusal, "rate_limit_error", code="too_many_requests")
     try:
-        held.enter_context(h.runs.open(f"v1:{client}", exclusive=h.manager.policy.public))
+        held.enter_context(h.runs.open(f"v1:{client}", exclusive=h.serving.public()))
     except ShowcaseError as exc:
         raise api_error(exc) from None
 
 
 class OpenAIRoutes:
-    """The /v1 routes on the app's handlers (ui/handlers.py): their manager, defaults, runs and web edge."""
+    """The /v1 routes on the app's handlers (ui/handlers.py): their serving interface, defaults, runs and web edge."""
 
-    def __init__(self, handlers, keys: ApiKeys, videos=None, read_edit=None):
+    def __init__(self, handlers: HandlerBase, keys: ApiKeys, videos=None, read_edit=None):
         # read_edit: (routes, request, caller) -> ImagesCall, POST /v1/images/edits' reader (ui/openai_edits.py)
         self.h, self.keys, self.read_edit = handlers, keys, read_edit
         self.videos = videos  # the /v1/videos jobs (ui/openai_videos.py VideoJobs), or None: no videos API
@@ -547,11 +547,11 @@ class OpenAIRoutes:
     def _names(self, caller: Caller) -> list[str]:
         """The presets this caller may send as `model` (public mode: a visitor, the host's list)."""
         if caller is Caller.HOST:
-            return list(self.h.manager.presets)
-        return self.h.manager.gate.visitor_presets()
+            return self.h.serving.preset_names()
+        return self.h.serving.visitor_presets()
 
     def _entry(self, name: str) -> dict:
-        preset = self.h.manager.catalog.preset(name)
+        preset = self.h.serving.preset(name)
         return {"id": name, "object": "model", "created": self.started, "owned_by": OWNER,
                 "buckets": [str(s) for s in preset.buckets], "steps": preset.steps, "guidance": preset.guidance,
                 "negative_prompt": preset.negative_prompt, "example_prompt": preset.example_prompt,
@@ -560,7 +560,7 @@ class OpenAIRoutes:
 
     def _styles(self, name: str) -> list[dict]:
         return [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}
-                for lora in self.h.manager.catalog.preset(name).loras]
+                for lora in self.h.serving.preset(name).loras]
 
     def models(self, caller: Caller, path: str) -> dict:
         """The presets, and the extra body fields POST /v1/images/generations takes beside OpenAI's."""
@@ -576,7 +576,7 @@ class OpenAIRoutes:
         return self._entry(name)
 
     def loras(self, caller: Caller, path: str) -> dict:
-        slot = bool(self.h.manager.options.loras)
+        slot = bool(self.h.serving.lora_slot())
         return {"object": "list", "enabled": slot,
                 "data": [{"model": name, "loras": self._styles(name)} for name in self._names(caller)],
                 **({} if slot else {"note": "LoRA styles are off on this server (the host starts it with --loras)"})}
@@ -588,7 +588,7 @@ class OpenAIRoutes:
         except InvalidRequest as exc:
             raise ApiError(400, str(exc)) from None
         client = self._client(request)
-        model = choose_model(_text(body, "model"), self.h.manager.presets, self.h.default_preset().name,
+        model = choose_model(_text(body, "model"), self.h.serving.preset_names(), self.h.default_preset().name,
                              self._names(caller))
         body = {**body, "response_format": body.get("response_format") or model.response_format}
         call = read_call(body, self.h.defaults, model.preset, caller, client)
@@ -604,7 +604,7 @@ class OpenAIRoutes:
         await anyio.to_thread.run_sync(self._check_call, call)  # may probe devices: not on the event loop
         hold_turn(self.h, call.spec.client, held)
         answer = Answer(call)
-        run = ImagesRun(call.specs(), self._events, self.h.manager.cancel)
+        run = ImagesRun(call.specs(), self._events, self.h.serving.cancel)
         if call.stream:
             return StreamingResponse(self._stream(run, answer), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
@@ -619,19 +619,19 @@ class OpenAIRoutes:
 
     def _events(self, spec: ImageRequest, run: Run):
         """An image's one event stream (engine/serving/stream.py)."""
-        return stream.request_events(self.h.manager, spec, run=run)
+        return self.h.serving.events(spec, run=run)
 
     def _check_call(self, call: ImagesCall) -> None:
         """What /generate checks before an engine starts (ui/generate.py _prepare): the engine the caller may
         use, the cost of n images against the request and visitor budgets; and n against the engine's batch."""
         h, spec = self.h, call.spec
         key = h.key_for(spec.preset, spec.device, spec.precision, 1, caller=spec.caller)
-        limit = h.manager.batch_limit(key)
+        limit = h.serving.batch_limit(key)
         if call.n > limit:
             raise ApiError(400, f"n must be from 1 to {limit} on {key} (its largest batch: the n images run as one "
                                 "pipeline call; the host sets --max-batch)", param="n")
-        gate = h.manager.gate  # each image is then admitted alone; together they must fit the visitor's budget
-        gate.check_images(gate.admit(spec.replace(preset=key.preset)), call.n, h.manager.flow.held(spec.client))
+        serving = h.serving  # each image is then admitted alone; together they must fit the visitor's budget
+        serving.check_images(serving.admit(spec.replace(preset=key.preset)), call.n, serving.held(spec.client))
 
 
     async def _run(self, run: ImagesRun, answer: Answer, request) -> None:

@@ -229,8 +229,8 @@ def edit_preset(routes, caller: Caller, body: dict) -> str:
     asked = body.get("model")
     if asked:
         return asked
-    catalog = routes.h.manager.catalog
-    editing = [name for name in routes._names(caller) if catalog.preset(name).inputs.takes_images]
+    serving = routes.h.serving
+    editing = [name for name in routes._names(caller) if serving.preset(name).inputs.takes_images]
     return editing[0] if editing else routes.h.default_preset().name
 
 

@@ -30,6 +30,7 @@ from engine.config.request import Caller, ImageRequest
 from engine.protocol import params
 from engine.serving import stream
 from engine.serving.stream import Run
+from ui.common import HandlerBase
 from ui.openai_api import PREFIX, ApiError, api_error, hold_turn
 
 JOBS_KEPT = 32
@@ -147,9 +148,9 @@ def frames_asked(form: dict, fps_default: int) -> str | None:
 
 
 class VideoJobs:
-    """The /v1/videos routes on the app's handlers (their manager, defaults, runs and web edge)."""
+    """The /v1/videos routes on the app's handlers (their serving interface, defaults, runs and web edge)."""
 
-    def __init__(self, handlers, kept: int = JOBS_KEPT):
+    def __init__(self, handlers: HandlerBase, kept: int = JOBS_KEPT):
         self.h, self.kept = handlers, kept
         self.jobs: OrderedDict[str, VideoJob] = OrderedDict()
         self.tasks: set[asyncio.Task] = set()
@@ -203,7 +204,7 @@ class VideoJobs:
             held.close()
             raise
         job = VideoJob(id=f"video_{secrets.token_hex(12)}", model=admitted.key.preset, prompt=spec.prompt,
-                       size=str(admitted.request.size), client=client, run=Run(self.h.manager.cancel),
+                       size=str(admitted.request.size), client=client, run=Run(self.h.serving.cancel),
                        seconds=f"{admitted.request.num_frames / max(1, admitted.request.fps):.2f}")
         self._keep(job)
         task = asyncio.create_task(self._run(job, admitted, held))
@@ -212,12 +213,12 @@ class VideoJobs:
         return job.body()
 
     def _spec(self, form: dict, name: str, caller: Caller, client: str) -> ImageRequest:
-        if name not in self.h.manager.presets:
+        if name not in self.h.serving.preset_names():
             raise ApiError(404, f"model {name[:60]!r} is not offered here (GET /v1/models)", param="model",
                            code="model_not_found")
-        preset = self.h.manager.catalog.preset(name)
+        preset = self.h.serving.preset(name)
         if not preset.video:
-            videos = [n for n in self.h.manager.presets if self.h.manager.catalog.preset(n).video]
+            videos = [n for n in self.h.serving.preset_names() if self.h.serving.preset(n).video]
             raise ApiError(400, f"model {name} makes images, not clips; choose a video model: "
                                 f"{', '.join(videos) or 'none is offered on this server'}", param="model")
         d = self.h.defaults
@@ -231,7 +232,7 @@ class VideoJobs:
     def _admit(self, spec: ImageRequest):
         h = self.h
         key = h.key_for(spec.preset, spec.device, spec.precision, 1, caller=spec.caller)
-        return h.manager.gate.admit(spec.replace(preset=key.preset))
+        return h.serving.admit(spec.replace(preset=key.preset))
 
     def _keep(self, job: VideoJob) -> None:
         self.jobs[job.id] = job
@@ -243,7 +244,7 @@ class VideoJobs:
 
     async def _run(self, job: VideoJob, admitted, held: ExitStack) -> None:
         try:
-            async with aclosing(stream.request_events(self.h.manager, admitted, run=job.run)) as events:
+            async with aclosing(self.h.serving.events(admitted, run=job.run)) as events:
                 async for event in events:
                     if isinstance(event, stream.Step):
                         job.step(event.progress)

@@ -20,6 +20,7 @@ from pathlib import Path
 import gradio as gr
 
 from engine.errors import scrub_paths
+from engine.serving.interface import Serving
 from ui import schemas
 from ui.common import FAST, HandlerBase, document_api
 from ui.views import fmt_bytes
@@ -109,15 +110,15 @@ _SIZES_TTL_S = 30.0
 _sizes_memo: dict = {}
 
 
-def cache_folders(manager, device_names: list[str], environ=None) -> list[dict]:
+def cache_folders(serving: Serving, device_names: list[str], environ=None) -> list[dict]:
     """Every cache folder the app and its workers use, and its size; sizes are remembered for 30 s
     (walking a big cache costs seconds of CPU that polling clients must not take from the engines)."""
-    key = (str(manager.cache_dir), tuple(device_names), id(environ),
-           tuple(sorted((k, str(v)) for k, v in engine_folders(manager).items())))  # engines come and go
+    key = (str(serving.cache_dir), tuple(device_names), id(environ),
+           tuple(sorted((k, str(v)) for k, v in engine_folders(serving).items())))  # engines come and go
     memo = _sizes_memo.get(key)
     if memo and time.monotonic() - memo[0] < _SIZES_TTL_S:
         return memo[1]
-    rows = _cache_folders(manager, device_names, environ)
+    rows = _cache_folders(serving, device_names, environ)
     _sizes_memo[key] = (time.monotonic(), rows)
     return rows
 
@@ -127,11 +128,11 @@ CACHE_LABELS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TORCH_NEURONX_NEFF_CACHE
 FOLDER_LABELS = {**CACHE_LABELS, "TMPDIR": "temporary files", "precompiled headers": "precompiled headers"}
 
 
-def engine_folders(manager) -> dict[str, Path]:
+def engine_folders(serving: Serving) -> dict[str, Path]:
     """Each loaded engine's compile and temporary folders as its worker reported them (where it really
     writes, after any move to a temporary cache), one row per folder with the engines using it."""
     users: dict[tuple[str, str], list[str]] = {}
-    for engine in manager.residency.engines():
+    for engine in serving.engines():
         try:
             folders = engine.folders()
         except Exception:  # an engine going down must not hide the rest
@@ -141,28 +142,28 @@ def engine_folders(manager) -> dict[str, Path]:
     return {f"{label} (in use by {', '.join(keys)})": Path(path) for (label, path), keys in users.items()}
 
 
-def worker_cache_env(manager, device_names: list[str]) -> dict[str, str]:
-    """The cache variables the workers of these devices are started with (the manager's CacheDir)."""
+def worker_cache_env(serving: Serving, device_names: list[str]) -> dict[str, str]:
+    """The cache variables the workers of these devices are started with (the cache folder's)."""
     env: dict[str, str] = {}
     for name in device_names:
         try:
-            env.update(manager.launcher.worker_cache_env(name))
+            env.update(serving.worker_cache_env(name))
         except Exception:  # an unknown or broken device must not hide the rest
             continue
     return env
 
 
-def _cache_folders(manager, device_names: list[str], environ=None) -> list[dict]:
+def _cache_folders(serving: Serving, device_names: list[str], environ=None) -> list[dict]:
     environ = os.environ if environ is None else environ
-    cache_dir = Path(manager.cache_dir)
-    persistent = getattr(getattr(manager, "cache", None), "persistent", True)
+    cache_dir = Path(serving.cache_dir)
+    persistent = serving.cache_persistent
     folders = {
         "cache dir (--cache-dir)" + ("" if persistent else ", temporary: the configured one is not writable"):
             cache_dir,
         "tiny models": cache_dir / "models",
     }
-    folders.update(engine_folders(manager))
-    for var, value in worker_cache_env(manager, device_names).items():
+    folders.update(engine_folders(serving))
+    for var, value in worker_cache_env(serving, device_names).items():
         if var.endswith("_DIR"):
             folders[f"{CACHE_LABELS.get(var, var)} (workers' {var})"] = Path(value)
         else:
@@ -190,7 +191,7 @@ def _cache_folders(manager, device_names: list[str], environ=None) -> list[dict]
     return rows
 
 
-def web_server(manager, edge=None) -> dict:
+def web_server(serving: Serving, edge=None) -> dict:
     """The web server's own memory (counted in the cpu budget) and the web edge's bounds."""
     try:
         import psutil
@@ -199,15 +200,15 @@ def web_server(manager, edge=None) -> dict:
     except Exception:
         rss = None
     row = {"memory": fmt_bytes(rss) if rss is not None else "unknown",
-           "counted_in_budget": bool(manager.budgets.app_bytes("cpu"))}
+           "counted_in_budget": bool(serving.app_bytes("cpu"))}
     if edge is not None:
         row["edge"] = edge.snapshot()
     return row
 
 
-def system_report(manager, devices_report: list[dict], edge=None) -> dict:
+def system_report(serving: Serving, devices_report: list[dict], edge=None) -> dict:
     available = [d["name"] for d in devices_report if d.get("available")]
-    worker_env = worker_cache_env(manager, available)
+    worker_env = worker_cache_env(serving, available)
     return {
         "devices": [
             {"name": d["name"], "label": d["label"], "available": d["available"],
@@ -217,16 +218,16 @@ def system_report(manager, devices_report: list[dict], edge=None) -> dict:
             for d in devices_report
         ],
         "versions": versions(),
-        "caches": cache_folders(manager, available),
+        "caches": cache_folders(serving, available),
         "environment": environment_in_force(worker_env),
         "engines": [
             {"engine": e["engine"], "state": e["state"], "load_s": e.get("load_s"),
              "notices": e.get("notices", []), "error": e.get("error"), "footprint": e.get("footprint")}
-            for e in manager.residency.status_rows()
+            for e in serving.status_rows()
         ],
         # budgets and use per device, engines started and evicted, the compile scheduler, the policy
-        "host": manager.host_status(),
-        "web_server": web_server(manager, edge),
+        "host": serving.host_status(),
+        "web_server": web_server(serving, edge),
     }
 
 
@@ -294,8 +295,8 @@ def cluster_lines(cluster: dict | None) -> list[str]:
 class SystemHandlers(HandlerBase):
     def system(self, refresh: bool = True) -> dict:
         """The report; `refresh` probes the devices again (the Refresh button). Public mode: for_visitors."""
-        report = system_report(self.manager, self.devices_report(refresh=refresh), self.edge)
-        if not self.manager.policy.public:
+        report = system_report(self.serving, self.devices_report(refresh=refresh), self.edge)
+        if not self.serving.public():
             return report
         report["versions"]["platform"] = f"{platform.system()} {platform.machine()}"
         return for_visitors(report)

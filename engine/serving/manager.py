@@ -21,7 +21,6 @@ from typing import NamedTuple
 from engine import devices, settings
 from engine.config.caches import prepare_cache_dir, remove_orphaned_folders
 from engine.config.flags import presets_from_args
-from engine.config.placement import split_device
 from engine.config.request import Caller, ImageRequest
 from engine.config.resolve import Catalog
 from engine.config.video import warm_bucket
@@ -41,6 +40,7 @@ from engine.serving.admission import RequestFlow, Ticket, price_compare
 from engine.serving.footprints import DeviceBudgets
 from engine.serving.gate import Admitted, Gate
 from engine.serving.hosting import HostingConfig, HostPolicy
+from engine.serving.interface import EngineServing, ManagerCalls, Serving, ServingParts
 from engine.serving.launch import EngineLauncher, cpu_worker_threads
 from engine.serving.residency import Residency
 from engine.serving.scheduler import CompileScheduler
@@ -350,21 +350,16 @@ class EngineManager:
             **({"cluster": self.cluster()} if self.hosting.fleet is not None else {}),
         }
 
-    def devices_report(self) -> list[dict]:
-        """Every device, probed here; under --ray, where the cluster's nodes have it (rows per chip and node)."""
-        from engine import devices
-
-        report = devices.devices_report()
-        if self.hosting.fleet is None:
-            return report
-        from engine.fleet.cluster import fleet_report
-
-        return fleet_report(report)
-
-    def device_spec(self, device: str):
-        """The DeviceSpec a device field resolves to ("auto", a placement such as "cuda:H100" included)."""
-        name, placement = split_device(device)
-        return self.catalog.device(name, placement)
+    def serving(self) -> Serving:
+        """What the UI may use (engine/serving/interface.py): built from the parts; generate is read at each
+        call, so a test's spy on this manager's generate is seen."""
+        calls = ManagerCalls(lambda spec, **hooks: self.generate(spec, **hooks), self.engine, self.warm,
+                             self.restart, self.engine_options, self.batch_limit, self.price_compare,
+                             self.admission, self.cancel, self.host_status)
+        parts = ServingParts(self.catalog, self.gate, self.residency, self.budgets, self.levers, self.scheduler,
+                             self.launcher, self.flow, self.shares, self.options, self.hosting, self.cache,
+                             self.telemetry)
+        return EngineServing(calls, parts, policy=lambda: self.policy)
 
     def cluster(self) -> dict | None:
         """Under --ray: the cluster's nodes, their resources and what each device has (None without)."""
