@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-MAX_FRAMES = 17  # frames from the serving loop's take (included) to the frame calling the pipeline (included)
+MAX_FRAMES = 8  # frames from the serving loop's take (included) to the frame calling the pipeline (included)
 
 
 def _config(cache_dir):
