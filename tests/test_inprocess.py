@@ -199,7 +199,7 @@ config = EngineConfig(EngineKey("tiny-shapes", "cpu", "fp32"), get_preset("tiny-
                       EngineOptions(warm_sizes=()), sys.argv[1])
 runner_engine = InProcessClient(config, gpu=make_gpu_calls("direct")).start()
 runner_engine.wait_ready(300)
-info = runner_engine.runner.warm_bucket(BucketKey(Mode.AOT, Size(64, 64)))
+info = runner_engine.executor.warm_bucket(BucketKey(Mode.AOT, Size(64, 64)))
 result = runner_engine.generate(GenerateRequest.checked(prompt=sys.argv[2], width=64, height=64, steps=8, guidance=1.0,
                                                 seed=0, mode="aot"), timeout=300)
 runner_engine.close()
@@ -218,7 +218,7 @@ def test_aot_buckets_build_in_a_forked_call_and_load_in_a_fresh_process(cache_di
     forked = _engine(cache_dir, "fork")
     try:
         bucket = BucketKey(Mode.AOT, Size(64, 64))
-        info = forked.runner.warm_bucket(bucket)  # built inside the GPU call, in the child
+        info = forked.executor.warm_bucket(bucket)  # built inside the GPU call, in the child
         assert info.state == BucketState.WARM, info.error
         assert info.origin.startswith("built now")
         assert list(store.glob("tiny-shapes/*/*/package.pt2"))

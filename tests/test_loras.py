@@ -357,7 +357,7 @@ def test_adapters_are_refused_where_the_engine_cannot_hold_them(cache_dir, adapt
     with pytest.raises(UnsupportedCombination, match="LoRA 'swap' cannot run here: preset tiny-flux lists no LoRA"):
         from helpers import make_runner
 
-        make_runner(cache_dir, "tiny-flux", load=False).prepare(_request(lora="swap"))
+        make_runner(cache_dir, "tiny-flux", load=False).prep.prepare(_request(lora="swap"))
 
 
 @pytest.fixture(scope="module")

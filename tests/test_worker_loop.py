@@ -314,12 +314,12 @@ def test_a_real_compile_set_aside_unwinds_and_compiles_again(cache_dir, tiny_mod
 def test_the_sidecar_loop_tells_a_shutdown_from_a_hang_up(asks_to_stop):
     """A sidecar started by hand exits when its client asks it to, and waits for the next client when the
     client only hangs up: its loop notes which it was (engine/tp/sidecar.py RankProcess.serve)."""
+    from engine.tp.runner import GroupHealth
     from engine.tp.sidecar import SidecarLoop
 
     runner = _Runner()
-    runner.broken = None
     ours, theirs = LocalConnection.pair()
-    loop = SidecarLoop(theirs, runner)
+    loop = SidecarLoop(theirs, runner, GroupHealth(runner.config.key))
     serving = threading.Thread(target=loop.run, daemon=True)
     serving.start()
     if asks_to_stop:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from engine.errors import Cancelled
 from engine.pipeline import batching
 from engine.pipeline.board import describe_failure
+from engine.pipeline.callrun import CallRun, RequestPrep, generate_here
 from engine.pipeline.calls import CallOutcome
 from engine.protocol import BucketKey, GenerateRequest, GenerateResult, Mode, StepProgress
 
@@ -29,7 +30,7 @@ class BatchHooks:
 
 
 class BatchRun:
-    """One `PipelineRunner.generate_batch` call. Its outcomes: per request, its GenerateResult, the exception
+    """One `generate_batch` call of an engine's executor (engine/pipeline/executor.py). Its outcomes: per request, its GenerateResult, the exception
     it failed with, or None when it already left through `on_leave(index, Cancelled)` or was answered through
     `on_result(index, result)`. A member whose cancel is set leaves at the next step end, at once, and the
     call goes on for the others (its image is dropped); the call stops when every member has left. Where the
@@ -38,13 +39,11 @@ class BatchRun:
     batch_size). A member that cannot run (mode, step cache, size) fails alone first; if the shared call
     fails, each member not answered yet runs again alone, so each gets its own outcome.
 
-    The engine's steps it runs (engine/pipeline/runner.py): `prepare(request)` checks a member,
-    `generate(request, on_step=, cancel=)` runs one alone, `run_call(...)` makes the shared call, `result(...)`
-    makes a member's GenerateResult; `board` counts what was served."""
+    The engine's parts it runs (engine/pipeline/callrun.py): `prep` checks each member, `calls` makes the
+    shared call (or a member's alone), makes a member's GenerateResult and counts what was served on its board."""
 
-    def __init__(self, requests: list[GenerateRequest], hooks: BatchHooks, prepare, generate, run_call, result,
-                 board):
-        self.prepare, self.generate, self.run_call, self.result, self.board = prepare, generate, run_call, result, board
+    def __init__(self, requests: list[GenerateRequest], hooks: BatchHooks, prep: RequestPrep, calls: CallRun):
+        self.prep, self.calls = prep, calls
         self.requests = requests
         self.on_step, self.on_leave, self.on_result = hooks.on_step, hooks.on_leave, hooks.on_result
         self.cancels = hooks.cancels or [threading.Event() for _ in requests]
@@ -77,7 +76,7 @@ class BatchRun:
     def _prepare_each(self) -> None:
         for i, request in enumerate(self.requests):
             try:
-                prepared, notices = self.prepare(request)
+                prepared, notices = self.prep.prepare(request)
             except Exception as exc:  # noqa: BLE001 - its own outcome
                 self.outcomes[i] = exc
                 continue
@@ -88,7 +87,7 @@ class BatchRun:
 
     def _alone(self, i: int):
         try:
-            return self.generate(self.requests[i], on_step=self.on_step, cancel=self.cancels[i])
+            return generate_here(self.prep, self.calls, self.requests[i], on_step=self.on_step, cancel=self.cancels[i])
         except Exception as exc:  # noqa: BLE001 - its own outcome
             return exc
 
@@ -106,8 +105,8 @@ class BatchRun:
         lead, k = self.members[0], len(self.members)
         bucket = lead.bucket.batched(k)
         everyone = batching.AllSet([self.cancels[i] for i in self.indexes])
-        run = self.run_call(bucket, lead, self.call_notices, self._member_steps, everyone, members=self.members,
-                            on_image=self._image_ready if self.on_result is not None else None)
+        run = self.calls.run_call(bucket, lead, self.call_notices, self._member_steps, everyone, members=self.members,
+                                  on_image=self._image_ready if self.on_result is not None else None)
         if run.cancelled_at is not None:
             raise Cancelled(f"every request of a batch of {k} cancelled after step {run.cancelled_at}")
         results = [None if self.left[j] or self.indexes[j] in self.answered else self._result(j, image, run)
@@ -115,12 +114,12 @@ class BatchRun:
         # Counted where it ran: an eager batch (eager mode, or a batch size not warm yet) on the eager row
         ran = bucket if not run.eager_fallback else BucketKey(Mode.EAGER, bucket.size, k)
         answered = sum(self.indexes[j] in self.answered for j in range(k))
-        self.board.served(ran, requests=sum(r is not None for r in results) + answered)
+        self.calls.board.served(ran, requests=sum(r is not None for r in results) + answered)
         return results
 
     def _result(self, j: int, image, run: CallOutcome) -> GenerateResult:
-        return self.result(self.members[j], image, run, self.notices[j] + self.call_notices,
-                           batch_size=len(self.members))
+        return self.calls.result(self.members[j], image, run, self.notices[j] + self.call_notices,
+                                 batch_size=len(self.members))
 
     def _member_left(self, j: int, step: int) -> bool:
         """Whether member j has left; one whose cancel is set leaves now (told through on_leave)."""

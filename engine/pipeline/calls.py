@@ -3,7 +3,6 @@ of a variant with its own scheduler, timed step by step, cancellable between ste
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import devices
-from engine.pipeline import memory, preview, recipes, stepcache, variants
+from engine.pipeline import preview, recipes, stepcache, variants
 from engine.pipeline.clock import RunClock
 from engine.pipeline.lora import SlotChange
 from engine.protocol import EngineOptions, GenerateRequest, ImageInputs, ModelPreset, StepProgress, Timings
@@ -103,7 +102,7 @@ def _takes_argument(pipeline_cls: type, name: str) -> bool:
 
 @dataclass(frozen=True)
 class CallOutcome:
-    """What one pipeline call gave (PipelineRunner.run_call): a request's image, or a batch's images in order."""
+    """What one pipeline call gave (CallRun.run_call, callrun.py): a request's image, or a batch's images in order."""
 
     images: object
     timings: Timings
@@ -174,7 +173,8 @@ class PipelineCaller:
         """One pipeline call. With a step cache variant, `cached` counts the steps its hooks served. With
         `members` (a batch led by `request`) the first value returned is the list of their images, in order;
         with `on_image` too, the batch is decoded one image at a time and `on_image(index, image, timings)`
-        gets each as soon as it is ready (timings up to then). Returns (images, timings, cancelled_at)."""
+        gets each as soon as it is ready (timings up to then). Per-call features (LoRA, step cache variant,
+        memory levers) wrap the call as steps (callsteps.py). Returns (images, timings, cancelled_at)."""
         scheduler = copy.deepcopy(self.scheduler_template)  # far cheaper than from_config (docs/benchmarks.md)
         clock = RunClock(self.spec)
         run = variants.run_copy(pipe, scheduler, on_loop_start=clock.mark_loop_start)
@@ -198,9 +198,8 @@ class PipelineCaller:
         # backends (and the fake PrivateUse1 device in tests) cannot version inference tensors.
         if self.prompts is not None:
             self.prompts.bind(run)
-        with memory.vae_levers(run.vae, request.memory) if request.memory else contextlib.nullcontext():
-            output = run(**kwargs)
-            images = output.frames if request.num_frames else output.images  # a clip: one list of frames each
+        output = run(**kwargs)
+        images = output.frames if request.num_frames else output.images  # a clip: one list of frames each
         end = time.perf_counter()
         images = decoded if decoded else images
         return (list(images) if members else images[0]), clock.timings(end), step_ends.cancelled_at

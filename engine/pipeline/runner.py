@@ -10,30 +10,25 @@ requests sharing one call are a batch run (batchrun.py); a result's image is enc
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 
-import torch
-
 from engine import devices
-from engine.errors import Cancelled, DeviceOutOfMemory, UnsupportedCombination
-from engine.pipeline import batching, memory, prompts, recipes, stepcache, variants
+from engine.pipeline import batching, prompts, stepcache
 from engine.pipeline.batchrun import BatchHooks, BatchRun
 from engine.pipeline.board import BucketBoard, describe_failure
-from engine.pipeline.calls import CallOutcome, PipelineCaller, pipeline_call_kwargs
-from engine.pipeline.clip import Clip
+from engine.pipeline.callrun import CallRun, RequestPrep, generate_here
+from engine.pipeline.calls import PipelineCaller, pipeline_call_kwargs
 from engine.pipeline.clock import compiles_in_this_thread
 from engine.pipeline.clock import install_compile_counter as _install_compile_counter
+from engine.pipeline.executor import ModeRules
 from engine.pipeline.faults import Faults
-from engine.pipeline.footprint import component_bytes, engine_footprint, weights_bytes
+from engine.pipeline.footprint import engine_footprint, weights_bytes
 from engine.pipeline.loading import PipelineLoader, lora_refusal
-from engine.pipeline.lora import SlotChange
 from engine.pipeline.modes import VariantSet, clone_module_tree, compile_denoiser
-from engine.pipeline.png import encode_png
 from engine.pipeline.progress import progress_bar
 from engine.pipeline.warmup import WarmRequests, Warmup, preset_buckets, startup_buckets, warm_refusal
 from engine.protocol import (
@@ -42,7 +37,6 @@ from engine.protocol import (
     BucketState,
     EngineConfig,
     EngineReady,
-    Fault,
     Footprint,
     GenerateRequest,
     GenerateResult,
@@ -70,10 +64,14 @@ log = logging.getLogger(__name__)
 
 class PipelineRunner:
     """The engine's pipeline: its modes, its load, one request or a batch at a time, its buckets' warm-up and
-    what it announces. Subclasses (engine/tp/runner.py) change where it loads (`load_device`,
-    `component_overrides`) and how its requests and warm-ups run."""
+    what it announces. It is the executor that runs them on this process's device (executor.py's protocol);
+    the in-process and tensor-parallel executors are given one. What its runtime refuses (`refused`: mode ->
+    why), its largest batch (`max_batch`) and whether it lives in the app's process come from who builds it. A subclass (engine/tp/runner.py)
+    changes where it loads (`load_device`, `component_overrides`)."""
 
-    def __init__(self, config: EngineConfig, listener: Callable[[BucketInfo], None] | None = None):
+    def __init__(self, config: EngineConfig, listener: Callable[[BucketInfo], None] | None = None,
+                 refused: Callable[[Mode], str] | None = None, max_batch: int | None = None,
+                 in_app_process: bool = False):
         self.config = config
         self.preset = config.preset
         self.options = config.options
@@ -84,8 +82,10 @@ class PipelineRunner:
         self.pipe = None
         self.load_s: float | None = None
         self.source: str | None = None  # what from_pretrained loaded (aot package keys name the model by it)
+        self.in_app_process = in_app_process  # its footprint leaves out the app's resident memory
         self.run_lock = threading.Lock()  # one request on the device at a time (warm-up runs apart)
-        self._mode_notices: dict[Mode, tuple[str, ...]] = {}
+        self.rules = ModeRules(config, self.spec, self.precision, refused)
+        self.modes, self.check_mode = self.rules.modes, self.rules.check_mode  # what the runner is asked most
         self.faults = Faults(self.options.testing)  # the one place this process reads its test hooks
         self._weights_bytes: int | None = None
         self._peak_bytes: int | None = None
@@ -96,8 +96,10 @@ class PipelineRunner:
         self.variants = VariantSet(self.preset, self.options, self.spec, self.faults, self.notices, self._build_aot,
                                    self._variant_built)
         self.caller = PipelineCaller(self.preset, self.spec, self.options)
+        self.prep = RequestPrep(config, self.precision, self.rules)
+        self.calls = CallRun(config.key, self.spec, self.board, self.variants, self.caller, self.faults, self.run_lock)
         # Requests that can share a denoiser call run as one call of up to max_batch images (batching.py)
-        self.max_batch = self.largest_batch()
+        self.max_batch = self.largest_batch() if max_batch is None else max_batch
         self.batch_sizes = batching.batch_sizes(self.max_batch)
         self.warm_requests = WarmRequests(self.preset, self.options.warmup.steps)
         self.warmup = Warmup(self.board, self.variants, self.warm_requests, self.caller, self.spec, self.notices,
@@ -110,40 +112,6 @@ class PipelineRunner:
     def largest_batch(self) -> int:
         """How many requests one call may serve (the --max-batch flag, else the device's default); clips run alone."""
         return 1 if self.preset.video else batching.max_batch_for(self.options.batching.max_batch, self.spec, self.config.key.tp)
-
-    def modes(self) -> tuple[Mode, ...]:
-        """Modes this engine can run: the device's, minus what its options rule out."""
-        return tuple(m for m in self.spec.modes if not self._excluded(m))
-
-    def _excluded(self, mode: Mode) -> str:
-        """Why this engine's options rule `mode` out ("" when they do not)."""
-        if why := recipes.excluded_mode(self.options, mode):
-            return why
-        if why := memory.excluded_mode(self.config.key.memory, mode):
-            return why
-        if mode is Mode.AOT and self.precision.precision.quantized:
-            # torch.export unwraps torchao's quantized tensors into parametrizations the package then looks
-            # up by name on the engine's own (still quantized) model, where they do not exist.
-            return (f"{self.precision.precision} weights are torchao tensor subclasses, which an aot package cannot "
-                    "take from the engine's model (export unwraps them into other tensors)")
-        if mode is Mode.AOT and self.preset.video:
-            return "aot packages are exported per image bucket; a video bucket (size x frames) compiles or is regional"
-        if mode is Mode.AOT and self.config.key.tp > 1:
-            return "a tensor-parallel engine's weights are sharded DTensors, which aot packages do not take"
-        return ""
-
-    def check_mode(self, mode: Mode) -> tuple[str, ...]:
-        if mode in self._mode_notices:  # checked on every request: remember the answer per mode
-            return self._mode_notices[mode]
-        notices = devices.check_mode(self.spec, mode)
-        notices += tuple(recipes.cuda_graphs_notices(self.options, self.spec, Mode.parse(mode, "mode")))
-        if mode not in self.modes():
-            raise UnsupportedCombination(
-                f"mode {mode!r} is not available on this engine ({self.config.key}): "
-                f"{self._excluded(Mode.parse(mode, 'mode'))}, so only {', '.join(self.modes())} can run"
-            )
-        self._mode_notices[mode] = notices
-        return notices
 
     def lora_refusal(self) -> str:
         """Why this engine serves no LoRA although its preset lists some ("" when it can)."""
@@ -173,6 +141,8 @@ class PipelineRunner:
         # A pristine scheduler that never runs: each request gets a copy (schedulers keep per-run state).
         self.caller.scheduler_template = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
         recipe = self.options.recipe
+        self.prep.loras = loaded.loras
+        self.calls.loaded(pipe, loaded.loras, self.step_caches)
         self.caller.prompts = prompts.PromptEncoder(
             pipe, self.config.key.memory, self.load_device(), str(self.config.key),
             prompts.PromptCache(recipe.prompt_cache_entries, recipe.prompt_cache_mib * 2**20))
@@ -193,156 +163,15 @@ class PipelineRunner:
         """A hook for subclasses: a mode's pipeline, the first time it is handed out (engine/tp/runner.py)."""
 
     # -- running ----------------------------------------------------------------------------------
-    def prepare(self, request: GenerateRequest) -> tuple[GenerateRequest, list[str]]:
-        """What only this engine knows, checked before a request runs: the modes its options leave it (answered
-        once per mode), its memory levers, its ranks, its LoRA adapters. The request, its size routed to a
-        bucket, its step cache and mode checked for the device, comes from the gate (engine/serving/gate.py):
-        asserted here, not checked again. Returns the request to run and the notices."""
-        if request.size not in self.preset.buckets or request.num_frames not in (self.preset.frames or (0,)):
-            raise AssertionError(f"request {request.request_id} at {request.size} is not a bucket of "
-                                 f"{self.preset.name}: a bug, requests are routed to a bucket by the gate (build_request)")
-        notices = list(self.check_mode(request.mode))
-        memory.check_request(self.config.key.memory, request.memory, request.mode, request.step_cache.enabled,
-                             request.lora is not None)
-        if request.step_cache.enabled and self.config.key.tp > 1:
-            # Each rank's hooks would decide alone which steps to skip; ranks that disagree hang the collectives.
-            raise UnsupportedCombination(f"step cache {request.step_cache} is not available on a multi-rank engine "
-                                         f"({self.config.key}, tensor or context parallel): run it on a "
-                                         "single-device engine")
-        if request.lora is not None:
-            request, lora_notices = self._prepare_lora(request)
-            notices += lora_notices
-        return request, notices
-
-    def _prepare_lora(self, request: GenerateRequest) -> tuple[GenerateRequest, list[str]]:
-        """The request with its adapter checked and its scale filled in, or the error saying what to pick."""
-        if self.loras is None:
-            offered = self.lora_refusal() if self.preset.loras else f"preset {self.preset.name} lists no LoRA adapters"
-            raise UnsupportedCombination(f"LoRA {request.lora!r} cannot run here: {offered}")
-        if request.mode is Mode.AOT:
-            raise UnsupportedCombination("LoRA adapters do not run in aot mode (its packages are exported with the "
-                                         "LoRA slot off and serve requests without one): use compile or regional, "
-                                         "which hot-swap on warm graphs")
-        if request.lora_fused and self.precision.precision.quantized:
-            raise UnsupportedCombination(
-                f"a fused LoRA is not served on {self.precision.precision} engines: folding the style into "
-                "quantized weights would mean re-quantizing them at every fuse. Run the LoRA unfused here "
-                "(hot-swapped beside the quantized weights), or fused on an fp32, bf16 or fp16 engine")
-        if request.lora_fused and request.mode is not Mode.EAGER:
-            raise UnsupportedCombination(
-                f"a fused LoRA runs in eager mode only, not {request.mode}: fusing changes the layers a compiled "
-                "graph was traced with, so every fuse would recompile it. Use eager with the LoRA fused, or "
-                f"{request.mode} with it unfused (hot-swapped on the warm graphs)")
-        name, scale = self.loras.check(request.lora, request.lora_scale)
-        notices = []
-        trigger = self.loras.adapters[name].source.trigger
-        if trigger and trigger.lower() not in request.prompt.lower():
-            request = request.replace(prompt=f"{trigger}, {request.prompt}")
-            notices.append(f"LoRA {name}: its trigger {trigger!r} was added to the prompt")
-        return request.replace(lora=name, lora_scale=scale), notices
-
     def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None) -> GenerateResult:
-        """Run one request. At a warm bucket this compiles nothing; elsewhere it runs eagerly. A request with
-        on_cold=wait waits for its compile where requests queue (engine/worker/loop.py), never in here."""
-        request, notices = self.prepare(request)
-        run = self.run_call(request.bucket, request, notices, on_step, cancel)
-        if run.cancelled_at is not None:
-            raise Cancelled(f"request {request.request_id} cancelled after step {run.cancelled_at} of {request.steps}")
-        self.board.served(request.bucket)
-        return self.result(request, run.images, run, notices)
+        """Run one request here (callrun.py's generate_here)."""
+        return generate_here(self.prep, self.calls, request, on_step=on_step, cancel=cancel)
 
     def generate_batch(self, requests: list[GenerateRequest], on_step=None,
                        cancels: list[threading.Event] | None = None, on_leave=None, on_result=None) -> list:
         """Run requests that can share a denoiser call as one pipeline call (BatchRun says what each gets)."""
         hooks = BatchHooks(on_step, cancels, on_leave, on_result)
-        return BatchRun(requests, hooks, self.prepare, self.generate, self.run_call, self.result, self.board).run()
-
-    def run_call(self, bucket: BucketKey, request: GenerateRequest, notices: list[str], on_step, cancel,
-                 members: list[GenerateRequest] | None = None, on_image=None) -> CallOutcome:
-        """The pipeline call of a prepared request, or of a batch (`members`, led by `request`) at `bucket`:
-        eagerly where `bucket` is not warm. Why it ran eagerly, and what the step cache and aot say, go into
-        `notices`. A batch with `on_image` on a device that decodes a batch's images apart
-        (DeviceSpec.decode_batch_apart) hands each on as it is decoded: `on_image(index, image, run so far)`."""
-        info = self.board.get(bucket)
-        eager_fallback = request.mode.compiled and (info is None or info.state != BucketState.WARM)
-        if eager_fallback:
-            state = info.state.value if info else "cold"
-            reason = f": {info.error}" if info and info.error else ""
-            notices.append(f"bucket {bucket} is {state}{reason}; served eagerly on the same weights")
-            request = request.replace(mode=Mode.EAGER)
-            members = [m.replace(mode=Mode.EAGER) for m in members] if members else members
-        pipe = self.variants.get(request.mode)
-        with self.run_lock:
-            if self.faults.take(Fault.OOM):
-                raise self._out_of_memory(torch.OutOfMemoryError("injected out-of-memory"))
-            self.spec.reset_peak_memory()
-            return self._call_locked(bucket, pipe, request, notices, _CallHooks(on_step, cancel, members, on_image),
-                                     eager_fallback)
-
-    def _call_locked(self, bucket, pipe, request, notices, hooks: _CallHooks, eager_fallback: bool) -> CallOutcome:
-        """run_call's part under the run lock: the LoRA selected, the step cache's variant, the call measured."""
-        compiles_before = compiles_in_this_thread()
-        aot = self.variants.aot
-        aot_before = aot.counters()[1] if aot and request.mode is Mode.AOT else None
-        cached = None
-        if request.lora_fused:  # built before the slot is selected, which fuses into it
-            pipe = self.loras.fused_pipeline(pipe)
-        slot = self.loras.select(request.lora_choice) if self.loras is not None else SlotChange()
-
-        def outcome(images, timings, cancelled_at) -> CallOutcome:
-            return CallOutcome(images, timings, cancelled_at, eager_fallback, compiles_in_this_thread() - compiles_before,
-                               tuple(cached.counter.cached) if cached is not None else (),
-                               self.spec.peak_memory_bytes(), slot)
-
-        def image_ready(index, image, timings):
-            hooks.on_image(index, image, outcome(None, timings, None))
-
-        apart = hooks.on_image is not None and variants.decodes_apart(self.spec, self.board, request, pipe)
-        try:
-            if request.step_cache.enabled:
-                cached, cache_notices = self.step_caches.get(
-                    request.mode, pipe, request.step_cache, request.denoise_steps,
-                    lambda p, v: self.caller.call(p, request.replace(request_id="calibrate"), cached=v),
-                    fused=request.lora_fused)
-                notices += cache_notices
-                pipe = cached.pipe
-            images, timings, cancelled_at = self.caller.call(pipe, request, hooks.on_step, hooks.cancel, cached,
-                                                             members=hooks.members,
-                                                             on_image=image_ready if apart else None)
-        except torch.OutOfMemoryError as exc:
-            raise self._out_of_memory(exc) from None
-        recompiles = compiles_in_this_thread() - compiles_before
-        if self.loras is not None and request.mode.compiled:  # a warm graph (a cold bucket ran eager)
-            self.loras.served(recompiles)
-        cached_steps = cached.finish() if cached is not None else ()
-        if aot_before is not None and aot.counters()[1] > aot_before:
-            notices.append(f"aot: a call at {bucket} matched no package (not the exported shapes or "
-                           "arguments) and ran eagerly")
-        return CallOutcome(images, timings, cancelled_at, eager_fallback, recompiles, cached_steps,
-                           self.spec.peak_memory_bytes(), slot)
-
-    def result(self, request: GenerateRequest, image, run: CallOutcome, notices: list[str], batch_size: int = 1
-               ) -> GenerateResult:
-        clip = Clip.of(image, request)
-        return GenerateResult(
-            request_id=request.request_id, engine=self.config.key, bucket=request.bucket,
-            image_png=encode_png(clip.poster, request, self.config.key), timings=run.timings, warm=not run.eager_fallback,
-            eager_fallback=run.eager_fallback, recompiles=run.recompiles, peak_memory_bytes=run.peak,
-            notices=tuple(notices), seed=request.seed, steps=request.denoise_steps, step_cache=request.step_cache,
-            cached_steps=run.cached_steps, batch_size=batch_size, lora=request.lora,
-            lora_scale=request.lora_scale if request.lora else None,
-            lora_rank=self.loras.rank(request.lora) if self.loras is not None else None,
-            lora_swap_ms=run.lora.swap_ms, lora_fused=request.lora_fused and request.lora is not None,
-            lora_fuse_ms=run.lora.fuse_ms, weights_by_component=component_bytes(self.pipe),
-            video_mp4=clip.mp4, num_frames=request.num_frames, fps=request.fps, video_encode_ms=clip.encode_ms)
-
-    def _out_of_memory(self, exc: Exception) -> DeviceOutOfMemory:
-        gc.collect()
-        self.spec.empty_cache()
-        return DeviceOutOfMemory(
-            f"{self.spec.name} ran out of memory ({exc}); memory was released. "
-            "Pick a smaller size, fewer steps, bf16/fp16, or CPU offload"
-        )
+        return BatchRun(requests, hooks, self.prep, self.calls).run()
 
     # -- warm-up (warmup.py) ------------------------------------------------------------------------
     def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
@@ -350,7 +179,7 @@ class PipelineRunner:
         An eager bucket is warm as it is; one this engine cannot compile fails with the reason."""
         if not bucket.mode.compiled:
             return self.board.update(bucket, state=BucketState.WARM)
-        if (refusal := warm_refusal(bucket, self.check_mode, self.preset, self.batch_sizes)) is not None:
+        if (refusal := warm_refusal(bucket, self.rules.check_mode, self.preset, self.batch_sizes)) is not None:
             return self.board.update(bucket, state=BucketState.FAILED, error=str(refusal))
         return self.warmup.bucket(bucket)
 
@@ -414,16 +243,13 @@ class PipelineRunner:
         self._peak_bytes = self.spec.peak_memory_bytes()
 
     def footprint(self) -> Footprint:
-        """What this engine holds (footprint.py): device memory and the process's resident memory."""
-        return engine_footprint(self.spec, self.weights_bytes(), self._peak_bytes)
-
-
-class _CallHooks:
-    """What a caller of run_call hands on to the pipeline call: progress, cancel, a batch's members, and
-    where each decoded image of a batch goes."""
-
-    def __init__(self, on_step, cancel, members: list[GenerateRequest] | None, on_image):
-        self.on_step, self.cancel, self.members, self.on_image = on_step, cancel, members, on_image
+        """What this engine holds (footprint.py): device memory and the process's resident memory. In the app's
+        process that memory is not the engine's: weights + the measured peak, on every device."""
+        base = engine_footprint(self.spec, self.weights_bytes(), self._peak_bytes)
+        if not (self.in_app_process and self.spec.host_memory_is_device_memory):
+            return base
+        device = self.weights_bytes() + (self._peak_bytes or 0)
+        return Footprint(device_bytes=int(device), host_rss_bytes=0, weights_bytes=base.weights_bytes)
 
 
 # --- ahead of time -------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import traceback
 from engine import settings
 from engine.errors import ShowcaseError, UnsupportedCombination
 from engine.pipeline import aot
+from engine.pipeline.callrun import generate_here
 from engine.pipeline.runner import PipelineRunner
 from engine.protocol import (
     BucketChanged,
@@ -38,7 +39,6 @@ from engine.protocol import (
     BucketKey,
     BucketState,
     Fatal,
-    Footprint,
     GenerateRequest,
     GenerateResult,
     Mode,
@@ -108,35 +108,27 @@ class LocalConnection:
             self._inbox.put(_CLOSED)  # a read of our own in flight ends
 
 
-class InProcessRunner(PipelineRunner):
-    """A PipelineRunner without compile and regional modes (see REFUSED_MODES), one request per call, whose
-    `generate` and `warm_bucket` are GPU calls (`gpu`): each request is its own, whose duration is asked for
-    from that request's steps. The device work runs in `_gpu_task`, with PipelineRunner's own calls."""
+def inprocess_runner(config, listener=None) -> PipelineRunner:
+    """The engine's PipelineRunner in the app's process: without compile and regional (REFUSED_MODES), one
+    request per call, its footprint its own (the app's resident memory is not the engine's)."""
+    return PipelineRunner(config, listener=listener, refused=lambda mode: REFUSED_MODES.get(mode, ""), max_batch=1,
+                          in_app_process=True)
 
-    def __init__(self, config, gpu: GpuCalls, listener=None):
-        super().__init__(config, listener=listener)
+
+class InProcessExecutor:
+    """The executor (engine/pipeline/executor.py) of an in-process engine: its `generate` and `warm_bucket` are
+    GPU calls (`gpu`), each request its own, whose duration is asked for from that request's steps. The
+    device work runs in `_gpu_task`, with the runner's own calls."""
+
+    def __init__(self, runner: PipelineRunner, gpu: GpuCalls):
+        self.runner = runner
+        self.board = runner.board
         self.gpu = gpu
         self.durations = Durations()
         self._owner = os.getpid()
         self._installed: set[Size] = set()  # aot sizes whose packages this process's runner holds
         # Wrapped once, before any GPU call forks: ZeroGPU finds its functions at start-up.
         self._task = gpu.wrap(self._gpu_task)
-
-    def largest_batch(self) -> int:
-        return 1
-
-    def _excluded(self, mode: Mode) -> str:
-        if mode in REFUSED_MODES:
-            return REFUSED_MODES[mode]
-        return super()._excluded(mode)
-
-    def footprint(self) -> Footprint:
-        """The app's resident memory is not this engine's: weights + the measured peak, on every device."""
-        base = super().footprint()
-        if not self.spec.host_memory_is_device_memory:
-            return base
-        device = self.weights_bytes() + (self._peak_bytes or 0)
-        return Footprint(device_bytes=int(device), host_rss_bytes=0, weights_bytes=base.weights_bytes)
 
     # -- inside the GPU call ---------------------------------------------------------------------------
     def _gpu_task(self, duration_s, op, payload, owner):
@@ -146,11 +138,19 @@ class InProcessRunner(PipelineRunner):
         changes: dict[BucketKey, BucketInfo] = {}
         if remote:  # the app's board is not this process's: collect what changes, send it back
             self.board.listener = lambda info: changes.__setitem__(info.bucket, info)
+        runner = self.runner
         try:
             if op == "generate":
-                yield from self._generate_here(remote, *payload)
+                request, cancel, info, *on_step = payload
+                self._take_view(remote, request, info)
+                if not remote and on_step:
+                    # Same process: on the calling thread, progress straight to the caller. A thread per request
+                    # would give each its own OpenMP pool on cpu (pools of finished threads kept spinning).
+                    yield "result", generate_here(runner.prep, runner.calls, request, on_step=on_step[0], cancel=cancel)
+                else:
+                    yield from self._generate_on_thread(request, cancel)
             else:
-                info = super().warm_bucket(payload)  # the device work itself
+                info = runner.warm_bucket(payload)  # the device work itself
                 if info.state == BucketState.WARM and payload.mode is Mode.AOT:
                     self._installed.add(payload.size)
                 yield "warmed", info
@@ -162,26 +162,27 @@ class InProcessRunner(PipelineRunner):
         for info in changes.values():
             yield "bucket", info
 
-    def _generate_here(self, remote: bool, request: GenerateRequest, cancel, info: BucketInfo | None,
-                       on_step=None):
-        here = super().generate  # the device work itself, not this class's GPU call
+    def _take_view(self, remote: bool, request: GenerateRequest, info: BucketInfo | None) -> None:
+        """The app's view of the request's bucket (a reused ZeroGPU process may lag behind), and its aot
+        packages installed where the app has them and this process not yet."""
+        runner = self.runner
         if remote and info is not None:
-            apply_info(self, info)  # the app's view of the bucket (a reused ZeroGPU process may lag behind)
+            apply_info(runner, info)
         if (request.mode is Mode.AOT and info is not None and info.state == BucketState.WARM
                 and info.bucket.size not in self._installed):
-            self.variants.get(Mode.AOT)
-            if install_committed(self, info.bucket.size):
+            runner.variants.get(Mode.AOT)
+            if install_committed(runner, info.bucket.size):
                 self._installed.add(info.bucket.size)
-        if not remote and on_step is not None:
-            # Same process: on the calling thread, progress straight to the caller. A thread per request
-            # would give each its own OpenMP pool on cpu (pools of finished threads kept spinning).
-            yield "result", here(request, on_step=on_step, cancel=cancel)
-            return
+
+    def _generate_on_thread(self, request: GenerateRequest, cancel):
+        """The request on a thread of its own, its progress and result yielded as they come."""
         events: queue.Queue = queue.Queue()
+        runner = self.runner
 
         def run():
             try:
-                events.put(("result", here(request, on_step=lambda p: events.put(("progress", p)), cancel=cancel)))
+                events.put(("result", generate_here(runner.prep, runner.calls, request,
+                                                    on_step=lambda p: events.put(("progress", p)), cancel=cancel)))
             except BaseException as exc:  # noqa: BLE001 - handed to the generator, raised there
                 events.put(("raise", exc))
 
@@ -205,7 +206,7 @@ class InProcessRunner(PipelineRunner):
 
     def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None
                  ) -> GenerateResult:
-        self.check_mode(request.mode)  # refused modes answer here, before a GPU is asked for
+        self.runner.check_mode(request.mode)  # refused modes answer here, before a GPU is asked for
         cancel = cancel or threading.Event()
         flag = self.gpu.cancel_flag(request.request_id, cancel)
         done = threading.Event()
@@ -222,7 +223,7 @@ class InProcessRunner(PipelineRunner):
                 elif kind == "result":
                     result = value
                 elif kind == "bucket" and self.gpu.forks:
-                    apply_info(self, value)
+                    apply_info(self.runner, value)
                 elif kind == "error":
                     raise value
         finally:
@@ -234,13 +235,25 @@ class InProcessRunner(PipelineRunner):
         self.durations.record(variant, result.bucket.shape, result.steps, result.timings.step_ms)
         return result
 
+    def generate_batch(self, requests: list[GenerateRequest], on_step=None,
+                       cancels: list[threading.Event] | None = None, on_leave=None, on_result=None) -> list:
+        """Each request its own GPU call (an in-process engine's batches are of one)."""
+        outcomes = []
+        for i, request in enumerate(requests):
+            try:
+                outcomes.append(self.generate(request, on_step=on_step, cancel=cancels[i] if cancels else None))
+            except Exception as exc:  # noqa: BLE001 - its own outcome
+                outcomes.append(exc)
+        return outcomes
+
     def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
+        runner = self.runner
         if bucket.mode is not Mode.AOT:  # eager: nothing to do; compile/regional: refused with the reason
-            return super().warm_bucket(bucket)
+            return runner.warm_bucket(bucket)
         try:
-            self.check_mode(bucket.mode)
-            self.variants.get(Mode.AOT)  # keys and store, no device work
-            present = install_committed(self, bucket.size) if self.gpu.forks else False
+            runner.check_mode(bucket.mode)
+            runner.variants.get(Mode.AOT)  # keys and store, no device work
+            present = install_committed(runner, bucket.size) if self.gpu.forks else False
         except Exception as exc:
             return self.board.update(bucket, state=BucketState.FAILED, error=str(exc))
         duration = PACKAGES_PRESENT_DURATION_S if present else int(settings.gpu_build_duration_s())
@@ -254,11 +267,11 @@ class InProcessRunner(PipelineRunner):
         if final is None:
             return self.board.update(bucket, state=BucketState.FAILED, error="the GPU call ended without a result")
         if self.gpu.forks:  # built or loaded over there: install what was committed here, loaded on first use
-            if final.state == BucketState.WARM and not install_committed(self, bucket.size):
+            if final.state == BucketState.WARM and not install_committed(runner, bucket.size):
                 return self.board.update(bucket, state=BucketState.FAILED,
                                          error="the GPU call warmed the bucket but its packages are not in the store")
             self._installed.add(bucket.size)
-            apply_info(self, final)
+            apply_info(runner, final)
         elif final.state == BucketState.WARM:
             self._installed.add(bucket.size)
         return self.board.get(bucket)
@@ -310,15 +323,6 @@ def apply_info(runner: PipelineRunner, info: BucketInfo) -> None:
     runner.board.update(info.bucket, **{name: getattr(info, name) for name in _INFO_FIELDS})
 
 
-class InProcessLoop(WorkerLoop):
-    """The worker's loop on threads of the app's process."""
-
-    thread_prefix = "inprocess"
-
-    def switch_interval_s(self) -> float | None:
-        return None  # the worker's shorter thread switch interval would be the web server's too
-
-
 class InProcessClient(ConnectionClient):
     """An engine whose runner lives in this process (see the module's docstring)."""
 
@@ -331,7 +335,8 @@ class InProcessClient(ConnectionClient):
         self.config = config
         self.threads = threads  # cpu: compute threads, as a worker gets (the manager's share of the cores)
         self.gpu = gpu or make_gpu_calls()
-        self.runner: InProcessRunner | None = None
+        self.runner: PipelineRunner | None = None
+        self.executor: InProcessExecutor | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -358,21 +363,24 @@ class InProcessClient(ConnectionClient):
             if "loop" in made:
                 made["loop"].send(BucketChanged(info))
 
-        def load() -> InProcessLoop:
+        def load() -> WorkerLoop:
             if self.threads:
                 import torch
 
                 # Process-wide, as OMP_NUM_THREADS is for a worker: more compute threads than this share
                 # spin against the web server and each other (docs/spaces.md).
                 torch.set_num_threads(self.threads)
-            self.runner = runner = InProcessRunner(self.config, self.gpu, listener=listener)
-            made["loop"] = loop = InProcessLoop(conn, runner, max_queue=self.config.options.batching.max_queue)
+            self.runner = runner = inprocess_runner(self.config, listener=listener)
+            self.executor = executor = InProcessExecutor(runner, self.gpu)
+            # The worker's shorter thread switch interval would be the web server's too: left as it is.
+            made["loop"] = loop = WorkerLoop(conn, runner, executor, max_queue=self.config.options.batching.max_queue,
+                                             thread_prefix="inprocess", switch_interval=False)
             runner.load()
             if not self.gpu.forks:  # the measuring step runs device work: only where this process has the device
                 runner.measure_peak()
                 loop.learn_from_measuring_run()
                 size, ms = runner.measured_run
-                runner.durations.record("eager", size, 1, (ms,))  # an overestimate of one step: safe
+                executor.durations.record("eager", size, 1, (ms,))  # an overestimate of one step: safe
             return loop
 
         try:

@@ -63,9 +63,34 @@ SHUTDOWN = TPOp(TPOpKind.SHUTDOWN)
 PING = TPOp(TPOpKind.PING)
 
 
+class GroupHealth:
+    """Rank 0's view of its group, shared by the runner that runs operations on it and the sidecar's guard
+    that takes the rank down when another goes silent: why it broke (None: it works), the request the ranks
+    run now, and the operation lock, held while they run one. From the sidecar: `who_is_gone()` names the
+    ranks that stopped (liveness); `restart_hint` ends the message of a broken group (the app restarts a
+    sidecar it launched; a host restarts its own)."""
+
+    def __init__(self, key, who_is_gone: Callable[[], str | None] | None = None, restart_hint: str | None = None):
+        self.key = key
+        self.who_is_gone = who_is_gone
+        self.restart_hint = restart_hint or "the sidecar is going down and will be restarted, please retry"
+        self.broken: str | None = None
+        self.current_request: str | None = None
+        self.op_lock = threading.Lock()
+
+    def error(self, reason: str) -> EngineCrashed:
+        return EngineCrashed(f"tensor-parallel engine {self.key} failed: {reason}; {self.restart_hint}")
+
+    def mark_broken(self, reason: str) -> str:
+        """The group is broken; the first reason given stays. Returns it."""
+        self.broken = self.broken or reason
+        return self.broken
+
+
+
 class TensorParallelRunner(PipelineRunner):
     def __init__(self, config, group: RankGroup, listener=None, dump_dir: str | Path | None = None,
-                 who_is_gone: Callable[[], str | None] | None = None, restart_hint: str | None = None):
+                 health: GroupHealth | None = None):
         notices = []
         self.parallel = Parallel.parse(config.key.parallel, "parallel")
         if config.options.cpu_offload:
@@ -74,17 +99,12 @@ class TensorParallelRunner(PipelineRunner):
             config = replace(config, options=replace(config.options, cpu_offload=False))
             notices.append(f"CPU offload is off under {self.parallel} parallel: every rank keeps its denoiser on "
                            "its device")
-        super().__init__(config, listener)
+        super().__init__(config, listener, refused=lambda mode: _context_parallel_refusal(self.parallel, mode))
         self.notices += notices
         self.group = group
         self.dump_dir = Path(dump_dir) if dump_dir else None
-        self.broken: str | None = None
-        # From the sidecar: who_is_gone() names the ranks that stopped (liveness), restart_hint ends the
-        # message of a broken group (the app restarts a sidecar it launched; a host restarts its own).
-        self.who_is_gone = who_is_gone
-        self.restart_hint = restart_hint or "the sidecar is going down and will be restarted, please retry"
-        self.current_request: str | None = None  # the request the ranks run now (rank 0)
-        self._op_lock = threading.Lock()
+        self.health = health or GroupHealth(config.key)
+        self._op_lock = self.health.op_lock
         self._last_op = time.monotonic()
         self._stopped = False
         self._dump_path: Path | None = None
@@ -92,12 +112,6 @@ class TensorParallelRunner(PipelineRunner):
     # -- loading ---------------------------------------------------------------------------------
     def load_device(self) -> str:
         return str(self.group.device)
-
-    def _excluded(self, mode: Mode) -> str:
-        if mode is Mode.AOT and self.parallel.context:
-            return ("a context-parallel denoiser runs collectives inside attention (diffusers' hooks), which aot "
-                    "packages are not built or checked for")
-        return super()._excluded(mode)
 
     def component_overrides(self, source: str) -> dict:
         """The sharded components: each rank reads only its slice of the safetensors (tensor parallel only;
@@ -202,11 +216,11 @@ class TensorParallelRunner(PipelineRunner):
             request = request.replace(width=size.width, height=size.height)
             # A request that waits for its compile waited in the worker loop, before it got here.
             op = TPOp(TPOpKind.GENERATE, request=request)
-            self.current_request = request.request_id
+            self.health.current_request = request.request_id
             try:
                 return self._run_op(op, on_step=on_step, cancel=cancel)
             finally:
-                self.current_request = None
+                self.health.current_request = None
 
     def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
         if not self.group.leader:
@@ -235,7 +249,7 @@ class TensorParallelRunner(PipelineRunner):
         """Clean shutdown: tell the followers to exit (best effort; a broken group is torn down anyway)."""
         with self._op_lock:
             self._stopped = True
-            if self.broken:
+            if self.health.broken:
                 return
             try:
                 self._broadcast(SHUTDOWN)
@@ -246,12 +260,12 @@ class TensorParallelRunner(PipelineRunner):
         """Followers wait for the next operation on the control group, whose timeout is long but finite."""
 
         def beat() -> None:
-            while not self._stopped and not self.broken:
+            while not self._stopped and not self.health.broken:
                 time.sleep(min(interval_s, 5.0))
                 if time.monotonic() - self._last_op < interval_s:
                     continue
                 with self._op_lock:
-                    if self._stopped or self.broken:
+                    if self._stopped or self.health.broken:
                         return
                     try:
                         self._broadcast(PING)
@@ -354,21 +368,28 @@ class TensorParallelRunner(PipelineRunner):
         return self.board.update(bucket, state=BucketState.FAILED, error=f"rank {rank}: {state}: {error}"[:500])
 
     def _raise_if_broken(self) -> None:
-        if self.broken:
-            raise EngineCrashed(f"tensor-parallel engine {self.config.key} is down: {self.broken}")
+        if self.health.broken:
+            raise EngineCrashed(f"tensor-parallel engine {self.config.key} is down: {self.health.broken}")
 
     def _break(self, reason: str):
         gone = None
-        if self.who_is_gone is not None and self.broken is None:
+        if self.health.who_is_gone is not None and self.health.broken is None:
             try:
-                gone = self.who_is_gone()
+                gone = self.health.who_is_gone()
             except Exception as exc:  # noqa: BLE001 - naming the rank is a courtesy; the failure stands
                 log.warning("could not tell which rank is gone: %s", exc)
         if gone:
             reason = f"{gone} is gone ({reason})"
-        self.broken = self.broken or reason
+        self.health.mark_broken(reason)
         log.error("tensor-parallel group broken: %s", reason)
-        raise EngineCrashed(f"tensor-parallel engine {self.config.key} failed: {reason}; {self.restart_hint}")
+        raise self.health.error(reason)
+
+
+def _context_parallel_refusal(parallel: Parallel, mode: Mode) -> str:
+    if mode is Mode.AOT and parallel.context:
+        return ("a context-parallel denoiser runs collectives inside attention (diffusers' hooks), which aot "
+                "packages are not built or checked for")
+    return ""
 
 
 def enable_context_parallel(denoiser, spec, parallel: Parallel, n: int) -> tuple[int, int]:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from engine import settings
 from engine.config.flags import add_fields, from_args
-from engine.errors import EngineBusy, EngineCrashed, InvalidRequest, ModelLoadError, ShowcaseError
+from engine.errors import EngineBusy, InvalidRequest, ModelLoadError, ShowcaseError
 from engine.processes import pid_alive
 from engine.protocol import (
     BucketChanged,
@@ -271,8 +271,9 @@ class SidecarLoop(WorkerLoop):
 
     compile_steps_aside = False
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, conn, runner, health, max_queue: int = 16):
+        super().__init__(conn, runner, max_queue=max_queue)
+        self.health = health  # the group's state (engine/tp/runner.py GroupHealth): a broken group stops serving
         self.run_cost = None
         self.shutdown_asked = False  # the client asked the sidecar to stop (not a mere hang-up)
 
@@ -284,9 +285,9 @@ class SidecarLoop(WorkerLoop):
         self._stop.set()
         self._requests.put(None)
 
-    def _serve_one(self, request) -> None:
-        super()._serve_one(request)
-        if self.runner.broken:
+    def serve(self, group) -> None:
+        super().serve(group)
+        if self.health.broken:
             self.halt()
 
     def _warm_forever(self) -> None:
@@ -294,7 +295,7 @@ class SidecarLoop(WorkerLoop):
             super()._warm_forever()
         except Exception as exc:
             log.error("warm-up stopped: %s", exc)
-            if self.runner.broken:
+            if self.health.broken:
                 self.halt()
 
 
@@ -368,24 +369,20 @@ class _Guard:
     failed heartbeat operation). Tells the client (the request in flight fails naming the node; `Fatal`
     puts the reason on the app's board) and exits, so torchrun and the other nodes follow."""
 
-    def __init__(self, runner, current_loop, ranks: list):
-        self.runner = runner
+    def __init__(self, health, current_loop, ranks: list):
+        self.health = health  # the group's state, shared with the runner (engine/tp/runner.py GroupHealth)
         self.current_loop = current_loop  # () -> rank 0's WorkerLoop now (None: no client yet)
         self.ranks = ranks
         self._once = threading.Lock()
 
-    def error(self, reason: str):
-        return EngineCrashed(f"tensor-parallel engine {self.runner.config.key} failed: {reason}; "
-                             f"{self.runner.restart_hint}")
-
     def go_down(self, reason: str) -> None:
         if not self._once.acquire(blocking=False):
             return
-        self.runner.broken = self.runner.broken or reason
-        err = self.error(reason)
+        self.health.mark_broken(reason)
+        err = self.health.error(reason)
         loop = self.current_loop()
         if loop is not None:
-            request_id = self.runner.current_request
+            request_id = self.health.current_request
             if request_id:
                 loop.send(RequestFailed(request_id, err))
             loop.send(Fatal(err))
@@ -403,10 +400,10 @@ class _Guard:
             since = None
             while True:
                 time.sleep(1.0)
-                if self.runner.broken and not self.runner._op_lock.locked():
+                if self.health.broken and not self.health.op_lock.locked():
                     since = since or time.monotonic()
                     if time.monotonic() - since > 2.0:  # the serve loop did not take it down itself
-                        self.go_down(self.runner.broken)
+                        self.go_down(self.health.broken)
                 else:
                     since = None
 
@@ -427,6 +424,7 @@ class RankProcess:
         self.config: EngineConfig | None = None
         self.loop: SidecarLoop | None = None  # rank 0's current WorkerLoop: bucket changes go to its client
         self.ranks: list[dict] = []  # every rank's whereabouts, gathered after loading
+        self.health = None  # the group's state on this rank (engine/tp/runner.py GroupHealth), set by load
 
     def run(self) -> None:
         self.join_group()
@@ -487,16 +485,17 @@ class RankProcess:
         into self.ranks. Returns (runner, error)."""
         import torch.distributed as dist
 
-        from engine.tp.runner import TensorParallelRunner
+        from engine.tp.runner import GroupHealth, TensorParallelRunner
 
         runner, error = None, None
+        self.health = GroupHealth(self.config.key, who_is_gone=self.who_is_gone,
+                                  restart_hint=None if self.from_app else BY_HAND_RESTART_HINT)
         if refused:
             error = InvalidRequest(refused)
         else:
             try:
                 runner = TensorParallelRunner(self.config, self.group, listener=self.bucket_changed,
-                                              dump_dir=self.args.dump_dir, who_is_gone=self.who_is_gone,
-                                              restart_hint=None if self.from_app else BY_HAND_RESTART_HINT)
+                                              dump_dir=self.args.dump_dir, health=self.health)
                 runner.load()
             except Exception as exc:
                 log.exception("load failed")
@@ -538,7 +537,7 @@ class RankProcess:
         code = runner.follow()
         if code is RankExit.GROUP_BROKEN:
             print(f"[tp sidecar] group broken: node {node} rank {rank} lost rank 0 (node 0, host {lead_host}): "
-                  f"{runner.broken or 'node 0 stopped or cannot be reached'}", file=sys.stderr, flush=True)
+                  f"{runner.health.broken or 'node 0 stopped or cannot be reached'}", file=sys.stderr, flush=True)
         _exit(code)
 
     def lead(self, runner) -> None:
@@ -547,14 +546,14 @@ class RankProcess:
 
         from engine.tp.liveness import describe_rank
 
-        guard = _Guard(runner, lambda: self.loop, self.ranks)
+        guard = _Guard(self.health, lambda: self.loop, self.ranks)
         if self.world > 1:
             self.liveness.watch(guard.on_silent)
         guard.watch_idle_breaks()
         nodes = sorted({r["node"] for r in self.ranks})
         print(f"[tp sidecar] loaded {self.config.key} on {self.world} ranks over {len(nodes)} node(s): "
               + ", ".join(describe_rank(self.ranks, r["rank"]) for r in self.ranks), flush=True)
-        code = self.serve(runner, guard)
+        code = self.serve(runner)
         if code is not RankExit.OK:
             _exit(code)
         self.server.close()
@@ -566,7 +565,7 @@ class RankProcess:
             pass
         _exit(RankExit.OK)
 
-    def serve(self, runner, guard: _Guard) -> RankExit:
+    def serve(self, runner) -> RankExit:
         """Serve clients until shutdown; by hand, a client that disconnects without asking for shutdown is
         followed by the next one. Returns how the rank exits."""
         first_client = True
@@ -574,16 +573,16 @@ class RankProcess:
             conn = self.server.wait_client()
             if conn is None:
                 return RankExit.GROUP_BROKEN
-            self.loop = loop = SidecarLoop(conn, runner, max_queue=self.config.options.max_queue)
+            self.loop = loop = SidecarLoop(conn, runner, self.health, max_queue=self.config.options.max_queue)
             loop.send(Ready(self.ready_message(runner)))
             if first_client:
                 runner.start_heartbeat()
                 loop.queue_startup_warm()
                 first_client = False
             loop.run()
-            if runner.broken:
-                print(f"[tp sidecar] group broken: {runner.broken}", file=sys.stderr, flush=True)
-                loop.send(Fatal(guard.error(runner.broken)))  # the board shows why, not just "connection closed"
+            if self.health.broken:
+                print(f"[tp sidecar] group broken: {self.health.broken}", file=sys.stderr, flush=True)
+                loop.send(Fatal(self.health.error(self.health.broken)))  # the board shows why, not just "connection closed"
                 conn.close()
                 return RankExit.GROUP_BROKEN
             conn.close()

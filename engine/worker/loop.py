@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine import settings
 from engine.errors import Cancelled, EngineBusy, InvalidRequest, ShowcaseError
@@ -70,6 +71,9 @@ from engine.worker.priority import (
 )
 from engine.worker.serving import CallRules, RequestRecord, ServeCall, run_variant, serve_niced
 
+if TYPE_CHECKING:
+    from engine.pipeline.executor import Executor
+
 EARLY_CANCELS_KEPT = 256  # cancels for requests not received yet (a cancel overtaking its request)
 log = logging.getLogger(__name__)
 
@@ -97,12 +101,18 @@ class WorkerLoop:
     and the serving thread (`run`) serves the next call's requests until told to stop."""
 
     compile_steps_aside = True  # the compile thread waits while a request runs (YieldToRequests)
-    thread_prefix = "worker"
 
-    def __init__(self, conn, runner, max_queue: int = 16):
+    def __init__(self, conn, runner, executor: Executor | None = None, max_queue: int = 16, thread_prefix: str = "worker",
+                 switch_interval: bool = True):
+        """`runner`: the engine (board, footprint, what it announces); `executor` runs its requests and
+        warm-ups (engine/pipeline/executor.py; None: the runner itself, on this process's device). In the
+        app's process (`switch_interval` False) the interpreter's thread switch interval is left as it is."""
         self.conn = conn
         self.runner = runner
+        self.executor = executor or runner
         self.max_queue = max_queue
+        self.thread_prefix = thread_prefix
+        self.switch_interval = switch_interval
         self._send_lock = threading.Lock()
         self._requests: queue.Queue = queue.Queue()
         self._records: dict[str, RequestRecord] = {}  # request id -> its state, until it is answered
@@ -313,7 +323,7 @@ class WorkerLoop:
                 self.want(bucket, startup_rank=startup_rank)
 
     def _warm(self, bucket: BucketKey) -> None:
-        self.runner.warm_bucket(bucket)
+        self.executor.warm_bucket(bucket)
         self.send(FootprintChanged(self.runner.footprint()))
         self._report_folders()
         self._collect_garbage()
@@ -348,8 +358,8 @@ class WorkerLoop:
     # -- serving ---------------------------------------------------------------------------------
     def run(self) -> None:
         """The serving thread: start the receiver and the warm-up thread, then serve call after call."""
-        if (interval := self.switch_interval_s()) is not None:
-            sys.setswitchinterval(interval)
+        if self.switch_interval:
+            sys.setswitchinterval(settings.switch_interval_s())
         for name, target in (("receive", self._receive), ("warm", self._warm_forever)):
             threading.Thread(target=target, name=f"{self.thread_prefix}-{name}", daemon=True).start()
         while not self._stop.is_set():
@@ -359,46 +369,41 @@ class WorkerLoop:
             self.serve(group)
 
     def serve(self, group: list[GenerateRequest]) -> None:
-        """Serve the requests of one pipeline call (what the batcher gathered): one request alone, or a batch."""
-        if len(group) == 1:
-            self._serve(group[0])
-        else:
-            self._serve_batch(group)
+        """Serve the requests of one pipeline call (what the batcher gathered): one request alone, or a batch.
+        To the host's CPU rules a call is one run: niced by its own expected time (per batch size), one short
+        run in the short-run slots, stepping aside once per step. A lone request with on_cold=wait at a bucket
+        not warm yet waits for its compile first."""
+        live = [request for request in group if not self._cancelled_before_start(request)]
+        if not live or (len(live) == 1 and not self._compiled_or_cancelled(live[0])):
+            return
+        lead, size = live[0], len(live)
+        waited = size == 1 and lead.mode.compiled and lead.on_cold is OnCold.WAIT
+        warm = not lead.mode.compiled or waited or self._is_warm(lead.bucket.batched(size))
+        extra = self._extra_niceness(lead, warm, size)
+        call = ServeCall(live, [self._record(r.request_id) for r in live], self.send, self.runner.faults,
+                         CallRules(self.compile_yield, self.run_cost, self.short_runs), self.report_lora,
+                         self.executor, long=extra > 0)
+        try:
+            if extra == 0:
+                call.serve()
+            else:
+                serve_niced(extra, call.serve, "worker-serve")
+        finally:
+            for request in live:
+                self._forget(request)
 
-    def switch_interval_s(self) -> float | None:
-        """The interpreter's thread switch interval for this process (None: leave it)."""
-        return settings.switch_interval_s()
-
-    def _serve(self, request: GenerateRequest) -> None:
-        warm = self._is_warm(request.bucket) or (request.mode.compiled and request.on_cold is OnCold.WAIT)
-        serve_niced(self._extra_niceness(request, warm), lambda **kw: self._serve_one(request, **kw), "worker-serve")
-
-    def _serve_one(self, request: GenerateRequest, long: bool = False) -> None:
-        """Serve one request; with on_cold=wait at a bucket not warm yet, once compiled."""
+    def _compiled_or_cancelled(self, request: GenerateRequest) -> bool:
+        """Whether `request` may run now: with on_cold=wait at a bucket not warm yet, once compiled; False when
+        it was cancelled meanwhile (then answered so, and forgotten)."""
         record = self._record(request.request_id)
         try:
-            if record.cancel.is_set():
-                raise Cancelled(f"request {request.request_id} cancelled before it started")
             if request.mode.compiled and request.on_cold is OnCold.WAIT and not self._is_warm(request.bucket):
                 self._await_compile(request, record.cancel)
         except Cancelled as exc:
             self.send(RequestFailed(request.request_id, exc))
             self._forget(request)
-            return
-        self._serve_call([request], _generate_one(self.runner.generate, request), long=long)
-
-    def _serve_batch(self, group: list[GenerateRequest]) -> None:
-        """Serve requests sharing one pipeline call. To the host's CPU rules it is one run: niced by its own
-        expected time (per batch size), one short run in the short-run slots, stepping aside once per step."""
-        live = [request for request in group if not self._cancelled_before_start(request)]
-        if len(live) <= 1:
-            for request in live:
-                self._serve(request)
-            return
-        warm = self._is_warm(live[0].bucket.batched(len(live))) or not live[0].mode.compiled
-        extra = self._extra_niceness(live[0], warm, len(live))
-        call = _generate_batch(self.runner.generate_batch, live)
-        serve_niced(extra, lambda **kw: self._serve_call(live, call, **kw), "worker-serve-batch")
+            return False
+        return True
 
     def _cancelled_before_start(self, request: GenerateRequest) -> bool:
         """Whether `request` was cancelled while queued (then answered so, and forgotten)."""
@@ -407,15 +412,6 @@ class WorkerLoop:
         self.send(RequestFailed(request.request_id, Cancelled(f"request {request.request_id} cancelled before it started")))
         self._forget(request)
         return True
-
-    def _serve_call(self, group: list[GenerateRequest], call, long: bool = False) -> None:
-        """One call's requests served (ServeCall), then forgotten."""
-        try:
-            ServeCall(group, [self._record(r.request_id) for r in group], self.send, self.runner.faults,
-                      CallRules(self.compile_yield, self.run_cost, self.short_runs), self.report_lora, long).serve(call)
-        finally:
-            for request in group:
-                self._forget(request)
 
     def _await_compile(self, request: GenerateRequest, cancel: threading.Event) -> None:
         """on_cold=wait at a bucket that is not warm: ask for its compile first in line, then wait."""
@@ -442,27 +438,6 @@ class WorkerLoop:
         if self.run_cost is None:
             return 0
         return self.run_cost.extra_niceness(run_variant(lead.mode, warm, batch), lead.bucket.size, lead.steps)
-
-
-def _generate_one(generate, request: GenerateRequest):
-    """A call of one request (ServeCall's `call`): `generate`, its outcome in a list of one."""
-
-    def call(on_step, cancels, on_leave, on_result) -> list:
-        try:
-            return [generate(request, on_step=on_step, cancel=cancels[0])]
-        except Exception as exc:  # noqa: BLE001 - its outcome
-            return [exc]
-
-    return call
-
-
-def _generate_batch(generate_batch, group: list[GenerateRequest]):
-    """A call of requests sharing one pipeline call (ServeCall's `call`): `generate_batch`."""
-
-    def call(on_step, cancels, on_leave, on_result) -> list:
-        return generate_batch(group, on_step=on_step, cancels=cancels, on_leave=on_leave, on_result=on_result)
-
-    return call
 
 
 class BestEffortOutput:

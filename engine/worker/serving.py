@@ -5,6 +5,7 @@ others it runs."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -45,14 +46,15 @@ class CallRules:
 
 
 class ServeCall:
-    """One call's requests served: `call(on_step, cancels, on_leave, on_result)` returns each one's outcome
-    (its GenerateResult, the exception it failed with, or None when it was already answered through
-    on_leave or on_result). Messages go to `send`; `faults` are the engine's test hooks; `rules` the CPU
-    rules; `report_lora()` runs before each result is sent (the LoRA slot it changed goes first)."""
+    """One call's requests served by `executor` (engine/pipeline/executor.py): a request alone, or a batch
+    whose outcomes are each one's GenerateResult, the exception it failed with, or None when it was already
+    answered through on_leave or on_result. Messages go to `send`; `faults` are the engine's test hooks;
+    `rules` the CPU rules; `report_lora()` runs before each result is sent (the LoRA slot it changed goes
+    first); `long`: the call runs niced, as a long one."""
 
     def __init__(self, group: list[GenerateRequest], records: list[RequestRecord], send: Callable, faults: Faults,
-                 rules: CallRules, report_lora: Callable[[], None], long: bool = False):
-        self.group = group
+                 rules: CallRules, report_lora: Callable[[], None], executor, long: bool = False):
+        self.group, self.executor = group, executor
         self.send, self.faults, self.rules, self.report_lora = send, faults, rules, report_lora
         self.cancels = [record.cancel for record in records]
         self.long = long
@@ -66,11 +68,22 @@ class ServeCall:
         self.queued_ms = {r.request_id: record.queued_ms(start) for r, record in zip(group, records, strict=True)}
         self.answered: list[GenerateResult] = []
 
-    def serve(self, call) -> None:
+    def serve(self) -> None:
+        """The call, with the compile thread stepping aside and the short-run slot held; then each outcome."""
         logged_as = logs.REQUEST_ID.set(",".join(r.request_id for r in self.group))  # this thread's log lines
         log.debug("serving %d request(s) at %s", len(self.group), self.group[0].bucket)
         try:
-            outcomes = self._run(call)
+            with self.rules.compile_yield.request(), self._short_run():
+                if self.step_aside is not None:
+                    self.step_aside(self.everyone)  # before its first step too
+                if len(self.group) > 1:
+                    outcomes = self.executor.generate_batch(self.group, on_step=self.on_step, cancels=self.cancels,
+                                                            on_leave=self.on_leave, on_result=self.on_result)
+                else:
+                    try:
+                        outcomes = [self.executor.generate(self.group[0], on_step=self.on_step, cancel=self.cancels[0])]
+                    except Exception as exc:  # noqa: BLE001 - its outcome
+                        outcomes = [exc]
             self._deliver(outcomes)
             self._record_cost()
         except Exception as exc:  # never let one request or batch kill the worker
@@ -80,18 +93,17 @@ class ServeCall:
             logs.REQUEST_ID.reset(logged_as)
 
     # -- the phases -------------------------------------------------------------------------------
-    def _run(self, call) -> list:
-        """The call itself, with the compile thread stepping aside and the short-run slot held."""
-        with self.rules.compile_yield.request():
-            if self.short_runs is not None:
-                self.short_runs.set_running(True)
-            try:
-                if self.step_aside is not None:
-                    self.step_aside(self.everyone)  # before its first step too
-                return call(self.on_step, self.cancels, self.on_leave, self.on_result)
-            finally:
-                if self.short_runs is not None:
-                    self.short_runs.set_running(False)
+    @contextlib.contextmanager
+    def _short_run(self):
+        """A short call holds this engine's short-run slot while it runs (long ones elsewhere step aside)."""
+        if self.short_runs is None:
+            yield
+            return
+        self.short_runs.set_running(True)
+        try:
+            yield
+        finally:
+            self.short_runs.set_running(False)
 
     def _deliver(self, outcomes: list) -> None:
         """Each outcome not answered yet: its result, or its failure."""
@@ -148,16 +160,12 @@ def run_variant(mode, warm: bool, batch: int = 1) -> str:
 
 
 def serve_niced(extra: int, serve, name: str) -> None:
-    """serve() on this thread, or serve(long=True) on a fresh one `extra` nice steps lower (a thread
-    cannot raise its own priority again without privileges; a new thread starts at this one's). The TP
-    sidecar's loop never nices, and its _serve_one takes no `long`."""
-    if extra == 0:
-        serve()
-        return
+    """serve() on a fresh thread `extra` nice steps lower, waited for (a thread cannot raise its own priority
+    again without privileges; a new thread starts at this one's)."""
 
     def serve_lowered():
         lower_this_thread_priority(extra)
-        serve(long=True)
+        serve()
 
     thread = threading.Thread(target=serve_lowered, name=f"{name}-nice{extra}", daemon=True)
     thread.start()
