@@ -49,7 +49,7 @@ def test_the_worker_reaches_the_pipeline_in_few_frames(cache_dir, tiny_models, m
             return original(pipe, *args, **kwargs)
 
         monkeypatch.setattr(pipeline_cls, "__call__", recording_call)
-        result = engine.generate(GenerateRequest(prompt="a red circle", width=64, height=64, steps=2, guidance=1.0,
+        result = engine.generate(GenerateRequest.checked(prompt="a red circle", width=64, height=64, steps=2, guidance=1.0,
                                                  seed=0, mode="eager"), timeout=300)
         assert result.image_png
     finally:
