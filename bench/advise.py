@@ -89,7 +89,7 @@ class _Runners:
 
 
 SLOWER_THAN_REFERENCE = 1.25  # after two timed images this much slower than eager fp32: not timed further
-RECENT_REF_IMAGES = 5  # the reference's latest images: how loaded the host is now (Advisor.slowdown)
+RECENT_REF_IMAGES = 5  # the reference's latest images: how loaded the host is now (Measurements.slowdown)
 DEFAULT_COMPILE_ESTIMATE_S = 30.0  # before any compile has been measured
 REF_KEY = tuple(REFERENCE.values())
 
@@ -117,6 +117,94 @@ class PeakAdded:
             self.most = max(self.most or 0, peak - self._before)
 
 
+class Measurements:
+    """What an advisor run knows so far (each configuration measured, the longest compile per mode, the modes
+    already compiled) and what it prices from it: seconds per image, speedups, what timing or checking a
+    configuration costs, and what the scan keeps in reserve for the final round. `prompts`: how many quality
+    samples a check draws."""
+
+    def __init__(self, plan: AdvisePlan, prompts: int):
+        self.plan, self.prompts = plan, prompts
+        self.measured: dict[tuple, Measured] = {}  # config_key -> measurement, in the order measured
+        self.compiles: dict[str, float] = {}  # mode -> the longest compile measured for it
+        self.warm_modes: set[tuple] = set()
+
+    def seconds(self, k: tuple) -> float | None:
+        """Seconds per image of a measured configuration, in the reference's terms where it was timed beside
+        it (the reference's median ÷ the paired speedup): load that came and went during the scan then does
+        not reorder it (under a load of 8 on 2 cores, int8 eager read fastest and its compiles went first)."""
+        m = self.measured.get(k)
+        if m is None or m.error:
+            return None
+        ref = self.measured.get(REF_KEY)
+        if m is not ref and m.paired_speedup and ref is not None and ref.s_per_image:
+            return ref.s_per_image / m.paired_speedup
+        return m.s_per_image
+
+    def speedup(self, m: Measured) -> float | None:
+        ref = self.measured.get(REF_KEY)
+        if m.paired_speedup:
+            return m.paired_speedup
+        return ref.s_per_image / m.s_per_image if ref and ref.s_per_image and m.s_per_image else None
+
+    def estimate_s(self, c: Candidate) -> float:
+        """Seconds per image of `c`, before it is measured: its nearest measured relative's."""
+        for k in (config_key(c), (c.precision, c.mode, "none", "native", False),
+                  (c.precision, "eager", "none", "native", False), REF_KEY):
+            if self.seconds(k):
+                return self.seconds(k)
+        return 1.0
+
+    def needs_compile(self, c: Candidate) -> bool:
+        return c.mode != "eager" and (c.precision, c.attention, c.mode) not in self.warm_modes
+
+    def cost_s(self, c: Candidate) -> float:
+        """About how long timing `c` takes (its images, the reference's beside them, its compile) and then
+        checking its quality."""
+        images = (1 + self.plan.timing_images) * self.estimate_s(c) \
+            + self.plan.timing_images * (self.seconds(REF_KEY) or 0.0)
+        compile_s = self.compiles.get(c.mode) or max(self.compiles.values(), default=DEFAULT_COMPILE_ESTIMATE_S)
+        return images * 1.2 + (compile_s if self.needs_compile(c) else 0.0) \
+            + self.prompts * self.estimate_s(c) * 1.2
+
+    def score_s(self, m: Measured) -> float:
+        """About how long checking `m`'s quality takes."""
+        return self.prompts * (self.seconds(config_key(m.candidate)) or self.estimate_s(m.candidate)) * 1.2
+
+    def fastest_s(self) -> float | None:
+        """The fastest seconds per image measured, in the reference's terms (Measurements.seconds)."""
+        times = [self.seconds(k) for k in self.measured]
+        return min((t for t in times if t), default=None)
+
+    def final_round_s(self) -> float:
+        """The final round: an untimed image of each entry, then confirm_pairs rounds, at the host's load now
+        (Measurements.slowdown)."""
+        fastest = self.fastest_s()
+        if not fastest:
+            return 0.0
+        return (self.plan.confirm_pairs + 1) * ((self.seconds(REF_KEY) or 0.0) + FINALISTS * fastest) \
+            * self.slowdown()
+
+    def reserve(self) -> float:
+        """Kept free while scanning: the final round, and one more quality check at the fastest speed so far
+        (the configuration now timed checks its own within its cost), both at the host's load now. What the
+        scan times next is priced at the speeds measured, so a heavy spell costs it one configuration's
+        overrun, not every compile (priced at the spell's load, each was cut)."""
+        fastest = self.fastest_s()
+        return self.prompts * fastest * 1.2 * self.slowdown() + self.final_round_s() if fastest else 0.0
+
+    def slowdown(self) -> float:
+        """How many times slower images run now than when the reference was first timed (at least 1): its
+        latest images, each timed beside another configuration's, against its first median. The reserve scales
+        by it, so a load that arrives mid-scan still leaves the final round its rounds."""
+        ref = self.measured.get(REF_KEY)
+        recent = [ms for m in reversed(self.measured.values()) for ms in reversed(m.ref_ms)][:RECENT_REF_IMAGES]
+        if ref is None or not ref.s_per_image or not recent:
+            return 1.0
+        return max(1.0, median(recent) / 1000 / ref.s_per_image)
+
+
+
 class Advisor:
     """One advisor run: plan the grid, time each configuration (the reference first), measure the quality
     of the fastest, then the verdict (choose, final round). Its state is the measurements so far."""
@@ -142,9 +230,8 @@ class Advisor:
         self.seeds = quality.image_seeds(len(self.prompts))
         self.runners = runners or _Runners(plan, self.spec)
         self.needed_s: dict[str, float] = {}  # cut for the budget: label -> the run length that fits it
-        self.measured: dict[tuple, Measured] = {}  # config_key -> measurement, in the order measured
-        self.compiles: dict[str, float] = {}  # mode -> the longest compile measured for it
-        self.warm_modes: set[tuple] = set()
+        self.known = Measurements(plan, len(self.prompts))
+        self.measured, self.compiles, self.warm_modes = self.known.measured, self.known.compiles, self.known.warm_modes
         self.ref_images: list | None = None
 
     # -- the run, phase by phase
@@ -166,7 +253,7 @@ class Advisor:
         """The speed of every configuration, in scan_rank's order, while the budget lasts."""
         pending = list(self.grid)
         while pending:
-            ranked = [(scan_rank(c, self.seconds), i, c) for i, c in enumerate(pending)]
+            ranked = [(scan_rank(c, self.known.seconds), i, c) for i, c in enumerate(pending)]
             ready = [r for r in ranked if r[0] is not None]
             if not ready:  # what is left builds on configurations that failed or were not measured
                 for c in pending:
@@ -180,12 +267,12 @@ class Advisor:
     def scan_one(self, c: Candidate) -> None:
         if self.cancelled():
             return self.skip(c, "cancelled")
-        cost = self.cost_s(c)
-        if self.measured and self.clock() + cost + self.reserve() > self.deadline:
-            self.needed_s.setdefault(c.label(), self.elapsed() + cost + self.reserve())
+        cost = self.known.cost_s(c)
+        if self.measured and self.clock() + cost + self.known.reserve() > self.deadline:
+            self.needed_s.setdefault(c.label(), self.elapsed() + cost + self.known.reserve())
             return self.skip(c, f"time budget ({self.plan.max_minutes:g} min): about {cost:.0f} s more"
-                                f"{' with its compile' if self.needs_compile(c) else ''} and its quality check")
-        self.progress(c.label() + (" (compiling)" if self.needs_compile(c) else ""))
+                                f"{' with its compile' if self.known.needs_compile(c) else ''} and its quality check")
+        self.progress(c.label() + (" (compiling)" if self.known.needs_compile(c) else ""))
         m = self.measured[config_key(c)] = Measured(c)
         self.attempt(self.time_it, c, m)
         if not m.error:
@@ -197,14 +284,14 @@ class Advisor:
         if config_key(m.candidate) == REF_KEY:
             return self.attempt(self.score_it, m.candidate, m)
         ref = self.measured.get(REF_KEY)
-        if ref is None or not ref.scored or ref.error or not self.speedup(m):
+        if ref is None or not ref.scored or ref.error or not self.known.speedup(m):
             return
         m.unscored = self.unscored_reason(m)
         if m.unscored is None:
-            self.progress(f"quality of {m.candidate.label()} ({self.speedup(m):.2f}× eager fp32)")
+            self.progress(f"quality of {m.candidate.label()} ({self.known.speedup(m):.2f}× eager fp32)")
             self.attempt(self.score_it, m.candidate, m)
         elif m.unscored.startswith("time budget"):
-            self.needed_s.setdefault(m.candidate.label(), self.elapsed() + self.score_s(m) + self.final_round_s())
+            self.needed_s.setdefault(m.candidate.label(), self.elapsed() + self.known.score_s(m) + self.known.final_round_s())
 
     def score_fastest(self) -> None:
         """After the scan: quality, fastest first, of what is faster than the reference and was not checked
@@ -212,35 +299,35 @@ class Advisor:
         ref = self.measured.get(REF_KEY)
         if ref is None or not ref.scored or ref.error:
             return
-        for m in sorted((m for m in self.measured.values() if self.speedup(m) and not m.error and not m.scored),
-                        key=self.speedup, reverse=True):
+        for m in sorted((m for m in self.measured.values() if self.known.speedup(m) and not m.error and not m.scored),
+                        key=self.known.speedup, reverse=True):
             m.unscored = self.unscored_reason(m)
             if m.unscored is None:
                 self.needed_s.pop(m.candidate.label(), None)
-                self.progress(f"quality of {m.candidate.label()} ({self.speedup(m):.2f}× eager fp32)")
+                self.progress(f"quality of {m.candidate.label()} ({self.known.speedup(m):.2f}× eager fp32)")
                 self.attempt(self.score_it, m.candidate, m)
 
     def within_faster(self, m: Measured) -> int:
         """How many configurations already checked within the bound are faster than `m`."""
         ref_row = self.measured[REF_KEY].as_dict()
         return sum(1 for o in self.measured.values() if o is not m and o.scored and not o.error
-                   and (self.speedup(o) or 0) > (self.speedup(m) or 0)
+                   and (self.known.speedup(o) or 0) > (self.known.speedup(m) or 0)
                    and within_bound(o.as_dict(), ref_row, self.plan)[0])
 
     def unscored_reason(self, m: Measured) -> str | None:
         """Why `m`'s quality is not worth measuring (None: measure it)."""
         c = m.candidate
         base = self.measured.get((c.precision, c.mode, "none", c.attention, c.lora_fused))
-        if self.speedup(m) <= 1.0:
+        if self.known.speedup(m) <= 1.0:
             return "no faster than eager fp32: quality not measured"
         if self.within_faster(m) >= FINALISTS:
             return f"slower than {FINALISTS} configurations within the bound: quality not measured"
-        if c.step_cache != "none" and base is not None and self.speedup(base) \
-                and self.speedup(m) <= self.speedup(base):
+        if c.step_cache != "none" and base is not None and self.known.speedup(base) \
+                and self.known.speedup(m) <= self.known.speedup(base):
             return f"the step cache measured no faster than {base.candidate.label()}"
         if self.cancelled():
             return "cancelled"
-        if self.clock() + self.score_s(m) + self.final_round_s() > self.deadline:
+        if self.clock() + self.known.score_s(m) + self.known.final_round_s() > self.deadline:
             return f"time budget ({self.plan.max_minutes:g} min): quality not measured"
         return None
 
@@ -287,7 +374,7 @@ class Advisor:
     def time_it(self, c: Candidate, m: Measured) -> None:
         runner = self.runners.get(c)
         runner.check_mode(Mode(c.mode))
-        if self.needs_compile(c):
+        if self.known.needs_compile(c):
             self.compile(c, m, runner)
         # A warm-up image first (first calls at the shape, the allocator, the cache's hooks and calibration),
         # so the timed images measure the configuration's steady state.
@@ -358,81 +445,6 @@ class Advisor:
                                steps=steps or plan.steps, guidance=plan.preset.guidance, seed=seed,
                                mode=Mode(c.mode), on_cold=OnCold.EAGER, lora=plan.lora.name,
                                lora_scale=plan.lora.scale, lora_fused=c.lora_fused, **cache)
-
-    # -- what is known so far, and the budget
-    def seconds(self, k: tuple) -> float | None:
-        """Seconds per image of a measured configuration, in the reference's terms where it was timed beside
-        it (the reference's median ÷ the paired speedup): load that came and went during the scan then does
-        not reorder it (under a load of 8 on 2 cores, int8 eager read fastest and its compiles went first)."""
-        m = self.measured.get(k)
-        if m is None or m.error:
-            return None
-        ref = self.measured.get(REF_KEY)
-        if m is not ref and m.paired_speedup and ref is not None and ref.s_per_image:
-            return ref.s_per_image / m.paired_speedup
-        return m.s_per_image
-
-    def speedup(self, m: Measured) -> float | None:
-        ref = self.measured.get(REF_KEY)
-        if m.paired_speedup:
-            return m.paired_speedup
-        return ref.s_per_image / m.s_per_image if ref and ref.s_per_image and m.s_per_image else None
-
-    def estimate_s(self, c: Candidate) -> float:
-        """Seconds per image of `c`, before it is measured: its nearest measured relative's."""
-        for k in (config_key(c), (c.precision, c.mode, "none", "native", False),
-                  (c.precision, "eager", "none", "native", False), REF_KEY):
-            if self.seconds(k):
-                return self.seconds(k)
-        return 1.0
-
-    def needs_compile(self, c: Candidate) -> bool:
-        return c.mode != "eager" and (c.precision, c.attention, c.mode) not in self.warm_modes
-
-    def cost_s(self, c: Candidate) -> float:
-        """About how long timing `c` takes (its images, the reference's beside them, its compile) and then
-        checking its quality."""
-        images = (1 + self.plan.timing_images) * self.estimate_s(c) \
-            + self.plan.timing_images * (self.seconds(REF_KEY) or 0.0)
-        compile_s = self.compiles.get(c.mode) or max(self.compiles.values(), default=DEFAULT_COMPILE_ESTIMATE_S)
-        return images * 1.2 + (compile_s if self.needs_compile(c) else 0.0) \
-            + len(self.prompts) * self.estimate_s(c) * 1.2
-
-    def score_s(self, m: Measured) -> float:
-        """About how long checking `m`'s quality takes."""
-        return len(self.prompts) * (self.seconds(config_key(m.candidate)) or self.estimate_s(m.candidate)) * 1.2
-
-    def fastest_s(self) -> float | None:
-        """The fastest seconds per image measured, in the reference's terms (Advisor.seconds)."""
-        times = [self.seconds(k) for k in self.measured]
-        return min((t for t in times if t), default=None)
-
-    def final_round_s(self) -> float:
-        """The final round: an untimed image of each entry, then confirm_pairs rounds, at the host's load now
-        (Advisor.slowdown)."""
-        fastest = self.fastest_s()
-        if not fastest:
-            return 0.0
-        return (self.plan.confirm_pairs + 1) * ((self.seconds(REF_KEY) or 0.0) + FINALISTS * fastest) \
-            * self.slowdown()
-
-    def reserve(self) -> float:
-        """Kept free while scanning: the final round, and one more quality check at the fastest speed so far
-        (the configuration now timed checks its own within its cost), both at the host's load now. What the
-        scan times next is priced at the speeds measured, so a heavy spell costs it one configuration's
-        overrun, not every compile (priced at the spell's load, each was cut)."""
-        fastest = self.fastest_s()
-        return len(self.prompts) * fastest * 1.2 * self.slowdown() + self.final_round_s() if fastest else 0.0
-
-    def slowdown(self) -> float:
-        """How many times slower images run now than when the reference was first timed (at least 1): its
-        latest images, each timed beside another configuration's, against its first median. The reserve scales
-        by it, so a load that arrives mid-scan still leaves the final round its rounds."""
-        ref = self.measured.get(REF_KEY)
-        recent = [ms for m in reversed(self.measured.values()) for ms in reversed(m.ref_ms)][:RECENT_REF_IMAGES]
-        if ref is None or not ref.s_per_image or not recent:
-            return 1.0
-        return max(1.0, median(recent) / 1000 / ref.s_per_image)
 
     # -- bookkeeping
     def elapsed(self) -> float:

@@ -19,21 +19,17 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench import flags
-from bench.soak import PageClient, free_port
+from bench.app_process import AppProcess
+from bench.soak import PageClient
 from engine import settings
 from engine.config.flags import from_args
 from engine.metrics import median, percentile
-from engine.processes import pid_alive, process_tree
 from engine.protocol import GENERIC_PROMPT
 from engine.protocol.options import MAX_BATCH, MAX_BATCH_WAIT_MS
 
@@ -43,7 +39,7 @@ REPO = settings.REPO_ROOT
 class Phase:
     def __init__(self, opts: LoadOptions, name: str, max_batch: int | None):
         self.opts, self.name, self.max_batch = opts, name, max_batch
-        self.app: subprocess.Popen | None = None
+        self.app = AppProcess(self.app_args(), Path(opts.out) / f"app-{name}.log", f"load {name}")
         self.url = ""
         self.latencies: list[float] = []
         self.web_ms: list[float] = []  # round trip minus the app's handler: Gradio's queue, events, transfer
@@ -59,37 +55,22 @@ class Phase:
 
         self.prompts = get_preset(opts.preset).examples or (GENERIC_PROMPT,)  # each visitor its own prompt
 
-    def start(self) -> None:
-        port = free_port()
-        argv = [sys.executable, str(REPO / "app.py"), "--port", str(port), "--device", self.opts.device,
-                "--preset", self.opts.preset, "--warm", self.opts.size, "--mode", self.opts.mode,
+    def app_args(self) -> list[str]:
+        opts = self.opts
+        args = ["--device", opts.device, "--preset", opts.preset, "--warm", opts.size, "--mode", opts.mode,
                 "--client-events", "0"]  # every visitor connects from this machine's address
         if self.max_batch is not None:
-            argv += ["--max-batch", str(self.max_batch)]
-        if self.opts.batch_wait_ms is not None:
-            argv += ["--batch-wait-ms", str(self.opts.batch_wait_ms)]
-        if self.opts.cache_dir:
-            argv += ["--cache-dir", str(self.opts.cache_dir)]
-        argv += self.opts.app_arg
-        out = Path(self.opts.out)
-        out.mkdir(parents=True, exist_ok=True)
-        self.log = open(out / f"app-{self.name}.log", "wb")  # noqa: SIM115 - the app writes to it while it lives
-        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
-        self.app = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, process_group=0)
-        self.url = f"http://127.0.0.1:{port}/"
-        print(f"[load] {self.name}: app pid {self.app.pid} at {self.url}", flush=True)
+            args += ["--max-batch", str(self.max_batch)]
+        if opts.batch_wait_ms is not None:
+            args += ["--batch-wait-ms", str(opts.batch_wait_ms)]
+        if opts.cache_dir:
+            args += ["--cache-dir", str(opts.cache_dir)]
+        return args + opts.app_arg
 
     def page(self) -> PageClient:
         from gradio_client import Client
 
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                return PageClient(Client(self.url, verbose=False), timeout=self.opts.timeout)
-            except Exception:
-                if self.app.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the app at {self.url} did not come up; see {self.log.name}") from None
-                time.sleep(0.5)
+        return self.app.connect(lambda: PageClient(Client(self.url, verbose=False), timeout=self.opts.timeout), 300)
 
     def params(self, visitor: int, round_: int) -> dict:
         prompts = self.prompts
@@ -170,28 +151,11 @@ class Phase:
                 self.served = (engine.get("batching") or {}).get("served", {})
 
     def stop(self) -> None:
-        if self.app is None:
-            return
-        tree = set(process_tree(self.app.pid))
-        if self.app.poll() is None:
-            self.app.send_signal(signal.SIGTERM)
-        try:
-            self.app.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        time.sleep(1.0)
-        deadline = time.monotonic() + 9.0
-        while time.monotonic() < deadline and [p for p in tree if pid_alive(p)]:
-            time.sleep(0.2)
-        self.orphans = [p for p in tree if pid_alive(p)]
-        try:
-            os.killpg(self.app.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.log.close()
+        self.orphans = self.app.stop().orphans
 
     def run(self) -> None:
-        self.start()
+        self.app.start()
+        self.url = self.app.url
         try:
             page = self.page()
             sizes = self.wait_warm(page)

@@ -23,16 +23,13 @@ import json
 import logging
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench import flags
+from bench.app_process import AppProcess
 from engine import settings
 from engine.config.flags import from_args
 from engine.config.validation import MAX_SEED
@@ -199,18 +196,12 @@ def _settle_event_stream(client, timeout: float = 2.0) -> None:
         time.sleep(0.005)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Soak:
     def __init__(self, opts: SoakOptions):
         self.opts = opts
         self.report = SoakReport()
         self.stop = threading.Event()
-        self.app: subprocess.Popen | None = None
+        self.app = AppProcess(self.app_args(opts), Path(opts.out or "artifacts/soak") / "app.log", "soak")
         self.url = ""
         import multiprocessing as mp
 
@@ -224,46 +215,25 @@ class Soak:
         self.rng = random.Random(opts.seed)
 
     # -- the app -----------------------------------------------------------------------------------
-    def start_app(self) -> None:
-        port = free_port()
-        argv = [sys.executable, str(REPO / "app.py"), "--port", str(port), "--device", self.opts.device,
-                "--preset", self.presets[0], "--warm", self.opts.warm, "--mode", self.opts.probe_mode,
-                "--memory-budget", self.opts.memory_budget, "--compile-jobs", str(self.opts.compile_jobs)]
-        if self.opts.public:
-            argv += ["--public", "--presets", ",".join(self.presets), "--precisions", ",".join(self.precisions),
-                     "--modes", ",".join(self.modes)]
+    @staticmethod
+    def app_args(opts: SoakOptions) -> list[str]:
+        presets = [p for p in opts.presets.split(",") if p] if opts.presets else [settings.DEFAULT_PRESET]
+        args = ["--device", opts.device, "--preset", presets[0], "--warm", opts.warm, "--mode", opts.probe_mode,
+                "--memory-budget", opts.memory_budget, "--compile-jobs", str(opts.compile_jobs)]
+        if opts.public:
+            args += ["--public", "--presets", ",".join(presets), "--precisions", opts.precisions,
+                     "--modes", opts.modes]
             # Every simulated visitor connects from this machine's address: the per-address bound would
             # count them as one client (they stand in for browsers on other machines).
-            argv += ["--client-events", "0"]
-        if self.opts.cache_dir:
-            argv += ["--cache-dir", str(self.opts.cache_dir)]
-        argv += self.opts.app_arg
-        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
-        log_path = Path(self.opts.out or "artifacts/soak") / "app.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.app_log = open(log_path, "wb")  # noqa: SIM115 - the app writes to it while it lives
-        # Its own process group (the orphan check kills the group), in the soak's session: where Linux's
-        # autogroup scheduling is on, CPU is shared between sessions first, and the probe, which stands in
-        # for a browser on another machine, would queue for a core behind the app's own compile thread
-        # (nice 15 inside the app's session, a full share outside it). In one session the probe's client
-        # runs at the web server's priority, above the workers and their compiles, as a remote browser's
-        # CPU would be; the visitors move to niced sessions of their own (lower_visitor_priority).
-        self.app = subprocess.Popen(argv, env=env, stdout=self.app_log, stderr=subprocess.STDOUT, process_group=0)
-        self.url = f"http://127.0.0.1:{port}/"
-        print(f"[soak] app pid {self.app.pid} at {self.url} (log {log_path})", flush=True)
+            args += ["--client-events", "0"]
+        if opts.cache_dir:
+            args += ["--cache-dir", str(opts.cache_dir)]
+        return args + opts.app_arg
 
     def client(self):
         from gradio_client import Client
 
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                return Client(self.url, verbose=False)
-            except Exception:
-                gone = self.app is not None and self.app.poll() is not None  # None in a client process
-                if gone or time.monotonic() > deadline:
-                    raise RuntimeError(f"the app at {self.url} did not come up; see the app log") from None
-                time.sleep(0.5)
+        return self.app.connect(lambda: Client(self.url, verbose=False), 180)
 
     # -- sampling ----------------------------------------------------------------------------------
     def sample_memory(self) -> None:
@@ -422,7 +392,8 @@ class Soak:
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> SoakReport:
-        self.start_app()
+        self.app.start()
+        self.url = self.app.url
         sampler = threading.Thread(target=self.sample_memory, daemon=True)
         sampler.start()
         try:
@@ -482,46 +453,10 @@ class Soak:
                 p.kill()
 
     def shutdown_app(self) -> None:
-        import psutil
-
-        if self.app is None:
-            return
-        try:  # the sampler lists the tree every 2 s: whatever started since counts too
-            self.report.pids_seen.update(p.pid for p in psutil.Process(self.app.pid).children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
-        start = time.monotonic()
-        if self.app.poll() is None:
-            self.app.send_signal(signal.SIGTERM)
-        try:
-            self.app.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        self.report.exit_s = time.monotonic() - start
-        self.report.exited = self.app.poll() is not None  # by itself, within the 15 s it is given
-        children = sorted(self.report.pids_seen - {self.app.pid})
-        # every child has 10 s from SIGTERM to be gone: an orphan is one still there then (no need to wait
-        # out the 10 s once all are gone)
-        while time.monotonic() - start < 10.0 and any(_alive(pid) for pid in children):
-            time.sleep(0.1)
-        self.report.orphans += [pid for pid in children if _alive(pid)]
-        if self.app.poll() is None:
-            self.report.orphans.append(self.app.pid)
-        try:
-            os.killpg(self.app.pid, signal.SIGKILL)  # leave nothing behind, whatever the verdict
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.app_log.close()
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie waiting to be reaped."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+        """SIGTERM the app and record how it went (every pid the sampler saw counts)."""
+        stopped = self.app.stop(set(self.report.pids_seen))
+        self.report.exit_s, self.report.exited = stopped.exit_s, stopped.exited
+        self.report.orphans += stopped.orphans
 
 
 def lower_visitor_priority(niceness: int) -> None:

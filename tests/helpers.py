@@ -16,7 +16,8 @@ from typing import TypeVar
 
 import psutil
 
-from bench.soak import BAD_INPUTS, free_port  # noqa: F401 - one table and one port picker for tests and soak
+from bench.app_process import free_port  # noqa: F401 - one port picker for tests and the benches
+from bench.soak import BAD_INPUTS  # noqa: F401 - one table of bad inputs for tests and soak
 
 T = TypeVar("T")
 

@@ -32,7 +32,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine import settings
@@ -41,11 +40,8 @@ from engine.pipeline.batching import Gatherer
 from engine.protocol import (
     BucketChanged,
     BucketKey,
-    BucketState,
     Cancel,
-    CompileFinished,
     CompileGranted,
-    CompileWanted,
     Fatal,
     FoldersChanged,
     FootprintChanged,
@@ -70,6 +66,7 @@ from engine.worker.priority import (
     run_on_lowered_thread,
 )
 from engine.worker.serving import CallRules, RequestRecord, ServeCall, run_variant, serve_niced
+from engine.worker.warming import BucketWarmer
 
 if TYPE_CHECKING:
     from engine.pipeline.executor import Executor
@@ -83,17 +80,6 @@ log = logging.getLogger(__name__)
 # What other modules import from here (priority.py defines them).
 __all__ = ["WorkerLoop", "YieldToRequests", "join_own_process_group", "lower_this_thread_priority",
            "run_on_lowered_thread", "worker_main"]
-
-
-@dataclass
-class BucketDemand:
-    """What this worker knows of one bucket's demand: requests that asked for it, requests waiting for its
-    compile, and whether its compile is asked for (at a start-up rank, or None: asked for by a request)."""
-
-    hits: int = 0
-    waiting: int = 0
-    asked: bool = False
-    startup_rank: int | None = None
 
 
 class WorkerLoop:
@@ -118,12 +104,11 @@ class WorkerLoop:
         self._records: dict[str, RequestRecord] = {}  # request id -> its state, until it is answered
         self._early_cancels: dict[str, bool] = {}  # cancels of requests not received yet (insertion order)
         self._lock = threading.Lock()
-        self._demand: dict[BucketKey, BucketDemand] = {}
-        self._granted: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._folders_sent: tuple | None = None  # the folders the app was last told (Ready, FoldersChanged)
         self._lora_sent = None  # the LoRA slot the app was last told (LoraChanged)
-        self.compile_yield = YieldToRequests()
+        self.warmer = BucketWarmer(runner.board, self.executor, self.send, self._stop, self.compile_steps_aside)
+        self.compile_yield = self.warmer.compile_yield
         # Only where the engines compute on the host's shared cores (an accelerator does the work elsewhere).
         self.run_cost = RunCost(settings.short_request_ms(), max_extra=settings.compile_niceness() - 2) \
             if runner.spec.host_memory_is_device_memory else None
@@ -134,7 +119,7 @@ class WorkerLoop:
         batching = getattr(getattr(runner, "options", None), "batching", None)
         self.batcher = Gatherer(self._requests, getattr(runner, "max_batch", 1),
                                 getattr(batching, "batch_wait_ms", 0.0), arrived=self._arrived,
-                                sizes_for=self._batch_sizes_for, on_split=self._want_batch_size)
+                                sizes_for=self._batch_sizes_for, on_split=self.warmer.want_batch_size)
 
     def learn_from_measuring_run(self) -> None:
         """The load's one eager step at the largest bucket is a first estimate of eager requests' cost, so an
@@ -166,10 +151,6 @@ class WorkerLoop:
         with self._lock:
             self._records.pop(request.request_id, None)
 
-    def _bucket_demand(self, bucket: BucketKey) -> BucketDemand:
-        """Under self._lock."""
-        return self._demand.setdefault(bucket, BucketDemand())
-
     # -- receiving (its own thread, so cancel, warm and grants arrive while a request runs) ------
     def _handlers(self) -> dict:
         return {
@@ -198,7 +179,7 @@ class WorkerLoop:
                                         ShowcaseError(f"unknown message {type(message).__name__!r}")))
         self._stop.set()
         self._requests.put(None)
-        self._granted.put(None)
+        self.warmer.granted(None)
 
     def _on_generate(self, message: Generate) -> None:
         request = message.request
@@ -212,11 +193,11 @@ class WorkerLoop:
         bucket = request.bucket
         with self._lock:
             self._records[request.request_id] = record
-            self._bucket_demand(bucket).hits += 1
+        self.warmer.asked_for(bucket)
         if request.mode.compiled and not self._is_warm(bucket):
             # Served eagerly now (or it waits), compiled for the next request. A failed bucket is retried
             # only when someone asks to warm it, not on every request.
-            self.want(bucket, retry_failed=False)
+            self.warmer.want(bucket, retry_failed=False)
         self._requests.put(request)
 
     def _on_shutdown(self, message) -> None:
@@ -243,7 +224,7 @@ class WorkerLoop:
         if message.bucket is None:
             self.queue_startup_warm()
         else:
-            self.want(message.bucket)
+            self.warmer.want(message.bucket)
 
     def _on_inject_fault(self, message: InjectFault) -> None:
         try:
@@ -252,12 +233,11 @@ class WorkerLoop:
             self.send(RequestFailed(None, exc))
 
     def _on_granted(self, message: CompileGranted) -> None:
-        self._granted.put(message.bucket)
+        self.warmer.granted(message.bucket)
 
     # -- compile wishes ---------------------------------------------------------------------------
     def _is_warm(self, bucket: BucketKey) -> bool:
-        info = self.runner.board.get(bucket)
-        return info is not None and info.state == BucketState.WARM
+        return self.warmer.is_warm(bucket)
 
     def _batch_sizes_for(self, request: GenerateRequest) -> tuple[int, ...]:
         """The batch sizes `request` may run at now: any up to the engine's largest in eager (and when served
@@ -270,63 +250,20 @@ class WorkerLoop:
             return (1,) if request.on_cold is OnCold.WAIT else tuple(range(1, runner.max_batch + 1))
         return tuple(b for b in runner.batch_sizes if b == 1 or self._is_warm(bucket.batched(b)))
 
-    def _want_batch_size(self, request: GenerateRequest, batch: int) -> None:
-        """A group ran as smaller calls because `batch` is not warm at its bucket: ask for that compile."""
-        if request.mode.compiled and self._is_warm(request.bucket):
-            bucket = request.bucket.batched(batch)
-            with self._lock:
-                self._bucket_demand(bucket).hits += 1
-            self.want(bucket, retry_failed=False)
-
     def queue_startup_warm(self) -> None:
         for rank, bucket in enumerate(self.runner.buckets_to_warm()):
-            self.want(bucket, startup_rank=rank)
-
-    def want(self, bucket: BucketKey, startup_rank: int | None = None, retry_failed: bool = True) -> None:
-        """Ask the host's scheduler for a compile of `bucket` (again: updates its priority)."""
-        if not bucket.mode.compiled:
-            return
-        info = self.runner.board.get(bucket)
-        skip = {BucketState.WARM, BucketState.COMPILING} | (set() if retry_failed else {BucketState.FAILED})
-        if info is not None and info.state in skip:
-            return
-        with self._lock:
-            demand = self._bucket_demand(bucket)
-            new = not demand.asked
-            if new or demand.startup_rank is None:  # a start-up rank, once given, stays
-                demand.startup_rank = startup_rank
-            demand.asked = True
-            wish = CompileWanted(bucket, waiting=demand.waiting, hits=demand.hits, startup_rank=demand.startup_rank)
-        if new:
-            self.runner.board.update(bucket, state=BucketState.QUEUED, error=None)
-        self.send(wish)
+            self.warmer.want(bucket, startup_rank=rank)
 
     # -- warm-up ---------------------------------------------------------------------------------
     def _warm_forever(self) -> None:
         lower_this_thread_priority()
         self.compile_yield.yields = settings.compile_yields()
-        while not self._stop.is_set():
-            bucket = self._granted.get()
-            if bucket is None or self._stop.is_set():
-                return
-            with self._lock:
-                demand = self._bucket_demand(bucket)
-                wanted, demand.asked, startup_rank, demand.startup_rank = demand.asked, False, demand.startup_rank, None
-            try:
-                with self.compile_yield.compiling_of(bucket, self.compile_steps_aside) as compile_run:
-                    if wanted and not self._is_warm(bucket):
-                        self._warm(bucket)
-            finally:
-                self.send(CompileFinished(bucket))
-            if compile_run.set_aside and not self._is_warm(bucket):  # back in the queue (stopped once warm: stays)
-                self.runner.board.update(bucket, state=BucketState.QUEUED, error=None)
-                self.want(bucket, startup_rank=startup_rank)
+        self.warmer.run(self._warmed)
 
-    def _warm(self, bucket: BucketKey) -> None:
-        self.executor.warm_bucket(bucket)
+    def _warmed(self) -> None:
+        """A compile finished: the engine's footprint, and its folders if a full disk moved them."""
         self.send(FootprintChanged(self.runner.footprint()))
         self._report_folders()
-        self._collect_garbage()
 
     def _report_folders(self) -> None:
         """A compile that found the cache disk full or read-only moved this worker's compile and temporary
@@ -345,15 +282,6 @@ class WorkerLoop:
             return
         self.send(LoraChanged(info))
         self._lora_sent = info
-
-    def _collect_garbage(self) -> None:
-        """A compile leaves many objects; the garbage collector's full passes over them (and over the model)
-        held the GIL in whichever thread allocated last: a request's (docs/hosting.md). Collect now, when
-        no request runs, and freeze what survives (the compiled graphs stay for the engine's life), so
-        later full passes only walk what is new."""
-        self.compile_yield.idle.wait(timeout=5.0)
-        gc.collect()
-        gc.freeze()
 
     # -- serving ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -398,7 +326,7 @@ class WorkerLoop:
         record = self._record(request.request_id)
         try:
             if request.mode.compiled and request.on_cold is OnCold.WAIT and not self._is_warm(request.bucket):
-                self._await_compile(request, record.cancel)
+                self.warmer.await_compile(request, record.cancel)
         except Cancelled as exc:
             self.send(RequestFailed(request.request_id, exc))
             self._forget(request)
@@ -412,26 +340,6 @@ class WorkerLoop:
         self.send(RequestFailed(request.request_id, Cancelled(f"request {request.request_id} cancelled before it started")))
         self._forget(request)
         return True
-
-    def _await_compile(self, request: GenerateRequest, cancel: threading.Event) -> None:
-        """on_cold=wait at a bucket that is not warm: ask for its compile first in line, then wait."""
-        bucket = request.bucket
-        with self._lock:
-            self._bucket_demand(bucket).waiting += 1
-        try:
-            info = self.runner.board.get(bucket)
-            if info is not None and info.state == BucketState.FAILED:
-                return  # it already failed: the runner serves eagerly with the reason
-            self.want(bucket, retry_failed=False)
-            if self.compile_steps_aside:  # one compile at a time here: a background one is stopped
-                self.compile_yield.set_aside_unless_waited(bucket, lambda b: self._bucket_demand(b).waiting > 0)
-            event = self.runner.board.event(bucket)
-            while not event.wait(0.2):
-                if cancel.is_set() or self._stop.is_set():
-                    raise Cancelled(f"request {request.request_id} cancelled while waiting for {bucket} to compile")
-        finally:
-            with self._lock:
-                self._bucket_demand(bucket).waiting -= 1
 
     def _extra_niceness(self, lead: GenerateRequest, warm: bool, batch: int = 1) -> int:
         """How many nice steps lower a call led by `lead` runs (its expected time; 0 where runs are not ordered)."""
