@@ -179,7 +179,7 @@ class WorkerLoop:
                                         ShowcaseError(f"unknown message {type(message).__name__!r}")))
         self._stop.set()
         self._requests.put(None)
-        self.warmer.granted(None)
+        self.warmer.grants.put(None)
 
     def _on_generate(self, message: Generate) -> None:
         request = message.request
@@ -233,7 +233,7 @@ class WorkerLoop:
             self.send(RequestFailed(None, exc))
 
     def _on_granted(self, message: CompileGranted) -> None:
-        self.warmer.granted(message.bucket)
+        self.warmer.grants.put(message.bucket)
 
     # -- compile wishes ---------------------------------------------------------------------------
     def _is_warm(self, bucket: BucketKey) -> bool:

@@ -49,7 +49,7 @@ class BucketWarmer:
         self.compile_yield = YieldToRequests()
         self._lock = threading.Lock()
         self._demand: dict[BucketKey, BucketDemand] = {}
-        self._granted: queue.Queue = queue.Queue()
+        self.grants: queue.Queue = queue.Queue()  # buckets the scheduler granted (None: stop the warm-up thread)
 
     def _bucket_demand(self, bucket: BucketKey) -> BucketDemand:
         """Under self._lock."""
@@ -63,10 +63,6 @@ class BucketWarmer:
         """A request asked for `bucket` (its priority at the scheduler counts the hits)."""
         with self._lock:
             self._bucket_demand(bucket).hits += 1
-
-    def granted(self, bucket: BucketKey | None) -> None:
-        """The scheduler granted `bucket`'s compile (None: stop the warm-up thread)."""
-        self._granted.put(bucket)
 
     def want_batch_size(self, request: GenerateRequest, batch: int) -> None:
         """A group ran as smaller calls because `batch` is not warm at its bucket: ask for that compile."""
@@ -99,7 +95,7 @@ class BucketWarmer:
         compile (the engine's footprint and folders are reported there). A compile set aside for a request
         goes back in the scheduler's queue."""
         while not self.stop.is_set():
-            bucket = self._granted.get()
+            bucket = self.grants.get()
             if bucket is None or self.stop.is_set():
                 return
             with self._lock:
