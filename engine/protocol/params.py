@@ -334,14 +334,18 @@ PNG_FIELDS = tuple(f.name for f in FIELDS if f.in_png)
 BATCH_FIELDS = tuple(f for f in FIELDS if f.batch is not None)
 
 
-def cli_fields() -> list[tuple[str, object, dataclasses.Field]]:
-    """The CLI `generate`'s flag fields (engine/cli.py makes its dataclass of them), in FIELDS' order."""
+def cli_fields(names: tuple[str, ...] | None = None, own: dict[str, tuple[object, str]] | None = None
+               ) -> list[tuple[str, object, dataclasses.Field]]:
+    """A command's request flag fields, in FIELDS' order: the CLI `generate`'s (all with a `cli` form;
+    engine/cli.py makes its dataclass of them), or `names` only; `own`: name -> (default, help) of the
+    command's own."""
     fields = []
     for f in FIELDS:
-        if f.cli is None:
+        if f.cli is None or (names is not None and f.name not in names):
             continue
         how = dict(f.cli)
         default, text = how.pop("default", f.default), how.pop("help", f.help)
+        default, text = (own or {}).get(f.name, (default, text))
         text = text if isinstance(text, str) else (lambda f=f: f.describe(None))
         spec = (dataclasses.field(default_factory=list, metadata=flag(text, **how)) if how.get("kind") == APPEND
                 else dataclasses.field(default=default, metadata=flag(text or None, **how)))

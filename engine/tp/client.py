@@ -22,6 +22,7 @@ By hand: `python -m engine.tp.client ADDRESS_FILE --prompt ...` talks to a sidec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -35,14 +36,14 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 
 from engine import devices
 from engine.config.flags import add_fields, from_args
 from engine.config.resolve import resolve_source
 from engine.errors import EngineCrashed, InvalidRequest, ModelLoadError, ShowcaseError
-from engine.protocol import GenerateRequest, Mode, OnCold, RankExit, Size
+from engine.protocol import GenerateRequest, Mode, OnCold, RankExit, Size, params
 from engine.protocol.flagfields import POSITIONAL, SWITCH, flag
 from engine.tp import launch
 from engine.tp.tokens import new_token, write_private
@@ -340,20 +341,19 @@ def connect(address_file: str | Path, timeout: float = 600.0) -> ConnectionClien
     return attach(address_file, timeout)
 
 
-@dataclass(frozen=True)
-class ClientFlags:
-    """`python -m engine.tp.client`: the sidecar to reach and the one request to send it."""
-
-    address_file: Path | None = field(default=None, metadata=flag(kind=POSITIONAL, check=Path))
-    prompt: str = field(default="a red fox in the snow", metadata=flag())
-    size: str = field(default="64x64", metadata=flag())
-    steps: int = field(default=4, metadata=flag(check=int))
-    guidance: float = field(default=3.5, metadata=flag(check=float))
-    seed: int = field(default=0, metadata=flag(check=int))
-    mode: str = field(default="eager", metadata=flag())
-    out: str | None = field(default=None, metadata=flag())
-    shutdown: bool = field(default=False, metadata=flag(
-        "stop the sidecar afterwards (default: leave it serving)", kind=SWITCH))
+# `python -m engine.tp.client`: the sidecar to reach and the one request to send it (the request's flags from
+# their declarations, engine/protocol/params.py, with this smoke client's defaults).
+ClientFlags = dataclasses.make_dataclass("ClientFlags", [
+    ("address_file", Path | None, field(default=None, metadata=flag(kind=POSITIONAL, check=Path))),
+    *params.cli_fields(("prompt", "size", "steps", "guidance", "seed", "mode"), own={
+        "prompt": ("a red fox in the snow", "what to draw (default: a red fox in the snow)"),
+        "size": ("64x64", "WIDTHxHEIGHT, a bucket of the sidecar's preset (default: 64x64)"),
+        "steps": (4, "denoising steps (default: 4)"),
+        "guidance": (3.5, "guidance scale (default: 3.5)")}),
+    ("out", str | None, field(default=None, metadata=flag("write the PNG here"))),
+    ("shutdown", bool, field(default=False, metadata=flag(
+        "stop the sidecar afterwards (default: leave it serving)", kind=SWITCH))),
+], frozen=True)
 
 
 def main(argv: list[str] | None = None) -> int:
