@@ -62,3 +62,12 @@ def test_the_ab_slider_shows_an_edits_source_against_its_result(edits, tmp_path)
     assert edits.after_run([], result, "tiny-shapes-edit")["visible"] is False
     (tmp_path / "words.png").write_bytes(b"not a picture")
     assert edits.after_run([str(tmp_path / "words.png")], result, "tiny-shapes-edit")["visible"] is False
+
+
+def test_a_captured_picture_is_appended_and_the_capture_box_empties():
+    images, capture = EditInputs.add_capture("/tmp/gradio/pasted.png", ["/tmp/gradio/source.png"])
+    assert images == ["/tmp/gradio/source.png", "/tmp/gradio/pasted.png"] and capture is None
+    images, capture = EditInputs.add_capture("/tmp/gradio/webcam.png", None)  # the first picture
+    assert images == ["/tmp/gradio/webcam.png"]
+    unchanged, box = EditInputs.add_capture(None, ["/tmp/gradio/source.png"])  # the box emptied: nothing to add
+    assert unchanged == gr.update() and box == gr.update()

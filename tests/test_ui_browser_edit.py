@@ -83,6 +83,23 @@ def test_an_uploaded_picture_is_edited(page, tmp_path):
     page.wait_for_function("document.querySelectorAll('#edit-ab img').length === 2", timeout=30_000)  # A/B
 
 
+def test_a_pasted_or_captured_picture_joins_the_images(page, tmp_path):
+    """The capture box (webcam, clipboard or a dropped file; the browser here has neither camera nor clipboard, so
+    it takes a file, which runs the same handler) adds its picture to the image area's images and empties."""
+    if not page.locator("#input-images").is_visible():
+        page.click("#preset input")
+        page.locator('#preset [role=option][aria-label^="tiny-shapes-edit"]').first.click()
+        page.wait_for_selector("#input-images", state="visible")
+    assert page.locator("#input-capture").is_visible()
+    Image.new("RGB", (64, 64), (30, 30, 220)).save(tmp_path / "pasted.png")
+    page.locator("#input-capture input[type=file]").set_input_files(str(tmp_path / "pasted.png"))
+    page.wait_for_function("document.querySelector('#input-images')?.innerText.includes('pasted')", timeout=60_000)
+    page.wait_for_function("!document.querySelector('#input-capture img')", timeout=30_000)  # ready for the next
+    names = page.locator("#input-images").inner_text()
+    print(f"the image area lists: {names!r}")
+    assert "pasted" in names
+
+
 def test_edit_this_then_make_the_circle_green(page):
     from training.shapes.fidelity import read
 

@@ -1,6 +1,7 @@
 """The Generate tab's input images as the preset declares them (engine/protocol/presets.py `ImageInputs`): the
 image area shows where the preset takes images (open), the mask where it inpaints, the strength where it takes
-one; "Edit this" puts the image on show into the image area, choosing a preset that edits when the one chosen
+one; a capture box adds a picture from the webcam or the clipboard; "Edit this" puts the image on show into the
+image area, choosing a preset that edits when the one chosen
 draws from text only; after an edit, an A/B slider shows its source against its result. The request's fields themselves (`images`, `mask`, `strength`) are the form's widgets
 (ui/generate.py `_image_inputs`); nothing here decodes an image.
 """
@@ -96,6 +97,14 @@ class EditInputs:
         except (OSError, ValueError, Image.DecompressionBombError):
             return gr.update(visible=False, value=None)
 
+    @staticmethod
+    def add_capture(capture: str | None, images):
+        """A picture taken with the webcam, pasted or dropped into the capture box, appended to the image area's
+        images; the box is emptied for the next one."""
+        if not capture:
+            return gr.update(), gr.update()
+        return [*(images or []), capture], None
+
     def after_run(self, images, image, preset: str):
         return self.source_against_result(images, image, self._inputs(preset).takes_images)
 
@@ -110,6 +119,12 @@ def compare_images(visible: bool) -> gr.File:
                    elem_id="c-images",
                    label="Images to edit (presets that edit): every configuration edits the same source; drift is "
                          "each edit against eager fp32's edit")
+
+
+def capture_input() -> gr.Image:
+    """A picture from the webcam or the clipboard (or a file) for the image area: added to its images."""
+    return gr.Image(sources=["upload", "clipboard", "webcam"], type="filepath", format="png", elem_id="input-capture",
+                    label="Add a picture: paste it (clipboard), take it (webcam) or drop a file", height=200)
 
 
 def ab_slider() -> gr.ImageSlider:
@@ -133,6 +148,7 @@ def wire(page, demo: gr.Blocks) -> None:
     gr.on([f["preset"].change, demo.load], edits.visibility, f["preset"], shown, **FAST)
     page.edit_btn.click(edits.edit_this, [page.image, f["preset"]], [f["images"], f["preset"]], **FAST)
     page.image.change(edits.after_run, [f["images"], page.image, f["preset"]], page.edit_ab, **FAST)
+    page.capture.change(edits.add_capture, [page.capture, f["images"]], [f["images"], page.capture], **FAST)
     page.history_gallery.select(edits.remember, None, page.history_pick, **FAST)
     page.history_edit.click(edits.edit_history, [page.history_pick, page.history_state, f["preset"]],
                             [f["images"], f["preset"]], **FAST)

@@ -533,6 +533,7 @@ class GeneratePage:
             form["images"] = gr.File(file_count="multiple", file_types=["image"], type="filepath",
                                      label=params.label("images"),
                                      elem_id="input-images")
+            self.capture = edit_inputs.capture_input()  # webcam or paste: added to the images above
             with gr.Row():
                 form["mask"] = gr.File(file_types=["image"], type="filepath", elem_id="input-mask",
                                        label=params.label("mask"))
