@@ -186,7 +186,7 @@ def test_committed_model_edits_held_out_combinations():
     assert right >= FLOOR, [(e.instruction, str(e.source), s.note) for e, s in zip(edits, scores.scores,
                                                                                   strict=True)]
     assert sum(s.correct for s in scores.scores) >= RIGHT_FLOOR
-    assert scores.iou_median() >= 0.75  # measured 0.83 (the untrained copy 0.33)
+    assert scores.iou_median() >= 0.75  # measured 0.84 (the untrained copy 0.33)
 
 
 def test_an_untrained_copy_fails_the_same_edits():

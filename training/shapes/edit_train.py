@@ -56,7 +56,7 @@ COPIED = ("scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer
 class EditSettings:
     seed: int = 0
     threads: int = 1
-    steps: int = 7750
+    steps: int = 9750
     batch: int = 32
     lr: float = 1e-3
     warmup: int = 100
