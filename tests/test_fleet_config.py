@@ -68,12 +68,14 @@ def test_public_with_ray_refuses_a_public_address_unless_told(monkeypatch):
     assert _hosting([], monkeypatch).fleet is None
 
 
-def test_replicas_need_ray_and_a_bound(monkeypatch):
+def test_replicas_need_ray_and_a_bound(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="--replicas needs --ray"):
         _hosting(["--replicas", "2"], monkeypatch)
     with pytest.raises(SystemExit):
         _hosting(["--ray", "--replicas", "99"], monkeypatch)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # no cluster file either (the fleet tests' session cluster writes one into this process's RAY_TMPDIR)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     assert _hosting(["--ray"], monkeypatch).fleet.address == LOCAL
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
     assert _hosting(["--ray"], monkeypatch).fleet.address == "10.0.0.5:6379"

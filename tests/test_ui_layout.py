@@ -30,7 +30,7 @@ TAB_IDS = {
     "generate": {"prompt", "examples", "negative-prompt", "preset", "device", "precision", "mode", "size", "steps",
                  "guidance", "seed", "randomize", "tp", "on-cold", "step-cache", "lora", "lora-scale", "lora-fused", "memory",
                  "frames", "fps",
-                 "input-images", "input-mask", "strength", "edit-this", "edit-ab", "edit-history",
+                 "input-images", "input-capture", "input-mask", "strength", "edit-this", "edit-ab", "edit-history",
                  "why-not",
                  "generate-btn",
                  "cancel-btn", "output-image", "step-plot", "stats", "timings-json", "gen-controls", "gen-output",

@@ -61,4 +61,7 @@ def add() -> tuple[gr.Dropdown, gr.ImageSlider]:
 
 def wire(choice: gr.Dropdown, slider: gr.ImageSlider, results: gr.JSON, thumbnails: gr.State) -> None:
     results.change(slider_choices, [results, choice], choice, **FAST)
-    gr.on([choice.change, thumbnails.change], slider_images, [choice, results, thumbnails], slider, **FAST)
+    # One at a time, in the order sent: the thumbnails' event carries the picker's old value and answers
+    # "nothing"; run beside the picker's own event it could finish last and empty the slider.
+    gr.on([choice.change, thumbnails.change], slider_images, [choice, results, thumbnails], slider,
+          **{**FAST, "concurrency_limit": 1, "concurrency_id": "compare-ab"})
