@@ -231,14 +231,13 @@ class Advisor:
         self.runners = runners or _Runners(plan, self.spec)
         self.needed_s: dict[str, float] = {}  # cut for the budget: label -> the run length that fits it
         self.known = Measurements(plan, len(self.prompts))
-        self.measured, self.compiles, self.warm_modes = self.known.measured, self.known.compiles, self.known.warm_modes
         self.ref_images: list | None = None
 
     # -- the run, phase by phase
     def run(self) -> dict:
         self.scan()
         self.score_fastest()
-        rows = [m.as_dict() for m in self.measured.values()]
+        rows = [m.as_dict() for m in self.known.measured.values()]
         pick, rows = choose(rows, self.plan)
         short = short_budget(pick, self.needed_s, self.plan.max_minutes)
         confirm = None
@@ -268,12 +267,12 @@ class Advisor:
         if self.cancelled():
             return self.skip(c, "cancelled")
         cost = self.known.cost_s(c)
-        if self.measured and self.clock() + cost + self.known.reserve() > self.deadline:
+        if self.known.measured and self.clock() + cost + self.known.reserve() > self.deadline:
             self.needed_s.setdefault(c.label(), self.elapsed() + cost + self.known.reserve())
             return self.skip(c, f"time budget ({self.plan.max_minutes:g} min): about {cost:.0f} s more"
                                 f"{' with its compile' if self.known.needs_compile(c) else ''} and its quality check")
         self.progress(c.label() + (" (compiling)" if self.known.needs_compile(c) else ""))
-        m = self.measured[config_key(c)] = Measured(c)
+        m = self.known.measured[config_key(c)] = Measured(c)
         self.attempt(self.time_it, c, m)
         if not m.error:
             self.score_if_contender(m)
@@ -283,7 +282,7 @@ class Advisor:
         quality as soon as it is timed, if it could still be the pick."""
         if config_key(m.candidate) == REF_KEY:
             return self.attempt(self.score_it, m.candidate, m)
-        ref = self.measured.get(REF_KEY)
+        ref = self.known.measured.get(REF_KEY)
         if ref is None or not ref.scored or ref.error or not self.known.speedup(m):
             return
         m.unscored = self.unscored_reason(m)
@@ -296,10 +295,10 @@ class Advisor:
     def score_fastest(self) -> None:
         """After the scan: quality, fastest first, of what is faster than the reference and was not checked
         yet (what the scan's reserve leaves), until FINALISTS are within the bound."""
-        ref = self.measured.get(REF_KEY)
+        ref = self.known.measured.get(REF_KEY)
         if ref is None or not ref.scored or ref.error:
             return
-        for m in sorted((m for m in self.measured.values() if self.known.speedup(m) and not m.error and not m.scored),
+        for m in sorted((m for m in self.known.measured.values() if self.known.speedup(m) and not m.error and not m.scored),
                         key=self.known.speedup, reverse=True):
             m.unscored = self.unscored_reason(m)
             if m.unscored is None:
@@ -309,15 +308,15 @@ class Advisor:
 
     def within_faster(self, m: Measured) -> int:
         """How many configurations already checked within the bound are faster than `m`."""
-        ref_row = self.measured[REF_KEY].as_dict()
-        return sum(1 for o in self.measured.values() if o is not m and o.scored and not o.error
+        ref_row = self.known.measured[REF_KEY].as_dict()
+        return sum(1 for o in self.known.measured.values() if o is not m and o.scored and not o.error
                    and (self.known.speedup(o) or 0) > (self.known.speedup(m) or 0)
                    and within_bound(o.as_dict(), ref_row, self.plan)[0])
 
     def unscored_reason(self, m: Measured) -> str | None:
         """Why `m`'s quality is not worth measuring (None: measure it)."""
         c = m.candidate
-        base = self.measured.get((c.precision, c.mode, "none", c.attention, c.lora_fused))
+        base = self.known.measured.get((c.precision, c.mode, "none", c.attention, c.lora_fused))
         if self.known.speedup(m) <= 1.0:
             return "no faster than eager fp32: quality not measured"
         if self.within_faster(m) >= FINALISTS:
@@ -407,8 +406,8 @@ class Advisor:
         if info.state != BucketState.WARM:
             raise RuntimeError(info.error or f"bucket is {info.state.value}")
         m.compile_s = self.clock() - t0
-        self.compiles[c.mode] = max(self.compiles.get(c.mode, 0.0), m.compile_s)
-        self.warm_modes.add((c.precision, c.attention, c.mode))
+        self.known.compiles[c.mode] = max(self.known.compiles.get(c.mode, 0.0), m.compile_s)
+        self.known.warm_modes.add((c.precision, c.attention, c.mode))
 
     def image_ms(self, c: Candidate, seed: int) -> float:
         return self.runners.get(c).generate(self.request(c, self.plan.prompt, seed)).timings.total_ms
@@ -462,8 +461,8 @@ class Advisor:
         if not self.on_progress:
             return
         budget = max(1, round(self.plan.max_minutes * 60))
-        timed = sum(1 for m in self.measured.values() if m.image_ms)
-        checked = sum(1 for m in self.measured.values() if m.scored)
+        timed = sum(1 for m in self.known.measured.values() if m.image_ms)
+        checked = sum(1 for m in self.known.measured.values() if m.scored)
         done = budget if finished else min(budget - 1, max(0, round(self.elapsed())))
         self.on_progress(done, budget, f"{desc} · {timed} timed, {checked} quality-checked")
 

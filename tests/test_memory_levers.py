@@ -374,7 +374,7 @@ def test_the_advisor_measures_memory_levers_with_their_peak(cache_dir, tiny_mode
     assert any("model-offload" in s["what"] and "nowhere to offload" in s["why"] for s in advisor.skipped)
     advisor.scan_one(Candidate("fp32", "eager"))
     advisor.scan_one(levers[0])
-    plain, cast = advisor.measured[config_key(Candidate("fp32", "eager"))], advisor.measured[config_key(levers[0])]
+    plain, cast = advisor.known.measured[config_key(Candidate("fp32", "eager"))], advisor.known.measured[config_key(levers[0])]
     assert not cast.error and cast.peak_bytes and plain.peak_bytes
     assert cast.peak_bytes < plain.peak_bytes  # fp8 weights: less to hold
     row = cast.as_dict()

@@ -108,7 +108,6 @@ class WorkerLoop:
         self._folders_sent: tuple | None = None  # the folders the app was last told (Ready, FoldersChanged)
         self._lora_sent = None  # the LoRA slot the app was last told (LoraChanged)
         self.warmer = BucketWarmer(runner.board, self.executor, self.send, self._stop, self.compile_steps_aside)
-        self.compile_yield = self.warmer.compile_yield
         # Only where the engines compute on the host's shared cores (an accelerator does the work elsewhere).
         self.run_cost = RunCost(settings.short_request_ms(), max_extra=settings.compile_niceness() - 2) \
             if runner.spec.host_memory_is_device_memory else None
@@ -257,7 +256,7 @@ class WorkerLoop:
     # -- warm-up ---------------------------------------------------------------------------------
     def _warm_forever(self) -> None:
         lower_this_thread_priority()
-        self.compile_yield.yields = settings.compile_yields()
+        self.warmer.compile_yield.yields = settings.compile_yields()
         self.warmer.run(self._warmed)
 
     def _warmed(self) -> None:
@@ -309,7 +308,7 @@ class WorkerLoop:
         warm = not lead.mode.compiled or waited or self._is_warm(lead.bucket.batched(size))
         extra = self._extra_niceness(lead, warm, size)
         call = ServeCall(live, [self._record(r.request_id) for r in live], self.send, self.runner.faults,
-                         CallRules(self.compile_yield, self.run_cost, self.short_runs), self.report_lora,
+                         CallRules(self.warmer.compile_yield, self.run_cost, self.short_runs), self.report_lora,
                          self.executor, long=extra > 0)
         try:
             if extra == 0:
