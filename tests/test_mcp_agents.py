@@ -37,7 +37,7 @@ def test_a_visitor_cannot_choose_an_agents_identity_and_cancel_its_run():
     assert session_id(agent) != session_id(visitor)
     runs = RunRegistry(cancel=lambda request_id: True)
     with runs.open(session_id(agent), exclusive=True) as run:
-        run.submitted("r1")
+        run.admitted("r1")
         assert runs.cancel(session_id(visitor)) == "nothing to cancel"
         assert not run.cancelled
         assert runs.cancel(session_id(agent)) == "cancelling r1"  # the agent's own cancel still stops it

@@ -177,3 +177,62 @@ def test_a_fresh_visitor_is_served_while_two_visitors_flood_an_engine_within_the
             thread.join(120)
     assert served_ahead <= 3, f"{served_ahead} flood requests finished while the fresh visitor waited"
     assert not refused, refused
+
+
+@pytest.mark.slow
+def test_a_run_stopped_before_it_is_sent_never_reaches_its_engine(cache_dir, tiny_models, monkeypatch):
+    """A stop while the request's engine loads, or while it waits for its turn, stops it there: it used to be
+    sent once its turn came and cancelled at once (its run knew its id only once sent)."""
+    from engine.config.request import ImageRequest
+    from engine.serving.stream import Run
+    from engine.worker.client import ConnectionClient
+
+    sent: list[str] = []
+    submit = ConnectionClient.submit
+    monkeypatch.setattr(ConnectionClient, "submit",
+                        lambda self, request, on_progress=None: (sent.append(request.request_id),
+                                                                 submit(self, request, on_progress))[1])
+
+    def request(steps: int, size: str = "64x64") -> ImageRequest:
+        return ImageRequest(preset="tiny-shapes", device="cpu", precision="fp32", mode="eager", size=size,
+                            steps=steps, seed=1, prompt="a red circle on a blue background")
+
+    def start(manager, spec, run, **hooks) -> dict:
+        outcome: dict = {}
+
+        def work() -> None:
+            try:
+                outcome["result"] = manager.generate(spec, on_admitted=run.admitted, **hooks)
+            except BaseException as exc:  # noqa: BLE001 - read by the test
+                outcome["error"] = exc
+
+        outcome["thread"] = threading.Thread(target=work, daemon=True)
+        outcome["thread"].start()
+        return outcome
+
+    with engine_manager(cache_dir, options=dict(max_queue=1, max_batch=1)) as manager:
+        # 1. stopped while its engine is still loading
+        loading = Run(manager.cancel)
+        first = start(manager, request(2), loading)
+        wait_until(lambda: loading.request_id is not None, timeout=30)
+        loading.stop()
+        first["thread"].join(120)
+        assert isinstance(first.get("error"), Cancelled), first
+        assert sent == []
+
+        # 2. stopped while it waits for its turn behind a long request
+        stepping = threading.Event()
+        long_run = Run(manager.cancel)
+        long = start(manager, request(100, "128x128"), long_run, on_progress=lambda p: stepping.set())
+        wait_until(stepping.is_set, timeout=120)
+        waiting = Run(manager.cancel)
+        second = start(manager, request(2), waiting)
+        wait_until(lambda: sum(line["waiting"] for line in manager.turns.snapshot()["engines"].values()) == 1,
+                   timeout=30)
+        waiting.stop()
+        second["thread"].join(30)
+        assert isinstance(second.get("error"), Cancelled), second
+        assert sent == [long_run.request_id], sent  # only the long request reached the engine
+        long_run.stop()
+        long["thread"].join(60)
+        assert isinstance(long.get("error"), Cancelled), long  # a sent request still stops between steps

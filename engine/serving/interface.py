@@ -46,7 +46,7 @@ class Serving(Protocol):
         """The request checked, routed and priced, or the ShowcaseError saying what to change."""
 
     def generate(self, spec: ImageRequest | Admitted, *, on_progress=None, timeout: float | None = None,
-                 on_submit=None, ticket: Ticket | None = None) -> GenerateResult:
+                 on_submit=None, ticket: Ticket | None = None, on_admitted=None) -> GenerateResult:
         """Run one request to its result (raises a ShowcaseError with what to change)."""
 
     def engine(self, key: EngineKey, options: EngineOptions | None = None,

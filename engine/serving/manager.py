@@ -46,7 +46,7 @@ from engine.serving.residency import Residency
 from engine.serving.scheduler import CompileScheduler
 from engine.serving.shares import VisitorShares
 from engine.serving.telemetry import Telemetry
-from engine.serving.turns import Turns
+from engine.serving.turns import Turns, Unsent
 from engine.worker import logs
 from engine.worker.client import EngineClient
 
@@ -56,11 +56,13 @@ log = logging.getLogger(__name__)
 
 
 class _RunHooks(NamedTuple):
-    """What generate()'s caller hears of its run: each step, the request id once sent, its time limit."""
+    """What generate()'s caller hears of its run: each step, the request id once sent, its time limit, and the
+    request id once admitted (a cancel from then on stops it, sent or not)."""
 
     on_progress: Callable | None
     on_submit: Callable | None
     timeout: float | None
+    on_admitted: Callable | None = None
 
 
 def fleet_lacks(device: str, placement) -> str | None:
@@ -102,6 +104,7 @@ class EngineManager:
                                    is_default=self._is_default, auto_restart=self.hosting.auto_restart)
         self._options: dict[EngineKey, EngineOptions] = {}  # per engine, when started with its own
         self._running: dict[str, EngineClient] = {}  # request id -> engine, for cancel()
+        self._unsent = Unsent()  # admitted, not sent yet: a cancel then stops them before they are sent
         self.flow = RequestFlow()
         self.turns = Turns()  # places at each engine, in turns between clients by cost (turns.py)
         self.telemetry = Telemetry(self.residency.status_rows, self.host_status)  # Prometheus metrics (/metrics)
@@ -215,19 +218,23 @@ class EngineManager:
 
     # -- requests --------------------------------------------------------------------------------
     def generate(self, spec: ImageRequest | Admitted, *, on_progress=None, timeout: float | None = None,
-                 on_submit=None, ticket: Ticket | None = None) -> GenerateResult:
+                 on_submit=None, ticket: Ticket | None = None, on_admitted=None) -> GenerateResult:
         """Run one request; raises a ShowcaseError with what to change. `spec`: the edge's request, checked
         here by the gate, or what the gate already admitted (`manager.gate.admit(spec)`: the page checks a
         request before its run starts). `spec.client` (a visitor's address) gets its turn at the engine among
         the waiting clients; in public mode a visitor's request holds its price against the host's cost
         budgets while it runs, unless it runs on a `ticket` (one image of a Compare, which also waits while
         other clients' Generates run on its device). Hooks: `on_progress` gets each StepProgress,
-        `on_submit` the request id once sent; `timeout` cancels it after that many seconds. Counted in
+        `on_submit` the request id once sent, `on_admitted` once admitted; `timeout` cancels it after that many seconds. Counted in
         self.telemetry; the log lines of its thread carry its request id."""
         admitted = spec if isinstance(spec, Admitted) else self.gate.admit(spec, ticket)
-        logged_as = logs.REQUEST_ID.set(admitted.request.request_id)
+        request_id = admitted.request.request_id
+        logged_as = logs.REQUEST_ID.set(request_id)
         try:
-            result = self._run(admitted, _RunHooks(on_progress, on_submit, timeout))
+            with self._unsent.tracked(request_id):
+                if on_admitted:
+                    on_admitted(request_id)
+                result = self._run(admitted, _RunHooks(on_progress, on_submit, timeout, on_admitted))
         except BaseException as exc:
             self.telemetry.request_ended(admitted.labels(), error=exc)
             raise
@@ -256,6 +263,7 @@ class EngineManager:
         engine = self.engine(key, caller=admitted.caller)
         if self.gate.priced(admitted.caller):
             self.shares.used(key, request.client)
+        self._unsent.check(request.request_id)  # stopped while its engine loaded or its device was busy
         with self.turns.turn(key, request.client, self._turn_cost(admitted), self.engine_options(key).max_queue,
                              request.request_id, timeout):
             if not engine.alive:  # it went (evicted, crashed) while this request waited for its turn
@@ -274,13 +282,14 @@ class EngineManager:
             return 1
 
     def _send(self, engine: EngineClient, admitted: Admitted, hooks: _RunHooks) -> GenerateResult:
-        on_progress, on_submit, timeout = hooks
+        on_progress, on_submit, timeout, _ = hooks
         request = admitted.request
         engine.wait_ready(timeout=600)
         # Registered before it is sent, so a cancel in between reaches the engine (it keeps cancels of
-        # requests it has not received yet).
+        # requests it has not received yet); a cancel before that was marked, and stops it here.
         self._running[request.request_id] = engine
         try:
+            self._unsent.check(request.request_id)
             future = engine.submit(request, on_progress)
         except BaseException:
             self._running.pop(request.request_id, None)
@@ -300,11 +309,14 @@ class EngineManager:
 
     def cancel(self, request_id: str) -> bool:
         """Stop a running request between steps (it then fails with Cancelled). False if unknown."""
+        if self.turns.cancel(request_id):  # waiting for its turn: it stops there
+            return True
+        marked = self._unsent.mark(request_id)
+        # Read after marking: _send registers a request before it checks the mark, so one of the two sees it.
         engine = self._running.get(request_id)
-        if engine is None:
-            return self.turns.cancel(request_id)  # still waiting for its turn
-        engine.cancel(request_id)
-        return True
+        if engine is not None:
+            engine.cancel(request_id)
+        return marked or engine is not None
 
     def warm(self, preset: str, device: str, precision: str, mode: str = Mode.COMPILE, size: str | None = None,
              tp: int = 1, caller: Caller = Caller.HOST, parallel: str = "tensor") -> None:

@@ -97,11 +97,12 @@ class Run:
     cancelled: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def submitted(self, request_id: str) -> None:
+    def admitted(self, request_id: str) -> None:
+        """Its request was admitted: a stop from now on cancels it, whether it was sent yet or not."""
         with self.lock:
             self.request_id = request_id
             cancel_now = self.cancelled
-        if cancel_now:  # stopped while its engine was still loading
+        if cancel_now:  # stopped between its start and its admission
             self.cancel(request_id)
 
     def stop(self) -> str | None:
@@ -135,14 +136,14 @@ async def request_events(manager, spec: ImageRequest, *, key: EngineKey | None =
             loop.call_soon_threadsafe(events.put_nowait, event)
 
     def submitted(request_id: str) -> None:
-        run.submitted(request_id)
+        run.admitted(request_id)  # said again once sent (a manager that does not say when it admits)
         put(Submitted(request_id))
 
     def work() -> None:
         try:
             put(Started())  # manager.generate may spawn the engine's worker process: here, not on the loop
             put(Finished(manager.generate(spec, on_progress=lambda p: put(Step(p)), on_submit=submitted,
-                                          ticket=ticket)))
+                                          ticket=ticket, on_admitted=run.admitted)))
         except Cancelled as exc:
             put(Stopped(exc))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer

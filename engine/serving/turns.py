@@ -176,3 +176,40 @@ class Turns:
             return {"engines": {str(k): {"placed": line.placed, "waiting": len(line.waiting)}
                                 for k, line in self._lines.items() if line.placed or line.waiting},
                     "shed": self.shed_count}
+
+
+class Unsent:
+    """Requests admitted and not sent to their engine yet. A cancel in that time (the engine loading, the
+    request waiting for its device or its turn) marks the request, which then stops before it is sent
+    instead of being sent and cancelled at once."""
+
+    def __init__(self):
+        self._marks: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def tracked(self, request_id: str):
+        """The request counts as unsent while the block runs."""
+        with self._lock:
+            self._marks.setdefault(request_id, threading.Event())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._marks.pop(request_id, None)
+
+    def mark(self, request_id: str) -> bool:
+        """Stop an unsent request before it is sent; False if none is unsent under that id."""
+        with self._lock:
+            marked = self._marks.get(request_id)
+        if marked is None:
+            return False
+        marked.set()
+        return True
+
+    def check(self, request_id: str) -> None:
+        """Cancelled if the request was stopped before it was sent."""
+        with self._lock:
+            marked = self._marks.get(request_id)
+        if marked is not None and marked.is_set():
+            raise Cancelled("cancelled before it was sent to its engine")
