@@ -46,7 +46,7 @@ from engine.serving.residency import Residency
 from engine.serving.scheduler import CompileScheduler
 from engine.serving.shares import VisitorShares
 from engine.serving.telemetry import Telemetry
-from engine.serving.turns import Turns, Unsent
+from engine.serving.turns import InFlight, Turns
 from engine.worker import logs
 from engine.worker.client import EngineClient
 
@@ -103,10 +103,11 @@ class EngineManager:
         self.residency = Residency(self.launcher, self.budgets, self.scheduler, config_for=self._config,
                                    is_default=self._is_default, auto_restart=self.hosting.auto_restart)
         self._options: dict[EngineKey, EngineOptions] = {}  # per engine, when started with its own
-        self._running: dict[str, EngineClient] = {}  # request id -> engine, for cancel()
-        self._unsent = Unsent()  # admitted, not sent yet: a cancel then stops them before they are sent
         self.flow = RequestFlow()
         self.turns = Turns()  # places at each engine, in turns between clients by cost (turns.py)
+        self.in_flight = InFlight(self.turns)  # where each request is, for cancel()
+        # cancel(request_id): stop a request between steps, or before it is sent (Cancelled); False if unknown
+        self.cancel = self.in_flight.cancel
         self.telemetry = Telemetry(self.residency.status_rows, self.host_status)  # Prometheus metrics (/metrics)
         self.gate = Gate(self.catalog, self.levers, lambda: self.policy, self.hosting.runtime, self.residency.get,
                          self.telemetry.request_ended)  # every Generate is checked here, once
@@ -228,12 +229,9 @@ class EngineManager:
         `on_submit` the request id once sent, `on_admitted` once admitted; `timeout` cancels it after that many seconds. Counted in
         self.telemetry; the log lines of its thread carry its request id."""
         admitted = spec if isinstance(spec, Admitted) else self.gate.admit(spec, ticket)
-        request_id = admitted.request.request_id
-        logged_as = logs.REQUEST_ID.set(request_id)
+        logged_as = logs.REQUEST_ID.set(admitted.request.request_id)
         try:
-            with self._unsent.tracked(request_id):
-                if on_admitted:
-                    on_admitted(request_id)
+            with self.in_flight.admitted(admitted.request.request_id, on_admitted):
                 result = self._run(admitted, _RunHooks(on_progress, on_submit, timeout, on_admitted))
         except BaseException as exc:
             self.telemetry.request_ended(admitted.labels(), error=exc)
@@ -263,7 +261,7 @@ class EngineManager:
         engine = self.engine(key, caller=admitted.caller)
         if self.gate.priced(admitted.caller):
             self.shares.used(key, request.client)
-        self._unsent.check(request.request_id)  # stopped while its engine loaded or its device was busy
+        self.in_flight.check(request.request_id)  # stopped while its engine loaded or its device was busy
         with self.turns.turn(key, request.client, self._turn_cost(admitted), self.engine_options(key).max_queue,
                              request.request_id, timeout):
             if not engine.alive:  # it went (evicted, crashed) while this request waited for its turn
@@ -287,12 +285,12 @@ class EngineManager:
         engine.wait_ready(timeout=600)
         # Registered before it is sent, so a cancel in between reaches the engine (it keeps cancels of
         # requests it has not received yet); a cancel before that was marked, and stops it here.
-        self._running[request.request_id] = engine
+        self.in_flight.sent[request.request_id] = engine
         try:
-            self._unsent.check(request.request_id)
+            self.in_flight.check(request.request_id)
             future = engine.submit(request, on_progress)
         except BaseException:
-            self._running.pop(request.request_id, None)
+            self.in_flight.sent.pop(request.request_id, None)
             raise
         if on_submit:
             on_submit(request.request_id)
@@ -302,21 +300,10 @@ class EngineManager:
             engine.cancel(request.request_id)
             raise EngineBusy(f"request {request.request_id} did not finish within {timeout}s and was cancelled") from None
         finally:
-            self._running.pop(request.request_id, None)
+            self.in_flight.sent.pop(request.request_id, None)
         node_of = getattr(engine, "node_of", None)  # an engine on Ray nodes (engine/fleet/client.py, replicas.py)
         node = node_of(request.request_id) if node_of is not None else None
         return dataclasses.replace(result, node=node) if isinstance(node, str) and node else result
-
-    def cancel(self, request_id: str) -> bool:
-        """Stop a running request between steps (it then fails with Cancelled). False if unknown."""
-        if self.turns.cancel(request_id):  # waiting for its turn: it stops there
-            return True
-        marked = self._unsent.mark(request_id)
-        # Read after marking: _send registers a request before it checks the mark, so one of the two sees it.
-        engine = self._running.get(request_id)
-        if engine is not None:
-            engine.cancel(request_id)
-        return marked or engine is not None
 
     def warm(self, preset: str, device: str, precision: str, mode: str = Mode.COMPILE, size: str | None = None,
              tp: int = 1, caller: Caller = Caller.HOST, parallel: str = "tensor") -> None:

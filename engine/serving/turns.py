@@ -22,6 +22,7 @@ import itertools
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.errors import Cancelled, EngineBusy
@@ -178,34 +179,30 @@ class Turns:
                     "shed": self.shed_count}
 
 
-class Unsent:
-    """Requests admitted and not sent to their engine yet. A cancel in that time (the engine loading, the
-    request waiting for its device or its turn) marks the request, which then stops before it is sent
-    instead of being sent and cancelled at once."""
 
-    def __init__(self):
-        self._marks: dict[str, threading.Event] = {}
+class InFlight:
+    """Where each admitted request is until it answers, so that a cancel finds it: waiting for its turn (Turns),
+    admitted but not sent yet (marked: it stops before it is sent, instead of being sent and cancelled at
+    once), or sent (its engine stops it between steps)."""
+
+    def __init__(self, turns: Turns):
+        self.turns = turns
+        self.sent: dict[str, object] = {}  # request id -> the engine it was sent to
+        self._marks: dict[str, threading.Event] = {}  # request id -> set once cancelled before it was sent
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def tracked(self, request_id: str):
-        """The request counts as unsent while the block runs."""
+    def admitted(self, request_id: str, on_admitted: Callable[[str], None] | None = None):
+        """The request is in flight while the block runs; `on_admitted` hears its id first."""
         with self._lock:
             self._marks.setdefault(request_id, threading.Event())
         try:
+            if on_admitted:
+                on_admitted(request_id)
             yield
         finally:
             with self._lock:
                 self._marks.pop(request_id, None)
-
-    def mark(self, request_id: str) -> bool:
-        """Stop an unsent request before it is sent; False if none is unsent under that id."""
-        with self._lock:
-            marked = self._marks.get(request_id)
-        if marked is None:
-            return False
-        marked.set()
-        return True
 
     def check(self, request_id: str) -> None:
         """Cancelled if the request was stopped before it was sent."""
@@ -213,3 +210,17 @@ class Unsent:
             marked = self._marks.get(request_id)
         if marked is not None and marked.is_set():
             raise Cancelled("cancelled before it was sent to its engine")
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop the request wherever it is; False if none is in flight under that id."""
+        if self.turns.cancel(request_id):
+            return True
+        with self._lock:
+            marked = self._marks.get(request_id)
+        if marked is not None:
+            marked.set()
+        # Read after marking: a request is put in `sent` before its mark is checked, so one of the two sees it.
+        engine = self.sent.get(request_id)
+        if engine is not None:
+            engine.cancel(request_id)
+        return marked is not None or engine is not None
