@@ -8,7 +8,7 @@
 - Gradio's queue is hooked at `Queue.push` (every join route goes through it): each client (its
   address, see `client_address`) may hold a bounded number of events waiting or running, and each
   concurrency group has its own queue bound, so a full generate queue never refuses /status, /cancel
-  or /system.
+  or /system. A group's waiting events take turns between clients (`in_turns`), not first come first served.
 - Connections are bounded before any of this, at the socket (ui/sockets.py): open connections in total
   and per address, a deadline and a size bound for a request's headers.
 - The event streams that are open (GET .../queue/data, .../call/<api>/<event_id>) are tracked per
@@ -308,7 +308,10 @@ class EdgeGuard:
             if self.callers.mcp_caller(request.headers.get(MCP_CALLER_HEADER)) is not None:
                 request.state.mcp_caller = client  # its runs and /cancel: the agent's own (ui/common.py)
             try:
-                return await original(body=body, request=request, username=username)
+                joined = await original(body=body, request=request, username=username)
+                if joined[0]:
+                    self._take_turns(group)
+                return joined
             finally:
                 self._release(group, client)
 
@@ -370,6 +373,17 @@ class EdgeGuard:
         share = bound // (len(holders | Counter({client: 1})) or 1)
         return waiting < 2 * bound and holders[client] < share
 
+    def _take_turns(self, group: str) -> None:
+        """Put the group's waiting events in turns between clients (`in_turns`). No await: Gradio takes
+        events from this list on the same event loop."""
+        q = self.streams.queue
+        event_queue = q.event_queue_per_concurrency_id.get(group)
+        if event_queue is None or len(event_queue.queue) < 2:
+            return
+        client_of = self.callers.client_of
+        running = Counter(client_of(e.request) for job in list(q.active_jobs) if job for e in job)
+        event_queue.queue[:] = in_turns(event_queue.queue, lambda e: client_of(e.request), running)
+
     def _events(self):
         q = self.streams.queue
         for event_queue in list(q.event_queue_per_concurrency_id.values()):
@@ -393,6 +407,20 @@ class EdgeGuard:
                 "trusted_proxies": [str(n) for n in c.trusted_proxies], "uploads": f"input images on /gradio_api/upload, at most {MAX_UPLOAD_BODY_BYTES:,} bytes",
                 "refused": dict(self.refused),
                 **({"sockets": self.sockets.snapshot()} if self.sockets is not None else {})}
+
+
+def in_turns(waiting: list, client_of, running: Counter) -> list:
+    """`waiting` (oldest first) in turns between clients: a client's k-th waiting event goes in round
+    (its running events + k), earlier rounds first, arrival order within a round. Gradio serves a group
+    first come first served, so callers each within their bound (CLIENT_EVENTS) kept its slots full and
+    queued ahead of everyone who came later; in turns, a newcomer's event is among the next to start."""
+    seen: Counter = Counter()
+    rounds = []
+    for position, event in enumerate(waiting):
+        client = client_of(event)
+        rounds.append((running[client] + seen[client], position, event))
+        seen[client] += 1
+    return [event for _, _, event in sorted(rounds, key=lambda r: r[:2])]
 
 
 def _json_post(scope) -> bool:
