@@ -62,6 +62,17 @@ def result_path(cache_dir: Path, preset: str, device: str, size, steps: int) -> 
     return Path(cache_dir) / "advisor" / f"{preset.replace('/', '--')}@{device}-{size}-{steps}steps.json"
 
 
+def edit_inputs(preset, mode: Mode, source) -> dict:
+    """An edit request's image fields with `source` (PIL, at the output size) as its input image: the fields a
+    warm-up at that bucket sends (engine/pipeline/warmup.py), so the advisor's requests run the bucket it warmed."""
+    from engine.pipeline.warmup import synthetic_inputs
+    from engine.protocol.requests import PixelImage
+
+    size = Size(source.width, source.height)
+    fields = synthetic_inputs(preset, BucketKey(mode, size, refs=(size,) if preset.inputs.in_sequence else ()))
+    return {**fields, "images": (PixelImage.from_pil(source.convert("RGB")),)}
+
+
 # -- measuring --------------------------------------------------------------------------------------
 class _Runners:
     """One runner per (precision, attention backend): weights load once each."""
@@ -225,8 +236,14 @@ class Advisor:
         import diffusers  # noqa: F401 - after the cache environment (see bench/pipeline.py)
 
         self.grid, self.skipped = plan_grid(plan, self.spec)
-        self.prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=quality.PROMPT_SEED,
-                                              fallback=plan.prompt)
+        if plan.preset.inputs.takes_images:  # every request edits a source: the quality samples' own
+            self.prompts = quality.sample_edits(plan.preset, plan.quality_samples, seed=quality.PROMPT_SEED,
+                                                fallback=plan.prompt, size=plan.size)
+        else:
+            self.prompts = quality.sample_prompts(plan.preset, plan.quality_samples, seed=quality.PROMPT_SEED,
+                                                  fallback=plan.prompt)
+        # what the timed images draw: the prompt, or the first sample's edit (an edit needs its source)
+        self.timed = self.prompts[0] if plan.preset.inputs.takes_images and self.prompts else plan.prompt
         self.seeds = quality.image_seeds(len(self.prompts))
         self.runners = runners or _Runners(plan, self.spec)
         self.needed_s: dict[str, float] = {}  # cut for the budget: label -> the run length that fits it
@@ -377,7 +394,7 @@ class Advisor:
             self.compile(c, m, runner)
         # A warm-up image first (first calls at the shape, the allocator, the cache's hooks and calibration),
         # so the timed images measure the configuration's steady state.
-        runner.generate(self.request(c, self.plan.prompt, 99))
+        runner.generate(self.request(c, self.timed, 99))
         reference = Candidate(**REFERENCE) if config_key(c) != REF_KEY else None
         cached = []
         added = PeakAdded(self.spec)
@@ -388,7 +405,7 @@ class Advisor:
                 m.ref_ms.append(self.image_ms(reference, 100 + i))
             marks = current_marks()
             with added:
-                res = self.runners.get(c).generate(self.request(c, self.plan.prompt, 100 + i))
+                res = self.runners.get(c).generate(self.request(c, self.timed, 100 + i))
             m.image_ms.append(res.timings.total_ms)
             m.marks = list(dict.fromkeys([*m.marks, *marks, *current_marks()]))
             cached.append(len(getattr(res, "cached_steps", ()) or ()))
@@ -402,7 +419,7 @@ class Advisor:
 
     def compile(self, c: Candidate, m: Measured, runner) -> None:
         t0 = self.clock()
-        info = runner.warm_bucket(BucketKey(Mode(c.mode), self.plan.size))
+        info = runner.warm_bucket(self.request(c, self.timed, 0).bucket)  # an edit's has its reference's size
         if info.state != BucketState.WARM:
             raise RuntimeError(info.error or f"bucket is {info.state.value}")
         m.compile_s = self.clock() - t0
@@ -410,7 +427,7 @@ class Advisor:
         self.known.warm_modes.add((c.precision, c.attention, c.mode))
 
     def image_ms(self, c: Candidate, seed: int) -> float:
-        return self.runners.get(c).generate(self.request(c, self.plan.prompt, seed)).timings.total_ms
+        return self.runners.get(c).generate(self.request(c, self.timed, seed)).timings.total_ms
 
     def score_it(self, c: Candidate, m: Measured) -> None:
         runner = self.runners.get(c)
@@ -437,13 +454,17 @@ class Advisor:
             log.warning("%s failed: %s", c.label(), exc)
             m.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
-    def request(self, c: Candidate, prompt: str, seed: int, steps: int | None = None) -> GenerateRequest:
+    def request(self, c: Candidate, sample, seed: int, steps: int | None = None) -> GenerateRequest:
+        """`sample`: a prompt, or an EditSample (its instruction and its source as the input image)."""
         cache = {"step_cache": c.step_cache} if c.step_cache != "none" else {}
         plan = self.plan
+        prompt, inputs = sample, {}
+        if isinstance(sample, quality.EditSample):
+            prompt, inputs = sample.prompt, edit_inputs(plan.preset, Mode(c.mode), sample.source)
         return GenerateRequest.checked(prompt=prompt, width=plan.size.width, height=plan.size.height,
                                steps=steps or plan.steps, guidance=plan.preset.guidance, seed=seed,
                                mode=Mode(c.mode), on_cold=OnCold.EAGER, lora=plan.lora.name,
-                               lora_scale=plan.lora.scale, lora_fused=c.lora_fused, **cache)
+                               lora_scale=plan.lora.scale, lora_fused=c.lora_fused, **cache, **inputs)
 
     # -- bookkeeping
     def elapsed(self) -> float:

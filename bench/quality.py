@@ -20,6 +20,7 @@ import io
 import math
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
@@ -164,10 +165,67 @@ def sample_prompts(preset, n: int, seed: int, fallback: str, held_out: bool = Fa
     return [fallback] * n
 
 
+@dataclass(frozen=True)
+class EditSample:
+    """A quality sample of a preset that edits: the instruction, the source picture it edits (at the output
+    size), and, for the embedded edit model, the grammar's edit the two mean (None: drift only)."""
+
+    prompt: str
+    source: Image.Image
+    edit: object | None = None
+
+
+def edit_sample(preset, instruction: str, source: Image.Image) -> EditSample:
+    """`instruction` on `source` as a sample: for a preset with an edit checker, the scene the checker reads in
+    the source and the instruction parsed against it (an edit outside the grammar is not scored)."""
+    if preset.fidelity != "shapes-edit":
+        return EditSample(instruction, source)
+    from training.shapes.edits import parse_edit
+    from training.shapes.fidelity import read
+    from training.shapes.grammar import Prompt
+
+    seen = read(source)
+    scene = Prompt(seen.colour, seen.shape, seen.background) if None not in (seen.colour, seen.shape,
+                                                                              seen.background) else None
+    return EditSample(instruction, source, parse_edit(instruction, scene) if scene else None)
+
+
+def sample_edits(preset, n: int, seed: int, fallback: str, size, held_out: bool = False) -> list[EditSample]:
+    """`n` edits for quality samples at `size`: for the embedded edit model, seeded random edits of its grammar
+    (training edits, or the held-out ones) on sources rendered as its training drew them; else the bench's own
+    prompt on a plain grey source each time."""
+    if preset.fidelity != "shapes-edit":
+        grey = Image.new("RGB", (size.width, size.height), (128, 128, 128))
+        return [EditSample(fallback, grey)] * n
+    from training.shapes.edits import held_out_edits, training_edits
+    from training.shapes.grammar import render
+
+    pool = list(held_out_edits() if held_out else training_edits())
+    rng = random.Random(seed)
+    edits = [rng.choice(pool) for _ in range(n)]
+    return [EditSample(e.instruction, render(e.source, size.width, size.height, rng=seed + i), e)
+            for i, e in enumerate(edits)]
+
+
+def _edit_checker() -> Callable:
+    from training.shapes.edit_fidelity import edit_fidelity
+
+    def check(image, sample) -> bool | None:
+        if not isinstance(sample, EditSample) or sample.edit is None:
+            return None  # a plain prompt, or an edit outside the grammar: nothing to score
+        return edit_fidelity(sample.source, Image.fromarray(to_array(image)), sample.edit).correct
+
+    return check
+
+
 def fidelity_checker(preset, style: str | None = None) -> Callable | None:
     """(image, prompt) -> correct? (None for a prompt outside the grammar: nothing to score), for presets
     whose model draws a closed grammar; None for other presets. With a LoRA `style` on, an image is checked
-    against what the style implies (the embedded model's styles); a style the checker does not know: None."""
+    against what the style implies (the embedded model's styles); a style the checker does not know: None.
+    The edit model's checker takes (image, EditSample): the changed attribute right, the rest and the
+    object's place and size kept."""
+    if preset.fidelity == "shapes-edit" and style is None:
+        return _edit_checker()
     if preset.fidelity != "shapes":
         return None
     from training.shapes.fidelity import check

@@ -292,6 +292,8 @@ class FakeRunners:
         self.load, self.jitter, self.rng = load or (lambda t: 1.0), jitter, random.Random(41)
         self.calls: list[str] = []
         self.images: list[tuple[str, int]] = []  # (configuration, seed) of every image drawn
+        self.requests: list = []  # every request drawn
+        self.buckets: list = []  # every bucket compiled
 
     def get(self, c):
         return FakeRunner(self, c.precision)
@@ -314,6 +316,7 @@ class FakeRunner:
 
         self.owner.clock.t += self.owner.compile_s
         self.owner.calls.append(f"compile {self.precision}/{bucket.mode}")
+        self.owner.buckets.append(bucket)
         return SimpleNamespace(state=BucketState.WARM, error=None)
 
     def generate(self, request):
@@ -330,6 +333,7 @@ class FakeRunner:
         self.owner.clock.t += s
         self.owner.calls.append(f"{self.precision}/{request.mode}/{cache}")
         self.owner.images.append((self.owner.calls[-1], request.seed))
+        self.owner.requests.append(request)
         rng = np.random.default_rng(request.seed)
         pixels = rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)
         if cache != "none" or self.precision != "fp32":
@@ -348,14 +352,14 @@ SPEEDS = {("fp32", "eager", "none"): 0.15, ("fp32", "compile", "none"): 0.088, (
              for c in ("first-block", "magcache", "taylorseer", "faster-cache", "pyramid")}}
 
 
-def run_advisor(minutes, progress=None, **load):
+def run_advisor(minutes, progress=None, preset="tiny-shapes", **load):
     from bench.advise import Advisor
     from engine import settings
     from engine.protocol import Size
 
     clock = FakeClock()
     runners = FakeRunners(clock, SPEEDS, **load)
-    p = AdvisePlan(preset=get_preset("tiny-shapes"), device="cpu", size=Size.parse("64x64"), steps=20,
+    p = AdvisePlan(preset=get_preset(preset), device="cpu", size=Size.parse("64x64"), steps=20,
                    max_minutes=minutes, quality_samples=6, prompt="a red circle", cache_dir=settings.cache_dir())
     report = Advisor(p, progress, clock=clock, runners=runners).run()
     return report, runners, clock
@@ -470,3 +474,35 @@ def test_the_advisor_bar_moves_with_the_clock_between_the_childs_messages(monkey
     assert seen[-1] == ((33, 60), "advisor: fp32/regional (compiling) (5 s on it)", "s")
     clock.sleep(100)
     assert seen[-1][0] != (60, 60) and bar.show({"tick": True}).startswith("60 s of 60 s")  # never past its budget
+
+
+# -- edits (issue 48: the Advisor on edits) ---------------------------------------------------------------
+def test_on_an_edit_preset_every_request_edits_a_source_and_compiles_its_reference_bucket():
+    report, runners, _ = run_advisor(10, preset="tiny-shapes-edit")
+    assert runners.requests and all(len(r.images) == 1 and r.images_in_sequence for r in runners.requests)
+    assert all(r.images[0].size == r.size for r in runners.requests)
+    prompts = {r.prompt for r in runners.requests}
+    assert "a red circle" not in prompts and any(p.startswith(("make the", "turn the")) for p in prompts)
+    assert runners.buckets and all(b.refs == (b.size,) for b in runners.buckets), runners.buckets
+    # the fake draws noise: scored by the edit checker (every sample an edit of its grammar), never right
+    scored = [r for r in report["rows"] if r.get("fidelity") is not None]
+    assert scored and all(r["fidelity"] == 0.0 for r in scored)
+
+
+def test_the_edit_checker_scores_the_edit_done_right_and_not_the_source_left_alone():
+    from bench.quality import edit_sample, fidelity_checker, sample_edits
+    from engine.protocol import Size
+    from training.shapes.grammar import render
+
+    preset = get_preset("tiny-shapes-edit")
+    samples = sample_edits(preset, 12, seed=5, fallback="", size=Size(64, 64))
+    assert len({s.prompt for s in samples}) > 3 and all(s.edit is not None for s in samples)
+    check = fidelity_checker(preset)
+    for i, sample in enumerate(samples):
+        done = render(sample.edit.target, 64, 64, rng=5 + i)  # the same box, the edit applied
+        assert check(done, sample) is True, sample.prompt
+        assert check(sample.source, sample) is False, sample.prompt
+        # a source the user sends is read by the checker, and the instruction parsed against what it shows
+        assert edit_sample(preset, sample.prompt, sample.source).edit == sample.edit
+    assert check(samples[0].source, "a red circle on a blue background") is None  # a plain prompt: not scored
+    assert edit_sample(preset, "paint it like Monet", samples[0].source).edit is None
