@@ -4,8 +4,8 @@ A thin command line over training.shapes.edit_train: first the edit folder's own
 (training.shapes.edit_encoder: pixels to the analytic latents), then the tiny-shapes transformer fine-tuned in
 FLUX.1 Kontext form on edits of the shapes grammar; fixed seeds; checkpoints in .cache/train-edit.
 `--minutes M` stops at the next checkpoint once M minutes of training have passed and a rerun resumes; the
-export runs when the last step is done (or alone with `--stage export`). Training never runs as part of the
-app or the tests.
+export runs when the last step is done (or alone with `--stage export`), then the decoder is tuned on what the
+trained transformer writes (or alone with `--stage tune`). Training never runs as part of the app or the tests.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.train_edit", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=edit_train.DEFAULT_OUT, help="diffusers folder to write")
     parser.add_argument("--cache", type=Path, default=edit_train.DEFAULT_CACHE, help="checkpoints and logs")
-    parser.add_argument("--stage", choices=("train", "export", "all"), default="all")
+    parser.add_argument("--stage", choices=("train", "export", "tune", "all"), default="all",
+                        help="export: write the folder from the checkpoint, then tune its decoder; tune: only that")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                         help="continue from the checkpoint")
     parser.add_argument("--minutes", type=float, default=None,

@@ -83,6 +83,10 @@ class EditSettings:
     encoder_extra_blocks: int = 4
     encoder_geometry_weight: float = 10.0
     kind_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)  # colour, background, shape
+    # The last stage (training.shapes.edit_tune): the decoder tuned on tune_pool latents the transformer writes.
+    tune_pool: int = 1024
+    tune_steps: int = 400
+    tune_lr: float = 5e-4
     checkpoint_every: int = 50
     eval_every: int = 200
     eval_n: int = 96
@@ -379,9 +383,15 @@ def run(out: Path = DEFAULT_OUT, cache: Path = DEFAULT_CACHE, minutes: float | N
         (cache / "edit-log.jsonl").unlink(missing_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "settings.json").write_text(json.dumps(asdict(settings), indent=2))
+    from training.shapes import edit_tune
+
+    if stage == "tune":  # the exported folder's decoder, tuned again
+        edit_tune.tune(out, settings)
+        return True
     _, tiny_vae = load_components()
     if stage == "export":
         export(cache, out, edit_encoder.load_trained(tiny_vae, settings, cache))
+        edit_tune.tune(out, settings)
         return True
     started = time.perf_counter()
     vae, finished = edit_encoder.train_encoder(tiny_vae, settings, cache, minutes)
@@ -390,5 +400,6 @@ def run(out: Path = DEFAULT_OUT, cache: Path = DEFAULT_CACHE, minutes: float | N
         finished = EditTraining(settings, cache, vae).run(left)
     if stage == "all" and finished:
         export(cache, out, vae)
+        edit_tune.tune(out, settings)
     return finished
 

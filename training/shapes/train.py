@@ -553,6 +553,33 @@ def _sampled_pool(transformer, vae_config, text, settings: Settings) -> list[tup
     return pool
 
 
+def tune_decoder_on(vae, pool: list[tuple[int, int, torch.Tensor]], settings: Settings, seed: int) -> None:
+    """Fine-tune `vae`'s decoder on sampled latents ((width, height, latents) chunks), against the scene each
+    describes read with the exact rules (latents.render_exact), half of each batch; the other half corrupted
+    analytic latents of random training prompts, as in the VAE stage, so it keeps drawing those."""
+    parameters = list(vae.decoder.parameters())
+    optimizer = torch.optim.AdamW(parameters, lr=settings.tune_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    vae.train()
+    for step in tqdm(range(settings.tune_steps), desc="tune decoder", dynamic_ncols=True):
+        for group in optimizer.param_groups:
+            group["lr"] = settings.tune_lr * lr_factor(step, settings.tune_steps, 20)
+        width, height, sampled = pool[int(torch.randint(0, len(pool), (1,), generator=generator))]
+        half = max(1, len(sampled) // 2)
+        sampled = sampled[torch.randperm(len(sampled), generator=generator)[:half]]
+        analytic_images, analytic = semantic.scenes(_random_prompts(half, generator), width, height, generator)
+        z = torch.cat([sampled, semantic.corrupt(analytic, generator, settings.vae_clean_share)])
+        images = torch.cat([semantic.render_exact(sampled, width, height), analytic_images])
+        background = torch.cat([semantic.read_scene_background(sampled), analytic[:, semantic.BACKGROUND, :1, :1]])
+        recon = vae.decode(z).sample
+        loss = _balanced_loss(recon, images, background) + settings.vae_edge * _edge_loss(recon, images)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+    vae.eval()
+
+
 def tune_decoder(settings: Settings, cache: Path) -> Path:
     """Fine-tune the decoder on latents the trained transformer samples, against the scene each describes
     (read with the exact rules: latents.render_exact), half of each batch, the other half corrupted
@@ -569,28 +596,7 @@ def tune_decoder(settings: Settings, cache: Path) -> Path:
     started = time.perf_counter()
     pool = _sampled_pool(transformer, vae.config, prompt_embeddings(cache), settings)
     logger.info("sampled %d latents in %.0f s", sum(len(z) for _, z in pool), time.perf_counter() - started)
-    parameters = list(vae.decoder.parameters())
-    optimizer = torch.optim.AdamW(parameters, lr=settings.tune_lr, betas=(0.9, 0.99), weight_decay=0.0)
-    generator = torch.Generator().manual_seed(settings.seed + 21)
-    vae.train()
-    for step in tqdm(range(settings.tune_steps), desc="tune decoder", dynamic_ncols=True):
-        for group in optimizer.param_groups:
-            group["lr"] = settings.tune_lr * lr_factor(step, settings.tune_steps, 20)
-        bucket, sampled = pool[int(torch.randint(0, len(pool), (1,), generator=generator))]
-        width, height = BUCKETS[bucket]
-        half = max(1, len(sampled) // 2)
-        sampled = sampled[torch.randperm(len(sampled), generator=generator)[:half]]
-        analytic_images, analytic = semantic.scenes(_random_prompts(half, generator), width, height, generator)
-        z = torch.cat([sampled, semantic.corrupt(analytic, generator, settings.vae_clean_share)])
-        images = torch.cat([semantic.render_exact(sampled, width, height), analytic_images])
-        background = torch.cat([semantic.read_scene_background(sampled), analytic[:, semantic.BACKGROUND, :1, :1]])
-        recon = vae.decode(z).sample
-        loss = _balanced_loss(recon, images, background) + settings.vae_edge * _edge_loss(recon, images)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-    vae.eval()
+    tune_decoder_on(vae, [(*BUCKETS[bucket], z) for bucket, z in pool], settings, settings.seed + 21)
     final = {source: vae_fidelity(vae, 100, source=source) for source in ("clean", "corrupted")}
     prompts = eval_prompts(64, PROMPT_SEED)
     final["generated_64"] = generation_fidelity(transformer, vae, prompt_embeddings(cache), prompts, 64, 64, seed=PROMPT_SEED)
