@@ -136,7 +136,7 @@ class Comparison:
                 self.run_state = stack.enter_context(self.call.open_run())
                 price = serving.price_compare(self.form.preset, self.size_text, self.steps, len(self.configs),
                                               len(self.prompts) + self.rounds_cap, self.form.guidance,
-                                              caller=self.call.caller)
+                                              caller=self.call.caller, num_frames=self.clip_fields.get("num_frames"))
                 self.ticket = stack.enter_context(serving.admission(self.call.client, price, self.call.caller))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
