@@ -19,6 +19,9 @@ from ui.views import clip_figures, strip_of
 CLIP_FIELDS = tuple(f.name for f in params.FIELDS if f.needs is params.Needs.VIDEO)
 CARD_FRAMES = 9  # frames a card's strip shows at most (evenly spread, the first always among them)
 STRIP_PX = 96  # a strip frame's thumbnail, at most this on its longer side
+CODEC_HELP = ("clips are compared as the player plays them, decoded from their MP4s; frame 1 is also kept "
+              "lossless (the poster), so this line shows its drift before the codec and what the codec itself "
+              "changed in it: a clip drift near the codec's loss is mostly the codec's")
 FLICKER_HELP = ("flicker: how much this clip's difference to eager fp32's changes from one frame to the next, the "
                 "mean |Δframe − Δframe of eager fp32| in pixel levels (0–255); 0 when the difference stays put")
 
@@ -77,4 +80,6 @@ def clip_drift_lines(entry: dict) -> list[str]:
             f'(frame {drift["worst_frame"]}/{drift["frames"]}) · SSIM {drift["ssim"]:.3f} · max diff '
             f'{drift["max_diff"]}</div>',
             f'<div class="c-flicker" title="{html.escape(FLICKER_HELP)}">flicker: {drift["flicker"]:.2f} px '
-            'against eager fp32</div>' if drift["flicker"] is not None else ""]
+            'against eager fp32</div>' if drift["flicker"] is not None else "",
+            f'<div class="c-note c-codec" title="{html.escape(CODEC_HELP)}">{html.escape(entry["codec_note"])}</div>'
+            if entry.get("codec_note") else ""]

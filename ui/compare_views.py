@@ -312,16 +312,23 @@ def price_quality(images: list, prompts: list[str], ref_images: list | None, pre
     return out
 
 
-def clip_quality(clips: list, prompts: list[str], reference_clips: list | None, preset) -> dict:
-    """What a clip card shows of its quality: the first clip's drift against the reference's (frame by frame, with
-    the flicker) and, where the preset's `fidelity` names a clip checker, its verdict and the sample clips' share."""
-    from bench.quality import clip_checker, clip_drift, fmt_clip_drift
+def clip_quality(clips: list, posters: list, prompts: list[str], reference: tuple[list, list] | None, preset) -> dict:
+    """What a clip card shows of its quality: the first clip's drift against the reference's (frame by frame on the
+    decoded MP4s, with the flicker); beside it frame 1 before the codec (the posters, lossless PNGs) and the
+    codec's own loss on it, so a drift the size of that loss reads as the codec's; and, where the preset's
+    `fidelity` names a clip checker, its verdict and the sample clips' share. `reference`: (clips, posters)."""
+    from bench.quality import clip_checker, clip_drift, fmt_clip_drift, fmt_drift, image_drift
 
-    out: dict = {}
-    if reference_clips is not None:
-        drift = clip_drift(clips[0], reference_clips[0])
+    codec = image_drift(clips[0][0], posters[0])
+    out: dict = {"codec_psnr_db": codec["psnr_db"], "codec_max_diff": codec["max_diff"]}
+    if reference is not None:
+        drift = clip_drift(clips[0], reference[0][0])
+        raw = image_drift(posters[0], reference[1][0])
         out.update(clip_drift=drift, drift=fmt_clip_drift(drift), drift_psnr_db=drift["psnr_db"],
-                   drift_max_diff=drift["max_diff"], drift_ssim=drift["ssim"], flicker=drift["flicker"])
+                   drift_max_diff=drift["max_diff"], drift_ssim=drift["ssim"], flicker=drift["flicker"],
+                   first_frame_psnr_db=raw["psnr_db"], first_frame_max_diff=raw["max_diff"],
+                   codec_note=f"frame 1 before the MP4: {fmt_drift(raw['psnr_db'], raw['max_diff'])} · MP4 codec "
+                              f"loss on frame 1: {fmt_drift(codec['psnr_db'], codec['max_diff'])}")
     checker = clip_checker(preset)
     if checker is not None:
         out["fidelity_this"] = checker(clips[0], prompts[0])
