@@ -279,6 +279,8 @@ def test_compare_says_what_each_parameter_takes_and_keeps_its_api(demo):
     assert by_name["steps"]["type"]["type"] == "number" and by_name["steps"]["python_type"]["type"] == "float"
     assert by_name["modes"]["python_type"]["type"].startswith("list[Literal['eager', 'compile'")
     assert by_name["prompt"]["label"] == "Prompt" and "1-200" in by_name["steps"]["python_type"]["description"]
+    # a video preset's clip fields: optional for every caller (an image preset's call leaves them out)
+    assert by_name["num_frames"]["parameter_has_default"] and by_name["fps"]["parameter_has_default"]
 
 
 def test_the_generate_api_params_are_the_request_forms_api_fields():

@@ -330,10 +330,12 @@ class ComparePage:
                                        elem_id="c-size")
         form["images"] = edit_inputs.compare_images(preset.inputs.takes_images)
         clip = compare_clips.takes_clips(preset)
-        with gr.Row(visible=clip) as self.clip_row:  # a video preset's clip: every configuration runs it
-            form["num_frames"] = gr.Number(value=preset.frames[0] if clip else None, precision=0, elem_id="c-frames",
+        # A video preset's clip, every configuration's. 0: the preset's own (a value, so /compare's callers may
+        # leave them out: gradio_client requires a parameter whose default is None).
+        with gr.Row(visible=clip) as self.clip_row:
+            form["num_frames"] = gr.Number(value=preset.frames[0] if clip else 0, precision=0, elem_id="c-frames",
                                            label=params.label("num_frames") + " (snapped to a frame bucket)")
-            form["fps"] = gr.Number(value=preset.fps if clip else None, precision=0, label=params.label("fps"),
+            form["fps"] = gr.Number(value=preset.fps if clip else 0, precision=0, label=params.label("fps"),
                                     elem_id="c-fps")
         with gr.Row():
             form["steps"] = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="c-steps")
