@@ -4,7 +4,9 @@ Every configuration is priced against eager fp32 without a step cache on the fir
 first, and added when it is not among the picks): seconds per image, speedup, drift of every image
 against the reference's image of the same prompt and seed (PSNR, SSIM, max pixel difference, a heat map)
 and, for a model with a pixel checker, fidelity over several prompts. Drift and fidelity come from
-bench/quality.py, the bench's own code, through ui/compare_views.py.
+bench/quality.py, the bench's own code, through ui/compare_views.py. On a video preset every configuration
+runs the same clip (its frames and fps) and is measured frame by frame against the reference's clip, with the
+temporal flicker (ui/compare_clips.py). One handler call's run, its form and phases, is ui/compare_run.py.
 
 The configurations are a typed list (bench/configs.py: "eager/fp32; regional/bf16/first-block:0.2")
 or the cross product of the checkboxes. Each is run first for its quality images, which also warm it
@@ -63,7 +65,8 @@ COMPARE_API_PARAMS = {
     "wait_for_warm": "true: wait for each compiled bucket (its compile reported apart); false: a cold bucket "
                      "runs eagerly",
     "caches": "step caches ('none': without one; each one a configuration can run)",
-    "fidelity_prompts": f"extra prompts each configuration draws for fidelity and drift, 0-{compare_run.MAX_FIDELITY_PROMPTS}",
+    "fidelity_prompts": "extra prompts each configuration draws for fidelity and drift, "
+                        f"0-{compare_run.MAX_FIDELITY_PROMPTS}",
     "configurations": "a typed list replacing the lists above: mode/precision[/step cache][+lora=NAME[:SCALE]"
                       "[:fused]][+mem=LEVERS][@device] separated by ';', e.g. 'eager/fp32; compile/fp32' "
                       "('' for the lists' cross product)",
@@ -279,7 +282,8 @@ class CompareHandlers(HandlerBase):
             i = r.get(key)
             return thumbnails[i] if i is not None and i < len(thumbnails) else None
 
-        strips = [[(thumbnails[i], caption) for i, caption in r.get("strip", []) if i < len(thumbnails)] for r in results]
+        strips = [[(thumbnails[i], caption) for i, caption in r.get("strip", []) if i < len(thumbnails)]
+                  for r in results]  # a clip card's frames
         cards = compare_views.compare_cards_html(results, [uri(r, "image_index") for r in results],
                                                  heatmaps=[uri(r, "heatmap_index") for r in results], strips=strips)
         return plot, price, costs, cards, legend
@@ -343,7 +347,8 @@ class ComparePage:
                                          elem_id="c-guidance")
         with gr.Row():
             form["seed"] = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="c-seed")
-            form["fidelity_prompts"] = gr.Slider(0, compare_run.MAX_FIDELITY_PROMPTS, value=compare_run.DEFAULT_FIDELITY_PROMPTS, step=1,
+            form["fidelity_prompts"] = gr.Slider(0, compare_run.MAX_FIDELITY_PROMPTS,
+                                                 value=compare_run.DEFAULT_FIDELITY_PROMPTS, step=1,
                                                  label="Fidelity prompts (models with a checker)",
                                                  elem_id="c-fidelity-prompts")
 
@@ -400,9 +405,9 @@ class ComparePage:
                     "when a compile, another engine's work or a host load spike ran during it; drift: the worst PSNR and largest pixel "
                     "difference (0–255) against the reference's image of the same prompt and seed; fidelity: "
                     "prompts the pixel checker reads as drawn right; steps computed / cached: the step cache's "
-                    "share. Cached steps are their own series on the plot. A clip: s / clip with ms per frame; its drift "
-                    "is the worst frame's, and flicker is the mean |Δframe − Δframe of eager fp32| in pixel levels "
-                    "(0: a difference that stays put; more: one that shimmers from frame to frame).")
+                    "share. Cached steps are their own series on the plot. A clip: s / clip with ms per frame; "
+                    "its drift is the worst frame's, and flicker is the mean |Δframe − Δframe of eager fp32| in "
+                    "pixel levels (0: a difference that stays put; more: one that shimmers from frame to frame).")
         # Each the page's full width: the legend names every series, no costs header breaks inside a word.
         self.plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
                                 x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot")

@@ -62,7 +62,8 @@ def clip_time_text(entry: dict, per_clip_s: float | None) -> str:
 
 def strip_html(strip: list[tuple[str, str]], config: str) -> str:
     """A card's frame strip: (data: URI, caption) pictures in a row, each titled with its frame."""
-    frames = "".join(f'<img src="{uri}" alt="{html.escape(config)}, {caption}" title="{caption}">' for uri, caption in strip)
+    frames = "".join(f'<img src="{uri}" alt="{html.escape(config)}, {caption}" title="{caption}">'
+                     for uri, caption in strip)
     return f'<div class="c-strip">{frames}</div>'
 
 

@@ -240,7 +240,8 @@ class Comparison:
         else:
             reference = None if is_reference or self.ref_clips is None else (self.ref_clips, self.ref_images)
             entry.update(compare_views.clip_quality(clips, images, self.prompts, reference, self.model))
-            entry["strip"] = [(self.thumbnail(picture), caption) for picture, caption in compare_clips.strip_pictures(clips[0])]
+            entry["strip"] = [(self.thumbnail(picture), caption)
+                              for picture, caption in compare_clips.strip_pictures(clips[0])]
         entry["image_index"] = self.thumbnail(images[0])
         if not is_reference and self.ref_images is not None:
             entry["heatmap_index"] = self.thumbnail(self.heatmap(entry, images, clips))
