@@ -92,3 +92,32 @@ def test_an_image_preset_in_compare_is_not_sent_the_hidden_clip_fields(handlers)
                       fps=16, fidelity_prompts=0)[-1][1]
     (result,) = payload["results"]
     assert "frames" not in result and result["notices"] == [], result  # no "num_frames ignored" notice
+
+
+def moves(frames, prompt: str) -> bool | None:
+    """A clip checker for the test below: a clip 'draws' a prompt that says "moving" when its frames change (None: a
+    prompt it cannot score)."""
+    from bench.quality import frame_change
+
+    if "moving" not in prompt:
+        return None
+    return (frame_change(frames) or 0.0) > 0
+
+
+def test_a_video_preset_whose_fidelity_names_a_clip_checker_scores_every_clip(handlers, monkeypatch):
+    """The checker is looked up by the preset's `fidelity` value (bench/quality.py CLIP_CHECKERS), as an image
+    preset's is: here tiny-wan as a host would declare it with one, its checker this module's `moves`."""
+    import dataclasses
+
+    from bench import quality
+
+    wan = dataclasses.replace(handlers.serving.preset("tiny-wan"), fidelity="moves-test")
+    real = handlers.serving.preset
+    monkeypatch.setattr(handlers.serving, "preset", lambda name: wan if name == "tiny-wan" else real(name))
+    monkeypatch.setitem(quality.CLIP_CHECKERS, "moves-test", "test_compare_clips:moves")
+    payload = compare(handlers, configurations="eager/fp32", num_frames=9, fidelity_prompts=2)[-1][1]
+    (result,) = payload["results"]
+    assert result["fidelity_this"] is True  # random weights draw noise that changes every frame
+    assert (result["fidelity"], result["fidelity_samples"]) == (1.0, 2)  # the main prompt repeated, seeds 1000-1001
+    cards = handlers.render_compare(payload, [])[3]
+    assert "fidelity: 100 % (2/2 prompts) · ✓ draws the prompt" in cards
