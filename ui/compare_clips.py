@@ -68,19 +68,20 @@ def strip_html(strip: list[tuple[str, str]], config: str) -> str:
 
 
 def clip_drift_lines(entry: dict) -> list[str]:
-    """A clip card's drift lines: per-frame PSNR (median, worst frame), SSIM, max diff, then the flicker."""
+    """A clip card's drift lines: per-frame PSNR (median, worst frame), SSIM, max diff, the flicker, then frame 1
+    before the codec and the codec's own loss on it."""
+    codec = [f'<div class="c-note c-codec" title="{html.escape(CODEC_HELP)}">{html.escape(entry["codec_note"])}'
+             '</div>'] if entry.get("codec_note") else []
     if entry.get("reference"):
-        return ['<div class="c-drift">drift: reference (every other clip is measured against this one)</div>']
+        return ['<div class="c-drift">drift: reference (every other clip is measured against this one)</div>', *codec]
     drift = entry.get("clip_drift")
     if drift is None:
-        return ['<div class="c-drift">drift: — (the reference did not run)</div>']
+        return ['<div class="c-drift">drift: — (the reference did not run)</div>', *codec]
     if not drift["max_diff"]:
-        return ['<div class="c-drift">drift: identical clip, every frame</div>']
+        return ['<div class="c-drift">drift: identical clip, every frame</div>', *codec]
     median = "identical" if drift["median_psnr_db"] is None else f"{drift['median_psnr_db']:.1f} dB"
     return [f'<div class="c-drift">drift per frame: PSNR median {median}, worst {drift["psnr_db"]:.1f} dB '
             f'(frame {drift["worst_frame"]}/{drift["frames"]}) · SSIM {drift["ssim"]:.3f} · max diff '
             f'{drift["max_diff"]}</div>',
             f'<div class="c-flicker" title="{html.escape(FLICKER_HELP)}">flicker: {drift["flicker"]:.2f} px '
-            'against eager fp32</div>' if drift["flicker"] is not None else "",
-            f'<div class="c-note c-codec" title="{html.escape(CODEC_HELP)}">{html.escape(entry["codec_note"])}</div>'
-            if entry.get("codec_note") else ""]
+            'against eager fp32</div>' if drift["flicker"] is not None else "", *codec]

@@ -320,15 +320,15 @@ def clip_quality(clips: list, posters: list, prompts: list[str], reference: tupl
     from bench.quality import clip_checker, clip_drift, fmt_clip_drift, fmt_drift, image_drift
 
     codec = image_drift(clips[0][0], posters[0])
-    out: dict = {"codec_psnr_db": codec["psnr_db"], "codec_max_diff": codec["max_diff"]}
+    codec_text = f"MP4 codec loss on frame 1: {fmt_drift(codec['psnr_db'], codec['max_diff'])}"
+    out: dict = {"codec_psnr_db": codec["psnr_db"], "codec_max_diff": codec["max_diff"], "codec_note": codec_text}
     if reference is not None:
         drift = clip_drift(clips[0], reference[0][0])
         raw = image_drift(posters[0], reference[1][0])
         out.update(clip_drift=drift, drift=fmt_clip_drift(drift), drift_psnr_db=drift["psnr_db"],
                    drift_max_diff=drift["max_diff"], drift_ssim=drift["ssim"], flicker=drift["flicker"],
                    first_frame_psnr_db=raw["psnr_db"], first_frame_max_diff=raw["max_diff"],
-                   codec_note=f"frame 1 before the MP4: {fmt_drift(raw['psnr_db'], raw['max_diff'])} · MP4 codec "
-                              f"loss on frame 1: {fmt_drift(codec['psnr_db'], codec['max_diff'])}")
+                   codec_note=f"frame 1 before the MP4: {fmt_drift(raw['psnr_db'], raw['max_diff'])} · {codec_text}")
     checker = clip_checker(preset)
     if checker is not None:
         out["fidelity_this"] = checker(clips[0], prompts[0])
