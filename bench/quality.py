@@ -11,7 +11,11 @@ Two measures, for every configuration of a bench run:
   share of images whose background colour, object colour and shape a pixel-only checker reads as the
   prompt says (training/shapes/fidelity.py), over seeded random prompts of the grammar.
 
-Pure functions here are shared with the UI's Compare tab (`image_drift`); torch is not imported.
+For a clip (a video preset), `clip_drift` measures the same frame by frame against the reference clip and adds
+the **temporal flicker**: how much the clip's error changes from one frame to the next (`flicker`); a video
+preset's fidelity checker is looked up by its `fidelity` value in CLIP_CHECKERS.
+
+Pure functions here are shared with the UI's Compare tab (`image_drift`, `clip_drift`); torch is not imported.
 """
 
 from __future__ import annotations
@@ -128,20 +132,67 @@ def worst_drift(drifts: list[dict]) -> dict:
     return {"psnr_db": min(psnrs) if psnrs else None, "max_diff": max(d["max_diff"] for d in drifts)}
 
 
-def clip_drift(frames: list, reference: list) -> dict:
-    """A clip against the reference clip (the same seed under eager fp32): its worst frame (lowest PSNR) and the
-    largest pixel difference over every frame."""
-    if len(frames) != len(reference):
-        raise ValueError(f"clips of different lengths: {len(frames)} vs {len(reference)} frames")
-    return worst_drift([image_drift(a, b) for a, b in zip(frames, reference, strict=True)])
+def clip_drift(clip: list, reference_clip: list) -> dict:
+    """A clip against the reference clip (the same prompt and seed under eager fp32), frame by frame.
+
+    Per frame: PSNR (None where the frames are identical) and SSIM. Summed up: the worst frame (lowest PSNR,
+    1-based; None when every frame matches) and its PSNR (`psnr_db`), the median frame's PSNR, the lowest
+    SSIM, the largest pixel difference over the clip, and the temporal flicker (`flicker`)."""
+    if len(clip) != len(reference_clip):
+        raise ValueError(f"clips of different lengths: {len(clip)} vs {len(reference_clip)} frames")
+    if not clip:
+        raise ValueError("a clip needs at least one frame")
+    drifts = [image_drift(a, b) for a, b in zip(clip, reference_clip, strict=True)]
+    psnrs = [d["psnr_db"] for d in drifts]
+    differing = [i for i, p in enumerate(psnrs) if p is not None]
+    worst = min(differing, key=lambda i: psnrs[i]) if differing else None
+    ssims = [ssim(a, b) for a, b in zip(clip, reference_clip, strict=True)]
+    transitions = flicker(clip, reference_clip)
+    return {"frames": len(clip), "frame_psnr_db": psnrs, "frame_ssim": ssims,
+            "psnr_db": None if worst is None else psnrs[worst], "median_psnr_db": _median_psnr(psnrs),
+            "worst_frame": None if worst is None else worst + 1, "ssim": min(ssims),
+            "max_diff": max(d["max_diff"] for d in drifts),
+            "flicker": float(np.mean(transitions)) if transitions else None, "transition_flicker": transitions}
 
 
-def flicker(frames: list) -> float | None:
-    """Temporal flicker: the mean absolute change (0-255) between consecutive frames (None for one frame)."""
+def _median_psnr(psnrs: list) -> float | None:
+    """The median frame's PSNR, identical frames counted as infinitely close (None when the median one is)."""
+    ordered = sorted(math.inf if p is None else p for p in psnrs)
+    mid = len(ordered) // 2
+    value = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return None if math.isinf(value) else value
+
+
+def flicker(clip: list, reference_clip: list) -> list[float]:
+    """Temporal flicker, per transition between consecutive frames: the mean absolute difference (pixel levels,
+    0-255) between this clip's frame-to-frame change and the reference's, |(f[t] - f[t-1]) - (r[t] - r[t-1])|.
+
+    It is how much the clip's error against the reference changes from one frame to the next: an error that
+    stays put (a constant offset, a steady blur) gives 0, one that moves or shimmers gives more. Empty for a
+    single frame."""
+    error = [to_array(a).astype(np.float64) - to_array(b).astype(np.float64)
+             for a, b in zip(clip, reference_clip, strict=True)]
+    return [float(np.mean(np.abs(after - before))) for before, after in zip(error, error[1:], strict=False)]
+
+
+def frame_change(frames: list) -> float | None:
+    """A clip's own motion: the mean absolute change (0-255) between consecutive frames (None for one frame)."""
     if len(frames) < 2:
         return None
     arrays = [to_array(f).astype(np.float64) for f in frames]
     return float(np.mean([np.mean(np.abs(b - a)) for a, b in zip(arrays, arrays[1:], strict=False)]))
+
+
+def fmt_clip_drift(drift: dict) -> str:
+    """A clip's drift on one line: 'identical', or the median and worst frame's PSNR, the lowest SSIM, the largest
+    pixel difference and the flicker."""
+    if not drift.get("max_diff"):
+        return "identical" if drift.get("max_diff") == 0 else "—"
+    median = drift["median_psnr_db"]
+    text = (f"PSNR median {'identical' if median is None else f'{median:.1f} dB'}, worst "
+            f"{drift['psnr_db']:.1f} dB (frame {drift['worst_frame']}/{drift['frames']}), SSIM {drift['ssim']:.3f}, "
+            f"max diff {drift['max_diff']}")
+    return text + ("" if drift.get("flicker") is None else f", flicker {drift['flicker']:.2f} px")
 
 
 def fmt_drift(psnr_db, max_diff) -> str:
@@ -239,6 +290,23 @@ def fidelity_checker(preset, style: str | None = None) -> Callable | None:
         return None
     return lambda image, prompt: (styles.check(Image.fromarray(to_array(image)), prompt, style).correct
                                   if parse_prompt(prompt) else None)
+
+
+# A video preset's `fidelity` -> its clip checker, "module:function" taking (frames, prompt) -> correct? (None: a
+# prompt outside its grammar), looked up by value as `fidelity_checker` does an image preset's. A video preset
+# whose value is not listed here has no fidelity figure.
+CLIP_CHECKERS: dict[str, str] = {}
+
+
+def clip_checker(preset) -> Callable | None:
+    """(frames, prompt) -> correct? for a video preset with a clip checker; None for any other preset."""
+    target = CLIP_CHECKERS.get(preset.fidelity or "") if preset.video else None
+    if target is None:
+        return None
+    import importlib
+
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def score(images: list, prompts: list[str], reference: list | None, preset, style: str | None = None) -> dict:

@@ -1,6 +1,7 @@
 """`python -m bench video-bench`: what compiling buys a clip, on a video preset (default tiny-wan at 32x32 x 17
 frames): seconds per clip and per frame, eager against each compiled mode, the VAE decode's share, recompiles,
-and each mode's clip against eager's at the same seed (its worst frame's drift) and its temporal flicker.
+each clip's own motion, and each mode's clip against eager's at the same seed: its worst frame's drift and its
+temporal flicker (bench/quality.py `clip_drift`: how much its error against eager changes from frame to frame).
 
 One engine in a worker process, driven through the client as the manager drives it (engine/worker/client.py);
 each compiled mode's (size, frames) bucket is warmed first, then every round runs one clip in each mode, one
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import flags
-from bench.quality import clip_drift, flicker, fmt_drift
+from bench.quality import clip_drift, fmt_drift, frame_change
 from engine.config.flags import from_args
 from engine.metrics import median, percentile
 from engine.protocol import BucketKey, EngineConfig, EngineKey, EngineOptions, GenerateRequest, Mode, Size
@@ -107,7 +108,7 @@ class VideoBench:
                "decode_share": median([r.timings.decode_ms / r.timings.total_ms for r in results]),
                "denoise_ms": median([r.timings.denoise_ms for r in results]),
                "recompiles": sum(r.recompiles for r in results),
-               "flicker": median([flicker(r.frames()) for r in results]),
+               "motion": median([frame_change(r.frames()) for r in results]),
                "warm": all(r.warm for r in results), "peak_memory_bytes": max(r.peak_memory_bytes or 0 for r in results)}
         if eager:
             pairs = list(zip(results, eager, strict=True))
@@ -115,7 +116,9 @@ class VideoBench:
             drifts = [clip_drift(r.frames(), e.frames()) for r, e in pairs]  # each round: the same seed
             psnrs = [d["psnr_db"] for d in drifts if d["psnr_db"] is not None]
             row["drift"] = {"worst_frame_psnr_db": min(psnrs) if psnrs else None,
-                            "max_diff": max(d["max_diff"] for d in drifts)}
+                            "max_diff": max(d["max_diff"] for d in drifts),
+                            "ssim": min(d["ssim"] for d in drifts),
+                            "flicker": max((d["flicker"] for d in drifts if d["flicker"] is not None), default=None)}
         return row
 
     def close(self) -> None:
@@ -138,20 +141,26 @@ def run_video_bench(preset_name: str, clip: Clip, modes: tuple[Mode, ...], repea
 
 
 def _drift_text(drift: dict | None) -> str:
-    return "—" if drift is None else fmt_drift(drift["worst_frame_psnr_db"], drift["max_diff"])
+    if drift is None:
+        return "—"
+    text = fmt_drift(drift["worst_frame_psnr_db"], drift["max_diff"])
+    if drift.get("ssim") is not None and drift["max_diff"]:
+        text += f", SSIM {drift['ssim']:.3f}"
+    return text + ("" if drift.get("flicker") is None else f", flicker {drift['flicker']:.2f} px")
 
 
 def format_report(report: dict) -> str:
     lines = [f"video on {report['preset']} at {report['size']} x {report['frames']} frames, {report['steps']} steps, "
              f"{report['repeats']} rounds; load average {report['load']:.1f}",
              f"{'mode':9s} {'s/clip (p10-p90)':>22s} {'ms/frame':>9s} {'decode':>7s} {'vs eager (p10-p90)':>22s} "
-             f"{'recompiles':>10s} {'warm':>5s} {'flicker':>7s}  drift vs eager (worst frame: PSNR / max diff)"]
+             f"{'recompiles':>10s} {'warm':>5s} {'motion':>7s}  drift vs eager (worst frame: PSNR / max diff, SSIM, "
+             "flicker)"]
     for mode, row in report["modes"].items():
         c, f, v = row["clip_s"], row["frame_ms"], row.get("vs_eager")
         ratio = f"{v['median']:.2f} ({v['p10']:.2f}-{v['p90']:.2f})" if v else "—"
         lines.append(f"{mode:9s} {c['median']:8.3f} ({c['p10']:.3f}-{c['p90']:.3f}) {f['median']:9.1f} "
                      f"{100 * row['decode_share']:6.0f}% {ratio:>22s} {row['recompiles']:10d} {row['warm']!s:>5s} "
-                     f"{row['flicker']:7.1f}  {_drift_text(row.get('drift'))}")
+                     f"{row['motion']:7.1f}  {_drift_text(row.get('drift'))}")
     for mode, why in report["errors"].items():
         lines.append(f"{mode:9s} failed to compile: {why}")
     return "\n".join(lines)

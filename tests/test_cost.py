@@ -130,6 +130,15 @@ def test_compare_priced_as_a_whole(public):
     assert public.price_compare("tiny-shapes", "128x128", 200, 6, 33, caller=Caller.HOST) == 0
 
 
+def test_a_compare_of_clips_is_priced_by_its_frames(public):
+    one_frame = cost.price(get_preset("tiny-wan"), Size(32, 32), 4)  # a clip's tokens: latent frames x size
+    assert public.price_compare("tiny-wan", "32x32", 4, 2, 3, caller=Caller.VISITOR, num_frames=9) == 6 * 3 * one_frame
+    assert public.price_compare("tiny-wan", "32x32", 4, 2, 3, caller=Caller.VISITOR, num_frames=10) == 6 * 3 * one_frame
+    assert public.price_compare("tiny-wan", "32x32", 4, 2, 3, caller=Caller.VISITOR) == 6 * 5 * one_frame  # 17 frames
+    with pytest.raises(NotAllowed, match=r"latent tokens at 32x32 × 9 latent frames \(33 frames\)"):
+        public.price_compare("tiny-wan", "32x32", 4, 6, 40, caller=Caller.VISITOR, num_frames=33)
+
+
 def test_visitor_aot_refused_until_a_package_is_loaded(public):
     for on_cold in ("wait", "eager"):
         with pytest.raises(NotAllowed, match="mode aot at 64x64: no package of this bucket is loaded .* up to "

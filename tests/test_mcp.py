@@ -12,6 +12,8 @@ import pytest
 from helpers import engine_manager, launch_demo, wait_until
 from PIL import Image
 
+from engine.protocol import params
+
 pytestmark = pytest.mark.slow  # launches the app and generates through MCP tool calls
 
 pytest.importorskip("mcp", reason='the MCP server needs the mcp extra: pip install ".[mcp]"')
@@ -72,6 +74,9 @@ def test_an_agent_lists_the_public_endpoints_as_tools_with_descriptions(mcp_url)
     assert "1-30" in advise["max_minutes"]["description"] and "tiny-shapes" in advise["preset"]["description"]
     compare = tools["compare"].inputSchema["properties"]
     assert all(p.get("description") for p in compare.values()) and "1-200" in compare["steps"]["description"]
+    # a video preset's clip fields, described by their declarations (engine/protocol/params.py)
+    assert compare["num_frames"]["description"] == params.BY_NAME["num_frames"].describe()
+    assert "frames" in compare["fps"]["description"] and "clip" in tools["compare"].description
 
 
 def test_generate_returns_the_image_and_its_timings(mcp_url):

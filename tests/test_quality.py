@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -145,3 +146,60 @@ def test_a_lora_style_is_checked_against_what_the_style_implies():
     assert quality.fidelity_checker(shapes, "watercolour") is None
     row = quality.score([swapped, styles.render(prompt, "corner")], [prompt, prompt], None, shapes, "swap")
     assert row["fidelity"] == 0.5 and row["fidelity_samples"] == 2
+
+
+def _clip(frames=6, seed=0):
+    """A textured clip whose content moves one pixel a frame, in mid-grey levels (no clipping at +-20)."""
+    base = np.random.default_rng(seed).integers(60, 196, size=(16, 24, 3), dtype=np.uint8)
+    return [np.roll(base, i, axis=1)[:, :16] for i in range(frames)]
+
+
+def test_a_clip_against_itself_has_no_drift_and_no_flicker():
+    clip = _clip()
+    d = quality.clip_drift(clip, [f.copy() for f in clip])
+    assert (d["psnr_db"], d["median_psnr_db"], d["worst_frame"], d["max_diff"]) == (None, None, None, 0)
+    assert d["frame_psnr_db"] == [None] * 6 and d["ssim"] == pytest.approx(1.0)
+    assert d["flicker"] == 0.0 and d["transition_flicker"] == [0.0] * 5
+    assert quality.fmt_clip_drift(d) == "identical"
+
+
+def test_one_altered_frame_is_the_worst_frame():
+    reference = _clip()
+    clip = [f.copy() for f in reference]
+    clip[3] = clip[3].copy()
+    clip[3][2:6, 2:6] = 255 - clip[3][2:6, 2:6]  # a blotch on frame 4 (1-based)
+    d = quality.clip_drift(clip, reference)
+    assert d["worst_frame"] == 4 and d["psnr_db"] == d["frame_psnr_db"][3] is not None
+    assert [p for i, p in enumerate(d["frame_psnr_db"]) if i != 3] == [None] * 5
+    assert d["median_psnr_db"] is None  # most frames match: the median frame is identical
+    assert d["ssim"] == d["frame_ssim"][3] < 1.0 and d["max_diff"] == int(np.max(np.abs(
+        clip[3].astype(int) - reference[3].astype(int))))
+    # the blotch appears and goes: the two transitions around it flicker, the others do not
+    assert [t > 0 for t in d["transition_flicker"]] == [False, False, True, True, False]
+    assert "worst" in quality.fmt_clip_drift(d) and "(frame 4/6)" in quality.fmt_clip_drift(d)
+
+
+def test_a_jittering_clip_flickers_where_a_constant_offset_does_not():
+    reference = _clip()
+    offset = [(f.astype(int) + 12).astype(np.uint8) for f in reference]
+    jitter = [(f.astype(int) + (12 if i % 2 else -12)).astype(np.uint8) for i, f in enumerate(reference)]
+    steady, shaky = quality.clip_drift(offset, reference), quality.clip_drift(jitter, reference)
+    assert steady["max_diff"] == shaky["max_diff"] == 12  # the same error in every frame, frame by frame
+    assert steady["flicker"] == pytest.approx(0.0)
+    assert shaky["flicker"] == pytest.approx(24.0)  # the error swings by 24 levels from frame to frame
+    assert "flicker 24.00 px" in quality.fmt_clip_drift(shaky)
+
+
+def test_clips_of_different_lengths_are_an_error():
+    with pytest.raises(ValueError, match="clips of different lengths: 5 vs 6"):
+        quality.clip_drift(_clip(5), _clip(6))
+
+
+def test_a_video_preset_has_a_clip_checker_only_when_its_fidelity_value_names_one(monkeypatch):
+    from engine.config.presets import get_preset
+
+    wan = get_preset("tiny-wan")
+    assert wan.fidelity is None and quality.clip_checker(wan) is None
+    assert quality.clip_checker(get_preset("tiny-shapes")) is None  # an image preset: its checker is an image's
+    monkeypatch.setitem(quality.CLIP_CHECKERS, "frames-test", "bench.quality:frame_change")
+    assert quality.clip_checker(dataclasses.replace(wan, fidelity="frames-test")) is quality.frame_change

@@ -42,7 +42,8 @@ TAB_IDS = {
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
                 "c-speedup", "c-costs", "c-json", "c-caches", "c-loras", "c-ab-choice", "c-ab", "c-fidelity-prompts",
                 "c-cards", "c-configs",
-                "c-config-list", "c-timing", "c-config-check", "c-status", "c-plot-legend", "c-levers"},
+                "c-config-list", "c-timing", "c-config-check", "c-status", "c-plot-legend", "c-levers", "c-frames",
+                "c-fps"},
     "advisor": {"a-preset", "a-device", "a-size", "a-steps", "a-lora", "a-minutes", "a-fidelity-points",
                 "a-min-psnr", "a-max-memory",
                 "advise-btn", "a-cancel-btn", "a-apply-btn", "a-status", "a-summary", "a-frontier", "a-memory-frontier",
@@ -178,9 +179,9 @@ ALLOWED_ENGINE_IMPORTS = {
 ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.py", "bench": "compare_views.py",
            "bench.quality": "compare_views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
            "bench.advise": "advisor.py", "bench.advise_report": ("advisor.py", "advisor_views.py"),
-           "engine.config.validation": "compare.py", "engine.config.placement": "common.py",
+           "engine.config.validation": "compare_run.py", "engine.config.placement": "common.py",
            "engine.processes": "webtemp.py", "engine.config.images": ("uploads.py", "openai_edits.py"), "engine.serving.budget": "advisor.py",
-           "bench.configs": ("compare.py", "compare_views.py")}  # a tab's module, or its views
+           "bench.configs": ("compare.py", "compare_run.py", "compare_views.py")}  # a tab's module, or its views
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 
 
@@ -250,12 +251,14 @@ def top_level_names(path: Path) -> set[str]:
 
 
 def test_each_tab_owns_its_views():
-    """A tab's views sit beside it (ui/<tab>_views.py) and only that tab imports them; ui/views.py keeps only
-    what several modules show (each of its names used by two other UI modules, or by itself)."""
+    """A tab's views sit beside it (ui/<tab>_views.py) and only that tab imports them (its module, or one it is
+    split into: ui/<tab>_*.py); ui/views.py keeps only what several modules show (each of its names used by two
+    other UI modules, or by itself)."""
     for tab in TAB_MODULES:
         own = f"ui.{tab}_views"
         importers = {p.stem for p in UI.glob("*.py") if any(m == own for m, _ in imports(p))}
-        assert importers <= {tab}, f"{own} imported by {sorted(importers - {tab})}"
+        strangers = {stem for stem in importers if stem != tab and not stem.startswith(f"{tab}_")}
+        assert not strangers, f"{own} imported by {sorted(strangers)}"
     shared = UI / "views.py"
     text = shared.read_text()
     for name in top_level_names(shared):
@@ -276,6 +279,8 @@ def test_compare_says_what_each_parameter_takes_and_keeps_its_api(demo):
     assert by_name["steps"]["type"]["type"] == "number" and by_name["steps"]["python_type"]["type"] == "float"
     assert by_name["modes"]["python_type"]["type"].startswith("list[Literal['eager', 'compile'")
     assert by_name["prompt"]["label"] == "Prompt" and "1-200" in by_name["steps"]["python_type"]["description"]
+    # a video preset's clip fields: optional for every caller (an image preset's call leaves them out)
+    assert by_name["num_frames"]["parameter_has_default"] and by_name["fps"]["parameter_has_default"]
 
 
 def test_the_generate_api_params_are_the_request_forms_api_fields():

@@ -150,15 +150,16 @@ def test_the_video_bench_prints_per_clip_and_per_frame_with_the_ratio_and_spread
     from bench.video import format_report
 
     row = {"clip_s": {"median": 0.2, "p10": 0.18, "p90": 0.25}, "frame_ms": {"median": 11.8}, "decode_share": 0.25,
-           "recompiles": 0, "warm": True, "flicker": 3.25}
+           "recompiles": 0, "warm": True, "motion": 3.25}
     report = {"preset": "tiny-wan", "size": "32x32", "frames": 17, "steps": 4, "repeats": 5, "load": 6.0,
               "modes": {"eager": row, "regional": {**row, "vs_eager": {"median": 0.7, "p10": 0.6, "p90": 0.8},
-                                                   "drift": {"worst_frame_psnr_db": 41.0, "max_diff": 9}}},
+                                                   "drift": {"worst_frame_psnr_db": 41.0, "max_diff": 9, "ssim": 0.981,
+                                                             "flicker": 0.42}}},
               "errors": {"compile": "a reason"}}
     lines = format_report(report).splitlines()
     assert lines[0].startswith("video on tiny-wan at 32x32 x 17 frames, 4 steps, 5 rounds")
     assert "0.70 (0.60-0.80)" in lines[3] and "11.8" in lines[3] and "25%" in lines[3] and "3.2" in lines[3]
-    assert lines[3].endswith("41.0 dB / 9") and lines[2].endswith("—")
+    assert lines[3].endswith("41.0 dB / 9, SSIM 0.981, flicker 0.42 px") and lines[2].endswith("—")
     assert lines[4] == "compile   failed to compile: a reason"
 
 
@@ -173,15 +174,14 @@ def test_the_generate_page_shows_frames_and_fps_for_video_presets_only(manager):
     assert (sizes["value"], frames["value"], fps["value"], steps["value"]) == ("32x32", 17, 16, 4)
 
 
-def test_clip_drift_and_flicker_read_frames():
+def test_clip_drift_and_motion_read_frames():
     import numpy as np
 
-    from bench.quality import clip_drift, flicker
+    from bench.quality import clip_drift, frame_change
 
     still = [np.full((4, 4, 3), 100, np.uint8)] * 3
     moving = [np.full((4, 4, 3), 100 + 10 * i, np.uint8) for i in range(3)]
-    assert flicker(still) == 0.0 and flicker(moving) == 10.0 and flicker(still[:1]) is None
-    assert clip_drift(still, still) == {"psnr_db": None, "max_diff": 0}
+    assert frame_change(still) == 0.0 and frame_change(moving) == 10.0 and frame_change(still[:1]) is None
     assert clip_drift(moving, still)["max_diff"] == 20
     with pytest.raises(ValueError, match="clips of different lengths"):
         clip_drift(moving, still[:2])

@@ -58,6 +58,11 @@ CSS = """
 #a-cards img { width: 100%; image-rendering: pixelated; }
 #c-cards .c-card-tag, #c-cards .c-note { color: var(--body-text-color-subdued); font-size: 0.9em; }
 #c-cards .c-card-error { color: var(--error-text-color); }
+/* A clip card's frame strip (ui/compare_clips.py): its frames side by side, a row or two, then its worst frame's
+   heat map at half the card's width. */
+#c-cards .c-strip { display: grid; grid-template-columns: repeat(auto-fill, minmax(36px, 1fr)); gap: 2px; margin: 4px 0; }
+#c-cards .c-strip img { margin: 0; }
+#c-cards .c-card > img.c-heat { width: 50%; }
 /* The A/B slider's two layers fill the same box (Gradio sized them 500 px tall, one centred in the 280 px
    frame, one at its top: identical images looked different). */
 #c-ab .slider-wrap { height: 100%; }

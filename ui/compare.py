@@ -4,7 +4,9 @@ Every configuration is priced against eager fp32 without a step cache on the fir
 first, and added when it is not among the picks): seconds per image, speedup, drift of every image
 against the reference's image of the same prompt and seed (PSNR, SSIM, max pixel difference, a heat map)
 and, for a model with a pixel checker, fidelity over several prompts. Drift and fidelity come from
-bench/quality.py, the bench's own code, through ui/compare_views.py.
+bench/quality.py, the bench's own code, through ui/compare_views.py. On a video preset every configuration
+runs the same clip (its frames and fps) and is measured frame by frame against the reference's clip, with the
+temporal flicker (ui/compare_clips.py). One handler call's run, its form and phases, is ui/compare_run.py.
 
 The configurations are a typed list (bench/configs.py: "eager/fp32; regional/bf16/first-block:0.2")
 or the cross product of the checkboxes. Each is run first for its quality images, which also warm it
@@ -14,10 +16,7 @@ paired plan (bench/paired.py) until each speedup's spread is known or the timing
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from contextlib import ExitStack, closing
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from functools import partial
 from itertools import product
 
@@ -25,25 +24,14 @@ import gradio as gr
 import pandas as pd
 
 import bench.configs as explicit
-from bench.paired import PairedTiming, current_marks, engine_marks
-from engine.config.request import ImageRequest
-from engine.config.validation import check_steps
-from engine.errors import Cancelled, ShowcaseError
-from engine.protocol import Mode, Precision, Size, parse_lora
-from engine.serving import stream
-from engine.serving.interface import Caller, Serving
-from ui import compare_ab, compare_views, edit_inputs, views, waiting
+from engine.errors import ShowcaseError
+from engine.protocol import Mode, Precision, params, parse_lora
+from ui import compare_ab, compare_clips, compare_run, compare_views, edit_inputs, views
 from ui.common import ENGINE_QUEUE, FAST, HandlerBase, describe_input, to_gradio_error
-from ui.runs import HEARTBEAT_S, ProgressBar
+from ui.compare_run import CompareCall, CompareForm, Comparison
 
 COST_WIDTHS = ["24%", "10%", "11%", "11%", "12%", "11%", "21%"]  # no header narrower than its longest word
 MIN_CONFIGS, MAX_CONFIGS = 1, 6  # picked; the reference is added when it is not among them
-MAX_FIDELITY_PROMPTS = 32
-DEFAULT_FIDELITY_PROMPTS = 8
-DEFAULT_TIMING_S = 30.0  # seconds of round-robin timing after the quality images
-MAX_TIMING_S = 600.0
-TIMING_MIN_ROUNDS, TIMING_MAX_ROUNDS = 3, 12
-FIDELITY_SEED = 1000  # the fidelity prompts' seeds: FIDELITY_SEED, FIDELITY_SEED + 1, ...
 COMPARE_API_DOC = (
     "Run the same prompt, seed, size and steps on 1-6 configurations: the typed list `configurations` "
     "(\"mode/precision[/step cache][+lora=NAME[:SCALE]][@device]\" separated by \";\", e.g. \"eager/fp32; "
@@ -54,44 +42,10 @@ COMPARE_API_DOC = (
     "image per configuration, and results JSON: per configuration its timings, seconds per image, speedup "
     "against the reference with its spread and image count, drift (PSNR, SSIM, largest pixel difference) and, "
     "on a model with a checker, fidelity; a configuration that cannot run or fails carries a short reason. "
+    "On a video preset (num_frames, fps) each configuration runs that clip: seconds per clip, and clip_drift "
+    "against eager fp32's clip frame by frame (frame_psnr_db, frame_ssim, worst_frame, median_psnr_db, max_diff) "
+    "with flicker: the mean change, in pixel levels, of its difference to the reference from one frame to the next. "
     "/cancel stops it between steps.")
-
-
-@dataclass(frozen=True)
-class CompareForm:
-    """What /compare takes, in its API's order (gradio_client callers pass them positionally: never reorder);
-    the handler takes them by name."""
-
-    prompt: str
-    preset: str
-    size: str | None
-    steps: int | str | None
-    guidance: float | str | None
-    seed: int | str
-    devices: list[str] | None
-    precisions: list[str] | None
-    modes: list[str] | None
-    wait_for_warm: bool = True
-    caches: list[str] | None = None
-    fidelity_prompts: int | None = DEFAULT_FIDELITY_PROMPTS
-    configurations: str | None = None
-    timing_s: float | str | None = DEFAULT_TIMING_S
-    loras: list[str] | None = None  # "none", "NAME" or "NAME:fused": one more axis of the cross product
-    levers: list[str] | None = None  # "none" or a memory lever set (MEMORY_CHOICES): one more axis
-    images: list | None = None  # presets that edit: every configuration edits these (ui/edit_inputs.py)
-
-
-@dataclass(frozen=True)
-class CompareCall:
-    """Who runs a comparison and what it uses of the handlers (their callables, never the handlers)."""
-
-    caller: Caller
-    client: str  # whom the edge's admission holds the call against (HandlerBase.client_of)
-    open_run: Callable  # () -> the call's run, registered for /cancel (HandlerBase.open_run)
-    key_for: Callable  # (preset, device, precision, caller=) -> the engine key, memoised
-    run_feed: Callable  # (key, bar, steps) -> what a run shows on the progress bar
-    configs: tuple[list[str], str, bool]  # the configurations, the reference, whether it was picked
-    refused: dict[str, str]  # configuration -> why it cannot run here
 
 
 COMPARE_FIELDS = tuple(f.name for f in fields(CompareForm))
@@ -111,14 +65,17 @@ COMPARE_API_PARAMS = {
     "wait_for_warm": "true: wait for each compiled bucket (its compile reported apart); false: a cold bucket "
                      "runs eagerly",
     "caches": "step caches ('none': without one; each one a configuration can run)",
-    "fidelity_prompts": f"extra prompts each configuration draws for fidelity and drift, 0-{MAX_FIDELITY_PROMPTS}",
+    "fidelity_prompts": "extra prompts each configuration draws for fidelity and drift, "
+                        f"0-{compare_run.MAX_FIDELITY_PROMPTS}",
     "configurations": "a typed list replacing the lists above: mode/precision[/step cache][+lora=NAME[:SCALE]"
                       "[:fused]][+mem=LEVERS][@device] separated by ';', e.g. 'eager/fp32; compile/fp32' "
                       "('' for the lists' cross product)",
-    "timing_s": f"seconds of round-robin timing after the quality images, 0-{MAX_TIMING_S:g}",
+    "timing_s": f"seconds of round-robin timing after the quality images, 0-{compare_run.MAX_TIMING_S:g}",
     "loras": "LoRA styles: 'none', NAME or NAME:fused (fused: eager only), one configuration each",
     "levers": "memory lever sets ('none' for the engine as it is), one configuration each",
     "images": "presets that edit: the source (and references) every configuration edits, handle_file(PATH) each",
+    # a video preset's clip: each configuration's, as its field declaration says (image presets take none)
+    **{name: params.BY_NAME[name].describe() for name in compare_clips.CLIP_FIELDS},
 }
 # The Compare tab's memory lever sets (any other set: a typed entry's +mem=); one the device cannot run gets a
 # card saying why.
@@ -133,6 +90,17 @@ class CompareHandlers(HandlerBase):
         p = self.serving.preset(preset)
         return (gr.update(choices=sizes, value=sizes[0] if sizes else None), gr.update(value=p.steps),
                 gr.update(value=p.guidance))
+
+    def compare_clip_fields(self, preset: str):
+        """Preset changed: the clip fields (frames, fps) shown, with its first frame bucket and rate, only where
+        the family takes them (their declarations)."""
+        try:
+            p = self.serving.preset(preset)
+        except ShowcaseError:
+            return gr.update(visible=False), gr.skip(), gr.skip()
+        if not compare_clips.takes_clips(p):
+            return gr.update(visible=False), gr.skip(), gr.skip()
+        return gr.update(visible=True), gr.update(value=p.frames[0]), gr.update(value=p.fps)
 
     def compare_loras(self, preset: str):
         """Preset changed: its LoRA styles, unfused and fused."""
@@ -314,241 +282,11 @@ class CompareHandlers(HandlerBase):
             i = r.get(key)
             return thumbnails[i] if i is not None and i < len(thumbnails) else None
 
-        return plot, price, costs, compare_views.compare_cards_html(results, [uri(r, "image_index") for r in results],
-                                                            heatmaps=[uri(r, "heatmap_index") for r in results]), legend
-
-
-class Comparison:
-    """One Compare handler call: its plan (configurations, prompts, the progress bar's steps), then its
-    phases: the quality images of each configuration, then the paired timing rounds. Streams
-    (gallery, results, thumbnails) after each configuration and round."""
-
-    def __init__(self, serving: Serving, form: CompareForm, call: CompareCall, progress):
-        self.serving, self.form, self.call, self.progress = serving, form, call, progress
-        self.configs, self.reference, picked = call.configs
-        self.note = ("the reference, picked" if picked else
-                     "the reference, added: every speedup and drift is measured against it")
-        try:
-            self.size_text = str(Size.parse(form.size)) if form.size else str(serving.preset(form.preset).buckets[0])
-            self.model = serving.preset(form.preset)
-            self.steps = check_steps(form.steps) if form.steps else self.model.steps
-            self.sources = edit_inputs.sources(form.images)  # read once, bounded; the gate checks them per configuration
-        except ShowcaseError as exc:
-            raise to_gradio_error(exc) from None
-        self.timing_budget = self._timing_budget(form.timing_s)
-        n_samples = max(0, min(MAX_FIDELITY_PROMPTS, int(form.fidelity_prompts or 0))) \
-            if compare_views.has_checker(self.model) and not self.sources else 0  # text prompts: no edit
-        self.n_samples = n_samples
-        # The main prompt, then the sample prompts (seeded: every configuration draws the same ones).
-        self.prompts = [form.prompt, *compare_views.fidelity_sample_prompts(self.model, n_samples, fallback=form.prompt)]
-        self.seeds = [form.seed, *(FIDELITY_SEED + i for i in range(n_samples))]
-        # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
-        # rounds that still give a spread; the host's grow until the spread is known or the budget ends.
-        self.max_rounds = TIMING_MIN_ROUNDS if serving.priced(call.caller) else TIMING_MAX_ROUNDS
-        self.rounds_cap = self.max_rounds if self.timing_budget > 0 else 0
-        self.grand_total = len(self.configs) * (len(self.prompts) + self.rounds_cap) * self.steps
-        self.results: list[dict] = []
-        self.gallery: list[tuple] = []
-        self.thumbnails: list[str] = []
-        self.ref_images: list | None = None
-        self.timing: dict = {"budget_s": self.timing_budget, "rounds": 0, "stop_reason": None}
-        self.run_state = self.ticket = None
-        self.last_yield = time.perf_counter()
-
-    @staticmethod
-    def _timing_budget(timing_s) -> float:
-        try:
-            return min(MAX_TIMING_S, max(0.0, float(DEFAULT_TIMING_S if timing_s is None else timing_s)))
-        except (TypeError, ValueError):
-            raise gr.Error(f"timing seconds must be a number from 0 to {MAX_TIMING_S:g}, not {timing_s!r}",
-                           title="Invalid request", print_exception=False) from None
-
-    def payload(self, done: bool = False) -> dict:
-        return {"configs": self.configs, "done": done, "reference": self.reference, "results": self.results,
-                "timing": self.timing, "speedup": compare_views.speedup_table(self.results)}
-
-    def outputs(self, done: bool = False) -> tuple:
-        return self.gallery, self.payload(done), self.thumbnails
-
-    def run(self):
-        """The whole comparison: admitted (and, for a visitor, priced as a whole), then its two phases."""
-        serving = self.serving
-        with ExitStack() as stack:
-            try:  # public mode: one running request per visitor, priced as a whole before anything runs
-                self.run_state = stack.enter_context(self.call.open_run())
-                price = serving.price_compare(self.form.preset, self.size_text, self.steps, len(self.configs),
-                                              len(self.prompts) + self.rounds_cap, self.form.guidance,
-                                              caller=self.call.caller)
-                self.ticket = stack.enter_context(serving.admission(self.call.client, price, self.call.caller))
-            except ShowcaseError as exc:
-                raise to_gradio_error(exc) from None
-            yield self.outputs()  # the page shows this comparison from now on
-            self.last_yield = time.perf_counter()
-            for index, config in enumerate(self.configs):
-                yield from self.quality_images(index, config)
-            yield from self.timing_rounds()
-        yield self.outputs(done=True)
-        if all(r.get("error") for r in self.results):
-            failures = "; ".join(f"{r['config']}: {r['error']}" for r in self.results)
-            raise gr.Error(f"every configuration failed: {failures}", title="Compare failed")
-
-    def draw(self, config: str, text: str, seed, desc: str, offset: int):
-        """One image of `config` through the engine; yields heartbeats, returns (result, seconds)."""
-        spec = self.image_request(config, text, seed)
-        key = self.call.key_for(spec.preset, spec.device, spec.precision, caller=self.call.caller)
-        bar = ProgressBar(self.progress, desc_prefix=desc, offset=offset, grand_total=self.grand_total)
-        feed = self.call.run_feed(key, bar, spec.steps, waiting.compile_bucket(spec.mode, self.size_text, spec.on_cold))
-        started = time.perf_counter()
-        run = self.serving.events(spec, key=key, run=self.run_state, ticket=self.ticket)
-        with closing(stream.blocking(run)) as events:
-            for event in events:
-                feed.see(event)
-                if (result := stream.result_of(event)) is not None:
-                    return result, time.perf_counter() - started
-                if time.perf_counter() - self.last_yield >= HEARTBEAT_S:
-                    self.last_yield = time.perf_counter()
-                    yield gr.skip(), gr.skip(), gr.skip()  # a heartbeat: Gradio can close the handler here
-        raise RuntimeError("the engine ended the request without a result")
-
-    def image_request(self, config: str, text: str, seed) -> ImageRequest:
-        """What one image of `config` asks the engine for: its device, precision, mode, step cache and LoRA
-        (every configuration is priced the same way; a LoRA's is just one more lever)."""
-        device, precision, mode, cache = compare_views.parse_config(config)
-        lora = explicit.split_lora(config)[1]
-        form = self.form
-        return ImageRequest(form.preset, prompt=text, device=device, precision=precision, mode=mode,
-                            size=self.size_text, steps=self.steps, guidance=form.guidance, seed=seed,
-                            on_cold="wait" if form.wait_for_warm else "eager",
-                            step_cache=None if cache == views.NO_CACHE else cache, caller=self.call.caller,
-                            lora=lora.text(), lora_fused=lora.fused, memory=explicit.split_levers(config)[1] or None,
-                            images=self.sources)
-
-    # -- phase 1: quality images, one configuration after another (they also warm each one) ------------
-    def quality_images(self, index: int, config: str):
-        reference, results = self.reference, self.results
-        if self.run_state.cancelled:
-            results.append({"config": config, "error": "cancelled before it started"})
-            return
-        if config in self.call.refused:
-            results.append({"config": config, "error": f"not run: {self.call.refused[config]}", "refused": True,
-                            "reference": config == reference})
-            yield self.outputs()
-            return
-        outcomes = []
-        runs_each = len(self.prompts)
-        try:
-            for i, (text, seed) in enumerate(zip(self.prompts, self.seeds, strict=True)):
-                desc = f"{config}: " if i == 0 else f"{config} fidelity prompt {i}/{self.n_samples}: "
-                outcomes.append((yield from self.draw(config, text, seed, desc, (index * runs_each + i) * self.steps)))
-        except ShowcaseError as exc:
-            if isinstance(exc, Cancelled):
-                gr.Warning(str(exc), title="Cancelled", duration=4)
-            results.append({"config": config, "error": explicit.first_line(str(exc)), "reference": config == reference})
-            yield self.outputs()
-            return
-        except Exception as exc:
-            results.append({"config": config, "error": f"internal error ({type(exc).__name__})"})
-            yield self.outputs(done=True)  # settled, so it is not taken for a cancel
-            raise to_gradio_error(exc) from None
-        entry = self.entry(config, outcomes)
-        results.append(entry)
-        yield self.outputs()
-
-    def entry(self, config: str, outcomes: list) -> dict:
-        """A configuration's result from its quality images: timings, bucket costs, drift, fidelity, its card's
-        pictures (added to the gallery and the thumbnails)."""
-        result, elapsed = outcomes[0]
-        waited_s = max(0.0, elapsed - result.timings.total_ms / 1000)
-        warmup_ms = [r.timings.total_ms for r, _ in outcomes]
-        entry = {**result.as_dict(), "config": config, "waited_s": waited_s, "image_ms": warmup_ms,
-                 "warmup_image_ms": warmup_ms}
-        is_reference = config == self.reference
-        if is_reference:
-            entry.update(reference=True, reference_note=self.note)
-        mode = compare_views.parse_config(config)[2]
-        bucket = compare_views.find_bucket(self.serving.status_rows(), entry["engine"], mode, entry["bucket"])
-        if bucket:
-            entry.update(compile_s=bucket.get("compile_s"), warmup_s=bucket.get("warmup_s"),
-                         bucket_state=bucket.get("state"), cache_hits=bucket.get("cache_hits"))
-        images = [r.image() for r, _ in outcomes]
-        if is_reference:
-            self.ref_images = images
-        lora = explicit.split_lora(config)[1]
-        style = lora.name if lora.scale != 0 else None  # a style's cards are checked as the style implies
-        entry.update(compare_views.price_quality(images, self.prompts, None if is_reference else self.ref_images,
-                                         self.model, style))
-        entry["image_index"] = len(self.thumbnails)
-        self.thumbnails.append(compare_views.thumbnail_uri(images[0]))
-        if not is_reference and self.ref_images is not None:
-            entry["heatmap_index"] = len(self.thumbnails)
-            self.thumbnails.append(compare_views.thumbnail_uri(compare_views.difference_picture(images[0], self.ref_images[0])))
-        entry["gallery_index"] = len(self.gallery)
-        self.gallery.append((images[0], compare_views.caption(entry)))
-        return entry
-
-    # -- phase 2: timing, round-robin with the reference (the start rotating) until each spread is known --
-    def timing_rounds(self):
-        entries = {r["config"]: r for r in self.results if not r.get("error")}
-        cancelled = self.run_state.cancelled
-        if entries.get(self.reference) is None or cancelled or self.timing_budget <= 0:
-            self.timing["stop_reason"] = ("cancelled" if cancelled else "no timing budget"
-                                          if self.timing_budget <= 0 else "the reference did not run: no speedups")
-            return
-        plan = PairedTiming(list(entries), reference=self.reference, budget_s=self.timing_budget,
-                            min_rounds=TIMING_MIN_ROUNDS, max_rounds=self.max_rounds)
-        for config, r in entries.items():
-            plan.warm[config] = {k: r.get(k) for k in ("compile_s", "warmup_s", "waited_s")}
-        started, round_index = time.perf_counter(), 0
-        self.done_images = len(self.configs) * len(self.prompts)
-        while not self.run_state.cancelled:
-            elapsed = time.perf_counter() - started
-            if not plan.another_round(elapsed, elapsed / round_index if round_index else None):
-                break
-            yield from self.timing_round(plan, round_index, entries)
-            round_index += 1
-            compare_views.apply_timing(plan, entries)
-            for entry in entries.values():
-                i = entry["gallery_index"]
-                self.gallery[i] = (self.gallery[i][0], compare_views.caption(entry))
-            self.timing.update(rounds=plan.rounds, stop_reason=plan.stop_reason)
-            yield self.outputs()
-            if "error" in plan.warm.get(self.reference, {}):
-                plan.stop_reason = "the reference failed while timed"
-                break
-        compare_views.apply_timing(plan, entries)
-        self.timing.update(rounds=plan.rounds, stop_reason="cancelled" if self.run_state.cancelled else plan.stop_reason)
-        self.progress((self.grand_total, self.grand_total),
-                      desc=f"timed {plan.rounds} rounds: {self.timing['stop_reason']}", unit="steps")
-
-    def timing_round(self, plan: PairedTiming, round_index: int, entries: dict[str, dict]):
-        """One image of each configuration, in the round's order; one that fails is no longer timed."""
-        own = {r.get("engine") for r in entries.values()}
-        all_images = len(self.configs) * (len(self.prompts) + self.rounds_cap)
-        for config in plan.order(round_index):
-            if self.run_state.cancelled:
-                break
-            before = self.marks(own)
-            try:
-                result, _ = yield from self.draw(config, self.form.prompt, self.form.seed,
-                                                 f"timing round {round_index + 1}: {config}: ",
-                                                 self.done_images * self.steps)
-            except Exception as exc:  # it is no longer timed; the others go on
-                why = explicit.first_line(str(exc)) if isinstance(exc, ShowcaseError) else \
-                    f"internal error ({type(exc).__name__})"
-                plan.warm[config]["error"] = entries[config]["timing_error"] = why
-                if config == self.reference:
-                    break
-                continue
-            self.done_images = min(self.done_images + 1, all_images)
-            plan.record(round_index, config, result.timings.total_ms, dict.fromkeys(before + self.marks(own)))
-
-    def marks(self, own: set) -> list[str]:
-        """What else ran on the machine meanwhile (compiles, other engines' work, a load spike)."""
-        try:
-            compiles = self.serving.host_status().get("compiles")
-            return current_marks(lambda: engine_marks(self.serving.status_rows(), own, compiles))
-        except Exception:  # a status read must not end the measurement
-            return current_marks()
+        strips = [[(thumbnails[i], caption) for i, caption in r.get("strip", []) if i < len(thumbnails)]
+                  for r in results]  # a clip card's frames
+        cards = compare_views.compare_cards_html(results, [uri(r, "image_index") for r in results],
+                                                 heatmaps=[uri(r, "heatmap_index") for r in results], strips=strips)
+        return plot, price, costs, cards, legend
 
 
 def build(h: CompareHandlers) -> None:
@@ -561,7 +299,10 @@ def build(h: CompareHandlers) -> None:
                     "then all are timed round-robin with the reference until every speedup's spread is known. "
                     "Seconds per image, speedup with its spread, drift of every image against the reference's "
                     "(with a heat map of the difference), and for the embedded model the checker's fidelity "
-                    "over several prompts.")
+                    "over several prompts. On a video preset each configuration runs the same clip (frames, fps): "
+                    "its card shows the frames, seconds per clip and per frame, the VAE decode's share, its drift "
+                    "against eager fp32's clip frame by frame (median and worst frame) and its **flicker**: how "
+                    "much its difference to the reference changes from one frame to the next.")
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
                 page.image_settings()
@@ -592,13 +333,22 @@ class ComparePage:
             form["size"] = gr.Dropdown(sizes, value=sizes[0], label="Size", allow_custom_value=True,
                                        elem_id="c-size")
         form["images"] = edit_inputs.compare_images(preset.inputs.takes_images)
+        clip = compare_clips.takes_clips(preset)
+        # A video preset's clip, every configuration's. 0: the preset's own (a value, so /compare's callers may
+        # leave them out: gradio_client requires a parameter whose default is None).
+        with gr.Row(visible=clip) as self.clip_row:
+            form["num_frames"] = gr.Number(value=preset.frames[0] if clip else 0, precision=0, elem_id="c-frames",
+                                           label=params.label("num_frames") + " (snapped to a frame bucket)")
+            form["fps"] = gr.Number(value=preset.fps if clip else 0, precision=0, label=params.label("fps"),
+                                    elem_id="c-fps")
         with gr.Row():
             form["steps"] = gr.Slider(1, 200, value=preset.steps, step=1, label="Steps", elem_id="c-steps")
             form["guidance"] = gr.Slider(0.0, 50.0, value=preset.guidance, step=0.1, label="Guidance",
                                          elem_id="c-guidance")
         with gr.Row():
             form["seed"] = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="c-seed")
-            form["fidelity_prompts"] = gr.Slider(0, MAX_FIDELITY_PROMPTS, value=DEFAULT_FIDELITY_PROMPTS, step=1,
+            form["fidelity_prompts"] = gr.Slider(0, compare_run.MAX_FIDELITY_PROMPTS,
+                                                 value=compare_run.DEFAULT_FIDELITY_PROMPTS, step=1,
                                                  label="Fidelity prompts (models with a checker)",
                                                  elem_id="c-fidelity-prompts")
 
@@ -638,7 +388,7 @@ class ComparePage:
         with gr.Row():
             self.config_list = gr.Dropdown(list(explicit.LISTS), value=None, label="Fill in a list",
                                            elem_id="c-config-list")
-            form["timing_s"] = gr.Slider(0, 120, value=DEFAULT_TIMING_S, step=5, label="Timing budget (s): "
+            form["timing_s"] = gr.Slider(0, 120, value=compare_run.DEFAULT_TIMING_S, step=5, label="Timing budget (s): "
                                          "round-robin rounds after the quality images", elem_id="c-timing")
         self.config_check = gr.Markdown(elem_id="c-config-check")
 
@@ -655,7 +405,9 @@ class ComparePage:
                     "when a compile, another engine's work or a host load spike ran during it; drift: the worst PSNR and largest pixel "
                     "difference (0–255) against the reference's image of the same prompt and seed; fidelity: "
                     "prompts the pixel checker reads as drawn right; steps computed / cached: the step cache's "
-                    "share. Cached steps are their own series on the plot.")
+                    "share. Cached steps are their own series on the plot. A clip: s / clip with ms per frame; "
+                    "its drift is the worst frame's, and flicker is the mean |Δframe − Δframe of eager fp32| in "
+                    "pixel levels (0: a difference that stays put; more: one that shimmers from frame to frame).")
         # Each the page's full width: the legend names every series, no costs header breaks inside a word.
         self.plot = gr.LinePlot(x="step", y="step_ms", color="config", title="Per-step latency",
                                 x_title="step", y_title="ms", color_title="", height=320, elem_id="c-plot")
@@ -673,6 +425,7 @@ class ComparePage:
         h, f = self.h, self.form
         f["preset"].change(h.compare_defaults, f["preset"], [f["size"], f["steps"], f["guidance"]], **FAST)
         f["preset"].change(h.compare_loras, f["preset"], f["loras"], **FAST)
+        f["preset"].change(h.compare_clip_fields, f["preset"], [self.clip_row, f["num_frames"], f["fps"]], **FAST)
         f["preset"].change(edit_inputs.EditInputs(h).takes_images, f["preset"], f["images"], **FAST)
         self.config_list.input(h.configuration_list, [self.config_list, f["preset"], f["devices"], f["size"],
                                                       f["steps"]], f["configurations"], **FAST)

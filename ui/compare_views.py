@@ -12,6 +12,7 @@ import pandas as pd
 
 import bench.configs as explicit
 from bench.paired import PairedTiming
+from ui import compare_clips
 from ui.memory_views import gib_text
 from ui.views import CACHED, NO_CACHE, SERIES_PALETTE, fmt_ms, fmt_s, fmt_steps, lora_text, median, step_rows
 
@@ -136,56 +137,97 @@ def price_rows(results: list[dict]) -> list[list]:
         if r.get("drift_samples"):
             drift = f"{drift} (worst of {r['drift_samples']})"
         out.append([
-            config + (" (reference)" if r.get("reference") else ""), fmt_s(per_image_s(r)) + gib_text(r),
+            config + (" (reference)" if r.get("reference") else ""), _per_run_text(r) + gib_text(r),
             speedup_text(r, x), fmt_ms((r.get("timings") or {}).get("median_step_ms")),
             fmt_steps(r), drift, fmt_fidelity(r), fmt_s(r.get("compile_s")), fmt_s(r.get("warmup_s")),
         ])
     return out
 
 
+def _per_run_text(r: dict) -> str:
+    """The price table's time: seconds per image, or per clip with milliseconds per frame."""
+    per = per_image_s(r)
+    if not r.get("frames") or per is None:
+        return fmt_s(per)
+    return f"{fmt_s(per)} / clip, {1000 * per / r['frames']:.1f} ms / frame"
+
+
 def _esc(text) -> str:
     return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;"))
 
 
-def compare_cards_html(results: list[dict], images: list[str | None], heatmaps: list[str | None] | None = None) -> str:
+def compare_cards_html(results: list[dict], images: list[str | None], heatmaps: list[str | None] | None = None,
+                       strips: list[list] | None = None) -> str:
     """One card per configuration: its image (and beside it the heat map of its difference to the reference's)
     and, under them, time, speedup, drift and fidelity. `images[i]` / `heatmaps[i]`: of results[i] as URLs
-    (data: URIs), or None (failed, not run yet, the reference)."""
+    (data: URIs), or None (failed, not run yet, the reference). A clip's card (ui/compare_clips.py) shows its
+    frame strip (`strips[i]`: (URI, caption) pairs), its worst frame's heat map and its drift frame by frame."""
     speed = speedups_vs_reference(results)
     cards = []
     heatmaps = heatmaps or [None] * len(results)
-    for r, uri, heat in zip(results, images, heatmaps, strict=True):
+    strips = strips or [[]] * len(results)
+    for r, uri, heat, strip in zip(results, images, heatmaps, strips, strict=True):
         config = r.get("config", "")
         lines = [f'<div class="c-card-title">{_esc(config)}</div>']
         if r.get("reference"):
             lines.append(f'<div class="c-card-tag">{_esc(r.get("reference_note") or REFERENCE_TAG)}</div>')
-        if uri and heat:
-            lines.append(f'<div class="c-pair"><img src="{uri}" alt="{_esc(config)}">'
-                         f'<img class="c-heat" src="{heat}" alt="difference to the reference" '
-                         f'title="|this − reference|: black = same pixels, white = the largest difference"></div>')
-        elif uri:
-            lines.append(f'<img src="{uri}" alt="{_esc(config)}">')
         if r.get("error"):
+            if uri:
+                lines.append(f'<img src="{uri}" alt="{_esc(config)}">')
             error = r["error"] if r.get("refused") else f"failed: {r['error']}"
             lines.append(f'<div class="c-card-error">{_esc(error)}</div>')
+        elif r.get("frames"):
+            lines += _clip_card(r, strip, heat, speed.get(config)) + _card_tail(r)
         else:
-            x = speed.get(config)
-            per = per_image_s(r)
-            lines.append(f'<div class="c-time">{"—" if per is None else f"{per:.3f} s"} / image{gib_text(r)} · '
-                         f'{_esc(speedup_text(r, x))} vs eager fp32</div>')
-            drift = r.get("drift") or ("reference" if r.get("reference") else "—")
-            lines.append(f'<div class="c-drift">drift: {_esc(drift)}</div>')
-            if "fidelity" in r or r.get("fidelity_this") is not None:
-                verdict = {True: "✓ draws the prompt", False: "✗ does not draw the prompt"}.get(
-                    r.get("fidelity_this"), "prompt outside the grammar")
-                lines.append(f'<div class="c-fidelity">fidelity: {_esc(fmt_fidelity(r))} · {verdict}</div>')
-            lines.append(f'<div class="c-steps">steps computed / cached: {fmt_steps(r)}</div>')
-            if r.get("lora"):
-                lines.append(f'<div class="c-lora">LoRA {_esc(lora_text(r))}</div>')
-            if r.get("eager_fallback"):
-                lines.append('<div class="c-note">eager fallback: the bucket was not warm</div>')
+            lines += _image_card(r, uri, heat, speed.get(config)) + _card_tail(r)
         cards.append('<div class="c-card">' + "".join(lines) + "</div>")
     return '<div class="c-cards">' + "".join(cards) + "</div>"
+
+
+def _image_card(r: dict, uri: str | None, heat: str | None, x: float | None) -> list[str]:
+    """An image card's middle: its image beside the heat map of its difference, time per image, drift."""
+    config = r.get("config", "")
+    lines = []
+    if uri and heat:
+        lines.append(f'<div class="c-pair"><img src="{uri}" alt="{_esc(config)}">'
+                     f'<img class="c-heat" src="{heat}" alt="difference to the reference" '
+                     f'title="|this − reference|: black = same pixels, white = the largest difference"></div>')
+    elif uri:
+        lines.append(f'<img src="{uri}" alt="{_esc(config)}">')
+    per = per_image_s(r)
+    lines.append(f'<div class="c-time">{"—" if per is None else f"{per:.3f} s"} / image{gib_text(r)} · '
+                 f'{_esc(speedup_text(r, x))} vs eager fp32</div>')
+    drift = r.get("drift") or ("reference" if r.get("reference") else "—")
+    return [*lines, f'<div class="c-drift">drift: {_esc(drift)}</div>']
+
+
+def _clip_card(r: dict, strip: list, heat: str | None, x: float | None) -> list[str]:
+    """A clip card's middle: its frame strip, its worst frame's heat map, time per clip and frame, drift by frame."""
+    config = r.get("config", "")
+    lines = [compare_clips.strip_html(strip, config)] if strip else []
+    if heat:
+        frame = r.get("heatmap_frame", 1)
+        lines.append(f'<img class="c-heat" src="{heat}" alt="difference to the reference at frame {frame}" '
+                     f'title="|this − reference| at frame {frame}: black = same pixels, white = the largest '
+                     f'difference"><div class="c-note">difference at frame {frame} (its worst)</div>')
+    lines.append(f'<div class="c-time">{_esc(compare_clips.clip_time_text(r, per_image_s(r)))}{gib_text(r)} · '
+                 f'{_esc(speedup_text(r, x))} vs eager fp32</div>')
+    return lines + compare_clips.clip_drift_lines(r)
+
+
+def _card_tail(r: dict) -> list[str]:
+    """Under a card's drift: fidelity (where the preset has a checker), the step cache's share, LoRA, fallback."""
+    lines = []
+    if "fidelity" in r or r.get("fidelity_this") is not None:
+        verdict = {True: "✓ draws the prompt", False: "✗ does not draw the prompt"}.get(
+            r.get("fidelity_this"), "prompt outside the grammar")
+        lines.append(f'<div class="c-fidelity">fidelity: {_esc(fmt_fidelity(r))} · {verdict}</div>')
+    lines.append(f'<div class="c-steps">steps computed / cached: {fmt_steps(r)}</div>')
+    if r.get("lora"):
+        lines.append(f'<div class="c-lora">LoRA {_esc(lora_text(r))}</div>')
+    if r.get("eager_fallback"):
+        lines.append('<div class="c-note">eager fallback: the bucket was not warm</div>')
+    return lines
 
 
 def series_colors(names: list[str]) -> dict[str, str]:
@@ -240,9 +282,10 @@ def difference_picture(image, reference):
 
 
 def has_checker(preset) -> bool:
-    from bench.quality import fidelity_checker
+    """Whether the preset's `fidelity` names a checker: of images, or of clips for a video preset."""
+    from bench.quality import clip_checker, fidelity_checker
 
-    return fidelity_checker(preset) is not None
+    return (clip_checker(preset) if compare_clips.takes_clips(preset) else fidelity_checker(preset)) is not None
 
 
 def price_quality(images: list, prompts: list[str], ref_images: list | None, preset, style: str | None = None) -> dict:
@@ -266,6 +309,32 @@ def price_quality(images: list, prompts: list[str], ref_images: list | None, pre
         if len(prompts) > 1:
             fid = score(images[1:], prompts[1:], None, preset, style)
             out.update(fidelity=fid["fidelity"], fidelity_samples=fid["fidelity_samples"])
+    return out
+
+
+def clip_quality(clips: list, posters: list, prompts: list[str], reference: tuple[list, list] | None, preset) -> dict:
+    """What a clip card shows of its quality: the first clip's drift against the reference's (frame by frame on the
+    decoded MP4s, with the flicker); beside it frame 1 before the codec (the posters, lossless PNGs) and the
+    codec's own loss on it, so a drift the size of that loss reads as the codec's; and, where the preset's
+    `fidelity` names a clip checker, its verdict and the sample clips' share. `reference`: (clips, posters)."""
+    from bench.quality import clip_checker, clip_drift, fmt_clip_drift, fmt_drift, image_drift
+
+    codec = image_drift(clips[0][0], posters[0])
+    codec_text = f"MP4 codec loss on frame 1: {fmt_drift(codec['psnr_db'], codec['max_diff'])}"
+    out: dict = {"codec_psnr_db": codec["psnr_db"], "codec_max_diff": codec["max_diff"], "codec_note": codec_text}
+    if reference is not None:
+        drift = clip_drift(clips[0], reference[0][0])
+        raw = image_drift(posters[0], reference[1][0])
+        out.update(clip_drift=drift, drift=fmt_clip_drift(drift), drift_psnr_db=drift["psnr_db"],
+                   drift_max_diff=drift["max_diff"], drift_ssim=drift["ssim"], flicker=drift["flicker"],
+                   first_frame_psnr_db=raw["psnr_db"], first_frame_max_diff=raw["max_diff"],
+                   codec_note=f"frame 1 before the MP4: {fmt_drift(raw['psnr_db'], raw['max_diff'])} · {codec_text}")
+    checker = clip_checker(preset)
+    if checker is not None:
+        out["fidelity_this"] = checker(clips[0], prompts[0])
+        verdicts = [v for v in (checker(c, p) for c, p in zip(clips[1:], prompts[1:], strict=True)) if v is not None]
+        if len(prompts) > 1:
+            out.update(fidelity=sum(verdicts) / len(verdicts) if verdicts else None, fidelity_samples=len(verdicts))
     return out
 
 
@@ -333,7 +402,7 @@ def caption(entry: dict) -> str:
     return " · ".join(filter(None, [
         entry["config"], (f"LoRA {entry['lora']} at {entry.get('lora_scale', 1):g}{' fused' if entry.get('lora_fused') else ''}"
          if entry.get("lora") else ""),
-        f"{per_image_s(entry):.3f} s / image{gib_text(entry)}",
+        f"{per_image_s(entry):.3f} s / {'clip' if entry.get('frames') else 'image'}{gib_text(entry)}",
         f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
         f"{entry['own_chip_figure']['text']} vs eager fp32 on its chip" if entry.get("own_chip_figure") else "",
         f"drift {entry['drift']}" if entry.get("drift") else "",

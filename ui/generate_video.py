@@ -25,7 +25,6 @@ from ui.runs import ProgressBar
 # The tab's fields, in /generate_video's order (gradio_client callers pass them positionally: append only).
 VIDEO_FIELDS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "num_frames", "fps",
                 "steps", "guidance", "seed", "on_cold")
-STRIP_FRAMES = 33  # frames the strip shows at most (evenly picked from a longer clip)
 GENERATE_VIDEO_DOC = (
     "Generate one clip with a video preset (tiny-wan, Wan 2.x). Returns (video, frames, timings): the MP4, its "
     "frames as images, and the run's figures as JSON (the CLI's --json: frames, fps, step_ms, encode/denoise/decode/"
@@ -37,20 +36,16 @@ def clip_summary(result: dict | None) -> str:
     """The clip's own figures: frames and rate, seconds per clip and per frame, the VAE decode's share."""
     if not result or not result.get("frames") or result.get("running"):
         return ""
-    t = result["timings"]
-    total, frames = t["total_ms"], result["frames"]
-    share = 100 * t["decode_ms"] / total if total else 0
-    return (f"**{frames} frames** at {result['fps']} fps ({frames / result['fps']:.2f} s of video) · "
-            f"{total / 1000:.2f} s per clip, {total / frames:.1f} ms per frame · VAE decode {t['decode_ms']:.0f} ms "
-            f"({share:.0f} % of the run) · MP4 {result['video_bytes']:,} bytes, encoded in "
+    f = views.clip_figures(result)
+    return (f"**{f['frames']} frames** at {f['fps']} fps ({f['frames'] / f['fps']:.2f} s of video) · "
+            f"{f['clip_s']:.2f} s per clip, {f['frame_ms']:.1f} ms per frame · VAE decode {f['decode_ms']:.0f} ms "
+            f"({f['decode_share']:.0f} % of the run) · MP4 {result['video_bytes']:,} bytes, encoded in "
             f"{result['video_encode_ms']:.0f} ms")
 
 
 def frame_strip(result) -> list[tuple]:
     """(frame, caption) of a clip's frames as the MP4 holds them, at most STRIP_FRAMES evenly spread."""
-    frames = result.frames()
-    step = max(1, -(-len(frames) // STRIP_FRAMES))
-    return [(frame, f"frame {i + 1}") for i, frame in enumerate(frames) if i % step == 0]
+    return views.strip_of(result.frames())
 
 
 class VideoHandlers(GenerateHandlers):

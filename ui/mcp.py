@@ -79,8 +79,10 @@ DESCRIPTIONS = {
     "compare": (
         "Run one prompt, seed, size and steps on 1-6 device x precision x mode (x step cache) configurations and "
         "return the images and a JSON object of each one's seconds per image, speedup against eager fp32, drift "
-        "(PSNR against eager fp32's image) and, for tiny-shapes, fidelity. Takes as long as all of them together "
-        "(seconds on tiny models, longer for compiled modes on a cold bucket)."),
+        "(PSNR against eager fp32's image) and, for tiny-shapes, fidelity. On a video preset (tiny-wan) each "
+        "configuration runs the clip num_frames and fps ask for: seconds per clip, per-frame drift against eager "
+        "fp32's clip and its flicker (how much the difference changes frame to frame, in pixel levels). Takes as long "
+        "as all of them together (seconds on tiny models, longer for compiled modes on a cold bucket)."),
     "status": ("Every loaded engine and each resolution bucket's state, as a JSON list: [{engine, state (loading, "
                "ready, down), load_s, notices, pending, buckets: [{mode, size, batch, state (cold, queued, "
                "compiling, warm, failed), compile_s, warmup_s, requests_served}]}]. Fast; call it to see what is "

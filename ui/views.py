@@ -1,5 +1,6 @@
 """Views more than one tab shows: number formats, a run's per-step rows, the engine line and size labels
-(Generate and the board's timer), and the device, LoRA and step-cache choices (Generate, Compare, Advisor).
+(Generate and the board's timer), the device, LoRA and step-cache choices (Generate, Compare, Advisor), and a
+clip's figures and frame strip (the Video tab, Compare's clip cards).
 
 Each tab's own views live beside it (generate_views, compare_views, buckets_views, advisor_views); nothing
 here imports gradio or torch, so every function is tested without a server.
@@ -181,3 +182,21 @@ def step_cache_choices(rows: list[dict], short: bool = False) -> list[tuple[str,
             label = f"{r['name']} · unavailable" + ("" if short else f": {why_not(r)}")
         choices.append((label, value))
     return choices
+
+
+STRIP_FRAMES = 33  # frames a strip shows at most (evenly picked from a longer clip)
+
+
+def clip_figures(result: dict) -> dict:
+    """A clip run's own figures from its result JSON: frames, rate, seconds per clip, milliseconds per frame, the
+    VAE decode's milliseconds and share of the run (Compare's clip cards show them too)."""
+    t = result["timings"]
+    total, frames = t["total_ms"], result["frames"]
+    return {"frames": frames, "fps": result["fps"], "clip_s": total / 1000, "frame_ms": total / frames,
+            "decode_ms": t["decode_ms"], "decode_share": 100 * t["decode_ms"] / total if total else 0.0}
+
+
+def strip_of(frames: list, most: int = STRIP_FRAMES) -> list[tuple]:
+    """(frame, caption) of at most `most` of a clip's frames, evenly spread from the first."""
+    step = max(1, -(-len(frames) // most))
+    return [(frame, f"frame {i + 1}") for i, frame in enumerate(frames) if i % step == 0]

@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from engine.config.video import route_frames
 from engine.errors import InvalidRequest
 from engine.protocol import ModelPreset, Size
 from engine.serving import cost
@@ -30,8 +31,9 @@ class Ticket:
 
 
 def price_compare(budget: CostBudget, preset: ModelPreset, size, steps: int, configurations: int, prompts: int,
-                  guidance=None) -> int:
-    """A Compare's price in token-steps, or NotAllowed saying what fits."""
+                  guidance=None, num_frames=None) -> int:
+    """A Compare's price in token-steps, or NotAllowed saying what fits; a video preset's clips priced at the frame
+    bucket `num_frames` routes to (engine/config/video.py)."""
     size = size if isinstance(size, Size) else Size.parse(size) if size else preset.buckets[0]
     if guidance is not None and str(guidance).strip() != "":
         try:
@@ -40,7 +42,8 @@ def price_compare(budget: CostBudget, preset: ModelPreset, size, steps: int, con
             raise InvalidRequest(f"guidance must be a number, got {guidance!r}") from None
     else:
         guidance = None
-    return cost.check_compare(budget, preset, size, steps, configurations, prompts, guidance)
+    frames = route_frames(preset, num_frames)[0] if preset.video else 0
+    return cost.check_compare(budget, preset, size, steps, configurations, prompts, guidance, frames)
 
 
 class RequestFlow:

@@ -117,14 +117,14 @@ def check_generate(budget: CostBudget, preset: ModelPreset, size: Size, steps: i
 
 
 def check_compare(budget: CostBudget, preset: ModelPreset, size: Size, steps: int, configurations: int,
-                  prompts: int, guidance: float | None = None) -> int:
-    """The price of a Compare (every configuration draws `prompts` images: its prompts and timing rounds), or
-    NotAllowed saying what fits."""
+                  prompts: int, guidance: float | None = None, frames: int = 0) -> int:
+    """The price of a Compare (every configuration draws `prompts` images, or clips of `frames` frames: its
+    prompts and timing rounds), or NotAllowed saying what fits."""
     images = configurations * prompts
-    cost = price(preset, size, steps, guidance, images)
+    cost = price(preset, size, steps, guidance, images, frames=frames)
     if budget.request is None or cost <= budget.request:
         return cost
-    per_image = price(preset, size, steps, guidance)
+    per_image = price(preset, size, steps, guidance, frames=frames)
     fit = budget.request // per_image  # images of these steps and size that fit
     options = []
     def split(c: int, p: int) -> str:
@@ -136,14 +136,19 @@ def check_compare(budget: CostBudget, preset: ModelPreset, size: Size, steps: in
         options.append(split(fit // prompts, prompts))
     if fit and not options:
         options.append(split(1, min(fit, prompts)))
-    steps_fit = max_steps(budget.request, preset, size, guidance, images)
+    steps_fit = max_steps(budget.request, preset, size, guidance, images * latent_frames(preset, frames))
     hint = f"at most {' or '.join(options)} at {_n(steps, 'step')}" if options else ""
     if steps_fit:
         hint += (", or " if hint else "") + f"at most {_n(steps_fit, 'step')} with these choices"
     raise NotAllowed(f"this comparison costs {cost:,} token-steps ({split(configurations, prompts)} × "
                      f"{_n(steps, 'step')} × {tokens_per_image_step(preset, size, guidance)} latent tokens at "
-                     f"{size}) and this server allows {budget.request:,} per request: "
+                     f"{size}{_clip_tokens(preset, frames)}) and this server allows {budget.request:,} per request: "
                      f"{hint or 'pick a smaller size'}")
+
+
+def _clip_tokens(preset: ModelPreset, frames: int) -> str:
+    """' × 3 latent frames (9 frames)' for a clip's price, '' for an image's."""
+    return f" × {latent_frames(preset, frames)} latent frames ({frames} frames)" if frames else ""
 
 
 def check_visitor(budget: CostBudget, held: int, cost: int) -> None:

@@ -70,8 +70,8 @@ class Serving(Protocol):
         """Whether this caller's requests are priced against the host's cost budgets."""
 
     def price_compare(self, preset: str, size, steps: int, configurations: int, prompts: int, guidance=None,
-                      caller: Caller = Caller.HOST) -> int:
-        """A Compare's price in token-steps (0 when not priced)."""
+                      caller: Caller = Caller.HOST, num_frames=None) -> int:
+        """A Compare's price in token-steps (0 when not priced); a video preset's at its clips' frame count."""
 
     def admission(self, client: str, price: int, caller: Caller = Caller.HOST) -> contextlib.AbstractContextManager:
         """Hold `price` against the client's budget while the block runs (yields its Ticket)."""

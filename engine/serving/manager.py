@@ -195,12 +195,12 @@ class EngineManager:
 
     # -- cost (public mode: engine/serving/cost.py) -----------------------------------------------
     def price_compare(self, preset: str, size, steps: int, configurations: int, prompts: int, guidance=None,
-                      caller: Caller = Caller.HOST) -> int:
+                      caller: Caller = Caller.HOST, num_frames=None) -> int:
         """A Compare's price in token-steps (0 when not priced), or NotAllowed saying what fits."""
         if not self.gate.priced(caller):
             return 0
         return price_compare(self.policy.cost, self.catalog.preset(preset), size, steps, configurations, prompts,
-                             guidance)
+                             guidance, num_frames)
 
     def batch_limit(self, key: EngineKey) -> int:
         """The most requests engine `key` runs as one pipeline call (1: it does not batch)."""
