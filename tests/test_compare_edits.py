@@ -22,8 +22,8 @@ def handlers(manager):
 
 
 def source(tmp_path) -> str:
-    image = Image.new("RGB", (64, 64), (30, 30, 200))
-    ImageDraw.Draw(image).ellipse((16, 16, 48, 48), fill=(220, 30, 30))
+    image = Image.new("RGB", (64, 64), (40, 80, 220))
+    ImageDraw.Draw(image).ellipse((16, 16, 48, 48), fill=(220, 40, 40))
     path = tmp_path / "source.png"
     image.save(path)
     return str(path)
@@ -51,6 +51,8 @@ def test_compare_edits_the_same_source_in_every_configuration(handlers, tmp_path
     print(f"bf16 edit against eager fp32's: {bf16['drift']}")
     reference = results["cpu/fp32/eager"]
     assert reference.get("reference") or payload["reference"] == "cpu/fp32/eager"
+    # the edit checker read the source (a red circle on blue) and scored each edit against it
+    assert all(isinstance(r["fidelity_this"], bool) for r in results.values()), results
 
 
 def test_compare_refuses_a_source_for_a_preset_that_draws_from_text(handlers, tmp_path):

@@ -22,7 +22,7 @@ from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Size
 from engine.serving import stream
 from engine.serving.interface import Caller, Serving
-from ui import compare_clips, compare_views, edit_inputs, views, waiting
+from ui import compare_clips, compare_views, edit_inputs, uploads, views, waiting
 from ui.common import to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
 
@@ -99,6 +99,14 @@ class Comparison:
         # The main prompt, then the sample prompts (seeded: every configuration draws the same ones).
         self.prompts = [form.prompt, *compare_views.fidelity_sample_prompts(self.model, n_samples, fallback=form.prompt)]
         self.seeds = [form.seed, *(FIDELITY_SEED + i for i in range(n_samples))]
+        # What each picture is checked against: its prompt, or for an edit the source and instruction together
+        self.samples = list(self.prompts)
+        if self.sources and compare_views.has_checker(self.model):
+            try:
+                source = uploads.fitted_source(self.model, self.sources, Size.parse(self.size_text))
+            except ShowcaseError as exc:
+                raise to_gradio_error(exc) from None
+            self.samples[0] = compare_views.edit_sample(self.model, form.prompt, source)
         # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
         # rounds that still give a spread; the host's grow until the spread is known or the budget ends.
         self.max_rounds = TIMING_MIN_ROUNDS if serving.priced(call.caller) else TIMING_MAX_ROUNDS
@@ -235,7 +243,7 @@ class Comparison:
         if clips is None:
             lora = explicit.split_lora(config)[1]
             style = lora.name if lora.scale != 0 else None  # a style's cards are checked as the style implies
-            entry.update(compare_views.price_quality(images, self.prompts, None if is_reference else self.ref_images,
+            entry.update(compare_views.price_quality(images, self.samples, None if is_reference else self.ref_images,
                                                      self.model, style))
         else:
             reference = None if is_reference or self.ref_clips is None else (self.ref_clips, self.ref_images)

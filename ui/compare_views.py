@@ -281,6 +281,14 @@ def difference_picture(image, reference):
     return diff_heatmap(image, reference)
 
 
+def edit_sample(preset, instruction: str, source):
+    """An edit's quality sample (bench.quality.edit_sample): for the embedded edit model, the edit the checker
+    reads in `source` (PIL, as the worker got it) and the instruction; scored by the edit checker."""
+    from bench.quality import edit_sample as sample
+
+    return sample(preset, instruction, source)
+
+
 def has_checker(preset) -> bool:
     """Whether the preset's `fidelity` names a checker: of images, or of clips for a video preset."""
     from bench.quality import clip_checker, fidelity_checker
