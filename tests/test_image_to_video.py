@@ -1,7 +1,8 @@
 """Image to video: presets that take "one source image, the clip's first frame" (inputs = "first-frame",
 WanImageToVideoPipeline). The declaration decides: a text-to-video preset refuses an image, an image-to-video
 one asks for it; the source is resized to the (size, frames) bucket with a notice and never enters the bucket
-key; the tiny build (tiny-wan-i2v) makes a clip of the bucket's frames from it through the manager and the CLI."""
+key, so a warm compiled bucket serves any source with no recompile; the tiny build (tiny-wan-i2v) makes a clip of
+the bucket's frames from it through the manager and the CLI."""
 
 from __future__ import annotations
 
@@ -112,3 +113,20 @@ def test_cli_makes_a_clip_from_an_image(tmp_path, cache_dir):
     refused = run_cli("generate", "--preset", "tiny-wan", "--device", "cpu", "--frames", "9", "--image", str(source),
                       "--out", str(tmp_path / "no.mp4"), "--cache-dir", str(cache_dir))
     assert refused.returncode != 0 and "takes text to video only" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_warm_regional_i2v_bucket_serves_other_sources_without_recompiling(cache_dir):
+    from helpers import make_runner
+
+    from engine.protocol import BucketKey, BucketState, Mode, Size
+
+    runner = make_runner(cache_dir, "tiny-wan-i2v")
+    bucket = BucketKey(Mode.REGIONAL, Size(16, 16), frames=9)
+    assert runner.warm_bucket(bucket).state is BucketState.WARM  # warmed from a grey source of the bucket's size
+    sources = [png((16, 16), (0, 0, 0)), png((40, 24), (255, 255, 255)), png((20, 64), (255, 0, 0))]
+    requests = [_build("tiny-wan-i2v", images=(source,), size="16x16", num_frames=9, mode="regional", steps=2)[0]
+                for source in sources]
+    results = [runner.generate(request) for request in requests]
+    assert [(r.warm, r.recompiles, r.bucket) for r in results] == [(True, 0, bucket)] * 3
+    assert len({r.video_mp4 for r in results}) == 3  # each source its own clip
