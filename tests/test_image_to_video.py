@@ -38,7 +38,7 @@ def _build(preset: str, **fields):
 
 def test_image_to_video_presets_declare_one_required_first_frame():
     takers = {name for name, p in load_presets().items() if p.inputs is ImageInputs.FIRST_FRAME}
-    assert takers == {"tiny-wan-i2v", "wan2.1-i2v-14b-480p"}
+    assert takers == {"tiny-wan-i2v", "wan2.1-i2v-14b-480p", "tiny-ltx-i2v", "ltx-video-i2v"}
     for name in takers:
         preset = get_preset(name)
         assert preset.video and preset.max_references == 1 and preset.inputs.needs_source
@@ -50,10 +50,10 @@ def test_a_text_to_video_preset_refuses_an_image_naming_the_presets_that_take_on
     with pytest.raises(InvalidRequest) as err:
         _build("tiny-wan", images=(png(),))
     assert str(err.value) == ("preset tiny-wan takes text to video only: remove the input image, or choose a preset "
-                              "that takes images (tiny-wan-i2v, wan2.1-i2v-14b-480p)")
+                              "that takes images (tiny-wan-i2v, tiny-ltx-i2v, ltx-video-i2v, wan2.1-i2v-14b-480p)")
 
 
-@pytest.mark.parametrize("preset", ["tiny-wan-i2v", "wan2.1-i2v-14b-480p"])
+@pytest.mark.parametrize("preset", ["tiny-wan-i2v", "wan2.1-i2v-14b-480p", "tiny-ltx-i2v", "ltx-video-i2v"])
 def test_an_image_to_video_preset_without_an_image_says_it_needs_one(preset):
     with pytest.raises(InvalidRequest, match=f"preset {preset} takes one source image, the clip's first frame: "
                                              "upload the image the clip starts from"):
@@ -130,3 +130,27 @@ def test_a_warm_regional_i2v_bucket_serves_other_sources_without_recompiling(cac
     results = [runner.generate(request) for request in requests]
     assert [(r.warm, r.recompiles, r.bucket) for r in results] == [(True, 0, bucket)] * 3
     assert len({r.video_mp4 for r in results}) == 3  # each source its own clip
+
+
+def test_ltx_video_takes_its_rate_as_a_call_argument_and_wan_takes_none():
+    from diffusers import LTXImageToVideoPipeline, WanImageToVideoPipeline
+
+    from engine.pipeline.calls import pipeline_call_kwargs
+
+    for preset, cls, rate in (("tiny-ltx-i2v", LTXImageToVideoPipeline, {"frame_rate": 12}),
+                              ("tiny-wan-i2v", WanImageToVideoPipeline, {})):
+        request, _ = _build(preset, images=(png(),), size="32x32", num_frames=9, fps=12)
+        kwargs = pipeline_call_kwargs(get_preset(preset), object.__new__(cls), request)  # its class is what counts
+        assert {k: kwargs.get(k) for k in ("num_frames", "frame_rate") if k in kwargs} == {"num_frames": 9, **rate}
+        assert kwargs["image"].size == (32, 32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-ltx", "tiny-ltx-i2v"])
+def test_ltx_video_makes_clips_of_its_8k_plus_1_frame_buckets(manager, preset):
+    images = (png((40, 24)),) if preset.endswith("i2v") else ()
+    result = manager.generate(ImageRequest(preset=preset, device="cpu", prompt=PROMPT, images=images, size="32x32",
+                                           num_frames=12, steps=2), timeout=600)
+    frames = decode_mp4(result.video_mp4)
+    assert (len(frames), frames[0].shape, str(result.bucket), result.fps) == (9, (32, 32, 3), "eager:32x32x9f", 24)
+    assert any("num_frames 12 is not 8k + 1; snapped to the nearest frame bucket 9" in n for n in result.notices)

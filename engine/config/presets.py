@@ -57,6 +57,7 @@ PIPELINE_INPUTS: dict[str, tuple[ImageInputs, int]] = {
     "Flux2KleinPipeline": (ImageInputs.REFERENCES, 4),
     "QwenImageEditPlusPipeline": (ImageInputs.REFERENCES, 3),  # the 2509 model card: one to three images
     "WanImageToVideoPipeline": (ImageInputs.FIRST_FRAME, 1),
+    "LTXImageToVideoPipeline": (ImageInputs.FIRST_FRAME, 1),
 }
 # A preset's switches (cfg, negative_prompt, tp, ...): its true-or-false fields, false unless models.toml sets them
 SWITCHES = tuple(f.name for f in dataclasses.fields(ModelPreset) if f.type == "bool")

@@ -9,6 +9,9 @@ frame (16 channels of condition and 4 of mask join the 16 of noise: 36 in) and b
 transformer's cross-attention reads (`image_dim`). As in diffusers' own tiny test, those tokens join the text's
 in one cross-attention: the 14B model's separate image projections (`added_kv_proj_dim`) assume 512 text
 tokens, which the tiny presets do not pad to.
+
+LTX-Video's pair (`LTXPipeline`, `LTXImageToVideoPipeline`) shares one recipe: a tiny `AutoencoderKLLTXVideo`
+with the real compression (32x a side, 8x in time) and a 2-layer `LTXVideoTransformer3DModel` over the tiny T5.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ CLIP_VISION_HIDDEN = 16  # the transformer's image_dim
 CLIP_VISION_SIDE = 32
 # What the VAE-encoded source adds to the noise latents: 16 condition channels and 4 of first-frame mask.
 I2V_IN_CHANNELS = 16 + 16 + 4
+LTX_LATENT_CHANNELS = 16
 
 
 def build_wan_vae(seed: int):
@@ -98,5 +102,54 @@ def build_wan_i2v():
     )
 
 
-VIDEO_PRESETS: tuple[str, ...] = ("tiny-wan", "tiny-wan-i2v")
-VIDEO_BUILDERS = {"tiny-wan": build_wan, "tiny-wan-i2v": build_wan_i2v}
+def build_ltx_vae(seed: int):
+    """A tiny `AutoencoderKLLTXVideo` compressing as LTX-Video's does (32x a side: 3 halvings and a 4x4 patch;
+    8x in time, so frames are 8k + 1), 8 channels a block, 16 latent channels."""
+    from diffusers import AutoencoderKLLTXVideo
+
+    torch.manual_seed(seed)
+    return AutoencoderKLLTXVideo(
+        latent_channels=LTX_LATENT_CHANNELS, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, True, False), decoder_spatio_temporal_scaling=(True, True, True, False),
+        decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4, upsample_factor=(1,) * 4,
+        timestep_conditioning=False, patch_size=4, patch_size_t=1, encoder_causal=True, decoder_causal=False,
+    ).eval()
+
+
+def build_ltx_transformer(seed: int):
+    from diffusers import LTXVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    return LTXVideoTransformer3DModel(
+        in_channels=LTX_LATENT_CHANNELS, out_channels=LTX_LATENT_CHANNELS, patch_size=1, patch_size_t=1,
+        num_attention_heads=WAN_HEADS, attention_head_dim=WAN_HEAD_DIM, cross_attention_dim=WAN_HEADS * WAN_HEAD_DIM,
+        num_layers=2, caption_channels=T5_D_MODEL,
+    ).eval()
+
+
+def _ltx(pipeline_cls):
+    """An LTX-Video pipeline (text to video, or image to video: the same components, the source image encoded
+    as the first latent frame), random weights, the project's tiny T5."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = build_t5(seed=1)
+    return pipeline_cls(scheduler=FlowMatchEulerDiscreteScheduler(), vae=build_ltx_vae(seed=7),
+                        text_encoder=text_encoder, tokenizer=tokenizer, transformer=build_ltx_transformer(seed=8))
+
+
+def build_ltx():
+    from diffusers import LTXPipeline
+
+    return _ltx(LTXPipeline)
+
+
+def build_ltx_i2v():
+    from diffusers import LTXImageToVideoPipeline
+
+    return _ltx(LTXImageToVideoPipeline)
+
+
+VIDEO_BUILDERS = {"tiny-wan": build_wan, "tiny-wan-i2v": build_wan_i2v, "tiny-ltx": build_ltx,
+                  "tiny-ltx-i2v": build_ltx_i2v}
+VIDEO_PRESETS: tuple[str, ...] = tuple(VIDEO_BUILDERS)
