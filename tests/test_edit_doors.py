@@ -221,8 +221,9 @@ def test_a_file_over_the_bound_is_refused_before_it_is_read_whole(app):
 def test_the_edge_bounds_the_route_as_the_route_does():
     from ui.edge import UPLOAD_ROUTES
     from ui.openai_edits import EDIT_BODY_BYTES, PATH
+    from ui.openai_videos import VIDEO_BODY_BYTES
 
-    assert UPLOAD_ROUTES == {PATH: EDIT_BODY_BYTES}
+    assert UPLOAD_ROUTES == {PATH: EDIT_BODY_BYTES, "/v1/videos": VIDEO_BODY_BYTES}
 
 
 def _rss_peak_reset() -> bool:

@@ -71,3 +71,12 @@ def test_a_captured_picture_is_appended_and_the_capture_box_empties():
     assert images == ["/tmp/gradio/webcam.png"]
     unchanged, box = EditInputs.add_capture(None, ["/tmp/gradio/source.png"])  # the box emptied: nothing to add
     assert unchanged == gr.update() and box == gr.update()
+
+
+def test_the_video_tabs_source_image_shows_for_image_to_video_presets_only(edits):
+    area, image = edits.image_area("tiny-wan-i2v")
+    assert area["visible"] is True and area["open"] is True and image["visible"] is True
+    assert image["label"] == "Image (one source image, the clip's first frame)"
+    area, image = edits.image_area("tiny-wan")
+    assert area["visible"] is False and image["visible"] is False and image["value"] is None
+    assert edits.edit_preset("tiny-wan") != "tiny-wan-i2v"  # "Edit this" picks an image's edit, not a clip

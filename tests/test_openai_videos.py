@@ -1,6 +1,7 @@
 """The videos API (/v1/videos, ui/openai_videos.py) through the official `openai` SDK against the running app
-(public mode, tiny-wan on cpu): a job polled to completion and its MP4 downloaded with the frames asked for,
-its thumbnail and per-frame strip, a clip priced by its tokens, and errors in OpenAI's shape."""
+(public mode, tiny-wan and tiny-wan-i2v on cpu): a job polled to completion and its MP4 downloaded with the frames
+asked for, its thumbnail and per-frame strip, a clip from the SDK's input_reference, a clip priced by its tokens,
+and errors in OpenAI's shape; the same image-to-video clip through /generate_video and the MCP tool."""
 
 from __future__ import annotations
 
@@ -31,10 +32,14 @@ def app(cache_dir, tmp_path_factory):
 
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(KEY + "\n")
-    policy = HostPolicy(public=True, presets=("tiny-wan", "tiny-flux"), cost=CostBudget(request=500, visitor=1000))
+    from ui import mcp
+
+    policy = HostPolicy(public=True, presets=("tiny-wan", "tiny-wan-i2v", "tiny-flux"),
+                        cost=CostBudget(request=500, visitor=1000))
     with engine_manager(cache_dir, policy=policy) as manager:
         demo, url = launch_demo(manager, UIDefaults(preset="tiny-wan", device="cpu", mode="eager", api_keys=str(keys)),
                                 mcp_server=True)
+        mcp.serve(demo)
         try:
             yield url
         finally:
@@ -76,7 +81,7 @@ def test_a_clip_over_the_budget_is_refused_naming_what_fits(client):
 
 
 @pytest.mark.parametrize(("fields", "words"), [
-    ({"model": "tiny-flux"}, "model tiny-flux makes images, not clips; choose a video model: tiny-wan"),
+    ({"model": "tiny-flux"}, "model tiny-flux makes images, not clips; choose a video model: tiny-wan, tiny-wan-i2v"),
     ({"num_frames": "lots"}, "num_frames must be a whole number"),
     ({"fps": "900"}, "fps must be from 1 to 60"),
     ({"colour": "red"}, "unknown field 'colour'"),
@@ -122,6 +127,93 @@ def test_an_agent_finds_generate_video_among_the_mcp_tools(app):
     tools = {t.name: t for t in session_run(app + "gradio_api/mcp/", work)}
     assert "clip" in tools["generate_video"].description
     assert {"prompt", "preset", "size", "num_frames", "fps", "steps"} <= set(tools["generate_video"].inputSchema["properties"])
+
+
+# -- image to video: the source image through each door ------------------------------------------------------
+def png(size=(24, 40), colour=(200, 30, 30)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_the_sdks_input_reference_makes_a_clip_from_an_image_that_downloads_as_an_mp4(client):
+    video = client.videos.create_and_poll(prompt=PROMPT, size="16x16", input_reference=("first.png", png(), "image/png"),
+                                          poll_interval_ms=100, extra_body={"num_frames": 9, "steps": 2})
+    assert (video.status, video.model, video.size) == ("completed", "tiny-wan-i2v", "16x16"), video.error
+    frames = decode_mp4(client.videos.download_content(video.id).read())
+    assert (len(frames), frames[0].shape) == (9, (16, 16, 3))
+    assert any("image 1 (24x40) resized to 16x16" in n for n in video.timings["notices"]), video.timings["notices"]
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"model": "tiny-wan", "input_reference": ("first.png", png(), "image/png")}, "input_reference",
+     "model tiny-wan makes clips from text only, so it takes no input_reference; choose a model that starts from an "
+     "image: tiny-wan-i2v"),
+    ({"model": "tiny-wan-i2v"}, None, "takes one source image, the clip's first frame: upload the image the clip "
+                                      "starts from"),
+    ({"model": "tiny-wan-i2v", "input_reference": ("first.png", b"not an image", "image/png")}, None,
+     "image 1 is not an image this server reads"),
+])
+def test_an_input_reference_a_model_cannot_use_is_refused_naming_the_param(client, fields, param, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(prompt=PROMPT, size="16x16", **fields)
+    assert words in str(err.value)
+    if param:
+        assert err.value.param == param
+
+
+def test_a_reference_by_url_is_refused_asking_for_the_file(app):
+    """The SDK sends input_reference as a file only; a hand-made body naming an image_url (JSON, or the form's
+    flattened field) is told to send the file."""
+    headers = {"authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny-wan-i2v", "prompt": PROMPT, "input_reference": {"image_url": "https://example.com/a.png"}}
+    as_json = httpx.post(app + "v1/videos", json=body, headers=headers, timeout=30)
+    as_form = httpx.post(app + "v1/videos", headers=headers, timeout=30, files={"prompt": (None, PROMPT)},
+                         data={"input_reference[image_url]": "https://example.com/a.png"})
+    for answer in (as_json, as_form):
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["param"] == "input_reference", error
+        assert "input_reference must be an image file (a multipart file part)" in error["message"]
+
+
+def test_an_input_reference_over_the_bound_is_refused_before_it_is_read_whole(client):
+    from engine.config.images import MAX_UPLOAD_BYTES
+
+    with pytest.raises(openai.APIStatusError) as err:
+        client.videos.create(model="tiny-wan-i2v", prompt=PROMPT,
+                             input_reference=("big.png", b"\x89PNG" + b"\0" * MAX_UPLOAD_BYTES, "image/png"))
+    assert err.value.status_code == 413 and "input_reference" in str(err.value)
+
+
+def test_generate_video_and_the_mcp_tool_take_the_source_image(app, tmp_path):
+    import base64
+    import json
+
+    from gradio_client import Client, handle_file
+    from test_mcp import session_run
+
+    source = tmp_path / "first.png"
+    source.write_bytes(png((48, 32)))
+    call = dict(prompt=PROMPT, negative_prompt="", preset="tiny-wan-i2v", device="cpu", precision="fp32", mode="eager",
+                size="16x16", num_frames=9, fps=16, steps=2, guidance=5.0, seed=1, on_cold="eager")
+    video, frames, timings = Client(app, verbose=False).predict(**call, images=[handle_file(str(source))],
+                                                                api_name="/generate_video")
+    with open(video, "rb") as f:
+        assert len(decode_mp4(f.read())) == 9
+    assert "image 1 (48x32) resized to 16x16" in " ".join(timings["notices"])
+
+    url = "data:image/png;base64," + base64.b64encode(png((48, 32))).decode("ascii")
+
+    async def work(session):
+        return (await session.call_tool("generate_video", {**call, "images": [url]}),
+                await session.call_tool("generate_video", {**call, "preset": "tiny-wan", "images": [url]}))
+
+    made, refused = session_run(app + "gradio_api/mcp/", work)
+    assert not made.isError, [c.text for c in made.content if c.type == "text"]
+    shown = json.loads(next(c.text for c in made.content if c.type == "text" and "notices" in c.text))
+    assert shown["frames"] == 9 and "image 1 (48x32) resized to 16x16" in " ".join(shown["notices"])
+    assert refused.isError and "takes text to video only" in " ".join(c.text for c in refused.content
+                                                                        if c.type == "text")
 
 
 def test_a_deleted_job_is_gone_and_frees_the_visitors_one_running_request(app):

@@ -52,12 +52,6 @@ def test_bad_video_fields_say_what_to_change(fields, words):
         _build(**fields)
 
 
-def test_an_image_to_video_preset_says_it_needs_a_source_image():
-    spec = ImageRequest(preset="wan2.1-i2v-14b-480p", prompt="x")
-    with pytest.raises(InvalidRequest, match="makes a clip from a source image .* pick a text-to-video preset"):
-        build_request(get_preset(spec.preset), spec)
-
-
 def test_an_image_preset_ignores_frames_with_a_notice():
     spec = ImageRequest(preset="tiny-flux", prompt="x", num_frames=17)
     request, notices = build_request(get_preset("tiny-flux"), spec)

@@ -3,7 +3,8 @@
 - Every request body is bounded (Content-Length checked before reading, streamed bytes counted);
   multipart bodies are refused but on Gradio's upload route, which takes input images (edits) within
   MAX_UPLOAD_BODY_BYTES (engine/config/images.py bounds each file and decodes it once), and on the routes
-  of UPLOAD_ROUTES, which read their own multipart body bounded as it arrives (POST /v1/images/edits);
+  of UPLOAD_ROUTES, which read their own multipart body bounded as it arrives (POST /v1/images/edits, and
+  POST /v1/videos with its source image);
   what is uploaded is never served back by `/file=`, to its sender or anyone else.
 - Gradio's queue is hooked at `Queue.push` (every join route goes through it): each client (its
   address, see `client_address`) may hold a bounded number of events waiting or running, and each
@@ -50,7 +51,8 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 256 * 1024  # a /generate body with 2 × 4,000-character prompts is ~10 KB
 MAX_UPLOAD_BODY_BYTES = MAX_UPLOADS_BYTES + 64 * 1024  # one request's input images and the multipart framing
 # Routes that read a multipart body of their own, bounded as it arrives, and their body bound (the route's own).
-UPLOAD_ROUTES = {"/v1/images/edits": 65 * 2**20}  # ui/openai_edits.py EDIT_BODY_BYTES
+# ui/openai_edits.py EDIT_BODY_BYTES, ui/openai_videos.py VIDEO_BODY_BYTES
+UPLOAD_ROUTES = {"/v1/images/edits": 65 * 2**20, "/v1/videos": 33 * 2**20}
 LISTEN_GRACE_S = 3.0  # a page or gradio_client opens its event stream right after joining
 CLIENT_EVENTS = 8  # public mode: events one client may have waiting or running
 RETRY_STATUSES = (429, 503)  # refusals that say when to retry (Retry-After)
@@ -599,11 +601,9 @@ class _EdgeMiddleware:
         if "/gradio_api/mcp" in path:
             self.callers.mark_mcp_caller(scope)
         content_type = (_header(scope, b"content-type") or "").lower()
-        # The openai SDK posts a video job as a form (its fields only: ui/openai_videos.py refuses a file part)
         if path.endswith("/gradio_api/upload") and scope.get("method") == "POST":
             limit = MAX_UPLOAD_BODY_BYTES  # input images; Gradio bounds each file (launch's max_file_size)
-        elif ((path.endswith("/upload") or (content_type.startswith("multipart/") and path != "/v1/videos"))
-              and path not in UPLOAD_ROUTES):
+        elif (path.endswith("/upload") or content_type.startswith("multipart/")) and path not in UPLOAD_ROUTES:
             return "upload", 403, "This app takes uploads of input images only, on /gradio_api/upload"
         if self._unknown_api(scope, path):
             return "unknown function", 404, "This app has no such API; see /gradio_api/info"

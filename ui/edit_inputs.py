@@ -11,11 +11,13 @@ from __future__ import annotations
 import gradio as gr
 
 from engine.errors import ShowcaseError
+from engine.protocol import ImageInputs
 from ui.common import FAST, HandlerBase, to_gradio_error
 from ui.uploads import uploads
 
 MAX_SOURCE_PIXELS = 4096 * 4096  # engine/config/images.py MAX_INPUT_PIXELS: what the gate lets through
 NOTHING_TO_EDIT = "There is no image to edit yet: generate one first"
+CLEARED = {"value": None}  # a hidden field sends nothing: the preset would refuse what it does not take
 
 
 class EditInputs:
@@ -31,14 +33,21 @@ class EditInputs:
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
 
+    def image_area(self, preset: str):
+        """(image area, images) updates for the preset chosen: shown and open where it takes images, hidden and
+        emptied where it takes none (the Generate and Video tabs' areas)."""
+        inputs = self._inputs(preset)
+        source = "the first is the source to edit" if inputs.needs_source else "references"
+        label = (f"Image ({inputs.describe()})" if inputs is ImageInputs.FIRST_FRAME  # one, and no edit
+                 else f"Images ({inputs.describe()}; {source})")
+        return (gr.update(visible=inputs.takes_images, open=inputs.takes_images),
+                gr.update(visible=inputs.takes_images, label=label, **({} if inputs.takes_images else CLEARED)))
+
     def visibility(self, preset: str):
         """(image area, images, mask, strength) updates for the preset chosen."""
         inputs = self._inputs(preset)
-        source = "the first is the source to edit" if inputs.needs_source else "references"
-        cleared = {"value": None}  # a hidden field sends nothing: the preset would refuse what it does not take
-        return (gr.update(visible=inputs.takes_images, open=inputs.takes_images),
-                gr.update(visible=inputs.takes_images, label=f"Images ({inputs.describe()}; {source})",
-                          **({} if inputs.takes_images else cleared)),
+        cleared = CLEARED
+        return (*self.image_area(preset),
                 gr.update(visible=inputs.takes_mask, **({} if inputs.takes_mask else cleared)),
                 gr.update(visible=inputs.takes_strength, **({} if inputs.takes_strength else cleared)))
 
@@ -51,7 +60,8 @@ class EditInputs:
         if self._inputs(preset).takes_images:
             return preset
         serving = self.h.serving
-        editing = [name for name in serving.visitor_presets() if serving.preset(name).inputs.needs_source]
+        editing = [name for name in serving.visitor_presets()  # an image's edit: a clip's first frame is not one
+                   if serving.preset(name).inputs.needs_source and not serving.preset(name).video]
         if not editing:
             raise gr.Error("No preset that edits is offered here; the host adds one (e.g. tiny-shapes-edit)")
         return editing[0]
@@ -121,9 +131,9 @@ def compare_images(visible: bool) -> gr.File:
                          "each edit against eager fp32's edit")
 
 
-def capture_input() -> gr.Image:
+def capture_input(elem_id: str = "input-capture") -> gr.Image:
     """A picture from the webcam or the clipboard (or a file) for the image area: added to its images."""
-    return gr.Image(sources=["upload", "clipboard", "webcam"], type="filepath", format="png", elem_id="input-capture",
+    return gr.Image(sources=["upload", "clipboard", "webcam"], type="filepath", format="png", elem_id=elem_id,
                     label="Add a picture: paste it (clipboard), take it (webcam) or drop a file", height=200)
 
 

@@ -1,4 +1,5 @@
-"""Generate's video mode, shown in a tab of its own ("Video"): a clip from a video preset (text to video), played
+"""Generate's video mode, shown in a tab of its own ("Video"): a clip from a video preset (text to video, or image
+to video from a source image as the first frame, shown only for presets that take one), played
 (gr.Video), its frames side by side, and the same figures as Generate (per-step plot, stages with the VAE decode's
 share, recompiles, peak memory); `/generate_video` for gradio_client and the MCP tool of that name.
 
@@ -17,16 +18,18 @@ from gradio.utils import get_upload_folder
 from engine.errors import ShowcaseError
 from engine.protocol import params
 from engine.serving import stream
-from ui import views, webtemp
+from ui import edit_inputs, views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, to_gradio_error
 from ui.generate import GenerateHandlers
 from ui.runs import ProgressBar
 
 # The tab's fields, in /generate_video's order (gradio_client callers pass them positionally: append only).
 VIDEO_FIELDS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "num_frames", "fps",
-                "steps", "guidance", "seed", "on_cold")
+                "steps", "guidance", "seed", "on_cold", "images")
 GENERATE_VIDEO_DOC = (
-    "Generate one clip with a video preset (tiny-wan, Wan 2.x). Returns (video, frames, timings): the MP4, its "
+    "Generate one clip with a video preset (tiny-wan, Wan 2.x; tiny-wan-i2v and wan2.1-i2v-14b-480p start from a "
+    "source image: images, one file (gradio_client: [handle_file(PATH)]; an agent: an http(s) or data: URL), the "
+    "clip's first frame, resized to the size bucket). Returns (video, frames, timings): the MP4, its "
     "frames as images, and the run's figures as JSON (the CLI's --json: frames, fps, step_ms, encode/denoise/decode/"
     "total ms, video_encode_ms, recompiles, peak memory, notices such as a frame count snapped to its bucket). "
     "Every parameter is text or a number; '' takes the preset's default.")
@@ -64,10 +67,11 @@ class VideoHandlers(GenerateHandlers):
         return (gr.update(choices=sizes, value=sizes[0]), gr.update(value=p.frames[0] if p.video else None),
                 gr.update(value=p.fps), gr.update(value=p.steps))
 
-    def generate_video(self, request: gr.Request = None, progress=gr.Progress(), **form):  # noqa: B008
+    def generate_video(self, request: gr.Request = None, progress=gr.Progress(), images=None, **form):  # noqa: B008
         """One clip: streams (video, frames, timings) as Generate streams (image, timings); the video and its
-        frames come with the result."""
-        prepared = self._prepare(form, request, progress)
+        frames come with the result. `images` is named so that the API offers it as optional (text to video
+        sends none)."""
+        prepared = self._prepare({**form, "images": images}, request, progress)
         feed = self.run_feed(prepared.key, ProgressBar(progress))
         with self._registered(request) as run, closing(stream.blocking(self._events(prepared, run))) as events:
             for event in events:
@@ -91,6 +95,8 @@ def build(h: VideoHandlers) -> None:
         with gr.Row():
             with gr.Column(scale=2, min_width=320):
                 form = _controls(h, presets, first, d)
+                area, capture = _source_image(form, first)
+                form = {name: form[name] for name in VIDEO_FIELDS}  # /generate_video's order
             with gr.Column(scale=3, min_width=340):
                 with gr.Row():
                     run_btn = gr.Button("Generate clip", variant="primary", elem_id="video-btn")
@@ -115,6 +121,9 @@ def build(h: VideoHandlers) -> None:
     timings.change(clip_summary, timings, clip_line, **FAST)
     form["preset"].change(h.video_defaults, form["preset"], [form["size"], form["num_frames"], form["fps"],
                                                              form["steps"]], **FAST)
+    edits = edit_inputs.EditInputs(h)  # the source image's area follows the preset's declaration, as Generate's
+    form["preset"].change(edits.image_area, form["preset"], [area, form["images"]], **FAST)
+    capture.change(edits.add_capture, [capture, form["images"]], [form["images"], capture], **FAST)
 
 
 def _controls(h: VideoHandlers, presets: list[str], first, d) -> dict:
@@ -145,4 +154,16 @@ def _controls(h: VideoHandlers, presets: list[str], first, d) -> dict:
         form["seed"] = gr.Number(value=0, precision=0, minimum=0, label=params.label("seed"), elem_id="video-seed")
     form["on_cold"] = gr.Radio(params.choices("on_cold"), value=d.on_cold,
                                label=params.label("on_cold"), elem_id="video-on-cold")
-    return {name: form[name] for name in VIDEO_FIELDS}
+    return form
+
+
+def _source_image(form: dict, first) -> tuple[gr.Accordion, gr.Image]:
+    """The source image of an image-to-video preset (its first frame), as Generate's image area: the file and a
+    capture box (webcam, clipboard) that adds to it; shown where the preset takes images (EditInputs.image_area)."""
+    shown = first.inputs.takes_images
+    with gr.Accordion("Source image (image-to-video presets: the clip's first frame)", open=shown,
+                      visible=shown) as area:
+        form["images"] = gr.File(file_count="multiple", file_types=["image"], type="filepath", visible=shown,
+                                 label=f"Image ({first.inputs.describe(first.video)})", elem_id="video-images")
+        capture = edit_inputs.capture_input("video-capture")
+    return area, capture

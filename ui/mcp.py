@@ -57,7 +57,9 @@ FILE_LIST_ITEMS = 16  # the files of a list a tool call may send (engine/config/
 FILE_NOTE = (" To edit a picture, images is a list of image URLs: http(s)://... or data:image/png;base64,... (the "
              "first is the source; a preset that edits, e.g. tiny-shapes-edit with 'make the circle green'; FLUX.2 "
              "presets take several references); mask, one such URL, white where an inpaint preset repaints; "
-             "strength 0-1 for img2img / inpaint presets. Leave them out for text to image.")
+             "strength 0-1 for img2img / inpaint presets. Leave them out for text to image. generate_video: images "
+             "is one such URL for an image-to-video preset (tiny-wan-i2v, wan2.1-i2v-14b-480p), the clip's first "
+             "frame; none for text to video.")
 # endpoint -> what an agent reads in tools/list (parameters are listed by Gradio with their types)
 DESCRIPTIONS = {
     "generate": (
@@ -71,7 +73,9 @@ DESCRIPTIONS = {
                     if name not in FILE_INPUTS)
         + ". A request the server does not offer fails with the reason and what to change."),
     "generate_video": (
-        "Generate one short clip with a video preset (tiny-wan, Wan 2.x: text to video). Returns the MP4, its frames "
+        "Generate one short clip with a video preset (tiny-wan, Wan 2.x: text to video; tiny-wan-i2v and "
+        "wan2.1-i2v-14b-480p: from a source image, images = [one image URL], the clip's first frame). Returns the "
+        "MP4, its frames "
         "and its timings as JSON (frames, fps, step_ms, encode_ms, denoise_ms, decode_ms, total_ms, video_encode_ms, "
         "recompiles, peak memory, notices). preset: a video preset; size 'WxH' (one of its buckets); num_frames: "
         "snapped to its frame buckets (4k + 1 for Wan, e.g. 9, 17, 33); fps; steps, guidance, seed: numbers; mode: "
@@ -207,6 +211,10 @@ def url_lists(get_input_schema):
 def _json_text(value):
     """A tool's data output (generate's timings, status, a job) as JSON text an agent can json.loads: Gradio
     writes any output that is not a file as str(), Python's repr. Outputs holding files stay Gradio's."""
+    from gradio.data_classes import JsonData
+
+    if isinstance(value, JsonData):  # generate_video's timings arrive as Gradio's pydantic root model
+        value = value.root
     if not isinstance(value, (dict, list)):
         return value
     text = json.dumps(value, default=str)

@@ -38,6 +38,8 @@ MAX_HEADER_BYTES = 8 * 1024  # one part's headers
 MAX_PARTS = MAX_IMAGES + 1 + len(OPENAI_FIELDS) + len(IGNORED_FIELDS) + len(EXTRA_FIELDS) + 4
 EDIT_BODY_BYTES = MAX_UPLOADS_BYTES + 1024 * 1024  # every file together, and the text fields' room
 CHUNK = 64 * 1024
+EDIT_FORM = ("POST /v1/images/edits takes a multipart/form-data body (image, prompt, ...), as the openai SDK's "
+             "images.edit sends it")
 
 
 def _too_large(what: str, limit: int, param: str | None = None) -> ApiError:
@@ -56,13 +58,19 @@ class _Part:
         self.data = bytearray()
 
 
+def _listed(names) -> str:
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+
+
 class MultipartReader:
     """A multipart/form-data body read part by part (python-multipart's streaming parser), each part bounded as
-    its bytes arrive: `files` maps a file field's name to its files' bytes, `texts` a text field to its value."""
+    its bytes arrive: `files` maps a file field's name to its files' bytes, `texts` a text field to its value.
+    `file_fields`: the fields that are files (any other file part is refused), at most `max_parts` parts."""
 
-    def __init__(self, boundary: bytes):
+    def __init__(self, boundary: bytes, file_fields: tuple[str, ...] = FILE_FIELDS, max_parts: int = MAX_PARTS):
         from python_multipart.multipart import MultipartParser
 
+        self.file_fields, self.max_parts = file_fields, max_parts
         self.files: dict[str, list[bytes]] = {}
         self.texts: dict[str, str] = {}
         self.parts = 0
@@ -92,9 +100,9 @@ class MultipartReader:
 
     def _begin(self) -> None:
         self.parts += 1
-        if self.parts > MAX_PARTS:
-            raise ApiError(400, f"the body has more than {MAX_PARTS} parts; send the image(s), the mask and the "
-                                "fields this API takes, once each")
+        if self.parts > self.max_parts:
+            raise ApiError(400, f"the body has more than {self.max_parts} parts; send the file(s) "
+                                f"({_listed(self.file_fields)}) and the fields this API takes, once each")
         self.part = _Part()
 
     def _header_field(self, data: bytes, start: int, end: int) -> None:
@@ -126,12 +134,12 @@ class MultipartReader:
         part.name = name.decode("utf-8", "replace")[:60]
         filename = options.get(b"filename")
         part.filename = None if filename is None else filename.decode("utf-8", "replace")
-        if part.filename is None and part.name in FILE_FIELDS:
+        if part.filename is None and part.name in self.file_fields:
             raise ApiError(400, f"{part.name} must be an uploaded file (a multipart file part with a filename)",
                            param=_param(part.name))
-        if part.filename is not None and part.name not in FILE_FIELDS:
-            raise ApiError(400, f"{part.name} is not a file field; this API takes files as image, image[] and "
-                                "mask", param=part.name)
+        if part.filename is not None and part.name not in self.file_fields:
+            raise ApiError(400, f"{part.name} is not a file field; this API takes files as "
+                                f"{_listed(self.file_fields)}", param=part.name)
 
     def _data(self, data: bytes, start: int, end: int) -> None:
         part = self.part
@@ -159,31 +167,32 @@ def _param(name: str | None) -> str | None:
     return "image" if name == "image[]" else name
 
 
-def boundary_of(content_type: str | None) -> bytes:
+def boundary_of(content_type: str | None, expected: str = EDIT_FORM) -> bytes:
     from python_multipart.multipart import parse_options_header
 
     kind, options = parse_options_header(content_type or "")
     boundary = options.get(b"boundary")
     if kind != b"multipart/form-data" or not boundary or len(boundary) > 200:
-        raise ApiError(400, "POST /v1/images/edits takes a multipart/form-data body (image, prompt, ...), as the "
-                            "openai SDK's images.edit sends it", code="invalid_content_type")
+        raise ApiError(400, expected, code="invalid_content_type")
     return boundary
 
 
-async def read_parts(request) -> MultipartReader:
-    """The request's multipart body, read and parsed as it arrives, bounded (413 past a bound)."""
+async def read_parts(request, body_bytes: int = EDIT_BODY_BYTES, expected: str = EDIT_FORM,
+                     **fields) -> MultipartReader:
+    """The request's multipart body, read and parsed as it arrives, bounded (413 past a bound); `expected`: what
+    a body that is not multipart is told; `fields`: the MultipartReader's file fields and part bound."""
     from starlette.requests import ClientDisconnect
 
-    reader = MultipartReader(boundary_of(request.headers.get("content-type")))
+    reader = MultipartReader(boundary_of(request.headers.get("content-type"), expected), **fields)
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > EDIT_BODY_BYTES:
-        raise _too_large(f"the body ({int(length):,} bytes)", EDIT_BODY_BYTES)
+    if length is not None and length.isdigit() and int(length) > body_bytes:
+        raise _too_large(f"the body ({int(length):,} bytes)", body_bytes)
     read = 0
     try:
         async for chunk in request.stream():
             read += len(chunk)
-            if read > EDIT_BODY_BYTES:
-                raise _too_large("the body", EDIT_BODY_BYTES)
+            if read > body_bytes:
+                raise _too_large("the body", body_bytes)
             for at in range(0, len(chunk), CHUNK):
                 reader.write(chunk[at:at + CHUNK])
     except ClientDisconnect:
@@ -225,12 +234,14 @@ def edit_body(reader: MultipartReader) -> tuple[dict, tuple[bytes, ...], bytes |
 
 
 def edit_preset(routes, caller: Caller, body: dict) -> str:
-    """The `model` asked for, else the first preset this caller may use that takes images, else the default."""
+    """The `model` asked for, else the first image preset this caller may use that takes images, else the
+    default."""
     asked = body.get("model")
     if asked:
         return asked
     serving = routes.h.serving
-    editing = [name for name in routes._names(caller) if serving.preset(name).inputs.takes_images]
+    editing = [name for name in routes._names(caller)  # an image's edit: the clip makers are /v1/videos'
+               if serving.preset(name).inputs.takes_images and not serving.preset(name).video]
     return editing[0] if editing else routes.h.default_preset().name
 
 

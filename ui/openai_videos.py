@@ -1,8 +1,10 @@
 """The OpenAI videos API on the app's /v1 (ui/openai_api.py hands it every /v1/videos path): what the `openai`
 SDK's `client.videos` speaks.
 
-    POST   /v1/videos                 a job: `prompt`, `model` (a video preset), `size`, `seconds`; the showcase's
-                                      own fields as extra form fields (VIDEO_FIELDS: num_frames, fps, steps, ...)
+    POST   /v1/videos                 a job: `prompt`, `model` (a video preset), `size`, `seconds`,
+                                      `input_reference` (a file: the source image of an image-to-video model, its
+                                      first frame); the showcase's own fields as extra form fields (VIDEO_FIELDS:
+                                      num_frames, fps, steps, ...)
     GET    /v1/videos                 the caller's jobs kept here
     GET    /v1/videos/{id}            one job: status queued | in_progress | completed | failed, progress 0-100
     GET    /v1/videos/{id}/content    its MP4 (variant=video), first frame (thumbnail, PNG) or every frame side by
@@ -13,6 +15,10 @@ A job is one request through the manager, as the page's Generate is: checked and
 created (a bad field or a clip over the visitor's budget is refused there, with the app's message), then run
 in the background with the client's place at the edge and its one running request held until it ends. Clips
 live in memory only, the last JOBS_KEPT jobs (the oldest finished one goes first).
+
+The SDK's `videos.create(..., input_reference=open(PATH, "rb"))` sends the image as a multipart file part; the
+body is read as /v1/images/edits reads its own (ui/openai_edits.py: bounded while it arrives, nothing decoded
+here), and the bytes become `ImageRequest.images`, which the gate decodes and checks like every door's.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from engine.serving import stream
 from engine.serving.stream import Run
 from ui.common import HandlerBase
 from ui.openai_api import PREFIX, ApiError, api_error, hold_turn
+from ui.openai_edits import read_parts
+from ui.uploads import MAX_UPLOAD_BYTES
 
 JOBS_KEPT = 32
 # The showcase's own fields a job takes beside OpenAI's (the SDK's extra_body; form fields on the wire).
@@ -46,6 +54,12 @@ VIDEO_FIELDS = {
 PAGE_DEFAULTS = ("device", "precision", "mode", "on_cold")
 OPENAI_VIDEO_FIELDS = ("prompt", "model", "size", "seconds", "input_reference")
 VARIANTS = ("video", "thumbnail", "spritesheet")
+SOURCE = "input_reference"  # the one file a job takes: an image-to-video model's source image
+VIDEO_BODY_BYTES = MAX_UPLOAD_BYTES + 1024 * 1024  # the file and the text fields' room (ui/edge.py UPLOAD_ROUTES)
+VIDEO_FORM = ("POST /v1/videos takes a JSON object or a multipart/form-data body (prompt, model, input_reference, "
+              "...), as the openai SDK's videos.create sends it")
+AS_A_FILE = (f"{SOURCE} must be an image file (a multipart file part), as videos.create(..., {SOURCE}=open(PATH, "
+             "'rb')) sends it; references by image_url or file_id are not served here")
 
 
 @dataclass
@@ -99,25 +113,29 @@ def _field(form, name: str) -> str | None:
 
 
 async def read_form(request) -> dict:
-    """The job's fields, from a multipart form (what the SDK sends) or a JSON object."""
-    if request.headers.get("content-type", "").startswith("application/json"):
+    """The job's fields, from a multipart form (what the SDK sends; `input_reference` as the file's bytes) or a
+    JSON object (text fields only)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("application/json"):
         try:
             body = json.loads(await request.body() or b"null")
         except (ValueError, UnicodeError):
             raise ApiError(400, "the body must be JSON or a multipart form") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object with a prompt")
+        if body.get(SOURCE) not in (None, ""):
+            raise ApiError(400, AS_A_FILE, param=SOURCE)
         return body
-    from starlette.formparsers import MultiPartException
-
-    try:
-        form = await request.form(max_files=0, max_fields=32)
-    except MultiPartException as exc:
-        if "files" in str(exc).lower():
-            raise ApiError(400, "input_reference: image-to-video is not served here yet (the video presets on this "
-                                "server are text to video); leave it out", param="input_reference") from None
-        raise ApiError(400, f"the form cannot be read ({exc}); send the job's fields as text") from None
-    return dict(form.items())
+    if not content_type.startswith("multipart/"):
+        raise ApiError(400, VIDEO_FORM, code="invalid_content_type")
+    reader = await read_parts(request, VIDEO_BODY_BYTES, VIDEO_FORM, file_fields=(SOURCE,),
+                              max_parts=len(OPENAI_VIDEO_FIELDS) + len(VIDEO_FIELDS) + 2)
+    if any(name.startswith(SOURCE) for name in reader.texts):  # the SDK flattens {"image_url": ...} to text
+        raise ApiError(400, AS_A_FILE, param=SOURCE)
+    files = reader.files.get(SOURCE, [])
+    if len(files) > 1:
+        raise ApiError(400, f"send one {SOURCE}: the clip's first frame", param=SOURCE)
+    return {**reader.texts, **({SOURCE: files[0]} if files else {})}
 
 
 def check_form(form: dict) -> None:
@@ -127,9 +145,6 @@ def check_form(form: dict) -> None:
                             f"{', '.join(OPENAI_VIDEO_FIELDS)} and {', '.join(VIDEO_FIELDS)}", param=str(unknown[0])[:40])
     if not isinstance(form.get("prompt"), str) or not form["prompt"].strip():
         raise ApiError(400, "prompt is required: the text of the clip to make", param="prompt")
-    if form.get("input_reference") not in (None, ""):
-        raise ApiError(400, "input_reference: image-to-video is not served here yet (the video presets on this "
-                            "server are text to video); leave it out", param="input_reference")
 
 
 def frames_asked(form: dict, fps_default: int) -> str | None:
@@ -194,7 +209,7 @@ class VideoJobs:
         form = await read_form(request)
         check_form(form)
         client = self._client(request)
-        name = _field(form, "model") or self.h.default_preset().name
+        name = _field(form, "model") or self._default_model(SOURCE in form)
         spec = self._spec(form, name, caller, client)
         admitted = await anyio.to_thread.run_sync(self._admit, spec)  # checked and priced now, run in the background
         held = ExitStack()
@@ -218,16 +233,31 @@ class VideoJobs:
                            code="model_not_found")
         preset = self.h.serving.preset(name)
         if not preset.video:
-            videos = [n for n in self.h.serving.preset_names() if self.h.serving.preset(n).video]
             raise ApiError(400, f"model {name} makes images, not clips; choose a video model: "
-                                f"{', '.join(videos) or 'none is offered on this server'}", param="model")
+                                f"{', '.join(self._videos()) or 'none is offered on this server'}", param="model")
+        if SOURCE in form and not preset.inputs.takes_images:
+            raise ApiError(400, f"model {name} makes clips from text only, so it takes no {SOURCE}; choose a model "
+                                f"that starts from an image: {', '.join(self._videos(True)) or 'none is offered here'}",
+                           param=SOURCE)
         d = self.h.defaults
         given = {field: _field(form, field) for field in VIDEO_FIELDS}
         given.update({field: given[field] or getattr(d, field) for field in PAGE_DEFAULTS})
         return ImageRequest(**{**given, "seed": given["seed"] if given["seed"] not in (None, "") else 0,
-                               "num_frames": frames_asked(form, preset.fps)},
+                               "num_frames": frames_asked(form, preset.fps),
+                               "images": (form[SOURCE],) if SOURCE in form else ()},
                             preset=name, prompt=form["prompt"], size=_field(form, "size") or None, caller=caller,
                             client=client)
+
+    def _videos(self, from_image: bool = False) -> list[str]:
+        """The video models offered here (`from_image`: those that take a source image)."""
+        serving = self.h.serving
+        return [n for n in serving.preset_names() if serving.preset(n).video
+                and (not from_image or serving.preset(n).inputs.takes_images)]
+
+    def _default_model(self, from_image: bool) -> str:
+        """A job naming no model: the default preset, or with a source image the first model that takes one."""
+        takers = self._videos(True) if from_image else []
+        return takers[0] if takers else self.h.default_preset().name
 
     def _admit(self, spec: ImageRequest):
         h = self.h

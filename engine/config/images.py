@@ -161,27 +161,27 @@ def decode(data, index: int | None = 0):
 def check_count(preset: ModelPreset, images, mask, strength) -> None:
     """The fields the preset's family takes (its `inputs` declaration) and the number of images, before any
     decoding."""
-    inputs = preset.inputs
+    inputs, takes = preset.inputs, preset.inputs.describe(preset.video)
     if not isinstance(images, tuple | list):
         raise InvalidRequest(f"images must be a list of uploaded files, got {type(images).__name__}")
     if len(images) > MAX_IMAGES:
         raise InvalidRequest(f"{len(images)} images uploaded; at most {MAX_IMAGES} are read")
     if images and not inputs.takes_images:
-        raise InvalidRequest(f"preset {preset.name} takes {inputs.describe()}: remove the input image, or choose a "
-                             f"preset that takes images ({', '.join(editing_presets()) or 'none is configured'})")
+        raise InvalidRequest(f"preset {preset.name} takes {takes}: remove the input image, or choose a preset that "
+                             f"takes images ({', '.join(editing_presets(preset.video)) or 'none is configured'})")
     if len(images) > preset.max_references:
         raise InvalidRequest(f"preset {preset.name} takes at most {preset.max_references} input image"
-                             f"{'s' if preset.max_references != 1 else ''} ({inputs.describe()}), got {len(images)}; "
+                             f"{'s' if preset.max_references != 1 else ''} ({takes}), got {len(images)}; "
                              "remove some")
     if inputs.needs_source and not images:
-        raise InvalidRequest(f"preset {preset.name} takes {inputs.describe()}: upload the image to edit")
+        raise InvalidRequest(f"preset {preset.name} takes {takes}: upload {inputs.source_role}")
     if mask is not None and not inputs.takes_mask:
-        raise InvalidRequest(f"preset {preset.name} takes {inputs.describe()}, no mask: remove the mask or choose an "
+        raise InvalidRequest(f"preset {preset.name} takes {takes}, no mask: remove the mask or choose an "
                              "inpainting preset")
     if inputs.takes_mask and mask is None:
         raise InvalidRequest(f"preset {preset.name} inpaints: upload a mask (white where it repaints)")
     if strength not in (None, "") and not inputs.takes_strength:
-        raise InvalidRequest(f"preset {preset.name} takes {inputs.describe()}, no strength: strength is for img2img "
+        raise InvalidRequest(f"preset {preset.name} takes {takes}, no strength: strength is for img2img "
                              "and inpainting presets; leave it empty")
     total = sum(len(d) for d in (*images, mask or b"") if isinstance(d, bytes | bytearray | memoryview))
     if total > MAX_UPLOADS_BYTES:
@@ -189,10 +189,11 @@ def check_count(preset: ModelPreset, images, mask, strength) -> None:
                              f"{MAX_UPLOADS_BYTES // 2**20} MiB")
 
 
-def editing_presets() -> list[str]:
+def editing_presets(video: bool = False) -> list[str]:
+    """The configured presets that take input images, among the video ones (`video`) or the image ones."""
     from engine.config.presets import load_presets
 
-    return [name for name, p in load_presets().items() if p.inputs.takes_images]
+    return [name for name, p in load_presets().items() if p.inputs.takes_images and p.video == video]
 
 
 def check_strength(strength) -> float:

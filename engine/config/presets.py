@@ -56,6 +56,8 @@ PIPELINE_INPUTS: dict[str, tuple[ImageInputs, int]] = {
     "Flux2Pipeline": (ImageInputs.REFERENCES, 10),  # diffusers warns beyond 10 (its model card's bound)
     "Flux2KleinPipeline": (ImageInputs.REFERENCES, 4),
     "QwenImageEditPlusPipeline": (ImageInputs.REFERENCES, 3),  # the 2509 model card: one to three images
+    "WanImageToVideoPipeline": (ImageInputs.FIRST_FRAME, 1),
+    "LTXImageToVideoPipeline": (ImageInputs.FIRST_FRAME, 1),
 }
 # A preset's switches (cfg, negative_prompt, tp, ...): its true-or-false fields, false unless models.toml sets them
 SWITCHES = tuple(f.name for f in dataclasses.fields(ModelPreset) if f.type == "bool")
@@ -123,8 +125,10 @@ def _image_inputs(name: str, d: dict) -> dict:
     most = int(d.get("max_references", most if inputs.takes_images else 0))
     if inputs.takes_images and most < 1 or not inputs.takes_images and most:
         raise ValueError(f"preset {name}: max_references {most} does not fit inputs {inputs}")
-    if inputs in (ImageInputs.EDIT, ImageInputs.IMG2IMG, ImageInputs.INPAINT) and most != 1:
+    if inputs in (ImageInputs.EDIT, ImageInputs.IMG2IMG, ImageInputs.INPAINT, ImageInputs.FIRST_FRAME) and most != 1:
         raise ValueError(f"preset {name}: {inputs} takes one image; set max_references = 1")
+    if inputs is ImageInputs.FIRST_FRAME and not d.get("frames", True):
+        raise ValueError(f"preset {name}: {inputs} starts a clip; give the preset its frame buckets (frames)")
     return {"inputs": inputs, "max_references": most, "base_pipeline": d.get("base_pipeline")}
 
 

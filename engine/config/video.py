@@ -13,8 +13,6 @@ from engine.errors import InvalidRequest
 from engine.protocol import BucketKey, Mode, ModelPreset, Size
 
 MAX_FPS = 60
-# Pipelines whose clip starts from a source image: served once requests carry an image input (not yet).
-NEEDS_SOURCE_IMAGE = frozenset({"WanImageToVideoPipeline"})
 
 
 def check_frame_buckets(name: str, frames, step: int) -> tuple[int, ...]:
@@ -75,9 +73,6 @@ def video_fields(preset: ModelPreset, num_frames, fps, snap: bool = True) -> tup
         given = [name for name, value in (("num_frames", num_frames), ("fps", fps)) if _given(value)]
         notice = (f"{preset.name} makes images; {' and '.join(given)} ignored",) if given else ()
         return 0, 0, notice
-    if preset.pipeline in NEEDS_SOURCE_IMAGE:
-        raise InvalidRequest(f"{preset.name} makes a clip from a source image ({preset.pipeline}), and requests here "
-                             "carry no image yet; pick a text-to-video preset (tiny-wan, wan2.1-t2v-1.3b, ...)")
     frames, notices = route_frames(preset, num_frames, snap)
     return frames, check_fps(preset, fps), notices
 

@@ -60,7 +60,11 @@ def _negative_prompt(preset: ModelPreset, pipe, request: GenerateRequest, member
 
 
 def _video(preset: ModelPreset, pipe, request: GenerateRequest, members) -> dict:
-    return {"num_frames": request.num_frames} if request.num_frames else {}
+    if not request.num_frames:
+        return {}
+    # LTX-Video scales its positions in time by the rate (`frame_rate`); Wan's pipelines take none
+    rate = {"frame_rate": request.fps} if request.fps and _takes_argument(type(pipe), "frame_rate") else {}
+    return {"num_frames": request.num_frames, **rate}
 
 
 def image_kwargs(preset: ModelPreset, request: GenerateRequest, members: list[GenerateRequest] | None = None) -> dict:

@@ -317,10 +317,11 @@ FIELDS = (
     # Input images (engine/config/images.py), appended: positional callers of the fields above keep working.
     Field("images", tuple, (), "Images (the first is the source; all are references for FLUX.2)",
           "input images (PNG, JPEG, WebP, ...; at most 32 MiB each): the source to edit for edit / img2img / "
-          "inpaint presets, references for FLUX.2; none for text to image", role=Role.ROUTED, needs=Needs.IMAGES,
+          "inpaint presets, references for FLUX.2, the clip's first frame for image-to-video presets; none for "
+          "text to image or video", role=Role.ROUTED, needs=Needs.IMAGES,
           cli=dict(name="--image", kind=APPEND, metavar="PATH", help="an input image (repeatable): the source to "
-                   "edit (img2img, inpaint, an instruction edit), or FLUX.2's references; the preset says which it "
-                   "takes")),
+                   "edit (img2img, inpaint, an instruction edit), FLUX.2's references, or an image-to-video "
+                   "preset's first frame; the preset says which it takes")),
     Field("mask", bytes, None, "Mask (inpaint: white repaints), at the source's size",
           "inpaint presets: a mask at the source's size, white where it repaints", role=Role.ROUTED,
           needs=Needs.MASK, batch=lambda mask: mask is not None, cli=dict(metavar="PATH")),

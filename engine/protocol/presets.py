@@ -93,6 +93,8 @@ class ImageInputs(enum.StrEnum):
     INPAINT = "inpaint"  # a source, a mask (white: repaint) and `strength` (FluxInpaintPipeline, ...)
     EDIT = "edit"  # an instruction edit of one reference whose tokens join the sequence (FluxKontextPipeline)
     REFERENCES = "references"  # 0..max_references references joining the sequence (FLUX.2, Qwen-Image-Edit-Plus)
+    # A clip's first frame (WanImageToVideoPipeline): one source, encoded into the first latent frame, no strength
+    FIRST_FRAME = "first-frame"
 
     @classmethod
     def parse(cls, value, preset: str = "") -> ImageInputs:
@@ -109,7 +111,12 @@ class ImageInputs(enum.StrEnum):
     @property
     def needs_source(self) -> bool:
         """At least one image is required (else the pipeline has nothing to edit)."""
-        return self in (ImageInputs.IMG2IMG, ImageInputs.INPAINT, ImageInputs.EDIT)
+        return self in (ImageInputs.IMG2IMG, ImageInputs.INPAINT, ImageInputs.EDIT, ImageInputs.FIRST_FRAME)
+
+    @property
+    def source_role(self) -> str:
+        """What the first image is to the pipeline (a form's label, the error asking for it)."""
+        return "the image the clip starts from" if self is ImageInputs.FIRST_FRAME else "the image to edit"
 
     @property
     def takes_strength(self) -> bool:
@@ -124,11 +131,14 @@ class ImageInputs(enum.StrEnum):
         """The references' latent tokens join the denoiser's sequence: each one is part of the bucket."""
         return self in (ImageInputs.EDIT, ImageInputs.REFERENCES)
 
-    def describe(self) -> str:
-        return {ImageInputs.TEXT: "text to image only", ImageInputs.IMG2IMG: "one source image and a strength",
+    def describe(self, video: bool = False) -> str:
+        """What it takes, in words (`video`: the preset makes clips, so text alone is text to video)."""
+        return {ImageInputs.TEXT: f"text to {'video' if video else 'image'} only",
+                ImageInputs.IMG2IMG: "one source image and a strength",
                 ImageInputs.INPAINT: "one source image, a mask and a strength",
                 ImageInputs.EDIT: "one image to edit by instruction",
-                ImageInputs.REFERENCES: "reference images"}[self]
+                ImageInputs.REFERENCES: "reference images",
+                ImageInputs.FIRST_FRAME: "one source image, the clip's first frame"}[self]
 
 
 DEFAULT_STRENGTH = 0.6  # diffusers' img2img/inpaint default: 60 % of the schedule runs from the noised source
