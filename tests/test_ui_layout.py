@@ -168,7 +168,8 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.config.validation": {"check_steps"},
     "engine.config.request": None,  # the request every edge builds
     "engine.config": {"strict"},  # numbers and JSON bodies read by one strict grammar at every door
-    "engine.config.images": {"MAX_IMAGES", "MAX_UPLOAD_BYTES", "MAX_UPLOADS_BYTES", "read_image_file"},  # an upload read bounded, as the CLI reads a file
+    "engine.config.images": {"MAX_IMAGES", "MAX_UPLOAD_BYTES", "MAX_UPLOADS_BYTES", "read_image_file", "decode_inputs",
+                             "fit_inputs"},  # an upload read bounded, as the CLI reads a file; decoded as the gate does
     "engine.config.placement": {"split_device"},  # a device field's chip or node (--ray)
     "engine.processes": {"pid_alive"},
     "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it
