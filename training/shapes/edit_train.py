@@ -84,8 +84,8 @@ class EditSettings:
     encoder_geometry_weight: float = 10.0
     kind_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)  # colour, background, shape
     # The last stage (training.shapes.edit_tune): the decoder tuned on tune_pool latents the transformer writes.
-    tune_pool: int = 1024
-    tune_steps: int = 400
+    tune_pool: int = 2048
+    tune_steps: int = 1200
     tune_lr: float = 5e-4
     checkpoint_every: int = 50
     eval_every: int = 200
