@@ -65,7 +65,7 @@ def result_path(cache_dir: Path, preset: str, device: str, size, steps: int) -> 
 def edit_inputs(preset, mode: Mode, source) -> dict:
     """An edit request's image fields with `source` (PIL, at the output size) as its input image: the fields a
     warm-up at that bucket sends (engine/pipeline/warmup.py), so the advisor's requests run the bucket it warmed."""
-    from engine.pipeline.warmup import synthetic_inputs
+    from engine.config.images import synthetic_inputs
     from engine.protocol.requests import PixelImage
 
     size = Size(source.width, source.height)

@@ -15,7 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
-from training.shapes import edit_train
+from training.shapes import edit_train, edit_tune
 from training.shapes.training import override_settings
 
 
@@ -35,10 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = edit_train.EditSettings()
     override_settings(settings, args.set, parser.error)
-    done = edit_train.run(args.out, args.cache, args.minutes, settings, args.resume, args.stage)
+    done = args.stage == "tune" or edit_train.run(args.out, args.cache, args.minutes, settings, args.resume,
+                                                  args.stage)
     if not done:
         logging.getLogger(__name__).warning("stopped at a checkpoint (--minutes); rerun to resume")
         return 3
+    if args.stage != "train":  # a folder was written (or is asked to be tuned again): its decoder is tuned last
+        edit_tune.tune(args.out, settings)
     return 0
 
 

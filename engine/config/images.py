@@ -20,7 +20,7 @@ import io
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
-from engine.protocol import DEFAULT_STRENGTH, ImageInputs, ModelPreset, PixelImage, Size
+from engine.protocol import DEFAULT_STRENGTH, BucketKey, ImageInputs, ModelPreset, PixelImage, Size
 
 MAX_UPLOAD_BYTES = 32 * 2**20  # one file, before decoding
 MAX_UPLOADS_BYTES = 64 * 2**20  # all of a request's files together
@@ -289,3 +289,25 @@ def read_image_file(path, name: str = "image") -> bytes:
     if len(data) > MAX_UPLOAD_BYTES:
         raise InvalidRequest(f"{name} {str(path)[:80]!r} is over {MAX_UPLOAD_BYTES // 2**20} MiB; give a smaller image")
     return data
+
+
+def synthetic_inputs(preset, bucket: BucketKey) -> dict:
+    """A warm-up's input images at `bucket`: a mid-grey source at the output size (img2img, inpaint), a mask
+    repainting its centre, the bucket's references: the shapes a request's resized uploads have, so the graph
+    it compiles is the one they run."""
+    inputs = preset.inputs
+    if not inputs.takes_images:
+        return {}
+    size = bucket.size
+    sizes = bucket.refs if inputs.in_sequence else (size,)
+    images = tuple(PixelImage(s.width, s.height, bytes([128]) * (s.width * s.height * 3)) for s in sizes)
+    fields = {"images": images, "images_in_sequence": inputs.in_sequence and bool(images),
+              "images_shared": inputs is ImageInputs.REFERENCES and bool(images)}
+    if inputs.takes_strength:
+        fields["strength"] = 1.0  # every step runs: the same graph, the whole schedule warmed
+    if inputs.takes_mask:
+        rows = [bytes(size.width // 4) + bytes([255]) * (size.width - size.width // 4 * 2) + bytes(size.width // 4)
+                if size.height // 4 <= y < size.height - size.height // 4 else bytes(size.width)
+                for y in range(size.height)]
+        fields["mask"] = PixelImage(size.width, size.height, b"".join(rows), "L")
+    return fields

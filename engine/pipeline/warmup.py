@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from engine import devices
 from engine.config import caches
+from engine.config.images import synthetic_inputs
 from engine.errors import InvalidRequest
 from engine.pipeline.board import describe_failure
 from engine.pipeline.clock import cache_counters
@@ -17,35 +18,11 @@ from engine.protocol import (
     BucketKey,
     BucketState,
     GenerateRequest,
-    ImageInputs,
     Mode,
-    PixelImage,
     Size,
 )
 
 log = logging.getLogger(__name__)
-
-
-def synthetic_inputs(preset, bucket: BucketKey) -> dict:
-    """A warm-up's input images at `bucket`: a mid-grey source at the output size (img2img, inpaint), a mask
-    repainting its centre, the bucket's references: the shapes a request's resized uploads have, so the graph
-    it compiles is the one they run."""
-    inputs = preset.inputs
-    if not inputs.takes_images:
-        return {}
-    size = bucket.size
-    sizes = bucket.refs if inputs.in_sequence else (size,)
-    images = tuple(PixelImage(s.width, s.height, bytes([128]) * (s.width * s.height * 3)) for s in sizes)
-    fields = {"images": images, "images_in_sequence": inputs.in_sequence and bool(images),
-              "images_shared": inputs is ImageInputs.REFERENCES and bool(images)}
-    if inputs.takes_strength:
-        fields["strength"] = 1.0  # every step runs: the same graph, the whole schedule warmed
-    if inputs.takes_mask:
-        rows = [bytes(size.width // 4) + bytes([255]) * (size.width - size.width // 4 * 2) + bytes(size.width // 4)
-                if size.height // 4 <= y < size.height - size.height // 4 else bytes(size.width)
-                for y in range(size.height)]
-        fields["mask"] = PixelImage(size.width, size.height, b"".join(rows), "L")
-    return fields
 
 
 class WarmRequests:

@@ -383,15 +383,9 @@ def run(out: Path = DEFAULT_OUT, cache: Path = DEFAULT_CACHE, minutes: float | N
         (cache / "edit-log.jsonl").unlink(missing_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "settings.json").write_text(json.dumps(asdict(settings), indent=2))
-    from training.shapes import edit_tune
-
-    if stage == "tune":  # the exported folder's decoder, tuned again
-        edit_tune.tune(out, settings)
-        return True
     _, tiny_vae = load_components()
     if stage == "export":
         export(cache, out, edit_encoder.load_trained(tiny_vae, settings, cache))
-        edit_tune.tune(out, settings)
         return True
     started = time.perf_counter()
     vae, finished = edit_encoder.train_encoder(tiny_vae, settings, cache, minutes)
@@ -400,6 +394,5 @@ def run(out: Path = DEFAULT_OUT, cache: Path = DEFAULT_CACHE, minutes: float | N
         finished = EditTraining(settings, cache, vae).run(left)
     if stage == "all" and finished:
         export(cache, out, vae)
-        edit_tune.tune(out, settings)
     return finished
 
