@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TypeVar
 
 import psutil
@@ -251,3 +252,71 @@ def chromium_env() -> dict:
     import os
 
     return {**os.environ, "TMPDIR": "/tmp"}
+
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's, installed by `make browser` (never `playwright install`)
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--no-first-run"]
+
+
+def require_chromium() -> None:
+    """Skip the calling browser-test module where Chromium is missing."""
+    import pytest
+
+    if not CHROMIUM.exists():
+        pytest.skip("Chromium is missing: run `make browser` (apt-get install -y chromium)", allow_module_level=True)
+
+
+@contextmanager
+def browser_page(url: str | None, size: tuple[int, int] = (1400, 1000), timeout_ms: int = 30_000) -> Iterator:
+    """A headless Chromium page, with the app at `url` loaded (its Generate button drawn; None: a blank page);
+    the browser is closed when the block ends."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, env=chromium_env())
+        try:
+            page = browser.new_page(viewport={"width": size[0], "height": size[1]})
+            page.set_default_timeout(timeout_ms)
+            if url is not None:
+                page.goto(url)
+                page.wait_for_selector("#generate-btn")
+            yield page
+        finally:
+            browser.close()
+
+
+@contextmanager
+def app_page(cache_dir, defaults, size: tuple[int, int] = (1400, 1000)) -> Iterator:
+    """A browser page on an app of its own (an engine manager and the launched demo, shut down after)."""
+    with engine_manager(cache_dir) as manager:
+        demo, url = launch_demo(manager, defaults)
+        try:
+            with browser_page(url, size) as page:
+                yield page
+        finally:
+            demo.close()
+
+
+def png_bytes(size: tuple[int, int] = (64, 64), colour=(200, 30, 30), seed: int | None = None) -> bytes:
+    """A PNG upload: one colour, or (with `seed`) a different noise picture per seed."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    if seed is None:
+        image = Image.new("RGB", size, colour)
+    else:
+        image = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+class NoProgress:
+    """A gr.Progress stand-in for handlers called directly: shows nothing."""
+
+    def __call__(self, progress, desc=None, total=None, unit="steps"):
+        pass

@@ -6,15 +6,11 @@ configuration that differs; eager on cpu, nothing compiles)."""
 from __future__ import annotations
 
 import pytest
+from helpers import NoProgress
 
 from ui.handlers import Handlers, UIDefaults
 
 pytestmark = pytest.mark.slow  # loads tiny-wan's engine and runs two configurations' clips
-
-
-class _Progress:
-    def __call__(self, progress, desc=None, total=None, unit="steps"):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +22,7 @@ def compare(handlers, **form):
     return list(handlers.compare(**{**dict(prompt="a red circle moving right", preset="tiny-wan", size="16x16",
                                            steps=2, guidance=None, seed=3, devices=["cpu"], precisions=None,
                                            modes=None, wait_for_warm=False, timing_s=0), **form},
-                                 request=None, progress=_Progress()))
+                                 request=None, progress=NoProgress()))
 
 
 @pytest.fixture(scope="module")

@@ -4,16 +4,12 @@ edit's drift is against eager fp32's edit, side by side (bf16 here; eager on cpu
 from __future__ import annotations
 
 import pytest
+from helpers import NoProgress
 from PIL import Image, ImageDraw
 
 from ui.handlers import Handlers, UIDefaults
 
 pytestmark = pytest.mark.slow  # loads the edit preset's engine and runs two configurations
-
-
-class _Progress:
-    def __call__(self, progress, desc=None, total=None, unit="steps"):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +29,7 @@ def compare(handlers, **form):
     return list(handlers.compare(**{**dict(prompt="make the circle green", preset="tiny-shapes-edit", size="64x64",
                                            steps=2, guidance=None, seed=3, devices=["cpu"], precisions=None,
                                            modes=None, wait_for_warm=False, timing_s=0), **form},
-                                 request=None, progress=_Progress()))
+                                 request=None, progress=NoProgress()))
 
 
 def test_compare_edits_the_same_source_in_every_configuration(handlers, tmp_path):

@@ -9,6 +9,7 @@ import io
 
 import numpy as np
 import pytest
+from helpers import png_bytes
 from PIL import Image
 
 from engine.config.request import ImageRequest
@@ -18,13 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def png(size=(64, 64), colour=(200, 30, 30), seed: int | None = None) -> bytes:
-    if seed is None:
-        image = Image.new("RGB", size, colour)
-    else:  # a different picture per seed
-        image = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
+    return png_bytes(size, colour, seed)
 
 
 def edit(**fields) -> ImageRequest:

@@ -6,11 +6,8 @@ the bucket's frames from it through the manager and the CLI."""
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
 import pytest
-from PIL import Image
+from helpers import png_bytes
 
 from engine.config.presets import get_preset, load_presets
 from engine.config.request import ImageRequest
@@ -22,13 +19,7 @@ PROMPT = "a red circle moving right"
 
 
 def png(size=(16, 16), colour=(200, 30, 30), seed: int | None = None) -> bytes:
-    if seed is None:
-        image = Image.new("RGB", size, colour)
-    else:  # a different picture per seed
-        image = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
+    return png_bytes(size, colour, seed)
 
 
 def _build(preset: str, **fields):

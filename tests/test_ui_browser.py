@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import chromium_env, launch_demo, wait_until
+from helpers import browser_page, launch_demo, require_chromium, wait_until
 
 from engine.config.presets import get_preset
 from engine.config.request import ImageRequest
@@ -26,18 +26,13 @@ from ui.handlers import UIDefaults
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--no-first-run"]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 # The regional bucket this module warms from the board, then compares at: the default preset's first
 # bucket, whose regional graph other tests (batching, step caches) compile into the session's cache too, so
 # one of them compiles it and the rest load it.
 WATCHED = "64x64"
 
-if not CHROMIUM.exists():
-    pytest.skip("Chromium is missing: run `make browser` (apt-get install -y chromium)", allow_module_level=True)
+require_chromium()
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +54,12 @@ def app_url(manager):
 
 @pytest.fixture(scope="module")
 def page(app_url):
-    from playwright.sync_api import sync_playwright
-
     ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, env=chromium_env())
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-        pg.set_default_timeout(30_000)
+    with browser_page(None) as pg:  # each test loads the app itself
         pg.app_url = app_url
         pg.console_errors = []
         pg.on("console", lambda m: m.type == "error" and pg.console_errors.append(m.text))
         yield pg
-        browser.close()
 
 
 def choose(page, elem_id: str, label_prefix: str) -> None:

@@ -9,40 +9,22 @@ import io
 from pathlib import Path
 
 import pytest
-from helpers import chromium_env, engine_manager, launch_demo
+from helpers import app_page, require_chromium
 from PIL import Image
 
 from ui.handlers import UIDefaults
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--no-first-run"]
 EDIT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-shapes-edit"
 
-if not CHROMIUM.exists():
-    pytest.skip("Chromium is missing: run `make browser` (apt-get install -y chromium)", allow_module_level=True)
+require_chromium()
 
 
 @pytest.fixture(scope="module")
 def page(cache_dir, tiny_models):
-    from playwright.sync_api import sync_playwright
-
-    with engine_manager(cache_dir) as manager:
-        demo, url = launch_demo(manager, UIDefaults(preset="tiny-shapes", device="cpu", mode="eager"))
-        try:
-            with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, env=chromium_env())
-                pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-                pg.set_default_timeout(30_000)
-                pg.goto(url)
-                pg.wait_for_selector("#generate-btn")
-                yield pg
-                browser.close()
-        finally:
-            demo.close()
+    with app_page(cache_dir, UIDefaults(preset="tiny-shapes", device="cpu", mode="eager")) as pg:
+        yield pg
 
 
 def output_image(page) -> Image.Image:

@@ -9,38 +9,29 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import chromium_env, launch_demo
+from helpers import browser_page, launch_demo, require_chromium
 
 from ui.handlers import UIDefaults
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 # six rows, two engines (fp32, bf16), nothing to compile; the cached steps make four more plot series
 CONFIGS = ("eager/fp32; eager/bf16; eager/fp32/first-block:0.2; eager/bf16/first-block:0.2; "
            "eager/fp32/magcache:0.06; eager/bf16/magcache:0.06")
 
-if not CHROMIUM.exists():
-    pytest.skip("Chromium is missing: run `make browser` (apt-get install -y chromium)", allow_module_level=True)
+require_chromium()
 
 
 @pytest.fixture(scope="module")
 def page(manager):
-    from playwright.sync_api import sync_playwright
-
     ARTIFACTS.mkdir(exist_ok=True)
     demo, url = launch_demo(manager, UIDefaults())
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), env=chromium_env(),
-                                    args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        pg = browser.new_page(viewport={"width": 1280, "height": 800})
-        pg.set_default_timeout(60_000)
-        pg.goto(url)
-        pg.wait_for_selector("#generate-btn")
-        yield pg
-        browser.close()
-    demo.close()
+    try:
+        with browser_page(url, (1280, 800), timeout_ms=60_000) as pg:
+            yield pg
+    finally:
+        demo.close()
 
 
 def inner_scrollers(page, elem_id: str) -> list:

@@ -10,23 +10,17 @@ at different step counts, then a Compare whose regional compile waits in line, t
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
-from helpers import chromium_env, launch_demo
+from helpers import browser_page, launch_demo, require_chromium
 
 from ui.handlers import UIDefaults
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--no-first-run"]
 WATCHED = "64x64"
 
-if not CHROMIUM.exists():
-    pytest.skip("Chromium is missing: run `make browser` (apt-get install -y chromium)", allow_module_level=True)
+require_chromium()
 
 # Each drawn line's vertices in client pixels (the path's own transform applied) and the plot frame's box.
 POINTS_AND_FRAME = """root => {
@@ -56,20 +50,12 @@ def manager(cache_dir, tiny_models):
 
 @pytest.fixture(scope="module")
 def page(manager):
-    from playwright.sync_api import sync_playwright
-
     demo, url = launch_demo(manager, UIDefaults(mode="eager"))
     try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, env=chromium_env())
-            pg = browser.new_page(viewport={"width": 1280, "height": 800})
-            pg.set_default_timeout(60_000)
-            pg.goto(url)
-            pg.wait_for_selector("#generate-btn")
+        with browser_page(url, (1280, 800), timeout_ms=60_000) as pg:
             pg.wait_for_function("document.querySelector('#engine-line').innerText.includes('Ready')",
                                  timeout=180_000)
             yield pg
-            browser.close()
     finally:
         demo.close()
 

@@ -5,32 +5,20 @@ first frame at the size bucket, and the clip plays with the frames asked for. Ea
 from __future__ import annotations
 
 import pytest
-from helpers import chromium_env, engine_manager, launch_demo
+from helpers import app_page, require_chromium
 from PIL import Image
-from test_ui_browser_edit import CHROMIUM, CHROMIUM_ARGS
 
 from ui.handlers import UIDefaults
 
 pytestmark = pytest.mark.browser
 
+require_chromium()
+
 
 @pytest.fixture(scope="module")
 def page(cache_dir):
-    from playwright.sync_api import sync_playwright
-
-    with engine_manager(cache_dir) as manager:
-        demo, url = launch_demo(manager, UIDefaults(preset="tiny-wan", device="cpu", mode="eager"))
-        try:
-            with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, env=chromium_env())
-                pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-                pg.set_default_timeout(30_000)
-                pg.goto(url)
-                pg.wait_for_selector("#generate-btn")
-                yield pg
-                browser.close()
-        finally:
-            demo.close()
+    with app_page(cache_dir, UIDefaults(preset="tiny-wan", device="cpu", mode="eager")) as pg:
+        yield pg
 
 
 def test_a_clip_starts_from_an_uploaded_picture(page, tmp_path):
