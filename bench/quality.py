@@ -9,7 +9,9 @@ Two measures, for every configuration of a bench run:
   kept); `diff_heatmap` draws |image - reference| as a picture.
 - **fidelity**, for a model trained on a closed grammar (a preset with `fidelity = "shapes"`): the
   share of images whose background colour, object colour and shape a pixel-only checker reads as the
-  prompt says (training/shapes/fidelity.py), over seeded random prompts of the grammar.
+  prompt says (training/shapes/fidelity.py), over seeded random prompts of the grammar; for
+  `fidelity = "shapes-video"` the share of clips whose every frame and direction of motion read right
+  (training/shapes/video_fidelity.py).
 
 Pure functions here are shared with the UI's Compare tab (`image_drift`); torch is not imported.
 """
@@ -155,8 +157,11 @@ def fmt_drift(psnr_db, max_diff) -> str:
 def sample_prompts(preset, n: int, seed: int, fallback: str, held_out: bool = False) -> list[str]:
     """`n` prompts for quality samples: random prompts of the model's grammar (seeded; training prompts,
     or the held-out ones), else the bench's own prompt each time."""
-    if preset.fidelity == "shapes":
-        from training.shapes.grammar import HELD_OUT, training_prompts
+    if preset.fidelity in ("shapes", "shapes-video"):
+        if preset.fidelity == "shapes":
+            from training.shapes.grammar import HELD_OUT, training_prompts
+        else:
+            from training.shapes.video_grammar import HELD_OUT, training_prompts
 
         pool = list(HELD_OUT if held_out else training_prompts())
         rng = random.Random(seed)
@@ -168,6 +173,8 @@ def fidelity_checker(preset, style: str | None = None) -> Callable | None:
     """(image, prompt) -> correct? (None for a prompt outside the grammar: nothing to score), for presets
     whose model draws a closed grammar; None for other presets. With a LoRA `style` on, an image is checked
     against what the style implies (the embedded model's styles); a style the checker does not know: None."""
+    if preset.fidelity == "shapes-video":
+        return _clip_checker()
     if preset.fidelity != "shapes":
         return None
     from training.shapes.fidelity import check
@@ -181,6 +188,22 @@ def fidelity_checker(preset, style: str | None = None) -> Callable | None:
         return None
     return lambda image, prompt: (styles.check(Image.fromarray(to_array(image)), prompt, style).correct
                                   if parse_prompt(prompt) else None)
+
+
+def _clip_checker() -> Callable:
+    """(clip, prompt) -> correct? for the moving-shapes grammar: a clip (its frames: a list of images or
+    arrays, or an (frames, h, w, 3) array) is right when every frame reads right and so does the direction of
+    motion (training/shapes/video_fidelity.py); None for a prompt outside the grammar or a lone picture."""
+    from training.shapes import video_fidelity
+    from training.shapes.video_grammar import parse_prompt
+
+    def checker(clip, prompt: str) -> bool | None:
+        if parse_prompt(prompt) is None or isinstance(clip, bytes | bytearray | Image.Image):
+            return None
+        frames = list(clip)  # uint8 frames (an MP4's) or floats in [0, 1] (a pipeline's): the checker takes both
+        return video_fidelity.check(frames, prompt).correct if len(frames) > 1 else None
+
+    return checker
 
 
 def score(images: list, prompts: list[str], reference: list | None, preset, style: str | None = None) -> dict:

@@ -51,13 +51,13 @@ class VideoSettings:
     arch: vs.Architecture = field(default_factory=vs.Architecture)
     frame_weights: tuple[float, ...] = (0.5, 0.5)  # 17 and 9 frames (vs.FRAMES)
     # decoder
-    decoder_steps: int = 3500
+    decoder_steps: int = 2800
     decoder_frames_per_batch: int = 72  # 4 clips of 17 frames or 8 of 9
     decoder_lr: float = 3e-3
     decoder_edge: float = 1.0
     clean_share: float = 0.25
     # transformer
-    steps: int = 8000
+    steps: int = 5000
     batch: int = 64  # clips
     lr: float = 1e-3
     warmup: int = 200
