@@ -72,6 +72,7 @@ def evaluate(model: Path, compile_: bool = False, seeds_per_prompt: int = 4, tra
     eager_clips = None
     for name, transformer in variants:
         pipe.transformer = transformer
+        generate(pipe, held[:BATCH], held_seeds[:BATCH], frames)  # warm-up (compilation) is not timed
         started = time.perf_counter()
         held_clips = generate(pipe, held, held_seeds, frames)
         seconds = (time.perf_counter() - started) / len(held)

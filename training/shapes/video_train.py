@@ -53,13 +53,16 @@ class VideoSettings:
     # decoder: mostly 9-frame clips (8 per batch), for many scenes per step; the causal decoder unfolds a
     # 17-frame clip chunk by chunk as it does a 9-frame one
     decoder_frame_weights: tuple[float, ...] = (0.2, 0.8)
-    decoder_steps: int = 1400
+    decoder_steps: int = 2200
     decoder_frames_per_batch: int = 72  # 4 clips of 17 frames or 8 of 9
     decoder_lr: float = 1e-3
     # post_quant_conv (a 1x1 conv before the decoder) starts as this many times the identity: the semantic
     # fields then outweigh the random residual branches, whose RMS norms make their outputs O(1) whatever
     # comes in (1.0: diffusers' default initialisation)
     decoder_input_gain: float = 10.0
+    # "fields": the decoder starts as a carrier of the 16 fields to every pixel (fields_init); "default":
+    # diffusers' initialisation
+    decoder_init: str = "default"
     decoder_edge: float = 1.0
     clean_share: float = 0.25
     # transformer
@@ -101,6 +104,53 @@ def decoder_fidelity(vae, n: int = 32, seed: int = 1234, corrupted: bool = False
     return round(video_fidelity.rates(results)["right"], 3)
 
 
+@torch.no_grad()
+def fields_init(decoder) -> None:
+    """Start Wan's decoder as a carrier of the latent fields: conv_in embeds the 16 channels in the first 16
+    features, every residual branch and the attention adds nothing (last conv zero), shortcuts and the
+    temporal up-sampling pass features on, and each spatial up-sampling conv smooths the nearest-neighbour
+    copy into a bilinear one ([1, 2, 1]^2 / 16). So every output pixel starts with its own interpolated
+    position, the object's centre, size, colours and code (what tiny-shapes' bilinear decoder had from
+    the start); training then learns the rendering in the residual branches and the output layers."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import (
+        WanAttentionBlock,
+        WanResample,
+        WanResidualBlock,
+    )
+
+    def embed(conv, tap: tuple[int, ...]) -> None:
+        conv.weight.zero_()
+        conv.bias.zero_()
+        for i in range(min(conv.weight.shape[0], conv.weight.shape[1])):
+            conv.weight[(i, i, *tap)] = 1.0
+
+    embed(decoder.conv_in, (2, 1, 1))  # causal: the current frame is the last time tap
+    smooth = torch.tensor([1.0, 2.0, 1.0])
+    smooth = torch.outer(smooth, smooth) / 16
+    for module in decoder.modules():
+        if isinstance(module, WanResidualBlock):
+            module.conv2.weight.zero_()
+            module.conv2.bias.zero_()
+            if not isinstance(module.conv_shortcut, torch.nn.Identity):
+                embed(module.conv_shortcut, (0, 0, 0))
+        elif isinstance(module, WanAttentionBlock):
+            module.proj.weight.zero_()
+            module.proj.bias.zero_()
+        elif isinstance(module, WanResample) and module.mode.startswith("upsample"):
+            conv = module.resample[1]
+            conv.weight.zero_()
+            conv.bias.zero_()
+            for i in range(min(conv.weight.shape[:2])):
+                conv.weight[i, i] = smooth
+            if module.mode == "upsample3d":  # both new frames start as copies of the current one
+                dim = module.dim
+                module.time_conv.weight.zero_()
+                module.time_conv.bias.zero_()
+                for i in range(dim):
+                    module.time_conv.weight[i, i, 2, 0, 0] = 1.0
+                    module.time_conv.weight[dim + i, i, 2, 0, 0] = 1.0
+
+
 def _decoder_loss(vae, z, clips, background, settings: VideoSettings) -> torch.Tensor:
     recon = vs.decode(vae, z)
     return _balanced_loss(recon, clips, background) + settings.decoder_edge * _edge_loss(recon, clips)
@@ -123,6 +173,8 @@ def train_decoder(settings: VideoSettings, cache: Path, minutes: float | None = 
             weight = vae.post_quant_conv.weight
             weight.copy_(settings.decoder_input_gain * torch.eye(weight.shape[0]).view(weight.shape))
             vae.post_quant_conv.bias.zero_()
+        if settings.decoder_init == "fields":
+            fields_init(vae.decoder)
     step, elapsed = _clock(state)
     logger.info("decoder: %.2f M parameters, from step %d", sum(p.numel() for p in parameters) / 1e6, step)
     started, losses = time.perf_counter(), []
