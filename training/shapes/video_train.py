@@ -53,7 +53,7 @@ class VideoSettings:
     # decoder: mostly 9-frame clips (8 per batch), for many scenes per step; the causal decoder unfolds a
     # 17-frame clip chunk by chunk as it does a 9-frame one
     decoder_frame_weights: tuple[float, ...] = (0.2, 0.8)
-    decoder_steps: int = 2200
+    decoder_steps: int = 1200
     decoder_frames_per_batch: int = 72  # 4 clips of 17 frames or 8 of 9
     decoder_lr: float = 1e-3
     # post_quant_conv (a 1x1 conv before the decoder) starts as this many times the identity: the semantic
@@ -62,7 +62,7 @@ class VideoSettings:
     decoder_input_gain: float = 10.0
     # "fields": the decoder starts as a carrier of the 16 fields to every pixel (fields_init); "default":
     # diffusers' initialisation
-    decoder_init: str = "default"
+    decoder_init: str = "fields"
     decoder_edge: float = 1.0
     clean_share: float = 0.25
     # transformer
@@ -378,7 +378,9 @@ def export(settings: VideoSettings, cache: Path, out: Path, info: dict | None = 
         path = cache / f"{name}-log.jsonl"
         if path.is_file():
             logs[name] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    trained = {name: (load_state(cache / f"{name}.ckpt") or {}).get("step") for name in ("decoder", "transformer")}
     recipe = {
+        "trained_steps": trained,  # where each stage's checkpoint stood (a --minutes stop can end before the total)
         "steps": vs.DEFAULT_STEPS, "max_sequence_length": vs.MAX_SEQUENCE_LENGTH, "guidance": None,
         "scheduler": {"shift": vs.SHIFT}, "size": f"{vs.SIZE}x{vs.SIZE}", "frames": list(vs.FRAMES),
         "settings": asdict(settings), "logs": logs, **(info or {}),
