@@ -9,7 +9,9 @@ Two measures, for every configuration of a bench run:
   kept); `diff_heatmap` draws |image - reference| as a picture.
 - **fidelity**, for a model trained on a closed grammar (a preset with `fidelity = "shapes"`): the
   share of images whose background colour, object colour and shape a pixel-only checker reads as the
-  prompt says (training/shapes/fidelity.py), over seeded random prompts of the grammar.
+  prompt says (training/shapes/fidelity.py), over seeded random prompts of the grammar; for
+  `fidelity = "shapes-video"` the share of clips whose every frame and direction of motion read right
+  (training/shapes/video_fidelity.py).
 
 For a clip (a video preset), `clip_drift` measures the same frame by frame against the reference clip and adds
 the **temporal flicker**: how much the clip's error changes from one frame to the next (`flicker`); a video
@@ -207,8 +209,11 @@ def fmt_drift(psnr_db, max_diff) -> str:
 def sample_prompts(preset, n: int, seed: int, fallback: str, held_out: bool = False) -> list[str]:
     """`n` prompts for quality samples: random prompts of the model's grammar (seeded; training prompts,
     or the held-out ones), else the bench's own prompt each time."""
-    if preset.fidelity == "shapes":
-        from training.shapes.grammar import HELD_OUT, training_prompts
+    if preset.fidelity in ("shapes", "shapes-video"):
+        if preset.fidelity == "shapes":
+            from training.shapes.grammar import HELD_OUT, training_prompts
+        else:
+            from training.shapes.video_grammar import HELD_OUT, training_prompts
 
         pool = list(HELD_OUT if held_out else training_prompts())
         rng = random.Random(seed)
@@ -274,9 +279,11 @@ def fidelity_checker(preset, style: str | None = None) -> Callable | None:
     whose model draws a closed grammar; None for other presets. With a LoRA `style` on, an image is checked
     against what the style implies (the embedded model's styles); a style the checker does not know: None.
     The edit model's checker takes (image, EditSample): the changed attribute right, the rest and the
-    object's place and size kept."""
+    object's place and size kept; a video preset's, (clip, prompt) (CLIP_CHECKERS)."""
     if preset.fidelity == "shapes-edit" and style is None:
         return _edit_checker()
+    if preset.fidelity in CLIP_CHECKERS:
+        return clip_checker(preset)
     if preset.fidelity != "shapes":
         return None
     from training.shapes.fidelity import check
@@ -295,7 +302,7 @@ def fidelity_checker(preset, style: str | None = None) -> Callable | None:
 # A video preset's `fidelity` -> its clip checker, "module:function" taking (frames, prompt) -> correct? (None: a
 # prompt outside its grammar), looked up by value as `fidelity_checker` does an image preset's. A video preset
 # whose value is not listed here has no fidelity figure.
-CLIP_CHECKERS: dict[str, str] = {}
+CLIP_CHECKERS: dict[str, str] = {"shapes-video": "bench.quality:shapes_video_correct"}
 
 
 def clip_checker(preset) -> Callable | None:
@@ -307,6 +314,19 @@ def clip_checker(preset) -> Callable | None:
 
     module, name = target.split(":")
     return getattr(importlib.import_module(module), name)
+
+
+def shapes_video_correct(clip, prompt: str) -> bool | None:
+    """The moving-shapes grammar's clip checker: a clip (its frames: a list of images or arrays, or an
+    (frames, h, w, 3) array) is right when every frame reads right and so does the direction of motion
+    (training/shapes/video_fidelity.py); None for a prompt outside the grammar or a lone picture."""
+    from training.shapes import video_fidelity
+    from training.shapes.video_grammar import parse_prompt
+
+    if parse_prompt(prompt) is None or isinstance(clip, bytes | bytearray | Image.Image):
+        return None
+    frames = list(clip)  # uint8 frames (an MP4's) or floats in [0, 1] (a pipeline's): the checker takes both
+    return video_fidelity.check(frames, prompt).correct if len(frames) > 1 else None
 
 
 def score(images: list, prompts: list[str], reference: list | None, preset, style: str | None = None) -> dict:

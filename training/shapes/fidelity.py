@@ -146,8 +146,11 @@ def read(image: Image.Image | np.ndarray) -> Reading:
     fill = area / float(box_h * box_w)
     widths = obj[rows[0] : rows[-1] + 1].sum(axis=1).astype(np.float32)
     band = max(1, box_h // 5)  # rows 15-35 % and 65-85 % of the box height
-    top = widths[int(0.15 * box_h) : int(0.15 * box_h) + band].mean()
-    bottom = widths[int(0.65 * box_h) : int(0.65 * box_h) + band].mean()
+    # The bottom band mirrors the top one row for row: on a small box (11 px at 32x32) rounding both starts
+    # down would compare a circle's narrow top with rows nearer its middle.
+    margin = int(0.15 * box_h)
+    top = widths[margin : margin + band].mean()
+    bottom = widths[box_h - margin - band : box_h - margin].mean()
     taper = float(top / max(bottom, 1.0))
 
     shape = None
