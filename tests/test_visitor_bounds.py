@@ -34,14 +34,24 @@ def visitor() -> httpx.Client:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory, cache_dir, tiny_models):
+    import importlib
     import sys
 
     from ui import webtemp
 
+    # use_cache_folder points Gradio's modules at this app's folder, each read once at import: import them all
+    # now and put every one back after, or a later app of this test process (the layout module's) served its
+    # files from Gradio's default folder while /file= still allowed only this removed one: its A/B slider
+    # never loaded, in the whole suite only.
+    modules = {}
+    for name in ("gradio.mcp", "gradio.route_utils", "gradio.routes", "gradio.screen_recording_utils"):
+        try:
+            modules[name] = importlib.import_module(name)
+        except ImportError:  # the mcp extra missing
+            continue
+    saved = {name: getattr(module, "DEFAULT_TEMP_DIR", None) for name, module in modules.items()}
     cache = tmp_path_factory.mktemp("app-cache")
     before = os.environ.get("GRADIO_TEMP_DIR")
-    mcp = sys.modules.get("gradio.mcp")
-    mcp_before = getattr(mcp, "DEFAULT_TEMP_DIR", None)
     outputs = webtemp.use_cache_folder(cache)
     policy = HostPolicy(public=True, presets=("tiny-shapes",), precisions=(Precision.FP32,), modes=(Mode.EAGER,))
     try:
@@ -53,12 +63,14 @@ def app(tmp_path_factory, cache_dir, tiny_models):
                 demo.close()
     finally:
         webtemp.remove(outputs)
+        webtemp._owned = None  # noqa: SLF001 - its folder is gone; nothing of this process tidies it now
         if before is None:
             os.environ.pop("GRADIO_TEMP_DIR", None)
         else:
             os.environ["GRADIO_TEMP_DIR"] = before
-        if mcp is not None:
-            mcp.DEFAULT_TEMP_DIR = mcp_before
+        for name, value in saved.items():
+            if value is not None:
+                sys.modules[name].DEFAULT_TEMP_DIR = value
 
 
 def _files(folder: Path) -> dict[str, int]:
