@@ -463,8 +463,8 @@ class Advisor:
             prompt, inputs = sample.prompt, edit_inputs(plan.preset, Mode(c.mode), sample.source)
         return GenerateRequest.checked(prompt=prompt, width=plan.size.width, height=plan.size.height,
                                steps=steps or plan.steps, guidance=plan.preset.guidance, seed=seed,
-                               mode=Mode(c.mode), on_cold=OnCold.EAGER, lora=plan.lora.name,
-                               lora_scale=plan.lora.scale, lora_fused=c.lora_fused, **cache, **inputs)
+                               mode=Mode(c.mode), on_cold=OnCold.EAGER,
+                               lora=dataclasses.replace(plan.lora, fused=c.lora_fused), **cache, **inputs)
 
     # -- bookkeeping
     def elapsed(self) -> float:

@@ -40,19 +40,13 @@ class Configuration:
     precision: str
     step_cache: str = "none"
     device: str | None = None  # None: the comparison's default device
-    lora: str | None = None  # one of the preset's adapters (None: no LoRA)
-    lora_scale: float | None = None  # None: the adapter's own scale
-    lora_fused: bool = False
+    lora: LoraChoice = LoraChoice()  # one of the preset's styles, its scale and fused flag (name None: no LoRA)
     memory: str = ""  # memory levers, canonical text ("": the host's)
-
-    @property
-    def lora_choice(self) -> LoraChoice:
-        return LoraChoice(self.lora, self.lora_scale, self.lora_fused)
 
     def text(self) -> str:
         """Its entry in the list's form (parse_configurations reads it back)."""
         parts = [self.mode, self.precision] + ([self.step_cache] if self.step_cache != "none" else [])
-        return ("/".join(parts) + lora_suffix(self.lora_choice) + memory_suffix(self.memory)
+        return ("/".join(parts) + lora_suffix(self.lora) + memory_suffix(self.memory)
                 + (f"@{self.device}" if self.device else ""))
 
 
@@ -139,8 +133,7 @@ def parse_entry(entry: str) -> Configuration:
         cache = str(StepCache.parse(parts[2])) if len(parts) == 3 else "none"
     except Exception as exc:
         raise ValueError(f"configuration {entry!r}: {exc}") from None
-    return Configuration(mode, precision, cache or "none", device.strip() or None, lora.name, lora.scale, lora.fused,
-                         levers)
+    return Configuration(mode, precision, cache or "none", device.strip() or None, lora, levers)
 
 
 def refusal(preset, spec, config: Configuration, loras: bool = False) -> str | None:
@@ -149,7 +142,7 @@ def refusal(preset, spec, config: Configuration, loras: bool = False) -> str | N
     from engine.devices import precision_support
     from engine.pipeline.stepcache import cache_status
 
-    if config.lora is not None and (why := lora_refusal(preset, config, loras)):
+    if config.lora.name is not None and (why := lora_refusal(preset, config, loras)):
         return why
     if Mode(config.mode) not in spec.modes:
         return f"{spec.label} does not run mode {config.mode}"
@@ -173,7 +166,7 @@ def memory_refusal(spec, config: Configuration, step_cache: bool) -> str | None:
         return None
     try:
         memory.check_levers(config.memory, spec, quantized=Precision(config.precision).quantized)
-        memory.check_request(config.memory, config.memory, Mode(config.mode), step_cache, config.lora is not None)
+        memory.check_request(config.memory, config.memory, Mode(config.mode), step_cache, config.lora.name is not None)
     except UnsupportedCombination as exc:
         return first_line(str(exc))
     return first_line(why) if (why := memory.excluded_mode(config.memory, Mode(config.mode))) else None
@@ -182,17 +175,17 @@ def memory_refusal(spec, config: Configuration, step_cache: bool) -> str | None:
 def lora_refusal(preset, config: Configuration, loras: bool) -> str | None:
     """Why `config`'s adapter cannot run (the engine's own reasons, engine/pipeline/loading.py), or None."""
     names = [source.name for source in preset.loras]
-    if config.lora not in names:
-        return (f"unknown LoRA {config.lora!r} for {preset.name}: choose one of {', '.join(names) or 'none'} "
+    if config.lora.name not in names:
+        return (f"unknown LoRA {config.lora.name!r} for {preset.name}: choose one of {', '.join(names) or 'none'} "
                 "(or none)")
     if not loras:
         return "the engines here serve no LoRA styles: the host turns them on with --loras"
     if config.mode == Mode.AOT:
         return "LoRA adapters do not run in aot mode (its packages are exported with the LoRA slot off)"
-    if config.lora_fused and config.mode != Mode.EAGER:
+    if config.lora.fused and config.mode != Mode.EAGER:
         return (f"a fused LoRA runs in eager mode only, not {config.mode} (every fuse would recompile the graph): "
                 f"use eager with :fused, or {config.mode} unfused")
-    if config.lora_fused and Precision(config.precision).quantized:
+    if config.lora.fused and Precision(config.precision).quantized:
         return (f"a fused LoRA is not served on {config.precision} engines (it would re-quantize at every fuse): "
                 "run it unfused there, or fused on fp32, bf16 or fp16")
     return None

@@ -113,7 +113,7 @@ def run(plan, runners, configurations: list[explicit.Configuration], budget_s: f
         cache = {"step_cache": c.step_cache} if c.step_cache != "none" else {}
         return GenerateRequest.checked(prompt=plan.prompt, width=plan.size.width, height=plan.size.height, steps=plan.steps,
                                guidance=plan.preset.guidance, seed=seed + i, mode=Mode(c.mode), on_cold=OnCold.EAGER,
-                               lora=c.lora, lora_scale=c.lora_scale, lora_fused=c.lora_fused, **cache)
+                               lora=c.lora, **cache)
 
     def warm(label: str) -> dict:
         c = candidates[label]
@@ -159,7 +159,7 @@ def main(args) -> int:
     except ValueError as exc:
         print(f"--configs: {exc}", file=sys.stderr)
         return 2
-    loras = any(c.lora for c in configurations)  # a LoRA entry: the engines get the slot (as --loras would)
+    loras = any(c.lora.name for c in configurations)  # a LoRA entry: the engines get the slot (as --loras would)
     for c in configurations:
         why = explicit.refusal(preset, spec, c, loras=loras or args.loras)
         if why:

@@ -28,7 +28,7 @@ from engine.config.presets import load_presets
 from engine.config.request import ImageRequest
 from engine.config.resolve import Catalog, resolve_source
 from engine.errors import ShowcaseError
-from engine.protocol import DEFAULT_PRESET, Mode, Parallel, Size, params
+from engine.protocol import DEFAULT_PRESET, Mode, Parallel, Size, lora_run_text, params
 from engine.protocol.flagfields import SWITCH, flag
 from engine.worker.logs import quiet_third_party
 
@@ -105,8 +105,7 @@ def cmd_generate(args) -> int:
             print(f"  clip: {result.num_frames} frames at {result.fps} fps, decode {t.decode_ms:.1f} ms, "
                   f"MP4 {len(result.video_mp4):,} bytes in {result.video_encode_ms:.0f} ms")
         if result.lora:
-            swap = f", swapped in {result.lora_swap_ms:.0f} ms" if result.lora_swap_ms is not None else ""
-            print(f"  LoRA {result.lora} at scale {result.lora_scale:g} (rank {result.lora_rank}{swap})")
+            print(f"  LoRA {lora_run_text(result.as_dict())}")
         for notice in result.notices:
             print(f"  note: {notice}")
         if o.out:

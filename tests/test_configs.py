@@ -27,32 +27,32 @@ def test_a_lora_part_names_one_adapter_and_its_scale_before_or_after_the_device(
     typed = "compile/fp32+lora=swap; compile/fp32+lora=Swap:0.5@cpu; eager/fp32/first-block:0.2@cpu+lora=corner; " \
             "eager/fp32+lora=none"
     assert parse_configurations(typed) == [
-        Configuration("compile", "fp32", lora="swap"), Configuration("compile", "fp32", device="cpu", lora="swap",
-                                                                     lora_scale=0.5),
-        Configuration("eager", "fp32", "first-block:0.2", "cpu", "corner"), Configuration("eager", "fp32")]
+        Configuration("compile", "fp32", lora=LoraChoice("swap")),
+        Configuration("compile", "fp32", device="cpu", lora=LoraChoice("swap", 0.5)),
+        Configuration("eager", "fp32", "first-block:0.2", "cpu", LoraChoice("corner")), Configuration("eager", "fp32")]
     assert [c.text() for c in parse_configurations(typed)][1:3] == ["compile/fp32+lora=swap:0.5@cpu",
                                                                     "eager/fp32/first-block:0.2+lora=corner@cpu"]
     assert parse_configurations("; ".join(c.text() for c in parse_configurations(typed))) == \
         parse_configurations(typed)
     fused = parse_configurations("eager/fp32+lora=swap:0.5:fused")[0]
-    assert fused.lora_choice == LoraChoice("swap", 0.5, fused=True) and fused.text() == "eager/fp32+lora=swap:0.5:fused"
+    assert fused.lora == LoraChoice("swap", 0.5, fused=True) and fused.text() == "eager/fp32+lora=swap:0.5:fused"
 
 
 def test_lora_configurations_are_refused_with_the_engines_reasons():
     spec = devices.resolve_device("cpu")
     shapes = get_preset("tiny-shapes")
-    swap = Configuration("compile", "fp32", lora="swap")
+    swap = Configuration("compile", "fp32", lora=LoraChoice("swap"))
     assert configs.refusal(shapes, spec, swap, loras=True) is None
     assert "turns them on with --loras" in configs.refusal(shapes, spec, swap)
-    assert configs.refusal(shapes, spec, Configuration("eager", "fp32", lora="nope"), loras=True) == \
+    assert configs.refusal(shapes, spec, Configuration("eager", "fp32", lora=LoraChoice("nope")), loras=True) == \
         "unknown LoRA 'nope' for tiny-shapes: choose one of swap, small, corner (or none)"
-    assert "not run in aot mode" in configs.refusal(shapes, spec, Configuration("aot", "fp32", lora="swap"), loras=True)
-    assert configs.refusal(shapes, spec, Configuration("eager", "int8wo", lora="swap"), loras=True) is None
+    assert "not run in aot mode" in configs.refusal(shapes, spec, Configuration("aot", "fp32", lora=LoraChoice("swap")), loras=True)
+    assert configs.refusal(shapes, spec, Configuration("eager", "int8wo", lora=LoraChoice("swap")), loras=True) is None
     assert "fused LoRA is not served on int8wo" in configs.refusal(
-        shapes, spec, Configuration("eager", "int8wo", lora="swap", lora_fused=True), loras=True)
+        shapes, spec, Configuration("eager", "int8wo", lora=LoraChoice("swap", fused=True)), loras=True)
     assert "fused LoRA runs in eager mode only" in configs.refusal(
-        shapes, spec, Configuration("regional", "fp32", lora="swap", lora_fused=True), loras=True)
-    assert configs.refusal(shapes, spec, Configuration("eager", "fp32", lora="swap", lora_fused=True), loras=True) is None
+        shapes, spec, Configuration("regional", "fp32", lora=LoraChoice("swap", fused=True)), loras=True)
+    assert configs.refusal(shapes, spec, Configuration("eager", "fp32", lora=LoraChoice("swap", fused=True)), loras=True) is None
     assert "choose one of none" in configs.refusal(get_preset("tiny-flux"), spec, swap, loras=True)
 
 

@@ -157,7 +157,7 @@ def test_visitors_pick_only_the_presets_adapters_by_name():
     assert (request.lora, request.lora_scale, request.lora_fused) == ("swap", 1.5, False)
     request, _ = build_request(preset, ImageRequest(preset.name, prompt=PROMPT, width=64, height=64,
                                                     lora="swap:fused"))
-    assert request.lora_choice == LoraChoice("swap", None, fused=True)  # the API's text
+    assert LoraChoice.of(request) == LoraChoice("swap", None, fused=True)  # the API's text
     request, _ = build_request(preset, ImageRequest(preset.name, prompt=PROMPT, width=64, height=64,
                                                     lora="swap", lora_fused=True))
     assert request.lora_fused  # the page's checkbox
@@ -439,12 +439,10 @@ def test_the_generate_page_starts_at_the_hosts_style_and_a_pick_takes_its_scale(
 
     handlers = GenerateHandlers(styled_manager.serving(), UIDefaults(device="cpu", mode="eager", lora="corner:0.5:fused"))
     with gr.Blocks() as blocks:
-        tab = generate.build(handlers, blocks, gr.Markdown())
-    assert (tab.lora.value, tab.lora_fused.value) == ("corner", True)
-    scale = next(c for c in blocks.blocks.values() if getattr(c, "elem_id", None) == "lora-scale")
-    assert scale.value == 0.5
-    assert handlers.lora_scale("tiny-shapes", "small")["value"] == 1.3
-    assert handlers.lora_scale("tiny-shapes", "none") == gr.skip()
+        form = generate.build(handlers, blocks, gr.Markdown())
+    assert (form["lora"].value, form["lora_fused"].value, form["lora_scale"].value) == ("corner", True, 0.5)
+    assert handlers.style_scale("tiny-shapes", "small")["value"] == 1.3
+    assert handlers.style_scale("tiny-shapes", "none") == gr.skip()
 
 
 def test_compare_checkboxes_offer_each_style_unfused_and_fused(styled_manager):

@@ -23,13 +23,15 @@ from bench.advise import CHECKER_MIN_PSNR, DEFAULT_FIDELITY_POINTS, DEFAULT_MIN_
 from bench.advise_report import COLUMNS, table_rows
 from bench.advise_report import summary as advice_summary
 from engine.errors import ShowcaseError
-from engine.protocol import parse_lora
+from engine.protocol import params, parse_lora
 from engine.settings import pythonpath
 from ui import advisor_views, views
 from ui.common import ADVISOR_QUEUE, FAST, HandlerBase, to_gradio_error
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_CARDS = 6
+# The Generate fields "apply" sets from a pick, in apply_advice's order.
+APPLIED = ("preset", "device", "precision", "mode", "step_cache", "size", "steps", "lora", "lora_fused", "memory")
 
 
 def _esc(text) -> str:
@@ -145,17 +147,13 @@ def checked_size(text) -> str:
 
 
 @dataclass(frozen=True)
-class AdvisorForm:
-    """The tab's inputs, by name (the handler takes them through Gradio's inputs_kwargs)."""
+class AdvisorForm(params.form_class("AdvisorFields", ("preset", "device", "size", "steps", "lora"))):
+    """The tab's inputs, by name (the handler takes them through Gradio's inputs_kwargs): the request fields it
+    measures for (keyword-only, as declared; `lora`: a style measured unfused and fused), then its own."""
 
-    preset: str
-    device: str | None = None
-    size: str | None = None
-    steps: int | float | None = None
     max_minutes: float | None = 5
     fidelity_points: float | None = None
     min_psnr: float | None = None
-    lora: str | None = None  # a style of the preset, measured unfused and fused
     max_memory: str | None = None  # "16GiB": the pick's measured peak must fit (memory levers measured too)
 
 
@@ -251,7 +249,7 @@ class AdvisorHandlers(HandlerBase):
             advisor_cards_html(result)
 
     def apply_advice(self, result: dict | None):
-        """Generate's precision, mode, step cache and memory levers (and its preset, device, size, steps) from
+        """Generate's fields named in APPLIED, in that order: precision, mode, step cache and memory levers (and its preset, device, size, steps) from
         the pick."""
         pick = (result or {}).get("pick")
         if not pick:
@@ -278,7 +276,7 @@ def memory_plot(result: dict | None):
 
 
 def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
-    """The tab (inside gr.Tabs); `settings` are the Generate tab's selectors (ui.generate.GenerateTab)."""
+    """The tab (inside gr.Tabs); `settings`: the Generate tab's widgets by field name (ui.generate.build)."""
     preset = h.default_preset()
     report = h.devices_report()
     sizes = [str(s) for s in preset.buckets]
@@ -342,6 +340,4 @@ def build(h: AdvisorHandlers, settings, tabs: gr.Tabs) -> None:
     cancel_btn.click(None, cancels=[run])
     run.then(h.advise_ended, status, status, **FAST)
     result.change(h.render_advice, result, [frontier, memory_frontier, table, apply_btn, cards], **FAST)
-    apply_btn.click(h.apply_advice, result, [settings.preset, settings.device, settings.precision, settings.mode,
-                                              settings.step_cache, settings.size, settings.steps, settings.lora,
-                                              settings.lora_fused, settings.memory, tabs], **FAST)
+    apply_btn.click(h.apply_advice, result, [settings[name] for name in APPLIED] + [tabs], **FAST)

@@ -157,11 +157,11 @@ def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size:
         )
         engine_line = gr.Markdown(elem_id="engine-line")
         with gr.Tabs() as tabs:
-            settings = generate.build(pages.generate, demo, engine_line)
+            form = generate.build(pages.generate, demo, engine_line)
             generate_video.build(pages.generate)  # clips from the video presets (ui/generate_video.py)
             buckets_tab = buckets.build(pages.buckets)
             compare.build(pages.compare)
-            advisor.build(pages.advisor, settings, tabs)
+            advisor.build(pages.advisor, form, tabs)
             system.build(pages.system)
         gr.api(h.cancel_api, api_name="cancel", concurrency_limit=None)  # runs of both Generate and Compare
         demo.advice_jobs = mcp.advisor_api(pages.advisor)  # the advisor as a start/poll pair (API and MCP tools)
@@ -169,9 +169,8 @@ def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size:
         # One status read per second refreshes the board, the engine line and the size labels.
         last = gr.State({})
         gr.on([gr.Timer(h.defaults.poll_s).tick, demo.load], pages.buckets.tick,
-              [settings.preset, settings.device, settings.precision, settings.mode, last, settings.tp,
-               settings.memory],
-              [buckets_tab.board, engine_line, settings.size, buckets_tab.engine, last], **FAST)
+              [*(form[name] for name in ("preset", "device", "precision", "mode")), last, form["tp"], form["memory"]],
+              [buckets_tab.board, engine_line, form["size"], buckets_tab.engine, last], **FAST)
     # Queue positions are sent every QUEUE_STATUS_S, not to every waiting event each time one starts (a burst
     # of n visitors made n²/2 messages at its start, when the web server is busiest).
     demo.queue(max_size=queue_size, status_update_rate=QUEUE_STATUS_S)

@@ -170,8 +170,8 @@ class CompareHandlers(HandlerBase):
         try:
             spec = self.serving.device_spec(device)
             return explicit.refusal(self.serving.preset(preset), spec,
-                                    explicit.Configuration(mode, precision, cache, None, lora.name, lora.scale,
-                                                           lora.fused, explicit.split_levers(config)[1]),
+                                    explicit.Configuration(mode, precision, cache, None, lora,
+                                                           explicit.split_levers(config)[1]),
                                     loras=self.serving.lora_slot())
         except ShowcaseError as exc:
             return explicit.first_line(str(exc))

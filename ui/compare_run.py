@@ -19,7 +19,7 @@ from bench.paired import PairedTiming, current_marks, engine_marks
 from engine.config.request import ImageRequest
 from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
-from engine.protocol import Size
+from engine.protocol import Size, params
 from engine.serving import stream
 from engine.serving.interface import Caller, Serving
 from ui import compare_clips, compare_views, edit_inputs, uploads, views, waiting
@@ -35,16 +35,11 @@ FIDELITY_SEED = 1000  # the fidelity prompts' seeds: FIDELITY_SEED, FIDELITY_SEE
 
 
 @dataclass(frozen=True)
-class CompareForm:
-    """What /compare takes, in its API's order (gradio_client callers pass them positionally: never reorder);
-    the handler takes them by name."""
+class CompareForm(params.form_class("CompareFields", ("prompt", "preset", "size", "steps", "guidance", "seed"))):
+    """What /compare takes, in its API's order (gradio_client callers pass them positionally: never reorder): the
+    request fields every configuration shares (as declared), then Compare's own axes; the handler takes them by
+    name."""
 
-    prompt: str
-    preset: str
-    size: str | None
-    steps: int | str | None
-    guidance: float | str | None
-    seed: int | str
     devices: list[str] | None
     precisions: list[str] | None
     modes: list[str] | None

@@ -12,9 +12,10 @@ import pandas as pd
 
 import bench.configs as explicit
 from bench.paired import PairedTiming
+from engine.protocol import LoraChoice, lora_run_text
 from ui import compare_clips
 from ui.memory_views import gib_text
-from ui.views import CACHED, NO_CACHE, SERIES_PALETTE, fmt_ms, fmt_s, fmt_steps, lora_text, median, step_rows
+from ui.views import CACHED, NO_CACHE, SERIES_PALETTE, fmt_ms, fmt_s, fmt_steps, median, step_rows
 
 COMPARE_STEP_COLUMNS = ["step", "step_ms", "config"]
 SPEEDUP_COLUMNS = ["config", "median step", "total", "× step", "× total", "compile s", "warm-up s",
@@ -41,7 +42,7 @@ def config_label(device: str, precision: str, mode: str, cache: str = NO_CACHE, 
 def typed_label(config, device: str) -> str:
     """A typed configuration's label ("cpu/fp32/compile+lora=swap:0.5"), on `device` when it names none."""
     return config_label(config.device or device, config.precision, config.mode, config.step_cache,
-                        explicit.lora_suffix(config.lora_choice) + explicit.memory_suffix(config.memory))
+                        explicit.lora_suffix(config.lora) + explicit.memory_suffix(config.memory))
 
 
 def parse_config(label: str) -> tuple[str, str, str, str]:
@@ -224,7 +225,7 @@ def _card_tail(r: dict) -> list[str]:
         lines.append(f'<div class="c-fidelity">fidelity: {_esc(fmt_fidelity(r))} · {verdict}</div>')
     lines.append(f'<div class="c-steps">steps computed / cached: {fmt_steps(r)}</div>')
     if r.get("lora"):
-        lines.append(f'<div class="c-lora">LoRA {_esc(lora_text(r))}</div>')
+        lines.append(f'<div class="c-lora">LoRA {_esc(lora_run_text(r))}</div>')
     if r.get("eager_fallback"):
         lines.append('<div class="c-note">eager fallback: the bucket was not warm</div>')
     return lines
@@ -408,8 +409,7 @@ def caption(entry: dict) -> str:
     """A gallery image's caption: its configuration, s / image, speedup, drift and fidelity."""
     figure = entry.get("speedup_figure")
     return " · ".join(filter(None, [
-        entry["config"], (f"LoRA {entry['lora']} at {entry.get('lora_scale', 1):g}{' fused' if entry.get('lora_fused') else ''}"
-         if entry.get("lora") else ""),
+        entry["config"], f"LoRA {LoraChoice.of(entry).caption()}" if entry.get("lora") else "",
         f"{per_image_s(entry):.3f} s / {'clip' if entry.get('frames') else 'image'}{gib_text(entry)}",
         f"{figure['text']} vs eager fp32" if figure and not entry.get("reference") else "",
         f"{entry['own_chip_figure']['text']} vs eager fp32 on its chip" if entry.get("own_chip_figure") else "",

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, aclosing, closing, contextmanager, suppress
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import gradio as gr
 import pandas as pd
@@ -169,15 +170,41 @@ class PreparedRun:
         return waiting.compile_bucket(request.mode, request.size, request.on_cold)
 
 
+# The fields the Generate page builds by hand (their own widgets and events); every other declared field gets a
+# plain widget made from its declaration (today the negative prompt), so a newly declared field shows with no edit.
+HAND_BUILT = frozenset({"prompt", "preset", "device", "precision", "mode", "size", "steps", "guidance", "seed",
+                        "on_cold", "tp", "step_cache", "lora", "lora_scale", "lora_fused", "memory", "num_frames", "fps",
+                        "images", "mask", "strength"})
+DECLARED = tuple(f for f in params.FIELDS if f.name not in HAND_BUILT)
+
+
+def declared_widgets(preset, fields=DECLARED, prefix: str = "") -> dict:
+    """A plain widget for each of `fields` by name, from its declaration: a checkbox for a switch, a number box for
+    a number, else a one-line text box; its label and help; shown where `preset`'s family takes it. elem_id:
+    `prefix` and the name in kebab case."""
+    widgets = {}
+    for f in fields:
+        kind = gr.Checkbox if f.type is bool else gr.Number if f.type in (int, float) else gr.Textbox
+        widgets[f.name] = kind(label=f.label, info=f.describe(preset), visible=f.taken_by(preset),
+                               elem_id=prefix + f.name.replace("_", "-"), **({"lines": 1} if kind is gr.Textbox else {}))
+    return widgets
+
+
+def declared_shown(preset, fields=DECLARED) -> list:
+    """Their visibility updates for `preset`, in `fields`' order."""
+    return [gr.update(visible=f.taken_by(preset)) for f in fields]
+
+
 class GenerateHandlers(HandlerBase):
     # -- settings --------------------------------------------------------------------------------
     def preset_defaults(self, preset: str):
-        """Preset changed: negative prompt shown only where the pipeline takes one; its steps/guidance."""
+        """Preset changed: the declared widgets (DECLARED: a negative prompt) shown where its family takes them; its
+        steps/guidance."""
         try:
             p = self.serving.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
-        return gr.update(visible=p.negative_prompt), gr.update(value=p.steps), gr.update(value=p.guidance)
+        return *declared_shown(p), gr.update(value=p.steps), gr.update(value=p.guidance)
 
     def select_engine(self, preset: str, device: str, precision: str, mode: str, size: str | None = None,
                       tp=1, memory: str | None = None):
@@ -260,7 +287,7 @@ class GenerateHandlers(HandlerBase):
         except ShowcaseError:
             return gr.update(choices=[("none", "none")], value="none")
 
-    def lora_scale(self, preset: str, lora: str | None):
+    def style_scale(self, preset: str, lora: str | None):
         """A style picked: the slider moves to that style's own scale (the preset's), which it then overrides."""
         try:
             scale = next((s.scale for s in self.serving.preset(preset).loras if s.name == lora), None)
@@ -335,13 +362,11 @@ class GenerateHandlers(HandlerBase):
         '' (or nothing) takes the default and "none" picks no step cache or LoRA; caller and client from
         the connection."""
         fields = {name: form.get(name) if name in AS_SENT else _given(form.get(name)) for name in FORM_FIELDS}
-        lora = _chosen(form.get("lora"))
         return ImageRequest(**{
             **fields, "seed": 0 if fields["seed"] is None else fields["seed"],
             "on_cold": fields["on_cold"] or self.defaults.on_cold, "step_cache": _chosen(form.get("step_cache")),
-            # "NAME[:SCALE][:fused]"; the page's slider scale and fused box win
-            "lora": lora, "lora_scale": fields["lora_scale"] if lora else None,
-            "lora_fused": bool(form["lora_fused"]) if lora and form.get("lora_fused") is not None else None,
+            # "NAME[:SCALE][:fused]" (the page's slider and fused box, when sent, win: they apply to a style only)
+            "lora": _chosen(form.get("lora")),
             "images": uploads(form.get("images")), "mask": upload(form.get("mask")),
             "tp": 1,  # the engine key's ranks: resolved by _prepare (key_fields)
         }, caller=self.caller(request), client=self.client_of(request))
@@ -429,25 +454,9 @@ def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]
                           + " (/status and the page say which can run on an engine)"}
 
 
-@dataclass
-class GenerateTab:
-    """The settings the shared timer reads and writes (build_demo wires it)."""
-
-    preset: gr.Dropdown
-    device: gr.Dropdown
-    precision: gr.Dropdown
-    mode: gr.Dropdown
-    size: gr.Dropdown
-    tp: gr.Dropdown
-    step_cache: gr.Dropdown
-    steps: gr.Slider
-    lora: gr.Dropdown | None = None
-    lora_fused: gr.Checkbox | None = None
-    memory: gr.Dropdown | None = None
-
-
-def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> GenerateTab:
-    """The tab (inside gr.Tabs) and its events; `engine_line` is the header's engine status."""
+def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Mapping[str, gr.components.Component]:
+    """The tab (inside gr.Tabs) and its events; `engine_line` is the header's engine status. Returns the request's
+    widgets by field name (read-only): the shared timer and the Advisor's "apply" read and set them."""
     page = GeneratePage(h)
     with gr.Tab("Generate", id="generate"):
         # Controls on the left; on a wide screen the output column (buttons, image, progress, plot, summary)
@@ -463,9 +472,7 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Gen
     page.wire_runs()
     page.wire_settings(demo, engine_line)
     edit_inputs.wire(page, demo)
-    f = page.form
-    return GenerateTab(f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"], f["step_cache"],
-                       f["steps"], f["lora"], f["lora_fused"], f["memory"])
+    return MappingProxyType(page.form)
 
 
 class GeneratePage:
@@ -487,8 +494,7 @@ class GeneratePage:
         if preset.examples:  # prompts the default model draws well (its grammar)
             gr.Examples([[e] for e in preset.examples], inputs=[form["prompt"]],
                         label=f"Prompts {preset.name} can draw", elem_id="examples")
-        form["negative_prompt"] = gr.Textbox(label=params.label("negative_prompt"), lines=1, visible=preset.negative_prompt,
-                                             elem_id="negative-prompt")
+        form.update(declared_widgets(preset))
         with gr.Row():
             public = h.serving.public()
             form["preset"] = gr.Dropdown(h.serving.visitor_presets(), value=preset.name,
@@ -646,10 +652,11 @@ class GeneratePage:
         """A new preset's defaults and styles; the engine the settings point at, started with the page (app.py
         has usually started it already); the step caches they can use."""
         h, f = self.h, self.form
-        f["preset"].change(h.preset_defaults, f["preset"], [f["negative_prompt"], f["steps"], f["guidance"]], **FAST)
+        f["preset"].change(h.preset_defaults, f["preset"], [*(f[t.name] for t in DECLARED), f["steps"],
+                                                             f["guidance"]], **FAST)
         f["preset"].change(h.lora_choices, f["preset"], f["lora"], **FAST)
         f["preset"].change(h.clip_fields, f["preset"], self.clip_row, **FAST)
-        f["lora"].input(h.lora_scale, [f["preset"], f["lora"]], f["lora_scale"], **FAST)
+        f["lora"].input(h.style_scale, [f["preset"], f["lora"]], f["lora_scale"], **FAST)
         engine_settings = [f["preset"], f["device"], f["precision"], f["mode"], f["tp"], f["memory"]]
         gr.on([c.change for c in engine_settings] + [demo.load], h.select_engine,
               [f["preset"], f["device"], f["precision"], f["mode"], f["size"], f["tp"], f["memory"]],

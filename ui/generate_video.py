@@ -15,17 +15,18 @@ from contextlib import closing
 import gradio as gr
 from gradio.utils import get_upload_folder
 
+from engine.config.request import FORM_FIELDS
 from engine.errors import ShowcaseError
 from engine.protocol import params
 from engine.serving import stream
 from ui import edit_inputs, views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, to_gradio_error
-from ui.generate import GenerateHandlers
+from ui.generate import GenerateHandlers, declared_shown, declared_widgets
 from ui.runs import ProgressBar
 
-# The tab's fields, in /generate_video's order (gradio_client callers pass them positionally: append only).
-VIDEO_FIELDS = ("prompt", "negative_prompt", "preset", "device", "precision", "mode", "size", "num_frames", "fps",
-                "steps", "guidance", "seed", "on_cold", "images")
+# The tab's fields, in /generate_video's order (gradio_client callers pass them positionally: append only):
+# /generate's first seven (prompt to size), the clip's length and rate, its next four (steps to on_cold), images.
+VIDEO_FIELDS = (*FORM_FIELDS[:7], "num_frames", "fps", *FORM_FIELDS[7:11], "images")
 GENERATE_VIDEO_DOC = (
     "Generate one clip with a video preset (tiny-wan, Wan 2.x; tiny-wan-i2v and wan2.1-i2v-14b-480p start from a "
     "source image: images, one file (gradio_client: [handle_file(PATH)]; an agent: an http(s) or data: URL), the "
@@ -58,13 +59,14 @@ class VideoHandlers(GenerateHandlers):
         return [name for name in self.serving.visitor_presets() if self.serving.preset(name).video]
 
     def video_defaults(self, preset: str):
-        """A video preset's sizes, first frame bucket, rate and steps."""
+        """A video preset's optional text boxes (params.OPTIONAL_TEXT: a negative prompt) shown or hidden, its sizes, first frame
+        bucket, rate and steps."""
         try:
             p = self.serving.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         sizes = [str(s) for s in p.buckets]
-        return (gr.update(choices=sizes, value=sizes[0]), gr.update(value=p.frames[0] if p.video else None),
+        return (*declared_shown(p, params.OPTIONAL_TEXT), gr.update(choices=sizes, value=sizes[0]), gr.update(value=p.frames[0] if p.video else None),
                 gr.update(value=p.fps), gr.update(value=p.steps))
 
     def generate_video(self, request: gr.Request = None, progress=gr.Progress(), images=None, **form):  # noqa: B008
@@ -119,7 +121,8 @@ def build(h: VideoHandlers) -> None:
     cancel_btn.click(None, cancels=[run])
     timings.change(h.render_run, timings, [plot, stats, summary], **FAST)
     timings.change(clip_summary, timings, clip_line, **FAST)
-    form["preset"].change(h.video_defaults, form["preset"], [form["size"], form["num_frames"], form["fps"],
+    form["preset"].change(h.video_defaults, form["preset"], [*(form[t.name] for t in params.OPTIONAL_TEXT),
+                                                             form["size"], form["num_frames"], form["fps"],
                                                              form["steps"]], **FAST)
     edits = edit_inputs.EditInputs(h)  # the source image's area follows the preset's declaration, as Generate's
     form["preset"].change(edits.image_area, form["preset"], [area, form["images"]], **FAST)
@@ -130,7 +133,7 @@ def _controls(h: VideoHandlers, presets: list[str], first, d) -> dict:
     """The clip's fields by name (VIDEO_FIELDS); dropdowns take typed values so our checks name what is wrong."""
     form = {"prompt": gr.Textbox(label=params.label("prompt"), value="a yellow triangle moving left on a purple background",
                                  lines=2, elem_id="video-prompt"),
-            "negative_prompt": gr.Textbox(label=params.label("negative_prompt"), lines=1, elem_id="video-negative")}
+            **declared_widgets(first, params.OPTIONAL_TEXT, prefix="video-")}
     with gr.Row():
         form["preset"] = gr.Dropdown(presets, value=first.name, label="Video preset", allow_custom_value=True,
                                      elem_id="video-preset")

@@ -3,8 +3,9 @@ per-step plot's axis and the device notes. Pure: no gradio, tested without a ser
 
 from __future__ import annotations
 
+from engine.protocol import lora_run_text
 from ui.memory_views import WHY_NOT_TITLE, weights_line
-from ui.views import NO_CACHE, fmt_bytes, fmt_ms, fmt_steps, lora_text, median, why_not
+from ui.views import NO_CACHE, fmt_bytes, fmt_ms, fmt_steps, median, why_not
 
 STATS_COLUMNS = ["metric", "value"]
 STEP_COLUMNS = ["step", "step_ms", "steps"]
@@ -72,7 +73,7 @@ def stats_rows(result: dict | None) -> list[list[str]]:
         ["batch", (f"one pipeline call for {result['batch_size']} requests (steps shared)"
                    if result.get("batch_size", 1) > 1 else "alone")],
         ["recompiles", str(result.get("recompiles", 0))],
-        ["LoRA", lora_text(result)],
+        ["LoRA", lora_run_text(result)],
         ["peak memory", fmt_bytes(result.get("peak_memory_bytes"))],
         ["weights (memory levers: " + (result.get("memory") or "none") + ")", weights_line(result) or "—"],
         ["seed", str(result.get("seed", ""))],
@@ -102,7 +103,7 @@ def run_summary(result: dict | None) -> str:
     if result.get("step_cache") and result["step_cache"] != NO_CACHE:
         head += f" · {result['step_cache']}: {fmt_steps(result)} steps computed / cached"
     if result.get("lora"):  # the style, its rank and what switching to it cost (the plot's steps include it)
-        head += f" · LoRA {lora_text(result)}"
+        head += f" · LoRA {lora_run_text(result)}"
     notices = result.get("notices") or []
     return head + "".join(f"\n\n⚠ {n}" for n in notices)
 

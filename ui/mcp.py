@@ -352,7 +352,8 @@ class AdviceJobs:
             except ValueError:
                 raise gr.Error(f"max_minutes must be a number of minutes, not {max_minutes!r}",
                                title="Invalid request") from None
-            child = self.h.start_advisor(AdvisorForm(preset, device, size, steps, minutes, fidelity_points, min_psnr))
+            child = self.h.start_advisor(AdvisorForm(preset=preset, device=device, size=size, steps=steps, max_minutes=minutes,
+                                                      fidelity_points=fidelity_points, min_psnr=min_psnr))
             job = {"job": uuid.uuid4().hex[:12], "state": "running", "progress": [0, None], "desc": "starting",
                    "started": time.time(), "result": None, "error": None, "child": child}
             self._jobs[job["job"]] = job

@@ -117,10 +117,10 @@ STATUS_OF = (
     (DeviceOutOfMemory, 503, "server_error", "out_of_memory"),
     (Cancelled, 499, "invalid_request_error", "cancelled"),
 )
-PARAM_OF = {"preset": "model", "size": "size", "prompt": "prompt", "steps": "steps", "guidance": "guidance",
-            "seed": "seed", "precision": "precision", "mode": "mode", "device": "device", "lora": "lora",
-            "step": "step_cache", "on_cold": "on_cold", "negative_prompt": "negative_prompt",
-            "image": "image", "mask": "mask", "strength": "strength"}  # an upload's field (/v1/images/edits)
+# The word an engine message starts with -> the /v1 parameter it is about: OpenAI's own, then the declared extras.
+PARAM_OF = {"preset": "model", "size": "size", "prompt": "prompt", "step": "step_cache",
+            "image": "image", "mask": "mask", "strength": "strength",  # an upload's field (/v1/images/edits)
+            **{name: name for door in params.V1 for name in params.v1_fields(door)}}
 
 
 def api_error(exc: BaseException, client: str = quietlog.HANDLERS) -> ApiError:
@@ -554,7 +554,7 @@ class OpenAIRoutes:
         preset = self.h.serving.preset(name)
         return {"id": name, "object": "model", "created": self.started, "owned_by": OWNER,
                 "buckets": [str(s) for s in preset.buckets], "steps": preset.steps, "guidance": preset.guidance,
-                "negative_prompt": preset.negative_prompt, "example_prompt": preset.example_prompt,
+                "takes": params.optional_fields(preset), "example_prompt": preset.example_prompt,
                 "loras": [lora["name"] for lora in self._styles(name)],
                 **({"frames": list(preset.frames), "fps": preset.fps} if preset.video else {})}
 

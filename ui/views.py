@@ -83,19 +83,6 @@ def lora_choices(preset, slot: bool = True) -> list[tuple[str, str]]:
                                  for lora in preset.loras]
 
 
-def lora_text(result: dict) -> str:
-    """The adapter a run used, its scale and rank, and the hot-swap it waited for."""
-    if not result.get("lora"):
-        return "none"
-    swap, fuse = result.get("lora_swap_ms"), result.get("lora_fuse_ms")
-    text = (f"{result['lora']} at scale {result.get('lora_scale', 1):g}, rank {result.get('lora_rank')}; "
-            + (f"hot-swapped in {swap:.0f} ms (no recompile)" if swap is not None else "already in place"))
-    if result.get("lora_fused"):
-        text += (f"; fused into the weights in {fuse:.0f} ms" if fuse is not None
-                 else "; fused into the weights (already)")
-    return text
-
-
 # -- the engine the settings point at ---------------------------------------------------------------
 def engine_state(status: list[dict], engine: str) -> dict | None:
     return next((e for e in status if e.get("engine") == engine), None)

@@ -8,7 +8,7 @@ them, so one place says what is wrong with a field.
 
 `FORM` is the one ordered list of the fields a page or an API caller sets (engine/protocol/params.py declares
 each): the /generate API's parameters, the Generate page's inputs and the handlers' keyword arguments all
-derive from it. A new field is one declaration there (plus its dataclass field here and its widget).
+derive from it, and `ImageRequest` holds each one. A new field is one declaration there (plus its widget).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequest
-from engine.protocol import Mode, OnCold, Parallel, Size, params
+from engine.protocol import Parallel, Size, params
 
 MAX_PREVIEWS = 3  # partial images of one run (OpenAI's partial_images takes 0-3): each is a VAE decode
 API_KEYS_ADMIN = "admin-token"  # app.py --api-keys admin-token: the admin token is the one key
@@ -67,46 +67,27 @@ FORM_FIELDS = tuple(f.name for f in FORM)
 API_FIELDS = tuple(f.name for f in FORM if f.api)
 
 
-@dataclass(frozen=True)
-class ImageRequest:
-    """What one image needs, unvalidated: the engine, the image and who asks (see the module docstring).
+# The declared fields as the edge has them (typed, or an API's text), with their declared defaults; the preset is
+# ImageRequest's first, positional.
+FormFields = params.form_class("FormFields", exclude=("preset",))
 
-    `size` ("WxH" or a Size) or `width`/`height`; neither: the preset's first bucket. `steps`/`guidance`
-    None: the preset's defaults. `step_cache`/`lora` None: none."""
+
+@dataclass(frozen=True)
+class ImageRequest(FormFields):
+    """What one image or clip needs, unvalidated: the engine, the sampling fields and who asks (see the module
+    docstring). Every field of `FORM` is one (keyword-only, as engine/protocol/params.py declares it).
+
+    `size` ("WxH" or a Size) or `width`/`height`; neither: the preset's first bucket (an edit: its source's size).
+    `steps`/`guidance` None: the preset's defaults. `images`: encoded files' bytes, checked once by
+    engine/config/images.py (the first is the source of img2img, inpaint and an instruction edit; all are
+    references for FLUX.2)."""
 
     preset: str
-    prompt: str = ""
-    negative_prompt: str | None = None
-    # the engine
-    device: str = "auto"
-    precision: str = "fp32"
-    tp: int = 1
     parallel: str | Parallel = Parallel.TENSOR
-    # the image
-    mode: str | Mode = Mode.EAGER
-    size: str | Size | None = None
     width: int | None = None
     height: int | None = None
-    steps: int | str | None = None
-    guidance: float | str | None = None
-    seed: int | str = 0
     snap: bool = True  # a size between buckets is snapped to the nearest (else refused)
-    on_cold: str | OnCold = OnCold.EAGER
-    step_cache: str | None = None
-    lora: str | None = None
-    lora_scale: float | str | None = None
-    lora_fused: bool | None = None  # None: as `lora` says
     previews: int | str = 0  # partial images to stream while it runs (the /v1 API's partial_images)
-    memory: str | None = None  # memory levers (engine/protocol/memory.py); None: the host's default
-    num_frames: int | str | None = None  # a video preset's frame count (engine/config/video.py); None: its first
-    fps: int | str | None = None  # a clip's frames per second; None: the preset's
-    # Input images as uploaded (encoded files' bytes, checked once by engine/config/images.py): the first is the
-    # source of img2img, inpaint and an instruction edit; all are references for FLUX.2. `mask`: white where an
-    # inpaint repaints. `strength`: img2img / inpaint only (None: 0.6). With no size, an edit's output follows
-    # the source's (snapped to a bucket).
-    images: tuple[bytes, ...] = ()
-    mask: bytes | None = None
-    strength: float | str | None = None
     # who asks
     caller: Caller = Caller.HOST
     client: str = ""  # the visitor's address: engines take turns between clients, budgets are held per client

@@ -36,12 +36,10 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
         checked[field.name], more = field.parse(getattr(spec, field.name), preset)
         notices += more
     size, size_notices = route_size(preset, width, height, snap=spec.snap)
-    lora = params.lora_overrides(checked.pop("lora"), checked.pop("lora_scale"), checked.pop("lora_fused"))
     num_frames, fps, video_notices = video_fields(preset, spec.num_frames, spec.fps, snap=spec.snap)
     inputs = image_inputs.fit_inputs(preset, decoded, size, spec.strength)
     request = GenerateRequest(
-        **checked, width=size.width, height=size.height,
-        lora=lora.name, lora_scale=lora.scale, lora_fused=lora.fused, client=spec.client,
+        **params.with_style(checked), width=size.width, height=size.height, client=spec.client,
         previews=check_previews(spec.previews), num_frames=num_frames, fps=fps, images=inputs.images,
         mask=inputs.mask, strength=inputs.strength, images_in_sequence=inputs.in_sequence, images_shared=inputs.shared,
     )

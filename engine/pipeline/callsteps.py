@@ -14,7 +14,7 @@ from typing import Protocol
 
 from engine.pipeline import memory, stepcache
 from engine.pipeline.lora import SlotChange
-from engine.protocol import BucketKey, GenerateRequest, Mode
+from engine.protocol import BucketKey, GenerateRequest, LoraChoice, Mode
 
 
 @dataclass
@@ -54,7 +54,7 @@ class LoraStep:
     def around(self, call: CallState):
         if call.request.lora_fused:
             call.pipe = self.loras.fused_pipeline(call.pipe)
-        call.slot = self.loras.select(call.request.lora_choice)
+        call.slot = self.loras.select(LoraChoice.of(call.request))
         yield
         if call.request.mode.compiled:  # a warm graph (a cold bucket ran eager)
             self.loras.served(call.recompiles)

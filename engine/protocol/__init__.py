@@ -66,7 +66,7 @@ from engine.protocol.presets import (
     LoraChoice,
     LoraSource,
     ModelPreset,
-    check_lora_scale,
+    lora_run_text,
     parse_lora,
 )
 from engine.protocol.requests import (
@@ -176,10 +176,10 @@ __all__ = [
     "Timings",
     "decode_mp4",
     "Warm",
-    "check_lora_scale",
     "denoise_steps",
     "dispatch",
     "median",
+    "lora_run_text",
     "parse_lora",
     "parse_ranks",
     "ranks_choice",

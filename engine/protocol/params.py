@@ -21,7 +21,7 @@ from engine.errors import InvalidRequest
 from engine.protocol.flagfields import APPEND, flag
 from engine.protocol.memory import MemoryLevers, memory_forms
 from engine.protocol.presets import DEFAULT_PRESET, LoraChoice, ModelPreset, check_lora_scale, parse_lora
-from engine.protocol.stepcaches import StepCache, step_cache_forms
+from engine.protocol.stepcaches import NO_STEP_CACHE, StepCache, step_cache_forms
 from engine.protocol.vocabulary import MAX_STEPS, Mode, OnCold, Precision
 
 MAX_PROMPT_CHARS = 4000
@@ -129,6 +129,14 @@ def lora_overrides(choice: LoraChoice, scale=None, fused: bool | None = None) ->
     return choice
 
 
+def with_style(checked: dict) -> dict:
+    """Checked sampling fields with the page's LoRA slider and fused box folded into the chosen style (they win
+    over its text), as the request holds it: the style's name, scale and fused flag."""
+    checked = dict(checked)
+    choice = lora_overrides(checked.pop("lora"), checked.pop("lora_scale"), checked.pop("lora_fused"))
+    return {**checked, "lora": choice.name, "lora_scale": choice.scale, "lora_fused": choice.fused}
+
+
 class Needs(enum.StrEnum):
     """A pipeline family's capability a field needs (a field that needs none: every family takes it)."""
 
@@ -185,6 +193,12 @@ class Field:
     cli: dict | None = dataclasses.field(default_factory=dict)
     choices: tuple[tuple[str, str], ...] = ()  # a page's (label, value) choices, where they are fixed
     v1: tuple[str, ...] = ()  # the /v1 doors ("images", "videos") that take it as an extra body field
+    free_text: bool = False  # text a person writes (check_prompt: at most MAX_PROMPT_CHARS, no NUL)
+    # How the checked request holds it: (type, default; MISSING: required), None: the request does not hold it
+    # as itself (the engine's fields make its key; size becomes width and height).
+    held: tuple[object, object] | None = None
+    # The preset-free canonical form for requests built outside the gate (warm-up, benches); None: as given.
+    canonical: Callable[[object], object] | None = None
 
     def describe(self, preset: ModelPreset | None = None) -> str:
         """Its help, with the allowed values the preset declares where it has them."""
@@ -243,6 +257,23 @@ def _same(value):
     return value
 
 
+def _mode(value) -> Mode:
+    return Mode.parse(value, "mode")
+
+
+def _on_cold(value) -> OnCold:
+    return OnCold.parse(value, "on_cold")
+
+
+def _step_cache(value) -> StepCache:
+    return value if isinstance(value, StepCache) else StepCache.parse(value)
+
+
+def _lora_name(value) -> str | None:
+    """A style's name as the request holds it ("none" or blank: no style)."""
+    return None if value is None or str(value).strip().lower() in ("", "none") else value
+
+
 def _memory(value) -> str:
     """The request's own levers as canonical text ('' when none is on)."""
     levers = MemoryLevers.parse(value).request_part()
@@ -261,13 +292,15 @@ def _lora_help(preset: ModelPreset | None) -> str:
 
 
 V1 = ("images", "videos")  # both /v1 doors
+REQUIRED = dataclasses.MISSING  # a checked request must be given it
 # In the order of the /generate API (gradio_client callers pass them positionally: never reorder, append only).
 FIELDS = (
     Field("prompt", str, "", "Prompt", "what to draw", check=_prompt("prompt"), in_png=True,
-          cli=dict(default=None, help="default: the preset's first example prompt")),
+          cli=dict(default=None, help="default: the preset's first example prompt"), held=(str, ""), free_text=True),
     Field("negative_prompt", str, None, "Negative prompt", "what to keep out of the image (only presets that take "
           "one)", check=_prompt("negative_prompt", None), needs=Needs.NEGATIVE_PROMPT,
-          ignored="{pipeline} takes no negative prompt; it was ignored", batch=bool, in_png=True, v1=V1),
+          ignored="{pipeline} takes no negative prompt; it was ignored", batch=bool, in_png=True, v1=V1,
+          held=(str | None, None), free_text=True),
     Field("preset", str, None, "Model preset", "a preset of `python -m engine presets`, or a Hub id / local "
           "diffusers folder", role=Role.ENGINE, cli=dict(default=DEFAULT_PRESET)),
     Field("device", str, "auto", "Device", "auto, or a device name (/system says which are available here)",
@@ -275,45 +308,48 @@ FIELDS = (
     Field("precision", str, "fp32", "Precision", "one of " + ", ".join(Precision.values()), role=Role.ENGINE,
           v1=V1),
     Field("mode", str, Mode.EAGER, "Mode", "one of " + ", ".join(Mode.values()) + " (compiled modes serve eagerly "
-          "until their bucket is warm, see on_cold)", check=_plain(lambda v: Mode.parse(v, "mode")), batch=_same,
-          in_png=True, cli=dict(default=Mode.EAGER.value), v1=V1),
+          "until their bucket is warm, see on_cold)", check=_plain(_mode), batch=_same,
+          in_png=True, cli=dict(default=Mode.EAGER.value), v1=V1, held=(Mode, Mode.EAGER), canonical=_mode),
     Field("size", str, None, "Resolution bucket", "WIDTHxHEIGHT, snapped to the preset's nearest bucket (default: "
           "its first)", role=Role.ROUTED,
           cli=dict(help="WIDTHxHEIGHT (snapped to the nearest bucket unless --no-snap)")),
     Field("steps", int, None, "Steps", f"denoising steps, 1-{MAX_STEPS} (default: the preset's)",
-          check=_steps, batch=_same, in_png=True, cli=dict(check=int), v1=V1),
+          check=_steps, batch=_same, in_png=True, cli=dict(check=int), v1=V1, held=(int, REQUIRED)),
     Field("guidance", float, None, "Guidance", f"guidance scale, 0-{MAX_GUIDANCE:g} (default: the preset's)",
-          check=_guidance, batch=float, in_png=True, cli=dict(check=float), v1=V1),
+          check=_guidance, batch=float, in_png=True, cli=dict(check=float), v1=V1, held=(float, REQUIRED)),
     Field("seed", int, 0, "Seed", "an integer >= 0 (the same seed, settings and prompt draw the same image)",
-          check=_seed, in_png=True, cli=dict(check=int), v1=V1),
+          check=_seed, in_png=True, cli=dict(check=int), v1=V1, held=(int, REQUIRED)),
     Field("on_cold", str, OnCold.EAGER, "At a bucket that is not warm yet", "at a compiled mode's bucket that is not "
           "warm yet: eager (serve now, uncompiled) or wait (wait for its compile)",
-          check=_plain(lambda v: OnCold.parse(v, "on_cold")), batch=_same, v1=V1,
+          check=_plain(_on_cold), batch=_same, v1=V1, held=(OnCold, OnCold.EAGER), canonical=_on_cold,
           choices=(("serve eagerly now", OnCold.EAGER.value), ("wait for its compile", OnCold.WAIT.value)),
           cli=dict(default=OnCold.WAIT.value, choices=OnCold.values())),  # a one-shot run waits for its bucket
     Field("tp", int, 1, "Ranks", "ranks (> 1 runs on the torchrun sidecar)", role=Role.ENGINE, cli=dict(check=int)),
     Field("step_cache", str, None, "Step cache (reuses denoiser work across steps)",
           lambda preset: f"one of {step_cache_forms()} (`python -m engine step-caches` lists which run here)",
-          check=_plain(StepCache.parse), batch=_same, in_png=True, v1=V1,
+          check=_plain(StepCache.parse), batch=_same, in_png=True, v1=V1, held=(StepCache, NO_STEP_CACHE),
+          canonical=_step_cache,
           cli=dict(default="none", name="--cache", metavar="TEXT")),
     Field("lora", str, None, "LoRA style", _lora_help, check=_lora, batch=_same, in_png=True,
-          cli=dict(metavar="NAME[:SCALE][:fused]"), v1=("images",)),
+          cli=dict(metavar="NAME[:SCALE][:fused]"), v1=("images",), held=(str | None, None), canonical=_lora_name),
     # the page's slider and checkbox; an API caller writes "NAME:SCALE" and "NAME[:SCALE]:fused"
     Field("lora_scale", float, None, "LoRA scale", "the style's scale, 0-2 (default: the style's own)",
-          check=_lora_scale, api=False, batch=_same, in_png=True, cli=None),
+          check=_lora_scale, api=False, batch=_same, in_png=True, cli=None, held=(float | None, None),
+          canonical=lambda v: _lora_scale(v, None)[0]),
     Field("lora_fused", bool, None,
           "Fuse into the weights (eager only: no per-step LoRA cost, a fuse when the style changes)",
           "fold the style into the weights (eager only)",
-          check=_plain(lambda v: None if v is None else bool(v)), api=False, batch=_same, cli=None),
+          check=_plain(lambda v: None if v is None else bool(v)), api=False, batch=_same, cli=None,
+          held=(bool, False), canonical=bool),
     # memory levers: '' the host's, "none" no lever (last of the first fields: positional callers keep working)
     Field("memory", str, None, "Memory levers", lambda preset: "the host's choice by default, or " + memory_forms()
           + " (`python -m engine memory-levers --preset P` lists which run here, with their price)",
-          check=_plain(_memory), batch=_same, cli=None),  # the CLI's --memory is the engine's
+          check=_plain(_memory), batch=_same, cli=None, held=(str, ""), canonical=_memory),  # CLI: --memory is the engine's
     Field("num_frames", int, None, "Frames (video presets)", "a video preset's clip length, snapped to its frame "
           "buckets (default: its first; image presets ignore it)", role=Role.ROUTED, needs=Needs.VIDEO,
-          cli=dict(name="--frames", check=int), v1=("videos",)),
+          cli=dict(name="--frames", check=int), v1=("videos",), held=(int, 0)),  # 0: an image
     Field("fps", int, None, "fps", "a video preset's frames per second (default: its own)", role=Role.ROUTED,
-          needs=Needs.VIDEO, cli=dict(check=int), v1=("videos",)),
+          needs=Needs.VIDEO, cli=dict(check=int), v1=("videos",), held=(int, 0)),
     # Input images (engine/config/images.py), appended: positional callers of the fields above keep working.
     Field("images", tuple, (), "Images (the first is the source; all are references for FLUX.2)",
           "input images (PNG, JPEG, WebP, ...; at most 32 MiB each): the source to edit for edit / img2img / "
@@ -321,18 +357,55 @@ FIELDS = (
           "text to image or video", role=Role.ROUTED, needs=Needs.IMAGES,
           cli=dict(name="--image", kind=APPEND, metavar="PATH", help="an input image (repeatable): the source to "
                    "edit (img2img, inpaint, an instruction edit), FLUX.2's references, or an image-to-video "
-                   "preset's first frame; the preset says which it takes")),
+                   "preset's first frame; the preset says which it takes"), held=(tuple, ())),
     Field("mask", bytes, None, "Mask (inpaint: white repaints), at the source's size",
           "inpaint presets: a mask at the source's size, white where it repaints", role=Role.ROUTED,
-          needs=Needs.MASK, batch=lambda mask: mask is not None, cli=dict(metavar="PATH")),
+          needs=Needs.MASK, batch=lambda mask: mask is not None, cli=dict(metavar="PATH"), held=(object, None)),
     Field("strength", float, None, "Strength (img2img / inpaint; empty: 0.6)", "img2img / inpaint presets: 0-1, how "
           "much of the schedule runs from the noised source (default: 0.6; other presets take none)",
-          role=Role.ROUTED, needs=Needs.STRENGTH, batch=_same, cli=dict(check=float)),
+          role=Role.ROUTED, needs=Needs.STRENGTH, batch=_same, cli=dict(check=float), held=(float | None, None)),
 )
 BY_NAME = {f.name: f for f in FIELDS}
+FREE_TEXT = tuple(f for f in FIELDS if f.free_text)
+# Text only some families take (a negative prompt): a page shows its box for those presets alone.
+OPTIONAL_TEXT = tuple(f for f in FREE_TEXT if f.needs is not None)
 SAMPLING = tuple(f for f in FIELDS if f.role is Role.SAMPLING)
 PNG_FIELDS = tuple(f.name for f in FIELDS if f.in_png)
 BATCH_FIELDS = tuple(f for f in FIELDS if f.batch is not None)
+
+
+def form_fields(names: tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()
+                ) -> list[tuple[str, object, dataclasses.Field]]:
+    """The declared fields (`names` only, in FIELDS' order) as an edge's form holds them: keyword-only, each as the
+    edge has it (typed, or text from an API), with its declared default; `exclude`: the form's own."""
+    return [(f.name, f.type | str | None, dataclasses.field(default=f.default, kw_only=True))
+            for f in FIELDS if (names is None or f.name in names) and f.name not in exclude]
+
+
+def form_class(name: str, names: tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()) -> type:
+    """A frozen dataclass of those form fields: the base of a form that takes them (its own fields follow)."""
+    return dataclasses.make_dataclass(name, form_fields(names, exclude), frozen=True)
+
+
+def held_fields() -> list[tuple[str, object, dataclasses.Field]]:
+    """The declared fields as the checked request holds them (engine/protocol/requests.py GenerateRequest):
+    keyword-only, in their checked type and default."""
+    return [(f.name, f.held[0], dataclasses.field(kw_only=True) if f.held[1] is REQUIRED
+             else dataclasses.field(default=f.held[1], kw_only=True)) for f in FIELDS if f.held is not None]
+
+
+def canonical(fields: dict) -> dict:
+    """Fields a caller wrote outside the gate (text modes, step caches, "none" for no style, a LoraChoice for the
+    style's three fields), in the form the checked request holds them."""
+    fields = dict(fields)
+    if isinstance(style := fields.get("lora"), LoraChoice):  # a style carried whole: its three fields
+        fields.update(lora=style.name, lora_scale=style.scale, lora_fused=style.fused)
+    for name, value in fields.items():
+        if name in BY_NAME and BY_NAME[name].canonical is not None:
+            fields[name] = BY_NAME[name].canonical(value)
+    if "lora" in fields and fields["lora"] is None:
+        fields["lora_fused"] = False  # nothing to fold in
+    return fields
 
 
 def cli_fields(names: tuple[str, ...] | None = None, own: dict[str, tuple[object, str]] | None = None
@@ -352,6 +425,11 @@ def cli_fields(names: tuple[str, ...] | None = None, own: dict[str, tuple[object
                 else dataclasses.field(default=default, metadata=flag(text or None, **how)))
         fields.append((f.name, f.type | None, spec))
     return fields
+
+
+def optional_fields(preset: ModelPreset) -> list[str]:
+    """The fields only some families take (negative prompt, frames, input images, ...) that `preset`'s takes."""
+    return [f.name for f in FIELDS if f.needs is not None and f.taken_by(preset)]
 
 
 def v1_fields(door: str) -> tuple[str, ...]:

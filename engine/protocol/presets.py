@@ -65,6 +65,29 @@ class LoraChoice:
             return "none"
         return self.name + (f":{self.scale:g}" if self.scale is not None else "") + (":fused" if self.fused else "")
 
+    def caption(self) -> str:
+        """"NAME at SCALE[ fused]": a result's style under its picture (the scale it ran at; 1 if not said)."""
+        return f"{self.name} at {1 if self.scale is None else self.scale:g}" + (" fused" if self.fused else "")
+
+    @classmethod
+    def of(cls, fields) -> LoraChoice:
+        """The style a request (or a result's JSON, GenerateResult.as_dict) names with its three fields."""
+        get = fields.get if isinstance(fields, dict) else lambda name: getattr(fields, name)
+        return cls(get("lora"), get("lora_scale"), bool(get("lora_fused")))
+
+
+def lora_run_text(result: dict) -> str:
+    """The style a run (GenerateResult.as_dict) used, its scale and rank, and the hot-swap or fuse it waited for."""
+    if not result.get("lora"):
+        return "none"
+    swap, fuse = result.get("lora_swap_ms"), result.get("lora_fuse_ms")
+    text = (f"{result['lora']} at scale {result.get('lora_scale', 1):g}, rank {result.get('lora_rank')}; "
+            + (f"hot-swapped in {swap:.0f} ms (no recompile)" if swap is not None else "already in place"))
+    if result.get("lora_fused"):
+        text += (f"; fused into the weights in {fuse:.0f} ms" if fuse is not None
+                 else "; fused into the weights (already)")
+    return text
+
 
 FUSED = "fused"
 

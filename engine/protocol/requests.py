@@ -7,8 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine.metrics import median
-from engine.protocol.memory import MemoryLevers
-from engine.protocol.presets import LoraChoice, ModelPreset, check_lora_scale
+from engine.protocol import params
+from engine.protocol.presets import ModelPreset
 from engine.protocol.stepcaches import NO_STEP_CACHE, StepCache
 from engine.protocol.vocabulary import (
     BucketInfo,
@@ -16,7 +16,6 @@ from engine.protocol.vocabulary import (
     EngineKey,
     LoraInfo,
     Mode,
-    OnCold,
     Size,
 )
 
@@ -59,54 +58,44 @@ def denoise_steps(steps: int, strength: float | None) -> int:
     return steps - int(max(steps - steps * strength, 0))
 
 
+# The declared fields (engine/protocol/params.py) as a checked request holds them: a new sampling field is declared
+# there once, and the request carries it with no edit here.
+CheckedFields = dataclasses.make_dataclass("CheckedFields", params.held_fields(), frozen=True)
+
+
 @dataclass(frozen=True)
-class GenerateRequest:
-    prompt: str
+class GenerateRequest(CheckedFields):
+    """One request as the gate checked it (engine/config/validation.py), carried whole to the pipeline call:
+    the declared fields (prompt, steps, guidance, seed, mode, step cache, LoRA, memory levers, frames, input
+    images, ...) keyword-only, plus what the gate derives from them."""
+
     width: int
     height: int
-    steps: int
-    guidance: float
-    seed: int
-    mode: Mode = Mode.EAGER
-    negative_prompt: str | None = None
-    on_cold: OnCold = OnCold.EAGER
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    step_cache: StepCache = NO_STEP_CACHE  # text ("first-block:0.2") is parsed at construction
-    lora: str | None = None  # one of the preset's adapters by name (None: no LoRA)
-    lora_scale: float | None = None  # None: the adapter's default scale
-    lora_fused: bool = False  # folded into the weights (eager only) rather than hot-swapped
-    memory: str = ""  # per-request memory levers (the VAE's: engine/protocol/memory.py), canonical text
     # Who asked (a visitor's address; "" for the host): an engine serves its waiting clients in turn.
     client: str = ""
     previews: int = 0  # partial images streamed while it runs (engine/pipeline/preview.py), at most MAX_PREVIEWS
-    num_frames: int = 0  # a video preset's clip length (a frame bucket); 0: an image
-    fps: int = 0  # the clip's frames per second (its MP4's rate)
     # Input images (engine/config/images.py): the source first (img2img, inpaint, an instruction edit), or
-    # FLUX.2's references; each at its bucket's size. `images_in_sequence`: their tokens join the denoiser's
-    # sequence (each one is part of the bucket). `strength`: img2img / inpaint only (None: none).
-    images: tuple[PixelImage, ...] = ()
-    mask: PixelImage | None = None
-    strength: float | None = None
+    # FLUX.2's references, each a PixelImage at its bucket's size. `images_in_sequence`: their tokens join the
+    # denoiser's sequence (each one is part of the bucket).
     images_in_sequence: bool = False
     # FLUX.2's references are one call's, shared by its images: requests batch only with the same ones (an
     # edit's or img2img's source is each member's own)
     images_shared: bool = False
+
+    POSITIONAL = ("prompt", "width", "height", "steps", "guidance", "seed")  # `checked`'s positional order
 
     @classmethod
     def checked(cls, *values, **fields) -> GenerateRequest:
         """A request from fields as a caller writes them (text modes, step caches and memory levers, "none" for no
         LoRA), made canonical: what warm-up, the benches and tests build. The gate's requests are canonical
         already (engine/config/validation.py checked each field once)."""
-        fields.update(zip((f.name for f in dataclasses.fields(cls)), values, strict=False))
-        return cls(**_canonical(fields))
+        fields.update(zip(cls.POSITIONAL, values, strict=False))
+        return cls(**params.canonical(fields))
 
     @property
     def size(self) -> Size:
         return Size(self.width, self.height)
-
-    @property
-    def lora_choice(self) -> LoraChoice:
-        return LoraChoice(self.lora, self.lora_scale, self.lora_fused)
 
     @property
     def refs(self) -> tuple[Size, ...]:
@@ -124,28 +113,7 @@ class GenerateRequest:
 
     def replace(self, **changes) -> GenerateRequest:
         """A copy with `changes`, written as `checked` takes them."""
-        return dataclasses.replace(self, **_canonical({"lora": self.lora, **changes}))
-
-
-def _canonical(fields: dict) -> dict:
-    """The fields a caller wrote, in the form a checked request holds them."""
-    fields = dict(fields)
-    for name, kind in (("mode", Mode), ("on_cold", OnCold)):
-        if name in fields:
-            fields[name] = kind.parse(fields[name], name)
-    if "lora" in fields:
-        lora = fields["lora"]
-        fields["lora"] = None if lora is None or str(lora).strip().lower() in ("", "none") else lora
-        if fields["lora"] is None:
-            fields["lora_fused"] = False
-    if fields.get("lora_scale") is not None:
-        fields["lora_scale"] = check_lora_scale(fields["lora_scale"])
-    if "memory" in fields:
-        levers = MemoryLevers.parse(fields["memory"]).request_part()
-        fields["memory"] = str(levers) if levers.enabled else ""
-    if "step_cache" in fields and not isinstance(fields["step_cache"], StepCache):
-        fields["step_cache"] = StepCache.parse(fields["step_cache"])
-    return fields
+        return dataclasses.replace(self, **params.canonical({"lora": self.lora, **changes}))
 
 
 @dataclass(frozen=True)
