@@ -61,6 +61,11 @@ class BenchOptions:
                                                             "e.g. a tiny config for tests")
     text_len: int | None = flags.count(None, "text tokens fed to the denoiser (random weights)",
                                        zero="the pipeline's")
+    references: str | None = flags.text(None, "random weights, an edit preset: the reference images' sizes, "
+                                              "WxH[,WxH] ('none': no reference; default: one at the output size for "
+                                              "an edit preset, none otherwise); their tokens join the sequence")
+    frames: int | None = flags.count(None, "random weights, a video preset: the clip's frames (default: the "
+                                           "preset's first frame bucket)", zero="the preset's")
     images_per_call: int = flags.count(1, "images per denoiser call (random weights): the batch a --max-batch N "
                                           "engine runs", high=MAX_BATCH, metavar="N")
     matmul_roofline: bool = flags.switch("measure the dense matmul rate in the first precision and report each "

@@ -24,6 +24,7 @@ COMMANDS = {
     "fleet-bench": "bench.fleet:add_fleet_bench_parser",
     "video-bench": "bench.video:add_video_bench_parser",
     "edit-bench": "bench.edit:add_edit_bench_parser",
+    "vae-bench": "bench.vae_decode:add_vae_bench_parser",
 }
 
 

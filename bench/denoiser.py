@@ -22,8 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
+from bench.denoiser_shapes import (
+    FLUX_PIPELINES,
+    VIDEO_PIPELINES,
+    DenoiserShape,
+    count_flops_meta,
+    denoiser_inputs,
+    flux_step_flops,
+    flux_tokens,
+    sequence,
+)
 from bench.measure import error_text, inductor_cache_state, progress
 from bench.modes import MODE_TABLE
 from bench.plan import BenchPlan
@@ -40,13 +49,17 @@ log = logging.getLogger(__name__)
 
 DENOISER_CLASSES = {
     "FluxPipeline": "FluxTransformer2DModel",
+    "FluxKontextPipeline": "FluxTransformer2DModel",
+    "WanPipeline": "WanTransformer3DModel",
     "StableDiffusion3Pipeline": "SD3Transformer2DModel",
     "StableDiffusionXLPipeline": "UNet2DConditionModel",
     "StableDiffusionPipeline": "UNet2DConditionModel",
 }
-DEFAULT_TEXT_LEN = {"FluxPipeline": 512, "StableDiffusion3Pipeline": 333, "StableDiffusionXLPipeline": 77,
-                    "StableDiffusionPipeline": 77}
-VAE_SCALE = 8
+DEFAULT_TEXT_LEN = {"FluxPipeline": 512, "FluxKontextPipeline": 512, "WanPipeline": 512,
+                    "StableDiffusion3Pipeline": 333, "StableDiffusionXLPipeline": 77, "StableDiffusionPipeline": 77}
+# Pipelines that run classifier-free guidance as two forwards of the batch (cond, then uncond) rather than one
+# forward of twice the batch: a step is that many calls.
+SEPARATE_GUIDANCE_CALLS = ("WanPipeline",)
 # Engine modes that have a denoiser-only variant (defer-and-fuse switches the TPU runtime's eager
 # mode for a whole pipeline run; it has no module of its own).
 VARIANT_MODES = (Mode.EAGER, Mode.COMPILE, Mode.REGIONAL, Mode.AOT)
@@ -71,114 +84,6 @@ def denoiser_class(pipeline: str):
     import diffusers
 
     return getattr(diffusers, name)
-
-
-def flux_step_flops(cfg: dict, width: int, height: int, text_len: int = 512, batch: int = 1) -> int:
-    """FLOPs of one FluxTransformer2DModel forward, counted analytically (multiply-add = 2 FLOPs).
-
-    With D = heads·head_dim, N_img = (H/16)·(W/16) image tokens, N_txt text tokens, N = N_img + N_txt:
-      linear layer:  2 · tokens · in · out;   attention (QKᵀ and AV): 4 · N² · D per layer
-      double block:  qkv img+txt 6·N·D², out projections 2·N·D², MLP 4D 16·N·D²  -> 24·N·D² + 4·N²·D
-                     + AdaLN modulation of the 1-token embedding for img and txt: 2 · 2·D·6D
-      single block:  qkv 6·N·D², proj_mlp 8·N·D², proj_out (5D -> D) 10·N·D²   -> 24·N·D² + 4·N²·D
-                     + AdaLN modulation 2·D·3D
-      embedders:     x 2·N_img·C_in·D, context 2·N_txt·J·D, proj_out 2·N_img·D·C_out, norm_out 2·D·2D,
-                     timestep (and guidance) 2·256·D + 2·D², pooled 2·P·D + 2·D²
-    FLUX.1-dev at 1024² with 512 text tokens: ≈ 74.4 TFLOP per step. Everything times the batch.
-    Checked against torch.utils.flop_counter.FlopCounterMode (tests/test_bench.py).
-    """
-    heads, head_dim = cfg.get("num_attention_heads", 24), cfg.get("attention_head_dim", 128)
-    d = heads * head_dim
-    patch = cfg.get("patch_size", 1)
-    c_in = cfg.get("in_channels", 64)
-    c_out = (cfg.get("out_channels") or c_in) * patch * patch
-    n_img = (height // (VAE_SCALE * 2)) * (width // (VAE_SCALE * 2)) // (patch * patch)
-    n = n_img + text_len
-    per_layer = 24 * n * d * d + 4 * n * n * d
-    double = cfg.get("num_layers", 19) * (per_layer + 2 * 2 * d * 6 * d)
-    single = cfg.get("num_single_layers", 38) * (per_layer + 2 * d * 3 * d)
-    time_embeds = (2 * 256 * d + 2 * d * d) * (2 if cfg.get("guidance_embeds", False) else 1)
-    pooled = 2 * cfg.get("pooled_projection_dim", 768) * d + 2 * d * d
-    embed = (2 * n_img * c_in * d + 2 * text_len * cfg.get("joint_attention_dim", 4096) * d
-             + 2 * n_img * d * c_out + 2 * d * 2 * d + time_embeds + pooled)
-    return batch * (double + single + embed)
-
-
-@dataclass(frozen=True)
-class DenoiserShape:
-    """What a pipeline hands its denoiser at one step: the pipeline class, the denoiser's config, the bucket,
-    the text length in tokens and the batch."""
-
-    pipeline: str
-    cfg: dict
-    size: object  # Size
-    text_len: int
-    batch: int = 1
-
-
-def denoiser_inputs(shape: DenoiserShape, device: str, dtype, guidance: float = 3.5, seed: int = 0) -> dict:
-    """Random inputs of the shapes the pipeline gives its denoiser at one step for this bucket."""
-    pipeline, cfg, size, text_len, batch = shape.pipeline, shape.cfg, shape.size, shape.text_len, shape.batch
-    g = torch.Generator(device="cpu").manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
-
-    h, w = size.height // VAE_SCALE, size.width // VAE_SCALE
-    if pipeline == "FluxPipeline":
-        # Packed latents: 2x2 patches of the 16-channel latent -> (H/16)·(W/16) tokens of 64 channels.
-        hp, wp = h // 2, w // 2
-        img_ids = torch.zeros(hp, wp, 3)
-        img_ids[..., 1] = torch.arange(hp)[:, None]
-        img_ids[..., 2] = torch.arange(wp)[None, :]
-        inputs = {
-            "hidden_states": rnd(batch, hp * wp, cfg.get("in_channels", 64)),
-            "encoder_hidden_states": rnd(batch, text_len, cfg.get("joint_attention_dim", 4096)),
-            "pooled_projections": rnd(batch, cfg.get("pooled_projection_dim", 768)),
-            "timestep": torch.full((batch,), 0.5, device=device, dtype=dtype),  # sigma; the model scales by 1000
-            "img_ids": img_ids.reshape(hp * wp, 3).to(device=device, dtype=dtype),
-            "txt_ids": torch.zeros(text_len, 3, device=device, dtype=dtype),
-            "return_dict": False,
-        }
-        if cfg.get("guidance_embeds", False):
-            inputs["guidance"] = torch.full((batch,), guidance, device=device, dtype=torch.float32)
-        return inputs
-    if pipeline == "StableDiffusion3Pipeline":
-        return {
-            "hidden_states": rnd(batch, cfg.get("in_channels", 16), h, w),
-            "encoder_hidden_states": rnd(batch, text_len, cfg.get("joint_attention_dim", 4096)),
-            "pooled_projections": rnd(batch, cfg.get("pooled_projection_dim", 2048)),
-            "timestep": torch.full((batch,), 500.0, device=device, dtype=dtype),
-            "return_dict": False,
-        }
-    # UNet2DConditionModel (SDXL: text_time micro-conditioning)
-    inputs = {
-        "sample": rnd(batch, cfg.get("in_channels", 4), h, w),
-        "timestep": torch.full((batch,), 500.0, device=device, dtype=dtype),
-        "encoder_hidden_states": rnd(batch, text_len, cfg.get("cross_attention_dim", 2048)),
-        "return_dict": False,
-    }
-    if cfg.get("addition_embed_type") == "text_time":
-        time_dim = cfg.get("addition_time_embed_dim", 256)
-        text_dim = cfg.get("projection_class_embeddings_input_dim", 2816) - 6 * time_dim
-        inputs["added_cond_kwargs"] = {"text_embeds": rnd(batch, text_dim), "time_ids": rnd(batch, 6)}
-    return inputs
-
-
-def count_flops_meta(cls, shape: DenoiserShape, guidance: float) -> int | None:
-    """FLOPs of one forward counted by FlopCounterMode on the meta device (no memory, no compute).
-    On meta, SDPA takes the math path, so attention's matmuls are counted too."""
-    try:
-        with torch.device("meta"):
-            model = cls.from_config(shape.cfg)
-        inputs = denoiser_inputs(shape, "meta", torch.float32, guidance)
-        counter = FlopCounterMode(display=False)
-        with counter, torch.no_grad():
-            model(**inputs)
-        return int(counter.get_total_flops())
-    except Exception as exc:  # counting is informative; never fail the benchmark over it
-        log.warning("FLOP count on meta failed: %s", exc)
-        return None
 
 
 def measure_matmul_rate(spec: DeviceSpec, dtype, sizes: tuple[int, ...] | None = None,
@@ -237,15 +142,17 @@ def denoiser_variant(model: torch.nn.Module, mode: str, options, spec: DeviceSpe
     return runner.compile_denoiser(model, bench_mode.engine, kwargs), kwargs, notices + graph_notices
 
 
-def _measure_denoiser(fn, inputs: dict, mode: str, cuda_graphs: bool, plan: BenchPlan, spec: DeviceSpec,
-                      r: dict, bar) -> None:
-    """Compile (first forward), warm up, then `runs` images of `steps` synchronised forwards each."""
+def _measure_denoiser(fn, inputs: dict, mode: str, cuda_graphs: bool, run: _Run, r: dict) -> None:
+    """Compile (first forward), warm up, then `runs` images of `steps` synchronised steps each (a step is
+    `run.calls_per_step` forwards: two where the pipeline runs guidance's halves one after the other)."""
+    plan, spec, bar = run.plan, run.spec, run.bar
 
     def step() -> float:
-        if cuda_graphs:  # a new replay: outputs of the previous one may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
         start = time.perf_counter()
-        fn(**inputs)
+        for _ in range(run.calls_per_step):
+            if cuda_graphs:  # a new replay: outputs of the previous one may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
+            fn(**inputs)
         spec.synchronize()
         return (time.perf_counter() - start) * 1000
 
@@ -290,6 +197,7 @@ class _Run:
     batch: int
     bar: object
     started: float
+    calls_per_step: int = 1
     notes: list[str] = field(default_factory=list)
     results: list[dict] = field(default_factory=list)
     extras: dict = field(default_factory=dict)
@@ -316,15 +224,27 @@ def _check_preset(plan: BenchPlan) -> None:
         )
 
 
+def _shape(run: _Run, size: Size) -> DenoiserShape:
+    plan = run.plan
+    return DenoiserShape(plan.preset.pipeline, run.cfg, size, run.text_len, run.batch,
+                         references=plan.reference_sizes(size), frames=plan.frames)
+
+
 def _flops_per_size(run: _Run) -> dict[str, dict]:
-    """FLOPs per step, per size: analytic (Flux) and FlopCounterMode on meta (any denoiser)."""
+    """FLOPs per step, per size: analytic (Flux, Kontext) and FlopCounterMode on meta (any denoiser), times the
+    forwards a step makes; and each size's self-attention sequence."""
     preset, flops = run.plan.preset, {}
     for size in run.plan.sizes:
-        counted = count_flops_meta(run.cls, DenoiserShape(preset.pipeline, run.cfg, size, run.text_len, run.batch),
-                                   preset.guidance)
-        analytic = (flux_step_flops(run.cfg, size.width, size.height, run.text_len, run.batch)
-                    if preset.pipeline == "FluxPipeline" else None)
-        flops[str(size)] = {"analytic": analytic, "counted": counted, "used": analytic or counted}
+        shape = _shape(run, size)
+        counted = count_flops_meta(run.cls, shape, preset.guidance)
+        analytic = None
+        if preset.pipeline in FLUX_PIPELINES:
+            refs = sum(flux_tokens(run.cfg, r.width, r.height) for r in shape.references)
+            analytic = flux_step_flops(run.cfg, size.width, size.height, run.text_len, run.batch, reference_tokens=refs)
+        calls = run.calls_per_step
+        flops[str(size)] = {"analytic": analytic and analytic * calls, "counted": counted and counted * calls,
+                            "used": (analytic or counted) and (analytic or counted) * calls}
+        run.extras.setdefault("sequence", {})[str(size)] = sequence(shape)
     return flops
 
 
@@ -382,7 +302,7 @@ def _measure_config(run: _Run, model, precision: str, mode: str, size: Size, inp
         fn, kwargs, notices = denoiser_variant(model, mode, run.plan.options, run.spec, inputs)
         run.notes.extend(notices)
         cuda_graphs = run.spec.cuda_graphs and kwargs.get("mode") in CUDA_GRAPH_COMPILE_MODES
-        _measure_denoiser(fn, inputs, mode, cuda_graphs, run.plan, run.spec, r, run.bar)
+        _measure_denoiser(fn, inputs, mode, cuda_graphs, run, r)
         if kwargs.get("aot_build_s") is not None:  # export + AOT compile happened before the first forward
             r["compile_s"] = kwargs["aot_build_s"] + (r["compile_s"] or 0)
         rate = (run.extras.get("matmul") or {}).get(precision, {}).get("tflops")
@@ -401,12 +321,13 @@ def _measure_precision(run: _Run, precision: str, flops: dict[str, dict]) -> Non
     model, n_params, build_s = _build_denoiser(run, precision)
     run.extras.setdefault("parameters", n_params)
     for size in plan.sizes:
-        inputs = denoiser_inputs(DenoiserShape(plan.preset.pipeline, run.cfg, size, run.text_len, run.batch),
-                                 spec.torch_device, plan_p.dtype, plan.preset.guidance)
+        inputs = denoiser_inputs(_shape(run, size), spec.torch_device, plan_p.dtype, plan.preset.guidance)
         for mode in plan.modes:
             r = empty_result("denoiser", plan, precision, mode, size)
             r.update(load_s=build_s, batch=run.batch, text_len=run.text_len, parameters=n_params,
-                     flops_per_step=flops[str(size)]["used"])
+                     flops_per_step=flops[str(size)]["used"],
+                     sequence_tokens=run.extras["sequence"][str(size)]["total"],
+                     references=[str(s) for s in plan.reference_sizes(size)], frames=plan.frames or None)
             run.results.append(r)
             if run.out_of_time():
                 r["error"] = f"skipped: time budget of {plan.time_budget_s:.0f}s spent"
@@ -419,19 +340,40 @@ def _measure_precision(run: _Run, precision: str, flops: dict[str, dict]) -> Non
     spec.empty_cache()
 
 
+def _sequence_notes(run: _Run) -> list[str]:
+    plan, notes = run.plan, []
+    for size, seq in run.extras.get("sequence", {}).items():
+        if seq["total"] is None:
+            continue
+        if plan.preset.pipeline in VIDEO_PIPELINES:
+            notes.append(f"sequence at {size} x {plan.frames} frames: {seq['total']} video tokens in self-attention "
+                         f"({run.text_len} text tokens by cross-attention)")
+        else:
+            refs = plan.reference_sizes(Size.parse(size))
+            ref_part = (f" + {seq['references']} reference ({', '.join(map(str, refs))})" if refs else "")
+            notes.append(f"sequence at {size}: {seq['output']} output{ref_part} + {seq['text']} text = "
+                         f"{seq['total']} tokens")
+    return notes
+
+
 def _closing_notes(run: _Run, cache_folder: str | None, cache_files: int) -> list[str]:
     plan = run.plan
+    pipeline = plan.preset.pipeline
+    calls = ("one step = one synchronised forward" if run.calls_per_step == 1 else
+             f"one step = {run.calls_per_step} synchronised forwards (the pipeline runs guidance's halves one "
+             "after the other)")
     notes = [
         f"denoiser only: {run.cls.__name__} from the preset's denoiser_config with random weights, batch "
-        f"{run.batch}, {run.text_len} text tokens; one step = one synchronised forward; image ms = {plan.steps} steps",
+        f"{run.batch}, {run.text_len} text tokens; {calls}; image ms = {plan.steps} steps",
+        *_sequence_notes(run),
         f"compile s = first forward in this process (compiles); inductor cache at {cache_folder} "
         f"({cache_files} files at start); warm-up s = the next {plan.warmup_calls} forward(s)",
         "modes are measured one after another (each complete before the next), so a time-limited run keeps "
         "finished modes",
         "TFLOP/s = FLOPs per step / median step time; FLOPs: "
         + ("analytic (flux_step_flops), cross-checked with FlopCounterMode on meta"
-           if plan.preset.pipeline == "FluxPipeline" else "FlopCounterMode on the meta device"),
-        *[f"reference: {p}" for p in REFERENCE_POINTS],
+           if pipeline in FLUX_PIPELINES else "FlopCounterMode on the meta device"),
+        *([f"reference: {p}" for p in REFERENCE_POINTS] if pipeline == "FluxPipeline" else []),
     ]
     if run.budget_hit:
         notes.append(f"time budget {plan.time_budget_s:.0f}s was spent: later configurations were skipped")
@@ -445,15 +387,20 @@ def run_denoiser_bench(plan: BenchPlan) -> dict:
     spec = devices.resolve_device(plan.device)
     env = devices.apply_environment(spec, plan.cache_dir)  # before diffusers loads (see denoiser_class)
     cls = denoiser_class(preset.pipeline)
-    # Classifier-free guidance doubles the batch; a batched call (engine/pipeline/batching.py) multiplies it
-    batch = (2 if preset.cfg and preset.guidance > 1.0 else 1) * plan.images_per_call
+    # Classifier-free guidance doubles the batch (or the calls, where the pipeline runs its halves one after the
+    # other); a batched call (engine/pipeline/batching.py) multiplies the batch
+    guided = 2 if preset.cfg and preset.guidance > 1.0 else 1
+    calls = guided if preset.pipeline in SEPARATE_GUIDANCE_CALLS else 1
+    batch = guided // calls * plan.images_per_call
     configs = plan.configs()
     total = len(plan.precisions) + len(configs) * (1 + plan.runs * plan.steps) + (1 if plan.matmul_roofline else 0)
     run = _Run(plan, spec, cls, cfg={**preset.denoiser_config, **(plan.config_override or {})},
                text_len=plan.text_len or DEFAULT_TEXT_LEN.get(preset.pipeline, 77), batch=batch,
-               bar=progress(total, plan.progress, f"bench {preset.name} denoiser@{spec.name}"), started=started)
+               bar=progress(total, plan.progress, f"bench {preset.name} denoiser@{spec.name}"), started=started,
+               calls_per_step=calls)
     run.extras.update(environment=env, batch=batch, images_per_call=plan.images_per_call, text_len=run.text_len,
-                      config=run.cfg)
+                      config=run.cfg, calls_per_step=calls, frames=plan.frames or None,
+                      references=[str(s) for s in plan.references] if plan.references is not None else None)
     cache_folder, cache_files = inductor_cache_state(spec, plan.cache_dir)
     runner._install_compile_counter()
     recipes.raise_recompile_limit(len(configs) * 2)

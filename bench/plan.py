@@ -24,7 +24,7 @@ from engine.config.flags import (
 )
 from engine.config.presets import get_preset, preset_for_model, route_size
 from engine.errors import InvalidRequest
-from engine.protocol import GENERIC_PROMPT, EngineOptions, ModelPreset, Size, StepCache
+from engine.protocol import GENERIC_PROMPT, EngineOptions, ImageInputs, ModelPreset, Size, StepCache
 
 
 @dataclass
@@ -63,7 +63,15 @@ class BenchPlan:
     quality_samples: int = 3
     caches: tuple[str, ...] = ()  # step caches (canonical text): the levers bench (bench/levers.py)
     images_per_call: int = 1  # random weights: images per denoiser call (batching, engine/pipeline/batching.py)
+    # random weights: an edit's reference sizes (None: one at each output size for an edit preset, else none)
+    references: tuple[Size, ...] | None = None
+    frames: int = 0  # random weights: a video preset's clip length (0: an image)
 
+    def reference_sizes(self, size: Size) -> tuple[Size, ...]:
+        """The references whose tokens join the sequence of an output of `size`."""
+        if self.references is not None:
+            return self.references
+        return (size,) if self.preset.inputs is ImageInputs.EDIT else ()
 
     def configs(self) -> list[tuple[str, str, Size]]:
         """Every (precision, mode, size), in the order results are reported."""
@@ -104,6 +112,32 @@ def _check_sizes(preset: ModelPreset, sizes: tuple[Size, ...], random_weights: b
                 raise InvalidRequest(f"size {size} is not divisible by {preset.alignment} ({preset.name})")
         else:
             route_size(preset, size.width, size.height, snap=False)  # must be one of the buckets
+
+
+def _references(preset: ModelPreset, text: str | None, random_weights: bool) -> tuple[Size, ...] | None:
+    """--references read and checked: sizes aligned like the output's, no more than the preset takes."""
+    if text is None:
+        return None
+    refs = () if text.strip().lower() == "none" else tuple(Size.parse(s) for s in _split(text))
+    if refs and not random_weights:
+        raise InvalidRequest("--references sizes the denoiser's inputs: it needs --random-weights")
+    if len(refs) > preset.max_references:
+        raise InvalidRequest(f"--references: {preset.name} takes at most {preset.max_references} reference(s), "
+                             f"not {len(refs)}")
+    _check_sizes(preset, refs, random_weights=True)
+    return refs
+
+
+def _frames(preset: ModelPreset, frames: int | None) -> int:
+    """--frames checked against the preset: a video preset's default is its first frame bucket."""
+    if not preset.video:
+        if frames:
+            raise InvalidRequest(f"--frames: {preset.name} makes images, not clips")
+        return 0
+    frames = frames or preset.frames[0]
+    if (frames - 1) % preset.frame_step:
+        raise InvalidRequest(f"--frames {frames}: {preset.name} takes 1 + a multiple of {preset.frame_step} frames")
+    return frames
 
 
 def plan_from_args(args) -> BenchPlan:
@@ -148,5 +182,7 @@ def plan_from_args(args) -> BenchPlan:
                          else 100 if preset.fidelity else 3),
         caches=caches,
         images_per_call=max(1, opts.images_per_call or 1),
+        references=_references(preset, opts.references, bool(opts.random_weights)),
+        frames=_frames(preset, opts.frames) if opts.random_weights else 0,
         command="python -m engine " + " ".join(a for a in sys.argv[1:] if a) if sys.argv else "",
     )

@@ -209,6 +209,12 @@ def test_flux_flops_analytic_matches_flop_counter():
         cfg = {**TINY_FLUX, "in_channels": 64, "patch_size": 1, "guidance_embeds": guidance_embeds}
         counted = denoiser.count_flops_meta(FluxTransformer2DModel, denoiser.DenoiserShape("FluxPipeline", cfg, size, text_len), 3.5)
         assert counted == denoiser.flux_step_flops(cfg, size.width, size.height, text_len)
+    # an instruction edit (Kontext): the reference's tokens join the image tokens of every layer
+    cfg = {**TINY_FLUX, "in_channels": 64, "patch_size": 1, "guidance_embeds": True}
+    edit = denoiser.DenoiserShape("FluxKontextPipeline", cfg, Size(64, 64), 8, references=(Size(64, 64),))
+    counted = denoiser.count_flops_meta(FluxTransformer2DModel, edit, 2.5)
+    assert counted == denoiser.flux_step_flops(cfg, 64, 64, 8, reference_tokens=16)
+    assert counted > denoiser.flux_step_flops(cfg, 64, 64, 8)
     # the full FLUX.1-dev step at 1024x1024 (analytic only: nothing is built)
     from engine.config.presets import get_preset
 

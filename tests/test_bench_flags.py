@@ -32,6 +32,7 @@ OPTIONS = {  # command -> its options dataclass; `True`: the engine flags follow
     "fleet-bench": ("bench.fleet:FleetBenchOptions", False),
     "video-bench": ("bench.video:VideoBenchOptions", False),
     "edit-bench": ("bench.edit:EditBenchOptions", False),
+    "vae-bench": ("bench.vae_decode:VaeBenchOptions", False),
 }
 
 
