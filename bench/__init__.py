@@ -11,7 +11,8 @@ Two kinds of run:
   a bare diffusers call) and the persistent compile cache (cache_probe.py: cold vs filled cache in
   fresh child processes) measured too.
 * denoiser (`--random-weights`, denoiser.py): the preset's real denoiser architecture with random
-  weights, fed random inputs of the bucket's shapes. No download, real shapes: the GPU run.
+  weights, fed random inputs of the bucket's shapes (denoiser_shapes.py: per pipeline, an edit's
+  references and a clip's frames included). No download, real shapes: the GPU run.
 
 The rest: modes.py (the bench's mode vocabulary), plan.py (a run as data, from the command line),
 cli.py (the sub-command's parser), run.py (plan -> measure -> report), stats.py (statistics, speedup
@@ -21,7 +22,8 @@ paths share).
 Beside the benchmark, the commands that measure a whole host from outside: soak.py (`python -m bench
 soak`: simulated visitors against a real app process, memory and orphans checked) and load.py
 (`python -m bench load`: a burst of visitors at one bucket, batching off and on). The
-advisor (advise.py), the contention and context-parallel benches and the cold-start probe live here too;
+advisor (advise.py), the contention and context-parallel benches, a video VAE's decode plain against tiled
+(vae_decode.py, `vae-bench`) and the cold-start probe live here too;
 `python -m bench --help` lists every command (commands.py).
 
 A package of its own, above the engine: the engine never imports it. It drives the engine through its

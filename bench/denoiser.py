@@ -367,7 +367,7 @@ def _closing_notes(run: _Run, cache_folder: str | None, cache_files: int) -> lis
         f"{run.batch}, {run.text_len} text tokens; {calls}; image ms = {plan.steps} steps",
         *_sequence_notes(run),
         f"compile s = first forward in this process (compiles); inductor cache at {cache_folder} "
-        f"({cache_files} files at start); warm-up s = the next {plan.warmup_calls} forward(s)",
+        f"({cache_files} files at start); warm-up s = the next {plan.warmup_calls} step(s)",
         "modes are measured one after another (each complete before the next), so a time-limited run keeps "
         "finished modes",
         "TFLOP/s = FLOPs per step / median step time; FLOPs: "

@@ -181,8 +181,9 @@ def _fmt(value, digits: int = 1) -> str:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"## VAE decode: {report['vae']} ({report['vae_config'] if isinstance(report['vae_config'], str) else 'override'}, "
-             f"{report['parameters'] / 1e6:.2f}M parameters), {report['size']} x {report['frames']} frames, "
+    config = report["vae_config"] if isinstance(report["vae_config"], str) else "config override"
+    lines = [f"## VAE decode: {report['vae']} ({config}, {report['parameters'] / 1e6:.2f}M parameters), "
+             f"{report['size']} x {report['frames']} frames, "
              f"{report['precision']} on {report['device']}; latents {report['latent_shape']}", "",
              "| decode | tiles | ms (median) | ms (p90) | peak GiB | note |", "|---|---|---|---|---|---|"]
     for r in report["rows"]:

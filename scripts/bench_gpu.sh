@@ -29,6 +29,17 @@
 #                                          # bf16, 1024x1024, 28 steps): none, layerwise fp8, group offload
 #                                          # (block, CUDA stream prefetch), model offload; s / image and peak GiB
 #                                          # beside the estimate and diffusers' table -> $OUT/bench-gpu-memory/
+#   bash scripts/bench_gpu.sh edit         # the edit case: FLUX.1 Kontext-dev's transformer (random weights, bf16)
+#                                          # at 1024x1024 with one 1024x1024 reference (8704 tokens), 8 steps x
+#                                          # 2 runs: eager vs compile, in bf16 and fp8 (fp8 where the GPU is
+#                                          # sm_89+); recompiles at the warm edit bucket, peak memory
+#                                          # -> $OUT/bench-gpu-edit/
+#   bash scripts/bench_gpu.sh video        # the video case: Wan 2.1 T2V 1.3B's transformer (random weights, bf16)
+#                                          # at 832x480 x 33 frames, guidance as two forwards per step: eager vs
+#                                          # compile, bf16 and fp8; then Wan 2.1's VAE decoding that clip, plain
+#                                          # vs enable_tiling() (python -m bench vae-bench), ms and peak GiB
+#                                          # -> $OUT/bench-gpu-video/{denoiser,vae}/
+#                                          # edit and video have not yet run on a GPU (docs/benchmarks.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl
@@ -89,6 +100,49 @@ cp_row() {
     echo "context-parallel $1 exited ${PIPESTATUS[0]}"
   done
 }
+
+gpu_precisions() {
+  # bf16, and fp8 where this GPU has float8 matmuls (compute capability 8.9+); the bench refuses fp8 elsewhere.
+  "$PY" -c "import torch; print('bf16,fp8' if torch.cuda.get_device_capability() >= (8, 9) else 'bf16')" \
+    2>/dev/null || echo bf16
+}
+
+if [ "${1:-}" = edit ]; then
+  shift
+  # FLUX.1 Kontext at its edit bucket: the reference's 4096 tokens join the output's 4096 and the 512 text
+  # tokens. Modes in order (each finished one kept in bench.json); no configuration starts after 360 s, hard
+  # limit 480 s: two full compiles of the 12B transformer (bf16, fp8) are the long part.
+  EDIT_DIR="${OUT:-artifacts}/bench-gpu-edit"
+  mkdir -p "$EDIT_DIR"
+  timeout --signal=INT --kill-after=20 480 "$PY" -m bench bench --random-weights --preset flux1-kontext-dev \
+    --device cuda --precisions "$(gpu_precisions)" --modes eager,compile --sizes 1024x1024 --references 1024x1024 \
+    --steps 8 --runs 2 --matmul-roofline --time-budget 360 --cache-dir /tmp/showcase-cache --no-progress \
+    --out "$EDIT_DIR" "$@" 2>&1 | tee "$EDIT_DIR/bench.log"
+  rc=${PIPESTATUS[0]}
+  echo "edit bench exited $rc (124/130 = stopped by the time limit; bench.json holds the modes that finished)"
+  exit "$rc"
+fi
+
+if [ "${1:-}" = video ]; then
+  shift
+  # Wan 2.1 T2V 1.3B at 832x480 x 33 frames (14040 video tokens; guidance's halves are two forwards, as
+  # WanPipeline runs them): at most 330 s, no configuration after 250 s. Then the VAE decode of that clip,
+  # plain and tiled: at most 150 s. Extra arguments go to the denoiser bench; $VAE_BENCH_FLAGS (word-split) to
+  # vae-bench, e.g. a CPU smoke run's "--device cpu --size 64x64 --frames 9 --vae-config-override {...}".
+  VIDEO_DIR="${OUT:-artifacts}/bench-gpu-video"
+  mkdir -p "$VIDEO_DIR/denoiser" "$VIDEO_DIR/vae"
+  timeout --signal=INT --kill-after=20 330 "$PY" -m bench bench --random-weights --preset wan2.1-t2v-1.3b \
+    --device cuda --precisions "$(gpu_precisions)" --modes eager,compile --sizes 832x480 --frames 33 \
+    --steps 8 --runs 2 --matmul-roofline --time-budget 250 --cache-dir /tmp/showcase-cache --no-progress \
+    --out "$VIDEO_DIR/denoiser" "$@" 2>&1 | tee "$VIDEO_DIR/denoiser/bench.log"
+  rc=${PIPESTATUS[0]}
+  echo "video denoiser bench exited $rc (124/130 = stopped by the time limit)"
+  timeout --signal=INT --kill-after=20 150 "$PY" -m bench vae-bench --preset wan2.1-t2v-1.3b --device cuda \
+    --precision bf16 --size 832x480 --frames 33 --runs 3 --out "$VIDEO_DIR/vae" ${VAE_BENCH_FLAGS:-} 2>&1 \
+    | tee "$VIDEO_DIR/vae/vae.log"
+  echo "vae decode bench exited ${PIPESTATUS[0]}"
+  exit "$rc"
+fi
 
 if [ "${1:-}" = cp ]; then
   cp_row
