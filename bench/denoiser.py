@@ -258,6 +258,15 @@ def _matmul_rooflines(run: _Run) -> dict:
     return rates
 
 
+def _keep_in_fp32(model: torch.nn.Module) -> None:
+    """As from_pretrained loads the class: the parameters it keeps in fp32 (Wan: its norms, time embedder and
+    modulation tables) stay fp32 whatever the benchmark dtype."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    for name, param in model.named_parameters():
+        if any(k in name.split(".") for k in keep):
+            param.data = param.data.float()
+
+
 def _build_denoiser(run: _Run, precision: str) -> tuple[torch.nn.Module, int, float]:
     """The denoiser with random weights, built directly in the benchmark dtype on the device (no fp32 copy)."""
     plan, spec, cls = run.plan, run.spec, run.cls
@@ -283,6 +292,12 @@ def _build_denoiser(run: _Run, precision: str) -> tuple[torch.nn.Module, int, fl
     finally:
         torch.set_default_dtype(old_dtype)
     model.eval().requires_grad_(False)
+    if not Precision(precision).quantized:
+        _keep_in_fp32(model)
+    elif getattr(model, "_keep_in_fp32_modules", None):
+        # torchao's per-row float8 takes bf16 weights only: from_pretrained's fp32 modules would stop it
+        run.notes.append(f"{precision}: {cls.__name__}'s fp32 modules ({', '.join(model._keep_in_fp32_modules)}) "
+                         f"left in {dtype} so every linear layer quantizes (from_pretrained keeps them fp32)")
     if plan.preset.repeated_blocks:
         model._repeated_blocks = list(plan.preset.repeated_blocks)
     if plan.options.fuse_qkv:

@@ -63,7 +63,7 @@ def _prepared(levers: str, preset, spec, dtype):
 def measure_lever(levers: str, preset, spec, size, steps: int) -> dict:
     import torch
 
-    from bench.denoiser import DenoiserShape, denoiser_inputs
+    from bench.denoiser_shapes import DenoiserShape, denoiser_inputs
 
     dtype = torch.bfloat16
     gc.collect()

@@ -100,8 +100,17 @@ def test_bench_runs_a_tiny_kontext_edit_with_its_reference(cache_dir, tmp_path):
                for n in report["notes"])
 
 
-def test_bench_runs_a_tiny_wan_clip_with_guidance_as_two_calls(cache_dir, tmp_path):
-    report = _bench(tmp_path, cache_dir, "wan2.1-t2v-1.3b", TINY_WAN, "--sizes", "32x32", "--frames", "5")
+def test_bench_runs_a_tiny_wan_clip_with_guidance_as_two_calls(cache_dir, tmp_path, monkeypatch):
+    from bench import denoiser
+
+    kept = []
+    keep = denoiser._keep_in_fp32
+    monkeypatch.setattr(denoiser, "_keep_in_fp32", lambda model: (keep(model), kept.append(model))[0])
+    report = _bench(tmp_path, cache_dir, "wan2.1-t2v-1.3b", TINY_WAN, "--sizes", "32x32", "--frames", "5",
+                    "--precisions", "bf16")
+    # built in bf16 as from_pretrained loads it: the class's fp32 modules stay fp32
+    (model,) = kept
+    assert model.scale_shift_table.dtype == torch.float32 and model.proj_out.weight.dtype == torch.bfloat16
     (r,) = report["results"]
     assert r["frames"] == 5 and r["batch"] == 1 and report["extras"]["calls_per_step"] == 2
     assert r["sequence_tokens"] == 2 * 2 * 2  # 2 latent frames of 2x2 patches
