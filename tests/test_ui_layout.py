@@ -50,7 +50,7 @@ TAB_IDS = {
                 "a-table",
                 "a-json", "a-cards"},
     "system": {"system-refresh", "system"},
-    "video": {"video-prompt", "video-negative-prompt", "video-preset", "video-device", "video-precision", "video-mode",
+    "video": {"video-prompt", "video-negative-prompt", "video-memory", "video-preset", "video-device", "video-precision", "video-mode",
               "video-size", "video-frames-count", "video-fps", "video-steps", "video-guidance", "video-seed",
               "video-on-cold", "video-images", "video-capture", "video-btn", "video-cancel-btn", "video-player", "video-frames", "video-summary",
               "video-plot", "video-run-summary", "video-stats", "video-timings"},

@@ -81,6 +81,17 @@ def test_tiny_wan_makes_a_playable_clip_of_the_asked_frames(cache_dir):
     assert Mode.AOT not in runner.modes()
 
 
+def test_vae_tiling_is_a_lever_of_a_wan_clip(cache_dir):
+    """Wan's VAE tiles each latent frame in space (its decode already goes frame by frame in time): a clip asks
+    for it per request; below the tile size (256 px) the decode is the plain one, pixel for pixel."""
+    runner = make_runner(cache_dir, "tiny-wan")
+    request, _ = _build(size="16x16", num_frames=9, steps=2, seed=3)
+    plain = decode_mp4(runner.generate(request).video_mp4)
+    tiled = decode_mp4(runner.generate(request.replace(memory="vae-tiling")).video_mp4)
+    assert len(tiled) == 9 and all((a == b).all() for a, b in zip(plain, tiled, strict=True))
+    assert not runner.pipe.vae.use_tiling  # one request's lever, put back after it
+
+
 def test_a_warm_names_a_video_bucket_by_size_and_frames():
     wan = get_preset("tiny-wan")
     assert warm_bucket(wan, "compile", "32x32x9") == BucketKey(Mode.COMPILE, Size(32, 32), frames=9)

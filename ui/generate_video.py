@@ -25,8 +25,9 @@ from ui.generate import GenerateHandlers, declared_shown, declared_widgets
 from ui.runs import ProgressBar
 
 # The tab's fields, in /generate_video's order (gradio_client callers pass them positionally: append only):
-# /generate's first seven (prompt to size), the clip's length and rate, its next four (steps to on_cold), images.
-VIDEO_FIELDS = (*FORM_FIELDS[:7], "num_frames", "fps", *FORM_FIELDS[7:11], "images")
+# /generate's first seven (prompt to size), the clip's length and rate, its next four (steps to on_cold), images,
+# memory levers.
+VIDEO_FIELDS = (*FORM_FIELDS[:7], "num_frames", "fps", *FORM_FIELDS[7:11], "images", "memory")
 GENERATE_VIDEO_DOC = (
     "Generate one clip with a video preset (tiny-wan, Wan 2.x; tiny-wan-i2v and wan2.1-i2v-14b-480p start from a "
     "source image: images, one file (gradio_client: [handle_file(PATH)]; an agent: an http(s) or data: URL), the "
@@ -124,6 +125,9 @@ def build(h: VideoHandlers) -> None:
     form["preset"].change(h.video_defaults, form["preset"], [*(form[t.name] for t in params.OPTIONAL_TEXT),
                                                              form["size"], form["num_frames"], form["fps"],
                                                              form["steps"]], **FAST)
+    settings = [form[name] for name in ("preset", "device", "precision", "mode")]
+    gr.on([c.change for c in settings], h.memory_choices, [*settings, gr.State(1), form["memory"]], form["memory"],
+          **FAST)
     edits = edit_inputs.EditInputs(h)  # the source image's area follows the preset's declaration, as Generate's
     form["preset"].change(edits.image_area, form["preset"], [area, form["images"]], **FAST)
     capture.change(edits.add_capture, [capture, form["images"]], [form["images"], capture], **FAST)
@@ -157,6 +161,12 @@ def _controls(h: VideoHandlers, presets: list[str], first, d) -> dict:
         form["seed"] = gr.Number(value=0, precision=0, minimum=0, label=params.label("seed"), elem_id="video-seed")
     form["on_cold"] = gr.Radio(params.choices("on_cold"), value=d.on_cold,
                                label=params.label("on_cold"), elem_id="video-on-cold")
+    # Memory levers as Generate offers them (VAE tiling, offloads), each with its estimated peak and price
+    levers = h.memory_choices(first.name, d.device, d.precision, "eager")
+    public = h.serving.public()
+    form["memory"] = gr.Dropdown(levers["choices"], value=levers["value"], info=levers["info"],
+                                 allow_custom_value=not public, interactive=not public,
+                                 label=params.label("memory"), elem_id="video-memory")
     return form
 
 

@@ -383,5 +383,4 @@ def check_vae(vae, levers) -> None:
 TILING_FAILS = {
     "AutoencoderTiny": "AutoencoderTiny's tiled decode fails at this showcase's sizes (tile blend size mismatch "
                        "at 64x64)",
-    "AutoencoderKLWan": "AutoencoderKLWan has no per-image tiling in diffusers 0.42",
 }
