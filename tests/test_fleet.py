@@ -159,7 +159,11 @@ def test_sigterm_on_the_app_leaves_no_actor_and_no_engine_process(cache_dir, tin
                             message=lambda: f"the app's engine actor alive (app log: {log.read_text()[-3000:]})")
         pid = actors[0]["Pid"]
         app.send_signal(signal.SIGTERM)
-        app.wait(30)
+        try:
+            app.wait(30)
+        except subprocess.TimeoutExpired:  # what the app was doing when it should have been gone
+            raise AssertionError(f"the app still runs 30 s after SIGTERM; its log ends: {log.read_text()[-3000:]}") \
+                from None
         wait_until(lambda: not fleet_actors_alive(), 10, interval=0.2, message="no engine actor left")
         if pid:
             wait_until(lambda: process_gone(pid), 10, message=f"the actor's process {pid} gone")

@@ -269,7 +269,7 @@ def test_compare_entries_take_memory_levers_and_refuse_impossible_pairs():
     from engine.config.presets import get_preset
 
     entry = configs.parse_entry("eager/fp32+lora=swap+mem=group:block:2, vae-slicing@cpu")
-    assert entry.memory == "group:block:2,vae-slicing" and entry.lora == "swap" and entry.device == "cpu"
+    assert entry.memory == "group:block:2,vae-slicing" and entry.lora.name == "swap" and entry.device == "cpu"
     assert configs.parse_entry(entry.text()) == entry
     with pytest.raises(ValueError, match="unknown memory lever"):
         configs.parse_entry("eager/fp32+mem=warp")

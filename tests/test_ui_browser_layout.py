@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers import browser_page, launch_demo, require_chromium
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from ui.handlers import UIDefaults
 
@@ -101,8 +102,13 @@ def test_compare_at_1280x800_reads_whole(page):
     page.wait_for_function("document.querySelectorAll('#c-speedup .virtual-body [role=row]').length === 6"
                            " && document.querySelectorAll('#c-plot-legend .legend-item').length >= 6", timeout=600_000)
     # the A/B slider fills in an event of its own after the run (one at a time): minutes on a loaded box
-    page.wait_for_function("Array.from(document.querySelectorAll('#c-ab img')).filter(i => i.complete && i.naturalWidth > 0)"
-                           ".length === 2", timeout=300_000)
+    try:
+        page.wait_for_function("Array.from(document.querySelectorAll('#c-ab img'))"
+                               ".filter(i => i.complete && i.naturalWidth > 0).length === 2", timeout=300_000)
+    except PlaywrightTimeout:  # say why: no image yet, or each image's answer (a 403 or 404 names the cause)
+        sources = page.eval_on_selector_all("#c-ab img", "is => is.map(i => i.src)")
+        answers = {src[-60:]: page.request.get(src).status for src in sources if src.startswith("http")}
+        raise AssertionError(f"the A/B slider's images never showed: {answers or sources or 'no image'}") from None
     # the price table: its six rows without an inner scroller, the speedup column wide enough for its figure
     page.locator("#c-speedup").scroll_into_view_if_needed()
     assert not inner_scrollers(page, "c-speedup"), inner_scrollers(page, "c-speedup")

@@ -105,6 +105,14 @@ def build_tab(name, manager):
     return blocks
 
 
+def test_every_child_of_the_tab_bar_is_a_tab(demo):
+    """Gradio's tab bar draws each child of gr.Tabs as a tab: a component made outside a tab (a gr.State in a
+    tab's event wiring did) duplicated tabs and hid others when one was clicked."""
+    bars = [block for block in demo.blocks.values() if isinstance(block, gr.Tabs)]
+    assert bars and all(isinstance(child, gr.Tab) for bar in bars for child in bar.children), \
+        [type(child).__name__ for bar in bars for child in bar.children]
+
+
 @pytest.mark.parametrize("name", sorted(TAB_IDS))
 def test_each_tab_module_builds_alone_with_its_own_handlers(manager, name):
     blocks = build_tab(name, manager)

@@ -175,8 +175,9 @@ def test_the_generate_page_shows_frames_and_fps_for_video_presets_only(manager):
     assert h.clip_fields("tiny-wan")["visible"] is True
     assert h.clip_fields("tiny-flux")["visible"] is False
     assert "tiny-wan" in h.video_presets() and "tiny-flux" not in h.video_presets()
-    sizes, frames, fps, steps = h.video_defaults("tiny-wan")
+    negative, sizes, frames, fps, steps = h.video_defaults("tiny-wan")  # Wan takes a negative prompt
     assert (sizes["value"], frames["value"], fps["value"], steps["value"]) == ("32x32", 17, 16, 4)
+    assert negative["visible"] is True and h.video_defaults("tiny-shapes-video")[0]["visible"] is False
 
 
 def test_clip_drift_and_motion_read_frames():

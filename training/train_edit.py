@@ -5,7 +5,9 @@ A thin command line over training.shapes.edit_train: first the edit folder's own
 FLUX.1 Kontext form on edits of the shapes grammar; fixed seeds; checkpoints in .cache/train-edit.
 `--minutes M` stops at the next checkpoint once M minutes of training have passed and a rerun resumes; the
 export runs when the last step is done (or alone with `--stage export`), then the decoder is tuned on what the
-trained transformer writes (or alone with `--stage tune`). Training never runs as part of the app or the tests.
+trained transformer writes (or alone with `--stage tune`). `--stage encoder --set encoder_steps=N` trains the
+encoder on and puts it into the folder, then tunes its decoder. Training never runs as part of the app or the
+tests.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.train_edit", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=edit_train.DEFAULT_OUT, help="diffusers folder to write")
     parser.add_argument("--cache", type=Path, default=edit_train.DEFAULT_CACHE, help="checkpoints and logs")
-    parser.add_argument("--stage", choices=("train", "export", "tune", "all"), default="all",
-                        help="export: write the folder from the checkpoint, then tune its decoder; tune: only that")
+    parser.add_argument("--stage", choices=("train", "export", "tune", "encoder", "all"), default="all",
+                        help="export: write the folder from the checkpoint, then tune its decoder; tune: only that; "
+                             "encoder: train the encoder on to --set encoder_steps=N, put it into the folder, then "
+                             "tune its decoder")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                         help="continue from the checkpoint")
     parser.add_argument("--minutes", type=float, default=None,
@@ -35,8 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = edit_train.EditSettings()
     override_settings(settings, args.set, parser.error)
-    done = args.stage == "tune" or edit_train.run(args.out, args.cache, args.minutes, settings, args.resume,
-                                                  args.stage)
+    if args.stage == "encoder":
+        done = edit_train.continue_encoder(args.out, args.cache, args.minutes, settings)
+    else:
+        done = args.stage == "tune" or edit_train.run(args.out, args.cache, args.minutes, settings,
+                                                      args.resume, args.stage)
     if not done:
         logging.getLogger(__name__).warning("stopped at a checkpoint (--minutes); rerun to resume")
         return 3

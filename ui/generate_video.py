@@ -98,6 +98,7 @@ def build(h: VideoHandlers) -> None:
         with gr.Row():
             with gr.Column(scale=2, min_width=320):
                 form = _controls(h, presets, first, d)
+                one_rank = gr.State(1)  # memory_choices' ranks: clips run on one (inside the tab: a child of gr.Tabs is a tab)
                 area, capture = _source_image(form, first)
                 form = {name: form[name] for name in VIDEO_FIELDS}  # /generate_video's order
             with gr.Column(scale=3, min_width=340):
@@ -126,8 +127,7 @@ def build(h: VideoHandlers) -> None:
                                                              form["size"], form["num_frames"], form["fps"],
                                                              form["steps"]], **FAST)
     settings = [form[name] for name in ("preset", "device", "precision", "mode")]
-    gr.on([c.change for c in settings], h.memory_choices, [*settings, gr.State(1), form["memory"]], form["memory"],
-          **FAST)
+    gr.on([c.change for c in settings], h.memory_choices, [*settings, one_rank, form["memory"]], form["memory"], **FAST)
     edits = edit_inputs.EditInputs(h)  # the source image's area follows the preset's declaration, as Generate's
     form["preset"].change(edits.image_area, form["preset"], [area, form["images"]], **FAST)
     capture.change(edits.add_capture, [capture, form["images"]], [form["images"], capture], **FAST)

@@ -68,7 +68,9 @@ def tune(out: Path, settings: EditSettings) -> None:
     save_vae(vae.requires_grad_(False), Path(out) / "vae")
     recipe_path = Path(out) / "training.json"
     recipe = json.loads(recipe_path.read_text())
-    recipe["decoder_tuning"] = {"sampled_edits": settings.tune_pool, "steps": settings.tune_steps,
-                                "lr": settings.tune_lr, "minutes": round((time.perf_counter() - started) / 60, 1)}
+    this_round = {"sampled_edits": settings.tune_pool, "steps": settings.tune_steps, "lr": settings.tune_lr,
+                  "minutes": round((time.perf_counter() - started) / 60, 1)}
+    recipe["decoder_tuning"] = this_round  # the last round; every round, in order, below
+    recipe["decoder_tuning_rounds"] = [*recipe.get("decoder_tuning_rounds", []), this_round]
     recipe_path.write_text(json.dumps(recipe, indent=2) + "\n")
     logger.info("tuned the decoder of %s in %.1f min", out, (time.perf_counter() - started) / 60)
