@@ -82,16 +82,17 @@ def _split(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in str(text).split(",") if t.strip())
 
 
-def _load_override(text: str | None) -> dict | None:
+def json_object_flag(text: str | None, flag: str) -> dict | None:
+    """A flag's JSON object, given inline or as @FILE (None when not given); InvalidRequest naming `flag`."""
     if not text:
         return None
     raw = Path(text[1:]).read_text() if text.startswith("@") else text
     try:
         value = json.loads(raw)
     except ValueError as exc:
-        raise InvalidRequest(f"--denoiser-config-override is not JSON: {exc}") from None
+        raise InvalidRequest(f"{flag} is not JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise InvalidRequest("--denoiser-config-override must be a JSON object")
+        raise InvalidRequest(f"{flag} must be a JSON object")
     return value
 
 
@@ -174,7 +175,7 @@ def plan_from_args(args) -> BenchPlan:
         cache_probe=opts.cache_probe, probe_timeout_s=opts.probe_timeout, progress=not opts.no_progress,
         cold_start_probe=cold_start, cold_start_runs=opts.cold_start_runs,
         model_args=tuple(model_args), random_weights=bool(opts.random_weights),
-        config_override=_load_override(opts.denoiser_config_override),
+        config_override=json_object_flag(opts.denoiser_config_override, "--denoiser-config-override"),
         text_len=opts.text_len, matmul_roofline=opts.matmul_roofline, warmup_calls=opts.warmup_calls,
         time_budget_s=opts.time_budget, out=Path(opts.out) if opts.out else None, force=opts.force,
         threads=opts.threads, engine_args=engine_flags_argv(args),

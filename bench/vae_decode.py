@@ -54,17 +54,9 @@ def add_vae_bench_parser(sub) -> None:
 
 
 def _override(text: str | None) -> dict:
-    from engine.errors import InvalidRequest
+    from bench.plan import json_object_flag
 
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise InvalidRequest(f"--vae-config-override is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidRequest("--vae-config-override must be a JSON object")
-    return value
+    return json_object_flag(text, "--vae-config-override") or {}
 
 
 def _clip(opts: VaeBenchOptions):

@@ -53,7 +53,7 @@ class VideoSettings:
     # decoder: mostly 9-frame clips (8 per batch), for many scenes per step; the causal decoder unfolds a
     # 17-frame clip chunk by chunk as it does a 9-frame one
     decoder_frame_weights: tuple[float, ...] = (0.2, 0.8)
-    decoder_steps: int = 2700
+    decoder_steps: int = 4000
     decoder_frames_per_batch: int = 72  # 4 clips of 17 frames or 8 of 9
     decoder_lr: float = 1e-3
     # post_quant_conv (a 1x1 conv before the decoder) starts as this many times the identity: the semantic
