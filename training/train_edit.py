@@ -15,26 +15,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from training.shapes import edit_train, edit_tune
-from training.shapes.training import override_settings
+from training.shapes.training import override_settings, training_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.train_edit", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=edit_train.DEFAULT_OUT, help="diffusers folder to write")
-    parser.add_argument("--cache", type=Path, default=edit_train.DEFAULT_CACHE, help="checkpoints and logs")
+    parser = training_parser("python -m training.train_edit", __doc__, edit_train.DEFAULT_OUT,
+                             edit_train.DEFAULT_CACHE, "--set steps=1500 (changes the result)")
     parser.add_argument("--stage", choices=("train", "export", "tune", "encoder", "all"), default="all",
                         help="export: write the folder from the checkpoint, then tune its decoder; tune: only that; "
                              "encoder: train the encoder on to --set encoder_steps=N, put it into the folder, then "
                              "tune its decoder")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                         help="continue from the checkpoint")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="stop (checkpointed) after this much training; rerun to resume")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
-                        help="override a training setting, e.g. --set steps=1500 (changes the result)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = edit_train.EditSettings()

@@ -8,25 +8,18 @@ once M minutes of training have passed and a rerun resumes. Training never runs 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
-from pathlib import Path
 
 from training.shapes import video_train
-from training.shapes.training import override_settings
+from training.shapes.training import override_settings, training_parser
 from training.shapes.video_sampling import Architecture
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.train_video", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=video_train.DEFAULT_OUT, help="diffusers folder to write")
-    parser.add_argument("--cache", type=Path, default=video_train.DEFAULT_CACHE, help="checkpoints and logs")
+    parser = training_parser("python -m training.train_video", __doc__, video_train.DEFAULT_OUT,
+                             video_train.DEFAULT_CACHE, "--set steps=1500 or --set arch='{\"layers\": 2}'")
     parser.add_argument("--stage", choices=("decoder", "transformer", "tune", "export", "all"), default="all")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="stop (checkpointed) after this much training; rerun to resume")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
-                        help="override a training setting, e.g. --set steps=1500 or --set arch='{\"layers\": 2}'")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = video_train.VideoSettings()

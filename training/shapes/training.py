@@ -128,6 +128,21 @@ class GradientGroup:
             dist.destroy_process_group()
 
 
+def training_parser(prog: str, doc: str, out: Path, cache: Path, set_example: str):
+    """The flags every `python -m training.train_*` command takes: --out, --cache, --minutes and --set (the
+    command adds its own --stage)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=out, help="diffusers folder to write")
+    parser.add_argument("--cache", type=Path, default=cache, help="checkpoints and logs")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="stop (checkpointed) after this much training; rerun to resume")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
+                        help=f"override a training setting, e.g. {set_example}")
+    return parser
+
+
 def override_settings(settings, items: list[str], error) -> None:
     """`--set NAME=JSON` items applied to a settings dataclass in place (a JSON list becomes a tuple);
     `error(message)` for an unknown name (argparse's parser.error)."""
