@@ -6,8 +6,9 @@ FLUX.1 Kontext form on edits of the shapes grammar; fixed seeds; checkpoints in 
 `--minutes M` stops at the next checkpoint once M minutes of training have passed and a rerun resumes; the
 export runs when the last step is done (or alone with `--stage export`), then the decoder is tuned on what the
 trained transformer writes (or alone with `--stage tune`). `--stage encoder --set encoder_steps=N` trains the
-encoder on and puts it into the folder, then tunes its decoder. Training never runs as part of the app or the
-tests.
+encoder on and puts it into the folder; `--stage transformer --set continue_from=N steps=M` trains the transformer
+on from its step-N checkpoint with that encoder's references and exports it, keeping the folder's VAE; each then
+tunes the decoder. Training never runs as part of the app or the tests.
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ import argparse
 import logging
 import sys
 
-from training.shapes import edit_train, edit_tune
+from training.shapes import edit_continue, edit_train, edit_tune
 from training.shapes.training import override_settings, training_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = training_parser("python -m training.train_edit", __doc__, edit_train.DEFAULT_OUT,
                              edit_train.DEFAULT_CACHE, "--set steps=1500 (changes the result)")
-    parser.add_argument("--stage", choices=("train", "export", "tune", "encoder", "all"), default="all",
-                        help="export: write the folder from the checkpoint, then tune its decoder; tune: only that; "
+    parser.add_argument("--stage", default="all",
+                        choices=("train", "export", "tune", "encoder", "transformer", "all"), help="export: write the folder from the checkpoint, then tune its decoder; tune: only that; "
                              "encoder: train the encoder on to --set encoder_steps=N, put it into the folder, then "
-                             "tune its decoder")
+                             "tune its decoder; transformer: train the transformer on from --set continue_from=N "
+                             "to steps=M, export it keeping the folder's VAE, then tune its decoder")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                         help="continue from the checkpoint")
     args = parser.parse_args(argv)
@@ -34,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = edit_train.EditSettings()
     override_settings(settings, args.set, parser.error)
     if args.stage == "encoder":
-        done = edit_train.continue_encoder(args.out, args.cache, args.minutes, settings)
+        done = edit_continue.continue_encoder(args.out, args.cache, args.minutes, settings)
+    elif args.stage == "transformer":
+        done = edit_continue.continue_transformer(args.out, args.cache, args.minutes, settings)
     else:
         done = args.stage == "tune" or edit_train.run(args.out, args.cache, args.minutes, settings,
                                                       args.resume, args.stage)

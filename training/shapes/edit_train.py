@@ -75,6 +75,10 @@ class EditSettings:
     copy_warmup: int = 50
     copy_encoded_share: float = 0.9
     copy_geometry_weight: float = 12.0
+    # Training on (`--stage transformer`, training.shapes.edit_continue): from step continue_from to steps, a
+    # fresh warm-up and cosine at continue_lr in the copy stage, references from the cache's (continued) encoder.
+    continue_from: int = 0
+    continue_lr: float = 2.5e-4
     # The encoder stage (training.shapes.edit_encoder), before the transformer.
     encoder_steps: int = 1800
     encoder_batch: int = 32
@@ -283,6 +287,8 @@ class EditTraining:
     def learning_rate(self) -> float:
         """The cosine over stages 1-2 (to copy_from), then a fresh warm-up and cosine for the copy stage."""
         s = self.settings
+        if s.continue_from and self.step >= s.continue_from:
+            return s.continue_lr * lr_factor(self.step - s.continue_from, s.steps - s.continue_from, s.copy_warmup)
         if self.stage < 2:
             return s.lr * lr_factor(self.step, min(s.copy_from, s.steps), s.warmup)
         return s.copy_lr * lr_factor(self.step - s.copy_from, s.steps - s.copy_from, s.copy_warmup)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from training.shapes import grammar
+from training.shapes.edit_continue import encoder_steps
 from training.shapes.edit_train import MAX_SEQUENCE_LENGTH, SIZE, STEPS, EditSettings, render, save_vae
 from training.shapes.edits import training_edits
 from training.shapes.sampling import unpack
@@ -69,7 +70,8 @@ def tune(out: Path, settings: EditSettings) -> None:
     recipe_path = Path(out) / "training.json"
     recipe = json.loads(recipe_path.read_text())
     this_round = {"sampled_edits": settings.tune_pool, "steps": settings.tune_steps, "lr": settings.tune_lr,
-                  "minutes": round((time.perf_counter() - started) / 60, 1)}
+                  "minutes": round((time.perf_counter() - started) / 60, 1),
+                  "encoder": f"{encoder_steps(recipe):,} steps"}
     recipe["decoder_tuning"] = this_round  # the last round; every round, in order, below
     recipe["decoder_tuning_rounds"] = [*recipe.get("decoder_tuning_rounds", []), this_round]
     recipe_path.write_text(json.dumps(recipe, indent=2) + "\n")
