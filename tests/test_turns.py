@@ -84,6 +84,36 @@ def test_a_fresh_client_is_placed_at_once_while_two_clients_keep_the_engine_full
     assert not flood.errors
 
 
+def test_a_newcomer_goes_ahead_of_the_round_under_way_when_many_clients_each_keep_one_request():
+    """Six clients each keeping one request at an engine of 3 places (one kept for fresh clients): in plain
+    start-time fair queueing a newcomer's tag ties with the waiting requests of the round under way and it waited
+    behind all of them (20 such flooders: 5 s against 0.4 s). A client with nothing served this round goes first."""
+    turns = Turns()
+    flood = Flood(turns, capacity=3)
+    clients = [f"10.1.0.{i}" for i in range(6)]
+    owner, sent = {}, 0
+    for client in clients:
+        owner[f"r{sent}"] = client
+        flood.send(client, f"r{sent}")
+        sent += 1
+        wait_until(lambda: len(flood.placed) + flood.waiting() == sent, timeout=10)
+    for _ in range(12):  # rounds go by: each client sends its next request when its last one ends
+        done = next(name for name in flood.placed if name not in flood.finished)
+        flood.finish(done)
+        owner[f"r{sent}"] = owner[done]
+        flood.send(owner[done], f"r{sent}")
+        sent += 1
+        wait_until(lambda: len(flood.placed) + flood.waiting() == sent, timeout=10)
+    waiting, first_after = flood.waiting(), len(flood.placed)
+    assert waiting >= 3  # the engine full, the rest of the round in line
+    flood.send("10.2.0.1", "fresh")
+    wait_until(lambda: "fresh" in flood.placed or flood.waiting() > waiting, timeout=10)
+    if "fresh" not in flood.placed:  # all places held: it takes the first one freed, ahead of all that waited
+        flood.finish(next(name for name in flood.placed if name not in flood.finished))
+    assert flood.placed[first_after:] == ["fresh"], flood.placed[first_after:]
+    assert not flood.errors
+
+
 def test_costlier_requests_take_fewer_turns():
     """By cost, not by count: a client sending requests 4 times as costly gets a turn a quarter as often."""
     turns = Turns(waiting_per_place=8)

@@ -5,9 +5,9 @@ to be refused ("engine ... has 16 requests waiting"), so a few clients each with
 full and refused everyone else. Here it waits instead, and the next place goes to the client whose
 turn is due: start-time fair queueing by cost (each client's requests are tagged with the token-steps
 served to it before them; the smallest tag goes first, a client that has not asked lately starts at the
-engine's current tag), the cost-weighted form of round-robin the cost budgets price
-(engine/serving/cost.py). A new client's request therefore takes the next free place, and an eighth of the
-places are kept for such requests: clients ahead of their share leave them free, so a newcomer is sent to the
+engine's current tag, ahead of the round under way), the cost-weighted form of round-robin the cost budgets
+price (engine/serving/cost.py). A new client's request therefore takes the next free place, and an eighth of
+the places are kept for such requests: clients ahead of their share leave them free, so a newcomer is sent to the
 worker at once and runs after the call under way (the worker takes turns between clients too).
 
 The waiting list is bounded too; when it is full the request refused is the newest of the client with the
@@ -37,6 +37,7 @@ class _Waiter:
     start: float  # its virtual start tag: cost served to the client before it
     seq: int
     request_id: str | None
+    fresh: bool = False  # its client had nothing served this round (new, or its last request behind `now`)
     state: str = "waiting"  # waiting -> placed | shed | cancelled
     since: float = field(default_factory=time.monotonic)
 
@@ -56,21 +57,30 @@ class _Line:
         self.finish: dict[str, float] = {}  # client -> the end tag of its last request
         self.held_s = 0.0  # running estimate of how long a request holds its place
 
-    def tag(self, client: str, cost: int) -> float:
-        start = max(self.now, self.finish.get(client, 0.0))
+    def tag(self, client: str, cost: int) -> tuple[float, bool]:
+        """(start tag, fresh): a fresh client's last request ended before the virtual time (or it has none)."""
+        last = self.finish.get(client)
+        fresh = last is None or last < self.now
+        start = self.now if fresh else last
         self.finish[client] = start + max(1, cost)
         if len(self.finish) > 4096:  # forget clients whose tags no longer matter (they start at `now`)
             self.finish = {c: f for c, f in self.finish.items() if f > self.now}
-        return start
+        return start, fresh
+
+    @staticmethod
+    def order(waiter: _Waiter) -> tuple:
+        """Smallest tag first; at a tie a fresh client's request first: plain start-time fair queueing would put a
+        newcomer behind every request of the round under way (20 flooders: a 5 s wait)."""
+        return waiter.start, not waiter.fresh, waiter.seq
 
     def grant(self, capacity: int) -> bool:
-        """Place waiting requests, smallest tag first. The last `reserved(capacity)` places only take a request
-        whose client is not ahead of the engine's virtual time (a newcomer, or one owed its share): so callers
-        keeping the engine full leave a place for the next caller, who then runs right after the call under way."""
+        """Place waiting requests in `order`. The last `reserved(capacity)` places only take a fresh client's
+        request (a newcomer, or one owed its share): so callers keeping the engine full leave a place for the next
+        caller, who then runs right after the call under way."""
         granted = False
         while self.waiting:
-            first = min(self.waiting, key=lambda w: (w.start, w.seq))
-            limit = capacity if first.start <= self.now else capacity - reserved(capacity)
+            first = min(self.waiting, key=self.order)
+            limit = capacity if first.fresh else capacity - reserved(capacity)
             if self.placed >= limit:
                 break
             self.waiting.remove(first)
@@ -84,7 +94,7 @@ class _Line:
         """The newest waiting request of the client with the most waiting."""
         counts = Counter(w.client for w in self.waiting)
         heaviest = max(counts.values())
-        return max((w for w in self.waiting if counts[w.client] == heaviest), key=lambda w: (w.start, w.seq))
+        return max((w for w in self.waiting if counts[w.client] == heaviest), key=self.order)
 
 
 class Turns:
@@ -106,7 +116,8 @@ class Turns:
         from a full waiting list or waits past `timeout`; Cancelled when cancel(request_id) stops it."""
         with self._cond:
             line = self._lines.setdefault(key, _Line())
-            waiter = _Waiter(client, line.tag(client, cost), next(self._seq), request_id)
+            start, fresh = line.tag(client, cost)
+            waiter = _Waiter(client, start, next(self._seq), request_id, fresh)
             line.waiting.append(waiter)
             self._limit(line, capacity)
             if line.grant(capacity):
