@@ -96,14 +96,14 @@ def test_a_newcomer_goes_ahead_of_the_round_under_way_when_many_clients_each_kee
         owner[f"r{sent}"] = client
         flood.send(client, f"r{sent}")
         sent += 1
-        wait_until(lambda: len(flood.placed) + flood.waiting() == sent, timeout=10)
+        wait_until(lambda sent=sent: len(flood.placed) + flood.waiting() == sent, timeout=10)
     for _ in range(12):  # rounds go by: each client sends its next request when its last one ends
         done = next(name for name in flood.placed if name not in flood.finished)
         flood.finish(done)
         owner[f"r{sent}"] = owner[done]
         flood.send(owner[done], f"r{sent}")
         sent += 1
-        wait_until(lambda: len(flood.placed) + flood.waiting() == sent, timeout=10)
+        wait_until(lambda sent=sent: len(flood.placed) + flood.waiting() == sent, timeout=10)
     waiting, first_after = flood.waiting(), len(flood.placed)
     assert waiting >= 3  # the engine full, the rest of the round in line
     flood.send("10.2.0.1", "fresh")

@@ -119,3 +119,23 @@ def test_edit_this_then_make_the_circle_green(page):
     if trained:  # the trained Kontext model (not a placeholder with the text-to-image weights)
         assert reading.colour == "green", reading
 
+
+
+def test_compares_capture_box_adds_a_picture_to_the_source_every_configuration_edits(page, tmp_path):
+    """Compare's image input has the same capture box: shown with it for a preset that edits, its picture joins the
+    images every configuration edits, and the box empties for the next one."""
+    page.get_by_role("tab", name="Compare").click()
+    page.wait_for_selector("#compare-btn")
+    page.click("#c-preset input")
+    page.locator('#c-preset [role=option][aria-label="tiny-shapes"]').first.click()
+    page.wait_for_selector("#c-capture", state="hidden")  # draws from text: neither images nor capture box
+    page.click("#c-preset input")
+    page.locator('#c-preset [role=option][aria-label^="tiny-shapes-edit"]').first.click()
+    page.wait_for_selector("#c-capture", state="visible")
+    Image.new("RGB", (64, 64), (30, 200, 30)).save(tmp_path / "captured.png")
+    page.locator("#c-capture input[type=file]").set_input_files(str(tmp_path / "captured.png"))
+    page.wait_for_function("document.querySelector('#c-images')?.innerText.includes('captured')", timeout=60_000)
+    page.wait_for_function("!document.querySelector('#c-capture img')", timeout=30_000)
+    names = page.locator("#c-images").inner_text()
+    print(f"Compare's images list: {names!r}")
+    assert "captured" in names

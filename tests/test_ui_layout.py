@@ -38,7 +38,7 @@ TAB_IDS = {
     "buckets": {"board", "board-engine", "board-mode", "board-size", "warm-btn", "warm-all-btn",
                 "restart-btn", "admin-token", "attention-backend", "cuda-graphs", "restart-options-btn",
                 "attention-table"},
-    "compare": {"c-prompt", "c-preset", "c-images", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
+    "compare": {"c-prompt", "c-preset", "c-images", "c-capture", "c-size", "c-steps", "c-guidance", "c-seed", "c-devices",
                 "c-precisions", "c-modes", "c-wait", "compare-btn", "c-cancel-btn", "c-gallery", "c-plot",
                 "c-speedup", "c-costs", "c-json", "c-caches", "c-loras", "c-ab-choice", "c-ab", "c-fidelity-prompts",
                 "c-cards", "c-configs",

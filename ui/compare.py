@@ -333,6 +333,7 @@ class ComparePage:
             form["size"] = gr.Dropdown(sizes, value=sizes[0], label="Size", allow_custom_value=True,
                                        elem_id="c-size")
         form["images"] = edit_inputs.compare_images(preset.inputs.takes_images)
+        self.capture = edit_inputs.capture_input("c-capture", preset.inputs.takes_images)  # joins the images
         clip = compare_clips.takes_clips(preset)
         # A video preset's clip, every configuration's. 0: the preset's own (a value, so /compare's callers may
         # leave them out: gradio_client requires a parameter whose default is None).
@@ -426,7 +427,10 @@ class ComparePage:
         f["preset"].change(h.compare_defaults, f["preset"], [f["size"], f["steps"], f["guidance"]], **FAST)
         f["preset"].change(h.compare_loras, f["preset"], f["loras"], **FAST)
         f["preset"].change(h.compare_clip_fields, f["preset"], [self.clip_row, f["num_frames"], f["fps"]], **FAST)
-        f["preset"].change(edit_inputs.EditInputs(h).takes_images, f["preset"], f["images"], **FAST)
+        for shown in (f["images"], self.capture):
+            f["preset"].change(edit_inputs.EditInputs(h).takes_images, f["preset"], shown, **FAST)
+        self.capture.change(edit_inputs.EditInputs.add_capture, [self.capture, f["images"]],
+                            [f["images"], self.capture], **FAST)
         self.config_list.input(h.configuration_list, [self.config_list, f["preset"], f["devices"], f["size"],
                                                       f["steps"]], f["configurations"], **FAST)
         gr.on([f["configurations"].change, f["preset"].change, f["devices"].change], h.check_configurations,

@@ -131,10 +131,11 @@ def compare_images(visible: bool) -> gr.File:
                          "each edit against eager fp32's edit")
 
 
-def capture_input(elem_id: str = "input-capture") -> gr.Image:
+def capture_input(elem_id: str = "input-capture", visible: bool = True) -> gr.Image:
     """A picture from the webcam or the clipboard (or a file) for the image area: added to its images."""
     return gr.Image(sources=["upload", "clipboard", "webcam"], type="filepath", format="png", elem_id=elem_id,
-                    label="Add a picture: paste it (clipboard), take it (webcam) or drop a file", height=200)
+                    label="Add a picture: paste it (clipboard), take it (webcam) or drop a file", height=200,
+                    visible=visible)
 
 
 def ab_slider() -> gr.ImageSlider:
