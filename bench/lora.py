@@ -139,7 +139,7 @@ def _eager_prices(engine: _Engine, size: Size, repeats: int, names: list[str]) -
         if i:  # the first round warms every pipeline
             for key, value in zip(rows, samples, strict=True):
                 rows[key].append(value)
-    fuses = [engine.generate(size, Mode.EAGER, names[(i + 1) % len(names)], seed=i, fused=True).lora_fuse_ms
+    fuses = [engine.generate(size, Mode.EAGER, names[(i + 1) % len(names)], seed=i, fused=True).lora_run.fuse_ms
              for i in range(repeats)]
     return {**{key: median(values) for key, values in rows.items()}, "fuse_ms": median(fuses),
             "fused_copy_mib": engine.client.lora.fused_bytes / 2**20}
@@ -157,7 +157,7 @@ def _mode_row(engine: _Engine, size: Size, mode: Mode, repeats: int, names: list
         name = names[(i + 1) % len(names)]
         first = engine.generate(size, mode, name, seed=i)
         again = engine.generate(size, mode, name, seed=i)
-        swaps.append(first.lora_swap_ms)
+        swaps.append(first.lora_run.swap_ms)
         after_swap.append(first.timings.total_ms)
         warm.append(again.timings.total_ms)
         step.append(again.timings.median_step_ms)

@@ -104,7 +104,7 @@ def cmd_generate(args) -> int:
         if result.num_frames:
             print(f"  clip: {result.num_frames} frames at {result.fps} fps, decode {t.decode_ms:.1f} ms, "
                   f"MP4 {len(result.video_mp4):,} bytes in {result.video_encode_ms:.0f} ms")
-        if result.lora:
+        if result.lora_run.choice.name:
             print(f"  LoRA {lora_run_text(result.as_dict())}")
         for notice in result.notices:
             print(f"  note: {notice}")

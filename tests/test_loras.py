@@ -209,7 +209,7 @@ def test_bad_adapters_are_refused_with_what_to_change_and_the_engine_keeps_servi
                                              r"narrow \(or none\)"):
         runner.generate(_request(lora="/tmp/x.safetensors"))  # a visitor names adapters, never files
     after = runner.generate(_request(lora="a"))
-    assert after.lora == "a" and after.lora_rank == 4
+    assert after.lora_run.choice.name == "a" and after.lora_run.rank == 4
     assert _diff(before.image(), after.image()) == 0
 
 
@@ -218,8 +218,8 @@ def test_eager_swaps_equal_a_fresh_pipeline_with_that_adapter_alone(runner, adap
     a = runner.generate(_request(lora="a"))
     b = runner.generate(_request(lora="b"))  # default scale 0.5 from the preset
     narrow = runner.generate(_request(lora="narrow", lora_scale=2.0))  # a subset of the layers, rank 2 padded to 8
-    assert (a.lora_swap_ms is None) or a.lora_swap_ms > 0
-    assert b.lora_swap_ms is not None and b.lora_scale == 0.5 and b.lora_rank == 8
+    assert (a.lora_run.swap_ms is None) or a.lora_run.swap_ms > 0
+    assert b.lora_run.swap_ms is not None and b.lora_run.choice.scale == 0.5 and b.lora_run.rank == 8
     assert _diff(plain.image(), _fresh_image(None)) <= 2
     assert _diff(a.image(), _fresh_image(adapters["a"])) <= 2
     assert _diff(b.image(), _fresh_image(adapters["b"], 0.5)) <= 2
@@ -234,7 +234,7 @@ def test_a_swap_reaches_the_step_cache_clones(runner):
     a = runner.generate(_request(lora="a", **cached))
     b = runner.generate(_request(lora="b", **cached))
     a_again = runner.generate(_request(lora="a", **cached))
-    assert b.lora_swap_ms is not None and a_again.lora_swap_ms is not None
+    assert b.lora_run.swap_ms is not None and a_again.lora_run.swap_ms is not None
     assert _diff(a.image(), b.image()) > 20
     assert _diff(a.image(), a_again.image()) == 0
 
@@ -244,13 +244,13 @@ def test_fused_runs_eager_like_unfused_without_the_slots_matmuls(runner, adapter
     re-fuses, and the shared slot (what compiled graphs trace) is left as it was."""
     unfused = runner.generate(_request(lora="b"))
     fused = runner.generate(_request(lora="b", lora_fused=True))
-    assert fused.lora_fused and fused.lora_fuse_ms is not None and fused.lora_fuse_ms > 0
+    assert fused.lora_run.choice.fused and fused.lora_run.fuse_ms is not None and fused.lora_run.fuse_ms > 0
     assert _diff(fused.image(), unfused.image()) <= 2
     assert _diff(fused.image(), _fresh_image(adapters["b"], 0.5)) <= 2
     again = runner.generate(_request(lora="b", lora_fused=True, seed=4))
-    assert again.lora_fuse_ms is None  # the fused copy already holds b at 0.5
+    assert again.lora_run.fuse_ms is None  # the fused copy already holds b at 0.5
     a = runner.generate(_request(lora="a", lora_fused=True))
-    assert a.lora_swap_ms is not None and a.lora_fuse_ms is not None
+    assert a.lora_run.swap_ms is not None and a.lora_run.fuse_ms is not None
     assert _diff(a.image(), _fresh_image(adapters["a"])) <= 2
     from peft.tuners.lora import LoraLayer
 
@@ -263,7 +263,7 @@ def test_fused_runs_eager_like_unfused_without_the_slots_matmuls(runner, adapter
     with pytest.raises(UnsupportedCombination, match="a fused LoRA runs in eager mode only, not compile"):
         runner.generate(_request(lora="a", lora_fused=True, mode="compile"))
     cached = runner.generate(_request(lora="a", lora_fused=True, step_cache="first-block:0.2"))
-    assert cached.lora_fused and _diff(cached.image(), plain.image()) > 20
+    assert cached.lora_run.choice.fused and _diff(cached.image(), plain.image()) > 20
 
 
 def test_a_hub_lora_loads_offline_through_the_same_path_as_a_local_one(cache_dir, adapters, tmp_path, monkeypatch):
@@ -293,7 +293,7 @@ def test_a_hub_lora_loads_offline_through_the_same_path_as_a_local_one(cache_dir
     runner = PipelineRunner(config)
     runner.load()
     served = runner.generate(_request(lora="hub-style"))
-    assert served.lora == "hub-style" and _diff(served.image(), _fresh_image(adapters["a"])) <= 2
+    assert served.lora_run.choice.name == "hub-style" and _diff(served.image(), _fresh_image(adapters["a"])) <= 2
     paper = get_preset("flux1-dev").loras[0]  # the real preset's Hub LoRA, not in this cache
     assert lora._HUB_ID.fullmatch(paper.source) and paper.weight_name
     with pytest.raises(ModelLoadError, match=r"could not be fetched .*download it first when offline"):
@@ -317,7 +317,7 @@ def test_quantized_engines_hot_swap_beside_their_int8_weights(cache_dir, adapter
     runner.load()
     assert runner.loras is not None and not runner.lora_refusal()
     a, b = runner.generate(_request(lora="a")), runner.generate(_request(lora="b"))
-    assert b.lora_swap_ms is not None and _diff(a.image(), b.image()) > 20
+    assert b.lora_run.swap_ms is not None and _diff(a.image(), b.image()) > 20
     fresh = _fresh_pipeline(adapters["b"], 0.5)
     config_cls = Int8WeightOnlyConfig if precision == "int8wo" else Int8DynamicActivationInt8WeightConfig
     quantize_(fresh.transformer, config_cls(), filter_fn=lambda m, fqn: _is_linear(m) and ".lora_" not in fqn)
@@ -488,7 +488,7 @@ def test_swaps_on_a_warm_compiled_bucket_recompile_nothing(cache_dir, adapters, 
     for result in [warm, *swapped]:
         assert result.warm and result.recompiles == 0, result.notices
     b, narrow, plain, a = swapped
-    assert b.lora_swap_ms is not None and a.lora_swap_ms is not None
+    assert b.lora_run.swap_ms is not None and a.lora_run.swap_ms is not None
     assert _diff(b.image(), _fresh_image(adapters["b"], 0.5)) <= 2
     assert _diff(narrow.image(), _fresh_image(adapters["narrow"])) <= 2
     assert _diff(plain.image(), _fresh_image(None)) <= 2

@@ -21,6 +21,7 @@ from engine.pipeline.footprint import component_bytes
 from engine.pipeline.loading import lora_refusal
 from engine.pipeline.png import encode_png
 from engine.protocol import BucketKey, BucketState, Fault, GenerateRequest, GenerateResult, Mode
+from engine.protocol.presets import LoraChoice, LoraRun
 
 
 class RequestPrep:
@@ -142,11 +143,10 @@ class CallRun:
             image_png=encode_png(clip.poster, request, self.key), timings=run.timings, warm=not run.eager_fallback,
             eager_fallback=run.eager_fallback, recompiles=run.recompiles, peak_memory_bytes=run.peak,
             notices=tuple(notices), seed=request.seed, steps=request.denoise_steps, step_cache=request.step_cache,
-            cached_steps=run.cached_steps, batch_size=batch_size, lora=request.lora,
-            lora_scale=request.lora_scale if request.lora else None,
-            lora_rank=self.loras.rank(request.lora) if self.loras is not None else None,
-            lora_swap_ms=run.lora.swap_ms, lora_fused=request.lora_fused and request.lora is not None,
-            lora_fuse_ms=run.lora.fuse_ms, weights_by_component=component_bytes(self.pipe),
+            cached_steps=run.cached_steps, batch_size=batch_size, lora_run=LoraRun(
+                LoraChoice.of(request) if request.lora else LoraChoice(),
+                self.loras.rank(request.lora) if self.loras is not None else None, run.lora.swap_ms, run.lora.fuse_ms),
+            weights_by_component=component_bytes(self.pipe),
             video_mp4=clip.mp4, num_frames=request.num_frames, fps=request.fps, video_encode_ms=clip.encode_ms)
 
     def out_of_memory(self, exc: Exception) -> DeviceOutOfMemory:

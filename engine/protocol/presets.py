@@ -76,6 +76,23 @@ class LoraChoice:
         return cls(get("lora"), get("lora_scale"), bool(get("lora_fused")))
 
 
+@dataclass(frozen=True)
+class LoraRun:
+    """The LoRA a request ran with (GenerateResult.lora_run): the style, the adapter's rank (padded: hot-swap) and
+    the hot-swap or fuse the request waited for (None: the adapter was already in place)."""
+
+    choice: LoraChoice = LoraChoice()
+    rank: int | None = None
+    swap_ms: float | None = None
+    fuse_ms: float | None = None
+
+    def as_dict(self) -> dict:
+        """The result JSON's LoRA keys, read back by LoraChoice.of and lora_run_text."""
+        c = self.choice
+        return {"lora": c.name, "lora_scale": c.scale, "lora_rank": self.rank, "lora_swap_ms": self.swap_ms,
+                "lora_fused": c.fused, "lora_fuse_ms": self.fuse_ms}
+
+
 def lora_run_text(result: dict) -> str:
     """The style a run (GenerateResult.as_dict) used, its scale and rank, and the hot-swap or fuse it waited for."""
     if not result.get("lora"):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.metrics import median
 from engine.protocol import params
-from engine.protocol.presets import ModelPreset
+from engine.protocol.presets import LoraRun, ModelPreset
 from engine.protocol.stepcaches import NO_STEP_CACHE, StepCache
 from engine.protocol.vocabulary import (
     BucketInfo,
@@ -156,12 +156,7 @@ class GenerateResult:
     step_cache: StepCache = NO_STEP_CACHE
     cached_steps: tuple[int, ...] = ()  # 1-based steps whose denoiser output came from the step cache
     batch_size: int = 1  # images in the pipeline call that made this one (engine/pipeline/batching.py)
-    lora: str | None = None  # the adapter it ran with, its scale and rank (padded rank in brackets: hot-swap)
-    lora_scale: float | None = None
-    lora_rank: int | None = None
-    lora_swap_ms: float | None = None  # the hot-swap this request waited for (None: the adapter was in place)
-    lora_fused: bool = False  # ran with the adapter folded into the weights
-    lora_fuse_ms: float | None = None  # the fuse this request waited for (None: the fused copy held it)
+    lora_run: LoraRun = LoraRun()  # the style it ran with (none by default), its rank, the swap or fuse it waited for
     # The engine's weights by component (name, bytes as stored: layerwise fp8 counts 1 byte a weight), the
     # price of its memory levers beside peak_memory_bytes.
     weights_by_component: tuple[tuple[str, int], ...] = ()
@@ -210,12 +205,7 @@ class GenerateResult:
             "cached_steps": list(self.cached_steps),
             "computed_steps": self.computed_steps,
             "batch_size": self.batch_size,
-            "lora": self.lora,
-            "lora_scale": self.lora_scale,
-            "lora_rank": self.lora_rank,
-            "lora_swap_ms": self.lora_swap_ms,
-            "lora_fused": self.lora_fused,
-            "lora_fuse_ms": self.lora_fuse_ms,
+            **self.lora_run.as_dict(),
             "weights_bytes": dict(self.weights_by_component),
             **({"node": self.node} if self.node else {}),
             **({"frames": self.num_frames, "fps": self.fps, "video_bytes": len(self.video_mp4),
