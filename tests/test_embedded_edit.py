@@ -139,6 +139,37 @@ def test_committed_folder_is_kontext_small_and_reuses_tiny_shapes_parts():
         BASE / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
 
 
+def test_the_recorded_commands_reproduce_the_folder_stage_by_stage(monkeypatch):
+    """training.json's `reproduce` lists the commands that made the folder; each runs train_edit's stage with its
+    settings (the stages' work is recorded here, not run: training takes hours)."""
+    import shlex
+
+    from training import train_edit
+    from training.shapes import edit_continue, edit_train, edit_tune
+
+    calls = []
+
+    def record(stage):
+        return lambda *args: calls.append((stage, args[-1] if stage != "run" else args[3])) or True
+
+    monkeypatch.setattr(edit_train, "run", record("run"))
+    monkeypatch.setattr(edit_continue, "continue_encoder", record("encoder"))
+    monkeypatch.setattr(edit_continue, "continue_transformer", record("transformer"))
+    monkeypatch.setattr(edit_tune, "tune", lambda out, settings: calls.append(("tune", settings)))
+    commands = json.loads((MODEL / "training.json").read_text())["reproduce"]
+    assert commands[0] == "python -m training.train_edit"
+    for command in commands:
+        words = shlex.split(command)
+        assert words[:3] == ["python", "-m", "training.train_edit"], command
+        calls.clear()
+        assert train_edit.main([*words[3:], "--out", "/nonexistent", "--cache", "/nonexistent"]) == 0, command
+        stage = words[words.index("--stage") + 1] if "--stage" in words else "all"
+        assert calls[0][0] == {"all": "run", "tune": "tune"}.get(stage, stage) and calls[-1][0] == "tune", calls
+        for item in (w for i, w in enumerate(words) if i and words[i - 1] == "--set"):
+            name, _, value = item.partition("=")
+            assert getattr(calls[0][1], name) == json.loads(value), (command, name)
+
+
 def test_the_edit_vae_is_tiny_shapes_decoder_tuned_with_its_own_encoder():
     """The decoder: tiny-shapes' architecture, its weights tuned on the edit transformer's latents (the last
     stage, recorded in training.json); the encoder: the edit folder's own."""
