@@ -387,19 +387,24 @@ class _MovingRunner:
     def buckets_to_warm(self):
         return []
 
+    def lora_info(self):
+        return None
+
 
 def test_the_app_shows_the_folders_the_worker_reports_before_and_after_a_move():
     import threading
 
+    from engine.pipeline.faults import Faults
     from engine.protocol import EngineKey, EngineReady, Ready, Shutdown
     from engine.serving.inprocess import LocalConnection
     from engine.worker.client import ConnectionClient
     from engine.worker.loop import WorkerLoop
+    from engine.worker.served import EngineFacts
 
     key = EngineKey("tiny-flux", "cpu", "fp32")
     ours, theirs = LocalConnection.pair()
     runner = _MovingRunner(key)
-    loop = WorkerLoop(theirs, runner)
+    loop = WorkerLoop(theirs, EngineFacts(key=key, board=runner.board, faults=Faults()), runner, runner)
     client = ConnectionClient(key)
     client.attach(ours)
     serving = threading.Thread(target=loop.run, daemon=True)

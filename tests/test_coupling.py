@@ -14,14 +14,12 @@ SOURCES = sorted([*ROOT.joinpath("engine").rglob("*.py"), *ROOT.joinpath("ui").r
 # entry names who owns it; the list only shrinks (the lead empties it at merge).
 PARENT_ALLOWLIST: set[tuple[str, str]] = set()  # none left: keep it empty
 
-# Classes whose `__init__` still takes a parameter named as an owner, in another engineer's area (the worker
-# and tensor-parallel restructuring removes them): (path, class). The ceiling only goes down.
+# Classes whose `__init__` takes a parameter named as an owner: (path, class). None left: the worker loop is
+# given its engine's facts, an executor, what the engine reports and a policy (engine/worker/served.py); the
+# in-process executor the engine's parts and a local executor. Keep it empty and the ceiling at 0.
 OWNER_PARAMETERS = {"runner", "loop", "manager", "owner", "parent"}
-# The three left take the engine they serve (a runner), read it and never write back into it; the next step
-# hands them the runner's parts (board, prep, calls) instead.
-OWNER_INIT_ALLOWLIST: set[tuple[str, str]] = {("engine/tp/sidecar.py", "SidecarLoop"), ("engine/worker/loop.py", "WorkerLoop"),
-                                              ("engine/serving/inprocess.py", "InProcessExecutor")}
-MAX_OWNER_INITS = 3
+OWNER_INIT_ALLOWLIST: set[tuple[str, str]] = set()
+MAX_OWNER_INITS = 0
 OWNER_INIT_AREAS = ("engine/worker/", "engine/pipeline/", "engine/tp/", "engine/serving/inprocess.py")  # the only places an entry may name
 
 # Module-level functions that construct a class with their own owner parameter, outside ui/ and app.py: none.

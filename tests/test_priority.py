@@ -28,6 +28,7 @@ from engine.protocol import (
 from engine.worker import priority
 from engine.worker.loop import WorkerLoop
 from engine.worker.priority import RunCost, ShortRuns, ShortRunSlots, YieldToRequests
+from engine.worker.served import EngineFacts
 
 SMALL, BIG = Size(64, 64), Size(128, 128)
 
@@ -103,6 +104,28 @@ class _Runner:
         self.announced: list[bool] = []  # per request: its own short-run byte set while it ran
         self.short_runs: ShortRuns | None = None
         self.measured_run: tuple[Size, float] | None = None  # the load's measuring run
+        self.folders_notice = ""
+
+    def facts(self) -> EngineFacts:
+        """What the loop reads of it (EngineFacts.of reads a real runner's options and spec)."""
+        return EngineFacts(key=self.config.key, board=self.board, faults=self.faults,
+                           shares_host_cores=self.spec.host_memory_is_device_memory)
+
+    def loop(self, conn) -> WorkerLoop:
+        """A worker's loop serving it: it is the loop's executor and reports on itself."""
+        return WorkerLoop(conn, self.facts(), self, self)
+
+    def footprint(self):
+        return None
+
+    def folders(self):
+        return None
+
+    def lora_info(self):
+        return None
+
+    def buckets_to_warm(self):
+        return []
 
     def generate(self, request, on_step=None, cancel=None):
         self.niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
@@ -152,7 +175,7 @@ def test_a_long_request_runs_on_a_niced_thread_and_a_short_one_at_the_workers_pr
     regional = BucketKey(Mode.REGIONAL, SMALL)
     runner = _Runner({"eager": 100.0, "regional": 20.0}, warm={regional})
     conn = _Conn()
-    loop = WorkerLoop(conn, runner)
+    loop = runner.loop(conn)
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     loop.serve([_request(Mode.EAGER, 4)])  # nothing known yet: at the worker's priority
@@ -175,8 +198,8 @@ def test_the_loads_measuring_run_is_the_first_estimate_so_a_new_engines_long_req
     monkeypatch.setenv("SHOWCASE_SHORT_REQUEST_MS", "100")
     runner = _Runner({"eager": 100.0}, warm=set())
     runner.measured_run = (BIG, 120.0)  # one eager step at 128x128 took 120 ms while loading
-    loop = WorkerLoop(_Conn(), runner)
-    loop.learn_from_measuring_run()
+    loop = runner.loop(_Conn())
+    loop.learn_from_measuring_run(runner.measured_run)
     assert loop.run_cost.expected_ms("eager", SMALL, 10) == pytest.approx(300.0)  # a quarter of the pixels
     loop.serve([_request(Mode.EAGER, 10)])  # its very first request: known to be long
     assert runner.threads[-1] != threading.get_ident()
@@ -187,7 +210,7 @@ def test_the_loads_measuring_run_is_the_first_estimate_so_a_new_engines_long_req
 def test_accelerator_engines_do_not_order_by_niceness():
     runner = _Runner({"eager": 1000.0}, warm=set())
     runner.spec.host_memory_is_device_memory = False
-    loop = WorkerLoop(_Conn(), runner)
+    loop = runner.loop(_Conn())
     assert loop.run_cost is None
     loop.serve([_request(Mode.EAGER, 4)])
     loop.serve([_request(Mode.EAGER, 4)])
@@ -238,7 +261,7 @@ def test_a_long_request_waits_between_its_steps_while_another_engine_runs_a_shor
     monkeypatch.setenv("SHOWCASE_SHORT_RUNS", mine.env_value())
     regional = BucketKey(Mode.REGIONAL, SMALL)
     runner = _Runner({"eager": 100.0, "regional": 20.0}, warm={regional})
-    loop = WorkerLoop(_Conn(), runner)
+    loop = runner.loop(_Conn())
     assert loop.short_runs is not None and loop.short_runs.slot == mine.slot
     runner.short_runs = loop.short_runs
     loop.short_runs.max_wait_s = 5.0
@@ -270,12 +293,12 @@ def test_without_short_run_slots_or_off_requests_are_ordered_by_niceness_alone(m
     slots = ShortRunSlots(tmp_path)
     monkeypatch.setenv("SHOWCASE_SHORT_RUNS", slots.take().env_value())
     monkeypatch.setenv("SHOWCASE_STEP_ASIDE", "0")
-    assert WorkerLoop(_Conn(), _Runner({"eager": 1.0}, warm=set())).short_runs is None
+    assert _Runner({"eager": 1.0}, warm=set()).loop(_Conn()).short_runs is None
     monkeypatch.delenv("SHOWCASE_STEP_ASIDE")
     accelerator = _Runner({"eager": 1.0}, warm=set())
     accelerator.spec.host_memory_is_device_memory = False
-    assert WorkerLoop(_Conn(), accelerator).short_runs is None  # an accelerator's requests share no cores
-    assert WorkerLoop(_Conn(), _Runner({"eager": 1.0}, warm=set())).short_runs is not None
+    assert accelerator.loop(_Conn()).short_runs is None  # an accelerator's requests share no cores
+    assert _Runner({"eager": 1.0}, warm=set()).loop(_Conn()).short_runs is not None
     slots.remove()
 
 

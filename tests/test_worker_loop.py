@@ -36,6 +36,7 @@ from engine.protocol import (
 )
 from engine.serving.inprocess import LocalConnection
 from engine.worker.loop import WorkerLoop
+from engine.worker.served import EngineFacts
 
 KEY = EngineKey("tiny-flux", "cpu", "fp32")
 REGIONAL = BucketKey(Mode.REGIONAL, Size(64, 64))
@@ -51,6 +52,7 @@ class _Runner:
         self.board = BucketBoard(KEY)
         self.faults = Faults()
         self.max_batch, self.batch_sizes, self.measured_run = 1, (1,), None
+        self.folders_notice = ""
         self.compiling, self.release = threading.Event(), threading.Event()
         self.ran_at: list[BucketState] = []
         self.generating = threading.Event()
@@ -67,6 +69,12 @@ class _Runner:
     def buckets_to_warm(self):
         return []
 
+    def folders(self):
+        return None
+
+    def lora_info(self):
+        return None
+
     def generate(self, request, on_step=None, cancel=None):
         self.generating.set()
         info = self.board.get(request.bucket)
@@ -75,6 +83,12 @@ class _Runner:
         timings = Timings(step_ms=(1.0,), encode_ms=0, denoise_ms=1, decode_ms=0, total_ms=1)
         return GenerateResult(request.request_id, KEY, request.bucket, b"", timings, warm=warm,
                               eager_fallback=not warm, recompiles=0, peak_memory_bytes=None, steps=request.steps)
+
+
+def facts_of(runner) -> EngineFacts:
+    """What the loop reads of a fake runner (EngineFacts.of reads a real one's options and spec)."""
+    return EngineFacts(key=KEY, board=runner.board, faults=runner.faults, max_batch=runner.max_batch,
+                       batch_sizes=runner.batch_sizes)
 
 
 def start_loop(runner, on_message=None, board_changes: bool = False):
@@ -86,7 +100,7 @@ def start_loop(runner, on_message=None, board_changes: bool = False):
         from engine.protocol import BucketChanged
 
         runner.board.listener = lambda info: theirs.send(BucketChanged(info))
-    loop = WorkerLoop(theirs, runner)
+    loop = WorkerLoop(theirs, facts_of(runner), runner, runner)
     received: queue.Queue = queue.Queue()
 
     def read():
@@ -315,11 +329,11 @@ def test_the_sidecar_loop_tells_a_shutdown_from_a_hang_up(asks_to_stop):
     """A sidecar started by hand exits when its client asks it to, and waits for the next client when the
     client only hangs up: its loop notes which it was (engine/tp/sidecar.py RankProcess.serve)."""
     from engine.tp.runner import GroupHealth
-    from engine.tp.sidecar import SidecarLoop
+    from engine.tp.sidecar import GroupStop
 
     runner = _Runner()
     ours, theirs = LocalConnection.pair()
-    loop = SidecarLoop(theirs, runner, GroupHealth(runner.config.key))
+    loop = WorkerLoop(theirs, facts_of(runner), runner, runner, GroupStop(GroupHealth(runner.config.key)))
     serving = threading.Thread(target=loop.run, daemon=True)
     serving.start()
     if asks_to_stop:

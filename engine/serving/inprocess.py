@@ -27,17 +27,18 @@ import queue
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 from engine import settings
 from engine.errors import ShowcaseError, UnsupportedCombination
 from engine.pipeline import aot
-from engine.pipeline.callrun import generate_here
 from engine.pipeline.runner import PipelineRunner
 from engine.protocol import (
     BucketChanged,
     BucketInfo,
     BucketKey,
     BucketState,
+    EngineReady,
     Fatal,
     GenerateRequest,
     GenerateResult,
@@ -49,6 +50,13 @@ from engine.serving.gpu import Durations, GpuCalls, make_gpu_calls
 from engine.worker.client import ConnectionClient, EngineEvents
 from engine.worker.loop import WorkerLoop
 from engine.worker.priority import run_on_lowered_thread
+from engine.worker.served import EngineFacts
+
+if TYPE_CHECKING:
+    from engine.pipeline.board import BucketBoard
+    from engine.pipeline.executor import Executor, ModeRules
+    from engine.pipeline.modes import VariantSet
+    from engine.pipeline.warmup import WarmRequests
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +126,17 @@ def inprocess_runner(config, listener=None) -> PipelineRunner:
 class InProcessExecutor:
     """The executor (engine/pipeline/executor.py) of an in-process engine: its `generate` and `warm_bucket` are
     GPU calls (`gpu`), each request its own, whose duration is asked for from that request's steps. The
-    device work runs in `_gpu_task`, with the runner's own calls."""
+    device work runs in `_gpu_task`: the `local` executor's (the engine's PipelineRunner, on the device the
+    call holds). It reads the engine's `board`, its mode `rules` (refused modes answer before a GPU is asked
+    for), and installs aot packages into its `variants` (one per guidance of `warm_requests`)."""
 
-    def __init__(self, runner: PipelineRunner, gpu: GpuCalls):
-        self.runner = runner
-        self.board = runner.board
+    def __init__(self, local: Executor, board: BucketBoard, rules: ModeRules, variants: VariantSet,
+                 warm_requests: WarmRequests, gpu: GpuCalls):
+        self.local = local
+        self.board = board
+        self.rules = rules
+        self.variants = variants
+        self.warm_requests = warm_requests
         self.gpu = gpu
         self.durations = Durations()
         self._owner = os.getpid()
@@ -138,7 +152,6 @@ class InProcessExecutor:
         changes: dict[BucketKey, BucketInfo] = {}
         if remote:  # the app's board is not this process's: collect what changes, send it back
             self.board.listener = lambda info: changes.__setitem__(info.bucket, info)
-        runner = self.runner
         try:
             if op == "generate":
                 request, cancel, info, *on_step = payload
@@ -146,11 +159,11 @@ class InProcessExecutor:
                 if not remote and on_step:
                     # Same process: on the calling thread, progress straight to the caller. A thread per request
                     # would give each its own OpenMP pool on cpu (pools of finished threads kept spinning).
-                    yield "result", generate_here(runner.prep, runner.calls, request, on_step=on_step[0], cancel=cancel)
+                    yield "result", self.local.generate(request, on_step=on_step[0], cancel=cancel)
                 else:
                     yield from self._generate_on_thread(request, cancel)
             else:
-                info = runner.warm_bucket(payload)  # the device work itself
+                info = self.local.warm_bucket(payload)  # the device work itself
                 if info.state == BucketState.WARM and payload.mode is Mode.AOT:
                     self._installed.add(payload.size)
                 yield "warmed", info
@@ -165,24 +178,22 @@ class InProcessExecutor:
     def _take_view(self, remote: bool, request: GenerateRequest, info: BucketInfo | None) -> None:
         """The app's view of the request's bucket (a reused ZeroGPU process may lag behind), and its aot
         packages installed where the app has them and this process not yet."""
-        runner = self.runner
         if remote and info is not None:
-            apply_info(runner, info)
+            apply_info(self.board, info)
         if (request.mode is Mode.AOT and info is not None and info.state == BucketState.WARM
                 and info.bucket.size not in self._installed):
-            runner.variants.get(Mode.AOT)
-            if install_committed(runner, info.bucket.size):
+            self.variants.get(Mode.AOT)
+            if self._install_committed(info.bucket.size):
                 self._installed.add(info.bucket.size)
 
     def _generate_on_thread(self, request: GenerateRequest, cancel):
         """The request on a thread of its own, its progress and result yielded as they come."""
         events: queue.Queue = queue.Queue()
-        runner = self.runner
 
         def run():
             try:
-                events.put(("result", generate_here(runner.prep, runner.calls, request,
-                                                    on_step=lambda p: events.put(("progress", p)), cancel=cancel)))
+                events.put(("result", self.local.generate(request, on_step=lambda p: events.put(("progress", p)),
+                                                          cancel=cancel)))
             except BaseException as exc:  # noqa: BLE001 - handed to the generator, raised there
                 events.put(("raise", exc))
 
@@ -206,7 +217,7 @@ class InProcessExecutor:
 
     def generate(self, request: GenerateRequest, on_step=None, cancel: threading.Event | None = None
                  ) -> GenerateResult:
-        self.runner.check_mode(request.mode)  # refused modes answer here, before a GPU is asked for
+        self.rules.check_mode(request.mode)  # refused modes answer here, before a GPU is asked for
         cancel = cancel or threading.Event()
         flag = self.gpu.cancel_flag(request.request_id, cancel)
         done = threading.Event()
@@ -223,7 +234,7 @@ class InProcessExecutor:
                 elif kind == "result":
                     result = value
                 elif kind == "bucket" and self.gpu.forks:
-                    apply_info(self.runner, value)
+                    apply_info(self.board, value)
                 elif kind == "error":
                     raise value
         finally:
@@ -247,13 +258,12 @@ class InProcessExecutor:
         return outcomes
 
     def warm_bucket(self, bucket: BucketKey) -> BucketInfo:
-        runner = self.runner
         if bucket.mode is not Mode.AOT:  # eager: nothing to do; compile/regional: refused with the reason
-            return runner.warm_bucket(bucket)
+            return self.local.warm_bucket(bucket)
         try:
-            runner.check_mode(bucket.mode)
-            runner.variants.get(Mode.AOT)  # keys and store, no device work
-            present = install_committed(runner, bucket.size) if self.gpu.forks else False
+            self.rules.check_mode(bucket.mode)
+            self.variants.get(Mode.AOT)  # keys and store, no device work
+            present = self._install_committed(bucket.size) if self.gpu.forks else False
         except Exception as exc:
             return self.board.update(bucket, state=BucketState.FAILED, error=str(exc))
         duration = PACKAGES_PRESENT_DURATION_S if present else int(settings.gpu_build_duration_s())
@@ -267,14 +277,17 @@ class InProcessExecutor:
         if final is None:
             return self.board.update(bucket, state=BucketState.FAILED, error="the GPU call ended without a result")
         if self.gpu.forks:  # built or loaded over there: install what was committed here, loaded on first use
-            if final.state == BucketState.WARM and not install_committed(runner, bucket.size):
+            if final.state == BucketState.WARM and not self._install_committed(bucket.size):
                 return self.board.update(bucket, state=BucketState.FAILED,
                                          error="the GPU call warmed the bucket but its packages are not in the store")
             self._installed.add(bucket.size)
-            apply_info(runner, final)
+            apply_info(self.board, final)
         elif final.state == BucketState.WARM:
             self._installed.add(bucket.size)
         return self.board.get(bucket)
+
+    def _install_committed(self, size: Size) -> bool:
+        return install_committed(self.variants.aot, self.warm_requests, size)
 
 
 class LazyPackage:
@@ -295,11 +308,11 @@ class LazyPackage:
         return self._package(*args, **kwargs)
 
 
-def install_committed(runner: PipelineRunner, size: Size) -> bool:
-    """Install every committed package of a size lazily; False when one is missing (nothing installed)."""
-    engine = runner.variants.aot
+def install_committed(engine: aot.AotEngine, warm_requests: WarmRequests, size: Size) -> bool:
+    """Install every committed package of a size into the engine's aot variant (`engine`) lazily, one per
+    guidance the warm-up runs; False when one is missing (nothing installed)."""
     planned = []
-    for i, guidance in enumerate(runner.warm_requests.guidances()):
+    for i, guidance in enumerate(warm_requests.guidances()):
         kinds = [aot.DENOISER] + ([aot.VAE] if engine.decoder is not None and i == 0 else [])
         for kind in kinds:
             batch = engine.batch(guidance) if kind == aot.DENOISER else 1
@@ -319,8 +332,8 @@ def install_committed(runner: PipelineRunner, size: Size) -> bool:
 _INFO_FIELDS = ("state", "error", "compile_s", "warmup_s", "requests_served", "cache_hits", "cache_misses", "origin")
 
 
-def apply_info(runner: PipelineRunner, info: BucketInfo) -> None:
-    runner.board.update(info.bucket, **{name: getattr(info, name) for name in _INFO_FIELDS})
+def apply_info(board: BucketBoard, info: BucketInfo) -> None:
+    board.update(info.bucket, **{name: getattr(info, name) for name in _INFO_FIELDS})
 
 
 class InProcessClient(ConnectionClient):
@@ -363,7 +376,7 @@ class InProcessClient(ConnectionClient):
             if "loop" in made:
                 made["loop"].send(BucketChanged(info))
 
-        def load() -> WorkerLoop:
+        def load() -> tuple[WorkerLoop, EngineReady]:
             if self.threads:
                 import torch
 
@@ -371,21 +384,24 @@ class InProcessClient(ConnectionClient):
                 # spin against the web server and each other (docs/spaces.md).
                 torch.set_num_threads(self.threads)
             self.runner = runner = inprocess_runner(self.config, listener=listener)
-            self.executor = executor = InProcessExecutor(runner, self.gpu)
+            self.executor = executor = InProcessExecutor(runner, runner.board, runner.rules, runner.variants,
+                                                         runner.warm_requests, self.gpu)
             # The worker's shorter thread switch interval would be the web server's too: left as it is.
-            made["loop"] = loop = WorkerLoop(conn, runner, executor, max_queue=self.config.options.batching.max_queue,
+            # Its calls go through the executor (GPU calls); the runner reports on the engine.
+            made["loop"] = loop = WorkerLoop(conn, EngineFacts.of(runner), executor, runner,
+                                             max_queue=self.config.options.batching.max_queue,
                                              thread_prefix="inprocess", switch_interval=False)
             runner.load()
             if not self.gpu.forks:  # the measuring step runs device work: only where this process has the device
                 runner.measure_peak()
-                loop.learn_from_measuring_run()
+                loop.learn_from_measuring_run(runner.measured_run)
                 size, ms = runner.measured_run
                 executor.durations.record("eager", size, 1, (ms,))  # an overestimate of one step: safe
-            return loop
+            return loop, runner.ready_info()
 
         try:
-            loop = run_on_lowered_thread(load, settings.compile_niceness(), name=f"inprocess-load-{self.key}")
-            loop.send(Ready(loop.runner.ready_info()))
+            loop, ready = run_on_lowered_thread(load, settings.compile_niceness(), name=f"inprocess-load-{self.key}")
+            loop.send(Ready(ready))
         except Exception as exc:
             err = exc if isinstance(exc, ShowcaseError) else ShowcaseError(f"{type(exc).__name__}: {exc}")
             log.error("in-process engine %s failed to load: %s", self.key, exc)

@@ -51,6 +51,7 @@ from engine.protocol import (
 from engine.tp.flags import SidecarFlags
 from engine.tp.tokens import new_token, read_token, write_address, write_private
 from engine.worker.loop import WorkerLoop
+from engine.worker.served import EngineFacts, LoopPolicy
 
 log = logging.getLogger("engine.tp.sidecar")
 
@@ -264,39 +265,22 @@ def _exit(code: int) -> None:
     os._exit(code)  # inductor's compile workers and daemon threads must not keep a rank alive
 
 
-class SidecarLoop(WorkerLoop):
-    """WorkerLoop on rank 0; stops serving as soon as the group is broken. Requests run on the serve
-    thread at one priority, and compiles do not pause for them: the other ranks compute in step with
-    rank 0 (a paused warm-up would hold them all in a collective)."""
+class GroupStop(LoopPolicy):
+    """How rank 0's WorkerLoop serves: it stops as soon as the group is broken. Requests run on the serve
+    thread at one priority, and compiles do not pause for them: the other ranks compute in step with rank 0
+    (a paused warm-up would hold them all in a collective)."""
 
     compile_steps_aside = False
+    orders_by_run_cost = False
 
-    def __init__(self, conn, runner, health, max_queue: int = 16):
-        super().__init__(conn, runner, max_queue=max_queue)
+    def __init__(self, health):
         self.health = health  # the group's state (engine/tp/runner.py GroupHealth): a broken group stops serving
-        self.run_cost = None
-        self.shutdown_asked = False  # the client asked the sidecar to stop (not a mere hang-up)
 
-    def _on_shutdown(self, message) -> None:
-        self.shutdown_asked = True
-        super()._on_shutdown(message)
+    def stop_reason(self) -> str | None:
+        return self.health.broken
 
-    def halt(self) -> None:
-        self._stop.set()
-        self._requests.put(None)
-
-    def serve(self, group) -> None:
-        super().serve(group)
-        if self.health.broken:
-            self.halt()
-
-    def _warm_forever(self) -> None:
-        try:
-            super()._warm_forever()
-        except Exception as exc:
-            log.error("warm-up stopped: %s", exc)
-            if self.health.broken:
-                self.halt()
+    def warm_up_failed(self, error: Exception) -> None:
+        log.error("warm-up stopped: %s", error)  # the loop serves on unless the group broke with it
 
 
 def _node_claims(args, config: EngineConfig, lead: dict) -> str | None:
@@ -422,7 +406,7 @@ class RankProcess:
         self.from_app = args.parent_pid is not None
         self.server: _Rank0Server | None = None
         self.config: EngineConfig | None = None
-        self.loop: SidecarLoop | None = None  # rank 0's current WorkerLoop: bucket changes go to its client
+        self.loop: WorkerLoop | None = None  # rank 0's current WorkerLoop: bucket changes go to its client
         self.ranks: list[dict] = []  # every rank's whereabouts, gathered after loading
         self.health = None  # the group's state on this rank (engine/tp/runner.py GroupHealth), set by load
 
@@ -573,7 +557,9 @@ class RankProcess:
             conn = self.server.wait_client()
             if conn is None:
                 return RankExit.GROUP_BROKEN
-            self.loop = loop = SidecarLoop(conn, runner, self.health, max_queue=self.config.options.max_queue)
+            # The runner is rank 0's executor (each operation broadcast to every rank) and reports on itself.
+            self.loop = loop = WorkerLoop(conn, EngineFacts.of(runner), runner, runner, GroupStop(self.health),
+                                          max_queue=self.config.options.max_queue)
             loop.send(Ready(self.ready_message(runner)))
             if first_client:
                 runner.start_heartbeat()

@@ -3,6 +3,7 @@
     loop.py         WorkerLoop and worker_main: the process that owns one engine's PipelineRunner,
                     serves its request queue (batched through engine/pipeline/batching.py) and
                     compiles buckets on a thread of its own
+    served.py       what a WorkerLoop is given: EngineFacts, EngineReports, LoopPolicy (how it serves)
     serving.py      ServeCall: one pipeline call's requests run, answered and costed; RequestRecord
     client.py       EngineClient (the interface every engine is used through), EngineEvents (what an
                     engine tells its owner); ConnectionClient, the other end: submit, stream progress,

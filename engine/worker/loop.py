@@ -65,11 +65,13 @@ from engine.worker.priority import (
     lower_this_thread_priority,
     run_on_lowered_thread,
 )
+from engine.worker.served import EngineFacts, EngineReports, LoopPolicy
 from engine.worker.serving import CallRules, RequestRecord, ServeCall, run_variant, serve_niced
 from engine.worker.warming import BucketWarmer
 
 if TYPE_CHECKING:
     from engine.pipeline.executor import Executor
+    from engine.protocol import EngineReady, Size
 
 EARLY_CANCELS_KEPT = 256  # cancels for requests not received yet (a cancel overtaking its request)
 log = logging.getLogger(__name__)
@@ -86,19 +88,22 @@ class WorkerLoop:
     """One engine's serving loop: a receiver thread takes messages, a warm-up thread compiles granted buckets,
     and the serving thread (`run`) serves the next call's requests until told to stop."""
 
-    compile_steps_aside = True  # the compile thread waits while a request runs (YieldToRequests)
-
-    def __init__(self, conn, runner, executor: Executor | None = None, max_queue: int = 16, thread_prefix: str = "worker",
+    def __init__(self, conn, facts: EngineFacts, executor: Executor, reports: EngineReports,
+                 policy: LoopPolicy | None = None, max_queue: int = 16, thread_prefix: str = "worker",
                  switch_interval: bool = True):
-        """`runner`: the engine (board, footprint, what it announces); `executor` runs its requests and
-        warm-ups (engine/pipeline/executor.py; None: the runner itself, on this process's device). In the
-        app's process (`switch_interval` False) the interpreter's thread switch interval is left as it is."""
+        """`facts`: the engine's key, board and batch sizes; `executor` runs its requests and warm-ups
+        (engine/pipeline/executor.py); `reports`: what is told of it as it changes (engine/worker/served.py);
+        `policy`: how it is served (a worker's by default). In the app's process (`switch_interval` False) the
+        interpreter's thread switch interval is left as it is."""
         self.conn = conn
-        self.runner = runner
-        self.executor = executor or runner
+        self.facts = facts
+        self.executor = executor
+        self.reports = reports
+        self.policy = policy or LoopPolicy()
         self.max_queue = max_queue
         self.thread_prefix = thread_prefix
         self.switch_interval = switch_interval
+        self.shutdown_asked = False  # the client asked the engine to stop (not a mere hang-up)
         self._send_lock = threading.Lock()
         self._requests: queue.Queue = queue.Queue()
         self._records: dict[str, RequestRecord] = {}  # request id -> its state, until it is answered
@@ -107,26 +112,29 @@ class WorkerLoop:
         self._stop = threading.Event()
         self._folders_sent: tuple | None = None  # the folders the app was last told (Ready, FoldersChanged)
         self._lora_sent = None  # the LoRA slot the app was last told (LoraChanged)
-        self.warmer = BucketWarmer(runner.board, self.executor, self.send, self._stop, self.compile_steps_aside)
+        self.warmer = BucketWarmer(facts.board, executor, self.send, self._stop, self.policy.compile_steps_aside)
         # Only where the engines compute on the host's shared cores (an accelerator does the work elsewhere).
         self.run_cost = RunCost(settings.short_request_ms(), max_extra=settings.compile_niceness() - 2) \
-            if runner.spec.host_memory_is_device_memory else None
+            if facts.shares_host_cores and self.policy.orders_by_run_cost else None
         # This engine's short-run slot: which engines run a short request (set by the manager for cpu engines)
         self.short_runs = ShortRuns.from_env(settings.short_runs()) \
             if self.run_cost is not None and settings.long_requests_step_aside() else None
         # Queued requests that can share a denoiser call are served by one pipeline call (engine/pipeline/batching.py).
-        batching = getattr(getattr(runner, "options", None), "batching", None)
-        self.batcher = Gatherer(self._requests, getattr(runner, "max_batch", 1),
-                                getattr(batching, "batch_wait_ms", 0.0), arrived=self._arrived,
+        self.batcher = Gatherer(self._requests, facts.max_batch, facts.batch_wait_ms, arrived=self._arrived,
                                 sizes_for=self._batch_sizes_for, on_split=self.warmer.want_batch_size)
 
-    def learn_from_measuring_run(self) -> None:
-        """The load's one eager step at the largest bucket is a first estimate of eager requests' cost, so an
-        engine's first requests are not taken for short ones (encode and decode counted as that step's: an
-        overestimate, which later runs replace; RunCost keeps the least)."""
-        if self.run_cost is not None and self.runner.measured_run is not None:
-            size, ms = self.runner.measured_run
+    def learn_from_measuring_run(self, measured: tuple[Size, float] | None) -> None:
+        """The load's one eager step at the largest bucket (`measured`: its size and milliseconds) is a first
+        estimate of eager requests' cost, so an engine's first requests are not taken for short ones (encode
+        and decode counted as that step's: an overestimate, which later runs replace; RunCost keeps the least)."""
+        if self.run_cost is not None and measured is not None:
+            size, ms = measured
             self.run_cost.record("eager", size, 1, ms)
+
+    def halt(self) -> None:
+        """Stop serving: the serving thread ends after the call it runs."""
+        self._stop.set()
+        self._requests.put(None)
 
     def send(self, message) -> None:
         if isinstance(message, Ready):
@@ -163,7 +171,7 @@ class WorkerLoop:
 
     def _receive(self) -> None:
         handlers = self._handlers()
-        peer = f"the client of {self.runner.config.key}"
+        peer = f"the client of {self.facts.key}"
         while not self._stop.is_set():
             try:
                 message = self.conn.recv()
@@ -184,7 +192,7 @@ class WorkerLoop:
         request = message.request
         if self.batcher.pending() >= self.max_queue:
             self.send(RequestFailed(request.request_id, EngineBusy(
-                f"engine {self.runner.config.key} has {self.max_queue} requests waiting; retry in a few seconds")))
+                f"engine {self.facts.key} has {self.max_queue} requests waiting; retry in a few seconds")))
             return
         record = RequestRecord(received_at=time.perf_counter())
         if self._early_cancels.pop(request.request_id, None):  # its cancel was sent before it
@@ -201,6 +209,7 @@ class WorkerLoop:
 
     def _on_shutdown(self, message) -> None:
         """Stop now: the running request stops at its next step (its client is going away too)."""
+        self.shutdown_asked = True
         self._stop.set()
         with self._lock:
             records = list(self._records.values())
@@ -227,7 +236,7 @@ class WorkerLoop:
 
     def _on_inject_fault(self, message: InjectFault) -> None:
         try:
-            self.runner.faults.arm(message.fault)
+            self.facts.faults.arm(message.fault)
         except InvalidRequest as exc:  # an engine not started for tests
             self.send(RequestFailed(None, exc))
 
@@ -241,42 +250,47 @@ class WorkerLoop:
     def _batch_sizes_for(self, request: GenerateRequest) -> tuple[int, ...]:
         """The batch sizes `request` may run at now: any up to the engine's largest in eager (and when served
         eagerly because its bucket is not warm yet), else the warm ones of its bucket."""
-        runner = self.runner
+        facts = self.facts
         if not request.mode.compiled:
-            return tuple(range(1, runner.max_batch + 1))
+            return tuple(range(1, facts.max_batch + 1))
         bucket = request.bucket
         if not self._is_warm(bucket):
-            return (1,) if request.on_cold is OnCold.WAIT else tuple(range(1, runner.max_batch + 1))
-        return tuple(b for b in runner.batch_sizes if b == 1 or self._is_warm(bucket.batched(b)))
+            return (1,) if request.on_cold is OnCold.WAIT else tuple(range(1, facts.max_batch + 1))
+        return tuple(b for b in facts.batch_sizes if b == 1 or self._is_warm(bucket.batched(b)))
 
     def queue_startup_warm(self) -> None:
-        for rank, bucket in enumerate(self.runner.buckets_to_warm()):
+        for rank, bucket in enumerate(self.reports.buckets_to_warm()):
             self.warmer.want(bucket, startup_rank=rank)
 
     # -- warm-up ---------------------------------------------------------------------------------
     def _warm_forever(self) -> None:
-        lower_this_thread_priority()
-        self.warmer.compile_yield.yields = settings.compile_yields()
-        self.warmer.run(self._warmed)
+        try:
+            lower_this_thread_priority()
+            self.warmer.compile_yield.yields = settings.compile_yields()
+            self.warmer.run(self._warmed)
+        except Exception as exc:
+            self.policy.warm_up_failed(exc)  # a worker's raises it again: the thread ends with it
+            if self.policy.stop_reason():
+                self.halt()
 
     def _warmed(self) -> None:
         """A compile finished: the engine's footprint, and its folders if a full disk moved them."""
-        self.send(FootprintChanged(self.runner.footprint()))
+        self.send(FootprintChanged(self.reports.footprint()))
         self._report_folders()
 
     def _report_folders(self) -> None:
         """A compile that found the cache disk full or read-only moved this worker's compile and temporary
         folders: tell the app where they are now, and why."""
-        folders = self.runner.folders() if hasattr(self.runner, "folders") else None
+        folders = self.reports.folders()
         if folders is None or folders == self._folders_sent:
             return
-        self.send(FoldersChanged(folders, getattr(self.runner, "folders_notice", "")))
+        self.send(FoldersChanged(folders, self.reports.folders_notice))
         self._folders_sent = folders
 
     def report_lora(self) -> None:
         """A call changed the LoRA slot (a swap, a scale, a recompile): tell the app before its result goes, so
         a status read after the result shows the swap."""
-        info = self.runner.lora_info() if hasattr(self.runner, "lora_info") else None
+        info = self.reports.lora_info()
         if info is None or info == self._lora_sent:
             return
         self.send(LoraChanged(info))
@@ -294,6 +308,8 @@ class WorkerLoop:
             if group is None:
                 break
             self.serve(group)
+            if self.policy.stop_reason():  # e.g. a tensor-parallel group broke: serve no more
+                self.halt()
 
     def serve(self, group: list[GenerateRequest]) -> None:
         """Serve the requests of one pipeline call (what the batcher gathered): one request alone, or a batch.
@@ -307,7 +323,7 @@ class WorkerLoop:
         waited = size == 1 and lead.mode.compiled and lead.on_cold is OnCold.WAIT
         warm = not lead.mode.compiled or waited or self._is_warm(lead.bucket.batched(size))
         extra = self._extra_niceness(lead, warm, size)
-        call = ServeCall(live, [self._record(r.request_id) for r in live], self.send, self.runner.faults,
+        call = ServeCall(live, [self._record(r.request_id) for r in live], self.send, self.facts.faults,
                          CallRules(self.warmer.compile_yield, self.run_cost, self.short_runs), self.report_lora,
                          self.executor, long=extra > 0)
         try:
@@ -420,25 +436,27 @@ def serve_engine(config, conn, env: dict[str, str], *, own_group: bool = True) -
     logs.thread_locks_for_progress_bars()
     made: dict = {}
 
-    def load() -> WorkerLoop:
+    def load() -> tuple[WorkerLoop, EngineReady]:
         from engine.pipeline.runner import PipelineRunner
 
         runner = PipelineRunner(config, listener=lambda info: made.get("loop") and made["loop"].send(BucketChanged(info)))
-        made["loop"] = WorkerLoop(conn, runner, max_queue=config.options.batching.max_queue)
+        # The runner is this process's executor and reports on itself; the loop holds neither as a runner.
+        made["loop"] = loop = WorkerLoop(conn, EngineFacts.of(runner), runner, runner,
+                                         max_queue=config.options.batching.max_queue)
         runner.load()
         runner.measure_peak()  # the footprint it reports counts a real run, not just the weights
-        made["loop"].learn_from_measuring_run()
+        loop.learn_from_measuring_run(runner.measured_run)
         gc.collect()
         gc.freeze()  # the model and libraries live as long as the worker: later collections skip them
-        return made["loop"]
+        return loop, runner.ready_info()
 
     try:
         # Loading (imports, weights, one measuring run: seconds of CPU) is background work like a compile:
         # on a thread as far below this worker's requests as its compiles, so engines loading for new
         # visitors do not slow the warm requests of loaded ones (docs/hosting.md).
         # The serving thread (this one) keeps the worker's priority.
-        loop = run_on_lowered_thread(load, settings.compile_niceness(), name="worker-load")
-        loop.send(Ready(loop.runner.ready_info()))
+        loop, ready = run_on_lowered_thread(load, settings.compile_niceness(), name="worker-load")
+        loop.send(Ready(ready))
     except Exception as exc:
         err = exc if isinstance(exc, ShowcaseError) else ShowcaseError(f"{type(exc).__name__}: {exc}")
         log.error("worker failed to start: %s\n%s", exc, traceback.format_exc())
