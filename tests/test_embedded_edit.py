@@ -2,11 +2,11 @@
 checker, the committed folder, and a floor on held-out edits through the stock FluxKontextPipeline at
 64x64 that an untrained copy (tiny-shapes loaded in Kontext form) fails.
 
-The committed weights do not reach the target (90 % of held-out edits right with the geometry kept;
-docs/embedded-model.md has the measured share): they read the instruction and keep the attributes it does
-not name in most held-out edits, but the object often comes back a few pixels off. The floors are therefore
-on the attributes (12 of these 12 measured, 0 for the untrained copy), on the edits right with the
-geometry (10 measured), and on the box overlap's median; plus the edit folder's own VAE encoder's reading.
+The committed weights reach the target (90 % of held-out edits right with the geometry kept; docs/embedded-model.md
+has the measured share, eager and compiled). The floors here, on a fixed dozen held-out edits, leave a margin
+below what was measured: the attributes read right (12 of 12 measured, 0 for the untrained copy), the edits right
+with the geometry kept (12 measured), the box overlap's median (0.90); plus the edit folder's own VAE encoder's
+reading.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "tiny-shapes-edit"
 BASE = ROOT / "models" / "tiny-shapes"
 PER_KIND = 4  # held-out edits per instruction kind in the model test
-FLOOR = 10  # of 12 read as the target scene (measured 12; the untrained copy 0)
-RIGHT_FLOOR = 8  # of 12 right with the geometry kept (measured 10)
+FLOOR = 11  # of 12 read as the target scene (measured 12; the untrained copy 0)
+RIGHT_FLOOR = 10  # of 12 right with the geometry kept (measured 12)
 ENCODER_CENTRE_PX = 3.0  # median centre error of the edit encoder (measured 1; tiny-shapes' encoder 17)
 
 
@@ -221,7 +221,7 @@ def test_committed_model_edits_held_out_combinations():
     assert right >= FLOOR, [(e.instruction, str(e.source), s.note) for e, s in zip(edits, scores.scores,
                                                                                   strict=True)]
     assert sum(s.correct for s in scores.scores) >= RIGHT_FLOOR
-    assert scores.iou_median() >= 0.75  # measured 0.87 (the untrained copy 0.33)
+    assert scores.iou_median() >= 0.8  # measured 0.90 (the untrained copy 0.33)
 
 
 def test_an_untrained_copy_fails_the_same_edits():

@@ -339,6 +339,7 @@ def save_vae(vae, folder: Path) -> None:
     vae.to(torch.float16).save_pretrained(folder, safe_serialization=True)
     config = json.loads((folder / "config.json").read_text())
     config.pop("block_out_channels", None)
+    config.pop("_name_or_path", None)  # a VAE loaded from a folder (training on) names where it was read
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     vae.to(torch.float32)
 
