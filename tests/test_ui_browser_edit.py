@@ -107,8 +107,9 @@ def test_edit_this_then_make_the_circle_green(page):
     page.click("#generate-btn")
     page.wait_for_function("document.querySelector('#history')?.querySelectorAll('img').length === 3",
                            timeout=300_000)
-    summary = page.inner_text("#run-summary")
-    assert "tiny-shapes-edit" in page.inner_text("#stats") or "tiny-shapes-edit" in summary, summary
+    # The history can redraw before the summary and stats of the same run do: wait for the run's own line.
+    page.wait_for_function("['#run-summary', '#stats'].some(s => document.querySelector(s)?.innerText"
+                           ".includes('tiny-shapes-edit@'))", timeout=60_000)
     page.wait_for_function("document.querySelectorAll('#edit-ab img').length === 2", timeout=30_000)  # A/B
     edited = output_image(page)
     assert edited.size == (64, 64) and edited.tobytes() != source.tobytes()

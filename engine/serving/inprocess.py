@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from engine import settings
 from engine.errors import ShowcaseError, UnsupportedCombination
 from engine.pipeline import aot
+from engine.pipeline.callrun import generate_here
 from engine.pipeline.runner import PipelineRunner
 from engine.protocol import (
     BucketChanged,
@@ -54,6 +55,8 @@ from engine.worker.served import EngineFacts
 
 if TYPE_CHECKING:
     from engine.pipeline.board import BucketBoard
+    from engine.pipeline.callrun import RequestPrep
+    from engine.pipeline.calls import PipelineCaller
     from engine.pipeline.executor import Executor, ModeRules
     from engine.pipeline.modes import VariantSet
     from engine.pipeline.warmup import WarmRequests
@@ -126,13 +129,15 @@ def inprocess_runner(config, listener=None) -> PipelineRunner:
 class InProcessExecutor:
     """The executor (engine/pipeline/executor.py) of an in-process engine: its `generate` and `warm_bucket` are
     GPU calls (`gpu`), each request its own, whose duration is asked for from that request's steps. The
-    device work runs in `_gpu_task`: the `local` executor's (the engine's PipelineRunner, on the device the
-    call holds). It reads the engine's `board`, its mode `rules` (refused modes answer before a GPU is asked
+    device work runs in `_gpu_task`: a request as `generate_here(prep, calls, request)` (the engine's request
+    parts; a frame fewer than the runner's own generate), a warm-up as the `local` executor's (the engine's
+    PipelineRunner, on the device the call holds). It reads the engine's `board`, its mode `rules` (refused modes answer before a GPU is asked
     for), and installs aot packages into its `variants` (one per guidance of `warm_requests`)."""
 
-    def __init__(self, local: Executor, board: BucketBoard, rules: ModeRules, variants: VariantSet,
-                 warm_requests: WarmRequests, gpu: GpuCalls):
+    def __init__(self, local: Executor, prep: RequestPrep, calls: PipelineCaller, board: BucketBoard,
+                 rules: ModeRules, variants: VariantSet, warm_requests: WarmRequests, gpu: GpuCalls):
         self.local = local
+        self.prep, self.calls = prep, calls
         self.board = board
         self.rules = rules
         self.variants = variants
@@ -159,7 +164,7 @@ class InProcessExecutor:
                 if not remote and on_step:
                     # Same process: on the calling thread, progress straight to the caller. A thread per request
                     # would give each its own OpenMP pool on cpu (pools of finished threads kept spinning).
-                    yield "result", self.local.generate(request, on_step=on_step[0], cancel=cancel)
+                    yield "result", generate_here(self.prep, self.calls, request, on_step=on_step[0], cancel=cancel)
                 else:
                     yield from self._generate_on_thread(request, cancel)
             else:
@@ -192,8 +197,8 @@ class InProcessExecutor:
 
         def run():
             try:
-                events.put(("result", self.local.generate(request, on_step=lambda p: events.put(("progress", p)),
-                                                          cancel=cancel)))
+                events.put(("result", generate_here(self.prep, self.calls, request,
+                                                    on_step=lambda p: events.put(("progress", p)), cancel=cancel)))
             except BaseException as exc:  # noqa: BLE001 - handed to the generator, raised there
                 events.put(("raise", exc))
 
@@ -384,8 +389,9 @@ class InProcessClient(ConnectionClient):
                 # spin against the web server and each other (docs/spaces.md).
                 torch.set_num_threads(self.threads)
             self.runner = runner = inprocess_runner(self.config, listener=listener)
-            self.executor = executor = InProcessExecutor(runner, runner.board, runner.rules, runner.variants,
-                                                         runner.warm_requests, self.gpu)
+            self.executor = executor = InProcessExecutor(runner, runner.prep, runner.calls, runner.board,
+                                                         runner.rules, runner.variants, runner.warm_requests,
+                                                         self.gpu)
             # The worker's shorter thread switch interval would be the web server's too: left as it is.
             # Its calls go through the executor (GPU calls); the runner reports on the engine.
             made["loop"] = loop = WorkerLoop(conn, EngineFacts.of(runner), executor, runner,
