@@ -149,8 +149,8 @@ def test_the_recorded_commands_reproduce_the_folder_stage_by_stage(monkeypatch):
 
     calls = []
 
-    def record(stage):
-        return lambda *args: calls.append((stage, args[-1] if stage != "run" else args[3])) or True
+    def record(stage):  # each stage takes (out, cache, minutes, settings, ...): keep its settings
+        return lambda *args: calls.append((stage, args[3])) or True
 
     monkeypatch.setattr(edit_train, "run", record("run"))
     monkeypatch.setattr(edit_continue, "continue_encoder", record("encoder"))
