@@ -46,7 +46,7 @@ def module_graph() -> dict[str, set[str]]:
 # engine/'s layers, lowest first (docs/architecture.md, "Layers"): a module's layer is its folder under
 # engine/. The modules directly in engine/ that every layer may import are the contract (below every
 # layer); the entry points (engine/cli.py, engine/__main__.py), ui/ and app.py sit on top of all of them.
-LAYERS = ("devices", "models", "config", "pipeline", "worker", "tp", "fleet", "serving")
+LAYERS = ("devices", "models", "families", "config", "pipeline", "worker", "tp", "fleet", "serving")
 CONTRACT = frozenset({"engine", "engine.protocol", "engine.errors", "engine.metrics", "engine.processes",
                       "engine.settings"})
 ON_TOP = frozenset({"engine.cli", "engine.__main__"})

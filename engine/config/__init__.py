@@ -1,4 +1,4 @@
-"""Layer 3, config: what a user asks for, turned into checked data before anything is loaded.
+"""Layer 4, config: what a user asks for, turned into checked data before anything is loaded.
 
     request.py      ImageRequest: one image request as every edge builds it; FORM, its one field table
     flags.py        the engine flags, defined once for the CLI, app.py and the bench
@@ -12,7 +12,7 @@ Nothing here starts a process or builds a pipeline; importing it imports no torc
 import it when they run).
 
 May import: the contract (engine/protocol/, errors.py, metrics.py, settings.py), this folder,
-engine/devices/ and engine/models/. Never pipeline, worker, tp, serving or bench.
+engine/devices/, engine/models/ and engine/families/. Never pipeline, worker, tp, serving or bench.
 
 Goes here: a new preset field or flag, a new check of user input, a new rule for resolving a model
 reference. The behaviour a flag switches on lives in the layer that runs it (a step cache or

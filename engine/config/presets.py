@@ -13,52 +13,16 @@ import re
 import tomllib
 from functools import cache
 from pathlib import Path
-from typing import NamedTuple
 
 from engine import settings
 from engine.config.video import check_frame_buckets
 from engine.errors import InvalidRequest, ModelLoadError
+from engine.families import registry
 from engine.protocol import ImageInputs, LoraSource, ModelPreset, Size
 
 MAX_SIDE = 4096
 
 
-class Family(NamedTuple):
-    """What a pipeline class is, as a preset declares it: its bucket family, denoiser and size alignment, and the
-    switches of the fields it takes (a CFG pipeline takes a negative prompt, engine/protocol/params.py)."""
-
-    family: str
-    denoiser: str
-    alignment: int
-    cfg: bool
-    negative_prompt: bool
-
-
-# pipeline class (model_index.json "_class_name") -> its Family: a folder or Hub id named with --model gets it
-PIPELINE_FAMILIES: dict[str, Family] = {
-    "FluxPipeline": Family("flux", "transformer", 16, False, False),
-    "FluxKontextPipeline": Family("flux", "transformer", 16, False, False),
-    "FluxImg2ImgPipeline": Family("flux", "transformer", 16, False, False),
-    "FluxInpaintPipeline": Family("flux", "transformer", 16, False, False),
-    "QwenImageEditPlusPipeline": Family("qwen", "transformer", 16, True, True),
-    "Flux2Pipeline": Family("flux", "transformer", 16, False, False),
-    "Flux2KleinPipeline": Family("flux", "transformer", 16, False, False),
-    "StableDiffusion3Pipeline": Family("sd3", "transformer", 16, True, True),
-    "StableDiffusionXLPipeline": Family("sdxl", "unet", 8, True, True),
-    "StableDiffusionPipeline": Family("default", "unet", 8, True, True),
-}
-# pipeline class -> (the input images it takes, at most how many): a preset's defaults for `inputs` and
-# `max_references` (a folder or Hub id named with --model gets them from its class).
-PIPELINE_INPUTS: dict[str, tuple[ImageInputs, int]] = {
-    "FluxKontextPipeline": (ImageInputs.EDIT, 1),
-    "FluxImg2ImgPipeline": (ImageInputs.IMG2IMG, 1),
-    "FluxInpaintPipeline": (ImageInputs.INPAINT, 1),
-    "Flux2Pipeline": (ImageInputs.REFERENCES, 10),  # diffusers warns beyond 10 (its model card's bound)
-    "Flux2KleinPipeline": (ImageInputs.REFERENCES, 4),
-    "QwenImageEditPlusPipeline": (ImageInputs.REFERENCES, 3),  # the 2509 model card: one to three images
-    "WanImageToVideoPipeline": (ImageInputs.FIRST_FRAME, 1),
-    "LTXImageToVideoPipeline": (ImageInputs.FIRST_FRAME, 1),
-}
 # A preset's switches (cfg, negative_prompt, tp, ...): its true-or-false fields, false unless models.toml sets them
 SWITCHES = tuple(f.name for f in dataclasses.fields(ModelPreset) if f.type == "bool")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -119,8 +83,9 @@ def load_presets() -> dict[str, ModelPreset]:
 
 
 def _image_inputs(name: str, d: dict) -> dict:
-    """A preset's `inputs`, `max_references` and `base_pipeline` (defaults: its pipeline class's, PIPELINE_INPUTS)."""
-    inputs, most = PIPELINE_INPUTS.get(d["pipeline"], (ImageInputs.TEXT, 0))
+    """A preset's `inputs`, `max_references` and `base_pipeline` (defaults: its pipeline family's)."""
+    family = registry.find(d["pipeline"])
+    inputs, most = (family.inputs, family.max_images) if family else (ImageInputs.TEXT, 0)
     inputs = ImageInputs.parse(d.get("inputs", inputs), name)
     most = int(d.get("max_references", most if inputs.takes_images else 0))
     if inputs.takes_images and most < 1 or not inputs.takes_images and most:
@@ -129,7 +94,11 @@ def _image_inputs(name: str, d: dict) -> dict:
         raise ValueError(f"preset {name}: {inputs} takes one image; set max_references = 1")
     if inputs is ImageInputs.FIRST_FRAME and not d.get("frames", True):
         raise ValueError(f"preset {name}: {inputs} starts a clip; give the preset its frame buckets (frames)")
-    return {"inputs": inputs, "max_references": most, "base_pipeline": d.get("base_pipeline")}
+    base = d.get("base_pipeline")
+    if base and family and base != family.base:
+        raise ValueError(f"preset {name}: {family.pipeline} is built over "
+                         f"{family.base or 'its own folder'}, not {base}; set base_pipeline to match")
+    return {"inputs": inputs, "max_references": most, "base_pipeline": base}
 
 
 def _loras(preset: str, table) -> tuple[LoraSource, ...]:
@@ -190,28 +159,34 @@ def preset_for_model(ref: str, allowed_roots: list[Path] | None = None, buckets:
     else:
         raise InvalidRequest(f"model {shown!r} is neither an existing local folder nor a Hub id like 'org/name'")
     cls = index.get("_class_name", "")
-    if isinstance(cls, list) or "custom_pipeline" in index or cls not in PIPELINE_FAMILIES:
+    family = None if isinstance(cls, list) or "custom_pipeline" in index else registry.find(cls)
+    if family is None:
         raise ModelLoadError(
-            f"model {ref!r} uses pipeline {cls!r}, which needs remote code or is not supported; "
-            f"supported pipelines: {', '.join(PIPELINE_FAMILIES)} (remote code is never trusted)"
+            f"model {ref!r} uses pipeline {cls!r}, which needs remote code or is not supported; supported "
+            f"pipelines: {', '.join(f.pipeline for f in registry.families())} (remote code is never trusted)"
         )
-    family = PIPELINE_FAMILIES[cls]
     bucket_sizes = (
-        tuple(Size.parse(s) for s in buckets.split(",")) if buckets else family_buckets(family.family)
+        tuple(Size.parse(s) for s in buckets.split(",")) if buckets else family_buckets(family.bucket_family)
     )
     _check_buckets(ref, bucket_sizes, family.alignment)
-    default_steps = 4 if "schnell" in ref.lower() or "klein" in ref.lower() else 28
     return ModelPreset(
         name=ref,
         pipeline=cls,
         source=source,
-        **family._asdict(),
-        steps=default_steps,
-        guidance=0.0 if "schnell" in ref.lower() else 3.5,
+        family=family.bucket_family,
+        denoiser=family.denoiser,
+        alignment=family.alignment,
+        cfg=family.cfg,
+        negative_prompt=family.negative_prompt,
+        steps=family.steps,
+        guidance=family.guidance,
         buckets=bucket_sizes,
         tp=family.denoiser == "transformer",
         description=f"{cls} from {ref}",
-        **_image_inputs(ref, {"pipeline": cls}),
+        frames=family.frames,
+        frame_step=family.frame_step,
+        fps=family.fps,
+        **_image_inputs(ref, {"pipeline": cls, "frames": family.frames}),
     )
 
 

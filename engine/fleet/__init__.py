@@ -18,8 +18,8 @@ Modules:
 - tp.py        a tensor-parallel engine's ranks on one node (a STRICT_PACK placement group), the actor
                relaying the app's connection to rank 0.
 
-Layer 7, between tp and serving: it may import the contract, this folder and the layers below it (devices,
-models, config, pipeline, worker, tp); serving imports it (EngineLauncher.make_client), lazily, only when
+Layer 8, between tp and serving: it may import the contract, this folder and the layers below it (devices,
+models, families, config, pipeline, worker, tp); serving imports it (EngineLauncher.make_client), lazily, only when
 the app runs with `--ray`: without it nothing imports ray.
 
 Goes here: what an engine needs to run on another machine of a Ray cluster: placement, the actor, the

@@ -1,4 +1,4 @@
-"""Layer 4, pipeline: one diffusers pipeline on one device, and every lever that changes how it runs.
+"""Layer 5, pipeline: one diffusers pipeline on one device, and every lever that changes how it runs.
 
     runner.py       PipelineRunner: the facade over the parts below (what the worker, a TP rank and the
                     in-process runtime call): modes, load, one request, a batch, warm-up, footprint
@@ -26,7 +26,7 @@
 Nothing here knows about processes, queues of clients or hosting: a runner is called, and answers.
 
 May import: the contract (engine/protocol/, errors.py, metrics.py, settings.py), this folder,
-engine/devices/, engine/models/ and engine/config/. Never worker, tp, serving or bench.
+engine/devices/, engine/models/, engine/families/ and engine/config/. Never worker, tp, serving or bench.
 
 Goes here: every lever on how one pipeline computes an image: a new step cache, quantization, a new
 recipe or attention backend, the batching rule, a compile or export mode. Context parallel goes here

@@ -4,8 +4,6 @@ of a variant with its own scheduler, timed step by step, cancellable between ste
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 import threading
 import time
 from dataclasses import dataclass
@@ -13,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import devices
+from engine.families import registry
 from engine.pipeline import preview, recipes, stepcache, variants
 from engine.pipeline.clock import RunClock
 from engine.pipeline.lora import SlotChange
@@ -25,18 +24,21 @@ def pipeline_call_kwargs(preset: ModelPreset, pipe, request: GenerateRequest, ou
     """The pipeline call for a request — what the engine runs, and what a bare diffusers call must pass
     to be compared with it (bench, TP tests). A CPU generator makes seeds mean the same on every device.
     `members`: a batch (engine/pipeline/batching.py) sharing `request`'s size, steps and guidance: one prompt and
-    one generator per member, so each image's noise is what that request alone would start from. Each family
-    adapter below adds the arguments of the fields its capability takes (engine/protocol/params.py `Needs`)."""
+    one generator per member, so each image's noise is what that request alone would start from. Each field
+    adapter below adds the arguments of the fields its capability takes (engine/protocol/params.py `Needs`);
+    the preset's pipeline family (engine/families/) then names them as its pipeline takes them. `pipe` is the
+    pipeline object the call runs on: a class with no registered family gets the arguments as they are."""
     kwargs = dict(output_type=output_type)
-    for needs, adapter in FAMILY_ADAPTERS.items():
+    for needs, adapter in FIELD_ADAPTERS.items():
         if needs is None or needs.taken_by(preset):
-            kwargs.update(adapter(preset, pipe, request, members))
-    return kwargs
+            kwargs.update(adapter(preset, request, members))
+    family = registry.find(preset.pipeline) or registry.find(type(pipe).__name__)
+    return family.call(preset, request, kwargs) if family else kwargs
 
 
-def _every_family(preset: ModelPreset, pipe, request: GenerateRequest, members) -> dict:
+def _every_family(preset: ModelPreset, request: GenerateRequest, members) -> dict:
     batch = members or [request]
-    kwargs = dict(
+    return dict(
         prompt=request.prompt if members is None else [r.prompt for r in batch],
         height=request.height,
         width=request.width,
@@ -45,42 +47,31 @@ def _every_family(preset: ModelPreset, pipe, request: GenerateRequest, members) 
         generator=(torch.Generator("cpu").manual_seed(request.seed) if members is None
                    else [torch.Generator("cpu").manual_seed(r.seed) for r in batch]),
     )
-    if preset.max_sequence_length and _takes_argument(type(pipe), "max_sequence_length"):
-        kwargs["max_sequence_length"] = preset.max_sequence_length
-    if preset.cfg and _takes_argument(type(pipe), "true_cfg_scale"):  # Qwen-Image: guidance is true CFG
-        kwargs["true_cfg_scale"] = kwargs.pop("guidance_scale")
-    return kwargs
 
 
-def _negative_prompt(preset: ModelPreset, pipe, request: GenerateRequest, members) -> dict:
+def _negative_prompt(preset: ModelPreset, request: GenerateRequest, members) -> dict:
     if not request.negative_prompt:
         return {}
     return {"negative_prompt": request.negative_prompt if members is None else
             [r.negative_prompt or "" for r in members]}
 
 
-def _video(preset: ModelPreset, pipe, request: GenerateRequest, members) -> dict:
-    if not request.num_frames:
-        return {}
-    # LTX-Video scales its positions in time by the rate (`frame_rate`); Wan's pipelines take none
-    rate = {"frame_rate": request.fps} if request.fps and _takes_argument(type(pipe), "frame_rate") else {}
-    return {"num_frames": request.num_frames, **rate}
+def _video(preset: ModelPreset, request: GenerateRequest, members) -> dict:
+    # the rate reaches the pipeline where its family takes it as an argument (CallArguments.frame_rate)
+    return {"num_frames": request.num_frames} if request.num_frames else {}
 
 
 def image_kwargs(preset: ModelPreset, request: GenerateRequest, members: list[GenerateRequest] | None = None) -> dict:
     """The input images' arguments of a pipeline call, by the preset's `inputs` (engine/config/images.py checked
     and resized them to the bucket): a batch passes one source per member, in order."""
     inputs = preset.inputs
-    # Kontext resizes a reference to about 1024² and its output to max_area (1024² unless told): the bucket's
-    # sizes are kept, the output's area bounds both.
-    edit = dict(_auto_resize=False, max_area=request.width * request.height) if inputs is ImageInputs.EDIT else {}
     if not request.images:
-        return edit
+        return {}
     batch = members or [request]
     if inputs is ImageInputs.REFERENCES:  # FLUX.2 / Qwen-Image-Edit-Plus: a list of references, one call's
         return {"image": [image.to_pil() for image in request.images]}
     sources = [r.images[0].to_pil() for r in batch]
-    kwargs = {"image": sources[0] if members is None else sources, **edit}
+    kwargs = {"image": sources[0] if members is None else sources}
     if inputs.takes_strength:
         kwargs["strength"] = request.strength
     if inputs.takes_mask:
@@ -89,19 +80,14 @@ def image_kwargs(preset: ModelPreset, request: GenerateRequest, members: list[Ge
     return kwargs
 
 
-# A pipeline family's capability (None: every family) -> the call arguments of the fields it takes: a new field
+# A request field's capability (None: every family) -> the call arguments of the fields it takes: a new field
 # is taught to the families that take it here, once.
-FAMILY_ADAPTERS = {
+FIELD_ADAPTERS = {
     None: _every_family,
     Needs.NEGATIVE_PROMPT: _negative_prompt,
     Needs.VIDEO: _video,
-    Needs.IMAGES: lambda preset, pipe, request, members: image_kwargs(preset, request, members),
+    Needs.IMAGES: image_kwargs,
 }
-
-
-@functools.cache
-def _takes_argument(pipeline_cls: type, name: str) -> bool:
-    return name in inspect.signature(pipeline_cls.__call__).parameters
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@ decoded by the pipeline's own VAE, at a few steps spread over the run.
 
 A partial image is the state of the run at that step (the noisy latents as they are, not a prediction of
 the end), so early ones are mostly noise and later ones approach the image. Each costs one VAE decode of
-the call's batch; its time is kept out of the step's step_ms (RunClock.exclude). Pipelines whose latents are
-not the VAE's (packed otherwise, normalised) make none: `decode` answers None and the run goes on. Bounded: at most
+the call's batch; its time is kept out of the step's step_ms (RunClock.exclude). Packed latents are unpacked as
+the pipeline's family declares (PipelineFamily.unpack_latents); pipelines whose latents are still not the VAE's
+(packed otherwise, normalised) make none: `decode` answers None and the run goes on. Bounded: at most
 MAX_PREVIEWS (engine/config/validation.py) per request.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import io
 import logging
+
+from engine.families import registry
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +33,9 @@ def decode(pipe, vae, latents, height: int, width: int) -> list | None:
     if vae is None or not hasattr(pipe, "image_processor"):
         return None
     try:
-        if latents.ndim == 3 and hasattr(pipe, "_unpack_latents"):  # FLUX.1: 2x2 patches packed as tokens
-            latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+        family = registry.find(type(pipe).__name__)
+        if latents.ndim == 3 and family is not None and family.unpack_latents is not None:  # packed as tokens
+            latents = family.unpack_latents(pipe, latents, height, width)
         if latents.ndim != 4 or getattr(vae.config, "latent_channels", latents.shape[1]) != latents.shape[1]:
             return None
         scaled = latents.to(vae.dtype) / vae.config.scaling_factor + (getattr(vae.config, "shift_factor", None) or 0.0)

@@ -6,7 +6,7 @@ compiled denoiser, a denoiser clone with step-cache hooks, aot stand-ins, a vae 
 No tensor is copied or cast. `DiffusionPipeline.from_pipe` would build the same pipeline, but it then casts
 every component to one dtype in place (float32 unless told: a bf16 engine's modules, the ones it serves
 with, became float32), and it leaves out a component whose class is not the pipeline's annotation (the
-embedded tiny-shapes' AutoencoderTiny in a FluxPipeline: it then refuses to build). So the constructor is
+embedded tiny-shapes' AutoencoderTiny in a FLUX.1 pipeline: it then refuses to build). So the constructor is
 called directly, with the base's init settings from its config, as from_pipe passes them.
 
 `run_copy(pipe, scheduler)` is the one other way a pipeline object is made: per run, a shallow copy with
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+
+from engine.families import registry
 
 # What enable_model_cpu_offload keeps on the pipeline object rather than on its modules: a variant's runs
 # re-install offload hooks at their end (maybe_free_model_hooks) as the base's do.
@@ -43,8 +45,8 @@ def pipeline_over(base, **replaced):
 
 
 def pipeline_as(base, cls):
-    """A pipeline of another class `cls` over `base`'s components (FluxImg2ImgPipeline or FluxInpaintPipeline
-    over a FluxPipeline's weights): built like `pipeline_over`, for the reasons its docstring gives; the
+    """A pipeline of another class `cls` over `base`'s components (FLUX.1 img2img or inpainting over a FLUX.1
+    text-to-image pipeline's weights, PipelineFamily.base): built like `pipeline_over`, for the reasons its docstring gives; the
     components `cls` does not take stay out."""
     params = inspect.signature(cls.__init__).parameters
     components = {name: module for name, module in base.components.items() if name in params}
@@ -62,19 +64,12 @@ def vae_decoding_with(vae, decode):
     return copied
 
 
-# Pipelines whose __call__ hands the decoded batch straight to image_processor.postprocess (SDXL: but for
-# its optional watermark), read in diffusers' source. Another pipeline may do more after its decode (a
-# safety checker, resizing back from a binned resolution): it decodes its batch whole.
-DECODE_THEN_POSTPROCESS = frozenset({
-    "FluxPipeline", "Flux2Pipeline", "Flux2KleinPipeline", "StableDiffusion3Pipeline", "StableDiffusionXLPipeline",
-    "FluxKontextPipeline", "FluxImg2ImgPipeline",
-})
-
-
 def can_decode_apart(pipe) -> bool:
-    """Whether decode_apart may hand on images the pipeline has not finished: only where nothing runs on
-    the decoded images after the decode but the image processor."""
-    return (type(pipe).__name__ in DECODE_THEN_POSTPROCESS and getattr(pipe, "safety_checker", None) is None
+    """Whether decode_apart may hand on images the pipeline has not finished: only where its family says
+    nothing runs on the decoded images after the decode but the image processor (PipelineFamily
+    .decode_then_postprocess), and no safety checker or watermark of its own does."""
+    family = registry.find(type(pipe).__name__)
+    return (family is not None and family.decode_then_postprocess and getattr(pipe, "safety_checker", None) is None
             and getattr(pipe, "watermark", None) is None
             and hasattr(getattr(pipe, "image_processor", None), "postprocess") and hasattr(pipe, "vae"))
 

@@ -129,11 +129,11 @@ class ImageInputs(enum.StrEnum):
     family does not take is refused by this declaration (engine/config/images.py), not by a handler."""
 
     TEXT = "text"  # text to image: no input image
-    IMG2IMG = "img2img"  # one source image, noised to `strength` (FluxImg2ImgPipeline, ...)
-    INPAINT = "inpaint"  # a source, a mask (white: repaint) and `strength` (FluxInpaintPipeline, ...)
-    EDIT = "edit"  # an instruction edit of one reference whose tokens join the sequence (FluxKontextPipeline)
+    IMG2IMG = "img2img"  # one source image, noised to `strength` (FLUX.1 img2img, ...)
+    INPAINT = "inpaint"  # a source, a mask (white: repaint) and `strength` (FLUX.1 inpainting, ...)
+    EDIT = "edit"  # an instruction edit of one reference whose tokens join the sequence (FLUX.1 Kontext)
     REFERENCES = "references"  # 0..max_references references joining the sequence (FLUX.2, Qwen-Image-Edit-Plus)
-    # A clip's first frame (WanImageToVideoPipeline): one source, encoded into the first latent frame, no strength
+    # A clip's first frame (Wan / LTX image to video): one source, encoded into the first latent frame, no strength
     FIRST_FRAME = "first-frame"
 
     @classmethod

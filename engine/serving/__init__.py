@@ -1,4 +1,4 @@
-"""Layer 8, serving: which engines run, where, for whom, and within what budget.
+"""Layer 9, serving: which engines run, where, for whom, and within what budget.
 
     manager.py      EngineManager: validates up front, applies the host's policy, prices and routes requests,
                     reports every bucket; make_manager builds one from a command line
@@ -23,7 +23,7 @@ heard through the EngineEvents it was built with: a worker process, a tensor-par
 or an in-process engine look the same from here.
 
 May import: the contract (engine/protocol/, errors.py, metrics.py, settings.py), this folder and
-every layer below it: engine/devices/, models/, config/, pipeline/, worker/, tp/ and fleet/ (fleet/ only
+every layer below it: engine/devices/, models/, families/, config/, pipeline/, worker/, tp/ and fleet/ (fleet/ only
 under --ray, lazily: it imports ray). Never bench.
 
 Goes here: hosting policy (what visitors may choose, budgets, eviction, restarts, compile scheduling),

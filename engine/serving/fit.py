@@ -4,7 +4,7 @@ set chosen for a device's free memory (`--memory auto|speed|memory`).
 The weights come from the safetensors headers of each component (engine/models/weights.py: shapes and
 dtypes, no tensor read); a preset that is not on this machine (FLUX.1-dev) gets its denoiser's shapes from
 its `denoiser_config` built on torch's meta device and its encoders' and VAE's parameter counts from
-`PUBLISHED`. Per component: its parameters, the share layerwise casting stores in fp8 (2-D weights outside
+its pipeline family's published sizes (`PipelineFamily.published`, engine/families/). Per component: its parameters, the share layerwise casting stores in fp8 (2-D weights outside
 norms and embeddings, diffusers' skip patterns), its largest repeated block (group offload's unit) and its
 largest tensor (a leaf's). Activations: `ACTIVATION_PER_TOKEN_DIM` x tokens x hidden width x dtype bytes,
 calibrated on a random-weight Flux denoiser (docs/benchmarks.md says how close the estimate came). Each
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import NotAllowed, ShowcaseError
+from engine.families import registry
 from engine.protocol import MemoryLevers
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,6 @@ TEXT_TOKENS = 512  # Flux's T5 sequence: joint attention runs over image and tex
 # and this engine's own additions (engine/pipeline/memory.py LAYERWISE_KEEP)
 _SKIP_CAST = re.compile(r"pos_embed|patch_embed|norm|^(proj_in|proj_out|x_embedder|conv_in|conv_out)\.")
 _BLOCK = re.compile(r"^(.*blocks)\.(\d+)\.")
-# Parameter counts of published components a preset loads from the Hub, for estimates where they are not
-# downloaded (the denoiser's come from its denoiser_config).
-PUBLISHED = {
-    "FluxPipeline": {"text_encoder": 123_060_480, "text_encoder_2": 4_762_310_656, "vae": 83_819_683},
-}
 # Lever sets in the order an "auto" host tries them (fastest first), with their price in time: measured on
 # this machine's CPU (layerwise casting: 1.30x) or a peer's figure (diffusers' FLUX.1-dev table: model offload
 # 21.7 / 6.59 s, group offload 47.7 / 6.59 s, sequential 68.4 / 6.59 s; cache-dit's prefetching offload 24.6 /
@@ -96,8 +92,10 @@ def components_from_folder(folder: Path) -> dict[str, Component]:
 
 def components_from_config(preset) -> dict[str, Component]:
     """A preset not on this machine: its denoiser built on the meta device from denoiser_config (shapes, no
-    memory), the rest from PUBLISHED; ShowcaseError where neither is known."""
-    if not preset.denoiser_config or preset.pipeline not in PUBLISHED:
+    memory), the rest from its family's published sizes; ShowcaseError where neither is known."""
+    family = registry.find(preset.pipeline)
+    published = family.published if family is not None else {}
+    if not preset.denoiser_config or not published:
         raise ShowcaseError(f"{preset.name}: no local weights, and no denoiser_config with published component "
                             "sizes to estimate from")
     import diffusers
@@ -109,7 +107,7 @@ def components_from_config(preset) -> dict[str, Component]:
     with torch.device("meta"):
         model = cls.from_config(dict(preset.denoiser_config))
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
-    out = {name: Component(name, n, 0, 0, n // 24) for name, n in PUBLISHED[preset.pipeline].items()}
+    out = {name: Component(name, n, 0, 0, n // 24) for name, n in published.items()}
     out[preset.denoiser] = component_from_shapes(preset.denoiser, shapes)
     return out
 

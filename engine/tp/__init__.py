@@ -22,9 +22,9 @@ Modules:
 - client.py   SidecarClient (the app's own sidecar: launch, connect, faults, clean shutdown).
 - attach.py   the app serving a sidecar it did not start: connect, errors that say what to do, re-attach.
 
-Layer 6: it runs pipeline runners on every rank and serves them through the worker loop, and hands the
+Layer 7: it runs pipeline runners on every rank and serves them through the worker loop, and hands the
 manager a ConnectionClient. It may import the contract (engine/protocol/, errors.py, metrics.py,
-settings.py), this folder and the layers below it (devices, models, config, pipeline, worker); never
+settings.py), this folder and the layers below it (devices, models, families, config, pipeline, worker); never
 serving or bench (the manager imports SidecarClient from here, not the other way round).
 
 Goes here: how ranks are launched, joined, watched and coordinated, for tensor and context parallel

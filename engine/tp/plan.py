@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ModelLoadError, UnsupportedCombination
+from engine.families import registry
 from engine.protocol import Parallel
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,10 @@ def _text_tokens(preset, size) -> int | None:
     return preset.max_sequence_length or _pipeline_default(preset.pipeline, "max_sequence_length")
 
 
-# The sequences each denoiser class's _cp_plan splits on the token dimension, and how many tokens each has at
-# a bucket (the text is padded to max_sequence_length). A class not listed is checked by diffusers at run time.
-CP_SEQUENCES = {
-    "FluxTransformer2DModel": (("image", _image_tokens), ("text", _text_tokens)),
-    "Flux2Transformer2DModel": (("image", _image_tokens), ("text", _text_tokens)),
-}
+# How many tokens each sequence a family's denoiser splits for context parallel (PipelineFamily.cp_sequences)
+# has at a bucket (the text is padded to max_sequence_length). A family that lists none is checked by
+# diffusers at run time.
+SEQUENCE_TOKENS = {"image": _image_tokens, "text": _text_tokens}
 
 
 def _pipeline_default(pipeline: str, argument: str):
@@ -225,8 +224,9 @@ def check_context(preset, source: str, n: int, parallel: Parallel, attention_bac
             f"{heads}; pick tp from {_divisors(heads)}, or --parallel ring")
     notices = [f"context parallel ({parallel}) over {n} ranks: the whole {preset.denoiser} ({cls_name}) on every "
                f"rank, 1/{n} of the tokens each; {layout.summary}"]
-    sequences = CP_SEQUENCES.get(cls_name)
-    if sequences is None:
+    family = registry.find(preset.pipeline)
+    sequences = [(name, SEQUENCE_TOKENS[name]) for name in family.cp_sequences] if family is not None else []
+    if not sequences:
         notices.append(f"token counts of {cls_name} are not described here: diffusers checks that they divide "
                        f"by {n} at the first request")
         return notices

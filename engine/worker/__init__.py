@@ -1,4 +1,4 @@
-"""Layer 5, worker: the worker protocol's two ends, and the connections it runs over.
+"""Layer 6, worker: the worker protocol's two ends, and the connections it runs over.
 
     loop.py         WorkerLoop and worker_main: the process that owns one engine's PipelineRunner,
                     serves its request queue (batched through engine/pipeline/batching.py) and
@@ -17,7 +17,7 @@ The messages themselves are the contract's (engine/protocol/), so both ends, and
 sidecar, speak the same typed protocol whatever carries it.
 
 May import: the contract (engine/protocol/, errors.py, metrics.py, settings.py), this folder,
-engine/devices/, engine/models/, engine/config/ and engine/pipeline/. Never tp, serving or bench.
+engine/devices/, engine/models/, engine/families/, engine/config/ and engine/pipeline/. Never tp, serving or bench.
 
 Goes here: how one engine's requests are queued, ordered and answered; a new message handler; a new
 transport for the protocol. How a request is computed belongs to engine/pipeline/; which engines run,

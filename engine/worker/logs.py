@@ -38,9 +38,9 @@ HARMLESS = (
     ("diffusers.quantizers.torchao.torchao_quantizer", ("Unable to import `torchao` Tensor objects",)),
     # The PIL image processors are what the pipelines' (unused) image encoders get without torchvision.
     ("transformers.utils.import_utils", ("requires torchvision (not installed); falling back to",)),
-    # The embedded model's small VAE (AutoencoderTiny) is not the type FluxPipeline annotates; it works.
+    # The embedded model's small VAE (AutoencoderTiny) is not the type FLUX.1's pipeline annotates; it works.
     ("diffusers.pipelines.pipeline_utils", ("Expected types for vae", "AutoencoderTiny")),
-    # tiny-wan's text encoder is the project's tiny T5, not the UMT5 WanPipeline annotates; it works.
+    # tiny-wan's text encoder is the project's tiny T5, not the UMT5 Wan's pipeline annotates; it works.
     ("diffusers.pipelines.pipeline_utils", ("Expected types for text_encoder", "UMT5EncoderModel", "T5EncoderModel")),
     # Served adapters are denoiser-only (a text-encoder LoRA cannot be hot-swapped and is refused), so every
     # load and swap finds no text-encoder keys, as it should.
