@@ -28,6 +28,7 @@ from engine.config.presets import load_presets
 from engine.config.request import ImageRequest
 from engine.config.resolve import Catalog, resolve_source
 from engine.errors import ShowcaseError
+from engine.families import registry
 from engine.protocol import DEFAULT_PRESET, Mode, Parallel, Size, lora_run_text, params
 from engine.protocol.flagfields import SWITCH, flag
 from engine.worker.logs import quiet_third_party
@@ -139,8 +140,8 @@ def cmd_presets(args) -> int:
         print(json.dumps([p.describe() for p in presets.values()], indent=2))
         return 0
     for p in presets.values():
-        print(f"{p.name:18s} {p.pipeline:28s} steps={p.steps:<3d} guidance={p.guidance:<4g} "
-              f"buckets={','.join(str(b) for b in p.buckets)}")
+        print(f"{p.name:18s} {p.pipeline:28s} task={registry.find(p.pipeline).task:14s} steps={p.steps:<3d} "
+              f"guidance={p.guidance:<4g} buckets={','.join(str(b) for b in p.buckets)}")
         for lora in p.loras:
             print(f"{'':18s}   LoRA {lora.name} (scale {lora.scale:g}){': ' + lora.description if lora.description else ''}")
     return 0

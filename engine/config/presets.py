@@ -85,7 +85,10 @@ def load_presets() -> dict[str, ModelPreset]:
 def _image_inputs(name: str, d: dict) -> dict:
     """A preset's `inputs`, `max_references` and `base_pipeline` (defaults: its pipeline family's)."""
     family = registry.find(d["pipeline"])
-    inputs, most = (family.inputs, family.max_images) if family else (ImageInputs.TEXT, 0)
+    if family is None:
+        raise ValueError(f"preset {name}: pipeline {d['pipeline']!r} has no family; declare it in a module of "
+                         f"engine/families/ (registered: {', '.join(f.pipeline for f in registry.families())})")
+    inputs, most = family.inputs, family.max_images
     inputs = ImageInputs.parse(d.get("inputs", inputs), name)
     most = int(d.get("max_references", most if inputs.takes_images else 0))
     if inputs.takes_images and most < 1 or not inputs.takes_images and most:
@@ -95,7 +98,7 @@ def _image_inputs(name: str, d: dict) -> dict:
     if inputs is ImageInputs.FIRST_FRAME and not d.get("frames", True):
         raise ValueError(f"preset {name}: {inputs} starts a clip; give the preset its frame buckets (frames)")
     base = d.get("base_pipeline")
-    if base and family and base != family.base:
+    if base and base != family.base:
         raise ValueError(f"preset {name}: {family.pipeline} is built over "
                          f"{family.base or 'its own folder'}, not {base}; set base_pipeline to match")
     return {"inputs": inputs, "max_references": most, "base_pipeline": base}

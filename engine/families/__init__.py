@@ -3,7 +3,7 @@
     family.py       PipelineFamily: one frozen record per pipeline class (task, inputs, bucket family, denoiser,
                     call adapter, preview unpacking, decode, published sizes, context-parallel sequences,
                     defaults, tiny build); CallArguments, the declared call adapter most families use
-    registry.py     the registry: `register` (called by each family module), `find` / `get` by class name,
+    registry.py     the registry: `register` (called by each family module), `find` by class name,
                     `families()`; it discovers every module of this folder on first use
     flux.py, flux_kontext.py, flux_variants.py, flux2.py, qwen_edit.py, sd3.py, sdxl.py, sd.py, wan.py, ltx.py
                     one module per family

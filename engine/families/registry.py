@@ -46,10 +46,3 @@ def find(pipeline: str) -> PipelineFamily | None:
     _discover()
     return _FAMILIES.get(pipeline)
 
-
-def get(pipeline: str) -> PipelineFamily:
-    """The family of a pipeline class name; KeyError naming the registered ones where it has none."""
-    family = find(pipeline)
-    if family is None:
-        raise KeyError(f"pipeline class {pipeline!r} is not a registered family; registered: {', '.join(_FAMILIES)}")
-    return family
