@@ -25,6 +25,7 @@ from ui.openai_api import ApiKeys, OpenAIRoutes
 from ui.openai_edits import read_edit_call
 from ui.openai_videos import VideoJobs
 from ui.sessions import bound_sessions
+from ui.bodies import public_body_bounds
 from ui.sockets import install_server_hook, public_bounds
 from ui.uploads import MAX_UPLOAD_BYTES
 
@@ -144,7 +145,7 @@ def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size:
     queue is full); `edge`: the web edge's bounds (default: per-client bounds in public mode only)."""
     if edge is None:
         edge = EdgeConfig(client_events=CLIENT_EVENTS if serving.public() else None,
-                          **({"sockets": public_bounds()} if serving.public() else {}))
+                          **({"sockets": public_bounds(), "bodies": public_body_bounds()} if serving.public() else {}))
     guard = EdgeGuard(EdgeConfig(**{**edge.__dict__, "group_queue": queue_size}))
     pages = page_handlers(serving, defaults, guard)
     h = pages.shared

@@ -42,6 +42,7 @@ from urllib.parse import parse_qs
 from engine.config import strict
 from engine.errors import InvalidRequest, ShowcaseError
 from ui import quietlog
+from ui.bodies import BodyBounds, BodyLedger, BodyReader
 from ui.keyguard import KeyGuard
 from ui.sockets import REASONS, SocketBounds, SocketGuard, in_networks, is_stream_path
 from ui.uploads import MAX_UPLOADS_BYTES
@@ -72,6 +73,7 @@ class EdgeConfig:
     trusted_proxies: tuple = field(default=())  # ip networks whose X-Forwarded-For is believed
     listen_grace_s: float = LISTEN_GRACE_S
     sockets: SocketBounds | None = field(default_factory=SocketBounds)  # None: no socket bounds
+    bodies: BodyBounds | None = field(default_factory=BodyBounds)  # body deadlines and memory; None: size only
 
 
 def parse_proxies(text: str | None) -> tuple:
@@ -272,6 +274,7 @@ class EdgeGuard:
         self.refused = Counter()  # reason -> count, for /system and /metrics
         bounds = self.config.sockets
         self.sockets = SocketGuard(bounds, self.config.trusted_proxies) if bounds is not None else None
+        self.bodies = BodyLedger(self.config.bodies) if self.config.bodies is not None else None
         self.log = quietlog.LogBudget()
         self.keys = KeyGuard()  # failed API-key checks per address (ui/openai_api.py ApiKeys)
         self.callers = Callers(self.config.trusted_proxies)
@@ -400,7 +403,8 @@ class EdgeGuard:
 
         # Built when the app starts, after install: api_names is known by then.
         return Middleware(_EdgeMiddleware, streams=self.streams, callers=self.callers, refused=self.refused,
-                          log=self.log, max_body_bytes=self.config.max_body_bytes, api_names=self.api_names)
+                          log=self.log, max_body_bytes=self.config.max_body_bytes, api_names=self.api_names,
+                          bodies=self.bodies)
 
     def snapshot(self) -> dict:
         c = self.config
@@ -408,7 +412,8 @@ class EdgeGuard:
                 "queue_per_action": c.group_queue, "listen_grace_s": c.listen_grace_s,
                 "trusted_proxies": [str(n) for n in c.trusted_proxies], "uploads": f"input images on /gradio_api/upload, at most {MAX_UPLOAD_BODY_BYTES:,} bytes",
                 "refused": dict(self.refused),
-                **({"sockets": self.sockets.snapshot()} if self.sockets is not None else {})}
+                **({"sockets": self.sockets.snapshot()} if self.sockets is not None else {}),
+                **({"bodies": self.bodies.snapshot()} if self.bodies is not None else {})}
 
 
 def in_turns(waiting: list, client_of, running: Counter) -> list:
@@ -470,23 +475,18 @@ def _own_output(scope, asked: str) -> bool:
 
 
 class _CountedBody:
-    """The request body as the app reads it, cut off past the limit: the app then sees a client that went
-    away, its answer is dropped, and the middleware answers 413 itself."""
+    """The request as the app sees it: its body read through a BodyReader (ui/bodies.py), cut off past a bound
+    (its size, its deadline, the memory bodies hold): the app then sees a client that went away, its answer is
+    dropped, and the middleware answers the refusal itself."""
 
-    def __init__(self, receive, send, limit: int):
-        self._receive, self._send, self.limit = receive, send, limit
-        self.read, self.over, self.started, self.ended = 0, False, False, False
+    def __init__(self, reader: BodyReader, send):
+        self.reader, self._send = reader, send
+        self.receive = reader.receive
+        self.started, self.ended = False, False
 
-    async def receive(self):
-        if self.over:
-            return {"type": "http.disconnect"}
-        message = await self._receive()
-        if message["type"] == "http.request":
-            self.read += len(message.get("body", b""))
-            if self.read > self.limit:
-                self.over = True
-                return {"type": "http.disconnect"}
-        return message
+    @property
+    def over(self) -> bool:
+        return self.reader.refusal is not None
 
     async def send(self, message):
         if self.over:
@@ -503,9 +503,9 @@ class _CountedBody:
 
 class _EdgeMiddleware:
     def __init__(self, app, streams: Streams, callers: Callers, refused: Counter, log: quietlog.LogBudget,
-                 max_body_bytes: int, api_names: frozenset[str] | None):
+                 max_body_bytes: int, api_names: frozenset[str] | None, bodies: BodyLedger | None = None):
         self.app, self.streams, self.callers, self.refused, self.log = app, streams, callers, refused, log
-        self.max_body_bytes, self.api_names = max_body_bytes, api_names
+        self.max_body_bytes, self.api_names, self.bodies = max_body_bytes, api_names, bodies
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -517,41 +517,65 @@ class _EdgeMiddleware:
                 self.refused[reason] += 1
             await _refuse(send, status, message)
             return
+        body = _CountedBody(self._reader(scope, receive), send)
+        try:
+            await self._serve(scope, body)
+        finally:
+            body.reader.release()
+        if body.over and not body.started:
+            reason, status, message = body.reader.refusal
+            self.refused[reason] += 1
+            if reason != "body size":
+                self.log.line(self._client(scope), "%s %s refused: %s", scope.get("method"), scope["path"][:120],
+                              reason)
+            await _refuse(send, status, message)
+
+    def _reader(self, scope, receive) -> BodyReader:
+        """The request's body as the app reads it: bounded in size and, when one is announced, in time and in
+        the memory it holds."""
+        path = scope["path"].rstrip("/")
+        limit = UPLOAD_ROUTES.get(path, MAX_UPLOAD_BODY_BYTES if path.endswith("/gradio_api/upload") else
+                                  self.max_body_bytes)
+        message = (f"Request body is over this server's limit of {limit:,} bytes (prompts are at most 4,000 "
+                   "characters)")
+        length = _header(scope, b"content-length")
+        announced = (length is not None and length.strip() not in ("", "0")) or _header(
+            scope, b"transfer-encoding") is not None
+        if self.bodies is None or not announced:
+            return BodyReader(receive, limit, message)
+        return BodyReader(receive, limit, message, self.bodies.bounds, self.bodies, self._client(scope))
+
+    async def _serve(self, scope, body: _CountedBody) -> None:
+        receive = body.receive
         if _json_post(scope):  # read whole (bounded) and checked before any parser recurses into it
             receive, refusal = await self._checked_json(scope, receive)
+            if body.over:
+                return
             if refusal is not None:
                 self.refused[refusal[0]] += 1
                 self.log.line(self._client(scope), "%s %s refused: %s", scope.get("method"), scope["path"][:120],
                               refusal[2][:160])
-                await _refuse(send, refusal[1], refusal[2])
+                await _refuse(body.send, refusal[1], refusal[2])
                 return
-        path = scope["path"].rstrip("/")
-        body = _CountedBody(receive, send, UPLOAD_ROUTES.get(path, MAX_UPLOAD_BODY_BYTES
-                                                             if path.endswith("/gradio_api/upload") else
-                                                             self.max_body_bytes))
         session = self.streams.session_of(scope)
         with self.streams.proxied(scope) as admitted, self.streams.listener(session):
             if not admitted:
                 self.refused["too many streams from one address"] += 1
-                await _refuse(send, *REASONS["too many streams from one address"])
+                await _refuse(body.send, *REASONS["too many streams from one address"])
                 return
             if self.streams.unknown(session):
                 self.refused["unknown event"] += 1
                 self.log.line(self._client(scope), "%s %s refused: no such event or session",
                               scope.get("method"), scope["path"][:120])
-                await _refuse(send, 404, "No such event or session: it finished, or it never joined the queue")
+                await _refuse(body.send, 404, "No such event or session: it finished, or it never joined the queue")
                 return
             try:
-                await self.app(scope, body.receive, body.send)
+                await self.app(scope, receive, body.send)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if not body.over:
                     await self._failed(scope, body, exc)
-        if body.over and not body.started:
-            self.refused["body size"] += 1
-            await _refuse(send, 413, f"Request body is over this server's limit of {body.limit:,} bytes "
-                                     "(prompts are at most 4,000 characters)")
 
     async def _checked_json(self, scope, receive):
         """(a receive that replays the body, None) or (None, (reason, status, message)) for a JSON body over the
