@@ -208,7 +208,8 @@ def rss() -> int:
 @pytest.mark.slow
 def test_96_held_multipart_bodies_hold_a_bounded_memory_given_back_when_they_close(app):
     """/v1/images/edits reads its multipart body into memory as it arrives: 96 bodies of 28 MB of 30 from two
-    addresses held 32 MiB a connection for as long as the client liked."""
+    addresses held 32 MiB a connection for as long as the client liked. Each address's share is taken by the
+    length its bodies announce, so past it a body is refused before it is read."""
     demo, port = app
     boundary = "b0undary"
     part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a.png\"\r\n"

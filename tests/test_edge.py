@@ -196,6 +196,23 @@ def test_uploads_are_taken_on_the_upload_route_only_and_nothing_uploaded_is_serv
 
 
 @pytest.mark.slow
+def test_gradios_older_file_route_is_screened_as_file_equals(app):
+    """`/gradio_api/file/<path>` (the route with a slash) served uploads inline, to anyone: it is refused as
+    `/file=` is, for the uploader and for another address alike, and reads nothing outside the outputs."""
+    _, _, url, _ = app
+    with httpx.Client(timeout=30) as http:
+        answer = http.post(f"{url}/gradio_api/upload",
+                           files={"files": ("x.html", b"<script>alert(1)</script>", "text/html")})
+        (stored,) = answer.json()
+        assert http.get(f"{url}/gradio_api/file/{stored}").status_code == 403
+    other = httpx.HTTPTransport(local_address="127.0.0.2")
+    with httpx.Client(timeout=30, transport=other) as http:
+        answer = http.get(f"{url}/gradio_api/file/{stored}")
+        assert answer.status_code in (403, 404) and b"alert" not in answer.content
+        assert http.get(f"{url}/gradio_api/file//etc/passwd").status_code == 403
+
+
+@pytest.mark.slow
 def test_a_cancel_sent_right_after_submit_stops_the_request(app):
     """/cancel overtaking its /generate in the queue still cancels it; the next request is served."""
     _, _, url, _ = app

@@ -9,7 +9,8 @@ body through a `BodyReader`:
 - a deadline: past a grace, the body must arrive at `min_rate` bytes/s on average since the request's head was
   read (Kestrel's MinRequestBodyDataRate, Apache's mod_reqtimeout MinRate), and whole within `timeout_s`;
   a body that falls behind is answered 408 and its connection closed;
-- a ledger of the body bytes that requests under way have read, per client (public mode) and in total: past
+- a ledger of the body bytes that requests under way have announced (or, chunked, read), per client (public
+  mode) and in total: past
   either, the request is answered 429 (the client's share) or 503 (everyone's) and its connection closed;
   the bytes count until the request ends, which it does as soon as its client goes.
 
@@ -20,6 +21,7 @@ one still sending its head may.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections import Counter
@@ -32,6 +34,10 @@ TIMEOUT_S = 300.0  # a whole body: a 65 MiB /v1 edit on a ~2 Mbit/s uplink
 # (ui/edge.py UPLOAD_ROUTES) and some; all together a few of those, whatever the connection count.
 PER_CLIENT_BYTES = 80 * 2**20
 TOTAL_BYTES = 512 * 2**20
+
+# Bodies given back leave their pages in the C heap's free lists: past this much the heap is trimmed (a few ms)
+# so the process's memory goes back down once the bodies are gone.
+TRIM_AFTER_BYTES = 16 * 2**20
 
 # refusal reason -> status
 STATUSES = {"body timeout": 408, "body memory per client": 429, "body memory": 503}
@@ -71,6 +77,18 @@ def public_body_bounds(min_rate: float = MIN_RATE, timeout_s: float | None = TIM
     return BodyBounds(min_rate=min_rate, timeout_s=timeout_s, per_client_bytes=PER_CLIENT_BYTES)
 
 
+def _trim_heap() -> None:
+    """Free the buffers handlers left in reference cycles (a cut-off handler's exception holds its frames), then
+    return the C heap's free pages to the system (glibc's malloc_trim; elsewhere nothing)."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
@@ -85,6 +103,7 @@ class BodyLedger:
         self.held: Counter[str] = Counter()
         self.total = 0
         self.peak = 0
+        self._freed = 0  # bytes given back since the heap was last trimmed
 
     def take(self, client: str, n: int) -> tuple[str, str] | None:
         """Count `n` more bytes for `client` (always: `give` returns them), or (reason, message) when that
@@ -103,7 +122,8 @@ class BodyLedger:
             return "body memory", "This server holds as many request bodies as it takes; retry in a few seconds"
         return None
 
-    def give(self, client: str, n: int) -> None:
+    def give(self, client: str, n: int, read: int = 0) -> None:
+        """Give back `n` bytes taken for `client`, of which `read` were read (what the heap may hand back)."""
         if not n:
             return
         with self._lock:
@@ -111,6 +131,16 @@ class BodyLedger:
             self.held[client] -= n
             if self.held[client] <= 0:
                 del self.held[client]
+            self._freed += read
+
+    def settle(self) -> None:
+        """A request ended (its handler's buffers freed): trim the heap when enough bodies have gone since."""
+        with self._lock:
+            due = self._freed >= TRIM_AFTER_BYTES
+            if due:
+                self._freed = 0
+        if due:
+            _trim_heap()
 
     def snapshot(self) -> dict:
         b = self.bounds
@@ -126,8 +156,9 @@ class BodyReader:
     `refusal` says why: (reason, status, message) for the edge to answer."""
 
     def __init__(self, receive, limit: int, limit_message: str, bounds: BodyBounds | None = None,
-                 ledger: BodyLedger | None = None, client: str = ""):
+                 ledger: BodyLedger | None = None, client: str = "", announced: int = 0):
         self._receive, self.limit, self._limit_message = receive, limit, limit_message
+        self.announced = announced  # the Content-Length, 0 when none (chunked)
         self.bounds, self.ledger, self.client = bounds, ledger, client
         self.waiting = bounds is not None and bounds.timed  # a body is announced and has not all arrived
         self.started_at = time.monotonic()
@@ -155,9 +186,12 @@ class BodyReader:
             self.waiting = False
         if self.read > self.limit:
             return self._cut("body size", 413, self._limit_message)
-        if self.ledger is not None and size:
-            self.held += size
-            refusal = self.ledger.take(self.client, size)
+        if self.ledger is not None and size and self.read > self.held:
+            # An announced length is taken whole with the first bytes: a body the share cannot hold is refused
+            # before it is read, not once it has been (and then freed); a chunked body is taken as it arrives.
+            take = max(self.read, min(self.announced, self.limit)) - self.held
+            self.held += take
+            refusal = self.ledger.take(self.client, take)
             if refusal is not None:
                 reason, text = refusal
                 return self._cut(reason, STATUSES[reason], text)
@@ -172,5 +206,5 @@ class BodyReader:
     def release(self) -> None:
         """Give the bytes held back to the ledger (the request ended, or was cut off)."""
         if self.ledger is not None:
-            self.ledger.give(self.client, self.held)
+            self.ledger.give(self.client, self.held, min(self.read, self.held))
         self.held = 0

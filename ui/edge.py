@@ -5,7 +5,7 @@
   MAX_UPLOAD_BODY_BYTES (engine/config/images.py bounds each file and decodes it once), and on the routes
   of UPLOAD_ROUTES, which read their own multipart body bounded as it arrives (POST /v1/images/edits, and
   POST /v1/videos with its source image);
-  what is uploaded is never served back by `/file=`, to its sender or anyone else.
+  what is uploaded is never served back by `/file=` or `/file/`, to its sender or anyone else.
 - Gradio's queue is hooked at `Queue.push` (every join route goes through it): each client (its
   address, see `client_address`) may hold a bounded number of events waiting or running, and each
   concurrency group has its own queue bound, so a full generate queue never refuses /status, /cancel
@@ -452,6 +452,15 @@ def _replay(data: bytes, after, gone: dict | None = None):
     return receive
 
 
+def _file_asked(path: str) -> str | None:
+    """The file a GET names on Gradio's file routes (`/file=<path>`, and its older `/file/<path>`), else None."""
+    if "/file=" in path:
+        return path.split("/file=", 1)[1]
+    if "/gradio_api/file/" in path:
+        return path.split("/gradio_api/file/", 1)[1]
+    return None
+
+
 def _uploaded(scope, asked: str) -> bool:
     """Whether `/file=<asked>` names a file a visitor uploaded (Gradio lists them in its upload_file_set)."""
     blocks = getattr(scope.get("app"), "blocks", None)
@@ -522,6 +531,8 @@ class _EdgeMiddleware:
             await self._serve(scope, body)
         finally:
             body.reader.release()
+            if self.bodies is not None:
+                self.bodies.settle()
         if body.over and not body.started:
             reason, status, message = body.reader.refusal
             self.refused[reason] += 1
@@ -543,7 +554,8 @@ class _EdgeMiddleware:
             scope, b"transfer-encoding") is not None
         if self.bodies is None or not announced:
             return BodyReader(receive, limit, message)
-        return BodyReader(receive, limit, message, self.bodies.bounds, self.bodies, self._client(scope))
+        announced = int(length) if length is not None and length.strip().isdigit() else 0
+        return BodyReader(receive, limit, message, self.bodies.bounds, self.bodies, self._client(scope), announced)
 
     async def _serve(self, scope, body: _CountedBody) -> None:
         receive = body.receive
@@ -633,9 +645,8 @@ class _EdgeMiddleware:
             return "unknown function", 404, "This app has no such API; see /gradio_api/info"
         if path.endswith("/deep_link"):
             return "deep link", 404, "This app keeps no deep links"
-        if "/file=" in path and not _own_output(scope, path.split("/file=", 1)[1]):
-            return "file", 403, "Files are served only from this app's own outputs"
-        if "/file=" in path and _uploaded(scope, path.split("/file=", 1)[1]):
+        asked = _file_asked(scope["path"])
+        if asked is not None and (not _own_output(scope, asked) or _uploaded(scope, asked)):
             return "file", 403, "Files are served only from this app's own outputs"
         length = _header(scope, b"content-length")
         if length is None:
