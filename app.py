@@ -461,6 +461,7 @@ def launch_ui(serving: Serving, args, engine: DefaultEngine, public: bool, auth)
     from ui import UIDefaults, build_demo, launch_kwargs, webtemp
 
     outputs = webtemp.use_cache_folder(serving.cache_dir)  # before the app is built: Gradio reads it then
+    webtemp.start_reaper(outputs)  # uploads arrive without outputs: tidied on a schedule of their own
     defaults = UIDefaults(preset=engine.preset, device=engine.device, precision=engine.precision, mode=engine.mode,
                           tp=engine.tp, parallel=engine.parallel, admin_token=args.admin_token,
                           step_cache=engine.step_cache, lora=engine.lora, api_keys=args.api_keys)

@@ -92,11 +92,12 @@ def test_a_body_that_keeps_the_rate_is_read_whole(parser):
 
 @pytest.mark.parametrize("parser", PARSERS)
 def test_bytes_held_by_bodies_are_bounded_per_address_and_given_back_when_the_client_goes(parser):
-    """Two bodies of one address each halfway (150 KB of 300 KB): the second passes the address's 200 KB share
-    and gets 429; another address is served; when the first client goes, nothing is held any more."""
+    """Two bodies of one address announcing 300 KB each: the first (halfway) holds its length of the address's
+    400 KB share, the second passes it and gets 429; another address is served; when the first client goes,
+    nothing is held any more."""
     from ui.bodies import BodyBounds
 
-    guard, app = edge_app(BodyBounds(timeout_s=60, per_client_bytes=200_000, total_bytes=10_000_000))
+    guard, app = edge_app(BodyBounds(timeout_s=60, per_client_bytes=400_000, total_bytes=10_000_000))
     with serve(parser, None, app=app, guard=guard.sockets) as (_, port):
         first = connect(port, "127.0.0.2")
         first.sendall(post_head("/v1/images/edits", 300_000) + b"x" * 150_000)

@@ -46,6 +46,7 @@ from ui.bodies import BodyBounds, BodyLedger, BodyReader
 from ui.keyguard import KeyGuard
 from ui.sockets import REASONS, SocketBounds, SocketGuard, in_networks, is_stream_path
 from ui.uploads import MAX_UPLOADS_BYTES
+from ui.webtemp import UploadShares
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +276,7 @@ class EdgeGuard:
         bounds = self.config.sockets
         self.sockets = SocketGuard(bounds, self.config.trusted_proxies) if bounds is not None else None
         self.bodies = BodyLedger(self.config.bodies) if self.config.bodies is not None else None
+        self.uploads = UploadShares()  # Gradio's upload route, per visitor (ui/webtemp.py)
         self.log = quietlog.LogBudget()
         self.keys = KeyGuard()  # failed API-key checks per address (ui/openai_api.py ApiKeys)
         self.callers = Callers(self.config.trusted_proxies)
@@ -404,7 +406,7 @@ class EdgeGuard:
         # Built when the app starts, after install: api_names is known by then.
         return Middleware(_EdgeMiddleware, streams=self.streams, callers=self.callers, refused=self.refused,
                           log=self.log, max_body_bytes=self.config.max_body_bytes, api_names=self.api_names,
-                          bodies=self.bodies)
+                          bodies=self.bodies, uploads=self.uploads)
 
     def snapshot(self) -> dict:
         c = self.config
@@ -450,6 +452,27 @@ def _replay(data: bytes, after, gone: dict | None = None):
         return gone if gone is not None else await after()
 
     return receive
+
+
+def _answer_kept(send):
+    """(a send that also keeps the answer's body, the list it keeps it in)."""
+    kept: list[bytes] = []
+
+    async def keeping(message):
+        if message["type"] == "http.response.body" and sum(map(len, kept)) < 1 << 20:
+            kept.append(message.get("body", b""))
+        await send(message)
+
+    return keeping, kept
+
+
+def _paths(answer: bytes) -> list[str]:
+    """The paths in Gradio's upload answer (a JSON list), [] when it is anything else."""
+    try:
+        paths = json.loads(answer)
+    except ValueError:
+        return []
+    return [p for p in paths if isinstance(p, str)] if isinstance(paths, list) else []
 
 
 def _file_asked(path: str) -> str | None:
@@ -512,9 +535,11 @@ class _CountedBody:
 
 class _EdgeMiddleware:
     def __init__(self, app, streams: Streams, callers: Callers, refused: Counter, log: quietlog.LogBudget,
-                 max_body_bytes: int, api_names: frozenset[str] | None, bodies: BodyLedger | None = None):
+                 max_body_bytes: int, api_names: frozenset[str] | None, bodies: BodyLedger | None = None,
+                 uploads: UploadShares | None = None):
         self.app, self.streams, self.callers, self.refused, self.log = app, streams, callers, refused, log
         self.max_body_bytes, self.api_names, self.bodies = max_body_bytes, api_names, bodies
+        self.uploads = uploads or UploadShares()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -581,8 +606,14 @@ class _EdgeMiddleware:
                               scope.get("method"), scope["path"][:120])
                 await _refuse(body.send, 404, "No such event or session: it finished, or it never joined the queue")
                 return
+            send = body.send
+            uploaded = None
+            if scope.get("method") == "POST" and scope["path"].rstrip("/").endswith("/gradio_api/upload"):
+                send, uploaded = _answer_kept(body.send)
             try:
-                await self.app(scope, receive, body.send)
+                await self.app(scope, receive, send)
+                if uploaded is not None:
+                    self.uploads.record(self._client(scope), _paths(b"".join(uploaded)))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
