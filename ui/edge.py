@@ -29,6 +29,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import os
 import logging
 import secrets
 import threading

@@ -112,6 +112,7 @@ class UploadShares:
         self.files, self.share_bytes = files, share_bytes
         self._lock = threading.Lock()
         self._of: dict[str, dict[str, int]] = {}
+        self._pending: list[str] = []  # removed from the counts, not yet from disk
         self.removed = 0
 
     def record(self, client: str, paths) -> None:
@@ -123,8 +124,8 @@ class UploadShares:
             for path in paths:
                 try:
                     mine[str(path)] = os.path.getsize(path)
-                except (OSError, TypeError, ValueError):
-                    continue
+                except OSError:  # not moved into place yet (Gradio may finish that after answering): counted
+                    mine[str(path)] = 0
             while mine and (len(mine) > self.files or sum(mine.values()) > self.share_bytes):
                 path = next(iter(mine))
                 del mine[path]
@@ -132,9 +133,13 @@ class UploadShares:
             while len(self._of) > VISITORS:
                 oldest = self._of.pop(next(iter(self._of)))
                 gone.extend(oldest)
+            gone += self._pending
+            self._pending = []
         for path in gone:
-            _remove_upload(path)
-            self.removed += 1
+            if _remove_upload(path):
+                self.removed += 1
+            elif len(self._pending) < 4 * self.files:
+                self._pending.append(path)  # retried with the next upload
 
     def held(self, client: str) -> tuple[int, int]:
         """(files, bytes) `client`'s uploads hold now (files removed since are forgotten)."""
@@ -145,13 +150,19 @@ class UploadShares:
             return len(mine), sum(mine.values())
 
 
-def _remove_upload(path: str) -> None:
-    """An upload and its folder (Gradio writes each into a folder named by its hash)."""
+def _remove_upload(path: str) -> bool:
+    """An upload and its folder (Gradio writes each into a folder named by its hash); False when not there yet."""
     try:
         os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
         os.rmdir(os.path.dirname(path))
     except OSError:
         pass
+    return True
 
 
 def start_reaper(folder: Path, every_s: float = TIDY_EVERY_S) -> threading.Thread:
