@@ -29,7 +29,6 @@ import hashlib
 import hmac
 import ipaddress
 import json
-import os
 import logging
 import secrets
 import threading
@@ -407,7 +406,7 @@ class EdgeGuard:
         # Built when the app starts, after install: api_names is known by then.
         return Middleware(_EdgeMiddleware, streams=self.streams, callers=self.callers, refused=self.refused,
                           log=self.log, max_body_bytes=self.config.max_body_bytes, api_names=self.api_names,
-                          bodies=self.bodies, uploads=self.uploads)
+                          held=(self.bodies, self.uploads))
 
     def snapshot(self) -> dict:
         c = self.config
@@ -536,10 +535,11 @@ class _CountedBody:
 
 class _EdgeMiddleware:
     def __init__(self, app, streams: Streams, callers: Callers, refused: Counter, log: quietlog.LogBudget,
-                 max_body_bytes: int, api_names: frozenset[str] | None, bodies: BodyLedger | None = None,
-                 uploads: UploadShares | None = None):
+                 max_body_bytes: int, api_names: frozenset[str] | None,
+                 held: tuple[BodyLedger | None, UploadShares] = (None, None)):
         self.app, self.streams, self.callers, self.refused, self.log = app, streams, callers, refused, log
-        self.max_body_bytes, self.api_names, self.bodies = max_body_bytes, api_names, bodies
+        self.max_body_bytes, self.api_names = max_body_bytes, api_names
+        self.bodies, uploads = held  # what bodies under way and visitors' uploads hold
         self.uploads = uploads or UploadShares()
 
     async def __call__(self, scope, receive, send):
