@@ -211,10 +211,10 @@ class VideoJobs:
         client = self._client(request)
         name = _field(form, "model") or self._default_model(SOURCE in form)
         spec = self._spec(form, name, caller, client)
-        admitted = await anyio.to_thread.run_sync(self._admit, spec)  # checked and priced now, run in the background
         held = ExitStack()
-        try:
+        try:  # the caller's turn first: nothing is decoded for a caller already running one
             hold_turn(self.h, client, held)
+            admitted = await anyio.to_thread.run_sync(self._admit, spec)  # checked, priced, its source decoded
         except BaseException:
             held.close()
             raise

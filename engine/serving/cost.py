@@ -24,6 +24,9 @@ from engine.protocol import ModelPreset, Size
 # requests queued or running. Measured on 2 shared cores: docs/hosting.md ("Fair by cost").
 DEFAULT_REQUEST_COST = 16_384
 DEFAULT_VISITOR_COST = 2 * DEFAULT_REQUEST_COST
+# Decoding uploads is work too (the web process's): this many decoded pixels cost one token-step, about the CPU a
+# token-step of the tiny engines takes (docs/hosting.md, "Uploads"); a 4096x4096 reference costs 2,048.
+DECODE_PIXELS_PER_TOKEN_STEP = 8192
 
 
 def _n(count: int, word: str) -> str:
@@ -56,6 +59,11 @@ def price(preset: ModelPreset, size: Size, steps: int, guidance: float | None = 
     if steps < 1 or images < 1:
         raise InvalidRequest(f"a request runs at least one step of one image (got {steps} steps, {images} images)")
     return steps * tokens_per_image_step(preset, size, guidance, refs) * latent_frames(preset, frames) * images
+
+
+def decode_price(pixels: int) -> int:
+    """Token-steps of decoding `pixels` pixels of uploads (once per request, however many images it makes)."""
+    return math.ceil(pixels / DECODE_PIXELS_PER_TOKEN_STEP) if pixels > 0 else 0
 
 
 def parse_cost(text, flag: str) -> int | None:
@@ -92,12 +100,18 @@ def max_steps(budget: int, preset: ModelPreset, size: Size, guidance: float | No
 
 
 def check_generate(budget: CostBudget, preset: ModelPreset, size: Size, steps: int,
-                   guidance: float | None = None, refs: tuple[Size, ...] = (), frames: int = 0) -> int:
-    """The price of one image (`refs`: its references' sizes, each adding its tokens) or clip, or NotAllowed
-    saying what fits: fewer steps, or a smaller bucket."""
-    cost = price(preset, size, steps, guidance, refs=refs, frames=frames)
+                   guidance: float | None = None, refs: tuple[Size, ...] = (), frames: int = 0,
+                   decoded_pixels: int = 0) -> int:
+    """The price of one image (`refs`: its references' sizes, each adding its tokens) or clip, with the decoding
+    of its uploads (`decoded_pixels`), or NotAllowed saying what fits: fewer steps, or a smaller bucket."""
+    decoding = decode_price(decoded_pixels)
+    cost = price(preset, size, steps, guidance, refs=refs, frames=frames) + decoding
     if budget.request is None or cost <= budget.request:
         return cost
+    if decoding and decoding >= budget.request // 2:
+        raise NotAllowed(f"this request costs {cost:,} token-steps, {decoding:,} of them decoding its uploads "
+                         f"({decoded_pixels / 10**6:.1f} megapixels, {DECODE_PIXELS_PER_TOKEN_STEP:,} a token-step), "
+                         f"and this server allows {budget.request:,} per request: upload smaller or fewer images")
     if frames:
         raise NotAllowed(_clip_refusal(budget.request, cost, preset, size, steps, guidance, frames))
     if refs:
@@ -117,13 +131,25 @@ def check_generate(budget: CostBudget, preset: ModelPreset, size: Size, steps: i
 
 
 def check_compare(budget: CostBudget, preset: ModelPreset, size: Size, steps: int, configurations: int,
-                  prompts: int, guidance: float | None = None, frames: int = 0) -> int:
+                  prompts: int, guidance: float | None = None, frames: int = 0, refs: tuple[Size, ...] = (),
+                  decoded_pixels: int = 0) -> int:
     """The price of a Compare (every configuration draws `prompts` images, or clips of `frames` frames: its
-    prompts and timing rounds), or NotAllowed saying what fits."""
+    prompts and timing rounds; `refs`: the references in each image's sequence), with the one decoding of its
+    uploads (`decoded_pixels`), or NotAllowed saying what fits."""
     images = configurations * prompts
-    cost = price(preset, size, steps, guidance, images, frames=frames)
+    decoding = decode_price(decoded_pixels)
+    cost = price(preset, size, steps, guidance, images, refs=refs, frames=frames) + decoding
     if budget.request is None or cost <= budget.request:
         return cost
+    if decoding and decoding >= budget.request // 2:
+        raise NotAllowed(f"this comparison costs {cost:,} token-steps, {decoding:,} of them decoding its uploads "
+                         f"({decoded_pixels / 10**6:.1f} megapixels): upload smaller or fewer images")
+    if refs:
+        raise NotAllowed(f"this comparison costs {cost:,} token-steps ({_n(configurations, 'configuration')} × "
+                         f"{_n(prompts, 'image')} × {_n(steps, 'step')} × "
+                         f"{tokens_per_image_step(preset, size, guidance, refs)} latent tokens at {size}, "
+                         f"{_n(len(refs), 'reference')} included) and this server allows {budget.request:,} per "
+                         "request: fewer configurations, steps or references, or a smaller size")
     per_image = price(preset, size, steps, guidance, frames=frames)
     fit = budget.request // per_image  # images of these steps and size that fit
     options = []
