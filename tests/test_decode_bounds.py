@@ -114,3 +114,39 @@ def test_an_exif_orientation_outside_1_to_8_is_ignored_with_a_notice():
     tall.save(buffer, "JPEG", exif=exif)
     image, notices = image_inputs.decode(buffer.getvalue(), 0)
     assert image.size == (8, 16) and "EXIF orientation of 42" in notices[0]
+
+
+# -- the price of what is done: references' tokens and the one decode ------------------------------------
+def test_decoding_is_priced_once_in_a_request_and_a_compare():
+    from engine.errors import NotAllowed
+    from engine.protocol import Size
+    from engine.serving import cost
+
+    preset, size = get_preset("tiny-shapes-edit"), Size(64, 64)
+    assert cost.decode_price(4096 * 4096) == 2048 and cost.decode_price(0) == 0
+    plain = cost.check_generate(cost.CostBudget(), preset, size, 2, refs=(size,))
+    assert cost.check_generate(cost.CostBudget(), preset, size, 2, refs=(size,), decoded_pixels=4096 * 4096) \
+        == plain + 2048
+    # a Compare: its images' references and one decode of its four uploads, however many configurations run
+    base = cost.check_compare(cost.CostBudget(request=None), preset, size, 1, 6, 1)
+    four = cost.Uploads(count=4, pixels=4 * 4096 * 4096)
+    total = cost.check_uploads(cost.CostBudget(request=None), preset, size, 1, 6, base, four)
+    assert total == base + 6 * 1 * 4 * cost.tokens_per_image_step(preset, size) + 4 * 2048
+    with pytest.raises(NotAllowed, match=r"8,192 for decoding the uploads \(67.1 megapixels"):
+        cost.check_uploads(cost.CostBudget(request=total - 1), preset, size, 1, 6, base, four)
+
+
+def test_the_n_images_of_one_admission_share_its_decode_and_its_price_once():
+    from engine.protocol import EngineKey
+    from engine.serving.gate import Admitted
+
+    request, _ = build_request(get_preset("tiny-shapes-edit"),
+                               ImageRequest(preset="tiny-shapes-edit", prompt="green", seed=5,
+                                            images=(crafted_exif_jpeg(),)))
+    admitted = Admitted(EngineKey("tiny-shapes-edit", "cpu", "fp32"), request, (), price=1000, caller=None,
+                        decode_cost=10)
+    images = admitted.images(3)
+    assert [a.request.seed for a in images] == [5, 6, 7]
+    assert len({a.request.request_id for a in images}) == 3
+    assert [a.price for a in images] == [1000, 990, 990]
+    assert all(a.request.images == request.images for a in images)  # the pixels the admission decoded

@@ -333,6 +333,27 @@ class Decoded:
         """The first image's size: an edit's output follows it when the request names no size."""
         return Size(*self.images[0].size) if self.images else None
 
+    def fitted(self, size: Size) -> Decoded:
+        """These uploads resized to `size` once (as `fit_inputs` resizes them), for the admissions that share
+        them at that size: a Compare's configurations."""
+        from PIL import Image
+
+        images, notices = [], list(self.notices)
+        for index, image in enumerate(self.images):
+            if image.size != (size.width, size.height):
+                notices.append(_resized(index, image, size))
+                image = image.resize((size.width, size.height), Image.Resampling.LANCZOS)
+            images.append(image)
+        mask = self.mask
+        if mask is not None and mask.size != (size.width, size.height):
+            mask = mask.resize((size.width, size.height), Image.Resampling.LANCZOS)
+        return Decoded(tuple(images), mask, tuple(notices), self.pixels)
+
+
+def _resized(index: int, image, size: Size) -> str:
+    return (f"{_field_name(index)} ({Size(*image.size)}) resized to {size} ({RESAMPLE}, as the pipeline's image "
+            "processor resizes; aspect not kept)")
+
 
 def decode_inputs(preset: ModelPreset, images, mask, strength, client: str = "") -> Decoded:
     """Every upload of a request decoded and checked against its preset (see `check_count`); the mask must
@@ -370,8 +391,7 @@ def fit_inputs(preset: ModelPreset, decoded: Decoded, size: Size, strength) -> C
     fitted = []
     for index, image in enumerate(decoded.images):
         if image.size != (size.width, size.height):
-            notices.append(f"{_field_name(index)} ({Size(*image.size)}) resized to {size} ({RESAMPLE}, as the "
-                           "pipeline's image processor resizes; aspect not kept)")
+            notices.append(_resized(index, image, size))
             image = image.resize((size.width, size.height), Image.Resampling.LANCZOS)
         fitted.append(PixelImage.from_pil(image))
     mask = decoded.mask

@@ -131,25 +131,13 @@ def check_generate(budget: CostBudget, preset: ModelPreset, size: Size, steps: i
 
 
 def check_compare(budget: CostBudget, preset: ModelPreset, size: Size, steps: int, configurations: int,
-                  prompts: int, guidance: float | None = None, frames: int = 0, refs: tuple[Size, ...] = (),
-                  decoded_pixels: int = 0) -> int:
+                  prompts: int, guidance: float | None = None, frames: int = 0) -> int:
     """The price of a Compare (every configuration draws `prompts` images, or clips of `frames` frames: its
-    prompts and timing rounds; `refs`: the references in each image's sequence), with the one decoding of its
-    uploads (`decoded_pixels`), or NotAllowed saying what fits."""
+    prompts and timing rounds), or NotAllowed saying what fits."""
     images = configurations * prompts
-    decoding = decode_price(decoded_pixels)
-    cost = price(preset, size, steps, guidance, images, refs=refs, frames=frames) + decoding
+    cost = price(preset, size, steps, guidance, images, frames=frames)
     if budget.request is None or cost <= budget.request:
         return cost
-    if decoding and decoding >= budget.request // 2:
-        raise NotAllowed(f"this comparison costs {cost:,} token-steps, {decoding:,} of them decoding its uploads "
-                         f"({decoded_pixels / 10**6:.1f} megapixels): upload smaller or fewer images")
-    if refs:
-        raise NotAllowed(f"this comparison costs {cost:,} token-steps ({_n(configurations, 'configuration')} × "
-                         f"{_n(prompts, 'image')} × {_n(steps, 'step')} × "
-                         f"{tokens_per_image_step(preset, size, guidance, refs)} latent tokens at {size}, "
-                         f"{_n(len(refs), 'reference')} included) and this server allows {budget.request:,} per "
-                         "request: fewer configurations, steps or references, or a smaller size")
     per_image = price(preset, size, steps, guidance, frames=frames)
     fit = budget.request // per_image  # images of these steps and size that fit
     options = []
@@ -170,6 +158,32 @@ def check_compare(budget: CostBudget, preset: ModelPreset, size: Size, steps: in
                      f"{_n(steps, 'step')} × {tokens_per_image_step(preset, size, guidance)} latent tokens at "
                      f"{size}{_clip_tokens(preset, frames)}) and this server allows {budget.request:,} per request: "
                      f"{hint or 'pick a smaller size'}")
+
+
+@dataclass(frozen=True)
+class Uploads:
+    """A request's uploads as priced: how many there are (references: their tokens join each image's sequence
+    where the family puts them there) and the pixels decoding them took, once for all its images."""
+
+    count: int = 0
+    pixels: int = 0
+
+
+def check_uploads(budget: CostBudget, preset: ModelPreset, size: Size, steps: int, images: int, base: int,
+                  uploads: Uploads, guidance: float | None = None) -> int:
+    """`base` (a Compare's price, say) with its `images` images' references at `size` and the one decoding of the
+    uploads added, or NotAllowed when together they are over the request budget."""
+    refs = (size,) * uploads.count if preset.inputs.in_sequence else ()
+    tokens = tokens_per_image_step(preset, size, guidance, refs) - tokens_per_image_step(preset, size, guidance)
+    references, decoding = steps * tokens * images, decode_price(uploads.pixels)
+    total = base + references + decoding
+    if budget.request is None or total <= budget.request:
+        return total
+    raise NotAllowed(f"this costs {total:,} token-steps: {base:,} for its images, {references:,} for "
+                     f"{_n(uploads.count, 'reference')} in their sequence and {decoding:,} for decoding the uploads "
+                     f"({uploads.pixels / 10**6:.1f} megapixels, {DECODE_PIXELS_PER_TOKEN_STEP:,} a token-step); "
+                     f"this server allows {budget.request:,} per request: fewer or smaller images, fewer "
+                     "configurations or steps")
 
 
 def _clip_tokens(preset: ModelPreset, frames: int) -> str:
