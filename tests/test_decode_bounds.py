@@ -1,15 +1,15 @@
 """Decode work bounded before Pillow decodes a pixel (engine/config/images.py): a progressive JPEG's scans,
 the decoded bytes of a request's uploads (16-bit RGBA counts 8 B/px), a visitor's and the server's uploads
-being decoded at once; crafted EXIF is ignored with a notice. The hostile files are made here (tests/hostile.py)."""
+being decoded at once; crafted EXIF is ignored with a notice. The hostile files are made here (bench/hostile.py)."""
 
 from __future__ import annotations
 
 import io
 
 import pytest
-from hostile import crafted_exif_jpeg, scan_bomb, wide_png
 from PIL import Image, ImageFile
 
+from bench.hostile import crafted_exif_jpeg, scan_bomb, wide_png
 from engine.config import images as image_inputs
 from engine.config.presets import get_preset
 from engine.config.request import ImageRequest

@@ -108,8 +108,9 @@ def test_n_edits_decode_their_upload_once_admitted_once(client, monkeypatch):
 
 
 def test_a_scan_bomb_and_crafted_exif_are_answered_as_typed_400s_and_a_notice(app, client, monkeypatch):
-    from hostile import crafted_exif_jpeg, scan_bomb
     from PIL import ImageFile
+
+    from bench.hostile import crafted_exif_jpeg, scan_bomb
 
     loads = []
     load = ImageFile.ImageFile.load

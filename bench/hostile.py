@@ -1,4 +1,4 @@
-"""Hostile uploads made in the test (import as `from hostile import ...`): nothing of them is committed.
+"""Hostile uploads, made when asked for (the tests and `python -m bench.hostile`): nothing of them is committed.
 
 - `scan_bomb(side, scans)`: a progressive grayscale JPEG whose one AC scan (with its Huffman table) is repeated
   `scans` times; Pillow decodes every scan, each a pass over all the blocks.
@@ -63,3 +63,75 @@ def crafted_exif_jpeg(colour=(200, 30, 30)) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (24, 16), colour).save(buffer, "JPEG", exif=b"Exif\x00\x00" + tiff)
     return buffer.getvalue()
+
+
+def _six_at_once(work, bomb: bytes, n: int = 6) -> list[float]:
+    """Seconds each of `n` threads took to answer `work(bomb)` when they all start together."""
+    import threading
+    import time
+
+    seconds, start = [0.0] * n, threading.Barrier(n)
+
+    def one(i: int) -> None:
+        start.wait()
+        began = time.perf_counter()
+        try:
+            work(bomb)
+        except Exception:  # noqa: BLE001, S110 - a refusal is the answer being timed
+            pass
+        seconds[i] = time.perf_counter() - began
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return seconds
+
+
+def main() -> None:
+    """Six scan bombs at once: the gate's answer (refused from the markers) beside Pillow decoding them, as the
+    doors did before the bound; and a probe upload's decode time idle and while six bombs are being answered."""
+    import statistics
+    import threading
+    import time
+
+    from engine.config import images
+
+    def pillow(data: bytes) -> None:
+        Image.open(io.BytesIO(data)).load()
+
+    def probe_s() -> float:
+        began = time.perf_counter()
+        images.decode(probe, 0)
+        return time.perf_counter() - began
+
+    bomb = scan_bomb(2048, 1000)
+    buffer = io.BytesIO()
+    Image.new("RGB", (512, 512), (40, 80, 220)).save(buffer, "PNG")
+    probe = buffer.getvalue()
+    idle = statistics.median(probe_s() for _ in range(9))
+    busy: list[float] = []
+    stop = threading.Event()
+
+    def probing() -> None:
+        while not stop.is_set():
+            busy.append(probe_s())
+
+    prober = threading.Thread(target=probing)
+    prober.start()
+    gate = _six_at_once(lambda data: images.decode(data, 0), bomb)
+    stop.set()
+    prober.join()
+    decoded = _six_at_once(pillow, bomb)
+    scans = bomb.count(b"\xff\xda")
+    print(f"scan bomb: 2048x2048, {scans:,} scans, {len(bomb):,} bytes; six at once")
+    print(f"  the gate (refused):  median {statistics.median(gate) * 1000:8.1f} ms, max {max(gate) * 1000:8.1f} ms")
+    print(f"  Pillow decoding:     median {statistics.median(decoded) * 1000:8.1f} ms, max {max(decoded) * 1000:8.1f} ms"
+          f"  ({statistics.median(decoded) / max(statistics.median(gate), 1e-9):,.0f}x the gate's)")
+    print(f"  probe decode (512x512 PNG): idle median {idle * 1000:.1f} ms, during the bombs median "
+          f"{statistics.median(busy or [idle]) * 1000:.1f} ms ({statistics.median(busy or [idle]) / idle:.2f}x idle)")
+
+
+if __name__ == "__main__":
+    main()
