@@ -259,3 +259,38 @@ def test_another_key_cannot_see_fetch_or_stop_a_job(app):
     assert job["id"] not in [j["id"] for j in listed]
     assert job["id"] in [j["id"] for j in httpx.get(app + "v1/videos", headers=mine, timeout=30).json()["data"]]
     assert httpx.get(app + f"v1/videos/{job['id']}", headers=mine, timeout=30).status_code == 200  # still its own
+
+
+def test_100_malformed_video_and_edit_calls_are_typed_4xx_within_the_log_budget(app, caplog):
+    import logging
+
+    from bench.hostile import scan_bomb, wide_png
+
+    headers = {"authorization": f"Bearer {KEY}"}
+    bomb, wide = scan_bomb(512, 500), wide_png(4096, 4096)
+    videos = [{"seconds": "inf"}, {"seconds": "1e308"}, {"num_frames": "\u0663\u0663"}, {"fps": "-1", "seconds": "2"},
+              {"num_frames": "9e9"}, {"colour": "red"}]
+
+    def video(i: int) -> httpx.Response:
+        if i % 8 == 6:  # an input_reference that is a scan bomb
+            return httpx.post(app + "v1/videos", headers=headers, timeout=60,
+                              data={"model": "tiny-wan-i2v", "prompt": PROMPT}, files={"input_reference": ("b.jpg", bomb)})
+        if i % 8 == 7:
+            return httpx.post(app + "v1/videos", headers={**headers, "content-type": "application/json"},
+                              content=b"{not json", timeout=60)
+        return httpx.post(app + "v1/videos", headers=headers, timeout=60,
+                          json={"model": "tiny-wan", "prompt": PROMPT, **videos[i % len(videos)]})
+
+    def edit(i: int) -> httpx.Response:
+        image = (bomb, wide, b"not an image", b"\x89PNG\r\n\x1a\n")[i % 4]
+        return httpx.post(app + "v1/images/edits", headers=headers, timeout=60,
+                          data={"model": "tiny-flux", "prompt": PROMPT}, files={"image": ("x.png", image)})
+
+    with caplog.at_level(logging.INFO):
+        answers = [video(i) for i in range(50)] + [edit(i) for i in range(50)]
+    statuses = [a.status_code for a in answers]
+    assert all(400 <= s < 500 for s in statuses), [(s, a.text[:120]) for s, a in zip(statuses, answers, strict=True) if s >= 500]
+    assert all(a.json()["error"]["message"] for a in answers)
+    served = [r for r in caplog.records if not r.name.startswith(("httpx", "httpcore"))]
+    assert not any(r.exc_info for r in served)
+    assert sum(len(r.getMessage()) for r in served) < 40_000
