@@ -531,7 +531,7 @@ class OpenAIRoutes:
             return Response(png, media_type="image/png", headers={"cache-control": "private, max-age=3600"})
         if self.videos is not None and (path == "/videos" or path.startswith("/videos/")):
             caller = self.keys.caller(request.headers.get("authorization"), self._client(request))
-            return await self.videos.route(request, path, method, caller, self._owner(request))
+            return await self.videos.route(request, path, method, caller, self.keys.required)
         allowed, answer = routes.get(path, (None, None))
         if path.startswith("/models/"):
             allowed, answer = "GET", self.model
@@ -621,16 +621,6 @@ class OpenAIRoutes:
         if self.h.edge is not None:
             return self.h.edge.callers.client_of(request)
         return f"v1 {getattr(request.client, 'host', 'unknown')}"
-
-    def _owner(self, request) -> str:
-        """Whom a request's jobs belong to: its API key (a digest, never the key) where keys are required, else
-        its client (the edge's session or address)."""
-        import hashlib
-
-        scheme, _, sent = (request.headers.get("authorization") or "").partition(" ")
-        if self.keys.required and scheme.lower() == "bearer" and sent.strip():
-            return "key " + hashlib.sha256(sent.strip().encode()).hexdigest()[:24]
-        return self._client(request)
 
     def _events(self, admitted: Admitted, run: Run):
         """An image's one event stream (engine/serving/stream.py)."""

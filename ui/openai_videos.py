@@ -187,12 +187,12 @@ class VideoJobs:
         self.jobs: OrderedDict[str, VideoJob] = OrderedDict()
         self.tasks: set[asyncio.Task] = set()
 
-    async def route(self, request, path: str, method: str, caller: Caller, owner: str | None = None):
-        """Answer one /v1/videos request (`path` after /v1); `owner`: whom its jobs belong to (its key's digest,
-        or its client): another owner's job is answered as one that is not here."""
+    async def route(self, request, path: str, method: str, caller: Caller, keys_required: bool = False):
+        """Answer one /v1/videos request (`path` after /v1); another owner's job is answered as one that is not
+        here (`_owner`)."""
         from starlette.responses import JSONResponse
 
-        owner = owner or self._client(request)
+        owner = self._owner(request, keys_required)
         parts = path.split("/")[2:]  # "/videos/ID/content" -> ["ID", "content"]
         if not parts and method == "POST":
             return JSONResponse(await self.create(request, caller, owner))
@@ -210,6 +210,16 @@ class VideoJobs:
             return self.content(job, request.query_params.get("variant") or "video")
         raise ApiError(404, f"no route {method} {PREFIX}{path}; the videos API serves POST/GET /v1/videos, GET and "
                             "DELETE /v1/videos/{id}, GET /v1/videos/{id}/content", code="unknown_url")
+
+    def _owner(self, request, keys_required: bool) -> str:
+        """Whom a request's jobs belong to: its API key (a digest, never the key) where keys are required, else
+        its client (the edge's session or address)."""
+        import hashlib
+
+        scheme, _, sent = (request.headers.get("authorization") or "").partition(" ")
+        if keys_required and scheme.lower() == "bearer" and sent.strip():
+            return "key " + hashlib.sha256(sent.strip().encode()).hexdigest()[:24]
+        return self._client(request)
 
     def _client(self, request) -> str:
         return self.h.edge.callers.client_of(request) if self.h.edge is not None else f"v1 {request.client.host}"
