@@ -259,7 +259,7 @@ def test_a_client_that_goes_away_cancels_its_images(app, monkeypatch):
 def test_the_url_image_store_lives_in_the_cache_folder_and_keeps_its_last_files(tmp_path):
     from ui.openai_store import OutputStore
 
-    store = OutputStore(kept=2, parent=tmp_path / "v1")
+    store = OutputStore(kept=2, under=tmp_path / "v1")
     names = [store.put(bytes([i]) * 8) for i in range(3)]
     assert store.folder.parent == tmp_path / "v1"
     assert store.get(names[0]) is None and store.get(names[2]) == bytes([2]) * 8

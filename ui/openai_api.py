@@ -494,7 +494,7 @@ class OpenAIRoutes:
         self.h, self.keys, self.read_edit = handlers, keys, read_edit
         self.videos = videos  # the /v1/videos jobs (ui/openai_videos.py VideoJobs), or None: no videos API
         cache = getattr(handlers.serving, "cache_dir", None)  # the app's --cache-dir: its files stay in one place
-        self.store = OutputStore(parent=Path(cache) / "v1" if cache else None)
+        self.store = OutputStore(under=Path(cache) / "v1" if cache else None)
         self.started = int(time.time())
 
     def middleware(self):
