@@ -96,6 +96,33 @@ def test_n_edits_run_as_one_pipeline_call(client):
     assert image_of(result.data[0].b64_json).tobytes() != image_of(result.data[1].b64_json).tobytes()
 
 
+def test_n_edits_decode_their_upload_once_admitted_once(client, monkeypatch):
+    from engine.config import images
+
+    decodes = []
+    decoded = images._decoded
+    monkeypatch.setattr(images, "_decoded", lambda name, *a: decodes.append(name) or decoded(name, *a))
+    result = edit(client, image=("source.png", png(), "image/png"), n=2, extra={"seed": 20})
+    assert [image.seed for image in result.data] == [20, 21]
+    assert decodes == ["image 1"]  # one decode for both images: the run reuses what admission decoded
+
+
+def test_a_scan_bomb_and_crafted_exif_are_answered_as_typed_400s_and_a_notice(app, client, monkeypatch):
+    from PIL import ImageFile
+
+    from bench.hostile import crafted_exif_jpeg, scan_bomb
+
+    loads = []
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loads.append(self.format) or load(self))
+    response = post(app, fields(scan_bomb(1024, 5000)))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "5,001 scans; this server decodes at most 64" in error["message"] and loads == []
+    result = edit(client, image=("crafted.jpg", crafted_exif_jpeg(), "image/jpeg"))
+    assert len(result.data) == 1 and any("EXIF" in notice for notice in result.notices), result.notices
+
+
 def test_several_images_are_references_of_one_edit(client):
     result = edit(client, model="tiny-flux2-klein", size="64x64",
                   image=[("a.png", png(), "image/png"), ("b.png", png((128, 128), (20, 200, 20)), "image/png")])

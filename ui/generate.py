@@ -310,11 +310,12 @@ class GenerateHandlers(HandlerBase):
         steps in a worker thread) reading the request's event stream through stream.blocking: closing it
         stops the engine request between steps.
         """
-        prepared = self._prepare(form, request, progress)
-        feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
-        with self._registered(request) as run, closing(stream.blocking(self._events(prepared, run))) as events:
-            for event in events:
-                yield from prepared.view.outputs(event, feed, page=True)
+        with self._registered(request) as run:  # the visitor's one run first: nothing is decoded for a refused one
+            prepared = self._prepare(form, request, progress)
+            feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
+            with closing(stream.blocking(self._events(prepared, run))) as events:
+                for event in events:
+                    yield from prepared.view.outputs(event, feed, page=True)
 
     async def generate_api(self, request: gr.Request = None, progress=gr.Progress(), images=None, mask=None,  # noqa: B008
                            **form):
@@ -330,13 +331,16 @@ class GenerateHandlers(HandlerBase):
           encoded again.
         Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await. `images` and
         `mask` are named so that Gradio's API page offers them as optional (None: no upload)."""
-        prepared = self._prepare({**form, "images": images, "mask": mask}, request, progress, for_page=False)
-        feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
+        import anyio
+
         try:
             await self.await_listener(request)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
-        with self._registered(request, listener_checked=True) as run:
+        with self._registered(request, listener_checked=True) as run:  # its one run first, then the decode
+            prepared = await anyio.to_thread.run_sync(
+                lambda: self._prepare({**form, "images": images, "mask": mask}, request, progress, for_page=False))
+            feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
             async with aclosing(self._events(prepared, run)) as events:
                 async for event in events:
                     for output in prepared.view.outputs(event, feed, page=False):

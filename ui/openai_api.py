@@ -38,6 +38,7 @@ import time
 from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import strict
 from engine.config.request import API_KEYS_ADMIN, MAX_PREVIEWS, Caller, ImageRequest, load_api_keys
@@ -60,6 +61,9 @@ from ui import quietlog
 from ui.common import ENGINE_QUEUE, HandlerBase
 from ui.keyguard import KeyGuard, retry_after
 from ui.openai_store import OutputStore
+
+if TYPE_CHECKING:
+    from engine.serving.interface import Admitted
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +342,7 @@ class ImagesRun:
     Partial and Finished events; `stop()` cancels every image between steps. `open_events(spec, run)`: an
     image's stream; `cancel(request_id)`: what stops a sent request."""
 
-    def __init__(self, specs: list[ImageRequest], open_events, cancel):
+    def __init__(self, specs: list[ImageRequest | Admitted], open_events, cancel):
         self.specs = specs
         self.runs = [Run(cancel) for _ in specs]
         self.streams = [open_events(spec, run) for spec, run in zip(specs, self.runs, strict=True)]
@@ -489,7 +493,8 @@ class OpenAIRoutes:
         # read_edit: (routes, request, caller) -> ImagesCall, POST /v1/images/edits' reader (ui/openai_edits.py)
         self.h, self.keys, self.read_edit = handlers, keys, read_edit
         self.videos = videos  # the /v1/videos jobs (ui/openai_videos.py VideoJobs), or None: no videos API
-        self.store = OutputStore()
+        cache = getattr(handlers.serving, "cache_dir", None)  # the app's --cache-dir: its files stay in one place
+        self.store = OutputStore(under=Path(cache) / "v1" if cache else None)
         self.started = int(time.time())
 
     def middleware(self):
@@ -526,7 +531,7 @@ class OpenAIRoutes:
             return Response(png, media_type="image/png", headers={"cache-control": "private, max-age=3600"})
         if self.videos is not None and (path == "/videos" or path.startswith("/videos/")):
             caller = self.keys.caller(request.headers.get("authorization"), self._client(request))
-            return await self.videos.route(request, path, method, caller)
+            return await self.videos.route(request, path, method, caller, self.keys.required)
         allowed, answer = routes.get(path, (None, None))
         if path.startswith("/models/"):
             allowed, answer = "GET", self.model
@@ -601,10 +606,10 @@ class OpenAIRoutes:
         import anyio
         from starlette.responses import JSONResponse, StreamingResponse
 
-        await anyio.to_thread.run_sync(self._check_call, call)  # may probe devices: not on the event loop
-        hold_turn(self.h, call.spec.client, held)
+        hold_turn(self.h, call.spec.client, held)  # the caller's turn first: nothing is decoded for a refused one
+        admitted = await anyio.to_thread.run_sync(self._check_call, call)  # decodes, may probe devices
         answer = Answer(call)
-        run = ImagesRun(call.specs(), self._events, self.h.serving.cancel)
+        run = ImagesRun(admitted.images(call.n), self._events, self.h.serving.cancel)
         if call.stream:
             return StreamingResponse(self._stream(run, answer), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
@@ -617,21 +622,24 @@ class OpenAIRoutes:
             return self.h.edge.callers.client_of(request)
         return f"v1 {getattr(request.client, 'host', 'unknown')}"
 
-    def _events(self, spec: ImageRequest, run: Run):
+    def _events(self, admitted: Admitted, run: Run):
         """An image's one event stream (engine/serving/stream.py)."""
-        return self.h.serving.events(spec, run=run)
+        return self.h.serving.events(admitted, run=run)
 
-    def _check_call(self, call: ImagesCall) -> None:
+    def _check_call(self, call: ImagesCall) -> Admitted:
         """What /generate checks before an engine starts (ui/generate.py _prepare): the engine the caller may
-        use, the cost of n images against the request and visitor budgets; and n against the engine's batch."""
+        use, the cost of n images against the request and visitor budgets; and n against the engine's batch.
+        The request admitted once (its uploads decoded once), which its n images then run."""
         h, spec = self.h, call.spec
         key = h.key_for(spec.preset, spec.device, spec.precision, 1, caller=spec.caller)
         limit = h.serving.batch_limit(key)
         if call.n > limit:
             raise ApiError(400, f"n must be from 1 to {limit} on {key} (its largest batch: the n images run as one "
                                 "pipeline call; the host sets --max-batch)", param="n")
-        serving = h.serving  # each image is then admitted alone; together they must fit the visitor's budget
-        serving.check_images(serving.admit(spec.replace(preset=key.preset)), call.n, serving.held(spec.client))
+        serving = h.serving  # together the n images must fit the visitor's budget
+        admitted = serving.admit(spec.replace(preset=key.preset))
+        serving.check_images(admitted, call.n, serving.held(spec.client))
+        return admitted
 
 
     async def _run(self, run: ImagesRun, answer: Answer, request) -> None:

@@ -91,6 +91,9 @@ class ImageRequest(FormFields):
     # who asks
     caller: Caller = Caller.HOST
     client: str = ""  # the visitor's address: engines take turns between clients, budgets are held per client
+    # `images` and `mask` as an earlier admission decoded them (engine/config/images.py Decoded): a Compare's
+    # configurations share one decode of their uploads
+    decoded: object = None
 
     def replace(self, **changes) -> ImageRequest:
         return dataclasses.replace(self, **changes)
