@@ -19,6 +19,8 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
+from engine.config import masks
+from engine.config.masks import MaskConvention
 from engine.errors import InvalidRequest
 from engine.protocol import DEFAULT_STRENGTH, BucketKey, ImageInputs, ModelPreset, PixelImage, Size
 
@@ -145,12 +147,15 @@ def _to_rgb(name: str, image, background: tuple[int, ...]) -> tuple[object, list
                          "RGB PNG or JPEG")
 
 
-def decode(data, index: int | None = 0):
-    """One upload as an upright 8-bit RGB PIL image (a mask: grayscale, transparent read as black = keep) and
-    the notices of what was converted; InvalidRequest naming the field ("image N", "mask")."""
+def decode(data, index: int | None = 0, convention: MaskConvention = MaskConvention.LUMINANCE):
+    """One upload as an upright 8-bit RGB PIL image (a mask, index None: grayscale, white where it repaints, read
+    by the door's `convention`, engine/config/masks.py) and the notices of what was converted; InvalidRequest
+    naming the field ("image N", "mask")."""
     name = _field_name(index)
     image = _open(name, _bytes_of(name, data))
     image, notices = _load(name, image)
+    if index is None and convention is MaskConvention.ALPHA:  # its transparency is what it says
+        return masks.alpha_mask(image), tuple(notices)
     image, converted = _to_rgb(name, image, (0, 0, 0) if index is None else (255, 255, 255))
     if index is None:
         image = image.convert("L")
@@ -179,7 +184,8 @@ def check_count(preset: ModelPreset, images, mask, strength) -> None:
         raise InvalidRequest(f"preset {preset.name} takes {takes}, no mask: remove the mask or choose an "
                              "inpainting preset")
     if inputs.takes_mask and mask is None:
-        raise InvalidRequest(f"preset {preset.name} inpaints: upload a mask (white where it repaints)")
+        raise InvalidRequest(f"preset {preset.name} inpaints: upload a mask at the source's size (white where it "
+                             "repaints, black where it keeps; /v1/images/edits: transparent where it edits)")
     if strength not in (None, "") and not inputs.takes_strength:
         raise InvalidRequest(f"preset {preset.name} takes {takes}, no strength: strength is for img2img "
                              "and inpainting presets; leave it empty")
@@ -226,9 +232,10 @@ class Decoded:
         return Size(*self.images[0].size) if self.images else None
 
 
-def decode_inputs(preset: ModelPreset, images, mask, strength) -> Decoded:
-    """Every upload of a request decoded and checked against its preset (see `check_count`); the mask must
-    match the source's size."""
+def decode_inputs(preset: ModelPreset, images, mask, strength,
+                  mask_convention: MaskConvention = MaskConvention.LUMINANCE) -> Decoded:
+    """Every upload of a request decoded and checked against its preset (see `check_count`); the mask, read by
+    the door's `mask_convention`, must match the source's size."""
     images = tuple(images or ())
     check_count(preset, images, mask, strength)
     decoded, notices = [], []
@@ -238,11 +245,12 @@ def decode_inputs(preset: ModelPreset, images, mask, strength) -> Decoded:
         notices += said
     mask_image = None
     if mask is not None:
-        mask_image, said = decode(mask, None)
+        mask_image, said = decode(mask, None, mask_convention)
         notices += said
         if mask_image.size != decoded[0].size:
             raise InvalidRequest(f"mask is {Size(*mask_image.size)} but image 1 is {Size(*decoded[0].size)}; draw the "
                                  "mask at the source image's size")
+        notices += masks.coverage_notices(mask_image, mask_convention, strength)
     return Decoded(tuple(decoded), mask_image, tuple(notices))
 
 

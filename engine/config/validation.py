@@ -28,7 +28,7 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
     Each sampling field is checked once, by its declaration (engine/protocol/params.py); the routed ones (size,
     frames, input images) read several fields together against the preset's buckets and inputs."""
     width, height = spec.dimensions(preset.buckets)  # a size that is not "WxH" is refused first
-    decoded = image_inputs.decode_inputs(preset, spec.images, spec.mask, spec.strength)
+    decoded = image_inputs.decode_inputs(preset, spec.images, spec.mask, spec.strength, spec.mask_convention)
     if decoded.source_size is not None and spec.size is None and spec.width is None and spec.height is None:
         width, height = decoded.source_size.width, decoded.source_size.height  # an edit keeps its source's shape
     checked, notices = {}, ()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image, ImageFilter
 
-REPAINT_LEVEL = 128  # the pipeline's mask processor binarizes at 0.5: at and above it, a pixel is repainted
+from engine.config.masks import REPAINT_LEVEL
 
 
 def feather_radius(width: int, height: int) -> int:
