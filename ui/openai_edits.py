@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.config.images import MAX_IMAGES, MAX_UPLOAD_BYTES, MAX_UPLOADS_BYTES
-from engine.config.request import Caller, MaskConvention  # MaskConvention: what a mask means (config/masks.py)
+from engine.config.request import Caller, MaskConvention
 from ui.openai_api import (
     EXTRA_FIELDS,
     IGNORED_FIELDS,
