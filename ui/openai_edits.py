@@ -1,5 +1,6 @@
 """POST /v1/images/edits, as OpenAI's API has it: a multipart body with `image` (one file) or `image[]` (several:
-the openai SDK's `images.edit(image=[...])`), an optional `mask`, and the same text fields as
+the openai SDK's `images.edit(image=[...])`), an optional `mask` (OpenAI's convention: its fully transparent
+pixels are edited), and the same text fields as
 /v1/images/generations (`prompt`, `model`, `n`, `size`, `response_format`, `stream`, `partial_images`, `user`,
 the showcase's own extra fields), plus `strength` for img2img / inpaint presets.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.config.images import MAX_IMAGES, MAX_UPLOAD_BYTES, MAX_UPLOADS_BYTES
-from engine.config.request import Caller
+from engine.config.request import Caller, MaskConvention
 from ui.openai_api import (
     EXTRA_FIELDS,
     IGNORED_FIELDS,
@@ -255,6 +256,7 @@ async def read_edit_call(routes, request, caller: Caller) -> ImagesCall:
     h = routes.h
     client = h.edge.callers.client_of(request) if h.edge is not None else f"v1 {request.client.host}"
     call = read_call(body, h.defaults, edit_preset(routes, caller, body), caller, client)
-    spec = call.spec.replace(images=images, mask=mask, strength=strength or None)
+    # OpenAI's convention: the mask's fully transparent pixels are the ones edited (engine/config/masks.py)
+    spec = call.spec.replace(images=images, mask=mask, strength=strength or None, mask_convention=MaskConvention.ALPHA)
     notices = (*call.notices, *(f"{name} is not used by this server" for name in ignored))
     return dataclasses.replace(call, spec=spec, notices=notices, events="image_edit")

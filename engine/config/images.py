@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from engine.config import masks
+from engine.config.masks import MaskConvention
 from engine.errors import EngineBusy, InvalidRequest
 from engine.protocol import DEFAULT_STRENGTH, BucketKey, ImageInputs, ModelPreset, PixelImage, Size
 
@@ -233,17 +235,21 @@ def _to_rgb(name: str, image, background: tuple[int, ...]) -> tuple[object, list
                          "RGB PNG or JPEG")
 
 
-def decode(data, index: int | None = 0):
-    """One upload as an upright 8-bit RGB PIL image (a mask: grayscale, transparent read as black = keep) and
-    the notices of what was converted; InvalidRequest naming the field ("image N", "mask")."""
+def decode(data, index: int | None = 0, convention: MaskConvention = MaskConvention.LUMINANCE):
+    """One upload as an upright 8-bit RGB PIL image (a mask, index None: grayscale, white where it repaints, read
+    by the door's `convention`, engine/config/masks.py) and the notices of what was converted; InvalidRequest
+    naming the field ("image N", "mask")."""
     name = _field_name(index)
     image = _open(name, _bytes_of(name, data))
     check_decode_bytes([(name, image)])
-    return _decoded(name, index, image)
+    return _decoded(name, index, image, convention)
 
 
-def _decoded(name: str, index: int | None, image) -> tuple[object, tuple[str, ...]]:
+def _decoded(name: str, index: int | None, image,
+             convention: MaskConvention = MaskConvention.LUMINANCE) -> tuple[object, tuple[str, ...]]:
     image, notices = _load(name, image)
+    if index is None and convention is MaskConvention.ALPHA:  # its transparency is what it says
+        return masks.alpha_mask(image), tuple(notices)
     image, converted = _to_rgb(name, image, (0, 0, 0) if index is None else (255, 255, 255))
     if index is None:
         image = image.convert("L")
@@ -285,7 +291,8 @@ def check_count(preset: ModelPreset, images, mask, strength) -> None:
         raise InvalidRequest(f"preset {preset.name} takes {takes}, no mask: remove the mask or choose an "
                              "inpainting preset")
     if inputs.takes_mask and mask is None:
-        raise InvalidRequest(f"preset {preset.name} inpaints: upload a mask (white where it repaints)")
+        raise InvalidRequest(f"preset {preset.name} inpaints: upload a mask at the source's size (white where it "
+                             "repaints, black where it keeps; /v1/images/edits: transparent where it edits)")
     if strength not in (None, "") and not inputs.takes_strength:
         raise InvalidRequest(f"preset {preset.name} takes {takes}, no strength: strength is for img2img "
                              "and inpainting presets; leave it empty")
@@ -355,10 +362,12 @@ def _resized(index: int, image, size: Size) -> str:
             "processor resizes; aspect not kept)")
 
 
-def decode_inputs(preset: ModelPreset, images, mask, strength, client: str = "") -> Decoded:
+def decode_inputs(preset: ModelPreset, images, mask, strength, client: str = "",
+                  mask_convention: MaskConvention = MaskConvention.LUMINANCE) -> Decoded:
     """Every upload of a request decoded and checked against its preset (see `check_count`); the mask must
-    match the source's size. Every header is read and the decode work bounded (scans, decoded bytes per request,
-    then `client`'s and the server's share in DECODES) before the first pixel is decoded."""
+    match the source's size and is read by the door's `mask_convention`. Every header is read and the decode work
+    bounded (scans, decoded bytes per request, then `client`'s and the server's share in DECODES) before the first
+    pixel is decoded."""
     images = tuple(images or ())
     check_count(preset, images, mask, strength)
     fields = [*enumerate(images), *([(None, mask)] if mask is not None else [])]
@@ -370,7 +379,7 @@ def decode_inputs(preset: ModelPreset, images, mask, strength, client: str = "")
     decoded, notices, mask_image = [], [], None
     with DECODES.hold(client, nbytes):
         for index, name, image in opened:
-            pil, said = _decoded(name, index, image)
+            pil, said = _decoded(name, index, image, mask_convention)
             notices += said
             if index is None:
                 mask_image = pil
@@ -379,6 +388,8 @@ def decode_inputs(preset: ModelPreset, images, mask, strength, client: str = "")
     if mask_image is not None and mask_image.size != decoded[0].size:
         raise InvalidRequest(f"mask is {Size(*mask_image.size)} but image 1 is {Size(*decoded[0].size)}; draw the "
                              "mask at the source image's size")
+    if mask_image is not None:
+        notices += masks.coverage_notices(mask_image, mask_convention, strength)
     pixels = sum(image.width * image.height for _, _, image in opened)
     return Decoded(tuple(decoded), mask_image, tuple(notices), pixels)
 

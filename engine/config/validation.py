@@ -48,7 +48,8 @@ def build(preset: ModelPreset, spec: ImageRequest) -> Built:
         image_inputs.check_count(preset, tuple(spec.images or ()), spec.mask, spec.strength)
         decoded, decoded_pixels = spec.decoded, 0
     else:
-        decoded = image_inputs.decode_inputs(preset, spec.images, spec.mask, spec.strength, spec.client)
+        decoded = image_inputs.decode_inputs(preset, spec.images, spec.mask, spec.strength, spec.client,
+                                               spec.mask_convention)
         decoded_pixels = decoded.pixels
     if decoded.source_size is not None and spec.size is None and spec.width is None and spec.height is None:
         width, height = decoded.source_size.width, decoded.source_size.height  # an edit keeps its source's shape

@@ -82,6 +82,7 @@ class PipelineRunner:
         self.pipe = None
         self.load_s: float | None = None
         self.source: str | None = None  # what from_pretrained loaded (aot package keys name the model by it)
+        self.vae_source: str | None = None  # the VAE's own folder (a preset's `vae`), None: the source's
         self.in_app_process = in_app_process  # its footprint leaves out the app's resident memory
         self.run_lock = threading.Lock()  # one request on the device at a time (warm-up runs apart)
         self.rules = ModeRules(config, self.spec, self.precision, refused)
@@ -132,7 +133,7 @@ class PipelineRunner:
         # A graph per mode x bucket x batch size, and a second batch shape per bucket with classifier-free guidance
         graphs = len(self.modes()) * len(preset_buckets(self.preset, Mode.EAGER)) * 2 * len(self.batch_sizes)
         loaded = loader.load(graphs=graphs)
-        self.source, self.loras, pipe = loaded.source, loaded.loras, loaded.pipe
+        self.source, self.vae_source, self.loras, pipe = loaded.source, loaded.vae_source, loaded.loras, loaded.pipe
         self.notices += loaded.notices
         self.pipe = pipe
         self.variants.loaded(pipe)
@@ -155,7 +156,7 @@ class PipelineRunner:
         from engine.pipeline import aot
 
         target = aot.AotTarget(self.preset, self.options.recipe, self.spec, self.precision, self.source,
-                               self.config.cache_path() / "aot")
+                               self.config.cache_path() / "aot", vae_source=self.vae_source)
         return aot.AotEngine(pipe, target, self.warm_requests, self.caller, self.faults, self.batch_sizes,
                              inductor_configs)
 

@@ -358,8 +358,10 @@ FIELDS = (
           cli=dict(name="--image", kind=APPEND, metavar="PATH", help="an input image (repeatable): the source to "
                    "edit (img2img, inpaint, an instruction edit), FLUX.2's references, or an image-to-video "
                    "preset's first frame; the preset says which it takes"), held=(tuple, ())),
-    Field("mask", bytes, None, "Mask (inpaint: white repaints), at the source's size",
-          "inpaint presets: a mask at the source's size, white where it repaints", role=Role.ROUTED,
+    Field("mask", bytes, None, "Mask (inpaint): white repaints, black keeps; at the source's size",
+          "inpaint presets: a mask at the source's size, white where it repaints, black where it keeps (transparent "
+          "pixels keep); /v1/images/edits reads OpenAI's convention instead (fully transparent pixels are edited)",
+          role=Role.ROUTED,
           needs=Needs.MASK, batch=lambda mask: mask is not None, cli=dict(metavar="PATH"), held=(object, None)),
     Field("strength", float, None, "Strength (img2img / inpaint; empty: 0.6)", "img2img / inpaint presets: 0-1, how "
           "much of the schedule runs from the noised source (default: 0.6; other presets take none)",

@@ -230,6 +230,9 @@ class ModelPreset:
     inputs: ImageInputs = ImageInputs.TEXT
     max_references: int = 0
     base_pipeline: str | None = None
+    # A model folder ("repo:models/...", a checked local folder or a Hub id) whose `vae/` is loaded in place of
+    # the source's: a trained encoder for a source's latent space whose own encoder reads pictures poorly.
+    vae: str | None = None
 
     @property
     def random_tiny(self) -> str | None:
