@@ -181,6 +181,8 @@ class ImageInputs(enum.StrEnum):
                 ImageInputs.FIRST_FRAME: "one source image, the clip's first frame"}[self]
 
 
+# The inputs a video family takes: text alone, or a source image as the clip's first frame.
+CLIP_INPUTS = (ImageInputs.TEXT, ImageInputs.FIRST_FRAME)
 DEFAULT_STRENGTH = 0.6  # diffusers' img2img/inpaint default: 60 % of the schedule runs from the noised source
 
 
