@@ -179,6 +179,7 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.config.images": {"MAX_IMAGES", "MAX_UPLOAD_BYTES", "MAX_UPLOADS_BYTES", "read_image_file", "decode_inputs",
                              "fit_inputs"},  # an upload read bounded, as the CLI reads a file; decoded as the gate does
     "engine.config.placement": {"split_device"},  # a device field's chip or node (--ray)
+    "engine.config.defaults": {"task_default"},  # each task's default model, picked one way at every door
     "engine.processes": {"pid_alive"},
     "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it
     "engine.serving": {"stream"},  # every door reads a request's one event stream

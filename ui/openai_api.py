@@ -54,7 +54,7 @@ from engine.errors import (
     UnsupportedCombination,
     scrub_paths,
 )
-from engine.protocol import params
+from engine.protocol import RANDOM_WEIGHTS_NOTE, Task, params
 from engine.serving import stream
 from engine.serving.stream import Run
 from ui import quietlog
@@ -318,12 +318,17 @@ class ModelChoice:
     notice: str | None = None
 
 
+def unnamed_notice(preset: str) -> str:
+    """What an answer says when its call named no model: which one served it (every door's default for a task)."""
+    return f"no model named: {preset} served it, this server's default for the task"
+
+
 def choose_model(name: str | None, presets, default: str, offered: list[str]) -> ModelChoice:
     """`model` as a client sends it: no name is the default preset; a preset of this server is itself (the
     serving gate then says whether this caller may use it); an OpenAI family name is the default preset with
     that family's default response_format; anything else is a 404 naming the models the caller may send."""
     if name is None or not name.strip():
-        return ModelChoice(default, PRESET_FORMAT)
+        return ModelChoice(default, PRESET_FORMAT, unnamed_notice(default))
     if name in presets:
         return ModelChoice(name, PRESET_FORMAT)
     family = next((fmt for prefix, fmt in OPENAI_FAMILIES if name.lower().startswith(prefix)), None)
@@ -555,9 +560,22 @@ class OpenAIRoutes:
             return self.h.serving.preset_names()
         return self.h.serving.visitor_presets()
 
-    def _entry(self, name: str) -> dict:
+    def default_model(self, caller: Caller, task: Task) -> str:
+        """What a call naming no model runs: the task's default among the models this caller may send
+        (engine/config/defaults.py), else the server's default preset."""
+        chosen = self.h.task_preset(task, self._names(caller))
+        return chosen.name if chosen is not None else self.h.default_preset().name
+
+    def _defaults(self, caller: Caller) -> dict[str, str]:
+        names = self._names(caller)
+        return {str(task): chosen.name for task in Task if (chosen := self.h.task_preset(task, names)) is not None}
+
+    def _entry(self, name: str, defaults: dict[str, str]) -> dict:
         preset = self.h.serving.preset(name)
         return {"id": name, "object": "model", "created": self.started, "owned_by": OWNER,
+                "task": str(preset.task), "default": defaults.get(str(preset.task)) == name,
+                "random_weights": preset.random_weights,
+                **({"note": RANDOM_WEIGHTS_NOTE} if preset.random_weights else {}),
                 "buckets": [str(s) for s in preset.buckets], "steps": preset.steps, "guidance": preset.guidance,
                 "takes": params.optional_fields(preset), "example_prompt": preset.example_prompt,
                 "loras": [lora["name"] for lora in self._styles(name)],
@@ -569,8 +587,9 @@ class OpenAIRoutes:
 
     def models(self, caller: Caller, path: str) -> dict:
         """The presets, and the extra body fields POST /v1/images/generations takes beside OpenAI's."""
-        return {"object": "list", "data": [self._entry(name) for name in self._names(caller)],
-                "extra_fields": EXTRA_FIELDS}
+        defaults = self._defaults(caller)
+        return {"object": "list", "data": [self._entry(name, defaults) for name in self._names(caller)],
+                "defaults": defaults, "extra_fields": EXTRA_FIELDS}
 
     def model(self, caller: Caller, path: str) -> dict:
         name = path.split("/", 2)[-1]
@@ -578,7 +597,7 @@ class OpenAIRoutes:
             raise ApiError(404, f"model {name[:60]!r} is not offered here; choose one of: "
                                 f"{', '.join(self._names(caller))} (GET /v1/models)", param="model",
                            code="model_not_found")
-        return self._entry(name)
+        return self._entry(name, self._defaults(caller))
 
     def loras(self, caller: Caller, path: str) -> dict:
         slot = bool(self.h.serving.lora_slot())
@@ -593,8 +612,8 @@ class OpenAIRoutes:
         except InvalidRequest as exc:
             raise ApiError(400, str(exc)) from None
         client = self._client(request)
-        model = choose_model(_text(body, "model"), self.h.serving.preset_names(), self.h.default_preset().name,
-                             self._names(caller))
+        model = choose_model(_text(body, "model"), self.h.serving.preset_names(),
+                             self.default_model(caller, Task.TEXT_TO_IMAGE), self._names(caller))
         body = {**body, "response_format": body.get("response_format") or model.response_format}
         call = read_call(body, self.h.defaults, model.preset, caller, client)
         if model.notice:

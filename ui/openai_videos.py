@@ -34,7 +34,7 @@ from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field
 
 from engine.config.request import Caller, ImageRequest
-from engine.protocol import params
+from engine.protocol import Task, params
 from engine.serving import stream
 from engine.serving.stream import Run
 from ui.common import HandlerBase
@@ -283,9 +283,10 @@ class VideoJobs:
                 and (not from_image or serving.preset(n).inputs.takes_images)]
 
     def _default_model(self, from_image: bool) -> str:
-        """A job naming no model: the default preset, or with a source image the first model that takes one."""
-        takers = self._videos(True) if from_image else []
-        return takers[0] if takers else self.h.default_preset().name
+        """A job naming no model: the video task's default (engine/config/defaults.py), among the models that take
+        a source image when it sends one; the server's default preset where no video model is offered."""
+        chosen = self.h.task_preset(Task.VIDEO, self._videos(from_image))
+        return chosen.name if chosen is not None else self.h.default_preset().name
 
     def _admit(self, spec: ImageRequest):
         h = self.h
