@@ -360,13 +360,14 @@ def test_warm_validates_then_returns_at_once(fresh_manager):
 def test_tick_fills_the_board_and_skips_unchanged_outputs(fresh_manager):
     manager, handlers = fresh_manager, Handlers(fresh_manager.serving(), UIDefaults(device="cpu", mode="eager"))
     manager.engine(manager.gate.make_key("tiny-flux", "cpu", "fp32")).wait_ready(timeout=120)
-    board, line, sizes, engines, state = handlers.tick("tiny-flux", "cpu", "fp32", "compile", {})
+    board, line, sizes, engines, ready, state = handlers.tick("tiny-flux", "cpu", "fp32", "compile", {})
     assert "tiny-flux@cpu/fp32" in list(board["engine"])
+    assert "tiny-flux@cpu/fp32" in ready  # the labels saying "loads a new engine" follow this list
     assert "Ready" in line
     assert any(label.startswith("64x64 · ") for label, _ in sizes["choices"])
     assert "tiny-flux@cpu/fp32" in engines["choices"]
     again = handlers.tick("tiny-flux", "cpu", "fp32", "compile", state)  # a manager of its own: nothing changed
-    assert again[1] == gr.skip() and again[3] == gr.skip()
+    assert again[1] == gr.skip() and again[3] == gr.skip() and again[4] == gr.skip()
 
 
 def test_select_engine_reports_an_unavailable_device_without_blocking(handlers, manager):

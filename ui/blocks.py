@@ -34,9 +34,12 @@ CSS = """
 #output-image img { image-rendering: pixelated; object-fit: contain; }
 #history img { image-rendering: pixelated; }
 #history .grid-container { grid-template-columns: repeat(auto-fill, minmax(120px, 180px)) !important; }
-/* Wide screens: the output column stays in view while the controls scroll; a phone stacks the columns. */
+/* Wide screens: the output column stays in view while the controls scroll; a phone stacks the columns. Gradio's
+   container hides its overflow, which makes it the sticky column's scroller (it never scrolls): clip instead. */
+.gradio-container { overflow: clip !important; }
 @media (min-width: 1024px) {
-  #gen-output { position: sticky; top: 8px; align-self: flex-start; }
+  /* at most a screen tall (its timings scroll inside it), so the controls' end cannot push the image out */
+  #gen-output { position: sticky; top: 8px; align-self: flex-start; max-height: calc(100vh - 16px); overflow-y: auto; }
 }
 #run-summary { min-height: 2.4em; font-variant-numeric: tabular-nums; }
 #a-status { min-height: 4.5em; }
@@ -156,9 +159,10 @@ def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size:
             "and what precision and compilation buy on this machine."
         )
         engine_line = gr.Markdown(elem_id="engine-line")
+        ready = gr.State([])  # the engines ready now (the timer's tick): labels saying "loads a new engine" follow it
         with gr.Tabs() as tabs:
-            form = generate.build(pages.generate, demo, engine_line)
-            generate_video.build(pages.generate)  # clips from the video presets (ui/generate_video.py)
+            form = generate.build(pages.generate, demo, engine_line, ready)
+            generate_video.build(pages.generate, ready)  # clips from the video presets (ui/generate_video.py)
             buckets_tab = buckets.build(pages.buckets)
             compare.build(pages.compare)
             advisor.build(pages.advisor, form, tabs)
@@ -170,7 +174,7 @@ def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size:
         last = gr.State({})
         gr.on([gr.Timer(h.defaults.poll_s).tick, demo.load], pages.buckets.tick,
               [*(form[name] for name in ("preset", "device", "precision", "mode")), last, form["tp"], form["memory"]],
-              [buckets_tab.board, engine_line, form["size"], buckets_tab.engine, last], **FAST)
+              [buckets_tab.board, engine_line, form["size"], buckets_tab.engine, ready, last], **FAST)
     # Queue positions are sent every QUEUE_STATUS_S, not to every waiting event each time one starts (a burst
     # of n visitors made n²/2 messages at its start, when the web server is busiest).
     demo.queue(max_size=queue_size, status_update_rate=QUEUE_STATUS_S)

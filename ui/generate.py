@@ -454,8 +454,10 @@ def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]
                           + " (/status and the page say which can run on an engine)"}
 
 
-def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Mapping[str, gr.components.Component]:
-    """The tab (inside gr.Tabs) and its events; `engine_line` is the header's engine status. Returns the request's
+def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown,
+          ready: gr.State | None = None) -> Mapping[str, gr.components.Component]:
+    """The tab (inside gr.Tabs) and its events; `engine_line` is the header's engine status, `ready` the engines
+    ready now (set by the shared timer: the precision and memory labels follow it). Returns the request's
     widgets by field name (read-only): the shared timer and the Advisor's "apply" read and set them."""
     page = GeneratePage(h)
     with gr.Tab("Generate", id="generate"):
@@ -471,6 +473,8 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Map
             page.api()
     page.wire_runs()
     page.wire_settings(demo, engine_line)
+    if ready is not None:
+        page.follow_engines(ready)
     edit_inputs.wire(page, demo)
     return MappingProxyType(page.form)
 
@@ -647,6 +651,13 @@ class GeneratePage:
                               api_name="generate", api_description=GENERATE_API_DOC, preprocess=False,
                               postprocess=False, **run_io)
         self.timings.change(h.render_run, self.timings, [self.step_plot, self.stats, self.summary], **FAST)
+
+    def follow_engines(self, ready: gr.State) -> None:
+        """An engine loaded or unloaded: the precision and memory choices say again which need a new engine."""
+        h, f = self.h, self.form
+        ready.change(h.precision_field, [f["preset"], f["device"], f["tp"], f["memory"]], f["precision"], **FAST)
+        ready.change(h.memory_choices, [f["preset"], f["device"], f["precision"], f["mode"], f["tp"], f["memory"]],
+                     f["memory"], **FAST)
 
     def wire_settings(self, demo: gr.Blocks, engine_line: gr.Markdown) -> None:
         """A new preset's defaults and styles; the engine the settings point at, started with the page (app.py

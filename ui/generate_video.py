@@ -87,8 +87,8 @@ class VideoHandlers(GenerateHandlers):
                     yield (None if image is None else gr.skip()), gr.skip(), timings
 
 
-def build(h: VideoHandlers) -> None:
-    """The tab (inside gr.Tabs) and its events."""
+def build(h: VideoHandlers, ready: gr.State | None = None) -> None:
+    """The tab (inside gr.Tabs) and its events; `ready`: the engines ready now (the memory labels follow it)."""
     presets = h.video_presets()
     with gr.Tab("Video", id="video"):
         if not presets:  # /generate_video stays (an API's shape does not follow the host's list) and says why
@@ -127,7 +127,8 @@ def build(h: VideoHandlers) -> None:
                                                              form["size"], form["num_frames"], form["fps"],
                                                              form["steps"]], **FAST)
     settings = [form[name] for name in ("preset", "device", "precision", "mode")]
-    gr.on([c.change for c in settings], h.memory_choices, [*settings, one_rank, form["memory"]], form["memory"], **FAST)
+    gr.on([c.change for c in settings] + ([ready.change] if ready is not None else []), h.memory_choices,
+          [*settings, one_rank, form["memory"]], form["memory"], **FAST)
     edits = edit_inputs.EditInputs(h)  # the source image's area follows the preset's declaration, as Generate's
     form["preset"].change(edits.image_area, form["preset"], [area, form["images"]], **FAST)
     capture.change(edits.add_capture, [capture, form["images"]], [form["images"], capture], **FAST)
