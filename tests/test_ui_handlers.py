@@ -141,7 +141,7 @@ def test_generate_streams_progress_and_returns_image_and_timings(handlers):
     # The bar starts at the first step, then moves at most every PROGRESS_EVERY_S (the result ends it).
     assert steps_seen[0] == (1, 4) and steps_seen == sorted(set(steps_seen)) and steps_seen[-1] <= (4, 4)
     plot, stats, summary = handlers.render_run(timings)
-    assert list(plot["value"].dropna()["step"]) == [1, 2, 3, 4] and plot["x_lim"] == [1, 4]
+    assert list(plot["value"].dropna()["step"]) == ["1", "2", "3", "4"] and "x_lim" not in plot
     assert "seed 7" in summary and "peak memory" in summary
     table = dict(stats.values.tolist())
     assert set(table) >= {"encode", "denoise", "decode", "total", "first step / median step", "it/s", "bucket",

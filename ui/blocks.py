@@ -41,6 +41,8 @@ CSS = """
   /* at most a screen tall (its timings scroll inside it), so the controls' end cannot push the image out */
   #gen-output { position: sticky; top: 8px; align-self: flex-start; max-height: calc(100vh - 16px); overflow-y: auto; }
 }
+/* A run without cached steps: its plot's legend has no "cached" entry (generate_views.plot_classes). */
+.no-cached g.role-legend .role-scope > g:nth-of-type(2) { display: none; }
 #run-summary { min-height: 2.4em; font-variant-numeric: tabular-nums; }
 #a-status { min-height: 4.5em; }
 /* A run's progress drawn over its status line covers it (Gradio draws a Markdown's progress translucent: the
@@ -80,14 +82,24 @@ CSS = """
 /* Words stay whole in the System tab's tables (a link or a path may still break anywhere). */
 #system td, #system th { overflow-wrap: normal; word-break: normal; hyphens: none; }
 #system td a, #system td code { overflow-wrap: anywhere; }
-/* A phone: the prompt, Generate and the image first; the other settings follow. */
+/* A clip's frames wrap onto rows at any width (a fixed 9 columns cut the middle frames off on a phone). */
+#video-frames .grid-container { grid-template-columns: repeat(auto-fill, minmax(48px, 1fr)) !important; }
+/* A phone: the prompt, the run button and the output first, each output's buttons and timings right under it; the
+   other settings follow. */
 @media (max-width: 767px) {
-  #gen-row { flex-direction: column; }
-  #gen-controls, #gen-output { display: contents; }
-  #gen-controls > .form:has(#prompt) { order: -4; }  /* Gradio wraps the textbox in a .form */
-  #gen-buttons { order: -3; }
-  #gen-image-row { order: -2; }
-  #run-summary { order: -1; }
+  #gen-row, #video-row { flex-direction: column; }
+  #gen-controls, #gen-output, #gen-image-row, #video-controls, #video-output { display: contents; }
+  #gen-controls > .form:has(#prompt), #video-controls > .form:has(#video-prompt) { order: -9; }  /* Gradio wraps a textbox in a .form */
+  #gen-buttons, #video-buttons { order: -8; }
+  #output-image, #video-player { order: -7; }
+  #output-image, #step-plot { flex: none; }  /* a row's items grow from 0: in a column that is their height */
+  #edit-this, #edit-ab, #video-frames { order: -6; }
+  #run-summary, #video-summary { order: -5; }
+  #stats { order: -4; }
+  #step-plot { order: -3; }
+  /* tables wider than the phone scroll sideways inside their own box */
+  #board, #c-speedup, #system { overflow-x: auto; }
+  #c-speedup [role=columnheader] { word-break: normal; overflow-wrap: normal; white-space: nowrap; }
 }
 """
 

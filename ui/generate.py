@@ -405,13 +405,13 @@ class GenerateHandlers(HandlerBase):
     def render_run(self, result: dict | None):
         """Per-step plot, stats table and summary line of one run (also of a partial, still-running one)."""
         rows = views.step_rows(result)
-        frame = views.step_frame(rows, generate_views.STEP_COLUMNS, series=(views.COMPUTED, views.CACHED))
-        # The x axis spans the run's steps from the start: a first, empty partial made a one-value axis
-        # ticked "1.000000". No y_lim, ever: Vega takes the y range from the data. The browser keeps a
-        # LinePlot's last y_lim when an update sets it to None (an empty partial's [0, 1] stayed for the whole
-        # run and drew the line far above the chart), and a y_lim that follows the data rebuilds the chart on
-        # every step, and racing rebuilds leave a stale line.
-        plot = gr.update(value=frame, x_lim=generate_views.step_axis(result))
+        frame = views.step_frame(rows + generate_views.steps_to_come(result, rows), generate_views.STEP_COLUMNS,
+                                 series=(views.COMPUTED, views.CACHED))
+        # The x axis (the steps as labels, STEP_ORDER) spans the run's steps from the start. No y_lim, ever: Vega
+        # takes the y range from the data. The browser keeps a LinePlot's last y_lim when an update sets it to
+        # None (an empty partial's [0, 1] stayed for the whole run and drew the line far above the chart), and a
+        # y_lim that follows the data rebuilds the chart on every step, and racing rebuilds leave a stale line.
+        plot = gr.update(value=frame.astype({"step": "string"}), elem_classes=generate_views.plot_classes(rows))
         stats = pd.DataFrame(generate_views.stats_rows(result), columns=generate_views.STATS_COLUMNS)
         return plot, stats, generate_views.run_summary(result)
 
@@ -595,7 +595,7 @@ class GeneratePage:
             # Created empty; every value names both series first (views.step_frame says why).
             self.step_plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this run",
                                          x_title="step", y_title="ms", color_title="", height=300,
-                                         elem_id="step-plot", min_width=200,
+                                         elem_id="step-plot", min_width=200, sort=generate_views.STEP_ORDER,
                                          color_map={views.COMPUTED: views.SERIES_PALETTE[0],
                                                     views.CACHED: views.SERIES_PALETTE[1]})
         self.edit_btn = edit_inputs.edit_button()  # the output into the image area (ui/edit_inputs.py)

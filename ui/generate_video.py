@@ -19,7 +19,7 @@ from engine.config.request import FORM_FIELDS
 from engine.errors import ShowcaseError
 from engine.protocol import params
 from engine.serving import stream
-from ui import edit_inputs, views, webtemp
+from ui import edit_inputs, generate_views, views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, to_gradio_error
 from ui.generate import GenerateHandlers, declared_shown, declared_widgets
 from ui.runs import ProgressBar
@@ -95,14 +95,14 @@ def build(h: VideoHandlers, ready: gr.State | None = None) -> None:
             gr.Markdown("No video preset is offered on this server (a host lists one, e.g. tiny-wan, in its presets).")
         first = h.serving.preset(presets[0] if presets else "tiny-wan")
         d = h.defaults
-        with gr.Row():
-            with gr.Column(scale=2, min_width=320):
+        with gr.Row(elem_id="video-row"):  # a phone puts the prompt, the button and the clip first (ui/blocks.py)
+            with gr.Column(scale=2, min_width=320, elem_id="video-controls"):
                 form = _controls(h, presets, first, d)
                 one_rank = gr.State(1)  # memory_choices' ranks: clips run on one (inside the tab: a child of gr.Tabs is a tab)
                 area, capture = _source_image(form, first)
                 form = {name: form[name] for name in VIDEO_FIELDS}  # /generate_video's order
-            with gr.Column(scale=3, min_width=340):
-                with gr.Row():
+            with gr.Column(scale=3, min_width=340, elem_id="video-output"):
+                with gr.Row(elem_id="video-buttons"):
                     run_btn = gr.Button("Generate clip", variant="primary", elem_id="video-btn")
                     cancel_btn = gr.Button("Cancel", variant="stop", elem_id="video-cancel-btn")
                 player = gr.Video(label="video", interactive=False, autoplay=True, loop=True, height=300,
@@ -111,7 +111,8 @@ def build(h: VideoHandlers, ready: gr.State | None = None) -> None:
                                    interactive=False, preview=False)
                 clip_line = gr.Markdown(elem_id="video-summary")
                 plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this clip",
-                                   x_title="step", y_title="ms", color_title="", height=240, elem_id="video-plot")
+                                   x_title="step", y_title="ms", color_title="", height=240, elem_id="video-plot",
+                                   sort=generate_views.STEP_ORDER)
                 summary = gr.Markdown(elem_id="video-run-summary")
                 stats = gr.Dataframe(interactive=False, label="Timings (stages: text encode, denoise, VAE decode)",
                                      elem_id="video-stats", wrap=True)
