@@ -3,8 +3,7 @@ per-step plot's axis and the device notes. Pure: no gradio, tested without a ser
 
 from __future__ import annotations
 
-from engine.protocol import lora_run_text
-from engine.protocol.params import MAX_STEPS
+from engine.protocol import MAX_STEPS, lora_run_text
 from ui.memory_views import WHY_NOT_TITLE, weights_line
 from ui.views import CACHED, COMPUTED, NO_CACHE, fmt_bytes, fmt_ms, fmt_steps, median, why_not
 
