@@ -52,7 +52,7 @@ TAB_IDS = {
     "system": {"system-refresh", "system"},
     "video": {"video-prompt", "video-negative-prompt", "video-memory", "video-preset", "video-device", "video-precision", "video-mode",
               "video-size", "video-frames-count", "video-fps", "video-steps", "video-guidance", "video-seed",
-              "video-on-cold", "video-images", "video-capture", "video-btn", "video-cancel-btn", "video-player", "video-frames", "video-summary",
+              "video-on-cold", "video-images", "video-capture", "video-btn", "video-cancel-btn", "video-row", "video-controls", "video-output", "video-buttons", "video-player", "video-frames", "video-summary",
               "video-plot", "video-run-summary", "video-stats", "video-timings"},
 }
 TAB_APIS = {"generate": {"generate"}, "buckets": {"status", "warm", "restart"}, "compare": {"compare"},

@@ -18,7 +18,7 @@ from gradio.utils import get_upload_folder
 from engine.errors import ShowcaseError
 from engine.protocol import Task, params
 from engine.serving import stream
-from ui import edit_inputs, views, webtemp
+from ui import edit_inputs, generate_views, views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, to_gradio_error
 from ui.generate import DECLARED, GenerateHandlers, api_allowed, api_file, api_text, declared_shown, declared_widgets
 from ui.runs import ProgressBar
@@ -95,22 +95,22 @@ class VideoHandlers(GenerateHandlers):
                     yield (None if image is None else gr.skip()), gr.skip(), timings
 
 
-def build(h: VideoHandlers) -> None:
-    """The tab (inside gr.Tabs) and its events."""
+def build(h: VideoHandlers, ready: gr.State | None = None) -> None:
+    """The tab (inside gr.Tabs) and its events; `ready`: the engines ready now (the memory labels follow it)."""
     presets = h.video_presets()
     with gr.Tab("Video", id="video"):
         if not presets:  # /generate_video stays (an API's shape does not follow the host's list) and says why
             gr.Markdown("No video preset is offered on this server (a host lists one, e.g. tiny-wan, in its presets).")
         first = h.first_video_preset()
         d = h.defaults
-        with gr.Row():
-            with gr.Column(scale=2, min_width=320):
+        with gr.Row(elem_id="video-row"):  # a phone puts the prompt, the button and the clip first (ui/blocks.py)
+            with gr.Column(scale=2, min_width=320, elem_id="video-controls"):
                 form = _controls(h, presets, first, d)
                 one_rank = gr.State(1)  # memory_choices' ranks: clips run on one (inside the tab: a child of gr.Tabs is a tab)
                 area, capture = _source_image(form, first)
                 form = {name: form[name] for name in VIDEO_FIELDS}  # /generate_video's order
-            with gr.Column(scale=3, min_width=340):
-                with gr.Row():
+            with gr.Column(scale=3, min_width=340, elem_id="video-output"):
+                with gr.Row(elem_id="video-buttons"):
                     run_btn = gr.Button("Generate clip", variant="primary", elem_id="video-btn")
                     cancel_btn = gr.Button("Cancel", variant="stop", elem_id="video-cancel-btn")
                 player = gr.Video(label="video", interactive=False, autoplay=True, loop=True, height=300,
@@ -119,7 +119,8 @@ def build(h: VideoHandlers) -> None:
                                    interactive=False, preview=False)
                 clip_line = gr.Markdown(elem_id="video-summary")
                 plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this clip",
-                                   x_title="step", y_title="ms", color_title="", height=240, elem_id="video-plot")
+                                   x_title="step", y_title="ms", color_title="", height=240, elem_id="video-plot",
+                                   sort=generate_views.STEP_ORDER)
                 summary = gr.Markdown(elem_id="video-run-summary")
                 stats = gr.Dataframe(interactive=False, label="Timings (stages: text encode, denoise, VAE decode)",
                                      elem_id="video-stats", wrap=True)
@@ -141,7 +142,8 @@ def build(h: VideoHandlers) -> None:
                                                              form["size"], form["num_frames"], form["fps"],
                                                              form["steps"], form["guidance"]], **FAST)
     settings = [form[name] for name in ("preset", "device", "precision", "mode")]
-    gr.on([c.change for c in settings], h.memory_choices, [*settings, one_rank, form["memory"]], form["memory"], **FAST)
+    gr.on([c.change for c in settings] + ([ready.change] if ready is not None else []), h.memory_choices,
+          [*settings, one_rank, form["memory"]], form["memory"], **FAST)
     edits = edit_inputs.EditInputs(h)  # the source image's area follows the preset's declaration, as Generate's
     form["preset"].change(edits.image_area, form["preset"], [area, form["images"]], **FAST)
     capture.change(edits.add_capture, [capture, form["images"]], [form["images"], capture], **FAST)
