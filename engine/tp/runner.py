@@ -113,6 +113,10 @@ class TensorParallelRunner(PipelineRunner):
     def load_device(self) -> str:
         return str(self.group.device)
 
+    def make_stepper(self, pipe):
+        """None: every operation is broadcast to the ranks as one whole call (the board says so)."""
+        return None
+
     def component_overrides(self, source: str) -> dict:
         """The sharded components: each rank reads only its slice of the safetensors (tensor parallel only;
         context parallel loads the whole pipeline and splits the tokens after the load)."""
