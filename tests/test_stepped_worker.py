@@ -143,6 +143,7 @@ def test_a_cancel_takes_effect_at_the_next_step_boundary(served):
 
 def test_without_step_scheduling_the_short_request_waits_for_the_long_run(whole_runner):
     assert whole_runner.stepper is None
+    assert any("step-level scheduling is off" in n for n in whole_runner.notices)  # said on the board
     served = Served(whole_runner)
     try:
         served.send(request(0, 40))

@@ -84,3 +84,23 @@ def test_what_runs_whole_says_why(runner):
     assert stepper.why_whole(request(0)) == ""
     assert "step cache" in stepper.why_whole(request(0, step_cache="first-block"))
     assert "partial images" in stepper.why_whole(request(0, previews=1))
+
+
+@pytest.mark.slow  # compiles the bucket's graphs at batch sizes 1 and 2
+@pytest.mark.parametrize("mode", ["compile", "regional"])
+def test_stepped_on_a_compiled_bucket_is_the_pipelines_picture_and_compiles_nothing(runner, mode):
+    from engine.protocol import BucketKey, Mode, Size
+
+    bucket = BucketKey(Mode.parse(mode, "mode"), Size(64, 64))
+    for batch in (1, 2):
+        assert runner.warm_bucket(bucket.batched(batch)).state.value == "warm"
+    alone = runner.generate(request(0, mode=mode))
+    assert alone.warm and alone.recompiles == 0
+    [result] = stepped(runner, [request(0, mode=mode)], [[0]] * 4)
+    assert result.warm and not result.eager_fallback and result.recompiles == 0
+    assert np.abs(pixels(result) - pixels(alone)).max() == 0
+    other = runner.generate(request(1, mode=mode, steps=2))
+    pair = stepped(runner, [request(0, mode=mode), request(1, mode=mode, steps=2)], [[0], [0, 1], [0, 1], [0]])
+    assert [r.recompiles for r in pair] == [0, 0]  # batch sizes 1 and 2 are warm: nothing compiles
+    for result, own in zip(pair, [alone, other], strict=True):
+        assert np.abs(pixels(result) - pixels(own)).max() <= 1

@@ -157,8 +157,16 @@ class PipelineRunner:
         """The engine's step-level runner (stepping.py): None where the host turned it off or the family has no
         step function (its requests run whole calls). A subclass whose calls are more than this process's
         (engine/tp/runner.py) has none."""
-        function = stepping.step_function_for(pipe) if self.options.batching.step_scheduling else None
-        return StepRunner(self.prep, self.calls, function, self.options, self.spec) if function is not None else None
+        if not self.options.batching.step_scheduling:
+            self.notices.append("step-level scheduling is off (--no-step-scheduling): each request is one whole "
+                                "pipeline call")
+            return None
+        function = stepping.step_function_for(pipe)
+        if function is None:
+            self.notices.append(f"{type(pipe).__name__} has no step function: each request is one whole pipeline "
+                                "call (none joins or pauses it between steps)")
+            return None
+        return StepRunner(self.prep, self.calls, function, self.options, self.spec)
 
     def _build_aot(self, pipe, inductor_configs: dict):
         """The aot variant's AotEngine (engine/pipeline/aot.py) on the loaded pipeline."""

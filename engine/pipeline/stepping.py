@@ -57,6 +57,7 @@ class StepState:
     key: tuple = ()  # which states can share a step (the variant, the step function's batch key)
     step_batches: list[int] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)  # each step's own time, pauses left out
+    recompiles: int = 0  # graphs compiled by the steps it ran in (0 at a warm bucket and batch size)
     pauses: list[Pause] = field(default_factory=list)
     paused_since: float | None = None
     paused_for: set[str] = field(default_factory=set)  # the requests that stepped while it waited
@@ -168,7 +169,10 @@ class StepRunner:
         """One denoising step of `states` (one shared denoiser call); the step's milliseconds."""
         import torch
 
+        from engine.pipeline.clock import compiles_in_this_thread
+
         with self.calls.run_lock:
+            compiles = compiles_in_this_thread()
             started = time.perf_counter()
             try:
                 self.function.step(states)
@@ -176,7 +180,9 @@ class StepRunner:
                 raise self.calls.out_of_memory(exc) from None
             self.spec.synchronize()
             step_ms = (time.perf_counter() - started) * 1000
+            compiled = compiles_in_this_thread() - compiles
         for state in states:
+            state.recompiles += compiled
             state.clock.mark_step_end()
             state.step_batches.append(len(states))
             state.step_ms.append(step_ms)
@@ -192,7 +198,7 @@ class StepRunner:
             image = self.function.finish(state)
         end = time.perf_counter()
         timings = dataclasses.replace(state.clock.timings(end), step_ms=tuple(state.step_ms))
-        outcome = CallOutcome(image, timings, None, state.eager_fallback, 0, (),
+        outcome = CallOutcome(image, timings, None, state.eager_fallback, state.recompiles, (),
                               self.spec.peak_memory_bytes())
         notices = list(state.notices)
         if state.pauses:
@@ -200,7 +206,8 @@ class StepRunner:
             others = max(p.for_requests for p in state.pauses)
             notices.append(f"paused {paused:.1f} s for {others} request{'s' * (others != 1)} "
                            f"({len(state.pauses)} pause{'s' * (len(state.pauses) != 1)})")
-        self.calls.board.served(request.bucket)
-        result = self.calls.result(request, image, outcome, notices, batch_size=max(state.step_batches, default=1))
+        batch = max(state.step_batches, default=1)
+        self.calls.board.served(request.bucket.batched(batch))  # on the row of the largest batch it stepped in
+        result = self.calls.result(request, image, outcome, notices, batch_size=batch)
         return dataclasses.replace(result, stepped=True, pauses=tuple(state.pauses),
                                    step_batches=tuple(state.step_batches))

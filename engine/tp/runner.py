@@ -114,7 +114,9 @@ class TensorParallelRunner(PipelineRunner):
         return str(self.group.device)
 
     def make_stepper(self, pipe):
-        """None: every operation is broadcast to the ranks as one whole call (the board says so)."""
+        """None: the ranks run each request as one whole call in lockstep (said on the board)."""
+        self.notices.append("a multi-rank engine runs each request as one whole pipeline call on every rank (no "
+                            "step-level scheduling)")
         return None
 
     def component_overrides(self, source: str) -> dict:
