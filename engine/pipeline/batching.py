@@ -218,15 +218,6 @@ class Gatherer:
                 taken.append(chosen)
         return taken
 
-    def give_back(self, requests: list[GenerateRequest]) -> None:
-        """Requests taken but not served put back at the front of the queue, in their order."""
-        with self._lock:
-            self._backlog.extendleft(reversed(requests))
-
-    @property
-    def stopped(self) -> bool:
-        return self._stopped
-
     def _drain_source(self) -> None:
         """Everything the receiver queued moved to the backlog (called holding the lock)."""
         while not self._stopped:
