@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from engine import devices
-from engine.pipeline import batching, prompts, stepcache
+from engine.pipeline import batching, prompts, stepcache, stepping
 from engine.pipeline.batchrun import BatchHooks, BatchRun
 from engine.pipeline.board import BucketBoard, describe_failure
 from engine.pipeline.callrun import CallRun, RequestPrep, generate_here
@@ -30,6 +30,7 @@ from engine.pipeline.footprint import engine_footprint, weights_bytes
 from engine.pipeline.loading import PipelineLoader, lora_refusal
 from engine.pipeline.modes import VariantSet, clone_module_tree, compile_denoiser
 from engine.pipeline.progress import progress_bar
+from engine.pipeline.stepping import StepRunner
 from engine.pipeline.warmup import WarmRequests, Warmup, preset_buckets, startup_buckets, warm_refusal
 from engine.protocol import (
     BucketInfo,
@@ -94,6 +95,7 @@ class PipelineRunner:
         self.folders_notice = ""  # why the compile folders moved (a full or read-only cache disk), once they have
         self.step_caches: stepcache.CacheVariants | None = None  # (mode, step cache) variants, once loaded
         self.loras = None  # the preset's LoRA adapters, hot-swapped into one slot (engine/pipeline/lora.py)
+        self.stepper: StepRunner | None = None  # its requests a step at a time, where its family has a step function
         self.variants = VariantSet(self.preset, self.options, self.spec, self.faults, self.notices, self._build_aot,
                                    self._variant_built)
         self.caller = PipelineCaller(self.preset, self.spec, self.options)
@@ -147,9 +149,25 @@ class PipelineRunner:
         self.caller.prompts = prompts.PromptEncoder(
             pipe, self.config.key.memory, self.load_device(), str(self.config.key),
             prompts.PromptCache(recipe.prompt_cache_entries, recipe.prompt_cache_mib * 2**20))
+        self.stepper = self.make_stepper(pipe)
         self.load_s = time.perf_counter() - start
         log.info("loaded %s in %.2fs", self.config.key, self.load_s)
         return self.load_s
+
+    def make_stepper(self, pipe) -> StepRunner | None:
+        """The engine's step-level runner (stepping.py): None where the host turned it off or the family has no
+        step function (its requests run whole calls). A subclass whose calls are more than this process's
+        (engine/tp/runner.py) has none."""
+        if not self.options.batching.step_scheduling:
+            self.notices.append("step-level scheduling is off (--no-step-scheduling): each request is one whole "
+                                "pipeline call")
+            return None
+        function = stepping.step_function_for(pipe)
+        if function is None:
+            self.notices.append(f"{type(pipe).__name__} has no step function: each request is one whole pipeline "
+                                "call (none joins or pauses it between steps)")
+            return None
+        return StepRunner(self.prep, self.calls, function, self.options, self.spec)
 
     def _build_aot(self, pipe, inductor_configs: dict):
         """The aot variant's AotEngine (engine/pipeline/aot.py) on the loaded pipeline."""
