@@ -27,7 +27,7 @@ def pixels(result) -> np.ndarray:
 def runner(cache_dir, tiny_models):
     from helpers import make_runner
 
-    return make_runner(cache_dir, preset="tiny-shapes", max_batch=4)
+    return make_runner(cache_dir, preset="tiny-shapes", max_batch=4, step_scheduling=True)
 
 
 def stepped(runner, requests, schedule):

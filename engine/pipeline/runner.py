@@ -159,8 +159,8 @@ class PipelineRunner:
         step function (its requests run whole calls). A subclass whose calls are more than this process's
         (engine/tp/runner.py) has none."""
         if not self.options.batching.step_scheduling:
-            self.notices.append("step-level scheduling is off (--no-step-scheduling): each request is one whole "
-                                "pipeline call")
+            self.notices.append("step-level scheduling is off (--step-scheduling turns it on): each request is one "
+                                "whole pipeline call")
             return None
         function = stepping.step_function_for(pipe)
         if function is None:
