@@ -16,6 +16,7 @@ import gradio as gr
 from engine import settings
 from engine.serving.interface import Serving
 from ui import advisor, buckets, compare, generate, generate_video, mcp, system
+from ui.bodies import public_body_bounds
 from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
@@ -25,7 +26,6 @@ from ui.openai_api import ApiKeys, OpenAIRoutes
 from ui.openai_edits import read_edit_call
 from ui.openai_videos import VideoJobs
 from ui.sessions import bound_sessions
-from ui.bodies import public_body_bounds
 from ui.sockets import install_server_hook, public_bounds
 from ui.uploads import MAX_UPLOAD_BYTES
 

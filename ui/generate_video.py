@@ -20,7 +20,15 @@ from engine.protocol import Task, params
 from engine.serving import stream
 from ui import edit_inputs, generate_views, views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, to_gradio_error
-from ui.generate import DECLARED, GenerateHandlers, api_allowed, api_file, api_text, declared_shown, declared_widgets
+from ui.generate import (
+    DECLARED,
+    GenerateHandlers,
+    api_allowed,
+    api_file,
+    api_text,
+    declared_shown,
+    declared_widgets,
+)
 from ui.runs import ProgressBar
 
 # The tab's fields and /generate_video's parameters, in FIELDS' order (gradio_client callers pass them
