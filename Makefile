@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup run test browser lint bench clean
+.PHONY: setup run test browser front lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -29,10 +29,15 @@ run: setup
 browser:
 	@[ -x /usr/bin/chromium ] || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
 
+# Debian's nginx for the reference front's test (scripts/nginx/showcase.conf, tests/test_nginx_front.py).
+front:
+	@[ -x /usr/sbin/nginx ] || ($(SUDO) apt-get update -q && ($(SUDO) apt-get install -y -q nginx-light || \
+		$(SUDO) apt-get install -y -q nginx))
+
 # Two pytest-xdist workers, each module whole on one (its module fixtures built once); the modules that start
 # torchrun ranks or a Ray cluster share one group. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: setup browser
+test: setup browser front
 	HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope \
 		--no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 

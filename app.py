@@ -204,6 +204,7 @@ class DefaultEngine:
 
 def edge_config(args, public: bool):
     """The web edge's bounds (ui/edge.py) from the flags (`public`: hosting mode's defaults)."""
+    from ui.bodies import PER_CLIENT_BYTES, BodyBounds
     from ui.edge import CLIENT_EVENTS, EdgeConfig, parse_proxies
     from ui.sockets import PER_CLIENT, STREAMS_PER_CLIENT, SocketBounds
 
@@ -226,8 +227,10 @@ def edge_config(args, public: bool):
                            streams_per_client=streams or None,
                            header_timeout_s=args.header_timeout, max_header_bytes=args.max_header_bytes,
                            max_headers=args.max_headers)
+    bodies = BodyBounds(min_rate=args.body_min_rate, timeout_s=args.body_timeout or None,
+                        per_client_bytes=PER_CLIENT_BYTES if public else None)
     return EdgeConfig(client_events=None if events is None else int(events), trusted_proxies=proxies,
-                      sockets=sockets)
+                      sockets=sockets, bodies=bodies)
 
 
 def parse_auth(value: str | None) -> tuple[str, str] | None:
@@ -458,6 +461,7 @@ def launch_ui(serving: Serving, args, engine: DefaultEngine, public: bool, auth)
     from ui import UIDefaults, build_demo, launch_kwargs, webtemp
 
     outputs = webtemp.use_cache_folder(serving.cache_dir)  # before the app is built: Gradio reads it then
+    webtemp.start_reaper(outputs)  # uploads arrive without outputs: tidied on a schedule of their own
     defaults = UIDefaults(preset=engine.preset, device=engine.device, precision=engine.precision, mode=engine.mode,
                           tp=engine.tp, parallel=engine.parallel, admin_token=args.admin_token,
                           step_cache=engine.step_cache, lora=engine.lora, api_keys=args.api_keys)

@@ -25,6 +25,8 @@ COMMANDS = {
     "video-bench": "bench.video:add_video_bench_parser",
     "edit-bench": "bench.edit:add_edit_bench_parser",
     "vae-bench": "bench.vae_decode:add_vae_bench_parser",
+    "inpaint-bench": "bench.inpaint:add_inpaint_bench_parser",
+    "step-bench": "bench.stepping:add_step_bench_parser",
 }
 
 

@@ -100,6 +100,8 @@ def server_defaults() -> dict:
         "header_timeout": _env("SHOWCASE_HEADER_TIMEOUT"),
         "max_header_bytes": _env("SHOWCASE_MAX_HEADER_BYTES"),
         "max_headers": _env("SHOWCASE_MAX_HEADERS"),
+        "body_min_rate": _env("SHOWCASE_BODY_MIN_RATE"),  # request bodies (ui/bodies.py)
+        "body_timeout": _env("SHOWCASE_BODY_TIMEOUT"),
         "runtime": _env("SHOWCASE_RUNTIME"),  # inprocess | workers; default: runtime_default()
         "aot_dir": _env("SHOWCASE_AOT_DIR"),  # aot packages on persistent storage (a Space's /data)
         "aot_repo": _env("SHOWCASE_AOT_REPO"),  # a Hub model repo holding aot packages

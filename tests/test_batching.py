@@ -191,7 +191,10 @@ class GrantedCompiles(EngineEvents):
 
 
 def start(cache_dir, **options) -> ProcessClient:
+    """A worker batching requests per pipeline call (step-level serving, which batches per step, is off:
+    tests/test_stepped_worker.py has it)."""
     options.setdefault("warm_sizes", ())
+    options.setdefault("step_scheduling", False)
     config = EngineConfig(KEY, get_preset(KEY.preset), EngineOptions(**options), str(cache_dir))
     gate = GrantedCompiles()
     engine = ProcessClient(config, env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}, events=gate)

@@ -33,6 +33,7 @@ OPTIONS = {  # command -> its options dataclass; `True`: the engine flags follow
     "video-bench": ("bench.video:VideoBenchOptions", False),
     "edit-bench": ("bench.edit:EditBenchOptions", False),
     "vae-bench": ("bench.vae_decode:VaeBenchOptions", False),
+    "step-bench": ("bench.stepping:StepBenchOptions", False),
 }
 
 

@@ -64,3 +64,14 @@ def test_compare_shows_its_image_input_only_for_presets_that_edit(handlers):
     edits = EditInputs(handlers)
     assert edits.takes_images("tiny-shapes-edit")["visible"] is True
     assert edits.takes_images("tiny-shapes")["visible"] is False
+
+
+def test_compare_decodes_its_source_once_for_every_configuration(handlers, tmp_path, monkeypatch):
+    from engine.config import images
+
+    decodes = []
+    decoded = images._decoded
+    monkeypatch.setattr(images, "_decoded", lambda name, *a: decodes.append(name) or decoded(name, *a))
+    outputs = compare(handlers, images=[source(tmp_path)], configurations="eager/fp32; eager/bf16")
+    assert all("error" not in r for r in outputs[-1][1]["results"]), outputs[-1][1]
+    assert decodes == ["image 1"]  # two configurations' edits (and the checker's source) share one decode

@@ -196,6 +196,50 @@ def test_uploads_are_taken_on_the_upload_route_only_and_nothing_uploaded_is_serv
 
 
 @pytest.mark.slow
+def test_the_upload_route_keeps_at_most_n_files_and_a_share_of_bytes_per_visitor(app):
+    """Gradio's upload route wrote 5,048 files in 2.7 s, tidied only when an output was saved: each visitor keeps
+    at most UPLOAD_FILES files and UPLOAD_SHARE_BYTES, their oldest removed from disk first."""
+    from pathlib import Path
+
+    from ui.webtemp import UPLOAD_FILES, UPLOAD_SHARE_BYTES
+
+    _, demo, url, _ = app
+    stored = []
+    with httpx.Client(timeout=30, transport=httpx.HTTPTransport(local_address="127.0.0.6")) as http:
+        for i in range(UPLOAD_FILES + 8):
+            answer = http.post(f"{url}/gradio_api/upload", files={"files": (f"{i}.png", b"%d" % i * 1000)})
+            assert answer.status_code == 200, answer.text
+            stored += answer.json()
+        answer = http.post(f"{url}/gradio_api/upload",  # one request of many files
+                           files=[("files", (f"m{i}.png", b"m%d" % i * 100)) for i in range(UPLOAD_FILES + 5)])
+        assert answer.status_code == 200
+        stored += answer.json()
+    files, size = demo.edge.uploads.held("127.0.0.6")
+    assert files <= UPLOAD_FILES and size <= UPLOAD_SHARE_BYTES
+    with httpx.Client(timeout=30, transport=httpx.HTTPTransport(local_address="127.0.0.6")) as http:
+        http.post(f"{url}/gradio_api/upload", files={"files": ("last.png", b"last")})  # (retries any not yet moved)
+    on_disk = [path for path in stored if Path(path).exists()]
+    assert len(on_disk) <= UPLOAD_FILES and stored[0] not in on_disk
+
+
+@pytest.mark.slow
+def test_gradios_older_file_route_is_screened_as_file_equals(app):
+    """`/gradio_api/file/<path>` (the route with a slash) served uploads inline, to anyone: it is refused as
+    `/file=` is, for the uploader and for another address alike, and reads nothing outside the outputs."""
+    _, _, url, _ = app
+    with httpx.Client(timeout=30) as http:
+        answer = http.post(f"{url}/gradio_api/upload",
+                           files={"files": ("x.html", b"<script>alert(1)</script>", "text/html")})
+        (stored,) = answer.json()
+        assert http.get(f"{url}/gradio_api/file/{stored}").status_code == 403
+    other = httpx.HTTPTransport(local_address="127.0.0.2")
+    with httpx.Client(timeout=30, transport=other) as http:
+        answer = http.get(f"{url}/gradio_api/file/{stored}")
+        assert answer.status_code in (403, 404) and b"alert" not in answer.content
+        assert http.get(f"{url}/gradio_api/file//etc/passwd").status_code == 403
+
+
+@pytest.mark.slow
 def test_a_cancel_sent_right_after_submit_stops_the_request(app):
     """/cancel overtaking its /generate in the queue still cancels it; the next request is served."""
     _, _, url, _ = app

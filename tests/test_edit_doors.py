@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from helpers import engine_manager, launch_demo
 from PIL import Image, ImageDraw
@@ -96,6 +97,33 @@ def test_n_edits_run_as_one_pipeline_call(client):
     assert image_of(result.data[0].b64_json).tobytes() != image_of(result.data[1].b64_json).tobytes()
 
 
+def test_n_edits_decode_their_upload_once_admitted_once(client, monkeypatch):
+    from engine.config import images
+
+    decodes = []
+    decoded = images._decoded
+    monkeypatch.setattr(images, "_decoded", lambda name, *a: decodes.append(name) or decoded(name, *a))
+    result = edit(client, image=("source.png", png(), "image/png"), n=2, extra={"seed": 20})
+    assert [image.seed for image in result.data] == [20, 21]
+    assert decodes == ["image 1"]  # one decode for both images: the run reuses what admission decoded
+
+
+def test_a_scan_bomb_and_crafted_exif_are_answered_as_typed_400s_and_a_notice(app, client, monkeypatch):
+    from PIL import ImageFile
+
+    from bench.hostile import crafted_exif_jpeg, scan_bomb
+
+    loads = []
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loads.append(self.format) or load(self))
+    response = post(app, fields(scan_bomb(1024, 5000)))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "5,001 scans; this server decodes at most 64" in error["message"] and loads == []
+    result = edit(client, image=("crafted.jpg", crafted_exif_jpeg(), "image/jpeg"))
+    assert len(result.data) == 1 and any("EXIF" in notice for notice in result.notices), result.notices
+
+
 def test_several_images_are_references_of_one_edit(client):
     result = edit(client, model="tiny-flux2-klein", size="64x64",
                   image=[("a.png", png(), "image/png"), ("b.png", png((128, 128), (20, 200, 20)), "image/png")])
@@ -107,20 +135,41 @@ def test_several_images_are_references_of_one_edit(client):
     assert refused.value.body["param"] == "model"  # the preset's limit: choose another model
 
 
-def test_a_mask_says_where_an_inpaint_repaints(client):
-    mask = Image.new("L", (64, 64), 0)
-    ImageDraw.Draw(mask).rectangle((0, 0, 31, 63), fill=255)
+def openai_mask(size=(64, 64), edit=(0, 0, 32, 64)) -> bytes:
+    """An OpenAI-style mask: opaque, fully transparent (alpha 0) over the `edit` box (x0, y0, x1, y1)."""
+    mask = Image.new("RGBA", size, (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), edit)
     buffer = io.BytesIO()
     mask.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_a_mask_edits_where_it_is_transparent_and_keeps_the_rest_exactly(client):
     source = png()
     result = edit(client, model="tiny-shapes-inpaint", image=("source.png", source, "image/png"),
-                  mask=("mask.png", buffer.getvalue(), "image/png"), extra={"steps": 4, "strength": "1"})
-    with image_of(result.data[0].b64_json) as out:
-        kept, before = out.convert("RGB").crop((40, 0, 64, 64)), Image.open(io.BytesIO(source)).crop((40, 0, 64, 64))
-        assert out.size == (64, 64)
-    # the diffusers inpaint pipeline blends the source back outside the mask (latent space: close, not exact)
-    difference = sum(abs(a - b) for a, b in zip(kept.tobytes(), before.tobytes(), strict=True)) / len(kept.tobytes())
-    assert difference < 40, difference
+                  mask=("mask.png", openai_mask(), "image/png"), prompt="a yellow square on a green background",
+                  extra={"steps": 4, "strength": "1"})
+    with image_of(result.data[0].b64_json) as out, Image.open(io.BytesIO(source)) as before:
+        out, before = np.asarray(out.convert("RGB"), dtype=np.int16), np.asarray(before, dtype=np.int16)
+    # the opaque half is the source's own pixels, pasted back (beyond the mask's few pixels of feathered edge)
+    assert np.abs(out[:, 40:] - before[:, 40:]).max() == 0
+    assert np.abs(out[:, :24] - before[:, :24]).mean() > 20  # the transparent half was repainted
+
+
+def test_an_opaque_mask_is_refused_naming_the_convention_and_a_keep_all_mask_says_so(client):
+    grey = Image.new("L", (64, 64), 255)  # white everywhere: "repaint all" on the page, no alpha at all here
+    buffer = io.BytesIO()
+    grey.save(buffer, "PNG")
+    with pytest.raises(openai.BadRequestError, match="fully transparent") as refused:
+        edit(client, model="tiny-shapes-inpaint", image=("source.png", png(), "image/png"),
+             mask=("mask.png", buffer.getvalue(), "image/png"))
+    assert refused.value.body["param"] == "mask"
+    source = png()
+    kept = edit(client, model="tiny-shapes-inpaint", image=("source.png", source, "image/png"),
+                mask=("mask.png", openai_mask(edit=(0, 0, 0, 0)), "image/png"), extra={"steps": 2})
+    assert any("keeps every pixel" in notice for notice in kept.notices), kept.notices
+    with image_of(kept.data[0].b64_json) as out, Image.open(io.BytesIO(source)) as before:
+        assert out.convert("RGB").tobytes() == before.convert("RGB").tobytes()  # the source itself comes back
 
 
 def test_streaming_sends_partial_images_then_the_edit(client):
@@ -188,11 +237,11 @@ MALFORMED = [  # (what, body, content type or None, status, words, param)
                                   ("image", "a.png", png()), ("mask", "m.png", png())), None, 400, "no mask", "model"),
     ("inpaint without mask", fields(png(), model="tiny-shapes-inpaint"), None, 400, "upload a mask", "model"),
     ("mask of another size", multipart(("prompt", None, b"x"), ("model", None, b"tiny-shapes-inpaint"),
-                                       ("image", "a.png", png()), ("mask", "m.png", png((32, 32), mode="L"))),
+                                       ("image", "a.png", png()), ("mask", "m.png", openai_mask((32, 32)))),
      None, 400, "draw the mask at the source image's size", "mask"),
     ("strength out of range", multipart(("prompt", None, b"x"), ("model", None, b"tiny-shapes-inpaint"),
                                         ("strength", None, b"7"), ("image", "a.png", png()),
-                                        ("mask", "m.png", png(mode="L"))), None, 400, "strength must be above 0",
+                                        ("mask", "m.png", openai_mask())), None, 400, "strength must be above 0",
      "strength"),
     ("text-only preset", fields(png(), model="tiny-shapes"), None, 400, "takes text to image only", "model"),
     ("too many parts", multipart(*[("image[]", f"{i}.png", b"x") for i in range(60)]), None, 400,

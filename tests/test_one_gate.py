@@ -55,7 +55,7 @@ def counted(cache_dir, tiny_models):
         mp.setattr(Catalog, "make_key", _spy(counts, "make_key", Catalog.make_key))
         mp.setattr(EngineManager, "engine", _spy(counts, "engine", EngineManager.engine))
         mp.setattr(Residency, "load", _spy(counts, "residency.load", Residency.load))
-        _replace_everywhere(mp, validation.build_request, _spy(counts, "build_request", validation.build_request))
+        _replace_everywhere(mp, validation.build, _spy(counts, "build_request", validation.build))  # the gate builds
         _replace_everywhere(mp, cost.check_generate, _spy(counts, "check_generate", cost.check_generate))
         policy = HostPolicy(public=True, presets=("tiny-shapes",), cost=CostBudget(request=16_384, visitor=40_000))
         with engine_manager(cache_dir, policy=policy) as manager:

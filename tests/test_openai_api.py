@@ -254,3 +254,15 @@ def test_a_client_that_goes_away_cancels_its_images(app, monkeypatch):
         pytest.fail(f"answered within the second: {answer.status_code} {answer.text[:300]}")
     wait_until(lambda: len(outcomes) == 2, timeout=120, message="both images ended")
     assert all(isinstance(o, Cancelled) for o in outcomes), outcomes
+
+
+def test_the_url_image_store_lives_in_the_cache_folder_and_keeps_its_last_files(tmp_path):
+    from ui.openai_store import OutputStore
+
+    store = OutputStore(kept=2, under=tmp_path / "v1")
+    names = [store.put(bytes([i]) * 8) for i in range(3)]
+    assert store.folder.parent == tmp_path / "v1"
+    assert store.get(names[0]) is None and store.get(names[2]) == bytes([2]) * 8
+    assert len(list(store.folder.iterdir())) == 2
+    store.close()
+    assert list((tmp_path / "v1").iterdir()) == []

@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai", reason="the /v1 tests use the official op
 
 PROMPT = "a yellow triangle moving left on a purple background"
 KEY = "visitor-key-for-the-clips"  # keys are at least 16 characters
+OTHER_KEY = "another-visitors-key-here"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def app(cache_dir, tmp_path_factory):
     from ui.handlers import UIDefaults
 
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text(KEY + "\n")
+    keys.write_text(KEY + "\n" + OTHER_KEY + "\n")
     from ui import mcp
 
     policy = HostPolicy(public=True, presets=("tiny-wan", "tiny-wan-i2v", "tiny-flux"),
@@ -85,6 +86,10 @@ def test_a_clip_over_the_budget_is_refused_naming_what_fits(client):
     ({"num_frames": "lots"}, "num_frames must be a whole number"),
     ({"fps": "900"}, "fps must be from 1 to 60"),
     ({"colour": "red"}, "unknown field 'colour'"),
+    ({"seconds": "inf"}, "seconds must be a number of seconds written in digits 0-9, got 'inf'"),
+    ({"seconds": "1e308"}, "seconds must be a number of seconds written in digits 0-9, got '1e308'"),
+    ({"num_frames": "\u0663\u0663"}, "num_frames must be a whole number written in digits 0-9"),
+    ({"seconds": "2", "fps": "x"}, "fps must be a whole number"),  # a bad fps is named as fps
 ])
 def test_bad_fields_are_refused_with_the_apps_message(client, fields, words):
     body = {"model": "tiny-wan", "prompt": PROMPT, **fields}
@@ -231,3 +236,61 @@ def test_a_deleted_job_is_gone_and_frees_the_visitors_one_running_request(app):
         return httpx.post(app + "v1/videos", json={**body, "steps": 2}, headers=headers, timeout=60).status_code == 200
 
     wait_until(next_job_accepted, timeout=120, interval=0.5, message="a new job after the deleted one")
+
+
+def test_another_key_cannot_see_fetch_or_stop_a_job(app):
+    from helpers import wait_until
+
+    mine, theirs = ({"authorization": f"Bearer {key}"} for key in (KEY, OTHER_KEY))
+    body = {"model": "tiny-wan", "prompt": PROMPT, "size": "16x16", "num_frames": 9, "steps": 2}
+    posted = []
+
+    def accepted():  # public mode: one running request per visitor (an earlier test's may still be ending)
+        posted.append(httpx.post(app + "v1/videos", json=body, headers=mine, timeout=60))
+        return posted[-1].status_code == 200
+
+    wait_until(accepted, timeout=120, interval=0.5, message="a job for the first key")
+    job = posted[-1].json()
+    answers = [httpx.get(app + f"v1/videos/{job['id']}", headers=theirs, timeout=30),
+               httpx.get(app + f"v1/videos/{job['id']}/content", headers=theirs, timeout=30),
+               httpx.delete(app + f"v1/videos/{job['id']}", headers=theirs, timeout=30)]
+    assert [a.status_code for a in answers] == [404, 404, 404], [a.text for a in answers]
+    listed = httpx.get(app + "v1/videos", headers=theirs, timeout=30).json()["data"]
+    assert job["id"] not in [j["id"] for j in listed]
+    assert job["id"] in [j["id"] for j in httpx.get(app + "v1/videos", headers=mine, timeout=30).json()["data"]]
+    assert httpx.get(app + f"v1/videos/{job['id']}", headers=mine, timeout=30).status_code == 200  # still its own
+
+
+def test_100_malformed_video_and_edit_calls_are_typed_4xx_within_the_log_budget(app, caplog):
+    import logging
+
+    from bench.hostile import scan_bomb, wide_png
+
+    headers = {"authorization": f"Bearer {KEY}"}
+    bomb, wide = scan_bomb(512, 500), wide_png(4096, 4096)
+    videos = [{"seconds": "inf"}, {"seconds": "1e308"}, {"num_frames": "\u0663\u0663"}, {"fps": "-1", "seconds": "2"},
+              {"num_frames": "9e9"}, {"colour": "red"}]
+
+    def video(i: int) -> httpx.Response:
+        if i % 8 == 6:  # an input_reference that is a scan bomb
+            return httpx.post(app + "v1/videos", headers=headers, timeout=60,
+                              data={"model": "tiny-wan-i2v", "prompt": PROMPT}, files={"input_reference": ("b.jpg", bomb)})
+        if i % 8 == 7:
+            return httpx.post(app + "v1/videos", headers={**headers, "content-type": "application/json"},
+                              content=b"{not json", timeout=60)
+        return httpx.post(app + "v1/videos", headers=headers, timeout=60,
+                          json={"model": "tiny-wan", "prompt": PROMPT, **videos[i % len(videos)]})
+
+    def edit(i: int) -> httpx.Response:
+        image = (bomb, wide, b"not an image", b"\x89PNG\r\n\x1a\n")[i % 4]
+        return httpx.post(app + "v1/images/edits", headers=headers, timeout=60,
+                          data={"model": "tiny-flux", "prompt": PROMPT}, files={"image": ("x.png", image)})
+
+    with caplog.at_level(logging.INFO):
+        answers = [video(i) for i in range(50)] + [edit(i) for i in range(50)]
+    statuses = [a.status_code for a in answers]
+    assert all(400 <= s < 500 for s in statuses), [(s, a.text[:120]) for s, a in zip(statuses, answers, strict=True) if s >= 500]
+    assert all(a.json()["error"]["message"] for a in answers)
+    served = [r for r in caplog.records if not r.name.startswith(("httpx", "httpcore"))]
+    assert not any(r.exc_info for r in served)
+    assert sum(len(r.getMessage()) for r in served) < 40_000

@@ -61,7 +61,7 @@ def test_no_event_with_a_lower_limit_joins_the_engines_group(config, cache_dir):
         demo = build_demo(manager.serving(), defaults)
         slots = demo.fns[next(i for i, f in demo.fns.items() if f.api_name == "generate")].concurrency_limit
         engines = queue_groups(demo)[ENGINE_QUEUE]
-        assert set(engines) == {"generate", "generate_ui", "generate_video", "compare"}, engines
+        assert set(engines) == {"generate", "generate_ui", "generate_video", "generate_video_ui", "compare"}, engines
         assert set(engines.values()) == {slots} and slots >= 8, engines
         # The group's queue exists from the start with that limit: no later event can lower it.
         assert demo._queue.event_queue_per_concurrency_id[ENGINE_QUEUE].concurrency_limit == slots

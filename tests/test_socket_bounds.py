@@ -44,14 +44,16 @@ async def hello(scope, receive, send):
 
 
 @contextmanager
-def serve(parser: str, bounds: SocketBounds, trusted=(), record: list | None = None):
-    """A uvicorn server on 127.0.0.1 with `parser` behind the socket bounds; yields (guard, port). `record`
-    collects the size of every chunk the HTTP parser itself was handed."""
+def serve(parser: str, bounds: SocketBounds | None, trusted=(), record: list | None = None, app=hello,
+          guard: SocketGuard | None = None):
+    """A uvicorn server on 127.0.0.1 with `parser` behind the socket bounds (or `guard`'s); yields (guard,
+    port). `record` collects the size of every chunk the HTTP parser itself was handed; `app`: the ASGI app
+    served."""
     import uvicorn
     from uvicorn.config import HTTP_PROTOCOLS
     from uvicorn.importer import import_from_string
 
-    guard = SocketGuard(bounds, trusted)
+    guard = guard or SocketGuard(bounds, trusted)
     base = import_from_string(HTTP_PROTOCOLS[parser])
     if record is not None:
         class Recording(base):
@@ -60,7 +62,7 @@ def serve(parser: str, bounds: SocketBounds, trusted=(), record: list | None = N
                 super().data_received(data)
         base = Recording
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(hello, host="127.0.0.1", port=port, http=guard.protocol(base),
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=guard.protocol(base),
                                            ws="none", log_level="warning", lifespan="off"))  # as the app's hook
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -223,6 +223,16 @@ def test_refused_where_the_mode_cannot_hold_the_cache():
             stepcache.check_step_cache(cache, PRESET, CPU, Mode(mode))
 
 
+@pytest.mark.parametrize("preset", ["tiny-shapes-edit", "tiny-shapes-inpaint", "tiny-shapes-img2img"])
+@pytest.mark.parametrize("cache", ["first-block", "taylorseer"])
+def test_refused_for_a_pipeline_that_sets_no_cache_context(preset, cache):
+    """Those pipelines call the denoiser outside `cache_context(...)`: diffusers' hooks failed every step of
+    them with a 500 ("No cache context is set"); the gate says why before a request reaches an engine."""
+    with pytest.raises(UnsupportedCombination, match="outside a diffusers cache context"):
+        stepcache.check_step_cache(cache, get_preset(preset), CPU, Mode.EAGER)
+    assert stepcache.check_step_cache(cache, PRESET, CPU, Mode.EAGER)  # tiny-shapes' FluxPipeline sets one
+
+
 @pytest.mark.slow  # compiles a regional bucket
 def test_regional_keeps_its_warm_graphs_under_a_block_cache(runner, baseline):
     bucket = BucketKey(Mode.REGIONAL, PRESET.buckets[0])

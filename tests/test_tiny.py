@@ -231,3 +231,12 @@ def test_unknown_name_raises(tmp_path):
     with pytest.raises(InvalidRequest):
         tiny.build_tiny_pipeline("tiny-nope", tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_building_a_tiny_model_draws_no_library_progress_bar(tmp_path, capfd):
+    """A first start builds the embedded models: transformers' "Writing model shards" bar took console lines
+    before the URL."""
+    from engine.models.tiny import build_tiny_pipeline
+
+    build_tiny_pipeline("tiny-flux", tmp_path / "tiny-flux")
+    assert "Writing model shards" not in capfd.readouterr().err

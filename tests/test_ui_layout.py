@@ -52,7 +52,7 @@ TAB_IDS = {
     "system": {"system-refresh", "system"},
     "video": {"video-prompt", "video-negative-prompt", "video-memory", "video-preset", "video-device", "video-precision", "video-mode",
               "video-size", "video-frames-count", "video-fps", "video-steps", "video-guidance", "video-seed",
-              "video-on-cold", "video-images", "video-capture", "video-btn", "video-cancel-btn", "video-player", "video-frames", "video-summary",
+              "video-on-cold", "video-images", "video-capture", "video-btn", "video-cancel-btn", "video-row", "video-controls", "video-output", "video-buttons", "video-player", "video-frames", "video-summary",
               "video-plot", "video-run-summary", "video-stats", "video-timings"},
 }
 TAB_APIS = {"generate": {"generate"}, "buckets": {"status", "warm", "restart"}, "compare": {"compare"},
@@ -179,6 +179,7 @@ ALLOWED_ENGINE_IMPORTS = {
     "engine.config.images": {"MAX_IMAGES", "MAX_UPLOAD_BYTES", "MAX_UPLOADS_BYTES", "read_image_file", "decode_inputs",
                              "fit_inputs"},  # an upload read bounded, as the CLI reads a file; decoded as the gate does
     "engine.config.placement": {"split_device"},  # a device field's chip or node (--ray)
+    "engine.config.defaults": {"task_default"},  # each task's default model, picked one way at every door
     "engine.processes": {"pid_alive"},
     "engine.serving.budget": {"parse_size"},  # the Advisor's memory bound, read as the CLI reads it
     "engine.serving": {"stream"},  # every door reads a request's one event stream

@@ -22,25 +22,35 @@ def plot_types(frame, **kwargs) -> dict:
     {"running": True, "engine": "e", "steps": 8, "timings": {"step_ms": [29.403943, 10.0420119998]}},
     {"engine": "e", "timings": {"step_ms": [10.04, 29.4, 9.1]}, "cached_steps": [2]},
 ])
-def test_the_generate_plot_is_numeric_from_its_first_value(result):
+def test_the_generate_plot_types_its_axes_from_its_first_value(result):
     # The browser builds the plot's spec from the first value it gets (the empty partial) and only swaps
-    # the data afterwards: that first value must already type step and step_ms as numbers.
+    # the data afterwards: that first value must already type step as labels (whole-step ticks, in
+    # STEP_ORDER) and step_ms as a number.
     plot, _, _ = GenerateHandlers.render_run(None, result)
-    types = plot_types(plot["value"], color="steps")
-    assert types["step"] == "quantitative" and types["step_ms"] == "quantitative"
+    types = plot_types(plot["value"], color="steps", sort=generate_views.STEP_ORDER)
+    assert types["step"] == "nominal" and types["step_ms"] == "quantitative"
     assert types["steps"] == "nominal"
 
 
 @pytest.mark.parametrize("result, axis", [
-    ({"running": True, "engine": "e", "steps": 8, "timings": {"step_ms": []}}, [1, 8]),  # the first partial
-    ({"engine": "e", "steps": 1, "timings": {"step_ms": [3.0]}}, [1, 2]),
+    ({"running": True, "engine": "e", "steps": 8, "timings": {"step_ms": []}}, 8),  # the first partial
+    ({"running": True, "engine": "e", "steps": 4, "timings": {"step_ms": [3.0]}}, 4),
+    ({"engine": "e", "steps": 1, "timings": {"step_ms": [3.0]}}, 2),
 ])
 def test_the_generate_plot_spans_the_runs_steps_from_its_first_value(result, axis):
-    """A first, empty partial drew a one-value axis ticked "1.000000". No update sets y_lim: the browser kept
-    the empty partial's [0, 1] through a later None and drew the line off the chart (tests/test_ui_browser_plot.py)."""
+    """A first, empty partial drew a one-value axis ticked "1.000000"; a numeric axis of 4 steps was ticked 1.5,
+    2.5. No update sets y_lim: the browser kept the empty partial's [0, 1] through a later None and drew the line
+    off the chart (tests/test_ui_browser_plot.py)."""
     plot, _, _ = GenerateHandlers.render_run(None, result)
-    assert plot["x_lim"] == axis
-    assert "y_lim" not in plot
+    assert list(dict.fromkeys(plot["value"]["step"])) == [str(step) for step in range(1, axis + 1)]
+    assert "y_lim" not in plot and "x_lim" not in plot
+
+
+@pytest.mark.parametrize("cached, classes", [([], ["no-cached"]), ([2], [])])
+def test_the_plot_legend_lists_cached_only_where_a_step_was_cached(cached, classes):
+    result = {"engine": "e", "steps": 3, "timings": {"step_ms": [10.0, 2.0, 9.0]}, "cached_steps": cached}
+    plot, _, _ = GenerateHandlers.render_run(None, result)
+    assert plot["elem_classes"] == classes  # "no-cached" hides the legend's cached entry (ui/blocks.py)
 
 
 def test_every_series_of_a_full_compare_has_its_own_colour_and_legend_entry():
@@ -159,7 +169,8 @@ def test_every_generate_plot_value_names_both_series_first(result):
     assert [row[2] for row in value.data[:2]] == [views.COMPUTED, views.CACHED]
     assert [row[1] for row in value.data[:2]] == [None, None]  # not drawn: JSON null
     steps = (result or {}).get("timings", {}).get("step_ms", [])
-    assert [row[1] for row in value.data[2:]] == steps  # one point per step after them
+    assert [row[1] for row in value.data[2:2 + len(steps)]] == steps  # one point per step after them
+    assert all(row[1] is None for row in value.data[2 + len(steps):])  # the steps to come: no point yet
 
 
 def test_the_run_summary_shows_notices_seed_memory_and_how_the_run_ended():

@@ -175,9 +175,21 @@ def test_the_generate_page_shows_frames_and_fps_for_video_presets_only(manager):
     assert h.clip_fields("tiny-wan")["visible"] is True
     assert h.clip_fields("tiny-flux")["visible"] is False
     assert "tiny-wan" in h.video_presets() and "tiny-flux" not in h.video_presets()
-    negative, sizes, frames, fps, steps = h.video_defaults("tiny-wan")  # Wan takes a negative prompt
-    assert (sizes["value"], frames["value"], fps["value"], steps["value"]) == ("32x32", 17, 16, 4)
-    assert negative["visible"] is True and h.video_defaults("tiny-shapes-video")[0]["visible"] is False
+    negative, sizes, frames, fps, steps, guidance = h.video_defaults("tiny-wan")  # Wan takes a negative prompt
+    assert (sizes["value"], frames["value"], fps["value"], steps["value"], guidance["value"]) == ("32x32", 17, 16, 4, 5.0)
+    negative, sizes, frames, fps, steps, guidance = h.video_defaults("tiny-shapes-video")  # its own, not tiny-wan's
+    assert negative["visible"] is False and (frames["value"], fps["value"], steps["value"], guidance["value"]) == (
+        17, 8, 8, 1.0)
+
+
+def test_the_video_tab_starts_on_the_embedded_video_model_and_derives_its_fields(manager):
+    from engine.protocol import params
+    from ui.generate_video import VIDEO_FIELDS, VideoHandlers
+
+    assert VideoHandlers(manager.serving()).first_video_preset().name == "tiny-shapes-video"
+    assert VIDEO_FIELDS == params.clip_fields()
+    assert {"prompt", "negative_prompt", "num_frames", "fps", "images", "memory"} <= set(VIDEO_FIELDS)
+    assert not {"tp", "mask", "strength", "step_cache", "lora"} & set(VIDEO_FIELDS)  # a clip takes none of them
 
 
 def test_clip_drift_and_motion_read_frames():

@@ -16,6 +16,7 @@ import gradio as gr
 from engine import settings
 from engine.serving.interface import Serving
 from ui import advisor, buckets, compare, generate, generate_video, mcp, system
+from ui.bodies import public_body_bounds
 from ui.common import FAST
 from ui.edge import CLIENT_EVENTS, EdgeConfig, EdgeGuard
 from ui.generate import GENERATE_API_PARAMS
@@ -34,10 +35,15 @@ CSS = """
 #output-image img { image-rendering: pixelated; object-fit: contain; }
 #history img { image-rendering: pixelated; }
 #history .grid-container { grid-template-columns: repeat(auto-fill, minmax(120px, 180px)) !important; }
-/* Wide screens: the output column stays in view while the controls scroll; a phone stacks the columns. */
+/* Wide screens: the output column stays in view while the controls scroll; a phone stacks the columns. Gradio's
+   container hides its overflow, which makes it the sticky column's scroller (it never scrolls): clip instead. */
+.gradio-container { overflow: clip !important; }
 @media (min-width: 1024px) {
-  #gen-output { position: sticky; top: 8px; align-self: flex-start; }
+  /* at most a screen tall (its timings scroll inside it), so the controls' end cannot push the image out */
+  #gen-output { position: sticky; top: 8px; align-self: flex-start; max-height: calc(100vh - 16px); overflow-y: auto; }
 }
+/* A run without cached steps: its plot's legend has no "cached" entry (generate_views.plot_classes). */
+.no-cached g.role-legend .role-scope > g:nth-of-type(2) { display: none; }
 #run-summary { min-height: 2.4em; font-variant-numeric: tabular-nums; }
 #a-status { min-height: 4.5em; }
 /* A run's progress drawn over its status line covers it (Gradio draws a Markdown's progress translucent: the
@@ -77,14 +83,24 @@ CSS = """
 /* Words stay whole in the System tab's tables (a link or a path may still break anywhere). */
 #system td, #system th { overflow-wrap: normal; word-break: normal; hyphens: none; }
 #system td a, #system td code { overflow-wrap: anywhere; }
-/* A phone: the prompt, Generate and the image first; the other settings follow. */
+/* A clip's frames wrap onto rows at any width (a fixed 9 columns cut the middle frames off on a phone). */
+#video-frames .grid-container { grid-template-columns: repeat(auto-fill, minmax(48px, 1fr)) !important; }
+/* A phone: the prompt, the run button and the output first, each output's buttons and timings right under it; the
+   other settings follow. */
 @media (max-width: 767px) {
-  #gen-row { flex-direction: column; }
-  #gen-controls, #gen-output { display: contents; }
-  #gen-controls > .form:has(#prompt) { order: -4; }  /* Gradio wraps the textbox in a .form */
-  #gen-buttons { order: -3; }
-  #gen-image-row { order: -2; }
-  #run-summary { order: -1; }
+  #gen-row, #video-row { flex-direction: column; }
+  #gen-controls, #gen-output, #gen-image-row, #video-controls, #video-output { display: contents; }
+  #gen-controls > .form:has(#prompt), #video-controls > .form:has(#video-prompt) { order: -9; }  /* Gradio wraps a textbox in a .form */
+  #gen-buttons, #video-buttons { order: -8; }
+  #output-image, #video-player { order: -7; }
+  #output-image, #step-plot { flex: none; }  /* a row's items grow from 0: in a column that is their height */
+  #edit-this, #edit-ab, #video-frames { order: -6; }
+  #run-summary, #video-summary { order: -5; }
+  #stats { order: -4; }
+  #step-plot { order: -3; }
+  /* tables wider than the phone scroll sideways inside their own box */
+  #board, #c-speedup, #system { overflow-x: auto; }
+  #c-speedup [role=columnheader] { word-break: normal; overflow-wrap: normal; white-space: nowrap; }
 }
 """
 
@@ -144,7 +160,7 @@ def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size:
     queue is full); `edge`: the web edge's bounds (default: per-client bounds in public mode only)."""
     if edge is None:
         edge = EdgeConfig(client_events=CLIENT_EVENTS if serving.public() else None,
-                          **({"sockets": public_bounds()} if serving.public() else {}))
+                          **({"sockets": public_bounds(), "bodies": public_body_bounds()} if serving.public() else {}))
     guard = EdgeGuard(EdgeConfig(**{**edge.__dict__, "group_queue": queue_size}))
     pages = page_handlers(serving, defaults, guard)
     h = pages.shared
@@ -156,9 +172,10 @@ def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size:
             "and what precision and compilation buy on this machine."
         )
         engine_line = gr.Markdown(elem_id="engine-line")
+        ready = gr.State([])  # the engines ready now (the timer's tick): labels saying "loads a new engine" follow it
         with gr.Tabs() as tabs:
-            form = generate.build(pages.generate, demo, engine_line)
-            generate_video.build(pages.generate)  # clips from the video presets (ui/generate_video.py)
+            form = generate.build(pages.generate, demo, engine_line, ready)
+            generate_video.build(pages.generate, ready)  # clips from the video presets (ui/generate_video.py)
             buckets_tab = buckets.build(pages.buckets)
             compare.build(pages.compare)
             advisor.build(pages.advisor, form, tabs)
@@ -170,7 +187,7 @@ def build_demo(serving: Serving, defaults: UIDefaults | None = None, queue_size:
         last = gr.State({})
         gr.on([gr.Timer(h.defaults.poll_s).tick, demo.load], pages.buckets.tick,
               [*(form[name] for name in ("preset", "device", "precision", "mode")), last, form["tp"], form["memory"]],
-              [buckets_tab.board, engine_line, form["size"], buckets_tab.engine, last], **FAST)
+              [buckets_tab.board, engine_line, form["size"], buckets_tab.engine, ready, last], **FAST)
     # Queue positions are sent every QUEUE_STATUS_S, not to every waiting event each time one starts (a burst
     # of n visitors made n²/2 messages at its start, when the web server is busiest).
     demo.queue(max_size=queue_size, status_update_rate=QUEUE_STATUS_S)

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 class BucketsHandlers(HandlerBase):
     def tick(self, preset, device, precision, mode, last: dict | None, tp=1, memory: str | None = None):
         """The shared timer's poll: the bucket board and its engine list, and, from the same status
-        read, the header's engine line and the Generate tab's size labels.
+        read, the header's engine line and the Generate tab's size labels; `ready` (the engines ready now) changes
+        when one loads or unloads, and the fields whose labels say "loads a new engine" follow it.
 
         Outputs that did not change are skipped, so an open dropdown is not redrawn every second.
         """
@@ -53,7 +54,9 @@ class BucketsHandlers(HandlerBase):
         line_out = line if changed("line", line) else gr.skip()
         size_out = gr.update(choices=sizes) if changed("sizes", repr(sizes)) else gr.skip()
         engines_out = gr.update(choices=engines) if changed("engines", repr(engines)) else gr.skip()
-        return board, line_out, size_out, engines_out, last
+        ready = sorted(e["engine"] for e in status if e.get("state") == "ready")
+        ready_out = ready if changed("ready", ready) else gr.skip()
+        return board, line_out, size_out, engines_out, ready_out, last
 
     def warm(self, preset: str, device: str, precision: str, mode: str = "compile", size: str = "",
              tp=1, caller: Caller = Caller.HOST, request: gr.Request | None = None) -> dict:

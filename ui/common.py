@@ -19,6 +19,7 @@ import gradio as gr
 
 from engine import devices as engine_devices
 from engine.config import strict
+from engine.config.defaults import task_default
 from engine.config.placement import split_device
 from engine.errors import (
     BudgetExceeded,
@@ -276,6 +277,17 @@ class HandlerBase:
             return self.serving.preset(self.defaults.preset)
         except ShowcaseError:
             return self.serving.preset(self.serving.preset_names()[0])
+
+    def task_preset(self, task, names: list[str] | None = None):
+        """The task's default model (engine/config/defaults.py) among `names` (the presets visitors may pick, by
+        default), or None where none of them makes it."""
+        served = []
+        for name in self.serving.visitor_presets() if names is None else names:
+            try:
+                served.append(self.serving.preset(name))
+            except ShowcaseError:
+                continue
+        return task_default(served, task, preferred=self.defaults.preset)
 
     def precision_choices(self) -> list[str]:
         offered = self.serving.offered_precisions()

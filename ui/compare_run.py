@@ -21,8 +21,8 @@ from engine.config.validation import check_steps
 from engine.errors import Cancelled, ShowcaseError
 from engine.protocol import Size, params
 from engine.serving import stream
-from engine.serving.interface import Caller, Serving
-from ui import compare_clips, compare_views, edit_inputs, uploads, views, waiting
+from engine.serving.interface import Caller, Serving, Uploads
+from ui import compare_clips, compare_views, edit_inputs, views, waiting
 from ui.common import to_gradio_error
 from ui.runs import HEARTBEAT_S, ProgressBar
 
@@ -83,7 +83,7 @@ class Comparison:
             self.size_text = str(Size.parse(form.size)) if form.size else str(serving.preset(form.preset).buckets[0])
             self.model = serving.preset(form.preset)
             self.steps = check_steps(form.steps) if form.steps else self.model.steps
-            self.sources = edit_inputs.sources(form.images)  # read once, bounded; the gate checks them per configuration
+            self.sources = edit_inputs.sources(form.images)  # read once, bounded; decoded once when the run starts
             self.clip_fields = compare_clips.clip_request_fields(self.model, form)  # a video preset's frames and fps
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
@@ -95,13 +95,9 @@ class Comparison:
         self.prompts = [form.prompt, *compare_views.fidelity_sample_prompts(self.model, n_samples, fallback=form.prompt)]
         self.seeds = [form.seed, *(FIDELITY_SEED + i for i in range(n_samples))]
         # What each picture is checked against: its prompt, or for an edit the source and instruction together
+        # (set once the uploads are decoded, in `run`)
         self.samples = list(self.prompts)
-        if self.sources and compare_views.has_checker(self.model):
-            try:
-                source = uploads.fitted_source(self.model, self.sources, Size.parse(self.size_text))
-            except ShowcaseError as exc:
-                raise to_gradio_error(exc) from None
-            self.samples[0] = compare_views.edit_sample(self.model, form.prompt, source)
+        self.decoded = None  # the uploads decoded once, at the comparison's size: every configuration's images
         # A visitor's Compare is priced before it runs, timing rounds included, so theirs stop at the fewest
         # rounds that still give a spread; the host's grow until the spread is known or the budget ends.
         self.max_rounds = TIMING_MIN_ROUNDS if serving.priced(call.caller) else TIMING_MAX_ROUNDS
@@ -137,9 +133,14 @@ class Comparison:
         with ExitStack() as stack:
             try:  # public mode: one running request per visitor, priced as a whole before anything runs
                 self.run_state = stack.enter_context(self.call.open_run())
+                self._decode_sources()  # after the visitor's run is held: nothing is decoded for a refused one
+                images = len(self.configs) * (len(self.prompts) + self.rounds_cap)
                 price = serving.price_compare(self.form.preset, self.size_text, self.steps, len(self.configs),
                                               len(self.prompts) + self.rounds_cap, self.form.guidance,
                                               caller=self.call.caller, num_frames=self.clip_fields.get("num_frames"))
+                if self.decoded is not None:  # every image's references, and decoding them once
+                    price = serving.price_uploads(self.form.preset, self.size_text, self.steps, images, price,
+                                                  Uploads(len(self.sources), self.decoded.pixels), self.call.caller)
                 self.ticket = stack.enter_context(serving.admission(self.call.client, price, self.call.caller))
             except ShowcaseError as exc:
                 raise to_gradio_error(exc) from None
@@ -152,6 +153,18 @@ class Comparison:
         if all(r.get("error") for r in self.results):
             failures = "; ".join(f"{r['config']}: {r['error']}" for r in self.results)
             raise gr.Error(f"every configuration failed: {failures}", title="Compare failed")
+
+    def _decode_sources(self) -> None:
+        """The uploads decoded and resized to the comparison's size once (the gate's own code): each
+        configuration's admission takes them as they are; an edit's checker compares against the source."""
+        if not self.sources:
+            return
+        from engine.config.images import decode_inputs
+
+        self.decoded = decode_inputs(self.model, self.sources, None, None, self.call.client).fitted(
+            Size.parse(self.size_text))
+        if compare_views.has_checker(self.model):
+            self.samples[0] = compare_views.edit_sample(self.model, self.form.prompt, self.decoded.images[0])
 
     def draw(self, config: str, text: str, seed, desc: str, offset: int):
         """One image of `config` through the engine; yields heartbeats, returns (result, seconds)."""
@@ -182,7 +195,7 @@ class Comparison:
                             on_cold="wait" if form.wait_for_warm else "eager",
                             step_cache=None if cache == views.NO_CACHE else cache, caller=self.call.caller,
                             lora=lora.text(), lora_fused=lora.fused, memory=explicit.split_levers(config)[1] or None,
-                            images=self.sources, **self.clip_fields)
+                            images=self.sources, decoded=self.decoded, **self.clip_fields)
 
     # -- phase 1: quality images, one configuration after another (they also warm each one) ------------
     def quality_images(self, index: int, config: str):

@@ -5,7 +5,7 @@
   MAX_UPLOAD_BODY_BYTES (engine/config/images.py bounds each file and decodes it once), and on the routes
   of UPLOAD_ROUTES, which read their own multipart body bounded as it arrives (POST /v1/images/edits, and
   POST /v1/videos with its source image);
-  what is uploaded is never served back by `/file=`, to its sender or anyone else.
+  what is uploaded is never served back by `/file=` or `/file/`, to its sender or anyone else.
 - Gradio's queue is hooked at `Queue.push` (every join route goes through it): each client (its
   address, see `client_address`) may hold a bounded number of events waiting or running, and each
   concurrency group has its own queue bound, so a full generate queue never refuses /status, /cancel
@@ -42,9 +42,11 @@ from urllib.parse import parse_qs
 from engine.config import strict
 from engine.errors import InvalidRequest, ShowcaseError
 from ui import quietlog
+from ui.bodies import BodyBounds, BodyLedger, BodyReader
 from ui.keyguard import KeyGuard
 from ui.sockets import REASONS, SocketBounds, SocketGuard, in_networks, is_stream_path
 from ui.uploads import MAX_UPLOADS_BYTES
+from ui.webtemp import UploadShares
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class EdgeConfig:
     trusted_proxies: tuple = field(default=())  # ip networks whose X-Forwarded-For is believed
     listen_grace_s: float = LISTEN_GRACE_S
     sockets: SocketBounds | None = field(default_factory=SocketBounds)  # None: no socket bounds
+    bodies: BodyBounds | None = field(default_factory=BodyBounds)  # body deadlines and memory; None: size only
 
 
 def parse_proxies(text: str | None) -> tuple:
@@ -272,6 +275,8 @@ class EdgeGuard:
         self.refused = Counter()  # reason -> count, for /system and /metrics
         bounds = self.config.sockets
         self.sockets = SocketGuard(bounds, self.config.trusted_proxies) if bounds is not None else None
+        self.bodies = BodyLedger(self.config.bodies) if self.config.bodies is not None else None
+        self.uploads = UploadShares()  # Gradio's upload route, per visitor (ui/webtemp.py)
         self.log = quietlog.LogBudget()
         self.keys = KeyGuard()  # failed API-key checks per address (ui/openai_api.py ApiKeys)
         self.callers = Callers(self.config.trusted_proxies)
@@ -400,7 +405,8 @@ class EdgeGuard:
 
         # Built when the app starts, after install: api_names is known by then.
         return Middleware(_EdgeMiddleware, streams=self.streams, callers=self.callers, refused=self.refused,
-                          log=self.log, max_body_bytes=self.config.max_body_bytes, api_names=self.api_names)
+                          log=self.log, max_body_bytes=self.config.max_body_bytes, api_names=self.api_names,
+                          held=(self.bodies, self.uploads))
 
     def snapshot(self) -> dict:
         c = self.config
@@ -408,7 +414,8 @@ class EdgeGuard:
                 "queue_per_action": c.group_queue, "listen_grace_s": c.listen_grace_s,
                 "trusted_proxies": [str(n) for n in c.trusted_proxies], "uploads": f"input images on /gradio_api/upload, at most {MAX_UPLOAD_BODY_BYTES:,} bytes",
                 "refused": dict(self.refused),
-                **({"sockets": self.sockets.snapshot()} if self.sockets is not None else {})}
+                **({"sockets": self.sockets.snapshot()} if self.sockets is not None else {}),
+                **({"bodies": self.bodies.snapshot()} if self.bodies is not None else {})}
 
 
 def in_turns(waiting: list, client_of, running: Counter) -> list:
@@ -447,6 +454,36 @@ def _replay(data: bytes, after, gone: dict | None = None):
     return receive
 
 
+def _answer_kept(send):
+    """(a send that also keeps the answer's body, the list it keeps it in)."""
+    kept: list[bytes] = []
+
+    async def keeping(message):
+        if message["type"] == "http.response.body" and sum(map(len, kept)) < 1 << 20:
+            kept.append(message.get("body", b""))
+        await send(message)
+
+    return keeping, kept
+
+
+def _paths(answer: bytes) -> list[str]:
+    """The paths in Gradio's upload answer (a JSON list), [] when it is anything else."""
+    try:
+        paths = json.loads(answer)
+    except ValueError:
+        return []
+    return [p for p in paths if isinstance(p, str)] if isinstance(paths, list) else []
+
+
+def _file_asked(path: str) -> str | None:
+    """The file a GET names on Gradio's file routes (`/file=<path>`, and its older `/file/<path>`), else None."""
+    if "/file=" in path:
+        return path.split("/file=", 1)[1]
+    if "/gradio_api/file/" in path:
+        return path.split("/gradio_api/file/", 1)[1]
+    return None
+
+
 def _uploaded(scope, asked: str) -> bool:
     """Whether `/file=<asked>` names a file a visitor uploaded (Gradio lists them in its upload_file_set)."""
     blocks = getattr(scope.get("app"), "blocks", None)
@@ -470,23 +507,18 @@ def _own_output(scope, asked: str) -> bool:
 
 
 class _CountedBody:
-    """The request body as the app reads it, cut off past the limit: the app then sees a client that went
-    away, its answer is dropped, and the middleware answers 413 itself."""
+    """The request as the app sees it: its body read through a BodyReader (ui/bodies.py), cut off past a bound
+    (its size, its deadline, the memory bodies hold): the app then sees a client that went away, its answer is
+    dropped, and the middleware answers the refusal itself."""
 
-    def __init__(self, receive, send, limit: int):
-        self._receive, self._send, self.limit = receive, send, limit
-        self.read, self.over, self.started, self.ended = 0, False, False, False
+    def __init__(self, reader: BodyReader, send):
+        self.reader, self._send = reader, send
+        self.receive = reader.receive
+        self.started, self.ended = False, False
 
-    async def receive(self):
-        if self.over:
-            return {"type": "http.disconnect"}
-        message = await self._receive()
-        if message["type"] == "http.request":
-            self.read += len(message.get("body", b""))
-            if self.read > self.limit:
-                self.over = True
-                return {"type": "http.disconnect"}
-        return message
+    @property
+    def over(self) -> bool:
+        return self.reader.refusal is not None
 
     async def send(self, message):
         if self.over:
@@ -503,9 +535,12 @@ class _CountedBody:
 
 class _EdgeMiddleware:
     def __init__(self, app, streams: Streams, callers: Callers, refused: Counter, log: quietlog.LogBudget,
-                 max_body_bytes: int, api_names: frozenset[str] | None):
+                 max_body_bytes: int, api_names: frozenset[str] | None,
+                 held: tuple[BodyLedger | None, UploadShares] = (None, None)):
         self.app, self.streams, self.callers, self.refused, self.log = app, streams, callers, refused, log
         self.max_body_bytes, self.api_names = max_body_bytes, api_names
+        self.bodies, uploads = held  # what bodies under way and visitors' uploads hold
+        self.uploads = uploads or UploadShares()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -517,41 +552,74 @@ class _EdgeMiddleware:
                 self.refused[reason] += 1
             await _refuse(send, status, message)
             return
+        body = _CountedBody(self._reader(scope, receive), send)
+        try:
+            await self._serve(scope, body)
+        finally:
+            body.reader.release()
+            if self.bodies is not None:
+                self.bodies.settle()
+        if body.over and not body.started:
+            reason, status, message = body.reader.refusal
+            self.refused[reason] += 1
+            if reason != "body size":
+                self.log.line(self._client(scope), "%s %s refused: %s", scope.get("method"), scope["path"][:120],
+                              reason)
+            await _refuse(send, status, message)
+
+    def _reader(self, scope, receive) -> BodyReader:
+        """The request's body as the app reads it: bounded in size and, when one is announced, in time and in
+        the memory it holds."""
+        path = scope["path"].rstrip("/")
+        limit = UPLOAD_ROUTES.get(path, MAX_UPLOAD_BODY_BYTES if path.endswith("/gradio_api/upload") else
+                                  self.max_body_bytes)
+        message = (f"Request body is over this server's limit of {limit:,} bytes (prompts are at most 4,000 "
+                   "characters)")
+        length = _header(scope, b"content-length")
+        announced = (length is not None and length.strip() not in ("", "0")) or _header(
+            scope, b"transfer-encoding") is not None
+        if self.bodies is None or not announced:
+            return BodyReader(receive, limit, message)
+        announced = int(length) if length is not None and length.strip().isdigit() else 0
+        return BodyReader(receive, limit, message, self.bodies.bounds, self.bodies, self._client(scope), announced)
+
+    async def _serve(self, scope, body: _CountedBody) -> None:
+        receive = body.receive
         if _json_post(scope):  # read whole (bounded) and checked before any parser recurses into it
             receive, refusal = await self._checked_json(scope, receive)
+            if body.over:
+                return
             if refusal is not None:
                 self.refused[refusal[0]] += 1
                 self.log.line(self._client(scope), "%s %s refused: %s", scope.get("method"), scope["path"][:120],
                               refusal[2][:160])
-                await _refuse(send, refusal[1], refusal[2])
+                await _refuse(body.send, refusal[1], refusal[2])
                 return
-        path = scope["path"].rstrip("/")
-        body = _CountedBody(receive, send, UPLOAD_ROUTES.get(path, MAX_UPLOAD_BODY_BYTES
-                                                             if path.endswith("/gradio_api/upload") else
-                                                             self.max_body_bytes))
         session = self.streams.session_of(scope)
         with self.streams.proxied(scope) as admitted, self.streams.listener(session):
             if not admitted:
                 self.refused["too many streams from one address"] += 1
-                await _refuse(send, *REASONS["too many streams from one address"])
+                await _refuse(body.send, *REASONS["too many streams from one address"])
                 return
             if self.streams.unknown(session):
                 self.refused["unknown event"] += 1
                 self.log.line(self._client(scope), "%s %s refused: no such event or session",
                               scope.get("method"), scope["path"][:120])
-                await _refuse(send, 404, "No such event or session: it finished, or it never joined the queue")
+                await _refuse(body.send, 404, "No such event or session: it finished, or it never joined the queue")
                 return
+            send = body.send
+            uploaded = None
+            if scope.get("method") == "POST" and scope["path"].rstrip("/").endswith("/gradio_api/upload"):
+                send, uploaded = _answer_kept(body.send)
             try:
-                await self.app(scope, body.receive, body.send)
+                await self.app(scope, receive, send)
+                if uploaded is not None:
+                    self.uploads.record(self._client(scope), _paths(b"".join(uploaded)))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if not body.over:
                     await self._failed(scope, body, exc)
-        if body.over and not body.started:
-            self.refused["body size"] += 1
-            await _refuse(send, 413, f"Request body is over this server's limit of {body.limit:,} bytes "
-                                     "(prompts are at most 4,000 characters)")
 
     async def _checked_json(self, scope, receive):
         """(a receive that replays the body, None) or (None, (reason, status, message)) for a JSON body over the
@@ -609,9 +677,8 @@ class _EdgeMiddleware:
             return "unknown function", 404, "This app has no such API; see /gradio_api/info"
         if path.endswith("/deep_link"):
             return "deep link", 404, "This app keeps no deep links"
-        if "/file=" in path and not _own_output(scope, path.split("/file=", 1)[1]):
-            return "file", 403, "Files are served only from this app's own outputs"
-        if "/file=" in path and _uploaded(scope, path.split("/file=", 1)[1]):
+        asked = _file_asked(scope["path"])
+        if asked is not None and (not _own_output(scope, asked) or _uploaded(scope, asked)):
             return "file", 403, "Files are served only from this app's own outputs"
         length = _header(scope, b"content-length")
         if length is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gradio as gr
 
 from engine.errors import ShowcaseError
-from engine.protocol import ImageInputs
+from engine.protocol import ImageInputs, Task
 from ui.common import FAST, HandlerBase, to_gradio_error
 from ui.uploads import uploads
 
@@ -56,15 +56,13 @@ class EditInputs:
         return gr.update(visible=self._inputs(preset).takes_images)
 
     def edit_preset(self, preset: str) -> str:
-        """`preset` when it takes images, else the first preset the visitor may choose that edits."""
+        """`preset` when it takes images, else the edit task's default among the presets the visitor may choose."""
         if self._inputs(preset).takes_images:
             return preset
-        serving = self.h.serving
-        editing = [name for name in serving.visitor_presets()  # an image's edit: a clip's first frame is not one
-                   if serving.preset(name).inputs.needs_source and not serving.preset(name).video]
-        if not editing:
+        chosen = self.h.task_preset(Task.EDIT)  # an image's edit: a clip's first frame is not one
+        if chosen is None:
             raise gr.Error("No preset that edits is offered here; the host adds one (e.g. tiny-shapes-edit)")
-        return editing[0]
+        return chosen.name
 
     def edit_this(self, image, preset: str):
         """The image on show as the image area's one image (written to Gradio's own upload folder, which the app

@@ -310,11 +310,12 @@ class GenerateHandlers(HandlerBase):
         steps in a worker thread) reading the request's event stream through stream.blocking: closing it
         stops the engine request between steps.
         """
-        prepared = self._prepare(form, request, progress)
-        feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
-        with self._registered(request) as run, closing(stream.blocking(self._events(prepared, run))) as events:
-            for event in events:
-                yield from prepared.view.outputs(event, feed, page=True)
+        with self._registered(request) as run:  # the visitor's one run first: nothing is decoded for a refused one
+            prepared = self._prepare(form, request, progress)
+            feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
+            with closing(stream.blocking(self._events(prepared, run))) as events:
+                for event in events:
+                    yield from prepared.view.outputs(event, feed, page=True)
 
     async def generate_api(self, request: gr.Request = None, progress=gr.Progress(), images=None, mask=None,  # noqa: B008
                            **form):
@@ -330,13 +331,16 @@ class GenerateHandlers(HandlerBase):
           encoded again.
         Cancelling the handler (a closed page, job.cancel()) stops the engine request at any await. `images` and
         `mask` are named so that Gradio's API page offers them as optional (None: no upload)."""
-        prepared = self._prepare({**form, "images": images, "mask": mask}, request, progress, for_page=False)
-        feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
+        import anyio
+
         try:
             await self.await_listener(request)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
-        with self._registered(request, listener_checked=True) as run:
+        with self._registered(request, listener_checked=True) as run:  # its one run first, then the decode
+            prepared = await anyio.to_thread.run_sync(
+                lambda: self._prepare({**form, "images": images, "mask": mask}, request, progress, for_page=False))
+            feed = self.run_feed(prepared.key, ProgressBar(progress), bucket=prepared.compile_bucket())
             async with aclosing(self._events(prepared, run)) as events:
                 async for event in events:
                     for output in prepared.view.outputs(event, feed, page=False):
@@ -405,13 +409,13 @@ class GenerateHandlers(HandlerBase):
     def render_run(self, result: dict | None):
         """Per-step plot, stats table and summary line of one run (also of a partial, still-running one)."""
         rows = views.step_rows(result)
-        frame = views.step_frame(rows, generate_views.STEP_COLUMNS, series=(views.COMPUTED, views.CACHED))
-        # The x axis spans the run's steps from the start: a first, empty partial made a one-value axis
-        # ticked "1.000000". No y_lim, ever: Vega takes the y range from the data. The browser keeps a
-        # LinePlot's last y_lim when an update sets it to None (an empty partial's [0, 1] stayed for the whole
-        # run and drew the line far above the chart), and a y_lim that follows the data rebuilds the chart on
-        # every step, and racing rebuilds leave a stale line.
-        plot = gr.update(value=frame, x_lim=generate_views.step_axis(result))
+        frame = views.step_frame(rows + generate_views.steps_to_come(result, rows), generate_views.STEP_COLUMNS,
+                                 series=(views.COMPUTED, views.CACHED))
+        # The x axis (the steps as labels, STEP_ORDER) spans the run's steps from the start. No y_lim, ever: Vega
+        # takes the y range from the data. The browser keeps a LinePlot's last y_lim when an update sets it to
+        # None (an empty partial's [0, 1] stayed for the whole run and drew the line far above the chart), and a
+        # y_lim that follows the data rebuilds the chart on every step, and racing rebuilds leave a stale line.
+        plot = gr.update(value=frame.astype({"step": "string"}), elem_classes=generate_views.plot_classes(rows))
         stats = pd.DataFrame(generate_views.stats_rows(result), columns=generate_views.STATS_COLUMNS)
         return plot, stats, generate_views.run_summary(result)
 
@@ -454,8 +458,10 @@ def api_allowed(h: GenerateHandlers, preset: str, device: str) -> dict[str, str]
                           + " (/status and the page say which can run on an engine)"}
 
 
-def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Mapping[str, gr.components.Component]:
-    """The tab (inside gr.Tabs) and its events; `engine_line` is the header's engine status. Returns the request's
+def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown,
+          ready: gr.State | None = None) -> Mapping[str, gr.components.Component]:
+    """The tab (inside gr.Tabs) and its events; `engine_line` is the header's engine status, `ready` the engines
+    ready now (set by the shared timer: the precision and memory labels follow it). Returns the request's
     widgets by field name (read-only): the shared timer and the Advisor's "apply" read and set them."""
     page = GeneratePage(h)
     with gr.Tab("Generate", id="generate"):
@@ -471,6 +477,8 @@ def build(h: GenerateHandlers, demo: gr.Blocks, engine_line: gr.Markdown) -> Map
             page.api()
     page.wire_runs()
     page.wire_settings(demo, engine_line)
+    if ready is not None:
+        page.follow_engines(ready)
     edit_inputs.wire(page, demo)
     return MappingProxyType(page.form)
 
@@ -591,7 +599,7 @@ class GeneratePage:
             # Created empty; every value names both series first (views.step_frame says why).
             self.step_plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this run",
                                          x_title="step", y_title="ms", color_title="", height=300,
-                                         elem_id="step-plot", min_width=200,
+                                         elem_id="step-plot", min_width=200, sort=generate_views.STEP_ORDER,
                                          color_map={views.COMPUTED: views.SERIES_PALETTE[0],
                                                     views.CACHED: views.SERIES_PALETTE[1]})
         self.edit_btn = edit_inputs.edit_button()  # the output into the image area (ui/edit_inputs.py)
@@ -647,6 +655,13 @@ class GeneratePage:
                               api_name="generate", api_description=GENERATE_API_DOC, preprocess=False,
                               postprocess=False, **run_io)
         self.timings.change(h.render_run, self.timings, [self.step_plot, self.stats, self.summary], **FAST)
+
+    def follow_engines(self, ready: gr.State) -> None:
+        """An engine loaded or unloaded: the precision and memory choices say again which need a new engine."""
+        h, f = self.h, self.form
+        ready.change(h.precision_field, [f["preset"], f["device"], f["tp"], f["memory"]], f["precision"], **FAST)
+        ready.change(h.memory_choices, [f["preset"], f["device"], f["precision"], f["mode"], f["tp"], f["memory"]],
+                     f["memory"], **FAST)
 
     def wire_settings(self, demo: gr.Blocks, engine_line: gr.Markdown) -> None:
         """A new preset's defaults and styles; the engine the settings point at, started with the page (app.py

@@ -15,26 +15,35 @@ from contextlib import closing
 import gradio as gr
 from gradio.utils import get_upload_folder
 
-from engine.config.request import FORM_FIELDS
 from engine.errors import ShowcaseError
-from engine.protocol import params
+from engine.protocol import Task, params
 from engine.serving import stream
-from ui import edit_inputs, views, webtemp
+from ui import edit_inputs, generate_views, views, webtemp
 from ui.common import ENGINE_QUEUE, FAST, to_gradio_error
-from ui.generate import GenerateHandlers, declared_shown, declared_widgets
+from ui.generate import (
+    DECLARED,
+    GenerateHandlers,
+    api_allowed,
+    api_file,
+    api_text,
+    declared_shown,
+    declared_widgets,
+)
 from ui.runs import ProgressBar
 
-# The tab's fields, in /generate_video's order (gradio_client callers pass them positionally: append only):
-# /generate's first seven (prompt to size), the clip's length and rate, its next four (steps to on_cold), images,
-# memory levers.
-VIDEO_FIELDS = (*FORM_FIELDS[:7], "num_frames", "fps", *FORM_FIELDS[7:11], "images", "memory")
+# The tab's fields and /generate_video's parameters, in FIELDS' order (gradio_client callers pass them
+# positionally; FIELDS is append-only): the declared fields a video family can take (params.clip_fields).
+VIDEO_FIELDS = params.clip_fields()
+# Those the tab builds no widget of its own for (a negative prompt, a newly declared field): made from the declaration.
+VIDEO_DECLARED = tuple(f for f in DECLARED if f.name in VIDEO_FIELDS)
 GENERATE_VIDEO_DOC = (
-    "Generate one clip with a video preset (tiny-wan, Wan 2.x; tiny-wan-i2v and wan2.1-i2v-14b-480p start from a "
-    "source image: images, one file (gradio_client: [handle_file(PATH)]; an agent: an http(s) or data: URL), the "
-    "clip's first frame, resized to the size bucket). Returns (video, frames, timings): the MP4, its "
-    "frames as images, and the run's figures as JSON (the CLI's --json: frames, fps, step_ms, encode/denoise/decode/"
-    "total ms, video_encode_ms, recompiles, peak memory, notices such as a frame count snapped to its bucket). "
-    "Every parameter is text or a number; '' takes the preset's default.")
+    "Generate one clip with a video preset (default: the embedded tiny-shapes-video; Wan 2.x; tiny-wan-i2v and "
+    "wan2.1-i2v-14b-480p start from a source image: images, one file (gradio_client: [handle_file(PATH)]; an agent: "
+    "an http(s) or data: URL), the clip's first frame, resized to the size bucket). Returns (video, frames, "
+    "timings): the MP4, its frames as images, and the run's figures as JSON (the CLI's --json: preset, frames, fps, "
+    "step_ms, encode/denoise/decode/total ms, video_encode_ms, recompiles, peak memory, notices such as a frame "
+    "count snapped to its bucket). Only the prompt is needed: every other parameter is text, and '' (or leaving it "
+    "out) takes the named preset's own default.")
 
 
 def clip_summary(result: dict | None) -> str:
@@ -59,16 +68,23 @@ class VideoHandlers(GenerateHandlers):
     def video_presets(self) -> list[str]:
         return [name for name in self.serving.visitor_presets() if self.serving.preset(name).video]
 
+    def first_video_preset(self):
+        """The tab's starting preset: the video task's default (engine/config/defaults.py) among those offered,
+        else among every preset (the tab then says none is offered; /generate_video keeps its shape)."""
+        return (self.task_preset(Task.VIDEO, self.video_presets())
+                or self.task_preset(Task.VIDEO, self.serving.preset_names()))
+
     def video_defaults(self, preset: str):
-        """A video preset's optional text boxes (params.OPTIONAL_TEXT: a negative prompt) shown or hidden, its sizes, first frame
-        bucket, rate and steps."""
+        """A video preset's own defaults: its declared widgets (VIDEO_DECLARED: a negative prompt) shown where it
+        takes them, its sizes, first frame bucket, rate, steps and guidance."""
         try:
             p = self.serving.preset(preset)
         except ShowcaseError as exc:
             raise to_gradio_error(exc) from None
         sizes = [str(s) for s in p.buckets]
-        return (*declared_shown(p, params.OPTIONAL_TEXT), gr.update(choices=sizes, value=sizes[0]), gr.update(value=p.frames[0] if p.video else None),
-                gr.update(value=p.fps), gr.update(value=p.steps))
+        return (*declared_shown(p, VIDEO_DECLARED), gr.update(choices=sizes, value=sizes[0]),
+                gr.update(value=p.frames[0] if p.video else None), gr.update(value=p.fps), gr.update(value=p.steps),
+                gr.update(value=p.guidance))
 
     def generate_video(self, request: gr.Request = None, progress=gr.Progress(), images=None, **form):  # noqa: B008
         """One clip: streams (video, frames, timings) as Generate streams (image, timings); the video and its
@@ -87,22 +103,22 @@ class VideoHandlers(GenerateHandlers):
                     yield (None if image is None else gr.skip()), gr.skip(), timings
 
 
-def build(h: VideoHandlers) -> None:
-    """The tab (inside gr.Tabs) and its events."""
+def build(h: VideoHandlers, ready: gr.State | None = None) -> None:
+    """The tab (inside gr.Tabs) and its events; `ready`: the engines ready now (the memory labels follow it)."""
     presets = h.video_presets()
     with gr.Tab("Video", id="video"):
         if not presets:  # /generate_video stays (an API's shape does not follow the host's list) and says why
             gr.Markdown("No video preset is offered on this server (a host lists one, e.g. tiny-wan, in its presets).")
-        first = h.serving.preset(presets[0] if presets else "tiny-wan")
+        first = h.first_video_preset()
         d = h.defaults
-        with gr.Row():
-            with gr.Column(scale=2, min_width=320):
+        with gr.Row(elem_id="video-row"):  # a phone puts the prompt, the button and the clip first (ui/blocks.py)
+            with gr.Column(scale=2, min_width=320, elem_id="video-controls"):
                 form = _controls(h, presets, first, d)
                 one_rank = gr.State(1)  # memory_choices' ranks: clips run on one (inside the tab: a child of gr.Tabs is a tab)
                 area, capture = _source_image(form, first)
                 form = {name: form[name] for name in VIDEO_FIELDS}  # /generate_video's order
-            with gr.Column(scale=3, min_width=340):
-                with gr.Row():
+            with gr.Column(scale=3, min_width=340, elem_id="video-output"):
+                with gr.Row(elem_id="video-buttons"):
                     run_btn = gr.Button("Generate clip", variant="primary", elem_id="video-btn")
                     cancel_btn = gr.Button("Cancel", variant="stop", elem_id="video-cancel-btn")
                 player = gr.Video(label="video", interactive=False, autoplay=True, loop=True, height=300,
@@ -111,23 +127,31 @@ def build(h: VideoHandlers) -> None:
                                    interactive=False, preview=False)
                 clip_line = gr.Markdown(elem_id="video-summary")
                 plot = gr.LinePlot(x="step", y="step_ms", color="steps", title="Per-step latency of this clip",
-                                   x_title="step", y_title="ms", color_title="", height=240, elem_id="video-plot")
+                                   x_title="step", y_title="ms", color_title="", height=240, elem_id="video-plot",
+                                   sort=generate_views.STEP_ORDER)
                 summary = gr.Markdown(elem_id="video-run-summary")
                 stats = gr.Dataframe(interactive=False, label="Timings (stages: text encode, denoise, VAE decode)",
                                      elem_id="video-stats", wrap=True)
                 with gr.Accordion("Timings JSON", open=False):
                     timings = gr.JSON(label="timings", elem_id="video-timings")
+        with gr.Column(visible=False):  # /generate_video: the same handler on hidden text inputs
+            api_form, api_outputs = _api(h, first)
+            api_button = gr.Button(visible=False)
+    run_io = dict(concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots())
     run = run_btn.click(h.generate_video, None, [player, strip, timings], inputs_kwargs=form,
-                        api_name="generate_video", api_description=GENERATE_VIDEO_DOC, show_progress="full",
-                        show_progress_on=[player], concurrency_id=ENGINE_QUEUE, concurrency_limit=h.run_slots())
+                        api_name="generate_video_ui", api_visibility="private", show_progress="full",
+                        show_progress_on=[player], **run_io)
+    api_button.click(h.generate_video, None, api_outputs, inputs_kwargs=api_form, api_name="generate_video",
+                     api_description=GENERATE_VIDEO_DOC, **run_io)
     cancel_btn.click(None, cancels=[run])
     timings.change(h.render_run, timings, [plot, stats, summary], **FAST)
     timings.change(clip_summary, timings, clip_line, **FAST)
-    form["preset"].change(h.video_defaults, form["preset"], [*(form[t.name] for t in params.OPTIONAL_TEXT),
+    form["preset"].change(h.video_defaults, form["preset"], [*(form[f.name] for f in VIDEO_DECLARED),
                                                              form["size"], form["num_frames"], form["fps"],
-                                                             form["steps"]], **FAST)
+                                                             form["steps"], form["guidance"]], **FAST)
     settings = [form[name] for name in ("preset", "device", "precision", "mode")]
-    gr.on([c.change for c in settings], h.memory_choices, [*settings, one_rank, form["memory"]], form["memory"], **FAST)
+    gr.on([c.change for c in settings] + ([ready.change] if ready is not None else []), h.memory_choices,
+          [*settings, one_rank, form["memory"]], form["memory"], **FAST)
     edits = edit_inputs.EditInputs(h)  # the source image's area follows the preset's declaration, as Generate's
     form["preset"].change(edits.image_area, form["preset"], [area, form["images"]], **FAST)
     capture.change(edits.add_capture, [capture, form["images"]], [form["images"], capture], **FAST)
@@ -135,9 +159,9 @@ def build(h: VideoHandlers) -> None:
 
 def _controls(h: VideoHandlers, presets: list[str], first, d) -> dict:
     """The clip's fields by name (VIDEO_FIELDS); dropdowns take typed values so our checks name what is wrong."""
-    form = {"prompt": gr.Textbox(label=params.label("prompt"), value="a yellow triangle moving left on a purple background",
-                                 lines=2, elem_id="video-prompt"),
-            **declared_widgets(first, params.OPTIONAL_TEXT, prefix="video-")}
+    form = {"prompt": gr.Textbox(label=params.label("prompt"), value=first.example_prompt, lines=2,
+                                 elem_id="video-prompt"),
+            **declared_widgets(first, VIDEO_DECLARED, prefix="video-")}
     with gr.Row():
         form["preset"] = gr.Dropdown(presets, value=first.name, label="Video preset", allow_custom_value=True,
                                      elem_id="video-preset")
@@ -168,6 +192,22 @@ def _controls(h: VideoHandlers, presets: list[str], first, d) -> dict:
                                  allow_custom_value=not public, interactive=not public,
                                  label=params.label("memory"), elem_id="video-memory")
     return form
+
+
+def _api(h: VideoHandlers, first) -> tuple[dict, list]:
+    """/generate_video's hidden inputs, one per VIDEO_FIELDS in its order, and its outputs: the sampling fields
+    start empty, so a caller that names another preset gets that preset's steps, guidance, frames and fps."""
+    d = h.defaults
+    defaults = {"prompt": first.example_prompt, "preset": first.name, "device": d.device, "precision": d.precision,
+                "mode": "eager", "seed": "0", "on_cold": d.on_cold}
+    allowed = {**api_allowed(h, first.name, d.device),
+               "preset": "one of " + (", ".join(h.video_presets()) or "the video presets (none is offered here)")
+                         + f" (default: {first.name})"}
+    form = {name: api_file(name, "multiple", allowed[name]) if name == "images"
+            else api_text(name, defaults.get(name, ""), allowed[name]) for name in VIDEO_FIELDS}
+    outputs = [gr.Video(visible=False, label="video"), gr.Gallery(visible=False, label="frames"),
+               gr.JSON(visible=False, label="timings")]
+    return form, outputs
 
 
 def _source_image(form: dict, first) -> tuple[gr.Accordion, gr.Image]:

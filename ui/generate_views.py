@@ -3,9 +3,9 @@ per-step plot's axis and the device notes. Pure: no gradio, tested without a ser
 
 from __future__ import annotations
 
-from engine.protocol import lora_run_text
+from engine.protocol import MAX_STEPS, lora_run_text
 from ui.memory_views import WHY_NOT_TITLE, weights_line
-from ui.views import NO_CACHE, fmt_bytes, fmt_ms, fmt_steps, median, why_not
+from ui.views import CACHED, COMPUTED, NO_CACHE, fmt_bytes, fmt_ms, fmt_steps, median, why_not
 
 STATS_COLUMNS = ["metric", "value"]
 STEP_COLUMNS = ["step", "step_ms", "steps"]
@@ -23,6 +23,24 @@ def step_axis(result: dict | None) -> list[float] | None:
         return None
     steps = result.get("steps") or len((result.get("timings") or {}).get("step_ms") or ())
     return [1, max(2, int(steps or 0))]
+
+
+# The per-step plots' x axis is the steps as labels, in this order: a numeric axis of 4 steps was ticked 1.5, 2.5.
+STEP_ORDER = [str(step) for step in range(1, MAX_STEPS + 1)]
+
+
+def steps_to_come(result: dict | None, rows: list[dict]) -> list[dict]:
+    """A row without a value for each step of the run not done yet, so the axis spans the run from its start."""
+    axis = step_axis(result)
+    return [{"step": step, "step_ms": float("nan"), "steps": COMPUTED}
+            for step in range(len(rows) + 1, axis[1] + 1)] if axis else []
+
+
+def plot_classes(rows: list[dict]) -> list[str]:
+    """The plot's classes: "no-cached" hides the legend's cached entry (ui/blocks.py CSS) where no step was
+    cached. A class, not colors_in_legend: changing that prop rebuilds the chart, and racing rebuilds draw stale
+    lines."""
+    return [] if any(r["steps"] == CACHED for r in rows) else ["no-cached"]
 
 
 def bucket_verdict(result: dict) -> str:

@@ -38,6 +38,7 @@ import time
 from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import strict
 from engine.config.request import API_KEYS_ADMIN, MAX_PREVIEWS, Caller, ImageRequest, load_api_keys
@@ -53,13 +54,16 @@ from engine.errors import (
     UnsupportedCombination,
     scrub_paths,
 )
-from engine.protocol import params
+from engine.protocol import RANDOM_WEIGHTS_NOTE, Task, params
 from engine.serving import stream
 from engine.serving.stream import Run
 from ui import quietlog
 from ui.common import ENGINE_QUEUE, HandlerBase
 from ui.keyguard import KeyGuard, retry_after
 from ui.openai_store import OutputStore
+
+if TYPE_CHECKING:
+    from engine.serving.interface import Admitted
 
 log = logging.getLogger(__name__)
 
@@ -314,12 +318,17 @@ class ModelChoice:
     notice: str | None = None
 
 
+def unnamed_notice(preset: str) -> str:
+    """What an answer says when its call named no model: which one served it (every door's default for a task)."""
+    return f"no model named: {preset} served it, this server's default for the task"
+
+
 def choose_model(name: str | None, presets, default: str, offered: list[str]) -> ModelChoice:
     """`model` as a client sends it: no name is the default preset; a preset of this server is itself (the
     serving gate then says whether this caller may use it); an OpenAI family name is the default preset with
     that family's default response_format; anything else is a 404 naming the models the caller may send."""
     if name is None or not name.strip():
-        return ModelChoice(default, PRESET_FORMAT)
+        return ModelChoice(default, PRESET_FORMAT, unnamed_notice(default))
     if name in presets:
         return ModelChoice(name, PRESET_FORMAT)
     family = next((fmt for prefix, fmt in OPENAI_FAMILIES if name.lower().startswith(prefix)), None)
@@ -338,7 +347,7 @@ class ImagesRun:
     Partial and Finished events; `stop()` cancels every image between steps. `open_events(spec, run)`: an
     image's stream; `cancel(request_id)`: what stops a sent request."""
 
-    def __init__(self, specs: list[ImageRequest], open_events, cancel):
+    def __init__(self, specs: list[ImageRequest | Admitted], open_events, cancel):
         self.specs = specs
         self.runs = [Run(cancel) for _ in specs]
         self.streams = [open_events(spec, run) for spec, run in zip(specs, self.runs, strict=True)]
@@ -489,7 +498,8 @@ class OpenAIRoutes:
         # read_edit: (routes, request, caller) -> ImagesCall, POST /v1/images/edits' reader (ui/openai_edits.py)
         self.h, self.keys, self.read_edit = handlers, keys, read_edit
         self.videos = videos  # the /v1/videos jobs (ui/openai_videos.py VideoJobs), or None: no videos API
-        self.store = OutputStore()
+        cache = getattr(handlers.serving, "cache_dir", None)  # the app's --cache-dir: its files stay in one place
+        self.store = OutputStore(under=Path(cache) / "v1" if cache else None)
         self.started = int(time.time())
 
     def middleware(self):
@@ -526,7 +536,7 @@ class OpenAIRoutes:
             return Response(png, media_type="image/png", headers={"cache-control": "private, max-age=3600"})
         if self.videos is not None and (path == "/videos" or path.startswith("/videos/")):
             caller = self.keys.caller(request.headers.get("authorization"), self._client(request))
-            return await self.videos.route(request, path, method, caller)
+            return await self.videos.route(request, path, method, caller, self.keys.required)
         allowed, answer = routes.get(path, (None, None))
         if path.startswith("/models/"):
             allowed, answer = "GET", self.model
@@ -550,9 +560,22 @@ class OpenAIRoutes:
             return self.h.serving.preset_names()
         return self.h.serving.visitor_presets()
 
-    def _entry(self, name: str) -> dict:
+    def default_model(self, caller: Caller, task: Task) -> str:
+        """What a call naming no model runs: the task's default among the models this caller may send
+        (engine/config/defaults.py), else the server's default preset."""
+        chosen = self.h.task_preset(task, self._names(caller))
+        return chosen.name if chosen is not None else self.h.default_preset().name
+
+    def _defaults(self, caller: Caller) -> dict[str, str]:
+        names = self._names(caller)
+        return {str(task): chosen.name for task in Task if (chosen := self.h.task_preset(task, names)) is not None}
+
+    def _entry(self, name: str, defaults: dict[str, str]) -> dict:
         preset = self.h.serving.preset(name)
         return {"id": name, "object": "model", "created": self.started, "owned_by": OWNER,
+                "task": str(preset.task), "default": defaults.get(str(preset.task)) == name,
+                "random_weights": preset.random_weights,
+                **({"note": RANDOM_WEIGHTS_NOTE} if preset.random_weights else {}),
                 "buckets": [str(s) for s in preset.buckets], "steps": preset.steps, "guidance": preset.guidance,
                 "takes": params.optional_fields(preset), "example_prompt": preset.example_prompt,
                 "loras": [lora["name"] for lora in self._styles(name)],
@@ -564,8 +587,9 @@ class OpenAIRoutes:
 
     def models(self, caller: Caller, path: str) -> dict:
         """The presets, and the extra body fields POST /v1/images/generations takes beside OpenAI's."""
-        return {"object": "list", "data": [self._entry(name) for name in self._names(caller)],
-                "extra_fields": EXTRA_FIELDS}
+        defaults = self._defaults(caller)
+        return {"object": "list", "data": [self._entry(name, defaults) for name in self._names(caller)],
+                "defaults": defaults, "extra_fields": EXTRA_FIELDS}
 
     def model(self, caller: Caller, path: str) -> dict:
         name = path.split("/", 2)[-1]
@@ -573,7 +597,7 @@ class OpenAIRoutes:
             raise ApiError(404, f"model {name[:60]!r} is not offered here; choose one of: "
                                 f"{', '.join(self._names(caller))} (GET /v1/models)", param="model",
                            code="model_not_found")
-        return self._entry(name)
+        return self._entry(name, self._defaults(caller))
 
     def loras(self, caller: Caller, path: str) -> dict:
         slot = bool(self.h.serving.lora_slot())
@@ -588,8 +612,8 @@ class OpenAIRoutes:
         except InvalidRequest as exc:
             raise ApiError(400, str(exc)) from None
         client = self._client(request)
-        model = choose_model(_text(body, "model"), self.h.serving.preset_names(), self.h.default_preset().name,
-                             self._names(caller))
+        model = choose_model(_text(body, "model"), self.h.serving.preset_names(),
+                             self.default_model(caller, Task.TEXT_TO_IMAGE), self._names(caller))
         body = {**body, "response_format": body.get("response_format") or model.response_format}
         call = read_call(body, self.h.defaults, model.preset, caller, client)
         if model.notice:
@@ -601,10 +625,10 @@ class OpenAIRoutes:
         import anyio
         from starlette.responses import JSONResponse, StreamingResponse
 
-        await anyio.to_thread.run_sync(self._check_call, call)  # may probe devices: not on the event loop
-        hold_turn(self.h, call.spec.client, held)
+        hold_turn(self.h, call.spec.client, held)  # the caller's turn first: nothing is decoded for a refused one
+        admitted = await anyio.to_thread.run_sync(self._check_call, call)  # decodes, may probe devices
         answer = Answer(call)
-        run = ImagesRun(call.specs(), self._events, self.h.serving.cancel)
+        run = ImagesRun(admitted.images(call.n), self._events, self.h.serving.cancel)
         if call.stream:
             return StreamingResponse(self._stream(run, answer), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
@@ -617,21 +641,24 @@ class OpenAIRoutes:
             return self.h.edge.callers.client_of(request)
         return f"v1 {getattr(request.client, 'host', 'unknown')}"
 
-    def _events(self, spec: ImageRequest, run: Run):
+    def _events(self, admitted: Admitted, run: Run):
         """An image's one event stream (engine/serving/stream.py)."""
-        return self.h.serving.events(spec, run=run)
+        return self.h.serving.events(admitted, run=run)
 
-    def _check_call(self, call: ImagesCall) -> None:
+    def _check_call(self, call: ImagesCall) -> Admitted:
         """What /generate checks before an engine starts (ui/generate.py _prepare): the engine the caller may
-        use, the cost of n images against the request and visitor budgets; and n against the engine's batch."""
+        use, the cost of n images against the request and visitor budgets; and n against the engine's batch.
+        The request admitted once (its uploads decoded once), which its n images then run."""
         h, spec = self.h, call.spec
         key = h.key_for(spec.preset, spec.device, spec.precision, 1, caller=spec.caller)
         limit = h.serving.batch_limit(key)
         if call.n > limit:
             raise ApiError(400, f"n must be from 1 to {limit} on {key} (its largest batch: the n images run as one "
                                 "pipeline call; the host sets --max-batch)", param="n")
-        serving = h.serving  # each image is then admitted alone; together they must fit the visitor's budget
-        serving.check_images(serving.admit(spec.replace(preset=key.preset)), call.n, serving.held(spec.client))
+        serving = h.serving  # together the n images must fit the visitor's budget
+        admitted = serving.admit(spec.replace(preset=key.preset))
+        serving.check_images(admitted, call.n, serving.held(spec.client))
+        return admitted
 
 
     async def _run(self, run: ImagesRun, answer: Answer, request) -> None:

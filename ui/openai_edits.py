@@ -1,5 +1,6 @@
 """POST /v1/images/edits, as OpenAI's API has it: a multipart body with `image` (one file) or `image[]` (several:
-the openai SDK's `images.edit(image=[...])`), an optional `mask`, and the same text fields as
+the openai SDK's `images.edit(image=[...])`), an optional `mask` (OpenAI's convention: its fully transparent
+pixels are edited), and the same text fields as
 /v1/images/generations (`prompt`, `model`, `n`, `size`, `response_format`, `stream`, `partial_images`, `user`,
 the showcase's own extra fields), plus `strength` for img2img / inpaint presets.
 
@@ -17,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 from engine.config.images import MAX_IMAGES, MAX_UPLOAD_BYTES, MAX_UPLOADS_BYTES
-from engine.config.request import Caller
+from engine.config.request import Caller, MaskConvention
+from engine.protocol import Task
 from ui.openai_api import (
     EXTRA_FIELDS,
     IGNORED_FIELDS,
@@ -26,6 +28,7 @@ from ui.openai_api import (
     ImagesCall,
     check_body,
     read_call,
+    unnamed_notice,
 )
 
 PATH = "/v1/images/edits"
@@ -234,15 +237,8 @@ def edit_body(reader: MultipartReader) -> tuple[dict, tuple[bytes, ...], bytes |
 
 
 def edit_preset(routes, caller: Caller, body: dict) -> str:
-    """The `model` asked for, else the first image preset this caller may use that takes images, else the
-    default."""
-    asked = body.get("model")
-    if asked:
-        return asked
-    serving = routes.h.serving
-    editing = [name for name in routes._names(caller)  # an image's edit: the clip makers are /v1/videos'
-               if serving.preset(name).inputs.takes_images and not serving.preset(name).video]
-    return editing[0] if editing else routes.h.default_preset().name
+    """The `model` asked for, else the edit task's default among the models this caller may use."""
+    return body.get("model") or routes.default_model(caller, Task.EDIT)
 
 
 async def read_edit_call(routes, request, caller: Caller) -> ImagesCall:
@@ -254,7 +250,10 @@ async def read_edit_call(routes, request, caller: Caller) -> ImagesCall:
     body = check_body(texts)
     h = routes.h
     client = h.edge.callers.client_of(request) if h.edge is not None else f"v1 {request.client.host}"
-    call = read_call(body, h.defaults, edit_preset(routes, caller, body), caller, client)
-    spec = call.spec.replace(images=images, mask=mask, strength=strength or None)
-    notices = (*call.notices, *(f"{name} is not used by this server" for name in ignored))
+    preset = edit_preset(routes, caller, body)
+    call = read_call(body, h.defaults, preset, caller, client)
+    # OpenAI's convention: the mask's fully transparent pixels are the ones edited (engine/config/masks.py)
+    spec = call.spec.replace(images=images, mask=mask, strength=strength or None, mask_convention=MaskConvention.ALPHA)
+    notices = (*(() if body.get("model") else (unnamed_notice(preset),)), *call.notices,
+               *(f"{name} is not used by this server" for name in ignored))
     return dataclasses.replace(call, spec=spec, notices=notices, events="image_edit")

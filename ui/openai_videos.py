@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -33,7 +34,7 @@ from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field
 
 from engine.config.request import Caller, ImageRequest
-from engine.protocol import params
+from engine.protocol import Task, params
 from engine.serving import stream
 from engine.serving.stream import Run
 from ui.common import HandlerBase
@@ -72,6 +73,7 @@ class VideoJob:
     size: str
     client: str
     run: Run
+    owner: str = ""  # its API key's digest, or without keys its client: only the owner sees or stops it
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: str = "queued"
     progress: int = 0
@@ -147,19 +149,34 @@ def check_form(form: dict) -> None:
         raise ApiError(400, "prompt is required: the text of the clip to make", param="prompt")
 
 
-def frames_asked(form: dict, fps_default: int) -> str | None:
-    """num_frames as sent, else `seconds` × fps + 1 (Wan's clips keep a first frame), else None (the model's)."""
-    frames = _field(form, "num_frames")
-    if frames not in (None, ""):
-        return frames
-    seconds = _field(form, "seconds")
-    if seconds in (None, ""):
+_WHOLE = re.compile(r"[0-9]{1,6}")  # ASCII digits only: int() also reads other scripts' digits
+_DECIMAL = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6})?|\.[0-9]{1,6}")
+
+
+def _strict(form: dict, name: str, pattern: re.Pattern) -> str | None:
+    """A number field as sent (text of ASCII digits: no sign, exponent, inf or nan), or ApiError naming it."""
+    value = _field(form, name)
+    if value in (None, ""):
         return None
-    try:
-        fps = int(_field(form, "fps") or fps_default)
-        return str(round(float(seconds) * fps) + 1)
-    except ValueError:
-        raise ApiError(400, f"seconds must be a number, got {str(seconds)[:40]!r}", param="seconds") from None
+    if not pattern.fullmatch(value.strip()):
+        kind = "a whole number" if pattern is _WHOLE else "a number of seconds"
+        raise ApiError(400, f"{name} must be {kind} written in digits 0-9, got {value[:40]!r}", param=name)
+    return value.strip()
+
+
+def frames_asked(form: dict, fps_default: int) -> str | None:
+    """num_frames as sent, else `seconds` × fps + 1 (Wan's clips keep a first frame), else None (the model's);
+    each field checked strictly and named in its own error."""
+    frames = _strict(form, "num_frames", _WHOLE)
+    fps = _strict(form, "fps", _WHOLE)
+    if fps is not None and int(fps) < 1:
+        raise ApiError(400, f"fps must be at least 1, got {fps}", param="fps")
+    if frames is not None:
+        return frames
+    seconds = _strict(form, "seconds", _DECIMAL)
+    if seconds is None:
+        return None
+    return str(round(float(seconds) * int(fps or fps_default)) + 1)
 
 
 class VideoJobs:
@@ -170,18 +187,19 @@ class VideoJobs:
         self.jobs: OrderedDict[str, VideoJob] = OrderedDict()
         self.tasks: set[asyncio.Task] = set()
 
-    async def route(self, request, path: str, method: str, caller: Caller):
-        """Answer one /v1/videos request (`path` after /v1)."""
+    async def route(self, request, path: str, method: str, caller: Caller, keys_required: bool = False):
+        """Answer one /v1/videos request (`path` after /v1); another owner's job is answered as one that is not
+        here (`_owner`)."""
         from starlette.responses import JSONResponse
 
+        owner = self._owner(request, keys_required)
         parts = path.split("/")[2:]  # "/videos/ID/content" -> ["ID", "content"]
         if not parts and method == "POST":
-            return JSONResponse(await self.create(request, caller))
+            return JSONResponse(await self.create(request, caller, owner))
         if not parts and method == "GET":
-            client = self._client(request)
-            return JSONResponse({"object": "list", "data": [j.body() for j in self.jobs.values() if j.client == client],
+            return JSONResponse({"object": "list", "data": [j.body() for j in self.jobs.values() if j.owner == owner],
                                  "has_more": False})
-        job = self._job(parts[0] if parts else "")
+        job = self._job(parts[0] if parts else "", owner)
         if len(parts) == 1 and method == "GET":
             return JSONResponse(job.body())
         if len(parts) == 1 and method == "DELETE":
@@ -193,17 +211,27 @@ class VideoJobs:
         raise ApiError(404, f"no route {method} {PREFIX}{path}; the videos API serves POST/GET /v1/videos, GET and "
                             "DELETE /v1/videos/{id}, GET /v1/videos/{id}/content", code="unknown_url")
 
+    def _owner(self, request, keys_required: bool) -> str:
+        """Whom a request's jobs belong to: its API key (a digest, never the key) where keys are required, else
+        its client (the edge's session or address)."""
+        import hashlib
+
+        scheme, _, sent = (request.headers.get("authorization") or "").partition(" ")
+        if keys_required and scheme.lower() == "bearer" and sent.strip():
+            return "key " + hashlib.sha256(sent.strip().encode()).hexdigest()[:24]
+        return self._client(request)
+
     def _client(self, request) -> str:
         return self.h.edge.callers.client_of(request) if self.h.edge is not None else f"v1 {request.client.host}"
 
-    def _job(self, job_id: str) -> VideoJob:
+    def _job(self, job_id: str, owner: str) -> VideoJob:
         job = self.jobs.get(job_id)
-        if job is None:
+        if job is None or job.owner != owner:  # another's job: not found, so its id tells nothing
             raise ApiError(404, f"no video {job_id[:40]!r} here (the last {self.kept} jobs are kept)",
                            param="video_id", code="not_found")
         return job
 
-    async def create(self, request, caller: Caller) -> dict:
+    async def create(self, request, caller: Caller, owner: str) -> dict:
         import anyio
 
         form = await read_form(request)
@@ -211,15 +239,15 @@ class VideoJobs:
         client = self._client(request)
         name = _field(form, "model") or self._default_model(SOURCE in form)
         spec = self._spec(form, name, caller, client)
-        admitted = await anyio.to_thread.run_sync(self._admit, spec)  # checked and priced now, run in the background
         held = ExitStack()
-        try:
+        try:  # the caller's turn first: nothing is decoded for a caller already running one
             hold_turn(self.h, client, held)
+            admitted = await anyio.to_thread.run_sync(self._admit, spec)  # checked, priced, its source decoded
         except BaseException:
             held.close()
             raise
         job = VideoJob(id=f"video_{secrets.token_hex(12)}", model=admitted.key.preset, prompt=spec.prompt,
-                       size=str(admitted.request.size), client=client, run=Run(self.h.serving.cancel),
+                       size=str(admitted.request.size), client=client, run=Run(self.h.serving.cancel), owner=owner,
                        seconds=f"{admitted.request.num_frames / max(1, admitted.request.fps):.2f}")
         self._keep(job)
         task = asyncio.create_task(self._run(job, admitted, held))
@@ -255,9 +283,10 @@ class VideoJobs:
                 and (not from_image or serving.preset(n).inputs.takes_images)]
 
     def _default_model(self, from_image: bool) -> str:
-        """A job naming no model: the default preset, or with a source image the first model that takes one."""
-        takers = self._videos(True) if from_image else []
-        return takers[0] if takers else self.h.default_preset().name
+        """A job naming no model: the video task's default (engine/config/defaults.py), among the models that take
+        a source image when it sends one; the server's default preset where no video model is offered."""
+        chosen = self.h.task_preset(Task.VIDEO, self._videos(from_image))
+        return chosen.name if chosen is not None else self.h.default_preset().name
 
     def _admit(self, spec: ImageRequest):
         h = self.h

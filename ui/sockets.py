@@ -14,7 +14,7 @@ protocol class before uvicorn loads it (uvicorn's own, supported hook for a prot
 server is built as before.
 
 Past a bound: a new connection is refused with 503 (at the total cap, an idle connection, one still
-sending headers or one holding a stream may be closed to make room instead: see SocketGuard.admit), a
+sending a head or a body, or one holding a stream may be closed to make room instead: see SocketGuard.admit), a
 request's head over a bound gets 431, a head past its deadline 408, a stream past its address's share 429,
 and the connection is closed. Each refusal is counted by reason (/system) and logged at most once per
 LOG_EVERY_S.
@@ -138,6 +138,11 @@ class HeadScanner:
         self.line.clear()
 
     @property
+    def in_body(self) -> bool:
+        """A request's head has ended and its body has not."""
+        return self.state in (BODY, CHUNK_LINE, CHUNK_DATA, CHUNK_END, TRAILERS)
+
+    @property
     def mid_head(self) -> bool:
         """A request's head has begun and not ended."""
         return self.state == HEAD and self.head_bytes > 0
@@ -253,7 +258,7 @@ class SocketGuard:
         self._unlogged: Counter[str] = Counter()
         self._last_log = 0.0
         self._log_pending = False
-        # Connections that may be closed at the cap (idle between requests, or still sending headers): all of
+        # Connections that may be closed at the cap (idle between requests, still sending a head or a body): all of
         # them oldest first, and per address; addresses by how many connections they hold, for fair shares.
         self._idle: OrderedDict = OrderedDict()  # connection -> when it became idle or began its headers
         self._idle_of: dict[str, OrderedDict] = {}
@@ -376,7 +381,7 @@ class SocketGuard:
             self._release(conn)
 
     def idle(self, conn, idle: bool) -> None:
-        """Whether `conn` may be closed at the cap: idle between requests or still sending headers."""
+        """Whether `conn` may be closed at the cap: idle between requests, or still sending a head or a body."""
         with self._lock:
             if conn.counted:
                 self._set_idle(conn, idle)
@@ -513,7 +518,7 @@ class ConnectionBounds:
             if self._drained > LINGER_BYTES:
                 self.transport.abort()
             return False
-        scan, heads = self.scan, self.scan.heads
+        scan, heads, in_body = self.scan, self.scan.heads, self.scan.in_body
         refusal = scan.feed(data)
         if refusal:
             self.guard.count(refusal)
@@ -525,11 +530,14 @@ class ConnectionBounds:
                 self.guard.idle(self, True)
         elif scan.heads != heads:
             self._cancel()
-            self.guard.idle(self, False)
+            # Still waiting for its body, it may be closed at the cap as one still sending its head may.
+            self.guard.idle(self, scan.in_body)
             refusal = self.guard.stream(self, True) if scan.stream else None
             if refusal:
                 self.refuse_stream(refusal)
                 return False
+        elif in_body and not scan.in_body:  # the body arrived whole: the request is the handler's now
+            self.guard.idle(self, False)
         return True
 
     def refuse_stream(self, reason: str) -> None:

@@ -44,11 +44,3 @@ def uploads(value) -> tuple[bytes, ...]:
         raise InvalidRequest(f"{len(items)} images uploaded; at most {MAX_IMAGES} are read")
     read = (upload(item, f"image {i + 1}") for i, item in enumerate(items))
     return tuple(data for data in read if data is not None)
-
-
-def fitted_source(preset, images: tuple[bytes, ...], size):
-    """The first of a request's uploads as its worker gets it (decoded and resized to the bucket's `size` by the
-    gate's own code), as a PIL image: what a checker compares an edit against."""
-    from engine.config.images import decode_inputs, fit_inputs
-
-    return fit_inputs(preset, decode_inputs(preset, images[:1], None, None), size, None).images[0].to_pil()

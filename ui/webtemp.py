@@ -96,3 +96,82 @@ def tidy(folder: Path, max_age_s: float = MAX_AGE_S, max_bytes: int = MAX_BYTES,
             except OSError:
                 pass
         return kept
+
+
+# Gradio's upload route (input images) writes into the same folder: each visitor's uploads are bounded in count
+# and bytes, the oldest of theirs going first, and the reaper (start_reaper) tidies the folder on its own schedule.
+UPLOAD_FILES = 32  # per visitor: two requests' worth of images (engine/config/images.py MAX_IMAGES)
+UPLOAD_SHARE_BYTES = 128 * 2**20  # per visitor: two requests' worth of bytes (MAX_UPLOADS_BYTES)
+VISITORS = 4096  # visitors whose uploads are tracked; past it the oldest visitor's files go
+
+
+class UploadShares:
+    """Which visitor uploaded which file (path -> size, oldest first), bounded per visitor."""
+
+    def __init__(self, files: int = UPLOAD_FILES, share_bytes: int = UPLOAD_SHARE_BYTES):
+        self.files, self.share_bytes = files, share_bytes
+        self._lock = threading.Lock()
+        self._of: dict[str, dict[str, int]] = {}
+        self._pending: list[str] = []  # removed from the counts, not yet from disk
+        self.removed = 0
+
+    def record(self, client: str, paths) -> None:
+        """`paths` were just uploaded by `client`: counted, and the visitor's oldest removed past the bounds."""
+        gone = []
+        with self._lock:
+            mine = self._of.pop(client, {})
+            self._of[client] = mine  # most recently active last
+            for path in paths:
+                try:
+                    mine[str(path)] = os.path.getsize(path)
+                except OSError:  # not moved into place yet (Gradio may finish that after answering): counted
+                    mine[str(path)] = 0
+            while mine and (len(mine) > self.files or sum(mine.values()) > self.share_bytes):
+                path = next(iter(mine))
+                del mine[path]
+                gone.append(path)
+            while len(self._of) > VISITORS:
+                oldest = self._of.pop(next(iter(self._of)))
+                gone.extend(oldest)
+            gone += self._pending
+            self._pending = []
+        for path in gone:
+            if _remove_upload(path):
+                self.removed += 1
+            elif len(self._pending) < 4 * self.files:
+                self._pending.append(path)  # retried with the next upload
+
+    def held(self, client: str) -> tuple[int, int]:
+        """(files, bytes) `client`'s uploads hold now (files removed since are forgotten)."""
+        with self._lock:
+            mine = self._of.get(client, {})
+            for path in [p for p in mine if not os.path.exists(p)]:
+                del mine[path]
+            return len(mine), sum(mine.values())
+
+
+def _remove_upload(path: str) -> bool:
+    """An upload and its folder (Gradio writes each into a folder named by its hash); False when not there yet."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        os.rmdir(os.path.dirname(path))
+    except OSError:
+        pass
+    return True
+
+
+def start_reaper(folder: Path, every_s: float = TIDY_EVERY_S) -> threading.Thread:
+    """Tidy `folder` every `every_s` whether or not outputs are saved (uploads arrive without them)."""
+    def reap():
+        while folder.is_dir():
+            tidy(folder, force=True)
+            time.sleep(every_s)
+
+    thread = threading.Thread(target=reap, name="webtemp-reaper", daemon=True)
+    thread.start()
+    return thread

@@ -17,9 +17,14 @@ bucket never meets a new shape. Nothing here imports torch; PIL and numpy load o
 from __future__ import annotations
 
 import io
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequest
+from engine.config import masks
+from engine.config.masks import MaskConvention
+from engine.errors import EngineBusy, InvalidRequest
 from engine.protocol import DEFAULT_STRENGTH, BucketKey, ImageInputs, ModelPreset, PixelImage, Size
 
 MAX_UPLOAD_BYTES = 32 * 2**20  # one file, before decoding
@@ -27,6 +32,14 @@ MAX_UPLOADS_BYTES = 64 * 2**20  # all of a request's files together
 MAX_INPUT_SIDE = 4096
 MAX_INPUT_PIXELS = 4096 * 4096  # read from the header; a larger image is refused before its pixels exist
 MAX_IMAGES = 16  # any request, before the preset's own bound
+# Decode work, bounded before Pillow decodes a pixel. Pillow decodes every scan of a progressive JPEG, each a pass
+# over all its blocks, and bounds only pixels; libjpeg-turbo's own scan limit is not reachable through Pillow.
+MAX_JPEG_SCANS = 64  # a progressive encoder writes about 10; ImageMagick stops at 1024, DALI at 500
+MAX_SCAN_PIXELS = 32 * MAX_INPUT_PIXELS  # scans x pixels: about 0.1 s of one core, whatever the file's size
+# Decoded pixels x bytes per pixel (16-bit RGBA: 8 B/px): per request, per visitor in flight, and for the server.
+MAX_DECODE_BYTES = 128 * 2**20  # one 4096x4096 16-bit RGBA image, or two 8-bit RGBA ones
+MAX_VISITOR_DECODE_BYTES = 128 * 2**20  # a visitor's requests decoding at once share it
+MAX_TOTAL_DECODE_BYTES = 512 * 2**20
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # what Pillow may try; nothing else is opened
 RESAMPLE = "Lanczos"  # the pipelines' VaeImageProcessor default (resample="lanczos")
 _FLATTEN = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
@@ -84,7 +97,72 @@ def _open(name: str, data: bytes):
     if width > MAX_INPUT_SIDE or height > MAX_INPUT_SIDE or width * height > MAX_INPUT_PIXELS:
         raise InvalidRequest(f"{name} is {width}x{height} pixels; upload at most {MAX_INPUT_SIDE}x{MAX_INPUT_SIDE} "
                              f"({MAX_INPUT_PIXELS // 10**6} megapixels): it is resized to the output size anyway")
+    if image.format == "JPEG":
+        check_scans(name, data, width * height)
     return image
+
+
+def check_scans(name: str, data: bytes, pixels: int) -> None:
+    """A JPEG's scans bounded before any is decoded. A 0xFF byte in entropy-coded data is always followed by
+    0x00, so the count of start-of-scan markers is an upper bound on the scans (an EXIF thumbnail's count too)."""
+    scans = data.count(b"\xff\xda")
+    if scans > MAX_JPEG_SCANS:
+        raise InvalidRequest(f"{name} is a JPEG of {scans:,} scans; this server decodes at most {MAX_JPEG_SCANS} "
+                             "(a progressive JPEG has about 10): save it again as a baseline JPEG or a PNG")
+    if scans * pixels > MAX_SCAN_PIXELS:
+        raise InvalidRequest(f"{name} is a progressive JPEG of {scans} scans at {pixels / 10**6:.1f} megapixels; "
+                             f"this server decodes at most {MAX_SCAN_PIXELS / 10**6:,.0f} megapixel-scans: save it "
+                             "again as a baseline JPEG, or smaller")
+
+
+def pixel_bytes(image) -> int:
+    """The bytes a decoded pixel of `image` takes as its decoder writes it (16-bit bands count 2 B each)."""
+    from PIL import Image
+
+    mode = image.mode
+    if mode in ("I", "F", "I;32", "I;32B", "I;32L"):
+        return 4
+    if mode.startswith("I;16"):
+        return 2
+    bands = Image.getmodebands(mode) if mode in Image.MODES else 4
+    wide = any(";16" in str(getattr(tile, "args", "")) for tile in getattr(image, "tile", ()) or ())
+    return bands * (2 if wide else 1)
+
+
+class DecodeLedger:
+    """The decoded bytes of the uploads being decoded now, per visitor and in all: a request whose pixels
+    would take a visitor or the server past its share waits its turn (EngineBusy) instead of growing memory."""
+
+    def __init__(self, per_visitor: int = MAX_VISITOR_DECODE_BYTES, total: int = MAX_TOTAL_DECODE_BYTES):
+        self.per_visitor, self.total = per_visitor, total
+        self.held: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    @contextmanager
+    def hold(self, client: str, nbytes: int) -> Iterator[None]:
+        with self.lock:
+            mine, everyone = self.held.get(client, 0), sum(self.held.values())
+            if mine + nbytes > self.per_visitor:
+                raise EngineBusy(f"your other uploads are being decoded ({mine / 2**20:.0f} MiB of pixels); "
+                                 f"a visitor decodes at most {self.per_visitor // 2**20} MiB at once: wait for "
+                                 "them, then send this again", retry_after_s=2)
+            if everyone + nbytes > self.total:
+                raise EngineBusy(f"the server is decoding {everyone / 2**20:.0f} MiB of uploads (at most "
+                                 f"{self.total // 2**20} MiB at once); send this again in a moment",
+                                 retry_after_s=2)
+            self.held[client] = mine + nbytes
+        try:
+            yield
+        finally:
+            with self.lock:
+                left = self.held.get(client, 0) - nbytes
+                if left > 0:
+                    self.held[client] = left
+                else:
+                    self.held.pop(client, None)
+
+
+DECODES = DecodeLedger()
 
 
 def _reason(exc: Exception) -> str:
@@ -92,9 +170,14 @@ def _reason(exc: Exception) -> str:
     return text[:120]
 
 
+# EXIF orientation -> the transposition that makes the picture upright (what ImageOps.exif_transpose applies)
+_UPRIGHT = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
+            7: "TRANSVERSE", 8: "ROTATE_90"}
+
+
 def _load(name: str, image) -> tuple[object, list[str]]:
-    """The first frame's pixels, upright (EXIF orientation applied)."""
-    from PIL import ImageOps
+    """The first frame's pixels, upright (EXIF orientation applied; EXIF that cannot be read is ignored)."""
+    from PIL import Image
 
     notices = []
     if getattr(image, "is_animated", False):
@@ -102,14 +185,21 @@ def _load(name: str, image) -> tuple[object, list[str]]:
         image.seek(0)
     try:
         image.load()
-        orientation = image.getexif().get(0x0112, 1)
-        upright = ImageOps.exif_transpose(image)
     except (OSError, SyntaxError, ValueError, EOFError, IndexError) as exc:  # truncated, damaged data
         raise InvalidRequest(f"{name} is truncated or damaged ({_reason(exc)}); upload the whole file") from None
-    if orientation not in (1, None) and upright is not None:
-        notices.append(f"{name} was rotated upright as its EXIF orientation ({orientation}) says")
-        image = upright
-    return image, notices
+    try:  # the pixels alone are turned: a crafted EXIF block cannot fail the upload
+        orientation = image.getexif().get(0x0112, 1)
+    except Exception as exc:  # noqa: BLE001 - any parse failure of the metadata: the picture is still good
+        notices.append(f"{name} has EXIF data that cannot be read ({_reason(exc)[:60]}); it was ignored")
+        return image, notices
+    if orientation in (1, None):
+        return image, notices
+    if orientation not in _UPRIGHT:
+        notices.append(f"{name} has an EXIF orientation of {repr(orientation)[:20]}, which is not one of 1-8; "
+                       "it was ignored")
+        return image, notices
+    notices.append(f"{name} was rotated upright as its EXIF orientation ({orientation}) says")
+    return image.transpose(getattr(Image.Transpose, _UPRIGHT[orientation])), notices
 
 
 def _to_rgb(name: str, image, background: tuple[int, ...]) -> tuple[object, list[str]]:
@@ -145,16 +235,38 @@ def _to_rgb(name: str, image, background: tuple[int, ...]) -> tuple[object, list
                          "RGB PNG or JPEG")
 
 
-def decode(data, index: int | None = 0):
-    """One upload as an upright 8-bit RGB PIL image (a mask: grayscale, transparent read as black = keep) and
-    the notices of what was converted; InvalidRequest naming the field ("image N", "mask")."""
+def decode(data, index: int | None = 0, convention: MaskConvention = MaskConvention.LUMINANCE):
+    """One upload as an upright 8-bit RGB PIL image (a mask, index None: grayscale, white where it repaints, read
+    by the door's `convention`, engine/config/masks.py) and the notices of what was converted; InvalidRequest
+    naming the field ("image N", "mask")."""
     name = _field_name(index)
     image = _open(name, _bytes_of(name, data))
+    check_decode_bytes([(name, image)])
+    return _decoded(name, index, image, convention)
+
+
+def _decoded(name: str, index: int | None, image,
+             convention: MaskConvention = MaskConvention.LUMINANCE) -> tuple[object, tuple[str, ...]]:
     image, notices = _load(name, image)
+    if index is None and convention is MaskConvention.ALPHA:  # its transparency is what it says
+        return masks.alpha_mask(image), tuple(notices)
     image, converted = _to_rgb(name, image, (0, 0, 0) if index is None else (255, 255, 255))
     if index is None:
         image = image.convert("L")
     return image, tuple(notices + converted)
+
+
+def check_decode_bytes(opened) -> int:
+    """The decoded bytes of a request's opened uploads ((name, image) pairs, headers read), refused past
+    MAX_DECODE_BYTES naming the largest one."""
+    sizes = [(name, image.width * image.height * pixel_bytes(image)) for name, image in opened]
+    total = sum(nbytes for _, nbytes in sizes)
+    if total > MAX_DECODE_BYTES:
+        name, largest = max(sizes, key=lambda pair: pair[1])
+        raise InvalidRequest(f"the request's images take {total / 2**20:.0f} MiB once decoded ({name}: "
+                             f"{largest / 2**20:.0f} MiB); at most {MAX_DECODE_BYTES // 2**20} MiB of pixels per "
+                             "request (16-bit RGBA: 8 bytes a pixel): send fewer, smaller or 8-bit images")
+    return total
 
 
 # -- a request's images against its preset --------------------------------------------------------------
@@ -179,7 +291,8 @@ def check_count(preset: ModelPreset, images, mask, strength) -> None:
         raise InvalidRequest(f"preset {preset.name} takes {takes}, no mask: remove the mask or choose an "
                              "inpainting preset")
     if inputs.takes_mask and mask is None:
-        raise InvalidRequest(f"preset {preset.name} inpaints: upload a mask (white where it repaints)")
+        raise InvalidRequest(f"preset {preset.name} inpaints: upload a mask at the source's size (white where it "
+                             "repaints, black where it keeps; /v1/images/edits: transparent where it edits)")
     if strength not in (None, "") and not inputs.takes_strength:
         raise InvalidRequest(f"preset {preset.name} takes {takes}, no strength: strength is for img2img "
                              "and inpainting presets; leave it empty")
@@ -214,36 +327,71 @@ def check_strength(strength) -> float:
 
 @dataclass(frozen=True)
 class Decoded:
-    """A request's uploads decoded (PIL, at their own sizes), before the output size is known."""
+    """A request's uploads decoded (PIL, at their own sizes), before the output size is known; `pixels`: the
+    pixels decoded (what the decoding cost, priced with the request)."""
 
     images: tuple = ()
     mask: object = None
     notices: tuple[str, ...] = ()
+    pixels: int = 0
 
     @property
     def source_size(self) -> Size | None:
         """The first image's size: an edit's output follows it when the request names no size."""
         return Size(*self.images[0].size) if self.images else None
 
+    def fitted(self, size: Size) -> Decoded:
+        """These uploads resized to `size` once (as `fit_inputs` resizes them), for the admissions that share
+        them at that size: a Compare's configurations."""
+        from PIL import Image
 
-def decode_inputs(preset: ModelPreset, images, mask, strength) -> Decoded:
+        images, notices = [], list(self.notices)
+        for index, image in enumerate(self.images):
+            if image.size != (size.width, size.height):
+                notices.append(_resized(index, image, size))
+                image = image.resize((size.width, size.height), Image.Resampling.LANCZOS)
+            images.append(image)
+        mask = self.mask
+        if mask is not None and mask.size != (size.width, size.height):
+            mask = mask.resize((size.width, size.height), Image.Resampling.LANCZOS)
+        return Decoded(tuple(images), mask, tuple(notices), self.pixels)
+
+
+def _resized(index: int, image, size: Size) -> str:
+    return (f"{_field_name(index)} ({Size(*image.size)}) resized to {size} ({RESAMPLE}, as the pipeline's image "
+            "processor resizes; aspect not kept)")
+
+
+def decode_inputs(preset: ModelPreset, images, mask, strength, client: str = "",
+                  mask_convention: MaskConvention = MaskConvention.LUMINANCE) -> Decoded:
     """Every upload of a request decoded and checked against its preset (see `check_count`); the mask must
-    match the source's size."""
+    match the source's size and is read by the door's `mask_convention`. Every header is read and the decode work
+    bounded (scans, decoded bytes per request, then `client`'s and the server's share in DECODES) before the first
+    pixel is decoded."""
     images = tuple(images or ())
     check_count(preset, images, mask, strength)
-    decoded, notices = [], []
-    for index, data in enumerate(images):
-        image, said = decode(data, index)
-        decoded.append(image)
-        notices += said
-    mask_image = None
-    if mask is not None:
-        mask_image, said = decode(mask, None)
-        notices += said
-        if mask_image.size != decoded[0].size:
-            raise InvalidRequest(f"mask is {Size(*mask_image.size)} but image 1 is {Size(*decoded[0].size)}; draw the "
-                                 "mask at the source image's size")
-    return Decoded(tuple(decoded), mask_image, tuple(notices))
+    fields = [*enumerate(images), *([(None, mask)] if mask is not None else [])]
+    opened = []
+    for index, data in fields:
+        name = _field_name(index)
+        opened.append((index, name, _open(name, _bytes_of(name, data))))
+    nbytes = check_decode_bytes([(name, image) for _, name, image in opened])
+    decoded, notices, mask_image = [], [], None
+    with DECODES.hold(client, nbytes):
+        for index, name, image in opened:
+            pil, said = _decoded(name, index, image, mask_convention)
+            notices += said
+            if index is None:
+                mask_image = pil
+            else:
+                decoded.append(pil)
+    if mask_image is not None and mask_image.size != decoded[0].size:
+        raise InvalidRequest(f"mask is {Size(*mask_image.size)} but image 1 is {Size(*decoded[0].size)}; draw the "
+                             "mask at the source image's size")
+    if mask_image is not None:
+        notices += masks.coverage_notices(mask_image, mask_convention, strength)
+    pixels = sum(image.width * image.height for _, _, image in opened)
+    return Decoded(tuple(decoded), mask_image, tuple(notices), pixels)
 
 
 def fit_inputs(preset: ModelPreset, decoded: Decoded, size: Size, strength) -> CheckedImages:
@@ -254,8 +402,7 @@ def fit_inputs(preset: ModelPreset, decoded: Decoded, size: Size, strength) -> C
     fitted = []
     for index, image in enumerate(decoded.images):
         if image.size != (size.width, size.height):
-            notices.append(f"{_field_name(index)} ({Size(*image.size)}) resized to {size} ({RESAMPLE}, as the "
-                           "pipeline's image processor resizes; aspect not kept)")
+            notices.append(_resized(index, image, size))
             image = image.resize((size.width, size.height), Image.Resampling.LANCZOS)
         fitted.append(PixelImage.from_pil(image))
     mask = decoded.mask

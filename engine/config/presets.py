@@ -78,6 +78,7 @@ def load_presets() -> dict[str, ModelPreset]:
             frame_step=int(d.get("frame_step", 4)),
             fps=int(d.get("fps", 16)),
             **_image_inputs(name, d),
+            vae=d.get("vae"),
         )
     return presets
 

@@ -17,6 +17,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from engine.config.masks import MaskConvention
 from engine.errors import InvalidRequest
 from engine.protocol import Parallel, Size, params
 
@@ -88,9 +89,13 @@ class ImageRequest(FormFields):
     height: int | None = None
     snap: bool = True  # a size between buckets is snapped to the nearest (else refused)
     previews: int | str = 0  # partial images to stream while it runs (the /v1 API's partial_images)
+    mask_convention: MaskConvention = MaskConvention.LUMINANCE  # what the door's mask means (config/masks.py)
     # who asks
     caller: Caller = Caller.HOST
     client: str = ""  # the visitor's address: engines take turns between clients, budgets are held per client
+    # `images` and `mask` as an earlier admission decoded them (engine/config/images.py Decoded): a Compare's
+    # configurations share one decode of their uploads
+    decoded: object = None
 
     def replace(self, **changes) -> ImageRequest:
         return dataclasses.replace(self, **changes)

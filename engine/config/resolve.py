@@ -116,14 +116,25 @@ def resolve_source(config: EngineConfig) -> str:
         from engine.models.tiny import ensure_tiny_pipeline
 
         return str(ensure_tiny_pipeline(preset.random_tiny, settings.models_dir(config.cache_path())))
-    if preset.bundled:
-        folder = settings.data_path(preset.bundled)
+    return _resolve_folder(config, preset.source)
+
+
+def resolve_vae_source(config: EngineConfig) -> str | None:
+    """The folder (or Hub id) whose `vae/` the preset loads in place of its source's (its `vae` row), or None."""
+    return _resolve_folder(config, config.preset.vae) if config.preset.vae else None
+
+
+def _resolve_folder(config: EngineConfig, ref: str) -> str:
+    """A "repo:" folder of this repository (it must be complete), a checked absolute folder, or a Hub id."""
+    preset = config.preset
+    if ref.startswith("repo:"):
+        folder = settings.data_path(ref.removeprefix("repo:"))
         if not (folder / "model_index.json").is_file():
             raise ModelLoadError(f"preset {preset.name}: its model folder {folder} is missing or incomplete; "
                                  "restore it from the repository (git checkout -- models) or rebuild it with "
                                  "`python -m training.train_embedded`")
         return str(folder)
-    if Path(preset.source).is_absolute():
+    if Path(ref).is_absolute():
         roots = [Path(r) for r in config.allowed_roots] or None
-        return str(check_local_path(Path(preset.source), roots))
-    return preset.source
+        return str(check_local_path(Path(ref), roots))
+    return ref

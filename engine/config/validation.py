@@ -21,14 +21,36 @@ from engine.protocol import GenerateRequest, Mode, ModelPreset, Precision, Size,
 from engine.protocol.params import MAX_SEED, _shown, check_lora, check_prompt, check_steps, number  # noqa: F401
 
 
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What `build` made of a spec: the worker's request, the notices to show with its result, and the pixels
+    decoded for it (0: none, or its uploads came decoded in `spec.decoded`)."""
+
+    request: GenerateRequest
+    notices: tuple[str, ...]
+    decoded_pixels: int = 0
+
+
 def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequest, tuple[str, ...]]:
     """The spec validated and routed to `preset`'s buckets: the worker's GenerateRequest plus the notices to
-    show with its result. Raises InvalidRequest naming the field and what to change.
+    show with its result. Raises InvalidRequest naming the field and what to change."""
+    built = build(preset, spec)
+    return built.request, built.notices
+
+
+def build(preset: ModelPreset, spec: ImageRequest) -> Built:
+    """`build_request`, with the pixels decoded for it (the gate prices them).
 
     Each sampling field is checked once, by its declaration (engine/protocol/params.py); the routed ones (size,
     frames, input images) read several fields together against the preset's buckets and inputs."""
     width, height = spec.dimensions(preset.buckets)  # a size that is not "WxH" is refused first
-    decoded = image_inputs.decode_inputs(preset, spec.images, spec.mask, spec.strength)
+    if spec.decoded is not None:  # decoded once for several admissions: only the preset's count is checked here
+        image_inputs.check_count(preset, tuple(spec.images or ()), spec.mask, spec.strength)
+        decoded, decoded_pixels = spec.decoded, 0
+    else:
+        decoded = image_inputs.decode_inputs(preset, spec.images, spec.mask, spec.strength, spec.client,
+                                               spec.mask_convention)
+        decoded_pixels = decoded.pixels
     if decoded.source_size is not None and spec.size is None and spec.width is None and spec.height is None:
         width, height = decoded.source_size.width, decoded.source_size.height  # an edit keeps its source's shape
     checked, notices = {}, ()
@@ -43,7 +65,7 @@ def build_request(preset: ModelPreset, spec: ImageRequest) -> tuple[GenerateRequ
         previews=check_previews(spec.previews), num_frames=num_frames, fps=fps, images=inputs.images,
         mask=inputs.mask, strength=inputs.strength, images_in_sequence=inputs.in_sequence, images_shared=inputs.shared,
     )
-    return request, notices + size_notices + video_notices + inputs.notices
+    return Built(request, notices + size_notices + video_notices + inputs.notices, decoded_pixels)
 
 
 def check_previews(previews) -> int:

@@ -67,6 +67,9 @@ def build_tiny_pipeline(name: str, out_dir: Path) -> None:
     # The builders reseed torch before every component; fork_rng keeps the caller's RNG state untouched.
     with torch.random.fork_rng(devices=[]):
         pipe = BUILDERS[name]()
+    import transformers.utils.logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # no "Writing model shards" bar among a first start's console lines
     pipe.save_pretrained(Path(out_dir), safe_serialization=True)
     logger.info("built %s in %.1fs into %s", name, time.perf_counter() - started, out_dir)
 

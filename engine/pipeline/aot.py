@@ -482,6 +482,7 @@ class AotTarget:
     precision: object
     source: str
     store_root: Path
+    vae_source: str | None = None  # the VAE's own folder when the preset loads it from another model
 
 
 class AotEngine:
@@ -518,7 +519,8 @@ class AotEngine:
     def _model_id(self, component: str) -> str:
         with self._keys_lock:
             if component not in self._model_ids:
-                self._model_ids[component] = model_fingerprint(self.target.source, component)
+                vae_source = self.target.vae_source if component == "vae" else None
+                self._model_ids[component] = model_fingerprint(vae_source or self.target.source, component)
             return self._model_ids[component]
 
     def package_key(self, kind: str, size: Size, batch: int) -> dict:

@@ -205,27 +205,47 @@ class Gatherer:
                 self._backlog.extendleft(reversed(group[size:]))
         return group[:size]
 
+    def take_waiting(self, limit: int) -> list[GenerateRequest]:
+        """At most `limit` waiting requests, taken out of the queue without waiting, in turn order (a step-level
+        session admits them between two steps: engine/worker/stepped.py); the source saying stop ends it."""
+        taken = []
+        with self._lock:
+            self._drain_source()
+            while self._backlog and len(taken) < limit:
+                chosen = min(self._backlog, key=lambda r: self._last_turn.get(r.client, -1))
+                self._backlog.remove(chosen)
+                self._took_turn(chosen)
+                taken.append(chosen)
+        return taken
+
+    def _drain_source(self) -> None:
+        """Everything the receiver queued moved to the backlog (called holding the lock)."""
+        while not self._stopped:
+            try:
+                item = self.source.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._stopped = True
+            else:
+                self._backlog.append(item)
+
+    def _took_turn(self, chosen: GenerateRequest) -> None:
+        self._turn += 1
+        self._last_turn[chosen.client] = self._turn
+        self._last_turn.move_to_end(chosen.client)
+        while len(self._last_turn) > MAX_CLIENTS_KEPT:  # a forgotten client is served as a new one
+            self._last_turn.popitem(last=False)
+
     def _next_turn(self, first: GenerateRequest) -> GenerateRequest:
         """Of `first` and every request waiting behind it, the oldest of the client whose turn is due."""
         with self._lock:
-            while not self._stopped:  # everything that arrived counts, not only what was taken so far
-                try:
-                    item = self.source.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._stopped = True
-                else:
-                    self._backlog.append(item)
+            self._drain_source()  # everything that arrived counts, not only what was taken so far
             waiting = [first, *self._backlog]  # in arrival order
             chosen = min(waiting, key=lambda r: self._last_turn.get(r.client, -1))  # min keeps the oldest of ties
             if chosen is not first:
                 self._backlog = collections.deque(r for r in waiting if r is not chosen)
-            self._turn += 1
-            self._last_turn[chosen.client] = self._turn
-            self._last_turn.move_to_end(chosen.client)
-            while len(self._last_turn) > MAX_CLIENTS_KEPT:  # a forgotten client is served as a new one
-                self._last_turn.popitem(last=False)
+            self._took_turn(chosen)
         return chosen
 
     def _arrival(self, request: GenerateRequest) -> float:

@@ -12,7 +12,7 @@ import torch
 
 from engine import devices
 from engine.families import registry
-from engine.pipeline import preview, recipes, stepcache, variants
+from engine.pipeline import paste, preview, recipes, stepcache, variants
 from engine.pipeline.clock import RunClock
 from engine.pipeline.lora import SlotChange
 from engine.protocol import EngineOptions, GenerateRequest, ImageInputs, ModelPreset, StepProgress, Timings
@@ -192,4 +192,11 @@ class PipelineCaller:
         images = output.frames if request.num_frames else output.images  # a clip: one list of frames each
         end = time.perf_counter()
         images = decoded if decoded else images
+        if self.preset.inputs.takes_mask and request.mask is not None:
+            images = [_paste_kept(r, image) for r, image in zip(members or [request], images, strict=True)]
         return (list(images) if members else images[0]), clock.timings(end), step_ends.cancelled_at
+
+
+def _paste_kept(request: GenerateRequest, image):
+    """An inpaint's result with its source's kept pixels pasted back (engine/pipeline/paste.py)."""
+    return paste.paste_kept(request.images[0].to_pil(), image, request.mask.to_pil())

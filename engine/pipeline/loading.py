@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine import devices
-from engine.config.resolve import resolve_source
+from engine.config.resolve import resolve_source, resolve_vae_source
 from engine.errors import ModelLoadError
 from engine.pipeline import attention, lora, memory, recipes, variants
 from engine.pipeline.clock import install_compile_counter
@@ -25,6 +25,7 @@ class LoadedPipeline:
 
     pipe: object
     source: str
+    vae_source: str | None = None  # where the VAE came from when the preset names its own (preset.vae)
     loras: lora.LoraSlot | None = None
     notices: list[str] = field(default_factory=list)
 
@@ -89,14 +90,17 @@ class PipelineLoader:
 
     def _from_pretrained(self, diffusers) -> LoadedPipeline:
         pipeline_cls = getattr(diffusers, self.preset.base_pipeline or self.preset.pipeline)
-        source = resolve_source(self.config)
+        source, vae_source = resolve_source(self.config), resolve_vae_source(self.config)
+        overrides = self.component_overrides(source)
         try:
-            pipe = pipeline_cls.from_pretrained(
-                source, dtype=self.precision.dtype, trust_remote_code=False, **self.component_overrides(source)
-            )
+            if vae_source is not None and "vae" not in overrides:
+                overrides["vae"] = diffusers.AutoModel.from_pretrained(vae_source, subfolder="vae",
+                                                                       torch_dtype=self.precision.dtype)
+            pipe = pipeline_cls.from_pretrained(source, dtype=self.precision.dtype, trust_remote_code=False, **overrides)
         except (OSError, ValueError) as exc:
+            shown = source if vae_source is None else f"{source} (its VAE from {vae_source})"
             raise ModelLoadError(
-                f"could not load {self.preset.name!r} from {source!r}: {str(exc).splitlines()[0]}; "
+                f"could not load {self.preset.name!r} from {shown!r}: {str(exc).splitlines()[0]}; "
                 "check the path, or download the model first when offline"
             ) from None
         if self.preset.base_pipeline:  # img2img / inpaint over a text-to-image folder: the same modules
@@ -104,7 +108,7 @@ class PipelineLoader:
         pipe.set_progress_bar_config(disable=True)
         if self.preset.repeated_blocks:
             getattr(pipe, self.preset.denoiser)._repeated_blocks = list(self.preset.repeated_blocks)
-        return LoadedPipeline(pipe, source)
+        return LoadedPipeline(pipe, source, vae_source)
 
     def _apply_recipes(self, loaded: LoadedPipeline) -> None:
         pipe, notices, recipe = loaded.pipe, loaded.notices, self.options.recipe

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from engine import devices
-from engine.pipeline import batching, prompts, stepcache
+from engine.pipeline import batching, prompts, stepcache, stepping
 from engine.pipeline.batchrun import BatchHooks, BatchRun
 from engine.pipeline.board import BucketBoard, describe_failure
 from engine.pipeline.callrun import CallRun, RequestPrep, generate_here
@@ -30,6 +30,7 @@ from engine.pipeline.footprint import engine_footprint, weights_bytes
 from engine.pipeline.loading import PipelineLoader, lora_refusal
 from engine.pipeline.modes import VariantSet, clone_module_tree, compile_denoiser
 from engine.pipeline.progress import progress_bar
+from engine.pipeline.stepping import StepRunner
 from engine.pipeline.warmup import WarmRequests, Warmup, preset_buckets, startup_buckets, warm_refusal
 from engine.protocol import (
     BucketInfo,
@@ -82,6 +83,7 @@ class PipelineRunner:
         self.pipe = None
         self.load_s: float | None = None
         self.source: str | None = None  # what from_pretrained loaded (aot package keys name the model by it)
+        self.vae_source: str | None = None  # the VAE's own folder (a preset's `vae`), None: the source's
         self.in_app_process = in_app_process  # its footprint leaves out the app's resident memory
         self.run_lock = threading.Lock()  # one request on the device at a time (warm-up runs apart)
         self.rules = ModeRules(config, self.spec, self.precision, refused)
@@ -93,6 +95,7 @@ class PipelineRunner:
         self.folders_notice = ""  # why the compile folders moved (a full or read-only cache disk), once they have
         self.step_caches: stepcache.CacheVariants | None = None  # (mode, step cache) variants, once loaded
         self.loras = None  # the preset's LoRA adapters, hot-swapped into one slot (engine/pipeline/lora.py)
+        self.stepper: StepRunner | None = None  # its requests a step at a time, where its family has a step function
         self.variants = VariantSet(self.preset, self.options, self.spec, self.faults, self.notices, self._build_aot,
                                    self._variant_built)
         self.caller = PipelineCaller(self.preset, self.spec, self.options)
@@ -132,7 +135,7 @@ class PipelineRunner:
         # A graph per mode x bucket x batch size, and a second batch shape per bucket with classifier-free guidance
         graphs = len(self.modes()) * len(preset_buckets(self.preset, Mode.EAGER)) * 2 * len(self.batch_sizes)
         loaded = loader.load(graphs=graphs)
-        self.source, self.loras, pipe = loaded.source, loaded.loras, loaded.pipe
+        self.source, self.vae_source, self.loras, pipe = loaded.source, loaded.vae_source, loaded.loras, loaded.pipe
         self.notices += loaded.notices
         self.pipe = pipe
         self.variants.loaded(pipe)
@@ -146,16 +149,32 @@ class PipelineRunner:
         self.caller.prompts = prompts.PromptEncoder(
             pipe, self.config.key.memory, self.load_device(), str(self.config.key),
             prompts.PromptCache(recipe.prompt_cache_entries, recipe.prompt_cache_mib * 2**20))
+        self.stepper = self.make_stepper(pipe)
         self.load_s = time.perf_counter() - start
         log.info("loaded %s in %.2fs", self.config.key, self.load_s)
         return self.load_s
+
+    def make_stepper(self, pipe) -> StepRunner | None:
+        """The engine's step-level runner (stepping.py): None where the host turned it off or the family has no
+        step function (its requests run whole calls). A subclass whose calls are more than this process's
+        (engine/tp/runner.py) has none."""
+        if not self.options.batching.step_scheduling:
+            self.notices.append("step-level scheduling is off (--step-scheduling turns it on): each request is one "
+                                "whole pipeline call")
+            return None
+        function = stepping.step_function_for(pipe)
+        if function is None:
+            self.notices.append(f"{type(pipe).__name__} has no step function: each request is one whole pipeline "
+                                "call (none joins or pauses it between steps)")
+            return None
+        return StepRunner(self.prep, self.calls, function, self.options, self.spec)
 
     def _build_aot(self, pipe, inductor_configs: dict):
         """The aot variant's AotEngine (engine/pipeline/aot.py) on the loaded pipeline."""
         from engine.pipeline import aot
 
         target = aot.AotTarget(self.preset, self.options.recipe, self.spec, self.precision, self.source,
-                               self.config.cache_path() / "aot")
+                               self.config.cache_path() / "aot", vae_source=self.vae_source)
         return aot.AotEngine(pipe, target, self.warm_requests, self.caller, self.faults, self.batch_sizes,
                              inductor_configs)
 

@@ -73,6 +73,19 @@ def denoiser_class(pipeline: str, denoiser: str) -> type | None:
     return annotation if isinstance(annotation, type) else None
 
 
+@functools.cache
+def sets_cache_context(pipeline: str) -> bool:
+    """Whether the pipeline's own call enters its denoiser's `cache_context(...)`: diffusers' cache hooks read
+    the context and fail every step without one ("No cache context is set")."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline, None)
+    try:
+        return cls is not None and "cache_context(" in inspect.getsource(cls.__call__)
+    except (OSError, TypeError):  # no source to read: assume it does, as the diffusers pipelines of its age do
+        return True
+
+
 def _denoiser_problem(preset: ModelPreset) -> str:
     from diffusers.models.cache_utils import CacheMixin
 
@@ -81,6 +94,9 @@ def _denoiser_problem(preset: ModelPreset) -> str:
         return f"the denoiser class of {preset.pipeline} is not known here"
     if not issubclass(cls, CacheMixin):
         return f"{cls.__name__} has no diffusers cache hooks (not a CacheMixin model)"
+    if not sets_cache_context(preset.pipeline):
+        return (f"{preset.pipeline} calls its denoiser outside a diffusers cache context, which the step caches' "
+                "hooks need; run it without a step cache")
     return ""
 
 

@@ -114,6 +114,11 @@ class BatchingOptions:
     batch_wait_ms: float = field(default=15.0, metadata=flag(
         "how long a request waits after it arrives for others to share its call (default {default:g}; requests "
         "queued behind a running call join at once)", check=Decimal(0, MAX_BATCH_WAIT_MS), metavar="MS"))
+    # Off by default until a long run served step by step is as fast as its whole call (docs/architecture.md).
+    step_scheduling: bool = field(default=False, metadata=flag(
+        "serve requests a denoising step at a time where the pipeline family has a step function: a request "
+        "joins or pauses a running one at a step boundary (off: every request is one whole pipeline call)",
+        kind=SWITCH))
 
 
 # An EngineOptions field given or read by its flat name (the flags' and presets' spelling): its config, its

@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from engine.errors import InvalidRequest
 from engine.protocol.flagfields import APPEND, flag
 from engine.protocol.memory import MemoryLevers, memory_forms
-from engine.protocol.presets import DEFAULT_PRESET, LoraChoice, ModelPreset, check_lora_scale, parse_lora
+from engine.protocol.presets import (
+    CLIP_INPUTS,
+    DEFAULT_PRESET,
+    ImageInputs,
+    LoraChoice,
+    ModelPreset,
+    check_lora_scale,
+    parse_lora,
+)
 from engine.protocol.stepcaches import NO_STEP_CACHE, StepCache, step_cache_forms
 from engine.protocol.vocabulary import MAX_STEPS, Mode, OnCold, Precision
 
@@ -151,9 +159,18 @@ class Needs(enum.StrEnum):
             return preset.negative_prompt
         if self is Needs.VIDEO:
             return preset.video
-        inputs = preset.inputs
+        return self._taken_with(preset.inputs)
+
+    def _taken_with(self, inputs: ImageInputs) -> bool:
         return {Needs.IMAGES: inputs.takes_images, Needs.MASK: inputs.takes_mask,
                 Needs.STRENGTH: inputs.takes_strength}[self]
+
+    @property
+    def for_clips(self) -> bool:
+        """Whether some video family takes it: clips start from text or a first frame (CLIP_INPUTS)."""
+        if self in (Needs.NEGATIVE_PROMPT, Needs.VIDEO):
+            return True
+        return any(self._taken_with(inputs) for inputs in CLIP_INPUTS)
 
 
 class Role(enum.StrEnum):
@@ -194,6 +211,9 @@ class Field:
     choices: tuple[tuple[str, str], ...] = ()  # a page's (label, value) choices, where they are fixed
     v1: tuple[str, ...] = ()  # the /v1 doors ("images", "videos") that take it as an extra body field
     free_text: bool = False  # text a person writes (check_prompt: at most MAX_PROMPT_CHARS, no NUL)
+    # The clip doors (the Video tab, /generate_video, MCP's video tool) take it where a video family can: False for
+    # what only pictures offer (ranks: a clip runs on one; step caches and styles: no video preset has any).
+    clips: bool = True
     # How the checked request holds it: (type, default; MISSING: required), None: the request does not hold it
     # as itself (the engine's fields make its key; size becomes width and height).
     held: tuple[object, object] | None = None
@@ -324,14 +344,16 @@ FIELDS = (
           check=_plain(_on_cold), batch=_same, v1=V1, held=(OnCold, OnCold.EAGER), canonical=_on_cold,
           choices=(("serve eagerly now", OnCold.EAGER.value), ("wait for its compile", OnCold.WAIT.value)),
           cli=dict(default=OnCold.WAIT.value, choices=OnCold.values())),  # a one-shot run waits for its bucket
-    Field("tp", int, 1, "Ranks", "ranks (> 1 runs on the torchrun sidecar)", role=Role.ENGINE, cli=dict(check=int)),
+    Field("tp", int, 1, "Ranks", "ranks (> 1 runs on the torchrun sidecar)", role=Role.ENGINE, cli=dict(check=int),
+          clips=False),
     Field("step_cache", str, None, "Step cache (reuses denoiser work across steps)",
           lambda preset: f"one of {step_cache_forms()} (`python -m engine step-caches` lists which run here)",
           check=_plain(StepCache.parse), batch=_same, in_png=True, v1=V1, held=(StepCache, NO_STEP_CACHE),
           canonical=_step_cache,
-          cli=dict(default="none", name="--cache", metavar="TEXT")),
+          cli=dict(default="none", name="--cache", metavar="TEXT"), clips=False),
     Field("lora", str, None, "LoRA style", _lora_help, check=_lora, batch=_same, in_png=True,
-          cli=dict(metavar="NAME[:SCALE][:fused]"), v1=("images",), held=(str | None, None), canonical=_lora_name),
+          cli=dict(metavar="NAME[:SCALE][:fused]"), v1=("images",), held=(str | None, None), canonical=_lora_name,
+          clips=False),
     # the page's slider and checkbox; an API caller writes "NAME:SCALE" and "NAME[:SCALE]:fused"
     Field("lora_scale", float, None, "LoRA scale", "the style's scale, 0-2 (default: the style's own)",
           check=_lora_scale, api=False, batch=_same, in_png=True, cli=None, held=(float | None, None),
@@ -358,8 +380,10 @@ FIELDS = (
           cli=dict(name="--image", kind=APPEND, metavar="PATH", help="an input image (repeatable): the source to "
                    "edit (img2img, inpaint, an instruction edit), FLUX.2's references, or an image-to-video "
                    "preset's first frame; the preset says which it takes"), held=(tuple, ())),
-    Field("mask", bytes, None, "Mask (inpaint: white repaints), at the source's size",
-          "inpaint presets: a mask at the source's size, white where it repaints", role=Role.ROUTED,
+    Field("mask", bytes, None, "Mask (inpaint): white repaints, black keeps; at the source's size",
+          "inpaint presets: a mask at the source's size, white where it repaints, black where it keeps (transparent "
+          "pixels keep); /v1/images/edits reads OpenAI's convention instead (fully transparent pixels are edited)",
+          role=Role.ROUTED,
           needs=Needs.MASK, batch=lambda mask: mask is not None, cli=dict(metavar="PATH"), held=(object, None)),
     Field("strength", float, None, "Strength (img2img / inpaint; empty: 0.6)", "img2img / inpaint presets: 0-1, how "
           "much of the schedule runs from the noised source (default: 0.6; other presets take none)",
@@ -430,6 +454,12 @@ def cli_fields(names: tuple[str, ...] | None = None, own: dict[str, tuple[object
 def optional_fields(preset: ModelPreset) -> list[str]:
     """The fields only some families take (negative prompt, frames, input images, ...) that `preset`'s takes."""
     return [f.name for f in FIELDS if f.needs is not None and f.taken_by(preset)]
+
+
+def clip_fields() -> tuple[str, ...]:
+    """The fields the clip doors take (the Video tab, /generate_video, MCP's video tool), in FIELDS' order: the API's
+    that a video family can take."""
+    return tuple(f.name for f in FIELDS if f.api and f.clips and (f.needs is None or f.needs.for_clips))
 
 
 def v1_fields(door: str) -> tuple[str, ...]:

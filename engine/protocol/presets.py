@@ -181,7 +181,22 @@ class ImageInputs(enum.StrEnum):
                 ImageInputs.FIRST_FRAME: "one source image, the clip's first frame"}[self]
 
 
+# The inputs a video family takes: text alone, or a source image as the clip's first frame.
+CLIP_INPUTS = (ImageInputs.TEXT, ImageInputs.FIRST_FRAME)
 DEFAULT_STRENGTH = 0.6  # diffusers' img2img/inpaint default: 60 % of the schedule runs from the noised source
+
+
+class Task(enum.StrEnum):
+    """What a preset makes, derived from its declaration (ModelPreset.task): each task has its own default model
+    on every door (engine/config/defaults.py)."""
+
+    TEXT_TO_IMAGE = "text-to-image"  # a picture from text (FLUX.2's references are optional: still this task)
+    EDIT = "edit"  # a picture from a required source: instruction edit, img2img, inpaint
+    VIDEO = "video"  # a clip (text to video, or from a first frame)
+
+
+# What a listing says of a random-weight preset: it loads and runs, but draws noise.
+RANDOM_WEIGHTS_NOTE = "random weights: draws noise"
 
 
 @dataclass(frozen=True)
@@ -230,12 +245,32 @@ class ModelPreset:
     inputs: ImageInputs = ImageInputs.TEXT
     max_references: int = 0
     base_pipeline: str | None = None
+    # A model folder ("repo:models/...", a checked local folder or a Hub id) whose `vae/` is loaded in place of
+    # the source's: a trained encoder for a source's latent space whose own encoder reads pictures poorly.
+    vae: str | None = None
 
     @property
     def random_tiny(self) -> str | None:
         """Name of the random-weight tiny pipeline engine/models/tiny.py builds ("random:<name>"), or None."""
         prefix = next((p for p in RANDOM_TINY_PREFIXES if self.source.startswith(p)), None)
         return self.source.removeprefix(prefix) if prefix else None
+
+    @property
+    def random_weights(self) -> bool:
+        """Built with random weights (a pipeline check, not a model): it draws noise, so it is never a default."""
+        return self.random_tiny is not None
+
+    @property
+    def task(self) -> Task:
+        """Video for a clip maker, edit where the pipeline needs a source image, else text to image."""
+        if self.video:
+            return Task.VIDEO
+        return Task.EDIT if self.inputs.needs_source else Task.TEXT_TO_IMAGE
+
+    @property
+    def draws(self) -> bool:
+        """An embedded model whose pictures a checker scores (its `fidelity`), trained rather than random."""
+        return self.fidelity is not None and not self.random_weights
 
     @property
     def bundled(self) -> str | None:
@@ -274,6 +309,8 @@ class ModelPreset:
             "advice": dict(self.advice),
             "inputs": str(self.inputs),
             "max_references": self.max_references,
+            "task": str(self.task),
+            "random_weights": self.random_weights,
             "loras": [{"name": lora.name, "scale": lora.scale, "trigger": lora.trigger, "description": lora.description}
                       for lora in self.loras],
             **({"frames": list(self.frames), "fps": self.fps} if self.video else {}),

@@ -139,6 +139,15 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class Pause:
+    """A stepped request set aside between two steps while other requests' steps ran (engine/worker/stepped.py)."""
+
+    after_step: int  # the steps it had done (0: before its first)
+    ms: float
+    for_requests: int  # the other requests that stepped meanwhile
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     request_id: str
     engine: EngineKey
@@ -166,6 +175,11 @@ class GenerateResult:
     num_frames: int = 0
     fps: int = 0
     video_encode_ms: float | None = None
+    # The engine ran its denoising loop a step at a time (engine/pipeline/stepping.py): the batch size of each
+    # step (requests joined and left between steps) and the pauses it waited through.
+    stepped: bool = False
+    step_batches: tuple[int, ...] = ()
+    pauses: tuple[Pause, ...] = ()
 
     @property
     def computed_steps(self) -> int:

@@ -24,6 +24,9 @@ from engine.protocol import ModelPreset, Size
 # requests queued or running. Measured on 2 shared cores: docs/hosting.md ("Fair by cost").
 DEFAULT_REQUEST_COST = 16_384
 DEFAULT_VISITOR_COST = 2 * DEFAULT_REQUEST_COST
+# Decoding uploads is work too (the web process's): this many decoded pixels cost one token-step, about the CPU a
+# token-step of the tiny engines takes (docs/hosting.md, "Uploads"); a 4096x4096 reference costs 2,048.
+DECODE_PIXELS_PER_TOKEN_STEP = 8192
 
 
 def _n(count: int, word: str) -> str:
@@ -56,6 +59,11 @@ def price(preset: ModelPreset, size: Size, steps: int, guidance: float | None = 
     if steps < 1 or images < 1:
         raise InvalidRequest(f"a request runs at least one step of one image (got {steps} steps, {images} images)")
     return steps * tokens_per_image_step(preset, size, guidance, refs) * latent_frames(preset, frames) * images
+
+
+def decode_price(pixels: int) -> int:
+    """Token-steps of decoding `pixels` pixels of uploads (once per request, however many images it makes)."""
+    return math.ceil(pixels / DECODE_PIXELS_PER_TOKEN_STEP) if pixels > 0 else 0
 
 
 def parse_cost(text, flag: str) -> int | None:
@@ -92,12 +100,18 @@ def max_steps(budget: int, preset: ModelPreset, size: Size, guidance: float | No
 
 
 def check_generate(budget: CostBudget, preset: ModelPreset, size: Size, steps: int,
-                   guidance: float | None = None, refs: tuple[Size, ...] = (), frames: int = 0) -> int:
-    """The price of one image (`refs`: its references' sizes, each adding its tokens) or clip, or NotAllowed
-    saying what fits: fewer steps, or a smaller bucket."""
-    cost = price(preset, size, steps, guidance, refs=refs, frames=frames)
+                   guidance: float | None = None, refs: tuple[Size, ...] = (), frames: int = 0,
+                   decoded_pixels: int = 0) -> int:
+    """The price of one image (`refs`: its references' sizes, each adding its tokens) or clip, with the decoding
+    of its uploads (`decoded_pixels`), or NotAllowed saying what fits: fewer steps, or a smaller bucket."""
+    decoding = decode_price(decoded_pixels)
+    cost = price(preset, size, steps, guidance, refs=refs, frames=frames) + decoding
     if budget.request is None or cost <= budget.request:
         return cost
+    if decoding and decoding >= budget.request // 2:
+        raise NotAllowed(f"this request costs {cost:,} token-steps, {decoding:,} of them decoding its uploads "
+                         f"({decoded_pixels / 10**6:.1f} megapixels, {DECODE_PIXELS_PER_TOKEN_STEP:,} a token-step), "
+                         f"and this server allows {budget.request:,} per request: upload smaller or fewer images")
     if frames:
         raise NotAllowed(_clip_refusal(budget.request, cost, preset, size, steps, guidance, frames))
     if refs:
@@ -144,6 +158,32 @@ def check_compare(budget: CostBudget, preset: ModelPreset, size: Size, steps: in
                      f"{_n(steps, 'step')} × {tokens_per_image_step(preset, size, guidance)} latent tokens at "
                      f"{size}{_clip_tokens(preset, frames)}) and this server allows {budget.request:,} per request: "
                      f"{hint or 'pick a smaller size'}")
+
+
+@dataclass(frozen=True)
+class Uploads:
+    """A request's uploads as priced: how many there are (references: their tokens join each image's sequence
+    where the family puts them there) and the pixels decoding them took, once for all its images."""
+
+    count: int = 0
+    pixels: int = 0
+
+
+def check_uploads(budget: CostBudget, preset: ModelPreset, size: Size, steps: int, images: int, base: int,
+                  uploads: Uploads, guidance: float | None = None) -> int:
+    """`base` (a Compare's price, say) with its `images` images' references at `size` and the one decoding of the
+    uploads added, or NotAllowed when together they are over the request budget."""
+    refs = (size,) * uploads.count if preset.inputs.in_sequence else ()
+    tokens = tokens_per_image_step(preset, size, guidance, refs) - tokens_per_image_step(preset, size, guidance)
+    references, decoding = steps * tokens * images, decode_price(uploads.pixels)
+    total = base + references + decoding
+    if budget.request is None or total <= budget.request:
+        return total
+    raise NotAllowed(f"this costs {total:,} token-steps: {base:,} for its images, {references:,} for "
+                     f"{_n(uploads.count, 'reference')} in their sequence and {decoding:,} for decoding the uploads "
+                     f"({uploads.pixels / 10**6:.1f} megapixels, {DECODE_PIXELS_PER_TOKEN_STEP:,} a token-step); "
+                     f"this server allows {budget.request:,} per request: fewer or smaller images, fewer "
+                     "configurations or steps")
 
 
 def _clip_tokens(preset: ModelPreset, frames: int) -> str:

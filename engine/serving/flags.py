@@ -162,8 +162,8 @@ class VisitorFlags:
 @dataclass(frozen=True)
 class SocketFlags:
     """Socket bounds (ui/sockets.py, same defaults; $SHOWCASE_<FLAG NAME>, e.g. $SHOWCASE_MAX_CONNECTIONS):
-    connections and request headers, before the HTTP parser. An environment value is checked as the flag
-    would be."""
+    connections and request headers, before the HTTP parser; and request bodies' deadline (ui/bodies.py). An
+    environment value is checked as the flag would be."""
 
     max_connections: int = field(default=1000, metadata=flag(
         "open connections, all clients together; past it an idle one of the address holding the most makes room, "
@@ -188,6 +188,14 @@ class SocketFlags:
     max_headers: int = field(default=100, metadata=flag(
         "header lines in a request; past it 431 and closed (default 100)", check=Whole(8, 10_000), metavar="N",
         env="max_headers", as_text=True))
+    body_min_rate: float = field(default=240.0, metadata=flag(
+        "a request body must arrive at this many bytes/s on average after its first 10 s, else 408 and closed "
+        "(default 240; 0: no rate)", check=Decimal(1.0, 1e9, zero="no rate"), metavar="BYTES_PER_S",
+        env="body_min_rate", as_text=True))
+    body_timeout: float = field(default=300.0, metadata=flag(
+        "a request body must arrive whole within this from its head, else 408 and closed (default 300; 0: "
+        "unbounded)", check=Decimal(1.0, 86400.0, zero="unbounded"), metavar="SECONDS", env="body_timeout",
+        as_text=True))
 
 
 HOSTING_FLAGS = (HostingFlags, BudgetFlags, VisitorFlags, SocketFlags)  # app.py's "hosting" group, in order

@@ -10,13 +10,15 @@ options leave it, its LoRA adapters).
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import devices
 from engine.config.request import Caller, ImageRequest
 from engine.config.resolve import Catalog
-from engine.config.validation import build_request
+from engine.config.validation import build
 from engine.pipeline import stepcache
 from engine.protocol import EngineKey, GenerateRequest, Mode, ModelPreset
 from engine.serving import cost, fit, policy
@@ -28,8 +30,8 @@ from engine.worker.client import EngineClient
 @dataclass(frozen=True)
 class Admitted:
     """One Generate as the gate let it through: its engine's key, the worker's request (validated, at its
-    bucket), the notices to show with its result, its price in token-steps (0: not priced, or a Compare's
-    `ticket` holds it), who asked."""
+    bucket, its uploads decoded and fitted), the notices to show with its result, its price in token-steps (0:
+    not priced, or a Compare's `ticket` holds it; `decode_cost` of it: decoding the uploads), who asked."""
 
     key: EngineKey
     request: GenerateRequest
@@ -37,6 +39,16 @@ class Admitted:
     price: int
     caller: Caller
     ticket: Ticket | None = None
+    decode_cost: int = 0
+
+    def images(self, n: int) -> list[Admitted]:
+        """n images of this request (seed, seed + 1, ...), each its own request id, sharing the one decode of the
+        uploads (priced with the first): what one /v1 call of n images runs, admitted once."""
+        request = self.request
+        return [self] + [dataclasses.replace(self, price=self.price - self.decode_cost, decode_cost=0,
+                                             request=request.replace(seed=request.seed + i,
+                                                                     request_id=uuid.uuid4().hex[:12]))
+                         for i in range(1, n)]
 
     def labels(self) -> dict:
         """The telemetry labels of this request (engine, mode, bucket)."""
@@ -84,7 +96,7 @@ class Gate:
         """The request checked, routed and priced, or the ShowcaseError saying what to change (counted as
         refused). `ticket`: the Compare's admission it runs on (charged to its client, priced with it)."""
         seen: dict = {}  # the labels of a refusal, as far as it got
-        caller, price = spec.caller, 0
+        caller, price, decoding = spec.caller, 0, 0
         try:
             key = self.make_key(spec.preset, spec.device, spec.precision, spec.tp, caller=caller,
                                 parallel=spec.parallel, levers=spec.memory)
@@ -93,20 +105,23 @@ class Gate:
                 self.check_visitor_choice(mode=spec.mode)
             preset = self.catalog.preset(key.preset)
             client = ticket.client if ticket is not None else spec.client
-            request, notices = build_request(preset, spec.replace(client=client))
+            built = build(preset, spec.replace(client=client))
+            request, notices = built.request, built.notices
             seen.update(mode=str(request.mode), bucket=str(request.bucket.size))
             notices += self._check_routable(key, preset, request)
             if self.priced(caller):
                 host = self.host_policy()
                 if ticket is None:
                     price = cost.check_generate(host.cost, preset, request.size, request.denoise_steps,
-                                               request.guidance, request.refs, frames=request.num_frames)
+                                               request.guidance, request.refs, frames=request.num_frames,
+                                               decoded_pixels=built.decoded_pixels)
+                    decoding = cost.decode_price(built.decoded_pixels)
                 if request.mode is Mode.AOT:
                     policy.check_visitor_aot(host, key, request.bucket, self.loaded(key))
         except BaseException as exc:
             self.refused(seen, error=exc)
             raise
-        return Admitted(key, request, tuple(notices), price, caller, ticket)
+        return Admitted(key, request, tuple(notices), price, caller, ticket, decoding)
 
     def _check_routable(self, key: EngineKey, preset: ModelPreset, request: GenerateRequest) -> tuple[str, ...]:
         """What the engine's device or runtime cannot run is refused before any engine starts; the step cache's
@@ -122,4 +137,5 @@ class Gate:
         """One call's `images` images (each then admitted alone): EngineBusy when together they do not fit the
         visitor's budget now (`held`: token-steps the visitor has queued or running)."""
         if images > 1 and self.priced(admitted.caller):
-            cost.check_visitor(self.host_policy().cost, held, images * admitted.price)
+            together = images * admitted.price - (images - 1) * admitted.decode_cost  # one decode for them all
+            cost.check_visitor(self.host_policy().cost, held, together)

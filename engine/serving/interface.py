@@ -17,6 +17,7 @@ from engine.config.placement import split_device
 from engine.config.request import Caller, ImageRequest
 from engine.serving import stream
 from engine.serving.admission import Ticket
+from engine.serving.cost import Uploads
 from engine.serving.gate import Admitted
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from engine.serving.telemetry import Telemetry
     from engine.worker.client import EngineClient
 
-__all__ = ["Admitted", "Caller", "EngineServing", "ManagerCalls", "Serving", "ServingParts", "Ticket"]
+__all__ = ["Admitted", "Caller", "EngineServing", "ManagerCalls", "Serving", "ServingParts", "Ticket", "Uploads"]
 
 
 class Serving(Protocol):
@@ -72,6 +73,11 @@ class Serving(Protocol):
     def price_compare(self, preset: str, size, steps: int, configurations: int, prompts: int, guidance=None,
                       caller: Caller = Caller.HOST, num_frames=None) -> int:
         """A Compare's price in token-steps (0 when not priced); a video preset's at its clips' frame count."""
+
+    def price_uploads(self, preset: str, size, steps: int, images: int, price: int, uploads: Uploads,
+                      caller: Caller = Caller.HOST) -> int:
+        """`price` (a Compare's) with its uploads' references over `images` images and their one decoding added
+        (0 when not priced), or NotAllowed when together they are over the request budget."""
 
     def admission(self, client: str, price: int, caller: Caller = Caller.HOST) -> contextlib.AbstractContextManager:
         """Hold `price` against the client's budget while the block runs (yields its Ticket)."""
@@ -178,6 +184,7 @@ class ManagerCalls(NamedTuple):
     engine_options: Callable
     batch_limit: Callable
     price_compare: Callable
+    price_uploads: Callable
     admission: Callable
     cancel: Callable
     host_status: Callable
@@ -207,7 +214,7 @@ class EngineServing:
 
     def __init__(self, calls: ManagerCalls, parts: ServingParts, policy: Callable[[], HostPolicy]):
         (self.generate, self.engine, self.warm, self.restart, self.engine_options, self.batch_limit,
-         self.price_compare, self.admission, self.cancel, self.host_status) = calls
+         self.price_compare, self.price_uploads, self.admission, self.cancel, self.host_status) = calls
         gate, residency, levers = parts.gate, parts.residency, parts.levers
         self.admit, self.make_key, self.priced = gate.admit, gate.make_key, gate.priced
         self.check_images, self.visitor_presets = gate.check_images, gate.visitor_presets

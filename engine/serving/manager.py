@@ -34,6 +34,7 @@ from engine.protocol import (
     GenerateResult,
     Mode,
     ModelPreset,
+    Size,
 )
 from engine.serving import cost, fit, policy
 from engine.serving.admission import RequestFlow, Ticket, price_compare
@@ -202,6 +203,16 @@ class EngineManager:
         return price_compare(self.policy.cost, self.catalog.preset(preset), size, steps, configurations, prompts,
                              guidance, num_frames)
 
+    def price_uploads(self, preset: str, size, steps: int, images: int, price: int, uploads: cost.Uploads,
+                      caller: Caller = Caller.HOST) -> int:
+        """`price` (a Compare's) with its uploads' references and their one decoding added (0 when not priced),
+        or NotAllowed when together they are over the request budget."""
+        if not self.gate.priced(caller):
+            return 0
+        model = self.catalog.preset(preset)
+        size = size if isinstance(size, Size) else Size.parse(size) if size else model.buckets[0]
+        return cost.check_uploads(self.policy.cost, model, size, steps, images, price, uploads)
+
     def batch_limit(self, key: EngineKey) -> int:
         """The most requests engine `key` runs as one pipeline call (1: it does not batch)."""
         return max_batch_for(self.engine_options(key).max_batch, devices.get_device(key.device), key.tp)
@@ -354,6 +365,7 @@ class EngineManager:
         call, so a test's spy on this manager's generate is seen."""
         calls = ManagerCalls(lambda spec, **hooks: self.generate(spec, **hooks), self.engine, self.warm,
                              self.restart, self.engine_options, self.batch_limit, self.price_compare,
+                             self.price_uploads,
                              self.admission, self.cancel, self.host_status)
         parts = ServingParts(self.catalog, self.gate, self.residency, self.budgets, self.levers, self.scheduler,
                              self.launcher, self.flow, self.shares, self.options, self.hosting, self.cache,

@@ -113,6 +113,12 @@ class TensorParallelRunner(PipelineRunner):
     def load_device(self) -> str:
         return str(self.group.device)
 
+    def make_stepper(self, pipe):
+        """None: the ranks run each request as one whole call in lockstep (said on the board)."""
+        self.notices.append("a multi-rank engine runs each request as one whole pipeline call on every rank (no "
+                            "step-level scheduling)")
+        return None
+
     def component_overrides(self, source: str) -> dict:
         """The sharded components: each rank reads only its slice of the safetensors (tensor parallel only;
         context parallel loads the whole pipeline and splits the tokens after the load)."""

@@ -67,6 +67,7 @@ from engine.worker.priority import (
 )
 from engine.worker.served import EngineFacts, EngineReports, LoopPolicy
 from engine.worker.serving import CallRules, RequestRecord, ServeCall, run_variant, serve_niced
+from engine.worker.stepped import StepSession
 from engine.worker.warming import BucketWarmer
 
 if TYPE_CHECKING:
@@ -312,7 +313,20 @@ class WorkerLoop:
                 self.halt()
 
     def serve(self, group: list[GenerateRequest]) -> None:
-        """Serve the requests of one pipeline call (what the batcher gathered): one request alone, or a batch.
+        """Serve what the batcher gathered: a step at a time where the engine has a step function that covers
+        every request of the group (engine/worker/stepped.py: requests that arrive meanwhile join or pause it
+        between steps), else as one pipeline call (`serve_whole`)."""
+        stepper = getattr(self.executor, "stepper", None)  # set once the engine loaded
+        if stepper is not None and not any(stepper.why_whole(r) or self._waits_for_compile(r) for r in group):
+            StepSession(self, stepper).serve(group)
+        else:
+            self.serve_whole(group)
+
+    def _waits_for_compile(self, request: GenerateRequest) -> bool:
+        return request.mode.compiled and request.on_cold is OnCold.WAIT and not self._is_warm(request.bucket)
+
+    def serve_whole(self, group: list[GenerateRequest]) -> None:
+        """Serve the requests of one pipeline call: one request alone, or a batch.
         To the host's CPU rules a call is one run: niced by its own expected time (per batch size), one short
         run in the short-run slots, stepping aside once per step. A lone request with on_cold=wait at a bucket
         not warm yet waits for its compile first."""
