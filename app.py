@@ -204,8 +204,9 @@ class DefaultEngine:
 
 def edge_config(args, public: bool):
     """The web edge's bounds (ui/edge.py) from the flags (`public`: hosting mode's defaults)."""
+    from ui.addresses import parse_proxies
     from ui.bodies import PER_CLIENT_BYTES, BodyBounds
-    from ui.edge import CLIENT_EVENTS, EdgeConfig, parse_proxies
+    from ui.edge import CLIENT_EVENTS, EdgeConfig
     from ui.sockets import PER_CLIENT, STREAMS_PER_CLIENT, SocketBounds
 
     events = args.client_events

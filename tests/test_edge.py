@@ -276,7 +276,7 @@ def test_a_cancel_that_found_nothing_stops_the_one_run_it_meant():
 
 
 def test_clients_are_their_address_and_a_forwarded_header_counts_only_from_a_trusted_proxy():
-    from ui.edge import client_address, parse_proxies
+    from ui.addresses import client_address, parse_proxies
 
     proxies = parse_proxies("10.0.0.0/8")
     assert client_address("203.0.113.5", "1.2.3.4", proxies) == "203.0.113.5"  # not a proxy: header ignored

@@ -162,7 +162,7 @@ def test_handlers_shared_by_several_triggers_are_one_gr_on_event(demo):
 # CLI's own renderer (bench.advise_report), and ui/compare.py reads typed
 # configurations and times them with the bench's paired plan (bench.configs, bench.paired).
 ALLOWED_ENGINE_IMPORTS = {
-    "engine.protocol": None, "engine.errors": None, "engine.settings": None, "engine.serving.interface": {"Serving", "Caller"},
+    "engine.protocol": None, "engine.errors": None, "engine.settings": None, "engine.serving.interface": {"Serving", "Caller", "Admitted", "Uploads"},
     "engine.pipeline.attention": {"attention_table", "DEFAULT"},
     "engine.devices": {"devices_report", "resolve_device", "get_device", "check_mode"},
     "bench": {"speedup_table"},
@@ -190,7 +190,8 @@ ONLY_IN = {"engine.devices": "common.py", "engine.pipeline.attention": "common.p
            "bench.quality": "compare_views.py", "engine.metrics": "views.py", "engine.pipeline.stepcache": "common.py",
            "bench.advise": "advisor.py", "bench.advise_report": ("advisor.py", "advisor_views.py"),
            "engine.config.validation": "compare_run.py", "engine.config.placement": "common.py",
-           "engine.processes": "webtemp.py", "engine.config.images": ("uploads.py", "openai_edits.py"), "engine.serving.budget": "advisor.py",
+           "engine.processes": "webtemp.py", "engine.serving.budget": "advisor.py",
+           "engine.config.images": ("uploads.py", "openai_edits.py", "compare_run.py"),
            "bench.configs": ("compare.py", "compare_run.py", "compare_views.py")}  # a tab's module, or its views
 TAB_MODULES = ("generate", "buckets", "compare", "advisor", "system")
 

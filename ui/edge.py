@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import secrets
@@ -42,6 +41,7 @@ from urllib.parse import parse_qs
 from engine.config import strict
 from engine.errors import InvalidRequest, ShowcaseError
 from ui import quietlog
+from ui.addresses import client_address
 from ui.bodies import BodyBounds, BodyLedger, BodyReader
 from ui.keyguard import KeyGuard
 from ui.sockets import REASONS, SocketBounds, SocketGuard, in_networks, is_stream_path
@@ -75,36 +75,6 @@ class EdgeConfig:
     listen_grace_s: float = LISTEN_GRACE_S
     sockets: SocketBounds | None = field(default_factory=SocketBounds)  # None: no socket bounds
     bodies: BodyBounds | None = field(default_factory=BodyBounds)  # body deadlines and memory; None: size only
-
-
-def parse_proxies(text: str | None) -> tuple:
-    """'10.0.0.0/8,127.0.0.1' -> networks; raises ValueError naming the bad entry."""
-    nets = []
-    for item in (text or "").split(","):
-        if item.strip():
-            try:
-                nets.append(ipaddress.ip_network(item.strip(), strict=False))
-            except ValueError:
-                raise ValueError(f"--trusted-proxies: {item.strip()!r} is not an address or network "
-                                 "(e.g. 10.0.0.0/8,127.0.0.1)") from None
-    return tuple(nets)
-
-
-def client_address(peer: str | None, forwarded_for: str | None, trusted=()) -> str:
-    """Who sent a request: the connection's peer address; when that peer is a trusted proxy, the
-    right-most X-Forwarded-For hop that is not itself a trusted proxy (hops to its left are whatever
-    the client wrote and are never believed)."""
-    peer = peer or "unknown"
-    if not trusted or not in_networks(peer, trusted):
-        return peer
-    hops = [h.strip() for h in (forwarded_for or "").split(",") if h.strip()]
-    for hop in reversed(hops):
-        if not in_networks(hop, trusted):
-            try:
-                return str(ipaddress.ip_address(hop))
-            except ValueError:
-                return "invalid-forwarded-for"
-    return peer
 
 
 def _header(scope, name: bytes) -> str | None:

@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from engine.errors import InvalidRequest
 
-REPAINT_LEVEL = 128  # FluxInpaintPipeline's mask processor binarizes at 0.5: at and above it, a pixel is repainted
+REPAINT_LEVEL = 128  # the FLUX inpaint pipeline's mask processor binarizes at 0.5: at and above it, a pixel is repainted
 _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
 
 

@@ -77,7 +77,9 @@ class PipelineFamily:
     # them per bucket); empty: diffusers checks them at run time.
     cp_sequences: tuple[str, ...] = ()
     tiny: str | None = None  # the engine/models builder of its random-weight tiny version (preset "random:NAME")
-    step: Callable | None = None  # the family's step function, when the engine drives denoising step by step
+    # The name of its step function (engine/pipeline/stepping.py STEP_FUNCTIONS), when the engine drives its
+    # denoising a step at a time; None: each request is one whole pipeline call.
+    step: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "published", MappingProxyType(dict(self.published)))

@@ -1,6 +1,6 @@
 """An inpaint's kept pixels pasted back after decode, with a feathered edge, as inpaint UIs do.
 
-FluxInpaintPipeline blends the source back in latent space only, so the kept area comes out as the VAE's
+The FLUX inpaint pipeline blends the source back in latent space only, so the kept area comes out as the VAE's
 round trip of the source, never the source itself. After the decode the result is
 `source * (1 - m) + generated * m`, with `m` the mask binarized as the pipeline reads it (white: repaint) and
 blurred by a few pixels, so the repainted area meets the kept one without a seam.

@@ -1,4 +1,4 @@
-"""FLUX.1's step function (FluxPipeline): the pipeline's own `__call__`, cut at its step boundaries.
+"""FLUX.1's step function (its text-to-image pipeline): the pipeline's own `__call__`, cut at its step boundaries.
 
 `prepare` runs what the call runs before its loop (encode_prompt, prepare_latents, the shifted sigmas and
 retrieve_timesteps on the request's own scheduler), `step` one pass of the loop for several requests at once
@@ -13,11 +13,11 @@ import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-from engine.pipeline.stepping import StepState
+from engine.pipeline.stepstate import StepState
 
 
 class FluxSteps:
-    """FluxPipeline's text-to-image loop, a step at a time (engine/pipeline/stepping.py's StepFunction)."""
+    """The FLUX.1 text-to-image loop, a step at a time (engine/pipeline/stepping.py's StepFunction)."""
 
     @torch.no_grad()  # as the pipeline's __call__
     def prepare(self, run, request, generator: torch.Generator, max_sequence_length: int | None) -> StepState:

@@ -67,7 +67,7 @@ from engine.worker.priority import (
 )
 from engine.worker.served import EngineFacts, EngineReports, LoopPolicy
 from engine.worker.serving import CallRules, RequestRecord, ServeCall, run_variant, serve_niced
-from engine.worker.stepped import StepSession
+from engine.worker.stepped import SessionParts, StepSession
 from engine.worker.warming import BucketWarmer
 
 if TYPE_CHECKING:
@@ -318,9 +318,14 @@ class WorkerLoop:
         between steps), else as one pipeline call (`serve_whole`)."""
         stepper = getattr(self.executor, "stepper", None)  # set once the engine loaded
         if stepper is not None and not any(stepper.why_whole(r) or self._waits_for_compile(r) for r in group):
-            StepSession(self, stepper).serve(group)
+            StepSession(self._session_parts(), stepper).serve(group)
         else:
             self.serve_whole(group)
+
+    def _session_parts(self) -> SessionParts:
+        return SessionParts(self.max_queue, self.batcher.take_waiting, self.serve_whole, self.send, self._record,
+                            self._cancelled_before_start, self._forget, self._batch_sizes_for, self.report_lora,
+                            self.warmer.compile_yield)
 
     def _waits_for_compile(self, request: GenerateRequest) -> bool:
         return request.mode.compiled and request.on_cold is OnCold.WAIT and not self._is_warm(request.bucket)

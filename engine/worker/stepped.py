@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import Cancelled, ShowcaseError
@@ -43,18 +44,35 @@ class Member:
     last_turn: int = -1
 
 
-class StepSession:
-    """Requests served a step at a time by `loop`'s engine (a WorkerLoop whose executor has a `stepper`)."""
+@dataclass(frozen=True)
+class SessionParts:
+    """What a step session uses of its worker loop (engine/worker/loop.py): the queue it takes from, the answers
+    it sends, the records of its requests and the whole-call path for requests no step function covers."""
 
-    def __init__(self, loop, stepper):
-        self.loop, self.stepper = loop, stepper
+    max_queue: int
+    take_waiting: Callable  # (room) -> the requests waiting at the engine
+    serve_whole: Callable  # (group) -> serves them as one pipeline call
+    send: Callable  # (message) -> to the web process
+    record: Callable  # (request_id) -> its RequestRecord
+    cancelled_before_start: Callable  # (request) -> answers it cancelled
+    forget: Callable  # (request) -> drops its record
+    batch_sizes_for: Callable  # (request) -> the batch sizes its bucket may run at
+    report_lora: Callable  # () -> reports the adapter state
+    compile_yield: object  # the warmer's CompileYield: compiles step aside while a session runs
+
+
+class StepSession:
+    """Requests served a step at a time by one engine's `stepper` (the engine's StepRunner)."""
+
+    def __init__(self, parts: SessionParts, stepper):
+        self.parts, self.stepper = parts, stepper
         self.members: list[Member] = []
         self.turn = 0
 
     def serve(self, group: list[GenerateRequest]) -> None:
         logged_as = logs.REQUEST_ID.set(",".join(r.request_id for r in group))
         try:
-            with self.loop.warmer.compile_yield.request():
+            with self.parts.compile_yield.request():
                 for request in group:
                     self._join(request)
                 while self.members:
@@ -69,9 +87,9 @@ class StepSession:
 
     # -- who is in the session ----------------------------------------------------------------------
     def _join(self, request: GenerateRequest) -> None:
-        record = self.loop._record(request.request_id)
+        record = self.parts.record(request.request_id)
         if record.cancel.is_set():
-            self.loop._cancelled_before_start(request)
+            self.parts.cancelled_before_start(request)
             return
         queued_ms = record.queued_ms(time.perf_counter())
         try:
@@ -83,14 +101,14 @@ class StepSession:
 
     def _admit(self) -> None:
         """What waits joins at this step boundary; a request that runs whole is served now, as one call."""
-        loop = self.loop
-        room = max(0, loop.max_queue - len(self.members))
-        for request in loop.batcher.take_waiting(room):
+        parts = self.parts
+        room = max(0, parts.max_queue - len(self.members))
+        for request in parts.take_waiting(room):
             if self.stepper.why_whole(request):
                 now = time.perf_counter()
                 for member in self.members:
                     member.state.pause(now)
-                loop.serve_whole([request])
+                parts.serve_whole([request])
                 for member in self.members:
                     member.state.waited_for([request.request_id])
             else:
@@ -109,7 +127,7 @@ class StepSession:
             groups.setdefault(member.state.key, []).append(member)
         group = min(groups.values(), key=lambda ms: min(m.last_turn for m in ms))
         group.sort(key=lambda m: m.last_turn)  # stable: arrival order among equals
-        size = chunk(len(group), self.loop._batch_sizes_for(group[0].request))
+        size = chunk(len(group), self.parts.batch_sizes_for(group[0].request))
         return group[:size]
 
     # -- one step ----------------------------------------------------------------------------------
@@ -134,7 +152,7 @@ class StepSession:
                 member.state.waited_for(ids)
         for member in batch:
             state = member.state
-            self.loop.send(Progress(StepProgress(member.request.request_id, state.index, len(state.timesteps),
+            self.parts.send(Progress(StepProgress(member.request.request_id, state.index, len(state.timesteps),
                                                  step_ms, batch_size=len(batch))))
         for member in batch:
             if member.state.done:
@@ -147,10 +165,10 @@ class StepSession:
         except Exception as exc:  # noqa: BLE001 - its own outcome
             self._answer_failure(member.request, exc)
             return
-        self.loop.report_lora()
+        self.parts.report_lora()
         timings = dataclasses.replace(result.timings, queued_ms=member.queued_ms)
-        self.loop.send(Result(dataclasses.replace(result, timings=timings)))
-        self.loop._forget(member.request)
+        self.parts.send(Result(dataclasses.replace(result, timings=timings)))
+        self.parts.forget(member.request)
 
     def _fail(self, member: Member, exc: Exception) -> None:
         if member in self.members:
@@ -161,5 +179,5 @@ class StepSession:
         error = exc if isinstance(exc, ShowcaseError) else ShowcaseError(f"{type(exc).__name__}: {exc}")
         if not isinstance(exc, ShowcaseError):
             log.error("request %s failed", request.request_id, exc_info=exc)
-        self.loop.send(RequestFailed(request.request_id, error))
-        self.loop._forget(request)
+        self.parts.send(RequestFailed(request.request_id, error))
+        self.parts.forget(request)
