@@ -209,9 +209,11 @@ def test_generate_video_and_the_mcp_tool_take_the_source_image(app, tmp_path):
 
     url = "data:image/png;base64," + base64.b64encode(png((48, 32))).decode("ascii")
 
+    as_text = {name: str(value) for name, value in call.items()}  # MCP's fields are text, as /generate's are
+
     async def work(session):
-        return (await session.call_tool("generate_video", {**call, "images": [url]}),
-                await session.call_tool("generate_video", {**call, "preset": "tiny-wan", "images": [url]}))
+        return (await session.call_tool("generate_video", {**as_text, "images": [url]}),
+                await session.call_tool("generate_video", {**as_text, "preset": "tiny-wan", "images": [url]}))
 
     made, refused = session_run(app + "gradio_api/mcp/", work)
     assert not made.isError, [c.text for c in made.content if c.type == "text"]

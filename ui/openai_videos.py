@@ -277,9 +277,9 @@ class VideoJobs:
                             client=client)
 
     def _videos(self, from_image: bool = False) -> list[str]:
-        """The video models offered here (`from_image`: those that take a source image)."""
+        """The video models offered to visitors here (`from_image`: those that take a source image)."""
         serving = self.h.serving
-        return [n for n in serving.preset_names() if serving.preset(n).video
+        return [n for n in serving.visitor_presets() if serving.preset(n).video
                 and (not from_image or serving.preset(n).inputs.takes_images)]
 
     def _default_model(self, from_image: bool) -> str:
