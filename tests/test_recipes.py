@@ -208,7 +208,7 @@ class _FakePipe:
         self._interrupt = False
 
     def __call__(self, prompt, height, width, num_inference_steps, guidance_scale, generator, output_type,
-                 callback_on_step_end):
+                 callback_on_step_end, max_sequence_length=None):  # its family's adapter passes the token count
         from types import SimpleNamespace
 
         from PIL import Image
