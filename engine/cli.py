@@ -371,7 +371,8 @@ COMMANDS = {
 # The measuring commands live in the bench package (`python -m bench COMMAND`), which the engine never
 # imports: named here only so that `python -m engine bench` says where the command went.
 MEASURING = ("bench", "soak", "load", "fairness", "contention", "cp-bench", "advise", "lora-bench",
-             "memory-bench", "oneshot", "fleet-bench", "edit-bench", "video-bench", "vae-bench")
+             "memory-bench", "oneshot", "fleet-bench", "edit-bench", "video-bench", "vae-bench",
+             "inpaint-bench", "step-bench")
 
 
 @dataclass(frozen=True)

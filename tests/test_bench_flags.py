@@ -34,6 +34,7 @@ OPTIONS = {  # command -> its options dataclass; `True`: the engine flags follow
     "edit-bench": ("bench.edit:EditBenchOptions", False),
     "vae-bench": ("bench.vae_decode:VaeBenchOptions", False),
     "step-bench": ("bench.stepping:StepBenchOptions", False),
+    "inpaint-bench": ("bench.inpaint:InpaintBenchOptions", False),
 }
 
 
