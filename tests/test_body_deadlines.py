@@ -9,6 +9,8 @@ parsers); the last ones launch the app. Visitors connect from distinct loopback 
 from __future__ import annotations
 
 import json
+import select
+import socket
 import time
 
 import pytest
@@ -27,6 +29,24 @@ def edge_app(bodies, sockets: SocketBounds | None = None):
     return guard, middleware.cls(hello, *middleware.args, **middleware.kwargs)
 
 
+def still_open_after(sock, seconds: float) -> bool:
+    """Whether the server neither answered nor closed `sock` for `seconds`."""
+    sock.settimeout(seconds)
+    try:
+        sock.recv(1, socket.MSG_PEEK)  # returns at the first byte of an answer, or b"" once closed
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def answered(sock) -> bool:
+    """Whether the server has sent something (or closed) on `sock`, without waiting."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
+
+
 def post_head(path: str, length: int, content_type: str = "application/octet-stream") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {length}\r\n\r\n").encode()
@@ -41,12 +61,10 @@ def test_a_stalled_body_gets_408_and_is_closed_once_the_grace_is_over(parser, co
     guard, app = edge_app(BodyBounds(min_rate=240, grace_s=1.0, timeout_s=30))
     with serve(parser, None, app=app, guard=guard.sockets) as (_, port):
         sock = connect(port)
-        started = time.monotonic()
         sock.sendall(post_head("/gradio_api/queue/join", 100_000, content_type) + b"{")
-        answer = read_all(sock, timeout=8)
-        took = time.monotonic() - started
+        assert still_open_after(sock, 0.6), "closed before its 1 s of grace were over"
+        answer = read_all(sock, timeout=3.5)  # fails unless closed within a few seconds of the grace's end
         assert status(answer) == 408 and b"at least 240 bytes/s" in answer, answer[:300]
-        assert 0.9 <= took < 4, f"closed after {took:.1f} s"
         assert guard.refused["body timeout"] == 1
         assert status(request(port)) == 200  # and it keeps serving
         assert guard.bodies.snapshot()["held_bytes"] == 0
@@ -59,18 +77,18 @@ def test_a_body_trickled_at_the_rate_is_closed_at_its_total_time(parser):
     guard, app = edge_app(BodyBounds(min_rate=10, grace_s=0.5, timeout_s=2.0))
     with serve(parser, None, app=app, guard=guard.sockets) as (_, port):
         sock = connect(port)
-        started = time.monotonic()
         sock.sendall(post_head("/upload-anything", 100_000))
+        sent = 0
         try:
-            for _ in range(40):  # 100 bytes every 0.1 s, ten times the rate, for at most 4 s
+            while sent < 40 and not answered(sock):  # 100 bytes every 0.1 s, ten times the rate, for at most 4 s
                 sock.sendall(b"x" * 100)
+                sent += 1
                 time.sleep(0.1)
         except OSError:
             pass  # closed by the server while still sending
         answer = read_all(sock, timeout=8)
-        took = time.monotonic() - started
         assert status(answer) == 408 and b"whole within 2 s" in answer, answer[:300]
-        assert took < 3.5, f"closed after {took:.1f} s"
+        assert sent < 35, f"answered only after {sent} of the 40 trickles: the 2 s total was not kept"
 
 
 @pytest.mark.parametrize("parser", PARSERS)
@@ -182,12 +200,10 @@ def closed(sock) -> bool:
 def test_240_unfinished_bodies_from_8_addresses_keep_no_visitor_out_and_are_closed(app):
     demo, port = app
     held = [unfinished(port, f"127.0.2.{a + 1}") for a in range(8) for _ in range(30)]
-    started = time.monotonic()
+    # request() fails when a read waits over 10 s: the page and its config come through the held bodies
     page = request(port, "127.0.3.1", b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     config = request(port, "127.0.3.1", b"GET /config HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    took = time.monotonic() - started
     assert status(page) == 200 and status(config) == 200
-    assert took < 30, f"the page took {took:.1f} s"
     # The default deadline (10 s of grace at 240 bytes/s) closes each well within a minute.
     wait_until(lambda: all(closed(sock) for sock in held), timeout=60, interval=0.5,
                message=lambda: f"{sum(not closed(s) for s in held)} unfinished bodies still open")

@@ -65,7 +65,7 @@ def test_a_new_family_is_one_record_and_every_reader_finds_it(tmp_path):
     with pytest.raises(Exception, match="not supported"):
         preset_for_model(str(folder), allowed_roots=[tmp_path / "models"])
     toy = PipelineFamily(pipeline="ToyDiffusionPipeline", task="text-to-image", bucket_family="default",
-                         denoiser="transformer", alignment=16, cfg=True, negative_prompt=True, steps=7, guidance=2.5)
+                         denoiser="transformer", alignment=16, cfg=True, takes_negative=True, steps=7, guidance=2.5)
     registry.register(toy)
     try:
         assert registry.find("ToyDiffusionPipeline") is toy
@@ -82,7 +82,7 @@ def test_a_class_is_declared_once():
     flux = registry.find("FluxPipeline")
     with pytest.raises(ValueError, match="declared twice"):
         registry.register(PipelineFamily(pipeline="FluxPipeline", task="text-to-image", bucket_family="flux",
-                                         denoiser="transformer", alignment=16, cfg=False, negative_prompt=False,
+                                         denoiser="transformer", alignment=16, cfg=False, takes_negative=False,
                                          steps=1, guidance=0.0))
     assert registry.find("FluxPipeline") is flux
 

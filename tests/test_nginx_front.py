@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -58,11 +57,9 @@ def test_an_unfinished_body_is_timed_out_by_nginx_and_never_reaches_the_app(fron
     demo, port = front
     joins = demo.edge.snapshot()["refused"].get("body timeout", 0)
     sock = connect(port)
-    started = time.monotonic()
     sock.sendall(b"POST /gradio_api/queue/join HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100000\r\n\r\n{")
-    answer = read_all(sock, timeout=10)
-    assert time.monotonic() - started < 8
+    answer = read_all(sock, timeout=8)  # fails unless nginx closes it within 8 s
     assert answer == b"" or status(answer) == 408  # nginx closes a body past client_body_timeout
     assert demo.edge.snapshot()["refused"].get("body timeout", 0) == joins  # the app never waited on it
 
@@ -71,9 +68,8 @@ def test_a_slow_clients_head_is_timed_out_by_nginx(front):
     _, port = front
     sock = connect(port)
     sock.sendall(b"GET / HTTP/1.1\r\n")
-    started = time.monotonic()
-    answer = read_all(sock, timeout=10)
-    assert time.monotonic() - started < 8 and (answer == b"" or status(answer) == 408)
+    answer = read_all(sock, timeout=8)  # fails unless nginx closes it within 8 s
+    assert answer == b"" or status(answer) == 408
 
 
 def test_a_page_and_an_upload_pass_through_the_front(front):

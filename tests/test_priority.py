@@ -178,11 +178,11 @@ def test_a_long_request_runs_on_a_niced_thread_and_a_short_one_at_the_workers_pr
     loop = runner.loop(conn)
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
-    loop.serve([_request(Mode.EAGER, 4)])  # nothing known yet: at the worker's priority
-    loop.serve([_request(Mode.REGIONAL, 2)])  # first of its variant: likewise
-    loop.serve([_request(Mode.EAGER, 4)])  # 400 ms expected: long (two doublings)
-    loop.serve([_request(Mode.REGIONAL, 2)])  # 40 ms expected: short
-    loop.serve([_request(Mode.COMPILE, 2)])  # compile mode, bucket cold: served eagerly, 200 ms (one doubling)
+    loop.serve_whole([_request(Mode.EAGER, 4)])  # nothing known yet: at the worker's priority
+    loop.serve_whole([_request(Mode.REGIONAL, 2)])  # first of its variant: likewise
+    loop.serve_whole([_request(Mode.EAGER, 4)])  # 400 ms expected: long (two doublings)
+    loop.serve_whole([_request(Mode.REGIONAL, 2)])  # 40 ms expected: short
+    loop.serve_whole([_request(Mode.COMPILE, 2)])  # compile mode, bucket cold: served eagerly, 200 ms (one doubling)
 
     here = threading.get_ident()
     assert [n - base for n in runner.niceness] == [0, 0, min(19 - base, 4), 0, min(19 - base, 2)]
@@ -201,9 +201,9 @@ def test_the_loads_measuring_run_is_the_first_estimate_so_a_new_engines_long_req
     loop = runner.loop(_Conn())
     loop.learn_from_measuring_run(runner.measured_run)
     assert loop.run_cost.expected_ms("eager", SMALL, 10) == pytest.approx(300.0)  # a quarter of the pixels
-    loop.serve([_request(Mode.EAGER, 10)])  # its very first request: known to be long
+    loop.serve_whole([_request(Mode.EAGER, 10)])  # its very first request: known to be long
     assert runner.threads[-1] != threading.get_ident()
-    loop.serve([_request(Mode.EAGER, 1)])  # 30 ms: short
+    loop.serve_whole([_request(Mode.EAGER, 1)])  # 30 ms: short
     assert runner.threads[-1] == threading.get_ident()
 
 
@@ -212,8 +212,8 @@ def test_accelerator_engines_do_not_order_by_niceness():
     runner.spec.host_memory_is_device_memory = False
     loop = runner.loop(_Conn())
     assert loop.run_cost is None
-    loop.serve([_request(Mode.EAGER, 4)])
-    loop.serve([_request(Mode.EAGER, 4)])
+    loop.serve_whole([_request(Mode.EAGER, 4)])
+    loop.serve_whole([_request(Mode.EAGER, 4)])
     assert runner.threads == [threading.get_ident()] * 2
 
 
@@ -265,8 +265,8 @@ def test_a_long_request_waits_between_its_steps_while_another_engine_runs_a_shor
     assert loop.short_runs is not None and loop.short_runs.slot == mine.slot
     runner.short_runs = loop.short_runs
     loop.short_runs.max_wait_s = 5.0
-    loop.serve([_request(Mode.EAGER, 4)])  # learn the costs (nothing known: served as short)
-    loop.serve([_request(Mode.REGIONAL, 2)])
+    loop.serve_whole([_request(Mode.EAGER, 4)])  # learn the costs (nothing known: served as short)
+    loop.serve_whole([_request(Mode.REGIONAL, 2)])
     assert runner.announced == [True, True]  # a short request marks its byte while it runs...
     assert not elsewhere.others_running()  # ...and clears it after
 
@@ -275,7 +275,7 @@ def test_a_long_request_waits_between_its_steps_while_another_engine_runs_a_shor
     runner.clock = clock
     elsewhere.set_running(True)  # another engine runs a short request for 0.2 s
     clock.at(0.2, lambda: elsewhere.set_running(False))
-    loop.serve([_request(Mode.EAGER, 4)])  # 400 ms expected: long
+    loop.serve_whole([_request(Mode.EAGER, 4)])  # 400 ms expected: long
     steps = runner.step_at[-1]
     assert runner.announced[-1] is False  # a long one does not
     assert 0.2 <= steps[0] < 0.2 + ShortRuns.POLL_S + 1e-9  # it waited before its first step, until then
@@ -283,7 +283,7 @@ def test_a_long_request_waits_between_its_steps_while_another_engine_runs_a_shor
 
     elsewhere.set_running(True)
     started = clock.t
-    loop.serve([_request(Mode.REGIONAL, 2)])  # short: never waits for other short ones
+    loop.serve_whole([_request(Mode.REGIONAL, 2)])  # short: never waits for other short ones
     assert runner.step_at[-1][0] == started  # a wait would last its 5 s bound
     elsewhere.set_running(False)
     slots.remove()

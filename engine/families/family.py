@@ -53,7 +53,7 @@ class PipelineFamily:
     denoiser: str  # the denoiser component ("transformer" or "unet")
     alignment: int  # sizes divisible by vae_scale_factor * 2 (the pipeline's own check)
     cfg: bool  # guidance > 1 doubles the denoiser batch
-    negative_prompt: bool  # takes a negative prompt
+    takes_negative: bool  # takes a negative prompt
     steps: int
     guidance: float
     inputs: ImageInputs = ImageInputs.TEXT  # the input images it takes

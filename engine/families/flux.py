@@ -8,7 +8,7 @@ FLUX1_PUBLISHED = {"text_encoder": 123_060_480, "text_encoder_2": 4_762_310_656,
 
 (FLUX1,) = register(PipelineFamily(
     pipeline="FluxPipeline", task="text-to-image", bucket_family="flux", denoiser="transformer", alignment=16,
-    cfg=False, negative_prompt=False, steps=28, guidance=3.5,
+    cfg=False, takes_negative=False, steps=28, guidance=3.5,
     call=CallArguments(true_cfg=True), unpack_latents=unpack_flux_tokens, decode_then_postprocess=True,
     published=FLUX1_PUBLISHED, cp_sequences=("image", "text"), tiny="tiny-flux", step="flux",
 ))

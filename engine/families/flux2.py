@@ -8,7 +8,7 @@ from engine.protocol import ImageInputs
 
 FLUX2 = PipelineFamily(
     pipeline="Flux2Pipeline", task="edit", bucket_family="flux", denoiser="transformer", alignment=16,
-    cfg=False, negative_prompt=False, steps=28, guidance=4.0,
+    cfg=False, takes_negative=False, steps=28, guidance=4.0,
     inputs=ImageInputs.REFERENCES, max_images=10,  # diffusers warns beyond 10 (its model card's bound)
     decode_then_postprocess=True, cp_sequences=("image", "text"),
 )

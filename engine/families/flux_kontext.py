@@ -6,7 +6,7 @@ from engine.protocol import ImageInputs
 
 register(PipelineFamily(
     pipeline="FluxKontextPipeline", task="edit", bucket_family="flux", denoiser="transformer", alignment=16,
-    cfg=False, negative_prompt=False, steps=28, guidance=2.5, inputs=ImageInputs.EDIT, max_images=1,
+    cfg=False, takes_negative=False, steps=28, guidance=2.5, inputs=ImageInputs.EDIT, max_images=1,
     call=CallArguments(true_cfg=True, edit_area=True), unpack_latents=unpack_flux_tokens,
     decode_then_postprocess=True, cp_sequences=("image", "text"),
 ))

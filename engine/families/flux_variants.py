@@ -8,7 +8,7 @@ from engine.protocol import ImageInputs
 
 IMG2IMG = PipelineFamily(
     pipeline="FluxImg2ImgPipeline", task="edit", bucket_family="flux", denoiser="transformer", alignment=16,
-    cfg=False, negative_prompt=False, steps=28, guidance=3.5, inputs=ImageInputs.IMG2IMG, max_images=1,
+    cfg=False, takes_negative=False, steps=28, guidance=3.5, inputs=ImageInputs.IMG2IMG, max_images=1,
     base="FluxPipeline", call=CallArguments(true_cfg=True), unpack_latents=unpack_flux_tokens,
     decode_then_postprocess=True, cp_sequences=("image", "text"), tiny="tiny-flux",
 )

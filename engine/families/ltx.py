@@ -8,7 +8,7 @@ from engine.protocol import ImageInputs
 
 LTX = PipelineFamily(
     pipeline="LTXPipeline", task="video", bucket_family="ltx", denoiser="transformer", alignment=32,
-    cfg=True, negative_prompt=True, steps=50, guidance=3.0,
+    cfg=True, takes_negative=True, steps=50, guidance=3.0,
     frames=(161, 97, 25), frame_step=8, fps=24,  # its VAE compresses 32x a side and 8x in time
     call=CallArguments(frame_rate=True), tiny="tiny-ltx",
 )

@@ -5,5 +5,5 @@ from engine.families.registry import register
 
 register(PipelineFamily(
     pipeline="StableDiffusionPipeline", task="text-to-image", bucket_family="default", denoiser="unet", alignment=8,
-    cfg=True, negative_prompt=True, steps=50, guidance=7.5, call=CallArguments(max_sequence_length=False),
+    cfg=True, takes_negative=True, steps=50, guidance=7.5, call=CallArguments(max_sequence_length=False),
 ))

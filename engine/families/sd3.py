@@ -5,6 +5,6 @@ from engine.families.registry import register
 
 register(PipelineFamily(
     pipeline="StableDiffusion3Pipeline", task="text-to-image", bucket_family="sd3", denoiser="transformer",
-    alignment=16, cfg=True, negative_prompt=True, steps=40, guidance=4.5, decode_then_postprocess=True,
+    alignment=16, cfg=True, takes_negative=True, steps=40, guidance=4.5, decode_then_postprocess=True,
     tiny="tiny-sd3",
 ))

@@ -8,7 +8,7 @@ from engine.protocol import ImageInputs
 
 WAN = PipelineFamily(
     pipeline="WanPipeline", task="video", bucket_family="wan", denoiser="transformer", alignment=16,
-    cfg=True, negative_prompt=True, steps=30, guidance=5.0,
+    cfg=True, takes_negative=True, steps=30, guidance=5.0,
     frames=(33, 81, 17), frame_step=4, fps=16,  # its VAE compresses time 4x and keeps the first frame
     tiny="tiny-wan",
 )

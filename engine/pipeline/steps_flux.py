@@ -24,7 +24,7 @@ class FluxSteps:
         device = run._execution_device
         prompt_embeds, pooled, text_ids = run.encode_prompt(
             prompt=request.prompt, prompt_2=None, prompt_embeds=None, pooled_prompt_embeds=None, device=device,
-            num_images_per_prompt=1, max_sequence_length=max_sequence_length or 512, lora_scale=None)
+            num_images_per_prompt=1, max_sequence_length=max_sequence_length or 512)
         latents, image_ids = run.prepare_latents(1, run.transformer.config.in_channels // 4, request.height,
                                                  request.width, prompt_embeds.dtype, device, generator, None)
         steps = request.steps

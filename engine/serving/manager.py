@@ -273,22 +273,11 @@ class EngineManager:
         if self.gate.priced(admitted.caller):
             self.shares.used(key, request.client)
         self.in_flight.check(request.request_id)  # stopped while its engine loaded or its device was busy
-        with self.turns.turn(key, request.client, self._turn_cost(admitted), self.engine_options(key).max_queue,
-                             request.request_id, timeout):
+        price = turn_cost(self.catalog, admitted)
+        with self.turns.turn(key, request.client, price, self.engine_options(key).max_queue, request.request_id, timeout):
             if not engine.alive:  # it went (evicted, crashed) while this request waited for its turn
                 engine = self.engine(key, caller=admitted.caller)
             return self._send(engine, admitted, hooks)
-
-    def _turn_cost(self, admitted: Admitted) -> int:
-        """What a request costs its client's turns: its price, or (not priced) the same token-steps unpriced."""
-        if admitted.price:
-            return admitted.price
-        request = admitted.request
-        try:
-            return cost.price(self.catalog.preset(admitted.key.preset), request.size, request.denoise_steps,
-                              request.guidance, refs=request.refs, frames=request.num_frames)
-        except ShowcaseError:
-            return 1
 
     def _send(self, engine: EngineClient, admitted: Admitted, hooks: _RunHooks) -> GenerateResult:
         on_progress, on_submit, timeout, _ = hooks
@@ -386,6 +375,18 @@ class EngineManager:
         self.residency.shutdown()
         self.cache.remove_if_temporary()
         remove_orphaned_folders()
+
+
+def turn_cost(catalog: Catalog, admitted: Admitted) -> int:
+    """What a request costs its client's turns: its price, or (not priced) the same token-steps unpriced."""
+    if admitted.price:
+        return admitted.price
+    request = admitted.request
+    try:
+        return cost.price(catalog.preset(admitted.key.preset), request.size, request.denoise_steps,
+                          request.guidance, refs=request.refs, frames=request.num_frames)
+    except ShowcaseError:
+        return 1
 
 
 def make_manager(args, options: EngineOptions, hosting: HostingConfig | None = None, **fields) -> EngineManager:

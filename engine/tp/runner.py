@@ -115,8 +115,7 @@ class TensorParallelRunner(PipelineRunner):
 
     def make_stepper(self, pipe):
         """None: the ranks run each request as one whole call in lockstep (said on the board)."""
-        self.notices.append("a multi-rank engine runs each request as one whole pipeline call on every rank (no "
-                            "step-level scheduling)")
+        self.notices.append("a multi-rank engine runs each request as one whole call on every rank (no stepping)")
         return None
 
     def component_overrides(self, source: str) -> dict:

@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine import settings
@@ -308,19 +309,19 @@ class WorkerLoop:
             group = self.batcher.next_batch()
             if group is None:
                 break
-            self.serve(group)
+            self.server_for(group)(group)
             if self.policy.stop_reason():  # e.g. a tensor-parallel group broke: serve no more
                 self.halt()
 
-    def serve(self, group: list[GenerateRequest]) -> None:
-        """Serve what the batcher gathered: a step at a time where the engine has a step function that covers
-        every request of the group (engine/worker/stepped.py: requests that arrive meanwhile join or pause it
-        between steps), else as one pipeline call (`serve_whole`)."""
+    def server_for(self, group: list[GenerateRequest]) -> Callable[[list[GenerateRequest]], None]:
+        """How to serve what the batcher gathered: a step at a time where the engine has a step function that
+        covers every request of the group (engine/worker/stepped.py: requests that arrive meanwhile join or pause
+        it between steps), else as one pipeline call (`serve_whole`). Returned, not called: one frame less
+        between the loop and the pipeline."""
         stepper = getattr(self.executor, "stepper", None)  # set once the engine loaded
         if stepper is not None and not any(stepper.why_whole(r) or self._waits_for_compile(r) for r in group):
-            StepSession(self._session_parts(), stepper).serve(group)
-        else:
-            self.serve_whole(group)
+            return StepSession(self._session_parts(), stepper).serve
+        return self.serve_whole
 
     def _session_parts(self) -> SessionParts:
         return SessionParts(self.max_queue, self.batcher.take_waiting, self.serve_whole, self.send, self._record,
